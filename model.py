@@ -1,0 +1,607 @@
+"""The Kimi-K2 / DeepSeek-V3 target: MLA attention, sigmoid noaux_tc MoE, tensor parallel.
+
+Numerics follow Hugging Face transformers' DeepseekV3 (fp32 router, correction bias for selection
+only, YaRN with the mscale^2 softmax factor, RoPE on interleaved pairs). References: DeepSeek-V2
+(MLA, arXiv:2405.04434), DeepSeek-V3 (noaux_tc routing, arXiv:2412.19437), YaRN (arXiv:2309.00071).
+
+The KV cache is static: per layer the normalized latent [B, S, kv_lora_rank] and the rotated
+k_pe [B, S, qk_rope_head_dim], written at `positions` (slot = position). A query at position p
+attends to slots <= p, so rejected speculative tokens cost nothing: their slots are overwritten
+before anyone reads them. Two attention paths read that one cache:
+  extend: expand the latent to per-head keys/values with kv_b_proj, then ordinary attention;
+  decode: absorb kv_b_proj into the query and the output, attend in the latent space.
+Nothing in `forward` reads a device value on the host, so every shape can be CUDA-graph captured.
+
+Shape legend: B batch, T new tokens, S cache slots read, D hidden, H local heads, E routed
+experts, K experts per token, I local expert intermediate, C kv_lora_rank, R qk_rope_head_dim,
+N = B*T tokens.
+"""
+import json
+import math
+import os
+import zlib
+from dataclasses import asdict, dataclass, field, fields
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from tp import (TP, ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear,
+                VocabParallelEmbedding, _param, print0)
+
+
+@dataclass
+class ModelArgs:
+    """Fields are the keys of a DeepseekV3 / Kimi-K2 config.json."""
+    vocab_size: int = 163840
+    hidden_size: int = 7168
+    intermediate_size: int = 18432
+    moe_intermediate_size: int = 2048
+    num_hidden_layers: int = 61
+    num_attention_heads: int = 64
+    n_shared_experts: int = 1
+    n_routed_experts: int = 384
+    num_experts_per_tok: int = 8
+    routed_scaling_factor: float = 2.827
+    n_group: int = 1
+    topk_group: int = 1
+    topk_method: str = "noaux_tc"
+    scoring_func: str = "sigmoid"
+    norm_topk_prob: bool = True
+    first_k_dense_replace: int = 1
+    q_lora_rank: int | None = 1536
+    kv_lora_rank: int = 512
+    qk_nope_head_dim: int = 128
+    qk_rope_head_dim: int = 64
+    v_head_dim: int = 128
+    hidden_act: str = "silu"
+    rope_theta: float = 50000.0
+    rope_scaling: dict | None = field(default_factory=lambda: dict(
+        type="yarn", factor=32.0, original_max_position_embeddings=4096, beta_fast=1.0,
+        beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0))
+    rms_norm_eps: float = 1e-6
+    max_position_embeddings: int = 131072
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = 163584
+    eos_token_id: int | None = 163585
+
+    @property
+    def qk_head_dim(self):
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    @property
+    def is_yarn(self):
+        return bool(self.rope_scaling) and self.rope_scaling.get("type") == "yarn"
+
+    @property
+    def softmax_scale(self):
+        # DeepseekV3: qk_head_dim^-0.5, times mscale^2 when rope_scaling is yarn
+        scale = self.qk_head_dim ** -0.5
+        if self.is_yarn:
+            mscale = yarn_mscale(self.rope_scaling["factor"], self.rope_scaling.get("mscale_all_dim", 0))
+            scale *= mscale * mscale
+        return scale
+
+    def default_aux_layer_ids(self):
+        """EAGLE-3's default: outputs of layers 1, L//2 - 1 and L - 4 (SGLang, SpecForge), kept
+        inside [0, L) for toy depths."""
+        n = self.num_hidden_layers
+        return [min(max(i, 0), n - 1) for i in (1, n // 2 - 1, n - 4)]
+
+    @classmethod
+    def from_hf_config(cls, path_or_dict):
+        """Read a DeepseekV3 / Kimi-K2 / Kimi-K2.5 config.json (a file, its folder, or a dict)."""
+        cfg = path_or_dict
+        if not isinstance(cfg, dict):
+            path = os.path.join(cfg, "config.json") if os.path.isdir(cfg) else cfg
+            with open(path) as f:
+                cfg = json.load(f)
+        cfg = dict(cfg.get("text_config", cfg))  # Kimi-K2.5 nests the text model
+        if "rope_parameters" in cfg:  # the newer transformers spelling
+            rp = dict(cfg.pop("rope_parameters"))
+            cfg["rope_theta"] = rp.pop("rope_theta", cls.rope_theta)
+            kind = rp.pop("rope_type", rp.pop("type", "default"))
+            cfg["rope_scaling"] = None if kind == "default" else dict(rp, type=kind)
+        elif cfg.get("rope_scaling"):
+            rs = dict(cfg["rope_scaling"])
+            rs["type"] = rs.pop("rope_type", rs.get("type"))
+            cfg["rope_scaling"] = rs
+        refuse = {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",), "hidden_act": ("silu",),
+                  "tie_word_embeddings": (False,), "moe_layer_freq": (1,)}
+        for key, allowed in refuse.items():
+            if key in cfg and cfg[key] not in allowed:
+                raise NotImplementedError(f"config {key} = {cfg[key]!r} is not implemented "
+                                          f"(only {', '.join(map(repr, allowed))})")
+        if cfg.get("rope_scaling") and cfg["rope_scaling"]["type"] != "yarn":
+            raise NotImplementedError(f"rope_scaling type {cfg['rope_scaling']['type']!r} is not "
+                                      "implemented (only yarn or none)")
+        names = {f.name for f in fields(cls)}
+        args = cls(**{k: v for k, v in cfg.items() if k in names})
+        if isinstance(args.eos_token_id, list):
+            args.eos_token_id = args.eos_token_id[0]
+        return args
+
+    def to_hf_config(self):
+        cfg = asdict(self)
+        cfg.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
+        return cfg
+
+
+PRESETS = {
+    # every feature on at toy size: q_lora, YaRN (mscale != mscale_all_dim), grouped routing,
+    # a shared expert, a first dense layer; vocabulary and heads divisible by 4 for TP 4
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                 num_hidden_layers=8, num_attention_heads=4, n_shared_experts=1, n_routed_experts=16,
+                 num_experts_per_tok=4, routed_scaling_factor=2.5, n_group=4, topk_group=2,
+                 first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
+                 qk_rope_head_dim=8, v_head_dim=16, rope_theta=10000.0,
+                 rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=64,
+                                   beta_fast=32.0, beta_slow=1.0, mscale=0.8, mscale_all_dim=1.0),
+                 rms_norm_eps=1e-6, max_position_embeddings=256, bos_token_id=1, eos_token_id=2),
+    "kimi-k2": {},  # the dataclass defaults are Kimi-K2-Instruct
+}
+
+
+def preset(name, **overrides):
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    return ModelArgs(**{**PRESETS[name], **overrides})
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE (YaRN, interleaved pairs as in DeepseekV3)
+
+def at_least_f32(x):
+    return x.to(torch.promote_types(x.dtype, torch.float32))
+
+
+def yarn_mscale(factor, mscale=1.0):
+    return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
+
+
+def rope_tables(args, max_seq_len, device):
+    """cos, sin [S, R/2] in float32, YaRN-scaled when the config says so."""
+    dim, base = args.qk_rope_head_dim, args.rope_theta
+    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+    attention_factor = 1.0
+    if args.is_yarn:
+        rs = args.rope_scaling
+        factor, orig = rs["factor"], rs["original_max_position_embeddings"]
+
+        def correction_dim(rotations):
+            return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
+        low = max(math.floor(correction_dim(rs.get("beta_fast", 32))), 0)
+        high = min(math.ceil(correction_dim(rs.get("beta_slow", 1))), dim - 1)
+        ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
+        keep = 1 - ramp  # 1: keep the original frequency (extrapolate), 0: divide by factor
+        inv_freq = inv_freq / factor * (1 - keep) + inv_freq * keep
+        if rs.get("mscale") and rs.get("mscale_all_dim"):
+            attention_factor = yarn_mscale(factor, rs["mscale"]) / yarn_mscale(factor, rs["mscale_all_dim"])
+        else:
+            attention_factor = rs.get("attention_factor") or yarn_mscale(factor)
+    freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
+    return (freqs.cos() * attention_factor).to(device), (freqs.sin() * attention_factor).to(device)
+
+
+def apply_rope(x, cos, sin):
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of the last dim. cos, sin: [B, T, R/2] (a head
+    dim is inserted for x [B, T, H, R])."""
+    if x.dim() == 4:
+        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
+    xf = at_least_f32(x).unflatten(-1, (-1, 2))
+    x0, x1 = xf[..., 0], xf[..., 1]
+    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).to(x.dtype)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim, eps, device=None, dtype=None):
+        super().__init__()
+        self.eps = eps
+        self.weight = _param((dim,), None, device, dtype)
+
+    def forward(self, x):
+        xf = at_least_f32(x)
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA
+
+class MLA(nn.Module):
+    def __init__(self, args, tp, max_batch_size, max_seq_len, device, dtype):
+        super().__init__()
+        a = args
+        self.args = a
+        self.n_local_heads = tp.split(a.num_attention_heads, "num_attention_heads")
+        H = a.num_attention_heads
+        if a.q_lora_rank:
+            self.q_a_proj = ReplicatedLinear(a.hidden_size, a.q_lora_rank, device, dtype)
+            self.q_a_layernorm = RMSNorm(a.q_lora_rank, a.rms_norm_eps, device, dtype)
+            self.q_b_proj = ColumnParallelLinear(a.q_lora_rank, H * a.qk_head_dim, tp,
+                                                 "num_attention_heads", device, dtype)
+        else:
+            self.q_proj = ColumnParallelLinear(a.hidden_size, H * a.qk_head_dim, tp,
+                                               "num_attention_heads", device, dtype)
+        self.kv_a_proj_with_mqa = ReplicatedLinear(a.hidden_size, a.kv_lora_rank + a.qk_rope_head_dim,
+                                                   device, dtype)
+        self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, a.rms_norm_eps, device, dtype)
+        self.kv_b_proj = ColumnParallelLinear(a.kv_lora_rank, H * (a.qk_nope_head_dim + a.v_head_dim),
+                                              tp, "num_attention_heads", device, dtype)
+        self.o_proj = RowParallelLinear(H * a.v_head_dim, a.hidden_size, tp, "num_attention_heads",
+                                        device=device, dtype=dtype)
+        cache = dict(device=device, dtype=dtype)
+        self.register_buffer("kv_cache", torch.zeros(max_batch_size, max_seq_len, a.kv_lora_rank, **cache),
+                             persistent=False)
+        self.register_buffer("pe_cache", torch.zeros(max_batch_size, max_seq_len, a.qk_rope_head_dim, **cache),
+                             persistent=False)
+
+    def forward(self, x, positions, cos, sin, mode, kv_len):
+        a, h = self.args, self.n_local_heads
+        B, T, _ = x.shape
+        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
+        q_nope, q_pe = q.view(B, T, h, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
+        q_pe = apply_rope(q_pe, cos, sin)
+        kv, k_pe = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
+        rows = torch.arange(B, device=x.device).unsqueeze(1)
+        self.kv_cache[rows, positions] = self.kv_a_layernorm(kv)     # slot = position
+        self.pe_cache[rows, positions] = apply_rope(k_pe, cos, sin)
+        kv_c, pe_c = self.kv_cache[:B, :kv_len], self.pe_cache[:B, :kv_len]     # [B, S, C], [B, S, R]
+        mask = torch.arange(kv_len, device=x.device) <= positions.unsqueeze(-1)   # [B, T, S]
+        w_kv_b = self.kv_b_proj.weight.view(h, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
+        w_uk, w_uv = w_kv_b.split([a.qk_nope_head_dim, a.v_head_dim], 1)      # [H, d, C]
+        if mode == "extend":
+            k_nope, v = self.kv_b_proj(kv_c).view(B, kv_len, h, -1).split(
+                [a.qk_nope_head_dim, a.v_head_dim], -1)                        # [B, S, H, d]
+            scores = (torch.einsum("bthd,bshd->bths", q_nope, k_nope)
+                      + torch.einsum("bthr,bsr->bths", q_pe, pe_c))
+        else:
+            q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)               # [B, T, H, C]
+            scores = (torch.einsum("bthc,bsc->bths", q_lat, kv_c)
+                      + torch.einsum("bthr,bsr->bths", q_pe, pe_c))
+        scores = (scores * a.softmax_scale).masked_fill(~mask.unsqueeze(2), float("-inf"))
+        p = scores.softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)               # [B, T, H, S]
+        if mode == "extend":
+            o = torch.einsum("bths,bshd->bthd", p, v)
+        else:
+            o = torch.einsum("bthc,hdc->bthd", torch.einsum("bths,bsc->bthc", p, kv_c), w_uv)
+        return self.o_proj(o.flatten(2))
+
+
+# ---------------------------------------------------------------------------------------------
+# MLP and MoE
+
+class MLP(nn.Module):
+    """SwiGLU; gate/up column parallel, down row parallel (reduce=False leaves the sum to the caller)."""
+
+    def __init__(self, dim, inter, tp, what, reduce=True, device=None, dtype=None):
+        super().__init__()
+        self.gate_proj = ColumnParallelLinear(dim, inter, tp, what, device, dtype)
+        self.up_proj = ColumnParallelLinear(dim, inter, tp, what, device, dtype)
+        self.down_proj = RowParallelLinear(inter, dim, tp, what, reduce, device, dtype)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class Router(nn.Module):
+    """Sigmoid scores; the correction bias picks groups and experts, the unbiased scores weigh them."""
+
+    def __init__(self, args, device, dtype):
+        super().__init__()
+        self.args = args
+        self.weight = _param((args.n_routed_experts, args.hidden_size), None, device, dtype)
+        self.e_score_correction_bias = _param((args.n_routed_experts,), None, device, torch.float32)
+
+    def forward(self, x):                                          # [N, D] -> [N, K] ids, weights
+        a = self.args
+        scores = F.linear(at_least_f32(x), at_least_f32(self.weight)).sigmoid()  # [N, E] fp32
+        biased = scores + self.e_score_correction_bias
+        if a.n_group > 1:
+            grouped = biased.unflatten(-1, (a.n_group, -1))                    # [N, G, E/G]
+            group_score = grouped.topk(2, dim=-1).values.sum(-1)              # [N, G]
+            keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(a.topk_group, -1).indices, 1)
+            biased = grouped.masked_fill(keep.unsqueeze(-1) == 0, float("-inf")).flatten(1)
+        ids = biased.topk(a.num_experts_per_tok, dim=-1).indices
+        weights = scores.gather(1, ids)
+        if a.norm_topk_prob:
+            weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
+        return ids, weights * a.routed_scaling_factor
+
+
+def grouped_mm_available(device, dtype):
+    return hasattr(torch, "_grouped_mm") and dtype in (torch.bfloat16, torch.float32) and (
+        device.type == "cpu" or torch.cuda.get_device_capability(device) >= (9, 0))
+
+
+class Experts(nn.Module):
+    """All routed experts of a layer, stacked, each sliced along its intermediate dim across ranks.
+
+    impl "gather": gather each token's K experts' weights (the plain reference);
+    impl "grouped": sort token-expert pairs by expert and run torch._grouped_mm with device-side
+    offsets, reading each expert's weights in place. Neither reads a device value on the host."""
+
+    def __init__(self, args, tp, impl, device, dtype):
+        super().__init__()
+        E, D = args.n_routed_experts, args.hidden_size
+        inter = tp.split(args.moe_intermediate_size, "moe_intermediate_size")
+        self.impl = impl
+        self.gate_proj = _param((E, inter, D), 1, device, dtype)
+        self.up_proj = _param((E, inter, D), 1, device, dtype)
+        self.down_proj = _param((E, D, inter), 2, device, dtype)
+
+    def forward(self, x, ids, weights):                 # x [N, D], ids/weights [N, K] -> [N, D]
+        N, K = ids.shape
+        if self.impl == "gather":
+            h = (F.silu(torch.einsum("nd,nkid->nki", x, self.gate_proj[ids]))
+                 * torch.einsum("nd,nkid->nki", x, self.up_proj[ids]))
+            y = torch.einsum("nki,nkdi->nkd", h, self.down_proj[ids])          # [N, K, D]
+        else:
+            flat = ids.flatten()                                               # [N*K]
+            order = flat.argsort(stable=True)
+            counts = torch.zeros(self.gate_proj.shape[0], dtype=torch.int32, device=x.device)
+            counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
+            offs = counts.cumsum(0, dtype=torch.int32)
+            xs = x[order // K]                                                 # [N*K, D] by expert
+            h = (F.silu(torch._grouped_mm(xs, self.gate_proj.mT, offs=offs))
+                 * torch._grouped_mm(xs, self.up_proj.mT, offs=offs))
+            ys = torch._grouped_mm(h, self.down_proj.mT, offs=offs)
+            y = torch.empty_like(ys).index_copy_(0, order, ys).view(N, K, -1)  # back to token order
+        return (at_least_f32(y) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+
+
+class MoE(nn.Module):
+    def __init__(self, args, tp, impl, device, dtype):
+        super().__init__()
+        self.tp = tp
+        self.gate = Router(args, device, dtype)
+        self.experts = Experts(args, tp, impl, device, dtype)
+        self.shared_experts = MLP(args.hidden_size, args.n_shared_experts * args.moe_intermediate_size,
+                                  tp, "moe_intermediate_size", reduce=False, device=device, dtype=dtype)
+
+    def forward(self, x):
+        shape = x.shape
+        x = x.view(-1, shape[-1])
+        ids, weights = self.gate(x)
+        y = self.experts(x, ids, weights) + self.shared_experts(x)
+        return self.tp.all_reduce(y).view(shape)  # routed + shared partial sums: one all-reduce
+
+
+class Block(nn.Module):
+    def __init__(self, layer_id, args, tp, moe_impl, max_batch_size, max_seq_len, device, dtype):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, device, dtype)
+        self.self_attn = MLA(args, tp, max_batch_size, max_seq_len, device, dtype)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, device, dtype)
+        if layer_id < args.first_k_dense_replace:
+            self.mlp = MLP(args.hidden_size, args.intermediate_size, tp, "intermediate_size",
+                           device=device, dtype=dtype)
+        else:
+            self.mlp = MoE(args, tp, moe_impl, device, dtype)
+
+    def forward(self, x, positions, cos, sin, mode, kv_len):
+        x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin, mode, kv_len)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+# ---------------------------------------------------------------------------------------------
+# The model
+
+class Transformer(nn.Module):
+    """This rank's shard of the target. `tp` defaults to the torch.distributed world (or 1).
+
+    aux_layer_ids: decoder layers whose outputs EAGLE-3 reads (default 1, L//2 - 1, L - 4).
+    moe_impl: "gather" (plain), "grouped" (torch._grouped_mm) or "auto" (grouped on a GPU that has it)."""
+
+    def __init__(self, args, max_batch_size=1, max_seq_len=4096, device=None, dtype=None, tp=None,
+                 aux_layer_ids=None, moe_impl="auto"):
+        super().__init__()
+        device = torch.device(device or "cpu")
+        dtype = dtype or torch.get_default_dtype()
+        self.args, self.tp = args, tp or TP.from_env()
+        self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
+        if moe_impl == "auto":
+            moe_impl = "grouped" if device.type == "cuda" and grouped_mm_available(device, dtype) else "gather"
+        if moe_impl == "grouped" and not grouped_mm_available(device, dtype):
+            raise ValueError(f"moe_impl='grouped' needs torch._grouped_mm for {dtype} on {device}")
+        self.moe_impl = moe_impl
+        L = args.num_hidden_layers
+        self.aux_layer_ids = sorted(aux_layer_ids if aux_layer_ids is not None else args.default_aux_layer_ids())
+        if any(not 0 <= i < L for i in self.aux_layer_ids):
+            raise ValueError(f"aux layer ids {self.aux_layer_ids} must lie in [0, {L})")
+        self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, self.tp, device, dtype)
+        self.layers = nn.ModuleList(Block(i, args, self.tp, moe_impl, max_batch_size, max_seq_len, device, dtype)
+                                    for i in range(L))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, device, dtype)
+        self.lm_head = ParallelLMHead(args.hidden_size, args.vocab_size, self.tp, device=device, dtype=dtype)
+        cos, sin = rope_tables(args, max_seq_len, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
+
+    @property
+    def device(self):
+        return self.rope_cos.device
+
+    @property
+    def dtype(self):
+        return self.norm.weight.dtype
+
+    def forward(self, tokens, positions, mode="extend", capture_aux=False, kv_len=None):
+        """tokens, positions: int64 [B, T]. Writes the KV cache at `positions`, then attends to
+        slots <= position over the first kv_len slots (default: all). Returns logits [B, T, V]
+        (float32, full vocabulary on every rank) and, with capture_aux, the EAGLE-3 states
+        [B, T, 3*D] (the chosen layers' outputs, low to high)."""
+        if mode not in ("extend", "decode"):
+            raise ValueError(f"mode must be 'extend' or 'decode', not {mode!r}")
+        kv_len = kv_len or self.max_seq_len
+        x = self.embed_tokens(tokens)                                         # [B, T, D]
+        cos, sin = self.rope_cos[positions], self.rope_sin[positions]         # [B, T, R/2]
+        captured = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, positions, cos, sin, mode, kv_len)
+            if capture_aux and i in self.aux_layer_ids:
+                captured[i] = x
+        logits = self.lm_head(self.norm(x))
+        if capture_aux:
+            return logits, torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
+        return logits
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights: random init, checkpoint save and per-rank load. Our parameter names are the HF names
+# (with "model." in front of all but lm_head), except the stacked experts, which map to one HF
+# tensor per expert. Each parameter's `shard_dim` says how the global tensor is split.
+
+def global_shape(p, tp):
+    shape = list(p.shape)
+    if p.shard_dim is not None:
+        shape[p.shard_dim] *= tp.world_size
+    return shape
+
+
+def checkpoint_table(model):
+    """[(hf_name, parameter, expert index or None)] for every tensor of the checkpoint."""
+    table = []
+    for name, p in model.named_parameters():
+        hf = name if name.startswith("lm_head.") else "model." + name
+        if ".mlp.experts." in name:
+            stem, proj = hf.rsplit(".", 1)
+            table += [(f"{stem}.{j}.{proj}.weight", p, j) for j in range(p.shape[0])]
+        else:
+            table.append((hf, p, None))
+    return table
+
+
+def init_random(model, seed, rank_local=False):
+    """Random weights. Default: each tensor drawn whole on the CPU from a generator seeded by
+    (seed, name), then sliced, so TP 1 and TP N hold the same model. rank_local=True draws only
+    this rank's slice on the device (cheap for configs too big to draw whole; TP N != TP 1)."""
+    tp = model.tp
+    for name, p in model.named_parameters():
+        g_device = p.device if rank_local else torch.device("cpu")
+        g = torch.Generator(g_device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode())
+                                                  + (7919 * tp.rank if rank_local else 0))
+        shape = list(p.shape) if rank_local else global_shape(p, tp)
+        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+            w = 1 + 0.1 * torch.randn(shape, generator=g, device=g_device)
+        elif name.endswith("e_score_correction_bias"):
+            w = 0.1 * torch.randn(shape, generator=g, device=g_device)
+        else:
+            w = torch.randn(shape, generator=g, device=g_device) / math.sqrt(shape[-1])
+        if not rank_local and p.shard_dim is not None:
+            w = w.chunk(tp.world_size, p.shard_dim)[tp.rank]
+        p.copy_(w)
+    return model
+
+
+def save_target(model, path, max_shard_bytes=None):
+    """Write config.json plus model.safetensors (or shards and model.safetensors.index.json)
+    in the HF DeepseekV3 layout. TP 1 only: a rank holds only its slices."""
+    if model.tp.world_size != 1:
+        raise ValueError("save_target needs the whole model (TP 1); this rank holds a 1/"
+                         f"{model.tp.world_size} shard")
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(model.args.to_hf_config(), f, indent=2)
+    tensors = {k: (p if j is None else p[j]).detach().contiguous().cpu() for k, p, j in checkpoint_table(model)}
+    write_safetensors(tensors, path, max_shard_bytes)
+
+
+def write_safetensors(tensors, path, max_shard_bytes=None):
+    """One model.safetensors, or shards of at most max_shard_bytes plus the index json."""
+    if not max_shard_bytes:
+        save_file(tensors, os.path.join(path, "model.safetensors"))
+        return
+    shards, size = [{}], 0
+    for k, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, fname))
+        weight_map.update({k: fname for k in shard})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+
+
+def checkpoint_files(path):
+    """{tensor name: file} from model.safetensors.index.json or a single model.safetensors."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        with open(index) as f:
+            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.exists(single):
+        raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
+    with safe_open(single, "pt") as f:
+        return {k: single for k in f.keys()}
+
+
+FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
+
+
+def load_weights(table, path, tp, what="checkpoint", skip=lambda name: False):
+    """Copy this rank's slice of every tensor in `table` [(name, param, expert or None)] from the
+    safetensors files under `path`, reading only those slices (safetensors get_slice)."""
+    files = checkpoint_files(path)
+    expected = {name: (p, j) for name, p, j in table}
+    skipped = [k for k in files if k not in expected and skip(k)]
+    missing = [k for k in expected if k not in files]
+    unexpected = [k for k in files if k not in expected and k not in skipped]
+    if missing:
+        raise KeyError(f"{what} {path} is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+    if unexpected:
+        raise KeyError(f"{what} {path} has {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]}")
+    if skipped:
+        print0(f"{what}: skipping {len(skipped)} tensors this model does not use (e.g. {skipped[0]})")
+    by_file = {}
+    for k, p_j in expected.items():
+        by_file.setdefault(files[k], []).append((k, *p_j))
+    bar = tqdm(total=len(expected), desc=f"loading {what}", disable=tp.rank != 0, unit="tensor")
+    for fname, items in by_file.items():
+        with safe_open(fname, "pt", device="cpu") as f:
+            for k, p, j in items:
+                sl = f.get_slice(k)
+                want = global_shape(p, tp)[1:] if j is not None else global_shape(p, tp)
+                found = list(sl.get_shape())
+                if found != want:
+                    raise ValueError(f"{what} tensor {k}: expected shape {want}, found {found}")
+                if sl.get_dtype() not in FLOAT_DTYPES:
+                    raise TypeError(f"{what} tensor {k}: dtype {sl.get_dtype()} is not supported "
+                                    f"(expected one of {sorted(FLOAT_DTYPES)}; FP8/INT4 are not implemented)")
+                dim = p.shard_dim if j is None or p.shard_dim is None else p.shard_dim - 1
+                index = [slice(None)] * len(want)
+                if dim is not None:
+                    n = want[dim] // tp.world_size
+                    index[dim] = slice(tp.rank * n, (tp.rank + 1) * n)
+                (p if j is None else p[j]).copy_(sl[tuple(index)])
+                bar.update()
+    bar.close()
+
+
+def load_target(path, max_batch_size=1, max_seq_len=4096, device=None, dtype=None, tp=None, **kwargs):
+    """config.json + safetensors (single file or sharded index) -> this rank's Transformer.
+    Each rank reads only its own slices; no rank ever holds the whole model."""
+    with open(os.path.join(path, "config.json")) as f:
+        cfg = json.load(f)
+    if "quantization_config" in cfg.get("text_config", cfg) or "quantization_config" in cfg:
+        q = (cfg.get("quantization_config") or cfg["text_config"]["quantization_config"])
+        raise NotImplementedError(f"quantized checkpoint ({q.get('quant_method')}) is not implemented yet: "
+                                  "only bf16/fp16/fp32 weights load")
+    args = ModelArgs.from_hf_config(cfg)
+    model = Transformer(args, max_batch_size, max_seq_len, device, dtype, tp, **kwargs)
+    n = args.num_hidden_layers
+
+    def extra_layer(name):  # DeepSeek-V3 ships its MTP module as layer 61: not used here
+        parts = name.split(".")
+        return len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= n
+    load_weights(checkpoint_table(model), path, model.tp, "target", skip=extra_layer)
+    return model

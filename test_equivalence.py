@@ -1,0 +1,308 @@
+"""Every fast or parallel path against its plain reference, on fresh random inputs.
+
+CPU tests use the tiny preset (milliseconds a forward) and spawn gloo ranks for TP. GPU tests
+(graphs, bf16) skip on a machine without CUDA, saying so; run them on the GPU before calling
+graph work done: `python -m pytest -q test_equivalence.py` there runs both parts.
+"""
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+import model
+import tp
+from model import ModelArgs, Transformer, init_random, load_target, save_target
+from tp import TP
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200)")
+
+
+def tiny(**kw):
+    return model.preset("tiny", **kw)
+
+
+def assert_close(a, b, atol, what):
+    diff = (a.double() - b.double()).abs().max().item()
+    assert diff <= atol, f"{what}: max abs diff {diff:.3e} > {atol:.1e}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Spawning gloo ranks on the CPU
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world, port, fn, args, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    torch.set_num_threads(1)
+    tp.init_distributed("cpu")
+    try:
+        result = fn(*args)
+        if rank == 0:
+            torch.save(result, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world, fn, *args):
+    """Run fn(*args) on `world` gloo ranks; return rank 0's result."""
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "result.pt")
+        mp.spawn(_rank_main, args=(world, _free_port(), fn, args, out), nprocs=world, join=True)
+        return torch.load(out)
+
+
+# ---------------------------------------------------------------------------------------------
+# The target: TP N against TP 1, extend against decode, incremental against whole
+
+def step_inputs(vocab, seed=0):
+    """A 12-token prefill for 3 rows, then a 3-token step with every row at its own position
+    (rows 1 and 2 go back and overwrite slots, as a rejected draft would)."""
+    g = torch.Generator().manual_seed(seed)
+    prefill = torch.randint(0, vocab, (3, 12), generator=g)
+    step = torch.randint(0, vocab, (3, 3), generator=g)
+    step_pos = torch.tensor([[12, 13, 14], [10, 11, 12], [7, 8, 9]])
+    return prefill, torch.arange(12).expand(3, 12), step, step_pos
+
+
+def run_steps(m):
+    """Logits of the prefill and of the step in both attention modes, concatenated along T."""
+    prefill, prefill_pos, step, step_pos = step_inputs(m.args.vocab_size)
+    outs = [m(prefill, prefill_pos, "extend")]
+    for mode in ("extend", "decode"):
+        outs.append(m(step, step_pos, mode))
+    return torch.cat(outs, 1)
+
+
+def _tp_worker(ckpt, seed, dtype):
+    """On each rank: the seeded random model and the checkpoint-loaded model."""
+    from_seed = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=dtype), seed)
+    loaded = load_target(ckpt, max_batch_size=3, max_seq_len=32, dtype=dtype)
+    return run_steps(from_seed), run_steps(loaded)
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt():
+    """The tiny model (seed 1) saved as a sharded float64 checkpoint, and its TP 1 logits."""
+    with tempfile.TemporaryDirectory() as d:
+        m = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float64), 1)
+        save_target(m, d, max_shard_bytes=200_000)
+        yield d, m
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_tp_equals_tp1(world, tiny_ckpt):
+    ckpt, _ = tiny_ckpt
+    seed = 7
+    ref_seed = run_steps(init_random(Transformer(tiny(), 3, 32, dtype=torch.float64), seed))
+    ref_loaded = run_steps(load_target(ckpt, 3, 32, dtype=torch.float64))
+    got_seed, got_loaded = run_ranks(world, _tp_worker, ckpt, seed, torch.float64)
+    assert_close(got_seed, ref_seed, 1e-10, f"TP {world} vs TP 1, seeded init")
+    assert_close(got_loaded, ref_loaded, 1e-10, f"TP {world} vs TP 1, loaded checkpoint")
+
+
+def test_extend_decode_and_incremental_agree():
+    m = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=40, dtype=torch.float64), 3)
+    g = torch.Generator().manual_seed(3)
+    tokens = torch.randint(0, m.args.vocab_size, (3, 20), generator=g)
+    pos = torch.arange(20).expand(3, 20)
+    whole = {mode: m(tokens, pos, mode) for mode in ("extend", "decode")}
+    assert_close(whole["decode"], whole["extend"], 1e-10, "decode vs extend attention, whole prompt")
+    for mode in ("extend", "decode"):
+        # prefill 15, one token, then a (k+1) = 4 token step at the offset
+        parts = [m(tokens[:, :15], pos[:, :15], "extend"), m(tokens[:, 15:16], pos[:, 15:16], mode),
+                 m(tokens[:, 16:], pos[:, 16:], mode)]
+        assert_close(torch.cat(parts, 1), whole["extend"], 1e-10, f"incremental {mode} vs one forward")
+
+
+def test_kv_len_bounds_the_read_without_changing_results():
+    m = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=64, dtype=torch.float64), 4)
+    prefill, prefill_pos, step, step_pos = step_inputs(m.args.vocab_size, seed=4)
+    m(prefill, prefill_pos)
+    full = m(step, step_pos, "decode")
+    assert_close(m(step, step_pos, "decode", kv_len=16), full, 1e-12, "kv_len=16 vs full cache")
+
+
+def test_grouped_moe_equals_gather():
+    m = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), 5)
+    g = Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32, moe_impl="grouped")
+    g.load_state_dict(m.state_dict())
+    assert m.moe_impl == "gather" and g.moe_impl == "grouped"
+    assert_close(run_steps(g), run_steps(m), 1e-4, "grouped_mm MoE vs gathered weights")
+
+
+def test_aux_states_are_the_chosen_layer_outputs():
+    m = init_random(Transformer(tiny(), max_batch_size=1, max_seq_len=16, dtype=torch.float64,
+                                aux_layer_ids=[6, 2, 0]), 6)
+    assert m.aux_layer_ids == [0, 2, 6]
+    tokens, pos = torch.tensor([[5, 6, 7]]), torch.arange(3)[None]
+    seen = []
+    hooks = [m.layers[i].register_forward_hook(lambda mod, i_, o: seen.append(o)) for i in (0, 2, 6)]
+    logits, aux = m(tokens, pos, capture_aux=True)
+    for h in hooks:
+        h.remove()
+    assert aux.shape == (1, 3, 3 * m.args.hidden_size)
+    assert torch.equal(aux, torch.cat(seen, -1))
+    assert Transformer(tiny(), 1, 8).aux_layer_ids == [1, 3, 4]  # 1, L//2 - 1, L - 4 for L = 8
+
+
+@pytest.mark.skipif(not __import__("importlib").util.find_spec("transformers"),
+                    reason="transformers is not installed (pip install transformers to compare with HF)")
+def test_matches_hf_transformers(tiny_ckpt):
+    """Same weights, same logits as transformers' DeepseekV3ForCausalLM (float32: its grouped
+    experts take no float64)."""
+    from transformers import DeepseekV3ForCausalLM
+    ckpt, _ = tiny_ckpt
+    ours = load_target(ckpt, max_batch_size=2, max_seq_len=32, dtype=torch.float32)
+    hf = DeepseekV3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+    tokens = torch.randint(0, ours.args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(8))
+    with torch.no_grad():
+        ref = hf(tokens).logits
+    got = ours(tokens, torch.arange(24).expand(2, 24))
+    assert_close(got, ref, 2e-5, "ours vs HF DeepseekV3")
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: round trip, per-rank memory, clear errors
+
+def test_save_load_round_trip_is_exact(tiny_ckpt):
+    ckpt, m = tiny_ckpt
+    loaded = load_target(ckpt, max_batch_size=3, max_seq_len=32, dtype=torch.float64)
+    for (name, a), (_, b) in zip(m.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    assert torch.equal(run_steps(loaded), run_steps(m))
+
+
+MEMORY_PROBE = r"""
+import sys, threading, time, torch
+sys.path.insert(0, sys.argv[2])
+from model import load_target
+from tp import TP
+def status(key):
+    for line in open("/proc/self/status"):
+        if line.startswith(key):
+            return int(line.split()[1]) * 1024
+peak, done = [0], [False]
+def sample():
+    while not done[0]:
+        peak[0] = max(peak[0], status("RssAnon:"))
+        time.sleep(0.0005)
+base_anon, base_hwm = status("RssAnon:"), status("VmHWM:")
+t = threading.Thread(target=sample); t.start()
+m = load_target(sys.argv[1], dtype=torch.bfloat16, tp=TP(rank=1, world_size=4), max_seq_len=16)
+done[0] = True; t.join()
+peak[0] = max(peak[0], status("RssAnon:"))
+print(peak[0] - base_anon, status("VmHWM:") - base_hwm)
+"""
+
+
+def test_rank_loads_only_its_quarter():
+    """A rank of four loading a >= 512 MiB checkpoint: its peak anonymous memory (sampled) grows by
+    less than half the checkpoint, and even counting the file pages safetensors maps in (page
+    cache, shared by all ranks), its resident peak stays below the whole checkpoint."""
+    args = ModelArgs(vocab_size=4096, hidden_size=1024, intermediate_size=4096, moe_intermediate_size=4096,
+                     num_hidden_layers=2, num_attention_heads=8, n_routed_experts=22, num_experts_per_tok=2,
+                     first_k_dense_replace=0, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
+                     qk_rope_head_dim=32, v_head_dim=64, rope_scaling=None)
+    with tempfile.TemporaryDirectory() as d:
+        m = Transformer(args, max_seq_len=16, dtype=torch.bfloat16)
+        for p in m.parameters():
+            p.fill_(0.01)
+        save_target(m, d, max_shard_bytes=256 << 20)
+        del m
+        size = sum(os.path.getsize(os.path.join(d, f)) for f in os.listdir(d))
+        assert size >= 512 << 20
+        out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, d, HERE], capture_output=True,
+                             text=True, check=True).stdout.split()
+        anon_growth, hwm_growth = int(out[-2]), int(out[-1])
+        assert anon_growth < size / 2, f"anonymous memory grew {anon_growth / 2**20:.0f} MiB of {size / 2**20:.0f}"
+        assert hwm_growth < size, f"resident peak grew {hwm_growth / 2**20:.0f} MiB of {size / 2**20:.0f}"
+
+
+def _edit_checkpoint(src, dst, edit):
+    os.makedirs(dst)
+    tensors = {}
+    for f in sorted(os.listdir(src)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(src, f)))
+    edit(tensors)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as f, open(os.path.join(dst, "config.json"), "w") as g:
+        g.write(f.read())
+
+
+KEY = "model.layers.2.self_attn.kv_b_proj.weight"
+
+
+@pytest.mark.parametrize("edit, error, words", [
+    (lambda t: t.pop(KEY), KeyError, ["missing", KEY]),
+    (lambda t: t.update({"model.extra.weight": torch.zeros(2)}), KeyError, ["unexpected", "model.extra.weight"]),
+    (lambda t: t.update({KEY: torch.zeros(3, 4, dtype=torch.float64)}), ValueError, [KEY, "[128, 32]", "[3, 4]"]),
+    (lambda t: t.update({KEY: t[KEY].to(torch.int32)}), TypeError, [KEY, "I32"]),
+    (lambda t: t.update({"model.layers.8.mlp.gate.weight": torch.zeros(2)}), None, []),  # an MTP layer: skipped
+])
+def test_bad_checkpoints_name_the_problem(tiny_ckpt, edit, error, words):
+    ckpt, _ = tiny_ckpt
+    with tempfile.TemporaryDirectory() as d:
+        bad = os.path.join(d, "bad")
+        _edit_checkpoint(ckpt, bad, edit)
+        if error is None:
+            load_target(bad, max_batch_size=1, max_seq_len=8, dtype=torch.float64)
+            return
+        with pytest.raises(error) as e:
+            load_target(bad, max_batch_size=1, max_seq_len=8, dtype=torch.float64)
+        for w in words:
+            assert w in str(e.value), (w, str(e.value))
+
+
+def test_world_size_that_does_not_divide_is_named():
+    with pytest.raises(ValueError, match="num_attention_heads = 4 is not divisible by .* 3"):
+        Transformer(tiny(vocab_size=258), tp=TP(0, 3))
+    with pytest.raises(ValueError, match="vocab_size = 256 is not divisible"):
+        Transformer(tiny(), tp=TP(0, 3))
+    with pytest.raises(ValueError, match="moe_intermediate_size = 32 is not divisible"):
+        Transformer(tiny(num_attention_heads=6, vocab_size=258, intermediate_size=132), tp=TP(0, 6))
+
+
+def test_config_spellings_and_refusals():
+    old = tiny().to_hf_config()
+    new = dict(old)
+    rs = dict(new.pop("rope_scaling"))
+    rs["rope_type"] = rs.pop("type")
+    new["rope_parameters"] = dict(rs, rope_theta=new.pop("rope_theta"))
+    a, b = ModelArgs.from_hf_config(old), ModelArgs.from_hf_config(new)
+    assert a == b and a.softmax_scale == b.softmax_scale and a.is_yarn
+    nested = ModelArgs.from_hf_config({"architectures": ["KimiK25ForConditionalGeneration"], "text_config": old})
+    assert nested == a
+    for key, value in [("scoring_func", "softmax"), ("topk_method", "greedy"), ("hidden_act", "gelu")]:
+        with pytest.raises(NotImplementedError, match=f"{key} = '{value}'"):
+            ModelArgs.from_hf_config(dict(old, **{key: value}))
+    with pytest.raises(NotImplementedError, match="rope_scaling type 'linear'"):
+        ModelArgs.from_hf_config(dict(old, rope_scaling={"type": "linear", "factor": 2.0}))
+    with tempfile.TemporaryDirectory() as d:
+        with open(os.path.join(d, "config.json"), "w") as f:
+            json.dump(dict(old, quantization_config={"quant_method": "fp8"}), f)
+        with pytest.raises(NotImplementedError, match="fp8"):
+            load_target(d)
+
+
+def test_simulated_rank_is_labelled_and_shaped_like_tp8():
+    sim = TP.simulate(4)
+    m = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float32, tp=sim), 0,
+                    rank_local=True)
+    assert "SIMULATED" in sim.describe() and m.layers[0].self_attn.n_local_heads == 1
+    logits = m(torch.tensor([[3, 4], [5, 6]]), torch.arange(2).expand(2, 2), "decode")
+    assert logits.shape == (2, 2, m.args.vocab_size) and torch.isfinite(logits).all()
