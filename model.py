@@ -162,19 +162,18 @@ def yarn_mscale(factor, mscale=1.0):
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
-def rope_tables(args, max_seq_len, device):
-    """cos, sin [S, R/2] in float32, YaRN-scaled when the config says so."""
-    dim, base = args.qk_rope_head_dim, args.rope_theta
-    inv_freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
+def rope_tables(dim, theta, rope_scaling, max_seq_len, device):
+    """cos, sin [S, dim/2] in float32, YaRN-scaled when rope_scaling says so (HF's formulas)."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     attention_factor = 1.0
-    if args.is_yarn:
-        rs = args.rope_scaling
+    if rope_scaling and rope_scaling.get("type") == "yarn":
+        rs = rope_scaling
         factor, orig = rs["factor"], rs["original_max_position_embeddings"]
 
         def correction_dim(rotations):
-            return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(base))
-        low = max(math.floor(correction_dim(rs.get("beta_fast", 32))), 0)
-        high = min(math.ceil(correction_dim(rs.get("beta_slow", 1))), dim - 1)
+            return dim * math.log(orig / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+        low = max(math.floor(correction_dim(rs.get("beta_fast") or 32)), 0)
+        high = min(math.ceil(correction_dim(rs.get("beta_slow") or 1)), dim - 1)
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
         keep = 1 - ramp  # 1: keep the original frequency (extrapolate), 0: divide by factor
         inv_freq = inv_freq / factor * (1 - keep) + inv_freq * keep
@@ -182,6 +181,8 @@ def rope_tables(args, max_seq_len, device):
             attention_factor = yarn_mscale(factor, rs["mscale"]) / yarn_mscale(factor, rs["mscale_all_dim"])
         else:
             attention_factor = rs.get("attention_factor") or yarn_mscale(factor)
+    elif rope_scaling:
+        raise NotImplementedError(f"rope_scaling type {rope_scaling.get('type')!r} is not implemented")
     freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
     return (freqs.cos() * attention_factor).to(device), (freqs.sin() * attention_factor).to(device)
 
@@ -417,7 +418,7 @@ class Transformer(nn.Module):
                                     for i in range(L))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, device, dtype)
         self.lm_head = ParallelLMHead(args.hidden_size, args.vocab_size, self.tp, device=device, dtype=dtype)
-        cos, sin = rope_tables(args, max_seq_len, device)
+        cos, sin = rope_tables(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling, max_seq_len, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
@@ -481,6 +482,8 @@ def init_random(model, seed, rank_local=False):
     this rank's slice on the device (cheap for configs too big to draw whole; TP N != TP 1)."""
     tp = model.tp
     for name, p in model.named_parameters():
+        if not p.dtype.is_floating_point:  # index tables (the draft's d2t) are set by their owner
+            continue
         g_device = p.device if rank_local else torch.device("cpu")
         g = torch.Generator(g_device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode())
                                                   + (7919 * tp.rank if rank_local else 0))
@@ -546,6 +549,7 @@ def checkpoint_files(path):
 
 
 FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
+INT_DTYPES = {torch.int64: "I64", torch.int32: "I32"}
 
 
 def load_weights(table, path, tp, what="checkpoint", skip=lambda name: False):
@@ -574,9 +578,10 @@ def load_weights(table, path, tp, what="checkpoint", skip=lambda name: False):
                 found = list(sl.get_shape())
                 if found != want:
                     raise ValueError(f"{what} tensor {k}: expected shape {want}, found {found}")
-                if sl.get_dtype() not in FLOAT_DTYPES:
+                allowed = FLOAT_DTYPES if p.dtype.is_floating_point else {INT_DTYPES[p.dtype]}
+                if sl.get_dtype() not in allowed:
                     raise TypeError(f"{what} tensor {k}: dtype {sl.get_dtype()} is not supported "
-                                    f"(expected one of {sorted(FLOAT_DTYPES)}; FP8/INT4 are not implemented)")
+                                    f"(expected one of {sorted(allowed)}; FP8/INT4 are not implemented)")
                 dim = p.shard_dim if j is None or p.shard_dim is None else p.shard_dim - 1
                 index = [slice(None)] * len(want)
                 if dim is not None:

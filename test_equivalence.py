@@ -306,3 +306,191 @@ def test_simulated_rank_is_labelled_and_shaped_like_tp8():
     assert "SIMULATED" in sim.describe() and m.layers[0].self_attn.n_local_heads == 1
     logits = m(torch.tensor([[3, 4], [5, 6]]), torch.arange(2).expand(2, 2), "decode")
     assert logits.shape == (2, 2, m.args.vocab_size) and torch.isfinite(logits).all()
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE-3 head and speculative decoding: lossless against plain greedy
+
+from draft import Eagle3Draft, draft_preset, init_random_draft, load_draft, save_draft  # noqa: E402
+from verify import accept, generate  # noqa: E402
+
+PROMPTS = {1: [[11, 12, 13, 14, 15, 16]], 3: [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26, 27, 28, 29], [31, 32, 33, 34, 35, 36, 37]]}
+
+
+class PlantedProposer:
+    """Knows the target's greedy sequence `ref` [B, L] (by position) and errs where told: on its
+    c-th call, row b's first wrong draft is number wrong_at(c, b) (0-based; >= k: all right)."""
+
+    def __init__(self, ref, vocab, wrong_at):
+        self.ref, self.vocab, self.wrong_at, self.calls = ref, vocab, wrong_at, 0
+
+    def propose(self, tokens, positions, hidden, last, num_steps):
+        q = positions.gather(1, last.unsqueeze(1))                          # [B, 1]
+        idx = (q + 1 + torch.arange(1, num_steps + 1)).clamp(max=self.ref.shape[1] - 1)  # d_j: position q+1+j
+        drafts = self.ref.gather(1, idx)
+        first_wrong = torch.tensor([self.wrong_at(self.calls, b) for b in range(len(drafts))])
+        self.calls += 1
+        wrong = torch.arange(num_steps) == first_wrong.unsqueeze(1)
+        return torch.where(wrong, (drafts + 1) % self.vocab, drafts)
+
+
+def reference_sequences(prompts, outputs, length):
+    ref = torch.zeros(len(prompts), length, dtype=torch.int64)
+    for b, (p, o) in enumerate(zip(prompts, outputs)):
+        seq = torch.tensor(p + o)
+        ref[b, :len(seq)] = seq
+    return ref
+
+
+def lossless_matrix(seed, max_new=24):
+    """Every (batch, attention mode, num_steps, proposer) case; returns failures and, per case of
+    the erring proposer, the accepted lengths seen."""
+    dtype = torch.float64
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=40, dtype=dtype), seed)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
+    failures, seen = [], {}
+    for B, prompts in PROMPTS.items():
+        plain = generate(target, None, prompts, max_new_tokens=max_new).tokens
+        ref = reference_sequences(prompts, plain, 40)
+        for mode in ("prefill", "decode"):
+            for k in (1, 2, 4):
+                proposers = {"eagle3": head,
+                             "errs": PlantedProposer(ref, target.args.vocab_size, lambda c, b, k=k: (c + b) % (k + 1)),
+                             "right": PlantedProposer(ref, target.args.vocab_size, lambda c, b: 99)}
+                for name, prop in proposers.items():
+                    res = generate(target, prop, prompts, max_new_tokens=max_new, num_steps=k, attention_mode=mode)
+                    if res.tokens != plain:
+                        failures.append((B, mode, k, name, plain, res.tokens))
+                    body = []  # each row's live cycles but its last, which max_new_tokens may cut
+                    for b in range(B):
+                        live = res.accepted[:, b][res.accepted[:, b] >= 0].tolist()
+                        body += live[:-1]
+                    seen[(B, mode, k, name)] = sorted(set(body))
+    return failures, seen
+
+
+def check_lossless(failures, seen):
+    assert not failures, f"speculative != plain greedy in {len(failures)} cases, first: {failures[0]}"
+    for (B, mode, k, name), lengths in seen.items():
+        if name == "errs":
+            assert lengths == list(range(k + 1)), f"accepted lengths {lengths} for k={k} B={B} {mode}"
+        if name == "right":
+            assert lengths == [k], f"always-right proposer accepted {lengths} (k={k}, B={B}, {mode})"
+
+
+def test_speculative_equals_plain_greedy_tp1():
+    check_lossless(*lossless_matrix(seed=21))
+
+
+def _lossless_worker(seed):
+    return lossless_matrix(seed)
+
+
+def test_speculative_equals_plain_greedy_tp2():
+    check_lossless(*run_ranks(2, _lossless_worker, 21))
+
+
+def test_accepted_lengths_follow_the_plan():
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=64, dtype=torch.float64), 2)
+    prompts = PROMPTS[3]
+    plain = generate(target, None, prompts, max_new_tokens=30, eos_id=-1).tokens
+    ref = reference_sequences(prompts, plain, 64)
+    k = 3
+    res = generate(target, PlantedProposer(ref, 256, lambda c, b: (c + b) % (k + 1)), prompts,
+                   max_new_tokens=30, num_steps=k, eos_id=-1)
+    assert res.tokens == plain
+    for c in range(res.cycles - 1):  # every cycle but the last, which max_new_tokens may cut
+        for b in range(3):
+            if res.accepted[c + 1, b] >= 0:
+                assert res.accepted[c, b] == (c + b) % (k + 1), (c, b, res.accepted[:, b])
+
+
+def test_speculative_sampling_follows_the_target():
+    """200k rows, vocab 6, k = 2: the first emitted token ~ p_0 and, where it is d_1, the second
+    ~ p_1, for a good (most likely), bad (least likely) and random draft. Bound: total variation
+    < 1.5 sqrt(V / n) over n samples (0.008 at n = 200k; a wrong rule is off by 0.1 or more)."""
+    V, k, N = 6, 2, 200_000
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(k + 1, V, generator=g) * 1.5
+    p = torch.softmax(logits, -1)
+    for kind in ("good", "bad", "random"):
+        if kind == "random":
+            drafts = torch.randint(0, V, (N, k), generator=g)
+        else:
+            pick = p[:k].argmax(-1) if kind == "good" else p[:k].argmin(-1)
+            drafts = pick.expand(N, k).clone()
+        m, bonus = accept(logits.expand(N, k + 1, V), drafts, 1.0, g)
+        emitted = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, m.unsqueeze(1), bonus.unsqueeze(1))
+        first = torch.bincount(emitted[:, 0], minlength=V) / N
+        tv0 = 0.5 * (first - p[0]).abs().sum().item()
+        took_d1 = emitted[:, 0] == drafts[:, 0]
+        if kind == "random":  # condition per d_1 value: pool rows whose first token was their draft
+            took_d1 = took_d1 & (drafts[:, 0] == 0)
+        second = torch.bincount(emitted[took_d1, 1], minlength=V) / took_d1.sum()
+        tv1 = 0.5 * (second - p[1]).abs().sum().item()
+        n1 = took_d1.sum().item()
+        assert tv0 < 1.5 * (V / N) ** 0.5 and tv1 < 1.5 * (V / n1) ** 0.5, \
+            f"{kind} draft: TV {tv0:.4f} (first, n={N}), {tv1:.4f} (second, n={n1})"
+
+
+def test_sampling_generate_runs_and_is_seeded():
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=40, dtype=torch.float32), 3)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 4)
+    a = generate(target, head, PROMPTS[3], max_new_tokens=10, num_steps=2, temperature=0.8, seed=5)
+    b = generate(target, head, PROMPTS[3], max_new_tokens=10, num_steps=2, temperature=0.8, seed=5)
+    assert a.tokens == b.tokens and all(len(t) == 10 or 2 in t for t in a.tokens)
+
+
+def test_draft_round_trip_and_errors(tmp_path):
+    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float64), 5)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 6)
+    save_draft(head, tmp_path / "d")
+    loaded = load_draft(tmp_path / "d", target)
+    for (name, a), (_, b) in zip(head.state_dict().items(), loaded.state_dict().items()):
+        assert torch.equal(a, b), name
+    tokens, pos = torch.tensor([[3, 4, 5]] * 2), torch.arange(3).expand(2, 3)
+    hidden = torch.randn(2, 3, 3 * 64, dtype=torch.float64)
+    assert torch.equal(head(tokens, pos, hidden)[0], loaded(tokens, pos, hidden)[0])
+    tensors = load_file(tmp_path / "d" / "model.safetensors")
+    tensors.pop("midlayer.self_attn.k_proj.weight")
+    os.makedirs(tmp_path / "bad")
+    save_file(tensors, tmp_path / "bad" / "model.safetensors")
+    cfg = json.loads((tmp_path / "d" / "config.json").read_text())
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(KeyError, match="midlayer.self_attn.k_proj.weight"):
+        load_draft(tmp_path / "bad", target)
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(dict(cfg, architectures=["LlamaForCausalLM"])))
+    with pytest.raises(ValueError, match="LlamaForCausalLMEagle3"):
+        load_draft(tmp_path / "bad", target)
+
+
+def _draft_tp_worker(path, seed):
+    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float64), seed)
+    head = load_draft(path, target)
+    tokens, pos = torch.tensor([[3, 4, 5], [7, 8, 9]]), torch.tensor([[0, 1, 2], [4, 5, 6]])
+    hidden = torch.randn(2, 3, 3 * 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    return head(tokens, pos, hidden)[0], head.propose(tokens, pos, hidden, torch.tensor([2, 1]), 3)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_draft_tp_equals_tp1(world, tmp_path):
+    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float64), 9)
+    save_draft(init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 10), tmp_path)
+    ref_logits, ref_drafts = _draft_tp_worker(tmp_path, 9)
+    logits, drafts = run_ranks(world, _draft_tp_worker, tmp_path, 9)
+    assert_close(logits, ref_logits, 1e-10, f"draft logits TP {world} vs TP 1")
+    assert torch.equal(drafts, ref_drafts)
+
+
+def test_requests_that_cannot_run_are_refused():
+    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float32), 0)
+    with pytest.raises(ValueError, match="max_seq_len 16"):
+        generate(target, None, [[1] * 10], max_new_tokens=8)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        generate(target, None, [[1, 999]], max_new_tokens=2)
+    with pytest.raises(ValueError, match="max_batch_size 2"):
+        generate(target, None, [[1]] * 3, max_new_tokens=2)
+    with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device"):
+        if torch.cuda.is_available():
+            raise RuntimeError("CUDA graphs need a CUDA device (this machine has one: nothing to refuse)")
+        generate(target, None, [[1, 2]], max_new_tokens=2, use_graphs=True)

@@ -1,0 +1,48 @@
+"""Explicit CUDA graph capture and replay (torch.cuda.CUDAGraph; no torch.compile graph modes).
+
+One graph per key (what, batch size, tokens): inputs are copied into static buffers, a few
+warm-up runs go on a side stream, and every graph allocates from one shared memory pool. A key
+with no graph is captured on first use (with the real inputs, so the warm-up writes to the KV
+cache are the very writes the replay makes) or, with capture_missing=False, refused. Outputs are
+static: they are overwritten by the next replay of the same key.
+"""
+import torch
+
+from tp import print0
+
+
+class CudaGraphs:
+    def __init__(self, device, capture_missing=True, warmup=3):
+        device = torch.device(device)
+        if device.type != "cuda":
+            raise RuntimeError(f"CUDA graphs need a CUDA device, and this model is on {device}: "
+                               "run with use_graphs=False (run.py: --cuda-graph off)")
+        self.device, self.capture_missing, self.warmup = device, capture_missing, warmup
+        self.pool = torch.cuda.graph_pool_handle()
+        self.graphs = {}  # key -> (graph, static inputs, static outputs)
+
+    def capture(self, key, fn, *inputs):
+        static_in = [x.clone() for x in inputs]
+        side = torch.cuda.Stream(self.device)
+        side.wait_stream(torch.cuda.current_stream(self.device))
+        with torch.cuda.stream(side):
+            for _ in range(self.warmup):
+                fn(*static_in)
+        torch.cuda.current_stream(self.device).wait_stream(side)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, pool=self.pool):
+            static_out = fn(*static_in)
+        self.graphs[key] = (graph, static_in, static_out)
+        print0(f"captured CUDA graph {key}")
+
+    def run(self, key, fn, *inputs):
+        """Replay the graph for `key` on these inputs (capturing it first if allowed)."""
+        if key not in self.graphs:
+            if not self.capture_missing:
+                raise KeyError(f"no CUDA graph captured for {key}; captured: {sorted(self.graphs)}")
+            self.capture(key, fn, *inputs)
+        graph, static_in, static_out = self.graphs[key]
+        for buf, x in zip(static_in, inputs):
+            buf.copy_(x)
+        graph.replay()
+        return static_out
