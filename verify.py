@@ -98,11 +98,14 @@ def simulated_accept(m, mean_len, k, generator):
 @torch.no_grad()
 def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_mode="prefill",
              use_graphs=False, temperature=0.0, seed=0, eos_id=None, graphs=None,
-             simulate_accept_len=None):
+             simulate_accept_len=None, timer=None):
     """Speculative decoding with `draft` (an Eagle3Draft or any object with its `propose`), or
     plain decoding when draft is None. Prefill runs eager; with use_graphs the decode step, the
     verify step and the EAGLE-3 head's extend and chain replay CUDA graphs (a planted proposer
-    runs as it is). Every rank draws from the same seeded generator, so all ranks agree."""
+    runs as it is). Every rank draws from the same seeded generator, so all ranks agree.
+    timer: an object whose mark(name) is called at the end of each phase of each cycle
+    ("start", "verify", "accept", "draft_extend", "draft", "commit"; plain: "start", "decode",
+    "commit"): run.py records device events there."""
     if attention_mode not in ATTENTION_MODES:
         raise ValueError(f"attention_mode must be one of {list(ATTENTION_MODES)}, not {attention_mode!r}")
     if draft is not None and num_steps < 1:
@@ -132,31 +135,37 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
     if draft is not None:  # the head reads token t+1 on row t: shift the prompt, put x at row n-1
         shifted = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).scatter(1, last.unsqueeze(1), x.unsqueeze(1))
         drafts = draft.propose(shifted, positions, aux, last, num_steps)
-    graphed_head = runner is not None and isinstance(draft, Eagle3Draft)
+    mark = timer.mark if timer is not None else (lambda name: None)
     accepted = []
     while True:
         if bool(done.all()):  # HOST READ: the loop's one device->host sync per cycle
             break
+        mark("start")
         pos = cur.unsqueeze(1) + offsets                                          # [B, k+1]
         if draft is None:
             logits = run(("decode", B, 1), partial(target, mode="decode"), x.unsqueeze(1), pos)
+            mark("decode")
             m, emitted = torch.zeros_like(cur), sample(logits[:, 0], temperature, gen).unsqueeze(1)
         else:
             verify_in = torch.cat([x.unsqueeze(1), drafts], 1)                   # [x_p, d_1..d_k]
             logits, aux = run(("verify", mode, B, k + 1), partial(target, mode=mode, capture_aux=True),
                               verify_in, pos)
+            mark("verify")
             m, bonus = accept(logits, drafts, temperature, gen)
             if simulate_accept_len:
                 m = simulated_accept(m, simulate_accept_len, k, gen)
                 bonus = logits.argmax(-1).gather(1, m.unsqueeze(1)).squeeze(1)
             # [d_1..d_m, bonus, junk]: the tokens emitted, and the draft extend's input rows
             emitted = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, m.unsqueeze(1), bonus.unsqueeze(1))
-            if graphed_head:
+            mark("accept")
+            if isinstance(draft, Eagle3Draft):  # extend and chain, each one graph in graph mode
                 first, g = run(("draft_extend", B, k + 1), draft.extend, emitted, pos, aux, m)
+                mark("draft_extend")
                 drafts = run(("draft_chain", B, num_steps), partial(draft.chain, num_steps=num_steps),
                              first, g, cur + m)
-            else:
+            else:  # a planted proposer: eager, one phase
                 drafts = draft.propose(emitted, pos, aux, m, num_steps)
+            mark("draft")
         # commit: m + 1 tokens per row, cut at EOS and at max_new_tokens; finished rows stay put
         count = m + 1
         is_eos = (emitted == eos_id) & (offsets[: emitted.shape[1]] < count.unsqueeze(1))
@@ -169,6 +178,7 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
         x = torch.where(done, x, emitted.gather(1, (count - 1).clamp(min=0).unsqueeze(1)).squeeze(1))
         cur = torch.where(done, cur, cur + count)
         done = done | hit_eos | (n_out >= max_new_tokens)
+        mark("commit")
     n = n_out.tolist()
     rows = generated.tolist()
     stats = torch.stack(accepted).cpu() if accepted else torch.zeros(0, B, dtype=torch.int64)
