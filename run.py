@@ -365,6 +365,9 @@ def main(argv=None):
             base = result["e2e"][f"baseline/{name.split('/')[-1]}"]
             v["speedup_measured"] = v["tok_per_s"] / base["tok_per_s"]
             v["speedup_predicted"] = v["accept_len_mean"] * base["phases_ms"]["cycle"] / v["phases_ms"]["cycle"]
+    if device.type == "cuda":
+        result["env"]["gpu_mem_peak_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
+        result["env"]["weights_GB"] = sum(p.numel() * p.element_size() for p in target.parameters()) / 1e9
     report(result, header, k)
     line = json.dumps(result)
     if is_rank0():
@@ -403,6 +406,8 @@ def report(r, header, k):
     for steps, c in r["cost_model"].items():
         sp = " ".join(f"{t}:{s:.2f}x" for t, s in c["speedup_at"].items())
         print(f"  num_steps {steps}: cycle {c['cycle_ms']:.2f} ms, break-even {c['break_even_accept_len']:.2f} | speedup at accept len {sp}")
+    if "gpu_mem_peak_GB" in r["env"]:
+        print(f"\nGPU memory: weights {r['env']['weights_GB']:.1f} GB, peak allocated {r['env']['gpu_mem_peak_GB']:.1f} GB")
     if r.get("allreduce_ms_per_forward"):
         print(f"\nall-reduce per forward (2 per layer): {r['allreduce_ms_per_forward']}")
     if r.get("greedy_agreement_with_plain"):
