@@ -500,9 +500,12 @@ def test_requests_that_cannot_run_are_refused():
 # run.py on CPU
 
 def test_run_py_cli_tiny(tmp_path):
+    """run.py's CPU defaults (the GPU is hidden, so this is the CPU run on any machine)."""
     out = tmp_path / "r.json"
+    cpu = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--json", str(out), "--max-new-tokens", "20",
-                    "--speculative-num-steps", "2", "--batch-size", "2"], check=True, capture_output=True, cwd=HERE)
+                    "--speculative-num-steps", "2", "--batch-size", "2"], check=True, capture_output=True, cwd=HERE,
+                   env=cpu)
     r = json.loads(out.read_text())
     assert r["env"]["simulated_acceptance"] is False and r["floors"] is None
     for mode in ("prefill", "decode"):
@@ -514,7 +517,8 @@ def test_run_py_cli_tiny(tmp_path):
     assert r["greedy_agreement_with_plain"] == {"eagle3/prefill/eager": 1.0, "eagle3/decode/eager": 1.0}
     assert set(r["cost_model"]) == {"1", "2", "3", "4", "5"}
     sim = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--simulate-accept-len", "2.5",
-                          "--max-new-tokens", "40"], check=True, capture_output=True, text=True, cwd=HERE).stdout
+                          "--max-new-tokens", "40"], check=True, capture_output=True, text=True, cwd=HERE,
+                         env=cpu).stdout
     r = json.loads(sim.strip().splitlines()[-1])
     assert "SIMULATED" in sim and r["env"]["simulated_acceptance"] is True
     assert 1.8 <= r["e2e"]["eagle3/decode/eager"]["accept_len_mean"] <= 3.2
