@@ -3,8 +3,12 @@
 One graph per key (what, batch size, tokens): inputs are copied into static buffers, a few
 warm-up runs go on a side stream, and every graph allocates from one shared memory pool. A key
 with no graph is captured on first use (with the real inputs, so the warm-up writes to the KV
-cache are the very writes the replay makes) or, with capture_missing=False, refused. Outputs are
-static: they are overwritten by the next replay of the same key.
+cache are the very writes the replay makes) or, with capture_missing=False, refused.
+
+Outputs are copied out of the pool right after each replay. With one shared pool, a graph's static
+output may sit in memory that an earlier-captured graph uses as scratch, so it would be clobbered
+by that graph's next replay (found on the H200: the verify replay overwrote the draft chain's
+output before acceptance read it). The copies are small (logits and hidden states of a few tokens).
 """
 import torch
 
@@ -12,13 +16,13 @@ from tp import print0
 
 
 class CudaGraphs:
-    def __init__(self, device, capture_missing=True, warmup=3):
+    def __init__(self, device, capture_missing=True, warmup=3, share_pool=True):
         device = torch.device(device)
         if device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need a CUDA device, and this model is on {device}: "
                                "run with use_graphs=False (run.py: --cuda-graph off)")
         self.device, self.capture_missing, self.warmup = device, capture_missing, warmup
-        self.pool = torch.cuda.graph_pool_handle()
+        self.pool = torch.cuda.graph_pool_handle() if share_pool else None
         self.graphs = {}  # key -> (graph, static inputs, static outputs)
 
     def capture(self, key, fn, *inputs):
@@ -45,4 +49,6 @@ class CudaGraphs:
         for buf, x in zip(static_in, inputs):
             buf.copy_(x)
         graph.replay()
-        return static_out
+        if isinstance(static_out, tuple):
+            return tuple(t.clone() for t in static_out)
+        return static_out.clone()
