@@ -601,15 +601,20 @@ def test_graph_generate_equals_eager_generate_and_reports_bf16_agreement(mode):
 
 
 @cuda
-def test_gpu_extend_decode_and_grouped_agree_in_bf16():
-    target, _ = gpu_models(B=3)
-    prefill, prefill_pos, step, step_pos = step_inputs(256)
-    prefill, prefill_pos, step, step_pos = (t.cuda() for t in (prefill, prefill_pos, step, step_pos))
+def test_gpu_decode_attention_equals_extend_and_grouped_equals_gather():
+    """Attention paths in float32 on the GPU (bf16 can flip a near-tied expert choice, which moves
+    logits by O(1) in a random model); the grouped MoE against gathered weights on the same routing
+    in bf16."""
+    target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32, moe_impl="gather"), 0)
+    prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
-    a, b = target(step, step_pos, "extend"), target(step, step_pos, "decode")
-    assert_close(a, b, 0.05 * a.abs().max().item(), "bf16 decode vs extend attention")
-    if target.moe_impl == "grouped":
-        g = Transformer(tiny(), 3, 64, device="cuda", dtype=torch.bfloat16, moe_impl="gather")
-        g.load_state_dict(target.state_dict())
-        g(prefill, prefill_pos)
-        assert_close(g(step, step_pos, "extend"), a, 0.05 * a.abs().max().item(), "bf16 grouped vs gather MoE")
+    assert_close(target(step, step_pos, "decode"), target(step, step_pos, "extend"), 1e-3,
+                 "float32 GPU decode vs extend attention")
+    moe = init_random(Transformer(tiny(), 1, 8, device="cuda", dtype=torch.bfloat16), 1).layers[1].mlp
+    if moe.experts.impl != "grouped":
+        pytest.skip("torch._grouped_mm is not available for bf16 on this GPU")
+    x = torch.randn(37, 64, device="cuda", dtype=torch.bfloat16)
+    ids, weights = moe.gate(x)
+    grouped = moe.experts(x, ids, weights)
+    moe.experts.impl = "gather"
+    assert_close(grouped, moe.experts(x, ids, weights), 2e-2 * grouped.abs().max().item(), "bf16 grouped vs gather")
