@@ -21,10 +21,9 @@ from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 from model import MLP, RMSNorm, checkpoint_files, init_random, load_weights, rope_tables, write_safetensors
-from tp import TP, ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear, \
+from tp import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear, \
     VocabParallelEmbedding, _param
 
 

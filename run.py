@@ -156,8 +156,7 @@ class PhaseTimer:
 
     def phases(self):
         self.clock.sync()
-        out, cycle_ms, host_ms = {}, [], []
-        prev_end = None
+        out, host_ms = {}, []
         for (n0, t0), (n1, t1) in zip(self.marks, self.marks[1:]):
             if n1 == "start":  # the gap between cycles: the host read and the host's own work
                 host_ms.append(self.clock.ms(t0, t1))
