@@ -22,7 +22,8 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 import torch.nn as nn
 
-from model import MLP, RMSNorm, checkpoint_files, init_random, load_weights, rope_tables, write_safetensors
+from model import (MLP, RMSNorm, checkpoint_files, init_random, load_weights, normalize_rope_scaling, read_config,
+                   rope_tables, write_safetensors)
 from tp import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear, \
     VocabParallelEmbedding, _param
 
@@ -51,19 +52,11 @@ class DraftArgs:
 
     @classmethod
     def from_hf_config(cls, path_or_dict):
-        cfg = path_or_dict
-        if not isinstance(cfg, dict):
-            path = os.path.join(cfg, "config.json") if os.path.isdir(cfg) else cfg
-            with open(path) as f:
-                cfg = json.load(f)
+        cfg = read_config(path_or_dict)
         arch = cfg.get("architectures") or []
         if "LlamaForCausalLMEagle3" not in arch:
             raise ValueError(f"draft config architectures {arch} is not ['LlamaForCausalLMEagle3']")
-        cfg = dict(cfg)
-        if cfg.get("rope_scaling"):
-            rs = dict(cfg["rope_scaling"])
-            rs["type"] = rs.pop("rope_type", rs.get("type"))
-            cfg["rope_scaling"] = rs
+        cfg = dict(cfg, rope_scaling=normalize_rope_scaling(cfg.get("rope_scaling")))
         cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
         cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
         cfg["draft_vocab_size"] = cfg.get("draft_vocab_size") or cfg["vocab_size"]

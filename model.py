@@ -33,6 +33,24 @@ from tp import (TP, ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowP
                 VocabParallelEmbedding, _param, print0)
 
 
+def read_config(path_or_dict):
+    """A config.json as a dict: from a dict, the file, or its folder."""
+    if isinstance(path_or_dict, dict):
+        return path_or_dict
+    path = os.path.join(path_or_dict, "config.json") if os.path.isdir(path_or_dict) else path_or_dict
+    with open(path) as f:
+        return json.load(f)
+
+
+def normalize_rope_scaling(rope_scaling):
+    """Both spellings of the scaling kind ("type", "rope_type") as "type"; None stays None."""
+    if not rope_scaling:
+        return None
+    rs = dict(rope_scaling)
+    rs["type"] = rs.pop("rope_type", rs.get("type"))
+    return rs
+
+
 @dataclass
 class ModelArgs:
     """Fields are the keys of a DeepseekV3 / Kimi-K2 config.json."""
@@ -94,21 +112,15 @@ class ModelArgs:
     @classmethod
     def from_hf_config(cls, path_or_dict):
         """Read a DeepseekV3 / Kimi-K2 / Kimi-K2.5 config.json (a file, its folder, or a dict)."""
-        cfg = path_or_dict
-        if not isinstance(cfg, dict):
-            path = os.path.join(cfg, "config.json") if os.path.isdir(cfg) else cfg
-            with open(path) as f:
-                cfg = json.load(f)
+        cfg = read_config(path_or_dict)
         cfg = dict(cfg.get("text_config", cfg))  # Kimi-K2.5 nests the text model
         if "rope_parameters" in cfg:  # the newer transformers spelling
             rp = dict(cfg.pop("rope_parameters"))
             cfg["rope_theta"] = rp.pop("rope_theta", cls.rope_theta)
             kind = rp.pop("rope_type", rp.pop("type", "default"))
             cfg["rope_scaling"] = None if kind == "default" else dict(rp, type=kind)
-        elif cfg.get("rope_scaling"):
-            rs = dict(cfg["rope_scaling"])
-            rs["type"] = rs.pop("rope_type", rs.get("type"))
-            cfg["rope_scaling"] = rs
+        else:
+            cfg["rope_scaling"] = normalize_rope_scaling(cfg.get("rope_scaling"))
         refuse = {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",), "hidden_act": ("silu",),
                   "tie_word_embeddings": (False,), "moe_layer_freq": (1,)}
         for key, allowed in refuse.items():
@@ -595,10 +607,9 @@ def load_weights(table, path, tp, what="checkpoint", skip=lambda name: False):
 def load_target(path, max_batch_size=1, max_seq_len=4096, device=None, dtype=None, tp=None, **kwargs):
     """config.json + safetensors (single file or sharded index) -> this rank's Transformer.
     Each rank reads only its own slices; no rank ever holds the whole model."""
-    with open(os.path.join(path, "config.json")) as f:
-        cfg = json.load(f)
-    if "quantization_config" in cfg.get("text_config", cfg) or "quantization_config" in cfg:
-        q = (cfg.get("quantization_config") or cfg["text_config"]["quantization_config"])
+    cfg = read_config(path)
+    q = cfg.get("quantization_config") or cfg.get("text_config", {}).get("quantization_config")
+    if q:
         raise NotImplementedError(f"quantized checkpoint ({q.get('quant_method')}) is not implemented yet: "
                                   "only bf16/fp16/fp32 weights load")
     args = ModelArgs.from_hf_config(cfg)

@@ -168,11 +168,11 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
             mark("draft")
         # commit: m + 1 tokens per row, cut at EOS and at max_new_tokens; finished rows stay put
         count = m + 1
-        is_eos = (emitted == eos_id) & (offsets[: emitted.shape[1]] < count.unsqueeze(1))
+        is_eos = (emitted == eos_id) & (offsets < count.unsqueeze(1))
         hit_eos = is_eos.any(1)
         count = torch.where(hit_eos, is_eos.long().argmax(1) + 1, count)
         count = torch.minimum(count, max_new_tokens - n_out).masked_fill(done, 0)
-        generated.scatter_(1, n_out.unsqueeze(1) + offsets[: emitted.shape[1]], emitted)
+        generated.scatter_(1, n_out.unsqueeze(1) + offsets, emitted)
         accepted.append(m.masked_fill(done, -1))
         n_out += count
         x = torch.where(done, x, emitted.gather(1, (count - 1).clamp(min=0).unsqueeze(1)).squeeze(1))
