@@ -246,5 +246,5 @@ def load_draft(path, target, max_batch_size=None, max_seq_len=None, device=None,
     args = DraftArgs.from_hf_config(path)
     own = "embed_tokens.weight" in checkpoint_files(path)
     draft = Eagle3Draft(args, target, max_batch_size, max_seq_len, device, dtype, own_embedding=own)
-    load_weights(draft_table(draft), path, draft.tp, "draft", skip=lambda name: name == "t2d")
+    load_weights(draft_table(draft), path, draft.tp, "draft", skip=lambda name: "t2d (not needed)" if name == "t2d" else None)
     return draft

@@ -19,7 +19,10 @@ N = B*T tokens.
 import json
 import math
 import os
+import re
 import zlib
+from collections import Counter
+from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
@@ -85,6 +88,13 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 163584
     eos_token_id: int | None = 163585
+    quantization_config: dict | None = None  # as shipped: FP8 blocks (dequantized at load) or INT4 experts
+
+    @property
+    def int4_group_size(self):
+        """The INT4 group size when the routed experts are kept packed, else None."""
+        kind, group = quant_scheme(self.quantization_config)
+        return group if kind == "int4" else None
 
     @property
     def qk_head_dim(self):
@@ -112,8 +122,10 @@ class ModelArgs:
     @classmethod
     def from_hf_config(cls, path_or_dict):
         """Read a DeepseekV3 / Kimi-K2 / Kimi-K2.5 config.json (a file, its folder, or a dict)."""
-        cfg = read_config(path_or_dict)
-        cfg = dict(cfg.get("text_config", cfg))  # Kimi-K2.5 nests the text model
+        top = read_config(path_or_dict)
+        cfg = dict(top.get("text_config", top))  # Kimi-K2.5 nests the text model
+        cfg["quantization_config"] = cfg.get("quantization_config") or top.get("quantization_config")
+        quant_scheme(cfg["quantization_config"])  # refuses what is not implemented, by name
         if "rope_parameters" in cfg:  # the newer transformers spelling
             rp = dict(cfg.pop("rope_parameters"))
             cfg["rope_theta"] = rp.pop("rope_theta", cls.rope_theta)
@@ -154,13 +166,101 @@ PRESETS = {
                                    beta_fast=32.0, beta_slow=1.0, mscale=0.8, mscale_all_dim=1.0),
                  rms_norm_eps=1e-6, max_position_embeddings=256, bos_token_id=1, eos_token_id=2),
     "kimi-k2": {},  # the dataclass defaults are Kimi-K2-Instruct
+    # the same text model as shipped in Kimi-K2-Thinking / K2.5: routed experts INT4, the rest bf16
+    "kimi-k2.5": dict(quantization_config="int4"),
 }
 
 
 def preset(name, **overrides):
+    """A preset's ModelArgs; quantization_config="int4" stands for int4_quantization_config()."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
-    return ModelArgs(**{**PRESETS[name], **overrides})
+    kw = {**PRESETS[name], **overrides}
+    if kw.get("quantization_config") == "int4":
+        kw["quantization_config"] = int4_quantization_config()
+    return ModelArgs(**kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized checkpoints. FP8 (Kimi-K2-Instruct, DeepSeek-V3): float8_e4m3fn `weight` times a
+# float32 `weight_scale_inv` per block (128 x 128, partial at the edges), dequantized per rank
+# slice at load. INT4 (Kimi-K2-Thinking, K2.5; compressed-tensors "pack-quantized", symmetric):
+# the routed experts only, kept packed in memory and dequantized inside forward.
+
+def int4_quantization_config(group_size=32):
+    """The quantization_config Kimi-K2-Thinking / K2.5 ship (routed experts INT4, group 32)."""
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+                "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                "group_size": group_size, "dynamic": False, "actorder": None}}},
+            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                       "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]}
+
+
+def quant_scheme(q):
+    """("fp8", (block rows, block cols)), ("int4", group size) or (None, None) for a config's
+    quantization_config; anything else is refused by name."""
+    if not q:
+        return None, None
+    method = q.get("quant_method")
+    if method == "fp8":
+        block = q.get("weight_block_size")
+        if q.get("fmt", "e4m3") != "e4m3" or not block or len(block) != 2:
+            raise NotImplementedError(f"fp8 with fmt {q.get('fmt')!r}, weight_block_size {block!r} is not "
+                                      "implemented (only e4m3 with 2-d blocks)")
+        return "fp8", tuple(block)
+    if method != "compressed-tensors":
+        raise NotImplementedError(f"quant_method {method!r} is not implemented (only 'fp8' block-quantized "
+                                  "and 'compressed-tensors' pack-quantized INT4)")
+    if q.get("format") != "pack-quantized":
+        raise NotImplementedError(f"compressed-tensors format {q.get('format')!r} is not implemented "
+                                  "(only 'pack-quantized')")
+    groups = list((q.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise NotImplementedError(f"compressed-tensors with {len(groups)} config_groups is not implemented (only 1)")
+    if groups[0].get("input_activations"):
+        raise NotImplementedError("compressed-tensors input_activations quantization is not implemented")
+    w = groups[0].get("weights") or {}
+    for key, want in dict(num_bits=4, type="int", symmetric=True, strategy="group").items():
+        if w.get(key) != want:
+            raise NotImplementedError(f"compressed-tensors weights {key} = {w.get(key)!r} is not implemented "
+                                      f"(only {want!r})")
+    group = w.get("group_size")
+    if not isinstance(group, int) or group <= 0 or group % 8:
+        raise NotImplementedError(f"compressed-tensors group_size {group!r} is not implemented "
+                                  "(a positive multiple of 8, the values per packed word)")
+    return "int4", group
+
+
+def ignored(module, ignore):
+    """compressed-tensors' ignore rule: "re:" entries match by regex, others by name (or dotted suffix)."""
+    return any(re.match(e[3:], module) if e.startswith("re:") else module == e or module.endswith("." + e)
+               for e in ignore)
+
+
+NIBBLE_SHIFTS = tuple(range(0, 32, 4))
+
+
+def unpack_int4(packed):
+    """int32 [..., n/8] -> int8 [..., n] in [-8, 7]. Element c sits in word c//8 at bits
+    4*(c%8)..+3, stored as q + 8."""
+    shifts = torch.tensor(NIBBLE_SHIFTS, dtype=torch.int32, device=packed.device)
+    return (((packed.unsqueeze(-1) >> shifts) & 0xF) - 8).to(torch.int8).flatten(-2)
+
+
+def pack_int4(q):
+    """int [..., n] in [-8, 7] -> int32 [..., n/8]; the inverse of unpack_int4."""
+    if q.shape[-1] % 8 or q.min() < -8 or q.max() > 7:
+        raise ValueError(f"pack_int4 needs values in [-8, 7] and a last dim divisible by 8, got {list(q.shape)}")
+    nibbles = (q.to(torch.int64) + 8).unflatten(-1, (-1, 8))
+    words = (nibbles << torch.tensor(NIBBLE_SHIFTS)).sum(-1)         # in [0, 2^32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)   # as two's complement
+
+
+def dequantize_int4(packed, scale, group):
+    """W[r, c] = q[r, c] * scale[r, c // group], in scale's dtype: [..., out, in/8] -> [..., out, in]."""
+    q = unpack_int4(packed).to(scale.dtype).unflatten(-1, (-1, group))
+    return (q * scale.unsqueeze(-1)).flatten(-2)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -330,38 +430,79 @@ def grouped_mm_available(device, dtype):
         device.type == "cpu" or torch.cuda.get_device_capability(device) >= (9, 0))
 
 
+class PackedExperts(nn.Module):
+    """One projection of E experts as INT4 pack-quantized [E, out, in]: `weight_packed` int32
+    [E, out, in/8] and `weight_scale` [E, out, in/group] (the compute dtype; bf16 as shipped)."""
+
+    def __init__(self, E, out, inp, group, shard_dim, device, dtype):
+        super().__init__()
+        self.group = group
+        self.weight_packed = _param((E, out, inp // 8), shard_dim, device, torch.int32)
+        self.weight_scale = _param((E, out, inp // group), shard_dim, device, dtype)
+
+    def dequantize(self, ids=None):
+        """The weights of experts `ids` (any shape; all when None): [*ids.shape, out, in]."""
+        if ids is None:
+            return dequantize_int4(self.weight_packed, self.weight_scale, self.group)
+        return dequantize_int4(self.weight_packed[ids], self.weight_scale[ids], self.group)
+
+
 class Experts(nn.Module):
     """All routed experts of a layer, stacked, each sliced along its intermediate dim across ranks.
 
     impl "gather": gather each token's K experts' weights (the plain reference);
     impl "grouped": sort token-expert pairs by expert and run torch._grouped_mm with device-side
-    offsets, reading each expert's weights in place. Neither reads a device value on the host."""
+    offsets, reading each expert's weights in place. Neither reads a device value on the host.
+    With INT4 experts (args.int4_group_size) the weights stay packed; while the N*K token-expert
+    pairs are fewer than the experts (decode, verify) only the routed ones are dequantized, by
+    gathering; past that (prefill) every expert is dequantized once per layer."""
 
     def __init__(self, args, tp, impl, device, dtype):
         super().__init__()
         E, D = args.n_routed_experts, args.hidden_size
         inter = tp.split(args.moe_intermediate_size, "moe_intermediate_size")
-        self.impl = impl
-        self.gate_proj = _param((E, inter, D), 1, device, dtype)
-        self.up_proj = _param((E, inter, D), 1, device, dtype)
-        self.down_proj = _param((E, D, inter), 2, device, dtype)
+        self.impl, self.group = impl, args.int4_group_size
+        if self.group is None:
+            self.gate_proj = _param((E, inter, D), 1, device, dtype)
+            self.up_proj = _param((E, inter, D), 1, device, dtype)
+            self.down_proj = _param((E, D, inter), 2, device, dtype)
+            return
+        for name, size in (("hidden_size", D), ("moe_intermediate_size per rank", inter)):
+            if size % self.group:
+                raise ValueError(f"INT4 experts: {name} = {size} does not fall on whole {self.group}-element "
+                                 f"groups (down_proj's packed input is split across {tp.world_size} ranks)")
+        self.gate_proj = PackedExperts(E, inter, D, self.group, 1, device, dtype)
+        self.up_proj = PackedExperts(E, inter, D, self.group, 1, device, dtype)
+        self.down_proj = PackedExperts(E, D, inter, self.group, 2, device, dtype)  # split along its input
+
+    def weights(self, proj, ids=None):
+        """Projection `proj` of experts `ids` (all when None) in the compute dtype: [..., out, in]."""
+        w = getattr(self, proj)
+        if self.group:
+            return w.dequantize(ids)
+        return w if ids is None else w[ids]
+
+    def expert_bytes(self):
+        """Bytes of one expert's three projections as stored (packed words and scales for INT4)."""
+        return sum(t[0].numel() * t.element_size() for t in self.parameters())
 
     def forward(self, x, ids, weights):                 # x [N, D], ids/weights [N, K] -> [N, D]
         N, K = ids.shape
-        if self.impl == "gather":
-            h = (F.silu(torch.einsum("nd,nkid->nki", x, self.gate_proj[ids]))
-                 * torch.einsum("nd,nkid->nki", x, self.up_proj[ids]))
-            y = torch.einsum("nki,nkdi->nkd", h, self.down_proj[ids])          # [N, K, D]
+        gather = self.impl == "gather" or (self.group is not None and N * K < self.up_proj.weight_packed.shape[0])
+        if gather:
+            h = (F.silu(torch.einsum("nd,nkid->nki", x, self.weights("gate_proj", ids)))
+                 * torch.einsum("nd,nkid->nki", x, self.weights("up_proj", ids)))
+            y = torch.einsum("nki,nkdi->nkd", h, self.weights("down_proj", ids))   # [N, K, D]
         else:
             flat = ids.flatten()                                               # [N*K]
             order = flat.argsort(stable=True)
-            counts = torch.zeros(self.gate_proj.shape[0], dtype=torch.int32, device=x.device)
+            gate, up, down = (self.weights(p) for p in ("gate_proj", "up_proj", "down_proj"))
+            counts = torch.zeros(gate.shape[0], dtype=torch.int32, device=x.device)
             counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
             offs = counts.cumsum(0, dtype=torch.int32)
             xs = x[order // K]                                                 # [N*K, D] by expert
-            h = (F.silu(torch._grouped_mm(xs, self.gate_proj.mT, offs=offs))
-                 * torch._grouped_mm(xs, self.up_proj.mT, offs=offs))
-            ys = torch._grouped_mm(h, self.down_proj.mT, offs=offs)
+            h = F.silu(torch._grouped_mm(xs, gate.mT, offs=offs)) * torch._grouped_mm(xs, up.mT, offs=offs)
+            ys = torch._grouped_mm(h, down.mT, offs=offs)
             y = torch.empty_like(ys).index_copy_(0, order, ys).view(N, K, -1)  # back to token order
         return (at_least_f32(y) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
 
@@ -475,14 +616,15 @@ def global_shape(p, tp):
     return shape
 
 
-def checkpoint_table(model):
+def checkpoint_table(model, prefix=""):
     """[(hf_name, parameter, expert index or None)] for every tensor of the checkpoint."""
     table = []
     for name, p in model.named_parameters():
-        hf = name if name.startswith("lm_head.") else "model." + name
-        if ".mlp.experts." in name:
-            stem, proj = hf.rsplit(".", 1)
-            table += [(f"{stem}.{j}.{proj}.weight", p, j) for j in range(p.shape[0])]
+        hf = prefix + (name if name.startswith("lm_head.") else "model." + name)
+        if ".mlp.experts." in name:   # "gate_proj" (a plain weight) or "gate_proj.weight_packed" (INT4)
+            head, tail = hf.split(".mlp.experts.")
+            proj, _, kind = tail.partition(".")
+            table += [(f"{head}.mlp.experts.{j}.{proj}.{kind or 'weight'}", p, j) for j in range(p.shape[0])]
         else:
             table.append((hf, p, None))
     return table
@@ -491,16 +633,23 @@ def checkpoint_table(model):
 def init_random(model, seed, rank_local=False):
     """Random weights. Default: each tensor drawn whole on the CPU from a generator seeded by
     (seed, name), then sliced, so TP 1 and TP N hold the same model. rank_local=True draws only
-    this rank's slice on the device (cheap for configs too big to draw whole; TP N != TP 1)."""
+    this rank's slice on the device (cheap for configs too big to draw whole; TP N != TP 1).
+    INT4 experts get uniform random nibbles and scales that give |W| ~ 1/sqrt(in)."""
     tp = model.tp
     for name, p in model.named_parameters():
-        if not p.dtype.is_floating_point:  # index tables (the draft's d2t) are set by their owner
+        packed = name.endswith("weight_packed")
+        if not p.dtype.is_floating_point and not packed:  # index tables (the draft's d2t) are set by their owner
             continue
         g_device = p.device if rank_local else torch.device("cpu")
         g = torch.Generator(g_device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode())
                                                   + (7919 * tp.rank if rank_local else 0))
         shape = list(p.shape) if rank_local else global_shape(p, tp)
-        if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        if packed:
+            w = torch.randint(-2**31, 2**31, shape, generator=g, device=g_device, dtype=torch.int64).to(torch.int32)
+        elif name.endswith("weight_scale"):  # uniform q in [-8, 7] has std ~4.6
+            w = (1 + 0.1 * torch.randn(shape, generator=g, device=g_device)) / (
+                4.6 * math.sqrt(shape[-1] * model.args.int4_group_size))
+        elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
             w = 1 + 0.1 * torch.randn(shape, generator=g, device=g_device)
         elif name.endswith("e_score_correction_bias"):
             w = 0.1 * torch.randn(shape, generator=g, device=g_device)
@@ -514,14 +663,21 @@ def init_random(model, seed, rank_local=False):
 
 def save_target(model, path, max_shard_bytes=None):
     """Write config.json plus model.safetensors (or shards and model.safetensors.index.json)
-    in the HF DeepseekV3 layout. TP 1 only: a rank holds only its slices."""
+    in the HF DeepseekV3 layout; INT4 experts as compressed-tensors pack-quantized, with their
+    weight_shape. TP 1 only: a rank holds only its slices."""
     if model.tp.world_size != 1:
         raise ValueError("save_target needs the whole model (TP 1); this rank holds a 1/"
                          f"{model.tp.world_size} shard")
     os.makedirs(path, exist_ok=True)
+    cfg = model.args.to_hf_config()
+    if model.args.int4_group_size is None:
+        cfg.pop("quantization_config")  # FP8 was dequantized at load: what is written is plain
     with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(model.args.to_hf_config(), f, indent=2)
+        json.dump(cfg, f, indent=2)
     tensors = {k: (p if j is None else p[j]).detach().contiguous().cpu() for k, p, j in checkpoint_table(model)}
+    for k in [k for k in tensors if k.endswith(".weight_packed")]:
+        out, words = tensors[k].shape
+        tensors[k.removesuffix("packed") + "shape"] = torch.tensor([out, words * 8])
     write_safetensors(tensors, path, max_shard_bytes)
 
 
@@ -564,60 +720,119 @@ FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
 INT_DTYPES = {torch.int64: "I64", torch.int32: "I32"}
 
 
-def load_weights(table, path, tp, what="checkpoint", skip=lambda name: False):
+def rank_slice(shape, dim, tp):
+    """The index of this rank's slice of a tensor of global `shape` split along `dim` (or whole)."""
+    index = [slice(0, n) for n in shape]
+    if dim is not None:
+        n = shape[dim] // tp.world_size
+        index[dim] = slice(tp.rank * n, (tp.rank + 1) * n)
+    return tuple(index)
+
+
+def dequantize_fp8_slice(name, sl, scale_sl, index, block, device):
+    """This rank's slice of an FP8 weight times its block scales, in float32 on `device`. Only the
+    scale blocks that overlap the slice are read; a slice may start or end inside a block."""
+    shape, (br, bc) = sl.get_shape(), block
+    want = [-(-shape[0] // br), -(-shape[1] // bc)]
+    if list(scale_sl.get_shape()) != want:
+        raise ValueError(f"{name}_scale_inv: expected shape {want} for {shape} in {br}x{bc} blocks, "
+                         f"found {list(scale_sl.get_shape())}")
+    (r0, r1), (c0, c1) = [(s.start, s.stop) for s in index]
+    w = sl[index].to(device).float()
+    s = scale_sl[r0 // br:-(-r1 // br), c0 // bc:-(-c1 // bc)].to(device).float()
+    s = s.repeat_interleave(br, 0).repeat_interleave(bc, 1)
+    return w * s[r0 % br:r0 % br + r1 - r0, c0 % bc:c0 % bc + c1 - c0]
+
+
+def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8_block=None):
     """Copy this rank's slice of every tensor in `table` [(name, param, expert or None)] from the
-    safetensors files under `path`, reading only those slices (safetensors get_slice)."""
+    safetensors files under `path`, reading only those slices (safetensors get_slice), one tensor
+    at a time. skip(name) gives a label for a tensor to pass over (None: not skipped). FP8
+    tensors are dequantized with their `weight_scale_inv` in fp8_block blocks; INT4 ones are
+    copied packed after their `weight_shape` is checked."""
     files = checkpoint_files(path)
     expected = {name: (p, j) for name, p, j in table}
-    skipped = [k for k in files if k not in expected and skip(k)]
+    companions = {k for k in files if k.endswith((".weight_scale_inv", ".weight_shape"))}  # read with their weight
+    skipped = Counter(skip(k) for k in files if k not in expected and skip(k))
     missing = [k for k in expected if k not in files]
-    unexpected = [k for k in files if k not in expected and k not in skipped]
+    unexpected = [k for k in files if k not in expected and k not in companions and not skip(k)]
+    packed_elsewhere = [k for k in unexpected if k.endswith(".weight_packed")]
+    if packed_elsewhere:
+        raise NotImplementedError(f"{what} {path}: INT4 is implemented for the routed experts only; "
+                                  f"{len(packed_elsewhere)} other tensor(s) are packed, e.g. {packed_elsewhere[:2]}")
     if missing:
         raise KeyError(f"{what} {path} is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
     if unexpected:
         raise KeyError(f"{what} {path} has {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]}")
     if skipped:
-        print0(f"{what}: skipping {len(skipped)} tensors this model does not use (e.g. {skipped[0]})")
-    by_file = {}
-    for k, p_j in expected.items():
-        by_file.setdefault(files[k], []).append((k, *p_j))
+        print0(f"{what}: skipping {sum(skipped.values())} tensors this model does not use: "
+               + ", ".join(f"{label} ({n})" for label, n in sorted(skipped.items())))
     bar = tqdm(total=len(expected), desc=f"loading {what}", disable=tp.rank != 0, unit="tensor")
-    for fname, items in by_file.items():
-        with safe_open(fname, "pt", device="cpu") as f:
-            for k, p, j in items:
-                sl = f.get_slice(k)
-                want = global_shape(p, tp)[1:] if j is not None else global_shape(p, tp)
-                found = list(sl.get_shape())
-                if found != want:
-                    raise ValueError(f"{what} tensor {k}: expected shape {want}, found {found}")
+    with ExitStack() as stack:
+        handles = {}
+
+        def get_slice(k):
+            if k not in files:
+                raise KeyError(f"{what} {path} is missing {k}")
+            if files[k] not in handles:
+                handles[files[k]] = stack.enter_context(safe_open(files[k], "pt", device="cpu"))
+            return handles[files[k]].get_slice(k)
+
+        for k in sorted(expected, key=lambda k: files[k]):  # file by file: each shard is opened once
+            p, j = expected[k]
+            sl = get_slice(k)
+            want = global_shape(p, tp)[1:] if j is not None else global_shape(p, tp)
+            found = list(sl.get_shape())
+            if found != want:
+                raise ValueError(f"{what} tensor {k}: expected shape {want}, found {found}")
+            index = rank_slice(want, p.shard_dim if j is None or p.shard_dim is None else p.shard_dim - 1, tp)
+            dst = p if j is None else p[j]
+            if sl.get_dtype() == "F8_E4M3" and fp8_block and p.dtype.is_floating_point:
+                dst.copy_(dequantize_fp8_slice(k, sl, get_slice(k + "_scale_inv"), index, fp8_block, p.device))
+            else:
                 allowed = FLOAT_DTYPES if p.dtype.is_floating_point else {INT_DTYPES[p.dtype]}
                 if sl.get_dtype() not in allowed:
-                    raise TypeError(f"{what} tensor {k}: dtype {sl.get_dtype()} is not supported "
-                                    f"(expected one of {sorted(allowed)}; FP8/INT4 are not implemented)")
-                dim = p.shard_dim if j is None or p.shard_dim is None else p.shard_dim - 1
-                index = [slice(None)] * len(want)
-                if dim is not None:
-                    n = want[dim] // tp.world_size
-                    index[dim] = slice(tp.rank * n, (tp.rank + 1) * n)
-                (p if j is None else p[j]).copy_(sl[tuple(index)])
-                bar.update()
+                    raise TypeError(f"{what} tensor {k}: dtype {sl.get_dtype()} is not supported here (expected "
+                                    f"one of {sorted(allowed)}; FP8 needs an fp8 quantization_config)")
+                if k.endswith(".weight_packed"):
+                    shape = get_slice(k.removesuffix("packed") + "shape")[:].tolist()
+                    if shape != [want[0], want[1] * 8]:
+                        raise ValueError(f"{what} tensor {k}: packed shape {want} does not match its "
+                                         f"weight_shape {shape} (expected [{shape[0]}, {shape[1] // 8}] words)")
+                dst.copy_(sl[index])
+            bar.update()
     bar.close()
 
 
 def load_target(path, max_batch_size=1, max_seq_len=4096, device=None, dtype=None, tp=None, **kwargs):
     """config.json + safetensors (single file or sharded index) -> this rank's Transformer.
-    Each rank reads only its own slices; no rank ever holds the whole model."""
+    Each rank reads only its own slices; no rank ever holds the whole model. Reads bf16/fp16/fp32
+    checkpoints, FP8 block-quantized ones (dequantized per slice) and INT4 pack-quantized experts
+    (kept packed), and the Kimi-K2.5 layout (text model under `language_model.`; the vision
+    tower and projector skipped)."""
     cfg = read_config(path)
-    q = cfg.get("quantization_config") or cfg.get("text_config", {}).get("quantization_config")
-    if q:
-        raise NotImplementedError(f"quantized checkpoint ({q.get('quant_method')}) is not implemented yet: "
-                                  "only bf16/fp16/fp32 weights load")
     args = ModelArgs.from_hf_config(cfg)
+    kind, block_or_group = quant_scheme(args.quantization_config)
     model = Transformer(args, max_batch_size, max_seq_len, device, dtype, tp, **kwargs)
+    prefix = "language_model." if "text_config" in cfg else ""
+    table = checkpoint_table(model, prefix)
+    if kind == "int4":  # the ignore list must leave exactly the routed experts quantized
+        ignore = args.quantization_config.get("ignore") or []
+        for name, _, _ in table:
+            module, leaf = name.rsplit(".", 1)
+            routed = ".mlp.experts." in name
+            linear = name.endswith("_proj.weight") or name.endswith("lm_head.weight") or routed
+            if linear and leaf != "weight_scale" and ignored(module, ignore) == routed:
+                raise NotImplementedError(f"INT4 quantization_config: {module} is {'' if routed else 'not '}"
+                                          "in the ignore list; only the routed experts quantized is implemented")
     n = args.num_hidden_layers
 
-    def extra_layer(name):  # DeepSeek-V3 ships its MTP module as layer 61: not used here
-        parts = name.split(".")
-        return len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= n
-    load_weights(checkpoint_table(model), path, model.tp, "target", skip=extra_layer)
+    def skip(name):
+        if prefix and not name.startswith(prefix):
+            return name.split(".")[0]   # the vision tower and the projector
+        parts = name.removeprefix(prefix).split(".")
+        if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= n:
+            return f"layers >= {n} (DeepSeek's MTP module)"
+        return None
+    load_weights(table, path, model.tp, "target", skip=skip, fp8_block=block_or_group if kind == "fp8" else None)
     return model

@@ -35,7 +35,9 @@ def parse_args(argv=None):
     p.add_argument("--simulate-tp", type=int, help="build one SIMULATED rank of TP N (default on one GPU "
                    "with kimi-k2: 8)")
     p.add_argument("--routed-experts", type=int, help="keep N routed experts per layer (memory override; "
-                   "default on one GPU with kimi-k2: 128)")
+                   "default on one GPU with bf16 kimi-k2: 128; all 384 with --quant int4)")
+    p.add_argument("--quant", choices=["none", "int4"], help="random weights in this layout: int4 = routed "
+                   "experts packed as Kimi-K2-Thinking / K2.5 ship them (default: the preset's)")
     p.add_argument("--speculative-num-steps", type=int, default=3)
     p.add_argument("--speculative-eagle-topk", type=int, default=1)
     p.add_argument("--speculative-num-draft-tokens", type=int, help="must be steps + 1 with topk 1")
@@ -70,11 +72,14 @@ def settle(args, device, world):
     args.cuda_graph = args.cuda_graph or ("both" if gpu else "off")
     if args.cuda_graph != "off" and not gpu:
         sys.exit("--cuda-graph on/both needs a CUDA GPU; use --cuda-graph off on CPU")
-    big = args.preset == "kimi-k2" and not args.model_path
+    big = args.preset.startswith("kimi-k2") and not args.model_path
     if args.simulate_tp is None:
         args.simulate_tp = 8 if big and gpu and world == 1 else 1
-    if args.routed_experts is None and big and gpu:
-        args.routed_experts = 128
+    if args.model_path and args.quant:
+        sys.exit("--quant sets the layout of random weights; a checkpoint's config.json says its own")
+    int4 = args.quant == "int4" or args.quant is None and args.preset == "kimi-k2.5"
+    if args.routed_experts is None and big and gpu and not int4:
+        args.routed_experts = 128  # bf16: 384 experts are 2.3x one H200; INT4 ones fit
     args.prompt_len = args.prompt_len or (256 if gpu else 16)
     args.max_new_tokens = args.max_new_tokens or (64 if gpu else 24)
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
@@ -94,7 +99,8 @@ def build(args, device, dtype, world):
                                    moe_impl=args.moe_impl)
         how = f"loaded {args.model_path}"
     else:
-        margs = model.preset(args.preset)
+        quant = {None: {}, "none": dict(quantization_config=None), "int4": dict(quantization_config="int4")}
+        margs = model.preset(args.preset, **quant[args.quant])
         if args.routed_experts:
             tpm.print0(f"memory override: {args.routed_experts} of {margs.n_routed_experts} routed experts per layer kept")
             margs.n_routed_experts = args.routed_experts
@@ -202,8 +208,7 @@ def target_bytes(target, distinct, kv_slots, batch):
         if ".mlp.experts." not in name:
             total += p.numel() * p.element_size()
     for layer, n in zip([l for l in target.layers if isinstance(l.mlp, model.MoE)], distinct):
-        e = layer.mlp.experts
-        total += n * sum(w[0].numel() * w.element_size() for w in (e.gate_proj, e.up_proj, e.down_proj))
+        total += n * layer.mlp.experts.expert_bytes()
     a = target.args
     total += len(target.layers) * batch * kv_slots * (a.kv_lora_rank + a.qk_rope_head_dim) * target.dtype.itemsize
     return total
@@ -229,14 +234,16 @@ def main(argv=None):
     modes = ["prefill", "decode"] if args.speculative_attention_mode == "both" else [args.speculative_attention_mode]
     graph_opts = {"both": [False, True], "on": [True], "off": [False]}[args.cuda_graph]
     sim = bool(args.simulate_accept_len)
+    group = target.args.int4_group_size
+    quant_note = f" (routed experts INT4, group {group})" if group else ""
     header = (f"target: {how}, {target.args.num_hidden_layers} layers, {target.args.n_routed_experts} routed experts, "
-              f"{target.tp.describe()}, {args.dtype}, moe {target.moe_impl} | batch {B}, prompt {P}, "
+              f"{target.tp.describe()}, {args.dtype}{quant_note}, moe {target.moe_impl} | batch {B}, prompt {P}, "
               f"num_steps {k} | {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
               f"torch {torch.__version__}" + (" | acceptance SIMULATED" if sim else ""))
     tpm.print0(header)
     result = dict(env=dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                            torch=torch.__version__, world_size=world, simulated_tp=args.simulate_tp if target.tp.simulated else None,
-                           dtype=args.dtype, moe_impl=target.moe_impl, seed=args.seed, simulated_acceptance=sim,
+                           dtype=args.dtype, int4_group_size=group, moe_impl=target.moe_impl, seed=args.seed, simulated_acceptance=sim,
                            target=how, config=vars(args)), phases_ms={}, e2e={}, floors=None, cost_model={})
 
     g = torch.Generator().manual_seed(args.seed)

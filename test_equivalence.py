@@ -136,12 +136,16 @@ def test_kv_len_bounds_the_read_without_changing_results():
     assert_close(m(step, step_pos, "decode", kv_len=16), full, 1e-12, "kv_len=16 vs full cache")
 
 
-def test_grouped_moe_equals_gather():
-    m = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), 5)
-    g = Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32, moe_impl="grouped")
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_grouped_moe_equals_gather(quant):
+    """With INT4 experts, "grouped" dequantizes every expert once the token-expert pairs outnumber
+    them (every call here: 36 and 9 tokens x 4 experts >= 16)."""
+    args = tiny(quantization_config=quant)
+    m = init_random(Transformer(args, max_batch_size=3, max_seq_len=32, dtype=torch.float32), 5)
+    g = Transformer(args, max_batch_size=3, max_seq_len=32, dtype=torch.float32, moe_impl="grouped")
     g.load_state_dict(m.state_dict())
     assert m.moe_impl == "gather" and g.moe_impl == "grouped"
-    assert_close(run_steps(g), run_steps(m), 1e-4, "grouped_mm MoE vs gathered weights")
+    assert_close(run_steps(g), run_steps(m), 1e-4, f"grouped_mm MoE vs gathered weights, {quant or 'plain'} experts")
 
 
 def test_aux_states_are_the_chosen_layer_outputs():
@@ -297,6 +301,141 @@ def test_config_spellings_and_refusals():
             json.dump(dict(old, quantization_config={"quant_method": "fp8"}), f)
         with pytest.raises(NotImplementedError, match="fp8"):
             load_target(d)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized checkpoints: INT4 experts (kept packed) and FP8 blocks (dequantized at load) against
+# the same weights dequantized and saved plain
+
+def test_int4_bit_layout():
+    # DESIGN.md: element c of a row sits in word c//8 at bits 4*(c%8)..+3, stored as q + 8
+    q = torch.tensor([[-8, -1, 0, 7, 3, -5, 1, 2]])
+    nibbles = "A93BF870"   # q + 8 = 0 7 8 15 11 3 9 10, written from element 7 down to element 0
+    word = int(nibbles, 16) - 2**32   # the top nibble is >= 8: a negative int32
+    assert model.pack_int4(q).tolist() == [[word]]
+    assert model.unpack_int4(torch.tensor([[word]], dtype=torch.int32)).tolist() == q.tolist()
+    g = torch.Generator().manual_seed(0)
+    q = torch.randint(-8, 8, (5, 3, 64), generator=g)
+    q[0, 0, :8] = -8   # the edge: nibble 0, and a word of all-zero bits
+    packed = model.pack_int4(q)
+    assert packed.dtype == torch.int32 and packed.shape == (5, 3, 8)
+    assert torch.equal(model.unpack_int4(packed).long(), q)
+    scale = torch.rand(5, 3, 2, generator=g)
+    w = model.dequantize_int4(packed, scale, 32)
+    assert torch.equal(w, q * scale.repeat_interleave(32, -1))
+
+
+def int4_checkpoint(d, world_ok=True):
+    """The tiny model with INT4 experts in the Kimi-K2.5 layout (text_config, `language_model.`
+    prefix, a vision tower to skip), sharded; and the same weights dequantized, saved plain."""
+    args = tiny(moe_intermediate_size=64, quantization_config="int4")
+    m = init_random(Transformer(args, max_batch_size=3, max_seq_len=32, dtype=torch.float32), 5)
+    tensors = {k: (p if j is None else p[j]).detach().clone() for k, p, j in model.checkpoint_table(m, "language_model.")}
+    for k in [k for k in tensors if k.endswith("weight_packed")]:
+        tensors[k.removesuffix("packed") + "shape"] = torch.tensor([tensors[k].shape[0], tensors[k].shape[1] * 8])
+    tensors.update({"vision_tower.patch_embed.proj.weight": torch.zeros(4, 3), "mm_projector.proj.0.weight": torch.zeros(2)})
+    quant, plain = os.path.join(d, "int4"), os.path.join(d, "plain")
+    os.makedirs(quant)
+    model.write_safetensors(tensors, quant, max_shard_bytes=300_000)
+    with open(os.path.join(quant, "config.json"), "w") as f:
+        json.dump({"architectures": ["KimiK25ForConditionalGeneration"], "vision_config": {},
+                   "text_config": args.to_hf_config()}, f)
+    ref = Transformer(tiny(moe_intermediate_size=64), max_batch_size=3, max_seq_len=32, dtype=torch.float32)
+    for (name, p), (_, q) in zip(ref.named_parameters(), [(n, q) for n, q in m.named_parameters()
+                                                           if not n.endswith("weight_scale")]):
+        p.copy_(m.get_submodule(name.rsplit(".", 1)[0]).weights(name.rsplit(".", 1)[1])
+                if ".mlp.experts." in name else q)
+    save_target(ref, plain)
+    return quant, plain
+
+
+def fp8_checkpoint(d, block=32):
+    """The tiny model with every projection FP8 in `block` x `block` blocks (edges partial: 40 rows
+    of kv_a_proj, and TP 2 slices that start inside a block), and the same weights dequantized
+    here, independently of the loader, saved plain."""
+    m = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), 6)
+    quant, plain = os.path.join(d, "fp8"), os.path.join(d, "plain")
+    save_target(m, plain)
+    tensors, deq = load_file(os.path.join(plain, "model.safetensors")), {}
+    for k in [k for k in tensors if k.endswith("_proj.weight")]:
+        w = tensors[k]
+        rows, cols = -(-w.shape[0] // block), -(-w.shape[1] // block)
+        padded = torch.zeros(rows * block, cols * block)
+        padded[:w.shape[0], :w.shape[1]] = w
+        amax = padded.unflatten(0, (rows, block)).unflatten(2, (cols, block)).abs().amax((1, 3))
+        scale = amax.clamp(min=1e-12) / 448
+        full = scale.repeat_interleave(block, 0).repeat_interleave(block, 1)[:w.shape[0], :w.shape[1]]
+        tensors[k] = (w / full).to(torch.float8_e4m3fn)
+        tensors[k + "_scale_inv"] = scale
+        deq[k] = tensors[k].float() * full
+    os.makedirs(quant)
+    model.write_safetensors(tensors, quant, max_shard_bytes=200_000)
+    save_file({**load_file(os.path.join(plain, "model.safetensors")), **deq}, os.path.join(plain, "model.safetensors"))
+    cfg = dict(m.args.to_hf_config(), quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+               "activation_scheme": "dynamic", "weight_block_size": [block, block]})
+    with open(os.path.join(quant, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return quant, plain
+
+
+def _quant_worker(quant, plain):
+    return run_steps(load_target(quant, 3, 32, dtype=torch.float32)), run_steps(load_target(plain, 3, 32, dtype=torch.float32))
+
+
+@pytest.mark.parametrize("make", [int4_checkpoint, fp8_checkpoint])
+def test_quantized_checkpoint_equals_dequantized(make, tmp_path):
+    quant, plain = make(str(tmp_path))
+    loaded = load_target(quant, 3, 32, dtype=torch.float32)
+    if make is int4_checkpoint:
+        assert loaded.layers[1].mlp.experts.gate_proj.weight_packed.dtype == torch.int32  # stays packed
+    for world in (1, 2):
+        got, ref = _quant_worker(quant, plain) if world == 1 else run_ranks(2, _quant_worker, quant, plain)
+        assert_close(got, ref, 1e-5, f"{make.__name__} at TP {world}: quantized vs dequantized")
+        assert ref.abs().max() > 0.1
+
+
+def _edit(src, dst, edit_tensors=lambda t: None, edit_config=lambda c: None):
+    _edit_checkpoint(src, dst, edit_tensors)
+    with open(os.path.join(dst, "config.json")) as f:
+        cfg = json.load(f)
+    edit_config(cfg)
+    with open(os.path.join(dst, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return dst
+
+
+def test_bad_quantized_checkpoints_name_the_tensor(tmp_path):
+    int4, _ = int4_checkpoint(str(tmp_path / "a"))
+    fp8, _ = fp8_checkpoint(str(tmp_path / "b"))
+    E = "language_model.model.layers.3.mlp.experts.5.down_proj"
+    A = "model.layers.2.self_attn.q_b_proj.weight"
+
+    def qcfg(c):
+        return c["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]
+    cases = [
+        (int4, dict(edit_tensors=lambda t: t.pop(E + ".weight_scale")), KeyError, [E + ".weight_scale", "missing"]),
+        (int4, dict(edit_tensors=lambda t: t.update({E + ".weight_shape": torch.tensor([64, 128])})),
+         ValueError, [E + ".weight_packed", "[64, 128]"]),
+        (int4, dict(edit_config=lambda c: qcfg(c).update(group_size=48)), ValueError, ["hidden_size = 64", "48-element"]),
+        (int4, dict(edit_config=lambda c: qcfg(c).update(group_size=12)), NotImplementedError, ["group_size 12"]),
+        (int4, dict(edit_config=lambda c: c["text_config"]["quantization_config"].update(quant_method="awq")),
+         NotImplementedError, ["'awq'"]),
+        (int4, dict(edit_config=lambda c: c["text_config"]["quantization_config"].update(ignore=["lm_head"])),
+         NotImplementedError, ["self_attn", "ignore"]),
+        (int4, dict(edit_tensors=lambda t: t.update({"language_model." + A.replace("weight", "weight_packed"): torch.zeros(2, dtype=torch.int32)})),
+         NotImplementedError, ["routed experts only"]),
+        (fp8, dict(edit_tensors=lambda t: t.pop(A + "_scale_inv")), KeyError, [A + "_scale_inv"]),
+        (fp8, dict(edit_tensors=lambda t: t.update({A + "_scale_inv": torch.ones(2, 2)})), ValueError, [A + "_scale_inv", "[3, 1]"]),
+        (fp8, dict(edit_config=lambda c: c.pop("quantization_config")), TypeError, ["F8_E4M3", "quantization_config"]),
+    ]
+    for i, (src, edits, error, words) in enumerate(cases):
+        bad = _edit(src, str(tmp_path / f"bad{i}"), **edits)
+        with pytest.raises(error) as e:
+            load_target(bad, max_batch_size=1, max_seq_len=8, dtype=torch.float32)
+        for w in words:
+            assert w in str(e.value), (i, w, str(e.value))
+    with pytest.raises(ValueError, match="moe_intermediate_size per rank = 16 does not fall on whole 32-element"):
+        Transformer(tiny(moe_intermediate_size=64, quantization_config="int4"), tp=TP(0, 4))
 
 
 def test_simulated_rank_is_labelled_and_shaped_like_tp8():
@@ -527,8 +666,9 @@ def test_run_py_cli_tiny(tmp_path):
 # ---------------------------------------------------------------------------------------------
 # GPU: graphs against eager, no host sync, bf16 agreement (skipped without CUDA; run on the H200)
 
-def gpu_models(dtype=torch.bfloat16, B=3, seed=0):
-    target = init_random(Transformer(tiny(), max_batch_size=B, max_seq_len=64, device="cuda", dtype=dtype), seed)
+def gpu_models(dtype=torch.bfloat16, B=3, seed=0, quant=None):
+    target = init_random(Transformer(tiny(quantization_config=quant), max_batch_size=B, max_seq_len=64,
+                                     device="cuda", dtype=dtype), seed)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
     return target, head
 
@@ -555,9 +695,10 @@ def flat(out):
 
 
 @cuda
-def test_graph_replay_equals_eager():
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_graph_replay_equals_eager(quant):
     from graphs import CudaGraphs
-    target, head = gpu_models()
+    target, head = gpu_models(quant=quant)
     runner = CudaGraphs("cuda")
     for key, fn, inputs in captured_calls(target, head):
         eager = flat(fn(*inputs))
@@ -569,9 +710,10 @@ def test_graph_replay_equals_eager():
 
 
 @cuda
-def test_no_host_sync_in_captured_paths():
+@pytest.mark.parametrize("quant", [None, "int4"])
+def test_no_host_sync_in_captured_paths(quant):
     from graphs import CudaGraphs
-    target, head = gpu_models()
+    target, head = gpu_models(quant=quant)
     calls = captured_calls(target, head)
     runner = CudaGraphs("cuda")
     torch.cuda.synchronize()
