@@ -299,14 +299,13 @@ def rope_tables(dim, theta, rope_scaling, max_seq_len, device):
     return (freqs.cos() * attention_factor).to(device), (freqs.sin() * attention_factor).to(device)
 
 
-def apply_rope(x, cos, sin):
-    """Rotate interleaved pairs (x[2i], x[2i+1]) of the last dim. cos, sin: [B, T, R/2] (a head
-    dim is inserted for x [B, T, H, R])."""
+def apply_rope(x, cis):
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of the last dim, as complex numbers times
+    cis = cos + i sin [B, T, R/2] (a head dim is inserted for x [B, T, H, R])."""
     if x.dim() == 4:
-        cos, sin = cos.unsqueeze(2), sin.unsqueeze(2)
-    xf = at_least_f32(x).unflatten(-1, (-1, 2))
-    x0, x1 = xf[..., 0], xf[..., 1]
-    return torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), dim=-1).flatten(-2).to(x.dtype)
+        cis = cis.unsqueeze(2)
+    xc = torch.view_as_complex(at_least_f32(x).unflatten(-1, (-1, 2)).contiguous())
+    return torch.view_as_real(xc * cis).flatten(-2).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -315,10 +314,8 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _param((dim,), None, device, dtype)
 
-    def forward(self, x):
-        xf = at_least_f32(x)
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+    def forward(self, x):  # x * rsqrt(mean(x^2) + eps) * weight, in at least float32 inside
+        return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -352,18 +349,19 @@ class MLA(nn.Module):
         self.register_buffer("pe_cache", torch.zeros(max_batch_size, max_seq_len, a.qk_rope_head_dim, **cache),
                              persistent=False)
 
-    def forward(self, x, positions, cos, sin, mode, kv_len):
+    def forward(self, x, positions, rope, hidden, mode):
+        """hidden [B, T, S]: True where a query must not see a slot (slot > its position); S is
+        the number of cache slots read."""
         a, h = self.args, self.n_local_heads
-        B, T, _ = x.shape
+        (B, T, _), kv_len = x.shape, hidden.shape[-1]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
         q_nope, q_pe = q.view(B, T, h, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
-        q_pe = apply_rope(q_pe, cos, sin)
+        q_pe = apply_rope(q_pe, rope)
         kv, k_pe = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
         rows = torch.arange(B, device=x.device).unsqueeze(1)
         self.kv_cache[rows, positions] = self.kv_a_layernorm(kv)     # slot = position
-        self.pe_cache[rows, positions] = apply_rope(k_pe, cos, sin)
+        self.pe_cache[rows, positions] = apply_rope(k_pe, rope)
         kv_c, pe_c = self.kv_cache[:B, :kv_len], self.pe_cache[:B, :kv_len]     # [B, S, C], [B, S, R]
-        mask = torch.arange(kv_len, device=x.device) <= positions.unsqueeze(-1)   # [B, T, S]
         w_kv_b = self.kv_b_proj.weight.view(h, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
         w_uk, w_uv = w_kv_b.split([a.qk_nope_head_dim, a.v_head_dim], 1)      # [H, d, C]
         if mode == "extend":
@@ -375,7 +373,7 @@ class MLA(nn.Module):
             q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)               # [B, T, H, C]
             scores = (torch.einsum("bthc,bsc->bths", q_lat, kv_c)
                       + torch.einsum("bthr,bsr->bths", q_pe, pe_c))
-        scores = (scores * a.softmax_scale).masked_fill(~mask.unsqueeze(2), float("-inf"))
+        scores = (scores * a.softmax_scale).masked_fill(hidden.unsqueeze(2), float("-inf"))
         p = scores.softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)               # [B, T, H, S]
         if mode == "extend":
             o = torch.einsum("bths,bshd->bthd", p, v)
@@ -406,12 +404,14 @@ class Router(nn.Module):
     def __init__(self, args, device, dtype):
         super().__init__()
         self.args = args
-        self.weight = _param((args.n_routed_experts, args.hidden_size), None, device, dtype)
+        # kept in (at least) float32, as it is used: no cast of the [E, D] matrix per call
+        self.weight = _param((args.n_routed_experts, args.hidden_size), None, device,
+                             torch.promote_types(dtype or torch.get_default_dtype(), torch.float32))
         self.e_score_correction_bias = _param((args.n_routed_experts,), None, device, torch.float32)
 
     def forward(self, x):                                          # [N, D] -> [N, K] ids, weights
         a = self.args
-        scores = F.linear(at_least_f32(x), at_least_f32(self.weight)).sigmoid()  # [N, E] fp32
+        scores = F.linear(at_least_f32(x), self.weight).sigmoid()               # [N, E] fp32
         biased = scores + self.e_score_correction_bias
         if a.n_group > 1:
             grouped = biased.unflatten(-1, (a.n_group, -1))                    # [N, G, E/G]
@@ -536,8 +536,8 @@ class Block(nn.Module):
         else:
             self.mlp = MoE(args, tp, moe_impl, device, dtype)
 
-    def forward(self, x, positions, cos, sin, mode, kv_len):
-        x = x + self.self_attn(self.input_layernorm(x), positions, cos, sin, mode, kv_len)
+    def forward(self, x, positions, rope, hidden, mode):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, hidden, mode)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -572,12 +572,11 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, device, dtype)
         self.lm_head = ParallelLMHead(args.hidden_size, args.vocab_size, self.tp, device=device, dtype=dtype)
         cos, sin = rope_tables(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling, max_seq_len, device)
-        self.register_buffer("rope_cos", cos, persistent=False)
-        self.register_buffer("rope_sin", sin, persistent=False)
+        self.register_buffer("rope_cis", torch.complex(cos, sin), persistent=False)   # [S, R/2]
 
     @property
     def device(self):
-        return self.rope_cos.device
+        return self.rope_cis.device
 
     @property
     def dtype(self):
@@ -592,10 +591,11 @@ class Transformer(nn.Module):
             raise ValueError(f"mode must be 'extend' or 'decode', not {mode!r}")
         kv_len = kv_len or self.max_seq_len
         x = self.embed_tokens(tokens)                                         # [B, T, D]
-        cos, sin = self.rope_cos[positions], self.rope_sin[positions]         # [B, T, R/2]
+        rope = self.rope_cis[positions]                                       # [B, T, R/2]
+        hidden = torch.arange(kv_len, device=x.device) > positions.unsqueeze(-1)   # [B, T, S], once
         captured = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, cos, sin, mode, kv_len)
+            x = layer(x, positions, rope, hidden, mode)
             if capture_aux and i in self.aux_layer_ids:
                 captured[i] = x
         logits = self.lm_head(self.norm(x))
