@@ -574,6 +574,15 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling, max_seq_len, device)
         self.register_buffer("rope_cis", torch.complex(cos, sin), persistent=False)   # [S, R/2]
 
+    def compile_layers(self):
+        """Let torch.compile fuse each decoder layer's small kernels (regional compilation: the
+        layers of a kind share one compiled code, one per shape and mode). An option for speed,
+        tested equal to the plain layers; CUDA graphs stay explicit (graphs.py captures these)."""
+        torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+        for layer in self.layers:
+            layer.compile(dynamic=False)
+        return self
+
     @property
     def device(self):
         return self.rope_cis.device

@@ -53,6 +53,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float64"], help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--moe-impl", choices=["auto", "gather", "grouped"], default="auto",
                    help="routed experts: gathered weights (plain) or torch._grouped_mm (auto: grouped on a GPU)")
+    p.add_argument("--compile", action="store_true", help="also time the captured phases with each decoder "
+                   "layer and the draft layer fused by torch.compile (inside our own CUDA graphs), beside the plain ones")
     p.add_argument("--reps", type=int, help="timed repetitions per phase (default 20 GPU, 5 CPU)")
     p.add_argument("--json", help="also write the final JSON line here")
     return p.parse_args(argv)
@@ -70,6 +72,8 @@ def settle(args, device, world):
     args.speculative_num_draft_tokens = want
     args.preset = args.preset or ("kimi-k2" if gpu else "tiny")
     args.cuda_graph = args.cuda_graph or ("both" if gpu else "off")
+    if args.compile and not gpu:
+        sys.exit("--compile times the captured phases: it needs a CUDA GPU")
     if args.cuda_graph != "off" and not gpu:
         sys.exit("--cuda-graph on/both needs a CUDA GPU; use --cuda-graph off on CPU")
     big = args.preset.startswith("kimi-k2") and not args.model_path
@@ -214,6 +218,16 @@ def target_bytes(target, distinct, kv_slots, batch):
     return total
 
 
+def count_kernels(fn):
+    """Device kernels (and copies) one eager call launches: what a CUDA graph replays as nodes."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
+
+
 def draft_bytes(head, kv_slots, batch, with_fc):
     total = sum(p.numel() * p.element_size() for n, p in head.named_parameters() if with_fc or not n.startswith("fc."))
     attn = head.midlayer.self_attn
@@ -265,20 +279,32 @@ def main(argv=None):
         return median_ms(clock, call, args.reps, desc=f"{key[0]} {'graph' if graph else 'eager'}")
 
     ph = result["phases_ms"]
-    for graph in graph_opts:
-        gname = "graph" if graph else "eager"
-        ph[f"decode_step/{gname}"] = timed(("decode", B, 1), partial(target, mode="decode"), step_tok, positions(1), graph=graph)
-        vtok = tokens[:, -(k + 1):]
+    vtok, last = tokens[:, -(k + 1):], torch.full((B,), k, device=device)
+
+    def time_phases(graph, tag=""):
+        """decode step, verify in each mode, draft extend and one draft step (chain of 2 minus 1)."""
+        gname = ("graph" if graph else "eager") + tag
+
+        def key(*parts):  # the plain phases share their graphs with generate's
+            return parts + (tag,) if tag else parts
+        ph[f"decode_step/{gname}"] = timed(key("decode", B, 1), partial(target, mode="decode"), step_tok,
+                                           positions(1), graph=graph)
         for mode in modes:
-            ph[f"verify/{mode}/{gname}"] = timed(("verify", ATTENTION_MODES[mode], B, k + 1),
+            ph[f"verify/{mode}/{gname}"] = timed(key("verify", ATTENTION_MODES[mode], B, k + 1),
                                                  partial(target, mode=ATTENTION_MODES[mode], capture_aux=True),
                                                  vtok, positions(k + 1), graph=graph)
-        last = torch.full((B,), k, device=device)
-        ph[f"draft_extend/{gname}"] = timed(("draft_extend", B, k + 1), head.extend, vtok, positions(k + 1),
+        ph[f"draft_extend/{gname}"] = timed(key("draft_extend", B, k + 1), head.extend, vtok, positions(k + 1),
                                             aux[:, -(k + 1):], last, graph=graph)
         first, gh = head.extend(vtok, positions(k + 1), aux[:, -(k + 1):], last)
-        ph[f"draft_step/{gname}"] = timed(("draft_chain", B, 2), partial(head.chain, num_steps=2), first, gh,
+        ph[f"draft_step/{gname}"] = timed(key("draft_chain", B, 2), partial(head.chain, num_steps=2), first, gh,
                                           positions(1)[:, 0] + k, graph=graph)
+
+    for graph in graph_opts:
+        time_phases(graph)
+        if device.type == "cuda" and not graph:
+            result["env"]["gpu_mem_peak_eager_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
+    if device.type == "cuda":
+        result["kernels_per_decode_step"] = count_kernels(lambda: target(step_tok, positions(1), "decode"))
     logits = target(tokens[:, -(k + 1):], positions(k + 1), "decode")
     ph["accept"] = median_ms(clock, lambda: accept(logits, tokens[:, -k:], args.temperature, None if args.temperature == 0
                                                    else torch.Generator(device).manual_seed(0)), args.reps)
@@ -355,6 +381,17 @@ def main(argv=None):
             comm[T] = median_ms(clock, lambda: dist.all_reduce(buf), args.reps) * 2 * target.args.num_hidden_layers
         result["allreduce_ms_per_forward"] = comm
 
+    # -- the same captured phases with torch.compile fusing each layer (last: it changes the modules)
+    if args.compile:
+        try:
+            target.compile_layers()
+            head.midlayer.compile(dynamic=False)
+            time_phases(True, "+compile")
+            result["kernels_per_decode_step_compiled"] = count_kernels(lambda: target(step_tok, positions(1), "decode"))
+        except Exception as e:  # an optional measurement: say why it is missing, keep the rest
+            result["compile_error"] = f"{type(e).__name__}: {e}"[:500]
+            tpm.print0(f"torch.compile variant failed: {result['compile_error']}")
+
     # -- cost model: cycle(k) = draft_extend(k+1) + (k-1) draft steps + verify(k+1) + accept + host
     base_step = result["e2e"][f"baseline/{'graph' if best_graph else 'eager'}"]["phases_ms"]["cycle"]
     host = statistics.median([v["phases_ms"].get("host", 0.0) for n, v in result["e2e"].items() if n.startswith("eagle3")] or [0])
@@ -413,7 +450,10 @@ def report(r, header, k):
         sp = " ".join(f"{t}:{s:.2f}x" for t, s in c["speedup_at"].items())
         print(f"  num_steps {steps}: cycle {c['cycle_ms']:.2f} ms, break-even {c['break_even_accept_len']:.2f} | speedup at accept len {sp}")
     if "gpu_mem_peak_GB" in r["env"]:
-        print(f"\nGPU memory: weights {r['env']['weights_GB']:.1f} GB, peak allocated {r['env']['gpu_mem_peak_GB']:.1f} GB")
+        print(f"\nGPU memory: weights {r['env']['weights_GB']:.1f} GB, peak allocated {r['env']['gpu_mem_peak_GB']:.1f} GB "
+              f"(eager phases only: {r['env'].get('gpu_mem_peak_eager_GB', float('nan')):.1f} GB)")
+        print(f"kernels per eager decode step: {r.get('kernels_per_decode_step')}"
+              + (f", with torch.compile: {r['kernels_per_decode_step_compiled']}" if "kernels_per_decode_step_compiled" in r else ""))
     if r.get("allreduce_ms_per_forward"):
         print(f"\nall-reduce per forward (2 per layer): {r['allreduce_ms_per_forward']}")
     if r.get("greedy_agreement_with_plain"):

@@ -760,3 +760,26 @@ def test_gpu_decode_attention_equals_extend_and_grouped_equals_gather():
     grouped = moe.experts(x, ids, weights)
     moe.experts.impl = "gather"
     assert_close(grouped, moe.experts(x, ids, weights), 2e-2 * grouped.abs().max().item(), "bf16 grouped vs gather")
+
+
+@cuda
+def test_compiled_layers_equal_plain_inside_graphs_without_host_sync():
+    """run.py --compile: torch.compile fuses each layer, our CUDA graphs capture the result."""
+    from functools import partial
+    from graphs import CudaGraphs
+    target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32), 0)
+    prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
+    target(prefill, prefill_pos)
+    plain = {mode: target(step, step_pos, mode) for mode in ("extend", "decode")}
+    target.compile_layers()
+    runner = CudaGraphs("cuda")
+    for mode, ref in plain.items():
+        fn = partial(target, mode=mode)
+        assert_close(fn(step, step_pos), ref, 1e-4, f"compiled vs plain layers, {mode}")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            graphed = runner.run(("compiled", mode), fn, step, step_pos)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert_close(graphed, ref, 1e-4, f"compiled layers in a CUDA graph vs plain, {mode}")
