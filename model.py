@@ -238,13 +238,10 @@ def ignored(module, ignore):
                for e in ignore)
 
 
-NIBBLE_SHIFTS = tuple(range(0, 32, 4))
-
-
 def unpack_int4(packed):
     """int32 [..., n/8] -> int8 [..., n] in [-8, 7]. Element c sits in word c//8 at bits
     4*(c%8)..+3, stored as q + 8."""
-    shifts = torch.tensor(NIBBLE_SHIFTS, dtype=torch.int32, device=packed.device)
+    shifts = torch.arange(0, 32, 4, dtype=torch.int32, device=packed.device)   # made on the device: capturable
     return (((packed.unsqueeze(-1) >> shifts) & 0xF) - 8).to(torch.int8).flatten(-2)
 
 
@@ -253,7 +250,7 @@ def pack_int4(q):
     if q.shape[-1] % 8 or q.min() < -8 or q.max() > 7:
         raise ValueError(f"pack_int4 needs values in [-8, 7] and a last dim divisible by 8, got {list(q.shape)}")
     nibbles = (q.to(torch.int64) + 8).unflatten(-1, (-1, 8))
-    words = (nibbles << torch.tensor(NIBBLE_SHIFTS)).sum(-1)         # in [0, 2^32)
+    words = (nibbles << torch.arange(0, 32, 4, device=q.device)).sum(-1)     # in [0, 2^32)
     return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)   # as two's complement
 
 
@@ -426,8 +423,12 @@ class Router(nn.Module):
 
 
 def grouped_mm_available(device, dtype):
-    return hasattr(torch, "_grouped_mm") and dtype in (torch.bfloat16, torch.float32) and (
-        device.type == "cpu" or torch.cuda.get_device_capability(device) >= (9, 0))
+    """torch._grouped_mm: bf16 on Hopper or newer; bf16 and float32 on the CPU."""
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cpu":
+        return dtype in (torch.bfloat16, torch.float32)
+    return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
 class PackedExperts(nn.Module):
