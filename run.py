@@ -2,20 +2,29 @@
 
     torchrun --nproc-per-node 8 run.py      # real TP 8 (NCCL)
     python run.py                           # one GPU: one SIMULATED rank of TP 8; CPU: tiny model
+    python run.py --model-path K2 --prompt-ids p.jsonl --dump ref.npz   # the correctness baseline
+    python run.py --compare ref.npz engine.npz                          # no model, no GPU
 
 Answers the background story's question with separate measurements: the attention path of
 verify (prefill = extend-style, decode = absorbed MLA) and graph capture (eager, CUDA graph) are
 two independent switches, timed in all four combinations. Device work is timed with CUDA events
 after warm-up (medians); host clocks are read only after a synchronize. Forced acceptance
 (--simulate-accept-len) is labelled SIMULATED everywhere it appears.
+
+--dump writes what the model says (greedy tokens, the target's top-K log-probabilities along them,
+the drafts and accepted counts of a speculative run) as an .npz that another engine's output can
+be converted to; --compare reports where two such files disagree (README: "Checking an engine
+against this reference").
 """
 import argparse
 import json
+import math
 import statistics
 import sys
 import time
 from functools import partial
 
+import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
@@ -41,7 +50,8 @@ def parse_args(argv=None):
     p.add_argument("--speculative-num-steps", type=int, default=3)
     p.add_argument("--speculative-eagle-topk", type=int, default=1)
     p.add_argument("--speculative-num-draft-tokens", type=int, help="must be steps + 1 with topk 1")
-    p.add_argument("--speculative-attention-mode", choices=["prefill", "decode", "both"], default="both")
+    p.add_argument("--speculative-attention-mode", choices=["prefill", "decode", "both"],
+                   help="default: both (timing), prefill (--dump)")
     p.add_argument("--cuda-graph", choices=["on", "off", "both"], help="default: both on a GPU, off on CPU")
     p.add_argument("--batch-size", type=int, default=1)
     p.add_argument("--prompt-len", type=int, help="default 256 on a GPU, 16 on CPU")
@@ -57,12 +67,45 @@ def parse_args(argv=None):
                    "layer and the draft layer fused by torch.compile (inside our own CUDA graphs), beside the plain ones")
     p.add_argument("--reps", type=int, help="timed repetitions per phase (default 20 GPU, 5 CPU)")
     p.add_argument("--json", help="also write the final JSON line here")
+    b = p.add_argument_group("correctness baseline (README: Checking an engine against this reference)")
+    b.add_argument("--dump", metavar="PATH", help="write greedy output and top-K log-probabilities of the "
+                   "--prompt-ids to this .npz (speculative, with drafts and accepted counts, when --draft-path "
+                   "is given); no timing")
+    b.add_argument("--prompt-ids", metavar="FILE", help="for --dump: one JSON list of token ids per line")
+    b.add_argument("--topk", type=int, default=20, help="for --dump: log-probabilities kept per position")
+    b.add_argument("--compare", nargs=2, metavar=("A.npz", "B.npz"), help="compare two dumps (no model, no "
+                   "GPU); exit status 1 past the thresholds below, 2 if the files cannot be compared")
+    b.add_argument("--max-logprob-diff", type=float, default=MAX_LOGPROB_DIFF, help="largest |log p_A - log p_B| "
+                   "over ids in both top-K lists, on positions both runs read the same tokens (default %(default)s)")
+    b.add_argument("--min-top1-agreement", type=float, default=MIN_TOP1_AGREEMENT, help="share of those "
+                   "positions, all rows together, whose top-1 ids agree (default %(default)s)")
+    b.add_argument("--max-accept-diff", type=float, default=MAX_ACCEPT_DIFF, help="largest difference in drafts "
+                   "accepted per cycle (mean over all rows' cycles), when both files have 'accepted' "
+                   "(default %(default)s)")
     return p.parse_args(argv)
 
 
 def settle(args, device, world):
     """Fill in device-dependent defaults and check the speculative flags as SGLang does."""
     gpu = device.type == "cuda"
+    if args.dump:  # the model's own greedy answers, in one configuration
+        refuse = {"--simulate-tp": (args.simulate_tp or 1) > 1, "--routed-experts": args.routed_experts,
+                  "--simulate-accept-len": args.simulate_accept_len, "--temperature": args.temperature != 0,
+                  "--cuda-graph both": args.cuda_graph == "both", "--speculative-attention-mode both":
+                  args.speculative_attention_mode == "both"}
+        for flag, bad in refuse.items():
+            if bad:
+                sys.exit(f"--dump records the model's own greedy answers in one configuration: drop {flag}")
+        if not args.prompt_ids:
+            sys.exit("--dump needs --prompt-ids FILE (one JSON list of token ids per line)")
+        try:
+            args.prompts = read_prompt_ids(args.prompt_ids)
+        except (OSError, ValueError) as e:
+            sys.exit(f"--prompt-ids: {e}")
+        args.batch_size, args.prompt_len = len(args.prompts), max(len(p) for p in args.prompts)
+        args.simulate_tp, args.cuda_graph = 1, args.cuda_graph or "off"
+        args.speculative_attention_mode = args.speculative_attention_mode or "prefill"
+    args.speculative_attention_mode = args.speculative_attention_mode or "both"
     if args.speculative_eagle_topk != 1:
         sys.exit(f"--speculative-eagle-topk {args.speculative_eagle_topk}: only 1 (chain drafting) is implemented")
     want = args.speculative_num_steps + 1
@@ -82,7 +125,7 @@ def settle(args, device, world):
     if args.model_path and args.quant:
         sys.exit("--quant sets the layout of random weights; a checkpoint's config.json says its own")
     int4 = args.quant == "int4" or args.quant is None and args.preset == "kimi-k2.5"
-    if args.routed_experts is None and big and gpu and not int4:
+    if args.routed_experts is None and big and gpu and not int4 and not args.dump:
         args.routed_experts = 128  # bf16: 384 experts are 2.3x one H200; INT4 ones fit
     args.prompt_len = args.prompt_len or (256 if gpu else 16)
     args.max_new_tokens = args.max_new_tokens or (64 if gpu else 24)
@@ -114,6 +157,8 @@ def build(args, device, dtype, world):
         how = f"random {args.preset} ({'seeded whole, same at any TP' if whole else 'rank-local init'})"
     if args.draft_path:
         head = load_draft(args.draft_path, target)
+    elif args.dump:  # a dump without a draft checkpoint is plain greedy
+        head = None
     else:
         dargs = draft_preset("tiny" if target.args.hidden_size == 64 else "kimi-k2")
         dargs.eagle_config = None if target.args.num_hidden_layers < 59 else dargs.eagle_config
@@ -235,11 +280,257 @@ def draft_bytes(head, kv_slots, batch, with_fc):
 
 
 # ---------------------------------------------------------------------------------------------
+# The correctness baseline: dump what the model says; compare any engine's dump with it.
+#
+# One .npz (README, "Checking an engine against this reference"). B prompts, P the longest, N =
+# max_new_tokens, K = --topk, C cycles, k = num_steps. Row b's sequence is its own prompt then its
+# output, with no padding between them; position t of the topk arrays holds the target's top-K
+# log-softmax after reading the sequence's first t+1 tokens, predicting token t+1.
+#   prompt_ids     int64   [B, P]         -1 after a shorter prompt
+#   output_ids     int64   [B, N]         greedy; -1 after the row stopped (its EOS is kept)
+#   topk_ids       int64   [B, P+N-1, K]  highest first; -1 where a row has no such position
+#   topk_logprobs  float32 [B, P+N-1, K]  NaN there
+#   draft_ids      int64   [B, C, k]      speculative only: the drafts cycle c verified, -1 once finished
+#   accepted       int64   [B, C]         speculative only: drafts accepted in cycle c (the target's
+#                                         bonus token not counted), -1 once the row finished
+#   meta           str     []             optional: JSON saying what produced the file
+
+# Defaults for --compare, set for bf16 against float32 with room to spare: on the tiny model made
+# well-conditioned (README), bf16 against float32 reached at worst top-1 agreement 0.886 and max
+# |logprob diff| 0.244 over 12 seeds; the defaults allow about twice that. A random MoE without
+# that conditioning is chaotic in bf16 (near-tied routing flips) and fails them.
+MAX_LOGPROB_DIFF = 0.5
+MIN_TOP1_AGREEMENT = 0.8
+MAX_ACCEPT_DIFF = 0.5
+
+
+def read_prompt_ids(path):
+    """One JSON list of token ids per line (blank lines skipped)."""
+    prompts = []
+    with open(path) as f:
+        for i, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                ids = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path} line {i} is not JSON: {e}") from None
+            if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
+                raise ValueError(f"{path} line {i}: expected a non-empty JSON list of token ids, "
+                                 f"got {line.strip()[:80]}")
+            prompts.append(ids)
+    if not prompts:
+        raise ValueError(f"{path} holds no prompts")
+    return prompts
+
+
+@torch.no_grad()
+def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=20, attention_mode="prefill",
+         use_graphs=False, eos_id=None, chunk=256):
+    """Greedy generation (speculative with `head`, plain with None) and the target's top-K
+    log-probabilities along the sequences it produced: the dump's arrays, the same on every rank.
+
+    The log-probabilities come from a separate teacher-forced extend forward over each row's prompt
+    and output, so they do not depend on how generation batched, drafted or graphed its steps."""
+    if max_new_tokens < 1 or not 1 <= topk <= target.args.vocab_size:
+        raise ValueError(f"need max_new_tokens >= 1 (got {max_new_tokens}) and 1 <= topk <= vocab_size "
+                         f"{target.args.vocab_size} (got {topk})")
+    res = generate(target, head, prompts, max_new_tokens=max_new_tokens, num_steps=num_steps,
+                   attention_mode=attention_mode, use_graphs=use_graphs, eos_id=eos_id)
+    B, P, N = len(prompts), max(len(p) for p in prompts), max_new_tokens
+    T = P + N - 1  # the last output token predicts nothing we keep
+    prompt_ids, output_ids = np.full((B, P), -1, np.int64), np.full((B, N), -1, np.int64)
+    seqs = torch.zeros(B, T, dtype=torch.int64)  # after a row's own end: zeros, read by no kept position
+    ends = torch.zeros(B, 1, dtype=torch.int64)  # positions < end have a next token in the row
+    for b, (p, out) in enumerate(zip(prompts, res.tokens)):
+        prompt_ids[b, :len(p)], output_ids[b, :len(out)] = p, out
+        seq = (list(p) + out)[:T]
+        seqs[b, :len(seq)] = torch.tensor(seq)
+        ends[b] = len(p) + len(out) - 1
+    seqs = seqs.to(target.device)
+    positions = torch.arange(T, device=target.device).expand(B, T)
+    ids, logprobs = [], []
+    for s in range(0, T, chunk):  # chunks over the cache (slot = position) bound the [B, chunk, V] logits
+        logits = target(seqs[:, s:s + chunk], positions[:, s:s + chunk], "extend")
+        lp, top = torch.log_softmax(logits, -1).topk(topk, -1)  # logits are float32 or wider
+        ids.append(top.cpu())
+        logprobs.append(lp.float().cpu())
+    kept = (torch.arange(T) < ends).unsqueeze(-1)                                # [B, T, 1]
+    out = dict(prompt_ids=prompt_ids, output_ids=output_ids,
+               topk_ids=torch.cat(ids, 1).masked_fill(~kept, -1).numpy(),
+               topk_logprobs=torch.cat(logprobs, 1).masked_fill(~kept, float("nan")).numpy())
+    if head is not None:
+        out["draft_ids"] = res.drafts.transpose(0, 1).numpy()                   # [B, C, k]
+        out["accepted"] = res.accepted.T.numpy()                                 # [B, C]
+    return out
+
+
+def check_dump(d, name):
+    """Every array a dump needs, with integer or float values and shapes that fit together.
+    Returns (B, P, N)."""
+    for key in ("prompt_ids", "output_ids", "topk_ids", "topk_logprobs"):
+        if key not in d:
+            raise ValueError(f"{name} has no array {key!r}")
+
+    def check(key, kind, dims):  # an int in dims must match; a letter is free
+        a = d[key]
+        if a.dtype.kind not in kind:
+            want = "an integer" if kind == "iu" else "a float"
+            raise ValueError(f"{name}: {key} has dtype {a.dtype}, expected {want} type")
+        if a.ndim != len(dims) or any(type(n) is int and n != got for n, got in zip(dims, a.shape)):
+            raise ValueError(f"{name}: {key} has shape {list(a.shape)}, expected [{', '.join(map(str, dims))}]")
+        return a.shape
+
+    B, P = check("prompt_ids", "iu", ["B", "P"])
+    N = check("output_ids", "iu", [B, "N"])[1]
+    K = check("topk_ids", "iu", [B, P + N - 1, "K"])[2]
+    check("topk_logprobs", "f", [B, P + N - 1, K])
+    C = check("accepted", "iu", [B, "C"])[1] if "accepted" in d else "C"
+    if "draft_ids" in d:
+        check("draft_ids", "iu", [B, C, "k"])
+    return B, P, N
+
+
+def load_dump(path):
+    try:
+        with np.load(path) as f:
+            return {key: f[key] for key in f.files}
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path} is not a readable .npz: {e}") from None
+
+
+def compare_row(a, b, r):
+    """One row of two dumps: where the outputs part, and how the log-probabilities agree before."""
+    prompt_len = int((a["prompt_ids"][r] >= 0).sum())
+    out_a, out_b = (d["output_ids"][r][d["output_ids"][r] >= 0] for d in (a, b))
+    n = min(len(out_a), len(out_b))
+    differ = np.flatnonzero(out_a[:n] != out_b[:n])
+    diverge = int(differ[0]) if len(differ) else (n if len(out_a) != len(out_b) else None)
+    same = prompt_len + (n if diverge is None else diverge)  # positions < same read the same tokens in both
+    ids_a, ids_b = a["topk_ids"][r, :same], b["topk_ids"][r, :same]                 # [same, K]
+    lp_a, lp_b = (d["topk_logprobs"][r, :same].astype(np.float64) for d in (a, b))
+    both = (ids_a[:, 0] >= 0) & (ids_b[:, 0] >= 0)                                  # reported by both
+    match = (ids_a[:, :, None] == ids_b[:, None, :]) & (ids_a[:, :, None] >= 0) & both[:, None, None]
+    diff = np.where(match, np.abs(lp_a[:, :, None] - lp_b[:, None, :]), 0.0).max((1, 2), initial=0.0)
+    worst = float(diff.max(initial=0.0))
+    row = dict(row=r, prompt_len=prompt_len, out_len=(len(out_a), len(out_b)), diverge=diverge,
+               positions=int(both.sum()), top1_agree=int((ids_a[both, 0] == ids_b[both, 0]).sum()),
+               max_logprob_diff=worst, at=int(diff.argmax()) if worst > 0 else None)
+    if "accepted" in a and "accepted" in b:
+        live = [d["accepted"][r][d["accepted"][r] >= 0] for d in (a, b)]
+        m = min(len(live[0]), len(live[1]))
+        first = np.flatnonzero(live[0][:m] != live[1][:m])
+        row["accepted_per_cycle"] = tuple(float(x.mean()) if len(x) else math.nan for x in live)
+        row["accept_differs_at"] = int(first[0]) if len(first) else (m if len(live[0]) != len(live[1]) else None)
+    return row
+
+
+def compare(a, b, names=("A", "B"), max_logprob_diff=MAX_LOGPROB_DIFF, min_top1_agreement=MIN_TOP1_AGREEMENT,
+            max_accept_diff=MAX_ACCEPT_DIFF):
+    """Two dumps of the same request (dicts of arrays). Per row: the first output index where the
+    greedy outputs differ; over the positions whose context is the same in both (the prompt and the
+    outputs before that index) and that both files report, the top-1 agreement and the largest
+    |log p| difference over ids in both top-K lists; the drafts accepted per cycle, where both have
+    them. The thresholds apply to all rows together. Returns a report dict whose "failures" lists
+    the thresholds passed (empty: pass)."""
+    for d, name in zip((a, b), names):
+        check_dump(d, name)
+    for key in ("prompt_ids", "output_ids"):
+        if a[key].shape != b[key].shape:
+            raise ValueError(f"{key}: {names[0]} has shape {list(a[key].shape)}, {names[1]} has "
+                             f"{list(b[key].shape)}: not dumps of the same prompts and max_new_tokens")
+    if (a["prompt_ids"] != b["prompt_ids"]).any():
+        row = int(np.argwhere(a["prompt_ids"] != b["prompt_ids"])[0, 0])
+        raise ValueError(f"prompt_ids differ in row {row}: not dumps of the same prompts")
+    rows = [compare_row(a, b, r) for r in range(len(a["prompt_ids"]))]
+    seen = sum(r["positions"] for r in rows)
+    report = dict(rows=rows, top1_agreement=sum(r["top1_agree"] for r in rows) / seen if seen else math.nan,
+                  max_logprob_diff=max(r["max_logprob_diff"] for r in rows), accept_diff=None, failures=[])
+    fail = report["failures"]
+    if not seen:
+        fail.append("no position to compare: the files share no reported position")
+    elif report["top1_agreement"] < min_top1_agreement:
+        fail.append(f"top-1 agreement {report['top1_agreement']:.4f} < --min-top1-agreement {min_top1_agreement}")
+    if report["max_logprob_diff"] > max_logprob_diff:
+        fail.append(f"max |logprob diff| {report['max_logprob_diff']:.3g} > --max-logprob-diff {max_logprob_diff}")
+    live = [d["accepted"][d["accepted"] >= 0] for d in (a, b) if "accepted" in d]
+    if len(live) == 2 and all(len(x) for x in live):
+        report["accept_diff"] = abs(float(live[0].mean() - live[1].mean()))
+        if report["accept_diff"] > max_accept_diff:
+            fail.append(f"drafts accepted per cycle differ by {report['accept_diff']:.3f} > --max-accept-diff "
+                        f"{max_accept_diff}")
+    return report
+
+
+def print_comparison(report, names, metas):
+    for name, meta in zip(names, metas):
+        print(f"{name}: {meta or '(no meta array)'}")
+    accept = "accepted_per_cycle" in report["rows"][0]
+    head = (f"{'row':>4} {'prompt':>6} {'out A/B':>9} {'diverge@':>8} {'top-1 agree':>17} {'max|dlogp|':>10} "
+            f"{'@pos':>5}")
+    print("\n" + head + (f" {'accepted/cycle A/B':>18} {'differ@cycle':>12}" if accept else ""))
+
+    def dash(x):
+        return "-" if x is None else x
+    for r in report["rows"]:
+        share = r["top1_agree"] / r["positions"] if r["positions"] else math.nan
+        line = (f"{r['row']:>4} {r['prompt_len']:>6} {'%d/%d' % r['out_len']:>9} {dash(r['diverge']):>8} "
+                f"{'%d/%d' % (r['top1_agree'], r['positions']):>11} {share:5.3f} {r['max_logprob_diff']:>10.2e} "
+                f"{dash(r['at']):>5}")
+        if accept:
+            line += f" {'%.2f/%.2f' % r['accepted_per_cycle']:>18} {dash(r['accept_differs_at']):>12}"
+        print(line)
+    accept_line = "" if report["accept_diff"] is None else \
+        f", drafts accepted per cycle differ by {report['accept_diff']:.3f}"
+    print(f"\nall rows: top-1 agreement {report['top1_agreement']:.4f}, max |logprob diff| "
+          f"{report['max_logprob_diff']:.3g}{accept_line}")
+    print("FAIL: " + "; ".join(report["failures"]) if report["failures"] else "PASS")
+
+
+def compare_main(args):
+    """--compare: exit 0 (pass), 1 (a threshold passed), 2 (the files cannot be compared)."""
+    try:
+        a, b = (load_dump(path) for path in args.compare)
+        report = compare(a, b, args.compare, args.max_logprob_diff, args.min_top1_agreement, args.max_accept_diff)
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        sys.exit(2)
+    print_comparison(report, args.compare, [str(d["meta"]) if "meta" in d else None for d in (a, b)])
+    sys.exit(1 if report["failures"] else 0)
+
+
+def dump_main(args, device, world):
+    dtype = getattr(torch, args.dtype)
+    target, head, how = build(args, device, dtype, world)
+    what = (f"EAGLE-3 {args.draft_path}, num_steps {args.speculative_num_steps}, attention "
+            f"{args.speculative_attention_mode}, graphs {args.cuda_graph}" if head else "plain greedy")
+    meta = dict(target=how, tp=target.tp.world_size, dtype=args.dtype, decoding=what,
+                max_new_tokens=args.max_new_tokens, topk=args.topk, torch=torch.__version__,
+                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
+    tpm.print0(f"dump: {meta}")
+    try:
+        arrays = dump(target, head, args.prompts, args.max_new_tokens, args.speculative_num_steps, args.topk,
+                      args.speculative_attention_mode, use_graphs=args.cuda_graph == "on")
+    except ValueError as e:
+        sys.exit(f"--dump: {e}")
+    if is_rank0():
+        with open(args.dump, "wb") as f:  # np.savez on a name would append ".npz" to other names
+            np.savez(f, meta=np.array(json.dumps(meta)), **arrays)
+        print("wrote " + args.dump + ": " + ", ".join(f"{k} {list(v.shape)}" for k, v in arrays.items()), flush=True)
+    return arrays
+
+
+# ---------------------------------------------------------------------------------------------
 
 @torch.no_grad()
 def main(argv=None):
+    args = parse_args(argv)
+    if args.compare:
+        compare_main(args)
     rank, world, device = tpm.init_distributed()
-    args = settle(parse_args(argv), device, world)
+    args = settle(args, device, world)
+    if args.dump:
+        return dump_main(args, device, world)
     dtype = getattr(torch, args.dtype)
     torch.manual_seed(args.seed)
     clock = Clock(device)

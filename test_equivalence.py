@@ -666,6 +666,167 @@ def test_run_py_cli_tiny(tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# The correctness baseline: run.py --dump and --compare
+
+import numpy as np  # noqa: E402
+
+import run  # noqa: E402
+
+
+def check_dump_layout(d, prompts, k):
+    """The arrays mean what the README says: padding where it says, the teacher-forced top-1 along
+    a greedy output is the token generated, and each cycle's accepted drafts are the output tokens
+    they became, its first rejected draft is not."""
+    for b, p in enumerate(prompts):
+        out = d["output_ids"][b][d["output_ids"][b] >= 0]
+        end = len(p) + len(out) - 1                     # positions < end predict a token of the row
+        assert d["prompt_ids"][b, :len(p)].tolist() == p and (d["prompt_ids"][b, len(p):] == -1).all()
+        assert (d["output_ids"][b, len(out):] == -1).all()
+        assert d["topk_ids"][b, len(p) - 1:end, 0].tolist() == out.tolist(), b
+        assert (np.diff(d["topk_logprobs"][b, :end], axis=-1) <= 0).all()
+        assert (d["topk_ids"][b, end:] == -1).all() and np.isnan(d["topk_logprobs"][b, end:]).all()
+        at = 1  # out[0] comes from the prefill; then each cycle emits its m accepted drafts and a bonus
+        for m, drafts in zip(d["accepted"][b], d["draft_ids"][b]):
+            if m < 0:
+                assert (drafts == -1).all()
+                continue
+            want = out[at:at + m]
+            assert drafts[:len(want)].tolist() == want.tolist(), (b, at, m)
+            if m < k and at + m < len(out):
+                assert drafts[m] != out[at + m], (b, at, m)
+            at += m + 1
+
+
+def _dump_worker(seed):
+    """The random tiny target and EAGLE-3 head (seeded whole: the same model at any TP), dumped."""
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), seed)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
+    d = run.dump(target, head, PROMPTS[3], max_new_tokens=16, num_steps=2)
+    return {key: torch.from_numpy(v) for key, v in d.items()}  # run_ranks' torch.load takes tensors
+
+
+def test_dump_at_tp2_equals_tp1():
+    ref = {key: v.numpy() for key, v in _dump_worker(31).items()}
+    got = {key: v.numpy() for key, v in run_ranks(2, _dump_worker, 31).items()}
+    check_dump_layout(ref, PROMPTS[3], 2)
+    for key in ("prompt_ids", "output_ids", "topk_ids", "draft_ids", "accepted"):
+        assert np.array_equal(got[key], ref[key]), key
+    report = run.compare(ref, got, max_logprob_diff=1e-5, min_top1_agreement=1.0, max_accept_diff=0.0)
+    assert not report["failures"] and [r["diverge"] for r in report["rows"]] == [None] * 3, report
+
+
+@pytest.fixture(scope="module")
+def planted_dump():
+    """A float32 dump whose drafts come from a proposer that knows the answer and errs by plan, so
+    every accepted length 0..k occurs; k = 2."""
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), 32)
+    plain = generate(target, None, PROMPTS[3], max_new_tokens=16).tokens
+    proposer = PlantedProposer(reference_sequences(PROMPTS[3], plain, 32), 256, lambda c, b: (c + b) % 3)
+    d = run.dump(target, proposer, PROMPTS[3], max_new_tokens=16, num_steps=2)
+    assert d["output_ids"].tolist() == [o + [-1] * (16 - len(o)) for o in plain]  # lossless
+    return target, d
+
+
+def test_compare_reports_a_planted_divergence(planted_dump, tmp_path, capsys):
+    target, a = planted_dump
+    check_dump_layout(a, PROMPTS[3], 2)
+    b = {key: v.copy() for key, v in a.items()}
+    row, j = 1, 5                   # the runner-up wins at output index 5 of row 1, as a near-tie flip would
+    t = len(PROMPTS[3][row]) - 1 + j                                    # the position that chose it
+    b["output_ids"][row, j] = a["topk_ids"][row, t, 1]
+    b["topk_ids"][row, t, :2] = a["topk_ids"][row, t, [1, 0]]           # the two ids swap log-probabilities
+    report = run.compare(a, b)
+    assert [r["diverge"] for r in report["rows"]] == [None, j, None]
+    r = report["rows"][row]
+    assert (r["positions"], r["top1_agree"], r["at"]) == (t + 1, t, t)
+    assert r["max_logprob_diff"] == pytest.approx(a["topk_logprobs"][row, t, 0] - a["topk_logprobs"][row, t, 1])
+    # the CLI: the same table, exit 0 within the thresholds, 1 past one, 2 for files that do not fit
+    for name, d in (("a", a), ("b", b), ("short", dict(a, topk_logprobs=a["topk_logprobs"][:, 1:])),
+                    ("missing", {key: v for key, v in a.items() if key != "topk_ids"})):
+        np.savez(tmp_path / f"{name}.npz", **d)
+
+    def cli(*argv):
+        with pytest.raises(SystemExit) as e:
+            run.main(["--compare", *(str(tmp_path / f"{x}.npz") for x in argv[:2]), *argv[2:]])
+        return e.value.code, capsys.readouterr()
+    code, out = cli("a", "b", "--max-logprob-diff", "1")
+    line = next(x for x in out.out.splitlines() if x.split()[:1] == [str(row)])
+    assert code == 0 and line.split()[3] == str(j) and "PASS" in out.out, out.out
+    code, out = cli("a", "b", "--min-top1-agreement", "1")
+    assert code == 1 and "FAIL: top-1 agreement" in out.out
+    code, out = cli("a", "short")
+    assert code == 2 and "topk_logprobs has shape [3, 23, 20], expected [3, 24, 20]" in out.err, out.err
+    code, out = cli("missing", "a")
+    assert code == 2 and "missing.npz has no array 'topk_ids'" in out.err, out.err
+
+
+def test_compare_catches_a_draft_that_accepts_less(planted_dump):
+    """The same target outputs (lossless), drafts from a random head instead of the planted ones."""
+    target, a = planted_dump
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 33)
+    b = run.dump(target, head, PROMPTS[3], max_new_tokens=16, num_steps=2)
+    report = run.compare(a, b)
+    assert np.array_equal(a["output_ids"], b["output_ids"]) and report["max_logprob_diff"] == 0
+    assert report["accept_diff"] > run.MAX_ACCEPT_DIFF and "drafts accepted per cycle" in report["failures"][0]
+
+
+def conditioned_tiny(dtype, seed):
+    """The tiny target and a random head as a bf16 checkpoint holds them (weights rounded to bf16),
+    run in `dtype`, with the routed experts' outputs scaled by 0.1: a random MoE is chaotic in bf16
+    (a near-tied routing choice flips and moves the hidden state as much as the whole layer), and
+    the scaling keeps a flip small, so that bf16 against float32 measures the arithmetic."""
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=dtype), seed)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
+    for layer in target.layers[target.args.first_k_dense_replace:]:
+        layer.mlp.experts.down_proj.mul_(0.1)
+    for p in [*target.parameters(), *head.parameters()]:
+        if p.is_floating_point():
+            p.copy_(p.to(torch.bfloat16))
+    return target, head
+
+
+def test_bf16_dump_passes_the_default_thresholds_and_fails_tight_ones():
+    dumps = [run.dump(*conditioned_tiny(dtype, 0), PROMPTS[3], max_new_tokens=16, num_steps=2)
+             for dtype in (torch.float32, torch.bfloat16)]
+    report = run.compare(*dumps)
+    print(f"\nbf16 against float32: top-1 agreement {report['top1_agreement']:.3f}, max |logprob diff| "
+          f"{report['max_logprob_diff']:.3f}, diverge@ {[r['diverge'] for r in report['rows']]}")
+    assert not report["failures"], report["failures"]
+    tight = run.compare(*dumps, max_logprob_diff=1e-3, min_top1_agreement=1.0)
+    assert any("--max-logprob-diff" in f for f in tight["failures"]), tight["failures"]
+
+
+def test_dump_from_the_command_line_and_bad_input(tiny_ckpt, tmp_path):
+    """run.py --dump with a checkpoint, a draft and a prompt file writes what dump() returns."""
+    ckpt, _ = tiny_ckpt
+    target = load_target(ckpt, max_batch_size=3, max_seq_len=32, dtype=torch.float32)
+    save_draft(init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 2), tmp_path / "draft")
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(p) for p in PROMPTS[3]) + "\n")
+    cmd = [sys.executable, os.path.join(HERE, "run.py"), "--model-path", ckpt, "--draft-path",
+           str(tmp_path / "draft"), "--prompt-ids", str(tmp_path / "p.jsonl"), "--max-new-tokens", "12", "--speculative-num-steps", "2",
+           "--dtype", "float32"]
+    cpu = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    subprocess.run(cmd + ["--dump", str(tmp_path / "cli.npz")], check=True, capture_output=True, env=cpu)
+    cli = run.load_dump(tmp_path / "cli.npz")
+    assert json.loads(str(cli["meta"]))["target"] == f"loaded {ckpt}"
+    ref = run.dump(target, load_draft(tmp_path / "draft", target), PROMPTS[3], max_new_tokens=12, num_steps=2,
+                   chunk=5)  # the teacher-forced forward in chunks over the cache: the same answers
+    report = run.compare(ref, cli, max_logprob_diff=1e-5, min_top1_agreement=1.0, max_accept_diff=0.0)
+    assert not report["failures"] and np.array_equal(ref["draft_ids"], cli["draft_ids"]), report
+    # bad input names the problem
+    with pytest.raises(ValueError, match="prompt row 1 has id 999 at position 2"):
+        run.dump(target, None, [[5, 6], [7, 8, 999]], max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_seq_len 32"):
+        run.dump(target, None, [[5] * 30], max_new_tokens=4)
+    (tmp_path / "bad.jsonl").write_text("[1, 2]\n{\"ids\": [3]}\n")
+    with pytest.raises(ValueError, match="bad.jsonl line 2: expected a non-empty JSON list"):
+        run.read_prompt_ids(tmp_path / "bad.jsonl")
+    bad = subprocess.run(cmd + ["--dump", str(tmp_path / "x.npz"), "--temperature", "0.7"], capture_output=True,
+                         text=True, env=cpu)
+    assert bad.returncode != 0 and "drop --temperature" in bad.stderr
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU: graphs against eager, no host sync, bf16 agreement (skipped without CUDA; run on the H200)
 
 def gpu_models(dtype=torch.bfloat16, B=3, seed=0, quant=None):

@@ -30,6 +30,8 @@ class GenerateResult:
     accepted: torch.Tensor  # [cycles, B] drafts accepted per row per cycle, -1 once a row finished
     cycles: int
     simulated: bool       # acceptance forced by simulate_accept_len: the tokens are not the model's
+    drafts: torch.Tensor | None = None  # [cycles, B, k] the ids each cycle verified, -1 once a row
+                                        # finished (None for plain decoding)
 
 
 def pad_prompts(prompts, device):
@@ -56,7 +58,9 @@ def check_request(target, tokens, lens, max_new_tokens, lookahead):
                          f"= {need} slots > max_seq_len {target.max_seq_len} of the KV cache")
     bad = (tokens < 0) | (tokens >= a.vocab_size)
     if bad.any():
-        raise ValueError(f"prompt id {tokens[bad][0].item()} is outside the vocabulary [0, {a.vocab_size})")
+        row, col = bad.nonzero()[0].tolist()
+        raise ValueError(f"prompt row {row} has id {tokens[row, col].item()} at position {col}, outside the "
+                         f"vocabulary [0, {a.vocab_size})")
 
 
 def exponential_race(weights, generator):
@@ -136,7 +140,7 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
         shifted = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).scatter(1, last.unsqueeze(1), x.unsqueeze(1))
         drafts = draft.propose(shifted, positions, aux, last, num_steps)
     mark = timer.mark if timer is not None else (lambda name: None)
-    accepted = []
+    accepted, proposed = [], []
     while True:
         if bool(done.all()):  # HOST READ: the loop's one device->host sync per cycle
             break
@@ -147,6 +151,7 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
             mark("decode")
             m, emitted = torch.zeros_like(cur), sample(logits[:, 0], temperature, gen).unsqueeze(1)
         else:
+            proposed.append(drafts)  # kept on the device, stacked after the loop
             verify_in = torch.cat([x.unsqueeze(1), drafts], 1)                   # [x_p, d_1..d_k]
             logits, aux = run(("verify", mode, B, k + 1), partial(target, mode=mode, capture_aux=True),
                               verify_in, pos)
@@ -182,4 +187,9 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
     n = n_out.tolist()
     rows = generated.tolist()
     stats = torch.stack(accepted).cpu() if accepted else torch.zeros(0, B, dtype=torch.int64)
-    return GenerateResult([r[:c] for r, c in zip(rows, n)], stats, len(accepted), bool(simulate_accept_len))
+    drafted = None
+    if draft is not None:
+        drafted = torch.stack(proposed).cpu() if proposed else torch.zeros(0, B, k, dtype=torch.int64)
+        drafted = drafted.masked_fill((stats < 0).unsqueeze(-1), -1)
+    return GenerateResult([r[:c] for r, c in zip(rows, n)], stats, len(accepted), bool(simulate_accept_len),
+                          drafted)
