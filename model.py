@@ -297,13 +297,20 @@ def rope_tables(dim, theta, rope_scaling, max_seq_len, device):
     return (freqs.cos() * attention_factor).to(device), (freqs.sin() * attention_factor).to(device)
 
 
-def apply_rope(x, cis):
-    """Rotate interleaved pairs (x[2i], x[2i+1]) of the last dim, as complex numbers times
-    cis = cos + i sin [B, T, R/2] (a head dim is inserted for x [B, T, H, R])."""
+def apply_rope(x, rope):
+    """Rotate interleaved pairs (x[2i], x[2i+1]) of the last dim by the angles whose (cos, sin)
+    are rope [B, T, R/2, 2] (a head dim is inserted for x [B, T, H, R]). Eager: one complex
+    multiply. Under torch.compile the same rotation in real arithmetic, because inductor does
+    not generate code for complex numbers and would leave the multiply unfused."""
     if x.dim() == 4:
-        cis = cis.unsqueeze(2)
-    xc = torch.view_as_complex(at_least_f32(x).unflatten(-1, (-1, 2)).contiguous())
-    return torch.view_as_real(xc * cis).flatten(-2).to(x.dtype)
+        rope = rope.unsqueeze(2)
+    xf = at_least_f32(x).unflatten(-1, (-1, 2))
+    if torch.compiler.is_compiling():
+        (x0, x1), (cos, sin) = xf.unbind(-1), rope.unbind(-1)
+        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1)
+    else:
+        out = torch.view_as_real(torch.view_as_complex(xf.contiguous()) * torch.view_as_complex(rope))
+    return out.flatten(-2).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -574,7 +581,7 @@ class Transformer(nn.Module):
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, device, dtype)
         self.lm_head = ParallelLMHead(args.hidden_size, args.vocab_size, self.tp, device=device, dtype=dtype)
         cos, sin = rope_tables(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling, max_seq_len, device)
-        self.register_buffer("rope_cis", torch.complex(cos, sin), persistent=False)   # [S, R/2]
+        self.register_buffer("rope", torch.stack((cos, sin), -1), persistent=False)   # [S, R/2, 2]
 
     def compile_layers(self):
         """Let torch.compile fuse each decoder layer's small kernels (regional compilation: the
@@ -587,7 +594,7 @@ class Transformer(nn.Module):
 
     @property
     def device(self):
-        return self.rope_cis.device
+        return self.rope.device
 
     @property
     def dtype(self):
@@ -602,7 +609,7 @@ class Transformer(nn.Module):
             raise ValueError(f"mode must be 'extend' or 'decode', not {mode!r}")
         kv_len = kv_len or self.max_seq_len
         x = self.embed_tokens(tokens)                                         # [B, T, D]
-        rope = self.rope_cis[positions]                                       # [B, T, R/2]
+        rope = self.rope[positions]                                           # [B, T, R/2, 2]
         hidden = torch.arange(kv_len, device=x.device) > positions.unsqueeze(-1)   # [B, T, S], once
         captured = {}
         for i, layer in enumerate(self.layers):
