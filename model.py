@@ -503,12 +503,10 @@ class Experts(nn.Module):
                  * torch.einsum("nd,nkid->nki", x, self.weights("up_proj", ids)))
             y = torch.einsum("nki,nkdi->nkd", h, self.weights("down_proj", ids))   # [N, K, D]
         else:
-            flat = ids.flatten()                                               # [N*K]
-            order = flat.argsort(stable=True)
+            by_expert, order = ids.flatten().sort(stable=True)                # [N*K] pairs by expert
             gate, up, down = (self.weights(p) for p in ("gate_proj", "up_proj", "down_proj"))
-            counts = torch.zeros(gate.shape[0], dtype=torch.int32, device=x.device)
-            counts.scatter_add_(0, flat, torch.ones_like(flat, dtype=torch.int32))
-            offs = counts.cumsum(0, dtype=torch.int32)
+            experts = torch.arange(gate.shape[0], device=x.device, dtype=by_expert.dtype)
+            offs = torch.searchsorted(by_expert, experts, right=True, out_int32=True)  # end of each group
             xs = x[order // K]                                                 # [N*K, D] by expert
             h = F.silu(torch._grouped_mm(xs, gate.mT, offs=offs)) * torch._grouped_mm(xs, up.mT, offs=offs)
             ys = torch._grouped_mm(h, down.mT, offs=offs)
