@@ -753,4 +753,8 @@ def report(r, header, k):
 
 
 if __name__ == "__main__":
-    main()
+    try:
+        main()
+    finally:  # every rank leaves the group together (gloo aborts a rank whose peer exits first)
+        if dist.is_initialized():
+            dist.destroy_process_group()
