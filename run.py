@@ -665,11 +665,20 @@ def main(argv=None):
         fl["draft_extend_ms"] = fl["draft_extend_GB"] / bw * 1e3
 
     # -- all-reduce cost at the layer's message sizes (real TP only)
+    # (eager: one launch each, host latency included; in a CUDA graph: the 2 x layers all-reduces
+    # of one forward captured back to back, as they run inside a captured step)
     if target.tp.communicates:
-        comm = {}
+        comm, n = {}, 2 * target.args.num_hidden_layers
+
+        def all_reduces(buf):
+            for _ in range(n):
+                dist.all_reduce(buf)
+            return buf
         for T in (1, k + 1):
             buf = torch.zeros(B * T * target.args.hidden_size, dtype=dtype, device=device)
-            comm[T] = median_ms(clock, lambda: dist.all_reduce(buf), args.reps) * 2 * target.args.num_hidden_layers
+            comm[f"eager/{T}"] = median_ms(clock, lambda: dist.all_reduce(buf), args.reps) * n
+            if runner is not None:
+                comm[f"graph/{T}"] = timed(("allreduce", T), all_reduces, buf, graph=True)
         result["allreduce_ms_per_forward"] = comm
 
     # -- the same captured phases with torch.compile fusing each layer (last: it changes the modules)
@@ -746,7 +755,8 @@ def report(r, header, k):
         print(f"kernels per eager decode step: {r.get('kernels_per_decode_step')}"
               + (f", with torch.compile: {r['kernels_per_decode_step_compiled']}" if "kernels_per_decode_step_compiled" in r else ""))
     if r.get("allreduce_ms_per_forward"):
-        print(f"\nall-reduce per forward (2 per layer): {r['allreduce_ms_per_forward']}")
+        print("\nall-reduce ms per forward (2 per layer; eager launches vs captured in a graph), by tokens: "
+              + ", ".join(f"{key} {ms:.2f}" for key, ms in r["allreduce_ms_per_forward"].items()))
     if r.get("greedy_agreement_with_plain"):
         print(f"\ngreedy speculative vs plain token agreement: {r['greedy_agreement_with_plain']}")
     print()
