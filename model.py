@@ -319,7 +319,9 @@ class RMSNorm(nn.Module):
         self.eps = eps
         self.weight = _param((dim,), None, device, dtype)
 
-    def forward(self, x):  # x * rsqrt(mean(x^2) + eps) * weight, in at least float32 inside
+    def forward(self, x):
+        # x * rsqrt(mean(x^2) + eps) * weight, computed in at least float32; in bf16 the weight is
+        # applied before the one rounding (HF rounds, then multiplies: up to 1 ulp apart)
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
@@ -476,10 +478,12 @@ class Experts(nn.Module):
             self.up_proj = _param((E, inter, D), 1, device, dtype)
             self.down_proj = _param((E, D, inter), 2, device, dtype)
             return
-        for name, size in (("hidden_size", D), ("moe_intermediate_size per rank", inter)):
+        for name, size, why in (("hidden_size", D, "gate_proj and up_proj's input"),
+                                ("moe_intermediate_size per rank", inter,
+                                 f"down_proj's input, split across {tp.world_size} ranks")):
             if size % self.group:
                 raise ValueError(f"INT4 experts: {name} = {size} does not fall on whole {self.group}-element "
-                                 f"groups (down_proj's packed input is split across {tp.world_size} ranks)")
+                                 f"groups ({why})")
         self.gate_proj = PackedExperts(E, inter, D, self.group, 1, device, dtype)
         self.up_proj = PackedExperts(E, inter, D, self.group, 1, device, dtype)
         self.down_proj = PackedExperts(E, D, inter, self.group, 2, device, dtype)  # split along its input
@@ -745,17 +749,18 @@ def rank_slice(shape, dim, tp):
     return tuple(index)
 
 
-def dequantize_fp8_slice(name, sl, scale_sl, index, block, device):
-    """This rank's slice of an FP8 weight times its block scales, in float32 on `device`. Only the
-    scale blocks that overlap the slice are read; a slice may start or end inside a block."""
+def dequantize_fp8_slice(name, sl, scale_sl, index, block, device, dtype):
+    """This rank's slice of an FP8 weight times its block scales, in `dtype` (at least float32) on
+    `device`. Only the scale blocks that overlap the slice are read; a slice may start or end
+    inside a block."""
     shape, (br, bc) = sl.get_shape(), block
     want = [-(-shape[0] // br), -(-shape[1] // bc)]
     if list(scale_sl.get_shape()) != want:
         raise ValueError(f"{name}_scale_inv: expected shape {want} for {shape} in {br}x{bc} blocks, "
                          f"found {list(scale_sl.get_shape())}")
     (r0, r1), (c0, c1) = [(s.start, s.stop) for s in index]
-    w = sl[index].to(device).float()
-    s = scale_sl[r0 // br:-(-r1 // br), c0 // bc:-(-c1 // bc)].to(device).float()
+    w = sl[index].to(device, dtype)
+    s = scale_sl[r0 // br:-(-r1 // br), c0 // bc:-(-c1 // bc)].to(device, dtype)
     s = s.repeat_interleave(br, 0).repeat_interleave(bc, 1)
     return w * s[r0 % br:r0 % br + r1 - r0, c0 % bc:c0 % bc + c1 - c0]
 
@@ -774,8 +779,10 @@ def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8
     unexpected = [k for k in files if k not in expected and k not in companions and not skip(k)]
     packed_elsewhere = [k for k in unexpected if k.endswith(".weight_packed")]
     if packed_elsewhere:
-        raise NotImplementedError(f"{what} {path}: INT4 is implemented for the routed experts only; "
-                                  f"{len(packed_elsewhere)} other tensor(s) are packed, e.g. {packed_elsewhere[:2]}")
+        raise NotImplementedError(f"{what} {path}: {len(packed_elsewhere)} tensor(s) are INT4-packed where this "
+                                  f"model expects plain weights, e.g. {packed_elsewhere[:2]}: the config has no "
+                                  "compressed-tensors quantization_config, or INT4 reaches beyond the routed "
+                                  "experts (only they are implemented)")
     if missing:
         raise KeyError(f"{what} {path} is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
     if unexpected:
@@ -804,7 +811,8 @@ def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8
             index = rank_slice(want, p.shard_dim if j is None or p.shard_dim is None else p.shard_dim - 1, tp)
             dst = p if j is None else p[j]
             if sl.get_dtype() == "F8_E4M3" and fp8_block and p.dtype.is_floating_point:
-                dst.copy_(dequantize_fp8_slice(k, sl, get_slice(k + "_scale_inv"), index, fp8_block, p.device))
+                dst.copy_(dequantize_fp8_slice(k, sl, get_slice(k + "_scale_inv"), index, fp8_block, p.device,
+                                               torch.promote_types(p.dtype, torch.float32)))
             else:
                 allowed = FLOAT_DTYPES if p.dtype.is_floating_point else {INT_DTYPES[p.dtype]}
                 if sl.get_dtype() not in allowed:

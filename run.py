@@ -115,8 +115,8 @@ def settle(args, device, world):
     args.speculative_num_draft_tokens = want
     args.preset = args.preset or ("kimi-k2" if gpu else "tiny")
     args.cuda_graph = args.cuda_graph or ("both" if gpu else "off")
-    if args.compile and not gpu:
-        sys.exit("--compile times the captured phases: it needs a CUDA GPU")
+    if args.compile and (not gpu or args.cuda_graph == "off"):
+        sys.exit("--compile times the captured phases: it needs a CUDA GPU and --cuda-graph on or both")
     if args.cuda_graph != "off" and not gpu:
         sys.exit("--cuda-graph on/both needs a CUDA GPU; use --cuda-graph off on CPU")
     big = args.preset.startswith("kimi-k2") and not args.model_path
@@ -385,6 +385,10 @@ def check_dump(d, name):
     N = check("output_ids", "iu", [B, "N"])[1]
     K = check("topk_ids", "iu", [B, P + N - 1, "K"])[2]
     check("topk_logprobs", "f", [B, P + N - 1, K])
+    reported = d["topk_ids"] >= 0
+    if not np.isfinite(d["topk_logprobs"][reported]).all():  # a NaN would compare as "no difference"
+        b, t, j = np.argwhere(reported & ~np.isfinite(d["topk_logprobs"]))[0]
+        raise ValueError(f"{name}: topk_logprobs[{b}, {t}, {j}] is not finite where topk_ids holds an id")
     C = check("accepted", "iu", [B, "C"])[1] if "accepted" in d else "C"
     if "draft_ids" in d:
         check("draft_ids", "iu", [B, C, "k"])
@@ -666,7 +670,8 @@ def main(argv=None):
 
     # -- all-reduce cost at the layer's message sizes (real TP only)
     # (eager: one launch each, host latency included; in a CUDA graph: the 2 x layers all-reduces
-    # of one forward captured back to back, as they run inside a captured step)
+    # of one forward captured back to back, as they run inside a captured step; the replay also
+    # copies the input in and the output out, a few KB)
     if target.tp.communicates:
         comm, n = {}, 2 * target.args.num_hidden_layers
 
