@@ -466,7 +466,7 @@ class Experts(nn.Module):
     offsets, reading each expert's weights in place. Neither reads a device value on the host.
     With INT4 experts (args.int4_group_size) the weights stay packed; while the N*K token-expert
     pairs are fewer than the experts (decode, verify) only the routed ones are dequantized, by
-    gathering; past that (prefill) every expert is dequantized once per layer."""
+    gathering; past that (prefill) impl "grouped" dequantizes every expert once per layer."""
 
     def __init__(self, args, tp, impl, device, dtype):
         super().__init__()
