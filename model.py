@@ -694,11 +694,16 @@ def save_target(model, path, max_shard_bytes=None):
         cfg.pop("quantization_config")  # FP8 was dequantized at load: what is written is plain
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
-    tensors = {k: (p if j is None else p[j]).detach().contiguous().cpu() for k, p, j in checkpoint_table(model)}
+    write_safetensors(checkpoint_tensors(model), path, max_shard_bytes)
+
+
+def checkpoint_tensors(model, prefix=""):
+    """{checkpoint name: CPU tensor} of a whole (TP 1) model; INT4 experts with their weight_shape."""
+    tensors = {k: (p if j is None else p[j]).detach().contiguous().cpu() for k, p, j in checkpoint_table(model, prefix)}
     for k in [k for k in tensors if k.endswith(".weight_packed")]:
         out, words = tensors[k].shape
         tensors[k.removesuffix("packed") + "shape"] = torch.tensor([out, words * 8])
-    write_safetensors(tensors, path, max_shard_bytes)
+    return tensors
 
 
 def write_safetensors(tensors, path, max_shard_bytes=None):

@@ -325,14 +325,12 @@ def test_int4_bit_layout():
     assert torch.equal(w, q * scale.repeat_interleave(32, -1))
 
 
-def int4_checkpoint(d, world_ok=True):
+def int4_checkpoint(d):
     """The tiny model with INT4 experts in the Kimi-K2.5 layout (text_config, `language_model.`
     prefix, a vision tower to skip), sharded; and the same weights dequantized, saved plain."""
     args = tiny(moe_intermediate_size=64, quantization_config="int4")
     m = init_random(Transformer(args, max_batch_size=3, max_seq_len=32, dtype=torch.float32), 5)
-    tensors = {k: (p if j is None else p[j]).detach().clone() for k, p, j in model.checkpoint_table(m, "language_model.")}
-    for k in [k for k in tensors if k.endswith("weight_packed")]:
-        tensors[k.removesuffix("packed") + "shape"] = torch.tensor([tensors[k].shape[0], tensors[k].shape[1] * 8])
+    tensors = model.checkpoint_tensors(m, "language_model.")
     tensors.update({"vision_tower.patch_embed.proj.weight": torch.zeros(4, 3), "mm_projector.proj.0.weight": torch.zeros(2)})
     quant, plain = os.path.join(d, "int4"), os.path.join(d, "plain")
     os.makedirs(quant)
