@@ -314,8 +314,8 @@ def ttt_loss(head, tokens, target_states, target_logits, num_steps, decay=0.8):
     x_{t+2+i}) restricted to the draft vocabulary and renormalized: cross-entropy, averaged over
     the rows that have that label and whose target argmax lies in the draft vocabulary; step i
     weighs decay**i. Returns the loss and, per step, the share of labelled rows where the head's
-    top-1 (in target ids) equals the target's argmax: the greedy acceptance of that draft, had
-    all before it been accepted."""
+    top-1 (in target ids) equals the target's argmax (the rate at which greedy verify would
+    accept that draft, had all before it been accepted and had the text been the target's own)."""
     steps = head.unroll(tokens, target_states, num_steps)                      # [S, B, T, Vd]
     hot = head.hot_ids()
     in_vocab = torch.zeros(target_logits.shape[-1], dtype=torch.bool, device=hot.device)

@@ -19,6 +19,7 @@ against this reference").
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -31,7 +32,8 @@ from tqdm import tqdm
 
 import model
 import tp as tpm
-from draft import Eagle3Draft, draft_preset, init_random_draft, load_draft
+import train
+from draft import Eagle3Draft, draft_preset, init_random_draft, load_draft, set_target_aux_layers
 from graphs import CudaGraphs
 from verify import ATTENTION_MODES, accept, generate
 
@@ -40,6 +42,8 @@ def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", help="HF DeepseekV3 / Kimi-K2 checkpoint folder (else --preset)")
     p.add_argument("--draft-path", help="SpecForge / SGLang EAGLE-3 checkpoint folder (else random)")
+    p.add_argument("--random-weights", action="store_true", help="with the tiny preset: a random target and "
+                   "head instead of the trained pair in checkpoints/tiny-stdlib (train.py), the tiny default")
     p.add_argument("--preset", choices=sorted(model.PRESETS), help="default: kimi-k2 on a GPU, tiny on CPU")
     p.add_argument("--simulate-tp", type=int, help="build one SIMULATED rank of TP N (default on one GPU "
                    "with kimi-k2: 8)")
@@ -141,10 +145,16 @@ def build(args, device, dtype, world):
         sys.exit("--simulate-tp is for a single process; under torchrun the TP is real")
     k = args.speculative_num_steps
     max_seq_len = args.prompt_len + args.max_new_tokens + k + 2
+    args.trained_pair = uses_trained_pair(args)
+    if args.trained_pair:
+        args.model_path, args.draft_path = train.TARGET_DIR, train.DRAFT_DIR
     if args.model_path:
         target = model.load_target(args.model_path, args.batch_size, max_seq_len, device, dtype, tp,
                                    moe_impl=args.moe_impl)
         how = f"loaded {args.model_path}"
+        if args.trained_pair:
+            how = (f"the trained tiny pair ({os.path.relpath(train.PAIR_DIR)}: bytes of Python stdlib source, "
+                   "train.py; prompts: held-out stdlib source; --random-weights for random ones)")
     else:
         quant = {None: {}, "none": dict(quantization_config=None), "int4": dict(quantization_config="int4")}
         margs = model.preset(args.preset, **quant[args.quant])
@@ -162,8 +172,16 @@ def build(args, device, dtype, world):
     else:
         dargs = draft_preset("tiny" if target.args.hidden_size == 64 else "kimi-k2")
         dargs.eagle_config = None if target.args.num_hidden_layers < 59 else dargs.eagle_config
+        set_target_aux_layers(target, dargs)
         head = init_random_draft(Eagle3Draft(dargs, target), args.seed + 1, rank_local=tp.simulated)
     return target, head, how
+
+
+def uses_trained_pair(args):
+    """The tiny preset with nothing else asked of it runs the trained pair (train.py)."""
+    other = (args.model_path or args.draft_path or args.random_weights or args.quant or args.routed_experts
+             or args.simulate_tp > 1)
+    return args.preset == "tiny" and not other
 
 
 # ---------------------------------------------------------------------------------------------
@@ -556,14 +574,15 @@ def main(argv=None):
                            target=how, config=vars(args)), phases_ms={}, e2e={}, floors=None, cost_model={})
 
     g = torch.Generator().manual_seed(args.seed)
-    prompts = torch.randint(0, target.args.vocab_size, (B, P), generator=g)
+    prompts = (torch.tensor(train.heldout_prompts(B, P)) if args.trained_pair  # text like its training data
+               else torch.randint(0, target.args.vocab_size, (B, P), generator=g))
     runner = CudaGraphs(device) if True in graph_opts else None
 
     # -- plain decode step and verify / draft phases in isolation (state: a prefilled prompt)
     tokens = prompts.to(device)
     pos0 = torch.arange(P, device=device).expand(B, P)
     _, aux = target(tokens, pos0, "extend", capture_aux=True)
-    head(tokens, pos0, aux)
+    head.extend(tokens, pos0, aux, pos0[:, -1])  # the draft prefill: its KV cache holds the prompt
     step_tok = tokens[:, -1:]
 
     def positions(T):

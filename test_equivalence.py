@@ -739,11 +739,13 @@ def test_run_py_cli_tiny(tmp_path):
     """run.py's CPU defaults (the GPU is hidden, so this is the CPU run on any machine)."""
     out = tmp_path / "r.json"
     cpu = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--json", str(out), "--max-new-tokens", "20",
+    subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--json", str(out), "--max-new-tokens", "40",
                     "--speculative-num-steps", "2", "--batch-size", "2"], check=True, capture_output=True, cwd=HERE,
                    env=cpu)
     r = json.loads(out.read_text())
     assert r["env"]["simulated_acceptance"] is False and r["floors"] is None
+    assert "trained tiny pair" in r["env"]["target"]  # the CPU default: real acceptance
+    assert all(r["e2e"][f"eagle3/{mode}/eager"]["accept_len_mean"] >= 1.5 for mode in ("prefill", "decode"))
     for mode in ("prefill", "decode"):
         assert f"verify/{mode}/eager" in r["phases_ms"]
         v = r["e2e"][f"eagle3/{mode}/eager"]
