@@ -882,6 +882,31 @@ def test_graph_replay_equals_eager(quant):
         assert_close(flat(runner.run(key, fn, *again)), flat(fn(*again)), 0.0, f"graph vs eager {key}, new inputs")
 
 
+def test_graph_keys_remember_their_function():
+    """A CUDA graph replays what it captured, so a key names one function: the same partial or
+    bound method again is the same, another mode or method is not (compared without a device read)."""
+    from functools import partial
+    from graphs import function_id, function_name
+    target = Transformer(tiny(), max_batch_size=1, max_seq_len=8)
+    head = Eagle3Draft(draft_preset("tiny"), target)
+    assert function_id(partial(target, mode="decode")) == function_id(partial(target, mode="decode"))
+    assert function_id(partial(target, mode="decode")) != function_id(partial(target, mode="extend"))
+    assert function_id(head.extend) == function_id(head.extend) != function_id(head.chain)
+    assert function_name(partial(head.chain, num_steps=3)) == "partial(Eagle3Draft.chain, num_steps=3)"
+
+
+@cuda
+def test_graph_key_collision_is_refused():
+    from functools import partial
+    from graphs import CudaGraphs
+    target, head = gpu_models()
+    key, fn, inputs = captured_calls(target, head)[1]                  # verify, extend attention
+    runner = CudaGraphs("cuda")
+    runner.run(key, fn, *inputs)
+    with pytest.raises(ValueError, match=r"replays partial\(Transformer, mode='extend'"):
+        runner.run(key, partial(target, mode="decode", capture_aux=True), *inputs)
+
+
 @cuda
 @pytest.mark.parametrize("quant", [None, "int4"])
 def test_no_host_sync_in_captured_paths(quant):
