@@ -208,7 +208,7 @@ class Eagle3Draft(nn.Module):
         return torch.stack(drafts, 1)
 
     def propose(self, tokens, positions, hidden, last, num_steps):
-        """The proposer interface verify.generate uses: extend over the rows, then chain."""
+        """Extend over the rows, then chain: what verify.generate does after the prefill, in one call."""
         first, g = self.extend(tokens, positions, hidden, last)
         q = positions.gather(1, last.unsqueeze(1)).squeeze(1)
         return self.chain(first, g, q, num_steps)

@@ -459,15 +459,19 @@ PROMPTS = {1: [[11, 12, 13, 14, 15, 16]], 3: [[11, 12, 13, 14, 15], [21, 22, 23,
 
 
 class PlantedProposer:
-    """Knows the target's greedy sequence `ref` [B, L] (by position) and errs where told: on its
-    c-th call, row b's first wrong draft is number wrong_at(c, b) (0-based; >= k: all right)."""
+    """Stands in for an Eagle3Draft in verify.generate (its extend and chain, run eager). Knows the
+    target's greedy sequence `ref` [B, L] (by position) and errs where told: on its c-th chain,
+    row b's first wrong draft is number wrong_at(c, b) (0-based; >= k: all right)."""
 
     def __init__(self, ref, vocab, wrong_at):
         self.ref, self.vocab, self.wrong_at, self.calls = ref, vocab, wrong_at, 0
 
-    def propose(self, tokens, positions, hidden, last, num_steps):
-        q = positions.gather(1, last.unsqueeze(1))                          # [B, 1]
-        idx = (q + 1 + torch.arange(1, num_steps + 1)).clamp(max=self.ref.shape[1] - 1)  # d_j: position q+1+j
+    def extend(self, tokens, positions, hidden, last):
+        return None, None  # the planted drafts need only the position chain() is given
+
+    def chain(self, first, g, q, num_steps):
+        """q [B]: the position of the last extend row; draft j (1-based) guesses position q+1+j."""
+        idx = (q.unsqueeze(1) + 1 + torch.arange(1, num_steps + 1)).clamp(max=self.ref.shape[1] - 1)
         drafts = self.ref.gather(1, idx)
         first_wrong = torch.tensor([self.wrong_at(self.calls, b) for b in range(len(drafts))])
         self.calls += 1
