@@ -54,6 +54,28 @@ def normalize_rope_scaling(rope_scaling):
     return rs
 
 
+def generation_eos(path_or_dict):
+    """The eos_token_id of the generation_config.json beside a config.json (None without one)."""
+    if isinstance(path_or_dict, dict):
+        return None
+    folder = path_or_dict if os.path.isdir(path_or_dict) else os.path.dirname(path_or_dict)
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("eos_token_id")
+
+
+def eos_union(*values):
+    """The ids in values (each an id, a list of ids or None), in order, each once."""
+    ids = []
+    for v in values:
+        for i in [] if v is None else [v] if isinstance(v, int) else v:
+            if i not in ids:
+                ids.append(i)
+    return ids
+
+
 @dataclass
 class ModelArgs:
     """Fields are the keys of a DeepseekV3 / Kimi-K2 config.json."""
@@ -87,7 +109,7 @@ class ModelArgs:
     max_position_embeddings: int = 131072
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 163584
-    eos_token_id: int | None = 163585
+    eos_token_id: int | list | None = 163585  # one id or a list (from_hf_config adds generation_config's)
     quantization_config: dict | None = None  # as shipped: FP8 blocks (dequantized at load) or INT4 experts
 
     @property
@@ -95,6 +117,11 @@ class ModelArgs:
         """The INT4 group size when the routed experts are kept packed, else None."""
         kind, group = quant_scheme(self.quantization_config)
         return group if kind == "int4" else None
+
+    @property
+    def eos_token_ids(self):
+        """Every id generation stops at, as a list."""
+        return eos_union(self.eos_token_id)
 
     @property
     def qk_head_dim(self):
@@ -121,9 +148,14 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, path_or_dict):
-        """Read a DeepseekV3 / Kimi-K2 / Kimi-K2.5 config.json (a file, its folder, or a dict)."""
+        """Read a DeepseekV3 / Kimi-K2 / Kimi-K2.5 config.json (a file, its folder, or a dict).
+        The EOS ids are those of config.json and of a generation_config.json beside it, together
+        (engines stop at every one: SGLang's model config takes the union, vLLM adds them as stops)."""
         top = read_config(path_or_dict)
         cfg = dict(top.get("text_config", top))  # Kimi-K2.5 nests the text model
+        eos = eos_union(cfg.get("eos_token_id"), top.get("eos_token_id"), generation_eos(path_or_dict))
+        if eos:
+            cfg["eos_token_id"] = eos[0] if len(eos) == 1 else eos
         cfg["quantization_config"] = cfg.get("quantization_config") or top.get("quantization_config")
         quant_scheme(cfg["quantization_config"])  # refuses what is not implemented, by name
         if "rope_parameters" in cfg:  # the newer transformers spelling
@@ -143,10 +175,7 @@ class ModelArgs:
             raise NotImplementedError(f"rope_scaling type {cfg['rope_scaling']['type']!r} is not "
                                       "implemented (only yarn or none)")
         names = {f.name for f in fields(cls)}
-        args = cls(**{k: v for k, v in cfg.items() if k in names})
-        if isinstance(args.eos_token_id, list):
-            args.eos_token_id = args.eos_token_id[0]
-        return args
+        return cls(**{k: v for k, v in cfg.items() if k in names})
 
     def to_hf_config(self):
         cfg = asdict(self)
@@ -839,7 +868,7 @@ def load_target(path, max_batch_size=1, max_seq_len=4096, device=None, dtype=Non
     (kept packed), and the Kimi-K2.5 layout (text model under `language_model.`; the vision
     tower and projector skipped)."""
     cfg = read_config(path)
-    args = ModelArgs.from_hf_config(cfg)
+    args = ModelArgs.from_hf_config(path)
     kind, block_or_group = quant_scheme(args.quantization_config)
     model = Transformer(args, max_batch_size, max_seq_len, device, dtype, tp, **kwargs)
     prefix = "language_model." if "text_config" in cfg else ""

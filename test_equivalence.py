@@ -578,6 +578,22 @@ def test_speculative_sampling_follows_the_target():
             f"{kind} draft: TV {tv0:.4f} (first, n={N}), {tv1:.4f} (second, n={n1})"
 
 
+def test_generation_stops_at_every_eos_id(tmp_path):
+    """config.json and generation_config.json each name EOS ids (one or a list); generation stops
+    at the first of any of them, as engines do, plain and speculative, wherever it falls in a cycle."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(tiny().to_hf_config(), eos_token_id=[2, 5])))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
+    assert ModelArgs.from_hf_config(tmp_path).eos_token_ids == [2, 5, 9]
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=40, dtype=torch.float64), 21)
+    free = generate(target, None, PROMPTS[3], max_new_tokens=20, eos_id=-1).tokens
+    stops = [free[0][4], free[1][7], free[2][9]]
+    ref = reference_sequences(PROMPTS[3], free, 40)
+    for proposer in (None, PlantedProposer(ref, 256, lambda c, b: (c + b) % 3)):
+        got = generate(target, proposer, PROMPTS[3], max_new_tokens=20, num_steps=2, eos_id=stops).tokens
+        for row, out in zip(free, got):
+            assert out == row[:next(i + 1 for i, t in enumerate(row) if t in stops)], (proposer, stops)
+
+
 def test_sampling_generate_runs_and_is_seeded():
     target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=40, dtype=torch.float32), 3)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 4)

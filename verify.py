@@ -19,6 +19,7 @@ from functools import partial
 import torch
 
 from graphs import CudaGraphs
+from model import eos_union
 
 ATTENTION_MODES = {"prefill": "extend", "decode": "decode"}
 
@@ -111,9 +112,10 @@ class Rows:
     offsets: torch.Tensor  # [k + 1] arange, built once: the columns of a cycle's tokens
 
 
-def commit(rows, emitted, m, eos_id, max_new_tokens):
+def commit(rows, emitted, m, eos, max_new_tokens):
     """Append each row's accepted tokens to `rows`, in place. emitted [B, k+1] is [d_1..d_m, b,
-    junk]: the m accepted drafts, the target's own token b, then leftovers that mean nothing.
+    junk]: the m accepted drafts, the target's own token b, then leftovers that mean nothing;
+    eos [E] the ids that end a row.
 
     Invariants (no shape depends on a value, so nothing here reads the device):
     - a live row takes count = m + 1 tokens, cut just after the first EOS among them and at
@@ -125,7 +127,7 @@ def commit(rows, emitted, m, eos_id, max_new_tokens):
     - a row finishes when it takes an EOS or its max_new_tokens-th token."""
     offsets = rows.offsets[:emitted.shape[1]]
     count = m + 1
-    is_eos = (emitted == eos_id) & (offsets < count.unsqueeze(1))             # [B, k+1]
+    is_eos = (emitted.unsqueeze(-1) == eos).any(-1) & (offsets < count.unsqueeze(1))   # [B, k+1]
     hit_eos = is_eos.any(1)
     count = torch.where(hit_eos, is_eos.long().argmax(1) + 1, count)          # up to the first EOS
     count = torch.minimum(count, max_new_tokens - rows.n_out).masked_fill(rows.done, 0)
@@ -136,7 +138,7 @@ def commit(rows, emitted, m, eos_id, max_new_tokens):
     rows.done = rows.done | hit_eos | (rows.n_out >= max_new_tokens)
 
 
-def prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, generator, eos_id):
+def prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, generator, eos):
     """The prompts through the target (eager: the shape changes with the prompt) and the first
     token committed; with a draft head, its extend over the prompts and the first k drafts.
     Returns the Rows and the drafts [B, k] (None for plain decoding)."""
@@ -149,7 +151,7 @@ def prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, generat
                 n_out=torch.zeros_like(last), x=tokens.gather(1, last.unsqueeze(1)).squeeze(1), cur=last.clone(),
                 done=torch.zeros_like(last, dtype=torch.bool), offsets=torch.arange(k + 1, device=tokens.device))
     x = sample(logits.gather(1, last.view(-1, 1, 1).expand(-1, 1, logits.shape[-1])).squeeze(1), temperature, generator)
-    commit(rows, x.unsqueeze(1), torch.zeros_like(last), eos_id, max_new_tokens)
+    commit(rows, x.unsqueeze(1), torch.zeros_like(last), eos, max_new_tokens)
     if draft is None:
         return rows, None
     # the head reads token t+1 on row t: shift the prompt left, put x at the last row
@@ -194,6 +196,8 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
     """Speculative decoding with `draft` (an Eagle3Draft, or any object with its `extend` and
     `chain`: the tests plant one), or plain decoding when draft is None. Prefill runs eager; with
     use_graphs the decode step, the verify step and the head's extend and chain replay CUDA graphs.
+    eos_id: an id or a list of ids that end a row (default: every EOS id the checkpoint declares;
+    -1: none).
     Every rank draws from the same seeded generator, so all ranks agree.
     timer: an object whose mark(name) is called at the end of each phase of each cycle
     ("start", "verify", "accept", "draft_extend", "draft", "commit"; plain: "start", "decode",
@@ -204,14 +208,15 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
         raise ValueError(f"num_steps must be >= 1, not {num_steps}")
     device, k = target.device, num_steps if draft is not None else 0
     mode = ATTENTION_MODES[attention_mode]
-    eos_id = target.args.eos_token_id if eos_id is None else eos_id
+    eos = torch.tensor(eos_union(target.args.eos_token_ids if eos_id is None else eos_id), dtype=torch.int64,
+                       device=device)                                           # [E]
     tokens, lens = pad_prompts(prompts, device)
     check_request(target, tokens, lens, max_new_tokens, k + 1)
     gen = torch.Generator(device).manual_seed(seed)
     runner = graphs or (CudaGraphs(device) if use_graphs else None)
     run = runner.run if runner else (lambda key, fn, *inputs: fn(*inputs))
     mark = timer.mark if timer is not None else (lambda name: None)
-    rows, drafts = prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, gen, eos_id)
+    rows, drafts = prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, gen, eos)
     accepted, proposed = [], []
     while not bool(rows.done.all()):  # HOST READ: the loop's one device->host sync per cycle
         mark("start")
@@ -223,7 +228,7 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
             m, emitted, drafts = speculative_cycle(target, draft, run, rows, pos, drafts, mode, temperature, gen,
                                                    simulate_accept_len, mark)
         accepted.append(m.masked_fill(rows.done, -1))
-        commit(rows, emitted, m, eos_id, max_new_tokens)
+        commit(rows, emitted, m, eos, max_new_tokens)
         mark("commit")
     return result(rows, accepted, proposed if draft is not None else None, k, bool(simulate_accept_len))
 
