@@ -133,7 +133,8 @@ class ModelArgs:
 
     @property
     def softmax_scale(self):
-        # DeepseekV3: qk_head_dim^-0.5, times mscale^2 when rope_scaling is yarn
+        # DeepseekV3: qk_head_dim^-0.5, times mscale^2 whenever rope_scaling is yarn (HF, SGLang;
+        # DeepSeek's own reference only when its cache is longer than the original context)
         scale = self.qk_head_dim ** -0.5
         if self.is_yarn:
             mscale = yarn_mscale(self.rope_scaling["factor"], self.rope_scaling.get("mscale_all_dim", 0))
@@ -302,7 +303,12 @@ def yarn_mscale(factor, mscale=1.0):
 
 
 def rope_tables(dim, theta, rope_scaling, max_seq_len, device):
-    """cos, sin [S, dim/2] in float32, YaRN-scaled when rope_scaling says so (HF's formulas)."""
+    """cos, sin [S, dim/2] in float32, YaRN-scaled when rope_scaling says so (HF's formulas).
+
+    YaRN applies at every cache length here, as in HF transformers and SGLang. DeepSeek's own
+    inference/model.py ramps the frequencies (and multiplies the softmax scale by mscale^2) only
+    when its max_seq_len exceeds original_max_position_embeddings, so with a cache of at most
+    4096 slots its logits differ from these and from the engines'."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     attention_factor = 1.0
     if rope_scaling and rope_scaling.get("type") == "yarn":
@@ -316,10 +322,12 @@ def rope_tables(dim, theta, rope_scaling, max_seq_len, device):
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
         keep = 1 - ramp  # 1: keep the original frequency (extrapolate), 0: divide by factor
         inv_freq = inv_freq / factor * (1 - keep) + inv_freq * keep
-        if rs.get("mscale") and rs.get("mscale_all_dim"):
-            attention_factor = yarn_mscale(factor, rs["mscale"]) / yarn_mscale(factor, rs["mscale_all_dim"])
-        else:
-            attention_factor = rs.get("attention_factor") or yarn_mscale(factor)
+        attention_factor = rs.get("attention_factor")  # as HF: an explicit factor wins, else
+        if attention_factor is None:                    # DeepSeek's mscale ratio, else YaRN's own
+            if rs.get("mscale") and rs.get("mscale_all_dim"):
+                attention_factor = yarn_mscale(factor, rs["mscale"]) / yarn_mscale(factor, rs["mscale_all_dim"])
+            else:
+                attention_factor = yarn_mscale(factor)
     elif rope_scaling:
         raise NotImplementedError(f"rope_scaling type {rope_scaling.get('type')!r} is not implemented")
     freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)

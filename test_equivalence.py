@@ -303,6 +303,16 @@ def test_config_spellings_and_refusals():
             load_target(d)
 
 
+def test_yarn_attention_factor_as_hf():
+    """The cos/sin tables carry YaRN's attention factor: rope_scaling's own attention_factor when
+    given (as transformers reads it), else mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    rs = dict(type="yarn", factor=4.0, original_max_position_embeddings=64, mscale=0.8, mscale_all_dim=1.0)
+    for scaling, want in ((rs, model.yarn_mscale(4.0, 0.8) / model.yarn_mscale(4.0, 1.0)),
+                          (dict(rs, attention_factor=1.25), 1.25), (dict(rs, mscale=0, attention_factor=0.5), 0.5)):
+        cos, sin = model.rope_tables(8, 10000.0, scaling, 16, "cpu")
+        assert_close((cos ** 2 + sin ** 2).sqrt(), torch.full_like(cos, want), 1e-6, f"attention factor {scaling}")
+
+
 # ---------------------------------------------------------------------------------------------
 # Quantized checkpoints: INT4 experts (kept packed) and FP8 blocks (dequantized at load) against
 # the same weights dequantized and saved plain
