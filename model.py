@@ -413,7 +413,8 @@ class MLA(nn.Module):
                 [a.qk_nope_head_dim, a.v_head_dim], -1)                        # [B, S, H, d]
             scores = (torch.einsum("bthd,bshd->bths", q_nope, k_nope)
                       + torch.einsum("bthr,bsr->bths", q_pe, pe_c))
-        else:
+        else:  # absorbed: a key is k = W_uk c for a cached latent c, so q . k = q . (W_uk c) =
+            # (W_uk^T q) . c: W_uk moves onto the T queries instead of onto all S cached latents
             q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)               # [B, T, H, C]
             scores = (torch.einsum("bthc,bsc->bths", q_lat, kv_c)
                       + torch.einsum("bthr,bsr->bths", q_pe, pe_c))
@@ -421,7 +422,7 @@ class MLA(nn.Module):
         p = scores.softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)               # [B, T, H, S]
         if mode == "extend":
             o = torch.einsum("bths,bshd->bthd", p, v)
-        else:
+        else:  # likewise o = sum_s p_s (W_uv c_s) = W_uv (sum_s p_s c_s): attend over latents, then W_uv once
             o = torch.einsum("bthc,hdc->bthd", torch.einsum("bths,bsc->bthc", p, kv_c), w_uv)
         return self.o_proj(o.flatten(2))
 
@@ -461,6 +462,9 @@ class Router(nn.Module):
             grouped = biased.unflatten(-1, (a.n_group, -1))                    # [N, G, E/G]
             group_score = grouped.topk(2, dim=-1).values.sum(-1)              # [N, G]
             keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(a.topk_group, -1).indices, 1)
+            # dropped groups get -inf, as in DeepSeek's reference and SGLang. transformers v4 fills
+            # 0.0, and a biased score (sigmoid + bias) can be negative: there a dropped group's
+            # expert can outrank a kept one. Both agree when the K-th best kept score is positive.
             biased = grouped.masked_fill(keep.unsqueeze(-1) == 0, float("-inf")).flatten(1)
         ids = biased.topk(a.num_experts_per_tok, dim=-1).indices
         weights = scores.gather(1, ids)
