@@ -393,11 +393,11 @@ class MLA(nn.Module):
         self.register_buffer("pe_cache", torch.zeros(max_batch_size, max_seq_len, a.qk_rope_head_dim, **cache),
                              persistent=False)
 
-    def forward(self, x, positions, rope, hidden, mode):
-        """hidden [B, T, S]: True where a query must not see a slot (slot > its position); S is
-        the number of cache slots read."""
+    def forward(self, x, positions, rope, future, mode):
+        """future [B, T, S]: True where a slot lies after the query's position (not written yet,
+        or a rejected draft's), so the query must not see it; S is the number of cache slots read."""
         a, h = self.args, self.n_local_heads
-        (B, T, _), kv_len = x.shape, hidden.shape[-1]
+        (B, T, _), kv_len = x.shape, future.shape[-1]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
         q_nope, q_pe = q.view(B, T, h, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
         q_pe = apply_rope(q_pe, rope)
@@ -418,7 +418,7 @@ class MLA(nn.Module):
             q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)               # [B, T, H, C]
             scores = (torch.einsum("bthc,bsc->bths", q_lat, kv_c)
                       + torch.einsum("bthr,bsr->bths", q_pe, pe_c))
-        scores = (scores * a.softmax_scale).masked_fill(hidden.unsqueeze(2), float("-inf"))
+        scores = (scores * a.softmax_scale).masked_fill(future.unsqueeze(2), float("-inf"))
         p = scores.softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)               # [B, T, H, S]
         if mode == "extend":
             o = torch.einsum("bths,bshd->bthd", p, v)
@@ -588,8 +588,8 @@ class Block(nn.Module):
         else:
             self.mlp = MoE(args, tp, moe_impl, device, dtype)
 
-    def forward(self, x, positions, rope, hidden, mode):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, hidden, mode)
+    def forward(self, x, positions, rope, future, mode):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, future, mode)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
@@ -653,10 +653,10 @@ class Transformer(nn.Module):
         kv_len = kv_len or self.max_seq_len
         x = self.embed_tokens(tokens)                                         # [B, T, D]
         rope = self.rope[positions]                                           # [B, T, R/2, 2]
-        hidden = torch.arange(kv_len, device=x.device) > positions.unsqueeze(-1)   # [B, T, S], once
+        future = torch.arange(kv_len, device=x.device) > positions.unsqueeze(-1)   # [B, T, S], once
         captured = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, rope, hidden, mode)
+            x = layer(x, positions, rope, future, mode)
             if capture_aux and i in self.aux_layer_ids:
                 captured[i] = x
         logits = self.lm_head(self.norm(x))

@@ -507,7 +507,7 @@ def lossless_matrix(seed, max_new=24):
     for B, prompts in PROMPTS.items():
         plain = generate(target, None, prompts, max_new_tokens=max_new).tokens
         ref = reference_sequences(prompts, plain, 40)
-        for mode in ("prefill", "decode"):
+        for mode in ("extend", "decode"):
             for k in (1, 2, 4):
                 proposers = {"eagle3": head,
                              "errs": PlantedProposer(ref, target.args.vocab_size, lambda c, b, k=k: (c + b) % (k + 1)),
@@ -956,7 +956,7 @@ def test_no_host_sync_in_captured_paths(quant):
 
 
 @cuda
-@pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize("mode", ["extend", "decode"])
 def test_graph_generate_equals_eager_generate_and_reports_bf16_agreement(mode):
     target, head = gpu_models()
     prompts = PROMPTS[3]

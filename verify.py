@@ -1,13 +1,13 @@
 """Verify, accept, commit: the speculative generation loop and the plain baseline loop.
 
 A cycle: the target verifies [x_p, d_1..d_k] at positions p..p+k (one forward, k+1 tokens per row)
-in either attention path (`attention_mode` "prefill" = extend-style, "decode" = absorbed MLA, the
-words of SGLang's --speculative-attention-mode), eager or CUDA-graph captured; acceptance runs on
-the device for all rows at once (greedy: drafts that equal the target's argmax, accepted length
-by cumulative product; sampling: speculative rejection sampling, Leviathan et al.
-arXiv:2211.17192, with the top-1 draft as a point mass, so the output follows the target's
-distribution exactly); then the draft head extends over the accepted tokens and chains the next
-k drafts. Rejected tokens leave KV slots that the next writes overwrite (slot = position).
+in either attention path, "extend" or "decode" (absorbed MLA), the words of model.py; SGLang's
+--speculative-attention-mode calls extend "prefill", and `generate` takes that spelling too. Eager
+or CUDA-graph captured. Acceptance runs on the device for all rows at once (greedy: drafts that
+equal the target's argmax, accepted length by cumulative product; sampling: speculative rejection
+sampling, Leviathan et al. arXiv:2211.17192, with the top-1 draft as a point mass, so the output
+follows the target's distribution exactly); then the draft head extends over the accepted tokens
+and chains the next k drafts. Rejected tokens leave KV slots that the next writes overwrite (slot = position).
 
 Shapes are fixed per (batch, k): rows that accepted fewer tokens carry junk in their tail, rows
 that finished keep running in place, so every step can be captured. The loop reads the device
@@ -21,7 +21,7 @@ import torch
 from graphs import CudaGraphs
 from model import eos_union
 
-ATTENTION_MODES = {"prefill": "extend", "decode": "decode"}
+ATTENTION_MODES = {"prefill": "extend", "decode": "decode"}  # SGLang's flag words -> the model's
 
 
 @dataclass
@@ -190,7 +190,7 @@ def speculative_cycle(target, draft, run, rows, pos, drafts, mode, temperature, 
 
 
 @torch.no_grad()
-def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_mode="prefill",
+def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_mode="extend",
              use_graphs=False, temperature=0.0, seed=0, eos_id=None, graphs=None,
              simulate_accept_len=None, timer=None):
     """Speculative decoding with `draft` (an Eagle3Draft, or any object with its `extend` and
@@ -202,12 +202,13 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
     timer: an object whose mark(name) is called at the end of each phase of each cycle
     ("start", "verify", "accept", "draft_extend", "draft", "commit"; plain: "start", "decode",
     "commit"): run.py records device events there."""
-    if attention_mode not in ATTENTION_MODES:
-        raise ValueError(f"attention_mode must be one of {list(ATTENTION_MODES)}, not {attention_mode!r}")
+    mode = ATTENTION_MODES.get(attention_mode, attention_mode)
+    if mode not in ("extend", "decode"):
+        raise ValueError(f"attention_mode must be 'extend' or 'decode' (or SGLang's 'prefill' for extend), "
+                         f"not {attention_mode!r}")
     if draft is not None and num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, not {num_steps}")
     device, k = target.device, num_steps if draft is not None else 0
-    mode = ATTENTION_MODES[attention_mode]
     eos = torch.tensor(eos_union(target.args.eos_token_ids if eos_id is None else eos_id), dtype=torch.int64,
                        device=device)                                           # [E]
     tokens, lens = pad_prompts(prompts, device)
