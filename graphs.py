@@ -44,6 +44,15 @@ def function_name(fn):
     return getattr(f, "__qualname__", type(f).__name__)
 
 
+def copy_out(out):
+    """A graph's output copied out of the pool: a tensor, or a tuple or named tuple (such as
+    model.TargetOutput) of tensors and Nones."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    copies = [None if t is None else t.clone() for t in out]
+    return type(out)(*copies) if hasattr(out, "_fields") else tuple(copies)
+
+
 class CudaGraphs:
     def __init__(self, device, capture_missing=True, warmup=3, share_pool=True):
         device = torch.device(device)
@@ -83,6 +92,4 @@ class CudaGraphs:
         for buf, x in zip(static_in, inputs):
             buf.copy_(x)
         graph.replay()
-        if isinstance(static_out, tuple):
-            return tuple(t.clone() for t in static_out)
-        return static_out.clone()
+        return copy_out(static_out)

@@ -24,6 +24,7 @@ import zlib
 from collections import Counter
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, fields
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -596,6 +597,12 @@ class Block(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # The model
 
+class TargetOutput(NamedTuple):
+    """What Transformer.forward returns, with or without capture_aux."""
+    logits: torch.Tensor        # [B, T, V] float32, the full vocabulary on every rank
+    aux: torch.Tensor | None    # [B, T, 3*D] the EAGLE-3 states with capture_aux, else None
+
+
 class Transformer(nn.Module):
     """This rank's shard of the target. `tp` defaults to the torch.distributed world (or 1).
 
@@ -645,9 +652,9 @@ class Transformer(nn.Module):
 
     def forward(self, tokens, positions, mode="extend", capture_aux=False, kv_len=None):
         """tokens, positions: int64 [B, T]. Writes the KV cache at `positions`, then attends to
-        slots <= position over the first kv_len slots (default: all). Returns logits [B, T, V]
-        (float32, full vocabulary on every rank) and, with capture_aux, the EAGLE-3 states
-        [B, T, 3*D] (the chosen layers' outputs, low to high)."""
+        slots <= position over the first kv_len slots (default: all). Returns a TargetOutput:
+        logits [B, T, V] (float32, full vocabulary on every rank) and, with capture_aux, the
+        EAGLE-3 states aux [B, T, 3*D] (the chosen layers' outputs, low to high; else None)."""
         if mode not in ("extend", "decode"):
             raise ValueError(f"mode must be 'extend' or 'decode', not {mode!r}")
         kv_len = kv_len or self.max_seq_len
@@ -659,10 +666,8 @@ class Transformer(nn.Module):
             x = layer(x, positions, rope, future, mode)
             if capture_aux and i in self.aux_layer_ids:
                 captured[i] = x
-        logits = self.lm_head(self.norm(x))
-        if capture_aux:
-            return logits, torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
-        return logits
+        aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1) if capture_aux else None
+        return TargetOutput(self.lm_head(self.norm(x)), aux)
 
 
 # ---------------------------------------------------------------------------------------------

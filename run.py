@@ -362,7 +362,7 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=20, attention_
     positions = torch.arange(T, device=target.device).expand(B, T)
     ids, logprobs = [], []
     for s in range(0, T, chunk):  # chunks over the cache (slot = position) bound the [B, chunk, V] logits
-        logits = target(seqs[:, s:s + chunk], positions[:, s:s + chunk], "extend")
+        logits, _ = target(seqs[:, s:s + chunk], positions[:, s:s + chunk], "extend")
         lp, top = torch.log_softmax(logits, -1).topk(topk, -1)  # logits are float32 or wider
         ids.append(top.cpu())
         logprobs.append(lp.float().cpu())
@@ -611,7 +611,7 @@ def main(argv=None):
             result["env"]["gpu_mem_peak_eager_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
     if device.type == "cuda":
         result["kernels_per_decode_step"] = count_kernels(lambda: target(step_tok, positions(1), "decode"))
-    logits = target(tokens[:, -(k + 1):], positions(k + 1), "decode")
+    logits, _ = target(tokens[:, -(k + 1):], positions(k + 1), "decode")
     ph["accept"] = median_ms(clock, lambda: accept(logits, tokens[:, -k:], args.temperature, None if args.temperature == 0
                                                    else torch.Generator(device).manual_seed(0)), args.reps)
 

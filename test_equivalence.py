@@ -81,9 +81,9 @@ def step_inputs(vocab, seed=0):
 def run_steps(m):
     """Logits of the prefill and of the step in both attention modes, concatenated along T."""
     prefill, prefill_pos, step, step_pos = step_inputs(m.args.vocab_size)
-    outs = [m(prefill, prefill_pos, "extend")]
+    outs = [m(prefill, prefill_pos, "extend").logits]
     for mode in ("extend", "decode"):
-        outs.append(m(step, step_pos, mode))
+        outs.append(m(step, step_pos, mode).logits)
     return torch.cat(outs, 1)
 
 
@@ -119,12 +119,12 @@ def test_extend_decode_and_incremental_agree():
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, m.args.vocab_size, (3, 20), generator=g)
     pos = torch.arange(20).expand(3, 20)
-    whole = {mode: m(tokens, pos, mode) for mode in ("extend", "decode")}
+    whole = {mode: m(tokens, pos, mode).logits for mode in ("extend", "decode")}
     assert_close(whole["decode"], whole["extend"], 1e-10, "decode vs extend attention, whole prompt")
     for mode in ("extend", "decode"):
         # prefill 15, one token, then a (k+1) = 4 token step at the offset
-        parts = [m(tokens[:, :15], pos[:, :15], "extend"), m(tokens[:, 15:16], pos[:, 15:16], mode),
-                 m(tokens[:, 16:], pos[:, 16:], mode)]
+        parts = [m(tokens[:, :15], pos[:, :15], "extend").logits, m(tokens[:, 15:16], pos[:, 15:16], mode).logits,
+                 m(tokens[:, 16:], pos[:, 16:], mode).logits]
         assert_close(torch.cat(parts, 1), whole["extend"], 1e-10, f"incremental {mode} vs one forward")
 
 
@@ -132,8 +132,8 @@ def test_kv_len_bounds_the_read_without_changing_results():
     m = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=64, dtype=torch.float64), 4)
     prefill, prefill_pos, step, step_pos = step_inputs(m.args.vocab_size, seed=4)
     m(prefill, prefill_pos)
-    full = m(step, step_pos, "decode")
-    assert_close(m(step, step_pos, "decode", kv_len=16), full, 1e-12, "kv_len=16 vs full cache")
+    full = m(step, step_pos, "decode").logits
+    assert_close(m(step, step_pos, "decode", kv_len=16).logits, full, 1e-12, "kv_len=16 vs full cache")
 
 
 @pytest.mark.parametrize("quant", [None, "int4"])
@@ -175,7 +175,7 @@ def test_matches_hf_transformers(tiny_ckpt):
     tokens = torch.randint(0, ours.args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         ref = hf(tokens).logits
-    got = ours(tokens, torch.arange(24).expand(2, 24))
+    got = ours(tokens, torch.arange(24).expand(2, 24)).logits
     assert_close(got, ref, 2e-5, "ours vs HF DeepseekV3")
 
 
@@ -455,7 +455,7 @@ def test_simulated_rank_is_labelled_and_shaped_like_tp8():
     m = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float32, tp=sim), 0,
                     rank_local=True)
     assert "SIMULATED" in sim.describe() and m.layers[0].self_attn.n_local_heads == 1
-    logits = m(torch.tensor([[3, 4], [5, 6]]), torch.arange(2).expand(2, 2), "decode")
+    logits, _ = m(torch.tensor([[3, 4], [5, 6]]), torch.arange(2).expand(2, 2), "decode")
     assert logits.shape == (2, 2, m.args.vocab_size) and torch.isfinite(logits).all()
 
 
@@ -894,7 +894,7 @@ def captured_calls(target, head, k=3, B=3, P=12):
 
 
 def flat(out):
-    return torch.cat([t.double().flatten() for t in (out if isinstance(out, tuple) else (out,))])
+    return torch.cat([t.double().flatten() for t in (out if isinstance(out, tuple) else (out,)) if t is not None])
 
 
 @cuda
@@ -923,6 +923,17 @@ def test_graph_keys_remember_their_function():
     assert function_id(partial(target, mode="decode")) != function_id(partial(target, mode="extend"))
     assert function_id(head.extend) == function_id(head.extend) != function_id(head.chain)
     assert function_name(partial(head.chain, num_steps=3)) == "partial(Eagle3Draft.chain, num_steps=3)"
+
+
+def test_graph_outputs_are_copied_whole():
+    """A replay hands back copies (the pool may be reused): a named tuple stays one, None stays None."""
+    from graphs import copy_out
+    out = model.TargetOutput(torch.ones(2, 3), None)
+    copy = copy_out(out)
+    assert type(copy) is model.TargetOutput and copy.aux is None and torch.equal(copy.logits, out.logits)
+    assert copy.logits.data_ptr() != out.logits.data_ptr()
+    first, g = copy_out((torch.zeros(2), torch.ones(2, 4)))
+    assert torch.equal(g, torch.ones(2, 4)) and first.shape == (2,)
 
 
 @cuda
@@ -979,7 +990,7 @@ def test_gpu_decode_attention_equals_extend_and_grouped_equals_gather():
     target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32, moe_impl="gather"), 0)
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
-    assert_close(target(step, step_pos, "decode"), target(step, step_pos, "extend"), 1e-3,
+    assert_close(target(step, step_pos, "decode").logits, target(step, step_pos, "extend").logits, 1e-3,
                  "float32 GPU decode vs extend attention")
     moe = init_random(Transformer(tiny(), 1, 8, device="cuda", dtype=torch.bfloat16), 1).layers[1].mlp
     if moe.experts.impl != "grouped":
@@ -999,16 +1010,16 @@ def test_compiled_layers_equal_plain_inside_graphs_without_host_sync():
     target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32), 0)
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
-    plain = {mode: target(step, step_pos, mode) for mode in ("extend", "decode")}
+    plain = {mode: target(step, step_pos, mode).logits for mode in ("extend", "decode")}
     target.compile_layers()
     runner = CudaGraphs("cuda")
     for mode, ref in plain.items():
         fn = partial(target, mode=mode)
-        assert_close(fn(step, step_pos), ref, 1e-4, f"compiled vs plain layers, {mode}")
+        assert_close(fn(step, step_pos).logits, ref, 1e-4, f"compiled vs plain layers, {mode}")
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            graphed = runner.run(("compiled", mode), fn, step, step_pos)
+            graphed = runner.run(("compiled", mode), fn, step, step_pos).logits
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert_close(graphed, ref, 1e-4, f"compiled layers in a CUDA graph vs plain, {mode}")

@@ -144,8 +144,7 @@ def prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, generat
     Returns the Rows and the drafts [B, k] (None for plain decoding)."""
     B, P = tokens.shape
     positions = torch.arange(P, device=tokens.device).expand(B, P)
-    out = target(tokens, positions, "extend", capture_aux=draft is not None)
-    logits, aux = out if draft is not None else (out, None)
+    logits, aux = target(tokens, positions, "extend", capture_aux=draft is not None)
     last = lens - 1                                            # each prompt's last position
     rows = Rows(out=torch.zeros(B, max_new_tokens + k + 1, dtype=torch.int64, device=tokens.device),
                 n_out=torch.zeros_like(last), x=tokens.gather(1, last.unsqueeze(1)).squeeze(1), cur=last.clone(),
@@ -162,7 +161,7 @@ def prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, generat
 
 def decode_cycle(target, run, rows, pos, temperature, generator, mark):
     """Plain decoding: the target reads x at cur and emits its next token. Returns m = 0, emitted [B, 1]."""
-    logits = run(("decode", len(pos), 1), partial(target, mode="decode"), rows.x.unsqueeze(1), pos)
+    logits, _ = run(("decode", len(pos), 1), partial(target, mode="decode"), rows.x.unsqueeze(1), pos)
     mark("decode")
     return torch.zeros_like(rows.cur), sample(logits[:, 0], temperature, generator).unsqueeze(1)
 
