@@ -120,8 +120,8 @@ class DraftAttention(nn.Module):
         k = self.k_cache[:B].repeat_interleave(self.n_local_heads // self.n_local_kv_heads, 2)   # [B, S, H, Hd]
         v = self.v_cache[:B].repeat_interleave(self.n_local_heads // self.n_local_kv_heads, 2)
         scores = torch.einsum("bthd,bshd->bths", q, k) * self.scale
-        mask = torch.arange(S, device=x.device) <= positions.unsqueeze(-1)      # [B, T, S]
-        scores = scores.masked_fill(~mask.unsqueeze(2), float("-inf"))
+        future = torch.arange(S, device=x.device) > positions.unsqueeze(-1)     # [B, T, S], as in model.py
+        scores = scores.masked_fill(future.unsqueeze(2), float("-inf"))
         p = scores.softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)
         return self.o_proj(torch.einsum("bths,bshd->bthd", p, v).flatten(2))
 
@@ -208,7 +208,7 @@ class Eagle3Draft(nn.Module):
         return torch.stack(drafts, 1)
 
     def propose(self, tokens, positions, hidden, last, num_steps):
-        """The proposer interface verify.generate uses: extend over the rows, then chain."""
+        """Extend over the rows, then chain: what verify.generate does after the prefill, in one call."""
         first, g = self.extend(tokens, positions, hidden, last)
         q = positions.gather(1, last.unsqueeze(1)).squeeze(1)
         return self.chain(first, g, q, num_steps)

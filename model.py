@@ -24,6 +24,7 @@ import zlib
 from collections import Counter
 from contextlib import ExitStack
 from dataclasses import asdict, dataclass, field, fields
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -52,6 +53,28 @@ def normalize_rope_scaling(rope_scaling):
     rs = dict(rope_scaling)
     rs["type"] = rs.pop("rope_type", rs.get("type"))
     return rs
+
+
+def generation_eos(path_or_dict):
+    """The eos_token_id of the generation_config.json beside a config.json (None without one)."""
+    if isinstance(path_or_dict, dict):
+        return None
+    folder = path_or_dict if os.path.isdir(path_or_dict) else os.path.dirname(path_or_dict)
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("eos_token_id")
+
+
+def eos_union(*values):
+    """The ids in values (each an id, a list of ids or None), in order, each once."""
+    ids = []
+    for v in values:
+        for i in [] if v is None else [v] if isinstance(v, int) else v:
+            if i not in ids:
+                ids.append(i)
+    return ids
 
 
 @dataclass
@@ -87,7 +110,7 @@ class ModelArgs:
     max_position_embeddings: int = 131072
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 163584
-    eos_token_id: int | None = 163585
+    eos_token_id: int | list | None = 163585  # one id or a list (from_hf_config adds generation_config's)
     quantization_config: dict | None = None  # as shipped: FP8 blocks (dequantized at load) or INT4 experts
 
     @property
@@ -95,6 +118,11 @@ class ModelArgs:
         """The INT4 group size when the routed experts are kept packed, else None."""
         kind, group = quant_scheme(self.quantization_config)
         return group if kind == "int4" else None
+
+    @property
+    def eos_token_ids(self):
+        """Every id generation stops at, as a list."""
+        return eos_union(self.eos_token_id)
 
     @property
     def qk_head_dim(self):
@@ -106,7 +134,8 @@ class ModelArgs:
 
     @property
     def softmax_scale(self):
-        # DeepseekV3: qk_head_dim^-0.5, times mscale^2 when rope_scaling is yarn
+        # DeepseekV3: qk_head_dim^-0.5, times mscale^2 whenever rope_scaling is yarn (HF, SGLang;
+        # DeepSeek's own reference only when its cache is longer than the original context)
         scale = self.qk_head_dim ** -0.5
         if self.is_yarn:
             mscale = yarn_mscale(self.rope_scaling["factor"], self.rope_scaling.get("mscale_all_dim", 0))
@@ -121,9 +150,14 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, path_or_dict):
-        """Read a DeepseekV3 / Kimi-K2 / Kimi-K2.5 config.json (a file, its folder, or a dict)."""
+        """Read a DeepseekV3 / Kimi-K2 / Kimi-K2.5 config.json (a file, its folder, or a dict).
+        The EOS ids are those of config.json and of a generation_config.json beside it, together
+        (engines stop at every one: SGLang's model config takes the union, vLLM adds them as stops)."""
         top = read_config(path_or_dict)
         cfg = dict(top.get("text_config", top))  # Kimi-K2.5 nests the text model
+        eos = eos_union(cfg.get("eos_token_id"), top.get("eos_token_id"), generation_eos(path_or_dict))
+        if eos:
+            cfg["eos_token_id"] = eos[0] if len(eos) == 1 else eos
         cfg["quantization_config"] = cfg.get("quantization_config") or top.get("quantization_config")
         quant_scheme(cfg["quantization_config"])  # refuses what is not implemented, by name
         if "rope_parameters" in cfg:  # the newer transformers spelling
@@ -143,10 +177,7 @@ class ModelArgs:
             raise NotImplementedError(f"rope_scaling type {cfg['rope_scaling']['type']!r} is not "
                                       "implemented (only yarn or none)")
         names = {f.name for f in fields(cls)}
-        args = cls(**{k: v for k, v in cfg.items() if k in names})
-        if isinstance(args.eos_token_id, list):
-            args.eos_token_id = args.eos_token_id[0]
-        return args
+        return cls(**{k: v for k, v in cfg.items() if k in names})
 
     def to_hf_config(self):
         cfg = asdict(self)
@@ -273,7 +304,12 @@ def yarn_mscale(factor, mscale=1.0):
 
 
 def rope_tables(dim, theta, rope_scaling, max_seq_len, device):
-    """cos, sin [S, dim/2] in float32, YaRN-scaled when rope_scaling says so (HF's formulas)."""
+    """cos, sin [S, dim/2] in float32, YaRN-scaled when rope_scaling says so (HF's formulas).
+
+    YaRN applies at every cache length here, as in HF transformers and SGLang. DeepSeek's own
+    inference/model.py ramps the frequencies (and multiplies the softmax scale by mscale^2) only
+    when its max_seq_len exceeds original_max_position_embeddings, so with a cache of at most
+    4096 slots its logits differ from these and from the engines'."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     attention_factor = 1.0
     if rope_scaling and rope_scaling.get("type") == "yarn":
@@ -287,10 +323,12 @@ def rope_tables(dim, theta, rope_scaling, max_seq_len, device):
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
         keep = 1 - ramp  # 1: keep the original frequency (extrapolate), 0: divide by factor
         inv_freq = inv_freq / factor * (1 - keep) + inv_freq * keep
-        if rs.get("mscale") and rs.get("mscale_all_dim"):
-            attention_factor = yarn_mscale(factor, rs["mscale"]) / yarn_mscale(factor, rs["mscale_all_dim"])
-        else:
-            attention_factor = rs.get("attention_factor") or yarn_mscale(factor)
+        attention_factor = rs.get("attention_factor")  # as HF: an explicit factor wins, else
+        if attention_factor is None:                    # DeepSeek's mscale ratio, else YaRN's own
+            if rs.get("mscale") and rs.get("mscale_all_dim"):
+                attention_factor = yarn_mscale(factor, rs["mscale"]) / yarn_mscale(factor, rs["mscale_all_dim"])
+            else:
+                attention_factor = yarn_mscale(factor)
     elif rope_scaling:
         raise NotImplementedError(f"rope_scaling type {rope_scaling.get('type')!r} is not implemented")
     freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
@@ -356,11 +394,11 @@ class MLA(nn.Module):
         self.register_buffer("pe_cache", torch.zeros(max_batch_size, max_seq_len, a.qk_rope_head_dim, **cache),
                              persistent=False)
 
-    def forward(self, x, positions, rope, hidden, mode):
-        """hidden [B, T, S]: True where a query must not see a slot (slot > its position); S is
-        the number of cache slots read."""
+    def forward(self, x, positions, rope, future, mode):
+        """future [B, T, S]: True where a slot lies after the query's position (not written yet,
+        or a rejected draft's), so the query must not see it; S is the number of cache slots read."""
         a, h = self.args, self.n_local_heads
-        (B, T, _), kv_len = x.shape, hidden.shape[-1]
+        (B, T, _), kv_len = x.shape, future.shape[-1]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
         q_nope, q_pe = q.view(B, T, h, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
         q_pe = apply_rope(q_pe, rope)
@@ -376,15 +414,16 @@ class MLA(nn.Module):
                 [a.qk_nope_head_dim, a.v_head_dim], -1)                        # [B, S, H, d]
             scores = (torch.einsum("bthd,bshd->bths", q_nope, k_nope)
                       + torch.einsum("bthr,bsr->bths", q_pe, pe_c))
-        else:
+        else:  # absorbed: a key is k = W_uk c for a cached latent c, so q . k = q . (W_uk c) =
+            # (W_uk^T q) . c: W_uk moves onto the T queries instead of onto all S cached latents
             q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)               # [B, T, H, C]
             scores = (torch.einsum("bthc,bsc->bths", q_lat, kv_c)
                       + torch.einsum("bthr,bsr->bths", q_pe, pe_c))
-        scores = (scores * a.softmax_scale).masked_fill(hidden.unsqueeze(2), float("-inf"))
+        scores = (scores * a.softmax_scale).masked_fill(future.unsqueeze(2), float("-inf"))
         p = scores.softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)               # [B, T, H, S]
         if mode == "extend":
             o = torch.einsum("bths,bshd->bthd", p, v)
-        else:
+        else:  # likewise o = sum_s p_s (W_uv c_s) = W_uv (sum_s p_s c_s): attend over latents, then W_uv once
             o = torch.einsum("bthc,hdc->bthd", torch.einsum("bths,bsc->bthc", p, kv_c), w_uv)
         return self.o_proj(o.flatten(2))
 
@@ -424,6 +463,9 @@ class Router(nn.Module):
             grouped = biased.unflatten(-1, (a.n_group, -1))                    # [N, G, E/G]
             group_score = grouped.topk(2, dim=-1).values.sum(-1)              # [N, G]
             keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(a.topk_group, -1).indices, 1)
+            # dropped groups get -inf, as in DeepSeek's reference and SGLang. transformers v4 fills
+            # 0.0, and a biased score (sigmoid + bias) can be negative: there a dropped group's
+            # expert can outrank a kept one. Both agree when the K-th best kept score is positive.
             biased = grouped.masked_fill(keep.unsqueeze(-1) == 0, float("-inf")).flatten(1)
         ids = biased.topk(a.num_experts_per_tok, dim=-1).indices
         weights = scores.gather(1, ids)
@@ -547,13 +589,19 @@ class Block(nn.Module):
         else:
             self.mlp = MoE(args, tp, moe_impl, device, dtype)
 
-    def forward(self, x, positions, rope, hidden, mode):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, hidden, mode)
+    def forward(self, x, positions, rope, future, mode):
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, future, mode)
         return x + self.mlp(self.post_attention_layernorm(x))
 
 
 # ---------------------------------------------------------------------------------------------
 # The model
+
+class TargetOutput(NamedTuple):
+    """What Transformer.forward returns, with or without capture_aux."""
+    logits: torch.Tensor        # [B, T, V] float32, the full vocabulary on every rank
+    aux: torch.Tensor | None    # [B, T, 3*D] the EAGLE-3 states with capture_aux, else None
+
 
 class Transformer(nn.Module):
     """This rank's shard of the target. `tp` defaults to the torch.distributed world (or 1).
@@ -604,24 +652,22 @@ class Transformer(nn.Module):
 
     def forward(self, tokens, positions, mode="extend", capture_aux=False, kv_len=None):
         """tokens, positions: int64 [B, T]. Writes the KV cache at `positions`, then attends to
-        slots <= position over the first kv_len slots (default: all). Returns logits [B, T, V]
-        (float32, full vocabulary on every rank) and, with capture_aux, the EAGLE-3 states
-        [B, T, 3*D] (the chosen layers' outputs, low to high)."""
+        slots <= position over the first kv_len slots (default: all). Returns a TargetOutput:
+        logits [B, T, V] (float32, full vocabulary on every rank) and, with capture_aux, the
+        EAGLE-3 states aux [B, T, 3*D] (the chosen layers' outputs, low to high; else None)."""
         if mode not in ("extend", "decode"):
             raise ValueError(f"mode must be 'extend' or 'decode', not {mode!r}")
         kv_len = kv_len or self.max_seq_len
         x = self.embed_tokens(tokens)                                         # [B, T, D]
         rope = self.rope[positions]                                           # [B, T, R/2, 2]
-        hidden = torch.arange(kv_len, device=x.device) > positions.unsqueeze(-1)   # [B, T, S], once
+        future = torch.arange(kv_len, device=x.device) > positions.unsqueeze(-1)   # [B, T, S], once
         captured = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, rope, hidden, mode)
+            x = layer(x, positions, rope, future, mode)
             if capture_aux and i in self.aux_layer_ids:
                 captured[i] = x
-        logits = self.lm_head(self.norm(x))
-        if capture_aux:
-            return logits, torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
-        return logits
+        aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1) if capture_aux else None
+        return TargetOutput(self.lm_head(self.norm(x)), aux)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -839,7 +885,7 @@ def load_target(path, max_batch_size=1, max_seq_len=4096, device=None, dtype=Non
     (kept packed), and the Kimi-K2.5 layout (text model under `language_model.`; the vision
     tower and projector skipped)."""
     cfg = read_config(path)
-    args = ModelArgs.from_hf_config(cfg)
+    args = ModelArgs.from_hf_config(path)
     kind, block_or_group = quant_scheme(args.quantization_config)
     model = Transformer(args, max_batch_size, max_seq_len, device, dtype, tp, **kwargs)
     prefix = "language_model." if "text_config" in cfg else ""

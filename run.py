@@ -36,6 +36,14 @@ from graphs import CudaGraphs
 from verify import ATTENTION_MODES, accept, generate
 
 
+# bf16 Kimi-K2 on one GPU, as one simulated TP-8 rank: 384 routed experts weigh 259 GB there, 1.8x
+# an H200's 141 GB; 128 of them, 89 GB with the rest of the rank, leave room for the cache and graphs
+BF16_EXPERTS_ON_ONE_GPU = 128
+# a real TP rank seeds every tensor whole on its CPU and keeps its slice (so TP N holds the same model
+# as TP 1) while its shard stays under this many parameters; a bigger one draws its slice on the device
+MAX_PARAMS_SEEDED_WHOLE = 5e8
+
+
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", help="HF DeepseekV3 / Kimi-K2 checkpoint folder (else --preset)")
@@ -126,7 +134,7 @@ def settle(args, device, world):
         sys.exit("--quant sets the layout of random weights; a checkpoint's config.json says its own")
     int4 = args.quant == "int4" or args.quant is None and args.preset == "kimi-k2.5"
     if args.routed_experts is None and big and gpu and not int4 and not args.dump:
-        args.routed_experts = 128  # bf16: 384 experts are 2.3x one H200; INT4 ones fit
+        args.routed_experts = BF16_EXPERTS_ON_ONE_GPU  # INT4 experts all fit
     args.prompt_len = args.prompt_len or (256 if gpu else 16)
     args.max_new_tokens = args.max_new_tokens or (64 if gpu else 24)
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
@@ -152,7 +160,8 @@ def build(args, device, dtype, world):
             tpm.print0(f"memory override: {args.routed_experts} of {margs.n_routed_experts} routed experts per layer kept")
             margs.n_routed_experts = args.routed_experts
         target = model.Transformer(margs, args.batch_size, max_seq_len, device, dtype, tp, moe_impl=args.moe_impl)
-        whole = tp.world_size == 1 or not tp.simulated and sum(p.numel() for p in target.parameters()) < 5e8
+        shard = sum(p.numel() for p in target.parameters())
+        whole = tp.world_size == 1 or not tp.simulated and shard < MAX_PARAMS_SEEDED_WHOLE
         model.init_random(target, args.seed, rank_local=not whole)
         how = f"random {args.preset} ({'seeded whole, same at any TP' if whole else 'rank-local init'})"
     if args.draft_path:
@@ -160,8 +169,10 @@ def build(args, device, dtype, world):
     elif args.dump:  # a dump without a draft checkpoint is plain greedy
         head = None
     else:
-        dargs = draft_preset("tiny" if target.args.hidden_size == 64 else "kimi-k2")
-        dargs.eagle_config = None if target.args.num_hidden_layers < 59 else dargs.eagle_config
+        tiny = target.args.hidden_size == model.PRESETS["tiny"]["hidden_size"]
+        dargs = draft_preset("tiny" if tiny else "kimi-k2")
+        if max(dargs.aux_layer_ids or [0]) >= target.args.num_hidden_layers:  # Kimi's ids, a shallower target
+            dargs.eagle_config = None  # EAGLE-3's default layers of this target instead
         head = init_random_draft(Eagle3Draft(dargs, target), args.seed + 1, rank_local=tp.simulated)
     return target, head, how
 
@@ -351,7 +362,7 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=20, attention_
     positions = torch.arange(T, device=target.device).expand(B, T)
     ids, logprobs = [], []
     for s in range(0, T, chunk):  # chunks over the cache (slot = position) bound the [B, chunk, V] logits
-        logits = target(seqs[:, s:s + chunk], positions[:, s:s + chunk], "extend")
+        logits, _ = target(seqs[:, s:s + chunk], positions[:, s:s + chunk], "extend")
         lp, top = torch.log_softmax(logits, -1).topk(topk, -1)  # logits are float32 or wider
         ids.append(top.cpu())
         logprobs.append(lp.float().cpu())
@@ -600,7 +611,7 @@ def main(argv=None):
             result["env"]["gpu_mem_peak_eager_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
     if device.type == "cuda":
         result["kernels_per_decode_step"] = count_kernels(lambda: target(step_tok, positions(1), "decode"))
-    logits = target(tokens[:, -(k + 1):], positions(k + 1), "decode")
+    logits, _ = target(tokens[:, -(k + 1):], positions(k + 1), "decode")
     ph["accept"] = median_ms(clock, lambda: accept(logits, tokens[:, -k:], args.temperature, None if args.temperature == 0
                                                    else torch.Generator(device).manual_seed(0)), args.reps)
 

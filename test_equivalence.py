@@ -81,9 +81,9 @@ def step_inputs(vocab, seed=0):
 def run_steps(m):
     """Logits of the prefill and of the step in both attention modes, concatenated along T."""
     prefill, prefill_pos, step, step_pos = step_inputs(m.args.vocab_size)
-    outs = [m(prefill, prefill_pos, "extend")]
+    outs = [m(prefill, prefill_pos, "extend").logits]
     for mode in ("extend", "decode"):
-        outs.append(m(step, step_pos, mode))
+        outs.append(m(step, step_pos, mode).logits)
     return torch.cat(outs, 1)
 
 
@@ -119,12 +119,12 @@ def test_extend_decode_and_incremental_agree():
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, m.args.vocab_size, (3, 20), generator=g)
     pos = torch.arange(20).expand(3, 20)
-    whole = {mode: m(tokens, pos, mode) for mode in ("extend", "decode")}
+    whole = {mode: m(tokens, pos, mode).logits for mode in ("extend", "decode")}
     assert_close(whole["decode"], whole["extend"], 1e-10, "decode vs extend attention, whole prompt")
     for mode in ("extend", "decode"):
         # prefill 15, one token, then a (k+1) = 4 token step at the offset
-        parts = [m(tokens[:, :15], pos[:, :15], "extend"), m(tokens[:, 15:16], pos[:, 15:16], mode),
-                 m(tokens[:, 16:], pos[:, 16:], mode)]
+        parts = [m(tokens[:, :15], pos[:, :15], "extend").logits, m(tokens[:, 15:16], pos[:, 15:16], mode).logits,
+                 m(tokens[:, 16:], pos[:, 16:], mode).logits]
         assert_close(torch.cat(parts, 1), whole["extend"], 1e-10, f"incremental {mode} vs one forward")
 
 
@@ -132,8 +132,8 @@ def test_kv_len_bounds_the_read_without_changing_results():
     m = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=64, dtype=torch.float64), 4)
     prefill, prefill_pos, step, step_pos = step_inputs(m.args.vocab_size, seed=4)
     m(prefill, prefill_pos)
-    full = m(step, step_pos, "decode")
-    assert_close(m(step, step_pos, "decode", kv_len=16), full, 1e-12, "kv_len=16 vs full cache")
+    full = m(step, step_pos, "decode").logits
+    assert_close(m(step, step_pos, "decode", kv_len=16).logits, full, 1e-12, "kv_len=16 vs full cache")
 
 
 @pytest.mark.parametrize("quant", [None, "int4"])
@@ -175,7 +175,7 @@ def test_matches_hf_transformers(tiny_ckpt):
     tokens = torch.randint(0, ours.args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         ref = hf(tokens).logits
-    got = ours(tokens, torch.arange(24).expand(2, 24))
+    got = ours(tokens, torch.arange(24).expand(2, 24)).logits
     assert_close(got, ref, 2e-5, "ours vs HF DeepseekV3")
 
 
@@ -301,6 +301,16 @@ def test_config_spellings_and_refusals():
             json.dump(dict(old, quantization_config={"quant_method": "fp8"}), f)
         with pytest.raises(NotImplementedError, match="fp8"):
             load_target(d)
+
+
+def test_yarn_attention_factor_as_hf():
+    """The cos/sin tables carry YaRN's attention factor: rope_scaling's own attention_factor when
+    given (as transformers reads it), else mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    rs = dict(type="yarn", factor=4.0, original_max_position_embeddings=64, mscale=0.8, mscale_all_dim=1.0)
+    for scaling, want in ((rs, model.yarn_mscale(4.0, 0.8) / model.yarn_mscale(4.0, 1.0)),
+                          (dict(rs, attention_factor=1.25), 1.25), (dict(rs, mscale=0, attention_factor=0.5), 0.5)):
+        cos, sin = model.rope_tables(8, 10000.0, scaling, 16, "cpu")
+        assert_close((cos ** 2 + sin ** 2).sqrt(), torch.full_like(cos, want), 1e-6, f"attention factor {scaling}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -445,7 +455,7 @@ def test_simulated_rank_is_labelled_and_shaped_like_tp8():
     m = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float32, tp=sim), 0,
                     rank_local=True)
     assert "SIMULATED" in sim.describe() and m.layers[0].self_attn.n_local_heads == 1
-    logits = m(torch.tensor([[3, 4], [5, 6]]), torch.arange(2).expand(2, 2), "decode")
+    logits, _ = m(torch.tensor([[3, 4], [5, 6]]), torch.arange(2).expand(2, 2), "decode")
     assert logits.shape == (2, 2, m.args.vocab_size) and torch.isfinite(logits).all()
 
 
@@ -459,15 +469,19 @@ PROMPTS = {1: [[11, 12, 13, 14, 15, 16]], 3: [[11, 12, 13, 14, 15], [21, 22, 23,
 
 
 class PlantedProposer:
-    """Knows the target's greedy sequence `ref` [B, L] (by position) and errs where told: on its
-    c-th call, row b's first wrong draft is number wrong_at(c, b) (0-based; >= k: all right)."""
+    """Stands in for an Eagle3Draft in verify.generate (its extend and chain, run eager). Knows the
+    target's greedy sequence `ref` [B, L] (by position) and errs where told: on its c-th chain,
+    row b's first wrong draft is number wrong_at(c, b) (0-based; >= k: all right)."""
 
     def __init__(self, ref, vocab, wrong_at):
         self.ref, self.vocab, self.wrong_at, self.calls = ref, vocab, wrong_at, 0
 
-    def propose(self, tokens, positions, hidden, last, num_steps):
-        q = positions.gather(1, last.unsqueeze(1))                          # [B, 1]
-        idx = (q + 1 + torch.arange(1, num_steps + 1)).clamp(max=self.ref.shape[1] - 1)  # d_j: position q+1+j
+    def extend(self, tokens, positions, hidden, last):
+        return None, None  # the planted drafts need only the position chain() is given
+
+    def chain(self, first, g, q, num_steps):
+        """q [B]: the position of the last extend row; draft j (1-based) guesses position q+1+j."""
+        idx = (q.unsqueeze(1) + 1 + torch.arange(1, num_steps + 1)).clamp(max=self.ref.shape[1] - 1)
         drafts = self.ref.gather(1, idx)
         first_wrong = torch.tensor([self.wrong_at(self.calls, b) for b in range(len(drafts))])
         self.calls += 1
@@ -493,7 +507,7 @@ def lossless_matrix(seed, max_new=24):
     for B, prompts in PROMPTS.items():
         plain = generate(target, None, prompts, max_new_tokens=max_new).tokens
         ref = reference_sequences(prompts, plain, 40)
-        for mode in ("prefill", "decode"):
+        for mode in ("extend", "decode"):
             for k in (1, 2, 4):
                 proposers = {"eagle3": head,
                              "errs": PlantedProposer(ref, target.args.vocab_size, lambda c, b, k=k: (c + b) % (k + 1)),
@@ -572,6 +586,22 @@ def test_speculative_sampling_follows_the_target():
         n1 = took_d1.sum().item()
         assert tv0 < 1.5 * (V / N) ** 0.5 and tv1 < 1.5 * (V / n1) ** 0.5, \
             f"{kind} draft: TV {tv0:.4f} (first, n={N}), {tv1:.4f} (second, n={n1})"
+
+
+def test_generation_stops_at_every_eos_id(tmp_path):
+    """config.json and generation_config.json each name EOS ids (one or a list); generation stops
+    at the first of any of them, as engines do, plain and speculative, wherever it falls in a cycle."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(tiny().to_hf_config(), eos_token_id=[2, 5])))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
+    assert ModelArgs.from_hf_config(tmp_path).eos_token_ids == [2, 5, 9]
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=40, dtype=torch.float64), 21)
+    free = generate(target, None, PROMPTS[3], max_new_tokens=20, eos_id=-1).tokens
+    stops = [free[0][4], free[1][7], free[2][9]]
+    ref = reference_sequences(PROMPTS[3], free, 40)
+    for proposer in (None, PlantedProposer(ref, 256, lambda c, b: (c + b) % 3)):
+        got = generate(target, proposer, PROMPTS[3], max_new_tokens=20, num_steps=2, eos_id=stops).tokens
+        for row, out in zip(free, got):
+            assert out == row[:next(i + 1 for i, t in enumerate(row) if t in stops)], (proposer, stops)
 
 
 def test_sampling_generate_runs_and_is_seeded():
@@ -864,7 +894,7 @@ def captured_calls(target, head, k=3, B=3, P=12):
 
 
 def flat(out):
-    return torch.cat([t.double().flatten() for t in (out if isinstance(out, tuple) else (out,))])
+    return torch.cat([t.double().flatten() for t in (out if isinstance(out, tuple) else (out,)) if t is not None])
 
 
 @cuda
@@ -880,6 +910,42 @@ def test_graph_replay_equals_eager(quant):
         again = [x.clone() for x in inputs]  # replay on other values: still equal to eager
         again[0] = (again[0] + 1) % 256 if again[0].dtype == torch.int64 else again[0]
         assert_close(flat(runner.run(key, fn, *again)), flat(fn(*again)), 0.0, f"graph vs eager {key}, new inputs")
+
+
+def test_graph_keys_remember_their_function():
+    """A CUDA graph replays what it captured, so a key names one function: the same partial or
+    bound method again is the same, another mode or method is not (compared without a device read)."""
+    from functools import partial
+    from graphs import function_id, function_name
+    target = Transformer(tiny(), max_batch_size=1, max_seq_len=8)
+    head = Eagle3Draft(draft_preset("tiny"), target)
+    assert function_id(partial(target, mode="decode")) == function_id(partial(target, mode="decode"))
+    assert function_id(partial(target, mode="decode")) != function_id(partial(target, mode="extend"))
+    assert function_id(head.extend) == function_id(head.extend) != function_id(head.chain)
+    assert function_name(partial(head.chain, num_steps=3)) == "partial(Eagle3Draft.chain, num_steps=3)"
+
+
+def test_graph_outputs_are_copied_whole():
+    """A replay hands back copies (the pool may be reused): a named tuple stays one, None stays None."""
+    from graphs import copy_out
+    out = model.TargetOutput(torch.ones(2, 3), None)
+    copy = copy_out(out)
+    assert type(copy) is model.TargetOutput and copy.aux is None and torch.equal(copy.logits, out.logits)
+    assert copy.logits.data_ptr() != out.logits.data_ptr()
+    first, g = copy_out((torch.zeros(2), torch.ones(2, 4)))
+    assert torch.equal(g, torch.ones(2, 4)) and first.shape == (2,)
+
+
+@cuda
+def test_graph_key_collision_is_refused():
+    from functools import partial
+    from graphs import CudaGraphs
+    target, head = gpu_models()
+    key, fn, inputs = captured_calls(target, head)[1]                  # verify, extend attention
+    runner = CudaGraphs("cuda")
+    runner.run(key, fn, *inputs)
+    with pytest.raises(ValueError, match=r"replays partial\(Transformer, mode='extend'"):
+        runner.run(key, partial(target, mode="decode", capture_aux=True), *inputs)
 
 
 @cuda
@@ -901,7 +967,7 @@ def test_no_host_sync_in_captured_paths(quant):
 
 
 @cuda
-@pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize("mode", ["extend", "decode"])
 def test_graph_generate_equals_eager_generate_and_reports_bf16_agreement(mode):
     target, head = gpu_models()
     prompts = PROMPTS[3]
@@ -924,7 +990,7 @@ def test_gpu_decode_attention_equals_extend_and_grouped_equals_gather():
     target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32, moe_impl="gather"), 0)
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
-    assert_close(target(step, step_pos, "decode"), target(step, step_pos, "extend"), 1e-3,
+    assert_close(target(step, step_pos, "decode").logits, target(step, step_pos, "extend").logits, 1e-3,
                  "float32 GPU decode vs extend attention")
     moe = init_random(Transformer(tiny(), 1, 8, device="cuda", dtype=torch.bfloat16), 1).layers[1].mlp
     if moe.experts.impl != "grouped":
@@ -944,16 +1010,16 @@ def test_compiled_layers_equal_plain_inside_graphs_without_host_sync():
     target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32), 0)
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
-    plain = {mode: target(step, step_pos, mode) for mode in ("extend", "decode")}
+    plain = {mode: target(step, step_pos, mode).logits for mode in ("extend", "decode")}
     target.compile_layers()
     runner = CudaGraphs("cuda")
     for mode, ref in plain.items():
         fn = partial(target, mode=mode)
-        assert_close(fn(step, step_pos), ref, 1e-4, f"compiled vs plain layers, {mode}")
+        assert_close(fn(step, step_pos).logits, ref, 1e-4, f"compiled vs plain layers, {mode}")
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            graphed = runner.run(("compiled", mode), fn, step, step_pos)
+            graphed = runner.run(("compiled", mode), fn, step, step_pos).logits
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert_close(graphed, ref, 1e-4, f"compiled layers in a CUDA graph vs plain, {mode}")
