@@ -6,6 +6,7 @@ graph work done: `python -m pytest -q test_equivalence.py` there runs both parts
 """
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
@@ -19,7 +20,7 @@ from safetensors.torch import load_file, save_file
 
 import model
 import tp
-from model import ModelArgs, Transformer, init_random, load_target, save_target
+from model import CheckpointError, ModelArgs, Transformer, init_random, load_target, save_target
 from tp import TP
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -252,10 +253,10 @@ KEY = "model.layers.2.self_attn.kv_b_proj.weight"
 
 
 @pytest.mark.parametrize("edit, error, words", [
-    (lambda t: t.pop(KEY), KeyError, ["missing", KEY]),
-    (lambda t: t.update({"model.extra.weight": torch.zeros(2)}), KeyError, ["unexpected", "model.extra.weight"]),
+    (lambda t: t.pop(KEY), CheckpointError, ["missing", KEY]),
+    (lambda t: t.update({"model.extra.weight": torch.zeros(2)}), CheckpointError, ["unexpected", "model.extra.weight"]),
     (lambda t: t.update({KEY: torch.zeros(3, 4, dtype=torch.float64)}), ValueError, [KEY, "[128, 32]", "[3, 4]"]),
-    (lambda t: t.update({KEY: t[KEY].to(torch.int32)}), TypeError, [KEY, "I32"]),
+    (lambda t: t.update({KEY: t[KEY].to(torch.int32)}), CheckpointError, [KEY, "I32", "model.safetensors"]),
     (lambda t: t.update({"model.layers.8.mlp.gate.weight": torch.zeros(2)}), None, []),  # an MTP layer: skipped
 ])
 def test_bad_checkpoints_name_the_problem(tiny_ckpt, edit, error, words):
@@ -270,6 +271,47 @@ def test_bad_checkpoints_name_the_problem(tiny_ckpt, edit, error, words):
             load_target(bad, max_batch_size=1, max_seq_len=8, dtype=torch.float64)
         for w in words:
             assert w in str(e.value), (w, str(e.value))
+
+
+def _truncate(f):
+    data = open(f, "rb").read()
+    open(f, "wb").write(data[:len(data) // 2])
+
+
+def _set_config(f, **kw):
+    cfg = json.load(open(f))
+    json.dump(dict(cfg, **kw), open(f, "w"))
+
+
+BROKEN = [  # (what, file to edit or None: the folder is missing, edit, what the error must say)
+    ("missing", None, None, "{dir}: no such file or folder"),
+    ("no config", "config.json", os.remove, "{dir} has no config.json"),
+    ("not JSON", "config.json", lambda f: open(f, "w").write('{\n  "hidden_size": 64,\n  "vocab_size": ,\n}'),
+     "{dir}/config.json line 3 column 17: not JSON"),
+    ("wrong type", "config.json", lambda f: _set_config(f, hidden_size="abc"), "{dir}/config.json: hidden_size = 'abc' is not int"),
+    ("truncated", "{tensors}", _truncate, "{dir}/{tensors}: not a readable safetensors file"),
+    ("corrupt", "{tensors}", lambda f: open(f, "w").write("not a tensor file"), "{dir}/{tensors}: not a readable safetensors file"),
+]
+
+
+def test_unreadable_checkpoints_are_one_error_naming_the_file(tiny_ckpt, tmp_path):
+    """Target and draft alike: each problem is a CheckpointError (a ValueError) whose message
+    names the file, as run.py prints it."""
+    ckpt, m = tiny_ckpt
+    shard = sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors"))[1]
+    save_draft(init_random_draft(Eagle3Draft(draft_preset("tiny"), m), 3), tmp_path / "draft")
+    for kind, src, tensors in (("target", ckpt, shard), ("draft", str(tmp_path / "draft"), "model.safetensors")):
+        for what, name, edit, message in BROKEN:
+            bad = str(tmp_path / f"{kind} {what}".replace(" ", "_"))
+            if name is not None:
+                shutil.copytree(src, bad)
+                edit(os.path.join(bad, name.format(tensors=tensors)))
+            with pytest.raises(CheckpointError) as e:
+                if kind == "target":
+                    load_target(bad, max_seq_len=8, dtype=torch.float64)
+                else:
+                    load_draft(bad, m)
+            assert message.format(dir=bad, tensors=tensors) in str(e.value), (kind, what, str(e.value))
 
 
 def test_world_size_that_does_not_divide_is_named():
@@ -413,7 +455,7 @@ def test_bad_quantized_checkpoints_name_the_tensor(tmp_path):
     def qcfg(c):
         return c["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]
     cases = [
-        (int4, dict(edit_tensors=lambda t: t.pop(E + ".weight_scale")), KeyError, [E + ".weight_scale", "missing"]),
+        (int4, dict(edit_tensors=lambda t: t.pop(E + ".weight_scale")), CheckpointError, [E + ".weight_scale", "missing"]),
         (int4, dict(edit_tensors=lambda t: t.update({E + ".weight_shape": torch.tensor([64, 128])})),
          ValueError, [E + ".weight_packed", "[64, 128]"]),
         (int4, dict(edit_config=lambda c: qcfg(c).update(group_size=48)), ValueError, ["hidden_size = 64", "48-element"]),
@@ -426,9 +468,9 @@ def test_bad_quantized_checkpoints_name_the_tensor(tmp_path):
          NotImplementedError, ["INT4-packed", "self_attn.q_b_proj.weight_packed"]),
         (int4, dict(edit_config=lambda c: c["text_config"].pop("quantization_config")),
          NotImplementedError, ["INT4-packed", "no compressed-tensors quantization_config"]),
-        (fp8, dict(edit_tensors=lambda t: t.pop(A + "_scale_inv")), KeyError, [A + "_scale_inv"]),
+        (fp8, dict(edit_tensors=lambda t: t.pop(A + "_scale_inv")), CheckpointError, [A + "_scale_inv"]),
         (fp8, dict(edit_tensors=lambda t: t.update({A + "_scale_inv": torch.ones(2, 2)})), ValueError, [A + "_scale_inv", "[6, 2]"]),
-        (fp8, dict(edit_config=lambda c: c.pop("quantization_config")), TypeError, ["F8_E4M3", "quantization_config"]),
+        (fp8, dict(edit_config=lambda c: c.pop("quantization_config")), CheckpointError, ["F8_E4M3", "quantization_config"]),
     ]
     for i, (src, edits, error, words) in enumerate(cases):
         bad = _edit(src, str(tmp_path / f"bad{i}"), **edits)
@@ -598,7 +640,7 @@ def test_draft_round_trip_and_errors(tmp_path):
     save_file(tensors, tmp_path / "bad" / "model.safetensors")
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
     (tmp_path / "bad" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(KeyError, match="midlayer.self_attn.k_proj.weight"):
+    with pytest.raises(CheckpointError, match="midlayer.self_attn.k_proj.weight"):
         load_draft(tmp_path / "bad", target)
     (tmp_path / "bad" / "config.json").write_text(json.dumps(dict(cfg, architectures=["LlamaForCausalLM"])))
     with pytest.raises(ValueError, match="LlamaForCausalLMEagle3"):
