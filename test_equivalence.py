@@ -24,6 +24,9 @@ from model import CheckpointError, ModelArgs, Transformer, init_random, load_tar
 from tp import TP
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+# run.py as a user runs it on the CPU (the GPU hidden), one thread: on a small shared machine more
+# threads per process than cores makes every process wait on the others
+CPU_ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200)")
 
 
@@ -685,7 +688,7 @@ def test_requests_that_cannot_run_are_refused():
 def test_run_py_cli_tiny(tmp_path):
     """run.py's CPU defaults (the GPU is hidden, so this is the CPU run on any machine)."""
     out = tmp_path / "r.json"
-    cpu = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    cpu = CPU_ENV
     subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--json", str(out), "--max-new-tokens", "20",
                     "--speculative-num-steps", "2", "--batch-size", "2"], check=True, capture_output=True, cwd=HERE,
                    env=cpu)
@@ -784,24 +787,80 @@ def test_compare_reports_a_planted_divergence(planted_dump, tmp_path, capsys):
     r = report["rows"][row]
     assert (r["positions"], r["top1_agree"], r["at"]) == (t + 1, t, t)
     assert r["max_logprob_diff"] == pytest.approx(a["topk_logprobs"][row, t, 0] - a["topk_logprobs"][row, t, 1])
-    # the CLI: the same table, exit 0 within the thresholds, 1 past one, 2 for files that do not fit
+    gap = a["topk_logprobs"][row, t, 0] - a["topk_logprobs"][row, t, 1]
+    assert (r["divergence_failure"] is None) == (gap <= run.MAX_LOGPROB_DIFF), (gap, r["divergence_failure"])
+    # the CLI: the same table, status 0 within the thresholds, 1 past one, BadInput (2) for files that do not fit
     for name, d in (("a", a), ("b", b), ("short", dict(a, topk_logprobs=a["topk_logprobs"][:, 1:])),
                     ("missing", {key: v for key, v in a.items() if key != "topk_ids"})):
         np.savez(tmp_path / f"{name}.npz", **d)
 
     def cli(*argv):
-        with pytest.raises(SystemExit) as e:
-            run.main(["--compare", *(str(tmp_path / f"{x}.npz") for x in argv[:2]), *argv[2:]])
-        return e.value.code, capsys.readouterr()
-    code, out = cli("a", "b", "--max-logprob-diff", "1")
-    line = next(x for x in out.out.splitlines() if x.split()[:1] == [str(row)])
-    assert code == 0 and line.split()[3] == str(j) and "PASS" in out.out, out.out
-    code, out = cli("a", "b", "--min-top1-agreement", "1")
-    assert code == 1 and "FAIL: top-1 agreement" in out.out
-    code, out = cli("a", "short")
-    assert code == 2 and "topk_logprobs has shape [3, 23, 20], expected [3, 24, 20]" in out.err, out.err
-    code, out = cli("missing", "a")
-    assert code == 2 and "missing.npz has no array 'topk_ids'" in out.err, out.err
+        code = run.main(["--compare", *(str(tmp_path / f"{x}.npz") for x in argv[:2]), *argv[2:]])
+        return code, capsys.readouterr().out
+    code, out = cli("a", "b", "--max-logprob-diff", str(gap + 0.01))
+    line = next(x for x in out.splitlines() if x.split()[:1] == [str(row)])
+    assert code == 0 and line.split()[3:5] == [str(j), "near-tie"] and "PASS" in out, out
+    code, out = cli("a", "b", "--max-logprob-diff", str(gap + 0.01), "--min-top1-agreement", "1")
+    assert code == 1 and "FAIL: top-1 agreement" in out, out
+    code, out = cli("a", "b", "--max-logprob-diff", str(gap - 0.01))  # the flip is no longer a near-tie
+    assert code == 1 and f"row {row}, output {j} (position {t})" in out and "below A's top-1" in out, out
+    with pytest.raises(run.BadInput, match=r"topk_logprobs has shape \[3, 23, 20\], expected \[3, 24, 20\]"):
+        cli("a", "short")
+    with pytest.raises(run.BadInput, match="missing.npz has no array 'topk_ids'"):
+        cli("missing", "a")
+
+
+def test_compare_fails_an_engine_whose_output_is_wrong(planted_dump):
+    """A divergence is judged, not only reported: a token outside A's top-K, a stop where A goes on,
+    or every output replaced by one id fails, naming the row, the position and both tokens, even
+    where top-1 agreement over the shared context stays high."""
+    _, a = planted_dump
+
+    def wrong(edit):
+        b = {key: v.copy() for key, v in a.items()}
+        edit(b["output_ids"])
+        return run.compare(a, b)
+    row, j = 2, 6
+    t = len(PROMPTS[3][row]) - 1 + j
+    outside = next(i for i in range(256) if i not in a["topk_ids"][row, t])
+    report = wrong(lambda out: out.__setitem__((row, j), outside))
+    assert report["top1_agreement"] > run.MIN_TOP1_AGREEMENT and report["max_logprob_diff"] == 0
+    want = f"row {row}, output {j} (position {t}): A chose {a['output_ids'][row, j]} (log p "
+    assert len(report["failures"]) == 1 and want in report["failures"][0], report["failures"]
+    assert f"B chose {outside}, which is not in A's top-20" in report["failures"][0]
+    report = wrong(lambda out: out.__setitem__((row, slice(j, None)), -1))
+    assert f"row {row}, output {j} (position {t}): B stops, A goes on with token {a['output_ids'][row, j]}" \
+        in report["failures"], report["failures"]
+    report = wrong(lambda out: out.fill(5))
+    judged = [r["divergence_failure"] for r in report["rows"]]
+    assert all(f"row {r}, output " in f for r, f in enumerate(judged)), judged
+    assert not run.compare(a, a, max_logprob_diff=0, min_top1_agreement=1, max_accept_diff=0)["failures"]
+
+
+def test_compare_refuses_files_it_cannot_read(planted_dump, tmp_path):
+    """Not a zip, truncated, pickled objects, drafts of another k, more accepted than drafted: each
+    BadInput naming the file; through run.py, one line on stderr and exit status 2."""
+    _, a = planted_dump
+    np.savez(tmp_path / "a.npz", **a)
+    data = (tmp_path / "a.npz").read_bytes()
+    (tmp_path / "truncated.npz").write_bytes(data[:len(data) // 2])
+    (tmp_path / "text.npz").write_text("prompt_ids: [1, 2, 3]\n")
+    np.savez(tmp_path / "pickled.npz", **dict(a, meta=np.array([{"engine": "x"}], dtype=object)))
+    np.savez(tmp_path / "k3.npz", **dict(a, draft_ids=np.concatenate([a["draft_ids"], a["draft_ids"][..., :1]], -1)))
+    over = a["accepted"].copy()
+    over[1, 0] = 3
+    np.savez(tmp_path / "over.npz", **dict(a, accepted=over))
+    cases = {"truncated": "truncated.npz is a truncated or corrupt .npz", "text": "text.npz is not an .npz file",
+             "pickled": r"pickled.npz holds an object \(pickled\) array", "nothere": "nothere.npz: No such file",
+             "k3": "draft_ids: .* k = 2 tokens a cycle, .* k = 3: not runs with the same num_steps",
+             "over": r"over.npz: accepted\[1, 0\] = 3 drafts, more than the k = 2"}
+    for name, message in cases.items():
+        with pytest.raises(run.BadInput, match=message):
+            run.main(["--compare", str(tmp_path / "a.npz"), str(tmp_path / f"{name}.npz")])
+    cli = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--compare", str(tmp_path / "a.npz"),
+                          str(tmp_path / "truncated.npz")], capture_output=True, text=True, env=CPU_ENV)
+    assert cli.returncode == 2 and cli.stdout == "", (cli.returncode, cli.stdout)
+    assert cli.stderr.count("\n") == 1 and cli.stderr.startswith("run.py: error: ") and "truncated" in cli.stderr
 
 
 def test_compare_refuses_a_logprob_that_is_not_finite(planted_dump):
@@ -857,7 +916,7 @@ def test_dump_from_the_command_line_and_bad_input(tiny_ckpt, tmp_path):
     cmd = [sys.executable, os.path.join(HERE, "run.py"), "--model-path", ckpt, "--draft-path",
            str(tmp_path / "draft"), "--prompt-ids", str(tmp_path / "p.jsonl"), "--max-new-tokens", "12", "--speculative-num-steps", "2",
            "--dtype", "float32"]
-    cpu = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    cpu = CPU_ENV
     subprocess.run(cmd + ["--dump", str(tmp_path / "cli.npz")], check=True, capture_output=True, env=cpu)
     cli = run.load_dump(tmp_path / "cli.npz")
     assert json.loads(str(cli["meta"]))["target"] == f"loaded {ckpt}"

@@ -114,6 +114,8 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
         raise ValueError(f"attention_mode must be one of {list(ATTENTION_MODES)}, not {attention_mode!r}")
     if draft is not None and num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, not {num_steps}")
+    if simulate_accept_len is not None and not 1 <= simulate_accept_len <= num_steps + 1:
+        raise ValueError(f"simulate_accept_len must lie in [1, num_steps + 1], not {simulate_accept_len}")
     device, k = target.device, num_steps if draft is not None else 0
     mode = ATTENTION_MODES[attention_mode]
     eos_id = target.args.eos_token_id if eos_id is None else eos_id
@@ -157,7 +159,7 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
                               verify_in, pos)
             mark("verify")
             m, bonus = accept(logits, drafts, temperature, gen)
-            if simulate_accept_len:
+            if simulate_accept_len is not None:
                 m = simulated_accept(m, simulate_accept_len, k, gen)
                 bonus = logits.argmax(-1).gather(1, m.unsqueeze(1)).squeeze(1)
             # [d_1..d_m, bonus, junk]: the tokens emitted, and the draft extend's input rows
@@ -191,5 +193,5 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
     if draft is not None:
         drafted = torch.stack(proposed).cpu() if proposed else torch.zeros(0, B, k, dtype=torch.int64)
         drafted = drafted.masked_fill((stats < 0).unsqueeze(-1), -1)
-    return GenerateResult([r[:c] for r, c in zip(rows, n)], stats, len(accepted), bool(simulate_accept_len),
+    return GenerateResult([r[:c] for r, c in zip(rows, n)], stats, len(accepted), simulate_accept_len is not None,
                           drafted)
