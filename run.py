@@ -60,6 +60,12 @@ class Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv=None):
+    args = make_parser().parse_args(argv)
+    check_flags(args)
+    return args
+
+
+def make_parser():
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", help="HF DeepseekV3 / Kimi-K2 checkpoint folder (else --preset)")
     p.add_argument("--draft-path", help="SpecForge / SGLang EAGLE-3 checkpoint folder (else random)")
@@ -115,9 +121,7 @@ def parse_args(argv=None):
     b.add_argument("--max-accept-diff", type=float, default=MAX_ACCEPT_DIFF, help="largest difference in drafts "
                    "accepted per cycle (mean over all rows' cycles), when both files have 'accepted' "
                    "(default %(default)s)")
-    args = p.parse_args(argv)
-    check_flags(args)
-    return args
+    return p
 
 
 def check_flags(args):
@@ -259,6 +263,34 @@ class Clock:
             torch.cuda.synchronize()
 
 
+class Timing(float):
+    """A median in ms that keeps its repetitions: it prints, computes and serializes as the
+    median; spread() and noisy say how far to trust it."""
+
+    def __new__(cls, samples):
+        samples = sorted(samples)
+        t = super().__new__(cls, statistics.median(samples))
+        t.samples = samples
+        return t
+
+    def spread(self):
+        """[min, lower quartile, median, upper quartile, max]"""
+        s = self.samples
+        q1, _, q3 = statistics.quantiles(s, n=4, method="inclusive") if len(s) > 1 else s * 3
+        return [s[0], q1, float(self), q3, s[-1]]
+
+    @property
+    def noisy(self):
+        """The middle half of the repetitions spans more than NOISY_IQR of the median (ignoring
+        spans under NOISE_FLOOR_MS, below what the clocks resolve)."""
+        _, q1, med, q3, _ = self.spread()
+        return q3 - q1 > max(NOISY_IQR * med, NOISE_FLOOR_MS)
+
+
+NOISY_IQR = 0.25
+NOISE_FLOOR_MS = 0.01
+
+
 def median_ms(clock, fn, reps, warmup=3, desc=None):
     for _ in range(warmup):
         fn()
@@ -268,11 +300,22 @@ def median_ms(clock, fn, reps, warmup=3, desc=None):
         fn()
         stamps.append((a, clock.stamp()))
     clock.sync()
-    return statistics.median(clock.ms(a, b) for a, b in stamps)
+    return Timing([clock.ms(a, b) for a, b in stamps])
+
+
+def phase_label(key, graph):
+    """A progress bar's name for a CudaGraphs key: the phase, its attention path, tokens, eager or graph."""
+    name, *rest = key
+    what = {"decode": "decode step", "verify": f"verify ({rest[0]} attention)", "draft_extend": "draft extend",
+            "draft_chain": "draft step", "allreduce": "all-reduce"}.get(name, name)
+    tokens = f", {rest[-1]} token{'s' if rest[-1] != 1 else ''}" if name in ("verify", "draft_extend") else ""
+    return f"timing {what}{tokens}, {'graph' if graph else 'eager'}"
 
 
 class PhaseTimer:
-    """verify.generate calls mark(name) at the end of each phase; durations are mark to mark."""
+    """verify.generate calls mark(name) at the end of each phase. A phase lasts from the previous
+    mark to its own, and `host` from a cycle's last mark to the next cycle's "start" (the host
+    read and the host's own work), so in every cycle the phases add up to the cycle, start to start."""
 
     def __init__(self, clock):
         self.clock, self.marks = clock, []
@@ -280,19 +323,26 @@ class PhaseTimer:
     def mark(self, name):
         self.marks.append((name, self.clock.stamp()))
 
-    def phases(self):
+    def per_cycle(self):
+        """[{phase: ms, ..., "host": ms, "cycle": ms}] per cycle; the last has no host nor cycle."""
         self.clock.sync()
-        out, host_ms = {}, []
+        cycles = []
         for (n0, t0), (n1, t1) in zip(self.marks, self.marks[1:]):
-            if n1 == "start":  # the gap between cycles: the host read and the host's own work
-                host_ms.append(self.clock.ms(t0, t1))
-            else:
-                out.setdefault(n1, []).append(self.clock.ms(t0, t1))
+            if n0 == "start":
+                cycles.append({})
+            cycles[-1]["host" if n1 == "start" else n1] = self.clock.ms(t0, t1)
         starts = [t for n, t in self.marks if n == "start"]
-        cycle_ms = [self.clock.ms(a, b) for a, b in zip(starts, starts[1:])]
-        med = {k: statistics.median(v) for k, v in out.items()}
-        med["host"] = statistics.median(host_ms) if host_ms else 0.0
-        med["cycle"] = statistics.median(cycle_ms) if cycle_ms else sum(med.values())
+        for c, a, b in zip(cycles, starts, starts[1:]):
+            c["cycle"] = self.clock.ms(a, b)
+        return cycles
+
+    def phases(self):
+        """Each phase's Timing over the cycles."""
+        cycles = self.per_cycle()
+        names = [n for n in cycles[0] if n not in ("host", "cycle")] + ["host", "cycle"] if cycles else []
+        med = {n: Timing([c[n] for c in cycles if n in c]) for n in names if any(n in c for c in cycles)}
+        if "cycle" not in med and cycles:  # one cycle only: it is the sum of its phases
+            med["cycle"] = Timing([sum(cycles[0].values())])
         return med
 
 
@@ -713,6 +763,7 @@ def main(argv=None):
     header = (f"target: {how}, {target.args.num_hidden_layers} layers, {target.args.n_routed_experts} routed experts, "
               f"{target.tp.describe()}, {args.dtype}{quant_note}, moe {target.moe_impl} | batch {B}, prompt {P}, "
               f"num_steps {k} | {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
+              + ("" if device.type == "cuda" else f"{torch.get_num_threads()} threads, ") +
               f"torch {torch.__version__}" + (" | acceptance SIMULATED" if sim else ""))
     tpm.print0(header)
     result = dict(env=dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -736,7 +787,7 @@ def main(argv=None):
 
     def timed(key, fn, *inputs, graph):
         call = (lambda: runner.run(key, fn, *inputs)) if graph else (lambda: fn(*inputs))
-        return median_ms(clock, call, args.reps, desc=f"{key[0]} {'graph' if graph else 'eager'}")
+        return median_ms(clock, call, args.reps, desc=phase_label(key, graph))
 
     ph = result["phases_ms"]
     vtok, last = tokens[:, -(k + 1):], torch.full((B,), k, device=device)
@@ -881,6 +932,8 @@ def main(argv=None):
     if device.type == "cuda":
         result["env"]["gpu_mem_peak_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
         result["env"]["weights_GB"] = sum(p.numel() * p.element_size() for p in target.parameters()) / 1e9
+    result["warnings"] = timing_warnings(result)
+    result["spread_ms"] = spreads(result)  # [min, lower quartile, median, upper quartile, max] of each timing
     report(result, header, k)
     line = json.dumps(result)
     if is_rank0():
@@ -891,30 +944,128 @@ def main(argv=None):
     return 0
 
 
+def spreads(tree):
+    """The same nesting as `tree`, keeping only its Timings, each as its spread() (for the JSON)."""
+    out = {}
+    for key, v in tree.items():
+        if isinstance(v, Timing):
+            out[key] = v.spread()
+        elif isinstance(v, dict) and (sub := spreads(v)):
+            out[key] = sub
+    return out
+
+
+def named_timings(tree, path=""):
+    """(name, Timing) for every Timing in the result, named as the tables name them."""
+    for key, v in tree.items():
+        name = path if key in ("phases_ms", "e2e") else f"{path}{'sweep T=' if key == 'verify_sweep_ms' else key}/"
+        if isinstance(v, Timing):
+            yield name.rstrip("/"), v
+        elif isinstance(v, dict):
+            yield from named_timings(v, name)
+
+
+def timing_warnings(r):
+    """What not to trust in these numbers: noisy timings, and derived figures that cannot be."""
+    out = []
+    noisy = [name for name, t in named_timings(r) if t.noisy]
+    if noisy:
+        out.append(f"{len(noisy)} timing(s) vary by more than {NOISY_IQR:.0%} of their median between repetitions "
+                   f"(interquartile range): {', '.join(noisy[:5])}{', ...' if len(noisy) > 5 else ''}. The machine "
+                   "is busy or the phase short: run on a quiet machine, with more --reps, one thread a process")
+    for steps, c in r["cost_model"].items():
+        if c["break_even_accept_len"] > int(steps) + 1:
+            out.append(f"num_steps {steps}: break-even {c['break_even_accept_len']:.2f} accepted tokens per cycle is "
+                       f"more than the {int(steps) + 1} a cycle can accept; unless the timings are noise, a cycle "
+                       f"costs more than {int(steps) + 1} plain steps here and cannot pay")
+    for name, v in r["e2e"].items():
+        alone, loop = r["phases_ms"].get(f"decode_step/{name.split('/')[-1]}"), v["phases_ms"].get("decode")
+        if name.startswith("baseline/") and alone and loop and max(alone, loop) > 2 * min(alone, loop):
+            out.append(f"the plain decode step takes {alone:.3f} ms alone and {loop:.3f} ms inside the loop "
+                       f"({name}): the same work, so one of them is noise")
+    for name, v in r["e2e"].items():
+        if "speedup_predicted" in v and max(v["speedup_measured"], v["speedup_predicted"]) > \
+                1.5 * min(v["speedup_measured"], v["speedup_predicted"]):
+            out.append(f"{name}: measured speedup {v['speedup_measured']:.2f}x but {v['speedup_predicted']:.2f}x "
+                       "predicted from its own phases: the wall clock and the phase timings disagree (noise)")
+    sweep = r.get("verify_sweep_ms", {})
+    for t1 in sweep:
+        for t2 in sweep:
+            if t1 < t2 and sweep[t1]["verify"] > 1.5 * sweep[t2]["verify"]:
+                out.append(f"verify of {t1} tokens ({sweep[t1]['verify']:.3f} ms) costs over 1.5x verify of {t2} "
+                           f"({sweep[t2]['verify']:.3f} ms): more tokens cannot cost less, so this is noise")
+    return out
+
+
+def verdict(r, k):
+    """What the run says, in a few sentences (kept short and apart; issue 13 writes the full answer)."""
+    spec = {n: v for n, v in r["e2e"].items() if n.startswith("eagle3")}
+    if not spec:
+        return []
+    best = max(spec, key=lambda n: spec[n]["speedup_measured"])
+    accept_len, speedup = spec[best]["accept_len_mean"], spec[best]["speedup_measured"]
+    if r["env"]["simulated_acceptance"]:
+        lines = [f"Acceptance was SIMULATED at {accept_len:.2f} tokens per cycle: the speedup ({speedup:.2f}x, {best}) "
+                 "is what the measured phase costs give at that acceptance, not what this draft head achieves."]
+    elif accept_len < 1.5:
+        lines = [f"The draft accepted almost nothing ({accept_len:.2f} tokens per cycle, bonus included; 1.00 means "
+                 f"every draft rejected), as random weights do: the measured speedup ({speedup:.2f}x, {best}) says "
+                 "only what speculation's overhead costs. For a trained draft's speedup read the cost model, run "
+                 "with --simulate-accept-len, or load checkpoints (--model-path, --draft-path)."]
+    else:
+        lines = [f"The draft accepted {accept_len:.2f} tokens per cycle (bonus included): measured speedup "
+                 f"{speedup:.2f}x ({best})."]
+    c = r["cost_model"].get(k)
+    if c:
+        be = c["break_even_accept_len"]
+        lines.append(f"At num_steps {k} a cycle costs {c['cycle_ms']:.2f} ms, {be:.2f} plain decode steps: speculation "
+                     + (f"pays above {be:.2f} accepted tokens per cycle." if be <= k + 1 else
+                        f"cannot pay here (a cycle accepts at most {k + 1} tokens)."))
+    if r["warnings"]:
+        lines.append("Some timings are noisy or contradict each other (warnings above): treat these figures as rough.")
+    if r["env"]["device"] == "cpu":
+        lines.append("On a CPU the toy model's time is per-operation overhead: the numbers show how the phases fit "
+                     "together, not what a GPU serving Kimi-K2 would see (BENCHMARKS.md has H200 numbers).")
+    return lines
+
+
+def fmt_spread(t, digits=3):
+    mn, q1, _, q3, mx = t.spread()
+    return f"[{mn:.{digits}f} {q1:.{digits}f}-{q3:.{digits}f} {mx:.{digits}f}]" + (" noisy" if t.noisy else "")
+
+
 def report(r, header, k):
+    """The tables, the warnings and the verdict (the header was printed at the start)."""
     if not is_rank0():
         return
-    sim = " (SIMULATED acceptance)" if r["env"]["simulated_acceptance"] else ""
-    fl = r["floors"]
-    print("\n" + header)
-    print("\nphase times, isolated (ms, median" + (", x floor" if fl else "; floors not computed on CPU") + ")")
+    sim, fl = r["env"]["simulated_acceptance"], r["floors"]
+    print(f"\nphase times, isolated (ms: median [min lower-upper quartile max] of {r['env']['config']['reps']} "
+          "repetitions" + (", x floor" if fl else "; floors not computed on CPU") + ")")
     floor_of = {"decode_step": "decode_step_ms", "verify": "verify_ms", "draft_step": "draft_step_ms",
                 "draft_extend": "draft_extend_ms"}
     for name, ms in r["phases_ms"].items():
         f = fl.get(floor_of.get(name.split("/")[0], ""), None) if fl else None
-        print(f"  {name:28s} {ms:9.3f}" + (f"   {ms / f:5.1f}x floor {f:.3f}" if f else ""))
+        print(f"  {name:28s} {ms:9.3f} {fmt_spread(ms):34s}" + (f"   {ms / f:5.1f}x floor {f:.3f}" if f else ""))
     if fl:
         print(f"  bandwidth {fl['bandwidth_GBps']:.0f} GB/s; decode step moves {fl['decode_step_GB']:.2f} GB, "
               f"verify {fl['verify_GB']:.2f} GB (distinct experts only)")
-    print(f"\nend to end{sim}: tok/s, per-cycle phases (ms, median), accepted tokens per cycle")
+    print("\nend to end: tok/s | per-cycle phases (ms, median over the cycles) and the cycle's spread | accepted "
+          f"tokens per cycle, bonus included: mean, and cycles by length{' (SIMULATED)' if sim else ''}")
+    if sim:
+        print(f"  SIMULATED acceptance: each cycle draws each row's accepted length from a normal around "
+              f"--simulate-accept-len {r['env']['config']['simulate_accept_len']} (sd 1), rounded and clamped to "
+              f"1..{k + 1}; the tokens are not the model's")
     for name, v in r["e2e"].items():
         phases = " ".join(f"{p}={t:.2f}" for p, t in v["phases_ms"].items())
         extra = ""
         if "accept_len_mean" in v:
-            extra = (f" | accept len {v['accept_len_mean']:.2f} hist {v['accept_len_hist']}"
+            hist = " ".join(f"{n}:{c}" for n, c in enumerate(v["accept_len_hist"], 1))
+            extra = (f" | accept len {v['accept_len_mean']:.2f}, cycles by length {hist}"
                      f" | speedup {v['speedup_measured']:.2f}x"
                      + (f" (predicted {v['speedup_predicted']:.2f}x)" if "speedup_predicted" in v else ""))
-        print(f"  {name:24s} {v['tok_per_s']:9.1f} tok/s | {phases}{extra}")
+        cycle = v["phases_ms"].get("cycle")
+        spread = f" {fmt_spread(cycle, 2)}" if isinstance(cycle, Timing) else ""
+        print(f"  {name:24s} {v['tok_per_s']:9.1f} tok/s | {phases}{spread}{extra}")
     print("\ncost model (fastest variant): cycle ms and break-even accepted length per num_steps")
     for steps, c in r["cost_model"].items():
         sp = " ".join(f"{t}:{s:.2f}x" for t, s in c["speedup_at"].items())
@@ -929,7 +1080,9 @@ def report(r, header, k):
               + ", ".join(f"{key} {ms:.2f}" for key, ms in r["allreduce_ms_per_forward"].items()))
     if r.get("greedy_agreement_with_plain"):
         print(f"\ngreedy speculative vs plain token agreement: {r['greedy_agreement_with_plain']}")
-    print()
+    for w in r["warnings"]:
+        print(f"\nwarning: {w}")
+    print("\nverdict:\n" + "\n".join(f"  {line}" for line in verdict(r, k)) + "\n")
 
 
 def print_refusal(e):

@@ -12,21 +12,22 @@ import subprocess
 import sys
 import tempfile
 
-import pytest
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from safetensors.torch import load_file, save_file
+# one thread a process unless asked otherwise: CI has 2 cores, and the tests spawn ranks and run.py
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import model
-import tp
-from model import CheckpointError, ModelArgs, Transformer, init_random, load_target, save_target
-from tp import TP
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+import model  # noqa: E402
+import tp  # noqa: E402
+from model import CheckpointError, ModelArgs, Transformer, init_random, load_target, save_target  # noqa: E402
+from tp import TP  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-# run.py as a user runs it on the CPU (the GPU hidden), one thread: on a small shared machine more
-# threads per process than cores makes every process wait on the others
-CPU_ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+CPU_ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # run.py as a user runs it on the CPU (the GPU hidden)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200)")
 
 
@@ -51,7 +52,6 @@ def _free_port():
 def _rank_main(rank, world, port, fn, args, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
     tp.init_distributed("cpu")
     try:
         result = fn(*args)
@@ -67,6 +67,22 @@ def run_ranks(world, fn, *args):
         out = os.path.join(d, "result.pt")
         mp.spawn(_rank_main, args=(world, _free_port(), fn, args, out), nprocs=world, join=True)
         return torch.load(out)
+
+
+def _threads():
+    return torch.get_num_threads()
+
+
+def test_cpu_ranks_share_the_cores(monkeypatch):
+    """A CPU rank takes OMP_NUM_THREADS threads if set, else its share of the cores, not torch's
+    default of all of them (which oversubscribes a small machine many times over); spawned ranks
+    apply it although torch started before the variable was read."""
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert tp.cpu_threads_per_rank(2) == max(1, os.cpu_count() // 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert tp.cpu_threads_per_rank(2) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert run_ranks(2, _threads) == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -685,40 +701,111 @@ def test_requests_that_cannot_run_are_refused():
 # ---------------------------------------------------------------------------------------------
 # run.py on CPU
 
-def test_run_py_cli_tiny(tmp_path):
-    """run.py's CPU defaults (the GPU is hidden, so this is the CPU run on any machine)."""
-    out = tmp_path / "r.json"
-    cpu = CPU_ENV
-    subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--json", str(out), "--max-new-tokens", "20",
-                    "--speculative-num-steps", "2", "--batch-size", "2"], check=True, capture_output=True, cwd=HERE,
-                   env=cpu)
-    r = json.loads(out.read_text())
-    assert r["env"]["simulated_acceptance"] is False and r["floors"] is None
-    for mode in ("prefill", "decode"):
-        assert f"verify/{mode}/eager" in r["phases_ms"]
-        v = r["e2e"][f"eagle3/{mode}/eager"]
-        parts = sum(t for p, t in v["phases_ms"].items() if p != "cycle")
-        # medians of the parts need not add up to the median cycle exactly; a missing phase (verify
-        # is over half the cycle) would
-        assert abs(parts - v["phases_ms"]["cycle"]) <= 0.1 * v["phases_ms"]["cycle"], v["phases_ms"]
-        assert 1 <= v["accept_len_mean"] <= 3 and sum(v["accept_len_hist"]) > 0
-    assert r["greedy_agreement_with_plain"] == {"eagle3/prefill/eager": 1.0, "eagle3/decode/eager": 1.0}
-    assert set(r["cost_model"]) == {"1", "2", "3", "4", "5"}
-    sim = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--simulate-accept-len", "2.5",
-                          "--max-new-tokens", "40"], check=True, capture_output=True, text=True, cwd=HERE,
-                         env=cpu).stdout
-    r = json.loads(sim.strip().splitlines()[-1])
-    assert "SIMULATED" in sim and r["env"]["simulated_acceptance"] is True
-    assert 1.8 <= r["e2e"]["eagle3/decode/eager"]["accept_len_mean"] <= 3.2
-
-
-# ---------------------------------------------------------------------------------------------
-# The correctness baseline: run.py --dump and --compare
-
 import numpy as np  # noqa: E402
 
 import run  # noqa: E402
 
+
+def test_run_py_cli_tiny(tmp_path):
+    """run.py's CPU defaults end to end (the GPU is hidden, so this is the CPU run on any machine).
+    It asserts what holds by construction, not relations between noisy medians: every phase
+    present and positive, each timing's spread ordered around its median, the verdict printed."""
+    out = tmp_path / "r.json"
+    stdout = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--json", str(out), "--max-new-tokens", "20",
+                             "--speculative-num-steps", "2", "--batch-size", "2"], check=True, capture_output=True,
+                            text=True, cwd=HERE, env=CPU_ENV).stdout
+    r = json.loads(out.read_text())
+    assert r["env"]["simulated_acceptance"] is False and r["floors"] is None
+    assert stdout.count("target: random tiny") == 1 and "verdict:" in stdout and "accepted almost nothing" in stdout
+    for name, ms in r["phases_ms"].items():
+        lo, q1, med, q3, hi = r["spread_ms"]["phases_ms"][name]
+        assert 0 < lo <= q1 <= med <= q3 <= hi and med == ms, (name, r["spread_ms"]["phases_ms"][name])
+    for mode in ("prefill", "decode"):
+        assert f"verify/{mode}/eager" in r["phases_ms"]
+        v = r["e2e"][f"eagle3/{mode}/eager"]
+        assert set(v["phases_ms"]) == {"verify", "accept", "draft_extend", "draft", "commit", "host", "cycle"}
+        assert all(t > 0 for t in v["phases_ms"].values()), v["phases_ms"]
+        assert 1 <= v["accept_len_mean"] <= 3 and sum(v["accept_len_hist"]) > 0
+    assert r["greedy_agreement_with_plain"] == {"eagle3/prefill/eager": 1.0, "eagle3/decode/eager": 1.0}
+    assert set(r["cost_model"]) == {"1", "2", "3", "4", "5"} and isinstance(r["warnings"], list)
+    sim = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--simulate-accept-len", "2.5",
+                          "--max-new-tokens", "40"], check=True, capture_output=True, text=True, cwd=HERE,
+                         env=CPU_ENV).stdout
+    r = json.loads(sim.strip().splitlines()[-1])
+    assert "SIMULATED acceptance: each cycle draws" in sim and r["env"]["simulated_acceptance"] is True
+    assert 1.8 <= r["e2e"]["eagle3/decode/eager"]["accept_len_mean"] <= 3.2
+
+
+def test_phase_timer_accounts_for_every_cycle():
+    """In every cycle the phases that generate marks, and the host gap, add up to the cycle (start
+    to start), each positive: what run.py's end-to-end table rests on. The last cycle has no next
+    start, so no host gap nor total."""
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), 4)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 5)
+    for draft, names in ((head, {"verify", "accept", "draft_extend", "draft", "commit"}), (None, {"decode", "commit"})):
+        timer = run.PhaseTimer(run.Clock(torch.device("cpu")))
+        res = generate(target, draft, PROMPTS[3], max_new_tokens=10, num_steps=2, timer=timer)
+        cycles = timer.per_cycle()
+        assert len(cycles) == res.cycles and set(cycles[-1]) == names
+        for c in cycles[:-1]:
+            assert set(c) == names | {"host", "cycle"} and all(t > 0 for t in c.values()), c
+            assert sum(t for n, t in c.items() if n != "cycle") == pytest.approx(c["cycle"], rel=1e-9, abs=1e-9)
+        whole = sorted(c["cycle"] for c in cycles[:-1])
+        assert timer.phases()["cycle"].spread() == [whole[0], *timer.phases()["cycle"].spread()[1:4], whole[-1]]
+
+
+def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
+    """Each nonsense value is BadInput naming the flag, the value and what is allowed, raised by
+    parse_args or settle (device-dependent ones are asked as on a CPU); none builds a model."""
+    monkeypatch.setattr(run, "build", lambda *a: pytest.fail("a model was built"))
+    at_least_1 = ["--max-new-tokens 0", "--max-new-tokens -5", "--prompt-len 0", "--reps 0", "--batch-size 0",
+                  "--speculative-num-steps -1", "--simulate-tp 0", "--topk 0 --dump x.npz"]
+    cases = [(flags, f"{flags.split(' --dump')[0]}: must be at least 1") for flags in at_least_1] + [
+        ("--temperature -1", "--temperature -1.0: must be at least 0"),
+        ("--speculative-num-steps 100", r"--speculative-num-steps 100: .* must be below --prompt-len \(16\)"),
+        ("--simulate-accept-len 10", r"--simulate-accept-len 10.0: must lie in \[1, num_steps \+ 1 = 4\]"),
+        ("--simulate-accept-len 0", r"--simulate-accept-len 0.0: must lie in \[1"),
+        ("--simulate-accept-len -1 --speculative-num-steps 2", r"--simulate-accept-len -1.0: must lie in \[1, num_steps \+ 1 = 3\]"),
+        ("--speculative-eagle-topk 2", "--speculative-eagle-topk 2: only 1"),
+        ("--prompt-ids p.jsonl", "--prompt-ids is for --dump"),
+        ("--preset kimi-k2", "--preset kimi-k2: a random Kimi-K2 needs a GPU"),
+        ("--cuda-graph on", "--cuda-graph on: CUDA graphs need a CUDA GPU"),
+        ("--routed-experts 3", "--routed-experts 3: tiny needs between 4 .* and 16"),
+        ("--model-path ckpt --quant int4", "--quant, --routed-experts and --preset shape random weights"),
+        ("--batch-size x", "argument --batch-size: invalid int value: 'x'"),
+        ("--min-top1-agreement 2", r"--min-top1-agreement 2.0: must lie in \[0, 1\]"),
+        ("--dump x.npz", "--dump needs --prompt-ids FILE"),
+        ("--dump x.npz --prompt-ids p --temperature 0.5", "drop --temperature"),
+        ("--dump x.npz --prompt-ids p --batch-size 2", "drop --batch-size"),
+        ("--dump x.npz --prompt-ids nothere.jsonl", "--prompt-ids: .*nothere.jsonl"),
+    ]
+    for flags, message in cases:
+        with pytest.raises(run.BadInput, match=message):
+            run.settle(run.parse_args(flags.split()), torch.device("cpu"), 1)
+    assert all(action.help for action in run.make_parser()._actions), "a flag without help text"
+    cli = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--max-new-tokens", "0"],
+                         capture_output=True, text=True, env=CPU_ENV)
+    assert (cli.returncode, cli.stdout, cli.stderr) == (2, "", "run.py: error: --max-new-tokens 0: must be at least 1\n")
+
+
+def test_run_py_names_a_broken_checkpoint_in_one_line(tiny_ckpt, tmp_path):
+    """run.py --model-path / --draft-path with a problem: the loader's CheckpointError, and from
+    the command line one line on stderr, no traceback, exit status 2."""
+    ckpt, _ = tiny_ckpt
+    shutil.copytree(ckpt, tmp_path / "bad")
+    (tmp_path / "bad" / "config.json").write_text('{\n  "hidden_size": 64,\n  "vocab_size": ,\n}')
+    with pytest.raises(CheckpointError, match="no such file or folder"):
+        run.main(["--model-path", str(tmp_path / "nothere"), "--max-new-tokens", "2"])
+    with pytest.raises(CheckpointError, match="no such file or folder"):
+        run.main(["--draft-path", str(tmp_path / "nothere"), "--max-new-tokens", "2"])
+    cli = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--model-path", str(tmp_path / "bad")],
+                         capture_output=True, text=True, env=CPU_ENV)
+    want = f"run.py: error: {tmp_path / 'bad' / 'config.json'} line 3 column 17: not JSON (Expecting value)\n"
+    assert (cli.returncode, cli.stderr) == (2, want), (cli.returncode, cli.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# The correctness baseline: run.py --dump and --compare
 
 def check_dump_layout(d, prompts, k):
     """The arrays mean what the README says: padding where it says, the teacher-forced top-1 along
