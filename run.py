@@ -763,7 +763,7 @@ def main(argv=None):
     header = (f"target: {how}, {target.args.num_hidden_layers} layers, {target.args.n_routed_experts} routed experts, "
               f"{target.tp.describe()}, {args.dtype}{quant_note}, moe {target.moe_impl} | batch {B}, prompt {P}, "
               f"num_steps {k} | {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
-              + ("" if device.type == "cuda" else f"{torch.get_num_threads()} threads, ") +
+              + ("" if device.type == "cuda" else f"{torch.get_num_threads()} thread(s), ") +
               f"torch {torch.__version__}" + (" | acceptance SIMULATED" if sim else ""))
     tpm.print0(header)
     result = dict(env=dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -971,29 +971,30 @@ def timing_warnings(r):
     noisy = [name for name, t in named_timings(r) if t.noisy]
     if noisy:
         out.append(f"{len(noisy)} timing(s) vary by more than {NOISY_IQR:.0%} of their median between repetitions "
-                   f"(interquartile range): {', '.join(noisy[:5])}{', ...' if len(noisy) > 5 else ''}. The machine "
-                   "is busy or the phase short: run on a quiet machine, with more --reps, one thread a process")
+                   f"(interquartile range; marked noisy): {', '.join(noisy[:5])}{' and more' if len(noisy) > 5 else ''}. "
+                   "The machine is busy or the phase short: run on a quiet machine, with more --reps, one thread a "
+                   "process (OMP_NUM_THREADS=1)")
     for steps, c in r["cost_model"].items():
-        if c["break_even_accept_len"] > int(steps) + 1:
-            out.append(f"num_steps {steps}: break-even {c['break_even_accept_len']:.2f} accepted tokens per cycle is "
-                       f"more than the {int(steps) + 1} a cycle can accept; unless the timings are noise, a cycle "
-                       f"costs more than {int(steps) + 1} plain steps here and cannot pay")
+        be, most = c["break_even_accept_len"], int(steps) + 1
+        if not 1 <= be <= most:
+            out.append(f"num_steps {steps}: break-even {be:.2f} accepted tokens per cycle, outside [1, {most}]: "
+                       + ("a cycle measured cheaper than the plain step it contains, which cannot be (noise)" if be < 1
+                          else f"a cycle costs more than {most} plain steps, so it cannot pay here, unless it is noise"))
     for name, v in r["e2e"].items():
         alone, loop = r["phases_ms"].get(f"decode_step/{name.split('/')[-1]}"), v["phases_ms"].get("decode")
         if name.startswith("baseline/") and alone and loop and max(alone, loop) > 2 * min(alone, loop):
             out.append(f"the plain decode step takes {alone:.3f} ms alone and {loop:.3f} ms inside the loop "
                        f"({name}): the same work, so one of them is noise")
-    for name, v in r["e2e"].items():
         if "speedup_predicted" in v and max(v["speedup_measured"], v["speedup_predicted"]) > \
                 1.5 * min(v["speedup_measured"], v["speedup_predicted"]):
             out.append(f"{name}: measured speedup {v['speedup_measured']:.2f}x but {v['speedup_predicted']:.2f}x "
                        "predicted from its own phases: the wall clock and the phase timings disagree (noise)")
-    sweep = r.get("verify_sweep_ms", {})
-    for t1 in sweep:
-        for t2 in sweep:
-            if t1 < t2 and sweep[t1]["verify"] > 1.5 * sweep[t2]["verify"]:
-                out.append(f"verify of {t1} tokens ({sweep[t1]['verify']:.3f} ms) costs over 1.5x verify of {t2} "
-                           f"({sweep[t2]['verify']:.3f} ms): more tokens cannot cost less, so this is noise")
+    sweep = {t: v["verify"] for t, v in r.get("verify_sweep_ms", {}).items()}
+    inverted = [f"{t1} tokens {sweep[t1]:.3f} ms > 1.5 x {t2} tokens {sweep[t2]:.3f} ms"
+                for t1 in sweep for t2 in sweep if t1 < t2 and sweep[t1] > 1.5 * sweep[t2]]
+    if inverted:
+        out.append(f"verify costs less with more tokens ({'; '.join(inverted[:3])}{'; ...' if len(inverted) > 3 else ''}), "
+                   "which cannot be: noise")
     return out
 
 
@@ -1018,9 +1019,10 @@ def verdict(r, k):
     c = r["cost_model"].get(k)
     if c:
         be = c["break_even_accept_len"]
-        lines.append(f"At num_steps {k} a cycle costs {c['cycle_ms']:.2f} ms, {be:.2f} plain decode steps: speculation "
-                     + (f"pays above {be:.2f} accepted tokens per cycle." if be <= k + 1 else
-                        f"cannot pay here (a cycle accepts at most {k + 1} tokens)."))
+        lines.append(f"At num_steps {k} a cycle costs {c['cycle_ms']:.2f} ms, {be:.2f} plain decode steps: " + (
+            "less than the plain step it contains, which cannot be (noise)." if be < 1 else
+            f"speculation pays above {be:.2f} accepted tokens per cycle." if be <= k + 1 else
+            f"speculation cannot pay here (a cycle accepts at most {k + 1} tokens)."))
     if r["warnings"]:
         lines.append("Some timings are noisy or contradict each other (warnings above): treat these figures as rough.")
     if r["env"]["device"] == "cpu":

@@ -754,6 +754,34 @@ def test_phase_timer_accounts_for_every_cycle():
         assert timer.phases()["cycle"].spread() == [whole[0], *timer.phases()["cycle"].spread()[1:4], whole[-1]]
 
 
+def test_report_warns_about_noise_and_figures_that_cannot_be():
+    """timing_warnings and the verdict on made-up results: a spread past NOISY_IQR is flagged, a
+    break-even outside [1, num_steps + 1], an isolated step far from the same step in the loop,
+    and verify cheaper with more tokens are named; the verdict says what random weights measure."""
+    T = run.Timing
+    steady, noisy = T([10.0, 10.1, 10.2, 10.3]), T([5.0, 10.0, 20.0, 40.0])
+    assert steady.spread() == pytest.approx([10.0, 10.075, 10.15, 10.225, 10.3]) and not steady.noisy and noisy.noisy
+    assert json.loads(json.dumps({"t": noisy})) == {"t": 15.0}  # serialized as the median
+    spec = dict(tok_per_s=50.0, phases_ms=dict(verify=T([12.0]), cycle=T([14.0])), accept_len_mean=1.02,
+                speedup_measured=0.7, speedup_predicted=0.72)
+    r = dict(env=dict(simulated_acceptance=False, device="cpu"), phases_ms={"decode_step/eager": noisy},
+             e2e={"baseline/eager": dict(phases_ms=dict(decode=T([3.0]), cycle=T([3.1]))), "eagle3/decode/eager": spec},
+             cost_model={1: dict(cycle_ms=2.0, break_even_accept_len=0.6), 3: dict(cycle_ms=14.0, break_even_accept_len=4.5)},
+             verify_sweep_ms={1: dict(verify=T([9.0])), 2: dict(verify=T([4.0]))})
+    w = "\n".join(run.timing_warnings(r))
+    for words in ["1 timing(s) vary by more than 25%", "decode_step/eager", "num_steps 1: break-even 0.60",
+                  "cheaper than the plain step", "num_steps 3: break-even 4.50", "cannot pay here",
+                  "takes 15.000 ms alone and 3.000 ms inside the loop", "1 tokens 9.000 ms > 1.5 x 2 tokens 4.000 ms"]:
+        assert words in w, (words, w)
+    r["warnings"] = []
+    v = " ".join(run.verdict(r, 3))
+    assert "accepted almost nothing (1.02 tokens per cycle" in v and "--simulate-accept-len" in v
+    assert "speculation cannot pay here (a cycle accepts at most 4 tokens)" in v
+    r["env"]["simulated_acceptance"], spec["accept_len_mean"] = True, 2.5
+    assert "Acceptance was SIMULATED at 2.50 tokens per cycle" in " ".join(run.verdict(r, 3))
+    assert run.spreads(r)["phases_ms"]["decode_step/eager"] == noisy.spread()
+
+
 def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
     """Each nonsense value is BadInput naming the flag, the value and what is allowed, raised by
     parse_args or settle (device-dependent ones are asked as on a CPU); none builds a model."""
