@@ -183,6 +183,10 @@ def settle(args, device, world):
     int4 = args.quant == "int4" or args.quant is None and args.preset == "kimi-k2.5"
     if args.routed_experts is None and big and gpu and not int4 and not args.dump:
         args.routed_experts = 128  # bf16: 384 experts are 2.3x one H200; INT4 ones fit
+    if not gpu and not args.dump and not os.environ.get("OMP_NUM_THREADS"):
+        # timing on a CPU: one thread, unless asked. The toy model gains nothing from more, and
+        # threads spinning on cores that other jobs share made a busy 2-core machine 10x slower
+        torch.set_num_threads(1)
     defaults = dict(prompt_len=256 if gpu else 16, max_new_tokens=64 if gpu else 24,
                     dtype="bfloat16" if gpu else "float32", reps=20)
     for name, value in defaults.items():

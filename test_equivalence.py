@@ -76,13 +76,18 @@ def _threads():
 def test_cpu_ranks_share_the_cores(monkeypatch):
     """A CPU rank takes OMP_NUM_THREADS threads if set, else its share of the cores, not torch's
     default of all of them (which oversubscribes a small machine many times over); spawned ranks
-    apply it although torch started before the variable was read."""
+    apply it although torch started before the variable was read. run.py times the CPU on one
+    thread unless OMP_NUM_THREADS asks for more."""
     monkeypatch.delenv("OMP_NUM_THREADS")
     assert tp.cpu_threads_per_rank(2) == max(1, os.cpu_count() // 2)
     monkeypatch.setenv("OMP_NUM_THREADS", "3")
     assert tp.cpu_threads_per_rank(2) == 3
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert run_ranks(2, _threads) == 1
+    monkeypatch.delenv("OMP_NUM_THREADS")  # a timing run on the CPU: one thread unless asked
+    torch.set_num_threads(2)
+    run.settle(run.parse_args([]), torch.device("cpu"), 1)
+    assert torch.get_num_threads() == 1
 
 
 # ---------------------------------------------------------------------------------------------
