@@ -8,8 +8,9 @@ accepted. run.py builds the target and the head (random weights unless --model-p
 --draft-path name checkpoints), times each phase alone (a plain decode step, verify of
 num_steps + 1 tokens, the draft's extend and step), runs plain and speculative decoding end to
 end, and prints a cost model: the accepted length per cycle at which speculation breaks even.
-Verify has two attention paths (prefill: keys and values expanded, as in prefill; decode: MLA's
-absorbed form, as in decode) and runs eager or captured in CUDA graphs; the two switches are timed
+The model's attention (MLA) caches one compressed latent per token; verify can read it two ways
+(prefill: expanded to per-head keys and values, as a prefill does; decode: attending in the latent
+space, as a decode step does) and runs eager or captured in CUDA graphs; the two switches are timed
 separately. GPU work is timed with CUDA events after warm-up; each time is a median, printed with
 its spread. Random weights accept almost nothing: --simulate-accept-len forces an acceptance,
 labelled SIMULATED everywhere it appears.
@@ -948,6 +949,9 @@ def main(argv=None):
     return 0
 
 
+# ---------------------------------------------------------------------------------------------
+# The report: how far to trust the numbers (spreads, warnings), a verdict in words, the tables
+
 def spreads(tree):
     """The same nesting as `tree`, keeping only its Timings, each as its spread() (for the JSON)."""
     out = {}
@@ -1003,7 +1007,8 @@ def timing_warnings(r):
 
 
 def verdict(r, k):
-    """What the run says, in a few sentences (kept short and apart; issue 13 writes the full answer)."""
+    """What the run says, in a few sentences: kept short and apart, so that a fuller printed answer
+    can replace it."""
     spec = {n: v for n, v in r["e2e"].items() if n.startswith("eagle3")}
     if not spec:
         return []
