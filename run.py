@@ -287,13 +287,13 @@ class Timing(float):
     @property
     def noisy(self):
         """The middle half of the repetitions spans more than NOISY_IQR of the median (ignoring
-        spans under NOISE_FLOOR_MS, below what the clocks resolve)."""
+        spans under NOISE_FLOOR_MS: a launch's jitter, too small to change a conclusion)."""
         _, q1, med, q3, _ = self.spread()
         return q3 - q1 > max(NOISY_IQR * med, NOISE_FLOOR_MS)
 
 
 NOISY_IQR = 0.25
-NOISE_FLOOR_MS = 0.01
+NOISE_FLOOR_MS = 0.05
 
 
 def median_ms(clock, fn, reps, warmup=3, desc=None):
