@@ -22,8 +22,8 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 import torch.nn as nn
 
-from model import (MLP, RMSNorm, checkpoint_files, init_random, load_weights, normalize_rope_scaling, read_config,
-                   rope_tables, write_safetensors)
+from model import (MLP, CheckpointError, RMSNorm, check_config_types, checkpoint_files, config_file, init_random,
+                   load_weights, normalize_rope_scaling, read_config, rope_tables, write_safetensors)
 from tp import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear, \
     VocabParallelEmbedding, _param
 
@@ -43,7 +43,7 @@ class DraftArgs:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 131072
     target_hidden_size: int | None = None
-    eagle_config: dict = field(default_factory=lambda: {"eagle_aux_hidden_state_layer_ids": [2, 30, 58],
+    eagle_config: dict | None = field(default_factory=lambda: {"eagle_aux_hidden_state_layer_ids": [2, 30, 58],
                                                         "use_aux_hidden_state": True})
 
     @property
@@ -52,14 +52,16 @@ class DraftArgs:
 
     @classmethod
     def from_hf_config(cls, path_or_dict):
-        cfg = read_config(path_or_dict)
+        cfg, where = read_config(path_or_dict), config_file(path_or_dict)
         arch = cfg.get("architectures") or []
         if "LlamaForCausalLMEagle3" not in arch:
-            raise ValueError(f"draft config architectures {arch} is not ['LlamaForCausalLMEagle3']")
+            raise CheckpointError(f"{where}: architectures {arch} is not ['LlamaForCausalLMEagle3']")
+        check_config_types(cls, cfg, where)
         cfg = dict(cfg, rope_scaling=normalize_rope_scaling(cfg.get("rope_scaling")))
-        cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
-        cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
-        cfg["draft_vocab_size"] = cfg.get("draft_vocab_size") or cfg["vocab_size"]
+        heads = cfg.get("num_attention_heads", cls.num_attention_heads)
+        cfg.setdefault("head_dim", cfg.get("hidden_size", cls.hidden_size) // heads)
+        cfg.setdefault("num_key_value_heads", heads)
+        cfg["draft_vocab_size"] = cfg.get("draft_vocab_size") or cfg.get("vocab_size", cls.vocab_size)
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in cfg.items() if k in names})
 
@@ -245,6 +247,9 @@ def load_draft(path, target, max_batch_size=None, max_seq_len=None, device=None,
     """A SpecForge / SGLang EAGLE-3 checkpoint for `target`; each rank reads only its slices."""
     args = DraftArgs.from_hf_config(path)
     own = "embed_tokens.weight" in checkpoint_files(path)
-    draft = Eagle3Draft(args, target, max_batch_size, max_seq_len, device, dtype, own_embedding=own)
+    try:
+        draft = Eagle3Draft(args, target, max_batch_size, max_seq_len, device, dtype, own_embedding=own)
+    except ValueError as e:  # a head that does not fit this target (sizes, vocabulary, layer ids)
+        raise CheckpointError(f"draft {os.fspath(path)}: {e}") from None
     load_weights(draft_table(draft), path, draft.tp, "draft", skip=lambda name: "t2d (not needed)" if name == "t2d" else None)
     return draft

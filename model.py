@@ -20,6 +20,7 @@ import json
 import math
 import os
 import re
+import typing
 import zlib
 from collections import Counter
 from contextlib import ExitStack
@@ -37,13 +38,53 @@ from tp import (TP, ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowP
                 VocabParallelEmbedding, _param, print0)
 
 
+class CheckpointError(ValueError):
+    """A checkpoint or config that cannot be loaded; the message names the file and the problem."""
+
+
+def config_file(path_or_dict):
+    """The config.json a path names (the file, or the one in its folder); "config" for a dict."""
+    if isinstance(path_or_dict, dict):
+        return "config"
+    path = os.fspath(path_or_dict)
+    return os.path.join(path, "config.json") if os.path.isdir(path) else path
+
+
 def read_config(path_or_dict):
     """A config.json as a dict: from a dict, the file, or its folder."""
     if isinstance(path_or_dict, dict):
         return path_or_dict
-    path = os.path.join(path_or_dict, "config.json") if os.path.isdir(path_or_dict) else path_or_dict
-    with open(path) as f:
-        return json.load(f)
+    if not os.path.exists(path_or_dict):
+        raise CheckpointError(f"{os.fspath(path_or_dict)}: no such file or folder")
+    path = config_file(path_or_dict)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{os.fspath(path_or_dict)} has no config.json")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} line {e.lineno} column {e.colno}: not JSON ({e.msg})") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: not a text file") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(cfg).__name__}")
+    return cfg
+
+
+def check_config_types(cls, cfg, where):
+    """Refuse a config value of the wrong type for a field of the dataclass `cls`, by name
+    ("hidden_size": "abc" would otherwise fail deep inside a constructor). An int may stand for a
+    float, a list of ints for a *token_id (several end-of-sequence ids)."""
+    for f in fields(cls):
+        if f.name not in cfg:
+            continue
+        value, allowed = cfg[f.name], typing.get_args(f.type) or (f.type,)
+        ok = any(type(value) is a or a is float and type(value) is int or a is dict and isinstance(value, dict)
+                 for a in allowed)
+        ok = ok or f.name.endswith("token_id") and isinstance(value, list) and all(type(v) is int for v in value)
+        if not ok:
+            names = " or ".join("null" if a is type(None) else a.__name__ for a in allowed)
+            raise CheckpointError(f"{where}: {f.name} = {value!r} is not {names}")
 
 
 def normalize_rope_scaling(rope_scaling):
@@ -176,6 +217,7 @@ class ModelArgs:
         if cfg.get("rope_scaling") and cfg["rope_scaling"]["type"] != "yarn":
             raise NotImplementedError(f"rope_scaling type {cfg['rope_scaling']['type']!r} is not "
                                       "implemented (only yarn or none)")
+        check_config_types(cls, cfg, config_file(path_or_dict))
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in cfg.items() if k in names})
 
@@ -778,13 +820,26 @@ def checkpoint_files(path):
     """{tensor name: file} from model.safetensors.index.json or a single model.safetensors."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            return {k: os.path.join(path, v) for k, v in weight_map.items()}
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({type(e).__name__}: {e})") from None
     single = os.path.join(path, "model.safetensors")
     if not os.path.exists(single):
-        raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
-    with safe_open(single, "pt") as f:
+        raise CheckpointError(f"{os.fspath(path)} has neither model.safetensors nor model.safetensors.index.json")
+    with open_safetensors(single) as f:
         return {k: single for k in f.keys()}
+
+
+def open_safetensors(file):
+    """safe_open, with a truncated or corrupt file (or a shard the index names but the folder
+    lacks) refused by name."""
+    try:
+        return safe_open(file, "pt", device="cpu")
+    except Exception as e:  # safetensors raises its own SafetensorError, or an OSError
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
 FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
@@ -807,8 +862,8 @@ def dequantize_fp8_slice(name, sl, scale_sl, index, block, device, dtype):
     shape, (br, bc) = sl.get_shape(), block
     want = [-(-shape[0] // br), -(-shape[1] // bc)]
     if list(scale_sl.get_shape()) != want:
-        raise ValueError(f"{name}_scale_inv: expected shape {want} for {shape} in {br}x{bc} blocks, "
-                         f"found {list(scale_sl.get_shape())}")
+        raise CheckpointError(f"{name}_scale_inv: expected shape {want} for {shape} in {br}x{bc} blocks, "
+                              f"found {list(scale_sl.get_shape())}")
     (r0, r1), (c0, c1) = [(s.start, s.stop) for s in index]
     w = sl[index].to(device, dtype)
     s = scale_sl[r0 // br:-(-r1 // br), c0 // bc:-(-c1 // bc)].to(device, dtype)
@@ -835,9 +890,9 @@ def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8
                                   "compressed-tensors quantization_config, or INT4 reaches beyond the routed "
                                   "experts (only they are implemented)")
     if missing:
-        raise KeyError(f"{what} {path} is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+        raise CheckpointError(f"{what} {path} is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
     if unexpected:
-        raise KeyError(f"{what} {path} has {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]}")
+        raise CheckpointError(f"{what} {path} has {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]}")
     if skipped:
         print0(f"{what}: skipping {sum(skipped.values())} tensors this model does not use: "
                + ", ".join(f"{label} ({n})" for label, n in sorted(skipped.items())))
@@ -847,9 +902,9 @@ def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8
 
         def get_slice(k):
             if k not in files:
-                raise KeyError(f"{what} {path} is missing {k}")
+                raise CheckpointError(f"{what} {path} is missing {k}")
             if files[k] not in handles:
-                handles[files[k]] = stack.enter_context(safe_open(files[k], "pt", device="cpu"))
+                handles[files[k]] = stack.enter_context(open_safetensors(files[k]))
             return handles[files[k]].get_slice(k)
 
         for k in sorted(expected, key=lambda k: files[k]):  # file by file: each shard is opened once
@@ -858,7 +913,7 @@ def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8
             want = global_shape(p, tp)[1:] if j is not None else global_shape(p, tp)
             found = list(sl.get_shape())
             if found != want:
-                raise ValueError(f"{what} tensor {k}: expected shape {want}, found {found}")
+                raise CheckpointError(f"{what} {files[k]}: tensor {k} has shape {found}, expected {want}")
             index = rank_slice(want, p.shard_dim if j is None or p.shard_dim is None else p.shard_dim - 1, tp)
             dst = p if j is None else p[j]
             if sl.get_dtype() == "F8_E4M3" and fp8_block and p.dtype.is_floating_point:
@@ -867,13 +922,13 @@ def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8
             else:
                 allowed = FLOAT_DTYPES if p.dtype.is_floating_point else {INT_DTYPES[p.dtype]}
                 if sl.get_dtype() not in allowed:
-                    raise TypeError(f"{what} tensor {k}: dtype {sl.get_dtype()} is not supported here (expected "
-                                    f"one of {sorted(allowed)}; FP8 needs an fp8 quantization_config)")
+                    raise CheckpointError(f"{what} {files[k]}: tensor {k} has dtype {sl.get_dtype()}, not supported "
+                                          f"here (expected one of {sorted(allowed)}; FP8 needs an fp8 quantization_config)")
                 if k.endswith(".weight_packed"):
                     shape = get_slice(k.removesuffix("packed") + "shape")[:].tolist()
                     if shape != [want[0], want[1] * 8]:
-                        raise ValueError(f"{what} tensor {k}: packed shape {want} does not match its "
-                                         f"weight_shape {shape} (expected [{shape[0]}, {shape[1] // 8}] words)")
+                        raise CheckpointError(f"{what} tensor {k}: packed shape {want} does not match its "
+                                              f"weight_shape {shape} (expected [{shape[0]}, {shape[1] // 8}] words)")
                 dst.copy_(sl[index])
             bar.update()
 
@@ -887,7 +942,10 @@ def load_target(path, max_batch_size=1, max_seq_len=4096, device=None, dtype=Non
     cfg = read_config(path)
     args = ModelArgs.from_hf_config(path)
     kind, block_or_group = quant_scheme(args.quantization_config)
-    model = Transformer(args, max_batch_size, max_seq_len, device, dtype, tp, **kwargs)
+    try:
+        model = Transformer(args, max_batch_size, max_seq_len, device, dtype, tp, **kwargs)
+    except ValueError as e:  # a size the TP does not divide, aux layer ids outside the model
+        raise CheckpointError(f"{config_file(path)}: {e}") from None
     prefix = "language_model." if "text_config" in cfg else ""
     table = checkpoint_table(model, prefix)
     if kind == "int4":  # the ignore list must leave exactly the routed experts quantized

@@ -1,24 +1,38 @@
-"""Time every phase of EAGLE-3 speculative decoding on a Kimi-K2 target, and say when it pays.
+"""Measure speculative decoding with an EAGLE-3 draft head on a Kimi-K2 (DeepSeek-V3 architecture)
+mixture-of-experts model, phase by phase, and say at which acceptance it pays.
 
-    torchrun --nproc-per-node 8 run.py      # real TP 8 (NCCL)
-    python run.py                           # one GPU: one SIMULATED rank of TP 8; CPU: tiny model
+In speculative decoding a small draft head proposes num_steps tokens; the large target model checks
+them all in one forward (verify) and keeps the longest prefix it agrees with, plus one token of its
+own. A cycle costs more than one plain decode step, so it pays only when enough drafts are
+accepted. run.py builds the target and the head (random weights unless --model-path /
+--draft-path name checkpoints), times each phase alone (a plain decode step, verify of
+num_steps + 1 tokens, the draft's extend and step), runs plain and speculative decoding end to
+end, and prints a cost model: the accepted length per cycle at which speculation breaks even.
+The model's attention (MLA) caches one compressed latent per token; verify can read it two ways
+(prefill: expanded to per-head keys and values, as a prefill does; decode: attending in the latent
+space, as a decode step does) and runs eager or captured in CUDA graphs; the two switches are timed
+separately. GPU work is timed with CUDA events after warm-up; each time is a median, printed with
+its spread. Random weights accept almost nothing: --simulate-accept-len forces an acceptance,
+labelled SIMULATED everywhere it appears.
+
+    python run.py                           # CPU: the tiny model; one GPU: one SIMULATED rank of TP 8
+    torchrun --nproc-per-node 8 run.py      # real tensor parallelism over 8 GPUs
+    python run.py --simulate-accept-len 2.5 # what the measured costs give at 2.5 tokens a cycle
     python run.py --model-path K2 --prompt-ids p.jsonl --dump ref.npz   # the correctness baseline
     python run.py --compare ref.npz engine.npz                          # no model, no GPU
 
-Answers the background story's question with separate measurements: the attention path of
-verify (prefill = extend-style, decode = absorbed MLA) and graph capture (eager, CUDA graph) are
-two independent switches, timed in all four combinations. Device work is timed with CUDA events
-after warm-up (medians); host clocks are read only after a synchronize. Forced acceptance
-(--simulate-accept-len) is labelled SIMULATED everywhere it appears.
-
 --dump writes what the model says (greedy tokens, the target's top-K log-probabilities along them,
 the drafts and accepted counts of a speculative run) as an .npz that another engine's output can
-be converted to; --compare reports where two such files disagree (README: "Checking an engine
+be converted to; --compare judges where two such files disagree (README: "Checking an engine
 against this reference").
+
+Exit status: 0 done; 1 --compare found a difference past its thresholds; 2 the input cannot be used
+(a flag, a file, a checkpoint), said in one line on stderr.
 """
 import argparse
 import json
 import math
+import os
 import statistics
 import sys
 import time
@@ -44,109 +58,172 @@ BF16_EXPERTS_ON_ONE_GPU = 128
 MAX_PARAMS_SEEDED_WHOLE = 5e8
 
 
+class BadInput(ValueError):
+    """A flag or an input file the run cannot use. The entry point prints the message as one line
+    on stderr and exits with status 2, argparse's own status for a bad command line."""
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # argparse's own refusals (a bad int, an unknown flag) the same way
+        raise BadInput(message)
+
+
 def parse_args(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    args = make_parser().parse_args(argv)
+    check_flags(args)
+    return args
+
+
+def make_parser():
+    p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", help="HF DeepseekV3 / Kimi-K2 checkpoint folder (else --preset)")
     p.add_argument("--draft-path", help="SpecForge / SGLang EAGLE-3 checkpoint folder (else random)")
-    p.add_argument("--preset", choices=sorted(model.PRESETS), help="default: kimi-k2 on a GPU, tiny on CPU")
+    p.add_argument("--preset", choices=sorted(model.PRESETS), help="random target to build: kimi-k2 (GPU only), "
+                   "kimi-k2.5 (INT4 experts, GPU only), tiny (a toy with every feature; default on CPU)")
     p.add_argument("--simulate-tp", type=int, help="build one SIMULATED rank of TP N (default on one GPU "
                    "with kimi-k2: 8)")
-    p.add_argument("--routed-experts", type=int, help="keep N routed experts per layer (memory override; "
-                   "default on one GPU with bf16 kimi-k2: 128; all 384 with --quant int4)")
+    p.add_argument("--routed-experts", type=int, help="keep N routed experts per layer of a random target "
+                   "(memory override; default on one GPU with bf16 kimi-k2: 128; all 384 with --quant int4)")
     p.add_argument("--quant", choices=["none", "int4"], help="random weights in this layout: int4 = routed "
                    "experts packed as Kimi-K2-Thinking / K2.5 ship them (default: the preset's)")
-    p.add_argument("--speculative-num-steps", type=int, default=3)
-    p.add_argument("--speculative-eagle-topk", type=int, default=1)
-    p.add_argument("--speculative-num-draft-tokens", type=int, help="must be steps + 1 with topk 1")
+    p.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens proposed per cycle, k "
+                   "(verify reads k + 1 tokens; default %(default)s)")
+    p.add_argument("--speculative-eagle-topk", type=int, default=1, help="draft branches per step; only 1 "
+                   "(chain drafting) is implemented")
+    p.add_argument("--speculative-num-draft-tokens", type=int, help="tokens verified per cycle; with topk 1 "
+                   "always num_steps + 1 (another value is adjusted, with a note)")
     p.add_argument("--speculative-attention-mode", choices=["prefill", "decode", "both"],
-                   help="default: both (timing), prefill (--dump)")
-    p.add_argument("--cuda-graph", choices=["on", "off", "both"], help="default: both on a GPU, off on CPU")
-    p.add_argument("--batch-size", type=int, default=1)
-    p.add_argument("--prompt-len", type=int, help="default 256 on a GPU, 16 on CPU")
-    p.add_argument("--max-new-tokens", type=int, help="default 64 on a GPU, 24 on CPU")
-    p.add_argument("--temperature", type=float, default=0.0)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--simulate-accept-len", type=float, help="force the mean accepted length per cycle "
-                   "(bonus included), as SGLANG_SIMULATE_ACC_LEN: output marked SIMULATED")
+                   help="attention path of verify: prefill (keys and values expanded) or decode (absorbed "
+                   "MLA); default: both (timing), prefill (--dump)")
+    p.add_argument("--cuda-graph", choices=["on", "off", "both"], help="replay captured CUDA graphs; default: "
+                   "both on a GPU, off on CPU (graphs need CUDA)")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences decoded together (default %(default)s)")
+    p.add_argument("--prompt-len", type=int, help="tokens in each random prompt (default 256 on a GPU, 16 on CPU)")
+    p.add_argument("--max-new-tokens", type=int, help="tokens generated per sequence (default 64 on a GPU, 24 on CPU)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sampling with "
+                   "speculative rejection sampling (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the random weights, prompts and sampling "
+                   "(default %(default)s)")
+    p.add_argument("--simulate-accept-len", type=float, help="force the mean accepted length per cycle, bonus "
+                   "token included, between 1 and num_steps + 1 (as SGLANG_SIMULATE_ACC_LEN: each cycle draws "
+                   "its length around this mean); output marked SIMULATED")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float64"], help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--moe-impl", choices=["auto", "gather", "grouped"], default="auto",
                    help="routed experts: gathered weights (plain) or torch._grouped_mm (auto: grouped on a GPU)")
     p.add_argument("--compile", action="store_true", help="also time the captured phases with each decoder "
                    "layer and the draft layer fused by torch.compile (inside our own CUDA graphs), beside the plain ones")
-    p.add_argument("--reps", type=int, help="timed repetitions per phase (default 20 GPU, 5 CPU)")
+    p.add_argument("--reps", type=int, help="timed repetitions per phase, after warm-up (default 20)")
     p.add_argument("--json", help="also write the final JSON line here")
     b = p.add_argument_group("correctness baseline (README: Checking an engine against this reference)")
     b.add_argument("--dump", metavar="PATH", help="write greedy output and top-K log-probabilities of the "
                    "--prompt-ids to this .npz (speculative, with drafts and accepted counts, when --draft-path "
                    "is given); no timing")
     b.add_argument("--prompt-ids", metavar="FILE", help="for --dump: one JSON list of token ids per line")
-    b.add_argument("--topk", type=int, default=20, help="for --dump: log-probabilities kept per position")
-    b.add_argument("--compare", nargs=2, metavar=("A.npz", "B.npz"), help="compare two dumps (no model, no "
-                   "GPU); exit status 1 past the thresholds below, 2 if the files cannot be compared")
+    b.add_argument("--topk", type=int, help="for --dump: log-probabilities kept per position (default 20)")
+    b.add_argument("--compare", nargs=2, metavar=("A.npz", "B.npz"), help="judge dump B against reference A "
+                   "(no model, no GPU); exit status 1 past the thresholds below, 2 if the files cannot be compared")
     b.add_argument("--max-logprob-diff", type=float, default=MAX_LOGPROB_DIFF, help="largest |log p_A - log p_B| "
-                   "over ids in both top-K lists, on positions both runs read the same tokens (default %(default)s)")
+                   "over ids in both top-K lists, on positions both runs read the same tokens; also how far "
+                   "below A's top-1 B's token may be where the outputs part (default %(default)s)")
     b.add_argument("--min-top1-agreement", type=float, default=MIN_TOP1_AGREEMENT, help="share of those "
                    "positions, all rows together, whose top-1 ids agree (default %(default)s)")
     b.add_argument("--max-accept-diff", type=float, default=MAX_ACCEPT_DIFF, help="largest difference in drafts "
                    "accepted per cycle (mean over all rows' cycles), when both files have 'accepted' "
                    "(default %(default)s)")
-    return p.parse_args(argv)
+    return p
+
+
+def check_flags(args):
+    """Refuse values no run can use, naming the flag, the value and what is allowed, before
+    anything is built. (Flags that depend on the device are checked in settle.)"""
+    at_least = {"--speculative-num-steps": (args.speculative_num_steps, 1), "--batch-size": (args.batch_size, 1),
+                "--prompt-len": (args.prompt_len, 1), "--max-new-tokens": (args.max_new_tokens, 1),
+                "--reps": (args.reps, 1), "--simulate-tp": (args.simulate_tp, 1),
+                "--routed-experts": (args.routed_experts, 1), "--topk": (args.topk, 1),
+                "--temperature": (args.temperature, 0), "--max-logprob-diff": (args.max_logprob_diff, 0),
+                "--max-accept-diff": (args.max_accept_diff, 0)}
+    for flag, (value, low) in at_least.items():  # None: the flag's default
+        if value is not None and not value >= low:  # (NaN fails too)
+            raise BadInput(f"{flag} {value}: must be at least {low}")
+    if not 0 <= args.min_top1_agreement <= 1:
+        raise BadInput(f"--min-top1-agreement {args.min_top1_agreement}: must lie in [0, 1]")
+    if args.speculative_eagle_topk != 1:
+        raise BadInput(f"--speculative-eagle-topk {args.speculative_eagle_topk}: only 1 (chain drafting) is implemented")
+    k, sim = args.speculative_num_steps, args.simulate_accept_len
+    if sim is not None and not 1 <= sim <= k + 1:
+        raise BadInput(f"--simulate-accept-len {sim}: must lie in [1, num_steps + 1 = {k + 1}] (accepted "
+                       "tokens per cycle, the bonus token included)")
+    if args.compare and (args.dump or args.model_path or args.draft_path):
+        raise BadInput("--compare reads two dump files and builds no model: drop --dump, --model-path, --draft-path")
+    for flag, value in (("--prompt-ids", args.prompt_ids), ("--topk", args.topk)):
+        if value is not None and not args.dump:
+            raise BadInput(f"{flag} is for --dump (the correctness baseline); the timing run uses random prompts")
+    if args.model_path and (args.quant or args.routed_experts or args.preset):
+        raise BadInput("--quant, --routed-experts and --preset shape random weights; a checkpoint's "
+                       "config.json says its own")
 
 
 def settle(args, device, world):
-    """Fill in device-dependent defaults and check the speculative flags as SGLang does."""
+    """Fill in device-dependent defaults (None means the default; 0 is a value) and check the
+    flags that depend on the device, the speculative ones as SGLang does."""
     gpu = device.type == "cuda"
-    if args.dump:  # the model's own greedy answers, in one configuration
-        refuse = {"--simulate-tp": (args.simulate_tp or 1) > 1, "--routed-experts": args.routed_experts,
-                  "--simulate-accept-len": args.simulate_accept_len, "--temperature": args.temperature != 0,
-                  "--cuda-graph both": args.cuda_graph == "both", "--speculative-attention-mode both":
-                  args.speculative_attention_mode == "both"}
-        for flag, bad in refuse.items():
-            if bad:
-                sys.exit(f"--dump records the model's own greedy answers in one configuration: drop {flag}")
-        if not args.prompt_ids:
-            sys.exit("--dump needs --prompt-ids FILE (one JSON list of token ids per line)")
-        try:
-            args.prompts = read_prompt_ids(args.prompt_ids)
-        except (OSError, ValueError) as e:
-            sys.exit(f"--prompt-ids: {e}")
-        args.batch_size, args.prompt_len = len(args.prompts), max(len(p) for p in args.prompts)
-        args.simulate_tp, args.cuda_graph = 1, args.cuda_graph or "off"
-        args.speculative_attention_mode = args.speculative_attention_mode or "prefill"
+    if args.dump:
+        settle_dump(args)
     args.speculative_attention_mode = args.speculative_attention_mode or "both"
-    if args.speculative_eagle_topk != 1:
-        sys.exit(f"--speculative-eagle-topk {args.speculative_eagle_topk}: only 1 (chain drafting) is implemented")
     want = args.speculative_num_steps + 1
     if args.speculative_num_draft_tokens not in (None, want):
         tpm.print0(f"note: --speculative-num-draft-tokens {args.speculative_num_draft_tokens} adjusted to "
                    f"{want} (= num_steps + 1 with topk 1)")
     args.speculative_num_draft_tokens = want
     args.preset = args.preset or ("kimi-k2" if gpu else "tiny")
+    big = args.preset.startswith("kimi-k2") and not args.model_path
+    if big and not gpu:
+        raise BadInput(f"--preset {args.preset}: a random Kimi-K2 needs a GPU (hundreds of GB in memory); "
+                       "on CPU use --preset tiny (the default) or --model-path")
     args.cuda_graph = args.cuda_graph or ("both" if gpu else "off")
     if args.compile and (not gpu or args.cuda_graph == "off"):
-        sys.exit("--compile times the captured phases: it needs a CUDA GPU and --cuda-graph on or both")
+        raise BadInput("--compile times the captured phases: it needs a CUDA GPU and --cuda-graph on or both")
     if args.cuda_graph != "off" and not gpu:
-        sys.exit("--cuda-graph on/both needs a CUDA GPU; use --cuda-graph off on CPU")
-    big = args.preset.startswith("kimi-k2") and not args.model_path
+        raise BadInput(f"--cuda-graph {args.cuda_graph}: CUDA graphs need a CUDA GPU; use --cuda-graph off on CPU")
     if args.simulate_tp is None:
         args.simulate_tp = 8 if big and gpu and world == 1 else 1
-    if args.model_path and args.quant:
-        sys.exit("--quant sets the layout of random weights; a checkpoint's config.json says its own")
+    if args.simulate_tp > 1 and world > 1:
+        raise BadInput(f"--simulate-tp {args.simulate_tp} is for a single process; under torchrun the TP is real")
     int4 = args.quant == "int4" or args.quant is None and args.preset == "kimi-k2.5"
     if args.routed_experts is None and big and gpu and not int4 and not args.dump:
         args.routed_experts = BF16_EXPERTS_ON_ONE_GPU  # INT4 experts all fit
-    args.prompt_len = args.prompt_len or (256 if gpu else 16)
-    args.max_new_tokens = args.max_new_tokens or (64 if gpu else 24)
-    args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
-    args.reps = args.reps or (20 if gpu else 5)
+    if not gpu and not args.dump and not os.environ.get("OMP_NUM_THREADS"):
+        # timing on a CPU: one thread, unless asked. The toy model gains nothing from more, and
+        # threads spinning on cores that other jobs share made a busy 2-core machine 10x slower
+        torch.set_num_threads(1)
+    defaults = dict(prompt_len=256 if gpu else 16, max_new_tokens=64 if gpu else 24,
+                    dtype="bfloat16" if gpu else "float32", reps=20)
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    check_device_flags(args, device)
     return args
+
+
+def check_device_flags(args, device):
+    """What depends on the preset, the device or the defaults just settled."""
+    if not args.dump and args.speculative_num_steps >= args.prompt_len:
+        raise BadInput(f"--speculative-num-steps {args.speculative_num_steps}: the isolated timings verify the "
+                       f"prompt's last num_steps + 1 tokens, so it must be below --prompt-len ({args.prompt_len})")
+    if args.routed_experts is not None and not args.model_path:
+        m = model.preset(args.preset)
+        if not m.num_experts_per_tok <= args.routed_experts <= m.n_routed_experts or args.routed_experts % m.n_group:
+            raise BadInput(f"--routed-experts {args.routed_experts}: {args.preset} needs between "
+                           f"{m.num_experts_per_tok} (experts per token) and {m.n_routed_experts}, a multiple of "
+                           f"n_group {m.n_group}")
+    if args.moe_impl == "grouped" and not model.grouped_mm_available(device, getattr(torch, args.dtype)):
+        raise BadInput(f"--moe-impl grouped: torch._grouped_mm does not run {args.dtype} on {device.type} here; "
+                       "use --moe-impl gather or auto")
 
 
 def build(args, device, dtype, world):
     """The target and the head, loaded or random. Returns (target, head, description)."""
     tp = tpm.TP.simulate(args.simulate_tp) if args.simulate_tp > 1 else tpm.TP.from_env()
-    if args.simulate_tp > 1 and world > 1:
-        sys.exit("--simulate-tp is for a single process; under torchrun the TP is real")
     k = args.speculative_num_steps
     max_seq_len = args.prompt_len + args.max_new_tokens + k + 2
     if args.model_path:
@@ -156,12 +233,14 @@ def build(args, device, dtype, world):
     else:
         quant = {None: {}, "none": dict(quantization_config=None), "int4": dict(quantization_config="int4")}
         margs = model.preset(args.preset, **quant[args.quant])
-        if args.routed_experts:
+        if args.routed_experts is not None:
             tpm.print0(f"memory override: {args.routed_experts} of {margs.n_routed_experts} routed experts per layer kept")
             margs.n_routed_experts = args.routed_experts
-        target = model.Transformer(margs, args.batch_size, max_seq_len, device, dtype, tp, moe_impl=args.moe_impl)
-        shard = sum(p.numel() for p in target.parameters())
-        whole = tp.world_size == 1 or not tp.simulated and shard < MAX_PARAMS_SEEDED_WHOLE
+        try:
+            target = model.Transformer(margs, args.batch_size, max_seq_len, device, dtype, tp, moe_impl=args.moe_impl)
+        except ValueError as e:  # a size the TP does not divide
+            raise BadInput(f"--preset {args.preset} at TP {tp.world_size}: {e}") from None
+        whole = tp.world_size == 1 or not tp.simulated and sum(p.numel() for p in target.parameters()) < MAX_PARAMS_SEEDED_WHOLE
         model.init_random(target, args.seed, rank_local=not whole)
         how = f"random {args.preset} ({'seeded whole, same at any TP' if whole else 'rank-local init'})"
     if args.draft_path:
@@ -199,6 +278,34 @@ class Clock:
             torch.cuda.synchronize()
 
 
+class Timing(float):
+    """A median in ms that keeps its repetitions: it prints, computes and serializes as the
+    median; spread() and noisy say how far to trust it."""
+
+    def __new__(cls, samples):
+        samples = sorted(samples)
+        t = super().__new__(cls, statistics.median(samples))
+        t.samples = samples
+        return t
+
+    def spread(self):
+        """[min, lower quartile, median, upper quartile, max]"""
+        s = self.samples
+        q1, _, q3 = statistics.quantiles(s, n=4, method="inclusive") if len(s) > 1 else s * 3
+        return [s[0], q1, float(self), q3, s[-1]]
+
+    @property
+    def noisy(self):
+        """The middle half of the repetitions spans more than NOISY_IQR of the median (ignoring
+        spans under NOISE_FLOOR_MS: a launch's jitter, too small to change a conclusion)."""
+        _, q1, med, q3, _ = self.spread()
+        return q3 - q1 > max(NOISY_IQR * med, NOISE_FLOOR_MS)
+
+
+NOISY_IQR = 0.25
+NOISE_FLOOR_MS = 0.05
+
+
 def median_ms(clock, fn, reps, warmup=3, desc=None):
     for _ in range(warmup):
         fn()
@@ -208,11 +315,22 @@ def median_ms(clock, fn, reps, warmup=3, desc=None):
         fn()
         stamps.append((a, clock.stamp()))
     clock.sync()
-    return statistics.median(clock.ms(a, b) for a, b in stamps)
+    return Timing([clock.ms(a, b) for a, b in stamps])
+
+
+def phase_label(key, graph):
+    """A progress bar's name for a CudaGraphs key: the phase, its attention path, tokens, eager or graph."""
+    name, *rest = key
+    what = {"decode": "decode step", "verify": f"verify ({rest[0]} attention)", "draft_extend": "draft extend",
+            "draft_chain": "draft step", "allreduce": "all-reduce"}.get(name, name)
+    tokens = f", {rest[-1]} token{'s' if rest[-1] != 1 else ''}" if name in ("verify", "draft_extend") else ""
+    return f"timing {what}{tokens}, {'graph' if graph else 'eager'}"
 
 
 class PhaseTimer:
-    """verify.generate calls mark(name) at the end of each phase; durations are mark to mark."""
+    """verify.generate calls mark(name) at the end of each phase. A phase lasts from the previous
+    mark to its own, and `host` from a cycle's last mark to the next cycle's "start" (the host
+    read and the host's own work), so in every cycle the phases add up to the cycle, start to start."""
 
     def __init__(self, clock):
         self.clock, self.marks = clock, []
@@ -220,19 +338,26 @@ class PhaseTimer:
     def mark(self, name):
         self.marks.append((name, self.clock.stamp()))
 
-    def phases(self):
+    def per_cycle(self):
+        """[{phase: ms, ..., "host": ms, "cycle": ms}] per cycle; the last has no host nor cycle."""
         self.clock.sync()
-        out, host_ms = {}, []
+        cycles = []
         for (n0, t0), (n1, t1) in zip(self.marks, self.marks[1:]):
-            if n1 == "start":  # the gap between cycles: the host read and the host's own work
-                host_ms.append(self.clock.ms(t0, t1))
-            else:
-                out.setdefault(n1, []).append(self.clock.ms(t0, t1))
+            if n0 == "start":
+                cycles.append({})
+            cycles[-1]["host" if n1 == "start" else n1] = self.clock.ms(t0, t1)
         starts = [t for n, t in self.marks if n == "start"]
-        cycle_ms = [self.clock.ms(a, b) for a, b in zip(starts, starts[1:])]
-        med = {k: statistics.median(v) for k, v in out.items()}
-        med["host"] = statistics.median(host_ms) if host_ms else 0.0
-        med["cycle"] = statistics.median(cycle_ms) if cycle_ms else sum(med.values())
+        for c, a, b in zip(cycles, starts, starts[1:]):
+            c["cycle"] = self.clock.ms(a, b)
+        return cycles
+
+    def phases(self):
+        """Each phase's Timing over the cycles."""
+        cycles = self.per_cycle()
+        names = [n for n in cycles[0] if n not in ("host", "cycle")] + ["host", "cycle"] if cycles else []
+        med = {n: Timing([c[n] for c in cycles if n in c]) for n in names if any(n in c for c in cycles)}
+        if "cycle" not in med and cycles:  # one cycle only: it is the sum of its phases
+            med["cycle"] = Timing([sum(cycles[0].values())])
         return med
 
 
@@ -291,7 +416,9 @@ def draft_bytes(head, kv_slots, batch, with_fc):
 
 
 # ---------------------------------------------------------------------------------------------
-# The correctness baseline: dump what the model says; compare any engine's dump with it.
+# The correctness baseline: dump what the model says; judge any engine's dump against it.
+# Entry points: settle_dump (the dump's own flags), dump_main and compare_main, which return the
+# exit status to main; a file or flag they cannot use raises BadInput (status 2).
 #
 # One .npz (README, "Checking an engine against this reference"). B prompts, P the longest, N =
 # max_new_tokens, K = --topk, C cycles, k = num_steps. Row b's sequence is its own prompt then its
@@ -313,6 +440,31 @@ def draft_bytes(head, kv_slots, batch, with_fc):
 MAX_LOGPROB_DIFF = 0.5
 MIN_TOP1_AGREEMENT = 0.8
 MAX_ACCEPT_DIFF = 0.5
+DUMP_TOPK = 20
+
+
+def settle_dump(args):
+    """--dump records the model's own greedy answers in one configuration: refuse what would
+    change them, read the prompts, and size the run to them."""
+    refuse = {"--simulate-tp": (args.simulate_tp or 1) > 1, "--routed-experts": args.routed_experts is not None,
+              "--simulate-accept-len": args.simulate_accept_len is not None, "--temperature": args.temperature != 0,
+              "--cuda-graph both": args.cuda_graph == "both", "--speculative-attention-mode both":
+              args.speculative_attention_mode == "both", "--prompt-len": args.prompt_len is not None,
+              "--batch-size": args.batch_size != 1}
+    for flag, bad in refuse.items():
+        if bad:
+            raise BadInput(f"--dump records the model's own greedy answers to --prompt-ids in one configuration: "
+                           f"drop {flag}")
+    if not args.prompt_ids:
+        raise BadInput("--dump needs --prompt-ids FILE (one JSON list of token ids per line)")
+    try:
+        args.prompts = read_prompt_ids(args.prompt_ids)
+    except (OSError, ValueError) as e:
+        raise BadInput(f"--prompt-ids: {e}") from None
+    args.batch_size, args.prompt_len = len(args.prompts), max(len(p) for p in args.prompts)
+    args.simulate_tp, args.cuda_graph = 1, args.cuda_graph or "off"
+    args.speculative_attention_mode = args.speculative_attention_mode or "prefill"
+    args.topk = DUMP_TOPK if args.topk is None else args.topk
 
 
 def read_prompt_ids(path):
@@ -326,8 +478,8 @@ def read_prompt_ids(path):
                 ids = json.loads(line)
             except json.JSONDecodeError as e:
                 raise ValueError(f"{path} line {i} is not JSON: {e}") from None
-            if not isinstance(ids, list) or not ids or not all(type(t) is int for t in ids):
-                raise ValueError(f"{path} line {i}: expected a non-empty JSON list of token ids, "
+            if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
+                raise ValueError(f"{path} line {i}: expected a non-empty JSON list of token ids (integers >= 0), "
                                  f"got {line.strip()[:80]}")
             prompts.append(ids)
     if not prompts:
@@ -336,7 +488,7 @@ def read_prompt_ids(path):
 
 
 @torch.no_grad()
-def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=20, attention_mode="prefill",
+def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK, attention_mode="prefill",
          use_graphs=False, eos_id=None, chunk=256):
     """Greedy generation (speculative with `head`, plain with None) and the target's top-K
     log-probabilities along the sequences it produced: the dump's arrays, the same on every rank.
@@ -402,16 +554,34 @@ def check_dump(d, name):
         raise ValueError(f"{name}: topk_logprobs[{b}, {t}, {j}] is not finite where topk_ids holds an id")
     C = check("accepted", "iu", [B, "C"])[1] if "accepted" in d else "C"
     if "draft_ids" in d:
-        check("draft_ids", "iu", [B, C, "k"])
+        k = check("draft_ids", "iu", [B, C, "k"])[2]
+        if "accepted" in d and (d["accepted"] > k).any():
+            b, c = np.argwhere(d["accepted"] > k)[0]
+            raise ValueError(f"{name}: accepted[{b}, {c}] = {d['accepted'][b, c]} drafts, more than the k = {k} "
+                             "that draft_ids says each cycle verified")
     return B, P, N
 
 
 def load_dump(path):
+    """A dump's arrays. A file that is not a readable .npz (missing, not a zip, truncated, holding
+    pickled objects) raises BadInput naming it."""
+    try:
+        with open(path, "rb") as f:
+            magic = f.read(4)
+    except OSError as e:
+        raise BadInput(f"{path}: {e.strerror}") from None
+    if magic != b"PK\x03\x04":  # an .npz is a zip archive of .npy files
+        raise BadInput(f"{path} is not an .npz file (a zip of numpy arrays): it starts with {magic!r}")
     try:
         with np.load(path) as f:
             return {key: f[key] for key in f.files}
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path} is not a readable .npz: {e}") from None
+    except ValueError as e:
+        if "allow_pickle" in str(e):
+            raise BadInput(f"{path} holds an object (pickled) array; a dump holds only int, float and str "
+                           "arrays") from None
+        raise BadInput(f"{path} is a corrupt .npz: {e}") from None
+    except Exception as e:  # a truncated archive: zipfile.BadZipFile, EOFError, zlib.error, OSError
+        raise BadInput(f"{path} is a truncated or corrupt .npz ({type(e).__name__}: {e})") from None
 
 
 def compare_row(a, b, r):
@@ -440,14 +610,50 @@ def compare_row(a, b, r):
     return row
 
 
+def judge_divergence(a, b, row, max_logprob_diff):
+    """Where a row's greedy outputs first differ, B's token must be one that A could have chosen
+    on a near-tie that another reduction order flips: in A's top-K at that position and at most
+    max_logprob_diff below A's top-1 (the pattern of vLLM's check_logprobs_close). Returns None
+    (no divergence, or a near-tie) or the failure, naming the row, the position, both tokens and
+    their log-probabilities."""
+    r, j = row["row"], row["diverge"]
+    if j is None:
+        return None
+    t = row["prompt_len"] - 1 + j                                   # the position that chose output j
+    tok_a, tok_b = int(a["output_ids"][r, j]), int(b["output_ids"][r, j])
+    where = f"row {r}, output {j} (position {t})"
+    if tok_a < 0 or tok_b < 0:  # one file stopped (an EOS, or its end), the other went on
+        stopped, went_on, tok = ("A", "B", tok_b) if tok_a < 0 else ("B", "A", tok_a)
+        return f"{where}: {stopped} stops, {went_on} goes on with token {tok}"
+    ids, lps = a["topk_ids"][r, t], a["topk_logprobs"][r, t].astype(np.float64)
+
+    def logp(d, tok):  # a token's log p in file d at position t, if d's top-K has it
+        hit = np.flatnonzero(d["topk_ids"][r, t] == tok)
+        return float(d["topk_logprobs"][r, t, hit[0]]) if len(hit) else None
+    lp_a, lp_b = logp(a, tok_a), logp(a, tok_b)
+    in_b = [logp(b, tok) for tok in (tok_a, tok_b)]
+    b_view = "" if in_b == [None, None] else " (B's own log p: " + ", ".join(
+        f"{tok} {'absent' if lp is None else f'{lp:.4f}'}" for tok, lp in zip((tok_a, tok_b), in_b)) + ")"
+    if ids[0] < 0 or lp_a is None:
+        return f"{where}: A chose {tok_a}, B chose {tok_b}, and A's top-K there does not hold {tok_a} to judge by"
+    if lp_b is None:
+        return f"{where}: A chose {tok_a} (log p {lp_a:.4f}), B chose {tok_b}, which is not in A's top-{len(ids)}{b_view}"
+    gap = float(lps[0]) - lp_b
+    if gap > max_logprob_diff:
+        return (f"{where}: A chose {tok_a} (log p {lp_a:.4f}), B chose {tok_b} (log p {lp_b:.4f} in A, {gap:.4f} "
+                f"below A's top-1 > --max-logprob-diff {max_logprob_diff}){b_view}")
+    return None
+
+
 def compare(a, b, names=("A", "B"), max_logprob_diff=MAX_LOGPROB_DIFF, min_top1_agreement=MIN_TOP1_AGREEMENT,
             max_accept_diff=MAX_ACCEPT_DIFF):
-    """Two dumps of the same request (dicts of arrays). Per row: the first output index where the
-    greedy outputs differ; over the positions whose context is the same in both (the prompt and the
-    outputs before that index) and that both files report, the top-1 agreement and the largest
-    |log p| difference over ids in both top-K lists; the drafts accepted per cycle, where both have
-    them. The thresholds apply to all rows together. Returns a report dict whose "failures" lists
-    the thresholds passed (empty: pass)."""
+    """Judge dump B against reference A (dicts of arrays of the same request). Per row: the first
+    output index where the greedy outputs differ, judged by judge_divergence; over the positions
+    whose context is the same in both (the prompt and the outputs before that index) and that both
+    files report, the top-1 agreement and the largest |log p| difference over ids in both top-K
+    lists; the drafts accepted per cycle, where both have them. The thresholds on agreement and
+    accepted drafts apply to all rows together. Returns a report dict whose "failures" lists what
+    failed (empty: pass); files that cannot be compared raise ValueError."""
     for d, name in zip((a, b), names):
         check_dump(d, name)
     for key in ("prompt_ids", "output_ids"):
@@ -457,11 +663,17 @@ def compare(a, b, names=("A", "B"), max_logprob_diff=MAX_LOGPROB_DIFF, min_top1_
     if (a["prompt_ids"] != b["prompt_ids"]).any():
         row = int(np.argwhere(a["prompt_ids"] != b["prompt_ids"])[0, 0])
         raise ValueError(f"prompt_ids differ in row {row}: not dumps of the same prompts")
+    if "draft_ids" in a and "draft_ids" in b and a["draft_ids"].shape[2] != b["draft_ids"].shape[2]:
+        raise ValueError(f"draft_ids: {names[0]} drafts k = {a['draft_ids'].shape[2]} tokens a cycle, {names[1]} "
+                         f"k = {b['draft_ids'].shape[2]}: not runs with the same num_steps")
     rows = [compare_row(a, b, r) for r in range(len(a["prompt_ids"]))]
+    fail = []
+    for row in rows:
+        row["divergence_failure"] = judge_divergence(a, b, row, max_logprob_diff)
+        fail += [row["divergence_failure"]] if row["divergence_failure"] else []
     seen = sum(r["positions"] for r in rows)
     report = dict(rows=rows, top1_agreement=sum(r["top1_agree"] for r in rows) / seen if seen else math.nan,
-                  max_logprob_diff=max(r["max_logprob_diff"] for r in rows), accept_diff=None, failures=[])
-    fail = report["failures"]
+                  max_logprob_diff=max(r["max_logprob_diff"] for r in rows), accept_diff=None, failures=fail)
     if not seen:
         fail.append("no position to compare: the files share no reported position")
     elif report["top1_agreement"] < min_top1_agreement:
@@ -481,40 +693,42 @@ def print_comparison(report, names, metas):
     for name, meta in zip(names, metas):
         print(f"{name}: {meta or '(no meta array)'}")
     accept = "accepted_per_cycle" in report["rows"][0]
-    head = (f"{'row':>4} {'prompt':>6} {'out A/B':>9} {'diverge@':>8} {'top-1 agree':>17} {'max|dlogp|':>10} "
-            f"{'@pos':>5}")
+    head = (f"{'row':>4} {'prompt':>6} {'out A/B':>9} {'diverge@':>8} {'judged':>8} {'top-1 agree':>17} "
+            f"{'max|dlogp|':>10} {'@pos':>5}")
     print("\n" + head + (f" {'accepted/cycle A/B':>18} {'differ@cycle':>12}" if accept else ""))
 
     def dash(x):
         return "-" if x is None else x
     for r in report["rows"]:
         share = r["top1_agree"] / r["positions"] if r["positions"] else math.nan
-        line = (f"{r['row']:>4} {r['prompt_len']:>6} {'%d/%d' % r['out_len']:>9} {dash(r['diverge']):>8} "
+        judged = "-" if r["diverge"] is None else "FAIL" if r["divergence_failure"] else "near-tie"
+        line = (f"{r['row']:>4} {r['prompt_len']:>6} {'%d/%d' % r['out_len']:>9} {dash(r['diverge']):>8} {judged:>8} "
                 f"{'%d/%d' % (r['top1_agree'], r['positions']):>11} {share:5.3f} {r['max_logprob_diff']:>10.2e} "
                 f"{dash(r['at']):>5}")
         if accept:
             line += f" {'%.2f/%.2f' % r['accepted_per_cycle']:>18} {dash(r['accept_differs_at']):>12}"
         print(line)
     accept_line = "" if report["accept_diff"] is None else \
-        f", drafts accepted per cycle differ by {report['accept_diff']:.3f}"
+        f", drafts accepted per cycle (bonus token not counted) differ by {report['accept_diff']:.3f}"
     print(f"\nall rows: top-1 agreement {report['top1_agreement']:.4f}, max |logprob diff| "
           f"{report['max_logprob_diff']:.3g}{accept_line}")
     print("FAIL: " + "; ".join(report["failures"]) if report["failures"] else "PASS")
 
 
 def compare_main(args):
-    """--compare: exit 0 (pass), 1 (a threshold passed), 2 (the files cannot be compared)."""
+    """--compare: returns 0 (pass) or 1 (a divergence or a threshold failed); files that cannot be
+    compared raise BadInput (status 2)."""
+    a, b = (load_dump(path) for path in args.compare)
     try:
-        a, b = (load_dump(path) for path in args.compare)
         report = compare(a, b, args.compare, args.max_logprob_diff, args.min_top1_agreement, args.max_accept_diff)
     except ValueError as e:
-        print(f"error: {e}", file=sys.stderr)
-        sys.exit(2)
+        raise BadInput(str(e)) from None
     print_comparison(report, args.compare, [str(d["meta"]) if "meta" in d else None for d in (a, b)])
-    sys.exit(1 if report["failures"] else 0)
+    return 1 if report["failures"] else 0
 
 
 def dump_main(args, device, world):
+    """--dump: writes the file (rank 0) and returns 0."""
     dtype = getattr(torch, args.dtype)
     target, head, how = build(args, device, dtype, world)
     what = (f"EAGLE-3 {args.draft_path}, num_steps {args.speculative_num_steps}, attention "
@@ -527,21 +741,26 @@ def dump_main(args, device, world):
         arrays = dump(target, head, args.prompts, args.max_new_tokens, args.speculative_num_steps, args.topk,
                       args.speculative_attention_mode, use_graphs=args.cuda_graph == "on")
     except ValueError as e:
-        sys.exit(f"--dump: {e}")
+        raise BadInput(f"--dump: {e}") from None
     if is_rank0():
         with open(args.dump, "wb") as f:  # np.savez on a name would append ".npz" to other names
             np.savez(f, meta=np.array(json.dumps(meta)), **arrays)
         print("wrote " + args.dump + ": " + ", ".join(f"{k} {list(v.shape)}" for k, v in arrays.items()), flush=True)
-    return arrays
+        if head is not None:
+            print("accepted counts the drafts accepted per cycle, not the target's bonus token (SGLang's accept "
+                  "length minus 1)", flush=True)
+    return 0
 
 
 # ---------------------------------------------------------------------------------------------
 
 @torch.no_grad()
 def main(argv=None):
+    """Returns the exit status (0, or 1 when --compare fails); a flag, file or checkpoint the run
+    cannot use raises BadInput or model.CheckpointError, which the command line prints as one line."""
     args = parse_args(argv)
     if args.compare:
-        compare_main(args)
+        return compare_main(args)
     rank, world, device = tpm.init_distributed()
     args = settle(args, device, world)
     if args.dump:
@@ -553,12 +772,13 @@ def main(argv=None):
     k, B, P = args.speculative_num_steps, args.batch_size, args.prompt_len
     modes = ["prefill", "decode"] if args.speculative_attention_mode == "both" else [args.speculative_attention_mode]
     graph_opts = {"both": [False, True], "on": [True], "off": [False]}[args.cuda_graph]
-    sim = bool(args.simulate_accept_len)
+    sim = args.simulate_accept_len is not None
     group = target.args.int4_group_size
     quant_note = f" (routed experts INT4, group {group})" if group else ""
     header = (f"target: {how}, {target.args.num_hidden_layers} layers, {target.args.n_routed_experts} routed experts, "
               f"{target.tp.describe()}, {args.dtype}{quant_note}, moe {target.moe_impl} | batch {B}, prompt {P}, "
               f"num_steps {k} | {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
+              + ("" if device.type == "cuda" else f"{torch.get_num_threads()} thread(s), ") +
               f"torch {torch.__version__}" + (" | acceptance SIMULATED" if sim else ""))
     tpm.print0(header)
     result = dict(env=dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
@@ -582,7 +802,7 @@ def main(argv=None):
 
     def timed(key, fn, *inputs, graph):
         call = (lambda: runner.run(key, fn, *inputs)) if graph else (lambda: fn(*inputs))
-        return median_ms(clock, call, args.reps, desc=f"{key[0]} {'graph' if graph else 'eager'}")
+        return median_ms(clock, call, args.reps, desc=phase_label(key, graph))
 
     ph = result["phases_ms"]
     vtok, last = tokens[:, -(k + 1):], torch.full((B,), k, device=device)
@@ -637,7 +857,7 @@ def main(argv=None):
         t0 = time.perf_counter()
         res = generate(target, draft, prompts, max_new_tokens=args.max_new_tokens, num_steps=k,
                        attention_mode=mode, use_graphs=graph, temperature=args.temperature, seed=args.seed,
-                       eos_id=-1, graphs=runner if graph else None, simulate_accept_len=args.simulate_accept_len if draft else None,
+                       eos_id=-1, graphs=runner if graph else None, simulate_accept_len=args.simulate_accept_len if draft is not None else None,
                        timer=timer)
         clock.sync()
         wall = time.perf_counter() - t0
@@ -727,6 +947,8 @@ def main(argv=None):
     if device.type == "cuda":
         result["env"]["gpu_mem_peak_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
         result["env"]["weights_GB"] = sum(p.numel() * p.element_size() for p in target.parameters()) / 1e9
+    result["warnings"] = timing_warnings(result)
+    result["spread_ms"] = spreads(result)  # [min, lower quartile, median, upper quartile, max] of each timing
     report(result, header, k)
     line = json.dumps(result)
     if is_rank0():
@@ -734,33 +956,137 @@ def main(argv=None):
             with open(args.json, "w") as f:
                 f.write(line + "\n")
         print(line, flush=True)
-    return result
+    return 0
+
+
+# ---------------------------------------------------------------------------------------------
+# The report: how far to trust the numbers (spreads, warnings), a verdict in words, the tables
+
+def spreads(tree):
+    """The same nesting as `tree`, keeping only its Timings, each as its spread() (for the JSON)."""
+    out = {}
+    for key, v in tree.items():
+        if isinstance(v, Timing):
+            out[key] = v.spread()
+        elif isinstance(v, dict) and (sub := spreads(v)):
+            out[key] = sub
+    return out
+
+
+def named_timings(tree, path=""):
+    """(name, Timing) for every Timing in the result, named as the tables name them."""
+    for key, v in tree.items():
+        name = path if key in ("phases_ms", "e2e") else f"{path}{'sweep T=' if key == 'verify_sweep_ms' else key}/"
+        if isinstance(v, Timing):
+            yield name.rstrip("/"), v
+        elif isinstance(v, dict):
+            yield from named_timings(v, name)
+
+
+def timing_warnings(r):
+    """What not to trust in these numbers: noisy timings, and derived figures that cannot be."""
+    out = []
+    noisy = [name for name, t in named_timings(r) if t.noisy]
+    if noisy:
+        out.append(f"{len(noisy)} timing(s) vary by more than {NOISY_IQR:.0%} of their median between repetitions "
+                   f"(interquartile range; marked noisy): {', '.join(noisy[:5])}{' and more' if len(noisy) > 5 else ''}. "
+                   "The machine is busy or the phase short: run on a quiet machine, with more --reps, one thread a "
+                   "process (OMP_NUM_THREADS=1)")
+    for steps, c in r["cost_model"].items():
+        be, most = c["break_even_accept_len"], int(steps) + 1
+        if not 1 <= be <= most:
+            out.append(f"num_steps {steps}: break-even {be:.2f} accepted tokens per cycle, outside [1, {most}]: "
+                       + ("a cycle measured cheaper than the plain step it contains, which cannot be (noise)" if be < 1
+                          else f"a cycle costs more than {most} plain steps, so it cannot pay here, unless it is noise"))
+    for name, v in r["e2e"].items():
+        alone, loop = r["phases_ms"].get(f"decode_step/{name.split('/')[-1]}"), v["phases_ms"].get("decode")
+        if name.startswith("baseline/") and alone and loop and max(alone, loop) > 2 * min(alone, loop):
+            out.append(f"the plain decode step takes {alone:.3f} ms alone and {loop:.3f} ms inside the loop "
+                       f"({name}): the same work, so one of them is noise")
+        if "speedup_predicted" in v and max(v["speedup_measured"], v["speedup_predicted"]) > \
+                1.5 * min(v["speedup_measured"], v["speedup_predicted"]):
+            out.append(f"{name}: measured speedup {v['speedup_measured']:.2f}x but {v['speedup_predicted']:.2f}x "
+                       "predicted from its own phases: the wall clock and the phase timings disagree (noise)")
+    sweep = {t: v["verify"] for t, v in r.get("verify_sweep_ms", {}).items()}
+    inverted = [f"{t1} tokens {sweep[t1]:.3f} ms > 1.5 x {t2} tokens {sweep[t2]:.3f} ms"
+                for t1 in sweep for t2 in sweep if t1 < t2 and sweep[t1] > 1.5 * sweep[t2]]
+    if inverted:
+        out.append(f"verify costs less with more tokens ({'; '.join(inverted[:3])}{'; ...' if len(inverted) > 3 else ''}), "
+                   "which cannot be: noise")
+    return out
+
+
+def verdict(r, k):
+    """What the run says, in a few sentences: kept short and apart, so that a fuller printed answer
+    can replace it."""
+    spec = {n: v for n, v in r["e2e"].items() if n.startswith("eagle3")}
+    if not spec:
+        return []
+    best = max(spec, key=lambda n: spec[n]["speedup_measured"])
+    accept_len, speedup = spec[best]["accept_len_mean"], spec[best]["speedup_measured"]
+    if r["env"]["simulated_acceptance"]:
+        lines = [f"Acceptance was SIMULATED at {accept_len:.2f} tokens per cycle: the speedup ({speedup:.2f}x, {best}) "
+                 "is what the measured phase costs give at that acceptance, not what this draft head achieves."]
+    elif accept_len < 1.5:
+        lines = [f"The draft accepted almost nothing ({accept_len:.2f} tokens per cycle, bonus included; 1.00 means "
+                 f"every draft rejected), as random weights do: the measured speedup ({speedup:.2f}x, {best}) says "
+                 "only what speculation's overhead costs. For a trained draft's speedup read the cost model, run "
+                 "with --simulate-accept-len, or load checkpoints (--model-path, --draft-path)."]
+    else:
+        lines = [f"The draft accepted {accept_len:.2f} tokens per cycle (bonus included): measured speedup "
+                 f"{speedup:.2f}x ({best})."]
+    c = r["cost_model"].get(k)
+    if c:
+        be = c["break_even_accept_len"]
+        lines.append(f"At num_steps {k} a cycle costs {c['cycle_ms']:.2f} ms, {be:.2f} plain decode steps: " + (
+            "less than the plain step it contains, which cannot be (noise)." if be < 1 else
+            f"speculation pays above {be:.2f} accepted tokens per cycle." if be <= k + 1 else
+            f"speculation cannot pay here (a cycle accepts at most {k + 1} tokens)."))
+    if r["warnings"]:
+        lines.append("Some timings are noisy or contradict each other (warnings above): treat these figures as rough.")
+    if r["env"]["device"] == "cpu":
+        lines.append("On a CPU the toy model's time is per-operation overhead: the numbers show how the phases fit "
+                     "together, not what a GPU serving Kimi-K2 would see (BENCHMARKS.md has H200 numbers).")
+    return lines
+
+
+def fmt_spread(t, digits=3):
+    mn, q1, _, q3, mx = t.spread()
+    return f"[{mn:.{digits}f} {q1:.{digits}f}-{q3:.{digits}f} {mx:.{digits}f}]" + (" noisy" if t.noisy else "")
 
 
 def report(r, header, k):
+    """The tables, the warnings and the verdict (the header was printed at the start)."""
     if not is_rank0():
         return
-    sim = " (SIMULATED acceptance)" if r["env"]["simulated_acceptance"] else ""
-    fl = r["floors"]
-    print("\n" + header)
-    print("\nphase times, isolated (ms, median" + (", x floor" if fl else "; floors not computed on CPU") + ")")
+    sim, fl = r["env"]["simulated_acceptance"], r["floors"]
+    print(f"\nphase times, isolated (ms: median [min lower-upper quartile max] of {r['env']['config']['reps']} "
+          "repetitions" + (", x floor" if fl else "; floors not computed on CPU") + ")")
     floor_of = {"decode_step": "decode_step_ms", "verify": "verify_ms", "draft_step": "draft_step_ms",
                 "draft_extend": "draft_extend_ms"}
     for name, ms in r["phases_ms"].items():
         f = fl.get(floor_of.get(name.split("/")[0], ""), None) if fl else None
-        print(f"  {name:28s} {ms:9.3f}" + (f"   {ms / f:5.1f}x floor {f:.3f}" if f else ""))
+        print(f"  {name:28s} {ms:9.3f} {fmt_spread(ms):34s}" + (f"   {ms / f:5.1f}x floor {f:.3f}" if f else ""))
     if fl:
         print(f"  bandwidth {fl['bandwidth_GBps']:.0f} GB/s; decode step moves {fl['decode_step_GB']:.2f} GB, "
               f"verify {fl['verify_GB']:.2f} GB (distinct experts only)")
-    print(f"\nend to end{sim}: tok/s, per-cycle phases (ms, median), accepted tokens per cycle")
+    print("\nend to end: tok/s | per-cycle phases (ms, median over the cycles) and the cycle's spread | accepted "
+          f"tokens per cycle, bonus included: mean, and cycles by length{' (SIMULATED)' if sim else ''}")
+    if sim:
+        print(f"  SIMULATED acceptance: each cycle draws each row's accepted length from a normal around "
+              f"--simulate-accept-len {r['env']['config']['simulate_accept_len']} (sd 1), rounded and clamped to "
+              f"1..{k + 1}; the tokens are not the model's")
     for name, v in r["e2e"].items():
         phases = " ".join(f"{p}={t:.2f}" for p, t in v["phases_ms"].items())
         extra = ""
         if "accept_len_mean" in v:
-            extra = (f" | accept len {v['accept_len_mean']:.2f} hist {v['accept_len_hist']}"
+            hist = " ".join(f"{n}:{c}" for n, c in enumerate(v["accept_len_hist"], 1))
+            extra = (f" | accept len {v['accept_len_mean']:.2f}, cycles by length {hist}"
                      f" | speedup {v['speedup_measured']:.2f}x"
                      + (f" (predicted {v['speedup_predicted']:.2f}x)" if "speedup_predicted" in v else ""))
-        print(f"  {name:24s} {v['tok_per_s']:9.1f} tok/s | {phases}{extra}")
+        cycle = v["phases_ms"].get("cycle")
+        spread = f" {fmt_spread(cycle, 2)}" if isinstance(cycle, Timing) else ""
+        print(f"  {name:24s} {v['tok_per_s']:9.1f} tok/s | {phases}{spread}{extra}")
     print("\ncost model (fastest variant): cycle ms and break-even accepted length per num_steps")
     for steps, c in r["cost_model"].items():
         sp = " ".join(f"{t}:{s:.2f}x" for t, s in c["speedup_at"].items())
@@ -775,12 +1101,24 @@ def report(r, header, k):
               + ", ".join(f"{key} {ms:.2f}" for key, ms in r["allreduce_ms_per_forward"].items()))
     if r.get("greedy_agreement_with_plain"):
         print(f"\ngreedy speculative vs plain token agreement: {r['greedy_agreement_with_plain']}")
-    print()
+    for w in r["warnings"]:
+        print(f"\nwarning: {w}")
+    print("\nverdict:\n" + "\n".join(f"  {line}" for line in verdict(r, k)) + "\n")
+
+
+def print_refusal(e):
+    """One line on stderr, no traceback; under torchrun each rank that refuses says which it is."""
+    rank = f"[rank {dist.get_rank()}] " if dist.is_initialized() else ""
+    print(f"run.py: error: {rank}{e}", file=sys.stderr, flush=True)
 
 
 if __name__ == "__main__":
+    status = 2
     try:
-        main()
+        status = main()
+    except (BadInput, model.CheckpointError, NotImplementedError) as e:
+        print_refusal(e)
     finally:  # every rank leaves the group together (gloo aborts a rank whose peer exits first)
         if dist.is_initialized():
             dist.destroy_process_group()
+    sys.exit(status)

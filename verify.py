@@ -175,7 +175,7 @@ def speculative_cycle(target, draft, run, rows, pos, drafts, mode, temperature, 
     logits, aux = run(("verify", mode, B, k + 1), partial(target, mode=mode, capture_aux=True), verify_in, pos)
     mark("verify")
     m, bonus = accept(logits, drafts, temperature, generator)
-    if simulate_accept_len:
+    if simulate_accept_len is not None:
         m = simulated_accept(m, simulate_accept_len, k, generator)
         bonus = logits.argmax(-1).gather(1, m.unsqueeze(1)).squeeze(1)
     # [d_1..d_m, bonus, junk]: the tokens emitted, and the draft extend's input rows
@@ -207,6 +207,8 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
                          f"not {attention_mode!r}")
     if draft is not None and num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, not {num_steps}")
+    if simulate_accept_len is not None and not 1 <= simulate_accept_len <= num_steps + 1:
+        raise ValueError(f"simulate_accept_len must lie in [1, num_steps + 1], not {simulate_accept_len}")
     device, k = target.device, num_steps if draft is not None else 0
     eos = torch.tensor(eos_union(target.args.eos_token_ids if eos_id is None else eos_id), dtype=torch.int64,
                        device=device)                                           # [E]
@@ -230,7 +232,7 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
         accepted.append(m.masked_fill(rows.done, -1))
         commit(rows, emitted, m, eos, max_new_tokens)
         mark("commit")
-    return result(rows, accepted, proposed if draft is not None else None, k, bool(simulate_accept_len))
+    return result(rows, accepted, proposed if draft is not None else None, k, simulate_accept_len is not None)
 
 
 def result(rows, accepted, proposed, k, simulated):
