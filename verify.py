@@ -12,6 +12,12 @@ k drafts. Rejected tokens leave KV slots that the next writes overwrite (slot = 
 Shapes are fixed per (batch, k): rows that accepted fewer tokens carry junk in their tail, rows
 that finished keep running in place, so every step can be captured. The loop reads the device
 once per cycle: "are all rows done?" (marked HOST READ below).
+
+The target reads only the cache slots in use, rounded up to a bucket (kv_bucket): the host knows
+a bound on every row's position without reading the device (the prompt length plus k+1 per
+cycle), so each (step, batch, tokens, bucket) is one fixed shape and one graph. Prefill runs in
+chunks through the static cache (slot = position makes that exact), so a long prompt never holds
+extend attention's scores for all its positions at once.
 """
 from dataclasses import dataclass
 from functools import partial
@@ -61,6 +67,51 @@ def check_request(target, tokens, lens, max_new_tokens, lookahead):
         row, col = bad.nonzero()[0].tolist()
         raise ValueError(f"prompt row {row} has id {tokens[row, col].item()} at position {col}, outside the "
                          f"vocabulary [0, {a.vocab_size})")
+
+
+def kv_bucket(n, limit):
+    """Cache slots a forward reads when the positions in use are < n: n rounded up to 4
+    significant bits (at most 1/8 more than needed; 8 buckets per doubling, so few graphs), at
+    least 64, at most the cache size `limit`."""
+    step = max(64, 1 << max(0, n.bit_length() - 4))
+    return min(limit, -(-n // step) * step)
+
+
+PREFILL_CHUNK = 2048  # positions per prefill forward: extend attention holds [B, chunk, H, S] scores
+
+
+def prefill(target, tokens, last, capture_aux, chunk=PREFILL_CHUNK):
+    """The extend forward over prompts [B, P] in chunks of `chunk` positions, each reading only
+    the slots written so far; a chunk attends to the slots the earlier ones wrote (slot = position),
+    so this equals one pass. Returns the logits at each row's last prompt position `last` [B]
+    ([B, V]) and, with capture_aux, the EAGLE-3 states of every position [B, P, 3D] (else None)."""
+    B, P = tokens.shape
+    out_logits, auxes = None, []
+    for s in range(0, P, chunk):
+        e = min(P, s + chunk)
+        positions = torch.arange(s, e, device=tokens.device).expand(B, e - s)
+        out = target(tokens[:, s:e], positions, "extend", capture_aux=capture_aux, kv_len=e)
+        logits, aux = out if capture_aux else (out, None)
+        auxes.append(aux)
+        picked = logits.gather(1, (last - s).clamp(0, e - s - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1]))
+        here = ((last >= s) & (last < e)).unsqueeze(1)                          # [B, 1]
+        out_logits = picked.squeeze(1) if out_logits is None else torch.where(here, picked.squeeze(1), out_logits)
+    return out_logits, torch.cat(auxes, 1) if capture_aux else None
+
+
+def draft_prefill(draft, tokens, aux, last, chunk=PREFILL_CHUNK):
+    """Eagle3Draft.extend over all prompt rows [B, P] in chunks (exact, as `prefill`). Returns
+    d_1 [B] and g [B, D] of each row's row `last`."""
+    B, P = tokens.shape
+    first = g = None
+    for s in range(0, P, chunk):
+        e = min(P, s + chunk)
+        positions = torch.arange(s, e, device=tokens.device).expand(B, e - s)
+        f, h = draft.extend(tokens[:, s:e], positions, aux[:, s:e], (last - s).clamp(0, e - s - 1))
+        here = (last >= s) & (last < e)                                           # [B]
+        first = f if first is None else torch.where(here, f, first)
+        g = h if g is None else torch.where(here.unsqueeze(1), h, g)
+    return first, g
 
 
 def exponential_race(weights, generator):
@@ -127,10 +178,9 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
 
     # prefill (eager: its shape changes with the prompt)
     positions = torch.arange(P, device=device).expand(B, P)
-    out = target(tokens, positions, "extend", capture_aux=draft is not None)
-    logits, aux = out if draft is not None else (out, None)
     last = lens - 1
-    x = sample(logits.gather(1, last.view(-1, 1, 1).expand(-1, 1, logits.shape[-1])).squeeze(1), temperature, gen)
+    logits, aux = prefill(target, tokens, last, capture_aux=draft is not None)
+    x = sample(logits, temperature, gen)
     cur = lens.clone()                                          # position of x, the newest token
     generated = torch.zeros(B, max_new_tokens + k + 1, dtype=torch.int64, device=device)
     generated[:, 0] = x
@@ -138,22 +188,28 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
     done = (x == eos_id) | (n_out >= max_new_tokens)
     if draft is not None:  # the head reads token t+1 on row t: shift the prompt, put x at row n-1
         shifted = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).scatter(1, last.unsqueeze(1), x.unsqueeze(1))
-        drafts = draft.propose(shifted, positions, aux, last, num_steps)
+        if isinstance(draft, Eagle3Draft):
+            drafts = draft.chain(*draft_prefill(draft, shifted, aux, last), last, num_steps)
+        else:
+            drafts = draft.propose(shifted, positions, aux, last, num_steps)
     mark = timer.mark if timer is not None else (lambda name: None)
+    reach = P + k + 1  # > every position the next forward writes (the host's bound, no device read)
     accepted, proposed = [], []
     while True:
         if bool(done.all()):  # HOST READ: the loop's one device->host sync per cycle
             break
         mark("start")
         pos = cur.unsqueeze(1) + offsets                                          # [B, k+1]
+        kv = kv_bucket(reach, target.max_seq_len)
+        reach += k + 1
         if draft is None:
-            logits = run(("decode", B, 1), partial(target, mode="decode"), x.unsqueeze(1), pos)
+            logits = run(("decode", B, 1, kv), partial(target, mode="decode", kv_len=kv), x.unsqueeze(1), pos)
             mark("decode")
             m, emitted = torch.zeros_like(cur), sample(logits[:, 0], temperature, gen).unsqueeze(1)
         else:
             proposed.append(drafts)  # kept on the device, stacked after the loop
             verify_in = torch.cat([x.unsqueeze(1), drafts], 1)                   # [x_p, d_1..d_k]
-            logits, aux = run(("verify", mode, B, k + 1), partial(target, mode=mode, capture_aux=True),
+            logits, aux = run(("verify", mode, B, k + 1, kv), partial(target, mode=mode, capture_aux=True, kv_len=kv),
                               verify_in, pos)
             mark("verify")
             m, bonus = accept(logits, drafts, temperature, gen)
