@@ -4,12 +4,14 @@ CPU tests use the tiny preset (milliseconds a forward) and spawn gloo ranks for 
 (graphs, bf16) skip on a machine without CUDA, saying so; run them on the GPU before calling
 graph work done: `python -m pytest -q test_equivalence.py` there runs both parts.
 """
+import contextlib
 import json
 import os
 import socket
 import subprocess
 import sys
 import tempfile
+from functools import partial
 
 import pytest
 import torch
@@ -837,6 +839,112 @@ def test_dump_from_the_command_line_and_bad_input(tiny_ckpt, tmp_path):
 
 
 # ---------------------------------------------------------------------------------------------
+# Timing aids: simulated uniform routing, the component table, chunked prefill, kv buckets
+
+def test_uniform_routing_is_balanced_distinct_and_weighted_as_the_model():
+    m = init_random(Transformer(tiny(), 2, 32, dtype=torch.float64, routing="uniform"), 9)
+    router = m.layers[1].mlp.gate
+    assert all(layer.mlp.gate.routing == "uniform" for layer in m.layers[1:])
+    E, K = m.args.n_routed_experts, m.args.num_experts_per_tok
+    for N in (1, 3, 7, 11):  # fewer pairs than experts, and more (7 * 4 = 28 > 16)
+        x = torch.randn(N, m.args.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(N))
+        ids, weights = router(x)
+        assert all(len(set(row)) == K for row in ids.tolist()), f"a token got a repeated expert: {ids.tolist()}"
+        counts = torch.bincount(ids.flatten(), minlength=E)
+        assert counts.max() - counts.min() <= 1, f"uneven spread over experts: {counts.tolist()}"
+        scores = torch.sigmoid(x @ router.weight.T).gather(1, ids)  # the model's weights for those ids
+        expect = scores / scores.sum(-1, keepdim=True) * m.args.routed_scaling_factor
+        assert_close(weights, expect, 1e-12, "uniform routing weights vs the model's normalization")
+    m.set_routing("model")
+    model_ids, _ = router(x)
+    assert not torch.equal(model_ids, ids), "set_routing('model') left the uniform choice in place"
+    with pytest.raises(ValueError, match="routing must be"):
+        m.set_routing("perfect")
+
+
+def test_random_init_int4_is_zero_mean():
+    m = init_random(Transformer(tiny(quantization_config="int4"), 1, 8), 3)
+    q = model.unpack_int4(m.layers[1].mlp.experts.up_proj.weight_packed).double()
+    assert q.min() == -7 and q.max() == 7, "q should be symmetric in [-7, 7]"
+    assert abs(q.mean().item()) < 0.05, f"random INT4 values have mean {q.mean().item():.3f}, not ~0"
+
+
+def test_run_defaults_uniform_routing_for_random_weights_and_model_routing_for_a_checkpoint(tiny_ckpt):
+    ckpt, _ = tiny_ckpt
+    cpu = torch.device("cpu")
+    for argv, want in (([], "uniform"), (["--model-path", ckpt], "model"), (["--routing", "model"], "model")):
+        args = run.settle(run.parse_args(argv + ["--dtype", "float64"]), cpu, 1)
+        target, _, _ = run.build(args, cpu, torch.float64, 1)
+        routers = {layer.mlp.gate.routing for layer in target.layers if isinstance(layer.mlp, model.MoE)}
+        assert args.routing == want and target.routing == want and routers == {want}, (argv, routers)
+    assert load_target(ckpt, 1, 16).routing == "model"
+
+
+def test_component_table_adds_up_to_the_summed_op_time():
+    """CPU: each op's own time goes to the innermost component around it; the parts must add up to
+    the total counted independently (profiler.key_averages), and every component a forward of this
+    model has must be seen."""
+    m = init_random(Transformer(tiny(), 2, 48, dtype=torch.float32), 10)
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(10))
+    m(tokens, torch.arange(20).expand(2, 20))
+    for mode in ("extend", "decode"):
+        fn = partial(m, tokens[:, -4:], 20 + torch.arange(4).expand(2, 4), mode, kv_len=24)
+        got = run.profile_components(m, fn, gpu=False, calls=2)
+        parts, total = got["parts_ms"], got["kernel_ms"]
+        assert abs(sum(parts.values()) - total) <= 0.05 * total, f"{mode}: parts {sum(parts.values()):.3f} vs {total:.3f} ms"
+        for c in ("attn_core", "attn_proj", "router", "routed_experts", "shared_mlp", "elementwise", "embed_head"):
+            assert parts[c] > 0, f"{mode}: nothing attributed to {c}: {parts}"
+        assert parts["other"] < 0.1 * total and parts["allreduce"] == 0, parts
+        assert got["kernels"] > 100
+    assert all(not mod._forward_hooks and not mod._forward_pre_hooks for mod in m.modules()), "hooks left behind"
+    assert isinstance(model.scope("router"), contextlib.nullcontext), "a scope outside profiling must cost nothing"
+
+
+def test_component_bytes_count_what_a_forward_moves():
+    m = init_random(Transformer(tiny(), 2, 48, dtype=torch.float32), 10)
+    distinct = [5] * (m.args.num_hidden_layers - 1)
+    parts = run.component_bytes(m, distinct, kv_slots=24, batch=2, tokens=3)
+    a = m.args
+    assert parts["routed_experts"] == 7 * 5 * 3 * a.hidden_size * a.moe_intermediate_size * 4
+    assert parts["attn_core"] == 8 * 2 * 24 * (a.kv_lora_rank + a.qk_rope_head_dim) * 4
+    assert parts["embed_head"] == (2 * 3 + a.vocab_size) * a.hidden_size * 4  # looked-up rows + lm_head
+    every = sum(p.numel() * 4 for n, p in m.named_parameters() if ".experts." not in n and "embed_tokens" not in n)
+    assert sum(parts.values()) - parts["routed_experts"] - parts["attn_core"] - 2 * 3 * a.hidden_size * 4 == every
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_chunked_prefill_equals_one_pass(B):
+    from verify import draft_prefill, prefill
+    target = init_random(Transformer(tiny(), 3, 48, dtype=torch.float64), 11)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 12)
+    tokens = torch.randint(0, 256, (B, 23), generator=torch.Generator().manual_seed(B))
+    last = torch.tensor([22, 9, 15][:B])  # rows of different lengths end in different chunks
+    pos = torch.arange(23).expand(B, 23)
+    whole_logits, whole_aux = target(tokens, pos, "extend", capture_aux=True)
+    first, g = head.extend(tokens, pos, whole_aux, last)
+    caches = [t[:B].clone() for layer in target.layers for t in (layer.self_attn.kv_cache, layer.self_attn.pe_cache)]
+    logits, aux = prefill(target, tokens, last, capture_aux=True, chunk=5)
+    want = whole_logits.gather(1, last.view(-1, 1, 1).expand(-1, 1, whole_logits.shape[-1])).squeeze(1)
+    assert_close(logits, want, 1e-10, "chunked prefill logits at each row's last position")
+    assert_close(aux, whole_aux, 1e-10, "chunked prefill EAGLE-3 states")
+    again = [t[:B] for layer in target.layers for t in (layer.self_attn.kv_cache, layer.self_attn.pe_cache)]
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(again, caches)), "cache differs after chunks"
+    f2, g2 = draft_prefill(head, tokens, aux, last, chunk=5)
+    assert torch.equal(f2, first) and torch.allclose(g2, g, atol=1e-10), "chunked draft extend"
+
+
+def test_kv_bucket_covers_the_positions_with_little_to_spare():
+    from verify import kv_bucket
+    prev = 0
+    for n in range(1, 70000, 37):
+        kv = kv_bucket(n, 1 << 20)
+        assert n <= kv <= max(n + 63, n * 1.125) and kv >= prev, (n, kv)
+        prev = kv
+    assert kv_bucket(5000, 4100) == 4100  # never past the cache
+    assert len({kv_bucket(n, 1 << 20) for n in range(4097, 8193)}) == 8  # 8 buckets (graphs) per doubling
+
+
+# ---------------------------------------------------------------------------------------------
 # GPU: graphs against eager, no host sync, bf16 agreement (skipped without CUDA; run on the H200)
 
 def gpu_models(dtype=torch.bfloat16, B=3, seed=0, quant=None):
@@ -934,6 +1042,42 @@ def test_gpu_decode_attention_equals_extend_and_grouped_equals_gather():
     grouped = moe.experts(x, ids, weights)
     moe.experts.impl = "gather"
     assert_close(grouped, moe.experts(x, ids, weights), 2e-2 * grouped.abs().max().item(), "bf16 grouped vs gather")
+
+
+@cuda
+def test_uniform_routing_same_in_a_graph_as_eager_without_host_sync():
+    from graphs import CudaGraphs
+    target, head = gpu_models(dtype=torch.float32)
+    target.set_routing("uniform")
+    router = target.layers[1].mlp.gate
+    x = torch.randn(12, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    calls = captured_calls(target, head)[:3]  # decode, verify extend, verify decode
+    eager = [router(x)] + [flat(fn(*inputs)) for _, fn, inputs in calls]
+    runner = CudaGraphs("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graphed = [runner.run(("router", 12), router, x)]
+        graphed += [flat(runner.run(key + ("uniform",), fn, *inputs)) for key, fn, inputs in calls]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    (ids, w), (eager_ids, eager_w) = graphed[0], eager[0]
+    assert torch.equal(ids, eager_ids) and torch.equal(w, eager_w), "uniform routing chose differently in a graph"
+    for (key, _, _), a, b in zip(calls, graphed[1:], eager[1:]):
+        assert_close(a, b, 0.0, f"uniform routing, graph vs eager {key}")
+
+
+@cuda
+def test_component_table_adds_up_to_the_summed_kernel_time_on_the_gpu():
+    target, _ = gpu_models()
+    prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
+    target(prefill, prefill_pos)
+    got = run.profile_components(target, partial(target, step, step_pos, "decode", kv_len=16), gpu=True)
+    parts, total = got["parts_ms"], got["kernel_ms"]
+    assert abs(sum(parts.values()) - total) <= 0.05 * total, f"parts {sum(parts.values()):.3f} vs kernels {total:.3f} ms"
+    for c in ("attn_core", "attn_proj", "router", "routed_experts", "shared_mlp", "elementwise", "embed_head"):
+        assert parts[c] > 0, f"no kernel attributed to {c}: {parts}"
+    assert got["kernels"] > 100
 
 
 @cuda

@@ -71,8 +71,8 @@ def check_request(target, tokens, lens, max_new_tokens, lookahead):
 
 def kv_bucket(n, limit):
     """Cache slots a forward reads when the positions in use are < n: n rounded up to 4
-    significant bits (at most 1/8 more than needed; 8 buckets per doubling, so few graphs), at
-    least 64, at most the cache size `limit`."""
+    significant bits or to a multiple of 64, whichever is coarser (so at most 1/8 or 63 slots
+    more than needed, and 8 buckets, so 8 graphs, per doubling), at most the cache size `limit`."""
     step = max(64, 1 << max(0, n.bit_length() - 4))
     return min(limit, -(-n // step) * step)
 
