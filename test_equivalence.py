@@ -647,8 +647,8 @@ def test_run_py_cli_tiny(tmp_path):
     out = tmp_path / "r.json"
     cpu = dict(os.environ, CUDA_VISIBLE_DEVICES="")
     subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--json", str(out), "--max-new-tokens", "20",
-                    "--speculative-num-steps", "2", "--batch-size", "2"], check=True, capture_output=True, cwd=HERE,
-                   env=cpu)
+                    "--speculative-num-steps", "2", "--batch-size", "2", "--routing", "model"], check=True,
+                   capture_output=True, cwd=HERE, env=cpu)
     r = json.loads(out.read_text())
     assert r["env"]["simulated_acceptance"] is False and r["floors"] is None
     for mode in ("prefill", "decode"):
@@ -660,13 +660,41 @@ def test_run_py_cli_tiny(tmp_path):
         assert abs(parts - v["phases_ms"]["cycle"]) <= 0.1 * v["phases_ms"]["cycle"], v["phases_ms"]
         assert 1 <= v["accept_len_mean"] <= 3 and sum(v["accept_len_hist"]) > 0
     assert r["greedy_agreement_with_plain"] == {"eagle3/prefill/eager": 1.0, "eagle3/decode/eager": 1.0}
-    assert set(r["cost_model"]) == {"1", "2", "3", "4", "5"}
+    assert set(r["cost_model"]["steps"]) == {"1", "2", "3", "4", "5"}
+    table = r["contexts"]["16"]
+    assert r["env"]["routing"] == "model" and all(1 <= n <= 16 for n in table["distinct_experts"].values())
+    for phase in ("decode_step", "verify/prefill", "verify/decode"):
+        c = table["components"][phase]
+        assert abs(sum(c["parts_ms"].values()) - c["kernel_ms"]) <= 0.05 * c["kernel_ms"], (phase, c)
+        assert set(c["parts_ms"]) == set(run.COMPONENTS) and sum(table["bytes"][phase].values()) > 0
+    assert "decode steps" in r["answer"][0] and "pays above" in r["answer"][1] and "2 tokens" in r["answer"][2]
     sim = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--simulate-accept-len", "2.5",
                           "--max-new-tokens", "40"], check=True, capture_output=True, text=True, cwd=HERE,
                          env=cpu).stdout
     r = json.loads(sim.strip().splitlines()[-1])
     assert "SIMULATED" in sim and r["env"]["simulated_acceptance"] is True
     assert 1.8 <= r["e2e"]["eagle3/decode/eager"]["accept_len_mean"] <= 3.2
+
+
+def test_run_py_cli_background_flags_on_cpu():
+    """The flags of the background's own setup, on the tiny model: a simulated rank with modelled
+    all-reduces, SIMULATED uniform routing (the default on random weights), phases at two context
+    lengths, no end-to-end loops."""
+    cpu = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--simulate-tp", "2", "--allreduce-us", "35",
+                          "--speculative-num-steps", "2", "--speculative-attention-mode", "decode", "--context-len", "8",
+                          "40", "--skip-e2e", "--reps", "2"], check=True, capture_output=True, text=True, cwd=HERE,
+                         env=cpu).stdout
+    r = json.loads(out.strip().splitlines()[-1])
+    assert set(r["contexts"]) == {"8", "40"} and r["e2e"] == {}
+    for c in r["contexts"].values():  # batch 1, K 4 of 16 experts: one token 4, the 3 verified 12
+        assert c["distinct_experts"] == {"decode_step": 4.0, "verify/decode": 12.0}
+    assert r["allreduce_modelled"] == dict(us_each=35.0, target_forward_ms=2 * 8 * 35 / 1e3, draft_forward_ms=0.07)
+    assert "all-reduces MODELLED at 35 us" in out and "routing SIMULATED uniform" in out
+    assert abs(r["cost_model"]["plain_step_ms"] - r["phases_ms"]["decode_step/eager"] - 0.56) < 1e-9
+    bad = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--allreduce-us", "35"], capture_output=True,
+                         text=True, cwd=HERE, env=cpu)
+    assert bad.returncode != 0 and "--allreduce-us" in bad.stderr and "SIMULATED" in bad.stderr
 
 
 # ---------------------------------------------------------------------------------------------
