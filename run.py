@@ -743,6 +743,7 @@ def phase_calls(b, ctx, tag=""):
     k, B, t = b.k, b.args.batch_size, b.target
     pos1, posv = b.positions(ctx, 1), b.positions(ctx, k + 1)
     kv1, kvv = kv_bucket(ctx + 1, t.max_seq_len), kv_bucket(ctx + k + 1, t.max_seq_len)
+    kvd = kv_bucket(ctx + 2 * k + 1, t.max_seq_len)  # the draft's reads, as in generate (its chain runs ahead)
     step_tok, vtok = b.fill[:, ctx - 1:ctx], b.fill[:, ctx - k - 1:ctx]
     aux, last = b.aux[:, ctx - k - 1:ctx], torch.full((B,), k, device=t.device)
 
@@ -753,9 +754,11 @@ def phase_calls(b, ctx, tag=""):
         m = ATTENTION_MODES[mode]
         calls[f"verify/{mode}"] = (key("verify", m, B, k + 1, kvv), partial(t, mode=m, capture_aux=True, kv_len=kvv),
                                    (vtok, posv))
-    calls["draft_extend"] = (key("draft_extend", B, k + 1), b.head.extend, (vtok, posv, aux, last))
-    first, g = b.head.extend(vtok, posv, aux, last)
-    calls["draft_step"] = (key("draft_chain", B, 2), partial(b.head.chain, num_steps=2), (first, g, pos1[:, 0] + k))
+    calls["draft_extend"] = (key("draft_extend", B, k + 1, kvd), partial(b.head.extend, kv_len=kvd),
+                             (vtok, posv, aux, last))
+    first, g = b.head.extend(vtok, posv, aux, last, kv_len=kvd)
+    calls["draft_step"] = (key("draft_chain", B, 2, kvd), partial(b.head.chain, num_steps=2, kv_len=kvd),
+                           (first, g, pos1[:, 0] + k))
     return calls
 
 
@@ -800,11 +803,12 @@ def verify_sweep(b, ctx):
         if ctx < T:
             break
         kv, vt, pos = kv_bucket(ctx + T, t.max_seq_len), b.fill[:, ctx - T:ctx], b.positions(ctx, T)
+        kvd = kv_bucket(ctx + 2 * T - 1, t.max_seq_len)  # as generate's draft extend for num_steps T - 1
         sweep[T] = dict(
             verify=b.timed(("verify", mode, B, T, kv), partial(t, mode=mode, capture_aux=True, kv_len=kv), vt, pos,
                            graph=graph),
-            draft_extend=b.timed(("draft_extend", B, T), b.head.extend, vt, pos, b.aux[:, ctx - T:ctx],
-                                 torch.full((B,), T - 1, device=t.device), graph=graph))
+            draft_extend=b.timed(("draft_extend", B, T, kvd), partial(b.head.extend, kv_len=kvd), vt, pos,
+                                 b.aux[:, ctx - T:ctx], torch.full((B,), T - 1, device=t.device), graph=graph))
     return sweep
 
 

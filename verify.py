@@ -107,7 +107,7 @@ def draft_prefill(draft, tokens, aux, last, chunk=PREFILL_CHUNK):
     for s in range(0, P, chunk):
         e = min(P, s + chunk)
         positions = torch.arange(s, e, device=tokens.device).expand(B, e - s)
-        f, h = draft.extend(tokens[:, s:e], positions, aux[:, s:e], (last - s).clamp(0, e - s - 1))
+        f, h = draft.extend(tokens[:, s:e], positions, aux[:, s:e], (last - s).clamp(0, e - s - 1), kv_len=e)
         here = (last >= s) & (last < e)                                           # [B]
         first = f if first is None else torch.where(here, f, first)
         g = h if g is None else torch.where(here.unsqueeze(1), h, g)
@@ -189,7 +189,8 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
     if draft is not None:  # the head reads token t+1 on row t: shift the prompt, put x at row n-1
         shifted = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).scatter(1, last.unsqueeze(1), x.unsqueeze(1))
         if isinstance(draft, Eagle3Draft):
-            drafts = draft.chain(*draft_prefill(draft, shifted, aux, last), last, num_steps)
+            drafts = draft.chain(*draft_prefill(draft, shifted, aux, last), last, num_steps,
+                                 kv_len=kv_bucket(P + num_steps, target.max_seq_len))
         else:
             drafts = draft.propose(shifted, positions, aux, last, num_steps)
     mark = timer.mark if timer is not None else (lambda name: None)
@@ -200,7 +201,8 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
             break
         mark("start")
         pos = cur.unsqueeze(1) + offsets                                          # [B, k+1]
-        kv = kv_bucket(reach, target.max_seq_len)
+        kv = kv_bucket(reach, target.max_seq_len)            # verify (or decode) writes below reach
+        kv_draft = kv_bucket(reach + k, target.max_seq_len)  # the draft chain writes up to k - 1 further
         reach += k + 1
         if draft is None:
             logits = run(("decode", B, 1, kv), partial(target, mode="decode", kv_len=kv), x.unsqueeze(1), pos)
@@ -220,10 +222,11 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
             emitted = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, m.unsqueeze(1), bonus.unsqueeze(1))
             mark("accept")
             if isinstance(draft, Eagle3Draft):  # extend and chain, each one graph in graph mode
-                first, g = run(("draft_extend", B, k + 1), draft.extend, emitted, pos, aux, m)
+                first, g = run(("draft_extend", B, k + 1, kv_draft), partial(draft.extend, kv_len=kv_draft),
+                               emitted, pos, aux, m)
                 mark("draft_extend")
-                drafts = run(("draft_chain", B, num_steps), partial(draft.chain, num_steps=num_steps),
-                             first, g, cur + m)
+                drafts = run(("draft_chain", B, num_steps, kv_draft),
+                             partial(draft.chain, num_steps=num_steps, kv_len=kv_draft), first, g, cur + m)
             else:  # a planted proposer: eager, one phase
                 drafts = draft.propose(emitted, pos, aux, m, num_steps)
             mark("draft")
