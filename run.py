@@ -989,17 +989,24 @@ def answer(r, b):
     (variant, mode), k, ctx = b.best, b.k, b.args.context_len[0]
     c, ar = r["contexts"][ctx], (r["allreduce_modelled"] or {}).get("target_forward_ms", 0.0)
     dec, ver = c["phases_ms"][f"decode_step/{variant}"] + ar, c["phases_ms"][f"verify/{mode}/{variant}"] + ar
-    d, v = (c["components"][p]["parts_ms"] for p in ("decode_step", f"verify/{mode}"))
-    extra = sorted(((v[n] - d[n], n) for n in COMPONENTS if v[n] > d[n]), reverse=True)
-    total, top = sum(x for x, _ in extra), []
+    d, v = (c["components"][p] for p in ("decode_step", f"verify/{mode}"))
+    extra = sorted(((v["parts_ms"][n] - d["parts_ms"][n], n) for n in COMPONENTS), reverse=True)
+    more, top = v["kernel_ms"] - d["kernel_ms"], []
     for x, n in extra[:3]:  # the largest parts of the extra kernel time, until they make 60% of it
-        if sum(y for y, _ in top) >= 0.6 * total:
+        if x <= 0 or top and sum(y for y, _ in top) >= 0.6 * more:
             break
         top.append((x, n))
-    why = "; ".join(f"{COMPONENTS[n]} +{x:.2f} ms" for x, n in top) or "no component in particular"
+    unit = "kernels" if b.gpu else "ops (CPU time)"
     lines = [f"Verify of k+1 = {k + 1} tokens ({mode} attention, {variant}, {ctx} cached tokens) costs "
-             f"{ver / dec:.2f} decode steps ({ver:.2f} vs {dec:.2f} ms" + (", all-reduces MODELLED" if ar else "")
-             + f"), mostly because of: {why} (of {total:.2f} ms more {'kernel' if b.gpu else 'CPU op'} time in all)."]
+             f"{ver / dec:.2f} decode steps ({ver:.2f} vs {dec:.2f} ms" + (", all-reduces MODELLED" if ar else "") + ")."]
+    if more > 0 and top:
+        lines.append(f"Its {unit} take {more:.2f} ms more ({v['kernel_ms']:.2f} vs {d['kernel_ms']:.2f} ms summed), "
+                     "mostly " + ", ".join(f"{COMPONENTS[n]} +{x:.2f} ms" for x, n in top) + "; launches and gaps "
+                     f"{'inside the graph' if variant == 'graph' else 'between ops'} make the other "
+                     f"{(ver - dec) - more:+.2f} ms.")
+    else:
+        lines.append(f"Its {unit} take no longer ({v['kernel_ms']:.2f} vs {d['kernel_ms']:.2f} ms summed): the "
+                     "difference is launches and gaps.")
     cm = r["cost_model"]["steps"].get(k)
     if cm:
         at2 = 2 * r["cost_model"]["plain_step_ms"] / cm["cycle_ms"]

@@ -667,7 +667,8 @@ def test_run_py_cli_tiny(tmp_path):
         c = table["components"][phase]
         assert abs(sum(c["parts_ms"].values()) - c["kernel_ms"]) <= 0.05 * c["kernel_ms"], (phase, c)
         assert set(c["parts_ms"]) == set(run.COMPONENTS) and sum(table["bytes"][phase].values()) > 0
-    assert "decode steps" in r["answer"][0] and "pays above" in r["answer"][1] and "2 tokens" in r["answer"][2]
+    assert "decode steps" in r["answer"][0] and "summed" in r["answer"][1] and "pays above" in r["answer"][2]
+    assert "2 tokens per cycle" in r["answer"][3] and "SIMULATED" not in " ".join(r["answer"])
     sim = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--simulate-accept-len", "2.5",
                           "--max-new-tokens", "40"], check=True, capture_output=True, text=True, cwd=HERE,
                          env=cpu).stdout
