@@ -170,7 +170,7 @@ def build(args, device, dtype, world):
         sys.exit("--simulate-tp is for a single process; under torchrun the TP is real")
     k = args.speculative_num_steps
     sweep = 6  # the isolated phases write up to 6 tokens after the longest context
-    max_seq_len = max(args.prompt_len + args.max_new_tokens, max(args.context_len) + sweep) + k + 2
+    max_seq_len = max(args.prompt_len + args.max_new_tokens, max(args.context_len) + sweep) + 2 * k + 2
     if args.model_path:
         target = model.load_target(args.model_path, args.batch_size, max_seq_len, device, dtype, tp,
                                    moe_impl=args.moe_impl, routing=args.routing)

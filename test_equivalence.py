@@ -625,6 +625,19 @@ def test_draft_tp_equals_tp1(world, tmp_path):
     assert torch.equal(drafts, ref_drafts)
 
 
+def test_the_draft_chain_stays_inside_the_cache():
+    """Full acceptance near the end of the output: the chain drafts k-1 positions past the verified
+    ones, so the cache needs P + max_new_tokens + 2k - 2 slots (found: an index past a 19-slot cache)."""
+    P, max_new, k = 6, 8, 4
+    target = init_random(Transformer(tiny(), 1, P + max_new + 2 * k - 2, dtype=torch.float32), 0)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 1)
+    for seed in range(8):  # seed 4 reached the end with all 4 drafts accepted
+        generate(target, head, [list(range(1, P + 1))], max_new_tokens=max_new, num_steps=k, simulate_accept_len=4.0,
+                 seed=seed)
+    with pytest.raises(ValueError, match="lookahead"):
+        generate(target, head, [list(range(1, P + 2))], max_new_tokens=max_new, num_steps=k)
+
+
 def test_requests_that_cannot_run_are_refused():
     target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float32), 0)
     with pytest.raises(ValueError, match="max_seq_len 16"):

@@ -169,7 +169,8 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
     mode = ATTENTION_MODES[attention_mode]
     eos_id = target.args.eos_token_id if eos_id is None else eos_id
     tokens, lens = pad_prompts(prompts, device)
-    check_request(target, tokens, lens, max_new_tokens, k + 1)
+    # slots past the output: verify writes k+1 from the newest token; the draft chain, k-1 past those
+    check_request(target, tokens, lens, max_new_tokens, max(k + 1, 2 * k - 2))
     B, P = tokens.shape
     gen = torch.Generator(device).manual_seed(seed)
     runner = graphs or (CudaGraphs(device) if use_graphs else None)
