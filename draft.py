@@ -112,15 +112,15 @@ class DraftAttention(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
-    def forward(self, x, positions, cos, sin):                       # x [B, T, 2D]
+    def forward(self, x, positions, cos, sin, kv_len=None):          # x [B, T, 2D]
         B, T, _ = x.shape
         q = rotate_half_rope(self.q_proj(x).view(B, T, self.n_local_heads, -1), cos, sin)
         rows = torch.arange(B, device=x.device).unsqueeze(1)
         self.k_cache[rows, positions] = rotate_half_rope(self.k_proj(x).view(B, T, self.n_local_kv_heads, -1), cos, sin)
         self.v_cache[rows, positions] = self.v_proj(x).view(B, T, self.n_local_kv_heads, -1)
-        S = self.k_cache.shape[1]
-        k = self.k_cache[:B].repeat_interleave(self.n_local_heads // self.n_local_kv_heads, 2)   # [B, S, H, Hd]
-        v = self.v_cache[:B].repeat_interleave(self.n_local_heads // self.n_local_kv_heads, 2)
+        S = kv_len or self.k_cache.shape[1]  # the slots read: the first kv_len (default all)
+        k = self.k_cache[:B, :S].repeat_interleave(self.n_local_heads // self.n_local_kv_heads, 2)  # [B, S, H, Hd]
+        v = self.v_cache[:B, :S].repeat_interleave(self.n_local_heads // self.n_local_kv_heads, 2)
         scores = torch.einsum("bthd,bshd->bths", q, k) * self.scale
         future = torch.arange(S, device=x.device) > positions.unsqueeze(-1)     # [B, T, S], as in model.py
         scores = scores.masked_fill(future.unsqueeze(2), float("-inf"))
@@ -137,9 +137,9 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, device, dtype)
         self.mlp = MLP(a.hidden_size, a.intermediate_size, tp, "draft intermediate_size", device=device, dtype=dtype)
 
-    def forward(self, emb, hidden, positions, cos, sin):
+    def forward(self, emb, hidden, positions, cos, sin, kv_len=None):
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], -1)   # [B, T, 2D]
-        h = hidden + self.self_attn(x, positions, cos, sin)                        # residual = hidden
+        h = hidden + self.self_attn(x, positions, cos, sin, kv_len)                # residual = hidden
         return h + self.mlp(self.post_attention_layernorm(h))                      # g, before the norm
 
 
@@ -178,33 +178,34 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens, positions, hidden):
-        """tokens, positions [B, T]; hidden [B, T, 3*Dt] (target states) or [B, T, D] (own g).
-        Returns draft logits [B, T, Vd] and g [B, T, D]."""
+    def forward(self, tokens, positions, hidden, kv_len=None):
+        """tokens, positions [B, T]; hidden [B, T, 3*Dt] (target states) or [B, T, D] (own g);
+        attention over the first kv_len cache slots (default all). Returns draft logits [B, T, Vd]
+        and g [B, T, D]."""
         if hidden.shape[-1] != self.args.hidden_size:
             hidden = self.fc(hidden)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        g = self.midlayer(self.embed_tokens(tokens), hidden, positions, cos, sin)
+        g = self.midlayer(self.embed_tokens(tokens), hidden, positions, cos, sin, kv_len)
         return self.lm_head(self.norm(g)), g
 
     def to_target_ids(self, logits):
         ids = logits.argmax(-1)
         return ids + self.d2t[ids]
 
-    def extend(self, tokens, positions, hidden, last):
+    def extend(self, tokens, positions, hidden, last, kv_len=None):
         """Rows with fresh target states; `last` [B] is each row's last valid row. Returns d_1 [B]
         (target ids) and g [B, D] of that row."""
-        logits, g = self(tokens, positions, hidden)
+        logits, g = self(tokens, positions, hidden, kv_len)
         pick = last.view(-1, 1, 1)
         logits = logits.gather(1, pick.expand(-1, 1, logits.shape[-1])).squeeze(1)
         return self.to_target_ids(logits), g.gather(1, pick.expand(-1, 1, g.shape[-1])).squeeze(1)
 
-    def chain(self, first, g, q, num_steps):
+    def chain(self, first, g, q, num_steps, kv_len=None):
         """d_1 = first [B]; step i reads d_{i+1} and g at RoPE position q + 1 + i. Returns
         drafts [B, num_steps] in target ids."""
         drafts = [first]
         for i in range(num_steps - 1):
-            logits, g = self(drafts[-1].unsqueeze(1), (q + 1 + i).unsqueeze(1), g.unsqueeze(1))
+            logits, g = self(drafts[-1].unsqueeze(1), (q + 1 + i).unsqueeze(1), g.unsqueeze(1), kv_len)
             drafts.append(self.to_target_ids(logits[:, 0]))
             g = g[:, 0]
         return torch.stack(drafts, 1)

@@ -23,7 +23,7 @@ import re
 import typing
 import zlib
 from collections import Counter
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from typing import NamedTuple
 
@@ -335,6 +335,18 @@ def dequantize_int4(packed, scale, group):
 
 
 # ---------------------------------------------------------------------------------------------
+# Profiling scopes: run.py's component table puts each kernel under the innermost named range
+# around the op that launched it (module hooks name the modules; scope() names the math that is
+# not a module). A range exists only while a profiler records, never under torch.compile, and
+# adds no device work, so capture and compilation see the same code either way.
+
+def scope(component):
+    if torch.compiler.is_compiling() or not torch.autograd._profiler_enabled():
+        return nullcontext()
+    return torch.profiler.record_function("component:" + component)
+
+
+# ---------------------------------------------------------------------------------------------
 # RoPE (YaRN, interleaved pairs as in DeepseekV3)
 
 def at_least_f32(x):
@@ -384,13 +396,14 @@ def apply_rope(x, rope):
     not generate code for complex numbers and would leave the multiply unfused."""
     if x.dim() == 4:
         rope = rope.unsqueeze(2)
-    xf = at_least_f32(x).unflatten(-1, (-1, 2))
-    if torch.compiler.is_compiling():
-        (x0, x1), (cos, sin) = xf.unbind(-1), rope.unbind(-1)
-        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1)
-    else:
-        out = torch.view_as_real(torch.view_as_complex(xf.contiguous()) * torch.view_as_complex(rope))
-    return out.flatten(-2).to(x.dtype)
+    with scope("elementwise"):
+        xf = at_least_f32(x).unflatten(-1, (-1, 2))
+        if torch.compiler.is_compiling():
+            (x0, x1), (cos, sin) = xf.unbind(-1), rope.unbind(-1)
+            out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1)
+        else:
+            out = torch.view_as_real(torch.view_as_complex(xf.contiguous()) * torch.view_as_complex(rope))
+        return out.flatten(-2).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -458,7 +471,8 @@ class MLA(nn.Module):
                       + torch.einsum("bthr,bsr->bths", q_pe, pe_c))
         else:  # absorbed: a key is k = W_uk c for a cached latent c, so q . k = q . (W_uk c) =
             # (W_uk^T q) . c: W_uk moves onto the T queries instead of onto all S cached latents
-            q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)               # [B, T, H, C]
+            with scope("attn_proj"):  # kv_b_proj's key half, absorbed into the query
+                q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)           # [B, T, H, C]
             scores = (torch.einsum("bthc,bsc->bths", q_lat, kv_c)
                       + torch.einsum("bthr,bsr->bths", q_pe, pe_c))
         scores = (scores * a.softmax_scale).masked_fill(future.unsqueeze(2), float("-inf"))
@@ -466,7 +480,9 @@ class MLA(nn.Module):
         if mode == "extend":
             o = torch.einsum("bths,bshd->bthd", p, v)
         else:  # likewise o = sum_s p_s (W_uv c_s) = W_uv (sum_s p_s c_s): attend over latents, then W_uv once
-            o = torch.einsum("bthc,hdc->bthd", torch.einsum("bths,bsc->bthc", p, kv_c), w_uv)
+            o_lat = torch.einsum("bths,bsc->bthc", p, kv_c)                    # [B, T, H, C]
+            with scope("attn_proj"):  # kv_b_proj's value half, absorbed into the output
+                o = torch.einsum("bthc,hdc->bthd", o_lat, w_uv)
         return self.o_proj(o.flatten(2))
 
 
@@ -487,11 +503,18 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Sigmoid scores; the correction bias picks groups and experts, the unbiased scores weigh them."""
+    """Sigmoid scores; the correction bias picks groups and experts, the unbiased scores weigh them.
+
+    routing "uniform" (SIMULATED, for timing random weights; run.py --routing): the scores and the
+    selection are computed as always, so their cost stays, then the choice is replaced on the device
+    by a balanced one: pair j of the N*K token-expert pairs of a forward goes to expert j mod E, so
+    each token gets K distinct experts (K <= E) and the experts are used evenly. The weights are the
+    model's scores of those experts, normalized and scaled as usual."""
 
     def __init__(self, args, device, dtype):
         super().__init__()
         self.args = args
+        self.routing = "model"
         # kept in (at least) float32, as it is used: no cast of the [E, D] matrix per call
         self.weight = _param((args.n_routed_experts, args.hidden_size), None, device,
                              torch.promote_types(dtype or torch.get_default_dtype(), torch.float32))
@@ -510,6 +533,8 @@ class Router(nn.Module):
             # expert can outrank a kept one. Both agree when the K-th best kept score is positive.
             biased = grouped.masked_fill(keep.unsqueeze(-1) == 0, float("-inf")).flatten(1)
         ids = biased.topk(a.num_experts_per_tok, dim=-1).indices
+        if self.routing == "uniform":
+            ids = torch.arange(ids.numel(), device=ids.device).view(ids.shape) % a.n_routed_experts
         weights = scores.gather(1, ids)
         if a.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
@@ -649,10 +674,11 @@ class Transformer(nn.Module):
     """This rank's shard of the target. `tp` defaults to the torch.distributed world (or 1).
 
     aux_layer_ids: decoder layers whose outputs EAGLE-3 reads (default 1, L//2 - 1, L - 4).
-    moe_impl: "gather" (plain), "grouped" (torch._grouped_mm) or "auto" (grouped on a GPU that has it)."""
+    moe_impl: "gather" (plain), "grouped" (torch._grouped_mm) or "auto" (grouped on a GPU that has it).
+    routing: "model" (the router's own choice) or "uniform" (SIMULATED balanced routing, see Router)."""
 
     def __init__(self, args, max_batch_size=1, max_seq_len=4096, device=None, dtype=None, tp=None,
-                 aux_layer_ids=None, moe_impl="auto"):
+                 aux_layer_ids=None, moe_impl="auto", routing="model"):
         super().__init__()
         device = torch.device(device or "cpu")
         dtype = dtype or torch.get_default_dtype()
@@ -674,6 +700,16 @@ class Transformer(nn.Module):
         self.lm_head = ParallelLMHead(args.hidden_size, args.vocab_size, self.tp, device=device, dtype=dtype)
         cos, sin = rope_tables(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling, max_seq_len, device)
         self.register_buffer("rope", torch.stack((cos, sin), -1), persistent=False)   # [S, R/2, 2]
+        self.set_routing(routing)
+
+    def set_routing(self, routing):
+        if routing not in ("model", "uniform"):
+            raise ValueError(f"routing must be 'model' or 'uniform', not {routing!r}")
+        self.routing = routing
+        for m in self.modules():
+            if isinstance(m, Router):
+                m.routing = routing
+        return self
 
     def compile_layers(self):
         """Let torch.compile fuse each decoder layer's small kernels (regional compilation: the
@@ -742,7 +778,8 @@ def init_random(model, seed, rank_local=False):
     """Random weights. Default: each tensor drawn whole on the CPU from a generator seeded by
     (seed, name), then sliced, so TP 1 and TP N hold the same model. rank_local=True draws only
     this rank's slice on the device (cheap for configs too big to draw whole; TP N != TP 1).
-    INT4 experts get uniform random nibbles and scales that give |W| ~ 1/sqrt(in)."""
+    INT4 experts get random values q, symmetric in [-7, 7] (zero-mean, so the experts share no
+    constant component), and scales that give |W| ~ 1/sqrt(in)."""
     tp = model.tp
     for name, p in model.named_parameters():
         packed = name.endswith("weight_packed")
@@ -752,11 +789,13 @@ def init_random(model, seed, rank_local=False):
         g = torch.Generator(g_device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode())
                                                   + (7919 * tp.rank if rank_local else 0))
         shape = list(p.shape) if rank_local else global_shape(p, tp)
-        if packed:
+        if packed:  # random nibbles; stored 0 (q = -8) becomes 8 (q = 0): q symmetric, zero-mean
             w = torch.randint(-2**31, 2**31, shape, generator=g, device=g_device, dtype=torch.int64).to(torch.int32)
-        elif name.endswith("weight_scale"):  # uniform q in [-8, 7] has std ~4.6
+            lo, hi = w.view(torch.uint8) & 0xF, w.view(torch.uint8) >> 4
+            w = (lo.masked_fill(lo == 0, 8) | (hi.masked_fill(hi == 0, 8) << 4)).view(torch.int32)
+        elif name.endswith("weight_scale"):  # that q has std sqrt(17.5) ~ 4.18
             w = (1 + 0.1 * torch.randn(shape, generator=g, device=g_device)) / (
-                4.6 * math.sqrt(shape[-1] * model.args.int4_group_size))
+                math.sqrt(17.5) * math.sqrt(shape[-1] * model.args.int4_group_size))
         elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
             w = 1 + 0.1 * torch.randn(shape, generator=g, device=g_device)
         elif name.endswith("e_score_correction_bias"):

@@ -21,6 +21,19 @@ labelled SIMULATED everywhere it appears.
     python run.py --model-path K2 --prompt-ids p.jsonl --dump ref.npz   # the correctness baseline
     python run.py --compare ref.npz engine.npz                          # no model, no GPU
 
+Answers the background story's question with separate measurements: the attention path of
+verify (prefill = extend-style, decode = absorbed MLA) and graph capture (eager, CUDA graph) are
+two independent switches, timed in all four combinations. Device work is timed with CUDA events
+after warm-up (medians); host clocks are read only after a synchronize. A table per context length
+says where the time of a decode step and of a verify goes, by component (a profiled eager run of
+the captured shapes), against each component's byte floor; the output ends with the answer in
+words. Forced acceptance (--simulate-accept-len), balanced routing on random weights (--routing
+uniform, the default there) and modelled all-reduces (--allreduce-us) are labelled SIMULATED or
+MODELLED everywhere they appear.
+
+    python run.py --preset kimi-k2.5 --speculative-num-steps 2 --cuda-graph on --allreduce-us 35
+        # the background's deployment (INT4 Kimi-K2.5, TP 8 over PCIe, 2 draft steps), one rank of it
+
 --dump writes what the model says (greedy tokens, the target's top-K log-probabilities along them,
 the drafts and accepted counts of a speculative run) as an .npz that another engine's output can
 be converted to; --compare judges where two such files disagree (README: "Checking an engine
@@ -36,6 +49,8 @@ import os
 import statistics
 import sys
 import time
+from contextlib import contextmanager
+from dataclasses import dataclass
 from functools import partial
 
 import numpy as np
@@ -47,7 +62,7 @@ import model
 import tp as tpm
 from draft import Eagle3Draft, draft_preset, init_random_draft, load_draft
 from graphs import CudaGraphs
-from verify import ATTENTION_MODES, accept, generate
+from verify import ATTENTION_MODES, accept, generate, kv_bucket, prefill_draft, prefill_target
 
 
 # bf16 Kimi-K2 on one GPU, as one simulated TP-8 rank: 384 routed experts weigh 259 GB there, 1.8x
@@ -113,6 +128,18 @@ def make_parser():
     p.add_argument("--compile", action="store_true", help="also time the captured phases with each decoder "
                    "layer and the draft layer fused by torch.compile (inside our own CUDA graphs), beside the plain ones")
     p.add_argument("--reps", type=int, help="timed repetitions per phase, after warm-up (default 20)")
+    p.add_argument("--routing", choices=["model", "uniform"], help="model: the router's own choice; uniform: "
+                   "SIMULATED balanced routing (the router still runs, then each token gets K distinct experts and "
+                   "the tokens of a forward spread evenly over the experts), as engines benchmark random weights "
+                   "(default: uniform for random weights, model for --model-path and --dump)")
+    p.add_argument("--context-len", type=int, nargs="+", metavar="N", help="cached tokens before the isolated "
+                   "phases and their component tables, one or more lengths (default: --prompt-len)")
+    p.add_argument("--skip-e2e", action="store_true", help="time the phases in isolation only: no end-to-end "
+                   "loops (the cost model then takes the isolated decode step as the plain step)")
+    p.add_argument("--allreduce-us", type=float, metavar="X", help="for a SIMULATED rank, which skips its "
+                   "collectives: add 2 x layers all-reduces of X microseconds to each forward in the predictions, "
+                   "labelled MODELLED (~15-20 on NVLink, ~35 over PCIe at TP 8; a torchrun run prints the X it "
+                   "measured in a CUDA graph)")
     p.add_argument("--json", help="also write the final JSON line here")
     b = p.add_argument_group("correctness baseline (README: Checking an engine against this reference)")
     b.add_argument("--dump", metavar="PATH", help="write greedy output and top-K log-probabilities of the "
@@ -201,15 +228,24 @@ def settle(args, device, world):
     for name, value in defaults.items():
         if getattr(args, name) is None:
             setattr(args, name, value)
+    args.routing = args.routing or ("model" if args.model_path or args.dump else "uniform")
+    args.context_len = args.context_len or [args.prompt_len]
     check_device_flags(args, device)
     return args
 
 
 def check_device_flags(args, device):
     """What depends on the preset, the device or the defaults just settled."""
+    if args.allreduce_us is not None and (args.allreduce_us < 0 or args.simulate_tp <= 1):
+        raise BadInput(f"--allreduce-us {args.allreduce_us}: models the collectives a SIMULATED rank skips "
+                       "(--simulate-tp N, N > 1), with X >= 0; under torchrun they run and are measured")
     if not args.dump and args.speculative_num_steps >= args.prompt_len:
         raise BadInput(f"--speculative-num-steps {args.speculative_num_steps}: the isolated timings verify the "
                        f"prompt's last num_steps + 1 tokens, so it must be below --prompt-len ({args.prompt_len})")
+    want = args.speculative_num_steps + 1
+    if not args.dump and min(args.context_len) < want:
+        raise BadInput(f"--context-len {min(args.context_len)}: the isolated verify re-reads {want} cached tokens "
+                       f"(num_steps + 1); use at least {want}")
     if args.routed_experts is not None and not args.model_path:
         m = model.preset(args.preset)
         if not m.num_experts_per_tok <= args.routed_experts <= m.n_routed_experts or args.routed_experts % m.n_group:
@@ -225,10 +261,11 @@ def build(args, device, dtype, world):
     """The target and the head, loaded or random. Returns (target, head, description)."""
     tp = tpm.TP.simulate(args.simulate_tp) if args.simulate_tp > 1 else tpm.TP.from_env()
     k = args.speculative_num_steps
-    max_seq_len = args.prompt_len + args.max_new_tokens + k + 2
+    sweep = 6  # the isolated phases write up to 6 tokens after the longest context
+    max_seq_len = max(args.prompt_len + args.max_new_tokens, max(args.context_len) + sweep) + 2 * k + 2
     if args.model_path:
         target = model.load_target(args.model_path, args.batch_size, max_seq_len, device, dtype, tp,
-                                   moe_impl=args.moe_impl)
+                                   moe_impl=args.moe_impl, routing=args.routing)
         how = f"loaded {args.model_path}"
     else:
         quant = {None: {}, "none": dict(quantization_config=None), "int4": dict(quantization_config="int4")}
@@ -237,7 +274,8 @@ def build(args, device, dtype, world):
             tpm.print0(f"memory override: {args.routed_experts} of {margs.n_routed_experts} routed experts per layer kept")
             margs.n_routed_experts = args.routed_experts
         try:
-            target = model.Transformer(margs, args.batch_size, max_seq_len, device, dtype, tp, moe_impl=args.moe_impl)
+            target = model.Transformer(margs, args.batch_size, max_seq_len, device, dtype, tp, moe_impl=args.moe_impl,
+                                       routing=args.routing)
         except ValueError as e:  # a size the TP does not divide
             raise BadInput(f"--preset {args.preset} at TP {tp.world_size}: {e}") from None
         whole = tp.world_size == 1 or not tp.simulated and sum(p.numel() for p in target.parameters()) < MAX_PARAMS_SEEDED_WHOLE
@@ -366,7 +404,7 @@ def is_rank0():
 
 
 # ---------------------------------------------------------------------------------------------
-# Floors: bytes that must move over measured bandwidth
+# Floors and components: bytes that must move over measured bandwidth; kernel time by component
 
 def copy_bandwidth(clock, device):
     x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
@@ -375,28 +413,152 @@ def copy_bandwidth(clock, device):
     return 2 * x.numel() / ms / 1e6  # GB/s, read + write
 
 
-def routed_distinct(target, tokens, positions, mode):
-    """Distinct experts per MoE layer for one forward of these tokens (recorded by hooks)."""
+def routed_distinct(target, fn, inputs):
+    """Distinct experts per MoE layer in one call of fn(*inputs) (recorded by hooks on the routers)."""
     seen = []
     hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: seen.append(o[0].unique().numel()))
              for layer in target.layers if isinstance(layer.mlp, model.MoE)]
-    target(tokens, positions, mode)
+    fn(*inputs)
     for h in hooks:
         h.remove()
     return seen
 
 
-def target_bytes(target, distinct, kv_slots, batch):
-    """Weights touched by one forward (distinct routed experts only) + the latent KV cache read."""
-    total = 0
+COMPONENTS = {  # the rows of the component table, in order
+    "attn_core": "attention core (scores, softmax, values, cache write)",
+    "attn_proj": "attention projections (q/kv down, up, o_proj)",
+    "router": "router (scores, selection, weights)",
+    "routed_experts": "routed experts",
+    "shared_mlp": "shared expert + dense MLP",
+    "elementwise": "norms, residual, RoPE, elementwise",
+    "allreduce": "all-reduce",
+    "embed_head": "embedding + lm_head",
+    "other": "other (mask, RoPE table, aux concat)",
+}
+
+
+def component_bytes(target, distinct, kv_slots, batch, tokens):
+    """{component: bytes} one forward of `batch` rows of `tokens` new tokens must move: weights as
+    stored (routed experts: only the `distinct` ones reached, per MoE layer), the latent cache of
+    kv_slots positions per row, and only the embedding rows looked up."""
+    out = dict.fromkeys(COMPONENTS, 0)
     for name, p in target.named_parameters():
-        if ".mlp.experts." not in name:
-            total += p.numel() * p.element_size()
-    for layer, n in zip([l for l in target.layers if isinstance(l.mlp, model.MoE)], distinct):
-        total += n * layer.mlp.experts.expert_bytes()
+        nbytes = p.numel() * p.element_size()
+        if ".mlp.experts." in name:
+            continue
+        if name.startswith("embed_tokens."):
+            out["embed_head"] += batch * tokens * p.shape[1] * p.element_size()
+        elif name.startswith("lm_head."):
+            out["embed_head"] += nbytes
+        elif "norm" in name:
+            out["elementwise"] += nbytes
+        elif ".self_attn." in name:
+            out["attn_proj"] += nbytes
+        elif ".mlp.gate." in name:
+            out["router"] += nbytes
+        else:  # the shared expert and the dense MLP
+            out["shared_mlp"] += nbytes
+    moe = [layer.mlp.experts for layer in target.layers if isinstance(layer.mlp, model.MoE)]
+    out["routed_experts"] = sum(n * experts.expert_bytes() for experts, n in zip(moe, distinct))
     a = target.args
-    total += len(target.layers) * batch * kv_slots * (a.kv_lora_rank + a.qk_rope_head_dim) * target.dtype.itemsize
-    return total
+    out["attn_core"] = (len(target.layers) * batch * kv_slots * (a.kv_lora_rank + a.qk_rope_head_dim)
+                        * target.dtype.itemsize)
+    return out
+
+
+def draft_bytes(head, kv_slots, batch, with_fc):
+    total = sum(p.numel() * p.element_size() for n, p in head.named_parameters() if with_fc or not n.startswith("fc."))
+    attn = head.midlayer.self_attn
+    return total + 2 * batch * kv_slots * attn.n_local_kv_heads * attn.head_dim * head.norm.weight.element_size()
+
+
+def component_of(name, module):
+    """The component of a module's own ops (None: its parent's). MLA's own ops are the attention
+    core; model.scope() names the RoPE and the absorbed projections inside it."""
+    if isinstance(module, model.RMSNorm):
+        return "elementwise"
+    if isinstance(module, model.MLA):
+        return "attn_core"
+    if ".self_attn." in name:   # q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj
+        return "attn_proj"
+    kinds = {model.Router: "router", model.Experts: "routed_experts", model.MLP: "shared_mlp",
+             model.MoE: "elementwise", model.Block: "elementwise"}  # the routed + shared sum, the residual adds
+    for kind, component in kinds.items():
+        if isinstance(module, kind):
+            return component
+    return "embed_head" if name in ("embed_tokens", "lm_head") else None
+
+
+@contextmanager
+def component_scopes(target):
+    """Each module's forward inside a profiler range named by its component (hooks, removed after)."""
+    active, handles = [], []
+
+    def enter(component):
+        def hook(module, inputs):
+            active.append(model.scope(component))
+            active[-1].__enter__()
+        return hook
+
+    def leave(module, inputs, output):
+        active.pop().__exit__(None, None, None)
+    for name, m in target.named_modules():
+        component = component_of(name, m)
+        if component:
+            handles += [m.register_forward_pre_hook(enter(component)), m.register_forward_hook(leave)]
+    try:
+        yield
+    finally:
+        for h in handles:
+            h.remove()
+
+
+def component_at(event, kernel_names=()):
+    """The innermost component range around a profiled op; any all-reduce is "allreduce" (the
+    row-parallel layers' and the MoE's collectives, wherever they sit)."""
+    chain = []
+    while event is not None:
+        chain.append(event.name)
+        event = event.cpu_parent
+    if any("allreduce" in n.lower().replace("_", "") for n in chain + list(kernel_names)):
+        return "allreduce"
+    return next((n.removeprefix("component:") for n in chain if n.startswith("component:")), "other")
+
+
+def profile_components(target, fn, gpu, calls=None):
+    """Where one eager call of fn goes, by component: {component: ms} of the device kernels it
+    launches (GPU) or of its ops' own CPU time (CPU), each put under the innermost component range
+    around the op that launched it; "kernel_ms" sums all kernels independently of that
+    attribution; "kernels": kernels (GPU) or leaf ops (CPU) per call."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    calls = calls or (1 if gpu else 3)  # kernel times are steady; CPU op times are not
+    fn()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with component_scopes(target), profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        Clock(target.device).sync()
+    parts, kernels = dict.fromkeys(COMPONENTS, 0.0), 0
+    ours = ("component:", "profiler::")  # our ranges and their enter/exit ops: not kernels
+    for e in prof.events():
+        if e.device_type != DeviceType.CPU or e.name.startswith(ours):
+            continue
+        if gpu:  # the kernels (and copies) this op launched; our ranges' GPU projections are not kernels
+            launched = [k for k in e.kernels if not k.name.startswith(ours)]
+            us, names = sum(k.duration for k in launched), [k.name for k in launched]
+            kernels += len(launched)
+        else:
+            us, names = e.self_cpu_time_total, ()
+            kernels += not e.cpu_children
+        if us:
+            parts[component_at(e, names)] += us / 1e3 / calls
+    if gpu:
+        total = sum(e.time_range.elapsed_us() for e in prof.events()
+                    if e.device_type == DeviceType.CUDA and not e.is_user_annotation)
+    else:
+        total = sum(e.self_cpu_time_total for e in prof.key_averages() if not e.key.startswith(ours))
+    return dict(parts_ms=parts, kernel_ms=total / 1e3 / calls, kernels=kernels // calls)
 
 
 def count_kernels(fn):
@@ -406,13 +568,8 @@ def count_kernels(fn):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(e.count for e in prof.key_averages() if e.device_type == torch.autograd.DeviceType.CUDA)
-
-
-def draft_bytes(head, kv_slots, batch, with_fc):
-    total = sum(p.numel() * p.element_size() for n, p in head.named_parameters() if with_fc or not n.startswith("fc."))
-    attn = head.midlayer.self_attn
-    return total + 2 * batch * kv_slots * attn.n_local_kv_heads * attn.head_dim * head.norm.weight.element_size()
+    return sum(e.count for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -450,7 +607,7 @@ def settle_dump(args):
               "--simulate-accept-len": args.simulate_accept_len is not None, "--temperature": args.temperature != 0,
               "--cuda-graph both": args.cuda_graph == "both", "--speculative-attention-mode both":
               args.speculative_attention_mode == "both", "--prompt-len": args.prompt_len is not None,
-              "--batch-size": args.batch_size != 1}
+              "--batch-size": args.batch_size != 1, "--routing uniform": args.routing == "uniform"}
     for flag, bad in refuse.items():
         if bad:
             raise BadInput(f"--dump records the model's own greedy answers to --prompt-ids in one configuration: "
@@ -753,6 +910,500 @@ def dump_main(args, device, world):
 
 
 # ---------------------------------------------------------------------------------------------
+# The timing run, in the order of its output: build, the phases in isolation (with where their
+# time goes and their floors), end to end, collectives, torch.compile, the cost model, the report.
+
+@dataclass
+class Bench:
+    """What the stages share: the models, the clock, the graph runner and the run's settings."""
+    args: argparse.Namespace
+    target: model.Transformer
+    head: Eagle3Draft
+    how: str                   # what the target is, for the header
+    clock: Clock
+    runner: CudaGraphs | None
+    fill: torch.Tensor = None  # [B, C] random ids prefilled into the cache, C the longest context
+    aux: torch.Tensor = None   # [B, C, 3D] the target's EAGLE-3 states along `fill`
+
+    @property
+    def gpu(self):
+        return self.target.device.type == "cuda"
+
+    @property
+    def k(self):
+        return self.args.speculative_num_steps
+
+    @property
+    def modes(self):  # the attention modes timed
+        mode = self.args.speculative_attention_mode
+        return ["prefill", "decode"] if mode == "both" else [mode]
+
+    @property
+    def graph_opts(self):
+        return {"both": [False, True], "on": [True], "off": [False]}[self.args.cuda_graph]
+
+    @property
+    def best(self):  # the fastest variant: graph when captured; the cost model's attention mode
+        return "graph" if self.graph_opts[-1] else "eager", "decode" if "decode" in self.modes else self.modes[0]
+
+    def positions(self, ctx, T):  # [B, T]: T new tokens after ctx cached ones
+        return ctx + torch.arange(T, device=self.target.device).expand(self.args.batch_size, T)
+
+    def timed(self, key, fn, *inputs, graph):
+        call = (lambda: self.runner.run(key, fn, *inputs)) if graph else (lambda: fn(*inputs))
+        return median_ms(self.clock, call, self.args.reps, desc=phase_label(key, graph))
+
+
+def prepare(args, device, world):
+    """Build the models and fill their caches with random ids up to the longest context."""
+    torch.manual_seed(args.seed)
+    target, head, how = build(args, device, getattr(torch, args.dtype), world)
+    b = Bench(args, target, head, how, Clock(device), CudaGraphs(device) if args.cuda_graph != "off" else None)
+    B, C = args.batch_size, max(args.context_len)
+    g = torch.Generator().manual_seed(args.seed)
+    b.fill = torch.randint(0, target.args.vocab_size, (B, max(C, args.prompt_len)), generator=g).to(device)
+    last = torch.full((B,), C - 1, device=device)
+    _, b.aux = prefill_target(target, b.fill[:, :C], last, capture_aux=True)
+    prefill_draft(head, b.fill[:, :C], b.aux, last)  # fills the draft's cache (its output is not used)
+    return b
+
+
+def phase_calls(b, ctx, tag=""):
+    """The isolated phases at ctx cached tokens: {name: (graph key, fn, inputs)}. Only their shapes
+    matter for timing, so the inputs are deliberately arbitrary: the decode step and the verify
+    re-read prefilled ids at new positions; the draft extend reads those ids unshifted (draft.py
+    pairs token t+1 with state t) beside target states captured at other positions; the draft
+    step starts from that extend's output. The target reads the slots in use (kv_bucket), as
+    verify.generate does, so the plain phases share its graphs."""
+    k, B, t = b.k, b.args.batch_size, b.target
+    pos1, posv = b.positions(ctx, 1), b.positions(ctx, k + 1)
+    kv1, kvv = kv_bucket(ctx + 1, t.max_seq_len), kv_bucket(ctx + k + 1, t.max_seq_len)
+    kvd = kv_bucket(ctx + 2 * k + 1, t.max_seq_len)  # the draft's reads, as in generate (its chain runs ahead)
+    step_tok, vtok = b.fill[:, ctx - 1:ctx], b.fill[:, ctx - k - 1:ctx]
+    aux, last = b.aux[:, ctx - k - 1:ctx], torch.full((B,), k, device=t.device)
+
+    def key(*parts):
+        return parts + (tag,) if tag else parts
+    calls = {"decode_step": (key("decode", B, 1, kv1), partial(t, mode="decode", kv_len=kv1), (step_tok, pos1))}
+    for mode in b.modes:
+        m = ATTENTION_MODES[mode]
+        calls[f"verify/{mode}"] = (key("verify", m, B, k + 1, kvv), partial(t, mode=m, capture_aux=True, kv_len=kvv),
+                                   (vtok, posv))
+    calls["draft_extend"] = (key("draft_extend", B, k + 1, kvd), partial(b.head.extend, kv_len=kvd),
+                             (vtok, posv, aux, last))
+    first, g = b.head.extend(vtok, posv, aux, last, kv_len=kvd)
+    calls["draft_step"] = (key("draft_chain", B, 2, kvd), partial(b.head.chain, num_steps=2, kv_len=kvd),
+                           (first, g, pos1[:, 0] + k))
+    return calls
+
+
+def time_phases(b, ctx, graph, tag=""):
+    """Median ms of each isolated phase at ctx cached tokens, eager or replayed from its graph."""
+    name = ("graph" if graph else "eager") + tag
+    return {f"{phase}/{name}": b.timed(key, fn, *inputs, graph=graph)
+            for phase, (key, fn, inputs) in phase_calls(b, ctx, tag).items()}
+
+
+def isolated(b, ctx, bandwidth):
+    """One context: the phases eager and/or captured; for the decode step and each verify, the
+    distinct experts a MoE layer reaches, the bytes each component must move and where the kernel
+    time goes (a profiled eager run of the same shapes); the floors of every phase."""
+    out = dict(phases_ms={})
+    for graph in b.graph_opts:
+        out["phases_ms"].update(time_phases(b, ctx, graph))
+        if b.gpu and not graph:
+            out["gpu_mem_peak_eager_GB"] = torch.cuda.max_memory_allocated(b.target.device) / 1e9
+    out.update(distinct_experts={}, bytes={}, components={}, floors_ms={})
+    B = b.args.batch_size
+    for phase, (_, fn, inputs) in phase_calls(b, ctx).items():
+        T = inputs[0].shape[1] if inputs[0].dim() == 2 else 1  # the draft step's input is d_1 [B]
+        if phase.startswith("draft"):
+            nbytes = draft_bytes(b.head, ctx + T, B, with_fc=phase == "draft_extend")
+        else:
+            distinct = routed_distinct(b.target, fn, inputs)
+            out["distinct_experts"][phase] = statistics.mean(distinct) if distinct else 0.0
+            parts = component_bytes(b.target, distinct, ctx + T, B, T)
+            out["bytes"][phase], nbytes = parts, sum(parts.values())
+            out["components"][phase] = profile_components(b.target, partial(fn, *inputs), b.gpu)
+        out["floors_ms"][phase] = nbytes / bandwidth / 1e6 if bandwidth else None
+    return out
+
+
+def verify_sweep(b, ctx):
+    """Verify (the cost model's attention mode) and draft extend of T = 1..6 tokens at ctx cached
+    tokens, fastest variant: what a cycle of num_steps T - 1 pays. Inputs as in phase_calls."""
+    graph, mode = b.graph_opts[-1], ATTENTION_MODES[b.best[1]]
+    B, t, sweep = b.args.batch_size, b.target, {}
+    for T in range(1, 7):
+        if ctx < T:
+            break
+        kv, vt, pos = kv_bucket(ctx + T, t.max_seq_len), b.fill[:, ctx - T:ctx], b.positions(ctx, T)
+        kvd = kv_bucket(ctx + 2 * T - 1, t.max_seq_len)  # as generate's draft extend for num_steps T - 1
+        sweep[T] = dict(
+            verify=b.timed(("verify", mode, B, T, kv), partial(t, mode=mode, capture_aux=True, kv_len=kv), vt, pos,
+                           graph=graph),
+            draft_extend=b.timed(("draft_extend", B, T, kvd), partial(b.head.extend, kv_len=kvd), vt, pos,
+                                 b.aux[:, ctx - T:ctx], torch.full((B,), T - 1, device=t.device), graph=graph))
+    return sweep
+
+
+def run_generate(b, draft, mode, graph):
+    """One generate() call on the random prompts, with device events at each phase of each cycle."""
+    a, timer = b.args, PhaseTimer(b.clock)
+    b.clock.sync()
+    t0 = time.perf_counter()
+    res = generate(b.target, draft, b.fill[:, :a.prompt_len].cpu(), max_new_tokens=a.max_new_tokens, num_steps=b.k,
+                   attention_mode=mode, use_graphs=graph, temperature=a.temperature, seed=a.seed, eos_id=-1,
+                   graphs=b.runner if graph else None, simulate_accept_len=a.simulate_accept_len if draft else None,
+                   timer=timer)
+    b.clock.sync()
+    wall = time.perf_counter() - t0
+    n = sum(len(t) for t in res.tokens)
+    out = dict(tok_per_s=n / wall, wall_s=wall, tokens=n, cycles=res.cycles, phases_ms=timer.phases())
+    if draft is not None:
+        live = res.accepted[res.accepted >= 0]
+        out["accept_len_mean"] = (live.float().mean().item() + 1) if live.numel() else 0.0
+        out["accept_len_hist"] = torch.bincount(live + 1, minlength=b.k + 2)[1:].tolist()
+        out["simulated"] = res.simulated
+    return out, res
+
+
+def end_to_end(b):
+    """The plain loop and each speculative configuration, each run twice (the first captures its
+    graphs); and how many tokens speculative greedy output shares with plain greedy output."""
+    e2e, agreement = {}, {}
+    for graph in b.graph_opts:
+        run_generate(b, None, "decode", graph)
+        e2e[f"baseline/{'graph' if graph else 'eager'}"], base = run_generate(b, None, "decode", graph)
+    for graph in b.graph_opts:
+        for mode in b.modes:
+            run_generate(b, b.head, mode, graph)
+            name = f"eagle3/{mode}/{'graph' if graph else 'eager'}"
+            e2e[name], res = run_generate(b, b.head, mode, graph)
+            same = sum(x == y for r, p in zip(res.tokens, base.tokens) for x, y in zip(r, p))
+            agreement[name] = same / max(1, sum(len(p) for p in base.tokens))
+    # greedy and the model's own routing: uniform routing picks experts by a token's place in the forward
+    same_model = b.args.temperature == 0 and not b.args.simulate_accept_len and b.target.routing == "model"
+    return e2e, agreement if same_model else None
+
+
+def collectives(b):
+    """Real TP only: the 2 x layers all-reduces of one forward at its message sizes, as eager
+    launches (host latency included) and captured back to back in a graph, as inside a captured
+    step (the replay also copies the input in and the output out, a few KB)."""
+    comm, n, B = {}, 2 * b.target.args.num_hidden_layers, b.args.batch_size
+
+    def all_reduces(buf):
+        for _ in range(n):
+            dist.all_reduce(buf)
+        return buf
+    for T in (1, b.k + 1):
+        buf = torch.zeros(B * T * b.target.args.hidden_size, dtype=b.target.dtype, device=b.target.device)
+        comm[f"eager/{T}"] = median_ms(b.clock, lambda: dist.all_reduce(buf), b.args.reps) * n
+        if b.runner is not None:
+            comm[f"graph/{T}"] = b.timed(("allreduce", T), all_reduces, buf, graph=True)
+    return comm
+
+
+def compiled(b, ctx, result):
+    """The captured phases again with torch.compile fusing each layer (last: it changes the modules)."""
+    try:
+        b.target.compile_layers()
+        b.head.midlayer.compile(dynamic=False)
+        result["contexts"][ctx]["phases_ms"].update(time_phases(b, ctx, True, "+compile"))
+        key, fn, inputs = phase_calls(b, ctx)["decode_step"]
+        result["kernels_per_decode_step_compiled"] = count_kernels(partial(fn, *inputs))
+    except Exception as e:  # an optional measurement: say why it is missing, keep the rest
+        result["compile_error"] = f"{type(e).__name__}: {e}"[:500]
+        tpm.print0(f"torch.compile variant failed: {result['compile_error']}")
+
+
+def modelled_allreduce(b):
+    """MODELLED all-reduce ms per target forward and per draft forward (2 a layer) for a simulated
+    rank given --allreduce-us; None otherwise."""
+    x = b.args.allreduce_us
+    if x is None or not b.target.tp.simulated:
+        return None
+    return dict(us_each=x, target_forward_ms=2 * b.target.args.num_hidden_layers * x / 1e3, draft_forward_ms=2 * x / 1e3)
+
+
+def cost_model(r, b):
+    """cycle(s) = draft extend(s+1) + (s-1) draft steps + verify(s+1) + accept + host [+ modelled
+    all-reduces: 1 target and s draft forwards]; break-even accepted length = cycle / plain step."""
+    variant, _ = b.best
+    ph, ar = r["phases_ms"], r["allreduce_modelled"] or dict(target_forward_ms=0.0, draft_forward_ms=0.0)
+    base = r["e2e"][f"baseline/{variant}"]["phases_ms"]["cycle"] if r["e2e"] else ph[f"decode_step/{variant}"]
+    base += ar["target_forward_ms"]
+    hosts = [v["phases_ms"].get("host", 0.0) for n, v in r["e2e"].items() if n.startswith("eagle3")]
+    host, sweep, cm = statistics.median(hosts) if hosts else 0.0, r["verify_sweep_ms"], {}
+    for s in range(1, 6):
+        if s + 1 not in sweep:
+            break
+        cyc = (sweep[s + 1]["draft_extend"] + (s - 1) * ph[f"draft_step/{variant}"] + sweep[s + 1]["verify"]
+               + ph["accept"] + host + ar["target_forward_ms"] + s * ar["draft_forward_ms"])
+        cm[s] = dict(cycle_ms=cyc, break_even_accept_len=cyc / base,
+                     speedup_at={tau: tau * base / cyc for tau in range(1, s + 2)})
+    for name, v in r["e2e"].items():  # against the baseline with the same graph setting
+        if name.startswith("eagle3"):
+            plain = r["e2e"][f"baseline/{name.split('/')[-1]}"]
+            v["speedup_measured"] = v["tok_per_s"] / plain["tok_per_s"]
+            v["speedup_predicted"] = v["accept_len_mean"] * plain["phases_ms"]["cycle"] / v["phases_ms"]["cycle"]
+    return dict(plain_step_ms=base, steps=cm)
+
+
+def header_of(b):
+    t, a = b.target, b.args
+    group = t.args.int4_group_size
+    routing = "routing SIMULATED uniform" if t.routing == "uniform" else "routing: the model's router"
+    ar = modelled_allreduce(b)
+    return (f"target: {b.how}, {t.args.num_hidden_layers} layers, {t.args.n_routed_experts} routed experts, "
+            f"{t.tp.describe()}, {a.dtype}" + (f" (routed experts INT4, group {group})" if group else "")
+            + f", moe {t.moe_impl}, {routing} | batch {a.batch_size}, prompt {a.prompt_len}, cached "
+            f"{'/'.join(map(str, a.context_len))} (isolated phases), num_steps {b.k} | "
+            f"{torch.cuda.get_device_name(t.device) if b.gpu else f'CPU, {torch.get_num_threads()} thread(s)'}, "
+            f"torch {torch.__version__}" + (" | acceptance SIMULATED" if a.simulate_accept_len is not None else "")
+            + (f" | all-reduces MODELLED at {ar['us_each']:g} us" if ar else ""))
+
+
+def bench_main(args, device, world):
+    b = prepare(args, device, world)
+    header = header_of(b)
+    tpm.print0(header)
+    env = dict(device=torch.cuda.get_device_name(device) if b.gpu else "cpu", torch=torch.__version__,
+               world_size=world, simulated_tp=args.simulate_tp if b.target.tp.simulated else None, dtype=args.dtype,
+               int4_group_size=b.target.args.int4_group_size, moe_impl=b.target.moe_impl, routing=b.target.routing,
+               simulated_routing=b.target.routing == "uniform", seed=args.seed,
+               simulated_acceptance=args.simulate_accept_len is not None, target=b.how, config=vars(args))
+    bandwidth = copy_bandwidth(b.clock, device) if b.gpu else None
+    r = dict(env=env, bandwidth_GBps=bandwidth, contexts={c: isolated(b, c, bandwidth) for c in args.context_len})
+    first = args.context_len[0]
+    r["phases_ms"] = r["contexts"][first]["phases_ms"]
+    key, fn, inputs = phase_calls(b, first)["verify/" + b.modes[0]]
+    logits = fn(*inputs)[0]
+    gen = None if args.temperature == 0 else torch.Generator(device).manual_seed(0)
+    r["phases_ms"]["accept"] = median_ms(b.clock, lambda: accept(logits, inputs[0][:, 1:], args.temperature, gen), args.reps)
+    r["verify_sweep_ms"] = verify_sweep(b, first)
+    r["e2e"], r["greedy_agreement_with_plain"] = ({}, None) if args.skip_e2e else end_to_end(b)
+    r["floors"] = legacy_floors(r["contexts"][first], bandwidth)
+    r["allreduce_ms_per_forward"] = collectives(b) if b.target.tp.communicates else None
+    r["allreduce_modelled"] = modelled_allreduce(b)
+    if args.compile:
+        compiled(b, first, r)
+    r["cost_model"] = cost_model(r, b)
+    if b.gpu:
+        env["gpu_mem_peak_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
+        env["gpu_mem_peak_eager_GB"] = r["contexts"][first].get("gpu_mem_peak_eager_GB")
+        env["weights_GB"] = sum(p.numel() * p.element_size() for p in b.target.parameters()) / 1e9
+        r["kernels_per_decode_step"] = r["contexts"][first]["components"]["decode_step"]["kernels"]
+    r["warnings"], r["spread_ms"] = timing_warnings(r), spreads(r)
+    r["answer"] = answer(r, b) + verdict(r)
+    report(r, b)
+    line = json.dumps(r)
+    if is_rank0():
+        if args.json:
+            with open(args.json, "w") as f:
+                f.write(line + "\n")
+        print(line, flush=True)
+    return r
+
+
+def legacy_floors(c, bandwidth):
+    """The first context's floors in ms and GB, as earlier JSONs hold them (None without a GPU)."""
+    if not bandwidth:
+        return None
+    fl = c["floors_ms"]
+    ms = dict(decode_step_ms=fl["decode_step"], verify_ms=next(v for p, v in fl.items() if p.startswith("verify/")),
+              draft_step_ms=fl["draft_step"], draft_extend_ms=fl["draft_extend"])
+    return dict(bandwidth_GBps=bandwidth, **ms, **{n.replace("_ms", "_GB"): v * bandwidth / 1e3 for n, v in ms.items()})
+
+
+# ---------------------------------------------------------------------------------------------
+# The report: the tables, then the answer in words
+
+def answer(r, b):
+    """The run's answer in a few plain sentences (what the background story needed to know)."""
+    (variant, mode), k, ctx = b.best, b.k, b.args.context_len[0]
+    c, ar = r["contexts"][ctx], (r["allreduce_modelled"] or {}).get("target_forward_ms", 0.0)
+    dec, ver = c["phases_ms"][f"decode_step/{variant}"] + ar, c["phases_ms"][f"verify/{mode}/{variant}"] + ar
+    d, v = (c["components"][p] for p in ("decode_step", f"verify/{mode}"))
+    extra = sorted(((v["parts_ms"][n] - d["parts_ms"][n], n) for n in COMPONENTS), reverse=True)
+    more, top = v["kernel_ms"] - d["kernel_ms"], []
+    for x, n in extra[:3]:  # the largest parts of the extra kernel time, until they make 60% of it
+        if x <= 0 or top and sum(y for y, _ in top) >= 0.6 * more:
+            break
+        top.append((x, n))
+    unit = "kernels" if b.gpu else "ops (CPU time)"
+    lines = [f"Verify of k+1 = {k + 1} tokens ({mode} attention, {variant}, {ctx} cached tokens) costs "
+             f"{ver / dec:.2f} decode steps ({ver:.2f} vs {dec:.2f} ms" + (", all-reduces MODELLED" if ar else "") + ")."]
+    if more > 0 and top:
+        lines.append(f"Its {unit} take {more:.2f} ms more ({v['kernel_ms']:.2f} vs {d['kernel_ms']:.2f} ms summed), "
+                     "mostly " + ", ".join(f"{COMPONENTS[n]} +{x:.2f} ms" for x, n in top) + "; launches and gaps "
+                     f"{'inside the graph' if variant == 'graph' else 'between ops'} make the other "
+                     f"{(ver - dec) - more:+.2f} ms.")
+    else:
+        lines.append(f"Its {unit} take no longer ({v['kernel_ms']:.2f} vs {d['kernel_ms']:.2f} ms summed): the "
+                     "difference is launches and gaps.")
+    cm = r["cost_model"]["steps"].get(k)
+    if cm:
+        at2 = 2 * r["cost_model"]["plain_step_ms"] / cm["cycle_ms"]
+        be = cm["break_even_accept_len"]
+        pays = (f"pays above {be:.2f} accepted tokens per cycle" if 1 <= be <= k + 1 else
+                f"cannot pay here ({be:.2f} plain steps a cycle; a cycle accepts at most {k + 1} tokens)"
+                if be > k + 1 else f"looks cheaper than the plain step it contains ({be:.2f}), which cannot be: noise")
+        lines += [f"EAGLE-3 with num_steps {k} {pays} (bonus included: a {cm['cycle_ms']:.2f} ms cycle against a "
+                  f"{r['cost_model']['plain_step_ms']:.2f} ms plain step).",
+                  f"At the background's ~2 tokens per cycle it would give {at2:.2f}x"
+                  + (" (slower than plain decoding)." if at2 < 1 else ".")]
+    notes = [note for note, on in (
+        ("routing SIMULATED uniform (random weights route unlike a trained router)", b.target.routing == "uniform"),
+        (f"one SIMULATED rank of TP {b.target.tp.world_size}" + (f", all-reduces MODELLED at {b.args.allreduce_us:g} us"
+         if ar else ", all-reduces not counted (--allreduce-us X models them)"), b.target.tp.simulated),
+        ("acceptance SIMULATED", bool(b.args.simulate_accept_len)),
+        ("CPU op times, not a GPU's", not b.gpu)) if on]
+    return lines + (["Simulated or modelled here: " + "; ".join(notes) + "."] if notes else [])
+
+
+def print_phases(r, ctx, c):
+    bw = r["bandwidth_GBps"]
+    print(f"\nphase times at {ctx} cached tokens, isolated (ms: median [min lower-upper quartile max] of "
+          f"{r['env']['config']['reps']} repetitions" + (
+        f"; x floor: bytes that must move / {bw:.0f} GB/s measured" if bw else "; floors need a GPU") + ")")
+    for name, ms in c["phases_ms"].items():
+        phase = name.rsplit("/", 1)[0] if "/" in name else name
+        floor, experts = c["floors_ms"].get(phase), c["distinct_experts"].get(phase)
+        print(f"  {name:30s} {ms:9.3f} {fmt_spread(ms):34s}" + (f"   {ms / floor:5.1f}x floor {floor:.3f}" if floor else "")
+              + (f"   {experts:5.1f} distinct experts per MoE layer" if experts is not None else ""))
+
+
+def print_components(r, ctx, c, b):
+    """Rows: components, then totals; columns: each target phase and its floor, verify - decode."""
+    comps, bw = c["components"], r["bandwidth_GBps"]
+    verifies = [p for p in comps if p.startswith("verify/")]
+    variant = b.best[0]
+    unit, floor = ("kernel", "floor ms") if b.gpu else ("CPU op", "MB")
+
+    def floor_of(phase, n):
+        nbytes = c["bytes"][phase][n] if n else sum(c["bytes"][phase].values())
+        return nbytes / bw / 1e6 if bw else nbytes / 1e6
+    cols = ["decode", floor] + [p.replace("verify/", "verify ") for p in verifies] + [floor] + \
+           [f"d {p.split('/')[1]}" for p in verifies]
+    print(f"\nwhere the time goes at {ctx} cached tokens: ms per forward of summed {unit} time in a profiled "
+          f"eager run of the same shapes; floor: the component's bytes" + (" / bandwidth" if bw else "")
+          + "; d: verify minus decode")
+    print(f"  {'':48s}" + "".join(f"{h:>15s}" for h in cols))
+
+    def row(label, values):
+        print(f"  {label:54s}" + "".join(f"{x:15.3f}" if isinstance(x, float) else f"{str(x):>15s}" for x in values))
+    dec = comps["decode_step"]
+    for n, label in COMPONENTS.items():
+        d = dec["parts_ms"][n]
+        row(label, [d, floor_of("decode_step", n)] + [comps[p]["parts_ms"][n] for p in verifies]
+            + [floor_of(verifies[0], n)] + [comps[p]["parts_ms"][n] - d for p in verifies])
+    totals = {p: c["phases_ms"][f"{p}/{variant}"] for p in comps}
+    row(f"summed {unit} time", [dec["kernel_ms"], floor_of("decode_step", None)] + [comps[p]["kernel_ms"] for p in verifies]
+        + [floor_of(verifies[0], None)] + [comps[p]["kernel_ms"] - dec["kernel_ms"] for p in verifies])
+    row(f"{'captured' if variant == 'graph' else 'eager'} total (median)", [totals["decode_step"], ""]
+        + [totals[p] for p in verifies] + [""] + [totals[p] - totals["decode_step"] for p in verifies])
+    gap = {p: totals[p] - comps[p]["kernel_ms"] for p in comps}
+    row("difference (launches, gaps" + (" inside the graph)" if variant == "graph" else ", host)"),
+        [gap["decode_step"], ""] + [gap[p] for p in verifies] + [""] + [gap[p] - gap["decode_step"] for p in verifies])
+    row("kernels" if b.gpu else "leaf ops", [dec["kernels"], ""] + [comps[p]["kernels"] for p in verifies] + [""]
+        + [comps[p]["kernels"] - dec["kernels"] for p in verifies])
+    ex = c["distinct_experts"]
+    row("distinct experts per MoE layer" + (" (SIMULATED uniform)" if b.target.routing == "uniform" else ""),
+        [ex["decode_step"], ""] + [ex[p] for p in verifies] + [""] + [ex[p] - ex["decode_step"] for p in verifies])
+    ar = r["allreduce_modelled"]
+    if ar:
+        print(f"  all-reduce MODELLED, not in the rows above: 2 x {b.target.args.num_hidden_layers} x "
+              f"{ar['us_each']:g} us = {ar['target_forward_ms']:.2f} ms per forward")
+
+
+def print_e2e(r, b):
+    if not r["e2e"]:
+        return
+    sim, k = b.args.simulate_accept_len, b.k
+    print("\nend to end: tok/s | per-cycle phases (ms, median over the cycles) and the cycle's spread | accepted "
+          f"tokens per cycle, bonus included: mean, and cycles by length{' (SIMULATED)' if sim is not None else ''}")
+    if sim is not None:
+        print(f"  SIMULATED acceptance: each cycle draws each row's accepted length from a normal around "
+              f"--simulate-accept-len {sim} (sd 1), rounded and clamped to 1..{k + 1}; the tokens are not the model's")
+    for name, v in r["e2e"].items():
+        phases = " ".join(f"{p}={t:.2f}" for p, t in v["phases_ms"].items())
+        extra = ""
+        if "accept_len_mean" in v:
+            hist = " ".join(f"{n}:{c}" for n, c in enumerate(v["accept_len_hist"], 1))
+            extra = (f" | accept len {v['accept_len_mean']:.2f}, cycles by length {hist}"
+                     f" | speedup {v['speedup_measured']:.2f}x (predicted {v['speedup_predicted']:.2f}x)")
+        cycle = v["phases_ms"].get("cycle")
+        spread = f" {fmt_spread(cycle, 2)}" if isinstance(cycle, Timing) else ""
+        print(f"  {name:24s} {v['tok_per_s']:9.1f} tok/s | {phases}{spread}{extra}")
+
+
+def print_cost_model(r):
+    cm = r["cost_model"]
+    ar = " + all-reduces MODELLED" if r["allreduce_modelled"] else ""
+    print(f"\ncost model (fastest variant{ar}): plain step {cm['plain_step_ms']:.2f} ms; cycle and break-even "
+          "accepted length per num_steps")
+    for steps, c in cm["steps"].items():
+        sp = " ".join(f"{t}:{s:.2f}x" for t, s in c["speedup_at"].items())
+        print(f"  num_steps {steps}: cycle {c['cycle_ms']:.2f} ms, break-even {c['break_even_accept_len']:.2f} | "
+              f"speedup at accept len {sp}")
+
+
+def print_extras(r, b):
+    env = r["env"]
+    if "gpu_mem_peak_GB" in env:
+        print(f"\nGPU memory: weights {env['weights_GB']:.1f} GB, peak allocated {env['gpu_mem_peak_GB']:.1f} GB "
+              f"(eager phases only: {env.get('gpu_mem_peak_eager_GB') or float('nan'):.1f} GB)")
+        print(f"kernels per eager decode step: {r.get('kernels_per_decode_step')}"
+              + (f", with torch.compile: {r['kernels_per_decode_step_compiled']}"
+                 if "kernels_per_decode_step_compiled" in r else ""))
+    comm = r.get("allreduce_ms_per_forward")
+    if comm:
+        n = 2 * b.target.args.num_hidden_layers
+        print("\nall-reduce ms per forward (2 per layer; eager launches vs captured in a graph), by tokens: "
+              + ", ".join(f"{key} {ms:.2f}" for key, ms in comm.items()))
+        if "graph/1" in comm:
+            print(f"measured in a graph: {comm['graph/1'] / n * 1e3:.1f} us per all-reduce of one token's hidden row "
+                  f"(give it to a simulated rank as --allreduce-us)")
+    line = agreement_line(r, b)
+    if line:
+        print("\n" + line)
+
+
+def agreement_line(r, b):
+    ag = r["greedy_agreement_with_plain"]
+    if not ag:
+        return None if not r["e2e"] or b.target.routing == "model" else (
+            "greedy speculative vs plain output: not compared, since SIMULATED uniform routing gives a token its "
+            "experts by its place in the forward, so a verify and a decode step compute different functions "
+            "(--routing model compares them)")
+    shares = ", ".join(f"{name.removeprefix('eagle3/')} {x:.0%}" for name, x in ag.items())
+    if all(x == 1 for x in ag.values()):
+        meaning = "identical, as lossless greedy speculative decoding must be"
+    else:
+        meaning = ("verify reads k+1 tokens where plain decoding reads one, so the reductions run in another order; in "
+                   f"{b.args.dtype}" + (" on random weights, whose logits over the whole vocabulary nearly tie,"
+                                        if not b.args.model_path else ",")
+                   + " that flips an argmax now and then and the sequences part from there. It measures rounding, "
+                   "not correctness: exact equality is tested in float64 (test_equivalence.py)")
+    return f"greedy speculative output vs plain greedy output, share of tokens equal: {shares} ({meaning})"
+
+
+def report(r, b):
+    """The tables, the warnings and the answer (the header was printed at the start)."""
+    if not is_rank0():
+        return
+    for ctx, c in r["contexts"].items():
+        print_phases(r, ctx, c)
+        print_components(r, ctx, c, b)
+    print_e2e(r, b)
+    print_cost_model(r)
+    print_extras(r, b)
+    for w in r["warnings"]:
+        print(f"\nwarning: {w}")
+    print("\nthe answer:\n" + "\n".join(f"  {line}" for line in r["answer"]) + "\n")
+
 
 @torch.no_grad()
 def main(argv=None):
@@ -765,197 +1416,7 @@ def main(argv=None):
     args = settle(args, device, world)
     if args.dump:
         return dump_main(args, device, world)
-    dtype = getattr(torch, args.dtype)
-    torch.manual_seed(args.seed)
-    clock = Clock(device)
-    target, head, how = build(args, device, dtype, world)
-    k, B, P = args.speculative_num_steps, args.batch_size, args.prompt_len
-    modes = ["prefill", "decode"] if args.speculative_attention_mode == "both" else [args.speculative_attention_mode]
-    graph_opts = {"both": [False, True], "on": [True], "off": [False]}[args.cuda_graph]
-    sim = args.simulate_accept_len is not None
-    group = target.args.int4_group_size
-    quant_note = f" (routed experts INT4, group {group})" if group else ""
-    header = (f"target: {how}, {target.args.num_hidden_layers} layers, {target.args.n_routed_experts} routed experts, "
-              f"{target.tp.describe()}, {args.dtype}{quant_note}, moe {target.moe_impl} | batch {B}, prompt {P}, "
-              f"num_steps {k} | {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
-              + ("" if device.type == "cuda" else f"{torch.get_num_threads()} thread(s), ") +
-              f"torch {torch.__version__}" + (" | acceptance SIMULATED" if sim else ""))
-    tpm.print0(header)
-    result = dict(env=dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
-                           torch=torch.__version__, world_size=world, simulated_tp=args.simulate_tp if target.tp.simulated else None,
-                           dtype=args.dtype, int4_group_size=group, moe_impl=target.moe_impl, seed=args.seed, simulated_acceptance=sim,
-                           target=how, config=vars(args)), phases_ms={}, e2e={}, floors=None, cost_model={})
-
-    g = torch.Generator().manual_seed(args.seed)
-    prompts = torch.randint(0, target.args.vocab_size, (B, P), generator=g)
-    runner = CudaGraphs(device) if True in graph_opts else None
-
-    # -- plain decode step and verify / draft phases in isolation (state: a prefilled prompt)
-    tokens = prompts.to(device)
-    pos0 = torch.arange(P, device=device).expand(B, P)
-    _, aux = target(tokens, pos0, "extend", capture_aux=True)
-    head(tokens, pos0, aux)
-    step_tok = tokens[:, -1:]
-
-    def positions(T):
-        return P + torch.arange(T, device=device).expand(B, T)
-
-    def timed(key, fn, *inputs, graph):
-        call = (lambda: runner.run(key, fn, *inputs)) if graph else (lambda: fn(*inputs))
-        return median_ms(clock, call, args.reps, desc=phase_label(key, graph))
-
-    ph = result["phases_ms"]
-    vtok, last = tokens[:, -(k + 1):], torch.full((B,), k, device=device)
-
-    def time_phases(graph, tag=""):
-        """decode step, verify in each mode, draft extend and one draft step (chain of 2 minus 1)."""
-        gname = ("graph" if graph else "eager") + tag
-
-        def key(*parts):  # the plain phases share their graphs with generate's
-            return parts + (tag,) if tag else parts
-        ph[f"decode_step/{gname}"] = timed(key("decode", B, 1), partial(target, mode="decode"), step_tok,
-                                           positions(1), graph=graph)
-        for mode in modes:
-            ph[f"verify/{mode}/{gname}"] = timed(key("verify", ATTENTION_MODES[mode], B, k + 1),
-                                                 partial(target, mode=ATTENTION_MODES[mode], capture_aux=True),
-                                                 vtok, positions(k + 1), graph=graph)
-        ph[f"draft_extend/{gname}"] = timed(key("draft_extend", B, k + 1), head.extend, vtok, positions(k + 1),
-                                            aux[:, -(k + 1):], last, graph=graph)
-        first, gh = head.extend(vtok, positions(k + 1), aux[:, -(k + 1):], last)
-        ph[f"draft_step/{gname}"] = timed(key("draft_chain", B, 2), partial(head.chain, num_steps=2), first, gh,
-                                          positions(1)[:, 0] + k, graph=graph)
-
-    for graph in graph_opts:
-        time_phases(graph)
-        if device.type == "cuda" and not graph:
-            result["env"]["gpu_mem_peak_eager_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
-    if device.type == "cuda":
-        result["kernels_per_decode_step"] = count_kernels(lambda: target(step_tok, positions(1), "decode"))
-    logits, _ = target(tokens[:, -(k + 1):], positions(k + 1), "decode")
-    ph["accept"] = median_ms(clock, lambda: accept(logits, tokens[:, -k:], args.temperature, None if args.temperature == 0
-                                                   else torch.Generator(device).manual_seed(0)), args.reps)
-
-    # -- cost model sweep: verify and draft extend at T = 1..6 tokens, the fastest variant
-    best_graph = graph_opts[-1]
-    sweep_mode = "decode" if "decode" in modes else modes[0]
-    sweep = {}
-    for T in range(1, 7):
-        if P < T:
-            break
-        vt = tokens[:, -T:]
-        sweep[T] = dict(
-            verify=timed(("verify", ATTENTION_MODES[sweep_mode], B, T), partial(target, mode=ATTENTION_MODES[sweep_mode],
-                         capture_aux=True), vt, positions(T), graph=best_graph),
-            draft_extend=timed(("draft_extend", B, T), head.extend, vt, positions(T), aux[:, -T:],
-                               torch.full((B,), T - 1, device=device), graph=best_graph))
-    result["verify_sweep_ms"] = sweep
-
-    # -- end to end: plain baseline and each speculative configuration
-    def e2e(draft, mode, graph):
-        timer = PhaseTimer(clock)
-        clock.sync()
-        t0 = time.perf_counter()
-        res = generate(target, draft, prompts, max_new_tokens=args.max_new_tokens, num_steps=k,
-                       attention_mode=mode, use_graphs=graph, temperature=args.temperature, seed=args.seed,
-                       eos_id=-1, graphs=runner if graph else None, simulate_accept_len=args.simulate_accept_len if draft is not None else None,
-                       timer=timer)
-        clock.sync()
-        wall = time.perf_counter() - t0
-        n = sum(len(t) for t in res.tokens)
-        live = res.accepted[res.accepted >= 0]
-        out = dict(tok_per_s=n / wall, wall_s=wall, tokens=n, cycles=res.cycles, phases_ms=timer.phases())
-        if draft is not None:
-            out["accept_len_mean"] = (live.float().mean().item() + 1) if live.numel() else 0.0
-            out["accept_len_hist"] = torch.bincount(live + 1, minlength=k + 2)[1:].tolist()
-            out["simulated"] = res.simulated
-        return out, res
-
-    for graph in graph_opts:  # warm run (captures graphs), then the measured one
-        e2e(None, "decode", graph)
-        result["e2e"][f"baseline/{'graph' if graph else 'eager'}"], base_res = e2e(None, "decode", graph)
-    agreement = {}
-    for graph in graph_opts:
-        for mode in modes:
-            e2e(head, mode, graph)
-            name = f"eagle3/{mode}/{'graph' if graph else 'eager'}"
-            result["e2e"][name], res = e2e(head, mode, graph)
-            if not sim:
-                same = sum(a == b for x, y in zip(res.tokens, base_res.tokens) for a, b in zip(x, y))
-                agreement[name] = same / max(1, sum(len(x) for x in base_res.tokens))
-    result["greedy_agreement_with_plain"] = agreement if args.temperature == 0 and not sim else None
-
-    # -- floors (GPU only)
-    if device.type == "cuda":
-        bw = copy_bandwidth(clock, device)
-        kv = P + k + 1
-        dec_b = target_bytes(target, routed_distinct(target, step_tok, positions(1), "decode"), kv, B)
-        ver_b = target_bytes(target, routed_distinct(target, tokens[:, -(k + 1):], positions(k + 1), "decode"), kv, B)
-        result["floors"] = dict(bandwidth_GBps=bw, decode_step_GB=dec_b / 1e9, verify_GB=ver_b / 1e9,
-                                draft_step_GB=draft_bytes(head, kv, B, False) / 1e9,
-                                draft_extend_GB=draft_bytes(head, kv, B, True) / 1e9)
-        fl = result["floors"]
-        fl["decode_step_ms"] = fl["decode_step_GB"] / bw * 1e3
-        fl["verify_ms"] = fl["verify_GB"] / bw * 1e3
-        fl["draft_step_ms"] = fl["draft_step_GB"] / bw * 1e3
-        fl["draft_extend_ms"] = fl["draft_extend_GB"] / bw * 1e3
-
-    # -- all-reduce cost at the layer's message sizes (real TP only)
-    # (eager: one launch each, host latency included; in a CUDA graph: the 2 x layers all-reduces
-    # of one forward captured back to back, as they run inside a captured step; the replay also
-    # copies the input in and the output out, a few KB)
-    if target.tp.communicates:
-        comm, n = {}, 2 * target.args.num_hidden_layers
-
-        def all_reduces(buf):
-            for _ in range(n):
-                dist.all_reduce(buf)
-            return buf
-        for T in (1, k + 1):
-            buf = torch.zeros(B * T * target.args.hidden_size, dtype=dtype, device=device)
-            comm[f"eager/{T}"] = median_ms(clock, lambda: dist.all_reduce(buf), args.reps) * n
-            if runner is not None:
-                comm[f"graph/{T}"] = timed(("allreduce", T), all_reduces, buf, graph=True)
-        result["allreduce_ms_per_forward"] = comm
-
-    # -- the same captured phases with torch.compile fusing each layer (last: it changes the modules)
-    if args.compile:
-        try:
-            target.compile_layers()
-            head.midlayer.compile(dynamic=False)
-            time_phases(True, "+compile")
-            result["kernels_per_decode_step_compiled"] = count_kernels(lambda: target(step_tok, positions(1), "decode"))
-        except Exception as e:  # an optional measurement: say why it is missing, keep the rest
-            result["compile_error"] = f"{type(e).__name__}: {e}"[:500]
-            tpm.print0(f"torch.compile variant failed: {result['compile_error']}")
-
-    # -- cost model: cycle(k) = draft_extend(k+1) + (k-1) draft steps + verify(k+1) + accept + host
-    base_step = result["e2e"][f"baseline/{'graph' if best_graph else 'eager'}"]["phases_ms"]["cycle"]
-    host = statistics.median([v["phases_ms"].get("host", 0.0) for n, v in result["e2e"].items() if n.startswith("eagle3")] or [0])
-    dstep = ph[f"draft_step/{'graph' if best_graph else 'eager'}"]
-    cm = result["cost_model"]
-    for steps in range(1, 6):
-        if steps + 1 not in sweep:
-            break
-        cyc = sweep[steps + 1]["draft_extend"] + (steps - 1) * dstep + sweep[steps + 1]["verify"] + ph["accept"] + host
-        cm[steps] = dict(cycle_ms=cyc, break_even_accept_len=cyc / base_step,
-                         speedup_at={tau: tau * base_step / cyc for tau in range(1, steps + 2)})
-    for name, v in result["e2e"].items():  # against the baseline with the same graph setting
-        if name.startswith("eagle3"):
-            base = result["e2e"][f"baseline/{name.split('/')[-1]}"]
-            v["speedup_measured"] = v["tok_per_s"] / base["tok_per_s"]
-            v["speedup_predicted"] = v["accept_len_mean"] * base["phases_ms"]["cycle"] / v["phases_ms"]["cycle"]
-    if device.type == "cuda":
-        result["env"]["gpu_mem_peak_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
-        result["env"]["weights_GB"] = sum(p.numel() * p.element_size() for p in target.parameters()) / 1e9
-    result["warnings"] = timing_warnings(result)
-    result["spread_ms"] = spreads(result)  # [min, lower quartile, median, upper quartile, max] of each timing
-    report(result, header, k)
-    line = json.dumps(result)
-    if is_rank0():
-        if args.json:
-            with open(args.json, "w") as f:
-                f.write(line + "\n")
-        print(line, flush=True)
+    bench_main(args, device, world)
     return 0
 
 
@@ -973,14 +1434,17 @@ def spreads(tree):
     return out
 
 
-def named_timings(tree, path=""):
-    """(name, Timing) for every Timing in the result, named as the tables name them."""
+def named_timings(tree, path="", seen=None):
+    """(name, Timing) for every Timing in the result, named as the tables name them, each once
+    (the first context's phases appear twice in the result)."""
+    seen = set() if seen is None else seen
     for key, v in tree.items():
-        name = path if key in ("phases_ms", "e2e") else f"{path}{'sweep T=' if key == 'verify_sweep_ms' else key}/"
-        if isinstance(v, Timing):
+        name = path if key in ("phases_ms", "e2e") else f"{path}sweep T=" if key == "verify_sweep_ms" else f"{path}{key}/"
+        if isinstance(v, Timing) and id(v) not in seen:
+            seen.add(id(v))
             yield name.rstrip("/"), v
         elif isinstance(v, dict):
-            yield from named_timings(v, name)
+            yield from named_timings(v, name, seen)
 
 
 def timing_warnings(r):
@@ -992,7 +1456,7 @@ def timing_warnings(r):
                    f"(interquartile range; marked noisy): {', '.join(noisy[:5])}{' and more' if len(noisy) > 5 else ''}. "
                    "The machine is busy or the phase short: run on a quiet machine, with more --reps, one thread a "
                    "process (OMP_NUM_THREADS=1)")
-    for steps, c in r["cost_model"].items():
+    for steps, c in r["cost_model"]["steps"].items():
         be, most = c["break_even_accept_len"], int(steps) + 1
         if not 1 <= be <= most:
             out.append(f"num_steps {steps}: break-even {be:.2f} accepted tokens per cycle, outside [1, {most}]: "
@@ -1016,32 +1480,25 @@ def timing_warnings(r):
     return out
 
 
-def verdict(r, k):
-    """What the run says, in a few sentences: kept short and apart, so that a fuller printed answer
-    can replace it."""
+def verdict(r):
+    """After the answer: what this run's own acceptance means, and how far to trust its numbers."""
     spec = {n: v for n, v in r["e2e"].items() if n.startswith("eagle3")}
-    if not spec:
-        return []
-    best = max(spec, key=lambda n: spec[n]["speedup_measured"])
-    accept_len, speedup = spec[best]["accept_len_mean"], spec[best]["speedup_measured"]
-    if r["env"]["simulated_acceptance"]:
-        lines = [f"Acceptance was SIMULATED at {accept_len:.2f} tokens per cycle: the speedup ({speedup:.2f}x, {best}) "
-                 "is what the measured phase costs give at that acceptance, not what this draft head achieves."]
-    elif accept_len < 1.5:
-        lines = [f"The draft accepted almost nothing ({accept_len:.2f} tokens per cycle, bonus included; 1.00 means "
-                 f"every draft rejected), as random weights do: the measured speedup ({speedup:.2f}x, {best}) says "
-                 "only what speculation's overhead costs. For a trained draft's speedup read the cost model, run "
-                 "with --simulate-accept-len, or load checkpoints (--model-path, --draft-path)."]
-    else:
-        lines = [f"The draft accepted {accept_len:.2f} tokens per cycle (bonus included): measured speedup "
-                 f"{speedup:.2f}x ({best})."]
-    c = r["cost_model"].get(k)
-    if c:
-        be = c["break_even_accept_len"]
-        lines.append(f"At num_steps {k} a cycle costs {c['cycle_ms']:.2f} ms, {be:.2f} plain decode steps: " + (
-            "less than the plain step it contains, which cannot be (noise)." if be < 1 else
-            f"speculation pays above {be:.2f} accepted tokens per cycle." if be <= k + 1 else
-            f"speculation cannot pay here (a cycle accepts at most {k + 1} tokens)."))
+    lines = []
+    if spec:
+        best = max(spec, key=lambda n: spec[n]["speedup_measured"])
+        accept_len, speedup = spec[best]["accept_len_mean"], spec[best]["speedup_measured"]
+        if r["env"]["simulated_acceptance"]:
+            lines.append(f"Acceptance was SIMULATED at {accept_len:.2f} tokens per cycle: the speedup ({speedup:.2f}x, "
+                         f"{best}) is what the measured phase costs give at that acceptance, not what this draft head "
+                         "achieves.")
+        elif accept_len < 1.5:
+            lines.append(f"The draft accepted almost nothing ({accept_len:.2f} tokens per cycle, bonus included; 1.00 "
+                         f"means every draft rejected), as random weights do: the measured speedup ({speedup:.2f}x, "
+                         f"{best}) says only what speculation's overhead costs. For a trained draft's speedup read the "
+                         "cost model, run with --simulate-accept-len, or load checkpoints (--model-path, --draft-path).")
+        else:
+            lines.append(f"The draft accepted {accept_len:.2f} tokens per cycle (bonus included): measured speedup "
+                         f"{speedup:.2f}x ({best}).")
     if r["warnings"]:
         lines.append("Some timings are noisy or contradict each other (warnings above): treat these figures as rough.")
     if r["env"]["device"] == "cpu":
@@ -1053,57 +1510,6 @@ def verdict(r, k):
 def fmt_spread(t, digits=3):
     mn, q1, _, q3, mx = t.spread()
     return f"[{mn:.{digits}f} {q1:.{digits}f}-{q3:.{digits}f} {mx:.{digits}f}]" + (" noisy" if t.noisy else "")
-
-
-def report(r, header, k):
-    """The tables, the warnings and the verdict (the header was printed at the start)."""
-    if not is_rank0():
-        return
-    sim, fl = r["env"]["simulated_acceptance"], r["floors"]
-    print(f"\nphase times, isolated (ms: median [min lower-upper quartile max] of {r['env']['config']['reps']} "
-          "repetitions" + (", x floor" if fl else "; floors not computed on CPU") + ")")
-    floor_of = {"decode_step": "decode_step_ms", "verify": "verify_ms", "draft_step": "draft_step_ms",
-                "draft_extend": "draft_extend_ms"}
-    for name, ms in r["phases_ms"].items():
-        f = fl.get(floor_of.get(name.split("/")[0], ""), None) if fl else None
-        print(f"  {name:28s} {ms:9.3f} {fmt_spread(ms):34s}" + (f"   {ms / f:5.1f}x floor {f:.3f}" if f else ""))
-    if fl:
-        print(f"  bandwidth {fl['bandwidth_GBps']:.0f} GB/s; decode step moves {fl['decode_step_GB']:.2f} GB, "
-              f"verify {fl['verify_GB']:.2f} GB (distinct experts only)")
-    print("\nend to end: tok/s | per-cycle phases (ms, median over the cycles) and the cycle's spread | accepted "
-          f"tokens per cycle, bonus included: mean, and cycles by length{' (SIMULATED)' if sim else ''}")
-    if sim:
-        print(f"  SIMULATED acceptance: each cycle draws each row's accepted length from a normal around "
-              f"--simulate-accept-len {r['env']['config']['simulate_accept_len']} (sd 1), rounded and clamped to "
-              f"1..{k + 1}; the tokens are not the model's")
-    for name, v in r["e2e"].items():
-        phases = " ".join(f"{p}={t:.2f}" for p, t in v["phases_ms"].items())
-        extra = ""
-        if "accept_len_mean" in v:
-            hist = " ".join(f"{n}:{c}" for n, c in enumerate(v["accept_len_hist"], 1))
-            extra = (f" | accept len {v['accept_len_mean']:.2f}, cycles by length {hist}"
-                     f" | speedup {v['speedup_measured']:.2f}x"
-                     + (f" (predicted {v['speedup_predicted']:.2f}x)" if "speedup_predicted" in v else ""))
-        cycle = v["phases_ms"].get("cycle")
-        spread = f" {fmt_spread(cycle, 2)}" if isinstance(cycle, Timing) else ""
-        print(f"  {name:24s} {v['tok_per_s']:9.1f} tok/s | {phases}{spread}{extra}")
-    print("\ncost model (fastest variant): cycle ms and break-even accepted length per num_steps")
-    for steps, c in r["cost_model"].items():
-        sp = " ".join(f"{t}:{s:.2f}x" for t, s in c["speedup_at"].items())
-        print(f"  num_steps {steps}: cycle {c['cycle_ms']:.2f} ms, break-even {c['break_even_accept_len']:.2f} | speedup at accept len {sp}")
-    if "gpu_mem_peak_GB" in r["env"]:
-        print(f"\nGPU memory: weights {r['env']['weights_GB']:.1f} GB, peak allocated {r['env']['gpu_mem_peak_GB']:.1f} GB "
-              f"(eager phases only: {r['env'].get('gpu_mem_peak_eager_GB', float('nan')):.1f} GB)")
-        print(f"kernels per eager decode step: {r.get('kernels_per_decode_step')}"
-              + (f", with torch.compile: {r['kernels_per_decode_step_compiled']}" if "kernels_per_decode_step_compiled" in r else ""))
-    if r.get("allreduce_ms_per_forward"):
-        print("\nall-reduce ms per forward (2 per layer; eager launches vs captured in a graph), by tokens: "
-              + ", ".join(f"{key} {ms:.2f}" for key, ms in r["allreduce_ms_per_forward"].items()))
-    if r.get("greedy_agreement_with_plain"):
-        print(f"\ngreedy speculative vs plain token agreement: {r['greedy_agreement_with_plain']}")
-    for w in r["warnings"]:
-        print(f"\nwarning: {w}")
-    print("\nverdict:\n" + "\n".join(f"  {line}" for line in verdict(r, k)) + "\n")
 
 
 def print_refusal(e):

@@ -12,6 +12,12 @@ and chains the next k drafts. Rejected tokens leave KV slots that the next write
 Shapes are fixed per (batch, k): rows that accepted fewer tokens carry junk in their tail, rows
 that finished keep running in place, so every step can be captured. The loop reads the device
 once per cycle: "are all rows done?" (marked HOST READ below).
+
+The target reads only the cache slots in use, rounded up to a bucket (kv_bucket): the host knows
+a bound on every row's position without reading the device (the prompt length plus k+1 per
+cycle), so each (step, batch, tokens, bucket) is one fixed shape and one graph. Prefill runs in
+chunks through the static cache (slot = position makes that exact), so a long prompt never holds
+extend attention's scores for all its positions at once.
 """
 from dataclasses import dataclass
 from functools import partial
@@ -63,6 +69,50 @@ def check_request(target, tokens, lens, max_new_tokens, lookahead):
         row, col = bad.nonzero()[0].tolist()
         raise ValueError(f"prompt row {row} has id {tokens[row, col].item()} at position {col}, outside the "
                          f"vocabulary [0, {a.vocab_size})")
+
+
+def kv_bucket(n, limit):
+    """Cache slots a forward reads when the positions in use are < n: n rounded up to 4
+    significant bits or to a multiple of 64, whichever is coarser (so at most 1/8 or 63 slots
+    more than needed, and 8 buckets, so 8 graphs, per doubling), at most the cache size `limit`."""
+    step = max(64, 1 << max(0, n.bit_length() - 4))
+    return min(limit, -(-n // step) * step)
+
+
+PREFILL_CHUNK = 2048  # positions per prefill forward: extend attention holds [B, chunk, H, S] scores
+
+
+def prefill_target(target, tokens, last, capture_aux, chunk=PREFILL_CHUNK):
+    """The extend forward over prompts [B, P] in chunks of `chunk` positions, each reading only
+    the slots written so far; a chunk attends to the slots the earlier ones wrote (slot = position),
+    so this equals one pass. Returns the logits at each row's last prompt position `last` [B]
+    ([B, V]) and, with capture_aux, the EAGLE-3 states of every position [B, P, 3D] (else None)."""
+    B, P = tokens.shape
+    out_logits, auxes = None, []
+    for s in range(0, P, chunk):
+        e = min(P, s + chunk)
+        positions = torch.arange(s, e, device=tokens.device).expand(B, e - s)
+        logits, aux = target(tokens[:, s:e], positions, "extend", capture_aux=capture_aux, kv_len=e)
+        auxes.append(aux)
+        picked = logits.gather(1, (last - s).clamp(0, e - s - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1]))
+        here = ((last >= s) & (last < e)).unsqueeze(1)                          # [B, 1]
+        out_logits = picked.squeeze(1) if out_logits is None else torch.where(here, picked.squeeze(1), out_logits)
+    return out_logits, torch.cat(auxes, 1) if capture_aux else None
+
+
+def prefill_draft(draft, tokens, aux, last, chunk=PREFILL_CHUNK):
+    """Eagle3Draft.extend over all prompt rows [B, P] in chunks (exact, as `prefill_target`). Returns
+    d_1 [B] and g [B, D] of each row's row `last`."""
+    B, P = tokens.shape
+    first = g = None
+    for s in range(0, P, chunk):
+        e = min(P, s + chunk)
+        positions = torch.arange(s, e, device=tokens.device).expand(B, e - s)
+        f, h = draft.extend(tokens[:, s:e], positions, aux[:, s:e], (last - s).clamp(0, e - s - 1), kv_len=e)
+        here = (last >= s) & (last < e)                                           # [B]
+        first = f if first is None else torch.where(here, f, first)
+        g = h if g is None else torch.where(here.unsqueeze(1), h, g)
+    return first, g
 
 
 def exponential_race(weights, generator):
@@ -143,36 +193,37 @@ def prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, generat
     token committed; with a draft head, its extend over the prompts and the first k drafts.
     Returns the Rows and the drafts [B, k] (None for plain decoding)."""
     B, P = tokens.shape
-    positions = torch.arange(P, device=tokens.device).expand(B, P)
-    logits, aux = target(tokens, positions, "extend", capture_aux=draft is not None)
     last = lens - 1                                            # each prompt's last position
+    logits, aux = prefill_target(target, tokens, last, capture_aux=draft is not None)
     rows = Rows(out=torch.zeros(B, max_new_tokens + k + 1, dtype=torch.int64, device=tokens.device),
                 n_out=torch.zeros_like(last), x=tokens.gather(1, last.unsqueeze(1)).squeeze(1), cur=last.clone(),
                 done=torch.zeros_like(last, dtype=torch.bool), offsets=torch.arange(k + 1, device=tokens.device))
-    x = sample(logits.gather(1, last.view(-1, 1, 1).expand(-1, 1, logits.shape[-1])).squeeze(1), temperature, generator)
-    commit(rows, x.unsqueeze(1), torch.zeros_like(last), eos, max_new_tokens)
+    commit(rows, sample(logits, temperature, generator).unsqueeze(1), torch.zeros_like(last), eos, max_new_tokens)
     if draft is None:
         return rows, None
     # the head reads token t+1 on row t: shift the prompt left, put x at the last row
-    shifted = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).scatter(1, last.unsqueeze(1), x.unsqueeze(1))
-    first, g = draft.extend(shifted, positions, aux, last)
-    return rows, draft.chain(first, g, last, k)
+    shifted = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).scatter(1, last.unsqueeze(1), rows.x.unsqueeze(1))
+    first, g = prefill_draft(draft, shifted, aux, last)
+    return rows, draft.chain(first, g, last, k, kv_len=kv_bucket(P + k, target.max_seq_len))
 
 
-def decode_cycle(target, run, rows, pos, temperature, generator, mark):
-    """Plain decoding: the target reads x at cur and emits its next token. Returns m = 0, emitted [B, 1]."""
-    logits, _ = run(("decode", len(pos), 1), partial(target, mode="decode"), rows.x.unsqueeze(1), pos)
+def decode_cycle(target, run, rows, pos, kv, temperature, generator, mark):
+    """Plain decoding: the target reads x at cur (and the first kv cache slots) and emits its next
+    token. Returns m = 0, emitted [B, 1]."""
+    logits, _ = run(("decode", len(pos), 1, kv), partial(target, mode="decode", kv_len=kv), rows.x.unsqueeze(1), pos)
     mark("decode")
     return torch.zeros_like(rows.cur), sample(logits[:, 0], temperature, generator).unsqueeze(1)
 
 
-def speculative_cycle(target, draft, run, rows, pos, drafts, mode, temperature, generator, simulate_accept_len,
-                      mark):
-    """Verify [x, d_1..d_k] at cur..cur+k, accept, then the head extends over the accepted tokens
-    and chains the next drafts. Returns m [B] drafts accepted, emitted [B, k+1] and the new drafts."""
+def speculative_cycle(target, draft, run, rows, pos, kv, kv_draft, drafts, mode, temperature, generator,
+                      simulate_accept_len, mark):
+    """Verify [x, d_1..d_k] at cur..cur+k (reading the first kv cache slots), accept, then the head
+    extends over the accepted tokens and chains the next drafts (reading kv_draft slots of its own
+    cache). Returns m [B] drafts accepted, emitted [B, k+1] and the new drafts."""
     B, k = drafts.shape
     verify_in = torch.cat([rows.x.unsqueeze(1), drafts], 1)                   # [x_p, d_1..d_k]
-    logits, aux = run(("verify", mode, B, k + 1), partial(target, mode=mode, capture_aux=True), verify_in, pos)
+    logits, aux = run(("verify", mode, B, k + 1, kv), partial(target, mode=mode, capture_aux=True, kv_len=kv),
+                      verify_in, pos)
     mark("verify")
     m, bonus = accept(logits, drafts, temperature, generator)
     if simulate_accept_len is not None:
@@ -181,9 +232,10 @@ def speculative_cycle(target, draft, run, rows, pos, drafts, mode, temperature, 
     # [d_1..d_m, bonus, junk]: the tokens emitted, and the draft extend's input rows
     emitted = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, m.unsqueeze(1), bonus.unsqueeze(1))
     mark("accept")
-    first, g = run(("draft_extend", B, k + 1), draft.extend, emitted, pos, aux, m)
+    first, g = run(("draft_extend", B, k + 1, kv_draft), partial(draft.extend, kv_len=kv_draft), emitted, pos, aux, m)
     mark("draft_extend")
-    drafts = run(("draft_chain", B, k), partial(draft.chain, num_steps=k), first, g, rows.cur + m)
+    drafts = run(("draft_chain", B, k, kv_draft), partial(draft.chain, num_steps=k, kv_len=kv_draft), first, g,
+                 rows.cur + m)
     mark("draft")
     return m, emitted, drafts
 
@@ -213,22 +265,27 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
     eos = torch.tensor(eos_union(target.args.eos_token_ids if eos_id is None else eos_id), dtype=torch.int64,
                        device=device)                                           # [E]
     tokens, lens = pad_prompts(prompts, device)
-    check_request(target, tokens, lens, max_new_tokens, k + 1)
+    # slots past the output: verify writes k+1 from the newest token; the draft chain, k-1 past those
+    check_request(target, tokens, lens, max_new_tokens, max(k + 1, 2 * k - 2))
     gen = torch.Generator(device).manual_seed(seed)
     runner = graphs or (CudaGraphs(device) if use_graphs else None)
     run = runner.run if runner else (lambda key, fn, *inputs: fn(*inputs))
     mark = timer.mark if timer is not None else (lambda name: None)
     rows, drafts = prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, gen, eos)
+    reach = tokens.shape[1] + k + 1  # > every position the next forward writes (the host's bound, no device read)
     accepted, proposed = [], []
     while not bool(rows.done.all()):  # HOST READ: the loop's one device->host sync per cycle
         mark("start")
         pos = rows.cur.unsqueeze(1) + rows.offsets                                # [B, k+1]
+        kv = kv_bucket(reach, target.max_seq_len)            # verify (or decode) writes below reach
+        kv_draft = kv_bucket(reach + k, target.max_seq_len)  # the draft chain writes up to k - 1 further
+        reach += k + 1
         if draft is None:
-            m, emitted = decode_cycle(target, run, rows, pos, temperature, gen, mark)
+            m, emitted = decode_cycle(target, run, rows, pos, kv, temperature, gen, mark)
         else:
             proposed.append(drafts)  # kept on the device, stacked after the loop
-            m, emitted, drafts = speculative_cycle(target, draft, run, rows, pos, drafts, mode, temperature, gen,
-                                                   simulate_accept_len, mark)
+            m, emitted, drafts = speculative_cycle(target, draft, run, rows, pos, kv, kv_draft, drafts, mode,
+                                                   temperature, gen, simulate_accept_len, mark)
         accepted.append(m.masked_fill(rows.done, -1))
         commit(rows, emitted, m, eos, max_new_tokens)
         mark("commit")
