@@ -32,6 +32,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+import kernels
 from tp import (TP, ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear,
                 VocabParallelEmbedding, _param, print0)
 
@@ -328,7 +329,21 @@ class RMSNorm(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # MLA
 
+def absorbed_attention(q_lat, q_pe, kv_c, pe_c, hidden, scale):
+    """Attention in the latent space: with kv_b_proj's key half absorbed into the query (q_lat =
+    q_nope W_uk), a slot's normalized latent is both its key and its value, so q_lat [B, T, H, C]
+    and the rotated q_pe [B, T, H, R] meet kv_c [B, S, C] and pe_c [B, S, R] directly; hidden
+    [B, T, S] masks slots past each query's position. Returns the latent output [B, T, H, C]
+    (W_uv still to apply). The plain twin of kernels.mla_decode_attention."""
+    scores = torch.einsum("bthc,bsc->bths", q_lat, kv_c) + torch.einsum("bthr,bsr->bths", q_pe, pe_c)
+    scores = (scores * scale).masked_fill(hidden.unsqueeze(2), float("-inf"))
+    p = scores.softmax(-1, dtype=torch.promote_types(q_lat.dtype, torch.float32)).to(q_lat.dtype)   # [B, T, H, S]
+    return torch.einsum("bths,bsc->bthc", p, kv_c)
+
+
 class MLA(nn.Module):
+    attn_impl = "torch"  # "triton": decode mode through kernels.mla_decode_attention (Transformer.use_kernels)
+
     def __init__(self, args, tp, max_batch_size, max_seq_len, device, dtype):
         super().__init__()
         a = args
@@ -376,16 +391,16 @@ class MLA(nn.Module):
                 [a.qk_nope_head_dim, a.v_head_dim], -1)                        # [B, S, H, d]
             scores = (torch.einsum("bthd,bshd->bths", q_nope, k_nope)
                       + torch.einsum("bthr,bsr->bths", q_pe, pe_c))
-        else:
-            q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)               # [B, T, H, C]
-            scores = (torch.einsum("bthc,bsc->bths", q_lat, kv_c)
-                      + torch.einsum("bthr,bsr->bths", q_pe, pe_c))
-        scores = (scores * a.softmax_scale).masked_fill(hidden.unsqueeze(2), float("-inf"))
-        p = scores.softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)               # [B, T, H, S]
-        if mode == "extend":
+            scores = (scores * a.softmax_scale).masked_fill(hidden.unsqueeze(2), float("-inf"))
+            p = scores.softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)   # [B, T, H, S]
             o = torch.einsum("bths,bshd->bthd", p, v)
         else:
-            o = torch.einsum("bthc,hdc->bthd", torch.einsum("bths,bsc->bthc", p, kv_c), w_uv)
+            q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)               # [B, T, H, C]
+            if self.attn_impl == "triton":  # the same math in one pass over the used slots
+                o_lat = kernels.mla_decode_attention(q_lat, q_pe, kv_c, pe_c, positions, a.softmax_scale)
+            else:
+                o_lat = absorbed_attention(q_lat, q_pe, kv_c, pe_c, hidden, a.softmax_scale)
+            o = torch.einsum("bthc,hdc->bthd", o_lat, w_uv)
         return self.o_proj(o.flatten(2))
 
 
@@ -407,6 +422,7 @@ class MLP(nn.Module):
 
 class Router(nn.Module):
     """Sigmoid scores; the correction bias picks groups and experts, the unbiased scores weigh them."""
+    impl = "torch"  # "triton": the selection after the logits in one kernel (kernels.router_select)
 
     def __init__(self, args, device, dtype):
         super().__init__()
@@ -418,7 +434,11 @@ class Router(nn.Module):
 
     def forward(self, x):                                          # [N, D] -> [N, K] ids, weights
         a = self.args
-        scores = F.linear(at_least_f32(x), self.weight).sigmoid()               # [N, E] fp32
+        logits = F.linear(at_least_f32(x), self.weight)                         # [N, E] fp32
+        if self.impl == "triton":
+            return kernels.router_select(logits, self.e_score_correction_bias, a.num_experts_per_tok, a.n_group,
+                                         a.topk_group, a.norm_topk_prob, a.routed_scaling_factor)
+        scores = logits.sigmoid()
         biased = scores + self.e_score_correction_bias
         if a.n_group > 1:
             grouped = biased.unflatten(-1, (a.n_group, -1))                    # [N, G, E/G]
@@ -536,6 +556,8 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
+    fused_add_norm = False  # True: kernels.add_rmsnorm (Transformer.use_kernels)
+
     def __init__(self, layer_id, args, tp, moe_impl, max_batch_size, max_seq_len, device, dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, device, dtype)
@@ -548,21 +570,30 @@ class Block(nn.Module):
             self.mlp = MoE(args, tp, moe_impl, device, dtype)
 
     def forward(self, x, positions, rope, hidden, mode):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, hidden, mode)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), positions, rope, hidden, mode)
+        if self.fused_add_norm:  # the residual add and the norm in one kernel
+            x, h = kernels.add_rmsnorm(x, attn, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        else:
+            x = x + attn
+            h = self.post_attention_layernorm(x)
+        return x + self.mlp(h)
 
 
 # ---------------------------------------------------------------------------------------------
 # The model
 
+KERNELS = ("attention", "router", "add_rmsnorm")   # Transformer(kernels=...): the Triton twins, by name
+
+
 class Transformer(nn.Module):
     """This rank's shard of the target. `tp` defaults to the torch.distributed world (or 1).
 
     aux_layer_ids: decoder layers whose outputs EAGLE-3 reads (default 1, L//2 - 1, L - 4).
-    moe_impl: "gather" (plain), "grouped" (torch._grouped_mm) or "auto" (grouped on a GPU that has it)."""
+    moe_impl: "gather" (plain), "grouped" (torch._grouped_mm) or "auto" (grouped on a GPU that has it).
+    kernels: names from KERNELS (or "all") to run as Triton kernels instead of their plain twins."""
 
     def __init__(self, args, max_batch_size=1, max_seq_len=4096, device=None, dtype=None, tp=None,
-                 aux_layer_ids=None, moe_impl="auto"):
+                 aux_layer_ids=None, moe_impl="auto", kernels=()):
         super().__init__()
         device = torch.device(device or "cpu")
         dtype = dtype or torch.get_default_dtype()
@@ -584,6 +615,25 @@ class Transformer(nn.Module):
         self.lm_head = ParallelLMHead(args.hidden_size, args.vocab_size, self.tp, device=device, dtype=dtype)
         cos, sin = rope_tables(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling, max_seq_len, device)
         self.register_buffer("rope", torch.stack((cos, sin), -1), persistent=False)   # [S, R/2, 2]
+        self.use_kernels(kernels)
+
+    def use_kernels(self, names):
+        """Run the named Triton kernels (kernels.py) in place of their plain twins, the others
+        plain: "attention" (decode-mode MLA attention), "router" (selection after the logits),
+        "add_rmsnorm" (residual add + post-attention norm). names: an iterable, "all" or "none"."""
+        names = set(KERNELS if names == "all" else () if names in (None, "none") else
+                    [names] if isinstance(names, str) else names)
+        if names - set(KERNELS):
+            raise ValueError(f"unknown kernels {sorted(names - set(KERNELS))}; choose from {list(KERNELS)} or 'all'")
+        if names:
+            kernels.check_available(self.device)
+        for layer in self.layers:
+            layer.self_attn.attn_impl = "triton" if "attention" in names else "torch"
+            layer.fused_add_norm = "add_rmsnorm" in names
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.gate.impl = "triton" if "router" in names else "torch"
+        self.kernels = tuple(k for k in KERNELS if k in names)
+        return self
 
     def compile_layers(self):
         """Let torch.compile fuse each decoder layer's small kernels (regional compilation: the

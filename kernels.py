@@ -1,0 +1,348 @@
+"""Triton kernels for the hot paths of a decode or verify step, each the fast twin of plain
+PyTorch code in model.py that stays the readable specification.
+
+  MLA decode attention   mla_decode_attention   twin: model.absorbed_attention
+  Router                 router_select          twin: the plain end of model.Router.forward
+  Residual add + RMSNorm add_rmsnorm            twin: x + y, then model.RMSNorm
+
+Each is switched on by name (model.Transformer(..., kernels=...), run.py --kernels) and tested
+against its twin in test_equivalence.py. Triton is imported only where it exists: without it
+this module still imports (HAVE_TRITON is False) and the plain paths run. On a CPU the kernels
+run only under the Triton interpreter (TRITON_INTERPRET=1, set before import; slow, for tests).
+This module must not import model.py (model.py imports it).
+
+Shape legend: B batch rows, T query tokens per row, H local heads, M = T*H query rows of one
+batch row, C kv_lora_rank (latent width), R qk_rope_head_dim, S cache slots, N tokens, D hidden,
+E routed experts, G expert groups, K experts per token.
+"""
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except ImportError:  # CPU / CI machines without triton: the plain paths run
+    triton = None
+    HAVE_TRITON = False
+
+    class tl:  # lets the kernel signatures below evaluate; no kernel runs without triton
+        constexpr = None
+
+
+def interpreting():
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_available(device):
+    """A clear error where the kernels cannot run on `device`."""
+    device = torch.device(device)
+    if not HAVE_TRITON:
+        raise RuntimeError("the Triton kernels need the triton package, which is not installed "
+                           "(pip install triton; or leave the kernels off)")
+    if device.type != "cuda" and not interpreting():
+        raise RuntimeError(f"the Triton kernels run on CUDA devices; on {device} only under the Triton "
+                           "interpreter (TRITON_INTERPRET=1 before import; slow, for tests)")
+
+
+def _jit(fn):
+    """triton.jit where triton exists; else the function stays a plain (uncallable-as-kernel) def."""
+    return triton.jit(fn) if HAVE_TRITON else fn
+
+
+def _pow2(n, least=16):
+    return max(least, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA decode attention
+#
+# The absorbed path of MLA attends in the latent space: every head's query q_lat[h] (q_nope
+# times W_uk[h]) meets the one latent row per slot, which is the key and the value at once, plus
+# the rotary parts:  o_lat[t, h] = sum_s softmax_s(scale * (q_lat[t,h].kv[s] + q_pe[t,h].pe[s])) kv[s]
+# over slots s <= positions[t]. All H heads (and T tokens) of a batch row share the slots, so
+# one program loads a tile of slots once and uses it for its whole block of M = T*H query rows
+# (two small matrix products per tile). Flash-decoding: the slots are cut into splits of
+# `split_len`, one program per (split, batch row, block of query rows); each writes its partial
+# output and log-sum-exp, and a second kernel combines the splits. Programs read the positions
+# on the device: a split past a row's last position reads nothing and writes nothing, and the
+# combine reads only the splits a row uses, so one launch (one CUDA graph) serves any length up
+# to the cache size, with no host read, at a cost that follows the length in use.
+
+# Block sizes. BLOCK_N slots per tile: 64 latent rows of 512 bf16 are 64 KB, which with the
+# 32 x 512 query block and two pipeline stages fits the H200's 228 KB of shared memory; in float32
+# (tests) half as many. Query rows per program: up to 32 (T = 4 tokens x 8 heads at TP 8) keep
+# the fp32 accumulator [32, 512] at 64 registers a thread over 8 warps.
+MLA_BLOCK_N = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
+MLA_MAX_BLOCK_M = 32
+MLA_MIN_SPLIT = 128      # slots per split at least: below this the partial outputs cost more than they save
+MLA_COMBINE_BLOCK_C = 128
+MLA_COMBINE_BLOCK_S = 32
+
+
+@_jit
+def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, pe_ptr, pos_ptr, o_ptr, lse_ptr,
+                       M, H, kv_len, split_len, scale_log2,
+                       s_qb, s_qm, s_qpb, s_qpm, s_kvb, s_kvs, s_peb, s_pes, s_posb, s_post,
+                       s_ob, s_om, s_os, s_lb, s_lm,
+                       C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_LSE: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    """One split of the slots for a block of query rows of one batch row.
+
+    o[b, m] = sum_s p[m, s] kv[b, s] / sum_s p[m, s], p = 2^(scale_log2 * (q[b,m].kv[b,s] +
+    qpe[b,m].pe[b,s]) - max), over slots s in [split * split_len, +split_len) with s < kv_len and
+    s <= pos[b, m // H]; lse[b, m, split] = log2 of the sum (with the max), -inf if no slot.
+    q [B, M, C], qpe [B, M, R] (row m = t*H + h), kv [B, >=kv_len, C], pe [B, >=kv_len, R]: last
+    dim contiguous, same dtype. pos int64 [B, T]. o [B, M, splits, C] float32 partials, or the
+    final output (any float dtype) when there is one split (WRITE_LSE False, lse unused).
+    Grid: (splits, B, cdiv(M, BLOCK_M))."""
+    split, b, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < M
+    pos = tl.load(pos_ptr + b * s_posb + (offs_m // H) * s_post, mask=row_ok, other=-1)   # [BLOCK_M]
+    lo = split * split_len
+    hi = tl.minimum(tl.minimum(tl.max(pos, 0) + 1, kv_len), lo + split_len)   # this block's last slot + 1
+    offs_c, offs_r = tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_R)
+    c_ok, r_ok = offs_c < C, offs_r < R
+    q = tl.load(q_ptr + b * s_qb + offs_m[:, None] * s_qm + offs_c[None, :],
+                mask=row_ok[:, None] & c_ok[None, :], other=0.0)                   # [BLOCK_M, BLOCK_C]
+    qpe = tl.load(qpe_ptr + b * s_qpb + offs_m[:, None] * s_qpm + offs_r[None, :],
+                  mask=row_ok[:, None] & r_ok[None, :], other=0.0)                 # [BLOCK_M, BLOCK_R]
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)     # running max (finite: no inf - inf)
+    l_i = tl.zeros([BLOCK_M], tl.float32)           # running sum of 2^(score - max)
+    acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        kv = tl.load(kv_ptr + b * s_kvb + offs_n[:, None] * s_kvs + offs_c[None, :],
+                     mask=n_ok[:, None] & c_ok[None, :], other=0.0)                # [BLOCK_N, BLOCK_C]
+        pe = tl.load(pe_ptr + b * s_peb + offs_n[:, None] * s_pes + offs_r[None, :],
+                     mask=n_ok[:, None] & r_ok[None, :], other=0.0)                # [BLOCK_N, BLOCK_R]
+        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
+        s = tl.dot(qpe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION) * scale_log2   # [BLOCK_M, BLOCK_N]
+        s = tl.where((offs_n[None, :] <= pos[:, None]) & n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
+        m_i = m_new
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    written = row_ok & (tl.zeros([BLOCK_M], tl.int32) + lo < hi)
+    tl.store(o_ptr + b * s_ob + offs_m[:, None] * s_om + split * s_os + offs_c[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=written[:, None] & c_ok[None, :])
+    if WRITE_LSE:
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + b * s_lb + offs_m * s_lm + split, lse, mask=written)
+
+
+@_jit
+def _mla_combine_kernel(po_ptr, lse_ptr, pos_ptr, o_ptr, M, H, kv_len, split_len,
+                        s_pob, s_pom, s_pos, s_lb, s_lm, s_posb, s_post, s_ob, s_om,
+                        C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """o[b, m] = sum_j 2^(lse_j - L) o_j over the splits j that query row m uses (those that hold
+    a slot <= its position), L = log2 sum_j 2^lse_j. po [B, M, splits, C] and lse [B, M, splits]
+    float32 from _mla_decode_kernel; pos int64 [B, T]; o [B, M, C] (any float dtype).
+    Grid: (B * M, cdiv(C, BLOCK_C))."""
+    row, cb = tl.program_id(0), tl.program_id(1)
+    b, m = row // M, row % M
+    pos = tl.load(pos_ptr + b * s_posb + (m // H) * s_post)
+    n_used = tl.cdiv(tl.minimum(pos + 1, kv_len), split_len)
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    lse_row = lse_ptr + b * s_lb + m * s_lm
+    top = tl.full([BLOCK_S], float("-inf"), tl.float32)       # first pass: the largest lse
+    for j0 in range(0, n_used, BLOCK_S):
+        j = j0 + tl.arange(0, BLOCK_S)
+        top = tl.maximum(top, tl.load(lse_row + j, mask=j < n_used, other=float("-inf")))
+    top_all = tl.max(top, 0)
+    acc = tl.zeros([BLOCK_C], tl.float32)
+    total = tl.zeros([BLOCK_S], tl.float32)
+    for j0 in range(0, n_used, BLOCK_S):                      # second pass: weighted sum, BLOCK_S splits a load
+        j = j0 + tl.arange(0, BLOCK_S)
+        w = tl.exp2(tl.load(lse_row + j, mask=j < n_used, other=float("-inf")) - top_all)   # [BLOCK_S]
+        part = tl.load(po_ptr + b * s_pob + m * s_pom + j[:, None] * s_pos + offs_c[None, :],
+                       mask=(j < n_used)[:, None] & c_ok[None, :], other=0.0)              # [BLOCK_S, BLOCK_C]
+        acc += tl.sum(w[:, None] * part, 0)
+        total += w
+    out = acc / tl.sum(total, 0)
+    tl.store(o_ptr + b * s_ob + m * s_om + offs_c, out.to(o_ptr.dtype.element_ty), mask=c_ok)
+
+
+def mla_split_len(kv_len, batch, m_blocks, block_n, device):
+    """Slots per split: enough splits that a full cache gives about two programs per SM, each
+    split at least MLA_MIN_SPLIT slots and a whole number of tiles. Host ints only."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    want = max(1, 2 * sms // (batch * m_blocks))
+    split = max(MLA_MIN_SPLIT, math.ceil(kv_len / want))
+    return math.ceil(split / block_n) * block_n
+
+
+def mla_decode_attention(q_lat, q_pe, kv_cache, pe_cache, positions, softmax_scale, split_len=None):
+    """The absorbed MLA attention in one pass over the used cache slots (plus a combine when the
+    slots are split): q_lat [B, T, H, C], q_pe [B, T, H, R] (rotated), kv_cache [B, S, C],
+    pe_cache [B, S, R] (views of the cache may be strided over B and S; the last dim must be
+    contiguous), positions int64 [B, T] on the device. Query (b, t) sees slots s < S with
+    s <= positions[b, t]. Returns o_lat [B, T, H, C] in q_lat's dtype. No host read."""
+    B, T, H, C = q_lat.shape
+    R, S = q_pe.shape[-1], kv_cache.shape[1]
+    if q_pe.shape[:3] != (B, T, H) or kv_cache.shape != (B, S, C) or pe_cache.shape != (B, S, R):
+        raise ValueError(f"mla_decode_attention: shapes q_lat {list(q_lat.shape)}, q_pe {list(q_pe.shape)}, "
+                         f"kv_cache {list(kv_cache.shape)}, pe_cache {list(pe_cache.shape)} do not fit "
+                         "[B, T, H, C], [B, T, H, R], [B, S, C], [B, S, R]")
+    if positions.shape != (B, T) or positions.dtype != torch.int64:
+        raise ValueError(f"mla_decode_attention: positions must be int64 [{B}, {T}], got "
+                         f"{positions.dtype} {list(positions.shape)}")
+    dtypes = {q_lat.dtype, q_pe.dtype, kv_cache.dtype, pe_cache.dtype}
+    if len(dtypes) != 1 or q_lat.dtype not in MLA_BLOCK_N:
+        raise ValueError(f"mla_decode_attention: needs one dtype of {sorted(map(str, MLA_BLOCK_N))} for the "
+                         f"queries and the cache, got {sorted(map(str, dtypes))} (float64: use the plain path)")
+    if kv_cache.stride(-1) != 1 or pe_cache.stride(-1) != 1:
+        raise ValueError("mla_decode_attention: the cache's last dim must be contiguous")
+    M = T * H
+    q = q_lat.reshape(B, M, C)        # a copy only when q_lat is not already [B, M, C]-strided
+    qpe = q_pe.reshape(B, M, R)
+    out = torch.empty(B, M, C, device=q_lat.device, dtype=q_lat.dtype)
+    block_n = MLA_BLOCK_N[q_lat.dtype]
+    block_m = min(MLA_MAX_BLOCK_M, _pow2(M))
+    m_blocks = triton.cdiv(M, block_m)
+    split_len = split_len or mla_split_len(S, B, m_blocks, block_n, q_lat.device)
+    splits = triton.cdiv(S, split_len)
+    if splits == 1:
+        partial, lse = out.unsqueeze(2), out      # the kernel writes the final output; lse unused
+    else:
+        partial = torch.empty(B, M, splits, C, device=q_lat.device, dtype=torch.float32)
+        lse = torch.empty(B, M, splits, device=q_lat.device, dtype=torch.float32)
+    _mla_decode_kernel[(splits, B, m_blocks)](
+        q, qpe, kv_cache, pe_cache, positions, partial, lse, M, H, S, split_len, softmax_scale * math.log2(math.e),
+        q.stride(0), q.stride(1), qpe.stride(0), qpe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        pe_cache.stride(0), pe_cache.stride(1), positions.stride(0), positions.stride(1),
+        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        C=C, R=R, BLOCK_C=_pow2(C), BLOCK_R=_pow2(R), BLOCK_M=block_m, BLOCK_N=block_n,
+        WRITE_LSE=splits > 1, DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
+        num_warps=8 if block_m > 16 else 4, num_stages=2)
+    if splits > 1:
+        _mla_combine_kernel[(B * M, triton.cdiv(C, MLA_COMBINE_BLOCK_C))](
+            partial, lse, positions, out, M, H, S, split_len,
+            partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+            positions.stride(0), positions.stride(1), out.stride(0), out.stride(1),
+            C=C, BLOCK_C=MLA_COMBINE_BLOCK_C, BLOCK_S=MLA_COMBINE_BLOCK_S, num_warps=4)
+    return out.view(B, T, H, C)
+
+
+# ---------------------------------------------------------------------------------------------
+# Router
+#
+# DeepSeek-V3's noaux_tc selection after the logits, one program per token: sigmoid scores, the
+# correction bias added for selection only, groups kept by the sum of their two best biased
+# scores (n_group > 1), the top K experts of the kept groups, their unbiased scores normalized
+# and scaled. The logits GEMV (x @ W^T in fp32) stays outside, in cuBLAS: it reads the whole
+# [E, D] fp32 matrix (11 MB at Kimi-K2's 384 x 7168), which needs the whole GPU, while one
+# program per token is what the selection wants.
+
+
+@_jit
+def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_ln, s_idn, s_wn, E_PER_G, G, scale,
+                   K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, GROUPED: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
+    """ids[n], w[n] = the K experts of token n and their weights. logits [N, E] float32 (E = G *
+    E_PER_G, expert e = g * E_PER_G + j), bias [E] float32; ids [N, K] int64, w [N, K] float32,
+    best first. Grid: (N,)."""
+    n = tl.program_id(0)
+    g = tl.arange(0, BLOCK_G)[:, None]
+    j = tl.arange(0, BLOCK_EG)[None, :]
+    e = g * E_PER_G + j                                                   # [BLOCK_G, BLOCK_EG] expert ids
+    ok = (g < G) & (j < E_PER_G)
+    score = tl.sigmoid(tl.load(logits_ptr + n * s_ln + e, mask=ok, other=0.0))
+    biased = tl.where(ok, score + tl.load(bias_ptr + e, mask=ok, other=0.0), float("-inf"))
+    if GROUPED:  # keep the TOPK_GROUP groups whose two best biased scores sum highest
+        best = tl.argmax(biased, 1)                                       # [BLOCK_G]
+        second = tl.max(tl.where(j == best[:, None], float("-inf"), biased), 1)
+        gid = tl.arange(0, BLOCK_G)
+        gscore = tl.where(gid < G, tl.max(biased, 1) + second, float("-inf"))
+        keep = gid < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            top = tl.argmax(gscore, 0)
+            keep = keep | (gid == top)
+            gscore = tl.where(gid == top, float("-inf"), gscore)
+        biased = tl.where(keep[:, None], biased, float("-inf"))
+    flat = tl.reshape(biased, [BLOCK_G * BLOCK_EG])
+    flat_score = tl.reshape(score, [BLOCK_G * BLOCK_EG])
+    flat_e = tl.reshape(e, [BLOCK_G * BLOCK_EG])
+    idx = tl.arange(0, BLOCK_G * BLOCK_EG)
+    k = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], tl.int64)
+    w = tl.zeros([BLOCK_K], tl.float32)
+    for i in tl.static_range(K):  # K rounds of argmax: the top K, best first
+        hit = idx == tl.argmax(flat, 0)
+        ids = tl.where(k == i, tl.sum(tl.where(hit, flat_e, 0), 0).to(tl.int64), ids)
+        w = tl.where(k == i, tl.sum(tl.where(hit, flat_score, 0.0), 0), w)
+        flat = tl.where(hit, float("-inf"), flat)
+    if NORM:
+        w = w / (tl.sum(w, 0) + 1e-20)
+    tl.store(ids_ptr + n * s_idn + k, ids, mask=k < K)
+    tl.store(w_ptr + n * s_wn + k, w * scale, mask=k < K)
+
+
+def router_select(logits, bias, top_k, n_group, topk_group, norm_topk_prob, scaling):
+    """logits [N, E] float32, bias [E] float32 -> ids int64 [N, K], weights float32 [N, K]: the
+    selection of model.Router.forward in one kernel."""
+    N, E = logits.shape
+    if logits.dtype != torch.float32 or bias.dtype != torch.float32 or bias.shape != (E,):
+        raise ValueError(f"router_select: needs float32 logits [N, E] and bias [E], got {logits.dtype} "
+                         f"{list(logits.shape)} and {bias.dtype} {list(bias.shape)}")
+    if E % n_group or not 1 <= topk_group <= n_group or top_k > E // n_group * topk_group:
+        raise ValueError(f"router_select: {E} experts in {n_group} groups, {topk_group} kept, cannot give "
+                         f"top {top_k}")
+    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
+    ids = torch.empty(N, top_k, device=logits.device, dtype=torch.int64)
+    weights = torch.empty(N, top_k, device=logits.device, dtype=torch.float32)
+    if N == 0:
+        return ids, weights
+    _router_kernel[(N,)](logits, bias, ids, weights, logits.stride(0), ids.stride(0), weights.stride(0),
+                         E // n_group, n_group, float(scaling), K=top_k, TOPK_GROUP=topk_group,
+                         NORM=bool(norm_topk_prob), GROUPED=n_group > 1, BLOCK_G=_pow2(n_group, 1),
+                         BLOCK_EG=_pow2(E // n_group, 1), BLOCK_K=_pow2(top_k, 1), num_warps=4)
+    return ids, weights
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused residual + RMSNorm: the residual add and the norm that reads its result, one pass.
+
+
+@_jit
+def _add_rmsnorm_kernel(x_ptr, y_ptr, w_ptr, h_ptr, out_ptr, D, eps, s_x, s_y, s_h, s_out,
+                        BLOCK_D: tl.constexpr):
+    """h = x + y (rounded to x's dtype, as the plain add), out = h * rsqrt(mean(h^2) + eps) * w,
+    computed in float32 and rounded once. x, y, h, out [N, D] (last dim contiguous), w [D].
+    Grid: (N,)."""
+    n = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    ok = d < D
+    x = tl.load(x_ptr + n * s_x + d, mask=ok, other=0.0)
+    y = tl.load(y_ptr + n * s_y + d, mask=ok, other=0.0)
+    h = (x.to(tl.float32) + y.to(tl.float32)).to(x.dtype)
+    tl.store(h_ptr + n * s_h + d, h, mask=ok)
+    hf = h.to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / D + eps)
+    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n * s_out + d, (hf * r * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def add_rmsnorm(x, y, weight, eps):
+    """(x + y, RMSNorm(x + y)) for x, y [..., D] of one dtype and weight [D]: one read of x and y."""
+    D = x.shape[-1]
+    if y.shape != x.shape or y.dtype != x.dtype or weight.shape != (D,):
+        raise ValueError(f"add_rmsnorm: x {x.dtype} {list(x.shape)}, y {y.dtype} {list(y.shape)}, weight "
+                         f"{list(weight.shape)} do not fit")
+    x2, y2 = x.contiguous().view(-1, D), y.contiguous().view(-1, D)
+    h, out = torch.empty_like(x2), torch.empty_like(x2)
+    if x2.shape[0]:
+        _add_rmsnorm_kernel[(x2.shape[0],)](x2, y2, weight, h, out, D, float(eps), x2.stride(0), y2.stride(0),
+                                            h.stride(0), out.stride(0), BLOCK_D=_pow2(D),
+                                            num_warps=8 if D >= 4096 else 4)
+    return h.view(x.shape), out.view(x.shape)
