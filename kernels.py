@@ -2,6 +2,7 @@
 PyTorch code in model.py that stays the readable specification.
 
   MLA decode attention   mla_decode_attention   twin: model.absorbed_attention
+  RoPE + cache write     mla_rope_cache_write   twin: the plain lines of model.MLA.forward it replaces
   Router                 router_select          twin: the plain end of model.Router.forward
   Residual add + RMSNorm add_rmsnorm            twin: x + y, then model.RMSNorm
 
@@ -346,3 +347,85 @@ def add_rmsnorm(x, y, weight, eps):
                                             h.stride(0), out.stride(0), BLOCK_D=_pow2(D),
                                             num_warps=8 if D >= 4096 else 4)
     return h.view(x.shape), out.view(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE fused with the cache write
+#
+# What MLA does with each new token before attending, in one program per token: normalize the
+# latent (kv_a_layernorm) and write it to its cache slot (slot = position), rotate k_pe and write
+# it beside, and rotate the token's H query rotary parts. RoPE turns interleaved pairs
+# (x[2i], x[2i+1]) by the angle whose (cos, sin) the table gives for the token's position.
+
+
+@_jit
+def _rope_cache_kernel(q_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr, kv_cache_ptr, pe_cache_ptr, qo_ptr,
+                       T, H, eps, s_qb, s_qt, s_qh, s_kvb, s_kvt, s_kpb, s_kpt, s_rb, s_rt, s_posb, s_post,
+                       s_cb, s_cs, s_pb, s_ps, s_ob, s_ot, s_oh,
+                       C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_R2: tl.constexpr):
+    """For token (b, t) at slot p = pos[b, t]: kv_cache[b, p] = RMSNorm(kv[b, t]) * w,
+    pe_cache[b, p] = rope(kpe[b, t]), qo[b, t, h] = rope(q[b, t, h]) for every head h.
+    q [B, T, H, R], kv [B, T, C], kpe [B, T, R] (strided views, last dim contiguous; one dtype);
+    w [C]; rope [B, T, R/2, 2] float32 (cos, sin), contiguous in its last two dims; pos int64
+    [B, T]; caches [>=B, S, C] and [>=B, S, R]; qo [B, T, H, R]. Float32 math, one rounding.
+    Grid: (B * T,)."""
+    n = tl.program_id(0)
+    b, t = n // T, n % T
+    p = tl.load(pos_ptr + b * s_posb + t * s_post)
+    c = tl.arange(0, BLOCK_C)
+    kv = tl.load(kv_ptr + b * s_kvb + t * s_kvt + c, mask=c < C, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + c, mask=c < C, other=0.0).to(tl.float32)
+    normed = kv / tl.sqrt(tl.sum(kv * kv, 0) / C + eps) * w
+    tl.store(kv_cache_ptr + b * s_cb + p * s_cs + c, normed.to(kv_cache_ptr.dtype.element_ty), mask=c < C)
+    i = tl.arange(0, BLOCK_R2)
+    i_ok = 2 * i < R
+    cos = tl.load(rope_ptr + b * s_rb + t * s_rt + 2 * i, mask=i_ok, other=0.0)
+    sin = tl.load(rope_ptr + b * s_rb + t * s_rt + 2 * i + 1, mask=i_ok, other=0.0)
+    k = kpe_ptr + b * s_kpb + t * s_kpt + 2 * i
+    ke, ko = tl.load(k, mask=i_ok, other=0.0).to(tl.float32), tl.load(k + 1, mask=i_ok, other=0.0).to(tl.float32)
+    pe = pe_cache_ptr + b * s_pb + p * s_ps + 2 * i
+    tl.store(pe, (ke * cos - ko * sin).to(pe_cache_ptr.dtype.element_ty), mask=i_ok)
+    tl.store(pe + 1, (ke * sin + ko * cos).to(pe_cache_ptr.dtype.element_ty), mask=i_ok)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    ok = (h < H) & i_ok[None, :]
+    q = q_ptr + b * s_qb + t * s_qt + h * s_qh + 2 * i[None, :]
+    qe, qo = tl.load(q, mask=ok, other=0.0).to(tl.float32), tl.load(q + 1, mask=ok, other=0.0).to(tl.float32)
+    out = qo_ptr + b * s_ob + t * s_ot + h * s_oh + 2 * i[None, :]
+    tl.store(out, (qe * cos[None, :] - qo * sin[None, :]).to(qo_ptr.dtype.element_ty), mask=ok)
+    tl.store(out + 1, (qe * sin[None, :] + qo * cos[None, :]).to(qo_ptr.dtype.element_ty), mask=ok)
+
+
+def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_cache, pe_cache):
+    """Writes kv_cache[b, positions[b, t]] = RMSNorm(kv[b, t]) and pe_cache[b, positions[b, t]] =
+    rope(k_pe[b, t]); returns rope(q_pe) [B, T, H, R]. q_pe [B, T, H, R], kv [B, T, C], k_pe
+    [B, T, R] (views with a contiguous last dim), rope [B, T, R/2, 2] float32 (cos, sin) at each
+    token's position, positions int64 [B, T], caches [>=B, S, C] / [>=B, S, R]."""
+    B, T, H, R = q_pe.shape
+    C = kv.shape[-1]
+    if kv.shape != (B, T, C) or k_pe.shape != (B, T, R) or rope.shape != (B, T, R // 2, 2) or R % 2:
+        raise ValueError(f"mla_rope_cache_write: q_pe {list(q_pe.shape)}, kv {list(kv.shape)}, k_pe "
+                         f"{list(k_pe.shape)}, rope {list(rope.shape)} do not fit [B, T, H, R], [B, T, C], "
+                         "[B, T, R], [B, T, R/2, 2] with R even")
+    if q_pe.dtype not in MLA_BLOCK_N or len({q_pe.dtype, kv.dtype, k_pe.dtype, kv_cache.dtype, pe_cache.dtype}) != 1:
+        raise ValueError(f"mla_rope_cache_write: needs one dtype of {sorted(map(str, MLA_BLOCK_N))} for the inputs "
+                         f"and the caches, got {q_pe.dtype}, {kv.dtype}, {k_pe.dtype}, {kv_cache.dtype}, "
+                         f"{pe_cache.dtype} (float64: use the plain path)")
+    if positions.shape != (B, T) or positions.dtype != torch.int64 or rope.dtype != torch.float32:
+        raise ValueError("mla_rope_cache_write: needs int64 positions [B, T] and a float32 rope table")
+    if kv_cache.shape[0] < B or kv_cache.shape[2] != C or pe_cache.shape[2] != R:
+        raise ValueError(f"mla_rope_cache_write: caches {list(kv_cache.shape)}, {list(pe_cache.shape)} do not "
+                         f"hold [{B}, S, {C}] and [{B}, S, {R}]")
+    for name, x in dict(q_pe=q_pe, kv=kv, k_pe=k_pe, kv_cache=kv_cache, pe_cache=pe_cache).items():
+        if x.stride(-1) != 1:
+            raise ValueError(f"mla_rope_cache_write: {name}'s last dim must be contiguous")
+    rope = rope if rope.stride(-1) == 1 and rope.stride(-2) == 2 else rope.contiguous()
+    out = torch.empty(B, T, H, R, device=q_pe.device, dtype=q_pe.dtype)
+    _rope_cache_kernel[(B * T,)](
+        q_pe, kv, k_pe, norm_weight, rope, positions, kv_cache, pe_cache, out, T, H, float(eps),
+        q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), kv.stride(0), kv.stride(1), k_pe.stride(0), k_pe.stride(1),
+        rope.stride(0), rope.stride(1), positions.stride(0), positions.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), pe_cache.stride(0), pe_cache.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        C=C, R=R, BLOCK_C=_pow2(C), BLOCK_H=_pow2(H, 1), BLOCK_R2=_pow2(R // 2, 1), num_warps=4)
+    return out

@@ -342,7 +342,8 @@ def absorbed_attention(q_lat, q_pe, kv_c, pe_c, hidden, scale):
 
 
 class MLA(nn.Module):
-    attn_impl = "torch"  # "triton": decode mode through kernels.mla_decode_attention (Transformer.use_kernels)
+    attn_impl = "torch"        # "triton": decode mode through kernels.mla_decode_attention (Transformer.use_kernels)
+    rope_cache_impl = "torch"  # "triton": RoPE, latent norm and cache writes by kernels.mla_rope_cache_write
 
     def __init__(self, args, tp, max_batch_size, max_seq_len, device, dtype):
         super().__init__()
@@ -378,11 +379,15 @@ class MLA(nn.Module):
         (B, T, _), kv_len = x.shape, hidden.shape[-1]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
         q_nope, q_pe = q.view(B, T, h, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
-        q_pe = apply_rope(q_pe, rope)
         kv, k_pe = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
-        rows = torch.arange(B, device=x.device).unsqueeze(1)
-        self.kv_cache[rows, positions] = self.kv_a_layernorm(kv)     # slot = position
-        self.pe_cache[rows, positions] = apply_rope(k_pe, rope)
+        if self.rope_cache_impl == "triton":  # the four lines below in one kernel
+            q_pe = kernels.mla_rope_cache_write(q_pe, kv, k_pe, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+                                                rope, positions, self.kv_cache, self.pe_cache)
+        else:
+            q_pe = apply_rope(q_pe, rope)
+            rows = torch.arange(B, device=x.device).unsqueeze(1)
+            self.kv_cache[rows, positions] = self.kv_a_layernorm(kv)     # slot = position
+            self.pe_cache[rows, positions] = apply_rope(k_pe, rope)
         kv_c, pe_c = self.kv_cache[:B, :kv_len], self.pe_cache[:B, :kv_len]     # [B, S, C], [B, S, R]
         w_kv_b = self.kv_b_proj.weight.view(h, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
         w_uk, w_uv = w_kv_b.split([a.qk_nope_head_dim, a.v_head_dim], 1)      # [H, d, C]
@@ -582,7 +587,7 @@ class Block(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # The model
 
-KERNELS = ("attention", "router", "add_rmsnorm")   # Transformer(kernels=...): the Triton twins, by name
+KERNELS = ("attention", "rope_cache", "router", "add_rmsnorm")   # Transformer(kernels=...): the Triton twins, by name
 
 
 class Transformer(nn.Module):
@@ -619,8 +624,9 @@ class Transformer(nn.Module):
 
     def use_kernels(self, names):
         """Run the named Triton kernels (kernels.py) in place of their plain twins, the others
-        plain: "attention" (decode-mode MLA attention), "router" (selection after the logits),
-        "add_rmsnorm" (residual add + post-attention norm). names: an iterable, "all" or "none"."""
+        plain: "attention" (decode-mode MLA attention), "rope_cache" (RoPE + latent norm + cache
+        writes), "router" (selection after the logits), "add_rmsnorm" (residual add +
+        post-attention norm). names: an iterable, "all" or "none"."""
         names = set(KERNELS if names == "all" else () if names in (None, "none") else
                     [names] if isinstance(names, str) else names)
         if names - set(KERNELS):
@@ -629,6 +635,7 @@ class Transformer(nn.Module):
             kernels.check_available(self.device)
         for layer in self.layers:
             layer.self_attn.attn_impl = "triton" if "attention" in names else "torch"
+            layer.self_attn.rope_cache_impl = "triton" if "rope_cache" in names else "torch"
             layer.fused_add_norm = "add_rmsnorm" in names
             if isinstance(layer.mlp, MoE):
                 layer.mlp.gate.impl = "triton" if "router" in names else "torch"

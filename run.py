@@ -63,6 +63,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float64"], help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--moe-impl", choices=["auto", "gather", "grouped"], default="auto",
                    help="routed experts: gathered weights (plain) or torch._grouped_mm (auto: grouped on a GPU)")
+    p.add_argument("--kernels", default="none", help="Triton kernels in place of their plain twins: 'all', "
+                   "'none' or a comma list of " + ",".join(model.KERNELS) + " (default %(default)s)")
     p.add_argument("--compile", action="store_true", help="also time the captured phases with each decoder "
                    "layer and the draft layer fused by torch.compile (inside our own CUDA graphs), beside the plain ones")
     p.add_argument("--reps", type=int, help="timed repetitions per phase (default 20 GPU, 5 CPU)")
@@ -131,6 +133,10 @@ def settle(args, device, world):
     args.max_new_tokens = args.max_new_tokens or (64 if gpu else 24)
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
     args.reps = args.reps or (20 if gpu else 5)
+    args.kernels = args.kernels if args.kernels in ("all", "none") else args.kernels.split(",")
+    unknown = [] if isinstance(args.kernels, str) else sorted(set(args.kernels) - set(model.KERNELS))
+    if unknown:
+        sys.exit(f"--kernels: unknown {', '.join(unknown)}; choose from {', '.join(model.KERNELS)}, all or none")
     return args
 
 
@@ -143,7 +149,7 @@ def build(args, device, dtype, world):
     max_seq_len = args.prompt_len + args.max_new_tokens + k + 2
     if args.model_path:
         target = model.load_target(args.model_path, args.batch_size, max_seq_len, device, dtype, tp,
-                                   moe_impl=args.moe_impl)
+                                   moe_impl=args.moe_impl, kernels=args.kernels)
         how = f"loaded {args.model_path}"
     else:
         quant = {None: {}, "none": dict(quantization_config=None), "int4": dict(quantization_config="int4")}
@@ -151,7 +157,8 @@ def build(args, device, dtype, world):
         if args.routed_experts:
             tpm.print0(f"memory override: {args.routed_experts} of {margs.n_routed_experts} routed experts per layer kept")
             margs.n_routed_experts = args.routed_experts
-        target = model.Transformer(margs, args.batch_size, max_seq_len, device, dtype, tp, moe_impl=args.moe_impl)
+        target = model.Transformer(margs, args.batch_size, max_seq_len, device, dtype, tp, moe_impl=args.moe_impl,
+                                   kernels=args.kernels)
         whole = tp.world_size == 1 or not tp.simulated and sum(p.numel() for p in target.parameters()) < 5e8
         model.init_random(target, args.seed, rank_local=not whole)
         how = f"random {args.preset} ({'seeded whole, same at any TP' if whole else 'rank-local init'})"
@@ -546,13 +553,14 @@ def main(argv=None):
     group = target.args.int4_group_size
     quant_note = f" (routed experts INT4, group {group})" if group else ""
     header = (f"target: {how}, {target.args.num_hidden_layers} layers, {target.args.n_routed_experts} routed experts, "
-              f"{target.tp.describe()}, {args.dtype}{quant_note}, moe {target.moe_impl} | batch {B}, prompt {P}, "
+              f"{target.tp.describe()}, {args.dtype}{quant_note}, moe {target.moe_impl}, "
+              f"kernels {','.join(target.kernels) or 'none'} | batch {B}, prompt {P}, "
               f"num_steps {k} | {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
               f"torch {torch.__version__}" + (" | acceptance SIMULATED" if sim else ""))
     tpm.print0(header)
     result = dict(env=dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                            torch=torch.__version__, world_size=world, simulated_tp=args.simulate_tp if target.tp.simulated else None,
-                           dtype=args.dtype, int4_group_size=group, moe_impl=target.moe_impl, seed=args.seed, simulated_acceptance=sim,
+                           dtype=args.dtype, int4_group_size=group, moe_impl=target.moe_impl, kernels=list(target.kernels), seed=args.seed, simulated_acceptance=sim,
                            target=how, config=vars(args)), phases_ms={}, e2e={}, floors=None, cost_model={})
 
     g = torch.Generator().manual_seed(args.seed)
