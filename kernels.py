@@ -3,7 +3,7 @@ PyTorch code in model.py that stays the readable specification.
 
   MLA decode attention   mla_decode_attention   twin: model.absorbed_attention
   RoPE + cache write     mla_rope_cache_write   twin: the plain lines of model.MLA.forward it replaces
-  Router                 router_select          twin: the plain end of model.Router.forward
+  Router                 router_topk            twin: model.Router.forward (plain)
   Residual add + RMSNorm add_rmsnorm            twin: x + y, then model.RMSNorm
 
 Each is switched on by name (model.Transformer(..., kernels=...), run.py --kernels) and tested
@@ -72,13 +72,16 @@ def _pow2(n, least=16):
 # combine reads only the splits a row uses, so one launch (one CUDA graph) serves any length up
 # to the cache size, with no host read, at a cost that follows the length in use.
 
-# Block sizes. BLOCK_N slots per tile: 64 latent rows of 512 bf16 are 64 KB, which with the
-# 32 x 512 query block and two pipeline stages fits the H200's 228 KB of shared memory; in float32
-# (tests) half as many. Query rows per program: up to 32 (T = 4 tokens x 8 heads at TP 8) keep
-# the fp32 accumulator [32, 512] at 64 registers a thread over 8 warps.
+# Block sizes, from a sweep on the H200 (BENCHMARKS.md, "MLA decode attention kernel"). BLOCK_N
+# slots per tile: 64 latent rows of 512 bf16 are 64 KB; three of them in flight (num_stages 3)
+# fill most of the H200's 228 KB of shared memory, so one program runs per SM at a time and the
+# split rule below aims at one wave of programs. float32 (tests): half the rows, two stages.
+# Query rows per program: up to 32 (T = 4 tokens x 8 heads at TP 8) keep the fp32 accumulator
+# [32, 512] at 64 registers a thread over 8 warps.
 MLA_BLOCK_N = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
+MLA_NUM_STAGES = {torch.bfloat16: 3, torch.float16: 3, torch.float32: 2}
 MLA_MAX_BLOCK_M = 32
-MLA_MIN_SPLIT = 128      # slots per split at least: below this the partial outputs cost more than they save
+MLA_MIN_SPLIT = 64       # slots per split at least (one bf16 tile)
 MLA_COMBINE_BLOCK_C = 128
 MLA_COMBINE_BLOCK_S = 32
 
@@ -175,10 +178,10 @@ def _mla_combine_kernel(po_ptr, lse_ptr, pos_ptr, o_ptr, M, H, kv_len, split_len
 
 
 def mla_split_len(kv_len, batch, m_blocks, block_n, device):
-    """Slots per split: enough splits that a full cache gives about two programs per SM, each
-    split at least MLA_MIN_SPLIT slots and a whole number of tiles. Host ints only."""
+    """Slots per split: enough splits that a full cache gives one program per SM (one wave),
+    each split at least MLA_MIN_SPLIT slots and a whole number of tiles. Host ints only."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    want = max(1, 2 * sms // (batch * m_blocks))
+    want = max(1, sms // (batch * m_blocks))
     split = max(MLA_MIN_SPLIT, math.ceil(kv_len / want))
     return math.ceil(split / block_n) * block_n
 
@@ -225,7 +228,7 @@ def mla_decode_attention(q_lat, q_pe, kv_cache, pe_cache, positions, softmax_sca
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         C=C, R=R, BLOCK_C=_pow2(C), BLOCK_R=_pow2(R), BLOCK_M=block_m, BLOCK_N=block_n,
         WRITE_LSE=splits > 1, DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
-        num_warps=8 if block_m > 16 else 4, num_stages=2)
+        num_warps=8 if block_m > 16 else 4, num_stages=MLA_NUM_STAGES[q_lat.dtype])
     if splits > 1:
         _mla_combine_kernel[(B * M, triton.cdiv(C, MLA_COMBINE_BLOCK_C))](
             partial, lse, positions, out, M, H, S, split_len,
@@ -238,27 +241,56 @@ def mla_decode_attention(q_lat, q_pe, kv_cache, pe_cache, positions, softmax_sca
 # ---------------------------------------------------------------------------------------------
 # Router
 #
-# DeepSeek-V3's noaux_tc selection after the logits, one program per token: sigmoid scores, the
-# correction bias added for selection only, groups kept by the sum of their two best biased
-# scores (n_group > 1), the top K experts of the kept groups, their unbiased scores normalized
-# and scaled. The logits GEMV (x @ W^T in fp32) stays outside, in cuBLAS: it reads the whole
-# [E, D] fp32 matrix (11 MB at Kimi-K2's 384 x 7168), which needs the whole GPU, while one
-# program per token is what the selection wants.
+# DeepSeek-V3's noaux_tc routing in two kernels. (1) The logits x @ W^T in float32 for few tokens
+# (decode, verify): W is [E, D] float32 (11 MB at Kimi-K2's 384 x 7168) and must be read by
+# many SMs at once, so programs take a block of experts and one of ROUTER_SPLIT_D slices of D
+# each and write partial sums; cuBLAS's GEMM takes over past ROUTER_GEMV_MAX_TOKENS tokens.
+# (2) One program per token sums the partials and selects: sigmoid scores, the correction bias
+# added for selection only, groups kept by the sum of their two best biased scores (n_group > 1),
+# the top K experts of the kept groups, their unbiased scores normalized and scaled.
+
+ROUTER_GEMV_MAX_TOKENS = 16
+ROUTER_SPLIT_D = 4          # D slices: 384 experts / 8 a block x 4 slices = 192 programs on 132 SMs
+ROUTER_BLOCK_E = 8
+ROUTER_TILE = 8192          # elements of the [tokens, experts, D] product a program holds at once
 
 
 @_jit
-def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_ln, s_idn, s_wn, E_PER_G, G, scale,
-                   K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, GROUPED: tl.constexpr,
-                   BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
-    """ids[n], w[n] = the K experts of token n and their weights. logits [N, E] float32 (E = G *
-    E_PER_G, expert e = g * E_PER_G + j), bias [E] float32; ids [N, K] int64, w [N, K] float32,
-    best first. Grid: (N,)."""
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, N, E, D, d_per_split, s_xn, s_we, s_os, s_on,
+                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[j, n, e] = sum over d in slice j of x[n, d] * W[e, d], in float32. x [N, D] (any float
+    dtype), W [E, D] float32, out [splits, N, E] float32 (last dims contiguous).
+    Grid: (cdiv(E, BLOCK_E), splits, cdiv(N, BLOCK_N))."""
+    eb, j, nb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
+    d_end = tl.minimum((j + 1) * d_per_split, D)
+    for d0 in range(j * d_per_split, d_end, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        w = tl.load(w_ptr + e[:, None] * s_we + d[None, :], mask=(e < E)[:, None] & (d < d_end)[None, :], other=0.0)
+        x = tl.load(x_ptr + n[:, None] * s_xn + d[None, :], mask=(n < N)[:, None] & (d < d_end)[None, :], other=0.0)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], 2)                # [BLOCK_N, BLOCK_E]
+    tl.store(out_ptr + j * s_os + n[:, None] * s_on + e[None, :], acc, mask=(n < N)[:, None] & (e < E)[None, :])
+
+
+@_jit
+def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_ls, s_ln, s_idn, s_wn, E_PER_G, G, scale,
+                          SPLITS: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
+                          GROUPED: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """ids[n], w[n] = the K experts of token n and their weights, best first. logits [SPLITS, N, E]
+    float32 partial sums (E = G * E_PER_G, expert e = g * E_PER_G + j), bias [E] float32; ids
+    [N, K] int64, w [N, K] float32. Grid: (N,)."""
     n = tl.program_id(0)
     g = tl.arange(0, BLOCK_G)[:, None]
     j = tl.arange(0, BLOCK_EG)[None, :]
     e = g * E_PER_G + j                                                   # [BLOCK_G, BLOCK_EG] expert ids
     ok = (g < G) & (j < E_PER_G)
-    score = tl.sigmoid(tl.load(logits_ptr + n * s_ln + e, mask=ok, other=0.0))
+    logit = tl.zeros([BLOCK_G, BLOCK_EG], tl.float32)
+    for s in tl.static_range(SPLITS):
+        logit += tl.load(logits_ptr + s * s_ls + n * s_ln + e, mask=ok, other=0.0)
+    score = tl.sigmoid(logit)
     biased = tl.where(ok, score + tl.load(bias_ptr + e, mask=ok, other=0.0), float("-inf"))
     if GROUPED:  # keep the TOPK_GROUP groups whose two best biased scores sum highest
         best = tl.argmax(biased, 1)                                       # [BLOCK_G]
@@ -289,25 +321,45 @@ def _router_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_ln, s_idn, s_wn, E_PE
     tl.store(w_ptr + n * s_wn + k, w * scale, mask=k < K)
 
 
-def router_select(logits, bias, top_k, n_group, topk_group, norm_topk_prob, scaling):
-    """logits [N, E] float32, bias [E] float32 -> ids int64 [N, K], weights float32 [N, K]: the
-    selection of model.Router.forward in one kernel."""
-    N, E = logits.shape
-    if logits.dtype != torch.float32 or bias.dtype != torch.float32 or bias.shape != (E,):
-        raise ValueError(f"router_select: needs float32 logits [N, E] and bias [E], got {logits.dtype} "
-                         f"{list(logits.shape)} and {bias.dtype} {list(bias.shape)}")
+def router_logits(x, weight):
+    """x [N, D] @ weight[E, D]^T in float32, as ROUTER_SPLIT_D partial sums [splits, N, E] for
+    few tokens (one kernel, x in its own dtype), else cuBLAS's GEMM as [1, N, E]."""
+    N, D = x.shape
+    E = weight.shape[0]
+    if N > ROUTER_GEMV_MAX_TOKENS:
+        return torch.nn.functional.linear(x.float(), weight).unsqueeze(0)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    block_n = _pow2(N, 1)
+    block_d = max(64, ROUTER_TILE // (block_n * ROUTER_BLOCK_E))
+    d_per_split = triton.cdiv(triton.cdiv(D, ROUTER_SPLIT_D), block_d) * block_d
+    splits = triton.cdiv(D, d_per_split)
+    out = torch.empty(splits, N, E, device=x.device, dtype=torch.float32)
+    _router_logits_kernel[(triton.cdiv(E, ROUTER_BLOCK_E), splits, triton.cdiv(N, block_n))](
+        x, weight, out, N, E, D, d_per_split, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
+        BLOCK_N=block_n, BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling):
+    """model.Router.forward in two kernels: x [N, D], weight [E, D] float32, bias [E] float32 ->
+    ids int64 [N, K], weights float32 [N, K]."""
+    N, D = x.shape
+    E = weight.shape[0]
+    if weight.dtype != torch.float32 or bias.dtype != torch.float32 or weight.shape != (E, D) or bias.shape != (E,):
+        raise ValueError(f"router_topk: needs float32 weight [E, {D}] and bias [E], got {weight.dtype} "
+                         f"{list(weight.shape)} and {bias.dtype} {list(bias.shape)} (float64: use the plain path)")
     if E % n_group or not 1 <= topk_group <= n_group or top_k > E // n_group * topk_group:
-        raise ValueError(f"router_select: {E} experts in {n_group} groups, {topk_group} kept, cannot give "
-                         f"top {top_k}")
-    logits = logits if logits.stride(-1) == 1 else logits.contiguous()
-    ids = torch.empty(N, top_k, device=logits.device, dtype=torch.int64)
-    weights = torch.empty(N, top_k, device=logits.device, dtype=torch.float32)
+        raise ValueError(f"router_topk: {E} experts in {n_group} groups, {topk_group} kept, cannot give top {top_k}")
+    ids = torch.empty(N, top_k, device=x.device, dtype=torch.int64)
+    weights = torch.empty(N, top_k, device=x.device, dtype=torch.float32)
     if N == 0:
         return ids, weights
-    _router_kernel[(N,)](logits, bias, ids, weights, logits.stride(0), ids.stride(0), weights.stride(0),
-                         E // n_group, n_group, float(scaling), K=top_k, TOPK_GROUP=topk_group,
-                         NORM=bool(norm_topk_prob), GROUPED=n_group > 1, BLOCK_G=_pow2(n_group, 1),
-                         BLOCK_EG=_pow2(E // n_group, 1), BLOCK_K=_pow2(top_k, 1), num_warps=4)
+    logits = router_logits(x, weight)                                       # [splits, N, E]
+    _router_select_kernel[(N,)](logits, bias, ids, weights, logits.stride(0), logits.stride(1), ids.stride(0),
+                                weights.stride(0), E // n_group, n_group, float(scaling), SPLITS=logits.shape[0],
+                                K=top_k, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob), GROUPED=n_group > 1,
+                                BLOCK_G=_pow2(n_group, 1), BLOCK_EG=_pow2(E // n_group, 1),
+                                BLOCK_K=_pow2(top_k, 1), num_warps=4)
     return ids, weights
 
 
@@ -429,3 +481,174 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
         out.stride(0), out.stride(1), out.stride(2),
         C=C, R=R, BLOCK_C=_pow2(C), BLOCK_H=_pow2(H, 1), BLOCK_R2=_pow2(R // 2, 1), num_warps=4)
     return out
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Micro-benchmark on a GPU (python kernels.py): each kernel against its plain twin, both captured
+# in CUDA graphs and timed by events around replays (medians), the input sets rotated so that the
+# bytes of one replay exceed the L2; achieved GB/s against the measured copy bandwidth.
+
+def _graph_ms(calls, reps=30):
+    """Median ms of one call: `calls` (one per input set) captured in one graph, replayed."""
+    import statistics
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in calls:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in calls:
+            f()
+    graph.replay()
+    stamps = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        stamps.append((a, b))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in stamps) / len(calls)
+
+
+def copy_bandwidth_GBps():
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    return 2 * x.numel() / _graph_ms([lambda: y.copy_(x)], reps=10) / 1e6
+
+
+def _mla_sets(B, T, S, used, n_sets, H=8, C=512, R=64, dtype=torch.bfloat16):
+    """Input sets on the GPU: each row's T queries end at slot used - 1 of an S-slot cache."""
+    sets = []
+    for _ in range(n_sets):
+        pos = (used - T + torch.arange(T, device="cuda")).expand(B, T)
+        sets.append(dict(q=torch.randn(B, T, H, C, device="cuda", dtype=dtype),
+                         qpe=torch.randn(B, T, H, R, device="cuda", dtype=dtype),
+                         kv=torch.randn(B, S, C, device="cuda", dtype=dtype),
+                         pe=torch.randn(B, S, R, device="cuda", dtype=dtype), pos=pos,
+                         hidden=torch.arange(S, device="cuda") > pos.unsqueeze(-1)))
+    return sets
+
+
+def bench_mla(bw, rows):
+    import model
+    scale = 0.1
+    print(f"\nMLA decode attention, Kimi-K2 TP 8 (H=8, C=512, R=64), bf16; copy bandwidth {bw:.0f} GB/s")
+    print(f"{'B':>2} {'T':>2} {'cache':>6} {'used':>6} {'MB read':>8} {'torch us':>9} {'kernel us':>9} "
+          f"{'speedup':>7} {'kernel GB/s':>11} {'of copy':>7}")
+    for S, used in ((256, 256), (4096, 4096), (32768, 32768), (32768, 256), (32768, 4096)):
+        for B, T in ((1, 1), (1, 4), (4, 1), (4, 4)):
+            nbytes = B * used * 576 * 2 + 2 * B * T * 8 * 576 * 2      # cache slots read + queries and output
+            sets = _mla_sets(B, T, S, used, max(2, min(32, math.ceil(2.5e8 / (B * S * 576 * 2)))))
+            plain = _graph_ms([lambda s=s: model.absorbed_attention(s["q"], s["qpe"], s["kv"], s["pe"], s["hidden"],
+                                                                    scale) for s in sets])
+            fast = _graph_ms([lambda s=s: mla_decode_attention(s["q"], s["qpe"], s["kv"], s["pe"], s["pos"], scale)
+                              for s in sets])
+            gbps = nbytes / fast / 1e6
+            print(f"{B:>2} {T:>2} {S:>6} {used:>6} {nbytes / 1e6:>8.2f} {plain * 1e3:>9.1f} {fast * 1e3:>9.1f} "
+                  f"{plain / fast:>6.1f}x {gbps:>11.0f} {gbps / bw:>6.0%}")
+            rows.append(dict(kernel="mla_decode", B=B, T=T, cache=S, used=used, bytes=nbytes, torch_ms=plain,
+                             kernel_ms=fast, GBps=gbps))
+            del sets
+
+
+def bench_mla_configs(bw, rows):
+    """Split length, tile and pipeline depth at 4096 and 32768 used slots (B = 1)."""
+    print("\nMLA kernel configurations (B=1; us; auto = the split rule)")
+    splits = (None, 64, 128, 256, 512)
+    print(f"{'T':>2} {'used':>6} {'BLOCK_N':>7} {'stages':>6} " + " ".join(f"{str(s or 'auto'):>7}" for s in splits))
+    default_n, default_stages = MLA_BLOCK_N[torch.bfloat16], MLA_NUM_STAGES[torch.bfloat16]
+    for used in (4096, 32768):
+        for T in (1, 4):
+            sets = _mla_sets(1, T, used, used, max(2, min(32, math.ceil(2.5e8 / (used * 576 * 2)))))
+            for block_n, stages in ((64, 3), (32, 3), (32, 4)):
+                MLA_BLOCK_N[torch.bfloat16], MLA_NUM_STAGES[torch.bfloat16] = block_n, stages
+                times = []
+                for split in splits:
+                    try:
+                        times.append(_graph_ms([lambda s=s: mla_decode_attention(s["q"], s["qpe"], s["kv"], s["pe"],
+                                                                                  s["pos"], 0.1, split_len=split)
+                                                for s in sets]))
+                    except Exception as e:  # a configuration that does not fit (shared memory) is reported, not fatal
+                        print(f"  BLOCK_N {block_n} stages {stages} split {split}: {type(e).__name__}: {str(e)[:120]}")
+                        times.append(float("nan"))
+                print(f"{T:>2} {used:>6} {block_n:>7} {stages:>6} " + " ".join(f"{t * 1e3:>7.1f}" for t in times))
+                rows.append(dict(kernel="mla_config", T=T, used=used, block_n=block_n, stages=stages,
+                                 us={str(s): t * 1e3 for s, t in zip(splits, times)}))
+            del sets
+    MLA_BLOCK_N[torch.bfloat16], MLA_NUM_STAGES[torch.bfloat16] = default_n, default_stages
+
+
+def bench_small(rows):
+    """Router, add + RMSNorm, RoPE + cache write against their twins at Kimi-K2 TP 8 shapes."""
+    import model
+    import torch.nn.functional as F
+    print("\nsmall kernels, Kimi-K2 shapes, bf16 (us per call, in a graph; 8 input sets)")
+    args = model.ModelArgs(n_routed_experts=384)
+    router = model.Router(args, "cuda", torch.bfloat16)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.01)
+        router.e_score_correction_bias.normal_(0, 0.1)
+    norm = model.RMSNorm(7168, 1e-6, "cuda", torch.bfloat16)
+    lat_norm = model.RMSNorm(512, 1e-6, "cuda", torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.fill_(1.0)
+        lat_norm.weight.fill_(1.0)
+    table = torch.stack(model.rope_tables(64, 50000.0, None, 4096, "cuda"), -1)
+    kv_cache = torch.randn(4, 4096, 512, device="cuda", dtype=torch.bfloat16)
+    pe_cache = torch.randn(4, 4096, 64, device="cuda", dtype=torch.bfloat16)
+
+    def router_call(x, impl):
+        router.impl = impl
+        return router(x)
+
+    def rope_plain(q_pe, kv, k_pe, rope, pos):
+        rows_ = torch.arange(q_pe.shape[0], device="cuda").unsqueeze(1)
+        kv_cache[rows_, pos] = lat_norm(kv)
+        pe_cache[rows_, pos] = model.apply_rope(k_pe, rope)
+        return model.apply_rope(q_pe, rope)
+    for N in (1, 4):
+        xs = [torch.randn(N, 7168, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+        ys = [torch.randn(N, 7168, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+        qs = [torch.randn(1, N, 8, 192, device="cuda", dtype=torch.bfloat16)[..., 128:] for _ in range(8)]
+        kvs = [torch.randn(1, N, 576, device="cuda", dtype=torch.bfloat16).split([512, 64], -1) for _ in range(8)]
+        pos = (100 + torch.arange(N, device="cuda")).unsqueeze(0)
+        rope = table[pos]
+        pairs = {
+            "router (fp32 GEMV + selection)": ([lambda x=x: router_call(x, "torch") for x in xs],
+                                               [lambda x=x: router_call(x, "triton") for x in xs]),
+            "add + RMSNorm": ([lambda x=x, y=y: norm(x + y) for x, y in zip(xs, ys)],
+                              [lambda x=x, y=y: add_rmsnorm(x, y, norm.weight, 1e-6) for x, y in zip(xs, ys)]),
+            "RoPE + cache write": ([lambda q=q, kv=kv: rope_plain(q, kv[0], kv[1], rope, pos) for q, kv in zip(qs, kvs)],
+                                   [lambda q=q, kv=kv: mla_rope_cache_write(q, kv[0], kv[1], lat_norm.weight, 1e-6, rope,
+                                                                           pos, kv_cache, pe_cache)
+                                    for q, kv in zip(qs, kvs)]),
+        }
+        for name, (plain_calls, fast_calls) in pairs.items():
+            plain, fast = _graph_ms(plain_calls), _graph_ms(fast_calls)
+            print(f"  {name:32s} N={N}: torch {plain * 1e3:7.1f}  kernel {fast * 1e3:7.1f}  ({plain / fast:.1f}x)")
+            rows.append(dict(kernel=name, N=N, torch_ms=plain, kernel_ms=fast))
+
+
+def benchmark(out=None):
+    import json
+    rows = []
+    torch.manual_seed(0)
+    bw = copy_bandwidth_GBps()
+    bench_small(rows)
+    bench_mla(bw, rows)
+    bench_mla_configs(bw, rows)
+    line = json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           copy_GBps=bw, rows=rows))
+    if out:
+        with open(out, "w") as f:
+            f.write(line + "\n")
+    print(line)
+
+
+if __name__ == "__main__":
+    import sys
+    benchmark(sys.argv[1] if len(sys.argv) > 1 else None)

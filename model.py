@@ -427,7 +427,7 @@ class MLP(nn.Module):
 
 class Router(nn.Module):
     """Sigmoid scores; the correction bias picks groups and experts, the unbiased scores weigh them."""
-    impl = "torch"  # "triton": the selection after the logits in one kernel (kernels.router_select)
+    impl = "torch"  # "triton": logits and selection in two kernels (kernels.router_topk)
 
     def __init__(self, args, device, dtype):
         super().__init__()
@@ -439,11 +439,10 @@ class Router(nn.Module):
 
     def forward(self, x):                                          # [N, D] -> [N, K] ids, weights
         a = self.args
-        logits = F.linear(at_least_f32(x), self.weight)                         # [N, E] fp32
         if self.impl == "triton":
-            return kernels.router_select(logits, self.e_score_correction_bias, a.num_experts_per_tok, a.n_group,
-                                         a.topk_group, a.norm_topk_prob, a.routed_scaling_factor)
-        scores = logits.sigmoid()
+            return kernels.router_topk(x, self.weight, self.e_score_correction_bias, a.num_experts_per_tok, a.n_group,
+                                       a.topk_group, a.norm_topk_prob, a.routed_scaling_factor)
+        scores = F.linear(at_least_f32(x), self.weight).sigmoid()               # [N, E] fp32
         biased = scores + self.e_score_correction_bias
         if a.n_group > 1:
             grouped = biased.unflatten(-1, (a.n_group, -1))                    # [N, G, E/G]
@@ -625,7 +624,7 @@ class Transformer(nn.Module):
     def use_kernels(self, names):
         """Run the named Triton kernels (kernels.py) in place of their plain twins, the others
         plain: "attention" (decode-mode MLA attention), "rope_cache" (RoPE + latent norm + cache
-        writes), "router" (selection after the logits), "add_rmsnorm" (residual add +
+        writes), "router" (logits and selection), "add_rmsnorm" (residual add +
         post-attention norm). names: an iterable, "all" or "none"."""
         names = set(KERNELS if names == "all" else () if names in (None, "none") else
                     [names] if isinstance(names, str) else names)

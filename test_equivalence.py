@@ -1168,19 +1168,22 @@ def test_gpu_mla_decode_kernel_one_graph_any_length():
     kernels.mla_decode_attention(q, qpe, kv, pe, static_pos, scale)      # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        with torch.cuda.graph(graph):
-            out = kernels.mla_decode_attention(q, qpe, kv, pe, static_pos, scale)
-        for last in ([S - 1, 3, 100], [T - 1, S - 1, 4095], [2000, 31000, 17]):
-            static_pos.copy_(torch.tensor(last, device="cuda").unsqueeze(1) - (T - 1) + torch.arange(T, device="cuda"))
+    for last in ([S - 1, 3, 100], [T - 1, S - 1, 4095], [2000, 31000, 17]):
+        new_pos = torch.tensor(last, device="cuda").unsqueeze(1) - (T - 1) + torch.arange(T, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            if last[0] == S - 1:
+                with torch.cuda.graph(graph):
+                    out = kernels.mla_decode_attention(q, qpe, kv, pe, static_pos, scale)
+            static_pos.copy_(new_pos)
             graph.replay()
             eager = kernels.mla_decode_attention(q, qpe, kv, pe, static_pos, scale)
-            assert_close(out, eager, 0.0, f"graph replay vs eager, last positions {last}")
-            truth = mla_reference(q, qpe, kv, pe, static_pos, scale, dtype=torch.float64)
-            assert_close(out, truth, 2e-2, f"graph replay vs float64 twin, last positions {last}")
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert_close(out, eager, 0.0, f"graph replay vs eager, last positions {last}")
+        truth = mla_reference(q, qpe, kv, pe, static_pos, scale, dtype=torch.float64)
+        assert_close(out, truth, 2e-2, f"graph replay vs float64 twin, last positions {last}")
 
 
 @cuda
@@ -1193,15 +1196,16 @@ def test_gpu_kernels_in_captured_paths():
     target.use_kernels("all")
     calls = captured_calls(target, head)
     runner = CudaGraphs("cuda")
-    torch.cuda.synchronize()
-    torch.cuda.set_sync_debug_mode("error")
-    try:
-        for key, fn, inputs in calls:
+    for key, fn, inputs in calls:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
             eager = flat(fn(*inputs))
-            runner.run(key, fn, *inputs)
-            assert_close(flat(runner.run(key, fn, *inputs)), eager, 0.0, f"kernels on: graph vs eager {key}")
-    finally:
-        torch.cuda.set_sync_debug_mode("default")
+            runner.run(key, fn, *inputs)          # capture
+            graphed = flat(runner.run(key, fn, *inputs))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert_close(graphed, eager, 0.0, f"kernels on: graph vs eager {key}")
     plain, fast = kernel_models("cuda", torch.bfloat16)
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256, seed=9))
     a, b = plain(prefill, prefill_pos), fast(prefill, prefill_pos)
