@@ -80,6 +80,7 @@ def _pow2(n, least=16):
 # [32, 512] at 64 registers a thread over 8 warps.
 MLA_BLOCK_N = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
 MLA_NUM_STAGES = {torch.bfloat16: 3, torch.float16: 3, torch.float32: 2}
+MLA_NUM_WARPS = None     # None: 8 warps for 32 query rows, else 4
 MLA_MAX_BLOCK_M = 32
 MLA_MIN_SPLIT = 64       # slots per split at least (one bf16 tile)
 MLA_COMBINE_BLOCK_C = 128
@@ -228,7 +229,7 @@ def mla_decode_attention(q_lat, q_pe, kv_cache, pe_cache, positions, softmax_sca
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         C=C, R=R, BLOCK_C=_pow2(C), BLOCK_R=_pow2(R), BLOCK_M=block_m, BLOCK_N=block_n,
         WRITE_LSE=splits > 1, DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
-        num_warps=8 if block_m > 16 else 4, num_stages=MLA_NUM_STAGES[q_lat.dtype])
+        num_warps=MLA_NUM_WARPS or (8 if block_m > 16 else 4), num_stages=MLA_NUM_STAGES[q_lat.dtype])
     if splits > 1:
         _mla_combine_kernel[(B * M, triton.cdiv(C, MLA_COMBINE_BLOCK_C))](
             partial, lse, positions, out, M, H, S, split_len,
@@ -515,9 +516,16 @@ def _graph_ms(calls, reps=30):
 
 
 def copy_bandwidth_GBps():
+    """Device-to-device copy of 1 GiB (bytes read + written), after a second of copies to let
+    the clocks rise (the first call here, 2026-11-29, read 2708 GB/s from an idle GPU at 360 MHz)."""
+    import time
     x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
     y = torch.empty_like(x)
-    return 2 * x.numel() / _graph_ms([lambda: y.copy_(x)], reps=10) / 1e6
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < 1.0:
+        y.copy_(x)
+        torch.cuda.synchronize()
+    return 2 * x.numel() / _graph_ms([lambda: y.copy_(x)], reps=20) / 1e6
 
 
 def _mla_sets(B, T, S, used, n_sets, H=8, C=512, R=64, dtype=torch.bfloat16):
@@ -557,15 +565,16 @@ def bench_mla(bw, rows):
 
 def bench_mla_configs(bw, rows):
     """Split length, tile and pipeline depth at 4096 and 32768 used slots (B = 1)."""
+    global MLA_NUM_WARPS
     print("\nMLA kernel configurations (B=1; us; auto = the split rule)")
-    splits = (None, 64, 128, 256, 512)
-    print(f"{'T':>2} {'used':>6} {'BLOCK_N':>7} {'stages':>6} " + " ".join(f"{str(s or 'auto'):>7}" for s in splits))
+    splits = (None, 64, 128, 256)
+    print(f"{'T':>2} {'used':>6} {'BLOCK_N':>7} {'stages':>6} {'warps':>5} " + " ".join(f"{str(s or 'auto'):>7}" for s in splits))
     default_n, default_stages = MLA_BLOCK_N[torch.bfloat16], MLA_NUM_STAGES[torch.bfloat16]
     for used in (4096, 32768):
         for T in (1, 4):
             sets = _mla_sets(1, T, used, used, max(2, min(32, math.ceil(2.5e8 / (used * 576 * 2)))))
-            for block_n, stages in ((64, 3), (32, 3), (32, 4)):
-                MLA_BLOCK_N[torch.bfloat16], MLA_NUM_STAGES[torch.bfloat16] = block_n, stages
+            for block_n, stages, warps in ((64, 3, None), (64, 3, 8), (32, 4, None)):
+                MLA_BLOCK_N[torch.bfloat16], MLA_NUM_STAGES[torch.bfloat16], MLA_NUM_WARPS = block_n, stages, warps
                 times = []
                 for split in splits:
                     try:
@@ -575,11 +584,12 @@ def bench_mla_configs(bw, rows):
                     except Exception as e:  # a configuration that does not fit (shared memory) is reported, not fatal
                         print(f"  BLOCK_N {block_n} stages {stages} split {split}: {type(e).__name__}: {str(e)[:120]}")
                         times.append(float("nan"))
-                print(f"{T:>2} {used:>6} {block_n:>7} {stages:>6} " + " ".join(f"{t * 1e3:>7.1f}" for t in times))
-                rows.append(dict(kernel="mla_config", T=T, used=used, block_n=block_n, stages=stages,
+                print(f"{T:>2} {used:>6} {block_n:>7} {stages:>6} {str(warps or 'auto'):>5} "
+                      + " ".join(f"{t * 1e3:>7.1f}" for t in times))
+                rows.append(dict(kernel="mla_config", T=T, used=used, block_n=block_n, stages=stages, warps=warps,
                                  us={str(s): t * 1e3 for s, t in zip(splits, times)}))
             del sets
-    MLA_BLOCK_N[torch.bfloat16], MLA_NUM_STAGES[torch.bfloat16] = default_n, default_stages
+    MLA_BLOCK_N[torch.bfloat16], MLA_NUM_STAGES[torch.bfloat16], MLA_NUM_WARPS = default_n, default_stages, None
 
 
 def bench_small(rows):
