@@ -964,8 +964,11 @@ def test_compiled_layers_equal_plain_inside_graphs_without_host_sync():
 
 # ---------------------------------------------------------------------------------------------
 # Triton kernels (kernels.py) against their plain twins in model.py, on fresh random inputs.
-# On a CPU they run under the Triton interpreter (TRITON_INTERPRET=1, set above): float32, small
-# caches, seconds in all. On the GPU: float32 and bf16, caches up to 32768 slots, graphs, syncs.
+# On a CPU the tests without "gpu" in their name run the kernels under the Triton interpreter
+# (TRITON_INTERPRET=1, set above): float32 only (the interpreter rounds to bf16 toward zero),
+# small caches, ~20 s in all; without triton they skip, saying so. On the GPU the same tests run
+# (their bf16 cases too), and the "gpu" ones add bf16 attention on caches up to 32768 slots,
+# graph replay against eager and the absence of host syncs.
 
 triton_ok = pytest.mark.skipif(not kernels.HAVE_TRITON, reason="needs triton (not installed here; on a CPU "
                                "its interpreter runs these tests: pip install triton)")
