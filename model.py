@@ -34,6 +34,7 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+import kernels
 from tp import (TP, ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear,
                 VocabParallelEmbedding, _param, print0)
 
@@ -421,7 +422,22 @@ class RMSNorm(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # MLA
 
+def absorbed_attention(q_lat, q_pe, kv_c, pe_c, future, scale):
+    """Attention in the latent space: with kv_b_proj's key half absorbed into the query (q_lat =
+    q_nope W_uk), a slot's normalized latent is both its key and its value, so q_lat [B, T, H, C]
+    and the rotated q_pe [B, T, H, R] meet kv_c [B, S, C] and pe_c [B, S, R] directly; future
+    [B, T, S] masks slots past each query's position. Returns the latent output [B, T, H, C]
+    (W_uv still to apply). The plain twin of kernels.mla_decode_attention."""
+    scores = torch.einsum("bthc,bsc->bths", q_lat, kv_c) + torch.einsum("bthr,bsr->bths", q_pe, pe_c)
+    scores = (scores * scale).masked_fill(future.unsqueeze(2), float("-inf"))
+    p = scores.softmax(-1, dtype=torch.promote_types(q_lat.dtype, torch.float32)).to(q_lat.dtype)   # [B, T, H, S]
+    return torch.einsum("bths,bsc->bthc", p, kv_c)
+
+
 class MLA(nn.Module):
+    attn_impl = "torch"        # "triton": decode mode through kernels.mla_decode_attention (Transformer.use_kernels)
+    rope_cache_impl = "torch"  # "triton": RoPE, latent norm and cache writes by kernels.mla_rope_cache_write
+
     def __init__(self, args, tp, max_batch_size, max_seq_len, device, dtype):
         super().__init__()
         a = args
@@ -456,11 +472,15 @@ class MLA(nn.Module):
         (B, T, _), kv_len = x.shape, future.shape[-1]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
         q_nope, q_pe = q.view(B, T, h, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
-        q_pe = apply_rope(q_pe, rope)
         kv, k_pe = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
-        rows = torch.arange(B, device=x.device).unsqueeze(1)
-        self.kv_cache[rows, positions] = self.kv_a_layernorm(kv)     # slot = position
-        self.pe_cache[rows, positions] = apply_rope(k_pe, rope)
+        if self.rope_cache_impl == "triton":  # the four lines below in one kernel
+            q_pe = kernels.mla_rope_cache_write(q_pe, kv, k_pe, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+                                                rope, positions, self.kv_cache, self.pe_cache)
+        else:
+            q_pe = apply_rope(q_pe, rope)
+            rows = torch.arange(B, device=x.device).unsqueeze(1)
+            self.kv_cache[rows, positions] = self.kv_a_layernorm(kv)     # slot = position
+            self.pe_cache[rows, positions] = apply_rope(k_pe, rope)
         kv_c, pe_c = self.kv_cache[:B, :kv_len], self.pe_cache[:B, :kv_len]     # [B, S, C], [B, S, R]
         w_kv_b = self.kv_b_proj.weight.view(h, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
         w_uk, w_uv = w_kv_b.split([a.qk_nope_head_dim, a.v_head_dim], 1)      # [H, d, C]
@@ -469,18 +489,18 @@ class MLA(nn.Module):
                 [a.qk_nope_head_dim, a.v_head_dim], -1)                        # [B, S, H, d]
             scores = (torch.einsum("bthd,bshd->bths", q_nope, k_nope)
                       + torch.einsum("bthr,bsr->bths", q_pe, pe_c))
+            scores = (scores * a.softmax_scale).masked_fill(future.unsqueeze(2), float("-inf"))
+            p = scores.softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)   # [B, T, H, S]
+            o = torch.einsum("bths,bshd->bthd", p, v)
         else:  # absorbed: a key is k = W_uk c for a cached latent c, so q . k = q . (W_uk c) =
             # (W_uk^T q) . c: W_uk moves onto the T queries instead of onto all S cached latents
             with scope("attn_proj"):  # kv_b_proj's key half, absorbed into the query
                 q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)           # [B, T, H, C]
-            scores = (torch.einsum("bthc,bsc->bths", q_lat, kv_c)
-                      + torch.einsum("bthr,bsr->bths", q_pe, pe_c))
-        scores = (scores * a.softmax_scale).masked_fill(future.unsqueeze(2), float("-inf"))
-        p = scores.softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)               # [B, T, H, S]
-        if mode == "extend":
-            o = torch.einsum("bths,bshd->bthd", p, v)
-        else:  # likewise o = sum_s p_s (W_uv c_s) = W_uv (sum_s p_s c_s): attend over latents, then W_uv once
-            o_lat = torch.einsum("bths,bsc->bthc", p, kv_c)                    # [B, T, H, C]
+            if self.attn_impl == "triton":  # the same math in one pass over the used slots
+                o_lat = kernels.mla_decode_attention(q_lat, q_pe, kv_c, pe_c, positions, a.softmax_scale)
+            else:
+                o_lat = absorbed_attention(q_lat, q_pe, kv_c, pe_c, future, a.softmax_scale)
+            # likewise o = sum_s p_s (W_uv c_s) = W_uv (sum_s p_s c_s): attend over latents, then W_uv once
             with scope("attn_proj"):  # kv_b_proj's value half, absorbed into the output
                 o = torch.einsum("bthc,hdc->bthd", o_lat, w_uv)
         return self.o_proj(o.flatten(2))
@@ -510,6 +530,7 @@ class Router(nn.Module):
     by a balanced one: pair j of the N*K token-expert pairs of a forward goes to expert j mod E, so
     each token gets K distinct experts (K <= E) and the experts are used evenly. The weights are the
     model's scores of those experts, normalized and scaled as usual."""
+    impl = "torch"  # "triton": logits, selection and weights in two kernels (kernels.router_topk)
 
     def __init__(self, args, device, dtype):
         super().__init__()
@@ -522,6 +543,13 @@ class Router(nn.Module):
 
     def forward(self, x):                                          # [N, D] -> [N, K] ids, weights
         a = self.args
+        if self.impl == "triton":
+            ids, weights = kernels.router_topk(x, self.weight, self.e_score_correction_bias, a.num_experts_per_tok,
+                                               a.n_group, a.topk_group, a.norm_topk_prob, a.routed_scaling_factor)
+            if self.routing == "model":
+                return ids, weights
+            ids = self.uniform_choice(ids)  # the chosen experts' scores, from their K router rows
+            return ids, self.normalize(torch.einsum("nd,nkd->nk", at_least_f32(x), self.weight[ids]).sigmoid())
         scores = F.linear(at_least_f32(x), self.weight).sigmoid()               # [N, E] fp32
         biased = scores + self.e_score_correction_bias
         if a.n_group > 1:
@@ -534,11 +562,18 @@ class Router(nn.Module):
             biased = grouped.masked_fill(keep.unsqueeze(-1) == 0, float("-inf")).flatten(1)
         ids = biased.topk(a.num_experts_per_tok, dim=-1).indices
         if self.routing == "uniform":
-            ids = torch.arange(ids.numel(), device=ids.device).view(ids.shape) % a.n_routed_experts
-        weights = scores.gather(1, ids)
+            ids = self.uniform_choice(ids)
+        return ids, self.normalize(scores.gather(1, ids))
+
+    def uniform_choice(self, ids):
+        """SIMULATED balanced routing: pair j of the forward's N*K pairs goes to expert j mod E."""
+        return torch.arange(ids.numel(), device=ids.device).view(ids.shape) % self.args.n_routed_experts
+
+    def normalize(self, weights):                                  # [N, K] the chosen experts' scores
+        a = self.args
         if a.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return ids, weights * a.routed_scaling_factor
+        return weights * a.routed_scaling_factor
 
 
 def grouped_mm_available(device, dtype):
@@ -645,6 +680,8 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
+    fused_add_norm = False  # True: kernels.add_rmsnorm (Transformer.use_kernels)
+
     def __init__(self, layer_id, args, tp, moe_impl, max_batch_size, max_seq_len, device, dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, device, dtype)
@@ -657,8 +694,13 @@ class Block(nn.Module):
             self.mlp = MoE(args, tp, moe_impl, device, dtype)
 
     def forward(self, x, positions, rope, future, mode):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, future, mode)
-        return x + self.mlp(self.post_attention_layernorm(x))
+        attn = self.self_attn(self.input_layernorm(x), positions, rope, future, mode)
+        if self.fused_add_norm:  # the residual add and the norm in one kernel
+            x, h = kernels.add_rmsnorm(x, attn, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        else:
+            x = x + attn
+            h = self.post_attention_layernorm(x)
+        return x + self.mlp(h)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -670,15 +712,19 @@ class TargetOutput(NamedTuple):
     aux: torch.Tensor | None    # [B, T, 3*D] the EAGLE-3 states with capture_aux, else None
 
 
+KERNELS = ("attention", "rope_cache", "router", "add_rmsnorm")   # Transformer(kernels=...): the Triton twins, by name
+
+
 class Transformer(nn.Module):
     """This rank's shard of the target. `tp` defaults to the torch.distributed world (or 1).
 
     aux_layer_ids: decoder layers whose outputs EAGLE-3 reads (default 1, L//2 - 1, L - 4).
     moe_impl: "gather" (plain), "grouped" (torch._grouped_mm) or "auto" (grouped on a GPU that has it).
-    routing: "model" (the router's own choice) or "uniform" (SIMULATED balanced routing, see Router)."""
+    routing: "model" (the router's own choice) or "uniform" (SIMULATED balanced routing, see Router).
+    kernels: names from KERNELS (or "all") to run as Triton kernels instead of their plain twins."""
 
     def __init__(self, args, max_batch_size=1, max_seq_len=4096, device=None, dtype=None, tp=None,
-                 aux_layer_ids=None, moe_impl="auto", routing="model"):
+                 aux_layer_ids=None, moe_impl="auto", routing="model", kernels=()):
         super().__init__()
         device = torch.device(device or "cpu")
         dtype = dtype or torch.get_default_dtype()
@@ -701,6 +747,7 @@ class Transformer(nn.Module):
         cos, sin = rope_tables(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling, max_seq_len, device)
         self.register_buffer("rope", torch.stack((cos, sin), -1), persistent=False)   # [S, R/2, 2]
         self.set_routing(routing)
+        self.use_kernels(kernels)
 
     def set_routing(self, routing):
         if routing not in ("model", "uniform"):
@@ -709,6 +756,25 @@ class Transformer(nn.Module):
         for m in self.modules():
             if isinstance(m, Router):
                 m.routing = routing
+
+    def use_kernels(self, names):
+        """Run the named Triton kernels (kernels.py) in place of their plain twins, the others
+        plain: "attention" (decode-mode MLA attention), "rope_cache" (RoPE + latent norm + cache
+        writes), "router" (logits and selection), "add_rmsnorm" (residual add +
+        post-attention norm). names: an iterable, "all" or "none"."""
+        names = set(KERNELS if names == "all" else () if names in (None, "none") else
+                    [names] if isinstance(names, str) else names)
+        if names - set(KERNELS):
+            raise ValueError(f"unknown kernels {sorted(names - set(KERNELS))}; choose from {list(KERNELS)} or 'all'")
+        if names:
+            kernels.check_available(self.device)
+        for layer in self.layers:
+            layer.self_attn.attn_impl = "triton" if "attention" in names else "torch"
+            layer.self_attn.rope_cache_impl = "triton" if "rope_cache" in names else "torch"
+            layer.fused_add_norm = "add_rmsnorm" in names
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.gate.impl = "triton" if "router" in names else "torch"
+        self.kernels = tuple(k for k in KERNELS if k in names)
         return self
 
     def compile_layers(self):

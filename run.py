@@ -58,6 +58,7 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import kernels
 import model
 import tp as tpm
 from draft import Eagle3Draft, draft_preset, init_random_draft, load_draft
@@ -125,6 +126,8 @@ def make_parser():
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float64"], help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--moe-impl", choices=["auto", "gather", "grouped"], default="auto",
                    help="routed experts: gathered weights (plain) or torch._grouped_mm (auto: grouped on a GPU)")
+    p.add_argument("--kernels", default="none", help="Triton kernels in place of their plain twins: 'all', "
+                   "'none' or a comma list of " + ",".join(model.KERNELS) + " (default %(default)s)")
     p.add_argument("--compile", action="store_true", help="also time the captured phases with each decoder "
                    "layer and the draft layer fused by torch.compile (inside our own CUDA graphs), beside the plain ones")
     p.add_argument("--reps", type=int, help="timed repetitions per phase, after warm-up (default 20)")
@@ -230,6 +233,7 @@ def settle(args, device, world):
             setattr(args, name, value)
     args.routing = args.routing or ("model" if args.model_path or args.dump else "uniform")
     args.context_len = args.context_len or [args.prompt_len]
+    args.kernels = args.kernels if args.kernels in ("all", "none") else args.kernels.split(",")
     check_device_flags(args, device)
     return args
 
@@ -246,6 +250,15 @@ def check_device_flags(args, device):
     if not args.dump and min(args.context_len) < want:
         raise BadInput(f"--context-len {min(args.context_len)}: the isolated verify re-reads {want} cached tokens "
                        f"(num_steps + 1); use at least {want}")
+    unknown = [] if isinstance(args.kernels, str) else sorted(set(args.kernels) - set(model.KERNELS))
+    if unknown:
+        raise BadInput(f"--kernels: unknown {', '.join(unknown)}; choose from {', '.join(model.KERNELS)}, all or none")
+    if args.kernels != "none":
+        try:
+            kernels.check_available(device)
+        except RuntimeError as e:
+            raise BadInput(f"--kernels {','.join(args.kernels) if isinstance(args.kernels, list) else args.kernels}: "
+                           f"{e}") from None
     if args.routed_experts is not None and not args.model_path:
         m = model.preset(args.preset)
         if not m.num_experts_per_tok <= args.routed_experts <= m.n_routed_experts or args.routed_experts % m.n_group:
@@ -265,7 +278,7 @@ def build(args, device, dtype, world):
     max_seq_len = max(args.prompt_len + args.max_new_tokens, max(args.context_len) + sweep) + 2 * k + 2
     if args.model_path:
         target = model.load_target(args.model_path, args.batch_size, max_seq_len, device, dtype, tp,
-                                   moe_impl=args.moe_impl, routing=args.routing)
+                                   moe_impl=args.moe_impl, routing=args.routing, kernels=args.kernels)
         how = f"loaded {args.model_path}"
     else:
         quant = {None: {}, "none": dict(quantization_config=None), "int4": dict(quantization_config="int4")}
@@ -275,7 +288,7 @@ def build(args, device, dtype, world):
             margs.n_routed_experts = args.routed_experts
         try:
             target = model.Transformer(margs, args.batch_size, max_seq_len, device, dtype, tp, moe_impl=args.moe_impl,
-                                       routing=args.routing)
+                                       routing=args.routing, kernels=args.kernels)
         except ValueError as e:  # a size the TP does not divide
             raise BadInput(f"--preset {args.preset} at TP {tp.world_size}: {e}") from None
         whole = tp.world_size == 1 or not tp.simulated and sum(p.numel() for p in target.parameters()) < MAX_PARAMS_SEEDED_WHOLE
@@ -1158,7 +1171,7 @@ def header_of(b):
     ar = modelled_allreduce(b)
     return (f"target: {b.how}, {t.args.num_hidden_layers} layers, {t.args.n_routed_experts} routed experts, "
             f"{t.tp.describe()}, {a.dtype}" + (f" (routed experts INT4, group {group})" if group else "")
-            + f", moe {t.moe_impl}, {routing} | batch {a.batch_size}, prompt {a.prompt_len}, cached "
+            + f", moe {t.moe_impl}, kernels {','.join(t.kernels) or 'none'}, {routing} | batch {a.batch_size}, prompt {a.prompt_len}, cached "
             f"{'/'.join(map(str, a.context_len))} (isolated phases), num_steps {b.k} | "
             f"{torch.cuda.get_device_name(t.device) if b.gpu else f'CPU, {torch.get_num_threads()} thread(s)'}, "
             f"torch {torch.__version__}" + (" | acceptance SIMULATED" if a.simulate_accept_len is not None else "")
@@ -1171,7 +1184,8 @@ def bench_main(args, device, world):
     tpm.print0(header)
     env = dict(device=torch.cuda.get_device_name(device) if b.gpu else "cpu", torch=torch.__version__,
                world_size=world, simulated_tp=args.simulate_tp if b.target.tp.simulated else None, dtype=args.dtype,
-               int4_group_size=b.target.args.int4_group_size, moe_impl=b.target.moe_impl, routing=b.target.routing,
+               int4_group_size=b.target.args.int4_group_size, moe_impl=b.target.moe_impl,
+               kernels=list(b.target.kernels), routing=b.target.routing,
                simulated_routing=b.target.routing == "uniform", seed=args.seed,
                simulated_acceptance=args.simulate_accept_len is not None, target=b.how, config=vars(args))
     bandwidth = copy_bandwidth(b.clock, device) if b.gpu else None

@@ -23,6 +23,9 @@ import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+if not torch.cuda.is_available():  # Triton kernels run on a CPU only interpreted (decided at import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+import kernels  # noqa: E402
 import model  # noqa: E402
 import tp  # noqa: E402
 from model import CheckpointError, ModelArgs, Transformer, init_random, load_target, save_target  # noqa: E402
@@ -1434,3 +1437,261 @@ def test_compiled_layers_equal_plain_inside_graphs_without_host_sync():
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert_close(graphed, ref, 1e-4, f"compiled layers in a CUDA graph vs plain, {mode}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels (kernels.py) against their plain twins in model.py, on fresh random inputs.
+# On a CPU the tests without "gpu" in their name run the kernels under the Triton interpreter
+# (TRITON_INTERPRET=1, set above): float32 only (the interpreter rounds to bf16 toward zero),
+# small caches, ~20 s in all; without triton they skip, saying so. On the GPU the same tests run
+# (their bf16 cases too), and the "gpu" ones add bf16 attention on caches up to 32768 slots,
+# graph replay against eager and the absence of host syncs.
+
+triton_ok = pytest.mark.skipif(not kernels.HAVE_TRITON, reason="needs triton (not installed here; on a CPU "
+                               "its interpreter runs these tests: pip install triton)")
+KIMI_TP8 = dict(H=8, C=512, R=64)          # Kimi-K2's MLA at TP 8: 8 local heads
+TINY_MLA = dict(H=4, C=32, R=8)            # the tiny preset at TP 1
+
+
+def mla_inputs(B, T, H, C, R, S, dtype, device, seed):
+    """Queries and a cache with one spare row (the kernel reads a [:B] view, as the model does);
+    each row's T positions are consecutive and end at its own length, one row at slot 0."""
+    g = torch.Generator().manual_seed(seed)
+    q_lat, q_pe = torch.randn(B, T, H, C, generator=g), torch.randn(B, T, H, R, generator=g)
+    kv, pe = torch.randn(B + 1, S, C, generator=g), torch.randn(B + 1, S, R, generator=g)
+    last = torch.randint(T - 1, S, (B,), generator=g)
+    last[0] = S - 1                              # one row uses the whole cache
+    if B > 2:
+        last[2] = T - 1                          # one row starts at slot 0
+    positions = last.unsqueeze(1) - (T - 1) + torch.arange(T)
+    to = dict(device=device, dtype=dtype)
+    return q_lat.to(**to), q_pe.to(**to), kv[:B].to(**to), pe[:B].to(**to), positions.to(device)
+
+
+def mla_reference(q_lat, q_pe, kv, pe, positions, scale, dtype=None):
+    """model.absorbed_attention (the plain twin), in `dtype` (default: the inputs')."""
+    hidden = torch.arange(kv.shape[1], device=kv.device) > positions.unsqueeze(-1)
+    args = [t.to(dtype or t.dtype) for t in (q_lat, q_pe, kv, pe)]
+    return model.absorbed_attention(*args, hidden, scale)
+
+
+def check_mla(B, T, shape, S, dtype, device, seed, split_len=None):
+    scale = 0.07
+    inputs = mla_inputs(B, T, **shape, S=S, dtype=dtype, device=device, seed=seed)
+    got = kernels.mla_decode_attention(*inputs, scale, split_len=split_len)
+    truth = mla_reference(*inputs, scale, dtype=torch.float64)
+    assert got.shape == truth.shape and got.dtype == dtype and torch.isfinite(got).all()
+    what = f"MLA kernel B={B} T={T} {shape} S={S} {dtype} split {split_len}"
+    if dtype == torch.float32:
+        assert_close(got, truth, 2e-5, what + " vs float64 twin")
+    else:  # bf16: the twin rounds the scores and the output; the kernel keeps scores in fp32
+        twin_err = (mla_reference(*inputs, scale) .double() - truth).abs().max().item()
+        assert_close(got, truth, max(2e-2, 2 * twin_err), what + f" vs float64 twin (bf16 twin: {twin_err:.2e})")
+
+
+@triton_ok
+@pytest.mark.parametrize("B, T", [(1, 1), (3, 1), (1, 4), (3, 4)])
+def test_mla_decode_kernel_equals_twin_tiny(B, T):
+    """Tiny shapes: one split (S=40) and the split + combine path (S=300 in 64-slot splits)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_mla(B, T, TINY_MLA, 40, torch.float32, device, seed=B * 10 + T)
+    check_mla(B, T, TINY_MLA, 300, torch.float32, device, seed=B * 10 + T + 1, split_len=64)
+
+
+@triton_ok
+def test_mla_decode_kernel_equals_twin_kimi_shapes():
+    """Kimi-K2 at TP 8 (H=8, C=512, R=64), verify-sized (T=4), rows of different lengths."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_mla(3, 4, KIMI_TP8, 100, torch.float32, device, seed=5, split_len=64)
+
+
+@triton_ok
+def test_mla_decode_kernel_refuses_bad_input():
+    q, qpe, kv, pe, pos = mla_inputs(2, 1, **TINY_MLA, S=16, dtype=torch.float32, device="cpu", seed=0)
+    with pytest.raises(ValueError, match="positions must be int64"):
+        kernels.mla_decode_attention(q, qpe, kv, pe, pos.int(), 0.1)
+    with pytest.raises(ValueError, match="float64: use the plain path"):
+        kernels.mla_decode_attention(q.double(), qpe.double(), kv.double(), pe.double(), pos, 0.1)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.mla_decode_attention(q, qpe, kv[:1], pe, pos, 0.1)
+
+
+@triton_ok
+@pytest.mark.parametrize("shape", ["tiny", "kimi-k2-tp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_cache_kernel_equals_twin(shape, dtype):
+    """RoPE + latent norm + cache writes against MLA's plain lines (model.apply_rope, RMSNorm,
+    index writes) on strided views as MLA has them; slots not written stay as they were."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
+                    "kernels are checked on the GPU")
+    H, C, R = (TINY_MLA if shape == "tiny" else KIMI_TP8).values()
+    B, S, nope = 3, 40, 16
+    norm = model.RMSNorm(C, 1e-6, device, dtype)
+    table = torch.stack(model.rope_tables(R, 10000.0, None, S, device), -1)          # [S, R/2, 2]
+    g = torch.Generator().manual_seed(H + C)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(C, generator=g))
+    for T in (1, 4):
+        q = torch.randn(B, T, H, nope + R, generator=g).to(device, dtype)
+        kv_a = torch.randn(B, T, C + R, generator=g).to(device, dtype)
+        caches = [torch.randn(B + 1, S, n, generator=g).to(device, dtype) for n in (C, R)]
+        positions = torch.tensor([[S - T], [5], [0]]) + torch.arange(T)
+        positions = positions.to(device)
+        rope = table[positions]                                                        # [B, T, R/2, 2]
+        q_pe = q.split([nope, R], -1)[1]
+        kv, k_pe = kv_a.split([C, R], -1)
+        kv_cache, pe_cache = (c.clone() for c in caches)
+        got = kernels.mla_rope_cache_write(q_pe, kv, k_pe, norm.weight, norm.eps, rope, positions, kv_cache, pe_cache)
+        want_kv, want_pe = (c.clone() for c in caches)
+        rows = torch.arange(B, device=device).unsqueeze(1)
+        want_kv[rows, positions] = norm(kv)
+        want_pe[rows, positions] = model.apply_rope(k_pe, rope)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -7 * 4    # bf16: one rounding of values below 4
+        what = f"rope_cache kernel {shape} T={T} {dtype}"
+        assert_close(got, model.apply_rope(q_pe, rope), tol, what + ": rotated q_pe")
+        assert_close(kv_cache, want_kv, tol, what + ": latent cache")
+        assert_close(pe_cache, want_pe, tol, what + ": rope cache")
+
+
+ROUTER_SHAPES = {"tiny": {},  # 16 experts in 4 groups, 2 kept, top 4
+                 "kimi-k2": dict(n_routed_experts=384, num_experts_per_tok=8, n_group=1, topk_group=1),
+                 "deepseek-v3": dict(n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4)}
+
+
+@triton_ok
+@pytest.mark.parametrize("shape", list(ROUTER_SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_kernel_equals_twin(shape, dtype):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = tiny(**ROUTER_SHAPES[shape])
+    router = model.Router(args, device, dtype)
+    g = torch.Generator().manual_seed(len(shape))
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g) / 8)
+        router.e_score_correction_bias.copy_(0.1 * torch.randn(args.n_routed_experts, generator=g))
+    for n in (1, 5, 37) if device == "cuda" else (1, 5):   # the interpreter runs one program (token) at a time
+        x = torch.randn(n, args.hidden_size, generator=g).to(device, dtype)
+        router.impl = "torch"
+        ids, w = router(x)
+        router.impl = "triton"
+        got_ids, got_w = router(x)
+        assert got_ids.dtype == ids.dtype and got_w.dtype == w.dtype
+        assert torch.equal(got_ids, ids), f"router kernel {shape} N={n}: ids differ\n{got_ids}\n{ids}"
+        assert_close(got_w, w, 1e-6, f"router kernel {shape} N={n}: weights")
+
+
+@triton_ok
+@pytest.mark.parametrize("D", [64, 7168])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rmsnorm_kernel_equals_twin(D, dtype):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
+                    "kernels are checked on the GPU")
+    norm = model.RMSNorm(D, 1e-6, device, dtype)
+    g = torch.Generator().manual_seed(D)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(D, generator=g))
+    x, y = (torch.randn(3, 5, D, generator=g).to(device, dtype) for _ in range(2))
+    h, out = kernels.add_rmsnorm(x, y, norm.weight, norm.eps)
+    assert_close(h, x + y, 0.0, f"add_rmsnorm D={D} {dtype}: the sum")
+    ref = norm(x + y)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7 * ref.abs().max().item()  # bf16: one rounding apart
+    assert_close(out, ref, tol, f"add_rmsnorm D={D} {dtype}: the norm")
+
+
+def kernel_models(device, dtype, B=3, max_seq_len=64, layers=8):
+    """The tiny model twice (same seed): all kernels off, all on."""
+    args = tiny(num_hidden_layers=layers)
+    plain = init_random(Transformer(args, B, max_seq_len, device=device, dtype=dtype), 0)
+    fast = init_random(Transformer(args, B, max_seq_len, device=device, dtype=dtype, kernels="all"), 0)
+    return plain, fast
+
+
+@triton_ok
+def test_model_with_kernels_equals_plain():
+    """Whole tiny model (3 layers on a CPU: the interpreter runs each program in turn), float32:
+    a 12-token prefill and a 3-token step at each row's own position, both in decode mode, so
+    every kernel runs (attention with 48 and 12 query rows a batch row)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    plain, fast = kernel_models(device, torch.float32, layers=8 if device == "cuda" else 3)
+    assert fast.kernels == model.KERNELS and plain.kernels == ()
+    prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=9))
+    assert_close(fast(prefill, prefill_pos, "decode").logits, plain(prefill, prefill_pos, "decode").logits, 1e-4,
+                 "kernels on vs off, prefill")
+    assert_close(fast(step, step_pos, "decode").logits, plain(step, step_pos, "decode").logits, 1e-4,
+                 "kernels on vs off, step")
+    with pytest.raises(ValueError, match="unknown kernels"):
+        plain.use_kernels(["attention", "flash"])
+
+
+@cuda
+@triton_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B, T", [(1, 1), (3, 1), (1, 4), (3, 4)])
+def test_gpu_mla_decode_kernel_long_cache(dtype, B, T):
+    """Kimi-K2 TP 8 shapes on caches of 256, 4096 and 32768 slots (automatic splits), and the tiny ones."""
+    for S in (256, 4096, 32768):
+        check_mla(B, T, KIMI_TP8, S, dtype, "cuda", seed=S + B + T)
+    check_mla(B, T, TINY_MLA, 1000, dtype, "cuda", seed=B + T)
+
+
+@cuda
+@triton_ok
+def test_gpu_mla_decode_kernel_one_graph_any_length():
+    """One graph captured on a 32768-slot cache serves every length: replays with new positions
+    (lengths from 1 to the whole cache) equal the eager twin, without a host sync."""
+    B, T, S, scale = 3, 4, 32768, 0.07
+    q, qpe, kv, pe, pos = mla_inputs(B, T, **KIMI_TP8, S=S, dtype=torch.bfloat16, device="cuda", seed=1)
+    static_pos = pos.clone()
+    kernels.mla_decode_attention(q, qpe, kv, pe, static_pos, scale)      # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    for last in ([S - 1, 3, 100], [T - 1, S - 1, 4095], [2000, 31000, 17]):
+        new_pos = torch.tensor(last, device="cuda").unsqueeze(1) - (T - 1) + torch.arange(T, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            if last[0] == S - 1:
+                with torch.cuda.graph(graph):
+                    out = kernels.mla_decode_attention(q, qpe, kv, pe, static_pos, scale)
+            static_pos.copy_(new_pos)
+            graph.replay()
+            eager = kernels.mla_decode_attention(q, qpe, kv, pe, static_pos, scale)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert_close(out, eager, 0.0, f"graph replay vs eager, last positions {last}")
+        truth = mla_reference(q, qpe, kv, pe, static_pos, scale, dtype=torch.float64)
+        assert_close(out, truth, 2e-2, f"graph replay vs float64 twin, last positions {last}")
+
+
+@cuda
+@triton_ok
+def test_gpu_kernels_in_captured_paths():
+    """The tiny model with every kernel on: each captured shape replays equal to eager, with no
+    host sync anywhere; float32 logits equal the plain model's; bf16 agreement is reported."""
+    from graphs import CudaGraphs
+    target, head = gpu_models()
+    target.use_kernels("all")
+    calls = captured_calls(target, head)
+    runner = CudaGraphs("cuda")
+    for key, fn, inputs in calls:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager = flat(fn(*inputs))
+            runner.run(key, fn, *inputs)          # capture
+            graphed = flat(runner.run(key, fn, *inputs))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert_close(graphed, eager, 0.0, f"kernels on: graph vs eager {key}")
+    plain, fast = kernel_models("cuda", torch.bfloat16)
+    prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256, seed=9))
+    a, b = plain(prefill, prefill_pos).logits, fast(prefill, prefill_pos).logits
+    a = torch.cat([a, plain(step, step_pos, "decode").logits], 1)
+    b = torch.cat([b, fast(step, step_pos, "decode").logits], 1)
+    same = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    print(f"\nbf16 tiny model, kernels on vs off: top-1 agreement {same:.3f}, max |logit diff| "
+          f"{(a - b).abs().max().item():.3e}")
