@@ -28,8 +28,8 @@ from dataclasses import asdict, dataclass, field, fields
 import torch
 import torch.nn as nn
 
-from model import (MLP, RMSNorm, checkpoint_files, init_random, load_weights, normalize_rope_scaling, read_config,
-                   rope_tables, write_safetensors)
+from model import (MLP, CheckpointError, RMSNorm, check_config_types, checkpoint_files, config_file, init_random,
+                   load_weights, normalize_rope_scaling, read_config, rope_tables, write_safetensors)
 from tp import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear, \
     VocabParallelEmbedding, _param
 
@@ -49,7 +49,7 @@ class DraftArgs:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 131072
     target_hidden_size: int | None = None
-    eagle_config: dict = field(default_factory=lambda: {"eagle_aux_hidden_state_layer_ids": [2, 30, 58],
+    eagle_config: dict | None = field(default_factory=lambda: {"eagle_aux_hidden_state_layer_ids": [2, 30, 58],
                                                         "use_aux_hidden_state": True})
 
     @property
@@ -58,14 +58,16 @@ class DraftArgs:
 
     @classmethod
     def from_hf_config(cls, path_or_dict):
-        cfg = read_config(path_or_dict)
+        cfg, where = read_config(path_or_dict), config_file(path_or_dict)
         arch = cfg.get("architectures") or []
         if "LlamaForCausalLMEagle3" not in arch:
-            raise ValueError(f"draft config architectures {arch} is not ['LlamaForCausalLMEagle3']")
+            raise CheckpointError(f"{where}: architectures {arch} is not ['LlamaForCausalLMEagle3']")
+        check_config_types(cls, cfg, where)
         cfg = dict(cfg, rope_scaling=normalize_rope_scaling(cfg.get("rope_scaling")))
-        cfg.setdefault("head_dim", cfg["hidden_size"] // cfg["num_attention_heads"])
-        cfg.setdefault("num_key_value_heads", cfg["num_attention_heads"])
-        cfg["draft_vocab_size"] = cfg.get("draft_vocab_size") or cfg["vocab_size"]
+        heads = cfg.get("num_attention_heads", cls.num_attention_heads)
+        cfg.setdefault("head_dim", cfg.get("hidden_size", cls.hidden_size) // heads)
+        cfg.setdefault("num_key_value_heads", heads)
+        cfg["draft_vocab_size"] = cfg.get("draft_vocab_size") or cfg.get("vocab_size", cls.vocab_size)
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in cfg.items() if k in names})
 
@@ -116,31 +118,31 @@ class DraftAttention(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
-    def forward(self, x, positions, cos, sin, past=None):            # x [B, T, 2D]
+    def forward(self, x, positions, cos, sin, kv_len=None, past=None):   # x [B, T, 2D]
         """past None (inference): write this step's keys and values into the cache at `positions`
-        (slot = position) and attend to slots <= position. past a list (training, see
-        Eagle3Draft.unroll): the earlier unrolled steps' keys and values, this step's appended;
-        no cache is touched."""
+        (slot = position) and attend to slots <= position among the first kv_len (default all).
+        past a list (training, see Eagle3Draft.unroll): the earlier unrolled steps' keys and
+        values, this step's appended; no cache is touched."""
         B, T, _ = x.shape
         q = rotate_half_rope(self.q_proj(x).view(B, T, self.n_local_heads, -1), cos, sin)
         k = rotate_half_rope(self.k_proj(x).view(B, T, self.n_local_kv_heads, -1), cos, sin)
         v = self.v_proj(x).view(B, T, self.n_local_kv_heads, -1)
-        o = self.attend_cache(q, k, v, positions) if past is None else self.attend_unrolled(q, k, v, past)
+        o = self.attend_cache(q, k, v, positions, kv_len) if past is None else self.attend_unrolled(q, k, v, past)
         return self.o_proj(o.flatten(2))
 
     def expand_kv(self, t):                                          # [B, S, G, Hd] -> [B, S, H, Hd]
         return t.repeat_interleave(self.n_local_heads // self.n_local_kv_heads, 2)
 
-    def attend_cache(self, q, k, v, positions):
+    def attend_cache(self, q, k, v, positions, kv_len):
         B = q.shape[0]
         rows = torch.arange(B, device=q.device).unsqueeze(1)
         self.k_cache[rows, positions] = k
         self.v_cache[rows, positions] = v
-        S = self.k_cache.shape[1]
-        k, v = self.expand_kv(self.k_cache[:B]), self.expand_kv(self.v_cache[:B])   # [B, S, H, Hd]
+        S = kv_len or self.k_cache.shape[1]  # the slots read: the first kv_len (default all)
+        k, v = self.expand_kv(self.k_cache[:B, :S]), self.expand_kv(self.v_cache[:B, :S])   # [B, S, H, Hd]
         scores = torch.einsum("bthd,bshd->bths", q, k) * self.scale
-        visible = torch.arange(S, device=q.device) <= positions.unsqueeze(-1)      # [B, T, S]
-        scores = scores.masked_fill(~visible.unsqueeze(2), float("-inf"))
+        future = torch.arange(S, device=q.device) > positions.unsqueeze(-1)     # [B, T, S], as in model.py
+        scores = scores.masked_fill(future.unsqueeze(2), float("-inf"))
         p = scores.softmax(-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
         return torch.einsum("bths,bshd->bthd", p, v)
 
@@ -154,8 +156,8 @@ class DraftAttention(nn.Module):
         (k0, v0), later = past[0], past[1:]
         T = q.shape[1]
         scores = torch.einsum("bthd,bshd->bths", q, self.expand_kv(k0))                # [B, T, H, T]
-        visible = torch.arange(T, device=q.device) <= torch.arange(T, device=q.device).unsqueeze(1)
-        scores = scores.masked_fill(~visible.view(1, T, 1, T), float("-inf"))
+        future = torch.arange(T, device=q.device) > torch.arange(T, device=q.device).unsqueeze(1)   # [T, T]
+        scores = scores.masked_fill(future.view(1, T, 1, T), float("-inf"))
         diag = [(q * self.expand_kv(kj)).sum(-1, keepdim=True) for kj, _ in later]     # [B, T, H, 1] each
         p = (torch.cat([scores, *diag], -1) * self.scale).softmax(
             -1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)           # [B, T, H, T+i]
@@ -174,9 +176,9 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, device, dtype)
         self.mlp = MLP(a.hidden_size, a.intermediate_size, tp, "draft intermediate_size", device=device, dtype=dtype)
 
-    def forward(self, emb, hidden, positions, cos, sin, past=None):
+    def forward(self, emb, hidden, positions, cos, sin, kv_len=None, past=None):
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], -1)   # [B, T, 2D]
-        h = hidden + self.self_attn(x, positions, cos, sin, past)                  # residual = hidden
+        h = hidden + self.self_attn(x, positions, cos, sin, kv_len, past)          # residual = hidden
         return h + self.mlp(self.post_attention_layernorm(h))                      # g, before the norm
 
 
@@ -229,16 +231,17 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens, positions, hidden, past=None):
+    def forward(self, tokens, positions, hidden, kv_len=None, past=None):
         """One pass of the midlayer. tokens, positions [B, T]; hidden [B, T, D], in the head's own
         width: fc(target states) on extend rows, the previous step's g on chain steps. EAGLE-3 fuses
-        only the target's states through fc (`extend` applies it, `chain` does not). past: see
-        DraftAttention.forward. Returns draft logits [B, T, Vd] and g [B, T, D]."""
+        only the target's states through fc (`extend` applies it, `chain` does not). Attention over
+        the first kv_len cache slots (default all); past: see DraftAttention.forward. Returns draft
+        logits [B, T, Vd] and g [B, T, D]."""
         if hidden.shape[-1] != self.args.hidden_size:
             raise ValueError(f"hidden is {hidden.shape[-1]} wide, not the head's hidden_size {self.args.hidden_size}: "
                              "target states go through extend (which applies fc), not straight into the head")
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        g = self.midlayer(self.embed_tokens(tokens), hidden, positions, cos, sin, past)
+        g = self.midlayer(self.embed_tokens(tokens), hidden, positions, cos, sin, kv_len, past)
         return self.lm_head(self.norm(g)), g
 
     def hot_ids(self):
@@ -249,27 +252,27 @@ class Eagle3Draft(nn.Module):
         ids = logits.argmax(-1)
         return ids + self.d2t[ids]
 
-    def extend(self, tokens, positions, target_states, last):
+    def extend(self, tokens, positions, target_states, last, kv_len=None):
         """Rows with fresh target states [B, T, 3*Dt] (fused by fc); `last` [B] is each row's last
         valid row. Returns d_1 [B] (target ids) and g [B, D] of that row."""
-        logits, g = self(tokens, positions, self.fc(target_states))
+        logits, g = self(tokens, positions, self.fc(target_states), kv_len)
         pick = last.view(-1, 1, 1)
         logits = logits.gather(1, pick.expand(-1, 1, logits.shape[-1])).squeeze(1)
         return self.to_target_ids(logits), g.gather(1, pick.expand(-1, 1, g.shape[-1])).squeeze(1)
 
-    def chain(self, first, g, q, num_steps):
+    def chain(self, first, g, q, num_steps, kv_len=None):
         """d_1 = first [B]; step i reads d_{i+1} and the previous g (no fc: g is already the head's
         width) at RoPE position q + 1 + i. Returns drafts [B, num_steps] in target ids."""
         drafts = [first]
         for i in range(num_steps - 1):
-            logits, g = self(drafts[-1].unsqueeze(1), (q + 1 + i).unsqueeze(1), g.unsqueeze(1))
+            logits, g = self(drafts[-1].unsqueeze(1), (q + 1 + i).unsqueeze(1), g.unsqueeze(1), kv_len)
             drafts.append(self.to_target_ids(logits[:, 0]))
             g = g[:, 0]
         return torch.stack(drafts, 1)
 
     def propose(self, tokens, positions, hidden, last, num_steps):
-        """The proposer interface verify.generate uses: extend over the rows (hidden: the target's
-        states), then chain."""
+        """Extend over the rows (hidden: the target's states), then chain: what verify.generate does
+        after the prefill, in one call."""
         first, g = self.extend(tokens, positions, hidden, last)
         q = positions.gather(1, last.unsqueeze(1)).squeeze(1)
         return self.chain(first, g, q, num_steps)
@@ -289,7 +292,7 @@ class Eagle3Draft(nn.Module):
         positions = torch.arange(T, device=tokens.device).expand(B, T)
         hidden, past, steps = self.fc(target_states), [], []
         for i in range(num_steps):
-            logits, hidden = self(seq[:, i:i + T], positions + i, hidden, past)   # hidden <- g, fed back
+            logits, hidden = self(seq[:, i:i + T], positions + i, hidden, past=past)   # hidden <- g, fed back
             steps.append(logits)
         return torch.stack(steps)
 
@@ -376,7 +379,10 @@ def load_draft(path, target, max_batch_size=None, max_seq_len=None, device=None,
     """A SpecForge / SGLang EAGLE-3 checkpoint for `target`; each rank reads only its slices."""
     args = DraftArgs.from_hf_config(path)
     own = "embed_tokens.weight" in checkpoint_files(path)
-    set_target_aux_layers(target, args)
-    draft = Eagle3Draft(args, target, max_batch_size, max_seq_len, device, dtype, own_embedding=own)
+    try:
+        set_target_aux_layers(target, args)
+        draft = Eagle3Draft(args, target, max_batch_size, max_seq_len, device, dtype, own_embedding=own)
+    except ValueError as e:  # a head that does not fit this target (sizes, vocabulary, layer ids)
+        raise CheckpointError(f"draft {os.fspath(path)}: {e}") from None
     load_weights(draft_table(draft), path, draft.tp, "draft", skip=lambda name: "t2d (not needed)" if name == "t2d" else None)
     return draft

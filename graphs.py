@@ -9,10 +9,48 @@ Outputs are copied out of the pool right after each replay. With one shared pool
 output may sit in memory that an earlier-captured graph uses as scratch, so it would be clobbered
 by that graph's next replay (found on the H200: the verify replay overwrote the draft chain's
 output before acceptance read it). The copies are small (logits and hidden states of a few tokens).
+
+A graph replays the function it captured, whatever `fn` a later call passes; so each key remembers
+which function it holds, and a call with another function under the same key is refused.
 """
+from functools import partial
+from inspect import ismethod
+
 import torch
 
 from tp import print0
+
+
+def function_id(fn):
+    """What makes two calls the same function for a graph, without reading the device: a partial
+    is its function, arguments and keywords; a bound method its object and function; anything
+    else itself. Tensors among the arguments count by identity (comparing values would sync)."""
+    def arg(v):
+        return ("tensor", id(v)) if isinstance(v, torch.Tensor) else v
+    if isinstance(fn, partial):
+        return (function_id(fn.func), tuple(map(arg, fn.args)),
+                tuple(sorted((k, arg(v)) for k, v in fn.keywords.items())))
+    if ismethod(fn):
+        return (fn.__self__, fn.__func__)
+    return fn
+
+
+def function_name(fn):
+    """A short name for messages, e.g. partial(Transformer, mode='decode')."""
+    if isinstance(fn, partial):
+        kws = [f"{k}={v!r}" for k, v in fn.keywords.items() if not isinstance(v, torch.Tensor)]
+        return f"partial({', '.join([function_name(fn.func), *kws])})"
+    f = fn.__func__ if ismethod(fn) else fn
+    return getattr(f, "__qualname__", type(f).__name__)
+
+
+def copy_out(out):
+    """A graph's output copied out of the pool: a tensor, or a tuple or named tuple (such as
+    model.TargetOutput) of tensors and Nones."""
+    if isinstance(out, torch.Tensor):
+        return out.clone()
+    copies = [None if t is None else t.clone() for t in out]
+    return type(out)(*copies) if hasattr(out, "_fields") else tuple(copies)
 
 
 class CudaGraphs:
@@ -24,6 +62,7 @@ class CudaGraphs:
         self.device, self.capture_missing, self.warmup = device, capture_missing, warmup
         self.pool = torch.cuda.graph_pool_handle() if share_pool else None
         self.graphs = {}  # key -> (graph, static inputs, static outputs)
+        self.functions = {}  # key -> (function_id, function_name) of what its graph captured
 
     def capture(self, key, fn, *inputs):
         static_in = [x.clone() for x in inputs]
@@ -37,6 +76,7 @@ class CudaGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             static_out = fn(*static_in)
         self.graphs[key] = (graph, static_in, static_out)
+        self.functions[key] = (function_id(fn), function_name(fn))
         print0(f"captured CUDA graph {key}")
 
     def run(self, key, fn, *inputs):
@@ -45,10 +85,11 @@ class CudaGraphs:
             if not self.capture_missing:
                 raise KeyError(f"no CUDA graph captured for {key}; captured: {sorted(self.graphs)}")
             self.capture(key, fn, *inputs)
+        elif self.functions[key][0] != function_id(fn):
+            raise ValueError(f"CUDA graph {key} replays {self.functions[key][1]}, and this call passes "
+                             f"{function_name(fn)}: give each function its own key")
         graph, static_in, static_out = self.graphs[key]
         for buf, x in zip(static_in, inputs):
             buf.copy_(x)
         graph.replay()
-        if isinstance(static_out, tuple):
-            return tuple(t.clone() for t in static_out)
-        return static_out.clone()
+        return copy_out(static_out)

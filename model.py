@@ -20,10 +20,12 @@ import json
 import math
 import os
 import re
+import typing
 import zlib
 from collections import Counter
-from contextlib import ExitStack
+from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass, field, fields
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -32,17 +34,58 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 from tqdm import tqdm
 
+import kernels
 from tp import (TP, ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear,
                 VocabParallelEmbedding, _param, print0)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or config that cannot be loaded; the message names the file and the problem."""
+
+
+def config_file(path_or_dict):
+    """The config.json a path names (the file, or the one in its folder); "config" for a dict."""
+    if isinstance(path_or_dict, dict):
+        return "config"
+    path = os.fspath(path_or_dict)
+    return os.path.join(path, "config.json") if os.path.isdir(path) else path
 
 
 def read_config(path_or_dict):
     """A config.json as a dict: from a dict, the file, or its folder."""
     if isinstance(path_or_dict, dict):
         return path_or_dict
-    path = os.path.join(path_or_dict, "config.json") if os.path.isdir(path_or_dict) else path_or_dict
-    with open(path) as f:
-        return json.load(f)
+    if not os.path.exists(path_or_dict):
+        raise CheckpointError(f"{os.fspath(path_or_dict)}: no such file or folder")
+    path = config_file(path_or_dict)
+    if not os.path.exists(path):
+        raise CheckpointError(f"{os.fspath(path_or_dict)} has no config.json")
+    try:
+        with open(path) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        raise CheckpointError(f"{path} line {e.lineno} column {e.colno}: not JSON ({e.msg})") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{path}: not a text file") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{path}: expected a JSON object, found {type(cfg).__name__}")
+    return cfg
+
+
+def check_config_types(cls, cfg, where):
+    """Refuse a config value of the wrong type for a field of the dataclass `cls`, by name
+    ("hidden_size": "abc" would otherwise fail deep inside a constructor). An int may stand for a
+    float, a list of ints for a *token_id (several end-of-sequence ids)."""
+    for f in fields(cls):
+        if f.name not in cfg:
+            continue
+        value, allowed = cfg[f.name], typing.get_args(f.type) or (f.type,)
+        ok = any(type(value) is a or a is float and type(value) is int or a is dict and isinstance(value, dict)
+                 for a in allowed)
+        ok = ok or f.name.endswith("token_id") and isinstance(value, list) and all(type(v) is int for v in value)
+        if not ok:
+            names = " or ".join("null" if a is type(None) else a.__name__ for a in allowed)
+            raise CheckpointError(f"{where}: {f.name} = {value!r} is not {names}")
 
 
 def normalize_rope_scaling(rope_scaling):
@@ -52,6 +95,28 @@ def normalize_rope_scaling(rope_scaling):
     rs = dict(rope_scaling)
     rs["type"] = rs.pop("rope_type", rs.get("type"))
     return rs
+
+
+def generation_eos(path_or_dict):
+    """The eos_token_id of the generation_config.json beside a config.json (None without one)."""
+    if isinstance(path_or_dict, dict):
+        return None
+    folder = path_or_dict if os.path.isdir(path_or_dict) else os.path.dirname(path_or_dict)
+    path = os.path.join(folder, "generation_config.json")
+    if not os.path.exists(path):
+        return None
+    with open(path) as f:
+        return json.load(f).get("eos_token_id")
+
+
+def eos_union(*values):
+    """The ids in values (each an id, a list of ids or None), in order, each once."""
+    ids = []
+    for v in values:
+        for i in [] if v is None else [v] if isinstance(v, int) else v:
+            if i not in ids:
+                ids.append(i)
+    return ids
 
 
 @dataclass
@@ -87,7 +152,7 @@ class ModelArgs:
     max_position_embeddings: int = 131072
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 163584
-    eos_token_id: int | None = 163585
+    eos_token_id: int | list | None = 163585  # one id or a list (from_hf_config adds generation_config's)
     quantization_config: dict | None = None  # as shipped: FP8 blocks (dequantized at load) or INT4 experts
 
     @property
@@ -95,6 +160,11 @@ class ModelArgs:
         """The INT4 group size when the routed experts are kept packed, else None."""
         kind, group = quant_scheme(self.quantization_config)
         return group if kind == "int4" else None
+
+    @property
+    def eos_token_ids(self):
+        """Every id generation stops at, as a list."""
+        return eos_union(self.eos_token_id)
 
     @property
     def qk_head_dim(self):
@@ -106,7 +176,8 @@ class ModelArgs:
 
     @property
     def softmax_scale(self):
-        # DeepseekV3: qk_head_dim^-0.5, times mscale^2 when rope_scaling is yarn
+        # DeepseekV3: qk_head_dim^-0.5, times mscale^2 whenever rope_scaling is yarn (HF, SGLang;
+        # DeepSeek's own reference only when its cache is longer than the original context)
         scale = self.qk_head_dim ** -0.5
         if self.is_yarn:
             mscale = yarn_mscale(self.rope_scaling["factor"], self.rope_scaling.get("mscale_all_dim", 0))
@@ -121,9 +192,14 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, path_or_dict):
-        """Read a DeepseekV3 / Kimi-K2 / Kimi-K2.5 config.json (a file, its folder, or a dict)."""
+        """Read a DeepseekV3 / Kimi-K2 / Kimi-K2.5 config.json (a file, its folder, or a dict).
+        The EOS ids are those of config.json and of a generation_config.json beside it, together
+        (engines stop at every one: SGLang's model config takes the union, vLLM adds them as stops)."""
         top = read_config(path_or_dict)
         cfg = dict(top.get("text_config", top))  # Kimi-K2.5 nests the text model
+        eos = eos_union(cfg.get("eos_token_id"), top.get("eos_token_id"), generation_eos(path_or_dict))
+        if eos:
+            cfg["eos_token_id"] = eos[0] if len(eos) == 1 else eos
         cfg["quantization_config"] = cfg.get("quantization_config") or top.get("quantization_config")
         quant_scheme(cfg["quantization_config"])  # refuses what is not implemented, by name
         if "rope_parameters" in cfg:  # the newer transformers spelling
@@ -142,11 +218,9 @@ class ModelArgs:
         if cfg.get("rope_scaling") and cfg["rope_scaling"]["type"] != "yarn":
             raise NotImplementedError(f"rope_scaling type {cfg['rope_scaling']['type']!r} is not "
                                       "implemented (only yarn or none)")
+        check_config_types(cls, cfg, config_file(path_or_dict))
         names = {f.name for f in fields(cls)}
-        args = cls(**{k: v for k, v in cfg.items() if k in names})
-        if isinstance(args.eos_token_id, list):
-            args.eos_token_id = args.eos_token_id[0]
-        return args
+        return cls(**{k: v for k, v in cfg.items() if k in names})
 
     def to_hf_config(self):
         cfg = asdict(self)
@@ -262,6 +336,18 @@ def dequantize_int4(packed, scale, group):
 
 
 # ---------------------------------------------------------------------------------------------
+# Profiling scopes: run.py's component table puts each kernel under the innermost named range
+# around the op that launched it (module hooks name the modules; scope() names the math that is
+# not a module). A range exists only while a profiler records, never under torch.compile, and
+# adds no device work, so capture and compilation see the same code either way.
+
+def scope(component):
+    if torch.compiler.is_compiling() or not torch.autograd._profiler_enabled():
+        return nullcontext()
+    return torch.profiler.record_function("component:" + component)
+
+
+# ---------------------------------------------------------------------------------------------
 # RoPE (YaRN, interleaved pairs as in DeepseekV3)
 
 def at_least_f32(x):
@@ -273,7 +359,12 @@ def yarn_mscale(factor, mscale=1.0):
 
 
 def rope_tables(dim, theta, rope_scaling, max_seq_len, device):
-    """cos, sin [S, dim/2] in float32, YaRN-scaled when rope_scaling says so (HF's formulas)."""
+    """cos, sin [S, dim/2] in float32, YaRN-scaled when rope_scaling says so (HF's formulas).
+
+    YaRN applies at every cache length here, as in HF transformers and SGLang. DeepSeek's own
+    inference/model.py ramps the frequencies (and multiplies the softmax scale by mscale^2) only
+    when its max_seq_len exceeds original_max_position_embeddings, so with a cache of at most
+    4096 slots its logits differ from these and from the engines'."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim))
     attention_factor = 1.0
     if rope_scaling and rope_scaling.get("type") == "yarn":
@@ -287,10 +378,12 @@ def rope_tables(dim, theta, rope_scaling, max_seq_len, device):
         ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3)).clamp(0, 1)
         keep = 1 - ramp  # 1: keep the original frequency (extrapolate), 0: divide by factor
         inv_freq = inv_freq / factor * (1 - keep) + inv_freq * keep
-        if rs.get("mscale") and rs.get("mscale_all_dim"):
-            attention_factor = yarn_mscale(factor, rs["mscale"]) / yarn_mscale(factor, rs["mscale_all_dim"])
-        else:
-            attention_factor = rs.get("attention_factor") or yarn_mscale(factor)
+        attention_factor = rs.get("attention_factor")  # as HF: an explicit factor wins, else
+        if attention_factor is None:                    # DeepSeek's mscale ratio, else YaRN's own
+            if rs.get("mscale") and rs.get("mscale_all_dim"):
+                attention_factor = yarn_mscale(factor, rs["mscale"]) / yarn_mscale(factor, rs["mscale_all_dim"])
+            else:
+                attention_factor = yarn_mscale(factor)
     elif rope_scaling:
         raise NotImplementedError(f"rope_scaling type {rope_scaling.get('type')!r} is not implemented")
     freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
@@ -304,13 +397,14 @@ def apply_rope(x, rope):
     not generate code for complex numbers and would leave the multiply unfused."""
     if x.dim() == 4:
         rope = rope.unsqueeze(2)
-    xf = at_least_f32(x).unflatten(-1, (-1, 2))
-    if torch.compiler.is_compiling():
-        (x0, x1), (cos, sin) = xf.unbind(-1), rope.unbind(-1)
-        out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1)
-    else:
-        out = torch.view_as_real(torch.view_as_complex(xf.contiguous()) * torch.view_as_complex(rope))
-    return out.flatten(-2).to(x.dtype)
+    with scope("elementwise"):
+        xf = at_least_f32(x).unflatten(-1, (-1, 2))
+        if torch.compiler.is_compiling():
+            (x0, x1), (cos, sin) = xf.unbind(-1), rope.unbind(-1)
+            out = torch.stack((x0 * cos - x1 * sin, x0 * sin + x1 * cos), -1)
+        else:
+            out = torch.view_as_real(torch.view_as_complex(xf.contiguous()) * torch.view_as_complex(rope))
+        return out.flatten(-2).to(x.dtype)
 
 
 class RMSNorm(nn.Module):
@@ -328,7 +422,22 @@ class RMSNorm(nn.Module):
 # ---------------------------------------------------------------------------------------------
 # MLA
 
+def absorbed_attention(q_lat, q_pe, kv_c, pe_c, future, scale):
+    """Attention in the latent space: with kv_b_proj's key half absorbed into the query (q_lat =
+    q_nope W_uk), a slot's normalized latent is both its key and its value, so q_lat [B, T, H, C]
+    and the rotated q_pe [B, T, H, R] meet kv_c [B, S, C] and pe_c [B, S, R] directly; future
+    [B, T, S] masks slots past each query's position. Returns the latent output [B, T, H, C]
+    (W_uv still to apply). The plain twin of kernels.mla_decode_attention."""
+    scores = torch.einsum("bthc,bsc->bths", q_lat, kv_c) + torch.einsum("bthr,bsr->bths", q_pe, pe_c)
+    scores = (scores * scale).masked_fill(future.unsqueeze(2), float("-inf"))
+    p = scores.softmax(-1, dtype=torch.promote_types(q_lat.dtype, torch.float32)).to(q_lat.dtype)   # [B, T, H, S]
+    return torch.einsum("bths,bsc->bthc", p, kv_c)
+
+
 class MLA(nn.Module):
+    attn_impl = "torch"        # "triton": decode mode through kernels.mla_decode_attention (Transformer.use_kernels)
+    rope_cache_impl = "torch"  # "triton": RoPE, latent norm and cache writes by kernels.mla_rope_cache_write
+
     def __init__(self, args, tp, max_batch_size, max_seq_len, device, dtype):
         super().__init__()
         a = args
@@ -356,18 +465,22 @@ class MLA(nn.Module):
         self.register_buffer("pe_cache", torch.zeros(max_batch_size, max_seq_len, a.qk_rope_head_dim, **cache),
                              persistent=False)
 
-    def forward(self, x, positions, rope, hidden, mode):
-        """hidden [B, T, S]: True where a query must not see a slot (slot > its position); S is
-        the number of cache slots read."""
+    def forward(self, x, positions, rope, future, mode):
+        """future [B, T, S]: True where a slot lies after the query's position (not written yet,
+        or a rejected draft's), so the query must not see it; S is the number of cache slots read."""
         a, h = self.args, self.n_local_heads
-        (B, T, _), kv_len = x.shape, hidden.shape[-1]
+        (B, T, _), kv_len = x.shape, future.shape[-1]
         q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
         q_nope, q_pe = q.view(B, T, h, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
-        q_pe = apply_rope(q_pe, rope)
         kv, k_pe = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
-        rows = torch.arange(B, device=x.device).unsqueeze(1)
-        self.kv_cache[rows, positions] = self.kv_a_layernorm(kv)     # slot = position
-        self.pe_cache[rows, positions] = apply_rope(k_pe, rope)
+        if self.rope_cache_impl == "triton":  # the four lines below in one kernel
+            q_pe = kernels.mla_rope_cache_write(q_pe, kv, k_pe, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+                                                rope, positions, self.kv_cache, self.pe_cache)
+        else:
+            q_pe = apply_rope(q_pe, rope)
+            rows = torch.arange(B, device=x.device).unsqueeze(1)
+            self.kv_cache[rows, positions] = self.kv_a_layernorm(kv)     # slot = position
+            self.pe_cache[rows, positions] = apply_rope(k_pe, rope)
         kv_c, pe_c = self.kv_cache[:B, :kv_len], self.pe_cache[:B, :kv_len]     # [B, S, C], [B, S, R]
         w_kv_b = self.kv_b_proj.weight.view(h, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
         w_uk, w_uv = w_kv_b.split([a.qk_nope_head_dim, a.v_head_dim], 1)      # [H, d, C]
@@ -376,16 +489,20 @@ class MLA(nn.Module):
                 [a.qk_nope_head_dim, a.v_head_dim], -1)                        # [B, S, H, d]
             scores = (torch.einsum("bthd,bshd->bths", q_nope, k_nope)
                       + torch.einsum("bthr,bsr->bths", q_pe, pe_c))
-        else:
-            q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)               # [B, T, H, C]
-            scores = (torch.einsum("bthc,bsc->bths", q_lat, kv_c)
-                      + torch.einsum("bthr,bsr->bths", q_pe, pe_c))
-        scores = (scores * a.softmax_scale).masked_fill(hidden.unsqueeze(2), float("-inf"))
-        p = scores.softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)               # [B, T, H, S]
-        if mode == "extend":
+            scores = (scores * a.softmax_scale).masked_fill(future.unsqueeze(2), float("-inf"))
+            p = scores.softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)   # [B, T, H, S]
             o = torch.einsum("bths,bshd->bthd", p, v)
-        else:
-            o = torch.einsum("bthc,hdc->bthd", torch.einsum("bths,bsc->bthc", p, kv_c), w_uv)
+        else:  # absorbed: a key is k = W_uk c for a cached latent c, so q . k = q . (W_uk c) =
+            # (W_uk^T q) . c: W_uk moves onto the T queries instead of onto all S cached latents
+            with scope("attn_proj"):  # kv_b_proj's key half, absorbed into the query
+                q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)           # [B, T, H, C]
+            if self.attn_impl == "triton":  # the same math in one pass over the used slots
+                o_lat = kernels.mla_decode_attention(q_lat, q_pe, kv_c, pe_c, positions, a.softmax_scale)
+            else:
+                o_lat = absorbed_attention(q_lat, q_pe, kv_c, pe_c, future, a.softmax_scale)
+            # likewise o = sum_s p_s (W_uv c_s) = W_uv (sum_s p_s c_s): attend over latents, then W_uv once
+            with scope("attn_proj"):  # kv_b_proj's value half, absorbed into the output
+                o = torch.einsum("bthc,hdc->bthd", o_lat, w_uv)
         return self.o_proj(o.flatten(2))
 
 
@@ -406,11 +523,19 @@ class MLP(nn.Module):
 
 
 class Router(nn.Module):
-    """Sigmoid scores; the correction bias picks groups and experts, the unbiased scores weigh them."""
+    """Sigmoid scores; the correction bias picks groups and experts, the unbiased scores weigh them.
+
+    routing "uniform" (SIMULATED, for timing random weights; run.py --routing): the scores and the
+    selection are computed as always, so their cost stays, then the choice is replaced on the device
+    by a balanced one: pair j of the N*K token-expert pairs of a forward goes to expert j mod E, so
+    each token gets K distinct experts (K <= E) and the experts are used evenly. The weights are the
+    model's scores of those experts, normalized and scaled as usual."""
+    impl = "torch"  # "triton": logits, selection and weights in two kernels (kernels.router_topk)
 
     def __init__(self, args, device, dtype):
         super().__init__()
         self.args = args
+        self.routing = "model"
         # kept in (at least) float32, as it is used: no cast of the [E, D] matrix per call
         self.weight = _param((args.n_routed_experts, args.hidden_size), None, device,
                              torch.promote_types(dtype or torch.get_default_dtype(), torch.float32))
@@ -418,18 +543,37 @@ class Router(nn.Module):
 
     def forward(self, x):                                          # [N, D] -> [N, K] ids, weights
         a = self.args
+        if self.impl == "triton":
+            ids, weights = kernels.router_topk(x, self.weight, self.e_score_correction_bias, a.num_experts_per_tok,
+                                               a.n_group, a.topk_group, a.norm_topk_prob, a.routed_scaling_factor)
+            if self.routing == "model":
+                return ids, weights
+            ids = self.uniform_choice(ids)  # the chosen experts' scores, from their K router rows
+            return ids, self.normalize(torch.einsum("nd,nkd->nk", at_least_f32(x), self.weight[ids]).sigmoid())
         scores = F.linear(at_least_f32(x), self.weight).sigmoid()               # [N, E] fp32
         biased = scores + self.e_score_correction_bias
         if a.n_group > 1:
             grouped = biased.unflatten(-1, (a.n_group, -1))                    # [N, G, E/G]
             group_score = grouped.topk(2, dim=-1).values.sum(-1)              # [N, G]
             keep = torch.zeros_like(group_score).scatter_(1, group_score.topk(a.topk_group, -1).indices, 1)
+            # dropped groups get -inf, as in DeepSeek's reference and SGLang. transformers v4 fills
+            # 0.0, and a biased score (sigmoid + bias) can be negative: there a dropped group's
+            # expert can outrank a kept one. Both agree when the K-th best kept score is positive.
             biased = grouped.masked_fill(keep.unsqueeze(-1) == 0, float("-inf")).flatten(1)
         ids = biased.topk(a.num_experts_per_tok, dim=-1).indices
-        weights = scores.gather(1, ids)
+        if self.routing == "uniform":
+            ids = self.uniform_choice(ids)
+        return ids, self.normalize(scores.gather(1, ids))
+
+    def uniform_choice(self, ids):
+        """SIMULATED balanced routing: pair j of the forward's N*K pairs goes to expert j mod E."""
+        return torch.arange(ids.numel(), device=ids.device).view(ids.shape) % self.args.n_routed_experts
+
+    def normalize(self, weights):                                  # [N, K] the chosen experts' scores
+        a = self.args
         if a.norm_topk_prob:
             weights = weights / (weights.sum(-1, keepdim=True) + 1e-20)
-        return ids, weights * a.routed_scaling_factor
+        return weights * a.routed_scaling_factor
 
 
 def grouped_mm_available(device, dtype):
@@ -536,6 +680,8 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
+    fused_add_norm = False  # True: kernels.add_rmsnorm (Transformer.use_kernels)
+
     def __init__(self, layer_id, args, tp, moe_impl, max_batch_size, max_seq_len, device, dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, device, dtype)
@@ -547,22 +693,38 @@ class Block(nn.Module):
         else:
             self.mlp = MoE(args, tp, moe_impl, device, dtype)
 
-    def forward(self, x, positions, rope, hidden, mode):
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, hidden, mode)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, positions, rope, future, mode):
+        attn = self.self_attn(self.input_layernorm(x), positions, rope, future, mode)
+        if self.fused_add_norm:  # the residual add and the norm in one kernel
+            x, h = kernels.add_rmsnorm(x, attn, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        else:
+            x = x + attn
+            h = self.post_attention_layernorm(x)
+        return x + self.mlp(h)
 
 
 # ---------------------------------------------------------------------------------------------
 # The model
 
+class TargetOutput(NamedTuple):
+    """What Transformer.forward returns, with or without capture_aux."""
+    logits: torch.Tensor        # [B, T, V] float32, the full vocabulary on every rank
+    aux: torch.Tensor | None    # [B, T, 3*D] the EAGLE-3 states with capture_aux, else None
+
+
+KERNELS = ("attention", "rope_cache", "router", "add_rmsnorm")   # Transformer(kernels=...): the Triton twins, by name
+
+
 class Transformer(nn.Module):
     """This rank's shard of the target. `tp` defaults to the torch.distributed world (or 1).
 
     aux_layer_ids: decoder layers whose outputs EAGLE-3 reads (default 1, L//2 - 1, L - 4).
-    moe_impl: "gather" (plain), "grouped" (torch._grouped_mm) or "auto" (grouped on a GPU that has it)."""
+    moe_impl: "gather" (plain), "grouped" (torch._grouped_mm) or "auto" (grouped on a GPU that has it).
+    routing: "model" (the router's own choice) or "uniform" (SIMULATED balanced routing, see Router).
+    kernels: names from KERNELS (or "all") to run as Triton kernels instead of their plain twins."""
 
     def __init__(self, args, max_batch_size=1, max_seq_len=4096, device=None, dtype=None, tp=None,
-                 aux_layer_ids=None, moe_impl="auto"):
+                 aux_layer_ids=None, moe_impl="auto", routing="model", kernels=()):
         super().__init__()
         device = torch.device(device or "cpu")
         dtype = dtype or torch.get_default_dtype()
@@ -584,6 +746,36 @@ class Transformer(nn.Module):
         self.lm_head = ParallelLMHead(args.hidden_size, args.vocab_size, self.tp, device=device, dtype=dtype)
         cos, sin = rope_tables(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling, max_seq_len, device)
         self.register_buffer("rope", torch.stack((cos, sin), -1), persistent=False)   # [S, R/2, 2]
+        self.set_routing(routing)
+        self.use_kernels(kernels)
+
+    def set_routing(self, routing):
+        if routing not in ("model", "uniform"):
+            raise ValueError(f"routing must be 'model' or 'uniform', not {routing!r}")
+        self.routing = routing
+        for m in self.modules():
+            if isinstance(m, Router):
+                m.routing = routing
+
+    def use_kernels(self, names):
+        """Run the named Triton kernels (kernels.py) in place of their plain twins, the others
+        plain: "attention" (decode-mode MLA attention), "rope_cache" (RoPE + latent norm + cache
+        writes), "router" (logits and selection), "add_rmsnorm" (residual add +
+        post-attention norm). names: an iterable, "all" or "none"."""
+        names = set(KERNELS if names == "all" else () if names in (None, "none") else
+                    [names] if isinstance(names, str) else names)
+        if names - set(KERNELS):
+            raise ValueError(f"unknown kernels {sorted(names - set(KERNELS))}; choose from {list(KERNELS)} or 'all'")
+        if names:
+            kernels.check_available(self.device)
+        for layer in self.layers:
+            layer.self_attn.attn_impl = "triton" if "attention" in names else "torch"
+            layer.self_attn.rope_cache_impl = "triton" if "rope_cache" in names else "torch"
+            layer.fused_add_norm = "add_rmsnorm" in names
+            if isinstance(layer.mlp, MoE):
+                layer.mlp.gate.impl = "triton" if "router" in names else "torch"
+        self.kernels = tuple(k for k in KERNELS if k in names)
+        return self
 
     def compile_layers(self):
         """Let torch.compile fuse each decoder layer's small kernels (regional compilation: the
@@ -604,24 +796,22 @@ class Transformer(nn.Module):
 
     def forward(self, tokens, positions, mode="extend", capture_aux=False, kv_len=None):
         """tokens, positions: int64 [B, T]. Writes the KV cache at `positions`, then attends to
-        slots <= position over the first kv_len slots (default: all). Returns logits [B, T, V]
-        (float32, full vocabulary on every rank) and, with capture_aux, the EAGLE-3 states
-        [B, T, 3*D] (the chosen layers' outputs, low to high)."""
+        slots <= position over the first kv_len slots (default: all). Returns a TargetOutput:
+        logits [B, T, V] (float32, full vocabulary on every rank) and, with capture_aux, the
+        EAGLE-3 states aux [B, T, 3*D] (the chosen layers' outputs, low to high; else None)."""
         if mode not in ("extend", "decode"):
             raise ValueError(f"mode must be 'extend' or 'decode', not {mode!r}")
         kv_len = kv_len or self.max_seq_len
         x = self.embed_tokens(tokens)                                         # [B, T, D]
         rope = self.rope[positions]                                           # [B, T, R/2, 2]
-        hidden = torch.arange(kv_len, device=x.device) > positions.unsqueeze(-1)   # [B, T, S], once
+        future = torch.arange(kv_len, device=x.device) > positions.unsqueeze(-1)   # [B, T, S], once
         captured = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, rope, hidden, mode)
+            x = layer(x, positions, rope, future, mode)
             if capture_aux and i in self.aux_layer_ids:
                 captured[i] = x
-        logits = self.lm_head(self.norm(x))
-        if capture_aux:
-            return logits, torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1)
-        return logits
+        aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1) if capture_aux else None
+        return TargetOutput(self.lm_head(self.norm(x)), aux)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -654,7 +844,8 @@ def init_random(model, seed, rank_local=False):
     """Random weights. Default: each tensor drawn whole on the CPU from a generator seeded by
     (seed, name), then sliced, so TP 1 and TP N hold the same model. rank_local=True draws only
     this rank's slice on the device (cheap for configs too big to draw whole; TP N != TP 1).
-    INT4 experts get uniform random nibbles and scales that give |W| ~ 1/sqrt(in)."""
+    INT4 experts get random values q, symmetric in [-7, 7] (zero-mean, so the experts share no
+    constant component), and scales that give |W| ~ 1/sqrt(in)."""
     tp = model.tp
     for name, p in model.named_parameters():
         packed = name.endswith("weight_packed")
@@ -664,11 +855,13 @@ def init_random(model, seed, rank_local=False):
         g = torch.Generator(g_device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode())
                                                   + (7919 * tp.rank if rank_local else 0))
         shape = list(p.shape) if rank_local else global_shape(p, tp)
-        if packed:
+        if packed:  # random nibbles; stored 0 (q = -8) becomes 8 (q = 0): q symmetric, zero-mean
             w = torch.randint(-2**31, 2**31, shape, generator=g, device=g_device, dtype=torch.int64).to(torch.int32)
-        elif name.endswith("weight_scale"):  # uniform q in [-8, 7] has std ~4.6
+            lo, hi = w.view(torch.uint8) & 0xF, w.view(torch.uint8) >> 4
+            w = (lo.masked_fill(lo == 0, 8) | (hi.masked_fill(hi == 0, 8) << 4)).view(torch.int32)
+        elif name.endswith("weight_scale"):  # that q has std sqrt(17.5) ~ 4.18
             w = (1 + 0.1 * torch.randn(shape, generator=g, device=g_device)) / (
-                4.6 * math.sqrt(shape[-1] * model.args.int4_group_size))
+                math.sqrt(17.5) * math.sqrt(shape[-1] * model.args.int4_group_size))
         elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
             w = 1 + 0.1 * torch.randn(shape, generator=g, device=g_device)
         elif name.endswith("e_score_correction_bias"):
@@ -732,13 +925,26 @@ def checkpoint_files(path):
     """{tensor name: file} from model.safetensors.index.json or a single model.safetensors."""
     index = os.path.join(path, "model.safetensors.index.json")
     if os.path.exists(index):
-        with open(index) as f:
-            return {k: os.path.join(path, v) for k, v in json.load(f)["weight_map"].items()}
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            return {k: os.path.join(path, v) for k, v in weight_map.items()}
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({type(e).__name__}: {e})") from None
     single = os.path.join(path, "model.safetensors")
     if not os.path.exists(single):
-        raise FileNotFoundError(f"{path} has neither model.safetensors nor model.safetensors.index.json")
-    with safe_open(single, "pt") as f:
+        raise CheckpointError(f"{os.fspath(path)} has neither model.safetensors nor model.safetensors.index.json")
+    with open_safetensors(single) as f:
         return {k: single for k in f.keys()}
+
+
+def open_safetensors(file):
+    """safe_open, with a truncated or corrupt file (or a shard the index names but the folder
+    lacks) refused by name."""
+    try:
+        return safe_open(file, "pt", device="cpu")
+    except Exception as e:  # safetensors raises its own SafetensorError, or an OSError
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
 FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
@@ -761,8 +967,8 @@ def dequantize_fp8_slice(name, sl, scale_sl, index, block, device, dtype):
     shape, (br, bc) = sl.get_shape(), block
     want = [-(-shape[0] // br), -(-shape[1] // bc)]
     if list(scale_sl.get_shape()) != want:
-        raise ValueError(f"{name}_scale_inv: expected shape {want} for {shape} in {br}x{bc} blocks, "
-                         f"found {list(scale_sl.get_shape())}")
+        raise CheckpointError(f"{name}_scale_inv: expected shape {want} for {shape} in {br}x{bc} blocks, "
+                              f"found {list(scale_sl.get_shape())}")
     (r0, r1), (c0, c1) = [(s.start, s.stop) for s in index]
     w = sl[index].to(device, dtype)
     s = scale_sl[r0 // br:-(-r1 // br), c0 // bc:-(-c1 // bc)].to(device, dtype)
@@ -789,9 +995,9 @@ def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8
                                   "compressed-tensors quantization_config, or INT4 reaches beyond the routed "
                                   "experts (only they are implemented)")
     if missing:
-        raise KeyError(f"{what} {path} is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
+        raise CheckpointError(f"{what} {path} is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
     if unexpected:
-        raise KeyError(f"{what} {path} has {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]}")
+        raise CheckpointError(f"{what} {path} has {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]}")
     if skipped:
         print0(f"{what}: skipping {sum(skipped.values())} tensors this model does not use: "
                + ", ".join(f"{label} ({n})" for label, n in sorted(skipped.items())))
@@ -801,9 +1007,9 @@ def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8
 
         def get_slice(k):
             if k not in files:
-                raise KeyError(f"{what} {path} is missing {k}")
+                raise CheckpointError(f"{what} {path} is missing {k}")
             if files[k] not in handles:
-                handles[files[k]] = stack.enter_context(safe_open(files[k], "pt", device="cpu"))
+                handles[files[k]] = stack.enter_context(open_safetensors(files[k]))
             return handles[files[k]].get_slice(k)
 
         for k in sorted(expected, key=lambda k: files[k]):  # file by file: each shard is opened once
@@ -812,7 +1018,7 @@ def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8
             want = global_shape(p, tp)[1:] if j is not None else global_shape(p, tp)
             found = list(sl.get_shape())
             if found != want:
-                raise ValueError(f"{what} tensor {k}: expected shape {want}, found {found}")
+                raise CheckpointError(f"{what} {files[k]}: tensor {k} has shape {found}, expected {want}")
             index = rank_slice(want, p.shard_dim if j is None or p.shard_dim is None else p.shard_dim - 1, tp)
             dst = p if j is None else p[j]
             if sl.get_dtype() == "F8_E4M3" and fp8_block and p.dtype.is_floating_point:
@@ -821,13 +1027,13 @@ def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8
             else:
                 allowed = FLOAT_DTYPES if p.dtype.is_floating_point else {INT_DTYPES[p.dtype]}
                 if sl.get_dtype() not in allowed:
-                    raise TypeError(f"{what} tensor {k}: dtype {sl.get_dtype()} is not supported here (expected "
-                                    f"one of {sorted(allowed)}; FP8 needs an fp8 quantization_config)")
+                    raise CheckpointError(f"{what} {files[k]}: tensor {k} has dtype {sl.get_dtype()}, not supported "
+                                          f"here (expected one of {sorted(allowed)}; FP8 needs an fp8 quantization_config)")
                 if k.endswith(".weight_packed"):
                     shape = get_slice(k.removesuffix("packed") + "shape")[:].tolist()
                     if shape != [want[0], want[1] * 8]:
-                        raise ValueError(f"{what} tensor {k}: packed shape {want} does not match its "
-                                         f"weight_shape {shape} (expected [{shape[0]}, {shape[1] // 8}] words)")
+                        raise CheckpointError(f"{what} tensor {k}: packed shape {want} does not match its "
+                                              f"weight_shape {shape} (expected [{shape[0]}, {shape[1] // 8}] words)")
                 dst.copy_(sl[index])
             bar.update()
 
@@ -839,9 +1045,12 @@ def load_target(path, max_batch_size=1, max_seq_len=4096, device=None, dtype=Non
     (kept packed), and the Kimi-K2.5 layout (text model under `language_model.`; the vision
     tower and projector skipped)."""
     cfg = read_config(path)
-    args = ModelArgs.from_hf_config(cfg)
+    args = ModelArgs.from_hf_config(path)
     kind, block_or_group = quant_scheme(args.quantization_config)
-    model = Transformer(args, max_batch_size, max_seq_len, device, dtype, tp, **kwargs)
+    try:
+        model = Transformer(args, max_batch_size, max_seq_len, device, dtype, tp, **kwargs)
+    except ValueError as e:  # a size the TP does not divide, aux layer ids outside the model
+        raise CheckpointError(f"{config_file(path)}: {e}") from None
     prefix = "language_model." if "text_config" in cfg else ""
     table = checkpoint_table(model, prefix)
     if kind == "int4":  # the ignore list must leave exactly the routed experts quantized

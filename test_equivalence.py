@@ -4,25 +4,35 @@ CPU tests use the tiny preset (milliseconds a forward) and spawn gloo ranks for 
 (graphs, bf16) skip on a machine without CUDA, saying so; run them on the GPU before calling
 graph work done: `python -m pytest -q test_equivalence.py` there runs both parts.
 """
+import contextlib
 import json
 import os
+import shutil
 import socket
 import subprocess
 import sys
 import tempfile
+from functools import partial
 
-import pytest
-import torch
-import torch.distributed as dist
-import torch.multiprocessing as mp
-from safetensors.torch import load_file, save_file
+# one thread a process unless asked otherwise: CI has 2 cores, and the tests spawn ranks and run.py
+os.environ.setdefault("OMP_NUM_THREADS", "1")
 
-import model
-import tp
-from model import ModelArgs, Transformer, init_random, load_target, save_target
-from tp import TP
+import pytest  # noqa: E402
+import torch  # noqa: E402
+import torch.distributed as dist  # noqa: E402
+import torch.multiprocessing as mp  # noqa: E402
+from safetensors.torch import load_file, save_file  # noqa: E402
+
+if not torch.cuda.is_available():  # Triton kernels run on a CPU only interpreted (decided at import)
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+import kernels  # noqa: E402
+import model  # noqa: E402
+import tp  # noqa: E402
+from model import CheckpointError, ModelArgs, Transformer, init_random, load_target, save_target  # noqa: E402
+from tp import TP  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+CPU_ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # run.py as a user runs it on the CPU (the GPU hidden)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200)")
 
 
@@ -47,7 +57,6 @@ def _free_port():
 def _rank_main(rank, world, port, fn, args, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
-    torch.set_num_threads(1)
     tp.init_distributed("cpu")
     try:
         result = fn(*args)
@@ -63,6 +72,27 @@ def run_ranks(world, fn, *args):
         out = os.path.join(d, "result.pt")
         mp.spawn(_rank_main, args=(world, _free_port(), fn, args, out), nprocs=world, join=True)
         return torch.load(out)
+
+
+def _threads():
+    return torch.get_num_threads()
+
+
+def test_cpu_ranks_share_the_cores(monkeypatch):
+    """A CPU rank takes OMP_NUM_THREADS threads if set, else its share of the cores, not torch's
+    default of all of them (which oversubscribes a small machine many times over); spawned ranks
+    apply it although torch started before the variable was read. run.py times the CPU on one
+    thread unless OMP_NUM_THREADS asks for more."""
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert tp.cpu_threads_per_rank(2) == max(1, os.cpu_count() // 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert tp.cpu_threads_per_rank(2) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert run_ranks(2, _threads) == 1
+    monkeypatch.delenv("OMP_NUM_THREADS")  # a timing run on the CPU: one thread unless asked
+    torch.set_num_threads(2)
+    run.settle(run.parse_args([]), torch.device("cpu"), 1)
+    assert torch.get_num_threads() == 1
 
 
 # ---------------------------------------------------------------------------------------------
@@ -81,9 +111,9 @@ def step_inputs(vocab, seed=0):
 def run_steps(m):
     """Logits of the prefill and of the step in both attention modes, concatenated along T."""
     prefill, prefill_pos, step, step_pos = step_inputs(m.args.vocab_size)
-    outs = [m(prefill, prefill_pos, "extend")]
+    outs = [m(prefill, prefill_pos, "extend").logits]
     for mode in ("extend", "decode"):
-        outs.append(m(step, step_pos, mode))
+        outs.append(m(step, step_pos, mode).logits)
     return torch.cat(outs, 1)
 
 
@@ -119,12 +149,12 @@ def test_extend_decode_and_incremental_agree():
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, m.args.vocab_size, (3, 20), generator=g)
     pos = torch.arange(20).expand(3, 20)
-    whole = {mode: m(tokens, pos, mode) for mode in ("extend", "decode")}
+    whole = {mode: m(tokens, pos, mode).logits for mode in ("extend", "decode")}
     assert_close(whole["decode"], whole["extend"], 1e-10, "decode vs extend attention, whole prompt")
     for mode in ("extend", "decode"):
         # prefill 15, one token, then a (k+1) = 4 token step at the offset
-        parts = [m(tokens[:, :15], pos[:, :15], "extend"), m(tokens[:, 15:16], pos[:, 15:16], mode),
-                 m(tokens[:, 16:], pos[:, 16:], mode)]
+        parts = [m(tokens[:, :15], pos[:, :15], "extend").logits, m(tokens[:, 15:16], pos[:, 15:16], mode).logits,
+                 m(tokens[:, 16:], pos[:, 16:], mode).logits]
         assert_close(torch.cat(parts, 1), whole["extend"], 1e-10, f"incremental {mode} vs one forward")
 
 
@@ -132,8 +162,8 @@ def test_kv_len_bounds_the_read_without_changing_results():
     m = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=64, dtype=torch.float64), 4)
     prefill, prefill_pos, step, step_pos = step_inputs(m.args.vocab_size, seed=4)
     m(prefill, prefill_pos)
-    full = m(step, step_pos, "decode")
-    assert_close(m(step, step_pos, "decode", kv_len=16), full, 1e-12, "kv_len=16 vs full cache")
+    full = m(step, step_pos, "decode").logits
+    assert_close(m(step, step_pos, "decode", kv_len=16).logits, full, 1e-12, "kv_len=16 vs full cache")
 
 
 @pytest.mark.parametrize("quant", [None, "int4"])
@@ -175,7 +205,7 @@ def test_matches_hf_transformers(tiny_ckpt):
     tokens = torch.randint(0, ours.args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         ref = hf(tokens).logits
-    got = ours(tokens, torch.arange(24).expand(2, 24))
+    got = ours(tokens, torch.arange(24).expand(2, 24)).logits
     assert_close(got, ref, 2e-5, "ours vs HF DeepseekV3")
 
 
@@ -252,10 +282,10 @@ KEY = "model.layers.2.self_attn.kv_b_proj.weight"
 
 
 @pytest.mark.parametrize("edit, error, words", [
-    (lambda t: t.pop(KEY), KeyError, ["missing", KEY]),
-    (lambda t: t.update({"model.extra.weight": torch.zeros(2)}), KeyError, ["unexpected", "model.extra.weight"]),
+    (lambda t: t.pop(KEY), CheckpointError, ["missing", KEY]),
+    (lambda t: t.update({"model.extra.weight": torch.zeros(2)}), CheckpointError, ["unexpected", "model.extra.weight"]),
     (lambda t: t.update({KEY: torch.zeros(3, 4, dtype=torch.float64)}), ValueError, [KEY, "[128, 32]", "[3, 4]"]),
-    (lambda t: t.update({KEY: t[KEY].to(torch.int32)}), TypeError, [KEY, "I32"]),
+    (lambda t: t.update({KEY: t[KEY].to(torch.int32)}), CheckpointError, [KEY, "I32", "model.safetensors"]),
     (lambda t: t.update({"model.layers.8.mlp.gate.weight": torch.zeros(2)}), None, []),  # an MTP layer: skipped
 ])
 def test_bad_checkpoints_name_the_problem(tiny_ckpt, edit, error, words):
@@ -270,6 +300,47 @@ def test_bad_checkpoints_name_the_problem(tiny_ckpt, edit, error, words):
             load_target(bad, max_batch_size=1, max_seq_len=8, dtype=torch.float64)
         for w in words:
             assert w in str(e.value), (w, str(e.value))
+
+
+def _truncate(f):
+    data = open(f, "rb").read()
+    open(f, "wb").write(data[:len(data) // 2])
+
+
+def _set_config(f, **kw):
+    cfg = json.load(open(f))
+    json.dump(dict(cfg, **kw), open(f, "w"))
+
+
+BROKEN = [  # (what, file to edit or None: the folder is missing, edit, what the error must say)
+    ("missing", None, None, "{dir}: no such file or folder"),
+    ("no config", "config.json", os.remove, "{dir} has no config.json"),
+    ("not JSON", "config.json", lambda f: open(f, "w").write('{\n  "hidden_size": 64,\n  "vocab_size": ,\n}'),
+     "{dir}/config.json line 3 column 17: not JSON"),
+    ("wrong type", "config.json", lambda f: _set_config(f, hidden_size="abc"), "{dir}/config.json: hidden_size = 'abc' is not int"),
+    ("truncated", "{tensors}", _truncate, "{dir}/{tensors}: not a readable safetensors file"),
+    ("corrupt", "{tensors}", lambda f: open(f, "w").write("not a tensor file"), "{dir}/{tensors}: not a readable safetensors file"),
+]
+
+
+def test_unreadable_checkpoints_are_one_error_naming_the_file(tiny_ckpt, tmp_path):
+    """Target and draft alike: each problem is a CheckpointError (a ValueError) whose message
+    names the file, as run.py prints it."""
+    ckpt, m = tiny_ckpt
+    shard = sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors"))[1]
+    save_draft(init_random_draft(Eagle3Draft(draft_preset("tiny"), m), 3), tmp_path / "draft")
+    for kind, src, tensors in (("target", ckpt, shard), ("draft", str(tmp_path / "draft"), "model.safetensors")):
+        for what, name, edit, message in BROKEN:
+            bad = str(tmp_path / f"{kind} {what}".replace(" ", "_"))
+            if name is not None:
+                shutil.copytree(src, bad)
+                edit(os.path.join(bad, name.format(tensors=tensors)))
+            with pytest.raises(CheckpointError) as e:
+                if kind == "target":
+                    load_target(bad, max_seq_len=8, dtype=torch.float64)
+                else:
+                    load_draft(bad, m)
+            assert message.format(dir=bad, tensors=tensors) in str(e.value), (kind, what, str(e.value))
 
 
 def test_world_size_that_does_not_divide_is_named():
@@ -301,6 +372,16 @@ def test_config_spellings_and_refusals():
             json.dump(dict(old, quantization_config={"quant_method": "fp8"}), f)
         with pytest.raises(NotImplementedError, match="fp8"):
             load_target(d)
+
+
+def test_yarn_attention_factor_as_hf():
+    """The cos/sin tables carry YaRN's attention factor: rope_scaling's own attention_factor when
+    given (as transformers reads it), else mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
+    rs = dict(type="yarn", factor=4.0, original_max_position_embeddings=64, mscale=0.8, mscale_all_dim=1.0)
+    for scaling, want in ((rs, model.yarn_mscale(4.0, 0.8) / model.yarn_mscale(4.0, 1.0)),
+                          (dict(rs, attention_factor=1.25), 1.25), (dict(rs, mscale=0, attention_factor=0.5), 0.5)):
+        cos, sin = model.rope_tables(8, 10000.0, scaling, 16, "cpu")
+        assert_close((cos ** 2 + sin ** 2).sqrt(), torch.full_like(cos, want), 1e-6, f"attention factor {scaling}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -413,7 +494,7 @@ def test_bad_quantized_checkpoints_name_the_tensor(tmp_path):
     def qcfg(c):
         return c["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]
     cases = [
-        (int4, dict(edit_tensors=lambda t: t.pop(E + ".weight_scale")), KeyError, [E + ".weight_scale", "missing"]),
+        (int4, dict(edit_tensors=lambda t: t.pop(E + ".weight_scale")), CheckpointError, [E + ".weight_scale", "missing"]),
         (int4, dict(edit_tensors=lambda t: t.update({E + ".weight_shape": torch.tensor([64, 128])})),
          ValueError, [E + ".weight_packed", "[64, 128]"]),
         (int4, dict(edit_config=lambda c: qcfg(c).update(group_size=48)), ValueError, ["hidden_size = 64", "48-element"]),
@@ -426,9 +507,9 @@ def test_bad_quantized_checkpoints_name_the_tensor(tmp_path):
          NotImplementedError, ["INT4-packed", "self_attn.q_b_proj.weight_packed"]),
         (int4, dict(edit_config=lambda c: c["text_config"].pop("quantization_config")),
          NotImplementedError, ["INT4-packed", "no compressed-tensors quantization_config"]),
-        (fp8, dict(edit_tensors=lambda t: t.pop(A + "_scale_inv")), KeyError, [A + "_scale_inv"]),
+        (fp8, dict(edit_tensors=lambda t: t.pop(A + "_scale_inv")), CheckpointError, [A + "_scale_inv"]),
         (fp8, dict(edit_tensors=lambda t: t.update({A + "_scale_inv": torch.ones(2, 2)})), ValueError, [A + "_scale_inv", "[6, 2]"]),
-        (fp8, dict(edit_config=lambda c: c.pop("quantization_config")), TypeError, ["F8_E4M3", "quantization_config"]),
+        (fp8, dict(edit_config=lambda c: c.pop("quantization_config")), CheckpointError, ["F8_E4M3", "quantization_config"]),
     ]
     for i, (src, edits, error, words) in enumerate(cases):
         bad = _edit(src, str(tmp_path / f"bad{i}"), **edits)
@@ -445,7 +526,7 @@ def test_simulated_rank_is_labelled_and_shaped_like_tp8():
     m = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float32, tp=sim), 0,
                     rank_local=True)
     assert "SIMULATED" in sim.describe() and m.layers[0].self_attn.n_local_heads == 1
-    logits = m(torch.tensor([[3, 4], [5, 6]]), torch.arange(2).expand(2, 2), "decode")
+    logits, _ = m(torch.tensor([[3, 4], [5, 6]]), torch.arange(2).expand(2, 2), "decode")
     assert logits.shape == (2, 2, m.args.vocab_size) and torch.isfinite(logits).all()
 
 
@@ -459,15 +540,19 @@ PROMPTS = {1: [[11, 12, 13, 14, 15, 16]], 3: [[11, 12, 13, 14, 15], [21, 22, 23,
 
 
 class PlantedProposer:
-    """Knows the target's greedy sequence `ref` [B, L] (by position) and errs where told: on its
-    c-th call, row b's first wrong draft is number wrong_at(c, b) (0-based; >= k: all right)."""
+    """Stands in for an Eagle3Draft in verify.generate (its extend and chain, run eager). Knows the
+    target's greedy sequence `ref` [B, L] (by position) and errs where told: on its c-th chain,
+    row b's first wrong draft is number wrong_at(c, b) (0-based; >= k: all right)."""
 
     def __init__(self, ref, vocab, wrong_at):
         self.ref, self.vocab, self.wrong_at, self.calls = ref, vocab, wrong_at, 0
 
-    def propose(self, tokens, positions, hidden, last, num_steps):
-        q = positions.gather(1, last.unsqueeze(1))                          # [B, 1]
-        idx = (q + 1 + torch.arange(1, num_steps + 1)).clamp(max=self.ref.shape[1] - 1)  # d_j: position q+1+j
+    def extend(self, tokens, positions, hidden, last, kv_len=None):
+        return None, None  # the planted drafts need only the position chain() is given
+
+    def chain(self, first, g, q, num_steps, kv_len=None):
+        """q [B]: the position of the last extend row; draft j (1-based) guesses position q+1+j."""
+        idx = (q.unsqueeze(1) + 1 + torch.arange(1, num_steps + 1)).clamp(max=self.ref.shape[1] - 1)
         drafts = self.ref.gather(1, idx)
         first_wrong = torch.tensor([self.wrong_at(self.calls, b) for b in range(len(drafts))])
         self.calls += 1
@@ -493,7 +578,7 @@ def lossless_matrix(seed, max_new=24):
     for B, prompts in PROMPTS.items():
         plain = generate(target, None, prompts, max_new_tokens=max_new).tokens
         ref = reference_sequences(prompts, plain, 40)
-        for mode in ("prefill", "decode"):
+        for mode in ("extend", "decode"):
             for k in (1, 2, 4):
                 proposers = {"eagle3": head,
                              "errs": PlantedProposer(ref, target.args.vocab_size, lambda c, b, k=k: (c + b) % (k + 1)),
@@ -574,6 +659,22 @@ def test_speculative_sampling_follows_the_target():
             f"{kind} draft: TV {tv0:.4f} (first, n={N}), {tv1:.4f} (second, n={n1})"
 
 
+def test_generation_stops_at_every_eos_id(tmp_path):
+    """config.json and generation_config.json each name EOS ids (one or a list); generation stops
+    at the first of any of them, as engines do, plain and speculative, wherever it falls in a cycle."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(tiny().to_hf_config(), eos_token_id=[2, 5])))
+    (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
+    assert ModelArgs.from_hf_config(tmp_path).eos_token_ids == [2, 5, 9]
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=40, dtype=torch.float64), 21)
+    free = generate(target, None, PROMPTS[3], max_new_tokens=20, eos_id=-1).tokens
+    stops = [free[0][4], free[1][7], free[2][9]]
+    ref = reference_sequences(PROMPTS[3], free, 40)
+    for proposer in (None, PlantedProposer(ref, 256, lambda c, b: (c + b) % 3)):
+        got = generate(target, proposer, PROMPTS[3], max_new_tokens=20, num_steps=2, eos_id=stops).tokens
+        for row, out in zip(free, got):
+            assert out == row[:next(i + 1 for i, t in enumerate(row) if t in stops)], (proposer, stops)
+
+
 def test_sampling_generate_runs_and_is_seeded():
     target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=40, dtype=torch.float32), 3)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 4)
@@ -598,7 +699,7 @@ def test_draft_round_trip_and_errors(tmp_path):
     save_file(tensors, tmp_path / "bad" / "model.safetensors")
     cfg = json.loads((tmp_path / "d" / "config.json").read_text())
     (tmp_path / "bad" / "config.json").write_text(json.dumps(cfg))
-    with pytest.raises(KeyError, match="midlayer.self_attn.k_proj.weight"):
+    with pytest.raises(CheckpointError, match="midlayer.self_attn.k_proj.weight"):
         load_draft(tmp_path / "bad", target)
     (tmp_path / "bad" / "config.json").write_text(json.dumps(dict(cfg, architectures=["LlamaForCausalLM"])))
     with pytest.raises(ValueError, match="LlamaForCausalLMEagle3"):
@@ -621,6 +722,19 @@ def test_draft_tp_equals_tp1(world, tmp_path):
     logits, drafts = run_ranks(world, _draft_tp_worker, tmp_path, 9)
     assert_close(logits, ref_logits, 1e-10, f"draft logits TP {world} vs TP 1")
     assert torch.equal(drafts, ref_drafts)
+
+
+def test_the_draft_chain_stays_inside_the_cache():
+    """Full acceptance near the end of the output: the chain drafts k-1 positions past the verified
+    ones, so the cache needs P + max_new_tokens + 2k - 2 slots (found: an index past a 19-slot cache)."""
+    P, max_new, k = 6, 8, 4
+    target = init_random(Transformer(tiny(), 1, P + max_new + 2 * k - 2, dtype=torch.float32), 0)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 1)
+    for seed in range(8):  # seed 4 reached the end with all 4 drafts accepted
+        generate(target, head, [list(range(1, P + 1))], max_new_tokens=max_new, num_steps=k, simulate_accept_len=4.0,
+                 seed=seed)
+    with pytest.raises(ValueError, match="lookahead"):
+        generate(target, head, [list(range(1, P + 2))], max_new_tokens=max_new, num_steps=k)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -735,33 +849,25 @@ def test_requests_that_cannot_run_are_refused():
 # ---------------------------------------------------------------------------------------------
 # run.py on CPU
 
-def test_run_py_cli_tiny(tmp_path):
-    """run.py's CPU defaults (the GPU is hidden, so this is the CPU run on any machine)."""
-    out = tmp_path / "r.json"
-    cpu = dict(os.environ, CUDA_VISIBLE_DEVICES="")
-    subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--json", str(out), "--max-new-tokens", "40",
-                    "--speculative-num-steps", "2", "--batch-size", "2"], check=True, capture_output=True, cwd=HERE,
-                   env=cpu)
-    r = json.loads(out.read_text())
-    assert r["env"]["simulated_acceptance"] is False and r["floors"] is None
-    assert "trained tiny pair" in r["env"]["target"]  # the CPU default: real acceptance
-    assert all(r["e2e"][f"eagle3/{mode}/eager"]["accept_len_mean"] >= 1.5 for mode in ("prefill", "decode"))
-    for mode in ("prefill", "decode"):
-        assert f"verify/{mode}/eager" in r["phases_ms"]
-        v = r["e2e"][f"eagle3/{mode}/eager"]
-        parts = sum(t for p, t in v["phases_ms"].items() if p != "cycle")
-        # medians of the parts need not add up to the median cycle exactly; a missing phase (verify
-        # is over half the cycle) would
-        assert abs(parts - v["phases_ms"]["cycle"]) <= 0.1 * v["phases_ms"]["cycle"], v["phases_ms"]
-        assert 1 <= v["accept_len_mean"] <= 3 and sum(v["accept_len_hist"]) > 0
-    assert r["greedy_agreement_with_plain"] == {"eagle3/prefill/eager": 1.0, "eagle3/decode/eager": 1.0}
-    assert set(r["cost_model"]) == {"1", "2", "3", "4", "5"}
-    sim = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--simulate-accept-len", "2.5",
-                          "--max-new-tokens", "40"], check=True, capture_output=True, text=True, cwd=HERE,
+def test_run_py_cli_background_flags_on_cpu():
+    """The flags of the background's own setup, on the tiny model: a simulated rank with modelled
+    all-reduces, SIMULATED uniform routing (the default on random weights), phases at two context
+    lengths, no end-to-end loops."""
+    cpu = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
+    out = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--simulate-tp", "2", "--allreduce-us", "35",
+                          "--speculative-num-steps", "2", "--speculative-attention-mode", "decode", "--context-len", "8",
+                          "40", "--skip-e2e", "--reps", "2"], check=True, capture_output=True, text=True, cwd=HERE,
                          env=cpu).stdout
-    r = json.loads(sim.strip().splitlines()[-1])
-    assert "SIMULATED" in sim and r["env"]["simulated_acceptance"] is True
-    assert 1.8 <= r["e2e"]["eagle3/decode/eager"]["accept_len_mean"] <= 3.2
+    r = json.loads(out.strip().splitlines()[-1])
+    assert set(r["contexts"]) == {"8", "40"} and r["e2e"] == {}
+    for c in r["contexts"].values():  # batch 1, K 4 of 16 experts: one token 4, the 3 verified 12
+        assert c["distinct_experts"] == {"decode_step": 4.0, "verify/decode": 12.0}
+    assert r["allreduce_modelled"] == dict(us_each=35.0, target_forward_ms=2 * 8 * 35 / 1e3, draft_forward_ms=0.07)
+    assert "all-reduces MODELLED at 35 us" in out and "routing SIMULATED uniform" in out
+    assert abs(r["cost_model"]["plain_step_ms"] - r["phases_ms"]["decode_step/eager"] - 0.56) < 1e-9
+    bad = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--allreduce-us", "35"], capture_output=True,
+                         text=True, cwd=HERE, env=cpu)
+    assert bad.returncode != 0 and "--allreduce-us" in bad.stderr and "SIMULATED" in bad.stderr
 
 
 # ---------------------------------------------------------------------------------------------
@@ -771,6 +877,162 @@ import numpy as np  # noqa: E402
 
 import run  # noqa: E402
 
+
+def test_run_py_cli_tiny(tmp_path):
+    """run.py's CPU defaults end to end (the GPU is hidden, so this is the CPU run on any machine).
+    It asserts what holds by construction, not relations between noisy medians: every phase
+    present and positive, each timing's spread ordered around its median, the component table's
+    parts adding up to its summed op time, the answer printed."""
+    out = tmp_path / "r.json"
+    stdout = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--json", str(out), "--max-new-tokens", "20",
+                             "--speculative-num-steps", "2", "--batch-size", "2", "--routing", "model",
+                             "--random-weights"], check=True,
+                            capture_output=True, text=True, cwd=HERE, env=CPU_ENV).stdout
+    r = json.loads(out.read_text())
+    assert r["env"]["simulated_acceptance"] is False and r["floors"] is None
+    assert stdout.count("target: random tiny") == 1 and "the answer:" in stdout and "accepted almost nothing" in stdout
+    for name, ms in r["phases_ms"].items():
+        lo, q1, med, q3, hi = r["spread_ms"]["phases_ms"][name]
+        assert 0 < lo <= q1 <= med <= q3 <= hi and med == ms, (name, r["spread_ms"]["phases_ms"][name])
+    for mode in ("prefill", "decode"):
+        assert f"verify/{mode}/eager" in r["phases_ms"]
+        v = r["e2e"][f"eagle3/{mode}/eager"]
+        assert set(v["phases_ms"]) == {"verify", "accept", "draft_extend", "draft", "commit", "host", "cycle"}
+        assert all(t > 0 for t in v["phases_ms"].values()), v["phases_ms"]
+        assert 1 <= v["accept_len_mean"] <= 3 and sum(v["accept_len_hist"]) > 0
+    assert r["greedy_agreement_with_plain"] == {"eagle3/prefill/eager": 1.0, "eagle3/decode/eager": 1.0}
+    assert set(r["cost_model"]["steps"]) == {"1", "2", "3", "4", "5"} and isinstance(r["warnings"], list)
+    table = r["contexts"]["16"]
+    assert r["env"]["routing"] == "model" and all(1 <= n <= 16 for n in table["distinct_experts"].values())
+    for phase in ("decode_step", "verify/prefill", "verify/decode"):
+        c = table["components"][phase]
+        assert abs(sum(c["parts_ms"].values()) - c["kernel_ms"]) <= 0.05 * c["kernel_ms"], (phase, c)
+        assert set(c["parts_ms"]) == set(run.COMPONENTS) and sum(table["bytes"][phase].values()) > 0
+    assert "decode steps" in r["answer"][0] and "EAGLE-3 with num_steps 2" in " ".join(r["answer"])
+    assert "2 tokens per cycle" in " ".join(r["answer"]) and "SIMULATED" not in " ".join(r["answer"])
+    sim = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--simulate-accept-len", "2.5",
+                          "--max-new-tokens", "40"], check=True, capture_output=True, text=True, cwd=HERE,
+                         env=CPU_ENV).stdout
+    r = json.loads(sim.strip().splitlines()[-1])
+    assert "SIMULATED acceptance: each cycle draws" in sim and r["env"]["simulated_acceptance"] is True
+    assert 1.8 <= r["e2e"]["eagle3/decode/eager"]["accept_len_mean"] <= 3.2
+
+
+def test_run_py_cli_trained_pair(tmp_path):
+    """run.py's CPU default is the trained tiny pair: the header says so, the draft accepts (real
+    acceptance, not SIMULATED), and speculative output equals plain greedy."""
+    out = tmp_path / "r.json"
+    stdout = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--json", str(out), "--max-new-tokens", "32",
+                             "--speculative-num-steps", "3", "--batch-size", "2", "--reps", "3"], check=True,
+                            capture_output=True, text=True, cwd=HERE, env=CPU_ENV).stdout
+    r = json.loads(out.read_text())
+    assert "target: the trained tiny pair" in stdout and "trained tiny pair" in r["env"]["target"]
+    assert r["env"]["routing"] == "model" and r["env"]["simulated_acceptance"] is False
+    for mode in ("prefill", "decode"):
+        v = r["e2e"][f"eagle3/{mode}/eager"]
+        assert 1.8 <= v["accept_len_mean"] <= 4 and sum(v["accept_len_hist"]) > 0, v
+    assert r["greedy_agreement_with_plain"] == {"eagle3/prefill/eager": 1.0, "eagle3/decode/eager": 1.0}
+    assert "accepted almost nothing" not in stdout
+
+
+def test_phase_timer_accounts_for_every_cycle():
+    """In every cycle the phases that generate marks, and the host gap, add up to the cycle (start
+    to start), each positive: what run.py's end-to-end table rests on. The last cycle has no next
+    start, so no host gap nor total."""
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), 4)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 5)
+    for draft, names in ((head, {"verify", "accept", "draft_extend", "draft", "commit"}), (None, {"decode", "commit"})):
+        timer = run.PhaseTimer(run.Clock(torch.device("cpu")))
+        res = generate(target, draft, PROMPTS[3], max_new_tokens=10, num_steps=2, timer=timer)
+        cycles = timer.per_cycle()
+        assert len(cycles) == res.cycles and set(cycles[-1]) == names
+        for c in cycles[:-1]:
+            assert set(c) == names | {"host", "cycle"} and all(t > 0 for t in c.values()), c
+            assert sum(t for n, t in c.items() if n != "cycle") == pytest.approx(c["cycle"], rel=1e-9, abs=1e-9)
+        whole = sorted(c["cycle"] for c in cycles[:-1])
+        assert timer.phases()["cycle"].spread() == [whole[0], *timer.phases()["cycle"].spread()[1:4], whole[-1]]
+
+
+def test_report_warns_about_noise_and_figures_that_cannot_be():
+    """timing_warnings and the verdict on made-up results: a spread past NOISY_IQR is flagged, a
+    break-even outside [1, num_steps + 1], an isolated step far from the same step in the loop,
+    and verify cheaper with more tokens are named; the verdict says what random weights measure."""
+    T = run.Timing
+    steady, noisy = T([10.0, 10.1, 10.2, 10.3]), T([5.0, 10.0, 20.0, 40.0])
+    assert steady.spread() == pytest.approx([10.0, 10.075, 10.15, 10.225, 10.3]) and not steady.noisy and noisy.noisy
+    assert json.loads(json.dumps({"t": noisy})) == {"t": 15.0}  # serialized as the median
+    spec = dict(tok_per_s=50.0, phases_ms=dict(verify=T([12.0]), cycle=T([14.0])), accept_len_mean=1.02,
+                speedup_measured=0.7, speedup_predicted=0.72)
+    r = dict(env=dict(simulated_acceptance=False, device="cpu"), phases_ms={"decode_step/eager": noisy},
+             e2e={"baseline/eager": dict(phases_ms=dict(decode=T([3.0]), cycle=T([3.1]))), "eagle3/decode/eager": spec},
+             cost_model=dict(plain_step_ms=3.1, steps={1: dict(cycle_ms=2.0, break_even_accept_len=0.6),
+                                                       3: dict(cycle_ms=14.0, break_even_accept_len=4.5)}),
+             verify_sweep_ms={1: dict(verify=T([9.0])), 2: dict(verify=T([4.0]))})
+    w = "\n".join(run.timing_warnings(r))
+    for words in ["1 timing(s) vary by more than 25%", "decode_step/eager", "num_steps 1: break-even 0.60",
+                  "cheaper than the plain step", "num_steps 3: break-even 4.50", "cannot pay here",
+                  "takes 15.000 ms alone and 3.000 ms inside the loop", "1 tokens 9.000 ms > 1.5 x 2 tokens 4.000 ms"]:
+        assert words in w, (words, w)
+    r["warnings"] = []
+    v = " ".join(run.verdict(r))
+    assert "accepted almost nothing (1.02 tokens per cycle" in v and "--simulate-accept-len" in v
+    r["env"]["simulated_acceptance"], spec["accept_len_mean"] = True, 2.5
+    assert "Acceptance was SIMULATED at 2.50 tokens per cycle" in " ".join(run.verdict(r))
+    assert run.spreads(r)["phases_ms"]["decode_step/eager"] == noisy.spread()
+
+
+def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
+    """Each nonsense value is BadInput naming the flag, the value and what is allowed, raised by
+    parse_args or settle (device-dependent ones are asked as on a CPU); none builds a model."""
+    monkeypatch.setattr(run, "build", lambda *a: pytest.fail("a model was built"))
+    at_least_1 = ["--max-new-tokens 0", "--max-new-tokens -5", "--prompt-len 0", "--reps 0", "--batch-size 0",
+                  "--speculative-num-steps -1", "--simulate-tp 0", "--topk 0 --dump x.npz"]
+    cases = [(flags, f"{flags.split(' --dump')[0]}: must be at least 1") for flags in at_least_1] + [
+        ("--temperature -1", "--temperature -1.0: must be at least 0"),
+        ("--speculative-num-steps 100", r"--speculative-num-steps 100: .* must be below --prompt-len \(16\)"),
+        ("--simulate-accept-len 10", r"--simulate-accept-len 10.0: must lie in \[1, num_steps \+ 1 = 4\]"),
+        ("--simulate-accept-len 0", r"--simulate-accept-len 0.0: must lie in \[1"),
+        ("--simulate-accept-len -1 --speculative-num-steps 2", r"--simulate-accept-len -1.0: must lie in \[1, num_steps \+ 1 = 3\]"),
+        ("--speculative-eagle-topk 2", "--speculative-eagle-topk 2: only 1"),
+        ("--prompt-ids p.jsonl", "--prompt-ids is for --dump"),
+        ("--preset kimi-k2", "--preset kimi-k2: a random Kimi-K2 needs a GPU"),
+        ("--cuda-graph on", "--cuda-graph on: CUDA graphs need a CUDA GPU"),
+        ("--routed-experts 3", "--routed-experts 3: tiny needs between 4 .* and 16"),
+        ("--model-path ckpt --quant int4", "--quant, --routed-experts and --preset shape random weights"),
+        ("--batch-size x", "argument --batch-size: invalid int value: 'x'"),
+        ("--min-top1-agreement 2", r"--min-top1-agreement 2.0: must lie in \[0, 1\]"),
+        ("--dump x.npz", "--dump needs --prompt-ids FILE"),
+        ("--dump x.npz --prompt-ids p --temperature 0.5", "drop --temperature"),
+        ("--dump x.npz --prompt-ids p --batch-size 2", "drop --batch-size"),
+        ("--dump x.npz --prompt-ids nothere.jsonl", "--prompt-ids: .*nothere.jsonl"),
+    ]
+    for flags, message in cases:
+        with pytest.raises(run.BadInput, match=message):
+            run.settle(run.parse_args(flags.split()), torch.device("cpu"), 1)
+    assert all(action.help for action in run.make_parser()._actions), "a flag without help text"
+    cli = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--max-new-tokens", "0"],
+                         capture_output=True, text=True, env=CPU_ENV)
+    assert (cli.returncode, cli.stdout, cli.stderr) == (2, "", "run.py: error: --max-new-tokens 0: must be at least 1\n")
+
+
+def test_run_py_names_a_broken_checkpoint_in_one_line(tiny_ckpt, tmp_path):
+    """run.py --model-path / --draft-path with a problem: the loader's CheckpointError, and from
+    the command line one line on stderr, no traceback, exit status 2."""
+    ckpt, _ = tiny_ckpt
+    shutil.copytree(ckpt, tmp_path / "bad")
+    (tmp_path / "bad" / "config.json").write_text('{\n  "hidden_size": 64,\n  "vocab_size": ,\n}')
+    with pytest.raises(CheckpointError, match="no such file or folder"):
+        run.main(["--model-path", str(tmp_path / "nothere"), "--max-new-tokens", "2"])
+    with pytest.raises(CheckpointError, match="no such file or folder"):
+        run.main(["--draft-path", str(tmp_path / "nothere"), "--max-new-tokens", "2"])
+    cli = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--model-path", str(tmp_path / "bad")],
+                         capture_output=True, text=True, env=CPU_ENV)
+    want = f"run.py: error: {tmp_path / 'bad' / 'config.json'} line 3 column 17: not JSON (Expecting value)\n"
+    assert (cli.returncode, cli.stderr) == (2, want), (cli.returncode, cli.stderr)
+
+
+# ---------------------------------------------------------------------------------------------
+# The correctness baseline: run.py --dump and --compare
 
 def check_dump_layout(d, prompts, k):
     """The arrays mean what the README says: padding where it says, the teacher-forced top-1 along
@@ -839,24 +1101,80 @@ def test_compare_reports_a_planted_divergence(planted_dump, tmp_path, capsys):
     r = report["rows"][row]
     assert (r["positions"], r["top1_agree"], r["at"]) == (t + 1, t, t)
     assert r["max_logprob_diff"] == pytest.approx(a["topk_logprobs"][row, t, 0] - a["topk_logprobs"][row, t, 1])
-    # the CLI: the same table, exit 0 within the thresholds, 1 past one, 2 for files that do not fit
+    gap = a["topk_logprobs"][row, t, 0] - a["topk_logprobs"][row, t, 1]
+    assert (r["divergence_failure"] is None) == (gap <= run.MAX_LOGPROB_DIFF), (gap, r["divergence_failure"])
+    # the CLI: the same table, status 0 within the thresholds, 1 past one, BadInput (2) for files that do not fit
     for name, d in (("a", a), ("b", b), ("short", dict(a, topk_logprobs=a["topk_logprobs"][:, 1:])),
                     ("missing", {key: v for key, v in a.items() if key != "topk_ids"})):
         np.savez(tmp_path / f"{name}.npz", **d)
 
     def cli(*argv):
-        with pytest.raises(SystemExit) as e:
-            run.main(["--compare", *(str(tmp_path / f"{x}.npz") for x in argv[:2]), *argv[2:]])
-        return e.value.code, capsys.readouterr()
-    code, out = cli("a", "b", "--max-logprob-diff", "1")
-    line = next(x for x in out.out.splitlines() if x.split()[:1] == [str(row)])
-    assert code == 0 and line.split()[3] == str(j) and "PASS" in out.out, out.out
-    code, out = cli("a", "b", "--min-top1-agreement", "1")
-    assert code == 1 and "FAIL: top-1 agreement" in out.out
-    code, out = cli("a", "short")
-    assert code == 2 and "topk_logprobs has shape [3, 23, 20], expected [3, 24, 20]" in out.err, out.err
-    code, out = cli("missing", "a")
-    assert code == 2 and "missing.npz has no array 'topk_ids'" in out.err, out.err
+        code = run.main(["--compare", *(str(tmp_path / f"{x}.npz") for x in argv[:2]), *argv[2:]])
+        return code, capsys.readouterr().out
+    code, out = cli("a", "b", "--max-logprob-diff", str(gap + 0.01))
+    line = next(x for x in out.splitlines() if x.split()[:1] == [str(row)])
+    assert code == 0 and line.split()[3:5] == [str(j), "near-tie"] and "PASS" in out, out
+    code, out = cli("a", "b", "--max-logprob-diff", str(gap + 0.01), "--min-top1-agreement", "1")
+    assert code == 1 and "FAIL: top-1 agreement" in out, out
+    code, out = cli("a", "b", "--max-logprob-diff", str(gap - 0.01))  # the flip is no longer a near-tie
+    assert code == 1 and f"row {row}, output {j} (position {t})" in out and "below A's top-1" in out, out
+    with pytest.raises(run.BadInput, match=r"topk_logprobs has shape \[3, 23, 20\], expected \[3, 24, 20\]"):
+        cli("a", "short")
+    with pytest.raises(run.BadInput, match="missing.npz has no array 'topk_ids'"):
+        cli("missing", "a")
+
+
+def test_compare_fails_an_engine_whose_output_is_wrong(planted_dump):
+    """A divergence is judged, not only reported: a token outside A's top-K, a stop where A goes on,
+    or every output replaced by one id fails, naming the row, the position and both tokens, even
+    where top-1 agreement over the shared context stays high."""
+    _, a = planted_dump
+
+    def wrong(edit):
+        b = {key: v.copy() for key, v in a.items()}
+        edit(b["output_ids"])
+        return run.compare(a, b)
+    row, j = 2, 6
+    t = len(PROMPTS[3][row]) - 1 + j
+    outside = next(i for i in range(256) if i not in a["topk_ids"][row, t])
+    report = wrong(lambda out: out.__setitem__((row, j), outside))
+    assert report["top1_agreement"] > run.MIN_TOP1_AGREEMENT and report["max_logprob_diff"] == 0
+    want = f"row {row}, output {j} (position {t}): A chose {a['output_ids'][row, j]} (log p "
+    assert len(report["failures"]) == 1 and want in report["failures"][0], report["failures"]
+    assert f"B chose {outside}, which is not in A's top-20" in report["failures"][0]
+    report = wrong(lambda out: out.__setitem__((row, slice(j, None)), -1))
+    assert f"row {row}, output {j} (position {t}): B stops, A goes on with token {a['output_ids'][row, j]}" \
+        in report["failures"], report["failures"]
+    report = wrong(lambda out: out.fill(5))
+    judged = [r["divergence_failure"] for r in report["rows"]]
+    assert all(f"row {r}, output " in f for r, f in enumerate(judged)), judged
+    assert not run.compare(a, a, max_logprob_diff=0, min_top1_agreement=1, max_accept_diff=0)["failures"]
+
+
+def test_compare_refuses_files_it_cannot_read(planted_dump, tmp_path):
+    """Not a zip, truncated, pickled objects, drafts of another k, more accepted than drafted: each
+    BadInput naming the file; through run.py, one line on stderr and exit status 2."""
+    _, a = planted_dump
+    np.savez(tmp_path / "a.npz", **a)
+    data = (tmp_path / "a.npz").read_bytes()
+    (tmp_path / "truncated.npz").write_bytes(data[:len(data) // 2])
+    (tmp_path / "text.npz").write_text("prompt_ids: [1, 2, 3]\n")
+    np.savez(tmp_path / "pickled.npz", **dict(a, meta=np.array([{"engine": "x"}], dtype=object)))
+    np.savez(tmp_path / "k3.npz", **dict(a, draft_ids=np.concatenate([a["draft_ids"], a["draft_ids"][..., :1]], -1)))
+    over = a["accepted"].copy()
+    over[1, 0] = 3
+    np.savez(tmp_path / "over.npz", **dict(a, accepted=over))
+    cases = {"truncated": "truncated.npz is a truncated or corrupt .npz", "text": "text.npz is not an .npz file",
+             "pickled": r"pickled.npz holds an object \(pickled\) array", "nothere": "nothere.npz: No such file",
+             "k3": "draft_ids: .* k = 2 tokens a cycle, .* k = 3: not runs with the same num_steps",
+             "over": r"over.npz: accepted\[1, 0\] = 3 drafts, more than the k = 2"}
+    for name, message in cases.items():
+        with pytest.raises(run.BadInput, match=message):
+            run.main(["--compare", str(tmp_path / "a.npz"), str(tmp_path / f"{name}.npz")])
+    cli = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--compare", str(tmp_path / "a.npz"),
+                          str(tmp_path / "truncated.npz")], capture_output=True, text=True, env=CPU_ENV)
+    assert cli.returncode == 2 and cli.stdout == "", (cli.returncode, cli.stdout)
+    assert cli.stderr.count("\n") == 1 and cli.stderr.startswith("run.py: error: ") and "truncated" in cli.stderr
 
 
 def test_compare_refuses_a_logprob_that_is_not_finite(planted_dump):
@@ -912,7 +1230,7 @@ def test_dump_from_the_command_line_and_bad_input(tiny_ckpt, tmp_path):
     cmd = [sys.executable, os.path.join(HERE, "run.py"), "--model-path", ckpt, "--draft-path",
            str(tmp_path / "draft"), "--prompt-ids", str(tmp_path / "p.jsonl"), "--max-new-tokens", "12", "--speculative-num-steps", "2",
            "--dtype", "float32"]
-    cpu = dict(os.environ, CUDA_VISIBLE_DEVICES="")
+    cpu = CPU_ENV
     subprocess.run(cmd + ["--dump", str(tmp_path / "cli.npz")], check=True, capture_output=True, env=cpu)
     cli = run.load_dump(tmp_path / "cli.npz")
     assert json.loads(str(cli["meta"]))["target"] == f"loaded {ckpt}"
@@ -931,6 +1249,113 @@ def test_dump_from_the_command_line_and_bad_input(tiny_ckpt, tmp_path):
     bad = subprocess.run(cmd + ["--dump", str(tmp_path / "x.npz"), "--temperature", "0.7"], capture_output=True,
                          text=True, env=cpu)
     assert bad.returncode != 0 and "drop --temperature" in bad.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing aids: simulated uniform routing, the component table, chunked prefill, kv buckets
+
+def test_uniform_routing_is_balanced_distinct_and_weighted_as_the_model():
+    m = init_random(Transformer(tiny(), 2, 32, dtype=torch.float64, routing="uniform"), 9)
+    router = m.layers[1].mlp.gate
+    assert all(layer.mlp.gate.routing == "uniform" for layer in m.layers[1:])
+    E, K = m.args.n_routed_experts, m.args.num_experts_per_tok
+    for N in (1, 3, 7, 11):  # fewer pairs than experts, and more (7 * 4 = 28 > 16)
+        x = torch.randn(N, m.args.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(N))
+        ids, weights = router(x)
+        assert all(len(set(row)) == K for row in ids.tolist()), f"a token got a repeated expert: {ids.tolist()}"
+        counts = torch.bincount(ids.flatten(), minlength=E)
+        assert counts.max() - counts.min() <= 1, f"uneven spread over experts: {counts.tolist()}"
+        scores = torch.sigmoid(x @ router.weight.T).gather(1, ids)  # the model's weights for those ids
+        expect = scores / scores.sum(-1, keepdim=True) * m.args.routed_scaling_factor
+        assert_close(weights, expect, 1e-12, "uniform routing weights vs the model's normalization")
+    m.set_routing("model")
+    model_ids, _ = router(x)
+    assert not torch.equal(model_ids, ids), "set_routing('model') left the uniform choice in place"
+    with pytest.raises(ValueError, match="routing must be"):
+        m.set_routing("perfect")
+
+
+def test_random_init_int4_is_zero_mean():
+    m = init_random(Transformer(tiny(quantization_config="int4"), 1, 8), 3)
+    q = model.unpack_int4(m.layers[1].mlp.experts.up_proj.weight_packed).double()
+    assert q.min() == -7 and q.max() == 7, "q should be symmetric in [-7, 7]"
+    assert abs(q.mean().item()) < 0.05, f"random INT4 values have mean {q.mean().item():.3f}, not ~0"
+
+
+def test_run_defaults_uniform_routing_for_random_weights_and_model_routing_for_a_checkpoint(tiny_ckpt):
+    ckpt, _ = tiny_ckpt
+    cpu = torch.device("cpu")
+    for argv, want in ((["--random-weights"], "uniform"), (["--model-path", ckpt], "model"),
+                       (["--random-weights", "--routing", "model"], "model"), ([], "model")):  # []: the trained pair
+        args = run.settle(run.parse_args(argv + ["--dtype", "float64"]), cpu, 1)
+        target, _, _ = run.build(args, cpu, torch.float64, 1)
+        routers = {layer.mlp.gate.routing for layer in target.layers if isinstance(layer.mlp, model.MoE)}
+        assert args.routing == want and target.routing == want and routers == {want}, (argv, routers)
+    assert load_target(ckpt, 1, 16).routing == "model"
+
+
+def test_component_table_adds_up_to_the_summed_op_time():
+    """CPU: each op's own time goes to the innermost component around it; the parts must add up to
+    the total counted independently (profiler.key_averages), and every component a forward of this
+    model has must be seen."""
+    m = init_random(Transformer(tiny(), 2, 48, dtype=torch.float32), 10)
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(10))
+    m(tokens, torch.arange(20).expand(2, 20))
+    for mode in ("extend", "decode"):
+        fn = partial(m, tokens[:, -4:], 20 + torch.arange(4).expand(2, 4), mode, kv_len=24)
+        got = run.profile_components(m, fn, gpu=False, calls=2)
+        parts, total = got["parts_ms"], got["kernel_ms"]
+        assert abs(sum(parts.values()) - total) <= 0.05 * total, f"{mode}: parts {sum(parts.values()):.3f} vs {total:.3f} ms"
+        for c in ("attn_core", "attn_proj", "router", "routed_experts", "shared_mlp", "elementwise", "embed_head"):
+            assert parts[c] > 0, f"{mode}: nothing attributed to {c}: {parts}"
+        assert parts["other"] < 0.1 * total and parts["allreduce"] == 0, parts
+        assert got["kernels"] > 100
+    assert all(not mod._forward_hooks and not mod._forward_pre_hooks for mod in m.modules()), "hooks left behind"
+    assert isinstance(model.scope("router"), contextlib.nullcontext), "a scope outside profiling must cost nothing"
+
+
+def test_component_bytes_count_what_a_forward_moves():
+    m = init_random(Transformer(tiny(), 2, 48, dtype=torch.float32), 10)
+    distinct = [5] * (m.args.num_hidden_layers - 1)
+    parts = run.component_bytes(m, distinct, kv_slots=24, batch=2, tokens=3)
+    a = m.args
+    assert parts["routed_experts"] == 7 * 5 * 3 * a.hidden_size * a.moe_intermediate_size * 4
+    assert parts["attn_core"] == 8 * 2 * 24 * (a.kv_lora_rank + a.qk_rope_head_dim) * 4
+    assert parts["embed_head"] == (2 * 3 + a.vocab_size) * a.hidden_size * 4  # looked-up rows + lm_head
+    every = sum(p.numel() * 4 for n, p in m.named_parameters() if ".experts." not in n and "embed_tokens" not in n)
+    assert sum(parts.values()) - parts["routed_experts"] - parts["attn_core"] - 2 * 3 * a.hidden_size * 4 == every
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_chunked_prefill_equals_one_pass(B):
+    from verify import prefill_draft, prefill_target
+    target = init_random(Transformer(tiny(), 3, 48, dtype=torch.float64), 11)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 12)
+    tokens = torch.randint(0, 256, (B, 23), generator=torch.Generator().manual_seed(B))
+    last = torch.tensor([22, 9, 15][:B])  # rows of different lengths end in different chunks
+    pos = torch.arange(23).expand(B, 23)
+    whole_logits, whole_aux = target(tokens, pos, "extend", capture_aux=True)
+    first, g = head.extend(tokens, pos, whole_aux, last)
+    caches = [t[:B].clone() for layer in target.layers for t in (layer.self_attn.kv_cache, layer.self_attn.pe_cache)]
+    logits, aux = prefill_target(target, tokens, last, capture_aux=True, chunk=5)
+    want = whole_logits.gather(1, last.view(-1, 1, 1).expand(-1, 1, whole_logits.shape[-1])).squeeze(1)
+    assert_close(logits, want, 1e-10, "chunked prefill logits at each row's last position")
+    assert_close(aux, whole_aux, 1e-10, "chunked prefill EAGLE-3 states")
+    again = [t[:B] for layer in target.layers for t in (layer.self_attn.kv_cache, layer.self_attn.pe_cache)]
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(again, caches)), "cache differs after chunks"
+    f2, g2 = prefill_draft(head, tokens, aux, last, chunk=5)
+    assert torch.equal(f2, first) and torch.allclose(g2, g, atol=1e-10), "chunked draft extend"
+
+
+def test_kv_bucket_covers_the_positions_with_little_to_spare():
+    from verify import kv_bucket
+    prev = 0
+    for n in range(1, 70000, 37):
+        kv = kv_bucket(n, 1 << 20)
+        assert n <= kv <= max(n + 63, n * 1.125) and kv >= prev, (n, kv)
+        prev = kv
+    assert kv_bucket(5000, 4100) == 4100  # never past the cache
+    assert len({kv_bucket(n, 1 << 20) for n in range(4097, 8193)}) == 8  # 8 buckets (graphs) per doubling
 
 
 # ---------------------------------------------------------------------------------------------
@@ -961,7 +1386,7 @@ def captured_calls(target, head, k=3, B=3, P=12):
 
 
 def flat(out):
-    return torch.cat([t.double().flatten() for t in (out if isinstance(out, tuple) else (out,))])
+    return torch.cat([t.double().flatten() for t in (out if isinstance(out, tuple) else (out,)) if t is not None])
 
 
 @cuda
@@ -977,6 +1402,42 @@ def test_graph_replay_equals_eager(quant):
         again = [x.clone() for x in inputs]  # replay on other values: still equal to eager
         again[0] = (again[0] + 1) % 256 if again[0].dtype == torch.int64 else again[0]
         assert_close(flat(runner.run(key, fn, *again)), flat(fn(*again)), 0.0, f"graph vs eager {key}, new inputs")
+
+
+def test_graph_keys_remember_their_function():
+    """A CUDA graph replays what it captured, so a key names one function: the same partial or
+    bound method again is the same, another mode or method is not (compared without a device read)."""
+    from functools import partial
+    from graphs import function_id, function_name
+    target = Transformer(tiny(), max_batch_size=1, max_seq_len=8)
+    head = Eagle3Draft(draft_preset("tiny"), target)
+    assert function_id(partial(target, mode="decode")) == function_id(partial(target, mode="decode"))
+    assert function_id(partial(target, mode="decode")) != function_id(partial(target, mode="extend"))
+    assert function_id(head.extend) == function_id(head.extend) != function_id(head.chain)
+    assert function_name(partial(head.chain, num_steps=3)) == "partial(Eagle3Draft.chain, num_steps=3)"
+
+
+def test_graph_outputs_are_copied_whole():
+    """A replay hands back copies (the pool may be reused): a named tuple stays one, None stays None."""
+    from graphs import copy_out
+    out = model.TargetOutput(torch.ones(2, 3), None)
+    copy = copy_out(out)
+    assert type(copy) is model.TargetOutput and copy.aux is None and torch.equal(copy.logits, out.logits)
+    assert copy.logits.data_ptr() != out.logits.data_ptr()
+    first, g = copy_out((torch.zeros(2), torch.ones(2, 4)))
+    assert torch.equal(g, torch.ones(2, 4)) and first.shape == (2,)
+
+
+@cuda
+def test_graph_key_collision_is_refused():
+    from functools import partial
+    from graphs import CudaGraphs
+    target, head = gpu_models()
+    key, fn, inputs = captured_calls(target, head)[1]                  # verify, extend attention
+    runner = CudaGraphs("cuda")
+    runner.run(key, fn, *inputs)
+    with pytest.raises(ValueError, match=r"replays partial\(Transformer, mode='extend'"):
+        runner.run(key, partial(target, mode="decode", capture_aux=True), *inputs)
 
 
 @cuda
@@ -998,7 +1459,7 @@ def test_no_host_sync_in_captured_paths(quant):
 
 
 @cuda
-@pytest.mark.parametrize("mode", ["prefill", "decode"])
+@pytest.mark.parametrize("mode", ["extend", "decode"])
 def test_graph_generate_equals_eager_generate_and_reports_bf16_agreement(mode):
     target, head = gpu_models()
     prompts = PROMPTS[3]
@@ -1021,7 +1482,7 @@ def test_gpu_decode_attention_equals_extend_and_grouped_equals_gather():
     target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32, moe_impl="gather"), 0)
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
-    assert_close(target(step, step_pos, "decode"), target(step, step_pos, "extend"), 1e-3,
+    assert_close(target(step, step_pos, "decode").logits, target(step, step_pos, "extend").logits, 1e-3,
                  "float32 GPU decode vs extend attention")
     moe = init_random(Transformer(tiny(), 1, 8, device="cuda", dtype=torch.bfloat16), 1).layers[1].mlp
     if moe.experts.impl != "grouped":
@@ -1034,6 +1495,42 @@ def test_gpu_decode_attention_equals_extend_and_grouped_equals_gather():
 
 
 @cuda
+def test_uniform_routing_same_in_a_graph_as_eager_without_host_sync():
+    from graphs import CudaGraphs
+    target, head = gpu_models(dtype=torch.float32)
+    target.set_routing("uniform")
+    router = target.layers[1].mlp.gate
+    x = torch.randn(12, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(0))
+    calls = captured_calls(target, head)[:3]  # decode, verify extend, verify decode
+    eager = [router(x)] + [flat(fn(*inputs)) for _, fn, inputs in calls]
+    runner = CudaGraphs("cuda")
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        graphed = [runner.run(("router", 12), router, x)]
+        graphed += [flat(runner.run(key + ("uniform",), fn, *inputs)) for key, fn, inputs in calls]
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    (ids, w), (eager_ids, eager_w) = graphed[0], eager[0]
+    assert torch.equal(ids, eager_ids) and torch.equal(w, eager_w), "uniform routing chose differently in a graph"
+    for (key, _, _), a, b in zip(calls, graphed[1:], eager[1:]):
+        assert_close(a, b, 0.0, f"uniform routing, graph vs eager {key}")
+
+
+@cuda
+def test_component_table_adds_up_to_the_summed_kernel_time_on_the_gpu():
+    target, _ = gpu_models()
+    prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
+    target(prefill, prefill_pos)
+    got = run.profile_components(target, partial(target, step, step_pos, "decode", kv_len=16), gpu=True)
+    parts, total = got["parts_ms"], got["kernel_ms"]
+    assert abs(sum(parts.values()) - total) <= 0.05 * total, f"parts {sum(parts.values()):.3f} vs kernels {total:.3f} ms"
+    for c in ("attn_core", "attn_proj", "router", "routed_experts", "shared_mlp", "elementwise", "embed_head"):
+        assert parts[c] > 0, f"no kernel attributed to {c}: {parts}"
+    assert got["kernels"] > 100
+
+
+@cuda
 def test_compiled_layers_equal_plain_inside_graphs_without_host_sync():
     """run.py --compile: torch.compile fuses each layer, our CUDA graphs capture the result."""
     from functools import partial
@@ -1041,16 +1538,274 @@ def test_compiled_layers_equal_plain_inside_graphs_without_host_sync():
     target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32), 0)
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
-    plain = {mode: target(step, step_pos, mode) for mode in ("extend", "decode")}
+    plain = {mode: target(step, step_pos, mode).logits for mode in ("extend", "decode")}
     target.compile_layers()
     runner = CudaGraphs("cuda")
     for mode, ref in plain.items():
         fn = partial(target, mode=mode)
-        assert_close(fn(step, step_pos), ref, 1e-4, f"compiled vs plain layers, {mode}")
+        assert_close(fn(step, step_pos).logits, ref, 1e-4, f"compiled vs plain layers, {mode}")
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            graphed = runner.run(("compiled", mode), fn, step, step_pos)
+            graphed = runner.run(("compiled", mode), fn, step, step_pos).logits
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert_close(graphed, ref, 1e-4, f"compiled layers in a CUDA graph vs plain, {mode}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Triton kernels (kernels.py) against their plain twins in model.py, on fresh random inputs.
+# On a CPU the tests without "gpu" in their name run the kernels under the Triton interpreter
+# (TRITON_INTERPRET=1, set above): float32 only (the interpreter rounds to bf16 toward zero),
+# small caches, ~20 s in all; without triton they skip, saying so. On the GPU the same tests run
+# (their bf16 cases too), and the "gpu" ones add bf16 attention on caches up to 32768 slots,
+# graph replay against eager and the absence of host syncs.
+
+triton_ok = pytest.mark.skipif(not kernels.HAVE_TRITON, reason="needs triton (not installed here; on a CPU "
+                               "its interpreter runs these tests: pip install triton)")
+KIMI_TP8 = dict(H=8, C=512, R=64)          # Kimi-K2's MLA at TP 8: 8 local heads
+TINY_MLA = dict(H=4, C=32, R=8)            # the tiny preset at TP 1
+
+
+def mla_inputs(B, T, H, C, R, S, dtype, device, seed):
+    """Queries and a cache with one spare row (the kernel reads a [:B] view, as the model does);
+    each row's T positions are consecutive and end at its own length, one row at slot 0."""
+    g = torch.Generator().manual_seed(seed)
+    q_lat, q_pe = torch.randn(B, T, H, C, generator=g), torch.randn(B, T, H, R, generator=g)
+    kv, pe = torch.randn(B + 1, S, C, generator=g), torch.randn(B + 1, S, R, generator=g)
+    last = torch.randint(T - 1, S, (B,), generator=g)
+    last[0] = S - 1                              # one row uses the whole cache
+    if B > 2:
+        last[2] = T - 1                          # one row starts at slot 0
+    positions = last.unsqueeze(1) - (T - 1) + torch.arange(T)
+    to = dict(device=device, dtype=dtype)
+    return q_lat.to(**to), q_pe.to(**to), kv[:B].to(**to), pe[:B].to(**to), positions.to(device)
+
+
+def mla_reference(q_lat, q_pe, kv, pe, positions, scale, dtype=None):
+    """model.absorbed_attention (the plain twin), in `dtype` (default: the inputs')."""
+    hidden = torch.arange(kv.shape[1], device=kv.device) > positions.unsqueeze(-1)
+    args = [t.to(dtype or t.dtype) for t in (q_lat, q_pe, kv, pe)]
+    return model.absorbed_attention(*args, hidden, scale)
+
+
+def check_mla(B, T, shape, S, dtype, device, seed, split_len=None):
+    scale = 0.07
+    inputs = mla_inputs(B, T, **shape, S=S, dtype=dtype, device=device, seed=seed)
+    got = kernels.mla_decode_attention(*inputs, scale, split_len=split_len)
+    truth = mla_reference(*inputs, scale, dtype=torch.float64)
+    assert got.shape == truth.shape and got.dtype == dtype and torch.isfinite(got).all()
+    what = f"MLA kernel B={B} T={T} {shape} S={S} {dtype} split {split_len}"
+    if dtype == torch.float32:
+        assert_close(got, truth, 2e-5, what + " vs float64 twin")
+    else:  # bf16: the twin rounds the scores and the output; the kernel keeps scores in fp32
+        twin_err = (mla_reference(*inputs, scale) .double() - truth).abs().max().item()
+        assert_close(got, truth, max(2e-2, 2 * twin_err), what + f" vs float64 twin (bf16 twin: {twin_err:.2e})")
+
+
+@triton_ok
+@pytest.mark.parametrize("B, T", [(1, 1), (3, 1), (1, 4), (3, 4)])
+def test_mla_decode_kernel_equals_twin_tiny(B, T):
+    """Tiny shapes: one split (S=40) and the split + combine path (S=300 in 64-slot splits)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_mla(B, T, TINY_MLA, 40, torch.float32, device, seed=B * 10 + T)
+    check_mla(B, T, TINY_MLA, 300, torch.float32, device, seed=B * 10 + T + 1, split_len=64)
+
+
+@triton_ok
+def test_mla_decode_kernel_equals_twin_kimi_shapes():
+    """Kimi-K2 at TP 8 (H=8, C=512, R=64), verify-sized (T=4), rows of different lengths."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    check_mla(3, 4, KIMI_TP8, 100, torch.float32, device, seed=5, split_len=64)
+
+
+@triton_ok
+def test_mla_decode_kernel_refuses_bad_input():
+    q, qpe, kv, pe, pos = mla_inputs(2, 1, **TINY_MLA, S=16, dtype=torch.float32, device="cpu", seed=0)
+    with pytest.raises(ValueError, match="positions must be int64"):
+        kernels.mla_decode_attention(q, qpe, kv, pe, pos.int(), 0.1)
+    with pytest.raises(ValueError, match="float64: use the plain path"):
+        kernels.mla_decode_attention(q.double(), qpe.double(), kv.double(), pe.double(), pos, 0.1)
+    with pytest.raises(ValueError, match="do not fit"):
+        kernels.mla_decode_attention(q, qpe, kv[:1], pe, pos, 0.1)
+
+
+@triton_ok
+@pytest.mark.parametrize("shape", ["tiny", "kimi-k2-tp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_cache_kernel_equals_twin(shape, dtype):
+    """RoPE + latent norm + cache writes against MLA's plain lines (model.apply_rope, RMSNorm,
+    index writes) on strided views as MLA has them; slots not written stay as they were."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
+                    "kernels are checked on the GPU")
+    H, C, R = (TINY_MLA if shape == "tiny" else KIMI_TP8).values()
+    B, S, nope = 3, 40, 16
+    norm = model.RMSNorm(C, 1e-6, device, dtype)
+    table = torch.stack(model.rope_tables(R, 10000.0, None, S, device), -1)          # [S, R/2, 2]
+    g = torch.Generator().manual_seed(H + C)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(C, generator=g))
+    for T in (1, 4):
+        q = torch.randn(B, T, H, nope + R, generator=g).to(device, dtype)
+        kv_a = torch.randn(B, T, C + R, generator=g).to(device, dtype)
+        caches = [torch.randn(B + 1, S, n, generator=g).to(device, dtype) for n in (C, R)]
+        positions = torch.tensor([[S - T], [5], [0]]) + torch.arange(T)
+        positions = positions.to(device)
+        rope = table[positions]                                                        # [B, T, R/2, 2]
+        q_pe = q.split([nope, R], -1)[1]
+        kv, k_pe = kv_a.split([C, R], -1)
+        kv_cache, pe_cache = (c.clone() for c in caches)
+        got = kernels.mla_rope_cache_write(q_pe, kv, k_pe, norm.weight, norm.eps, rope, positions, kv_cache, pe_cache)
+        want_kv, want_pe = (c.clone() for c in caches)
+        rows = torch.arange(B, device=device).unsqueeze(1)
+        want_kv[rows, positions] = norm(kv)
+        want_pe[rows, positions] = model.apply_rope(k_pe, rope)
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -7 * 4    # bf16: one rounding of values below 4
+        what = f"rope_cache kernel {shape} T={T} {dtype}"
+        assert_close(got, model.apply_rope(q_pe, rope), tol, what + ": rotated q_pe")
+        assert_close(kv_cache, want_kv, tol, what + ": latent cache")
+        assert_close(pe_cache, want_pe, tol, what + ": rope cache")
+
+
+ROUTER_SHAPES = {"tiny": {},  # 16 experts in 4 groups, 2 kept, top 4
+                 "kimi-k2": dict(n_routed_experts=384, num_experts_per_tok=8, n_group=1, topk_group=1),
+                 "deepseek-v3": dict(n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4)}
+
+
+@triton_ok
+@pytest.mark.parametrize("shape", list(ROUTER_SHAPES))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_router_kernel_equals_twin(shape, dtype):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = tiny(**ROUTER_SHAPES[shape])
+    router = model.Router(args, device, dtype)
+    g = torch.Generator().manual_seed(len(shape))
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g) / 8)
+        router.e_score_correction_bias.copy_(0.1 * torch.randn(args.n_routed_experts, generator=g))
+    for n in (1, 5, 37) if device == "cuda" else (1, 5):   # the interpreter runs one program (token) at a time
+        x = torch.randn(n, args.hidden_size, generator=g).to(device, dtype)
+        router.impl = "torch"
+        ids, w = router(x)
+        router.impl = "triton"
+        got_ids, got_w = router(x)
+        assert got_ids.dtype == ids.dtype and got_w.dtype == w.dtype
+        assert torch.equal(got_ids, ids), f"router kernel {shape} N={n}: ids differ\n{got_ids}\n{ids}"
+        assert_close(got_w, w, 1e-6, f"router kernel {shape} N={n}: weights")
+
+
+@triton_ok
+@pytest.mark.parametrize("D", [64, 7168])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_add_rmsnorm_kernel_equals_twin(D, dtype):
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
+                    "kernels are checked on the GPU")
+    norm = model.RMSNorm(D, 1e-6, device, dtype)
+    g = torch.Generator().manual_seed(D)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(D, generator=g))
+    x, y = (torch.randn(3, 5, D, generator=g).to(device, dtype) for _ in range(2))
+    h, out = kernels.add_rmsnorm(x, y, norm.weight, norm.eps)
+    assert_close(h, x + y, 0.0, f"add_rmsnorm D={D} {dtype}: the sum")
+    ref = norm(x + y)
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7 * ref.abs().max().item()  # bf16: one rounding apart
+    assert_close(out, ref, tol, f"add_rmsnorm D={D} {dtype}: the norm")
+
+
+def kernel_models(device, dtype, B=3, max_seq_len=64, layers=8):
+    """The tiny model twice (same seed): all kernels off, all on."""
+    args = tiny(num_hidden_layers=layers)
+    plain = init_random(Transformer(args, B, max_seq_len, device=device, dtype=dtype), 0)
+    fast = init_random(Transformer(args, B, max_seq_len, device=device, dtype=dtype, kernels="all"), 0)
+    return plain, fast
+
+
+@triton_ok
+def test_model_with_kernels_equals_plain():
+    """Whole tiny model (3 layers on a CPU: the interpreter runs each program in turn), float32:
+    a 12-token prefill and a 3-token step at each row's own position, both in decode mode, so
+    every kernel runs (attention with 48 and 12 query rows a batch row)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    plain, fast = kernel_models(device, torch.float32, layers=8 if device == "cuda" else 3)
+    assert fast.kernels == model.KERNELS and plain.kernels == ()
+    prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=9))
+    assert_close(fast(prefill, prefill_pos, "decode").logits, plain(prefill, prefill_pos, "decode").logits, 1e-4,
+                 "kernels on vs off, prefill")
+    assert_close(fast(step, step_pos, "decode").logits, plain(step, step_pos, "decode").logits, 1e-4,
+                 "kernels on vs off, step")
+    with pytest.raises(ValueError, match="unknown kernels"):
+        plain.use_kernels(["attention", "flash"])
+
+
+@cuda
+@triton_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("B, T", [(1, 1), (3, 1), (1, 4), (3, 4)])
+def test_gpu_mla_decode_kernel_long_cache(dtype, B, T):
+    """Kimi-K2 TP 8 shapes on caches of 256, 4096 and 32768 slots (automatic splits), and the tiny ones."""
+    for S in (256, 4096, 32768):
+        check_mla(B, T, KIMI_TP8, S, dtype, "cuda", seed=S + B + T)
+    check_mla(B, T, TINY_MLA, 1000, dtype, "cuda", seed=B + T)
+
+
+@cuda
+@triton_ok
+def test_gpu_mla_decode_kernel_one_graph_any_length():
+    """One graph captured on a 32768-slot cache serves every length: replays with new positions
+    (lengths from 1 to the whole cache) equal the eager twin, without a host sync."""
+    B, T, S, scale = 3, 4, 32768, 0.07
+    q, qpe, kv, pe, pos = mla_inputs(B, T, **KIMI_TP8, S=S, dtype=torch.bfloat16, device="cuda", seed=1)
+    static_pos = pos.clone()
+    kernels.mla_decode_attention(q, qpe, kv, pe, static_pos, scale)      # compile outside the capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    for last in ([S - 1, 3, 100], [T - 1, S - 1, 4095], [2000, 31000, 17]):
+        new_pos = torch.tensor(last, device="cuda").unsqueeze(1) - (T - 1) + torch.arange(T, device="cuda")
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            if last[0] == S - 1:
+                with torch.cuda.graph(graph):
+                    out = kernels.mla_decode_attention(q, qpe, kv, pe, static_pos, scale)
+            static_pos.copy_(new_pos)
+            graph.replay()
+            eager = kernels.mla_decode_attention(q, qpe, kv, pe, static_pos, scale)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert_close(out, eager, 0.0, f"graph replay vs eager, last positions {last}")
+        truth = mla_reference(q, qpe, kv, pe, static_pos, scale, dtype=torch.float64)
+        assert_close(out, truth, 2e-2, f"graph replay vs float64 twin, last positions {last}")
+
+
+@cuda
+@triton_ok
+def test_gpu_kernels_in_captured_paths():
+    """The tiny model with every kernel on: each captured shape replays equal to eager, with no
+    host sync anywhere; float32 logits equal the plain model's; bf16 agreement is reported."""
+    from graphs import CudaGraphs
+    target, head = gpu_models()
+    target.use_kernels("all")
+    calls = captured_calls(target, head)
+    runner = CudaGraphs("cuda")
+    for key, fn, inputs in calls:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager = flat(fn(*inputs))
+            runner.run(key, fn, *inputs)          # capture
+            graphed = flat(runner.run(key, fn, *inputs))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert_close(graphed, eager, 0.0, f"kernels on: graph vs eager {key}")
+    plain, fast = kernel_models("cuda", torch.bfloat16)
+    prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256, seed=9))
+    a, b = plain(prefill, prefill_pos).logits, fast(prefill, prefill_pos).logits
+    a = torch.cat([a, plain(step, step_pos, "decode").logits], 1)
+    b = torch.cat([b, fast(step, step_pos, "decode").logits], 1)
+    same = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
+    print(f"\nbf16 tiny model, kernels on vs off: top-1 agreement {same:.3f}, max |logit diff| "
+          f"{(a - b).abs().max().item():.3e}")

@@ -23,8 +23,8 @@ def init_distributed(device=None):
     """Set up from the torchrun environment. Returns (rank, world_size, device).
 
     The device is bound before the process group (NCCL needs it); gloo on CPU (also when
-    device="cpu" is asked for on a GPU machine); without torchrun a world of 1 and no process
-    group. Calling it again returns the same answer."""
+    device="cpu" is asked for on a GPU machine), with the CPU's cores shared among the ranks;
+    without torchrun a world of 1 and no process group. Calling it again returns the same answer."""
     rank = int(os.environ.get("RANK", 0))
     world_size = int(os.environ.get("WORLD_SIZE", 1))
     local_rank = int(os.environ.get("LOCAL_RANK", 0))
@@ -36,12 +36,23 @@ def init_distributed(device=None):
         device = torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.set_device(device)
+    elif world_size > 1:
+        torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
     if world_size > 1 and not dist.is_initialized():
         if device.type == "cuda":
             dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
         else:
             dist.init_process_group("gloo", rank=rank, world_size=world_size)
     return rank, world_size, device
+
+
+def cpu_threads_per_rank(local_world_size):
+    """OMP_NUM_THREADS if set (torchrun sets 1), else this rank's share of the cores: torch's own
+    default, every core in every process, oversubscribes them. Set explicitly, since torch reads
+    the variable only when it starts."""
+    if os.environ.get("OMP_NUM_THREADS"):
+        return int(os.environ["OMP_NUM_THREADS"])
+    return max(1, (os.cpu_count() or 1) // local_world_size)
 
 
 def print0(*args, **kwargs):

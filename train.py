@@ -150,7 +150,7 @@ def train_target(data):
 
     def step(opt, gen):
         x = windows(data, TARGET["batch"], SEQ_LEN + 1, gen)
-        logits = target(x[:, :-1], positions)
+        logits = target(x[:, :-1], positions).logits
         loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()

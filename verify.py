@@ -1,27 +1,33 @@
 """Verify, accept, commit: the speculative generation loop and the plain baseline loop.
 
 A cycle: the target verifies [x_p, d_1..d_k] at positions p..p+k (one forward, k+1 tokens per row)
-in either attention path (`attention_mode` "prefill" = extend-style, "decode" = absorbed MLA, the
-words of SGLang's --speculative-attention-mode), eager or CUDA-graph captured; acceptance runs on
-the device for all rows at once (greedy: drafts that equal the target's argmax, accepted length
-by cumulative product; sampling: speculative rejection sampling, Leviathan et al.
-arXiv:2211.17192, with the top-1 draft as a point mass, so the output follows the target's
-distribution exactly); then the draft head extends over the accepted tokens and chains the next
-k drafts. Rejected tokens leave KV slots that the next writes overwrite (slot = position).
+in either attention path, "extend" or "decode" (absorbed MLA), the words of model.py; SGLang's
+--speculative-attention-mode calls extend "prefill", and `generate` takes that spelling too. Eager
+or CUDA-graph captured. Acceptance runs on the device for all rows at once (greedy: drafts that
+equal the target's argmax, accepted length by cumulative product; sampling: speculative rejection
+sampling, Leviathan et al. arXiv:2211.17192, with the top-1 draft as a point mass, so the output
+follows the target's distribution exactly); then the draft head extends over the accepted tokens
+and chains the next k drafts. Rejected tokens leave KV slots that the next writes overwrite (slot = position).
 
 Shapes are fixed per (batch, k): rows that accepted fewer tokens carry junk in their tail, rows
 that finished keep running in place, so every step can be captured. The loop reads the device
 once per cycle: "are all rows done?" (marked HOST READ below).
+
+The target reads only the cache slots in use, rounded up to a bucket (kv_bucket): the host knows
+a bound on every row's position without reading the device (the prompt length plus k+1 per
+cycle), so each (step, batch, tokens, bucket) is one fixed shape and one graph. Prefill runs in
+chunks through the static cache (slot = position makes that exact), so a long prompt never holds
+extend attention's scores for all its positions at once.
 """
 from dataclasses import dataclass
 from functools import partial
 
 import torch
 
-from draft import Eagle3Draft
 from graphs import CudaGraphs
+from model import eos_union
 
-ATTENTION_MODES = {"prefill": "extend", "decode": "decode"}
+ATTENTION_MODES = {"prefill": "extend", "decode": "decode"}  # SGLang's flag words -> the model's
 
 
 @dataclass
@@ -50,6 +56,8 @@ def pad_prompts(prompts, device):
 def check_request(target, tokens, lens, max_new_tokens, lookahead):
     B, P = tokens.shape
     a = target.args
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens must be >= 1, not {max_new_tokens}")
     if B > target.max_batch_size:
         raise ValueError(f"batch of {B} prompts > max_batch_size {target.max_batch_size}")
     need = P + max_new_tokens + lookahead
@@ -61,6 +69,50 @@ def check_request(target, tokens, lens, max_new_tokens, lookahead):
         row, col = bad.nonzero()[0].tolist()
         raise ValueError(f"prompt row {row} has id {tokens[row, col].item()} at position {col}, outside the "
                          f"vocabulary [0, {a.vocab_size})")
+
+
+def kv_bucket(n, limit):
+    """Cache slots a forward reads when the positions in use are < n: n rounded up to 4
+    significant bits or to a multiple of 64, whichever is coarser (so at most 1/8 or 63 slots
+    more than needed, and 8 buckets, so 8 graphs, per doubling), at most the cache size `limit`."""
+    step = max(64, 1 << max(0, n.bit_length() - 4))
+    return min(limit, -(-n // step) * step)
+
+
+PREFILL_CHUNK = 2048  # positions per prefill forward: extend attention holds [B, chunk, H, S] scores
+
+
+def prefill_target(target, tokens, last, capture_aux, chunk=PREFILL_CHUNK):
+    """The extend forward over prompts [B, P] in chunks of `chunk` positions, each reading only
+    the slots written so far; a chunk attends to the slots the earlier ones wrote (slot = position),
+    so this equals one pass. Returns the logits at each row's last prompt position `last` [B]
+    ([B, V]) and, with capture_aux, the EAGLE-3 states of every position [B, P, 3D] (else None)."""
+    B, P = tokens.shape
+    out_logits, auxes = None, []
+    for s in range(0, P, chunk):
+        e = min(P, s + chunk)
+        positions = torch.arange(s, e, device=tokens.device).expand(B, e - s)
+        logits, aux = target(tokens[:, s:e], positions, "extend", capture_aux=capture_aux, kv_len=e)
+        auxes.append(aux)
+        picked = logits.gather(1, (last - s).clamp(0, e - s - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1]))
+        here = ((last >= s) & (last < e)).unsqueeze(1)                          # [B, 1]
+        out_logits = picked.squeeze(1) if out_logits is None else torch.where(here, picked.squeeze(1), out_logits)
+    return out_logits, torch.cat(auxes, 1) if capture_aux else None
+
+
+def prefill_draft(draft, tokens, aux, last, chunk=PREFILL_CHUNK):
+    """Eagle3Draft.extend over all prompt rows [B, P] in chunks (exact, as `prefill_target`). Returns
+    d_1 [B] and g [B, D] of each row's row `last`."""
+    B, P = tokens.shape
+    first = g = None
+    for s in range(0, P, chunk):
+        e = min(P, s + chunk)
+        positions = torch.arange(s, e, device=tokens.device).expand(B, e - s)
+        f, h = draft.extend(tokens[:, s:e], positions, aux[:, s:e], (last - s).clamp(0, e - s - 1), kv_len=e)
+        here = (last >= s) & (last < e)                                           # [B]
+        first = f if first is None else torch.where(here, f, first)
+        g = h if g is None else torch.where(here.unsqueeze(1), h, g)
+    return first, g
 
 
 def exponential_race(weights, generator):
@@ -99,97 +151,154 @@ def simulated_accept(m, mean_len, k, generator):
     return n.clamp(1, k + 1).round().long() - 1
 
 
+@dataclass
+class Rows:
+    """The loop's per-row state, all on the device. `cur` is always prompt length - 1 + n_out."""
+    out: torch.Tensor      # [B, max_new_tokens + k + 1] generated ids; columns >= n_out are junk
+    n_out: torch.Tensor    # [B] tokens generated so far
+    x: torch.Tensor        # [B] the newest token, not yet in the target's KV cache
+    cur: torch.Tensor      # [B] x's position
+    done: torch.Tensor     # [B] bool: took an EOS or max_new_tokens tokens
+    offsets: torch.Tensor  # [k + 1] arange, built once: the columns of a cycle's tokens
+
+
+def commit(rows, emitted, m, eos, max_new_tokens):
+    """Append each row's accepted tokens to `rows`, in place. emitted [B, k+1] is [d_1..d_m, b,
+    junk]: the m accepted drafts, the target's own token b, then leftovers that mean nothing;
+    eos [E] the ids that end a row.
+
+    Invariants (no shape depends on a value, so nothing here reads the device):
+    - a live row takes count = m + 1 tokens, cut just after the first EOS among them and at
+      max_new_tokens, so n_out never passes max_new_tokens;
+    - a finished row takes nothing: its n_out, x and cur stay, and it stays finished;
+    - all k+1 columns are written at out[n_out : n_out+k+1]; those past count are junk that the
+      next commit overwrites or that lie past the row's final n_out (out has k+1 spare columns);
+    - x becomes the last token taken and cur its position: the next cycle verifies from there;
+    - a row finishes when it takes an EOS or its max_new_tokens-th token."""
+    offsets = rows.offsets[:emitted.shape[1]]
+    count = m + 1
+    is_eos = (emitted.unsqueeze(-1) == eos).any(-1) & (offsets < count.unsqueeze(1))   # [B, k+1]
+    hit_eos = is_eos.any(1)
+    count = torch.where(hit_eos, is_eos.long().argmax(1) + 1, count)          # up to the first EOS
+    count = torch.minimum(count, max_new_tokens - rows.n_out).masked_fill(rows.done, 0)
+    rows.out.scatter_(1, rows.n_out.unsqueeze(1) + offsets, emitted)
+    rows.n_out += count
+    rows.x = torch.where(rows.done, rows.x, emitted.gather(1, (count - 1).clamp(min=0).unsqueeze(1)).squeeze(1))
+    rows.cur = rows.cur + count
+    rows.done = rows.done | hit_eos | (rows.n_out >= max_new_tokens)
+
+
+def prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, generator, eos):
+    """The prompts through the target (eager: the shape changes with the prompt) and the first
+    token committed; with a draft head, its extend over the prompts and the first k drafts.
+    Returns the Rows and the drafts [B, k] (None for plain decoding)."""
+    B, P = tokens.shape
+    last = lens - 1                                            # each prompt's last position
+    logits, aux = prefill_target(target, tokens, last, capture_aux=draft is not None)
+    rows = Rows(out=torch.zeros(B, max_new_tokens + k + 1, dtype=torch.int64, device=tokens.device),
+                n_out=torch.zeros_like(last), x=tokens.gather(1, last.unsqueeze(1)).squeeze(1), cur=last.clone(),
+                done=torch.zeros_like(last, dtype=torch.bool), offsets=torch.arange(k + 1, device=tokens.device))
+    commit(rows, sample(logits, temperature, generator).unsqueeze(1), torch.zeros_like(last), eos, max_new_tokens)
+    if draft is None:
+        return rows, None
+    # the head reads token t+1 on row t: shift the prompt left, put x at the last row
+    shifted = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).scatter(1, last.unsqueeze(1), rows.x.unsqueeze(1))
+    first, g = prefill_draft(draft, shifted, aux, last)
+    return rows, draft.chain(first, g, last, k, kv_len=kv_bucket(P + k, target.max_seq_len))
+
+
+def decode_cycle(target, run, rows, pos, kv, temperature, generator, mark):
+    """Plain decoding: the target reads x at cur (and the first kv cache slots) and emits its next
+    token. Returns m = 0, emitted [B, 1]."""
+    logits, _ = run(("decode", len(pos), 1, kv), partial(target, mode="decode", kv_len=kv), rows.x.unsqueeze(1), pos)
+    mark("decode")
+    return torch.zeros_like(rows.cur), sample(logits[:, 0], temperature, generator).unsqueeze(1)
+
+
+def speculative_cycle(target, draft, run, rows, pos, kv, kv_draft, drafts, mode, temperature, generator,
+                      simulate_accept_len, mark):
+    """Verify [x, d_1..d_k] at cur..cur+k (reading the first kv cache slots), accept, then the head
+    extends over the accepted tokens and chains the next drafts (reading kv_draft slots of its own
+    cache). Returns m [B] drafts accepted, emitted [B, k+1] and the new drafts."""
+    B, k = drafts.shape
+    verify_in = torch.cat([rows.x.unsqueeze(1), drafts], 1)                   # [x_p, d_1..d_k]
+    logits, aux = run(("verify", mode, B, k + 1, kv), partial(target, mode=mode, capture_aux=True, kv_len=kv),
+                      verify_in, pos)
+    mark("verify")
+    m, bonus = accept(logits, drafts, temperature, generator)
+    if simulate_accept_len is not None:
+        m = simulated_accept(m, simulate_accept_len, k, generator)
+        bonus = logits.argmax(-1).gather(1, m.unsqueeze(1)).squeeze(1)
+    # [d_1..d_m, bonus, junk]: the tokens emitted, and the draft extend's input rows
+    emitted = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, m.unsqueeze(1), bonus.unsqueeze(1))
+    mark("accept")
+    first, g = run(("draft_extend", B, k + 1, kv_draft), partial(draft.extend, kv_len=kv_draft), emitted, pos, aux, m)
+    mark("draft_extend")
+    drafts = run(("draft_chain", B, k, kv_draft), partial(draft.chain, num_steps=k, kv_len=kv_draft), first, g,
+                 rows.cur + m)
+    mark("draft")
+    return m, emitted, drafts
+
+
 @torch.no_grad()
-def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_mode="prefill",
+def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_mode="extend",
              use_graphs=False, temperature=0.0, seed=0, eos_id=None, graphs=None,
              simulate_accept_len=None, timer=None):
-    """Speculative decoding with `draft` (an Eagle3Draft or any object with its `propose`), or
-    plain decoding when draft is None. Prefill runs eager; with use_graphs the decode step, the
-    verify step and the EAGLE-3 head's extend and chain replay CUDA graphs (a planted proposer
-    runs as it is). Every rank draws from the same seeded generator, so all ranks agree.
+    """Speculative decoding with `draft` (an Eagle3Draft, or any object with its `extend` and
+    `chain`: the tests plant one), or plain decoding when draft is None. Prefill runs eager; with
+    use_graphs the decode step, the verify step and the head's extend and chain replay CUDA graphs.
+    eos_id: an id or a list of ids that end a row (default: every EOS id the checkpoint declares;
+    -1: none).
+    Every rank draws from the same seeded generator, so all ranks agree.
     timer: an object whose mark(name) is called at the end of each phase of each cycle
     ("start", "verify", "accept", "draft_extend", "draft", "commit"; plain: "start", "decode",
     "commit"): run.py records device events there."""
-    if attention_mode not in ATTENTION_MODES:
-        raise ValueError(f"attention_mode must be one of {list(ATTENTION_MODES)}, not {attention_mode!r}")
+    mode = ATTENTION_MODES.get(attention_mode, attention_mode)
+    if mode not in ("extend", "decode"):
+        raise ValueError(f"attention_mode must be 'extend' or 'decode' (or SGLang's 'prefill' for extend), "
+                         f"not {attention_mode!r}")
     if draft is not None and num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, not {num_steps}")
+    if simulate_accept_len is not None and not 1 <= simulate_accept_len <= num_steps + 1:
+        raise ValueError(f"simulate_accept_len must lie in [1, num_steps + 1], not {simulate_accept_len}")
     device, k = target.device, num_steps if draft is not None else 0
-    mode = ATTENTION_MODES[attention_mode]
-    eos_id = target.args.eos_token_id if eos_id is None else eos_id
+    eos = torch.tensor(eos_union(target.args.eos_token_ids if eos_id is None else eos_id), dtype=torch.int64,
+                       device=device)                                           # [E]
     tokens, lens = pad_prompts(prompts, device)
-    check_request(target, tokens, lens, max_new_tokens, k + 1)
-    B, P = tokens.shape
+    # slots past the output: verify writes k+1 from the newest token; the draft chain, k-1 past those
+    check_request(target, tokens, lens, max_new_tokens, max(k + 1, 2 * k - 2))
     gen = torch.Generator(device).manual_seed(seed)
     runner = graphs or (CudaGraphs(device) if use_graphs else None)
     run = runner.run if runner else (lambda key, fn, *inputs: fn(*inputs))
-    offsets = torch.arange(k + 1, device=device)
-
-    # prefill (eager: its shape changes with the prompt)
-    positions = torch.arange(P, device=device).expand(B, P)
-    out = target(tokens, positions, "extend", capture_aux=draft is not None)
-    logits, aux = out if draft is not None else (out, None)
-    last = lens - 1
-    x = sample(logits.gather(1, last.view(-1, 1, 1).expand(-1, 1, logits.shape[-1])).squeeze(1), temperature, gen)
-    cur = lens.clone()                                          # position of x, the newest token
-    generated = torch.zeros(B, max_new_tokens + k + 1, dtype=torch.int64, device=device)
-    generated[:, 0] = x
-    n_out = torch.ones(B, dtype=torch.int64, device=device)
-    done = (x == eos_id) | (n_out >= max_new_tokens)
-    if draft is not None:  # the head reads token t+1 on row t: shift the prompt, put x at row n-1
-        shifted = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).scatter(1, last.unsqueeze(1), x.unsqueeze(1))
-        drafts = draft.propose(shifted, positions, aux, last, num_steps)
     mark = timer.mark if timer is not None else (lambda name: None)
+    rows, drafts = prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, gen, eos)
+    reach = tokens.shape[1] + k + 1  # > every position the next forward writes (the host's bound, no device read)
     accepted, proposed = [], []
-    while True:
-        if bool(done.all()):  # HOST READ: the loop's one device->host sync per cycle
-            break
+    while not bool(rows.done.all()):  # HOST READ: the loop's one device->host sync per cycle
         mark("start")
-        pos = cur.unsqueeze(1) + offsets                                          # [B, k+1]
+        pos = rows.cur.unsqueeze(1) + rows.offsets                                # [B, k+1]
+        kv = kv_bucket(reach, target.max_seq_len)            # verify (or decode) writes below reach
+        kv_draft = kv_bucket(reach + k, target.max_seq_len)  # the draft chain writes up to k - 1 further
+        reach += k + 1
         if draft is None:
-            logits = run(("decode", B, 1), partial(target, mode="decode"), x.unsqueeze(1), pos)
-            mark("decode")
-            m, emitted = torch.zeros_like(cur), sample(logits[:, 0], temperature, gen).unsqueeze(1)
+            m, emitted = decode_cycle(target, run, rows, pos, kv, temperature, gen, mark)
         else:
             proposed.append(drafts)  # kept on the device, stacked after the loop
-            verify_in = torch.cat([x.unsqueeze(1), drafts], 1)                   # [x_p, d_1..d_k]
-            logits, aux = run(("verify", mode, B, k + 1), partial(target, mode=mode, capture_aux=True),
-                              verify_in, pos)
-            mark("verify")
-            m, bonus = accept(logits, drafts, temperature, gen)
-            if simulate_accept_len:
-                m = simulated_accept(m, simulate_accept_len, k, gen)
-                bonus = logits.argmax(-1).gather(1, m.unsqueeze(1)).squeeze(1)
-            # [d_1..d_m, bonus, junk]: the tokens emitted, and the draft extend's input rows
-            emitted = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, m.unsqueeze(1), bonus.unsqueeze(1))
-            mark("accept")
-            if isinstance(draft, Eagle3Draft):  # extend and chain, each one graph in graph mode
-                first, g = run(("draft_extend", B, k + 1), draft.extend, emitted, pos, aux, m)
-                mark("draft_extend")
-                drafts = run(("draft_chain", B, num_steps), partial(draft.chain, num_steps=num_steps),
-                             first, g, cur + m)
-            else:  # a planted proposer: eager, one phase
-                drafts = draft.propose(emitted, pos, aux, m, num_steps)
-            mark("draft")
-        # commit: m + 1 tokens per row, cut at EOS and at max_new_tokens; finished rows stay put
-        count = m + 1
-        is_eos = (emitted == eos_id) & (offsets < count.unsqueeze(1))
-        hit_eos = is_eos.any(1)
-        count = torch.where(hit_eos, is_eos.long().argmax(1) + 1, count)
-        count = torch.minimum(count, max_new_tokens - n_out).masked_fill(done, 0)
-        generated.scatter_(1, n_out.unsqueeze(1) + offsets, emitted)
-        accepted.append(m.masked_fill(done, -1))
-        n_out += count
-        x = torch.where(done, x, emitted.gather(1, (count - 1).clamp(min=0).unsqueeze(1)).squeeze(1))
-        cur = torch.where(done, cur, cur + count)
-        done = done | hit_eos | (n_out >= max_new_tokens)
+            m, emitted, drafts = speculative_cycle(target, draft, run, rows, pos, kv, kv_draft, drafts, mode,
+                                                   temperature, gen, simulate_accept_len, mark)
+        accepted.append(m.masked_fill(rows.done, -1))
+        commit(rows, emitted, m, eos, max_new_tokens)
         mark("commit")
-    n = n_out.tolist()
-    rows = generated.tolist()
+    return result(rows, accepted, proposed if draft is not None else None, k, simulate_accept_len is not None)
+
+
+def result(rows, accepted, proposed, k, simulated):
+    """The GenerateResult, read back once after the loop."""
+    B = rows.out.shape[0]
     stats = torch.stack(accepted).cpu() if accepted else torch.zeros(0, B, dtype=torch.int64)
     drafted = None
-    if draft is not None:
+    if proposed is not None:
         drafted = torch.stack(proposed).cpu() if proposed else torch.zeros(0, B, k, dtype=torch.int64)
         drafted = drafted.masked_fill((stats < 0).unsqueeze(-1), -1)
-    return GenerateResult([r[:c] for r, c in zip(rows, n)], stats, len(accepted), bool(simulate_accept_len),
-                          drafted)
+    tokens = [row[:n] for row, n in zip(rows.out.tolist(), rows.n_out.tolist())]
+    return GenerateResult(tokens, stats, len(accepted), simulated, drafted)

@@ -1,0 +1,671 @@
+"""Triton kernels for the hot paths of a decode or verify step, each the fast twin of plain
+PyTorch code in model.py that stays the readable specification.
+
+  MLA decode attention   mla_decode_attention   twin: model.absorbed_attention
+  RoPE + cache write     mla_rope_cache_write   twin: the plain lines of model.MLA.forward it replaces
+  Router                 router_topk            twin: model.Router.forward (plain)
+  Residual add + RMSNorm add_rmsnorm            twin: x + y, then model.RMSNorm
+
+Each is switched on by name (model.Transformer(..., kernels=...), run.py --kernels) and tested
+against its twin in test_equivalence.py. Triton is imported only where it exists: without it
+this module still imports (HAVE_TRITON is False) and the plain paths run. On a CPU the kernels
+run only under the Triton interpreter (TRITON_INTERPRET=1, set before import; slow, for tests).
+This module must not import model.py (model.py imports it).
+
+Shape legend: B batch rows, T query tokens per row, H local heads, M = T*H query rows of one
+batch row, C kv_lora_rank (latent width), R qk_rope_head_dim, S cache slots, N tokens, D hidden,
+E routed experts, G expert groups, K experts per token.
+"""
+import math
+import os
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except ImportError:  # CPU / CI machines without triton: the plain paths run
+    triton = None
+    HAVE_TRITON = False
+
+    class tl:  # lets the kernel signatures below evaluate; no kernel runs without triton
+        constexpr = None
+
+
+def interpreting():
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_available(device):
+    """A clear error where the kernels cannot run on `device`."""
+    device = torch.device(device)
+    if not HAVE_TRITON:
+        raise RuntimeError("the Triton kernels need the triton package, which is not installed "
+                           "(pip install triton; or leave the kernels off)")
+    if device.type != "cuda" and not interpreting():
+        raise RuntimeError(f"the Triton kernels run on CUDA devices; on {device} only under the Triton "
+                           "interpreter (TRITON_INTERPRET=1 before import; slow, for tests)")
+
+
+def _jit(fn):
+    """triton.jit where triton exists; else the function stays a plain (uncallable-as-kernel) def."""
+    return triton.jit(fn) if HAVE_TRITON else fn
+
+
+def _pow2(n, least=16):
+    return max(least, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+# ---------------------------------------------------------------------------------------------
+# MLA decode attention
+#
+# The absorbed path of MLA attends in the latent space: every head's query q_lat[h] (q_nope
+# times W_uk[h]) meets the one latent row per slot, which is the key and the value at once, plus
+# the rotary parts:  o_lat[t, h] = sum_s softmax_s(scale * (q_lat[t,h].kv[s] + q_pe[t,h].pe[s])) kv[s]
+# over slots s <= positions[t]. All H heads (and T tokens) of a batch row share the slots, so
+# one program loads a tile of slots once and uses it for its whole block of M = T*H query rows
+# (two small matrix products per tile). Flash-decoding: the slots are cut into splits of
+# `split_len`, one program per (split, batch row, block of query rows); each writes its partial
+# output and log-sum-exp, and a second kernel combines the splits. Programs read the positions
+# on the device: a split past a row's last position reads nothing and writes nothing, and the
+# combine reads only the splits a row uses, so one launch (one CUDA graph) serves any length up
+# to the cache size, with no host read, at a cost that follows the length in use.
+
+# Block sizes, from a sweep on the H200 (BENCHMARKS.md, "MLA decode attention kernel"). BLOCK_N
+# slots per tile: 64 latent rows of 512 bf16 are 64 KB; three of them in flight (num_stages 3)
+# fill most of the H200's 228 KB of shared memory, so one program runs per SM at a time and the
+# split rule below aims at one wave of programs. float32 (tests): half the rows, two stages.
+# Query rows per program: up to 32 (T = 4 tokens x 8 heads at TP 8) keep the fp32 accumulator
+# [32, 512] at 64 registers a thread over 8 warps.
+MLA_BLOCK_N = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
+MLA_NUM_STAGES = {torch.bfloat16: 3, torch.float16: 3, torch.float32: 2}
+MLA_NUM_WARPS = None     # None: 8 warps for 32 query rows, else 4
+MLA_MAX_BLOCK_M = 32
+MLA_MIN_SPLIT = 64       # slots per split at least (one bf16 tile)
+MLA_COMBINE_BLOCK_C = 128
+MLA_COMBINE_BLOCK_S = 32
+
+
+@_jit
+def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, pe_ptr, pos_ptr, o_ptr, lse_ptr,
+                       M, H, kv_len, split_len, scale_log2,
+                       s_qb, s_qm, s_qpb, s_qpm, s_kvb, s_kvs, s_peb, s_pes, s_posb, s_post,
+                       s_ob, s_om, s_os, s_lb, s_lm,
+                       C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R: tl.constexpr,
+                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, WRITE_LSE: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    """One split of the slots for a block of query rows of one batch row.
+
+    o[b, m] = sum_s p[m, s] kv[b, s] / sum_s p[m, s], p = 2^(scale_log2 * (q[b,m].kv[b,s] +
+    qpe[b,m].pe[b,s]) - max), over slots s in [split * split_len, +split_len) with s < kv_len and
+    s <= pos[b, m // H]; lse[b, m, split] = log2 of the sum (with the max), -inf if no slot.
+    q [B, M, C], qpe [B, M, R] (row m = t*H + h), kv [B, >=kv_len, C], pe [B, >=kv_len, R]: last
+    dim contiguous, same dtype. pos int64 [B, T]. o [B, M, splits, C] float32 partials, or the
+    final output (any float dtype) when there is one split (WRITE_LSE False, lse unused).
+    Grid: (splits, B, cdiv(M, BLOCK_M))."""
+    split, b, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
+    row_ok = offs_m < M
+    pos = tl.load(pos_ptr + b * s_posb + (offs_m // H) * s_post, mask=row_ok, other=-1)   # [BLOCK_M]
+    lo = split * split_len
+    hi = tl.minimum(tl.minimum(tl.max(pos, 0) + 1, kv_len), lo + split_len)   # this block's last slot + 1
+    offs_c, offs_r = tl.arange(0, BLOCK_C), tl.arange(0, BLOCK_R)
+    c_ok, r_ok = offs_c < C, offs_r < R
+    q = tl.load(q_ptr + b * s_qb + offs_m[:, None] * s_qm + offs_c[None, :],
+                mask=row_ok[:, None] & c_ok[None, :], other=0.0)                   # [BLOCK_M, BLOCK_C]
+    qpe = tl.load(qpe_ptr + b * s_qpb + offs_m[:, None] * s_qpm + offs_r[None, :],
+                  mask=row_ok[:, None] & r_ok[None, :], other=0.0)                 # [BLOCK_M, BLOCK_R]
+    m_i = tl.full([BLOCK_M], -1e30, tl.float32)     # running max (finite: no inf - inf)
+    l_i = tl.zeros([BLOCK_M], tl.float32)           # running sum of 2^(score - max)
+    acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        kv = tl.load(kv_ptr + b * s_kvb + offs_n[:, None] * s_kvs + offs_c[None, :],
+                     mask=n_ok[:, None] & c_ok[None, :], other=0.0)                # [BLOCK_N, BLOCK_C]
+        pe = tl.load(pe_ptr + b * s_peb + offs_n[:, None] * s_pes + offs_r[None, :],
+                     mask=n_ok[:, None] & r_ok[None, :], other=0.0)                # [BLOCK_N, BLOCK_R]
+        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
+        s = tl.dot(qpe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION) * scale_log2   # [BLOCK_M, BLOCK_N]
+        s = tl.where((offs_n[None, :] <= pos[:, None]) & n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(kv.dtype), kv, input_precision=DOT_PRECISION)
+        m_i = m_new
+    seen = l_i > 0
+    out = acc / tl.where(seen, l_i, 1.0)[:, None]
+    written = row_ok & (tl.zeros([BLOCK_M], tl.int32) + lo < hi)
+    tl.store(o_ptr + b * s_ob + offs_m[:, None] * s_om + split * s_os + offs_c[None, :],
+             out.to(o_ptr.dtype.element_ty), mask=written[:, None] & c_ok[None, :])
+    if WRITE_LSE:
+        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+        tl.store(lse_ptr + b * s_lb + offs_m * s_lm + split, lse, mask=written)
+
+
+@_jit
+def _mla_combine_kernel(po_ptr, lse_ptr, pos_ptr, o_ptr, M, H, kv_len, split_len,
+                        s_pob, s_pom, s_pos, s_lb, s_lm, s_posb, s_post, s_ob, s_om,
+                        C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
+    """o[b, m] = sum_j 2^(lse_j - L) o_j over the splits j that query row m uses (those that hold
+    a slot <= its position), L = log2 sum_j 2^lse_j. po [B, M, splits, C] and lse [B, M, splits]
+    float32 from _mla_decode_kernel; pos int64 [B, T]; o [B, M, C] (any float dtype).
+    Grid: (B * M, cdiv(C, BLOCK_C))."""
+    row, cb = tl.program_id(0), tl.program_id(1)
+    b, m = row // M, row % M
+    pos = tl.load(pos_ptr + b * s_posb + (m // H) * s_post)
+    n_used = tl.cdiv(tl.minimum(pos + 1, kv_len), split_len)
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+    c_ok = offs_c < C
+    lse_row = lse_ptr + b * s_lb + m * s_lm
+    top = tl.full([BLOCK_S], float("-inf"), tl.float32)       # first pass: the largest lse
+    for j0 in range(0, n_used, BLOCK_S):
+        j = j0 + tl.arange(0, BLOCK_S)
+        top = tl.maximum(top, tl.load(lse_row + j, mask=j < n_used, other=float("-inf")))
+    top_all = tl.max(top, 0)
+    acc = tl.zeros([BLOCK_C], tl.float32)
+    total = tl.zeros([BLOCK_S], tl.float32)
+    for j0 in range(0, n_used, BLOCK_S):                      # second pass: weighted sum, BLOCK_S splits a load
+        j = j0 + tl.arange(0, BLOCK_S)
+        w = tl.exp2(tl.load(lse_row + j, mask=j < n_used, other=float("-inf")) - top_all)   # [BLOCK_S]
+        part = tl.load(po_ptr + b * s_pob + m * s_pom + j[:, None] * s_pos + offs_c[None, :],
+                       mask=(j < n_used)[:, None] & c_ok[None, :], other=0.0)              # [BLOCK_S, BLOCK_C]
+        acc += tl.sum(w[:, None] * part, 0)
+        total += w
+    out = acc / tl.sum(total, 0)
+    tl.store(o_ptr + b * s_ob + m * s_om + offs_c, out.to(o_ptr.dtype.element_ty), mask=c_ok)
+
+
+def mla_split_len(kv_len, batch, m_blocks, block_n, device):
+    """Slots per split: enough splits that a full cache gives one program per SM (one wave),
+    each split at least MLA_MIN_SPLIT slots and a whole number of tiles. Host ints only."""
+    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    want = max(1, sms // (batch * m_blocks))
+    split = max(MLA_MIN_SPLIT, math.ceil(kv_len / want))
+    return math.ceil(split / block_n) * block_n
+
+
+def mla_decode_attention(q_lat, q_pe, kv_cache, pe_cache, positions, softmax_scale, split_len=None):
+    """The absorbed MLA attention in one pass over the used cache slots (plus a combine when the
+    slots are split): q_lat [B, T, H, C], q_pe [B, T, H, R] (rotated), kv_cache [B, S, C],
+    pe_cache [B, S, R] (views of the cache may be strided over B and S; the last dim must be
+    contiguous), positions int64 [B, T] on the device. Query (b, t) sees slots s < S with
+    s <= positions[b, t]. Returns o_lat [B, T, H, C] in q_lat's dtype. No host read."""
+    B, T, H, C = q_lat.shape
+    R, S = q_pe.shape[-1], kv_cache.shape[1]
+    if q_pe.shape[:3] != (B, T, H) or kv_cache.shape != (B, S, C) or pe_cache.shape != (B, S, R):
+        raise ValueError(f"mla_decode_attention: shapes q_lat {list(q_lat.shape)}, q_pe {list(q_pe.shape)}, "
+                         f"kv_cache {list(kv_cache.shape)}, pe_cache {list(pe_cache.shape)} do not fit "
+                         "[B, T, H, C], [B, T, H, R], [B, S, C], [B, S, R]")
+    if positions.shape != (B, T) or positions.dtype != torch.int64:
+        raise ValueError(f"mla_decode_attention: positions must be int64 [{B}, {T}], got "
+                         f"{positions.dtype} {list(positions.shape)}")
+    dtypes = {q_lat.dtype, q_pe.dtype, kv_cache.dtype, pe_cache.dtype}
+    if len(dtypes) != 1 or q_lat.dtype not in MLA_BLOCK_N:
+        raise ValueError(f"mla_decode_attention: needs one dtype of {sorted(map(str, MLA_BLOCK_N))} for the "
+                         f"queries and the cache, got {sorted(map(str, dtypes))} (float64: use the plain path)")
+    if kv_cache.stride(-1) != 1 or pe_cache.stride(-1) != 1:
+        raise ValueError("mla_decode_attention: the cache's last dim must be contiguous")
+    M = T * H
+    q = q_lat.reshape(B, M, C)        # a copy only when q_lat is not already [B, M, C]-strided
+    qpe = q_pe.reshape(B, M, R)
+    out = torch.empty(B, M, C, device=q_lat.device, dtype=q_lat.dtype)
+    block_n = MLA_BLOCK_N[q_lat.dtype]
+    block_m = min(MLA_MAX_BLOCK_M, _pow2(M))
+    m_blocks = triton.cdiv(M, block_m)
+    split_len = split_len or mla_split_len(S, B, m_blocks, block_n, q_lat.device)
+    splits = triton.cdiv(S, split_len)
+    if splits == 1:
+        partial, lse = out.unsqueeze(2), out      # the kernel writes the final output; lse unused
+    else:
+        partial = torch.empty(B, M, splits, C, device=q_lat.device, dtype=torch.float32)
+        lse = torch.empty(B, M, splits, device=q_lat.device, dtype=torch.float32)
+    _mla_decode_kernel[(splits, B, m_blocks)](
+        q, qpe, kv_cache, pe_cache, positions, partial, lse, M, H, S, split_len, softmax_scale * math.log2(math.e),
+        q.stride(0), q.stride(1), qpe.stride(0), qpe.stride(1), kv_cache.stride(0), kv_cache.stride(1),
+        pe_cache.stride(0), pe_cache.stride(1), positions.stride(0), positions.stride(1),
+        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        C=C, R=R, BLOCK_C=_pow2(C), BLOCK_R=_pow2(R), BLOCK_M=block_m, BLOCK_N=block_n,
+        WRITE_LSE=splits > 1, DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
+        num_warps=MLA_NUM_WARPS or (8 if block_m > 16 else 4), num_stages=MLA_NUM_STAGES[q_lat.dtype])
+    if splits > 1:
+        _mla_combine_kernel[(B * M, triton.cdiv(C, MLA_COMBINE_BLOCK_C))](
+            partial, lse, positions, out, M, H, S, split_len,
+            partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+            positions.stride(0), positions.stride(1), out.stride(0), out.stride(1),
+            C=C, BLOCK_C=MLA_COMBINE_BLOCK_C, BLOCK_S=MLA_COMBINE_BLOCK_S, num_warps=4)
+    return out.view(B, T, H, C)
+
+
+# ---------------------------------------------------------------------------------------------
+# Router
+#
+# DeepSeek-V3's noaux_tc routing in two kernels. (1) The logits x @ W^T in float32 for few tokens
+# (decode, verify): W is [E, D] float32 (11 MB at Kimi-K2's 384 x 7168) and must be read by
+# many SMs at once, so programs take a block of experts and one of ROUTER_SPLIT_D slices of D
+# each and write partial sums; cuBLAS's GEMM takes over past ROUTER_GEMV_MAX_TOKENS tokens.
+# (2) One program per token sums the partials and selects: sigmoid scores, the correction bias
+# added for selection only, groups kept by the sum of their two best biased scores (n_group > 1),
+# the top K experts of the kept groups, their unbiased scores normalized and scaled.
+
+ROUTER_GEMV_MAX_TOKENS = 16
+ROUTER_SPLIT_D = 4          # D slices: 384 experts / 8 a block x 4 slices = 192 programs on 132 SMs
+ROUTER_BLOCK_E = 8
+ROUTER_TILE = 8192          # elements of the [tokens, experts, D] product a program holds at once
+
+
+@_jit
+def _router_logits_kernel(x_ptr, w_ptr, out_ptr, N, E, D, d_per_split, s_xn, s_we, s_os, s_on,
+                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    """out[j, n, e] = sum over d in slice j of x[n, d] * W[e, d], in float32. x [N, D] (any float
+    dtype), W [E, D] float32, out [splits, N, E] float32 (last dims contiguous).
+    Grid: (cdiv(E, BLOCK_E), splits, cdiv(N, BLOCK_N))."""
+    eb, j, nb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
+    d_end = tl.minimum((j + 1) * d_per_split, D)
+    for d0 in range(j * d_per_split, d_end, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        w = tl.load(w_ptr + e[:, None] * s_we + d[None, :], mask=(e < E)[:, None] & (d < d_end)[None, :], other=0.0)
+        x = tl.load(x_ptr + n[:, None] * s_xn + d[None, :], mask=(n < N)[:, None] & (d < d_end)[None, :], other=0.0)
+        acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], 2)                # [BLOCK_N, BLOCK_E]
+    tl.store(out_ptr + j * s_os + n[:, None] * s_on + e[None, :], acc, mask=(n < N)[:, None] & (e < E)[None, :])
+
+
+@_jit
+def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_ls, s_ln, s_idn, s_wn, E_PER_G, G, scale,
+                          SPLITS: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
+                          GROUPED: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """ids[n], w[n] = the K experts of token n and their weights, best first. logits [SPLITS, N, E]
+    float32 partial sums (E = G * E_PER_G, expert e = g * E_PER_G + j), bias [E] float32; ids
+    [N, K] int64, w [N, K] float32. Grid: (N,)."""
+    n = tl.program_id(0)
+    g = tl.arange(0, BLOCK_G)[:, None]
+    j = tl.arange(0, BLOCK_EG)[None, :]
+    e = g * E_PER_G + j                                                   # [BLOCK_G, BLOCK_EG] expert ids
+    ok = (g < G) & (j < E_PER_G)
+    logit = tl.zeros([BLOCK_G, BLOCK_EG], tl.float32)
+    for s in tl.static_range(SPLITS):
+        logit += tl.load(logits_ptr + s * s_ls + n * s_ln + e, mask=ok, other=0.0)
+    score = tl.sigmoid(logit)
+    biased = tl.where(ok, score + tl.load(bias_ptr + e, mask=ok, other=0.0), float("-inf"))
+    if GROUPED:  # keep the TOPK_GROUP groups whose two best biased scores sum highest
+        best = tl.argmax(biased, 1)                                       # [BLOCK_G]
+        second = tl.max(tl.where(j == best[:, None], float("-inf"), biased), 1)
+        gid = tl.arange(0, BLOCK_G)
+        gscore = tl.where(gid < G, tl.max(biased, 1) + second, float("-inf"))
+        keep = gid < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            top = tl.argmax(gscore, 0)
+            keep = keep | (gid == top)
+            gscore = tl.where(gid == top, float("-inf"), gscore)
+        biased = tl.where(keep[:, None], biased, float("-inf"))
+    flat = tl.reshape(biased, [BLOCK_G * BLOCK_EG])
+    flat_score = tl.reshape(score, [BLOCK_G * BLOCK_EG])
+    flat_e = tl.reshape(e, [BLOCK_G * BLOCK_EG])
+    idx = tl.arange(0, BLOCK_G * BLOCK_EG)
+    k = tl.arange(0, BLOCK_K)
+    ids = tl.zeros([BLOCK_K], tl.int64)
+    w = tl.zeros([BLOCK_K], tl.float32)
+    for i in tl.static_range(K):  # K rounds of argmax: the top K, best first
+        hit = idx == tl.argmax(flat, 0)
+        ids = tl.where(k == i, tl.sum(tl.where(hit, flat_e, 0), 0).to(tl.int64), ids)
+        w = tl.where(k == i, tl.sum(tl.where(hit, flat_score, 0.0), 0), w)
+        flat = tl.where(hit, float("-inf"), flat)
+    if NORM:
+        w = w / (tl.sum(w, 0) + 1e-20)
+    tl.store(ids_ptr + n * s_idn + k, ids, mask=k < K)
+    tl.store(w_ptr + n * s_wn + k, w * scale, mask=k < K)
+
+
+def router_logits(x, weight):
+    """x [N, D] @ weight[E, D]^T in float32, as ROUTER_SPLIT_D partial sums [splits, N, E] for
+    few tokens (one kernel, x in its own dtype), else cuBLAS's GEMM as [1, N, E]."""
+    N, D = x.shape
+    E = weight.shape[0]
+    if N > ROUTER_GEMV_MAX_TOKENS:
+        return torch.nn.functional.linear(x.float(), weight).unsqueeze(0)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    block_n = _pow2(N, 1)
+    block_d = max(64, ROUTER_TILE // (block_n * ROUTER_BLOCK_E))
+    d_per_split = triton.cdiv(triton.cdiv(D, ROUTER_SPLIT_D), block_d) * block_d
+    splits = triton.cdiv(D, d_per_split)
+    out = torch.empty(splits, N, E, device=x.device, dtype=torch.float32)
+    _router_logits_kernel[(triton.cdiv(E, ROUTER_BLOCK_E), splits, triton.cdiv(N, block_n))](
+        x, weight, out, N, E, D, d_per_split, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
+        BLOCK_N=block_n, BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, num_warps=4)
+    return out
+
+
+def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling):
+    """model.Router.forward in two kernels: x [N, D], weight [E, D] float32, bias [E] float32 ->
+    ids int64 [N, K], weights float32 [N, K]."""
+    N, D = x.shape
+    E = weight.shape[0]
+    if weight.dtype != torch.float32 or bias.dtype != torch.float32 or weight.shape != (E, D) or bias.shape != (E,):
+        raise ValueError(f"router_topk: needs float32 weight [E, {D}] and bias [E], got {weight.dtype} "
+                         f"{list(weight.shape)} and {bias.dtype} {list(bias.shape)} (float64: use the plain path)")
+    if E % n_group or not 1 <= topk_group <= n_group or top_k > E // n_group * topk_group:
+        raise ValueError(f"router_topk: {E} experts in {n_group} groups, {topk_group} kept, cannot give top {top_k}")
+    ids = torch.empty(N, top_k, device=x.device, dtype=torch.int64)
+    weights = torch.empty(N, top_k, device=x.device, dtype=torch.float32)
+    if N == 0:
+        return ids, weights
+    logits = router_logits(x, weight)                                       # [splits, N, E]
+    _router_select_kernel[(N,)](logits, bias, ids, weights, logits.stride(0), logits.stride(1), ids.stride(0),
+                                weights.stride(0), E // n_group, n_group, float(scaling), SPLITS=logits.shape[0],
+                                K=top_k, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob), GROUPED=n_group > 1,
+                                BLOCK_G=_pow2(n_group, 1), BLOCK_EG=_pow2(E // n_group, 1),
+                                BLOCK_K=_pow2(top_k, 1), num_warps=4)
+    return ids, weights
+
+
+# ---------------------------------------------------------------------------------------------
+# Fused residual + RMSNorm: the residual add and the norm that reads its result, one pass.
+
+
+@_jit
+def _add_rmsnorm_kernel(x_ptr, y_ptr, w_ptr, h_ptr, out_ptr, D, eps, s_x, s_y, s_h, s_out,
+                        BLOCK_D: tl.constexpr):
+    """h = x + y (rounded to x's dtype, as the plain add), out = h * rsqrt(mean(h^2) + eps) * w,
+    computed in float32 and rounded once. x, y, h, out [N, D] (last dim contiguous), w [D].
+    Grid: (N,)."""
+    n = tl.program_id(0)
+    d = tl.arange(0, BLOCK_D)
+    ok = d < D
+    x = tl.load(x_ptr + n * s_x + d, mask=ok, other=0.0)
+    y = tl.load(y_ptr + n * s_y + d, mask=ok, other=0.0)
+    h = (x.to(tl.float32) + y.to(tl.float32)).to(x.dtype)
+    tl.store(h_ptr + n * s_h + d, h, mask=ok)
+    hf = h.to(tl.float32)
+    r = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / D + eps)
+    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n * s_out + d, (hf * r * w).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+def add_rmsnorm(x, y, weight, eps):
+    """(x + y, RMSNorm(x + y)) for x, y [..., D] of one dtype and weight [D]: one read of x and y."""
+    D = x.shape[-1]
+    if y.shape != x.shape or y.dtype != x.dtype or weight.shape != (D,):
+        raise ValueError(f"add_rmsnorm: x {x.dtype} {list(x.shape)}, y {y.dtype} {list(y.shape)}, weight "
+                         f"{list(weight.shape)} do not fit")
+    x2, y2 = x.contiguous().view(-1, D), y.contiguous().view(-1, D)
+    h, out = torch.empty_like(x2), torch.empty_like(x2)
+    if x2.shape[0]:
+        _add_rmsnorm_kernel[(x2.shape[0],)](x2, y2, weight, h, out, D, float(eps), x2.stride(0), y2.stride(0),
+                                            h.stride(0), out.stride(0), BLOCK_D=_pow2(D),
+                                            num_warps=8 if D >= 4096 else 4)
+    return h.view(x.shape), out.view(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# RoPE fused with the cache write
+#
+# What MLA does with each new token before attending, in one program per token: normalize the
+# latent (kv_a_layernorm) and write it to its cache slot (slot = position), rotate k_pe and write
+# it beside, and rotate the token's H query rotary parts. RoPE turns interleaved pairs
+# (x[2i], x[2i+1]) by the angle whose (cos, sin) the table gives for the token's position.
+
+
+@_jit
+def _rope_cache_kernel(q_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr, kv_cache_ptr, pe_cache_ptr, qo_ptr,
+                       T, H, eps, s_qb, s_qt, s_qh, s_kvb, s_kvt, s_kpb, s_kpt, s_rb, s_rt, s_posb, s_post,
+                       s_cb, s_cs, s_pb, s_ps, s_ob, s_ot, s_oh,
+                       C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+                       BLOCK_R2: tl.constexpr):
+    """For token (b, t) at slot p = pos[b, t]: kv_cache[b, p] = RMSNorm(kv[b, t]) * w,
+    pe_cache[b, p] = rope(kpe[b, t]), qo[b, t, h] = rope(q[b, t, h]) for every head h.
+    q [B, T, H, R], kv [B, T, C], kpe [B, T, R] (strided views, last dim contiguous; one dtype);
+    w [C]; rope [B, T, R/2, 2] float32 (cos, sin), contiguous in its last two dims; pos int64
+    [B, T]; caches [>=B, S, C] and [>=B, S, R]; qo [B, T, H, R]. Float32 math, one rounding.
+    Grid: (B * T,)."""
+    n = tl.program_id(0)
+    b, t = n // T, n % T
+    p = tl.load(pos_ptr + b * s_posb + t * s_post)
+    c = tl.arange(0, BLOCK_C)
+    kv = tl.load(kv_ptr + b * s_kvb + t * s_kvt + c, mask=c < C, other=0.0).to(tl.float32)
+    w = tl.load(w_ptr + c, mask=c < C, other=0.0).to(tl.float32)
+    normed = kv / tl.sqrt(tl.sum(kv * kv, 0) / C + eps) * w
+    tl.store(kv_cache_ptr + b * s_cb + p * s_cs + c, normed.to(kv_cache_ptr.dtype.element_ty), mask=c < C)
+    i = tl.arange(0, BLOCK_R2)
+    i_ok = 2 * i < R
+    cos = tl.load(rope_ptr + b * s_rb + t * s_rt + 2 * i, mask=i_ok, other=0.0)
+    sin = tl.load(rope_ptr + b * s_rb + t * s_rt + 2 * i + 1, mask=i_ok, other=0.0)
+    k = kpe_ptr + b * s_kpb + t * s_kpt + 2 * i
+    ke, ko = tl.load(k, mask=i_ok, other=0.0).to(tl.float32), tl.load(k + 1, mask=i_ok, other=0.0).to(tl.float32)
+    pe = pe_cache_ptr + b * s_pb + p * s_ps + 2 * i
+    tl.store(pe, (ke * cos - ko * sin).to(pe_cache_ptr.dtype.element_ty), mask=i_ok)
+    tl.store(pe + 1, (ke * sin + ko * cos).to(pe_cache_ptr.dtype.element_ty), mask=i_ok)
+    h = tl.arange(0, BLOCK_H)[:, None]
+    ok = (h < H) & i_ok[None, :]
+    q = q_ptr + b * s_qb + t * s_qt + h * s_qh + 2 * i[None, :]
+    qe, qo = tl.load(q, mask=ok, other=0.0).to(tl.float32), tl.load(q + 1, mask=ok, other=0.0).to(tl.float32)
+    out = qo_ptr + b * s_ob + t * s_ot + h * s_oh + 2 * i[None, :]
+    tl.store(out, (qe * cos[None, :] - qo * sin[None, :]).to(qo_ptr.dtype.element_ty), mask=ok)
+    tl.store(out + 1, (qe * sin[None, :] + qo * cos[None, :]).to(qo_ptr.dtype.element_ty), mask=ok)
+
+
+def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_cache, pe_cache):
+    """Writes kv_cache[b, positions[b, t]] = RMSNorm(kv[b, t]) and pe_cache[b, positions[b, t]] =
+    rope(k_pe[b, t]); returns rope(q_pe) [B, T, H, R]. q_pe [B, T, H, R], kv [B, T, C], k_pe
+    [B, T, R] (views with a contiguous last dim), rope [B, T, R/2, 2] float32 (cos, sin) at each
+    token's position, positions int64 [B, T], caches [>=B, S, C] / [>=B, S, R]."""
+    B, T, H, R = q_pe.shape
+    C = kv.shape[-1]
+    if kv.shape != (B, T, C) or k_pe.shape != (B, T, R) or rope.shape != (B, T, R // 2, 2) or R % 2:
+        raise ValueError(f"mla_rope_cache_write: q_pe {list(q_pe.shape)}, kv {list(kv.shape)}, k_pe "
+                         f"{list(k_pe.shape)}, rope {list(rope.shape)} do not fit [B, T, H, R], [B, T, C], "
+                         "[B, T, R], [B, T, R/2, 2] with R even")
+    if q_pe.dtype not in MLA_BLOCK_N or len({q_pe.dtype, kv.dtype, k_pe.dtype, kv_cache.dtype, pe_cache.dtype}) != 1:
+        raise ValueError(f"mla_rope_cache_write: needs one dtype of {sorted(map(str, MLA_BLOCK_N))} for the inputs "
+                         f"and the caches, got {q_pe.dtype}, {kv.dtype}, {k_pe.dtype}, {kv_cache.dtype}, "
+                         f"{pe_cache.dtype} (float64: use the plain path)")
+    if positions.shape != (B, T) or positions.dtype != torch.int64 or rope.dtype != torch.float32:
+        raise ValueError("mla_rope_cache_write: needs int64 positions [B, T] and a float32 rope table")
+    if kv_cache.shape[0] < B or kv_cache.shape[2] != C or pe_cache.shape[2] != R:
+        raise ValueError(f"mla_rope_cache_write: caches {list(kv_cache.shape)}, {list(pe_cache.shape)} do not "
+                         f"hold [{B}, S, {C}] and [{B}, S, {R}]")
+    for name, x in dict(q_pe=q_pe, kv=kv, k_pe=k_pe, kv_cache=kv_cache, pe_cache=pe_cache).items():
+        if x.stride(-1) != 1:
+            raise ValueError(f"mla_rope_cache_write: {name}'s last dim must be contiguous")
+    rope = rope if rope.stride(-1) == 1 and rope.stride(-2) == 2 else rope.contiguous()
+    out = torch.empty(B, T, H, R, device=q_pe.device, dtype=q_pe.dtype)
+    _rope_cache_kernel[(B * T,)](
+        q_pe, kv, k_pe, norm_weight, rope, positions, kv_cache, pe_cache, out, T, H, float(eps),
+        q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), kv.stride(0), kv.stride(1), k_pe.stride(0), k_pe.stride(1),
+        rope.stride(0), rope.stride(1), positions.stride(0), positions.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), pe_cache.stride(0), pe_cache.stride(1),
+        out.stride(0), out.stride(1), out.stride(2),
+        C=C, R=R, BLOCK_C=_pow2(C), BLOCK_H=_pow2(H, 1), BLOCK_R2=_pow2(R // 2, 1), num_warps=4)
+    return out
+
+
+
+# ---------------------------------------------------------------------------------------------
+# Micro-benchmark on a GPU (python kernels.py): each kernel against its plain twin, both captured
+# in CUDA graphs and timed by events around replays (medians), the input sets rotated so that the
+# bytes of one replay exceed the L2; achieved GB/s against the measured copy bandwidth.
+
+def _graph_ms(calls, reps=30):
+    """Median ms of one call: `calls` (one per input set) captured in one graph, replayed."""
+    import statistics
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in calls:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in calls:
+            f()
+    graph.replay()
+    stamps = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        stamps.append((a, b))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in stamps) / len(calls)
+
+
+def copy_bandwidth_GBps(reps=20):
+    """Device-to-device copy of 1 GiB (bytes read + written), launched eagerly between events as
+    run.py does: captured in a graph the copy becomes a memcpy node, which read ~2.7 TB/s on the
+    H200 (2026-11-29) against ~4.2 TB/s eagerly in the same call."""
+    import statistics
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(5):
+        y.copy_(x)
+    stamps = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        stamps.append((a, b))
+    torch.cuda.synchronize()
+    return 2 * x.numel() / statistics.median(a.elapsed_time(b) for a, b in stamps) / 1e6
+
+
+def _mla_sets(B, T, S, used, n_sets, H=8, C=512, R=64, dtype=torch.bfloat16):
+    """Input sets on the GPU: each row's T queries end at slot used - 1 of an S-slot cache."""
+    sets = []
+    for _ in range(n_sets):
+        pos = (used - T + torch.arange(T, device="cuda")).expand(B, T)
+        sets.append(dict(q=torch.randn(B, T, H, C, device="cuda", dtype=dtype),
+                         qpe=torch.randn(B, T, H, R, device="cuda", dtype=dtype),
+                         kv=torch.randn(B, S, C, device="cuda", dtype=dtype),
+                         pe=torch.randn(B, S, R, device="cuda", dtype=dtype), pos=pos,
+                         hidden=torch.arange(S, device="cuda") > pos.unsqueeze(-1)))
+    return sets
+
+
+def bench_mla(bw, rows):
+    import model
+    scale = 0.1
+    print(f"\nMLA decode attention, Kimi-K2 TP 8 (H=8, C=512, R=64), bf16; copy bandwidth {bw:.0f} GB/s")
+    print(f"{'B':>2} {'T':>2} {'cache':>6} {'used':>6} {'MB read':>8} {'torch us':>9} {'kernel us':>9} "
+          f"{'speedup':>7} {'kernel GB/s':>11} {'of copy':>7}")
+    for S, used in ((256, 256), (4096, 4096), (32768, 32768), (32768, 256), (32768, 4096)):
+        for B, T in ((1, 1), (1, 4), (4, 1), (4, 4)):
+            nbytes = B * used * 576 * 2 + 2 * B * T * 8 * 576 * 2      # cache slots read + queries and output
+            sets = _mla_sets(B, T, S, used, max(2, min(32, math.ceil(2.5e8 / (B * S * 576 * 2)))))
+            plain = _graph_ms([lambda s=s: model.absorbed_attention(s["q"], s["qpe"], s["kv"], s["pe"], s["hidden"],
+                                                                    scale) for s in sets])
+            fast = _graph_ms([lambda s=s: mla_decode_attention(s["q"], s["qpe"], s["kv"], s["pe"], s["pos"], scale)
+                              for s in sets])
+            gbps = nbytes / fast / 1e6
+            print(f"{B:>2} {T:>2} {S:>6} {used:>6} {nbytes / 1e6:>8.2f} {plain * 1e3:>9.1f} {fast * 1e3:>9.1f} "
+                  f"{plain / fast:>6.1f}x {gbps:>11.0f} {gbps / bw:>6.0%}")
+            rows.append(dict(kernel="mla_decode", B=B, T=T, cache=S, used=used, bytes=nbytes, torch_ms=plain,
+                             kernel_ms=fast, GBps=gbps))
+            del sets
+
+
+def bench_mla_configs(bw, rows):
+    """Split length, tile and pipeline depth at 4096 and 32768 used slots (B = 1)."""
+    global MLA_NUM_WARPS
+    print("\nMLA kernel configurations (B=1; us; auto = the split rule)")
+    splits = (None, 64, 128, 256)
+    print(f"{'T':>2} {'used':>6} {'BLOCK_N':>7} {'stages':>6} {'warps':>5} " + " ".join(f"{str(s or 'auto'):>7}" for s in splits))
+    default_n, default_stages = MLA_BLOCK_N[torch.bfloat16], MLA_NUM_STAGES[torch.bfloat16]
+    for used in (4096, 32768):
+        for T in (1, 4):
+            sets = _mla_sets(1, T, used, used, max(2, min(32, math.ceil(2.5e8 / (used * 576 * 2)))))
+            for block_n, stages, warps in ((64, 3, None), (64, 3, 8), (32, 4, None)):
+                MLA_BLOCK_N[torch.bfloat16], MLA_NUM_STAGES[torch.bfloat16], MLA_NUM_WARPS = block_n, stages, warps
+                times = []
+                for split in splits:
+                    try:
+                        times.append(_graph_ms([lambda s=s: mla_decode_attention(s["q"], s["qpe"], s["kv"], s["pe"],
+                                                                                  s["pos"], 0.1, split_len=split)
+                                                for s in sets]))
+                    except Exception as e:  # a configuration that does not fit (shared memory) is reported, not fatal
+                        print(f"  BLOCK_N {block_n} stages {stages} split {split}: {type(e).__name__}: {str(e)[:120]}")
+                        times.append(float("nan"))
+                print(f"{T:>2} {used:>6} {block_n:>7} {stages:>6} {str(warps or 'auto'):>5} "
+                      + " ".join(f"{t * 1e3:>7.1f}" for t in times))
+                rows.append(dict(kernel="mla_config", T=T, used=used, block_n=block_n, stages=stages, warps=warps,
+                                 us={str(s): t * 1e3 for s, t in zip(splits, times)}))
+            del sets
+    MLA_BLOCK_N[torch.bfloat16], MLA_NUM_STAGES[torch.bfloat16], MLA_NUM_WARPS = default_n, default_stages, None
+
+
+def bench_small(rows):
+    """Router, add + RMSNorm, RoPE + cache write against their twins at Kimi-K2 TP 8 shapes."""
+    import model
+    import torch.nn.functional as F
+    print("\nsmall kernels, Kimi-K2 shapes, bf16 (us per call, in a graph; 8 input sets)")
+    args = model.ModelArgs(n_routed_experts=384)
+    router = model.Router(args, "cuda", torch.bfloat16)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.01)
+        router.e_score_correction_bias.normal_(0, 0.1)
+    norm = model.RMSNorm(7168, 1e-6, "cuda", torch.bfloat16)
+    lat_norm = model.RMSNorm(512, 1e-6, "cuda", torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.fill_(1.0)
+        lat_norm.weight.fill_(1.0)
+    table = torch.stack(model.rope_tables(64, 50000.0, None, 4096, "cuda"), -1)
+    kv_cache = torch.randn(4, 4096, 512, device="cuda", dtype=torch.bfloat16)
+    pe_cache = torch.randn(4, 4096, 64, device="cuda", dtype=torch.bfloat16)
+
+    def router_call(x, impl):
+        router.impl = impl
+        return router(x)
+
+    def rope_plain(q_pe, kv, k_pe, rope, pos):
+        rows_ = torch.arange(q_pe.shape[0], device="cuda").unsqueeze(1)
+        kv_cache[rows_, pos] = lat_norm(kv)
+        pe_cache[rows_, pos] = model.apply_rope(k_pe, rope)
+        return model.apply_rope(q_pe, rope)
+    for N in (1, 4):
+        xs = [torch.randn(N, 7168, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+        ys = [torch.randn(N, 7168, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+        qs = [torch.randn(1, N, 8, 192, device="cuda", dtype=torch.bfloat16)[..., 128:] for _ in range(8)]
+        kvs = [torch.randn(1, N, 576, device="cuda", dtype=torch.bfloat16).split([512, 64], -1) for _ in range(8)]
+        pos = (100 + torch.arange(N, device="cuda")).unsqueeze(0)
+        rope = table[pos]
+        pairs = {
+            "router (fp32 GEMV + selection)": ([lambda x=x: router_call(x, "torch") for x in xs],
+                                               [lambda x=x: router_call(x, "triton") for x in xs]),
+            "add + RMSNorm": ([lambda x=x, y=y: norm(x + y) for x, y in zip(xs, ys)],
+                              [lambda x=x, y=y: add_rmsnorm(x, y, norm.weight, 1e-6) for x, y in zip(xs, ys)]),
+            "RoPE + cache write": ([lambda q=q, kv=kv: rope_plain(q, kv[0], kv[1], rope, pos) for q, kv in zip(qs, kvs)],
+                                   [lambda q=q, kv=kv: mla_rope_cache_write(q, kv[0], kv[1], lat_norm.weight, 1e-6, rope,
+                                                                           pos, kv_cache, pe_cache)
+                                    for q, kv in zip(qs, kvs)]),
+        }
+        for name, (plain_calls, fast_calls) in pairs.items():
+            plain, fast = _graph_ms(plain_calls), _graph_ms(fast_calls)
+            print(f"  {name:32s} N={N}: torch {plain * 1e3:7.1f}  kernel {fast * 1e3:7.1f}  ({plain / fast:.1f}x)")
+            rows.append(dict(kernel=name, N=N, torch_ms=plain, kernel_ms=fast))
+
+
+def benchmark(out=None):
+    import json
+    rows = []
+    torch.manual_seed(0)
+    bw = copy_bandwidth_GBps()
+    bench_small(rows)
+    bench_mla(bw, rows)
+    bench_mla_configs(bw, rows)
+    line = json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           copy_GBps=bw, rows=rows))
+    if out:
+        with open(out, "w") as f:
+            f.write(line + "\n")
+    print(line)
+
+
+if __name__ == "__main__":
+    import sys
+    benchmark(sys.argv[1] if len(sys.argv) > 1 else None)
