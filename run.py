@@ -294,8 +294,9 @@ def build(args, device, dtype, world):
                                    moe_impl=args.moe_impl, routing=args.routing, kernels=args.kernels)
         how = f"loaded {args.model_path}"
         if args.trained_pair:
-            how = (f"the trained tiny pair ({os.path.relpath(train.PAIR_DIR)}: bytes of Python stdlib source, "
-                   "train.py; prompts: held-out stdlib source; --random-weights for random ones)")
+            how = ("the trained tiny pair (checkpoints/tiny-stdlib, made by train.py from bytes of Python stdlib "
+                   "source" + ("" if args.dump else "; prompts: held-out stdlib source") + "; --random-weights for "
+                   "random ones)")
     else:
         quant = {None: {}, "none": dict(quantization_config=None), "int4": dict(quantization_config="int4")}
         margs = model.preset(args.preset, **quant[args.quant])

@@ -54,8 +54,8 @@ HELDOUT_FILES = sorted([
     "sched.py", "shlex.py", "string.py", "textwrap.py", "timeit.py"])
 
 SEQ_LEN = 128            # training windows (bytes); positions 0..127
-TARGET = dict(steps=800, batch=16, lr=1e-2, warmup=30, seed=0)
-DRAFT = dict(steps=400, batch=16, lr=1e-2, warmup=20, seed=1, num_steps=3)
+TARGET = dict(steps=700, batch=16, lr=1e-2, warmup=30, seed=0)
+DRAFT = dict(steps=350, batch=16, lr=1e-2, warmup=20, seed=1, num_steps=3)
 VOCAB_BATCHES = 16       # batches of training text whose target predictions pick the draft vocabulary
 EVAL = dict(prompt_len=64, max_new_tokens=64, num_steps=3, text_windows=64)
 
