@@ -150,8 +150,9 @@ class DraftAttention(nn.Module):
         """Row t of unrolled step i (RoPE position t + i) sees what chain step i - 1 from extend row t
         sees at inference: step 0's keys at rows <= t (the extend rows, slots 0..t) and its own
         row's keys of steps 1..i (the chain steps before it and itself, slots t+1..t+i), nothing
-        else. (EAGLE's cnets.py also hides step 0's row t - i + 1 from step i; inference reads
-        that slot, so we do not: SpecForge PR #245, EAGLE issue #247.)"""
+        else. (EAGLE's reference training code, and SpecForge after it, also hides step 0's keys
+        of rows t-i+1..t from step i; inference reads those slots, so we do not. SpecForge PR #245
+        and EAGLE issue #247 question that mask; the tests pin ours to inference.)"""
         past.append((k, v))
         (k0, v0), later = past[0], past[1:]
         T = q.shape[1]
@@ -278,7 +279,7 @@ class Eagle3Draft(nn.Module):
         return self.chain(first, g, q, num_steps)
 
     def unroll(self, tokens, target_states, num_steps):
-        """The training-time test (EAGLE-3, sec. 3.2): the head run num_steps times over whole
+        """EAGLE-3's training-time test: the head run num_steps times over whole
         sequences exactly as inference runs it, in one differentiable pass that touches no cache.
         tokens [B, T]: sequences x_0..x_{T-1}; target_states [B, T, 3*Dt]: the target's states along them.
         Step 0 is the extend over every row: row t reads the states at t, token x_{t+1}, RoPE
