@@ -310,3 +310,87 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None):
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     _moe_combine_kernel[(N, triton.cdiv(D, COMBINE_BLOCK))](y, out, D, K, BLOCK_D=COMBINE_BLOCK, num_warps=4)
     return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmark (python kernels.py [--sweep] [--json PATH]): the fused MoE of one layer at the shapes of
+# one Kimi-K2 rank at TP 8 (D 7168, I 256, 384 experts, K 8), each format, against its floor (the
+# distinct experts' stored bytes over the copy bandwidth measured in the same run). Each time is the
+# median over replays of a CUDA graph of LAYERS calls on different weights (as in a captured step,
+# launch gaps included; the weights of LAYERS layers are larger than the 60 MB L2), divided by LAYERS.
+
+def _random_experts(fmt, E, out, inp, device, g):
+    if fmt == "plain":
+        return ExpertWeights("plain", torch.randn(E, out, inp, device=device, generator=g, dtype=torch.bfloat16) / inp ** 0.5)
+    if fmt == "fp8":
+        w = torch.randn(E, out, inp, device=device, generator=g).to(torch.float8_e4m3fn)
+        s = torch.rand(E, triton.cdiv(out, 128), triton.cdiv(inp, 128), device=device, generator=g) / inp ** 0.5
+        return ExpertWeights("fp8", w, s, (128, 128))
+    words = torch.randint(-2**31, 2**31 - 1, (E, out, inp // 8), device=device, generator=g, dtype=torch.int32)
+    s = (torch.rand(E, out, inp // 32, device=device, generator=g) / (4.6 * inp ** 0.5)).to(torch.bfloat16)
+    return ExpertWeights("int4", words, s, group=32)
+
+
+def _expert_bytes(w):
+    return sum(t[0].numel() * t.element_size() for t in (w.data, w.scale) if t is not None)
+
+
+def benchmark(sweep=False, D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 4, 8, 32)):
+    import statistics
+    dev, g = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
+    a, b = torch.empty(1 << 30, dtype=torch.uint8, device=dev), torch.empty(1 << 30, dtype=torch.uint8, device=dev)
+
+    def timed(fn, reps=30):
+        fn()
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            fn()
+        times = []
+        for _ in range(reps):
+            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            graph.replay()
+            end.record()
+            end.synchronize()
+            times.append(start.elapsed_time(end))
+        return statistics.median(times)
+    bandwidth = 2 * a.numel() / timed(lambda: b.copy_(a)) / 1e6                          # GB/s
+    rows = []
+    for fmt in ("plain", "fp8", "int4"):
+        layers = [[_random_experts(fmt, E, o, i, dev, g) for o, i in ((I, D), (I, D), (D, I))] for _ in range(LAYERS)]
+        per_expert = sum(_expert_bytes(w) for w in layers[0])
+        for N in tokens:
+            x = torch.randn(N, D, device=dev, dtype=torch.bfloat16, generator=g)
+            ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:K] for _ in range(N)])
+            route_w = torch.rand(N, K, device=dev, generator=g)
+            floor_ms = ids.unique().numel() * per_expert / bandwidth / 1e6
+
+            def run(configs=None):
+                return lambda: [fused_moe(x, ids, route_w, *w, configs=configs) for w in layers]
+            configs = [None]
+            if sweep:
+                gu = [(16, 128, 4, 4), (16, 128, 4, 5), (16, 64, 4, 6), (32, 128, 4, 4), (16, 128, 8, 4)] + (
+                    [(16, 256, 4, 3), (16, 256, 8, 4), (32, 256, 8, 3)] if fmt != "fp8" else [])
+                dn = [(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (64, 64, 4, 4)] + (
+                    [(64, 256, 8, 3), (32, 256, 4, 2)] if fmt == "int4" else [])
+                configs += [dict(gate_up=c) for c in gu] + [dict(down=c) for c in dn]
+            for cfg in configs:
+                ms = timed(run(cfg)) / LAYERS
+                rows.append(dict(fmt=fmt, tokens=N, config=cfg, ms=ms, floor_ms=floor_ms, x_floor=ms / floor_ms,
+                                 GBps=floor_ms * bandwidth / ms))
+                print(f"{fmt:5s} N={N:3d} {str(cfg or 'default'):42s} {ms * 1e3:8.1f} us  floor {floor_ms * 1e3:7.1f} us"
+                      f"  {ms / floor_ms:5.2f}x  {floor_ms * bandwidth / ms:6.0f} GB/s", flush=True)
+        del layers
+    return dict(bandwidth_GBps=bandwidth, shapes=dict(D=D, I=I, E=E, K=K, layers=LAYERS), rows=rows,
+                device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+
+
+if __name__ == "__main__":
+    import json
+    import sys
+    result = benchmark(sweep="--sweep" in sys.argv)
+    print(f"copy bandwidth {result['bandwidth_GBps']:.0f} GB/s")
+    if "--json" in sys.argv:
+        with open(sys.argv[sys.argv.index("--json") + 1], "w") as f:
+            json.dump(result, f)

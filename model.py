@@ -185,7 +185,7 @@ def preset(name, **overrides):
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
     kw = {**PRESETS[name], **overrides}
-    if kw.get("quantization_config") in QUANT_LAYOUTS:
+    if isinstance(kw.get("quantization_config"), str):
         kw["quantization_config"] = QUANT_LAYOUTS[kw["quantization_config"]]()
     return ModelArgs(**kw)
 
@@ -573,7 +573,6 @@ class Experts(nn.Module):
         """Bytes of one expert's three projections as stored (packed words and scales for INT4)."""
         return sum(t[0].numel() * t.element_size() for t in self.parameters())
 
-    @torch.compiler.disable  # torch.compile leaves the Triton launches to Triton (a graph break here)
     def fused(self, x, ids, weights):
         import kernels  # only where fused_moe_available() said Triton runs
         projs = [getattr(self, p) for p in ("gate_proj", "up_proj", "down_proj")]
@@ -583,7 +582,8 @@ class Experts(nn.Module):
     def forward(self, x, ids, weights):                 # x [N, D], ids/weights [N, K] -> [N, D]
         N, K = ids.shape
         if self.impl == "fused" and (N <= self.FUSED_MAX_TOKENS or not self.grouped_ok):
-            return self.fused(x, ids, weights)
+            # torch.compile (run.py --compile) leaves the Triton launches alone: a graph break here
+            return torch.compiler.disable(self.fused)(x, ids, weights)
         gather = self.impl == "gather" or (self.quantized and N * K < self.n_experts)
         if gather:
             h = (F.silu(torch.einsum("nd,nkid->nki", x, self.weights("gate_proj", ids)))

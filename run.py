@@ -44,9 +44,11 @@ def parse_args(argv=None):
     p.add_argument("--simulate-tp", type=int, help="build one SIMULATED rank of TP N (default on one GPU "
                    "with kimi-k2: 8)")
     p.add_argument("--routed-experts", type=int, help="keep N routed experts per layer (memory override; "
-                   "default on one GPU with bf16 kimi-k2: 128; all 384 with --quant int4)")
-    p.add_argument("--quant", choices=["none", "int4"], help="random weights in this layout: int4 = routed "
-                   "experts packed as Kimi-K2-Thinking / K2.5 ship them (default: the preset's)")
+                   "default on one GPU with bf16 kimi-k2: 128; all 384 with --quant int4 or fp8)")
+    p.add_argument("--quant", choices=["none", "int4", "fp8"], help="random weights in this layout: int4 = routed "
+                   "experts packed as Kimi-K2-Thinking / K2.5 ship them; fp8 = routed experts in FP8 e4m3 with "
+                   "128x128 block scales as Kimi-K2-Instruct ships them (the rest dequantized, as at load) "
+                   "(default: the preset's)")
     p.add_argument("--speculative-num-steps", type=int, default=3)
     p.add_argument("--speculative-eagle-topk", type=int, default=1)
     p.add_argument("--speculative-num-draft-tokens", type=int, help="must be steps + 1 with topk 1")
@@ -61,8 +63,9 @@ def parse_args(argv=None):
     p.add_argument("--simulate-accept-len", type=float, help="force the mean accepted length per cycle "
                    "(bonus included), as SGLANG_SIMULATE_ACC_LEN: output marked SIMULATED")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float64"], help="default bf16 on GPU, fp32 on CPU")
-    p.add_argument("--moe-impl", choices=["auto", "gather", "grouped"], default="auto",
-                   help="routed experts: gathered weights (plain) or torch._grouped_mm (auto: grouped on a GPU)")
+    p.add_argument("--moe-impl", choices=["auto", "gather", "grouped", "fused"], default="auto",
+                   help="routed experts: gathered weights (plain), torch._grouped_mm, or the fused Triton kernel "
+                   "(kernels.py; grouped above 256 tokens) (auto: fused on a GPU with Triton, else grouped; CPU: gather)")
     p.add_argument("--compile", action="store_true", help="also time the captured phases with each decoder "
                    "layer and the draft layer fused by torch.compile (inside our own CUDA graphs), beside the plain ones")
     p.add_argument("--reps", type=int, help="timed repetitions per phase (default 20 GPU, 5 CPU)")
@@ -124,8 +127,8 @@ def settle(args, device, world):
         args.simulate_tp = 8 if big and gpu and world == 1 else 1
     if args.model_path and args.quant:
         sys.exit("--quant sets the layout of random weights; a checkpoint's config.json says its own")
-    int4 = args.quant == "int4" or args.quant is None and args.preset == "kimi-k2.5"
-    if args.routed_experts is None and big and gpu and not int4 and not args.dump:
+    quantized = args.quant in ("int4", "fp8") or args.quant is None and args.preset == "kimi-k2.5"
+    if args.routed_experts is None and big and gpu and not quantized and not args.dump:
         args.routed_experts = 128  # bf16: 384 experts are 2.3x one H200; INT4 ones fit
     args.prompt_len = args.prompt_len or (256 if gpu else 16)
     args.max_new_tokens = args.max_new_tokens or (64 if gpu else 24)
@@ -146,7 +149,8 @@ def build(args, device, dtype, world):
                                    moe_impl=args.moe_impl)
         how = f"loaded {args.model_path}"
     else:
-        quant = {None: {}, "none": dict(quantization_config=None), "int4": dict(quantization_config="int4")}
+        quant = {None: {}, "none": dict(quantization_config=None), "int4": dict(quantization_config="int4"),
+                 "fp8": dict(quantization_config="fp8")}
         margs = model.preset(args.preset, **quant[args.quant])
         if args.routed_experts:
             tpm.print0(f"memory override: {args.routed_experts} of {margs.n_routed_experts} routed experts per layer kept")
@@ -543,16 +547,22 @@ def main(argv=None):
     modes = ["prefill", "decode"] if args.speculative_attention_mode == "both" else [args.speculative_attention_mode]
     graph_opts = {"both": [False, True], "on": [True], "off": [False]}[args.cuda_graph]
     sim = bool(args.simulate_accept_len)
-    group = target.args.int4_group_size
-    quant_note = f" (routed experts INT4, group {group})" if group else ""
+    group, fp8 = target.args.int4_group_size, target.args.fp8_block
+    quant_note = (f" (routed experts INT4, group {group})" if group else
+                  f" (routed experts FP8 e4m3, {fp8[0]}x{fp8[1]} blocks)" if fp8 else "")
+    experts = next((layer.mlp.experts for layer in target.layers if isinstance(layer.mlp, model.MoE)), None)
+    moe_note = target.moe_impl
+    if target.moe_impl == "fused":  # the header says which path ran for which token counts
+        moe_note = "fused Triton kernel" + (f" (grouped above {experts.FUSED_MAX_TOKENS} tokens)"
+                                            if experts is not None and experts.grouped_ok else "")
     header = (f"target: {how}, {target.args.num_hidden_layers} layers, {target.args.n_routed_experts} routed experts, "
-              f"{target.tp.describe()}, {args.dtype}{quant_note}, moe {target.moe_impl} | batch {B}, prompt {P}, "
+              f"{target.tp.describe()}, {args.dtype}{quant_note}, moe {moe_note} | batch {B}, prompt {P}, "
               f"num_steps {k} | {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
               f"torch {torch.__version__}" + (" | acceptance SIMULATED" if sim else ""))
     tpm.print0(header)
     result = dict(env=dict(device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
                            torch=torch.__version__, world_size=world, simulated_tp=args.simulate_tp if target.tp.simulated else None,
-                           dtype=args.dtype, int4_group_size=group, moe_impl=target.moe_impl, seed=args.seed, simulated_acceptance=sim,
+                           dtype=args.dtype, int4_group_size=group, fp8_block=fp8, moe_impl=target.moe_impl, seed=args.seed, simulated_acceptance=sim,
                            target=how, config=vars(args)), phases_ms={}, e2e={}, floors=None, cost_model={})
 
     g = torch.Generator().manual_seed(args.seed)
@@ -716,6 +726,8 @@ def main(argv=None):
     if device.type == "cuda":
         result["env"]["gpu_mem_peak_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
         result["env"]["weights_GB"] = sum(p.numel() * p.element_size() for p in target.parameters()) / 1e9
+        result["env"]["routed_experts_GB"] = sum(p.numel() * p.element_size() for n, p in target.named_parameters()
+                                                 if ".mlp.experts." in n) / 1e9
     report(result, header, k)
     line = json.dumps(result)
     if is_rank0():
@@ -755,7 +767,7 @@ def report(r, header, k):
         sp = " ".join(f"{t}:{s:.2f}x" for t, s in c["speedup_at"].items())
         print(f"  num_steps {steps}: cycle {c['cycle_ms']:.2f} ms, break-even {c['break_even_accept_len']:.2f} | speedup at accept len {sp}")
     if "gpu_mem_peak_GB" in r["env"]:
-        print(f"\nGPU memory: weights {r['env']['weights_GB']:.1f} GB, peak allocated {r['env']['gpu_mem_peak_GB']:.1f} GB "
+        print(f"\nGPU memory: weights {r['env']['weights_GB']:.1f} GB (routed experts {r['env']['routed_experts_GB']:.1f}), peak allocated {r['env']['gpu_mem_peak_GB']:.1f} GB "
               f"(eager phases only: {r['env'].get('gpu_mem_peak_eager_GB', float('nan')):.1f} GB)")
         print(f"kernels per eager decode step: {r.get('kernels_per_decode_step')}"
               + (f", with torch.compile: {r['kernels_per_decode_step_compiled']}" if "kernels_per_decode_step_compiled" in r else ""))
