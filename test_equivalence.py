@@ -977,9 +977,9 @@ def test_dump_from_the_command_line_and_bad_input(tiny_ckpt, tmp_path):
 # ---------------------------------------------------------------------------------------------
 # GPU: graphs against eager, no host sync, bf16 agreement (skipped without CUDA; run on the H200)
 
-def gpu_models(dtype=torch.bfloat16, B=3, seed=0, quant=None):
+def gpu_models(dtype=torch.bfloat16, B=3, seed=0, quant=None, moe_impl="auto"):
     target = init_random(Transformer(tiny(quantization_config=quant), max_batch_size=B, max_seq_len=64,
-                                     device="cuda", dtype=dtype), seed)
+                                     device="cuda", dtype=dtype, moe_impl=moe_impl), seed)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
     return target, head
 
@@ -1005,11 +1005,15 @@ def flat(out):
     return torch.cat([t.double().flatten() for t in (out if isinstance(out, tuple) else (out,))])
 
 
+GPU_MOE = [(q, impl) for q in (None, "int4", "fp8") for impl in ("fused", "grouped")]
+
+
 @cuda
-@pytest.mark.parametrize("quant", [None, "int4"])
-def test_graph_replay_equals_eager(quant):
+@pytest.mark.parametrize("quant, impl", GPU_MOE)
+def test_graph_replay_equals_eager(quant, impl):
     from graphs import CudaGraphs
-    target, head = gpu_models(quant=quant)
+    target, head = gpu_models(quant=quant, moe_impl=impl)
+    assert target.moe_impl == impl
     runner = CudaGraphs("cuda")
     for key, fn, inputs in captured_calls(target, head):
         eager = flat(fn(*inputs))
@@ -1021,10 +1025,10 @@ def test_graph_replay_equals_eager(quant):
 
 
 @cuda
-@pytest.mark.parametrize("quant", [None, "int4"])
-def test_no_host_sync_in_captured_paths(quant):
+@pytest.mark.parametrize("quant, impl", GPU_MOE)
+def test_no_host_sync_in_captured_paths(quant, impl):
     from graphs import CudaGraphs
-    target, head = gpu_models(quant=quant)
+    target, head = gpu_models(quant=quant, moe_impl=impl)
     calls = captured_calls(target, head)
     runner = CudaGraphs("cuda")
     torch.cuda.synchronize()
@@ -1064,9 +1068,9 @@ def test_gpu_decode_attention_equals_extend_and_grouped_equals_gather():
     target(prefill, prefill_pos)
     assert_close(target(step, step_pos, "decode"), target(step, step_pos, "extend"), 1e-3,
                  "float32 GPU decode vs extend attention")
-    moe = init_random(Transformer(tiny(), 1, 8, device="cuda", dtype=torch.bfloat16), 1).layers[1].mlp
-    if moe.experts.impl != "grouped":
+    if not model.grouped_mm_available(torch.device("cuda"), torch.bfloat16):
         pytest.skip("torch._grouped_mm is not available for bf16 on this GPU")
+    moe = init_random(Transformer(tiny(), 1, 8, device="cuda", dtype=torch.bfloat16, moe_impl="grouped"), 1).layers[1].mlp
     x = torch.randn(37, 64, device="cuda", dtype=torch.bfloat16)
     ids, weights = moe.gate(x)
     grouped = moe.experts(x, ids, weights)
