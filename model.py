@@ -454,6 +454,8 @@ def grouped_mm_available(device, dtype):
         return False
     if device.type == "cpu":
         return dtype in (torch.bfloat16, torch.float32)
+    if device.type != "cuda":   # e.g. "meta" (sizing a model without memory)
+        return False
     return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
 
 
