@@ -528,7 +528,8 @@ def test_quantized_checkpoint_through_fused_moe_equals_dequantized(make, tmp_pat
     for world in (1, 2):
         got, ref = (_fused_quant_worker(quant, plain, TRITON_DEVICE.type) if world == 1
                     else run_ranks(2, _fused_quant_worker, quant, plain, "cpu"))
-        assert_close(got, ref, 1e-5, f"{make.__name__} at TP {world}: fused on quantized vs gather on dequantized")
+        assert_close(got, ref, 1e-5 * max(1.0, ref.abs().max().item()),
+                     f"{make.__name__} at TP {world}: fused on quantized vs gather on dequantized")
         assert ref.abs().max() > 0.1
 
 
