@@ -40,24 +40,24 @@ BLOCK_M = 16       # pairs per tile: tl.dot's smallest M. With N <= a few hundre
 ALIGN_CHUNK = 32   # pairs per step of the align kernel (a [ALIGN_CHUNK, E] one-hot per step)
 COMBINE_BLOCK = 1024
 
-# Block sizes: gate_up (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT_K), down (BLOCK_N, BLOCK_K,
-# num_warps, num_stages), by weight format and number of pairs P (first seen on an H200, 2026-11-29:
-# kernels.py --sweep; numbers in BENCHMARKS.md):
-#  - gate_up BLOCK_N 32: at 4 tokens 32 rows a program beat 16 by 1.3x (bf16) to 1.5x (FP8): half the
-#    activation loads and loop overhead per weight byte. A decode step (P = 8) has only 8 expert
-#    tiles, 64 programs at BLOCK_N 32 for 132 SMs, so there the k range is split 4 ways (256
-#    programs) and the down kernel adds the 4 fp32 partial sums before SiLU.
+# Block sizes (BLOCK_N, BLOCK_K, num_warps, num_stages) for gate_up and down, by weight format and
+# number of token-expert pairs P, from `python kernels.py --sweep` on an H200 (2026-11-29,
+# BENCHMARKS.md):
+#  - gate_up BLOCK_N: a decode step (P = 8) has 8 expert tiles; BLOCK_N 16 makes 16 programs of
+#    each (128 for 132 SMs) and beat 32 by 1.1x. From 4 tokens on there are 32+ tiles, and 32 rows
+#    a program beat 16 by 1.3x (bf16) to 1.5x (FP8): half the activation loads and loop overhead
+#    per weight byte. Splitting the k range 4 ways at decode (256 programs, partial sums added
+#    in the down kernel) was 1.8x slower: it is not done.
 #  - BLOCK_K 128 for bf16 and FP8 (= the checkpoint's scale block: one scale per row and k-step,
-#    applied after the dot); 256 for INT4 (128 packed bytes a row per k-step). 4 stages keep
-#    ~32-64 KB of weights in flight per SM.
-#  - down BLOCK_N 64: D = 7168 gives 112 programs per expert tile; I = 256 is only 1-2 k-steps.
-#  - INT4 dequantizes in registers (~6 instructions a weight): 8 warps share that work.
+#    applied after the dot); 256 for INT4 (32 packed words a row per k-step, 8 sub-dots of 32).
+#  - down BLOCK_N 64: D = 7168 gives 112 programs per expert tile; its block sizes moved times
+#    by under 5%.
 def _configs(fmt, P, on_gpu):
     if not on_gpu:  # Triton's CPU interpreter runs programs one by one, ~0.1 ms an op: fewest, largest
-        return dict(gate_up=(64, 128, 4, 1, 1), down=(64, 128, 4, 1))
-    bk, warps, stages = (256, 8, 3) if fmt == "int4" else (128, 4, 4)
-    split = 4 if P <= 16 else 1
-    return dict(gate_up=(32, bk, warps, stages, split), down=(64, bk, warps, 3))
+        return dict(gate_up=(64, 128, 4, 1), down=(64, 128, 4, 1))
+    if fmt == "int4":
+        return dict(gate_up=(16, 256, 4, 3) if P <= 16 else (32, 256, 8, 3), down=(64, 256, 8, 3))
+    return dict(gate_up=(16, 128, 4, 4) if P <= 16 else (32, 128, 4, 4), down=(64, 128, 4, 3))
 
 
 @dataclass
@@ -120,31 +120,33 @@ def _moe_align_kernel(ids_ptr, sorted_pair_ptr, tile_expert_ptr, P, E, max_tiles
 
 
 @triton.jit
-def _accumulate(acc, xt, k0, K_IN, w_ptr, s_ptr, n, n_ok, stride_wn, stride_sr, stride_sc,
-                block_r, block_c, off_r, off_c, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+def _accumulate(acc, xt, x_ptr, x_row, row_ok, k0, K_IN, w_ptr, s_ptr, n, n_ok, stride_wn, stride_sr, stride_sc,
+                block_r, block_c, off_r, off_c, GROUP,
                 FMT: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_PER_ROW: tl.constexpr, PRECISION: tl.constexpr):
-    """acc [BM, BN] += xt [BM, BK] @ W[n, k0:k0+BK]^T, W of one expert read as stored.
+    """acc [BM, BN] += X[rows, k0:k0+BK] @ W[n, k0:k0+BK]^T, W of one expert read as stored.
 
-    w_ptr, s_ptr: the expert's weight and scale (ExpertWeights layouts); n: [BN] output rows.
-    FMT 0 plain, 1 FP8 blocks, 2 INT4 packed. SCALE_PER_ROW (FP8): the k-step lies inside one
-    column block, so the scale is one per row, applied to the dot's result."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    k_ok = k < K_IN
+    xt [BM, BK]: that activation tile (plain, FP8); INT4 reads its own strided pieces of it at
+    x_ptr + x_row[m] + c (element c of tile row m's activation row). w_ptr, s_ptr: the expert's
+    weight and scale (ExpertWeights layouts); n: [BN] output rows. FMT 0 plain, 1 FP8 blocks, 2
+    INT4 packed. SCALE_PER_ROW (FP8): the k-step lies inside one column block, so the scale is one
+    per row, applied to the dot's result."""
     if FMT == 2:
-        # INT4: the k-step's words [BK/8, BN], each word's 8 nibbles spread along a new middle axis
-        # and flattened: element 8w + j is nibble j of word w, the natural order. The group scales
-        # [BK/G, BN] are repeated G times along k the same way. One dot per k-step.
+        # INT4: the k-step's words [BK/8, BN]; nibble j of word w is element 8w + j, so the step is
+        # 8 dots over the elements {8w + j}, with no unpacking into the natural order (which costs
+        # a layout change through shared memory: 1.5-2x slower on the H200, and out of shared
+        # memory for the down projection).
         w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        words = tl.load(w_ptr + n[None, :] * stride_wn + w[:, None], mask=(w < K_IN // 8)[:, None] & n_ok[None, :],
-                        other=0)
-        nibbles = (words[:, None, :] >> (tl.arange(0, 8) * 4)[None, :, None]) & 0xF          # [BK/8, 8, BN]
-        q = tl.reshape(nibbles, [BLOCK_K, BLOCK_N]) - 8
-        g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-        s = tl.load(s_ptr + n[None, :] * stride_sr + g[:, None], mask=(g < K_IN // GROUP)[:, None] & n_ok[None, :],
-                    other=0.0).to(tl.float32)
-        s = tl.reshape(tl.broadcast_to(s[:, None, :], [BLOCK_K // GROUP, GROUP, BLOCK_N]), [BLOCK_K, BLOCK_N])
-        acc = tl.dot(xt, (q.to(tl.float32) * s).to(xt.dtype), acc, input_precision=PRECISION)
+        w_ok = w < K_IN // 8
+        words = tl.load(w_ptr + n[None, :] * stride_wn + w[:, None], mask=w_ok[:, None] & n_ok[None, :], other=0)
+        scale = tl.load(s_ptr + n[None, :] * stride_sr + (w * 8 // GROUP)[:, None],
+                        mask=w_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        for j in tl.static_range(8):
+            xj = tl.load(x_ptr + x_row[:, None] + (w * 8 + j)[None, :], mask=row_ok[:, None] & w_ok[None, :], other=0.0)
+            q = ((words >> (4 * j)) & 0xF) - 8
+            acc = tl.dot(xj, (q.to(tl.float32) * scale).to(xj.dtype), acc, input_precision=PRECISION)
     else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K_IN
         wt = tl.load(w_ptr + n[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         if FMT == 0:     # the load feeds the dot directly (Triton pipelines it through shared memory)
             acc = tl.dot(xt, wt.to(xt.dtype), acc, input_precision=PRECISION)
@@ -160,20 +162,18 @@ def _accumulate(acc, xt, k0, K_IN, w_ptr, s_ptr, n, n_ok, stride_wn, stride_sr, 
 
 
 @triton.jit
-def _moe_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr, gs_ptr, u_ptr, us_ptr,
-                        P, TOPK, D, I, rows_total, k_per_split, stride_we, stride_wn, stride_se, stride_sr, stride_sc,
-                        block_r, block_c, off_r, off_c, GROUP: tl.constexpr,
+def _moe_gate_up_kernel(x_ptr, h_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr, gs_ptr, u_ptr, us_ptr,
+                        P, TOPK, D, I, stride_we, stride_wn, stride_se, stride_sr, stride_sc,
+                        block_r, block_c, off_r, off_c, GROUP,
                         FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                        SPLIT_K: tl.constexpr, SCALE_PER_ROW: tl.constexpr, PRECISION: tl.constexpr):
+                        SCALE_PER_ROW: tl.constexpr, PRECISION: tl.constexpr):
     """h[row, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) for the pair in each tile row (n = pair // K).
 
-    x_ptr: [N, D] contiguous, the compute dtype. h_ptr: [rows_total = max_tiles * BLOCK_M, I] out,
-    x's dtype, rows in tile order (padding rows get 0). g_ptr / u_ptr and gs_ptr / us_ptr: gate and
-    up weights and scales, [E, I, D]-shaped as ExpertWeights (same strides for both). With SPLIT_K
-    > 1 (few tiles: more programs), program s sums k in [s, s+1) * k_per_split only and writes its
-    fp32 partial sums to part_ptr [SPLIT_K, 2, rows_total, I] (gate, up) instead; the down kernel
-    adds them up and applies SiLU. Grid: (cdiv(I, BLOCK_N), max_tiles, SPLIT_K)."""
-    pid_n, tile, split = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    x_ptr: [N, D] contiguous, the compute dtype. h_ptr: [max_tiles * BLOCK_M, I] out, x's dtype,
+    rows in tile order (padding rows get 0). g_ptr / u_ptr and gs_ptr / us_ptr: gate and up weights
+    and scales, [E, I, D]-shaped as ExpertWeights (same strides for both). sorted_pair_ptr,
+    tile_expert_ptr: from the align kernel. Grid: (cdiv(I, BLOCK_N), max_tiles)."""
+    pid_n, tile = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
     if e < 0:
         return
@@ -185,38 +185,32 @@ def _moe_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_expert_ptr
     n_ok = n < I
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(split * k_per_split, tl.minimum(D, (split + 1) * k_per_split), BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        xt = tl.load(x_ptr + x_row[:, None] + k[None, :], mask=row_ok[:, None] & (k < D)[None, :], other=0.0)
-        acc_g = _accumulate(acc_g, xt, k0, D, g_ptr + e * stride_we, gs_ptr + e * stride_se, n, n_ok,
-                            stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c, GROUP, BLOCK_N,
+    for k0 in range(0, D, BLOCK_K):
+        xt = tl.zeros([BLOCK_M, BLOCK_K], x_ptr.dtype.element_ty)       # INT4 loads its own pieces
+        if FMT != 2:                                                       # one load for gate and up
+            k = k0 + tl.arange(0, BLOCK_K)
+            xt = tl.load(x_ptr + x_row[:, None] + k[None, :], mask=row_ok[:, None] & (k < D)[None, :], other=0.0)
+        acc_g = _accumulate(acc_g, xt, x_ptr, x_row, row_ok, k0, D, g_ptr + e * stride_we, gs_ptr + e * stride_se, n,
+                            n_ok, stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c, GROUP,
                             FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
-        acc_u = _accumulate(acc_u, xt, k0, D, u_ptr + e * stride_we, us_ptr + e * stride_se, n, n_ok,
-                            stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c, GROUP, BLOCK_N,
+        acc_u = _accumulate(acc_u, xt, x_ptr, x_row, row_ok, k0, D, u_ptr + e * stride_we, us_ptr + e * stride_se, n,
+                            n_ok, stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c, GROUP,
                             FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
-    if SPLIT_K == 1:
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty), mask=n_ok[None, :])
-    else:
-        out = part_ptr + ((split * 2) * rows_total + rows[:, None]).to(tl.int64) * I + n[None, :]
-        ok = row_ok[:, None] & n_ok[None, :]
-        tl.store(out, acc_g, mask=ok)
-        tl.store(out + rows_total * I, acc_u, mask=ok)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty), mask=n_ok[None, :])
 
 
 @triton.jit
-def _moe_down_kernel(h_ptr, part_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr, w_ptr, s_ptr,
-                     P, D, I, rows_total, stride_we, stride_wn, stride_se, stride_sr, stride_sc,
-                     block_r, block_c, off_r, off_c, GROUP: tl.constexpr,
+def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr, w_ptr, s_ptr,
+                     P, D, I, stride_we, stride_wn, stride_se, stride_sr, stride_sc,
+                     block_r, block_c, off_r, off_c, GROUP,
                      FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     SPLIT_K: tl.constexpr, SCALE_PER_ROW: tl.constexpr, PRECISION: tl.constexpr):
+                     SCALE_PER_ROW: tl.constexpr, PRECISION: tl.constexpr):
     """y[pair, d] = route_w[pair] * (down[e] @ h[row])[d] for the pair in each tile row.
 
-    h_ptr: [rows_total, I] from gate_up, or with SPLIT_K > 1 its partial sums part_ptr [SPLIT_K, 2,
-    rows_total, I] fp32, summed here in split order and put through SiLU (h is then never stored).
-    y_ptr: fp32 [P, D] out, one row per pair (every pair's row is written once). route_w_ptr: fp32
-    [P], the routing weights flattened. w_ptr / s_ptr: down weights and scales, [E, D, I]-shaped as
-    ExpertWeights. Grid: (cdiv(D, BLOCK_N), max_tiles)."""
+    h_ptr: [max_tiles * BLOCK_M, I] from gate_up. y_ptr: fp32 [P, D] out, one row per pair (every
+    pair's row is written once). route_w_ptr: fp32 [P], the routing weights flattened. w_ptr / s_ptr:
+    down weights and scales, [E, D, I]-shaped as ExpertWeights. Grid: (cdiv(D, BLOCK_N), max_tiles)."""
     pid_n, tile = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
     if e < 0:
@@ -224,24 +218,18 @@ def _moe_down_kernel(h_ptr, part_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, r
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_pair_ptr + rows)
     row_ok = pair < P
+    h_row = rows.to(tl.int64) * I
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        ok = row_ok[:, None] & (k < I)[None, :]
-        if SPLIT_K == 1:
-            ht = tl.load(h_ptr + rows[:, None].to(tl.int64) * I + k[None, :], mask=ok, other=0.0)
-        else:
-            g = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-            u = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-            for s in tl.static_range(SPLIT_K):
-                part = part_ptr + ((s * 2) * rows_total + rows[:, None]).to(tl.int64) * I + k[None, :]
-                g += tl.load(part, mask=ok, other=0.0)
-                u += tl.load(part + rows_total * I, mask=ok, other=0.0)
-            ht = (g / (1.0 + tl.exp(-g)) * u).to(h_ptr.dtype.element_ty)
-        acc = _accumulate(acc, ht, k0, I, w_ptr + e * stride_we, s_ptr + e * stride_se, n, n_ok, stride_wn, stride_sr,
-                          stride_sc, block_r, block_c, off_r, off_c, GROUP, BLOCK_N, FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
+        ht = tl.zeros([BLOCK_M, BLOCK_K], h_ptr.dtype.element_ty)
+        if FMT != 2:
+            k = k0 + tl.arange(0, BLOCK_K)
+            ht = tl.load(h_ptr + h_row[:, None] + k[None, :], mask=row_ok[:, None] & (k < I)[None, :], other=0.0)
+        acc = _accumulate(acc, ht, h_ptr, h_row, row_ok, k0, I, w_ptr + e * stride_we, s_ptr + e * stride_se, n, n_ok,
+                          stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c, GROUP,
+                          FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
     route_w = tl.load(route_w_ptr + pair, mask=row_ok, other=0)
     tl.store(y_ptr + pair[:, None].to(tl.int64) * D + n[None, :], acc * route_w[:, None],
              mask=row_ok[:, None] & n_ok[None, :])
@@ -284,10 +272,9 @@ def _check_weights(gate, up, down, D):
     for name, w in (("gate", gate), ("up", up), ("down", down)):
         if w.data.stride(-1) != 1 or (w.scale is not None and w.scale.stride(-1) != 1):
             raise ValueError(f"fused_moe: {name} weights and scales must be contiguous along their last dim")
-        if fmt == "int4" and (w.data.dtype != torch.int32 or w.group < 8 or w.group & (w.group - 1)
-                              or w.group > 128 or w.shape[2] % w.group):
-            raise ValueError(f"fused_moe: {name} INT4 needs int32 words and a group ({w.group}) that is a power of 2 "
-                             f"from 8 to 128 and divides the input dim {w.shape[2]}")
+        if fmt == "int4" and (w.data.dtype != torch.int32 or w.group % 8 or w.shape[2] % w.group):
+            raise ValueError(f"fused_moe: {name} INT4 needs int32 words and a group ({w.group}) that is a multiple "
+                             f"of 8 and divides the input dim {w.shape[2]}")
         if fmt == "fp8" and (w.data.dtype != torch.float8_e4m3fn or w.scale is None):
             raise ValueError(f"fused_moe: {name} FP8 needs float8_e4m3fn weights and block scales")
     return fmt, E, I
@@ -317,23 +304,20 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None):
     _moe_align_kernel[(1,)](ids, sorted_pair, tile_expert, P, E, max_tiles, triton.cdiv(P, BLOCK_M),
                             BLOCK_M=BLOCK_M, E_PAD=triton.next_power_of_2(E), CHUNK=ALIGN_CHUNK, num_warps=8)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact products, not tf32; else unused
-    bn, bk, warps, stages, split = cfg["gate_up"]
-    rows = max_tiles * BLOCK_M
-    k_per_split = triton.cdiv(triton.cdiv(D, split), bk) * bk
-    h = torch.empty(rows, I, dtype=x.dtype, device=dev)                         # [rows, I]
-    part = torch.empty(split, 2, rows, I, dtype=torch.float32, device=dev) if split > 1 else h
+    bn, bk, warps, stages = cfg["gate_up"]
+    h = torch.empty(max_tiles * BLOCK_M, I, dtype=x.dtype, device=dev)          # [rows, I]
     gs, strides, quant, per_row = _weight_args(gate, bk)
-    _moe_gate_up_kernel[(triton.cdiv(I, bn), max_tiles, split)](
-        x, h, part, sorted_pair, tile_expert, gate.data, gs, up.data, _weight_args(up, bk)[0], P, K, D, I, rows,
-        k_per_split, *strides, *quant[:4], GROUP=quant[4], FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
-        SPLIT_K=split, SCALE_PER_ROW=per_row, PRECISION=precision, num_warps=warps, num_stages=stages)
+    _moe_gate_up_kernel[(triton.cdiv(I, bn), max_tiles)](
+        x, h, sorted_pair, tile_expert, gate.data, gs, up.data, _weight_args(up, bk)[0], P, K, D, I, *strides, *quant,
+        FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SCALE_PER_ROW=per_row, PRECISION=precision,
+        num_warps=warps, num_stages=stages)
     bn, bk, warps, stages = cfg["down"]
     y = torch.empty(P, D, dtype=torch.float32, device=dev)                      # [P, D], weighted
     ds, strides, quant, per_row = _weight_args(down, bk)
     _moe_down_kernel[(triton.cdiv(D, bn), max_tiles)](
-        h, part, y, sorted_pair, tile_expert, route_w, down.data, ds, P, D, I, rows, *strides, *quant[:4],
-        GROUP=quant[4], FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
-        SCALE_PER_ROW=per_row, PRECISION=precision, num_warps=warps, num_stages=stages)
+        h, y, sorted_pair, tile_expert, route_w, down.data, ds, P, D, I, *strides, *quant,
+        FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SCALE_PER_ROW=per_row, PRECISION=precision,
+        num_warps=warps, num_stages=stages)
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     _moe_combine_kernel[(N, triton.cdiv(D, COMBINE_BLOCK))](y, out, D, K, BLOCK_D=COMBINE_BLOCK, num_warps=4)
     return out
@@ -370,8 +354,9 @@ def _kernel_ms(fn):
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         fn()
         torch.cuda.synchronize()
-    return sum(e.self_device_time_total for e in prof.key_averages()
-               if e.device_type == torch.autograd.DeviceType.CUDA) / 1e3
+    kernels = {e.key: e.self_device_time_total / 1e3 for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA}
+    return sum(kernels.values()), kernels
 
 
 def benchmark(sweep=False, D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 4, 8, 32)):
@@ -421,24 +406,27 @@ def benchmark(sweep=False, D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 4, 8,
                 return lambda: [fused_moe(x, ids, route_w, *w, configs=configs) for w in layers]
             configs = [None]
             if sweep and N in (1, 4):
-                gu = [(16, 128, 4, 4, 1), (32, 128, 4, 4, 1), (32, 128, 4, 4, 2), (32, 128, 4, 4, 4), (16, 128, 4, 4, 4),
-                      (64, 128, 4, 4, 4), (32, 128, 8, 4, 4), (32, 256, 8, 3, 1), (32, 256, 8, 3, 4), (32, 64, 4, 6, 4)]
+                gu = [(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5), (32, 128, 4, 5), (64, 128, 4, 4),
+                      (16, 256, 4, 3), (32, 256, 8, 3), (16, 64, 4, 6)]
                 dn = [(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (64, 256, 8, 3)]
-                configs += [dict(gate_up=c) for c in gu if fmt != "fp8" or c[1] <= 128]   # FP8: within a scale block
-                configs += [dict(down=c) for c in dn if fmt != "fp8" or c[1] <= 128]
+                configs += [dict(gate_up=c) for c in gu if (fmt != "fp8" or c[1] <= 128) and (fmt != "int4" or c[1] >= 128)]
+                configs += [dict(down=c) for c in dn if (fmt != "fp8" or c[1] <= 128) and (fmt != "int4" or c[1] >= 128)]
             for cfg in configs:
                 try:
                     ms = timed(run(cfg)) / LAYERS
                 except Exception as e:  # a sweep point that does not compile: say so, go on
                     print(f"{fmt} N={N} {cfg}: {type(e).__name__}: {str(e)[:200]}")
                     continue
-                kernel_ms = _kernel_ms(run(cfg)) / LAYERS if cfg is None else None
-                rows.append(dict(fmt=fmt, tokens=N, config=cfg, ms=ms, kernel_ms=kernel_ms, floor_ms=floor_ms,
-                                 x_floor=ms / floor_ms, GBps=floor_ms * bandwidth / ms))
+                kernel_ms, by_kernel = _kernel_ms(run(cfg)) if cfg is None else (None, {})
+                kernel_ms = kernel_ms / LAYERS if kernel_ms else None
+                by_kernel = {name[:40]: v / LAYERS for name, v in by_kernel.items()}   # ms a layer, per kernel
+                rows.append(dict(fmt=fmt, tokens=N, config=cfg, ms=ms, kernel_ms=kernel_ms, by_kernel=by_kernel,
+                                 floor_ms=floor_ms, x_floor=ms / floor_ms, GBps=floor_ms * bandwidth / ms))
                 print(f"{fmt:5s} N={N:3d} {str(cfg or 'default'):42s} {ms * 1e3:8.1f} us  floor {floor_ms * 1e3:7.1f} us"
                       f"  {ms / floor_ms:5.2f}x  {floor_ms * bandwidth / ms:6.0f} GB/s"
-                      + (f"  kernels alone {kernel_ms * 1e3:.1f} us ({kernel_ms / floor_ms:.2f}x)" if kernel_ms else ""),
-                      flush=True)
+                      + (f"  kernels alone {kernel_ms * 1e3:.1f} us ({kernel_ms / floor_ms:.2f}x): "
+                         + ", ".join(f"{k.replace('_moe_', '').split('_kernel')[0]} {v * 1e3:.1f}" for k, v in by_kernel.items())
+                         if kernel_ms else ""), flush=True)
         del layers
     return dict(bandwidth_GBps=bandwidth, shapes=dict(D=D, I=I, E=E, K=K, layers=LAYERS), rows=rows,
                 device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)

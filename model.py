@@ -462,9 +462,15 @@ def grouped_mm_available(device, dtype):
 def fused_moe_available(device, dtype):
     """The Triton fused MoE (kernels.py) can run here: Triton installed, a bf16 / fp16 / fp32 model,
     and CUDA, or Triton's CPU interpreter (TRITON_INTERPRET=1, which the CPU tests use)."""
-    if importlib.util.find_spec("triton") is None or dtype not in (torch.bfloat16, torch.float16, torch.float32):
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
         return False
-    return device.type == "cuda" or os.environ.get("TRITON_INTERPRET") == "1"
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton  # noqa: F401  (CI's CPU machines may not have it)
+    except ImportError:
+        return False
+    return True
 
 
 class PackedExperts(nn.Module):
