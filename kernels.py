@@ -47,7 +47,7 @@ COMBINE_BLOCK = 1024
 #    each (128 for 132 SMs) and beat 32 by 1.1x. From 4 tokens on there are 32+ tiles, and 32 rows
 #    a program beat 16 by 1.3x (bf16) to 1.5x (FP8): half the activation loads and loop overhead
 #    per weight byte. Splitting the k range 4 ways at decode (256 programs, partial sums added
-#    in the down kernel) was 1.8x slower: it is not done.
+#    in the down kernel) was ~1.6x slower (86.8 against 55.6 us a layer, bf16): not done.
 #  - BLOCK_K 128 for bf16 and FP8 (= the checkpoint's scale block: one scale per row and k-step,
 #    applied after the dot); 256 for INT4 (32 packed words a row per k-step, 8 sub-dots of 32).
 #  - down BLOCK_N 64: D = 7168 gives 112 programs per expert tile; its block sizes moved times

@@ -511,11 +511,23 @@ def small_steps(m):
 
 
 def _fused_quant_worker(quant, plain, device):
-    if device == "cpu":  # a CPU rank runs the kernels in Triton's interpreter (set before Triton is imported)
-        os.environ["TRITON_INTERPRET"] = "1"
     fused = load_target(quant, 2, 16, device=device, dtype=torch.float32, moe_impl="fused")
-    assert fused.moe_impl == "fused"
-    return small_steps(fused), small_steps(load_target(plain, 2, 16, device=device, dtype=torch.float32))
+    ref = load_target(plain, 2, 16, device=device, dtype=torch.float32, moe_impl="gather")
+    return small_steps(fused), small_steps(ref)
+
+
+def run_ranks_interpreted(world, fn, *args):
+    """run_ranks with Triton's CPU interpreter in the ranks: the variable must be in their
+    environment before anything there imports Triton (on a GPU machine this process has)."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        return run_ranks(world, fn, *args)
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
 
 
 @triton_runs
@@ -527,7 +539,7 @@ def test_quantized_checkpoint_through_fused_moe_equals_dequantized(make, tmp_pat
     quant, plain = make(str(tmp_path))
     for world in (1, 2):
         got, ref = (_fused_quant_worker(quant, plain, TRITON_DEVICE.type) if world == 1
-                    else run_ranks(2, _fused_quant_worker, quant, plain, "cpu"))
+                    else run_ranks_interpreted(2, _fused_quant_worker, quant, plain, "cpu"))
         assert_close(got, ref, 1e-5 * max(1.0, ref.abs().max().item()),
                      f"{make.__name__} at TP {world}: fused on quantized vs gather on dequantized")
         assert ref.abs().max() > 0.1
