@@ -534,7 +534,8 @@ class Experts(nn.Module):
     offsets, reading each expert's weights in place;
     impl "fused": the Triton kernel of kernels.py (sort on the device, gate/up/SiLU, down, combine),
     reading each distinct expert's weights once, as stored; above FUSED_MAX_TOKENS tokens (prefill)
-    the grouped path where torch._grouped_mm exists. None reads a device value on the host.
+    the grouped path where torch._grouped_mm exists, for plain experts only (it would dequantize
+    every quantized expert of the layer at once). None reads a device value on the host.
     Quantized experts (INT4 packed, args.int4_group_size; FP8 blocks, args.fp8_block) stay as
     stored; for the plain paths, while the N*K token-expert pairs are fewer than the experts
     (decode, verify) only the routed ones are dequantized, by gathering; past that (prefill) impl
@@ -578,7 +579,8 @@ class Experts(nn.Module):
         return w if ids is None else w[ids]
 
     def expert_bytes(self):
-        """Bytes of one expert's three projections as stored (packed words and scales for INT4)."""
+        """Bytes of one expert's three projections as stored (INT4: packed words and scales; FP8:
+        values and block scales)."""
         return sum(t[0].numel() * t.element_size() for t in self.parameters())
 
     def fused(self, x, ids, weights):
@@ -589,7 +591,7 @@ class Experts(nn.Module):
 
     def forward(self, x, ids, weights):                 # x [N, D], ids/weights [N, K] -> [N, D]
         N, K = ids.shape
-        if self.impl == "fused" and (N <= self.FUSED_MAX_TOKENS or not self.grouped_ok):
+        if self.impl == "fused" and (N <= self.FUSED_MAX_TOKENS or not self.grouped_ok or self.quantized):
             # torch.compile (run.py --compile) leaves the Triton launches alone: a graph break here
             return torch.compiler.disable(self.fused)(x, ids, weights)
         gather = self.impl == "gather" or (self.quantized and N * K < self.n_experts)

@@ -553,8 +553,8 @@ def main(argv=None):
     experts = next((layer.mlp.experts for layer in target.layers if isinstance(layer.mlp, model.MoE)), None)
     moe_note = target.moe_impl
     if target.moe_impl == "fused":  # the header says which path ran for which token counts
-        moe_note = "fused Triton kernel" + (f" (grouped above {experts.FUSED_MAX_TOKENS} tokens)"
-                                            if experts is not None and experts.grouped_ok else "")
+        moe_note = "fused Triton kernel" + (f" (grouped above {experts.FUSED_MAX_TOKENS} tokens)" if experts is not None
+                                            and experts.grouped_ok and not experts.quantized else "")
     header = (f"target: {how}, {target.args.num_hidden_layers} layers, {target.args.n_routed_experts} routed experts, "
               f"{target.tp.describe()}, {args.dtype}{quant_note}, moe {moe_note} | batch {B}, prompt {P}, "
               f"num_steps {k} | {torch.cuda.get_device_name(device) if device.type == 'cuda' else 'CPU'}, "
