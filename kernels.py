@@ -11,7 +11,6 @@ Shape legend: N tokens, D hidden, K experts per token, E routed experts, I exper
 
     python kernels.py        # on a GPU: fused MoE time against its floor at Kimi-K2 TP 8 rank shapes
 """
-import math
 from dataclasses import dataclass
 
 import torch
@@ -133,7 +132,7 @@ def _accumulate(acc, xt, x_ptr, x_row, row_ok, k0, K_IN, w_ptr, s_ptr, n, n_ok, 
     if FMT == 2:
         # INT4: the k-step's words [BK/8, BN]; nibble j of word w is element 8w + j, so the step is
         # 8 dots over the elements {8w + j}, with no unpacking into the natural order (which costs
-        # a layout change through shared memory: 1.5-2x slower on the H200, and out of shared
+        # a layout change through shared memory: 1.5-2.4x slower on the H200, and out of shared
         # memory for the down projection).
         w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         w_ok = w < K_IN // 8
@@ -269,6 +268,9 @@ def _check_weights(gate, up, down, D):
     if up.shape != gate.shape or down.shape != (E, D, I) or D_in != D:
         raise ValueError(f"fused_moe: gate {list(gate.shape)}, up {list(up.shape)}, down {list(down.shape)} do not "
                          f"fit hidden {D}: expected [E, I, D], [E, I, D], [E, D, I]")
+    layout = [(w.data.stride(), w.scale is None or w.scale.stride(), w.block, w.offset, w.group) for w in (gate, up)]
+    if layout[0] != layout[1]:
+        raise ValueError("fused_moe: gate and up must be stored alike (strides, scales, blocks): one kernel reads both")
     for name, w in (("gate", gate), ("up", up), ("down", down)):
         if w.data.stride(-1) != 1 or (w.scale is not None and w.scale.stride(-1) != 1):
             raise ValueError(f"fused_moe: {name} weights and scales must be contiguous along their last dim")
@@ -296,6 +298,9 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None):
     (N, D), K = x.shape, ids.shape[1]
     fmt, E, I = _check_weights(gate, up, down, D)
     P, dev = N * K, x.device
+    if any(t is not None and t.device != dev for t in (ids, route_w, gate.data, gate.scale, up.data, up.scale,
+                                                        down.data, down.scale)):
+        raise ValueError(f"fused_moe: every input must be on x's device {dev}")
     cfg = {**_configs(fmt, P, x.is_cuda), **(configs or {})}
     x, ids, route_w = x.contiguous(), ids.reshape(-1).contiguous(), route_w.reshape(-1).float().contiguous()
     max_tiles = min(E, P) + P // BLOCK_M                                    # see the section comment
