@@ -65,7 +65,8 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float64"], help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--moe-impl", choices=["auto", "gather", "grouped", "fused"], default="auto",
                    help="routed experts: gathered weights (plain), torch._grouped_mm, or the fused Triton kernel "
-                   "(kernels.py; grouped above 256 tokens) (auto: fused on a GPU with Triton, else grouped; CPU: gather)")
+                   "(kernels.py; grouped above 256 tokens for unquantized experts) (auto: fused on a GPU with Triton, else grouped; "
+                   "CPU: gather)")
     p.add_argument("--compile", action="store_true", help="also time the captured phases with each decoder "
                    "layer and the draft layer fused by torch.compile (inside our own CUDA graphs), beside the plain ones")
     p.add_argument("--reps", type=int, help="timed repetitions per phase (default 20 GPU, 5 CPU)")
@@ -129,7 +130,7 @@ def settle(args, device, world):
         sys.exit("--quant sets the layout of random weights; a checkpoint's config.json says its own")
     quantized = args.quant in ("int4", "fp8") or args.quant is None and args.preset == "kimi-k2.5"
     if args.routed_experts is None and big and gpu and not quantized and not args.dump:
-        args.routed_experts = 128  # bf16: 384 experts are 2.3x one H200; INT4 ones fit
+        args.routed_experts = 128  # bf16: 384 experts are 2.3x one H200; INT4 and FP8 ones fit
     args.prompt_len = args.prompt_len or (256 if gpu else 16)
     args.max_new_tokens = args.max_new_tokens or (64 if gpu else 24)
     args.dtype = args.dtype or ("bfloat16" if gpu else "float32")
