@@ -16,6 +16,7 @@ Shape legend: B batch, T new tokens, S cache slots read, D hidden, H local heads
 experts, K experts per token, I local expert intermediate, C kv_lora_rank, R qk_rope_head_dim,
 N = B*T tokens.
 """
+import importlib.util
 import json
 import math
 import os
@@ -153,7 +154,13 @@ class ModelArgs:
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 163584
     eos_token_id: int | list | None = 163585  # one id or a list (from_hf_config adds generation_config's)
-    quantization_config: dict | None = None  # as shipped: FP8 blocks (dequantized at load) or INT4 experts
+    quantization_config: dict | None = None  # as shipped: FP8 blocks or INT4 experts
+
+    @property
+    def fp8_block(self):
+        """The FP8 (rows, cols) block when the routed experts are kept in FP8, else None."""
+        kind, block = quant_scheme(self.quantization_config)
+        return block if kind == "fp8" else None
 
     @property
     def int4_group_size(self):
@@ -243,23 +250,32 @@ PRESETS = {
     # the same text model as shipped in Kimi-K2-Thinking / K2.5: routed experts INT4, the rest bf16
     "kimi-k2.5": dict(quantization_config="int4"),
 }
+QUANT_LAYOUTS = {"int4": lambda: int4_quantization_config(), "fp8": lambda: fp8_quantization_config()}
 
 
 def preset(name, **overrides):
-    """A preset's ModelArgs; quantization_config="int4" stands for int4_quantization_config()."""
+    """A preset's ModelArgs; quantization_config="int4" / "fp8" stand for int4_quantization_config()
+    / fp8_quantization_config()."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
     kw = {**PRESETS[name], **overrides}
-    if kw.get("quantization_config") == "int4":
-        kw["quantization_config"] = int4_quantization_config()
+    if isinstance(kw.get("quantization_config"), str):
+        kw["quantization_config"] = QUANT_LAYOUTS[kw["quantization_config"]]()
     return ModelArgs(**kw)
 
 
 # ---------------------------------------------------------------------------------------------
 # Quantized checkpoints. FP8 (Kimi-K2-Instruct, DeepSeek-V3): float8_e4m3fn `weight` times a
-# float32 `weight_scale_inv` per block (128 x 128, partial at the edges), dequantized per rank
-# slice at load. INT4 (Kimi-K2-Thinking, K2.5; compressed-tensors "pack-quantized", symmetric):
-# the routed experts only, kept packed in memory and dequantized inside forward.
+# float32 `weight_scale_inv` per block (128 x 128, partial at the edges); the routed experts stay
+# FP8 in memory (this rank's slice and the scale blocks over it), every other weight is
+# dequantized per rank slice at load. INT4 (Kimi-K2-Thinking, K2.5; compressed-tensors
+# "pack-quantized", symmetric): the routed experts only, kept packed in memory. Quantized experts
+# are read in place by the fused kernel (kernels.py) or dequantized inside forward (plain paths).
+
+def fp8_quantization_config(block=(128, 128)):
+    """The quantization_config Kimi-K2-Instruct and DeepSeek-V3 ship (FP8 e4m3, 128 x 128 blocks)."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+
 
 def int4_quantization_config(group_size=32):
     """The quantization_config Kimi-K2-Thinking / K2.5 ship (routed experts INT4, group 32)."""
@@ -582,7 +598,23 @@ def grouped_mm_available(device, dtype):
         return False
     if device.type == "cpu":
         return dtype in (torch.bfloat16, torch.float32)
+    if device.type != "cuda":   # e.g. "meta" (sizing a model without memory)
+        return False
     return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def fused_moe_available(device, dtype):
+    """The Triton fused MoE (kernels.py) can run here: Triton installed, a bf16 / fp16 / fp32 model,
+    and CUDA, or Triton's CPU interpreter (TRITON_INTERPRET=1, which the CPU tests use)."""
+    if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        return False
+    if device.type != "cuda" and os.environ.get("TRITON_INTERPRET") != "1":
+        return False
+    try:
+        import triton  # noqa: F401  (CI's CPU machines may not have it)
+    except ImportError:
+        return False
+    return True
 
 
 class PackedExperts(nn.Module):
@@ -601,22 +633,73 @@ class PackedExperts(nn.Module):
             return dequantize_int4(self.weight_packed, self.weight_scale, self.group)
         return dequantize_int4(self.weight_packed[ids], self.weight_scale[ids], self.group)
 
+    def kernel_weights(self, kernels):
+        return kernels.ExpertWeights("int4", self.weight_packed, self.weight_scale, group=self.group)
+
+
+class Fp8Experts(nn.Module):
+    """One projection of E experts kept in FP8 as shipped: `weight` float8_e4m3fn [E, out, in] (this
+    rank's slice) and `weight_scale_inv` float32 [E, row blocks, col blocks], the checkpoint's
+    block scales over that slice. The slice may start inside a block (block sizes that do not
+    divide the per-rank size): element (r, c) uses block ((r + offset[0]) // br, (c + offset[1]) // bc)."""
+
+    def __init__(self, E, out, inp, block, shard_dim, tp, device, dtype):
+        super().__init__()
+        self.block, self.dtype = tuple(block), dtype   # dtype: what dequantize() returns
+        self.weight = _param((E, out, inp), shard_dim, device, torch.float8_e4m3fn)
+        local = [out, inp]
+        start, full = [0, 0], list(local)          # this rank's slice of one expert's [out, in]
+        start[shard_dim - 1] = tp.rank * local[shard_dim - 1]
+        full[shard_dim - 1] *= tp.world_size
+        self.offset = tuple(s % b for s, b in zip(start, block))
+        index = tuple(slice(s // b, -(-(s + n) // b)) for s, n, b in zip(start, local, block))
+        self.weight_scale_inv = _param((E, *(i.stop - i.start for i in index)), None, device, torch.float32)
+        self.weight_scale_inv.block_index = index                    # the loader's and init's slice
+        self.weight_scale_inv.global_shape = [E] + [-(-n // b) for n, b in zip(full, block)]
+
+    def dequantize(self, ids=None):
+        """The weights of experts `ids` (any shape; all when None) in the compute dtype: the FP8
+        values times their block scales in float32, rounded once (as the loader does)."""
+        w = self.weight if ids is None else self.weight[ids]
+        s = self.weight_scale_inv if ids is None else self.weight_scale_inv[ids]
+        (br, bc), (r0, c0), (out, inp) = self.block, self.offset, w.shape[-2:]
+        s = s.repeat_interleave(br, -2).repeat_interleave(bc, -1)[..., r0:r0 + out, c0:c0 + inp]
+        return (w.float() * s).to(self.dtype)
+
+    def kernel_weights(self, kernels):
+        return kernels.ExpertWeights("fp8", self.weight, self.weight_scale_inv, self.block, self.offset)
+
 
 class Experts(nn.Module):
     """All routed experts of a layer, stacked, each sliced along its intermediate dim across ranks.
 
     impl "gather": gather each token's K experts' weights (the plain reference);
     impl "grouped": sort token-expert pairs by expert and run torch._grouped_mm with device-side
-    offsets, reading each expert's weights in place. Neither reads a device value on the host.
-    With INT4 experts (args.int4_group_size) the weights stay packed; while the N*K token-expert
-    pairs are fewer than the experts (decode, verify) only the routed ones are dequantized, by
-    gathering; past that (prefill) impl "grouped" dequantizes every expert once per layer."""
+    offsets, reading each expert's weights in place;
+    impl "fused": the Triton kernel of kernels.py (sort on the device, gate/up/SiLU, down, combine),
+    reading each distinct expert's weights once, as stored; above FUSED_MAX_TOKENS tokens (prefill)
+    the grouped path where torch._grouped_mm exists, for plain experts only (it would dequantize
+    every quantized expert of the layer at once). None reads a device value on the host.
+    Quantized experts (INT4 packed, args.int4_group_size; FP8 blocks, args.fp8_block) stay as
+    stored; for the plain paths, while the N*K token-expert pairs are fewer than the experts
+    (decode, verify) only the routed ones are dequantized, by gathering; past that (prefill) impl
+    "grouped" dequantizes every expert once per layer."""
+
+    FUSED_MAX_TOKENS = 256
 
     def __init__(self, args, tp, impl, device, dtype):
         super().__init__()
         E, D = args.n_routed_experts, args.hidden_size
         inter = tp.split(args.moe_intermediate_size, "moe_intermediate_size")
-        self.impl, self.group = impl, args.int4_group_size
+        self.impl, self.group, fp8, self.n_experts = impl, args.int4_group_size, args.fp8_block, E
+        self.quantized = self.group is not None or fp8 is not None
+        dev = torch.device(device or "cpu")
+        self.grouped_ok = grouped_mm_available(dev, dtype or torch.get_default_dtype())
+        if fp8 is not None:
+            self.gate_proj = Fp8Experts(E, inter, D, fp8, 1, tp, device, dtype)
+            self.up_proj = Fp8Experts(E, inter, D, fp8, 1, tp, device, dtype)
+            self.down_proj = Fp8Experts(E, D, inter, fp8, 2, tp, device, dtype)  # split along its input
+            return
         if self.group is None:
             self.gate_proj = _param((E, inter, D), 1, device, dtype)
             self.up_proj = _param((E, inter, D), 1, device, dtype)
@@ -635,17 +718,27 @@ class Experts(nn.Module):
     def weights(self, proj, ids=None):
         """Projection `proj` of experts `ids` (all when None) in the compute dtype: [..., out, in]."""
         w = getattr(self, proj)
-        if self.group:
+        if self.quantized:
             return w.dequantize(ids)
         return w if ids is None else w[ids]
 
     def expert_bytes(self):
-        """Bytes of one expert's three projections as stored (packed words and scales for INT4)."""
+        """Bytes of one expert's three projections as stored (INT4: packed words and scales; FP8:
+        values and block scales)."""
         return sum(t[0].numel() * t.element_size() for t in self.parameters())
+
+    def fused(self, x, ids, weights):
+        import kernels  # only where fused_moe_available() said Triton runs
+        projs = [getattr(self, p) for p in ("gate_proj", "up_proj", "down_proj")]
+        return kernels.fused_moe(x, ids, weights, *(p.kernel_weights(kernels) if self.quantized
+                                                    else kernels.ExpertWeights("plain", p) for p in projs))
 
     def forward(self, x, ids, weights):                 # x [N, D], ids/weights [N, K] -> [N, D]
         N, K = ids.shape
-        gather = self.impl == "gather" or (self.group is not None and N * K < self.up_proj.weight_packed.shape[0])
+        if self.impl == "fused" and (N <= self.FUSED_MAX_TOKENS or not self.grouped_ok or self.quantized):
+            # torch.compile (run.py --compile) leaves the Triton launches alone: a graph break here
+            return torch.compiler.disable(self.fused)(x, ids, weights)
+        gather = self.impl == "gather" or (self.quantized and N * K < self.n_experts)
         if gather:
             h = (F.silu(torch.einsum("nd,nkid->nki", x, self.weights("gate_proj", ids)))
                  * torch.einsum("nd,nkid->nki", x, self.weights("up_proj", ids)))
@@ -719,7 +812,9 @@ class Transformer(nn.Module):
     """This rank's shard of the target. `tp` defaults to the torch.distributed world (or 1).
 
     aux_layer_ids: decoder layers whose outputs EAGLE-3 reads (default 1, L//2 - 1, L - 4).
-    moe_impl: "gather" (plain), "grouped" (torch._grouped_mm) or "auto" (grouped on a GPU that has it).
+    moe_impl: "gather" (plain), "grouped" (torch._grouped_mm), "fused" (the Triton kernel, kernels.py)
+    or "auto" (on a GPU: fused where Triton is installed, else grouped where torch._grouped_mm
+    runs; on the CPU: gather).
     routing: "model" (the router's own choice) or "uniform" (SIMULATED balanced routing, see Router).
     kernels: names from KERNELS (or "all") to run as Triton kernels instead of their plain twins."""
 
@@ -731,9 +826,16 @@ class Transformer(nn.Module):
         self.args, self.tp = args, tp or TP.from_env()
         self.max_batch_size, self.max_seq_len = max_batch_size, max_seq_len
         if moe_impl == "auto":
-            moe_impl = "grouped" if device.type == "cuda" and grouped_mm_available(device, dtype) else "gather"
+            moe_impl = ("gather" if device.type != "cuda" else "fused" if fused_moe_available(device, dtype)
+                        else "grouped" if grouped_mm_available(device, dtype) else "gather")
+        if moe_impl not in ("gather", "grouped", "fused"):
+            raise ValueError(f"moe_impl must be 'auto', 'gather', 'grouped' or 'fused', not {moe_impl!r}")
         if moe_impl == "grouped" and not grouped_mm_available(device, dtype):
             raise ValueError(f"moe_impl='grouped' needs torch._grouped_mm for {dtype} on {device}")
+        if moe_impl == "fused" and not fused_moe_available(device, dtype):
+            raise ValueError(f"moe_impl='fused' needs Triton and a bf16, fp16 or float32 model on CUDA (or Triton's "
+                             f"CPU interpreter, TRITON_INTERPRET=1); here: {dtype} on {device}, Triton "
+                             f"{'installed' if importlib.util.find_spec('triton') else 'not installed'}")
         self.moe_impl = moe_impl
         L = args.num_hidden_layers
         self.aux_layer_ids = sorted(aux_layer_ids if aux_layer_ids is not None else args.default_aux_layer_ids())
@@ -820,6 +922,8 @@ class Transformer(nn.Module):
 # tensor per expert. Each parameter's `shard_dim` says how the global tensor is split.
 
 def global_shape(p, tp):
+    if hasattr(p, "global_shape"):   # FP8 experts' block scales (Fp8Experts)
+        return list(p.global_shape)
     shape = list(p.shape)
     if p.shard_dim is not None:
         shape[p.shard_dim] *= tp.world_size
@@ -845,7 +949,8 @@ def init_random(model, seed, rank_local=False):
     (seed, name), then sliced, so TP 1 and TP N hold the same model. rank_local=True draws only
     this rank's slice on the device (cheap for configs too big to draw whole; TP N != TP 1).
     INT4 experts get random values q, symmetric in [-7, 7] (zero-mean, so the experts share no
-    constant component), and scales that give |W| ~ 1/sqrt(in)."""
+    constant component), and scales that give |W| ~ 1/sqrt(in); FP8 experts N(0, 1) values in
+    e4m3 and block scales ~1/sqrt(in)."""
     tp = model.tp
     for name, p in model.named_parameters():
         packed = name.endswith("weight_packed")
@@ -859,6 +964,11 @@ def init_random(model, seed, rank_local=False):
             w = torch.randint(-2**31, 2**31, shape, generator=g, device=g_device, dtype=torch.int64).to(torch.int32)
             lo, hi = w.view(torch.uint8) & 0xF, w.view(torch.uint8) >> 4
             w = (lo.masked_fill(lo == 0, 8) | (hi.masked_fill(hi == 0, 8) << 4)).view(torch.int32)
+        elif p.dtype == torch.float8_e4m3fn:  # FP8 experts: N(0, 1) values; the block scales set |W|
+            w = torch.randn(shape, generator=g, device=g_device)
+        elif name.endswith("weight_scale_inv"):
+            fan_in = global_shape(model.get_parameter(name.removesuffix("_scale_inv")), tp)[-1]
+            w = (1 + 0.1 * torch.randn(shape, generator=g, device=g_device)) / math.sqrt(fan_in)
         elif name.endswith("weight_scale"):  # that q has std sqrt(17.5) ~ 4.18
             w = (1 + 0.1 * torch.randn(shape, generator=g, device=g_device)) / (
                 math.sqrt(17.5) * math.sqrt(shape[-1] * model.args.int4_group_size))
@@ -870,6 +980,8 @@ def init_random(model, seed, rank_local=False):
             w = torch.randn(shape, generator=g, device=g_device) / math.sqrt(shape[-1])
         if not rank_local and p.shard_dim is not None:
             w = w.chunk(tp.world_size, p.shard_dim)[tp.rank]
+        elif not rank_local and hasattr(p, "block_index"):   # the scale blocks over this rank's slice
+            w = w[(slice(None),) + p.block_index]
         p.copy_(w)
     return model
 
@@ -883,8 +995,10 @@ def save_target(model, path, max_shard_bytes=None):
                          f"{model.tp.world_size} shard")
     os.makedirs(path, exist_ok=True)
     cfg = model.args.to_hf_config()
-    if model.args.int4_group_size is None:
-        cfg.pop("quantization_config")  # FP8 was dequantized at load: what is written is plain
+    if model.args.int4_group_size is None and model.args.fp8_block is None:
+        cfg.pop("quantization_config")
+    # FP8: the experts are written as stored (weight + weight_scale_inv); every other weight was
+    # dequantized at load and is written plain, which the loader also reads under an FP8 config
     with open(os.path.join(path, "config.json"), "w") as f:
         json.dump(cfg, f, indent=2)
     write_safetensors(checkpoint_tensors(model), path, max_shard_bytes)
@@ -1019,9 +1133,17 @@ def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8
             found = list(sl.get_shape())
             if found != want:
                 raise CheckpointError(f"{what} {files[k]}: tensor {k} has shape {found}, expected {want}")
-            index = rank_slice(want, p.shard_dim if j is None or p.shard_dim is None else p.shard_dim - 1, tp)
+            if hasattr(p, "block_index"):   # FP8 experts' scales: the blocks over this rank's slice
+                index = p.block_index                # (per expert: the tensor is [rows, cols] blocks)
+            else:
+                index = rank_slice(want, p.shard_dim if j is None or p.shard_dim is None else p.shard_dim - 1, tp)
             dst = p if j is None else p[j]
-            if sl.get_dtype() == "F8_E4M3" and fp8_block and p.dtype.is_floating_point:
+            if p.dtype == torch.float8_e4m3fn:   # FP8 experts stay FP8: this rank's slice as stored
+                if sl.get_dtype() != "F8_E4M3":
+                    raise TypeError(f"{what} tensor {k}: dtype {sl.get_dtype()}, expected F8_E4M3 (the config "
+                                    "says FP8)")
+                dst.copy_(sl[index])
+            elif sl.get_dtype() == "F8_E4M3" and fp8_block and p.dtype.is_floating_point:
                 dst.copy_(dequantize_fp8_slice(k, sl, get_slice(k + "_scale_inv"), index, fp8_block, p.device,
                                                torch.promote_types(p.dtype, torch.float32)))
             else:

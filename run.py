@@ -102,9 +102,11 @@ def make_parser():
     p.add_argument("--simulate-tp", type=int, help="build one SIMULATED rank of TP N (default on one GPU "
                    "with kimi-k2: 8)")
     p.add_argument("--routed-experts", type=int, help="keep N routed experts per layer of a random target "
-                   "(memory override; default on one GPU with bf16 kimi-k2: 128; all 384 with --quant int4)")
-    p.add_argument("--quant", choices=["none", "int4"], help="random weights in this layout: int4 = routed "
-                   "experts packed as Kimi-K2-Thinking / K2.5 ship them (default: the preset's)")
+                   "(memory override; default on one GPU with bf16 kimi-k2: 128; all 384 with --quant int4 or fp8)")
+    p.add_argument("--quant", choices=["none", "int4", "fp8"], help="random weights in this layout: int4 = routed "
+                   "experts packed as Kimi-K2-Thinking / K2.5 ship them; fp8 = routed experts in FP8 e4m3 with "
+                   "128x128 block scales as Kimi-K2-Instruct ships them (the rest dequantized, as at load) "
+                   "(default: the preset's)")
     p.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens proposed per cycle, k "
                    "(verify reads k + 1 tokens; default %(default)s)")
     p.add_argument("--speculative-eagle-topk", type=int, default=1, help="draft branches per step; only 1 "
@@ -127,8 +129,10 @@ def make_parser():
                    "token included, between 1 and num_steps + 1 (as SGLANG_SIMULATE_ACC_LEN: each cycle draws "
                    "its length around this mean); output marked SIMULATED")
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float64"], help="default bf16 on GPU, fp32 on CPU")
-    p.add_argument("--moe-impl", choices=["auto", "gather", "grouped"], default="auto",
-                   help="routed experts: gathered weights (plain) or torch._grouped_mm (auto: grouped on a GPU)")
+    p.add_argument("--moe-impl", choices=["auto", "gather", "grouped", "fused"], default="auto",
+                   help="routed experts: gathered weights (plain), torch._grouped_mm, or the fused Triton kernel "
+                   "(kernels.py; grouped above 256 tokens for unquantized experts) (auto: fused on a GPU with Triton, else grouped; "
+                   "CPU: gather)")
     p.add_argument("--kernels", default="none", help="Triton kernels in place of their plain twins: 'all', "
                    "'none' or a comma list of " + ",".join(model.KERNELS) + " (default %(default)s)")
     p.add_argument("--compile", action="store_true", help="also time the captured phases with each decoder "
@@ -232,9 +236,9 @@ def settle(args, device, world):
         args.simulate_tp = 8 if big and gpu and world == 1 else 1
     if args.simulate_tp > 1 and world > 1:
         raise BadInput(f"--simulate-tp {args.simulate_tp} is for a single process; under torchrun the TP is real")
-    int4 = args.quant == "int4" or args.quant is None and args.preset == "kimi-k2.5"
-    if args.routed_experts is None and big and gpu and not int4 and not args.dump:
-        args.routed_experts = BF16_EXPERTS_ON_ONE_GPU  # INT4 experts all fit
+    quantized = args.quant in ("int4", "fp8") or args.quant is None and args.preset == "kimi-k2.5"
+    if args.routed_experts is None and big and gpu and not quantized and not args.dump:
+        args.routed_experts = BF16_EXPERTS_ON_ONE_GPU  # INT4 and FP8 experts all fit
     if not gpu and not args.dump and not os.environ.get("OMP_NUM_THREADS"):
         # timing on a CPU: one thread, unless asked. The toy model gains nothing from more, and
         # threads spinning on cores that other jobs share made a busy 2-core machine 10x slower
@@ -298,7 +302,8 @@ def build(args, device, dtype, world):
                    "source" + ("" if args.dump else "; prompts: held-out stdlib source") + "; --random-weights for "
                    "random ones)")
     else:
-        quant = {None: {}, "none": dict(quantization_config=None), "int4": dict(quantization_config="int4")}
+        quant = {None: {}, "none": dict(quantization_config=None), "int4": dict(quantization_config="int4"),
+                 "fp8": dict(quantization_config="fp8")}
         margs = model.preset(args.preset, **quant[args.quant])
         if args.routed_experts is not None:
             tpm.print0(f"memory override: {args.routed_experts} of {margs.n_routed_experts} routed experts per layer kept")
@@ -1186,16 +1191,26 @@ def cost_model(r, b):
 
 def header_of(b):
     t, a = b.target, b.args
-    group = t.args.int4_group_size
+    group, fp8 = t.args.int4_group_size, t.args.fp8_block
+    quant_note = (f" (routed experts INT4, group {group})" if group else
+                  f" (routed experts FP8 e4m3, {fp8[0]}x{fp8[1]} blocks)" if fp8 else "")
     routing = "routing SIMULATED uniform" if t.routing == "uniform" else "routing: the model's router"
     ar = modelled_allreduce(b)
     return (f"target: {b.how}, {t.args.num_hidden_layers} layers, {t.args.n_routed_experts} routed experts, "
-            f"{t.tp.describe()}, {a.dtype}" + (f" (routed experts INT4, group {group})" if group else "")
-            + f", moe {t.moe_impl}, kernels {','.join(t.kernels) or 'none'}, {routing} | batch {a.batch_size}, prompt {a.prompt_len}, cached "
+            f"{t.tp.describe()}, {a.dtype}{quant_note}, moe {moe_note(t)}, kernels {','.join(t.kernels) or 'none'}, {routing} | batch {a.batch_size}, prompt {a.prompt_len}, cached "
             f"{'/'.join(map(str, a.context_len))} (isolated phases), num_steps {b.k} | "
             f"{torch.cuda.get_device_name(t.device) if b.gpu else f'CPU, {torch.get_num_threads()} thread(s)'}, "
             f"torch {torch.__version__}" + (" | acceptance SIMULATED" if a.simulate_accept_len is not None else "")
             + (f" | all-reduces MODELLED at {ar['us_each']:g} us" if ar else ""))
+
+
+def moe_note(t):
+    """Which MoE path runs: with "fused", for which token counts."""
+    experts = next((layer.mlp.experts for layer in t.layers if isinstance(layer.mlp, model.MoE)), None)
+    if t.moe_impl != "fused" or experts is None:
+        return t.moe_impl
+    grouped_above = experts.grouped_ok and not experts.quantized
+    return "fused Triton kernel" + (f" (grouped above {experts.FUSED_MAX_TOKENS} tokens)" if grouped_above else "")
 
 
 def bench_main(args, device, world):
@@ -1204,7 +1219,8 @@ def bench_main(args, device, world):
     tpm.print0(header)
     env = dict(device=torch.cuda.get_device_name(device) if b.gpu else "cpu", torch=torch.__version__,
                world_size=world, simulated_tp=args.simulate_tp if b.target.tp.simulated else None, dtype=args.dtype,
-               int4_group_size=b.target.args.int4_group_size, moe_impl=b.target.moe_impl,
+               int4_group_size=b.target.args.int4_group_size, fp8_block=b.target.args.fp8_block,
+               moe_impl=b.target.moe_impl,
                kernels=list(b.target.kernels), routing=b.target.routing,
                simulated_routing=b.target.routing == "uniform", seed=args.seed,
                simulated_acceptance=args.simulate_accept_len is not None, target=b.how, config=vars(args))
@@ -1228,6 +1244,8 @@ def bench_main(args, device, world):
         env["gpu_mem_peak_GB"] = torch.cuda.max_memory_allocated(device) / 1e9
         env["gpu_mem_peak_eager_GB"] = r["contexts"][first].get("gpu_mem_peak_eager_GB")
         env["weights_GB"] = sum(p.numel() * p.element_size() for p in b.target.parameters()) / 1e9
+        env["routed_experts_GB"] = sum(p.numel() * p.element_size() for n, p in b.target.named_parameters()
+                                       if ".mlp.experts." in n) / 1e9
         r["kernels_per_decode_step"] = r["contexts"][first]["components"]["decode_step"]["kernels"]
     r["warnings"], r["spread_ms"] = timing_warnings(r), spreads(r)
     r["answer"] = answer(r, b) + verdict(r)
@@ -1387,7 +1405,7 @@ def print_cost_model(r):
 def print_extras(r, b):
     env = r["env"]
     if "gpu_mem_peak_GB" in env:
-        print(f"\nGPU memory: weights {env['weights_GB']:.1f} GB, peak allocated {env['gpu_mem_peak_GB']:.1f} GB "
+        print(f"\nGPU memory: weights {env['weights_GB']:.1f} GB (routed experts {env['routed_experts_GB']:.1f}), peak allocated {env['gpu_mem_peak_GB']:.1f} GB "
               f"(eager phases only: {env.get('gpu_mem_peak_eager_GB') or float('nan'):.1f} GB)")
         print(f"kernels per eager decode step: {r.get('kernels_per_decode_step')}"
               + (f", with torch.compile: {r['kernels_per_decode_step_compiled']}"

@@ -19,12 +19,13 @@ os.environ.setdefault("OMP_NUM_THREADS", "1")
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
+
+if not torch.cuda.is_available():  # Triton's CPU interpreter runs the kernels' small cases; set before
+    os.environ.setdefault("TRITON_INTERPRET", "1")  # anything imports Triton (its decorators read it)
 import torch.distributed as dist  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
-if not torch.cuda.is_available():  # Triton kernels run on a CPU only interpreted (decided at import)
-    os.environ.setdefault("TRITON_INTERPRET", "1")
 import kernels  # noqa: E402
 import model  # noqa: E402
 import tp  # noqa: E402
@@ -34,6 +35,9 @@ from tp import TP  # noqa: E402
 HERE = os.path.dirname(os.path.abspath(__file__))
 CPU_ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # run.py as a user runs it on the CPU (the GPU hidden)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200)")
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+triton_runs = pytest.mark.skipif(not model.fused_moe_available(TRITON_DEVICE, torch.float32),
+                                 reason="needs Triton (on CUDA, or its CPU interpreter with TRITON_INTERPRET=1)")
 
 
 def tiny(**kw):
@@ -166,16 +170,116 @@ def test_kv_len_bounds_the_read_without_changing_results():
     assert_close(m(step, step_pos, "decode", kv_len=16).logits, full, 1e-12, "kv_len=16 vs full cache")
 
 
-@pytest.mark.parametrize("quant", [None, "int4"])
+@pytest.mark.parametrize("quant", [None, "int4", "fp8"])
 def test_grouped_moe_equals_gather(quant):
-    """With INT4 experts, "grouped" dequantizes every expert once the token-expert pairs outnumber
-    them (every call here: 36 and 9 tokens x 4 experts >= 16)."""
+    """With INT4 or FP8 experts, "grouped" dequantizes every expert once the token-expert pairs
+    outnumber them (every call here: 36 and 9 tokens x 4 experts >= 16)."""
     args = tiny(quantization_config=quant)
     m = init_random(Transformer(args, max_batch_size=3, max_seq_len=32, dtype=torch.float32), 5)
     g = Transformer(args, max_batch_size=3, max_seq_len=32, dtype=torch.float32, moe_impl="grouped")
     g.load_state_dict(m.state_dict())
     assert m.moe_impl == "gather" and g.moe_impl == "grouped"
     assert_close(run_steps(g), run_steps(m), 1e-4, f"grouped_mm MoE vs gathered weights, {quant or 'plain'} experts")
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused MoE kernel (kernels.py) against the gather path, on the same routing. Float32: the
+# same math up to the order of fp32 sums (1e-5 of the largest output); bf16: the fused kernel
+# rounds h and each pair's output once from fp32 where the plain path rounds gate, up, SiLU, the
+# product and each expert's output to bf16, so they agree within 2% of the largest output.
+
+class ExpertsHolder(torch.nn.Module):
+    """Just enough of a Transformer (args, tp, parameters) for init_random to fill one Experts."""
+
+    def __init__(self, args, tp, impl, device, dtype):
+        super().__init__()
+        self.args, self.tp = args, tp
+        self.experts = model.Experts(args, tp, impl, device, dtype)
+
+
+def moe_experts(shape, quant, E, device, dtype, seed=0):
+    """One layer's routed experts, random. "tiny": the tiny preset's sizes at TP 2, rank 1 (FP8 in 16x24
+    blocks, so a rank's slice of down_proj starts inside a block); "kimi": one rank of Kimi-K2 at TP 8
+    (D 7168, I 256, FP8 in 128x128 blocks)."""
+    fp8 = model.fp8_quantization_config((16, 24) if shape == "tiny" else (128, 128))
+    qc = {None: None, "int4": "int4", "fp8": fp8}[quant]
+    if shape == "tiny":
+        args, tp_ = tiny(n_routed_experts=E, num_experts_per_tok=8, moe_intermediate_size=64, quantization_config=qc), TP(1, 2)
+    else:
+        args, tp_ = model.preset("kimi-k2", n_routed_experts=E, quantization_config=qc), TP.simulate(8)
+    holder = ExpertsHolder(args, tp_, "fused", device, dtype)
+    return init_random(holder, seed, rank_local=shape != "tiny").experts, args.hidden_size
+
+
+def routing(kind, N, K, E, g, device):
+    """ids [N, K]: "shared": every token picks the same K experts (in its own order); "disjoint": no
+    two tokens share one (needs N*K <= E); "random": each token K distinct experts at random."""
+    if kind == "shared":
+        base = torch.randperm(E, generator=g)[:K]
+        ids = torch.stack([base[torch.randperm(K, generator=g)] for _ in range(N)])
+    elif kind == "disjoint":
+        ids = torch.randperm(E, generator=g)[:N * K].view(N, K)
+    else:
+        ids = torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(N)])
+    return ids.to(device), torch.rand(N, K, generator=g).to(device) * 2
+
+
+def check_fused_moe(experts_and_dim, cases, dtype, seed=0):
+    experts, D = experts_and_dim
+    g = torch.Generator().manual_seed(seed)
+    E, K = experts.n_experts, 8
+    for N, kind in cases:
+        if kind == "disjoint" and N * K > E:
+            continue
+        ids, w = routing(kind, N, K, E, g, TRITON_DEVICE)
+        x = torch.randn(N, D, generator=g).to(TRITON_DEVICE, dtype)
+        experts.impl = "fused"
+        fused = experts(x, ids, w)
+        experts.impl = "gather"
+        ref = experts(x, ids, w)
+        tol = (1e-5 if dtype == torch.float32 else 2e-2) * ref.abs().max().item()
+        assert fused.dtype == ref.dtype and fused.shape == ref.shape
+        assert_close(fused, ref, tol, f"fused vs gather MoE, E {E}, N {N}, {kind} routing, {dtype}")
+        assert ref.abs().max() > 0.1
+
+
+# (N, routing) cases; the CPU interpreter runs a few of them (each case ~1 s there), the GPU all
+FUSED_CASES_ALL = [(N, kind) for N in (1, 2, 4, 8, 37) for kind in ("shared", "disjoint", "random")]
+FUSED_CASES_CPU = {16: [(1, "random"), (2, "disjoint"), (4, "shared"), (37, "random")], 384: [(8, "disjoint")]}
+
+
+@triton_runs
+@pytest.mark.parametrize("quant", [None, "int4", "fp8"])
+def test_fused_moe_equals_gather_tiny(quant):
+    for E in (16, 384):
+        cases = FUSED_CASES_ALL if TRITON_DEVICE.type == "cuda" else FUSED_CASES_CPU[E]
+        dtypes = (torch.float32, torch.bfloat16) if TRITON_DEVICE.type == "cuda" else (torch.float32,)
+        for dtype in dtypes:   # (Triton's interpreter computes bf16 dots wrongly: float32 on the CPU)
+            check_fused_moe(moe_experts("tiny", quant, E, TRITON_DEVICE, dtype), cases, dtype)
+
+
+@cuda
+@triton_runs
+@pytest.mark.parametrize("quant", [None, "int4", "fp8"])
+def test_fused_moe_equals_gather_kimi_rank_shapes(quant):
+    for E in (16, 384):
+        for dtype in (torch.float32, torch.bfloat16):
+            check_fused_moe(moe_experts("kimi", quant, E, "cuda", dtype), FUSED_CASES_ALL, dtype)
+            torch.cuda.empty_cache()
+
+
+@triton_runs
+def test_fused_moe_refuses_bad_input_by_name():
+    import kernels
+    experts, _ = moe_experts("tiny", None, 16, TRITON_DEVICE, torch.float32)
+    x, ids = torch.randn(2, 64, device=TRITON_DEVICE), torch.zeros(2, 8, dtype=torch.int64, device=TRITON_DEVICE)
+    w = kernels.ExpertWeights("plain", experts.gate_proj)
+    with pytest.raises(ValueError, match=r"expected \[E, I, D\], \[E, I, D\], \[E, D, I\]"):
+        kernels.fused_moe(x, ids, ids.float(), w, w, w)
+    with pytest.raises(ValueError, match="x must be bf16, fp16 or fp32"):
+        kernels.fused_moe(x.double(), ids, ids.float(), w, w, kernels.ExpertWeights("plain", experts.down_proj))
+    with pytest.raises(ValueError, match="moe_impl='fused' needs Triton and a bf16, fp16 or float32 model"):
+        Transformer(tiny(), dtype=torch.float64, moe_impl="fused")
 
 
 def test_aux_states_are_the_chosen_layer_outputs():
@@ -469,9 +573,55 @@ def test_quantized_checkpoint_equals_dequantized(make, tmp_path):
     loaded = load_target(quant, 3, 32, dtype=torch.float32)
     if make is int4_checkpoint:
         assert loaded.layers[1].mlp.experts.gate_proj.weight_packed.dtype == torch.int32  # stays packed
+    else:
+        assert loaded.layers[1].mlp.experts.down_proj.weight.dtype == torch.float8_e4m3fn  # stays FP8
     for world in (1, 2):
         got, ref = _quant_worker(quant, plain) if world == 1 else run_ranks(2, _quant_worker, quant, plain)
         assert_close(got, ref, 1e-5, f"{make.__name__} at TP {world}: quantized vs dequantized")
+        assert ref.abs().max() > 0.1
+
+
+def small_steps(m):
+    """Logits of a 2 x 3 prefill and a 2-token decode step: run_steps, smaller (Triton's CPU
+    interpreter takes ~0.3-1 s per fused MoE call)."""
+    tokens = torch.tensor([[5, 17, 3, 250, 9], [41, 2, 199, 64, 8]], device=m.device)
+    pos = torch.arange(5, device=m.device).expand(2, 5)
+    return torch.cat([m(tokens[:, :3], pos[:, :3], "extend").logits, m(tokens[:, 3:], pos[:, 3:], "decode").logits],
+                     1).cpu()
+
+
+def _fused_quant_worker(quant, plain, device):
+    fused = load_target(quant, 2, 16, device=device, dtype=torch.float32, moe_impl="fused")
+    ref = load_target(plain, 2, 16, device=device, dtype=torch.float32, moe_impl="gather")
+    return small_steps(fused), small_steps(ref)
+
+
+def run_ranks_interpreted(world, fn, *args):
+    """run_ranks with Triton's CPU interpreter in the ranks: the variable must be in their
+    environment before anything there imports Triton (on a GPU machine this process has)."""
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "1"
+    try:
+        return run_ranks(world, fn, *args)
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+@triton_runs
+@pytest.mark.parametrize("make", [int4_checkpoint, fp8_checkpoint])
+def test_quantized_checkpoint_through_fused_moe_equals_dequantized(make, tmp_path):
+    """The fused kernel reads the experts as stored (INT4 words, FP8 in 16 x 24 blocks, a TP-2 slice
+    of down_proj starting inside a block): equal to the dequantized checkpoint through the gather
+    path, at TP 1 (on the GPU where there is one) and TP 2 (gloo ranks, the interpreter)."""
+    quant, plain = make(str(tmp_path))
+    for world in (1, 2):
+        got, ref = (_fused_quant_worker(quant, plain, TRITON_DEVICE.type) if world == 1
+                    else run_ranks_interpreted(2, _fused_quant_worker, quant, plain, "cpu"))
+        assert_close(got, ref, 1e-5 * max(1.0, ref.abs().max().item()),
+                     f"{make.__name__} at TP {world}: fused on quantized vs gather on dequantized")
         assert ref.abs().max() > 0.1
 
 
@@ -1361,9 +1511,9 @@ def test_kv_bucket_covers_the_positions_with_little_to_spare():
 # ---------------------------------------------------------------------------------------------
 # GPU: graphs against eager, no host sync, bf16 agreement (skipped without CUDA; run on the H200)
 
-def gpu_models(dtype=torch.bfloat16, B=3, seed=0, quant=None):
+def gpu_models(dtype=torch.bfloat16, B=3, seed=0, quant=None, moe_impl="auto"):
     target = init_random(Transformer(tiny(quantization_config=quant), max_batch_size=B, max_seq_len=64,
-                                     device="cuda", dtype=dtype), seed)
+                                     device="cuda", dtype=dtype, moe_impl=moe_impl), seed)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
     return target, head
 
@@ -1389,11 +1539,15 @@ def flat(out):
     return torch.cat([t.double().flatten() for t in (out if isinstance(out, tuple) else (out,)) if t is not None])
 
 
+GPU_MOE = [(q, impl) for q in (None, "int4", "fp8") for impl in ("fused", "grouped")]
+
+
 @cuda
-@pytest.mark.parametrize("quant", [None, "int4"])
-def test_graph_replay_equals_eager(quant):
+@pytest.mark.parametrize("quant, impl", GPU_MOE)
+def test_graph_replay_equals_eager(quant, impl):
     from graphs import CudaGraphs
-    target, head = gpu_models(quant=quant)
+    target, head = gpu_models(quant=quant, moe_impl=impl)
+    assert target.moe_impl == impl
     runner = CudaGraphs("cuda")
     for key, fn, inputs in captured_calls(target, head):
         eager = flat(fn(*inputs))
@@ -1441,10 +1595,10 @@ def test_graph_key_collision_is_refused():
 
 
 @cuda
-@pytest.mark.parametrize("quant", [None, "int4"])
-def test_no_host_sync_in_captured_paths(quant):
+@pytest.mark.parametrize("quant, impl", GPU_MOE)
+def test_no_host_sync_in_captured_paths(quant, impl):
     from graphs import CudaGraphs
-    target, head = gpu_models(quant=quant)
+    target, head = gpu_models(quant=quant, moe_impl=impl)
     calls = captured_calls(target, head)
     runner = CudaGraphs("cuda")
     torch.cuda.synchronize()
@@ -1484,9 +1638,9 @@ def test_gpu_decode_attention_equals_extend_and_grouped_equals_gather():
     target(prefill, prefill_pos)
     assert_close(target(step, step_pos, "decode").logits, target(step, step_pos, "extend").logits, 1e-3,
                  "float32 GPU decode vs extend attention")
-    moe = init_random(Transformer(tiny(), 1, 8, device="cuda", dtype=torch.bfloat16), 1).layers[1].mlp
-    if moe.experts.impl != "grouped":
+    if not model.grouped_mm_available(torch.device("cuda"), torch.bfloat16):
         pytest.skip("torch._grouped_mm is not available for bf16 on this GPU")
+    moe = init_random(Transformer(tiny(), 1, 8, device="cuda", dtype=torch.bfloat16, moe_impl="grouped"), 1).layers[1].mlp
     x = torch.randn(37, 64, device="cuda", dtype=torch.bfloat16)
     ids, weights = moe.gate(x)
     grouped = moe.experts(x, ids, weights)
