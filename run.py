@@ -1547,7 +1547,8 @@ def verdict(r):
             lines.append(f"The draft accepted almost nothing ({accept_len:.2f} tokens per cycle, bonus included; 1.00 "
                          f"means every draft rejected), as random weights do: the measured speedup ({speedup:.2f}x, "
                          f"{best}) says only what speculation's overhead costs. For a trained draft's speedup read the "
-                         "cost model, run with --simulate-accept-len, or load checkpoints (--model-path, --draft-path).")
+                         "cost model, run with --simulate-accept-len, or load checkpoints (--model-path, --draft-path; "
+                         "on a CPU, the default without --random-weights is a trained tiny pair).")
         else:
             lines.append(f"The draft accepted {accept_len:.2f} tokens per cycle (bonus included): measured speedup "
                          f"{speedup:.2f}x ({best}).")
