@@ -12,6 +12,12 @@ So after the target has verified up to position q and produced the token at q+1,
 row (position q) gives d_1, the guess for position q+2, and chain step i (RoPE position q+1+i)
 turns d_{i+1} into d_{i+2}. Slot = position in the head's own KV cache, as in the target.
 
+Training (the end of this file): EAGLE-3's "training-time test". The head is unrolled num_steps
+times over whole sequences as inference runs it (Eagle3Draft.unroll: step 1 reads the target's
+fused states, every later step its own fed-back g, with the attention inference allows), and each
+step is scored against the frozen target's own distribution over the draft vocabulary (ttt_loss,
+SpecForge's loss). test_equivalence.py checks that the unrolled head is the inference head.
+
 Shape legend: B batch, T rows, D draft hidden, Dt target hidden, H local heads, G local kv heads,
 Hd head dim, Vd draft vocab.
 """
@@ -112,20 +118,54 @@ class DraftAttention(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
 
-    def forward(self, x, positions, cos, sin, kv_len=None):          # x [B, T, 2D]
+    def forward(self, x, positions, cos, sin, kv_len=None, past=None):   # x [B, T, 2D]
+        """past None (inference): write this step's keys and values into the cache at `positions`
+        (slot = position) and attend to slots <= position among the first kv_len (default all).
+        past a list (training, see Eagle3Draft.unroll): the earlier unrolled steps' keys and
+        values, this step's appended; no cache is touched."""
         B, T, _ = x.shape
         q = rotate_half_rope(self.q_proj(x).view(B, T, self.n_local_heads, -1), cos, sin)
-        rows = torch.arange(B, device=x.device).unsqueeze(1)
-        self.k_cache[rows, positions] = rotate_half_rope(self.k_proj(x).view(B, T, self.n_local_kv_heads, -1), cos, sin)
-        self.v_cache[rows, positions] = self.v_proj(x).view(B, T, self.n_local_kv_heads, -1)
+        k = rotate_half_rope(self.k_proj(x).view(B, T, self.n_local_kv_heads, -1), cos, sin)
+        v = self.v_proj(x).view(B, T, self.n_local_kv_heads, -1)
+        o = self.attend_cache(q, k, v, positions, kv_len) if past is None else self.attend_unrolled(q, k, v, past)
+        return self.o_proj(o.flatten(2))
+
+    def expand_kv(self, t):                                          # [B, S, G, Hd] -> [B, S, H, Hd]
+        return t.repeat_interleave(self.n_local_heads // self.n_local_kv_heads, 2)
+
+    def attend_cache(self, q, k, v, positions, kv_len):
+        B = q.shape[0]
+        rows = torch.arange(B, device=q.device).unsqueeze(1)
+        self.k_cache[rows, positions] = k
+        self.v_cache[rows, positions] = v
         S = kv_len or self.k_cache.shape[1]  # the slots read: the first kv_len (default all)
-        k = self.k_cache[:B, :S].repeat_interleave(self.n_local_heads // self.n_local_kv_heads, 2)  # [B, S, H, Hd]
-        v = self.v_cache[:B, :S].repeat_interleave(self.n_local_heads // self.n_local_kv_heads, 2)
+        k, v = self.expand_kv(self.k_cache[:B, :S]), self.expand_kv(self.v_cache[:B, :S])   # [B, S, H, Hd]
         scores = torch.einsum("bthd,bshd->bths", q, k) * self.scale
-        future = torch.arange(S, device=x.device) > positions.unsqueeze(-1)     # [B, T, S], as in model.py
+        future = torch.arange(S, device=q.device) > positions.unsqueeze(-1)     # [B, T, S], as in model.py
         scores = scores.masked_fill(future.unsqueeze(2), float("-inf"))
-        p = scores.softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)
-        return self.o_proj(torch.einsum("bths,bshd->bthd", p, v).flatten(2))
+        p = scores.softmax(-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
+        return torch.einsum("bths,bshd->bthd", p, v)
+
+    def attend_unrolled(self, q, k, v, past):
+        """Row t of unrolled step i (RoPE position t + i) sees what chain step i - 1 from extend row t
+        sees at inference: step 0's keys at rows <= t (the extend rows, slots 0..t) and its own
+        row's keys of steps 1..i (the chain steps before it and itself, slots t+1..t+i), nothing
+        else. (EAGLE's reference training code, and SpecForge after it, also hides step 0's keys
+        of rows t-i+1..t from step i; inference reads those slots, so we do not. SpecForge PR #245
+        and EAGLE issue #247 question that mask; the tests pin ours to inference.)"""
+        past.append((k, v))
+        (k0, v0), later = past[0], past[1:]
+        T = q.shape[1]
+        scores = torch.einsum("bthd,bshd->bths", q, self.expand_kv(k0))                # [B, T, H, T]
+        future = torch.arange(T, device=q.device) > torch.arange(T, device=q.device).unsqueeze(1)   # [T, T]
+        scores = scores.masked_fill(future.view(1, T, 1, T), float("-inf"))
+        diag = [(q * self.expand_kv(kj)).sum(-1, keepdim=True) for kj, _ in later]     # [B, T, H, 1] each
+        p = (torch.cat([scores, *diag], -1) * self.scale).softmax(
+            -1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)           # [B, T, H, T+i]
+        o = torch.einsum("bths,bshd->bthd", p[..., :T], self.expand_kv(v0))
+        for j, (_, vj) in enumerate(later):
+            o = o + p[..., T + j:T + j + 1] * self.expand_kv(vj)
+        return o
 
 
 class MidLayer(nn.Module):
@@ -137,16 +177,31 @@ class MidLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, device, dtype)
         self.mlp = MLP(a.hidden_size, a.intermediate_size, tp, "draft intermediate_size", device=device, dtype=dtype)
 
-    def forward(self, emb, hidden, positions, cos, sin, kv_len=None):
+    def forward(self, emb, hidden, positions, cos, sin, kv_len=None, past=None):
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], -1)   # [B, T, 2D]
-        h = hidden + self.self_attn(x, positions, cos, sin, kv_len)                # residual = hidden
+        h = hidden + self.self_attn(x, positions, cos, sin, kv_len, past)          # residual = hidden
         return h + self.mlp(self.post_attention_layernorm(h))                      # g, before the norm
+
+
+def set_target_aux_layers(target, args):
+    """Make `target` capture the layers the head was trained on (the draft config's
+    eagle_aux_hidden_state_layer_ids; without them the target keeps its default layers). The one
+    place where a draft changes its target: load_draft calls it, and so must anyone who builds an
+    Eagle3Draft from a config that names its layers."""
+    ids = args.aux_layer_ids
+    if ids is None:
+        return
+    if any(not 0 <= i < target.args.num_hidden_layers for i in ids):
+        raise ValueError(f"draft eagle_aux_hidden_state_layer_ids {ids} outside the target's "
+                         f"{target.args.num_hidden_layers} layers")
+    target.aux_layer_ids = sorted(ids)
 
 
 class Eagle3Draft(nn.Module):
     """The EAGLE-3 head for `target` (a model.Transformer), tensor parallel like it.
 
-    The target's embedding is shared unless own_embedding (the checkpoint has embed_tokens)."""
+    The target's embedding is shared unless own_embedding (the checkpoint has embed_tokens). The
+    target must already capture the layers the head reads (set_target_aux_layers)."""
 
     def __init__(self, args, target, max_batch_size=None, max_seq_len=None, device=None, dtype=None,
                  own_embedding=False):
@@ -159,11 +214,10 @@ class Eagle3Draft(nn.Module):
             raise ValueError(f"draft target_hidden_size {t_hidden} != target hidden_size {target.args.hidden_size}")
         if args.vocab_size != target.args.vocab_size:
             raise ValueError(f"draft vocab_size {args.vocab_size} != target vocab_size {target.args.vocab_size}")
-        ids = args.aux_layer_ids
-        if ids is not None:  # the target captures the layers this head was trained on
-            if any(not 0 <= i < target.args.num_hidden_layers for i in ids):
-                raise ValueError(f"draft eagle_aux_hidden_state_layer_ids {ids} outside the target's layers")
-            target.aux_layer_ids = sorted(ids)
+        if args.aux_layer_ids is not None and sorted(args.aux_layer_ids) != target.aux_layer_ids:
+            raise ValueError(f"the draft reads target layers {sorted(args.aux_layer_ids)} (its "
+                             f"eagle_aux_hidden_state_layer_ids) but the target captures {target.aux_layer_ids}: "
+                             "call draft.set_target_aux_layers(target, args) first (load_draft does)")
         if own_embedding:
             self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, self.tp, device, dtype)
         else:  # not registered: the target owns (and loads) these weights
@@ -178,31 +232,38 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens, positions, hidden, kv_len=None):
-        """tokens, positions [B, T]; hidden [B, T, 3*Dt] (target states) or [B, T, D] (own g);
-        attention over the first kv_len cache slots (default all). Returns draft logits [B, T, Vd]
-        and g [B, T, D]."""
+    def forward(self, tokens, positions, hidden, kv_len=None, past=None):
+        """One pass of the midlayer. tokens, positions [B, T]; hidden [B, T, D], in the head's own
+        width: fc(target states) on extend rows, the previous step's g on chain steps. EAGLE-3 fuses
+        only the target's states through fc (`extend` applies it, `chain` does not). Attention over
+        the first kv_len cache slots (default all); past: see DraftAttention.forward. Returns draft
+        logits [B, T, Vd] and g [B, T, D]."""
         if hidden.shape[-1] != self.args.hidden_size:
-            hidden = self.fc(hidden)
+            raise ValueError(f"hidden is {hidden.shape[-1]} wide, not the head's hidden_size {self.args.hidden_size}: "
+                             "target states go through extend (which applies fc), not straight into the head")
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        g = self.midlayer(self.embed_tokens(tokens), hidden, positions, cos, sin, kv_len)
+        g = self.midlayer(self.embed_tokens(tokens), hidden, positions, cos, sin, kv_len, past)
         return self.lm_head(self.norm(g)), g
+
+    def hot_ids(self):
+        """The target ids of the draft vocabulary, in draft order: [Vd]."""
+        return torch.arange(self.args.draft_vocab_size, device=self.d2t.device) + self.d2t
 
     def to_target_ids(self, logits):
         ids = logits.argmax(-1)
         return ids + self.d2t[ids]
 
-    def extend(self, tokens, positions, hidden, last, kv_len=None):
-        """Rows with fresh target states; `last` [B] is each row's last valid row. Returns d_1 [B]
-        (target ids) and g [B, D] of that row."""
-        logits, g = self(tokens, positions, hidden, kv_len)
+    def extend(self, tokens, positions, target_states, last, kv_len=None):
+        """Rows with fresh target states [B, T, 3*Dt] (fused by fc); `last` [B] is each row's last
+        valid row. Returns d_1 [B] (target ids) and g [B, D] of that row."""
+        logits, g = self(tokens, positions, self.fc(target_states), kv_len)
         pick = last.view(-1, 1, 1)
         logits = logits.gather(1, pick.expand(-1, 1, logits.shape[-1])).squeeze(1)
         return self.to_target_ids(logits), g.gather(1, pick.expand(-1, 1, g.shape[-1])).squeeze(1)
 
     def chain(self, first, g, q, num_steps, kv_len=None):
-        """d_1 = first [B]; step i reads d_{i+1} and g at RoPE position q + 1 + i. Returns
-        drafts [B, num_steps] in target ids."""
+        """d_1 = first [B]; step i reads d_{i+1} and the previous g (no fc: g is already the head's
+        width) at RoPE position q + 1 + i. Returns drafts [B, num_steps] in target ids."""
         drafts = [first]
         for i in range(num_steps - 1):
             logits, g = self(drafts[-1].unsqueeze(1), (q + 1 + i).unsqueeze(1), g.unsqueeze(1), kv_len)
@@ -211,10 +272,81 @@ class Eagle3Draft(nn.Module):
         return torch.stack(drafts, 1)
 
     def propose(self, tokens, positions, hidden, last, num_steps):
-        """Extend over the rows, then chain: what verify.generate does after the prefill, in one call."""
+        """Extend over the rows (hidden: the target's states), then chain: what verify.generate does
+        after the prefill, in one call."""
         first, g = self.extend(tokens, positions, hidden, last)
         q = positions.gather(1, last.unsqueeze(1)).squeeze(1)
         return self.chain(first, g, q, num_steps)
+
+    def unroll(self, tokens, target_states, num_steps):
+        """EAGLE-3's training-time test: the head run num_steps times over whole
+        sequences exactly as inference runs it, in one differentiable pass that touches no cache.
+        tokens [B, T]: sequences x_0..x_{T-1}; target_states [B, T, 3*Dt]: the target's states along them.
+        Step 0 is the extend over every row: row t reads the states at t, token x_{t+1}, RoPE
+        position t. Step i > 0 is chain step i - 1 started from every row at once: row t reads
+        x_{t+1+i} (where inference reads its own draft d_i, the guess for that token), the g of step
+        i - 1 on the same row, RoPE position t + i, and attends as DraftAttention.attend_unrolled says.
+        Returns logits [num_steps, B, T, Vd]: step i, row t predicts x_{t+2+i}. Rows that run past
+        the end read token 0 and have no label."""
+        B, T = tokens.shape
+        seq = torch.cat([tokens[:, 1:], tokens.new_zeros(B, num_steps)], 1)   # step i, row t reads seq[t + i]
+        positions = torch.arange(T, device=tokens.device).expand(B, T)
+        hidden, past, steps = self.fc(target_states), [], []
+        for i in range(num_steps):
+            logits, hidden = self(seq[:, i:i + T], positions + i, hidden, past=past)   # hidden <- g, fed back
+            steps.append(logits)
+        return torch.stack(steps)
+
+
+# ---------------------------------------------------------------------------------------------
+# Training (EAGLE-3's training-time test, with SpecForge's loss): the target is frozen; its
+# states and its own predictions along training text are the head's input and labels.
+
+def draft_vocab(predicted, vocab_size, draft_vocab_size):
+    """d2t [Vd] for the draft_vocab_size target ids the target predicts most often (`predicted`:
+    any tensor of its argmax ids along the training text), sorted by id; ties go to the lower id."""
+    counts = torch.bincount(predicted.flatten().cpu(), minlength=vocab_size)
+    order = torch.sort(counts, descending=True, stable=True).indices
+    hot = order[:draft_vocab_size].sort().values
+    return hot - torch.arange(draft_vocab_size)
+
+
+def ttt_loss(head, tokens, target_states, target_logits, num_steps, decay=0.8):
+    """The EAGLE-3 loss over an unrolled head (SpecForge's recipe). tokens [B, T]; target_states
+    [B, T, 3*Dt] and target_logits [B, T, V] from one target forward over them. Step i, row t is
+    scored against the target's own distribution at position t + 1 + i (its prediction of
+    x_{t+2+i}) restricted to the draft vocabulary and renormalized: cross-entropy, averaged over
+    the rows that have that label and whose target argmax lies in the draft vocabulary; step i
+    weighs decay**i. Returns the loss and, per step, the share of labelled rows where the head's
+    top-1 (in target ids) equals the target's argmax (the rate at which greedy verify would
+    accept that draft, had all before it been accepted and had the text been the target's own)."""
+    steps = head.unroll(tokens, target_states, num_steps)                      # [S, B, T, Vd]
+    hot = head.hot_ids()
+    in_vocab = torch.zeros(target_logits.shape[-1], dtype=torch.bool, device=hot.device)
+    in_vocab[hot] = True
+    T, loss, agree = tokens.shape[1], 0.0, []
+    for i in range(num_steps):
+        n = T - 1 - i                                       # rows t < n have a label x_{t+2+i}
+        if n <= 0:
+            break
+        label = target_logits[:, 1 + i:].float()                               # [B, n, V]
+        best = label.argmax(-1)
+        p = label[..., hot].softmax(-1)                                        # [B, n, Vd]
+        logp = steps[i, :, :n].float().log_softmax(-1)
+        keep = in_vocab[best]
+        loss = loss + decay ** i * -((p * logp).sum(-1) * keep).sum() / keep.sum().clamp(min=1)
+        agree.append((head.to_target_ids(steps[i, :, :n]) == best).float().mean().item())
+    return loss, agree
+
+
+def train_step(head, optimizer, tokens, target_states, target_logits, num_steps):
+    """One optimizer step on ttt_loss; the head's floating-point parameters must require grad.
+    Returns the loss and the per-step top-1 agreement."""
+    loss, agree = ttt_loss(head, tokens, target_states, target_logits, num_steps)
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    optimizer.step()
+    return loss.item(), agree
 
 
 def init_random_draft(draft, seed, rank_local=False):
@@ -249,6 +381,7 @@ def load_draft(path, target, max_batch_size=None, max_seq_len=None, device=None,
     args = DraftArgs.from_hf_config(path)
     own = "embed_tokens.weight" in checkpoint_files(path)
     try:
+        set_target_aux_layers(target, args)
         draft = Eagle3Draft(args, target, max_batch_size, max_seq_len, device, dtype, own_embedding=own)
     except ValueError as e:  # a head that does not fit this target (sizes, vocabulary, layer ids)
         raise CheckpointError(f"draft {os.fspath(path)}: {e}") from None

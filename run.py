@@ -61,7 +61,8 @@ from tqdm import tqdm
 import kernels
 import model
 import tp as tpm
-from draft import Eagle3Draft, draft_preset, init_random_draft, load_draft
+import train
+from draft import Eagle3Draft, draft_preset, init_random_draft, load_draft, set_target_aux_layers
 from graphs import CudaGraphs
 from verify import ATTENTION_MODES, accept, generate, kv_bucket, prefill_draft, prefill_target
 
@@ -94,6 +95,8 @@ def make_parser():
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", help="HF DeepseekV3 / Kimi-K2 checkpoint folder (else --preset)")
     p.add_argument("--draft-path", help="SpecForge / SGLang EAGLE-3 checkpoint folder (else random)")
+    p.add_argument("--random-weights", action="store_true", help="with the tiny preset: a random target and "
+                   "head instead of the trained pair in checkpoints/tiny-stdlib (train.py), the tiny default")
     p.add_argument("--preset", choices=sorted(model.PRESETS), help="random target to build: kimi-k2 (GPU only), "
                    "kimi-k2.5 (INT4 experts, GPU only), tiny (a toy with every feature; default on CPU)")
     p.add_argument("--simulate-tp", type=int, help="build one SIMULATED rank of TP N (default on one GPU "
@@ -197,6 +200,13 @@ def check_flags(args):
                        "config.json says its own")
 
 
+def uses_trained_pair(args):
+    """The tiny preset with nothing else asked of it runs the trained pair (train.py)."""
+    other = (args.model_path or args.draft_path or args.random_weights or args.quant
+             or args.routed_experts is not None or (args.simulate_tp or 1) > 1)
+    return args.preset == "tiny" and not other
+
+
 def settle(args, device, world):
     """Fill in device-dependent defaults (None means the default; 0 is a value) and check the
     flags that depend on the device, the speculative ones as SGLang does."""
@@ -210,6 +220,9 @@ def settle(args, device, world):
                    f"{want} (= num_steps + 1 with topk 1)")
     args.speculative_num_draft_tokens = want
     args.preset = args.preset or ("kimi-k2" if gpu else "tiny")
+    args.trained_pair = uses_trained_pair(args)
+    if args.trained_pair:
+        args.model_path, args.draft_path = train.TARGET_DIR, train.DRAFT_DIR
     big = args.preset.startswith("kimi-k2") and not args.model_path
     if big and not gpu:
         raise BadInput(f"--preset {args.preset}: a random Kimi-K2 needs a GPU (hundreds of GB in memory); "
@@ -284,6 +297,10 @@ def build(args, device, dtype, world):
         target = model.load_target(args.model_path, args.batch_size, max_seq_len, device, dtype, tp,
                                    moe_impl=args.moe_impl, routing=args.routing, kernels=args.kernels)
         how = f"loaded {args.model_path}"
+        if args.trained_pair:
+            how = ("the trained tiny pair (checkpoints/tiny-stdlib, made by train.py from bytes of Python stdlib "
+                   "source" + ("" if args.dump else "; prompts: held-out stdlib source") + "; --random-weights for "
+                   "random ones)")
     else:
         quant = {None: {}, "none": dict(quantization_config=None), "int4": dict(quantization_config="int4"),
                  "fp8": dict(quantization_config="fp8")}
@@ -308,6 +325,7 @@ def build(args, device, dtype, world):
         dargs = draft_preset("tiny" if tiny else "kimi-k2")
         if max(dargs.aux_layer_ids or [0]) >= target.args.num_hidden_layers:  # Kimi's ids, a shallower target
             dargs.eagle_config = None  # EAGLE-3's default layers of this target instead
+        set_target_aux_layers(target, dargs)
         head = init_random_draft(Eagle3Draft(dargs, target), args.seed + 1, rank_local=tp.simulated)
     return target, head, how
 
@@ -979,7 +997,9 @@ def prepare(args, device, world):
     b = Bench(args, target, head, how, Clock(device), CudaGraphs(device) if args.cuda_graph != "off" else None)
     B, C = args.batch_size, max(args.context_len)
     g = torch.Generator().manual_seed(args.seed)
-    b.fill = torch.randint(0, target.args.vocab_size, (B, max(C, args.prompt_len)), generator=g).to(device)
+    L = max(C, args.prompt_len)
+    b.fill = (torch.tensor(train.heldout_prompts(B, L)) if args.trained_pair  # text like its training data
+              else torch.randint(0, target.args.vocab_size, (B, L), generator=g)).to(device)
     last = torch.full((B,), C - 1, device=device)
     _, b.aux = prefill_target(target, b.fill[:, :C], last, capture_aux=True)
     prefill_draft(head, b.fill[:, :C], b.aux, last)  # fills the draft's cache (its output is not used)
@@ -1527,7 +1547,8 @@ def verdict(r):
             lines.append(f"The draft accepted almost nothing ({accept_len:.2f} tokens per cycle, bonus included; 1.00 "
                          f"means every draft rejected), as random weights do: the measured speedup ({speedup:.2f}x, "
                          f"{best}) says only what speculation's overhead costs. For a trained draft's speedup read the "
-                         "cost model, run with --simulate-accept-len, or load checkpoints (--model-path, --draft-path).")
+                         "cost model, run with --simulate-accept-len, or load checkpoints (--model-path, --draft-path; "
+                         "on a CPU, the default without --random-weights is a trained tiny pair).")
         else:
             lines.append(f"The draft accepted {accept_len:.2f} tokens per cycle (bonus included): measured speedup "
                          f"{speedup:.2f}x ({best}).")

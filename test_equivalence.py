@@ -842,7 +842,7 @@ def test_draft_round_trip_and_errors(tmp_path):
         assert torch.equal(a, b), name
     tokens, pos = torch.tensor([[3, 4, 5]] * 2), torch.arange(3).expand(2, 3)
     hidden = torch.randn(2, 3, 3 * 64, dtype=torch.float64)
-    assert torch.equal(head(tokens, pos, hidden)[0], loaded(tokens, pos, hidden)[0])
+    assert torch.equal(head(tokens, pos, head.fc(hidden))[0], loaded(tokens, pos, loaded.fc(hidden))[0])
     tensors = load_file(tmp_path / "d" / "model.safetensors")
     tensors.pop("midlayer.self_attn.k_proj.weight")
     os.makedirs(tmp_path / "bad")
@@ -861,7 +861,7 @@ def _draft_tp_worker(path, seed):
     head = load_draft(path, target)
     tokens, pos = torch.tensor([[3, 4, 5], [7, 8, 9]]), torch.tensor([[0, 1, 2], [4, 5, 6]])
     hidden = torch.randn(2, 3, 3 * 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    return head(tokens, pos, hidden)[0], head.propose(tokens, pos, hidden, torch.tensor([2, 1]), 3)
+    return head(tokens, pos, head.fc(hidden))[0], head.propose(tokens, pos, hidden, torch.tensor([2, 1]), 3)
 
 
 @pytest.mark.parametrize("world", [2, 4])
@@ -885,6 +885,101 @@ def test_the_draft_chain_stays_inside_the_cache():
                  seed=seed)
     with pytest.raises(ValueError, match="lookahead"):
         generate(target, head, [list(range(1, P + 2))], max_new_tokens=max_new, num_steps=k)
+
+
+# ---------------------------------------------------------------------------------------------
+# EAGLE-3 training: the unrolled head (training-time test) is the inference head
+
+from draft import draft_vocab, set_target_aux_layers, train_step, ttt_loss  # noqa: E402
+
+
+def test_unrolled_head_equals_inference():
+    """Step i, row t of Eagle3Draft.unroll equals extend over rows 0..t, then i chain steps, when the
+    unrolled sequence holds the drafts the chain read: same logits, same draft ids (float64)."""
+    dtype, B, T, k = torch.float64, 3, 14, 4
+    target = init_random(Transformer(tiny(), max_batch_size=B, max_seq_len=T + k, dtype=dtype), 41)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 42)
+    g = torch.Generator().manual_seed(43)
+    x = torch.randint(0, 256, (B, T), generator=g)
+    positions = torch.arange(T).expand(B, T)
+    _, states = target(x, positions, capture_aux=True)
+    shifted = torch.cat([x[:, 1:], x[:, :1]], 1)                  # row t reads x_{t+1} (the last row: junk)
+    last = torch.tensor([3, 6, 9])                                # each row's extend ends at row t
+    drafts = head.chain(*head.extend(shifted, positions, states, last), last, k)      # [B, k]: d_1..d_k
+    for i in range(1, k):                                         # the unrolled sequence reads d_i at t+1+i
+        x[torch.arange(B), last + 1 + i] = drafts[:, i - 1]
+    shifted = torch.cat([x[:, 1:], x[:, :1]], 1)
+    unrolled = head.unroll(x, states, k)                          # [k, B, T, Vd]
+    logits, gh = head(shifted, positions, head.fc(states))       # inference, step by step: the extend...
+    want = [logits[torch.arange(B), last]]
+    gh = gh[torch.arange(B), last].unsqueeze(1)
+    for i in range(k - 1):                                        # ...then the chain, as chain() runs it
+        step_logits, gh = head(drafts[:, i:i + 1], (last + 1 + i).unsqueeze(1), gh)
+        want.append(step_logits[:, 0])
+    for i in range(k):
+        assert_close(unrolled[i, torch.arange(B), last], want[i], 1e-10, f"unrolled step {i} vs inference")
+    assert torch.equal(head.to_target_ids(unrolled[:, torch.arange(B), last]).T, drafts)
+
+
+def test_training_step_lowers_the_loss():
+    """A few steps of draft.train_step on one fixed batch lower ttt_loss; gradients reach fc, the
+    midlayer and lm_head; the draft vocabulary is the most predicted ids."""
+    target = init_random(Transformer(tiny(), max_batch_size=4, max_seq_len=24, dtype=torch.float32), 44)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 45)
+    x = torch.randint(0, 256, (4, 20), generator=torch.Generator().manual_seed(46))
+    with torch.no_grad():
+        logits, states = target(x, torch.arange(20).expand(4, 20), capture_aux=True)
+    logits = 8 * logits  # a peaked target distribution: the loss can fall far below its start
+    head.d2t.copy_(draft_vocab(logits.argmax(-1), 256, head.args.draft_vocab_size))
+    counts = torch.bincount(logits.argmax(-1).flatten(), minlength=256)
+    assert counts[head.hot_ids()].min() >= counts.sort(descending=True).values[head.args.draft_vocab_size - 1]
+    params = [p for p in head.parameters() if p.is_floating_point()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.Adam(params, lr=1e-2)
+    losses = [train_step(head, opt, x, states, logits, num_steps=3)[0] for _ in range(30)]
+    assert all(p.grad is not None and p.grad.abs().sum() > 0 for p in params)
+    with torch.no_grad():
+        final = ttt_loss(head, x, states, logits, 3)[0].item()
+    assert final < 0.5 * losses[0], f"loss {losses[0]:.3f} -> {final:.3f}"
+
+
+def test_draft_layer_ids_are_set_explicitly():
+    target = init_random(Transformer(tiny(), max_batch_size=1, max_seq_len=8), 0)
+    args = draft_preset("tiny", eagle_config={"eagle_aux_hidden_state_layer_ids": [5, 0, 2]})
+    with pytest.raises(ValueError, match=r"reads target layers \[0, 2, 5\].*captures \[1, 3, 4\]"):
+        Eagle3Draft(args, target)
+    set_target_aux_layers(target, args)
+    assert target.aux_layer_ids == [0, 2, 5] and Eagle3Draft(args, target).args is args
+
+
+# ---------------------------------------------------------------------------------------------
+# The tiny trained pair (checkpoints/tiny-stdlib, made by train.py): lossless, and it accepts
+
+import train  # noqa: E402
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_trained_pair_speculative_equals_plain_greedy(dtype):
+    target, head = train.load_pair(max_batch_size=3, max_seq_len=96, dtype=dtype)
+    prompts = [p[:n] for p, n in zip(train.heldout_prompts(3, 32), (32, 17, 25))]
+    plain = generate(target, None, prompts, max_new_tokens=40, eos_id=-1).tokens
+    for mode in ("prefill", "decode"):
+        for k in ((1, 3, 4) if dtype == torch.float64 else (3,)):
+            res = generate(target, head, prompts, max_new_tokens=40, num_steps=k, attention_mode=mode, eos_id=-1)
+            assert res.tokens == plain, (mode, k, dtype)
+
+
+def test_trained_pair_accepts_more_than_a_random_head():
+    target, head = train.load_pair(max_batch_size=6, max_seq_len=128)
+    rand = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 1)
+    prompts = train.heldout_prompts(6, 48)
+
+    def accept_len(draft):
+        acc = generate(target, draft, prompts, max_new_tokens=48, num_steps=3, eos_id=-1).accepted
+        return acc[acc >= 0].float().mean().item() + 1
+    trained, random = accept_len(head), accept_len(rand)
+    assert trained >= 1.8 and trained > random + 0.5, f"trained {trained:.2f}, random {random:.2f}"
 
 
 def test_requests_that_cannot_run_are_refused():
@@ -940,7 +1035,8 @@ def test_run_py_cli_tiny(tmp_path):
     parts adding up to its summed op time, the answer printed."""
     out = tmp_path / "r.json"
     stdout = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--json", str(out), "--max-new-tokens", "20",
-                             "--speculative-num-steps", "2", "--batch-size", "2", "--routing", "model"], check=True,
+                             "--speculative-num-steps", "2", "--batch-size", "2", "--routing", "model",
+                             "--random-weights"], check=True,
                             capture_output=True, text=True, cwd=HERE, env=CPU_ENV).stdout
     r = json.loads(out.read_text())
     assert r["env"]["simulated_acceptance"] is False and r["floors"] is None
@@ -970,6 +1066,23 @@ def test_run_py_cli_tiny(tmp_path):
     r = json.loads(sim.strip().splitlines()[-1])
     assert "SIMULATED acceptance: each cycle draws" in sim and r["env"]["simulated_acceptance"] is True
     assert 1.8 <= r["e2e"]["eagle3/decode/eager"]["accept_len_mean"] <= 3.2
+
+
+def test_run_py_cli_trained_pair(tmp_path):
+    """run.py's CPU default is the trained tiny pair: the header says so, the draft accepts (real
+    acceptance, not SIMULATED), and speculative output equals plain greedy."""
+    out = tmp_path / "r.json"
+    stdout = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--json", str(out), "--max-new-tokens", "32",
+                             "--speculative-num-steps", "3", "--batch-size", "2", "--reps", "3"], check=True,
+                            capture_output=True, text=True, cwd=HERE, env=CPU_ENV).stdout
+    r = json.loads(out.read_text())
+    assert "target: the trained tiny pair" in stdout and "trained tiny pair" in r["env"]["target"]
+    assert r["env"]["routing"] == "model" and r["env"]["simulated_acceptance"] is False
+    for mode in ("prefill", "decode"):
+        v = r["e2e"][f"eagle3/{mode}/eager"]
+        assert 1.8 <= v["accept_len_mean"] <= 4 and sum(v["accept_len_hist"]) > 0, v
+    assert r["greedy_agreement_with_plain"] == {"eagle3/prefill/eager": 1.0, "eagle3/decode/eager": 1.0}
+    assert "accepted almost nothing" not in stdout
 
 
 def test_phase_timer_accounts_for_every_cycle():
@@ -1322,7 +1435,8 @@ def test_random_init_int4_is_zero_mean():
 def test_run_defaults_uniform_routing_for_random_weights_and_model_routing_for_a_checkpoint(tiny_ckpt):
     ckpt, _ = tiny_ckpt
     cpu = torch.device("cpu")
-    for argv, want in (([], "uniform"), (["--model-path", ckpt], "model"), (["--routing", "model"], "model")):
+    for argv, want in ((["--random-weights"], "uniform"), (["--model-path", ckpt], "model"),
+                       (["--random-weights", "--routing", "model"], "model"), ([], "model")):  # []: the trained pair
         args = run.settle(run.parse_args(argv + ["--dtype", "float64"]), cpu, 1)
         target, _, _ = run.build(args, cpu, torch.float64, 1)
         routers = {layer.mlp.gate.routing for layer in target.layers if isinstance(layer.mlp, model.MoE)}

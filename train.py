@@ -1,0 +1,264 @@
+"""The tiny trained pair: a tiny Kimi-K2-architecture target and its EAGLE-3 head, made in minutes on a CPU.
+
+    python train.py              # train both (a few CPU minutes), save them, measure them
+    python train.py --eval       # only measure the saved pair on the held-out prompts
+
+The data is every machine's own: bytes (vocabulary 256, the `tiny` preset's) of the Python
+standard library's source files, TRAIN_FILES for training and HELDOUT_FILES for held-out prompts
+and text. Their content differs between Python versions, so a pair trained elsewhere differs
+from the committed one; recipe.json beside it records the Python and torch that made it and a
+hash of the training bytes.
+
+1. target: the `tiny` preset (8 layers, 16 routed experts), next-byte cross-entropy through
+   model.Transformer's own forward (grouped experts), saved with model.save_target;
+2. draft vocabulary: the draft_vocab_size bytes the trained target predicts most often on the
+   training text (draft.draft_vocab);
+3. head: EAGLE-3's training-time test (draft.train_step: num_steps unrolled steps, each scored
+   against the frozen target's own distribution), saved with draft.save_draft;
+4. measure: greedy speculative decoding from the held-out prompts (accepted tokens per cycle,
+   bonus included) and the head's top-1 agreement with the target on held-out text.
+"""
+import argparse
+import hashlib
+import json
+import math
+import os
+import platform
+import sys
+import sysconfig
+import time
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import model
+from draft import Eagle3Draft, draft_preset, draft_vocab, init_random_draft, load_draft, save_draft, ttt_loss, \
+    train_step
+from verify import generate
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+PAIR_DIR = os.path.join(HERE, "checkpoints", "tiny-stdlib")
+TARGET_DIR, DRAFT_DIR = os.path.join(PAIR_DIR, "target"), os.path.join(PAIR_DIR, "eagle3")
+
+# modules present in every CPython from 3.10 on (none of them removed or turned into a package since)
+TRAIN_FILES = sorted([
+    "argparse.py", "ast.py", "base64.py", "bisect.py", "calendar.py", "configparser.py", "contextlib.py",
+    "copy.py", "csv.py", "dataclasses.py", "difflib.py", "enum.py", "fractions.py", "functools.py",
+    "gettext.py", "heapq.py", "inspect.py", "ipaddress.py", "locale.py", "logging/__init__.py", "mailbox.py",
+    "optparse.py", "os.py", "pickle.py", "platform.py", "pprint.py", "random.py", "shutil.py", "socket.py",
+    "statistics.py", "subprocess.py", "tarfile.py", "tempfile.py", "threading.py", "tokenize.py",
+    "traceback.py", "typing.py", "unittest/case.py", "urllib/parse.py", "uuid.py", "warnings.py", "weakref.py"])
+HELDOUT_FILES = sorted([
+    "bdb.py", "cmd.py", "code.py", "fileinput.py", "fnmatch.py", "glob.py", "gzip.py", "hmac.py", "queue.py",
+    "sched.py", "shlex.py", "string.py", "textwrap.py", "timeit.py"])
+
+SEQ_LEN = 128            # training windows (bytes); positions 0..127
+TARGET = dict(steps=700, batch=16, lr=1e-2, warmup=30, seed=0)
+DRAFT = dict(steps=350, batch=16, lr=1e-2, warmup=20, seed=1, num_steps=3)
+VOCAB_BATCHES = 16       # batches of training text whose target predictions pick the draft vocabulary
+EVAL = dict(prompt_len=64, max_new_tokens=64, num_steps=3, text_windows=64)
+
+
+def read_files(names):
+    """The bytes of the stdlib files `names` that exist here (a note names the missing ones)."""
+    root = sysconfig.get_paths()["stdlib"]
+    found = [n for n in names if os.path.isfile(os.path.join(root, n))]
+    if len(found) < len(names):
+        print(f"note: not in this Python's stdlib ({root}): {sorted(set(names) - set(found))}")
+    if not found:
+        raise FileNotFoundError(f"none of {names} in {root}")
+    return {n: open(os.path.join(root, n), "rb").read() for n in found}
+
+
+def corpus(names):
+    """uint8 tensor: the files' bytes, one after another."""
+    return torch.frombuffer(bytearray(b"".join(read_files(names).values())), dtype=torch.uint8)
+
+
+def windows(data, batch, length, gen):
+    """[batch, length] int64 windows of `data` at random offsets."""
+    start = torch.randint(0, len(data) - length, (batch,), generator=gen)
+    return data[start.unsqueeze(1) + torch.arange(length)].long()
+
+
+def heldout_prompts(n, length):
+    """n prompts of `length` bytes from the held-out files, each starting at a line of code (its
+    first non-blank byte a letter): the first such line from the middle of file i mod their count,
+    the k-th prompt of a file k such lines later."""
+    files = list(read_files(HELDOUT_FILES).values())
+    prompts = []
+    for i in range(n):
+        text = files[i % len(files)]
+        at = text.rfind(b"\n", 0, len(text) // 2) + 1
+        for k in range(i // len(files) + 1):
+            if k:
+                at = text.index(b"\n", at) + 1
+            while not text[at:at + 200].lstrip(b" ")[:1].isalpha():  # a blank, comment or docstring line
+                at = text.index(b"\n", at) + 1
+        prompts.append(list(text[at:at + length]))
+    return prompts
+
+
+def lr_at(step, cfg):
+    """Linear warm-up, then cosine decay to a tenth."""
+    if step < cfg["warmup"]:
+        return cfg["lr"] * (step + 1) / cfg["warmup"]
+    frac = (step - cfg["warmup"]) / max(1, cfg["steps"] - cfg["warmup"])
+    return cfg["lr"] * (0.1 + 0.45 * (1 + math.cos(math.pi * frac)))
+
+
+def trainable(module):
+    """The module's floating-point parameters, set to require grad (the project builds them frozen)."""
+    params = [p for p in module.parameters() if p.is_floating_point()]
+    for p in params:
+        p.requires_grad_(True)
+    return params
+
+
+def detach_caches(module):
+    """forward writes its static KV caches in place; under autograd they would carry the last
+    step's graph into the next one. Cut it."""
+    for name, buf in module.named_buffers():
+        if name.endswith("_cache"):
+            buf.detach_()
+
+
+def fit(params, cfg, loss_fn, desc, before_step=lambda: None):
+    """AdamW over cfg["steps"] steps of loss_fn(step, gen) -> (loss, extra); returns the last losses."""
+    opt = torch.optim.AdamW(params, lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.0)
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    bar, history = tqdm(range(cfg["steps"]), desc=desc), []
+    for step in bar:
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg)
+        before_step()
+        loss, extra = loss_fn(opt, gen)
+        history.append(loss)
+        bar.set_postfix_str(f"loss {sum(history[-20:]) / len(history[-20:]):.3f} {extra}")
+    return history
+
+
+def train_target(data):
+    args = model.preset("tiny")
+    target = model.Transformer(args, TARGET["batch"], SEQ_LEN, moe_impl="grouped", dtype=torch.float32)
+    model.init_random(target, TARGET["seed"])
+    for layer in target.layers:  # the router's bias is for balancing (not trained by gradients): start it at 0
+        if hasattr(layer.mlp, "gate"):
+            layer.mlp.gate.e_score_correction_bias.zero_()
+    positions = torch.arange(SEQ_LEN).expand(TARGET["batch"], SEQ_LEN)
+
+    def step(opt, gen):
+        x = windows(data, TARGET["batch"], SEQ_LEN + 1, gen)
+        logits = target(x[:, :-1], positions).logits
+        loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return loss.item(), ""
+    history = fit(trainable(target), TARGET, step, "target", lambda: detach_caches(target))
+    for p in target.parameters():
+        p.requires_grad_(False)
+    detach_caches(target)
+    return target, history
+
+
+def target_pass(target, tokens):
+    """The frozen target over windows: its aux states and logits."""
+    with torch.no_grad():
+        positions = torch.arange(tokens.shape[1]).expand(tokens.shape)
+        logits, states = target(tokens, positions, capture_aux=True)
+    return states, logits
+
+
+def train_draft(target, data):
+    gen = torch.Generator().manual_seed(DRAFT["seed"] + 100)
+    predicted = [target_pass(target, windows(data, DRAFT["batch"], SEQ_LEN, gen))[1].argmax(-1)
+                 for _ in range(VOCAB_BATCHES)]
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target, max_seq_len=SEQ_LEN + DRAFT["num_steps"]),
+                             DRAFT["seed"])
+    head.d2t.copy_(draft_vocab(torch.cat(predicted), head.args.vocab_size, head.args.draft_vocab_size))
+
+    def step(opt, gen):
+        tokens = windows(data, DRAFT["batch"], SEQ_LEN, gen)
+        states, logits = target_pass(target, tokens)
+        loss, agree = train_step(head, opt, tokens, states, logits, DRAFT["num_steps"])
+        return loss, "agree " + " ".join(f"{a:.2f}" for a in agree)
+    history = fit(trainable(head), DRAFT, step, "eagle3 head")
+    for p in head.parameters():
+        p.requires_grad_(False)
+    return head, history
+
+
+def load_pair(max_batch_size=1, max_seq_len=256, dtype=torch.float32, device=None):
+    """The saved pair, loaded as run.py loads checkpoints."""
+    target = model.load_target(TARGET_DIR, max_batch_size, max_seq_len, device, dtype)
+    return target, load_draft(DRAFT_DIR, target)
+
+
+def measure(target, head, n_prompts=12):
+    """Held-out numbers: mean accepted tokens per cycle (bonus included) of greedy speculative
+    decoding, equality with plain greedy, and the head's top-1 agreement per step on held-out text."""
+    prompts = heldout_prompts(n_prompts, EVAL["prompt_len"])
+    plain = generate(target, None, prompts, max_new_tokens=EVAL["max_new_tokens"], eos_id=-1)
+    spec = generate(target, head, prompts, max_new_tokens=EVAL["max_new_tokens"], num_steps=EVAL["num_steps"],
+                    eos_id=-1)
+    live = spec.accepted[spec.accepted >= 0]
+    text = corpus(HELDOUT_FILES)
+    gen = torch.Generator().manual_seed(7)
+    agree, bits = [], []
+    for _ in range(EVAL["text_windows"] // 16):
+        tokens = windows(text, 16, SEQ_LEN, gen)
+        states, logits = target_pass(target, tokens)
+        with torch.no_grad():
+            agree.append(ttt_loss(head, tokens, states, logits, EVAL["num_steps"])[1])
+        bits.append(F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).item() / math.log(2))
+    return dict(accept_len_mean=live.float().mean().item() + 1,
+                accept_len_hist=torch.bincount(live + 1, minlength=EVAL["num_steps"] + 2)[1:].tolist(),
+                speculative_equals_plain=spec.tokens == plain.tokens,
+                top1_agreement_per_step=[sum(a[i] for a in agree) / len(agree) for i in range(EVAL["num_steps"])],
+                target_bits_per_byte=sum(bits) / len(bits),
+                sample=bytes(prompts[0] + plain.tokens[0]).decode("utf-8", "replace"))
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--eval", action="store_true", help="only measure the saved pair (no training)")
+    args = p.parse_args(argv)
+    torch.manual_seed(0)
+    if args.eval:  # measure again, into recipe.json beside the training record
+        target, head = load_pair(max_batch_size=16)
+        with open(os.path.join(PAIR_DIR, "recipe.json")) as f:
+            recipe = dict(json.load(f), **measure(target, head))
+        write_recipe(recipe)
+        return
+    data = corpus(TRAIN_FILES)
+    print(f"training bytes: {len(data):,} from {len(TRAIN_FILES)} stdlib files of Python {platform.python_version()}")
+    t0, c0 = time.perf_counter(), time.process_time()
+    target, t_hist = train_target(data)
+    model.save_target(target, TARGET_DIR)
+    t1, c1 = time.perf_counter(), time.process_time()
+    target = model.load_target(TARGET_DIR, DRAFT["batch"], SEQ_LEN, dtype=torch.float32, moe_impl="grouped")
+    head, d_hist = train_draft(target, data)
+    save_draft(head, DRAFT_DIR)
+    t2, c2 = time.perf_counter(), time.process_time()
+    target, head = load_pair(max_batch_size=16)
+    numbers = measure(target, head)
+    recipe = dict(python=platform.python_version(), torch=torch.__version__, machine=platform.machine(),
+                  cpu_threads=torch.get_num_threads(), date=time.strftime("%Y-%m-%d", time.gmtime()),
+                  train_files=TRAIN_FILES, heldout_files=HELDOUT_FILES, train_bytes=len(data),
+                  train_sha256=hashlib.sha256(data.numpy().tobytes()).hexdigest(), seq_len=SEQ_LEN,
+                  target=TARGET, draft=DRAFT, eval=EVAL, target_train_s=t1 - t0, draft_train_s=t2 - t1,
+                  target_train_cpu_s=c1 - c0, draft_train_cpu_s=c2 - c1, load_average=os.getloadavg(),
+                  target_final_loss=sum(t_hist[-20:]) / 20, draft_final_loss=sum(d_hist[-20:]) / 20, **numbers)
+    write_recipe(recipe)
+
+
+def write_recipe(recipe):
+    with open(os.path.join(PAIR_DIR, "recipe.json"), "w") as f:
+        json.dump(recipe, f, indent=1)
+    print(json.dumps({k: v for k, v in recipe.items() if not k.endswith("_files")}, indent=1))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
