@@ -590,24 +590,10 @@ def small_steps(m):
                      1).cpu()
 
 
-def _fused_quant_worker(quant, plain, device):
-    fused = load_target(quant, 2, 16, device=device, dtype=torch.float32, moe_impl="fused")
-    ref = load_target(plain, 2, 16, device=device, dtype=torch.float32, moe_impl="gather")
+def _fused_quant_worker(quant, plain, device, tp=None):
+    fused = load_target(quant, 2, 16, device=device, dtype=torch.float32, tp=tp, moe_impl="fused")
+    ref = load_target(plain, 2, 16, device=device, dtype=torch.float32, tp=tp, moe_impl="gather")
     return small_steps(fused), small_steps(ref)
-
-
-def run_ranks_interpreted(world, fn, *args):
-    """run_ranks with Triton's CPU interpreter in the ranks: the variable must be in their
-    environment before anything there imports Triton (on a GPU machine this process has)."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "1"
-    try:
-        return run_ranks(world, fn, *args)
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
 
 
 @triton_runs
@@ -615,13 +601,15 @@ def run_ranks_interpreted(world, fn, *args):
 def test_quantized_checkpoint_through_fused_moe_equals_dequantized(make, tmp_path):
     """The fused kernel reads the experts as stored (INT4 words, FP8 in 16 x 24 blocks, a TP-2 slice
     of down_proj starting inside a block): equal to the dequantized checkpoint through the gather
-    path, at TP 1 (on the GPU where there is one) and TP 2 (gloo ranks, the interpreter)."""
+    path, at TP 1 and on each rank's slices of TP 2 (simulated ranks in this process: each rank's
+    partial sums, the collectives skipped, compared rank by rank; the real TP-2 load of these
+    checkpoints is test_quantized_checkpoint_equals_dequantized's)."""
     quant, plain = make(str(tmp_path))
-    for world in (1, 2):
-        got, ref = (_fused_quant_worker(quant, plain, TRITON_DEVICE.type) if world == 1
-                    else run_ranks_interpreted(2, _fused_quant_worker, quant, plain, "cpu"))
+    for tp in (None, TP.simulate(2, 0), TP.simulate(2, 1)):
+        got, ref = _fused_quant_worker(quant, plain, TRITON_DEVICE.type, tp)
+        where = "TP 1" if tp is None else f"rank {tp.rank} of TP 2"
         assert_close(got, ref, 1e-5 * max(1.0, ref.abs().max().item()),
-                     f"{make.__name__} at TP {world}: fused on quantized vs gather on dequantized")
+                     f"{make.__name__} at {where}: fused on quantized vs gather on dequantized")
         assert ref.abs().max() > 0.1
 
 
