@@ -265,93 +265,6 @@ def preset(name, **overrides):
 
 
 # ---------------------------------------------------------------------------------------------
-# Quantized checkpoints. FP8 (Kimi-K2-Instruct, DeepSeek-V3): float8_e4m3fn `weight` times a
-# float32 `weight_scale_inv` per block (128 x 128, partial at the edges); the routed experts stay
-# FP8 in memory (this rank's slice and the scale blocks over it), every other weight is
-# dequantized per rank slice at load. INT4 (Kimi-K2-Thinking, K2.5; compressed-tensors
-# "pack-quantized", symmetric): the routed experts only, kept packed in memory. Quantized experts
-# are read in place by the fused kernel (kernels.py) or dequantized inside forward (plain paths).
-
-def fp8_quantization_config(block=(128, 128)):
-    """The quantization_config Kimi-K2-Instruct and DeepSeek-V3 ship (FP8 e4m3, 128 x 128 blocks)."""
-    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
-
-
-def int4_quantization_config(group_size=32):
-    """The quantization_config Kimi-K2-Thinking / K2.5 ship (routed experts INT4, group 32)."""
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
-            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
-                "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                "group_size": group_size, "dynamic": False, "actorder": None}}},
-            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
-                       "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]}
-
-
-def quant_scheme(q):
-    """("fp8", (block rows, block cols)), ("int4", group size) or (None, None) for a config's
-    quantization_config; anything else is refused by name."""
-    if not q:
-        return None, None
-    method = q.get("quant_method")
-    if method == "fp8":
-        block = q.get("weight_block_size")
-        if q.get("fmt", "e4m3") != "e4m3" or not block or len(block) != 2:
-            raise NotImplementedError(f"fp8 with fmt {q.get('fmt')!r}, weight_block_size {block!r} is not "
-                                      "implemented (only e4m3 with 2-d blocks)")
-        return "fp8", tuple(block)
-    if method != "compressed-tensors":
-        raise NotImplementedError(f"quant_method {method!r} is not implemented (only 'fp8' block-quantized "
-                                  "and 'compressed-tensors' pack-quantized INT4)")
-    if q.get("format") != "pack-quantized":
-        raise NotImplementedError(f"compressed-tensors format {q.get('format')!r} is not implemented "
-                                  "(only 'pack-quantized')")
-    groups = list((q.get("config_groups") or {}).values())
-    if len(groups) != 1:
-        raise NotImplementedError(f"compressed-tensors with {len(groups)} config_groups is not implemented (only 1)")
-    if groups[0].get("input_activations"):
-        raise NotImplementedError("compressed-tensors input_activations quantization is not implemented")
-    w = groups[0].get("weights") or {}
-    for key, want in dict(num_bits=4, type="int", symmetric=True, strategy="group").items():
-        if w.get(key) != want:
-            raise NotImplementedError(f"compressed-tensors weights {key} = {w.get(key)!r} is not implemented "
-                                      f"(only {want!r})")
-    group = w.get("group_size")
-    if not isinstance(group, int) or group <= 0 or group % 8:
-        raise NotImplementedError(f"compressed-tensors group_size {group!r} is not implemented "
-                                  "(a positive multiple of 8, the values per packed word)")
-    return "int4", group
-
-
-def ignored(module, ignore):
-    """compressed-tensors' ignore rule: "re:" entries match by regex, others by name (or dotted suffix)."""
-    return any(re.match(e[3:], module) if e.startswith("re:") else module == e or module.endswith("." + e)
-               for e in ignore)
-
-
-def unpack_int4(packed):
-    """int32 [..., n/8] -> int8 [..., n] in [-8, 7]. Element c sits in word c//8 at bits
-    4*(c%8)..+3, stored as q + 8; read as little-endian bytes, byte j holds elements 2j (low
-    nibble) and 2j+1 (high). Byte-wide, so each pass moves a quarter of what int32 ones would."""
-    b = packed.view(torch.uint8)
-    return torch.stack((b & 0xF, b >> 4), -1).flatten(-2).view(torch.int8) - 8
-
-
-def pack_int4(q):
-    """int [..., n] in [-8, 7] -> int32 [..., n/8]; the inverse of unpack_int4."""
-    if q.shape[-1] % 8 or q.min() < -8 or q.max() > 7:
-        raise ValueError(f"pack_int4 needs values in [-8, 7] and a last dim divisible by 8, got {list(q.shape)}")
-    nibbles = (q.to(torch.int64) + 8).unflatten(-1, (-1, 8))
-    words = (nibbles << torch.arange(0, 32, 4, device=q.device)).sum(-1)     # in [0, 2^32)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)   # as two's complement
-
-
-def dequantize_int4(packed, scale, group):
-    """W[r, c] = q[r, c] * scale[r, c // group], in scale's dtype: [..., out, in/8] -> [..., out, in]."""
-    q = unpack_int4(packed).unflatten(-1, (-1, group))
-    return (q * scale.unsqueeze(-1)).flatten(-2)       # int8 times the scale's dtype: one kernel
-
-
-# ---------------------------------------------------------------------------------------------
 # Profiling scopes: run.py's component table puts each kernel under the innermost named range
 # around the op that launched it (module hooks name the modules; scope() names the math that is
 # not a module). A range exists only while a profiler records, never under torch.compile, and
@@ -917,6 +830,109 @@ class Transformer(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
+# Quantized checkpoints. FP8 (Kimi-K2-Instruct, DeepSeek-V3): float8_e4m3fn `weight` times a
+# float32 `weight_scale_inv` per block (128 x 128, partial at the edges); the routed experts stay
+# FP8 in memory (this rank's slice and the scale blocks over it), every other weight is
+# dequantized per rank slice at load. INT4 (Kimi-K2-Thinking, K2.5; compressed-tensors
+# "pack-quantized", symmetric): the routed experts only, kept packed in memory. Quantized experts
+# are read in place by the fused kernel (kernels.py) or dequantized inside forward (plain paths).
+
+def fp8_quantization_config(block=(128, 128)):
+    """The quantization_config Kimi-K2-Instruct and DeepSeek-V3 ship (FP8 e4m3, 128 x 128 blocks)."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
+
+
+def int4_quantization_config(group_size=32):
+    """The quantization_config Kimi-K2-Thinking / K2.5 ship (routed experts INT4, group 32)."""
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
+                "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+                "group_size": group_size, "dynamic": False, "actorder": None}}},
+            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                       "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]}
+
+
+def quant_scheme(q):
+    """("fp8", (block rows, block cols)), ("int4", group size) or (None, None) for a config's
+    quantization_config; anything else is refused by name."""
+    if not q:
+        return None, None
+    method = q.get("quant_method")
+    if method == "fp8":
+        block = q.get("weight_block_size")
+        if q.get("fmt", "e4m3") != "e4m3" or not block or len(block) != 2:
+            raise NotImplementedError(f"fp8 with fmt {q.get('fmt')!r}, weight_block_size {block!r} is not "
+                                      "implemented (only e4m3 with 2-d blocks)")
+        return "fp8", tuple(block)
+    if method != "compressed-tensors":
+        raise NotImplementedError(f"quant_method {method!r} is not implemented (only 'fp8' block-quantized "
+                                  "and 'compressed-tensors' pack-quantized INT4)")
+    if q.get("format") != "pack-quantized":
+        raise NotImplementedError(f"compressed-tensors format {q.get('format')!r} is not implemented "
+                                  "(only 'pack-quantized')")
+    groups = list((q.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise NotImplementedError(f"compressed-tensors with {len(groups)} config_groups is not implemented (only 1)")
+    if groups[0].get("input_activations"):
+        raise NotImplementedError("compressed-tensors input_activations quantization is not implemented")
+    w = groups[0].get("weights") or {}
+    for key, want in dict(num_bits=4, type="int", symmetric=True, strategy="group").items():
+        if w.get(key) != want:
+            raise NotImplementedError(f"compressed-tensors weights {key} = {w.get(key)!r} is not implemented "
+                                      f"(only {want!r})")
+    group = w.get("group_size")
+    if not isinstance(group, int) or group <= 0 or group % 8:
+        raise NotImplementedError(f"compressed-tensors group_size {group!r} is not implemented "
+                                  "(a positive multiple of 8, the values per packed word)")
+    return "int4", group
+
+
+def ignored(module, ignore):
+    """compressed-tensors' ignore rule: "re:" entries match by regex, others by name (or dotted suffix)."""
+    return any(re.match(e[3:], module) if e.startswith("re:") else module == e or module.endswith("." + e)
+               for e in ignore)
+
+
+def check_int4_scope(table, ignore):
+    """compressed-tensors quantizes every linear layer whose module the ignore list does not name.
+    Only the routed experts quantized is implemented, so each linear layer of the checkpoint table
+    must be quantized exactly when it is a routed expert; anything else is refused by name."""
+    for name, _, _ in table:
+        module, leaf = name.rsplit(".", 1)
+        routed = ".mlp.experts." in name
+        linear = name.endswith("_proj.weight") or name.endswith("lm_head.weight") or routed
+        if not linear or leaf == "weight_scale":   # a packed expert is checked once, by its weight_packed
+            continue
+        quantized = not ignored(module, ignore)
+        if quantized != routed:
+            raise NotImplementedError(f"INT4 quantization_config: {module} is {'' if routed else 'not '}"
+                                      "in the ignore list; only the routed experts quantized is implemented")
+
+
+def unpack_int4(packed):
+    """int32 [..., n/8] -> int8 [..., n] in [-8, 7]. Element c sits in word c//8 at bits
+    4*(c%8)..+3, stored as q + 8; read as little-endian bytes, byte j holds elements 2j (low
+    nibble) and 2j+1 (high). Byte-wide, so each pass moves a quarter of what int32 ones would."""
+    b = packed.view(torch.uint8)
+    return torch.stack((b & 0xF, b >> 4), -1).flatten(-2).view(torch.int8) - 8
+
+
+def pack_int4(q):
+    """int [..., n] in [-8, 7] -> int32 [..., n/8]; the inverse of unpack_int4."""
+    if q.shape[-1] % 8 or q.min() < -8 or q.max() > 7:
+        raise ValueError(f"pack_int4 needs values in [-8, 7] and a last dim divisible by 8, got {list(q.shape)}")
+    nibbles = (q.to(torch.int64) + 8).unflatten(-1, (-1, 8))
+    words = (nibbles << torch.arange(0, 32, 4, device=q.device)).sum(-1)     # in [0, 2^32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)   # as two's complement
+
+
+def dequantize_int4(packed, scale, group):
+    """W[r, c] = q[r, c] * scale[r, c // group], in scale's dtype: [..., out, in/8] -> [..., out, in]."""
+    q = unpack_int4(packed).unflatten(-1, (-1, group))
+    return (q * scale.unsqueeze(-1)).flatten(-2)       # int8 times the scale's dtype: one kernel
+
+
+# ---------------------------------------------------------------------------------------------
 # Weights: random init, checkpoint save and per-rank load. Our parameter names are the HF names
 # (with "model." in front of all but lm_head), except the stacked experts, which map to one HF
 # tensor per expert. Each parameter's `shard_dim` says how the global tensor is split.
@@ -1175,15 +1191,8 @@ def load_target(path, max_batch_size=1, max_seq_len=4096, device=None, dtype=Non
         raise CheckpointError(f"{config_file(path)}: {e}") from None
     prefix = "language_model." if "text_config" in cfg else ""
     table = checkpoint_table(model, prefix)
-    if kind == "int4":  # the ignore list must leave exactly the routed experts quantized
-        ignore = args.quantization_config.get("ignore") or []
-        for name, _, _ in table:
-            module, leaf = name.rsplit(".", 1)
-            routed = ".mlp.experts." in name
-            linear = name.endswith("_proj.weight") or name.endswith("lm_head.weight") or routed
-            if linear and leaf != "weight_scale" and ignored(module, ignore) == routed:
-                raise NotImplementedError(f"INT4 quantization_config: {module} is {'' if routed else 'not '}"
-                                          "in the ignore list; only the routed experts quantized is implemented")
+    if kind == "int4":
+        check_int4_scope(table, args.quantization_config.get("ignore") or [])
     n = args.num_hidden_layers
 
     def skip(name):
