@@ -62,6 +62,8 @@ class DraftArgs:
         arch = cfg.get("architectures") or []
         if "LlamaForCausalLMEagle3" not in arch:
             raise CheckpointError(f"{where}: architectures {arch} is not ['LlamaForCausalLMEagle3']")
+        derived = ("head_dim", "num_key_value_heads", "draft_vocab_size")   # null in a config: derive them
+        cfg = {k: v for k, v in cfg.items() if v is not None or k not in derived}
         check_config_types(cls, cfg, where)
         cfg = dict(cfg, rope_scaling=normalize_rope_scaling(cfg.get("rope_scaling")))
         heads = cfg.get("num_attention_heads", cls.num_attention_heads)
@@ -272,8 +274,8 @@ class Eagle3Draft(nn.Module):
         return torch.stack(drafts, 1)
 
     def propose(self, tokens, positions, hidden, last, num_steps):
-        """Extend over the rows (hidden: the target's states), then chain: what verify.generate does
-        after the prefill, in one call."""
+        """Extend over the rows (hidden: the target's states), then chain, in one call: what
+        verify.generate's prefill does (there through prefill_draft, in chunks)."""
         first, g = self.extend(tokens, positions, hidden, last)
         q = positions.gather(1, last.unsqueeze(1)).squeeze(1)
         return self.chain(first, g, q, num_steps)

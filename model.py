@@ -106,8 +106,7 @@ def generation_eos(path_or_dict):
     path = os.path.join(folder, "generation_config.json")
     if not os.path.exists(path):
         return None
-    with open(path) as f:
-        return json.load(f).get("eos_token_id")
+    return read_config(path).get("eos_token_id")   # a broken file: a CheckpointError naming it
 
 
 def eos_union(*values):
@@ -546,7 +545,7 @@ class PackedExperts(nn.Module):
             return dequantize_int4(self.weight_packed, self.weight_scale, self.group)
         return dequantize_int4(self.weight_packed[ids], self.weight_scale[ids], self.group)
 
-    def kernel_weights(self, kernels):
+    def kernel_weights(self):
         return kernels.ExpertWeights("int4", self.weight_packed, self.weight_scale, group=self.group)
 
 
@@ -579,7 +578,7 @@ class Fp8Experts(nn.Module):
         s = s.repeat_interleave(br, -2).repeat_interleave(bc, -1)[..., r0:r0 + out, c0:c0 + inp]
         return (w.float() * s).to(self.dtype)
 
-    def kernel_weights(self, kernels):
+    def kernel_weights(self):
         return kernels.ExpertWeights("fp8", self.weight, self.weight_scale_inv, self.block, self.offset)
 
 
@@ -641,9 +640,8 @@ class Experts(nn.Module):
         return sum(t[0].numel() * t.element_size() for t in self.parameters())
 
     def fused(self, x, ids, weights):
-        import kernels  # only where fused_moe_available() said Triton runs
         projs = [getattr(self, p) for p in ("gate_proj", "up_proj", "down_proj")]
-        return kernels.fused_moe(x, ids, weights, *(p.kernel_weights(kernels) if self.quantized
+        return kernels.fused_moe(x, ids, weights, *(p.kernel_weights() if self.quantized
                                                     else kernels.ExpertWeights("plain", p) for p in projs))
 
     def forward(self, x, ids, weights):                 # x [N, D], ids/weights [N, K] -> [N, D]
@@ -783,6 +781,8 @@ class Transformer(nn.Module):
             raise ValueError(f"unknown kernels {sorted(names - set(KERNELS))}; choose from {list(KERNELS)} or 'all'")
         if names:
             kernels.check_available(self.device)
+            if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+                raise ValueError(f"the Triton kernels run bf16, fp16 or fp32 models, not {self.dtype}")
         for layer in self.layers:
             layer.self_attn.attn_impl = "triton" if "attention" in names else "torch"
             layer.self_attn.rope_cache_impl = "triton" if "rope_cache" in names else "torch"
@@ -1156,8 +1156,8 @@ def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8
             dst = p if j is None else p[j]
             if p.dtype == torch.float8_e4m3fn:   # FP8 experts stay FP8: this rank's slice as stored
                 if sl.get_dtype() != "F8_E4M3":
-                    raise TypeError(f"{what} tensor {k}: dtype {sl.get_dtype()}, expected F8_E4M3 (the config "
-                                    "says FP8)")
+                    raise CheckpointError(f"{what} {files[k]}: tensor {k} has dtype {sl.get_dtype()}, expected "
+                                          "F8_E4M3 (the config says FP8)")
                 dst.copy_(sl[index])
             elif sl.get_dtype() == "F8_E4M3" and fp8_block and p.dtype.is_floating_point:
                 dst.copy_(dequantize_fp8_slice(k, sl, get_slice(k + "_scale_inv"), index, fp8_block, p.device,
@@ -1179,8 +1179,8 @@ def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8
 def load_target(path, max_batch_size=1, max_seq_len=4096, device=None, dtype=None, tp=None, **kwargs):
     """config.json + safetensors (single file or sharded index) -> this rank's Transformer.
     Each rank reads only its own slices; no rank ever holds the whole model. Reads bf16/fp16/fp32
-    checkpoints, FP8 block-quantized ones (dequantized per slice) and INT4 pack-quantized experts
-    (kept packed), and the Kimi-K2.5 layout (text model under `language_model.`; the vision
+    checkpoints, FP8 block-quantized ones (routed experts kept FP8, the rest dequantized per slice)
+    and INT4 pack-quantized experts (kept packed), and the Kimi-K2.5 layout (text model under `language_model.`; the vision
     tower and projector skipped)."""
     cfg = read_config(path)
     args = ModelArgs.from_hf_config(path)

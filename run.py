@@ -4,8 +4,8 @@ mixture-of-experts model, phase by phase, and say at which acceptance it pays.
 In speculative decoding a small draft head proposes num_steps tokens; the large target model checks
 them all in one forward (verify) and keeps the longest prefix it agrees with, plus one token of its
 own. A cycle costs more than one plain decode step, so it pays only when enough drafts are
-accepted. run.py builds the target and the head (random weights unless --model-path /
---draft-path name checkpoints), times each phase alone (a plain decode step, verify of
+accepted. run.py builds the target and the head (checkpoints with --model-path / --draft-path;
+on a CPU by default the tiny trained pair of train.py; else random weights), times each phase alone (a plain decode step, verify of
 num_steps + 1 tokens, the draft's extend and step), runs plain and speculative decoding end to
 end, and prints a cost model: the accepted length per cycle at which speculation breaks even.
 The model's attention (MLA) caches one compressed latent per token; verify can read it two ways
@@ -94,7 +94,8 @@ def parse_args(argv=None):
 def make_parser():
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model-path", help="HF DeepseekV3 / Kimi-K2 checkpoint folder (else --preset)")
-    p.add_argument("--draft-path", help="SpecForge / SGLang EAGLE-3 checkpoint folder (else random)")
+    p.add_argument("--draft-path", help="SpecForge / SGLang EAGLE-3 checkpoint folder (else the trained tiny "
+                   "pair's head on a CPU, or a random head)")
     p.add_argument("--random-weights", action="store_true", help="with the tiny preset: a random target and "
                    "head instead of the trained pair in checkpoints/tiny-stdlib (train.py), the tiny default")
     p.add_argument("--preset", choices=sorted(model.PRESETS), help="random target to build: kimi-k2 (GPU only), "
@@ -198,6 +199,11 @@ def check_flags(args):
     if args.model_path and (args.quant or args.routed_experts or args.preset):
         raise BadInput("--quant, --routed-experts and --preset shape random weights; a checkpoint's "
                        "config.json says its own")
+    if args.random_weights and (args.model_path or args.draft_path):
+        raise BadInput("--random-weights replaces the trained tiny pair; with --model-path / --draft-path the "
+                       "checkpoints are used: drop one")
+    if args.dump and (args.context_len or args.skip_e2e or args.compile):
+        raise BadInput("--context-len, --skip-e2e and --compile shape the timing run; --dump times nothing")
 
 
 def uses_trained_pair(args):
@@ -260,10 +266,11 @@ def check_device_flags(args, device):
     if args.allreduce_us is not None and (args.allreduce_us < 0 or args.simulate_tp <= 1):
         raise BadInput(f"--allreduce-us {args.allreduce_us}: models the collectives a SIMULATED rank skips "
                        "(--simulate-tp N, N > 1), with X >= 0; under torchrun they run and are measured")
-    if not args.dump and args.speculative_num_steps >= args.prompt_len:
-        raise BadInput(f"--speculative-num-steps {args.speculative_num_steps}: the isolated timings verify the "
-                       f"prompt's last num_steps + 1 tokens, so it must be below --prompt-len ({args.prompt_len})")
     want = args.speculative_num_steps + 1
+    if not args.dump and args.context_len == [args.prompt_len] and want > args.prompt_len:
+        raise BadInput(f"--speculative-num-steps {args.speculative_num_steps}: the isolated timings re-read the last "
+                       "num_steps + 1 cached tokens, as many as the prompt by default, so it must be below "
+                       f"--prompt-len ({args.prompt_len}) (or give a --context-len above it)")
     if not args.dump and min(args.context_len) < want:
         raise BadInput(f"--context-len {min(args.context_len)}: the isolated verify re-reads {want} cached tokens "
                        f"(num_steps + 1); use at least {want}")
@@ -282,6 +289,9 @@ def check_device_flags(args, device):
             raise BadInput(f"--routed-experts {args.routed_experts}: {args.preset} needs between "
                            f"{m.num_experts_per_tok} (experts per token) and {m.n_routed_experts}, a multiple of "
                            f"n_group {m.n_group}")
+    if args.moe_impl == "fused" and not model.fused_moe_available(device, getattr(torch, args.dtype)):
+        raise BadInput(f"--moe-impl fused: the Triton kernel does not run {args.dtype} on {device.type} here (it "
+                       "needs Triton and a CUDA GPU, and bf16, fp16 or fp32); use --moe-impl gather or auto")
     if args.moe_impl == "grouped" and not model.grouped_mm_available(device, getattr(torch, args.dtype)):
         raise BadInput(f"--moe-impl grouped: torch._grouped_mm does not run {args.dtype} on {device.type} here; "
                        "use --moe-impl gather or auto")
@@ -575,7 +585,7 @@ def profile_components(target, fn, gpu, calls=None):
         for _ in range(calls):
             fn()
         Clock(target.device).sync()
-    parts, kernels = dict.fromkeys(COMPONENTS, 0.0), 0
+    parts, n_kernels = dict.fromkeys(COMPONENTS, 0.0), 0
     ours = ("component:", "profiler::")  # our ranges and their enter/exit ops: not kernels
     for e in prof.events():
         if e.device_type != DeviceType.CPU or e.name.startswith("profiler::"):
@@ -583,23 +593,23 @@ def profile_components(target, fn, gpu, calls=None):
         if gpu:  # the kernels (and copies) this op launched; our ranges' GPU projections are not kernels
             launched = [k for k in e.kernels if not k.name.startswith(ours)]
             us, names = sum(k.duration for k in launched), [k.name for k in launched]
-            kernels += len(launched)
+            n_kernels += len(launched)
         elif e.name.startswith("component:"):  # on the CPU a range's own time is Python, not an op
             continue
         else:
             us, names = e.self_cpu_time_total, ()
-            kernels += not e.cpu_children
+            n_kernels += not e.cpu_children
         if us:
             parts[component_at(e, names)] += us / 1e3 / calls
     if gpu:
         device_kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
-        total, kernels = sum(e.time_range.elapsed_us() for e in device_kernels), len(device_kernels)
+        total, n_kernels = sum(e.time_range.elapsed_us() for e in device_kernels), len(device_kernels)
         if sum(parts.values()) < 0.95 * total / 1e3 / calls:  # kernels no aten op launched (Triton's:
             # the profiler links them to no CPU event; measured on the H200, 2026-11-29)
             parts = parts_by_device_ranges(prof, calls) or parts
     else:
         total = sum(e.self_cpu_time_total for e in prof.key_averages() if not e.key.startswith(ours))
-    return dict(parts_ms=parts, kernel_ms=total / 1e3 / calls, kernels=kernels // calls)
+    return dict(parts_ms=parts, kernel_ms=total / 1e3 / calls, kernels=n_kernels // calls)
 
 
 def parts_by_device_ranges(prof, calls):
@@ -985,7 +995,8 @@ class Bench:
     how: str                   # what the target is, for the header
     clock: Clock
     runner: CudaGraphs | None
-    fill: torch.Tensor = None  # [B, C] random ids prefilled into the cache, C the longest context
+    fill: torch.Tensor = None  # [B, C'] ids prefilled into the cache (random, or held-out text for the trained
+                               # pair), C' the longest context or the prompt length, whichever is longer
     aux: torch.Tensor = None   # [B, C, 3D] the target's EAGLE-3 states along `fill`
 
     @property
@@ -1018,7 +1029,8 @@ class Bench:
 
 
 def prepare(args, device, world):
-    """Build the models and fill their caches with random ids up to the longest context."""
+    """Build the models and fill their caches up to the longest context (random ids; held-out
+    text for the trained pair)."""
     torch.manual_seed(args.seed)
     target, head, how = build(args, device, getattr(torch, args.dtype), world)
     b = Bench(args, target, head, how, Clock(device), CudaGraphs(device) if args.cuda_graph != "off" else None)
@@ -1484,23 +1496,8 @@ def report(r, b):
     print("\nthe answer:\n" + "\n".join(f"  {line}" for line in r["answer"]) + "\n")
 
 
-@torch.no_grad()
-def main(argv=None):
-    """Returns the exit status (0, or 1 when --compare fails); a flag, file or checkpoint the run
-    cannot use raises BadInput or model.CheckpointError, which the command line prints as one line."""
-    args = parse_args(argv)
-    if args.compare:
-        return compare_main(args)
-    rank, world, device = tpm.init_distributed()
-    args = settle(args, device, world)
-    if args.dump:
-        return dump_main(args, device, world)
-    bench_main(args, device, world)
-    return 0
-
-
 # ---------------------------------------------------------------------------------------------
-# The report: how far to trust the numbers (spreads, warnings), a verdict in words, the tables
+# How far to trust the numbers: spreads, warnings, and the verdict after the answer
 
 def spreads(tree):
     """The same nesting as `tree`, keeping only its Timings, each as its spread() (for the JSON)."""
@@ -1596,6 +1593,21 @@ def print_refusal(e):
     """One line on stderr, no traceback; under torchrun each rank that refuses says which it is."""
     rank = f"[rank {dist.get_rank()}] " if dist.is_initialized() else ""
     print(f"run.py: error: {rank}{e}", file=sys.stderr, flush=True)
+
+
+@torch.no_grad()
+def main(argv=None):
+    """Returns the exit status (0, or 1 when --compare fails); a flag, file or checkpoint the run
+    cannot use raises BadInput or model.CheckpointError, which the command line prints as one line."""
+    args = parse_args(argv)
+    if args.compare:
+        return compare_main(args)
+    rank, world, device = tpm.init_distributed()
+    args = settle(args, device, world)
+    if args.dump:
+        return dump_main(args, device, world)
+    bench_main(args, device, world)
+    return 0
 
 
 if __name__ == "__main__":

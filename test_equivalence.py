@@ -1143,6 +1143,9 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
         ("--dump x.npz --prompt-ids p --temperature 0.5", "drop --temperature"),
         ("--dump x.npz --prompt-ids p --batch-size 2", "drop --batch-size"),
         ("--dump x.npz --prompt-ids nothere.jsonl", "--prompt-ids: .*nothere.jsonl"),
+        ("--random-weights --draft-path ckpt", "--random-weights replaces the trained tiny pair"),
+        ("--dump x.npz --prompt-ids p --skip-e2e", "--dump times nothing"),
+        ("--context-len 2", r"--context-len 2: the isolated verify re-reads 4 cached tokens"),
     ]
     for flags, message in cases:
         with pytest.raises(run.BadInput, match=message):

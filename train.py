@@ -85,7 +85,8 @@ def windows(data, batch, length, gen):
 def heldout_prompts(n, length):
     """n prompts of `length` bytes from the held-out files, each starting at a line of code (its
     first non-blank byte a letter): the first such line from the middle of file i mod their count,
-    the k-th prompt of a file k such lines later."""
+    the k-th prompt of a file k such lines later; a prompt longer than the rest of its file goes on
+    through the held-out files."""
     files = list(read_files(HELDOUT_FILES).values())
     prompts = []
     for i in range(n):
@@ -96,7 +97,10 @@ def heldout_prompts(n, length):
                 at = text.index(b"\n", at) + 1
             while not text[at:at + 200].lstrip(b" ")[:1].isalpha():  # a blank, comment or docstring line
                 at = text.index(b"\n", at) + 1
-        prompts.append(list(text[at:at + length]))
+        stream = text[at:at + length]
+        while len(stream) < length:  # longer than the rest of the file: go on through all held-out files
+            stream += b"".join(files)[:length - len(stream)]
+        prompts.append(list(stream))
     return prompts
 
 

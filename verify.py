@@ -24,6 +24,7 @@ from functools import partial
 
 import torch
 
+from draft import Eagle3Draft
 from graphs import CudaGraphs
 from model import eos_union
 
@@ -232,6 +233,8 @@ def speculative_cycle(target, draft, run, rows, pos, kv, kv_draft, drafts, mode,
     # [d_1..d_m, bonus, junk]: the tokens emitted, and the draft extend's input rows
     emitted = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, m.unsqueeze(1), bonus.unsqueeze(1))
     mark("accept")
+    if not isinstance(draft, Eagle3Draft):  # a planted proposer (tests) keeps Python state: never captured
+        run = eager
     first, g = run(("draft_extend", B, k + 1, kv_draft), partial(draft.extend, kv_len=kv_draft), emitted, pos, aux, m)
     mark("draft_extend")
     drafts = run(("draft_chain", B, k, kv_draft), partial(draft.chain, num_steps=k, kv_len=kv_draft), first, g,
@@ -245,8 +248,9 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
              use_graphs=False, temperature=0.0, seed=0, eos_id=None, graphs=None,
              simulate_accept_len=None, timer=None):
     """Speculative decoding with `draft` (an Eagle3Draft, or any object with its `extend` and
-    `chain`: the tests plant one), or plain decoding when draft is None. Prefill runs eager; with
-    use_graphs the decode step, the verify step and the head's extend and chain replay CUDA graphs.
+    `chain`: the tests plant one, run eager), or plain decoding when draft is None. Prefill runs
+    eager; with use_graphs the decode step, the verify step and an Eagle3Draft's extend and chain
+    replay CUDA graphs.
     eos_id: an id or a list of ids that end a row (default: every EOS id the checkpoint declares;
     -1: none).
     Every rank draws from the same seeded generator, so all ranks agree.
@@ -269,16 +273,18 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
     check_request(target, tokens, lens, max_new_tokens, max(k + 1, 2 * k - 2))
     gen = torch.Generator(device).manual_seed(seed)
     runner = graphs or (CudaGraphs(device) if use_graphs else None)
-    run = runner.run if runner else (lambda key, fn, *inputs: fn(*inputs))
+    run = runner.run if runner else eager
     mark = timer.mark if timer is not None else (lambda name: None)
     rows, drafts = prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, gen, eos)
-    reach = tokens.shape[1] + k + 1  # > every position the next forward writes (the host's bound, no device read)
+    # host-side bounds, no device read: reach > every position the next verify (or decode) writes;
+    # no row ever writes at or past limit (a live row's cur < P + max_new_tokens - 1, a finished one stays)
+    reach, limit = tokens.shape[1] + k + 1, tokens.shape[1] + max_new_tokens + k
     accepted, proposed = [], []
     while not bool(rows.done.all()):  # HOST READ: the loop's one device->host sync per cycle
         mark("start")
         pos = rows.cur.unsqueeze(1) + rows.offsets                                # [B, k+1]
-        kv = kv_bucket(reach, target.max_seq_len)            # verify (or decode) writes below reach
-        kv_draft = kv_bucket(reach + k, target.max_seq_len)  # the draft chain writes up to k - 1 further
+        kv = kv_bucket(min(reach, limit), target.max_seq_len)          # verify (or decode) writes below it
+        kv_draft = kv_bucket(min(reach, limit) + k, target.max_seq_len)  # the draft chain: up to k - 1 further
         reach += k + 1
         if draft is None:
             m, emitted = decode_cycle(target, run, rows, pos, kv, temperature, gen, mark)
@@ -290,6 +296,11 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
         commit(rows, emitted, m, eos, max_new_tokens)
         mark("commit")
     return result(rows, accepted, proposed if draft is not None else None, k, simulate_accept_len is not None)
+
+
+def eager(key, fn, *inputs):
+    """CudaGraphs.run's signature, without a graph."""
+    return fn(*inputs)
 
 
 def result(rows, accepted, proposed, k, simulated):
