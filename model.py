@@ -1106,14 +1106,9 @@ def dequantize_fp8_slice(name, sl, scale_sl, index, block, device, dtype):
     return w * s[r0 % br:r0 % br + r1 - r0, c0 % bc:c0 % bc + c1 - c0]
 
 
-def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8_block=None):
-    """Copy this rank's slice of every tensor in `table` [(name, param, expert or None)] from the
-    safetensors files under `path`, reading only those slices (safetensors get_slice), one tensor
-    at a time. skip(name) gives a label for a tensor to pass over (None: not skipped). FP8
-    tensors are dequantized with their `weight_scale_inv` in fp8_block blocks; INT4 ones are
-    copied packed after their `weight_shape` is checked."""
-    files = checkpoint_files(path)
-    expected = {name: (p, j) for name, p, j in table}
+def check_tensor_names(files, expected, path, what, skip):
+    """Every expected tensor present, none left over (but the scales and shapes read with their
+    weight, and what skip(name) labels: passed over, counted in one line)."""
     companions = {k for k in files if k.endswith((".weight_scale_inv", ".weight_shape"))}  # read with their weight
     skipped = Counter(skip(k) for k in files if k not in expected and skip(k))
     missing = [k for k in expected if k not in files]
@@ -1131,6 +1126,17 @@ def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8
     if skipped:
         print0(f"{what}: skipping {sum(skipped.values())} tensors this model does not use: "
                + ", ".join(f"{label} ({n})" for label, n in sorted(skipped.items())))
+
+
+def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8_block=None):
+    """Copy this rank's slice of every tensor in `table` [(name, param, expert or None)] from the
+    safetensors files under `path`, reading only those slices (safetensors get_slice), one tensor
+    at a time. skip(name) gives a label for a tensor to pass over (None: not skipped). FP8
+    tensors are dequantized with their `weight_scale_inv` in fp8_block blocks; INT4 ones are
+    copied packed after their `weight_shape` is checked."""
+    files = checkpoint_files(path)
+    expected = {name: (p, j) for name, p, j in table}
+    check_tensor_names(files, expected, path, what, skip)
     with ExitStack() as stack:  # closes the files and the bar, also when a tensor is refused
         bar = stack.enter_context(tqdm(total=len(expected), desc=f"loading {what}", disable=tp.rank != 0, unit="tensor"))
         handles = {}
