@@ -1186,8 +1186,8 @@ def load_target(path, max_batch_size=1, max_seq_len=4096, device=None, dtype=Non
     """config.json + safetensors (single file or sharded index) -> this rank's Transformer.
     Each rank reads only its own slices; no rank ever holds the whole model. Reads bf16/fp16/fp32
     checkpoints, FP8 block-quantized ones (routed experts kept FP8, the rest dequantized per slice)
-    and INT4 pack-quantized experts (kept packed), and the Kimi-K2.5 layout (text model under `language_model.`; the vision
-    tower and projector skipped)."""
+    and INT4 pack-quantized experts (kept packed), and the Kimi-K2.5 layout (text model under
+    `language_model.`; the vision tower and projector skipped)."""
     cfg = read_config(path)
     args = ModelArgs.from_hf_config(path)
     kind, block_or_group = quant_scheme(args.quantization_config)
