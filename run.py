@@ -5,9 +5,10 @@ In speculative decoding a small draft head proposes num_steps tokens; the large 
 them all in one forward (verify) and keeps the longest prefix it agrees with, plus one token of its
 own. A cycle costs more than one plain decode step, so it pays only when enough drafts are
 accepted. run.py builds the target and the head (checkpoints with --model-path / --draft-path;
-on a CPU by default the tiny trained pair of train.py; else random weights), times each phase alone (a plain decode step, verify of
-num_steps + 1 tokens, the draft's extend and step), runs plain and speculative decoding end to
-end, and prints a cost model: the accepted length per cycle at which speculation breaks even.
+on a CPU by default the tiny trained pair of train.py; else random weights), times each phase
+alone (a plain decode step, verify of num_steps + 1 tokens, the draft's extend and step), runs
+plain and speculative decoding end to end, and prints a cost model: the accepted length per
+cycle at which speculation breaks even.
 The model's attention (MLA) caches one compressed latent per token; verify can read it two ways
 (prefill: expanded to per-head keys and values, as a prefill does; decode: attending in the latent
 space, as a decode step does) and runs eager or captured in CUDA graphs; the two switches are timed
@@ -1236,7 +1237,8 @@ def header_of(b):
     routing = "routing SIMULATED uniform" if t.routing == "uniform" else "routing: the model's router"
     ar = modelled_allreduce(b)
     return (f"target: {b.how}, {t.args.num_hidden_layers} layers, {t.args.n_routed_experts} routed experts, "
-            f"{t.tp.describe()}, {a.dtype}{quant_note}, moe {moe_note(t)}, kernels {','.join(t.kernels) or 'none'}, {routing} | batch {a.batch_size}, prompt {a.prompt_len}, cached "
+            f"{t.tp.describe()}, {a.dtype}{quant_note}, moe {moe_note(t)}, kernels {','.join(t.kernels) or 'none'}, "
+            f"{routing} | batch {a.batch_size}, prompt {a.prompt_len}, cached "
             f"{'/'.join(map(str, a.context_len))} (isolated phases), num_steps {b.k} | "
             f"{torch.cuda.get_device_name(t.device) if b.gpu else f'CPU, {torch.get_num_threads()} thread(s)'}, "
             f"torch {torch.__version__}" + (" | acceptance SIMULATED" if a.simulate_accept_len is not None else "")
@@ -1444,7 +1446,8 @@ def print_cost_model(r):
 def print_extras(r, b):
     env = r["env"]
     if "gpu_mem_peak_GB" in env:
-        print(f"\nGPU memory: weights {env['weights_GB']:.1f} GB (routed experts {env['routed_experts_GB']:.1f}), peak allocated {env['gpu_mem_peak_GB']:.1f} GB "
+        print(f"\nGPU memory: weights {env['weights_GB']:.1f} GB (routed experts {env['routed_experts_GB']:.1f}), "
+              f"peak allocated {env['gpu_mem_peak_GB']:.1f} GB "
               f"(eager phases only: {env.get('gpu_mem_peak_eager_GB') or float('nan'):.1f} GB)")
         print(f"kernels per eager decode step: {r.get('kernels_per_decode_step')}"
               + (f", with torch.compile: {r['kernels_per_decode_step_compiled']}"
