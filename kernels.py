@@ -412,38 +412,10 @@ def _kernel_ms(fn):
 
 
 def benchmark_moe(sweep=False, D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 4, 8, 32)):
-    import statistics
+    """One layer's routed experts per format and token count against its floor (the distinct
+    experts' stored bytes over the eager copy bandwidth), timed as a graph of LAYERS calls."""
     dev, g = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
-    a, b = torch.empty(1 << 30, dtype=torch.uint8, device=dev), torch.empty(1 << 30, dtype=torch.uint8, device=dev)
-
-    def eager_ms(fn, reps=10):   # as run.py measures the copy: a captured copy goes to the copy engine (~2.7 TB/s)
-        fn()
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        times = []
-        for _ in range(reps):
-            start.record()
-            fn()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
-
-    def timed(fn, reps=30):
-        fn()
-        torch.cuda.synchronize()
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            fn()
-        times = []
-        for _ in range(reps):
-            start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            graph.replay()
-            end.record()
-            end.synchronize()
-            times.append(start.elapsed_time(end))
-        return statistics.median(times)
-    bandwidth = 2 * a.numel() / eager_ms(lambda: b.copy_(a)) / 1e6                       # GB/s, read + write
+    bandwidth = copy_bandwidth_GBps()
     rows = []
     for fmt in ("plain", "fp8", "int4"):
         layers = [[_random_experts(fmt, E, o, i, dev, g) for o, i in ((I, D), (I, D), (D, I))] for _ in range(LAYERS)]
@@ -465,7 +437,7 @@ def benchmark_moe(sweep=False, D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 4
                 configs += [dict(down=c) for c in dn if (fmt != "fp8" or c[1] <= 128) and (fmt != "int4" or c[1] >= 128)]
             for cfg in configs:
                 try:
-                    ms = timed(run(cfg)) / LAYERS
+                    ms = _graph_ms([run(cfg)]) / LAYERS
                 except Exception as e:  # a sweep point that does not compile: say so, go on
                     print(f"{fmt} N={N} {cfg}: {type(e).__name__}: {str(e)[:200]}")
                     continue
@@ -1029,7 +1001,6 @@ def bench_mla_configs(bw, rows):
 def bench_small(rows):
     """Router, add + RMSNorm, RoPE + cache write against their twins at Kimi-K2 TP 8 shapes."""
     import model
-    import torch.nn.functional as F
     print("\nsmall kernels, Kimi-K2 shapes, bf16 (us per call, in a graph; 8 input sets)")
     args = model.ModelArgs(n_routed_experts=384)
     router = model.Router(args, "cuda", torch.bfloat16)
