@@ -958,6 +958,27 @@ def test_trained_pair_speculative_equals_plain_greedy(dtype):
             assert res.tokens == plain, (mode, k, dtype)
 
 
+@cuda
+@pytest.mark.parametrize("kernels_on", [False, True])
+def test_gpu_trained_pair_graph_speculative_equals_plain_greedy(kernels_on):
+    """The trained pair on the GPU in float32, verify and draft replayed from CUDA graphs in both
+    attention modes: the drafts are really accepted (so the graphs' accept, commit and draft-extend
+    paths run with m > 0) and the tokens equal plain greedy decoding's, with and without the Triton
+    kernels (where Triton is installed)."""
+    if kernels_on and not kernels.HAVE_TRITON:
+        pytest.skip("needs triton")
+    target, head = train.load_pair(max_batch_size=3, max_seq_len=128, device="cuda")
+    target.use_kernels("all" if kernels_on else "none")
+    prompts = [p[:n] for p, n in zip(train.heldout_prompts(3, 32), (32, 17, 25))]
+    plain = generate(target, None, prompts, max_new_tokens=40, eos_id=-1).tokens
+    for mode in ("prefill", "decode"):
+        res = generate(target, head, prompts, max_new_tokens=40, num_steps=3, attention_mode=mode,
+                       use_graphs=True, eos_id=-1)
+        assert res.tokens == plain, mode
+        accepted = res.accepted[res.accepted >= 0].float().mean().item()
+        assert accepted > 0.5, f"{mode}: {accepted:.2f} drafts accepted a cycle; the graphs' accept paths barely ran"
+
+
 def test_trained_pair_accepts_more_than_a_random_head():
     target, head = train.load_pair(max_batch_size=6, max_seq_len=128)
     rand = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 1)
