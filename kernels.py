@@ -647,7 +647,11 @@ def mla_decode_attention(q_lat, q_pe, kv_cache, pe_cache, positions, softmax_sca
 # each and write partial sums; cuBLAS's GEMM takes over past ROUTER_GEMV_MAX_TOKENS tokens.
 # (2) One program per token sums the partials and selects: sigmoid scores, the correction bias
 # added for selection only, groups kept by the sum of their two best biased scores (n_group > 1),
-# the top K experts of the kept groups, their unbiased scores normalized and scaled.
+# the top K experts of the kept groups, their unbiased scores normalized and scaled. With UNIFORM
+# (SIMULATED balanced routing, model.Router's routing "uniform") the choice is fixed instead: pair
+# j = n*K + i of the N*K token-expert pairs goes to expert j mod E, weighed by that expert's
+# unbiased score, normalized and scaled as usual; the logits are computed as always (their cost
+# stays), only the top-k rounds are skipped, so uniform routing costs no kernel of its own.
 
 ROUTER_GEMV_MAX_TOKENS = 16
 ROUTER_SPLIT_D = 4          # D slices: 384 experts / 8 a block x 4 slices = 192 programs on 132 SMs
@@ -677,11 +681,11 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, N, E, D, d_per_split, s_xn, s_w
 @_jit
 def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_ls, s_ln, s_idn, s_wn, E_PER_G, G, scale,
                           SPLITS: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
-                          GROUPED: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
-    """ids[n], w[n] = the K experts of token n and their weights, best first. logits [SPLITS, N, E]
-    float32 partial sums (E = G * E_PER_G, expert e = g * E_PER_G + j), bias [E] float32; ids
-    [N, K] int64, w [N, K] float32. Grid: (N,)."""
+                          GROUPED: tl.constexpr, UNIFORM: tl.constexpr, BLOCK_G: tl.constexpr,
+                          BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
+    """ids[n], w[n] = the K experts of token n and their weights, best first (UNIFORM: experts
+    (n*K + i) mod E, i < K). logits [SPLITS, N, E] float32 partial sums (E = G * E_PER_G, expert
+    e = g * E_PER_G + j), bias [E] float32; ids [N, K] int64, w [N, K] float32. Grid: (N,)."""
     n = tl.program_id(0)
     g = tl.arange(0, BLOCK_G)[:, None]
     j = tl.arange(0, BLOCK_EG)[None, :]
@@ -691,6 +695,22 @@ def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_ls, s_ln, s_id
     for s in tl.static_range(SPLITS):
         logit += tl.load(logits_ptr + s * s_ls + n * s_ln + e, mask=ok, other=0.0)
     score = tl.sigmoid(logit)
+    k = tl.arange(0, BLOCK_K)
+    if UNIFORM:
+        ids, w = _uniform_choice(score, e, ok, n, G * E_PER_G, k, K)
+    else:
+        ids, w = _top_k(score, bias_ptr, e, ok, j, G, k, K, TOPK_GROUP, GROUPED, BLOCK_G, BLOCK_EG, BLOCK_K)
+    w = tl.where(k < K, w, 0.0)
+    if NORM:
+        w = w / (tl.sum(w, 0) + 1e-20)
+    tl.store(ids_ptr + n * s_idn + k, ids, mask=k < K)
+    tl.store(w_ptr + n * s_wn + k, w * scale, mask=k < K)
+
+
+@_jit
+def _top_k(score, bias_ptr, e, ok, j, G, k, K: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPED: tl.constexpr,
+           BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
+    """noaux_tc selection from the scores [BLOCK_G, BLOCK_EG]: (ids [BLOCK_K] int64, their unbiased scores)."""
     biased = tl.where(ok, score + tl.load(bias_ptr + e, mask=ok, other=0.0), float("-inf"))
     if GROUPED:  # keep the TOPK_GROUP groups whose two best biased scores sum highest
         best = tl.argmax(biased, 1)                                       # [BLOCK_G]
@@ -707,7 +727,6 @@ def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_ls, s_ln, s_id
     flat_score = tl.reshape(score, [BLOCK_G * BLOCK_EG])
     flat_e = tl.reshape(e, [BLOCK_G * BLOCK_EG])
     idx = tl.arange(0, BLOCK_G * BLOCK_EG)
-    k = tl.arange(0, BLOCK_K)
     ids = tl.zeros([BLOCK_K], tl.int64)
     w = tl.zeros([BLOCK_K], tl.float32)
     for i in tl.static_range(K):  # K rounds of argmax: the top K, best first
@@ -715,10 +734,16 @@ def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_ls, s_ln, s_id
         ids = tl.where(k == i, tl.sum(tl.where(hit, flat_e, 0), 0).to(tl.int64), ids)
         w = tl.where(k == i, tl.sum(tl.where(hit, flat_score, 0.0), 0), w)
         flat = tl.where(hit, float("-inf"), flat)
-    if NORM:
-        w = w / (tl.sum(w, 0) + 1e-20)
-    tl.store(ids_ptr + n * s_idn + k, ids, mask=k < K)
-    tl.store(w_ptr + n * s_wn + k, w * scale, mask=k < K)
+    return ids, w
+
+
+@_jit
+def _uniform_choice(score, e, ok, n, E, k, K: tl.constexpr):
+    """SIMULATED balanced routing: (ids [BLOCK_K] int64 = (n*K + k) mod E, their unbiased scores)."""
+    ids = ((n * K + k) % E).to(tl.int64)
+    mine = ok[None, :, :] & (e[None, :, :] == ids[:, None, None])             # [BLOCK_K, BLOCK_G, BLOCK_EG]
+    w = tl.sum(tl.sum(tl.where(mine, score[None, :, :], 0.0), 2), 1)
+    return ids, w
 
 
 def router_logits(x, weight):
@@ -740,9 +765,10 @@ def router_logits(x, weight):
     return out
 
 
-def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling):
+def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling, uniform=False):
     """model.Router.forward in two kernels: x [N, D], weight [E, D] float32, bias [E] float32 ->
-    ids int64 [N, K], weights float32 [N, K]."""
+    ids int64 [N, K], weights float32 [N, K]. uniform: SIMULATED balanced routing (pair j = n*K + i
+    to expert j mod E), as model.Router's routing "uniform", in the same two kernels."""
     N, D = x.shape
     E = weight.shape[0]
     if weight.dtype != torch.float32 or bias.dtype != torch.float32 or weight.shape != (E, D) or bias.shape != (E,):
@@ -757,7 +783,8 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
     logits = router_logits(x, weight)                                       # [splits, N, E]
     _router_select_kernel[(N,)](logits, bias, ids, weights, logits.stride(0), logits.stride(1), ids.stride(0),
                                 weights.stride(0), E // n_group, n_group, float(scaling), SPLITS=logits.shape[0],
-                                K=top_k, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob), GROUPED=n_group > 1,
+                                K=top_k, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob),
+                                GROUPED=n_group > 1 and not uniform, UNIFORM=bool(uniform),
                                 BLOCK_G=_pow2(n_group, 1), BLOCK_EG=_pow2(E // n_group, 1),
                                 BLOCK_K=_pow2(top_k, 1), num_warps=4)
     return ids, weights

@@ -275,6 +275,12 @@ def scope(component):
     return torch.profiler.record_function("component:" + component)
 
 
+def kernel(fn):
+    """A kernels.py function as the model calls it: torch.compile (run.py --compile) does not trace
+    into it (a graph break there), so its Triton launches run as written between the compiled parts."""
+    return torch.compiler.disable(fn)
+
+
 # ---------------------------------------------------------------------------------------------
 # RoPE (YaRN, interleaved pairs as in DeepseekV3)
 
@@ -362,9 +368,25 @@ def absorbed_attention(q_lat, q_pe, kv_c, pe_c, future, scale):
     return torch.einsum("bths,bsc->bthc", p, kv_c)
 
 
+def stack_rows(*linears):
+    """Make the linears' weights [out_i, in] row blocks of one new buffer [sum out_i, in] and return
+    it: each weight becomes a view of its block (no second copy), so a checkpoint still loads, and
+    random init still writes, by each linear's own name, while one GEMM over the buffer reads the
+    linears' shared input once. Build the module on its device: .to() would move the views and the
+    buffer apart."""
+    first = linears[0].weight
+    buf = torch.empty(sum(l.weight.shape[0] for l in linears), first.shape[1], device=first.device, dtype=first.dtype)
+    for linear, rows in zip(linears, buf.split([l.weight.shape[0] for l in linears])):
+        view = nn.Parameter(rows, requires_grad=False)
+        view.shard_dim = linear.weight.shard_dim
+        linear.weight = view
+    return buf
+
+
 class MLA(nn.Module):
     attn_impl = "torch"        # "triton": decode mode through kernels.mla_decode_attention (Transformer.use_kernels)
     rope_cache_impl = "torch"  # "triton": RoPE, latent norm and cache writes by kernels.mla_rope_cache_write
+    fused_proj = False         # True: q_a_proj and kv_a_proj_with_mqa as one GEMM (with q_lora_rank)
 
     def __init__(self, args, tp, max_batch_size, max_seq_len, device, dtype):
         super().__init__()
@@ -382,6 +404,8 @@ class MLA(nn.Module):
                                                "num_attention_heads", device, dtype)
         self.kv_a_proj_with_mqa = ReplicatedLinear(a.hidden_size, a.kv_lora_rank + a.qk_rope_head_dim,
                                                    device, dtype)
+        if a.q_lora_rank:   # both replicated, both read x: one buffer [q_lora_rank + C + R, D] holds them
+            self.register_buffer("q_kv_a_weight", stack_rows(self.q_a_proj, self.kv_a_proj_with_mqa), persistent=False)
         self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, a.rms_norm_eps, device, dtype)
         self.kv_b_proj = ColumnParallelLinear(a.kv_lora_rank, H * (a.qk_nope_head_dim + a.v_head_dim),
                                               tp, "num_attention_heads", device, dtype)
@@ -398,11 +422,17 @@ class MLA(nn.Module):
         or a rejected draft's), so the query must not see it; S is the number of cache slots read."""
         a, h = self.args, self.n_local_heads
         (B, T, _), kv_len = x.shape, future.shape[-1]
-        q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
+        if self.fused_proj:  # q_a_proj and kv_a_proj_with_mqa in one GEMM: x read once
+            with scope("attn_proj"):
+                q_a, kv_a = F.linear(x, self.q_kv_a_weight).split([a.q_lora_rank, a.kv_lora_rank + a.qk_rope_head_dim], -1)
+            q = self.q_b_proj(self.q_a_layernorm(q_a))
+        else:
+            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
+            kv_a = self.kv_a_proj_with_mqa(x)
         q_nope, q_pe = q.view(B, T, h, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
-        kv, k_pe = self.kv_a_proj_with_mqa(x).split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
+        kv, k_pe = kv_a.split([a.kv_lora_rank, a.qk_rope_head_dim], -1)                # [B, T, C], [B, T, R]
         if self.rope_cache_impl == "triton":  # the four lines below in one kernel
-            q_pe = kernels.mla_rope_cache_write(q_pe, kv, k_pe, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
+            q_pe = kernel(kernels.mla_rope_cache_write)(q_pe, kv, k_pe, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
                                                 rope, positions, self.kv_cache, self.pe_cache)
         else:
             q_pe = apply_rope(q_pe, rope)
@@ -425,7 +455,7 @@ class MLA(nn.Module):
             with scope("attn_proj"):  # kv_b_proj's key half, absorbed into the query
                 q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)           # [B, T, H, C]
             if self.attn_impl == "triton":  # the same math in one pass over the used slots
-                o_lat = kernels.mla_decode_attention(q_lat, q_pe, kv_c, pe_c, positions, a.softmax_scale)
+                o_lat = kernel(kernels.mla_decode_attention)(q_lat, q_pe, kv_c, pe_c, positions, a.softmax_scale)
             else:
                 o_lat = absorbed_attention(q_lat, q_pe, kv_c, pe_c, future, a.softmax_scale)
             # likewise o = sum_s p_s (W_uv c_s) = W_uv (sum_s p_s c_s): attend over latents, then W_uv once
@@ -439,15 +469,25 @@ class MLA(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU; gate/up column parallel, down row parallel (reduce=False leaves the sum to the caller)."""
+    fused_proj = False  # True: gate_proj and up_proj as one GEMM (Transformer.use_kernels)
 
     def __init__(self, dim, inter, tp, what, reduce=True, device=None, dtype=None):
         super().__init__()
         self.gate_proj = ColumnParallelLinear(dim, inter, tp, what, device, dtype)
         self.up_proj = ColumnParallelLinear(dim, inter, tp, what, device, dtype)
         self.down_proj = RowParallelLinear(inter, dim, tp, what, reduce, device, dtype)
+        self.register_buffer("gate_up_weight", stack_rows(self.gate_proj, self.up_proj), persistent=False)
 
-    def forward(self, x):
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+    def forward(self, x, add_to=None):
+        """add_to (fused_proj, reduce=False only): a tensor [N, dim] that the down GEMM adds its
+        product into, in place (the MoE's routed output), instead of an add after it."""
+        if self.fused_proj:  # one GEMM reads x once: [..., 2 I] = [gate | up]
+            gate, up = F.linear(x, self.gate_up_weight).chunk(2, -1)
+        else:
+            gate, up = self.gate_proj(x), self.up_proj(x)
+        if add_to is not None:
+            return add_to.addmm_(F.silu(gate) * up, self.down_proj.weight.t())
+        return self.down_proj(F.silu(gate) * up)
 
 
 class Router(nn.Module):
@@ -471,13 +511,10 @@ class Router(nn.Module):
 
     def forward(self, x):                                          # [N, D] -> [N, K] ids, weights
         a = self.args
-        if self.impl == "triton":
-            ids, weights = kernels.router_topk(x, self.weight, self.e_score_correction_bias, a.num_experts_per_tok,
-                                               a.n_group, a.topk_group, a.norm_topk_prob, a.routed_scaling_factor)
-            if self.routing == "model":
-                return ids, weights
-            ids = self.uniform_choice(ids)  # the chosen experts' scores, from their K router rows
-            return ids, self.normalize(torch.einsum("nd,nkd->nk", at_least_f32(x), self.weight[ids]).sigmoid())
+        if self.impl == "triton":  # uniform routing too, in the same two kernels
+            return kernel(kernels.router_topk)(x, self.weight, self.e_score_correction_bias, a.num_experts_per_tok,
+                                               a.n_group, a.topk_group, a.norm_topk_prob, a.routed_scaling_factor,
+                                               uniform=self.routing == "uniform")
         scores = F.linear(at_least_f32(x), self.weight).sigmoid()               # [N, E] fp32
         biased = scores + self.e_score_correction_bias
         if a.n_group > 1:
@@ -679,13 +716,14 @@ class MoE(nn.Module):
         shape = x.shape
         x = x.view(-1, shape[-1])
         ids, weights = self.gate(x)
-        y = self.experts(x, ids, weights) + self.shared_experts(x)
+        if self.shared_experts.fused_proj:  # the shared expert's down GEMM adds onto the routed output
+            y = self.shared_experts(x, add_to=self.experts(x, ids, weights))
+        else:
+            y = self.experts(x, ids, weights) + self.shared_experts(x)
         return self.tp.all_reduce(y).view(shape)  # routed + shared partial sums: one all-reduce
 
 
 class Block(nn.Module):
-    fused_add_norm = False  # True: kernels.add_rmsnorm (Transformer.use_kernels)
-
     def __init__(self, layer_id, args, tp, moe_impl, max_batch_size, max_seq_len, device, dtype):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, device, dtype)
@@ -698,13 +736,26 @@ class Block(nn.Module):
             self.mlp = MoE(args, tp, moe_impl, device, dtype)
 
     def forward(self, x, positions, rope, future, mode):
-        attn = self.self_attn(self.input_layernorm(x), positions, rope, future, mode)
-        if self.fused_add_norm:  # the residual add and the norm in one kernel
-            x, h = kernels.add_rmsnorm(x, attn, self.post_attention_layernorm.weight, self.post_attention_layernorm.eps)
+        """The residual stream x [B, T, D] after this layer: x + attention + MLP."""
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, future, mode)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+    def forward_fused(self, x, pending, positions, rope, future, mode):
+        """forward with each residual add fused into the RMSNorm that reads the sum
+        (kernels.add_rmsnorm). pending: the previous layer's MLP output, not yet added to x (None:
+        nothing pending). Returns (x after the attention add, this layer's MLP output): their sum is
+        what forward returns, and the next layer's input norm (or the final one) adds it."""
+        norm = self.input_layernorm
+        if pending is None:
+            h = norm(x)
         else:
-            x = x + attn
-            h = self.post_attention_layernorm(x)
-        return x + self.mlp(h)
+            with scope("elementwise"):
+                x, h = kernel(kernels.add_rmsnorm)(x, pending, norm.weight, norm.eps)
+        attn = self.self_attn(h, positions, rope, future, mode)
+        norm = self.post_attention_layernorm
+        with scope("elementwise"):
+            x, h = kernel(kernels.add_rmsnorm)(x, attn, norm.weight, norm.eps)
+        return x, self.mlp(h)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -716,7 +767,8 @@ class TargetOutput(NamedTuple):
     aux: torch.Tensor | None    # [B, T, 3*D] the EAGLE-3 states with capture_aux, else None
 
 
-KERNELS = ("attention", "rope_cache", "router", "add_rmsnorm")   # Transformer(kernels=...): the Triton twins, by name
+# Transformer(kernels=...): the fast twins, by name; all but "fused_proj" (GEMMs over stacked weights) are Triton
+KERNELS = ("attention", "rope_cache", "router", "add_rmsnorm", "fused_proj")
 
 
 class Transformer(nn.Module):
@@ -771,24 +823,32 @@ class Transformer(nn.Module):
                 m.routing = routing
 
     def use_kernels(self, names):
-        """Run the named Triton kernels (kernels.py) in place of their plain twins, the others
-        plain: "attention" (decode-mode MLA attention), "rope_cache" (RoPE + latent norm + cache
-        writes), "router" (logits and selection), "add_rmsnorm" (residual add +
-        post-attention norm). names: an iterable, "all" or "none"."""
+        """Run the named fast twins in place of the plain code, the others plain. Triton kernels
+        (kernels.py): "attention" (decode-mode MLA attention), "rope_cache" (RoPE + latent norm +
+        cache writes), "router" (logits and selection, SIMULATED uniform routing included),
+        "add_rmsnorm" (every residual add fused into the RMSNorm that reads the sum: the
+        post-attention one, the next layer's input norm, the final norm). "fused_proj" (plain
+        torch): q_a_proj + kv_a_proj_with_mqa and each MLP's gate_proj + up_proj as one GEMM over
+        their stacked weights, the shared expert's down GEMM accumulating onto the routed output.
+        names: an iterable, "all" or "none"."""
         names = set(KERNELS if names == "all" else () if names in (None, "none") else
                     [names] if isinstance(names, str) else names)
         if names - set(KERNELS):
             raise ValueError(f"unknown kernels {sorted(names - set(KERNELS))}; choose from {list(KERNELS)} or 'all'")
-        if names:
+        if names - {"fused_proj"}:
             kernels.check_available(self.device)
             if self.dtype not in (torch.bfloat16, torch.float16, torch.float32):
                 raise ValueError(f"the Triton kernels run bf16, fp16 or fp32 models, not {self.dtype}")
         for layer in self.layers:
             layer.self_attn.attn_impl = "triton" if "attention" in names else "torch"
             layer.self_attn.rope_cache_impl = "triton" if "rope_cache" in names else "torch"
-            layer.fused_add_norm = "add_rmsnorm" in names
+            layer.self_attn.fused_proj = "fused_proj" in names and bool(self.args.q_lora_rank)
+            for m in layer.mlp.modules():
+                if isinstance(m, MLP):
+                    m.fused_proj = "fused_proj" in names
             if isinstance(layer.mlp, MoE):
                 layer.mlp.gate.impl = "triton" if "router" in names else "torch"
+        self.fused_add_norm = "add_rmsnorm" in names
         self.kernels = tuple(k for k in KERNELS if k in names)
         return self
 
@@ -798,7 +858,8 @@ class Transformer(nn.Module):
         tested equal to the plain layers; CUDA graphs stay explicit (graphs.py captures these)."""
         torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
         for layer in self.layers:
-            layer.compile(dynamic=False)
+            layer.compile(dynamic=False)   # Block.forward, through the module's call
+            layer.forward_fused = torch.compile(layer.forward_fused, dynamic=False)   # add_rmsnorm's path
         return self
 
     @property
@@ -820,13 +881,24 @@ class Transformer(nn.Module):
         x = self.embed_tokens(tokens)                                         # [B, T, D]
         rope = self.rope[positions]                                           # [B, T, R/2, 2]
         future = torch.arange(kv_len, device=x.device) > positions.unsqueeze(-1)   # [B, T, S], once
-        captured = {}
+        captured, pending = {}, None  # pending: the last MLP output, not yet added to x (fused path)
         for i, layer in enumerate(self.layers):
-            x = layer(x, positions, rope, future, mode)
+            if self.fused_add_norm:  # the add waits for the next norm, which does both in one kernel
+                x, pending = layer.forward_fused(x, pending, positions, rope, future, mode)
+            else:
+                x = layer(x, positions, rope, future, mode)
             if capture_aux and i in self.aux_layer_ids:
+                if pending is not None:  # an EAGLE-3 state is the layer's whole output: add it here
+                    with scope("elementwise"):
+                        x, pending = x + pending, None
                 captured[i] = x
         aux = torch.cat([captured[i] for i in self.aux_layer_ids], dim=-1) if capture_aux else None
-        return TargetOutput(self.lm_head(self.norm(x)), aux)
+        if pending is None:
+            h = self.norm(x)
+        else:
+            with scope("elementwise"):
+                h = kernel(kernels.add_rmsnorm)(x, pending, self.norm.weight, self.norm.eps)[1]
+        return TargetOutput(self.lm_head(h), aux)
 
 
 # ---------------------------------------------------------------------------------------------

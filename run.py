@@ -135,8 +135,9 @@ def make_parser():
                    help="routed experts: gathered weights (plain), torch._grouped_mm, or the fused Triton kernel "
                    "(kernels.py; grouped above 256 tokens for unquantized experts) (auto: fused on a GPU with Triton, else grouped; "
                    "CPU: gather)")
-    p.add_argument("--kernels", default="none", help="Triton kernels in place of their plain twins: 'all', "
-                   "'none' or a comma list of " + ",".join(model.KERNELS) + " (default %(default)s)")
+    p.add_argument("--kernels", default="none", help="fast twins in place of the plain code (Triton kernels, and "
+                   "fused_proj: stacked-weight GEMMs): 'all', 'none' or a comma list of " + ",".join(model.KERNELS)
+                   + " (default %(default)s)")
     p.add_argument("--compile", action="store_true", help="also time the captured phases with each decoder "
                    "layer and the draft layer fused by torch.compile (inside our own CUDA graphs), beside the plain ones")
     p.add_argument("--reps", type=int, help="timed repetitions per phase, after warm-up (default 20)")
@@ -278,7 +279,7 @@ def check_device_flags(args, device):
     unknown = [] if isinstance(args.kernels, str) else sorted(set(args.kernels) - set(model.KERNELS))
     if unknown:
         raise BadInput(f"--kernels: unknown {', '.join(unknown)}; choose from {', '.join(model.KERNELS)}, all or none")
-    if args.kernels != "none":
+    if args.kernels not in ("none", ["fused_proj"]):   # fused_proj is plain torch
         try:
             kernels.check_available(device)
         except RuntimeError as e:

@@ -1907,6 +1907,83 @@ def test_model_with_kernels_equals_plain():
         plain.use_kernels(["attention", "flash"])
 
 
+@triton_ok
+@pytest.mark.parametrize("shape", list(ROUTER_SHAPES))
+def test_router_kernel_uniform_routing_equals_twin(shape):
+    """SIMULATED uniform routing inside the select kernel (no kernel of its own): the experts of
+    model.Router's torch path (pair j of the N*K to expert j mod E, wrapping past E pairs) and their
+    scores, normalized and scaled, as its weights."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = tiny(**ROUTER_SHAPES[shape])
+    router = model.Router(args, device, torch.float32)
+    router.routing = "uniform"
+    g = torch.Generator().manual_seed(len(shape) + 1)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g) / 8)
+        router.e_score_correction_bias.copy_(0.1 * torch.randn(args.n_routed_experts, generator=g))
+    for n in (1, 5, 37, 60) if device == "cuda" else (1, 5):   # 5 x 4 = 20 pairs wrap past tiny's 16 experts
+        x = torch.randn(n, args.hidden_size, generator=g).to(device)
+        router.impl = "torch"
+        ids, w = router(x)
+        router.impl = "triton"
+        got_ids, got_w = router(x)
+        assert torch.equal(got_ids, ids), f"uniform router kernel {shape} N={n}: ids differ\n{got_ids}\n{ids}"
+        assert_close(got_w, w, 1e-6, f"uniform router kernel {shape} N={n}: weights")
+
+
+@triton_ok
+def test_add_rmsnorm_across_layers_equals_plain_with_exact_aux_states():
+    """kernels="add_rmsnorm": every residual add fused into the norm that reads it (the MLP output
+    carried into the next layer's input norm, the last one into the final norm). Logits and the
+    EAGLE-3 aux states (whole layer outputs, x + mlp, among them the second-to-last layer's) equal
+    the plain model's, in both attention modes."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = tiny(num_hidden_layers=4 if device == "cpu" else 8)
+    aux_ids = [0, 1, args.num_hidden_layers - 2]
+    plain = init_random(Transformer(args, 3, 32, device=device, dtype=torch.float32, aux_layer_ids=aux_ids), 3)
+    fused = init_random(Transformer(args, 3, 32, device=device, dtype=torch.float32, aux_layer_ids=aux_ids,
+                                    kernels="add_rmsnorm"), 3)
+    prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=4))
+    for tokens, pos, mode in ((prefill, prefill_pos, "extend"), (step, step_pos, "decode"), (step, step_pos, "extend")):
+        for capture_aux in (True, False):
+            want, got = plain(tokens, pos, mode, capture_aux), fused(tokens, pos, mode, capture_aux)
+            what = f"add_rmsnorm across layers, {mode}, T={tokens.shape[1]}, aux {capture_aux}"
+            assert_close(got.logits, want.logits, 1e-4, what + ": logits")
+            if capture_aux:
+                assert_close(got.aux, want.aux, 1e-5 * want.aux.abs().max().item(), what + ": aux states")
+
+
+def test_fused_proj_equals_plain_on_one_copy_of_the_weights(tiny_ckpt, tmp_path):
+    """kernels="fused_proj" (plain torch, any dtype): q_a_proj + kv_a_proj_with_mqa and gate_proj +
+    up_proj as one GEMM each over the stacked weights, the shared expert's down GEMM adding onto
+    the routed output. Loaded by the checkpoint's own names (float64, FP8 and INT4 checkpoints,
+    a simulated TP-2 rank's slices) it equals the plain model; each weight is a view of its
+    stacked buffer (no second copy)."""
+    ckpt, m = tiny_ckpt
+    fused = load_target(ckpt, 3, 32, dtype=torch.float64, kernels="fused_proj")
+    assert_close(run_steps(fused), run_steps(m), 1e-12, "fused_proj vs plain, float64 checkpoint")
+    attn, dense, shared = fused.layers[1].self_attn, fused.layers[0].mlp, fused.layers[1].mlp.shared_experts
+    for buf, parts in ((attn.q_kv_a_weight, (attn.q_a_proj, attn.kv_a_proj_with_mqa)),
+                       (dense.gate_up_weight, (dense.gate_proj, dense.up_proj)),
+                       (shared.gate_up_weight, (shared.gate_proj, shared.up_proj))):
+        first, second = (p.weight for p in parts)
+        assert first.data_ptr() == buf.data_ptr() and second.data_ptr() == buf[len(first):].data_ptr()
+        assert torch.equal(torch.cat([first, second]), buf)
+    storages = {p.untyped_storage().data_ptr() for p in fused.parameters()}
+    pairs = 2 * fused.args.num_hidden_layers          # each layer: the attention pair and an MLP's
+    assert len(storages) == len(list(fused.parameters())) - pairs, "a stacked pair is not one storage"
+    for r in (0, 1):
+        tp = TP.simulate(2, r)
+        got = run_steps(load_target(ckpt, 3, 32, dtype=torch.float64, tp=tp, kernels="fused_proj"))
+        assert_close(got, run_steps(load_target(ckpt, 3, 32, dtype=torch.float64, tp=tp)), 1e-12,
+                     f"fused_proj vs plain, simulated rank {r} of TP 2")
+    for make in (fp8_checkpoint, int4_checkpoint):
+        quant, plain = make(str(tmp_path / make.__name__))
+        got = run_steps(load_target(quant, 3, 32, dtype=torch.float32, kernels="fused_proj"))
+        assert_close(got, run_steps(load_target(plain, 3, 32, dtype=torch.float32)), 1e-5,
+                     f"fused_proj on {make.__name__} vs the dequantized checkpoint, plain")
+
+
 @cuda
 @triton_ok
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
