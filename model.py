@@ -26,6 +26,7 @@ import zlib
 from collections import Counter
 from contextlib import ExitStack, nullcontext
 from dataclasses import asdict, dataclass, field, fields
+from types import SimpleNamespace
 from typing import NamedTuple
 
 import torch
@@ -275,10 +276,11 @@ def scope(component):
     return torch.profiler.record_function("component:" + component)
 
 
-def kernel(fn):
-    """A kernels.py function as the model calls it: torch.compile (run.py --compile) does not trace
-    into it (a graph break there), so its Triton launches run as written between the compiled parts."""
-    return torch.compiler.disable(fn)
+# kernels.py's functions as the model calls them, each wrapped once by torch.compiler.disable:
+# torch.compile (run.py --compile) does not trace into them (a graph break there), so their Triton
+# launches run as written between the compiled parts.
+triton_kernels = SimpleNamespace(**{name: torch.compiler.disable(getattr(kernels, name)) for name in (
+    "mla_rope_cache_write", "mla_decode_attention", "router_topk", "add_rmsnorm")})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -424,7 +426,8 @@ class MLA(nn.Module):
         (B, T, _), kv_len = x.shape, future.shape[-1]
         if self.fused_proj:  # q_a_proj and kv_a_proj_with_mqa in one GEMM: x read once
             with scope("attn_proj"):
-                q_a, kv_a = F.linear(x, self.q_kv_a_weight).split([a.q_lora_rank, a.kv_lora_rank + a.qk_rope_head_dim], -1)
+                q_a, kv_a = F.linear(x, self.q_kv_a_weight).split(
+                    [a.q_lora_rank, a.kv_lora_rank + a.qk_rope_head_dim], -1)          # [B, T, q_lora], [B, T, C+R]
             q = self.q_b_proj(self.q_a_layernorm(q_a))
         else:
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
@@ -432,8 +435,9 @@ class MLA(nn.Module):
         q_nope, q_pe = q.view(B, T, h, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
         kv, k_pe = kv_a.split([a.kv_lora_rank, a.qk_rope_head_dim], -1)                # [B, T, C], [B, T, R]
         if self.rope_cache_impl == "triton":  # the four lines below in one kernel
-            q_pe = kernel(kernels.mla_rope_cache_write)(q_pe, kv, k_pe, self.kv_a_layernorm.weight, self.kv_a_layernorm.eps,
-                                                rope, positions, self.kv_cache, self.pe_cache)
+            norm = self.kv_a_layernorm
+            q_pe = triton_kernels.mla_rope_cache_write(q_pe, kv, k_pe, norm.weight, norm.eps, rope, positions,
+                                                       self.kv_cache, self.pe_cache)
         else:
             q_pe = apply_rope(q_pe, rope)
             rows = torch.arange(B, device=x.device).unsqueeze(1)
@@ -455,7 +459,7 @@ class MLA(nn.Module):
             with scope("attn_proj"):  # kv_b_proj's key half, absorbed into the query
                 q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)           # [B, T, H, C]
             if self.attn_impl == "triton":  # the same math in one pass over the used slots
-                o_lat = kernel(kernels.mla_decode_attention)(q_lat, q_pe, kv_c, pe_c, positions, a.softmax_scale)
+                o_lat = triton_kernels.mla_decode_attention(q_lat, q_pe, kv_c, pe_c, positions, a.softmax_scale)
             else:
                 o_lat = absorbed_attention(q_lat, q_pe, kv_c, pe_c, future, a.softmax_scale)
             # likewise o = sum_s p_s (W_uv c_s) = W_uv (sum_s p_s c_s): attend over latents, then W_uv once
@@ -512,9 +516,9 @@ class Router(nn.Module):
     def forward(self, x):                                          # [N, D] -> [N, K] ids, weights
         a = self.args
         if self.impl == "triton":  # uniform routing too, in the same two kernels
-            return kernel(kernels.router_topk)(x, self.weight, self.e_score_correction_bias, a.num_experts_per_tok,
-                                               a.n_group, a.topk_group, a.norm_topk_prob, a.routed_scaling_factor,
-                                               uniform=self.routing == "uniform")
+            return triton_kernels.router_topk(x, self.weight, self.e_score_correction_bias, a.num_experts_per_tok,
+                                              a.n_group, a.topk_group, a.norm_topk_prob, a.routed_scaling_factor,
+                                              uniform=self.routing == "uniform")
         scores = F.linear(at_least_f32(x), self.weight).sigmoid()               # [N, E] fp32
         biased = scores + self.e_score_correction_bias
         if a.n_group > 1:
@@ -750,11 +754,11 @@ class Block(nn.Module):
             h = norm(x)
         else:
             with scope("elementwise"):
-                x, h = kernel(kernels.add_rmsnorm)(x, pending, norm.weight, norm.eps)
+                x, h = triton_kernels.add_rmsnorm(x, pending, norm.weight, norm.eps)
         attn = self.self_attn(h, positions, rope, future, mode)
         norm = self.post_attention_layernorm
         with scope("elementwise"):
-            x, h = kernel(kernels.add_rmsnorm)(x, attn, norm.weight, norm.eps)
+            x, h = triton_kernels.add_rmsnorm(x, attn, norm.weight, norm.eps)
         return x, self.mlp(h)
 
 
@@ -897,7 +901,7 @@ class Transformer(nn.Module):
             h = self.norm(x)
         else:
             with scope("elementwise"):
-                h = kernel(kernels.add_rmsnorm)(x, pending, self.norm.weight, self.norm.eps)[1]
+                h = triton_kernels.add_rmsnorm(x, pending, self.norm.weight, self.norm.eps)[1]
         return TargetOutput(self.lm_head(h), aux)
 
 

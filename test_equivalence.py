@@ -1697,26 +1697,32 @@ def test_component_table_adds_up_to_the_summed_kernel_time_on_the_gpu():
 
 
 @cuda
-def test_compiled_layers_equal_plain_inside_graphs_without_host_sync():
-    """run.py --compile: torch.compile fuses each layer, our CUDA graphs capture the result."""
+@pytest.mark.parametrize("kernels_on", [False, True])
+def test_compiled_layers_equal_plain_inside_graphs_without_host_sync(kernels_on):
+    """run.py --compile: torch.compile fuses each layer, our CUDA graphs capture the result; with
+    every kernel on (run.py --compile --kernels all, SIMULATED uniform routing as run.py times it)
+    the Triton launches run between the compiled parts. Logits and aux states against the same
+    model uncompiled."""
     from functools import partial
     from graphs import CudaGraphs
-    target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32), 0)
+    target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32,
+                                     routing="uniform" if kernels_on else "model",
+                                     kernels="all" if kernels_on else "none"), 0)
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
-    plain = {mode: target(step, step_pos, mode).logits for mode in ("extend", "decode")}
+    plain = {mode: flat(target(step, step_pos, mode, capture_aux=True)) for mode in ("extend", "decode")}
     target.compile_layers()
     runner = CudaGraphs("cuda")
     for mode, ref in plain.items():
-        fn = partial(target, mode=mode)
-        assert_close(fn(step, step_pos).logits, ref, 1e-4, f"compiled vs plain layers, {mode}")
+        fn = partial(target, mode=mode, capture_aux=True)
+        assert_close(flat(fn(step, step_pos)), ref, 1e-4, f"compiled vs plain layers, {mode}, kernels {kernels_on}")
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            graphed = runner.run(("compiled", mode), fn, step, step_pos).logits
+            graphed = flat(runner.run(("compiled", mode), fn, step, step_pos))
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert_close(graphed, ref, 1e-4, f"compiled layers in a CUDA graph vs plain, {mode}")
+        assert_close(graphed, ref, 1e-4, f"compiled layers in a CUDA graph vs plain, {mode}, kernels {kernels_on}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2032,18 +2038,19 @@ def test_gpu_kernels_in_captured_paths():
     from graphs import CudaGraphs
     target, head = gpu_models()
     target.use_kernels("all")
-    calls = captured_calls(target, head)
     runner = CudaGraphs("cuda")
-    for key, fn, inputs in calls:
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            eager = flat(fn(*inputs))
-            runner.run(key, fn, *inputs)          # capture
-            graphed = flat(runner.run(key, fn, *inputs))
-        finally:
-            torch.cuda.set_sync_debug_mode("default")
-        assert_close(graphed, eager, 0.0, f"kernels on: graph vs eager {key}")
+    for routing in ("model", "uniform"):   # uniform: SIMULATED, inside the router kernel
+        target.set_routing(routing)
+        for key, fn, inputs in captured_calls(target, head):
+            torch.cuda.synchronize()
+            torch.cuda.set_sync_debug_mode("error")
+            try:
+                eager = flat(fn(*inputs))
+                runner.run(key + (routing,), fn, *inputs)          # capture
+                graphed = flat(runner.run(key + (routing,), fn, *inputs))
+            finally:
+                torch.cuda.set_sync_debug_mode("default")
+            assert_close(graphed, eager, 0.0, f"kernels on, {routing} routing: graph vs eager {key}")
     plain, fast = kernel_models("cuda", torch.bfloat16)
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256, seed=9))
     a, b = plain(prefill, prefill_pos).logits, fast(prefill, prefill_pos).logits
