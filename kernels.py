@@ -6,6 +6,7 @@ PyTorch code in model.py that stays the readable specification.
   RoPE + cache write     mla_rope_cache_write   twin: the plain lines of model.MLA.forward it replaces
   Router                 router_topk            twin: model.Router.forward (plain)
   Residual add + RMSNorm add_rmsnorm            twin: x + y, then model.RMSNorm
+  SwiGLU activation      silu_mul               twin: F.silu(gate) * up in model.MLP
 
 The fused MoE is switched on by model.Transformer(moe_impl="fused") (run.py --moe-impl; "auto"
 picks it on a GPU with Triton), the others by name (model.Transformer(..., kernels=...), run.py
@@ -826,6 +827,42 @@ def add_rmsnorm(x, y, weight, eps):
                                             h.stride(0), out.stride(0), BLOCK_D=_pow2(D),
                                             num_warps=8 if D >= 4096 else 4)
     return h.view(x.shape), out.view(x.shape)
+
+
+# ---------------------------------------------------------------------------------------------
+# SwiGLU activation: silu(gate) * up in one pass (the dense MLP's and the shared expert's).
+
+
+@_jit
+def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, I, s_g, s_u, s_out, BLOCK: tl.constexpr):
+    """out[n] = silu(g[n]) * u[n], in float32, rounded once. g, u, out [N, I] (rows strided, the
+    last dim contiguous; g and u may be the two halves of one [N, 2I] GEMM output).
+    Grid: (N, cdiv(I, BLOCK))."""
+    n, b = tl.program_id(0), tl.program_id(1)
+    i = b * BLOCK + tl.arange(0, BLOCK)
+    ok = i < I
+    g = tl.load(g_ptr + n * s_g + i, mask=ok, other=0.0).to(tl.float32)
+    u = tl.load(u_ptr + n * s_u + i, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + n * s_out + i, (g * tl.sigmoid(g) * u).to(out_ptr.dtype.element_ty), mask=ok)
+
+
+SILU_MUL_BLOCK = 1024   # elements a program: I = 256 (Kimi-K2's shared expert at TP 8) is one program a row
+
+
+def silu_mul(gate, up):
+    """silu(gate) * up for gate, up [..., I] of one dtype (views with a contiguous last dim, e.g.
+    the halves of one GEMM output): one read of each, one write."""
+    I = gate.shape[-1]
+    if up.shape != gate.shape or up.dtype != gate.dtype or gate.stride(-1) != 1 or up.stride(-1) != 1:
+        raise ValueError(f"silu_mul: gate {gate.dtype} {list(gate.shape)} and up {up.dtype} {list(up.shape)} must "
+                         "match, each with a contiguous last dim")
+    g2, u2 = gate.reshape(-1, I), up.reshape(-1, I)      # views for the halves of a [..., 2I] output
+    out = torch.empty(g2.shape, device=gate.device, dtype=gate.dtype)
+    if g2.shape[0]:
+        _silu_mul_kernel[(g2.shape[0], triton.cdiv(I, SILU_MUL_BLOCK))](
+            g2, u2, out, I, g2.stride(0), u2.stride(0), out.stride(0), BLOCK=min(SILU_MUL_BLOCK, _pow2(I)),
+            num_warps=4)
+    return out.view(gate.shape)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -280,7 +280,7 @@ def scope(component):
 # torch.compile (run.py --compile) does not trace into them (a graph break there), so their Triton
 # launches run as written between the compiled parts.
 triton_kernels = SimpleNamespace(**{name: torch.compiler.disable(getattr(kernels, name)) for name in (
-    "mla_rope_cache_write", "mla_decode_attention", "router_topk", "add_rmsnorm")})
+    "mla_rope_cache_write", "mla_decode_attention", "router_topk", "add_rmsnorm", "silu_mul")})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -473,7 +473,8 @@ class MLA(nn.Module):
 
 class MLP(nn.Module):
     """SwiGLU; gate/up column parallel, down row parallel (reduce=False leaves the sum to the caller)."""
-    fused_proj = False  # True: gate_proj and up_proj as one GEMM (Transformer.use_kernels)
+    fused_proj = False    # True: gate_proj and up_proj as one GEMM (Transformer.use_kernels)
+    act_impl = "torch"    # "triton": silu(gate) * up in one kernel (kernels.silu_mul)
 
     def __init__(self, dim, inter, tp, what, reduce=True, device=None, dtype=None):
         super().__init__()
@@ -489,9 +490,10 @@ class MLP(nn.Module):
             gate, up = F.linear(x, self.gate_up_weight).chunk(2, -1)
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
+        h = triton_kernels.silu_mul(gate, up) if self.act_impl == "triton" else F.silu(gate) * up
         if add_to is not None:
-            return add_to.addmm_(F.silu(gate) * up, self.down_proj.weight.t())
-        return self.down_proj(F.silu(gate) * up)
+            return add_to.addmm_(h, self.down_proj.weight.t())
+        return self.down_proj(h)
 
 
 class Router(nn.Module):
@@ -772,7 +774,7 @@ class TargetOutput(NamedTuple):
 
 
 # Transformer(kernels=...): the fast twins, by name; all but "fused_proj" (GEMMs over stacked weights) are Triton
-KERNELS = ("attention", "rope_cache", "router", "add_rmsnorm", "fused_proj")
+KERNELS = ("attention", "rope_cache", "router", "add_rmsnorm", "silu_mul", "fused_proj")
 
 
 class Transformer(nn.Module):
@@ -831,10 +833,10 @@ class Transformer(nn.Module):
         (kernels.py): "attention" (decode-mode MLA attention), "rope_cache" (RoPE + latent norm +
         cache writes), "router" (logits and selection, SIMULATED uniform routing included),
         "add_rmsnorm" (every residual add fused into the RMSNorm that reads the sum: the
-        post-attention one, the next layer's input norm, the final norm). "fused_proj" (plain
-        torch): q_a_proj + kv_a_proj_with_mqa and each MLP's gate_proj + up_proj as one GEMM over
-        their stacked weights, the shared expert's down GEMM accumulating onto the routed output.
-        names: an iterable, "all" or "none"."""
+        post-attention one, the next layer's input norm, the final norm), "silu_mul" (the MLPs'
+        SwiGLU activation). "fused_proj" (plain torch): q_a_proj + kv_a_proj_with_mqa and each
+        MLP's gate_proj + up_proj as one GEMM over their stacked weights, the shared expert's down
+        GEMM accumulating onto the routed output. names: an iterable, "all" or "none"."""
         names = set(KERNELS if names == "all" else () if names in (None, "none") else
                     [names] if isinstance(names, str) else names)
         if names - set(KERNELS):
@@ -850,6 +852,7 @@ class Transformer(nn.Module):
             for m in layer.mlp.modules():
                 if isinstance(m, MLP):
                     m.fused_proj = "fused_proj" in names
+                    m.act_impl = "triton" if "silu_mul" in names else "torch"
             if isinstance(layer.mlp, MoE):
                 layer.mlp.gate.impl = "triton" if "router" in names else "torch"
         self.fused_add_norm = "add_rmsnorm" in names

@@ -23,6 +23,7 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():  # Triton's CPU interpreter runs the kernels' small cases; set before
     os.environ.setdefault("TRITON_INTERPRET", "1")  # anything imports Triton (its decorators read it)
 import torch.distributed as dist  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
@@ -1886,6 +1887,25 @@ def test_add_rmsnorm_kernel_equals_twin(D, dtype):
     ref = norm(x + y)
     tol = 1e-5 if dtype == torch.float32 else 2 ** -7 * ref.abs().max().item()  # bf16: one rounding apart
     assert_close(out, ref, tol, f"add_rmsnorm D={D} {dtype}: the norm")
+
+
+@triton_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_kernel_equals_twin(dtype):
+    """SwiGLU's silu(gate) * up against model.MLP's plain line, on the two halves of one [N, 2I]
+    output (as fused_proj gives them) and on separate tensors, at tiny and Kimi-K2 TP-8 widths."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
+                    "kernels are checked on the GPU")
+    g = torch.Generator().manual_seed(11)
+    for I in (32, 256, 2304):   # tiny's shared expert, Kimi-K2's at TP 8, its dense MLP at TP 8
+        gate_up = (2 * torch.randn(2, 3, 2 * I, generator=g)).to(device, dtype)
+        for gate, up in (gate_up.chunk(2, -1), (gate_up[..., :I].contiguous(), gate_up[..., I:].contiguous())):
+            got, want = kernels.silu_mul(gate, up), F.silu(gate) * up
+            tol = (1e-6 if dtype == torch.float32 else 2 ** -7) * want.abs().max().item()   # bf16: one rounding less
+            assert got.shape == want.shape and got.dtype == dtype
+            assert_close(got, want, tol, f"silu_mul I={I} {dtype} contiguous={gate.is_contiguous()}")
 
 
 def kernel_models(device, dtype, B=3, max_seq_len=64, layers=8):
