@@ -1447,8 +1447,9 @@ def print_extras(r, b):
     env = r["env"]
     if "gpu_mem_peak_GB" in env:
         print(f"\nGPU memory: weights {env['weights_GB']:.1f} GB (routed experts {env['routed_experts_GB']:.1f}), "
-              f"peak allocated {env['gpu_mem_peak_GB']:.1f} GB "
-              f"(eager phases only: {env.get('gpu_mem_peak_eager_GB') or float('nan'):.1f} GB)")
+              f"peak allocated {env['gpu_mem_peak_GB']:.1f} GB"
+              + (f" (eager phases only: {env['gpu_mem_peak_eager_GB']:.1f} GB)"
+                 if env.get("gpu_mem_peak_eager_GB") is not None else ""))
         print(f"kernels per eager decode step: {r.get('kernels_per_decode_step')}"
               + (f", with torch.compile: {r['kernels_per_decode_step_compiled']}"
                  if "kernels_per_decode_step_compiled" in r else ""))
