@@ -1883,10 +1883,11 @@ def test_add_rmsnorm_kernel_equals_twin(D, dtype):
 
 
 def kernel_models(device, dtype, B=3, max_seq_len=64, layers=8):
-    """The tiny model twice (same seed): all kernels off, all on."""
+    """The tiny model twice (same seed): all kernels off (the gather MoE), all on (the fused MoE)."""
     args = tiny(num_hidden_layers=layers)
     plain = init_random(Transformer(args, B, max_seq_len, device=device, dtype=dtype), 0)
-    fast = init_random(Transformer(args, B, max_seq_len, device=device, dtype=dtype, kernels="all"), 0)
+    fast = init_random(Transformer(args, B, max_seq_len, device=device, dtype=dtype, moe_impl="fused",
+                                   kernels="all"), 0)
     return plain, fast
 
 
@@ -1905,6 +1906,32 @@ def test_model_with_kernels_equals_plain():
                  "kernels on vs off, step")
     with pytest.raises(ValueError, match="unknown kernels"):
         plain.use_kernels(["attention", "flash"])
+
+
+@triton_runs
+def test_shared_expert_in_the_fused_launch_equals_plain(tmp_path):
+    """kernels "shared_expert": the shared expert as expert E of the fused MoE launch equals the
+    plain MoE, whether folded before the weights are loaded (they land in the [E + 1] tensors,
+    under the checkpoint's names) or after; the parameters are views, nothing is held twice.
+    Left off (and not listed) where it cannot apply: quantized experts, the other MoE paths."""
+    args = tiny(num_hidden_layers=3)
+    kw = dict(max_batch_size=2, max_seq_len=32, device=TRITON_DEVICE, dtype=torch.float32)
+    plain = init_random(Transformer(args, **kw), 4)
+    save_target(plain.cpu(), tmp_path / "t")
+    before = load_target(tmp_path / "t", moe_impl="fused", kernels=["shared_expert"], **kw)
+    after = init_random(Transformer(args, moe_impl="fused", **kw), 4).use_kernels(["shared_expert"])
+    tokens = torch.randint(0, args.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5)).to(TRITON_DEVICE)
+    positions = torch.arange(6, device=TRITON_DEVICE).expand(2, 6)
+    want = plain.to(TRITON_DEVICE)(tokens, positions).logits
+    for folded in (before, after):
+        assert folded.kernels == ("shared_expert",)
+        moe = folded.layers[-1].mlp
+        assert moe.shared_in_launch and moe.stacked[0].shape[0] == args.n_routed_experts + 1
+        assert moe.shared_experts.down_proj.weight.data_ptr() == moe.stacked[2][-1].data_ptr()
+        assert_close(folded(tokens, positions).logits, want, 1e-5, "shared expert in the fused launch")
+    assert Transformer(args, moe_impl="gather", kernels=["shared_expert"], **kw).kernels == ()
+    int4 = tiny(num_hidden_layers=3, moe_intermediate_size=64, quantization_config="int4")
+    assert Transformer(int4, moe_impl="fused", kernels=["shared_expert"], **kw).kernels == ()
 
 
 @cuda
