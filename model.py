@@ -682,16 +682,21 @@ class Experts(nn.Module):
         values and block scales)."""
         return sum(t[0].numel() * t.element_size() for t in self.parameters())
 
-    def fused(self, x, ids, weights):
-        projs = [getattr(self, p) for p in ("gate_proj", "up_proj", "down_proj")]
+    def runs_fused(self, n_tokens):
+        return self.impl == "fused" and (n_tokens <= self.FUSED_MAX_TOKENS or not self.grouped_ok or self.quantized)
+
+    def fused(self, x, ids, weights, stacked=None):
+        projs = stacked or [getattr(self, p) for p in ("gate_proj", "up_proj", "down_proj")]
         return kernels.fused_moe(x, ids, weights, *(p.kernel_weights() if self.quantized
                                                     else kernels.ExpertWeights("plain", p) for p in projs))
 
-    def forward(self, x, ids, weights):                 # x [N, D], ids/weights [N, K] -> [N, D]
+    def forward(self, x, ids, weights, stacked=None):   # x [N, D], ids/weights [N, K] -> [N, D]
+        """stacked: MoE.fold_shared_expert's [E + 1, ...] tensors, for ids that may name expert E
+        (fused path only)."""
         N, K = ids.shape
-        if self.impl == "fused" and (N <= self.FUSED_MAX_TOKENS or not self.grouped_ok or self.quantized):
+        if self.runs_fused(N):
             # torch.compile (run.py --compile) leaves the Triton launches alone: a graph break here
-            return torch.compiler.disable(self.fused)(x, ids, weights)
+            return torch.compiler.disable(self.fused)(x, ids, weights, stacked)
         gather = self.impl == "gather" or (self.quantized and N * K < self.n_experts)
         if gather:
             h = (F.silu(torch.einsum("nd,nkid->nki", x, self.weights("gate_proj", ids)))
@@ -717,12 +722,41 @@ class MoE(nn.Module):
         self.experts = Experts(args, tp, impl, device, dtype)
         self.shared_experts = MLP(args.hidden_size, args.n_shared_experts * args.moe_intermediate_size,
                                   tp, "moe_intermediate_size", reduce=False, device=device, dtype=dtype)
+        self.stacked = None         # fold_shared_expert's [E + 1, ...] tensors, once folded
+        self.shared_in_launch = False
+
+    def can_fold_shared_expert(self):
+        """One plain shared expert of a routed expert's shape (Kimi-K2, DeepSeek-V3: n_shared_experts
+        1), and the fused kernel: the shared expert can be expert E of the routed launch."""
+        ex, sh = self.experts, self.shared_experts
+        return (ex.impl == "fused" and not ex.quantized and sh.gate_proj.weight.dtype == ex.gate_proj.dtype
+                and sh.gate_proj.weight.shape == ex.gate_proj.shape[1:])
+
+    def fold_shared_expert(self):
+        """Move the shared expert's weights in as expert E of the routed experts' tensors, so one
+        fused launch computes both (Transformer.use_kernels "shared_expert"). Moved, not copied:
+        both modules' parameters become views of the [E + 1, ...] tensors, so a checkpoint loaded
+        or initialized afterwards lands in them under the same names."""
+        if self.stacked is None:
+            ex, sh = self.experts, self.shared_experts
+            self.stacked = []
+            for routed, shared in ((ex.gate_proj, sh.gate_proj.weight), (ex.up_proj, sh.up_proj.weight),
+                                   (ex.down_proj, sh.down_proj.weight)):
+                both = torch.cat([routed.data, shared.data.unsqueeze(0)])    # [E + 1, out, in]
+                routed.data, shared.data = both[:-1], both[-1]
+                self.stacked.append(both)
+            sh.gate_up_weight = None   # its gate and up rows live in `stacked` now (fused_proj: off here)
+        return self
 
     def forward(self, x):
         shape = x.shape
         x = x.view(-1, shape[-1])
         ids, weights = self.gate(x)
-        if self.shared_experts.fused_proj:  # the shared expert's down GEMM adds onto the routed output
+        if self.shared_in_launch and self.experts.runs_fused(x.shape[0]):
+            # the shared expert is expert E, chosen by every token with weight 1: K + 1 pairs a token
+            ids = F.pad(ids, (0, 1), value=self.experts.n_experts)
+            y = self.experts(x, ids, F.pad(weights, (0, 1), value=1.0), self.stacked)
+        elif self.shared_experts.fused_proj:  # the shared expert's down GEMM adds onto the routed output
             y = self.shared_experts(x, add_to=self.experts(x, ids, weights))
         else:
             y = self.experts(x, ids, weights) + self.shared_experts(x)
@@ -773,8 +807,9 @@ class TargetOutput(NamedTuple):
     aux: torch.Tensor | None    # [B, T, 3*D] the EAGLE-3 states with capture_aux, else None
 
 
-# Transformer(kernels=...): the fast twins, by name; all but "fused_proj" (GEMMs over stacked weights) are Triton
-KERNELS = ("attention", "rope_cache", "router", "add_rmsnorm", "silu_mul", "fused_proj")
+# Transformer(kernels=...): the fast twins, by name; all but "fused_proj" (GEMMs over stacked weights) are
+# Triton ("shared_expert": the shared expert inside the fused MoE launch, where MoE.can_fold_shared_expert)
+KERNELS = ("attention", "rope_cache", "router", "add_rmsnorm", "silu_mul", "shared_expert", "fused_proj")
 
 
 class Transformer(nn.Module):
@@ -834,9 +869,12 @@ class Transformer(nn.Module):
         cache writes), "router" (logits and selection, SIMULATED uniform routing included),
         "add_rmsnorm" (every residual add fused into the RMSNorm that reads the sum: the
         post-attention one, the next layer's input norm, the final norm), "silu_mul" (the MLPs'
-        SwiGLU activation). "fused_proj" (plain torch): q_a_proj + kv_a_proj_with_mqa and each
-        MLP's gate_proj + up_proj as one GEMM over their stacked weights, the shared expert's down
-        GEMM accumulating onto the routed output. names: an iterable, "all" or "none"."""
+        SwiGLU activation), "shared_expert" (the shared expert as one more expert of the fused MoE
+        launch; only where MoE.can_fold_shared_expert, else it stays off and is not listed in
+        self.kernels). "fused_proj" (plain torch): q_a_proj + kv_a_proj_with_mqa and each MLP's
+        gate_proj + up_proj as one GEMM over their stacked weights (not a shared expert folded
+        into the launch), the shared expert's down GEMM accumulating onto the routed output.
+        names: an iterable, "all" or "none"."""
         names = set(KERNELS if names == "all" else () if names in (None, "none") else
                     [names] if isinstance(names, str) else names)
         if names - set(KERNELS):
@@ -849,14 +887,18 @@ class Transformer(nn.Module):
             layer.self_attn.attn_impl = "triton" if "attention" in names else "torch"
             layer.self_attn.rope_cache_impl = "triton" if "rope_cache" in names else "torch"
             layer.self_attn.fused_proj = "fused_proj" in names and bool(self.args.q_lora_rank)
-            for m in layer.mlp.modules():
-                if isinstance(m, MLP):
-                    m.fused_proj = "fused_proj" in names
-                    m.act_impl = "triton" if "silu_mul" in names else "torch"
             if isinstance(layer.mlp, MoE):
                 layer.mlp.gate.impl = "triton" if "router" in names else "torch"
+                layer.mlp.shared_in_launch = "shared_expert" in names and layer.mlp.can_fold_shared_expert()
+                if layer.mlp.shared_in_launch:
+                    layer.mlp.fold_shared_expert()
+            for m in layer.mlp.modules():
+                if isinstance(m, MLP):   # a folded shared expert has no stacked gate_up_weight left
+                    m.fused_proj = "fused_proj" in names and m.gate_up_weight is not None
+                    m.act_impl = "triton" if "silu_mul" in names else "torch"
         self.fused_add_norm = "add_rmsnorm" in names
-        self.kernels = tuple(k for k in KERNELS if k in names)
+        folded = any(isinstance(m, MoE) and m.shared_in_launch for m in self.modules())
+        self.kernels = tuple(k for k in KERNELS if k in names and (k != "shared_expert" or folded))
         return self
 
     def compile_layers(self):

@@ -476,7 +476,7 @@ COMPONENTS = {  # the rows of the component table, in order
     "attn_core": "attention core (scores, softmax, values, cache write)",
     "attn_proj": "attention projections (q/kv down, up, o_proj)",
     "router": "router (scores, selection, weights)",
-    "routed_experts": "routed experts",
+    "routed_experts": "routed experts (+ the shared one in the launch)",
     "shared_mlp": "shared expert + dense MLP",
     "elementwise": "norms, residual, RoPE, elementwise",
     "allreduce": "all-reduce",
@@ -490,6 +490,10 @@ def component_bytes(target, distinct, kv_slots, batch, tokens):
     stored (routed experts: only the `distinct` ones reached, per MoE layer), the latent cache of
     kv_slots positions per row, and only the embedding rows looked up."""
     out = dict.fromkeys(COMPONENTS, 0)
+    # a shared expert folded into the fused MoE launch (kernels "shared_expert") runs there: its
+    # bytes go with the routed experts' (its time does too)
+    folded = tuple(f"layers.{i}.mlp.shared_experts." for i, layer in enumerate(target.layers)
+                   if getattr(layer.mlp, "shared_in_launch", False))
     for name, p in target.named_parameters():
         nbytes = p.numel() * p.element_size()
         if ".mlp.experts." in name:
@@ -505,9 +509,9 @@ def component_bytes(target, distinct, kv_slots, batch, tokens):
         elif ".mlp.gate." in name:
             out["router"] += nbytes
         else:  # the shared expert and the dense MLP
-            out["shared_mlp"] += nbytes
+            out["routed_experts" if name.startswith(folded) else "shared_mlp"] += nbytes
     moe = [layer.mlp.experts for layer in target.layers if isinstance(layer.mlp, model.MoE)]
-    out["routed_experts"] = sum(n * experts.expert_bytes() for experts, n in zip(moe, distinct))
+    out["routed_experts"] += sum(n * experts.expert_bytes() for experts, n in zip(moe, distinct))
     a = target.args
     out["attn_core"] = (len(target.layers) * batch * kv_slots * (a.kv_lora_rank + a.qk_rope_head_dim)
                         * target.dtype.itemsize)
@@ -1448,8 +1452,9 @@ def print_extras(r, b):
     env = r["env"]
     if "gpu_mem_peak_GB" in env:
         print(f"\nGPU memory: weights {env['weights_GB']:.1f} GB (routed experts {env['routed_experts_GB']:.1f}), "
-              f"peak allocated {env['gpu_mem_peak_GB']:.1f} GB "
-              f"(eager phases only: {env.get('gpu_mem_peak_eager_GB') or float('nan'):.1f} GB)")
+              f"peak allocated {env['gpu_mem_peak_GB']:.1f} GB"
+              + (f" (eager phases only: {env['gpu_mem_peak_eager_GB']:.1f} GB)"
+                 if env.get("gpu_mem_peak_eager_GB") is not None else ""))
         print(f"kernels per eager decode step: {r.get('kernels_per_decode_step')}"
               + (f", with torch.compile: {r['kernels_per_decode_step_compiled']}"
                  if "kernels_per_decode_step_compiled" in r else ""))

@@ -1909,10 +1909,11 @@ def test_silu_mul_kernel_equals_twin(dtype):
 
 
 def kernel_models(device, dtype, B=3, max_seq_len=64, layers=8):
-    """The tiny model twice (same seed): all kernels off, all on."""
+    """The tiny model twice (same seed): all kernels off (the gather MoE), all on (the fused MoE)."""
     args = tiny(num_hidden_layers=layers)
     plain = init_random(Transformer(args, B, max_seq_len, device=device, dtype=dtype), 0)
-    fast = init_random(Transformer(args, B, max_seq_len, device=device, dtype=dtype, kernels="all"), 0)
+    fast = init_random(Transformer(args, B, max_seq_len, device=device, dtype=dtype, moe_impl="fused",
+                                   kernels="all"), 0)
     return plain, fast
 
 
@@ -2008,6 +2009,56 @@ def test_fused_proj_equals_plain_on_one_copy_of_the_weights(tiny_ckpt, tmp_path)
         got = run_steps(load_target(quant, 3, 32, dtype=torch.float32, kernels="fused_proj"))
         assert_close(got, run_steps(load_target(plain, 3, 32, dtype=torch.float32)), 1e-5,
                      f"fused_proj on {make.__name__} vs the dequantized checkpoint, plain")
+
+
+@triton_runs
+def test_shared_expert_in_the_fused_launch_equals_plain(tmp_path):
+    """kernels "shared_expert": the shared expert as expert E of the fused MoE launch equals the
+    plain MoE, whether folded before the weights are loaded (they land in the [E + 1] tensors,
+    under the checkpoint's names) or after; the parameters are views, nothing is held twice.
+    Left off (and not listed) where it cannot apply: quantized experts, the other MoE paths."""
+    args = tiny(num_hidden_layers=3)
+    kw = dict(max_batch_size=2, max_seq_len=32, device=TRITON_DEVICE, dtype=torch.float32)
+    plain = init_random(Transformer(args, **kw), 4)
+    save_target(plain.cpu(), tmp_path / "t")
+    before = load_target(tmp_path / "t", moe_impl="fused", kernels=["shared_expert"], **kw)
+    after = init_random(Transformer(args, moe_impl="fused", **kw), 4).use_kernels(["shared_expert"])
+    tokens = torch.randint(0, args.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5)).to(TRITON_DEVICE)
+    positions = torch.arange(6, device=TRITON_DEVICE).expand(2, 6)
+    want = plain.to(TRITON_DEVICE)(tokens, positions).logits
+    for folded in (before, after):
+        assert folded.kernels == ("shared_expert",)
+        moe = folded.layers[-1].mlp
+        assert moe.shared_in_launch and moe.stacked[0].shape[0] == args.n_routed_experts + 1
+        assert moe.shared_experts.down_proj.weight.data_ptr() == moe.stacked[2][-1].data_ptr()
+        assert_close(folded(tokens, positions).logits, want, 1e-5, "shared expert in the fused launch")
+    assert Transformer(args, moe_impl="gather", kernels=["shared_expert"], **kw).kernels == ()
+    int4 = tiny(num_hidden_layers=3, moe_intermediate_size=64, quantization_config="int4")
+    assert Transformer(int4, moe_impl="fused", kernels=["shared_expert"], **kw).kernels == ()
+
+
+@triton_runs
+def test_fused_proj_with_the_shared_expert_in_the_launch():
+    """"shared_expert" and "fused_proj" together: the folded shared expert gives up its stacked
+    gate/up buffer (its rows live in the [E + 1] tensors) and runs unstacked where it still runs on
+    its own (past the fused kernel's token limit, here lowered to 4); the attention pair and the
+    dense MLP stay stacked. Logits equal the plain model's with the fused launch and without."""
+    args = tiny(num_hidden_layers=3)
+    kw = dict(max_batch_size=2, max_seq_len=32, device=TRITON_DEVICE, dtype=torch.float32)
+    plain = init_random(Transformer(args, **kw), 4)
+    both = init_random(Transformer(args, moe_impl="fused", kernels=["shared_expert", "fused_proj"], **kw), 4)
+    assert both.kernels == ("shared_expert", "fused_proj")
+    for layer in both.layers[1:]:
+        assert layer.mlp.shared_experts.gate_up_weight is None and not layer.mlp.shared_experts.fused_proj
+        assert layer.self_attn.fused_proj
+    assert both.layers[0].mlp.fused_proj
+    tokens = torch.randint(0, args.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5)).to(TRITON_DEVICE)
+    positions = torch.arange(6, device=TRITON_DEVICE).expand(2, 6)
+    want = plain(tokens, positions).logits
+    assert_close(both(tokens, positions).logits, want, 1e-5, "shared expert in the launch + fused_proj")
+    for layer in both.layers[1:]:
+        layer.mlp.experts.FUSED_MAX_TOKENS = 4      # 12 tokens: the grouped path and the shared MLP alone
+    assert_close(both(tokens, positions).logits, want, 1e-5, "folded shared expert run alone + fused_proj")
 
 
 @cuda
