@@ -682,11 +682,12 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, N, E, D, d_per_split, s_xn, s_w
 @_jit
 def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_ls, s_ln, s_idn, s_wn, E_PER_G, G, scale,
                           SPLITS: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
-                          GROUPED: tl.constexpr, UNIFORM: tl.constexpr, BLOCK_G: tl.constexpr,
-                          BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
+                          GROUPED: tl.constexpr, UNIFORM: tl.constexpr, SHARED: tl.constexpr,
+                          BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
     """ids[n], w[n] = the K experts of token n and their weights, best first (UNIFORM: experts
-    (n*K + i) mod E, i < K). logits [SPLITS, N, E] float32 partial sums (E = G * E_PER_G, expert
-    e = g * E_PER_G + j), bias [E] float32; ids [N, K] int64, w [N, K] float32. Grid: (N,)."""
+    (n*K + i) mod E, i < K), then with SHARED expert E and weight 1 in column K. logits [SPLITS,
+    N, E] float32 partial sums (E = G * E_PER_G, expert e = g * E_PER_G + j), bias [E] float32;
+    ids [N, K (+1)] int64, w [N, K (+1)] float32. Grid: (N,)."""
     n = tl.program_id(0)
     g = tl.arange(0, BLOCK_G)[:, None]
     j = tl.arange(0, BLOCK_EG)[None, :]
@@ -706,6 +707,9 @@ def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_ls, s_ln, s_id
         w = w / (tl.sum(w, 0) + 1e-20)
     tl.store(ids_ptr + n * s_idn + k, ids, mask=k < K)
     tl.store(w_ptr + n * s_wn + k, w * scale, mask=k < K)
+    if SHARED:  # the shared expert as expert E of the fused MoE launch, weight 1
+        tl.store(ids_ptr + n * s_idn + K, (G * E_PER_G).to(tl.int64))
+        tl.store(w_ptr + n * s_wn + K, 1.0)
 
 
 @_jit
@@ -766,10 +770,12 @@ def router_logits(x, weight):
     return out
 
 
-def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling, uniform=False):
+def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling, uniform=False,
+                shared_slot=False):
     """model.Router.forward in two kernels: x [N, D], weight [E, D] float32, bias [E] float32 ->
     ids int64 [N, K], weights float32 [N, K]. uniform: SIMULATED balanced routing (pair j = n*K + i
-    to expert j mod E), as model.Router's routing "uniform", in the same two kernels."""
+    to expert j mod E), as model.Router's routing "uniform"; shared_slot: a column K more, expert E
+    with weight 1 (the shared expert in the fused MoE launch); both in the same two kernels."""
     N, D = x.shape
     E = weight.shape[0]
     if weight.dtype != torch.float32 or bias.dtype != torch.float32 or weight.shape != (E, D) or bias.shape != (E,):
@@ -777,15 +783,15 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
                          f"{list(weight.shape)} and {bias.dtype} {list(bias.shape)} (float64: use the plain path)")
     if E % n_group or not 1 <= topk_group <= n_group or top_k > E // n_group * topk_group:
         raise ValueError(f"router_topk: {E} experts in {n_group} groups, {topk_group} kept, cannot give top {top_k}")
-    ids = torch.empty(N, top_k, device=x.device, dtype=torch.int64)
-    weights = torch.empty(N, top_k, device=x.device, dtype=torch.float32)
+    ids = torch.empty(N, top_k + bool(shared_slot), device=x.device, dtype=torch.int64)
+    weights = torch.empty(N, top_k + bool(shared_slot), device=x.device, dtype=torch.float32)
     if N == 0:
         return ids, weights
     logits = router_logits(x, weight)                                       # [splits, N, E]
     _router_select_kernel[(N,)](logits, bias, ids, weights, logits.stride(0), logits.stride(1), ids.stride(0),
                                 weights.stride(0), E // n_group, n_group, float(scaling), SPLITS=logits.shape[0],
                                 K=top_k, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob),
-                                GROUPED=n_group > 1 and not uniform, UNIFORM=bool(uniform),
+                                GROUPED=n_group > 1 and not uniform, UNIFORM=bool(uniform), SHARED=bool(shared_slot),
                                 BLOCK_G=_pow2(n_group, 1), BLOCK_EG=_pow2(E // n_group, 1),
                                 BLOCK_K=_pow2(top_k, 1), num_warps=4)
     return ids, weights

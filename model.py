@@ -515,12 +515,14 @@ class Router(nn.Module):
                              torch.promote_types(dtype or torch.get_default_dtype(), torch.float32))
         self.e_score_correction_bias = _param((args.n_routed_experts,), None, device, torch.float32)
 
-    def forward(self, x):                                          # [N, D] -> [N, K] ids, weights
+    def forward(self, x, shared_slot=False):                       # [N, D] -> [N, K] ids, weights
+        """shared_slot: one more column, expert E with weight 1 for every token ([N, K + 1]): the
+        shared expert as one more expert of the fused MoE launch (MoE.shared_in_launch)."""
         a = self.args
-        if self.impl == "triton":  # uniform routing too, in the same two kernels
+        if self.impl == "triton":  # uniform routing and the shared slot too, in the same two kernels
             return triton_kernels.router_topk(x, self.weight, self.e_score_correction_bias, a.num_experts_per_tok,
                                               a.n_group, a.topk_group, a.norm_topk_prob, a.routed_scaling_factor,
-                                              uniform=self.routing == "uniform")
+                                              uniform=self.routing == "uniform", shared_slot=shared_slot)
         scores = F.linear(at_least_f32(x), self.weight).sigmoid()               # [N, E] fp32
         biased = scores + self.e_score_correction_bias
         if a.n_group > 1:
@@ -534,7 +536,10 @@ class Router(nn.Module):
         ids = biased.topk(a.num_experts_per_tok, dim=-1).indices
         if self.routing == "uniform":
             ids = self.uniform_choice(ids)
-        return ids, self.normalize(scores.gather(1, ids))
+        weights = self.normalize(scores.gather(1, ids))
+        if shared_slot:
+            return F.pad(ids, (0, 1), value=a.n_routed_experts), F.pad(weights, (0, 1), value=1.0)
+        return ids, weights
 
     def uniform_choice(self, ids):
         """SIMULATED balanced routing: pair j of the forward's N*K pairs goes to expert j mod E."""
@@ -751,14 +756,15 @@ class MoE(nn.Module):
     def forward(self, x):
         shape = x.shape
         x = x.view(-1, shape[-1])
-        ids, weights = self.gate(x)
         if self.shared_in_launch and self.experts.runs_fused(x.shape[0]):
             # the shared expert is expert E, chosen by every token with weight 1: K + 1 pairs a token
-            ids = F.pad(ids, (0, 1), value=self.experts.n_experts)
-            y = self.experts(x, ids, F.pad(weights, (0, 1), value=1.0), self.stacked)
+            ids, weights = self.gate(x, shared_slot=True)
+            y = self.experts(x, ids, weights, self.stacked)
         elif self.shared_experts.fused_proj:  # the shared expert's down GEMM adds onto the routed output
+            ids, weights = self.gate(x)
             y = self.shared_experts(x, add_to=self.experts(x, ids, weights))
         else:
+            ids, weights = self.gate(x)
             y = self.experts(x, ids, weights) + self.shared_experts(x)
         return self.tp.all_reduce(y).view(shape)  # routed + shared partial sums: one all-reduce
 

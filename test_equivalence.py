@@ -1860,13 +1860,15 @@ def test_router_kernel_equals_twin(shape, dtype):
         router.e_score_correction_bias.copy_(0.1 * torch.randn(args.n_routed_experts, generator=g))
     for n in (1, 5, 37) if device == "cuda" else (1, 5):   # the interpreter runs one program (token) at a time
         x = torch.randn(n, args.hidden_size, generator=g).to(device, dtype)
+        shared_slot = n == 5      # expert E with weight 1 in a column more (the shared expert's launch)
         router.impl = "torch"
-        ids, w = router(x)
+        ids, w = router(x, shared_slot)
         router.impl = "triton"
-        got_ids, got_w = router(x)
+        got_ids, got_w = router(x, shared_slot)
         assert got_ids.dtype == ids.dtype and got_w.dtype == w.dtype
-        assert torch.equal(got_ids, ids), f"router kernel {shape} N={n}: ids differ\n{got_ids}\n{ids}"
-        assert_close(got_w, w, 1e-6, f"router kernel {shape} N={n}: weights")
+        what = f"router kernel {shape} N={n} shared slot {shared_slot}"
+        assert torch.equal(got_ids, ids), f"{what}: ids differ\n{got_ids}\n{ids}"
+        assert_close(got_w, w, 1e-6, f"{what}: weights")
 
 
 @triton_ok
@@ -1950,12 +1952,14 @@ def test_router_kernel_uniform_routing_equals_twin(shape):
         router.e_score_correction_bias.copy_(0.1 * torch.randn(args.n_routed_experts, generator=g))
     for n in (1, 5, 37, 60) if device == "cuda" else (1, 5):   # 5 x 4 = 20 pairs wrap past tiny's 16 experts
         x = torch.randn(n, args.hidden_size, generator=g).to(device)
-        router.impl = "torch"
-        ids, w = router(x)
-        router.impl = "triton"
-        got_ids, got_w = router(x)
-        assert torch.equal(got_ids, ids), f"uniform router kernel {shape} N={n}: ids differ\n{got_ids}\n{ids}"
-        assert_close(got_w, w, 1e-6, f"uniform router kernel {shape} N={n}: weights")
+        for shared_slot in (False, True):   # True: expert E, weight 1, in a column more (shared expert launch)
+            router.impl = "torch"
+            ids, w = router(x, shared_slot)
+            router.impl = "triton"
+            got_ids, got_w = router(x, shared_slot)
+            what = f"uniform router kernel {shape} N={n} shared slot {shared_slot}"
+            assert torch.equal(got_ids, ids), f"{what}: ids differ\n{got_ids}\n{ids}"
+            assert_close(got_w, w, 1e-6, f"{what}: weights")
 
 
 @triton_ok
