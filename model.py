@@ -374,11 +374,10 @@ def stack_rows(*linears):
     """Make the linears' weights [out_i, in] row blocks of one new buffer [sum out_i, in] and return
     it: each weight becomes a view of its block (no second copy), so a checkpoint still loads, and
     random init still writes, by each linear's own name, while one GEMM over the buffer reads the
-    linears' shared input once. Build the module on its device: .to() would move the views and the
-    buffer apart."""
-    first = linears[0].weight
-    buf = torch.empty(sum(l.weight.shape[0] for l in linears), first.shape[1], device=first.device, dtype=first.dtype)
-    for linear, rows in zip(linears, buf.split([l.weight.shape[0] for l in linears])):
+    linears' shared input once. The values are kept (so a module can stack again after .to(),
+    which moves each parameter and buffer on its own: see MLA._apply, MLP._apply)."""
+    buf = torch.cat([linear.weight.detach() for linear in linears])
+    for linear, rows in zip(linears, buf.split([linear.weight.shape[0] for linear in linears])):
         view = nn.Parameter(rows, requires_grad=False)
         view.shard_dim = linear.weight.shard_dim
         linear.weight = view
@@ -418,6 +417,12 @@ class MLA(nn.Module):
                              persistent=False)
         self.register_buffer("pe_cache", torch.zeros(max_batch_size, max_seq_len, a.qk_rope_head_dim, **cache),
                              persistent=False)
+
+    def _apply(self, fn, recurse=True):   # .to() and the like: the moved q_a / kv_a weights stacked again
+        super()._apply(fn, recurse)
+        if self.args.q_lora_rank:
+            self.q_kv_a_weight = stack_rows(self.q_a_proj, self.kv_a_proj_with_mqa)
+        return self
 
     def forward(self, x, positions, rope, future, mode):
         """future [B, T, S]: True where a slot lies after the query's position (not written yet,
@@ -482,6 +487,12 @@ class MLP(nn.Module):
         self.up_proj = ColumnParallelLinear(dim, inter, tp, what, device, dtype)
         self.down_proj = RowParallelLinear(inter, dim, tp, what, reduce, device, dtype)
         self.register_buffer("gate_up_weight", stack_rows(self.gate_proj, self.up_proj), persistent=False)
+
+    def _apply(self, fn, recurse=True):   # .to() and the like: the moved gate / up weights stacked again
+        super()._apply(fn, recurse)
+        if self.gate_up_weight is not None:   # (None: a shared expert folded into the fused launch)
+            self.gate_up_weight = stack_rows(self.gate_proj, self.up_proj)
+        return self
 
     def forward(self, x, add_to=None):
         """add_to (fused_proj, reduce=False only): a tensor [N, dim] that the down GEMM adds its

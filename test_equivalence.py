@@ -2003,6 +2003,9 @@ def test_fused_proj_equals_plain_on_one_copy_of_the_weights(tiny_ckpt, tmp_path)
     storages = {p.untyped_storage().data_ptr() for p in fused.parameters()}
     pairs = 2 * fused.args.num_hidden_layers          # each layer: the attention pair and an MLP's
     assert len(storages) == len(list(fused.parameters())) - pairs, "a stacked pair is not one storage"
+    moved = fused.to(torch.float32).to(torch.float64)     # .to() moves each tensor alone: stacked again
+    assert moved.layers[1].self_attn.q_a_proj.weight.data_ptr() == moved.layers[1].self_attn.q_kv_a_weight.data_ptr()
+    assert_close(run_steps(moved), run_steps(m), 1e-6, "fused_proj after .to() and back")
     for r in (0, 1):
         tp = TP.simulate(2, r)
         got = run_steps(load_target(ckpt, 3, 32, dtype=torch.float64, tp=tp, kernels="fused_proj"))
