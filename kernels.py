@@ -1069,7 +1069,8 @@ def bench_mla_configs(bw, rows):
 
 
 def bench_small(rows):
-    """Router, add + RMSNorm, RoPE + cache write against their twins at Kimi-K2 TP 8 shapes."""
+    """Router (model and SIMULATED uniform routing), add + RMSNorm, SwiGLU, RoPE + cache write
+    against their twins at Kimi-K2 TP 8 shapes."""
     import model
     print("\nsmall kernels, Kimi-K2 shapes, bf16 (us per call, in a graph; 8 input sets)")
     args = model.ModelArgs(n_routed_experts=384)
@@ -1086,8 +1087,8 @@ def bench_small(rows):
     kv_cache = torch.randn(4, 4096, 512, device="cuda", dtype=torch.bfloat16)
     pe_cache = torch.randn(4, 4096, 64, device="cuda", dtype=torch.bfloat16)
 
-    def router_call(x, impl):
-        router.impl = impl
+    def router_call(x, impl, routing="model"):
+        router.impl, router.routing = impl, routing
         return router(x)
 
     def rope_plain(q_pe, kv, k_pe, rope, pos):
@@ -1102,9 +1103,15 @@ def bench_small(rows):
         kvs = [torch.randn(1, N, 576, device="cuda", dtype=torch.bfloat16).split([512, 64], -1) for _ in range(8)]
         pos = (100 + torch.arange(N, device="cuda")).unsqueeze(0)
         rope = table[pos]
+        gate_ups = [torch.randn(N, 512, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
         pairs = {
             "router (fp32 GEMV + selection)": ([lambda x=x: router_call(x, "torch") for x in xs],
                                                [lambda x=x: router_call(x, "triton") for x in xs]),
+            "router, SIMULATED uniform routing": ([lambda x=x: router_call(x, "torch", "uniform") for x in xs],
+                                                  [lambda x=x: router_call(x, "triton", "uniform") for x in xs]),
+            "SwiGLU silu * up, I 256": ([lambda g=g: torch.nn.functional.silu(g[:, :256]) * g[:, 256:]
+                                         for g in gate_ups],
+                                        [lambda g=g: silu_mul(g[:, :256], g[:, 256:]) for g in gate_ups]),
             "add + RMSNorm": ([lambda x=x, y=y: norm(x + y) for x, y in zip(xs, ys)],
                               [lambda x=x, y=y: add_rmsnorm(x, y, norm.weight, 1e-6) for x, y in zip(xs, ys)]),
             "RoPE + cache write": ([lambda q=q, kv=kv: rope_plain(q, kv[0], kv[1], rope, pos) for q, kv in zip(qs, kvs)],
