@@ -764,6 +764,13 @@ class MoE(nn.Module):
             sh.gate_up_weight = None   # its gate and up rows live in `stacked` now (fused_proj: off here)
         return self
 
+    def _apply(self, fn, recurse=True):   # .to() and the like move each parameter alone: fold again
+        super()._apply(fn, recurse)
+        if self.stacked is not None:
+            self.stacked = None
+            self.fold_shared_expert()
+        return self
+
     def forward(self, x):
         shape = x.shape
         x = x.view(-1, shape[-1])

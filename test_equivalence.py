@@ -2039,6 +2039,10 @@ def test_shared_expert_in_the_fused_launch_equals_plain(tmp_path):
         assert moe.shared_in_launch and moe.stacked[0].shape[0] == args.n_routed_experts + 1
         assert moe.shared_experts.down_proj.weight.data_ptr() == moe.stacked[2][-1].data_ptr()
         assert_close(folded(tokens, positions).logits, want, 1e-5, "shared expert in the fused launch")
+    moved = after.to(torch.float64).to(torch.float32).layers[-1].mlp   # .to() moves each parameter alone
+    assert moved.shared_experts.up_proj.weight.data_ptr() == moved.stacked[1][-1].data_ptr()
+    assert moved.experts.up_proj.data_ptr() == moved.stacked[1].data_ptr()
+    assert_close(after(tokens, positions).logits, want, 1e-5, "shared expert in the fused launch, after .to()")
     assert Transformer(args, moe_impl="gather", kernels=["shared_expert"], **kw).kernels == ()
     int4 = tiny(num_hidden_layers=3, moe_intermediate_size=64, quantization_config="int4")
     assert Transformer(int4, moe_impl="fused", kernels=["shared_expert"], **kw).kernels == ()
