@@ -462,10 +462,13 @@ def copy_bandwidth(clock, device):
 
 
 def routed_distinct(target, fn, inputs):
-    """Distinct experts per MoE layer in one call of fn(*inputs) (recorded by hooks on the routers)."""
+    """Distinct routed experts per MoE layer in one call of fn(*inputs) (recorded by hooks on the
+    routers; a shared expert's slot in the fused launch, id E, is not a routed expert)."""
     seen = []
-    hooks = [layer.mlp.gate.register_forward_hook(lambda m, i, o: seen.append(o[0].unique().numel()))
-             for layer in target.layers if isinstance(layer.mlp, model.MoE)]
+
+    def count(router, inputs, out):
+        seen.append(out[0][out[0] < router.args.n_routed_experts].unique().numel())
+    hooks = [layer.mlp.gate.register_forward_hook(count) for layer in target.layers if isinstance(layer.mlp, model.MoE)]
     fn(*inputs)
     for h in hooks:
         h.remove()
