@@ -329,14 +329,17 @@ def _check_weights(gate, up, down, D):
     return fmt, E, I
 
 
-def fused_moe(x, ids, route_w, gate, up, down, configs=None):
+def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None):
     """Routed experts in one pass over each distinct expert's weights:
     y[n] = sum_k route_w[n, k] * down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])),  e = ids[n, k].
 
-    x [N, D] (bf16, fp16 or fp32: the compute dtype; dequantized weights are rounded to it),
-    ids int [N, K] in [0, E) (not checked: that would read the device), route_w [N, K] (any float;
-    used in fp32), gate / up / down: ExpertWeights of [E, I, D], [E, I, D], [E, D, I]. Returns
-    [N, D] in x's dtype. configs: override _configs() (the benchmark's sweep)."""
+    x [N, D] (bf16, fp16 or fp32: the compute dtype; the tile variant rounds dequantized weights to
+    it, the GEMV variant multiplies them in fp32), ids int [N, K] in [0, E) (not checked: that would
+    read the device), route_w [N, K] (any float; used in fp32), gate / up / down: ExpertWeights of
+    [E, I, D], [E, I, D], [E, D, I]. Returns [N, D] in x's dtype. variant: "gemv" (CUDA-core
+    products, for a few tokens), "dot" (tiles of BLOCK_M pairs through tl.dot) or None: "gemv" while
+    N*K <= GEMV_MAX_PAIRS[format], a rule on shapes only, so a captured graph keeps its variant.
+    configs: override the variant's block sizes (the benchmark's sweep)."""
     if x.dim() != 2 or ids.shape != route_w.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
         raise ValueError(f"fused_moe: x {list(x.shape)}, ids {list(ids.shape)}, route_w {list(route_w.shape)}: "
                          "expected [N, D], [N, K], [N, K]")
@@ -348,8 +351,14 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None):
     if any(t is not None and t.device != dev for t in (ids, route_w, gate.data, gate.scale, up.data, up.scale,
                                                         down.data, down.scale)):
         raise ValueError(f"fused_moe: every input must be on x's device {dev}")
-    cfg = {**_configs(fmt, P, x.is_cuda), **(configs or {})}
+    variant = variant or ("gemv" if P <= GEMV_MAX_PAIRS[fmt] else "dot")
+    if variant not in ("gemv", "dot") or (variant == "gemv" and P > GEMV_P_PAD):
+        raise ValueError(f"fused_moe: variant {variant!r} for {P} token-expert pairs: 'dot', or 'gemv' up to "
+                         f"{GEMV_P_PAD} pairs")
     x, ids, route_w = x.contiguous(), ids.reshape(-1).contiguous(), route_w.reshape(-1).float().contiguous()
+    if variant == "gemv":
+        return _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, {**_gemv_configs(fmt, x.is_cuda), **(configs or {})})
+    cfg = {**_configs(fmt, P, x.is_cuda), **(configs or {})}
     max_tiles = min(E, P) + P // BLOCK_M                                    # see the section comment
     sorted_pair = torch.empty(max_tiles * BLOCK_M, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
@@ -372,6 +381,182 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None):
         num_warps=warps, num_stages=stages)
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     _moe_combine_kernel[(N, triton.cdiv(D, COMBINE_BLOCK))](y, out, D, K, BLOCK_D=COMBINE_BLOCK, num_warps=4)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Routed experts, GEMV-shaped (decode and verify: a few tokens)
+#
+# With 1-4 tokens most experts serve one token, and k3's tiles of 16 pairs ran tl.dot on 15 padding
+# rows with too few programs to keep HBM busy (8 experts x 256 rows at decode). Here the products
+# run on the CUDA cores instead (dequantized weights times the activation, broadcast-multiply into an
+# fp32 [BLOCK_N, BLOCK_K] accumulator, one tl.sum per program), with no align and no combine launch:
+#   gate_up: a program per (BLOCK_N rows of I, pair). The first pair of each expert (the "leader")
+#     does the work for every pair of that expert, one after another, so the expert's weights come
+#     from HBM once (a later pair re-reads the same rows from L1/L2); other pairs' programs exit.
+#     Writes h = silu(g) * u * route_w per pair, fp32 [P, I] (INT4: in the nibble-plane order below).
+#   down: a program per (token, BLOCK_N rows of D), token-major so no combine is needed: the K
+#     experts of the token, each [BLOCK_N, I], times that pair's h, summed in registers, stored once.
+#     Programs of one row block for all tokens are adjacent in launch order, so an expert shared by
+#     tokens is fetched from HBM about once and read from L2 by the others.
+# INT4 without unpacking to natural order: nibble j of word w is element 8w + j, so the activation
+# comes as 8 planes (plane j = elements 8w + j, contiguous in w: x is permuted once per call, h is
+# written that way by gate_up) and each plane meets nibble j of the same words. A nibble becomes a
+# float by the exponent trick: (word & (15 << 4j)) | 0x4B000000 is the float 2^23 + nib * 16^j, and
+# one FMA (times 16^-j, minus 2^23 * 16^-j + 8) gives nib - 8 exactly; the words' top three nibbles
+# use the word shifted right by 20. The group scale multiplies each word's 8 products once.
+
+# Block sizes (BLOCK_N, BLOCK_K, UNROLL, num_warps) for gate_up, (BLOCK_N, BLOCK_K, num_warps) for
+# down, by format; BLOCK_K counts elements (INT4: BLOCK_K / 8 words). At decode gate_up has 8 experts
+# x 256 rows: BLOCK_N 4 makes 512 programs of 4 warps, one row a warp (16 warps an SM, one wave), and
+# UNROLL independent k-steps a loop iteration keep 2 x BLOCK_N x BLOCK_K x UNROLL bytes (bf16) in
+# flight per program. FP8 steps are one 128-column scale block (one scale per row and step).
+GEMV_CONFIGS = {"plain": dict(gate_up=(4, 512, 2, 4), down=(16, 256, 4)),
+                "fp8": dict(gate_up=(4, 128, 8, 1), down=(32, 128, 4)),
+                "int4": dict(gate_up=(4, 1024, 2, 4), down=(32, 256, 4))}
+GEMV_MAX_PAIRS = {"plain": 64, "fp8": 64, "int4": 64}   # the GEMV variant up to this N*K (auto)
+GEMV_P_PAD = 64     # the leader test compares a pair's expert with all P <= GEMV_P_PAD pairs
+
+
+def _gemv_configs(fmt, on_gpu):
+    if not on_gpu:  # the CPU interpreter: few, large programs
+        return dict(gate_up=(32, 64, 1, 4), down=(64, 64, 4))
+    return GEMV_CONFIGS[fmt]
+
+
+@_jit
+def _gemv_step(acc, v_ptr, k0, K_IN, w_ptr, s_ptr, n, n_ok, stride_wn, stride_sr, stride_sc,
+               block_r, block_c, off_r, off_c, GROUP,
+               FMT: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_PER_ROW: tl.constexpr):
+    """acc [BN, ACC_K] fp32 += W[n, k0:k0+BK] * v[k0:k0+BK] elementwise (summed over k by the caller).
+
+    v_ptr: the activation row (plain, FP8: [K_IN] in order; INT4: 8 planes [8, K_IN/8], plane j
+    holding elements 8w + j). w_ptr, s_ptr: one expert's weight and scale (ExpertWeights layouts).
+    ACC_K = BLOCK_K (plain, FP8) or BLOCK_K / 8 (INT4: one column per word)."""
+    if FMT == 2:
+        w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        w_ok = w < K_IN // 8
+        ok = n_ok[:, None] & w_ok[None, :]
+        words = tl.load(w_ptr + n[:, None] * stride_wn + w[None, :], mask=ok, other=0)
+        scale = tl.load(s_ptr + n[:, None] * stride_sr + (w * 8 // GROUP)[None, :], mask=ok, other=0.0)
+        high = words >> 20                                   # nibbles 5, 6, 7 at bits 0..11
+        t = tl.zeros(words.shape, tl.float32)
+        for j in tl.static_range(8):
+            v = tl.load(v_ptr + j * (K_IN // 8) + w, mask=w_ok, other=0.0).to(tl.float32)
+            if j < 5:
+                f = ((words & (15 << (4 * j))) | 0x4B000000).to(tl.float32, bitcast=True)
+                inv: tl.constexpr = 1.0 / (1 << (4 * j))
+            else:
+                f = ((high & (15 << (4 * (j - 5)))) | 0x4B000000).to(tl.float32, bitcast=True)
+                inv: tl.constexpr = 1.0 / (1 << (4 * (j - 5)))
+            t += (f * inv - (8388608.0 * inv + 8.0)) * v[None, :]     # (nibble - 8) * v, exact q
+        acc += t * scale.to(tl.float32)
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K_IN
+        ok = n_ok[:, None] & k_ok[None, :]
+        wt = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+        if FMT == 1:
+            if SCALE_PER_ROW:
+                s = tl.load(s_ptr + ((n + off_r) // block_r) * stride_sr + ((k0 + off_c) // block_c) * stride_sc,
+                            mask=n_ok, other=0.0)
+                wt = wt * s[:, None]
+            else:
+                wt = wt * tl.load(s_ptr + ((n + off_r) // block_r)[:, None] * stride_sr
+                                  + ((k + off_c) // block_c)[None, :] * stride_sc, mask=ok, other=0.0)
+        acc += wt * v[None, :]
+    return acc
+
+
+@_jit
+def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, P,
+                             stride_we, stride_wn, stride_se, stride_sr, stride_sc,
+                             block_r, block_c, off_r, off_c, GROUP,
+                             TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
+                             P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             ACC_K: tl.constexpr, UNROLL: tl.constexpr, SCALE_PER_ROW: tl.constexpr):
+    """h[p, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) * route_w[p] for pair p = n*K + k, e = ids[p].
+
+    v_ptr: the activations [N, D] (x's dtype) or, INT4, fp32 planes [N, 8, D/8]. h_ptr: fp32 [P, I]
+    out (INT4: row p in plane order, element i at (i % 8) * I/8 + i // 8). ids_ptr: int [P];
+    route_w_ptr: fp32 [P]. g_ptr / u_ptr, gs_ptr / us_ptr: gate and up weights and scales, [E, I, D]
+    as ExpertWeights (same strides). Grid: (cdiv(I, BLOCK_N), P); only a leader program works."""
+    pid_n, p = tl.program_id(0), tl.program_id(1)
+    q = tl.arange(0, P_PAD)
+    same = tl.load(ids_ptr + q, mask=q < P, other=-1) == tl.load(ids_ptr + p)   # pairs of this expert
+    if tl.min(tl.where(same, q, P_PAD), 0) != p:
+        return                                                              # not the expert's first pair
+    rank = tl.cumsum(same.to(tl.int32), 0) - 1
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    g_ptr, u_ptr, gs_ptr, us_ptr = g_ptr + e * stride_we, u_ptr + e * stride_we, gs_ptr + e * stride_se, us_ptr + e * stride_se
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    for c in range(tl.sum(same.to(tl.int32), 0)):                          # each pair of the expert
+        pair = tl.sum(tl.where(same & (rank == c), q, 0), 0)
+        v = v_ptr + (pair // TOPK).to(tl.int64) * D
+        acc_g = tl.zeros([BLOCK_N, ACC_K], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, ACC_K], tl.float32)
+        for k0 in range(0, D, BLOCK_K * UNROLL):
+            for s in tl.static_range(UNROLL):                               # independent loads in flight
+                acc_g = _gemv_step(acc_g, v, k0 + s * BLOCK_K, D, g_ptr, gs_ptr, n, n_ok, stride_wn, stride_sr,
+                                   stride_sc, block_r, block_c, off_r, off_c, GROUP, FMT, BLOCK_K, SCALE_PER_ROW)
+                acc_u = _gemv_step(acc_u, v, k0 + s * BLOCK_K, D, u_ptr, us_ptr, n, n_ok, stride_wn, stride_sr,
+                                   stride_sc, block_r, block_c, off_r, off_c, GROUP, FMT, BLOCK_K, SCALE_PER_ROW)
+        g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
+        h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + pair)
+        col = n
+        if FMT == 2:
+            col = (n % 8) * (I // 8) + n // 8
+        tl.store(h_ptr + pair.to(tl.int64) * I + col, h, mask=n_ok)
+
+
+@_jit
+def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
+                          stride_we, stride_wn, stride_se, stride_sr, stride_sc,
+                          block_r, block_c, off_r, off_c, GROUP,
+                          TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr,
+                          SCALE_PER_ROW: tl.constexpr):
+    """out[n, d] = sum_k (down[e] @ h[n*K + k])[d], e = ids[n*K + k] (route weights are in h).
+
+    h_ptr: fp32 [P, I] from gate_up. out_ptr: [N, D], x's dtype. w_ptr / s_ptr: down weights and
+    scales, [E, D, I] as ExpertWeights. Grid: (N, cdiv(D, BLOCK_N))."""
+    token, pid_n = tl.program_id(0), tl.program_id(1)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < D
+    acc = tl.zeros([BLOCK_N, ACC_K], tl.float32)
+    for k in tl.static_range(TOPK):                                         # the token's K experts
+        pair = token * TOPK + k
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        for k0 in tl.static_range(0, I, BLOCK_K):
+            acc = _gemv_step(acc, h_ptr + pair.to(tl.int64) * I, k0, I, w_ptr + e * stride_we, s_ptr + e * stride_se,
+                             n, n_ok, stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c, GROUP,
+                             FMT, BLOCK_K, SCALE_PER_ROW)
+    tl.store(out_ptr + token.to(tl.int64) * D + n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
+def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg):
+    """The GEMV variant (see its section); arguments as fused_moe's, already checked and flattened."""
+    (N, D), P, I, dev = x.shape, ids.numel(), gate.shape[1], x.device
+    K = P // N
+    if fmt == "int4":   # the activation as 8 planes, plane j = elements 8w + j: [N, 8, D/8] fp32
+        v = torch.empty(N, 8, D // 8, dtype=torch.float32, device=dev).copy_(x.view(N, D // 8, 8).transpose(1, 2))
+    else:
+        v = x
+    bn, bk, unroll, warps = cfg["gate_up"]
+    h = torch.empty(P, I, dtype=torch.float32, device=dev)                  # [P, I], route weight in
+    gs, strides, quant, per_row = _weight_args(gate, bk)
+    _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), P)](
+        v, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *quant,
+        TOPK=K, D=D, I=I, FMT=FORMATS[fmt], P_PAD=GEMV_P_PAD, BLOCK_N=bn, BLOCK_K=bk,
+        ACC_K=bk // 8 if fmt == "int4" else bk, UNROLL=unroll, SCALE_PER_ROW=per_row, num_warps=warps)
+    bn, bk, warps = cfg["down"]
+    out = torch.empty(N, D, dtype=x.dtype, device=dev)
+    ds, strides, quant, per_row = _weight_args(down, bk)
+    _moe_gemv_down_kernel[(N, triton.cdiv(D, bn))](
+        h, out, ids, down.data, ds, *strides, *quant, TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn, BLOCK_K=bk,
+        ACC_K=bk // 8 if fmt == "int4" else bk, SCALE_PER_ROW=per_row, num_warps=warps)
     return out
 
 
