@@ -21,7 +21,8 @@ E routed experts, G expert groups, K experts per token, I expert intermediate (t
 slice), P = N*K token-expert pairs. Every kernel keeps a fixed launch shape for given input
 shapes and reads no device value on the host, so all of them can be captured in CUDA graphs.
 
-    python kernels.py [--sweep] [--json OUT]   # on a GPU: each kernel against its plain twin and its floor
+    python kernels.py [--moe] [--sweep] [--variants dot,gemv] [--json OUT]   # on a GPU: each kernel
+                      # against its plain twin and its floor (--moe: the fused MoE only)
 """
 import math
 import os
@@ -415,7 +416,7 @@ GEMV_CONFIGS = {"plain": dict(gate_up=(4, 512, 2, 4), down=(16, 256, 4)),
                 "fp8": dict(gate_up=(4, 128, 8, 1), down=(32, 128, 4)),
                 "int4": dict(gate_up=(4, 1024, 2, 4), down=(32, 256, 4))}
 GEMV_MAX_PAIRS = {"plain": 64, "fp8": 64, "int4": 64}   # the GEMV variant up to this N*K (auto)
-GEMV_P_PAD = 64     # the leader test compares a pair's expert with all P <= GEMV_P_PAD pairs
+GEMV_P_PAD = 256    # the leader test compares a pair's expert with all P <= GEMV_P_PAD pairs
 
 
 def _gemv_configs(fmt, on_gpu):
@@ -561,9 +562,10 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg):
 
 
 # ---------------------------------------------------------------------------------------------
-# Benchmark (python kernels.py [--sweep] [--json PATH]): the fused MoE of one layer at the shapes of
-# one Kimi-K2 rank at TP 8 (D 7168, I 256, 384 experts, K 8), each format, against its floor (the
-# distinct experts' stored bytes over the copy bandwidth measured in the same run). Each time is the
+# Benchmark (python kernels.py [--moe] [--sweep] [--variants dot,gemv] [--json PATH]): the fused MoE
+# of one layer at the shapes of one Kimi-K2 rank at TP 8 (D 7168, I 256, 384 experts, K 8), each
+# format and variant, against its floor (the distinct experts' stored bytes over the copy bandwidth
+# measured in the same run). Each time is the
 # median over replays of a CUDA graph of LAYERS calls on different weights (as in a captured step,
 # launch gaps included; the weights of LAYERS layers are larger than the 60 MB L2), divided by LAYERS.
 
@@ -596,11 +598,29 @@ def _kernel_ms(fn):
     return sum(kernels.values()), kernels
 
 
-def benchmark_moe(sweep=False, D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 4, 8, 32)):
-    """One layer's routed experts per format and token count against its floor (the distinct
-    experts' stored bytes over the eager copy bandwidth), timed as a graph of LAYERS calls."""
+# Sweep points (N = 1 and 4 only), each beside the default: k3's tiles ("dot") and the GEMV variant.
+DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5), (32, 128, 4, 5), (64, 128, 4, 4),
+                          (16, 256, 4, 3), (32, 256, 8, 3), (16, 64, 4, 6)],
+                 down=[(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (64, 256, 8, 3)])
+GEMV_SWEEP = {"plain": dict(gate_up=[(2, 1024, 2, 4), (8, 512, 2, 4), (4, 256, 4, 4)], down=[(32, 256, 4), (8, 256, 4)]),
+              "fp8": dict(gate_up=[(8, 128, 8, 2), (4, 128, 4, 1), (16, 128, 4, 4)], down=[(16, 128, 4), (64, 128, 8)]),
+              "int4": dict(gate_up=[(8, 1024, 2, 4), (4, 512, 4, 4), (2, 2048, 1, 4)], down=[(16, 256, 4), (64, 256, 8)])}
+
+
+def _sweep_points(fmt, variant):
+    if variant == "gemv":
+        return [{part: c} for part, cs in GEMV_SWEEP[fmt].items() for c in cs]
+    ok = lambda c: (fmt != "fp8" or c[1] <= 128) and (fmt != "int4" or c[1] >= 128)   # noqa: E731
+    return [{part: c} for part, cs in DOT_SWEEP.items() for c in cs if ok(c)]
+
+
+def benchmark_moe(sweep=False, variants=("dot", "gemv"), D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 4, 8, 32)):
+    """One layer's routed experts per format, token count and variant of fused_moe ("dot": k3's
+    tiles through tl.dot, "gemv": the GEMV variant) against its floor (the distinct experts' stored
+    bytes over the eager copy bandwidth measured here), timed as a graph of LAYERS calls."""
     dev, g = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
     bandwidth = copy_bandwidth_GBps()
+    print(f"fused MoE, one Kimi-K2 TP-8 rank (D {D}, I {I}, {E} experts, K {K}); copy bandwidth {bandwidth:.0f} GB/s")
     rows = []
     for fmt in ("plain", "fp8", "int4"):
         layers = [[_random_experts(fmt, E, o, i, dev, g) for o, i in ((I, D), (I, D), (D, I))] for _ in range(LAYERS)]
@@ -610,35 +630,37 @@ def benchmark_moe(sweep=False, D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 4
             ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:K] for _ in range(N)])
             route_w = torch.rand(N, K, device=dev, generator=g)
             floor_ms = ids.unique().numel() * per_expert / bandwidth / 1e6
-
-            def run(configs=None):
-                return lambda: [fused_moe(x, ids, route_w, *w, configs=configs) for w in layers]
-            configs = [None]
-            if sweep and N in (1, 4):
-                gu = [(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5), (32, 128, 4, 5), (64, 128, 4, 4),
-                      (16, 256, 4, 3), (32, 256, 8, 3), (16, 64, 4, 6)]
-                dn = [(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (64, 256, 8, 3)]
-                configs += [dict(gate_up=c) for c in gu if (fmt != "fp8" or c[1] <= 128) and (fmt != "int4" or c[1] >= 128)]
-                configs += [dict(down=c) for c in dn if (fmt != "fp8" or c[1] <= 128) and (fmt != "int4" or c[1] >= 128)]
-            for cfg in configs:
-                try:
-                    ms = _graph_ms([run(cfg)]) / LAYERS
-                except Exception as e:  # a sweep point that does not compile: say so, go on
-                    print(f"{fmt} N={N} {cfg}: {type(e).__name__}: {str(e)[:200]}")
+            for variant in variants:
+                if variant == "gemv" and N * K > GEMV_P_PAD:
                     continue
-                kernel_ms, by_kernel = _kernel_ms(run(cfg)) if cfg is None else (None, {})
-                kernel_ms = kernel_ms / LAYERS if kernel_ms else None
-                by_kernel = {name[:40]: v / LAYERS for name, v in by_kernel.items()}   # ms a layer, per kernel
-                rows.append(dict(fmt=fmt, tokens=N, config=cfg, ms=ms, kernel_ms=kernel_ms, by_kernel=by_kernel,
-                                 floor_ms=floor_ms, x_floor=ms / floor_ms, GBps=floor_ms * bandwidth / ms))
-                print(f"{fmt:5s} N={N:3d} {str(cfg or 'default'):42s} {ms * 1e3:8.1f} us  floor {floor_ms * 1e3:7.1f} us"
-                      f"  {ms / floor_ms:5.2f}x  {floor_ms * bandwidth / ms:6.0f} GB/s"
-                      + (f"  kernels alone {kernel_ms * 1e3:.1f} us ({kernel_ms / floor_ms:.2f}x): "
-                         + ", ".join(f"{k.replace('_moe_', '').split('_kernel')[0]} {v * 1e3:.1f}" for k, v in by_kernel.items())
-                         if kernel_ms else ""), flush=True)
+                points = [None] + (_sweep_points(fmt, variant) if sweep and N in (1, 4) else [])
+                for cfg in points:
+                    rows += _time_moe(fmt, N, variant, cfg, layers, (x, ids, route_w), floor_ms, bandwidth, LAYERS)
         del layers
     return dict(bandwidth_GBps=bandwidth, shapes=dict(D=D, I=I, E=E, K=K, layers=LAYERS), rows=rows,
-                device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+                gemv_max_pairs=GEMV_MAX_PAIRS, device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__)
+
+
+def _time_moe(fmt, N, variant, cfg, layers, inputs, floor_ms, bandwidth, LAYERS):
+    """One benchmark row (a list of 0 or 1 dicts), printed."""
+    def run():
+        return lambda: [fused_moe(*inputs, *w, configs=cfg, variant=variant) for w in layers]
+    try:
+        ms = _graph_ms([run()]) / LAYERS
+    except Exception as e:  # a sweep point that does not compile: say so, go on
+        print(f"{fmt} N={N} {variant} {cfg}: {type(e).__name__}: {str(e)[:200]}")
+        return []
+    kernel_ms, by_kernel = _kernel_ms(run()) if cfg is None else (None, {})
+    kernel_ms = kernel_ms / LAYERS if kernel_ms else None
+    by_kernel = {name[:40]: v / LAYERS for name, v in by_kernel.items()}   # ms a layer, per kernel
+    print(f"{fmt:5s} N={N:3d} {variant:4s} {str(cfg or 'default'):34s} {ms * 1e3:8.1f} us  floor {floor_ms * 1e3:7.1f} us"
+          f"  {ms / floor_ms:5.2f}x  {floor_ms * bandwidth / ms:6.0f} GB/s"
+          + (f"  kernels alone {kernel_ms * 1e3:.1f} us ({kernel_ms / floor_ms:.2f}x): "
+             + ", ".join(f"{k.replace('_moe_', '').split('_kernel')[0]} {v * 1e3:.1f}" for k, v in by_kernel.items())
+             if kernel_ms else ""), flush=True)
+    return [dict(fmt=fmt, tokens=N, variant=variant, config=cfg, ms=ms, kernel_ms=kernel_ms, by_kernel=by_kernel,
+                 floor_ms=floor_ms, x_floor=ms / floor_ms, GBps=floor_ms * bandwidth / ms)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1250,12 +1272,21 @@ def benchmark_attention(out=None):
 
 
 if __name__ == "__main__":
+    import argparse
     import json
-    import sys
-    out = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
-    moe_result = benchmark_moe(sweep="--sweep" in sys.argv)
-    print(f"fused MoE: copy bandwidth {moe_result['bandwidth_GBps']:.0f} GB/s")
-    if out:
-        with open(out.replace(".json", "_moe.json"), "w") as f:
+    p = argparse.ArgumentParser(description="Each Triton kernel against its plain twin and its floor, on a GPU.")
+    p.add_argument("--json", metavar="PATH", help="write the results: PATH with _moe / _attention before .json")
+    p.add_argument("--sweep", action="store_true", help="also time the block-size sweep points (MoE at N = 1 and 4)")
+    p.add_argument("--moe", action="store_true", help="time the fused MoE only (not attention and the small kernels)")
+    p.add_argument("--variants", default="dot,gemv",
+                   help="fused MoE variants to time in this run, comma-separated: dot (k3's tl.dot tiles), gemv")
+    a = p.parse_args()
+    variants = tuple(a.variants.split(","))
+    if not set(variants) <= {"dot", "gemv"}:
+        p.error(f"--variants: {a.variants!r}; choose from dot, gemv")
+    moe_result = benchmark_moe(sweep=a.sweep, variants=variants)
+    if a.json:
+        with open(a.json.replace(".json", "_moe.json"), "w") as f:
             json.dump(moe_result, f)
-    benchmark_attention(out.replace(".json", "_attention.json") if out else None)
+    if not a.moe:
+        benchmark_attention(a.json.replace(".json", "_attention.json") if a.json else None)

@@ -278,8 +278,9 @@ def test_fused_moe_rule_picks_gemv_for_few_pairs(monkeypatch):
         ids, w = routing("random", N, 8, 16, g, TRITON_DEVICE)
         experts(torch.randn(N, D, generator=g).to(TRITON_DEVICE), ids, w)
     assert calls == [1, limit], f"GEMV variant ran for token counts {calls}, expected [1, {limit}]"
-    with pytest.raises(ValueError, match="'gemv' up to 64 pairs"):
-        experts.fused(torch.randn(9, D, device=TRITON_DEVICE), ids[:1].expand(9, 8), w[:1].expand(9, 8), "gemv")
+    many = kernels.GEMV_P_PAD // 8 + 1                                    # tokens: more pairs than it handles
+    with pytest.raises(ValueError, match=f"'gemv' up to {kernels.GEMV_P_PAD} pairs"):
+        experts.fused(torch.randn(many, D, device=TRITON_DEVICE), ids[:1].expand(many, 8), w[:1].expand(many, 8), "gemv")
 
 
 @cuda
