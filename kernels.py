@@ -614,10 +614,11 @@ def _sweep_points(fmt, variant):
     return [{part: c} for part, cs in DOT_SWEEP.items() for c in cs if ok(c)]
 
 
-def benchmark_moe(sweep=False, variants=("dot", "gemv"), D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 4, 8, 32)):
+def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 4, 8, 32)):
     """One layer's routed experts per format, token count and variant of fused_moe ("dot": k3's
     tiles through tl.dot, "gemv": the GEMV variant) against its floor (the distinct experts' stored
-    bytes over the eager copy bandwidth measured here), timed as a graph of LAYERS calls."""
+    bytes over the eager copy bandwidth measured here), timed as a graph of LAYERS calls. sweep: the
+    variants whose sweep points are also timed (at N = 1 and 4)."""
     dev, g = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
     bandwidth = copy_bandwidth_GBps()
     print(f"fused MoE, one Kimi-K2 TP-8 rank (D {D}, I {I}, {E} experts, K {K}); copy bandwidth {bandwidth:.0f} GB/s")
@@ -633,7 +634,7 @@ def benchmark_moe(sweep=False, variants=("dot", "gemv"), D=7168, I=256, E=384, K
             for variant in variants:
                 if variant == "gemv" and N * K > GEMV_P_PAD:
                     continue
-                points = [None] + (_sweep_points(fmt, variant) if sweep and N in (1, 4) else [])
+                points = [None] + (_sweep_points(fmt, variant) if variant in sweep and N in (1, 4) else [])
                 for cfg in points:
                     rows += _time_moe(fmt, N, variant, cfg, layers, (x, ids, route_w), floor_ms, bandwidth, LAYERS)
         del layers
@@ -1276,15 +1277,17 @@ if __name__ == "__main__":
     import json
     p = argparse.ArgumentParser(description="Each Triton kernel against its plain twin and its floor, on a GPU.")
     p.add_argument("--json", metavar="PATH", help="write the results: PATH with _moe / _attention before .json")
-    p.add_argument("--sweep", action="store_true", help="also time the block-size sweep points (MoE at N = 1 and 4)")
+    p.add_argument("--sweep", nargs="?", const="dot,gemv", default="", metavar="VARIANTS",
+                   help="also time the fused MoE's block-size sweep points at N = 1 and 4, of these variants "
+                        "(comma-separated; all without a value)")
     p.add_argument("--moe", action="store_true", help="time the fused MoE only (not attention and the small kernels)")
     p.add_argument("--variants", default="dot,gemv",
                    help="fused MoE variants to time in this run, comma-separated: dot (k3's tl.dot tiles), gemv")
     a = p.parse_args()
-    variants = tuple(a.variants.split(","))
-    if not set(variants) <= {"dot", "gemv"}:
-        p.error(f"--variants: {a.variants!r}; choose from dot, gemv")
-    moe_result = benchmark_moe(sweep=a.sweep, variants=variants)
+    variants, sweep = tuple(a.variants.split(",")), tuple(v for v in a.sweep.split(",") if v)
+    if not set(variants + sweep) <= {"dot", "gemv"}:
+        p.error(f"--variants {a.variants!r}, --sweep {a.sweep!r}: choose from dot, gemv")
+    moe_result = benchmark_moe(sweep=sweep, variants=variants)
     if a.json:
         with open(a.json.replace(".json", "_moe.json"), "w") as f:
             json.dump(moe_result, f)
