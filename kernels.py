@@ -358,7 +358,8 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None):
                          f"{GEMV_P_PAD} pairs")
     x, ids, route_w = x.contiguous(), ids.reshape(-1).contiguous(), route_w.reshape(-1).float().contiguous()
     if variant == "gemv":
-        return _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, {**_gemv_configs(fmt, x.is_cuda), **(configs or {})})
+        cfg = {**_gemv_configs(fmt, P, x.is_cuda), **(configs or {})}
+        return _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg)
     cfg = {**_configs(fmt, P, x.is_cuda), **(configs or {})}
     max_tiles = min(E, P) + P // BLOCK_M                                    # see the section comment
     sorted_pair = torch.empty(max_tiles * BLOCK_M, dtype=torch.int32, device=dev)
@@ -407,29 +408,36 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None):
 # one FMA (times 16^-j, minus 2^23 * 16^-j + 8) gives nib - 8 exactly; the words' top three nibbles
 # use the word shifted right by 20. The group scale multiplies each word's 8 products once.
 
-# Block sizes (BLOCK_N, BLOCK_K, UNROLL, num_warps) for gate_up, (BLOCK_N, BLOCK_K, num_warps) for
-# down, by format; BLOCK_K counts elements (INT4: BLOCK_K / 8 words). At decode gate_up has 8 experts
-# x 256 rows: BLOCK_N 4 makes 512 programs of 4 warps, one row a warp (16 warps an SM, one wave), and
-# UNROLL independent k-steps a loop iteration keep 2 x BLOCK_N x BLOCK_K x UNROLL bytes (bf16) in
-# flight per program. FP8 steps are one 128-column scale block (one scale per row and step).
-GEMV_CONFIGS = {"plain": dict(gate_up=(4, 512, 2, 4), down=(16, 256, 4)),
-                "fp8": dict(gate_up=(4, 128, 8, 1), down=(32, 128, 4)),
-                "int4": dict(gate_up=(4, 1024, 2, 4), down=(32, 256, 4))}
-GEMV_MAX_PAIRS = {"plain": 64, "fp8": 64, "int4": 64}   # the GEMV variant up to this N*K (auto)
+# Block sizes by format and pair count: (small, large) below/above GEMV_SMALL_P pairs, each
+# dict(gate_up=(BLOCK_N, BLOCK_K, UNROLL, num_warps, SUB), down=(BLOCK_N, BLOCK_K, num_warps, SUB)).
+# BLOCK_K counts elements (INT4: BLOCK_K / 8 words); a program's tile has BLOCK_N * SUB rows of
+# BLOCK_K: SUB > 1 (FP8 only) lays SUB consecutive 128-column scale blocks of a weight row out as
+# rows of their own, so a step is one scale per tile row and still 32 threads a weight row (at
+# decode only 2048 gate/up rows exist: 8 threads a row, as a one-block step gives, made 512 warps
+# for 132 SMs, issue-bound at 1 TB/s on the H200). From `python kernels.py --moe --sweep gemv` on an
+# H200 (2026-11-29, BENCHMARKS.md): bf16 gate_up 8 rows at decode (30.1 against 33.2 us with 4),
+# 4 rows of 256 from 4 tokens (99.1 against 114.3 us).
+GEMV_CONFIGS = {
+    "plain": (dict(gate_up=(8, 512, 2, 4, 1), down=(16, 256, 4, 1)), dict(gate_up=(4, 256, 4, 4, 1), down=(16, 256, 4, 1))),
+    "fp8": (dict(gate_up=(4, 128, 2, 4, 4), down=(8, 128, 4, 2)),) * 2,
+    "int4": (dict(gate_up=(4, 1024, 2, 4, 1), down=(32, 256, 4, 1)),) * 2}
+GEMV_SMALL_P = 16
+GEMV_MAX_PAIRS = {"plain": 32, "fp8": 32, "int4": 256}  # the GEMV variant up to this N*K (auto)
 GEMV_P_PAD = 256    # the leader test compares a pair's expert with all P <= GEMV_P_PAD pairs
 
 
-def _gemv_configs(fmt, on_gpu):
+def _gemv_configs(fmt, P, on_gpu):
     if not on_gpu:  # the CPU interpreter: few, large programs
-        return dict(gate_up=(32, 64, 1, 4), down=(64, 64, 4))
-    return GEMV_CONFIGS[fmt]
+        return dict(gate_up=(32, 64, 1, 4, 1), down=(64, 64, 4, 1))
+    return GEMV_CONFIGS[fmt][P > GEMV_SMALL_P]
 
 
 @_jit
-def _gemv_step(acc, v_ptr, k0, K_IN, w_ptr, s_ptr, n, n_ok, stride_wn, stride_sr, stride_sc,
-               block_r, block_c, off_r, off_c, GROUP,
-               FMT: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_PER_ROW: tl.constexpr):
-    """acc [BN, ACC_K] fp32 += W[n, k0:k0+BK] * v[k0:k0+BK] elementwise (summed over k by the caller).
+def _gemv_step(acc, v_ptr, k0, K_IN, w_ptr, s_ptr, n, kb, n_ok, stride_wn, stride_sr, stride_sc, off_r, off_c,
+               FMT: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_C: tl.constexpr, SCALE_PER_ROW: tl.constexpr):
+    """acc [R, ACC_K] fp32 += W[n, k] * v[k] elementwise for tile row r: n[r], k = k0 + kb[r] + [0, BLOCK_K)
+    (summed over k by the caller). kb: [R] column offsets (FP8 sub-blocks) or 0.
 
     v_ptr: the activation row (plain, FP8: [K_IN] in order; INT4: 8 planes [8, K_IN/8], plane j
     holding elements 8w + j). w_ptr, s_ptr: one expert's weight and scale (ExpertWeights layouts).
@@ -442,40 +450,44 @@ def _gemv_step(acc, v_ptr, k0, K_IN, w_ptr, s_ptr, n, n_ok, stride_wn, stride_sr
         scale = tl.load(s_ptr + n[:, None] * stride_sr + (w * 8 // GROUP)[None, :], mask=ok, other=0.0)
         high = words >> 20                                   # nibbles 5, 6, 7 at bits 0..11
         t = tl.zeros(words.shape, tl.float32)
-        for j in tl.static_range(8):
-            v = tl.load(v_ptr + j * (K_IN // 8) + w, mask=w_ok, other=0.0).to(tl.float32)
+        for j in tl.static_range(8):                         # (nibble - 8) * v, q exact in fp32
+            # plane j over the whole tile (every row the same addresses): the tile's own layout, no shuffle
+            v = tl.load(v_ptr + j * (K_IN // 8) + (w[None, :] + 0 * n[:, None]), mask=ok, other=0.0).to(tl.float32)
             if j < 5:
                 f = ((words & (15 << (4 * j))) | 0x4B000000).to(tl.float32, bitcast=True)
-                inv: tl.constexpr = 1.0 / (1 << (4 * j))
+                t += (f * (1.0 / (1 << (4 * j))) - (8388608.0 / (1 << (4 * j)) + 8.0)) * v
             else:
                 f = ((high & (15 << (4 * (j - 5)))) | 0x4B000000).to(tl.float32, bitcast=True)
-                inv: tl.constexpr = 1.0 / (1 << (4 * (j - 5)))
-            t += (f * inv - (8388608.0 * inv + 8.0)) * v[None, :]     # (nibble - 8) * v, exact q
+                t += (f * (1.0 / (1 << (4 * (j - 5)))) - (8388608.0 / (1 << (4 * (j - 5))) + 8.0)) * v
         acc += t * scale.to(tl.float32)
     else:
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K_IN
-        ok = n_ok[:, None] & k_ok[None, :]
-        wt = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=ok, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-        if FMT == 1:
+        if FMT == 0:                                         # the activation broadcast over the rows
+            k = k0 + tl.arange(0, BLOCK_K)
+            wt = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & (k < K_IN)[None, :],
+                         other=0.0)
+            acc += wt.to(tl.float32) * tl.load(v_ptr + k, mask=k < K_IN, other=0.0).to(tl.float32)[None, :]
+        else:
+            k = k0 + kb[:, None] + tl.arange(0, BLOCK_K)[None, :]              # [R, BLOCK_K]
+            k_ok = k < K_IN
+            ok = n_ok[:, None] & k_ok
+            wt = tl.load(w_ptr + n[:, None] * stride_wn + k, mask=ok, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + k, mask=k_ok, other=0.0).to(tl.float32)        # per tile row (sub-blocks)
             if SCALE_PER_ROW:
-                s = tl.load(s_ptr + ((n + off_r) // block_r) * stride_sr + ((k0 + off_c) // block_c) * stride_sc,
-                            mask=n_ok, other=0.0)
-                wt = wt * s[:, None]
+                s = tl.load(s_ptr + ((n + off_r) // BLOCK_R) * stride_sr + ((k0 + kb + off_c) // BLOCK_C) * stride_sc,
+                            mask=n_ok & (k0 + kb < K_IN), other=0.0)
+                acc += wt * s[:, None] * v
             else:
-                wt = wt * tl.load(s_ptr + ((n + off_r) // block_r)[:, None] * stride_sr
-                                  + ((k + off_c) // block_c)[None, :] * stride_sc, mask=ok, other=0.0)
-        acc += wt * v[None, :]
+                acc += wt * tl.load(s_ptr + ((n + off_r) // BLOCK_R)[:, None] * stride_sr
+                                    + ((k + off_c) // BLOCK_C) * stride_sc, mask=ok, other=0.0) * v
     return acc
 
 
 @_jit
 def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, P,
-                             stride_we, stride_wn, stride_se, stride_sr, stride_sc,
-                             block_r, block_c, off_r, off_c, GROUP,
+                             stride_we, stride_wn, stride_se, stride_sr, stride_sc, off_r, off_c,
                              TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
-                             P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                             P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
                              ACC_K: tl.constexpr, UNROLL: tl.constexpr, SCALE_PER_ROW: tl.constexpr):
     """h[p, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) * route_w[p] for pair p = n*K + k, e = ids[p].
 
@@ -491,50 +503,68 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
     rank = tl.cumsum(same.to(tl.int32), 0) - 1
     e = tl.load(ids_ptr + p).to(tl.int64)
     g_ptr, u_ptr, gs_ptr, us_ptr = g_ptr + e * stride_we, u_ptr + e * stride_we, gs_ptr + e * stride_se, us_ptr + e * stride_se
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, BLOCK_N * SUB)                                         # tile rows: (row of I, sub-block)
+    n, kb = pid_n * BLOCK_N + r // SUB, (r % SUB) * BLOCK_K
     n_ok = n < I
     for c in range(tl.sum(same.to(tl.int32), 0)):                          # each pair of the expert
         pair = tl.sum(tl.where(same & (rank == c), q, 0), 0)
         v = v_ptr + (pair // TOPK).to(tl.int64) * D
-        acc_g = tl.zeros([BLOCK_N, ACC_K], tl.float32)
-        acc_u = tl.zeros([BLOCK_N, ACC_K], tl.float32)
-        for k0 in range(0, D, BLOCK_K * UNROLL):
+        acc_g = tl.zeros([BLOCK_N * SUB, ACC_K], tl.float32)
+        acc_u = tl.zeros([BLOCK_N * SUB, ACC_K], tl.float32)
+        for k0 in range(0, D, BLOCK_K * SUB * UNROLL):
             for s in tl.static_range(UNROLL):                               # independent loads in flight
-                acc_g = _gemv_step(acc_g, v, k0 + s * BLOCK_K, D, g_ptr, gs_ptr, n, n_ok, stride_wn, stride_sr,
-                                   stride_sc, block_r, block_c, off_r, off_c, GROUP, FMT, BLOCK_K, SCALE_PER_ROW)
-                acc_u = _gemv_step(acc_u, v, k0 + s * BLOCK_K, D, u_ptr, us_ptr, n, n_ok, stride_wn, stride_sr,
-                                   stride_sc, block_r, block_c, off_r, off_c, GROUP, FMT, BLOCK_K, SCALE_PER_ROW)
+                k1 = k0 + s * BLOCK_K * SUB
+                acc_g = _gemv_step(acc_g, v, k1, D, g_ptr, gs_ptr, n, kb, n_ok, stride_wn, stride_sr, stride_sc,
+                                   off_r, off_c, FMT, BLOCK_K, GROUP, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
+                acc_u = _gemv_step(acc_u, v, k1, D, u_ptr, us_ptr, n, kb, n_ok, stride_wn, stride_sr, stride_sc,
+                                   off_r, off_c, FMT, BLOCK_K, GROUP, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
         g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
+        if SUB > 1:                                                         # the sub-blocks of each row
+            g, u = tl.sum(tl.reshape(g, [BLOCK_N, SUB]), 1), tl.sum(tl.reshape(u, [BLOCK_N, SUB]), 1)
         h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + pair)
-        col = n
+        i = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col = i
         if FMT == 2:
-            col = (n % 8) * (I // 8) + n // 8
-        tl.store(h_ptr + pair.to(tl.int64) * I + col, h, mask=n_ok)
+            col = (i % 8) * (I // 8) + i // 8
+        tl.store(h_ptr + pair.to(tl.int64) * I + col, h, mask=i < I)
 
 
 @_jit
 def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
-                          stride_we, stride_wn, stride_se, stride_sr, stride_sc,
-                          block_r, block_c, off_r, off_c, GROUP,
+                          stride_we, stride_wn, stride_se, stride_sr, stride_sc, off_r, off_c,
                           TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, ACC_K: tl.constexpr,
+                          GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, ACC_K: tl.constexpr,
                           SCALE_PER_ROW: tl.constexpr):
     """out[n, d] = sum_k (down[e] @ h[n*K + k])[d], e = ids[n*K + k] (route weights are in h).
 
     h_ptr: fp32 [P, I] from gate_up. out_ptr: [N, D], x's dtype. w_ptr / s_ptr: down weights and
     scales, [E, D, I] as ExpertWeights. Grid: (N, cdiv(D, BLOCK_N))."""
     token, pid_n = tl.program_id(0), tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    r = tl.arange(0, BLOCK_N * SUB)
+    n, kb = pid_n * BLOCK_N + r // SUB, (r % SUB) * BLOCK_K
     n_ok = n < D
-    acc = tl.zeros([BLOCK_N, ACC_K], tl.float32)
+    acc = tl.zeros([BLOCK_N * SUB, ACC_K], tl.float32)
     for k in tl.static_range(TOPK):                                         # the token's K experts
         pair = token * TOPK + k
         e = tl.load(ids_ptr + pair).to(tl.int64)
-        for k0 in tl.static_range(0, I, BLOCK_K):
+        for k0 in tl.static_range(0, I, BLOCK_K * SUB):
             acc = _gemv_step(acc, h_ptr + pair.to(tl.int64) * I, k0, I, w_ptr + e * stride_we, s_ptr + e * stride_se,
-                             n, n_ok, stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c, GROUP,
-                             FMT, BLOCK_K, SCALE_PER_ROW)
-    tl.store(out_ptr + token.to(tl.int64) * D + n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=n_ok)
+                             n, kb, n_ok, stride_wn, stride_sr, stride_sc, off_r, off_c,
+                             FMT, BLOCK_K, GROUP, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
+    y = tl.sum(acc, 1)
+    if SUB > 1:
+        y = tl.sum(tl.reshape(y, [BLOCK_N, SUB]), 1)
+    d = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + token.to(tl.int64) * D + d, y.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def _gemv_args(w, block_k, sub):
+    """_weight_args for the GEMV kernels: strides, row/column offsets, and the constexprs (group,
+    block sizes, per-row scale, SUB: 1 where the scale is not one per row and step)."""
+    scale, strides, (br, bc, off_r, off_c, group), per_row = _weight_args(w, block_k)
+    return scale, strides, (off_r, off_c), dict(GROUP=group, BLOCK_R=br, BLOCK_C=bc, SCALE_PER_ROW=per_row,
+                                                SUB=sub if per_row else 1)
 
 
 def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg):
@@ -545,19 +575,19 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg):
         v = torch.empty(N, 8, D // 8, dtype=torch.float32, device=dev).copy_(x.view(N, D // 8, 8).transpose(1, 2))
     else:
         v = x
-    bn, bk, unroll, warps = cfg["gate_up"]
+    bn, bk, unroll, warps, sub = cfg["gate_up"]
     h = torch.empty(P, I, dtype=torch.float32, device=dev)                  # [P, I], route weight in
-    gs, strides, quant, per_row = _weight_args(gate, bk)
+    gs, strides, offs, const = _gemv_args(gate, bk, sub)
     _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), P)](
-        v, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *quant,
+        v, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
         TOPK=K, D=D, I=I, FMT=FORMATS[fmt], P_PAD=GEMV_P_PAD, BLOCK_N=bn, BLOCK_K=bk,
-        ACC_K=bk // 8 if fmt == "int4" else bk, UNROLL=unroll, SCALE_PER_ROW=per_row, num_warps=warps)
-    bn, bk, warps = cfg["down"]
+        ACC_K=bk // 8 if fmt == "int4" else bk, UNROLL=unroll, num_warps=warps, **const)
+    bn, bk, warps, sub = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
-    ds, strides, quant, per_row = _weight_args(down, bk)
+    ds, strides, offs, const = _gemv_args(down, bk, sub)
     _moe_gemv_down_kernel[(N, triton.cdiv(D, bn))](
-        h, out, ids, down.data, ds, *strides, *quant, TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn, BLOCK_K=bk,
-        ACC_K=bk // 8 if fmt == "int4" else bk, SCALE_PER_ROW=per_row, num_warps=warps)
+        h, out, ids, down.data, ds, *strides, *offs, TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn, BLOCK_K=bk,
+        ACC_K=bk // 8 if fmt == "int4" else bk, num_warps=warps, **const)
     return out
 
 
@@ -602,9 +632,11 @@ def _kernel_ms(fn):
 DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5), (32, 128, 4, 5), (64, 128, 4, 4),
                           (16, 256, 4, 3), (32, 256, 8, 3), (16, 64, 4, 6)],
                  down=[(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (64, 256, 8, 3)])
-GEMV_SWEEP = {"plain": dict(gate_up=[(2, 1024, 2, 4), (8, 512, 2, 4), (4, 256, 4, 4)], down=[(32, 256, 4), (8, 256, 4)]),
-              "fp8": dict(gate_up=[(8, 128, 8, 2), (4, 128, 4, 1), (16, 128, 4, 4)], down=[(16, 128, 4), (64, 128, 8)]),
-              "int4": dict(gate_up=[(8, 1024, 2, 4), (4, 512, 4, 4), (2, 2048, 1, 4)], down=[(16, 256, 4), (64, 256, 8)])}
+GEMV_SWEEP = {"plain": dict(gate_up=[], down=[(32, 256, 4, 1)]),
+              "fp8": dict(gate_up=[(8, 128, 2, 4, 4), (2, 128, 2, 2, 4), (4, 128, 1, 4, 4), (4, 128, 2, 8, 8)],
+                          down=[(16, 128, 4, 2), (4, 128, 2, 2)]),
+              "int4": dict(gate_up=[(8, 1024, 2, 4, 1), (4, 512, 4, 4, 1), (2, 2048, 1, 4, 1)],
+                           down=[(16, 256, 4, 1), (64, 256, 8, 1), (16, 256, 2, 1)])}
 
 
 def _sweep_points(fmt, variant):
@@ -614,7 +646,7 @@ def _sweep_points(fmt, variant):
     return [{part: c} for part, cs in DOT_SWEEP.items() for c in cs if ok(c)]
 
 
-def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 4, 8, 32)):
+def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 2, 4, 8, 32)):
     """One layer's routed experts per format, token count and variant of fused_moe ("dot": k3's
     tiles through tl.dot, "gemv": the GEMV variant) against its floor (the distinct experts' stored
     bytes over the eager copy bandwidth measured here), timed as a graph of LAYERS calls. sweep: the

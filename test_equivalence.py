@@ -246,7 +246,7 @@ def check_fused_moe(experts_and_dim, cases, dtype, seed=0):
 
 
 # (N, routing, variant) cases; the CPU interpreter runs a few of them (each ~0.2-1 s there), the GPU
-# all. With K = 8 the rule (GEMV_MAX_PAIRS) picks the GEMV variant up to N = 8 and tiles (tl.dot) at 37.
+# all. With K = 8 the rule (GEMV_MAX_PAIRS) picks the GEMV variant at small N and tiles (tl.dot) at 37.
 FUSED_CASES_ALL = [(N, kind, v) for N in (1, 2, 4, 8, 37) for kind in ("shared", "disjoint", "random")
                    for v in ((None, "dot") if N <= 8 else (None,))]
 FUSED_CASES_CPU = {16: [(1, "random", None), (2, "disjoint", None), (4, "shared", None), (4, "shared", "dot"),
@@ -262,6 +262,23 @@ def test_fused_moe_equals_gather_tiny(quant):
         dtypes = (torch.float32, torch.bfloat16) if TRITON_DEVICE.type == "cuda" else (torch.float32,)
         for dtype in dtypes:   # (Triton's interpreter computes bf16 dots wrongly: float32 on the CPU)
             check_fused_moe(moe_experts("tiny", quant, E, TRITON_DEVICE, dtype), cases, dtype)
+
+
+@triton_runs
+def test_fused_moe_gemv_fp8_scale_blocks_as_rows():
+    """FP8 in 128x128 blocks (Kimi-K2's layout): the GEMV variant reads each k-step as SUB scale blocks
+    laid out as tile rows of their own (GEMV_CONFIGS' FP8 entries), one scale per tile row."""
+    args = tiny(n_routed_experts=8, num_experts_per_tok=8, hidden_size=256, moe_intermediate_size=512,
+                quantization_config=model.fp8_quantization_config((128, 128)))
+    experts = init_random(ExpertsHolder(args, TP(1, 2), "fused", TRITON_DEVICE, torch.float32), 0).experts
+    ids, w = routing("random", 2, 8, 8, torch.Generator().manual_seed(0), TRITON_DEVICE)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1)).to(TRITON_DEVICE)
+    weights = [getattr(experts, p).kernel_weights() for p in ("gate_proj", "up_proj", "down_proj")]
+    got = kernels.fused_moe(x, ids, w, *weights, variant="gemv",
+                            configs=dict(gate_up=(32, 128, 1, 4, 2), down=(64, 128, 4, 2)))
+    experts.impl = "gather"
+    ref = experts(x, ids, w)
+    assert_close(got, ref, 1e-5 * ref.abs().max().item(), "GEMV FP8 with 2 scale blocks a k-step vs gather")
 
 
 @triton_runs
