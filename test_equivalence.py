@@ -285,12 +285,12 @@ def test_fused_moe_gemv_fp8_scale_blocks_as_rows():
 def test_fused_moe_rule_picks_gemv_for_few_pairs(monkeypatch):
     """The model's fused path runs the GEMV variant up to GEMV_MAX_PAIRS pairs and tiles above: a
     rule on shapes (never on routed values), so one captured graph always replays one variant."""
-    experts, D = moe_experts("tiny", "int4", 16, TRITON_DEVICE, torch.float32)
+    experts, D = moe_experts("tiny", "fp8", 16, TRITON_DEVICE, torch.float32)
     calls = []
     gemv = kernels._fused_moe_gemv
     monkeypatch.setattr(kernels, "_fused_moe_gemv", lambda *a: calls.append(a[0].shape[0]) or gemv(*a))
     g = torch.Generator().manual_seed(0)
-    limit = kernels.GEMV_MAX_PAIRS["int4"] // 8
+    limit = kernels.GEMV_MAX_PAIRS["fp8"] // 8
     for N in (1, limit, limit + 1):
         ids, w = routing("random", N, 8, 16, g, TRITON_DEVICE)
         experts(torch.randn(N, D, generator=g).to(TRITON_DEVICE), ids, w)
