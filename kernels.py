@@ -339,7 +339,7 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None):
     read the device), route_w [N, K] (any float; used in fp32), gate / up / down: ExpertWeights of
     [E, I, D], [E, I, D], [E, D, I]. Returns [N, D] in x's dtype. variant: "gemv" (CUDA-core
     products, for a few tokens), "dot" (tiles of BLOCK_M pairs through tl.dot) or None: "gemv" while
-    N*K <= GEMV_MAX_PAIRS[format], a rule on shapes only, so a captured graph keeps its variant.
+    N <= GEMV_MAX_TOKENS[format], a rule on shapes only, so a captured graph keeps its variant.
     configs: override the variant's block sizes (the benchmark's sweep)."""
     if x.dim() != 2 or ids.shape != route_w.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
         raise ValueError(f"fused_moe: x {list(x.shape)}, ids {list(ids.shape)}, route_w {list(route_w.shape)}: "
@@ -352,10 +352,10 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None):
     if any(t is not None and t.device != dev for t in (ids, route_w, gate.data, gate.scale, up.data, up.scale,
                                                         down.data, down.scale)):
         raise ValueError(f"fused_moe: every input must be on x's device {dev}")
-    variant = variant or ("gemv" if P <= GEMV_MAX_PAIRS[fmt] else "dot")
-    if variant not in ("gemv", "dot") or (variant == "gemv" and P > GEMV_P_PAD):
+    variant = variant or ("gemv" if N <= GEMV_MAX_TOKENS[fmt] and P <= GEMV_MAX_PAIRS else "dot")
+    if variant not in ("gemv", "dot") or (variant == "gemv" and P > GEMV_MAX_PAIRS):
         raise ValueError(f"fused_moe: variant {variant!r} for {P} token-expert pairs: 'dot', or 'gemv' up to "
-                         f"{GEMV_P_PAD} pairs")
+                         f"{GEMV_MAX_PAIRS} pairs")
     x, ids, route_w = x.contiguous(), ids.reshape(-1).contiguous(), route_w.reshape(-1).float().contiguous()
     if variant == "gemv":
         cfg = {**_gemv_configs(fmt, P, x.is_cuda), **(configs or {})}
@@ -424,11 +424,12 @@ GEMV_CONFIGS = {
     "fp8": (dict(gate_up=(4, 128, 2, 4, 4), down=(16, 128, 4, 2)),) * 2,
     "int4": (dict(gate_up=(2, 2048, 1, 4, 1), down=(32, 256, 4, 1)),) * 2}
 GEMV_SMALL_P = 16
-# The GEMV variant up to this N*K (the rule of fused_moe's variant=None), from the same run at K = 8
+# The GEMV variant up to this many tokens (the rule of fused_moe's variant=None; in tokens, not pairs,
+# so a shared expert routed as one more slot a token moves no boundary), from the same run at K = 8
 # (us a layer, GEMV against tiles): bf16 30 / 46 at N = 1, 98 / 97 at 4, 177 / 188 at 8, 630 / 527 at
 # 32; FP8 28 / 75 at 1, 80 / 82 at 4, 148 / 144 at 8; INT4 faster at every N up to 32 (629 / 836).
-GEMV_MAX_PAIRS = {"plain": 64, "fp8": 32, "int4": 256}
-GEMV_P_PAD = 256    # the leader test compares a pair's expert with all P <= GEMV_P_PAD pairs
+GEMV_MAX_TOKENS = {"plain": 8, "fp8": 4, "int4": 32}
+GEMV_MAX_PAIRS = 1024   # the leader test holds all N*K expert ids of a call in one vector
 
 
 def _gemv_configs(fmt, P, on_gpu):
@@ -499,7 +500,8 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
     v_ptr: the activations [N, D] (x's dtype) or, INT4, fp32 planes [N, 8, D/8]. h_ptr: fp32 [P, I]
     out (INT4: row p in plane order, element i at (i % 8) * I/8 + i // 8). ids_ptr: int [P];
     route_w_ptr: fp32 [P]. g_ptr / u_ptr, gs_ptr / us_ptr: gate and up weights and scales, [E, I, D]
-    as ExpertWeights (same strides). Grid: (cdiv(I, BLOCK_N), P); only a leader program works."""
+    as ExpertWeights (same strides). P_PAD: a power of two >= P. Grid: (cdiv(I, BLOCK_N), P); only a
+    leader program works."""
     pid_n, p = tl.program_id(0), tl.program_id(1)
     q = tl.arange(0, P_PAD)
     same = tl.load(ids_ptr + q, mask=q < P, other=-1) == tl.load(ids_ptr + p)   # pairs of this expert
@@ -589,7 +591,7 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg):
     gs, strides, offs, const = _gemv_args(gate, bk, sub)
     _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), P)](
         v, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
-        TOPK=K, D=D, I=I, FMT=FORMATS[fmt], P_PAD=GEMV_P_PAD, BLOCK_N=bn, BLOCK_K=bk,
+        TOPK=K, D=D, I=I, FMT=FORMATS[fmt], P_PAD=max(16, triton.next_power_of_2(P)), BLOCK_N=bn, BLOCK_K=bk,
         ACC_K=bk // 8 if fmt == "int4" else bk, UNROLL=unroll, num_warps=warps, **const)
     bn, bk, warps, sub = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
@@ -673,14 +675,14 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
             route_w = torch.rand(N, K, device=dev, generator=g)
             floor_ms = ids.unique().numel() * per_expert / bandwidth / 1e6
             for variant in variants:
-                if variant == "gemv" and N * K > GEMV_P_PAD:
+                if variant == "gemv" and N * K > GEMV_MAX_PAIRS:
                     continue
                 points = [None] + (_sweep_points(fmt, variant) if variant in sweep and N in (1, 4) else [])
                 for cfg in points:
                     rows += _time_moe(fmt, N, variant, cfg, layers, (x, ids, route_w), floor_ms, bandwidth, LAYERS)
         del layers
     return dict(bandwidth_GBps=bandwidth, shapes=dict(D=D, I=I, E=E, K=K, layers=LAYERS), rows=rows,
-                gemv_max_pairs=GEMV_MAX_PAIRS, device=torch.cuda.get_device_name(), torch=torch.__version__,
+                gemv_max_tokens=GEMV_MAX_TOKENS, device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__)
 
 

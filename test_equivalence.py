@@ -246,7 +246,7 @@ def check_fused_moe(experts_and_dim, cases, dtype, seed=0):
 
 
 # (N, routing, variant) cases; the CPU interpreter runs a few of them (each ~0.2-1 s there), the GPU
-# all. With K = 8 the rule (GEMV_MAX_PAIRS) picks the GEMV variant at small N and tiles (tl.dot) at 37.
+# all. The rule (GEMV_MAX_TOKENS) picks the GEMV variant at small N and tiles (tl.dot) at 37.
 FUSED_CASES_ALL = [(N, kind, v) for N in (1, 2, 4, 8, 37) for kind in ("shared", "disjoint", "random")
                    for v in ((None, "dot") if N <= 8 else (None,))]
 FUSED_CASES_CPU = {16: [(1, "random", None), (2, "disjoint", None), (4, "shared", None), (4, "shared", "dot"),
@@ -283,20 +283,20 @@ def test_fused_moe_gemv_fp8_scale_blocks_as_rows():
 
 @triton_runs
 def test_fused_moe_rule_picks_gemv_for_few_pairs(monkeypatch):
-    """The model's fused path runs the GEMV variant up to GEMV_MAX_PAIRS pairs and tiles above: a
+    """The model's fused path runs the GEMV variant up to GEMV_MAX_TOKENS tokens and tiles above: a
     rule on shapes (never on routed values), so one captured graph always replays one variant."""
     experts, D = moe_experts("tiny", "fp8", 16, TRITON_DEVICE, torch.float32)
     calls = []
     gemv = kernels._fused_moe_gemv
     monkeypatch.setattr(kernels, "_fused_moe_gemv", lambda *a: calls.append(a[0].shape[0]) or gemv(*a))
     g = torch.Generator().manual_seed(0)
-    limit = kernels.GEMV_MAX_PAIRS["fp8"] // 8
+    limit = kernels.GEMV_MAX_TOKENS["fp8"]
     for N in (1, limit, limit + 1):
         ids, w = routing("random", N, 8, 16, g, TRITON_DEVICE)
         experts(torch.randn(N, D, generator=g).to(TRITON_DEVICE), ids, w)
     assert calls == [1, limit], f"GEMV variant ran for token counts {calls}, expected [1, {limit}]"
-    many = kernels.GEMV_P_PAD // 8 + 1                                    # tokens: more pairs than it handles
-    with pytest.raises(ValueError, match=f"'gemv' up to {kernels.GEMV_P_PAD} pairs"):
+    many = kernels.GEMV_MAX_PAIRS // 8 + 1                                # tokens: more pairs than it handles
+    with pytest.raises(ValueError, match=f"'gemv' up to {kernels.GEMV_MAX_PAIRS} pairs"):
         experts.fused(torch.randn(many, D, device=TRITON_DEVICE), ids[:1].expand(many, 8), w[:1].expand(many, 8), "gemv")
 
 
