@@ -236,7 +236,7 @@ def check_fused_moe(experts_and_dim, cases, dtype, seed=0):
         ids, w = routing(kind, N, K, E, g, TRITON_DEVICE)
         x = torch.randn(N, D, generator=g).to(TRITON_DEVICE, dtype)
         experts.impl = "fused"
-        fused = experts(x, ids, w) if variant is None else experts.fused(x, ids, w, variant)
+        fused = experts(x, ids, w) if variant is None else experts.fused(x, ids, w, variant=variant)
         experts.impl = "gather"
         ref = experts(x, ids, w)
         tol = (1e-5 if dtype == torch.float32 else 2e-2) * ref.abs().max().item()
@@ -297,7 +297,8 @@ def test_fused_moe_rule_picks_gemv_for_few_pairs(monkeypatch):
     assert calls == [1, limit], f"GEMV variant ran for token counts {calls}, expected [1, {limit}]"
     many = kernels.GEMV_MAX_PAIRS // 8 + 1                                # tokens: more pairs than it handles
     with pytest.raises(ValueError, match=f"'gemv' up to {kernels.GEMV_MAX_PAIRS} pairs"):
-        experts.fused(torch.randn(many, D, device=TRITON_DEVICE), ids[:1].expand(many, 8), w[:1].expand(many, 8), "gemv")
+        experts.fused(torch.randn(many, D, device=TRITON_DEVICE), ids[:1].expand(many, 8), w[:1].expand(many, 8),
+                      variant="gemv")
 
 
 @cuda
