@@ -71,6 +71,7 @@ def _pow2(n, least=16):
 #
 # y[n] = sum_k w[n, k] * down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])),  e = ids[n, k]
 #
+# The tile variant (k3; the GEMV variant of the next section serves a few tokens, GEMV_MAX_TOKENS).
 # Four launches, each of a fixed grid for given (N, K, E): align (sort the P pairs by expert on the
 # device, each expert's pairs padded to whole BLOCK_M tiles), gate_up (a program per (tile of
 # pairs of one expert, BLOCK_N rows of I): both projections, SiLU and the product), down (a program
@@ -420,7 +421,8 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None):
 # decode, 69.5 against 79.7 at 4 tokens); INT4 gate_up 2 rows of 2048 (33.8 against 43.7 us at
 # decode, 83.9 against 102.7 at 4 tokens).
 GEMV_CONFIGS = {
-    "plain": (dict(gate_up=(8, 512, 2, 4, 1), down=(16, 256, 4, 1)), dict(gate_up=(4, 256, 4, 4, 1), down=(16, 256, 4, 1))),
+    "plain": (dict(gate_up=(8, 512, 2, 4, 1), down=(16, 256, 4, 1)),
+              dict(gate_up=(4, 256, 4, 4, 1), down=(16, 256, 4, 1))),
     "fp8": (dict(gate_up=(4, 128, 2, 4, 4), down=(16, 128, 4, 2)),) * 2,
     "int4": (dict(gate_up=(2, 2048, 1, 4, 1), down=(32, 256, 4, 1)),) * 2}
 GEMV_SMALL_P = 16
@@ -509,7 +511,8 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
         return                                                              # not the expert's first pair
     rank = tl.cumsum(same.to(tl.int32), 0) - 1
     e = tl.load(ids_ptr + p).to(tl.int64)
-    g_ptr, u_ptr, gs_ptr, us_ptr = g_ptr + e * stride_we, u_ptr + e * stride_we, gs_ptr + e * stride_se, us_ptr + e * stride_se
+    g_ptr, u_ptr = g_ptr + e * stride_we, u_ptr + e * stride_we
+    gs_ptr, us_ptr = gs_ptr + e * stride_se, us_ptr + e * stride_se
     r = tl.arange(0, BLOCK_N * SUB)                                         # tile rows: (row of I, sub-block)
     n, kb = pid_n * BLOCK_N + r // SUB, (r % SUB) * BLOCK_K
     n_ok = n < I
