@@ -22,7 +22,8 @@ E routed experts, G expert groups, K experts per token, I expert intermediate (t
 slice), P = N*K token-expert pairs. Every kernel keeps a fixed launch shape for given input
 shapes and reads no device value on the host, so all of them can be captured in CUDA graphs.
 
-    python kernels.py [--sweep] [--json OUT]   # on a GPU: each kernel against its plain twin and its floor
+    python kernels.py [--moe] [--sweep] [--variants dot,gemv] [--json OUT]   # on a GPU: each kernel
+                      # against its plain twin and its floor (--moe: the fused MoE only)
 """
 import math
 import os
@@ -71,6 +72,7 @@ def _pow2(n, least=16):
 #
 # y[n] = sum_k w[n, k] * down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])),  e = ids[n, k]
 #
+# The tile variant (k3; the GEMV variant of the next section serves a few tokens, GEMV_MAX_TOKENS).
 # Four launches, each of a fixed grid for given (N, K, E): align (sort the P pairs by expert on the
 # device, each expert's pairs padded to whole BLOCK_M tiles), gate_up (a program per (tile of
 # pairs of one expert, BLOCK_N rows of I): both projections, SiLU and the product), down (a program
@@ -330,14 +332,17 @@ def _check_weights(gate, up, down, D):
     return fmt, E, I
 
 
-def fused_moe(x, ids, route_w, gate, up, down, configs=None):
+def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None):
     """Routed experts in one pass over each distinct expert's weights:
     y[n] = sum_k route_w[n, k] * down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])),  e = ids[n, k].
 
-    x [N, D] (bf16, fp16 or fp32: the compute dtype; dequantized weights are rounded to it),
-    ids int [N, K] in [0, E) (not checked: that would read the device), route_w [N, K] (any float;
-    used in fp32), gate / up / down: ExpertWeights of [E, I, D], [E, I, D], [E, D, I]. Returns
-    [N, D] in x's dtype. configs: override _configs() (the benchmark's sweep)."""
+    x [N, D] (bf16, fp16 or fp32: the compute dtype; the tile variant rounds dequantized weights to
+    it, the GEMV variant multiplies them in fp32), ids int [N, K] in [0, E) (not checked: that would
+    read the device), route_w [N, K] (any float; used in fp32), gate / up / down: ExpertWeights of
+    [E, I, D], [E, I, D], [E, D, I]. Returns [N, D] in x's dtype. variant: "gemv" (CUDA-core
+    products, for a few tokens), "dot" (tiles of BLOCK_M pairs through tl.dot) or None: "gemv" while
+    N <= GEMV_MAX_TOKENS[format], a rule on shapes only, so a captured graph keeps its variant.
+    configs: override the variant's block sizes (the benchmark's sweep)."""
     if x.dim() != 2 or ids.shape != route_w.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
         raise ValueError(f"fused_moe: x {list(x.shape)}, ids {list(ids.shape)}, route_w {list(route_w.shape)}: "
                          "expected [N, D], [N, K], [N, K]")
@@ -349,8 +354,15 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None):
     if any(t is not None and t.device != dev for t in (ids, route_w, gate.data, gate.scale, up.data, up.scale,
                                                         down.data, down.scale)):
         raise ValueError(f"fused_moe: every input must be on x's device {dev}")
-    cfg = {**_configs(fmt, P, x.is_cuda), **(configs or {})}
+    variant = variant or ("gemv" if N <= GEMV_MAX_TOKENS[fmt] and P <= GEMV_MAX_PAIRS else "dot")
+    if variant not in ("gemv", "dot") or (variant == "gemv" and P > GEMV_MAX_PAIRS):
+        raise ValueError(f"fused_moe: variant {variant!r} for {P} token-expert pairs: 'dot', or 'gemv' up to "
+                         f"{GEMV_MAX_PAIRS} pairs")
     x, ids, route_w = x.contiguous(), ids.reshape(-1).contiguous(), route_w.reshape(-1).float().contiguous()
+    if variant == "gemv":
+        cfg = {**_gemv_configs(fmt, P, x.is_cuda), **(configs or {})}
+        return _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg)
+    cfg = {**_configs(fmt, P, x.is_cuda), **(configs or {})}
     max_tiles = min(E, P) + P // BLOCK_M                                    # see the section comment
     sorted_pair = torch.empty(max_tiles * BLOCK_M, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
@@ -377,9 +389,228 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None):
 
 
 # ---------------------------------------------------------------------------------------------
-# Benchmark (python kernels.py [--sweep] [--json PATH]): the fused MoE of one layer at the shapes of
-# one Kimi-K2 rank at TP 8 (D 7168, I 256, 384 experts, K 8), each format, against its floor (the
-# distinct experts' stored bytes over the copy bandwidth measured in the same run). Each time is the
+# Routed experts, GEMV-shaped (decode and verify: a few tokens)
+#
+# With 1-4 tokens most experts serve one token, and k3's tiles of 16 pairs ran tl.dot on 15 padding
+# rows with too few programs to keep HBM busy (8 experts x 256 rows at decode). Here the products
+# run on the CUDA cores instead (dequantized weights times the activation, broadcast-multiply into an
+# fp32 [BLOCK_N, BLOCK_K] accumulator, one tl.sum per program), with no align and no combine launch:
+#   gate_up: a program per (BLOCK_N rows of I, pair). The first pair of each expert (the "leader")
+#     does the work for every pair of that expert, one after another, so the expert's weights come
+#     from HBM once (a later pair re-reads the same rows from L1/L2); other pairs' programs exit.
+#     Writes h = silu(g) * u * route_w per pair, fp32 [P, I] (INT4: in the nibble-plane order below).
+#   down: a program per (token, BLOCK_N rows of D), token-major so no combine is needed: the K
+#     experts of the token, each [BLOCK_N, I], times that pair's h, summed in registers, stored once.
+#     Programs of one row block for all tokens are adjacent in launch order, so an expert shared by
+#     tokens is fetched from HBM about once and read from L2 by the others.
+# INT4 without unpacking to natural order: nibble j of word w is element 8w + j, so the activation
+# comes as 8 planes (plane j = elements 8w + j, contiguous in w: x is permuted once per call, h is
+# written that way by gate_up) and each plane meets nibble j of the same words. A nibble becomes a
+# float by the exponent trick: (word & (15 << 4j)) | 0x4B000000 is the float 2^23 + nib * 16^j, and
+# one FMA (times 16^-j, minus 2^23 * 16^-j + 8) gives nib - 8 exactly; the words' top three nibbles
+# use the word shifted right by 20. The group scale multiplies each word's 8 products once.
+
+# Block sizes by format and pair count: (small, large) below/above GEMV_SMALL_P pairs, each
+# dict(gate_up=(BLOCK_N, BLOCK_K, UNROLL, num_warps, SUB), down=(BLOCK_N, BLOCK_K, num_warps, SUB)).
+# BLOCK_K counts elements (INT4: BLOCK_K / 8 words); a program's tile has BLOCK_N * SUB rows of
+# BLOCK_K: SUB > 1 (FP8 only) lays SUB consecutive 128-column scale blocks of a weight row out as
+# rows of their own, so a step is one scale per tile row and still 32 threads a weight row (at
+# decode only 2048 gate/up rows exist: 8 threads a row, as a one-block step gives, made 512 warps
+# for 132 SMs, issue-bound at 1 TB/s on the H200). From `python kernels.py --moe --sweep gemv` on an
+# H200 (2026-11-29, BENCHMARKS.md, k4): bf16 gate_up 8 rows at decode (30.1 against 33.2 us with 4),
+# 4 rows of 256 from 4 tokens (99.1 against 114.3 us); FP8 down 16 rows (23.5 against 27.9 us at
+# decode, 69.5 against 79.7 at 4 tokens); INT4 gate_up 2 rows of 2048 (33.8 against 43.7 us at
+# decode, 83.9 against 102.7 at 4 tokens).
+GEMV_CONFIGS = {
+    "plain": (dict(gate_up=(8, 512, 2, 4, 1), down=(16, 256, 4, 1)),
+              dict(gate_up=(4, 256, 4, 4, 1), down=(16, 256, 4, 1))),
+    "fp8": (dict(gate_up=(4, 128, 2, 4, 4), down=(16, 128, 4, 2)),) * 2,
+    "int4": (dict(gate_up=(2, 2048, 1, 4, 1), down=(32, 256, 4, 1)),) * 2}
+GEMV_SMALL_P = 16
+# The GEMV variant up to this many tokens (the rule of fused_moe's variant=None; in tokens, not pairs,
+# so a shared expert routed as one more slot a token moves no boundary), from the same run at K = 8
+# (us a layer, GEMV against tiles): bf16 30 / 46 at N = 1, 98 / 97 at 4, 177 / 188 at 8, 630 / 527 at
+# 32; FP8 28 / 75 at 1, 80 / 82 at 4, 148 / 144 at 8; INT4 faster at every N up to 32 (629 / 836).
+GEMV_MAX_TOKENS = {"plain": 8, "fp8": 4, "int4": 32}
+GEMV_MAX_PAIRS = 1024   # the leader test holds all N*K expert ids of a call in one vector
+
+
+def _gemv_configs(fmt, P, on_gpu):
+    if not on_gpu:  # the CPU interpreter: few, large programs
+        return dict(gate_up=(32, 64, 1, 4, 1), down=(64, 64, 4, 1))
+    return GEMV_CONFIGS[fmt][P > GEMV_SMALL_P]
+
+
+@_jit
+def _gemv_step(acc, v_ptr, k0, K_IN, w_ptr, s_ptr, n, kb, n_ok, stride_wn, stride_sr, stride_sc, off_r, off_c,
+               FMT: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_C: tl.constexpr, SCALE_PER_ROW: tl.constexpr):
+    """acc [R, ACC_K] fp32 += W[n, k] * v[k] elementwise for tile row r: n[r], k = k0 + kb[r] + [0, BLOCK_K)
+    (summed over k by the caller). kb: [R] column offsets (FP8 sub-blocks) or 0.
+
+    v_ptr: the activation row (plain, FP8: [K_IN] in order; INT4: 8 planes [8, K_IN/8], plane j
+    holding elements 8w + j). w_ptr, s_ptr: one expert's weight and scale (ExpertWeights layouts).
+    ACC_K = BLOCK_K (plain, FP8) or BLOCK_K / 8 (INT4: one column per word)."""
+    if FMT == 2:
+        w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        w_ok = w < K_IN // 8
+        ok = n_ok[:, None] & w_ok[None, :]
+        words = tl.load(w_ptr + n[:, None] * stride_wn + w[None, :], mask=ok, other=0)
+        scale = tl.load(s_ptr + n[:, None] * stride_sr + (w * 8 // GROUP)[None, :], mask=ok, other=0.0)
+        high = words >> 20                                   # nibbles 5, 6, 7 at bits 0..11
+        t = tl.zeros(words.shape, tl.float32)
+        for j in tl.static_range(8):                         # (nibble - 8) * v, q exact in fp32
+            # plane j over the whole tile (every row the same addresses): the tile's own layout, no shuffle
+            v = tl.load(v_ptr + j * (K_IN // 8) + (w[None, :] + 0 * n[:, None]), mask=ok, other=0.0).to(tl.float32)
+            if j < 5:
+                f = ((words & (15 << (4 * j))) | 0x4B000000).to(tl.float32, bitcast=True)
+                t += (f * (1.0 / (1 << (4 * j))) - (8388608.0 / (1 << (4 * j)) + 8.0)) * v
+            else:
+                f = ((high & (15 << (4 * (j - 5)))) | 0x4B000000).to(tl.float32, bitcast=True)
+                t += (f * (1.0 / (1 << (4 * (j - 5)))) - (8388608.0 / (1 << (4 * (j - 5))) + 8.0)) * v
+        acc += t * scale.to(tl.float32)
+    else:
+        if FMT == 0:                                         # the activation broadcast over the rows
+            k = k0 + tl.arange(0, BLOCK_K)
+            wt = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & (k < K_IN)[None, :],
+                         other=0.0)
+            acc += wt.to(tl.float32) * tl.load(v_ptr + k, mask=k < K_IN, other=0.0).to(tl.float32)[None, :]
+        else:
+            k = k0 + kb[:, None] + tl.arange(0, BLOCK_K)[None, :]              # [R, BLOCK_K]
+            k_ok = k < K_IN
+            ok = n_ok[:, None] & k_ok
+            wt = tl.load(w_ptr + n[:, None] * stride_wn + k, mask=ok, other=0.0).to(tl.float32)
+            v = tl.load(v_ptr + k, mask=k_ok, other=0.0).to(tl.float32)        # per tile row (sub-blocks)
+            if SCALE_PER_ROW:
+                s = tl.load(s_ptr + ((n + off_r) // BLOCK_R) * stride_sr + ((k0 + kb + off_c) // BLOCK_C) * stride_sc,
+                            mask=n_ok & (k0 + kb < K_IN), other=0.0)
+                acc += wt * s[:, None] * v
+            else:
+                acc += wt * tl.load(s_ptr + ((n + off_r) // BLOCK_R)[:, None] * stride_sr
+                                    + ((k + off_c) // BLOCK_C) * stride_sc, mask=ok, other=0.0) * v
+    return acc
+
+
+@_jit
+def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, P,
+                             stride_we, stride_wn, stride_se, stride_sr, stride_sc, off_r, off_c,
+                             TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
+                             GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                             P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+                             ACC_K: tl.constexpr, UNROLL: tl.constexpr, SCALE_PER_ROW: tl.constexpr):
+    """h[p, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) * route_w[p] for pair p = n*K + k, e = ids[p].
+
+    v_ptr: the activations [N, D] (x's dtype) or, INT4, fp32 planes [N, 8, D/8]. h_ptr: fp32 [P, I]
+    out (INT4: row p in plane order, element i at (i % 8) * I/8 + i // 8). ids_ptr: int [P];
+    route_w_ptr: fp32 [P]. g_ptr / u_ptr, gs_ptr / us_ptr: gate and up weights and scales, [E, I, D]
+    as ExpertWeights (same strides). P_PAD: a power of two >= P. Grid: (cdiv(I, BLOCK_N), P); only a
+    leader program works."""
+    pid_n, p = tl.program_id(0), tl.program_id(1)
+    q = tl.arange(0, P_PAD)
+    same = tl.load(ids_ptr + q, mask=q < P, other=-1) == tl.load(ids_ptr + p)   # pairs of this expert
+    if tl.min(tl.where(same, q, P_PAD), 0) != p:
+        return                                                              # not the expert's first pair
+    rank = tl.cumsum(same.to(tl.int32), 0) - 1
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    g_ptr, u_ptr = g_ptr + e * stride_we, u_ptr + e * stride_we
+    gs_ptr, us_ptr = gs_ptr + e * stride_se, us_ptr + e * stride_se
+    r = tl.arange(0, BLOCK_N * SUB)                                         # tile rows: (row of I, sub-block)
+    n, kb = pid_n * BLOCK_N + r // SUB, (r % SUB) * BLOCK_K
+    n_ok = n < I
+    for c in range(tl.sum(same.to(tl.int32), 0)):                          # each pair of the expert
+        pair = tl.sum(tl.where(same & (rank == c), q, 0), 0)
+        v = v_ptr + (pair // TOPK).to(tl.int64) * D
+        acc_g = tl.zeros([BLOCK_N * SUB, ACC_K], tl.float32)
+        acc_u = tl.zeros([BLOCK_N * SUB, ACC_K], tl.float32)
+        for k0 in range(0, D, BLOCK_K * SUB * UNROLL):
+            for s in tl.static_range(UNROLL):                               # independent loads in flight
+                k1 = k0 + s * BLOCK_K * SUB
+                acc_g = _gemv_step(acc_g, v, k1, D, g_ptr, gs_ptr, n, kb, n_ok, stride_wn, stride_sr, stride_sc,
+                                   off_r, off_c, FMT, BLOCK_K, GROUP, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
+                acc_u = _gemv_step(acc_u, v, k1, D, u_ptr, us_ptr, n, kb, n_ok, stride_wn, stride_sr, stride_sc,
+                                   off_r, off_c, FMT, BLOCK_K, GROUP, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
+        g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
+        if SUB > 1:                                                         # the sub-blocks of each row
+            g, u = tl.sum(tl.reshape(g, [BLOCK_N, SUB]), 1), tl.sum(tl.reshape(u, [BLOCK_N, SUB]), 1)
+        h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + pair)
+        i = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+        col = i
+        if FMT == 2:
+            col = (i % 8) * (I // 8) + i // 8
+        tl.store(h_ptr + pair.to(tl.int64) * I + col, h, mask=i < I)
+
+
+@_jit
+def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
+                          stride_we, stride_wn, stride_se, stride_sr, stride_sc, off_r, off_c,
+                          TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
+                          GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, ACC_K: tl.constexpr,
+                          SCALE_PER_ROW: tl.constexpr):
+    """out[n, d] = sum_k (down[e] @ h[n*K + k])[d], e = ids[n*K + k] (route weights are in h).
+
+    h_ptr: fp32 [P, I] from gate_up. out_ptr: [N, D], x's dtype. w_ptr / s_ptr: down weights and
+    scales, [E, D, I] as ExpertWeights. Grid: (N, cdiv(D, BLOCK_N))."""
+    token, pid_n = tl.program_id(0), tl.program_id(1)
+    r = tl.arange(0, BLOCK_N * SUB)
+    n, kb = pid_n * BLOCK_N + r // SUB, (r % SUB) * BLOCK_K
+    n_ok = n < D
+    acc = tl.zeros([BLOCK_N * SUB, ACC_K], tl.float32)
+    for k in tl.static_range(TOPK):                                         # the token's K experts
+        pair = token * TOPK + k
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        for k0 in tl.static_range(0, I, BLOCK_K * SUB):
+            acc = _gemv_step(acc, h_ptr + pair.to(tl.int64) * I, k0, I, w_ptr + e * stride_we, s_ptr + e * stride_se,
+                             n, kb, n_ok, stride_wn, stride_sr, stride_sc, off_r, off_c,
+                             FMT, BLOCK_K, GROUP, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
+    y = tl.sum(acc, 1)
+    if SUB > 1:
+        y = tl.sum(tl.reshape(y, [BLOCK_N, SUB]), 1)
+    d = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + token.to(tl.int64) * D + d, y.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def _gemv_args(w, block_k, sub):
+    """_weight_args for the GEMV kernels: strides, row/column offsets, and the constexprs (group,
+    block sizes, per-row scale, SUB: 1 where the scale is not one per row and step)."""
+    scale, strides, (br, bc, off_r, off_c, group), per_row = _weight_args(w, block_k)
+    # one scale per row and step only where every step is whole: the FP8 graph test (128x128 blocks over
+    # a 64 x 32 matrix, steps mostly masked) read NaN on the H200 through that path, not through this
+    # fallback (one scale an element, tested on the GPU with masked steps); not reproduced on the CPU
+    per_row = per_row and w.shape[2] % (block_k * sub) == 0
+    return scale, strides, (off_r, off_c), dict(GROUP=group, BLOCK_R=br, BLOCK_C=bc, SCALE_PER_ROW=per_row,
+                                                SUB=sub if per_row else 1)
+
+
+def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg):
+    """The GEMV variant (see its section); arguments as fused_moe's, already checked and flattened."""
+    (N, D), P, I, dev = x.shape, ids.numel(), gate.shape[1], x.device
+    K = P // N
+    if fmt == "int4":   # the activation as 8 planes, plane j = elements 8w + j: [N, 8, D/8] fp32
+        v = torch.empty(N, 8, D // 8, dtype=torch.float32, device=dev).copy_(x.view(N, D // 8, 8).transpose(1, 2))
+    else:
+        v = x
+    bn, bk, unroll, warps, sub = cfg["gate_up"]
+    h = torch.empty(P, I, dtype=torch.float32, device=dev)                  # [P, I], route weight in
+    gs, strides, offs, const = _gemv_args(gate, bk, sub)
+    _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), P)](
+        v, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
+        TOPK=K, D=D, I=I, FMT=FORMATS[fmt], P_PAD=max(16, triton.next_power_of_2(P)), BLOCK_N=bn, BLOCK_K=bk,
+        ACC_K=bk // 8 if fmt == "int4" else bk, UNROLL=unroll, num_warps=warps, **const)
+    bn, bk, warps, sub = cfg["down"]
+    out = torch.empty(N, D, dtype=x.dtype, device=dev)
+    ds, strides, offs, const = _gemv_args(down, bk, sub)
+    _moe_gemv_down_kernel[(N, triton.cdiv(D, bn))](
+        h, out, ids, down.data, ds, *strides, *offs, TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn, BLOCK_K=bk,
+        ACC_K=bk // 8 if fmt == "int4" else bk, num_warps=warps, **const)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# Benchmark (python kernels.py [--moe] [--sweep] [--variants dot,gemv] [--json PATH]): the fused MoE
+# of one layer at the shapes of one Kimi-K2 rank at TP 8 (D 7168, I 256, 384 experts, K 8), each
+# format and variant, against its floor (the distinct experts' stored bytes over the copy bandwidth
+# measured in the same run). Each time is the
 # median over replays of a CUDA graph of LAYERS calls on different weights (as in a captured step,
 # launch gaps included; the weights of LAYERS layers are larger than the 60 MB L2), divided by LAYERS.
 
@@ -412,11 +643,32 @@ def _kernel_ms(fn):
     return sum(kernels.values()), kernels
 
 
-def benchmark_moe(sweep=False, D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 4, 8, 32)):
-    """One layer's routed experts per format and token count against its floor (the distinct
-    experts' stored bytes over the eager copy bandwidth), timed as a graph of LAYERS calls."""
+# Sweep points (N = 1 and 4 only), each beside the default: k3's tiles ("dot") and the GEMV variant.
+DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5), (32, 128, 4, 5), (64, 128, 4, 4),
+                          (16, 256, 4, 3), (32, 256, 8, 3), (16, 64, 4, 6)],
+                 down=[(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (64, 256, 8, 3)])
+GEMV_SWEEP = {"plain": dict(gate_up=[], down=[(32, 256, 4, 1)]),
+              "fp8": dict(gate_up=[(8, 128, 2, 4, 4), (2, 128, 2, 2, 4), (4, 128, 1, 4, 4), (4, 128, 2, 8, 8)],
+                          down=[(16, 128, 4, 2), (4, 128, 2, 2)]),
+              "int4": dict(gate_up=[(8, 1024, 2, 4, 1), (4, 512, 4, 4, 1), (2, 2048, 1, 4, 1)],
+                           down=[(16, 256, 4, 1), (64, 256, 8, 1), (16, 256, 2, 1)])}
+
+
+def _sweep_points(fmt, variant):
+    if variant == "gemv":
+        return [{part: c} for part, cs in GEMV_SWEEP[fmt].items() for c in cs]
+    ok = lambda c: (fmt != "fp8" or c[1] <= 128) and (fmt != "int4" or c[1] >= 128)   # noqa: E731
+    return [{part: c} for part, cs in DOT_SWEEP.items() for c in cs if ok(c)]
+
+
+def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 2, 4, 8, 32)):
+    """One layer's routed experts per format, token count and variant of fused_moe ("dot": k3's
+    tiles through tl.dot, "gemv": the GEMV variant) against its floor (the distinct experts' stored
+    bytes over the eager copy bandwidth measured here), timed as a graph of LAYERS calls. sweep: the
+    variants whose sweep points are also timed (at N = 1 and 4)."""
     dev, g = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
     bandwidth = copy_bandwidth_GBps()
+    print(f"fused MoE, one Kimi-K2 TP-8 rank (D {D}, I {I}, {E} experts, K {K}); copy bandwidth {bandwidth:.0f} GB/s")
     rows = []
     for fmt in ("plain", "fp8", "int4"):
         layers = [[_random_experts(fmt, E, o, i, dev, g) for o, i in ((I, D), (I, D), (D, I))] for _ in range(LAYERS)]
@@ -426,35 +678,37 @@ def benchmark_moe(sweep=False, D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 4
             ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:K] for _ in range(N)])
             route_w = torch.rand(N, K, device=dev, generator=g)
             floor_ms = ids.unique().numel() * per_expert / bandwidth / 1e6
-
-            def run(configs=None):
-                return lambda: [fused_moe(x, ids, route_w, *w, configs=configs) for w in layers]
-            configs = [None]
-            if sweep and N in (1, 4):
-                gu = [(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5), (32, 128, 4, 5), (64, 128, 4, 4),
-                      (16, 256, 4, 3), (32, 256, 8, 3), (16, 64, 4, 6)]
-                dn = [(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (64, 256, 8, 3)]
-                configs += [dict(gate_up=c) for c in gu if (fmt != "fp8" or c[1] <= 128) and (fmt != "int4" or c[1] >= 128)]
-                configs += [dict(down=c) for c in dn if (fmt != "fp8" or c[1] <= 128) and (fmt != "int4" or c[1] >= 128)]
-            for cfg in configs:
-                try:
-                    ms = _graph_ms([run(cfg)]) / LAYERS
-                except Exception as e:  # a sweep point that does not compile: say so, go on
-                    print(f"{fmt} N={N} {cfg}: {type(e).__name__}: {str(e)[:200]}")
+            for variant in variants:
+                if variant == "gemv" and N * K > GEMV_MAX_PAIRS:
                     continue
-                kernel_ms, by_kernel = _kernel_ms(run(cfg)) if cfg is None else (None, {})
-                kernel_ms = kernel_ms / LAYERS if kernel_ms else None
-                by_kernel = {name[:40]: v / LAYERS for name, v in by_kernel.items()}   # ms a layer, per kernel
-                rows.append(dict(fmt=fmt, tokens=N, config=cfg, ms=ms, kernel_ms=kernel_ms, by_kernel=by_kernel,
-                                 floor_ms=floor_ms, x_floor=ms / floor_ms, GBps=floor_ms * bandwidth / ms))
-                print(f"{fmt:5s} N={N:3d} {str(cfg or 'default'):42s} {ms * 1e3:8.1f} us  floor {floor_ms * 1e3:7.1f} us"
-                      f"  {ms / floor_ms:5.2f}x  {floor_ms * bandwidth / ms:6.0f} GB/s"
-                      + (f"  kernels alone {kernel_ms * 1e3:.1f} us ({kernel_ms / floor_ms:.2f}x): "
-                         + ", ".join(f"{k.replace('_moe_', '').split('_kernel')[0]} {v * 1e3:.1f}" for k, v in by_kernel.items())
-                         if kernel_ms else ""), flush=True)
+                points = [None] + (_sweep_points(fmt, variant) if variant in sweep and N in (1, 4) else [])
+                for cfg in points:
+                    rows += _time_moe(fmt, N, variant, cfg, layers, (x, ids, route_w), floor_ms, bandwidth, LAYERS)
         del layers
     return dict(bandwidth_GBps=bandwidth, shapes=dict(D=D, I=I, E=E, K=K, layers=LAYERS), rows=rows,
-                device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__)
+                gemv_max_tokens=GEMV_MAX_TOKENS, device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__)
+
+
+def _time_moe(fmt, N, variant, cfg, layers, inputs, floor_ms, bandwidth, LAYERS):
+    """One benchmark row (a list of 0 or 1 dicts), printed."""
+    def run():
+        return lambda: [fused_moe(*inputs, *w, configs=cfg, variant=variant) for w in layers]
+    try:
+        ms = _graph_ms([run()]) / LAYERS
+    except Exception as e:  # a sweep point that does not compile: say so, go on
+        print(f"{fmt} N={N} {variant} {cfg}: {type(e).__name__}: {str(e)[:200]}")
+        return []
+    kernel_ms, by_kernel = _kernel_ms(run()) if cfg is None else (None, {})
+    kernel_ms = kernel_ms / LAYERS if kernel_ms else None
+    by_kernel = {name[:40]: v / LAYERS for name, v in by_kernel.items()}   # ms a layer, per kernel
+    print(f"{fmt:5s} N={N:3d} {variant:4s} {str(cfg or 'default'):34s} {ms * 1e3:8.1f} us  floor {floor_ms * 1e3:7.1f} us"
+          f"  {ms / floor_ms:5.2f}x  {floor_ms * bandwidth / ms:6.0f} GB/s"
+          + (f"  kernels alone {kernel_ms * 1e3:.1f} us ({kernel_ms / floor_ms:.2f}x): "
+             + ", ".join(f"{k.replace('_moe_', '').split('_kernel')[0]} {v * 1e3:.1f}" for k, v in by_kernel.items())
+             if kernel_ms else ""), flush=True)
+    return [dict(fmt=fmt, tokens=N, variant=variant, config=cfg, ms=ms, kernel_ms=kernel_ms, by_kernel=by_kernel,
+                 floor_ms=floor_ms, x_floor=ms / floor_ms, GBps=floor_ms * bandwidth / ms)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1142,12 +1396,23 @@ def benchmark_attention(out=None):
 
 
 if __name__ == "__main__":
+    import argparse
     import json
-    import sys
-    out = sys.argv[sys.argv.index("--json") + 1] if "--json" in sys.argv else None
-    moe_result = benchmark_moe(sweep="--sweep" in sys.argv)
-    print(f"fused MoE: copy bandwidth {moe_result['bandwidth_GBps']:.0f} GB/s")
-    if out:
-        with open(out.replace(".json", "_moe.json"), "w") as f:
+    p = argparse.ArgumentParser(description="Each Triton kernel against its plain twin and its floor, on a GPU.")
+    p.add_argument("--json", metavar="PATH", help="write the results: PATH with _moe / _attention before .json")
+    p.add_argument("--sweep", nargs="?", const="dot,gemv", default="", metavar="VARIANTS",
+                   help="also time the fused MoE's block-size sweep points at N = 1 and 4, of these variants "
+                        "(comma-separated; all without a value)")
+    p.add_argument("--moe", action="store_true", help="time the fused MoE only (not attention and the small kernels)")
+    p.add_argument("--variants", default="dot,gemv",
+                   help="fused MoE variants to time in this run, comma-separated: dot (k3's tl.dot tiles), gemv")
+    a = p.parse_args()
+    variants, sweep = tuple(a.variants.split(",")), tuple(v for v in a.sweep.split(",") if v)
+    if not set(variants + sweep) <= {"dot", "gemv"}:
+        p.error(f"--variants {a.variants!r}, --sweep {a.sweep!r}: choose from dot, gemv")
+    moe_result = benchmark_moe(sweep=sweep, variants=variants)
+    if a.json:
+        with open(a.json.replace(".json", "_moe.json"), "w") as f:
             json.dump(moe_result, f)
-    benchmark_attention(out.replace(".json", "_attention.json") if out else None)
+    if not a.moe:
+        benchmark_attention(a.json.replace(".json", "_attention.json") if a.json else None)

@@ -647,8 +647,9 @@ class Experts(nn.Module):
     impl "gather": gather each token's K experts' weights (the plain reference);
     impl "grouped": sort token-expert pairs by expert and run torch._grouped_mm with device-side
     offsets, reading each expert's weights in place;
-    impl "fused": the Triton kernel of kernels.py (sort on the device, gate/up/SiLU, down, combine),
-    reading each distinct expert's weights once, as stored; above FUSED_MAX_TOKENS tokens (prefill)
+    impl "fused": the Triton kernel of kernels.py (for a few tokens a GEMV per expert on the CUDA
+    cores, else tiles of pairs sorted by expert on the device through tl.dot), reading each distinct
+    expert's weights once, as stored; above FUSED_MAX_TOKENS tokens (prefill)
     the grouped path where torch._grouped_mm exists, for plain experts only (it would dequantize
     every quantized expert of the layer at once). None reads a device value on the host.
     Quantized experts (INT4 packed, args.int4_group_size; FP8 blocks, args.fp8_block) stay as
@@ -701,10 +702,11 @@ class Experts(nn.Module):
     def runs_fused(self, n_tokens):
         return self.impl == "fused" and (n_tokens <= self.FUSED_MAX_TOKENS or not self.grouped_ok or self.quantized)
 
-    def fused(self, x, ids, weights, stacked=None):
+    def fused(self, x, ids, weights, stacked=None, variant=None):   # variant: kernels.fused_moe's (None: its rule)
         projs = stacked or [getattr(self, p) for p in ("gate_proj", "up_proj", "down_proj")]
         return kernels.fused_moe(x, ids, weights, *(p.kernel_weights() if self.quantized
-                                                    else kernels.ExpertWeights("plain", p) for p in projs))
+                                                    else kernels.ExpertWeights("plain", p) for p in projs),
+                                 variant=variant)
 
     def forward(self, x, ids, weights, stacked=None):   # x [N, D], ids/weights [N, K] -> [N, D]
         """stacked: MoE.fold_shared_expert's [E + 1, ...] tensors, for ids that may name expert E

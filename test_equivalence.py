@@ -226,27 +226,33 @@ def routing(kind, N, K, E, g, device):
 
 
 def check_fused_moe(experts_and_dim, cases, dtype, seed=0):
+    """cases: (N, routing kind, variant): the model's path (variant None: kernels.fused_moe's rule
+    picks) or kernels.fused_moe forced to "gemv" or "dot"."""
     experts, D = experts_and_dim
     g = torch.Generator().manual_seed(seed)
     E, K = experts.n_experts, 8
-    for N, kind in cases:
+    for N, kind, variant in cases:
         if kind == "disjoint" and N * K > E:
             continue
         ids, w = routing(kind, N, K, E, g, TRITON_DEVICE)
         x = torch.randn(N, D, generator=g).to(TRITON_DEVICE, dtype)
         experts.impl = "fused"
-        fused = experts(x, ids, w)
+        fused = experts(x, ids, w) if variant is None else experts.fused(x, ids, w, variant=variant)
         experts.impl = "gather"
         ref = experts(x, ids, w)
         tol = (1e-5 if dtype == torch.float32 else 2e-2) * ref.abs().max().item()
         assert fused.dtype == ref.dtype and fused.shape == ref.shape
-        assert_close(fused, ref, tol, f"fused vs gather MoE, E {E}, N {N}, {kind} routing, {dtype}")
+        assert_close(fused, ref, tol, f"fused ({variant or 'auto'}) vs gather MoE, E {E}, N {N}, {kind} routing, {dtype}")
         assert ref.abs().max() > 0.1
 
 
-# (N, routing) cases; the CPU interpreter runs a few of them (each case ~1 s there), the GPU all
-FUSED_CASES_ALL = [(N, kind) for N in (1, 2, 4, 8, 37) for kind in ("shared", "disjoint", "random")]
-FUSED_CASES_CPU = {16: [(1, "random"), (2, "disjoint"), (4, "shared"), (37, "random")], 384: [(8, "disjoint")]}
+# (N, routing, variant) cases; the CPU interpreter runs a few of them (each ~0.2-1 s there), the GPU
+# all. The rule (GEMV_MAX_TOKENS) picks the GEMV variant at small N and tiles (tl.dot) at 37.
+FUSED_CASES_ALL = [(N, kind, v) for N in (1, 2, 4, 8, 37) for kind in ("shared", "disjoint", "random")
+                   for v in ((None, "dot") if N <= 8 else (None,))]
+FUSED_CASES_CPU = {16: [(1, "random", None), (2, "disjoint", None), (4, "shared", None), (4, "shared", "dot"),
+                        (37, "random", None)],
+                   384: [(8, "disjoint", None), (2, "random", "dot")]}
 
 
 @triton_runs
@@ -259,13 +265,50 @@ def test_fused_moe_equals_gather_tiny(quant):
             check_fused_moe(moe_experts("tiny", quant, E, TRITON_DEVICE, dtype), cases, dtype)
 
 
+@triton_runs
+def test_fused_moe_gemv_fp8_scale_blocks_as_rows():
+    """FP8 in 128x128 blocks (Kimi-K2's layout): the GEMV variant reads each k-step as SUB scale blocks
+    laid out as tile rows of their own (GEMV_CONFIGS' FP8 entries), one scale per tile row."""
+    args = tiny(n_routed_experts=8, num_experts_per_tok=8, hidden_size=256, moe_intermediate_size=512,
+                quantization_config=model.fp8_quantization_config((128, 128)))
+    experts = init_random(ExpertsHolder(args, TP(1, 2), "fused", TRITON_DEVICE, torch.float32), 0).experts
+    ids, w = routing("random", 2, 8, 8, torch.Generator().manual_seed(0), TRITON_DEVICE)
+    x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1)).to(TRITON_DEVICE)
+    weights = [getattr(experts, p).kernel_weights() for p in ("gate_proj", "up_proj", "down_proj")]
+    got = kernels.fused_moe(x, ids, w, *weights, variant="gemv",
+                            configs=dict(gate_up=(32, 128, 1, 4, 2), down=(64, 128, 4, 2)))
+    experts.impl = "gather"
+    ref = experts(x, ids, w)
+    assert_close(got, ref, 1e-5 * ref.abs().max().item(), "GEMV FP8 with 2 scale blocks a k-step vs gather")
+
+
+@triton_runs
+def test_fused_moe_rule_picks_gemv_for_few_pairs(monkeypatch):
+    """The model's fused path runs the GEMV variant up to GEMV_MAX_TOKENS tokens and tiles above: a
+    rule on shapes (never on routed values), so one captured graph always replays one variant."""
+    experts, D = moe_experts("tiny", "fp8", 16, TRITON_DEVICE, torch.float32)
+    calls = []
+    gemv = kernels._fused_moe_gemv
+    monkeypatch.setattr(kernels, "_fused_moe_gemv", lambda *a: calls.append(a[0].shape[0]) or gemv(*a))
+    g = torch.Generator().manual_seed(0)
+    limit = kernels.GEMV_MAX_TOKENS["fp8"]
+    for N in (1, limit, limit + 1):
+        ids, w = routing("random", N, 8, 16, g, TRITON_DEVICE)
+        experts(torch.randn(N, D, generator=g).to(TRITON_DEVICE), ids, w)
+    assert calls == [1, limit], f"GEMV variant ran for token counts {calls}, expected [1, {limit}]"
+    many = kernels.GEMV_MAX_PAIRS // 8 + 1                                # tokens: more pairs than it handles
+    with pytest.raises(ValueError, match=f"'gemv' up to {kernels.GEMV_MAX_PAIRS} pairs"):
+        experts.fused(torch.randn(many, D, device=TRITON_DEVICE), ids[:1].expand(many, 8), w[:1].expand(many, 8),
+                      variant="gemv")
+
+
 @cuda
 @triton_runs
 @pytest.mark.parametrize("quant", [None, "int4", "fp8"])
 def test_fused_moe_equals_gather_kimi_rank_shapes(quant):
     for E in (16, 384):
         for dtype in (torch.float32, torch.bfloat16):
-            check_fused_moe(moe_experts("kimi", quant, E, "cuda", dtype), FUSED_CASES_ALL, dtype)
+            check_fused_moe(moe_experts("kimi", quant, E, "cuda", dtype), [c for c in FUSED_CASES_ALL if not c[2]], dtype)
             torch.cuda.empty_cache()
 
 
