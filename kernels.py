@@ -7,6 +7,7 @@ PyTorch code in model.py that stays the readable specification.
   Router                 router_topk            twin: model.Router.forward (plain)
   Residual add + RMSNorm add_rmsnorm            twin: x + y, then model.RMSNorm
   SwiGLU activation      silu_mul               twin: F.silu(gate) * up in model.MLP
+  RMSNorm + GEMV         norm_gemv              twin: model.norm_linear (plain add, RMSNorm, F.linear)
 
 The fused MoE is switched on by model.Transformer(moe_impl="fused") (run.py --moe-impl; "auto"
 picks it on a GPU with Triton), the others by name (model.Transformer(..., kernels=...), run.py
@@ -952,6 +953,115 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
         C=C, R=R, BLOCK_C=_pow2(C), BLOCK_H=_pow2(H, 1), BLOCK_R2=_pow2(R // 2, 1), num_warps=4)
     return out
 
+
+
+# ---------------------------------------------------------------------------------------------
+# RMSNorm fused into the GEMV that reads it (decode and verify: at most NORM_GEMV_MAX_ROWS rows)
+#
+# out = RMSNorm(x + r) @ W^T for a few rows x [M, K] and a weight W [N, K]: a GEMV, memory-bound
+# on W. Each program owns BLOCK_N rows of W, streams them once over K (pipelined, tl.dot with the
+# M rows padded to 16), and recomputes the M rows' sums of squares itself in a first pass over x
+# (M x K elements from L2: 14 KB a row at K = 7168, against the program's 16 x K of W), so the
+# norm costs no kernel and no launch of its own. With r the add is fused too, and program 0
+# writes the sum x + r once. Without a norm weight it is a plain GEMV (o_proj). The normed row is
+# rounded to W's dtype before the product, as the plain RMSNorm's output is.
+
+NORM_GEMV_MAX_ROWS = 16     # decode and verify; prefill goes to the plain RMSNorm and cuBLAS
+NORM_GEMV_BLOCK_M = 16      # tl.dot's smallest M: the rows, padded
+NORM_GEMV_BLOCK_N = 16      # W rows a program: Kimi-K2 TP 8 q_a+kv_a 2112 -> 132 programs (one wave),
+#                             q_b 1536 -> 96, o_proj 7168 -> 448
+NORM_GEMV_STEP_BYTES = 1024  # bytes of one W row a loop step reads (512 bf16 / 256 fp32 columns):
+#                             a 16 KB W tile a step, NORM_GEMV_STAGES of them in flight a program
+NORM_GEMV_STAGES = 3
+NORM_GEMV_WARPS = 4
+
+
+@_jit
+def _gemv_rows(x_ptr, r_ptr, m, m_ok, k, K, s_xm, s_rm, ADD: tl.constexpr):
+    """Rows m, columns k of x (+ r, the sum rounded to x's dtype as the plain add), as float32."""
+    ok = m_ok[:, None] & (k < K)[None, :]
+    x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=ok, other=0.0)
+    if ADD:
+        r = tl.load(r_ptr + m[:, None] * s_rm + k[None, :], mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    return x.to(tl.float32)
+
+
+@_jit
+def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, sum_ptr, M, N, K, eps, s_xm, s_rm, s_wn, s_om, s_sm,
+                      NORM: tl.constexpr, ADD: tl.constexpr, IEEE: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[m, n] = sum_k h[m, k] * W[n, k] with h = RMSNorm(x + r) (NORM: h * rsqrt(mean(h^2) + eps) * g,
+    rounded to W's dtype; ADD: r added, and sum = x + r written by program 0). x, r, sum [M, K], out
+    [M, N] (rows strided, last dim contiguous), W [N, K] (rows strided), g [K]; x, r, sum, out and W
+    of one dtype; float32 accumulation (IEEE: exact float32 products, no TF32).
+    Grid: (cdiv(N, BLOCK_N),)."""
+    pid = tl.program_id(0)
+    m = tl.arange(0, BLOCK_M)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = m < M, n < N
+    sum_ok = m < tl.where(pid == 0, M, 0)                                   # program 0 writes the sum
+    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
+    if NORM:  # the rows' sums of squares, recomputed by every program
+        ss = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            h = _gemv_rows(x_ptr, r_ptr, m, m_ok, k0 + tl.arange(0, BLOCK_K), K, s_xm, s_rm, ADD)
+            ss += tl.sum(h * h, 1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        h = _gemv_rows(x_ptr, r_ptr, m, m_ok, k, K, s_xm, s_rm, ADD)                    # [BLOCK_M, BLOCK_K]
+        if ADD:
+            tl.store(sum_ptr + m[:, None] * s_sm + k[None, :], h.to(sum_ptr.dtype.element_ty),
+                     mask=sum_ok[:, None] & k_ok[None, :])
+        if NORM:
+            g = tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            h = h * rstd[:, None] * g[None, :]
+        w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(h.to(w.dtype), tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(h.to(w.dtype), tl.trans(w))                                   # [BLOCK_M, BLOCK_N]
+    tl.store(out_ptr + m[:, None] * s_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None, block_k=None, stages=None,
+              warps=None):
+    """(h, RMSNorm(h) @ weight^T) for h = x + residual (x itself without one), in one kernel:
+    x, residual [..., K] of weight's dtype (bf16, fp16 or float32), weight [N, K] (rows may be a
+    strided view), norm_weight [K] (None: no norm, a plain GEMV), at most NORM_GEMV_MAX_ROWS rows.
+    Returns h [..., K] and out [..., N]. The block arguments override the table above (benchmarks)."""
+    K = x.shape[-1]
+    N = weight.shape[0]
+    rows = x.numel() // K if K else 0
+    if weight.dim() != 2 or weight.shape[1] != K or weight.stride(1) != 1 or x.dtype != weight.dtype:
+        raise ValueError(f"norm_gemv: x {x.dtype} {list(x.shape)} and weight {weight.dtype} {list(weight.shape)} "
+                         "do not fit [..., K] and [N, K] (last dim contiguous) of one dtype")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or rows > NORM_GEMV_MAX_ROWS:
+        raise ValueError(f"norm_gemv: runs bf16, fp16 or float32 and at most {NORM_GEMV_MAX_ROWS} rows, got "
+                         f"{x.dtype} and {rows} rows (use the plain path)")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"norm_gemv: residual {residual.dtype} {list(residual.shape)} does not match x")
+    if norm_weight is not None and norm_weight.shape != (K,):
+        raise ValueError(f"norm_gemv: norm weight {list(norm_weight.shape)} is not [{K}]")
+    x2 = x.reshape(rows, K)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    r2 = x2 if residual is None else residual.reshape(rows, K)
+    r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
+    h = x if residual is None else torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
+    if rows and N:
+        block_n = block_n or NORM_GEMV_BLOCK_N
+        block_k = block_k or min(NORM_GEMV_STEP_BYTES // x.element_size(), _pow2(K))
+        _norm_gemv_kernel[(triton.cdiv(N, block_n),)](
+            x2, r2, x2 if norm_weight is None else norm_weight, weight, out, h, rows, N, K, float(eps),
+            x2.stride(0), r2.stride(0), weight.stride(0), N, K, NORM=norm_weight is not None,
+            ADD=residual is not None, IEEE=x.dtype == torch.float32, BLOCK_M=NORM_GEMV_BLOCK_M, BLOCK_N=block_n,
+            BLOCK_K=block_k, num_stages=stages or NORM_GEMV_STAGES, num_warps=warps or NORM_GEMV_WARPS)
+    return h, out
 
 
 # ---------------------------------------------------------------------------------------------
