@@ -28,6 +28,7 @@ shapes and reads no device value on the host, so all of them can be captured in 
 import math
 import os
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -1235,12 +1236,48 @@ def bench_small(rows):
             rows.append(dict(kernel=name, N=N, torch_ms=plain, kernel_ms=fast))
 
 
+def bench_norm_gemv(bw, rows, sweep=False):
+    """norm_gemv at Kimi-K2 TP-8 shapes against what it replaces: q_a + kv_a with the input add +
+    RMSNorm (add_rmsnorm's kernel + cuBLAS), q_b with q_a_layernorm (RMSNorm + cuBLAS), o_proj
+    (cuBLAS); the weight sets rotated past the L2. sweep: block configurations too."""
+    import model
+    print(f"\nnorm_gemv, Kimi-K2 TP 8, bf16 (us per call in a graph; GB/s of the weight; copy {bw:.0f} GB/s)")
+    dt = torch.bfloat16
+    configs = [(None, None, None, None)] + ([(bn, bk, st, 4) for bn in (16, 32) for bk in (256, 512)
+                                             for st in (2, 4)] + [(16, 512, 3, 8)] if sweep else [])
+    for name, N, K, has_norm, add in (("q_a+kv_a", 2112, 7168, True, True), ("q_b", 1536, 1536, True, False),
+                                      ("o_proj", 7168, 1024, False, False)):
+        sets = max(2, min(16, math.ceil(150e6 / (N * K * 2))))
+        ws = [torch.randn(N, K, device="cuda", dtype=dt) / K ** 0.5 for _ in range(sets)]
+        norm = model.RMSNorm(K, 1e-6, "cuda", dt) if has_norm else None
+        if norm is not None:
+            with torch.no_grad():
+                norm.weight.fill_(1.0)
+        for M in (1, 4):
+            xs = [torch.randn(M, K, device="cuda", dtype=dt) for _ in range(sets)]
+            rs = [torch.randn(M, K, device="cuda", dtype=dt) if add else None for _ in range(sets)]
+
+            def plain(x, w, r):
+                if r is not None:
+                    return torch.nn.functional.linear(add_rmsnorm(x, r, norm.weight, norm.eps)[1], w)
+                return torch.nn.functional.linear(x if norm is None else norm(x), w)
+            base = _graph_ms([partial(plain, x, w, r) for x, w, r in zip(xs, ws, rs)]) * 1e3
+            for bn, bk, st, wp in configs:
+                g = None if norm is None else norm.weight
+                us = _graph_ms([partial(norm_gemv, x, w, g, 1e-6, r, bn, bk, st, wp)
+                                for x, w, r in zip(xs, ws, rs)]) * 1e3
+                print(f"  {name:9s} M {M}  config {bn, bk, st, wp}: kernel {us:6.1f} us ({N * K * 2 / us / 1e3:5.0f} "
+                      f"GB/s)  twin {base:6.1f} us ({N * K * 2 / base / 1e3:5.0f} GB/s)")
+                rows.append(dict(kernel="norm_gemv", proj=name, M=M, config=[bn, bk, st, wp], us=us, twin_us=base))
+
+
 def benchmark_attention(out=None):
     import json
     rows = []
     torch.manual_seed(0)
     bw = copy_bandwidth_GBps()
     bench_small(rows)
+    bench_norm_gemv(bw, rows)
     bench_mla(bw, rows)
     bench_mla_configs(bw, rows)
     line = json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
