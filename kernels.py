@@ -8,6 +8,7 @@ PyTorch code in model.py that stays the readable specification.
   Residual add + RMSNorm add_rmsnorm            twin: x + y, then model.RMSNorm
   SwiGLU activation      silu_mul               twin: F.silu(gate) * up in model.MLP
   RMSNorm + GEMV         norm_gemv              twin: model.norm_linear (plain add, RMSNorm, F.linear)
+  GEMV per head          head_gemv              twin: the absorbed einsums of model.MLA.attend
 
 The fused MoE is switched on by model.Transformer(moe_impl="fused") (run.py --moe-impl; "auto"
 picks it on a GPU with Triton), the others by name (model.Transformer(..., kernels=...), run.py
@@ -989,15 +990,19 @@ def _gemv_rows(x_ptr, r_ptr, m, m_ok, k, K, s_xm, s_rm, ADD: tl.constexpr):
 
 
 @_jit
-def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, sum_ptr, M, N, K, eps, s_xm, s_rm, s_wn, s_om, s_sm,
-                      NORM: tl.constexpr, ADD: tl.constexpr, IEEE: tl.constexpr,
+def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, sum_ptr, M, N, K, eps, s_xm, s_xh, s_rm, s_wh, s_wn,
+                      s_wk, s_om, s_oh, s_sm, NORM: tl.constexpr, ADD: tl.constexpr, IEEE: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[m, n] = sum_k h[m, k] * W[n, k] with h = RMSNorm(x + r) (NORM: h * rsqrt(mean(h^2) + eps) * g,
     rounded to W's dtype; ADD: r added, and sum = x + r written by program 0). x, r, sum [M, K], out
-    [M, N] (rows strided, last dim contiguous), W [N, K] (rows strided), g [K]; x, r, sum, out and W
-    of one dtype; float32 accumulation (IEEE: exact float32 products, no TF32).
-    Grid: (cdiv(N, BLOCK_N),)."""
-    pid = tl.program_id(0)
+    [M, N] (rows strided, last dim contiguous), W [N, K] (any strides), g [K]; x, r, sum, out and W
+    of one dtype; float32 accumulation (IEEE: exact float32 products, no TF32). With heads (grid
+    axis 1, head_gemv): x, W and out of head j start s_xh, s_wh, s_oh elements further.
+    Grid: (cdiv(N, BLOCK_N), heads)."""
+    pid, j = tl.program_id(0), tl.program_id(1)
+    x_ptr += j * s_xh
+    w_ptr += j * s_wh
+    out_ptr += j * s_oh
     m = tl.arange(0, BLOCK_M)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
@@ -1020,7 +1025,7 @@ def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, sum_ptr, M, N, K, eps
         if NORM:
             g = tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
             h = h * rstd[:, None] * g[None, :]
-        w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :], mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :] * s_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if IEEE:
             acc += tl.dot(h.to(w.dtype), tl.trans(w), input_precision="ieee")
         else:
@@ -1057,12 +1062,44 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
     if rows and N:
         block_n = block_n or NORM_GEMV_BLOCK_N
         block_k = block_k or min(NORM_GEMV_STEP_BYTES // x.element_size(), _pow2(K))
-        _norm_gemv_kernel[(triton.cdiv(N, block_n),)](
+        _norm_gemv_kernel[(triton.cdiv(N, block_n), 1)](
             x2, r2, x2 if norm_weight is None else norm_weight, weight, out, h, rows, N, K, float(eps),
-            x2.stride(0), r2.stride(0), weight.stride(0), N, K, NORM=norm_weight is not None,
+            x2.stride(0), 0, r2.stride(0), 0, weight.stride(0), 1, N, 0, K, NORM=norm_weight is not None,
             ADD=residual is not None, IEEE=x.dtype == torch.float32, BLOCK_M=NORM_GEMV_BLOCK_M, BLOCK_N=block_n,
             BLOCK_K=block_k, num_stages=stages or NORM_GEMV_STAGES, num_warps=warps or NORM_GEMV_WARPS)
     return h, out
+
+
+HEAD_GEMV_BLOCK_N_STRIDED = 64   # W rows a program where W's rows, not its K, are contiguous (absorbed W_uk):
+#                                  64 bf16 rows = 128-byte segments a K step
+
+
+def head_gemv(x, weight):
+    """out[..., j, n] = sum_k x[..., j, k] * weight[j, n, k], for each of H heads j: x [..., H, K]
+    (last dim contiguous, the leading dims flattening to at most NORM_GEMV_MAX_ROWS rows of one
+    stride), weight [H, N, K] of x's dtype, any strides (MLA's absorbed W_uk^T and W_uv are views
+    of kv_b_proj's weight). One launch of norm_gemv's kernel, no norm; out [..., H, N] contiguous."""
+    *lead, H, K = x.shape
+    rows = math.prod(lead)
+    if weight.dim() != 3 or weight.shape[0] != H or weight.shape[2] != K or weight.dtype != x.dtype:
+        raise ValueError(f"head_gemv: x {x.dtype} {list(x.shape)} and weight {weight.dtype} {list(weight.shape)} "
+                         "do not fit [..., H, K] and [H, N, K] of one dtype")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or rows > NORM_GEMV_MAX_ROWS:
+        raise ValueError(f"head_gemv: runs bf16, fp16 or float32 and at most {NORM_GEMV_MAX_ROWS} rows, got "
+                         f"{x.dtype} and {rows} rows (use the plain path)")
+    N = weight.shape[1]
+    x2 = x.reshape(rows, H, K)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    out = torch.empty(*lead, H, N, device=x.device, dtype=x.dtype)
+    if rows and N and H:
+        block_n = NORM_GEMV_BLOCK_N if weight.stride(2) == 1 else HEAD_GEMV_BLOCK_N_STRIDED
+        block_k = min(NORM_GEMV_STEP_BYTES // x.element_size(), _pow2(K))
+        _norm_gemv_kernel[(triton.cdiv(N, block_n), H)](
+            x2, x2, x2, weight, out, out, rows, N, K, 0.0, x2.stride(0), x2.stride(1), 0, weight.stride(0),
+            weight.stride(1), weight.stride(2), H * N, N, 0, NORM=False, ADD=False, IEEE=x.dtype == torch.float32,
+            BLOCK_M=NORM_GEMV_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=NORM_GEMV_STAGES,
+            num_warps=NORM_GEMV_WARPS)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1269,6 +1306,16 @@ def bench_norm_gemv(bw, rows, sweep=False):
                 print(f"  {name:9s} M {M}  config {bn, bk, st, wp}: kernel {us:6.1f} us ({N * K * 2 / us / 1e3:5.0f} "
                       f"GB/s)  twin {base:6.1f} us ({N * K * 2 / base / 1e3:5.0f} GB/s)")
                 rows.append(dict(kernel="norm_gemv", proj=name, M=M, config=[bn, bk, st, wp], us=us, twin_us=base))
+    kv_b = torch.randn(8, 256, 512, device="cuda", dtype=dt) / 512 ** 0.5   # W_uk, W_uv [H, 128, C] of one buffer
+    w_uk, w_uv = kv_b.split([128, 128], 1)
+    for M in (1, 4):
+        for name, x, w, eq in (("q_lat (W_uk)", torch.randn(M, 8, 192, device="cuda", dtype=dt)[..., :128],
+                                w_uk.transpose(1, 2), "mhd,hcd->mhc"),
+                               ("o (W_uv)", torch.randn(M, 8, 512, device="cuda", dtype=dt), w_uv, "mhc,hdc->mhd")):
+            base = _graph_ms([partial(torch.einsum, eq, x, w)] * 8) * 1e3   # 1 MB: stays in L2 either way
+            us = _graph_ms([partial(head_gemv, x, w)] * 8) * 1e3
+            print(f"  {name:12s} M {M}: kernel {us:6.1f} us  twin (einsum) {base:6.1f} us")
+            rows.append(dict(kernel="head_gemv", proj=name, M=M, us=us, twin_us=base))
 
 
 def benchmark_attention(out=None):

@@ -280,7 +280,8 @@ def scope(component):
 # torch.compile (run.py --compile) does not trace into them (a graph break there), so their Triton
 # launches run as written between the compiled parts.
 triton_kernels = SimpleNamespace(**{name: torch.compiler.disable(getattr(kernels, name)) for name in (
-    "mla_rope_cache_write", "mla_decode_attention", "router_topk", "add_rmsnorm", "silu_mul", "norm_gemv")})
+    "mla_rope_cache_write", "mla_decode_attention", "router_topk", "add_rmsnorm", "silu_mul", "norm_gemv",
+    "head_gemv")})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -406,6 +407,7 @@ class MLA(nn.Module):
     fused_proj = False         # True: q_a_proj and kv_a_proj_with_mqa as one GEMM (with q_lora_rank)
     gemv_impl = "torch"        # "triton": up to 16 rows, each norm fused into the GEMV that reads it (norm_linear):
     #                            the input norm (and residual add) into q_a + kv_a, q_a_layernorm into q_b; o_proj
+    #                            and the two absorbed products (decode mode) as GEMV kernels too
 
     def __init__(self, args, tp, max_batch_size, max_seq_len, device, dtype):
         super().__init__()
@@ -499,15 +501,22 @@ class MLA(nn.Module):
             o = torch.einsum("bths,bshd->bthd", p, v)
         else:  # absorbed: a key is k = W_uk c for a cached latent c, so q . k = q . (W_uk c) =
             # (W_uk^T q) . c: W_uk moves onto the T queries instead of onto all S cached latents
+            fast = self.gemv_impl == "triton" and B * T <= kernels.NORM_GEMV_MAX_ROWS
             with scope("attn_proj"):  # kv_b_proj's key half, absorbed into the query
-                q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)           # [B, T, H, C]
+                if fast:   # the same product as one GEMV kernel over the heads (no copy of q_nope)
+                    q_lat = triton_kernels.head_gemv(q_nope, w_uk.transpose(1, 2))
+                else:
+                    q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)       # [B, T, H, C]
             if self.attn_impl == "triton":  # the same math in one pass over the used slots
                 o_lat = triton_kernels.mla_decode_attention(q_lat, q_pe, kv_c, pe_c, positions, a.softmax_scale)
             else:
                 o_lat = absorbed_attention(q_lat, q_pe, kv_c, pe_c, future, a.softmax_scale)
             # likewise o = sum_s p_s (W_uv c_s) = W_uv (sum_s p_s c_s): attend over latents, then W_uv once
             with scope("attn_proj"):  # kv_b_proj's value half, absorbed into the output
-                o = torch.einsum("bthc,hdc->bthd", o_lat, w_uv)
+                if fast:
+                    o = triton_kernels.head_gemv(o_lat, w_uv)
+                else:
+                    o = torch.einsum("bthc,hdc->bthd", o_lat, w_uv)            # [B, T, H, d]
         if self.gemv_impl == "triton":  # o_proj's GEMV as the kernel (<= 16 rows), then its all-reduce
             with scope("attn_proj"):
                 o = norm_linear(o.flatten(2), self.o_proj.weight, fast=True)[1]
@@ -946,7 +955,7 @@ class Transformer(nn.Module):
         post-attention one, the next layer's input norm, the final norm), "silu_mul" (the MLPs'
         SwiGLU activation), "norm_gemv" (for <= 16 rows, MLA's projections as GEMV kernels with the
         norm in front fused in: input norm and residual add into q_a + kv_a, q_a_layernorm into q_b;
-        o_proj alone), "shared_expert" (the shared expert as one more expert of the fused MoE
+        o_proj and decode mode's absorbed W_uk / W_uv products alone), "shared_expert" (the shared expert as one more expert of the fused MoE
         launch; only where MoE.can_fold_shared_expert, else it stays off and is not listed in
         self.kernels). "fused_proj" (plain torch): q_a_proj + kv_a_proj_with_mqa and each MLP's
         gate_proj + up_proj as one GEMM over their stacked weights (not a shared expert folded
