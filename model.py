@@ -444,10 +444,13 @@ class MLA(nn.Module):
             self.q_kv_a_weight = stack_rows(self.q_a_proj, self.kv_a_proj_with_mqa)
         return self
 
-    def forward(self, x, positions, rope, future, mode):
+    def forward(self, x, positions, rope, future, mode, projected=None):
         """future [B, T, S]: True where a slot lies after the query's position (not written yet,
-        or a rejected draft's), so the query must not see it; S is the number of cache slots read."""
-        return self.attend(*self.project(x)[1:], positions, rope, future, mode)
+        or a rejected draft's), so the query must not see it; S is the number of cache slots read.
+        projected: (q, kv_a) from project() already (Block.attention with the input norm fused in;
+        x is then not read)."""
+        q, kv_a = projected if projected is not None else self.project(x)[1:]
+        return self.attend(q, kv_a, positions, rope, future, mode)
 
     def fuses_input_norm(self):
         """Whether project() can take the un-normed residual stream (the norm_gemv kernel)."""
@@ -862,7 +865,7 @@ class Block(nn.Module):
         attn, norm = self.self_attn, self.input_layernorm
         if attn.fuses_input_norm():
             x, q, kv_a = attn.project(x, norm, pending)
-            return x, attn.attend(q, kv_a, positions, rope, future, mode)
+            return x, attn(x, positions, rope, future, mode, projected=(q, kv_a))
         if pending is None:
             h = norm(x)
         else:
