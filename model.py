@@ -360,13 +360,9 @@ def norm_linear(x, weight, norm=None, residual=None, fast=False):
     """(h, norm(h) @ weight^T) for h = x + residual (x without one; without a norm: h @ weight^T).
     fast: one Triton kernel (kernels.norm_gemv) for at most kernels.NORM_GEMV_MAX_ROWS rows, the
     norm recomputed inside the GEMV; more rows, or fast False, run this plain code, its twin."""
-    rows = math.prod(x.shape[:-1])
-    if fast and rows <= kernels.NORM_GEMV_MAX_ROWS:
+    if fast and math.prod(x.shape[:-1]) <= kernels.NORM_GEMV_MAX_ROWS:
         return triton_kernels.norm_gemv(x, weight, None if norm is None else norm.weight,
                                         0.0 if norm is None else norm.eps, residual)
-    if residual is not None and fast:   # prefill with the kernels on: the add and the norm in one kernel
-        x, h = triton_kernels.add_rmsnorm(x, residual, norm.weight, norm.eps)
-        return x, F.linear(h, weight)
     if residual is not None:
         x = x + residual
     return x, F.linear(x if norm is None else norm(x), weight)
@@ -405,9 +401,8 @@ class MLA(nn.Module):
     attn_impl = "torch"        # "triton": decode mode through kernels.mla_decode_attention (Transformer.use_kernels)
     rope_cache_impl = "torch"  # "triton": RoPE, latent norm and cache writes by kernels.mla_rope_cache_write
     fused_proj = False         # True: q_a_proj and kv_a_proj_with_mqa as one GEMM (with q_lora_rank)
-    gemv_impl = "torch"        # "triton": up to 16 rows, each norm fused into the GEMV that reads it (norm_linear):
-    #                            the input norm (and residual add) into q_a + kv_a, q_a_layernorm into q_b; o_proj
-    #                            and the two absorbed products (decode mode) as GEMV kernels too
+    gemv_impl = "torch"        # "triton": for <= 16 rows, q_a_layernorm inside q_b_proj's GEMV kernel, o_proj and
+    #                            decode mode's absorbed W_uk / W_uv products as GEMV kernels (kernels.norm_gemv, head_gemv)
 
     def __init__(self, args, tp, max_batch_size, max_seq_len, device, dtype):
         super().__init__()
@@ -444,42 +439,19 @@ class MLA(nn.Module):
             self.q_kv_a_weight = stack_rows(self.q_a_proj, self.kv_a_proj_with_mqa)
         return self
 
-    def forward(self, x, positions, rope, future, mode, projected=None):
+    def forward(self, x, positions, rope, future, mode):
         """future [B, T, S]: True where a slot lies after the query's position (not written yet,
-        or a rejected draft's), so the query must not see it; S is the number of cache slots read.
-        projected: (q, kv_a) from project() already (Block.attention with the input norm fused in;
-        x is then not read)."""
-        q, kv_a = projected if projected is not None else self.project(x)[1:]
-        return self.attend(q, kv_a, positions, rope, future, mode)
-
-    def fuses_input_norm(self):
-        """Whether project() can take the un-normed residual stream (the norm_gemv kernel)."""
-        return self.gemv_impl == "triton" and bool(self.args.q_lora_rank)
-
-    def project(self, x, norm=None, pending=None):
-        """(h, q [B, T, h*(d+R)], kv_a [B, T, C+R]) for x [B, T, D]: h = x + pending (x without it),
-        the projections read norm(h) (h itself without a norm: x is the normed input). A norm needs
-        fuses_input_norm(): the add and the norm run inside the q_a + kv_a GEMV."""
-        a, fast = self.args, self.gemv_impl == "triton"
-        if norm is not None and not self.fuses_input_norm():
-            raise ValueError("MLA.project: the input norm is fused only with the norm_gemv kernel and a q_lora_rank")
-        if self.fused_proj or self.fuses_input_norm():  # q_a_proj and kv_a_proj_with_mqa in one GEMM: x read once
-            with scope("attn_proj"):
-                x, q_kv_a = norm_linear(x, self.q_kv_a_weight, norm, pending, fast)
-                q_a, kv_a = q_kv_a.split([a.q_lora_rank, a.kv_lora_rank + a.qk_rope_head_dim], -1)  # [B, T, q_lora], [B, T, C+R]
-            if fast:
-                with scope("attn_proj"):
-                    return x, norm_linear(q_a, self.q_b_proj.weight, self.q_a_layernorm, fast=True)[1], kv_a
-            q = self.q_b_proj(self.q_a_layernorm(q_a))
-        else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
-            kv_a = self.kv_a_proj_with_mqa(x)
-        return x, q, kv_a
-
-    def attend(self, q, kv_a, positions, rope, future, mode):
-        """The attention output [B, T, D] (all-reduced) for q [B, T, h*(d+R)] and kv_a [B, T, C+R]."""
+        or a rejected draft's), so the query must not see it; S is the number of cache slots read."""
         a, h = self.args, self.n_local_heads
-        (B, T, _), kv_len = kv_a.shape, future.shape[-1]
+        (B, T, _), kv_len = x.shape, future.shape[-1]
+        if self.fused_proj:  # q_a_proj and kv_a_proj_with_mqa in one GEMM: x read once
+            with scope("attn_proj"):
+                q_a, kv_a = F.linear(x, self.q_kv_a_weight).split(
+                    [a.q_lora_rank, a.kv_lora_rank + a.qk_rope_head_dim], -1)          # [B, T, q_lora], [B, T, C+R]
+            q = self.query(q_a)
+        else:
+            q = self.query(self.q_a_proj(x)) if a.q_lora_rank else self.q_proj(x)
+            kv_a = self.kv_a_proj_with_mqa(x)
         q_nope, q_pe = q.view(B, T, h, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
         kv, k_pe = kv_a.split([a.kv_lora_rank, a.qk_rope_head_dim], -1)                # [B, T, C], [B, T, R]
         if self.rope_cache_impl == "triton":  # the four lines below in one kernel
@@ -488,7 +460,7 @@ class MLA(nn.Module):
                                                        self.kv_cache, self.pe_cache)
         else:
             q_pe = apply_rope(q_pe, rope)
-            rows = torch.arange(B, device=kv_a.device).unsqueeze(1)
+            rows = torch.arange(B, device=x.device).unsqueeze(1)
             self.kv_cache[rows, positions] = self.kv_a_layernorm(kv)     # slot = position
             self.pe_cache[rows, positions] = apply_rope(k_pe, rope)
         kv_c, pe_c = self.kv_cache[:B, :kv_len], self.pe_cache[:B, :kv_len]     # [B, S, C], [B, S, R]
@@ -500,7 +472,7 @@ class MLA(nn.Module):
             scores = (torch.einsum("bthd,bshd->bths", q_nope, k_nope)
                       + torch.einsum("bthr,bsr->bths", q_pe, pe_c))
             scores = (scores * a.softmax_scale).masked_fill(future.unsqueeze(2), float("-inf"))
-            p = scores.softmax(-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)   # [B, T, H, S]
+            p = scores.softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)   # [B, T, H, S]
             o = torch.einsum("bths,bshd->bthd", p, v)
         else:  # absorbed: a key is k = W_uk c for a cached latent c, so q . k = q . (W_uk c) =
             # (W_uk^T q) . c: W_uk moves onto the T queries instead of onto all S cached latents
@@ -525,6 +497,13 @@ class MLA(nn.Module):
                 o = norm_linear(o.flatten(2), self.o_proj.weight, fast=True)[1]
             return self.o_proj.tp.all_reduce(o) if self.o_proj.reduce else o
         return self.o_proj(o.flatten(2))
+
+    def query(self, q_a):                                                      # [B, T, q_lora] -> [B, T, h*(d+R)]
+        """q_b_proj(q_a_layernorm(q_a)); with the norm_gemv kernel the norm runs inside the GEMV."""
+        if self.gemv_impl == "triton":
+            with scope("attn_proj"):
+                return norm_linear(q_a, self.q_b_proj.weight, self.q_a_layernorm, fast=True)[1]
+        return self.q_b_proj(self.q_a_layernorm(q_a))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -855,30 +834,21 @@ class Block(nn.Module):
 
     def forward(self, x, positions, rope, future, mode):
         """The residual stream x [B, T, D] after this layer: x + attention + MLP."""
-        x = x + self.attention(x, None, positions, rope, future, mode)[1]
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, future, mode)
         return x + self.mlp(self.post_attention_layernorm(x))
-
-    def attention(self, x, pending, positions, rope, future, mode):
-        """(h, the attention output for the input norm of h) with h = x + pending (pending: the
-        previous MLP output not yet added, or None). With norm_gemv the add and the norm run inside
-        the first projection's kernel; else before it (one add_rmsnorm kernel where pending is given)."""
-        attn, norm = self.self_attn, self.input_layernorm
-        if attn.fuses_input_norm():
-            x, q, kv_a = attn.project(x, norm, pending)
-            return x, attn(x, positions, rope, future, mode, projected=(q, kv_a))
-        if pending is None:
-            h = norm(x)
-        else:
-            with scope("elementwise"):
-                x, h = triton_kernels.add_rmsnorm(x, pending, norm.weight, norm.eps)
-        return x, attn(h, positions, rope, future, mode)
 
     def forward_fused(self, x, pending, positions, rope, future, mode):
         """forward with each residual add fused into the RMSNorm that reads the sum
         (kernels.add_rmsnorm). pending: the previous layer's MLP output, not yet added to x (None:
         nothing pending). Returns (x after the attention add, this layer's MLP output): their sum is
         what forward returns, and the next layer's input norm (or the final one) adds it."""
-        x, attn = self.attention(x, pending, positions, rope, future, mode)
+        norm = self.input_layernorm
+        if pending is None:
+            h = norm(x)
+        else:
+            with scope("elementwise"):
+                x, h = triton_kernels.add_rmsnorm(x, pending, norm.weight, norm.eps)
+        attn = self.self_attn(h, positions, rope, future, mode)
         norm = self.post_attention_layernorm
         with scope("elementwise"):
             x, h = triton_kernels.add_rmsnorm(x, attn, norm.weight, norm.eps)
@@ -956,9 +926,9 @@ class Transformer(nn.Module):
         cache writes), "router" (logits and selection, SIMULATED uniform routing included),
         "add_rmsnorm" (every residual add fused into the RMSNorm that reads the sum: the
         post-attention one, the next layer's input norm, the final norm), "silu_mul" (the MLPs'
-        SwiGLU activation), "norm_gemv" (for <= 16 rows, MLA's projections as GEMV kernels with the
-        norm in front fused in: input norm and residual add into q_a + kv_a, q_a_layernorm into q_b;
-        o_proj and decode mode's absorbed W_uk / W_uv products alone), "shared_expert" (the shared expert as one more expert of the fused MoE
+        SwiGLU activation), "norm_gemv" (for <= 16 rows, MLA's q_b_proj as a GEMV kernel with
+        q_a_layernorm computed inside it; o_proj and decode mode's absorbed W_uk / W_uv products as
+        GEMV kernels), "shared_expert" (the shared expert as one more expert of the fused MoE
         launch; only where MoE.can_fold_shared_expert, else it stays off and is not listed in
         self.kernels). "fused_proj" (plain torch): q_a_proj + kv_a_proj_with_mqa and each MLP's
         gate_proj + up_proj as one GEMM over their stacked weights (not a shared expert folded
