@@ -967,11 +967,20 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
 # norm costs no kernel and no launch of its own. With r the add is fused too, and program 0
 # writes the sum x + r once. Without a norm weight it is a plain GEMV (o_proj). The normed row is
 # rounded to W's dtype before the product, as the plain RMSNorm's output is.
+#
+# Measured on the H200 (2026-11-29, bf16, M = 1, in a graph, weights rotated past the L2): each
+# K step costs about one memory latency (~1.1 us), so the kernel is latency-bound on long rows:
+# q_a + kv_a with the input add + norm (K = 7168, 14 steps plus 14 of the sum-of-squares pass)
+# 30.8 us = 985 GB/s against 15.3 us for add_rmsnorm + cuBLAS's split-K GEMV; q_b with its
+# norm (K = 1536) 8.0 us against 10.0. The model therefore uses it for q_b (the norm fused), o_proj
+# and (head_gemv) the absorbed products, whose rows are short, and leaves q_a + kv_a to cuBLAS.
+# The next version for long rows: split K over more programs with one or two steps each (as the
+# router's logits GEMV, which reads 11 MB at ~2.6 TB/s) and the sum of squares in the same pass.
 
 NORM_GEMV_MAX_ROWS = 16     # decode and verify; prefill goes to the plain RMSNorm and cuBLAS
 NORM_GEMV_BLOCK_M = 16      # tl.dot's smallest M: the rows, padded
-NORM_GEMV_BLOCK_N = 16      # W rows a program: Kimi-K2 TP 8 q_a+kv_a 2112 -> 132 programs (one wave),
-#                             q_b 1536 -> 96, o_proj 7168 -> 448
+NORM_GEMV_BLOCK_N = 16      # W rows a program: Kimi-K2 TP 8 q_b 1536 -> 96 programs, o_proj 7168 -> 448
+#                             (q_a + kv_a 2112 -> 132: measured slower than cuBLAS, see above)
 NORM_GEMV_STEP_BYTES = 1024  # bytes of one W row a loop step reads (512 bf16 / 256 fp32 columns):
 #                             a 16 KB W tile a step, NORM_GEMV_STAGES of them in flight a program
 NORM_GEMV_STAGES = 3
