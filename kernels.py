@@ -7,6 +7,8 @@ PyTorch code in model.py that stays the readable specification.
   Router                 router_topk            twin: model.Router.forward (plain)
   Residual add + RMSNorm add_rmsnorm            twin: x + y, then model.RMSNorm
   SwiGLU activation      silu_mul               twin: F.silu(gate) * up in model.MLP
+  RMSNorm + GEMV         norm_gemv              twin: model.norm_linear (plain add, RMSNorm, F.linear)
+  GEMV per head          head_gemv              twin: the absorbed einsums of model.MLA.attend
 
 The fused MoE is switched on by model.Transformer(moe_impl="fused") (run.py --moe-impl; "auto"
 picks it on a GPU with Triton), the others by name (model.Transformer(..., kernels=...), run.py
@@ -28,6 +30,7 @@ shapes and reads no device value on the host, so all of them can be captured in 
 import math
 import os
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -1209,6 +1212,160 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
 
 
 # ---------------------------------------------------------------------------------------------
+# RMSNorm fused into the GEMV that reads it (decode and verify: at most NORM_GEMV_MAX_ROWS rows)
+#
+# out = RMSNorm(x + r) @ W^T for a few rows x [M, K] and a weight W [N, K]: a GEMV, memory-bound
+# on W. Each program owns BLOCK_N rows of W, streams them once over K (pipelined, tl.dot with the
+# M rows padded to 16), and recomputes the M rows' sums of squares itself in a first pass over x
+# (M x K elements from L2: 14 KB a row at K = 7168, against the program's 16 x K of W), so the
+# norm costs no kernel and no launch of its own. With r the add is fused too, and program 0
+# writes the sum x + r once. Without a norm weight it is a plain GEMV (o_proj). The normed row is
+# rounded to W's dtype before the product, as the plain RMSNorm's output is.
+#
+# Measured on the H200 (2026-11-29, bf16, M = 1, in a graph, weights rotated past the L2): each
+# K step costs about one memory latency (~1.1 us), so the kernel is latency-bound on long rows:
+# q_a + kv_a with the input add + norm (K = 7168, 14 steps plus 14 of the sum-of-squares pass)
+# 30.8 us = 985 GB/s against 15.3 us for add_rmsnorm + cuBLAS's split-K GEMV; q_b with its
+# norm (K = 1536) 8.0 us against 10.0. The model therefore uses it for q_b (the norm fused), o_proj
+# and (head_gemv) the absorbed products, whose rows are short, and leaves q_a + kv_a to cuBLAS.
+# The next version for long rows: split K over more programs with one or two steps each (as the
+# router's logits GEMV, which reads 11 MB at ~2.6 TB/s) and the sum of squares in the same pass.
+
+NORM_GEMV_MAX_ROWS = 16     # decode and verify; prefill goes to the plain RMSNorm and cuBLAS
+NORM_GEMV_BLOCK_M = 16      # tl.dot's smallest M: the rows, padded
+NORM_GEMV_BLOCK_N = 16      # W rows a program: Kimi-K2 TP 8 q_b 1536 -> 96 programs, o_proj 7168 -> 448
+#                             (q_a + kv_a 2112 -> 132: measured slower than cuBLAS, see above)
+NORM_GEMV_STEP_BYTES = 1024  # bytes of one W row a loop step reads (512 bf16 / 256 fp32 columns):
+#                             a 16 KB W tile a step, NORM_GEMV_STAGES of them in flight a program
+NORM_GEMV_STAGES = 3
+NORM_GEMV_WARPS = 4
+
+
+@_jit
+def _gemv_rows(x_ptr, r_ptr, m, m_ok, k, K, s_xm, s_rm, ADD: tl.constexpr):
+    """Rows m, columns k of x (+ r, the sum rounded to x's dtype as the plain add), as float32."""
+    ok = m_ok[:, None] & (k < K)[None, :]
+    x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=ok, other=0.0)
+    if ADD:
+        r = tl.load(r_ptr + m[:, None] * s_rm + k[None, :], mask=ok, other=0.0)
+        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
+    return x.to(tl.float32)
+
+
+@_jit
+def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, sum_ptr, M, N, K, eps, s_xm, s_xh, s_rm, s_wh, s_wn,
+                      s_wk, s_om, s_oh, s_sm, NORM: tl.constexpr, ADD: tl.constexpr, IEEE: tl.constexpr,
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[m, n] = sum_k h[m, k] * W[n, k] with h = RMSNorm(x + r) (NORM: h * rsqrt(mean(h^2) + eps) * g,
+    rounded to W's dtype; ADD: r added, and sum = x + r written by program 0). x, r, sum [M, K], out
+    [M, N] (rows strided, last dim contiguous), W [N, K] (any strides), g [K]; x, r, sum, out and W
+    of one dtype; float32 accumulation (IEEE: exact float32 products, no TF32). With heads (grid
+    axis 1, head_gemv): x, W and out of head j start s_xh, s_wh, s_oh elements further.
+    Grid: (cdiv(N, BLOCK_N), heads)."""
+    pid, j = tl.program_id(0), tl.program_id(1)
+    x_ptr += j * s_xh
+    w_ptr += j * s_wh
+    out_ptr += j * s_oh
+    m = tl.arange(0, BLOCK_M)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    m_ok, n_ok = m < M, n < N
+    sum_ok = m < tl.where(pid == 0, M, 0)                                   # program 0 writes the sum
+    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
+    if NORM:  # the rows' sums of squares, recomputed by every program
+        ss = tl.zeros([BLOCK_M], tl.float32)
+        for k0 in range(0, K, BLOCK_K):
+            h = _gemv_rows(x_ptr, r_ptr, m, m_ok, k0 + tl.arange(0, BLOCK_K), K, s_xm, s_rm, ADD)
+            ss += tl.sum(h * h, 1)
+        rstd = 1.0 / tl.sqrt(ss / K + eps)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K
+        h = _gemv_rows(x_ptr, r_ptr, m, m_ok, k, K, s_xm, s_rm, ADD)                    # [BLOCK_M, BLOCK_K]
+        if ADD:
+            tl.store(sum_ptr + m[:, None] * s_sm + k[None, :], h.to(sum_ptr.dtype.element_ty),
+                     mask=sum_ok[:, None] & k_ok[None, :])
+        if NORM:
+            g = tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            h = h * rstd[:, None] * g[None, :]
+        w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :] * s_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        if IEEE:
+            acc += tl.dot(h.to(w.dtype), tl.trans(w), input_precision="ieee")
+        else:
+            acc += tl.dot(h.to(w.dtype), tl.trans(w))                                   # [BLOCK_M, BLOCK_N]
+    tl.store(out_ptr + m[:, None] * s_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=m_ok[:, None] & n_ok[None, :])
+
+
+def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None, block_k=None, stages=None,
+              warps=None):
+    """(h, RMSNorm(h) @ weight^T) for h = x + residual (x itself without one), in one kernel:
+    x, residual [..., K] of weight's dtype (bf16, fp16 or float32), weight [N, K] (rows may be a
+    strided view), norm_weight [K] (None: no norm, a plain GEMV), at most NORM_GEMV_MAX_ROWS rows.
+    Returns h [..., K] and out [..., N]. The block arguments override the table above (benchmarks)."""
+    K = x.shape[-1]
+    N = weight.shape[0]
+    rows = x.numel() // K if K else 0
+    if weight.dim() != 2 or weight.shape[1] != K or weight.stride(1) != 1 or x.dtype != weight.dtype:
+        raise ValueError(f"norm_gemv: x {x.dtype} {list(x.shape)} and weight {weight.dtype} {list(weight.shape)} "
+                         "do not fit [..., K] and [N, K] (last dim contiguous) of one dtype")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or rows > NORM_GEMV_MAX_ROWS:
+        raise ValueError(f"norm_gemv: runs bf16, fp16 or float32 and at most {NORM_GEMV_MAX_ROWS} rows, got "
+                         f"{x.dtype} and {rows} rows (use the plain path)")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"norm_gemv: residual {residual.dtype} {list(residual.shape)} does not match x")
+    if norm_weight is not None and norm_weight.shape != (K,):
+        raise ValueError(f"norm_gemv: norm weight {list(norm_weight.shape)} is not [{K}]")
+    x2 = x.reshape(rows, K)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    r2 = x2 if residual is None else residual.reshape(rows, K)
+    r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
+    h = x if residual is None else torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
+    if rows and N:
+        block_n = block_n or NORM_GEMV_BLOCK_N
+        block_k = block_k or min(NORM_GEMV_STEP_BYTES // x.element_size(), _pow2(K))
+        _norm_gemv_kernel[(triton.cdiv(N, block_n), 1)](
+            x2, r2, x2 if norm_weight is None else norm_weight, weight, out, h, rows, N, K, float(eps),
+            x2.stride(0), 0, r2.stride(0), 0, weight.stride(0), 1, N, 0, K, NORM=norm_weight is not None,
+            ADD=residual is not None, IEEE=x.dtype == torch.float32, BLOCK_M=NORM_GEMV_BLOCK_M, BLOCK_N=block_n,
+            BLOCK_K=block_k, num_stages=stages or NORM_GEMV_STAGES, num_warps=warps or NORM_GEMV_WARPS)
+    return h, out
+
+
+HEAD_GEMV_BLOCK_N_STRIDED = 64   # W rows a program where W's rows, not its K, are contiguous (absorbed W_uk):
+#                                  64 bf16 rows = 128-byte segments a K step
+
+
+def head_gemv(x, weight):
+    """out[..., j, n] = sum_k x[..., j, k] * weight[j, n, k], for each of H heads j: x [..., H, K]
+    (last dim contiguous, the leading dims flattening to at most NORM_GEMV_MAX_ROWS rows of one
+    stride), weight [H, N, K] of x's dtype, any strides (MLA's absorbed W_uk^T and W_uv are views
+    of kv_b_proj's weight). One launch of norm_gemv's kernel, no norm; out [..., H, N] contiguous."""
+    *lead, H, K = x.shape
+    rows = math.prod(lead)
+    if weight.dim() != 3 or weight.shape[0] != H or weight.shape[2] != K or weight.dtype != x.dtype:
+        raise ValueError(f"head_gemv: x {x.dtype} {list(x.shape)} and weight {weight.dtype} {list(weight.shape)} "
+                         "do not fit [..., H, K] and [H, N, K] of one dtype")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or rows > NORM_GEMV_MAX_ROWS:
+        raise ValueError(f"head_gemv: runs bf16, fp16 or float32 and at most {NORM_GEMV_MAX_ROWS} rows, got "
+                         f"{x.dtype} and {rows} rows (use the plain path)")
+    N = weight.shape[1]
+    x2 = x.reshape(rows, H, K)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    out = torch.empty(*lead, H, N, device=x.device, dtype=x.dtype)
+    if rows and N and H:
+        block_n = NORM_GEMV_BLOCK_N if weight.stride(2) == 1 else HEAD_GEMV_BLOCK_N_STRIDED
+        block_k = min(NORM_GEMV_STEP_BYTES // x.element_size(), _pow2(K))
+        _norm_gemv_kernel[(triton.cdiv(N, block_n), H)](
+            x2, x2, x2, weight, out, out, rows, N, K, 0.0, x2.stride(0), x2.stride(1), 0, weight.stride(0),
+            weight.stride(1), weight.stride(2), H * N, N, 0, NORM=False, ADD=False, IEEE=x.dtype == torch.float32,
+            BLOCK_M=NORM_GEMV_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=NORM_GEMV_STAGES,
+            num_warps=NORM_GEMV_WARPS)
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
 # Micro-benchmark on a GPU (python kernels.py): each kernel against its plain twin, both captured
 # in CUDA graphs and timed by events around replays (medians), the input sets rotated so that the
 # bytes of one replay exceed the L2; achieved GB/s against the measured copy bandwidth.
@@ -1379,12 +1536,62 @@ def bench_small(rows):
             rows.append(dict(kernel=name, N=N, torch_ms=plain, kernel_ms=fast))
 
 
+def bench_norm_gemv(bw, rows, sweep=False):
+    """norm_gemv at Kimi-K2 TP-8 shapes against what it replaces: q_a + kv_a with the input add +
+    RMSNorm (add_rmsnorm's kernel + cuBLAS), q_b with q_a_layernorm (RMSNorm + cuBLAS), o_proj
+    (cuBLAS); the weight sets rotated past the L2. sweep: block configurations too."""
+    import model
+    print(f"\nnorm_gemv, Kimi-K2 TP 8, bf16 (us per call in a graph; GB/s of the weight; copy {bw:.0f} GB/s)")
+    dt = torch.bfloat16
+    configs = [(None, None, None, None)] + ([(bn, bk, st, 4) for bn in (16, 32) for bk in (256, 512)
+                                             for st in (2, 4)] + [(16, 512, 3, 8)] if sweep else [])
+    for name, N, K, has_norm, add in (("q_a+kv_a", 2112, 7168, True, True), ("q_b", 1536, 1536, True, False),
+                                      ("o_proj", 7168, 1024, False, False)):
+        sets = max(2, min(16, math.ceil(150e6 / (N * K * 2))))
+        ws = [torch.randn(N, K, device="cuda", dtype=dt) / K ** 0.5 for _ in range(sets)]
+        norm = model.RMSNorm(K, 1e-6, "cuda", dt) if has_norm else None
+        if norm is not None:
+            with torch.no_grad():
+                norm.weight.fill_(1.0)
+        for M in (1, 4):
+            xs = [torch.randn(M, K, device="cuda", dtype=dt) for _ in range(sets)]
+            rs = [torch.randn(M, K, device="cuda", dtype=dt) if add else None for _ in range(sets)]
+
+            def plain(x, w, r):
+                if r is not None:
+                    return torch.nn.functional.linear(add_rmsnorm(x, r, norm.weight, norm.eps)[1], w)
+                return torch.nn.functional.linear(x if norm is None else norm(x), w)
+            base = _graph_ms([partial(plain, x, w, r) for x, w, r in zip(xs, ws, rs)]) * 1e3
+            for bn, bk, st, wp in configs:
+                g = None if norm is None else norm.weight
+                try:
+                    us = _graph_ms([partial(norm_gemv, x, w, g, 1e-6, r, bn, bk, st, wp)
+                                    for x, w, r in zip(xs, ws, rs)]) * 1e3
+                except Exception as e:   # a configuration past the SM's shared memory, say
+                    print(f"  {name:9s} M {M}  config {bn, bk, st, wp}: {type(e).__name__} {str(e)[:80]}")
+                    continue
+                print(f"  {name:9s} M {M}  config {bn, bk, st, wp}: kernel {us:6.1f} us ({N * K * 2 / us / 1e3:5.0f} "
+                      f"GB/s)  twin {base:6.1f} us ({N * K * 2 / base / 1e3:5.0f} GB/s)")
+                rows.append(dict(kernel="norm_gemv", proj=name, M=M, config=[bn, bk, st, wp], us=us, twin_us=base))
+    kv_b = torch.randn(8, 256, 512, device="cuda", dtype=dt) / 512 ** 0.5   # W_uk, W_uv [H, 128, C] of one buffer
+    w_uk, w_uv = kv_b.split([128, 128], 1)
+    for M in (1, 4):
+        for name, x, w, eq in (("q_lat (W_uk)", torch.randn(M, 8, 192, device="cuda", dtype=dt)[..., :128],
+                                w_uk.transpose(1, 2), "mhd,hcd->mhc"),
+                               ("o (W_uv)", torch.randn(M, 8, 512, device="cuda", dtype=dt), w_uv, "mhc,hdc->mhd")):
+            base = _graph_ms([partial(torch.einsum, eq, x, w)] * 8) * 1e3   # 1 MB: stays in L2 either way
+            us = _graph_ms([partial(head_gemv, x, w)] * 8) * 1e3
+            print(f"  {name:12s} M {M}: kernel {us:6.1f} us  twin (einsum) {base:6.1f} us")
+            rows.append(dict(kernel="head_gemv", proj=name, M=M, us=us, twin_us=base))
+
+
 def benchmark_attention(out=None):
     import json
     rows = []
     torch.manual_seed(0)
     bw = copy_bandwidth_GBps()
     bench_small(rows)
+    bench_norm_gemv(bw, rows)
     bench_mla(bw, rows)
     bench_mla_configs(bw, rows)
     line = json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,

@@ -280,7 +280,8 @@ def scope(component):
 # torch.compile (run.py --compile) does not trace into them (a graph break there), so their Triton
 # launches run as written between the compiled parts.
 triton_kernels = SimpleNamespace(**{name: torch.compiler.disable(getattr(kernels, name)) for name in (
-    "mla_rope_cache_write", "mla_decode_attention", "router_topk", "add_rmsnorm", "silu_mul")})
+    "mla_rope_cache_write", "mla_decode_attention", "router_topk", "add_rmsnorm", "silu_mul", "norm_gemv",
+    "head_gemv")})
 
 
 # ---------------------------------------------------------------------------------------------
@@ -355,6 +356,18 @@ class RMSNorm(nn.Module):
         return F.rms_norm(x, self.weight.shape, self.weight, self.eps)
 
 
+def norm_linear(x, weight, norm=None, residual=None, fast=False):
+    """(h, norm(h) @ weight^T) for h = x + residual (x without one; without a norm: h @ weight^T).
+    fast: one Triton kernel (kernels.norm_gemv) for at most kernels.NORM_GEMV_MAX_ROWS rows, the
+    norm recomputed inside the GEMV; more rows, or fast False, run this plain code, its twin."""
+    if fast and math.prod(x.shape[:-1]) <= kernels.NORM_GEMV_MAX_ROWS:
+        return triton_kernels.norm_gemv(x, weight, None if norm is None else norm.weight,
+                                        0.0 if norm is None else norm.eps, residual)
+    if residual is not None:
+        x = x + residual
+    return x, F.linear(x if norm is None else norm(x), weight)
+
+
 # ---------------------------------------------------------------------------------------------
 # MLA
 
@@ -388,6 +401,8 @@ class MLA(nn.Module):
     attn_impl = "torch"        # "triton": decode mode through kernels.mla_decode_attention (Transformer.use_kernels)
     rope_cache_impl = "torch"  # "triton": RoPE, latent norm and cache writes by kernels.mla_rope_cache_write
     fused_proj = False         # True: q_a_proj and kv_a_proj_with_mqa as one GEMM (with q_lora_rank)
+    gemv_impl = "torch"        # "triton": for <= 16 rows, q_a_layernorm inside q_b_proj's GEMV kernel, o_proj and
+    #                            decode mode's absorbed W_uk / W_uv products as GEMV kernels (kernels.norm_gemv, head_gemv)
 
     def __init__(self, args, tp, max_batch_size, max_seq_len, device, dtype):
         super().__init__()
@@ -433,9 +448,9 @@ class MLA(nn.Module):
             with scope("attn_proj"):
                 q_a, kv_a = F.linear(x, self.q_kv_a_weight).split(
                     [a.q_lora_rank, a.kv_lora_rank + a.qk_rope_head_dim], -1)          # [B, T, q_lora], [B, T, C+R]
-            q = self.q_b_proj(self.q_a_layernorm(q_a))
+            q = self.query(q_a)
         else:
-            q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x))) if a.q_lora_rank else self.q_proj(x)
+            q = self.query(self.q_a_proj(x)) if a.q_lora_rank else self.q_proj(x)
             kv_a = self.kv_a_proj_with_mqa(x)
         q_nope, q_pe = q.view(B, T, h, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
         kv, k_pe = kv_a.split([a.kv_lora_rank, a.qk_rope_head_dim], -1)                # [B, T, C], [B, T, R]
@@ -461,16 +476,34 @@ class MLA(nn.Module):
             o = torch.einsum("bths,bshd->bthd", p, v)
         else:  # absorbed: a key is k = W_uk c for a cached latent c, so q . k = q . (W_uk c) =
             # (W_uk^T q) . c: W_uk moves onto the T queries instead of onto all S cached latents
+            fast = self.gemv_impl == "triton" and B * T <= kernels.NORM_GEMV_MAX_ROWS
             with scope("attn_proj"):  # kv_b_proj's key half, absorbed into the query
-                q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)           # [B, T, H, C]
+                if fast:   # the same product as one GEMV kernel over the heads (no copy of q_nope)
+                    q_lat = triton_kernels.head_gemv(q_nope, w_uk.transpose(1, 2))
+                else:
+                    q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)       # [B, T, H, C]
             if self.attn_impl == "triton":  # the same math in one pass over the used slots
                 o_lat = triton_kernels.mla_decode_attention(q_lat, q_pe, kv_c, pe_c, positions, a.softmax_scale)
             else:
                 o_lat = absorbed_attention(q_lat, q_pe, kv_c, pe_c, future, a.softmax_scale)
             # likewise o = sum_s p_s (W_uv c_s) = W_uv (sum_s p_s c_s): attend over latents, then W_uv once
             with scope("attn_proj"):  # kv_b_proj's value half, absorbed into the output
-                o = torch.einsum("bthc,hdc->bthd", o_lat, w_uv)
+                if fast:
+                    o = triton_kernels.head_gemv(o_lat, w_uv)
+                else:
+                    o = torch.einsum("bthc,hdc->bthd", o_lat, w_uv)            # [B, T, H, d]
+        if self.gemv_impl == "triton":  # o_proj's GEMV as the kernel (<= 16 rows), then its all-reduce
+            with scope("attn_proj"):
+                o = norm_linear(o.flatten(2), self.o_proj.weight, fast=True)[1]
+            return self.o_proj.tp.all_reduce(o) if self.o_proj.reduce else o
         return self.o_proj(o.flatten(2))
+
+    def query(self, q_a):                                                      # [B, T, q_lora] -> [B, T, h*(d+R)]
+        """q_b_proj(q_a_layernorm(q_a)); with the norm_gemv kernel the norm runs inside the GEMV."""
+        if self.gemv_impl == "triton":
+            with scope("attn_proj"):
+                return norm_linear(q_a, self.q_b_proj.weight, self.q_a_layernorm, fast=True)[1]
+        return self.q_b_proj(self.q_a_layernorm(q_a))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -835,7 +868,7 @@ class TargetOutput(NamedTuple):
 
 # Transformer(kernels=...): the fast twins, by name; all but "fused_proj" (GEMMs over stacked weights) are
 # Triton ("shared_expert": the shared expert inside the fused MoE launch, where MoE.can_fold_shared_expert)
-KERNELS = ("attention", "rope_cache", "router", "add_rmsnorm", "silu_mul", "shared_expert", "fused_proj")
+KERNELS = ("attention", "rope_cache", "router", "add_rmsnorm", "silu_mul", "shared_expert", "fused_proj", "norm_gemv")
 
 
 class Transformer(nn.Module):
@@ -895,7 +928,9 @@ class Transformer(nn.Module):
         cache writes), "router" (logits and selection, SIMULATED uniform routing included),
         "add_rmsnorm" (every residual add fused into the RMSNorm that reads the sum: the
         post-attention one, the next layer's input norm, the final norm), "silu_mul" (the MLPs'
-        SwiGLU activation), "shared_expert" (the shared expert as one more expert of the fused MoE
+        SwiGLU activation), "norm_gemv" (for <= 16 rows, MLA's q_b_proj as a GEMV kernel with
+        q_a_layernorm computed inside it; o_proj and decode mode's absorbed W_uk / W_uv products as
+        GEMV kernels), "shared_expert" (the shared expert as one more expert of the fused MoE
         launch; only where MoE.can_fold_shared_expert, else it stays off and is not listed in
         self.kernels). "fused_proj" (plain torch): q_a_proj + kv_a_proj_with_mqa and each MLP's
         gate_proj + up_proj as one GEMM over their stacked weights (not a shared expert folded
@@ -913,6 +948,7 @@ class Transformer(nn.Module):
             layer.self_attn.attn_impl = "triton" if "attention" in names else "torch"
             layer.self_attn.rope_cache_impl = "triton" if "rope_cache" in names else "torch"
             layer.self_attn.fused_proj = "fused_proj" in names and bool(self.args.q_lora_rank)
+            layer.self_attn.gemv_impl = "triton" if "norm_gemv" in names else "torch"
             if isinstance(layer.mlp, MoE):
                 layer.mlp.gate.impl = "triton" if "router" in names else "torch"
                 layer.mlp.shared_in_launch = "shared_expert" in names and layer.mlp.can_fold_shared_expert()

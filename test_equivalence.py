@@ -1953,6 +1953,100 @@ def test_silu_mul_kernel_equals_twin(dtype):
             assert_close(got, want, tol, f"silu_mul I={I} {dtype} contiguous={gate.is_contiguous()}")
 
 
+NORM_GEMV_SHAPES = [(40, 64), (33, 100)]                       # (N, K): tiny, odd sizes
+NORM_GEMV_KIMI = [(2112, 7168), (1536, 1536), (7168, 1024)]    # Kimi-K2 TP 8: q_a + kv_a, q_b, o_proj
+
+
+@triton_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_gemv_kernel_equals_twin(dtype):
+    """kernels.norm_gemv against model.norm_linear (the plain add, RMSNorm and F.linear) on fresh
+    random inputs: with the residual add and the norm, the norm alone, neither; 1, 4 and 16 rows;
+    x a strided view (a split of a wider output, as q_a is) and W a row-strided view (as the stacked
+    q_a + kv_a weight is). float32 to 1e-5 relative; bf16 (GPU) to 1% of the largest output, since
+    only the order of the float32 sums and a last-ulp rounding of the normed row differ."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
+                    "kernels are checked on the GPU")
+    g = torch.Generator().manual_seed(15)
+    shapes = NORM_GEMV_SHAPES + (NORM_GEMV_KIMI if device == "cuda" else [])
+    for N, K in shapes:
+        norm = model.RMSNorm(K, 1e-6, device, dtype)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(K, generator=g))
+        w = (torch.randn(N + 3, K + 8, generator=g) / K ** 0.5).to(device, dtype)[:N, :K]   # rows strided
+        for rows in (1, 4, 16):
+            x = (2 * torch.randn(rows, K + 5, generator=g)).to(device, dtype)[:, :K]          # rows strided
+            r = torch.randn(rows, K, generator=g).to(device, dtype)
+            for nrm, res in ((norm, r), (norm, None), (None, None)):
+                h, out = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6, res)
+                h_ref, ref = model.norm_linear(x, w, nrm, res)
+                what = f"norm_gemv N={N} K={K} rows={rows} {dtype} norm={nrm is not None} add={res is not None}"
+                assert_close(h, h_ref, 0.0, what + ": the sum")
+                tol = (1e-5 if dtype == torch.float32 else 1e-2) * ref.abs().max().item()
+                assert out.shape == ref.shape and out.dtype == dtype
+                assert_close(out, ref, tol, what)
+    with pytest.raises(ValueError, match="at most 16 rows"):
+        kernels.norm_gemv(torch.zeros(17, 64, device=device), torch.zeros(8, 64, device=device))
+
+
+@triton_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_gemv_kernel_equals_twin(dtype):
+    """kernels.head_gemv against the absorbed einsums of model.MLA.attend, on views of one kv_b_proj
+    weight as the model takes them (W_uk transposed: its K strided; W_uv: row-strided), the query a
+    strided split of q: 1, 4 and 16 rows, tiny and (GPU) Kimi-K2 TP-8 heads."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
+                    "kernels are checked on the GPU")
+    g = torch.Generator().manual_seed(16)
+    for H, d, R, C in [(4, 16, 8, 32)] + ([(8, 128, 64, 512)] if device == "cuda" else []):
+        kv_b = (torch.randn(H, 2 * d, C, generator=g) / C ** 0.5).to(device, dtype)
+        w_uk, w_uv = kv_b.split([d, d], 1)                                     # [H, d, C]
+        for B, T in ((1, 1), (1, 4), (4, 4)):
+            q_nope = torch.randn(B, T, H, d + R, generator=g).to(device, dtype)[..., :d]
+            q_lat = kernels.head_gemv(q_nope, w_uk.transpose(1, 2))
+            ref = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)
+            tol = (1e-5 if dtype == torch.float32 else 1e-2) * ref.abs().max().item()
+            assert_close(q_lat, ref, tol, f"head_gemv W_uk H={H} B={B} T={T} {dtype}")
+            o = kernels.head_gemv(ref, w_uv)
+            want = torch.einsum("bthc,hdc->bthd", ref, w_uv)
+            assert o.is_contiguous() and o.shape == want.shape
+            assert_close(o, want, (1e-5 if dtype == torch.float32 else 1e-2) * want.abs().max().item(),
+                         f"head_gemv W_uv H={H} B={B} T={T} {dtype}")
+
+
+@triton_ok
+@pytest.mark.parametrize("others", [(), ("add_rmsnorm", "fused_proj")])
+def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
+    """kernels "norm_gemv" (alone, and with the fused residual adds and stacked q_a + kv_a) against
+    the plain tiny model, float32, 3 layers: the 36-row prefill runs the plain path, the 9-row step
+    the kernels (norm_gemv twice a layer: q_b_proj with q_a_layernorm inside, o_proj; head_gemv
+    twice in decode mode: the absorbed products), in both attention modes."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = tiny(num_hidden_layers=3)
+    plain = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32), 0)
+    fast = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32,
+                                   kernels=("norm_gemv",) + others), 0)
+    calls, heads = [], []
+    monkeypatch.setattr(model.triton_kernels, "norm_gemv",
+                        lambda *a, **k: calls.append(a[0].shape) or kernels.norm_gemv(*a, **k))
+    monkeypatch.setattr(model.triton_kernels, "head_gemv",
+                        lambda *a, **k: heads.append(a[0].shape) or kernels.head_gemv(*a, **k))
+    prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=4))
+    for mode in ("extend", "decode"):
+        assert_close(fast(prefill, prefill_pos, mode).logits, plain(prefill, prefill_pos, mode).logits, 1e-4,
+                     f"norm_gemv {others} prefill, {mode}")
+        assert not calls and not heads, "the prefill's 36 rows must take the plain path"
+        assert_close(fast(step, step_pos, mode).logits, plain(step, step_pos, mode).logits, 1e-4,
+                     f"norm_gemv {others} step, {mode}")
+        assert len(calls) == 2 * args.num_hidden_layers, f"{len(calls)} norm_gemv launches, not 2 a layer"
+        assert len(heads) == (2 * args.num_hidden_layers if mode == "decode" else 0), f"{len(heads)} head_gemv"
+        calls.clear(), heads.clear()
+
+
 def kernel_models(device, dtype, B=3, max_seq_len=64, layers=8):
     """The tiny model twice (same seed): all kernels off (the gather MoE), all on (the fused MoE)."""
     args = tiny(num_hidden_layers=layers)
