@@ -135,9 +135,9 @@ def make_parser():
                    help="routed experts: gathered weights (plain), torch._grouped_mm, or the fused Triton kernel "
                    "(kernels.py; grouped above 256 tokens for unquantized experts) (auto: fused on a GPU with Triton, else grouped; "
                    "CPU: gather)")
-    p.add_argument("--kernels", default="none", help="fast twins in place of the plain code (Triton kernels, and "
+    p.add_argument("--kernels", help="fast twins in place of the plain code (Triton kernels, and "
                    "fused_proj: stacked-weight GEMMs): 'all', 'none' or a comma list of " + ",".join(model.KERNELS)
-                   + " (default %(default)s)")
+                   + " (default: all on a CUDA GPU with Triton and a bf16/fp16/fp32 model, else none)")
     p.add_argument("--compile", action="store_true", help="also time the captured phases with each decoder "
                    "layer and the draft layer fused by torch.compile (inside our own CUDA graphs), beside the plain ones")
     p.add_argument("--reps", type=int, help="timed repetitions per phase, after warm-up (default 20)")
@@ -258,6 +258,9 @@ def settle(args, device, world):
             setattr(args, name, value)
     args.routing = args.routing or ("model" if args.model_path or args.dump else "uniform")
     args.context_len = args.context_len or [args.prompt_len]
+    if args.kernels is None:  # the fast twins where they run (each tested equal to its plain twin)
+        fast = gpu and kernels.HAVE_TRITON and args.dtype in ("bfloat16", "float16", "float32")
+        args.kernels = "all" if fast else "none"
     args.kernels = args.kernels if args.kernels in ("all", "none") else args.kernels.split(",")
     check_device_flags(args, device)
     return args
