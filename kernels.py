@@ -8,7 +8,7 @@ PyTorch code in model.py that stays the readable specification.
   Residual add + RMSNorm add_rmsnorm            twin: x + y, then model.RMSNorm
   SwiGLU activation      silu_mul               twin: F.silu(gate) * up in model.MLP
   RMSNorm + GEMV         norm_gemv              twin: model.norm_linear (plain add, RMSNorm, F.linear)
-  GEMV per head          head_gemv              twin: the absorbed einsums of model.MLA.attend
+  GEMV per head          head_gemv              twin: the absorbed einsums of model.MLA.attend_absorbed
 
 The fused MoE is switched on by model.Transformer(moe_impl="fused") (run.py --moe-impl; "auto"
 picks it on a GPU with Triton), the others by name (model.Transformer(..., kernels=...), run.py
@@ -363,7 +363,7 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None):
                          f"{GEMV_MAX_PAIRS} pairs")
     x, ids, route_w = x.contiguous(), ids.reshape(-1).contiguous(), route_w.reshape(-1).float().contiguous()
     if variant == "gemv":
-        cfg = {**_gemv_configs(fmt, P, x.is_cuda), **(configs or {})}
+        cfg = {**_gemv_configs(fmt, N, x.is_cuda), **(configs or {})}
         return _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg)
     cfg = {**_configs(fmt, P, x.is_cuda), **(configs or {})}
     max_tiles = min(E, P) + P // BLOCK_M                                    # see the section comment
@@ -413,7 +413,7 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None):
 # one FMA (times 16^-j, minus 2^23 * 16^-j + 8) gives nib - 8 exactly; the words' top three nibbles
 # use the word shifted right by 20. The group scale multiplies each word's 8 products once.
 
-# Block sizes by format and pair count: (small, large) below/above GEMV_SMALL_P pairs, each
+# Block sizes by format and token count: (small, large) up to / above GEMV_SMALL_TOKENS, each
 # dict(gate_up=(BLOCK_N, BLOCK_K, UNROLL, num_warps, SUB), down=(BLOCK_N, BLOCK_K, num_warps, SUB)).
 # BLOCK_K counts elements (INT4: BLOCK_K / 8 words); a program's tile has BLOCK_N * SUB rows of
 # BLOCK_K: SUB > 1 (FP8 only) lays SUB consecutive 128-column scale blocks of a weight row out as
@@ -429,7 +429,7 @@ GEMV_CONFIGS = {
               dict(gate_up=(4, 256, 4, 4, 1), down=(16, 256, 4, 1))),
     "fp8": (dict(gate_up=(4, 128, 2, 4, 4), down=(16, 128, 4, 2)),) * 2,
     "int4": (dict(gate_up=(2, 2048, 1, 4, 1), down=(32, 256, 4, 1)),) * 2}
-GEMV_SMALL_P = 16
+GEMV_SMALL_TOKENS = 2   # in tokens, not pairs: a shared expert's extra slot a token moves no boundary
 # The GEMV variant up to this many tokens (the rule of fused_moe's variant=None; in tokens, not pairs,
 # so a shared expert routed as one more slot a token moves no boundary), from the same run at K = 8
 # (us a layer, GEMV against tiles): bf16 30 / 46 at N = 1, 98 / 97 at 4, 177 / 188 at 8, 630 / 527 at
@@ -442,10 +442,10 @@ GEMV_MAX_TOKENS = {"plain": 2, "fp8": 4, "int4": 32}
 GEMV_MAX_PAIRS = 1024   # the leader test holds all N*K expert ids of a call in one vector
 
 
-def _gemv_configs(fmt, P, on_gpu):
+def _gemv_configs(fmt, N, on_gpu):
     if not on_gpu:  # the CPU interpreter: few, large programs
         return dict(gate_up=(32, 64, 1, 4, 1), down=(64, 64, 4, 1))
-    return GEMV_CONFIGS[fmt][P > GEMV_SMALL_P]
+    return GEMV_CONFIGS[fmt][N > GEMV_SMALL_TOKENS]
 
 
 @_jit

@@ -441,62 +441,85 @@ class MLA(nn.Module):
 
     def forward(self, x, positions, rope, future, mode):
         """future [B, T, S]: True where a slot lies after the query's position (not written yet,
-        or a rejected draft's), so the query must not see it; S is the number of cache slots read."""
+        or a rejected draft's), so the query must not see it; S is the number of cache slots read.
+        mode "extend" or "decode": the attention path (attend_extend, attend_absorbed)."""
         a, h = self.args, self.n_local_heads
         (B, T, _), kv_len = x.shape, future.shape[-1]
+        q, kv_a = self.project(x)                                              # [B, T, h*(d+R)], [B, T, C+R]
+        q_nope, q_pe = q.view(B, T, h, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
+        q_pe = self.write_cache(q_pe, kv_a, positions, rope)
+        kv_c, pe_c = self.kv_cache[:B, :kv_len], self.pe_cache[:B, :kv_len]     # [B, S, C], [B, S, R]
+        attend = self.attend_extend if mode == "extend" else self.attend_absorbed
+        o = attend(q_nope, q_pe, kv_c, pe_c, positions, future)                # [B, T, H, d]
+        return self.output(o.flatten(2))
+
+    def project(self, x):
+        """The queries and the compressed key-values of x: q [B, T, h*(d+R)], kv_a [B, T, C+R]."""
+        a = self.args
         if self.fused_proj:  # q_a_proj and kv_a_proj_with_mqa in one GEMM: x read once
             with scope("attn_proj"):
-                q_a, kv_a = F.linear(x, self.q_kv_a_weight).split(
-                    [a.q_lora_rank, a.kv_lora_rank + a.qk_rope_head_dim], -1)          # [B, T, q_lora], [B, T, C+R]
-            q = self.query(q_a)
-        else:
-            q = self.query(self.q_a_proj(x)) if a.q_lora_rank else self.q_proj(x)
-            kv_a = self.kv_a_proj_with_mqa(x)
-        q_nope, q_pe = q.view(B, T, h, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
-        kv, k_pe = kv_a.split([a.kv_lora_rank, a.qk_rope_head_dim], -1)                # [B, T, C], [B, T, R]
+                q_a, kv_a = F.linear(x, self.q_kv_a_weight).split([a.q_lora_rank, a.kv_lora_rank + a.qk_rope_head_dim], -1)
+            return self.query(q_a), kv_a
+        q = self.query(self.q_a_proj(x)) if a.q_lora_rank else self.q_proj(x)
+        return q, self.kv_a_proj_with_mqa(x)
+
+    def write_cache(self, q_pe, kv_a, positions, rope):
+        """Write the new tokens' normalized latents and rotated rope keys at slot = position;
+        returns the rotated q_pe."""
+        a, B = self.args, kv_a.shape[0]
+        kv, k_pe = kv_a.split([a.kv_lora_rank, a.qk_rope_head_dim], -1)            # [B, T, C], [B, T, R]
         if self.rope_cache_impl == "triton":  # the four lines below in one kernel
             norm = self.kv_a_layernorm
-            q_pe = triton_kernels.mla_rope_cache_write(q_pe, kv, k_pe, norm.weight, norm.eps, rope, positions,
+            return triton_kernels.mla_rope_cache_write(q_pe, kv, k_pe, norm.weight, norm.eps, rope, positions,
                                                        self.kv_cache, self.pe_cache)
-        else:
-            q_pe = apply_rope(q_pe, rope)
-            rows = torch.arange(B, device=x.device).unsqueeze(1)
-            self.kv_cache[rows, positions] = self.kv_a_layernorm(kv)     # slot = position
-            self.pe_cache[rows, positions] = apply_rope(k_pe, rope)
-        kv_c, pe_c = self.kv_cache[:B, :kv_len], self.pe_cache[:B, :kv_len]     # [B, S, C], [B, S, R]
-        w_kv_b = self.kv_b_proj.weight.view(h, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
-        w_uk, w_uv = w_kv_b.split([a.qk_nope_head_dim, a.v_head_dim], 1)      # [H, d, C]
-        if mode == "extend":
-            k_nope, v = self.kv_b_proj(kv_c).view(B, kv_len, h, -1).split(
-                [a.qk_nope_head_dim, a.v_head_dim], -1)                        # [B, S, H, d]
-            scores = (torch.einsum("bthd,bshd->bths", q_nope, k_nope)
-                      + torch.einsum("bthr,bsr->bths", q_pe, pe_c))
-            scores = (scores * a.softmax_scale).masked_fill(future.unsqueeze(2), float("-inf"))
-            p = scores.softmax(-1, dtype=torch.promote_types(x.dtype, torch.float32)).to(x.dtype)   # [B, T, H, S]
-            o = torch.einsum("bths,bshd->bthd", p, v)
-        else:  # absorbed: a key is k = W_uk c for a cached latent c, so q . k = q . (W_uk c) =
-            # (W_uk^T q) . c: W_uk moves onto the T queries instead of onto all S cached latents
-            fast = self.gemv_impl == "triton" and B * T <= kernels.NORM_GEMV_MAX_ROWS
-            with scope("attn_proj"):  # kv_b_proj's key half, absorbed into the query
-                if fast:   # the same product as one GEMV kernel over the heads (no copy of q_nope)
-                    q_lat = triton_kernels.head_gemv(q_nope, w_uk.transpose(1, 2))
-                else:
-                    q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)       # [B, T, H, C]
-            if self.attn_impl == "triton":  # the same math in one pass over the used slots
-                o_lat = triton_kernels.mla_decode_attention(q_lat, q_pe, kv_c, pe_c, positions, a.softmax_scale)
+        rows = torch.arange(B, device=kv_a.device).unsqueeze(1)
+        self.kv_cache[rows, positions] = self.kv_a_layernorm(kv)
+        self.pe_cache[rows, positions] = apply_rope(k_pe, rope)
+        return apply_rope(q_pe, rope)
+
+    def kv_b_halves(self):
+        """kv_b_proj's weight as its key and value halves per local head: w_uk, w_uv [H, d, C]."""
+        a = self.args
+        w_kv_b = self.kv_b_proj.weight.view(self.n_local_heads, a.qk_nope_head_dim + a.v_head_dim, a.kv_lora_rank)
+        return w_kv_b.split([a.qk_nope_head_dim, a.v_head_dim], 1)
+
+    def attend_extend(self, q_nope, q_pe, kv_c, pe_c, positions, future):
+        """Prefill-style: every cached latent expanded by kv_b_proj to per-head keys and values."""
+        a, (B, S, _) = self.args, kv_c.shape
+        k_nope, v = self.kv_b_proj(kv_c).view(B, S, self.n_local_heads, -1).split(
+            [a.qk_nope_head_dim, a.v_head_dim], -1)                            # [B, S, H, d]
+        scores = torch.einsum("bthd,bshd->bths", q_nope, k_nope) + torch.einsum("bthr,bsr->bths", q_pe, pe_c)
+        scores = (scores * a.softmax_scale).masked_fill(future.unsqueeze(2), float("-inf"))
+        p = scores.softmax(-1, dtype=torch.promote_types(q_nope.dtype, torch.float32)).to(q_nope.dtype)   # [B, T, H, S]
+        return torch.einsum("bths,bshd->bthd", p, v)
+
+    def attend_absorbed(self, q_nope, q_pe, kv_c, pe_c, positions, future):
+        """Decode-style (absorbed MLA): a key is k = W_uk c for a cached latent c, so q . k =
+        (W_uk^T q) . c: W_uk moves onto the T queries instead of onto all S cached latents; likewise
+        o = sum_s p_s (W_uv c_s) = W_uv (sum_s p_s c_s): attend over latents, then W_uv once."""
+        a, (B, T) = self.args, q_nope.shape[:2]
+        w_uk, w_uv = self.kv_b_halves()
+        fast = self.gemv_impl == "triton" and B * T <= kernels.NORM_GEMV_MAX_ROWS
+        with scope("attn_proj"):  # kv_b_proj's key half, absorbed into the query
+            if fast:   # the same product as one GEMV kernel over the heads (no copy of q_nope)
+                q_lat = triton_kernels.head_gemv(q_nope, w_uk.transpose(1, 2))
             else:
-                o_lat = absorbed_attention(q_lat, q_pe, kv_c, pe_c, future, a.softmax_scale)
-            # likewise o = sum_s p_s (W_uv c_s) = W_uv (sum_s p_s c_s): attend over latents, then W_uv once
-            with scope("attn_proj"):  # kv_b_proj's value half, absorbed into the output
-                if fast:
-                    o = triton_kernels.head_gemv(o_lat, w_uv)
-                else:
-                    o = torch.einsum("bthc,hdc->bthd", o_lat, w_uv)            # [B, T, H, d]
+                q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)           # [B, T, H, C]
+        if self.attn_impl == "triton":  # the same math in one pass over the used slots
+            o_lat = triton_kernels.mla_decode_attention(q_lat, q_pe, kv_c, pe_c, positions, a.softmax_scale)
+        else:
+            o_lat = absorbed_attention(q_lat, q_pe, kv_c, pe_c, future, a.softmax_scale)
+        with scope("attn_proj"):  # kv_b_proj's value half, absorbed into the output
+            if fast:
+                return triton_kernels.head_gemv(o_lat, w_uv)
+            return torch.einsum("bthc,hdc->bthd", o_lat, w_uv)                 # [B, T, H, d]
+
+    def output(self, o):                                                       # [B, T, h*d] -> [B, T, D]
         if self.gemv_impl == "triton":  # o_proj's GEMV as the kernel (<= 16 rows), then its all-reduce
             with scope("attn_proj"):
-                o = norm_linear(o.flatten(2), self.o_proj.weight, fast=True)[1]
+                o = norm_linear(o, self.o_proj.weight, fast=True)[1]
             return self.o_proj.tp.all_reduce(o) if self.o_proj.reduce else o
-        return self.o_proj(o.flatten(2))
+        return self.o_proj(o)
 
     def query(self, q_a):                                                      # [B, T, q_lora] -> [B, T, h*(d+R)]
         """q_b_proj(q_a_layernorm(q_a)); with the norm_gemv kernel the norm runs inside the GEMV."""
@@ -535,7 +558,8 @@ class MLP(nn.Module):
         else:
             gate, up = self.gate_proj(x), self.up_proj(x)
         h = triton_kernels.silu_mul(gate, up) if self.act_impl == "triton" else F.silu(gate) * up
-        if add_to is not None:
+        if add_to is not None:  # no all-reduce here: the caller reduces the sum (reduce=False)
+            assert not self.down_proj.reduce, "add_to needs reduce=False: the sum is reduced by the caller"
             return add_to.addmm_(h, self.down_proj.weight.t())
         return self.down_proj(h)
 
@@ -747,6 +771,7 @@ class Experts(nn.Module):
         N, K = ids.shape
         if self.runs_fused(N):
             # torch.compile (run.py --compile) leaves the Triton launches alone: a graph break here
+            # (around the whole of fused, which also builds the kernel's weight descriptors)
             return torch.compiler.disable(self.fused)(x, ids, weights, stacked)
         gather = self.impl == "gather" or (self.quantized and N * K < self.n_experts)
         if gather:
@@ -813,7 +838,8 @@ class MoE(nn.Module):
             # the shared expert is expert E, chosen by every token with weight 1: K + 1 pairs a token
             ids, weights = self.gate(x, shared_slot=True)
             y = self.experts(x, ids, weights, self.stacked)
-        elif self.shared_experts.fused_proj:  # the shared expert's down GEMM adds onto the routed output
+        elif self.shared_experts.fused_proj:  # fused_proj also folds the routed + shared add into the
+            # shared expert's down GEMM (addmm_ onto the routed output): one kernel less a layer
             ids, weights = self.gate(x)
             y = self.shared_experts(x, add_to=self.experts(x, ids, weights))
         else:
@@ -879,7 +905,8 @@ class Transformer(nn.Module):
     or "auto" (on a GPU: fused where Triton is installed, else grouped where torch._grouped_mm
     runs; on the CPU: gather).
     routing: "model" (the router's own choice) or "uniform" (SIMULATED balanced routing, see Router).
-    kernels: names from KERNELS (or "all") to run as Triton kernels instead of their plain twins."""
+    kernels: names from KERNELS (or "all") to run as their fast twins (Triton kernels, and
+    fused_proj's stacked GEMMs) instead of the plain code (see use_kernels)."""
 
     def __init__(self, args, max_batch_size=1, max_seq_len=4096, device=None, dtype=None, tp=None,
                  aux_layer_ids=None, moe_impl="auto", routing="model", kernels=()):

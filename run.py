@@ -482,7 +482,7 @@ COMPONENTS = {  # the rows of the component table, in order
     "attn_core": "attention core (scores, softmax, values, cache write)",
     "attn_proj": "attention projections (q/kv down, up, o_proj)",
     "router": "router (scores, selection, weights)",
-    "routed_experts": "routed experts (+ the shared one in the launch)",
+    "routed_experts": "routed experts (+ the shared one if in the launch)",
     "shared_mlp": "shared expert + dense MLP",
     "elementwise": "norms, residual, RoPE, elementwise",
     "allreduce": "all-reduce",

@@ -1994,7 +1994,7 @@ def test_norm_gemv_kernel_equals_twin(dtype):
 @triton_ok
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_head_gemv_kernel_equals_twin(dtype):
-    """kernels.head_gemv against the absorbed einsums of model.MLA.attend, on views of one kv_b_proj
+    """kernels.head_gemv against the absorbed einsums of model.MLA.attend_absorbed, on views of one kv_b_proj
     weight as the model takes them (W_uk transposed: its K strided; W_uv: row-strided), the query a
     strided split of q: 1, 4 and 16 rows, tiny and (GPU) Kimi-K2 TP-8 heads."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -2169,17 +2169,22 @@ def test_shared_expert_in_the_fused_launch_equals_plain(tmp_path):
     after = init_random(Transformer(args, moe_impl="fused", **kw), 4).use_kernels(["shared_expert"])
     tokens = torch.randint(0, args.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5)).to(TRITON_DEVICE)
     positions = torch.arange(6, device=TRITON_DEVICE).expand(2, 6)
-    want = plain.to(TRITON_DEVICE)(tokens, positions).logits
+    step, step_pos = (tokens[:, :1] + 1) % args.vocab_size, torch.full((2, 1), 6, device=TRITON_DEVICE)
+    plain = plain.to(TRITON_DEVICE)
+    want = [plain(tokens, positions).logits, plain(step, step_pos).logits, plain(step[:1], step_pos[:1]).logits]
     for folded in (before, after):
         assert folded.kernels == ("shared_expert",)
         moe = folded.layers[-1].mlp
         assert moe.shared_in_launch and moe.stacked[0].shape[0] == args.n_routed_experts + 1
         assert moe.shared_experts.down_proj.weight.data_ptr() == moe.stacked[2][-1].data_ptr()
-        assert_close(folded(tokens, positions).logits, want, 1e-5, "shared expert in the fused launch")
+        # a prefill (the tile variant), then decode steps of 2 and 1 tokens (the GEMV variant, K + 1 pairs a token)
+        got = [folded(tokens, positions).logits, folded(step, step_pos).logits, folded(step[:1], step_pos[:1]).logits]
+        for g, w, what in zip(got, want, ("prefill", "step of 2 tokens", "step of 1 token")):
+            assert_close(g, w, 1e-5, f"shared expert in the fused launch, {what}")
     moved = after.to(torch.float64).to(torch.float32).layers[-1].mlp   # .to() moves each parameter alone
     assert moved.shared_experts.up_proj.weight.data_ptr() == moved.stacked[1][-1].data_ptr()
     assert moved.experts.up_proj.data_ptr() == moved.stacked[1].data_ptr()
-    assert_close(after(tokens, positions).logits, want, 1e-5, "shared expert in the fused launch, after .to()")
+    assert_close(after(tokens, positions).logits, want[0], 1e-5, "shared expert in the fused launch, after .to()")
     assert Transformer(args, moe_impl="gather", kernels=["shared_expert"], **kw).kernels == ()
     int4 = tiny(num_hidden_layers=3, moe_intermediate_size=64, quantization_config="int4")
     assert Transformer(int4, moe_impl="fused", kernels=["shared_expert"], **kw).kernels == ()
