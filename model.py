@@ -420,8 +420,7 @@ class MLA(nn.Module):
                                                "num_attention_heads", device, dtype)
         self.kv_a_proj_with_mqa = ReplicatedLinear(a.hidden_size, a.kv_lora_rank + a.qk_rope_head_dim,
                                                    device, dtype)
-        if a.q_lora_rank:   # both replicated, both read x: one buffer [q_lora_rank + C + R, D] holds them
-            self.register_buffer("q_kv_a_weight", stack_rows(self.q_a_proj, self.kv_a_proj_with_mqa), persistent=False)
+        self.register_buffer("q_kv_a_weight", None, persistent=False)     # stack_projections (fused_proj)
         self.kv_a_layernorm = RMSNorm(a.kv_lora_rank, a.rms_norm_eps, device, dtype)
         self.kv_b_proj = ColumnParallelLinear(a.kv_lora_rank, H * (a.qk_nope_head_dim + a.v_head_dim),
                                               tp, "num_attention_heads", device, dtype)
@@ -433,9 +432,15 @@ class MLA(nn.Module):
         self.register_buffer("pe_cache", torch.zeros(max_batch_size, max_seq_len, a.qk_rope_head_dim, **cache),
                              persistent=False)
 
-    def _apply(self, fn, recurse=True):   # .to() and the like: the moved q_a / kv_a weights stacked again
+    def stack_projections(self):
+        """fused_proj: q_a_proj and kv_a_proj_with_mqa (both replicated, both read x) as row blocks
+        of one buffer [q_lora_rank + C + R, D], their weights views of it (stack_rows)."""
+        if self.q_kv_a_weight is None:
+            self.q_kv_a_weight = stack_rows(self.q_a_proj, self.kv_a_proj_with_mqa)
+
+    def _apply(self, fn, recurse=True):   # .to() and the like move each tensor alone: stack again
         super()._apply(fn, recurse)
-        if self.args.q_lora_rank:
+        if self.q_kv_a_weight is not None:
             self.q_kv_a_weight = stack_rows(self.q_a_proj, self.kv_a_proj_with_mqa)
         return self
 
@@ -542,11 +547,18 @@ class MLP(nn.Module):
         self.gate_proj = ColumnParallelLinear(dim, inter, tp, what, device, dtype)
         self.up_proj = ColumnParallelLinear(dim, inter, tp, what, device, dtype)
         self.down_proj = RowParallelLinear(inter, dim, tp, what, reduce, device, dtype)
-        self.register_buffer("gate_up_weight", stack_rows(self.gate_proj, self.up_proj), persistent=False)
+        self.register_buffer("gate_up_weight", None, persistent=False)    # stack_projections (fused_proj)
+        self.stackable = True   # False: a shared expert folded into the fused MoE launch (its rows live there)
 
-    def _apply(self, fn, recurse=True):   # .to() and the like: the moved gate / up weights stacked again
+    def stack_projections(self):
+        """fused_proj: gate_proj and up_proj as row blocks of one buffer [2 I, dim], their weights
+        views of it (stack_rows)."""
+        if self.gate_up_weight is None:
+            self.gate_up_weight = stack_rows(self.gate_proj, self.up_proj)
+
+    def _apply(self, fn, recurse=True):   # .to() and the like move each tensor alone: stack again
         super()._apply(fn, recurse)
-        if self.gate_up_weight is not None:   # (None: a shared expert folded into the fused launch)
+        if self.gate_up_weight is not None:
             self.gate_up_weight = stack_rows(self.gate_proj, self.up_proj)
         return self
 
@@ -821,7 +833,7 @@ class MoE(nn.Module):
                 both = torch.cat([routed.data, shared.data.unsqueeze(0)])    # [E + 1, out, in]
                 routed.data, shared.data = both[:-1], both[-1]
                 self.stacked.append(both)
-            sh.gate_up_weight = None   # its gate and up rows live in `stacked` now (fused_proj: off here)
+            sh.gate_up_weight, sh.stackable = None, False   # its gate and up rows live in `stacked` now
         return self
 
     def _apply(self, fn, recurse=True):   # .to() and the like move each parameter alone: fold again
@@ -975,6 +987,8 @@ class Transformer(nn.Module):
             layer.self_attn.attn_impl = "triton" if "attention" in names else "torch"
             layer.self_attn.rope_cache_impl = "triton" if "rope_cache" in names else "torch"
             layer.self_attn.fused_proj = "fused_proj" in names and bool(self.args.q_lora_rank)
+            if layer.self_attn.fused_proj:
+                layer.self_attn.stack_projections()
             layer.self_attn.gemv_impl = "triton" if "norm_gemv" in names else "torch"
             if isinstance(layer.mlp, MoE):
                 layer.mlp.gate.impl = "triton" if "router" in names else "torch"
@@ -982,8 +996,10 @@ class Transformer(nn.Module):
                 if layer.mlp.shared_in_launch:
                     layer.mlp.fold_shared_expert()
             for m in layer.mlp.modules():
-                if isinstance(m, MLP):   # a folded shared expert has no stacked gate_up_weight left
-                    m.fused_proj = "fused_proj" in names and m.gate_up_weight is not None
+                if isinstance(m, MLP):   # not a shared expert folded into the launch above
+                    m.fused_proj = "fused_proj" in names and m.stackable
+                    if m.fused_proj:
+                        m.stack_projections()
                     m.act_impl = "triton" if "silu_mul" in names else "torch"
         self.fused_add_norm = "add_rmsnorm" in names
         folded = any(isinstance(m, MoE) and m.shared_in_launch for m in self.modules())

@@ -2128,6 +2128,7 @@ def test_fused_proj_equals_plain_on_one_copy_of_the_weights(tiny_ckpt, tmp_path)
     a simulated TP-2 rank's slices) it equals the plain model; each weight is a view of its
     stacked buffer (no second copy)."""
     ckpt, m = tiny_ckpt
+    assert m.layers[1].self_attn.q_kv_a_weight is None and m.layers[0].mlp.gate_up_weight is None  # plain: no views
     fused = load_target(ckpt, 3, 32, dtype=torch.float64, kernels="fused_proj")
     assert_close(run_steps(fused), run_steps(m), 1e-12, "fused_proj vs plain, float64 checkpoint")
     attn, dense, shared = fused.layers[1].self_attn, fused.layers[0].mlp, fused.layers[1].mlp.shared_experts
