@@ -2284,3 +2284,180 @@ def test_gpu_kernels_in_captured_paths():
     same = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     print(f"\nbf16 tiny model, kernels on vs off: top-1 agreement {same:.3f}, max |logit diff| "
           f"{(a - b).abs().max().item():.3e}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Draft trees (topk > 1): expansion, masks, acceptance
+
+from draft import Tree, select_tree  # noqa: E402
+from verify import tree_accept, tree_ancestors, tree_emitted, tree_visible  # noqa: E402
+
+
+def hand_tree(B):
+    """Root (token 10) -> nodes 1 (3), 2 (5); 1 -> 3 (7), 4 (8); 2 -> 5 (9); 3 -> 6 (4); 4 -> 7 (2)."""
+    t = lambda v: torch.tensor(v).expand(B, -1)  # noqa: E731
+    return Tree(tokens=t([10, 3, 5, 7, 8, 9, 4, 2]), parents=t([-1, 0, 0, 1, 1, 2, 3, 4]),
+                depths=t([0, 1, 1, 2, 2, 2, 3, 3]), scores=torch.zeros(B, 8))
+
+
+def test_tree_greedy_walks_the_targets_argmax():
+    """Hand-built tree, a target that knows where to go: row 0 takes 5, 9 (a leaf), then its
+    bonus; row 1 runs to full depth; row 2 rejects every child of the root; row 3 stops at
+    node 3, whose only child is not the target's choice."""
+    tree = hand_tree(4)
+    plan = {0: {0: 5, 2: 9, 5: 1}, 1: {0: 3, 1: 8, 4: 2, 7: 6}, 2: {0: 11}, 3: {0: 3, 1: 7, 3: 0}}
+    logits = torch.randn(4, 8, 12, generator=torch.Generator().manual_seed(0))
+    for b, choice in plan.items():
+        for node, tok in choice.items():
+            logits[b, node, tok] += 20
+    m, path, bonus = tree_accept(logits, tree, 3, 0.0, None)
+    assert m.tolist() == [2, 3, 0, 2] and bonus.tolist() == [1, 6, 11, 0]
+    assert path.tolist() == [[0, 2, 5, 5], [0, 1, 4, 7], [0, 0, 0, 0], [0, 1, 3, 3]]
+    emitted = tree_emitted(tree, path, m, bonus)
+    assert [e[:k + 1] for e, k in zip(emitted.tolist(), m.tolist())] == [[5, 9, 1], [3, 8, 2, 6], [11], [3, 7, 0]]
+
+
+def random_tree(B, N, V, g):
+    """Parents drawn before their children; every token distinct (so siblings' are)."""
+    parents = torch.stack([torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, N)])
+                           for _ in range(B)])
+    tokens = torch.stack([torch.randperm(V, generator=g)[:N] for _ in range(B)])
+    depths = torch.zeros(B, N, dtype=torch.long)
+    for i in range(1, N):
+        depths[:, i] = depths.gather(1, parents[:, i:i + 1]).squeeze(1) + 1
+    return Tree(tokens, parents, depths, torch.zeros(B, N))
+
+
+def test_tree_greedy_equals_a_walk_on_the_host_and_masks_see_only_ancestors():
+    g = torch.Generator().manual_seed(1)
+    B, N, V = 64, 9, 16
+    tree = random_tree(B, N, V, g)
+    logits = torch.randn(B, N, V, generator=g)
+    for b in range(B):  # most nodes point the target at one of their children (a proposer that knows)
+        for i in range(N):
+            kids = [j for j in range(N) if tree.parents[b, j] == i]
+            if kids and torch.rand(1, generator=g) < 0.8:
+                logits[b, i, tree.tokens[b, kids[int(torch.randint(len(kids), (1,), generator=g))]]] += 20
+    depth = int(tree.depths.max())
+    m, path, bonus = tree_accept(logits, tree, depth, 0.0, None)
+    start = torch.randint(0, 5, (B,), generator=g)
+    visible = tree_visible(tree.parents, start, 20)
+    for b in range(B):
+        cur, walked = 0, [0]
+        while True:
+            nxt = [j for j in range(N) if tree.parents[b, j] == cur and tree.tokens[b, j] == logits[b, cur].argmax()]
+            if not nxt:
+                break
+            cur = nxt[0]
+            walked.append(cur)
+        assert (m[b], bonus[b], path[b, :len(walked)].tolist()) == (len(walked) - 1, logits[b, cur].argmax(), walked)
+        for i in range(N):
+            anc, a = {i}, i
+            while a > 0:
+                a = int(tree.parents[b, a])
+                anc.add(a)
+            s0 = int(start[b])
+            want = [s < s0 or s - s0 in anc for s in range(20)]
+            assert visible[b, i].tolist() == want, (b, i)
+    assert tree_ancestors(tree.parents).sum(-1).equal(tree.depths + 1)
+    assert m.min() == 0 and m.max() >= 4, f"accepted lengths {sorted(set(m.tolist()))}: too narrow a test"
+
+
+def test_tree_sampling_follows_the_target():
+    """The chain's distribution test, for a tree: 200k rows, vocab 6; the root has children with
+    tokens 0, 2, 5, and the first of them two children (1, 2). The first emitted token ~ p_root;
+    after child 0 (accepted) the next ~ p at that node, after child 2 (a leaf) the bonus ~ p
+    there; for kids the target likes most and least. Bound: TV < 1.5 sqrt(V / n)."""
+    V, R = 6, 200_000
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, V, generator=g) * 1.5
+    p = torch.softmax(logits, -1)
+    for kind in ("as drawn", "least likely first"):
+        root_kids = [0, 2, 5] if kind == "as drawn" else p[0].argsort()[:3].tolist()
+        t = torch.tensor([3] + root_kids + [1, 2]).expand(R, -1)
+        tree = Tree(t, torch.tensor([-1, 0, 0, 0, 1, 1]).expand(R, -1), torch.tensor([0, 1, 1, 1, 2, 2]).expand(R, -1),
+                    torch.zeros(R, 6))
+        m, path, bonus = tree_accept(logits.expand(R, 6, V), tree, 2, 1.0, g)
+        emitted = tree_emitted(tree, path, m, bonus)
+        checks = [(torch.ones(R, dtype=torch.bool), 0, p[0])]
+        checks += [(emitted[:, 0] == root_kids[c], 1, p[1 + c]) for c in (0, 1)]
+        for rows, col, want in checks:
+            n = rows.sum().item()
+            got = torch.bincount(emitted[rows, col], minlength=V) / n
+            tv = 0.5 * (got - want).abs().sum().item()
+            assert tv < 1.5 * (V / n) ** 0.5, f"{kind}: column {col}, TV {tv:.4f} over n={n}"
+        others = ~torch.isin(emitted[:, 0], torch.tensor(root_kids))
+        assert (m[others] == 0).all() and (m[~others] >= 1).all()
+
+
+def tree_setup(seed=0):
+    """A float64 tiny target and random head, the head extended over two ragged prompt rows."""
+    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=32, dtype=torch.float64), seed)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
+    g = torch.Generator().manual_seed(seed + 2)
+    tokens, pos = torch.randint(0, 256, (2, 6), generator=g), torch.arange(6).expand(2, 6)
+    last = torch.tensor([5, 3])
+    logits, g0 = head.extend_logits(tokens, pos, torch.randn(2, 6, 3 * 64, dtype=torch.float64, generator=g), last)
+    return head, torch.tensor([7, 9]), logits, g0, last
+
+
+def test_tree_with_topk_1_is_the_chain():
+    head, root, logits, g0, q = tree_setup()
+    for S in (1, 2, 4):
+        tree = head.tree(root, logits, g0, q, 1, S, S + 1)
+        chain = head.chain(head.to_target_ids(logits), g0, q, S)
+        assert torch.equal(tree.tokens[:, 1:], chain) and torch.equal(tree.tokens[:, 0], root)
+        assert tree.parents.tolist() == [list(range(-1, S))] * 2 and tree.depths.tolist() == [list(range(S + 1))] * 2
+
+
+def reference_tree(head, b, logits, g0, q, K, S, N):
+    """Row b's tree, scored by running the head along each node's own path with slot = position
+    (the chain's cache use, no mask but the causal one), then chosen as the issue states it.
+    q [B]: every row runs (the others on junk tokens, above their prefixes)."""
+    to_draft = {int(t): i for i, t in enumerate(head.hot_ids())}
+    B = logits.shape[0]
+
+    def children(path, hidden):   # path: the tokens below the root; hidden: g of the row before it
+        lp, h = logits[b].log_softmax(-1), hidden
+        for depth, tok in enumerate(path):
+            x = torch.zeros(B, 1, dtype=torch.long)
+            x[b] = tok
+            out, h = head(x, (q + 1 + depth).unsqueeze(1), h.unsqueeze(1))
+            lp, h = out[b, 0].log_softmax(-1), h[:, 0]
+        top = lp.topk(K)
+        return [(int(head.hot_ids()[i]), float(v)) for v, i in zip(top.values, top.indices)]
+
+    nodes = []   # (flat index, parent flat index, token, score, path)
+    frontier = [(-1, 0.0, ())]
+    for level in range(S):
+        grown = []
+        for parent, score, path in frontier:
+            for tok, lp in children(list(path), g0):
+                grown.append((len(nodes) + len(grown), parent, tok, score + lp, path + (tok,)))
+        nodes += grown
+        frontier = [(n[0], n[3], n[4]) for n in sorted(grown, key=lambda n: -n[3])[:K]]
+    chosen = sorted(sorted(nodes, key=lambda n: (-n[3], n[0]))[:N - 1])
+    index = {n[0]: i + 1 for i, n in enumerate(chosen)}
+    assert all(to_draft[n[2]] >= 0 for n in chosen)
+    return [n[2] for n in chosen], [index.get(n[1], 0) for n in chosen], [n[3] for n in chosen]
+
+
+@pytest.mark.parametrize("K, S, N", [(2, 3, 8), (3, 2, 9), (4, 3, 16)])
+def test_tree_expansion_is_the_head_along_each_path(K, S, N):
+    """Every node of the tree, its parent and its score are what the head gives when run along
+    that node's own path alone (so no row saw a sibling's or a cousin's keys), and the nodes
+    are the N - 1 best scored, in SGLang's order."""
+    head, root, logits, g0, q = tree_setup()
+    tree = head.tree(root, logits, g0, q, K, S, N)
+    for b in range(2):
+        tokens, parents, scores = reference_tree(head, b, logits, g0, q, K, S, N)
+        assert tree.tokens[b, 1:].tolist() == tokens and tree.parents[b, 1:].tolist() == parents, b
+        assert_close(tree.scores[b, 1:], torch.tensor(scores, dtype=torch.float64), 1e-9, f"row {b} scores")
+    anc_depth = tree_ancestors(tree.parents).sum(-1) - 1
+    assert torch.equal(anc_depth, tree.depths) and (tree.parents[:, 1:] < torch.arange(1, N)).all()
+
+
+def test_tree_refuses_sizes_it_cannot_hold():
+    head, root, logits, g0, q = tree_setup()
+    with pytest.raises(ValueError, match=r"num_draft_tokens 12 outside \[2, 11\]"):
+        head.tree(root, logits, g0, q, 2, 3, 12)

@@ -152,6 +152,82 @@ def simulated_accept(m, mean_len, k, generator):
     return n.clamp(1, k + 1).round().long() - 1
 
 
+# ---------------------------------------------------------------------------------------------
+# Trees (draft.Tree, topk > 1): the verify mask and acceptance, as functions of tensors
+
+def tree_ancestors(parents):
+    """[B, N, N] bool: [b, i, a] when node a is node i or one of its ancestors. parents [B, N]
+    (-1 for the root, node 0); every parent precedes its children, so one pass in node order."""
+    B, N = parents.shape
+    anc = torch.eye(N, dtype=torch.bool, device=parents.device).expand(B, N, N).clone()
+    for i in range(1, N):
+        up = anc.gather(1, parents[:, i].view(B, 1, 1).expand(B, 1, N)).squeeze(1)   # [B, N]
+        anc[:, i] |= up
+    return anc
+
+
+def tree_visible(parents, start, kv_len):
+    """The tree's attention mask as data, [B, N, kv_len] bool: node i, written at slot
+    start + i (start [B]: the root's slot, the prefix length), sees the prefix (slots < start),
+    its ancestors' slots and its own; no sibling, no cousin, nothing past the tree."""
+    N = parents.shape[1]
+    rel = torch.arange(kv_len, device=parents.device) - start.unsqueeze(1)   # [B, S]: node of slot
+    in_tree = ((rel >= 0) & (rel < N)).unsqueeze(1)                           # [B, 1, S]
+    anc = tree_ancestors(parents)                                            # [B, N, N]
+    seen = anc.gather(2, rel.clamp(0, N - 1).unsqueeze(1).expand(-1, N, -1))  # [B, N, S]
+    return (rel < 0).unsqueeze(1) | (seen & in_tree)
+
+
+def tree_accept(logits, tree, max_depth, temperature, generator):
+    """Walk each row's tree from the root: at the current node, accept one of its children or
+    stop. logits [B, N, V]: the target's at the tree's nodes; tree: a draft.Tree; max_depth:
+    the tree's levels (num_steps). Greedy: the child whose token is the target's argmax there
+    (siblings' tokens are distinct, so at most one). Sampling: multi-candidate rejection
+    sampling with the drafts as point masses (SpecInfer, arXiv:2305.09781; SGLang's target-only
+    tree sampling): one uniform u per node, the children in node order accepted at the first
+    whose cumulative target probability exceeds u (child c with probability p(c)); with none,
+    the bonus token comes from p with every child's token removed, so each emitted token
+    follows the target's distribution exactly. Fixed shapes: max_depth steps for every row.
+    Returns m [B] (nodes accepted below the root), path [B, max_depth + 1] (the accepted nodes
+    by depth, root first; past m it repeats the last) and the target's own next token [B]."""
+    (B, N), tokens, parents = tree.tokens.shape, tree.tokens, tree.parents
+    if temperature == 0:
+        best = logits.argmax(-1)                                             # [B, N]
+    else:
+        p = torch.softmax(logits / temperature, -1)                          # [B, N, V]
+    cur = torch.zeros(B, dtype=torch.long, device=tokens.device)
+    walking, m, path = torch.ones_like(cur, dtype=torch.bool), torch.zeros_like(cur), [cur]
+    for _ in range(max_depth):
+        kids = parents == cur.unsqueeze(1)                                   # [B, N]
+        if temperature == 0:
+            hit = kids & (tokens == best.gather(1, cur.unsqueeze(1)))
+        else:
+            p_kid = node_rows(p, cur).gather(1, tokens) * kids               # [B, N]
+            u = torch.rand(B, 1, generator=generator, device=p.device, dtype=p.dtype)
+            hit = u < p_kid.cumsum(1)   # from the accepted child on (the sum grows only at kids)
+        walking = walking & hit.any(1)
+        cur = torch.where(walking, hit.long().argmax(1), cur)
+        m, path = m + walking, path + [cur]
+    if temperature == 0:
+        return m, torch.stack(path, 1), best.gather(1, cur.unsqueeze(1)).squeeze(1)
+    kids = (parents == cur.unsqueeze(1)).long()              # where the walk stopped: all rejected
+    p_cur = node_rows(p, cur)
+    rejected = torch.zeros_like(p_cur).scatter_add(1, tokens, kids.to(p_cur.dtype)) > 0   # [B, V]
+    return m, torch.stack(path, 1), exponential_race(p_cur.masked_fill(rejected, 0.0), generator)
+
+
+def node_rows(x, nodes):
+    """x [B, N, V] at one node per row, nodes [B] -> [B, V]."""
+    return x.gather(1, nodes.view(-1, 1, 1).expand(-1, 1, x.shape[-1])).squeeze(1)
+
+
+def tree_emitted(tree, path, m, bonus):
+    """[B, max_depth + 1]: the accepted nodes' tokens below the root, then the bonus token, then
+    junk (the chain's `emitted`, along the accepted path)."""
+    along = tree.tokens.gather(1, path[:, 1:])                              # [B, max_depth]
+    return torch.cat([along, along[:, :1]], 1).scatter(1, m.unsqueeze(1), bonus.unsqueeze(1))
+
+
 @dataclass
 class Rows:
     """The loop's per-row state, all on the device. `cur` is always prompt length - 1 + n_out."""
