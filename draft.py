@@ -191,7 +191,7 @@ class MidLayer(nn.Module):
                 visible=None):
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], -1)   # [B, T, 2D]
         attn = self.self_attn(x, positions, cos, sin, kv_len, past, slots, visible)
-        h = hidden + attn                                                          # residual = hidden
+        h = hidden + attn                                                # residual = hidden
         return h + self.mlp(self.post_attention_layernorm(h))                      # g, before the norm
 
 
