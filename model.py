@@ -444,18 +444,21 @@ class MLA(nn.Module):
             self.q_kv_a_weight = stack_rows(self.q_a_proj, self.kv_a_proj_with_mqa)
         return self
 
-    def forward(self, x, positions, rope, future, mode):
+    def forward(self, x, positions, rope, future, mode, slots=None):
         """future [B, T, S]: True where a slot lies after the query's position (not written yet,
         or a rejected draft's), so the query must not see it; S is the number of cache slots read.
-        mode "extend" or "decode": the attention path (attend_extend, attend_absorbed)."""
+        mode "extend" or "decode": the attention path (attend_extend, attend_absorbed).
+        slots None: the latents go to slot = position, and future is causal by position. slots
+        [B, T] (a draft tree's nodes, which share positions): they go there, and future is any
+        mask (Transformer.forward's `visible`), so the attention reads it and nothing else."""
         a, h = self.args, self.n_local_heads
         (B, T, _), kv_len = x.shape, future.shape[-1]
         q, kv_a = self.project(x)                                              # [B, T, h*(d+R)], [B, T, C+R]
         q_nope, q_pe = q.view(B, T, h, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
-        q_pe = self.write_cache(q_pe, kv_a, positions, rope)
+        q_pe = self.write_cache(q_pe, kv_a, positions if slots is None else slots, rope)
         kv_c, pe_c = self.kv_cache[:B, :kv_len], self.pe_cache[:B, :kv_len]     # [B, S, C], [B, S, R]
         attend = self.attend_extend if mode == "extend" else self.attend_absorbed
-        o = attend(q_nope, q_pe, kv_c, pe_c, positions, future)                # [B, T, H, d]
+        o = attend(q_nope, q_pe, kv_c, pe_c, positions if slots is None else None, future)   # [B, T, H, d]
         return self.output(o.flatten(2))
 
     def project(self, x):
@@ -468,18 +471,18 @@ class MLA(nn.Module):
         q = self.query(self.q_a_proj(x)) if a.q_lora_rank else self.q_proj(x)
         return q, self.kv_a_proj_with_mqa(x)
 
-    def write_cache(self, q_pe, kv_a, positions, rope):
-        """Write the new tokens' normalized latents and rotated rope keys at slot = position;
-        returns the rotated q_pe."""
+    def write_cache(self, q_pe, kv_a, slots, rope):
+        """Write the new tokens' normalized latents and rotated rope keys (rope: at their
+        positions) at `slots` (slot = position, but for a tree's nodes); returns the rotated q_pe."""
         a, B = self.args, kv_a.shape[0]
         kv, k_pe = kv_a.split([a.kv_lora_rank, a.qk_rope_head_dim], -1)            # [B, T, C], [B, T, R]
         if self.rope_cache_impl == "triton":  # the four lines below in one kernel
             norm = self.kv_a_layernorm
-            return triton_kernels.mla_rope_cache_write(q_pe, kv, k_pe, norm.weight, norm.eps, rope, positions,
+            return triton_kernels.mla_rope_cache_write(q_pe, kv, k_pe, norm.weight, norm.eps, rope, slots,
                                                        self.kv_cache, self.pe_cache)
         rows = torch.arange(B, device=kv_a.device).unsqueeze(1)
-        self.kv_cache[rows, positions] = self.kv_a_layernorm(kv)
-        self.pe_cache[rows, positions] = apply_rope(k_pe, rope)
+        self.kv_cache[rows, slots] = self.kv_a_layernorm(kv)
+        self.pe_cache[rows, slots] = apply_rope(k_pe, rope)
         return apply_rope(q_pe, rope)
 
     def kv_b_halves(self):
@@ -510,7 +513,7 @@ class MLA(nn.Module):
                 q_lat = triton_kernels.head_gemv(q_nope, w_uk.transpose(1, 2))
             else:
                 q_lat = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)           # [B, T, H, C]
-        if self.attn_impl == "triton":  # the same math in one pass over the used slots
+        if self.attn_impl == "triton" and positions is not None:  # the same math, causal by position
             o_lat = triton_kernels.mla_decode_attention(q_lat, q_pe, kv_c, pe_c, positions, a.softmax_scale)
         else:
             o_lat = absorbed_attention(q_lat, q_pe, kv_c, pe_c, future, a.softmax_scale)
@@ -872,12 +875,12 @@ class Block(nn.Module):
         else:
             self.mlp = MoE(args, tp, moe_impl, device, dtype)
 
-    def forward(self, x, positions, rope, future, mode):
+    def forward(self, x, positions, rope, future, mode, slots=None):
         """The residual stream x [B, T, D] after this layer: x + attention + MLP."""
-        x = x + self.self_attn(self.input_layernorm(x), positions, rope, future, mode)
+        x = x + self.self_attn(self.input_layernorm(x), positions, rope, future, mode, slots)
         return x + self.mlp(self.post_attention_layernorm(x))
 
-    def forward_fused(self, x, pending, positions, rope, future, mode):
+    def forward_fused(self, x, pending, positions, rope, future, mode, slots=None):
         """forward with each residual add fused into the RMSNorm that reads the sum
         (kernels.add_rmsnorm). pending: the previous layer's MLP output, not yet added to x (None:
         nothing pending). Returns (x after the attention add, this layer's MLP output): their sum is
@@ -888,7 +891,7 @@ class Block(nn.Module):
         else:
             with scope("elementwise"):
                 x, h = triton_kernels.add_rmsnorm(x, pending, norm.weight, norm.eps)
-        attn = self.self_attn(h, positions, rope, future, mode)
+        attn = self.self_attn(h, positions, rope, future, mode, slots)
         norm = self.post_attention_layernorm
         with scope("elementwise"):
             x, h = triton_kernels.add_rmsnorm(x, attn, norm.weight, norm.eps)
@@ -1024,23 +1027,32 @@ class Transformer(nn.Module):
     def dtype(self):
         return self.norm.weight.dtype
 
-    def forward(self, tokens, positions, mode="extend", capture_aux=False, kv_len=None):
+    def forward(self, tokens, positions, mode="extend", capture_aux=False, kv_len=None, slots=None,
+                visible=None):
         """tokens, positions: int64 [B, T]. Writes the KV cache at `positions`, then attends to
         slots <= position over the first kv_len slots (default: all). Returns a TargetOutput:
         logits [B, T, V] (float32, full vocabulary on every rank) and, with capture_aux, the
-        EAGLE-3 states aux [B, T, 3*D] (the chosen layers' outputs, low to high; else None)."""
+        EAGLE-3 states aux [B, T, 3*D] (the chosen layers' outputs, low to high; else None).
+        A draft tree (verify.py) passes both or neither of: slots [B, T], where to write instead
+        (its nodes share positions), and visible [B, T, kv_len] bool, the slots each token sees
+        instead (verify.tree_visible: the prefix, its ancestors and itself)."""
         if mode not in ("extend", "decode"):
             raise ValueError(f"mode must be 'extend' or 'decode', not {mode!r}")
+        if (slots is None) != (visible is None):
+            raise ValueError("slots and visible go together (a tree's cache slots and its mask)")
         kv_len = kv_len or self.max_seq_len
         x = self.embed_tokens(tokens)                                         # [B, T, D]
         rope = self.rope[positions]                                           # [B, T, R/2, 2]
-        future = torch.arange(kv_len, device=x.device) > positions.unsqueeze(-1)   # [B, T, S], once
+        if visible is None:
+            future = torch.arange(kv_len, device=x.device) > positions.unsqueeze(-1)   # [B, T, S], once
+        else:
+            future = ~visible
         captured, pending = {}, None  # pending: the last MLP output, not yet added to x (fused path)
         for i, layer in enumerate(self.layers):
             if self.fused_add_norm:  # the add waits for the next norm, which does both in one kernel
-                x, pending = layer.forward_fused(x, pending, positions, rope, future, mode)
+                x, pending = layer.forward_fused(x, pending, positions, rope, future, mode, slots)
             else:
-                x = layer(x, positions, rope, future, mode)
+                x = layer(x, positions, rope, future, mode, slots)
             if capture_aux and i in self.aux_layer_ids:
                 if pending is not None:  # an EAGLE-3 state is the layer's whole output: add it here
                     with scope("elementwise"):
@@ -1053,6 +1065,16 @@ class Transformer(nn.Module):
             with scope("elementwise"):
                 h = triton_kernels.add_rmsnorm(x, pending, self.norm.weight, self.norm.eps)[1]
         return TargetOutput(self.lm_head(h), aux)
+
+    def move_cache(self, src, dst):
+        """Copy every layer's cached latents at slots src [B, J] to slots dst [B, J], all reads
+        before any write: a tree's accepted path, verified at slots after the prefix in node
+        order, moved to slot = position (verify.py)."""
+        rows = torch.arange(src.shape[0], device=src.device).unsqueeze(1)
+        for layer in self.layers:
+            attn = layer.self_attn
+            attn.kv_cache[rows, dst] = attn.kv_cache[rows, src]
+            attn.pe_cache[rows, dst] = attn.pe_cache[rows, src]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -2289,7 +2289,7 @@ def test_gpu_kernels_in_captured_paths():
 # ---------------------------------------------------------------------------------------------
 # Draft trees (topk > 1): expansion, masks, acceptance
 
-from draft import Tree, select_tree  # noqa: E402
+from draft import Tree, select_tree, tree_capacity  # noqa: E402
 from verify import tree_accept, tree_ancestors, tree_emitted, tree_visible  # noqa: E402
 
 
@@ -2461,3 +2461,91 @@ def test_tree_refuses_sizes_it_cannot_hold():
     head, root, logits, g0, q = tree_setup()
     with pytest.raises(ValueError, match=r"num_draft_tokens 12 outside \[2, 11\]"):
         head.tree(root, logits, g0, q, 2, 3, 12)
+
+
+class PlantedTreeHead:
+    """Stands in for an Eagle3Draft in a tree: its extend_logits, and the head pass that the real
+    Eagle3Draft.tree (borrowed) makes over planted logits. Knows the target's greedy sequence
+    ref [B, L]. A node is on the right path when its parent is and its token is ref's at its
+    position (g[..., 0] carries that down the tree); such a node ranks the right next token at
+    rank_at(cycle, row, depth) among its children (>= K: not proposed), any other node ranks
+    junk. Runs eager (verify.tree_cycle never captures what is not an Eagle3Draft)."""
+    tree = Eagle3Draft.tree
+
+    def __init__(self, ref, vocab, rank_at):
+        self.ref, self.vocab, self.rank_at, self.calls = ref, vocab, rank_at, -1
+        self.d2t = torch.zeros(vocab, dtype=torch.long)
+
+    def planted(self, guess_at, on, depth):      # guess_at [B, T]: the position whose token to rank
+        B, T = guess_at.shape
+        right = self.ref.gather(1, guess_at.clamp(max=self.ref.shape[1] - 1))
+        rank = torch.tensor([[self.rank_at(self.calls, b, depth)] * T for b in range(B)])
+        c, r = torch.where(on, right, (right + 7) % self.vocab), torch.where(on, rank, 0)
+        # token c - r ranks first, c - r + 1 second, ...: c ranks r-th
+        return -((torch.arange(self.vocab) - c.unsqueeze(-1) + r.unsqueeze(-1)) % self.vocab).double()
+
+    def extend_logits(self, tokens, positions, target_states, last, kv_len=None):
+        self.calls += 1
+        self.q = positions.gather(1, last.unsqueeze(1))                     # [B, 1]
+        on = torch.ones_like(self.q, dtype=torch.bool)
+        return self.planted(self.q + 2, on, 0)[:, 0], torch.ones(len(last), 1, dtype=torch.float64)
+
+    def __call__(self, tokens, positions, hidden, kv_len=None, slots=None, visible=None):
+        """Pass j: positions q + j, reading the tokens at q + j + 1, guessing those at q + j + 2."""
+        on = (hidden[..., 0] > 0) & (tokens == self.ref.gather(1, (positions + 1).clamp(max=self.ref.shape[1] - 1)))
+        depth = int((positions - self.q)[0, 0])
+        return self.planted(positions + 2, on, depth), on.unsqueeze(-1).double()
+
+
+TREE_SIZES = [(K, S, N) for K in (2, 4) for S in (2, 3) for N in (4, 8)]
+
+
+def tree_lossless(seed, max_new=16):
+    """Greedy tree decoding against plain greedy for every (K, S, N) of TREE_SIZES that fits,
+    batch 2, both attention modes, a planted head that errs by plan (and, for one size, the
+    random head: Eagle3Draft's own passes inside the loop)."""
+    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=48, dtype=torch.float64), seed)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
+    prompts = [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26, 27, 28]]
+    plain = generate(target, None, prompts, max_new_tokens=max_new, eos_id=-1).tokens
+    ref = reference_sequences(prompts, plain, 48)
+    failures, seen = [], {}
+    for K, S, N in TREE_SIZES:
+        if N > tree_capacity(K, S):
+            continue
+        for mode in ("extend", "decode"):
+            # every third cycle of a row all right (rank 0 at every depth), else wrong somewhere
+            planted = PlantedTreeHead(ref, 256, lambda c, b, d, K=K: (c + b) % 3 and (c + b + d) % (K + 1))
+            proposers = [("planted", planted)] + [("eagle3", head)] * ((K, S, N) == (4, 3, 8))
+            for name, prop in proposers:
+                res = generate(target, prop, prompts, max_new_tokens=max_new, num_steps=S, attention_mode=mode,
+                               eos_id=-1, topk=K, num_draft_tokens=N)
+                if res.tokens != plain:
+                    failures.append((K, S, N, mode, name, plain, res.tokens))
+                seen[(K, S, N, mode, name)] = res.accepted[res.accepted >= 0].tolist()
+    return failures, seen
+
+
+def check_tree_lossless(failures, seen):
+    assert not failures, f"tree != plain greedy in {len(failures)} cases, first: {failures[0]}"
+    for (K, S, N, mode, name), accepted in seen.items():
+        if name == "planted":
+            assert max(accepted) == min(S, N - 1) and 0 in accepted, (K, S, N, mode, accepted)
+
+
+def test_tree_speculative_equals_plain_greedy_tp1():
+    check_tree_lossless(*tree_lossless(seed=21))
+
+
+def test_tree_with_topk_1_equals_the_chain_cycle_by_cycle():
+    """The trained pair (so drafts are accepted), K = 1 through the tree path against the chain:
+    the same drafts, accepted counts and tokens, each cycle."""
+    target, head = train.load_pair(max_batch_size=2, max_seq_len=96, dtype=torch.float64)
+    prompts = [p[:n] for p, n in zip(train.heldout_prompts(2, 32), (32, 17))]
+    for S in (1, 3):
+        chain = generate(target, head, prompts, max_new_tokens=24, num_steps=S, eos_id=-1)
+        tree = generate(target, head, prompts, max_new_tokens=24, num_steps=S, eos_id=-1, topk=1)
+        assert tree.tokens == chain.tokens and torch.equal(tree.accepted, chain.accepted)
+        assert torch.equal(tree.drafts, chain.drafts) and chain.accepted.max() > 0
+        live = (chain.accepted >= 0).unsqueeze(-1)
+        assert torch.equal(tree.parents, torch.arange(S).expand_as(tree.parents).where(live, -1))

@@ -24,7 +24,7 @@ from functools import partial
 
 import torch
 
-from draft import Eagle3Draft
+from draft import Eagle3Draft, check_tree
 from graphs import CudaGraphs
 from model import eos_union
 
@@ -38,7 +38,10 @@ class GenerateResult:
     cycles: int
     simulated: bool       # acceptance forced by simulate_accept_len: the tokens are not the model's
     drafts: torch.Tensor | None = None  # [cycles, B, k] the ids each cycle verified, -1 once a row
-                                        # finished (None for plain decoding)
+                                        # finished (None for plain decoding); a tree: its N - 1
+                                        # nodes below the root, in node order
+    parents: torch.Tensor | None = None  # a tree: [cycles, B, N - 1] each node's parent (0: the
+                                         # root, i: drafts[..., i - 1]); -1 once a row finished
 
 
 def pad_prompts(prompts, device):
@@ -101,17 +104,19 @@ def prefill_target(target, tokens, last, capture_aux, chunk=PREFILL_CHUNK):
     return out_logits, torch.cat(auxes, 1) if capture_aux else None
 
 
-def prefill_draft(draft, tokens, aux, last, chunk=PREFILL_CHUNK):
-    """Eagle3Draft.extend over all prompt rows [B, P] in chunks (exact, as `prefill_target`). Returns
-    d_1 [B] and g [B, D] of each row's row `last`."""
+def prefill_draft(draft, tokens, aux, last, chunk=PREFILL_CHUNK, extend=None):
+    """Eagle3Draft.extend (or `extend`: its extend_logits, for a tree) over all prompt rows
+    [B, P] in chunks (exact, as `prefill_target`). Returns d_1 [B] (or the logits [B, Vd]) and
+    g [B, D] of each row's row `last`."""
     B, P = tokens.shape
+    extend = extend or draft.extend
     first = g = None
     for s in range(0, P, chunk):
         e = min(P, s + chunk)
         positions = torch.arange(s, e, device=tokens.device).expand(B, e - s)
-        f, h = draft.extend(tokens[:, s:e], positions, aux[:, s:e], (last - s).clamp(0, e - s - 1), kv_len=e)
+        f, h = extend(tokens[:, s:e], positions, aux[:, s:e], (last - s).clamp(0, e - s - 1), kv_len=e)
         here = (last >= s) & (last < e)                                           # [B]
-        first = f if first is None else torch.where(here, f, first)
+        first = f if first is None else torch.where(here.view(-1, *[1] * (f.dim() - 1)), f, first)
         g = h if g is None else torch.where(here.unsqueeze(1), h, g)
     return first, g
 
@@ -265,10 +270,11 @@ def commit(rows, emitted, m, eos, max_new_tokens):
     rows.done = rows.done | hit_eos | (rows.n_out >= max_new_tokens)
 
 
-def prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, generator, eos):
+def prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, generator, eos, tree=None):
     """The prompts through the target (eager: the shape changes with the prompt) and the first
     token committed; with a draft head, its extend over the prompts and the first k drafts.
-    Returns the Rows and the drafts [B, k] (None for plain decoding)."""
+    Returns the Rows and the drafts [B, k] (None for plain decoding). tree: (K, S, N) to draft
+    a tree instead (a draft.Tree is returned); k is then its deepest accepted path, min(S, N - 1)."""
     B, P = tokens.shape
     last = lens - 1                                            # each prompt's last position
     logits, aux = prefill_target(target, tokens, last, capture_aux=draft is not None)
@@ -280,6 +286,11 @@ def prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, generat
         return rows, None
     # the head reads token t+1 on row t: shift the prompt left, put x at the last row
     shifted = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).scatter(1, last.unsqueeze(1), rows.x.unsqueeze(1))
+    if tree is not None:
+        K, S, N = tree
+        kv_draft = kv_bucket(P + (S - 1) * K, target.max_seq_len)
+        logits, g = prefill_draft(draft, shifted, aux, last, extend=draft.extend_logits)
+        return rows, draft.tree(rows.x, logits, g, last, K, S, N, kv_len=kv_draft)
     first, g = prefill_draft(draft, shifted, aux, last)
     return rows, draft.chain(first, g, last, k, kv_len=kv_bucket(P + k, target.max_seq_len))
 
@@ -319,59 +330,139 @@ def speculative_cycle(target, draft, run, rows, pos, kv, kv_draft, drafts, mode,
     return m, emitted, drafts
 
 
+def tree_cycle(target, draft, run, rows, kv, kv_draft, tree, sizes, mode, temperature, generator,
+               simulate_accept_len, mark):
+    """speculative_cycle for a draft tree (sizes: K, S, N): the target verifies the tree's N
+    nodes, x at the root, at positions cur + depth, writing them at the slots cur .. cur + N - 1
+    in node order, each seeing the prefix, its ancestors and itself (tree_visible); acceptance
+    walks the tree (tree_accept); the accepted path's latents move to slot = position
+    (Transformer.move_cache); the head extends over the path with the target's states there
+    (writing its own cache at slot = position, so the head needs no move) and drafts the next
+    tree. Returns m [B], emitted [B, D + 1] (D = min(S, N - 1)) and the next tree."""
+    (K, S, N), B = sizes, rows.cur.shape[0]
+    D, start = min(S, N - 1), rows.cur.unsqueeze(1)
+    tree = tree._replace(tokens=torch.cat([rows.x.unsqueeze(1), tree.tokens[:, 1:]], 1))
+    visible = tree_visible(tree.parents, rows.cur, kv)                        # [B, N, kv]
+    slots = start + torch.arange(N, device=start.device)
+    logits, aux = run(("verify_tree", mode, B, N, kv), partial(tree_forward, target, mode=mode, kv_len=kv),
+                      tree.tokens, start + tree.depths, slots, visible)
+    mark("verify")
+    if simulate_accept_len is None:
+        m, path, bonus = tree_accept(logits, tree, D, temperature, generator)
+    else:
+        m, path, bonus = simulated_tree_accept(logits, tree, D, simulate_accept_len, generator)
+    along = start + rows.offsets[:D + 1]                                     # [B, D + 1]: the path's positions
+    target.move_cache(start + path, along)
+    emitted = tree_emitted(tree, path, m, bonus)
+    mark("accept")
+    if not isinstance(draft, Eagle3Draft):  # a planted proposer (tests) keeps Python state: never captured
+        run = eager
+    aux = aux.gather(1, path.unsqueeze(2).expand(-1, -1, aux.shape[-1]))      # [B, D + 1, 3 Dt]
+    first, g = run(("draft_extend_logits", B, D + 1, kv_draft), partial(draft.extend_logits, kv_len=kv_draft),
+                   emitted, along, aux, m)
+    mark("draft_extend")
+    tree = run(("draft_tree", B, K, S, N, kv_draft), partial(draft.tree, topk=K, num_steps=S, num_nodes=N,
+                                                           kv_len=kv_draft), bonus, first, g, rows.cur + m)
+    mark("draft")
+    return m, emitted, tree
+
+
+def tree_forward(target, tokens, positions, slots, visible, mode, kv_len):
+    """The target's forward over a tree's nodes, its tensors positional (a graph's inputs)."""
+    return target(tokens, positions, mode, capture_aux=True, kv_len=kv_len, slots=slots, visible=visible)
+
+
+def simulated_tree_accept(logits, tree, max_depth, mean_len, generator):
+    """simulated_accept for a tree (SIMULATED): an accepted length drawn as there, taken along
+    the first child of each node (as far as the tree goes), and the target's argmax after it."""
+    m_sim = simulated_accept(tree.tokens[:, 0], mean_len, max_depth, generator)
+    cur = torch.zeros_like(m_sim)
+    m, path = torch.zeros_like(m_sim), [cur]
+    for d in range(max_depth):
+        kids = tree.parents == cur.unsqueeze(1)
+        go = kids.any(1) & (d < m_sim)
+        cur = torch.where(go, kids.long().argmax(1), cur)
+        m, path = m + go, path + [cur]
+    return m, torch.stack(path, 1), logits.argmax(-1).gather(1, cur.unsqueeze(1)).squeeze(1)
+
+
 @torch.no_grad()
 def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_mode="extend",
              use_graphs=False, temperature=0.0, seed=0, eos_id=None, graphs=None,
-             simulate_accept_len=None, timer=None):
+             simulate_accept_len=None, timer=None, topk=None, num_draft_tokens=None):
     """Speculative decoding with `draft` (an Eagle3Draft, or any object with its `extend` and
     `chain`: the tests plant one, run eager), or plain decoding when draft is None. Prefill runs
     eager; with use_graphs the decode step, the verify step and an Eagle3Draft's extend and chain
     replay CUDA graphs.
+    topk: draft a tree instead of the chain (SGLang's --speculative-eagle-topk; any K >= 1, so
+    K = 1 runs the tree path too), num_steps levels deep, of num_draft_tokens nodes (N, the root
+    included; default num_steps + 1): draft.Eagle3Draft.tree, tree_cycle.
     eos_id: an id or a list of ids that end a row (default: every EOS id the checkpoint declares;
     -1: none).
     Every rank draws from the same seeded generator, so all ranks agree.
     timer: an object whose mark(name) is called at the end of each phase of each cycle
     ("start", "verify", "accept", "draft_extend", "draft", "commit"; plain: "start", "decode",
     "commit"): run.py records device events there."""
+    mode, sizes, k = check_generate(draft, attention_mode, num_steps, simulate_accept_len, topk, num_draft_tokens)
+    device = target.device
+    eos = torch.tensor(eos_union(target.args.eos_token_ids if eos_id is None else eos_id), dtype=torch.int64,
+                       device=device)                                           # [E]
+    tokens, lens = pad_prompts(prompts, device)
+    # slots past the output: verify writes `width` from the newest token; the draft's scratch
+    # (chain steps, tree passes) lies up to `scratch` past the last accepted one
+    width, scratch = (sizes[2], (num_steps - 1) * sizes[0]) if sizes else (k + 1, k - 1)
+    check_request(target, tokens, lens, max_new_tokens, max(width, k + scratch - 1))
+    gen = torch.Generator(device).manual_seed(seed)
+    runner = graphs or (CudaGraphs(device) if use_graphs else None)
+    run = runner.run if runner else eager
+    mark = timer.mark if timer is not None else (lambda name: None)
+    rows, drafts = prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, gen, eos, sizes)
+    # host-side bounds, no device read: reach > every slot the next verify (or decode) writes;
+    # no row ever writes at or past limit (a live row's cur < P + max_new_tokens - 1, a finished one stays)
+    reach, limit = tokens.shape[1] + width, tokens.shape[1] + max_new_tokens + width - 1
+    accepted, proposed = [], []
+    while not bool(rows.done.all()):  # HOST READ: the loop's one device->host sync per cycle
+        mark("start")
+        pos = rows.cur.unsqueeze(1) + rows.offsets                                # [B, k+1]
+        kv = kv_bucket(min(reach, limit), target.max_seq_len)          # verify (or decode) writes below it
+        kv_draft = kv_bucket(min(reach, limit) + scratch + 1, target.max_seq_len)   # the draft's scratch too
+        reach += k + 1
+        if draft is None:
+            m, emitted = decode_cycle(target, run, rows, pos, kv, temperature, gen, mark)
+        elif sizes is None:
+            proposed.append(drafts)  # kept on the device, stacked after the loop
+            m, emitted, drafts = speculative_cycle(target, draft, run, rows, pos, kv, kv_draft, drafts, mode,
+                                                   temperature, gen, simulate_accept_len, mark)
+        else:
+            proposed.append((drafts.tokens[:, 1:], drafts.parents[:, 1:]))
+            m, emitted, drafts = tree_cycle(target, draft, run, rows, kv, kv_draft, drafts, sizes, mode,
+                                            temperature, gen, simulate_accept_len, mark)
+        accepted.append(m.masked_fill(rows.done, -1))
+        commit(rows, emitted, m, eos, max_new_tokens)
+        mark("commit")
+    return result(rows, accepted, proposed if draft is not None else None, width - 1,
+                  simulate_accept_len is not None)
+
+
+def check_generate(draft, attention_mode, num_steps, simulate_accept_len, topk, num_draft_tokens):
+    """generate's arguments checked; returns the attention mode in the model's words, the tree's
+    sizes (K, S, N) or None, and k: the most drafts a cycle can accept (0 for plain decoding)."""
     mode = ATTENTION_MODES.get(attention_mode, attention_mode)
     if mode not in ("extend", "decode"):
         raise ValueError(f"attention_mode must be 'extend' or 'decode' (or SGLang's 'prefill' for extend), "
                          f"not {attention_mode!r}")
     if draft is not None and num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, not {num_steps}")
-    if simulate_accept_len is not None and not 1 <= simulate_accept_len <= num_steps + 1:
-        raise ValueError(f"simulate_accept_len must lie in [1, num_steps + 1], not {simulate_accept_len}")
-    device, k = target.device, num_steps if draft is not None else 0
-    eos = torch.tensor(eos_union(target.args.eos_token_ids if eos_id is None else eos_id), dtype=torch.int64,
-                       device=device)                                           # [E]
-    tokens, lens = pad_prompts(prompts, device)
-    # slots past the output: verify writes k+1 from the newest token; the draft chain, k-1 past those
-    check_request(target, tokens, lens, max_new_tokens, max(k + 1, 2 * k - 2))
-    gen = torch.Generator(device).manual_seed(seed)
-    runner = graphs or (CudaGraphs(device) if use_graphs else None)
-    run = runner.run if runner else eager
-    mark = timer.mark if timer is not None else (lambda name: None)
-    rows, drafts = prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, gen, eos)
-    # host-side bounds, no device read: reach > every position the next verify (or decode) writes;
-    # no row ever writes at or past limit (a live row's cur < P + max_new_tokens - 1, a finished one stays)
-    reach, limit = tokens.shape[1] + k + 1, tokens.shape[1] + max_new_tokens + k
-    accepted, proposed = [], []
-    while not bool(rows.done.all()):  # HOST READ: the loop's one device->host sync per cycle
-        mark("start")
-        pos = rows.cur.unsqueeze(1) + rows.offsets                                # [B, k+1]
-        kv = kv_bucket(min(reach, limit), target.max_seq_len)          # verify (or decode) writes below it
-        kv_draft = kv_bucket(min(reach, limit) + k, target.max_seq_len)  # the draft chain: up to k - 1 further
-        reach += k + 1
-        if draft is None:
-            m, emitted = decode_cycle(target, run, rows, pos, kv, temperature, gen, mark)
-        else:
-            proposed.append(drafts)  # kept on the device, stacked after the loop
-            m, emitted, drafts = speculative_cycle(target, draft, run, rows, pos, kv, kv_draft, drafts, mode,
-                                                   temperature, gen, simulate_accept_len, mark)
-        accepted.append(m.masked_fill(rows.done, -1))
-        commit(rows, emitted, m, eos, max_new_tokens)
-        mark("commit")
-    return result(rows, accepted, proposed if draft is not None else None, k, simulate_accept_len is not None)
+    sizes = None
+    if draft is not None and topk is not None:
+        sizes = (topk, num_steps, num_draft_tokens or num_steps + 1)
+        check_tree(*sizes)
+    k = 0 if draft is None else min(num_steps, sizes[2] - 1) if sizes else num_steps
+    most = k if draft is not None else num_steps
+    if simulate_accept_len is not None and not 1 <= simulate_accept_len <= most + 1:
+        raise ValueError(f"simulate_accept_len must lie in [1, {most + 1}] (the deepest accepted path "
+                         f"+ 1), not {simulate_accept_len}")
+    return mode, sizes, k
 
 
 def eager(key, fn, *inputs):
@@ -379,13 +470,18 @@ def eager(key, fn, *inputs):
     return fn(*inputs)
 
 
-def result(rows, accepted, proposed, k, simulated):
-    """The GenerateResult, read back once after the loop."""
+def result(rows, accepted, proposed, columns, simulated):
+    """The GenerateResult, read back once after the loop. columns: the drafts a cycle proposes."""
     B = rows.out.shape[0]
     stats = torch.stack(accepted).cpu() if accepted else torch.zeros(0, B, dtype=torch.int64)
-    drafted = None
-    if proposed is not None:
-        drafted = torch.stack(proposed).cpu() if proposed else torch.zeros(0, B, k, dtype=torch.int64)
-        drafted = drafted.masked_fill((stats < 0).unsqueeze(-1), -1)
+    finished = (stats < 0).unsqueeze(-1)
+    drafted = parents = None
+    if proposed:
+        if isinstance(proposed[0], tuple):   # a tree: its tokens and parents below the root
+            parents = torch.stack([p for _, p in proposed]).cpu().masked_fill(finished, -1)
+            proposed = [t for t, _ in proposed]
+        drafted = torch.stack(proposed).cpu().masked_fill(finished, -1)
+    elif proposed is not None:
+        drafted = torch.zeros(0, B, columns, dtype=torch.int64)
     tokens = [row[:n] for row, n in zip(rows.out.tolist(), rows.n_out.tolist())]
-    return GenerateResult(tokens, stats, len(accepted), simulated, drafted)
+    return GenerateResult(tokens, stats, len(accepted), simulated, drafted, parents)
