@@ -2549,3 +2549,56 @@ def test_tree_with_topk_1_equals_the_chain_cycle_by_cycle():
         assert torch.equal(tree.drafts, chain.drafts) and chain.accepted.max() > 0
         live = (chain.accepted >= 0).unsqueeze(-1)
         assert torch.equal(tree.parents, torch.arange(S).expand_as(tree.parents).where(live, -1))
+
+
+def tree_logits_and_paths(target, tree, P, mode):
+    """The target's logits over a tree verified after a P-token prefix (slots P.. in node order),
+    and, per row and node, its logits when only its own path is run (slot = position)."""
+    B, N = tree.tokens.shape
+    g = torch.Generator().manual_seed(3)
+    target(torch.randint(0, 256, (B, P), generator=g), torch.arange(P).expand(B, P))
+    start = torch.full((B,), P)
+    slots = start.unsqueeze(1) + torch.arange(N)
+    out = target(tree.tokens, P + tree.depths, mode, kv_len=P + N, slots=slots,
+                 visible=tree_visible(tree.parents, start, P + N)).logits
+    anc = tree_ancestors(tree.parents)
+    alone = torch.empty_like(out)
+    for i in range(N):
+        for b in range(B):
+            path = anc[b, i].nonzero().squeeze(1)                 # ancestors and i, in node order
+            rows = tree.tokens[b, path].expand(B, -1)
+            alone[b, i] = target(rows, (P + torch.arange(len(path))).expand(B, -1), mode).logits[b, -1]
+    return out, alone
+
+
+@pytest.mark.parametrize("mode", ["extend", "decode"])
+def test_tree_verify_sees_only_prefix_and_ancestors(mode):
+    """Each node's logits from one forward over the whole tree equal its logits when its own path
+    runs alone: nothing of a sibling's or a cousin's latent (written at the slots beside it) leaks
+    in; and changing every node that is not node i's ancestor leaves node i's logits as they were."""
+    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=32, dtype=torch.float64), 4)
+    tree = random_tree(2, 7, 256, torch.Generator().manual_seed(5))
+    out, alone = tree_logits_and_paths(target, tree, 9, mode)
+    assert_close(out, alone, 1e-10, f"{mode}: tree forward vs each path alone")
+    anc = tree_ancestors(tree.parents)
+    for i in (3, 6):
+        planted = tree._replace(tokens=torch.where(anc[:, i], tree.tokens, (tree.tokens + 100) % 256))
+        again = target(planted.tokens, 9 + tree.depths, mode, kv_len=16, slots=9 + torch.arange(7).expand(2, 7),
+                       visible=tree_visible(tree.parents, torch.full((2,), 9), 16)).logits
+        assert_close(again[:, i], out[:, i], 1e-10, f"{mode}: node {i} after its non-ancestors changed")
+
+
+@triton_ok
+def test_tree_verify_with_kernels_equals_plain():
+    """The Triton decode attention cannot mask a tree, so a tree's forward takes the plain
+    attention there; the rope/cache kernel writes at the tree's slots. Equal to the plain model."""
+    plain = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=32, dtype=torch.float32), 4)
+    fast = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=32, dtype=torch.float32), 4)
+    fast.use_kernels(["attention", "rope_cache"])
+    tree = random_tree(2, 7, 256, torch.Generator().manual_seed(5))
+    for m in (plain, fast):
+        m(torch.arange(9).expand(2, 9) + 1, torch.arange(9).expand(2, 9))
+    kw = dict(kv_len=16, slots=9 + torch.arange(7).expand(2, 7), visible=tree_visible(tree.parents, torch.full((2,), 9), 16))
+    a = plain(tree.tokens, 9 + tree.depths, "decode", **kw).logits
+    b = fast(tree.tokens, 9 + tree.depths, "decode", **kw).logits
+    assert_close(a, b, 1e-4, "tree verify, kernels on vs plain")
