@@ -2500,7 +2500,7 @@ class PlantedTreeHead:
 TREE_SIZES = [(K, S, N) for K in (2, 4) for S in (2, 3) for N in (4, 8)]
 
 
-def tree_lossless(seed, max_new=16):
+def tree_lossless(seed, max_new=16, sizes=TREE_SIZES):
     """Greedy tree decoding against plain greedy for every (K, S, N) of TREE_SIZES that fits,
     batch 2, both attention modes, a planted head that errs by plan (and, for one size, the
     random head: Eagle3Draft's own passes inside the loop)."""
@@ -2510,7 +2510,7 @@ def tree_lossless(seed, max_new=16):
     plain = generate(target, None, prompts, max_new_tokens=max_new, eos_id=-1).tokens
     ref = reference_sequences(prompts, plain, 48)
     failures, seen = [], {}
-    for K, S, N in TREE_SIZES:
+    for K, S, N in sizes:
         if N > tree_capacity(K, S):
             continue
         for mode in ("extend", "decode"):
@@ -2602,3 +2602,25 @@ def test_tree_verify_with_kernels_equals_plain():
     a = plain(tree.tokens, 9 + tree.depths, "decode", **kw).logits
     b = fast(tree.tokens, 9 + tree.depths, "decode", **kw).logits
     assert_close(a, b, 1e-4, "tree verify, kernels on vs plain")
+
+
+def _tree_lossless_worker(seed):
+    return tree_lossless(seed, max_new=12, sizes=[(2, 3, 4)])
+
+
+def test_tree_speculative_equals_plain_greedy_tp2():
+    check_tree_lossless(*run_ranks(2, _tree_lossless_worker, 21))
+
+
+def test_tree_sampling_and_simulated_generate_run_and_are_seeded():
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=48, dtype=torch.float32), 3)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 4)
+    kw = dict(max_new_tokens=10, num_steps=3, topk=2, num_draft_tokens=6, eos_id=-1)
+    a = generate(target, head, PROMPTS[3], temperature=0.8, seed=5, **kw)
+    b = generate(target, head, PROMPTS[3], temperature=0.8, seed=5, **kw)
+    assert a.tokens == b.tokens and all(len(t) == 10 for t in a.tokens)
+    assert a.drafts.shape[1:] == (3, 5) and a.parents.shape == a.drafts.shape
+    sim = generate(target, head, PROMPTS[3], simulate_accept_len=3.0, **kw)
+    assert sim.simulated and sim.accepted[sim.accepted >= 0].float().mean() > 1
+    with pytest.raises(ValueError, match=r"simulate_accept_len must lie in \[1, 4\]"):
+        generate(target, head, PROMPTS[3], simulate_accept_len=4.5, **kw)

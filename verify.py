@@ -374,14 +374,18 @@ def tree_forward(target, tokens, positions, slots, visible, mode, kv_len):
 
 def simulated_tree_accept(logits, tree, max_depth, mean_len, generator):
     """simulated_accept for a tree (SIMULATED): an accepted length drawn as there, taken along
-    the first child of each node (as far as the tree goes), and the target's argmax after it."""
+    the tree's deepest branch (at each node the child with the deepest descendant; as far as the
+    tree goes), and the target's argmax after it. (SGLang's SGLANG_SIMULATE_ACC_LEN takes the
+    first nodes in node order, whatever the tree.)"""
     m_sim = simulated_accept(tree.tokens[:, 0], mean_len, max_depth, generator)
+    anc = tree_ancestors(tree.parents)                                       # [B, j, i]: i above j
+    deepest = (anc * tree.depths.unsqueeze(2)).amax(1)                       # [B, N]: below node i
     cur = torch.zeros_like(m_sim)
     m, path = torch.zeros_like(m_sim), [cur]
     for d in range(max_depth):
         kids = tree.parents == cur.unsqueeze(1)
         go = kids.any(1) & (d < m_sim)
-        cur = torch.where(go, kids.long().argmax(1), cur)
+        cur = torch.where(go, (deepest + 1).masked_fill(~kids, 0).argmax(1), cur)
         m, path = m + go, path + [cur]
     return m, torch.stack(path, 1), logits.argmax(-1).gather(1, cur.unsqueeze(1)).squeeze(1)
 
