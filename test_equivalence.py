@@ -370,6 +370,36 @@ def test_save_load_round_trip_is_exact(tiny_ckpt):
     assert torch.equal(run_steps(loaded), run_steps(m))
 
 
+def assert_same_parameters(got, want, what):
+    names = [n for n, _ in want.named_parameters()]
+    assert [n for n, _ in got.named_parameters()] == names, what
+    for (name, a), (_, b) in zip(got.named_parameters(), want.named_parameters()):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (what, name)
+
+
+@pytest.mark.parametrize("quant", [None, "int4", "fp8"])
+def test_saved_pair_loads_as_each_ranks_slices(quant, tmp_path):
+    """save_target / save_draft at TP 1, then load_target / load_draft at TP 1 and on each rank of
+    TP 2: every rank holds exactly the parameters the seeded init gives that rank (the init is
+    the same model at any TP), plain, with INT4 experts (kept packed) and FP8 experts (kept FP8,
+    in 16 x 24 blocks, so a rank's slice starts inside a block)."""
+    qc = {None: None, "int4": "int4", "fp8": model.fp8_quantization_config((16, 24))}[quant]
+    args = tiny(moe_intermediate_size=64, quantization_config=qc)
+
+    def pair(tp_):
+        target = init_random(Transformer(args, 2, 16, dtype=torch.float32, tp=tp_), 11)
+        return target, init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 12)
+    target, head = pair(None)
+    save_target(target, tmp_path / "target", max_shard_bytes=100_000)
+    save_draft(head, tmp_path / "draft")
+    for tp_ in (TP(0, 1), TP(0, 2), TP(1, 2)):
+        where = f"{quant or 'plain'}, rank {tp_.rank} of TP {tp_.world_size}"
+        want_target, want_head = pair(tp_)
+        got_target = load_target(tmp_path / "target", 2, 16, dtype=torch.float32, tp=tp_)
+        assert_same_parameters(got_target, want_target, f"target, {where}")
+        assert_same_parameters(load_draft(tmp_path / "draft", got_target), want_head, f"draft, {where}")
+
+
 MEMORY_PROBE = r"""
 import sys, threading, time, torch
 sys.path.insert(0, sys.argv[2])
