@@ -153,8 +153,8 @@ def make_parser():
                    "loops (the cost model then takes the isolated decode step as the plain step)")
     p.add_argument("--allreduce-us", type=float, metavar="X", help="for a SIMULATED rank, which skips its "
                    "collectives: add 2 x layers all-reduces of X microseconds to each forward in the predictions, "
-                   "labelled MODELLED (a torchrun run prints the X it measured between compute in a CUDA graph; "
-                   "~35 over PCIe at TP 8)")
+                   "labelled MODELLED (a torchrun run prints the X it measured between compute in a CUDA graph: "
+                   "~11 with NCCL, ~7 one-shot at TP 2 on H200 NVLink; ~35 over PCIe at TP 8)")
     p.add_argument("--allreduce", choices=tpm.ALLREDUCES, default="nccl", help="real TP (torchrun) on CUDA GPUs: "
                    "NCCL's all-reduce, or one-shot: each rank reads its peers' rows from torch's symmetric memory "
                    "and sums them, for messages up to 1 MB (decode, verify; NCCL above) (default %(default)s)")
@@ -1223,6 +1223,7 @@ def collectives(b, r):
         alone = b.timed(("gemv_short", 1), partial(gemvs, reduce=False, w=short), x, graph=True)
         us["interleaved_short_gemv/1"] = (both - alone) * 1e3 / n
         out.update(twin_phases(b, r, n))
+    out["for_simulated_rank_us"] = us.get("interleaved/1")  # what --allreduce-us should get
     return out
 
 
@@ -1538,8 +1539,9 @@ def print_allreduce(comm, b):
         print(f"  interleaved = each after a {comm['gemv_MB']:.3g} MB GEMV (as long as this decode step's compute "
               f"between two all-reduces), minus the GEMVs alone; after one 8x shorter: "
               f"{us['interleaved_short_gemv/1']:.1f} (1 token)")
-        print(f"measured inside this step: {us['interleaved/1']:.1f} us per all-reduce of one token's hidden row, "
-              f"{us[f'interleaved/{k1}']:.1f} of {k1} (give it to a simulated rank as --allreduce-us)")
+        print(f"measured between compute: {us['interleaved/1']:.1f} us per all-reduce of one token's hidden row: "
+              f"give it to a simulated rank as --allreduce-us, for the decode step and the verify of {k1} alike "
+              f"(on 2 H200s it predicted both within 1%; BENCHMARKS.md)")
     twin = comm.get("real_minus_twin_us")
     if twin:
         print("real minus its SIMULATED twin (this rank's weights, collectives skipped), per all-reduce of "
