@@ -44,6 +44,7 @@ Exit status: 0 done; 1 --compare found a difference past its thresholds; 2 the i
 (a flag, a file, a checkpoint), said in one line on stderr.
 """
 import argparse
+import dataclasses
 import json
 import math
 import os
@@ -57,6 +58,7 @@ from functools import partial
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn.functional as F
 from tqdm import tqdm
 
 import checkpoint
@@ -152,8 +154,11 @@ def make_parser():
                    "loops (the cost model then takes the isolated decode step as the plain step)")
     p.add_argument("--allreduce-us", type=float, metavar="X", help="for a SIMULATED rank, which skips its "
                    "collectives: add 2 x layers all-reduces of X microseconds to each forward in the predictions, "
-                   "labelled MODELLED (~15-20 on NVLink, ~35 over PCIe at TP 8; a torchrun run prints the X it "
-                   "measured in a CUDA graph)")
+                   "labelled MODELLED (a torchrun run prints the X it measured between compute in a CUDA graph: "
+                   "~11 with NCCL, ~7 one-shot at TP 2 on H200 NVLink; ~35 over PCIe at TP 8)")
+    p.add_argument("--allreduce", choices=tpm.ALLREDUCES, default="nccl", help="real TP (torchrun) on CUDA GPUs: "
+                   "NCCL's all-reduce, or one-shot: each rank reads its peers' rows from torch's symmetric memory "
+                   "and sums them, for messages up to 1 MB (decode, verify; NCCL above) (default %(default)s)")
     p.add_argument("--json", help="also write the final JSON line here")
     b = p.add_argument_group("correctness baseline (README: Checking an engine against this reference)")
     b.add_argument("--dump", metavar="PATH", help="write greedy output and top-K log-probabilities of the "
@@ -305,7 +310,7 @@ def check_device_flags(args, device):
 
 def build(args, device, dtype, world):
     """The target and the head, loaded or random. Returns (target, head, description)."""
-    tp = tpm.TP.simulate(args.simulate_tp) if args.simulate_tp > 1 else tpm.TP.from_env()
+    tp = tpm.TP.simulate(args.simulate_tp) if args.simulate_tp > 1 else tpm.TP.from_env(args.allreduce)
     k = args.speculative_num_steps
     sweep = 6  # the isolated phases write up to 6 tokens after the longest context
     max_seq_len = max(args.prompt_len + args.max_new_tokens, max(args.context_len) + sweep) + 2 * k + 2
@@ -1177,22 +1182,73 @@ def end_to_end(b):
     return e2e, agreement if same_model else None
 
 
-def collectives(b):
-    """Real TP only: the 2 x layers all-reduces of one forward at its message sizes, as eager
-    launches (host latency included) and captured back to back in a graph, as inside a captured
-    step (the replay also copies the input in and the output out, a few KB)."""
-    comm, n, B = {}, 2 * b.target.args.num_hidden_layers, b.args.batch_size
+def collectives(b, r):
+    """Real TP only: what one all-reduce of T tokens' hidden rows costs, in us, by T, three ways:
+    interleaved, the figure that predicts a real step: n = 2 x layers all-reduces in one CUDA graph,
+    each of the output of a GEMV as long as the compute between two all-reduces of this run's
+    decode step (its time / n, at the copy bandwidth), minus the same graph without them; back to
+    back: n in a row in a graph (each then pays its whole latency, which compute otherwise hides
+    in part); eager: separate launches, host included. Then the simulated twin (twin_phases)."""
+    t, n, B = b.target, 2 * b.target.args.num_hidden_layers, b.args.batch_size
+    D, variant = t.args.hidden_size, b.best[0]
+    gap_ms = r["phases_ms"][f"decode_step/{variant}"] / n
+    cols = max(D, round(gap_ms * 1e-3 * (r["bandwidth_GBps"] or 0) * 1e9 / (D * t.dtype.itemsize)))
+    w = torch.randn(D, cols, device=t.device).to(t.dtype) / cols ** 0.5
+    out = dict(us_each={}, gemv_MB=w.numel() * w.element_size() / 1e6, per_forward=n,
+               implementation=t.tp.describe())
 
-    def all_reduces(buf):
+    def gemvs(x, reduce, w=w):
         for _ in range(n):
-            dist.all_reduce(buf)
+            y = F.linear(x, w)  # [B T, D], as a row-parallel projection's partial sums
+            y = t.tp.all_reduce(y) if reduce else y
+        return y
+
+    def in_a_row(buf):
+        for _ in range(n):
+            buf = t.tp.all_reduce(buf)
         return buf
-    for T in (1, b.k + 1):
-        buf = torch.zeros(B * T * b.target.args.hidden_size, dtype=b.target.dtype, device=b.target.device)
-        comm[f"eager/{T}"] = median_ms(b.clock, lambda: dist.all_reduce(buf), b.args.reps) * n
-        if b.runner is not None:
-            comm[f"graph/{T}"] = b.timed(("allreduce", T), all_reduces, buf, graph=True)
-    return comm
+    us = out["us_each"]
+    for T in sorted({1, 2, 4, 6, b.k + 1}):
+        buf = torch.zeros(B * T, D, dtype=t.dtype, device=t.device)
+        x = torch.randn(B * T, w.shape[1], device=t.device).to(t.dtype)
+        us[f"eager/{T}"] = median_ms(b.clock, lambda: t.tp.all_reduce(buf), b.args.reps) * 1e3
+        if b.runner is None:
+            continue
+        us[f"back_to_back/{T}"] = b.timed(("allreduce", T), in_a_row, buf, graph=True) * 1e3 / n
+        both = b.timed(("allreduce_gemv", T), partial(gemvs, reduce=True), x, graph=True)
+        alone = b.timed(("gemv", T), partial(gemvs, reduce=False), x, graph=True)
+        us[f"interleaved/{T}"] = (both - alone) * 1e3 / n
+    if b.runner is not None:  # the same at T = 1 after a GEMV 8 times shorter: how much the gap matters
+        short, x = w[:, :max(D, cols // 8)], torch.randn(B, max(D, cols // 8), device=t.device).to(t.dtype)
+        both = b.timed(("allreduce_gemv_short", 1), partial(gemvs, reduce=True, w=short), x, graph=True)
+        alone = b.timed(("gemv_short", 1), partial(gemvs, reduce=False, w=short), x, graph=True)
+        us["interleaved_short_gemv/1"] = (both - alone) * 1e3 / n
+        out.update(twin_phases(b, r, n))
+    out["for_simulated_rank_us"] = us.get("interleaved/1")  # what --allreduce-us should get
+    return out
+
+
+def twin_phases(b, r, n):
+    """The decode step and the verify again, captured with every layer's TP swapped for a SIMULATED
+    rank's (collectives skipped: what `--simulate-tp N` builds, on this rank's very weights), then
+    put back: real minus twin, over n, is what an all-reduce cost inside this step (the logits'
+    all-gather and the embedding's all-reduce counted in)."""
+    twin = dataclasses.replace(b.target.tp, simulated=True, one_shot=None)
+    modules = {id(m): m for m in [*b.target.modules(), *b.head.modules()] if isinstance(getattr(m, "tp", None), tpm.TP)}
+    real = {key: m.tp for key, m in modules.items()}
+    try:
+        for m in modules.values():
+            m.tp = twin
+        ctx = b.args.context_len[0]
+        phases = time_phases(b, ctx, True, "+twin")
+    finally:
+        for key, m in modules.items():
+            m.tp = real[key]
+    out = dict(twin_phases_ms=phases, real_minus_twin_us={})
+    for name in ("decode_step", *(f"verify/{mode}" for mode in b.modes)):
+        diff = r["phases_ms"][f"{name}/graph"] - phases[f"{name}/graph+twin"]
+        out["real_minus_twin_us"][name] = diff * 1e3 / n
+    return out
 
 
 def compiled(b, ctx, result):
@@ -1288,7 +1344,7 @@ def bench_main(args, device, world):
     r["verify_sweep_ms"] = verify_sweep(b, first)
     r["e2e"], r["greedy_agreement_with_plain"] = ({}, None) if args.skip_e2e else end_to_end(b)
     r["floors"] = legacy_floors(r["contexts"][first], bandwidth)
-    r["allreduce_ms_per_forward"] = collectives(b) if b.target.tp.communicates else None
+    r["allreduce_measured"] = collectives(b, r) if b.target.tp.communicates else None
     r["allreduce_modelled"] = modelled_allreduce(b)
     if args.compile:
         compiled(b, first, r)
@@ -1465,17 +1521,32 @@ def print_extras(r, b):
         print(f"kernels per eager decode step: {r.get('kernels_per_decode_step')}"
               + (f", with torch.compile: {r['kernels_per_decode_step_compiled']}"
                  if "kernels_per_decode_step_compiled" in r else ""))
-    comm = r.get("allreduce_ms_per_forward")
+    comm = r.get("allreduce_measured")
     if comm:
-        n = 2 * b.target.args.num_hidden_layers
-        print("\nall-reduce ms per forward (2 per layer; eager launches vs captured in a graph), by tokens: "
-              + ", ".join(f"{key} {ms:.2f}" for key, ms in comm.items()))
-        if "graph/1" in comm:
-            print(f"measured in a graph: {comm['graph/1'] / n * 1e3:.1f} us per all-reduce of one token's hidden row "
-                  f"(give it to a simulated rank as --allreduce-us)")
+        print_allreduce(comm, b)
     line = agreement_line(r, b)
     if line:
         print("\n" + line)
+
+
+def print_allreduce(comm, b):
+    us, k1 = comm["us_each"], b.k + 1
+    print(f"\nall-reduce, us each, by tokens ({comm['implementation']}):")
+    for how in ("interleaved", "back_to_back", "eager"):
+        row = ", ".join(f"{key.split('/')[1]}: {v:.1f}" for key, v in us.items() if key.split("/")[0] == how)
+        if row:
+            print(f"  {how.replace('_', ' ')}: {row}")
+    if "interleaved/1" in us:
+        print(f"  interleaved = each after a {comm['gemv_MB']:.3g} MB GEMV (as long as this decode step's compute "
+              f"between two all-reduces), minus the GEMVs alone; after one 8x shorter: "
+              f"{us['interleaved_short_gemv/1']:.1f} (1 token)")
+        print(f"measured between compute: {us['interleaved/1']:.1f} us per all-reduce of one token's hidden row: "
+              f"give it to a simulated rank as --allreduce-us, for the decode step and the verify of {k1} alike "
+              f"(on 2 H200s it predicted both within 1%; BENCHMARKS.md)")
+    twin = comm.get("real_minus_twin_us")
+    if twin:
+        print("real minus its SIMULATED twin (this rank's weights, collectives skipped), per all-reduce of "
+              f"{comm['per_forward']} a forward: " + ", ".join(f"{name} {v:.1f} us" for name, v in twin.items()))
 
 
 def agreement_line(r, b):
