@@ -37,15 +37,14 @@ MODELLED everywhere they appear.
 
 --dump writes what the model says (greedy tokens, the target's top-K log-probabilities along them,
 the drafts and accepted counts of a speculative run) as an .npz that another engine's output can
-be converted to; --compare judges where two such files disagree (README: "Checking an engine
-against this reference").
+be converted to; --compare judges where two such files disagree (baseline.py; README: "Checking an
+engine against this reference").
 
 Exit status: 0 done; 1 --compare found a difference past its thresholds; 2 the input cannot be used
 (a flag, a file, a checkpoint), said in one line on stderr.
 """
 import argparse
 import json
-import math
 import os
 import statistics
 import sys
@@ -54,18 +53,18 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from functools import partial
 
-import numpy as np
 import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import baseline
 import kernels
 import model
 import tp as tpm
 import train
 from draft import Eagle3Draft, draft_preset, init_random_draft, load_draft, set_target_aux_layers
-from graphs import CudaGraphs
-from verify import ATTENTION_MODES, accept, generate, kv_bucket, prefill_draft, prefill_target
+from graphs import CudaGraphs, GraphKey
+from verify import accept, generate, kv_bucket, prefill_draft, prefill_target
 
 
 # bf16 Kimi-K2 on one GPU, as one simulated TP-8 rank: 384 routed experts weigh 259 GB there, 1.8x
@@ -74,6 +73,12 @@ BF16_EXPERTS_ON_ONE_GPU = 128
 # a real TP rank seeds every tensor whole on its CPU and keeps its slice (so TP N holds the same model
 # as TP 1) while its shard stays under this many parameters; a bigger one draws its slice on the device
 MAX_PARAMS_SEEDED_WHOLE = 5e8
+
+
+# --speculative-attention-mode speaks SGLang, whose "prefill" is the model's "extend" attention;
+# the run's names and JSON keys keep the flag's word (verify/prefill/graph)
+ATTENTION_MODES = {"prefill": ["extend"], "decode": ["decode"], "both": ["extend", "decode"]}
+FLAG_WORD = {"extend": "prefill", "decode": "decode"}
 
 
 class BadInput(ValueError):
@@ -162,12 +167,12 @@ def make_parser():
     b.add_argument("--topk", type=int, help="for --dump: log-probabilities kept per position (default 20)")
     b.add_argument("--compare", nargs=2, metavar=("A.npz", "B.npz"), help="judge dump B against reference A "
                    "(no model, no GPU); exit status 1 past the thresholds below, 2 if the files cannot be compared")
-    b.add_argument("--max-logprob-diff", type=float, default=MAX_LOGPROB_DIFF, help="largest |log p_A - log p_B| "
+    b.add_argument("--max-logprob-diff", type=float, default=baseline.MAX_LOGPROB_DIFF, help="largest |log p_A - log p_B| "
                    "over ids in both top-K lists, on positions both runs read the same tokens; also how far "
                    "below A's top-1 B's token may be where the outputs part (default %(default)s)")
-    b.add_argument("--min-top1-agreement", type=float, default=MIN_TOP1_AGREEMENT, help="share of those "
+    b.add_argument("--min-top1-agreement", type=float, default=baseline.MIN_TOP1_AGREEMENT, help="share of those "
                    "positions, all rows together, whose top-1 ids agree (default %(default)s)")
-    b.add_argument("--max-accept-diff", type=float, default=MAX_ACCEPT_DIFF, help="largest difference in drafts "
+    b.add_argument("--max-accept-diff", type=float, default=baseline.MAX_ACCEPT_DIFF, help="largest difference in drafts "
                    "accepted per cycle (mean over all rows' cycles), when both files have 'accepted' "
                    "(default %(default)s)")
     return p
@@ -216,54 +221,60 @@ def uses_trained_pair(args):
 
 
 def settle(args, device, world):
-    """Fill in device-dependent defaults (None means the default; 0 is a value) and check the
-    flags that depend on the device, the speculative ones as SGLang does."""
-    gpu = device.type == "cuda"
+    """The run's settled configuration: a new Namespace with every flag of `args` (left as parsed)
+    and its device-dependent default filled in (None means the default; 0 is a value), plus
+    trained_pair, attention_modes (verify's, in the model's words) and, for --dump, prompts.
+    Refuses the flags that depend on the device, the speculative ones as SGLang does."""
+    cfg, gpu = argparse.Namespace(**vars(args)), device.type == "cuda"
     if args.dump:
-        settle_dump(args)
-    args.speculative_attention_mode = args.speculative_attention_mode or "both"
-    want = args.speculative_num_steps + 1
-    if args.speculative_num_draft_tokens not in (None, want):
-        tpm.print0(f"note: --speculative-num-draft-tokens {args.speculative_num_draft_tokens} adjusted to "
+        try:
+            vars(cfg).update(baseline.settle_dump(args))
+        except ValueError as e:
+            raise BadInput(str(e)) from None
+    cfg.speculative_attention_mode = cfg.speculative_attention_mode or "both"
+    cfg.attention_modes = ATTENTION_MODES[cfg.speculative_attention_mode]
+    want = cfg.speculative_num_steps + 1
+    if cfg.speculative_num_draft_tokens not in (None, want):
+        tpm.print0(f"note: --speculative-num-draft-tokens {cfg.speculative_num_draft_tokens} adjusted to "
                    f"{want} (= num_steps + 1 with topk 1)")
-    args.speculative_num_draft_tokens = want
-    args.preset = args.preset or ("kimi-k2" if gpu else "tiny")
-    args.trained_pair = uses_trained_pair(args)
-    if args.trained_pair:
-        args.model_path, args.draft_path = train.TARGET_DIR, train.DRAFT_DIR
-    big = args.preset.startswith("kimi-k2") and not args.model_path
+    cfg.speculative_num_draft_tokens = want
+    cfg.preset = cfg.preset or ("kimi-k2" if gpu else "tiny")
+    cfg.trained_pair = uses_trained_pair(cfg)
+    if cfg.trained_pair:
+        cfg.model_path, cfg.draft_path = train.TARGET_DIR, train.DRAFT_DIR
+    big = cfg.preset.startswith("kimi-k2") and not cfg.model_path
     if big and not gpu:
-        raise BadInput(f"--preset {args.preset}: a random Kimi-K2 needs a GPU (hundreds of GB in memory); "
+        raise BadInput(f"--preset {cfg.preset}: a random Kimi-K2 needs a GPU (hundreds of GB in memory); "
                        "on CPU use --preset tiny (the default) or --model-path")
-    args.cuda_graph = args.cuda_graph or ("both" if gpu else "off")
-    if args.compile and (not gpu or args.cuda_graph == "off"):
+    cfg.cuda_graph = cfg.cuda_graph or ("both" if gpu else "off")
+    if cfg.compile and (not gpu or cfg.cuda_graph == "off"):
         raise BadInput("--compile times the captured phases: it needs a CUDA GPU and --cuda-graph on or both")
-    if args.cuda_graph != "off" and not gpu:
-        raise BadInput(f"--cuda-graph {args.cuda_graph}: CUDA graphs need a CUDA GPU; use --cuda-graph off on CPU")
-    if args.simulate_tp is None:
-        args.simulate_tp = 8 if big and gpu and world == 1 else 1
-    if args.simulate_tp > 1 and world > 1:
-        raise BadInput(f"--simulate-tp {args.simulate_tp} is for a single process; under torchrun the TP is real")
-    quantized = args.quant in ("int4", "fp8") or args.quant is None and args.preset == "kimi-k2.5"
-    if args.routed_experts is None and big and gpu and not quantized and not args.dump:
-        args.routed_experts = BF16_EXPERTS_ON_ONE_GPU  # INT4 and FP8 experts all fit
-    if not gpu and not args.dump and not os.environ.get("OMP_NUM_THREADS"):
+    if cfg.cuda_graph != "off" and not gpu:
+        raise BadInput(f"--cuda-graph {cfg.cuda_graph}: CUDA graphs need a CUDA GPU; use --cuda-graph off on CPU")
+    if cfg.simulate_tp is None:
+        cfg.simulate_tp = 8 if big and gpu and world == 1 else 1
+    if cfg.simulate_tp > 1 and world > 1:
+        raise BadInput(f"--simulate-tp {cfg.simulate_tp} is for a single process; under torchrun the TP is real")
+    quantized = cfg.quant in ("int4", "fp8") or cfg.quant is None and cfg.preset == "kimi-k2.5"
+    if cfg.routed_experts is None and big and gpu and not quantized and not cfg.dump:
+        cfg.routed_experts = BF16_EXPERTS_ON_ONE_GPU  # INT4 and FP8 experts all fit
+    if not gpu and not cfg.dump and not os.environ.get("OMP_NUM_THREADS"):
         # timing on a CPU: one thread, unless asked. The toy model gains nothing from more, and
         # threads spinning on cores that other jobs share made a busy 2-core machine 10x slower
         torch.set_num_threads(1)
     defaults = dict(prompt_len=256 if gpu else 16, max_new_tokens=64 if gpu else 24,
                     dtype="bfloat16" if gpu else "float32", reps=20)
     for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
-    args.routing = args.routing or ("model" if args.model_path or args.dump else "uniform")
-    args.context_len = args.context_len or [args.prompt_len]
-    if args.kernels is None:  # the fast twins where they run (each tested equal to its plain twin)
-        fast = gpu and kernels.HAVE_TRITON and args.dtype in ("bfloat16", "float16", "float32")
-        args.kernels = "all" if fast else "none"
-    args.kernels = args.kernels if args.kernels in ("all", "none") else args.kernels.split(",")
-    check_device_flags(args, device)
-    return args
+        if getattr(cfg, name) is None:
+            setattr(cfg, name, value)
+    cfg.routing = cfg.routing or ("model" if cfg.model_path or cfg.dump else "uniform")
+    cfg.context_len = cfg.context_len or [cfg.prompt_len]
+    if cfg.kernels is None:  # the fast twins where they run (each tested equal to its plain twin)
+        fast = gpu and kernels.HAVE_TRITON and cfg.dtype in ("bfloat16", "float16", "float32")
+        cfg.kernels = "all" if fast else "none"
+    cfg.kernels = cfg.kernels if cfg.kernels in ("all", "none") else cfg.kernels.split(",")
+    check_device_flags(cfg, device)
+    return cfg
 
 
 def check_device_flags(args, device):
@@ -302,7 +313,7 @@ def check_device_flags(args, device):
                        "use --moe-impl gather or auto")
 
 
-def build(args, device, dtype, world):
+def build(args, device, dtype):
     """The target and the head, loaded or random. Returns (target, head, description)."""
     tp = tpm.TP.simulate(args.simulate_tp) if args.simulate_tp > 1 else tpm.TP.from_env()
     k = args.speculative_num_steps
@@ -408,12 +419,15 @@ def median_ms(clock, fn, reps, warmup=3, desc=None):
 
 
 def phase_label(key, graph):
-    """A progress bar's name for a CudaGraphs key: the phase, its attention path, tokens, eager or graph."""
-    name, *rest = key
-    what = {"decode": "decode step", "verify": f"verify ({rest[0]} attention)", "draft_extend": "draft extend",
-            "draft_chain": "draft step", "allreduce": "all-reduce"}.get(name, name)
-    tokens = f", {rest[-1]} token{'s' if rest[-1] != 1 else ''}" if name in ("verify", "draft_extend") else ""
-    return f"timing {what}{tokens}, {'graph' if graph else 'eager'}"
+    """A progress bar's name for a GraphKey: the phase, its attention mode, the tokens a row reads
+    (key.tokens, never the cache slots), eager or graph."""
+    what = {"decode_step": "decode step", "verify": f"verify ({key.mode} attention)",
+            "draft_extend": "draft extend", "draft": "draft steps",
+            "allreduce": "all-reduces"}.get(key.phase, key.phase)
+    tokens = f"{key.tokens} token{'s' if key.tokens != 1 else ''}"
+    if key.phase == "draft":
+        tokens += " (one a step)"
+    return f"timing {what}, {tokens}, {'graph' if graph else 'eager'}"
 
 
 class PhaseTimer:
@@ -658,350 +672,13 @@ def count_kernels(fn):
 
 
 # ---------------------------------------------------------------------------------------------
-# The correctness baseline: dump what the model says; judge any engine's dump against it.
-# Entry points: settle_dump (the dump's own flags), dump_main and compare_main, which return the
-# exit status to main; a file or flag they cannot use raises BadInput (status 2).
-#
-# One .npz (README, "Checking an engine against this reference"). B prompts, P the longest, N =
-# max_new_tokens, K = --topk, C cycles, k = num_steps. Row b's sequence is its own prompt then its
-# output, with no padding between them; position t of the topk arrays holds the target's top-K
-# log-softmax after reading the sequence's first t+1 tokens, predicting token t+1.
-#   prompt_ids     int64   [B, P]         -1 after a shorter prompt
-#   output_ids     int64   [B, N]         greedy; -1 after the row stopped (its EOS is kept)
-#   topk_ids       int64   [B, P+N-1, K]  highest first; -1 where a row has no such position
-#   topk_logprobs  float32 [B, P+N-1, K]  NaN there
-#   draft_ids      int64   [B, C, k]      speculative only: the drafts cycle c verified, -1 once finished
-#   accepted       int64   [B, C]         speculative only: drafts accepted in cycle c (the target's
-#                                         bonus token not counted), -1 once the row finished
-#   meta           str     []             optional: JSON saying what produced the file
-
-# Defaults for --compare, set for bf16 against float32 with room to spare: on the tiny model made
-# well-conditioned (README), bf16 against float32 reached at worst top-1 agreement 0.886 and max
-# |logprob diff| 0.244 over 12 seeds; the defaults allow about twice that. A random MoE without
-# that conditioning is chaotic in bf16 (near-tied routing flips) and fails them.
-MAX_LOGPROB_DIFF = 0.5
-MIN_TOP1_AGREEMENT = 0.8
-MAX_ACCEPT_DIFF = 0.5
-DUMP_TOPK = 20
-
-
-def settle_dump(args):
-    """--dump records the model's own greedy answers in one configuration: refuse what would
-    change them, read the prompts, and size the run to them."""
-    refuse = {"--simulate-tp": (args.simulate_tp or 1) > 1, "--routed-experts": args.routed_experts is not None,
-              "--simulate-accept-len": args.simulate_accept_len is not None, "--temperature": args.temperature != 0,
-              "--cuda-graph both": args.cuda_graph == "both", "--speculative-attention-mode both":
-              args.speculative_attention_mode == "both", "--prompt-len": args.prompt_len is not None,
-              "--batch-size": args.batch_size != 1, "--routing uniform": args.routing == "uniform"}
-    for flag, bad in refuse.items():
-        if bad:
-            raise BadInput(f"--dump records the model's own greedy answers to --prompt-ids in one configuration: "
-                           f"drop {flag}")
-    if not args.prompt_ids:
-        raise BadInput("--dump needs --prompt-ids FILE (one JSON list of token ids per line)")
-    try:
-        args.prompts = read_prompt_ids(args.prompt_ids)
-    except (OSError, ValueError) as e:
-        raise BadInput(f"--prompt-ids: {e}") from None
-    args.batch_size, args.prompt_len = len(args.prompts), max(len(p) for p in args.prompts)
-    args.simulate_tp, args.cuda_graph = 1, args.cuda_graph or "off"
-    args.speculative_attention_mode = args.speculative_attention_mode or "prefill"
-    args.topk = DUMP_TOPK if args.topk is None else args.topk
-
-
-def read_prompt_ids(path):
-    """One JSON list of token ids per line (blank lines skipped)."""
-    prompts = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ids = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {i} is not JSON: {e}") from None
-            if not isinstance(ids, list) or not ids or not all(type(t) is int and t >= 0 for t in ids):
-                raise ValueError(f"{path} line {i}: expected a non-empty JSON list of token ids (integers >= 0), "
-                                 f"got {line.strip()[:80]}")
-            prompts.append(ids)
-    if not prompts:
-        raise ValueError(f"{path} holds no prompts")
-    return prompts
-
-
-@torch.no_grad()
-def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK, attention_mode="prefill",
-         use_graphs=False, eos_id=None, chunk=256):
-    """Greedy generation (speculative with `head`, plain with None) and the target's top-K
-    log-probabilities along the sequences it produced: the dump's arrays, the same on every rank.
-
-    The log-probabilities come from a separate teacher-forced extend forward over each row's prompt
-    and output, so they do not depend on how generation batched, drafted or graphed its steps."""
-    if max_new_tokens < 1 or not 1 <= topk <= target.args.vocab_size:
-        raise ValueError(f"need max_new_tokens >= 1 (got {max_new_tokens}) and 1 <= topk <= vocab_size "
-                         f"{target.args.vocab_size} (got {topk})")
-    res = generate(target, head, prompts, max_new_tokens=max_new_tokens, num_steps=num_steps,
-                   attention_mode=attention_mode, use_graphs=use_graphs, eos_id=eos_id)
-    B, P, N = len(prompts), max(len(p) for p in prompts), max_new_tokens
-    T = P + N - 1  # the last output token predicts nothing we keep
-    prompt_ids, output_ids = np.full((B, P), -1, np.int64), np.full((B, N), -1, np.int64)
-    seqs = torch.zeros(B, T, dtype=torch.int64)  # after a row's own end: zeros, read by no kept position
-    ends = torch.zeros(B, 1, dtype=torch.int64)  # positions < end have a next token in the row
-    for b, (p, out) in enumerate(zip(prompts, res.tokens)):
-        prompt_ids[b, :len(p)], output_ids[b, :len(out)] = p, out
-        seq = (list(p) + out)[:T]
-        seqs[b, :len(seq)] = torch.tensor(seq)
-        ends[b] = len(p) + len(out) - 1
-    seqs = seqs.to(target.device)
-    positions = torch.arange(T, device=target.device).expand(B, T)
-    ids, logprobs = [], []
-    for s in range(0, T, chunk):  # chunks over the cache (slot = position) bound the [B, chunk, V] logits
-        logits, _ = target(seqs[:, s:s + chunk], positions[:, s:s + chunk], "extend")
-        lp, top = torch.log_softmax(logits, -1).topk(topk, -1)  # logits are float32 or wider
-        ids.append(top.cpu())
-        logprobs.append(lp.float().cpu())
-    kept = (torch.arange(T) < ends).unsqueeze(-1)                                # [B, T, 1]
-    out = dict(prompt_ids=prompt_ids, output_ids=output_ids,
-               topk_ids=torch.cat(ids, 1).masked_fill(~kept, -1).numpy(),
-               topk_logprobs=torch.cat(logprobs, 1).masked_fill(~kept, float("nan")).numpy())
-    if head is not None:
-        out["draft_ids"] = res.drafts.transpose(0, 1).numpy()                   # [B, C, k]
-        out["accepted"] = res.accepted.T.numpy()                                 # [B, C]
-    return out
-
-
-def check_dump(d, name):
-    """Every array a dump needs, with integer or float values and shapes that fit together.
-    Returns (B, P, N)."""
-    for key in ("prompt_ids", "output_ids", "topk_ids", "topk_logprobs"):
-        if key not in d:
-            raise ValueError(f"{name} has no array {key!r}")
-
-    def check(key, kind, dims):  # an int in dims must match; a letter is free
-        a = d[key]
-        if a.dtype.kind not in kind:
-            want = "an integer" if kind == "iu" else "a float"
-            raise ValueError(f"{name}: {key} has dtype {a.dtype}, expected {want} type")
-        if a.ndim != len(dims) or any(type(n) is int and n != got for n, got in zip(dims, a.shape)):
-            raise ValueError(f"{name}: {key} has shape {list(a.shape)}, expected [{', '.join(map(str, dims))}]")
-        return a.shape
-
-    B, P = check("prompt_ids", "iu", ["B", "P"])
-    N = check("output_ids", "iu", [B, "N"])[1]
-    K = check("topk_ids", "iu", [B, P + N - 1, "K"])[2]
-    check("topk_logprobs", "f", [B, P + N - 1, K])
-    reported = d["topk_ids"] >= 0
-    if not np.isfinite(d["topk_logprobs"][reported]).all():  # a NaN would compare as "no difference"
-        b, t, j = np.argwhere(reported & ~np.isfinite(d["topk_logprobs"]))[0]
-        raise ValueError(f"{name}: topk_logprobs[{b}, {t}, {j}] is not finite where topk_ids holds an id")
-    C = check("accepted", "iu", [B, "C"])[1] if "accepted" in d else "C"
-    if "draft_ids" in d:
-        k = check("draft_ids", "iu", [B, C, "k"])[2]
-        if "accepted" in d and (d["accepted"] > k).any():
-            b, c = np.argwhere(d["accepted"] > k)[0]
-            raise ValueError(f"{name}: accepted[{b}, {c}] = {d['accepted'][b, c]} drafts, more than the k = {k} "
-                             "that draft_ids says each cycle verified")
-    return B, P, N
-
-
-def load_dump(path):
-    """A dump's arrays. A file that is not a readable .npz (missing, not a zip, truncated, holding
-    pickled objects) raises BadInput naming it."""
-    try:
-        with open(path, "rb") as f:
-            magic = f.read(4)
-    except OSError as e:
-        raise BadInput(f"{path}: {e.strerror}") from None
-    if magic != b"PK\x03\x04":  # an .npz is a zip archive of .npy files
-        raise BadInput(f"{path} is not an .npz file (a zip of numpy arrays): it starts with {magic!r}")
-    try:
-        with np.load(path) as f:
-            return {key: f[key] for key in f.files}
-    except ValueError as e:
-        if "allow_pickle" in str(e):
-            raise BadInput(f"{path} holds an object (pickled) array; a dump holds only int, float and str "
-                           "arrays") from None
-        raise BadInput(f"{path} is a corrupt .npz: {e}") from None
-    except Exception as e:  # a truncated archive: zipfile.BadZipFile, EOFError, zlib.error, OSError
-        raise BadInput(f"{path} is a truncated or corrupt .npz ({type(e).__name__}: {e})") from None
-
-
-def compare_row(a, b, r):
-    """One row of two dumps: where the outputs part, and how the log-probabilities agree before."""
-    prompt_len = int((a["prompt_ids"][r] >= 0).sum())
-    out_a, out_b = (d["output_ids"][r][d["output_ids"][r] >= 0] for d in (a, b))
-    n = min(len(out_a), len(out_b))
-    differ = np.flatnonzero(out_a[:n] != out_b[:n])
-    diverge = int(differ[0]) if len(differ) else (n if len(out_a) != len(out_b) else None)
-    same = prompt_len + (n if diverge is None else diverge)  # positions < same read the same tokens in both
-    ids_a, ids_b = a["topk_ids"][r, :same], b["topk_ids"][r, :same]                 # [same, K]
-    lp_a, lp_b = (d["topk_logprobs"][r, :same].astype(np.float64) for d in (a, b))
-    both = (ids_a[:, 0] >= 0) & (ids_b[:, 0] >= 0)                                  # reported by both
-    match = (ids_a[:, :, None] == ids_b[:, None, :]) & (ids_a[:, :, None] >= 0) & both[:, None, None]
-    diff = np.where(match, np.abs(lp_a[:, :, None] - lp_b[:, None, :]), 0.0).max((1, 2), initial=0.0)
-    worst = float(diff.max(initial=0.0))
-    row = dict(row=r, prompt_len=prompt_len, out_len=(len(out_a), len(out_b)), diverge=diverge,
-               positions=int(both.sum()), top1_agree=int((ids_a[both, 0] == ids_b[both, 0]).sum()),
-               max_logprob_diff=worst, at=int(diff.argmax()) if worst > 0 else None)
-    if "accepted" in a and "accepted" in b:
-        live = [d["accepted"][r][d["accepted"][r] >= 0] for d in (a, b)]
-        m = min(len(live[0]), len(live[1]))
-        first = np.flatnonzero(live[0][:m] != live[1][:m])
-        row["accepted_per_cycle"] = tuple(float(x.mean()) if len(x) else math.nan for x in live)
-        row["accept_differs_at"] = int(first[0]) if len(first) else (m if len(live[0]) != len(live[1]) else None)
-    return row
-
-
-def judge_divergence(a, b, row, max_logprob_diff):
-    """Where a row's greedy outputs first differ, B's token must be one that A could have chosen
-    on a near-tie that another reduction order flips: in A's top-K at that position and at most
-    max_logprob_diff below A's top-1 (the pattern of vLLM's check_logprobs_close). Returns None
-    (no divergence, or a near-tie) or the failure, naming the row, the position, both tokens and
-    their log-probabilities."""
-    r, j = row["row"], row["diverge"]
-    if j is None:
-        return None
-    t = row["prompt_len"] - 1 + j                                   # the position that chose output j
-    tok_a, tok_b = int(a["output_ids"][r, j]), int(b["output_ids"][r, j])
-    where = f"row {r}, output {j} (position {t})"
-    if tok_a < 0 or tok_b < 0:  # one file stopped (an EOS, or its end), the other went on
-        stopped, went_on, tok = ("A", "B", tok_b) if tok_a < 0 else ("B", "A", tok_a)
-        return f"{where}: {stopped} stops, {went_on} goes on with token {tok}"
-    ids, lps = a["topk_ids"][r, t], a["topk_logprobs"][r, t].astype(np.float64)
-
-    def logp(d, tok):  # a token's log p in file d at position t, if d's top-K has it
-        hit = np.flatnonzero(d["topk_ids"][r, t] == tok)
-        return float(d["topk_logprobs"][r, t, hit[0]]) if len(hit) else None
-    lp_a, lp_b = logp(a, tok_a), logp(a, tok_b)
-    in_b = [logp(b, tok) for tok in (tok_a, tok_b)]
-    b_view = "" if in_b == [None, None] else " (B's own log p: " + ", ".join(
-        f"{tok} {'absent' if lp is None else f'{lp:.4f}'}" for tok, lp in zip((tok_a, tok_b), in_b)) + ")"
-    if ids[0] < 0 or lp_a is None:
-        return f"{where}: A chose {tok_a}, B chose {tok_b}, and A's top-K there does not hold {tok_a} to judge by"
-    if lp_b is None:
-        return f"{where}: A chose {tok_a} (log p {lp_a:.4f}), B chose {tok_b}, which is not in A's top-{len(ids)}{b_view}"
-    gap = float(lps[0]) - lp_b
-    if gap > max_logprob_diff:
-        return (f"{where}: A chose {tok_a} (log p {lp_a:.4f}), B chose {tok_b} (log p {lp_b:.4f} in A, {gap:.4f} "
-                f"below A's top-1 > --max-logprob-diff {max_logprob_diff}){b_view}")
-    return None
-
-
-def compare(a, b, names=("A", "B"), max_logprob_diff=MAX_LOGPROB_DIFF, min_top1_agreement=MIN_TOP1_AGREEMENT,
-            max_accept_diff=MAX_ACCEPT_DIFF):
-    """Judge dump B against reference A (dicts of arrays of the same request). Per row: the first
-    output index where the greedy outputs differ, judged by judge_divergence; over the positions
-    whose context is the same in both (the prompt and the outputs before that index) and that both
-    files report, the top-1 agreement and the largest |log p| difference over ids in both top-K
-    lists; the drafts accepted per cycle, where both have them. The thresholds on agreement and
-    accepted drafts apply to all rows together. Returns a report dict whose "failures" lists what
-    failed (empty: pass); files that cannot be compared raise ValueError."""
-    for d, name in zip((a, b), names):
-        check_dump(d, name)
-    for key in ("prompt_ids", "output_ids"):
-        if a[key].shape != b[key].shape:
-            raise ValueError(f"{key}: {names[0]} has shape {list(a[key].shape)}, {names[1]} has "
-                             f"{list(b[key].shape)}: not dumps of the same prompts and max_new_tokens")
-    if (a["prompt_ids"] != b["prompt_ids"]).any():
-        row = int(np.argwhere(a["prompt_ids"] != b["prompt_ids"])[0, 0])
-        raise ValueError(f"prompt_ids differ in row {row}: not dumps of the same prompts")
-    if "draft_ids" in a and "draft_ids" in b and a["draft_ids"].shape[2] != b["draft_ids"].shape[2]:
-        raise ValueError(f"draft_ids: {names[0]} drafts k = {a['draft_ids'].shape[2]} tokens a cycle, {names[1]} "
-                         f"k = {b['draft_ids'].shape[2]}: not runs with the same num_steps")
-    rows = [compare_row(a, b, r) for r in range(len(a["prompt_ids"]))]
-    fail = []
-    for row in rows:
-        row["divergence_failure"] = judge_divergence(a, b, row, max_logprob_diff)
-        fail += [row["divergence_failure"]] if row["divergence_failure"] else []
-    seen = sum(r["positions"] for r in rows)
-    report = dict(rows=rows, top1_agreement=sum(r["top1_agree"] for r in rows) / seen if seen else math.nan,
-                  max_logprob_diff=max(r["max_logprob_diff"] for r in rows), accept_diff=None, failures=fail)
-    if not seen:
-        fail.append("no position to compare: the files share no reported position")
-    elif report["top1_agreement"] < min_top1_agreement:
-        fail.append(f"top-1 agreement {report['top1_agreement']:.4f} < --min-top1-agreement {min_top1_agreement}")
-    if report["max_logprob_diff"] > max_logprob_diff:
-        fail.append(f"max |logprob diff| {report['max_logprob_diff']:.3g} > --max-logprob-diff {max_logprob_diff}")
-    live = [d["accepted"][d["accepted"] >= 0] for d in (a, b) if "accepted" in d]
-    if len(live) == 2 and all(len(x) for x in live):
-        report["accept_diff"] = abs(float(live[0].mean() - live[1].mean()))
-        if report["accept_diff"] > max_accept_diff:
-            fail.append(f"drafts accepted per cycle differ by {report['accept_diff']:.3f} > --max-accept-diff "
-                        f"{max_accept_diff}")
-    return report
-
-
-def print_comparison(report, names, metas):
-    for name, meta in zip(names, metas):
-        print(f"{name}: {meta or '(no meta array)'}")
-    accept = "accepted_per_cycle" in report["rows"][0]
-    head = (f"{'row':>4} {'prompt':>6} {'out A/B':>9} {'diverge@':>8} {'judged':>8} {'top-1 agree':>17} "
-            f"{'max|dlogp|':>10} {'@pos':>5}")
-    print("\n" + head + (f" {'accepted/cycle A/B':>18} {'differ@cycle':>12}" if accept else ""))
-
-    def dash(x):
-        return "-" if x is None else x
-    for r in report["rows"]:
-        share = r["top1_agree"] / r["positions"] if r["positions"] else math.nan
-        judged = "-" if r["diverge"] is None else "FAIL" if r["divergence_failure"] else "near-tie"
-        line = (f"{r['row']:>4} {r['prompt_len']:>6} {'%d/%d' % r['out_len']:>9} {dash(r['diverge']):>8} {judged:>8} "
-                f"{'%d/%d' % (r['top1_agree'], r['positions']):>11} {share:5.3f} {r['max_logprob_diff']:>10.2e} "
-                f"{dash(r['at']):>5}")
-        if accept:
-            line += f" {'%.2f/%.2f' % r['accepted_per_cycle']:>18} {dash(r['accept_differs_at']):>12}"
-        print(line)
-    accept_line = "" if report["accept_diff"] is None else \
-        f", drafts accepted per cycle (bonus token not counted) differ by {report['accept_diff']:.3f}"
-    print(f"\nall rows: top-1 agreement {report['top1_agreement']:.4f}, max |logprob diff| "
-          f"{report['max_logprob_diff']:.3g}{accept_line}")
-    print("FAIL: " + "; ".join(report["failures"]) if report["failures"] else "PASS")
-
-
-def compare_main(args):
-    """--compare: returns 0 (pass) or 1 (a divergence or a threshold failed); files that cannot be
-    compared raise BadInput (status 2)."""
-    a, b = (load_dump(path) for path in args.compare)
-    try:
-        report = compare(a, b, args.compare, args.max_logprob_diff, args.min_top1_agreement, args.max_accept_diff)
-    except ValueError as e:
-        raise BadInput(str(e)) from None
-    print_comparison(report, args.compare, [str(d["meta"]) if "meta" in d else None for d in (a, b)])
-    return 1 if report["failures"] else 0
-
-
-def dump_main(args, device, world):
-    """--dump: writes the file (rank 0) and returns 0."""
-    dtype = getattr(torch, args.dtype)
-    target, head, how = build(args, device, dtype, world)
-    what = (f"EAGLE-3 {args.draft_path}, num_steps {args.speculative_num_steps}, attention "
-            f"{args.speculative_attention_mode}, graphs {args.cuda_graph}" if head else "plain greedy")
-    meta = dict(target=how, tp=target.tp.world_size, dtype=args.dtype, decoding=what,
-                max_new_tokens=args.max_new_tokens, topk=args.topk, torch=torch.__version__,
-                device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
-    tpm.print0(f"dump: {meta}")
-    try:
-        arrays = dump(target, head, args.prompts, args.max_new_tokens, args.speculative_num_steps, args.topk,
-                      args.speculative_attention_mode, use_graphs=args.cuda_graph == "on")
-    except ValueError as e:
-        raise BadInput(f"--dump: {e}") from None
-    if is_rank0():
-        with open(args.dump, "wb") as f:  # np.savez on a name would append ".npz" to other names
-            np.savez(f, meta=np.array(json.dumps(meta)), **arrays)
-        print("wrote " + args.dump + ": " + ", ".join(f"{k} {list(v.shape)}" for k, v in arrays.items()), flush=True)
-        if head is not None:
-            print("accepted counts the drafts accepted per cycle, not the target's bonus token (SGLang's accept "
-                  "length minus 1)", flush=True)
-    return 0
-
-
-# ---------------------------------------------------------------------------------------------
 # The timing run, in the order of its output: build, the phases in isolation (with where their
 # time goes and their floors), end to end, collectives, torch.compile, the cost model, the report.
 
 @dataclass
 class Bench:
     """What the stages share: the models, the clock, the graph runner and the run's settings."""
-    args: argparse.Namespace
+    cfg: argparse.Namespace    # run.py's settled configuration (settle)
     target: model.Transformer
     head: Eagle3Draft
     how: str                   # what the target is, for the header
@@ -1017,39 +694,38 @@ class Bench:
 
     @property
     def k(self):
-        return self.args.speculative_num_steps
+        return self.cfg.speculative_num_steps
 
     @property
-    def modes(self):  # the attention modes timed
-        mode = self.args.speculative_attention_mode
-        return ["prefill", "decode"] if mode == "both" else [mode]
+    def modes(self):  # verify's attention modes timed, in the model's words (FLAG_WORD: in names)
+        return self.cfg.attention_modes
 
     @property
     def graph_opts(self):
-        return {"both": [False, True], "on": [True], "off": [False]}[self.args.cuda_graph]
+        return {"both": [False, True], "on": [True], "off": [False]}[self.cfg.cuda_graph]
 
     @property
     def best(self):  # the fastest variant: graph when captured; the cost model's attention mode
         return "graph" if self.graph_opts[-1] else "eager", "decode" if "decode" in self.modes else self.modes[0]
 
     def positions(self, ctx, T):  # [B, T]: T new tokens after ctx cached ones
-        return ctx + torch.arange(T, device=self.target.device).expand(self.args.batch_size, T)
+        return ctx + torch.arange(T, device=self.target.device).expand(self.cfg.batch_size, T)
 
     def timed(self, key, fn, *inputs, graph):
         call = (lambda: self.runner.run(key, fn, *inputs)) if graph else (lambda: fn(*inputs))
-        return median_ms(self.clock, call, self.args.reps, desc=phase_label(key, graph))
+        return median_ms(self.clock, call, self.cfg.reps, desc=phase_label(key, graph))
 
 
-def prepare(args, device, world):
+def prepare(cfg, device):
     """Build the models and fill their caches up to the longest context (random ids; held-out
     text for the trained pair)."""
-    torch.manual_seed(args.seed)
-    target, head, how = build(args, device, getattr(torch, args.dtype), world)
-    b = Bench(args, target, head, how, Clock(device), CudaGraphs(device) if args.cuda_graph != "off" else None)
-    B, C = args.batch_size, max(args.context_len)
-    g = torch.Generator().manual_seed(args.seed)
-    L = max(C, args.prompt_len)
-    b.fill = (torch.tensor(train.heldout_prompts(B, L)) if args.trained_pair  # text like its training data
+    torch.manual_seed(cfg.seed)
+    target, head, how = build(cfg, device, getattr(torch, cfg.dtype))
+    b = Bench(cfg, target, head, how, Clock(device), CudaGraphs(device) if cfg.cuda_graph != "off" else None)
+    B, C = cfg.batch_size, max(cfg.context_len)
+    g = torch.Generator().manual_seed(cfg.seed)
+    L = max(C, cfg.prompt_len)
+    b.fill = (torch.tensor(train.heldout_prompts(B, L)) if cfg.trained_pair  # text like its training data
               else torch.randint(0, target.args.vocab_size, (B, L), generator=g)).to(device)
     last = torch.full((B,), C - 1, device=device)
     _, b.aux = prefill_target(target, b.fill[:, :C], last, capture_aux=True)
@@ -1057,40 +733,39 @@ def prepare(args, device, world):
     return b
 
 
-def phase_calls(b, ctx, tag=""):
+def phase_calls(b, ctx):
     """The isolated phases at ctx cached tokens: {name: (graph key, fn, inputs)}. Only their shapes
     matter for timing, so the inputs are deliberately arbitrary: the decode step and the verify
     re-read prefilled ids at new positions; the draft extend reads those ids unshifted (draft.py
     pairs token t+1 with state t) beside target states captured at other positions; the draft
-    step starts from that extend's output. The target reads the slots in use (kv_bucket), as
-    verify.generate does, so the plain phases share its graphs."""
-    k, B, t = b.k, b.args.batch_size, b.target
+    step starts from that extend's output (a chain of num_steps 2: one head step). The target
+    reads the slots in use (kv_bucket), as verify.generate does, so the plain phases share its
+    graphs."""
+    k, B, t = b.k, b.cfg.batch_size, b.target
     pos1, posv = b.positions(ctx, 1), b.positions(ctx, k + 1)
     kv1, kvv = kv_bucket(ctx + 1, t.max_seq_len), kv_bucket(ctx + k + 1, t.max_seq_len)
     kvd = kv_bucket(ctx + 2 * k + 1, t.max_seq_len)  # the draft's reads, as in generate (its chain runs ahead)
     step_tok, vtok = b.fill[:, ctx - 1:ctx], b.fill[:, ctx - k - 1:ctx]
     aux, last = b.aux[:, ctx - k - 1:ctx], torch.full((B,), k, device=t.device)
-
-    def key(*parts):
-        return parts + (tag,) if tag else parts
-    calls = {"decode_step": (key("decode", B, 1, kv1), partial(t, mode="decode", kv_len=kv1), (step_tok, pos1))}
+    calls = {"decode_step": (GraphKey("decode_step", "decode", B, 1, kv1),
+                             partial(t, mode="decode", kv_len=kv1), (step_tok, pos1))}
     for mode in b.modes:
-        m = ATTENTION_MODES[mode]
-        calls[f"verify/{mode}"] = (key("verify", m, B, k + 1, kvv), partial(t, mode=m, capture_aux=True, kv_len=kvv),
-                                   (vtok, posv))
-    calls["draft_extend"] = (key("draft_extend", B, k + 1, kvd), partial(b.head.extend, kv_len=kvd),
-                             (vtok, posv, aux, last))
+        calls[f"verify/{FLAG_WORD[mode]}"] = (GraphKey("verify", mode, B, k + 1, kvv),
+                                              partial(t, mode=mode, capture_aux=True, kv_len=kvv),
+                                              (vtok, posv))
+    calls["draft_extend"] = (GraphKey("draft_extend", None, B, k + 1, kvd),
+                             partial(b.head.extend, kv_len=kvd), (vtok, posv, aux, last))
     first, g = b.head.extend(vtok, posv, aux, last, kv_len=kvd)
-    calls["draft_step"] = (key("draft_chain", B, 2, kvd), partial(b.head.chain, num_steps=2, kv_len=kvd),
-                           (first, g, pos1[:, 0] + k))
+    calls["draft_step"] = (GraphKey("draft", None, B, 1, kvd),
+                           partial(b.head.chain, num_steps=2, kv_len=kvd), (first, g, pos1[:, 0] + k))
     return calls
 
 
-def time_phases(b, ctx, graph, tag=""):
+def time_phases(b, ctx, graph, suffix=""):
     """Median ms of each isolated phase at ctx cached tokens, eager or replayed from its graph."""
-    name = ("graph" if graph else "eager") + tag
+    name = ("graph" if graph else "eager") + suffix
     return {f"{phase}/{name}": b.timed(key, fn, *inputs, graph=graph)
-            for phase, (key, fn, inputs) in phase_calls(b, ctx, tag).items()}
+            for phase, (key, fn, inputs) in phase_calls(b, ctx).items()}
 
 
 def isolated(b, ctx, bandwidth):
@@ -1103,7 +778,7 @@ def isolated(b, ctx, bandwidth):
         if b.gpu and not graph:
             out["gpu_mem_peak_eager_GB"] = torch.cuda.max_memory_allocated(b.target.device) / 1e9
     out.update(distinct_experts={}, bytes={}, components={}, floors_ms={})
-    B = b.args.batch_size
+    B = b.cfg.batch_size
     for phase, (_, fn, inputs) in phase_calls(b, ctx).items():
         T = inputs[0].shape[1] if inputs[0].dim() == 2 else 1  # the draft step's input is d_1 [B]
         if phase.startswith("draft"):
@@ -1121,24 +796,25 @@ def isolated(b, ctx, bandwidth):
 def verify_sweep(b, ctx):
     """Verify (the cost model's attention mode) and draft extend of T = 1..6 tokens at ctx cached
     tokens, fastest variant: what a cycle of num_steps T - 1 pays. Inputs as in phase_calls."""
-    graph, mode = b.graph_opts[-1], ATTENTION_MODES[b.best[1]]
-    B, t, sweep = b.args.batch_size, b.target, {}
+    graph, mode = b.graph_opts[-1], b.best[1]
+    B, t, sweep = b.cfg.batch_size, b.target, {}
     for T in range(1, 7):
         if ctx < T:
             break
         kv, vt, pos = kv_bucket(ctx + T, t.max_seq_len), b.fill[:, ctx - T:ctx], b.positions(ctx, T)
         kvd = kv_bucket(ctx + 2 * T - 1, t.max_seq_len)  # as generate's draft extend for num_steps T - 1
         sweep[T] = dict(
-            verify=b.timed(("verify", mode, B, T, kv), partial(t, mode=mode, capture_aux=True, kv_len=kv), vt, pos,
-                           graph=graph),
-            draft_extend=b.timed(("draft_extend", B, T, kvd), partial(b.head.extend, kv_len=kvd), vt, pos,
-                                 b.aux[:, ctx - T:ctx], torch.full((B,), T - 1, device=t.device), graph=graph))
+            verify=b.timed(GraphKey("verify", mode, B, T, kv),
+                           partial(t, mode=mode, capture_aux=True, kv_len=kv), vt, pos, graph=graph),
+            draft_extend=b.timed(GraphKey("draft_extend", None, B, T, kvd),
+                                 partial(b.head.extend, kv_len=kvd), vt, pos, b.aux[:, ctx - T:ctx],
+                                 torch.full((B,), T - 1, device=t.device), graph=graph))
     return sweep
 
 
 def run_generate(b, draft, mode, graph):
     """One generate() call on the random prompts, with device events at each phase of each cycle."""
-    a, timer = b.args, PhaseTimer(b.clock)
+    a, timer = b.cfg, PhaseTimer(b.clock)
     b.clock.sync()
     t0 = time.perf_counter()
     res = generate(b.target, draft, b.fill[:, :a.prompt_len].cpu(), max_new_tokens=a.max_new_tokens, num_steps=b.k,
@@ -1167,12 +843,12 @@ def end_to_end(b):
     for graph in b.graph_opts:
         for mode in b.modes:
             run_generate(b, b.head, mode, graph)
-            name = f"eagle3/{mode}/{'graph' if graph else 'eager'}"
+            name = f"eagle3/{FLAG_WORD[mode]}/{'graph' if graph else 'eager'}"
             e2e[name], res = run_generate(b, b.head, mode, graph)
             same = sum(x == y for r, p in zip(res.tokens, base.tokens) for x, y in zip(r, p))
             agreement[name] = same / max(1, sum(len(p) for p in base.tokens))
     # greedy and the model's own routing: uniform routing picks experts by a token's place in the forward
-    same_model = b.args.temperature == 0 and not b.args.simulate_accept_len and b.target.routing == "model"
+    same_model = b.cfg.temperature == 0 and not b.cfg.simulate_accept_len and b.target.routing == "model"
     return e2e, agreement if same_model else None
 
 
@@ -1180,7 +856,7 @@ def collectives(b):
     """Real TP only: the 2 x layers all-reduces of one forward at its message sizes, as eager
     launches (host latency included) and captured back to back in a graph, as inside a captured
     step (the replay also copies the input in and the output out, a few KB)."""
-    comm, n, B = {}, 2 * b.target.args.num_hidden_layers, b.args.batch_size
+    comm, n, B = {}, 2 * b.target.args.num_hidden_layers, b.cfg.batch_size
 
     def all_reduces(buf):
         for _ in range(n):
@@ -1188,17 +864,19 @@ def collectives(b):
         return buf
     for T in (1, b.k + 1):
         buf = torch.zeros(B * T * b.target.args.hidden_size, dtype=b.target.dtype, device=b.target.device)
-        comm[f"eager/{T}"] = median_ms(b.clock, lambda: dist.all_reduce(buf), b.args.reps) * n
+        comm[f"eager/{T}"] = median_ms(b.clock, lambda: dist.all_reduce(buf), b.cfg.reps) * n
         if b.runner is not None:
-            comm[f"graph/{T}"] = b.timed(("allreduce", T), all_reduces, buf, graph=True)
+            comm[f"graph/{T}"] = b.timed(GraphKey("allreduce", None, B, T), all_reduces, buf, graph=True)
     return comm
 
 
 def compiled(b, ctx, result):
-    """The captured phases again with torch.compile fusing each layer (last: it changes the modules)."""
+    """The captured phases again with torch.compile fusing each layer (last: it changes the
+    modules). The compiled layers' graphs live in a runner of their own: the keys are the same."""
     try:
         b.target.compile_layers()
         b.head.midlayer.compile(dynamic=False)
+        b.runner = CudaGraphs(b.target.device)
         result["contexts"][ctx]["phases_ms"].update(time_phases(b, ctx, True, "+compile"))
         key, fn, inputs = phase_calls(b, ctx)["decode_step"]
         result["kernels_per_decode_step_compiled"] = count_kernels(partial(fn, *inputs))
@@ -1210,7 +888,7 @@ def compiled(b, ctx, result):
 def modelled_allreduce(b):
     """MODELLED all-reduce ms per target forward and per draft forward (2 a layer) for a simulated
     rank given --allreduce-us; None otherwise."""
-    x = b.args.allreduce_us
+    x = b.cfg.allreduce_us
     if x is None or not b.target.tp.simulated:
         return None
     return dict(us_each=x, target_forward_ms=2 * b.target.args.num_hidden_layers * x / 1e3, draft_forward_ms=2 * x / 1e3)
@@ -1241,7 +919,7 @@ def cost_model(r, b):
 
 
 def header_of(b):
-    t, a = b.target, b.args
+    t, a = b.target, b.cfg
     group, fp8 = t.args.int4_group_size, t.args.fp8_block
     quant_note = (f" (routed experts INT4, group {group})" if group else
                   f" (routed experts FP8 e4m3, {fp8[0]}x{fp8[1]} blocks)" if fp8 else "")
@@ -1265,31 +943,31 @@ def moe_note(t):
     return "fused Triton kernel" + (f" (grouped above {experts.FUSED_MAX_TOKENS} tokens)" if grouped_above else "")
 
 
-def bench_main(args, device, world):
-    b = prepare(args, device, world)
+def bench_main(cfg, device, world):
+    b = prepare(cfg, device)
     header = header_of(b)
     tpm.print0(header)
     env = dict(device=torch.cuda.get_device_name(device) if b.gpu else "cpu", torch=torch.__version__,
-               world_size=world, simulated_tp=args.simulate_tp if b.target.tp.simulated else None, dtype=args.dtype,
+               world_size=world, simulated_tp=cfg.simulate_tp if b.target.tp.simulated else None, dtype=cfg.dtype,
                int4_group_size=b.target.args.int4_group_size, fp8_block=b.target.args.fp8_block,
                moe_impl=b.target.moe_impl,
                kernels=list(b.target.kernels), routing=b.target.routing,
-               simulated_routing=b.target.routing == "uniform", seed=args.seed,
-               simulated_acceptance=args.simulate_accept_len is not None, target=b.how, config=vars(args))
+               simulated_routing=b.target.routing == "uniform", seed=cfg.seed,
+               simulated_acceptance=cfg.simulate_accept_len is not None, target=b.how, config=vars(cfg))
     bandwidth = copy_bandwidth(b.clock, device) if b.gpu else None
-    r = dict(env=env, bandwidth_GBps=bandwidth, contexts={c: isolated(b, c, bandwidth) for c in args.context_len})
-    first = args.context_len[0]
+    r = dict(env=env, bandwidth_GBps=bandwidth, contexts={c: isolated(b, c, bandwidth) for c in cfg.context_len})
+    first = cfg.context_len[0]
     r["phases_ms"] = r["contexts"][first]["phases_ms"]
-    key, fn, inputs = phase_calls(b, first)["verify/" + b.modes[0]]
+    key, fn, inputs = phase_calls(b, first)["verify/" + FLAG_WORD[b.modes[0]]]
     logits = fn(*inputs)[0]
-    gen = None if args.temperature == 0 else torch.Generator(device).manual_seed(0)
-    r["phases_ms"]["accept"] = median_ms(b.clock, lambda: accept(logits, inputs[0][:, 1:], args.temperature, gen), args.reps)
+    gen = None if cfg.temperature == 0 else torch.Generator(device).manual_seed(0)
+    r["phases_ms"]["accept"] = median_ms(b.clock, lambda: accept(logits, inputs[0][:, 1:], cfg.temperature, gen), cfg.reps)
     r["verify_sweep_ms"] = verify_sweep(b, first)
-    r["e2e"], r["greedy_agreement_with_plain"] = ({}, None) if args.skip_e2e else end_to_end(b)
+    r["e2e"], r["greedy_agreement_with_plain"] = ({}, None) if cfg.skip_e2e else end_to_end(b)
     r["floors"] = legacy_floors(r["contexts"][first], bandwidth)
     r["allreduce_ms_per_forward"] = collectives(b) if b.target.tp.communicates else None
     r["allreduce_modelled"] = modelled_allreduce(b)
-    if args.compile:
+    if cfg.compile:
         compiled(b, first, r)
     r["cost_model"] = cost_model(r, b)
     if b.gpu:
@@ -1304,8 +982,8 @@ def bench_main(args, device, world):
     report(r, b)
     line = json.dumps(r)
     if is_rank0():
-        if args.json:
-            with open(args.json, "w") as f:
+        if cfg.json:
+            with open(cfg.json, "w") as f:
                 f.write(line + "\n")
         print(line, flush=True)
     return r
@@ -1326,7 +1004,8 @@ def legacy_floors(c, bandwidth):
 
 def answer(r, b):
     """The run's answer in a few plain sentences (what the background story needed to know)."""
-    (variant, mode), k, ctx = b.best, b.k, b.args.context_len[0]
+    (variant, model_mode), k, ctx = b.best, b.k, b.cfg.context_len[0]
+    mode = FLAG_WORD[model_mode]  # the flag's word, as the tables and JSON keys name verify
     c, ar = r["contexts"][ctx], (r["allreduce_modelled"] or {}).get("target_forward_ms", 0.0)
     dec, ver = c["phases_ms"][f"decode_step/{variant}"] + ar, c["phases_ms"][f"verify/{mode}/{variant}"] + ar
     d, v = (c["components"][p] for p in ("decode_step", f"verify/{mode}"))
@@ -1360,9 +1039,9 @@ def answer(r, b):
                   + (" (slower than plain decoding)." if at2 < 1 else ".")]
     notes = [note for note, on in (
         ("routing SIMULATED uniform (random weights route unlike a trained router)", b.target.routing == "uniform"),
-        (f"one SIMULATED rank of TP {b.target.tp.world_size}" + (f", all-reduces MODELLED at {b.args.allreduce_us:g} us"
+        (f"one SIMULATED rank of TP {b.target.tp.world_size}" + (f", all-reduces MODELLED at {b.cfg.allreduce_us:g} us"
          if ar else ", all-reduces not counted (--allreduce-us X models them)"), b.target.tp.simulated),
-        ("acceptance SIMULATED", bool(b.args.simulate_accept_len)),
+        ("acceptance SIMULATED", bool(b.cfg.simulate_accept_len)),
         ("CPU op times, not a GPU's", not b.gpu)) if on]
     return lines + (["Simulated or modelled here: " + "; ".join(notes) + "."] if notes else [])
 
@@ -1425,7 +1104,7 @@ def print_components(r, ctx, c, b):
 def print_e2e(r, b):
     if not r["e2e"]:
         return
-    sim, k = b.args.simulate_accept_len, b.k
+    sim, k = b.cfg.simulate_accept_len, b.k
     print("\nend to end: tok/s | per-cycle phases (ms, median over the cycles) and the cycle's spread | accepted "
           f"tokens per cycle, bonus included: mean, and cycles by length{' (SIMULATED)' if sim is not None else ''}")
     if sim is not None:
@@ -1489,8 +1168,8 @@ def agreement_line(r, b):
         meaning = "identical, as lossless greedy speculative decoding must be"
     else:
         meaning = ("verify reads k+1 tokens where plain decoding reads one, so the reductions run in another order; in "
-                   f"{b.args.dtype}" + (" on random weights, whose logits over the whole vocabulary nearly tie,"
-                                        if not b.args.model_path else ",")
+                   f"{b.cfg.dtype}" + (" on random weights, whose logits over the whole vocabulary nearly tie,"
+                                        if not b.cfg.model_path else ",")
                    + " that flips an argmax now and then and the sequences part from there. It measures rounding, "
                    "not correctness: exact equality is tested in float64 (test_equivalence.py)")
     return f"greedy speculative output vs plain greedy output, share of tokens equal: {shares} ({meaning})"
@@ -1554,7 +1233,7 @@ def timing_warnings(r):
                        + ("a cycle measured cheaper than the plain step it contains, which cannot be (noise)" if be < 1
                           else f"a cycle costs more than {most} plain steps, so it cannot pay here, unless it is noise"))
     for name, v in r["e2e"].items():
-        alone, loop = r["phases_ms"].get(f"decode_step/{name.split('/')[-1]}"), v["phases_ms"].get("decode")
+        alone, loop = r["phases_ms"].get(f"decode_step/{name.split('/')[-1]}"), v["phases_ms"].get("decode_step")
         if name.startswith("baseline/") and alone and loop and max(alone, loop) > 2 * min(alone, loop):
             out.append(f"the plain decode step takes {alone:.3f} ms alone and {loop:.3f} ms inside the loop "
                        f"({name}): the same work, so one of them is noise")
@@ -1616,13 +1295,25 @@ def main(argv=None):
     cannot use raises BadInput or model.CheckpointError, which the command line prints as one line."""
     args = parse_args(argv)
     if args.compare:
-        return compare_main(args)
+        with refusal():
+            return baseline.compare_main(args)
     rank, world, device = tpm.init_distributed()
-    args = settle(args, device, world)
-    if args.dump:
-        return dump_main(args, device, world)
-    bench_main(args, device, world)
+    cfg = settle(args, device, world)
+    if cfg.dump:
+        target, head, how = build(cfg, device, getattr(torch, cfg.dtype))
+        with refusal("--dump: "):
+            return baseline.dump_main(cfg, target, head, how, cfg.attention_modes[0])
+    bench_main(cfg, device, world)
     return 0
+
+
+@contextmanager
+def refusal(prefix=""):
+    """The baseline's ValueErrors (a file or a request it cannot use) as BadInput: one line, status 2."""
+    try:
+        yield
+    except ValueError as e:
+        raise BadInput(prefix + str(e)) from None
 
 
 if __name__ == "__main__":
