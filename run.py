@@ -422,12 +422,11 @@ def phase_label(key, graph):
     """A progress bar's name for a GraphKey: the phase, its attention mode, the tokens a row reads
     (key.tokens, never the cache slots), eager or graph."""
     what = {"decode_step": "decode step", "verify": f"verify ({key.mode} attention)",
-            "draft_extend": "draft extend", "draft": "draft steps",
+            "draft_extend": "draft extend", "draft": "draft",
             "allreduce": "all-reduces"}.get(key.phase, key.phase)
-    tokens = f"{key.tokens} token{'s' if key.tokens != 1 else ''}"
-    if key.phase == "draft":
-        tokens += " (one a step)"
-    return f"timing {what}, {tokens}, {'graph' if graph else 'eager'}"
+    unit = "head step" if key.phase == "draft" else "token"  # a draft step reads one token
+    return f"timing {what}, {key.tokens} {unit}{'s' if key.tokens != 1 else ''}, " \
+        f"{'graph' if graph else 'eager'}"
 
 
 class PhaseTimer:
