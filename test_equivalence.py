@@ -1081,6 +1081,7 @@ def test_run_py_cli_background_flags_on_cpu():
 import numpy as np  # noqa: E402
 
 import baseline  # noqa: E402
+import report  # noqa: E402
 import run  # noqa: E402
 
 
@@ -1113,7 +1114,7 @@ def test_run_py_cli_tiny(tmp_path):
     for phase in ("decode_step", "verify/prefill", "verify/decode"):
         c = table["components"][phase]
         assert abs(sum(c["parts_ms"].values()) - c["kernel_ms"]) <= 0.05 * c["kernel_ms"], (phase, c)
-        assert set(c["parts_ms"]) == set(run.COMPONENTS) and sum(table["bytes"][phase].values()) > 0
+        assert set(c["parts_ms"]) == set(report.COMPONENTS) and sum(table["bytes"][phase].values()) > 0
     assert "decode steps" in r["answer"][0] and "EAGLE-3 with num_steps 2" in " ".join(r["answer"])
     assert "2 tokens per cycle" in " ".join(r["answer"]) and "SIMULATED" not in " ".join(r["answer"])
     sim = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--simulate-accept-len", "2.5",
@@ -1163,7 +1164,7 @@ def test_report_warns_about_noise_and_figures_that_cannot_be():
     """timing_warnings and the verdict on made-up results: a spread past NOISY_IQR is flagged, a
     break-even outside [1, num_steps + 1], an isolated step far from the same step in the loop,
     and verify cheaper with more tokens are named; the verdict says what random weights measure."""
-    T = run.Timing
+    T = report.Timing
     steady, noisy = T([10.0, 10.1, 10.2, 10.3]), T([5.0, 10.0, 20.0, 40.0])
     assert steady.spread() == pytest.approx([10.0, 10.075, 10.15, 10.225, 10.3]) and not steady.noisy and noisy.noisy
     assert json.loads(json.dumps({"t": noisy})) == {"t": 15.0}  # serialized as the median
@@ -1174,17 +1175,17 @@ def test_report_warns_about_noise_and_figures_that_cannot_be():
              cost_model=dict(plain_step_ms=3.1, steps={1: dict(cycle_ms=2.0, break_even_accept_len=0.6),
                                                        3: dict(cycle_ms=14.0, break_even_accept_len=4.5)}),
              verify_sweep_ms={1: dict(verify=T([9.0])), 2: dict(verify=T([4.0]))})
-    w = "\n".join(run.timing_warnings(r))
+    w = "\n".join(report.timing_warnings(r))
     for words in ["1 timing(s) vary by more than 25%", "decode_step/eager", "num_steps 1: break-even 0.60",
                   "cheaper than the plain step", "num_steps 3: break-even 4.50", "cannot pay here",
                   "takes 15.000 ms alone and 3.000 ms inside the loop", "1 tokens 9.000 ms > 1.5 x 2 tokens 4.000 ms"]:
         assert words in w, (words, w)
     r["warnings"] = []
-    v = " ".join(run.verdict(r))
+    v = " ".join(report.verdict(r))
     assert "accepted almost nothing (1.02 tokens per cycle" in v and "--simulate-accept-len" in v
     r["env"]["simulated_acceptance"], spec["accept_len_mean"] = True, 2.5
-    assert "Acceptance was SIMULATED at 2.50 tokens per cycle" in " ".join(run.verdict(r))
-    assert run.spreads(r)["phases_ms"]["decode_step/eager"] == noisy.spread()
+    assert "Acceptance was SIMULATED at 2.50 tokens per cycle" in " ".join(report.verdict(r))
+    assert report.spreads(r)["phases_ms"]["decode_step/eager"] == noisy.spread()
 
 
 def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
