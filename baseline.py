@@ -329,11 +329,11 @@ def compare_main(args):
     return 1 if report["failures"] else 0
 
 
-def dump_main(cfg, target, head, how, attention_mode):
+def dump_main(cfg, target, head, how):
     """--dump: generates (speculative with `head`, plain with None), writes the file on rank 0
-    and returns 0. cfg: run.py's settled configuration; how: what the target is (for the meta
-    array); attention_mode: verify's, "extend" or "decode". A request the model cannot take
-    raises ValueError."""
+    and returns 0. cfg: run.py's settled configuration (its attention_modes: verify's one mode,
+    in the model's words); how: what the target is (for the meta array). A request the model
+    cannot take raises ValueError."""
     what = (f"EAGLE-3 {cfg.draft_path}, num_steps {cfg.speculative_num_steps}, attention "
             f"{cfg.speculative_attention_mode}, graphs {cfg.cuda_graph}" if head else "plain greedy")
     device = target.device
@@ -342,7 +342,7 @@ def dump_main(cfg, target, head, how, attention_mode):
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     print0(f"dump: {meta}")
     arrays = dump(target, head, cfg.prompts, cfg.max_new_tokens, cfg.speculative_num_steps,
-                  cfg.topk, attention_mode, use_graphs=cfg.cuda_graph == "on")
+                  cfg.topk, cfg.attention_modes[0], use_graphs=cfg.cuda_graph == "on")
     if target.tp.rank == 0:
         with open(cfg.dump, "wb") as f:  # np.savez on a name would append ".npz" to other names
             np.savez(f, meta=np.array(json.dumps(meta)), **arrays)

@@ -632,7 +632,8 @@ def count_kernels(fn):
 
 # ---------------------------------------------------------------------------------------------
 # The timing run, in the order of its output: build, the phases in isolation (with where their
-# time goes and their floors), end to end, collectives, torch.compile, the cost model, the report.
+# time goes and their floors), end to end, collectives, torch.compile, the cost model; report.py
+# prints what they measured.
 
 @dataclass
 class Bench:
@@ -970,7 +971,7 @@ def main(argv=None):
     if cfg.dump:
         target, head, how = build(cfg, device, getattr(torch, cfg.dtype))
         with refusal("--dump: "):
-            return baseline.dump_main(cfg, target, head, how, cfg.attention_modes[0])
+            return baseline.dump_main(cfg, target, head, how)
     bench_main(cfg, device, world)
     return 0
 
