@@ -755,7 +755,8 @@ PROMPTS = {1: [[11, 12, 13, 14, 15, 16]], 3: [[11, 12, 13, 14, 15], [21, 22, 23,
 
 
 class PlantedProposer:
-    """Stands in for an Eagle3Draft in verify.generate (its extend and chain, run eager). Knows the
+    """Stands in for an Eagle3Draft in verify.generate (its extend and chain; it keeps Python state,
+    so it runs eager: generate without use_graphs, which would capture it once). Knows the
     target's greedy sequence `ref` [B, L] (by position) and errs where told: on its c-th chain,
     row b's first wrong draft is number wrong_at(c, b) (0-based; >= k: all right)."""
 
@@ -765,9 +766,10 @@ class PlantedProposer:
     def extend(self, tokens, positions, hidden, last, kv_len=None):
         return None, None  # the planted drafts need only the position chain() is given
 
-    def chain(self, first, g, q, num_steps, kv_len=None):
-        """q [B]: the position of the last extend row; draft j (1-based) guesses position q+1+j."""
-        idx = (q.unsqueeze(1) + 1 + torch.arange(1, num_steps + 1)).clamp(max=self.ref.shape[1] - 1)
+    def chain(self, first, g, last_pos, num_steps, kv_len=None):
+        """last_pos [B]: the position of the last extend row; draft j (1-based) guesses position
+        last_pos+1+j."""
+        idx = (last_pos.unsqueeze(1) + 1 + torch.arange(1, num_steps + 1)).clamp(max=self.ref.shape[1] - 1)
         drafts = self.ref.gather(1, idx)
         first_wrong = torch.tensor([self.wrong_at(self.calls, b) for b in range(len(drafts))])
         self.calls += 1
@@ -1029,7 +1031,7 @@ def test_trained_pair_speculative_equals_plain_greedy(dtype):
     target, head = train.load_pair(max_batch_size=3, max_seq_len=96, dtype=dtype)
     prompts = [p[:n] for p, n in zip(train.heldout_prompts(3, 32), (32, 17, 25))]
     plain = generate(target, None, prompts, max_new_tokens=40, eos_id=-1).tokens
-    for mode in ("prefill", "decode"):
+    for mode in ("extend", "decode"):
         for k in ((1, 3, 4) if dtype == torch.float64 else (3,)):
             res = generate(target, head, prompts, max_new_tokens=40, num_steps=k, attention_mode=mode, eos_id=-1)
             assert res.tokens == plain, (mode, k, dtype)
@@ -1048,7 +1050,7 @@ def test_gpu_trained_pair_graph_speculative_equals_plain_greedy(kernels_on):
     target.use_kernels("all" if kernels_on else "none")
     prompts = [p[:n] for p, n in zip(train.heldout_prompts(3, 32), (32, 17, 25))]
     plain = generate(target, None, prompts, max_new_tokens=40, eos_id=-1).tokens
-    for mode in ("prefill", "decode"):
+    for mode in ("extend", "decode"):
         res = generate(target, head, prompts, max_new_tokens=40, num_steps=3, attention_mode=mode,
                        use_graphs=True, eos_id=-1)
         assert res.tokens == plain, mode
@@ -1111,6 +1113,8 @@ def test_run_py_cli_background_flags_on_cpu():
 
 import numpy as np  # noqa: E402
 
+import baseline  # noqa: E402
+import report  # noqa: E402
 import run  # noqa: E402
 
 
@@ -1143,7 +1147,7 @@ def test_run_py_cli_tiny(tmp_path):
     for phase in ("decode_step", "verify/prefill", "verify/decode"):
         c = table["components"][phase]
         assert abs(sum(c["parts_ms"].values()) - c["kernel_ms"]) <= 0.05 * c["kernel_ms"], (phase, c)
-        assert set(c["parts_ms"]) == set(run.COMPONENTS) and sum(table["bytes"][phase].values()) > 0
+        assert set(c["parts_ms"]) == set(report.COMPONENTS) and sum(table["bytes"][phase].values()) > 0
     assert "decode steps" in r["answer"][0] and "EAGLE-3 with num_steps 2" in " ".join(r["answer"])
     assert "2 tokens per cycle" in " ".join(r["answer"]) and "SIMULATED" not in " ".join(r["answer"])
     sim = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--simulate-accept-len", "2.5",
@@ -1177,7 +1181,7 @@ def test_phase_timer_accounts_for_every_cycle():
     start, so no host gap nor total."""
     target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), 4)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 5)
-    for draft, names in ((head, {"verify", "accept", "draft_extend", "draft", "commit"}), (None, {"decode", "commit"})):
+    for draft, names in ((head, {"verify", "accept", "draft_extend", "draft", "commit"}), (None, {"decode_step", "commit"})):
         timer = run.PhaseTimer(run.Clock(torch.device("cpu")))
         res = generate(target, draft, PROMPTS[3], max_new_tokens=10, num_steps=2, timer=timer)
         cycles = timer.per_cycle()
@@ -1193,28 +1197,28 @@ def test_report_warns_about_noise_and_figures_that_cannot_be():
     """timing_warnings and the verdict on made-up results: a spread past NOISY_IQR is flagged, a
     break-even outside [1, num_steps + 1], an isolated step far from the same step in the loop,
     and verify cheaper with more tokens are named; the verdict says what random weights measure."""
-    T = run.Timing
+    T = report.Timing
     steady, noisy = T([10.0, 10.1, 10.2, 10.3]), T([5.0, 10.0, 20.0, 40.0])
     assert steady.spread() == pytest.approx([10.0, 10.075, 10.15, 10.225, 10.3]) and not steady.noisy and noisy.noisy
     assert json.loads(json.dumps({"t": noisy})) == {"t": 15.0}  # serialized as the median
     spec = dict(tok_per_s=50.0, phases_ms=dict(verify=T([12.0]), cycle=T([14.0])), accept_len_mean=1.02,
                 speedup_measured=0.7, speedup_predicted=0.72)
     r = dict(env=dict(simulated_acceptance=False, device="cpu"), phases_ms={"decode_step/eager": noisy},
-             e2e={"baseline/eager": dict(phases_ms=dict(decode=T([3.0]), cycle=T([3.1]))), "eagle3/decode/eager": spec},
+             e2e={"baseline/eager": dict(phases_ms=dict(decode_step=T([3.0]), cycle=T([3.1]))), "eagle3/decode/eager": spec},
              cost_model=dict(plain_step_ms=3.1, steps={1: dict(cycle_ms=2.0, break_even_accept_len=0.6),
                                                        3: dict(cycle_ms=14.0, break_even_accept_len=4.5)}),
              verify_sweep_ms={1: dict(verify=T([9.0])), 2: dict(verify=T([4.0]))})
-    w = "\n".join(run.timing_warnings(r))
+    w = "\n".join(report.timing_warnings(r))
     for words in ["1 timing(s) vary by more than 25%", "decode_step/eager", "num_steps 1: break-even 0.60",
                   "cheaper than the plain step", "num_steps 3: break-even 4.50", "cannot pay here",
                   "takes 15.000 ms alone and 3.000 ms inside the loop", "1 tokens 9.000 ms > 1.5 x 2 tokens 4.000 ms"]:
         assert words in w, (words, w)
     r["warnings"] = []
-    v = " ".join(run.verdict(r))
+    v = " ".join(report.verdict(r))
     assert "accepted almost nothing (1.02 tokens per cycle" in v and "--simulate-accept-len" in v
     r["env"]["simulated_acceptance"], spec["accept_len_mean"] = True, 2.5
-    assert "Acceptance was SIMULATED at 2.50 tokens per cycle" in " ".join(run.verdict(r))
-    assert run.spreads(r)["phases_ms"]["decode_step/eager"] == noisy.spread()
+    assert "Acceptance was SIMULATED at 2.50 tokens per cycle" in " ".join(report.verdict(r))
+    assert report.spreads(r)["phases_ms"]["decode_step/eager"] == noisy.spread()
 
 
 def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
@@ -1301,7 +1305,7 @@ def _dump_worker(seed):
     """The random tiny target and EAGLE-3 head (seeded whole: the same model at any TP), dumped."""
     target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), seed)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
-    d = run.dump(target, head, PROMPTS[3], max_new_tokens=16, num_steps=2)
+    d = baseline.dump(target, head, PROMPTS[3], max_new_tokens=16, num_steps=2)
     return {key: torch.from_numpy(v) for key, v in d.items()}  # run_ranks' torch.load takes tensors
 
 
@@ -1311,7 +1315,7 @@ def test_dump_at_tp2_equals_tp1():
     check_dump_layout(ref, PROMPTS[3], 2)
     for key in ("prompt_ids", "output_ids", "topk_ids", "draft_ids", "accepted"):
         assert np.array_equal(got[key], ref[key]), key
-    report = run.compare(ref, got, max_logprob_diff=1e-5, min_top1_agreement=1.0, max_accept_diff=0.0)
+    report = baseline.compare(ref, got, max_logprob_diff=1e-5, min_top1_agreement=1.0, max_accept_diff=0.0)
     assert not report["failures"] and [r["diverge"] for r in report["rows"]] == [None] * 3, report
 
 
@@ -1322,7 +1326,7 @@ def planted_dump():
     target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), 32)
     plain = generate(target, None, PROMPTS[3], max_new_tokens=16).tokens
     proposer = PlantedProposer(reference_sequences(PROMPTS[3], plain, 32), 256, lambda c, b: (c + b) % 3)
-    d = run.dump(target, proposer, PROMPTS[3], max_new_tokens=16, num_steps=2)
+    d = baseline.dump(target, proposer, PROMPTS[3], max_new_tokens=16, num_steps=2)
     assert d["output_ids"].tolist() == [o + [-1] * (16 - len(o)) for o in plain]  # lossless
     return target, d
 
@@ -1335,13 +1339,13 @@ def test_compare_reports_a_planted_divergence(planted_dump, tmp_path, capsys):
     t = len(PROMPTS[3][row]) - 1 + j                                    # the position that chose it
     b["output_ids"][row, j] = a["topk_ids"][row, t, 1]
     b["topk_ids"][row, t, :2] = a["topk_ids"][row, t, [1, 0]]           # the two ids swap log-probabilities
-    report = run.compare(a, b)
+    report = baseline.compare(a, b)
     assert [r["diverge"] for r in report["rows"]] == [None, j, None]
     r = report["rows"][row]
     assert (r["positions"], r["top1_agree"], r["at"]) == (t + 1, t, t)
     assert r["max_logprob_diff"] == pytest.approx(a["topk_logprobs"][row, t, 0] - a["topk_logprobs"][row, t, 1])
     gap = a["topk_logprobs"][row, t, 0] - a["topk_logprobs"][row, t, 1]
-    assert (r["divergence_failure"] is None) == (gap <= run.MAX_LOGPROB_DIFF), (gap, r["divergence_failure"])
+    assert (r["divergence_failure"] is None) == (gap <= baseline.MAX_LOGPROB_DIFF), (gap, r["divergence_failure"])
     # the CLI: the same table, status 0 within the thresholds, 1 past one, BadInput (2) for files that do not fit
     for name, d in (("a", a), ("b", b), ("short", dict(a, topk_logprobs=a["topk_logprobs"][:, 1:])),
                     ("missing", {key: v for key, v in a.items() if key != "topk_ids"})):
@@ -1372,12 +1376,12 @@ def test_compare_fails_an_engine_whose_output_is_wrong(planted_dump):
     def wrong(edit):
         b = {key: v.copy() for key, v in a.items()}
         edit(b["output_ids"])
-        return run.compare(a, b)
+        return baseline.compare(a, b)
     row, j = 2, 6
     t = len(PROMPTS[3][row]) - 1 + j
     outside = next(i for i in range(256) if i not in a["topk_ids"][row, t])
     report = wrong(lambda out: out.__setitem__((row, j), outside))
-    assert report["top1_agreement"] > run.MIN_TOP1_AGREEMENT and report["max_logprob_diff"] == 0
+    assert report["top1_agreement"] > baseline.MIN_TOP1_AGREEMENT and report["max_logprob_diff"] == 0
     want = f"row {row}, output {j} (position {t}): A chose {a['output_ids'][row, j]} (log p "
     assert len(report["failures"]) == 1 and want in report["failures"][0], report["failures"]
     assert f"B chose {outside}, which is not in A's top-20" in report["failures"][0]
@@ -1387,7 +1391,7 @@ def test_compare_fails_an_engine_whose_output_is_wrong(planted_dump):
     report = wrong(lambda out: out.fill(5))
     judged = [r["divergence_failure"] for r in report["rows"]]
     assert all(f"row {r}, output " in f for r, f in enumerate(judged)), judged
-    assert not run.compare(a, a, max_logprob_diff=0, min_top1_agreement=1, max_accept_diff=0)["failures"]
+    assert not baseline.compare(a, a, max_logprob_diff=0, min_top1_agreement=1, max_accept_diff=0)["failures"]
 
 
 def test_compare_refuses_files_it_cannot_read(planted_dump, tmp_path):
@@ -1421,17 +1425,17 @@ def test_compare_refuses_a_logprob_that_is_not_finite(planted_dump):
     b = {key: v.copy() for key, v in a.items()}
     b["topk_logprobs"][0, 2, 3] = np.nan   # NaN compares as "no difference": it must not pass
     with pytest.raises(ValueError, match=r"B: topk_logprobs\[0, 2, 3\] is not finite"):
-        run.compare(a, b)
+        baseline.compare(a, b)
 
 
 def test_compare_catches_a_draft_that_accepts_less(planted_dump):
     """The same target outputs (lossless), drafts from a random head instead of the planted ones."""
     target, a = planted_dump
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 33)
-    b = run.dump(target, head, PROMPTS[3], max_new_tokens=16, num_steps=2)
-    report = run.compare(a, b)
+    b = baseline.dump(target, head, PROMPTS[3], max_new_tokens=16, num_steps=2)
+    report = baseline.compare(a, b)
     assert np.array_equal(a["output_ids"], b["output_ids"]) and report["max_logprob_diff"] == 0
-    assert report["accept_diff"] > run.MAX_ACCEPT_DIFF and "drafts accepted per cycle" in report["failures"][0]
+    assert report["accept_diff"] > baseline.MAX_ACCEPT_DIFF and "drafts accepted per cycle" in report["failures"][0]
 
 
 def conditioned_tiny(dtype, seed):
@@ -1450,13 +1454,13 @@ def conditioned_tiny(dtype, seed):
 
 
 def test_bf16_dump_passes_the_default_thresholds_and_fails_tight_ones():
-    dumps = [run.dump(*conditioned_tiny(dtype, 0), PROMPTS[3], max_new_tokens=16, num_steps=2)
+    dumps = [baseline.dump(*conditioned_tiny(dtype, 0), PROMPTS[3], max_new_tokens=16, num_steps=2)
              for dtype in (torch.float32, torch.bfloat16)]
-    report = run.compare(*dumps)
+    report = baseline.compare(*dumps)
     print(f"\nbf16 against float32: top-1 agreement {report['top1_agreement']:.3f}, max |logprob diff| "
           f"{report['max_logprob_diff']:.3f}, diverge@ {[r['diverge'] for r in report['rows']]}")
     assert not report["failures"], report["failures"]
-    tight = run.compare(*dumps, max_logprob_diff=1e-3, min_top1_agreement=1.0)
+    tight = baseline.compare(*dumps, max_logprob_diff=1e-3, min_top1_agreement=1.0)
     assert any("--max-logprob-diff" in f for f in tight["failures"]), tight["failures"]
 
 
@@ -1471,20 +1475,20 @@ def test_dump_from_the_command_line_and_bad_input(tiny_ckpt, tmp_path):
            "--dtype", "float32"]
     cpu = CPU_ENV
     subprocess.run(cmd + ["--dump", str(tmp_path / "cli.npz")], check=True, capture_output=True, env=cpu)
-    cli = run.load_dump(tmp_path / "cli.npz")
+    cli = baseline.load_dump(tmp_path / "cli.npz")
     assert json.loads(str(cli["meta"]))["target"] == f"loaded {ckpt}"
-    ref = run.dump(target, load_draft(tmp_path / "draft", target), PROMPTS[3], max_new_tokens=12, num_steps=2,
+    ref = baseline.dump(target, load_draft(tmp_path / "draft", target), PROMPTS[3], max_new_tokens=12, num_steps=2,
                    chunk=5)  # the teacher-forced forward in chunks over the cache: the same answers
-    report = run.compare(ref, cli, max_logprob_diff=1e-5, min_top1_agreement=1.0, max_accept_diff=0.0)
+    report = baseline.compare(ref, cli, max_logprob_diff=1e-5, min_top1_agreement=1.0, max_accept_diff=0.0)
     assert not report["failures"] and np.array_equal(ref["draft_ids"], cli["draft_ids"]), report
     # bad input names the problem
     with pytest.raises(ValueError, match="prompt row 1 has id 999 at position 2"):
-        run.dump(target, None, [[5, 6], [7, 8, 999]], max_new_tokens=4)
+        baseline.dump(target, None, [[5, 6], [7, 8, 999]], max_new_tokens=4)
     with pytest.raises(ValueError, match="max_seq_len 32"):
-        run.dump(target, None, [[5] * 30], max_new_tokens=4)
+        baseline.dump(target, None, [[5] * 30], max_new_tokens=4)
     (tmp_path / "bad.jsonl").write_text("[1, 2]\n{\"ids\": [3]}\n")
     with pytest.raises(ValueError, match="bad.jsonl line 2: expected a non-empty JSON list"):
-        run.read_prompt_ids(tmp_path / "bad.jsonl")
+        baseline.read_prompt_ids(tmp_path / "bad.jsonl")
     bad = subprocess.run(cmd + ["--dump", str(tmp_path / "x.npz"), "--temperature", "0.7"], capture_output=True,
                          text=True, env=cpu)
     assert bad.returncode != 0 and "drop --temperature" in bad.stderr
@@ -1527,7 +1531,7 @@ def test_run_defaults_uniform_routing_for_random_weights_and_model_routing_for_a
     for argv, want in ((["--random-weights"], "uniform"), (["--model-path", ckpt], "model"),
                        (["--random-weights", "--routing", "model"], "model"), ([], "model")):  # []: the trained pair
         args = run.settle(run.parse_args(argv + ["--dtype", "float64"]), cpu, 1)
-        target, _, _ = run.build(args, cpu, torch.float64, 1)
+        target, _, _ = run.build(args, cpu, torch.float64)
         routers = {layer.mlp.gate.routing for layer in target.layers if isinstance(layer.mlp, model.MoE)}
         assert args.routing == want and target.routing == want and routers == {want}, (argv, routers)
     assert load_target(ckpt, 1, 16).routing == "model"
@@ -1597,6 +1601,38 @@ def test_kv_bucket_covers_the_positions_with_little_to_spare():
     assert len({kv_bucket(n, 1 << 20) for n in range(4097, 8193)}) == 8  # 8 buckets (graphs) per doubling
 
 
+def test_progress_labels_count_tokens_not_cache_slots():
+    """The progress bar once printed a graph key's last element, the cache bucket, as the token
+    count ("timing verify (extend attention), 320 tokens" for a verify of 4). Keys are GraphKeys
+    now: in generate and in run.py's isolated phases a verify of k+1 tokens reads more cache
+    slots than that, and its label says k+1 tokens, never the slots."""
+    class Recorder:  # CudaGraphs.run's signature, run eager, keeping the keys
+        def __init__(self):
+            self.keys = []
+
+        def run(self, key, fn, *inputs):
+            self.keys.append(key)
+            return fn(*inputs)
+    k, cpu = 3, torch.device("cpu")
+    target = init_random(Transformer(tiny(), 2, 160, dtype=torch.float32), 0)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 1)
+    rec = Recorder()
+    generate(target, head, [list(range(1, 90))] * 2, max_new_tokens=6, num_steps=k, graphs=rec)
+    cfg = run.settle(run.parse_args(["--random-weights", "--context-len", "100", "--speculative-num-steps",
+                                     str(k)]), cpu, 1)
+    isolated = {name: key for name, (key, _, _) in run.phase_calls(run.prepare(cfg, cpu), 100).items()}
+    verifies = [key for key in rec.keys if key.phase == "verify"] + [isolated["verify/prefill"],
+                                                                      isolated["verify/decode"]]
+    assert len(verifies) > 2 and {key.mode for key in verifies} == {"extend", "decode"}
+    for key in verifies:
+        label = run.phase_label(key, graph=True)
+        assert key.tokens == k + 1 and key.slots > k + 1 and f", {k + 1} tokens," in label, (key, label)
+        assert str(key.slots) not in label, (key, label)
+    assert ", 1 token," in run.phase_label(isolated["decode_step"], graph=False)
+    assert f", {k + 1} tokens," in run.phase_label(isolated["draft_extend"], graph=False)
+    assert {key.phase for key in rec.keys} == {"verify", "draft_extend", "draft"}
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: graphs against eager, no host sync, bf16 agreement (skipped without CUDA; run on the H200)
 
@@ -1617,11 +1653,12 @@ def captured_calls(target, head, k=3, B=3, P=12):
     vt = tokens[:, :k + 1]
     last = torch.tensor([k, 1, 0], device="cuda")[:B]
     first, gh = head.extend(vt, pos, aux[:, :k + 1], last)
-    return [(("decode", B, 1), partial(target, mode="decode"), (vt[:, :1], pos[:, :1])),
-            (("verify", "extend", B, k + 1), partial(target, mode="extend", capture_aux=True), (vt, pos)),
-            (("verify", "decode", B, k + 1), partial(target, mode="decode", capture_aux=True), (vt, pos)),
-            (("draft_extend", B, k + 1), head.extend, (vt, pos, aux[:, :k + 1], last)),
-            (("draft_chain", B, k), partial(head.chain, num_steps=k), (first, gh, pos[:, 0] + last))]
+    from graphs import GraphKey
+    return [(GraphKey("decode_step", "decode", B, 1), partial(target, mode="decode"), (vt[:, :1], pos[:, :1])),
+            (GraphKey("verify", "extend", B, k + 1), partial(target, mode="extend", capture_aux=True), (vt, pos)),
+            (GraphKey("verify", "decode", B, k + 1), partial(target, mode="decode", capture_aux=True), (vt, pos)),
+            (GraphKey("draft_extend", None, B, k + 1), head.extend, (vt, pos, aux[:, :k + 1], last)),
+            (GraphKey("draft", None, B, k - 1), partial(head.chain, num_steps=k), (first, gh, pos[:, 0] + last))]
 
 
 def flat(out):

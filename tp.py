@@ -171,14 +171,6 @@ class TP:
         return x
 
 
-def shard(full, dim, tp):
-    """This rank's slice of a full tensor along `dim` (None: replicated)."""
-    if dim is None or tp.world_size == 1:
-        return full
-    n = full.shape[dim] // tp.world_size
-    return full.narrow(dim, tp.rank * n, n)
-
-
 def _param(shape, shard_dim, device, dtype):
     # shard_dim tells init and the checkpoint loader how the global tensor is split (None: replicated)
     p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
