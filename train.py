@@ -32,6 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import kernels
 import model
 from draft import Eagle3Draft, draft_preset, draft_vocab, init_random_draft, load_draft, save_draft, ttt_loss, \
     train_step
@@ -145,8 +146,9 @@ def fit(params, cfg, loss_fn, desc, before_step=lambda: None):
 
 def train_target(data):
     args = model.preset("tiny")
-    target = model.Transformer(args, TARGET["batch"], SEQ_LEN, moe_impl="grouped", dtype=torch.float32)
+    target = model.Transformer(args, TARGET["batch"], SEQ_LEN, dtype=torch.float32)
     model.init_random(target, TARGET["seed"])
+    kernels.accelerate(target, moe="grouped")   # torch._grouped_mm: the experts' fast path on the CPU
     for layer in target.layers:  # the router's bias is for balancing (not trained by gradients): start it at 0
         if hasattr(layer.mlp, "gate"):
             layer.mlp.gate.e_score_correction_bias.zero_()
@@ -242,7 +244,8 @@ def main(argv=None):
     target, t_hist = train_target(data)
     model.save_target(target, TARGET_DIR)
     t1, c1 = time.perf_counter(), time.process_time()
-    target = model.load_target(TARGET_DIR, DRAFT["batch"], SEQ_LEN, dtype=torch.float32, moe_impl="grouped")
+    target = model.load_target(TARGET_DIR, DRAFT["batch"], SEQ_LEN, dtype=torch.float32)
+    kernels.accelerate(target, moe="grouped")
     head, d_hist = train_draft(target, data)
     save_draft(head, DRAFT_DIR)
     t2, c2 = time.perf_counter(), time.process_time()
