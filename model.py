@@ -154,7 +154,7 @@ class ModelArgs:
     max_position_embeddings: int = 131072
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 163584
-    eos_token_id: int | list | None = 163585  # one id or a list (from_hf_config adds generation_config's)
+    eos_token_id: int | list | None = 163585  # an id or a list (from_hf_config adds generation_config's)
     quantization_config: dict | None = None  # as shipped: FP8 blocks or INT4 experts
 
     @property
@@ -188,7 +188,8 @@ class ModelArgs:
         # DeepSeek's own reference only when its cache is longer than the original context)
         scale = self.qk_head_dim ** -0.5
         if self.is_yarn:
-            mscale = yarn_mscale(self.rope_scaling["factor"], self.rope_scaling.get("mscale_all_dim", 0))
+            rs = self.rope_scaling
+            mscale = yarn_mscale(rs["factor"], rs.get("mscale_all_dim", 0))
             scale *= mscale * mscale
         return scale
 
@@ -240,7 +241,8 @@ PRESETS = {
     # every feature on at toy size: q_lora, YaRN (mscale != mscale_all_dim), grouped routing,
     # a shared expert, a first dense layer; vocabulary and heads divisible by 4 for TP 4
     "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                 num_hidden_layers=8, num_attention_heads=4, n_shared_experts=1, n_routed_experts=16,
+                 num_hidden_layers=8, num_attention_heads=4, n_shared_experts=1,
+                 n_routed_experts=16,
                  num_experts_per_tok=4, routed_scaling_factor=2.5, n_group=4, topk_group=2,
                  first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
                  qk_rope_head_dim=8, v_head_dim=16, rope_theta=10000.0,
@@ -251,7 +253,8 @@ PRESETS = {
     # the same text model as shipped in Kimi-K2-Thinking / K2.5: routed experts INT4, the rest bf16
     "kimi-k2.5": dict(quantization_config="int4"),
 }
-QUANT_LAYOUTS = {"int4": lambda: int4_quantization_config(), "fp8": lambda: fp8_quantization_config()}
+QUANT_LAYOUTS = {"int4": lambda: int4_quantization_config(),
+                 "fp8": lambda: fp8_quantization_config()}
 
 
 def preset(name, **overrides):

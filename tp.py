@@ -1,8 +1,11 @@
 """Tensor parallelism you can read: process-group setup and Megatron-style parallel layers.
 
 Every collective is written in a `forward` below: `RowParallelLinear` and `VocabParallelEmbedding`
-all-reduce, `ParallelLMHead` all-gathers full-vocabulary rows. A `TP` object (rank, world size,
-simulated or not) is passed explicitly to every layer; nothing reads a module global.
+all-reduce, `ParallelLMHead` all-gathers full-vocabulary rows (a swap of one of them, as
+kernels.GemvRowParallelLinear, keeps its collective in its own forward). The model's one other
+collective is model.MoE.forward's single all-reduce of the routed and shared experts' partial
+sums. A `TP` object (rank, world size, simulated or not) is passed explicitly to every layer;
+nothing reads a module global.
 
 A *simulated rank* (`TP.simulate(world_size=8)`) builds exactly one rank's shard of a TP-N model
 in a single process and skips the collectives, so that one GPU can time one rank of an N-GPU
@@ -37,7 +40,8 @@ def init_distributed(device=None):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif world_size > 1:
-        torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        torch.set_num_threads(cpu_threads_per_rank(local_world))
     if world_size > 1 and not dist.is_initialized():
         if device.type == "cuda":
             dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
@@ -84,7 +88,8 @@ class TP:
 
     def describe(self):
         if self.simulated:
-            return f"SIMULATED rank {self.rank} of TP {self.world_size} (one process, collectives skipped)"
+            return (f"SIMULATED rank {self.rank} of TP {self.world_size} "
+                    "(one process, collectives skipped)")
         return f"TP {self.world_size}, rank {self.rank}"
 
     def split(self, size, what):
@@ -100,16 +105,9 @@ class TP:
         return x
 
 
-def shard(full, dim, tp):
-    """This rank's slice of a full tensor along `dim` (None: replicated)."""
-    if dim is None or tp.world_size == 1:
-        return full
-    n = full.shape[dim] // tp.world_size
-    return full.narrow(dim, tp.rank * n, n)
-
-
 def _param(shape, shard_dim, device, dtype):
-    # shard_dim tells init and the checkpoint loader how the global tensor is split (None: replicated)
+    # shard_dim tells init and the checkpoint loader how the global tensor is split (None:
+    # replicated)
     p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
     p.shard_dim = shard_dim
     return p
@@ -172,7 +170,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """Logits split by vocabulary, all-gathered so every rank holds full rows (and samples alike)."""
+    """Logits split by vocabulary, all-gathered so every rank holds full rows (and samples
+    alike)."""
 
     def __init__(self, dim, vocab_size, tp, what="vocab_size", device=None, dtype=None):
         super().__init__()
