@@ -675,9 +675,9 @@ class Block(nn.Module):
             self.mlp = MoE(args, tp, device, dtype)
 
     def forward(self, x, residual, positions, rope, future, mode):
-        """One pre-norm layer on the residual stream x + residual (residual None: x alone; each add
-        done by the norm that reads the sum, RMSNorm.forward). Returns (this layer's MLP output,
-        the stream it reads): their sum is the stream after the layer, x + attention + MLP."""
+        """One pre-norm layer on the residual stream x + residual (residual None: x alone), each
+        add done by the norm that reads the sum (RMSNorm.forward). Returns (this layer's MLP
+        output, the stream after its attention): their sum is the stream after the layer."""
         if residual is None:
             h, residual = self.input_layernorm(x), x
         else:
