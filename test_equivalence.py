@@ -2221,11 +2221,15 @@ def test_router_kernel_uniform_routing_equals_twin(shape):
 
 
 @triton_ok
-def test_add_rmsnorm_across_layers_equals_plain_with_exact_aux_states():
+def test_add_rmsnorm_across_layers_equals_plain_with_exact_aux_states(monkeypatch):
     """kernels="add_rmsnorm": every residual add fused into the norm that reads it (the MLP output
     carried into the next layer's input norm, the last one into the final norm). Logits and the
     EAGLE-3 aux states (whole layer outputs, x + mlp, among them the second-to-last layer's) equal
-    the plain model's, in both attention modes."""
+    the plain model's, in both attention modes. The kernel runs where it always ran: 2 a layer
+    (none in the first layer's input norm, one in the final norm), less one after each captured
+    layer (whose output is added whole for EAGLE-3, so the next input norm has no residual)."""
+    calls = []
+    monkeypatch.setattr(kernels.launch, "add_rmsnorm", lambda *a: calls.append(1) or kernels.add_rmsnorm(*a))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(num_hidden_layers=4 if device == "cpu" else 8)
     aux_ids = [0, 1, args.num_hidden_layers - 2]
@@ -2237,6 +2241,8 @@ def test_add_rmsnorm_across_layers_equals_plain_with_exact_aux_states():
         for capture_aux in (True, False):
             want, got = plain(tokens, pos, mode, capture_aux), fused(tokens, pos, mode, capture_aux)
             what = f"add_rmsnorm across layers, {mode}, T={tokens.shape[1]}, aux {capture_aux}"
+            assert len(calls) == 2 * args.num_hidden_layers - (len(aux_ids) if capture_aux else 0), what
+            calls.clear()
             assert_close(got.logits, want.logits, 1e-4, what + ": logits")
             if capture_aux:
                 assert_close(got.aux, want.aux, 1e-5 * want.aux.abs().max().item(), what + ": aux states")
