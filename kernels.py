@@ -445,7 +445,7 @@ GEMV_SMALL_TOKENS = 2   # in tokens, not pairs: a shared expert's extra slot a t
 # (us a layer, GEMV against tiles): bf16 30 / 46 at N = 1, 98 / 97 at 4, 177 / 188 at 8, 630 / 527 at
 # 32; FP8 28 / 75 at 1, 80 / 82 at 4, 148 / 144 at 8; INT4 faster at every N up to 32 (629 / 836).
 # In the model (run.py, bf16, 2026-11-29) the rule at 8 lost from 3 tokens on: with the shared expert
-# folded in (model.MoE.fold_shared_expert) every token picks expert E, so E's leader program runs
+# folded in (SharedExpertInLaunch) every token picks expert E, so E's leader program runs
 # N passes one after another while the others run one; the tiles (k3) measured 10.02 -> 9.91,
 # 11.84 -> 11.14, 14.19 -> 13.50 ms for verify of 3, 4, 5 tokens, and tied at 2. Hence 2 for bf16.
 GEMV_MAX_TOKENS = {"plain": 2, "fp8": 4, "int4": 32}

@@ -10,7 +10,8 @@ from the committed one; recipe.json beside it records the Python and torch that 
 hash of the training bytes.
 
 1. target: the `tiny` preset (8 layers, 16 routed experts), next-byte cross-entropy through
-   model.Transformer's own forward (grouped experts), saved with model.save_target;
+   model.Transformer's own forward (the grouped experts swap, kernels.accelerate), saved with
+   model.save_target;
 2. draft vocabulary: the draft_vocab_size bytes the trained target predicts most often on the
    training text (draft.draft_vocab);
 3. head: EAGLE-3's training-time test (draft.train_step: num_steps unrolled steps, each scored
