@@ -154,7 +154,7 @@ class ModelArgs:
     max_position_embeddings: int = 131072
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 163584
-    eos_token_id: int | list | None = 163585  # an id or a list (from_hf_config adds generation_config's)
+    eos_token_id: int | list | None = 163585  # one id or a list (from_hf_config adds more)
     quantization_config: dict | None = None  # as shipped: FP8 blocks or INT4 experts
 
     @property
