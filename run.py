@@ -50,7 +50,7 @@ import os
 import statistics
 import sys
 import time
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass
 from functools import partial
 
@@ -142,10 +142,11 @@ def make_parser():
     p.add_argument("--dtype", choices=["bfloat16", "float32", "float64"], help="default bf16 on GPU, fp32 on CPU")
     p.add_argument("--moe-impl", choices=["auto", "gather", "grouped", "fused"], default="auto",
                    help="routed experts: gathered weights (plain), torch._grouped_mm, or the fused Triton kernel "
-                   "(kernels.py; grouped above 256 tokens for unquantized experts) (auto: fused on a GPU with Triton, else grouped; "
-                   "CPU: gather)")
-    p.add_argument("--kernels", help="fast twins in place of the plain code (Triton kernels, and "
-                   "fused_proj: stacked-weight GEMMs): 'all', 'none' or a comma list of " + ",".join(model.KERNELS)
+                   "(kernels.py's swaps, put in by kernels.accelerate; fused: grouped above 256 tokens for unquantized "
+                   "experts) (auto: fused on a GPU with Triton, else grouped; CPU: gather)")
+    p.add_argument("--kernels", help="fast twins swapped in for model.py's plain modules (kernels.accelerate: "
+                   "Triton kernels, and fused_proj: stacked-weight GEMMs): 'all', 'none' or a comma list of "
+                   + ",".join(kernels.KERNELS)
                    + " (default: all on a CUDA GPU with Triton and a bf16/fp16/fp32 model, else none)")
     p.add_argument("--compile", action="store_true", help="also time the captured phases with each decoder "
                    "layer and the draft layer fused by torch.compile (inside our own CUDA graphs), beside the plain ones")
@@ -297,9 +298,9 @@ def check_device_flags(args, device):
     if not args.dump and min(args.context_len) < want:
         raise BadInput(f"--context-len {min(args.context_len)}: the isolated verify re-reads {want} cached tokens "
                        f"(num_steps + 1); use at least {want}")
-    unknown = [] if isinstance(args.kernels, str) else sorted(set(args.kernels) - set(model.KERNELS))
+    unknown = [] if isinstance(args.kernels, str) else sorted(set(args.kernels) - set(kernels.KERNELS))
     if unknown:
-        raise BadInput(f"--kernels: unknown {', '.join(unknown)}; choose from {', '.join(model.KERNELS)}, all or none")
+        raise BadInput(f"--kernels: unknown {', '.join(unknown)}; choose from {', '.join(kernels.KERNELS)}, all or none")
     if args.kernels not in ("none", ["fused_proj"]):   # fused_proj is plain torch
         try:
             kernels.check_available(device)
@@ -312,10 +313,10 @@ def check_device_flags(args, device):
             raise BadInput(f"--routed-experts {args.routed_experts}: {args.preset} needs between "
                            f"{m.num_experts_per_tok} (experts per token) and {m.n_routed_experts}, a multiple of "
                            f"n_group {m.n_group}")
-    if args.moe_impl == "fused" and not model.fused_moe_available(device, getattr(torch, args.dtype)):
+    if args.moe_impl == "fused" and not kernels.fused_moe_available(device, getattr(torch, args.dtype)):
         raise BadInput(f"--moe-impl fused: the Triton kernel does not run {args.dtype} on {device.type} here (it "
                        "needs Triton and a CUDA GPU, and bf16, fp16 or fp32); use --moe-impl gather or auto")
-    if args.moe_impl == "grouped" and not model.grouped_mm_available(device, getattr(torch, args.dtype)):
+    if args.moe_impl == "grouped" and not kernels.grouped_mm_available(device, getattr(torch, args.dtype)):
         raise BadInput(f"--moe-impl grouped: torch._grouped_mm does not run {args.dtype} on {device.type} here; "
                        "use --moe-impl gather or auto")
 
@@ -328,7 +329,7 @@ def build(args, device, dtype):
     max_seq_len = max(args.prompt_len + args.max_new_tokens, max(args.context_len) + sweep) + 2 * k + 2
     if args.model_path:
         target = checkpoint.load_target(args.model_path, args.batch_size, max_seq_len, device, dtype, tp,
-                                        moe_impl=args.moe_impl, routing=args.routing, kernels=args.kernels)
+                                        routing=args.routing)
         how = f"loaded {args.model_path}"
         if args.trained_pair:
             how = ("the trained tiny pair (checkpoints/tiny-stdlib, made by train.py from bytes of Python stdlib "
@@ -342,13 +343,13 @@ def build(args, device, dtype):
             tpm.print0(f"memory override: {args.routed_experts} of {margs.n_routed_experts} routed experts per layer kept")
             margs.n_routed_experts = args.routed_experts
         try:
-            target = model.Transformer(margs, args.batch_size, max_seq_len, device, dtype, tp, moe_impl=args.moe_impl,
-                                       routing=args.routing, kernels=args.kernels)
+            target = model.Transformer(margs, args.batch_size, max_seq_len, device, dtype, tp, routing=args.routing)
         except ValueError as e:  # a size the TP does not divide
             raise BadInput(f"--preset {args.preset} at TP {tp.world_size}: {e}") from None
         whole = tp.world_size == 1 or not tp.simulated and sum(p.numel() for p in target.parameters()) < MAX_PARAMS_SEEDED_WHOLE
         checkpoint.init_random(target, args.seed, rank_local=not whole)
         how = f"random {args.preset} ({'seeded whole, same at any TP' if whole else 'rank-local init'})"
+    kernels.accelerate(target, args.kernels, moe=args.moe_impl)   # the fast paths, swapped in from outside
     if args.draft_path:
         head = checkpoint.load_draft(args.draft_path, target)
     elif args.dump:  # a dump without a draft checkpoint is plain greedy
@@ -478,7 +479,7 @@ def component_bytes(target, distinct, kv_slots, batch, tokens):
     # a shared expert folded into the fused MoE launch (kernels "shared_expert") runs there: its
     # bytes go with the routed experts' (its time does too)
     folded = tuple(f"layers.{i}.mlp.shared_experts." for i, layer in enumerate(target.layers)
-                   if getattr(layer.mlp, "shared_in_launch", False))
+                   if isinstance(layer.mlp, kernels.SharedExpertInLaunch))
     for name, p in target.named_parameters():
         nbytes = p.numel() * p.element_size()
         if ".mlp.experts." in name:
@@ -511,29 +512,50 @@ def draft_bytes(head, kv_slots, batch, with_fc):
 
 def component_of(name, module):
     """The component of a module's own ops (None: its parent's). MLA's own ops are the attention
-    core; model.scope() names the RoPE and the absorbed projections inside it."""
-    if isinstance(module, model.RMSNorm):
+    core; MLA_METHODS and apply_rope name the math inside it that is no module."""
+    if isinstance(module, model.RMSNorm):   # with a residual, its add too
         return "elementwise"
     if isinstance(module, model.MLA):
         return "attn_core"
     if ".self_attn." in name:   # q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj
         return "attn_proj"
     kinds = {model.Router: "router", model.Experts: "routed_experts", model.MLP: "shared_mlp",
-             model.MoE: "elementwise", model.Block: "elementwise"}  # the routed + shared sum, the residual adds
+             model.MoE: "elementwise", model.Block: "elementwise"}  # the routed + shared sum
     for kind, component in kinds.items():
         if isinstance(module, kind):
             return component
     return "embed_head" if name in ("embed_tokens", "lm_head") else None
 
 
+# MLA's methods whose math is projections, not the attention core: the q / kv down projections
+# (a GEMM over stacked weights with --kernels fused_proj), and decode mode's absorbed kv_b_proj
+MLA_METHODS = {"project": "attn_proj", "absorb_query": "attn_proj", "absorb_output": "attn_proj"}
+
+
+def scope(component):
+    """A profiler range that puts the kernels launched inside it under `component`. It exists
+    only while a profiler records, never under torch.compile, and adds no device work."""
+    if torch.compiler.is_compiling() or not torch.autograd._profiler_enabled():
+        return nullcontext()
+    return torch.profiler.record_function("component:" + component)
+
+
+def scoped(fn, component):
+    def call(*args, **kwargs):
+        with scope(component):
+            return fn(*args, **kwargs)
+    return call
+
+
 @contextmanager
 def component_scopes(target):
-    """Each module's forward inside a profiler range named by its component (hooks, removed after)."""
-    active, handles = [], []
+    """While profiling: each module's forward inside a range named by its component (hooks), MLA's
+    MLA_METHODS and model.apply_rope (elementwise) wrapped in ranges of theirs; all removed after."""
+    active, handles, wrapped = [], [], []
 
     def enter(component):
         def hook(module, inputs):
-            active.append(model.scope(component))
+            active.append(scope(component))
             active[-1].__enter__()
         return hook
 
@@ -543,11 +565,19 @@ def component_scopes(target):
         component = component_of(name, m)
         if component:
             handles += [m.register_forward_pre_hook(enter(component)), m.register_forward_hook(leave)]
+        if isinstance(m, model.MLA):
+            for method, part in MLA_METHODS.items():
+                setattr(m, method, scoped(getattr(m, method), part))   # an instance attribute, deleted after
+                wrapped.append((m, method))
+    rope, model.apply_rope = model.apply_rope, scoped(model.apply_rope, "elementwise")
     try:
         yield
     finally:
+        model.apply_rope = rope
         for h in handles:
             h.remove()
+        for m, method in wrapped:
+            delattr(m, method)
 
 
 def component_at(event, kernel_names=()):
@@ -899,7 +929,7 @@ def compiled(b, ctx, result):
     """The captured phases again with torch.compile fusing each layer (last: it changes the
     modules). The compiled layers' graphs live in a runner of their own: the keys are the same."""
     try:
-        b.target.compile_layers()
+        kernels.compile_layers(b.target)
         b.head.midlayer.compile(dynamic=False)
         b.runner = CudaGraphs(b.target.device)
         result["contexts"][ctx]["phases_ms"].update(time_phases(b, ctx, True, "+compile"))
@@ -964,7 +994,7 @@ def moe_note(t):
     experts = next((layer.mlp.experts for layer in t.layers if isinstance(layer.mlp, model.MoE)), None)
     if t.moe_impl != "fused" or experts is None:
         return t.moe_impl
-    grouped_above = experts.grouped_ok and not experts.quantized
+    grouped_above = kernels.grouped_mm_available(t.device, t.dtype) and not experts.quantized
     return "fused Triton kernel" + (f" (grouped above {experts.FUSED_MAX_TOKENS} tokens)" if grouped_above else "")
 
 

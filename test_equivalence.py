@@ -7,6 +7,7 @@ graph work done: `python -m pytest -q test_equivalence.py` there runs both parts
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -39,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CPU_ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # run.py as a user runs it on the CPU (the GPU hidden)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200)")
 TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-triton_runs = pytest.mark.skipif(not model.fused_moe_available(TRITON_DEVICE, torch.float32),
+triton_runs = pytest.mark.skipif(not kernels.fused_moe_available(TRITON_DEVICE, torch.float32),
                                  reason="needs Triton (on CUDA, or its CPU interpreter with TRITON_INTERPRET=1)")
 
 
@@ -179,9 +180,11 @@ def test_grouped_moe_equals_gather(quant):
     outnumber them (every call here: 36 and 9 tokens x 4 experts >= 16)."""
     args = tiny(quantization_config=quant)
     m = init_random(Transformer(args, max_batch_size=3, max_seq_len=32, dtype=torch.float32), 5)
-    g = Transformer(args, max_batch_size=3, max_seq_len=32, dtype=torch.float32, moe_impl="grouped")
+    g = Transformer(args, max_batch_size=3, max_seq_len=32, dtype=torch.float32)
+    kernels.accelerate(g, moe="grouped")
     g.load_state_dict(m.state_dict())
-    assert m.moe_impl == "gather" and g.moe_impl == "grouped"
+    assert type(m.layers[1].mlp.experts) is model.Experts and g.moe_impl == "grouped"
+    assert isinstance(g.layers[1].mlp.experts, kernels.GroupedExperts)
     assert_close(run_steps(g), run_steps(m), 1e-4, f"grouped_mm MoE vs gathered weights, {quant or 'plain'} experts")
 
 
@@ -192,12 +195,13 @@ def test_grouped_moe_equals_gather(quant):
 # product and each expert's output to bf16, so they agree within 2% of the largest output.
 
 class ExpertsHolder(torch.nn.Module):
-    """Just enough of a Transformer (args, tp, parameters) for init_random to fill one Experts."""
+    """Just enough of a Transformer (args, tp, parameters) for init_random to fill one Experts,
+    swapped for kernels.FusedExperts (model.Experts.forward on it is the plain reference)."""
 
-    def __init__(self, args, tp, impl, device, dtype):
+    def __init__(self, args, tp, device, dtype):
         super().__init__()
         self.args, self.tp = args, tp
-        self.experts = model.Experts(args, tp, impl, device, dtype)
+        self.experts = kernels.swap(model.Experts(args, tp, device, dtype), kernels.FusedExperts)
 
 
 def moe_experts(shape, quant, E, device, dtype, seed=0):
@@ -210,7 +214,7 @@ def moe_experts(shape, quant, E, device, dtype, seed=0):
         args, tp_ = tiny(n_routed_experts=E, num_experts_per_tok=8, moe_intermediate_size=64, quantization_config=qc), TP(1, 2)
     else:
         args, tp_ = model.preset("kimi-k2", n_routed_experts=E, quantization_config=qc), TP.simulate(8)
-    holder = ExpertsHolder(args, tp_, "fused", device, dtype)
+    holder = ExpertsHolder(args, tp_, device, dtype)
     return init_random(holder, seed, rank_local=shape != "tiny").experts, args.hidden_size
 
 
@@ -238,10 +242,8 @@ def check_fused_moe(experts_and_dim, cases, dtype, seed=0):
             continue
         ids, w = routing(kind, N, K, E, g, TRITON_DEVICE)
         x = torch.randn(N, D, generator=g).to(TRITON_DEVICE, dtype)
-        experts.impl = "fused"
         fused = experts(x, ids, w) if variant is None else experts.fused(x, ids, w, variant=variant)
-        experts.impl = "gather"
-        ref = experts(x, ids, w)
+        ref = model.Experts.forward(experts, x, ids, w)      # the plain reference on the same weights
         tol = (1e-5 if dtype == torch.float32 else 2e-2) * ref.abs().max().item()
         assert fused.dtype == ref.dtype and fused.shape == ref.shape
         assert_close(fused, ref, tol, f"fused ({variant or 'auto'}) vs gather MoE, E {E}, N {N}, {kind} routing, {dtype}")
@@ -273,14 +275,13 @@ def test_fused_moe_gemv_fp8_scale_blocks_as_rows():
     laid out as tile rows of their own (GEMV_CONFIGS' FP8 entries), one scale per tile row."""
     args = tiny(n_routed_experts=8, num_experts_per_tok=8, hidden_size=256, moe_intermediate_size=512,
                 quantization_config=model.fp8_quantization_config((128, 128)))
-    experts = init_random(ExpertsHolder(args, TP(1, 2), "fused", TRITON_DEVICE, torch.float32), 0).experts
+    experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, torch.float32), 0).experts
     ids, w = routing("random", 2, 8, 8, torch.Generator().manual_seed(0), TRITON_DEVICE)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1)).to(TRITON_DEVICE)
-    weights = [getattr(experts, p).kernel_weights() for p in ("gate_proj", "up_proj", "down_proj")]
+    weights = [kernels.expert_weights(getattr(experts, p)) for p in ("gate_proj", "up_proj", "down_proj")]
     got = kernels.fused_moe(x, ids, w, *weights, variant="gemv",
                             configs=dict(gate_up=(32, 128, 1, 4, 2), down=(64, 128, 4, 2)))
-    experts.impl = "gather"
-    ref = experts(x, ids, w)
+    ref = model.Experts.forward(experts, x, ids, w)
     assert_close(got, ref, 1e-5 * ref.abs().max().item(), "GEMV FP8 with 2 scale blocks a k-step vs gather")
 
 
@@ -324,8 +325,8 @@ def test_fused_moe_refuses_bad_input_by_name():
         kernels.fused_moe(x, ids, ids.float(), w, w, w)
     with pytest.raises(ValueError, match="x must be bf16, fp16 or fp32"):
         kernels.fused_moe(x.double(), ids, ids.float(), w, w, kernels.ExpertWeights("plain", experts.down_proj))
-    with pytest.raises(ValueError, match="moe_impl='fused' needs Triton and a bf16, fp16 or float32 model"):
-        Transformer(tiny(), dtype=torch.float64, moe_impl="fused")
+    with pytest.raises(ValueError, match="moe='fused' needs Triton and a bf16, fp16 or float32 model"):
+        kernels.accelerate(Transformer(tiny(), dtype=torch.float64), moe="fused")
 
 
 def test_aux_states_are_the_chosen_layer_outputs():
@@ -334,7 +335,8 @@ def test_aux_states_are_the_chosen_layer_outputs():
     assert m.aux_layer_ids == [0, 2, 6]
     tokens, pos = torch.tensor([[5, 6, 7]]), torch.arange(3)[None]
     seen = []
-    hooks = [m.layers[i].register_forward_hook(lambda mod, i_, o: seen.append(o)) for i in (0, 2, 6)]
+    # a layer returns (its MLP output, the stream it read): their sum is its output
+    hooks = [m.layers[i].register_forward_hook(lambda mod, i_, o: seen.append(o[0] + o[1])) for i in (0, 2, 6)]
     logits, aux = m(tokens, pos, capture_aux=True)
     for h in hooks:
         h.remove()
@@ -667,8 +669,9 @@ def small_steps(m):
 
 
 def _fused_quant_worker(quant, plain, device, tp=None):
-    fused = load_target(quant, 2, 16, device=device, dtype=torch.float32, tp=tp, moe_impl="fused")
-    ref = load_target(plain, 2, 16, device=device, dtype=torch.float32, tp=tp, moe_impl="gather")
+    fused = load_target(quant, 2, 16, device=device, dtype=torch.float32, tp=tp)
+    kernels.accelerate(fused, moe="fused")
+    ref = load_target(plain, 2, 16, device=device, dtype=torch.float32, tp=tp)
     return small_steps(fused), small_steps(ref)
 
 
@@ -1047,7 +1050,7 @@ def test_gpu_trained_pair_graph_speculative_equals_plain_greedy(kernels_on):
     if kernels_on and not kernels.HAVE_TRITON:
         pytest.skip("needs triton")
     target, head = train.load_pair(max_batch_size=3, max_seq_len=128, device="cuda")
-    target.use_kernels("all" if kernels_on else "none")
+    kernels.accelerate(target, "all" if kernels_on else "none")
     prompts = [p[:n] for p, n in zip(train.heldout_prompts(3, 32), (32, 17, 25))]
     plain = generate(target, None, prompts, max_new_tokens=40, eos_id=-1).tokens
     for mode in ("extend", "decode"):
@@ -1554,7 +1557,8 @@ def test_component_table_adds_up_to_the_summed_op_time():
         assert parts["other"] < 0.1 * total and parts["allreduce"] == 0, parts
         assert got["kernels"] > 100
     assert all(not mod._forward_hooks and not mod._forward_pre_hooks for mod in m.modules()), "hooks left behind"
-    assert isinstance(model.scope("router"), contextlib.nullcontext), "a scope outside profiling must cost nothing"
+    assert isinstance(run.scope("router"), contextlib.nullcontext), "a scope outside profiling must cost nothing"
+    assert model.apply_rope.__name__ == "apply_rope" and "project" not in vars(m.layers[0].self_attn)
 
 
 def test_component_bytes_count_what_a_forward_moves():
@@ -1636,9 +1640,10 @@ def test_progress_labels_count_tokens_not_cache_slots():
 # ---------------------------------------------------------------------------------------------
 # GPU: graphs against eager, no host sync, bf16 agreement (skipped without CUDA; run on the H200)
 
-def gpu_models(dtype=torch.bfloat16, B=3, seed=0, quant=None, moe_impl="auto"):
+def gpu_models(dtype=torch.bfloat16, B=3, seed=0, quant=None, moe_impl="auto", kernels_on="none"):
     target = init_random(Transformer(tiny(quantization_config=quant), max_batch_size=B, max_seq_len=64,
-                                     device="cuda", dtype=dtype, moe_impl=moe_impl), seed)
+                                     device="cuda", dtype=dtype), seed)
+    kernels.accelerate(target, kernels_on, moe=moe_impl)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
     return target, head
 
@@ -1759,19 +1764,20 @@ def test_gpu_decode_attention_equals_extend_and_grouped_equals_gather():
     """Attention paths in float32 on the GPU (bf16 can flip a near-tied expert choice, which moves
     logits by O(1) in a random model); the grouped MoE against gathered weights on the same routing
     in bf16."""
-    target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32, moe_impl="gather"), 0)
+    target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32), 0)
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
     assert_close(target(step, step_pos, "decode").logits, target(step, step_pos, "extend").logits, 1e-3,
                  "float32 GPU decode vs extend attention")
-    if not model.grouped_mm_available(torch.device("cuda"), torch.bfloat16):
+    if not kernels.grouped_mm_available(torch.device("cuda"), torch.bfloat16):
         pytest.skip("torch._grouped_mm is not available for bf16 on this GPU")
-    moe = init_random(Transformer(tiny(), 1, 8, device="cuda", dtype=torch.bfloat16, moe_impl="grouped"), 1).layers[1].mlp
+    grouped = init_random(Transformer(tiny(), 1, 8, device="cuda", dtype=torch.bfloat16), 1)
+    kernels.accelerate(grouped, moe="grouped")
+    moe = grouped.layers[1].mlp
     x = torch.randn(37, 64, device="cuda", dtype=torch.bfloat16)
     ids, weights = moe.gate(x)
     grouped = moe.experts(x, ids, weights)
-    moe.experts.impl = "gather"
-    assert_close(grouped, moe.experts(x, ids, weights), 2e-2 * grouped.abs().max().item(), "bf16 grouped vs gather")
+    assert_close(grouped, model.Experts.forward(moe.experts, x, ids, weights), 2e-2 * grouped.abs().max().item(), "bf16 grouped vs gather")
 
 
 @cuda
@@ -1820,12 +1826,12 @@ def test_compiled_layers_equal_plain_inside_graphs_without_host_sync(kernels_on)
     from functools import partial
     from graphs import CudaGraphs
     target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32,
-                                     routing="uniform" if kernels_on else "model",
-                                     kernels="all" if kernels_on else "none"), 0)
+                                     routing="uniform" if kernels_on else "model"), 0)
+    kernels.accelerate(target, "all" if kernels_on else "none")
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
     plain = {mode: flat(target(step, step_pos, mode, capture_aux=True)) for mode in ("extend", "decode")}
-    target.compile_layers()
+    kernels.compile_layers(target)
     runner = CudaGraphs("cuda")
     for mode, ref in plain.items():
         fn = partial(target, mode=mode, capture_aux=True)
@@ -1955,6 +1961,27 @@ def test_rope_cache_kernel_equals_twin(shape, dtype):
         assert_close(pe_cache, want_pe, tol, what + ": rope cache")
 
 
+def random_routers(args, device, dtype, seed, routing="model"):
+    """model.Router and its swap kernels.RouterKernel, with the same random weights."""
+    router = model.Router(args, device, dtype, routing)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g) / 8)
+        router.e_score_correction_bias.copy_(0.1 * torch.randn(args.n_routed_experts, generator=g))
+    fast = kernels.swap(model.Router(args, device, dtype, routing), kernels.RouterKernel)
+    fast.load_state_dict(router.state_dict())
+    assert_same_state(fast, router)
+    return router, fast
+
+
+def assert_same_state(swapped, plain):
+    """A swap keeps the state dict: the same keys, equal values."""
+    a, b = swapped.state_dict(), plain.state_dict()
+    assert list(a) == list(b), f"state dict keys differ: {sorted(set(a) ^ set(b))}"
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs after the swap"
+
+
 ROUTER_SHAPES = {"tiny": {},  # 16 experts in 4 groups, 2 kept, top 4
                  "kimi-k2": dict(n_routed_experts=384, num_experts_per_tok=8, n_group=1, topk_group=1),
                  "deepseek-v3": dict(n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4)}
@@ -1966,18 +1993,15 @@ ROUTER_SHAPES = {"tiny": {},  # 16 experts in 4 groups, 2 kept, top 4
 def test_router_kernel_equals_twin(shape, dtype):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(**ROUTER_SHAPES[shape])
-    router = model.Router(args, device, dtype)
-    g = torch.Generator().manual_seed(len(shape))
-    with torch.no_grad():
-        router.weight.copy_(torch.randn(router.weight.shape, generator=g) / 8)
-        router.e_score_correction_bias.copy_(0.1 * torch.randn(args.n_routed_experts, generator=g))
+    router, fast = random_routers(args, device, dtype, seed=len(shape))
+    g = torch.Generator().manual_seed(100 + len(shape))
     for n in (1, 5, 37) if device == "cuda" else (1, 5):   # the interpreter runs one program (token) at a time
         x = torch.randn(n, args.hidden_size, generator=g).to(device, dtype)
         shared_slot = n == 5      # expert E with weight 1 in a column more (the shared expert's launch)
-        router.impl = "torch"
-        ids, w = router(x, shared_slot)
-        router.impl = "triton"
-        got_ids, got_w = router(x, shared_slot)
+        ids, w = router(x)
+        if shared_slot:
+            ids, w = kernels.with_shared_slot(ids, w, args.n_routed_experts)
+        got_ids, got_w = fast(x, shared_slot)
         assert got_ids.dtype == ids.dtype and got_w.dtype == w.dtype
         what = f"router kernel {shape} N={n} shared slot {shared_slot}"
         assert torch.equal(got_ids, ids), f"{what}: ids differ\n{got_ids}\n{ids}"
@@ -2030,7 +2054,7 @@ NORM_GEMV_KIMI = [(2112, 7168), (1536, 1536), (7168, 1024)]    # Kimi-K2 TP 8: q
 @triton_ok
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_gemv_kernel_equals_twin(dtype):
-    """kernels.norm_gemv against model.norm_linear (the plain add, RMSNorm and F.linear) on fresh
+    """kernels.norm_gemv against its twin (the plain add, model.RMSNorm and F.linear) on fresh
     random inputs: with the residual add and the norm, the norm alone, neither; 1, 4 and 16 rows;
     x a strided view (a split of a wider output, as q_a is) and W a row-strided view (as the stacked
     q_a + kv_a weight is). float32 to 1e-5 relative; bf16 (GPU) to 1% of the largest output, since
@@ -2051,7 +2075,8 @@ def test_norm_gemv_kernel_equals_twin(dtype):
             r = torch.randn(rows, K, generator=g).to(device, dtype)
             for nrm, res in ((norm, r), (norm, None), (None, None)):
                 h, out = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6, res)
-                h_ref, ref = model.norm_linear(x, w, nrm, res)
+                h_ref = x if res is None else x + res
+                ref = F.linear(h_ref if nrm is None else nrm(h_ref), w)
                 what = f"norm_gemv N={N} K={K} rows={rows} {dtype} norm={nrm is not None} add={res is not None}"
                 assert_close(h, h_ref, 0.0, what + ": the sum")
                 tol = (1e-5 if dtype == torch.float32 else 1e-2) * ref.abs().max().item()
@@ -2098,12 +2123,12 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(num_hidden_layers=3)
     plain = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32), 0)
-    fast = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32,
-                                   kernels=("norm_gemv",) + others), 0)
+    fast = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32), 0)
+    kernels.accelerate(fast, ("norm_gemv",) + others)
     calls, heads = [], []
-    monkeypatch.setattr(model.triton_kernels, "norm_gemv",
+    monkeypatch.setattr(kernels.launch, "norm_gemv",
                         lambda *a, **k: calls.append(a[0].shape) or kernels.norm_gemv(*a, **k))
-    monkeypatch.setattr(model.triton_kernels, "head_gemv",
+    monkeypatch.setattr(kernels.launch, "head_gemv",
                         lambda *a, **k: heads.append(a[0].shape) or kernels.head_gemv(*a, **k))
     prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=4))
     for mode in ("extend", "decode"):
@@ -2121,26 +2146,126 @@ def kernel_models(device, dtype, B=3, max_seq_len=64, layers=8):
     """The tiny model twice (same seed): all kernels off (the gather MoE), all on (the fused MoE)."""
     args = tiny(num_hidden_layers=layers)
     plain = init_random(Transformer(args, B, max_seq_len, device=device, dtype=dtype), 0)
-    fast = init_random(Transformer(args, B, max_seq_len, device=device, dtype=dtype, moe_impl="fused",
-                                   kernels="all"), 0)
+    fast = init_random(Transformer(args, B, max_seq_len, device=device, dtype=dtype), 0)
+    kernels.accelerate(fast, "all", moe="fused")
     return plain, fast
 
 
 @triton_ok
 def test_model_with_kernels_equals_plain():
-    """Whole tiny model (3 layers on a CPU: the interpreter runs each program in turn), float32:
-    a 12-token prefill and a 3-token step at each row's own position, both in decode mode, so
-    every kernel runs (attention with 48 and 12 query rows a batch row)."""
+    """The swapped tiny model (every kernel, the fused MoE) against the plain one, end to end
+    (3 layers on a CPU: the interpreter runs each program in turn), float32, on the same weights
+    (accelerate keeps the state dict's keys and values): a 12-token prefill and a 3-token step at
+    each row's own position in each attention mode, so every kernel runs (decode attention with
+    48 and 12 query rows a batch row); logits and the EAGLE-3 aux states."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     plain, fast = kernel_models(device, torch.float32, layers=8 if device == "cuda" else 3)
-    assert fast.kernels == model.KERNELS and plain.kernels == ()
+    assert fast.kernels == kernels.KERNELS and not hasattr(plain, "kernels")
+    assert_same_state(fast, plain)
     prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=9))
-    assert_close(fast(prefill, prefill_pos, "decode").logits, plain(prefill, prefill_pos, "decode").logits, 1e-4,
-                 "kernels on vs off, prefill")
-    assert_close(fast(step, step_pos, "decode").logits, plain(step, step_pos, "decode").logits, 1e-4,
-                 "kernels on vs off, step")
+    for mode in ("decode", "extend"):
+        for tokens, pos, what in ((prefill, prefill_pos, "prefill"), (step, step_pos, "step")):
+            want, got = plain(tokens, pos, mode, capture_aux=True), fast(tokens, pos, mode, capture_aux=True)
+            assert_close(got.logits, want.logits, 1e-4, f"kernels on vs off, {what}, {mode} attention: logits")
+            assert_close(got.aux, want.aux, 1e-4, f"kernels on vs off, {what}, {mode} attention: aux states")
     with pytest.raises(ValueError, match="unknown kernels"):
-        plain.use_kernels(["attention", "flash"])
+        kernels.accelerate(plain, ["attention", "flash"])
+    with pytest.raises(ValueError, match="accelerated already"):
+        kernels.accelerate(fast, "all")
+
+
+def randomized(module, seed):
+    """module with every floating parameter drawn at random (norm weights around 1)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            w = torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5 if p.dim() > 1 else 10)
+            p.copy_(w + (1 if name.endswith("norm.weight") or p.dim() == 1 else 0))
+    return module
+
+
+def mla_calls(args, device):
+    """MLA inputs: a 9-token extend over an empty cache, then 3 tokens at each row's own position."""
+    g = torch.Generator().manual_seed(31)
+    rope = torch.stack(model.rope_tables(args.qk_rope_head_dim, 10000.0, None, 32, device), -1)
+    calls = []
+    for start, T in ((0, 9), (9, 3)):
+        x = torch.randn(2, T, args.hidden_size, generator=g).to(device)
+        pos = (start + torch.arange(T)).expand(2, T).contiguous().to(device)
+        future = torch.arange(16, device=device) > pos.unsqueeze(-1)
+        calls.append((x, pos, rope[pos], future))
+    return calls
+
+
+SWAPS = {  # name: (the plain module's maker(args, device), swap classes, inputs(args, device, seed))
+    "add_rmsnorm": (lambda a, d: model.RMSNorm(a.hidden_size, 1e-6, d), (kernels.AddRMSNorm,)),
+    "silu_mul": (lambda a, d: model.MLP(a.hidden_size, 96, TP(), "x", device=d), (kernels.SiluMulKernel,)),
+    "fused_proj (MLP)": (lambda a, d: model.MLP(a.hidden_size, 96, TP(), "x", device=d), (kernels.StackedGateUp,)),
+    "norm_gemv (o_proj)": (lambda a, d: tp.RowParallelLinear(80, a.hidden_size, TP(), "x", device=d),
+                           (kernels.GemvRowParallelLinear,)),
+    "attention": (None, (kernels.DecodeAttentionKernel,)),
+    "rope_cache": (None, (kernels.RopeCacheKernel,)),
+    "norm_gemv (MLA)": (None, (kernels.NormGemvMLA,)),
+    "fused_proj (MLA)": (None, (kernels.StackedQKVA,)),
+}
+
+
+@triton_ok
+@pytest.mark.parametrize("name", list(SWAPS))
+def test_each_swap_equals_the_module_it_replaces(name):
+    """Each swap of kernels.py against the module it replaces, on the same weights (the swap keeps
+    the state dict) and fresh random inputs, float32: 4 and 20 rows (norm_gemv's limit is 16);
+    MLA in both attention modes, its outputs and the caches it writes."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = tiny()
+    make, swaps = SWAPS[name]
+    if make is None:
+        make = lambda a, d: model.MLA(a, TP(), 2, 16, d, torch.float32)   # noqa: E731
+    plain = randomized(make(args, device), seed=len(name))
+    fast = kernels.swap(make(args, device), *swaps)       # swapped, then loaded by the plain names
+    fast.load_state_dict(plain.state_dict())
+    assert_same_state(fast, plain)
+    g = torch.Generator().manual_seed(7 + len(name))
+    if isinstance(plain, model.MLA):
+        for mode in ("extend", "decode"):
+            for call in mla_calls(args, device):
+                want, got = plain(*call, mode), fast(*call, mode)
+                assert_close(got, want, 1e-5 * want.abs().max().item(), f"{name} swap vs MLA, {mode}")
+            assert_close(fast.kv_cache, plain.kv_cache, 1e-6, f"{name} swap vs MLA: latent cache")
+            assert_close(fast.pe_cache, plain.pe_cache, 1e-6, f"{name} swap vs MLA: rope cache")
+        return
+    width = (plain.gate_proj if isinstance(plain, model.MLP) else plain).weight.shape[-1]
+    for n in (4, 20):
+        x = torch.randn(n, width, generator=g).to(device)
+        if isinstance(plain, model.RMSNorm):
+            r = torch.randn(n, x.shape[-1], generator=g).to(device)
+            (want, want_sum), (got, got_sum) = plain(x, r), fast(x, r)
+            assert_close(got_sum, want_sum, 0.0, f"{name}: the residual sum")
+            assert_close(fast(x), plain(x), 0.0, f"{name} without a residual")
+        else:
+            want, got = plain(x), fast(x)
+        assert_close(got, want, 1e-5 * want.abs().max().item(), f"{name} swap vs its module, {n} rows")
+    if isinstance(fast, kernels.StackedGateUp):   # the shared expert's down GEMM onto the routed output
+        shared = kernels.swap(make(args, device), kernels.StackedGateUp)
+        shared.load_state_dict(plain.state_dict())
+        shared.down_proj.reduce = False
+        routed = torch.randn(4, args.hidden_size, generator=g).to(device)
+        want = routed + plain(x[:4])
+        assert_close(shared(x[:4], add_to=routed.clone()), want, 1e-5 * want.abs().max().item(), "add_to")
+
+
+def test_model_py_knows_nothing_of_the_fast_path():
+    """model.py imports neither kernels.py nor Triton (a fresh interpreter: what importing model
+    loads), and holds no switch of the fast path; kernels.py imports model.py."""
+    code = "import sys, model; print(sorted(m for m in sys.modules if m.split('.')[0] in ('kernels', 'triton')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"importing model.py loaded {out.stdout.strip()}"
+    with open(os.path.join(HERE, "model.py")) as f:
+        source = f.read()
+    for word in ("import kernels", "triton", "use_kernels", "_impl", "forward_fused", "fused_proj", r"\bscope\(",
+                 "def _apply", "MAX_TOKENS", "MAX_ROWS"):
+        assert not re.search(word, source), f"model.py mentions {word!r}"
+    assert "import model" in open(os.path.join(HERE, "kernels.py")).read()
 
 
 @triton_ok
@@ -2151,55 +2276,64 @@ def test_router_kernel_uniform_routing_equals_twin(shape):
     scores, normalized and scaled, as its weights."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(**ROUTER_SHAPES[shape])
-    router = model.Router(args, device, torch.float32)
-    router.routing = "uniform"
-    g = torch.Generator().manual_seed(len(shape) + 1)
-    with torch.no_grad():
-        router.weight.copy_(torch.randn(router.weight.shape, generator=g) / 8)
-        router.e_score_correction_bias.copy_(0.1 * torch.randn(args.n_routed_experts, generator=g))
+    router, fast = random_routers(args, device, torch.float32, seed=len(shape) + 1, routing="uniform")
+    g = torch.Generator().manual_seed(200 + len(shape))
     for n in (1, 5, 37, 60) if device == "cuda" else (1, 5):   # 5 x 4 = 20 pairs wrap past tiny's 16 experts
         x = torch.randn(n, args.hidden_size, generator=g).to(device)
         for shared_slot in (False, True):   # True: expert E, weight 1, in a column more (shared expert launch)
-            router.impl = "torch"
-            ids, w = router(x, shared_slot)
-            router.impl = "triton"
-            got_ids, got_w = router(x, shared_slot)
+            ids, w = router(x)
+            if shared_slot:
+                ids, w = kernels.with_shared_slot(ids, w, args.n_routed_experts)
+            got_ids, got_w = fast(x, shared_slot)
             what = f"uniform router kernel {shape} N={n} shared slot {shared_slot}"
             assert torch.equal(got_ids, ids), f"{what}: ids differ\n{got_ids}\n{ids}"
             assert_close(got_w, w, 1e-6, f"{what}: weights")
 
 
 @triton_ok
-def test_add_rmsnorm_across_layers_equals_plain_with_exact_aux_states():
+def test_add_rmsnorm_across_layers_equals_plain_with_exact_aux_states(monkeypatch):
     """kernels="add_rmsnorm": every residual add fused into the norm that reads it (the MLP output
     carried into the next layer's input norm, the last one into the final norm). Logits and the
     EAGLE-3 aux states (whole layer outputs, x + mlp, among them the second-to-last layer's) equal
-    the plain model's, in both attention modes."""
+    the plain model's, in both attention modes. The kernel runs where it always ran: 2 a layer
+    (none in the first layer's input norm, one in the final norm), less one after each captured
+    layer (whose output is added whole for EAGLE-3, so the next input norm has no residual)."""
+    calls = []
+    monkeypatch.setattr(kernels.launch, "add_rmsnorm", lambda *a: calls.append(1) or kernels.add_rmsnorm(*a))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(num_hidden_layers=4 if device == "cpu" else 8)
     aux_ids = [0, 1, args.num_hidden_layers - 2]
     plain = init_random(Transformer(args, 3, 32, device=device, dtype=torch.float32, aux_layer_ids=aux_ids), 3)
-    fused = init_random(Transformer(args, 3, 32, device=device, dtype=torch.float32, aux_layer_ids=aux_ids,
-                                    kernels="add_rmsnorm"), 3)
+    fused = init_random(Transformer(args, 3, 32, device=device, dtype=torch.float32, aux_layer_ids=aux_ids), 3)
+    assert kernels.accelerate(fused, "add_rmsnorm") == ("add_rmsnorm",)
     prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=4))
     for tokens, pos, mode in ((prefill, prefill_pos, "extend"), (step, step_pos, "decode"), (step, step_pos, "extend")):
         for capture_aux in (True, False):
             want, got = plain(tokens, pos, mode, capture_aux), fused(tokens, pos, mode, capture_aux)
             what = f"add_rmsnorm across layers, {mode}, T={tokens.shape[1]}, aux {capture_aux}"
+            assert len(calls) == 2 * args.num_hidden_layers - (len(aux_ids) if capture_aux else 0), what
+            calls.clear()
             assert_close(got.logits, want.logits, 1e-4, what + ": logits")
             if capture_aux:
                 assert_close(got.aux, want.aux, 1e-5 * want.aux.abs().max().item(), what + ": aux states")
 
 
+def fused_proj_target(path, **kw):
+    target = load_target(path, 3, 32, **kw)
+    assert kernels.accelerate(target, "fused_proj") == ("fused_proj",)
+    return target
+
+
 def test_fused_proj_equals_plain_on_one_copy_of_the_weights(tiny_ckpt, tmp_path):
-    """kernels="fused_proj" (plain torch, any dtype): q_a_proj + kv_a_proj_with_mqa and gate_proj +
+    """kernels "fused_proj" (plain torch, any dtype): q_a_proj + kv_a_proj_with_mqa and gate_proj +
     up_proj as one GEMM each over the stacked weights, the shared expert's down GEMM adding onto
-    the routed output. Loaded by the checkpoint's own names (float64, FP8 and INT4 checkpoints,
-    a simulated TP-2 rank's slices) it equals the plain model; each weight is a view of its
-    stacked buffer (no second copy)."""
+    the routed output. Swapped in after loading by the checkpoint's own names (float64, FP8 and
+    INT4 checkpoints, a simulated TP-2 rank's slices) it equals the plain model and keeps its
+    state dict; each weight is a view of its stacked buffer (no second copy), also after .to()."""
     ckpt, m = tiny_ckpt
-    assert m.layers[1].self_attn.q_kv_a_weight is None and m.layers[0].mlp.gate_up_weight is None  # plain: no views
-    fused = load_target(ckpt, 3, 32, dtype=torch.float64, kernels="fused_proj")
+    assert not hasattr(m.layers[1].self_attn, "q_kv_a_weight")          # plain: no stacked buffers
+    fused = fused_proj_target(ckpt, dtype=torch.float64)
+    assert_same_state(fused, m)
     assert_close(run_steps(fused), run_steps(m), 1e-12, "fused_proj vs plain, float64 checkpoint")
     attn, dense, shared = fused.layers[1].self_attn, fused.layers[0].mlp, fused.layers[1].mlp.shared_experts
     for buf, parts in ((attn.q_kv_a_weight, (attn.q_a_proj, attn.kv_a_proj_with_mqa)),
@@ -2216,12 +2350,12 @@ def test_fused_proj_equals_plain_on_one_copy_of_the_weights(tiny_ckpt, tmp_path)
     assert_close(run_steps(moved), run_steps(m), 1e-6, "fused_proj after .to() and back")
     for r in (0, 1):
         tp = TP.simulate(2, r)
-        got = run_steps(load_target(ckpt, 3, 32, dtype=torch.float64, tp=tp, kernels="fused_proj"))
+        got = run_steps(fused_proj_target(ckpt, dtype=torch.float64, tp=tp))
         assert_close(got, run_steps(load_target(ckpt, 3, 32, dtype=torch.float64, tp=tp)), 1e-12,
                      f"fused_proj vs plain, simulated rank {r} of TP 2")
     for make in (fp8_checkpoint, int4_checkpoint):
         quant, plain = make(str(tmp_path / make.__name__))
-        got = run_steps(load_target(quant, 3, 32, dtype=torch.float32, kernels="fused_proj"))
+        got = run_steps(fused_proj_target(quant, dtype=torch.float32))
         assert_close(got, run_steps(load_target(plain, 3, 32, dtype=torch.float32)), 1e-5,
                      f"fused_proj on {make.__name__} vs the dequantized checkpoint, plain")
 
@@ -2229,24 +2363,29 @@ def test_fused_proj_equals_plain_on_one_copy_of_the_weights(tiny_ckpt, tmp_path)
 @triton_runs
 def test_shared_expert_in_the_fused_launch_equals_plain(tmp_path):
     """kernels "shared_expert": the shared expert as expert E of the fused MoE launch equals the
-    plain MoE, whether folded before the weights are loaded (they land in the [E + 1] tensors,
-    under the checkpoint's names) or after; the parameters are views, nothing is held twice.
-    Left off (and not listed) where it cannot apply: quantized experts, the other MoE paths."""
+    plain MoE, whether swapped in before the weights are loaded by name (they land in the [E + 1]
+    tensors) or after load_target; the parameters are views, nothing is held twice, the state dict
+    is the plain one. Left off (and not listed) where it cannot apply: quantized experts, the
+    other MoE paths."""
     args = tiny(num_hidden_layers=3)
     kw = dict(max_batch_size=2, max_seq_len=32, device=TRITON_DEVICE, dtype=torch.float32)
     plain = init_random(Transformer(args, **kw), 4)
     save_target(plain.cpu(), tmp_path / "t")
-    before = load_target(tmp_path / "t", moe_impl="fused", kernels=["shared_expert"], **kw)
-    after = init_random(Transformer(args, moe_impl="fused", **kw), 4).use_kernels(["shared_expert"])
+    plain = plain.to(TRITON_DEVICE)
+    before = Transformer(args, **kw)
+    kernels.accelerate(before, ["shared_expert"], moe="fused")
+    before.load_state_dict(plain.state_dict())
+    after = load_target(tmp_path / "t", **kw)
+    kernels.accelerate(after, ["shared_expert"], moe="fused")
     tokens = torch.randint(0, args.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5)).to(TRITON_DEVICE)
     positions = torch.arange(6, device=TRITON_DEVICE).expand(2, 6)
     step, step_pos = (tokens[:, :1] + 1) % args.vocab_size, torch.full((2, 1), 6, device=TRITON_DEVICE)
-    plain = plain.to(TRITON_DEVICE)
     want = [plain(tokens, positions).logits, plain(step, step_pos).logits, plain(step[:1], step_pos[:1]).logits]
     for folded in (before, after):
         assert folded.kernels == ("shared_expert",)
+        assert_same_state(folded, plain)
         moe = folded.layers[-1].mlp
-        assert moe.shared_in_launch and moe.stacked[0].shape[0] == args.n_routed_experts + 1
+        assert isinstance(moe, kernels.SharedExpertInLaunch) and moe.stacked[0].shape[0] == args.n_routed_experts + 1
         assert moe.shared_experts.down_proj.weight.data_ptr() == moe.stacked[2][-1].data_ptr()
         # a prefill (the tile variant), then decode steps of 2 and 1 tokens (the GEMV variant, K + 1 pairs a token)
         got = [folded(tokens, positions).logits, folded(step, step_pos).logits, folded(step[:1], step_pos[:1]).logits]
@@ -2256,26 +2395,27 @@ def test_shared_expert_in_the_fused_launch_equals_plain(tmp_path):
     assert moved.shared_experts.up_proj.weight.data_ptr() == moved.stacked[1][-1].data_ptr()
     assert moved.experts.up_proj.data_ptr() == moved.stacked[1].data_ptr()
     assert_close(after(tokens, positions).logits, want[0], 1e-5, "shared expert in the fused launch, after .to()")
-    assert Transformer(args, moe_impl="gather", kernels=["shared_expert"], **kw).kernels == ()
+    assert kernels.accelerate(Transformer(args, **kw), ["shared_expert"], moe="gather") == ()
     int4 = tiny(num_hidden_layers=3, moe_intermediate_size=64, quantization_config="int4")
-    assert Transformer(int4, moe_impl="fused", kernels=["shared_expert"], **kw).kernels == ()
+    assert kernels.accelerate(Transformer(int4, **kw), ["shared_expert"], moe="fused") == ()
 
 
 @triton_runs
 def test_fused_proj_with_the_shared_expert_in_the_launch():
-    """"shared_expert" and "fused_proj" together: the folded shared expert gives up its stacked
-    gate/up buffer (its rows live in the [E + 1] tensors) and runs unstacked where it still runs on
-    its own (past the fused kernel's token limit, here lowered to 4); the attention pair and the
-    dense MLP stay stacked. Logits equal the plain model's with the fused launch and without."""
+    """"shared_expert" and "fused_proj" together: the folded shared expert is not stacked (its gate
+    and up rows live in the [E + 1] tensors) and runs unstacked where it still runs on its own
+    (past the fused kernel's token limit, here lowered to 4); the attention pair and the dense MLP
+    are stacked. Logits equal the plain model's with the fused launch and without."""
     args = tiny(num_hidden_layers=3)
     kw = dict(max_batch_size=2, max_seq_len=32, device=TRITON_DEVICE, dtype=torch.float32)
     plain = init_random(Transformer(args, **kw), 4)
-    both = init_random(Transformer(args, moe_impl="fused", kernels=["shared_expert", "fused_proj"], **kw), 4)
-    assert both.kernels == ("shared_expert", "fused_proj")
+    both = init_random(Transformer(args, **kw), 4)
+    assert kernels.accelerate(both, ["shared_expert", "fused_proj"], moe="fused") == ("shared_expert", "fused_proj")
     for layer in both.layers[1:]:
-        assert layer.mlp.shared_experts.gate_up_weight is None and not layer.mlp.shared_experts.fused_proj
-        assert layer.self_attn.fused_proj
-    assert both.layers[0].mlp.fused_proj
+        assert not isinstance(layer.mlp.shared_experts, kernels.StackedGateUp)
+        assert not isinstance(layer.mlp, kernels.SharedDownAddsRouted)
+        assert isinstance(layer.self_attn, kernels.StackedQKVA)
+    assert isinstance(both.layers[0].mlp, kernels.StackedGateUp)
     tokens = torch.randint(0, args.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5)).to(TRITON_DEVICE)
     positions = torch.arange(6, device=TRITON_DEVICE).expand(2, 6)
     want = plain(tokens, positions).logits
@@ -2331,8 +2471,7 @@ def test_gpu_kernels_in_captured_paths():
     """The tiny model with every kernel on: each captured shape replays equal to eager, with no
     host sync anywhere; float32 logits equal the plain model's; bf16 agreement is reported."""
     from graphs import CudaGraphs
-    target, head = gpu_models()
-    target.use_kernels("all")
+    target, head = gpu_models(kernels_on="all")
     runner = CudaGraphs("cuda")
     for routing in ("model", "uniform"):   # uniform: SIMULATED, inside the router kernel
         target.set_routing(routing)

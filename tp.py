@@ -1,9 +1,11 @@
 """Tensor parallelism you can read: process-group setup and Megatron-style parallel layers.
 
 Every collective is written in a `forward` below: `RowParallelLinear` and `VocabParallelEmbedding`
-all-reduce, `ParallelLMHead` all-gathers full-vocabulary rows. A `TP` object (rank, world size,
-simulated or not, which all-reduce) is passed explicitly to every layer; nothing reads a module
-global.
+all-reduce, `ParallelLMHead` all-gathers full-vocabulary rows (a swap of one of them, as
+kernels.GemvRowParallelLinear, keeps its collective in its own forward). The model's one other
+collective is model.MoE.forward's single all-reduce of the routed and shared experts' partial
+sums. A `TP` object (rank, world size, simulated or not, which all-reduce) is passed explicitly to
+every layer; nothing reads a module global.
 
 Two all-reduces: NCCL's (the default), and a one-shot all-reduce over torch's symmetric memory
 (`TP.from_env("one-shot")`) for small messages, as SGLang's and vLLM's custom all-reduce do: every
@@ -45,7 +47,8 @@ def init_distributed(device=None):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif world_size > 1:
-        torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        torch.set_num_threads(cpu_threads_per_rank(local_world))
     if world_size > 1 and not dist.is_initialized():
         if device.type == "cuda":
             dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
@@ -147,7 +150,8 @@ class TP:
 
     def describe(self):
         if self.simulated:
-            return f"SIMULATED rank {self.rank} of TP {self.world_size} (one process, collectives skipped)"
+            return (f"SIMULATED rank {self.rank} of TP {self.world_size} "
+                    "(one process, collectives skipped)")
         name = f"TP {self.world_size}, rank {self.rank}"
         if self.one_shot is not None:
             return (f"{name}, one-shot all-reduce (symmetric memory) up to "
@@ -172,7 +176,8 @@ class TP:
 
 
 def _param(shape, shard_dim, device, dtype):
-    # shard_dim tells init and the checkpoint loader how the global tensor is split (None: replicated)
+    # shard_dim tells init and the checkpoint loader how the global tensor is split (None:
+    # replicated)
     p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
     p.shard_dim = shard_dim
     return p
@@ -235,7 +240,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """Logits split by vocabulary, all-gathered so every rank holds full rows (and samples alike)."""
+    """Logits split by vocabulary, all-gathered so every rank holds full rows (and samples
+    alike)."""
 
     def __init__(self, dim, vocab_size, tp, what="vocab_size", device=None, dtype=None):
         super().__init__()
