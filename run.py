@@ -65,7 +65,7 @@ import kernels
 import model
 import tp as tpm
 import train
-from draft import Eagle3Draft, draft_preset, set_target_aux_layers
+from draft import Eagle3Draft, draft_preset, set_target_aux_layers, tree_capacity
 from graphs import CudaGraphs, GraphKey
 from report import COMPONENTS, Timing, answer, legacy_floors, report, spreads, timing_warnings, verdict
 from verify import accept, generate, kv_bucket, prefill_draft, prefill_target
@@ -120,10 +120,12 @@ def make_parser():
                    "(default: the preset's)")
     p.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens proposed per cycle, k "
                    "(verify reads k + 1 tokens; default %(default)s)")
-    p.add_argument("--speculative-eagle-topk", type=int, default=1, help="draft branches per step; only 1 "
-                   "(chain drafting) is implemented")
-    p.add_argument("--speculative-num-draft-tokens", type=int, help="tokens verified per cycle; with topk 1 "
-                   "always num_steps + 1 (another value is adjusted, with a note)")
+    p.add_argument("--speculative-eagle-topk", type=int, default=1, help="draft branches per step, K: 1 "
+                   "drafts a chain; above 1 a tree (EAGLE-2/3's and SGLang's; num_steps levels, K x K "
+                   "candidates a level, the best K expanded; default %(default)s)")
+    p.add_argument("--speculative-num-draft-tokens", type=int, help="tokens verified per cycle, N: with topk "
+                   "1 always num_steps + 1 (another value is adjusted, with a note, as SGLang does); with topk "
+                   "K > 1 required, the tree's nodes with the root, 2 to 1 + K + (num_steps - 1) K^2")
     p.add_argument("--speculative-attention-mode", choices=["prefill", "decode", "both"],
                    help="attention path of verify: prefill (keys and values expanded) or decode (absorbed "
                    "MLA); default: both (timing), prefill (--dump)")
@@ -200,12 +202,10 @@ def check_flags(args):
             raise BadInput(f"{flag} {value}: must be at least {low}")
     if not 0 <= args.min_top1_agreement <= 1:
         raise BadInput(f"--min-top1-agreement {args.min_top1_agreement}: must lie in [0, 1]")
-    if args.speculative_eagle_topk != 1:
-        raise BadInput(f"--speculative-eagle-topk {args.speculative_eagle_topk}: only 1 (chain drafting) is implemented")
-    k, sim = args.speculative_num_steps, args.simulate_accept_len
+    k, sim = check_tree_flags(args), args.simulate_accept_len
     if sim is not None and not 1 <= sim <= k + 1:
-        raise BadInput(f"--simulate-accept-len {sim}: must lie in [1, num_steps + 1 = {k + 1}] (accepted "
-                       "tokens per cycle, the bonus token included)")
+        raise BadInput(f"--simulate-accept-len {sim}: must lie in [1, {k + 1}] (accepted tokens per cycle, "
+                       "the bonus token included: at most the deepest draft path + 1)")
     if args.compare and (args.dump or args.model_path or args.draft_path):
         raise BadInput("--compare reads two dump files and builds no model: drop --dump, --model-path, --draft-path")
     for flag, value in (("--prompt-ids", args.prompt_ids), ("--topk", args.topk)):
@@ -219,6 +219,27 @@ def check_flags(args):
                        "checkpoints are used: drop one")
     if args.dump and (args.context_len or args.skip_e2e or args.compile):
         raise BadInput("--context-len, --skip-e2e and --compile shape the timing run; --dump times nothing")
+
+
+def check_tree_flags(args):
+    """The tree flags as SGLang takes them (K = 1: a chain, N adjusted in settle); returns the
+    most drafts a cycle can accept: num_steps, or min(num_steps, N - 1) for a tree."""
+    K, S, N = args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens
+    if K < 1:
+        raise BadInput(f"--speculative-eagle-topk {K}: must be at least 1")
+    if K == 1:
+        return S
+    most = tree_capacity(K, S)
+    if N is None:
+        raise BadInput(f"--speculative-eagle-topk {K}: a tree needs --speculative-num-draft-tokens N, its nodes "
+                       f"with the root (2 to {most} here)")
+    if not 2 <= N <= most:
+        raise BadInput(f"--speculative-num-draft-tokens {N}: a tree of topk {K} and {S} steps holds 2 to "
+                       f"1 + K + (num_steps - 1) K^2 = {most} tokens")
+    if args.dump:
+        raise BadInput("--dump with --speculative-eagle-topk above 1: the dump format holds a chain's drafts "
+                       "(a tree's is not written yet)")
+    return min(S, N - 1)
 
 
 def uses_trained_pair(args):
@@ -242,10 +263,15 @@ def settle(args, device, world):
     cfg.speculative_attention_mode = cfg.speculative_attention_mode or "both"
     cfg.attention_modes = ATTENTION_MODES[cfg.speculative_attention_mode]
     want = cfg.speculative_num_steps + 1
-    if cfg.speculative_num_draft_tokens not in (None, want):
-        tpm.print0(f"note: --speculative-num-draft-tokens {cfg.speculative_num_draft_tokens} adjusted to "
-                   f"{want} (= num_steps + 1 with topk 1)")
-    cfg.speculative_num_draft_tokens = want
+    if cfg.speculative_eagle_topk == 1:
+        if cfg.speculative_num_draft_tokens not in (None, want):
+            tpm.print0(f"note: --speculative-num-draft-tokens {cfg.speculative_num_draft_tokens} adjusted to "
+                       f"{want} (= num_steps + 1 with topk 1)")
+        cfg.speculative_num_draft_tokens = want
+    else:
+        tpm.print0(f"note: the end-to-end speculative rows draft a tree (topk {cfg.speculative_eagle_topk}, "
+                   f"num_steps {cfg.speculative_num_steps}, {cfg.speculative_num_draft_tokens} draft tokens); "
+                   "the isolated phases and the cost model are still the chain's of num_steps")
     cfg.preset = cfg.preset or ("kimi-k2" if gpu else "tiny")
     cfg.trained_pair = uses_trained_pair(cfg)
     if cfg.trained_pair:
@@ -324,9 +350,10 @@ def check_device_flags(args, device):
 def build(args, device, dtype):
     """The target and the head, loaded or random. Returns (target, head, description)."""
     tp = tpm.TP.simulate(args.simulate_tp) if args.simulate_tp > 1 else tpm.TP.from_env(args.allreduce)
-    k = args.speculative_num_steps
+    k, K, N = args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
     sweep = 6  # the isolated phases write up to 6 tokens after the longest context
-    max_seq_len = max(args.prompt_len + args.max_new_tokens, max(args.context_len) + sweep) + 2 * k + 2
+    ahead = 2 * k + 2 if K == 1 else max(N, min(k, N - 1) + (k - 1) * K) + 2   # a tree: verify.generate's
+    max_seq_len = max(args.prompt_len + args.max_new_tokens, max(args.context_len) + sweep) + max(2 * k + 2, ahead)
     if args.model_path:
         target = checkpoint.load_target(args.model_path, args.batch_size, max_seq_len, device, dtype, tp,
                                         routing=args.routing)
@@ -815,10 +842,12 @@ def run_generate(b, draft, mode, graph):
     a, timer = b.cfg, PhaseTimer(b.clock)
     b.clock.sync()
     t0 = time.perf_counter()
+    tree = a.speculative_eagle_topk > 1
     res = generate(b.target, draft, b.fill[:, :a.prompt_len].cpu(), max_new_tokens=a.max_new_tokens, num_steps=b.k,
                    attention_mode=mode, use_graphs=graph, temperature=a.temperature, seed=a.seed, eos_id=-1,
                    graphs=b.runner if graph else None, simulate_accept_len=a.simulate_accept_len if draft else None,
-                   timer=timer)
+                   timer=timer, topk=a.speculative_eagle_topk if tree else None,
+                   num_draft_tokens=a.speculative_num_draft_tokens if tree else None)
     b.clock.sync()
     wall = time.perf_counter() - t0
     n = sum(len(t) for t in res.tokens)

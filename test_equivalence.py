@@ -1233,10 +1233,17 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
     cases = [(flags, f"{flags.split(' --dump')[0]}: must be at least 1") for flags in at_least_1] + [
         ("--temperature -1", "--temperature -1.0: must be at least 0"),
         ("--speculative-num-steps 100", r"--speculative-num-steps 100: .* must be below --prompt-len \(16\)"),
-        ("--simulate-accept-len 10", r"--simulate-accept-len 10.0: must lie in \[1, num_steps \+ 1 = 4\]"),
+        ("--simulate-accept-len 10", r"--simulate-accept-len 10.0: must lie in \[1, 4\]"),
         ("--simulate-accept-len 0", r"--simulate-accept-len 0.0: must lie in \[1"),
-        ("--simulate-accept-len -1 --speculative-num-steps 2", r"--simulate-accept-len -1.0: must lie in \[1, num_steps \+ 1 = 3\]"),
-        ("--speculative-eagle-topk 2", "--speculative-eagle-topk 2: only 1"),
+        ("--simulate-accept-len -1 --speculative-num-steps 2", r"--simulate-accept-len -1.0: must lie in \[1, 3\]"),
+        ("--speculative-eagle-topk 0", "--speculative-eagle-topk 0: must be at least 1"),
+        ("--speculative-eagle-topk 2", r"a tree needs --speculative-num-draft-tokens N, .* \(2 to 11 here\)"),
+        ("--speculative-eagle-topk 2 --speculative-num-draft-tokens 12",
+         r"--speculative-num-draft-tokens 12: a tree of topk 2 and 3 steps holds 2 to .* = 11 tokens"),
+        ("--speculative-eagle-topk 4 --speculative-num-draft-tokens 3 --simulate-accept-len 3.5",
+         r"--simulate-accept-len 3.5: must lie in \[1, 3\]"),
+        ("--speculative-eagle-topk 2 --speculative-num-draft-tokens 4 --dump x.npz --prompt-ids p",
+         "--dump with --speculative-eagle-topk above 1"),
         ("--prompt-ids p.jsonl", "--prompt-ids is for --dump"),
         ("--preset kimi-k2", "--preset kimi-k2: a random Kimi-K2 needs a GPU"),
         ("--cuda-graph on", "--cuda-graph on: CUDA graphs need a CUDA GPU"),
@@ -2996,3 +3003,35 @@ def test_tree_sampling_and_simulated_generate_run_and_are_seeded():
     assert sim.simulated and sim.accepted[sim.accepted >= 0].float().mean() > 1
     with pytest.raises(ValueError, match=r"simulate_accept_len must lie in \[1, 4\]"):
         generate(target, head, PROMPTS[3], simulate_accept_len=4.5, **kw)
+
+
+def test_trained_pair_tree_accepts_more_than_the_chain():
+    """Held-out prompts: the tree (K 4, S 3, N 8) accepts more tokens a cycle than the chain of
+    3 (both lossless); the README quotes these numbers."""
+    target, head = train.load_pair(max_batch_size=6, max_seq_len=128)
+    prompts = train.heldout_prompts(6, 48)
+    plain = generate(target, None, prompts, max_new_tokens=48, eos_id=-1).tokens
+    lengths = {}
+    for K, N in ((None, None), (2, 4), (4, 8)):
+        res = generate(target, head, prompts, max_new_tokens=48, num_steps=3, eos_id=-1, topk=K, num_draft_tokens=N)
+        assert res.tokens == plain, (K, N)
+        lengths[K] = res.accepted[res.accepted >= 0].float().mean().item() + 1
+    print(f"\ntrained pair, accepted tokens per cycle (bonus included): chain of 3 {lengths[None]:.2f}, "
+          f"tree K 2 N 4 {lengths[2]:.2f}, tree K 4 N 8 {lengths[4]:.2f}")
+    assert lengths[4] > lengths[None] + 0.1, lengths
+
+
+def test_run_py_cli_tree(tmp_path):
+    """run.py with SGLang's tree flags: the end-to-end rows draft the tree (said in a note), are
+    lossless against plain greedy and accept; the isolated phases stay the chain's."""
+    out = tmp_path / "r.json"
+    stdout = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--json", str(out), "--max-new-tokens", "24",
+                             "--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
+                             "--speculative-num-draft-tokens", "8", "--speculative-attention-mode", "decode",
+                             "--batch-size", "2", "--reps", "2"], check=True,
+                            capture_output=True, text=True, cwd=HERE, env=CPU_ENV).stdout
+    r = json.loads(out.read_text())
+    assert "the end-to-end speculative rows draft a tree (topk 4, num_steps 3, 8 draft tokens)" in stdout
+    assert (r["env"]["config"]["speculative_eagle_topk"], r["env"]["config"]["speculative_num_draft_tokens"]) == (4, 8)
+    v = r["e2e"]["eagle3/decode/eager"]
+    assert 1.5 <= v["accept_len_mean"] <= 4 and r["greedy_agreement_with_plain"] == {"eagle3/decode/eager": 1.0}
