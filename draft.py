@@ -12,7 +12,9 @@ position t, the embedding of the token at t+1, RoPE position t, and predicts the
 So after the target has verified up to position p and produced the token at p+1, the last extend
 row (position p) gives d_1, the guess for position p+2, and chain step i (RoPE position p+1+i)
 turns d_{i+1} into d_{i+2}: the draft phase, a chain of num_steps - 1 head steps. Slot =
-position in the head's own KV cache, as in the target.
+position in the head's own KV cache, as in the target. A tree (topk > 1; EAGLE-2, arXiv:2406.16858,
+and SGLang) expands the top-K at each level instead (Eagle3Draft.tree, select_tree), its rows at
+scratch slots after the prefix, each seeing its ancestors only.
 
 Training (the end of this file): EAGLE-3's "training-time test". The head is unrolled num_steps
 times over whole sequences as inference runs it (Eagle3Draft.unroll: step 1 reads the target's

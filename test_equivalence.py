@@ -3035,3 +3035,50 @@ def test_run_py_cli_tree(tmp_path):
     assert (r["env"]["config"]["speculative_eagle_topk"], r["env"]["config"]["speculative_num_draft_tokens"]) == (4, 8)
     v = r["e2e"]["eagle3/decode/eager"]
     assert 1.5 <= v["accept_len_mean"] <= 4 and r["greedy_agreement_with_plain"] == {"eagle3/decode/eager": 1.0}
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["extend", "decode"])
+def test_gpu_tree_graph_generate_equals_eager(mode):
+    """A tree's verify, draft extend and expansion replayed from CUDA graphs: the same tokens,
+    drafts, parents and accepted counts as eager, cycle by cycle."""
+    target, head = gpu_models()
+    kw = dict(max_new_tokens=24, num_steps=3, attention_mode=mode, topk=2, num_draft_tokens=6)
+    eager = generate(target, head, PROMPTS[3], **kw)
+    graphed = generate(target, head, PROMPTS[3], use_graphs=True, **kw)
+    assert graphed.tokens == eager.tokens and torch.equal(graphed.accepted, eager.accepted)
+    assert torch.equal(graphed.drafts, eager.drafts) and torch.equal(graphed.parents, eager.parents)
+
+
+@cuda
+def test_gpu_tree_cycle_makes_no_host_sync():
+    """Every call of a tree's cycle, captured (verify, expansion) or eager (mask, acceptance,
+    the cache move), with the device's sync check set to fail on any host sync."""
+    from graphs import CudaGraphs, GraphKey
+    from verify import tree_forward
+    target, head = gpu_models()
+    B, P, K, S, N, kv = 3, 12, 2, 3, 6, 32
+    tokens = torch.randint(0, 256, (B, P), generator=torch.Generator().manual_seed(0)).cuda()
+    pos, last = torch.arange(P, device="cuda").expand(B, P), torch.full((B,), P - 1, device="cuda")
+    _, aux = target(tokens, pos, "extend", capture_aux=True)
+    logits, g = head.extend_logits(tokens, pos, aux, last)
+    tree = head.tree(tokens[:, -1], logits, g, last, K, S, N, kv_len=kv)
+    start, runner = last + 1, CudaGraphs("cuda")
+    gen = torch.Generator("cuda").manual_seed(0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for mode, temperature in (("extend", 0.0), ("decode", 0.0), ("decode", 1.0)):
+            visible = tree_visible(tree.parents, start, kv)
+            slots = start.unsqueeze(1) + torch.arange(N, device="cuda")
+            verify = partial(tree_forward, target, mode=mode, kv_len=kv)
+            for _ in range(2):  # capture, then replay
+                out = runner.run(GraphKey("verify_tree", mode, B, N, kv), verify, tree.tokens,
+                                 start.unsqueeze(1) + tree.depths, slots, visible)
+            m, path, bonus = tree_accept(out.logits, tree, S, temperature, gen)
+            target.move_cache(start.unsqueeze(1) + path, start.unsqueeze(1) + torch.arange(S + 1, device="cuda"))
+            expand = partial(head.tree, topk=K, num_steps=S, num_nodes=N, kv_len=kv)
+            for _ in range(2):
+                runner.run(GraphKey("draft_tree", None, B, (S - 1) * K, kv), expand, bonus, logits, g, last)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")

@@ -19,6 +19,11 @@ a bound on every row's position without reading the device (the prompt length pl
 cycle), so each graphs.GraphKey (phase, mode, batch, tokens, slots) is one fixed shape and one
 graph. Prefill runs in chunks through the static cache (slot = position makes that exact), so a
 long prompt never holds extend attention's scores for all its positions at once.
+
+A draft tree (topk > 1, draft.Eagle3Draft.tree) runs tree_cycle instead: its N nodes verified
+at slots after the prefix under a mask as data (tree_visible), accepted by a walk from the root
+(tree_accept: greedy, or multi-candidate rejection sampling, SpecInfer arXiv:2305.09781), the
+accepted path's latents moved to slot = position (Transformer.move_cache).
 """
 from dataclasses import dataclass
 from functools import partial
