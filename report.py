@@ -133,10 +133,11 @@ def print_components(r, ctx, c, b):
     print(f"\nwhere the time goes at {ctx} cached tokens: ms per forward of summed {unit} time in a profiled "
           f"eager run of the same shapes; floor: the component's bytes" + (" / bandwidth" if bw else "")
           + "; d: verify minus decode")
-    print(f"  {'':48s}" + "".join(f"{h:>15s}" for h in cols))
+    w = max(15, 1 + max(map(len, cols)))   # a tree's verify has a longer name
+    print(f"  {'':48s}" + "".join(f"{h:>{w}s}" for h in cols))
 
     def row(label, values):
-        print(f"  {label:54s}" + "".join(f"{x:15.3f}" if isinstance(x, float) else f"{str(x):>15s}" for x in values))
+        print(f"  {label:54s}" + "".join(f"{x:{w}.3f}" if isinstance(x, float) else f"{str(x):>{w}s}" for x in values))
     dec = comps["decode_step"]
     for n, label in COMPONENTS.items():
         d = dec["parts_ms"][n]

@@ -68,7 +68,7 @@ import train
 from draft import Eagle3Draft, draft_preset, set_target_aux_layers, tree_capacity
 from graphs import CudaGraphs, GraphKey
 from report import COMPONENTS, Timing, answer, legacy_floors, report, spreads, timing_warnings, verdict
-from verify import accept, generate, kv_bucket, prefill_draft, prefill_target
+from verify import accept, generate, kv_bucket, prefill_draft, prefill_target, tree_forward, tree_visible
 
 
 # bf16 Kimi-K2 on one GPU, as one simulated TP-8 rank: 384 routed experts weigh 259 GB there, 1.8x
@@ -271,7 +271,7 @@ def settle(args, device, world):
     else:
         tpm.print0(f"note: the end-to-end speculative rows draft a tree (topk {cfg.speculative_eagle_topk}, "
                    f"num_steps {cfg.speculative_num_steps}, {cfg.speculative_num_draft_tokens} draft tokens); "
-                   "the isolated phases and the cost model are still the chain's of num_steps")
+                   "the isolated phases add the tree's verify and expansion; the cost model is still the chain's")
     cfg.preset = cfg.preset or ("kimi-k2" if gpu else "tiny")
     cfg.trained_pair = uses_trained_pair(cfg)
     if cfg.trained_pair:
@@ -783,6 +783,31 @@ def phase_calls(b, ctx):
     first, g = b.head.extend(vtok, posv, aux, last, kv_len=kvd)
     calls["draft_step"] = (GraphKey("draft", None, B, 1, kvd),
                            partial(b.head.chain, num_steps=2, kv_len=kvd), (first, g, pos1[:, 0] + k))
+    if b.cfg.speculative_eagle_topk > 1:
+        calls.update(tree_calls(b, ctx))
+    return calls
+
+
+def tree_calls(b, ctx):
+    """The tree's phases beside the chain's: the verify of its N nodes after ctx cached tokens
+    (each attention mode; a tree the head drafts from arbitrary inputs, as phase_calls' are) and
+    the head's expansion (S - 1 passes of K rows)."""
+    K, S, N = b.cfg.speculative_eagle_topk, b.k, b.cfg.speculative_num_draft_tokens
+    B, t, head = b.cfg.batch_size, b.target, b.head
+    kvt, kvd = kv_bucket(ctx + N, t.max_seq_len), kv_bucket(ctx + N + (S - 1) * K, t.max_seq_len)
+    vtok, posv = b.fill[:, ctx - S - 1:ctx], b.positions(ctx - S - 1, S + 1)
+    last = torch.full((B,), S, device=t.device)
+    logits, g = head.extend_logits(vtok, posv, b.aux[:, ctx - S - 1:ctx], last, kv_len=kvd)
+    expand = partial(head.tree, topk=K, num_steps=S, num_nodes=N, kv_len=kvd)
+    tree = expand(vtok[:, -1], logits, g, posv[:, -1])
+    start = torch.full((B,), ctx, device=t.device)
+    inputs = (tree.tokens, ctx + tree.depths, start.unsqueeze(1) + torch.arange(N, device=t.device),
+              tree_visible(tree.parents, start, kvt))
+    calls = {f"{b.verify_name(mode)} tree": (GraphKey("verify_tree", mode, B, N, kvt),
+                                             partial(tree_forward, t, mode=mode, kv_len=kvt), inputs)
+             for mode in b.modes}
+    calls["draft_tree"] = (GraphKey("draft_tree", None, B, (S - 1) * K, kvd), expand,
+                           (vtok[:, -1], logits, g, posv[:, -1]))
     return calls
 
 

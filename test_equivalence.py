@@ -3023,7 +3023,8 @@ def test_trained_pair_tree_accepts_more_than_the_chain():
 
 def test_run_py_cli_tree(tmp_path):
     """run.py with SGLang's tree flags: the end-to-end rows draft the tree (said in a note), are
-    lossless against plain greedy and accept; the isolated phases stay the chain's."""
+    lossless against plain greedy and accept; the isolated phases add the tree's verify (its
+    distinct experts and components) and expansion."""
     out = tmp_path / "r.json"
     stdout = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--json", str(out), "--max-new-tokens", "24",
                              "--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
@@ -3035,6 +3036,10 @@ def test_run_py_cli_tree(tmp_path):
     assert (r["env"]["config"]["speculative_eagle_topk"], r["env"]["config"]["speculative_num_draft_tokens"]) == (4, 8)
     v = r["e2e"]["eagle3/decode/eager"]
     assert 1.5 <= v["accept_len_mean"] <= 4 and r["greedy_agreement_with_plain"] == {"eagle3/decode/eager": 1.0}
+    assert {"verify/decode tree/eager", "draft_tree/eager"} <= set(r["phases_ms"])
+    experts = r["contexts"]["16"]["distinct_experts"]   # a tree of 8 tokens reaches more than a chain's 4
+    assert experts["verify/decode tree"] >= experts["verify/decode"] >= experts["decode_step"]
+    assert "verify decode tree" in stdout
 
 
 @cuda
