@@ -271,7 +271,7 @@ def settle(args, device, world):
     else:
         tpm.print0(f"note: the end-to-end speculative rows draft a tree (topk {cfg.speculative_eagle_topk}, "
                    f"num_steps {cfg.speculative_num_steps}, {cfg.speculative_num_draft_tokens} draft tokens); "
-                   "the isolated phases add the tree's verify and expansion; the cost model is still the chain's")
+                   "the isolated phases and the cost model add the tree's verify, expansion and cycle")
     cfg.preset = cfg.preset or ("kimi-k2" if gpu else "tiny")
     cfg.trained_pair = uses_trained_pair(cfg)
     if cfg.trained_pair:
@@ -1019,12 +1019,30 @@ def cost_model(r, b):
                + ph["accept"] + host + ar["target_forward_ms"] + s * ar["draft_forward_ms"])
         cm[s] = dict(cycle_ms=cyc, break_even_accept_len=cyc / base,
                      speedup_at={tau: tau * base / cyc for tau in range(1, s + 2)})
+    tree = tree_cost(r, b, base, host, ar, cm) if b.cfg.speculative_eagle_topk > 1 else None
     for name, v in r["e2e"].items():  # against the baseline with the same graph setting
         if name.startswith("eagle3"):
             plain = r["e2e"][f"baseline/{name.split('/')[-1]}"]
             v["speedup_measured"] = v["tok_per_s"] / plain["tok_per_s"]
             v["speedup_predicted"] = v["accept_len_mean"] * plain["phases_ms"]["cycle"] / v["phases_ms"]["cycle"]
-    return dict(plain_step_ms=base, steps=cm)
+    return dict(plain_step_ms=base, steps=cm, **({"tree": tree} if tree else {}))
+
+
+def tree_cost(r, b, base, host, ar, chains):
+    """The tree's cycle, as cost_model's: draft extend over the deepest path + the expansion +
+    the verify of its N nodes + accept + host [+ modelled all-reduces]; its break-even accepted
+    length, and how many times the chain of num_steps' accepted length it must accept to beat it
+    (the ratio of the two cycles: the same tokens a millisecond)."""
+    (variant, mode), ph, sweep = b.best, r["phases_ms"], r["verify_sweep_ms"]
+    K, S, N = b.cfg.speculative_eagle_topk, b.k, b.cfg.speculative_num_draft_tokens
+    D = min(S, N - 1)
+    extend = sweep[D + 1]["draft_extend"] if D + 1 in sweep else ph[f"draft_extend/{variant}"]
+    cyc = (extend + ph[f"draft_tree/{variant}"] + ph[f"{b.verify_name(mode)} tree/{variant}"] + ph["accept"]
+           + host + ar["target_forward_ms"] + S * ar["draft_forward_ms"])
+    out = dict(topk=K, num_steps=S, num_draft_tokens=N, cycle_ms=cyc, break_even_accept_len=cyc / base)
+    if S in chains:
+        out.update(chain_cycle_ms=chains[S]["cycle_ms"], accept_ratio_to_beat_chain=cyc / chains[S]["cycle_ms"])
+    return out
 
 
 def header_of(b):

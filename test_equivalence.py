@@ -3039,7 +3039,9 @@ def test_run_py_cli_tree(tmp_path):
     assert {"verify/decode tree/eager", "draft_tree/eager"} <= set(r["phases_ms"])
     experts = r["contexts"]["16"]["distinct_experts"]   # a tree of 8 tokens reaches more than a chain's 4
     assert experts["verify/decode tree"] >= experts["verify/decode"] >= experts["decode_step"]
-    assert "verify decode tree" in stdout
+    assert "verify decode tree" in stdout and "A tree of topk 4, 3 steps, 8 draft tokens" in " ".join(r["answer"])
+    tree = r["cost_model"]["tree"]
+    assert tree["cycle_ms"] > 0 and tree["break_even_accept_len"] > 0 and tree["accept_ratio_to_beat_chain"] > 0
 
 
 @cuda
