@@ -3089,3 +3089,33 @@ def test_gpu_tree_cycle_makes_no_host_sync():
                 runner.run(GraphKey("draft_tree", None, B, (S - 1) * K, kv), expand, bonus, logits, g, last)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_tree_stays_inside_the_cache():
+    """Deep acceptance near the end of the output, rows finishing at different cycles: a tree's
+    verify writes N slots from the newest token and the head's passes (S - 1) K scratch slots
+    past the accepted path, so the cache needs P + max_new_tokens + max(N, D + (S - 1) K - 1)."""
+    P, max_new, S = 6, 8, 3
+    for K, N in ((2, 8), (4, 4)):   # the verify's N slots bound it, or the head's scratch does
+        lookahead = max(N, min(S, N - 1) + (S - 1) * K - 1)
+        target = init_random(Transformer(tiny(), 2, P + max_new + lookahead, dtype=torch.float32), 0)
+        head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 1)
+        prompts = [list(range(1, P + 1)), list(range(1, P - 1))]
+        for seed in range(4):
+            generate(target, head, prompts, max_new_tokens=max_new, num_steps=S, topk=K, num_draft_tokens=N,
+                     simulate_accept_len=4.0, seed=seed, eos_id=-1)
+        with pytest.raises(ValueError, match="lookahead"):
+            generate(target, head, [list(range(1, P + 2))], max_new_tokens=max_new, num_steps=S, topk=K,
+                     num_draft_tokens=N)
+
+
+def test_a_finished_row_stays_inside_the_cache():
+    """The trained pair, two ragged rows, the cache exactly P + max_new_tokens + 2k - 2: the row
+    that finishes first (at max_new_tokens) keeps running in place while the other decodes, and
+    its acceptance must not move it (found: it accepted k drafts and chained one slot past)."""
+    k, max_new, P = 3, 12, 20
+    prompts = train.heldout_prompts(8, 40)
+    target, head = train.load_pair(max_batch_size=2, max_seq_len=P + max_new + 2 * k - 2)
+    rows = [prompts[4][:P], prompts[0][:15]]   # the case found (row 0 finishes first)
+    plain = generate(target, None, rows, max_new_tokens=max_new, eos_id=-1).tokens
+    assert generate(target, head, rows, max_new_tokens=max_new, num_steps=k, eos_id=-1).tokens == plain

@@ -332,6 +332,8 @@ def speculative_cycle(target, draft, run, rows, pos, kv, kv_draft, drafts, mode,
     if simulate_accept_len is not None:
         m = simulated_accept(m, simulate_accept_len, k, generator)
         bonus = logits.argmax(-1).gather(1, m.unsqueeze(1)).squeeze(1)
+    m = m.masked_fill(rows.done, 0)   # a finished row stays where it is: its chain must not run
+    # past the cache (found: a row done at max_new_tokens accepting k drafts chained one slot past)
     # [d_1..d_m, bonus, junk]: the tokens emitted, and the draft extend's input rows
     emitted = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, m.unsqueeze(1), bonus.unsqueeze(1))
     mark("accept")
@@ -366,6 +368,7 @@ def tree_cycle(target, draft, run, rows, kv, kv_draft, tree, sizes, mode, temper
         m, path, bonus = tree_accept(logits, tree, D, temperature, generator)
     else:
         m, path, bonus = simulated_tree_accept(logits, tree, D, simulate_accept_len, generator)
+    m = m.masked_fill(rows.done, 0)   # a finished row stays where it is (its head scratch too)
     along = start + rows.offsets[:D + 1]                          # [B, D + 1]: the path's positions
     target.move_cache(start + path, along)
     emitted = tree_emitted(tree, path, m, bonus)
