@@ -236,9 +236,6 @@ def check_tree_flags(args):
     if not 2 <= N <= most:
         raise BadInput(f"--speculative-num-draft-tokens {N}: a tree of topk {K} and {S} steps holds 2 to "
                        f"1 + K + (num_steps - 1) K^2 = {most} tokens")
-    if args.dump:
-        raise BadInput("--dump with --speculative-eagle-topk above 1: the dump format holds a chain's drafts "
-                       "(a tree's is not written yet)")
     return min(S, N - 1)
 
 

@@ -1242,8 +1242,6 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
          r"--speculative-num-draft-tokens 12: a tree of topk 2 and 3 steps holds 2 to .* = 11 tokens"),
         ("--speculative-eagle-topk 4 --speculative-num-draft-tokens 3 --simulate-accept-len 3.5",
          r"--simulate-accept-len 3.5: must lie in \[1, 3\]"),
-        ("--speculative-eagle-topk 2 --speculative-num-draft-tokens 4 --dump x.npz --prompt-ids p",
-         "--dump with --speculative-eagle-topk above 1"),
         ("--prompt-ids p.jsonl", "--prompt-ids is for --dump"),
         ("--preset kimi-k2", "--preset kimi-k2: a random Kimi-K2 needs a GPU"),
         ("--cuda-graph on", "--cuda-graph on: CUDA graphs need a CUDA GPU"),
@@ -3119,3 +3117,31 @@ def test_a_finished_row_stays_inside_the_cache():
     rows = [prompts[4][:P], prompts[0][:15]]   # the case found (row 0 finishes first)
     plain = generate(target, None, rows, max_new_tokens=max_new, eos_id=-1).tokens
     assert generate(target, head, rows, max_new_tokens=max_new, num_steps=k, eos_id=-1).tokens == plain
+
+
+def test_tree_dump_holds_the_tree_and_its_accepted_path():
+    """--dump of a tree (a planted head, so paths of every depth are accepted): each live cycle's
+    accepted nodes are a path down the tree whose tokens are the output tokens they became;
+    compare passes the dump against itself, refuses a chain against it and names a broken path."""
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=40, dtype=torch.float32), 32)
+    plain = generate(target, None, PROMPTS[3], max_new_tokens=16).tokens
+    ref = reference_sequences(PROMPTS[3], plain, 40)
+    head = PlantedTreeHead(ref, 256, lambda c, b, d: (c + b) % 3 and (c + b + d) % 3)
+    d = baseline.dump(target, head, PROMPTS[3], max_new_tokens=16, num_steps=3, tree=(2, 6))
+    assert d["output_ids"].tolist() == [o + [-1] * (16 - len(o)) for o in plain]   # lossless
+    assert d["draft_parents"].shape == d["draft_ids"].shape == (3, d["accepted"].shape[1], 5)
+    for b, out in enumerate(plain):
+        at = 1
+        for m, drafts, nodes in zip(d["accepted"][b], d["draft_ids"][b], d["accepted_nodes"][b]):
+            if m >= 0:
+                assert [drafts[n - 1] for n in nodes[:m]] == out[at:at + m], (b, at, m)
+                at += m + 1
+    assert {0, 3} <= set(d["accepted"][d["accepted"] >= 0].tolist())
+    assert not baseline.compare(d, d)["failures"]
+    chain = baseline.dump(target, None, PROMPTS[3], max_new_tokens=16)
+    chain.update(draft_ids=d["draft_ids"], accepted=d["accepted"])
+    with pytest.raises(ValueError, match="A drafts a chain, B a tree"):
+        baseline.compare(chain, d)
+    broken = dict(d, accepted_nodes=np.where(d["accepted_nodes"] > 0, 5, -1))
+    with pytest.raises(ValueError, match=r"accepted_nodes\[.*is not a path"):
+        baseline.compare(d, broken)

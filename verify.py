@@ -46,6 +46,8 @@ class GenerateResult:
                                         # nodes below the root, in node order
     parents: torch.Tensor | None = None  # a tree: [cycles, B, N - 1] each node's parent (0: the
                                          # root, i: drafts[..., i - 1]); -1 once a row finished
+    paths: torch.Tensor | None = None  # a tree: [cycles, B, D] the accepted nodes by depth (D =
+                                       # min(S, N - 1)), -1 past the accepted ones and once finished
 
 
 def pad_prompts(prompts, device):
@@ -354,7 +356,8 @@ def tree_cycle(target, draft, run, rows, kv, kv_draft, tree, sizes, mode, temper
     walks the tree (tree_accept); the accepted path's latents move to slot = position
     (Transformer.move_cache); the head extends over the path with the target's states there
     (writing its own cache at slot = position, so the head needs no move) and drafts the next
-    tree. Returns m [B], emitted [B, D + 1] (D = min(S, N - 1)) and the next tree."""
+    tree. Returns m [B], emitted [B, D + 1] (D = min(S, N - 1)), the next tree and the
+    accepted nodes by depth [B, D] (-1 past m)."""
     (K, S, N), B = sizes, rows.cur.shape[0]
     D, start = min(S, N - 1), rows.cur.unsqueeze(1)
     tree = tree._replace(tokens=torch.cat([rows.x.unsqueeze(1), tree.tokens[:, 1:]], 1))
@@ -381,7 +384,8 @@ def tree_cycle(target, draft, run, rows, kv, kv_draft, tree, sizes, mode, temper
     tree = run(GraphKey("draft_tree", None, B, (S - 1) * K, kv_draft), expand, bonus, first, g,
                rows.cur + m)
     mark("draft")
-    return m, emitted, tree
+    depth = rows.offsets[1:D + 1]
+    return m, emitted, tree, path[:, 1:].masked_fill(depth > m.unsqueeze(1), -1)
 
 
 def tree_forward(target, tokens, positions, slots, visible, mode, kv_len):
@@ -461,10 +465,11 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
                                                    drafts, attention_mode, temperature, gen,
                                                    simulate_accept_len, mark)
         else:
-            proposed.append((drafts.tokens[:, 1:], drafts.parents[:, 1:]))
-            m, emitted, drafts = tree_cycle(target, draft, run, rows, kv, kv_draft, drafts, sizes,
-                                            attention_mode, temperature, gen, simulate_accept_len,
-                                            mark)
+            verified = (drafts.tokens[:, 1:], drafts.parents[:, 1:])
+            m, emitted, drafts, path = tree_cycle(target, draft, run, rows, kv, kv_draft, drafts,
+                                                  sizes, attention_mode, temperature, gen,
+                                                  simulate_accept_len, mark)
+            proposed.append(verified + (path,))
         accepted.append(m.masked_fill(rows.done, -1))
         commit(rows, emitted, m, eos, max_new_tokens)
         mark("commit")
@@ -502,13 +507,14 @@ def result(rows, accepted, proposed, columns, simulated):
     B = rows.out.shape[0]
     stats = torch.stack(accepted).cpu() if accepted else torch.zeros(0, B, dtype=torch.int64)
     finished = (stats < 0).unsqueeze(-1)
-    drafted = parents = None
+    drafted = parents = paths = None
     if proposed:
-        if isinstance(proposed[0], tuple):   # a tree: its tokens and parents below the root
-            parents = torch.stack([p for _, p in proposed]).cpu().masked_fill(finished, -1)
-            proposed = [t for t, _ in proposed]
+        if isinstance(proposed[0], tuple):   # a tree: tokens, parents below the root; accepted path
+            parents, paths = (torch.stack([x[i] for x in proposed]).cpu().masked_fill(finished, -1)
+                              for i in (1, 2))
+            proposed = [x[0] for x in proposed]
         drafted = torch.stack(proposed).cpu().masked_fill(finished, -1)
     elif proposed is not None:
         drafted = torch.zeros(0, B, columns, dtype=torch.int64)
     tokens = [row[:n] for row, n in zip(rows.out.tolist(), rows.n_out.tolist())]
-    return GenerateResult(tokens, stats, len(accepted), simulated, drafted, parents)
+    return GenerateResult(tokens, stats, len(accepted), simulated, drafted, parents, paths)
