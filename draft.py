@@ -367,20 +367,20 @@ class Eagle3Draft(nn.Module):
 
         The head's cache: pass j (1-based) writes its K rows at the scratch slots
         p + 1 + (j - 1) K .. p + j K after the prefix (slots <= p), and a row sees the prefix, its
-        ancestors' slots and its own (EAGLE's tree mask; `seen` [B, K, S] follows the frontier).
+        ancestors' slots and its own (EAGLE's tree mask; `seen` [B, K, L] follows the frontier).
         SGLang's draft decode instead lets frontier row r see the earlier passes' row r, an
         ancestor only if the frontier kept its order. With K = 1 the slots are the positions and
         this is `chain`. The next extend writes slots from p + 1 on before reading them (slot =
         position), so the scratch is never read stale. kv_len must exceed p + (S - 1) K."""
         check_tree(topk, num_steps, num_nodes)
         (B, K), D, dev = (logits.shape[0], topk), g.shape[-1], root.device
-        S = kv_len or self.midlayer.self_attn.k_cache.shape[1]
+        L = kv_len or self.midlayer.self_attn.k_cache.shape[1]             # the slots read
         score, ids = log_probs(logits).topk(K, -1)                           # [B, K], best first
         tok = ids + self.d2t[ids]
         scores, tokens, parents = [score], [tok], [torch.full_like(ids, -1)]
         frontier, hidden = torch.arange(K, device=dev).expand(B, K), g.unsqueeze(1).expand(B, K, D)
-        prefix = (torch.arange(S, device=dev) <= last_pos.unsqueeze(1)).unsqueeze(1)   # [B, 1, S]
-        seen = torch.zeros(B, K, S, dtype=torch.bool, device=dev)  # the scratch slots a row sees
+        prefix = (torch.arange(L, device=dev) <= last_pos.unsqueeze(1)).unsqueeze(1)   # [B, 1, L]
+        seen = torch.zeros(B, K, L, dtype=torch.bool, device=dev)  # the scratch slots a row sees
         for j in range(1, num_steps):
             slots = last_pos.unsqueeze(1) + 1 + (j - 1) * K + torch.arange(K, device=dev)   # [B, K]
             seen = seen.scatter(2, slots.unsqueeze(2), True)
@@ -394,7 +394,7 @@ class Eagle3Draft(nn.Module):
             score, pick = cum.topk(K, -1)                                    # the next frontier
             frontier = K + (j - 1) * K * K + pick                            # its flat indices
             tok, up = tokens[-1].gather(1, pick), (pick // K).unsqueeze(2)   # up: its parent row
-            hidden, seen = g.gather(1, up.expand(B, K, D)), seen.gather(1, up.expand(B, K, S))
+            hidden, seen = g.gather(1, up.expand(B, K, D)), seen.gather(1, up.expand(B, K, L))
         return select_tree(root, torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1),
                            K, num_nodes)
 

@@ -421,11 +421,9 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
     eager; with use_graphs the decode step, the verify step and the head's extend and chain
     replay CUDA graphs (from `graphs`, a CudaGraphs, if given).
     attention_mode: verify's, "extend" or "decode".
-    topk: draft a tree instead of the chain (SGLang's --speculative-eagle-topk; any K >= 1, so
-    K = 1 runs the tree path too), num_steps levels deep, of num_draft_tokens nodes (N, the root
-    included; default num_steps + 1): Eagle3Draft.tree, tree_cycle.
-    eos_id: an id or a list of ids that end a row (default: every EOS id the checkpoint declares;
-    -1: none).
+    topk K (any K >= 1): a tree (tree_cycle) of num_steps levels and num_draft_tokens nodes,
+    the root included (default num_steps + 1), instead of the chain.
+    eos_id: an id or a list of ids that end a row (default: the checkpoint's EOS ids; -1: none).
     Every rank draws from the same seeded generator, so all ranks agree.
     timer: an object whose mark(name) is called at the end of each phase of each cycle
     ("start", "verify", "accept", "draft_extend", "draft", "commit"; plain: "start",
