@@ -813,6 +813,43 @@ def test_accepted_lengths_follow_the_plan():
                 assert res.accepted[c, b] == (c + b) % (k + 1), (c, b, res.accepted[:, b])
 
 
+def test_accepted_counts_what_commit_keeps():
+    """A cycle that max_new_tokens or an EOS cuts counts the tokens it kept, not the drafts it
+    accepted: per row, the kept lengths (accepted + 1) plus the prefill's token sum to the tokens
+    produced. An always-right proposer (k = 3, 4 tokens a cycle) makes the cut cycle known."""
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=64, dtype=torch.float64), 3)
+    prompts, k = PROMPTS[3], 3
+    plain = generate(target, None, prompts, max_new_tokens=30, eos_id=-1).tokens
+    ref = reference_sequences(prompts, plain, 64)
+    for max_new, eos in ((5, -1), (7, -1), (8, -1), (13, -1), (30, plain[1][6]), (30, plain[0][9])):
+        res = generate(target, PlantedProposer(ref, 256, lambda c, b: 99), prompts, max_new_tokens=max_new,
+                       num_steps=k, eos_id=eos)
+        for b, tokens in enumerate(res.tokens):
+            live = res.accepted[:, b][res.accepted[:, b] >= 0]
+            assert int((live + 1).sum()) + 1 == len(tokens), (max_new, eos, b, live, len(tokens))
+            assert (live[:-1] == k).all(), (max_new, eos, b, live)  # every cycle but the cut one: all kept
+            if eos == -1:
+                assert len(tokens) == max_new and live[-1] == (max_new - 2) % (k + 1), (max_new, b, live)
+            else:
+                assert eos not in tokens[:-1] and (tokens[-1] == eos or len(tokens) == max_new), (b, tokens)
+
+
+def test_simulated_acceptance_has_the_mean_asked():
+    """--simulate-accept-len's draws (a normal rounded and clamped to 1..k+1, as SGLang's) average
+    to the length asked, the clamp's pull on the tails offset by the normal's center: over 400k
+    draws within 5 standard errors (~0.007); the center at the mean itself misses at 1.2 by ~0.3."""
+    from verify import simulated_accept, simulated_center, simulated_mean
+    g = torch.Generator().manual_seed(0)
+    m = torch.zeros(400_000, dtype=torch.int64)
+    for k, mean in ((1, 1.5), (1, 1.9), (2, 2.5), (3, 1.2), (3, 2.5), (3, 3.7), (5, 2.0), (3, 1.0), (3, 4.0)):
+        lengths = simulated_accept(m, mean, k, g).double() + 1
+        assert lengths.min() >= 1 and lengths.max() <= k + 1, (k, mean)
+        err = 5 * lengths.std().item() / len(lengths) ** 0.5 + 1e-9
+        assert abs(lengths.mean().item() - mean) <= err, (k, mean, lengths.mean().item())
+        assert simulated_mean(simulated_center(mean, k), k) == pytest.approx(mean, abs=1e-9)
+    assert simulated_mean(1.2, 3) - 1.2 > 0.25  # what drawing around the mean itself gave
+
+
 def test_speculative_sampling_follows_the_target():
     """200k rows, vocab 6, k = 2: the first emitted token ~ p_0 and, where it is d_1, the second
     ~ p_1, for a good (most likely), bad (least likely) and random draft. Bound: total variation
@@ -1134,6 +1171,8 @@ def test_run_py_cli_trained_pair(tmp_path):
     for mode in ("prefill", "decode"):
         v = r["e2e"][f"eagle3/{mode}/eager"]
         assert 1.8 <= v["accept_len_mean"] <= 4 and sum(v["accept_len_hist"]) > 0, v
+        # the histogram counts the tokens kept: all but the first of each row's, which the prefill makes
+        assert sum(n * c for n, c in enumerate(v["accept_len_hist"], 1)) == v["tokens"] - 2, v
     assert r["greedy_agreement_with_plain"] == {"eagle3/prefill/eager": 1.0, "eagle3/decode/eager": 1.0}
     assert "accepted almost nothing" not in stdout
 
@@ -1259,7 +1298,7 @@ def check_dump_layout(d, prompts, k):
                 continue
             want = out[at:at + m]
             assert drafts[:len(want)].tolist() == want.tolist(), (b, at, m)
-            if m < k and at + m < len(out):
+            if m < k and at + m + 1 < len(out):  # a cycle the row went on after: not cut
                 assert drafts[m] != out[at + m], (b, at, m)
             at += m + 1
 
