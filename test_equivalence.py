@@ -1072,6 +1072,24 @@ def test_trained_pair_accepts_more_than_a_random_head():
     assert trained >= 1.8 and trained > random + 0.5, f"trained {trained:.2f}, random {random:.2f}"
 
 
+def test_train_py_writes_elsewhere_and_refuses_the_committed_pair(tmp_path, capsys):
+    """train.py's default folder is not the committed pair; writing into the committed pair, into a
+    folder it cannot write, or measuring a folder with no pair is refused in one line, before any
+    training (exit status 2, argparse's)."""
+    assert os.path.realpath(train.parse_args([]).out) != os.path.realpath(train.PAIR_DIR)
+    assert train.parse_args(["--out", str(tmp_path / "pair")]).threads == 1 and (tmp_path / "pair").is_dir()
+    committed = os.path.join(HERE, "checkpoints", ".", "tiny-stdlib")
+    assert train.parse_args(["--out", committed, "--overwrite-committed"]).overwrite_committed
+    (tmp_path / "file").write_text("")
+    for argv, words in ((["--out", committed], "is the committed pair"),
+                        (["--out", str(tmp_path / "file" / "pair")], "cannot write there"),
+                        (["--eval", str(tmp_path)], "no pair there"), (["--threads", "0"], "at least 1")):
+        with pytest.raises(SystemExit) as e:
+            train.parse_args(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and words in err[-1] and err[-1].startswith("train.py: error:"), (argv, err)
+
+
 def test_requests_that_cannot_run_are_refused():
     target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float32), 0)
     with pytest.raises(ValueError, match="max_seq_len 16"):
