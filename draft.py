@@ -21,15 +21,12 @@ SpecForge's loss). test_equivalence.py checks that the unrolled head is the infe
 Shape legend: B batch, T rows, D draft hidden, Dt target hidden, H local heads, G local kv heads,
 Hd head dim, Vd draft vocab.
 """
-import json
-import os
 from dataclasses import asdict, dataclass, field, fields
 
 import torch
 import torch.nn as nn
 
-from model import (MLP, CheckpointError, RMSNorm, check_config_types, checkpoint_files, config_file, init_random,
-                   load_weights, normalize_rope_scaling, read_config, rope_tables, write_safetensors)
+from model import MLP, RMSNorm, check_config_types, config_json, normalize_rope_scaling, rope_tables
 from tp import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear, \
     VocabParallelEmbedding, _param
 
@@ -58,13 +55,15 @@ class DraftArgs:
 
     @classmethod
     def from_hf_config(cls, path_or_dict):
-        cfg, where = read_config(path_or_dict), config_file(path_or_dict)
+        """An EAGLE-3 head's config.json as DraftArgs: a dict, or a file or its folder read as
+        plain JSON (checkpoint.load_draft reads a checkpoint's, errors naming the file)."""
+        cfg = config_json(path_or_dict)
         arch = cfg.get("architectures") or []
         if "LlamaForCausalLMEagle3" not in arch:
-            raise CheckpointError(f"{where}: architectures {arch} is not ['LlamaForCausalLMEagle3']")
-        derived = ("head_dim", "num_key_value_heads", "draft_vocab_size")   # null in a config: derive them
+            raise ValueError(f"architectures {arch} is not ['LlamaForCausalLMEagle3']")
+        derived = ("head_dim", "num_key_value_heads", "draft_vocab_size")   # null: derive them
         cfg = {k: v for k, v in cfg.items() if v is not None or k not in derived}
-        check_config_types(cls, cfg, where)
+        check_config_types(cls, cfg)
         cfg = dict(cfg, rope_scaling=normalize_rope_scaling(cfg.get("rope_scaling")))
         heads = cfg.get("num_attention_heads", cls.num_attention_heads)
         cfg.setdefault("head_dim", cfg.get("hidden_size", cls.hidden_size) // heads)
@@ -188,8 +187,8 @@ class MidLayer(nn.Module):
 def set_target_aux_layers(target, args):
     """Make `target` capture the layers the head was trained on (the draft config's
     eagle_aux_hidden_state_layer_ids; without them the target keeps its default layers). The one
-    place where a draft changes its target: load_draft calls it, and so must anyone who builds an
-    Eagle3Draft from a config that names its layers."""
+    place where a draft changes its target: checkpoint.load_draft calls it, and so must anyone
+    who builds an Eagle3Draft from a config that names its layers."""
     ids = args.aux_layer_ids
     if ids is None:
         return
@@ -218,8 +217,9 @@ class Eagle3Draft(nn.Module):
             raise ValueError(f"draft vocab_size {args.vocab_size} != target vocab_size {target.args.vocab_size}")
         if args.aux_layer_ids is not None and sorted(args.aux_layer_ids) != target.aux_layer_ids:
             raise ValueError(f"the draft reads target layers {sorted(args.aux_layer_ids)} (its "
-                             f"eagle_aux_hidden_state_layer_ids) but the target captures {target.aux_layer_ids}: "
-                             "call draft.set_target_aux_layers(target, args) first (load_draft does)")
+                             "eagle_aux_hidden_state_layer_ids) but the target captures "
+                             f"{target.aux_layer_ids}: call draft.set_target_aux_layers(target, "
+                             "args) first (checkpoint.load_draft does)")
         if own_embedding:
             self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, self.tp, device, dtype)
         else:  # not registered: the target owns (and loads) these weights
@@ -349,43 +349,3 @@ def train_step(head, optimizer, tokens, target_states, target_logits, num_steps)
     loss.backward()
     optimizer.step()
     return loss.item(), agree
-
-
-def init_random_draft(draft, seed, rank_local=False):
-    """Random weights (as model.init_random) and a random sorted d2t over distinct target ids."""
-    init_random(draft, seed, rank_local)
-    g = torch.Generator().manual_seed(seed + 17)
-    hot = torch.randperm(draft.args.vocab_size, generator=g)[:draft.args.draft_vocab_size].sort().values
-    draft.d2t.copy_(hot - torch.arange(draft.args.draft_vocab_size))
-    return draft
-
-
-def draft_table(draft):
-    return [(name, p, None) for name, p in draft.named_parameters()]
-
-
-def save_draft(draft, path):
-    """Write the SpecForge / SGLang layout (config.json + model.safetensors, with t2d). TP 1 only."""
-    if draft.tp.world_size != 1:
-        raise ValueError("save_draft needs the whole head (TP 1)")
-    os.makedirs(path, exist_ok=True)
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(draft.args.to_hf_config(), f, indent=2)
-    tensors = {name: p.detach().contiguous().cpu() for name, p, _ in draft_table(draft)}
-    t2d = torch.zeros(draft.args.vocab_size, dtype=torch.bool)
-    t2d[torch.arange(draft.args.draft_vocab_size) + tensors["d2t"]] = True
-    tensors["t2d"] = t2d
-    write_safetensors(tensors, path)
-
-
-def load_draft(path, target, max_batch_size=None, max_seq_len=None, device=None, dtype=None):
-    """A SpecForge / SGLang EAGLE-3 checkpoint for `target`; each rank reads only its slices."""
-    args = DraftArgs.from_hf_config(path)
-    own = "embed_tokens.weight" in checkpoint_files(path)
-    try:
-        set_target_aux_layers(target, args)
-        draft = Eagle3Draft(args, target, max_batch_size, max_seq_len, device, dtype, own_embedding=own)
-    except ValueError as e:  # a head that does not fit this target (sizes, vocabulary, layer ids)
-        raise CheckpointError(f"draft {os.fspath(path)}: {e}") from None
-    load_weights(draft_table(draft), path, draft.tp, "draft", skip=lambda name: "t2d (not needed)" if name == "t2d" else None)
-    return draft

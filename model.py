@@ -20,11 +20,8 @@ import importlib.util
 import json
 import math
 import os
-import re
 import typing
-import zlib
-from collections import Counter
-from contextlib import ExitStack, nullcontext
+from contextlib import nullcontext
 from dataclasses import asdict, dataclass, field, fields
 from types import SimpleNamespace
 from typing import NamedTuple
@@ -32,49 +29,23 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
-from safetensors import safe_open
-from safetensors.torch import save_file
-from tqdm import tqdm
 
 import kernels
 from tp import (TP, ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear,
-                VocabParallelEmbedding, _param, print0)
+                VocabParallelEmbedding, _param)
 
 
-class CheckpointError(ValueError):
-    """A checkpoint or config that cannot be loaded; the message names the file and the problem."""
-
-
-def config_file(path_or_dict):
-    """The config.json a path names (the file, or the one in its folder); "config" for a dict."""
-    if isinstance(path_or_dict, dict):
-        return "config"
-    path = os.fspath(path_or_dict)
-    return os.path.join(path, "config.json") if os.path.isdir(path) else path
-
-
-def read_config(path_or_dict):
-    """A config.json as a dict: from a dict, the file, or its folder."""
+def config_json(path_or_dict):
+    """A config.json as a dict: a dict as it is, else the file (or the config.json in a folder)
+    read as plain JSON. checkpoint.py reads checkpoints' configs, naming the file in its errors."""
     if isinstance(path_or_dict, dict):
         return path_or_dict
-    if not os.path.exists(path_or_dict):
-        raise CheckpointError(f"{os.fspath(path_or_dict)}: no such file or folder")
-    path = config_file(path_or_dict)
-    if not os.path.exists(path):
-        raise CheckpointError(f"{os.fspath(path_or_dict)} has no config.json")
-    try:
-        with open(path) as f:
-            cfg = json.load(f)
-    except json.JSONDecodeError as e:
-        raise CheckpointError(f"{path} line {e.lineno} column {e.colno}: not JSON ({e.msg})") from None
-    except UnicodeDecodeError:
-        raise CheckpointError(f"{path}: not a text file") from None
-    if not isinstance(cfg, dict):
-        raise CheckpointError(f"{path}: expected a JSON object, found {type(cfg).__name__}")
-    return cfg
+    path = os.fspath(path_or_dict)
+    with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
+        return json.load(f)
 
 
-def check_config_types(cls, cfg, where):
+def check_config_types(cls, cfg):
     """Refuse a config value of the wrong type for a field of the dataclass `cls`, by name
     ("hidden_size": "abc" would otherwise fail deep inside a constructor). An int may stand for a
     float, a list of ints for a *token_id (several end-of-sequence ids)."""
@@ -82,12 +53,13 @@ def check_config_types(cls, cfg, where):
         if f.name not in cfg:
             continue
         value, allowed = cfg[f.name], typing.get_args(f.type) or (f.type,)
-        ok = any(type(value) is a or a is float and type(value) is int or a is dict and isinstance(value, dict)
-                 for a in allowed)
-        ok = ok or f.name.endswith("token_id") and isinstance(value, list) and all(type(v) is int for v in value)
+        ok = any(type(value) is a or a is float and type(value) is int
+                 or a is dict and isinstance(value, dict) for a in allowed)
+        ok = ok or (f.name.endswith("token_id") and isinstance(value, list)
+                    and all(type(v) is int for v in value))
         if not ok:
             names = " or ".join("null" if a is type(None) else a.__name__ for a in allowed)
-            raise CheckpointError(f"{where}: {f.name} = {value!r} is not {names}")
+            raise ValueError(f"{f.name} = {value!r} is not {names}")
 
 
 def normalize_rope_scaling(rope_scaling):
@@ -99,17 +71,6 @@ def normalize_rope_scaling(rope_scaling):
     return rs
 
 
-def generation_eos(path_or_dict):
-    """The eos_token_id of the generation_config.json beside a config.json (None without one)."""
-    if isinstance(path_or_dict, dict):
-        return None
-    folder = path_or_dict if os.path.isdir(path_or_dict) else os.path.dirname(path_or_dict)
-    path = os.path.join(folder, "generation_config.json")
-    if not os.path.exists(path):
-        return None
-    return read_config(path).get("eos_token_id")   # a broken file: a CheckpointError naming it
-
-
 def eos_union(*values):
     """The ids in values (each an id, a list of ids or None), in order, each once."""
     ids = []
@@ -118,6 +79,19 @@ def eos_union(*values):
             if i not in ids:
                 ids.append(i)
     return ids
+
+
+def refuse_unimplemented(cfg):
+    """NotImplementedError naming a config value this model does not implement."""
+    refuse = {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",), "hidden_act": ("silu",),
+              "tie_word_embeddings": (False,), "moe_layer_freq": (1,)}
+    for key, allowed in refuse.items():
+        if key in cfg and cfg[key] not in allowed:
+            raise NotImplementedError(f"config {key} = {cfg[key]!r} is not implemented "
+                                      f"(only {', '.join(map(repr, allowed))})")
+    if cfg.get("rope_scaling") and cfg["rope_scaling"]["type"] != "yarn":
+        raise NotImplementedError(f"rope_scaling type {cfg['rope_scaling']['type']!r} is not "
+                                  "implemented (only yarn or none)")
 
 
 @dataclass
@@ -153,7 +127,7 @@ class ModelArgs:
     max_position_embeddings: int = 131072
     tie_word_embeddings: bool = False
     bos_token_id: int | None = 163584
-    eos_token_id: int | list | None = 163585  # one id or a list (from_hf_config adds generation_config's)
+    eos_token_id: int | list | None = 163585  # one id or a list (several end-of-sequence ids)
     quantization_config: dict | None = None  # as shipped: FP8 blocks or INT4 experts
 
     @property
@@ -187,7 +161,8 @@ class ModelArgs:
         # DeepSeek's own reference only when its cache is longer than the original context)
         scale = self.qk_head_dim ** -0.5
         if self.is_yarn:
-            mscale = yarn_mscale(self.rope_scaling["factor"], self.rope_scaling.get("mscale_all_dim", 0))
+            rs = self.rope_scaling
+            mscale = yarn_mscale(rs["factor"], rs.get("mscale_all_dim", 0))
             scale *= mscale * mscale
         return scale
 
@@ -199,15 +174,17 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, path_or_dict):
-        """Read a DeepseekV3 / Kimi-K2 / Kimi-K2.5 config.json (a file, its folder, or a dict).
-        The EOS ids are those of config.json and of a generation_config.json beside it, together
-        (engines stop at every one: SGLang's model config takes the union, vLLM adds them as stops)."""
-        top = read_config(path_or_dict)
-        cfg = dict(top.get("text_config", top))  # Kimi-K2.5 nests the text model
-        eos = eos_union(cfg.get("eos_token_id"), top.get("eos_token_id"), generation_eos(path_or_dict))
+        """A DeepseekV3 / Kimi-K2 / Kimi-K2.5 config.json as ModelArgs: a dict, or a file or its
+        folder read as plain JSON (checkpoint.read_target_args reads a checkpoint's: the EOS ids
+        of its generation_config.json added, errors naming the file). Kimi-K2.5 nests the text
+        model under text_config; its EOS ids and those of the outer config are taken together."""
+        top = config_json(path_or_dict)
+        cfg = dict(top.get("text_config", top))
+        eos = eos_union(cfg.get("eos_token_id"), top.get("eos_token_id"))
         if eos:
             cfg["eos_token_id"] = eos[0] if len(eos) == 1 else eos
-        cfg["quantization_config"] = cfg.get("quantization_config") or top.get("quantization_config")
+        cfg["quantization_config"] = (cfg.get("quantization_config")
+                                      or top.get("quantization_config"))
         quant_scheme(cfg["quantization_config"])  # refuses what is not implemented, by name
         if "rope_parameters" in cfg:  # the newer transformers spelling
             rp = dict(cfg.pop("rope_parameters"))
@@ -216,16 +193,8 @@ class ModelArgs:
             cfg["rope_scaling"] = None if kind == "default" else dict(rp, type=kind)
         else:
             cfg["rope_scaling"] = normalize_rope_scaling(cfg.get("rope_scaling"))
-        refuse = {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",), "hidden_act": ("silu",),
-                  "tie_word_embeddings": (False,), "moe_layer_freq": (1,)}
-        for key, allowed in refuse.items():
-            if key in cfg and cfg[key] not in allowed:
-                raise NotImplementedError(f"config {key} = {cfg[key]!r} is not implemented "
-                                          f"(only {', '.join(map(repr, allowed))})")
-        if cfg.get("rope_scaling") and cfg["rope_scaling"]["type"] != "yarn":
-            raise NotImplementedError(f"rope_scaling type {cfg['rope_scaling']['type']!r} is not "
-                                      "implemented (only yarn or none)")
-        check_config_types(cls, cfg, config_file(path_or_dict))
+        refuse_unimplemented(cfg)
+        check_config_types(cls, cfg)
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in cfg.items() if k in names})
 
@@ -239,10 +208,10 @@ PRESETS = {
     # every feature on at toy size: q_lora, YaRN (mscale != mscale_all_dim), grouped routing,
     # a shared expert, a first dense layer; vocabulary and heads divisible by 4 for TP 4
     "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                 num_hidden_layers=8, num_attention_heads=4, n_shared_experts=1, n_routed_experts=16,
-                 num_experts_per_tok=4, routed_scaling_factor=2.5, n_group=4, topk_group=2,
-                 first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32, qk_nope_head_dim=16,
-                 qk_rope_head_dim=8, v_head_dim=16, rope_theta=10000.0,
+                 num_hidden_layers=8, num_attention_heads=4, n_shared_experts=1,
+                 n_routed_experts=16, num_experts_per_tok=4, routed_scaling_factor=2.5, n_group=4,
+                 topk_group=2, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
+                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_theta=10000.0,
                  rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=64,
                                    beta_fast=32.0, beta_slow=1.0, mscale=0.8, mscale_all_dim=1.0),
                  rms_norm_eps=1e-6, max_position_embeddings=256, bos_token_id=1, eos_token_id=2),
@@ -250,18 +219,81 @@ PRESETS = {
     # the same text model as shipped in Kimi-K2-Thinking / K2.5: routed experts INT4, the rest bf16
     "kimi-k2.5": dict(quantization_config="int4"),
 }
-QUANT_LAYOUTS = {"int4": lambda: int4_quantization_config(), "fp8": lambda: fp8_quantization_config()}
+QUANT_LAYOUTS = {"int4": lambda: int4_quantization_config(),
+                 "fp8": lambda: fp8_quantization_config()}
 
 
 def preset(name, **overrides):
-    """A preset's ModelArgs; quantization_config="int4" / "fp8" stand for int4_quantization_config()
-    / fp8_quantization_config()."""
+    """A preset's ModelArgs; quantization_config="int4" / "fp8" stand for
+    int4_quantization_config() / fp8_quantization_config()."""
     if name not in PRESETS:
         raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
     kw = {**PRESETS[name], **overrides}
     if isinstance(kw.get("quantization_config"), str):
         kw["quantization_config"] = QUANT_LAYOUTS[kw["quantization_config"]]()
     return ModelArgs(**kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized experts: what a quantization_config means for the model. FP8 (Kimi-K2-Instruct,
+# DeepSeek-V3): the routed experts stay float8_e4m3fn with float32 block scales; INT4
+# (Kimi-K2-Thinking, K2.5; compressed-tensors "pack-quantized", symmetric): the routed experts
+# stay packed. The config picks which Experts the model builds, so it is read here (checkpoint.py
+# imports model.py, never the reverse); the presets build these layouts too.
+
+def fp8_quantization_config(block=(128, 128)):
+    """The quantization_config Kimi-K2-Instruct and DeepSeek-V3 ship (FP8 e4m3, 128 x 128
+    blocks)."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": list(block)}
+
+
+def int4_quantization_config(group_size=32):
+    """The quantization_config Kimi-K2-Thinking / K2.5 ship (routed experts INT4, group 32)."""
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+               "group_size": group_size, "dynamic": False, "actorder": None}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                          "weights": weights}},
+            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                       "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]}
+
+
+def quant_scheme(q):
+    """("fp8", (block rows, block cols)), ("int4", group size) or (None, None) for a config's
+    quantization_config; anything else is refused by name."""
+    if not q:
+        return None, None
+    method = q.get("quant_method")
+    if method == "fp8":
+        block = q.get("weight_block_size")
+        if q.get("fmt", "e4m3") != "e4m3" or not block or len(block) != 2:
+            raise NotImplementedError(f"fp8 with fmt {q.get('fmt')!r}, weight_block_size "
+                                      f"{block!r} is not implemented (only e4m3 with 2-d blocks)")
+        return "fp8", tuple(block)
+    if method != "compressed-tensors":
+        raise NotImplementedError(f"quant_method {method!r} is not implemented (only 'fp8' "
+                                  "block-quantized and 'compressed-tensors' pack-quantized INT4)")
+    ct = "compressed-tensors"
+    if q.get("format") != "pack-quantized":
+        raise NotImplementedError(f"{ct} format {q.get('format')!r} is not implemented "
+                                  "(only 'pack-quantized')")
+    groups = list((q.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise NotImplementedError(f"{ct} with {len(groups)} config_groups is not implemented "
+                                  "(only 1)")
+    if groups[0].get("input_activations"):
+        raise NotImplementedError(f"{ct} input_activations quantization is not implemented")
+    w = groups[0].get("weights") or {}
+    for key, want in dict(num_bits=4, type="int", symmetric=True, strategy="group").items():
+        if w.get(key) != want:
+            raise NotImplementedError(f"{ct} weights {key} = {w.get(key)!r} is not implemented "
+                                      f"(only {want!r})")
+    group = w.get("group_size")
+    if not isinstance(group, int) or group <= 0 or group % 8:
+        raise NotImplementedError(f"{ct} group_size {group!r} is not implemented "
+                                  "(a positive multiple of 8, the values per packed word)")
+    return "int4", group
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1056,84 +1088,7 @@ class Transformer(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# Quantized checkpoints. FP8 (Kimi-K2-Instruct, DeepSeek-V3): float8_e4m3fn `weight` times a
-# float32 `weight_scale_inv` per block (128 x 128, partial at the edges); the routed experts stay
-# FP8 in memory (this rank's slice and the scale blocks over it), every other weight is
-# dequantized per rank slice at load. INT4 (Kimi-K2-Thinking, K2.5; compressed-tensors
-# "pack-quantized", symmetric): the routed experts only, kept packed in memory. Quantized experts
-# are read in place by the fused kernel (kernels.py) or dequantized inside forward (plain paths).
-
-def fp8_quantization_config(block=(128, 128)):
-    """The quantization_config Kimi-K2-Instruct and DeepSeek-V3 ship (FP8 e4m3, 128 x 128 blocks)."""
-    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": list(block)}
-
-
-def int4_quantization_config(group_size=32):
-    """The quantization_config Kimi-K2-Thinking / K2.5 ship (routed experts INT4, group 32)."""
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
-            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None, "weights": {
-                "num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-                "group_size": group_size, "dynamic": False, "actorder": None}}},
-            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
-                       "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]}
-
-
-def quant_scheme(q):
-    """("fp8", (block rows, block cols)), ("int4", group size) or (None, None) for a config's
-    quantization_config; anything else is refused by name."""
-    if not q:
-        return None, None
-    method = q.get("quant_method")
-    if method == "fp8":
-        block = q.get("weight_block_size")
-        if q.get("fmt", "e4m3") != "e4m3" or not block or len(block) != 2:
-            raise NotImplementedError(f"fp8 with fmt {q.get('fmt')!r}, weight_block_size {block!r} is not "
-                                      "implemented (only e4m3 with 2-d blocks)")
-        return "fp8", tuple(block)
-    if method != "compressed-tensors":
-        raise NotImplementedError(f"quant_method {method!r} is not implemented (only 'fp8' block-quantized "
-                                  "and 'compressed-tensors' pack-quantized INT4)")
-    if q.get("format") != "pack-quantized":
-        raise NotImplementedError(f"compressed-tensors format {q.get('format')!r} is not implemented "
-                                  "(only 'pack-quantized')")
-    groups = list((q.get("config_groups") or {}).values())
-    if len(groups) != 1:
-        raise NotImplementedError(f"compressed-tensors with {len(groups)} config_groups is not implemented (only 1)")
-    if groups[0].get("input_activations"):
-        raise NotImplementedError("compressed-tensors input_activations quantization is not implemented")
-    w = groups[0].get("weights") or {}
-    for key, want in dict(num_bits=4, type="int", symmetric=True, strategy="group").items():
-        if w.get(key) != want:
-            raise NotImplementedError(f"compressed-tensors weights {key} = {w.get(key)!r} is not implemented "
-                                      f"(only {want!r})")
-    group = w.get("group_size")
-    if not isinstance(group, int) or group <= 0 or group % 8:
-        raise NotImplementedError(f"compressed-tensors group_size {group!r} is not implemented "
-                                  "(a positive multiple of 8, the values per packed word)")
-    return "int4", group
-
-
-def ignored(module, ignore):
-    """compressed-tensors' ignore rule: "re:" entries match by regex, others by name (or dotted suffix)."""
-    return any(re.match(e[3:], module) if e.startswith("re:") else module == e or module.endswith("." + e)
-               for e in ignore)
-
-
-def check_int4_scope(table, ignore):
-    """compressed-tensors quantizes every linear layer whose module the ignore list does not name.
-    Only the routed experts quantized is implemented, so each linear layer of the checkpoint table
-    must be quantized exactly when it is a routed expert; anything else is refused by name."""
-    for name, _, _ in table:
-        module, leaf = name.rsplit(".", 1)
-        routed = ".mlp.experts." in name
-        linear = name.endswith("_proj.weight") or name.endswith("lm_head.weight") or routed
-        if not linear or leaf == "weight_scale":   # a packed expert is checked once, by its weight_packed
-            continue
-        quantized = not ignored(module, ignore)
-        if quantized != routed:
-            raise NotImplementedError(f"INT4 quantization_config: {module} is {'' if routed else 'not '}"
-                                      "in the ignore list; only the routed experts quantized is implemented")
-
+# INT4 experts, the reference format (DESIGN.md): the plain paths dequantize inside forward
 
 def unpack_int4(packed):
     """int32 [..., n/8] -> int8 [..., n] in [-8, 7]. Element c sits in word c//8 at bits
@@ -1143,296 +1098,8 @@ def unpack_int4(packed):
     return torch.stack((b & 0xF, b >> 4), -1).flatten(-2).view(torch.int8) - 8
 
 
-def pack_int4(q):
-    """int [..., n] in [-8, 7] -> int32 [..., n/8]; the inverse of unpack_int4."""
-    if q.shape[-1] % 8 or q.min() < -8 or q.max() > 7:
-        raise ValueError(f"pack_int4 needs values in [-8, 7] and a last dim divisible by 8, got {list(q.shape)}")
-    nibbles = (q.to(torch.int64) + 8).unflatten(-1, (-1, 8))
-    words = (nibbles << torch.arange(0, 32, 4, device=q.device)).sum(-1)     # in [0, 2^32)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)   # as two's complement
-
-
 def dequantize_int4(packed, scale, group):
-    """W[r, c] = q[r, c] * scale[r, c // group], in scale's dtype: [..., out, in/8] -> [..., out, in]."""
+    """W[r, c] = q[r, c] * scale[r, c // group], in scale's dtype: [..., out, in/8] ->
+    [..., out, in]."""
     q = unpack_int4(packed).unflatten(-1, (-1, group))
     return (q * scale.unsqueeze(-1)).flatten(-2)       # int8 times the scale's dtype: one kernel
-
-
-# ---------------------------------------------------------------------------------------------
-# Weights: random init, checkpoint save and per-rank load. Our parameter names are the HF names
-# (with "model." in front of all but lm_head), except the stacked experts, which map to one HF
-# tensor per expert. Each parameter's `shard_dim` says how the global tensor is split.
-
-def global_shape(p, tp):
-    if hasattr(p, "global_shape"):   # FP8 experts' block scales (Fp8Experts)
-        return list(p.global_shape)
-    shape = list(p.shape)
-    if p.shard_dim is not None:
-        shape[p.shard_dim] *= tp.world_size
-    return shape
-
-
-def checkpoint_table(model, prefix=""):
-    """[(hf_name, parameter, expert index or None)] for every tensor of the checkpoint."""
-    table = []
-    for name, p in model.named_parameters():
-        hf = prefix + (name if name.startswith("lm_head.") else "model." + name)
-        if ".mlp.experts." in name:   # "gate_proj" (a plain weight) or "gate_proj.weight_packed" (INT4)
-            head, tail = hf.split(".mlp.experts.")
-            proj, _, kind = tail.partition(".")
-            table += [(f"{head}.mlp.experts.{j}.{proj}.{kind or 'weight'}", p, j) for j in range(p.shape[0])]
-        else:
-            table.append((hf, p, None))
-    return table
-
-
-def init_random(model, seed, rank_local=False):
-    """Random weights. Default: each tensor drawn whole on the CPU from a generator seeded by
-    (seed, name), then sliced, so TP 1 and TP N hold the same model. rank_local=True draws only
-    this rank's slice on the device (cheap for configs too big to draw whole; TP N != TP 1).
-    INT4 experts get random values q, symmetric in [-7, 7] (zero-mean, so the experts share no
-    constant component), and scales that give |W| ~ 1/sqrt(in); FP8 experts N(0, 1) values in
-    e4m3 and block scales ~1/sqrt(in)."""
-    tp = model.tp
-    for name, p in model.named_parameters():
-        packed = name.endswith("weight_packed")
-        if not p.dtype.is_floating_point and not packed:  # index tables (the draft's d2t) are set by their owner
-            continue
-        g_device = p.device if rank_local else torch.device("cpu")
-        g = torch.Generator(g_device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode())
-                                                  + (7919 * tp.rank if rank_local else 0))
-        shape = list(p.shape) if rank_local else global_shape(p, tp)
-        if packed:  # random nibbles; stored 0 (q = -8) becomes 8 (q = 0): q symmetric, zero-mean
-            w = torch.randint(-2**31, 2**31, shape, generator=g, device=g_device, dtype=torch.int64).to(torch.int32)
-            lo, hi = w.view(torch.uint8) & 0xF, w.view(torch.uint8) >> 4
-            w = (lo.masked_fill(lo == 0, 8) | (hi.masked_fill(hi == 0, 8) << 4)).view(torch.int32)
-        elif p.dtype == torch.float8_e4m3fn:  # FP8 experts: N(0, 1) values; the block scales set |W|
-            w = torch.randn(shape, generator=g, device=g_device)
-        elif name.endswith("weight_scale_inv"):
-            fan_in = global_shape(model.get_parameter(name.removesuffix("_scale_inv")), tp)[-1]
-            w = (1 + 0.1 * torch.randn(shape, generator=g, device=g_device)) / math.sqrt(fan_in)
-        elif name.endswith("weight_scale"):  # that q has std sqrt(17.5) ~ 4.18
-            w = (1 + 0.1 * torch.randn(shape, generator=g, device=g_device)) / (
-                math.sqrt(17.5) * math.sqrt(shape[-1] * model.args.int4_group_size))
-        elif name.endswith("norm.weight") or name.endswith("layernorm.weight"):
-            w = 1 + 0.1 * torch.randn(shape, generator=g, device=g_device)
-        elif name.endswith("e_score_correction_bias"):
-            w = 0.1 * torch.randn(shape, generator=g, device=g_device)
-        else:
-            w = torch.randn(shape, generator=g, device=g_device) / math.sqrt(shape[-1])
-        if not rank_local and p.shard_dim is not None:
-            w = w.chunk(tp.world_size, p.shard_dim)[tp.rank]
-        elif not rank_local and hasattr(p, "block_index"):   # the scale blocks over this rank's slice
-            w = w[(slice(None),) + p.block_index]
-        p.copy_(w)
-    return model
-
-
-def save_target(model, path, max_shard_bytes=None):
-    """Write config.json plus model.safetensors (or shards and model.safetensors.index.json)
-    in the HF DeepseekV3 layout; INT4 experts as compressed-tensors pack-quantized, with their
-    weight_shape. TP 1 only: a rank holds only its slices."""
-    if model.tp.world_size != 1:
-        raise ValueError("save_target needs the whole model (TP 1); this rank holds a 1/"
-                         f"{model.tp.world_size} shard")
-    os.makedirs(path, exist_ok=True)
-    cfg = model.args.to_hf_config()
-    if model.args.int4_group_size is None and model.args.fp8_block is None:
-        cfg.pop("quantization_config")
-    # FP8: the experts are written as stored (weight + weight_scale_inv); every other weight was
-    # dequantized at load and is written plain, which the loader also reads under an FP8 config
-    with open(os.path.join(path, "config.json"), "w") as f:
-        json.dump(cfg, f, indent=2)
-    write_safetensors(checkpoint_tensors(model), path, max_shard_bytes)
-
-
-def checkpoint_tensors(model, prefix=""):
-    """{checkpoint name: CPU tensor} of a whole (TP 1) model; INT4 experts with their weight_shape."""
-    tensors = {k: (p if j is None else p[j]).detach().contiguous().cpu() for k, p, j in checkpoint_table(model, prefix)}
-    for k in [k for k in tensors if k.endswith(".weight_packed")]:
-        out, words = tensors[k].shape
-        tensors[k.removesuffix("packed") + "shape"] = torch.tensor([out, words * 8])
-    return tensors
-
-
-def write_safetensors(tensors, path, max_shard_bytes=None):
-    """One model.safetensors, or shards of at most max_shard_bytes plus the index json."""
-    if not max_shard_bytes:
-        save_file(tensors, os.path.join(path, "model.safetensors"))
-        return
-    shards, size = [{}], 0
-    for k, t in tensors.items():
-        nbytes = t.numel() * t.element_size()
-        if shards[-1] and size + nbytes > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = t
-        size += nbytes
-    weight_map = {}
-    for i, shard in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(shard, os.path.join(path, fname))
-        weight_map.update({k: fname for k in shard})
-    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
-        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
-
-
-def checkpoint_files(path):
-    """{tensor name: file} from model.safetensors.index.json or a single model.safetensors."""
-    index = os.path.join(path, "model.safetensors.index.json")
-    if os.path.exists(index):
-        try:
-            with open(index) as f:
-                weight_map = json.load(f)["weight_map"]
-            return {k: os.path.join(path, v) for k, v in weight_map.items()}
-        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
-            raise CheckpointError(f"{index}: not a safetensors index with a weight_map ({type(e).__name__}: {e})") from None
-    single = os.path.join(path, "model.safetensors")
-    if not os.path.exists(single):
-        raise CheckpointError(f"{os.fspath(path)} has neither model.safetensors nor model.safetensors.index.json")
-    with open_safetensors(single) as f:
-        return {k: single for k in f.keys()}
-
-
-def open_safetensors(file):
-    """safe_open, with a truncated or corrupt file (or a shard the index names but the folder
-    lacks) refused by name."""
-    try:
-        return safe_open(file, "pt", device="cpu")
-    except Exception as e:  # safetensors raises its own SafetensorError, or an OSError
-        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
-
-
-FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
-INT_DTYPES = {torch.int64: "I64", torch.int32: "I32"}
-
-
-def rank_slice(shape, dim, tp):
-    """The index of this rank's slice of a tensor of global `shape` split along `dim` (or whole)."""
-    index = [slice(0, n) for n in shape]
-    if dim is not None:
-        n = shape[dim] // tp.world_size
-        index[dim] = slice(tp.rank * n, (tp.rank + 1) * n)
-    return tuple(index)
-
-
-def dequantize_fp8_slice(name, sl, scale_sl, index, block, device, dtype):
-    """This rank's slice of an FP8 weight times its block scales, in `dtype` (at least float32) on
-    `device`. Only the scale blocks that overlap the slice are read; a slice may start or end
-    inside a block."""
-    shape, (br, bc) = sl.get_shape(), block
-    want = [-(-shape[0] // br), -(-shape[1] // bc)]
-    if list(scale_sl.get_shape()) != want:
-        raise CheckpointError(f"{name}_scale_inv: expected shape {want} for {shape} in {br}x{bc} blocks, "
-                              f"found {list(scale_sl.get_shape())}")
-    (r0, r1), (c0, c1) = [(s.start, s.stop) for s in index]
-    w = sl[index].to(device, dtype)
-    s = scale_sl[r0 // br:-(-r1 // br), c0 // bc:-(-c1 // bc)].to(device, dtype)
-    s = s.repeat_interleave(br, 0).repeat_interleave(bc, 1)
-    return w * s[r0 % br:r0 % br + r1 - r0, c0 % bc:c0 % bc + c1 - c0]
-
-
-def check_tensor_names(files, expected, path, what, skip):
-    """Every expected tensor present, none left over (but the scales and shapes read with their
-    weight, and what skip(name) labels: passed over, counted in one line)."""
-    companions = {k for k in files if k.endswith((".weight_scale_inv", ".weight_shape"))}  # read with their weight
-    skipped = Counter(skip(k) for k in files if k not in expected and skip(k))
-    missing = [k for k in expected if k not in files]
-    unexpected = [k for k in files if k not in expected and k not in companions and not skip(k)]
-    packed_elsewhere = [k for k in unexpected if k.endswith(".weight_packed")]
-    if packed_elsewhere:
-        raise NotImplementedError(f"{what} {path}: {len(packed_elsewhere)} tensor(s) are INT4-packed where this "
-                                  f"model expects plain weights, e.g. {packed_elsewhere[:2]}: the config has no "
-                                  "compressed-tensors quantization_config, or INT4 reaches beyond the routed "
-                                  "experts (only they are implemented)")
-    if missing:
-        raise CheckpointError(f"{what} {path} is missing {len(missing)} tensor(s), e.g. {missing[:3]}")
-    if unexpected:
-        raise CheckpointError(f"{what} {path} has {len(unexpected)} unexpected tensor(s), e.g. {unexpected[:3]}")
-    if skipped:
-        print0(f"{what}: skipping {sum(skipped.values())} tensors this model does not use: "
-               + ", ".join(f"{label} ({n})" for label, n in sorted(skipped.items())))
-
-
-def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8_block=None):
-    """Copy this rank's slice of every tensor in `table` [(name, param, expert or None)] from the
-    safetensors files under `path`, reading only those slices (safetensors get_slice), one tensor
-    at a time. skip(name) gives a label for a tensor to pass over (None: not skipped). FP8
-    tensors are dequantized with their `weight_scale_inv` in fp8_block blocks; INT4 ones are
-    copied packed after their `weight_shape` is checked."""
-    files = checkpoint_files(path)
-    expected = {name: (p, j) for name, p, j in table}
-    check_tensor_names(files, expected, path, what, skip)
-    with ExitStack() as stack:  # closes the files and the bar, also when a tensor is refused
-        bar = stack.enter_context(tqdm(total=len(expected), desc=f"loading {what}", disable=tp.rank != 0, unit="tensor"))
-        handles = {}
-
-        def get_slice(k):
-            if k not in files:
-                raise CheckpointError(f"{what} {path} is missing {k}")
-            if files[k] not in handles:
-                handles[files[k]] = stack.enter_context(open_safetensors(files[k]))
-            return handles[files[k]].get_slice(k)
-
-        for k in sorted(expected, key=lambda k: files[k]):  # file by file: each shard is opened once
-            p, j = expected[k]
-            sl = get_slice(k)
-            want = global_shape(p, tp)[1:] if j is not None else global_shape(p, tp)
-            found = list(sl.get_shape())
-            if found != want:
-                raise CheckpointError(f"{what} {files[k]}: tensor {k} has shape {found}, expected {want}")
-            if hasattr(p, "block_index"):   # FP8 experts' scales: the blocks over this rank's slice
-                index = p.block_index                # (per expert: the tensor is [rows, cols] blocks)
-            else:
-                index = rank_slice(want, p.shard_dim if j is None or p.shard_dim is None else p.shard_dim - 1, tp)
-            dst = p if j is None else p[j]
-            if p.dtype == torch.float8_e4m3fn:   # FP8 experts stay FP8: this rank's slice as stored
-                if sl.get_dtype() != "F8_E4M3":
-                    raise CheckpointError(f"{what} {files[k]}: tensor {k} has dtype {sl.get_dtype()}, expected "
-                                          "F8_E4M3 (the config says FP8)")
-                dst.copy_(sl[index])
-            elif sl.get_dtype() == "F8_E4M3" and fp8_block and p.dtype.is_floating_point:
-                dst.copy_(dequantize_fp8_slice(k, sl, get_slice(k + "_scale_inv"), index, fp8_block, p.device,
-                                               torch.promote_types(p.dtype, torch.float32)))
-            else:
-                allowed = FLOAT_DTYPES if p.dtype.is_floating_point else {INT_DTYPES[p.dtype]}
-                if sl.get_dtype() not in allowed:
-                    raise CheckpointError(f"{what} {files[k]}: tensor {k} has dtype {sl.get_dtype()}, not supported "
-                                          f"here (expected one of {sorted(allowed)}; FP8 needs an fp8 quantization_config)")
-                if k.endswith(".weight_packed"):
-                    shape = get_slice(k.removesuffix("packed") + "shape")[:].tolist()
-                    if shape != [want[0], want[1] * 8]:
-                        raise CheckpointError(f"{what} tensor {k}: packed shape {want} does not match its "
-                                              f"weight_shape {shape} (expected [{shape[0]}, {shape[1] // 8}] words)")
-                dst.copy_(sl[index])
-            bar.update()
-
-
-def load_target(path, max_batch_size=1, max_seq_len=4096, device=None, dtype=None, tp=None, **kwargs):
-    """config.json + safetensors (single file or sharded index) -> this rank's Transformer.
-    Each rank reads only its own slices; no rank ever holds the whole model. Reads bf16/fp16/fp32
-    checkpoints, FP8 block-quantized ones (routed experts kept FP8, the rest dequantized per slice)
-    and INT4 pack-quantized experts (kept packed), and the Kimi-K2.5 layout (text model under
-    `language_model.`; the vision tower and projector skipped)."""
-    cfg = read_config(path)
-    args = ModelArgs.from_hf_config(path)
-    kind, block_or_group = quant_scheme(args.quantization_config)
-    try:
-        model = Transformer(args, max_batch_size, max_seq_len, device, dtype, tp, **kwargs)
-    except ValueError as e:  # a size the TP does not divide, aux layer ids outside the model
-        raise CheckpointError(f"{config_file(path)}: {e}") from None
-    prefix = "language_model." if "text_config" in cfg else ""
-    table = checkpoint_table(model, prefix)
-    if kind == "int4":
-        check_int4_scope(table, args.quantization_config.get("ignore") or [])
-    n = args.num_hidden_layers
-
-    def skip(name):
-        if prefix and not name.startswith(prefix):
-            return name.split(".")[0]   # the vision tower and the projector
-        parts = name.removeprefix(prefix).split(".")
-        if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= n:
-            return f"layers >= {n} (DeepSeek's MTP module)"
-        return None
-    load_weights(table, path, model.tp, "target", skip=skip, fp8_block=block_or_group if kind == "fp8" else None)
-    return model

@@ -59,11 +59,12 @@ import torch
 import torch.distributed as dist
 from tqdm import tqdm
 
+import checkpoint
 import kernels
 import model
 import tp as tpm
 import train
-from draft import Eagle3Draft, draft_preset, init_random_draft, load_draft, set_target_aux_layers
+from draft import Eagle3Draft, draft_preset, set_target_aux_layers
 from graphs import CudaGraphs
 from verify import ATTENTION_MODES, accept, generate, kv_bucket, prefill_draft, prefill_target
 
@@ -309,8 +310,8 @@ def build(args, device, dtype, world):
     sweep = 6  # the isolated phases write up to 6 tokens after the longest context
     max_seq_len = max(args.prompt_len + args.max_new_tokens, max(args.context_len) + sweep) + 2 * k + 2
     if args.model_path:
-        target = model.load_target(args.model_path, args.batch_size, max_seq_len, device, dtype, tp,
-                                   moe_impl=args.moe_impl, routing=args.routing, kernels=args.kernels)
+        target = checkpoint.load_target(args.model_path, args.batch_size, max_seq_len, device, dtype, tp,
+                                        moe_impl=args.moe_impl, routing=args.routing, kernels=args.kernels)
         how = f"loaded {args.model_path}"
         if args.trained_pair:
             how = ("the trained tiny pair (checkpoints/tiny-stdlib, made by train.py from bytes of Python stdlib "
@@ -329,10 +330,10 @@ def build(args, device, dtype, world):
         except ValueError as e:  # a size the TP does not divide
             raise BadInput(f"--preset {args.preset} at TP {tp.world_size}: {e}") from None
         whole = tp.world_size == 1 or not tp.simulated and sum(p.numel() for p in target.parameters()) < MAX_PARAMS_SEEDED_WHOLE
-        model.init_random(target, args.seed, rank_local=not whole)
+        checkpoint.init_random(target, args.seed, rank_local=not whole)
         how = f"random {args.preset} ({'seeded whole, same at any TP' if whole else 'rank-local init'})"
     if args.draft_path:
-        head = load_draft(args.draft_path, target)
+        head = checkpoint.load_draft(args.draft_path, target)
     elif args.dump:  # a dump without a draft checkpoint is plain greedy
         head = None
     else:
@@ -341,7 +342,7 @@ def build(args, device, dtype, world):
         if max(dargs.aux_layer_ids or [0]) >= target.args.num_hidden_layers:  # Kimi's ids, a shallower target
             dargs.eagle_config = None  # EAGLE-3's default layers of this target instead
         set_target_aux_layers(target, dargs)
-        head = init_random_draft(Eagle3Draft(dargs, target), args.seed + 1, rank_local=tp.simulated)
+        head = checkpoint.init_random_draft(Eagle3Draft(dargs, target), args.seed + 1, rank_local=tp.simulated)
     return target, head, how
 
 
@@ -1613,7 +1614,7 @@ def print_refusal(e):
 @torch.no_grad()
 def main(argv=None):
     """Returns the exit status (0, or 1 when --compare fails); a flag, file or checkpoint the run
-    cannot use raises BadInput or model.CheckpointError, which the command line prints as one line."""
+    cannot use raises BadInput or checkpoint.CheckpointError, which the command line prints as one line."""
     args = parse_args(argv)
     if args.compare:
         return compare_main(args)
@@ -1629,7 +1630,7 @@ if __name__ == "__main__":
     status = 2
     try:
         status = main()
-    except (BadInput, model.CheckpointError, NotImplementedError) as e:
+    except (BadInput, checkpoint.CheckpointError, NotImplementedError) as e:
         print_refusal(e)
     finally:  # every rank leaves the group together (gloo aborts a rank whose peer exits first)
         if dist.is_initialized():

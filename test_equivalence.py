@@ -27,10 +27,12 @@ import torch.nn.functional as F  # noqa: E402
 import torch.multiprocessing as mp  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
+import checkpoint  # noqa: E402
 import kernels  # noqa: E402
 import model  # noqa: E402
 import tp  # noqa: E402
-from model import CheckpointError, ModelArgs, Transformer, init_random, load_target, save_target  # noqa: E402
+from checkpoint import CheckpointError, init_random, load_target, save_target  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
 from tp import TP  # noqa: E402
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -368,10 +370,40 @@ def test_save_load_round_trip_is_exact(tiny_ckpt):
     assert torch.equal(run_steps(loaded), run_steps(m))
 
 
+def assert_same_parameters(got, want, what):
+    names = [n for n, _ in want.named_parameters()]
+    assert [n for n, _ in got.named_parameters()] == names, what
+    for (name, a), (_, b) in zip(got.named_parameters(), want.named_parameters()):
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (what, name)
+
+
+@pytest.mark.parametrize("quant", [None, "int4", "fp8"])
+def test_saved_pair_loads_as_each_ranks_slices(quant, tmp_path):
+    """save_target / save_draft at TP 1, then load_target / load_draft at TP 1 and on each rank of
+    TP 2: every rank holds exactly the parameters the seeded init gives that rank (the init is
+    the same model at any TP), plain, with INT4 experts (kept packed) and FP8 experts (kept FP8,
+    in 16 x 24 blocks, so a rank's slice starts inside a block)."""
+    qc = {None: None, "int4": "int4", "fp8": model.fp8_quantization_config((16, 24))}[quant]
+    args = tiny(moe_intermediate_size=64, quantization_config=qc)
+
+    def pair(tp_):
+        target = init_random(Transformer(args, 2, 16, dtype=torch.float32, tp=tp_), 11)
+        return target, init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 12)
+    target, head = pair(None)
+    save_target(target, tmp_path / "target", max_shard_bytes=100_000)
+    save_draft(head, tmp_path / "draft")
+    for tp_ in (TP(0, 1), TP(0, 2), TP(1, 2)):
+        where = f"{quant or 'plain'}, rank {tp_.rank} of TP {tp_.world_size}"
+        want_target, want_head = pair(tp_)
+        got_target = load_target(tmp_path / "target", 2, 16, dtype=torch.float32, tp=tp_)
+        assert_same_parameters(got_target, want_target, f"target, {where}")
+        assert_same_parameters(load_draft(tmp_path / "draft", got_target), want_head, f"draft, {where}")
+
+
 MEMORY_PROBE = r"""
 import sys, threading, time, torch
 sys.path.insert(0, sys.argv[2])
-from model import load_target
+from checkpoint import load_target
 from tp import TP
 def status(key):
     for line in open("/proc/self/status"):
@@ -541,12 +573,12 @@ def test_int4_bit_layout():
     q = torch.tensor([[-8, -1, 0, 7, 3, -5, 1, 2]])
     nibbles = "A93BF870"   # q + 8 = 0 7 8 15 11 3 9 10, written from element 7 down to element 0
     word = int(nibbles, 16) - 2**32   # the top nibble is >= 8: a negative int32
-    assert model.pack_int4(q).tolist() == [[word]]
+    assert checkpoint.pack_int4(q).tolist() == [[word]]
     assert model.unpack_int4(torch.tensor([[word]], dtype=torch.int32)).tolist() == q.tolist()
     g = torch.Generator().manual_seed(0)
     q = torch.randint(-8, 8, (5, 3, 64), generator=g)
     q[0, 0, :8] = -8   # the edge: nibble 0, and a word of all-zero bits
-    packed = model.pack_int4(q)
+    packed = checkpoint.pack_int4(q)
     assert packed.dtype == torch.int32 and packed.shape == (5, 3, 8)
     assert torch.equal(model.unpack_int4(packed).long(), q)
     scale = torch.rand(5, 3, 2, generator=g)
@@ -559,11 +591,11 @@ def int4_checkpoint(d):
     prefix, a vision tower to skip), sharded; and the same weights dequantized, saved plain."""
     args = tiny(moe_intermediate_size=64, quantization_config="int4")
     m = init_random(Transformer(args, max_batch_size=3, max_seq_len=32, dtype=torch.float32), 5)
-    tensors = model.checkpoint_tensors(m, "language_model.")
+    tensors = checkpoint.checkpoint_tensors(m, "language_model.")
     tensors.update({"vision_tower.patch_embed.proj.weight": torch.zeros(4, 3), "mm_projector.proj.0.weight": torch.zeros(2)})
     quant, plain = os.path.join(d, "int4"), os.path.join(d, "plain")
     os.makedirs(quant)
-    model.write_safetensors(tensors, quant, max_shard_bytes=300_000)
+    checkpoint.write_safetensors(tensors, quant, max_shard_bytes=300_000)
     with open(os.path.join(quant, "config.json"), "w") as f:
         json.dump({"architectures": ["KimiK25ForConditionalGeneration"], "vision_config": {},
                    "text_config": args.to_hf_config()}, f)
@@ -598,7 +630,7 @@ def fp8_checkpoint(d, block=(16, 24)):
         tensors[k + "_scale_inv"] = scale
         deq[k] = tensors[k].float() * full
     os.makedirs(quant)
-    model.write_safetensors(tensors, quant, max_shard_bytes=200_000)
+    checkpoint.write_safetensors(tensors, quant, max_shard_bytes=200_000)
     save_file({**load_file(os.path.join(plain, "model.safetensors")), **deq}, os.path.join(plain, "model.safetensors"))
     cfg = dict(m.args.to_hf_config(), quantization_config={"quant_method": "fp8", "fmt": "e4m3",
                "activation_scheme": "dynamic", "weight_block_size": list(block)})
@@ -715,7 +747,8 @@ def test_simulated_rank_is_labelled_and_shaped_like_tp8():
 # ---------------------------------------------------------------------------------------------
 # EAGLE-3 head and speculative decoding: lossless against plain greedy
 
-from draft import Eagle3Draft, draft_preset, init_random_draft, load_draft, save_draft  # noqa: E402
+from checkpoint import init_random_draft, load_draft, save_draft  # noqa: E402
+from draft import Eagle3Draft, draft_preset  # noqa: E402
 from verify import accept, generate  # noqa: E402
 
 PROMPTS = {1: [[11, 12, 13, 14, 15, 16]], 3: [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26, 27, 28, 29], [31, 32, 33, 34, 35, 36, 37]]}
@@ -883,7 +916,7 @@ def test_generation_stops_at_every_eos_id(tmp_path):
     at the first of any of them, as engines do, plain and speculative, wherever it falls in a cycle."""
     (tmp_path / "config.json").write_text(json.dumps(dict(tiny().to_hf_config(), eos_token_id=[2, 5])))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
-    assert ModelArgs.from_hf_config(tmp_path).eos_token_ids == [2, 5, 9]
+    assert checkpoint.read_target_args(tmp_path).eos_token_ids == [2, 5, 9]
     target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=40, dtype=torch.float64), 21)
     free = generate(target, None, PROMPTS[3], max_new_tokens=20, eos_id=-1).tokens
     stops = [free[0][4], free[1][7], free[2][9]]

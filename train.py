@@ -16,11 +16,11 @@ from the committed one; recipe.json beside it records the Python and torch that 
 hash of the training bytes.
 
 1. target: the `tiny` preset (8 layers, 16 routed experts), next-byte cross-entropy through
-   model.Transformer's own forward (grouped experts), saved with model.save_target;
+   model.Transformer's own forward (grouped experts), saved with checkpoint.save_target;
 2. draft vocabulary: the draft_vocab_size bytes the trained target predicts most often on the
    training text (draft.draft_vocab);
 3. head: EAGLE-3's training-time test (draft.train_step: num_steps unrolled steps, each scored
-   against the frozen target's own distribution), saved with draft.save_draft;
+   against the frozen target's own distribution), saved with checkpoint.save_draft;
 4. measure: greedy speculative decoding from the held-out prompts (accepted tokens per cycle,
    bonus included) and the head's top-1 agreement with the target on held-out text.
 """
@@ -39,9 +39,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
+import checkpoint
 import model
-from draft import Eagle3Draft, draft_preset, draft_vocab, init_random_draft, load_draft, save_draft, ttt_loss, \
-    train_step
+from draft import Eagle3Draft, draft_preset, draft_vocab, train_step, ttt_loss
 from verify import generate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
@@ -154,7 +154,7 @@ def fit(params, cfg, loss_fn, desc, before_step=lambda: None):
 def train_target(data):
     args = model.preset("tiny")
     target = model.Transformer(args, TARGET["batch"], SEQ_LEN, moe_impl="grouped", dtype=torch.float32)
-    model.init_random(target, TARGET["seed"])
+    checkpoint.init_random(target, TARGET["seed"])
     for layer in target.layers:  # the router's bias is for balancing (not trained by gradients): start it at 0
         if hasattr(layer.mlp, "gate"):
             layer.mlp.gate.e_score_correction_bias.zero_()
@@ -187,8 +187,8 @@ def train_draft(target, data):
     gen = torch.Generator().manual_seed(DRAFT["seed"] + 100)
     predicted = [target_pass(target, windows(data, DRAFT["batch"], SEQ_LEN, gen))[1].argmax(-1)
                  for _ in range(VOCAB_BATCHES)]
-    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target, max_seq_len=SEQ_LEN + DRAFT["num_steps"]),
-                             DRAFT["seed"])
+    head = Eagle3Draft(draft_preset("tiny"), target, max_seq_len=SEQ_LEN + DRAFT["num_steps"])
+    head = checkpoint.init_random_draft(head, DRAFT["seed"])
     head.d2t.copy_(draft_vocab(torch.cat(predicted), head.args.vocab_size, head.args.draft_vocab_size))
 
     def step(opt, gen):
@@ -205,8 +205,8 @@ def train_draft(target, data):
 def load_pair(max_batch_size=1, max_seq_len=256, dtype=torch.float32, device=None, folder=PAIR_DIR):
     """The pair saved in `folder` (target/ and eagle3/; default the committed one), loaded as run.py
     loads checkpoints."""
-    target = model.load_target(os.path.join(folder, "target"), max_batch_size, max_seq_len, device, dtype)
-    return target, load_draft(os.path.join(folder, "eagle3"), target)
+    target = checkpoint.load_target(os.path.join(folder, "target"), max_batch_size, max_seq_len, device, dtype)
+    return target, checkpoint.load_draft(os.path.join(folder, "eagle3"), target)
 
 
 def measure(target, head, n_prompts=12):
@@ -290,11 +290,11 @@ def main(argv=None):
           f", {args.threads} thread(s), into {out}")
     t0, c0 = time.perf_counter(), time.process_time()
     target, t_hist = train_target(data)
-    model.save_target(target, target_dir)
+    checkpoint.save_target(target, target_dir)
     t1, c1 = time.perf_counter(), time.process_time()
-    target = model.load_target(target_dir, DRAFT["batch"], SEQ_LEN, dtype=torch.float32, moe_impl="grouped")
+    target = checkpoint.load_target(target_dir, DRAFT["batch"], SEQ_LEN, dtype=torch.float32, moe_impl="grouped")
     head, d_hist = train_draft(target, data)
-    save_draft(head, draft_dir)
+    checkpoint.save_draft(head, draft_dir)
     t2, c2 = time.perf_counter(), time.process_time()
     target, head = load_pair(max_batch_size=16, folder=out)
     numbers = measure(target, head)

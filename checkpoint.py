@@ -1,0 +1,511 @@
+"""Loading and saving the target and the EAGLE-3 head: the stage between files and modules.
+
+Reads a Hugging Face folder (config.json, generation_config.json, model.safetensors or the shards
+of model.safetensors.index.json) into this rank's model.Transformer or draft.Eagle3Draft, each
+rank reading only its own slices (safetensors get_slice), one tensor at a time; writes the same
+layouts back (TP 1); fills a model with seeded random weights that are the same at any TP.
+
+Formats (DESIGN.md, "Checkpoint formats"):
+  plain: bf16 / fp16 / fp32, copied into the model's dtype.
+  FP8 (Kimi-K2-Instruct, DeepSeek-V3): float8_e4m3fn `weight` times a float32 `weight_scale_inv`
+    per block (128 x 128, partial at the edges). The routed experts stay FP8 in memory (this
+    rank's slice and the scale blocks over it); every other weight is dequantized per rank slice.
+  INT4 (Kimi-K2-Thinking, K2.5; compressed-tensors "pack-quantized", symmetric): the routed
+    experts only, kept packed in memory (`weight_packed`, `weight_scale`, checked `weight_shape`).
+  Kimi-K2.5: the text model under `language_model.` and `text_config`; the vision tower skipped.
+
+One table drives every step: checkpoint_table lists (checkpoint name, parameter, expert index)
+and each parameter's `shard_dim` (tp.py) says how the global tensor is split across ranks.
+model.py and draft.py know nothing of this file; it imports them.
+
+Public: load_target, save_target, load_draft, save_draft, init_random, init_random_draft,
+read_target_args, CheckpointError.
+"""
+import json
+import math
+import os
+import re
+import zlib
+from collections import Counter
+from contextlib import ExitStack
+
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from tqdm import tqdm
+
+from draft import DraftArgs, Eagle3Draft, set_target_aux_layers
+from model import ModelArgs, Transformer, eos_union, quant_scheme
+from tp import print0
+
+
+class CheckpointError(ValueError):
+    """A checkpoint or config that cannot be loaded; the message names the file and the problem."""
+
+
+# ---------------------------------------------------------------------------------------------
+# Config files. model.ModelArgs / draft.DraftArgs map a config dict to their fields; here the
+# files are found and read, and every problem is one error naming the file.
+
+def config_file(path):
+    """The config.json a path names: the file, or the one in its folder."""
+    path = os.fspath(path)
+    return os.path.join(path, "config.json") if os.path.isdir(path) else path
+
+
+def read_config(path):
+    """A config.json (the file, or the one in a folder) as a dict."""
+    if not os.path.exists(path):
+        raise CheckpointError(f"{os.fspath(path)}: no such file or folder")
+    file = config_file(path)
+    if not os.path.exists(file):
+        raise CheckpointError(f"{os.fspath(path)} has no config.json")
+    try:
+        with open(file) as f:
+            cfg = json.load(f)
+    except json.JSONDecodeError as e:
+        where = f"{file} line {e.lineno} column {e.colno}"
+        raise CheckpointError(f"{where}: not JSON ({e.msg})") from None
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{file}: not a text file") from None
+    if not isinstance(cfg, dict):
+        raise CheckpointError(f"{file}: expected a JSON object, found {type(cfg).__name__}")
+    return cfg
+
+
+def generation_eos(path):
+    """The eos_token_id of the generation_config.json beside a config.json (None without one)."""
+    folder = path if os.path.isdir(path) else os.path.dirname(path)
+    file = os.path.join(folder, "generation_config.json")
+    if not os.path.exists(file):
+        return None
+    return read_config(file).get("eos_token_id")   # a broken file: a CheckpointError naming it
+
+
+def read_target_args(path):
+    """ModelArgs of a checkpoint's config.json (the file or its folder). Its EOS ids are those of
+    config.json and of a generation_config.json beside it, together (engines stop at every one:
+    SGLang's model config takes the union, vLLM adds them as stops)."""
+    cfg = read_config(path)
+    extra = generation_eos(path)
+    if extra is not None:
+        cfg = dict(cfg, eos_token_id=eos_union(cfg.get("eos_token_id"), extra))
+    try:
+        return ModelArgs.from_hf_config(cfg)
+    except ValueError as e:   # a field of the wrong type
+        raise CheckpointError(f"{config_file(path)}: {e}") from None
+
+
+def read_draft_args(path):
+    """DraftArgs of an EAGLE-3 checkpoint's config.json (the file or its folder)."""
+    cfg = read_config(path)
+    try:
+        return DraftArgs.from_hf_config(cfg)
+    except ValueError as e:   # not an EAGLE-3 head, a field of the wrong type
+        raise CheckpointError(f"{config_file(path)}: {e}") from None
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized formats: what only loading and saving need (the dequantize-then-multiply reference
+# the experts run, unpack_int4 and dequantize_int4, lives in model.py)
+
+def ignored(module, ignore):
+    """compressed-tensors' ignore rule: "re:" entries match by regex, others by name (or dotted
+    suffix)."""
+    return any(re.match(e[3:], module) if e.startswith("re:")
+               else module == e or module.endswith("." + e) for e in ignore)
+
+
+def check_int4_scope(table, ignore):
+    """compressed-tensors quantizes every linear layer whose module the ignore list does not name.
+    Only the routed experts quantized is implemented, so each linear layer of the checkpoint table
+    must be quantized exactly when it is a routed expert; anything else is refused by name."""
+    for name, _, _ in table:
+        module, leaf = name.rsplit(".", 1)
+        routed = ".mlp.experts." in name
+        linear = name.endswith("_proj.weight") or name.endswith("lm_head.weight") or routed
+        if not linear or leaf == "weight_scale":   # a packed expert: checked by its weight_packed
+            continue
+        if ignored(module, ignore) == routed:
+            raise NotImplementedError(
+                f"INT4 quantization_config: {module} is {'' if routed else 'not '}in the ignore "
+                "list; only the routed experts quantized is implemented")
+
+
+def pack_int4(q):
+    """int [..., n] in [-8, 7] -> int32 [..., n/8]; the inverse of model.unpack_int4."""
+    if q.shape[-1] % 8 or q.min() < -8 or q.max() > 7:
+        raise ValueError("pack_int4 needs values in [-8, 7] and a last dim divisible by 8, "
+                         f"got {list(q.shape)}")
+    nibbles = (q.to(torch.int64) + 8).unflatten(-1, (-1, 8))
+    words = (nibbles << torch.arange(0, 32, 4, device=q.device)).sum(-1)     # in [0, 2^32)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)  # two's complement
+
+
+def dequantize_fp8_slice(name, sl, scale_sl, index, block, device, dtype):
+    """This rank's slice of an FP8 weight times its block scales, in `dtype` (at least float32) on
+    `device`. Only the scale blocks that overlap the slice are read; a slice may start or end
+    inside a block."""
+    shape, (br, bc) = sl.get_shape(), block
+    want = [-(-shape[0] // br), -(-shape[1] // bc)]
+    if list(scale_sl.get_shape()) != want:
+        raise CheckpointError(f"{name}_scale_inv: expected shape {want} for {shape} in {br}x{bc} "
+                              f"blocks, found {list(scale_sl.get_shape())}")
+    (r0, r1), (c0, c1) = [(s.start, s.stop) for s in index]
+    w = sl[index].to(device, dtype)
+    s = scale_sl[r0 // br:-(-r1 // br), c0 // bc:-(-c1 // bc)].to(device, dtype)
+    s = s.repeat_interleave(br, 0).repeat_interleave(bc, 1)
+    return w * s[r0 % br:r0 % br + r1 - r0, c0 % bc:c0 % bc + c1 - c0]
+
+
+# ---------------------------------------------------------------------------------------------
+# The table: our parameter names are the HF names (with "model." in front of all but lm_head),
+# except the stacked experts, which map to one HF tensor per expert. The draft's names are
+# SpecForge's as they are.
+
+def global_shape(p, tp):
+    """The shape of the whole tensor whose slice this rank's parameter holds."""
+    if hasattr(p, "global_shape"):   # FP8 experts' block scales (model.Fp8Experts)
+        return list(p.global_shape)
+    shape = list(p.shape)
+    if p.shard_dim is not None:
+        shape[p.shard_dim] *= tp.world_size
+    return shape
+
+
+def rank_slice(shape, dim, tp):
+    """The index of this rank's slice of a tensor of global `shape` split along `dim` (or whole)."""
+    index = [slice(0, n) for n in shape]
+    if dim is not None:
+        n = shape[dim] // tp.world_size
+        index[dim] = slice(tp.rank * n, (tp.rank + 1) * n)
+    return tuple(index)
+
+
+def checkpoint_table(model, prefix=""):
+    """[(hf_name, parameter, expert index or None)] for every tensor of the target's checkpoint."""
+    table = []
+    for name, p in model.named_parameters():
+        hf = prefix + (name if name.startswith("lm_head.") else "model." + name)
+        if ".mlp.experts." in name:   # "gate_proj" (a plain weight), "gate_proj.weight_packed", ...
+            head, tail = hf.split(".mlp.experts.")
+            proj, _, kind = tail.partition(".")
+            table += [(f"{head}.mlp.experts.{j}.{proj}.{kind or 'weight'}", p, j)
+                      for j in range(p.shape[0])]
+        else:
+            table.append((hf, p, None))
+    return table
+
+
+def draft_table(draft):
+    """The head's checkpoint table: its parameter names as they are, no experts."""
+    return [(name, p, None) for name, p in draft.named_parameters()]
+
+
+# ---------------------------------------------------------------------------------------------
+# Random weights
+
+def random_weight(model, name, p, shape, g):
+    """A random value for parameter p, called `name`, of global (or rank-local) `shape`."""
+    device = g.device
+    if name.endswith("weight_packed"):  # random nibbles; stored 0 (q = -8) becomes 8 (q = 0)
+        w = torch.randint(-2**31, 2**31, shape, generator=g, device=device, dtype=torch.int64)
+        b = w.to(torch.int32).view(torch.uint8)
+        lo, hi = b & 0xF, b >> 4
+        return (lo.masked_fill(lo == 0, 8) | (hi.masked_fill(hi == 0, 8) << 4)).view(torch.int32)
+    noise = torch.randn(shape, generator=g, device=device)
+    if p.dtype == torch.float8_e4m3fn:  # FP8 experts: N(0, 1) values; the block scales set |W|
+        return noise
+    if name.endswith("weight_scale_inv"):
+        fan_in = global_shape(model.get_parameter(name.removesuffix("_scale_inv")), model.tp)[-1]
+        return (1 + 0.1 * noise) / math.sqrt(fan_in)
+    if name.endswith("weight_scale"):  # q uniform in [-7, 7] has std sqrt(17.5) ~ 4.18
+        fan_in = shape[-1] * model.args.int4_group_size
+        return (1 + 0.1 * noise) / (math.sqrt(17.5) * math.sqrt(fan_in))
+    if name.endswith("norm.weight") or name.endswith("layernorm.weight"):
+        return 1 + 0.1 * noise
+    if name.endswith("e_score_correction_bias"):
+        return 0.1 * noise
+    return noise / math.sqrt(shape[-1])
+
+
+def init_random(model, seed, rank_local=False):
+    """Random weights for a model.Transformer (or a draft.Eagle3Draft: init_random_draft). Default:
+    each tensor drawn whole on the CPU from a generator seeded by (seed, name), then sliced, so
+    TP 1 and TP N hold the same model. rank_local=True draws only this rank's slice on the device
+    (cheap for configs too big to draw whole; TP N != TP 1). INT4 experts get random values q,
+    symmetric in [-7, 7] (zero-mean, so the experts share no constant component), and scales that
+    give |W| ~ 1/sqrt(in); FP8 experts N(0, 1) values in e4m3 and block scales ~1/sqrt(in)."""
+    tp = model.tp
+    for name, p in model.named_parameters():
+        if not p.dtype.is_floating_point and not name.endswith("weight_packed"):
+            continue   # index tables (the draft's d2t) are set by their owner
+        device = p.device if rank_local else torch.device("cpu")
+        g = torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode())
+                                                + (7919 * tp.rank if rank_local else 0))
+        shape = list(p.shape) if rank_local else global_shape(p, tp)
+        w = random_weight(model, name, p, shape, g)
+        if not rank_local and p.shard_dim is not None:
+            w = w.chunk(tp.world_size, p.shard_dim)[tp.rank]
+        elif not rank_local and hasattr(p, "block_index"):   # the scale blocks over this slice
+            w = w[(slice(None),) + p.block_index]
+        p.copy_(w)
+    return model
+
+
+def init_random_draft(draft, seed, rank_local=False):
+    """Random weights (as init_random) and a random sorted d2t over distinct target ids."""
+    init_random(draft, seed, rank_local)
+    g = torch.Generator().manual_seed(seed + 17)
+    n = draft.args.draft_vocab_size
+    hot = torch.randperm(draft.args.vocab_size, generator=g)[:n].sort().values
+    draft.d2t.copy_(hot - torch.arange(n))
+    return draft
+
+
+# ---------------------------------------------------------------------------------------------
+# Saving (TP 1: a rank holds only its slices)
+
+def write_config(cfg, path):
+    os.makedirs(path, exist_ok=True)
+    with open(os.path.join(path, "config.json"), "w") as f:
+        json.dump(cfg, f, indent=2)
+
+
+def save_target(model, path, max_shard_bytes=None):
+    """Write config.json plus model.safetensors (or shards and model.safetensors.index.json)
+    in the HF DeepseekV3 layout; INT4 experts as compressed-tensors pack-quantized, with their
+    weight_shape; FP8 experts as stored (weight + weight_scale_inv), every other weight plain
+    (it was dequantized at load; the loader reads plain weights under an FP8 config too)."""
+    if model.tp.world_size != 1:
+        raise ValueError("save_target needs the whole model (TP 1); this rank holds a 1/"
+                         f"{model.tp.world_size} shard")
+    cfg = model.args.to_hf_config()
+    if model.args.int4_group_size is None and model.args.fp8_block is None:
+        cfg.pop("quantization_config")
+    write_config(cfg, path)
+    write_safetensors(checkpoint_tensors(model), path, max_shard_bytes)
+
+
+def checkpoint_tensors(model, prefix=""):
+    """{checkpoint name: CPU tensor} of a whole (TP 1) model; INT4 experts with their
+    weight_shape."""
+    tensors = {k: (p if j is None else p[j]).detach().contiguous().cpu()
+               for k, p, j in checkpoint_table(model, prefix)}
+    for k in [k for k in tensors if k.endswith(".weight_packed")]:
+        out, words = tensors[k].shape
+        tensors[k.removesuffix("packed") + "shape"] = torch.tensor([out, words * 8])
+    return tensors
+
+
+def write_safetensors(tensors, path, max_shard_bytes=None):
+    """One model.safetensors, or shards of at most max_shard_bytes plus the index json."""
+    if not max_shard_bytes:
+        save_file(tensors, os.path.join(path, "model.safetensors"))
+        return
+    shards, size = [{}], 0
+    for k, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_shard_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][k] = t
+        size += nbytes
+    weight_map = {}
+    for i, shard in enumerate(shards):
+        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
+        save_file(shard, os.path.join(path, fname))
+        weight_map.update({k: fname for k in shard})
+    with open(os.path.join(path, "model.safetensors.index.json"), "w") as f:
+        json.dump({"metadata": {}, "weight_map": weight_map}, f, indent=2)
+
+
+def save_draft(draft, path):
+    """Write the SpecForge / SGLang layout (config.json + model.safetensors, with t2d). TP 1."""
+    if draft.tp.world_size != 1:
+        raise ValueError("save_draft needs the whole head (TP 1)")
+    write_config(draft.args.to_hf_config(), path)
+    tensors = {name: p.detach().contiguous().cpu() for name, p, _ in draft_table(draft)}
+    t2d = torch.zeros(draft.args.vocab_size, dtype=torch.bool)
+    t2d[torch.arange(draft.args.draft_vocab_size) + tensors["d2t"]] = True
+    tensors["t2d"] = t2d
+    write_safetensors(tensors, path)
+
+
+# ---------------------------------------------------------------------------------------------
+# Loading: this rank's slice of each tensor, one at a time
+
+def checkpoint_files(path):
+    """{tensor name: file} from model.safetensors.index.json or a single model.safetensors."""
+    index = os.path.join(path, "model.safetensors.index.json")
+    if os.path.exists(index):
+        try:
+            with open(index) as f:
+                weight_map = json.load(f)["weight_map"]
+            return {k: os.path.join(path, v) for k, v in weight_map.items()}
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError) as e:
+            raise CheckpointError(f"{index}: not a safetensors index with a weight_map "
+                                  f"({type(e).__name__}: {e})") from None
+    single = os.path.join(path, "model.safetensors")
+    if not os.path.exists(single):
+        raise CheckpointError(f"{os.fspath(path)} has neither model.safetensors nor "
+                              "model.safetensors.index.json")
+    with open_safetensors(single) as f:
+        return {k: single for k in f.keys()}
+
+
+def open_safetensors(file):
+    """safe_open, with a truncated or corrupt file (or a shard the index names but the folder
+    lacks) refused by name."""
+    try:
+        return safe_open(file, "pt", device="cpu")
+    except Exception as e:  # safetensors raises its own SafetensorError, or an OSError
+        raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
+
+
+def check_tensor_names(files, expected, path, what, skip):
+    """Every expected tensor present, none left over (but the scales and shapes read with their
+    weight, and what skip(name) labels: passed over, counted in one line)."""
+    companions = {k for k in files if k.endswith((".weight_scale_inv", ".weight_shape"))}
+    skipped = Counter(skip(k) for k in files if k not in expected and skip(k))
+    missing = [k for k in expected if k not in files]
+    unexpected = [k for k in files if k not in expected and k not in companions and not skip(k)]
+    packed = [k for k in unexpected if k.endswith(".weight_packed")]
+    if packed:
+        raise NotImplementedError(
+            f"{what} {path}: {len(packed)} tensor(s) are INT4-packed where this model expects "
+            f"plain weights, e.g. {packed[:2]}: the config has no compressed-tensors "
+            "quantization_config, or INT4 reaches beyond the routed experts (only they are "
+            "implemented)")
+    if missing:
+        raise CheckpointError(f"{what} {path} is missing {len(missing)} tensor(s), "
+                              f"e.g. {missing[:3]}")
+    if unexpected:
+        raise CheckpointError(f"{what} {path} has {len(unexpected)} unexpected tensor(s), "
+                              f"e.g. {unexpected[:3]}")
+    if skipped:
+        print0(f"{what}: skipping {sum(skipped.values())} tensors this model does not use: "
+               + ", ".join(f"{label} ({n})" for label, n in sorted(skipped.items())))
+
+
+FLOAT_DTYPES = {"BF16", "F16", "F32", "F64"}
+INT_DTYPES = {torch.int64: "I64", torch.int32: "I32"}
+
+
+class Reader:
+    """The safetensors files of one checkpoint, each opened once (on `stack`) when first read."""
+
+    def __init__(self, files, path, what, stack):
+        self.files, self.path, self.what, self.stack, self.handles = files, path, what, stack, {}
+
+    def get_slice(self, k):
+        if k not in self.files:
+            raise CheckpointError(f"{self.what} {self.path} is missing {k}")
+        file = self.files[k]
+        if file not in self.handles:
+            self.handles[file] = self.stack.enter_context(open_safetensors(file))
+        return self.handles[file].get_slice(k)
+
+    def error(self, k, problem):
+        return CheckpointError(f"{self.what} {self.files[k]}: tensor {k} {problem}")
+
+
+def read_rank_slice(reader, k, p, j, tp, fp8_block):
+    """This rank's slice of tensor k, for parameter p (expert j of it, or all of it if j is None),
+    checked against the parameter's global shape and dtype; FP8 weights of plain parameters
+    dequantized; INT4 words checked against their weight_shape."""
+    sl = reader.get_slice(k)
+    want = global_shape(p, tp)[1:] if j is not None else global_shape(p, tp)
+    if list(sl.get_shape()) != want:
+        raise reader.error(k, f"has shape {list(sl.get_shape())}, expected {want}")
+    if hasattr(p, "block_index"):   # FP8 experts' scales: the blocks over this rank's slice
+        index = p.block_index        # (per expert: the tensor is [rows, cols] blocks)
+    else:
+        dim = p.shard_dim if j is None or p.shard_dim is None else p.shard_dim - 1
+        index = rank_slice(want, dim, tp)
+    if p.dtype == torch.float8_e4m3fn:   # FP8 experts stay FP8: this rank's slice as stored
+        if sl.get_dtype() != "F8_E4M3":
+            raise reader.error(k, f"has dtype {sl.get_dtype()}, expected F8_E4M3 (the config "
+                                  "says FP8)")
+        return sl[index]
+    if sl.get_dtype() == "F8_E4M3" and fp8_block and p.dtype.is_floating_point:
+        return dequantize_fp8_slice(k, sl, reader.get_slice(k + "_scale_inv"), index, fp8_block,
+                                    p.device, torch.promote_types(p.dtype, torch.float32))
+    allowed = FLOAT_DTYPES if p.dtype.is_floating_point else {INT_DTYPES[p.dtype]}
+    if sl.get_dtype() not in allowed:
+        raise reader.error(k, f"has dtype {sl.get_dtype()}, not supported here (expected one of "
+                              f"{sorted(allowed)}; FP8 needs an fp8 quantization_config)")
+    if k.endswith(".weight_packed"):
+        shape = reader.get_slice(k.removesuffix("packed") + "shape")[:].tolist()
+        if shape != [want[0], want[1] * 8]:
+            raise CheckpointError(f"{reader.what} tensor {k}: packed shape {want} does not match "
+                                  f"its weight_shape {shape} (expected [{shape[0]}, "
+                                  f"{shape[1] // 8}] words)")
+    return sl[index]
+
+
+def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8_block=None):
+    """Copy this rank's slice of every tensor in `table` [(name, param, expert or None)] from the
+    safetensors files under `path`, reading only those slices (safetensors get_slice), one tensor
+    at a time, file by file. skip(name) gives a label for a tensor to pass over (None: not
+    skipped). FP8 tensors are dequantized with their `weight_scale_inv` in fp8_block blocks; INT4
+    ones are copied packed after their `weight_shape` is checked."""
+    files = checkpoint_files(path)
+    expected = {name: (p, j) for name, p, j in table}
+    check_tensor_names(files, expected, path, what, skip)
+    with ExitStack() as stack:  # closes the files and the bar, also when a tensor is refused
+        bar = stack.enter_context(tqdm(total=len(expected), desc=f"loading {what}",
+                                       disable=tp.rank != 0, unit="tensor"))
+        reader = Reader(files, path, what, stack)
+        for k in sorted(expected, key=lambda k: files[k]):  # each shard is opened once
+            p, j = expected[k]
+            (p if j is None else p[j]).copy_(read_rank_slice(reader, k, p, j, tp, fp8_block))
+            bar.update()
+
+
+def load_target(path, max_batch_size=1, max_seq_len=4096, device=None, dtype=None, tp=None,
+                **kwargs):
+    """config.json + safetensors (single file or sharded index) -> this rank's model.Transformer
+    (kwargs go to its constructor). Each rank reads only its own slices; no rank ever holds the
+    whole model. Reads bf16/fp16/fp32 checkpoints, FP8 block-quantized ones (routed experts kept
+    FP8, the rest dequantized per slice) and INT4 pack-quantized experts (kept packed), and the
+    Kimi-K2.5 layout (text model under `language_model.`; the vision tower and projector
+    skipped)."""
+    args = read_target_args(path)
+    kind, block_or_group = quant_scheme(args.quantization_config)
+    try:
+        model = Transformer(args, max_batch_size, max_seq_len, device, dtype, tp, **kwargs)
+    except ValueError as e:  # a size the TP does not divide, aux layer ids outside the model
+        raise CheckpointError(f"{config_file(path)}: {e}") from None
+    prefix = "language_model." if "text_config" in read_config(path) else ""
+    table = checkpoint_table(model, prefix)
+    if kind == "int4":
+        check_int4_scope(table, args.quantization_config.get("ignore") or [])
+    n = args.num_hidden_layers
+
+    def skip(name):
+        if prefix and not name.startswith(prefix):
+            return name.split(".")[0]   # the vision tower and the projector
+        parts = name.removeprefix(prefix).split(".")
+        if len(parts) > 2 and parts[1] == "layers" and parts[2].isdigit() and int(parts[2]) >= n:
+            return f"layers >= {n} (DeepSeek's MTP module)"
+        return None
+    load_weights(table, path, model.tp, "target", skip=skip,
+                 fp8_block=block_or_group if kind == "fp8" else None)
+    return model
+
+
+def load_draft(path, target, max_batch_size=None, max_seq_len=None, device=None, dtype=None):
+    """A SpecForge / SGLang EAGLE-3 checkpoint for `target` (made to capture the layers the head
+    was trained on: draft.set_target_aux_layers); each rank reads only its slices."""
+    args = read_draft_args(path)
+    own = "embed_tokens.weight" in checkpoint_files(path)
+    try:
+        set_target_aux_layers(target, args)
+        draft = Eagle3Draft(args, target, max_batch_size, max_seq_len, device, dtype,
+                            own_embedding=own)
+    except ValueError as e:  # a head that does not fit this target (sizes, vocabulary, layer ids)
+        raise CheckpointError(f"draft {os.fspath(path)}: {e}") from None
+    load_weights(draft_table(draft), path, draft.tp, "draft",
+                 skip=lambda name: "t2d (not needed)" if name == "t2d" else None)
+    return draft
