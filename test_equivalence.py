@@ -2374,3 +2374,21 @@ def test_gpu_kernels_in_captured_paths():
     same = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     print(f"\nbf16 tiny model, kernels on vs off: top-1 agreement {same:.3f}, max |logit diff| "
           f"{(a - b).abs().max().item():.3e}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The first hour of a new user: quiet where nothing is news, one line where something is
+
+def test_loading_says_what_it_skips_but_not_t2d(tiny_ckpt, tmp_path, capsys):
+    """Every saved head carries t2d (SGLang's draft-vocabulary mask; d2t says the same): loading it
+    says nothing. A target's MTP layer is news: one line names it."""
+    ckpt, _ = tiny_ckpt
+    target = load_target(ckpt, max_batch_size=1, max_seq_len=8, dtype=torch.float64)
+    save_draft(init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 1), tmp_path / "head")
+    capsys.readouterr()
+    load_draft(tmp_path / "head", target)
+    assert "skipping" not in capsys.readouterr().out
+    _edit_checkpoint(ckpt, tmp_path / "mtp", lambda t: t.update({"model.layers.8.mlp.gate.weight": torch.zeros(2)}))
+    load_target(tmp_path / "mtp", max_batch_size=1, max_seq_len=8, dtype=torch.float64)
+    said = [line for line in capsys.readouterr().out.splitlines() if "skipping" in line]
+    assert len(said) == 1 and "MTP" in said[0], said
