@@ -1,4 +1,5 @@
-"""The EAGLE-3 draft head (Li et al., "EAGLE-3", arXiv:2503.01840), in the SpecForge / SGLang layout.
+"""The EAGLE-3 draft head (Li et al., "EAGLE-3", arXiv:2503.01840), in the SpecForge / SGLang
+layout.
 
 One decoder layer (the "midlayer") reads the concatenation [input_layernorm(embedding of the next
 token), hidden_norm(hidden)] where `hidden` is fc(three target hidden states) on extend rows and
@@ -8,9 +9,10 @@ means target id i + d2t[i].
 
 Alignment (SpecForge training and SGLang inference agree): row t reads the target's states at
 position t, the embedding of the token at t+1, RoPE position t, and predicts the token at t+2.
-So after the target has verified up to position q and produced the token at q+1, the last extend
-row (position q) gives d_1, the guess for position q+2, and chain step i (RoPE position q+1+i)
-turns d_{i+1} into d_{i+2}. Slot = position in the head's own KV cache, as in the target.
+So after the target has verified up to position p and produced the token at p+1, the last extend
+row (position p) gives d_1, the guess for position p+2, and chain step i (RoPE position p+1+i)
+turns d_{i+1} into d_{i+2}: the draft phase, a chain of num_steps - 1 head steps. Slot =
+position in the head's own KV cache, as in the target.
 
 Training (the end of this file): EAGLE-3's "training-time test". The head is unrolled num_steps
 times over whole sequences as inference runs it (Eagle3Draft.unroll: step 1 reads the target's
@@ -104,20 +106,19 @@ class DraftAttention(nn.Module):
 
     def __init__(self, a, tp, max_batch_size, max_seq_len, device, dtype):
         super().__init__()
-        self.n_local_heads = tp.split(a.num_attention_heads, "draft num_attention_heads")
-        self.n_local_kv_heads = tp.split(a.num_key_value_heads, "draft num_key_value_heads")
+        heads, kv_heads = "draft num_attention_heads", "draft num_key_value_heads"
+        self.n_local_heads = tp.split(a.num_attention_heads, heads)
+        self.n_local_kv_heads = tp.split(a.num_key_value_heads, kv_heads)
         self.head_dim, self.scale = a.head_dim, a.head_dim ** -0.5
-        what = "draft num_attention_heads"
-        self.q_proj = ColumnParallelLinear(2 * a.hidden_size, a.num_attention_heads * a.head_dim, tp, what, device, dtype)
-        self.k_proj = ColumnParallelLinear(2 * a.hidden_size, a.num_key_value_heads * a.head_dim, tp,
-                                           "draft num_key_value_heads", device, dtype)
-        self.v_proj = ColumnParallelLinear(2 * a.hidden_size, a.num_key_value_heads * a.head_dim, tp,
-                                           "draft num_key_value_heads", device, dtype)
-        self.o_proj = RowParallelLinear(a.num_attention_heads * a.head_dim, a.hidden_size, tp, what,
-                                        device=device, dtype=dtype)
+        q_out, kv_out = a.num_attention_heads * a.head_dim, a.num_key_value_heads * a.head_dim
+        self.q_proj = ColumnParallelLinear(2 * a.hidden_size, q_out, tp, heads, device, dtype)
+        self.k_proj = ColumnParallelLinear(2 * a.hidden_size, kv_out, tp, kv_heads, device, dtype)
+        self.v_proj = ColumnParallelLinear(2 * a.hidden_size, kv_out, tp, kv_heads, device, dtype)
+        self.o_proj = RowParallelLinear(q_out, a.hidden_size, tp, heads, device=device, dtype=dtype)
         shape = (max_batch_size, max_seq_len, self.n_local_kv_heads, a.head_dim)
-        self.register_buffer("k_cache", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
-        self.register_buffer("v_cache", torch.zeros(shape, device=device, dtype=dtype), persistent=False)
+        for name in ("k_cache", "v_cache"):
+            self.register_buffer(name, torch.zeros(shape, device=device, dtype=dtype),
+                                 persistent=False)
 
     def forward(self, x, positions, cos, sin, kv_len=None, past=None):   # x [B, T, 2D]
         """past None (inference): write this step's keys and values into the cache at `positions`
@@ -128,10 +129,13 @@ class DraftAttention(nn.Module):
         q = rotate_half_rope(self.q_proj(x).view(B, T, self.n_local_heads, -1), cos, sin)
         k = rotate_half_rope(self.k_proj(x).view(B, T, self.n_local_kv_heads, -1), cos, sin)
         v = self.v_proj(x).view(B, T, self.n_local_kv_heads, -1)
-        o = self.attend_cache(q, k, v, positions, kv_len) if past is None else self.attend_unrolled(q, k, v, past)
+        if past is None:
+            o = self.attend_cache(q, k, v, positions, kv_len)
+        else:
+            o = self.attend_unrolled(q, k, v, past)
         return self.o_proj(o.flatten(2))
 
-    def expand_kv(self, t):                                          # [B, S, G, Hd] -> [B, S, H, Hd]
+    def expand_kv(self, t):                                    # [B, S, G, Hd] -> [B, S, H, Hd]
         return t.repeat_interleave(self.n_local_heads // self.n_local_kv_heads, 2)
 
     def attend_cache(self, q, k, v, positions, kv_len):
@@ -140,29 +144,32 @@ class DraftAttention(nn.Module):
         self.k_cache[rows, positions] = k
         self.v_cache[rows, positions] = v
         S = kv_len or self.k_cache.shape[1]  # the slots read: the first kv_len (default all)
-        k, v = self.expand_kv(self.k_cache[:B, :S]), self.expand_kv(self.v_cache[:B, :S])   # [B, S, H, Hd]
+        k = self.expand_kv(self.k_cache[:B, :S])                                 # [B, S, H, Hd]
+        v = self.expand_kv(self.v_cache[:B, :S])
         scores = torch.einsum("bthd,bshd->bths", q, k) * self.scale
-        future = torch.arange(S, device=q.device) > positions.unsqueeze(-1)     # [B, T, S], as in model.py
+        future = torch.arange(S, device=q.device) > positions.unsqueeze(-1)  # [B, T, S] (model.py)
         scores = scores.masked_fill(future.unsqueeze(2), float("-inf"))
         p = scores.softmax(-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
         return torch.einsum("bths,bshd->bthd", p, v)
 
     def attend_unrolled(self, q, k, v, past):
-        """Row t of unrolled step i (RoPE position t + i) sees what chain step i - 1 from extend row t
-        sees at inference: step 0's keys at rows <= t (the extend rows, slots 0..t) and its own
-        row's keys of steps 1..i (the chain steps before it and itself, slots t+1..t+i), nothing
-        else. (EAGLE's reference training code, and SpecForge after it, also hides step 0's keys
-        of rows t-i+1..t from step i; inference reads those slots, so we do not. SpecForge PR #245
-        and EAGLE issue #247 question that mask; the tests pin ours to inference.)"""
+        """Row t of unrolled step i (RoPE position t + i) sees what chain step i - 1 from extend
+        row t sees at inference: step 0's keys at rows <= t (the extend rows, slots 0..t) and its
+        own row's keys of steps 1..i (the chain steps before it and itself, slots t+1..t+i),
+        nothing else. (EAGLE's reference training code, and SpecForge after it, also hides step
+        0's keys of rows t-i+1..t from step i; inference reads those slots, so we do not.
+        SpecForge PR #245 and EAGLE issue #247 question that mask; the tests pin ours to
+        inference.)"""
         past.append((k, v))
         (k0, v0), later = past[0], past[1:]
         T = q.shape[1]
-        scores = torch.einsum("bthd,bshd->bths", q, self.expand_kv(k0))                # [B, T, H, T]
-        future = torch.arange(T, device=q.device) > torch.arange(T, device=q.device).unsqueeze(1)   # [T, T]
+        scores = torch.einsum("bthd,bshd->bths", q, self.expand_kv(k0))          # [B, T, H, T]
+        rows = torch.arange(T, device=q.device)
+        future = rows > rows.unsqueeze(1)                                         # [T, T]
         scores = scores.masked_fill(future.view(1, T, 1, T), float("-inf"))
-        diag = [(q * self.expand_kv(kj)).sum(-1, keepdim=True) for kj, _ in later]     # [B, T, H, 1] each
+        diag = [(q * self.expand_kv(kj)).sum(-1, keepdim=True) for kj, _ in later]  # [B, T, H, 1]
         p = (torch.cat([scores, *diag], -1) * self.scale).softmax(
-            -1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)           # [B, T, H, T+i]
+            -1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)     # [B, T, H, T+i]
         o = torch.einsum("bths,bshd->bthd", p[..., :T], self.expand_kv(v0))
         for j, (_, vj) in enumerate(later):
             o = o + p[..., T + j:T + j + 1] * self.expand_kv(vj)
@@ -176,12 +183,13 @@ class MidLayer(nn.Module):
         self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps, device, dtype)
         self.self_attn = DraftAttention(a, tp, max_batch_size, max_seq_len, device, dtype)
         self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps, device, dtype)
-        self.mlp = MLP(a.hidden_size, a.intermediate_size, tp, "draft intermediate_size", device=device, dtype=dtype)
+        self.mlp = MLP(a.hidden_size, a.intermediate_size, tp, "draft intermediate_size",
+                       device=device, dtype=dtype)
 
     def forward(self, emb, hidden, positions, cos, sin, kv_len=None, past=None):
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], -1)   # [B, T, 2D]
-        h = hidden + self.self_attn(x, positions, cos, sin, kv_len, past)          # residual = hidden
-        return h + self.mlp(self.post_attention_layernorm(h))                      # g, before the norm
+        h = hidden + self.self_attn(x, positions, cos, sin, kv_len, past)      # residual = hidden
+        return h + self.mlp(self.post_attention_layernorm(h))                  # g, before the norm
 
 
 def set_target_aux_layers(target, args):
@@ -204,45 +212,40 @@ class Eagle3Draft(nn.Module):
     The target's embedding is shared unless own_embedding (the checkpoint has embed_tokens). The
     target must already capture the layers the head reads (set_target_aux_layers)."""
 
-    def __init__(self, args, target, max_batch_size=None, max_seq_len=None, device=None, dtype=None,
-                 own_embedding=False):
+    def __init__(self, args, target, max_batch_size=None, max_seq_len=None, device=None,
+                 dtype=None, own_embedding=False):
         super().__init__()
         self.args, self.tp = args, target.tp
         device, dtype = device or target.device, dtype or target.dtype
-        max_batch_size, max_seq_len = max_batch_size or target.max_batch_size, max_seq_len or target.max_seq_len
-        t_hidden = args.target_hidden_size or target.args.hidden_size
-        if t_hidden != target.args.hidden_size:
-            raise ValueError(f"draft target_hidden_size {t_hidden} != target hidden_size {target.args.hidden_size}")
-        if args.vocab_size != target.args.vocab_size:
-            raise ValueError(f"draft vocab_size {args.vocab_size} != target vocab_size {target.args.vocab_size}")
-        if args.aux_layer_ids is not None and sorted(args.aux_layer_ids) != target.aux_layer_ids:
-            raise ValueError(f"the draft reads target layers {sorted(args.aux_layer_ids)} (its "
-                             "eagle_aux_hidden_state_layer_ids) but the target captures "
-                             f"{target.aux_layer_ids}: call draft.set_target_aux_layers(target, "
-                             "args) first (checkpoint.load_draft does)")
+        max_batch_size = max_batch_size or target.max_batch_size
+        max_seq_len = max_seq_len or target.max_seq_len
+        check_fits(args, target)
         if own_embedding:
-            self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, self.tp, device, dtype)
+            self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, self.tp,
+                                                       device, dtype)
         else:  # not registered: the target owns (and loads) these weights
             object.__setattr__(self, "embed_tokens", target.embed_tokens)
-        self.fc = ReplicatedLinear(3 * t_hidden, args.hidden_size, device, dtype)
+        self.fc = ReplicatedLinear(3 * target.args.hidden_size, args.hidden_size, device, dtype)
         self.midlayer = MidLayer(args, self.tp, max_batch_size, max_seq_len, device, dtype)
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, device, dtype)
-        self.lm_head = ParallelLMHead(args.hidden_size, args.draft_vocab_size, self.tp, "draft_vocab_size",
-                                      device, dtype)
+        self.lm_head = ParallelLMHead(args.hidden_size, args.draft_vocab_size, self.tp,
+                                      "draft_vocab_size", device, dtype)
         self.d2t = _param((args.draft_vocab_size,), None, device, torch.int64)
-        cos, sin = rope_tables(args.head_dim, args.rope_theta, args.rope_scaling, max_seq_len, device)
+        cos, sin = rope_tables(args.head_dim, args.rope_theta, args.rope_scaling, max_seq_len,
+                               device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
     def forward(self, tokens, positions, hidden, kv_len=None, past=None):
-        """One pass of the midlayer. tokens, positions [B, T]; hidden [B, T, D], in the head's own
-        width: fc(target states) on extend rows, the previous step's g on chain steps. EAGLE-3 fuses
-        only the target's states through fc (`extend` applies it, `chain` does not). Attention over
-        the first kv_len cache slots (default all); past: see DraftAttention.forward. Returns draft
-        logits [B, T, Vd] and g [B, T, D]."""
+        """One pass of the midlayer. tokens, positions [B, T]; hidden [B, T, D], in the head's
+        own width: fc(target states) on extend rows, the previous step's g on chain steps.
+        EAGLE-3 fuses only the target's states through fc (`extend` applies it, `chain` does
+        not). Attention over the first kv_len cache slots (default all); past: see
+        DraftAttention.forward. Returns draft logits [B, T, Vd] and g [B, T, D]."""
         if hidden.shape[-1] != self.args.hidden_size:
-            raise ValueError(f"hidden is {hidden.shape[-1]} wide, not the head's hidden_size {self.args.hidden_size}: "
-                             "target states go through extend (which applies fc), not straight into the head")
+            raise ValueError(f"hidden is {hidden.shape[-1]} wide, not the head's hidden_size "
+                             f"{self.args.hidden_size}: target states go through extend (which "
+                             "applies fc), not straight into the head")
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
         g = self.midlayer(self.embed_tokens(tokens), hidden, positions, cos, sin, kv_len, past)
         return self.lm_head(self.norm(g)), g
@@ -263,41 +266,61 @@ class Eagle3Draft(nn.Module):
         logits = logits.gather(1, pick.expand(-1, 1, logits.shape[-1])).squeeze(1)
         return self.to_target_ids(logits), g.gather(1, pick.expand(-1, 1, g.shape[-1])).squeeze(1)
 
-    def chain(self, first, g, q, num_steps, kv_len=None):
-        """d_1 = first [B]; step i reads d_{i+1} and the previous g (no fc: g is already the head's
-        width) at RoPE position q + 1 + i. Returns drafts [B, num_steps] in target ids."""
+    def chain(self, first, g, last_pos, num_steps, kv_len=None):
+        """The draft phase: d_1 = first [B], then num_steps - 1 head steps. last_pos [B] is the
+        position of the last extend row; step i reads d_{i+1} and the previous g (no fc: g is
+        already the head's width) at RoPE position last_pos + 1 + i. Returns drafts
+        [B, num_steps] in target ids."""
         drafts = [first]
         for i in range(num_steps - 1):
-            logits, g = self(drafts[-1].unsqueeze(1), (q + 1 + i).unsqueeze(1), g.unsqueeze(1), kv_len)
+            pos = (last_pos + 1 + i).unsqueeze(1)                                       # [B, 1]
+            logits, g = self(drafts[-1].unsqueeze(1), pos, g.unsqueeze(1), kv_len)
             drafts.append(self.to_target_ids(logits[:, 0]))
             g = g[:, 0]
         return torch.stack(drafts, 1)
 
-    def propose(self, tokens, positions, hidden, last, num_steps):
-        """Extend over the rows (hidden: the target's states), then chain, in one call: what
-        verify.generate's prefill does (there through prefill_draft, in chunks)."""
-        first, g = self.extend(tokens, positions, hidden, last)
-        q = positions.gather(1, last.unsqueeze(1)).squeeze(1)
-        return self.chain(first, g, q, num_steps)
+    def propose(self, tokens, positions, target_states, last, num_steps):
+        """Extend over the rows, then chain, in one call: what verify.generate's prefill does
+        (there through prefill_draft, in chunks)."""
+        first, g = self.extend(tokens, positions, target_states, last)
+        last_pos = positions.gather(1, last.unsqueeze(1)).squeeze(1)
+        return self.chain(first, g, last_pos, num_steps)
 
     def unroll(self, tokens, target_states, num_steps):
-        """EAGLE-3's training-time test: the head run num_steps times over whole
-        sequences exactly as inference runs it, in one differentiable pass that touches no cache.
-        tokens [B, T]: sequences x_0..x_{T-1}; target_states [B, T, 3*Dt]: the target's states along them.
-        Step 0 is the extend over every row: row t reads the states at t, token x_{t+1}, RoPE
-        position t. Step i > 0 is chain step i - 1 started from every row at once: row t reads
-        x_{t+1+i} (where inference reads its own draft d_i, the guess for that token), the g of step
-        i - 1 on the same row, RoPE position t + i, and attends as DraftAttention.attend_unrolled says.
-        Returns logits [num_steps, B, T, Vd]: step i, row t predicts x_{t+2+i}. Rows that run past
-        the end read token 0 and have no label."""
+        """EAGLE-3's training-time test: the head run num_steps times over whole sequences exactly
+        as inference runs it, in one differentiable pass that touches no cache.
+        tokens [B, T]: sequences x_0..x_{T-1}; target_states [B, T, 3*Dt]: the target's states
+        along them. Step 0 is the extend over every row: row t reads the states at t, token
+        x_{t+1}, RoPE position t. Step i > 0 is chain step i - 1 started from every row at once:
+        row t reads x_{t+1+i} (where inference reads its own draft d_i, the guess for that
+        token), the g of step i - 1 on the same row, RoPE position t + i, and attends as
+        DraftAttention.attend_unrolled says. Returns logits [num_steps, B, T, Vd]: step i, row t
+        predicts x_{t+2+i}. Rows that run past the end read token 0 and have no label."""
         B, T = tokens.shape
-        seq = torch.cat([tokens[:, 1:], tokens.new_zeros(B, num_steps)], 1)   # step i, row t reads seq[t + i]
+        seq = torch.cat([tokens[:, 1:], tokens.new_zeros(B, num_steps)], 1)  # step i reads t + i
         positions = torch.arange(T, device=tokens.device).expand(B, T)
         hidden, past, steps = self.fc(target_states), [], []
         for i in range(num_steps):
-            logits, hidden = self(seq[:, i:i + T], positions + i, hidden, past=past)   # hidden <- g, fed back
+            logits, hidden = self(seq[:, i:i + T], positions + i, hidden, past=past)  # g, fed back
             steps.append(logits)
         return torch.stack(steps)
+
+
+def check_fits(args, target):
+    """A head of config `args` reads `target`: the same width of states, the same vocabulary,
+    and the layers it was trained on captured."""
+    t_hidden = args.target_hidden_size or target.args.hidden_size
+    if t_hidden != target.args.hidden_size:
+        raise ValueError(f"draft target_hidden_size {t_hidden} != target hidden_size "
+                         f"{target.args.hidden_size}")
+    if args.vocab_size != target.args.vocab_size:
+        raise ValueError(f"draft vocab_size {args.vocab_size} != target vocab_size "
+                         f"{target.args.vocab_size}")
+    if args.aux_layer_ids is not None and sorted(args.aux_layer_ids) != target.aux_layer_ids:
+        raise ValueError(f"the draft reads target layers {sorted(args.aux_layer_ids)} (its "
+                         "eagle_aux_hidden_state_layer_ids) but the target captures "
+                         f"{target.aux_layer_ids}: call draft.set_target_aux_layers(target, args) "
+                         "first (checkpoint.load_draft does)")
 
 
 # ---------------------------------------------------------------------------------------------

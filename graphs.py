@@ -1,9 +1,9 @@
 """Explicit CUDA graph capture and replay (torch.cuda.CUDAGraph; no torch.compile graph modes).
 
-One graph per key (what, batch size, tokens): inputs are copied into static buffers, a few
-warm-up runs go on a side stream, and every graph allocates from one shared memory pool. A key
-with no graph is captured on first use (with the real inputs, so the warm-up writes to the KV
-cache are the very writes the replay makes) or, with capture_missing=False, refused.
+One graph per key (a GraphKey: phase, attention mode, batch, tokens, cache slots): inputs are
+copied into static buffers, a few warm-up runs go on a side stream, and every graph allocates
+from one shared memory pool. A key with no graph is captured on first use, with the real inputs,
+so the warm-up writes to the KV cache are the very writes the replay makes.
 
 Outputs are copied out of the pool right after each replay. With one shared pool, a graph's static
 output may sit in memory that an earlier-captured graph uses as scratch, so it would be clobbered
@@ -15,10 +15,26 @@ which function it holds, and a call with another function under the same key is 
 """
 from functools import partial
 from inspect import ismethod
+from typing import NamedTuple
 
 import torch
 
 from tp import print0
+
+
+class GraphKey(NamedTuple):
+    """What one graph captures, named so that no reader takes one field for another.
+    phase: "decode_step" (the target reads one token a row), "verify" (the target reads the
+    newest token and the k drafts), "draft_extend" (the head reads the verified rows), "draft"
+    (the head's chain of steps, one token a step), or a name of the caller's;
+    mode: the target's attention, "extend" or "decode" (None for the head);
+    batch: rows; tokens: the tokens a row reads (for "draft", the head steps);
+    slots: the cache slots each forward reads (its kv_len; None: all)."""
+    phase: str
+    mode: str | None
+    batch: int
+    tokens: int
+    slots: int | None = None
 
 
 def function_id(fn):
@@ -54,13 +70,13 @@ def copy_out(out):
 
 
 class CudaGraphs:
-    def __init__(self, device, capture_missing=True, warmup=3, share_pool=True):
+    def __init__(self, device, warmup=3):
         device = torch.device(device)
         if device.type != "cuda":
             raise RuntimeError(f"CUDA graphs need a CUDA device, and this model is on {device}: "
                                "run with use_graphs=False (run.py: --cuda-graph off)")
-        self.device, self.capture_missing, self.warmup = device, capture_missing, warmup
-        self.pool = torch.cuda.graph_pool_handle() if share_pool else None
+        self.device, self.warmup = device, warmup
+        self.pool = torch.cuda.graph_pool_handle()
         self.graphs = {}  # key -> (graph, static inputs, static outputs)
         self.functions = {}  # key -> (function_id, function_name) of what its graph captured
 
@@ -80,14 +96,13 @@ class CudaGraphs:
         print0(f"captured CUDA graph {key}")
 
     def run(self, key, fn, *inputs):
-        """Replay the graph for `key` on these inputs (capturing it first if allowed)."""
+        """Replay the graph for `key` (a GraphKey, or any hashable) on these inputs, capturing it
+        on first use."""
         if key not in self.graphs:
-            if not self.capture_missing:
-                raise KeyError(f"no CUDA graph captured for {key}; captured: {sorted(self.graphs)}")
             self.capture(key, fn, *inputs)
         elif self.functions[key][0] != function_id(fn):
-            raise ValueError(f"CUDA graph {key} replays {self.functions[key][1]}, and this call passes "
-                             f"{function_name(fn)}: give each function its own key")
+            raise ValueError(f"CUDA graph {key} replays {self.functions[key][1]}, and this call "
+                             f"passes {function_name(fn)}: give each function its own key")
         graph, static_in, static_out = self.graphs[key]
         for buf, x in zip(static_in, inputs):
             buf.copy_(x)

@@ -1,38 +1,48 @@
-"""Triton kernels for the hot paths of a decode or verify step, each the fast twin of plain
-PyTorch code in model.py that stays the readable specification.
+"""The fast path: Triton kernels for the hot paths of a decode or verify step, and the module swaps
+that put them in place of model.py's plain code, which stays the readable specification.
 
-  Routed experts         fused_moe              twin: model.Experts, impl "gather"
-  MLA decode attention   mla_decode_attention   twin: model.absorbed_attention
-  RoPE + cache write     mla_rope_cache_write   twin: the plain lines of model.MLA.forward it replaces
-  Router                 router_topk            twin: model.Router.forward (plain)
-  Residual add + RMSNorm add_rmsnorm            twin: x + y, then model.RMSNorm
-  SwiGLU activation      silu_mul               twin: F.silu(gate) * up in model.MLP
-  RMSNorm + GEMV         norm_gemv              twin: model.norm_linear (plain add, RMSNorm, F.linear)
-  GEMV per head          head_gemv              twin: the absorbed einsums of model.MLA.attend_absorbed
+  Routed experts         fused_moe              swap: FusedExperts (twin: model.Experts)
+  MLA decode attention   mla_decode_attention   swap: DecodeAttentionKernel (twin: model.absorbed_attention)
+  RoPE + cache write     mla_rope_cache_write   swap: RopeCacheKernel (twin: model.MLA.write_cache)
+  Router                 router_topk            swap: RouterKernel (twin: model.Router)
+  Residual add + RMSNorm add_rmsnorm            swap: AddRMSNorm (twin: model.RMSNorm with a residual)
+  SwiGLU activation      silu_mul               swap: SiluMulKernel (twin: model.MLP.act)
+  RMSNorm + GEMV         norm_gemv              swap: NormGemvMLA, GemvRowParallelLinear (twins:
+                                                model.MLA.query, tp.RowParallelLinear)
+  GEMV per head          head_gemv              swap: NormGemvMLA (twin: model.MLA.absorb_query,
+                                                absorb_output)
 
-The fused MoE is switched on by model.Transformer(moe_impl="fused") (run.py --moe-impl; "auto"
-picks it on a GPU with Triton), the others by name (model.Transformer(..., kernels=...), run.py
---kernels); each is tested
-against its twin in test_equivalence.py. Triton is imported only where it exists: without it
-this module still imports (HAVE_TRITON is False) and the plain paths run. On a CPU the kernels
-run only under the Triton interpreter (TRITON_INTERPRET=1, set before import; slow, for tests).
-This module must not import model.py (model.py imports it).
+A swap is a subclass of a model.py (or tp.py) module that overrides only the methods that differ
+and keeps the parameter names, so one state dict loads into both and each test compares a module
+with its swap on the same weights. Torch-only swaps live here too: GroupedExperts
+(torch._grouped_mm), StackedQKVA / StackedGateUp (one GEMM over stacked weights, "fused_proj"),
+SharedExpertInLaunch (the shared expert as one more expert of the fused launch). One function puts
+them in place: accelerate(model, names, moe=...) re-classes the modules of a built model (run.py
+--kernels, --moe-impl); compile_layers(model) is run.py --compile's regional torch.compile.
+
+Triton is imported only where it exists: without it this module still imports (HAVE_TRITON is
+False) and the plain paths run. On a CPU the kernels run only under the Triton interpreter
+(TRITON_INTERPRET=1, set before import; slow, for tests). This module imports model.py, never the
+reverse; the kernels' micro-benchmarks are kernels_bench.py.
 
 Shape legend: B batch rows, T query tokens per row, H local heads, M = T*H query rows of one
 batch row, C kv_lora_rank (latent width), R qk_rope_head_dim, S cache slots, N tokens, D hidden,
 E routed experts, G expert groups, K experts per token, I expert intermediate (this rank's
 slice), P = N*K token-expert pairs. Every kernel keeps a fixed launch shape for given input
 shapes and reads no device value on the host, so all of them can be captured in CUDA graphs.
-
-    python kernels.py [--moe] [--sweep] [--variants dot,gemv] [--json OUT]   # on a GPU: each kernel
-                      # against its plain twin and its floor (--moe: the fused MoE only)
 """
+import functools
 import math
 import os
 from dataclasses import dataclass
-from functools import partial
+from types import SimpleNamespace
 
 import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import model
+from tp import RowParallelLinear
 
 try:
     import triton
@@ -93,7 +103,7 @@ ALIGN_CHUNK = 32   # pairs per step of the align kernel (a [ALIGN_CHUNK, E] one-
 COMBINE_BLOCK = 1024
 
 # Block sizes (BLOCK_N, BLOCK_K, num_warps, num_stages) for gate_up and down, by weight format and
-# number of token-expert pairs P, from `python kernels.py --sweep` on an H200 (2026-11-29,
+# number of token-expert pairs P, from `python kernels_bench.py --sweep` on an H200 (2026-11-29,
 # BENCHMARKS.md):
 #  - gate_up BLOCK_N: a decode step (P = 8) has 8 expert tiles; BLOCK_N 16 makes 16 programs of
 #    each (128 for 132 SMs) and beat 32 by 1.1x. From 4 tokens on there are 32+ tiles, and 32 rows
@@ -419,7 +429,7 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None):
 # BLOCK_K: SUB > 1 (FP8 only) lays SUB consecutive 128-column scale blocks of a weight row out as
 # rows of their own, so a step is one scale per tile row and still 32 threads a weight row (at
 # decode only 2048 gate/up rows exist: 8 threads a row, as a one-block step gives, made 512 warps
-# for 132 SMs, issue-bound at 1 TB/s on the H200). From `python kernels.py --moe --sweep gemv` on an
+# for 132 SMs, issue-bound at 1 TB/s on the H200). From `python kernels_bench.py --moe --sweep gemv` on an
 # H200 (2026-11-29, BENCHMARKS.md, k4): bf16 gate_up 8 rows at decode (30.1 against 33.2 us with 4),
 # 4 rows of 256 from 4 tokens (99.1 against 114.3 us); FP8 down 16 rows (23.5 against 27.9 us at
 # decode, 69.5 against 79.7 at 4 tokens); INT4 gate_up 2 rows of 2048 (33.8 against 43.7 us at
@@ -435,7 +445,7 @@ GEMV_SMALL_TOKENS = 2   # in tokens, not pairs: a shared expert's extra slot a t
 # (us a layer, GEMV against tiles): bf16 30 / 46 at N = 1, 98 / 97 at 4, 177 / 188 at 8, 630 / 527 at
 # 32; FP8 28 / 75 at 1, 80 / 82 at 4, 148 / 144 at 8; INT4 faster at every N up to 32 (629 / 836).
 # In the model (run.py, bf16, 2026-11-29) the rule at 8 lost from 3 tokens on: with the shared expert
-# folded in (model.MoE.fold_shared_expert) every token picks expert E, so E's leader program runs
+# folded in (SharedExpertInLaunch) every token picks expert E, so E's leader program runs
 # N passes one after another while the others run one; the tiles (k3) measured 10.02 -> 9.91,
 # 11.84 -> 11.14, 14.19 -> 13.50 ms for verify of 3, 4, 5 tokens, and tied at 2. Hence 2 for bf16.
 GEMV_MAX_TOKENS = {"plain": 2, "fp8": 4, "int4": 32}
@@ -611,111 +621,6 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg):
         h, out, ids, down.data, ds, *strides, *offs, TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn, BLOCK_K=bk,
         ACC_K=bk // 8 if fmt == "int4" else bk, num_warps=warps, **const)
     return out
-
-
-# ---------------------------------------------------------------------------------------------
-# Benchmark (python kernels.py [--moe] [--sweep] [--variants dot,gemv] [--json PATH]): the fused MoE
-# of one layer at the shapes of one Kimi-K2 rank at TP 8 (D 7168, I 256, 384 experts, K 8), each
-# format and variant, against its floor (the distinct experts' stored bytes over the copy bandwidth
-# measured in the same run). Each time is the
-# median over replays of a CUDA graph of LAYERS calls on different weights (as in a captured step,
-# launch gaps included; the weights of LAYERS layers are larger than the 60 MB L2), divided by LAYERS.
-
-def _random_experts(fmt, E, out, inp, device, g):
-    if fmt == "plain":
-        return ExpertWeights("plain", torch.randn(E, out, inp, device=device, generator=g, dtype=torch.bfloat16) / inp ** 0.5)
-    if fmt == "fp8":
-        w = torch.randn(E, out, inp, device=device, generator=g).to(torch.float8_e4m3fn)
-        s = torch.rand(E, triton.cdiv(out, 128), triton.cdiv(inp, 128), device=device, generator=g) / inp ** 0.5
-        return ExpertWeights("fp8", w, s, (128, 128))
-    words = torch.randint(-2**31, 2**31 - 1, (E, out, inp // 8), device=device, generator=g, dtype=torch.int32)
-    s = (torch.rand(E, out, inp // 32, device=device, generator=g) / (4.6 * inp ** 0.5)).to(torch.bfloat16)
-    return ExpertWeights("int4", words, s, group=32)
-
-
-def _expert_bytes(w):
-    return sum(t[0].numel() * t.element_size() for t in (w.data, w.scale) if t is not None)
-
-
-def _kernel_ms(fn):
-    """Device time of the kernels of one eager fn() (torch.profiler), in ms: no launch gaps."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    kernels = {e.key: e.self_device_time_total / 1e3 for e in prof.key_averages()
-               if e.device_type == torch.autograd.DeviceType.CUDA}
-    return sum(kernels.values()), kernels
-
-
-# Sweep points (N = 1 and 4 only), each beside the default: k3's tiles ("dot") and the GEMV variant.
-DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5), (32, 128, 4, 5), (64, 128, 4, 4),
-                          (16, 256, 4, 3), (32, 256, 8, 3), (16, 64, 4, 6)],
-                 down=[(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (64, 256, 8, 3)])
-GEMV_SWEEP = {"plain": dict(gate_up=[], down=[(32, 256, 4, 1)]),
-              "fp8": dict(gate_up=[(8, 128, 2, 4, 4), (2, 128, 2, 2, 4), (4, 128, 1, 4, 4), (4, 128, 2, 8, 8)],
-                          down=[(16, 128, 4, 2), (4, 128, 2, 2)]),
-              "int4": dict(gate_up=[(8, 1024, 2, 4, 1), (4, 512, 4, 4, 1), (2, 2048, 1, 4, 1)],
-                           down=[(16, 256, 4, 1), (64, 256, 8, 1), (16, 256, 2, 1)])}
-
-
-def _sweep_points(fmt, variant):
-    if variant == "gemv":
-        return [{part: c} for part, cs in GEMV_SWEEP[fmt].items() for c in cs]
-    ok = lambda c: (fmt != "fp8" or c[1] <= 128) and (fmt != "int4" or c[1] >= 128)   # noqa: E731
-    return [{part: c} for part, cs in DOT_SWEEP.items() for c in cs if ok(c)]
-
-
-def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 2, 4, 8, 32)):
-    """One layer's routed experts per format, token count and variant of fused_moe ("dot": k3's
-    tiles through tl.dot, "gemv": the GEMV variant) against its floor (the distinct experts' stored
-    bytes over the eager copy bandwidth measured here), timed as a graph of LAYERS calls. sweep: the
-    variants whose sweep points are also timed (at N = 1 and 4)."""
-    dev, g = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
-    bandwidth = copy_bandwidth_GBps()
-    print(f"fused MoE, one Kimi-K2 TP-8 rank (D {D}, I {I}, {E} experts, K {K}); copy bandwidth {bandwidth:.0f} GB/s")
-    rows = []
-    for fmt in ("plain", "fp8", "int4"):
-        layers = [[_random_experts(fmt, E, o, i, dev, g) for o, i in ((I, D), (I, D), (D, I))] for _ in range(LAYERS)]
-        per_expert = sum(_expert_bytes(w) for w in layers[0])
-        for N in tokens:
-            x = torch.randn(N, D, device=dev, dtype=torch.bfloat16, generator=g)
-            ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:K] for _ in range(N)])
-            route_w = torch.rand(N, K, device=dev, generator=g)
-            floor_ms = ids.unique().numel() * per_expert / bandwidth / 1e6
-            for variant in variants:
-                if variant == "gemv" and N * K > GEMV_MAX_PAIRS:
-                    continue
-                points = [None] + (_sweep_points(fmt, variant) if variant in sweep and N in (1, 4) else [])
-                for cfg in points:
-                    rows += _time_moe(fmt, N, variant, cfg, layers, (x, ids, route_w), floor_ms, bandwidth, LAYERS)
-        del layers
-    return dict(bandwidth_GBps=bandwidth, shapes=dict(D=D, I=I, E=E, K=K, layers=LAYERS), rows=rows,
-                gemv_max_tokens=GEMV_MAX_TOKENS, device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__)
-
-
-def _time_moe(fmt, N, variant, cfg, layers, inputs, floor_ms, bandwidth, LAYERS):
-    """One benchmark row (a list of 0 or 1 dicts), printed."""
-    def run():
-        return lambda: [fused_moe(*inputs, *w, configs=cfg, variant=variant) for w in layers]
-    try:
-        ms = _graph_ms([run()]) / LAYERS
-    except Exception as e:  # a sweep point that does not compile: say so, go on
-        print(f"{fmt} N={N} {variant} {cfg}: {type(e).__name__}: {str(e)[:200]}")
-        return []
-    kernel_ms, by_kernel = _kernel_ms(run()) if cfg is None else (None, {})
-    kernel_ms = kernel_ms / LAYERS if kernel_ms else None
-    by_kernel = {name[:40]: v / LAYERS for name, v in by_kernel.items()}   # ms a layer, per kernel
-    print(f"{fmt:5s} N={N:3d} {variant:4s} {str(cfg or 'default'):34s} {ms * 1e3:8.1f} us  floor {floor_ms * 1e3:7.1f} us"
-          f"  {ms / floor_ms:5.2f}x  {floor_ms * bandwidth / ms:6.0f} GB/s"
-          + (f"  kernels alone {kernel_ms * 1e3:.1f} us ({kernel_ms / floor_ms:.2f}x): "
-             + ", ".join(f"{k.replace('_moe_', '').split('_kernel')[0]} {v * 1e3:.1f}" for k, v in by_kernel.items())
-             if kernel_ms else ""), flush=True)
-    return [dict(fmt=fmt, tokens=N, variant=variant, config=cfg, ms=ms, kernel_ms=kernel_ms, by_kernel=by_kernel,
-                 floor_ms=floor_ms, x_floor=ms / floor_ms, GBps=floor_ms * bandwidth / ms)]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1370,260 +1275,413 @@ def head_gemv(x, weight):
 
 
 # ---------------------------------------------------------------------------------------------
-# Micro-benchmark on a GPU (python kernels.py): each kernel against its plain twin, both captured
-# in CUDA graphs and timed by events around replays (medians), the input sets rotated so that the
-# bytes of one replay exceed the L2; achieved GB/s against the measured copy bandwidth.
+# Swaps: model.py's modules with the kernels above (or torch-only fast paths) in place of the
+# plain code. Each subclass overrides only what differs; a module gets several by re-classing it
+# as a class made of them (swap()), so each swap's super() is the next one's method and, at the
+# end, model.py's. Size limits live here: past them a swap calls super(), the plain code.
 
-def _graph_ms(calls, reps=30):
-    """Median ms of one call: `calls` (one per input set) captured in one graph, replayed."""
-    import statistics
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in calls:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in calls:
-            f()
-    graph.replay()
-    stamps = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        stamps.append((a, b))
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in stamps) / len(calls)
+# The kernels as the swaps call them: torch.compile (run.py --compile) does not trace into them
+# (a graph break), so their Triton launches run as written between the compiled parts.
+launch = SimpleNamespace(**{name: torch.compiler.disable(globals()[name]) for name in (
+    "mla_rope_cache_write", "mla_decode_attention", "router_topk", "add_rmsnorm", "silu_mul",
+    "norm_gemv", "head_gemv")})
 
 
-def copy_bandwidth_GBps(reps=20):
-    """Device-to-device copy of 1 GiB (bytes read + written), launched eagerly between events as
-    run.py does: captured in a graph the copy becomes a memcpy node, which read ~2.7 TB/s on the
-    H200 (2026-11-29) against ~4.2 TB/s eagerly in the same call."""
-    import statistics
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(5):
-        y.copy_(x)
-    stamps = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        y.copy_(x)
-        b.record()
-        stamps.append((a, b))
-    torch.cuda.synchronize()
-    return 2 * x.numel() / statistics.median(a.elapsed_time(b) for a, b in stamps) / 1e6
+def rows(x):
+    """The rows of x [..., K] (the product of its leading dims)."""
+    return math.prod(x.shape[:-1])
 
 
-def _mla_sets(B, T, S, used, n_sets, H=8, C=512, R=64, dtype=torch.bfloat16):
-    """Input sets on the GPU: each row's T queries end at slot used - 1 of an S-slot cache."""
-    sets = []
-    for _ in range(n_sets):
-        pos = (used - T + torch.arange(T, device="cuda")).expand(B, T)
-        sets.append(dict(q=torch.randn(B, T, H, C, device="cuda", dtype=dtype),
-                         qpe=torch.randn(B, T, H, R, device="cuda", dtype=dtype),
-                         kv=torch.randn(B, S, C, device="cuda", dtype=dtype),
-                         pe=torch.randn(B, S, R, device="cuda", dtype=dtype), pos=pos,
-                         hidden=torch.arange(S, device="cuda") > pos.unsqueeze(-1)))
-    return sets
+class AddRMSNorm(model.RMSNorm):
+    """"add_rmsnorm": the residual add and the norm of the sum in one kernel."""
+
+    def forward(self, x, residual=None):
+        if residual is None:
+            return super().forward(x)
+        summed, normed = launch.add_rmsnorm(residual, x, self.weight, self.eps)
+        return normed, summed
 
 
-def bench_mla(bw, rows):
-    import model
-    scale = 0.1
-    print(f"\nMLA decode attention, Kimi-K2 TP 8 (H=8, C=512, R=64), bf16; copy bandwidth {bw:.0f} GB/s")
-    print(f"{'B':>2} {'T':>2} {'cache':>6} {'used':>6} {'MB read':>8} {'torch us':>9} {'kernel us':>9} "
-          f"{'speedup':>7} {'kernel GB/s':>11} {'of copy':>7}")
-    for S, used in ((256, 256), (4096, 4096), (32768, 32768), (32768, 256), (32768, 4096)):
-        for B, T in ((1, 1), (1, 4), (4, 1), (4, 4)):
-            nbytes = B * used * 576 * 2 + 2 * B * T * 8 * 576 * 2      # cache slots read + queries and output
-            sets = _mla_sets(B, T, S, used, max(2, min(32, math.ceil(2.5e8 / (B * S * 576 * 2)))))
-            plain = _graph_ms([lambda s=s: model.absorbed_attention(s["q"], s["qpe"], s["kv"], s["pe"], s["hidden"],
-                                                                    scale) for s in sets])
-            fast = _graph_ms([lambda s=s: mla_decode_attention(s["q"], s["qpe"], s["kv"], s["pe"], s["pos"], scale)
-                              for s in sets])
-            gbps = nbytes / fast / 1e6
-            print(f"{B:>2} {T:>2} {S:>6} {used:>6} {nbytes / 1e6:>8.2f} {plain * 1e3:>9.1f} {fast * 1e3:>9.1f} "
-                  f"{plain / fast:>6.1f}x {gbps:>11.0f} {gbps / bw:>6.0%}")
-            rows.append(dict(kernel="mla_decode", B=B, T=T, cache=S, used=used, bytes=nbytes, torch_ms=plain,
-                             kernel_ms=fast, GBps=gbps))
-            del sets
+class DecodeAttentionKernel(model.MLA):
+    """"attention": decode mode's latent attention in one pass over the used slots."""
+
+    def attend_latent(self, q_lat, q_pe, kv_c, pe_c, positions, future):
+        return launch.mla_decode_attention(q_lat, q_pe, kv_c, pe_c, positions, self.args.softmax_scale)
 
 
-def bench_mla_configs(bw, rows):
-    """Split length, tile and pipeline depth at 4096 and 32768 used slots (B = 1)."""
-    global MLA_NUM_WARPS
-    print("\nMLA kernel configurations (B=1; us; auto = the split rule)")
-    splits = (None, 64, 128, 256)
-    print(f"{'T':>2} {'used':>6} {'BLOCK_N':>7} {'stages':>6} {'warps':>5} " + " ".join(f"{str(s or 'auto'):>7}" for s in splits))
-    default_n, default_stages = MLA_BLOCK_N[torch.bfloat16], MLA_NUM_STAGES[torch.bfloat16]
-    for used in (4096, 32768):
-        for T in (1, 4):
-            sets = _mla_sets(1, T, used, used, max(2, min(32, math.ceil(2.5e8 / (used * 576 * 2)))))
-            for block_n, stages, warps in ((64, 3, None), (64, 3, 8), (32, 4, None)):
-                MLA_BLOCK_N[torch.bfloat16], MLA_NUM_STAGES[torch.bfloat16], MLA_NUM_WARPS = block_n, stages, warps
-                times = []
-                for split in splits:
-                    try:
-                        times.append(_graph_ms([lambda s=s: mla_decode_attention(s["q"], s["qpe"], s["kv"], s["pe"],
-                                                                                  s["pos"], 0.1, split_len=split)
-                                                for s in sets]))
-                    except Exception as e:  # a configuration that does not fit (shared memory) is reported, not fatal
-                        print(f"  BLOCK_N {block_n} stages {stages} split {split}: {type(e).__name__}: {str(e)[:120]}")
-                        times.append(float("nan"))
-                print(f"{T:>2} {used:>6} {block_n:>7} {stages:>6} {str(warps or 'auto'):>5} "
-                      + " ".join(f"{t * 1e3:>7.1f}" for t in times))
-                rows.append(dict(kernel="mla_config", T=T, used=used, block_n=block_n, stages=stages, warps=warps,
-                                 us={str(s): t * 1e3 for s, t in zip(splits, times)}))
-            del sets
-    MLA_BLOCK_N[torch.bfloat16], MLA_NUM_STAGES[torch.bfloat16], MLA_NUM_WARPS = default_n, default_stages, None
+class RopeCacheKernel(model.MLA):
+    """"rope_cache": RoPE, the latent norm and both cache writes of write_cache in one kernel."""
+
+    def write_cache(self, q_pe, kv_a, positions, rope):
+        a, norm = self.args, self.kv_a_layernorm
+        kv, k_pe = kv_a.split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
+        return launch.mla_rope_cache_write(q_pe, kv, k_pe, norm.weight, norm.eps, rope, positions,
+                                           self.kv_cache, self.pe_cache)
 
 
-def bench_small(rows):
-    """Router (model and SIMULATED uniform routing), add + RMSNorm, SwiGLU, RoPE + cache write
-    against their twins at Kimi-K2 TP 8 shapes."""
-    import model
-    print("\nsmall kernels, Kimi-K2 shapes, bf16 (us per call, in a graph; 8 input sets)")
-    args = model.ModelArgs(n_routed_experts=384)
-    router = model.Router(args, "cuda", torch.bfloat16)
-    with torch.no_grad():
-        router.weight.normal_(0, 0.01)
-        router.e_score_correction_bias.normal_(0, 0.1)
-    norm = model.RMSNorm(7168, 1e-6, "cuda", torch.bfloat16)
-    lat_norm = model.RMSNorm(512, 1e-6, "cuda", torch.bfloat16)
-    with torch.no_grad():
-        norm.weight.fill_(1.0)
-        lat_norm.weight.fill_(1.0)
-    table = torch.stack(model.rope_tables(64, 50000.0, None, 4096, "cuda"), -1)
-    kv_cache = torch.randn(4, 4096, 512, device="cuda", dtype=torch.bfloat16)
-    pe_cache = torch.randn(4, 4096, 64, device="cuda", dtype=torch.bfloat16)
+class NormGemvMLA(model.MLA):
+    """"norm_gemv", for at most NORM_GEMV_MAX_ROWS rows (decode, verify; more rows: the plain
+    code): q_b_proj as a GEMV kernel with q_a_layernorm computed inside it, and decode mode's
+    absorbed W_uk / W_uv products as GEMV kernels over the heads (no copy of q_nope)."""
 
-    def router_call(x, impl, routing="model"):
-        router.impl, router.routing = impl, routing
-        return router(x)
+    def query(self, q_a):
+        if rows(q_a) > NORM_GEMV_MAX_ROWS:
+            return super().query(q_a)
+        norm = self.q_a_layernorm
+        return launch.norm_gemv(q_a, self.q_b_proj.weight, norm.weight, norm.eps, None)[1]
 
-    def rope_plain(q_pe, kv, k_pe, rope, pos):
-        rows_ = torch.arange(q_pe.shape[0], device="cuda").unsqueeze(1)
-        kv_cache[rows_, pos] = lat_norm(kv)
-        pe_cache[rows_, pos] = model.apply_rope(k_pe, rope)
-        return model.apply_rope(q_pe, rope)
-    for N in (1, 4):
-        xs = [torch.randn(N, 7168, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
-        ys = [torch.randn(N, 7168, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
-        qs = [torch.randn(1, N, 8, 192, device="cuda", dtype=torch.bfloat16)[..., 128:] for _ in range(8)]
-        kvs = [torch.randn(1, N, 576, device="cuda", dtype=torch.bfloat16).split([512, 64], -1) for _ in range(8)]
-        pos = (100 + torch.arange(N, device="cuda")).unsqueeze(0)
-        rope = table[pos]
-        gate_ups = [torch.randn(N, 512, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
-        pairs = {
-            "router (fp32 GEMV + selection)": ([lambda x=x: router_call(x, "torch") for x in xs],
-                                               [lambda x=x: router_call(x, "triton") for x in xs]),
-            "router, SIMULATED uniform routing": ([lambda x=x: router_call(x, "torch", "uniform") for x in xs],
-                                                  [lambda x=x: router_call(x, "triton", "uniform") for x in xs]),
-            "SwiGLU silu * up, I 256": ([lambda g=g: torch.nn.functional.silu(g[:, :256]) * g[:, 256:]
-                                         for g in gate_ups],
-                                        [lambda g=g: silu_mul(g[:, :256], g[:, 256:]) for g in gate_ups]),
-            "add + RMSNorm": ([lambda x=x, y=y: norm(x + y) for x, y in zip(xs, ys)],
-                              [lambda x=x, y=y: add_rmsnorm(x, y, norm.weight, 1e-6) for x, y in zip(xs, ys)]),
-            "RoPE + cache write": ([lambda q=q, kv=kv: rope_plain(q, kv[0], kv[1], rope, pos) for q, kv in zip(qs, kvs)],
-                                   [lambda q=q, kv=kv: mla_rope_cache_write(q, kv[0], kv[1], lat_norm.weight, 1e-6, rope,
-                                                                           pos, kv_cache, pe_cache)
-                                    for q, kv in zip(qs, kvs)]),
-        }
-        for name, (plain_calls, fast_calls) in pairs.items():
-            plain, fast = _graph_ms(plain_calls), _graph_ms(fast_calls)
-            print(f"  {name:32s} N={N}: torch {plain * 1e3:7.1f}  kernel {fast * 1e3:7.1f}  ({plain / fast:.1f}x)")
-            rows.append(dict(kernel=name, N=N, torch_ms=plain, kernel_ms=fast))
+    def absorb_query(self, q_nope, w_uk):
+        if math.prod(q_nope.shape[:2]) > NORM_GEMV_MAX_ROWS:                # B * T
+            return super().absorb_query(q_nope, w_uk)
+        return launch.head_gemv(q_nope, w_uk.transpose(1, 2))
+
+    def absorb_output(self, o_lat, w_uv):
+        if math.prod(o_lat.shape[:2]) > NORM_GEMV_MAX_ROWS:
+            return super().absorb_output(o_lat, w_uv)
+        return launch.head_gemv(o_lat, w_uv)
 
 
-def bench_norm_gemv(bw, rows, sweep=False):
-    """norm_gemv at Kimi-K2 TP-8 shapes against what it replaces: q_a + kv_a with the input add +
-    RMSNorm (add_rmsnorm's kernel + cuBLAS), q_b with q_a_layernorm (RMSNorm + cuBLAS), o_proj
-    (cuBLAS); the weight sets rotated past the L2. sweep: block configurations too."""
-    import model
-    print(f"\nnorm_gemv, Kimi-K2 TP 8, bf16 (us per call in a graph; GB/s of the weight; copy {bw:.0f} GB/s)")
-    dt = torch.bfloat16
-    configs = [(None, None, None, None)] + ([(bn, bk, st, 4) for bn in (16, 32) for bk in (256, 512)
-                                             for st in (2, 4)] + [(16, 512, 3, 8)] if sweep else [])
-    for name, N, K, has_norm, add in (("q_a+kv_a", 2112, 7168, True, True), ("q_b", 1536, 1536, True, False),
-                                      ("o_proj", 7168, 1024, False, False)):
-        sets = max(2, min(16, math.ceil(150e6 / (N * K * 2))))
-        ws = [torch.randn(N, K, device="cuda", dtype=dt) / K ** 0.5 for _ in range(sets)]
-        norm = model.RMSNorm(K, 1e-6, "cuda", dt) if has_norm else None
-        if norm is not None:
-            with torch.no_grad():
-                norm.weight.fill_(1.0)
-        for M in (1, 4):
-            xs = [torch.randn(M, K, device="cuda", dtype=dt) for _ in range(sets)]
-            rs = [torch.randn(M, K, device="cuda", dtype=dt) if add else None for _ in range(sets)]
+class GemvRowParallelLinear(RowParallelLinear):
+    """"norm_gemv" for MLA's o_proj: the GEMV kernel for at most NORM_GEMV_MAX_ROWS rows, then the
+    layer's own all-reduce."""
 
-            def plain(x, w, r):
-                if r is not None:
-                    return torch.nn.functional.linear(add_rmsnorm(x, r, norm.weight, norm.eps)[1], w)
-                return torch.nn.functional.linear(x if norm is None else norm(x), w)
-            base = _graph_ms([partial(plain, x, w, r) for x, w, r in zip(xs, ws, rs)]) * 1e3
-            for bn, bk, st, wp in configs:
-                g = None if norm is None else norm.weight
-                try:
-                    us = _graph_ms([partial(norm_gemv, x, w, g, 1e-6, r, bn, bk, st, wp)
-                                    for x, w, r in zip(xs, ws, rs)]) * 1e3
-                except Exception as e:   # a configuration past the SM's shared memory, say
-                    print(f"  {name:9s} M {M}  config {bn, bk, st, wp}: {type(e).__name__} {str(e)[:80]}")
-                    continue
-                print(f"  {name:9s} M {M}  config {bn, bk, st, wp}: kernel {us:6.1f} us ({N * K * 2 / us / 1e3:5.0f} "
-                      f"GB/s)  twin {base:6.1f} us ({N * K * 2 / base / 1e3:5.0f} GB/s)")
-                rows.append(dict(kernel="norm_gemv", proj=name, M=M, config=[bn, bk, st, wp], us=us, twin_us=base))
-    kv_b = torch.randn(8, 256, 512, device="cuda", dtype=dt) / 512 ** 0.5   # W_uk, W_uv [H, 128, C] of one buffer
-    w_uk, w_uv = kv_b.split([128, 128], 1)
-    for M in (1, 4):
-        for name, x, w, eq in (("q_lat (W_uk)", torch.randn(M, 8, 192, device="cuda", dtype=dt)[..., :128],
-                                w_uk.transpose(1, 2), "mhd,hcd->mhc"),
-                               ("o (W_uv)", torch.randn(M, 8, 512, device="cuda", dtype=dt), w_uv, "mhc,hdc->mhd")):
-            base = _graph_ms([partial(torch.einsum, eq, x, w)] * 8) * 1e3   # 1 MB: stays in L2 either way
-            us = _graph_ms([partial(head_gemv, x, w)] * 8) * 1e3
-            print(f"  {name:12s} M {M}: kernel {us:6.1f} us  twin (einsum) {base:6.1f} us")
-            rows.append(dict(kernel="head_gemv", proj=name, M=M, us=us, twin_us=base))
+    def forward(self, x):
+        if rows(x) > NORM_GEMV_MAX_ROWS:
+            return super().forward(x)
+        y = launch.norm_gemv(x, self.weight, None, 0.0, None)[1]
+        return self.tp.all_reduce(y) if self.reduce else y
 
 
-def benchmark_attention(out=None):
-    import json
-    rows = []
-    torch.manual_seed(0)
-    bw = copy_bandwidth_GBps()
-    bench_small(rows)
-    bench_norm_gemv(bw, rows)
-    bench_mla(bw, rows)
-    bench_mla_configs(bw, rows)
-    line = json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           copy_GBps=bw, rows=rows))
-    if out:
-        with open(out, "w") as f:
-            f.write(line + "\n")
-    print(line)
+def stack_rows(*linears):
+    """Make the linears' weights [out_i, in] row blocks of one new buffer [sum out_i, in] and return
+    it: each weight becomes a view of its block (no second copy), so a checkpoint still loads, and
+    random init still writes, by each linear's own name, while one GEMM over the buffer reads the
+    linears' shared input once."""
+    buf = torch.cat([linear.weight.detach() for linear in linears])
+    for linear, block in zip(linears, buf.split([linear.weight.shape[0] for linear in linears])):
+        view = nn.Parameter(block, requires_grad=False)
+        view.shard_dim = linear.weight.shard_dim
+        linear.weight = view
+    return buf
 
 
-if __name__ == "__main__":
-    import argparse
-    import json
-    p = argparse.ArgumentParser(description="Each Triton kernel against its plain twin and its floor, on a GPU.")
-    p.add_argument("--json", metavar="PATH", help="write the results: PATH with _moe / _attention before .json")
-    p.add_argument("--sweep", nargs="?", const="dot,gemv", default="", metavar="VARIANTS",
-                   help="also time the fused MoE's block-size sweep points at N = 1 and 4, of these variants "
-                        "(comma-separated; all without a value)")
-    p.add_argument("--moe", action="store_true", help="time the fused MoE only (not attention and the small kernels)")
-    p.add_argument("--variants", default="dot,gemv",
-                   help="fused MoE variants to time in this run, comma-separated: dot (k3's tl.dot tiles), gemv")
-    a = p.parse_args()
-    variants, sweep = tuple(a.variants.split(",")), tuple(v for v in a.sweep.split(",") if v)
-    if not set(variants + sweep) <= {"dot", "gemv"}:
-        p.error(f"--variants {a.variants!r}, --sweep {a.sweep!r}: choose from dot, gemv")
-    moe_result = benchmark_moe(sweep=sweep, variants=variants)
-    if a.json:
-        with open(a.json.replace(".json", "_moe.json"), "w") as f:
-            json.dump(moe_result, f)
-    if not a.moe:
-        benchmark_attention(a.json.replace(".json", "_attention.json") if a.json else None)
+class StackedQKVA(model.MLA):
+    """"fused_proj" (plain torch; MLA with q_lora_rank): q_a_proj and kv_a_proj_with_mqa, which
+    both read x, as one GEMM over their weights stacked (stack_rows)."""
+
+    def attach(self):
+        self.q_kv_a_weight = stack_rows(self.q_a_proj, self.kv_a_proj_with_mqa)
+
+    def _apply(self, fn, recurse=True):   # .to() and the like move each tensor alone: stack again
+        super()._apply(fn, recurse)
+        self.attach()
+        return self
+
+    def project(self, x):
+        a = self.args
+        q_a, kv_a = F.linear(x, self.q_kv_a_weight).split(
+            [a.q_lora_rank, a.kv_lora_rank + a.qk_rope_head_dim], -1)
+        return self.query(q_a), kv_a
+
+
+class SiluMulKernel(model.MLP):
+    """"silu_mul": SwiGLU's silu(gate) * up in one kernel."""
+
+    def act(self, gate, up):
+        return launch.silu_mul(gate, up)
+
+
+class StackedGateUp(model.MLP):
+    """"fused_proj": gate_proj and up_proj as one GEMM over their stacked weights (stack_rows).
+    add_to (a shared expert, reduce=False): a tensor [N, dim], the MoE's routed output, that the
+    down GEMM adds its product into, in place, instead of an add after it."""
+
+    def attach(self):
+        self.gate_up_weight = stack_rows(self.gate_proj, self.up_proj)
+
+    def _apply(self, fn, recurse=True):   # .to() and the like move each tensor alone: stack again
+        super()._apply(fn, recurse)
+        self.attach()
+        return self
+
+    def gate_up(self, x):                                         # one GEMM: [..., 2 I] = [gate | up]
+        return F.linear(x, self.gate_up_weight).chunk(2, -1)
+
+    def forward(self, x, add_to=None):
+        if add_to is None:
+            return super().forward(x)
+        assert not self.down_proj.reduce, "add_to needs reduce=False: the sum is reduced by the caller"
+        gate, up = self.gate_up(x)
+        return add_to.addmm_(self.act(gate, up), self.down_proj.weight.t())
+
+
+class RouterKernel(model.Router):
+    """"router": logits, selection and weights in two kernels (SIMULATED uniform routing too).
+    shared_slot: one more column, expert E with weight 1 for every token ([N, K + 1]), made in the
+    same kernel (SharedExpertInLaunch)."""
+
+    def forward(self, x, shared_slot=False):
+        a = self.args
+        return launch.router_topk(x, self.weight, self.e_score_correction_bias, a.num_experts_per_tok,
+                                  a.n_group, a.topk_group, a.norm_topk_prob, a.routed_scaling_factor,
+                                  uniform=self.routing == "uniform", shared_slot=shared_slot)
+
+
+def with_shared_slot(ids, weights, E):
+    """The plain router's choice with the shared expert as expert E, weight 1: [N, K + 1]."""
+    return F.pad(ids, (0, 1), value=E), F.pad(weights, (0, 1), value=1.0)
+
+
+class SharedDownAddsRouted(model.MoE):
+    """"fused_proj" on an MoE: the shared expert's down GEMM (StackedGateUp) adds onto the routed
+    output; one kernel less a layer."""
+
+    def partial_sum(self, x):
+        ids, weights = self.gate(x)
+        return self.shared_experts(x, add_to=self.experts(x, ids, weights))
+
+
+def grouped_mm_available(device, dtype):
+    """torch._grouped_mm: bf16 on Hopper or newer; bf16 and float32 on the CPU."""
+    device = torch.device(device)
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cpu":
+        return dtype in (torch.bfloat16, torch.float32)
+    if device.type != "cuda":   # e.g. "meta" (sizing a model without memory)
+        return False
+    return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def fused_moe_available(device, dtype):
+    """The fused MoE can run here: Triton installed, a bf16 / fp16 / fp32 model, and CUDA, or
+    Triton's CPU interpreter (TRITON_INTERPRET=1, which the CPU tests use)."""
+    return (HAVE_TRITON and dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and (torch.device(device).type == "cuda" or interpreting()))
+
+
+class GroupedExperts(model.Experts):
+    """moe "grouped": the token-expert pairs sorted by expert, torch._grouped_mm over each expert's
+    pairs with device-side offsets, each expert's weights read in place. Quantized experts: while
+    the N*K pairs are fewer than the experts (decode, verify) the plain path dequantizes only the
+    routed ones; past that (prefill) every expert is dequantized once per layer."""
+
+    def forward(self, x, ids, weights):
+        N, K = ids.shape
+        if self.quantized and N * K < self.n_experts:
+            return super().forward(x, ids, weights)
+        by_expert, order = ids.flatten().sort(stable=True)                # [N*K] pairs by expert
+        gate, up, down = (self.weights(p) for p in ("gate_proj", "up_proj", "down_proj"))
+        experts = torch.arange(gate.shape[0], device=x.device, dtype=by_expert.dtype)
+        offs = torch.searchsorted(by_expert, experts, right=True, out_int32=True)  # group ends
+        xs = x[order // K]                                                 # [N*K, D] by expert
+        h = F.silu(torch._grouped_mm(xs, gate.mT, offs=offs)) * torch._grouped_mm(xs, up.mT, offs=offs)
+        ys = torch._grouped_mm(h, down.mT, offs=offs)
+        y = torch.empty_like(ys).index_copy_(0, order, ys).view(N, K, -1)  # back to token order
+        return (model.at_least_f32(y) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+
+
+def expert_weights(proj):
+    """One projection of model.Experts (a tensor, model.PackedExperts or model.Fp8Experts) as the
+    fused MoE reads it."""
+    if isinstance(proj, model.PackedExperts):
+        return ExpertWeights("int4", proj.weight_packed, proj.weight_scale, group=proj.group)
+    if isinstance(proj, model.Fp8Experts):
+        return ExpertWeights("fp8", proj.weight, proj.weight_scale_inv, proj.block, proj.offset)
+    return ExpertWeights("plain", proj)
+
+
+class FusedExperts(GroupedExperts):
+    """moe "fused": fused_moe (for a few tokens a GEMV per expert on the CUDA cores, else tiles
+    of pairs sorted by expert on the device through tl.dot), reading each distinct expert's
+    weights once, as stored. Above FUSED_MAX_TOKENS tokens (prefill) the grouped path where
+    torch._grouped_mm runs, for plain experts only (it would dequantize every quantized expert of
+    the layer at once)."""
+
+    FUSED_MAX_TOKENS = 256
+
+    def runs_fused(self, x):
+        return (x.shape[0] <= self.FUSED_MAX_TOKENS or self.quantized
+                or not grouped_mm_available(x.device, x.dtype))
+
+    def forward(self, x, ids, weights, stacked=None):
+        """stacked: SharedExpertInLaunch's [E + 1, ...] tensors, for ids that may name expert E."""
+        if self.runs_fused(x):
+            # torch.compile (run.py --compile) leaves the Triton launches alone: a graph break here
+            # (around the whole of fused, which also builds the kernel's weight descriptors)
+            return torch.compiler.disable(self.fused)(x, ids, weights, stacked)
+        return super().forward(x, ids, weights)
+
+    def fused(self, x, ids, weights, stacked=None, variant=None):  # variant: fused_moe's (None: its rule)
+        projs = stacked or [getattr(self, p) for p in ("gate_proj", "up_proj", "down_proj")]
+        return fused_moe(x, ids, weights, *map(expert_weights, projs), variant=variant)
+
+
+class SharedExpertInLaunch(model.MoE):
+    """"shared_expert": the shared expert as expert E of the fused launch, chosen by every token
+    with weight 1 (K + 1 pairs a token). Its weights move in as the last rows of [E + 1, ...]
+    tensors, both modules' parameters becoming views of them, so a checkpoint loaded afterwards
+    lands there under the same names. Where the launch does not run (past FusedExperts' token
+    limit) the plain sum runs, the shared expert alone."""
+
+    def attach(self):
+        ex, sh = self.experts, self.shared_experts
+        self.stacked = []
+        for routed, shared in ((ex.gate_proj, sh.gate_proj.weight), (ex.up_proj, sh.up_proj.weight),
+                               (ex.down_proj, sh.down_proj.weight)):
+            both = torch.cat([routed.data, shared.data.unsqueeze(0)])    # [E + 1, out, in]
+            routed.data, shared.data = both[:-1], both[-1]
+            self.stacked.append(both)
+
+    def _apply(self, fn, recurse=True):   # .to() and the like move each parameter alone: fold again
+        super()._apply(fn, recurse)
+        self.attach()
+        return self
+
+    def partial_sum(self, x):
+        if not self.experts.runs_fused(x):
+            return super().partial_sum(x)
+        if isinstance(self.gate, RouterKernel):
+            ids, weights = self.gate(x, shared_slot=True)
+        else:
+            ids, weights = with_shared_slot(*self.gate(x), self.experts.n_experts)
+        return self.experts(x, ids, weights, self.stacked)
+
+    @staticmethod
+    def applies(moe):
+        """One plain shared expert of a routed expert's shape (Kimi-K2, DeepSeek-V3: n_shared_experts
+        1) beside the fused routed experts."""
+        ex, sh = moe.experts, moe.shared_experts
+        return (isinstance(ex, FusedExperts) and not ex.quantized
+                and sh.gate_proj.weight.dtype == ex.gate_proj.dtype
+                and sh.gate_proj.weight.shape == ex.gate_proj.shape[1:])
+
+
+# ---------------------------------------------------------------------------------------------
+# Putting the swaps in place
+
+# The names of run.py --kernels; all but "fused_proj" (GEMMs over stacked weights) are Triton
+KERNELS = ("attention", "rope_cache", "router", "add_rmsnorm", "silu_mul", "shared_expert", "fused_proj",
+           "norm_gemv")
+MOE_IMPLS = ("gather", "grouped", "fused")   # run.py --moe-impl, with "auto"
+
+
+def swap(module, *swaps):
+    """Re-class `module` in place as a subclass of its class with `swaps` (subclasses of its
+    model.py class) in front, then let each new swap attach() what it keeps beside the weights.
+    Parameters, buffers and their names stay as they are. Returns the module."""
+    plain = next(c for c in type(module).__mro__ if c.__module__ != __name__)
+    new = tuple(s for s in swaps if not isinstance(module, s))
+    for s in new:
+        if not issubclass(s, plain):
+            raise TypeError(f"{s.__name__} is no swap for a {plain.__name__}")
+    if new:
+        module.__class__ = _combined(new + (type(module),))
+        for s in new:
+            if "attach" in vars(s):
+                s.attach(module)
+    return module
+
+
+@functools.cache
+def _combined(bases):
+    return type("+".join(b.__name__ for b in bases), bases, {})
+
+
+def kernel_names(names):
+    """names: an iterable of KERNELS, one name, "all", "none" or None -> a set; unknown refused."""
+    names = set(KERNELS if names == "all" else () if names in (None, "none") else
+                [names] if isinstance(names, str) else names)
+    if names - set(KERNELS):
+        raise ValueError(f"unknown kernels {sorted(names - set(KERNELS))}; choose from {list(KERNELS)} or 'all'")
+    return names
+
+
+def pick_moe(moe, device, dtype):
+    """moe "auto" (on a GPU: fused where Triton is installed, else grouped where torch._grouped_mm
+    runs; on the CPU: gather), or a named one, refused where it cannot run."""
+    device = torch.device(device)
+    if moe == "auto":
+        moe = ("gather" if device.type != "cuda" else "fused" if fused_moe_available(device, dtype)
+               else "grouped" if grouped_mm_available(device, dtype) else "gather")
+    if moe not in MOE_IMPLS:
+        raise ValueError(f"moe must be 'auto', 'gather', 'grouped' or 'fused', not {moe!r}")
+    if moe == "grouped" and not grouped_mm_available(device, dtype):
+        raise ValueError(f"moe='grouped' needs torch._grouped_mm for {dtype} on {device}")
+    if moe == "fused" and not fused_moe_available(device, dtype):
+        raise ValueError(f"moe='fused' needs Triton and a bf16, fp16 or float32 model on CUDA (or Triton's "
+                         f"CPU interpreter, TRITON_INTERPRET=1); here: {dtype} on {device}, Triton "
+                         f"{'installed' if HAVE_TRITON else 'not installed'}")
+    return moe
+
+
+def accelerate(target, names=(), moe="auto"):
+    """Swap the fast paths into a plain model.Transformer, in place, and return the names of
+    KERNELS swapped in. names: "attention" (decode-mode MLA attention), "rope_cache" (RoPE +
+    latent norm + cache writes), "router" (SIMULATED uniform routing included), "add_rmsnorm"
+    (every residual add with the norm that reads the sum), "silu_mul" (the MLPs' SwiGLU),
+    "norm_gemv" (for <= 16 rows: q_b_proj with q_a_layernorm inside, o_proj, decode mode's
+    absorbed products), "shared_expert" (the shared expert inside the fused MoE launch, where
+    SharedExpertInLaunch.applies; else left off and not listed), "fused_proj" (plain torch:
+    q_a + kv_a and each unfolded MLP's gate + up as one GEMM, the shared expert's down GEMM
+    adding onto the routed output); an iterable, "all" or "none". moe: the routed experts' path
+    (pick_moe). The state dict keeps its keys and values. What was done is recorded as
+    target.kernels and target.moe_impl (run.py prints them)."""
+    names = kernel_names(names)
+    if hasattr(target, "kernels"):
+        raise ValueError(f"accelerate: this model is accelerated already (kernels {target.kernels}); "
+                         "build a plain one")
+    device, dtype = target.device, target.dtype
+    moe = pick_moe(moe, device, dtype)
+    if names - {"fused_proj"}:
+        check_available(device)
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
+            raise ValueError(f"the Triton kernels run bf16, fp16 or fp32 models, not {dtype}")
+    for layer in target.layers:
+        accelerate_layer(layer, names, moe)
+    if "add_rmsnorm" in names:
+        swap(target.norm, AddRMSNorm)
+    folded = any(isinstance(m, SharedExpertInLaunch) for m in target.modules())
+    target.kernels = tuple(k for k in KERNELS if k in names and (k != "shared_expert" or folded))
+    target.moe_impl = moe
+    return target.kernels
+
+
+def accelerate_layer(layer, names, moe):
+    """accelerate's swaps for one model.Block."""
+    attn = layer.self_attn
+    swap(attn, *[cls for name, cls in (("attention", DecodeAttentionKernel), ("rope_cache", RopeCacheKernel),
+                                       ("norm_gemv", NormGemvMLA)) if name in names])
+    if "fused_proj" in names and attn.args.q_lora_rank:
+        swap(attn, StackedQKVA)
+    if "norm_gemv" in names:
+        swap(attn.o_proj, GemvRowParallelLinear)
+    if "add_rmsnorm" in names:
+        swap(layer.input_layernorm, AddRMSNorm)
+        swap(layer.post_attention_layernorm, AddRMSNorm)
+    mlp = layer.mlp
+    if isinstance(mlp, model.MoE):
+        swap(mlp.experts, *{"gather": (), "grouped": (GroupedExperts,), "fused": (FusedExperts,)}[moe])
+        if "router" in names:
+            swap(mlp.gate, RouterKernel)
+        if "shared_expert" in names and SharedExpertInLaunch.applies(mlp):
+            swap(mlp, SharedExpertInLaunch)   # its gate and up rows live in the [E + 1] tensors now
+        elif "fused_proj" in names:
+            swap(mlp, SharedDownAddsRouted)
+            swap(mlp.shared_experts, StackedGateUp)
+        mlp = mlp.shared_experts
+    elif "fused_proj" in names:
+        swap(mlp, StackedGateUp)
+    if "silu_mul" in names:
+        swap(mlp, SiluMulKernel)
+
+
+def compile_layers(target):
+    """run.py --compile: let torch.compile fuse each decoder layer's small kernels (regional
+    compilation: the layers of a kind share one compiled code, one per shape and mode), the
+    Triton launches left between the compiled parts. Tested equal to the plain layers; CUDA
+    graphs stay explicit (graphs.py captures these)."""
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
+    for layer in target.layers:
+        layer.compile(dynamic=False)   # Block.forward, through the module's call
+    return target

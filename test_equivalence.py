@@ -7,6 +7,7 @@ graph work done: `python -m pytest -q test_equivalence.py` there runs both parts
 import contextlib
 import json
 import os
+import re
 import shutil
 import socket
 import subprocess
@@ -39,7 +40,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 CPU_ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # run.py as a user runs it on the CPU (the GPU hidden)
 cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU (run on the H200)")
 TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-triton_runs = pytest.mark.skipif(not model.fused_moe_available(TRITON_DEVICE, torch.float32),
+triton_runs = pytest.mark.skipif(not kernels.fused_moe_available(TRITON_DEVICE, torch.float32),
                                  reason="needs Triton (on CUDA, or its CPU interpreter with TRITON_INTERPRET=1)")
 
 
@@ -179,9 +180,11 @@ def test_grouped_moe_equals_gather(quant):
     outnumber them (every call here: 36 and 9 tokens x 4 experts >= 16)."""
     args = tiny(quantization_config=quant)
     m = init_random(Transformer(args, max_batch_size=3, max_seq_len=32, dtype=torch.float32), 5)
-    g = Transformer(args, max_batch_size=3, max_seq_len=32, dtype=torch.float32, moe_impl="grouped")
+    g = Transformer(args, max_batch_size=3, max_seq_len=32, dtype=torch.float32)
+    kernels.accelerate(g, moe="grouped")
     g.load_state_dict(m.state_dict())
-    assert m.moe_impl == "gather" and g.moe_impl == "grouped"
+    assert type(m.layers[1].mlp.experts) is model.Experts and g.moe_impl == "grouped"
+    assert isinstance(g.layers[1].mlp.experts, kernels.GroupedExperts)
     assert_close(run_steps(g), run_steps(m), 1e-4, f"grouped_mm MoE vs gathered weights, {quant or 'plain'} experts")
 
 
@@ -192,12 +195,13 @@ def test_grouped_moe_equals_gather(quant):
 # product and each expert's output to bf16, so they agree within 2% of the largest output.
 
 class ExpertsHolder(torch.nn.Module):
-    """Just enough of a Transformer (args, tp, parameters) for init_random to fill one Experts."""
+    """Just enough of a Transformer (args, tp, parameters) for init_random to fill one Experts,
+    swapped for kernels.FusedExperts (model.Experts.forward on it is the plain reference)."""
 
-    def __init__(self, args, tp, impl, device, dtype):
+    def __init__(self, args, tp, device, dtype):
         super().__init__()
         self.args, self.tp = args, tp
-        self.experts = model.Experts(args, tp, impl, device, dtype)
+        self.experts = kernels.swap(model.Experts(args, tp, device, dtype), kernels.FusedExperts)
 
 
 def moe_experts(shape, quant, E, device, dtype, seed=0):
@@ -210,7 +214,7 @@ def moe_experts(shape, quant, E, device, dtype, seed=0):
         args, tp_ = tiny(n_routed_experts=E, num_experts_per_tok=8, moe_intermediate_size=64, quantization_config=qc), TP(1, 2)
     else:
         args, tp_ = model.preset("kimi-k2", n_routed_experts=E, quantization_config=qc), TP.simulate(8)
-    holder = ExpertsHolder(args, tp_, "fused", device, dtype)
+    holder = ExpertsHolder(args, tp_, device, dtype)
     return init_random(holder, seed, rank_local=shape != "tiny").experts, args.hidden_size
 
 
@@ -238,10 +242,8 @@ def check_fused_moe(experts_and_dim, cases, dtype, seed=0):
             continue
         ids, w = routing(kind, N, K, E, g, TRITON_DEVICE)
         x = torch.randn(N, D, generator=g).to(TRITON_DEVICE, dtype)
-        experts.impl = "fused"
         fused = experts(x, ids, w) if variant is None else experts.fused(x, ids, w, variant=variant)
-        experts.impl = "gather"
-        ref = experts(x, ids, w)
+        ref = model.Experts.forward(experts, x, ids, w)      # the plain reference on the same weights
         tol = (1e-5 if dtype == torch.float32 else 2e-2) * ref.abs().max().item()
         assert fused.dtype == ref.dtype and fused.shape == ref.shape
         assert_close(fused, ref, tol, f"fused ({variant or 'auto'}) vs gather MoE, E {E}, N {N}, {kind} routing, {dtype}")
@@ -273,14 +275,13 @@ def test_fused_moe_gemv_fp8_scale_blocks_as_rows():
     laid out as tile rows of their own (GEMV_CONFIGS' FP8 entries), one scale per tile row."""
     args = tiny(n_routed_experts=8, num_experts_per_tok=8, hidden_size=256, moe_intermediate_size=512,
                 quantization_config=model.fp8_quantization_config((128, 128)))
-    experts = init_random(ExpertsHolder(args, TP(1, 2), "fused", TRITON_DEVICE, torch.float32), 0).experts
+    experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, torch.float32), 0).experts
     ids, w = routing("random", 2, 8, 8, torch.Generator().manual_seed(0), TRITON_DEVICE)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1)).to(TRITON_DEVICE)
-    weights = [getattr(experts, p).kernel_weights() for p in ("gate_proj", "up_proj", "down_proj")]
+    weights = [kernels.expert_weights(getattr(experts, p)) for p in ("gate_proj", "up_proj", "down_proj")]
     got = kernels.fused_moe(x, ids, w, *weights, variant="gemv",
                             configs=dict(gate_up=(32, 128, 1, 4, 2), down=(64, 128, 4, 2)))
-    experts.impl = "gather"
-    ref = experts(x, ids, w)
+    ref = model.Experts.forward(experts, x, ids, w)
     assert_close(got, ref, 1e-5 * ref.abs().max().item(), "GEMV FP8 with 2 scale blocks a k-step vs gather")
 
 
@@ -324,8 +325,8 @@ def test_fused_moe_refuses_bad_input_by_name():
         kernels.fused_moe(x, ids, ids.float(), w, w, w)
     with pytest.raises(ValueError, match="x must be bf16, fp16 or fp32"):
         kernels.fused_moe(x.double(), ids, ids.float(), w, w, kernels.ExpertWeights("plain", experts.down_proj))
-    with pytest.raises(ValueError, match="moe_impl='fused' needs Triton and a bf16, fp16 or float32 model"):
-        Transformer(tiny(), dtype=torch.float64, moe_impl="fused")
+    with pytest.raises(ValueError, match="moe='fused' needs Triton and a bf16, fp16 or float32 model"):
+        kernels.accelerate(Transformer(tiny(), dtype=torch.float64), moe="fused")
 
 
 def test_aux_states_are_the_chosen_layer_outputs():
@@ -334,7 +335,8 @@ def test_aux_states_are_the_chosen_layer_outputs():
     assert m.aux_layer_ids == [0, 2, 6]
     tokens, pos = torch.tensor([[5, 6, 7]]), torch.arange(3)[None]
     seen = []
-    hooks = [m.layers[i].register_forward_hook(lambda mod, i_, o: seen.append(o)) for i in (0, 2, 6)]
+    # a layer returns (its MLP output, the stream it read): their sum is its output
+    hooks = [m.layers[i].register_forward_hook(lambda mod, i_, o: seen.append(o[0] + o[1])) for i in (0, 2, 6)]
     logits, aux = m(tokens, pos, capture_aux=True)
     for h in hooks:
         h.remove()
@@ -667,8 +669,9 @@ def small_steps(m):
 
 
 def _fused_quant_worker(quant, plain, device, tp=None):
-    fused = load_target(quant, 2, 16, device=device, dtype=torch.float32, tp=tp, moe_impl="fused")
-    ref = load_target(plain, 2, 16, device=device, dtype=torch.float32, tp=tp, moe_impl="gather")
+    fused = load_target(quant, 2, 16, device=device, dtype=torch.float32, tp=tp)
+    kernels.accelerate(fused, moe="fused")
+    ref = load_target(plain, 2, 16, device=device, dtype=torch.float32, tp=tp)
     return small_steps(fused), small_steps(ref)
 
 
@@ -755,7 +758,8 @@ PROMPTS = {1: [[11, 12, 13, 14, 15, 16]], 3: [[11, 12, 13, 14, 15], [21, 22, 23,
 
 
 class PlantedProposer:
-    """Stands in for an Eagle3Draft in verify.generate (its extend and chain, run eager). Knows the
+    """Stands in for an Eagle3Draft in verify.generate (its extend and chain; it keeps Python state,
+    so it runs eager: generate without use_graphs, which would capture it once). Knows the
     target's greedy sequence `ref` [B, L] (by position) and errs where told: on its c-th chain,
     row b's first wrong draft is number wrong_at(c, b) (0-based; >= k: all right)."""
 
@@ -765,9 +769,10 @@ class PlantedProposer:
     def extend(self, tokens, positions, hidden, last, kv_len=None):
         return None, None  # the planted drafts need only the position chain() is given
 
-    def chain(self, first, g, q, num_steps, kv_len=None):
-        """q [B]: the position of the last extend row; draft j (1-based) guesses position q+1+j."""
-        idx = (q.unsqueeze(1) + 1 + torch.arange(1, num_steps + 1)).clamp(max=self.ref.shape[1] - 1)
+    def chain(self, first, g, last_pos, num_steps, kv_len=None):
+        """last_pos [B]: the position of the last extend row; draft j (1-based) guesses position
+        last_pos+1+j."""
+        idx = (last_pos.unsqueeze(1) + 1 + torch.arange(1, num_steps + 1)).clamp(max=self.ref.shape[1] - 1)
         drafts = self.ref.gather(1, idx)
         first_wrong = torch.tensor([self.wrong_at(self.calls, b) for b in range(len(drafts))])
         self.calls += 1
@@ -1066,7 +1071,7 @@ def test_trained_pair_speculative_equals_plain_greedy(dtype):
     target, head = train.load_pair(max_batch_size=3, max_seq_len=96, dtype=dtype)
     prompts = [p[:n] for p, n in zip(train.heldout_prompts(3, 32), (32, 17, 25))]
     plain = generate(target, None, prompts, max_new_tokens=40, eos_id=-1).tokens
-    for mode in ("prefill", "decode"):
+    for mode in ("extend", "decode"):
         for k in ((1, 3, 4) if dtype == torch.float64 else (3,)):
             res = generate(target, head, prompts, max_new_tokens=40, num_steps=k, attention_mode=mode, eos_id=-1)
             assert res.tokens == plain, (mode, k, dtype)
@@ -1082,10 +1087,10 @@ def test_gpu_trained_pair_graph_speculative_equals_plain_greedy(kernels_on):
     if kernels_on and not kernels.HAVE_TRITON:
         pytest.skip("needs triton")
     target, head = train.load_pair(max_batch_size=3, max_seq_len=128, device="cuda")
-    target.use_kernels("all" if kernels_on else "none")
+    kernels.accelerate(target, "all" if kernels_on else "none")
     prompts = [p[:n] for p, n in zip(train.heldout_prompts(3, 32), (32, 17, 25))]
     plain = generate(target, None, prompts, max_new_tokens=40, eos_id=-1).tokens
-    for mode in ("prefill", "decode"):
+    for mode in ("extend", "decode"):
         res = generate(target, head, prompts, max_new_tokens=40, num_steps=3, attention_mode=mode,
                        use_graphs=True, eos_id=-1)
         assert res.tokens == plain, mode
@@ -1166,6 +1171,8 @@ def test_run_py_cli_background_flags_on_cpu():
 
 import numpy as np  # noqa: E402
 
+import baseline  # noqa: E402
+import report  # noqa: E402
 import run  # noqa: E402
 
 
@@ -1198,7 +1205,7 @@ def test_run_py_cli_tiny(tmp_path):
     for phase in ("decode_step", "verify/prefill", "verify/decode"):
         c = table["components"][phase]
         assert abs(sum(c["parts_ms"].values()) - c["kernel_ms"]) <= 0.05 * c["kernel_ms"], (phase, c)
-        assert set(c["parts_ms"]) == set(run.COMPONENTS) and sum(table["bytes"][phase].values()) > 0
+        assert set(c["parts_ms"]) == set(report.COMPONENTS) and sum(table["bytes"][phase].values()) > 0
     assert "decode steps" in r["answer"][0] and "EAGLE-3 with num_steps 2" in " ".join(r["answer"])
     assert "2 tokens per cycle" in " ".join(r["answer"]) and "SIMULATED" not in " ".join(r["answer"])
     sim = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--simulate-accept-len", "2.5",
@@ -1234,7 +1241,7 @@ def test_phase_timer_accounts_for_every_cycle():
     start, so no host gap nor total."""
     target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), 4)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 5)
-    for draft, names in ((head, {"verify", "accept", "draft_extend", "draft", "commit"}), (None, {"decode", "commit"})):
+    for draft, names in ((head, {"verify", "accept", "draft_extend", "draft", "commit"}), (None, {"decode_step", "commit"})):
         timer = run.PhaseTimer(run.Clock(torch.device("cpu")))
         res = generate(target, draft, PROMPTS[3], max_new_tokens=10, num_steps=2, timer=timer)
         cycles = timer.per_cycle()
@@ -1250,28 +1257,28 @@ def test_report_warns_about_noise_and_figures_that_cannot_be():
     """timing_warnings and the verdict on made-up results: a spread past NOISY_IQR is flagged, a
     break-even outside [1, num_steps + 1], an isolated step far from the same step in the loop,
     and verify cheaper with more tokens are named; the verdict says what random weights measure."""
-    T = run.Timing
+    T = report.Timing
     steady, noisy = T([10.0, 10.1, 10.2, 10.3]), T([5.0, 10.0, 20.0, 40.0])
     assert steady.spread() == pytest.approx([10.0, 10.075, 10.15, 10.225, 10.3]) and not steady.noisy and noisy.noisy
     assert json.loads(json.dumps({"t": noisy})) == {"t": 15.0}  # serialized as the median
     spec = dict(tok_per_s=50.0, phases_ms=dict(verify=T([12.0]), cycle=T([14.0])), accept_len_mean=1.02,
                 speedup_measured=0.7, speedup_predicted=0.72)
     r = dict(env=dict(simulated_acceptance=False, device="cpu"), phases_ms={"decode_step/eager": noisy},
-             e2e={"baseline/eager": dict(phases_ms=dict(decode=T([3.0]), cycle=T([3.1]))), "eagle3/decode/eager": spec},
+             e2e={"baseline/eager": dict(phases_ms=dict(decode_step=T([3.0]), cycle=T([3.1]))), "eagle3/decode/eager": spec},
              cost_model=dict(plain_step_ms=3.1, steps={1: dict(cycle_ms=2.0, break_even_accept_len=0.6),
                                                        3: dict(cycle_ms=14.0, break_even_accept_len=4.5)}),
              verify_sweep_ms={1: dict(verify=T([9.0])), 2: dict(verify=T([4.0]))})
-    w = "\n".join(run.timing_warnings(r))
+    w = "\n".join(report.timing_warnings(r))
     for words in ["1 timing(s) vary by more than 25%", "decode_step/eager", "num_steps 1: break-even 0.60",
                   "cheaper than the plain step", "num_steps 3: break-even 4.50", "cannot pay here",
                   "takes 15.000 ms alone and 3.000 ms inside the loop", "1 tokens 9.000 ms > 1.5 x 2 tokens 4.000 ms"]:
         assert words in w, (words, w)
     r["warnings"] = []
-    v = " ".join(run.verdict(r))
+    v = " ".join(report.verdict(r))
     assert "accepted almost nothing (1.02 tokens per cycle" in v and "--simulate-accept-len" in v
     r["env"]["simulated_acceptance"], spec["accept_len_mean"] = True, 2.5
-    assert "Acceptance was SIMULATED at 2.50 tokens per cycle" in " ".join(run.verdict(r))
-    assert run.spreads(r)["phases_ms"]["decode_step/eager"] == noisy.spread()
+    assert "Acceptance was SIMULATED at 2.50 tokens per cycle" in " ".join(report.verdict(r))
+    assert report.spreads(r)["phases_ms"]["decode_step/eager"] == noisy.spread()
 
 
 def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
@@ -1358,7 +1365,7 @@ def _dump_worker(seed):
     """The random tiny target and EAGLE-3 head (seeded whole: the same model at any TP), dumped."""
     target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), seed)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
-    d = run.dump(target, head, PROMPTS[3], max_new_tokens=16, num_steps=2)
+    d = baseline.dump(target, head, PROMPTS[3], max_new_tokens=16, num_steps=2)
     return {key: torch.from_numpy(v) for key, v in d.items()}  # run_ranks' torch.load takes tensors
 
 
@@ -1368,7 +1375,7 @@ def test_dump_at_tp2_equals_tp1():
     check_dump_layout(ref, PROMPTS[3], 2)
     for key in ("prompt_ids", "output_ids", "topk_ids", "draft_ids", "accepted"):
         assert np.array_equal(got[key], ref[key]), key
-    report = run.compare(ref, got, max_logprob_diff=1e-5, min_top1_agreement=1.0, max_accept_diff=0.0)
+    report = baseline.compare(ref, got, max_logprob_diff=1e-5, min_top1_agreement=1.0, max_accept_diff=0.0)
     assert not report["failures"] and [r["diverge"] for r in report["rows"]] == [None] * 3, report
 
 
@@ -1379,7 +1386,7 @@ def planted_dump():
     target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), 32)
     plain = generate(target, None, PROMPTS[3], max_new_tokens=16).tokens
     proposer = PlantedProposer(reference_sequences(PROMPTS[3], plain, 32), 256, lambda c, b: (c + b) % 3)
-    d = run.dump(target, proposer, PROMPTS[3], max_new_tokens=16, num_steps=2)
+    d = baseline.dump(target, proposer, PROMPTS[3], max_new_tokens=16, num_steps=2)
     assert d["output_ids"].tolist() == [o + [-1] * (16 - len(o)) for o in plain]  # lossless
     return target, d
 
@@ -1392,13 +1399,13 @@ def test_compare_reports_a_planted_divergence(planted_dump, tmp_path, capsys):
     t = len(PROMPTS[3][row]) - 1 + j                                    # the position that chose it
     b["output_ids"][row, j] = a["topk_ids"][row, t, 1]
     b["topk_ids"][row, t, :2] = a["topk_ids"][row, t, [1, 0]]           # the two ids swap log-probabilities
-    report = run.compare(a, b)
+    report = baseline.compare(a, b)
     assert [r["diverge"] for r in report["rows"]] == [None, j, None]
     r = report["rows"][row]
     assert (r["positions"], r["top1_agree"], r["at"]) == (t + 1, t, t)
     assert r["max_logprob_diff"] == pytest.approx(a["topk_logprobs"][row, t, 0] - a["topk_logprobs"][row, t, 1])
     gap = a["topk_logprobs"][row, t, 0] - a["topk_logprobs"][row, t, 1]
-    assert (r["divergence_failure"] is None) == (gap <= run.MAX_LOGPROB_DIFF), (gap, r["divergence_failure"])
+    assert (r["divergence_failure"] is None) == (gap <= baseline.MAX_LOGPROB_DIFF), (gap, r["divergence_failure"])
     # the CLI: the same table, status 0 within the thresholds, 1 past one, BadInput (2) for files that do not fit
     for name, d in (("a", a), ("b", b), ("short", dict(a, topk_logprobs=a["topk_logprobs"][:, 1:])),
                     ("missing", {key: v for key, v in a.items() if key != "topk_ids"})):
@@ -1429,12 +1436,12 @@ def test_compare_fails_an_engine_whose_output_is_wrong(planted_dump):
     def wrong(edit):
         b = {key: v.copy() for key, v in a.items()}
         edit(b["output_ids"])
-        return run.compare(a, b)
+        return baseline.compare(a, b)
     row, j = 2, 6
     t = len(PROMPTS[3][row]) - 1 + j
     outside = next(i for i in range(256) if i not in a["topk_ids"][row, t])
     report = wrong(lambda out: out.__setitem__((row, j), outside))
-    assert report["top1_agreement"] > run.MIN_TOP1_AGREEMENT and report["max_logprob_diff"] == 0
+    assert report["top1_agreement"] > baseline.MIN_TOP1_AGREEMENT and report["max_logprob_diff"] == 0
     want = f"row {row}, output {j} (position {t}): A chose {a['output_ids'][row, j]} (log p "
     assert len(report["failures"]) == 1 and want in report["failures"][0], report["failures"]
     assert f"B chose {outside}, which is not in A's top-20" in report["failures"][0]
@@ -1444,7 +1451,7 @@ def test_compare_fails_an_engine_whose_output_is_wrong(planted_dump):
     report = wrong(lambda out: out.fill(5))
     judged = [r["divergence_failure"] for r in report["rows"]]
     assert all(f"row {r}, output " in f for r, f in enumerate(judged)), judged
-    assert not run.compare(a, a, max_logprob_diff=0, min_top1_agreement=1, max_accept_diff=0)["failures"]
+    assert not baseline.compare(a, a, max_logprob_diff=0, min_top1_agreement=1, max_accept_diff=0)["failures"]
 
 
 def test_compare_refuses_files_it_cannot_read(planted_dump, tmp_path):
@@ -1478,17 +1485,17 @@ def test_compare_refuses_a_logprob_that_is_not_finite(planted_dump):
     b = {key: v.copy() for key, v in a.items()}
     b["topk_logprobs"][0, 2, 3] = np.nan   # NaN compares as "no difference": it must not pass
     with pytest.raises(ValueError, match=r"B: topk_logprobs\[0, 2, 3\] is not finite"):
-        run.compare(a, b)
+        baseline.compare(a, b)
 
 
 def test_compare_catches_a_draft_that_accepts_less(planted_dump):
     """The same target outputs (lossless), drafts from a random head instead of the planted ones."""
     target, a = planted_dump
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 33)
-    b = run.dump(target, head, PROMPTS[3], max_new_tokens=16, num_steps=2)
-    report = run.compare(a, b)
+    b = baseline.dump(target, head, PROMPTS[3], max_new_tokens=16, num_steps=2)
+    report = baseline.compare(a, b)
     assert np.array_equal(a["output_ids"], b["output_ids"]) and report["max_logprob_diff"] == 0
-    assert report["accept_diff"] > run.MAX_ACCEPT_DIFF and "drafts accepted per cycle" in report["failures"][0]
+    assert report["accept_diff"] > baseline.MAX_ACCEPT_DIFF and "drafts accepted per cycle" in report["failures"][0]
 
 
 def conditioned_tiny(dtype, seed):
@@ -1507,13 +1514,13 @@ def conditioned_tiny(dtype, seed):
 
 
 def test_bf16_dump_passes_the_default_thresholds_and_fails_tight_ones():
-    dumps = [run.dump(*conditioned_tiny(dtype, 0), PROMPTS[3], max_new_tokens=16, num_steps=2)
+    dumps = [baseline.dump(*conditioned_tiny(dtype, 0), PROMPTS[3], max_new_tokens=16, num_steps=2)
              for dtype in (torch.float32, torch.bfloat16)]
-    report = run.compare(*dumps)
+    report = baseline.compare(*dumps)
     print(f"\nbf16 against float32: top-1 agreement {report['top1_agreement']:.3f}, max |logprob diff| "
           f"{report['max_logprob_diff']:.3f}, diverge@ {[r['diverge'] for r in report['rows']]}")
     assert not report["failures"], report["failures"]
-    tight = run.compare(*dumps, max_logprob_diff=1e-3, min_top1_agreement=1.0)
+    tight = baseline.compare(*dumps, max_logprob_diff=1e-3, min_top1_agreement=1.0)
     assert any("--max-logprob-diff" in f for f in tight["failures"]), tight["failures"]
 
 
@@ -1528,20 +1535,20 @@ def test_dump_from_the_command_line_and_bad_input(tiny_ckpt, tmp_path):
            "--dtype", "float32"]
     cpu = CPU_ENV
     subprocess.run(cmd + ["--dump", str(tmp_path / "cli.npz")], check=True, capture_output=True, env=cpu)
-    cli = run.load_dump(tmp_path / "cli.npz")
+    cli = baseline.load_dump(tmp_path / "cli.npz")
     assert json.loads(str(cli["meta"]))["target"] == f"loaded {ckpt}"
-    ref = run.dump(target, load_draft(tmp_path / "draft", target), PROMPTS[3], max_new_tokens=12, num_steps=2,
+    ref = baseline.dump(target, load_draft(tmp_path / "draft", target), PROMPTS[3], max_new_tokens=12, num_steps=2,
                    chunk=5)  # the teacher-forced forward in chunks over the cache: the same answers
-    report = run.compare(ref, cli, max_logprob_diff=1e-5, min_top1_agreement=1.0, max_accept_diff=0.0)
+    report = baseline.compare(ref, cli, max_logprob_diff=1e-5, min_top1_agreement=1.0, max_accept_diff=0.0)
     assert not report["failures"] and np.array_equal(ref["draft_ids"], cli["draft_ids"]), report
     # bad input names the problem
     with pytest.raises(ValueError, match="prompt row 1 has id 999 at position 2"):
-        run.dump(target, None, [[5, 6], [7, 8, 999]], max_new_tokens=4)
+        baseline.dump(target, None, [[5, 6], [7, 8, 999]], max_new_tokens=4)
     with pytest.raises(ValueError, match="max_seq_len 32"):
-        run.dump(target, None, [[5] * 30], max_new_tokens=4)
+        baseline.dump(target, None, [[5] * 30], max_new_tokens=4)
     (tmp_path / "bad.jsonl").write_text("[1, 2]\n{\"ids\": [3]}\n")
     with pytest.raises(ValueError, match="bad.jsonl line 2: expected a non-empty JSON list"):
-        run.read_prompt_ids(tmp_path / "bad.jsonl")
+        baseline.read_prompt_ids(tmp_path / "bad.jsonl")
     bad = subprocess.run(cmd + ["--dump", str(tmp_path / "x.npz"), "--temperature", "0.7"], capture_output=True,
                          text=True, env=cpu)
     assert bad.returncode != 0 and "drop --temperature" in bad.stderr
@@ -1584,7 +1591,7 @@ def test_run_defaults_uniform_routing_for_random_weights_and_model_routing_for_a
     for argv, want in ((["--random-weights"], "uniform"), (["--model-path", ckpt], "model"),
                        (["--random-weights", "--routing", "model"], "model"), ([], "model")):  # []: the trained pair
         args = run.settle(run.parse_args(argv + ["--dtype", "float64"]), cpu, 1)
-        target, _, _ = run.build(args, cpu, torch.float64, 1)
+        target, _, _ = run.build(args, cpu, torch.float64)
         routers = {layer.mlp.gate.routing for layer in target.layers if isinstance(layer.mlp, model.MoE)}
         assert args.routing == want and target.routing == want and routers == {want}, (argv, routers)
     assert load_target(ckpt, 1, 16).routing == "model"
@@ -1607,7 +1614,8 @@ def test_component_table_adds_up_to_the_summed_op_time():
         assert parts["other"] < 0.1 * total and parts["allreduce"] == 0, parts
         assert got["kernels"] > 100
     assert all(not mod._forward_hooks and not mod._forward_pre_hooks for mod in m.modules()), "hooks left behind"
-    assert isinstance(model.scope("router"), contextlib.nullcontext), "a scope outside profiling must cost nothing"
+    assert isinstance(run.scope("router"), contextlib.nullcontext), "a scope outside profiling must cost nothing"
+    assert model.apply_rope.__name__ == "apply_rope" and "project" not in vars(m.layers[0].self_attn)
 
 
 def test_component_bytes_count_what_a_forward_moves():
@@ -1654,12 +1662,45 @@ def test_kv_bucket_covers_the_positions_with_little_to_spare():
     assert len({kv_bucket(n, 1 << 20) for n in range(4097, 8193)}) == 8  # 8 buckets (graphs) per doubling
 
 
+def test_progress_labels_count_tokens_not_cache_slots():
+    """The progress bar once printed a graph key's last element, the cache bucket, as the token
+    count ("timing verify (extend attention), 320 tokens" for a verify of 4). Keys are GraphKeys
+    now: in generate and in run.py's isolated phases a verify of k+1 tokens reads more cache
+    slots than that, and its label says k+1 tokens, never the slots."""
+    class Recorder:  # CudaGraphs.run's signature, run eager, keeping the keys
+        def __init__(self):
+            self.keys = []
+
+        def run(self, key, fn, *inputs):
+            self.keys.append(key)
+            return fn(*inputs)
+    k, cpu = 3, torch.device("cpu")
+    target = init_random(Transformer(tiny(), 2, 160, dtype=torch.float32), 0)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 1)
+    rec = Recorder()
+    generate(target, head, [list(range(1, 90))] * 2, max_new_tokens=6, num_steps=k, graphs=rec)
+    cfg = run.settle(run.parse_args(["--random-weights", "--context-len", "100", "--speculative-num-steps",
+                                     str(k)]), cpu, 1)
+    isolated = {name: key for name, (key, _, _) in run.phase_calls(run.prepare(cfg, cpu), 100).items()}
+    verifies = [key for key in rec.keys if key.phase == "verify"] + [isolated["verify/prefill"],
+                                                                      isolated["verify/decode"]]
+    assert len(verifies) > 2 and {key.mode for key in verifies} == {"extend", "decode"}
+    for key in verifies:
+        label = run.phase_label(key, graph=True)
+        assert key.tokens == k + 1 and key.slots > k + 1 and f", {k + 1} tokens," in label, (key, label)
+        assert str(key.slots) not in label, (key, label)
+    assert ", 1 token," in run.phase_label(isolated["decode_step"], graph=False)
+    assert f", {k + 1} tokens," in run.phase_label(isolated["draft_extend"], graph=False)
+    assert {key.phase for key in rec.keys} == {"verify", "draft_extend", "draft"}
+
+
 # ---------------------------------------------------------------------------------------------
 # GPU: graphs against eager, no host sync, bf16 agreement (skipped without CUDA; run on the H200)
 
-def gpu_models(dtype=torch.bfloat16, B=3, seed=0, quant=None, moe_impl="auto"):
+def gpu_models(dtype=torch.bfloat16, B=3, seed=0, quant=None, moe_impl="auto", kernels_on="none"):
     target = init_random(Transformer(tiny(quantization_config=quant), max_batch_size=B, max_seq_len=64,
-                                     device="cuda", dtype=dtype, moe_impl=moe_impl), seed)
+                                     device="cuda", dtype=dtype), seed)
+    kernels.accelerate(target, kernels_on, moe=moe_impl)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
     return target, head
 
@@ -1674,11 +1715,12 @@ def captured_calls(target, head, k=3, B=3, P=12):
     vt = tokens[:, :k + 1]
     last = torch.tensor([k, 1, 0], device="cuda")[:B]
     first, gh = head.extend(vt, pos, aux[:, :k + 1], last)
-    return [(("decode", B, 1), partial(target, mode="decode"), (vt[:, :1], pos[:, :1])),
-            (("verify", "extend", B, k + 1), partial(target, mode="extend", capture_aux=True), (vt, pos)),
-            (("verify", "decode", B, k + 1), partial(target, mode="decode", capture_aux=True), (vt, pos)),
-            (("draft_extend", B, k + 1), head.extend, (vt, pos, aux[:, :k + 1], last)),
-            (("draft_chain", B, k), partial(head.chain, num_steps=k), (first, gh, pos[:, 0] + last))]
+    from graphs import GraphKey
+    return [(GraphKey("decode_step", "decode", B, 1), partial(target, mode="decode"), (vt[:, :1], pos[:, :1])),
+            (GraphKey("verify", "extend", B, k + 1), partial(target, mode="extend", capture_aux=True), (vt, pos)),
+            (GraphKey("verify", "decode", B, k + 1), partial(target, mode="decode", capture_aux=True), (vt, pos)),
+            (GraphKey("draft_extend", None, B, k + 1), head.extend, (vt, pos, aux[:, :k + 1], last)),
+            (GraphKey("draft", None, B, k - 1), partial(head.chain, num_steps=k), (first, gh, pos[:, 0] + last))]
 
 
 def flat(out):
@@ -1779,19 +1821,20 @@ def test_gpu_decode_attention_equals_extend_and_grouped_equals_gather():
     """Attention paths in float32 on the GPU (bf16 can flip a near-tied expert choice, which moves
     logits by O(1) in a random model); the grouped MoE against gathered weights on the same routing
     in bf16."""
-    target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32, moe_impl="gather"), 0)
+    target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32), 0)
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
     assert_close(target(step, step_pos, "decode").logits, target(step, step_pos, "extend").logits, 1e-3,
                  "float32 GPU decode vs extend attention")
-    if not model.grouped_mm_available(torch.device("cuda"), torch.bfloat16):
+    if not kernels.grouped_mm_available(torch.device("cuda"), torch.bfloat16):
         pytest.skip("torch._grouped_mm is not available for bf16 on this GPU")
-    moe = init_random(Transformer(tiny(), 1, 8, device="cuda", dtype=torch.bfloat16, moe_impl="grouped"), 1).layers[1].mlp
+    grouped = init_random(Transformer(tiny(), 1, 8, device="cuda", dtype=torch.bfloat16), 1)
+    kernels.accelerate(grouped, moe="grouped")
+    moe = grouped.layers[1].mlp
     x = torch.randn(37, 64, device="cuda", dtype=torch.bfloat16)
     ids, weights = moe.gate(x)
     grouped = moe.experts(x, ids, weights)
-    moe.experts.impl = "gather"
-    assert_close(grouped, moe.experts(x, ids, weights), 2e-2 * grouped.abs().max().item(), "bf16 grouped vs gather")
+    assert_close(grouped, model.Experts.forward(moe.experts, x, ids, weights), 2e-2 * grouped.abs().max().item(), "bf16 grouped vs gather")
 
 
 @cuda
@@ -1840,12 +1883,12 @@ def test_compiled_layers_equal_plain_inside_graphs_without_host_sync(kernels_on)
     from functools import partial
     from graphs import CudaGraphs
     target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32,
-                                     routing="uniform" if kernels_on else "model",
-                                     kernels="all" if kernels_on else "none"), 0)
+                                     routing="uniform" if kernels_on else "model"), 0)
+    kernels.accelerate(target, "all" if kernels_on else "none")
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
     plain = {mode: flat(target(step, step_pos, mode, capture_aux=True)) for mode in ("extend", "decode")}
-    target.compile_layers()
+    kernels.compile_layers(target)
     runner = CudaGraphs("cuda")
     for mode, ref in plain.items():
         fn = partial(target, mode=mode, capture_aux=True)
@@ -1975,6 +2018,27 @@ def test_rope_cache_kernel_equals_twin(shape, dtype):
         assert_close(pe_cache, want_pe, tol, what + ": rope cache")
 
 
+def random_routers(args, device, dtype, seed, routing="model"):
+    """model.Router and its swap kernels.RouterKernel, with the same random weights."""
+    router = model.Router(args, device, dtype, routing)
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        router.weight.copy_(torch.randn(router.weight.shape, generator=g) / 8)
+        router.e_score_correction_bias.copy_(0.1 * torch.randn(args.n_routed_experts, generator=g))
+    fast = kernels.swap(model.Router(args, device, dtype, routing), kernels.RouterKernel)
+    fast.load_state_dict(router.state_dict())
+    assert_same_state(fast, router)
+    return router, fast
+
+
+def assert_same_state(swapped, plain):
+    """A swap keeps the state dict: the same keys, equal values."""
+    a, b = swapped.state_dict(), plain.state_dict()
+    assert list(a) == list(b), f"state dict keys differ: {sorted(set(a) ^ set(b))}"
+    for k in a:
+        assert torch.equal(a[k], b[k]), f"{k} differs after the swap"
+
+
 ROUTER_SHAPES = {"tiny": {},  # 16 experts in 4 groups, 2 kept, top 4
                  "kimi-k2": dict(n_routed_experts=384, num_experts_per_tok=8, n_group=1, topk_group=1),
                  "deepseek-v3": dict(n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4)}
@@ -1986,18 +2050,15 @@ ROUTER_SHAPES = {"tiny": {},  # 16 experts in 4 groups, 2 kept, top 4
 def test_router_kernel_equals_twin(shape, dtype):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(**ROUTER_SHAPES[shape])
-    router = model.Router(args, device, dtype)
-    g = torch.Generator().manual_seed(len(shape))
-    with torch.no_grad():
-        router.weight.copy_(torch.randn(router.weight.shape, generator=g) / 8)
-        router.e_score_correction_bias.copy_(0.1 * torch.randn(args.n_routed_experts, generator=g))
+    router, fast = random_routers(args, device, dtype, seed=len(shape))
+    g = torch.Generator().manual_seed(100 + len(shape))
     for n in (1, 5, 37) if device == "cuda" else (1, 5):   # the interpreter runs one program (token) at a time
         x = torch.randn(n, args.hidden_size, generator=g).to(device, dtype)
         shared_slot = n == 5      # expert E with weight 1 in a column more (the shared expert's launch)
-        router.impl = "torch"
-        ids, w = router(x, shared_slot)
-        router.impl = "triton"
-        got_ids, got_w = router(x, shared_slot)
+        ids, w = router(x)
+        if shared_slot:
+            ids, w = kernels.with_shared_slot(ids, w, args.n_routed_experts)
+        got_ids, got_w = fast(x, shared_slot)
         assert got_ids.dtype == ids.dtype and got_w.dtype == w.dtype
         what = f"router kernel {shape} N={n} shared slot {shared_slot}"
         assert torch.equal(got_ids, ids), f"{what}: ids differ\n{got_ids}\n{ids}"
@@ -2050,7 +2111,7 @@ NORM_GEMV_KIMI = [(2112, 7168), (1536, 1536), (7168, 1024)]    # Kimi-K2 TP 8: q
 @triton_ok
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_gemv_kernel_equals_twin(dtype):
-    """kernels.norm_gemv against model.norm_linear (the plain add, RMSNorm and F.linear) on fresh
+    """kernels.norm_gemv against its twin (the plain add, model.RMSNorm and F.linear) on fresh
     random inputs: with the residual add and the norm, the norm alone, neither; 1, 4 and 16 rows;
     x a strided view (a split of a wider output, as q_a is) and W a row-strided view (as the stacked
     q_a + kv_a weight is). float32 to 1e-5 relative; bf16 (GPU) to 1% of the largest output, since
@@ -2071,7 +2132,8 @@ def test_norm_gemv_kernel_equals_twin(dtype):
             r = torch.randn(rows, K, generator=g).to(device, dtype)
             for nrm, res in ((norm, r), (norm, None), (None, None)):
                 h, out = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6, res)
-                h_ref, ref = model.norm_linear(x, w, nrm, res)
+                h_ref = x if res is None else x + res
+                ref = F.linear(h_ref if nrm is None else nrm(h_ref), w)
                 what = f"norm_gemv N={N} K={K} rows={rows} {dtype} norm={nrm is not None} add={res is not None}"
                 assert_close(h, h_ref, 0.0, what + ": the sum")
                 tol = (1e-5 if dtype == torch.float32 else 1e-2) * ref.abs().max().item()
@@ -2118,12 +2180,12 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(num_hidden_layers=3)
     plain = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32), 0)
-    fast = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32,
-                                   kernels=("norm_gemv",) + others), 0)
+    fast = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32), 0)
+    kernels.accelerate(fast, ("norm_gemv",) + others)
     calls, heads = [], []
-    monkeypatch.setattr(model.triton_kernels, "norm_gemv",
+    monkeypatch.setattr(kernels.launch, "norm_gemv",
                         lambda *a, **k: calls.append(a[0].shape) or kernels.norm_gemv(*a, **k))
-    monkeypatch.setattr(model.triton_kernels, "head_gemv",
+    monkeypatch.setattr(kernels.launch, "head_gemv",
                         lambda *a, **k: heads.append(a[0].shape) or kernels.head_gemv(*a, **k))
     prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=4))
     for mode in ("extend", "decode"):
@@ -2141,26 +2203,126 @@ def kernel_models(device, dtype, B=3, max_seq_len=64, layers=8):
     """The tiny model twice (same seed): all kernels off (the gather MoE), all on (the fused MoE)."""
     args = tiny(num_hidden_layers=layers)
     plain = init_random(Transformer(args, B, max_seq_len, device=device, dtype=dtype), 0)
-    fast = init_random(Transformer(args, B, max_seq_len, device=device, dtype=dtype, moe_impl="fused",
-                                   kernels="all"), 0)
+    fast = init_random(Transformer(args, B, max_seq_len, device=device, dtype=dtype), 0)
+    kernels.accelerate(fast, "all", moe="fused")
     return plain, fast
 
 
 @triton_ok
 def test_model_with_kernels_equals_plain():
-    """Whole tiny model (3 layers on a CPU: the interpreter runs each program in turn), float32:
-    a 12-token prefill and a 3-token step at each row's own position, both in decode mode, so
-    every kernel runs (attention with 48 and 12 query rows a batch row)."""
+    """The swapped tiny model (every kernel, the fused MoE) against the plain one, end to end
+    (3 layers on a CPU: the interpreter runs each program in turn), float32, on the same weights
+    (accelerate keeps the state dict's keys and values): a 12-token prefill and a 3-token step at
+    each row's own position in each attention mode, so every kernel runs (decode attention with
+    48 and 12 query rows a batch row); logits and the EAGLE-3 aux states."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     plain, fast = kernel_models(device, torch.float32, layers=8 if device == "cuda" else 3)
-    assert fast.kernels == model.KERNELS and plain.kernels == ()
+    assert fast.kernels == kernels.KERNELS and not hasattr(plain, "kernels")
+    assert_same_state(fast, plain)
     prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=9))
-    assert_close(fast(prefill, prefill_pos, "decode").logits, plain(prefill, prefill_pos, "decode").logits, 1e-4,
-                 "kernels on vs off, prefill")
-    assert_close(fast(step, step_pos, "decode").logits, plain(step, step_pos, "decode").logits, 1e-4,
-                 "kernels on vs off, step")
+    for mode in ("decode", "extend"):
+        for tokens, pos, what in ((prefill, prefill_pos, "prefill"), (step, step_pos, "step")):
+            want, got = plain(tokens, pos, mode, capture_aux=True), fast(tokens, pos, mode, capture_aux=True)
+            assert_close(got.logits, want.logits, 1e-4, f"kernels on vs off, {what}, {mode} attention: logits")
+            assert_close(got.aux, want.aux, 1e-4, f"kernels on vs off, {what}, {mode} attention: aux states")
     with pytest.raises(ValueError, match="unknown kernels"):
-        plain.use_kernels(["attention", "flash"])
+        kernels.accelerate(plain, ["attention", "flash"])
+    with pytest.raises(ValueError, match="accelerated already"):
+        kernels.accelerate(fast, "all")
+
+
+def randomized(module, seed):
+    """module with every floating parameter drawn at random (norm weights around 1)."""
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for name, p in module.named_parameters():
+            w = torch.randn(p.shape, generator=g) / (p.shape[-1] ** 0.5 if p.dim() > 1 else 10)
+            p.copy_(w + (1 if name.endswith("norm.weight") or p.dim() == 1 else 0))
+    return module
+
+
+def mla_calls(args, device):
+    """MLA inputs: a 9-token extend over an empty cache, then 3 tokens at each row's own position."""
+    g = torch.Generator().manual_seed(31)
+    rope = torch.stack(model.rope_tables(args.qk_rope_head_dim, 10000.0, None, 32, device), -1)
+    calls = []
+    for start, T in ((0, 9), (9, 3)):
+        x = torch.randn(2, T, args.hidden_size, generator=g).to(device)
+        pos = (start + torch.arange(T)).expand(2, T).contiguous().to(device)
+        future = torch.arange(16, device=device) > pos.unsqueeze(-1)
+        calls.append((x, pos, rope[pos], future))
+    return calls
+
+
+SWAPS = {  # name: (the plain module's maker(args, device), swap classes, inputs(args, device, seed))
+    "add_rmsnorm": (lambda a, d: model.RMSNorm(a.hidden_size, 1e-6, d), (kernels.AddRMSNorm,)),
+    "silu_mul": (lambda a, d: model.MLP(a.hidden_size, 96, TP(), "x", device=d), (kernels.SiluMulKernel,)),
+    "fused_proj (MLP)": (lambda a, d: model.MLP(a.hidden_size, 96, TP(), "x", device=d), (kernels.StackedGateUp,)),
+    "norm_gemv (o_proj)": (lambda a, d: tp.RowParallelLinear(80, a.hidden_size, TP(), "x", device=d),
+                           (kernels.GemvRowParallelLinear,)),
+    "attention": (None, (kernels.DecodeAttentionKernel,)),
+    "rope_cache": (None, (kernels.RopeCacheKernel,)),
+    "norm_gemv (MLA)": (None, (kernels.NormGemvMLA,)),
+    "fused_proj (MLA)": (None, (kernels.StackedQKVA,)),
+}
+
+
+@triton_ok
+@pytest.mark.parametrize("name", list(SWAPS))
+def test_each_swap_equals_the_module_it_replaces(name):
+    """Each swap of kernels.py against the module it replaces, on the same weights (the swap keeps
+    the state dict) and fresh random inputs, float32: 4 and 20 rows (norm_gemv's limit is 16);
+    MLA in both attention modes, its outputs and the caches it writes."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = tiny()
+    make, swaps = SWAPS[name]
+    if make is None:
+        make = lambda a, d: model.MLA(a, TP(), 2, 16, d, torch.float32)   # noqa: E731
+    plain = randomized(make(args, device), seed=len(name))
+    fast = kernels.swap(make(args, device), *swaps)       # swapped, then loaded by the plain names
+    fast.load_state_dict(plain.state_dict())
+    assert_same_state(fast, plain)
+    g = torch.Generator().manual_seed(7 + len(name))
+    if isinstance(plain, model.MLA):
+        for mode in ("extend", "decode"):
+            for call in mla_calls(args, device):
+                want, got = plain(*call, mode), fast(*call, mode)
+                assert_close(got, want, 1e-5 * want.abs().max().item(), f"{name} swap vs MLA, {mode}")
+            assert_close(fast.kv_cache, plain.kv_cache, 1e-6, f"{name} swap vs MLA: latent cache")
+            assert_close(fast.pe_cache, plain.pe_cache, 1e-6, f"{name} swap vs MLA: rope cache")
+        return
+    width = (plain.gate_proj if isinstance(plain, model.MLP) else plain).weight.shape[-1]
+    for n in (4, 20):
+        x = torch.randn(n, width, generator=g).to(device)
+        if isinstance(plain, model.RMSNorm):
+            r = torch.randn(n, x.shape[-1], generator=g).to(device)
+            (want, want_sum), (got, got_sum) = plain(x, r), fast(x, r)
+            assert_close(got_sum, want_sum, 0.0, f"{name}: the residual sum")
+            assert_close(fast(x), plain(x), 0.0, f"{name} without a residual")
+        else:
+            want, got = plain(x), fast(x)
+        assert_close(got, want, 1e-5 * want.abs().max().item(), f"{name} swap vs its module, {n} rows")
+    if isinstance(fast, kernels.StackedGateUp):   # the shared expert's down GEMM onto the routed output
+        shared = kernels.swap(make(args, device), kernels.StackedGateUp)
+        shared.load_state_dict(plain.state_dict())
+        shared.down_proj.reduce = False
+        routed = torch.randn(4, args.hidden_size, generator=g).to(device)
+        want = routed + plain(x[:4])
+        assert_close(shared(x[:4], add_to=routed.clone()), want, 1e-5 * want.abs().max().item(), "add_to")
+
+
+def test_model_py_knows_nothing_of_the_fast_path():
+    """model.py imports neither kernels.py nor Triton (a fresh interpreter: what importing model
+    loads), and holds no switch of the fast path; kernels.py imports model.py."""
+    code = "import sys, model; print(sorted(m for m in sys.modules if m.split('.')[0] in ('kernels', 'triton')))"
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]", f"importing model.py loaded {out.stdout.strip()}"
+    with open(os.path.join(HERE, "model.py")) as f:
+        source = f.read()
+    for word in ("import kernels", "triton", "use_kernels", "_impl", "forward_fused", "fused_proj", r"\bscope\(",
+                 "def _apply", "MAX_TOKENS", "MAX_ROWS"):
+        assert not re.search(word, source), f"model.py mentions {word!r}"
+    assert "import model" in open(os.path.join(HERE, "kernels.py")).read()
 
 
 @triton_ok
@@ -2171,55 +2333,64 @@ def test_router_kernel_uniform_routing_equals_twin(shape):
     scores, normalized and scaled, as its weights."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(**ROUTER_SHAPES[shape])
-    router = model.Router(args, device, torch.float32)
-    router.routing = "uniform"
-    g = torch.Generator().manual_seed(len(shape) + 1)
-    with torch.no_grad():
-        router.weight.copy_(torch.randn(router.weight.shape, generator=g) / 8)
-        router.e_score_correction_bias.copy_(0.1 * torch.randn(args.n_routed_experts, generator=g))
+    router, fast = random_routers(args, device, torch.float32, seed=len(shape) + 1, routing="uniform")
+    g = torch.Generator().manual_seed(200 + len(shape))
     for n in (1, 5, 37, 60) if device == "cuda" else (1, 5):   # 5 x 4 = 20 pairs wrap past tiny's 16 experts
         x = torch.randn(n, args.hidden_size, generator=g).to(device)
         for shared_slot in (False, True):   # True: expert E, weight 1, in a column more (shared expert launch)
-            router.impl = "torch"
-            ids, w = router(x, shared_slot)
-            router.impl = "triton"
-            got_ids, got_w = router(x, shared_slot)
+            ids, w = router(x)
+            if shared_slot:
+                ids, w = kernels.with_shared_slot(ids, w, args.n_routed_experts)
+            got_ids, got_w = fast(x, shared_slot)
             what = f"uniform router kernel {shape} N={n} shared slot {shared_slot}"
             assert torch.equal(got_ids, ids), f"{what}: ids differ\n{got_ids}\n{ids}"
             assert_close(got_w, w, 1e-6, f"{what}: weights")
 
 
 @triton_ok
-def test_add_rmsnorm_across_layers_equals_plain_with_exact_aux_states():
+def test_add_rmsnorm_across_layers_equals_plain_with_exact_aux_states(monkeypatch):
     """kernels="add_rmsnorm": every residual add fused into the norm that reads it (the MLP output
     carried into the next layer's input norm, the last one into the final norm). Logits and the
     EAGLE-3 aux states (whole layer outputs, x + mlp, among them the second-to-last layer's) equal
-    the plain model's, in both attention modes."""
+    the plain model's, in both attention modes. The kernel runs where it always ran: 2 a layer
+    (none in the first layer's input norm, one in the final norm), less one after each captured
+    layer (whose output is added whole for EAGLE-3, so the next input norm has no residual)."""
+    calls = []
+    monkeypatch.setattr(kernels.launch, "add_rmsnorm", lambda *a: calls.append(1) or kernels.add_rmsnorm(*a))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(num_hidden_layers=4 if device == "cpu" else 8)
     aux_ids = [0, 1, args.num_hidden_layers - 2]
     plain = init_random(Transformer(args, 3, 32, device=device, dtype=torch.float32, aux_layer_ids=aux_ids), 3)
-    fused = init_random(Transformer(args, 3, 32, device=device, dtype=torch.float32, aux_layer_ids=aux_ids,
-                                    kernels="add_rmsnorm"), 3)
+    fused = init_random(Transformer(args, 3, 32, device=device, dtype=torch.float32, aux_layer_ids=aux_ids), 3)
+    assert kernels.accelerate(fused, "add_rmsnorm") == ("add_rmsnorm",)
     prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=4))
     for tokens, pos, mode in ((prefill, prefill_pos, "extend"), (step, step_pos, "decode"), (step, step_pos, "extend")):
         for capture_aux in (True, False):
             want, got = plain(tokens, pos, mode, capture_aux), fused(tokens, pos, mode, capture_aux)
             what = f"add_rmsnorm across layers, {mode}, T={tokens.shape[1]}, aux {capture_aux}"
+            assert len(calls) == 2 * args.num_hidden_layers - (len(aux_ids) if capture_aux else 0), what
+            calls.clear()
             assert_close(got.logits, want.logits, 1e-4, what + ": logits")
             if capture_aux:
                 assert_close(got.aux, want.aux, 1e-5 * want.aux.abs().max().item(), what + ": aux states")
 
 
+def fused_proj_target(path, **kw):
+    target = load_target(path, 3, 32, **kw)
+    assert kernels.accelerate(target, "fused_proj") == ("fused_proj",)
+    return target
+
+
 def test_fused_proj_equals_plain_on_one_copy_of_the_weights(tiny_ckpt, tmp_path):
-    """kernels="fused_proj" (plain torch, any dtype): q_a_proj + kv_a_proj_with_mqa and gate_proj +
+    """kernels "fused_proj" (plain torch, any dtype): q_a_proj + kv_a_proj_with_mqa and gate_proj +
     up_proj as one GEMM each over the stacked weights, the shared expert's down GEMM adding onto
-    the routed output. Loaded by the checkpoint's own names (float64, FP8 and INT4 checkpoints,
-    a simulated TP-2 rank's slices) it equals the plain model; each weight is a view of its
-    stacked buffer (no second copy)."""
+    the routed output. Swapped in after loading by the checkpoint's own names (float64, FP8 and
+    INT4 checkpoints, a simulated TP-2 rank's slices) it equals the plain model and keeps its
+    state dict; each weight is a view of its stacked buffer (no second copy), also after .to()."""
     ckpt, m = tiny_ckpt
-    assert m.layers[1].self_attn.q_kv_a_weight is None and m.layers[0].mlp.gate_up_weight is None  # plain: no views
-    fused = load_target(ckpt, 3, 32, dtype=torch.float64, kernels="fused_proj")
+    assert not hasattr(m.layers[1].self_attn, "q_kv_a_weight")          # plain: no stacked buffers
+    fused = fused_proj_target(ckpt, dtype=torch.float64)
+    assert_same_state(fused, m)
     assert_close(run_steps(fused), run_steps(m), 1e-12, "fused_proj vs plain, float64 checkpoint")
     attn, dense, shared = fused.layers[1].self_attn, fused.layers[0].mlp, fused.layers[1].mlp.shared_experts
     for buf, parts in ((attn.q_kv_a_weight, (attn.q_a_proj, attn.kv_a_proj_with_mqa)),
@@ -2236,12 +2407,12 @@ def test_fused_proj_equals_plain_on_one_copy_of_the_weights(tiny_ckpt, tmp_path)
     assert_close(run_steps(moved), run_steps(m), 1e-6, "fused_proj after .to() and back")
     for r in (0, 1):
         tp = TP.simulate(2, r)
-        got = run_steps(load_target(ckpt, 3, 32, dtype=torch.float64, tp=tp, kernels="fused_proj"))
+        got = run_steps(fused_proj_target(ckpt, dtype=torch.float64, tp=tp))
         assert_close(got, run_steps(load_target(ckpt, 3, 32, dtype=torch.float64, tp=tp)), 1e-12,
                      f"fused_proj vs plain, simulated rank {r} of TP 2")
     for make in (fp8_checkpoint, int4_checkpoint):
         quant, plain = make(str(tmp_path / make.__name__))
-        got = run_steps(load_target(quant, 3, 32, dtype=torch.float32, kernels="fused_proj"))
+        got = run_steps(fused_proj_target(quant, dtype=torch.float32))
         assert_close(got, run_steps(load_target(plain, 3, 32, dtype=torch.float32)), 1e-5,
                      f"fused_proj on {make.__name__} vs the dequantized checkpoint, plain")
 
@@ -2249,24 +2420,29 @@ def test_fused_proj_equals_plain_on_one_copy_of_the_weights(tiny_ckpt, tmp_path)
 @triton_runs
 def test_shared_expert_in_the_fused_launch_equals_plain(tmp_path):
     """kernels "shared_expert": the shared expert as expert E of the fused MoE launch equals the
-    plain MoE, whether folded before the weights are loaded (they land in the [E + 1] tensors,
-    under the checkpoint's names) or after; the parameters are views, nothing is held twice.
-    Left off (and not listed) where it cannot apply: quantized experts, the other MoE paths."""
+    plain MoE, whether swapped in before the weights are loaded by name (they land in the [E + 1]
+    tensors) or after load_target; the parameters are views, nothing is held twice, the state dict
+    is the plain one. Left off (and not listed) where it cannot apply: quantized experts, the
+    other MoE paths."""
     args = tiny(num_hidden_layers=3)
     kw = dict(max_batch_size=2, max_seq_len=32, device=TRITON_DEVICE, dtype=torch.float32)
     plain = init_random(Transformer(args, **kw), 4)
     save_target(plain.cpu(), tmp_path / "t")
-    before = load_target(tmp_path / "t", moe_impl="fused", kernels=["shared_expert"], **kw)
-    after = init_random(Transformer(args, moe_impl="fused", **kw), 4).use_kernels(["shared_expert"])
+    plain = plain.to(TRITON_DEVICE)
+    before = Transformer(args, **kw)
+    kernels.accelerate(before, ["shared_expert"], moe="fused")
+    before.load_state_dict(plain.state_dict())
+    after = load_target(tmp_path / "t", **kw)
+    kernels.accelerate(after, ["shared_expert"], moe="fused")
     tokens = torch.randint(0, args.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5)).to(TRITON_DEVICE)
     positions = torch.arange(6, device=TRITON_DEVICE).expand(2, 6)
     step, step_pos = (tokens[:, :1] + 1) % args.vocab_size, torch.full((2, 1), 6, device=TRITON_DEVICE)
-    plain = plain.to(TRITON_DEVICE)
     want = [plain(tokens, positions).logits, plain(step, step_pos).logits, plain(step[:1], step_pos[:1]).logits]
     for folded in (before, after):
         assert folded.kernels == ("shared_expert",)
+        assert_same_state(folded, plain)
         moe = folded.layers[-1].mlp
-        assert moe.shared_in_launch and moe.stacked[0].shape[0] == args.n_routed_experts + 1
+        assert isinstance(moe, kernels.SharedExpertInLaunch) and moe.stacked[0].shape[0] == args.n_routed_experts + 1
         assert moe.shared_experts.down_proj.weight.data_ptr() == moe.stacked[2][-1].data_ptr()
         # a prefill (the tile variant), then decode steps of 2 and 1 tokens (the GEMV variant, K + 1 pairs a token)
         got = [folded(tokens, positions).logits, folded(step, step_pos).logits, folded(step[:1], step_pos[:1]).logits]
@@ -2276,26 +2452,27 @@ def test_shared_expert_in_the_fused_launch_equals_plain(tmp_path):
     assert moved.shared_experts.up_proj.weight.data_ptr() == moved.stacked[1][-1].data_ptr()
     assert moved.experts.up_proj.data_ptr() == moved.stacked[1].data_ptr()
     assert_close(after(tokens, positions).logits, want[0], 1e-5, "shared expert in the fused launch, after .to()")
-    assert Transformer(args, moe_impl="gather", kernels=["shared_expert"], **kw).kernels == ()
+    assert kernels.accelerate(Transformer(args, **kw), ["shared_expert"], moe="gather") == ()
     int4 = tiny(num_hidden_layers=3, moe_intermediate_size=64, quantization_config="int4")
-    assert Transformer(int4, moe_impl="fused", kernels=["shared_expert"], **kw).kernels == ()
+    assert kernels.accelerate(Transformer(int4, **kw), ["shared_expert"], moe="fused") == ()
 
 
 @triton_runs
 def test_fused_proj_with_the_shared_expert_in_the_launch():
-    """"shared_expert" and "fused_proj" together: the folded shared expert gives up its stacked
-    gate/up buffer (its rows live in the [E + 1] tensors) and runs unstacked where it still runs on
-    its own (past the fused kernel's token limit, here lowered to 4); the attention pair and the
-    dense MLP stay stacked. Logits equal the plain model's with the fused launch and without."""
+    """"shared_expert" and "fused_proj" together: the folded shared expert is not stacked (its gate
+    and up rows live in the [E + 1] tensors) and runs unstacked where it still runs on its own
+    (past the fused kernel's token limit, here lowered to 4); the attention pair and the dense MLP
+    are stacked. Logits equal the plain model's with the fused launch and without."""
     args = tiny(num_hidden_layers=3)
     kw = dict(max_batch_size=2, max_seq_len=32, device=TRITON_DEVICE, dtype=torch.float32)
     plain = init_random(Transformer(args, **kw), 4)
-    both = init_random(Transformer(args, moe_impl="fused", kernels=["shared_expert", "fused_proj"], **kw), 4)
-    assert both.kernels == ("shared_expert", "fused_proj")
+    both = init_random(Transformer(args, **kw), 4)
+    assert kernels.accelerate(both, ["shared_expert", "fused_proj"], moe="fused") == ("shared_expert", "fused_proj")
     for layer in both.layers[1:]:
-        assert layer.mlp.shared_experts.gate_up_weight is None and not layer.mlp.shared_experts.fused_proj
-        assert layer.self_attn.fused_proj
-    assert both.layers[0].mlp.fused_proj
+        assert not isinstance(layer.mlp.shared_experts, kernels.StackedGateUp)
+        assert not isinstance(layer.mlp, kernels.SharedDownAddsRouted)
+        assert isinstance(layer.self_attn, kernels.StackedQKVA)
+    assert isinstance(both.layers[0].mlp, kernels.StackedGateUp)
     tokens = torch.randint(0, args.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5)).to(TRITON_DEVICE)
     positions = torch.arange(6, device=TRITON_DEVICE).expand(2, 6)
     want = plain(tokens, positions).logits
@@ -2351,8 +2528,7 @@ def test_gpu_kernels_in_captured_paths():
     """The tiny model with every kernel on: each captured shape replays equal to eager, with no
     host sync anywhere; float32 logits equal the plain model's; bf16 agreement is reported."""
     from graphs import CudaGraphs
-    target, head = gpu_models()
-    target.use_kernels("all")
+    target, head = gpu_models(kernels_on="all")
     runner = CudaGraphs("cuda")
     for routing in ("model", "uniform"):   # uniform: SIMULATED, inside the router kernel
         target.set_routing(routing)
@@ -2374,6 +2550,169 @@ def test_gpu_kernels_in_captured_paths():
     same = (a.argmax(-1) == b.argmax(-1)).float().mean().item()
     print(f"\nbf16 tiny model, kernels on vs off: top-1 agreement {same:.3f}, max |logit diff| "
           f"{(a - b).abs().max().item():.3e}")
+
+
+# ---------------------------------------------------------------------------------------------
+# The all-reduces (tp.py): NCCL's and the one-shot over torch's symmetric memory. Real TP 2 on two
+# GPUs runs under torchrun, each rank the same tests in the same order:
+#     torchrun --nproc-per-node 2 -m pytest -q test_equivalence.py -k tp_gpu
+# Elsewhere those skip, saying why; the refusal on gloo and the size rule run on any machine.
+
+def _tp_gpu_missing():
+    if not torch.cuda.is_available():
+        return "needs CUDA GPUs"
+    if os.environ.get("WORLD_SIZE") != "2" or torch.cuda.device_count() < 2:
+        return ("needs a 2-rank torchrun world on 2 GPUs: torchrun --nproc-per-node 2 -m pytest -q "
+                "test_equivalence.py -k tp_gpu")
+    return None
+
+
+tp_gpu = pytest.mark.skipif(_tp_gpu_missing() is not None, reason=str(_tp_gpu_missing()))
+
+
+@pytest.fixture(scope="module")
+def tp_gpu_world():
+    """The NCCL group of the two ranks (a short timeout: a rank that fails must not hang its peer
+    for NCCL's default 10 minutes), and a TP object for each all-reduce."""
+    from datetime import timedelta
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", timeout=timedelta(seconds=90), device_id=device)
+    return {name: TP.from_env(name) for name in tp.ALLREDUCES}
+
+
+def test_one_shot_fits_small_float_messages():
+    """Decode and verify messages take the one-shot path; prefill-sized ones, dtypes the kernel
+    lacks and sizes off its 16-byte vectors go to NCCL."""
+    fits = partial(tp.one_shot_fits, max_bytes=tp.ONE_SHOT_MAX_BYTES)
+    assert fits(6 * 7168, 2, torch.bfloat16) and fits(64 * 7168, 2, torch.bfloat16)
+    assert fits(1 * 64, 4, torch.float32)
+    assert not fits(74 * 7168, 2, torch.bfloat16)        # 1.06 MB > 1 MiB
+    assert not fits(256 * 7168, 2, torch.bfloat16)       # a prefill
+    assert not fits(64, 8, torch.float64) and not fits(3, 2, torch.bfloat16)
+
+
+def _allreduce_choice_on_gloo():
+    nccl = TP.from_env("nccl")
+    try:
+        TP.from_env("one-shot")
+    except NotImplementedError as e:
+        return nccl.describe(), nccl.one_shot, str(e)
+    return nccl.describe(), nccl.one_shot, None
+
+
+def torchrun_cpu(*argv):
+    """run.py under torchrun, 2 gloo ranks on the CPU (the GPUs hidden), as a user runs it."""
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "2",
+                           os.path.join(HERE, "run.py"), *argv], capture_output=True, text=True, cwd=HERE,
+                          env=dict(CPU_ENV, OMP_NUM_THREADS="1"))
+
+
+def test_one_shot_allreduce_is_refused_on_gloo():
+    """Symmetric memory needs CUDA GPUs under NCCL: on gloo `TP.from_env("one-shot")`, and so
+    `run.py --allreduce one-shot`, refuse in one line that names what is missing; NCCL's choice
+    (gloo's all-reduce here) still builds."""
+    described, one_shot, refusal = run_ranks(2, _allreduce_choice_on_gloo)
+    assert described == "TP 2, rank 0, gloo all-reduce" and one_shot is None
+    assert refusal and "symmetric memory" in refusal and "gloo on cpu" in refusal, refusal
+    with pytest.raises(ValueError, match="choose from nccl, one-shot"):
+        TP.from_env("ring")
+    out = torchrun_cpu("--allreduce", "one-shot", "--skip-e2e", "--reps", "1")
+    errors = [line for line in out.stderr.splitlines() if line.startswith("run.py: error:")]
+    assert out.returncode != 0 and len(errors) == 2, out.stderr[-2000:]
+    assert "[rank 0] one-shot all-reduce: needs torch's symmetric memory" in errors[0] + errors[1]
+
+
+def test_run_py_measures_allreduces_under_real_tp(tmp_path):
+    """A real TP 2 run (gloo) times the all-reduce at 1, 2, 4 and 6 tokens, eager (no graphs on a
+    CPU: the interleaved and back-to-back figures and the simulated twin need them)."""
+    path = tmp_path / "r.json"
+    out = torchrun_cpu("--skip-e2e", "--reps", "1", "--speculative-attention-mode", "decode", "--json", str(path))
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = json.loads(path.read_text())["allreduce_measured"]
+    assert set(m["us_each"]) == {f"eager/{T}" for T in (1, 2, 4, 6)} and m["per_forward"] == 2 * 8
+    assert all(v > 0 for v in m["us_each"].values()) and m["implementation"] == "TP 2, rank 0, gloo all-reduce"
+    assert "all-reduce, us each, by tokens (TP 2, rank 0, gloo all-reduce):" in out.stdout
+
+
+@tp_gpu
+@pytest.mark.parametrize("allreduce", tp.ALLREDUCES)
+def test_tp_gpu_graph_replay_equals_eager_without_host_sync(tp_gpu_world, allreduce):
+    """TP 2 on two GPUs, bf16: every captured shape replays equal to eager, and neither eager nor
+    capture nor replay syncs with the host, with either all-reduce."""
+    from graphs import CudaGraphs
+    tpo = tp_gpu_world[allreduce]
+    assert (tpo.one_shot is not None) == (allreduce == "one-shot") and tpo.world_size == 2
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=64, device="cuda",
+                                     dtype=torch.bfloat16, tp=tpo), 0)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 1)
+    calls, runner, results = captured_calls(target, head), CudaGraphs("cuda"), []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for key, fn, inputs in calls:
+            eager = flat(fn(*inputs))
+            runner.run(key, fn, *inputs)                              # capture
+            results.append((key, eager, flat(runner.run(key, fn, *inputs))))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for key, eager, graphed in results:
+        assert_close(graphed, eager, 0.0, f"TP 2 {allreduce}: graph vs eager {key}")
+
+
+@tp_gpu
+@pytest.mark.parametrize("allreduce", tp.ALLREDUCES)
+def test_tp_gpu_speculative_equals_plain_greedy(tp_gpu_world, allreduce):
+    """The trained pair at TP 2 in float32 with the model's own routing, verify and draft from CUDA
+    graphs: speculative tokens equal plain greedy ones, drafts accepted, in both attention modes."""
+    target = checkpoint.load_target(train.TARGET_DIR, 3, 128, "cuda", torch.float32, tp=tp_gpu_world[allreduce])
+    head = load_draft(train.DRAFT_DIR, target)
+    assert target.routing == "model" and target.tp.world_size == 2
+    prompts = [p[:n] for p, n in zip(train.heldout_prompts(3, 32), (32, 17, 25))]
+    plain = generate(target, None, prompts, max_new_tokens=40, eos_id=-1, use_graphs=True).tokens
+    for mode in ("prefill", "decode"):
+        res = generate(target, head, prompts, max_new_tokens=40, num_steps=3, attention_mode=mode,
+                       use_graphs=True, eos_id=-1)
+        assert res.tokens == plain, (allreduce, mode)
+        accepted = res.accepted[res.accepted >= 0].float().mean().item()
+        assert accepted > 0.5, f"{allreduce} {mode}: {accepted:.2f} drafts accepted a cycle"
+
+
+@tp_gpu
+def test_tp_gpu_one_shot_equals_nccl(tp_gpu_world):
+    """Each rank's own random partial sums: the one-shot sum equals NCCL's within bf16 rounding at
+    1-6 Kimi-sized rows (and exactly in float32), eager and replayed from a graph; a message over
+    the limit goes to NCCL; the tiny model's float32 logits agree."""
+    from graphs import CudaGraphs
+    one, nccl = tp_gpu_world["one-shot"], tp_gpu_world["nccl"]
+    g = torch.Generator("cuda").manual_seed(100 + dist.get_rank())
+    runner, got = CudaGraphs("cuda"), []
+    for T, dtype in [(1, torch.bfloat16), (2, torch.bfloat16), (4, torch.bfloat16), (6, torch.bfloat16),
+                     (4, torch.float32), (80, torch.bfloat16)]:
+        x = torch.randn(1, T, 7168, device="cuda", generator=g).to(dtype)
+        ref = nccl.all_reduce(x.clone())
+        replayed = runner.run(("sum", T, dtype), one.all_reduce, torch.zeros_like(x))  # capture
+        replayed = runner.run(("sum", T, dtype), one.all_reduce, x)
+        got.append((T, dtype, one.one_shot.fits(x), one.all_reduce(x.clone()), replayed, ref))
+    for T, dtype, fits, eager, replayed, ref in got:
+        assert fits == (T < 80), (T, fits)
+        tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=0, atol=0)
+        torch.testing.assert_close(eager, ref, **tol, msg=f"one-shot vs NCCL, {T} rows {dtype}")
+        torch.testing.assert_close(replayed, ref, **tol, msg=f"one-shot in a graph vs NCCL, {T} rows")
+    logits = {}
+    for name, tpo in tp_gpu_world.items():
+        m = init_random(Transformer(tiny(), 3, 32, device="cuda", dtype=torch.float32, tp=tpo), 5)
+        logits[name] = run_steps_cuda(m)
+    assert_close(logits["one-shot"], logits["nccl"], 1e-5, "tiny model at TP 2, one-shot vs NCCL")
+
+
+def run_steps_cuda(m):
+    prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(m.args.vocab_size))
+    outs = [m(prefill, prefill_pos, "extend").logits]
+    for mode in ("extend", "decode"):
+        outs.append(m(step, step_pos, mode).logits)
+    return torch.cat(outs, 1)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,18 @@
 """Tensor parallelism you can read: process-group setup and Megatron-style parallel layers.
 
 Every collective is written in a `forward` below: `RowParallelLinear` and `VocabParallelEmbedding`
-all-reduce, `ParallelLMHead` all-gathers full-vocabulary rows. A `TP` object (rank, world size,
-simulated or not) is passed explicitly to every layer; nothing reads a module global.
+all-reduce, `ParallelLMHead` all-gathers full-vocabulary rows (a swap of one of them, as
+kernels.GemvRowParallelLinear, keeps its collective in its own forward). The model's one other
+collective is model.MoE.forward's single all-reduce of the routed and shared experts' partial
+sums. A `TP` object (rank, world size, simulated or not, which all-reduce) is passed explicitly to
+every layer; nothing reads a module global.
+
+Two all-reduces: NCCL's (the default), and a one-shot all-reduce over torch's symmetric memory
+(`TP.from_env("one-shot")`) for small messages, as SGLang's and vLLM's custom all-reduce do: every
+rank copies its partial sum into its own buffer, which its peers can read over NVLink, and each
+rank reads the others' rows and sums them, one kernel with a barrier on each side. Messages above
+`ONE_SHOT_MAX_BYTES` (prefill) and dtypes the kernel lacks go to NCCL. It needs CUDA GPUs and NCCL
+(no NVLink multicast); on gloo it is refused.
 
 A *simulated rank* (`TP.simulate(world_size=8)`) builds exactly one rank's shard of a TP-N model
 in a single process and skips the collectives, so that one GPU can time one rank of an N-GPU
@@ -11,7 +21,7 @@ deployment. Its numbers are not the model's numbers; every output of run.py says
 Shape legend: B batch, T new tokens, D hidden, V vocab, N world size.
 """
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.distributed as dist
@@ -37,7 +47,8 @@ def init_distributed(device=None):
     if device.type == "cuda":
         torch.cuda.set_device(device)
     elif world_size > 1:
-        torch.set_num_threads(cpu_threads_per_rank(int(os.environ.get("LOCAL_WORLD_SIZE", world_size))))
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world_size))
+        torch.set_num_threads(cpu_threads_per_rank(local_world))
     if world_size > 1 and not dist.is_initialized():
         if device.type == "cuda":
             dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=device)
@@ -61,18 +72,73 @@ def print0(*args, **kwargs):
         print(*args, **kwargs, flush=True)
 
 
+ALLREDUCES = ("nccl", "one-shot")
+ONE_SHOT_MAX_BYTES = 1 << 20  # 73 rows of 7168 bf16: decode and verify up to batch 16 x 4 tokens
+
+
+class OneShotAllReduce:
+    """Sum over the ranks of a message of at most max_bytes, read from peers' symmetric memory.
+
+    The buffer is allocated and exchanged once (a collective: every rank constructs it); a call
+    copies the partial sum into it and runs torch's one-shot kernel, which waits until every rank
+    has written, sums the ranks' rows into a new tensor, and waits until every rank has read
+    before it returns, so the next call may overwrite the buffer. No host sync: graphs capture
+    it."""
+
+    def __init__(self, device, max_bytes=ONE_SHOT_MAX_BYTES):
+        device = torch.device(device)
+        backend = dist.get_backend() if dist.is_initialized() else "no process group"
+        if backend != "nccl" or device.type != "cuda":
+            raise NotImplementedError(f"one-shot all-reduce: needs torch's symmetric memory on "
+                                      f"CUDA GPUs under NCCL; this run has {backend} on "
+                                      f"{device.type} (use the NCCL all-reduce)")
+        import torch.distributed._symmetric_memory as symm_mem
+        self.group, self.max_bytes = dist.group.WORLD.group_name, max_bytes
+        self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
+        symm_mem.rendezvous(self.buffer, self.group)
+        # torch 2.8 and later copy the input in inside the kernel
+        self.fused = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
+
+    def fits(self, x):
+        return one_shot_fits(x.numel(), x.element_size(), x.dtype, self.max_bytes)
+
+    def __call__(self, x):
+        x = x.contiguous()
+        shared = self.buffer.view(x.dtype)[:x.numel()].view(x.shape)
+        out = torch.empty_like(x)
+        ops = torch.ops.symm_mem
+        if self.fused and x.storage_offset() * x.element_size() % 16 == 0:  # equal alignments
+            return ops.one_shot_all_reduce_copy_out(shared, x, "sum", self.group, out)
+        shared.copy_(x)
+        return ops.one_shot_all_reduce_out(shared, "sum", self.group, out)
+
+
+def one_shot_fits(numel, element_size, dtype, max_bytes):
+    """Whether the one-shot kernel takes this message: float32 or bf16 (its dtypes), at most
+    max_bytes, a whole number of 16-byte vectors (its widest loads); the rest goes to NCCL."""
+    nbytes = numel * element_size
+    return dtype in (torch.float32, torch.bfloat16) and nbytes <= max_bytes and nbytes % 16 == 0
+
+
 @dataclass(frozen=True)
 class TP:
-    """Who this process is in the tensor-parallel group."""
+    """Who this process is in the tensor-parallel group, and its all-reduce."""
     rank: int = 0
     world_size: int = 1
     simulated: bool = False  # one rank's shard of a TP-N model, collectives skipped
+    one_shot: OneShotAllReduce | None = field(default=None, compare=False, repr=False)
 
     @staticmethod
-    def from_env():
-        if dist.is_initialized():
-            return TP(dist.get_rank(), dist.get_world_size())
-        return TP()
+    def from_env(allreduce="nccl"):
+        """From the process group; "one-shot" sets up the symmetric buffer (a collective)."""
+        if allreduce not in ALLREDUCES:
+            raise ValueError(f"all-reduce {allreduce!r}: choose from {', '.join(ALLREDUCES)}")
+        if not dist.is_initialized() or dist.get_world_size() == 1:
+            return TP()  # nothing to reduce
+        gloo = dist.get_backend() == "gloo"
+        device = torch.device("cpu") if gloo else torch.device("cuda", torch.cuda.current_device())
+        one_shot = OneShotAllReduce(device) if allreduce == "one-shot" else None
+        return TP(dist.get_rank(), dist.get_world_size(), one_shot=one_shot)
 
     @staticmethod
     def simulate(world_size, rank=0):
@@ -84,8 +150,13 @@ class TP:
 
     def describe(self):
         if self.simulated:
-            return f"SIMULATED rank {self.rank} of TP {self.world_size} (one process, collectives skipped)"
-        return f"TP {self.world_size}, rank {self.rank}"
+            return (f"SIMULATED rank {self.rank} of TP {self.world_size} "
+                    "(one process, collectives skipped)")
+        name = f"TP {self.world_size}, rank {self.rank}"
+        if self.one_shot is not None:
+            return (f"{name}, one-shot all-reduce (symmetric memory) up to "
+                    f"{self.one_shot.max_bytes // 1024} KB, NCCL above")
+        return name + (f", {dist.get_backend()} all-reduce" if self.communicates else "")
 
     def split(self, size, what):
         """This rank's share of a dimension; a clear error if the world size does not divide it."""
@@ -95,21 +166,18 @@ class TP:
         return size // self.world_size
 
     def all_reduce(self, x):
-        if self.communicates:
-            dist.all_reduce(x)
+        """The sum over the ranks (NCCL in place, one-shot into a new tensor): use the result."""
+        if not self.communicates:
+            return x
+        if self.one_shot is not None and self.one_shot.fits(x):
+            return self.one_shot(x)
+        dist.all_reduce(x)
         return x
 
 
-def shard(full, dim, tp):
-    """This rank's slice of a full tensor along `dim` (None: replicated)."""
-    if dim is None or tp.world_size == 1:
-        return full
-    n = full.shape[dim] // tp.world_size
-    return full.narrow(dim, tp.rank * n, n)
-
-
 def _param(shape, shard_dim, device, dtype):
-    # shard_dim tells init and the checkpoint loader how the global tensor is split (None: replicated)
+    # shard_dim tells init and the checkpoint loader how the global tensor is split (None:
+    # replicated)
     p = nn.Parameter(torch.empty(shape, device=device, dtype=dtype), requires_grad=False)
     p.shard_dim = shard_dim
     return p
@@ -172,7 +240,8 @@ class VocabParallelEmbedding(nn.Module):
 
 
 class ParallelLMHead(nn.Module):
-    """Logits split by vocabulary, all-gathered so every rank holds full rows (and samples alike)."""
+    """Logits split by vocabulary, all-gathered so every rank holds full rows (and samples
+    alike)."""
 
     def __init__(self, dim, vocab_size, tp, what="vocab_size", device=None, dtype=None):
         super().__init__()

@@ -16,7 +16,8 @@ from the committed one; recipe.json beside it records the Python and torch that 
 hash of the training bytes.
 
 1. target: the `tiny` preset (8 layers, 16 routed experts), next-byte cross-entropy through
-   model.Transformer's own forward (grouped experts), saved with checkpoint.save_target;
+   model.Transformer's own forward (the grouped experts swap, kernels.accelerate), saved with
+   checkpoint.save_target;
 2. draft vocabulary: the draft_vocab_size bytes the trained target predicts most often on the
    training text (draft.draft_vocab);
 3. head: EAGLE-3's training-time test (draft.train_step: num_steps unrolled steps, each scored
@@ -40,6 +41,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 import checkpoint
+import kernels
 import model
 from draft import Eagle3Draft, draft_preset, draft_vocab, train_step, ttt_loss
 from verify import generate
@@ -153,8 +155,9 @@ def fit(params, cfg, loss_fn, desc, before_step=lambda: None):
 
 def train_target(data):
     args = model.preset("tiny")
-    target = model.Transformer(args, TARGET["batch"], SEQ_LEN, moe_impl="grouped", dtype=torch.float32)
+    target = model.Transformer(args, TARGET["batch"], SEQ_LEN, dtype=torch.float32)
     checkpoint.init_random(target, TARGET["seed"])
+    kernels.accelerate(target, moe="grouped")   # torch._grouped_mm: the experts' fast path on the CPU
     for layer in target.layers:  # the router's bias is for balancing (not trained by gradients): start it at 0
         if hasattr(layer.mlp, "gate"):
             layer.mlp.gate.e_score_correction_bias.zero_()
@@ -292,7 +295,8 @@ def main(argv=None):
     target, t_hist = train_target(data)
     checkpoint.save_target(target, target_dir)
     t1, c1 = time.perf_counter(), time.process_time()
-    target = checkpoint.load_target(target_dir, DRAFT["batch"], SEQ_LEN, dtype=torch.float32, moe_impl="grouped")
+    target = checkpoint.load_target(target_dir, DRAFT["batch"], SEQ_LEN, dtype=torch.float32)
+    kernels.accelerate(target, moe="grouped")
     head, d_hist = train_draft(target, data)
     checkpoint.save_draft(head, draft_dir)
     t2, c2 = time.perf_counter(), time.process_time()

@@ -1,13 +1,14 @@
 """Verify, accept, commit: the speculative generation loop and the plain baseline loop.
 
 A cycle: the target verifies [x_p, d_1..d_k] at positions p..p+k (one forward, k+1 tokens per row)
-in either attention path, "extend" or "decode" (absorbed MLA), the words of model.py; SGLang's
---speculative-attention-mode calls extend "prefill", and `generate` takes that spelling too. Eager
-or CUDA-graph captured. Acceptance runs on the device for all rows at once (greedy: drafts that
+in either attention path, "extend" or "decode" (absorbed MLA), the words of model.py (SGLang's
+--speculative-attention-mode calls extend "prefill"; run.py maps its flag). Eager or CUDA-graph
+captured. Acceptance runs on the device for all rows at once (greedy: drafts that
 equal the target's argmax, accepted length by cumulative product; sampling: speculative rejection
 sampling, Leviathan et al. arXiv:2211.17192, with the top-1 draft as a point mass, so the output
 follows the target's distribution exactly); then the draft head extends over the accepted tokens
-and chains the next k drafts. Rejected tokens leave KV slots that the next writes overwrite (slot = position).
+and chains the next k drafts. Rejected tokens leave KV slots that the next writes overwrite
+(slot = position).
 
 Shapes are fixed per (batch, k): rows that accepted fewer tokens carry junk in their tail, rows
 that finished keep running in place, so every step can be captured. The loop reads the device
@@ -15,9 +16,9 @@ once per cycle: "are all rows done?" (marked HOST READ below).
 
 The target reads only the cache slots in use, rounded up to a bucket (kv_bucket): the host knows
 a bound on every row's position without reading the device (the prompt length plus k+1 per
-cycle), so each (step, batch, tokens, bucket) is one fixed shape and one graph. Prefill runs in
-chunks through the static cache (slot = position makes that exact), so a long prompt never holds
-extend attention's scores for all its positions at once.
+cycle), so each graphs.GraphKey (phase, mode, batch, tokens, slots) is one fixed shape and one
+graph. Prefill runs in chunks through the static cache (slot = position makes that exact), so a
+long prompt never holds extend attention's scores for all its positions at once.
 """
 import math
 from dataclasses import dataclass
@@ -25,11 +26,8 @@ from functools import partial
 
 import torch
 
-from draft import Eagle3Draft
-from graphs import CudaGraphs
+from graphs import CudaGraphs, GraphKey
 from model import eos_union
-
-ATTENTION_MODES = {"prefill": "extend", "decode": "decode"}  # SGLang's flag words -> the model's
 
 
 @dataclass
@@ -46,19 +44,22 @@ class GenerateResult:
 
 
 def pad_prompts(prompts, device):
-    """A list of id lists (ragged allowed) or an int64 [B, P] tensor -> padded [B, P], lengths [B]."""
+    """A list of id lists (ragged allowed) or an int64 [B, P] tensor -> padded [B, P],
+    lengths [B]."""
     if isinstance(prompts, torch.Tensor):
         if prompts.dim() != 2:
             raise ValueError(f"prompts tensor must be [B, P], not {list(prompts.shape)}")
-        return prompts.to(device, torch.int64), torch.full((prompts.shape[0],), prompts.shape[1], device=device)
+        lens = torch.full((prompts.shape[0],), prompts.shape[1], device=device)
+        return prompts.to(device, torch.int64), lens
     if not prompts or any(len(p) == 0 for p in prompts):
         raise ValueError("every prompt needs at least one token")
     P = max(len(p) for p in prompts)
-    tokens = torch.tensor([list(p) + [0] * (P - len(p)) for p in prompts], dtype=torch.int64, device=device)
+    tokens = torch.tensor([list(p) + [0] * (P - len(p)) for p in prompts], dtype=torch.int64,
+                          device=device)
     return tokens, torch.tensor([len(p) for p in prompts], device=device)
 
 
-def check_request(target, tokens, lens, max_new_tokens, lookahead):
+def check_request(target, tokens, max_new_tokens, lookahead):
     B, P = tokens.shape
     a = target.args
     if max_new_tokens < 1:
@@ -67,13 +68,14 @@ def check_request(target, tokens, lens, max_new_tokens, lookahead):
         raise ValueError(f"batch of {B} prompts > max_batch_size {target.max_batch_size}")
     need = P + max_new_tokens + lookahead
     if need > target.max_seq_len:
-        raise ValueError(f"prompt of {P} tokens + max_new_tokens {max_new_tokens} + {lookahead} lookahead "
-                         f"= {need} slots > max_seq_len {target.max_seq_len} of the KV cache")
+        raise ValueError(f"prompt of {P} tokens + max_new_tokens {max_new_tokens} + {lookahead} "
+                         f"lookahead = {need} slots > max_seq_len {target.max_seq_len} of the KV "
+                         "cache")
     bad = (tokens < 0) | (tokens >= a.vocab_size)
     if bad.any():
         row, col = bad.nonzero()[0].tolist()
-        raise ValueError(f"prompt row {row} has id {tokens[row, col].item()} at position {col}, outside the "
-                         f"vocabulary [0, {a.vocab_size})")
+        raise ValueError(f"prompt row {row} has id {tokens[row, col].item()} at position {col}, "
+                         f"outside the vocabulary [0, {a.vocab_size})")
 
 
 def kv_bucket(n, limit):
@@ -84,7 +86,7 @@ def kv_bucket(n, limit):
     return min(limit, -(-n // step) * step)
 
 
-PREFILL_CHUNK = 2048  # positions per prefill forward: extend attention holds [B, chunk, H, S] scores
+PREFILL_CHUNK = 2048  # positions a prefill forward: extend attention holds [B, chunk, H, S] scores
 
 
 def prefill_target(target, tokens, last, capture_aux, chunk=PREFILL_CHUNK):
@@ -99,21 +101,23 @@ def prefill_target(target, tokens, last, capture_aux, chunk=PREFILL_CHUNK):
         positions = torch.arange(s, e, device=tokens.device).expand(B, e - s)
         logits, aux = target(tokens[:, s:e], positions, "extend", capture_aux=capture_aux, kv_len=e)
         auxes.append(aux)
-        picked = logits.gather(1, (last - s).clamp(0, e - s - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1]))
+        row = (last - s).clamp(0, e - s - 1).view(-1, 1, 1).expand(-1, 1, logits.shape[-1])
+        picked = logits.gather(1, row).squeeze(1)                               # [B, V]
         here = ((last >= s) & (last < e)).unsqueeze(1)                          # [B, 1]
-        out_logits = picked.squeeze(1) if out_logits is None else torch.where(here, picked.squeeze(1), out_logits)
+        out_logits = picked if out_logits is None else torch.where(here, picked, out_logits)
     return out_logits, torch.cat(auxes, 1) if capture_aux else None
 
 
 def prefill_draft(draft, tokens, aux, last, chunk=PREFILL_CHUNK):
-    """Eagle3Draft.extend over all prompt rows [B, P] in chunks (exact, as `prefill_target`). Returns
-    d_1 [B] and g [B, D] of each row's row `last`."""
+    """Eagle3Draft.extend over all prompt rows [B, P] in chunks (exact, as `prefill_target`).
+    Returns d_1 [B] and g [B, D] of each row's row `last`."""
     B, P = tokens.shape
     first = g = None
     for s in range(0, P, chunk):
         e = min(P, s + chunk)
         positions = torch.arange(s, e, device=tokens.device).expand(B, e - s)
-        f, h = draft.extend(tokens[:, s:e], positions, aux[:, s:e], (last - s).clamp(0, e - s - 1), kv_len=e)
+        f, h = draft.extend(tokens[:, s:e], positions, aux[:, s:e], (last - s).clamp(0, e - s - 1),
+                            kv_len=e)
         here = (last >= s) & (last < e)                                           # [B]
         first = f if first is None else torch.where(here, f, first)
         g = h if g is None else torch.where(here.unsqueeze(1), h, g)
@@ -142,10 +146,10 @@ def accept(logits, drafts, temperature, generator):
     p = torch.softmax(logits / temperature, -1)                              # [B, k+1, V]
     p_draft = p[:, :k].gather(2, drafts.unsqueeze(2)).squeeze(2)             # [B, k]
     u = torch.rand(p_draft.shape, generator=generator, device=p.device, dtype=p.dtype)
-    m = (u < p_draft).long().cumprod(1).sum(1)                               # accept d with prob p(d)
+    m = (u < p_draft).long().cumprod(1).sum(1)                        # accept d with prob p(d)
     p_m = p.gather(1, m.view(-1, 1, 1).expand(-1, 1, p.shape[-1])).squeeze(1)  # [B, V]
     rejected = drafts.gather(1, m.clamp(max=k - 1).unsqueeze(1))
-    residual = torch.where((m < k).unsqueeze(1), p_m.scatter(1, rejected, 0.0), p_m)  # max(p - q, 0)
+    residual = torch.where((m < k).unsqueeze(1), p_m.scatter(1, rejected, 0.0), p_m)  # max(p-q, 0)
     return m, exponential_race(residual, generator)
 
 
@@ -207,7 +211,8 @@ def commit(rows, emitted, m, eos, max_new_tokens):
     count = torch.minimum(count, max_new_tokens - rows.n_out).masked_fill(rows.done, 0)
     rows.out.scatter_(1, rows.n_out.unsqueeze(1) + offsets, emitted)
     rows.n_out += count
-    rows.x = torch.where(rows.done, rows.x, emitted.gather(1, (count - 1).clamp(min=0).unsqueeze(1)).squeeze(1))
+    last_taken = emitted.gather(1, (count - 1).clamp(min=0).unsqueeze(1)).squeeze(1)
+    rows.x = torch.where(rows.done, rows.x, last_taken)
     rows.cur = rows.cur + count
     rows.done = rows.done | hit_eos | (rows.n_out >= max_new_tokens)
     return count
@@ -221,13 +226,16 @@ def prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, generat
     last = lens - 1                                            # each prompt's last position
     logits, aux = prefill_target(target, tokens, last, capture_aux=draft is not None)
     rows = Rows(out=torch.zeros(B, max_new_tokens + k + 1, dtype=torch.int64, device=tokens.device),
-                n_out=torch.zeros_like(last), x=tokens.gather(1, last.unsqueeze(1)).squeeze(1), cur=last.clone(),
-                done=torch.zeros_like(last, dtype=torch.bool), offsets=torch.arange(k + 1, device=tokens.device))
-    commit(rows, sample(logits, temperature, generator).unsqueeze(1), torch.zeros_like(last), eos, max_new_tokens)
+                n_out=torch.zeros_like(last), x=tokens.gather(1, last.unsqueeze(1)).squeeze(1),
+                cur=last.clone(), done=torch.zeros_like(last, dtype=torch.bool),
+                offsets=torch.arange(k + 1, device=tokens.device))
+    first_token = sample(logits, temperature, generator).unsqueeze(1)
+    commit(rows, first_token, torch.zeros_like(last), eos, max_new_tokens)
     if draft is None:
         return rows, None
     # the head reads token t+1 on row t: shift the prompt left, put x at the last row
-    shifted = torch.cat([tokens[:, 1:], tokens[:, :1]], 1).scatter(1, last.unsqueeze(1), rows.x.unsqueeze(1))
+    shifted = torch.cat([tokens[:, 1:], tokens[:, :1]], 1)
+    shifted = shifted.scatter(1, last.unsqueeze(1), rows.x.unsqueeze(1))
     first, g = prefill_draft(draft, shifted, aux, last)
     return rows, draft.chain(first, g, last, k, kv_len=kv_bucket(P + k, target.max_seq_len))
 
@@ -235,20 +243,21 @@ def prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, generat
 def decode_cycle(target, run, rows, pos, kv, temperature, generator, mark):
     """Plain decoding: the target reads x at cur (and the first kv cache slots) and emits its next
     token. Returns m = 0, emitted [B, 1]."""
-    logits, _ = run(("decode", len(pos), 1, kv), partial(target, mode="decode", kv_len=kv), rows.x.unsqueeze(1), pos)
-    mark("decode")
+    key = GraphKey("decode_step", "decode", len(pos), 1, kv)
+    logits, _ = run(key, partial(target, mode="decode", kv_len=kv), rows.x.unsqueeze(1), pos)
+    mark("decode_step")
     return torch.zeros_like(rows.cur), sample(logits[:, 0], temperature, generator).unsqueeze(1)
 
 
-def speculative_cycle(target, draft, run, rows, pos, kv, kv_draft, drafts, mode, temperature, generator,
-                      simulate_accept_len, mark):
+def speculative_cycle(target, draft, run, rows, pos, kv, kv_draft, drafts, mode, temperature,
+                      generator, simulate_accept_len, mark):
     """Verify [x, d_1..d_k] at cur..cur+k (reading the first kv cache slots), accept, then the head
     extends over the accepted tokens and chains the next drafts (reading kv_draft slots of its own
     cache). Returns m [B] drafts accepted, emitted [B, k+1] and the new drafts."""
     B, k = drafts.shape
     verify_in = torch.cat([rows.x.unsqueeze(1), drafts], 1)                   # [x_p, d_1..d_k]
-    logits, aux = run(("verify", mode, B, k + 1, kv), partial(target, mode=mode, capture_aux=True, kv_len=kv),
-                      verify_in, pos)
+    logits, aux = run(GraphKey("verify", mode, B, k + 1, kv),
+                      partial(target, mode=mode, capture_aux=True, kv_len=kv), verify_in, pos)
     mark("verify")
     m, bonus = accept(logits, drafts, temperature, generator)
     if simulate_accept_len is not None:
@@ -257,12 +266,11 @@ def speculative_cycle(target, draft, run, rows, pos, kv, kv_draft, drafts, mode,
     # [d_1..d_m, bonus, junk]: the tokens emitted, and the draft extend's input rows
     emitted = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, m.unsqueeze(1), bonus.unsqueeze(1))
     mark("accept")
-    if not isinstance(draft, Eagle3Draft):  # a planted proposer (tests) keeps Python state: never captured
-        run = eager
-    first, g = run(("draft_extend", B, k + 1, kv_draft), partial(draft.extend, kv_len=kv_draft), emitted, pos, aux, m)
+    first, g = run(GraphKey("draft_extend", None, B, k + 1, kv_draft),
+                   partial(draft.extend, kv_len=kv_draft), emitted, pos, aux, m)
     mark("draft_extend")
-    drafts = run(("draft_chain", B, k, kv_draft), partial(draft.chain, num_steps=k, kv_len=kv_draft), first, g,
-                 rows.cur + m)
+    drafts = run(GraphKey("draft", None, B, k - 1, kv_draft),
+                 partial(draft.chain, num_steps=k, kv_len=kv_draft), first, g, rows.cur + m)
     mark("draft")
     return m, emitted, drafts
 
@@ -273,54 +281,61 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
              simulate_accept_len=None, timer=None):
     """Speculative decoding with `draft` (an Eagle3Draft, or any object with its `extend` and
     `chain`: the tests plant one, run eager), or plain decoding when draft is None. Prefill runs
-    eager; with use_graphs the decode step, the verify step and an Eagle3Draft's extend and chain
-    replay CUDA graphs.
+    eager; with use_graphs the decode step, the verify step and the head's extend and chain
+    replay CUDA graphs (from `graphs`, a CudaGraphs, if given).
+    attention_mode: verify's, "extend" or "decode".
     eos_id: an id or a list of ids that end a row (default: every EOS id the checkpoint declares;
     -1: none).
     Every rank draws from the same seeded generator, so all ranks agree.
     timer: an object whose mark(name) is called at the end of each phase of each cycle
-    ("start", "verify", "accept", "draft_extend", "draft", "commit"; plain: "start", "decode",
-    "commit"): run.py records device events there."""
-    mode = ATTENTION_MODES.get(attention_mode, attention_mode)
-    if mode not in ("extend", "decode"):
-        raise ValueError(f"attention_mode must be 'extend' or 'decode' (or SGLang's 'prefill' for extend), "
-                         f"not {attention_mode!r}")
-    if draft is not None and num_steps < 1:
-        raise ValueError(f"num_steps must be >= 1, not {num_steps}")
-    if simulate_accept_len is not None and not 1 <= simulate_accept_len <= num_steps + 1:
-        raise ValueError(f"simulate_accept_len must lie in [1, num_steps + 1], not {simulate_accept_len}")
+    ("start", "verify", "accept", "draft_extend", "draft", "commit"; plain: "start",
+    "decode_step", "commit"): run.py records device events there."""
+    check_generate(draft, num_steps, attention_mode, simulate_accept_len)
     device, k = target.device, num_steps if draft is not None else 0
-    eos = torch.tensor(eos_union(target.args.eos_token_ids if eos_id is None else eos_id), dtype=torch.int64,
-                       device=device)                                           # [E]
+    eos = torch.tensor(eos_union(target.args.eos_token_ids if eos_id is None else eos_id),
+                       dtype=torch.int64, device=device)                        # [E]
     tokens, lens = pad_prompts(prompts, device)
-    # slots past the output: verify writes k+1 from the newest token; the draft chain, k-1 past those
-    check_request(target, tokens, lens, max_new_tokens, max(k + 1, 2 * k - 2))
+    # slots past the output: verify writes k+1 from the newest token; the chain, k-1 past those
+    check_request(target, tokens, max_new_tokens, max(k + 1, 2 * k - 2))
     gen = torch.Generator(device).manual_seed(seed)
     runner = graphs or (CudaGraphs(device) if use_graphs else None)
     run = runner.run if runner else eager
     mark = timer.mark if timer is not None else (lambda name: None)
     rows, drafts = prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, gen, eos)
-    # host-side bounds, no device read: reach > every position the next verify (or decode) writes;
-    # no row ever writes at or past limit (a live row's cur < P + max_new_tokens - 1, a finished one stays)
+    # host-side bounds, no device read: reach > every position the next verify (or decode)
+    # writes; no row ever writes at or past limit (a live row's cur < P + max_new_tokens - 1, a
+    # finished one stays)
     reach, limit = tokens.shape[1] + k + 1, tokens.shape[1] + max_new_tokens + k
     accepted, proposed = [], []
     while not bool(rows.done.all()):  # HOST READ: the loop's one device->host sync per cycle
         mark("start")
         pos = rows.cur.unsqueeze(1) + rows.offsets                                # [B, k+1]
-        kv = kv_bucket(min(reach, limit), target.max_seq_len)          # verify (or decode) writes below it
-        kv_draft = kv_bucket(min(reach, limit) + k, target.max_seq_len)  # the draft chain: up to k - 1 further
+        kv = kv_bucket(min(reach, limit), target.max_seq_len)  # verify (or decode) writes below
+        kv_draft = kv_bucket(min(reach, limit) + k, target.max_seq_len)  # the chain: k-1 further
         reach += k + 1
         if draft is None:
             m, emitted = decode_cycle(target, run, rows, pos, kv, temperature, gen, mark)
         else:
             proposed.append(drafts)  # kept on the device, stacked after the loop
-            m, emitted, drafts = speculative_cycle(target, draft, run, rows, pos, kv, kv_draft, drafts, mode,
-                                                   temperature, gen, simulate_accept_len, mark)
+            m, emitted, drafts = speculative_cycle(target, draft, run, rows, pos, kv, kv_draft,
+                                                   drafts, attention_mode, temperature, gen,
+                                                   simulate_accept_len, mark)
         # what commit kept, not what accept accepted: a cycle cut at max_new_tokens or an EOS
         # counts only its kept tokens (and a finished row's 0 becomes -1)
         accepted.append(commit(rows, emitted, m, eos, max_new_tokens) - 1)
         mark("commit")
-    return result(rows, accepted, proposed if draft is not None else None, k, simulate_accept_len is not None)
+    return result(rows, accepted, proposed if draft is not None else None, k,
+                  simulate_accept_len is not None)
+
+
+def check_generate(draft, num_steps, attention_mode, simulate_accept_len):
+    if attention_mode not in ("extend", "decode"):
+        raise ValueError(f"attention_mode must be 'extend' or 'decode', not {attention_mode!r}")
+    if draft is not None and num_steps < 1:
+        raise ValueError(f"num_steps must be >= 1, not {num_steps}")
+    if simulate_accept_len is not None and not 1 <= simulate_accept_len <= num_steps + 1:
+        raise ValueError(f"simulate_accept_len must lie in [1, num_steps + 1], not "
+                         f"{simulate_accept_len}")
 
 
 def eager(key, fn, *inputs):
@@ -334,7 +349,8 @@ def result(rows, accepted, proposed, k, simulated):
     stats = torch.stack(accepted).cpu() if accepted else torch.zeros(0, B, dtype=torch.int64)
     drafted = None
     if proposed is not None:
-        drafted = torch.stack(proposed).cpu() if proposed else torch.zeros(0, B, k, dtype=torch.int64)
+        drafted = (torch.stack(proposed).cpu() if proposed
+                   else torch.zeros(0, B, k, dtype=torch.int64))
         drafted = drafted.masked_fill((stats < 0).unsqueeze(-1), -1)
     tokens = [row[:n] for row, n in zip(rows.out.tolist(), rows.n_out.tolist())]
     return GenerateResult(tokens, stats, len(accepted), simulated, drafted)

@@ -1,0 +1,387 @@
+"""Micro-benchmarks of kernels.py's Triton kernels on a GPU: each kernel against its plain twin
+and its floor, captured in CUDA graphs and timed by device events (medians), the bytes of one
+replay past the L2; achieved GB/s against the copy bandwidth measured in the same run.
+
+    python kernels_bench.py [--moe] [--sweep [VARIANTS]] [--variants dot,gemv] [--json OUT]
+        --moe: the fused MoE only (each weight format, token count and variant against its floor);
+        without it the MLA decode attention, the router, add + RMSNorm, SwiGLU, RoPE + cache
+        write, norm_gemv and head_gemv follow.
+"""
+import math
+from functools import partial
+
+import torch
+
+import kernels
+import model
+from kernels import (GEMV_MAX_PAIRS, GEMV_MAX_TOKENS, ExpertWeights, add_rmsnorm, fused_moe,
+                     head_gemv, mla_decode_attention, mla_rope_cache_write, norm_gemv, silu_mul, triton)
+
+
+# ---------------------------------------------------------------------------------------------
+# The fused MoE (python kernels_bench.py --moe [--sweep] [--variants dot,gemv] [--json PATH]): the fused MoE
+# of one layer at the shapes of one Kimi-K2 rank at TP 8 (D 7168, I 256, 384 experts, K 8), each
+# format and variant, against its floor (the distinct experts' stored bytes over the copy bandwidth
+# measured in the same run). Each time is the
+# median over replays of a CUDA graph of LAYERS calls on different weights (as in a captured step,
+# launch gaps included; the weights of LAYERS layers are larger than the 60 MB L2), divided by LAYERS.
+
+def _random_experts(fmt, E, out, inp, device, g):
+    if fmt == "plain":
+        return ExpertWeights("plain", torch.randn(E, out, inp, device=device, generator=g, dtype=torch.bfloat16) / inp ** 0.5)
+    if fmt == "fp8":
+        w = torch.randn(E, out, inp, device=device, generator=g).to(torch.float8_e4m3fn)
+        s = torch.rand(E, triton.cdiv(out, 128), triton.cdiv(inp, 128), device=device, generator=g) / inp ** 0.5
+        return ExpertWeights("fp8", w, s, (128, 128))
+    words = torch.randint(-2**31, 2**31 - 1, (E, out, inp // 8), device=device, generator=g, dtype=torch.int32)
+    s = (torch.rand(E, out, inp // 32, device=device, generator=g) / (4.6 * inp ** 0.5)).to(torch.bfloat16)
+    return ExpertWeights("int4", words, s, group=32)
+
+
+def _expert_bytes(w):
+    return sum(t[0].numel() * t.element_size() for t in (w.data, w.scale) if t is not None)
+
+
+def _kernel_ms(fn):
+    """Device time of the kernels of one eager fn() (torch.profiler), in ms: no launch gaps."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    kernels = {e.key: e.self_device_time_total / 1e3 for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA}
+    return sum(kernels.values()), kernels
+
+
+# Sweep points (N = 1 and 4 only), each beside the default: k3's tiles ("dot") and the GEMV variant.
+DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5), (32, 128, 4, 5), (64, 128, 4, 4),
+                          (16, 256, 4, 3), (32, 256, 8, 3), (16, 64, 4, 6)],
+                 down=[(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (64, 256, 8, 3)])
+GEMV_SWEEP = {"plain": dict(gate_up=[], down=[(32, 256, 4, 1)]),
+              "fp8": dict(gate_up=[(8, 128, 2, 4, 4), (2, 128, 2, 2, 4), (4, 128, 1, 4, 4), (4, 128, 2, 8, 8)],
+                          down=[(16, 128, 4, 2), (4, 128, 2, 2)]),
+              "int4": dict(gate_up=[(8, 1024, 2, 4, 1), (4, 512, 4, 4, 1), (2, 2048, 1, 4, 1)],
+                           down=[(16, 256, 4, 1), (64, 256, 8, 1), (16, 256, 2, 1)])}
+
+
+def _sweep_points(fmt, variant):
+    if variant == "gemv":
+        return [{part: c} for part, cs in GEMV_SWEEP[fmt].items() for c in cs]
+    ok = lambda c: (fmt != "fp8" or c[1] <= 128) and (fmt != "int4" or c[1] >= 128)   # noqa: E731
+    return [{part: c} for part, cs in DOT_SWEEP.items() for c in cs if ok(c)]
+
+
+def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 2, 4, 8, 32)):
+    """One layer's routed experts per format, token count and variant of fused_moe ("dot": k3's
+    tiles through tl.dot, "gemv": the GEMV variant) against its floor (the distinct experts' stored
+    bytes over the eager copy bandwidth measured here), timed as a graph of LAYERS calls. sweep: the
+    variants whose sweep points are also timed (at N = 1 and 4)."""
+    dev, g = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
+    bandwidth = copy_bandwidth_GBps()
+    print(f"fused MoE, one Kimi-K2 TP-8 rank (D {D}, I {I}, {E} experts, K {K}); copy bandwidth {bandwidth:.0f} GB/s")
+    rows = []
+    for fmt in ("plain", "fp8", "int4"):
+        layers = [[_random_experts(fmt, E, o, i, dev, g) for o, i in ((I, D), (I, D), (D, I))] for _ in range(LAYERS)]
+        per_expert = sum(_expert_bytes(w) for w in layers[0])
+        for N in tokens:
+            x = torch.randn(N, D, device=dev, dtype=torch.bfloat16, generator=g)
+            ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:K] for _ in range(N)])
+            route_w = torch.rand(N, K, device=dev, generator=g)
+            floor_ms = ids.unique().numel() * per_expert / bandwidth / 1e6
+            for variant in variants:
+                if variant == "gemv" and N * K > GEMV_MAX_PAIRS:
+                    continue
+                points = [None] + (_sweep_points(fmt, variant) if variant in sweep and N in (1, 4) else [])
+                for cfg in points:
+                    rows += _time_moe(fmt, N, variant, cfg, layers, (x, ids, route_w), floor_ms, bandwidth, LAYERS)
+        del layers
+    return dict(bandwidth_GBps=bandwidth, shapes=dict(D=D, I=I, E=E, K=K, layers=LAYERS), rows=rows,
+                gemv_max_tokens=GEMV_MAX_TOKENS, device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__)
+
+
+def _time_moe(fmt, N, variant, cfg, layers, inputs, floor_ms, bandwidth, LAYERS):
+    """One benchmark row (a list of 0 or 1 dicts), printed."""
+    def run():
+        return lambda: [fused_moe(*inputs, *w, configs=cfg, variant=variant) for w in layers]
+    try:
+        ms = _graph_ms([run()]) / LAYERS
+    except Exception as e:  # a sweep point that does not compile: say so, go on
+        print(f"{fmt} N={N} {variant} {cfg}: {type(e).__name__}: {str(e)[:200]}")
+        return []
+    kernel_ms, by_kernel = _kernel_ms(run()) if cfg is None else (None, {})
+    kernel_ms = kernel_ms / LAYERS if kernel_ms else None
+    by_kernel = {name[:40]: v / LAYERS for name, v in by_kernel.items()}   # ms a layer, per kernel
+    print(f"{fmt:5s} N={N:3d} {variant:4s} {str(cfg or 'default'):34s} {ms * 1e3:8.1f} us  floor {floor_ms * 1e3:7.1f} us"
+          f"  {ms / floor_ms:5.2f}x  {floor_ms * bandwidth / ms:6.0f} GB/s"
+          + (f"  kernels alone {kernel_ms * 1e3:.1f} us ({kernel_ms / floor_ms:.2f}x): "
+             + ", ".join(f"{k.replace('_moe_', '').split('_kernel')[0]} {v * 1e3:.1f}" for k, v in by_kernel.items())
+             if kernel_ms else ""), flush=True)
+    return [dict(fmt=fmt, tokens=N, variant=variant, config=cfg, ms=ms, kernel_ms=kernel_ms, by_kernel=by_kernel,
+                 floor_ms=floor_ms, x_floor=ms / floor_ms, GBps=floor_ms * bandwidth / ms)]
+
+
+# ---------------------------------------------------------------------------------------------
+# The other kernels (python kernels_bench.py): each kernel against its plain twin, both captured
+# in CUDA graphs and timed by events around replays (medians), the input sets rotated so that the
+# bytes of one replay exceed the L2; achieved GB/s against the measured copy bandwidth.
+
+def _graph_ms(calls, reps=30):
+    """Median ms of one call: `calls` (one per input set) captured in one graph, replayed."""
+    import statistics
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for f in calls:
+            f()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for f in calls:
+            f()
+    graph.replay()
+    stamps = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        stamps.append((a, b))
+    torch.cuda.synchronize()
+    return statistics.median(a.elapsed_time(b) for a, b in stamps) / len(calls)
+
+
+def copy_bandwidth_GBps(reps=20):
+    """Device-to-device copy of 1 GiB (bytes read + written), launched eagerly between events as
+    run.py does: captured in a graph the copy becomes a memcpy node, which read ~2.7 TB/s on the
+    H200 (2026-11-29) against ~4.2 TB/s eagerly in the same call."""
+    import statistics
+    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
+    y = torch.empty_like(x)
+    for _ in range(5):
+        y.copy_(x)
+    stamps = []
+    for _ in range(reps):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        y.copy_(x)
+        b.record()
+        stamps.append((a, b))
+    torch.cuda.synchronize()
+    return 2 * x.numel() / statistics.median(a.elapsed_time(b) for a, b in stamps) / 1e6
+
+
+def _mla_sets(B, T, S, used, n_sets, H=8, C=512, R=64, dtype=torch.bfloat16):
+    """Input sets on the GPU: each row's T queries end at slot used - 1 of an S-slot cache."""
+    sets = []
+    for _ in range(n_sets):
+        pos = (used - T + torch.arange(T, device="cuda")).expand(B, T)
+        sets.append(dict(q=torch.randn(B, T, H, C, device="cuda", dtype=dtype),
+                         qpe=torch.randn(B, T, H, R, device="cuda", dtype=dtype),
+                         kv=torch.randn(B, S, C, device="cuda", dtype=dtype),
+                         pe=torch.randn(B, S, R, device="cuda", dtype=dtype), pos=pos,
+                         hidden=torch.arange(S, device="cuda") > pos.unsqueeze(-1)))
+    return sets
+
+
+def bench_mla(bw, rows):
+    scale = 0.1
+    print(f"\nMLA decode attention, Kimi-K2 TP 8 (H=8, C=512, R=64), bf16; copy bandwidth {bw:.0f} GB/s")
+    print(f"{'B':>2} {'T':>2} {'cache':>6} {'used':>6} {'MB read':>8} {'torch us':>9} {'kernel us':>9} "
+          f"{'speedup':>7} {'kernel GB/s':>11} {'of copy':>7}")
+    for S, used in ((256, 256), (4096, 4096), (32768, 32768), (32768, 256), (32768, 4096)):
+        for B, T in ((1, 1), (1, 4), (4, 1), (4, 4)):
+            nbytes = B * used * 576 * 2 + 2 * B * T * 8 * 576 * 2      # cache slots read + queries and output
+            sets = _mla_sets(B, T, S, used, max(2, min(32, math.ceil(2.5e8 / (B * S * 576 * 2)))))
+            plain = _graph_ms([lambda s=s: model.absorbed_attention(s["q"], s["qpe"], s["kv"], s["pe"], s["hidden"],
+                                                                    scale) for s in sets])
+            fast = _graph_ms([lambda s=s: mla_decode_attention(s["q"], s["qpe"], s["kv"], s["pe"], s["pos"], scale)
+                              for s in sets])
+            gbps = nbytes / fast / 1e6
+            print(f"{B:>2} {T:>2} {S:>6} {used:>6} {nbytes / 1e6:>8.2f} {plain * 1e3:>9.1f} {fast * 1e3:>9.1f} "
+                  f"{plain / fast:>6.1f}x {gbps:>11.0f} {gbps / bw:>6.0%}")
+            rows.append(dict(kernel="mla_decode", B=B, T=T, cache=S, used=used, bytes=nbytes, torch_ms=plain,
+                             kernel_ms=fast, GBps=gbps))
+            del sets
+
+
+def bench_mla_configs(bw, rows):
+    """Split length, tile and pipeline depth at 4096 and 32768 used slots (B = 1)."""
+    print("\nMLA kernel configurations (B=1; us; auto = the split rule)")
+    splits = (None, 64, 128, 256)
+    print(f"{'T':>2} {'used':>6} {'BLOCK_N':>7} {'stages':>6} {'warps':>5} " + " ".join(f"{str(s or 'auto'):>7}" for s in splits))
+    default_n, default_stages = kernels.MLA_BLOCK_N[torch.bfloat16], kernels.MLA_NUM_STAGES[torch.bfloat16]
+    for used in (4096, 32768):
+        for T in (1, 4):
+            sets = _mla_sets(1, T, used, used, max(2, min(32, math.ceil(2.5e8 / (used * 576 * 2)))))
+            for block_n, stages, warps in ((64, 3, None), (64, 3, 8), (32, 4, None)):
+                kernels.MLA_BLOCK_N[torch.bfloat16], kernels.MLA_NUM_STAGES[torch.bfloat16] = block_n, stages
+                kernels.MLA_NUM_WARPS = warps
+                times = []
+                for split in splits:
+                    try:
+                        times.append(_graph_ms([lambda s=s: mla_decode_attention(s["q"], s["qpe"], s["kv"], s["pe"],
+                                                                                  s["pos"], 0.1, split_len=split)
+                                                for s in sets]))
+                    except Exception as e:  # a configuration that does not fit (shared memory) is reported, not fatal
+                        print(f"  BLOCK_N {block_n} stages {stages} split {split}: {type(e).__name__}: {str(e)[:120]}")
+                        times.append(float("nan"))
+                print(f"{T:>2} {used:>6} {block_n:>7} {stages:>6} {str(warps or 'auto'):>5} "
+                      + " ".join(f"{t * 1e3:>7.1f}" for t in times))
+                rows.append(dict(kernel="mla_config", T=T, used=used, block_n=block_n, stages=stages, warps=warps,
+                                 us={str(s): t * 1e3 for s, t in zip(splits, times)}))
+            del sets
+    kernels.MLA_BLOCK_N[torch.bfloat16], kernels.MLA_NUM_STAGES[torch.bfloat16] = default_n, default_stages
+    kernels.MLA_NUM_WARPS = None
+
+
+def bench_small(rows):
+    """Router (model and SIMULATED uniform routing), add + RMSNorm, SwiGLU, RoPE + cache write
+    against their twins at Kimi-K2 TP 8 shapes."""
+    print("\nsmall kernels, Kimi-K2 shapes, bf16 (us per call, in a graph; 8 input sets)")
+    args = model.ModelArgs(n_routed_experts=384)
+    router = model.Router(args, "cuda", torch.bfloat16)
+    with torch.no_grad():
+        router.weight.normal_(0, 0.01)
+        router.e_score_correction_bias.normal_(0, 0.1)
+    routers = {"torch": router, "triton": kernels.RouterKernel(args, "cuda", torch.bfloat16)}
+    routers["triton"].load_state_dict(router.state_dict())
+    norm = model.RMSNorm(7168, 1e-6, "cuda", torch.bfloat16)
+    lat_norm = model.RMSNorm(512, 1e-6, "cuda", torch.bfloat16)
+    with torch.no_grad():
+        norm.weight.fill_(1.0)
+        lat_norm.weight.fill_(1.0)
+    table = torch.stack(model.rope_tables(64, 50000.0, None, 4096, "cuda"), -1)
+    kv_cache = torch.randn(4, 4096, 512, device="cuda", dtype=torch.bfloat16)
+    pe_cache = torch.randn(4, 4096, 64, device="cuda", dtype=torch.bfloat16)
+
+    def router_call(x, impl, routing="model"):
+        routers[impl].routing = routing
+        return routers[impl](x)
+
+    def rope_plain(q_pe, kv, k_pe, rope, pos):
+        rows_ = torch.arange(q_pe.shape[0], device="cuda").unsqueeze(1)
+        kv_cache[rows_, pos] = lat_norm(kv)
+        pe_cache[rows_, pos] = model.apply_rope(k_pe, rope)
+        return model.apply_rope(q_pe, rope)
+    for N in (1, 4):
+        xs = [torch.randn(N, 7168, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+        ys = [torch.randn(N, 7168, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+        qs = [torch.randn(1, N, 8, 192, device="cuda", dtype=torch.bfloat16)[..., 128:] for _ in range(8)]
+        kvs = [torch.randn(1, N, 576, device="cuda", dtype=torch.bfloat16).split([512, 64], -1) for _ in range(8)]
+        pos = (100 + torch.arange(N, device="cuda")).unsqueeze(0)
+        rope = table[pos]
+        gate_ups = [torch.randn(N, 512, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+        pairs = {
+            "router (fp32 GEMV + selection)": ([lambda x=x: router_call(x, "torch") for x in xs],
+                                               [lambda x=x: router_call(x, "triton") for x in xs]),
+            "router, SIMULATED uniform routing": ([lambda x=x: router_call(x, "torch", "uniform") for x in xs],
+                                                  [lambda x=x: router_call(x, "triton", "uniform") for x in xs]),
+            "SwiGLU silu * up, I 256": ([lambda g=g: torch.nn.functional.silu(g[:, :256]) * g[:, 256:]
+                                         for g in gate_ups],
+                                        [lambda g=g: silu_mul(g[:, :256], g[:, 256:]) for g in gate_ups]),
+            "add + RMSNorm": ([lambda x=x, y=y: norm(x + y) for x, y in zip(xs, ys)],
+                              [lambda x=x, y=y: add_rmsnorm(x, y, norm.weight, 1e-6) for x, y in zip(xs, ys)]),
+            "RoPE + cache write": ([lambda q=q, kv=kv: rope_plain(q, kv[0], kv[1], rope, pos) for q, kv in zip(qs, kvs)],
+                                   [lambda q=q, kv=kv: mla_rope_cache_write(q, kv[0], kv[1], lat_norm.weight, 1e-6, rope,
+                                                                           pos, kv_cache, pe_cache)
+                                    for q, kv in zip(qs, kvs)]),
+        }
+        for name, (plain_calls, fast_calls) in pairs.items():
+            plain, fast = _graph_ms(plain_calls), _graph_ms(fast_calls)
+            print(f"  {name:32s} N={N}: torch {plain * 1e3:7.1f}  kernel {fast * 1e3:7.1f}  ({plain / fast:.1f}x)")
+            rows.append(dict(kernel=name, N=N, torch_ms=plain, kernel_ms=fast))
+
+
+def bench_norm_gemv(bw, rows, sweep=False):
+    """norm_gemv at Kimi-K2 TP-8 shapes against what it replaces: q_a + kv_a with the input add +
+    RMSNorm (add_rmsnorm's kernel + cuBLAS), q_b with q_a_layernorm (RMSNorm + cuBLAS), o_proj
+    (cuBLAS); the weight sets rotated past the L2. sweep: block configurations too."""
+    print(f"\nnorm_gemv, Kimi-K2 TP 8, bf16 (us per call in a graph; GB/s of the weight; copy {bw:.0f} GB/s)")
+    dt = torch.bfloat16
+    configs = [(None, None, None, None)] + ([(bn, bk, st, 4) for bn in (16, 32) for bk in (256, 512)
+                                             for st in (2, 4)] + [(16, 512, 3, 8)] if sweep else [])
+    for name, N, K, has_norm, add in (("q_a+kv_a", 2112, 7168, True, True), ("q_b", 1536, 1536, True, False),
+                                      ("o_proj", 7168, 1024, False, False)):
+        sets = max(2, min(16, math.ceil(150e6 / (N * K * 2))))
+        ws = [torch.randn(N, K, device="cuda", dtype=dt) / K ** 0.5 for _ in range(sets)]
+        norm = model.RMSNorm(K, 1e-6, "cuda", dt) if has_norm else None
+        if norm is not None:
+            with torch.no_grad():
+                norm.weight.fill_(1.0)
+        for M in (1, 4):
+            xs = [torch.randn(M, K, device="cuda", dtype=dt) for _ in range(sets)]
+            rs = [torch.randn(M, K, device="cuda", dtype=dt) if add else None for _ in range(sets)]
+
+            def plain(x, w, r):
+                if r is not None:
+                    return torch.nn.functional.linear(add_rmsnorm(x, r, norm.weight, norm.eps)[1], w)
+                return torch.nn.functional.linear(x if norm is None else norm(x), w)
+            base = _graph_ms([partial(plain, x, w, r) for x, w, r in zip(xs, ws, rs)]) * 1e3
+            for bn, bk, st, wp in configs:
+                g = None if norm is None else norm.weight
+                try:
+                    us = _graph_ms([partial(norm_gemv, x, w, g, 1e-6, r, bn, bk, st, wp)
+                                    for x, w, r in zip(xs, ws, rs)]) * 1e3
+                except Exception as e:   # a configuration past the SM's shared memory, say
+                    print(f"  {name:9s} M {M}  config {bn, bk, st, wp}: {type(e).__name__} {str(e)[:80]}")
+                    continue
+                print(f"  {name:9s} M {M}  config {bn, bk, st, wp}: kernel {us:6.1f} us ({N * K * 2 / us / 1e3:5.0f} "
+                      f"GB/s)  twin {base:6.1f} us ({N * K * 2 / base / 1e3:5.0f} GB/s)")
+                rows.append(dict(kernel="norm_gemv", proj=name, M=M, config=[bn, bk, st, wp], us=us, twin_us=base))
+    kv_b = torch.randn(8, 256, 512, device="cuda", dtype=dt) / 512 ** 0.5   # W_uk, W_uv [H, 128, C] of one buffer
+    w_uk, w_uv = kv_b.split([128, 128], 1)
+    for M in (1, 4):
+        for name, x, w, eq in (("q_lat (W_uk)", torch.randn(M, 8, 192, device="cuda", dtype=dt)[..., :128],
+                                w_uk.transpose(1, 2), "mhd,hcd->mhc"),
+                               ("o (W_uv)", torch.randn(M, 8, 512, device="cuda", dtype=dt), w_uv, "mhc,hdc->mhd")):
+            base = _graph_ms([partial(torch.einsum, eq, x, w)] * 8) * 1e3   # 1 MB: stays in L2 either way
+            us = _graph_ms([partial(head_gemv, x, w)] * 8) * 1e3
+            print(f"  {name:12s} M {M}: kernel {us:6.1f} us  twin (einsum) {base:6.1f} us")
+            rows.append(dict(kernel="head_gemv", proj=name, M=M, us=us, twin_us=base))
+
+
+def benchmark_attention(out=None):
+    import json
+    rows = []
+    torch.manual_seed(0)
+    bw = copy_bandwidth_GBps()
+    bench_small(rows)
+    bench_norm_gemv(bw, rows)
+    bench_mla(bw, rows)
+    bench_mla_configs(bw, rows)
+    line = json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           copy_GBps=bw, rows=rows))
+    if out:
+        with open(out, "w") as f:
+            f.write(line + "\n")
+    print(line)
+
+
+def main():
+    import argparse
+    import json
+    p = argparse.ArgumentParser(description="Each Triton kernel against its plain twin and its floor, on a GPU.")
+    p.add_argument("--json", metavar="PATH", help="write the results: PATH with _moe / _attention before .json")
+    p.add_argument("--sweep", nargs="?", const="dot,gemv", default="", metavar="VARIANTS",
+                   help="also time the fused MoE's block-size sweep points at N = 1 and 4, of these variants "
+                        "(comma-separated; all without a value)")
+    p.add_argument("--moe", action="store_true", help="time the fused MoE only (not attention and the small kernels)")
+    p.add_argument("--variants", default="dot,gemv",
+                   help="fused MoE variants to time in this run, comma-separated: dot (k3's tl.dot tiles), gemv")
+    a = p.parse_args()
+    variants, sweep = tuple(a.variants.split(",")), tuple(v for v in a.sweep.split(",") if v)
+    if not set(variants + sweep) <= {"dot", "gemv"}:
+        p.error(f"--variants {a.variants!r}, --sweep {a.sweep!r}: choose from dot, gemv")
+    moe_result = benchmark_moe(sweep=sweep, variants=variants)
+    if a.json:
+        with open(a.json.replace(".json", "_moe.json"), "w") as f:
+            json.dump(moe_result, f)
+    if not a.moe:
+        benchmark_attention(a.json.replace(".json", "_attention.json") if a.json else None)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,356 @@
+"""What run.py's timing run prints, and how far to trust it.
+
+Timing is a median that keeps its repetitions (its spread, and whether it is noisy). The report
+prints, per context length, the isolated phases against their floors and the component table
+(where a decode step's and a verify's time goes); then the end-to-end loops, the cost model,
+memory and collectives; then warnings about figures that cannot be (noise), and the answer in
+words with a verdict on what this run's acceptance means. Everything here reads the result dict
+that run.bench_main builds (the JSON line) and the Bench it ran on; nothing here times anything.
+"""
+import statistics
+
+
+COMPONENTS = {  # the rows of the component table, in order
+    "attn_core": "attention core (scores, softmax, values, cache write)",
+    "attn_proj": "attention projections (q/kv down, up, o_proj)",
+    "router": "router (scores, selection, weights)",
+    "routed_experts": "routed experts (+ the shared one if in the launch)",
+    "shared_mlp": "shared expert + dense MLP",
+    "elementwise": "norms, residual, RoPE, elementwise",
+    "allreduce": "all-reduce",
+    "embed_head": "embedding + lm_head",
+    "other": "other (mask, RoPE table, aux concat)",
+}
+
+
+class Timing(float):
+    """A median in ms that keeps its repetitions: it prints, computes and serializes as the
+    median; spread() and noisy say how far to trust it."""
+
+    def __new__(cls, samples):
+        samples = sorted(samples)
+        t = super().__new__(cls, statistics.median(samples))
+        t.samples = samples
+        return t
+
+    def spread(self):
+        """[min, lower quartile, median, upper quartile, max]"""
+        s = self.samples
+        q1, _, q3 = statistics.quantiles(s, n=4, method="inclusive") if len(s) > 1 else s * 3
+        return [s[0], q1, float(self), q3, s[-1]]
+
+    @property
+    def noisy(self):
+        """The middle half of the repetitions spans more than NOISY_IQR of the median (ignoring
+        spans under NOISE_FLOOR_MS: a launch's jitter, too small to change a conclusion)."""
+        _, q1, med, q3, _ = self.spread()
+        return q3 - q1 > max(NOISY_IQR * med, NOISE_FLOOR_MS)
+
+
+NOISY_IQR = 0.25
+NOISE_FLOOR_MS = 0.05
+
+
+def legacy_floors(c, bandwidth):
+    """The first context's floors in ms and GB, as earlier JSONs hold them (None without a GPU)."""
+    if not bandwidth:
+        return None
+    fl = c["floors_ms"]
+    ms = dict(decode_step_ms=fl["decode_step"], verify_ms=next(v for p, v in fl.items() if p.startswith("verify/")),
+              draft_step_ms=fl["draft_step"], draft_extend_ms=fl["draft_extend"])
+    return dict(bandwidth_GBps=bandwidth, **ms, **{n.replace("_ms", "_GB"): v * bandwidth / 1e3 for n, v in ms.items()})
+
+
+def answer(r, b):
+    """The run's answer in a few plain sentences (what the background story needed to know)."""
+    (variant, model_mode), k, ctx = b.best, b.k, b.cfg.context_len[0]
+    name = b.verify_name(model_mode)  # "verify/prefill" or "verify/decode", as the tables say
+    mode = name.split("/")[1]
+    c, ar = r["contexts"][ctx], (r["allreduce_modelled"] or {}).get("target_forward_ms", 0.0)
+    dec, ver = c["phases_ms"][f"decode_step/{variant}"] + ar, c["phases_ms"][f"{name}/{variant}"] + ar
+    d, v = (c["components"][p] for p in ("decode_step", name))
+    extra = sorted(((v["parts_ms"][n] - d["parts_ms"][n], n) for n in COMPONENTS), reverse=True)
+    more, top = v["kernel_ms"] - d["kernel_ms"], []
+    for x, n in extra[:3]:  # the largest parts of the extra kernel time, until they make 60% of it
+        if x <= 0 or top and sum(y for y, _ in top) >= 0.6 * more:
+            break
+        top.append((x, n))
+    unit = "kernels" if b.gpu else "ops (CPU time)"
+    lines = [f"Verify of k+1 = {k + 1} tokens ({mode} attention, {variant}, {ctx} cached tokens) costs "
+             f"{ver / dec:.2f} decode steps ({ver:.2f} vs {dec:.2f} ms" + (", all-reduces MODELLED" if ar else "") + ")."]
+    if more > 0 and top:
+        lines.append(f"Its {unit} take {more:.2f} ms more ({v['kernel_ms']:.2f} vs {d['kernel_ms']:.2f} ms summed), "
+                     "mostly " + ", ".join(f"{COMPONENTS[n]} +{x:.2f} ms" for x, n in top) + "; launches and gaps "
+                     f"{'inside the graph' if variant == 'graph' else 'between ops'} make the other "
+                     f"{(ver - dec) - more:+.2f} ms.")
+    else:
+        lines.append(f"Its {unit} take no longer ({v['kernel_ms']:.2f} vs {d['kernel_ms']:.2f} ms summed): the "
+                     "difference is launches and gaps.")
+    cm = r["cost_model"]["steps"].get(k)
+    if cm:
+        at2 = 2 * r["cost_model"]["plain_step_ms"] / cm["cycle_ms"]
+        be = cm["break_even_accept_len"]
+        pays = (f"pays above {be:.2f} accepted tokens per cycle" if 1 <= be <= k + 1 else
+                f"cannot pay here ({be:.2f} plain steps a cycle; a cycle accepts at most {k + 1} tokens)"
+                if be > k + 1 else f"looks cheaper than the plain step it contains ({be:.2f}), which cannot be: noise")
+        lines += [f"EAGLE-3 with num_steps {k} {pays} (bonus included: a {cm['cycle_ms']:.2f} ms cycle against a "
+                  f"{r['cost_model']['plain_step_ms']:.2f} ms plain step).",
+                  f"At the background's ~2 tokens per cycle it would give {at2:.2f}x"
+                  + (" (slower than plain decoding)." if at2 < 1 else ".")]
+    notes = [note for note, on in (
+        ("routing SIMULATED uniform (random weights route unlike a trained router)", b.target.routing == "uniform"),
+        (f"one SIMULATED rank of TP {b.target.tp.world_size}" + (f", all-reduces MODELLED at {b.cfg.allreduce_us:g} us"
+         if ar else ", all-reduces not counted (--allreduce-us X models them)"), b.target.tp.simulated),
+        ("acceptance SIMULATED", bool(b.cfg.simulate_accept_len)),
+        ("CPU op times, not a GPU's", not b.gpu)) if on]
+    return lines + (["Simulated or modelled here: " + "; ".join(notes) + "."] if notes else [])
+
+
+def print_phases(r, ctx, c):
+    bw = r["bandwidth_GBps"]
+    print(f"\nphase times at {ctx} cached tokens, isolated (ms: median [min lower-upper quartile max] of "
+          f"{r['env']['config']['reps']} repetitions" + (
+        f"; x floor: bytes that must move / {bw:.0f} GB/s measured" if bw else "; floors need a GPU") + ")")
+    for name, ms in c["phases_ms"].items():
+        phase = name.rsplit("/", 1)[0] if "/" in name else name
+        floor, experts = c["floors_ms"].get(phase), c["distinct_experts"].get(phase)
+        print(f"  {name:30s} {ms:9.3f} {fmt_spread(ms):34s}" + (f"   {ms / floor:5.1f}x floor {floor:.3f}" if floor else "")
+              + (f"   {experts:5.1f} distinct experts per MoE layer" if experts is not None else ""))
+
+
+def print_components(r, ctx, c, b):
+    """Rows: components, then totals; columns: each target phase and its floor, verify - decode."""
+    comps, bw = c["components"], r["bandwidth_GBps"]
+    verifies = [p for p in comps if p.startswith("verify/")]
+    variant = b.best[0]
+    unit, floor = ("kernel", "floor ms") if b.gpu else ("CPU op", "MB")
+
+    def floor_of(phase, n):
+        nbytes = c["bytes"][phase][n] if n else sum(c["bytes"][phase].values())
+        return nbytes / bw / 1e6 if bw else nbytes / 1e6
+    cols = ["decode", floor] + [p.replace("verify/", "verify ") for p in verifies] + [floor] + \
+           [f"d {p.split('/')[1]}" for p in verifies]
+    print(f"\nwhere the time goes at {ctx} cached tokens: ms per forward of summed {unit} time in a profiled "
+          f"eager run of the same shapes; floor: the component's bytes" + (" / bandwidth" if bw else "")
+          + "; d: verify minus decode")
+    print(f"  {'':48s}" + "".join(f"{h:>15s}" for h in cols))
+
+    def row(label, values):
+        print(f"  {label:54s}" + "".join(f"{x:15.3f}" if isinstance(x, float) else f"{str(x):>15s}" for x in values))
+    dec = comps["decode_step"]
+    for n, label in COMPONENTS.items():
+        d = dec["parts_ms"][n]
+        row(label, [d, floor_of("decode_step", n)] + [comps[p]["parts_ms"][n] for p in verifies]
+            + [floor_of(verifies[0], n)] + [comps[p]["parts_ms"][n] - d for p in verifies])
+    totals = {p: c["phases_ms"][f"{p}/{variant}"] for p in comps}
+    row(f"summed {unit} time", [dec["kernel_ms"], floor_of("decode_step", None)] + [comps[p]["kernel_ms"] for p in verifies]
+        + [floor_of(verifies[0], None)] + [comps[p]["kernel_ms"] - dec["kernel_ms"] for p in verifies])
+    row(f"{'captured' if variant == 'graph' else 'eager'} total (median)", [totals["decode_step"], ""]
+        + [totals[p] for p in verifies] + [""] + [totals[p] - totals["decode_step"] for p in verifies])
+    gap = {p: totals[p] - comps[p]["kernel_ms"] for p in comps}
+    row("difference (launches, gaps" + (" inside the graph)" if variant == "graph" else ", host)"),
+        [gap["decode_step"], ""] + [gap[p] for p in verifies] + [""] + [gap[p] - gap["decode_step"] for p in verifies])
+    row("kernels" if b.gpu else "leaf ops", [dec["kernels"], ""] + [comps[p]["kernels"] for p in verifies] + [""]
+        + [comps[p]["kernels"] - dec["kernels"] for p in verifies])
+    ex = c["distinct_experts"]
+    row("distinct experts per MoE layer" + (" (SIMULATED uniform)" if b.target.routing == "uniform" else ""),
+        [ex["decode_step"], ""] + [ex[p] for p in verifies] + [""] + [ex[p] - ex["decode_step"] for p in verifies])
+    ar = r["allreduce_modelled"]
+    if ar:
+        print(f"  all-reduce MODELLED, not in the rows above: 2 x {b.target.args.num_hidden_layers} x "
+              f"{ar['us_each']:g} us = {ar['target_forward_ms']:.2f} ms per forward")
+
+
+def print_e2e(r, b):
+    if not r["e2e"]:
+        return
+    sim, k = b.cfg.simulate_accept_len, b.k
+    print("\nend to end: tok/s | per-cycle phases (ms, median over the cycles) and the cycle's spread | accepted "
+          f"tokens per cycle, bonus included: mean, and cycles by length{' (SIMULATED)' if sim is not None else ''}")
+    if sim is not None:
+        print(f"  SIMULATED acceptance: each cycle draws each row's accepted length from a normal around "
+              f"--simulate-accept-len {sim} (sd 1), rounded and clamped to 1..{k + 1}; the tokens are not the model's")
+    for name, v in r["e2e"].items():
+        phases = " ".join(f"{p}={t:.2f}" for p, t in v["phases_ms"].items())
+        extra = ""
+        if "accept_len_mean" in v:
+            hist = " ".join(f"{n}:{c}" for n, c in enumerate(v["accept_len_hist"], 1))
+            extra = (f" | accept len {v['accept_len_mean']:.2f}, cycles by length {hist}"
+                     f" | speedup {v['speedup_measured']:.2f}x (predicted {v['speedup_predicted']:.2f}x)")
+        cycle = v["phases_ms"].get("cycle")
+        spread = f" {fmt_spread(cycle, 2)}" if isinstance(cycle, Timing) else ""
+        print(f"  {name:24s} {v['tok_per_s']:9.1f} tok/s | {phases}{spread}{extra}")
+
+
+def print_cost_model(r):
+    cm = r["cost_model"]
+    ar = " + all-reduces MODELLED" if r["allreduce_modelled"] else ""
+    print(f"\ncost model (fastest variant{ar}): plain step {cm['plain_step_ms']:.2f} ms; cycle and break-even "
+          "accepted length per num_steps")
+    for steps, c in cm["steps"].items():
+        sp = " ".join(f"{t}:{s:.2f}x" for t, s in c["speedup_at"].items())
+        print(f"  num_steps {steps}: cycle {c['cycle_ms']:.2f} ms, break-even {c['break_even_accept_len']:.2f} | "
+              f"speedup at accept len {sp}")
+
+
+def print_extras(r, b):
+    env = r["env"]
+    if "gpu_mem_peak_GB" in env:
+        print(f"\nGPU memory: weights {env['weights_GB']:.1f} GB (routed experts {env['routed_experts_GB']:.1f}), "
+              f"peak allocated {env['gpu_mem_peak_GB']:.1f} GB"
+              + (f" (eager phases only: {env['gpu_mem_peak_eager_GB']:.1f} GB)"
+                 if env.get("gpu_mem_peak_eager_GB") is not None else ""))
+        print(f"kernels per eager decode step: {r.get('kernels_per_decode_step')}"
+              + (f", with torch.compile: {r['kernels_per_decode_step_compiled']}"
+                 if "kernels_per_decode_step_compiled" in r else ""))
+    comm = r.get("allreduce_measured")
+    if comm:
+        print_allreduce(comm, b)
+    line = agreement_line(r, b)
+    if line:
+        print("\n" + line)
+
+
+def print_allreduce(comm, b):
+    us, k1 = comm["us_each"], b.k + 1
+    print(f"\nall-reduce, us each, by tokens ({comm['implementation']}):")
+    for how in ("interleaved", "back_to_back", "eager"):
+        row = ", ".join(f"{key.split('/')[1]}: {v:.1f}" for key, v in us.items() if key.split("/")[0] == how)
+        if row:
+            print(f"  {how.replace('_', ' ')}: {row}")
+    if "interleaved/1" in us:
+        print(f"  interleaved = each after a {comm['gemv_MB']:.3g} MB GEMV (as long as this decode step's "
+              f"compute between two all-reduces), minus the GEMVs alone; after one 8x shorter: "
+              f"{us['interleaved_short_gemv/1']:.1f} (1 token)")
+        print(f"measured between compute: {us['interleaved/1']:.1f} us per all-reduce of one token's hidden "
+              f"row: give it to a simulated rank as --allreduce-us, for the decode step and the verify of "
+              f"{k1} alike (on 2 H200s it predicted both within 1%; BENCHMARKS.md)")
+    twin = comm.get("real_minus_twin_us")
+    if twin:
+        print("real minus its SIMULATED twin (this rank's weights, collectives skipped), per all-reduce of "
+              f"{comm['per_forward']} a forward: " + ", ".join(f"{name} {v:.1f} us" for name, v in twin.items()))
+
+
+def agreement_line(r, b):
+    ag = r["greedy_agreement_with_plain"]
+    if not ag:
+        return None if not r["e2e"] or b.target.routing == "model" else (
+            "greedy speculative vs plain output: not compared, since SIMULATED uniform routing gives a token its "
+            "experts by its place in the forward, so a verify and a decode step compute different functions "
+            "(--routing model compares them)")
+    shares = ", ".join(f"{name.removeprefix('eagle3/')} {x:.0%}" for name, x in ag.items())
+    if all(x == 1 for x in ag.values()):
+        meaning = "identical, as lossless greedy speculative decoding must be"
+    else:
+        meaning = ("verify reads k+1 tokens where plain decoding reads one, so the reductions run in another order; in "
+                   f"{b.cfg.dtype}" + (" on random weights, whose logits over the whole vocabulary nearly tie,"
+                                        if not b.cfg.model_path else ",")
+                   + " that flips an argmax now and then and the sequences part from there. It measures rounding, "
+                   "not correctness: exact equality is tested in float64 (test_equivalence.py)")
+    return f"greedy speculative output vs plain greedy output, share of tokens equal: {shares} ({meaning})"
+
+
+def report(r, b):
+    """The tables, the warnings and the answer (the header was printed at the start)."""
+    for ctx, c in r["contexts"].items():
+        print_phases(r, ctx, c)
+        print_components(r, ctx, c, b)
+    print_e2e(r, b)
+    print_cost_model(r)
+    print_extras(r, b)
+    for w in r["warnings"]:
+        print(f"\nwarning: {w}")
+    print("\nthe answer:\n" + "\n".join(f"  {line}" for line in r["answer"]) + "\n")
+
+
+# ---------------------------------------------------------------------------------------------
+# How far to trust the numbers: spreads, warnings, and the verdict after the answer
+
+def spreads(tree):
+    """The same nesting as `tree`, keeping only its Timings, each as its spread() (for the JSON)."""
+    out = {}
+    for key, v in tree.items():
+        if isinstance(v, Timing):
+            out[key] = v.spread()
+        elif isinstance(v, dict) and (sub := spreads(v)):
+            out[key] = sub
+    return out
+
+
+def named_timings(tree, path="", seen=None):
+    """(name, Timing) for every Timing in the result, named as the tables name them, each once
+    (the first context's phases appear twice in the result)."""
+    seen = set() if seen is None else seen
+    for key, v in tree.items():
+        name = path if key in ("phases_ms", "e2e") else f"{path}sweep T=" if key == "verify_sweep_ms" else f"{path}{key}/"
+        if isinstance(v, Timing) and id(v) not in seen:
+            seen.add(id(v))
+            yield name.rstrip("/"), v
+        elif isinstance(v, dict):
+            yield from named_timings(v, name, seen)
+
+
+def timing_warnings(r):
+    """What not to trust in these numbers: noisy timings, and derived figures that cannot be."""
+    out = []
+    noisy = [name for name, t in named_timings(r) if t.noisy]
+    if noisy:
+        out.append(f"{len(noisy)} timing(s) vary by more than {NOISY_IQR:.0%} of their median between repetitions "
+                   f"(interquartile range; marked noisy): {', '.join(noisy[:5])}{' and more' if len(noisy) > 5 else ''}. "
+                   "The machine is busy or the phase short: run on a quiet machine, with more --reps, one thread a "
+                   "process (OMP_NUM_THREADS=1)")
+    for steps, c in r["cost_model"]["steps"].items():
+        be, most = c["break_even_accept_len"], int(steps) + 1
+        if not 1 <= be <= most:
+            out.append(f"num_steps {steps}: break-even {be:.2f} accepted tokens per cycle, outside [1, {most}]: "
+                       + ("a cycle measured cheaper than the plain step it contains, which cannot be (noise)" if be < 1
+                          else f"a cycle costs more than {most} plain steps, so it cannot pay here, unless it is noise"))
+    for name, v in r["e2e"].items():
+        alone, loop = r["phases_ms"].get(f"decode_step/{name.split('/')[-1]}"), v["phases_ms"].get("decode_step")
+        if name.startswith("baseline/") and alone and loop and max(alone, loop) > 2 * min(alone, loop):
+            out.append(f"the plain decode step takes {alone:.3f} ms alone and {loop:.3f} ms inside the loop "
+                       f"({name}): the same work, so one of them is noise")
+        if "speedup_predicted" in v and max(v["speedup_measured"], v["speedup_predicted"]) > \
+                1.5 * min(v["speedup_measured"], v["speedup_predicted"]):
+            out.append(f"{name}: measured speedup {v['speedup_measured']:.2f}x but {v['speedup_predicted']:.2f}x "
+                       "predicted from its own phases: the wall clock and the phase timings disagree (noise)")
+    sweep = {t: v["verify"] for t, v in r.get("verify_sweep_ms", {}).items()}
+    inverted = [f"{t1} tokens {sweep[t1]:.3f} ms > 1.5 x {t2} tokens {sweep[t2]:.3f} ms"
+                for t1 in sweep for t2 in sweep if t1 < t2 and sweep[t1] > 1.5 * sweep[t2]]
+    if inverted:
+        out.append(f"verify costs less with more tokens ({'; '.join(inverted[:3])}{'; ...' if len(inverted) > 3 else ''}), "
+                   "which cannot be: noise")
+    return out
+
+
+def verdict(r):
+    """After the answer: what this run's own acceptance means, and how far to trust its numbers."""
+    spec = {n: v for n, v in r["e2e"].items() if n.startswith("eagle3")}
+    lines = []
+    if spec:
+        best = max(spec, key=lambda n: spec[n]["speedup_measured"])
+        accept_len, speedup = spec[best]["accept_len_mean"], spec[best]["speedup_measured"]
+        if r["env"]["simulated_acceptance"]:
+            lines.append(f"Acceptance was SIMULATED at {accept_len:.2f} tokens per cycle: the speedup ({speedup:.2f}x, "
+                         f"{best}) is what the measured phase costs give at that acceptance, not what this draft head "
+                         "achieves.")
+        elif accept_len < 1.5:
+            lines.append(f"The draft accepted almost nothing ({accept_len:.2f} tokens per cycle, bonus included; 1.00 "
+                         f"means every draft rejected), as random weights do: the measured speedup ({speedup:.2f}x, "
+                         f"{best}) says only what speculation's overhead costs. For a trained draft's speedup read the "
+                         "cost model, run with --simulate-accept-len, or load checkpoints (--model-path, --draft-path; "
+                         "on a CPU, the default without --random-weights is a trained tiny pair).")
+        else:
+            lines.append(f"The draft accepted {accept_len:.2f} tokens per cycle (bonus included): measured speedup "
+                         f"{speedup:.2f}x ({best}).")
+    if r["warnings"]:
+        lines.append("Some timings are noisy or contradict each other (warnings above): treat these figures as rough.")
+    if r["env"]["device"] == "cpu":
+        lines.append("On a CPU the toy model's time is per-operation overhead: the numbers show how the phases fit "
+                     "together, not what a GPU serving Kimi-K2 would see (BENCHMARKS.md has H200 numbers).")
+    return lines
+
+
+def fmt_spread(t, digits=3):
+    mn, q1, _, q3, mx = t.spread()
+    return f"[{mn:.{digits}f} {q1:.{digits}f}-{q3:.{digits}f} {mx:.{digits}f}]" + (" noisy" if t.noisy else "")
