@@ -89,11 +89,12 @@ def kv_bucket(n, limit):
 PREFILL_CHUNK = 2048  # positions a prefill forward: extend attention holds [B, chunk, H, S] scores
 
 
-def prefill_target(target, tokens, last, capture_aux, chunk=PREFILL_CHUNK):
+def prefill_target(target, tokens, last, capture_aux, chunk=PREFILL_CHUNK, progress=None):
     """The extend forward over prompts [B, P] in chunks of `chunk` positions, each reading only
     the slots written so far; a chunk attends to the slots the earlier ones wrote (slot = position),
     so this equals one pass. Returns the logits at each row's last prompt position `last` [B]
-    ([B, V]) and, with capture_aux, the EAGLE-3 states of every position [B, P, 3D] (else None)."""
+    ([B, V]) and, with capture_aux, the EAGLE-3 states of every position [B, P, 3D] (else None).
+    progress(n), if given, is called with each chunk's positions (run.py's progress bar)."""
     B, P = tokens.shape
     out_logits, auxes = None, []
     for s in range(0, P, chunk):
@@ -105,10 +106,12 @@ def prefill_target(target, tokens, last, capture_aux, chunk=PREFILL_CHUNK):
         picked = logits.gather(1, row).squeeze(1)                               # [B, V]
         here = ((last >= s) & (last < e)).unsqueeze(1)                          # [B, 1]
         out_logits = picked if out_logits is None else torch.where(here, picked, out_logits)
+        if progress:
+            progress(e - s)
     return out_logits, torch.cat(auxes, 1) if capture_aux else None
 
 
-def prefill_draft(draft, tokens, aux, last, chunk=PREFILL_CHUNK):
+def prefill_draft(draft, tokens, aux, last, chunk=PREFILL_CHUNK, progress=None):
     """Eagle3Draft.extend over all prompt rows [B, P] in chunks (exact, as `prefill_target`).
     Returns d_1 [B] and g [B, D] of each row's row `last`."""
     B, P = tokens.shape
@@ -121,6 +124,8 @@ def prefill_draft(draft, tokens, aux, last, chunk=PREFILL_CHUNK):
         here = (last >= s) & (last < e)                                           # [B]
         first = f if first is None else torch.where(here, f, first)
         g = h if g is None else torch.where(here.unsqueeze(1), h, g)
+        if progress:
+            progress(e - s)
     return first, g
 
 
