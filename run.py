@@ -1174,15 +1174,18 @@ def bench_main(cfg, device, world):
 
 
 def print_refusal(e):
-    """One line on stderr, no traceback. A flag is the same on every rank, so under torchrun
-    rank 0 alone says it (the other ranks exit quietly, status 0, so that torchrun's report names
-    one failure); a checkpoint may fail on one rank only, so each rank that refuses one says so."""
+    """One line on stderr, no traceback; returns the exit status. A flag is the same on every
+    rank, so under torchrun rank 0 alone says it and fails (the other ranks exit quietly with
+    status 0, before it, so that torchrun's report names one failure: rank 0, exit code 2); a
+    checkpoint may fail on one rank only, so each rank that refuses one says so, tagged."""
     rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
     if world > 1 and isinstance(e, checkpoint.CheckpointError):
         print(f"run.py: error: [rank {rank}] {e}", file=sys.stderr, flush=True)
         return 2
     if rank == 0:
         print(f"run.py: error: {e}", file=sys.stderr, flush=True)
+    if world > 1 and rank == 0:
+        time.sleep(1.0)  # let the other ranks leave first: torchrun then reports rank 0's failure alone
     return 2 if rank == 0 else 0
 
 

@@ -2744,3 +2744,106 @@ def test_loading_says_what_it_skips_but_not_t2d(tiny_ckpt, tmp_path, capsys):
     load_target(tmp_path / "mtp", max_batch_size=1, max_seq_len=8, dtype=torch.float64)
     said = [line for line in capsys.readouterr().out.splitlines() if "skipping" in line]
     assert len(said) == 1 and "MTP" in said[0], said
+
+
+def _settled(flags):
+    return run.settle(run.parse_args(flags.split()), torch.device("cpu"), 1)
+
+
+def test_run_py_refuses_sizes_before_building(monkeypatch, capsys):
+    """check_sizes, before build: caches and weights past the free memory refused in one line that
+    names the flag and the estimate's parts; --topk past the vocabulary refused; positions past
+    max_position_embeddings (256 for tiny) warned once. The estimate's caches are the real ones."""
+    monkeypatch.setattr(run, "build", lambda *a: pytest.fail("a model was built"))
+    with pytest.raises(run.BadInput, match=r"--context-len 10000000, batch 1: needs about \d+\.\d GB of memory \("
+                                           r"KV caches .*\), this machine has \d+\.\d GB free"):
+        run.check_sizes(_settled("--context-len 10000000"), torch.device("cpu"), 1)
+    monkeypatch.setattr(run, "memory_free", lambda device: (10 ** 6, "this machine"))
+    with pytest.raises(run.BadInput, match="--prompt-len 16 \\+ --max-new-tokens 24, batch 1"):
+        run.check_sizes(_settled(""), torch.device("cpu"), 1)
+    monkeypatch.undo()
+    monkeypatch.setattr(run, "build", lambda *a: pytest.fail("a model was built"))
+    cfg = _settled("--random-weights --context-len 8")
+    cfg.dump, cfg.topk = "x.npz", 1000  # as settle_dump leaves them (it reads a prompt file)
+    with pytest.raises(run.BadInput, match=r"--topk 1000: must lie in \[1, the vocabulary's 256 ids\]"):
+        run.check_sizes(cfg, torch.device("cpu"), 1)
+    capsys.readouterr()
+    run.check_sizes(_settled("--random-weights --context-len 300"), torch.device("cpu"), 1)
+    said = capsys.readouterr().out
+    assert said.count("warning: positions reach") == 1 and "max_position_embeddings 256" in said, said
+    run.check_sizes(_settled("--random-weights"), torch.device("cpu"), 1)
+    assert "warning" not in capsys.readouterr().out
+    parts, _ = run.memory_needed(_settled("--random-weights --context-len 100"), 1)
+    target = Transformer(tiny(), 1, run.cache_slots(_settled("--random-weights --context-len 100")))
+    head = Eagle3Draft(draft_preset("tiny"), target)
+    caches = sum(t.numel() * t.element_size() for m in (target, head) for t in m.buffers())
+    assert parts["KV caches"] == caches, (parts, caches)
+
+
+def test_run_py_cli_interrupt_and_rank_refusals(monkeypatch, capsys):
+    """The entry point: Ctrl-C anywhere is one line on stderr and status 130; a refused flag under
+    torchrun is said by rank 0 alone (status 2; the other ranks exit 0 so that torchrun names one
+    failure), a checkpoint refusal by each rank that meets it, tagged."""
+    def interrupted(argv):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(run, "main", interrupted)
+    assert run.cli([]) == 130
+    assert capsys.readouterr().err == "run.py: interrupted (Ctrl-C); no output file written\n"
+    for rank, said, status in (("0", "run.py: error: --reps 0: must be at least 1\n", 2), ("1", "", 0)):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setattr(run, "main", run.__dict__["parse_args"])
+        assert run.cli(["--reps", "0"]) == status
+        assert capsys.readouterr().err == said, rank
+        assert run.print_refusal(CheckpointError("ckpt: missing")) == 2
+        assert capsys.readouterr().err == f"run.py: error: [rank {rank}] ckpt: missing\n"
+
+
+def said_on(stderr):
+    """stderr without its progress bars (tqdm redraws them after carriage returns)."""
+    return [line for line in stderr.replace("\r", "\n").splitlines()
+            if line.strip() and not any(u in line for u in ("it/s", "s/it", "token/s", "tensor/s", "run/s"))]
+
+
+def run_py(*flags):
+    return subprocess.run([sys.executable, os.path.join(HERE, "run.py"), *flags], capture_output=True, text=True,
+                          cwd=HERE, env=CPU_ENV, timeout=300)
+
+
+def test_run_py_cli_refuses_an_output_it_cannot_write():
+    cli = run_py("--json", "/nonexistent/r.json")
+    assert (cli.returncode, cli.stdout) == (2, "") and said_on(cli.stderr) == [
+        "run.py: error: --json /nonexistent/r.json: cannot write there (no folder /nonexistent)"], cli.stderr
+
+
+def test_run_py_cli_refuses_a_size_the_machine_cannot_hold():
+    cli = run_py("--context-len", "10000000")
+    assert (cli.returncode, cli.stdout) == (2, "") and len(said_on(cli.stderr)) == 1, cli.stderr
+    assert said_on(cli.stderr)[0].startswith("run.py: error: --context-len 10000000, batch 1: needs about")
+
+
+def test_run_py_cli_interrupted_says_one_line_and_leaves_no_file(tmp_path):
+    """SIGINT (Ctrl-C) in the middle of a run: exit status 130, one line, no --json file (nor a
+    temporary one)."""
+    import signal
+    import time as clock
+    err, out = tmp_path / "err.txt", tmp_path / "r.json"
+    with open(err, "w") as f:
+        p = subprocess.Popen([sys.executable, os.path.join(HERE, "run.py"), "--random-weights", "--reps", "100000",
+                              "--json", str(out)], cwd=HERE, env=CPU_ENV, stdout=subprocess.DEVNULL, stderr=f)
+        deadline = clock.time() + 120
+        while "timing" not in err.read_text() and clock.time() < deadline and p.poll() is None:
+            clock.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        rc = p.wait(timeout=60)
+    assert rc == 130 and said_on(err.read_text()) == ["run.py: interrupted (Ctrl-C); no output file written"], \
+        err.read_text()[-2000:]
+    assert os.listdir(tmp_path) == ["err.txt"]
+
+
+def test_run_py_cli_torchrun_refuses_a_flag_once():
+    """Under torchrun (2 CPU ranks) a refused flag is said once, by rank 0, which alone fails."""
+    out = torchrun_cpu("--max-new-tokens", "0")
+    errors = [line for line in out.stderr.splitlines() if line.startswith("run.py: error:")]
+    assert out.returncode != 0 and errors == ["run.py: error: --max-new-tokens 0: must be at least 1"], out.stderr[-3000:]
+    assert "exitcode  : 2" in out.stderr and "rank      : 1" not in out.stderr, out.stderr[-3000:]
