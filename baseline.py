@@ -10,7 +10,7 @@ agreement and the largest log-probability difference over the positions both rea
 drafts accepted per cycle. run.py calls settle_dump, dump_main and compare_main; a file or a
 request they cannot use raises ValueError, which run.py prints as one line (exit status 2).
 
-One .npz (README, "Checking an engine against this reference"). B prompts, P the longest, N =
+One .npz (docs/engine-check.md has it in full). B prompts, P the longest, N =
 max_new_tokens, K = --topk, C cycles, k = num_steps. Row b's sequence is its own prompt then its
 output, with no padding between them; position t of the topk arrays holds the target's top-K
 log-softmax after reading the sequence's first t+1 tokens, predicting token t+1.
@@ -38,7 +38,7 @@ from verify import generate
 
 
 # Defaults for --compare, set for bf16 against float32 with room to spare: on the tiny model made
-# well-conditioned (README), bf16 against float32 reached at worst top-1 agreement 0.886 and max
+# well-conditioned (docs/engine-check.md), bf16 against float32 reached at worst top-1 agreement 0.886 and max
 # |logprob diff| 0.244 over 12 seeds; the defaults allow about twice that. A random MoE without
 # that conditioning is chaotic in bf16 (near-tied routing flips) and fails them.
 MAX_LOGPROB_DIFF = 0.5

@@ -65,7 +65,7 @@ def legacy_floors(c, bandwidth):
 
 
 def answer(r, b):
-    """The run's answer in a few plain sentences (what the background story needed to know)."""
+    """The run's answer in a few plain sentences (what the README's story needed to know)."""
     (variant, model_mode), k, ctx = b.best, b.k, b.cfg.context_len[0]
     name = b.verify_name(model_mode)  # "verify/prefill" or "verify/decode", as the tables say
     mode = name.split("/")[1]
@@ -89,8 +89,8 @@ def answer(r, b):
                      "mostly " + ", ".join(f"{COMPONENTS[n]} +{x:.2f} ms" for x, n in top) + "; " + (
                          f"launches and gaps {'inside the graph' if variant == 'graph' else 'between ops'} make "
                          f"the other {gaps:+.2f} ms." if gaps >= 0 else
-                         f"the measured totals differ by {gaps:.2f} ms less than that (the profiled run and the "
-                         "timed ones disagree: noise)."))
+                         f"yet the timed runs differ by only {ver - dec:.2f} ms (the profiled run and the timed "
+                         "ones disagree: noise, or ops that overlap)."))
     else:
         lines.append(f"Its {unit} take no longer ({v['kernel_ms']:.2f} vs {d['kernel_ms']:.2f} ms summed): the "
                      "difference is launches and gaps.")
@@ -103,7 +103,7 @@ def answer(r, b):
                 if be > k + 1 else f"looks cheaper than the plain step it contains ({be:.2f}), which cannot be: noise")
         lines += [f"EAGLE-3 with num_steps {k} {pays} (bonus included: a {cm['cycle_ms']:.2f} ms cycle against a "
                   f"{r['cost_model']['plain_step_ms']:.2f} ms plain step).",
-                  f"At the background's ~2 tokens per cycle it would give {at2:.2f}x"
+                  f"At the README story's ~2 tokens per cycle it would give {at2:.2f}x"
                   + (" (slower than plain decoding)." if at2 < 1 else ".")]
     notes = [note for note, on in (
         ("routing SIMULATED uniform (random weights route unlike a trained router)", b.target.routing == "uniform"),
@@ -116,9 +116,10 @@ def answer(r, b):
 
 def print_phases(r, ctx, c):
     bw = r["bandwidth_GBps"]
-    print(f"\nphase times at {ctx} cached tokens, isolated (ms: median [min lower-upper quartile max] of "
-          f"{r['env']['config']['reps']} repetitions" + (
-        f"; x floor: bytes that must move / {bw:.0f} GB/s measured" if bw else "; floors need a GPU") + ")")
+    print("\n" + wrap(f"phase times at {ctx} cached tokens, isolated (ms: median [min lower-upper quartile max] of "
+                      f"{r['env']['config']['reps']} repetitions" + (
+                          f"; x floor: bytes that must move / {bw:.0f} GB/s measured" if bw else
+                          "; floors need a GPU") + ")", "", ""))
     for name, ms in c["phases_ms"].items():
         phase = name.rsplit("/", 1)[0] if "/" in name else name
         floor, experts = c["floors_ms"].get(phase), c["distinct_experts"].get(phase)

@@ -22,7 +22,7 @@ labelled SIMULATED everywhere it appears.
     python run.py --model-path K2 --prompt-ids p.jsonl --dump ref.npz   # the correctness baseline
     python run.py --compare ref.npz engine.npz                          # no model, no GPU
 
-Answers the background story's question with separate measurements: the attention path of
+Answers the README story's question with separate measurements: the attention path of
 verify (prefill = extend-style, decode = absorbed MLA) and graph capture (eager, CUDA graph) are
 two independent switches, timed in all four combinations. Device work is timed with CUDA events
 after warm-up (medians); host clocks are read only after a synchronize. A table per context length
@@ -33,7 +33,7 @@ uniform, the default there) and modelled all-reduces (--allreduce-us) are labell
 MODELLED everywhere they appear.
 
     python run.py --preset kimi-k2.5 --speculative-num-steps 2 --cuda-graph on --allreduce-us 35
-        # the background's deployment (INT4 Kimi-K2.5, TP 8 over PCIe, 2 draft steps), one rank of it
+        # the story's deployment (INT4 Kimi-K2.5, TP 8 over PCIe, 2 draft steps), one rank of it
 
 --dump writes what the model says (greedy tokens, the target's top-K log-probabilities along them,
 the drafts and accepted counts of a speculative run) as an .npz that another engine's output can
