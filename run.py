@@ -412,11 +412,12 @@ def build(args, device, dtype):
 # ---------------------------------------------------------------------------------------------
 # Sizes: what the run will hold, estimated before anything is allocated
 
-def memory_needed(cfg, world):
+def memory_needed(cfg, device, world):
     """Bytes one rank will hold at its peak, by part: the target and the head built on the meta
     device (their weights, KV caches and RoPE tables, exactly, without allocating them), and the
     largest transient: one prefill chunk of extend attention (scores and probabilities [B, T, H,
-    S] in float32, keys and values expanded [B, S, H, d], logits [B, T, V] in float32) and the
+    S] in float32, keys and values expanded [B, S, H, d], logits [B, T, V] in float32), with the
+    plain `gather` MoE each of its tokens' K experts' weights gathered [B T, K, 3, I, D], and the
     EAGLE-3 states kept along the cache fill [B, S, 3D]. Also returns the target's ModelArgs."""
     margs = checkpoint.read_target_args(cfg.model_path) if cfg.model_path else random_target_args(cfg)
     tp = tpm.TP.simulate(max(cfg.simulate_tp, world))
@@ -437,6 +438,8 @@ def memory_needed(cfg, world):
              "KV caches": size(target.buffers()) + size(head.buffers()),
              "one prefill chunk": B * T * H * fill * 4 * 2 + B * T * a.vocab_size * 4
              + B * fill * H * (a.qk_nope_head_dim + a.v_head_dim) * dtype.itemsize,
+             "gathered expert weights": B * T * a.num_experts_per_tok * 3 * (a.moe_intermediate_size // tp.world_size)
+             * a.hidden_size * dtype.itemsize if kernels.pick_moe(cfg.moe_impl, device, dtype) == "gather" else 0,
              "EAGLE-3 states": B * fill * 3 * a.hidden_size * dtype.itemsize}
     return parts, margs
 
@@ -459,7 +462,7 @@ def check_sizes(cfg, device, world):
     """Refuse, before anything is built, a run whose caches and weights cannot fit (one line, the
     estimate's parts), a --topk above the vocabulary; warn when positions pass the model's
     max_position_embeddings."""
-    parts, margs = memory_needed(cfg, world)
+    parts, margs = memory_needed(cfg, device, world)
     if cfg.dump and cfg.topk > margs.vocab_size:
         raise BadInput(f"--topk {cfg.topk}: must lie in [1, the vocabulary's {margs.vocab_size} ids]")
     free, where = memory_free(device)

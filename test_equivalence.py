@@ -2773,7 +2773,7 @@ def test_run_py_refuses_sizes_before_building(monkeypatch, capsys):
     assert said.count("warning: positions reach") == 1 and "max_position_embeddings 256" in said, said
     run.check_sizes(_settled("--random-weights"), torch.device("cpu"), 1)
     assert "warning" not in capsys.readouterr().out
-    parts, _ = run.memory_needed(_settled("--random-weights --context-len 100"), 1)
+    parts, _ = run.memory_needed(_settled("--random-weights --context-len 100"), torch.device("cpu"), 1)
     target = Transformer(tiny(), 1, run.cache_slots(_settled("--random-weights --context-len 100")))
     head = Eagle3Draft(draft_preset("tiny"), target)
     caches = sum(t.numel() * t.element_size() for m in (target, head) for t in m.buffers())

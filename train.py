@@ -95,23 +95,31 @@ def windows(data, batch, length, gen):
 def heldout_prompts(n, length):
     """n prompts of `length` bytes from the held-out files, each starting at a line of code (its
     first non-blank byte a letter): the first such line from the middle of file i mod their count,
-    the k-th prompt of a file k such lines later; a prompt longer than the rest of its file goes on
-    through the held-out files."""
+    the k-th prompt of a file k such lines later (past the file's last one, from its middle again);
+    a prompt longer than the rest of its file goes on through the held-out files."""
     files = list(read_files(HELDOUT_FILES).values())
+    starts = [code_lines(text, text.rfind(b"\n", 0, len(text) // 2) + 1) for text in files]
     prompts = []
     for i in range(n):
-        text = files[i % len(files)]
-        at = text.rfind(b"\n", 0, len(text) // 2) + 1
-        for k in range(i // len(files) + 1):
-            if k:
-                at = text.index(b"\n", at) + 1
-            while not text[at:at + 200].lstrip(b" ")[:1].isalpha():  # a blank, comment or docstring line
-                at = text.index(b"\n", at) + 1
+        text, lines = files[i % len(files)], starts[i % len(files)]
+        at = lines[(i // len(files)) % len(lines)]
         stream = text[at:at + length]
         while len(stream) < length:  # longer than the rest of the file: go on through all held-out files
             stream += b"".join(files)[:length - len(stream)]
         prompts.append(list(stream))
     return prompts
+
+
+def code_lines(text, at):
+    """The offsets of the lines of code (not blank, a comment or a docstring line: the first
+    non-blank byte a letter) in `text` from offset `at` on."""
+    out = []
+    while at < len(text):
+        if text[at:at + 200].lstrip(b" ")[:1].isalpha():
+            out.append(at)
+        nl = text.find(b"\n", at)
+        at = len(text) if nl < 0 else nl + 1
+    return out
 
 
 def lr_at(step, cfg):
