@@ -451,8 +451,9 @@ def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8
     """Copy this rank's slice of every tensor in `table` [(name, param, expert or None)] from the
     safetensors files under `path`, reading only those slices (safetensors get_slice), one tensor
     at a time, file by file. skip(name) gives a label for a tensor to pass over (None: not
-    skipped), said in one line; `derived` names are passed over silently. FP8 tensors are dequantized with their `weight_scale_inv` in fp8_block blocks; INT4
-    ones are copied packed after their `weight_shape` is checked."""
+    skipped), said in one line; `derived` names are passed over silently. FP8 tensors are
+    dequantized with their `weight_scale_inv` in fp8_block blocks; INT4 ones are copied packed
+    after their `weight_shape` is checked."""
     files = checkpoint_files(path)
     expected = {name: (p, j) for name, p, j in table}
     check_tensor_names(files, expected, path, what, skip, derived)

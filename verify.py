@@ -167,7 +167,8 @@ def simulated_mean(center, k):
 def simulated_center(mean_len, k):
     """The center whose rounded, clamped normal has mean `mean_len` (bisection: the mean rises
     with the center). The clamp piles the tails onto 1 and k+1, so a normal centered at the mean
-    itself comes out nearer the middle (2.18 for 2.5 at k = 3); at 1 or k+1 the center is far out."""
+    itself comes out nearer the middle (1.49 for 1.2 at k = 3); at 1 or k+1 the center is far
+    out."""
     lo, hi = 1.0 - 8 * k, k + 1.0 + 8 * k
     for _ in range(100):
         mid = (lo + hi) / 2
@@ -179,7 +180,8 @@ def simulated_accept(m, mean_len, k, generator):
     """SGLang's SGLANG_SIMULATE_ACC_LEN: accepted length (bonus included) ~ round(clamp(N(c, 1),
     1, k+1)), drawn per row on the device, with c (simulated_center) chosen so that the mean is
     mean_len; returns drafts accepted."""
-    n = torch.normal(simulated_center(float(mean_len), k), 1.0, m.shape, generator=generator, device=m.device)
+    center = simulated_center(float(mean_len), k)
+    n = torch.normal(center, 1.0, m.shape, generator=generator, device=m.device)
     return n.clamp(1, k + 1).round().long() - 1
 
 
