@@ -127,7 +127,7 @@ def print_phases(r, ctx, c):
               + (f"   {experts:5.1f} distinct experts per MoE layer" if experts is not None else ""))
 
 
-LABEL, W = 54, 10  # the component table's label and column widths
+LABEL, W = 54, 9  # the component table's label and column widths
 
 
 def print_components(r, ctx, c, b):
