@@ -10,7 +10,7 @@ agreement and the largest log-probability difference over the positions both rea
 drafts accepted per cycle. run.py calls settle_dump, dump_main and compare_main; a file or a
 request they cannot use raises ValueError, which run.py prints as one line (exit status 2).
 
-One .npz (README, "Checking an engine against this reference"). B prompts, P the longest, N =
+One .npz (docs/engine-check.md has it in full). B prompts, P the longest, N =
 max_new_tokens, K = --topk, C cycles, k = num_steps. Row b's sequence is its own prompt then its
 output, with no padding between them; position t of the topk arrays holds the target's top-K
 log-softmax after reading the sequence's first t+1 tokens, predicting token t+1.
@@ -21,7 +21,9 @@ log-softmax after reading the sequence's first t+1 tokens, predicting token t+1.
   draft_ids      int64   [B, C, k]      speculative only: the drafts cycle c verified, -1 once
                                         the row finished
   accepted       int64   [B, C]         speculative only: drafts accepted in cycle c (the target's
-                                        bonus token not counted), -1 once the row finished
+                                        bonus token not counted; a cycle cut at max_new_tokens or
+                                        an EOS counts the tokens it kept, minus 1), -1 once the
+                                        row finished
   draft_parents  int64   [B, C, k]      a tree only (k = N - 1 nodes below the root, in node
                                         order): node i's parent, 0 the root, j the j-th draft
   accepted_nodes int64   [B, C, D]      a tree only: the accepted drafts' node numbers by depth
@@ -30,6 +32,7 @@ log-softmax after reading the sequence's first t+1 tokens, predicting token t+1.
 """
 import json
 import math
+import os
 
 import numpy as np
 import torch
@@ -39,7 +42,7 @@ from verify import generate
 
 
 # Defaults for --compare, set for bf16 against float32 with room to spare: on the tiny model made
-# well-conditioned (README), bf16 against float32 reached at worst top-1 agreement 0.886 and max
+# well-conditioned (docs/engine-check.md), bf16 against float32 reached at worst top-1 agreement 0.886 and max
 # |logprob diff| 0.244 over 12 seeds; the defaults allow about twice that. A random MoE without
 # that conditioning is chaotic in bf16 (near-tied routing flips) and fails them.
 MAX_LOGPROB_DIFF = 0.5
@@ -106,9 +109,10 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
 
     The log-probabilities come from a separate teacher-forced extend forward over each row's prompt
     and output, so they do not depend on how generation batched, drafted or graphed its steps."""
-    if max_new_tokens < 1 or not 1 <= topk <= target.args.vocab_size:
-        raise ValueError(f"need max_new_tokens >= 1 (got {max_new_tokens}) and 1 <= topk <= "
-                         f"vocab_size {target.args.vocab_size} (got {topk})")
+    if max_new_tokens < 1:
+        raise ValueError(f"max_new_tokens {max_new_tokens}: must be at least 1")
+    if not 1 <= topk <= target.args.vocab_size:
+        raise ValueError(f"topk {topk}: must lie in [1, the vocabulary's {target.args.vocab_size} ids]")
     K, N = tree or (None, None)
     res = generate(target, head, prompts, max_new_tokens=max_new_tokens, num_steps=num_steps,
                    attention_mode=attention_mode, use_graphs=use_graphs, eos_id=eos_id, topk=K,
@@ -389,6 +393,19 @@ def compare_main(args):
     return 1 if report["failures"] else 0
 
 
+def write_whole(path, write):
+    """write(file) into a temporary file beside `path`, then rename it to `path`: a run stopped
+    halfway (Ctrl-C) leaves no half-written file, and no temporary one."""
+    tmp = f"{path}.{os.getpid()}.part"
+    try:
+        with open(tmp, "wb") as f:
+            write(f)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.remove(tmp)
+
+
 def dump_main(cfg, target, head, how):
     """--dump: generates (speculative with `head`, plain with None), writes the file on rank 0
     and returns 0. cfg: run.py's settled configuration (its attention_modes: verify's one mode,
@@ -404,15 +421,15 @@ def dump_main(cfg, target, head, how):
     meta = dict(target=how, tp=target.tp.world_size, dtype=cfg.dtype, decoding=what,
                 max_new_tokens=cfg.max_new_tokens, topk=cfg.topk, torch=torch.__version__,
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
-    print0(f"dump: {meta}")
+    print0(f"dump: {json.dumps(meta)}")
     arrays = dump(target, head, cfg.prompts, cfg.max_new_tokens, cfg.speculative_num_steps,
                   cfg.topk, cfg.attention_modes[0], use_graphs=cfg.cuda_graph == "on", tree=tree)
-    if target.tp.rank == 0:
-        with open(cfg.dump, "wb") as f:  # np.savez on a name would append ".npz" to other names
-            np.savez(f, meta=np.array(json.dumps(meta)), **arrays)
+    if target.tp.rank == 0:  # np.savez on a file, not a name: a name would gain ".npz"
+        write_whole(cfg.dump, lambda f: np.savez(f, meta=np.array(json.dumps(meta)), **arrays))
         shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in arrays.items())
         print(f"wrote {cfg.dump}: {shapes}", flush=True)
         if head is not None:
-            print("accepted counts the drafts accepted per cycle, not the target's bonus token "
-                  "(SGLang's accept length minus 1)", flush=True)
+            print("accepted counts the tokens each cycle kept minus the target's bonus token "
+                  "(SGLang's accept length minus 1; a cycle cut at max_new_tokens or an EOS counts "
+                  "what it kept)", flush=True)
     return 0

@@ -363,10 +363,12 @@ def open_safetensors(file):
         raise CheckpointError(f"{file}: not a readable safetensors file ({e})") from None
 
 
-def check_tensor_names(files, expected, path, what, skip):
+def check_tensor_names(files, expected, path, what, skip, derived=()):
     """Every expected tensor present, none left over (but the scales and shapes read with their
-    weight, and what skip(name) labels: passed over, counted in one line)."""
+    weight, the `derived` names the format always carries and this code computes instead, passed
+    over silently, and what skip(name) labels: passed over, counted in one line)."""
     companions = {k for k in files if k.endswith((".weight_scale_inv", ".weight_shape"))}
+    companions |= set(derived)
     skipped = Counter(skip(k) for k in files if k not in expected and skip(k))
     missing = [k for k in expected if k not in files]
     unexpected = [k for k in files if k not in expected and k not in companions and not skip(k)]
@@ -444,15 +446,17 @@ def read_rank_slice(reader, k, p, j, tp, fp8_block):
     return sl[index]
 
 
-def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8_block=None):
+def load_weights(table, path, tp, what="checkpoint", skip=lambda name: None, fp8_block=None,
+                 derived=()):
     """Copy this rank's slice of every tensor in `table` [(name, param, expert or None)] from the
     safetensors files under `path`, reading only those slices (safetensors get_slice), one tensor
     at a time, file by file. skip(name) gives a label for a tensor to pass over (None: not
-    skipped). FP8 tensors are dequantized with their `weight_scale_inv` in fp8_block blocks; INT4
-    ones are copied packed after their `weight_shape` is checked."""
+    skipped), said in one line; `derived` names are passed over silently. FP8 tensors are
+    dequantized with their `weight_scale_inv` in fp8_block blocks; INT4 ones are copied packed
+    after their `weight_shape` is checked."""
     files = checkpoint_files(path)
     expected = {name: (p, j) for name, p, j in table}
-    check_tensor_names(files, expected, path, what, skip)
+    check_tensor_names(files, expected, path, what, skip, derived)
     with ExitStack() as stack:  # closes the files and the bar, also when a tensor is refused
         bar = stack.enter_context(tqdm(total=len(expected), desc=f"loading {what}",
                                        disable=tp.rank != 0, unit="tensor"))
@@ -506,6 +510,7 @@ def load_draft(path, target, max_batch_size=None, max_seq_len=None, device=None,
                             own_embedding=own)
     except ValueError as e:  # a head that does not fit this target (sizes, vocabulary, layer ids)
         raise CheckpointError(f"draft {os.fspath(path)}: {e}") from None
-    load_weights(draft_table(draft), path, draft.tp, "draft",
-                 skip=lambda name: "t2d (not needed)" if name == "t2d" else None)
+    # t2d, SGLang's draft-vocabulary mask, says what d2t says: every such head carries it, so
+    # passing it over is expected, not news (other tensors a head does not use are still named)
+    load_weights(draft_table(draft), path, draft.tp, "draft", derived=("t2d",))
     return draft

@@ -8,6 +8,9 @@ words with a verdict on what this run's acceptance means. Everything here reads 
 that run.bench_main builds (the JSON line) and the Bench it ran on; nothing here times anything.
 """
 import statistics
+import textwrap
+
+from verify import simulated_center
 
 
 COMPONENTS = {  # the rows of the component table, in order
@@ -62,7 +65,7 @@ def legacy_floors(c, bandwidth):
 
 
 def answer(r, b):
-    """The run's answer in a few plain sentences (what the background story needed to know)."""
+    """The run's answer in a few plain sentences (what the README's story needed to know)."""
     (variant, model_mode), k, ctx = b.best, b.k, b.cfg.context_len[0]
     name = b.verify_name(model_mode)  # "verify/prefill" or "verify/decode", as the tables say
     mode = name.split("/")[1]
@@ -77,12 +80,17 @@ def answer(r, b):
         top.append((x, n))
     unit = "kernels" if b.gpu else "ops (CPU time)"
     lines = [f"Verify of k+1 = {k + 1} tokens ({mode} attention, {variant}, {ctx} cached tokens) costs "
-             f"{ver / dec:.2f} decode steps ({ver:.2f} vs {dec:.2f} ms" + (", all-reduces MODELLED" if ar else "") + ")."]
+             f"{ver / dec:.2f} decode steps ({ver:.2f} vs {dec:.2f} ms" + (", all-reduces MODELLED" if ar else "") + ")"
+             + (": below 1, which cannot be (a verify does a decode step's work and more): noise." if ver < dec
+                else ".")]
+    gaps = (ver - dec) - more
     if more > 0 and top:
         lines.append(f"Its {unit} take {more:.2f} ms more ({v['kernel_ms']:.2f} vs {d['kernel_ms']:.2f} ms summed), "
-                     "mostly " + ", ".join(f"{COMPONENTS[n]} +{x:.2f} ms" for x, n in top) + "; launches and gaps "
-                     f"{'inside the graph' if variant == 'graph' else 'between ops'} make the other "
-                     f"{(ver - dec) - more:+.2f} ms.")
+                     "mostly " + ", ".join(f"{COMPONENTS[n]} +{x:.2f} ms" for x, n in top) + "; " + (
+                         f"launches and gaps {'inside the graph' if variant == 'graph' else 'between ops'} make "
+                         f"the other {gaps:+.2f} ms." if gaps >= 0 else
+                         f"yet the timed runs differ by only {ver - dec:.2f} ms (the profiled run and the timed "
+                         "ones disagree: noise, or ops that overlap)."))
     else:
         lines.append(f"Its {unit} take no longer ({v['kernel_ms']:.2f} vs {d['kernel_ms']:.2f} ms summed): the "
                      "difference is launches and gaps.")
@@ -95,7 +103,7 @@ def answer(r, b):
                 if be > k + 1 else f"looks cheaper than the plain step it contains ({be:.2f}), which cannot be: noise")
         lines += [f"EAGLE-3 with num_steps {k} {pays} (bonus included: a {cm['cycle_ms']:.2f} ms cycle against a "
                   f"{r['cost_model']['plain_step_ms']:.2f} ms plain step).",
-                  f"At the background's ~2 tokens per cycle it would give {at2:.2f}x"
+                  f"At the README story's ~2 tokens per cycle it would give {at2:.2f}x"
                   + (" (slower than plain decoding)." if at2 < 1 else ".")]
     lines += tree_answer(r)
     notes = [note for note, on in (
@@ -109,9 +117,10 @@ def answer(r, b):
 
 def print_phases(r, ctx, c):
     bw = r["bandwidth_GBps"]
-    print(f"\nphase times at {ctx} cached tokens, isolated (ms: median [min lower-upper quartile max] of "
-          f"{r['env']['config']['reps']} repetitions" + (
-        f"; x floor: bytes that must move / {bw:.0f} GB/s measured" if bw else "; floors need a GPU") + ")")
+    print("\n" + wrap(f"phase times at {ctx} cached tokens, isolated (ms: median [min lower-upper quartile max] of "
+                      f"{r['env']['config']['reps']} repetitions" + (
+                          f"; x floor: bytes that must move / {bw:.0f} GB/s measured" if bw else
+                          "; floors need a GPU") + ")", "", ""))
     for name, ms in c["phases_ms"].items():
         phase = name.rsplit("/", 1)[0] if "/" in name else name
         floor, experts = c["floors_ms"].get(phase), c["distinct_experts"].get(phase)
@@ -119,26 +128,31 @@ def print_phases(r, ctx, c):
               + (f"   {experts:5.1f} distinct experts per MoE layer" if experts is not None else ""))
 
 
+LABEL, W = 54, 9  # the component table's label and column widths
+
+
 def print_components(r, ctx, c, b):
     """Rows: components, then totals; columns: each target phase and its floor, verify - decode."""
     comps, bw = c["components"], r["bandwidth_GBps"]
     verifies = [p for p in comps if p.startswith("verify/")]
     variant = b.best[0]
-    unit, floor = ("kernel", "floor ms") if b.gpu else ("CPU op", "MB")
+    unit, floor = ("kernel", "floor ms") if b.gpu else ("CPU op", "floor MB")
 
     def floor_of(phase, n):
         nbytes = c["bytes"][phase][n] if n else sum(c["bytes"][phase].values())
         return nbytes / bw / 1e6 if bw else nbytes / 1e6
-    cols = ["decode", floor] + [p.replace("verify/", "verify ") for p in verifies] + [floor] + \
-           [f"d {p.split('/')[1]}" for p in verifies]
+    modes = [p.split("/")[1] for p in verifies]   # a tree's, "decode tree", shortened to fit W
+    modes = [m if len(m) < W else m.replace("prefill", "pre").replace("decode", "dec") for m in modes]
+    groups = [("decode step", ["ms", floor]), ("verify", modes + [floor]), ("verify - decode", modes)]
     print(f"\nwhere the time goes at {ctx} cached tokens: ms per forward of summed {unit} time in a profiled "
-          f"eager run of the same shapes; floor: the component's bytes" + (" / bandwidth" if bw else "")
-          + "; d: verify minus decode")
-    w = max(15, 1 + max(map(len, cols)))   # a tree's verify has a longer name
-    print(f"  {'':48s}" + "".join(f"{h:>{w}s}" for h in cols))
+          f"eager run\nof the same shapes, by component; floor: the bytes the component must move"
+          + (" / bandwidth, in ms" if bw else ", in MB (a GPU turns them into ms)"))
+    print(f"  {'':{LABEL}s}" + "".join(f"{g:^{W * len(cols)}s}" for g, cols in groups))
+    print(f"  {'':{LABEL}s}" + "".join(f"{h:>{W}s}" for _, cols in groups for h in cols))
 
     def row(label, values):
-        print(f"  {label:54s}" + "".join(f"{x:{w}.3f}" if isinstance(x, float) else f"{str(x):>{w}s}" for x in values))
+        print(f"  {label:{LABEL}s}" + "".join(f"{x:{W}.3f}" if isinstance(x, float) else f"{str(x):>{W}s}"
+                                          for x in values))
     dec = comps["decode_step"]
     for n, label in COMPONENTS.items():
         d = dec["parts_ms"][n]
@@ -167,21 +181,25 @@ def print_e2e(r, b):
     if not r["e2e"]:
         return
     sim, k = b.cfg.simulate_accept_len, b.k
-    print("\nend to end: tok/s | per-cycle phases (ms, median over the cycles) and the cycle's spread | accepted "
-          f"tokens per cycle, bonus included: mean, and cycles by length{' (SIMULATED)' if sim is not None else ''}")
+    print("\nend to end: tok/s; the cycle in ms, median [min lower-upper quartile max]; its phases in ms, each the\n"
+          "median over the cycles (so they need not add up to the cycle's median); accepted tokens per cycle,\n"
+          "bonus included, as kept" + (" (SIMULATED)" if sim is not None else ""))
     if sim is not None:
-        print(f"  SIMULATED acceptance: each cycle draws each row's accepted length from a normal around "
-              f"--simulate-accept-len {sim} (sd 1), rounded and clamped to 1..{k + 1}; the tokens are not the model's")
+        print(f"  SIMULATED acceptance: each row's accepted length in each cycle is round(clamp(N(c, 1), 1, {k + 1}))\n"
+              f"  with c = {simulated_center(sim, k):.2f}, the center that makes its mean --simulate-accept-len {sim} "
+              "(the clamp\n  alone pulls the mean to the middle); the tokens are not the model's")
     for name, v in r["e2e"].items():
-        phases = " ".join(f"{p}={t:.2f}" for p, t in v["phases_ms"].items())
-        extra = ""
-        if "accept_len_mean" in v:
-            hist = " ".join(f"{n}:{c}" for n, c in enumerate(v["accept_len_hist"], 1))
-            extra = (f" | accept len {v['accept_len_mean']:.2f}, cycles by length {hist}"
-                     f" | speedup {v['speedup_measured']:.2f}x (predicted {v['speedup_predicted']:.2f}x)")
         cycle = v["phases_ms"].get("cycle")
         spread = f" {fmt_spread(cycle, 2)}" if isinstance(cycle, Timing) else ""
-        print(f"  {name:24s} {v['tok_per_s']:9.1f} tok/s | {phases}{spread}{extra}")
+        speedup = (f"  speedup {v['speedup_measured']:.2f}x (predicted {v['speedup_predicted']:.2f}x)"
+                   if "speedup_measured" in v else "")
+        print(f"  {name:22s} {v['tok_per_s']:8.1f} tok/s  cycle {cycle or 0:.2f}{spread}{speedup}")
+        print(f"  {'':22s} " + ", ".join(f"{p} {t:.2f}" for p, t in v["phases_ms"].items() if p != "cycle"))
+        if "accept_len_mean" in v:
+            hist = " ".join(f"{n}:{c}" for n, c in enumerate(v["accept_len_hist"], 1))
+            kept = sum(n * c for n, c in enumerate(v["accept_len_hist"], 1))
+            print(f"  {'':22s} accept len {v['accept_len_mean']:.2f}: cycles by length {hist} = {kept} tokens "
+                  f"(+ {v['tokens'] - kept} from the prefill)")
 
 
 def tree_answer(r):
@@ -272,7 +290,8 @@ def agreement_line(r, b):
                                         if not b.cfg.model_path else ",")
                    + " that flips an argmax now and then and the sequences part from there. It measures rounding, "
                    "not correctness: exact equality is tested in float64 (test_equivalence.py)")
-    return f"greedy speculative output vs plain greedy output, share of tokens equal: {shares} ({meaning})"
+    return wrap(f"greedy speculative output vs plain greedy output, share of tokens equal: {shares} ({meaning})",
+                "", "  ")
 
 
 def report(r, b):
@@ -284,8 +303,14 @@ def report(r, b):
     print_cost_model(r)
     print_extras(r, b)
     for w in r["warnings"]:
-        print(f"\nwarning: {w}")
-    print("\nthe answer:\n" + "\n".join(f"  {line}" for line in r["answer"]) + "\n")
+        print("\n" + wrap(f"warning: {w}", "", "  "))
+    print("\nthe answer:\n" + "\n".join(wrap(line, "  ", "    ") for line in r["answer"]) + "\n")
+
+
+def wrap(text, first, rest, width=110):
+    """One paragraph of the report in lines of at most `width` characters."""
+    return textwrap.fill(text, width, initial_indent=first, subsequent_indent=rest, break_long_words=False,
+                         break_on_hyphens=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -318,12 +343,21 @@ def named_timings(tree, path="", seen=None):
 def timing_warnings(r):
     """What not to trust in these numbers: noisy timings, and derived figures that cannot be."""
     out = []
-    noisy = [name for name, t in named_timings(r) if t.noisy]
+    noisy = [(name, t) for name, t in named_timings(r) if t.noisy]
     if noisy:
-        out.append(f"{len(noisy)} timing(s) vary by more than {NOISY_IQR:.0%} of their median between repetitions "
-                   f"(interquartile range; marked noisy): {', '.join(noisy[:5])}{' and more' if len(noisy) > 5 else ''}. "
-                   "The machine is busy or the phase short: run on a quiet machine, with more --reps, one thread a "
-                   "process (OMP_NUM_THREADS=1)")
+        out.append(noise_warning(noisy, r["env"].get("load_average"), r["env"].get("cpu_count")))
+    env = r["env"]
+    if env["device"] == "cpu" and env.get("world_size", 1) > 1:
+        out.append(f"{env['world_size']} CPU ranks share this machine's cores, and each waits in gloo's all-reduce "
+                   "for the others, so that wait counts as all-reduce time: figures here contradict each other (an "
+                   "all-reduce longer than a forward, a verify cheaper than a decode step, phases that outlast "
+                   "their cycle). Under torchrun a CPU checks that TP runs and agrees; time on GPUs")
+    cycles = [(int(s), c["cycle_ms"]) for s, c in r["cost_model"]["steps"].items()]
+    shorter = [f"num_steps {s2} {c2:.2f} ms < num_steps {s1} {c1:.2f} ms"
+               for (s1, c1), (s2, c2) in zip(cycles, cycles[1:]) if c2 < c1]
+    if shorter:
+        out.append(f"the cost model's cycle shrinks with more draft steps ({'; '.join(shorter)}), though each step adds "
+                   "work: noise in the verify sweep")
     for steps, c in r["cost_model"]["steps"].items():
         be, most = c["break_even_accept_len"], int(steps) + 1
         if not 1 <= be <= most:
@@ -348,6 +382,31 @@ def timing_warnings(r):
     return out
 
 
+SHORT_MS = 1.0  # a phase under this is short: the clock's and the scheduler's jitter weigh on it
+
+
+def noise_warning(noisy, load, cores):
+    """Which noisy timings are short phases, and whether the machine was busy (load average above
+    its cores) while the rest were timed; noisy: [(name, Timing)]."""
+    short = [n for n, t in noisy if t < SHORT_MS]
+    long_ = [n for n, t in noisy if t >= SHORT_MS]
+
+    def names(ns):
+        return ", ".join(ns[:4]) + (f" and {len(ns) - 4} more" if len(ns) > 4 else "")
+    parts = []
+    if short:
+        parts.append(f"short phases (under {SHORT_MS:g} ms, where microseconds of jitter count): {names(short)}")
+    if long_:
+        busy = load is not None and cores and load > cores
+        why = (f"the machine was busy (load average {load:.1f} on {cores} cores)" if busy else
+               f"not a busy machine (load average {load:.1f} on {cores} cores): another process, the CPU's clock, "
+               "or memory" if load is not None else "other work on the machine")
+        parts.append(f"longer ones: {names(long_)}: {why}")
+    return (f"{len(noisy)} timing(s) vary by more than {NOISY_IQR:.0%} of their median between repetitions "
+            f"(interquartile range; marked noisy): " + "; ".join(parts) + ". More --reps, a quiet machine and "
+            "one thread a process (OMP_NUM_THREADS=1) steady them")
+
+
 def verdict(r):
     """After the answer: what this run's own acceptance means, and how far to trust its numbers."""
     spec = {n: v for n, v in r["e2e"].items() if n.startswith("eagle3")}
@@ -356,15 +415,12 @@ def verdict(r):
         best = max(spec, key=lambda n: spec[n]["speedup_measured"])
         accept_len, speedup = spec[best]["accept_len_mean"], spec[best]["speedup_measured"]
         if r["env"]["simulated_acceptance"]:
-            lines.append(f"Acceptance was SIMULATED at {accept_len:.2f} tokens per cycle: the speedup ({speedup:.2f}x, "
-                         f"{best}) is what the measured phase costs give at that acceptance, not what this draft head "
-                         "achieves.")
+            lines.append(simulated_verdict(r, spec[best], best))
         elif accept_len < 1.5:
             lines.append(f"The draft accepted almost nothing ({accept_len:.2f} tokens per cycle, bonus included; 1.00 "
-                         f"means every draft rejected), as random weights do: the measured speedup ({speedup:.2f}x, "
-                         f"{best}) says only what speculation's overhead costs. For a trained draft's speedup read the "
-                         "cost model, run with --simulate-accept-len, or load checkpoints (--model-path, --draft-path; "
-                         "on a CPU, the default without --random-weights is a trained tiny pair).")
+                         f"means every draft rejected), {LOW_ACCEPT[r['env'].get('weights', 'random')]}: the measured "
+                         f"speedup ({speedup:.2f}x, {best}) says only what speculation's overhead costs. For a "
+                         "trained draft's speedup read the cost model or run with --simulate-accept-len.")
         else:
             lines.append(f"The draft accepted {accept_len:.2f} tokens per cycle (bonus included): measured speedup "
                          f"{speedup:.2f}x ({best}).")
@@ -374,6 +430,26 @@ def verdict(r):
         lines.append("On a CPU the toy model's time is per-operation overhead: the numbers show how the phases fit "
                      "together, not what a GPU serving Kimi-K2 would see (BENCHMARKS.md has H200 numbers).")
     return lines
+
+
+LOW_ACCEPT = {  # why a draft accepts almost nothing, by where the weights came from (run.py's env)
+    "random": "as random weights do (on a CPU the default without --random-weights is a trained tiny pair)",
+    "checkpoints": "with checkpoints loaded, on the timing run's prompts of random ids, where a trained head has "
+                   "little to predict (its acceptance on real prompts: --dump with --prompt-ids)",
+    "trained tiny pair": "from the trained tiny pair, on held-out text: not what it measured at training "
+                         "(checkpoints/tiny-stdlib/recipe.json); --prompt-len or --max-new-tokens too small?",
+}
+
+
+def simulated_verdict(r, v, name):
+    """What a SIMULATED acceptance drew, and why its mean is not exactly the length asked."""
+    asked, n = r["env"]["config"]["simulate_accept_len"], sum(v["accept_len_hist"])
+    lengths = [length for length, c in enumerate(v["accept_len_hist"], 1) for _ in range(c)]
+    se = statistics.stdev(lengths) / len(lengths) ** 0.5 if len(lengths) > 1 else float("nan")
+    return (f"Acceptance was SIMULATED: asked {asked}, drawn {v['accept_len_mean']:.2f} tokens per cycle over {n} "
+            f"cycles (a mean of {n} draws spreads by about {se:.2f}; a row's last cycle counts only what "
+            f"max_new_tokens left it). The speedup ({v['speedup_measured']:.2f}x, {name}) is what the measured phase "
+            "costs give at that acceptance, not what this draft head achieves; the cost model gives it at any.")
 
 
 def fmt_spread(t, digits=3):

@@ -22,7 +22,7 @@ labelled SIMULATED everywhere it appears.
     python run.py --model-path K2 --prompt-ids p.jsonl --dump ref.npz   # the correctness baseline
     python run.py --compare ref.npz engine.npz                          # no model, no GPU
 
-Answers the background story's question with separate measurements: the attention path of
+Answers the README story's question with separate measurements: the attention path of
 verify (prefill = extend-style, decode = absorbed MLA) and graph capture (eager, CUDA graph) are
 two independent switches, timed in all four combinations. Device work is timed with CUDA events
 after warm-up (medians); host clocks are read only after a synchronize. A table per context length
@@ -33,7 +33,7 @@ uniform, the default there) and modelled all-reduces (--allreduce-us) are labell
 MODELLED everywhere they appear.
 
     python run.py --preset kimi-k2.5 --speculative-num-steps 2 --cuda-graph on --allreduce-us 35
-        # the background's deployment (INT4 Kimi-K2.5, TP 8 over PCIe, 2 draft steps), one rank of it
+        # the story's deployment (INT4 Kimi-K2.5, TP 8 over PCIe, 2 draft steps), one rank of it
 
 --dump writes what the model says (greedy tokens, the target's top-K log-probabilities along them,
 the drafts and accepted counts of a speculative run) as an .npz that another engine's output can
@@ -67,9 +67,14 @@ import tp as tpm
 import train
 from draft import Eagle3Draft, draft_preset, set_target_aux_layers, tree_capacity
 from graphs import CudaGraphs, GraphKey
-from report import COMPONENTS, Timing, answer, legacy_floors, report, spreads, timing_warnings, verdict
-from verify import accept, generate, kv_bucket, prefill_draft, prefill_target, tree_forward, tree_visible
+from report import COMPONENTS, Timing, answer, legacy_floors, report, spreads, timing_warnings, verdict, wrap
+from verify import (PREFILL_CHUNK, accept, generate, kv_bucket, prefill_draft, prefill_target, tree_forward,
+                    tree_visible)
 
+
+# the profiler (kineto) prints "USDT: ... profiler_start" and "profiler_stop" on stderr around every
+# profile the component tables take; its log level 6 keeps them (and its other log lines) out
+os.environ.setdefault("KINETO_LOG_LEVEL", "6")
 
 # bf16 Kimi-K2 on one GPU, as one simulated TP-8 rank: 384 routed experts weigh 259 GB there, 1.8x
 # an H200's 141 GB; 128 of them, 89 GB with the rest of the rank, leave room for the cache and graphs
@@ -132,7 +137,9 @@ def make_parser():
     p.add_argument("--cuda-graph", choices=["on", "off", "both"], help="replay captured CUDA graphs; default: "
                    "both on a GPU, off on CPU (graphs need CUDA)")
     p.add_argument("--batch-size", type=int, default=1, help="sequences decoded together (default %(default)s)")
-    p.add_argument("--prompt-len", type=int, help="tokens in each random prompt (default 256 on a GPU, 16 on CPU)")
+    p.add_argument("--prompt-len", type=int, help="tokens in each prompt of the timing run: held-out stdlib "
+                   "source for the trained tiny pair (the CPU default), random ids otherwise (default 256 on "
+                   "a GPU, 16 on CPU)")
     p.add_argument("--max-new-tokens", type=int, help="tokens generated per sequence (default 64 on a GPU, 24 on CPU)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sampling with "
                    "speculative rejection sampling (default %(default)s)")
@@ -168,7 +175,8 @@ def make_parser():
     p.add_argument("--allreduce", choices=tpm.ALLREDUCES, default="nccl", help="real TP (torchrun) on CUDA GPUs: "
                    "NCCL's all-reduce, or one-shot: each rank reads its peers' rows from torch's symmetric memory "
                    "and sums them, for messages up to 1 MB (decode, verify; NCCL above) (default %(default)s)")
-    p.add_argument("--json", help="also write the final JSON line here")
+    p.add_argument("--json", metavar="PATH", help="write every number of the run and its environment as one "
+                   "JSON line to PATH ('-': to stdout, after the report)")
     b = p.add_argument_group("correctness baseline (README: Checking an engine against this reference)")
     b.add_argument("--dump", metavar="PATH", help="write greedy output and top-K log-probabilities of the "
                    "--prompt-ids to this .npz (speculative, with drafts and accepted counts, when --draft-path "
@@ -210,15 +218,34 @@ def check_flags(args):
         raise BadInput("--compare reads two dump files and builds no model: drop --dump, --model-path, --draft-path")
     for flag, value in (("--prompt-ids", args.prompt_ids), ("--topk", args.topk)):
         if value is not None and not args.dump:
-            raise BadInput(f"{flag} is for --dump (the correctness baseline); the timing run uses random prompts")
+            raise BadInput(f"{flag} is for --dump (the correctness baseline); the timing run makes its own "
+                           "prompts (--prompt-len)")
     if args.model_path and (args.quant or args.routed_experts or args.preset):
         raise BadInput("--quant, --routed-experts and --preset shape random weights; a checkpoint's "
                        "config.json says its own")
+    if args.draft_path and not args.model_path:
+        raise BadInput("--draft-path needs --model-path: a head is trained for one target, and without "
+                       "--model-path that target would be a random one")
     if args.random_weights and (args.model_path or args.draft_path):
         raise BadInput("--random-weights replaces the trained tiny pair; with --model-path / --draft-path the "
                        "checkpoints are used: drop one")
     if args.dump and (args.context_len or args.skip_e2e or args.compile):
         raise BadInput("--context-len, --skip-e2e and --compile shape the timing run; --dump times nothing")
+    if args.json not in (None, "-"):
+        check_writable("--json", args.json)
+    if args.dump:
+        check_writable("--dump", args.dump)
+
+
+def check_writable(flag, path):
+    """Refuse an output path the run could not write at its end, before anything is built (the
+    file itself is written only then, whole: write_whole)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    why = ("is a folder" if os.path.isdir(path) else f"no folder {folder}" if not os.path.isdir(folder)
+           else f"folder {folder} is not writable" if not os.access(folder, os.W_OK | os.X_OK) else None)
+    if why:
+        raise BadInput(f"{flag} {path}: cannot write there ({why})")
+
 
 
 def check_tree_flags(args):
@@ -266,9 +293,9 @@ def settle(args, device, world):
                        f"{want} (= num_steps + 1 with topk 1)")
         cfg.speculative_num_draft_tokens = want
     else:
-        tpm.print0(f"note: the end-to-end speculative rows draft a tree (topk {cfg.speculative_eagle_topk}, "
-                   f"num_steps {cfg.speculative_num_steps}, {cfg.speculative_num_draft_tokens} draft tokens); "
-                   "the isolated phases and the cost model add the tree's verify, expansion and cycle")
+        tpm.print0(f"note: the end-to-end rows draft a tree (topk {cfg.speculative_eagle_topk}, num_steps "
+                   f"{cfg.speculative_num_steps}, {cfg.speculative_num_draft_tokens} draft tokens); the isolated "
+                   "phases\n      and the cost model add its verify, expansion and cycle")
     cfg.preset = cfg.preset or ("kimi-k2" if gpu else "tiny")
     cfg.trained_pair = uses_trained_pair(cfg)
     if cfg.trained_pair:
@@ -344,13 +371,38 @@ def check_device_flags(args, device):
                        "use --moe-impl gather or auto")
 
 
+def cache_slots(cfg):
+    """KV cache slots a row needs: the prompt and output, or the longest context and the 6 tokens
+    the isolated phases write after it, and the draft chain's lookahead (a tree's: its N verified
+    slots, or its deepest path and the head's (S - 1) K scratch slots past it, as verify.generate)."""
+    sweep, k, K, N = 6, cfg.speculative_num_steps, cfg.speculative_eagle_topk, cfg.speculative_num_draft_tokens
+    ahead = 2 * k + 2 if K == 1 else max(2 * k + 2, max(N, min(k, N - 1) + (k - 1) * K) + 2)
+    return max(cfg.prompt_len + cfg.max_new_tokens, max(cfg.context_len) + sweep) + ahead
+
+
+def random_target_args(cfg):
+    """The preset's ModelArgs with --quant and --routed-experts applied."""
+    quant = {None: {}, "none": dict(quantization_config=None), "int4": dict(quantization_config="int4"),
+             "fp8": dict(quantization_config="fp8")}
+    margs = model.preset(cfg.preset, **quant[cfg.quant])
+    if cfg.routed_experts is not None:
+        margs.n_routed_experts = cfg.routed_experts
+    return margs
+
+
+def random_draft_args(target):
+    """A random head's DraftArgs: the tiny one for the tiny target, else Kimi-K2's."""
+    tiny = target.args.hidden_size == model.PRESETS["tiny"]["hidden_size"]
+    dargs = draft_preset("tiny" if tiny else "kimi-k2")
+    if max(dargs.aux_layer_ids or [0]) >= target.args.num_hidden_layers:  # Kimi's ids, a shallower target
+        dargs.eagle_config = None  # EAGLE-3's default layers of this target instead
+    return dargs
+
+
 def build(args, device, dtype):
     """The target and the head, loaded or random. Returns (target, head, description)."""
     tp = tpm.TP.simulate(args.simulate_tp) if args.simulate_tp > 1 else tpm.TP.from_env(args.allreduce)
-    k, K, N = args.speculative_num_steps, args.speculative_eagle_topk, args.speculative_num_draft_tokens
-    sweep = 6  # the isolated phases write up to 6 tokens after the longest context
-    ahead = 2 * k + 2 if K == 1 else max(N, min(k, N - 1) + (k - 1) * K) + 2   # a tree: verify.generate's
-    max_seq_len = max(args.prompt_len + args.max_new_tokens, max(args.context_len) + sweep) + max(2 * k + 2, ahead)
+    max_seq_len = cache_slots(args)
     if args.model_path:
         target = checkpoint.load_target(args.model_path, args.batch_size, max_seq_len, device, dtype, tp,
                                         routing=args.routing)
@@ -360,12 +412,10 @@ def build(args, device, dtype):
                    "source" + ("" if args.dump else "; prompts: held-out stdlib source") + "; --random-weights for "
                    "random ones)")
     else:
-        quant = {None: {}, "none": dict(quantization_config=None), "int4": dict(quantization_config="int4"),
-                 "fp8": dict(quantization_config="fp8")}
-        margs = model.preset(args.preset, **quant[args.quant])
+        margs = random_target_args(args)
         if args.routed_experts is not None:
-            tpm.print0(f"memory override: {args.routed_experts} of {margs.n_routed_experts} routed experts per layer kept")
-            margs.n_routed_experts = args.routed_experts
+            tpm.print0(f"memory override: {args.routed_experts} of {model.preset(args.preset).n_routed_experts} "
+                       "routed experts per layer kept")
         try:
             target = model.Transformer(margs, args.batch_size, max_seq_len, device, dtype, tp, routing=args.routing)
         except ValueError as e:  # a size the TP does not divide
@@ -379,13 +429,80 @@ def build(args, device, dtype):
     elif args.dump:  # a dump without a draft checkpoint is plain greedy
         head = None
     else:
-        tiny = target.args.hidden_size == model.PRESETS["tiny"]["hidden_size"]
-        dargs = draft_preset("tiny" if tiny else "kimi-k2")
-        if max(dargs.aux_layer_ids or [0]) >= target.args.num_hidden_layers:  # Kimi's ids, a shallower target
-            dargs.eagle_config = None  # EAGLE-3's default layers of this target instead
+        dargs = random_draft_args(target)
         set_target_aux_layers(target, dargs)
         head = checkpoint.init_random_draft(Eagle3Draft(dargs, target), args.seed + 1, rank_local=tp.simulated)
     return target, head, how
+
+
+# ---------------------------------------------------------------------------------------------
+# Sizes: what the run will hold, estimated before anything is allocated
+
+def memory_needed(cfg, device, world):
+    """Bytes one rank will hold at its peak, by part: the target and the head built on the meta
+    device (their weights, KV caches and RoPE tables, exactly, without allocating them), and the
+    largest transient: one prefill chunk of extend attention (scores and probabilities [B, T, H,
+    S] in float32, keys and values expanded [B, S, H, d], logits [B, T, V] in float32), with the
+    plain `gather` MoE each of its tokens' K experts' weights gathered [B T, K, 3, I, D], and the
+    EAGLE-3 states kept along the cache fill [B, S, 3D]. Also returns the target's ModelArgs."""
+    margs = checkpoint.read_target_args(cfg.model_path) if cfg.model_path else random_target_args(cfg)
+    tp = tpm.TP.simulate(max(cfg.simulate_tp, world))
+    dtype, meta = getattr(torch, cfg.dtype), torch.device("meta")
+    B, slots = cfg.batch_size, cache_slots(cfg)
+    try:
+        target = model.Transformer(margs, B, slots, meta, dtype, tp)
+        dargs = checkpoint.read_draft_args(cfg.draft_path) if cfg.draft_path else random_draft_args(target)
+        set_target_aux_layers(target, dargs)
+        own = bool(cfg.draft_path) and "embed_tokens.weight" in checkpoint.checkpoint_files(cfg.draft_path)
+        head = Eagle3Draft(dargs, target, own_embedding=own)
+    except ValueError:  # a size the TP does not divide, a head that does not fit: build says which
+        return None, margs
+    size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
+    fill = max(max(cfg.context_len), cfg.prompt_len)
+    T, H, a = min(PREFILL_CHUNK, fill), margs.num_attention_heads // tp.world_size, margs
+    parts = {"weights": size(target.parameters()) + size(head.parameters()),
+             "KV caches": size(target.buffers()) + size(head.buffers()),
+             "one prefill chunk": B * T * H * fill * 4 * 2 + B * T * a.vocab_size * 4
+             + B * fill * H * (a.qk_nope_head_dim + a.v_head_dim) * dtype.itemsize,
+             "gathered expert weights": B * T * a.num_experts_per_tok * 3 * (a.moe_intermediate_size // tp.world_size)
+             * a.hidden_size * dtype.itemsize if kernels.pick_moe(cfg.moe_impl, device, dtype) == "gather" else 0,
+             "EAGLE-3 states": B * fill * 3 * a.hidden_size * dtype.itemsize}
+    return parts, margs
+
+
+def memory_free(device):
+    """Bytes free for this rank: the GPU's free memory, or the host's available memory shared by
+    the ranks on it (None where the system does not say)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"{torch.cuda.get_device_name(device)}"
+    try:
+        with open("/proc/meminfo") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None, None
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return kb * 1024 // ranks, "this machine" + (f" / {ranks} ranks" if ranks > 1 else "")
+
+
+def check_sizes(cfg, device, world):
+    """Refuse, before anything is built, a run whose caches and weights cannot fit (one line, the
+    estimate's parts), a --topk above the vocabulary; warn when positions pass the model's
+    max_position_embeddings."""
+    parts, margs = memory_needed(cfg, device, world)
+    if cfg.dump and cfg.topk > margs.vocab_size:
+        raise BadInput(f"--topk {cfg.topk}: must lie in [1, the vocabulary's {margs.vocab_size} ids]")
+    free, where = memory_free(device)
+    slots = cache_slots(cfg)
+    if parts and free is not None and sum(parts.values()) > free:
+        why = (f"--context-len {max(cfg.context_len)}" if max(cfg.context_len) > cfg.prompt_len + cfg.max_new_tokens
+               else f"--prompt-len {cfg.prompt_len} + --max-new-tokens {cfg.max_new_tokens}")
+        raise BadInput(f"{why}, batch {cfg.batch_size}: needs about {sum(parts.values()) / 1e9:.1f} GB of memory ("
+                       + ", ".join(f"{k} {v / 1e9:.1f}" for k, v in parts.items() if v >= 1e8)
+                       + f"), {where} has {free / 1e9:.1f} GB free: ask for fewer tokens or a smaller batch")
+    if slots > margs.max_position_embeddings:
+        tpm.print0(f"warning: positions reach {slots}, past the model's max_position_embeddings "
+                   f"{margs.max_position_embeddings}: its RoPE was not made for them, so the timings hold but "
+                   "the tokens mean little")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -411,13 +528,16 @@ class Clock:
 
 
 def median_ms(clock, fn, reps, warmup=3, desc=None):
-    for _ in range(warmup):
-        fn()
     stamps = []
-    for _ in tqdm(range(reps), desc=desc, disable=desc is None or not is_rank0(), leave=False):
-        a = clock.stamp()
-        fn()
-        stamps.append((a, clock.stamp()))
+    with tqdm(total=warmup + reps, desc=desc, disable=desc is None or not is_rank0(), leave=False) as bar:
+        for _ in range(warmup):
+            fn()
+            bar.update()
+        for _ in range(reps):
+            a = clock.stamp()
+            fn()
+            stamps.append((a, clock.stamp()))
+            bar.update()
     clock.sync()
     return Timing([clock.ms(a, b) for a, b in stamps])
 
@@ -751,8 +871,10 @@ def prepare(cfg, device):
     b.fill = (torch.tensor(train.heldout_prompts(B, L)) if cfg.trained_pair  # text like its training data
               else torch.randint(0, target.args.vocab_size, (B, L), generator=g)).to(device)
     last = torch.full((B,), C - 1, device=device)
-    _, b.aux = prefill_target(target, b.fill[:, :C], last, capture_aux=True)
-    prefill_draft(head, b.fill[:, :C], b.aux, last)  # fills the draft's cache (its output is not used)
+    with tqdm(total=2 * C, desc=f"filling the caches: target and head, {C} tokens", unit="token",
+              disable=not is_rank0() or C <= PREFILL_CHUNK, leave=False) as bar:
+        _, b.aux = prefill_target(target, b.fill[:, :C], last, capture_aux=True, progress=bar.update)
+        prefill_draft(head, b.fill[:, :C], b.aux, last, progress=bar.update)  # its output is not used
     return b
 
 
@@ -886,16 +1008,25 @@ def end_to_end(b):
     """The plain loop and each speculative configuration, each run twice (the first captures its
     graphs); and how many tokens speculative greedy output shares with plain greedy output."""
     e2e, agreement = {}, {}
-    for graph in b.graph_opts:
-        run_generate(b, None, "decode", graph)
-        e2e[f"baseline/{'graph' if graph else 'eager'}"], base = run_generate(b, None, "decode", graph)
-    for graph in b.graph_opts:
-        for mode in b.modes:
-            run_generate(b, b.head, mode, graph)
-            name = f"eagle3/{FLAG_WORD[mode]}/{'graph' if graph else 'eager'}"
-            e2e[name], res = run_generate(b, b.head, mode, graph)
-            same = sum(x == y for r, p in zip(res.tokens, base.tokens) for x, y in zip(r, p))
-            agreement[name] = same / max(1, sum(len(p) for p in base.tokens))
+    runs = len(b.graph_opts) * (1 + len(b.modes))
+    bar = tqdm(total=2 * runs, desc="end to end", unit="run", disable=not is_rank0(), leave=False)
+
+    def twice(name, draft, mode, graph):  # the first run captures the graphs; the second is timed
+        bar.set_description(f"end to end: {name}")
+        for _ in range(2):
+            out = run_generate(b, draft, mode, graph)
+            bar.update()
+        return out
+    with bar:
+        for graph in b.graph_opts:
+            name = f"baseline/{'graph' if graph else 'eager'}"
+            e2e[name], base = twice(name, None, "decode", graph)
+        for graph in b.graph_opts:
+            for mode in b.modes:
+                name = f"eagle3/{FLAG_WORD[mode]}/{'graph' if graph else 'eager'}"
+                e2e[name], res = twice(name, b.head, mode, graph)
+                same = sum(x == y for r, p in zip(res.tokens, base.tokens) for x, y in zip(r, p))
+                agreement[name] = same / max(1, sum(len(p) for p in base.tokens))
     # greedy and the model's own routing: uniform routing picks experts by a token's place in the forward
     same_model = b.cfg.temperature == 0 and not b.cfg.simulate_accept_len and b.target.routing == "model"
     return e2e, agreement if same_model else None
@@ -1070,14 +1201,16 @@ def moe_note(t):
 def bench_main(cfg, device, world):
     b = prepare(cfg, device)
     header = header_of(b)
-    tpm.print0(header)
+    tpm.print0(wrap(header, "", "  "))
     env = dict(device=torch.cuda.get_device_name(device) if b.gpu else "cpu", torch=torch.__version__,
                world_size=world, simulated_tp=cfg.simulate_tp if b.target.tp.simulated else None, dtype=cfg.dtype,
                int4_group_size=b.target.args.int4_group_size, fp8_block=b.target.args.fp8_block,
                moe_impl=b.target.moe_impl,
                kernels=list(b.target.kernels), routing=b.target.routing,
                simulated_routing=b.target.routing == "uniform", seed=cfg.seed,
-               simulated_acceptance=cfg.simulate_accept_len is not None, target=b.how, config=vars(cfg))
+               simulated_acceptance=cfg.simulate_accept_len is not None, target=b.how, config=vars(cfg),
+               weights="trained tiny pair" if cfg.trained_pair else "checkpoints" if cfg.model_path else "random",
+               cpu_count=os.cpu_count())
     bandwidth = copy_bandwidth(b.clock, device) if b.gpu else None
     r = dict(env=env, bandwidth_GBps=bandwidth, contexts={c: isolated(b, c, bandwidth) for c in cfg.context_len})
     first = cfg.context_len[0]
@@ -1101,23 +1234,51 @@ def bench_main(cfg, device, world):
         env["routed_experts_GB"] = sum(p.numel() * p.element_size() for n, p in b.target.named_parameters()
                                        if ".mlp.experts." in n) / 1e9
         r["kernels_per_decode_step"] = r["contexts"][first]["components"]["decode_step"]["kernels"]
+    env["load_average"] = os.getloadavg()[0] if hasattr(os, "getloadavg") else None  # over the last minute
     r["warnings"], r["spread_ms"] = timing_warnings(r), spreads(r)
     r["answer"] = answer(r, b) + verdict(r)
     if is_rank0():
         report(r, b)
-    line = json.dumps(r)
-    if is_rank0():
-        if cfg.json:
-            with open(cfg.json, "w") as f:
-                f.write(line + "\n")
-        print(line, flush=True)
+    line = json.dumps(r) + "\n"
+    if is_rank0() and cfg.json == "-":
+        print(line, end="", flush=True)
+    elif is_rank0() and cfg.json:
+        baseline.write_whole(cfg.json, lambda f: f.write(line.encode()))
     return r
 
 
 def print_refusal(e):
-    """One line on stderr, no traceback; under torchrun each rank that refuses says which it is."""
-    rank = f"[rank {dist.get_rank()}] " if dist.is_initialized() else ""
-    print(f"run.py: error: {rank}{e}", file=sys.stderr, flush=True)
+    """One line on stderr, no traceback; returns the exit status. A flag is the same on every
+    rank, so under torchrun rank 0 alone says it and fails (the other ranks exit quietly with
+    status 0, before it, so that torchrun's report names one failure: rank 0, exit code 2); a
+    checkpoint may fail on one rank only, so each rank that refuses one says so, tagged."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    if world > 1 and isinstance(e, checkpoint.CheckpointError):
+        print(f"run.py: error: [rank {rank}] {e}", file=sys.stderr, flush=True)
+        return 2
+    if rank == 0:
+        print(f"run.py: error: {e}", file=sys.stderr, flush=True)
+    if world > 1 and rank == 0:
+        time.sleep(1.0)  # let the other ranks leave first: torchrun then reports rank 0's failure alone
+    return 2 if rank == 0 else 0
+
+
+def cli(argv=None):
+    """The command line: main's exit status; a refusal in one line (status 2); Ctrl-C in one line
+    (status 130, the shell's for SIGINT; an output file is written whole or not at all)."""
+    status = 2
+    try:
+        status = main(argv)
+    except (BadInput, checkpoint.CheckpointError, NotImplementedError) as e:
+        status = print_refusal(e)
+    except KeyboardInterrupt:
+        status = 130
+        if int(os.environ.get("RANK", 0)) == 0:
+            tqdm.write("run.py: interrupted (Ctrl-C); no output file written", file=sys.stderr)
+    finally:  # every rank leaves the group together (gloo aborts a rank whose peer exits first)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+    return status
 
 
 @torch.no_grad()
@@ -1130,6 +1291,7 @@ def main(argv=None):
             return baseline.compare_main(args)
     rank, world, device = tpm.init_distributed()
     cfg = settle(args, device, world)
+    check_sizes(cfg, device, world)
     if cfg.dump:
         target, head, how = build(cfg, device, getattr(torch, cfg.dtype))
         with refusal("--dump: "):
@@ -1148,12 +1310,4 @@ def refusal(prefix=""):
 
 
 if __name__ == "__main__":
-    status = 2
-    try:
-        status = main()
-    except (BadInput, checkpoint.CheckpointError, NotImplementedError) as e:
-        print_refusal(e)
-    finally:  # every rank leaves the group together (gloo aborts a rank whose peer exits first)
-        if dist.is_initialized():
-            dist.destroy_process_group()
-    sys.exit(status)
+    sys.exit(cli())

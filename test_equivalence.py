@@ -851,6 +851,43 @@ def test_accepted_lengths_follow_the_plan():
                 assert res.accepted[c, b] == (c + b) % (k + 1), (c, b, res.accepted[:, b])
 
 
+def test_accepted_counts_what_commit_keeps():
+    """A cycle that max_new_tokens or an EOS cuts counts the tokens it kept, not the drafts it
+    accepted: per row, the kept lengths (accepted + 1) plus the prefill's token sum to the tokens
+    produced. An always-right proposer (k = 3, 4 tokens a cycle) makes the cut cycle known."""
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=64, dtype=torch.float64), 3)
+    prompts, k = PROMPTS[3], 3
+    plain = generate(target, None, prompts, max_new_tokens=30, eos_id=-1).tokens
+    ref = reference_sequences(prompts, plain, 64)
+    for max_new, eos in ((5, -1), (7, -1), (8, -1), (13, -1), (30, plain[1][6]), (30, plain[0][9])):
+        res = generate(target, PlantedProposer(ref, 256, lambda c, b: 99), prompts, max_new_tokens=max_new,
+                       num_steps=k, eos_id=eos)
+        for b, tokens in enumerate(res.tokens):
+            live = res.accepted[:, b][res.accepted[:, b] >= 0]
+            assert int((live + 1).sum()) + 1 == len(tokens), (max_new, eos, b, live, len(tokens))
+            assert (live[:-1] == k).all(), (max_new, eos, b, live)  # every cycle but the cut one: all kept
+            if eos == -1:
+                assert len(tokens) == max_new and live[-1] == (max_new - 2) % (k + 1), (max_new, b, live)
+            else:
+                assert eos not in tokens[:-1] and (tokens[-1] == eos or len(tokens) == max_new), (b, tokens)
+
+
+def test_simulated_acceptance_has_the_mean_asked():
+    """--simulate-accept-len's draws (a normal rounded and clamped to 1..k+1, as SGLang's) average
+    to the length asked, the clamp's pull on the tails offset by the normal's center: over 400k
+    draws within 5 standard errors (~0.007); the center at the mean itself misses at 1.2 by ~0.3."""
+    from verify import simulated_accept, simulated_center, simulated_mean
+    g = torch.Generator().manual_seed(0)
+    m = torch.zeros(400_000, dtype=torch.int64)
+    for k, mean in ((1, 1.5), (1, 1.9), (2, 2.5), (3, 1.2), (3, 2.5), (3, 3.7), (5, 2.0), (3, 1.0), (3, 4.0)):
+        lengths = simulated_accept(m, mean, k, g).double() + 1
+        assert lengths.min() >= 1 and lengths.max() <= k + 1, (k, mean)
+        err = 5 * lengths.std().item() / len(lengths) ** 0.5 + 1e-9
+        assert abs(lengths.mean().item() - mean) <= err, (k, mean, lengths.mean().item())
+        assert simulated_mean(simulated_center(mean, k), k) == pytest.approx(mean, abs=1e-9)
+    assert simulated_mean(1.2, 3) - 1.2 > 0.25  # what drawing around the mean itself gave
+
+
 def test_speculative_sampling_follows_the_target():
     """200k rows, vocab 6, k = 2: the first emitted token ~ p_0 and, where it is d_1, the second
     ~ p_1, for a good (most likely), bad (least likely) and random draft. Bound: total variation
@@ -1073,6 +1110,24 @@ def test_trained_pair_accepts_more_than_a_random_head():
     assert trained >= 1.8 and trained > random + 0.5, f"trained {trained:.2f}, random {random:.2f}"
 
 
+def test_train_py_writes_elsewhere_and_refuses_the_committed_pair(tmp_path, capsys):
+    """train.py's default folder is not the committed pair; writing into the committed pair, into a
+    folder it cannot write, or measuring a folder with no pair is refused in one line, before any
+    training (exit status 2, argparse's)."""
+    assert os.path.realpath(train.parse_args([]).out) != os.path.realpath(train.PAIR_DIR)
+    assert train.parse_args(["--out", str(tmp_path / "pair")]).threads == 1 and (tmp_path / "pair").is_dir()
+    committed = os.path.join(HERE, "checkpoints", ".", "tiny-stdlib")
+    assert train.parse_args(["--out", committed, "--overwrite-committed"]).overwrite_committed
+    (tmp_path / "file").write_text("")
+    for argv, words in ((["--out", committed], "is the committed pair"),
+                        (["--out", str(tmp_path / "file" / "pair")], "cannot write there"),
+                        (["--eval", str(tmp_path)], "no pair there"), (["--threads", "0"], "at least 1")):
+        with pytest.raises(SystemExit) as e:
+            train.parse_args(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and words in err[-1] and err[-1].startswith("train.py: error:"), (argv, err)
+
+
 def test_requests_that_cannot_run_are_refused():
     target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float32), 0)
     with pytest.raises(ValueError, match="max_seq_len 16"):
@@ -1097,9 +1152,10 @@ def test_run_py_cli_background_flags_on_cpu():
     cpu = dict(os.environ, CUDA_VISIBLE_DEVICES="", OMP_NUM_THREADS="1")
     out = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--simulate-tp", "2", "--allreduce-us", "35",
                           "--speculative-num-steps", "2", "--speculative-attention-mode", "decode", "--context-len", "8",
-                          "40", "--skip-e2e", "--reps", "2"], check=True, capture_output=True, text=True, cwd=HERE,
-                         env=cpu).stdout
+                          "40", "--skip-e2e", "--reps", "2", "--json", "-"], check=True, capture_output=True, text=True,
+                         cwd=HERE, env=cpu).stdout
     r = json.loads(out.strip().splitlines()[-1])
+    out = " ".join(out.split())  # the report wraps its long lines
     assert set(r["contexts"]) == {"8", "40"} and r["e2e"] == {}
     for c in r["contexts"].values():  # batch 1, K 4 of 16 experts: one token 4, the 3 verified 12
         assert c["distinct_experts"] == {"decode_step": 4.0, "verify/decode": 12.0}
@@ -1132,6 +1188,7 @@ def test_run_py_cli_tiny(tmp_path):
                              "--random-weights"], check=True,
                             capture_output=True, text=True, cwd=HERE, env=CPU_ENV).stdout
     r = json.loads(out.read_text())
+    stdout = " ".join(stdout.split())  # the report wraps its long lines
     assert r["env"]["simulated_acceptance"] is False and r["floors"] is None
     assert stdout.count("target: random tiny") == 1 and "the answer:" in stdout and "accepted almost nothing" in stdout
     for name, ms in r["phases_ms"].items():
@@ -1154,10 +1211,12 @@ def test_run_py_cli_tiny(tmp_path):
     assert "decode steps" in r["answer"][0] and "EAGLE-3 with num_steps 2" in " ".join(r["answer"])
     assert "2 tokens per cycle" in " ".join(r["answer"]) and "SIMULATED" not in " ".join(r["answer"])
     sim = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--simulate-accept-len", "2.5",
-                          "--max-new-tokens", "40"], check=True, capture_output=True, text=True, cwd=HERE,
+                          "--max-new-tokens", "40", "--json", "-"], check=True, capture_output=True, text=True, cwd=HERE,
                          env=CPU_ENV).stdout
     r = json.loads(sim.strip().splitlines()[-1])
-    assert "SIMULATED acceptance: each cycle draws" in sim and r["env"]["simulated_acceptance"] is True
+    sim = " ".join(sim.split())
+    assert "SIMULATED acceptance: each row's accepted length" in sim and r["env"]["simulated_acceptance"] is True
+    assert "Acceptance was SIMULATED: asked 2.5, drawn" in sim
     assert 1.8 <= r["e2e"]["eagle3/decode/eager"]["accept_len_mean"] <= 3.2
 
 
@@ -1174,6 +1233,8 @@ def test_run_py_cli_trained_pair(tmp_path):
     for mode in ("prefill", "decode"):
         v = r["e2e"][f"eagle3/{mode}/eager"]
         assert 1.8 <= v["accept_len_mean"] <= 4 and sum(v["accept_len_hist"]) > 0, v
+        # the histogram counts the tokens kept: all but the first of each row's, which the prefill makes
+        assert sum(n * c for n, c in enumerate(v["accept_len_hist"], 1)) == v["tokens"] - 2, v
     assert r["greedy_agreement_with_plain"] == {"eagle3/prefill/eager": 1.0, "eagle3/decode/eager": 1.0}
     assert "accepted almost nothing" not in stdout
 
@@ -1219,8 +1280,13 @@ def test_report_warns_about_noise_and_figures_that_cannot_be():
     r["warnings"] = []
     v = " ".join(report.verdict(r))
     assert "accepted almost nothing (1.02 tokens per cycle" in v and "--simulate-accept-len" in v
-    r["env"]["simulated_acceptance"], spec["accept_len_mean"] = True, 2.5
-    assert "Acceptance was SIMULATED at 2.50 tokens per cycle" in " ".join(report.verdict(r))
+    r["env"].update(simulated_acceptance=True, config=dict(simulate_accept_len=2.5))
+    spec.update(accept_len_mean=2.25, accept_len_hist=[1, 2, 1, 0])
+    assert "Acceptance was SIMULATED: asked 2.5, drawn 2.25 tokens per cycle over 4 cycles (a mean of 4 draws " \
+           "spreads by about 0.41" in " ".join(report.verdict(r))
+    r["env"].update(simulated_acceptance=False, weights="checkpoints")
+    spec["accept_len_mean"] = 1.02
+    assert "with checkpoints loaded, on the timing run's prompts of random ids" in " ".join(report.verdict(r))
     assert report.spreads(r)["phases_ms"]["decode_step/eager"] == noisy.spread()
 
 
@@ -1253,7 +1319,11 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
         ("--dump x.npz --prompt-ids p --temperature 0.5", "drop --temperature"),
         ("--dump x.npz --prompt-ids p --batch-size 2", "drop --batch-size"),
         ("--dump x.npz --prompt-ids nothere.jsonl", "--prompt-ids: .*nothere.jsonl"),
-        ("--random-weights --draft-path ckpt", "--random-weights replaces the trained tiny pair"),
+        ("--random-weights --model-path ckpt", "--random-weights replaces the trained tiny pair"),
+        ("--draft-path ckpt", "--draft-path needs --model-path: a head is trained for one target"),
+        ("--json /nonexistent/r.json", r"--json /nonexistent/r.json: cannot write there \(no folder /nonexistent\)"),
+        ("--json .", r"--json .: cannot write there \(is a folder\)"),
+        ("--dump /nonexistent/x.npz --prompt-ids p", "--dump /nonexistent/x.npz: cannot write there"),
         ("--dump x.npz --prompt-ids p --skip-e2e", "--dump times nothing"),
         ("--context-len 2", r"--context-len 2: the isolated verify re-reads 4 cached tokens"),
     ]
@@ -1275,7 +1345,7 @@ def test_run_py_names_a_broken_checkpoint_in_one_line(tiny_ckpt, tmp_path):
     with pytest.raises(CheckpointError, match="no such file or folder"):
         run.main(["--model-path", str(tmp_path / "nothere"), "--max-new-tokens", "2"])
     with pytest.raises(CheckpointError, match="no such file or folder"):
-        run.main(["--draft-path", str(tmp_path / "nothere"), "--max-new-tokens", "2"])
+        run.main(["--model-path", ckpt, "--draft-path", str(tmp_path / "nothere"), "--max-new-tokens", "2"])
     cli = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--model-path", str(tmp_path / "bad")],
                          capture_output=True, text=True, env=CPU_ENV)
     want = f"run.py: error: {tmp_path / 'bad' / 'config.json'} line 3 column 17: not JSON (Expecting value)\n"
@@ -1304,7 +1374,7 @@ def check_dump_layout(d, prompts, k):
                 continue
             want = out[at:at + m]
             assert drafts[:len(want)].tolist() == want.tolist(), (b, at, m)
-            if m < k and at + m < len(out):
+            if m < k and at + m + 1 < len(out):  # a cycle the row went on after: not cut
                 assert drafts[m] != out[at + m], (b, at, m)
             at += m + 1
 
@@ -2568,8 +2638,8 @@ def test_one_shot_allreduce_is_refused_on_gloo():
         TP.from_env("ring")
     out = torchrun_cpu("--allreduce", "one-shot", "--skip-e2e", "--reps", "1")
     errors = [line for line in out.stderr.splitlines() if line.startswith("run.py: error:")]
-    assert out.returncode != 0 and len(errors) == 2, out.stderr[-2000:]
-    assert "[rank 0] one-shot all-reduce: needs torch's symmetric memory" in errors[0] + errors[1]
+    assert out.returncode != 0 and len(errors) == 1, out.stderr[-2000:]  # the same on every rank: said once
+    assert "run.py: error: one-shot all-reduce: needs torch's symmetric memory" in errors[0]
 
 
 def test_run_py_measures_allreduces_under_real_tp(tmp_path):
@@ -2661,6 +2731,127 @@ def run_steps_cuda(m):
     for mode in ("extend", "decode"):
         outs.append(m(step, step_pos, mode).logits)
     return torch.cat(outs, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# The first hour of a new user: quiet where nothing is news, one line where something is
+
+def test_loading_says_what_it_skips_but_not_t2d(tiny_ckpt, tmp_path, capsys):
+    """Every saved head carries t2d (SGLang's draft-vocabulary mask; d2t says the same): loading it
+    says nothing. A target's MTP layer is news: one line names it."""
+    ckpt, _ = tiny_ckpt
+    target = load_target(ckpt, max_batch_size=1, max_seq_len=8, dtype=torch.float64)
+    save_draft(init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 1), tmp_path / "head")
+    capsys.readouterr()
+    load_draft(tmp_path / "head", target)
+    assert "skipping" not in capsys.readouterr().out
+    _edit_checkpoint(ckpt, tmp_path / "mtp", lambda t: t.update({"model.layers.8.mlp.gate.weight": torch.zeros(2)}))
+    load_target(tmp_path / "mtp", max_batch_size=1, max_seq_len=8, dtype=torch.float64)
+    said = [line for line in capsys.readouterr().out.splitlines() if "skipping" in line]
+    assert len(said) == 1 and "MTP" in said[0], said
+
+
+def _settled(flags):
+    return run.settle(run.parse_args(flags.split()), torch.device("cpu"), 1)
+
+
+def test_run_py_refuses_sizes_before_building(monkeypatch, capsys):
+    """check_sizes, before build: caches and weights past the free memory refused in one line that
+    names the flag and the estimate's parts; --topk past the vocabulary refused; positions past
+    max_position_embeddings (256 for tiny) warned once. The estimate's caches are the real ones."""
+    monkeypatch.setattr(run, "build", lambda *a: pytest.fail("a model was built"))
+    with pytest.raises(run.BadInput, match=r"--context-len 10000000, batch 1: needs about \d+\.\d GB of memory \("
+                                           r"KV caches .*\), this machine has \d+\.\d GB free"):
+        run.check_sizes(_settled("--context-len 10000000"), torch.device("cpu"), 1)
+    monkeypatch.setattr(run, "memory_free", lambda device: (10 ** 6, "this machine"))
+    with pytest.raises(run.BadInput, match="--prompt-len 16 \\+ --max-new-tokens 24, batch 1"):
+        run.check_sizes(_settled(""), torch.device("cpu"), 1)
+    monkeypatch.undo()
+    monkeypatch.setattr(run, "build", lambda *a: pytest.fail("a model was built"))
+    cfg = _settled("--random-weights --context-len 8")
+    cfg.dump, cfg.topk = "x.npz", 1000  # as settle_dump leaves them (it reads a prompt file)
+    with pytest.raises(run.BadInput, match=r"--topk 1000: must lie in \[1, the vocabulary's 256 ids\]"):
+        run.check_sizes(cfg, torch.device("cpu"), 1)
+    capsys.readouterr()
+    run.check_sizes(_settled("--random-weights --context-len 300"), torch.device("cpu"), 1)
+    said = capsys.readouterr().out
+    assert said.count("warning: positions reach") == 1 and "max_position_embeddings 256" in said, said
+    run.check_sizes(_settled("--random-weights"), torch.device("cpu"), 1)
+    assert "warning" not in capsys.readouterr().out
+    parts, _ = run.memory_needed(_settled("--random-weights --context-len 100"), torch.device("cpu"), 1)
+    target = Transformer(tiny(), 1, run.cache_slots(_settled("--random-weights --context-len 100")))
+    head = Eagle3Draft(draft_preset("tiny"), target)
+    caches = sum(t.numel() * t.element_size() for m in (target, head) for t in m.buffers())
+    assert parts["KV caches"] == caches, (parts, caches)
+
+
+def test_run_py_cli_interrupt_and_rank_refusals(monkeypatch, capsys):
+    """The entry point: Ctrl-C anywhere is one line on stderr and status 130; a refused flag under
+    torchrun is said by rank 0 alone (status 2; the other ranks exit 0 so that torchrun names one
+    failure), a checkpoint refusal by each rank that meets it, tagged."""
+    def interrupted(argv):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(run, "main", interrupted)
+    assert run.cli([]) == 130
+    assert capsys.readouterr().err == "run.py: interrupted (Ctrl-C); no output file written\n"
+    for rank, said, status in (("0", "run.py: error: --reps 0: must be at least 1\n", 2), ("1", "", 0)):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setattr(run, "main", run.__dict__["parse_args"])
+        assert run.cli(["--reps", "0"]) == status
+        assert capsys.readouterr().err == said, rank
+        assert run.print_refusal(CheckpointError("ckpt: missing")) == 2
+        assert capsys.readouterr().err == f"run.py: error: [rank {rank}] ckpt: missing\n"
+
+
+def said_on(stderr):
+    """stderr without its progress bars (tqdm redraws them after carriage returns)."""
+    return [line for line in stderr.replace("\r", "\n").splitlines()
+            if line.strip() and not any(u in line for u in ("it/s", "s/it", "token/s", "tensor/s", "run/s"))]
+
+
+def run_py(*flags):
+    return subprocess.run([sys.executable, os.path.join(HERE, "run.py"), *flags], capture_output=True, text=True,
+                          cwd=HERE, env=CPU_ENV, timeout=300)
+
+
+def test_run_py_cli_refuses_an_output_it_cannot_write():
+    cli = run_py("--json", "/nonexistent/r.json")
+    assert (cli.returncode, cli.stdout) == (2, "") and said_on(cli.stderr) == [
+        "run.py: error: --json /nonexistent/r.json: cannot write there (no folder /nonexistent)"], cli.stderr
+
+
+def test_run_py_cli_refuses_a_size_the_machine_cannot_hold():
+    cli = run_py("--context-len", "10000000")
+    assert (cli.returncode, cli.stdout) == (2, "") and len(said_on(cli.stderr)) == 1, cli.stderr
+    assert said_on(cli.stderr)[0].startswith("run.py: error: --context-len 10000000, batch 1: needs about")
+
+
+def test_run_py_cli_interrupted_says_one_line_and_leaves_no_file(tmp_path):
+    """SIGINT (Ctrl-C) in the middle of a run: exit status 130, one line, no --json file (nor a
+    temporary one)."""
+    import signal
+    import time as clock
+    err, out = tmp_path / "err.txt", tmp_path / "r.json"
+    with open(err, "w") as f:
+        p = subprocess.Popen([sys.executable, os.path.join(HERE, "run.py"), "--random-weights", "--reps", "100000",
+                              "--json", str(out)], cwd=HERE, env=CPU_ENV, stdout=subprocess.DEVNULL, stderr=f)
+        deadline = clock.time() + 120
+        while "timing" not in err.read_text() and clock.time() < deadline and p.poll() is None:
+            clock.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        rc = p.wait(timeout=60)
+    assert rc == 130 and said_on(err.read_text()) == ["run.py: interrupted (Ctrl-C); no output file written"], \
+        err.read_text()[-2000:]
+    assert os.listdir(tmp_path) == ["err.txt"]
+
+
+def test_run_py_cli_torchrun_refuses_a_flag_once():
+    """Under torchrun (2 CPU ranks) a refused flag is said once, by rank 0, which alone fails."""
+    out = torchrun_cpu("--max-new-tokens", "0")
+    errors = [line for line in out.stderr.splitlines() if line.startswith("run.py: error:")]
+    assert out.returncode != 0 and errors == ["run.py: error: --max-new-tokens 0: must be at least 1"], out.stderr[-3000:]
+    assert "exitcode  : 2" in out.stderr and "rank      : 1" not in out.stderr, out.stderr[-3000:]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -3030,14 +3221,14 @@ def test_run_py_cli_tree(tmp_path):
                              "--batch-size", "2", "--reps", "2"], check=True,
                             capture_output=True, text=True, cwd=HERE, env=CPU_ENV).stdout
     r = json.loads(out.read_text())
-    assert "the end-to-end speculative rows draft a tree (topk 4, num_steps 3, 8 draft tokens)" in stdout
+    assert "the end-to-end rows draft a tree (topk 4, num_steps 3, 8 draft tokens)" in stdout
     assert (r["env"]["config"]["speculative_eagle_topk"], r["env"]["config"]["speculative_num_draft_tokens"]) == (4, 8)
     v = r["e2e"]["eagle3/decode/eager"]
     assert 1.5 <= v["accept_len_mean"] <= 4 and r["greedy_agreement_with_plain"] == {"eagle3/decode/eager": 1.0}
     assert {"verify/decode tree/eager", "draft_tree/eager"} <= set(r["phases_ms"])
     experts = r["contexts"]["16"]["distinct_experts"]   # a tree of 8 tokens reaches more than a chain's 4
     assert experts["verify/decode tree"] >= experts["verify/decode"] >= experts["decode_step"]
-    assert "verify decode tree" in stdout and "A tree of topk 4, 3 steps, 8 draft tokens" in " ".join(r["answer"])
+    assert "dec tree" in stdout and "A tree of topk 4, 3 steps, 8 draft tokens" in " ".join(r["answer"])
     tree = r["cost_model"]["tree"]
     assert tree["cycle_ms"] > 0 and tree["break_even_accept_len"] > 0 and tree["accept_ratio_to_beat_chain"] > 0
 

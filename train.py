@@ -1,7 +1,13 @@
 """The tiny trained pair: a tiny Kimi-K2-architecture target and its EAGLE-3 head, made in minutes on a CPU.
 
-    python train.py              # train both (a few CPU minutes), save them, measure them
-    python train.py --eval       # only measure the saved pair on the held-out prompts
+    python train.py                  # train both (~5 CPU minutes), save them to out/tiny-stdlib, measure
+    python train.py --out DIR        # ... save them to DIR instead
+    python train.py --eval [DIR]     # only measure a saved pair (default the committed one), print it
+    python train.py --out checkpoints/tiny-stdlib --overwrite-committed   # remake the committed pair
+
+Training runs on one CPU thread (--threads): the sums' order then does not depend on the machine,
+and the default remakes the committed pair tensor for tensor on the Python and torch that
+recipe.json names. More threads train faster and make a different pair, as good.
 
 The data is every machine's own: bytes (vocabulary 256, the `tiny` preset's) of the Python
 standard library's source files, TRAIN_FILES for training and HELDOUT_FILES for held-out prompts
@@ -27,6 +33,7 @@ import os
 import platform
 import sys
 import sysconfig
+import tempfile
 import time
 
 import torch
@@ -40,8 +47,9 @@ from draft import Eagle3Draft, draft_preset, draft_vocab, train_step, ttt_loss
 from verify import generate
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-PAIR_DIR = os.path.join(HERE, "checkpoints", "tiny-stdlib")
+PAIR_DIR = os.path.join(HERE, "checkpoints", "tiny-stdlib")  # the committed pair, what run.py runs
 TARGET_DIR, DRAFT_DIR = os.path.join(PAIR_DIR, "target"), os.path.join(PAIR_DIR, "eagle3")
+OUT_DIR = os.path.join(HERE, "out", "tiny-stdlib")           # where training writes by default (not in git)
 
 # modules present in every CPython from 3.10 on (none of them removed or turned into a package since)
 TRAIN_FILES = sorted([
@@ -87,23 +95,31 @@ def windows(data, batch, length, gen):
 def heldout_prompts(n, length):
     """n prompts of `length` bytes from the held-out files, each starting at a line of code (its
     first non-blank byte a letter): the first such line from the middle of file i mod their count,
-    the k-th prompt of a file k such lines later; a prompt longer than the rest of its file goes on
-    through the held-out files."""
+    the k-th prompt of a file k such lines later (past the file's last one, from its middle again);
+    a prompt longer than the rest of its file goes on through the held-out files."""
     files = list(read_files(HELDOUT_FILES).values())
+    starts = [code_lines(text, text.rfind(b"\n", 0, len(text) // 2) + 1) for text in files]
     prompts = []
     for i in range(n):
-        text = files[i % len(files)]
-        at = text.rfind(b"\n", 0, len(text) // 2) + 1
-        for k in range(i // len(files) + 1):
-            if k:
-                at = text.index(b"\n", at) + 1
-            while not text[at:at + 200].lstrip(b" ")[:1].isalpha():  # a blank, comment or docstring line
-                at = text.index(b"\n", at) + 1
+        text, lines = files[i % len(files)], starts[i % len(files)]
+        at = lines[(i // len(files)) % len(lines)]
         stream = text[at:at + length]
         while len(stream) < length:  # longer than the rest of the file: go on through all held-out files
             stream += b"".join(files)[:length - len(stream)]
         prompts.append(list(stream))
     return prompts
+
+
+def code_lines(text, at):
+    """The offsets of the lines of code (not blank, a comment or a docstring line: the first
+    non-blank byte a letter) in `text` from offset `at` on."""
+    out = []
+    while at < len(text):
+        if text[at:at + 200].lstrip(b" ")[:1].isalpha():
+            out.append(at)
+        nl = text.find(b"\n", at)
+        at = len(text) if nl < 0 else nl + 1
+    return out
 
 
 def lr_at(step, cfg):
@@ -197,10 +213,11 @@ def train_draft(target, data):
     return head, history
 
 
-def load_pair(max_batch_size=1, max_seq_len=256, dtype=torch.float32, device=None):
-    """The saved pair, loaded as run.py loads checkpoints."""
-    target = checkpoint.load_target(TARGET_DIR, max_batch_size, max_seq_len, device, dtype)
-    return target, checkpoint.load_draft(DRAFT_DIR, target)
+def load_pair(max_batch_size=1, max_seq_len=256, dtype=torch.float32, device=None, folder=PAIR_DIR):
+    """The pair saved in `folder` (target/ and eagle3/; default the committed one), loaded as run.py
+    loads checkpoints."""
+    target = checkpoint.load_target(os.path.join(folder, "target"), max_batch_size, max_seq_len, device, dtype)
+    return target, checkpoint.load_draft(os.path.join(folder, "eagle3"), target)
 
 
 def measure(target, head, n_prompts=12):
@@ -228,29 +245,70 @@ def measure(target, head, n_prompts=12):
                 sample=bytes(prompts[0] + plain.tokens[0]).decode("utf-8", "replace"))
 
 
-def main(argv=None):
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--eval", action="store_true", help="only measure the saved pair (no training)")
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, as run.py's refusals (no usage block)
+        self.exit(2, f"train.py: error: {message}\n")
+
+
+def parse_args(argv):
+    p = Parser(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--out", default=OUT_DIR, help="the folder to write the pair to (target/, eagle3/, "
+                   "recipe.json); default out/tiny-stdlib, not the committed checkpoints/tiny-stdlib")
+    p.add_argument("--overwrite-committed", action="store_true", help="allow writing into the committed "
+                   "pair's folder checkpoints/tiny-stdlib (--out, or --eval's recipe.json)")
+    p.add_argument("--eval", nargs="?", const=PAIR_DIR, metavar="DIR", help="only measure the pair in DIR "
+                   "(default the committed one) and print the numbers; with --overwrite-committed, also "
+                   "write them into its recipe.json")
+    p.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1: the committed "
+                   "pair is reproduced only with 1; more train faster and make a different pair)")
     args = p.parse_args(argv)
+    if args.threads < 1:
+        p.error(f"--threads {args.threads}: must be at least 1")
+    committed = os.path.realpath(PAIR_DIR)
+    if args.eval is None and os.path.realpath(args.out) == committed and not args.overwrite_committed:
+        p.error(f"--out {args.out} is the committed pair: training would overwrite it; add "
+                "--overwrite-committed to remake it, or give another folder")
+    if args.eval is not None and not os.path.isdir(os.path.join(args.eval, "target")):
+        p.error(f"--eval {args.eval}: no pair there (no target/ folder; train.py writes one with --out)")
+    if args.eval is None:  # before minutes of training, not after
+        try:
+            os.makedirs(args.out, exist_ok=True)
+            with tempfile.TemporaryFile(dir=args.out):
+                pass
+        except OSError as e:
+            p.error(f"--out {args.out}: cannot write there ({e.strerror})")
+    return args
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    if args.eval:  # measure again, into recipe.json beside the training record
-        target, head = load_pair(max_batch_size=16)
-        with open(os.path.join(PAIR_DIR, "recipe.json")) as f:
-            recipe = dict(json.load(f), **measure(target, head))
-        write_recipe(recipe)
+    if args.eval is not None:  # measure again; into recipe.json beside the training record if allowed
+        target, head = load_pair(max_batch_size=16, folder=args.eval)
+        numbers = measure(target, head)
+        if os.path.realpath(args.eval) != os.path.realpath(PAIR_DIR) or args.overwrite_committed:
+            path = os.path.join(args.eval, "recipe.json")
+            recipe = json.load(open(path)) if os.path.exists(path) else {}
+            write_recipe(dict(recipe, **numbers), args.eval)
+        else:
+            print(json.dumps(numbers, indent=1))
         return
+    out = args.out
+    target_dir, draft_dir = os.path.join(out, "target"), os.path.join(out, "eagle3")
     data = corpus(TRAIN_FILES)
-    print(f"training bytes: {len(data):,} from {len(TRAIN_FILES)} stdlib files of Python {platform.python_version()}")
+    print(f"training bytes: {len(data):,} from {len(TRAIN_FILES)} stdlib files of Python {platform.python_version()}"
+          f", {args.threads} thread(s), into {out}")
     t0, c0 = time.perf_counter(), time.process_time()
     target, t_hist = train_target(data)
-    checkpoint.save_target(target, TARGET_DIR)
+    checkpoint.save_target(target, target_dir)
     t1, c1 = time.perf_counter(), time.process_time()
-    target = checkpoint.load_target(TARGET_DIR, DRAFT["batch"], SEQ_LEN, dtype=torch.float32)
+    target = checkpoint.load_target(target_dir, DRAFT["batch"], SEQ_LEN, dtype=torch.float32)
     kernels.accelerate(target, moe="grouped")
     head, d_hist = train_draft(target, data)
-    checkpoint.save_draft(head, DRAFT_DIR)
+    checkpoint.save_draft(head, draft_dir)
     t2, c2 = time.perf_counter(), time.process_time()
-    target, head = load_pair(max_batch_size=16)
+    target, head = load_pair(max_batch_size=16, folder=out)
     numbers = measure(target, head)
     recipe = dict(python=platform.python_version(), torch=torch.__version__, machine=platform.machine(),
                   cpu_threads=torch.get_num_threads(), date=time.strftime("%Y-%m-%d", time.gmtime()),
@@ -259,11 +317,11 @@ def main(argv=None):
                   target=TARGET, draft=DRAFT, eval=EVAL, target_train_s=t1 - t0, draft_train_s=t2 - t1,
                   target_train_cpu_s=c1 - c0, draft_train_cpu_s=c2 - c1, load_average=os.getloadavg(),
                   target_final_loss=sum(t_hist[-20:]) / 20, draft_final_loss=sum(d_hist[-20:]) / 20, **numbers)
-    write_recipe(recipe)
+    write_recipe(recipe, out)
 
 
-def write_recipe(recipe):
-    with open(os.path.join(PAIR_DIR, "recipe.json"), "w") as f:
+def write_recipe(recipe, folder):
+    with open(os.path.join(folder, "recipe.json"), "w") as f:
         json.dump(recipe, f, indent=1)
     print(json.dumps({k: v for k, v in recipe.items() if not k.endswith("_files")}, indent=1))
 

@@ -25,6 +25,7 @@ at slots after the prefix under a mask as data (tree_visible), accepted by a wal
 (tree_accept: greedy, or multi-candidate rejection sampling, SpecInfer arXiv:2305.09781), the
 accepted path's latents moved to slot = position (Transformer.move_cache).
 """
+import math
 from dataclasses import dataclass
 from functools import partial
 
@@ -38,7 +39,10 @@ from model import eos_union
 @dataclass
 class GenerateResult:
     tokens: list          # per row, the generated ids (prompt excluded)
-    accepted: torch.Tensor  # [cycles, B] drafts accepted per row per cycle, -1 once a row finished
+    accepted: torch.Tensor  # [cycles, B] tokens a row kept in a cycle, minus one: the drafts
+                            # accepted, less any cut at max_new_tokens or after an EOS; -1 once
+                            # the row finished. Per row, the sum of (accepted + 1) over its live
+                            # cycles, + 1 for the prefill's token, is len(tokens[row])
     cycles: int
     simulated: bool       # acceptance forced by simulate_accept_len: the tokens are not the model's
     drafts: torch.Tensor | None = None  # [cycles, B, k] the ids each cycle verified, -1 once a row
@@ -96,11 +100,12 @@ def kv_bucket(n, limit):
 PREFILL_CHUNK = 2048  # positions a prefill forward: extend attention holds [B, chunk, H, S] scores
 
 
-def prefill_target(target, tokens, last, capture_aux, chunk=PREFILL_CHUNK):
+def prefill_target(target, tokens, last, capture_aux, chunk=PREFILL_CHUNK, progress=None):
     """The extend forward over prompts [B, P] in chunks of `chunk` positions, each reading only
     the slots written so far; a chunk attends to the slots the earlier ones wrote (slot = position),
     so this equals one pass. Returns the logits at each row's last prompt position `last` [B]
-    ([B, V]) and, with capture_aux, the EAGLE-3 states of every position [B, P, 3D] (else None)."""
+    ([B, V]) and, with capture_aux, the EAGLE-3 states of every position [B, P, 3D] (else None).
+    progress(n), if given, is called with each chunk's positions (run.py's progress bar)."""
     B, P = tokens.shape
     out_logits, auxes = None, []
     for s in range(0, P, chunk):
@@ -112,10 +117,12 @@ def prefill_target(target, tokens, last, capture_aux, chunk=PREFILL_CHUNK):
         picked = logits.gather(1, row).squeeze(1)                               # [B, V]
         here = ((last >= s) & (last < e)).unsqueeze(1)                          # [B, 1]
         out_logits = picked if out_logits is None else torch.where(here, picked, out_logits)
+        if progress:
+            progress(e - s)
     return out_logits, torch.cat(auxes, 1) if capture_aux else None
 
 
-def prefill_draft(draft, tokens, aux, last, chunk=PREFILL_CHUNK, extend=None):
+def prefill_draft(draft, tokens, aux, last, chunk=PREFILL_CHUNK, progress=None, extend=None):
     """Eagle3Draft.extend (or `extend`: its extend_logits, for a tree) over all prompt rows
     [B, P] in chunks (exact, as `prefill_target`). Returns d_1 [B] (or the logits [B, Vd]) and
     g [B, D] of each row's row `last`."""
@@ -130,6 +137,8 @@ def prefill_draft(draft, tokens, aux, last, chunk=PREFILL_CHUNK, extend=None):
         here = (last >= s) & (last < e)                                           # [B]
         first = f if first is None else torch.where(here.view(-1, *[1] * (f.dim() - 1)), f, first)
         g = h if g is None else torch.where(here.unsqueeze(1), h, g)
+        if progress:
+            progress(e - s)
     return first, g
 
 
@@ -162,10 +171,30 @@ def accept(logits, drafts, temperature, generator):
     return m, exponential_race(residual, generator)
 
 
+def simulated_mean(center, k):
+    """The mean of round(clamp(N(center, 1), 1, k+1)): 1 + the sum over j = 1..k of P(length > j),
+    and length > j when the draw passes j + 1/2."""
+    return 1 + sum(0.5 * math.erfc((j + 0.5 - center) / math.sqrt(2)) for j in range(1, k + 1))
+
+
+def simulated_center(mean_len, k):
+    """The center whose rounded, clamped normal has mean `mean_len` (bisection: the mean rises
+    with the center). The clamp piles the tails onto 1 and k+1, so a normal centered at the mean
+    itself comes out nearer the middle (1.49 for 1.2 at k = 3); at 1 or k+1 the center is far
+    out."""
+    lo, hi = 1.0 - 8 * k, k + 1.0 + 8 * k
+    for _ in range(100):
+        mid = (lo + hi) / 2
+        lo, hi = (mid, hi) if simulated_mean(mid, k) < mean_len else (lo, mid)
+    return (lo + hi) / 2
+
+
 def simulated_accept(m, mean_len, k, generator):
-    """SGLang's SGLANG_SIMULATE_ACC_LEN: accepted length (bonus included) ~ round(clamp(N(mean, 1),
-    1, k+1)), drawn per row on the device; returns drafts accepted."""
-    n = torch.normal(float(mean_len), 1.0, m.shape, generator=generator, device=m.device)
+    """SGLang's SGLANG_SIMULATE_ACC_LEN: accepted length (bonus included) ~ round(clamp(N(c, 1),
+    1, k+1)), drawn per row on the device, with c (simulated_center) chosen so that the mean is
+    mean_len; returns drafts accepted."""
+    center = simulated_center(float(mean_len), k)
+    n = torch.normal(center, 1.0, m.shape, generator=generator, device=m.device)
     return n.clamp(1, k + 1).round().long() - 1
 
 
@@ -268,7 +297,8 @@ def commit(rows, emitted, m, eos, max_new_tokens):
     - all k+1 columns are written at out[n_out : n_out+k+1]; those past count are junk that the
       next commit overwrites or that lie past the row's final n_out (out has k+1 spare columns);
     - x becomes the last token taken and cur its position: the next cycle verifies from there;
-    - a row finishes when it takes an EOS or its max_new_tokens-th token."""
+    - a row finishes when it takes an EOS or its max_new_tokens-th token.
+    Returns count [B], the tokens each row took (0 for a row already finished)."""
     offsets = rows.offsets[:emitted.shape[1]]
     count = m + 1
     is_eos = (emitted.unsqueeze(-1) == eos).any(-1) & (offsets < count.unsqueeze(1))   # [B, k+1]
@@ -281,6 +311,7 @@ def commit(rows, emitted, m, eos, max_new_tokens):
     rows.x = torch.where(rows.done, rows.x, last_taken)
     rows.cur = rows.cur + count
     rows.done = rows.done | hit_eos | (rows.n_out >= max_new_tokens)
+    return count
 
 
 def prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, generator, eos, tree=None):
@@ -468,8 +499,9 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
                                                   sizes, attention_mode, temperature, gen,
                                                   simulate_accept_len, mark)
             proposed.append(verified + (path,))
-        accepted.append(m.masked_fill(rows.done, -1))
-        commit(rows, emitted, m, eos, max_new_tokens)
+        # what commit kept, not what accept accepted: a cycle cut at max_new_tokens or an EOS
+        # counts only its kept tokens (and a finished row's 0 becomes -1)
+        accepted.append(commit(rows, emitted, m, eos, max_new_tokens) - 1)
         mark("commit")
     return result(rows, accepted, proposed if draft is not None else None, width - 1,
                   simulate_accept_len is not None)
@@ -510,6 +542,8 @@ def result(rows, accepted, proposed, columns, simulated):
         if isinstance(proposed[0], tuple):   # a tree: tokens, parents below the root; accepted path
             parents, paths = (torch.stack([x[i] for x in proposed]).cpu().masked_fill(finished, -1)
                               for i in (1, 2))
+            depth = torch.arange(1, paths.shape[-1] + 1)   # the nodes commit kept (EOS, max_new)
+            paths = paths.masked_fill(depth > stats.unsqueeze(-1), -1)
             proposed = [x[0] for x in proposed]
         drafted = torch.stack(proposed).cpu().masked_fill(finished, -1)
     elif proposed is not None:
