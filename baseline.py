@@ -24,6 +24,10 @@ log-softmax after reading the sequence's first t+1 tokens, predicting token t+1.
                                         bonus token not counted; a cycle cut at max_new_tokens or
                                         an EOS counts the tokens it kept, minus 1), -1 once the
                                         row finished
+  draft_parents  int64   [B, C, k]      a tree only (k = N - 1 nodes below the root, in node
+                                        order): node i's parent, 0 the root, j the j-th draft
+  accepted_nodes int64   [B, C, D]      a tree only: the accepted drafts' node numbers by depth
+                                        (1-based, as draft_parents), -1 past the accepted ones
   meta           str     []             optional: JSON saying what produced the file
 """
 import json
@@ -98,9 +102,10 @@ def read_prompt_ids(path):
 
 @torch.no_grad()
 def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
-         attention_mode="extend", use_graphs=False, eos_id=None, chunk=256):
-    """Greedy generation (speculative with `head`, plain with None) and the target's top-K
-    log-probabilities along the sequences it produced: the dump's arrays, the same on every rank.
+         attention_mode="extend", use_graphs=False, eos_id=None, chunk=256, tree=None):
+    """Greedy generation (speculative with `head`, plain with None; tree: (K, N) to draft a tree
+    of topk K and N draft tokens) and the target's top-K log-probabilities along the sequences
+    it produced: the dump's arrays, the same on every rank.
 
     The log-probabilities come from a separate teacher-forced extend forward over each row's prompt
     and output, so they do not depend on how generation batched, drafted or graphed its steps."""
@@ -108,8 +113,10 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
         raise ValueError(f"max_new_tokens {max_new_tokens}: must be at least 1")
     if not 1 <= topk <= target.args.vocab_size:
         raise ValueError(f"topk {topk}: must lie in [1, the vocabulary's {target.args.vocab_size} ids]")
+    K, N = tree or (None, None)
     res = generate(target, head, prompts, max_new_tokens=max_new_tokens, num_steps=num_steps,
-                   attention_mode=attention_mode, use_graphs=use_graphs, eos_id=eos_id)
+                   attention_mode=attention_mode, use_graphs=use_graphs, eos_id=eos_id, topk=K,
+                   num_draft_tokens=N)
     B, P, N = len(prompts), max(len(p) for p in prompts), max_new_tokens
     T = P + N - 1  # the last output token predicts nothing we keep
     prompt_ids, output_ids = np.full((B, P), -1, np.int64), np.full((B, N), -1, np.int64)
@@ -135,6 +142,9 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
     if head is not None:
         out["draft_ids"] = res.drafts.transpose(0, 1).numpy()                   # [B, C, k]
         out["accepted"] = res.accepted.T.numpy()                                 # [B, C]
+    if res.parents is not None:
+        out["draft_parents"] = res.parents.transpose(0, 1).numpy()              # [B, C, N-1]
+        out["accepted_nodes"] = res.paths.transpose(0, 1).numpy()               # [B, C, D]
     return out
 
 
@@ -171,7 +181,33 @@ def check_dump(d, name):
             b, c = np.argwhere(d["accepted"] > k)[0]
             raise ValueError(f"{name}: accepted[{b}, {c}] = {d['accepted'][b, c]} drafts, more "
                              f"than the k = {k} that draft_ids says each cycle verified")
+        if "draft_parents" in d:
+            check_tree_arrays(d, name, check, B, C, k)
     return B, P, N
+
+
+def check_tree_arrays(d, name, check, B, C, k):
+    """A tree's arrays: each node's parent precedes it; the accepted nodes, one per depth down
+    to `accepted`, form a path from the root through the tree."""
+    check("draft_parents", "iu", [B, C, k])
+    if "accepted_nodes" not in d or "accepted" not in d:
+        raise ValueError(f"{name}: draft_parents (a tree) needs accepted and accepted_nodes")
+    D = check("accepted_nodes", "iu", [B, C, "D"])[2]
+    parents, nodes, m = d["draft_parents"], d["accepted_nodes"], d["accepted"]
+    live = m >= 0                                                             # [B, C]
+    bad = live[..., None] & ((parents < 0) | (parents > np.arange(k)))
+    if bad.any():
+        b, c, i = np.argwhere(bad)[0]
+        raise ValueError(f"{name}: draft_parents[{b}, {c}, {i}] = {parents[b, c, i]}: node "
+                         f"{i + 1}'s parent must be the root (0) or a node before it")
+    for b, c in np.argwhere(live):
+        want = nodes[b, c, :m[b, c]]
+        up = [0] + list(want)
+        ok = (m[b, c] <= D and (nodes[b, c, m[b, c]:] == -1).all() and (want >= 1).all()
+              and (want <= k).all() and all(parents[b, c, n - 1] == p for n, p in zip(want, up)))
+        if not ok:
+            raise ValueError(f"{name}: accepted_nodes[{b}, {c}] = {nodes[b, c].tolist()} is not a "
+                             f"path of accepted[{b}, {c}] = {m[b, c]} nodes down from the root")
 
 
 def load_dump(path):
@@ -284,6 +320,10 @@ def compare(a, b, names=("A", "B"), max_logprob_diff=MAX_LOGPROB_DIFF,
     if (a["prompt_ids"] != b["prompt_ids"]).any():
         row = int(np.argwhere(a["prompt_ids"] != b["prompt_ids"])[0, 0])
         raise ValueError(f"prompt_ids differ in row {row}: not dumps of the same prompts")
+    trees = ["draft_parents" in d for d in (a, b) if "draft_ids" in d]
+    if len(trees) == 2 and trees[0] != trees[1]:
+        raise ValueError(f"{names[0]} drafts a {'tree' if trees[0] else 'chain'}, {names[1]} a "
+                         f"{'tree' if trees[1] else 'chain'}: not runs of the same drafting")
     ks = [d["draft_ids"].shape[2] for d in (a, b) if "draft_ids" in d]
     if len(ks) == 2 and ks[0] != ks[1]:
         raise ValueError(f"draft_ids: {names[0]} drafts k = {ks[0]} tokens a cycle, {names[1]} "
@@ -371,16 +411,19 @@ def dump_main(cfg, target, head, how):
     and returns 0. cfg: run.py's settled configuration (its attention_modes: verify's one mode,
     in the model's words); how: what the target is (for the meta array). A request the model
     cannot take raises ValueError."""
+    K, N = cfg.speculative_eagle_topk, cfg.speculative_num_draft_tokens
+    tree = (K, N) if K > 1 else None
     what = "plain greedy" if head is None else (
-        f"EAGLE-3 {cfg.draft_path}, num_steps {cfg.speculative_num_steps}, attention "
-        f"{cfg.speculative_attention_mode}, graphs {cfg.cuda_graph}")
+        f"EAGLE-3 {cfg.draft_path}, num_steps {cfg.speculative_num_steps}"
+        + (f", tree of topk {K} and {N} draft tokens" if tree else "")
+        + f", attention {cfg.speculative_attention_mode}, graphs {cfg.cuda_graph}")
     device = target.device
     meta = dict(target=how, tp=target.tp.world_size, dtype=cfg.dtype, decoding=what,
                 max_new_tokens=cfg.max_new_tokens, topk=cfg.topk, torch=torch.__version__,
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     print0(f"dump: {json.dumps(meta)}")
     arrays = dump(target, head, cfg.prompts, cfg.max_new_tokens, cfg.speculative_num_steps,
-                  cfg.topk, cfg.attention_modes[0], use_graphs=cfg.cuda_graph == "on")
+                  cfg.topk, cfg.attention_modes[0], use_graphs=cfg.cuda_graph == "on", tree=tree)
     if target.tp.rank == 0:  # np.savez on a file, not a name: a name would gain ".npz"
         write_whole(cfg.dump, lambda f: np.savez(f, meta=np.array(json.dumps(meta)), **arrays))
         shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in arrays.items())

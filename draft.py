@@ -12,7 +12,9 @@ position t, the embedding of the token at t+1, RoPE position t, and predicts the
 So after the target has verified up to position p and produced the token at p+1, the last extend
 row (position p) gives d_1, the guess for position p+2, and chain step i (RoPE position p+1+i)
 turns d_{i+1} into d_{i+2}: the draft phase, a chain of num_steps - 1 head steps. Slot =
-position in the head's own KV cache, as in the target.
+position in the head's own KV cache, as in the target. A tree (topk > 1; EAGLE-2, arXiv:2406.16858,
+and SGLang) expands the top-K at each level instead (Eagle3Draft.tree, select_tree), its rows at
+scratch slots after the prefix, each seeing its ancestors only.
 
 Training (the end of this file): EAGLE-3's "training-time test". The head is unrolled num_steps
 times over whole sequences as inference runs it (Eagle3Draft.unroll: step 1 reads the target's
@@ -24,6 +26,7 @@ Shape legend: B batch, T rows, D draft hidden, Dt target hidden, H local heads, 
 Hd head dim, Vd draft vocab.
 """
 from dataclasses import asdict, dataclass, field, fields
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -120,17 +123,19 @@ class DraftAttention(nn.Module):
             self.register_buffer(name, torch.zeros(shape, device=device, dtype=dtype),
                                  persistent=False)
 
-    def forward(self, x, positions, cos, sin, kv_len=None, past=None):   # x [B, T, 2D]
-        """past None (inference): write this step's keys and values into the cache at `positions`
-        (slot = position) and attend to slots <= position among the first kv_len (default all).
-        past a list (training, see Eagle3Draft.unroll): the earlier unrolled steps' keys and
-        values, this step's appended; no cache is touched."""
+    def forward(self, x, positions, cos, sin, kv_len=None, past=None, slots=None, visible=None):
+        """x [B, T, 2D]. past None (inference): write this step's keys and values into the cache
+        at `slots` (default: slot = position) and attend among the first kv_len slots (default
+        all) to those `visible` [B, T, kv_len] allows (default: slots <= position). A draft tree
+        passes both (Eagle3Draft.tree: its nodes share positions, so they need slots of their
+        own, and each sees only its ancestors). past a list (training, see Eagle3Draft.unroll):
+        the earlier unrolled steps' keys and values, this step's appended; no cache is touched."""
         B, T, _ = x.shape
         q = rotate_half_rope(self.q_proj(x).view(B, T, self.n_local_heads, -1), cos, sin)
         k = rotate_half_rope(self.k_proj(x).view(B, T, self.n_local_kv_heads, -1), cos, sin)
         v = self.v_proj(x).view(B, T, self.n_local_kv_heads, -1)
         if past is None:
-            o = self.attend_cache(q, k, v, positions, kv_len)
+            o = self.attend_cache(q, k, v, positions, kv_len, slots, visible)
         else:
             o = self.attend_unrolled(q, k, v, past)
         return self.o_proj(o.flatten(2))
@@ -138,17 +143,19 @@ class DraftAttention(nn.Module):
     def expand_kv(self, t):                                    # [B, S, G, Hd] -> [B, S, H, Hd]
         return t.repeat_interleave(self.n_local_heads // self.n_local_kv_heads, 2)
 
-    def attend_cache(self, q, k, v, positions, kv_len):
+    def attend_cache(self, q, k, v, positions, kv_len, slots=None, visible=None):
         B = q.shape[0]
         rows = torch.arange(B, device=q.device).unsqueeze(1)
-        self.k_cache[rows, positions] = k
-        self.v_cache[rows, positions] = v
+        slots = positions if slots is None else slots
+        self.k_cache[rows, slots] = k
+        self.v_cache[rows, slots] = v
         S = kv_len or self.k_cache.shape[1]  # the slots read: the first kv_len (default all)
         k = self.expand_kv(self.k_cache[:B, :S])                                 # [B, S, H, Hd]
         v = self.expand_kv(self.v_cache[:B, :S])
         scores = torch.einsum("bthd,bshd->bths", q, k) * self.scale
-        future = torch.arange(S, device=q.device) > positions.unsqueeze(-1)  # [B, T, S] (model.py)
-        scores = scores.masked_fill(future.unsqueeze(2), float("-inf"))
+        if visible is None:
+            visible = torch.arange(S, device=q.device) <= positions.unsqueeze(-1)   # [B, T, S]
+        scores = scores.masked_fill(~visible.unsqueeze(2), float("-inf"))
         p = scores.softmax(-1, dtype=torch.promote_types(q.dtype, torch.float32)).to(q.dtype)
         return torch.einsum("bths,bshd->bthd", p, v)
 
@@ -186,10 +193,63 @@ class MidLayer(nn.Module):
         self.mlp = MLP(a.hidden_size, a.intermediate_size, tp, "draft intermediate_size",
                        device=device, dtype=dtype)
 
-    def forward(self, emb, hidden, positions, cos, sin, kv_len=None, past=None):
+    def forward(self, emb, hidden, positions, cos, sin, kv_len=None, past=None, slots=None,
+                visible=None):
         x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], -1)   # [B, T, 2D]
-        h = hidden + self.self_attn(x, positions, cos, sin, kv_len, past)      # residual = hidden
+        attn = self.self_attn(x, positions, cos, sin, kv_len, past, slots, visible)
+        h = hidden + attn                                                # residual = hidden
         return h + self.mlp(self.post_attention_layernorm(h))                  # g, before the norm
+
+
+class Tree(NamedTuple):
+    """A draft tree per row. Node 0 is the root (the verified token); the others follow in
+    SGLang's and EAGLE's order: the order expansion scored them in (level by level; within a
+    level by the parent's rank in the frontier, then by the child's rank among its siblings),
+    so every parent precedes its children and siblings carry distinct tokens."""
+    tokens: torch.Tensor   # [B, N] target ids
+    parents: torch.Tensor  # [B, N] the parent's node index; -1 for the root
+    depths: torch.Tensor   # [B, N] 0 for the root, 1 for the level of d_1, ...
+    scores: torch.Tensor   # [B, N] cumulative log-probability under the head (0 for the root)
+
+
+def tree_capacity(topk, num_steps):
+    """The nodes a tree can hold, the root included: 1 + K + (S - 1) K^2 (all that is scored)."""
+    return 1 + topk + (num_steps - 1) * topk * topk
+
+
+def check_tree(topk, num_steps, num_nodes):
+    if topk < 1 or num_steps < 1:
+        raise ValueError(f"topk and num_steps must be >= 1, not {topk} and {num_steps}")
+    if not 2 <= num_nodes <= tree_capacity(topk, num_steps):
+        most = tree_capacity(topk, num_steps)
+        raise ValueError(f"num_draft_tokens {num_nodes} outside [2, {most}]: a tree of topk {topk} "
+                         f"and {num_steps} steps holds 1 + K + (S - 1) K^2 = {most} nodes")
+
+
+def log_probs(logits):
+    return logits.to(torch.promote_types(logits.dtype, torch.float32)).log_softmax(-1)
+
+
+def select_tree(root, scores, tokens, parents, topk, num_nodes):
+    """The tree of the num_nodes - 1 best scored nodes under `root` [B] (SGLang's
+    organize_draft_results and build_tree_kernel_efficient; EAGLE's topK_genrate). scores,
+    tokens, parents [B, M]: every node the expansion scored, in flat order (level 1's K nodes,
+    then each later level's K x K children by frontier rank and child rank); parents as flat
+    indices, -1 for the root. The sort is stable, so on a tie a parent (earlier in flat order,
+    and never scored below its child) comes first: the chosen set holds every chosen node's
+    parent. The chosen nodes keep flat order. All on the device, shapes fixed by (K, S, N)."""
+    (B, M), dev = scores.shape, scores.device
+    chosen = scores.sort(dim=-1, descending=True, stable=True).indices[:, :num_nodes - 1]
+    chosen = chosen.sort(-1).values                                        # [B, N-1], flat order
+    node_of = torch.zeros(B, M + 1, dtype=torch.long, device=dev)  # flat index + 1 -> node; 0: root
+    node_of.scatter_(1, chosen + 1, torch.arange(1, num_nodes, device=dev).expand(B, -1))
+    flat = torch.arange(M, device=dev)
+    level = torch.where(flat < topk, 1, 2 + (flat - topk) // (topk * topk))  # [M]
+    first = torch.zeros(B, 1, dtype=torch.long, device=dev)
+    return Tree(tokens=torch.cat([root.unsqueeze(1), tokens.gather(1, chosen)], 1),
+                parents=torch.cat([first - 1, node_of.gather(1, parents.gather(1, chosen) + 1)], 1),
+                depths=torch.cat([first, level[chosen]], 1),
+                scores=torch.cat([first.to(scores.dtype), scores.gather(1, chosen)], 1))
 
 
 def set_target_aux_layers(target, args):
@@ -236,18 +296,19 @@ class Eagle3Draft(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
 
-    def forward(self, tokens, positions, hidden, kv_len=None, past=None):
+    def forward(self, tokens, positions, hidden, kv_len=None, past=None, slots=None, visible=None):
         """One pass of the midlayer. tokens, positions [B, T]; hidden [B, T, D], in the head's
         own width: fc(target states) on extend rows, the previous step's g on chain steps.
         EAGLE-3 fuses only the target's states through fc (`extend` applies it, `chain` does
-        not). Attention over the first kv_len cache slots (default all); past: see
-        DraftAttention.forward. Returns draft logits [B, T, Vd] and g [B, T, D]."""
+        not). Attention over the first kv_len cache slots (default all); past, slots, visible:
+        see DraftAttention.forward. Returns draft logits [B, T, Vd] and g [B, T, D]."""
         if hidden.shape[-1] != self.args.hidden_size:
             raise ValueError(f"hidden is {hidden.shape[-1]} wide, not the head's hidden_size "
                              f"{self.args.hidden_size}: target states go through extend (which "
                              "applies fc), not straight into the head")
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        g = self.midlayer(self.embed_tokens(tokens), hidden, positions, cos, sin, kv_len, past)
+        emb = self.embed_tokens(tokens)
+        g = self.midlayer(emb, hidden, positions, cos, sin, kv_len, past, slots, visible)
         return self.lm_head(self.norm(g)), g
 
     def hot_ids(self):
@@ -261,10 +322,16 @@ class Eagle3Draft(nn.Module):
     def extend(self, tokens, positions, target_states, last, kv_len=None):
         """Rows with fresh target states [B, T, 3*Dt] (fused by fc); `last` [B] is each row's last
         valid row. Returns d_1 [B] (target ids) and g [B, D] of that row."""
+        logits, g = self.extend_logits(tokens, positions, target_states, last, kv_len)
+        return self.to_target_ids(logits), g
+
+    def extend_logits(self, tokens, positions, target_states, last, kv_len=None):
+        """`extend`, returning the draft logits [B, Vd] of each row's row `last` instead of its
+        top-1 (a tree drafts the top-K of them), and g [B, D] of that row."""
         logits, g = self(tokens, positions, self.fc(target_states), kv_len)
         pick = last.view(-1, 1, 1)
         logits = logits.gather(1, pick.expand(-1, 1, logits.shape[-1])).squeeze(1)
-        return self.to_target_ids(logits), g.gather(1, pick.expand(-1, 1, g.shape[-1])).squeeze(1)
+        return logits, g.gather(1, pick.expand(-1, 1, g.shape[-1])).squeeze(1)
 
     def chain(self, first, g, last_pos, num_steps, kv_len=None):
         """The draft phase: d_1 = first [B], then num_steps - 1 head steps. last_pos [B] is the
@@ -285,6 +352,51 @@ class Eagle3Draft(nn.Module):
         first, g = self.extend(tokens, positions, target_states, last)
         last_pos = positions.gather(1, last.unsqueeze(1)).squeeze(1)
         return self.chain(first, g, last_pos, num_steps)
+
+    def tree(self, root, logits, g, last_pos, topk, num_steps, num_nodes, kv_len=None):
+        """The draft tree of EAGLE-2/3 and SGLang (--speculative-eagle-topk K,
+        --speculative-num-steps S, --speculative-num-draft-tokens N). root [B]: the verified
+        token x, at position p + 1 (p = last_pos [B], the position of the extend's last row);
+        logits [B, Vd] and g [B, D]: that row's (extend_logits), which guess x's children.
+        Level 1: their top-K. Each later level: one head pass over the K frontier nodes (RoPE
+        position p + level - 1, each reading the g of the row that proposed it), each proposes
+        its top-K children, K x K candidates scored by cumulative log-probability under the head;
+        the best K are the next frontier.
+        After S levels (S - 1 head passes) the N - 1 best of all scored nodes under the root are
+        the tree (select_tree). Returns a Tree.
+
+        The head's cache: pass j (1-based) writes its K rows at the scratch slots
+        p + 1 + (j - 1) K .. p + j K after the prefix (slots <= p), and a row sees the prefix, its
+        ancestors' slots and its own (EAGLE's tree mask; `seen` [B, K, L] follows the frontier).
+        SGLang's draft decode instead lets frontier row r see the earlier passes' row r, an
+        ancestor only if the frontier kept its order. With K = 1 the slots are the positions and
+        this is `chain`. The next extend writes slots from p + 1 on before reading them (slot =
+        position), so the scratch is never read stale. kv_len must exceed p + (S - 1) K."""
+        check_tree(topk, num_steps, num_nodes)
+        (B, K), D, dev = (logits.shape[0], topk), g.shape[-1], root.device
+        L = kv_len or self.midlayer.self_attn.k_cache.shape[1]             # the slots read
+        score, ids = log_probs(logits).topk(K, -1)                           # [B, K], best first
+        tok = ids + self.d2t[ids]
+        scores, tokens, parents = [score], [tok], [torch.full_like(ids, -1)]
+        frontier, hidden = torch.arange(K, device=dev).expand(B, K), g.unsqueeze(1).expand(B, K, D)
+        prefix = (torch.arange(L, device=dev) <= last_pos.unsqueeze(1)).unsqueeze(1)   # [B, 1, L]
+        seen = torch.zeros(B, K, L, dtype=torch.bool, device=dev)  # the scratch slots a row sees
+        for j in range(1, num_steps):
+            slots = last_pos.unsqueeze(1) + 1 + (j - 1) * K + torch.arange(K, device=dev)   # [B, K]
+            seen = seen.scatter(2, slots.unsqueeze(2), True)
+            pos = (last_pos + j).unsqueeze(1).expand(B, K)
+            logits, g = self(tok, pos, hidden, kv_len, slots=slots, visible=prefix | seen)
+            child, ids = log_probs(logits).topk(K, -1)                       # [B, K, K]
+            cum = (score.unsqueeze(2) + child).flatten(1)                    # [B, K*K]
+            scores.append(cum)
+            tokens.append((ids + self.d2t[ids]).flatten(1))
+            parents.append(frontier.repeat_interleave(K, 1))
+            score, pick = cum.topk(K, -1)                                    # the next frontier
+            frontier = K + (j - 1) * K * K + pick                            # its flat indices
+            tok, up = tokens[-1].gather(1, pick), (pick // K).unsqueeze(2)   # up: its parent row
+            hidden, seen = g.gather(1, up.expand(B, K, D)), seen.gather(1, up.expand(B, K, L))
+        return select_tree(root, torch.cat(scores, 1), torch.cat(tokens, 1), torch.cat(parents, 1),
+                           K, num_nodes)
 
     def unroll(self, tokens, target_states, num_steps):
         """EAGLE-3's training-time test: the head run num_steps times over whole sequences exactly

@@ -1303,19 +1303,24 @@ class AddRMSNorm(model.RMSNorm):
 
 
 class DecodeAttentionKernel(model.MLA):
-    """"attention": decode mode's latent attention in one pass over the used slots."""
+    """"attention": decode mode's latent attention in one pass over the used slots. The kernel
+    masks by position (slots <= position); a draft tree's mask is not causal by position
+    (MLA.forward passes positions None), so a tree takes the plain attention."""
 
     def attend_latent(self, q_lat, q_pe, kv_c, pe_c, positions, future):
+        if positions is None:
+            return super().attend_latent(q_lat, q_pe, kv_c, pe_c, positions, future)
         return launch.mla_decode_attention(q_lat, q_pe, kv_c, pe_c, positions, self.args.softmax_scale)
 
 
 class RopeCacheKernel(model.MLA):
-    """"rope_cache": RoPE, the latent norm and both cache writes of write_cache in one kernel."""
+    """"rope_cache": RoPE, the latent norm and both cache writes of write_cache in one kernel
+    (writing at the slots it is given: a tree's are not its positions)."""
 
-    def write_cache(self, q_pe, kv_a, positions, rope):
+    def write_cache(self, q_pe, kv_a, slots, rope):
         a, norm = self.args, self.kv_a_layernorm
         kv, k_pe = kv_a.split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
-        return launch.mla_rope_cache_write(q_pe, kv, k_pe, norm.weight, norm.eps, rope, positions,
+        return launch.mla_rope_cache_write(q_pe, kv, k_pe, norm.weight, norm.eps, rope, slots,
                                            self.kv_cache, self.pe_cache)
 
 

@@ -425,19 +425,24 @@ class MLA(nn.Module):
         self.register_buffer("pe_cache", torch.zeros(max_batch_size, max_seq_len, R, **cache),
                              persistent=False)
 
-    def forward(self, x, positions, rope, future, mode):
+    def forward(self, x, positions, rope, future, mode, slots=None):
         """future [B, T, S]: True where a slot lies after the query's position (not written yet,
         or a rejected draft's), so the query must not see it; S is the number of cache slots read.
-        mode "extend" or "decode": the attention path (attend_extend, attend_absorbed)."""
+        mode "extend" or "decode": the attention path (attend_extend, attend_absorbed).
+        slots None: the latents go to slot = position and future is causal by position. slots
+        [B, T] (a draft tree's nodes, which share positions): the latents go there and future is
+        any mask (Transformer.forward's `visible`); the attention is then given positions None,
+        so that only the mask decides what a query sees."""
         a, h = self.args, self.n_local_heads
         (B, T, _), kv_len = x.shape, future.shape[-1]
         q, kv_a = self.project(x)                          # [B, T, h*(d+R)], [B, T, C+R]
         q = q.view(B, T, h, a.qk_head_dim)
         q_nope, q_pe = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
-        q_pe = self.write_cache(q_pe, kv_a, positions, rope)
+        q_pe = self.write_cache(q_pe, kv_a, positions if slots is None else slots, rope)
         kv_c, pe_c = self.kv_cache[:B, :kv_len], self.pe_cache[:B, :kv_len]   # [B, S, C], [B, S, R]
         attend = self.attend_extend if mode == "extend" else self.attend_absorbed
-        o = attend(q_nope, q_pe, kv_c, pe_c, positions, future)                # [B, T, H, d]
+        causal = positions if slots is None else None
+        o = attend(q_nope, q_pe, kv_c, pe_c, causal, future)                   # [B, T, H, d]
         return self.o_proj(o.flatten(2))                                       # [B, T, D]
 
     def project(self, x):
@@ -448,14 +453,14 @@ class MLA(nn.Module):
     def query(self, q_a):                              # [B, T, q_lora_rank] -> [B, T, h*(d+R)]
         return self.q_b_proj(self.q_a_layernorm(q_a))
 
-    def write_cache(self, q_pe, kv_a, positions, rope):
-        """Write the new tokens' normalized latents and rotated rope keys at slot = position;
-        returns the rotated q_pe."""
+    def write_cache(self, q_pe, kv_a, slots, rope):
+        """Write the new tokens' normalized latents and rotated rope keys (rope: at their
+        positions) at `slots`, slot = position but for a tree's nodes; returns the rotated q_pe."""
         a, B = self.args, kv_a.shape[0]
         kv, k_pe = kv_a.split([a.kv_lora_rank, a.qk_rope_head_dim], -1)     # [B, T, C], [B, T, R]
         rows = torch.arange(B, device=kv_a.device).unsqueeze(1)
-        self.kv_cache[rows, positions] = self.kv_a_layernorm(kv)
-        self.pe_cache[rows, positions] = apply_rope(k_pe, rope)
+        self.kv_cache[rows, slots] = self.kv_a_layernorm(kv)
+        self.pe_cache[rows, slots] = apply_rope(k_pe, rope)
         return apply_rope(q_pe, rope)
 
     def kv_b_halves(self):
@@ -702,7 +707,7 @@ class Block(nn.Module):
         else:
             self.mlp = MoE(args, tp, device, dtype)
 
-    def forward(self, x, residual, positions, rope, future, mode):
+    def forward(self, x, residual, positions, rope, future, mode, slots=None):
         """One pre-norm layer on the residual stream x + residual (residual None: x alone), each
         add done by the norm that reads the sum (RMSNorm.forward). Returns (this layer's MLP
         output, the stream after its attention): their sum is the stream after the layer."""
@@ -710,7 +715,7 @@ class Block(nn.Module):
             h, residual = self.input_layernorm(x), x
         else:
             h, residual = self.input_layernorm(x, residual)
-        h = self.self_attn(h, positions, rope, future, mode)
+        h = self.self_attn(h, positions, rope, future, mode, slots)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
 
@@ -770,26 +775,45 @@ class Transformer(nn.Module):
     def dtype(self):
         return self.norm.weight.dtype
 
-    def forward(self, tokens, positions, mode="extend", capture_aux=False, kv_len=None):
+    def forward(self, tokens, positions, mode="extend", capture_aux=False, kv_len=None, slots=None,
+                visible=None):
         """tokens, positions: int64 [B, T]. Writes the KV cache at `positions`, then attends to
         slots <= position over the first kv_len slots (default: all). Returns a TargetOutput:
         logits [B, T, V] (float32, full vocabulary on every rank) and, with capture_aux, the
-        EAGLE-3 states aux [B, T, 3*D] (the chosen layers' outputs, low to high; else None)."""
+        EAGLE-3 states aux [B, T, 3*D] (the chosen layers' outputs, low to high; else None).
+        A draft tree (verify.tree_cycle) passes both of: slots [B, T], where to write instead
+        (its nodes share positions), and visible [B, T, kv_len] bool, the slots each token sees
+        instead (verify.tree_visible: the prefix, its ancestors and itself)."""
         if mode not in ("extend", "decode"):
             raise ValueError(f"mode must be 'extend' or 'decode', not {mode!r}")
+        if (slots is None) != (visible is None):
+            raise ValueError("slots and visible go together: a tree's cache slots and its mask")
         kv_len = kv_len or self.max_seq_len
         x, residual = self.embed_tokens(tokens), None                         # [B, T, D]
         rope = self.rope[positions]                                           # [B, T, R/2, 2]
-        future = torch.arange(kv_len, device=x.device) > positions.unsqueeze(-1)   # [B, T, S], once
+        if visible is None:
+            future = torch.arange(kv_len, device=x.device) > positions.unsqueeze(-1)   # [B, T, S]
+        else:
+            future = ~visible
         captured = []
         for i, layer in enumerate(self.layers):
-            x, residual = layer(x, residual, positions, rope, future, mode)
+            x, residual = layer(x, residual, positions, rope, future, mode, slots)
             if capture_aux and i in self.aux_layer_ids:  # an EAGLE-3 state: the stream after it
                 x, residual = x + residual, None
                 captured.append(x)
         aux = torch.cat(captured, dim=-1) if capture_aux else None
         h = self.norm(x) if residual is None else self.norm(x, residual)[0]
         return TargetOutput(self.lm_head(h), aux)
+
+    def move_cache(self, src, dst):
+        """Copy every layer's cached latents at slots src [B, J] to slots dst [B, J], all reads
+        before any write: a tree's accepted path, verified at slots after the prefix in node
+        order, moved to slot = position (verify.tree_cycle)."""
+        rows = torch.arange(src.shape[0], device=src.device).unsqueeze(1)
+        for layer in self.layers:
+            attn = layer.self_attn
+            attn.kv_cache[rows, dst] = attn.kv_cache[rows, src]
+            attn.pe_cache[rows, dst] = attn.pe_cache[rows, src]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -105,6 +105,7 @@ def answer(r, b):
                   f"{r['cost_model']['plain_step_ms']:.2f} ms plain step).",
                   f"At the README story's ~2 tokens per cycle it would give {at2:.2f}x"
                   + (" (slower than plain decoding)." if at2 < 1 else ".")]
+    lines += tree_answer(r)
     notes = [note for note, on in (
         ("routing SIMULATED uniform (random weights route unlike a trained router)", b.target.routing == "uniform"),
         (f"one SIMULATED rank of TP {b.target.tp.world_size}" + (f", all-reduces MODELLED at {b.cfg.allreduce_us:g} us"
@@ -140,7 +141,8 @@ def print_components(r, ctx, c, b):
     def floor_of(phase, n):
         nbytes = c["bytes"][phase][n] if n else sum(c["bytes"][phase].values())
         return nbytes / bw / 1e6 if bw else nbytes / 1e6
-    modes = [p.split("/")[1] for p in verifies]
+    modes = [p.split("/")[1] for p in verifies]   # a tree's, "decode tree", shortened to fit W
+    modes = [m if len(m) < W else m.replace("prefill", "pre").replace("decode", "dec") for m in modes]
     groups = [("decode step", ["ms", floor]), ("verify", modes + [floor]), ("verify - decode", modes)]
     print(f"\nwhere the time goes at {ctx} cached tokens: ms per forward of summed {unit} time in a profiled "
           f"eager run\nof the same shapes, by component; floor: the bytes the component must move"
@@ -200,6 +202,25 @@ def print_e2e(r, b):
                   f"(+ {v['tokens'] - kept} from the prefill)")
 
 
+def tree_answer(r):
+    """The tree's sentence: its cycle, its break-even, what it must accept to beat the chain, and
+    what it accepted (end to end, SIMULATED if so)."""
+    t = r["cost_model"].get("tree")
+    if not t:
+        return []
+    K, S, N = t["topk"], t["num_steps"], t["num_draft_tokens"]
+    line = (f"A tree of topk {K}, {S} steps, {N} draft tokens: a {t['cycle_ms']:.2f} ms cycle, break-even "
+            f"{t['break_even_accept_len']:.2f} accepted tokens per cycle")
+    if "chain_cycle_ms" in t:
+        line += (f"; it pays over the chain of {S} ({t['chain_cycle_ms']:.2f} ms) where it accepts more than "
+                 f"{t['accept_ratio_to_beat_chain']:.2f}x the chain's accepted length")
+    spec = [v for n, v in r["e2e"].items() if n.startswith("eagle3")]
+    if spec:
+        line += (f"; end to end it accepted {spec[0]['accept_len_mean']:.2f}"
+                 + (" (SIMULATED)" if spec[0].get("simulated") else ""))
+    return [line + "."]
+
+
 def print_cost_model(r):
     cm = r["cost_model"]
     ar = " + all-reduces MODELLED" if r["allreduce_modelled"] else ""
@@ -209,6 +230,10 @@ def print_cost_model(r):
         sp = " ".join(f"{t}:{s:.2f}x" for t, s in c["speedup_at"].items())
         print(f"  num_steps {steps}: cycle {c['cycle_ms']:.2f} ms, break-even {c['break_even_accept_len']:.2f} | "
               f"speedup at accept len {sp}")
+    if "tree" in cm:
+        t = cm["tree"]
+        print(f"  tree of topk {t['topk']}, num_steps {t['num_steps']}, {t['num_draft_tokens']} draft tokens: cycle "
+              f"{t['cycle_ms']:.2f} ms, break-even {t['break_even_accept_len']:.2f}")
 
 
 def print_extras(r, b):

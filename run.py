@@ -65,10 +65,11 @@ import kernels
 import model
 import tp as tpm
 import train
-from draft import Eagle3Draft, draft_preset, set_target_aux_layers
+from draft import Eagle3Draft, draft_preset, set_target_aux_layers, tree_capacity
 from graphs import CudaGraphs, GraphKey
 from report import COMPONENTS, Timing, answer, legacy_floors, report, spreads, timing_warnings, verdict, wrap
-from verify import PREFILL_CHUNK, accept, generate, kv_bucket, prefill_draft, prefill_target
+from verify import (PREFILL_CHUNK, accept, generate, kv_bucket, prefill_draft, prefill_target, tree_forward,
+                    tree_visible)
 
 
 # the profiler (kineto) prints "USDT: ... profiler_start" and "profiler_stop" on stderr around every
@@ -124,10 +125,12 @@ def make_parser():
                    "(default: the preset's)")
     p.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens proposed per cycle, k "
                    "(verify reads k + 1 tokens; default %(default)s)")
-    p.add_argument("--speculative-eagle-topk", type=int, default=1, help="draft branches per step; only 1 "
-                   "(chain drafting) is implemented")
-    p.add_argument("--speculative-num-draft-tokens", type=int, help="tokens verified per cycle; with topk 1 "
-                   "always num_steps + 1 (another value is adjusted, with a note)")
+    p.add_argument("--speculative-eagle-topk", type=int, default=1, help="draft branches per step, K: 1 "
+                   "drafts a chain; above 1 a tree (EAGLE-2/3's and SGLang's; num_steps levels, K x K "
+                   "candidates a level, the best K expanded; default %(default)s)")
+    p.add_argument("--speculative-num-draft-tokens", type=int, help="tokens verified per cycle, N: with topk "
+                   "1 always num_steps + 1 (another value is adjusted, with a note, as SGLang does); with topk "
+                   "K > 1 required, the tree's nodes with the root, 2 to 1 + K + (num_steps - 1) K^2")
     p.add_argument("--speculative-attention-mode", choices=["prefill", "decode", "both"],
                    help="attention path of verify: prefill (keys and values expanded) or decode (absorbed "
                    "MLA); default: both (timing), prefill (--dump)")
@@ -207,12 +210,10 @@ def check_flags(args):
             raise BadInput(f"{flag} {value}: must be at least {low}")
     if not 0 <= args.min_top1_agreement <= 1:
         raise BadInput(f"--min-top1-agreement {args.min_top1_agreement}: must lie in [0, 1]")
-    if args.speculative_eagle_topk != 1:
-        raise BadInput(f"--speculative-eagle-topk {args.speculative_eagle_topk}: only 1 (chain drafting) is implemented")
-    k, sim = args.speculative_num_steps, args.simulate_accept_len
+    k, sim = check_tree_flags(args), args.simulate_accept_len
     if sim is not None and not 1 <= sim <= k + 1:
-        raise BadInput(f"--simulate-accept-len {sim}: must lie in [1, num_steps + 1 = {k + 1}] (accepted "
-                       "tokens per cycle, the bonus token included)")
+        raise BadInput(f"--simulate-accept-len {sim}: must lie in [1, {k + 1}] (accepted tokens per cycle, "
+                       "the bonus token included: at most the deepest draft path + 1)")
     if args.compare and (args.dump or args.model_path or args.draft_path):
         raise BadInput("--compare reads two dump files and builds no model: drop --dump, --model-path, --draft-path")
     for flag, value in (("--prompt-ids", args.prompt_ids), ("--topk", args.topk)):
@@ -247,6 +248,24 @@ def check_writable(flag, path):
 
 
 
+def check_tree_flags(args):
+    """The tree flags as SGLang takes them (K = 1: a chain, N adjusted in settle); returns the
+    most drafts a cycle can accept: num_steps, or min(num_steps, N - 1) for a tree."""
+    K, S, N = args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens
+    if K < 1:
+        raise BadInput(f"--speculative-eagle-topk {K}: must be at least 1")
+    if K == 1:
+        return S
+    most = tree_capacity(K, S)
+    if N is None:
+        raise BadInput(f"--speculative-eagle-topk {K}: a tree needs --speculative-num-draft-tokens N, its nodes "
+                       f"with the root (2 to {most} here)")
+    if not 2 <= N <= most:
+        raise BadInput(f"--speculative-num-draft-tokens {N}: a tree of topk {K} and {S} steps holds 2 to "
+                       f"1 + K + (num_steps - 1) K^2 = {most} tokens")
+    return min(S, N - 1)
+
+
 def uses_trained_pair(args):
     """The tiny preset with nothing else asked of it runs the trained pair (train.py)."""
     other = (args.model_path or args.draft_path or args.random_weights or args.quant
@@ -268,10 +287,15 @@ def settle(args, device, world):
     cfg.speculative_attention_mode = cfg.speculative_attention_mode or "both"
     cfg.attention_modes = ATTENTION_MODES[cfg.speculative_attention_mode]
     want = cfg.speculative_num_steps + 1
-    if cfg.speculative_num_draft_tokens not in (None, want):
-        tpm.print0(f"note: --speculative-num-draft-tokens {cfg.speculative_num_draft_tokens} adjusted to "
-                   f"{want} (= num_steps + 1 with topk 1)")
-    cfg.speculative_num_draft_tokens = want
+    if cfg.speculative_eagle_topk == 1:
+        if cfg.speculative_num_draft_tokens not in (None, want):
+            tpm.print0(f"note: --speculative-num-draft-tokens {cfg.speculative_num_draft_tokens} adjusted to "
+                       f"{want} (= num_steps + 1 with topk 1)")
+        cfg.speculative_num_draft_tokens = want
+    else:
+        tpm.print0(f"note: the end-to-end rows draft a tree (topk {cfg.speculative_eagle_topk}, num_steps "
+                   f"{cfg.speculative_num_steps}, {cfg.speculative_num_draft_tokens} draft tokens); the isolated "
+                   "phases\n      and the cost model add its verify, expansion and cycle")
     cfg.preset = cfg.preset or ("kimi-k2" if gpu else "tiny")
     cfg.trained_pair = uses_trained_pair(cfg)
     if cfg.trained_pair:
@@ -349,9 +373,11 @@ def check_device_flags(args, device):
 
 def cache_slots(cfg):
     """KV cache slots a row needs: the prompt and output, or the longest context and the 6 tokens
-    the isolated phases write after it, and the draft chain's lookahead."""
-    sweep = 6
-    return max(cfg.prompt_len + cfg.max_new_tokens, max(cfg.context_len) + sweep) + 2 * cfg.speculative_num_steps + 2
+    the isolated phases write after it, and the draft chain's lookahead (a tree's: its N verified
+    slots, or its deepest path and the head's (S - 1) K scratch slots past it, as verify.generate)."""
+    sweep, k, K, N = 6, cfg.speculative_num_steps, cfg.speculative_eagle_topk, cfg.speculative_num_draft_tokens
+    ahead = 2 * k + 2 if K == 1 else max(2 * k + 2, max(N, min(k, N - 1) + (k - 1) * K) + 2)
+    return max(cfg.prompt_len + cfg.max_new_tokens, max(cfg.context_len) + sweep) + ahead
 
 
 def random_target_args(cfg):
@@ -876,6 +902,31 @@ def phase_calls(b, ctx):
     first, g = b.head.extend(vtok, posv, aux, last, kv_len=kvd)
     calls["draft_step"] = (GraphKey("draft", None, B, 1, kvd),
                            partial(b.head.chain, num_steps=2, kv_len=kvd), (first, g, pos1[:, 0] + k))
+    if b.cfg.speculative_eagle_topk > 1:
+        calls.update(tree_calls(b, ctx))
+    return calls
+
+
+def tree_calls(b, ctx):
+    """The tree's phases beside the chain's: the verify of its N nodes after ctx cached tokens
+    (each attention mode; a tree the head drafts from arbitrary inputs, as phase_calls' are) and
+    the head's expansion (S - 1 passes of K rows)."""
+    K, S, N = b.cfg.speculative_eagle_topk, b.k, b.cfg.speculative_num_draft_tokens
+    B, t, head = b.cfg.batch_size, b.target, b.head
+    kvt, kvd = kv_bucket(ctx + N, t.max_seq_len), kv_bucket(ctx + N + (S - 1) * K, t.max_seq_len)
+    vtok, posv = b.fill[:, ctx - S - 1:ctx], b.positions(ctx - S - 1, S + 1)
+    last = torch.full((B,), S, device=t.device)
+    logits, g = head.extend_logits(vtok, posv, b.aux[:, ctx - S - 1:ctx], last, kv_len=kvd)
+    expand = partial(head.tree, topk=K, num_steps=S, num_nodes=N, kv_len=kvd)
+    tree = expand(vtok[:, -1], logits, g, posv[:, -1])
+    start = torch.full((B,), ctx, device=t.device)
+    inputs = (tree.tokens, ctx + tree.depths, start.unsqueeze(1) + torch.arange(N, device=t.device),
+              tree_visible(tree.parents, start, kvt))
+    calls = {f"{b.verify_name(mode)} tree": (GraphKey("verify_tree", mode, B, N, kvt),
+                                             partial(tree_forward, t, mode=mode, kv_len=kvt), inputs)
+             for mode in b.modes}
+    calls["draft_tree"] = (GraphKey("draft_tree", None, B, (S - 1) * K, kvd), expand,
+                           (vtok[:, -1], logits, g, posv[:, -1]))
     return calls
 
 
@@ -935,10 +986,12 @@ def run_generate(b, draft, mode, graph):
     a, timer = b.cfg, PhaseTimer(b.clock)
     b.clock.sync()
     t0 = time.perf_counter()
+    tree = a.speculative_eagle_topk > 1
     res = generate(b.target, draft, b.fill[:, :a.prompt_len].cpu(), max_new_tokens=a.max_new_tokens, num_steps=b.k,
                    attention_mode=mode, use_graphs=graph, temperature=a.temperature, seed=a.seed, eos_id=-1,
                    graphs=b.runner if graph else None, simulate_accept_len=a.simulate_accept_len if draft else None,
-                   timer=timer)
+                   timer=timer, topk=a.speculative_eagle_topk if tree else None,
+                   num_draft_tokens=a.speculative_num_draft_tokens if tree else None)
     b.clock.sync()
     wall = time.perf_counter() - t0
     n = sum(len(t) for t in res.tokens)
@@ -1094,12 +1147,30 @@ def cost_model(r, b):
                + ph["accept"] + host + ar["target_forward_ms"] + s * ar["draft_forward_ms"])
         cm[s] = dict(cycle_ms=cyc, break_even_accept_len=cyc / base,
                      speedup_at={tau: tau * base / cyc for tau in range(1, s + 2)})
+    tree = tree_cost(r, b, base, host, ar, cm) if b.cfg.speculative_eagle_topk > 1 else None
     for name, v in r["e2e"].items():  # against the baseline with the same graph setting
         if name.startswith("eagle3"):
             plain = r["e2e"][f"baseline/{name.split('/')[-1]}"]
             v["speedup_measured"] = v["tok_per_s"] / plain["tok_per_s"]
             v["speedup_predicted"] = v["accept_len_mean"] * plain["phases_ms"]["cycle"] / v["phases_ms"]["cycle"]
-    return dict(plain_step_ms=base, steps=cm)
+    return dict(plain_step_ms=base, steps=cm, **({"tree": tree} if tree else {}))
+
+
+def tree_cost(r, b, base, host, ar, chains):
+    """The tree's cycle, as cost_model's: draft extend over the deepest path + the expansion +
+    the verify of its N nodes + accept + host [+ modelled all-reduces]; its break-even accepted
+    length, and how many times the chain of num_steps' accepted length it must accept to beat it
+    (the ratio of the two cycles: the same tokens a millisecond)."""
+    (variant, mode), ph, sweep = b.best, r["phases_ms"], r["verify_sweep_ms"]
+    K, S, N = b.cfg.speculative_eagle_topk, b.k, b.cfg.speculative_num_draft_tokens
+    D = min(S, N - 1)
+    extend = sweep[D + 1]["draft_extend"] if D + 1 in sweep else ph[f"draft_extend/{variant}"]
+    cyc = (extend + ph[f"draft_tree/{variant}"] + ph[f"{b.verify_name(mode)} tree/{variant}"] + ph["accept"]
+           + host + ar["target_forward_ms"] + S * ar["draft_forward_ms"])
+    out = dict(topk=K, num_steps=S, num_draft_tokens=N, cycle_ms=cyc, break_even_accept_len=cyc / base)
+    if S in chains:
+        out.update(chain_cycle_ms=chains[S]["cycle_ms"], accept_ratio_to_beat_chain=cyc / chains[S]["cycle_ms"])
+    return out
 
 
 def header_of(b):

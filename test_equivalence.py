@@ -1299,10 +1299,15 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
     cases = [(flags, f"{flags.split(' --dump')[0]}: must be at least 1") for flags in at_least_1] + [
         ("--temperature -1", "--temperature -1.0: must be at least 0"),
         ("--speculative-num-steps 100", r"--speculative-num-steps 100: .* must be below --prompt-len \(16\)"),
-        ("--simulate-accept-len 10", r"--simulate-accept-len 10.0: must lie in \[1, num_steps \+ 1 = 4\]"),
+        ("--simulate-accept-len 10", r"--simulate-accept-len 10.0: must lie in \[1, 4\]"),
         ("--simulate-accept-len 0", r"--simulate-accept-len 0.0: must lie in \[1"),
-        ("--simulate-accept-len -1 --speculative-num-steps 2", r"--simulate-accept-len -1.0: must lie in \[1, num_steps \+ 1 = 3\]"),
-        ("--speculative-eagle-topk 2", "--speculative-eagle-topk 2: only 1"),
+        ("--simulate-accept-len -1 --speculative-num-steps 2", r"--simulate-accept-len -1.0: must lie in \[1, 3\]"),
+        ("--speculative-eagle-topk 0", "--speculative-eagle-topk 0: must be at least 1"),
+        ("--speculative-eagle-topk 2", r"a tree needs --speculative-num-draft-tokens N, .* \(2 to 11 here\)"),
+        ("--speculative-eagle-topk 2 --speculative-num-draft-tokens 12",
+         r"--speculative-num-draft-tokens 12: a tree of topk 2 and 3 steps holds 2 to .* = 11 tokens"),
+        ("--speculative-eagle-topk 4 --speculative-num-draft-tokens 3 --simulate-accept-len 3.5",
+         r"--simulate-accept-len 3.5: must lie in \[1, 3\]"),
         ("--prompt-ids p.jsonl", "--prompt-ids is for --dump"),
         ("--preset kimi-k2", "--preset kimi-k2: a random Kimi-K2 needs a GPU"),
         ("--cuda-graph on", "--cuda-graph on: CUDA graphs need a CUDA GPU"),
@@ -2847,3 +2852,487 @@ def test_run_py_cli_torchrun_refuses_a_flag_once():
     errors = [line for line in out.stderr.splitlines() if line.startswith("run.py: error:")]
     assert out.returncode != 0 and errors == ["run.py: error: --max-new-tokens 0: must be at least 1"], out.stderr[-3000:]
     assert "exitcode  : 2" in out.stderr and "rank      : 1" not in out.stderr, out.stderr[-3000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Draft trees (topk > 1): expansion, masks, acceptance
+
+from draft import Tree, select_tree, tree_capacity  # noqa: E402
+from verify import tree_accept, tree_ancestors, tree_emitted, tree_visible  # noqa: E402
+
+
+def hand_tree(B):
+    """Root (token 10) -> nodes 1 (3), 2 (5); 1 -> 3 (7), 4 (8); 2 -> 5 (9); 3 -> 6 (4); 4 -> 7 (2)."""
+    t = lambda v: torch.tensor(v).expand(B, -1)  # noqa: E731
+    return Tree(tokens=t([10, 3, 5, 7, 8, 9, 4, 2]), parents=t([-1, 0, 0, 1, 1, 2, 3, 4]),
+                depths=t([0, 1, 1, 2, 2, 2, 3, 3]), scores=torch.zeros(B, 8))
+
+
+def test_tree_greedy_walks_the_targets_argmax():
+    """Hand-built tree, a target that knows where to go: row 0 takes 5, 9 (a leaf), then its
+    bonus; row 1 runs to full depth; row 2 rejects every child of the root; row 3 stops at
+    node 3, whose only child is not the target's choice."""
+    tree = hand_tree(4)
+    plan = {0: {0: 5, 2: 9, 5: 1}, 1: {0: 3, 1: 8, 4: 2, 7: 6}, 2: {0: 11}, 3: {0: 3, 1: 7, 3: 0}}
+    logits = torch.randn(4, 8, 12, generator=torch.Generator().manual_seed(0))
+    for b, choice in plan.items():
+        for node, tok in choice.items():
+            logits[b, node, tok] += 20
+    m, path, bonus = tree_accept(logits, tree, 3, 0.0, None)
+    assert m.tolist() == [2, 3, 0, 2] and bonus.tolist() == [1, 6, 11, 0]
+    assert path.tolist() == [[0, 2, 5, 5], [0, 1, 4, 7], [0, 0, 0, 0], [0, 1, 3, 3]]
+    emitted = tree_emitted(tree, path, m, bonus)
+    assert [e[:k + 1] for e, k in zip(emitted.tolist(), m.tolist())] == [[5, 9, 1], [3, 8, 2, 6], [11], [3, 7, 0]]
+
+
+def random_tree(B, N, V, g):
+    """Parents drawn before their children; every token distinct (so siblings' are)."""
+    parents = torch.stack([torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, N)])
+                           for _ in range(B)])
+    tokens = torch.stack([torch.randperm(V, generator=g)[:N] for _ in range(B)])
+    depths = torch.zeros(B, N, dtype=torch.long)
+    for i in range(1, N):
+        depths[:, i] = depths.gather(1, parents[:, i:i + 1]).squeeze(1) + 1
+    return Tree(tokens, parents, depths, torch.zeros(B, N))
+
+
+def test_tree_greedy_equals_a_walk_on_the_host_and_masks_see_only_ancestors():
+    g = torch.Generator().manual_seed(1)
+    B, N, V = 64, 9, 16
+    tree = random_tree(B, N, V, g)
+    logits = torch.randn(B, N, V, generator=g)
+    for b in range(B):  # most nodes point the target at one of their children (a proposer that knows)
+        for i in range(N):
+            kids = [j for j in range(N) if tree.parents[b, j] == i]
+            if kids and torch.rand(1, generator=g) < 0.8:
+                logits[b, i, tree.tokens[b, kids[int(torch.randint(len(kids), (1,), generator=g))]]] += 20
+    depth = int(tree.depths.max())
+    m, path, bonus = tree_accept(logits, tree, depth, 0.0, None)
+    start = torch.randint(0, 5, (B,), generator=g)
+    visible = tree_visible(tree.parents, start, 20)
+    for b in range(B):
+        cur, walked = 0, [0]
+        while True:
+            nxt = [j for j in range(N) if tree.parents[b, j] == cur and tree.tokens[b, j] == logits[b, cur].argmax()]
+            if not nxt:
+                break
+            cur = nxt[0]
+            walked.append(cur)
+        assert (m[b], bonus[b], path[b, :len(walked)].tolist()) == (len(walked) - 1, logits[b, cur].argmax(), walked)
+        for i in range(N):
+            anc, a = {i}, i
+            while a > 0:
+                a = int(tree.parents[b, a])
+                anc.add(a)
+            s0 = int(start[b])
+            want = [s < s0 or s - s0 in anc for s in range(20)]
+            assert visible[b, i].tolist() == want, (b, i)
+    assert tree_ancestors(tree.parents).sum(-1).equal(tree.depths + 1)
+    assert m.min() == 0 and m.max() >= 4, f"accepted lengths {sorted(set(m.tolist()))}: too narrow a test"
+
+
+def test_tree_sampling_follows_the_target():
+    """The chain's distribution test, for a tree: 200k rows, vocab 6; the root has children with
+    tokens 0, 2, 5, and the first of them two children (1, 2). The first emitted token ~ p_root;
+    after child 0 (accepted) the next ~ p at that node, after child 2 (a leaf) the bonus ~ p
+    there; for kids the target likes most and least. Bound: TV < 1.5 sqrt(V / n)."""
+    V, R = 6, 200_000
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, V, generator=g) * 1.5
+    p = torch.softmax(logits, -1)
+    for kind in ("as drawn", "least likely first"):
+        root_kids = [0, 2, 5] if kind == "as drawn" else p[0].argsort()[:3].tolist()
+        t = torch.tensor([3] + root_kids + [1, 2]).expand(R, -1)
+        tree = Tree(t, torch.tensor([-1, 0, 0, 0, 1, 1]).expand(R, -1), torch.tensor([0, 1, 1, 1, 2, 2]).expand(R, -1),
+                    torch.zeros(R, 6))
+        m, path, bonus = tree_accept(logits.expand(R, 6, V), tree, 2, 1.0, g)
+        emitted = tree_emitted(tree, path, m, bonus)
+        checks = [(torch.ones(R, dtype=torch.bool), 0, p[0])]
+        checks += [(emitted[:, 0] == root_kids[c], 1, p[1 + c]) for c in (0, 1)]
+        for rows, col, want in checks:
+            n = rows.sum().item()
+            got = torch.bincount(emitted[rows, col], minlength=V) / n
+            tv = 0.5 * (got - want).abs().sum().item()
+            assert tv < 1.5 * (V / n) ** 0.5, f"{kind}: column {col}, TV {tv:.4f} over n={n}"
+        others = ~torch.isin(emitted[:, 0], torch.tensor(root_kids))
+        assert (m[others] == 0).all() and (m[~others] >= 1).all()
+
+
+def tree_setup(seed=0):
+    """A float64 tiny target and random head, the head extended over two ragged prompt rows."""
+    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=32, dtype=torch.float64), seed)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
+    g = torch.Generator().manual_seed(seed + 2)
+    tokens, pos = torch.randint(0, 256, (2, 6), generator=g), torch.arange(6).expand(2, 6)
+    last = torch.tensor([5, 3])
+    logits, g0 = head.extend_logits(tokens, pos, torch.randn(2, 6, 3 * 64, dtype=torch.float64, generator=g), last)
+    return head, torch.tensor([7, 9]), logits, g0, last
+
+
+def test_tree_with_topk_1_is_the_chain():
+    head, root, logits, g0, q = tree_setup()
+    for S in (1, 2, 4):
+        tree = head.tree(root, logits, g0, q, 1, S, S + 1)
+        chain = head.chain(head.to_target_ids(logits), g0, q, S)
+        assert torch.equal(tree.tokens[:, 1:], chain) and torch.equal(tree.tokens[:, 0], root)
+        assert tree.parents.tolist() == [list(range(-1, S))] * 2 and tree.depths.tolist() == [list(range(S + 1))] * 2
+
+
+def reference_tree(head, b, logits, g0, q, K, S, N):
+    """Row b's tree, scored by running the head along each node's own path with slot = position
+    (the chain's cache use, no mask but the causal one), then chosen as the issue states it.
+    q [B]: every row runs (the others on junk tokens, above their prefixes)."""
+    to_draft = {int(t): i for i, t in enumerate(head.hot_ids())}
+    B = logits.shape[0]
+
+    def children(path, hidden):   # path: the tokens below the root; hidden: g of the row before it
+        lp, h = logits[b].log_softmax(-1), hidden
+        for depth, tok in enumerate(path):
+            x = torch.zeros(B, 1, dtype=torch.long)
+            x[b] = tok
+            out, h = head(x, (q + 1 + depth).unsqueeze(1), h.unsqueeze(1))
+            lp, h = out[b, 0].log_softmax(-1), h[:, 0]
+        top = lp.topk(K)
+        return [(int(head.hot_ids()[i]), float(v)) for v, i in zip(top.values, top.indices)]
+
+    nodes = []   # (flat index, parent flat index, token, score, path)
+    frontier = [(-1, 0.0, ())]
+    for level in range(S):
+        grown = []
+        for parent, score, path in frontier:
+            for tok, lp in children(list(path), g0):
+                grown.append((len(nodes) + len(grown), parent, tok, score + lp, path + (tok,)))
+        nodes += grown
+        frontier = [(n[0], n[3], n[4]) for n in sorted(grown, key=lambda n: -n[3])[:K]]
+    chosen = sorted(sorted(nodes, key=lambda n: (-n[3], n[0]))[:N - 1])
+    index = {n[0]: i + 1 for i, n in enumerate(chosen)}
+    assert all(to_draft[n[2]] >= 0 for n in chosen)
+    return [n[2] for n in chosen], [index.get(n[1], 0) for n in chosen], [n[3] for n in chosen]
+
+
+@pytest.mark.parametrize("K, S, N", [(2, 3, 8), (3, 2, 9), (4, 3, 16)])
+def test_tree_expansion_is_the_head_along_each_path(K, S, N):
+    """Every node of the tree, its parent and its score are what the head gives when run along
+    that node's own path alone (so no row saw a sibling's or a cousin's keys), and the nodes
+    are the N - 1 best scored, in SGLang's order."""
+    head, root, logits, g0, q = tree_setup()
+    tree = head.tree(root, logits, g0, q, K, S, N)
+    for b in range(2):
+        tokens, parents, scores = reference_tree(head, b, logits, g0, q, K, S, N)
+        assert tree.tokens[b, 1:].tolist() == tokens and tree.parents[b, 1:].tolist() == parents, b
+        assert_close(tree.scores[b, 1:], torch.tensor(scores, dtype=torch.float64), 1e-9, f"row {b} scores")
+    anc_depth = tree_ancestors(tree.parents).sum(-1) - 1
+    assert torch.equal(anc_depth, tree.depths) and (tree.parents[:, 1:] < torch.arange(1, N)).all()
+
+
+def test_tree_refuses_sizes_it_cannot_hold():
+    head, root, logits, g0, q = tree_setup()
+    with pytest.raises(ValueError, match=r"num_draft_tokens 12 outside \[2, 11\]"):
+        head.tree(root, logits, g0, q, 2, 3, 12)
+
+
+class PlantedTreeHead:
+    """Stands in for an Eagle3Draft in a tree: its extend_logits, and the head pass that the real
+    Eagle3Draft.tree (borrowed) makes over planted logits. Knows the target's greedy sequence
+    ref [B, L]. A node is on the right path when its parent is and its token is ref's at its
+    position (g[..., 0] carries that down the tree); such a node ranks the right next token at
+    rank_at(cycle, row, depth) among its children (>= K: not proposed), any other node ranks
+    junk. Runs eager (verify.tree_cycle never captures what is not an Eagle3Draft)."""
+    tree = Eagle3Draft.tree
+
+    def __init__(self, ref, vocab, rank_at):
+        self.ref, self.vocab, self.rank_at, self.calls = ref, vocab, rank_at, -1
+        self.d2t = torch.zeros(vocab, dtype=torch.long)
+
+    def planted(self, guess_at, on, depth):      # guess_at [B, T]: the position whose token to rank
+        B, T = guess_at.shape
+        right = self.ref.gather(1, guess_at.clamp(max=self.ref.shape[1] - 1))
+        rank = torch.tensor([[self.rank_at(self.calls, b, depth)] * T for b in range(B)])
+        c, r = torch.where(on, right, (right + 7) % self.vocab), torch.where(on, rank, 0)
+        # token c - r ranks first, c - r + 1 second, ...: c ranks r-th
+        return -((torch.arange(self.vocab) - c.unsqueeze(-1) + r.unsqueeze(-1)) % self.vocab).double()
+
+    def extend_logits(self, tokens, positions, target_states, last, kv_len=None):
+        self.calls += 1
+        self.q = positions.gather(1, last.unsqueeze(1))                     # [B, 1]
+        on = torch.ones_like(self.q, dtype=torch.bool)
+        return self.planted(self.q + 2, on, 0)[:, 0], torch.ones(len(last), 1, dtype=torch.float64)
+
+    def __call__(self, tokens, positions, hidden, kv_len=None, slots=None, visible=None):
+        """Pass j: positions q + j, reading the tokens at q + j + 1, guessing those at q + j + 2."""
+        on = (hidden[..., 0] > 0) & (tokens == self.ref.gather(1, (positions + 1).clamp(max=self.ref.shape[1] - 1)))
+        depth = int((positions - self.q)[0, 0])
+        return self.planted(positions + 2, on, depth), on.unsqueeze(-1).double()
+
+
+TREE_SIZES = [(K, S, N) for K in (2, 4) for S in (2, 3) for N in (4, 8)]
+
+
+def tree_lossless(seed, max_new=16, sizes=TREE_SIZES):
+    """Greedy tree decoding against plain greedy for every (K, S, N) of TREE_SIZES that fits,
+    batch 2, both attention modes, a planted head that errs by plan (and, for one size, the
+    random head: Eagle3Draft's own passes inside the loop)."""
+    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=48, dtype=torch.float64), seed)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
+    prompts = [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26, 27, 28]]
+    plain = generate(target, None, prompts, max_new_tokens=max_new, eos_id=-1).tokens
+    ref = reference_sequences(prompts, plain, 48)
+    failures, seen = [], {}
+    for K, S, N in sizes:
+        if N > tree_capacity(K, S):
+            continue
+        for mode in ("extend", "decode"):
+            # every third cycle of a row all right (rank 0 at every depth), else wrong somewhere
+            planted = PlantedTreeHead(ref, 256, lambda c, b, d, K=K: (c + b) % 3 and (c + b + d) % (K + 1))
+            proposers = [("planted", planted)] + [("eagle3", head)] * ((K, S, N) == (4, 3, 8))
+            for name, prop in proposers:
+                res = generate(target, prop, prompts, max_new_tokens=max_new, num_steps=S, attention_mode=mode,
+                               eos_id=-1, topk=K, num_draft_tokens=N)
+                if res.tokens != plain:
+                    failures.append((K, S, N, mode, name, plain, res.tokens))
+                seen[(K, S, N, mode, name)] = res.accepted[res.accepted >= 0].tolist()
+    return failures, seen
+
+
+def check_tree_lossless(failures, seen):
+    assert not failures, f"tree != plain greedy in {len(failures)} cases, first: {failures[0]}"
+    for (K, S, N, mode, name), accepted in seen.items():
+        if name == "planted":
+            assert max(accepted) == min(S, N - 1) and 0 in accepted, (K, S, N, mode, accepted)
+
+
+def test_tree_speculative_equals_plain_greedy_tp1():
+    check_tree_lossless(*tree_lossless(seed=21))
+
+
+def test_tree_with_topk_1_equals_the_chain_cycle_by_cycle():
+    """The trained pair (so drafts are accepted), K = 1 through the tree path against the chain:
+    the same drafts, accepted counts and tokens, each cycle."""
+    target, head = train.load_pair(max_batch_size=2, max_seq_len=96, dtype=torch.float64)
+    prompts = [p[:n] for p, n in zip(train.heldout_prompts(2, 32), (32, 17))]
+    for S in (1, 3):
+        chain = generate(target, head, prompts, max_new_tokens=24, num_steps=S, eos_id=-1)
+        tree = generate(target, head, prompts, max_new_tokens=24, num_steps=S, eos_id=-1, topk=1)
+        assert tree.tokens == chain.tokens and torch.equal(tree.accepted, chain.accepted)
+        assert torch.equal(tree.drafts, chain.drafts) and chain.accepted.max() > 0
+        live = (chain.accepted >= 0).unsqueeze(-1)
+        assert torch.equal(tree.parents, torch.arange(S).expand_as(tree.parents).where(live, -1))
+
+
+def tree_logits_and_paths(target, tree, P, mode):
+    """The target's logits over a tree verified after a P-token prefix (slots P.. in node order),
+    and, per row and node, its logits when only its own path is run (slot = position)."""
+    B, N = tree.tokens.shape
+    g = torch.Generator().manual_seed(3)
+    target(torch.randint(0, 256, (B, P), generator=g), torch.arange(P).expand(B, P))
+    start = torch.full((B,), P)
+    slots = start.unsqueeze(1) + torch.arange(N)
+    out = target(tree.tokens, P + tree.depths, mode, kv_len=P + N, slots=slots,
+                 visible=tree_visible(tree.parents, start, P + N)).logits
+    anc = tree_ancestors(tree.parents)
+    alone = torch.empty_like(out)
+    for i in range(N):
+        for b in range(B):
+            path = anc[b, i].nonzero().squeeze(1)                 # ancestors and i, in node order
+            rows = tree.tokens[b, path].expand(B, -1)
+            alone[b, i] = target(rows, (P + torch.arange(len(path))).expand(B, -1), mode).logits[b, -1]
+    return out, alone
+
+
+@pytest.mark.parametrize("mode", ["extend", "decode"])
+def test_tree_verify_sees_only_prefix_and_ancestors(mode):
+    """Each node's logits from one forward over the whole tree equal its logits when its own path
+    runs alone: nothing of a sibling's or a cousin's latent (written at the slots beside it) leaks
+    in; and changing every node that is not node i's ancestor leaves node i's logits as they were."""
+    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=32, dtype=torch.float64), 4)
+    tree = random_tree(2, 7, 256, torch.Generator().manual_seed(5))
+    out, alone = tree_logits_and_paths(target, tree, 9, mode)
+    assert_close(out, alone, 1e-10, f"{mode}: tree forward vs each path alone")
+    anc = tree_ancestors(tree.parents)
+    for i in (3, 6):
+        planted = tree._replace(tokens=torch.where(anc[:, i], tree.tokens, (tree.tokens + 100) % 256))
+        again = target(planted.tokens, 9 + tree.depths, mode, kv_len=16, slots=9 + torch.arange(7).expand(2, 7),
+                       visible=tree_visible(tree.parents, torch.full((2,), 9), 16)).logits
+        assert_close(again[:, i], out[:, i], 1e-10, f"{mode}: node {i} after its non-ancestors changed")
+
+
+@triton_ok
+def test_tree_verify_with_kernels_equals_plain():
+    """The Triton decode attention cannot mask a tree, so a tree's forward takes the plain
+    attention there; the rope/cache kernel writes at the tree's slots. Equal to the plain model."""
+    plain = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=32, dtype=torch.float32), 4)
+    fast = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=32, dtype=torch.float32), 4)
+    assert kernels.accelerate(fast, ["attention", "rope_cache"]) == ("attention", "rope_cache")
+    tree = random_tree(2, 7, 256, torch.Generator().manual_seed(5))
+    for m in (plain, fast):
+        m(torch.arange(9).expand(2, 9) + 1, torch.arange(9).expand(2, 9))
+    kw = dict(kv_len=16, slots=9 + torch.arange(7).expand(2, 7), visible=tree_visible(tree.parents, torch.full((2,), 9), 16))
+    a = plain(tree.tokens, 9 + tree.depths, "decode", **kw).logits
+    b = fast(tree.tokens, 9 + tree.depths, "decode", **kw).logits
+    assert_close(a, b, 1e-4, "tree verify, kernels on vs plain")
+
+
+def _tree_lossless_worker(seed):
+    return tree_lossless(seed, max_new=12, sizes=[(2, 3, 4)])
+
+
+def test_tree_speculative_equals_plain_greedy_tp2():
+    check_tree_lossless(*run_ranks(2, _tree_lossless_worker, 21))
+
+
+def test_tree_sampling_and_simulated_generate_run_and_are_seeded():
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=48, dtype=torch.float32), 3)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 4)
+    kw = dict(max_new_tokens=10, num_steps=3, topk=2, num_draft_tokens=6, eos_id=-1)
+    a = generate(target, head, PROMPTS[3], temperature=0.8, seed=5, **kw)
+    b = generate(target, head, PROMPTS[3], temperature=0.8, seed=5, **kw)
+    assert a.tokens == b.tokens and all(len(t) == 10 for t in a.tokens)
+    assert a.drafts.shape[1:] == (3, 5) and a.parents.shape == a.drafts.shape
+    sim = generate(target, head, PROMPTS[3], simulate_accept_len=3.0, **kw)
+    assert sim.simulated and sim.accepted[sim.accepted >= 0].float().mean() > 1
+    with pytest.raises(ValueError, match=r"simulate_accept_len must lie in \[1, 4\]"):
+        generate(target, head, PROMPTS[3], simulate_accept_len=4.5, **kw)
+
+
+def test_trained_pair_tree_accepts_more_than_the_chain():
+    """Held-out prompts: the tree (K 4, S 3, N 8) accepts more tokens a cycle than the chain of
+    3 (both lossless); the README quotes these numbers."""
+    target, head = train.load_pair(max_batch_size=6, max_seq_len=128)
+    prompts = train.heldout_prompts(6, 48)
+    plain = generate(target, None, prompts, max_new_tokens=48, eos_id=-1).tokens
+    lengths = {}
+    for K, N in ((None, None), (2, 4), (4, 8)):
+        res = generate(target, head, prompts, max_new_tokens=48, num_steps=3, eos_id=-1, topk=K, num_draft_tokens=N)
+        assert res.tokens == plain, (K, N)
+        lengths[K] = res.accepted[res.accepted >= 0].float().mean().item() + 1
+    print(f"\ntrained pair, accepted tokens per cycle (bonus included): chain of 3 {lengths[None]:.2f}, "
+          f"tree K 2 N 4 {lengths[2]:.2f}, tree K 4 N 8 {lengths[4]:.2f}")
+    assert lengths[4] > lengths[None] + 0.1, lengths
+
+
+def test_run_py_cli_tree(tmp_path):
+    """run.py with SGLang's tree flags: the end-to-end rows draft the tree (said in a note), are
+    lossless against plain greedy and accept; the isolated phases add the tree's verify (its
+    distinct experts and components) and expansion."""
+    out = tmp_path / "r.json"
+    stdout = subprocess.run([sys.executable, os.path.join(HERE, "run.py"), "--json", str(out), "--max-new-tokens", "24",
+                             "--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
+                             "--speculative-num-draft-tokens", "8", "--speculative-attention-mode", "decode",
+                             "--batch-size", "2", "--reps", "2"], check=True,
+                            capture_output=True, text=True, cwd=HERE, env=CPU_ENV).stdout
+    r = json.loads(out.read_text())
+    assert "the end-to-end rows draft a tree (topk 4, num_steps 3, 8 draft tokens)" in stdout
+    assert (r["env"]["config"]["speculative_eagle_topk"], r["env"]["config"]["speculative_num_draft_tokens"]) == (4, 8)
+    v = r["e2e"]["eagle3/decode/eager"]
+    assert 1.5 <= v["accept_len_mean"] <= 4 and r["greedy_agreement_with_plain"] == {"eagle3/decode/eager": 1.0}
+    assert {"verify/decode tree/eager", "draft_tree/eager"} <= set(r["phases_ms"])
+    experts = r["contexts"]["16"]["distinct_experts"]   # a tree of 8 tokens reaches more than a chain's 4
+    assert experts["verify/decode tree"] >= experts["verify/decode"] >= experts["decode_step"]
+    assert "dec tree" in stdout and "A tree of topk 4, 3 steps, 8 draft tokens" in " ".join(r["answer"])
+    tree = r["cost_model"]["tree"]
+    assert tree["cycle_ms"] > 0 and tree["break_even_accept_len"] > 0 and tree["accept_ratio_to_beat_chain"] > 0
+
+
+@cuda
+@pytest.mark.parametrize("mode", ["extend", "decode"])
+def test_gpu_tree_graph_generate_equals_eager(mode):
+    """A tree's verify, draft extend and expansion replayed from CUDA graphs: the same tokens,
+    drafts, parents and accepted counts as eager, cycle by cycle."""
+    target, head = gpu_models()
+    kw = dict(max_new_tokens=24, num_steps=3, attention_mode=mode, topk=2, num_draft_tokens=6)
+    eager = generate(target, head, PROMPTS[3], **kw)
+    graphed = generate(target, head, PROMPTS[3], use_graphs=True, **kw)
+    assert graphed.tokens == eager.tokens and torch.equal(graphed.accepted, eager.accepted)
+    assert torch.equal(graphed.drafts, eager.drafts) and torch.equal(graphed.parents, eager.parents)
+
+
+@cuda
+def test_gpu_tree_cycle_makes_no_host_sync():
+    """Every call of a tree's cycle, captured (verify, expansion) or eager (mask, acceptance,
+    the cache move), with the device's sync check set to fail on any host sync."""
+    from graphs import CudaGraphs, GraphKey
+    from verify import tree_forward
+    target, head = gpu_models()
+    B, P, K, S, N, kv = 3, 12, 2, 3, 6, 32
+    tokens = torch.randint(0, 256, (B, P), generator=torch.Generator().manual_seed(0)).cuda()
+    pos, last = torch.arange(P, device="cuda").expand(B, P), torch.full((B,), P - 1, device="cuda")
+    _, aux = target(tokens, pos, "extend", capture_aux=True)
+    logits, g = head.extend_logits(tokens, pos, aux, last)
+    tree = head.tree(tokens[:, -1], logits, g, last, K, S, N, kv_len=kv)
+    start, runner = last + 1, CudaGraphs("cuda")
+    gen = torch.Generator("cuda").manual_seed(0)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for mode, temperature in (("extend", 0.0), ("decode", 0.0), ("decode", 1.0)):
+            visible = tree_visible(tree.parents, start, kv)
+            slots = start.unsqueeze(1) + torch.arange(N, device="cuda")
+            verify = partial(tree_forward, target, mode=mode, kv_len=kv)
+            for _ in range(2):  # capture, then replay
+                out = runner.run(GraphKey("verify_tree", mode, B, N, kv), verify, tree.tokens,
+                                 start.unsqueeze(1) + tree.depths, slots, visible)
+            m, path, bonus = tree_accept(out.logits, tree, S, temperature, gen)
+            target.move_cache(start.unsqueeze(1) + path, start.unsqueeze(1) + torch.arange(S + 1, device="cuda"))
+            expand = partial(head.tree, topk=K, num_steps=S, num_nodes=N, kv_len=kv)
+            for _ in range(2):
+                runner.run(GraphKey("draft_tree", None, B, (S - 1) * K, kv), expand, bonus, logits, g, last)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_tree_stays_inside_the_cache():
+    """Deep acceptance near the end of the output, rows finishing at different cycles: a tree's
+    verify writes N slots from the newest token and the head's passes (S - 1) K scratch slots
+    past the accepted path, so the cache needs P + max_new_tokens + max(N, D + (S - 1) K - 1)."""
+    P, max_new, S = 6, 8, 3
+    for K, N in ((2, 8), (4, 4)):   # the verify's N slots bound it, or the head's scratch does
+        lookahead = max(N, min(S, N - 1) + (S - 1) * K - 1)
+        target = init_random(Transformer(tiny(), 2, P + max_new + lookahead, dtype=torch.float32), 0)
+        head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 1)
+        prompts = [list(range(1, P + 1)), list(range(1, P - 1))]
+        for seed in range(4):
+            generate(target, head, prompts, max_new_tokens=max_new, num_steps=S, topk=K, num_draft_tokens=N,
+                     simulate_accept_len=4.0, seed=seed, eos_id=-1)
+        with pytest.raises(ValueError, match="lookahead"):
+            generate(target, head, [list(range(1, P + 2))], max_new_tokens=max_new, num_steps=S, topk=K,
+                     num_draft_tokens=N)
+
+
+def test_a_finished_row_stays_inside_the_cache():
+    """The trained pair, two ragged rows, the cache exactly P + max_new_tokens + 2k - 2: the row
+    that finishes first (at max_new_tokens) keeps running in place while the other decodes, and
+    its acceptance must not move it (found: it accepted k drafts and chained one slot past)."""
+    k, max_new, P = 3, 12, 20
+    prompts = train.heldout_prompts(8, 40)
+    target, head = train.load_pair(max_batch_size=2, max_seq_len=P + max_new + 2 * k - 2)
+    rows = [prompts[4][:P], prompts[0][:15]]   # the case found (row 0 finishes first)
+    plain = generate(target, None, rows, max_new_tokens=max_new, eos_id=-1).tokens
+    assert generate(target, head, rows, max_new_tokens=max_new, num_steps=k, eos_id=-1).tokens == plain
+
+
+def test_tree_dump_holds_the_tree_and_its_accepted_path():
+    """--dump of a tree (a planted head, so paths of every depth are accepted): each live cycle's
+    accepted nodes are a path down the tree whose tokens are the output tokens they became;
+    compare passes the dump against itself, refuses a chain against it and names a broken path."""
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=40, dtype=torch.float32), 32)
+    plain = generate(target, None, PROMPTS[3], max_new_tokens=16).tokens
+    ref = reference_sequences(PROMPTS[3], plain, 40)
+    head = PlantedTreeHead(ref, 256, lambda c, b, d: (c + b) % 3 and (c + b + d) % 3)
+    d = baseline.dump(target, head, PROMPTS[3], max_new_tokens=16, num_steps=3, tree=(2, 6))
+    assert d["output_ids"].tolist() == [o + [-1] * (16 - len(o)) for o in plain]   # lossless
+    assert d["draft_parents"].shape == d["draft_ids"].shape == (3, d["accepted"].shape[1], 5)
+    for b, out in enumerate(plain):
+        at = 1
+        for m, drafts, nodes in zip(d["accepted"][b], d["draft_ids"][b], d["accepted_nodes"][b]):
+            if m >= 0:
+                assert [drafts[n - 1] for n in nodes[:m]] == out[at:at + m], (b, at, m)
+                at += m + 1
+    assert {0, 3} <= set(d["accepted"][d["accepted"] >= 0].tolist())
+    assert not baseline.compare(d, d)["failures"]
+    chain = baseline.dump(target, None, PROMPTS[3], max_new_tokens=16)
+    chain.update(draft_ids=d["draft_ids"], accepted=d["accepted"])
+    with pytest.raises(ValueError, match="A drafts a chain, B a tree"):
+        baseline.compare(chain, d)
+    broken = dict(d, accepted_nodes=np.where(d["accepted_nodes"] > 0, 5, -1))
+    with pytest.raises(ValueError, match=r"accepted_nodes\[.*is not a path"):
+        baseline.compare(d, broken)

@@ -19,6 +19,11 @@ a bound on every row's position without reading the device (the prompt length pl
 cycle), so each graphs.GraphKey (phase, mode, batch, tokens, slots) is one fixed shape and one
 graph. Prefill runs in chunks through the static cache (slot = position makes that exact), so a
 long prompt never holds extend attention's scores for all its positions at once.
+
+A draft tree (topk > 1, draft.Eagle3Draft.tree) runs tree_cycle instead: its N nodes verified
+at slots after the prefix under a mask as data (tree_visible), accepted by a walk from the root
+(tree_accept: greedy, or multi-candidate rejection sampling, SpecInfer arXiv:2305.09781), the
+accepted path's latents moved to slot = position (Transformer.move_cache).
 """
 import math
 from dataclasses import dataclass
@@ -26,6 +31,7 @@ from functools import partial
 
 import torch
 
+from draft import check_tree
 from graphs import CudaGraphs, GraphKey
 from model import eos_union
 
@@ -40,7 +46,12 @@ class GenerateResult:
     cycles: int
     simulated: bool       # acceptance forced by simulate_accept_len: the tokens are not the model's
     drafts: torch.Tensor | None = None  # [cycles, B, k] the ids each cycle verified, -1 once a row
-                                        # finished (None for plain decoding)
+                                        # finished (None for plain decoding); a tree: its N - 1
+                                        # nodes below the root, in node order
+    parents: torch.Tensor | None = None  # a tree: [cycles, B, N - 1] each node's parent (0: the
+                                         # root, i: drafts[..., i - 1]); -1 once a row finished
+    paths: torch.Tensor | None = None  # a tree: [cycles, B, D] the accepted nodes by depth (D =
+                                       # min(S, N - 1)), -1 past the accepted ones and once finished
 
 
 def pad_prompts(prompts, device):
@@ -111,18 +122,20 @@ def prefill_target(target, tokens, last, capture_aux, chunk=PREFILL_CHUNK, progr
     return out_logits, torch.cat(auxes, 1) if capture_aux else None
 
 
-def prefill_draft(draft, tokens, aux, last, chunk=PREFILL_CHUNK, progress=None):
-    """Eagle3Draft.extend over all prompt rows [B, P] in chunks (exact, as `prefill_target`).
-    Returns d_1 [B] and g [B, D] of each row's row `last`."""
+def prefill_draft(draft, tokens, aux, last, chunk=PREFILL_CHUNK, progress=None, extend=None):
+    """Eagle3Draft.extend (or `extend`: its extend_logits, for a tree) over all prompt rows
+    [B, P] in chunks (exact, as `prefill_target`). Returns d_1 [B] (or the logits [B, Vd]) and
+    g [B, D] of each row's row `last`."""
     B, P = tokens.shape
+    extend = extend or draft.extend
     first = g = None
     for s in range(0, P, chunk):
         e = min(P, s + chunk)
         positions = torch.arange(s, e, device=tokens.device).expand(B, e - s)
-        f, h = draft.extend(tokens[:, s:e], positions, aux[:, s:e], (last - s).clamp(0, e - s - 1),
-                            kv_len=e)
+        f, h = extend(tokens[:, s:e], positions, aux[:, s:e], (last - s).clamp(0, e - s - 1),
+                      kv_len=e)
         here = (last >= s) & (last < e)                                           # [B]
-        first = f if first is None else torch.where(here, f, first)
+        first = f if first is None else torch.where(here.view(-1, *[1] * (f.dim() - 1)), f, first)
         g = h if g is None else torch.where(here.unsqueeze(1), h, g)
         if progress:
             progress(e - s)
@@ -185,6 +198,82 @@ def simulated_accept(m, mean_len, k, generator):
     return n.clamp(1, k + 1).round().long() - 1
 
 
+# ---------------------------------------------------------------------------------------------
+# Trees (draft.Tree, topk > 1): the verify mask and acceptance, as functions of tensors
+
+def tree_ancestors(parents):
+    """[B, N, N] bool: [b, i, a] when node a is node i or one of its ancestors. parents [B, N]
+    (-1 for the root, node 0); every parent precedes its children, so one pass in node order."""
+    B, N = parents.shape
+    anc = torch.eye(N, dtype=torch.bool, device=parents.device).expand(B, N, N).clone()
+    for i in range(1, N):
+        up = anc.gather(1, parents[:, i].view(B, 1, 1).expand(B, 1, N)).squeeze(1)   # [B, N]
+        anc[:, i] |= up
+    return anc
+
+
+def tree_visible(parents, start, kv_len):
+    """The tree's attention mask as data, [B, N, kv_len] bool: node i, written at slot
+    start + i (start [B]: the root's slot, the prefix length), sees the prefix (slots < start),
+    its ancestors' slots and its own; no sibling, no cousin, nothing past the tree."""
+    N = parents.shape[1]
+    rel = torch.arange(kv_len, device=parents.device) - start.unsqueeze(1)   # [B, S]: node of slot
+    in_tree = ((rel >= 0) & (rel < N)).unsqueeze(1)                           # [B, 1, S]
+    anc = tree_ancestors(parents)                                            # [B, N, N]
+    seen = anc.gather(2, rel.clamp(0, N - 1).unsqueeze(1).expand(-1, N, -1))  # [B, N, S]
+    return (rel < 0).unsqueeze(1) | (seen & in_tree)
+
+
+def tree_accept(logits, tree, max_depth, temperature, generator):
+    """Walk each row's tree from the root: at the current node, accept one of its children or
+    stop. logits [B, N, V]: the target's at the tree's nodes; tree: a draft.Tree; max_depth:
+    the tree's levels (num_steps). Greedy: the child whose token is the target's argmax there
+    (siblings' tokens are distinct, so at most one). Sampling: multi-candidate rejection
+    sampling with the drafts as point masses (SpecInfer, arXiv:2305.09781; SGLang's target-only
+    tree sampling): one uniform u per node, the children in node order accepted at the first
+    whose cumulative target probability exceeds u (child c with probability p(c)); with none,
+    the bonus token comes from p with every child's token removed, so each emitted token
+    follows the target's distribution exactly. Fixed shapes: max_depth steps for every row.
+    Returns m [B] (nodes accepted below the root), path [B, max_depth + 1] (the accepted nodes
+    by depth, root first; past m it repeats the last) and the target's own next token [B]."""
+    (B, N), tokens, parents = tree.tokens.shape, tree.tokens, tree.parents
+    if temperature == 0:
+        best = logits.argmax(-1)                                             # [B, N]
+    else:
+        p = torch.softmax(logits / temperature, -1)                          # [B, N, V]
+    cur = torch.zeros(B, dtype=torch.long, device=tokens.device)
+    walking, m, path = torch.ones_like(cur, dtype=torch.bool), torch.zeros_like(cur), [cur]
+    for _ in range(max_depth):
+        kids = parents == cur.unsqueeze(1)                                   # [B, N]
+        if temperature == 0:
+            hit = kids & (tokens == best.gather(1, cur.unsqueeze(1)))
+        else:
+            p_kid = node_rows(p, cur).gather(1, tokens) * kids               # [B, N]
+            u = torch.rand(B, 1, generator=generator, device=p.device, dtype=p.dtype)
+            hit = u < p_kid.cumsum(1)   # from the accepted child on (the sum grows only at kids)
+        walking = walking & hit.any(1)
+        cur = torch.where(walking, hit.long().argmax(1), cur)
+        m, path = m + walking, path + [cur]
+    if temperature == 0:
+        return m, torch.stack(path, 1), best.gather(1, cur.unsqueeze(1)).squeeze(1)
+    kids = (parents == cur.unsqueeze(1)).long()              # where the walk stopped: all rejected
+    p_cur = node_rows(p, cur)
+    rejected = torch.zeros_like(p_cur).scatter_add(1, tokens, kids.to(p_cur.dtype)) > 0   # [B, V]
+    return m, torch.stack(path, 1), exponential_race(p_cur.masked_fill(rejected, 0.0), generator)
+
+
+def node_rows(x, nodes):
+    """x [B, N, V] at one node per row, nodes [B] -> [B, V]."""
+    return x.gather(1, nodes.view(-1, 1, 1).expand(-1, 1, x.shape[-1])).squeeze(1)
+
+
+def tree_emitted(tree, path, m, bonus):
+    """[B, max_depth + 1]: the accepted nodes' tokens below the root, then the bonus token, then
+    junk (the chain's `emitted`, along the accepted path)."""
+    along = tree.tokens.gather(1, path[:, 1:])                              # [B, max_depth]
+    return torch.cat([along, along[:, :1]], 1).scatter(1, m.unsqueeze(1), bonus.unsqueeze(1))
+
+
 @dataclass
 class Rows:
     """The loop's per-row state, all on the device. `cur` is always prompt length - 1 + n_out."""
@@ -225,10 +314,11 @@ def commit(rows, emitted, m, eos, max_new_tokens):
     return count
 
 
-def prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, generator, eos):
+def prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, generator, eos, tree=None):
     """The prompts through the target (eager: the shape changes with the prompt) and the first
     token committed; with a draft head, its extend over the prompts and the first k drafts.
-    Returns the Rows and the drafts [B, k] (None for plain decoding)."""
+    Returns the Rows and the drafts [B, k] (None for plain decoding). tree: (K, S, N) to draft a
+    tree instead (a draft.Tree is returned); k is then its deepest path, min(S, N - 1)."""
     B, P = tokens.shape
     last = lens - 1                                            # each prompt's last position
     logits, aux = prefill_target(target, tokens, last, capture_aux=draft is not None)
@@ -243,6 +333,11 @@ def prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, generat
     # the head reads token t+1 on row t: shift the prompt left, put x at the last row
     shifted = torch.cat([tokens[:, 1:], tokens[:, :1]], 1)
     shifted = shifted.scatter(1, last.unsqueeze(1), rows.x.unsqueeze(1))
+    if tree is not None:
+        K, S, N = tree
+        logits, g = prefill_draft(draft, shifted, aux, last, extend=draft.extend_logits)
+        kv_draft = kv_bucket(P + (S - 1) * K, target.max_seq_len)
+        return rows, draft.tree(rows.x, logits, g, last, K, S, N, kv_len=kv_draft)
     first, g = prefill_draft(draft, shifted, aux, last)
     return rows, draft.chain(first, g, last, k, kv_len=kv_bucket(P + k, target.max_seq_len))
 
@@ -270,6 +365,8 @@ def speculative_cycle(target, draft, run, rows, pos, kv, kv_draft, drafts, mode,
     if simulate_accept_len is not None:
         m = simulated_accept(m, simulate_accept_len, k, generator)
         bonus = logits.argmax(-1).gather(1, m.unsqueeze(1)).squeeze(1)
+    m = m.masked_fill(rows.done, 0)   # a finished row stays where it is: its chain must not run
+    # past the cache (found: a row done at max_new_tokens accepting k drafts chained one slot past)
     # [d_1..d_m, bonus, junk]: the tokens emitted, and the draft extend's input rows
     emitted = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, m.unsqueeze(1), bonus.unsqueeze(1))
     mark("accept")
@@ -282,67 +379,152 @@ def speculative_cycle(target, draft, run, rows, pos, kv, kv_draft, drafts, mode,
     return m, emitted, drafts
 
 
+def tree_cycle(target, draft, run, rows, kv, kv_draft, tree, sizes, mode, temperature, generator,
+               simulate_accept_len, mark):
+    """speculative_cycle for a draft tree (sizes: K, S, N): the target verifies the tree's N
+    nodes, x at the root, at positions cur + depth, writing them at the slots cur .. cur + N - 1
+    in node order, each seeing the prefix, its ancestors and itself (tree_visible); acceptance
+    walks the tree (tree_accept); the accepted path's latents move to slot = position
+    (Transformer.move_cache); the head extends over the path with the target's states there
+    (writing its own cache at slot = position, so the head needs no move) and drafts the next
+    tree. Returns m [B], emitted [B, D + 1] (D = min(S, N - 1)), the next tree and the
+    accepted nodes by depth [B, D] (-1 past m)."""
+    (K, S, N), B = sizes, rows.cur.shape[0]
+    D, start = min(S, N - 1), rows.cur.unsqueeze(1)
+    tree = tree._replace(tokens=torch.cat([rows.x.unsqueeze(1), tree.tokens[:, 1:]], 1))
+    visible = tree_visible(tree.parents, rows.cur, kv)                        # [B, N, kv]
+    slots = start + torch.arange(N, device=start.device)
+    logits, aux = run(GraphKey("verify_tree", mode, B, N, kv),
+                      partial(tree_forward, target, mode=mode, kv_len=kv),
+                      tree.tokens, start + tree.depths, slots, visible)
+    mark("verify")
+    if simulate_accept_len is None:
+        m, path, bonus = tree_accept(logits, tree, D, temperature, generator)
+    else:
+        m, path, bonus = simulated_tree_accept(logits, tree, D, simulate_accept_len, generator)
+    m = m.masked_fill(rows.done, 0)   # a finished row stays where it is (its head scratch too)
+    along = start + rows.offsets[:D + 1]                          # [B, D + 1]: the path's positions
+    target.move_cache(start + path, along)
+    emitted = tree_emitted(tree, path, m, bonus)
+    mark("accept")
+    aux = aux.gather(1, path.unsqueeze(2).expand(-1, -1, aux.shape[-1]))      # [B, D + 1, 3 Dt]
+    first, g = run(GraphKey("draft_extend_tree", None, B, D + 1, kv_draft),
+                   partial(draft.extend_logits, kv_len=kv_draft), emitted, along, aux, m)
+    mark("draft_extend")
+    expand = partial(draft.tree, topk=K, num_steps=S, num_nodes=N, kv_len=kv_draft)
+    tree = run(GraphKey("draft_tree", None, B, (S - 1) * K, kv_draft), expand, bonus, first, g,
+               rows.cur + m)
+    mark("draft")
+    depth = rows.offsets[1:D + 1]
+    return m, emitted, tree, path[:, 1:].masked_fill(depth > m.unsqueeze(1), -1)
+
+
+def tree_forward(target, tokens, positions, slots, visible, mode, kv_len):
+    """The target's forward over a tree's nodes, its tensors positional (a graph's inputs)."""
+    return target(tokens, positions, mode, capture_aux=True, kv_len=kv_len, slots=slots,
+                  visible=visible)
+
+
+def simulated_tree_accept(logits, tree, max_depth, mean_len, generator):
+    """simulated_accept for a tree (SIMULATED): an accepted length drawn as there, taken along
+    the tree's deepest branch (at each node the child with the deepest descendant; as far as the
+    tree goes), and the target's argmax after it. (SGLang's SGLANG_SIMULATE_ACC_LEN takes the
+    first nodes in node order, whatever the tree.)"""
+    m_sim = simulated_accept(tree.tokens[:, 0], mean_len, max_depth, generator)
+    anc = tree_ancestors(tree.parents)                                       # [B, j, i]: i above j
+    deepest = (anc * tree.depths.unsqueeze(2)).amax(1)                       # [B, N]: below node i
+    cur = torch.zeros_like(m_sim)
+    m, path = torch.zeros_like(m_sim), [cur]
+    for d in range(max_depth):
+        kids = tree.parents == cur.unsqueeze(1)
+        go = kids.any(1) & (d < m_sim)
+        cur = torch.where(go, (deepest + 1).masked_fill(~kids, 0).argmax(1), cur)
+        m, path = m + go, path + [cur]
+    return m, torch.stack(path, 1), logits.argmax(-1).gather(1, cur.unsqueeze(1)).squeeze(1)
+
+
 @torch.no_grad()
 def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_mode="extend",
              use_graphs=False, temperature=0.0, seed=0, eos_id=None, graphs=None,
-             simulate_accept_len=None, timer=None):
+             simulate_accept_len=None, timer=None, topk=None, num_draft_tokens=None):
     """Speculative decoding with `draft` (an Eagle3Draft, or any object with its `extend` and
     `chain`: the tests plant one, run eager), or plain decoding when draft is None. Prefill runs
     eager; with use_graphs the decode step, the verify step and the head's extend and chain
     replay CUDA graphs (from `graphs`, a CudaGraphs, if given).
     attention_mode: verify's, "extend" or "decode".
-    eos_id: an id or a list of ids that end a row (default: every EOS id the checkpoint declares;
-    -1: none).
+    topk K (any K >= 1): a tree (tree_cycle) of num_steps levels and num_draft_tokens nodes,
+    the root included (default num_steps + 1), instead of the chain.
+    eos_id: an id or a list of ids that end a row (default: the checkpoint's EOS ids; -1: none).
     Every rank draws from the same seeded generator, so all ranks agree.
     timer: an object whose mark(name) is called at the end of each phase of each cycle
     ("start", "verify", "accept", "draft_extend", "draft", "commit"; plain: "start",
     "decode_step", "commit"): run.py records device events there."""
-    check_generate(draft, num_steps, attention_mode, simulate_accept_len)
-    device, k = target.device, num_steps if draft is not None else 0
+    sizes, k = check_generate(draft, num_steps, attention_mode, simulate_accept_len, topk,
+                              num_draft_tokens)
+    device = target.device
     eos = torch.tensor(eos_union(target.args.eos_token_ids if eos_id is None else eos_id),
                        dtype=torch.int64, device=device)                        # [E]
     tokens, lens = pad_prompts(prompts, device)
-    # slots past the output: verify writes k+1 from the newest token; the chain, k-1 past those
-    check_request(target, tokens, max_new_tokens, max(k + 1, 2 * k - 2))
+    # slots past the output: verify writes `width` from the newest token; the head's scratch
+    # (chain steps, tree passes) lies up to `scratch` past the last accepted one
+    width, scratch = (sizes[2], (num_steps - 1) * sizes[0]) if sizes else (k + 1, k - 1)
+    check_request(target, tokens, max_new_tokens, max(width, k + scratch - 1))
     gen = torch.Generator(device).manual_seed(seed)
     runner = graphs or (CudaGraphs(device) if use_graphs else None)
     run = runner.run if runner else eager
     mark = timer.mark if timer is not None else (lambda name: None)
-    rows, drafts = prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, gen, eos)
+    rows, drafts = prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, gen, eos,
+                           sizes)
     # host-side bounds, no device read: reach > every position the next verify (or decode)
     # writes; no row ever writes at or past limit (a live row's cur < P + max_new_tokens - 1, a
     # finished one stays)
-    reach, limit = tokens.shape[1] + k + 1, tokens.shape[1] + max_new_tokens + k
+    reach, limit = tokens.shape[1] + width, tokens.shape[1] + max_new_tokens + width - 1
     accepted, proposed = [], []
     while not bool(rows.done.all()):  # HOST READ: the loop's one device->host sync per cycle
         mark("start")
         pos = rows.cur.unsqueeze(1) + rows.offsets                                # [B, k+1]
         kv = kv_bucket(min(reach, limit), target.max_seq_len)  # verify (or decode) writes below
-        kv_draft = kv_bucket(min(reach, limit) + k, target.max_seq_len)  # the chain: k-1 further
+        kv_draft = kv_bucket(min(reach, limit) + scratch + 1, target.max_seq_len)  # and the head's
         reach += k + 1
         if draft is None:
             m, emitted = decode_cycle(target, run, rows, pos, kv, temperature, gen, mark)
-        else:
+        elif sizes is None:
             proposed.append(drafts)  # kept on the device, stacked after the loop
             m, emitted, drafts = speculative_cycle(target, draft, run, rows, pos, kv, kv_draft,
                                                    drafts, attention_mode, temperature, gen,
                                                    simulate_accept_len, mark)
+        else:
+            verified = (drafts.tokens[:, 1:], drafts.parents[:, 1:])
+            m, emitted, drafts, path = tree_cycle(target, draft, run, rows, kv, kv_draft, drafts,
+                                                  sizes, attention_mode, temperature, gen,
+                                                  simulate_accept_len, mark)
+            proposed.append(verified + (path,))
         # what commit kept, not what accept accepted: a cycle cut at max_new_tokens or an EOS
         # counts only its kept tokens (and a finished row's 0 becomes -1)
         accepted.append(commit(rows, emitted, m, eos, max_new_tokens) - 1)
         mark("commit")
-    return result(rows, accepted, proposed if draft is not None else None, k,
+    return result(rows, accepted, proposed if draft is not None else None, width - 1,
                   simulate_accept_len is not None)
 
 
-def check_generate(draft, num_steps, attention_mode, simulate_accept_len):
+def check_generate(draft, num_steps, attention_mode, simulate_accept_len, topk=None,
+                   num_draft_tokens=None):
+    """generate's arguments checked; returns the tree's sizes (K, S, N), or None for the chain,
+    and k: the most drafts a cycle can accept (0 for plain decoding)."""
     if attention_mode not in ("extend", "decode"):
         raise ValueError(f"attention_mode must be 'extend' or 'decode', not {attention_mode!r}")
     if draft is not None and num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, not {num_steps}")
-    if simulate_accept_len is not None and not 1 <= simulate_accept_len <= num_steps + 1:
-        raise ValueError(f"simulate_accept_len must lie in [1, num_steps + 1], not "
-                         f"{simulate_accept_len}")
+    sizes = None
+    if draft is not None and topk is not None:
+        sizes = (topk, num_steps, num_draft_tokens or num_steps + 1)
+        check_tree(*sizes)
+    k = 0 if draft is None else min(num_steps, sizes[2] - 1) if sizes else num_steps
+    most = k if draft is not None else num_steps   # the deepest accepted path
+    if simulate_accept_len is not None and not 1 <= simulate_accept_len <= most + 1:
+        raise ValueError(f"simulate_accept_len must lie in [1, {most + 1}] (the most drafts a "
+                         f"cycle accepts, + 1), not {simulate_accept_len}")
+    return sizes, k
 
 
 def eager(key, fn, *inputs):
@@ -350,14 +532,21 @@ def eager(key, fn, *inputs):
     return fn(*inputs)
 
 
-def result(rows, accepted, proposed, k, simulated):
-    """The GenerateResult, read back once after the loop."""
+def result(rows, accepted, proposed, columns, simulated):
+    """The GenerateResult, read back once after the loop. columns: the drafts a cycle proposes."""
     B = rows.out.shape[0]
     stats = torch.stack(accepted).cpu() if accepted else torch.zeros(0, B, dtype=torch.int64)
-    drafted = None
-    if proposed is not None:
-        drafted = (torch.stack(proposed).cpu() if proposed
-                   else torch.zeros(0, B, k, dtype=torch.int64))
-        drafted = drafted.masked_fill((stats < 0).unsqueeze(-1), -1)
+    finished = (stats < 0).unsqueeze(-1)
+    drafted = parents = paths = None
+    if proposed:
+        if isinstance(proposed[0], tuple):   # a tree: tokens, parents below the root; accepted path
+            parents, paths = (torch.stack([x[i] for x in proposed]).cpu().masked_fill(finished, -1)
+                              for i in (1, 2))
+            depth = torch.arange(1, paths.shape[-1] + 1)   # the nodes commit kept (EOS, max_new)
+            paths = paths.masked_fill(depth > stats.unsqueeze(-1), -1)
+            proposed = [x[0] for x in proposed]
+        drafted = torch.stack(proposed).cpu().masked_fill(finished, -1)
+    elif proposed is not None:
+        drafted = torch.zeros(0, B, columns, dtype=torch.int64)
     tokens = [row[:n] for row, n in zip(rows.out.tolist(), rows.n_out.tolist())]
-    return GenerateResult(tokens, stats, len(accepted), simulated, drafted)
+    return GenerateResult(tokens, stats, len(accepted), simulated, drafted, parents, paths)
