@@ -2689,7 +2689,7 @@ def test_tp_gpu_speculative_equals_plain_greedy(tp_gpu_world, allreduce):
     assert target.routing == "model" and target.tp.world_size == 2
     prompts = [p[:n] for p, n in zip(train.heldout_prompts(3, 32), (32, 17, 25))]
     plain = generate(target, None, prompts, max_new_tokens=40, eos_id=-1, use_graphs=True).tokens
-    for mode in ("prefill", "decode"):
+    for mode in ("extend", "decode"):
         res = generate(target, head, prompts, max_new_tokens=40, num_steps=3, attention_mode=mode,
                        use_graphs=True, eos_id=-1)
         assert res.tokens == plain, (allreduce, mode)
