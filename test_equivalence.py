@@ -3160,15 +3160,19 @@ def test_tree_verify_sees_only_prefix_and_ancestors(mode):
 def test_tree_verify_with_kernels_equals_plain():
     """The Triton decode attention cannot mask a tree, so a tree's forward takes the plain
     attention there; the rope/cache kernel writes at the tree's slots. Equal to the plain model."""
-    plain = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=32, dtype=torch.float32), 4)
-    fast = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=32, dtype=torch.float32), 4)
+    dev, build = TRITON_DEVICE, dict(max_batch_size=2, max_seq_len=32, dtype=torch.float32)
+    plain = init_random(Transformer(tiny(), device=dev, **build), 4)
+    fast = init_random(Transformer(tiny(), device=dev, **build), 4)
     assert kernels.accelerate(fast, ["attention", "rope_cache"]) == ("attention", "rope_cache")
     tree = random_tree(2, 7, 256, torch.Generator().manual_seed(5))
+    tokens, parents, depths = (t.to(dev) for t in (tree.tokens, tree.parents, tree.depths))
+    prefix = torch.arange(9, device=dev).expand(2, 9)
     for m in (plain, fast):
-        m(torch.arange(9).expand(2, 9) + 1, torch.arange(9).expand(2, 9))
-    kw = dict(kv_len=16, slots=9 + torch.arange(7).expand(2, 7), visible=tree_visible(tree.parents, torch.full((2,), 9), 16))
-    a = plain(tree.tokens, 9 + tree.depths, "decode", **kw).logits
-    b = fast(tree.tokens, 9 + tree.depths, "decode", **kw).logits
+        m(prefix + 1, prefix)
+    kw = dict(kv_len=16, slots=9 + torch.arange(7, device=dev).expand(2, 7),
+              visible=tree_visible(parents, torch.full((2,), 9, device=dev), 16))
+    a = plain(tokens, 9 + depths, "decode", **kw).logits
+    b = fast(tokens, 9 + depths, "decode", **kw).logits
     assert_close(a, b, 1e-4, "tree verify, kernels on vs plain")
 
 
