@@ -108,21 +108,7 @@ def parse_args(argv=None):
 
 def make_parser():
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model-path", help="HF DeepseekV3 / Kimi-K2 checkpoint folder (else --preset)")
-    p.add_argument("--draft-path", help="SpecForge / SGLang EAGLE-3 checkpoint folder (else the trained tiny "
-                   "pair's head on a CPU, or a random head)")
-    p.add_argument("--random-weights", action="store_true", help="with the tiny preset: a random target and "
-                   "head instead of the trained pair in checkpoints/tiny-stdlib (train.py), the tiny default")
-    p.add_argument("--preset", choices=sorted(model.PRESETS), help="random target to build: kimi-k2 (GPU only), "
-                   "kimi-k2.5 (INT4 experts, GPU only), tiny (a toy with every feature; default on CPU)")
-    p.add_argument("--simulate-tp", type=int, help="build one SIMULATED rank of TP N (default on one GPU "
-                   "with kimi-k2: 8)")
-    p.add_argument("--routed-experts", type=int, help="keep N routed experts per layer of a random target "
-                   "(memory override; default on one GPU with bf16 kimi-k2: 128; all 384 with --quant int4 or fp8)")
-    p.add_argument("--quant", choices=["none", "int4", "fp8"], help="random weights in this layout: int4 = routed "
-                   "experts packed as Kimi-K2-Thinking / K2.5 ship them; fp8 = routed experts in FP8 e4m3 with "
-                   "128x128 block scales as Kimi-K2-Instruct ships them (the rest dequantized, as at load) "
-                   "(default: the preset's)")
+    add_model_flags(p)
     p.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens proposed per cycle, k "
                    "(verify reads k + 1 tokens; default %(default)s)")
     p.add_argument("--speculative-eagle-topk", type=int, default=1, help="draft branches per step, K: 1 "
@@ -177,6 +163,31 @@ def make_parser():
                    "and sums them, for messages up to 1 MB (decode, verify; NCCL above) (default %(default)s)")
     p.add_argument("--json", metavar="PATH", help="write every number of the run and its environment as one "
                    "JSON line to PATH ('-': to stdout, after the report)")
+    add_baseline_flags(p)
+    return p
+
+
+def add_model_flags(p):
+    """Which target and head: checkpoints, or random weights of a preset."""
+    p.add_argument("--model-path", help="HF DeepseekV3 / Kimi-K2 checkpoint folder (else --preset)")
+    p.add_argument("--draft-path", help="SpecForge / SGLang EAGLE-3 checkpoint folder (else the trained tiny "
+                   "pair's head on a CPU, or a random head)")
+    p.add_argument("--random-weights", action="store_true", help="with the tiny preset: a random target and "
+                   "head instead of the trained pair in checkpoints/tiny-stdlib (train.py), the tiny default")
+    p.add_argument("--preset", choices=sorted(model.PRESETS), help="random target to build: kimi-k2 (GPU only), "
+                   "kimi-k2.5 (INT4 experts, GPU only), tiny (a toy with every feature; default on CPU)")
+    p.add_argument("--simulate-tp", type=int, help="build one SIMULATED rank of TP N (default on one GPU "
+                   "with kimi-k2: 8)")
+    p.add_argument("--routed-experts", type=int, help="keep N routed experts per layer of a random target "
+                   "(memory override; default on one GPU with bf16 kimi-k2: 128; all 384 with --quant int4 or fp8)")
+    p.add_argument("--quant", choices=["none", "int4", "fp8"], help="random weights in this layout: int4 = routed "
+                   "experts packed as Kimi-K2-Thinking / K2.5 ship them; fp8 = routed experts in FP8 e4m3 with "
+                   "128x128 block scales as Kimi-K2-Instruct ships them (the rest dequantized, as at load) "
+                   "(default: the preset's)")
+
+
+def add_baseline_flags(p):
+    """The correctness baseline's flags (baseline.py)."""
     b = p.add_argument_group("correctness baseline (README: Checking an engine against this reference)")
     b.add_argument("--dump", metavar="PATH", help="write greedy output and top-K log-probabilities of the "
                    "--prompt-ids to this .npz (speculative, with drafts and accepted counts, when --draft-path "
@@ -193,7 +204,6 @@ def make_parser():
     b.add_argument("--max-accept-diff", type=float, default=baseline.MAX_ACCEPT_DIFF, help="largest difference in drafts "
                    "accepted per cycle (mean over all rows' cycles), when both files have 'accepted' "
                    "(default %(default)s)")
-    return p
 
 
 def check_flags(args):
