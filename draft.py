@@ -51,8 +51,8 @@ class DraftArgs:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 131072
     target_hidden_size: int | None = None
-    eagle_config: dict | None = field(default_factory=lambda: {"eagle_aux_hidden_state_layer_ids": [2, 30, 58],
-                                                        "use_aux_hidden_state": True})
+    eagle_config: dict | None = field(default_factory=lambda: {
+        "eagle_aux_hidden_state_layer_ids": [2, 30, 58], "use_aux_hidden_state": True})
 
     @property
     def aux_layer_ids(self):
@@ -73,7 +73,8 @@ class DraftArgs:
         heads = cfg.get("num_attention_heads", cls.num_attention_heads)
         cfg.setdefault("head_dim", cfg.get("hidden_size", cls.hidden_size) // heads)
         cfg.setdefault("num_key_value_heads", heads)
-        cfg["draft_vocab_size"] = cfg.get("draft_vocab_size") or cfg.get("vocab_size", cls.vocab_size)
+        vocab = cfg.get("vocab_size", cls.vocab_size)
+        cfg["draft_vocab_size"] = cfg.get("draft_vocab_size") or vocab
         names = {f.name for f in fields(cls)}
         return cls(**{k: v for k, v in cfg.items() if k in names})
 

@@ -1370,17 +1370,22 @@ def stack_rows(*linears):
     return buf
 
 
-class StackedQKVA(model.MLA):
+class AttachAgain:
+    """For a swap that keeps tensors built from its weights (stacked views, attach()): .to() and
+    the like move each parameter and buffer on its own, so build them again afterwards."""
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.attach()
+        return self
+
+
+class StackedQKVA(AttachAgain, model.MLA):
     """"fused_proj" (plain torch; MLA with q_lora_rank): q_a_proj and kv_a_proj_with_mqa, which
     both read x, as one GEMM over their weights stacked (stack_rows)."""
 
     def attach(self):
         self.q_kv_a_weight = stack_rows(self.q_a_proj, self.kv_a_proj_with_mqa)
-
-    def _apply(self, fn, recurse=True):   # .to() and the like move each tensor alone: stack again
-        super()._apply(fn, recurse)
-        self.attach()
-        return self
 
     def project(self, x):
         a = self.args
@@ -1396,18 +1401,13 @@ class SiluMulKernel(model.MLP):
         return launch.silu_mul(gate, up)
 
 
-class StackedGateUp(model.MLP):
+class StackedGateUp(AttachAgain, model.MLP):
     """"fused_proj": gate_proj and up_proj as one GEMM over their stacked weights (stack_rows).
     add_to (a shared expert, reduce=False): a tensor [N, dim], the MoE's routed output, that the
     down GEMM adds its product into, in place, instead of an add after it."""
 
     def attach(self):
         self.gate_up_weight = stack_rows(self.gate_proj, self.up_proj)
-
-    def _apply(self, fn, recurse=True):   # .to() and the like move each tensor alone: stack again
-        super()._apply(fn, recurse)
-        self.attach()
-        return self
 
     def gate_up(self, x):                                         # one GEMM: [..., 2 I] = [gate | up]
         return F.linear(x, self.gate_up_weight).chunk(2, -1)
@@ -1522,7 +1522,7 @@ class FusedExperts(GroupedExperts):
         return fused_moe(x, ids, weights, *map(expert_weights, projs), variant=variant)
 
 
-class SharedExpertInLaunch(model.MoE):
+class SharedExpertInLaunch(AttachAgain, model.MoE):
     """"shared_expert": the shared expert as expert E of the fused launch, chosen by every token
     with weight 1 (K + 1 pairs a token). Its weights move in as the last rows of [E + 1, ...]
     tensors, both modules' parameters becoming views of them, so a checkpoint loaded afterwards
@@ -1537,11 +1537,6 @@ class SharedExpertInLaunch(model.MoE):
             both = torch.cat([routed.data, shared.data.unsqueeze(0)])    # [E + 1, out, in]
             routed.data, shared.data = both[:-1], both[-1]
             self.stacked.append(both)
-
-    def _apply(self, fn, recurse=True):   # .to() and the like move each parameter alone: fold again
-        super()._apply(fn, recurse)
-        self.attach()
-        return self
 
     def partial_sum(self, x):
         if not self.experts.runs_fused(x):
