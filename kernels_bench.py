@@ -174,67 +174,105 @@ def copy_bandwidth_GBps(reps=20):
 
 
 def _mla_sets(B, T, S, used, n_sets, H=8, C=512, R=64, dtype=torch.bfloat16):
-    """Input sets on the GPU: each row's T queries end at slot used - 1 of an S-slot cache."""
-    sets = []
-    for _ in range(n_sets):
-        pos = (used - T + torch.arange(T, device="cuda")).expand(B, T)
-        sets.append(dict(q=torch.randn(B, T, H, C, device="cuda", dtype=dtype),
-                         qpe=torch.randn(B, T, H, R, device="cuda", dtype=dtype),
-                         kv=torch.randn(B, S, C, device="cuda", dtype=dtype),
-                         pe=torch.randn(B, S, R, device="cuda", dtype=dtype), pos=pos,
-                         hidden=torch.arange(S, device="cuda") > pos.unsqueeze(-1)))
-    return sets
+    """Input sets of mla_decode_attention on the GPU: each row's T new tokens end at slot used - 1
+    of an S-slot cache."""
+    table = torch.stack(model.rope_tables(R, 50000.0, None, S, "cuda"), -1)
+    pos = (used - T + torch.arange(T, device="cuda")).expand(B, T).contiguous()
+    new = lambda *shape: torch.randn(*shape, device="cuda", dtype=dtype)   # noqa: E731
+    return [dict(q_lat=new(B, T, H, C), q_pe=new(B, T, H, R), kv=new(B, T, C), k_pe=new(B, T, R),
+                 norm_weight=torch.ones(C, device="cuda", dtype=dtype), eps=1e-6, rope=table[pos], positions=pos,
+                 kv_cache=new(B, S, C), pe_cache=new(B, S, R)) for _ in range(n_sets)]
 
 
-def bench_mla(bw, rows):
+def _mla_plain(s, scale):
+    """The plain twin of one decode step's attention core: model.MLA.write_cache's lines, then
+    model.absorbed_attention over the whole cache view, masked."""
+    pos, kv_cache, pe_cache = s["positions"], s["kv_cache"], s["pe_cache"]
+    rows = torch.arange(pos.shape[0], device="cuda").unsqueeze(1)
+    kv_cache[rows, pos] = torch.nn.functional.rms_norm(s["kv"], s["norm_weight"].shape, s["norm_weight"], s["eps"])
+    pe_cache[rows, pos] = model.apply_rope(s["k_pe"], s["rope"])
+    hidden = torch.arange(kv_cache.shape[1], device="cuda") > pos.unsqueeze(-1)
+    return model.absorbed_attention(s["q_lat"], model.apply_rope(s["q_pe"], s["rope"]), kv_cache, pe_cache, hidden,
+                                    scale)
+
+
+MLA_POINTS = ((320, 256), (4096, 4096), (32768, 32768), (32768, 256), (32768, 4096))   # (cache slots, used)
+
+
+def bench_mla(bw, rows, points=MLA_POINTS, shapes=((1, 1), (1, 4), (4, 1), (4, 4))):
+    """mla_decode_attention (RoPE, cache write, attention; a merge kernel past MLA_MERGE_IN_KERNEL
+    splits) against its plain twin; "kernels alone": the profiled kernel time of one eager call
+    (what run.py's component table sums), without the launch gaps a graph replay still has."""
     scale = 0.1
-    print(f"\nMLA decode attention, Kimi-K2 TP 8 (H=8, C=512, R=64), bf16; copy bandwidth {bw:.0f} GB/s")
+    print(f"\nMLA decode step, Kimi-K2 TP 8 (H=8, C=512, R=64), bf16; copy bandwidth {bw:.0f} GB/s")
     print(f"{'B':>2} {'T':>2} {'cache':>6} {'used':>6} {'MB read':>8} {'torch us':>9} {'kernel us':>9} "
-          f"{'speedup':>7} {'kernel GB/s':>11} {'of copy':>7}")
-    for S, used in ((256, 256), (4096, 4096), (32768, 32768), (32768, 256), (32768, 4096)):
-        for B, T in ((1, 1), (1, 4), (4, 1), (4, 4)):
+          f"{'speedup':>7} {'kernel GB/s':>11} {'of copy':>7} {'kernels alone us':>16}")
+    for S, used in points:
+        for B, T in shapes:
             nbytes = B * used * 576 * 2 + 2 * B * T * 8 * 576 * 2      # cache slots read + queries and output
             sets = _mla_sets(B, T, S, used, max(2, min(32, math.ceil(2.5e8 / (B * S * 576 * 2)))))
-            plain = _graph_ms([lambda s=s: model.absorbed_attention(s["q"], s["qpe"], s["kv"], s["pe"], s["hidden"],
-                                                                    scale) for s in sets])
-            fast = _graph_ms([lambda s=s: mla_decode_attention(s["q"], s["qpe"], s["kv"], s["pe"], s["pos"], scale)
-                              for s in sets])
+            plain = _graph_ms([partial(_mla_plain, s, scale) for s in sets])
+            fast = _graph_ms([partial(mla_decode_attention, **s, softmax_scale=scale) for s in sets])
+            alone = _kernel_ms(partial(mla_decode_attention, **sets[0], softmax_scale=scale))[0]
             gbps = nbytes / fast / 1e6
             print(f"{B:>2} {T:>2} {S:>6} {used:>6} {nbytes / 1e6:>8.2f} {plain * 1e3:>9.1f} {fast * 1e3:>9.1f} "
-                  f"{plain / fast:>6.1f}x {gbps:>11.0f} {gbps / bw:>6.0%}")
+                  f"{plain / fast:>6.1f}x {gbps:>11.0f} {gbps / bw:>6.0%} {alone * 1e3:>16.1f}")
             rows.append(dict(kernel="mla_decode", B=B, T=T, cache=S, used=used, bytes=nbytes, torch_ms=plain,
-                             kernel_ms=fast, GBps=gbps))
+                             kernel_ms=fast, kernels_alone_ms=alone, GBps=gbps))
             del sets
 
 
-def bench_mla_configs(bw, rows):
-    """Split length, tile and pipeline depth at 4096 and 32768 used slots (B = 1)."""
-    print("\nMLA kernel configurations (B=1; us; auto = the split rule)")
-    splits = (None, 64, 128, 256)
-    print(f"{'T':>2} {'used':>6} {'BLOCK_N':>7} {'stages':>6} {'warps':>5} " + " ".join(f"{str(s or 'auto'):>7}" for s in splits))
-    default_n, default_stages = kernels.MLA_BLOCK_N[torch.bfloat16], kernels.MLA_NUM_STAGES[torch.bfloat16]
-    for used in (4096, 32768):
-        for T in (1, 4):
-            sets = _mla_sets(1, T, used, used, max(2, min(32, math.ceil(2.5e8 / (used * 576 * 2)))))
-            for block_n, stages, warps in ((64, 3, None), (64, 3, 8), (32, 4, None)):
-                kernels.MLA_BLOCK_N[torch.bfloat16], kernels.MLA_NUM_STAGES[torch.bfloat16] = block_n, stages
-                kernels.MLA_NUM_WARPS = warps
-                times = []
-                for split in splits:
-                    try:
-                        times.append(_graph_ms([lambda s=s: mla_decode_attention(s["q"], s["qpe"], s["kv"], s["pe"],
-                                                                                  s["pos"], 0.1, split_len=split)
-                                                for s in sets]))
-                    except Exception as e:  # a configuration that does not fit (shared memory) is reported, not fatal
-                        print(f"  BLOCK_N {block_n} stages {stages} split {split}: {type(e).__name__}: {str(e)[:120]}")
-                        times.append(float("nan"))
-                print(f"{T:>2} {used:>6} {block_n:>7} {stages:>6} {str(warps or 'auto'):>5} "
-                      + " ".join(f"{t * 1e3:>7.1f}" for t in times))
-                rows.append(dict(kernel="mla_config", T=T, used=used, block_n=block_n, stages=stages, warps=warps,
-                                 us={str(s): t * 1e3 for s, t in zip(splits, times)}))
-            del sets
-    kernels.MLA_BLOCK_N[torch.bfloat16], kernels.MLA_NUM_STAGES[torch.bfloat16] = default_n, default_stages
-    kernels.MLA_NUM_WARPS = None
+# Sweep points of bench_mla_configs: at the long cache the tiles (BLOCK_N, num_stages, num_warps or
+# None for the rule) with split lengths (None: the rule), at the short one the split lengths; at
+# both, where the splits merge (MLA_MERGE_IN_KERNEL: 1 always the merge kernel, 256 never) and the
+# merge kernel's BLOCK_C. A split length changes no compiled kernel, the rest do (~1 s each).
+MLA_SWEEP = {(32768, 1): dict(blocks=((64, 3, None), (64, 2, None), (32, 4, None), (32, 3, None), (64, 3, 8)),
+                              splits=(None, 128, 512), merge_in_kernel=(256,), combine_block_c=(32,)),
+             (32768, 4): dict(blocks=((64, 3, None), (32, 4, None)), splits=(None, 128), merge_in_kernel=(),
+                              combine_block_c=(32,)),
+             (320, 1): dict(blocks=((64, 3, None), (32, 3, None)), splits=(None, 128, 320), merge_in_kernel=(1,),
+                            combine_block_c=()),
+             (320, 4): dict(blocks=((64, 3, None),), splits=(None, 128, 320), merge_in_kernel=(1,),
+                            combine_block_c=())}
+
+
+def bench_mla_configs(rows, sweep=MLA_SWEEP):
+    """Tile, pipeline depth, warps, split length, where the splits merge, at B = 1 on a cache of S
+    slots all used (us a call, graph)."""
+    print("\nMLA kernel configurations (B=1; us a call in a graph)")
+    saved = (dict(kernels.MLA_BLOCK_N), dict(kernels.MLA_NUM_STAGES), kernels.MLA_NUM_WARPS,
+             kernels.MLA_MERGE_IN_KERNEL, kernels.MLA_COMBINE_BLOCK_C)
+
+    def time_it(sets, what, split=None):
+        try:
+            us = _graph_ms([partial(mla_decode_attention, **s, softmax_scale=0.1, split_len=split) for s in sets]) * 1e3
+        except Exception as e:  # a configuration that does not fit (shared memory) is reported, not fatal
+            print(f"  {what}: {type(e).__name__}: {str(e)[:120]}")
+            return
+        print(f"  {what}: {us:7.1f} us", flush=True)
+        rows.append(dict(kernel="mla_config", what=what, us=us))
+
+    for (S, T), points in sweep.items():
+        sets = _mla_sets(1, T, S, S, max(2, min(32, math.ceil(2.5e8 / (S * 576 * 2)))))
+        print(f" T {T}, {S} slots used ({S * 576 * 2 / 1e6:.2f} MB)")
+        for block_n, stages, warps in points["blocks"]:
+            kernels.MLA_BLOCK_N[torch.bfloat16], kernels.MLA_NUM_STAGES[torch.bfloat16] = block_n, stages
+            kernels.MLA_NUM_WARPS = warps
+            for split in points["splits"]:
+                time_it(sets, f"T {T} S {S} BLOCK_N {block_n} stages {stages} warps {warps or 'rule'} split "
+                              f"{split or 'rule'}", split)
+        kernels.MLA_BLOCK_N[torch.bfloat16], kernels.MLA_NUM_STAGES[torch.bfloat16] = (
+            saved[0][torch.bfloat16], saved[1][torch.bfloat16])
+        kernels.MLA_NUM_WARPS = saved[2]
+        for merge in points["merge_in_kernel"]:
+            kernels.MLA_MERGE_IN_KERNEL = merge
+            time_it(sets, f"T {T} S {S} default blocks, MLA_MERGE_IN_KERNEL {merge}")
+        kernels.MLA_MERGE_IN_KERNEL = saved[3]
+        for block_c in points["combine_block_c"]:
+            kernels.MLA_COMBINE_BLOCK_C = block_c
+            time_it(sets, f"T {T} S {S} default blocks, merge kernel BLOCK_C {block_c}")
+        kernels.MLA_COMBINE_BLOCK_C = saved[4]
+        del sets
 
 
 def bench_small(rows):
@@ -351,7 +389,7 @@ def benchmark_attention(out=None):
     bench_small(rows)
     bench_norm_gemv(bw, rows)
     bench_mla(bw, rows)
-    bench_mla_configs(bw, rows)
+    bench_mla_configs(rows)
     line = json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                            copy_GBps=bw, rows=rows))
     if out:

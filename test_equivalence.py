@@ -6,6 +6,7 @@ graph work done: `python -m pytest -q test_equivalence.py` there runs both parts
 """
 import contextlib
 import json
+import math
 import os
 import re
 import shutil
@@ -1935,48 +1936,76 @@ TINY_MLA = dict(H=4, C=32, R=8)            # the tiny preset at TP 1
 
 
 def mla_inputs(B, T, H, C, R, S, dtype, device, seed):
-    """Queries and a cache with one spare row (the kernel reads a [:B] view, as the model does);
-    each row's T positions are consecutive and end at its own length, one row at slot 0."""
+    """A decode step's inputs to kernels.mla_decode_attention: queries (q_pe not rotated), T new
+    latents a row (kv_a's halves, not normalized or rotated), kv_a_layernorm's weight, the rope
+    table's rows at the positions, and caches with one spare row (the kernel gets [:B] views, as
+    the model's); each row's T positions are consecutive and end at its own length, one row at
+    the cache's end, one at slot 0."""
     g = torch.Generator().manual_seed(seed)
     q_lat, q_pe = torch.randn(B, T, H, C, generator=g), torch.randn(B, T, H, R, generator=g)
-    kv, pe = torch.randn(B + 1, S, C, generator=g), torch.randn(B + 1, S, R, generator=g)
+    kv, k_pe = torch.randn(B, T, C, generator=g), torch.randn(B, T, R, generator=g)
+    weight = 1 + 0.1 * torch.randn(C, generator=g)
+    kv_cache, pe_cache = torch.randn(B + 1, S, C, generator=g), torch.randn(B + 1, S, R, generator=g)
     last = torch.randint(T - 1, S, (B,), generator=g)
     last[0] = S - 1                              # one row uses the whole cache
     if B > 2:
         last[2] = T - 1                          # one row starts at slot 0
     positions = last.unsqueeze(1) - (T - 1) + torch.arange(T)
+    rope = torch.stack(model.rope_tables(R, 10000.0, None, S, "cpu"), -1)[positions]       # [B, T, R/2, 2]
     to = dict(device=device, dtype=dtype)
-    return q_lat.to(**to), q_pe.to(**to), kv[:B].to(**to), pe[:B].to(**to), positions.to(device)
+    return dict(q_lat=q_lat.to(**to), q_pe=q_pe.to(**to), kv=kv.to(**to), k_pe=k_pe.to(**to),
+                norm_weight=weight.to(**to), eps=1e-6, rope=rope.to(device), positions=positions.to(device),
+                kv_cache=kv_cache.to(**to)[:B], pe_cache=pe_cache.to(**to)[:B])
 
 
-def mla_reference(q_lat, q_pe, kv, pe, positions, scale, dtype=None):
-    """model.absorbed_attention (the plain twin), in `dtype` (default: the inputs')."""
-    hidden = torch.arange(kv.shape[1], device=kv.device) > positions.unsqueeze(-1)
-    args = [t.to(dtype or t.dtype) for t in (q_lat, q_pe, kv, pe)]
-    return model.absorbed_attention(*args, hidden, scale)
+def mla_reference(inputs, scale, dtype=None):
+    """The plain twins on copies of the caches, in `dtype` (default: the inputs'): model.MLA's
+    write_cache lines (kv_a_layernorm, apply_rope, the index writes), then
+    model.absorbed_attention of the rotated queries. Returns (o_lat, kv_cache, pe_cache)."""
+    x = {k: v.to(dtype or v.dtype) if torch.is_tensor(v) and v.is_floating_point() and k != "rope" else v
+         for k, v in inputs.items()}
+    kv_cache, pe_cache, pos = x["kv_cache"].clone(), x["pe_cache"].clone(), x["positions"]
+    norm = model.RMSNorm(kv_cache.shape[-1], x["eps"], kv_cache.device, kv_cache.dtype)
+    with torch.no_grad():
+        norm.weight.copy_(x["norm_weight"])
+    rows = torch.arange(pos.shape[0], device=pos.device).unsqueeze(1)
+    kv_cache[rows, pos] = norm(x["kv"])
+    pe_cache[rows, pos] = model.apply_rope(x["k_pe"], x["rope"])
+    hidden = torch.arange(kv_cache.shape[1], device=pos.device) > pos.unsqueeze(-1)
+    o = model.absorbed_attention(x["q_lat"], model.apply_rope(x["q_pe"], x["rope"]), kv_cache, pe_cache, hidden, scale)
+    return o, kv_cache, pe_cache
 
 
 def check_mla(B, T, shape, S, dtype, device, seed, split_len=None):
+    """The kernel's output against the float64 twin, and the caches it wrote against the twin's in
+    the kernel's dtype."""
     scale = 0.07
     inputs = mla_inputs(B, T, **shape, S=S, dtype=dtype, device=device, seed=seed)
-    got = kernels.mla_decode_attention(*inputs, scale, split_len=split_len)
-    truth = mla_reference(*inputs, scale, dtype=torch.float64)
+    truth, _, _ = mla_reference(inputs, scale, dtype=torch.float64)
+    twin, twin_kv, twin_pe = mla_reference(inputs, scale)
+    got = kernels.mla_decode_attention(**inputs, softmax_scale=scale, split_len=split_len)
     assert got.shape == truth.shape and got.dtype == dtype and torch.isfinite(got).all()
     what = f"MLA kernel B={B} T={T} {shape} S={S} {dtype} split {split_len}"
+    cache_tol = 1e-5 if dtype == torch.float32 else 2 ** -7 * 4    # bf16: one rounding of values below 4
+    assert_close(inputs["kv_cache"], twin_kv, cache_tol, what + ": latent cache")
+    assert_close(inputs["pe_cache"], twin_pe, cache_tol, what + ": rope cache")
     if dtype == torch.float32:
         assert_close(got, truth, 2e-5, what + " vs float64 twin")
     else:  # bf16: the twin rounds the scores and the output; the kernel keeps scores in fp32
-        twin_err = (mla_reference(*inputs, scale) .double() - truth).abs().max().item()
+        twin_err = (twin.double() - truth).abs().max().item()
         assert_close(got, truth, max(2e-2, 2 * twin_err), what + f" vs float64 twin (bf16 twin: {twin_err:.2e})")
 
 
 @triton_ok
 @pytest.mark.parametrize("B, T", [(1, 1), (3, 1), (1, 4), (3, 4)])
 def test_mla_decode_kernel_equals_twin_tiny(B, T):
-    """Tiny shapes: one split (S=40) and the split + combine path (S=300 in 64-slot splits)."""
+    """Tiny shapes: one split (S=40), splits merged by the last program (S=300 in 64-slot splits)
+    and by the merge kernel (in 16-slot splits, more than MLA_MERGE_IN_KERNEL)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
+    assert math.ceil(300 / 64) <= kernels.MLA_MERGE_IN_KERNEL < math.ceil(300 / 16)
     check_mla(B, T, TINY_MLA, 40, torch.float32, device, seed=B * 10 + T)
     check_mla(B, T, TINY_MLA, 300, torch.float32, device, seed=B * 10 + T + 1, split_len=64)
+    check_mla(B, T, TINY_MLA, 300, torch.float32, device, seed=B * 10 + T + 2, split_len=16)
 
 
 @triton_ok
@@ -1988,13 +2017,16 @@ def test_mla_decode_kernel_equals_twin_kimi_shapes():
 
 @triton_ok
 def test_mla_decode_kernel_refuses_bad_input():
-    q, qpe, kv, pe, pos = mla_inputs(2, 1, **TINY_MLA, S=16, dtype=torch.float32, device="cpu", seed=0)
+    x = mla_inputs(2, 1, **TINY_MLA, S=16, dtype=torch.float32, device="cpu", seed=0)
     with pytest.raises(ValueError, match="positions must be int64"):
-        kernels.mla_decode_attention(q, qpe, kv, pe, pos.int(), 0.1)
+        kernels.mla_decode_attention(**{**x, "positions": x["positions"].int()}, softmax_scale=0.1)
     with pytest.raises(ValueError, match="float64: use the plain path"):
-        kernels.mla_decode_attention(q.double(), qpe.double(), kv.double(), pe.double(), pos, 0.1)
+        kernels.mla_decode_attention(**{k: v.double() if k in ("q_lat", "q_pe", "kv", "k_pe", "kv_cache", "pe_cache")
+                                        else v for k, v in x.items()}, softmax_scale=0.1)
     with pytest.raises(ValueError, match="do not fit"):
-        kernels.mla_decode_attention(q, qpe, kv[:1], pe, pos, 0.1)
+        kernels.mla_decode_attention(**{**x, "kv_cache": x["kv_cache"][:1]}, softmax_scale=0.1)
+    with pytest.raises(ValueError, match="last dim must be contiguous"):
+        kernels.mla_decode_attention(**{**x, "kv": x["kv"].repeat_interleave(2, -1)[..., ::2]}, softmax_scale=0.1)
 
 
 @triton_ok
@@ -2513,31 +2545,35 @@ def test_gpu_mla_decode_kernel_long_cache(dtype, B, T):
 
 @cuda
 @triton_ok
-def test_gpu_mla_decode_kernel_one_graph_any_length():
-    """One graph captured on a 32768-slot cache serves every length: replays with new positions
-    (lengths from 1 to the whole cache) equal the eager twin, without a host sync."""
-    B, T, S, scale = 3, 4, 32768, 0.07
-    q, qpe, kv, pe, pos = mla_inputs(B, T, **KIMI_TP8, S=S, dtype=torch.bfloat16, device="cuda", seed=1)
-    static_pos = pos.clone()
-    kernels.mla_decode_attention(q, qpe, kv, pe, static_pos, scale)      # compile outside the capture
+@pytest.mark.parametrize("S", [512, 32768])
+def test_gpu_mla_decode_kernel_one_graph_any_length(S):
+    """One graph captured on an S-slot cache serves every length: replays with new positions
+    (lengths from 1 to the whole cache) equal the eager call and the float64 twin, without a
+    host sync. S 512: the splits merge in the attention launch; 32768: in the merge kernel."""
+    B, T, scale = 3, 4, 0.07
+    x = mla_inputs(B, T, **KIMI_TP8, S=S, dtype=torch.bfloat16, device="cuda", seed=1)
+    table = torch.stack(model.rope_tables(KIMI_TP8["R"], 10000.0, None, S, "cuda"), -1)
+    kernels.mla_decode_attention(**x, softmax_scale=scale)      # compile outside the capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
-    for last in ([S - 1, 3, 100], [T - 1, S - 1, 4095], [2000, 31000, 17]):
+    for i, last in enumerate(([S - 1, 3, 100], [T - 1, S - 1, 400], [200, S - 300, 17])):
         new_pos = torch.tensor(last, device="cuda").unsqueeze(1) - (T - 1) + torch.arange(T, device="cuda")
+        new_rope = table[new_pos]
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            if last[0] == S - 1:
+            if i == 0:
                 with torch.cuda.graph(graph):
-                    out = kernels.mla_decode_attention(q, qpe, kv, pe, static_pos, scale)
-            static_pos.copy_(new_pos)
+                    out = kernels.mla_decode_attention(**x, softmax_scale=scale)
+            x["positions"].copy_(new_pos)
+            x["rope"].copy_(new_rope)
             graph.replay()
-            eager = kernels.mla_decode_attention(q, qpe, kv, pe, static_pos, scale)
+            eager = kernels.mla_decode_attention(**x, softmax_scale=scale)
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert_close(out, eager, 0.0, f"graph replay vs eager, last positions {last}")
-        truth = mla_reference(q, qpe, kv, pe, static_pos, scale, dtype=torch.float64)
-        assert_close(out, truth, 2e-2, f"graph replay vs float64 twin, last positions {last}")
+        assert_close(out, eager, 0.0, f"S {S}: graph replay vs eager, last positions {last}")
+        truth = mla_reference(x, scale, dtype=torch.float64)[0]
+        assert_close(out, truth, 2e-2, f"S {S}: graph replay vs float64 twin, last positions {last}")
 
 
 @cuda
