@@ -2322,7 +2322,7 @@ SWAPS = {  # name: (the plain module's maker(args, device), swap classes, inputs
 def test_each_swap_equals_the_module_it_replaces(name):
     """Each swap of kernels.py against the module it replaces, on the same weights (the swap keeps
     the state dict) and fresh random inputs, float32: 4 and 20 rows (norm_gemv's limit is 16);
-    MLA in both attention modes, its outputs and the caches it writes."""
+    MLA in both attention modes (each also against extend mode), its outputs and the caches it writes."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny()
     make, swaps = SWAPS[name]
@@ -2338,6 +2338,8 @@ def test_each_swap_equals_the_module_it_replaces(name):
             for call in mla_calls(args, device):
                 want, got = plain(*call, mode), fast(*call, mode)
                 assert_close(got, want, 1e-5 * want.abs().max().item(), f"{name} swap vs MLA, {mode}")
+                extend = plain(*call, "extend")       # the same cache writes again, then the other path
+                assert_close(got, extend, 1e-5 * extend.abs().max().item(), f"{name} swap, {mode}, vs MLA, extend")
             assert_close(fast.kv_cache, plain.kv_cache, 1e-6, f"{name} swap vs MLA: latent cache")
             assert_close(fast.pe_cache, plain.pe_cache, 1e-6, f"{name} swap vs MLA: rope cache")
         return
