@@ -626,42 +626,38 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg):
 
 
 # ---------------------------------------------------------------------------------------------
-# MLA decode step: RoPE, cache write and the absorbed attention in one launch
+# MLA decode step: RoPE, cache write and the absorbed attention, split over slots, then a merge
 #
 # The absorbed path of MLA attends in the latent space: every head's query q_lat[h] (q_nope
 # times W_uk[h]) meets the one latent row per slot, which is the key and the value at once, plus
 # the rotary parts:  o_lat[t, h] = sum_s softmax_s(scale * (q_lat[t,h].kv[s] + q_pe[t,h].pe[s])) kv[s]
 # over slots s <= positions[t]. All H heads (and T tokens) of a batch row share the slots, so
 # one program loads a tile of slots once and uses it for its whole block of M = T*H query rows
-# (two small matrix products per tile). Flash-decoding: the slots are cut into splits of
-# `split_len`, one program per (split, batch row, block of query rows), each with its partial
-# output and log-sum-exp. Programs read the positions on the device: a split past a row's last
-# position reads nothing, so one launch (one CUDA graph) serves any length up to the cache size,
-# with no host read, at a cost that follows the length in use.
-#
-# The step's new tokens need no kernel of their own: every program rotates its queries' q_pe,
-# and split 0 normalizes and rotates the T new latents in registers, attends to them there and
-# writes them to their cache slots (slot = position); every program skips those slots in the
-# cache, so no program waits for another's write. The splits are merged where they were made:
-# each program counts itself done on an atomic counter, and the last of a row block merges the
-# partials in split order (deterministic: a graph replay equals the eager call). Past
-# MLA_MERGE_IN_KERNEL splits (long contexts) one program would merge too much alone, and a
-# second kernel merges them, one program per query row and BLOCK_C columns.
+# (two small matrix products per tile). Flash-decoding: one program per (part, batch row, block
+# of query rows) writes a partial output and its log-sum-exp, and a second kernel merges them.
+# Part 0 is the step's T new tokens: it normalizes and rotates their latents in registers (what
+# model.MLA.write_cache computes, rounded alike), attends to them causally and writes them to
+# their cache slots (slot = position). Parts 1, 2, ... cut the cached slots before the row's
+# first new position into splits of `split_len` slots; they never read a slot part 0 writes, so
+# no program waits for another. Every program rotates its own queries' rope parts. Programs read
+# the positions on the device: a split past a row's first new position reads nothing, so one
+# launch (one CUDA graph) serves any length up to the cache size, with no host read, at a cost
+# that follows the length in use.
 
 # Block sizes, from sweeps on the H200 (BENCHMARKS.md, "MLA decode attention kernel"). BLOCK_N
 # slots per tile: 64 latent rows of 512 bf16 are 64 KB; three of them in flight (num_stages 3)
 # fill most of the H200's 228 KB of shared memory, so one program runs per SM at a time and the
 # split rule below aims at one wave of programs. float32 (tests): half the rows, two stages.
 # Query rows per program: up to 32 (T = 4 tokens x 8 heads at TP 8) keep the fp32 accumulator
-# [32, 512] at 64 registers a thread over 8 warps.
+# [32, 512] at 64 registers a thread over 8 warps; 8 warps beat 4 for 16 rows too (28.4 against
+# 30.3 us at 32768 slots, 2026-12-01).
 MLA_BLOCK_N = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
 MLA_NUM_STAGES = {torch.bfloat16: 3, torch.float16: 3, torch.float32: 2}
-MLA_NUM_WARPS = None     # None: 8 warps for 32 query rows, else 4
+MLA_NUM_WARPS = 8
 MLA_MAX_BLOCK_M = 32
 MLA_MIN_SPLIT = 64       # slots per split at least (one bf16 tile)
-MLA_MERGE_IN_KERNEL = 16  # at most this many splits merge in the attention launch; more: the merge kernel
-MLA_COMBINE_BLOCK_C = 128
-MLA_COMBINE_BLOCK_S = 32
+MLA_COMBINE_BLOCK_C = 32  # columns a merge program: 128 programs for 8 query rows (was 128 columns, 32 programs:
+#                           8.4 against ~4 us at 32768 slots, 2026-12-01)
 
 
 @_jit
@@ -678,44 +674,40 @@ def _rotated(x_rows, rope_rows, ok, R: tl.constexpr, BLOCK_R2: tl.constexpr):
 
 
 @_jit
-def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr, kvc_ptr, pec_ptr,
-                       po_ptr, lse_ptr, o_ptr, count_ptr, T, H, M, kv_len, split_len, eps, scale_log2,
+def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr, kvc_ptr, pec_ptr, po_ptr, lse_ptr,
+                       T, H, M, kv_len, split_len, eps, scale_log2,
                        s_qb, s_qm, s_qpb, s_qpm, s_kvb, s_kvt, s_kpb, s_kpt, s_rb, s_rt, s_posb, s_post,
-                       s_cb, s_cs, s_pb, s_ps, s_pob, s_pom, s_pos, s_lb, s_lm, s_ob, s_om,
+                       s_cb, s_cs, s_pb, s_ps, s_pob, s_pom, s_pos, s_lb, s_lm,
                        C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R2: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       MERGE: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """One split of the slots for a block of query rows of one batch row (see the section's head).
+                       DOT_PRECISION: tl.constexpr):
+    """One part (see the section's head) for a block of query rows of one batch row.
 
-    Query row m = t*H + h of row b sees the slots s < kv_len with s <= pos[b, t]. The T new tokens
-    (slots pos[b, :]) come from kv [B, T, C] (normalized here: RMSNorm with weight w, eps) and kpe
-    [B, T, R] (rotated here); the other slots from the caches kvc [B, >=kv_len, C], pec [B, >=kv_len, R],
-    where split 0's m-block 0 also writes the new ones. q [B, M, C] and qpe [B, M, R] (not rotated)
-    last dim contiguous, one dtype with kv, kpe and the caches; rope [B, T, R/2, 2] float32 (cos,
-    sin); pos int64 [B, T]. MERGE "none" (one split): o [B, M, C] gets the output. Else po
-    [B, M, splits, C] and lse [B, M, splits] (log2 of the sum with the max, -inf where no slot) get
-    the partials of every split that holds a slot of the block; "last": the block's last program
-    merges them into o (counter [B, m-blocks] int32, zero before, zero again after); "kernel":
-    _mla_combine_kernel merges. Grid: (splits, B, cdiv(M, BLOCK_M))."""
-    split, b, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    Query row m = t*H + h of row b sees the slots s < kv_len with s <= pos[b, t]; a row's T
+    positions are consecutive (a decode step, a chain's verify). The new tokens come from kv
+    [B, T, C] (normalized here: RMSNorm with weight w and eps) and kpe [B, T, R] (rotated here),
+    the slots before pos[b, 0] from the caches kvc [B, >=kv_len, C] and pec [B, >=kv_len, R], where
+    part 0's m-block 0 writes the new ones. q [B, M, C] and qpe [B, M, R] (not rotated): last
+    dim contiguous, one dtype with kv, kpe and the caches; rope [B, T, R/2, 2] float32 (cos, sin);
+    pos int64 [B, T]. po [B, M, parts, C] and lse [B, M, parts] float32 get the part's partial
+    output and log2 of its sum (with the max; -inf where no slot), where the part holds a slot.
+    Grid: (parts, B, cdiv(M, BLOCK_M))."""
+    part, b, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dt = kvc_ptr.dtype.element_ty
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < M
     t_m = offs_m // H
-    pos = tl.load(pos_ptr + b * s_posb + t_m * s_post, mask=row_ok, other=-1)          # [BLOCK_M]
-    offs_t = tl.arange(0, BLOCK_T)
-    t_ok = offs_t < T
-    pos_t = tl.load(pos_ptr + b * s_posb + offs_t * s_post, mask=t_ok, other=-1)        # the new slots
     offs_c, offs_r = tl.arange(0, BLOCK_C), tl.arange(0, 2 * BLOCK_R2)
-    c_ok = offs_c < C
+    c_ok, r_ok = offs_c < C, offs_r < R
     q = tl.load(q_ptr + b * s_qb + offs_m[:, None] * s_qm + offs_c[None, :],
                 mask=row_ok[:, None] & c_ok[None, :], other=0.0)                        # [BLOCK_M, BLOCK_C]
     qpe = _rotated(qpe_ptr + b * s_qpb + offs_m * s_qpm, rope_ptr + b * s_rb + t_m * s_rt, row_ok,
                    R, BLOCK_R2).to(dt)                                                  # [BLOCK_M, 2 * BLOCK_R2]
-    m_i = tl.full([BLOCK_M], -1e30, tl.float32)     # running max (finite: no inf - inf)
-    l_i = tl.zeros([BLOCK_M], tl.float32)           # running sum of 2^(score - max)
-    acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
-    if split == 0:   # the new tokens, in registers: what write_cache would store, rounded alike
+    if part == 0:   # the new tokens, in registers
+        offs_t = tl.arange(0, BLOCK_T)
+        t_ok = offs_t < T
+        pos_t = tl.load(pos_ptr + b * s_posb + offs_t * s_post, mask=t_ok, other=0)            # their slots
+        pos = tl.load(pos_ptr + b * s_posb + t_m * s_post, mask=row_ok, other=-1)              # [BLOCK_M]
         x = tl.load(kv_ptr + b * s_kvb + offs_t[:, None] * s_kvt + offs_c[None, :],
                     mask=t_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)      # [BLOCK_T, BLOCK_C]
         w = tl.load(w_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)
@@ -726,135 +718,90 @@ def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr
             tl.store(kvc_ptr + b * s_cb + pos_t[:, None] * s_cs + offs_c[None, :], kv_new,
                      mask=t_ok[:, None] & c_ok[None, :])
             tl.store(pec_ptr + b * s_pb + pos_t[:, None] * s_ps + offs_r[None, :], pe_new,
-                     mask=t_ok[:, None] & (offs_r < R)[None, :])
+                     mask=t_ok[:, None] & r_ok[None, :])
         s = tl.dot(q, tl.trans(kv_new), input_precision=DOT_PRECISION)
         s = tl.dot(qpe, tl.trans(pe_new), acc=s, input_precision=DOT_PRECISION) * scale_log2   # [BLOCK_M, BLOCK_T]
         s = tl.where((pos_t[None, :] <= pos[:, None]) & t_ok[None, :], s, float("-inf"))
-        m_i = tl.maximum(m_i, tl.max(s, 1))
+        m_i = tl.maximum(tl.max(s, 1), -1e30)       # finite, also for rows past M (no inf - inf)
         p = tl.exp2(s - m_i[:, None])
         l_i = tl.sum(p, 1)
         acc = tl.dot(p.to(dt), kv_new, input_precision=DOT_PRECISION)
-    lo = split * split_len
-    hi = tl.minimum(tl.minimum(tl.max(pos, 0) + 1, kv_len), lo + split_len)   # this block's last slot + 1
-    for start in range(lo, hi, BLOCK_N):
-        offs_n = start + tl.arange(0, BLOCK_N)
-        n_ok = offs_n < hi
-        kv = tl.load(kvc_ptr + b * s_cb + offs_n[:, None] * s_cs + offs_c[None, :],
-                     mask=n_ok[:, None] & c_ok[None, :], other=0.0)                     # [BLOCK_N, BLOCK_C]
-        pe = tl.load(pec_ptr + b * s_pb + offs_n[:, None] * s_ps + offs_r[None, :],
-                     mask=n_ok[:, None] & (offs_r < R)[None, :], other=0.0)             # [BLOCK_N, 2 * BLOCK_R2]
-        new = tl.sum(((offs_n[None, :] == pos_t[:, None]) & t_ok[:, None]).to(tl.int32), 0) > 0
-        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
-        s = tl.dot(qpe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION) * scale_log2   # [BLOCK_M, BLOCK_N]
-        s = tl.where((offs_n[None, :] <= pos[:, None]) & (n_ok & ~new)[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dt), kv, input_precision=DOT_PRECISION)
-        m_i = m_new
+        holds = part == 0
+    else:           # cached slots [lo, hi): this split's, before the row's first new position
+        lo = (part - 1) * split_len
+        hi = tl.minimum(tl.minimum(tl.load(pos_ptr + b * s_posb), kv_len), lo + split_len)
+        m_i = tl.full([BLOCK_M], -1e30, tl.float32)     # running max (finite: no inf - inf)
+        l_i = tl.zeros([BLOCK_M], tl.float32)           # running sum of 2^(score - max)
+        acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
+        for start in range(lo, hi, BLOCK_N):
+            offs_n = start + tl.arange(0, BLOCK_N)
+            n_ok = offs_n < hi
+            kv = tl.load(kvc_ptr + b * s_cb + offs_n[:, None] * s_cs + offs_c[None, :],
+                         mask=n_ok[:, None] & c_ok[None, :], other=0.0)                 # [BLOCK_N, BLOCK_C]
+            pe = tl.load(pec_ptr + b * s_pb + offs_n[:, None] * s_ps + offs_r[None, :],
+                         mask=n_ok[:, None] & r_ok[None, :], other=0.0)                 # [BLOCK_N, 2 * BLOCK_R2]
+            s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
+            s = tl.dot(qpe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION) * scale_log2   # [BLOCK_M, BLOCK_N]
+            s = tl.where(n_ok[None, :], s, float("-inf"))
+            m_new = tl.maximum(m_i, tl.max(s, 1))
+            alpha = tl.exp2(m_i - m_new)
+            p = tl.exp2(s - m_new[:, None])
+            l_i = l_i * alpha + tl.sum(p, 1)
+            acc = acc * alpha[:, None] + tl.dot(p.to(dt), kv, input_precision=DOT_PRECISION)
+            m_i = m_new
+        holds = lo < hi
     seen = l_i > 0
-    out = acc / tl.where(seen, l_i, 1.0)[:, None]
-    if MERGE == "none":
-        tl.store(o_ptr + b * s_ob + offs_m[:, None] * s_om + offs_c[None, :], out.to(o_ptr.dtype.element_ty),
-                 mask=row_ok[:, None] & c_ok[None, :])
-    else:
-        written = row_ok & (tl.zeros([BLOCK_M], tl.int32) + lo < hi)
-        tl.store(po_ptr + b * s_pob + offs_m[:, None] * s_pom + split * s_pos + offs_c[None, :], out,
-                 mask=written[:, None] & c_ok[None, :])
-        lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-        tl.store(lse_ptr + b * s_lb + offs_m * s_lm + split, lse, mask=written)
-    if MERGE == "last":
-        # every thread's partial is stored before the counter moves (the barrier, then a release), and
-        # the last program reads the others' after its acquire, past its L1 (.cg): the usual grid-sync
-        tl.debug_barrier()
-        count = count_ptr + b * tl.num_programs(2) + mb
-        if tl.atomic_add(count, 1, sem="acq_rel", scope="gpu") == tl.num_programs(0) - 1:
-            n_used = tl.cdiv(tl.minimum(tl.max(pos, 0) + 1, kv_len), split_len)
-            top = tl.full([BLOCK_M], -1e30, tl.float32)
-            total = tl.zeros([BLOCK_M], tl.float32)
-            acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
-            for j in range(0, n_used):      # online merge in split order
-                lse_j = tl.load(lse_ptr + b * s_lb + offs_m * s_lm + j, mask=row_ok, other=float("-inf"),
-                                cache_modifier=".cg")
-                part = tl.load(po_ptr + b * s_pob + offs_m[:, None] * s_pom + j * s_pos + offs_c[None, :],
-                               mask=row_ok[:, None] & c_ok[None, :], other=0.0, cache_modifier=".cg")
-                top_new = tl.maximum(top, lse_j)
-                alpha, w_j = tl.exp2(top - top_new), tl.exp2(lse_j - top_new)
-                acc = acc * alpha[:, None] + part * w_j[:, None]
-                total = total * alpha + w_j
-                top = top_new
-            out = acc / tl.where(row_ok, total, 1.0)[:, None]      # rows past M: nothing merged
-            tl.store(o_ptr + b * s_ob + offs_m[:, None] * s_om + offs_c[None, :], out.to(o_ptr.dtype.element_ty),
-                     mask=row_ok[:, None] & c_ok[None, :])
-            tl.atomic_xchg(count, 0)
+    written = row_ok & holds
+    tl.store(po_ptr + b * s_pob + offs_m[:, None] * s_pom + part * s_pos + offs_c[None, :],
+             acc / tl.where(seen, l_i, 1.0)[:, None], mask=written[:, None] & c_ok[None, :])
+    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
+    tl.store(lse_ptr + b * s_lb + offs_m * s_lm + part, lse, mask=written)
 
 
 @_jit
-def _mla_combine_kernel(po_ptr, lse_ptr, pos_ptr, o_ptr, M, H, kv_len, split_len,
-                        s_pob, s_pom, s_pos, s_lb, s_lm, s_posb, s_post, s_ob, s_om,
+def _mla_combine_kernel(po_ptr, lse_ptr, pos_ptr, o_ptr, M, kv_len, split_len,
+                        s_pob, s_pom, s_pos, s_lb, s_lm, s_posb, s_ob, s_om,
                         C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
-    """o[b, m] = sum_j 2^(lse_j - L) o_j over the splits j that query row m uses (those that hold
-    a slot <= its position), L = log2 sum_j 2^lse_j. po [B, M, splits, C] and lse [B, M, splits]
+    """o[b, m] = sum_j 2^(lse_j - L) o_j over the parts j that hold a slot (part 0, the new
+    tokens, and the splits of the slots before the row's first position), L = log2 sum_j
+    2^lse_j, all parts in one load (BLOCK_S >= parts). po [B, M, parts, C] and lse [B, M, parts]
     float32 from _mla_decode_kernel; pos int64 [B, T]; o [B, M, C] (any float dtype).
     Grid: (B * M, cdiv(C, BLOCK_C))."""
     row, cb = tl.program_id(0), tl.program_id(1)
     b, m = row // M, row % M
-    pos = tl.load(pos_ptr + b * s_posb + (m // H) * s_post)
-    n_used = tl.cdiv(tl.minimum(pos + 1, kv_len), split_len)
+    n_used = 1 + tl.cdiv(tl.minimum(tl.load(pos_ptr + b * s_posb), kv_len), split_len)
+    j = tl.arange(0, BLOCK_S)
     offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
-    lse_row = lse_ptr + b * s_lb + m * s_lm
-    top = tl.full([BLOCK_S], float("-inf"), tl.float32)       # first pass: the largest lse
-    for j0 in range(0, n_used, BLOCK_S):
-        j = j0 + tl.arange(0, BLOCK_S)
-        top = tl.maximum(top, tl.load(lse_row + j, mask=j < n_used, other=float("-inf")))
-    top_all = tl.max(top, 0)
-    acc = tl.zeros([BLOCK_C], tl.float32)
-    total = tl.zeros([BLOCK_S], tl.float32)
-    for j0 in range(0, n_used, BLOCK_S):                      # second pass: weighted sum, BLOCK_S splits a load
-        j = j0 + tl.arange(0, BLOCK_S)
-        w = tl.exp2(tl.load(lse_row + j, mask=j < n_used, other=float("-inf")) - top_all)   # [BLOCK_S]
-        part = tl.load(po_ptr + b * s_pob + m * s_pom + j[:, None] * s_pos + offs_c[None, :],
-                       mask=(j < n_used)[:, None] & c_ok[None, :], other=0.0)              # [BLOCK_S, BLOCK_C]
-        acc += tl.sum(w[:, None] * part, 0)
-        total += w
-    out = acc / tl.sum(total, 0)
+    lse = tl.load(lse_ptr + b * s_lb + m * s_lm + j, mask=j < n_used, other=float("-inf"))     # [BLOCK_S]
+    w = tl.exp2(lse - tl.max(lse, 0))
+    part = tl.load(po_ptr + b * s_pob + m * s_pom + j[:, None] * s_pos + offs_c[None, :],
+                   mask=(j < n_used)[:, None] & c_ok[None, :], other=0.0)                  # [BLOCK_S, BLOCK_C]
+    out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
     tl.store(o_ptr + b * s_ob + m * s_om + offs_c, out.to(o_ptr.dtype.element_ty), mask=c_ok)
 
 
 def mla_split_len(kv_len, batch, m_blocks, block_n, device):
-    """Slots per split: enough splits that a full cache gives one program per SM (one wave),
-    each split at least MLA_MIN_SPLIT slots and a whole number of tiles. Host ints only."""
+    """Slots per split: enough splits that a full cache and the new tokens' part give one
+    program per SM (one wave), each split at least MLA_MIN_SPLIT slots and a whole number of
+    tiles. Host ints only."""
     sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
-    want = max(1, sms // (batch * m_blocks))
+    want = max(1, sms // (batch * m_blocks) - 1)
     split = max(MLA_MIN_SPLIT, math.ceil(kv_len / want))
     return math.ceil(split / block_n) * block_n
 
 
-_merge_counters = {}   # device -> int32 counters, zero between launches (the last program resets its own)
-
-
-def merge_counters(device, n):
-    """At least n zeroed int32 counters on `device`, kept for every later launch (allocated once,
-    normally in an eager warm-up before any graph capture)."""
-    have = _merge_counters.get(device)
-    if have is None or have.numel() < n:
-        _merge_counters[device] = have = torch.zeros(max(n, 1024), device=device, dtype=torch.int32)
-    return have
-
-
 def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_cache, pe_cache,
                          softmax_scale, split_len=None):
-    """MLA's decode-mode step after the projections, in one launch (plus a merge past
-    MLA_MERGE_IN_KERNEL splits): writes each new token's normalized latent and rotated rope key at
-    slot = its position, as model.MLA.write_cache does, and returns the absorbed attention of the
-    rotated queries over the slots <= their positions, o_lat [B, T, H, C] in q_lat's dtype.
-    q_lat [B, T, H, C], q_pe [B, T, H, R] (not rotated), kv [B, T, C] and k_pe [B, T, R] (kv_a's
-    halves), norm_weight [C] with eps (kv_a_layernorm), rope [B, T, R/2, 2] float32 (cos, sin) at
-    the positions, positions int64 [B, T] on the device, kv_cache [B, S, C] and pe_cache [B, S, R]
-    (views of the caches, strided over B and S; last dims contiguous, as for every input). No host
-    read: S, not the positions, sets the launch."""
+    """MLA's decode-mode step after the projections, in two launches (the parts, the merge):
+    writes each new token's normalized latent and rotated rope key at slot = its position, as
+    model.MLA.write_cache does, and returns the absorbed attention of the rotated queries over
+    the slots <= their positions, o_lat [B, T, H, C] in q_lat's dtype. q_lat [B, T, H, C], q_pe
+    [B, T, H, R] (not rotated), kv [B, T, C] and k_pe [B, T, R] (kv_a's halves), norm_weight [C]
+    with eps (kv_a_layernorm), rope [B, T, R/2, 2] float32 (cos, sin) at the positions, positions
+    int64 [B, T] on the device, consecutive in a row, kv_cache [B, S, C] and pe_cache [B, S, R]
+    (views of the caches, strided over B and S; last dims contiguous, as for every input). No
+    host read: S, not the positions, sets the launch."""
     B, T, H, C = q_lat.shape
     R, S = q_pe.shape[-1], kv_cache.shape[1]
     if (q_pe.shape[:3] != (B, T, H) or kv.shape != (B, T, C) or k_pe.shape != (B, T, R) or R % 2
@@ -878,36 +825,30 @@ def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, position
     q = q_lat.reshape(B, M, C)        # a copy only when q_lat is not already [B, M, C]-strided
     qpe = q_pe.reshape(B, M, R)
     rope = rope if rope.stride(-1) == 1 and rope.stride(-2) == 2 else rope.contiguous()
-    out = torch.empty(B, M, C, device=q_lat.device, dtype=q_lat.dtype)
     block_n = MLA_BLOCK_N[q_lat.dtype]
     block_m = min(MLA_MAX_BLOCK_M, _pow2(M))
     m_blocks = triton.cdiv(M, block_m)
     split_len = split_len or mla_split_len(S, B, m_blocks, block_n, q_lat.device)
-    splits = triton.cdiv(S, split_len)
-    merge = "none" if splits == 1 else "last" if splits <= MLA_MERGE_IN_KERNEL else "kernel"
-    partial, lse, count = out.unsqueeze(2), out, out          # unused with one split
-    if splits > 1:
-        partial = torch.empty(B, M, splits, C, device=q_lat.device, dtype=torch.float32)
-        lse = torch.empty(B, M, splits, device=q_lat.device, dtype=torch.float32)
-    if merge == "last":
-        count = merge_counters(q_lat.device, B * m_blocks)
-    _mla_decode_kernel[(splits, B, m_blocks)](
-        q, qpe, kv, k_pe, norm_weight, rope, positions, kv_cache, pe_cache, partial, lse, out, count,
+    parts = 1 + triton.cdiv(S, split_len)
+    partial = torch.empty(B, M, parts, C, device=q_lat.device, dtype=torch.float32)
+    lse = torch.empty(B, M, parts, device=q_lat.device, dtype=torch.float32)
+    _mla_decode_kernel[(parts, B, m_blocks)](
+        q, qpe, kv, k_pe, norm_weight, rope, positions, kv_cache, pe_cache, partial, lse,
         T, H, M, S, split_len, float(eps), softmax_scale * math.log2(math.e),
         q.stride(0), q.stride(1), qpe.stride(0), qpe.stride(1), kv.stride(0), kv.stride(1),
         k_pe.stride(0), k_pe.stride(1), rope.stride(0), rope.stride(1), positions.stride(0), positions.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), pe_cache.stride(0), pe_cache.stride(1),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-        out.stride(0), out.stride(1),
         C=C, R=R, BLOCK_C=_pow2(C), BLOCK_R2=_pow2(R // 2, 8), BLOCK_T=_pow2(T), BLOCK_M=block_m,
-        BLOCK_N=block_n, MERGE=merge, DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
-        num_warps=MLA_NUM_WARPS or (8 if block_m > 16 else 4), num_stages=MLA_NUM_STAGES[q_lat.dtype])
-    if merge == "kernel":
-        _mla_combine_kernel[(B * M, triton.cdiv(C, MLA_COMBINE_BLOCK_C))](
-            partial, lse, positions, out, M, H, S, split_len,
-            partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-            positions.stride(0), positions.stride(1), out.stride(0), out.stride(1),
-            C=C, BLOCK_C=MLA_COMBINE_BLOCK_C, BLOCK_S=MLA_COMBINE_BLOCK_S, num_warps=4)
+        BLOCK_N=block_n, DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
+        num_warps=MLA_NUM_WARPS, num_stages=MLA_NUM_STAGES[q_lat.dtype])
+    out = torch.empty(B, M, C, device=q_lat.device, dtype=q_lat.dtype)
+    block_c = MLA_COMBINE_BLOCK_C if q_lat.is_cuda else _pow2(C)   # the CPU interpreter: fewest programs
+    _mla_combine_kernel[(B * M, triton.cdiv(C, block_c))](
+        partial, lse, positions, out, M, S, split_len,
+        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        positions.stride(0), out.stride(0), out.stride(1),
+        C=C, BLOCK_C=block_c, BLOCK_S=_pow2(parts), num_warps=4)
     return out.view(B, T, H, C)
 
 
@@ -1409,11 +1350,12 @@ class AddRMSNorm(model.RMSNorm):
 
 
 class DecodeAttentionKernel(model.MLA):
-    """"attention": decode mode's RoPE, cache write and latent attention in one launch
-    (mla_decode_attention) between the projections, which stay model.MLA's methods (and their
-    swaps'); the steps around it are model.MLA.forward's. The kernel masks by position (slots <=
-    position, slot = position); a draft tree's nodes (slots given) are not causal by position,
-    and extend mode expands the cache: both take model.MLA.forward."""
+    """"attention": decode mode's RoPE, cache write and latent attention in one kernel and a
+    merge (mla_decode_attention) between the projections, which stay model.MLA's methods (and
+    their swaps'); the steps around them are model.MLA.forward's. The kernel masks by position
+    (slots <= position, slot = position, a row's tokens at consecutive positions: a decode step,
+    a chain's verify); a draft tree's nodes (slots given) are not, and extend mode expands the
+    cache: both take model.MLA.forward."""
 
     def forward(self, x, positions, rope, future, mode, slots=None):
         if mode != "decode" or slots is not None:

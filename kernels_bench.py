@@ -200,8 +200,8 @@ MLA_POINTS = ((320, 256), (4096, 4096), (32768, 32768), (32768, 256), (32768, 40
 
 
 def bench_mla(bw, rows, points=MLA_POINTS, shapes=((1, 1), (1, 4), (4, 1), (4, 4))):
-    """mla_decode_attention (RoPE, cache write, attention; a merge kernel past MLA_MERGE_IN_KERNEL
-    splits) against its plain twin; "kernels alone": the profiled kernel time of one eager call
+    """mla_decode_attention (RoPE, cache write and attention in one kernel, then the merge) against
+    its plain twin; "kernels alone": the profiled kernel time of one eager call
     (what run.py's component table sums), without the launch gaps a graph replay still has."""
     scale = 0.1
     print(f"\nMLA decode step, Kimi-K2 TP 8 (H=8, C=512, R=64), bf16; copy bandwidth {bw:.0f} GB/s")
@@ -222,26 +222,23 @@ def bench_mla(bw, rows, points=MLA_POINTS, shapes=((1, 1), (1, 4), (4, 1), (4, 4
             del sets
 
 
-# Sweep points of bench_mla_configs: at the long cache the tiles (BLOCK_N, num_stages, num_warps or
-# None for the rule) with split lengths (None: the rule), at the short one the split lengths; at
-# both, where the splits merge (MLA_MERGE_IN_KERNEL: 1 always the merge kernel, 256 never) and the
-# merge kernel's BLOCK_C. A split length changes no compiled kernel, the rest do (~1 s each).
-MLA_SWEEP = {(32768, 1): dict(blocks=((64, 3, None), (64, 2, None), (32, 4, None), (32, 3, None), (64, 3, 8)),
-                              splits=(None, 128, 512), merge_in_kernel=(256,), combine_block_c=(32,)),
-             (32768, 4): dict(blocks=((64, 3, None), (32, 4, None)), splits=(None, 128), merge_in_kernel=(),
-                              combine_block_c=(32,)),
-             (320, 1): dict(blocks=((64, 3, None), (32, 3, None)), splits=(None, 128, 320), merge_in_kernel=(1,),
-                            combine_block_c=()),
-             (320, 4): dict(blocks=((64, 3, None),), splits=(None, 128, 320), merge_in_kernel=(1,),
-                            combine_block_c=())}
+# Sweep points of bench_mla_configs: at the long cache the tiles (BLOCK_N, num_stages, num_warps)
+# with split lengths (None: the rule), at the short one the split lengths; the merge kernel's
+# BLOCK_C beside. A split length changes no compiled kernel, the rest do (~1 s each).
+MLA_SWEEP = {(32768, 1): dict(blocks=((64, 3, 8), (64, 3, 4), (32, 3, 8), (32, 3, 4)), splits=(None, 128),
+                              combine_block_c=(128,)),
+             (32768, 4): dict(blocks=((64, 3, 8), (32, 3, 8)), splits=(None,), combine_block_c=(128,)),
+             (320, 1): dict(blocks=((64, 3, 8), (64, 3, 4), (32, 3, 8), (32, 3, 4)), splits=(None, 32, 128),
+                            combine_block_c=(128,)),
+             (320, 4): dict(blocks=((64, 3, 8), (32, 3, 8)), splits=(None, 128), combine_block_c=())}
 
 
 def bench_mla_configs(rows, sweep=MLA_SWEEP):
-    """Tile, pipeline depth, warps, split length, where the splits merge, at B = 1 on a cache of S
-    slots all used (us a call, graph)."""
+    """Tile, pipeline depth, warps, split length and the merge's columns a program, at B = 1 on a
+    cache of S slots all used (us a call, graph)."""
     print("\nMLA kernel configurations (B=1; us a call in a graph)")
     saved = (dict(kernels.MLA_BLOCK_N), dict(kernels.MLA_NUM_STAGES), kernels.MLA_NUM_WARPS,
-             kernels.MLA_MERGE_IN_KERNEL, kernels.MLA_COMBINE_BLOCK_C)
+             kernels.MLA_COMBINE_BLOCK_C)
 
     def time_it(sets, what, split=None):
         try:
@@ -259,19 +256,15 @@ def bench_mla_configs(rows, sweep=MLA_SWEEP):
             kernels.MLA_BLOCK_N[torch.bfloat16], kernels.MLA_NUM_STAGES[torch.bfloat16] = block_n, stages
             kernels.MLA_NUM_WARPS = warps
             for split in points["splits"]:
-                time_it(sets, f"T {T} S {S} BLOCK_N {block_n} stages {stages} warps {warps or 'rule'} split "
-                              f"{split or 'rule'}", split)
+                time_it(sets, f"T {T} S {S} BLOCK_N {block_n} stages {stages} warps {warps} split {split or 'rule'}",
+                        split)
         kernels.MLA_BLOCK_N[torch.bfloat16], kernels.MLA_NUM_STAGES[torch.bfloat16] = (
             saved[0][torch.bfloat16], saved[1][torch.bfloat16])
         kernels.MLA_NUM_WARPS = saved[2]
-        for merge in points["merge_in_kernel"]:
-            kernels.MLA_MERGE_IN_KERNEL = merge
-            time_it(sets, f"T {T} S {S} default blocks, MLA_MERGE_IN_KERNEL {merge}")
-        kernels.MLA_MERGE_IN_KERNEL = saved[3]
         for block_c in points["combine_block_c"]:
             kernels.MLA_COMBINE_BLOCK_C = block_c
-            time_it(sets, f"T {T} S {S} default blocks, merge kernel BLOCK_C {block_c}")
-        kernels.MLA_COMBINE_BLOCK_C = saved[4]
+            time_it(sets, f"T {T} S {S} default blocks, merge BLOCK_C {block_c}")
+        kernels.MLA_COMBINE_BLOCK_C = saved[3]
         del sets
 
 
