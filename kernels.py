@@ -649,15 +649,16 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg):
 # fill most of the H200's 228 KB of shared memory, so one program runs per SM at a time and the
 # split rule below aims at one wave of programs. float32 (tests): half the rows, two stages.
 # Query rows per program: up to 32 (T = 4 tokens x 8 heads at TP 8) keep the fp32 accumulator
-# [32, 512] at 64 registers a thread over 8 warps; 8 warps beat 4 for 16 rows too (28.4 against
-# 30.3 us at 32768 slots, 2026-12-01).
+# [32, 512] at 64 registers a thread over 8 warps; 8 warps also for 16 rows (28.4 against 30.3 us
+# with 4 at 32768 slots, in this kernel's first form; 2026-12-01).
 MLA_BLOCK_N = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
 MLA_NUM_STAGES = {torch.bfloat16: 3, torch.float16: 3, torch.float32: 2}
 MLA_NUM_WARPS = 8
 MLA_MAX_BLOCK_M = 32
 MLA_MIN_SPLIT = 64       # slots per split at least (one bf16 tile)
-MLA_COMBINE_BLOCK_C = 32  # columns a merge program: 128 programs for 8 query rows (was 128 columns, 32 programs:
-#                           8.4 against ~4 us at 32768 slots, 2026-12-01)
+MLA_COMBINE_BLOCK_C = 32  # columns a merge program: 128 programs for 8 query rows. With all parts in one load the
+#                           merge of 129 parts (32768 slots, B 1) took 2.7 us, the earlier two-pass combine of 128
+#                           columns (32 programs) 8.4 (2026-12-01)
 
 
 @_jit
