@@ -1124,36 +1124,39 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
 # RMSNorm fused into the GEMV that reads it (decode and verify: at most NORM_GEMV_MAX_ROWS rows)
 #
 # out = RMSNorm(x + r) @ W^T for a few rows x [M, K] and a weight W [N, K]: a GEMV, memory-bound
-# on W. Each program owns BLOCK_N rows of W, streams them once over K (pipelined, tl.dot with the
-# M rows padded to 16), and recomputes the M rows' sums of squares itself in a first pass over x
-# (M x K elements from L2: 14 KB a row at K = 7168, against the program's 16 x K of W), so the
-# norm costs no kernel and no launch of its own. With r the add is fused too, and program 0
-# writes the sum x + r once. Without a norm weight it is a plain GEMV (o_proj). The normed row is
-# rounded to W's dtype before the product, as the plain RMSNorm's output is.
-#
-# Measured on the H200 (2026-11-29, bf16, M = 1, in a graph, weights rotated past the L2): each
-# K step costs about one memory latency (~1.1 us), so the kernel is latency-bound on long rows:
-# q_a + kv_a with the input add + norm (K = 7168, 14 steps plus 14 of the sum-of-squares pass)
-# 30.8 us = 985 GB/s against 15.3 us for add_rmsnorm + cuBLAS's split-K GEMV; q_b with its
-# norm (K = 1536) 8.0 us against 10.0. The model therefore uses it for q_b (the norm fused), o_proj
-# and (head_gemv) the absorbed products, whose rows are short, and leaves q_a + kv_a to cuBLAS.
-# The next version for long rows: split K over more programs with one or two steps each (as the
-# router's logits GEMV, which reads 11 MB at ~2.6 TB/s) and the sum of squares in the same pass.
+# on W. A GEMV is fast only with many bytes in flight, so K is split: a program per (BLOCK_N rows
+# of W, slice of K) reads its tile in one or two steps, and hundreds of programs, several an SM,
+# have all their loads out at once (the first version streamed whole rows in 132 programs, one
+# memory latency a step: 30.8 us for the 30 MB of q_a + kv_a, cuBLAS 12.3). The norm factors out
+# of the sum, out[m, n] = rstd[m] * sum_k h[m, k] g[k] W[n, k], so each program also sums the
+# squares of its slice of h and rstd is applied at the end: neither the norm nor the residual add
+# costs a pass or a launch of its own (program (0, slice) writes the sum x + r where r is given).
+# Each program stores its float32 partial sums; the last program of a row block to finish (an
+# atomic counter, reset by that program) adds the slices in slice order, scales and stores. One
+# launch, no float atomics: deterministic, so a graph replay equals the eager call. Rounding: h is
+# rounded to x's dtype as the plain add is; h * g (not h * rstd * g) is rounded to W's dtype for
+# the product, so bf16 results differ from the plain path's by the order of one rounding.
 
 NORM_GEMV_MAX_ROWS = 16     # decode and verify; prefill goes to the plain RMSNorm and cuBLAS
 NORM_GEMV_BLOCK_M = 16      # tl.dot's smallest M: the rows, padded
-NORM_GEMV_BLOCK_N = 16      # W rows a program: Kimi-K2 TP 8 q_b 1536 -> 96 programs, o_proj 7168 -> 448
-#                             (q_a + kv_a 2112 -> 132: measured slower than cuBLAS, see above)
-NORM_GEMV_STEP_BYTES = 1024  # bytes of one W row a loop step reads (512 bf16 / 256 fp32 columns):
-#                             a 16 KB W tile a step, NORM_GEMV_STAGES of them in flight a program
-NORM_GEMV_STAGES = 3
+NORM_GEMV_BLOCK_N = 32      # W rows a program
+NORM_GEMV_STEP_BYTES = 1024  # bytes of one W row a step reads (512 bf16 / 256 fp32 columns): 32 KB a step
+NORM_GEMV_PROGRAMS = 1024   # K is split until about this many programs run (~8 an SM on the H200's 132)
 NORM_GEMV_WARPS = 4
+NORM_GEMV_COUNTERS = 4096   # row blocks one call may have (N / BLOCK_N): the counters' buffer
+
+
+@functools.cache
+def _counters(device):
+    """Zeroed int32 counters, one per row block, that every norm_gemv call on `device` shares: calls
+    run one after another on a stream, and each call's last programs leave them zero again."""
+    return torch.zeros(NORM_GEMV_COUNTERS, dtype=torch.int32, device=device)
 
 
 @_jit
-def _gemv_rows(x_ptr, r_ptr, m, m_ok, k, K, s_xm, s_rm, ADD: tl.constexpr):
+def _gemv_rows(x_ptr, r_ptr, m, m_ok, k, k_ok, s_xm, s_rm, ADD: tl.constexpr):
     """Rows m, columns k of x (+ r, the sum rounded to x's dtype as the plain add), as float32."""
-    ok = m_ok[:, None] & (k < K)[None, :]
+    ok = m_ok[:, None] & k_ok[None, :]
     x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=ok, other=0.0)
     if ADD:
         r = tl.load(r_ptr + m[:, None] * s_rm + k[None, :], mask=ok, other=0.0)
@@ -1162,56 +1165,80 @@ def _gemv_rows(x_ptr, r_ptr, m, m_ok, k, K, s_xm, s_rm, ADD: tl.constexpr):
 
 
 @_jit
-def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, sum_ptr, M, N, K, eps, s_xm, s_xh, s_rm, s_wh, s_wn,
-                      s_wk, s_om, s_oh, s_sm, NORM: tl.constexpr, ADD: tl.constexpr, IEEE: tl.constexpr,
+def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, sum_ptr, part_ptr, ss_ptr, count_ptr,
+                      M, N, K, k_split, eps, s_xm, s_xh, s_rm, s_wh, s_wn, s_wk, s_om, s_oh, s_sm,
+                      SPLITS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, IEEE: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[m, n] = sum_k h[m, k] * W[n, k] with h = RMSNorm(x + r) (NORM: h * rsqrt(mean(h^2) + eps) * g,
-    rounded to W's dtype; ADD: r added, and sum = x + r written by program 0). x, r, sum [M, K], out
+    """out[m, n] = sum_k h[m, k] * W[n, k] with h = RMSNorm(x + r) (NORM: h * rsqrt(mean(h^2) + eps) * g;
+    ADD: r added, and sum = x + r written by the programs of row block 0). x, r, sum [M, K], out
     [M, N] (rows strided, last dim contiguous), W [N, K] (any strides), g [K]; x, r, sum, out and W
-    of one dtype; float32 accumulation (IEEE: exact float32 products, no TF32). With heads (grid
-    axis 1, head_gemv): x, W and out of head j start s_xh, s_wh, s_oh elements further.
-    Grid: (cdiv(N, BLOCK_N), heads)."""
-    pid, j = tl.program_id(0), tl.program_id(1)
+    of one dtype; float32 accumulation (IEEE: exact float32 products, no TF32). Slice s of K is
+    [s * k_split, (s + 1) * k_split); with SPLITS > 1, part [SPLITS, M, N] and ss [N / BLOCK_N,
+    SPLITS, BLOCK_M] float32 hold the slices' sums and sums of squares, count [N / BLOCK_N] int32
+    zeros. With heads (grid axis 1, head_gemv, SPLITS 1): x, W and out of head j start s_xh, s_wh,
+    s_oh elements further. Grid: (cdiv(N, BLOCK_N), heads, SPLITS)."""
+    pid, j, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x_ptr += j * s_xh
     w_ptr += j * s_wh
     out_ptr += j * s_oh
     m = tl.arange(0, BLOCK_M)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     m_ok, n_ok = m < M, n < N
-    sum_ok = m < tl.where(pid == 0, M, 0)                                   # program 0 writes the sum
-    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
-    if NORM:  # the rows' sums of squares, recomputed by every program
-        ss = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            h = _gemv_rows(x_ptr, r_ptr, m, m_ok, k0 + tl.arange(0, BLOCK_K), K, s_xm, s_rm, ADD)
-            ss += tl.sum(h * h, 1)
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
+    sum_ok = m < tl.where(pid == 0, M, 0)                                   # row block 0 writes the sum
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    ss = tl.zeros([BLOCK_M], tl.float32)
+    k_end = tl.minimum(s * k_split + k_split, K)
+    for k0 in range(s * k_split, k_end, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K
-        h = _gemv_rows(x_ptr, r_ptr, m, m_ok, k, K, s_xm, s_rm, ADD)                    # [BLOCK_M, BLOCK_K]
+        k_ok = k < k_end
+        h = _gemv_rows(x_ptr, r_ptr, m, m_ok, k, k_ok, s_xm, s_rm, ADD)                  # [BLOCK_M, BLOCK_K]
         if ADD:
             tl.store(sum_ptr + m[:, None] * s_sm + k[None, :], h.to(sum_ptr.dtype.element_ty),
                      mask=sum_ok[:, None] & k_ok[None, :])
         if NORM:
-            g = tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            h = h * rstd[:, None] * g[None, :]
+            ss += tl.sum(h * h, 1)
+            h = h * tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
         w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :] * s_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         if IEEE:
             acc += tl.dot(h.to(w.dtype), tl.trans(w), input_precision="ieee")
         else:
             acc += tl.dot(h.to(w.dtype), tl.trans(w))                                   # [BLOCK_M, BLOCK_N]
+    last = pid >= 0                                                         # one slice: every program
+    if SPLITS > 1:
+        ok = m_ok[:, None] & n_ok[None, :]
+        tl.store(part_ptr + (s * M + m[:, None]) * N + n[None, :], acc, mask=ok)
+        tl.store(ss_ptr + (pid * SPLITS + s) * BLOCK_M + m, ss)
+        tl.debug_barrier()                              # every thread's stores before the counter's release
+        last = tl.atomic_add(count_ptr + pid, 1) == SPLITS - 1
+        if last:                                        # the row block's other slices are stored: add them
+            tl.atomic_xchg(count_ptr + pid, 0)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            ss = tl.zeros([BLOCK_M], tl.float32)
+            for t in range(SPLITS):                     # in slice order (.cg: from L2, never a stale L1 line)
+                acc += tl.load(part_ptr + (t * M + m[:, None]) * N + n[None, :], mask=ok, other=0.0,
+                               cache_modifier=".cg")
+                ss += tl.load(ss_ptr + (pid * SPLITS + t) * BLOCK_M + m, cache_modifier=".cg")
+    if NORM:
+        acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
     tl.store(out_ptr + m[:, None] * s_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+             mask=m_ok[:, None] & n_ok[None, :] & last)
 
 
-def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None, block_k=None, stages=None,
+def _k_slices(N, K, block_n, block_k, programs):
+    """(slices, k_split): K cut into whole steps of block_k until about `programs` programs run."""
+    steps = triton.cdiv(K, block_k)
+    slices = min(steps, max(1, programs // triton.cdiv(N, block_n)))
+    k_split = triton.cdiv(steps, slices) * block_k
+    return triton.cdiv(K, k_split), k_split
+
+
+def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None, block_k=None, programs=None,
               warps=None):
     """(h, RMSNorm(h) @ weight^T) for h = x + residual (x itself without one), in one kernel:
     x, residual [..., K] of weight's dtype (bf16, fp16 or float32), weight [N, K] (rows may be a
     strided view), norm_weight [K] (None: no norm, a plain GEMV), at most NORM_GEMV_MAX_ROWS rows.
-    Returns h [..., K] and out [..., N]. The block arguments override the table above (benchmarks)."""
+    Returns h [..., K] and out [..., N]. The block arguments override the defaults above
+    (benchmarks; tests force several slices of a small K)."""
     K = x.shape[-1]
     N = weight.shape[0]
     rows = x.numel() // K if K else 0
@@ -1225,6 +1252,9 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
         raise ValueError(f"norm_gemv: residual {residual.dtype} {list(residual.shape)} does not match x")
     if norm_weight is not None and norm_weight.shape != (K,):
         raise ValueError(f"norm_gemv: norm weight {list(norm_weight.shape)} is not [{K}]")
+    block_n = block_n or NORM_GEMV_BLOCK_N
+    if triton.cdiv(N, block_n) > NORM_GEMV_COUNTERS:
+        raise ValueError(f"norm_gemv: {N} rows of W make more than {NORM_GEMV_COUNTERS} row blocks of {block_n}")
     x2 = x.reshape(rows, K)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     r2 = x2 if residual is None else residual.reshape(rows, K)
@@ -1232,25 +1262,30 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
     h = x if residual is None else torch.empty(x.shape, device=x.device, dtype=x.dtype)
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
     if rows and N:
-        block_n = block_n or NORM_GEMV_BLOCK_N
         block_k = block_k or min(NORM_GEMV_STEP_BYTES // x.element_size(), _pow2(K))
-        _norm_gemv_kernel[(triton.cdiv(N, block_n), 1)](
-            x2, r2, x2 if norm_weight is None else norm_weight, weight, out, h, rows, N, K, float(eps),
-            x2.stride(0), 0, r2.stride(0), 0, weight.stride(0), 1, N, 0, K, NORM=norm_weight is not None,
-            ADD=residual is not None, IEEE=x.dtype == torch.float32, BLOCK_M=NORM_GEMV_BLOCK_M, BLOCK_N=block_n,
-            BLOCK_K=block_k, num_stages=stages or NORM_GEMV_STAGES, num_warps=warps or NORM_GEMV_WARPS)
+        slices, k_split = _k_slices(N, K, block_n, block_k, programs or NORM_GEMV_PROGRAMS)
+        blocks = triton.cdiv(N, block_n)
+        part = torch.empty(slices, rows, N, device=x.device, dtype=torch.float32) if slices > 1 else out
+        ss = torch.empty(blocks * slices * NORM_GEMV_BLOCK_M, device=x.device, dtype=torch.float32)
+        _norm_gemv_kernel[(blocks, 1, slices)](
+            x2, r2, x2 if norm_weight is None else norm_weight, weight, out, h, part, ss, _counters(x.device),
+            rows, N, K, k_split, float(eps), x2.stride(0), 0, r2.stride(0), 0, weight.stride(0), 1, N, 0, K,
+            SPLITS=slices, NORM=norm_weight is not None, ADD=residual is not None, IEEE=x.dtype == torch.float32,
+            BLOCK_M=NORM_GEMV_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps or NORM_GEMV_WARPS)
     return h, out
 
 
 HEAD_GEMV_BLOCK_N_STRIDED = 64   # W rows a program where W's rows, not its K, are contiguous (absorbed W_uk):
 #                                  64 bf16 rows = 128-byte segments a K step
+HEAD_GEMV_BLOCK_N = 16           # contiguous K (W_uv, K = 512): 8 heads x 8 row blocks of Kimi-K2's 128 rows
 
 
 def head_gemv(x, weight):
     """out[..., j, n] = sum_k x[..., j, k] * weight[j, n, k], for each of H heads j: x [..., H, K]
     (last dim contiguous, the leading dims flattening to at most NORM_GEMV_MAX_ROWS rows of one
     stride), weight [H, N, K] of x's dtype, any strides (MLA's absorbed W_uk^T and W_uv are views
-    of kv_b_proj's weight). One launch of norm_gemv's kernel, no norm; out [..., H, N] contiguous."""
+    of kv_b_proj's weight). One launch of norm_gemv's kernel, no norm, K whole (short rows, and
+    H x N / BLOCK_N programs already); out [..., H, N] contiguous."""
     *lead, H, K = x.shape
     rows = math.prod(lead)
     if weight.dim() != 3 or weight.shape[0] != H or weight.shape[2] != K or weight.dtype != x.dtype:
@@ -1264,12 +1299,12 @@ def head_gemv(x, weight):
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     out = torch.empty(*lead, H, N, device=x.device, dtype=x.dtype)
     if rows and N and H:
-        block_n = NORM_GEMV_BLOCK_N if weight.stride(2) == 1 else HEAD_GEMV_BLOCK_N_STRIDED
+        block_n = HEAD_GEMV_BLOCK_N if weight.stride(2) == 1 else HEAD_GEMV_BLOCK_N_STRIDED
         block_k = min(NORM_GEMV_STEP_BYTES // x.element_size(), _pow2(K))
-        _norm_gemv_kernel[(triton.cdiv(N, block_n), H)](
-            x2, x2, x2, weight, out, out, rows, N, K, 0.0, x2.stride(0), x2.stride(1), 0, weight.stride(0),
-            weight.stride(1), weight.stride(2), H * N, N, 0, NORM=False, ADD=False, IEEE=x.dtype == torch.float32,
-            BLOCK_M=NORM_GEMV_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=NORM_GEMV_STAGES,
+        _norm_gemv_kernel[(triton.cdiv(N, block_n), H, 1)](
+            x2, x2, x2, weight, out, out, out, out, out, rows, N, K, K, 0.0, x2.stride(0), x2.stride(1), 0,
+            weight.stride(0), weight.stride(1), weight.stride(2), H * N, N, 0, SPLITS=1, NORM=False, ADD=False,
+            IEEE=x.dtype == torch.float32, BLOCK_M=NORM_GEMV_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
             num_warps=NORM_GEMV_WARPS)
     return out
 
@@ -1389,9 +1424,38 @@ class StackedQKVA(AttachAgain, model.MLA):
 
     def project(self, x):
         a = self.args
-        q_a, kv_a = F.linear(x, self.q_kv_a_weight).split(
-            [a.q_lora_rank, a.kv_lora_rank + a.qk_rope_head_dim], -1)
+        if isinstance(x, PendingInputNorm):   # the input norm (and add) inside the GEMV kernel
+            x.summed, q_kv_a = launch.norm_gemv(x.x, self.q_kv_a_weight, x.norm.weight, x.norm.eps, x.residual)
+        else:
+            q_kv_a = F.linear(x, self.q_kv_a_weight)
+        q_a, kv_a = q_kv_a.split([a.q_lora_rank, a.kv_lora_rank + a.qk_rope_head_dim], -1)
         return self.query(q_a), kv_a
+
+
+class PendingInputNorm:
+    """What InputNormInProjection gives MLA.forward in place of the normed input: the stream x, the
+    residual not yet added to it (or None) and the input norm, all three applied inside the stacked
+    q_a + kv_a GEMV kernel (StackedQKVA.project), which leaves the sum x + residual here as
+    `summed`. MLA.forward reads only its shape and hands it to project()."""
+
+    def __init__(self, x, residual, norm):
+        self.x, self.residual, self.norm, self.shape = x, residual, norm, x.shape
+        self.summed = x
+
+
+class InputNormInProjection(model.Block):
+    """"norm_gemv" with "fused_proj" (MLA with q_lora_rank): for at most NORM_GEMV_MAX_ROWS rows the
+    input RMSNorm, and the residual add before it, run inside the q_a + kv_a GEMV (norm_gemv):
+    no kernel of their own. The post-attention norm stays a kernel: at TP > 1 it reads o_proj's
+    all-reduced output, which no GEMV program holds."""
+
+    def forward(self, x, residual, positions, rope, future, mode, slots=None):
+        if rows(x) > NORM_GEMV_MAX_ROWS:
+            return super().forward(x, residual, positions, rope, future, mode, slots)
+        pending = PendingInputNorm(x, residual, self.input_layernorm)
+        h = self.self_attn(pending, positions, rope, future, mode, slots)
+        h, residual = self.post_attention_layernorm(h, pending.summed)
+        return self.mlp(h), residual
 
 
 class SiluMulKernel(model.MLP):
@@ -1654,6 +1718,8 @@ def accelerate_layer(layer, names, moe):
                                        ("norm_gemv", NormGemvMLA)) if name in names])
     if "fused_proj" in names and attn.args.q_lora_rank:
         swap(attn, StackedQKVA)
+        if "norm_gemv" in names:
+            swap(layer, InputNormInProjection)
     if "norm_gemv" in names:
         swap(attn.o_proj, GemvRowParallelLinear)
     if "add_rmsnorm" in names:

@@ -5,6 +5,7 @@ CPU tests use the tiny preset (milliseconds a forward) and spawn gloo ranks for 
 graph work done: `python -m pytest -q test_equivalence.py` there runs both parts.
 """
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -2132,8 +2133,10 @@ def test_norm_gemv_kernel_equals_twin(dtype):
     """kernels.norm_gemv against its twin (the plain add, model.RMSNorm and F.linear) on fresh
     random inputs: with the residual add and the norm, the norm alone, neither; 1, 4 and 16 rows;
     x a strided view (a split of a wider output, as q_a is) and W a row-strided view (as the stacked
-    q_a + kv_a weight is). float32 to 1e-5 relative; bf16 (GPU) to 1% of the largest output, since
-    only the order of the float32 sums and a last-ulp rounding of the normed row differ."""
+    q_a + kv_a weight is); K whole in a program and (steps of 16 columns) cut into slices whose
+    partial sums the last program of a row block adds. float32 to 1e-5 relative; bf16 (GPU) to 1%
+    of the largest output, since only the order of the float32 sums and a last-ulp rounding of the
+    normed row differ."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
@@ -2148,15 +2151,17 @@ def test_norm_gemv_kernel_equals_twin(dtype):
         for rows in (1, 4, 16):
             x = (2 * torch.randn(rows, K + 5, generator=g)).to(device, dtype)[:, :K]          # rows strided
             r = torch.randn(rows, K, generator=g).to(device, dtype)
-            for nrm, res in ((norm, r), (norm, None), (None, None)):
-                h, out = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6, res)
+            for (nrm, res), block_k in itertools.product(((norm, r), (norm, None), (None, None)), (None, 16)):
+                h, out = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6, res, block_k=block_k)
                 h_ref = x if res is None else x + res
                 ref = F.linear(h_ref if nrm is None else nrm(h_ref), w)
-                what = f"norm_gemv N={N} K={K} rows={rows} {dtype} norm={nrm is not None} add={res is not None}"
+                what = (f"norm_gemv N={N} K={K} rows={rows} {dtype} norm={nrm is not None} add={res is not None} "
+                        f"block_k={block_k}")
                 assert_close(h, h_ref, 0.0, what + ": the sum")
                 tol = (1e-5 if dtype == torch.float32 else 1e-2) * ref.abs().max().item()
                 assert out.shape == ref.shape and out.dtype == dtype
                 assert_close(out, ref, tol, what)
+                assert not kernels._counters(x.device).any(), f"{what}: the last programs leave the counters 0"
     with pytest.raises(ValueError, match="at most 16 rows"):
         kernels.norm_gemv(torch.zeros(17, 64, device=device), torch.zeros(8, 64, device=device))
 
@@ -2193,8 +2198,9 @@ def test_head_gemv_kernel_equals_twin(dtype):
 def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     """kernels "norm_gemv" (alone, and with the fused residual adds and stacked q_a + kv_a) against
     the plain tiny model, float32, 3 layers: the 36-row prefill runs the plain path, the 9-row step
-    the kernels (norm_gemv twice a layer: q_b_proj with q_a_layernorm inside, o_proj; head_gemv
-    twice in decode mode: the absorbed products), in both attention modes."""
+    the kernels (norm_gemv twice a layer: q_b_proj with q_a_layernorm inside, o_proj; with stacked
+    q_a + kv_a a third time, the input norm and residual add inside it; head_gemv twice in decode
+    mode: the absorbed products), in both attention modes."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(num_hidden_layers=3)
     plain = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32), 0)
@@ -2212,7 +2218,8 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
         assert not calls and not heads, "the prefill's 36 rows must take the plain path"
         assert_close(fast(step, step_pos, mode).logits, plain(step, step_pos, mode).logits, 1e-4,
                      f"norm_gemv {others} step, {mode}")
-        assert len(calls) == 2 * args.num_hidden_layers, f"{len(calls)} norm_gemv launches, not 2 a layer"
+        per_layer = 3 if "fused_proj" in others else 2
+        assert len(calls) == per_layer * args.num_hidden_layers, f"{len(calls)} norm_gemv launches, not {per_layer}"
         assert len(heads) == (2 * args.num_hidden_layers if mode == "decode" else 0), f"{len(heads)} head_gemv"
         calls.clear(), heads.clear()
 
