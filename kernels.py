@@ -808,33 +808,47 @@ def mla_decode_attention(q_lat, q_pe, kv_cache, pe_cache, positions, softmax_sca
 # ---------------------------------------------------------------------------------------------
 # Router
 #
-# DeepSeek-V3's noaux_tc routing in two kernels. (1) The logits x @ W^T in float32 for few tokens
-# (decode, verify): W is [E, D] float32 (11 MB at Kimi-K2's 384 x 7168) and must be read by
-# many SMs at once, so programs take a block of experts and one of ROUTER_SPLIT_D slices of D
-# each and write partial sums; cuBLAS's GEMM takes over past ROUTER_GEMV_MAX_TOKENS tokens.
-# (2) One program per token sums the partials and selects: sigmoid scores, the correction bias
-# added for selection only, groups kept by the sum of their two best biased scores (n_group > 1),
-# the top K experts of the kept groups, their unbiased scores normalized and scaled. With UNIFORM
-# (SIMULATED balanced routing, model.Router's routing "uniform") the choice is fixed instead: pair
-# j = n*K + i of the N*K token-expert pairs goes to expert j mod E, weighed by that expert's
-# unbiased score, normalized and scaled as usual; the logits are computed as always (their cost
-# stays), only the top-k rounds are skipped, so uniform routing costs no kernel of its own.
+# DeepSeek-V3's noaux_tc routing in one kernel for few tokens (decode, verify). The logits x @ W^T
+# in float32: W is [E, D] float32 (11 MB at Kimi-K2's 384 x 7168) and must be read by many SMs at
+# once, so programs take a block of experts and one of ROUTER_SPLIT_D slices of D each and store
+# partial sums. The last program to finish (an atomic counter, as norm_gemv's) then selects for
+# every token at once: the partial sums added, sigmoid scores, the correction bias added for
+# selection only, groups kept by the sum of their two best biased scores (n_group > 1), the top K
+# experts of the kept groups, their unbiased scores normalized and scaled. Past
+# ROUTER_GEMV_MAX_TOKENS tokens cuBLAS computes the logits and a second kernel, a program a token,
+# selects with the same code. With UNIFORM (SIMULATED balanced routing, model.Router's routing
+# "uniform") the choice is fixed instead: pair j = n*K + i of the N*K token-expert pairs goes to
+# expert j mod E, weighed by that expert's unbiased score, normalized and scaled as usual; the
+# logits are computed as always (their cost stays), only the top-k rounds are skipped.
 
 ROUTER_GEMV_MAX_TOKENS = 16
 ROUTER_SPLIT_D = 4          # D slices: 384 experts / 8 a block x 4 slices = 192 programs on 132 SMs
 ROUTER_BLOCK_E = 8
 ROUTER_TILE = 8192          # elements of the [tokens, experts, D] product a program holds at once
+COUNTERS = 4096             # the shared counters of the kernels that end in a last program (router, norm_gemv)
+
+
+@functools.cache
+def _counters(device):
+    """Zeroed int32 counters that the router and every norm_gemv call on `device` share: the calls
+    run one after another on a stream, and each call's last programs leave them zero again."""
+    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
 
 
 @_jit
-def _router_logits_kernel(x_ptr, w_ptr, out_ptr, N, E, D, d_per_split, s_xn, s_we, s_os, s_on,
-                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[j, n, e] = sum over d in slice j of x[n, d] * W[e, d], in float32. x [N, D] (any float
-    dtype), W [E, D] float32, out [splits, N, E] float32 (last dims contiguous).
-    Grid: (cdiv(E, BLOCK_E), splits, cdiv(N, BLOCK_N))."""
-    eb, j, nb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_ptr, N, E, D, d_per_split,
+                   s_xn, s_we, s_ps, s_pn, s_idn, s_wn, E_PER_G, G, scale,
+                   SPLITS: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
+                   GROUPED: tl.constexpr, UNIFORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """part[j, n, e] = sum over d in slice j of x[n, d] * W[e, d] in float32, then, in the last
+    program, _router_select over all N (<= BLOCK_N) tokens. x [N, D] (any float dtype), W [E, D]
+    float32, part [SPLITS, N, E] float32 (last dims contiguous), count one int32 zero.
+    Grid: (cdiv(E, BLOCK_E), SPLITS)."""
+    eb, j = tl.program_id(0), tl.program_id(1)
     e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
     d_end = tl.minimum((j + 1) * d_per_split, D)
     for d0 in range(j * d_per_split, d_end, BLOCK_D):
@@ -842,106 +856,104 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, N, E, D, d_per_split, s_xn, s_w
         w = tl.load(w_ptr + e[:, None] * s_we + d[None, :], mask=(e < E)[:, None] & (d < d_end)[None, :], other=0.0)
         x = tl.load(x_ptr + n[:, None] * s_xn + d[None, :], mask=(n < N)[:, None] & (d < d_end)[None, :], other=0.0)
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], 2)                # [BLOCK_N, BLOCK_E]
-    tl.store(out_ptr + j * s_os + n[:, None] * s_on + e[None, :], acc, mask=(n < N)[:, None] & (e < E)[None, :])
+    tl.store(part_ptr + j * s_ps + n[:, None] * s_pn + e[None, :], acc, mask=(n < N)[:, None] & (e < E)[None, :])
+    tl.debug_barrier()                                  # every thread's stores before the counter's release
+    if tl.atomic_add(count_ptr, 1) == tl.num_programs(0) * tl.num_programs(1) - 1:
+        tl.atomic_xchg(count_ptr, 0)                    # the last program: every partial sum is stored
+        _router_select(part_ptr, bias_ptr, ids_ptr, wout_ptr, 0, N, s_ps, s_pn, s_idn, s_wn, E_PER_G, G, scale,
+                       SPLITS, K, TOPK_GROUP, NORM, GROUPED, UNIFORM, SHARED, BLOCK_N, BLOCK_G, BLOCK_EG, BLOCK_K)
 
 
 @_jit
-def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_ls, s_ln, s_idn, s_wn, E_PER_G, G, scale,
-                          SPLITS: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
-                          GROUPED: tl.constexpr, UNIFORM: tl.constexpr, SHARED: tl.constexpr,
-                          BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
-    """ids[n], w[n] = the K experts of token n and their weights, best first (UNIFORM: experts
-    (n*K + i) mod E, i < K), then with SHARED expert E and weight 1 in column K. logits [SPLITS,
-    N, E] float32 partial sums (E = G * E_PER_G, expert e = g * E_PER_G + j), bias [E] float32;
-    ids [N, K (+1)] int64, w [N, K (+1)] float32. Grid: (N,)."""
-    n = tl.program_id(0)
-    g = tl.arange(0, BLOCK_G)[:, None]
-    j = tl.arange(0, BLOCK_EG)[None, :]
-    e = g * E_PER_G + j                                                   # [BLOCK_G, BLOCK_EG] expert ids
-    ok = (g < G) & (j < E_PER_G)
-    logit = tl.zeros([BLOCK_G, BLOCK_EG], tl.float32)
-    for s in tl.static_range(SPLITS):
-        logit += tl.load(logits_ptr + s * s_ls + n * s_ln + e, mask=ok, other=0.0)
-    score = tl.sigmoid(logit)
+def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, N, s_ln, s_idn, s_wn, E_PER_G, G, scale,
+                          K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, GROUPED: tl.constexpr,
+                          UNIFORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_G: tl.constexpr,
+                          BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_router_select for token n = program_id(0) from whole logits [N, E] float32 (cuBLAS's, many
+    tokens). Grid: (N,)."""
+    _router_select(logits_ptr, bias_ptr, ids_ptr, w_ptr, tl.program_id(0), N, 0, s_ln, s_idn, s_wn, E_PER_G, G,
+                   scale, 1, K, TOPK_GROUP, NORM, GROUPED, UNIFORM, SHARED, 1, BLOCK_G, BLOCK_EG, BLOCK_K)
+
+
+@_jit
+def _router_select(part_ptr, bias_ptr, ids_ptr, w_ptr, n0, N, s_ps, s_pn, s_idn, s_wn, E_PER_G, G, scale,
+                   SPLITS: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
+                   GROUPED: tl.constexpr, UNIFORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
+    """ids[n], w[n] = the K experts of tokens n = n0 .. n0 + BLOCK_N - 1 (those < N) and their
+    weights, best first (UNIFORM: experts (n*K + i) mod E, i < K), then with SHARED expert E and
+    weight 1 in column K. part [SPLITS, N, E] float32 partial sums of the logits (E = G * E_PER_G,
+    expert e = g * E_PER_G + j; read from L2: another program stored them), bias [E] float32; ids
+    [N, K (+1)] int64, w [N, K (+1)] float32."""
+    n = n0 + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    if UNIFORM:
-        ids, w = _uniform_choice(score, e, ok, n, G * E_PER_G, k, K)
+    if UNIFORM:   # the fixed choice; the chosen experts' logits gathered from the partial sums
+        ids = (n[:, None] * K + k[None, :]) % (G * E_PER_G)                      # [BLOCK_N, BLOCK_K]
+        logit = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for s in tl.static_range(SPLITS):
+            logit += tl.load(part_ptr + s * s_ps + n[:, None] * s_pn + ids, mask=(n < N)[:, None], other=0.0,
+                             cache_modifier=".cg")
+        w = tl.sigmoid(logit)
     else:
-        ids, w = _top_k(score, bias_ptr, e, ok, j, G, k, K, TOPK_GROUP, GROUPED, BLOCK_G, BLOCK_EG, BLOCK_K)
-    w = tl.where(k < K, w, 0.0)
+        g = tl.arange(0, BLOCK_G)[None, :, None]
+        j = tl.arange(0, BLOCK_EG)[None, None, :]
+        e = g * E_PER_G + j                                               # [1, BLOCK_G, BLOCK_EG] expert ids
+        ok = (n < N)[:, None, None] & (g < G) & (j < E_PER_G)             # [BLOCK_N, BLOCK_G, BLOCK_EG]
+        logit = tl.zeros([BLOCK_N, BLOCK_G, BLOCK_EG], tl.float32)
+        for s in tl.static_range(SPLITS):
+            logit += tl.load(part_ptr + s * s_ps + n[:, None, None] * s_pn + e, mask=ok, other=0.0,
+                             cache_modifier=".cg")
+        ids, w = _top_k(tl.sigmoid(logit), bias_ptr, e, ok, j, G, k, K, TOPK_GROUP, GROUPED, BLOCK_N, BLOCK_G,
+                        BLOCK_EG, BLOCK_K)
+    w = tl.where(k[None, :] < K, w, 0.0)
     if NORM:
-        w = w / (tl.sum(w, 0) + 1e-20)
-    tl.store(ids_ptr + n * s_idn + k, ids, mask=k < K)
-    tl.store(w_ptr + n * s_wn + k, w * scale, mask=k < K)
+        w = w / (tl.sum(w, 1) + 1e-20)[:, None]
+    out = (n < N)[:, None] & (k < K)[None, :]
+    tl.store(ids_ptr + n[:, None] * s_idn + k[None, :], ids.to(tl.int64), mask=out)
+    tl.store(w_ptr + n[:, None] * s_wn + k[None, :], w * scale, mask=out)
     if SHARED:  # the shared expert as expert E of the fused MoE launch, weight 1
-        tl.store(ids_ptr + n * s_idn + K, (G * E_PER_G).to(tl.int64))
-        tl.store(w_ptr + n * s_wn + K, 1.0)
+        tl.store(ids_ptr + n * s_idn + K, tl.zeros([BLOCK_N], tl.int64) + G * E_PER_G, mask=n < N)
+        tl.store(w_ptr + n * s_wn + K, tl.full([BLOCK_N], 1.0, tl.float32), mask=n < N)
 
 
 @_jit
 def _top_k(score, bias_ptr, e, ok, j, G, k, K: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPED: tl.constexpr,
-           BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
-    """noaux_tc selection from the scores [BLOCK_G, BLOCK_EG]: (ids [BLOCK_K] int64, their unbiased scores)."""
+           BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
+    """noaux_tc selection from the scores [BLOCK_N, BLOCK_G, BLOCK_EG], every token at once: (ids
+    [BLOCK_N, BLOCK_K] int32, their unbiased scores)."""
     biased = tl.where(ok, score + tl.load(bias_ptr + e, mask=ok, other=0.0), float("-inf"))
     if GROUPED:  # keep the TOPK_GROUP groups whose two best biased scores sum highest
-        best = tl.argmax(biased, 1)                                       # [BLOCK_G]
-        second = tl.max(tl.where(j == best[:, None], float("-inf"), biased), 1)
-        gid = tl.arange(0, BLOCK_G)
-        gscore = tl.where(gid < G, tl.max(biased, 1) + second, float("-inf"))
+        best = tl.argmax(biased, 2)                                       # [BLOCK_N, BLOCK_G]
+        second = tl.max(tl.where(j == best[:, :, None], float("-inf"), biased), 2)
+        gid = tl.arange(0, BLOCK_G)[None, :]
+        gscore = tl.where(gid < G, tl.max(biased, 2) + second, float("-inf"))
         keep = gid < 0
         for _ in tl.static_range(TOPK_GROUP):
-            top = tl.argmax(gscore, 0)
-            keep = keep | (gid == top)
-            gscore = tl.where(gid == top, float("-inf"), gscore)
-        biased = tl.where(keep[:, None], biased, float("-inf"))
-    flat = tl.reshape(biased, [BLOCK_G * BLOCK_EG])
-    flat_score = tl.reshape(score, [BLOCK_G * BLOCK_EG])
-    flat_e = tl.reshape(e, [BLOCK_G * BLOCK_EG])
-    idx = tl.arange(0, BLOCK_G * BLOCK_EG)
-    ids = tl.zeros([BLOCK_K], tl.int64)
-    w = tl.zeros([BLOCK_K], tl.float32)
+            top = gid == tl.argmax(gscore, 1)[:, None]
+            keep = keep | top
+            gscore = tl.where(top, float("-inf"), gscore)
+        biased = tl.where(keep[:, :, None], biased, float("-inf"))
+    flat = tl.reshape(biased, [BLOCK_N, BLOCK_G * BLOCK_EG])
+    flat_score = tl.reshape(score, [BLOCK_N, BLOCK_G * BLOCK_EG])
+    flat_e = tl.reshape(tl.broadcast_to(e, [BLOCK_N, BLOCK_G, BLOCK_EG]), [BLOCK_N, BLOCK_G * BLOCK_EG])
+    idx = tl.arange(0, BLOCK_G * BLOCK_EG)[None, :]
+    ids = tl.zeros([BLOCK_N, BLOCK_K], tl.int32)
+    w = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for i in tl.static_range(K):  # K rounds of argmax: the top K, best first
-        hit = idx == tl.argmax(flat, 0)
-        ids = tl.where(k == i, tl.sum(tl.where(hit, flat_e, 0), 0).to(tl.int64), ids)
-        w = tl.where(k == i, tl.sum(tl.where(hit, flat_score, 0.0), 0), w)
+        hit = idx == tl.argmax(flat, 1)[:, None]
+        ids = tl.where(k[None, :] == i, tl.sum(tl.where(hit, flat_e, 0), 1)[:, None], ids)
+        w = tl.where(k[None, :] == i, tl.sum(tl.where(hit, flat_score, 0.0), 1)[:, None], w)
         flat = tl.where(hit, float("-inf"), flat)
     return ids, w
 
 
-@_jit
-def _uniform_choice(score, e, ok, n, E, k, K: tl.constexpr):
-    """SIMULATED balanced routing: (ids [BLOCK_K] int64 = (n*K + k) mod E, their unbiased scores)."""
-    ids = ((n * K + k) % E).to(tl.int64)
-    mine = ok[None, :, :] & (e[None, :, :] == ids[:, None, None])             # [BLOCK_K, BLOCK_G, BLOCK_EG]
-    w = tl.sum(tl.sum(tl.where(mine, score[None, :, :], 0.0), 2), 1)
-    return ids, w
-
-
-def router_logits(x, weight):
-    """x [N, D] @ weight[E, D]^T in float32, as ROUTER_SPLIT_D partial sums [splits, N, E] for
-    few tokens (one kernel, x in its own dtype), else cuBLAS's GEMM as [1, N, E]."""
-    N, D = x.shape
-    E = weight.shape[0]
-    if N > ROUTER_GEMV_MAX_TOKENS:
-        return torch.nn.functional.linear(x.float(), weight).unsqueeze(0)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    block_n = _pow2(N, 1)
-    block_d = max(64, ROUTER_TILE // (block_n * ROUTER_BLOCK_E))
-    d_per_split = triton.cdiv(triton.cdiv(D, ROUTER_SPLIT_D), block_d) * block_d
-    splits = triton.cdiv(D, d_per_split)
-    out = torch.empty(splits, N, E, device=x.device, dtype=torch.float32)
-    _router_logits_kernel[(triton.cdiv(E, ROUTER_BLOCK_E), splits, triton.cdiv(N, block_n))](
-        x, weight, out, N, E, D, d_per_split, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
-        BLOCK_N=block_n, BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, num_warps=4)
-    return out
-
-
 def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling, uniform=False,
                 shared_slot=False):
-    """model.Router.forward in two kernels: x [N, D], weight [E, D] float32, bias [E] float32 ->
-    ids int64 [N, K], weights float32 [N, K]. uniform: SIMULATED balanced routing (pair j = n*K + i
-    to expert j mod E), as model.Router's routing "uniform"; shared_slot: a column K more, expert E
-    with weight 1 (the shared expert in the fused MoE launch); both in the same two kernels."""
+    """model.Router.forward in one kernel (past ROUTER_GEMV_MAX_TOKENS tokens: cuBLAS's logits and
+    a selection kernel): x [N, D], weight [E, D] float32, bias [E] float32 -> ids int64 [N, K],
+    weights float32 [N, K]. uniform: SIMULATED balanced routing (pair j = n*K + i to expert j mod
+    E), as model.Router's routing "uniform"; shared_slot: a column K more, expert E with weight 1
+    (the shared expert in the fused MoE launch); both in the same kernels."""
     N, D = x.shape
     E = weight.shape[0]
     if weight.dtype != torch.float32 or bias.dtype != torch.float32 or weight.shape != (E, D) or bias.shape != (E,):
@@ -953,13 +965,25 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
     weights = torch.empty(N, top_k + bool(shared_slot), device=x.device, dtype=torch.float32)
     if N == 0:
         return ids, weights
-    logits = router_logits(x, weight)                                       # [splits, N, E]
-    _router_select_kernel[(N,)](logits, bias, ids, weights, logits.stride(0), logits.stride(1), ids.stride(0),
-                                weights.stride(0), E // n_group, n_group, float(scaling), SPLITS=logits.shape[0],
-                                K=top_k, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob),
-                                GROUPED=n_group > 1 and not uniform, UNIFORM=bool(uniform), SHARED=bool(shared_slot),
-                                BLOCK_G=_pow2(n_group, 1), BLOCK_EG=_pow2(E // n_group, 1),
-                                BLOCK_K=_pow2(top_k, 1), num_warps=4)
+    select = dict(K=top_k, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob), GROUPED=n_group > 1 and not uniform,
+                  UNIFORM=bool(uniform), SHARED=bool(shared_slot), BLOCK_G=_pow2(n_group, 1),
+                  BLOCK_EG=_pow2(E // n_group, 1), BLOCK_K=_pow2(top_k, 1))
+    if N > ROUTER_GEMV_MAX_TOKENS:
+        logits = torch.nn.functional.linear(x.float(), weight)
+        _router_select_kernel[(N,)](logits, bias, ids, weights, N, logits.stride(0), ids.stride(0), weights.stride(0),
+                                    E // n_group, n_group, float(scaling), **select, num_warps=4)
+        return ids, weights
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    block_n = _pow2(N, 1)
+    block_d = max(64, ROUTER_TILE // (block_n * ROUTER_BLOCK_E))
+    d_per_split = triton.cdiv(triton.cdiv(D, ROUTER_SPLIT_D), block_d) * block_d
+    splits = triton.cdiv(D, d_per_split)
+    part = torch.empty(splits, N, E, device=x.device, dtype=torch.float32)
+    _router_kernel[(triton.cdiv(E, ROUTER_BLOCK_E), splits)](
+        x, weight, part, _counters(x.device), bias, ids, weights, N, E, D, d_per_split, x.stride(0),
+        weight.stride(0), part.stride(0), part.stride(1), ids.stride(0), weights.stride(0), E // n_group, n_group,
+        float(scaling), SPLITS=splits, BLOCK_N=block_n, BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select,
+        num_warps=4)
     return ids, weights
 
 
@@ -978,11 +1002,11 @@ def _add_rmsnorm_kernel(x_ptr, y_ptr, w_ptr, h_ptr, out_ptr, D, eps, s_x, s_y, s
     ok = d < D
     x = tl.load(x_ptr + n * s_x + d, mask=ok, other=0.0)
     y = tl.load(y_ptr + n * s_y + d, mask=ok, other=0.0)
+    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)   # with x and y: its latency not after the sum
     h = (x.to(tl.float32) + y.to(tl.float32)).to(x.dtype)
     tl.store(h_ptr + n * s_h + d, h, mask=ok)
     hf = h.to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / D + eps)
-    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + n * s_out + d, (hf * r * w).to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -1143,14 +1167,6 @@ NORM_GEMV_BLOCK_N = 32      # W rows a program
 NORM_GEMV_STEP_BYTES = 1024  # bytes of one W row a step reads (512 bf16 / 256 fp32 columns): 32 KB a step
 NORM_GEMV_PROGRAMS = 1024   # K is split until about this many programs run (~8 an SM on the H200's 132)
 NORM_GEMV_WARPS = 4
-NORM_GEMV_COUNTERS = 4096   # row blocks one call may have (N / BLOCK_N): the counters' buffer
-
-
-@functools.cache
-def _counters(device):
-    """Zeroed int32 counters, one per row block, that every norm_gemv call on `device` shares: calls
-    run one after another on a stream, and each call's last programs leave them zero again."""
-    return torch.zeros(NORM_GEMV_COUNTERS, dtype=torch.int32, device=device)
 
 
 @_jit
@@ -1253,8 +1269,8 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
     if norm_weight is not None and norm_weight.shape != (K,):
         raise ValueError(f"norm_gemv: norm weight {list(norm_weight.shape)} is not [{K}]")
     block_n = block_n or NORM_GEMV_BLOCK_N
-    if triton.cdiv(N, block_n) > NORM_GEMV_COUNTERS:
-        raise ValueError(f"norm_gemv: {N} rows of W make more than {NORM_GEMV_COUNTERS} row blocks of {block_n}")
+    if triton.cdiv(N, block_n) > COUNTERS:
+        raise ValueError(f"norm_gemv: {N} rows of W make more than {COUNTERS} row blocks of {block_n}")
     x2 = x.reshape(rows, K)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     r2 = x2 if residual is None else residual.reshape(rows, K)
