@@ -1501,7 +1501,7 @@ class StackedGateUp(AttachAgain, model.MLP):
 
 
 class RouterKernel(model.Router):
-    """"router": logits, selection and weights in two kernels (SIMULATED uniform routing too).
+    """"router": logits, selection and weights in one kernel (SIMULATED uniform routing too).
     shared_slot: one more column, expert E with weight 1 for every token ([N, K + 1]), made in the
     same kernel (SharedExpertInLaunch)."""
 
