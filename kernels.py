@@ -822,7 +822,8 @@ def mla_decode_attention(q_lat, q_pe, kv_cache, pe_cache, positions, softmax_sca
 # logits are computed as always (their cost stays), only the top-k rounds are skipped.
 
 ROUTER_GEMV_MAX_TOKENS = 16
-ROUTER_SPLIT_D = 4          # D slices: 384 experts / 8 a block x 4 slices = 192 programs on 132 SMs
+ROUTER_SPLIT_D = 8          # D slices, at most: one step of ROUTER_TILE a program at decode (7 slices of 1024:
+#                             112 programs for 128 experts, 336 for 384; 4 slices left 64 programs at 128)
 ROUTER_BLOCK_E = 8
 ROUTER_TILE = 8192          # elements of the [tokens, experts, D] product a program holds at once
 COUNTERS = 4096             # the shared counters of the kernels that end in a last program (router, norm_gemv)
@@ -903,8 +904,8 @@ def _router_select(part_ptr, bias_ptr, ids_ptr, w_ptr, n0, N, s_ps, s_pn, s_idn,
         for s in tl.static_range(SPLITS):
             logit += tl.load(part_ptr + s * s_ps + n[:, None, None] * s_pn + e, mask=ok, other=0.0,
                              cache_modifier=".cg")
-        ids, w = _top_k(tl.sigmoid(logit), bias_ptr, e, ok, j, G, k, K, TOPK_GROUP, GROUPED, BLOCK_N, BLOCK_G,
-                        BLOCK_EG, BLOCK_K)
+        ids, w = _top_k(tl.sigmoid(logit), bias_ptr, e, ok, j, G, E_PER_G, k, K, TOPK_GROUP, GROUPED, BLOCK_N,
+                        BLOCK_G, BLOCK_EG, BLOCK_K)
     w = tl.where(k[None, :] < K, w, 0.0)
     if NORM:
         w = w / (tl.sum(w, 1) + 1e-20)[:, None]
@@ -917,8 +918,9 @@ def _router_select(part_ptr, bias_ptr, ids_ptr, w_ptr, n0, N, s_ps, s_pn, s_idn,
 
 
 @_jit
-def _top_k(score, bias_ptr, e, ok, j, G, k, K: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPED: tl.constexpr,
-           BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
+def _top_k(score, bias_ptr, e, ok, j, G, E_PER_G, k, K: tl.constexpr, TOPK_GROUP: tl.constexpr,
+           GROUPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
+           BLOCK_K: tl.constexpr):
     """noaux_tc selection from the scores [BLOCK_N, BLOCK_G, BLOCK_EG], every token at once: (ids
     [BLOCK_N, BLOCK_K] int32, their unbiased scores)."""
     biased = tl.where(ok, score + tl.load(bias_ptr + e, mask=ok, other=0.0), float("-inf"))
@@ -935,13 +937,13 @@ def _top_k(score, bias_ptr, e, ok, j, G, k, K: tl.constexpr, TOPK_GROUP: tl.cons
         biased = tl.where(keep[:, :, None], biased, float("-inf"))
     flat = tl.reshape(biased, [BLOCK_N, BLOCK_G * BLOCK_EG])
     flat_score = tl.reshape(score, [BLOCK_N, BLOCK_G * BLOCK_EG])
-    flat_e = tl.reshape(tl.broadcast_to(e, [BLOCK_N, BLOCK_G, BLOCK_EG]), [BLOCK_N, BLOCK_G * BLOCK_EG])
     idx = tl.arange(0, BLOCK_G * BLOCK_EG)[None, :]
     ids = tl.zeros([BLOCK_N, BLOCK_K], tl.int32)
     w = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for i in tl.static_range(K):  # K rounds of argmax: the top K, best first
-        hit = idx == tl.argmax(flat, 1)[:, None]
-        ids = tl.where(k[None, :] == i, tl.sum(tl.where(hit, flat_e, 0), 1)[:, None], ids)
+        top = tl.argmax(flat, 1)[:, None]                                  # flat index g * BLOCK_EG + j
+        hit = idx == top
+        ids = tl.where(k[None, :] == i, top // BLOCK_EG * E_PER_G + top % BLOCK_EG, ids)
         w = tl.where(k[None, :] == i, tl.sum(tl.where(hit, flat_score, 0.0), 1)[:, None], w)
         flat = tl.where(hit, float("-inf"), flat)
     return ids, w
@@ -983,7 +985,7 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
         x, weight, part, _counters(x.device), bias, ids, weights, N, E, D, d_per_split, x.stride(0),
         weight.stride(0), part.stride(0), part.stride(1), ids.stride(0), weights.stride(0), E // n_group, n_group,
         float(scaling), SPLITS=splits, BLOCK_N=block_n, BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select,
-        num_warps=4)
+        num_warps=4 if N <= 8 else 8)   # 16 tokens' selection on 4 warps spills (ptxas: 255 registers)
     return ids, weights
 
 
@@ -1157,73 +1159,63 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
 # costs a pass or a launch of its own (program (0, slice) writes the sum x + r where r is given).
 # Each program stores its float32 partial sums; the last program of a row block to finish (an
 # atomic counter, reset by that program) adds the slices in slice order, scales and stores. One
-# launch, no float atomics: deterministic, so a graph replay equals the eager call. Rounding: h is
-# rounded to x's dtype as the plain add is; h * g (not h * rstd * g) is rounded to W's dtype for
-# the product, so bf16 results differ from the plain path's by the order of one rounding.
+# launch, no float atomics: deterministic, so a graph replay equals the eager call. The products
+# run on the CUDA cores in float32, each of the M rows against the W tile in registers (tl.dot
+# would pad M to 16 rows: 16x the activation in registers, and measured 2-6x slower). Rounding: h
+# is rounded to x's dtype as the plain add is; the normed row is not rounded (the plain path rounds
+# it to W's dtype), so bf16 results differ from the plain path's by the order of one rounding.
 
 NORM_GEMV_MAX_ROWS = 16     # decode and verify; prefill goes to the plain RMSNorm and cuBLAS
-NORM_GEMV_BLOCK_M = 16      # tl.dot's smallest M: the rows, padded
 NORM_GEMV_BLOCK_N = 32      # W rows a program
 NORM_GEMV_STEP_BYTES = 1024  # bytes of one W row a step reads (512 bf16 / 256 fp32 columns): 32 KB a step
 NORM_GEMV_PROGRAMS = 1024   # K is split until about this many programs run (~8 an SM on the H200's 132)
-NORM_GEMV_WARPS = 4
-
-
-@_jit
-def _gemv_rows(x_ptr, r_ptr, m, m_ok, k, k_ok, s_xm, s_rm, ADD: tl.constexpr):
-    """Rows m, columns k of x (+ r, the sum rounded to x's dtype as the plain add), as float32."""
-    ok = m_ok[:, None] & k_ok[None, :]
-    x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=ok, other=0.0)
-    if ADD:
-        r = tl.load(r_ptr + m[:, None] * s_rm + k[None, :], mask=ok, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-    return x.to(tl.float32)
+NORM_GEMV_WARPS = 4         # head_gemv's; norm_gemv 4 up to 4 rows, 8 above (ptxas: 168 / 251 registers at 1 / 4
+#                             rows with 4 warps, no spills; 16 rows need 8 warps, 212 registers)
 
 
 @_jit
 def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, sum_ptr, part_ptr, ss_ptr, count_ptr,
                       M, N, K, k_split, eps, s_xm, s_xh, s_rm, s_wh, s_wn, s_wk, s_om, s_oh, s_sm,
-                      SPLITS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, IEEE: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      SPLITS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[m, n] = sum_k h[m, k] * W[n, k] with h = RMSNorm(x + r) (NORM: h * rsqrt(mean(h^2) + eps) * g;
     ADD: r added, and sum = x + r written by the programs of row block 0). x, r, sum [M, K], out
     [M, N] (rows strided, last dim contiguous), W [N, K] (any strides), g [K]; x, r, sum, out and W
-    of one dtype; float32 accumulation (IEEE: exact float32 products, no TF32). Slice s of K is
-    [s * k_split, (s + 1) * k_split); with SPLITS > 1, part [SPLITS, M, N] and ss [N / BLOCK_N,
-    SPLITS, BLOCK_M] float32 hold the slices' sums and sums of squares, count [N / BLOCK_N] int32
-    zeros. With heads (grid axis 1, head_gemv, SPLITS 1): x, W and out of head j start s_xh, s_wh,
-    s_oh elements further. Grid: (cdiv(N, BLOCK_N), heads, SPLITS)."""
+    of one dtype; float32 products and sums on the CUDA cores, M <= BLOCK_M rows one after another
+    against the W tile in registers. Slice s of K is [s * k_split, (s + 1) * k_split); with SPLITS
+    > 1, part [SPLITS, M, N] and ss [N / BLOCK_N, SPLITS, BLOCK_M] float32 hold the slices' sums and
+    sums of squares, count [N / BLOCK_N] int32 zeros. With heads (grid axis 1, head_gemv, SPLITS
+    1): x, W and out of head j start s_xh, s_wh, s_oh elements further.
+    Grid: (cdiv(N, BLOCK_N), heads, SPLITS)."""
     pid, j, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x_ptr += j * s_xh
     w_ptr += j * s_wh
     out_ptr += j * s_oh
-    m = tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, n_ok = m < M, n < N
-    sum_ok = m < tl.where(pid == 0, M, 0)                                   # row block 0 writes the sum
+    n_ok = n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     ss = tl.zeros([BLOCK_M], tl.float32)
-    k_end = tl.minimum(s * k_split + k_split, K)
-    for k0 in range(s * k_split, k_end, BLOCK_K):
+    for k0 in range(s * k_split, s * k_split + k_split, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < k_end
-        h = _gemv_rows(x_ptr, r_ptr, m, m_ok, k, k_ok, s_xm, s_rm, ADD)                  # [BLOCK_M, BLOCK_K]
-        if ADD:
-            tl.store(sum_ptr + m[:, None] * s_sm + k[None, :], h.to(sum_ptr.dtype.element_ty),
-                     mask=sum_ok[:, None] & k_ok[None, :])
-        if NORM:
-            ss += tl.sum(h * h, 1)
-            h = h * tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)[None, :]
+        k_ok = k < K
         w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :] * s_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(h.to(w.dtype), tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(h.to(w.dtype), tl.trans(w))                                   # [BLOCK_M, BLOCK_N]
+        for m in tl.static_range(BLOCK_M):                                  # each row against the tile
+            ok = k_ok & (m < M)
+            h = tl.load(x_ptr + m * s_xm + k, mask=ok, other=0.0)
+            if ADD:                                                         # rounded as the plain add
+                h = (h.to(tl.float32) + tl.load(r_ptr + m * s_rm + k, mask=ok, other=0.0).to(tl.float32)).to(h.dtype)
+                tl.store(sum_ptr + m * s_sm + k, h, mask=ok & (pid == 0))
+            h = h.to(tl.float32)
+            if NORM:
+                ss = tl.where(rows == m, ss + tl.sum(h * h, 0), ss)
+                h = h * tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            acc = tl.where(rows[:, None] == m, acc + tl.sum(w.to(tl.float32) * h[None, :], 1)[None, :], acc)
     last = pid >= 0                                                         # one slice: every program
     if SPLITS > 1:
-        ok = m_ok[:, None] & n_ok[None, :]
-        tl.store(part_ptr + (s * M + m[:, None]) * N + n[None, :], acc, mask=ok)
-        tl.store(ss_ptr + (pid * SPLITS + s) * BLOCK_M + m, ss)
+        ok = (rows < M)[:, None] & n_ok[None, :]
+        tl.store(part_ptr + (s * M + rows[:, None]) * N + n[None, :], acc, mask=ok)
+        tl.store(ss_ptr + (pid * SPLITS + s) * BLOCK_M + rows, ss)
         tl.debug_barrier()                              # every thread's stores before the counter's release
         last = tl.atomic_add(count_ptr + pid, 1) == SPLITS - 1
         if last:                                        # the row block's other slices are stored: add them
@@ -1231,13 +1223,13 @@ def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, sum_ptr, part_ptr, ss
             acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
             ss = tl.zeros([BLOCK_M], tl.float32)
             for t in range(SPLITS):                     # in slice order (.cg: from L2, never a stale L1 line)
-                acc += tl.load(part_ptr + (t * M + m[:, None]) * N + n[None, :], mask=ok, other=0.0,
+                acc += tl.load(part_ptr + (t * M + rows[:, None]) * N + n[None, :], mask=ok, other=0.0,
                                cache_modifier=".cg")
-                ss += tl.load(ss_ptr + (pid * SPLITS + t) * BLOCK_M + m, cache_modifier=".cg")
+                ss += tl.load(ss_ptr + (pid * SPLITS + t) * BLOCK_M + rows, cache_modifier=".cg")
     if NORM:
         acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
-    tl.store(out_ptr + m[:, None] * s_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :] & last)
+    tl.store(out_ptr + rows[:, None] * s_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rows < M)[:, None] & n_ok[None, :] & last)
 
 
 def _k_slices(N, K, block_n, block_k, programs):
@@ -1282,12 +1274,12 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
         slices, k_split = _k_slices(N, K, block_n, block_k, programs or NORM_GEMV_PROGRAMS)
         blocks = triton.cdiv(N, block_n)
         part = torch.empty(slices, rows, N, device=x.device, dtype=torch.float32) if slices > 1 else out
-        ss = torch.empty(blocks * slices * NORM_GEMV_BLOCK_M, device=x.device, dtype=torch.float32)
+        ss = torch.empty(blocks * slices * _pow2(rows, 1), device=x.device, dtype=torch.float32)
         _norm_gemv_kernel[(blocks, 1, slices)](
             x2, r2, x2 if norm_weight is None else norm_weight, weight, out, h, part, ss, _counters(x.device),
             rows, N, K, k_split, float(eps), x2.stride(0), 0, r2.stride(0), 0, weight.stride(0), 1, N, 0, K,
-            SPLITS=slices, NORM=norm_weight is not None, ADD=residual is not None, IEEE=x.dtype == torch.float32,
-            BLOCK_M=NORM_GEMV_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps or NORM_GEMV_WARPS)
+            SPLITS=slices, NORM=norm_weight is not None, ADD=residual is not None, BLOCK_M=_pow2(rows, 1),
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps or (4 if rows <= 4 else 8), num_stages=1)
     return h, out
 
 
@@ -1320,8 +1312,7 @@ def head_gemv(x, weight):
         _norm_gemv_kernel[(triton.cdiv(N, block_n), H, 1)](
             x2, x2, x2, weight, out, out, out, out, out, rows, N, K, K, 0.0, x2.stride(0), x2.stride(1), 0,
             weight.stride(0), weight.stride(1), weight.stride(2), H * N, N, 0, SPLITS=1, NORM=False, ADD=False,
-            IEEE=x.dtype == torch.float32, BLOCK_M=NORM_GEMV_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k,
-            num_warps=NORM_GEMV_WARPS)
+            BLOCK_M=_pow2(rows, 1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NORM_GEMV_WARPS, num_stages=1)
     return out
 
 
