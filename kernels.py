@@ -7,8 +7,8 @@ that put them in place of model.py's plain code, which stays the readable specif
   Router                 router_topk            swap: RouterKernel (twin: model.Router)
   Residual add + RMSNorm add_rmsnorm            swap: AddRMSNorm (twin: model.RMSNorm with a residual)
   SwiGLU activation      silu_mul               swap: SiluMulKernel (twin: model.MLP.act)
-  RMSNorm + GEMV         norm_gemv              swap: NormGemvMLA, GemvRowParallelLinear (twins:
-                                                model.MLA.query, tp.RowParallelLinear)
+  RMSNorm + GEMV         norm_gemv              swaps: NormGemvMLA, InputNormInProjection (twins:
+                                                model.MLA.query, model.Block's input norm + q_a, kv_a)
   GEMV per head          head_gemv              swap: NormGemvMLA (twin: model.MLA.absorb_query,
                                                 absorb_output)
 
@@ -42,7 +42,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import model
-from tp import RowParallelLinear
 
 try:
     import triton
@@ -1167,7 +1166,8 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
 
 NORM_GEMV_MAX_ROWS = 16     # decode and verify; prefill goes to the plain RMSNorm and cuBLAS
 NORM_GEMV_BLOCK_N = 32      # W rows a program
-NORM_GEMV_STEP_BYTES = 1024  # bytes of one W row a step reads (512 bf16 / 256 fp32 columns): 32 KB a step
+NORM_GEMV_STEP_BYTES = 512  # bytes of one W row a step reads (256 bf16 columns): 16 KB a step; at 1 row 1 KB
+#                             measured 15.9 / 5.9 / 8.3 us against 13.6 / 5.3 / 7.5 (q_a + kv_a, q_b, o_proj)
 NORM_GEMV_PROGRAMS = 1024   # K is split until about this many programs run (~8 an SM on the H200's 132)
 NORM_GEMV_WARPS = 4         # head_gemv's; norm_gemv 4 up to 4 rows, 8 above (ptxas: 168 / 251 registers at 1 / 4
 #                             rows with 4 warps, no spills; 16 rows need 8 warps, 212 registers)
@@ -1286,6 +1286,7 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
 HEAD_GEMV_BLOCK_N_STRIDED = 64   # W rows a program where W's rows, not its K, are contiguous (absorbed W_uk):
 #                                  64 bf16 rows = 128-byte segments a K step
 HEAD_GEMV_BLOCK_N = 16           # contiguous K (W_uv, K = 512): 8 heads x 8 row blocks of Kimi-K2's 128 rows
+HEAD_GEMV_STEP_BYTES = 1024      # K whole in one step at Kimi-K2's 128 and 512 (measured so, not swept)
 
 
 def head_gemv(x, weight):
@@ -1308,7 +1309,7 @@ def head_gemv(x, weight):
     out = torch.empty(*lead, H, N, device=x.device, dtype=x.dtype)
     if rows and N and H:
         block_n = HEAD_GEMV_BLOCK_N if weight.stride(2) == 1 else HEAD_GEMV_BLOCK_N_STRIDED
-        block_k = min(NORM_GEMV_STEP_BYTES // x.element_size(), _pow2(K))
+        block_k = min(HEAD_GEMV_STEP_BYTES // x.element_size(), _pow2(K))
         _norm_gemv_kernel[(triton.cdiv(N, block_n), H, 1)](
             x2, x2, x2, weight, out, out, out, out, out, rows, N, K, K, 0.0, x2.stride(0), x2.stride(1), 0,
             weight.stride(0), weight.stride(1), weight.stride(2), H * N, N, 0, SPLITS=1, NORM=False, ADD=False,
@@ -1366,10 +1367,22 @@ class RopeCacheKernel(model.MLA):
                                            self.kv_cache, self.pe_cache)
 
 
+# Where the GEMV kernels replace cuBLAS, by rows (B * T), from one H200 run (2026-12-01, bf16, Kimi-K2
+# TP-8 shapes, graphs, weights past the L2; benchmarks/h200_issue25_small_ab.json), us at 1 / 4 rows:
+#   q_b with q_a_layernorm: kernel 5.3 / 9.0 (4 rows: 1 KB steps), RMSNorm + cuBLAS 9.9 / 10.1: up to
+#     NORM_GEMV_MAX_ROWS.
+#   q_a + kv_a with the input add + norm: kernel 13.6 / 32.1, add_rmsnorm + cuBLAS 14.8 / 15.9: 1 row.
+#   absorbed W_uk, W_uv: kernel 2.7 + 2.3 / 4.2 + 4.2, the einsums 2.9 + 4.8 / 2.7 + 4.4: 1 row.
+#   o_proj: kernel 7.5 / 14.9, cuBLAS 6.6 / 6.5: never (tp.RowParallelLinear stays).
+# Rows 2 and 3 were not measured; they take the plain path with 4.
+INPUT_NORM_MAX_ROWS = 1
+HEAD_GEMV_MAX_ROWS = 1
+
+
 class NormGemvMLA(model.MLA):
-    """"norm_gemv", for at most NORM_GEMV_MAX_ROWS rows (decode, verify; more rows: the plain
-    code): q_b_proj as a GEMV kernel with q_a_layernorm computed inside it, and decode mode's
-    absorbed W_uk / W_uv products as GEMV kernels over the heads (no copy of q_nope)."""
+    """"norm_gemv": q_b_proj as a GEMV kernel with q_a_layernorm computed inside it (at most
+    NORM_GEMV_MAX_ROWS rows: decode, verify), and decode mode's absorbed W_uk / W_uv products as
+    GEMV kernels over the heads at HEAD_GEMV_MAX_ROWS (decode); more rows: the plain code."""
 
     def query(self, q_a):
         if rows(q_a) > NORM_GEMV_MAX_ROWS:
@@ -1378,25 +1391,14 @@ class NormGemvMLA(model.MLA):
         return launch.norm_gemv(q_a, self.q_b_proj.weight, norm.weight, norm.eps, None)[1]
 
     def absorb_query(self, q_nope, w_uk):
-        if math.prod(q_nope.shape[:2]) > NORM_GEMV_MAX_ROWS:                # B * T
+        if math.prod(q_nope.shape[:2]) > HEAD_GEMV_MAX_ROWS:                # B * T
             return super().absorb_query(q_nope, w_uk)
         return launch.head_gemv(q_nope, w_uk.transpose(1, 2))
 
     def absorb_output(self, o_lat, w_uv):
-        if math.prod(o_lat.shape[:2]) > NORM_GEMV_MAX_ROWS:
+        if math.prod(o_lat.shape[:2]) > HEAD_GEMV_MAX_ROWS:
             return super().absorb_output(o_lat, w_uv)
         return launch.head_gemv(o_lat, w_uv)
-
-
-class GemvRowParallelLinear(RowParallelLinear):
-    """"norm_gemv" for MLA's o_proj: the GEMV kernel for at most NORM_GEMV_MAX_ROWS rows, then the
-    layer's own all-reduce."""
-
-    def forward(self, x):
-        if rows(x) > NORM_GEMV_MAX_ROWS:
-            return super().forward(x)
-        y = launch.norm_gemv(x, self.weight, None, 0.0, None)[1]
-        return self.tp.all_reduce(y) if self.reduce else y
 
 
 def stack_rows(*linears):
@@ -1451,13 +1453,13 @@ class PendingInputNorm:
 
 
 class InputNormInProjection(model.Block):
-    """"norm_gemv" with "fused_proj" (MLA with q_lora_rank): for at most NORM_GEMV_MAX_ROWS rows the
-    input RMSNorm, and the residual add before it, run inside the q_a + kv_a GEMV (norm_gemv):
+    """"norm_gemv" with "fused_proj" (MLA with q_lora_rank): for INPUT_NORM_MAX_ROWS rows (decode)
+    the input RMSNorm, and the residual add before it, run inside the q_a + kv_a GEMV (norm_gemv):
     no kernel of their own. The post-attention norm stays a kernel: at TP > 1 it reads o_proj's
     all-reduced output, which no GEMV program holds."""
 
     def forward(self, x, residual, positions, rope, future, mode, slots=None):
-        if rows(x) > NORM_GEMV_MAX_ROWS:
+        if rows(x) > INPUT_NORM_MAX_ROWS:
             return super().forward(x, residual, positions, rope, future, mode, slots)
         pending = PendingInputNorm(x, residual, self.input_layernorm)
         h = self.self_attn(pending, positions, rope, future, mode, slots)
@@ -1691,8 +1693,8 @@ def accelerate(target, names=(), moe="auto"):
     KERNELS swapped in. names: "attention" (decode-mode MLA attention), "rope_cache" (RoPE +
     latent norm + cache writes), "router" (SIMULATED uniform routing included), "add_rmsnorm"
     (every residual add with the norm that reads the sum), "silu_mul" (the MLPs' SwiGLU),
-    "norm_gemv" (for <= 16 rows: q_b_proj with q_a_layernorm inside, o_proj, decode mode's
-    absorbed products), "shared_expert" (the shared expert inside the fused MoE launch, where
+    "norm_gemv" (for <= 16 rows q_b_proj with q_a_layernorm inside; for 1 row decode mode's absorbed
+    products and, with "fused_proj", the input add + norm inside q_a + kv_a), "shared_expert" (the shared expert inside the fused MoE launch, where
     SharedExpertInLaunch.applies; else left off and not listed), "fused_proj" (plain torch:
     q_a + kv_a and each unfolded MLP's gate + up as one GEMM, the shared expert's down GEMM
     adding onto the routed output); an iterable, "all" or "none". moe: the routed experts' path
@@ -1727,8 +1729,6 @@ def accelerate_layer(layer, names, moe):
         swap(attn, StackedQKVA)
         if "norm_gemv" in names:
             swap(layer, InputNormInProjection)
-    if "norm_gemv" in names:
-        swap(attn.o_proj, GemvRowParallelLinear)
     if "add_rmsnorm" in names:
         swap(layer.input_layernorm, AddRMSNorm)
         swap(layer.post_attention_layernorm, AddRMSNorm)

@@ -304,8 +304,8 @@ def bench_norm_gemv(bw, rows, sweep=False):
     print(f"\nnorm_gemv, Kimi-K2 TP 8, bf16 (us per call in a graph; GB/s of the weight; copy {bw:.0f} GB/s)")
     dt = torch.bfloat16
     # (BLOCK_N, BLOCK_K, programs) at M 1; programs 1 keeps K whole in a program, the first version's shape
-    sweep_points = [(16, 512, 1024), (64, 512, 1024), (32, 512, 512), (32, 512, 2048), (32, 256, 1024),
-                    (32, 512, 1)] if sweep else []
+    sweep_points = [(16, 256, 1024), (64, 256, 1024), (32, 256, 512), (32, 256, 2048), (32, 512, 1024),
+                    (32, 256, 1)] if sweep else []
     for name, N, K, has_norm, add in (("q_a+kv_a", 2112, 7168, True, True), ("q_b", 1536, 1536, True, False),
                                       ("o_proj", 7168, 1024, False, False)):
         sets = max(2, min(16, math.ceil(150e6 / (N * K * 2))))

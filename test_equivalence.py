@@ -2197,10 +2197,10 @@ def test_head_gemv_kernel_equals_twin(dtype):
 @pytest.mark.parametrize("others", [(), ("add_rmsnorm", "fused_proj")])
 def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     """kernels "norm_gemv" (alone, and with the fused residual adds and stacked q_a + kv_a) against
-    the plain tiny model, float32, 3 layers: the 36-row prefill runs the plain path, the 9-row step
-    the kernels (norm_gemv twice a layer: q_b_proj with q_a_layernorm inside, o_proj; with stacked
-    q_a + kv_a a third time, the input norm and residual add inside it; head_gemv twice in decode
-    mode: the absorbed products), in both attention modes."""
+    the plain tiny model, float32, 3 layers: the 36-row prefill runs the plain path; a 9-row step
+    runs q_b_proj's GEMV kernel (q_a_layernorm inside) once a layer, the rest plain; a 1-row step
+    (decode) also the absorbed products as head_gemv kernels (decode mode) and, with stacked q_a +
+    kv_a, that GEMV kernel with the input norm and residual add inside; both attention modes."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(num_hidden_layers=3)
     plain = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32), 0)
@@ -2212,16 +2212,18 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     monkeypatch.setattr(kernels.launch, "head_gemv",
                         lambda *a, **k: heads.append(a[0].shape) or kernels.head_gemv(*a, **k))
     prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=4))
+    one, one_pos = step[:1, :1], torch.tensor([[15]], device=device)    # row 0's next token alone
+    L = args.num_hidden_layers
     for mode in ("extend", "decode"):
         assert_close(fast(prefill, prefill_pos, mode).logits, plain(prefill, prefill_pos, mode).logits, 1e-4,
                      f"norm_gemv {others} prefill, {mode}")
         assert not calls and not heads, "the prefill's 36 rows must take the plain path"
-        assert_close(fast(step, step_pos, mode).logits, plain(step, step_pos, mode).logits, 1e-4,
-                     f"norm_gemv {others} step, {mode}")
-        per_layer = 3 if "fused_proj" in others else 2
-        assert len(calls) == per_layer * args.num_hidden_layers, f"{len(calls)} norm_gemv launches, not {per_layer}"
-        assert len(heads) == (2 * args.num_hidden_layers if mode == "decode" else 0), f"{len(heads)} head_gemv"
-        calls.clear(), heads.clear()
+        for tokens, pos, gemvs, head in ((step, step_pos, 1, 0), (one, one_pos, 1 + ("fused_proj" in others), 2)):
+            what = f"norm_gemv {others} {tokens.numel()}-row step, {mode}"
+            assert_close(fast(tokens, pos, mode).logits, plain(tokens, pos, mode).logits, 1e-4, what)
+            assert len(calls) == gemvs * L, f"{what}: {len(calls)} norm_gemv launches, not {gemvs} a layer"
+            assert len(heads) == (head * L if mode == "decode" else 0), f"{what}: {len(heads)} head_gemv launches"
+            calls.clear(), heads.clear()
 
 
 def kernel_models(device, dtype, B=3, max_seq_len=64, layers=8):
@@ -2283,8 +2285,6 @@ SWAPS = {  # name: (the plain module's maker(args, device), swap classes, inputs
     "add_rmsnorm": (lambda a, d: model.RMSNorm(a.hidden_size, 1e-6, d), (kernels.AddRMSNorm,)),
     "silu_mul": (lambda a, d: model.MLP(a.hidden_size, 96, TP(), "x", device=d), (kernels.SiluMulKernel,)),
     "fused_proj (MLP)": (lambda a, d: model.MLP(a.hidden_size, 96, TP(), "x", device=d), (kernels.StackedGateUp,)),
-    "norm_gemv (o_proj)": (lambda a, d: tp.RowParallelLinear(80, a.hidden_size, TP(), "x", device=d),
-                           (kernels.GemvRowParallelLinear,)),
     "attention": (None, (kernels.DecodeAttentionKernel,)),
     "rope_cache": (None, (kernels.RopeCacheKernel,)),
     "norm_gemv (MLA)": (None, (kernels.NormGemvMLA,)),
