@@ -819,6 +819,10 @@ def mla_decode_attention(q_lat, q_pe, kv_cache, pe_cache, positions, softmax_sca
 # "uniform") the choice is fixed instead: pair j = n*K + i of the N*K token-expert pairs goes to
 # expert j mod E, weighed by that expert's unbiased score, normalized and scaled as usual; the
 # logits are computed as always (their cost stays), only the top-k rounds are skipped.
+# Measured (H200, graphs, weights past the L2, 2026-12-01, benchmarks/h200_issue25_small_ab.json),
+# us at 1 / 4 tokens against the two kernels before (logits, then a select program a token): 128
+# experts 7.4 / 10.8 against 9.2 / 17.0; 384 experts 9.7 / 22.0 against 12.0 / 21.0 (there one
+# program selecting for 4 tokens costs more than the launch it saves). Floors 0.9 and 2.6 us.
 
 ROUTER_GEMV_MAX_TOKENS = 16
 ROUTER_SPLIT_D = 8          # D slices, at most: one step of ROUTER_TILE a program at decode (7 slices of 1024:
@@ -1159,9 +1163,12 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
 # Each program stores its float32 partial sums; the last program of a row block to finish (an
 # atomic counter, reset by that program) adds the slices in slice order, scales and stores. One
 # launch, no float atomics: deterministic, so a graph replay equals the eager call. The products
-# run on the CUDA cores in float32, each of the M rows against the W tile in registers (tl.dot
-# would pad M to 16 rows: 16x the activation in registers, and measured 2-6x slower). Rounding: h
-# is rounded to x's dtype as the plain add is; the normed row is not rounded (the plain path rounds
+# run on the CUDA cores in float32, each of the M rows against the W tile in registers (tl.dot pads
+# M to 16 rows, 16x the activation in registers: with the same split it measured 63 / 11.7 us for
+# q_a + kv_a / q_b at 1 row against 15.9 / 5.9 here). On the H200 at 1 row q_a + kv_a's 30 MB take
+# 13.6 us (2.2 TB/s, 52% of the copy bandwidth); at 4 rows, one reduction a row each, 32 us against
+# cuBLAS's 16: the swaps below use the kernel only where it measured faster. Rounding: h is
+# rounded to x's dtype as the plain add is; the normed row is not rounded (the plain path rounds
 # it to W's dtype), so bf16 results differ from the plain path's by the order of one rounding.
 
 NORM_GEMV_MAX_ROWS = 16     # decode and verify; prefill goes to the plain RMSNorm and cuBLAS
@@ -1694,8 +1701,9 @@ def accelerate(target, names=(), moe="auto"):
     latent norm + cache writes), "router" (SIMULATED uniform routing included), "add_rmsnorm"
     (every residual add with the norm that reads the sum), "silu_mul" (the MLPs' SwiGLU),
     "norm_gemv" (for <= 16 rows q_b_proj with q_a_layernorm inside; for 1 row decode mode's absorbed
-    products and, with "fused_proj", the input add + norm inside q_a + kv_a), "shared_expert" (the shared expert inside the fused MoE launch, where
-    SharedExpertInLaunch.applies; else left off and not listed), "fused_proj" (plain torch:
+    products and, with "fused_proj", the input add + norm inside q_a + kv_a), "shared_expert" (the
+    shared expert inside the fused MoE launch, where SharedExpertInLaunch.applies; else left off and
+    not listed), "fused_proj" (plain torch:
     q_a + kv_a and each unfolded MLP's gate + up as one GEMM, the shared expert's down GEMM
     adding onto the routed output); an iterable, "all" or "none". moe: the routed experts' path
     (pick_moe). The state dict keeps its keys and values. What was done is recorded as
