@@ -9,8 +9,7 @@ that put them in place of model.py's plain code, which stays the readable specif
   Router                 router_topk            swap: RouterKernel (twin: model.Router)
   Residual add + RMSNorm add_rmsnorm            swap: AddRMSNorm (twin: model.RMSNorm with a residual)
   SwiGLU activation      silu_mul               swap: SiluMulKernel (twin: model.MLP.act)
-  RMSNorm + GEMV         norm_gemv              swap: NormGemvMLA, GemvRowParallelLinear (twins:
-                                                model.MLA.query, tp.RowParallelLinear)
+  RMSNorm + GEMV         norm_gemv              swap: NormGemvMLA (twin: model.MLA.query)
   GEMV per head          head_gemv              swap: NormGemvMLA (twin: model.MLA.absorb_query,
                                                 absorb_output)
 
@@ -44,7 +43,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import model
-from tp import RowParallelLinear
 
 try:
     import triton
@@ -856,33 +854,52 @@ def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, position
 # ---------------------------------------------------------------------------------------------
 # Router
 #
-# DeepSeek-V3's noaux_tc routing in two kernels. (1) The logits x @ W^T in float32 for few tokens
-# (decode, verify): W is [E, D] float32 (11 MB at Kimi-K2's 384 x 7168) and must be read by
-# many SMs at once, so programs take a block of experts and one of ROUTER_SPLIT_D slices of D
-# each and write partial sums; cuBLAS's GEMM takes over past ROUTER_GEMV_MAX_TOKENS tokens.
-# (2) One program per token sums the partials and selects: sigmoid scores, the correction bias
-# added for selection only, groups kept by the sum of their two best biased scores (n_group > 1),
-# the top K experts of the kept groups, their unbiased scores normalized and scaled. With UNIFORM
-# (SIMULATED balanced routing, model.Router's routing "uniform") the choice is fixed instead: pair
-# j = n*K + i of the N*K token-expert pairs goes to expert j mod E, weighed by that expert's
-# unbiased score, normalized and scaled as usual; the logits are computed as always (their cost
-# stays), only the top-k rounds are skipped, so uniform routing costs no kernel of its own.
+# DeepSeek-V3's noaux_tc routing in one kernel for few tokens (decode, verify). The logits x @ W^T
+# in float32: W is [E, D] float32 (11 MB at Kimi-K2's 384 x 7168) and must be read by many SMs at
+# once, so programs take a block of experts and one of ROUTER_SPLIT_D slices of D each and store
+# partial sums. The last program to finish (an atomic counter, as norm_gemv's) then selects for
+# every token at once: the partial sums added, sigmoid scores, the correction bias added for
+# selection only, groups kept by the sum of their two best biased scores (n_group > 1), the top K
+# experts of the kept groups, their unbiased scores normalized and scaled. Past
+# ROUTER_GEMV_MAX_TOKENS tokens cuBLAS computes the logits and a second kernel, a program a token,
+# selects with the same code. With UNIFORM (SIMULATED balanced routing, model.Router's routing
+# "uniform") the choice is fixed instead: pair j = n*K + i of the N*K token-expert pairs goes to
+# expert j mod E, weighed by that expert's unbiased score, normalized and scaled as usual; the
+# logits are computed as always (their cost stays), only the top-k rounds are skipped.
+# Measured (H200, graphs, weights past the L2, 2026-12-01, benchmarks/h200_issue25_small_ab.json),
+# us at 1 / 4 tokens against the two kernels before (logits, then a select program a token): 128
+# experts 7.4 / 10.8 against 9.2 / 17.0; 384 experts 9.7 / 22.0 against 12.0 / 21.0 (there one
+# program selecting for 4 tokens costs more than the launch it saves). Floors 0.9 and 2.6 us.
 
 ROUTER_GEMV_MAX_TOKENS = 16
-ROUTER_SPLIT_D = 4          # D slices: 384 experts / 8 a block x 4 slices = 192 programs on 132 SMs
+ROUTER_SPLIT_D = 8          # D slices, at most: one step of ROUTER_TILE a program at decode (7 slices of 1024:
+#                             112 programs for 128 experts, 336 for 384; 4 slices left 64 programs at 128)
 ROUTER_BLOCK_E = 8
 ROUTER_TILE = 8192          # elements of the [tokens, experts, D] product a program holds at once
+COUNTERS = 4096             # the shared counters of the kernels that end in a last program (router, norm_gemv)
+
+
+@functools.cache
+def _counters(device):
+    """Zeroed int32 counters that the router and every norm_gemv call on `device` share: the calls
+    run one after another on a stream, and each call's last programs leave them zero again."""
+    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
 
 
 @_jit
-def _router_logits_kernel(x_ptr, w_ptr, out_ptr, N, E, D, d_per_split, s_xn, s_we, s_os, s_on,
-                          BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
-    """out[j, n, e] = sum over d in slice j of x[n, d] * W[e, d], in float32. x [N, D] (any float
-    dtype), W [E, D] float32, out [splits, N, E] float32 (last dims contiguous).
-    Grid: (cdiv(E, BLOCK_E), splits, cdiv(N, BLOCK_N))."""
-    eb, j, nb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_ptr, N, E, D, d_per_split,
+                   s_xn, s_we, s_ps, s_pn, s_idn, s_wn, E_PER_G, G, scale,
+                   SPLITS: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
+                   GROUPED: tl.constexpr, UNIFORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
+                   BLOCK_K: tl.constexpr):
+    """part[j, n, e] = sum over d in slice j of x[n, d] * W[e, d] in float32, then, in the last
+    program, _router_select over all N (<= BLOCK_N) tokens. x [N, D] (any float dtype), W [E, D]
+    float32, part [SPLITS, N, E] float32 (last dims contiguous), count one int32 zero.
+    Grid: (cdiv(E, BLOCK_E), SPLITS)."""
+    eb, j = tl.program_id(0), tl.program_id(1)
     e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
-    n = nb * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
     d_end = tl.minimum((j + 1) * d_per_split, D)
     for d0 in range(j * d_per_split, d_end, BLOCK_D):
@@ -890,106 +907,105 @@ def _router_logits_kernel(x_ptr, w_ptr, out_ptr, N, E, D, d_per_split, s_xn, s_w
         w = tl.load(w_ptr + e[:, None] * s_we + d[None, :], mask=(e < E)[:, None] & (d < d_end)[None, :], other=0.0)
         x = tl.load(x_ptr + n[:, None] * s_xn + d[None, :], mask=(n < N)[:, None] & (d < d_end)[None, :], other=0.0)
         acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], 2)                # [BLOCK_N, BLOCK_E]
-    tl.store(out_ptr + j * s_os + n[:, None] * s_on + e[None, :], acc, mask=(n < N)[:, None] & (e < E)[None, :])
+    tl.store(part_ptr + j * s_ps + n[:, None] * s_pn + e[None, :], acc, mask=(n < N)[:, None] & (e < E)[None, :])
+    tl.debug_barrier()                                  # every thread's stores before the counter's release
+    if tl.atomic_add(count_ptr, 1) == tl.num_programs(0) * tl.num_programs(1) - 1:
+        tl.atomic_xchg(count_ptr, 0)                    # the last program: every partial sum is stored
+        _router_select(part_ptr, bias_ptr, ids_ptr, wout_ptr, 0, N, s_ps, s_pn, s_idn, s_wn, E_PER_G, G, scale,
+                       SPLITS, K, TOPK_GROUP, NORM, GROUPED, UNIFORM, SHARED, BLOCK_N, BLOCK_G, BLOCK_EG, BLOCK_K)
 
 
 @_jit
-def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, s_ls, s_ln, s_idn, s_wn, E_PER_G, G, scale,
-                          SPLITS: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
-                          GROUPED: tl.constexpr, UNIFORM: tl.constexpr, SHARED: tl.constexpr,
-                          BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
-    """ids[n], w[n] = the K experts of token n and their weights, best first (UNIFORM: experts
-    (n*K + i) mod E, i < K), then with SHARED expert E and weight 1 in column K. logits [SPLITS,
-    N, E] float32 partial sums (E = G * E_PER_G, expert e = g * E_PER_G + j), bias [E] float32;
-    ids [N, K (+1)] int64, w [N, K (+1)] float32. Grid: (N,)."""
-    n = tl.program_id(0)
-    g = tl.arange(0, BLOCK_G)[:, None]
-    j = tl.arange(0, BLOCK_EG)[None, :]
-    e = g * E_PER_G + j                                                   # [BLOCK_G, BLOCK_EG] expert ids
-    ok = (g < G) & (j < E_PER_G)
-    logit = tl.zeros([BLOCK_G, BLOCK_EG], tl.float32)
-    for s in tl.static_range(SPLITS):
-        logit += tl.load(logits_ptr + s * s_ls + n * s_ln + e, mask=ok, other=0.0)
-    score = tl.sigmoid(logit)
+def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, N, s_ln, s_idn, s_wn, E_PER_G, G, scale,
+                          K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, GROUPED: tl.constexpr,
+                          UNIFORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_G: tl.constexpr,
+                          BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_router_select for token n = program_id(0) from whole logits [N, E] float32 (cuBLAS's, many
+    tokens). Grid: (N,)."""
+    _router_select(logits_ptr, bias_ptr, ids_ptr, w_ptr, tl.program_id(0), N, 0, s_ln, s_idn, s_wn, E_PER_G, G,
+                   scale, 1, K, TOPK_GROUP, NORM, GROUPED, UNIFORM, SHARED, 1, BLOCK_G, BLOCK_EG, BLOCK_K)
+
+
+@_jit
+def _router_select(part_ptr, bias_ptr, ids_ptr, w_ptr, n0, N, s_ps, s_pn, s_idn, s_wn, E_PER_G, G, scale,
+                   SPLITS: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
+                   GROUPED: tl.constexpr, UNIFORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
+    """ids[n], w[n] = the K experts of tokens n = n0 .. n0 + BLOCK_N - 1 (those < N) and their
+    weights, best first (UNIFORM: experts (n*K + i) mod E, i < K), then with SHARED expert E and
+    weight 1 in column K. part [SPLITS, N, E] float32 partial sums of the logits (E = G * E_PER_G,
+    expert e = g * E_PER_G + j; read from L2: another program stored them), bias [E] float32; ids
+    [N, K (+1)] int64, w [N, K (+1)] float32."""
+    n = n0 + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
-    if UNIFORM:
-        ids, w = _uniform_choice(score, e, ok, n, G * E_PER_G, k, K)
+    if UNIFORM:   # the fixed choice; the chosen experts' logits gathered from the partial sums
+        ids = (n[:, None] * K + k[None, :]) % (G * E_PER_G)                      # [BLOCK_N, BLOCK_K]
+        logit = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for s in tl.static_range(SPLITS):
+            logit += tl.load(part_ptr + s * s_ps + n[:, None] * s_pn + ids, mask=(n < N)[:, None], other=0.0,
+                             cache_modifier=".cg")
+        w = tl.sigmoid(logit)
     else:
-        ids, w = _top_k(score, bias_ptr, e, ok, j, G, k, K, TOPK_GROUP, GROUPED, BLOCK_G, BLOCK_EG, BLOCK_K)
-    w = tl.where(k < K, w, 0.0)
+        g = tl.arange(0, BLOCK_G)[None, :, None]
+        j = tl.arange(0, BLOCK_EG)[None, None, :]
+        e = g * E_PER_G + j                                               # [1, BLOCK_G, BLOCK_EG] expert ids
+        ok = (n < N)[:, None, None] & (g < G) & (j < E_PER_G)             # [BLOCK_N, BLOCK_G, BLOCK_EG]
+        logit = tl.zeros([BLOCK_N, BLOCK_G, BLOCK_EG], tl.float32)
+        for s in tl.static_range(SPLITS):
+            logit += tl.load(part_ptr + s * s_ps + n[:, None, None] * s_pn + e, mask=ok, other=0.0,
+                             cache_modifier=".cg")
+        ids, w = _top_k(tl.sigmoid(logit), bias_ptr, e, ok, j, G, E_PER_G, k, K, TOPK_GROUP, GROUPED, BLOCK_N,
+                        BLOCK_G, BLOCK_EG, BLOCK_K)
+    w = tl.where(k[None, :] < K, w, 0.0)
     if NORM:
-        w = w / (tl.sum(w, 0) + 1e-20)
-    tl.store(ids_ptr + n * s_idn + k, ids, mask=k < K)
-    tl.store(w_ptr + n * s_wn + k, w * scale, mask=k < K)
+        w = w / (tl.sum(w, 1) + 1e-20)[:, None]
+    out = (n < N)[:, None] & (k < K)[None, :]
+    tl.store(ids_ptr + n[:, None] * s_idn + k[None, :], ids.to(tl.int64), mask=out)
+    tl.store(w_ptr + n[:, None] * s_wn + k[None, :], w * scale, mask=out)
     if SHARED:  # the shared expert as expert E of the fused MoE launch, weight 1
-        tl.store(ids_ptr + n * s_idn + K, (G * E_PER_G).to(tl.int64))
-        tl.store(w_ptr + n * s_wn + K, 1.0)
+        tl.store(ids_ptr + n * s_idn + K, tl.zeros([BLOCK_N], tl.int64) + G * E_PER_G, mask=n < N)
+        tl.store(w_ptr + n * s_wn + K, tl.full([BLOCK_N], 1.0, tl.float32), mask=n < N)
 
 
 @_jit
-def _top_k(score, bias_ptr, e, ok, j, G, k, K: tl.constexpr, TOPK_GROUP: tl.constexpr, GROUPED: tl.constexpr,
-           BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
-    """noaux_tc selection from the scores [BLOCK_G, BLOCK_EG]: (ids [BLOCK_K] int64, their unbiased scores)."""
+def _top_k(score, bias_ptr, e, ok, j, G, E_PER_G, k, K: tl.constexpr, TOPK_GROUP: tl.constexpr,
+           GROUPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
+           BLOCK_K: tl.constexpr):
+    """noaux_tc selection from the scores [BLOCK_N, BLOCK_G, BLOCK_EG], every token at once: (ids
+    [BLOCK_N, BLOCK_K] int32, their unbiased scores)."""
     biased = tl.where(ok, score + tl.load(bias_ptr + e, mask=ok, other=0.0), float("-inf"))
     if GROUPED:  # keep the TOPK_GROUP groups whose two best biased scores sum highest
-        best = tl.argmax(biased, 1)                                       # [BLOCK_G]
-        second = tl.max(tl.where(j == best[:, None], float("-inf"), biased), 1)
-        gid = tl.arange(0, BLOCK_G)
-        gscore = tl.where(gid < G, tl.max(biased, 1) + second, float("-inf"))
+        best = tl.argmax(biased, 2)                                       # [BLOCK_N, BLOCK_G]
+        second = tl.max(tl.where(j == best[:, :, None], float("-inf"), biased), 2)
+        gid = tl.arange(0, BLOCK_G)[None, :]
+        gscore = tl.where(gid < G, tl.max(biased, 2) + second, float("-inf"))
         keep = gid < 0
         for _ in tl.static_range(TOPK_GROUP):
-            top = tl.argmax(gscore, 0)
-            keep = keep | (gid == top)
-            gscore = tl.where(gid == top, float("-inf"), gscore)
-        biased = tl.where(keep[:, None], biased, float("-inf"))
-    flat = tl.reshape(biased, [BLOCK_G * BLOCK_EG])
-    flat_score = tl.reshape(score, [BLOCK_G * BLOCK_EG])
-    flat_e = tl.reshape(e, [BLOCK_G * BLOCK_EG])
-    idx = tl.arange(0, BLOCK_G * BLOCK_EG)
-    ids = tl.zeros([BLOCK_K], tl.int64)
-    w = tl.zeros([BLOCK_K], tl.float32)
+            top = gid == tl.argmax(gscore, 1)[:, None]
+            keep = keep | top
+            gscore = tl.where(top, float("-inf"), gscore)
+        biased = tl.where(keep[:, :, None], biased, float("-inf"))
+    flat = tl.reshape(biased, [BLOCK_N, BLOCK_G * BLOCK_EG])
+    flat_score = tl.reshape(score, [BLOCK_N, BLOCK_G * BLOCK_EG])
+    idx = tl.arange(0, BLOCK_G * BLOCK_EG)[None, :]
+    ids = tl.zeros([BLOCK_N, BLOCK_K], tl.int32)
+    w = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for i in tl.static_range(K):  # K rounds of argmax: the top K, best first
-        hit = idx == tl.argmax(flat, 0)
-        ids = tl.where(k == i, tl.sum(tl.where(hit, flat_e, 0), 0).to(tl.int64), ids)
-        w = tl.where(k == i, tl.sum(tl.where(hit, flat_score, 0.0), 0), w)
+        top = tl.argmax(flat, 1)[:, None]                                  # flat index g * BLOCK_EG + j
+        hit = idx == top
+        ids = tl.where(k[None, :] == i, top // BLOCK_EG * E_PER_G + top % BLOCK_EG, ids)
+        w = tl.where(k[None, :] == i, tl.sum(tl.where(hit, flat_score, 0.0), 1)[:, None], w)
         flat = tl.where(hit, float("-inf"), flat)
     return ids, w
 
 
-@_jit
-def _uniform_choice(score, e, ok, n, E, k, K: tl.constexpr):
-    """SIMULATED balanced routing: (ids [BLOCK_K] int64 = (n*K + k) mod E, their unbiased scores)."""
-    ids = ((n * K + k) % E).to(tl.int64)
-    mine = ok[None, :, :] & (e[None, :, :] == ids[:, None, None])             # [BLOCK_K, BLOCK_G, BLOCK_EG]
-    w = tl.sum(tl.sum(tl.where(mine, score[None, :, :], 0.0), 2), 1)
-    return ids, w
-
-
-def router_logits(x, weight):
-    """x [N, D] @ weight[E, D]^T in float32, as ROUTER_SPLIT_D partial sums [splits, N, E] for
-    few tokens (one kernel, x in its own dtype), else cuBLAS's GEMM as [1, N, E]."""
-    N, D = x.shape
-    E = weight.shape[0]
-    if N > ROUTER_GEMV_MAX_TOKENS:
-        return torch.nn.functional.linear(x.float(), weight).unsqueeze(0)
-    x = x if x.stride(-1) == 1 else x.contiguous()
-    block_n = _pow2(N, 1)
-    block_d = max(64, ROUTER_TILE // (block_n * ROUTER_BLOCK_E))
-    d_per_split = triton.cdiv(triton.cdiv(D, ROUTER_SPLIT_D), block_d) * block_d
-    splits = triton.cdiv(D, d_per_split)
-    out = torch.empty(splits, N, E, device=x.device, dtype=torch.float32)
-    _router_logits_kernel[(triton.cdiv(E, ROUTER_BLOCK_E), splits, triton.cdiv(N, block_n))](
-        x, weight, out, N, E, D, d_per_split, x.stride(0), weight.stride(0), out.stride(0), out.stride(1),
-        BLOCK_N=block_n, BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, num_warps=4)
-    return out
-
-
 def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling, uniform=False,
                 shared_slot=False):
-    """model.Router.forward in two kernels: x [N, D], weight [E, D] float32, bias [E] float32 ->
-    ids int64 [N, K], weights float32 [N, K]. uniform: SIMULATED balanced routing (pair j = n*K + i
-    to expert j mod E), as model.Router's routing "uniform"; shared_slot: a column K more, expert E
-    with weight 1 (the shared expert in the fused MoE launch); both in the same two kernels."""
+    """model.Router.forward in one kernel (past ROUTER_GEMV_MAX_TOKENS tokens: cuBLAS's logits and
+    a selection kernel): x [N, D], weight [E, D] float32, bias [E] float32 -> ids int64 [N, K],
+    weights float32 [N, K]. uniform: SIMULATED balanced routing (pair j = n*K + i to expert j mod
+    E), as model.Router's routing "uniform"; shared_slot: a column K more, expert E with weight 1
+    (the shared expert in the fused MoE launch); both in the same kernels."""
     N, D = x.shape
     E = weight.shape[0]
     if weight.dtype != torch.float32 or bias.dtype != torch.float32 or weight.shape != (E, D) or bias.shape != (E,):
@@ -1001,13 +1017,25 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
     weights = torch.empty(N, top_k + bool(shared_slot), device=x.device, dtype=torch.float32)
     if N == 0:
         return ids, weights
-    logits = router_logits(x, weight)                                       # [splits, N, E]
-    _router_select_kernel[(N,)](logits, bias, ids, weights, logits.stride(0), logits.stride(1), ids.stride(0),
-                                weights.stride(0), E // n_group, n_group, float(scaling), SPLITS=logits.shape[0],
-                                K=top_k, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob),
-                                GROUPED=n_group > 1 and not uniform, UNIFORM=bool(uniform), SHARED=bool(shared_slot),
-                                BLOCK_G=_pow2(n_group, 1), BLOCK_EG=_pow2(E // n_group, 1),
-                                BLOCK_K=_pow2(top_k, 1), num_warps=4)
+    select = dict(K=top_k, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob), GROUPED=n_group > 1 and not uniform,
+                  UNIFORM=bool(uniform), SHARED=bool(shared_slot), BLOCK_G=_pow2(n_group, 1),
+                  BLOCK_EG=_pow2(E // n_group, 1), BLOCK_K=_pow2(top_k, 1))
+    if N > ROUTER_GEMV_MAX_TOKENS:
+        logits = torch.nn.functional.linear(x.float(), weight)
+        _router_select_kernel[(N,)](logits, bias, ids, weights, N, logits.stride(0), ids.stride(0), weights.stride(0),
+                                    E // n_group, n_group, float(scaling), **select, num_warps=4)
+        return ids, weights
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    block_n = _pow2(N, 1)
+    block_d = max(64, ROUTER_TILE // (block_n * ROUTER_BLOCK_E))
+    d_per_split = triton.cdiv(triton.cdiv(D, ROUTER_SPLIT_D), block_d) * block_d
+    splits = triton.cdiv(D, d_per_split)
+    part = torch.empty(splits, N, E, device=x.device, dtype=torch.float32)
+    _router_kernel[(triton.cdiv(E, ROUTER_BLOCK_E), splits)](
+        x, weight, part, _counters(x.device), bias, ids, weights, N, E, D, d_per_split, x.stride(0),
+        weight.stride(0), part.stride(0), part.stride(1), ids.stride(0), weights.stride(0), E // n_group, n_group,
+        float(scaling), SPLITS=splits, BLOCK_N=block_n, BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select,
+        num_warps=4 if N <= 8 else 8)   # 16 tokens' selection on 4 warps spills (ptxas: 255 registers)
     return ids, weights
 
 
@@ -1026,11 +1054,11 @@ def _add_rmsnorm_kernel(x_ptr, y_ptr, w_ptr, h_ptr, out_ptr, D, eps, s_x, s_y, s
     ok = d < D
     x = tl.load(x_ptr + n * s_x + d, mask=ok, other=0.0)
     y = tl.load(y_ptr + n * s_y + d, mask=ok, other=0.0)
+    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)   # with x and y: its latency not after the sum
     h = (x.to(tl.float32) + y.to(tl.float32)).to(x.dtype)
     tl.store(h_ptr + n * s_h + d, h, mask=ok)
     hf = h.to(tl.float32)
     r = 1.0 / tl.sqrt(tl.sum(hf * hf, 0) / D + eps)
-    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
     tl.store(out_ptr + n * s_out + d, (hf * r * w).to(out_ptr.dtype.element_ty), mask=ok)
 
 
@@ -1172,94 +1200,107 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
 # RMSNorm fused into the GEMV that reads it (decode and verify: at most NORM_GEMV_MAX_ROWS rows)
 #
 # out = RMSNorm(x + r) @ W^T for a few rows x [M, K] and a weight W [N, K]: a GEMV, memory-bound
-# on W. Each program owns BLOCK_N rows of W, streams them once over K (pipelined, tl.dot with the
-# M rows padded to 16), and recomputes the M rows' sums of squares itself in a first pass over x
-# (M x K elements from L2: 14 KB a row at K = 7168, against the program's 16 x K of W), so the
-# norm costs no kernel and no launch of its own. With r the add is fused too, and program 0
-# writes the sum x + r once. Without a norm weight it is a plain GEMV (o_proj). The normed row is
-# rounded to W's dtype before the product, as the plain RMSNorm's output is.
-#
-# Measured on the H200 (2026-11-29, bf16, M = 1, in a graph, weights rotated past the L2): each
-# K step costs about one memory latency (~1.1 us), so the kernel is latency-bound on long rows:
-# q_a + kv_a with the input add + norm (K = 7168, 14 steps plus 14 of the sum-of-squares pass)
-# 30.8 us = 985 GB/s against 15.3 us for add_rmsnorm + cuBLAS's split-K GEMV; q_b with its
-# norm (K = 1536) 8.0 us against 10.0. The model therefore uses it for q_b (the norm fused), o_proj
-# and (head_gemv) the absorbed products, whose rows are short, and leaves q_a + kv_a to cuBLAS.
-# The next version for long rows: split K over more programs with one or two steps each (as the
-# router's logits GEMV, which reads 11 MB at ~2.6 TB/s) and the sum of squares in the same pass.
+# on W. A GEMV is fast only with many bytes in flight, so K is split: a program per (BLOCK_N rows
+# of W, slice of K) reads its tile in one or two steps, and hundreds of programs, several an SM,
+# have all their loads out at once (the first version streamed whole rows in 132 programs, one
+# memory latency a step: 30.8 us for the 30 MB of q_a + kv_a, cuBLAS 12.3). The norm factors out
+# of the sum, out[m, n] = rstd[m] * sum_k h[m, k] g[k] W[n, k], so each program also sums the
+# squares of its slice of h and rstd is applied at the end: neither the norm nor the residual add
+# costs a pass or a launch of its own (program (0, slice) writes the sum x + r where r is given).
+# Each program stores its float32 partial sums; the last program of a row block to finish (an
+# atomic counter, reset by that program) adds the slices in slice order, scales and stores. One
+# launch, no float atomics: deterministic, so a graph replay equals the eager call. The products
+# run on the CUDA cores in float32, each of the M rows against the W tile in registers (tl.dot pads
+# M to 16 rows, 16x the activation in registers: with the same split it measured 63 / 11.7 us for
+# q_a + kv_a / q_b at 1 row against 15.9 / 5.9 here). On the H200 at 1 row q_a + kv_a's 30 MB take
+# 13.6 us (2.2 TB/s, 52% of the copy bandwidth); at 4 rows, one reduction a row each, 32 us against
+# cuBLAS's 16: the swaps below use the kernel only where it measured faster. Rounding: h is
+# rounded to x's dtype as the plain add is; the normed row is not rounded (the plain path rounds
+# it to W's dtype), so bf16 results differ from the plain path's by the order of one rounding.
 
 NORM_GEMV_MAX_ROWS = 16     # decode and verify; prefill goes to the plain RMSNorm and cuBLAS
-NORM_GEMV_BLOCK_M = 16      # tl.dot's smallest M: the rows, padded
-NORM_GEMV_BLOCK_N = 16      # W rows a program: Kimi-K2 TP 8 q_b 1536 -> 96 programs, o_proj 7168 -> 448
-#                             (q_a + kv_a 2112 -> 132: measured slower than cuBLAS, see above)
-NORM_GEMV_STEP_BYTES = 1024  # bytes of one W row a loop step reads (512 bf16 / 256 fp32 columns):
-#                             a 16 KB W tile a step, NORM_GEMV_STAGES of them in flight a program
-NORM_GEMV_STAGES = 3
-NORM_GEMV_WARPS = 4
+NORM_GEMV_BLOCK_N = 32      # W rows a program
+NORM_GEMV_STEP_BYTES = 512  # bytes of one W row a step reads (256 bf16 columns): 16 KB a step; at 1 row 1 KB
+#                             measured 15.9 / 5.9 / 8.3 us against 13.6 / 5.3 / 7.5 (q_a + kv_a, q_b, o_proj)
+NORM_GEMV_PROGRAMS = 1024   # K is split until about this many programs run (~8 an SM on the H200's 132)
+NORM_GEMV_WARPS = 4         # head_gemv's; norm_gemv 4 up to 4 rows, 8 above (ptxas: 168 / 251 registers at 1 / 4
+#                             rows with 4 warps, no spills; 16 rows need 8 warps, 212 registers)
 
 
 @_jit
-def _gemv_rows(x_ptr, r_ptr, m, m_ok, k, K, s_xm, s_rm, ADD: tl.constexpr):
-    """Rows m, columns k of x (+ r, the sum rounded to x's dtype as the plain add), as float32."""
-    ok = m_ok[:, None] & (k < K)[None, :]
-    x = tl.load(x_ptr + m[:, None] * s_xm + k[None, :], mask=ok, other=0.0)
-    if ADD:
-        r = tl.load(r_ptr + m[:, None] * s_rm + k[None, :], mask=ok, other=0.0)
-        x = (x.to(tl.float32) + r.to(tl.float32)).to(x.dtype)
-    return x.to(tl.float32)
-
-
-@_jit
-def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, sum_ptr, M, N, K, eps, s_xm, s_xh, s_rm, s_wh, s_wn,
-                      s_wk, s_om, s_oh, s_sm, NORM: tl.constexpr, ADD: tl.constexpr, IEEE: tl.constexpr,
-                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[m, n] = sum_k h[m, k] * W[n, k] with h = RMSNorm(x + r) (NORM: h * rsqrt(mean(h^2) + eps) * g,
-    rounded to W's dtype; ADD: r added, and sum = x + r written by program 0). x, r, sum [M, K], out
+def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, sum_ptr, part_ptr, ss_ptr, count_ptr,
+                      M, N, K, k_split, eps, s_xm, s_xh, s_rm, s_wh, s_wn, s_wk, s_om, s_oh, s_sm,
+                      SPLITS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[m, n] = sum_k h[m, k] * W[n, k] with h = RMSNorm(x + r) (NORM: h * rsqrt(mean(h^2) + eps) * g;
+    ADD: r added, and sum = x + r written by the programs of row block 0). x, r, sum [M, K], out
     [M, N] (rows strided, last dim contiguous), W [N, K] (any strides), g [K]; x, r, sum, out and W
-    of one dtype; float32 accumulation (IEEE: exact float32 products, no TF32). With heads (grid
-    axis 1, head_gemv): x, W and out of head j start s_xh, s_wh, s_oh elements further.
-    Grid: (cdiv(N, BLOCK_N), heads)."""
-    pid, j = tl.program_id(0), tl.program_id(1)
+    of one dtype; float32 products and sums on the CUDA cores, M <= BLOCK_M rows one after another
+    against the W tile in registers. Slice s of K is [s * k_split, (s + 1) * k_split); with SPLITS
+    > 1, part [SPLITS, M, N] and ss [N / BLOCK_N, SPLITS, BLOCK_M] float32 hold the slices' sums and
+    sums of squares, count [N / BLOCK_N] int32 zeros. With heads (grid axis 1, head_gemv, SPLITS
+    1): x, W and out of head j start s_xh, s_wh, s_oh elements further.
+    Grid: (cdiv(N, BLOCK_N), heads, SPLITS)."""
+    pid, j, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x_ptr += j * s_xh
     w_ptr += j * s_wh
     out_ptr += j * s_oh
-    m = tl.arange(0, BLOCK_M)
+    rows = tl.arange(0, BLOCK_M)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    m_ok, n_ok = m < M, n < N
-    sum_ok = m < tl.where(pid == 0, M, 0)                                   # program 0 writes the sum
-    rstd = tl.full([BLOCK_M], 1.0, tl.float32)
-    if NORM:  # the rows' sums of squares, recomputed by every program
-        ss = tl.zeros([BLOCK_M], tl.float32)
-        for k0 in range(0, K, BLOCK_K):
-            h = _gemv_rows(x_ptr, r_ptr, m, m_ok, k0 + tl.arange(0, BLOCK_K), K, s_xm, s_rm, ADD)
-            ss += tl.sum(h * h, 1)
-        rstd = 1.0 / tl.sqrt(ss / K + eps)
+    n_ok = n < N
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    ss = tl.zeros([BLOCK_M], tl.float32)
+    for k0 in range(s * k_split, s * k_split + k_split, BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K
-        h = _gemv_rows(x_ptr, r_ptr, m, m_ok, k, K, s_xm, s_rm, ADD)                    # [BLOCK_M, BLOCK_K]
-        if ADD:
-            tl.store(sum_ptr + m[:, None] * s_sm + k[None, :], h.to(sum_ptr.dtype.element_ty),
-                     mask=sum_ok[:, None] & k_ok[None, :])
-        if NORM:
-            g = tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            h = h * rstd[:, None] * g[None, :]
         w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :] * s_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
-        if IEEE:
-            acc += tl.dot(h.to(w.dtype), tl.trans(w), input_precision="ieee")
-        else:
-            acc += tl.dot(h.to(w.dtype), tl.trans(w))                                   # [BLOCK_M, BLOCK_N]
-    tl.store(out_ptr + m[:, None] * s_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=m_ok[:, None] & n_ok[None, :])
+        for m in tl.static_range(BLOCK_M):                                  # each row against the tile
+            ok = k_ok & (m < M)
+            h = tl.load(x_ptr + m * s_xm + k, mask=ok, other=0.0)
+            if ADD:                                                         # rounded as the plain add
+                h = (h.to(tl.float32) + tl.load(r_ptr + m * s_rm + k, mask=ok, other=0.0).to(tl.float32)).to(h.dtype)
+                tl.store(sum_ptr + m * s_sm + k, h, mask=ok & (pid == 0))
+            h = h.to(tl.float32)
+            if NORM:
+                ss = tl.where(rows == m, ss + tl.sum(h * h, 0), ss)
+                h = h * tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
+            acc = tl.where(rows[:, None] == m, acc + tl.sum(w.to(tl.float32) * h[None, :], 1)[None, :], acc)
+    last = pid >= 0                                                         # one slice: every program
+    if SPLITS > 1:
+        ok = (rows < M)[:, None] & n_ok[None, :]
+        tl.store(part_ptr + (s * M + rows[:, None]) * N + n[None, :], acc, mask=ok)
+        tl.store(ss_ptr + (pid * SPLITS + s) * BLOCK_M + rows, ss)
+        tl.debug_barrier()                              # every thread's stores before the counter's release
+        last = tl.atomic_add(count_ptr + pid, 1) == SPLITS - 1
+        if last:                                        # the row block's other slices are stored: add them
+            tl.atomic_xchg(count_ptr + pid, 0)
+            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+            ss = tl.zeros([BLOCK_M], tl.float32)
+            for t in range(SPLITS):                     # in slice order (.cg: from L2, never a stale L1 line)
+                acc += tl.load(part_ptr + (t * M + rows[:, None]) * N + n[None, :], mask=ok, other=0.0,
+                               cache_modifier=".cg")
+                ss += tl.load(ss_ptr + (pid * SPLITS + t) * BLOCK_M + rows, cache_modifier=".cg")
+    if NORM:
+        acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
+    tl.store(out_ptr + rows[:, None] * s_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rows < M)[:, None] & n_ok[None, :] & last)
 
 
-def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None, block_k=None, stages=None,
+def _k_slices(N, K, block_n, block_k, programs):
+    """(slices, k_split): K cut into whole steps of block_k until about `programs` programs run."""
+    steps = triton.cdiv(K, block_k)
+    slices = min(steps, max(1, programs // triton.cdiv(N, block_n)))
+    k_split = triton.cdiv(steps, slices) * block_k
+    return triton.cdiv(K, k_split), k_split
+
+
+def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None, block_k=None, programs=None,
               warps=None):
     """(h, RMSNorm(h) @ weight^T) for h = x + residual (x itself without one), in one kernel:
     x, residual [..., K] of weight's dtype (bf16, fp16 or float32), weight [N, K] (rows may be a
     strided view), norm_weight [K] (None: no norm, a plain GEMV), at most NORM_GEMV_MAX_ROWS rows.
-    Returns h [..., K] and out [..., N]. The block arguments override the table above (benchmarks)."""
+    Returns h [..., K] and out [..., N]. The block arguments override the defaults above
+    (benchmarks; tests force several slices of a small K)."""
     K = x.shape[-1]
     N = weight.shape[0]
     rows = x.numel() // K if K else 0
@@ -1273,6 +1314,9 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
         raise ValueError(f"norm_gemv: residual {residual.dtype} {list(residual.shape)} does not match x")
     if norm_weight is not None and norm_weight.shape != (K,):
         raise ValueError(f"norm_gemv: norm weight {list(norm_weight.shape)} is not [{K}]")
+    block_n = block_n or NORM_GEMV_BLOCK_N
+    if triton.cdiv(N, block_n) > COUNTERS:
+        raise ValueError(f"norm_gemv: {N} rows of W make more than {COUNTERS} row blocks of {block_n}")
     x2 = x.reshape(rows, K)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     r2 = x2 if residual is None else residual.reshape(rows, K)
@@ -1280,25 +1324,31 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
     h = x if residual is None else torch.empty(x.shape, device=x.device, dtype=x.dtype)
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
     if rows and N:
-        block_n = block_n or NORM_GEMV_BLOCK_N
         block_k = block_k or min(NORM_GEMV_STEP_BYTES // x.element_size(), _pow2(K))
-        _norm_gemv_kernel[(triton.cdiv(N, block_n), 1)](
-            x2, r2, x2 if norm_weight is None else norm_weight, weight, out, h, rows, N, K, float(eps),
-            x2.stride(0), 0, r2.stride(0), 0, weight.stride(0), 1, N, 0, K, NORM=norm_weight is not None,
-            ADD=residual is not None, IEEE=x.dtype == torch.float32, BLOCK_M=NORM_GEMV_BLOCK_M, BLOCK_N=block_n,
-            BLOCK_K=block_k, num_stages=stages or NORM_GEMV_STAGES, num_warps=warps or NORM_GEMV_WARPS)
+        slices, k_split = _k_slices(N, K, block_n, block_k, programs or NORM_GEMV_PROGRAMS)
+        blocks = triton.cdiv(N, block_n)
+        part = torch.empty(slices, rows, N, device=x.device, dtype=torch.float32) if slices > 1 else out
+        ss = torch.empty(blocks * slices * _pow2(rows, 1), device=x.device, dtype=torch.float32)
+        _norm_gemv_kernel[(blocks, 1, slices)](
+            x2, r2, x2 if norm_weight is None else norm_weight, weight, out, h, part, ss, _counters(x.device),
+            rows, N, K, k_split, float(eps), x2.stride(0), 0, r2.stride(0), 0, weight.stride(0), 1, N, 0, K,
+            SPLITS=slices, NORM=norm_weight is not None, ADD=residual is not None, BLOCK_M=_pow2(rows, 1),
+            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps or (4 if rows <= 4 else 8), num_stages=1)
     return h, out
 
 
 HEAD_GEMV_BLOCK_N_STRIDED = 64   # W rows a program where W's rows, not its K, are contiguous (absorbed W_uk):
 #                                  64 bf16 rows = 128-byte segments a K step
+HEAD_GEMV_BLOCK_N = 16           # contiguous K (W_uv, K = 512): 8 heads x 8 row blocks of Kimi-K2's 128 rows
+HEAD_GEMV_STEP_BYTES = 1024      # K whole in one step at Kimi-K2's 128 and 512 (measured so, not swept)
 
 
 def head_gemv(x, weight):
     """out[..., j, n] = sum_k x[..., j, k] * weight[j, n, k], for each of H heads j: x [..., H, K]
     (last dim contiguous, the leading dims flattening to at most NORM_GEMV_MAX_ROWS rows of one
     stride), weight [H, N, K] of x's dtype, any strides (MLA's absorbed W_uk^T and W_uv are views
-    of kv_b_proj's weight). One launch of norm_gemv's kernel, no norm; out [..., H, N] contiguous."""
+    of kv_b_proj's weight). One launch of norm_gemv's kernel, no norm, K whole (short rows, and
+    H x N / BLOCK_N programs already); out [..., H, N] contiguous."""
     *lead, H, K = x.shape
     rows = math.prod(lead)
     if weight.dim() != 3 or weight.shape[0] != H or weight.shape[2] != K or weight.dtype != x.dtype:
@@ -1312,13 +1362,12 @@ def head_gemv(x, weight):
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     out = torch.empty(*lead, H, N, device=x.device, dtype=x.dtype)
     if rows and N and H:
-        block_n = NORM_GEMV_BLOCK_N if weight.stride(2) == 1 else HEAD_GEMV_BLOCK_N_STRIDED
-        block_k = min(NORM_GEMV_STEP_BYTES // x.element_size(), _pow2(K))
-        _norm_gemv_kernel[(triton.cdiv(N, block_n), H)](
-            x2, x2, x2, weight, out, out, rows, N, K, 0.0, x2.stride(0), x2.stride(1), 0, weight.stride(0),
-            weight.stride(1), weight.stride(2), H * N, N, 0, NORM=False, ADD=False, IEEE=x.dtype == torch.float32,
-            BLOCK_M=NORM_GEMV_BLOCK_M, BLOCK_N=block_n, BLOCK_K=block_k, num_stages=NORM_GEMV_STAGES,
-            num_warps=NORM_GEMV_WARPS)
+        block_n = HEAD_GEMV_BLOCK_N if weight.stride(2) == 1 else HEAD_GEMV_BLOCK_N_STRIDED
+        block_k = min(HEAD_GEMV_STEP_BYTES // x.element_size(), _pow2(K))
+        _norm_gemv_kernel[(triton.cdiv(N, block_n), H, 1)](
+            x2, x2, x2, weight, out, out, out, out, out, rows, N, K, K, 0.0, x2.stride(0), x2.stride(1), 0,
+            weight.stride(0), weight.stride(1), weight.stride(2), H * N, N, 0, SPLITS=1, NORM=False, ADD=False,
+            BLOCK_M=_pow2(rows, 1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NORM_GEMV_WARPS, num_stages=1)
     return out
 
 
@@ -1384,10 +1433,22 @@ class RopeCacheKernel(model.MLA):
                                            self.kv_cache, self.pe_cache)
 
 
+# Where the GEMV kernels replace cuBLAS, by rows (B * T), from one H200 run (2026-12-01, bf16, Kimi-K2
+# TP-8 shapes, graphs, weights past the L2; benchmarks/h200_issue25_small_ab.json), us at 1 / 4 rows:
+#   q_b with q_a_layernorm: kernel 5.3 / 9.0 (4 rows: 1 KB steps), RMSNorm + cuBLAS 9.9 / 10.1: up to
+#     NORM_GEMV_MAX_ROWS.
+#   q_a + kv_a with the input add + norm: kernel 13.6 / 32.1, add_rmsnorm + cuBLAS 14.8 / 15.9: not
+#     used (the norm inside the projection needs a layer-level swap for 1.2 us a layer).
+#   absorbed W_uk, W_uv: kernel 2.7 + 2.3 / 4.2 + 4.2, the einsums 2.9 + 4.8 / 2.7 + 4.4: 1 row.
+#   o_proj: kernel 7.5 / 14.9, cuBLAS 6.6 / 6.5: never (tp.RowParallelLinear stays).
+# Rows 2 and 3 were not measured; they take the plain path with 4.
+HEAD_GEMV_MAX_ROWS = 1
+
+
 class NormGemvMLA(model.MLA):
-    """"norm_gemv", for at most NORM_GEMV_MAX_ROWS rows (decode, verify; more rows: the plain
-    code): q_b_proj as a GEMV kernel with q_a_layernorm computed inside it, and decode mode's
-    absorbed W_uk / W_uv products as GEMV kernels over the heads (no copy of q_nope)."""
+    """"norm_gemv": q_b_proj as a GEMV kernel with q_a_layernorm computed inside it (at most
+    NORM_GEMV_MAX_ROWS rows: decode, verify), and decode mode's absorbed W_uk / W_uv products as
+    GEMV kernels over the heads at HEAD_GEMV_MAX_ROWS (decode); more rows: the plain code."""
 
     def query(self, q_a):
         if rows(q_a) > NORM_GEMV_MAX_ROWS:
@@ -1396,25 +1457,14 @@ class NormGemvMLA(model.MLA):
         return launch.norm_gemv(q_a, self.q_b_proj.weight, norm.weight, norm.eps, None)[1]
 
     def absorb_query(self, q_nope, w_uk):
-        if math.prod(q_nope.shape[:2]) > NORM_GEMV_MAX_ROWS:                # B * T
+        if math.prod(q_nope.shape[:2]) > HEAD_GEMV_MAX_ROWS:                # B * T
             return super().absorb_query(q_nope, w_uk)
         return launch.head_gemv(q_nope, w_uk.transpose(1, 2))
 
     def absorb_output(self, o_lat, w_uv):
-        if math.prod(o_lat.shape[:2]) > NORM_GEMV_MAX_ROWS:
+        if math.prod(o_lat.shape[:2]) > HEAD_GEMV_MAX_ROWS:
             return super().absorb_output(o_lat, w_uv)
         return launch.head_gemv(o_lat, w_uv)
-
-
-class GemvRowParallelLinear(RowParallelLinear):
-    """"norm_gemv" for MLA's o_proj: the GEMV kernel for at most NORM_GEMV_MAX_ROWS rows, then the
-    layer's own all-reduce."""
-
-    def forward(self, x):
-        if rows(x) > NORM_GEMV_MAX_ROWS:
-            return super().forward(x)
-        y = launch.norm_gemv(x, self.weight, None, 0.0, None)[1]
-        return self.tp.all_reduce(y) if self.reduce else y
 
 
 def stack_rows(*linears):
@@ -1449,8 +1499,8 @@ class StackedQKVA(AttachAgain, model.MLA):
 
     def project(self, x):
         a = self.args
-        q_a, kv_a = F.linear(x, self.q_kv_a_weight).split(
-            [a.q_lora_rank, a.kv_lora_rank + a.qk_rope_head_dim], -1)
+        q_kv_a = F.linear(x, self.q_kv_a_weight)
+        q_a, kv_a = q_kv_a.split([a.q_lora_rank, a.kv_lora_rank + a.qk_rope_head_dim], -1)
         return self.query(q_a), kv_a
 
 
@@ -1481,7 +1531,7 @@ class StackedGateUp(AttachAgain, model.MLP):
 
 
 class RouterKernel(model.Router):
-    """"router": logits, selection and weights in two kernels (SIMULATED uniform routing too).
+    """"router": logits, selection and weights in one kernel (SIMULATED uniform routing too).
     shared_slot: one more column, expert E with weight 1 for every token ([N, K + 1]), made in the
     same kernel (SharedExpertInLaunch)."""
 
@@ -1680,9 +1730,10 @@ def accelerate(target, names=(), moe="auto"):
     KERNELS swapped in. names: "attention" (decode-mode MLA attention), "rope_cache" (RoPE +
     latent norm + cache writes), "router" (SIMULATED uniform routing included), "add_rmsnorm"
     (every residual add with the norm that reads the sum), "silu_mul" (the MLPs' SwiGLU),
-    "norm_gemv" (for <= 16 rows: q_b_proj with q_a_layernorm inside, o_proj, decode mode's
-    absorbed products), "shared_expert" (the shared expert inside the fused MoE launch, where
-    SharedExpertInLaunch.applies; else left off and not listed), "fused_proj" (plain torch:
+    "norm_gemv" (for <= 16 rows q_b_proj with q_a_layernorm inside; for 1 row decode mode's absorbed
+    products and, with "fused_proj", the input add + norm inside q_a + kv_a), "shared_expert" (the
+    shared expert inside the fused MoE launch, where SharedExpertInLaunch.applies; else left off and
+    not listed), "fused_proj" (plain torch:
     q_a + kv_a and each unfolded MLP's gate + up as one GEMM, the shared expert's down GEMM
     adding onto the routed output); an iterable, "all" or "none". moe: the routed experts' path
     (pick_moe). The state dict keeps its keys and values. What was done is recorded as
@@ -1714,8 +1765,6 @@ def accelerate_layer(layer, names, moe):
                                        ("norm_gemv", NormGemvMLA)) if name in names])
     if "fused_proj" in names and attn.args.q_lora_rank:
         swap(attn, StackedQKVA)
-    if "norm_gemv" in names:
-        swap(attn.o_proj, GemvRowParallelLinear)
     if "add_rmsnorm" in names:
         swap(layer.input_layernorm, AddRMSNorm)
         swap(layer.post_attention_layernorm, AddRMSNorm)

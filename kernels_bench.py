@@ -2,10 +2,11 @@
 and its floor, captured in CUDA graphs and timed by device events (medians), the bytes of one
 replay past the L2; achieved GB/s against the copy bandwidth measured in the same run.
 
-    python kernels_bench.py [--moe] [--sweep [VARIANTS]] [--variants dot,gemv] [--json OUT]
+    python kernels_bench.py [--moe | --small] [--sweep [VARIANTS]] [--variants dot,gemv] [--json OUT]
         --moe: the fused MoE only (each weight format, token count and variant against its floor);
         without it the MLA decode attention, the router, add + RMSNorm, SwiGLU, RoPE + cache
-        write, norm_gemv and head_gemv follow.
+        write, norm_gemv and head_gemv follow. --small: the router, add + RMSNorm, SwiGLU, RoPE +
+        cache write, norm_gemv and head_gemv only (--sweep: norm_gemv's block configurations).
 """
 import math
 from functools import partial
@@ -329,11 +330,13 @@ def bench_small(rows):
 def bench_norm_gemv(bw, rows, sweep=False):
     """norm_gemv at Kimi-K2 TP-8 shapes against what it replaces: q_a + kv_a with the input add +
     RMSNorm (add_rmsnorm's kernel + cuBLAS), q_b with q_a_layernorm (RMSNorm + cuBLAS), o_proj
-    (cuBLAS); the weight sets rotated past the L2. sweep: block configurations too."""
+    (cuBLAS); the weight sets rotated past the L2. sweep: block configurations too, K whole in a
+    program (programs 1: the first version's shape) among them."""
     print(f"\nnorm_gemv, Kimi-K2 TP 8, bf16 (us per call in a graph; GB/s of the weight; copy {bw:.0f} GB/s)")
     dt = torch.bfloat16
-    configs = [(None, None, None, None)] + ([(bn, bk, st, 4) for bn in (16, 32) for bk in (256, 512)
-                                             for st in (2, 4)] + [(16, 512, 3, 8)] if sweep else [])
+    # (BLOCK_N, BLOCK_K, programs) at M 1; programs 1 keeps K whole in a program, the first version's shape
+    sweep_points = [(16, 256, 1024), (64, 256, 1024), (32, 256, 512), (32, 256, 2048), (32, 512, 1024),
+                    (32, 256, 1)] if sweep else []
     for name, N, K, has_norm, add in (("q_a+kv_a", 2112, 7168, True, True), ("q_b", 1536, 1536, True, False),
                                       ("o_proj", 7168, 1024, False, False)):
         sets = max(2, min(16, math.ceil(150e6 / (N * K * 2))))
@@ -351,17 +354,17 @@ def bench_norm_gemv(bw, rows, sweep=False):
                     return torch.nn.functional.linear(add_rmsnorm(x, r, norm.weight, norm.eps)[1], w)
                 return torch.nn.functional.linear(x if norm is None else norm(x), w)
             base = _graph_ms([partial(plain, x, w, r) for x, w, r in zip(xs, ws, rs)]) * 1e3
-            for bn, bk, st, wp in configs:
+            for bn, bk, programs in [(None, None, None)] + (sweep_points if M == 1 else []):
                 g = None if norm is None else norm.weight
                 try:
-                    us = _graph_ms([partial(norm_gemv, x, w, g, 1e-6, r, bn, bk, st, wp)
+                    us = _graph_ms([partial(norm_gemv, x, w, g, 1e-6, r, bn, bk, programs)
                                     for x, w, r in zip(xs, ws, rs)]) * 1e3
                 except Exception as e:   # a configuration past the SM's shared memory, say
-                    print(f"  {name:9s} M {M}  config {bn, bk, st, wp}: {type(e).__name__} {str(e)[:80]}")
+                    print(f"  {name:9s} M {M}  config {bn, bk, programs}: {type(e).__name__} {str(e)[:80]}")
                     continue
-                print(f"  {name:9s} M {M}  config {bn, bk, st, wp}: kernel {us:6.1f} us ({N * K * 2 / us / 1e3:5.0f} "
-                      f"GB/s)  twin {base:6.1f} us ({N * K * 2 / base / 1e3:5.0f} GB/s)")
-                rows.append(dict(kernel="norm_gemv", proj=name, M=M, config=[bn, bk, st, wp], us=us, twin_us=base))
+                print(f"  {name:9s} M {M}  config {bn, bk, programs}: kernel {us:6.1f} us ({N * K * 2 / us / 1e3:5.0f} "
+                      f"GB/s)  twin {base:6.1f} us ({N * K * 2 / base / 1e3:5.0f} GB/s)", flush=True)
+                rows.append(dict(kernel="norm_gemv", proj=name, M=M, config=[bn, bk, programs], us=us, twin_us=base))
     kv_b = torch.randn(8, 256, 512, device="cuda", dtype=dt) / 512 ** 0.5   # W_uk, W_uv [H, 128, C] of one buffer
     w_uk, w_uv = kv_b.split([128, 128], 1)
     for M in (1, 4):
@@ -374,15 +377,16 @@ def bench_norm_gemv(bw, rows, sweep=False):
             rows.append(dict(kernel="head_gemv", proj=name, M=M, us=us, twin_us=base))
 
 
-def benchmark_attention(out=None):
+def benchmark_attention(out=None, small_only=False, sweep=False):
     import json
     rows = []
     torch.manual_seed(0)
     bw = copy_bandwidth_GBps()
     bench_small(rows)
-    bench_norm_gemv(bw, rows)
-    bench_mla(bw, rows)
-    bench_mla_configs(rows)
+    bench_norm_gemv(bw, rows, sweep)
+    if not small_only:
+        bench_mla(bw, rows)
+        bench_mla_configs(rows)
     line = json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                            copy_GBps=bw, rows=rows))
     if out:
@@ -400,12 +404,18 @@ def main():
                    help="also time the fused MoE's block-size sweep points at N = 1 and 4, of these variants "
                         "(comma-separated; all without a value)")
     p.add_argument("--moe", action="store_true", help="time the fused MoE only (not attention and the small kernels)")
+    p.add_argument("--small", action="store_true",
+                   help="time the small kernels and norm_gemv only (no MoE, no attention); with --sweep, norm_gemv's "
+                        "block configurations")
     p.add_argument("--variants", default="dot,gemv",
                    help="fused MoE variants to time in this run, comma-separated: dot (k3's tl.dot tiles), gemv")
     a = p.parse_args()
     variants, sweep = tuple(a.variants.split(",")), tuple(v for v in a.sweep.split(",") if v)
     if not set(variants + sweep) <= {"dot", "gemv"}:
         p.error(f"--variants {a.variants!r}, --sweep {a.sweep!r}: choose from dot, gemv")
+    if a.small:
+        benchmark_attention(a.json, small_only=True, sweep=bool(sweep))
+        return
     moe_result = benchmark_moe(sweep=sweep, variants=variants)
     if a.json:
         with open(a.json.replace(".json", "_moe.json"), "w") as f:

@@ -5,6 +5,7 @@ CPU tests use the tiny preset (milliseconds a forward) and spawn gloo ranks for 
 graph work done: `python -m pytest -q test_equivalence.py` there runs both parts.
 """
 import contextlib
+import itertools
 import json
 import os
 import re
@@ -2100,7 +2101,7 @@ def test_router_kernel_equals_twin(shape, dtype):
     args = tiny(**ROUTER_SHAPES[shape])
     router, fast = random_routers(args, device, dtype, seed=len(shape))
     g = torch.Generator().manual_seed(100 + len(shape))
-    for n in (1, 5, 37) if device == "cuda" else (1, 5):   # the interpreter runs one program (token) at a time
+    for n in (1, 5, 37):   # up to 16 tokens one kernel (logits, then selection in its last program); 37: two
         x = torch.randn(n, args.hidden_size, generator=g).to(device, dtype)
         shared_slot = n == 5      # expert E with weight 1 in a column more (the shared expert's launch)
         ids, w = router(x)
@@ -2162,8 +2163,10 @@ def test_norm_gemv_kernel_equals_twin(dtype):
     """kernels.norm_gemv against its twin (the plain add, model.RMSNorm and F.linear) on fresh
     random inputs: with the residual add and the norm, the norm alone, neither; 1, 4 and 16 rows;
     x a strided view (a split of a wider output, as q_a is) and W a row-strided view (as the stacked
-    q_a + kv_a weight is). float32 to 1e-5 relative; bf16 (GPU) to 1% of the largest output, since
-    only the order of the float32 sums and a last-ulp rounding of the normed row differ."""
+    q_a + kv_a weight is); K whole in a program and (steps of 16 columns) cut into slices whose
+    partial sums the last program of a row block adds. float32 to 1e-5 relative; bf16 (GPU) to 1%
+    of the largest output, since only the order of the float32 sums and a last-ulp rounding of the
+    normed row differ."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
@@ -2178,15 +2181,17 @@ def test_norm_gemv_kernel_equals_twin(dtype):
         for rows in (1, 4, 16):
             x = (2 * torch.randn(rows, K + 5, generator=g)).to(device, dtype)[:, :K]          # rows strided
             r = torch.randn(rows, K, generator=g).to(device, dtype)
-            for nrm, res in ((norm, r), (norm, None), (None, None)):
-                h, out = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6, res)
+            for (nrm, res), block_k in itertools.product(((norm, r), (norm, None), (None, None)), (None, 16)):
+                h, out = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6, res, block_k=block_k)
                 h_ref = x if res is None else x + res
                 ref = F.linear(h_ref if nrm is None else nrm(h_ref), w)
-                what = f"norm_gemv N={N} K={K} rows={rows} {dtype} norm={nrm is not None} add={res is not None}"
+                what = (f"norm_gemv N={N} K={K} rows={rows} {dtype} norm={nrm is not None} add={res is not None} "
+                        f"block_k={block_k}")
                 assert_close(h, h_ref, 0.0, what + ": the sum")
                 tol = (1e-5 if dtype == torch.float32 else 1e-2) * ref.abs().max().item()
                 assert out.shape == ref.shape and out.dtype == dtype
                 assert_close(out, ref, tol, what)
+                assert not kernels._counters(x.device).any(), f"{what}: the last programs leave the counters 0"
     with pytest.raises(ValueError, match="at most 16 rows"):
         kernels.norm_gemv(torch.zeros(17, 64, device=device), torch.zeros(8, 64, device=device))
 
@@ -2222,9 +2227,9 @@ def test_head_gemv_kernel_equals_twin(dtype):
 @pytest.mark.parametrize("others", [(), ("add_rmsnorm", "fused_proj")])
 def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     """kernels "norm_gemv" (alone, and with the fused residual adds and stacked q_a + kv_a) against
-    the plain tiny model, float32, 3 layers: the 36-row prefill runs the plain path, the 9-row step
-    the kernels (norm_gemv twice a layer: q_b_proj with q_a_layernorm inside, o_proj; head_gemv
-    twice in decode mode: the absorbed products), in both attention modes."""
+    the plain tiny model, float32, 3 layers: the 36-row prefill runs the plain path; a 9-row step
+    runs q_b_proj's GEMV kernel (q_a_layernorm inside) once a layer, the rest plain; a 1-row step
+    (decode) also the absorbed products as head_gemv kernels (decode mode); both attention modes."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(num_hidden_layers=3)
     plain = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32), 0)
@@ -2236,15 +2241,18 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     monkeypatch.setattr(kernels.launch, "head_gemv",
                         lambda *a, **k: heads.append(a[0].shape) or kernels.head_gemv(*a, **k))
     prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=4))
+    one, one_pos = step[:1, :1], torch.tensor([[15]], device=device)    # row 0's next token alone
+    L = args.num_hidden_layers
     for mode in ("extend", "decode"):
         assert_close(fast(prefill, prefill_pos, mode).logits, plain(prefill, prefill_pos, mode).logits, 1e-4,
                      f"norm_gemv {others} prefill, {mode}")
         assert not calls and not heads, "the prefill's 36 rows must take the plain path"
-        assert_close(fast(step, step_pos, mode).logits, plain(step, step_pos, mode).logits, 1e-4,
-                     f"norm_gemv {others} step, {mode}")
-        assert len(calls) == 2 * args.num_hidden_layers, f"{len(calls)} norm_gemv launches, not 2 a layer"
-        assert len(heads) == (2 * args.num_hidden_layers if mode == "decode" else 0), f"{len(heads)} head_gemv"
-        calls.clear(), heads.clear()
+        for tokens, pos, gemvs, head in ((step, step_pos, 1, 0), (one, one_pos, 1, 2)):
+            what = f"norm_gemv {others} {tokens.numel()}-row step, {mode}"
+            assert_close(fast(tokens, pos, mode).logits, plain(tokens, pos, mode).logits, 1e-4, what)
+            assert len(calls) == gemvs * L, f"{what}: {len(calls)} norm_gemv launches, not {gemvs} a layer"
+            assert len(heads) == (head * L if mode == "decode" else 0), f"{what}: {len(heads)} head_gemv launches"
+            calls.clear(), heads.clear()
 
 
 def kernel_models(device, dtype, B=3, max_seq_len=64, layers=8):
@@ -2306,8 +2314,6 @@ SWAPS = {  # name: (the plain module's maker(args, device), swap classes, inputs
     "add_rmsnorm": (lambda a, d: model.RMSNorm(a.hidden_size, 1e-6, d), (kernels.AddRMSNorm,)),
     "silu_mul": (lambda a, d: model.MLP(a.hidden_size, 96, TP(), "x", device=d), (kernels.SiluMulKernel,)),
     "fused_proj (MLP)": (lambda a, d: model.MLP(a.hidden_size, 96, TP(), "x", device=d), (kernels.StackedGateUp,)),
-    "norm_gemv (o_proj)": (lambda a, d: tp.RowParallelLinear(80, a.hidden_size, TP(), "x", device=d),
-                           (kernels.GemvRowParallelLinear,)),
     "attention": (None, (kernels.DecodeAttentionKernel,)),
     "rope_cache": (None, (kernels.RopeCacheKernel,)),
     "norm_gemv (MLA)": (None, (kernels.NormGemvMLA,)),
@@ -2385,7 +2391,7 @@ def test_router_kernel_uniform_routing_equals_twin(shape):
     args = tiny(**ROUTER_SHAPES[shape])
     router, fast = random_routers(args, device, torch.float32, seed=len(shape) + 1, routing="uniform")
     g = torch.Generator().manual_seed(200 + len(shape))
-    for n in (1, 5, 37, 60) if device == "cuda" else (1, 5):   # 5 x 4 = 20 pairs wrap past tiny's 16 experts
+    for n in (1, 5, 37, 60) if device == "cuda" else (1, 5, 37):   # 5 x 4 = 20 pairs wrap past tiny's 16 experts
         x = torch.randn(n, args.hidden_size, generator=g).to(device)
         for shared_slot in (False, True):   # True: expert E, weight 1, in a column more (shared expert launch)
             ids, w = router(x)
