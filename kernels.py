@@ -419,26 +419,26 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None):
 # INT4 without unpacking to natural order: nibble j of word w is element 8w + j, so the activation
 # comes as 8 planes (plane j = elements 8w + j, contiguous in w: x is permuted once per call, h is
 # written that way by gate_up) and each plane meets nibble j of the same words. A nibble becomes a
-# float by the exponent trick: (word & (15 << 4j)) | 0x4B000000 is the float 2^23 + nib * 16^j, and
-# one FMA (times 16^-j, minus 2^23 * 16^-j + 8) gives nib - 8 exactly; the words' top three nibbles
-# use the word shifted right by 20. The group scale multiplies each word's 8 products once.
+# float by the exponent trick (_nibble), and the group scale multiplies each word's 8 products once.
+# The INT4 kernels are their own (see above _nibble): whole 16-byte words a thread, unmasked where
+# the shapes divide, the next step's words in flight, down's K experts in one tile.
 
 # Block sizes by format and token count: (small, large) up to / above GEMV_SMALL_TOKENS, each
-# dict(gate_up=(BLOCK_N, BLOCK_K, UNROLL, num_warps, SUB), down=(BLOCK_N, BLOCK_K, num_warps, SUB)).
-# BLOCK_K counts elements (INT4: BLOCK_K / 8 words); a program's tile has BLOCK_N * SUB rows of
+# dict(gate_up=(BLOCK_N, BLOCK_K, UNROLL, num_warps, SUB), down=(BLOCK_N, BLOCK_K, num_warps, SUB));
+# INT4: dict(gate_up=(BLOCK_N, BLOCK_W words a step, num_warps), down=(BLOCK_N, BLOCK_C words a step
+# over the K experts side by side, num_warps)). A program's tile has BLOCK_N * SUB rows of
 # BLOCK_K: SUB > 1 (FP8 only) lays SUB consecutive 128-column scale blocks of a weight row out as
 # rows of their own, so a step is one scale per tile row and still 32 threads a weight row (at
 # decode only 2048 gate/up rows exist: 8 threads a row, as a one-block step gives, made 512 warps
 # for 132 SMs, issue-bound at 1 TB/s on the H200). From `python kernels_bench.py --moe --sweep gemv` on an
 # H200 (2026-11-29, BENCHMARKS.md, k4): bf16 gate_up 8 rows at decode (30.1 against 33.2 us with 4),
 # 4 rows of 256 from 4 tokens (99.1 against 114.3 us); FP8 down 16 rows (23.5 against 27.9 us at
-# decode, 69.5 against 79.7 at 4 tokens); INT4 gate_up 2 rows of 2048 (33.8 against 43.7 us at
-# decode, 83.9 against 102.7 at 4 tokens).
+# decode, 69.5 against 79.7 at 4 tokens).
 GEMV_CONFIGS = {
     "plain": (dict(gate_up=(8, 512, 2, 4, 1), down=(16, 256, 4, 1)),
               dict(gate_up=(4, 256, 4, 4, 1), down=(16, 256, 4, 1))),
     "fp8": (dict(gate_up=(4, 128, 2, 4, 4), down=(16, 128, 4, 2)),) * 2,
-    "int4": (dict(gate_up=(2, 2048, 1, 4, 1), down=(32, 256, 4, 1)),) * 2}
+    "int4": (dict(gate_up=(2, 128, 1), down=(8, 256, 2)),) * 2}
 GEMV_SMALL_TOKENS = 2   # in tokens, not pairs: a shared expert's extra slot a token moves no boundary
 # The GEMV variant up to this many tokens (the rule of fused_moe's variant=None; in tokens, not pairs,
 # so a shared expert routed as one more slot a token moves no boundary), from the same run at K = 8
@@ -454,80 +454,70 @@ GEMV_MAX_PAIRS = 1024   # the leader test holds all N*K expert ids of a call in 
 
 def _gemv_configs(fmt, N, on_gpu):
     if not on_gpu:  # the CPU interpreter: few, large programs
+        if fmt == "int4":
+            return dict(gate_up=(32, 8, 4), down=(64, 32, 4))
         return dict(gate_up=(32, 64, 1, 4, 1), down=(64, 64, 4, 1))
     return GEMV_CONFIGS[fmt][N > GEMV_SMALL_TOKENS]
 
 
 @_jit
 def _gemv_step(acc, v_ptr, k0, K_IN, w_ptr, s_ptr, n, kb, n_ok, stride_wn, stride_sr, stride_sc, off_r, off_c,
-               FMT: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
-               BLOCK_C: tl.constexpr, SCALE_PER_ROW: tl.constexpr):
-    """acc [R, ACC_K] fp32 += W[n, k] * v[k] elementwise for tile row r: n[r], k = k0 + kb[r] + [0, BLOCK_K)
-    (summed over k by the caller). kb: [R] column offsets (FP8 sub-blocks) or 0.
+               FMT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+               SCALE_PER_ROW: tl.constexpr):
+    """acc [R, BLOCK_K] fp32 += W[n, k] * v[k] elementwise for tile row r: n[r], k = k0 + kb[r] + [0, BLOCK_K)
+    (summed over k by the caller). kb: [R] column offsets (FP8 sub-blocks) or 0. Plain and FP8 (INT4 has
+    kernels of its own below).
 
-    v_ptr: the activation row (plain, FP8: [K_IN] in order; INT4: 8 planes [8, K_IN/8], plane j
-    holding elements 8w + j). w_ptr, s_ptr: one expert's weight and scale (ExpertWeights layouts).
-    ACC_K = BLOCK_K (plain, FP8) or BLOCK_K / 8 (INT4: one column per word)."""
-    if FMT == 2:
-        w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        w_ok = w < K_IN // 8
-        ok = n_ok[:, None] & w_ok[None, :]
-        words = tl.load(w_ptr + n[:, None] * stride_wn + w[None, :], mask=ok, other=0)
-        scale = tl.load(s_ptr + n[:, None] * stride_sr + (w * 8 // GROUP)[None, :], mask=ok, other=0.0)
-        high = words >> 20                                   # nibbles 5, 6, 7 at bits 0..11
-        t = tl.zeros(words.shape, tl.float32)
-        for j in tl.static_range(8):                         # (nibble - 8) * v, q exact in fp32
-            # plane j over the whole tile (every row the same addresses): the tile's own layout, no shuffle
-            v = tl.load(v_ptr + j * (K_IN // 8) + (w[None, :] + 0 * n[:, None]), mask=ok, other=0.0).to(tl.float32)
-            if j < 5:
-                f = ((words & (15 << (4 * j))) | 0x4B000000).to(tl.float32, bitcast=True)
-                t += (f * (1.0 / (1 << (4 * j))) - (8388608.0 / (1 << (4 * j)) + 8.0)) * v
-            else:
-                f = ((high & (15 << (4 * (j - 5)))) | 0x4B000000).to(tl.float32, bitcast=True)
-                t += (f * (1.0 / (1 << (4 * (j - 5)))) - (8388608.0 / (1 << (4 * (j - 5))) + 8.0)) * v
-        acc += t * scale.to(tl.float32)
+    v_ptr: the activation row [K_IN]. w_ptr, s_ptr: one expert's weight and scale (ExpertWeights layouts)."""
+    if FMT == 0:                                         # the activation broadcast over the rows
+        k = k0 + tl.arange(0, BLOCK_K)
+        wt = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & (k < K_IN)[None, :],
+                     other=0.0)
+        acc += wt.to(tl.float32) * tl.load(v_ptr + k, mask=k < K_IN, other=0.0).to(tl.float32)[None, :]
     else:
-        if FMT == 0:                                         # the activation broadcast over the rows
-            k = k0 + tl.arange(0, BLOCK_K)
-            wt = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & (k < K_IN)[None, :],
-                         other=0.0)
-            acc += wt.to(tl.float32) * tl.load(v_ptr + k, mask=k < K_IN, other=0.0).to(tl.float32)[None, :]
+        k = k0 + kb[:, None] + tl.arange(0, BLOCK_K)[None, :]              # [R, BLOCK_K]
+        k_ok = k < K_IN
+        ok = n_ok[:, None] & k_ok
+        wt = tl.load(w_ptr + n[:, None] * stride_wn + k, mask=ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + k, mask=k_ok, other=0.0).to(tl.float32)        # per tile row (sub-blocks)
+        if SCALE_PER_ROW:
+            s = tl.load(s_ptr + ((n + off_r) // BLOCK_R) * stride_sr + ((k0 + kb + off_c) // BLOCK_C) * stride_sc,
+                        mask=n_ok & (k0 + kb < K_IN), other=0.0)
+            acc += wt * s[:, None] * v
         else:
-            k = k0 + kb[:, None] + tl.arange(0, BLOCK_K)[None, :]              # [R, BLOCK_K]
-            k_ok = k < K_IN
-            ok = n_ok[:, None] & k_ok
-            wt = tl.load(w_ptr + n[:, None] * stride_wn + k, mask=ok, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + k, mask=k_ok, other=0.0).to(tl.float32)        # per tile row (sub-blocks)
-            if SCALE_PER_ROW:
-                s = tl.load(s_ptr + ((n + off_r) // BLOCK_R) * stride_sr + ((k0 + kb + off_c) // BLOCK_C) * stride_sc,
-                            mask=n_ok & (k0 + kb < K_IN), other=0.0)
-                acc += wt * s[:, None] * v
-            else:
-                acc += wt * tl.load(s_ptr + ((n + off_r) // BLOCK_R)[:, None] * stride_sr
-                                    + ((k + off_c) // BLOCK_C) * stride_sc, mask=ok, other=0.0) * v
+            acc += wt * tl.load(s_ptr + ((n + off_r) // BLOCK_R)[:, None] * stride_sr
+                                + ((k + off_c) // BLOCK_C) * stride_sc, mask=ok, other=0.0) * v
     return acc
+
+
+@_jit
+def _expert_pairs(ids_ptr, p, P, P_PAD: tl.constexpr):
+    """The pairs of pair p's expert: (same [P_PAD] bool, rank [P_PAD]: each one's place among them,
+    leader: p is the first of them)."""
+    q = tl.arange(0, P_PAD)
+    same = tl.load(ids_ptr + q, mask=q < P, other=-1) == tl.load(ids_ptr + p)
+    return same, tl.cumsum(same.to(tl.int32), 0) - 1, tl.min(tl.where(same, q, P_PAD), 0) == p
 
 
 @_jit
 def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, P,
                              stride_we, stride_wn, stride_se, stride_sr, stride_sc, off_r, off_c,
                              TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
-                             GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                              P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-                             ACC_K: tl.constexpr, UNROLL: tl.constexpr, SCALE_PER_ROW: tl.constexpr):
-    """h[p, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) * route_w[p] for pair p = n*K + k, e = ids[p].
+                             UNROLL: tl.constexpr, SCALE_PER_ROW: tl.constexpr):
+    """h[p, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) * route_w[p] for pair p = n*K + k, e = ids[p]
+    (plain and FP8 weights).
 
-    v_ptr: the activations [N, D] (x's dtype) or, INT4, fp32 planes [N, 8, D/8]. h_ptr: fp32 [P, I]
-    out (INT4: row p in plane order, element i at (i % 8) * I/8 + i // 8). ids_ptr: int [P];
-    route_w_ptr: fp32 [P]. g_ptr / u_ptr, gs_ptr / us_ptr: gate and up weights and scales, [E, I, D]
-    as ExpertWeights (same strides). P_PAD: a power of two >= P. Grid: (cdiv(I, BLOCK_N), P); only a
+    v_ptr: the activations [N, D] (x's dtype). h_ptr: fp32 [P, I] out. ids_ptr: int [P]; route_w_ptr:
+    fp32 [P]. g_ptr / u_ptr, gs_ptr / us_ptr: gate and up weights and scales, [E, I, D] as
+    ExpertWeights (same strides). P_PAD: a power of two >= P. Grid: (cdiv(I, BLOCK_N), P); only a
     leader program works."""
     pid_n, p = tl.program_id(0), tl.program_id(1)
-    q = tl.arange(0, P_PAD)
-    same = tl.load(ids_ptr + q, mask=q < P, other=-1) == tl.load(ids_ptr + p)   # pairs of this expert
-    if tl.min(tl.where(same, q, P_PAD), 0) != p:
+    same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
+    if not leader:
         return                                                              # not the expert's first pair
-    rank = tl.cumsum(same.to(tl.int32), 0) - 1
+    q = tl.arange(0, P_PAD)
     e = tl.load(ids_ptr + p).to(tl.int64)
     g_ptr, u_ptr = g_ptr + e * stride_we, u_ptr + e * stride_we
     gs_ptr, us_ptr = gs_ptr + e * stride_se, us_ptr + e * stride_se
@@ -537,34 +527,31 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
     for c in range(tl.sum(same.to(tl.int32), 0)):                          # each pair of the expert
         pair = tl.sum(tl.where(same & (rank == c), q, 0), 0)
         v = v_ptr + (pair // TOPK).to(tl.int64) * D
-        acc_g = tl.zeros([BLOCK_N * SUB, ACC_K], tl.float32)
-        acc_u = tl.zeros([BLOCK_N * SUB, ACC_K], tl.float32)
+        acc_g = tl.zeros([BLOCK_N * SUB, BLOCK_K], tl.float32)
+        acc_u = tl.zeros([BLOCK_N * SUB, BLOCK_K], tl.float32)
         for k0 in range(0, D, BLOCK_K * SUB * UNROLL):
             for s in tl.static_range(UNROLL):                               # independent loads in flight
                 k1 = k0 + s * BLOCK_K * SUB
                 acc_g = _gemv_step(acc_g, v, k1, D, g_ptr, gs_ptr, n, kb, n_ok, stride_wn, stride_sr, stride_sc,
-                                   off_r, off_c, FMT, BLOCK_K, GROUP, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
+                                   off_r, off_c, FMT, BLOCK_K, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
                 acc_u = _gemv_step(acc_u, v, k1, D, u_ptr, us_ptr, n, kb, n_ok, stride_wn, stride_sr, stride_sc,
-                                   off_r, off_c, FMT, BLOCK_K, GROUP, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
+                                   off_r, off_c, FMT, BLOCK_K, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
         g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
         if SUB > 1:                                                         # the sub-blocks of each row
             g, u = tl.sum(tl.reshape(g, [BLOCK_N, SUB]), 1), tl.sum(tl.reshape(u, [BLOCK_N, SUB]), 1)
         h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + pair)
         i = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col = i
-        if FMT == 2:
-            col = (i % 8) * (I // 8) + i // 8
-        tl.store(h_ptr + pair.to(tl.int64) * I + col, h, mask=i < I)
+        tl.store(h_ptr + pair.to(tl.int64) * I + i, h, mask=i < I)
 
 
 @_jit
 def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
                           stride_we, stride_wn, stride_se, stride_sr, stride_sc, off_r, off_c,
                           TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
-                          GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, ACC_K: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
                           SCALE_PER_ROW: tl.constexpr):
-    """out[n, d] = sum_k (down[e] @ h[n*K + k])[d], e = ids[n*K + k] (route weights are in h).
+    """out[n, d] = sum_k (down[e] @ h[n*K + k])[d], e = ids[n*K + k] (route weights are in h; plain and FP8).
 
     h_ptr: fp32 [P, I] from gate_up. out_ptr: [N, D], x's dtype. w_ptr / s_ptr: down weights and
     scales, [E, D, I] as ExpertWeights. Grid: (N, cdiv(D, BLOCK_N))."""
@@ -572,14 +559,14 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
     r = tl.arange(0, BLOCK_N * SUB)
     n, kb = pid_n * BLOCK_N + r // SUB, (r % SUB) * BLOCK_K
     n_ok = n < D
-    acc = tl.zeros([BLOCK_N * SUB, ACC_K], tl.float32)
+    acc = tl.zeros([BLOCK_N * SUB, BLOCK_K], tl.float32)
     for k in tl.static_range(TOPK):                                         # the token's K experts
         pair = token * TOPK + k
         e = tl.load(ids_ptr + pair).to(tl.int64)
         for k0 in tl.static_range(0, I, BLOCK_K * SUB):
             acc = _gemv_step(acc, h_ptr + pair.to(tl.int64) * I, k0, I, w_ptr + e * stride_we, s_ptr + e * stride_se,
                              n, kb, n_ok, stride_wn, stride_sr, stride_sc, off_r, off_c,
-                             FMT, BLOCK_K, GROUP, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
+                             FMT, BLOCK_K, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
     y = tl.sum(acc, 1)
     if SUB > 1:
         y = tl.sum(tl.reshape(y, [BLOCK_N, SUB]), 1)
@@ -587,39 +574,193 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
     tl.store(out_ptr + token.to(tl.int64) * D + d, y.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
+# INT4 GEMV kernels. A weight tile is [rows, words] (word w holds elements 8w..8w+7), each thread a
+# few rows of the same 4 words (16 bytes a load), so the activation loaded for its words serves all
+# of its rows (gate and up too). Where the shapes divide the blocks (EVEN, Kimi-K2's) no load is
+# masked: a masked load zeroes its destination registers first, one move a word. gate_up issues the
+# next step's words before it unpacks this step's (Triton pipelines only loads that feed tl.dot).
+# down lays the token's K experts side by side as columns of one tile, so all of their words are in
+# flight at once instead of one expert after another.
+
+@_jit
+def _nibble(words, high, J: tl.constexpr, magic):
+    """(nibble J of each word) - 8 in fp32, exactly: the nibble ORed into the mantissa of 2^23 is the
+    float 2^23 + nib * 2^b (b its bit position), and one FMA scales and subtracts. A float's mantissa
+    has 23 bits: nibbles 5-7 come from high = words >> 12 (bits 8-19). magic: 0x4B000000, the bits of
+    2^23, passed at run time so that the AND and the OR compile to one instruction (LOP3 takes one
+    immediate: with both constants known, the H200's code had two)."""
+    if J < 5:
+        f = ((words & (15 << (4 * J))) | magic).to(tl.float32, bitcast=True)
+        return f * (1.0 / (1 << (4 * J))) - (8388608.0 / (1 << (4 * J)) + 8.0)
+    else:
+        f = ((high & (15 << (4 * J - 12))) | magic).to(tl.float32, bitcast=True)
+        return f * (1.0 / (1 << (4 * J - 12))) - (8388608.0 / (1 << (4 * J - 12)) + 8.0)
+
+
+@_jit
+def _int4_tile(w_ptr, s_ptr, rows_ok, w, W: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr):
+    """One step of one INT4 matrix: words [R, BW] and their group scales (fp32), read at word columns
+    w [BW] of the rows whose pointers are w_ptr, s_ptr [R, 1]."""
+    g = (w * 8 // GROUP)[None, :]
+    if EVEN:
+        return tl.load(w_ptr + w[None, :]), tl.load(s_ptr + g).to(tl.float32)
+    ok = rows_ok[:, None] & (w < W)[None, :]
+    return tl.load(w_ptr + w[None, :], mask=ok, other=0), tl.load(s_ptr + g, mask=ok, other=0.0).to(tl.float32)
+
+
+@_jit
+def _plane(ptrs, J: tl.constexpr, PLANE: tl.constexpr, ok, EVEN: tl.constexpr):
+    """Activation plane J (elements 8w + J) at words w as [1, BW] fp32; ptrs [BW]: plane 0's words, PLANE
+    words apart. Loaded 2-d, so it comes in the weight tile's own layout (a 1-d load took another and
+    a shuffle through shared memory a plane, seen in the compiled code)."""
+    if EVEN:
+        return tl.load((ptrs + J * PLANE)[None, :])
+    return tl.load((ptrs + J * PLANE)[None, :], mask=ok[None, :], other=0.0)
+
+
+@_jit
+def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, P,
+                                  stride_we, stride_wn, stride_se, stride_sr, magic,
+                                  TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
+                                  P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                                  EVEN: tl.constexpr):
+    """_moe_gemv_gate_up_kernel for INT4 weights: v_ptr the activations as fp32 planes [N, 8, D/8]
+    (plane j = elements 8w + j), h written in plane order (element i of row p at (i % 8) * I/8 + i // 8),
+    the planes down reads. BLOCK_W words (8 BLOCK_W elements) a step. Grid: (cdiv(I, BLOCK_N), P)."""
+    pid_n, p = tl.program_id(0), tl.program_id(1)
+    same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
+    if not leader:
+        return
+    q = tl.arange(0, P_PAD)
+    W: tl.constexpr = D // 8
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    g_rows, u_rows = g_ptr + e * stride_we + n[:, None] * stride_wn, u_ptr + e * stride_we + n[:, None] * stride_wn
+    gs_rows, us_rows = gs_ptr + e * stride_se + n[:, None] * stride_sr, us_ptr + e * stride_se + n[:, None] * stride_sr
+    for c in range(tl.sum(same.to(tl.int32), 0)):                          # each pair of the expert
+        pair = tl.sum(tl.where(same & (rank == c), q, 0), 0)
+        v = v_ptr + (pair // TOPK).to(tl.int64) * D
+        acc_g = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+        w = tl.arange(0, BLOCK_W)
+        gw, gs = _int4_tile(g_rows, gs_rows, n_ok, w, W, GROUP, EVEN)
+        uw, us = _int4_tile(u_rows, us_rows, n_ok, w, W, GROUP, EVEN)
+        for w0 in range(0, W, BLOCK_W):
+            start = w0 + BLOCK_W                                             # the next step's words, issued now
+            if EVEN:
+                start = tl.minimum(start, W - BLOCK_W)                       # (the last step reloads its own)
+            w_next = start + tl.arange(0, BLOCK_W)
+            gw_next, gs_next = _int4_tile(g_rows, gs_rows, n_ok, w_next, W, GROUP, EVEN)
+            uw_next, us_next = _int4_tile(u_rows, us_rows, n_ok, w_next, W, GROUP, EVEN)
+            g_high, u_high = gw >> 12, uw >> 12
+            t_g = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+            t_u = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+            for j in tl.static_range(8):
+                x = _plane(v + w, j, W, w < W, EVEN)
+                t_g += _nibble(gw, g_high, j, magic) * x
+                t_u += _nibble(uw, u_high, j, magic) * x
+            acc_g += t_g * gs
+            acc_u += t_u * us
+            w, gw, gs, uw, us = w_next, gw_next, gs_next, uw_next, us_next
+        g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
+        h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + pair)
+        tl.store(h_ptr + pair.to(tl.int64) * I + (n % 8) * (I // 8) + n // 8, h, mask=n_ok)
+
+
+@_jit
+def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we, stride_wn, stride_se, stride_sr, magic,
+                               TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr):
+    """_moe_gemv_down_kernel for INT4 weights, h in plane order (gate_up's). A tile's columns are the
+    token's K experts' words side by side (column c: expert slot c // (I/8), word c % (I/8)), BLOCK_C
+    columns a step. Grid: (N, cdiv(D, BLOCK_N))."""
+    token, pid_n = tl.program_id(0), tl.program_id(1)
+    W: tl.constexpr = I // 8
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < D
+    acc = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
+    for c0 in tl.static_range(0, TOPK * W, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        pair = token * TOPK + c // W
+        w = c % W
+        if EVEN:
+            e = tl.load(ids_ptr + pair).to(tl.int64)
+            words = tl.load(w_ptr + e[None, :] * stride_we + n[:, None] * stride_wn + w[None, :])
+            s = tl.load(s_ptr + e[None, :] * stride_se + n[:, None] * stride_sr + (w * 8 // GROUP)[None, :])
+        else:
+            c_ok = c < TOPK * W
+            ok = n_ok[:, None] & c_ok[None, :]
+            e = tl.load(ids_ptr + pair, mask=c_ok, other=0).to(tl.int64)
+            words = tl.load(w_ptr + e[None, :] * stride_we + n[:, None] * stride_wn + w[None, :], mask=ok, other=0)
+            s = tl.load(s_ptr + e[None, :] * stride_se + n[:, None] * stride_sr + (w * 8 // GROUP)[None, :],
+                        mask=ok, other=0.0)
+        high = words >> 12
+        h_row = h_ptr + pair.to(tl.int64) * I + w                          # plane j at + j * W
+        t = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
+        for j in tl.static_range(8):
+            t += _nibble(words, high, j, magic) * _plane(h_row, j, W, c < TOPK * W, EVEN)
+        acc += t * s.to(tl.float32)
+    y = tl.sum(acc, 1)
+    tl.store(out_ptr + token.to(tl.int64) * D + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
 def _gemv_args(w, block_k, sub):
-    """_weight_args for the GEMV kernels: strides, row/column offsets, and the constexprs (group,
-    block sizes, per-row scale, SUB: 1 where the scale is not one per row and step)."""
+    """_weight_args for the GEMV kernels: strides, row/column offsets, and the constexprs (block
+    sizes, per-row scale, SUB: 1 where the scale is not one per row and step)."""
     scale, strides, (br, bc, off_r, off_c, group), per_row = _weight_args(w, block_k)
     # one scale per row and step only where every step is whole: the FP8 graph test (128x128 blocks over
     # a 64 x 32 matrix, steps mostly masked) read NaN on the H200 through that path, not through this
     # fallback (one scale an element, tested on the GPU with masked steps); not reproduced on the CPU
     per_row = per_row and w.shape[2] % (block_k * sub) == 0
-    return scale, strides, (off_r, off_c), dict(GROUP=group, BLOCK_R=br, BLOCK_C=bc, SCALE_PER_ROW=per_row,
+    return scale, strides, (off_r, off_c), dict(BLOCK_R=br, BLOCK_C=bc, SCALE_PER_ROW=per_row,
                                                 SUB=sub if per_row else 1)
+
+
+MAGIC = 0x4B000000   # the bits of the float 2^23 (_nibble)
+
+
+def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg):
+    """The GEMV variant for INT4 weights (see _fused_moe_gemv)."""
+    (N, D), P, I, dev = x.shape, ids.numel(), gate.shape[1], x.device
+    K = P // N
+    # the activation as 8 planes, plane j = elements 8w + j: [N, 8, D/8] fp32
+    v = torch.empty(N, 8, D // 8, dtype=torch.float32, device=dev).copy_(x.view(N, D // 8, 8).transpose(1, 2))
+    h = torch.empty(P, I, dtype=torch.float32, device=dev)                  # [P, I], route weight in
+    bn, bw, warps = cfg["gate_up"]
+    s = gate.data.stride(), gate.scale.stride()
+    _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), P)](
+        v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, P, s[0][0], s[0][1], s[1][0], s[1][1], MAGIC,
+        TOPK=K, D=D, I=I, GROUP=gate.group, P_PAD=max(16, triton.next_power_of_2(P)), BLOCK_N=bn, BLOCK_W=bw,
+        EVEN=I % bn == 0 and D % (8 * bw) == 0, num_warps=warps)
+    bn, bc, warps = cfg["down"]
+    out = torch.empty(N, D, dtype=x.dtype, device=dev)
+    s = down.data.stride(), down.scale.stride()
+    _moe_gemv_int4_down_kernel[(N, triton.cdiv(D, bn))](
+        h, out, ids, down.data, down.scale, s[0][0], s[0][1], s[1][0], s[1][1], MAGIC, TOPK=K, D=D, I=I, GROUP=down.group,
+        BLOCK_N=bn, BLOCK_C=bc, EVEN=D % bn == 0 and K * I // 8 % bc == 0, num_warps=warps)
+    return out
 
 
 def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg):
     """The GEMV variant (see its section); arguments as fused_moe's, already checked and flattened."""
+    if fmt == "int4":
+        return _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg)
     (N, D), P, I, dev = x.shape, ids.numel(), gate.shape[1], x.device
     K = P // N
-    if fmt == "int4":   # the activation as 8 planes, plane j = elements 8w + j: [N, 8, D/8] fp32
-        v = torch.empty(N, 8, D // 8, dtype=torch.float32, device=dev).copy_(x.view(N, D // 8, 8).transpose(1, 2))
-    else:
-        v = x
     bn, bk, unroll, warps, sub = cfg["gate_up"]
     h = torch.empty(P, I, dtype=torch.float32, device=dev)                  # [P, I], route weight in
     gs, strides, offs, const = _gemv_args(gate, bk, sub)
     _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), P)](
-        v, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
+        x, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
         TOPK=K, D=D, I=I, FMT=FORMATS[fmt], P_PAD=max(16, triton.next_power_of_2(P)), BLOCK_N=bn, BLOCK_K=bk,
-        ACC_K=bk // 8 if fmt == "int4" else bk, UNROLL=unroll, num_warps=warps, **const)
+        UNROLL=unroll, num_warps=warps, **const)
     bn, bk, warps, sub = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     ds, strides, offs, const = _gemv_args(down, bk, sub)
     _moe_gemv_down_kernel[(N, triton.cdiv(D, bn))](
         h, out, ids, down.data, ds, *strides, *offs, TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn, BLOCK_K=bk,
-        ACC_K=bk // 8 if fmt == "int4" else bk, num_warps=warps, **const)
+        num_warps=warps, **const)
     return out
 
 

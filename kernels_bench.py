@@ -2,7 +2,7 @@
 and its floor, captured in CUDA graphs and timed by device events (medians), the bytes of one
 replay past the L2; achieved GB/s against the copy bandwidth measured in the same run.
 
-    python kernels_bench.py [--moe] [--sweep [VARIANTS]] [--variants dot,gemv] [--json OUT]
+    python kernels_bench.py [--moe] [--sweep [VARIANTS]] [--variants dot,gemv] [--formats F] [--tokens N,..] [--json OUT]
         --moe: the fused MoE only (each weight format, token count and variant against its floor);
         without it the MLA decode attention, the router, add + RMSNorm, SwiGLU, RoPE + cache
         write, norm_gemv and head_gemv follow.
@@ -55,15 +55,14 @@ def _kernel_ms(fn):
     return sum(kernels.values()), kernels
 
 
-# Sweep points (N = 1 and 4 only), each beside the default: k3's tiles ("dot") and the GEMV variant.
+# Sweep points (N = 1, 3 and 4 only), each beside the default: k3's tiles ("dot") and the GEMV variant.
 DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5), (32, 128, 4, 5), (64, 128, 4, 4),
                           (16, 256, 4, 3), (32, 256, 8, 3), (16, 64, 4, 6)],
                  down=[(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (64, 256, 8, 3)])
 GEMV_SWEEP = {"plain": dict(gate_up=[], down=[(32, 256, 4, 1)]),
               "fp8": dict(gate_up=[(8, 128, 2, 4, 4), (2, 128, 2, 2, 4), (4, 128, 1, 4, 4), (4, 128, 2, 8, 8)],
                           down=[(16, 128, 4, 2), (4, 128, 2, 2)]),
-              "int4": dict(gate_up=[(8, 1024, 2, 4, 1), (4, 512, 4, 4, 1), (2, 2048, 1, 4, 1)],
-                           down=[(16, 256, 4, 1), (64, 256, 8, 1), (16, 256, 2, 1)])}
+              "int4": dict(gate_up=[(1, 128, 1), (4, 128, 1)], down=[(4, 256, 2), (8, 256, 4), (16, 256, 4)])}
 
 
 def _sweep_points(fmt, variant):
@@ -73,16 +72,17 @@ def _sweep_points(fmt, variant):
     return [{part: c} for part, cs in DOT_SWEEP.items() for c in cs if ok(c)]
 
 
-def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 2, 4, 8, 32)):
+def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 2, 3, 4, 8, 32),
+                  formats=("plain", "fp8", "int4")):
     """One layer's routed experts per format, token count and variant of fused_moe ("dot": k3's
     tiles through tl.dot, "gemv": the GEMV variant) against its floor (the distinct experts' stored
     bytes over the eager copy bandwidth measured here), timed as a graph of LAYERS calls. sweep: the
-    variants whose sweep points are also timed (at N = 1 and 4)."""
+    variants whose sweep points are also timed (at N = 1, 3 and 4 where timed)."""
     dev, g = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
     bandwidth = copy_bandwidth_GBps()
     print(f"fused MoE, one Kimi-K2 TP-8 rank (D {D}, I {I}, {E} experts, K {K}); copy bandwidth {bandwidth:.0f} GB/s")
     rows = []
-    for fmt in ("plain", "fp8", "int4"):
+    for fmt in formats:
         layers = [[_random_experts(fmt, E, o, i, dev, g) for o, i in ((I, D), (I, D), (D, I))] for _ in range(LAYERS)]
         per_expert = sum(_expert_bytes(w) for w in layers[0])
         for N in tokens:
@@ -93,7 +93,7 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
             for variant in variants:
                 if variant == "gemv" and N * K > GEMV_MAX_PAIRS:
                     continue
-                points = [None] + (_sweep_points(fmt, variant) if variant in sweep and N in (1, 4) else [])
+                points = [None] + (_sweep_points(fmt, variant) if variant in sweep and N in (1, 3, 4) else [])
                 for cfg in points:
                     rows += _time_moe(fmt, N, variant, cfg, layers, (x, ids, route_w), floor_ms, bandwidth, LAYERS)
         del layers
@@ -366,16 +366,21 @@ def main():
     p = argparse.ArgumentParser(description="Each Triton kernel against its plain twin and its floor, on a GPU.")
     p.add_argument("--json", metavar="PATH", help="write the results: PATH with _moe / _attention before .json")
     p.add_argument("--sweep", nargs="?", const="dot,gemv", default="", metavar="VARIANTS",
-                   help="also time the fused MoE's block-size sweep points at N = 1 and 4, of these variants "
+                   help="also time the fused MoE's block-size sweep points at N = 1, 3 and 4, of these variants "
                         "(comma-separated; all without a value)")
     p.add_argument("--moe", action="store_true", help="time the fused MoE only (not attention and the small kernels)")
+    p.add_argument("--formats", default="plain,fp8,int4", help="fused MoE weight formats, comma-separated")
+    p.add_argument("--tokens", default="1,2,3,4,8,32", help="fused MoE token counts, comma-separated")
     p.add_argument("--variants", default="dot,gemv",
                    help="fused MoE variants to time in this run, comma-separated: dot (k3's tl.dot tiles), gemv")
     a = p.parse_args()
     variants, sweep = tuple(a.variants.split(",")), tuple(v for v in a.sweep.split(",") if v)
     if not set(variants + sweep) <= {"dot", "gemv"}:
         p.error(f"--variants {a.variants!r}, --sweep {a.sweep!r}: choose from dot, gemv")
-    moe_result = benchmark_moe(sweep=sweep, variants=variants)
+    formats, tokens = tuple(a.formats.split(",")), tuple(int(n) for n in a.tokens.split(","))
+    if not set(formats) <= {"plain", "fp8", "int4"}:
+        p.error(f"--formats {a.formats!r}: choose from plain, fp8, int4")
+    moe_result = benchmark_moe(sweep=sweep, variants=variants, tokens=tokens, formats=formats)
     if a.json:
         with open(a.json.replace(".json", "_moe.json"), "w") as f:
             json.dump(moe_result, f)

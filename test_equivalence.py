@@ -286,6 +286,23 @@ def test_fused_moe_gemv_fp8_scale_blocks_as_rows():
 
 
 @triton_runs
+def test_fused_moe_gemv_int4_even_and_masked_blocks():
+    """The INT4 GEMV kernels with blocks that divide the shapes (EVEN: no load masked, as at Kimi-K2's)
+    and blocks that do not (masked rows, words and expert columns), both against the gather path."""
+    experts, D = moe_experts("tiny", "int4", 16, TRITON_DEVICE, torch.float32)
+    I, K, g = experts.gate_proj.weight_packed.shape[1], 8, torch.Generator().manual_seed(0)
+    ids, w = routing("random", 2, K, 16, g, TRITON_DEVICE)
+    x = torch.randn(2, D, generator=g).to(TRITON_DEVICE)
+    weights = [kernels.expert_weights(getattr(experts, p)) for p in ("gate_proj", "up_proj", "down_proj")]
+    ref = model.Experts.forward(experts, x, ids, w)
+    for (bn, bw, _), (dn, bc, _), even in (((32, 8, 4), (64, 32, 4), True), ((64, 16, 4), (128, 64, 4), False)):
+        assert even == (I % bn == 0 and D // 8 % bw == 0) == (D % dn == 0 and K * I // 8 % bc == 0)
+        got = kernels.fused_moe(x, ids, w, *weights, variant="gemv",
+                                configs=dict(gate_up=(bn, bw, 4), down=(dn, bc, 4)))
+        assert_close(got, ref, 1e-5 * ref.abs().max().item(), f"GEMV INT4 (EVEN {even}) vs gather")
+
+
+@triton_runs
 def test_fused_moe_rule_picks_gemv_for_few_pairs(monkeypatch):
     """The model's fused path runs the GEMV variant up to GEMV_MAX_TOKENS tokens and tiles above: a
     rule on shapes (never on routed values), so one captured graph always replays one variant."""
