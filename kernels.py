@@ -438,7 +438,7 @@ GEMV_CONFIGS = {
     "plain": (dict(gate_up=(8, 512, 2, 4, 1), down=(16, 256, 4, 1)),
               dict(gate_up=(4, 256, 4, 4, 1), down=(16, 256, 4, 1))),
     "fp8": (dict(gate_up=(4, 128, 2, 4, 4), down=(16, 128, 4, 2)),) * 2,
-    "int4": (dict(gate_up=(2, 128, 1), down=(8, 256, 2)),) * 2}
+    "int4": (dict(gate_up=(1, 128, 1), down=(8, 256, 2)),) * 2}
 GEMV_SMALL_TOKENS = 2   # in tokens, not pairs: a shared expert's extra slot a token moves no boundary
 # The GEMV variant up to this many tokens (the rule of fused_moe's variant=None; in tokens, not pairs,
 # so a shared expert routed as one more slot a token moves no boundary), from the same run at K = 8
@@ -619,6 +619,19 @@ def _plane(ptrs, J: tl.constexpr, PLANE: tl.constexpr, ok, EVEN: tl.constexpr):
 
 
 @_jit
+def _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, start, W: tl.constexpr, GROUP: tl.constexpr,
+                   BLOCK_W: tl.constexpr, EVEN: tl.constexpr):
+    """Gate's and up's words and scales of the step at word `start` (EVEN: a start past the end reads the
+    last step again, so no load needs a mask or a branch)."""
+    if EVEN:
+        start = tl.minimum(start, W - BLOCK_W)
+    w = start + tl.arange(0, BLOCK_W)
+    gw, gs = _int4_tile(g_rows, gs_rows, n_ok, w, W, GROUP, EVEN)
+    uw, us = _int4_tile(u_rows, us_rows, n_ok, w, W, GROUP, EVEN)
+    return gw, gs, uw, us
+
+
+@_jit
 def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, P,
                                   stride_we, stride_wn, stride_se, stride_sr, magic,
                                   TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
@@ -626,7 +639,8 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
                                   EVEN: tl.constexpr):
     """_moe_gemv_gate_up_kernel for INT4 weights: v_ptr the activations as fp32 planes [N, 8, D/8]
     (plane j = elements 8w + j), h written in plane order (element i of row p at (i % 8) * I/8 + i // 8),
-    the planes down reads. BLOCK_W words (8 BLOCK_W elements) a step. Grid: (cdiv(I, BLOCK_N), P)."""
+    the planes down reads. BLOCK_W words (8 BLOCK_W elements) a step; the words of the next two steps
+    are in flight while a step is unpacked. Grid: (cdiv(I, BLOCK_N), P)."""
     pid_n, p = tl.program_id(0), tl.program_id(1)
     same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
     if not leader:
@@ -643,16 +657,13 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
         v = v_ptr + (pair // TOPK).to(tl.int64) * D
         acc_g = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
-        w = tl.arange(0, BLOCK_W)
-        gw, gs = _int4_tile(g_rows, gs_rows, n_ok, w, W, GROUP, EVEN)
-        uw, us = _int4_tile(u_rows, us_rows, n_ok, w, W, GROUP, EVEN)
+        gw, gs, uw, us = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, 0, W, GROUP, BLOCK_W, EVEN)
+        gw1, gs1, uw1, us1 = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, BLOCK_W, W, GROUP, BLOCK_W,
+                                            EVEN)
         for w0 in range(0, W, BLOCK_W):
-            start = w0 + BLOCK_W                                             # the next step's words, issued now
-            if EVEN:
-                start = tl.minimum(start, W - BLOCK_W)                       # (the last step reloads its own)
-            w_next = start + tl.arange(0, BLOCK_W)
-            gw_next, gs_next = _int4_tile(g_rows, gs_rows, n_ok, w_next, W, GROUP, EVEN)
-            uw_next, us_next = _int4_tile(u_rows, us_rows, n_ok, w_next, W, GROUP, EVEN)
+            gw2, gs2, uw2, us2 = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, w0 + 2 * BLOCK_W, W, GROUP,
+                                                BLOCK_W, EVEN)                # two steps ahead
+            w = w0 + tl.arange(0, BLOCK_W)
             g_high, u_high = gw >> 12, uw >> 12
             t_g = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
             t_u = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
@@ -662,7 +673,7 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
                 t_u += _nibble(uw, u_high, j, magic) * x
             acc_g += t_g * gs
             acc_u += t_u * us
-            w, gw, gs, uw, us = w_next, gw_next, gs_next, uw_next, us_next
+            gw, gs, uw, us, gw1, gs1, uw1, us1 = gw1, gs1, uw1, us1, gw2, gs2, uw2, us2
         g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
         h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + pair)
         tl.store(h_ptr + pair.to(tl.int64) * I + (n % 8) * (I // 8) + n // 8, h, mask=n_ok)
