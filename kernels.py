@@ -345,7 +345,13 @@ def _check_weights(gate, up, down, D):
     return fmt, E, I
 
 
-def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None):
+def gemv_rule(fmt, N, K):
+    """fused_moe's variant when none is named: "gemv" up to GEMV_MAX_TOKENS[fmt] tokens (and
+    GEMV_MAX_PAIRS pairs), else "dot". A rule on shapes only, so a captured graph keeps its variant."""
+    return "gemv" if N <= GEMV_MAX_TOKENS[fmt] and N * K <= GEMV_MAX_PAIRS else "dot"
+
+
+def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, shared=None):
     """Routed experts in one pass over each distinct expert's weights:
     y[n] = sum_k route_w[n, k] * down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])),  e = ids[n, k].
 
@@ -353,9 +359,10 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None):
     it, the GEMV variant multiplies them in fp32), ids int [N, K] in [0, E) (not checked: that would
     read the device), route_w [N, K] (any float; used in fp32), gate / up / down: ExpertWeights of
     [E, I, D], [E, I, D], [E, D, I]. Returns [N, D] in x's dtype. variant: "gemv" (CUDA-core
-    products, for a few tokens), "dot" (tiles of BLOCK_M pairs through tl.dot) or None: "gemv" while
-    N <= GEMV_MAX_TOKENS[format], a rule on shapes only, so a captured graph keeps its variant.
-    configs: override the variant's block sizes (the benchmark's sweep)."""
+    products, for a few tokens), "dot" (tiles of BLOCK_M pairs through tl.dot) or None (gemv_rule).
+    configs: override the variant's block sizes (the benchmark's sweep). shared: (gate [I, D], up
+    [I, D], down [D, I]) tensors in x's dtype, a shared expert added to every token with weight 1,
+    in the same launches (INT4 experts through the GEMV variant only: Kimi-K2.5's bf16 shared expert)."""
     if x.dim() != 2 or ids.shape != route_w.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
         raise ValueError(f"fused_moe: x {list(x.shape)}, ids {list(ids.shape)}, route_w {list(route_w.shape)}: "
                          "expected [N, D], [N, K], [N, K]")
@@ -365,16 +372,23 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None):
     fmt, E, I = _check_weights(gate, up, down, D)
     P, dev = N * K, x.device
     if any(t is not None and t.device != dev for t in (ids, route_w, gate.data, gate.scale, up.data, up.scale,
-                                                        down.data, down.scale)):
+                                                        down.data, down.scale, *(shared or ()))):
         raise ValueError(f"fused_moe: every input must be on x's device {dev}")
-    variant = variant or ("gemv" if N <= GEMV_MAX_TOKENS[fmt] and P <= GEMV_MAX_PAIRS else "dot")
+    variant = variant or gemv_rule(fmt, N, K)
     if variant not in ("gemv", "dot") or (variant == "gemv" and P > GEMV_MAX_PAIRS):
         raise ValueError(f"fused_moe: variant {variant!r} for {P} token-expert pairs: 'dot', or 'gemv' up to "
                          f"{GEMV_MAX_PAIRS} pairs")
+    if shared is not None:
+        if fmt != "int4" or variant != "gemv":
+            raise ValueError(f"fused_moe: a shared expert rides in the INT4 GEMV launches only, not {fmt} {variant}")
+        if ([list(t.shape) for t in shared] != [[I, D], [I, D], [D, I]] or any(t.dtype != x.dtype for t in shared)
+                or any(not t.is_contiguous() for t in shared)):
+            raise ValueError(f"fused_moe: shared expert {[list(t.shape) for t in shared]}: expected contiguous "
+                             f"[{I}, {D}], [{I}, {D}], [{D}, {I}] in x's dtype {x.dtype}")
     x, ids, route_w = x.contiguous(), ids.reshape(-1).contiguous(), route_w.reshape(-1).float().contiguous()
     if variant == "gemv":
         cfg = {**_gemv_configs(fmt, N, x.is_cuda), **(configs or {})}
-        return _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg)
+        return _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared)
     cfg = {**_configs(fmt, P, x.is_cuda), **(configs or {})}
     max_tiles = min(E, P) + P // BLOCK_M                                    # see the section comment
     sorted_pair = torch.empty(max_tiles * BLOCK_M, dtype=torch.int32, device=dev)
@@ -632,16 +646,52 @@ def _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, start, W: tl.constexp
 
 
 @_jit
+def _shared_gate_up(x_ptr, hs_ptr, sg_ptr, su_ptr, N, s, n, n_ok, D: tl.constexpr, I: tl.constexpr,
+                    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """The bf16 shared expert's gate and up rows n over split s of D (D / SPLIT columns: as many bytes
+    a program as a routed expert's rows), for every token: raw sums into hs [2, SPLIT, N, I] fp32,
+    which down adds up over the splits before its SiLU. x_ptr: the activations [N, D]; sg_ptr,
+    su_ptr: the shared gate and up weights [I, D]."""
+    CHUNK: tl.constexpr = (D + SPLIT - 1) // SPLIT
+    hi = tl.minimum((s + 1) * CHUNK, D)
+    for t in range(N):
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(s * CHUNK, hi, BLOCK_K):
+            k = (k0 + tl.arange(0, BLOCK_K))[None, :]
+            if EVEN:
+                xv = tl.load(x_ptr + t * D + k).to(tl.float32)
+                gw, uw = tl.load(sg_ptr + n[:, None] * D + k), tl.load(su_ptr + n[:, None] * D + k)
+            else:
+                ok = n_ok[:, None] & (k < hi)
+                xv = tl.load(x_ptr + t * D + k, mask=k < hi, other=0.0).to(tl.float32)
+                gw = tl.load(sg_ptr + n[:, None] * D + k, mask=ok, other=0.0)
+                uw = tl.load(su_ptr + n[:, None] * D + k, mask=ok, other=0.0)
+            acc_g += gw.to(tl.float32) * xv
+            acc_u += uw.to(tl.float32) * xv
+        tl.store(hs_ptr + (s * N + t) * I + n, tl.sum(acc_g, 1), mask=n_ok)
+        tl.store(hs_ptr + ((SPLIT + s) * N + t) * I + n, tl.sum(acc_u, 1), mask=n_ok)
+
+
+@_jit
 def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, P,
-                                  stride_we, stride_wn, stride_se, stride_sr, magic,
+                                  stride_we, stride_wn, stride_se, stride_sr, magic, x_ptr, hs_ptr, sg_ptr, su_ptr, N,
                                   TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
                                   P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                                  EVEN: tl.constexpr):
+                                  EVEN: tl.constexpr, SPLIT: tl.constexpr, EVEN_SHARED: tl.constexpr):
     """_moe_gemv_gate_up_kernel for INT4 weights: v_ptr the activations as fp32 planes [N, 8, D/8]
     (plane j = elements 8w + j), h written in plane order (element i of row p at (i % 8) * I/8 + i // 8),
     the planes down reads. BLOCK_W words (8 BLOCK_W elements) a step; the words of the next two steps
-    are in flight while a step is unpacked. Grid: (cdiv(I, BLOCK_N), P)."""
+    are in flight while a step is unpacked. Grid: (cdiv(I, BLOCK_N), P + SPLIT): programs past P take
+    the bf16 shared expert (_shared_gate_up; x_ptr, hs_ptr, sg_ptr, su_ptr, N: its arguments; SPLIT 0:
+    none), 16 bytes a thread a step as the routed ones."""
     pid_n, p = tl.program_id(0), tl.program_id(1)
+    if SPLIT > 0:
+        if p >= P:
+            n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            _shared_gate_up(x_ptr, hs_ptr, sg_ptr, su_ptr, N, p - P, n, n < I, D, I, SPLIT, BLOCK_N, 2 * BLOCK_W,
+                            EVEN_SHARED)
+            return
     same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
     if not leader:
         return
@@ -681,11 +731,15 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
 
 @_jit
 def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we, stride_wn, stride_se, stride_sr, magic,
+                               hs_ptr, sd_ptr, N,
                                TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
-                               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr):
+                               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr,
+                               SPLIT: tl.constexpr, I_PAD: tl.constexpr):
     """_moe_gemv_down_kernel for INT4 weights, h in plane order (gate_up's). A tile's columns are the
     token's K experts' words side by side (column c: expert slot c // (I/8), word c % (I/8)), BLOCK_C
-    columns a step. Grid: (N, cdiv(D, BLOCK_N))."""
+    columns a step. SPLIT > 0: the bf16 shared expert too, weight 1: h = silu(g) * u from gate_up's
+    SPLIT partial sums hs [2, SPLIT, N, I], times its down weights sd_ptr [D, I] (I_PAD: a power of
+    two >= I). Grid: (N, cdiv(D, BLOCK_N))."""
     token, pid_n = tl.program_id(0), tl.program_id(1)
     W: tl.constexpr = I // 8
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -713,6 +767,15 @@ def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we,
             t += _nibble(words, high, j, magic) * _plane(h_row, j, W, c < TOPK * W, EVEN)
         acc += t * s.to(tl.float32)
     y = tl.sum(acc, 1)
+    if SPLIT > 0:
+        i = tl.arange(0, I_PAD)[None, :]
+        g = tl.zeros([1, I_PAD], tl.float32)
+        u = tl.zeros([1, I_PAD], tl.float32)
+        for s in tl.static_range(SPLIT):
+            g += tl.load(hs_ptr + (s * N + token) * I + i, mask=i < I, other=0.0)
+            u += tl.load(hs_ptr + ((SPLIT + s) * N + token) * I + i, mask=i < I, other=0.0)
+        wt = tl.load(sd_ptr + n[:, None] * I + i, mask=n_ok[:, None] & (i < I), other=0.0).to(tl.float32)
+        y += tl.sum(wt * (g / (1.0 + tl.exp(-g)) * u), 1)
     tl.store(out_ptr + token.to(tl.int64) * D + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -731,32 +794,45 @@ def _gemv_args(w, block_k, sub):
 MAGIC = 0x4B000000   # the bits of the float 2^23 (_nibble)
 
 
-def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg):
-    """The GEMV variant for INT4 weights (see _fused_moe_gemv)."""
+def _shared_split(D, block_k):
+    """Splits of D for the shared expert's gate_up programs: about 4 steps of block_k each, dividing D
+    into whole steps where it can (Kimi-K2: 7168 = 7 x 4 x 256)."""
+    steps = triton.cdiv(D, block_k)
+    split = max(1, steps // 4)
+    return split if steps % split == 0 else 1
+
+
+def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None):
+    """The GEMV variant for INT4 weights (see _fused_moe_gemv); shared: fused_moe's."""
     (N, D), P, I, dev = x.shape, ids.numel(), gate.shape[1], x.device
     K = P // N
     # the activation as 8 planes, plane j = elements 8w + j: [N, 8, D/8] fp32
     v = torch.empty(N, 8, D // 8, dtype=torch.float32, device=dev).copy_(x.view(N, D // 8, 8).transpose(1, 2))
     h = torch.empty(P, I, dtype=torch.float32, device=dev)                  # [P, I], route weight in
     bn, bw, warps = cfg["gate_up"]
+    split = _shared_split(D, 2 * bw) if shared else 0
+    hs = torch.empty(2, split, N, I, dtype=torch.float32, device=dev) if shared else h
+    sg, su, sd = shared or (h, h, h)                                        # (never read without shared)
     s = gate.data.stride(), gate.scale.stride()
-    _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), P)](
+    _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), P + split)](
         v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, P, s[0][0], s[0][1], s[1][0], s[1][1], MAGIC,
-        TOPK=K, D=D, I=I, GROUP=gate.group, P_PAD=max(16, triton.next_power_of_2(P)), BLOCK_N=bn, BLOCK_W=bw,
-        EVEN=I % bn == 0 and D % (8 * bw) == 0, num_warps=warps)
+        x, hs, sg, su, N, TOPK=K, D=D, I=I, GROUP=gate.group, P_PAD=max(16, triton.next_power_of_2(P)),
+        BLOCK_N=bn, BLOCK_W=bw, EVEN=I % bn == 0 and D % (8 * bw) == 0, SPLIT=split,
+        EVEN_SHARED=I % bn == 0 and D % (max(split, 1) * 2 * bw) == 0, num_warps=warps)
     bn, bc, warps = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     s = down.data.stride(), down.scale.stride()
     _moe_gemv_int4_down_kernel[(N, triton.cdiv(D, bn))](
-        h, out, ids, down.data, down.scale, s[0][0], s[0][1], s[1][0], s[1][1], MAGIC, TOPK=K, D=D, I=I, GROUP=down.group,
-        BLOCK_N=bn, BLOCK_C=bc, EVEN=D % bn == 0 and K * I // 8 % bc == 0, num_warps=warps)
+        h, out, ids, down.data, down.scale, s[0][0], s[0][1], s[1][0], s[1][1], MAGIC, hs, sd, N,
+        TOPK=K, D=D, I=I, GROUP=down.group, BLOCK_N=bn, BLOCK_C=bc, EVEN=D % bn == 0 and K * I // 8 % bc == 0,
+        SPLIT=split, I_PAD=triton.next_power_of_2(I), num_warps=warps)
     return out
 
 
-def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg):
+def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None):
     """The GEMV variant (see its section); arguments as fused_moe's, already checked and flattened."""
     if fmt == "int4":
-        return _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg)
+        return _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared)
     (N, D), P, I, dev = x.shape, ids.numel(), gate.shape[1], x.device
     K = P // N
     bn, bk, unroll, warps, sub = cfg["gate_up"]
@@ -1661,28 +1737,34 @@ class FusedExperts(GroupedExperts):
         return (x.shape[0] <= self.FUSED_MAX_TOKENS or self.quantized
                 or not grouped_mm_available(x.device, x.dtype))
 
-    def forward(self, x, ids, weights, stacked=None):
-        """stacked: SharedExpertInLaunch's [E + 1, ...] tensors, for ids that may name expert E."""
+    def forward(self, x, ids, weights, stacked=None, shared=None):
+        """stacked: SharedExpertInLaunch's [E + 1, ...] tensors, for ids that may name expert E; shared:
+        its bf16 shared expert's weights beside INT4 experts (fused_moe's shared)."""
         if self.runs_fused(x):
             # torch.compile (run.py --compile) leaves the Triton launches alone: a graph break here
             # (around the whole of fused, which also builds the kernel's weight descriptors)
-            return torch.compiler.disable(self.fused)(x, ids, weights, stacked)
+            return torch.compiler.disable(self.fused)(x, ids, weights, stacked, shared=shared)
         return super().forward(x, ids, weights)
 
-    def fused(self, x, ids, weights, stacked=None, variant=None):  # variant: fused_moe's (None: its rule)
+    def fused(self, x, ids, weights, stacked=None, variant=None, shared=None):  # variant: fused_moe's
         projs = stacked or [getattr(self, p) for p in ("gate_proj", "up_proj", "down_proj")]
-        return fused_moe(x, ids, weights, *map(expert_weights, projs), variant=variant)
+        return fused_moe(x, ids, weights, *map(expert_weights, projs), variant=variant, shared=shared)
 
 
 class SharedExpertInLaunch(AttachAgain, model.MoE):
-    """"shared_expert": the shared expert as expert E of the fused launch, chosen by every token
-    with weight 1 (K + 1 pairs a token). Its weights move in as the last rows of [E + 1, ...]
-    tensors, both modules' parameters becoming views of them, so a checkpoint loaded afterwards
-    lands there under the same names. Where the launch does not run (past FusedExperts' token
-    limit) the plain sum runs, the shared expert alone."""
+    """"shared_expert": the shared expert inside the fused launch. Plain routed experts: it is expert E,
+    chosen by every token with weight 1 (K + 1 pairs a token); its weights move in as the last rows of
+    [E + 1, ...] tensors, both modules' parameters becoming views of them, so a checkpoint loaded
+    afterwards lands there under the same names. INT4 routed experts (Kimi-K2.5, whose shared expert
+    stays bf16): the INT4 GEMV launches take its weights beside theirs (fused_moe's shared), where the
+    rule picks the GEMV variant. Elsewhere (past FusedExperts' token limit, INT4 tiles) the plain sum
+    runs, the shared expert alone."""
 
     def attach(self):
         ex, sh = self.experts, self.shared_experts
+        self.stacked = None
+        if ex.quantized:
+            return
         self.stacked = []
         for routed, shared in ((ex.gate_proj, sh.gate_proj.weight), (ex.up_proj, sh.up_proj.weight),
                                (ex.down_proj, sh.down_proj.weight)):
@@ -1691,8 +1773,13 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
             self.stacked.append(both)
 
     def partial_sum(self, x):
-        if not self.experts.runs_fused(x):
+        ex, sh = self.experts, self.shared_experts
+        K = self.gate.args.num_experts_per_tok
+        if not ex.runs_fused(x) or (ex.quantized and gemv_rule("int4", x.shape[0], K) != "gemv"):
             return super().partial_sum(x)
+        if self.stacked is None:
+            ids, weights = self.gate(x)
+            return ex(x, ids, weights, shared=[sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight])
         if isinstance(self.gate, RouterKernel):
             ids, weights = self.gate(x, shared_slot=True)
         else:
@@ -1702,11 +1789,16 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
     @staticmethod
     def applies(moe):
         """One plain shared expert of a routed expert's shape (Kimi-K2, DeepSeek-V3: n_shared_experts
-        1) beside the fused routed experts."""
+        1) beside the fused routed experts: plain ones of its dtype, or INT4 ones."""
         ex, sh = moe.experts, moe.shared_experts
-        return (isinstance(ex, FusedExperts) and not ex.quantized
-                and sh.gate_proj.weight.dtype == ex.gate_proj.dtype
-                and sh.gate_proj.weight.shape == ex.gate_proj.shape[1:])
+        if not isinstance(ex, FusedExperts):
+            return False
+        if ex.quantized:
+            packed, w = ex.gate_proj, sh.gate_proj.weight
+            _, I, words = packed.weight_packed.shape
+            return (isinstance(packed, model.PackedExperts) and w.dtype == packed.weight_scale.dtype
+                    and list(w.shape) == [I, words * 8])
+        return sh.gate_proj.weight.dtype == ex.gate_proj.dtype and sh.gate_proj.weight.shape == ex.gate_proj.shape[1:]
 
 
 # ---------------------------------------------------------------------------------------------
