@@ -65,7 +65,7 @@ DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5), (32
 GEMV_SWEEP = {"plain": dict(gate_up=[], down=[(32, 256, 4, 1)]),
               "fp8": dict(gate_up=[(8, 128, 2, 4, 4), (2, 128, 2, 2, 4), (4, 128, 1, 4, 4), (4, 128, 2, 8, 8)],
                           down=[(16, 128, 4, 2), (4, 128, 2, 2)]),
-              "int4": dict(gate_up=[(2, 128, 1)], down=[(4, 256, 2), (4, 128, 1)])}
+              "int4": dict(gate_up=[(2, 128, 1)], down=[(4, 128, 1)])}
 
 
 def _sweep_points(fmt, variant):
@@ -103,20 +103,23 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
                 for cfg in points:
                     rows += _time_moe(fmt, N, variant, cfg, layers, (x, ids, route_w), floor_ms, bandwidth, LAYERS)
             if shared and fmt == "int4" and N * K <= GEMV_MAX_PAIRS:
-                rows += _time_shared(N, layers, (x, ids, route_w), floor_ms, bandwidth, LAYERS, D, I, g)
+                points = [None] + (_sweep_points(fmt, "gemv") if "gemv" in sweep and N in (1, 3, 4) else [])
+                rows += _time_shared(N, layers, (x, ids, route_w), floor_ms, bandwidth, LAYERS, D, I, g, points)
         del layers
     return dict(bandwidth_GBps=bandwidth, shapes=dict(D=D, I=I, E=E, K=K, layers=LAYERS), rows=rows,
                 gemv_max_tokens=GEMV_MAX_TOKENS, device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__)
 
 
-def _time_shared(N, layers, inputs, floor_ms, bandwidth, LAYERS, D, I, g):
-    """The "gemv+shared" and "shared-torch" rows of benchmark_moe (a bf16 shared expert a layer)."""
+def _time_shared(N, layers, inputs, floor_ms, bandwidth, LAYERS, D, I, g, points):
+    """The "gemv+shared" rows (at each config of points) and the "shared-torch" row of benchmark_moe (a
+    bf16 shared expert a layer)."""
     dev = inputs[0].device
     shared = [[torch.randn(*s, device=dev, generator=g, dtype=torch.bfloat16) / s[1] ** 0.5
                for s in ((I, D), (I, D), (D, I))] for _ in layers]
     shared_ms = sum(t.numel() * t.element_size() for t in shared[0]) / bandwidth / 1e6
-    rows = _time_moe("int4", N, "gemv", None, layers, inputs, floor_ms + shared_ms, bandwidth, LAYERS, shared)
+    rows = [r for cfg in points
+            for r in _time_moe("int4", N, "gemv", cfg, layers, inputs, floor_ms + shared_ms, bandwidth, LAYERS, shared)]
     x, out = inputs[0], torch.zeros_like(inputs[0])
     stacked = [torch.cat([gate, up]) for gate, up, _ in shared]
 
@@ -136,22 +139,22 @@ def _time_moe(fmt, N, variant, cfg, layers, inputs, floor_ms, bandwidth, LAYERS,
     def run():
         return lambda: [fused_moe(*inputs, *w, configs=cfg, variant=variant, shared=s)
                         for w, s in zip(layers, shared or [None] * len(layers))]
-    variant = variant + ("+shared" if shared else "")
+    label = variant + ("+shared" if shared else "")
     try:
         ms = _graph_ms([run()]) / LAYERS
     except Exception as e:  # a sweep point that does not compile: say so, go on
-        print(f"{fmt} N={N} {variant} {cfg}: {type(e).__name__}: {str(e)[:200]}")
+        print(f"{fmt} N={N} {label} {cfg}: {type(e).__name__}: {str(e)[:200]}")
         return []
     kernel_ms, by_kernel = _kernel_ms(run()) if cfg is None else (None, {})
     kernel_ms = kernel_ms / LAYERS if kernel_ms else None
     by_kernel = {name[:40]: v / LAYERS for name, v in by_kernel.items()}   # ms a layer, per kernel
-    print(f"{fmt:5s} N={N:3d} {variant:11s} {str(cfg or 'default'):34s} {ms * 1e3:8.1f} us"
+    print(f"{fmt:5s} N={N:3d} {label:11s} {str(cfg or 'default'):34s} {ms * 1e3:8.1f} us"
           f"  floor {floor_ms * 1e3:7.1f} us"
           f"  {ms / floor_ms:5.2f}x  {floor_ms * bandwidth / ms:6.0f} GB/s"
           + (f"  kernels alone {kernel_ms * 1e3:.1f} us ({kernel_ms / floor_ms:.2f}x): "
              + ", ".join(f"{k.replace('_moe_', '').split('_kernel')[0]} {v * 1e3:.1f}" for k, v in by_kernel.items())
              if kernel_ms else ""), flush=True)
-    return [dict(fmt=fmt, tokens=N, variant=variant, config=cfg, ms=ms, kernel_ms=kernel_ms, by_kernel=by_kernel,
+    return [dict(fmt=fmt, tokens=N, variant=label, config=cfg, ms=ms, kernel_ms=kernel_ms, by_kernel=by_kernel,
                  floor_ms=floor_ms, x_floor=ms / floor_ms, GBps=floor_ms * bandwidth / ms)]
 
 

@@ -2529,6 +2529,27 @@ def test_int4_experts_take_the_shared_expert_in_their_launch():
                                                        sh.down_proj.weight])
 
 
+@cuda
+@triton_ok
+def test_int4_shared_expert_in_the_launch_replays_without_host_sync():
+    """INT4 routed experts with the shared expert in their launch: each captured shape (decode, verify
+    of 3 rows of 4 tokens, the head's) replays equal to eager, and nothing syncs with the host."""
+    from graphs import CudaGraphs
+    target, head = gpu_models(quant="int4", moe_impl="fused", kernels_on=["shared_expert"])
+    assert target.kernels == ("shared_expert",)
+    runner = CudaGraphs("cuda")
+    for key, fn, inputs in captured_calls(target, head):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager = flat(fn(*inputs))
+            runner.run(key, fn, *inputs)                                # capture
+            graphed = flat(runner.run(key, fn, *inputs))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert_close(graphed, eager, 0.0, f"INT4, the shared expert in the launch: graph vs eager {key}")
+
+
 @triton_runs
 def test_fused_proj_with_the_shared_expert_in_the_launch():
     """"shared_expert" and "fused_proj" together: the folded shared expert is not stacked (its gate
