@@ -452,7 +452,7 @@ GEMV_CONFIGS = {
     "plain": (dict(gate_up=(8, 512, 2, 4, 1), down=(16, 256, 4, 1)),
               dict(gate_up=(4, 256, 4, 4, 1), down=(16, 256, 4, 1))),
     "fp8": (dict(gate_up=(4, 128, 2, 4, 4), down=(16, 128, 4, 2)),) * 2,
-    "int4": (dict(gate_up=(1, 128, 1), down=(8, 256, 2)),) * 2}
+    "int4": (dict(gate_up=(1, 128, 1), down=(4, 128, 1)),) * 2}
 GEMV_SMALL_TOKENS = 2   # in tokens, not pairs: a shared expert's extra slot a token moves no boundary
 # The GEMV variant up to this many tokens (the rule of fused_moe's variant=None; in tokens, not pairs,
 # so a shared expert routed as one more slot a token moves no boundary), from the same run at K = 8
@@ -648,10 +648,10 @@ def _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, start, W: tl.constexp
 @_jit
 def _shared_gate_up(x_ptr, hs_ptr, sg_ptr, su_ptr, N, s, n, n_ok, D: tl.constexpr, I: tl.constexpr,
                     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
-    """The bf16 shared expert's gate and up rows n over split s of D (D / SPLIT columns: as many bytes
-    a program as a routed expert's rows), for every token: raw sums into hs [2, SPLIT, N, I] fp32,
-    which down adds up over the splits before its SiLU. x_ptr: the activations [N, D]; sg_ptr,
-    su_ptr: the shared gate and up weights [I, D]."""
+    """The bf16 shared expert's gate and up rows n over split s of D (D / SPLIT columns: SPLIT 4 makes
+    it as many bytes a program as a routed expert's INT4 rows), for every token: raw sums into hs
+    [2, SPLIT, N, I] fp32, which down adds up over the splits before its SiLU. x_ptr: the activations
+    [N, D]; sg_ptr, su_ptr: the shared gate and up weights [I, D]."""
     CHUNK: tl.constexpr = (D + SPLIT - 1) // SPLIT
     hi = tl.minimum((s + 1) * CHUNK, D)
     for t in range(N):
@@ -683,14 +683,14 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
     (plane j = elements 8w + j), h written in plane order (element i of row p at (i % 8) * I/8 + i // 8),
     the planes down reads. BLOCK_W words (8 BLOCK_W elements) a step; the next step's words are in
     flight while a step is unpacked (two steps ahead measured slower: 23.5 against 21.3 us at decode,
-    other calls). Grid: (cdiv(I, BLOCK_N), P + SPLIT): programs past P take the bf16 shared expert
-    (_shared_gate_up; x_ptr, hs_ptr, sg_ptr, su_ptr, N: its arguments; SPLIT 0: none), 16 bytes a
-    thread a step as the routed ones."""
-    pid_n, p = tl.program_id(0), tl.program_id(1)
+    other calls). Grid: (cdiv(I, BLOCK_N), SPLIT + P): the first SPLIT programs of each row block take
+    the bf16 shared expert (_shared_gate_up; x_ptr, hs_ptr, sg_ptr, su_ptr, N: its arguments; SPLIT 0:
+    none), launched first since each runs its N tokens one after another; pair p is program SPLIT + p."""
+    pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
-        if p >= P:
+        if p < 0:
             n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            _shared_gate_up(x_ptr, hs_ptr, sg_ptr, su_ptr, N, p - P, n, n < I, D, I, SPLIT, BLOCK_N, 2 * BLOCK_W,
+            _shared_gate_up(x_ptr, hs_ptr, sg_ptr, su_ptr, N, p + SPLIT, n, n < I, D, I, SPLIT, BLOCK_N, 2 * BLOCK_W,
                             EVEN_SHARED)
             return
     same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
@@ -793,14 +793,6 @@ def _gemv_args(w, block_k, sub):
 MAGIC = 0x4B000000   # the bits of the float 2^23 (_nibble)
 
 
-def _shared_split(D, block_k):
-    """Splits of D for the shared expert's gate_up programs: about 4 steps of block_k each, dividing D
-    into whole steps where it can (Kimi-K2: 7168 = 7 x 4 x 256)."""
-    steps = triton.cdiv(D, block_k)
-    split = max(1, steps // 4)
-    return split if steps % split == 0 else 1
-
-
 def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None):
     """The GEMV variant for INT4 weights (see _fused_moe_gemv); shared: fused_moe's."""
     (N, D), P, I, dev = x.shape, ids.numel(), gate.shape[1], x.device
@@ -809,15 +801,15 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None):
     v = torch.empty(N, 8, D // 8, dtype=torch.float32, device=dev).copy_(x.view(N, D // 8, 8).transpose(1, 2))
     h = torch.empty(P, I, dtype=torch.float32, device=dev)                  # [P, I], route weight in
     bn, bw, warps = cfg["gate_up"]
-    split = _shared_split(D, 2 * bw) if shared else 0
+    split = 4 if shared else 0   # the shared expert's gate and up split 4 ways over D: bf16 is 4x INT4's bytes
     hs = torch.empty(2, split, N, I, dtype=torch.float32, device=dev) if shared else h
     sg, su, sd = shared or (h, h, h)                                        # (never read without shared)
     s = gate.data.stride(), gate.scale.stride()
-    _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), P + split)](
+    _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), split + P)](
         v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, P, s[0][0], s[0][1], s[1][0], s[1][1], MAGIC,
         x, hs, sg, su, N, TOPK=K, D=D, I=I, GROUP=gate.group, P_PAD=max(16, triton.next_power_of_2(P)),
         BLOCK_N=bn, BLOCK_W=bw, EVEN=I % bn == 0 and D % (8 * bw) == 0, SPLIT=split,
-        EVEN_SHARED=I % bn == 0 and D % (max(split, 1) * 2 * bw) == 0, num_warps=warps)
+        EVEN_SHARED=I % bn == 0 and D % (4 * 2 * bw) == 0, num_warps=warps)
     bn, bc, warps = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     s = down.data.stride(), down.scale.stride()
