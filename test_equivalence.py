@@ -288,22 +288,26 @@ def test_fused_moe_gemv_fp8_scale_blocks_as_rows():
 @triton_runs
 def test_fused_moe_gemv_int4_even_and_masked_blocks():
     """The INT4 GEMV kernels with blocks that divide the shapes (EVEN: no load masked, as at Kimi-K2's)
-    and blocks that do not (masked rows, words and expert columns), both against the gather path, alone
-    and with a shared expert in the launch (against the plain MLP added)."""
-    experts, D = moe_experts("tiny", "int4", 16, TRITON_DEVICE, torch.float32)
-    I, K, g = experts.gate_proj.weight_packed.shape[1], 8, torch.Generator().manual_seed(0)
+    and blocks that do not (masked rows, words and expert columns), gate_up's whole steps with a tail
+    step (unmasked when its width is a power of two, else masked) and without, against the gather path,
+    alone and with a shared expert in the launch (against the plain MLP added). D 96: 12 words a row."""
+    args = tiny(n_routed_experts=16, num_experts_per_tok=8, hidden_size=96, moe_intermediate_size=64,
+                quantization_config="int4")
+    experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, torch.float32), 0).experts
+    D, I, K, g = 96, experts.gate_proj.weight_packed.shape[1], 8, torch.Generator().manual_seed(0)
     ids, w = routing("random", 2, K, 16, g, TRITON_DEVICE)
     x = torch.randn(2, D, generator=g).to(TRITON_DEVICE)
     weights = [kernels.expert_weights(getattr(experts, p)) for p in ("gate_proj", "up_proj", "down_proj")]
     ref = model.Experts.forward(experts, x, ids, w)
     shared = [torch.randn(*s, generator=g).to(TRITON_DEVICE) / 8 for s in ((I, D), (I, D), (D, I))]
     ref_shared = ref + (F.silu(x @ shared[0].T) * (x @ shared[1].T)) @ shared[2].T
-    for (bn, bw, _), (dn, bc, _), even in (((32, 8, 4), (64, 32, 4), True), ((64, 16, 4), (128, 64, 4), False)):
-        assert even == (I % bn == 0 and D // 8 % bw == 0) == (D % dn == 0 and K * I // 8 % bc == 0)
-        for sh, want in ((None, ref), (shared, ref_shared)):   # and a shared expert in the launch
+    # (gate_up, down): 8-word steps and a 4-word tail, all unmasked; 4-word steps, no tail, rows and
+    # expert columns masked; no whole step, a 12-word tail in 16 (masked), down masked
+    for gate_up, down in (((32, 8, 4), (32, 32, 4)), ((64, 4, 4), (64, 64, 4)), ((16, 16, 4), (128, 32, 4))):
+        for sh, want in ((None, ref), (shared, ref_shared)):
             got = kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=sh,
-                                    configs=dict(gate_up=(bn, bw, 4), down=(dn, bc, 4)))
-            assert_close(got, want, 1e-5 * want.abs().max().item(), f"GEMV INT4 (EVEN {even}, shared {sh is not None})")
+                                    configs=dict(gate_up=gate_up, down=down))
+            assert_close(got, want, 1e-5 * want.abs().max().item(), f"GEMV INT4 {gate_up} {down}, shared {sh is not None}")
 
 
 @triton_runs
