@@ -447,12 +447,15 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
 # for 132 SMs, issue-bound at 1 TB/s on the H200). From `python kernels_bench.py --moe --sweep gemv` on an
 # H200 (2026-11-29, BENCHMARKS.md, k4): bf16 gate_up 8 rows at decode (30.1 against 33.2 us with 4),
 # 4 rows of 256 from 4 tokens (99.1 against 114.3 us); FP8 down 16 rows (23.5 against 27.9 us at
-# decode, 69.5 against 79.7 at 4 tokens).
+# decode, 69.5 against 79.7 at 4 tokens). INT4 (2026-12-01, issue 25, us a layer at 1 / 3 tokens):
+# gate_up 1 row of 128 words (21.3 / 41.2 against 22.0 / 44.2 with 2 rows, 26.0 / 50.7 with steps of
+# 256 words); down 4 rows of 128 (23.2 / 51.2 against 23.5 / 50.1 with 8 rows of 256 on 2 warps, which
+# with the shared expert in the launch shuffles its tiles through shared memory).
 GEMV_CONFIGS = {
     "plain": (dict(gate_up=(8, 512, 2, 4, 1), down=(16, 256, 4, 1)),
               dict(gate_up=(4, 256, 4, 4, 1), down=(16, 256, 4, 1))),
     "fp8": (dict(gate_up=(4, 128, 2, 4, 4), down=(16, 128, 4, 2)),) * 2,
-    "int4": (dict(gate_up=(1, 256, 1), down=(4, 128, 1)),) * 2}
+    "int4": (dict(gate_up=(1, 128, 1), down=(4, 128, 1)),) * 2}
 GEMV_SMALL_TOKENS = 2   # in tokens, not pairs: a shared expert's extra slot a token moves no boundary
 # The GEMV variant up to this many tokens (the rule of fused_moe's variant=None; in tokens, not pairs,
 # so a shared expert routed as one more slot a token moves no boundary), from the same run at K = 8
@@ -635,7 +638,7 @@ def _plane(ptrs, J: tl.constexpr, PLANE: tl.constexpr, ok, EVEN: tl.constexpr):
 @_jit
 def _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, start, W: tl.constexpr, GROUP: tl.constexpr,
                    BLOCK_W: tl.constexpr, EVEN: tl.constexpr):
-    """Gate's and up's words and scales of the BLOCK_W words at `start`."""
+    """Gate's and up's words and scales of the BLOCK_W words at `start` (masked unless EVEN)."""
     w = start + tl.arange(0, BLOCK_W)
     gw, gs = _int4_tile(g_rows, gs_rows, n_ok, w, W, GROUP, EVEN)
     uw, us = _int4_tile(u_rows, us_rows, n_ok, w, W, GROUP, EVEN)
@@ -689,13 +692,12 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
                                   stride_we, stride_wn, stride_se, stride_sr, magic, x_ptr, hs_ptr, sg_ptr, su_ptr, N,
                                   TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
                                   P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                                  TAIL_W: tl.constexpr, EVEN: tl.constexpr, SPLIT: tl.constexpr,
-                                  SHARED_K: tl.constexpr, EVEN_SHARED: tl.constexpr):
+                                  EVEN: tl.constexpr, SPLIT: tl.constexpr, SHARED_K: tl.constexpr,
+                                  EVEN_SHARED: tl.constexpr):
     """_moe_gemv_gate_up_kernel for INT4 weights: v_ptr the activations as fp32 planes [N, 8, D/8]
     (plane j = elements 8w + j), h written in plane order (element i of row p at (i % 8) * I/8 + i // 8),
-    the planes down reads. BLOCK_W words (8 BLOCK_W elements) a step, the rest of D/8 in one tail step
-    of TAIL_W words (a power of two >= it; unmasked where equal: Kimi-K2's 896 words = 3 x 256 + 128);
-    EVEN: the rows divide I, so only a tail shorter than TAIL_W is masked. Grid: (cdiv(I, BLOCK_N), SPLIT + P): the first SPLIT programs of each row block take
+    the planes down reads. BLOCK_W words (8 BLOCK_W elements) a step; EVEN: the blocks divide I and D/8,
+    so no load is masked. Grid: (cdiv(I, BLOCK_N), SPLIT + P): the first SPLIT programs of each row block take
     the bf16 shared expert (_shared_gate_up; x_ptr, hs_ptr, sg_ptr, su_ptr, N: its arguments; SPLIT 0:
     none; SHARED_K bf16 columns a step), launched first since each runs its N tokens one after another;
     pair p is program SPLIT + p."""
@@ -716,31 +718,25 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
     n_ok = n < I
     g_rows, u_rows = g_ptr + e * stride_we + n[:, None] * stride_wn, u_ptr + e * stride_we + n[:, None] * stride_wn
     gs_rows, us_rows = gs_ptr + e * stride_se + n[:, None] * stride_sr, us_ptr + e * stride_se + n[:, None] * stride_sr
-    W_MAIN: tl.constexpr = W // BLOCK_W * BLOCK_W                          # whole steps, then one tail step
-    TAIL: tl.constexpr = W - W_MAIN
     for c in range(tl.sum(same.to(tl.int32), 0)):                          # each pair of the expert
         pair = tl.sum(tl.where(same & (rank == c), q, 0), 0)
         v = v_ptr + (pair // TOPK).to(tl.int64) * D
         acc_g = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
-        if TAIL > 0:                                                        # its words issued first
-            tgw, tgs, tuw, tus = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, W_MAIN, W, GROUP, TAIL_W,
-                                                EVEN and TAIL == TAIL_W)
-        if W_MAIN > 0:
-            gw, gs, uw, us = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, 0, W, GROUP, BLOCK_W, EVEN)
-            for w0 in range(0, W_MAIN, BLOCK_W):
-                # the next step's words, in flight while this one is unpacked (the last step reloads its own:
-                # no mask, no branch; two steps ahead measured slower, 23.5 against 21.3 us at decode)
-                gw1, gs1, uw1, us1 = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok,
-                                                    tl.minimum(w0 + BLOCK_W, W_MAIN - BLOCK_W), W, GROUP, BLOCK_W, EVEN)
-                pg, pu = _gate_up_products(gw, gs, uw, us, v, w0, magic, W, BLOCK_W, EVEN)
-                acc_g += pg
-                acc_u += pu
-                gw, gs, uw, us = gw1, gs1, uw1, us1
+        gw, gs, uw, us = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, 0, W, GROUP, BLOCK_W, EVEN)
+        for w0 in range(0, W, BLOCK_W):
+            # the next step's words, in flight while this one is unpacked (EVEN: the last step reloads its
+            # own, so no load needs a mask or a branch; two steps ahead measured slower, 23.5 against 21.3 us)
+            start = w0 + BLOCK_W
+            if EVEN:
+                start = tl.minimum(start, W - BLOCK_W)
+            gw1, gs1, uw1, us1 = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, start, W, GROUP, BLOCK_W,
+                                                EVEN)
+            pg, pu = _gate_up_products(gw, gs, uw, us, v, w0, magic, W, BLOCK_W, EVEN)
+            acc_g += pg
+            acc_u += pu
+            gw, gs, uw, us = gw1, gs1, uw1, us1
         g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
-        if TAIL > 0:
-            pg, pu = _gate_up_products(tgw, tgs, tuw, tus, v, W_MAIN, magic, W, TAIL_W, EVEN and TAIL == TAIL_W)
-            g, u = g + tl.sum(pg, 1), u + tl.sum(pu, 1)
         h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + pair)
         tl.store(h_ptr + pair.to(tl.int64) * I + (n % 8) * (I // 8) + n // 8, h, mask=n_ok)
 
@@ -825,7 +821,7 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None):
     _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), split + P)](
         v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, P, s[0][0], s[0][1], s[1][0], s[1][1], MAGIC,
         x, hs, sg, su, N, TOPK=K, D=D, I=I, GROUP=gate.group, P_PAD=max(16, triton.next_power_of_2(P)),
-        BLOCK_N=bn, BLOCK_W=bw, TAIL_W=triton.next_power_of_2(D // 8 % bw), EVEN=I % bn == 0, SPLIT=split,
+        BLOCK_N=bn, BLOCK_W=bw, EVEN=I % bn == 0 and D % (8 * bw) == 0, SPLIT=split,
         SHARED_K=256 * warps,                                                         # 16 bytes a thread
         EVEN_SHARED=I % bn == 0 and D % (4 * 256 * warps) == 0, num_warps=warps)
     bn, bc, warps = cfg["down"]

@@ -65,7 +65,7 @@ DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5), (32
 GEMV_SWEEP = {"plain": dict(gate_up=[], down=[(32, 256, 4, 1)]),
               "fp8": dict(gate_up=[(8, 128, 2, 4, 4), (2, 128, 2, 2, 4), (4, 128, 1, 4, 4), (4, 128, 2, 8, 8)],
                           down=[(16, 128, 4, 2), (4, 128, 2, 2)]),
-              "int4": dict(gate_up=[(1, 128, 1)], down=[])}
+              "int4": dict(gate_up=[(2, 128, 1), (1, 256, 1)], down=[(8, 256, 2)])}
 
 
 def _sweep_points(fmt, variant):

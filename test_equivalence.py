@@ -288,9 +288,8 @@ def test_fused_moe_gemv_fp8_scale_blocks_as_rows():
 @triton_runs
 def test_fused_moe_gemv_int4_even_and_masked_blocks():
     """The INT4 GEMV kernels with blocks that divide the shapes (EVEN: no load masked, as at Kimi-K2's)
-    and blocks that do not (masked rows, words and expert columns), gate_up's whole steps with a tail
-    step (unmasked when its width is a power of two, else masked) and without, against the gather path,
-    alone and with a shared expert in the launch (against the plain MLP added). D 96: 12 words a row."""
+    and blocks that do not (masked rows, words and expert columns), against the gather path, alone and
+    with a shared expert in the launch (against the plain MLP added). D 96: 12 words a row."""
     args = tiny(n_routed_experts=16, num_experts_per_tok=8, hidden_size=96, moe_intermediate_size=64,
                 quantization_config="int4")
     experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, torch.float32), 0).experts
@@ -301,13 +300,13 @@ def test_fused_moe_gemv_int4_even_and_masked_blocks():
     ref = model.Experts.forward(experts, x, ids, w)
     shared = [torch.randn(*s, generator=g).to(TRITON_DEVICE) / 8 for s in ((I, D), (I, D), (D, I))]
     ref_shared = ref + (F.silu(x @ shared[0].T) * (x @ shared[1].T)) @ shared[2].T
-    # (gate_up, down): 8-word steps and a 4-word tail, all unmasked; 4-word steps, no tail, rows and
-    # expert columns masked; no whole step, a 12-word tail in 16 (masked), down masked
-    for gate_up, down in (((32, 8, 4), (32, 32, 4)), ((64, 4, 4), (64, 64, 4)), ((16, 16, 4), (128, 32, 4))):
+    # (gate_up, down): all unmasked (4-word steps); masked rows, words and expert columns; masked words, rows
+    for gate_up, down in (((32, 4, 4), (32, 32, 4)), ((64, 8, 4), (64, 64, 4)), ((16, 16, 4), (128, 32, 4))):
         for sh, want in ((None, ref), (shared, ref_shared)):
             got = kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=sh,
                                     configs=dict(gate_up=gate_up, down=down))
-            assert_close(got, want, 1e-5 * want.abs().max().item(), f"GEMV INT4 {gate_up} {down}, shared {sh is not None}")
+            assert_close(got, want, 1e-5 * want.abs().max().item(),
+                         f"GEMV INT4 {gate_up} {down}, shared {sh is not None}")
 
 
 @triton_runs
