@@ -591,13 +591,15 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
     tl.store(out_ptr + token.to(tl.int64) * D + d, y.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-# INT4 GEMV kernels. A weight tile is [rows, words] (word w holds elements 8w..8w+7), each thread a
-# few rows of the same 4 words (16 bytes a load), so the activation loaded for its words serves all
-# of its rows (gate and up too). Where the shapes divide the blocks (EVEN, Kimi-K2's) no load is
-# masked: a masked load zeroes its destination registers first, one move a word. gate_up issues the
-# next step's words before it unpacks this step's (Triton pipelines only loads that feed tl.dot).
-# down lays the token's K experts side by side as columns of one tile, so all of their words are in
-# flight at once instead of one expert after another.
+# INT4 GEMV kernels. A weight tile is [rows, words] (word w holds elements 8w..8w+7); with one warp a
+# program and 128 words a step (the defaults) each thread holds the same 4 words (a 16-byte load) of
+# every row of the tile, so the activation planes loaded for its words serve all of its rows, gate's
+# and up's, in the tile's own layout (sm_90 code checked: no shuffle through shared memory in a step).
+# Where the shapes divide the blocks (EVEN, Kimi-K2's) no load is masked: a masked load zeroes its
+# destination registers first, one move a word. gate_up issues the next step's words before it
+# unpacks this step's (Triton pipelines only loads that feed tl.dot). down lays the token's K experts
+# side by side as columns of one tile, so all of their words are in flight at once instead of one
+# expert after another.
 
 @_jit
 def _nibble(words, high, J: tl.constexpr, magic):
@@ -605,7 +607,7 @@ def _nibble(words, high, J: tl.constexpr, magic):
     float 2^23 + nib * 2^b (b its bit position), and one FMA scales and subtracts. A float's mantissa
     has 23 bits: nibbles 5-7 come from high = words >> 12 (bits 8-19). magic: 0x4B000000, the bits of
     2^23, passed at run time so that the AND and the OR compile to one instruction (LOP3 takes one
-    immediate: with both constants known, the H200's code had two)."""
+    immediate: with both constants known, the sm_90 code had two a nibble)."""
     if J < 5:
         f = ((words & (15 << (4 * J))) | magic).to(tl.float32, bitcast=True)
         return f * (1.0 / (1 << (4 * J))) - (8388608.0 / (1 << (4 * J)) + 8.0)
