@@ -345,7 +345,13 @@ def _check_weights(gate, up, down, D):
     return fmt, E, I
 
 
-def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None):
+def gemv_rule(fmt, N, K):
+    """fused_moe's variant when none is named: "gemv" up to GEMV_MAX_TOKENS[fmt] tokens (and
+    GEMV_MAX_PAIRS pairs), else "dot". A rule on shapes only, so a captured graph keeps its variant."""
+    return "gemv" if N <= GEMV_MAX_TOKENS[fmt] and N * K <= GEMV_MAX_PAIRS else "dot"
+
+
+def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, shared=None):
     """Routed experts in one pass over each distinct expert's weights:
     y[n] = sum_k route_w[n, k] * down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])),  e = ids[n, k].
 
@@ -353,9 +359,10 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None):
     it, the GEMV variant multiplies them in fp32), ids int [N, K] in [0, E) (not checked: that would
     read the device), route_w [N, K] (any float; used in fp32), gate / up / down: ExpertWeights of
     [E, I, D], [E, I, D], [E, D, I]. Returns [N, D] in x's dtype. variant: "gemv" (CUDA-core
-    products, for a few tokens), "dot" (tiles of BLOCK_M pairs through tl.dot) or None: "gemv" while
-    N <= GEMV_MAX_TOKENS[format], a rule on shapes only, so a captured graph keeps its variant.
-    configs: override the variant's block sizes (the benchmark's sweep)."""
+    products, for a few tokens), "dot" (tiles of BLOCK_M pairs through tl.dot) or None (gemv_rule).
+    configs: override the variant's block sizes (the benchmark's sweep). shared: (gate [I, D], up
+    [I, D], down [D, I]) tensors in x's dtype, a shared expert added to every token with weight 1,
+    in the same launches (INT4 experts through the GEMV variant only: Kimi-K2.5's bf16 shared expert)."""
     if x.dim() != 2 or ids.shape != route_w.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
         raise ValueError(f"fused_moe: x {list(x.shape)}, ids {list(ids.shape)}, route_w {list(route_w.shape)}: "
                          "expected [N, D], [N, K], [N, K]")
@@ -365,16 +372,23 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None):
     fmt, E, I = _check_weights(gate, up, down, D)
     P, dev = N * K, x.device
     if any(t is not None and t.device != dev for t in (ids, route_w, gate.data, gate.scale, up.data, up.scale,
-                                                        down.data, down.scale)):
+                                                        down.data, down.scale, *(shared or ()))):
         raise ValueError(f"fused_moe: every input must be on x's device {dev}")
-    variant = variant or ("gemv" if N <= GEMV_MAX_TOKENS[fmt] and P <= GEMV_MAX_PAIRS else "dot")
+    variant = variant or gemv_rule(fmt, N, K)
     if variant not in ("gemv", "dot") or (variant == "gemv" and P > GEMV_MAX_PAIRS):
         raise ValueError(f"fused_moe: variant {variant!r} for {P} token-expert pairs: 'dot', or 'gemv' up to "
                          f"{GEMV_MAX_PAIRS} pairs")
+    if shared is not None:
+        if fmt != "int4" or variant != "gemv":
+            raise ValueError(f"fused_moe: a shared expert rides in the INT4 GEMV launches only, not {fmt} {variant}")
+        if ([list(t.shape) for t in shared] != [[I, D], [I, D], [D, I]] or any(t.dtype != x.dtype for t in shared)
+                or any(not t.is_contiguous() for t in shared)):
+            raise ValueError(f"fused_moe: shared expert {[list(t.shape) for t in shared]}: expected contiguous "
+                             f"[{I}, {D}], [{I}, {D}], [{D}, {I}] in x's dtype {x.dtype}")
     x, ids, route_w = x.contiguous(), ids.reshape(-1).contiguous(), route_w.reshape(-1).float().contiguous()
     if variant == "gemv":
         cfg = {**_gemv_configs(fmt, N, x.is_cuda), **(configs or {})}
-        return _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg)
+        return _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared)
     cfg = {**_configs(fmt, P, x.is_cuda), **(configs or {})}
     max_tiles = min(E, P) + P // BLOCK_M                                    # see the section comment
     sorted_pair = torch.empty(max_tiles * BLOCK_M, dtype=torch.int32, device=dev)
@@ -419,26 +433,29 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None):
 # INT4 without unpacking to natural order: nibble j of word w is element 8w + j, so the activation
 # comes as 8 planes (plane j = elements 8w + j, contiguous in w: x is permuted once per call, h is
 # written that way by gate_up) and each plane meets nibble j of the same words. A nibble becomes a
-# float by the exponent trick: (word & (15 << 4j)) | 0x4B000000 is the float 2^23 + nib * 16^j, and
-# one FMA (times 16^-j, minus 2^23 * 16^-j + 8) gives nib - 8 exactly; the words' top three nibbles
-# use the word shifted right by 20. The group scale multiplies each word's 8 products once.
+# float by the exponent trick (_nibble), and the group scale multiplies each word's 8 products once.
+# The INT4 kernels are their own (see above _nibble): whole 16-byte words a thread, unmasked where
+# the shapes divide, the next step's words in flight, down's K experts in one tile.
 
 # Block sizes by format and token count: (small, large) up to / above GEMV_SMALL_TOKENS, each
-# dict(gate_up=(BLOCK_N, BLOCK_K, UNROLL, num_warps, SUB), down=(BLOCK_N, BLOCK_K, num_warps, SUB)).
-# BLOCK_K counts elements (INT4: BLOCK_K / 8 words); a program's tile has BLOCK_N * SUB rows of
+# dict(gate_up=(BLOCK_N, BLOCK_K, UNROLL, num_warps, SUB), down=(BLOCK_N, BLOCK_K, num_warps, SUB));
+# INT4: dict(gate_up=(BLOCK_N, BLOCK_W words a step, num_warps), down=(BLOCK_N, BLOCK_C words a step
+# over the K experts side by side, num_warps)). A program's tile has BLOCK_N * SUB rows of
 # BLOCK_K: SUB > 1 (FP8 only) lays SUB consecutive 128-column scale blocks of a weight row out as
 # rows of their own, so a step is one scale per tile row and still 32 threads a weight row (at
 # decode only 2048 gate/up rows exist: 8 threads a row, as a one-block step gives, made 512 warps
 # for 132 SMs, issue-bound at 1 TB/s on the H200). From `python kernels_bench.py --moe --sweep gemv` on an
 # H200 (2026-11-29, BENCHMARKS.md, k4): bf16 gate_up 8 rows at decode (30.1 against 33.2 us with 4),
 # 4 rows of 256 from 4 tokens (99.1 against 114.3 us); FP8 down 16 rows (23.5 against 27.9 us at
-# decode, 69.5 against 79.7 at 4 tokens); INT4 gate_up 2 rows of 2048 (33.8 against 43.7 us at
-# decode, 83.9 against 102.7 at 4 tokens).
+# decode, 69.5 against 79.7 at 4 tokens). INT4 (2026-12-01, issue 25, us a layer at 1 / 3 tokens):
+# gate_up 1 row of 128 words (21.3 / 41.2 against 22.0 / 44.2 with 2 rows, 26.0 / 50.7 with steps of
+# 256 words); down 4 rows of 128 (23.2 / 51.2 against 23.5 / 50.1 with 8 rows of 256 on 2 warps, which
+# with the shared expert in the launch shuffles its tiles through shared memory).
 GEMV_CONFIGS = {
     "plain": (dict(gate_up=(8, 512, 2, 4, 1), down=(16, 256, 4, 1)),
               dict(gate_up=(4, 256, 4, 4, 1), down=(16, 256, 4, 1))),
     "fp8": (dict(gate_up=(4, 128, 2, 4, 4), down=(16, 128, 4, 2)),) * 2,
-    "int4": (dict(gate_up=(2, 2048, 1, 4, 1), down=(32, 256, 4, 1)),) * 2}
+    "int4": (dict(gate_up=(1, 128, 1), down=(4, 128, 1)),) * 2}
 GEMV_SMALL_TOKENS = 2   # in tokens, not pairs: a shared expert's extra slot a token moves no boundary
 # The GEMV variant up to this many tokens (the rule of fused_moe's variant=None; in tokens, not pairs,
 # so a shared expert routed as one more slot a token moves no boundary), from the same run at K = 8
@@ -454,80 +471,70 @@ GEMV_MAX_PAIRS = 1024   # the leader test holds all N*K expert ids of a call in 
 
 def _gemv_configs(fmt, N, on_gpu):
     if not on_gpu:  # the CPU interpreter: few, large programs
+        if fmt == "int4":
+            return dict(gate_up=(32, 8, 4), down=(64, 32, 4))
         return dict(gate_up=(32, 64, 1, 4, 1), down=(64, 64, 4, 1))
     return GEMV_CONFIGS[fmt][N > GEMV_SMALL_TOKENS]
 
 
 @_jit
 def _gemv_step(acc, v_ptr, k0, K_IN, w_ptr, s_ptr, n, kb, n_ok, stride_wn, stride_sr, stride_sc, off_r, off_c,
-               FMT: tl.constexpr, BLOCK_K: tl.constexpr, GROUP: tl.constexpr, BLOCK_R: tl.constexpr,
-               BLOCK_C: tl.constexpr, SCALE_PER_ROW: tl.constexpr):
-    """acc [R, ACC_K] fp32 += W[n, k] * v[k] elementwise for tile row r: n[r], k = k0 + kb[r] + [0, BLOCK_K)
-    (summed over k by the caller). kb: [R] column offsets (FP8 sub-blocks) or 0.
+               FMT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+               SCALE_PER_ROW: tl.constexpr):
+    """acc [R, BLOCK_K] fp32 += W[n, k] * v[k] elementwise for tile row r: n[r], k = k0 + kb[r] + [0, BLOCK_K)
+    (summed over k by the caller). kb: [R] column offsets (FP8 sub-blocks) or 0. Plain and FP8 (INT4 has
+    kernels of its own below).
 
-    v_ptr: the activation row (plain, FP8: [K_IN] in order; INT4: 8 planes [8, K_IN/8], plane j
-    holding elements 8w + j). w_ptr, s_ptr: one expert's weight and scale (ExpertWeights layouts).
-    ACC_K = BLOCK_K (plain, FP8) or BLOCK_K / 8 (INT4: one column per word)."""
-    if FMT == 2:
-        w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        w_ok = w < K_IN // 8
-        ok = n_ok[:, None] & w_ok[None, :]
-        words = tl.load(w_ptr + n[:, None] * stride_wn + w[None, :], mask=ok, other=0)
-        scale = tl.load(s_ptr + n[:, None] * stride_sr + (w * 8 // GROUP)[None, :], mask=ok, other=0.0)
-        high = words >> 20                                   # nibbles 5, 6, 7 at bits 0..11
-        t = tl.zeros(words.shape, tl.float32)
-        for j in tl.static_range(8):                         # (nibble - 8) * v, q exact in fp32
-            # plane j over the whole tile (every row the same addresses): the tile's own layout, no shuffle
-            v = tl.load(v_ptr + j * (K_IN // 8) + (w[None, :] + 0 * n[:, None]), mask=ok, other=0.0).to(tl.float32)
-            if j < 5:
-                f = ((words & (15 << (4 * j))) | 0x4B000000).to(tl.float32, bitcast=True)
-                t += (f * (1.0 / (1 << (4 * j))) - (8388608.0 / (1 << (4 * j)) + 8.0)) * v
-            else:
-                f = ((high & (15 << (4 * (j - 5)))) | 0x4B000000).to(tl.float32, bitcast=True)
-                t += (f * (1.0 / (1 << (4 * (j - 5)))) - (8388608.0 / (1 << (4 * (j - 5))) + 8.0)) * v
-        acc += t * scale.to(tl.float32)
+    v_ptr: the activation row [K_IN]. w_ptr, s_ptr: one expert's weight and scale (ExpertWeights layouts)."""
+    if FMT == 0:                                         # the activation broadcast over the rows
+        k = k0 + tl.arange(0, BLOCK_K)
+        wt = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & (k < K_IN)[None, :],
+                     other=0.0)
+        acc += wt.to(tl.float32) * tl.load(v_ptr + k, mask=k < K_IN, other=0.0).to(tl.float32)[None, :]
     else:
-        if FMT == 0:                                         # the activation broadcast over the rows
-            k = k0 + tl.arange(0, BLOCK_K)
-            wt = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & (k < K_IN)[None, :],
-                         other=0.0)
-            acc += wt.to(tl.float32) * tl.load(v_ptr + k, mask=k < K_IN, other=0.0).to(tl.float32)[None, :]
+        k = k0 + kb[:, None] + tl.arange(0, BLOCK_K)[None, :]              # [R, BLOCK_K]
+        k_ok = k < K_IN
+        ok = n_ok[:, None] & k_ok
+        wt = tl.load(w_ptr + n[:, None] * stride_wn + k, mask=ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + k, mask=k_ok, other=0.0).to(tl.float32)        # per tile row (sub-blocks)
+        if SCALE_PER_ROW:
+            s = tl.load(s_ptr + ((n + off_r) // BLOCK_R) * stride_sr + ((k0 + kb + off_c) // BLOCK_C) * stride_sc,
+                        mask=n_ok & (k0 + kb < K_IN), other=0.0)
+            acc += wt * s[:, None] * v
         else:
-            k = k0 + kb[:, None] + tl.arange(0, BLOCK_K)[None, :]              # [R, BLOCK_K]
-            k_ok = k < K_IN
-            ok = n_ok[:, None] & k_ok
-            wt = tl.load(w_ptr + n[:, None] * stride_wn + k, mask=ok, other=0.0).to(tl.float32)
-            v = tl.load(v_ptr + k, mask=k_ok, other=0.0).to(tl.float32)        # per tile row (sub-blocks)
-            if SCALE_PER_ROW:
-                s = tl.load(s_ptr + ((n + off_r) // BLOCK_R) * stride_sr + ((k0 + kb + off_c) // BLOCK_C) * stride_sc,
-                            mask=n_ok & (k0 + kb < K_IN), other=0.0)
-                acc += wt * s[:, None] * v
-            else:
-                acc += wt * tl.load(s_ptr + ((n + off_r) // BLOCK_R)[:, None] * stride_sr
-                                    + ((k + off_c) // BLOCK_C) * stride_sc, mask=ok, other=0.0) * v
+            acc += wt * tl.load(s_ptr + ((n + off_r) // BLOCK_R)[:, None] * stride_sr
+                                + ((k + off_c) // BLOCK_C) * stride_sc, mask=ok, other=0.0) * v
     return acc
+
+
+@_jit
+def _expert_pairs(ids_ptr, p, P, P_PAD: tl.constexpr):
+    """The pairs of pair p's expert: (same [P_PAD] bool, rank [P_PAD]: each one's place among them,
+    leader: p is the first of them)."""
+    q = tl.arange(0, P_PAD)
+    same = tl.load(ids_ptr + q, mask=q < P, other=-1) == tl.load(ids_ptr + p)
+    return same, tl.cumsum(same.to(tl.int32), 0) - 1, tl.min(tl.where(same, q, P_PAD), 0) == p
 
 
 @_jit
 def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, P,
                              stride_we, stride_wn, stride_se, stride_sr, stride_sc, off_r, off_c,
                              TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
-                             GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                              P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-                             ACC_K: tl.constexpr, UNROLL: tl.constexpr, SCALE_PER_ROW: tl.constexpr):
-    """h[p, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) * route_w[p] for pair p = n*K + k, e = ids[p].
+                             UNROLL: tl.constexpr, SCALE_PER_ROW: tl.constexpr):
+    """h[p, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) * route_w[p] for pair p = n*K + k, e = ids[p]
+    (plain and FP8 weights).
 
-    v_ptr: the activations [N, D] (x's dtype) or, INT4, fp32 planes [N, 8, D/8]. h_ptr: fp32 [P, I]
-    out (INT4: row p in plane order, element i at (i % 8) * I/8 + i // 8). ids_ptr: int [P];
-    route_w_ptr: fp32 [P]. g_ptr / u_ptr, gs_ptr / us_ptr: gate and up weights and scales, [E, I, D]
-    as ExpertWeights (same strides). P_PAD: a power of two >= P. Grid: (cdiv(I, BLOCK_N), P); only a
+    v_ptr: the activations [N, D] (x's dtype). h_ptr: fp32 [P, I] out. ids_ptr: int [P]; route_w_ptr:
+    fp32 [P]. g_ptr / u_ptr, gs_ptr / us_ptr: gate and up weights and scales, [E, I, D] as
+    ExpertWeights (same strides). P_PAD: a power of two >= P. Grid: (cdiv(I, BLOCK_N), P); only a
     leader program works."""
     pid_n, p = tl.program_id(0), tl.program_id(1)
-    q = tl.arange(0, P_PAD)
-    same = tl.load(ids_ptr + q, mask=q < P, other=-1) == tl.load(ids_ptr + p)   # pairs of this expert
-    if tl.min(tl.where(same, q, P_PAD), 0) != p:
+    same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
+    if not leader:
         return                                                              # not the expert's first pair
-    rank = tl.cumsum(same.to(tl.int32), 0) - 1
+    q = tl.arange(0, P_PAD)
     e = tl.load(ids_ptr + p).to(tl.int64)
     g_ptr, u_ptr = g_ptr + e * stride_we, u_ptr + e * stride_we
     gs_ptr, us_ptr = gs_ptr + e * stride_se, us_ptr + e * stride_se
@@ -537,34 +544,31 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
     for c in range(tl.sum(same.to(tl.int32), 0)):                          # each pair of the expert
         pair = tl.sum(tl.where(same & (rank == c), q, 0), 0)
         v = v_ptr + (pair // TOPK).to(tl.int64) * D
-        acc_g = tl.zeros([BLOCK_N * SUB, ACC_K], tl.float32)
-        acc_u = tl.zeros([BLOCK_N * SUB, ACC_K], tl.float32)
+        acc_g = tl.zeros([BLOCK_N * SUB, BLOCK_K], tl.float32)
+        acc_u = tl.zeros([BLOCK_N * SUB, BLOCK_K], tl.float32)
         for k0 in range(0, D, BLOCK_K * SUB * UNROLL):
             for s in tl.static_range(UNROLL):                               # independent loads in flight
                 k1 = k0 + s * BLOCK_K * SUB
                 acc_g = _gemv_step(acc_g, v, k1, D, g_ptr, gs_ptr, n, kb, n_ok, stride_wn, stride_sr, stride_sc,
-                                   off_r, off_c, FMT, BLOCK_K, GROUP, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
+                                   off_r, off_c, FMT, BLOCK_K, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
                 acc_u = _gemv_step(acc_u, v, k1, D, u_ptr, us_ptr, n, kb, n_ok, stride_wn, stride_sr, stride_sc,
-                                   off_r, off_c, FMT, BLOCK_K, GROUP, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
+                                   off_r, off_c, FMT, BLOCK_K, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
         g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
         if SUB > 1:                                                         # the sub-blocks of each row
             g, u = tl.sum(tl.reshape(g, [BLOCK_N, SUB]), 1), tl.sum(tl.reshape(u, [BLOCK_N, SUB]), 1)
         h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + pair)
         i = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        col = i
-        if FMT == 2:
-            col = (i % 8) * (I // 8) + i // 8
-        tl.store(h_ptr + pair.to(tl.int64) * I + col, h, mask=i < I)
+        tl.store(h_ptr + pair.to(tl.int64) * I + i, h, mask=i < I)
 
 
 @_jit
 def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
                           stride_we, stride_wn, stride_se, stride_sr, stride_sc, off_r, off_c,
                           TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
-                          GROUP: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, ACC_K: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
                           SCALE_PER_ROW: tl.constexpr):
-    """out[n, d] = sum_k (down[e] @ h[n*K + k])[d], e = ids[n*K + k] (route weights are in h).
+    """out[n, d] = sum_k (down[e] @ h[n*K + k])[d], e = ids[n*K + k] (route weights are in h; plain and FP8).
 
     h_ptr: fp32 [P, I] from gate_up. out_ptr: [N, D], x's dtype. w_ptr / s_ptr: down weights and
     scales, [E, D, I] as ExpertWeights. Grid: (N, cdiv(D, BLOCK_N))."""
@@ -572,14 +576,14 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
     r = tl.arange(0, BLOCK_N * SUB)
     n, kb = pid_n * BLOCK_N + r // SUB, (r % SUB) * BLOCK_K
     n_ok = n < D
-    acc = tl.zeros([BLOCK_N * SUB, ACC_K], tl.float32)
+    acc = tl.zeros([BLOCK_N * SUB, BLOCK_K], tl.float32)
     for k in tl.static_range(TOPK):                                         # the token's K experts
         pair = token * TOPK + k
         e = tl.load(ids_ptr + pair).to(tl.int64)
         for k0 in tl.static_range(0, I, BLOCK_K * SUB):
             acc = _gemv_step(acc, h_ptr + pair.to(tl.int64) * I, k0, I, w_ptr + e * stride_we, s_ptr + e * stride_se,
                              n, kb, n_ok, stride_wn, stride_sr, stride_sc, off_r, off_c,
-                             FMT, BLOCK_K, GROUP, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
+                             FMT, BLOCK_K, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
     y = tl.sum(acc, 1)
     if SUB > 1:
         y = tl.sum(tl.reshape(y, [BLOCK_N, SUB]), 1)
@@ -587,39 +591,270 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
     tl.store(out_ptr + token.to(tl.int64) * D + d, y.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
+# INT4 GEMV kernels. A weight tile is [rows, words] (word w holds elements 8w..8w+7); with one warp a
+# program and 128 words a step (the defaults) each thread holds the same 4 words (a 16-byte load) of
+# every row of the tile, so the activation planes loaded for its words serve all of its rows, gate's
+# and up's, in the tile's own layout (sm_90 code checked: no shuffle through shared memory in a step).
+# Where the shapes divide the blocks (EVEN, Kimi-K2's) no load is masked: a masked load zeroes its
+# destination registers first, one move a word. gate_up issues the next step's words before it
+# unpacks this step's (Triton pipelines only loads that feed tl.dot). down lays the token's K experts
+# side by side as columns of one tile, so all of their words are in flight at once instead of one
+# expert after another.
+
+@_jit
+def _nibble(words, high, J: tl.constexpr, magic):
+    """(nibble J of each word) - 8 in fp32, exactly: the nibble ORed into the mantissa of 2^23 is the
+    float 2^23 + nib * 2^b (b its bit position), and one FMA scales and subtracts. A float's mantissa
+    has 23 bits: nibbles 5-7 come from high = words >> 12 (bits 8-19). magic: 0x4B000000, the bits of
+    2^23, passed at run time so that the AND and the OR compile to one instruction (LOP3 takes one
+    immediate: with both constants known, the sm_90 code had two a nibble)."""
+    if J < 5:
+        f = ((words & (15 << (4 * J))) | magic).to(tl.float32, bitcast=True)
+        return f * (1.0 / (1 << (4 * J))) - (8388608.0 / (1 << (4 * J)) + 8.0)
+    else:
+        f = ((high & (15 << (4 * J - 12))) | magic).to(tl.float32, bitcast=True)
+        return f * (1.0 / (1 << (4 * J - 12))) - (8388608.0 / (1 << (4 * J - 12)) + 8.0)
+
+
+@_jit
+def _int4_tile(w_ptr, s_ptr, rows_ok, w, W: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr):
+    """One step of one INT4 matrix: words [R, BW] and their group scales (fp32), read at word columns
+    w [BW] of the rows whose pointers are w_ptr, s_ptr [R, 1]."""
+    g = (w * 8 // GROUP)[None, :]
+    if EVEN:
+        return tl.load(w_ptr + w[None, :]), tl.load(s_ptr + g).to(tl.float32)
+    ok = rows_ok[:, None] & (w < W)[None, :]
+    return tl.load(w_ptr + w[None, :], mask=ok, other=0), tl.load(s_ptr + g, mask=ok, other=0.0).to(tl.float32)
+
+
+@_jit
+def _plane(ptrs, J: tl.constexpr, PLANE: tl.constexpr, ok, EVEN: tl.constexpr):
+    """Activation plane J (elements 8w + J) at words w as [1, BW] fp32; ptrs [BW]: plane 0's words, PLANE
+    words apart. Loaded 2-d, so it comes in the weight tile's own layout (a 1-d load took another and
+    a shuffle through shared memory a plane, seen in the compiled code)."""
+    if EVEN:
+        return tl.load((ptrs + J * PLANE)[None, :])
+    return tl.load((ptrs + J * PLANE)[None, :], mask=ok[None, :], other=0.0)
+
+
+@_jit
+def _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, start, W: tl.constexpr, GROUP: tl.constexpr,
+                   BLOCK_W: tl.constexpr, EVEN: tl.constexpr):
+    """Gate's and up's words and scales of the BLOCK_W words at `start` (masked unless EVEN)."""
+    w = start + tl.arange(0, BLOCK_W)
+    gw, gs = _int4_tile(g_rows, gs_rows, n_ok, w, W, GROUP, EVEN)
+    uw, us = _int4_tile(u_rows, us_rows, n_ok, w, W, GROUP, EVEN)
+    return gw, gs, uw, us
+
+
+@_jit
+def _gate_up_products(gw, gs, uw, us, v, start, magic, W: tl.constexpr, BLOCK_W: tl.constexpr, EVEN: tl.constexpr):
+    """One step's scaled products [R, BLOCK_W] of gate and up (each word's 8 summed), v: the planes."""
+    w = start + tl.arange(0, BLOCK_W)
+    g_high, u_high = gw >> 12, uw >> 12
+    t_g = tl.zeros(gw.shape, tl.float32)
+    t_u = tl.zeros(uw.shape, tl.float32)
+    for j in tl.static_range(8):
+        x = _plane(v + w, j, W, w < W, EVEN)
+        t_g += _nibble(gw, g_high, j, magic) * x
+        t_u += _nibble(uw, u_high, j, magic) * x
+    return t_g * gs, t_u * us
+
+
+@_jit
+def _shared_gate_up(x_ptr, hs_ptr, sg_ptr, su_ptr, N, s, n, n_ok, D: tl.constexpr, I: tl.constexpr,
+                    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """The bf16 shared expert's gate and up rows n over split s of D (D / SPLIT columns: SPLIT 4 makes
+    it as many bytes a program as a routed expert's INT4 rows), for every token: raw sums into hs
+    [2, SPLIT, N, I] fp32, which down adds up over the splits before its SiLU. x_ptr: the activations
+    [N, D]; sg_ptr, su_ptr: the shared gate and up weights [I, D]."""
+    CHUNK: tl.constexpr = (D + SPLIT - 1) // SPLIT
+    hi = tl.minimum((s + 1) * CHUNK, D)
+    for t in range(N):
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(s * CHUNK, hi, BLOCK_K):
+            k = (k0 + tl.arange(0, BLOCK_K))[None, :]
+            if EVEN:
+                xv = tl.load(x_ptr + t * D + k).to(tl.float32)
+                gw, uw = tl.load(sg_ptr + n[:, None] * D + k), tl.load(su_ptr + n[:, None] * D + k)
+            else:
+                ok = n_ok[:, None] & (k < hi)
+                xv = tl.load(x_ptr + t * D + k, mask=k < hi, other=0.0).to(tl.float32)
+                gw = tl.load(sg_ptr + n[:, None] * D + k, mask=ok, other=0.0)
+                uw = tl.load(su_ptr + n[:, None] * D + k, mask=ok, other=0.0)
+            acc_g += gw.to(tl.float32) * xv
+            acc_u += uw.to(tl.float32) * xv
+        tl.store(hs_ptr + (s * N + t) * I + n, tl.sum(acc_g, 1), mask=n_ok)
+        tl.store(hs_ptr + ((SPLIT + s) * N + t) * I + n, tl.sum(acc_u, 1), mask=n_ok)
+
+
+@_jit
+def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, P,
+                                  stride_we, stride_wn, stride_se, stride_sr, magic, x_ptr, hs_ptr, sg_ptr, su_ptr, N,
+                                  TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
+                                  P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                                  EVEN: tl.constexpr, SPLIT: tl.constexpr, SHARED_K: tl.constexpr,
+                                  EVEN_SHARED: tl.constexpr):
+    """_moe_gemv_gate_up_kernel for INT4 weights: v_ptr the activations as fp32 planes [N, 8, D/8]
+    (plane j = elements 8w + j), h written in plane order (element i of row p at (i % 8) * I/8 + i // 8),
+    the planes down reads. BLOCK_W words (8 BLOCK_W elements) a step; EVEN: the blocks divide I and D/8,
+    so no load is masked. Grid: (cdiv(I, BLOCK_N), SPLIT + P): the first SPLIT programs of each row block take
+    the bf16 shared expert (_shared_gate_up; x_ptr, hs_ptr, sg_ptr, su_ptr, N: its arguments; SPLIT 0:
+    none; SHARED_K bf16 columns a step), launched first since each runs its N tokens one after another;
+    pair p is program SPLIT + p."""
+    pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
+    if SPLIT > 0:
+        if p < 0:
+            n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            _shared_gate_up(x_ptr, hs_ptr, sg_ptr, su_ptr, N, p + SPLIT, n, n < I, D, I, SPLIT, BLOCK_N, SHARED_K,
+                            EVEN_SHARED)
+            return
+    same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
+    if not leader:
+        return
+    q = tl.arange(0, P_PAD)
+    W: tl.constexpr = D // 8
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    g_rows, u_rows = g_ptr + e * stride_we + n[:, None] * stride_wn, u_ptr + e * stride_we + n[:, None] * stride_wn
+    gs_rows, us_rows = gs_ptr + e * stride_se + n[:, None] * stride_sr, us_ptr + e * stride_se + n[:, None] * stride_sr
+    for c in range(tl.sum(same.to(tl.int32), 0)):                          # each pair of the expert
+        pair = tl.sum(tl.where(same & (rank == c), q, 0), 0)
+        v = v_ptr + (pair // TOPK).to(tl.int64) * D
+        acc_g = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+        gw, gs, uw, us = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, 0, W, GROUP, BLOCK_W, EVEN)
+        for w0 in range(0, W, BLOCK_W):
+            # the next step's words, in flight while this one is unpacked (EVEN: the last step reloads its
+            # own, so no load needs a mask or a branch; two steps ahead measured slower, 23.5 against 21.3 us)
+            start = w0 + BLOCK_W
+            if EVEN:
+                start = tl.minimum(start, W - BLOCK_W)
+            gw1, gs1, uw1, us1 = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, start, W, GROUP, BLOCK_W,
+                                                EVEN)
+            pg, pu = _gate_up_products(gw, gs, uw, us, v, w0, magic, W, BLOCK_W, EVEN)
+            acc_g += pg
+            acc_u += pu
+            gw, gs, uw, us = gw1, gs1, uw1, us1
+        g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
+        h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + pair)
+        tl.store(h_ptr + pair.to(tl.int64) * I + (n % 8) * (I // 8) + n // 8, h, mask=n_ok)
+
+
+@_jit
+def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we, stride_wn, stride_se, stride_sr, magic,
+                               hs_ptr, sd_ptr, N,
+                               TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
+                               BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr,
+                               SPLIT: tl.constexpr, I_PAD: tl.constexpr):
+    """_moe_gemv_down_kernel for INT4 weights, h in plane order (gate_up's). A tile's columns are the
+    token's K experts' words side by side (column c: expert slot c // (I/8), word c % (I/8)), BLOCK_C
+    columns a step. SPLIT > 0: the bf16 shared expert too, weight 1: h = silu(g) * u from gate_up's
+    SPLIT partial sums hs [2, SPLIT, N, I], times its down weights sd_ptr [D, I] (I_PAD: a power of
+    two >= I). Grid: (N, cdiv(D, BLOCK_N))."""
+    token, pid_n = tl.program_id(0), tl.program_id(1)
+    W: tl.constexpr = I // 8
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < D
+    acc = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
+    for c0 in tl.static_range(0, TOPK * W, BLOCK_C):
+        c = c0 + tl.arange(0, BLOCK_C)
+        pair = token * TOPK + c // W
+        w = c % W
+        if EVEN:
+            e = tl.load(ids_ptr + pair).to(tl.int64)
+            words = tl.load(w_ptr + e[None, :] * stride_we + n[:, None] * stride_wn + w[None, :])
+            s = tl.load(s_ptr + e[None, :] * stride_se + n[:, None] * stride_sr + (w * 8 // GROUP)[None, :])
+        else:
+            c_ok = c < TOPK * W
+            ok = n_ok[:, None] & c_ok[None, :]
+            e = tl.load(ids_ptr + pair, mask=c_ok, other=0).to(tl.int64)
+            words = tl.load(w_ptr + e[None, :] * stride_we + n[:, None] * stride_wn + w[None, :], mask=ok, other=0)
+            s = tl.load(s_ptr + e[None, :] * stride_se + n[:, None] * stride_sr + (w * 8 // GROUP)[None, :],
+                        mask=ok, other=0.0)
+        high = words >> 12
+        h_row = h_ptr + pair.to(tl.int64) * I + w                          # plane j at + j * W
+        t = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
+        for j in tl.static_range(8):
+            t += _nibble(words, high, j, magic) * _plane(h_row, j, W, c < TOPK * W, EVEN)
+        acc += t * s.to(tl.float32)
+    y = tl.sum(acc, 1)
+    if SPLIT > 0:
+        i = tl.arange(0, I_PAD)[None, :]
+        g = tl.zeros([1, I_PAD], tl.float32)
+        u = tl.zeros([1, I_PAD], tl.float32)
+        for s in tl.static_range(SPLIT):
+            g += tl.load(hs_ptr + (s * N + token) * I + i, mask=i < I, other=0.0)
+            u += tl.load(hs_ptr + ((SPLIT + s) * N + token) * I + i, mask=i < I, other=0.0)
+        wt = tl.load(sd_ptr + n[:, None] * I + i, mask=n_ok[:, None] & (i < I), other=0.0).to(tl.float32)
+        y += tl.sum(wt * (g / (1.0 + tl.exp(-g)) * u), 1)
+    tl.store(out_ptr + token.to(tl.int64) * D + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
+
+
 def _gemv_args(w, block_k, sub):
-    """_weight_args for the GEMV kernels: strides, row/column offsets, and the constexprs (group,
-    block sizes, per-row scale, SUB: 1 where the scale is not one per row and step)."""
+    """_weight_args for the GEMV kernels: strides, row/column offsets, and the constexprs (block
+    sizes, per-row scale, SUB: 1 where the scale is not one per row and step)."""
     scale, strides, (br, bc, off_r, off_c, group), per_row = _weight_args(w, block_k)
     # one scale per row and step only where every step is whole: the FP8 graph test (128x128 blocks over
     # a 64 x 32 matrix, steps mostly masked) read NaN on the H200 through that path, not through this
     # fallback (one scale an element, tested on the GPU with masked steps); not reproduced on the CPU
     per_row = per_row and w.shape[2] % (block_k * sub) == 0
-    return scale, strides, (off_r, off_c), dict(GROUP=group, BLOCK_R=br, BLOCK_C=bc, SCALE_PER_ROW=per_row,
+    return scale, strides, (off_r, off_c), dict(BLOCK_R=br, BLOCK_C=bc, SCALE_PER_ROW=per_row,
                                                 SUB=sub if per_row else 1)
 
 
-def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg):
-    """The GEMV variant (see its section); arguments as fused_moe's, already checked and flattened."""
+MAGIC = 0x4B000000   # the bits of the float 2^23 (_nibble)
+
+
+def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None):
+    """The GEMV variant for INT4 weights (see _fused_moe_gemv); shared: fused_moe's."""
     (N, D), P, I, dev = x.shape, ids.numel(), gate.shape[1], x.device
     K = P // N
-    if fmt == "int4":   # the activation as 8 planes, plane j = elements 8w + j: [N, 8, D/8] fp32
-        v = torch.empty(N, 8, D // 8, dtype=torch.float32, device=dev).copy_(x.view(N, D // 8, 8).transpose(1, 2))
-    else:
-        v = x
+    # the activation as 8 planes, plane j = elements 8w + j: [N, 8, D/8] fp32
+    v = torch.empty(N, 8, D // 8, dtype=torch.float32, device=dev).copy_(x.view(N, D // 8, 8).transpose(1, 2))
+    h = torch.empty(P, I, dtype=torch.float32, device=dev)                  # [P, I], route weight in
+    bn, bw, warps = cfg["gate_up"]
+    split = 4 if shared else 0   # the shared expert's gate and up split 4 ways over D: bf16 is 4x INT4's bytes
+    hs = torch.empty(2, split, N, I, dtype=torch.float32, device=dev) if shared else h
+    sg, su, sd = shared or (h, h, h)                                        # (never read without shared)
+    s = gate.data.stride(), gate.scale.stride()
+    _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), split + P)](
+        v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, P, s[0][0], s[0][1], s[1][0], s[1][1], MAGIC,
+        x, hs, sg, su, N, TOPK=K, D=D, I=I, GROUP=gate.group, P_PAD=max(16, triton.next_power_of_2(P)),
+        BLOCK_N=bn, BLOCK_W=bw, EVEN=I % bn == 0 and D % (8 * bw) == 0, SPLIT=split,
+        SHARED_K=256 * warps,                                                         # 16 bytes a thread
+        EVEN_SHARED=I % bn == 0 and D % (4 * 256 * warps) == 0, num_warps=warps)
+    bn, bc, warps = cfg["down"]
+    out = torch.empty(N, D, dtype=x.dtype, device=dev)
+    s = down.data.stride(), down.scale.stride()
+    _moe_gemv_int4_down_kernel[(N, triton.cdiv(D, bn))](
+        h, out, ids, down.data, down.scale, s[0][0], s[0][1], s[1][0], s[1][1], MAGIC, hs, sd, N,
+        TOPK=K, D=D, I=I, GROUP=down.group, BLOCK_N=bn, BLOCK_C=bc, EVEN=D % bn == 0 and K * I // 8 % bc == 0,
+        SPLIT=split, I_PAD=triton.next_power_of_2(I), num_warps=warps)
+    return out
+
+
+def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None):
+    """The GEMV variant (see its section); arguments as fused_moe's, already checked and flattened."""
+    if fmt == "int4":
+        return _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared)
+    (N, D), P, I, dev = x.shape, ids.numel(), gate.shape[1], x.device
+    K = P // N
     bn, bk, unroll, warps, sub = cfg["gate_up"]
     h = torch.empty(P, I, dtype=torch.float32, device=dev)                  # [P, I], route weight in
     gs, strides, offs, const = _gemv_args(gate, bk, sub)
     _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), P)](
-        v, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
+        x, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
         TOPK=K, D=D, I=I, FMT=FORMATS[fmt], P_PAD=max(16, triton.next_power_of_2(P)), BLOCK_N=bn, BLOCK_K=bk,
-        ACC_K=bk // 8 if fmt == "int4" else bk, UNROLL=unroll, num_warps=warps, **const)
+        UNROLL=unroll, num_warps=warps, **const)
     bn, bk, warps, sub = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     ds, strides, offs, const = _gemv_args(down, bk, sub)
     _moe_gemv_down_kernel[(N, triton.cdiv(D, bn))](
         h, out, ids, down.data, ds, *strides, *offs, TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn, BLOCK_K=bk,
-        ACC_K=bk // 8 if fmt == "int4" else bk, num_warps=warps, **const)
+        num_warps=warps, **const)
     return out
 
 
@@ -1619,28 +1854,34 @@ class FusedExperts(GroupedExperts):
         return (x.shape[0] <= self.FUSED_MAX_TOKENS or self.quantized
                 or not grouped_mm_available(x.device, x.dtype))
 
-    def forward(self, x, ids, weights, stacked=None):
-        """stacked: SharedExpertInLaunch's [E + 1, ...] tensors, for ids that may name expert E."""
+    def forward(self, x, ids, weights, stacked=None, shared=None):
+        """stacked: SharedExpertInLaunch's [E + 1, ...] tensors, for ids that may name expert E; shared:
+        its bf16 shared expert's weights beside INT4 experts (fused_moe's shared)."""
         if self.runs_fused(x):
             # torch.compile (run.py --compile) leaves the Triton launches alone: a graph break here
             # (around the whole of fused, which also builds the kernel's weight descriptors)
-            return torch.compiler.disable(self.fused)(x, ids, weights, stacked)
+            return torch.compiler.disable(self.fused)(x, ids, weights, stacked, shared=shared)
         return super().forward(x, ids, weights)
 
-    def fused(self, x, ids, weights, stacked=None, variant=None):  # variant: fused_moe's (None: its rule)
+    def fused(self, x, ids, weights, stacked=None, variant=None, shared=None):  # variant: fused_moe's
         projs = stacked or [getattr(self, p) for p in ("gate_proj", "up_proj", "down_proj")]
-        return fused_moe(x, ids, weights, *map(expert_weights, projs), variant=variant)
+        return fused_moe(x, ids, weights, *map(expert_weights, projs), variant=variant, shared=shared)
 
 
 class SharedExpertInLaunch(AttachAgain, model.MoE):
-    """"shared_expert": the shared expert as expert E of the fused launch, chosen by every token
-    with weight 1 (K + 1 pairs a token). Its weights move in as the last rows of [E + 1, ...]
-    tensors, both modules' parameters becoming views of them, so a checkpoint loaded afterwards
-    lands there under the same names. Where the launch does not run (past FusedExperts' token
-    limit) the plain sum runs, the shared expert alone."""
+    """"shared_expert": the shared expert inside the fused launch. Plain routed experts: it is expert E,
+    chosen by every token with weight 1 (K + 1 pairs a token); its weights move in as the last rows of
+    [E + 1, ...] tensors, both modules' parameters becoming views of them, so a checkpoint loaded
+    afterwards lands there under the same names. INT4 routed experts (Kimi-K2.5, whose shared expert
+    stays bf16): the INT4 GEMV launches take its weights beside theirs (fused_moe's shared), where the
+    rule picks the GEMV variant. Elsewhere (past FusedExperts' token limit, INT4 tiles) the plain sum
+    runs, the shared expert alone."""
 
     def attach(self):
         ex, sh = self.experts, self.shared_experts
+        self.stacked = None
+        if ex.quantized:
+            return
         self.stacked = []
         for routed, shared in ((ex.gate_proj, sh.gate_proj.weight), (ex.up_proj, sh.up_proj.weight),
                                (ex.down_proj, sh.down_proj.weight)):
@@ -1649,8 +1890,13 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
             self.stacked.append(both)
 
     def partial_sum(self, x):
-        if not self.experts.runs_fused(x):
+        ex, sh = self.experts, self.shared_experts
+        K = self.gate.args.num_experts_per_tok
+        if not ex.runs_fused(x) or (ex.quantized and gemv_rule("int4", x.shape[0], K) != "gemv"):
             return super().partial_sum(x)
+        if self.stacked is None:
+            ids, weights = self.gate(x)
+            return ex(x, ids, weights, shared=[sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight])
         if isinstance(self.gate, RouterKernel):
             ids, weights = self.gate(x, shared_slot=True)
         else:
@@ -1660,11 +1906,16 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
     @staticmethod
     def applies(moe):
         """One plain shared expert of a routed expert's shape (Kimi-K2, DeepSeek-V3: n_shared_experts
-        1) beside the fused routed experts."""
+        1) beside the fused routed experts: plain ones of its dtype, or INT4 ones."""
         ex, sh = moe.experts, moe.shared_experts
-        return (isinstance(ex, FusedExperts) and not ex.quantized
-                and sh.gate_proj.weight.dtype == ex.gate_proj.dtype
-                and sh.gate_proj.weight.shape == ex.gate_proj.shape[1:])
+        if not isinstance(ex, FusedExperts):
+            return False
+        if ex.quantized:
+            packed, w = ex.gate_proj, sh.gate_proj.weight
+            _, I, words = packed.weight_packed.shape
+            return (isinstance(packed, model.PackedExperts) and w.dtype == packed.weight_scale.dtype
+                    and list(w.shape) == [I, words * 8])
+        return sh.gate_proj.weight.dtype == ex.gate_proj.dtype and sh.gate_proj.weight.shape == ex.gate_proj.shape[1:]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -3,6 +3,7 @@ and its floor, captured in CUDA graphs and timed by device events (medians), the
 replay past the L2; achieved GB/s against the copy bandwidth measured in the same run.
 
     python kernels_bench.py [--moe | --small] [--sweep [VARIANTS]] [--variants dot,gemv] [--json OUT]
+                            [--formats plain,fp8,int4] [--tokens 1,2,3,4,8,32] [--shared]
         --moe: the fused MoE only (each weight format, token count and variant against its floor);
         without it the MLA decode attention, the router, add + RMSNorm, SwiGLU, RoPE + cache
         write, norm_gemv and head_gemv follow. --small: the router, add + RMSNorm, SwiGLU, RoPE +
@@ -12,6 +13,7 @@ import math
 from functools import partial
 
 import torch
+import torch.nn.functional as F
 
 import kernels
 import model
@@ -29,7 +31,8 @@ from kernels import (GEMV_MAX_PAIRS, GEMV_MAX_TOKENS, ExpertWeights, add_rmsnorm
 
 def _random_experts(fmt, E, out, inp, device, g):
     if fmt == "plain":
-        return ExpertWeights("plain", torch.randn(E, out, inp, device=device, generator=g, dtype=torch.bfloat16) / inp ** 0.5)
+        w = torch.randn(E, out, inp, device=device, generator=g, dtype=torch.bfloat16)
+        return ExpertWeights("plain", w / inp ** 0.5)
     if fmt == "fp8":
         w = torch.randn(E, out, inp, device=device, generator=g).to(torch.float8_e4m3fn)
         s = torch.rand(E, triton.cdiv(out, 128), triton.cdiv(inp, 128), device=device, generator=g) / inp ** 0.5
@@ -56,15 +59,14 @@ def _kernel_ms(fn):
     return sum(kernels.values()), kernels
 
 
-# Sweep points (N = 1 and 4 only), each beside the default: k3's tiles ("dot") and the GEMV variant.
+# Sweep points (N = 1, 3 and 4 only), each beside the default: k3's tiles ("dot") and the GEMV variant.
 DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5), (32, 128, 4, 5), (64, 128, 4, 4),
                           (16, 256, 4, 3), (32, 256, 8, 3), (16, 64, 4, 6)],
                  down=[(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (64, 256, 8, 3)])
 GEMV_SWEEP = {"plain": dict(gate_up=[], down=[(32, 256, 4, 1)]),
               "fp8": dict(gate_up=[(8, 128, 2, 4, 4), (2, 128, 2, 2, 4), (4, 128, 1, 4, 4), (4, 128, 2, 8, 8)],
                           down=[(16, 128, 4, 2), (4, 128, 2, 2)]),
-              "int4": dict(gate_up=[(8, 1024, 2, 4, 1), (4, 512, 4, 4, 1), (2, 2048, 1, 4, 1)],
-                           down=[(16, 256, 4, 1), (64, 256, 8, 1), (16, 256, 2, 1)])}
+              "int4": dict(gate_up=[(2, 128, 1), (1, 256, 1)], down=[(8, 256, 2)])}
 
 
 def _sweep_points(fmt, variant):
@@ -74,16 +76,20 @@ def _sweep_points(fmt, variant):
     return [{part: c} for part, cs in DOT_SWEEP.items() for c in cs if ok(c)]
 
 
-def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 2, 4, 8, 32)):
+def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 2, 3, 4, 8, 32),
+                  formats=("plain", "fp8", "int4"), shared=False):
     """One layer's routed experts per format, token count and variant of fused_moe ("dot": k3's
     tiles through tl.dot, "gemv": the GEMV variant) against its floor (the distinct experts' stored
     bytes over the eager copy bandwidth measured here), timed as a graph of LAYERS calls. sweep: the
-    variants whose sweep points are also timed (at N = 1 and 4)."""
+    variants whose sweep points are also timed (at N = 1, 3 and 4 where timed). shared (INT4): also
+    the GEMV launch with Kimi-K2.5's bf16 shared expert in it ("gemv+shared", its bytes added to the
+    floor), and that shared expert alone the way the model runs it unfolded ("shared-torch": one GEMM
+    over the stacked gate and up, SiLU times up, the down GEMM adding onto the routed output)."""
     dev, g = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
     bandwidth = copy_bandwidth_GBps()
     print(f"fused MoE, one Kimi-K2 TP-8 rank (D {D}, I {I}, {E} experts, K {K}); copy bandwidth {bandwidth:.0f} GB/s")
     rows = []
-    for fmt in ("plain", "fp8", "int4"):
+    for fmt in formats:
         layers = [[_random_experts(fmt, E, o, i, dev, g) for o, i in ((I, D), (I, D), (D, I))] for _ in range(LAYERS)]
         per_expert = sum(_expert_bytes(w) for w in layers[0])
         for N in tokens:
@@ -94,33 +100,62 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
             for variant in variants:
                 if variant == "gemv" and N * K > GEMV_MAX_PAIRS:
                     continue
-                points = [None] + (_sweep_points(fmt, variant) if variant in sweep and N in (1, 4) else [])
+                points = [None] + (_sweep_points(fmt, variant) if variant in sweep and N in (1, 3, 4) else [])
                 for cfg in points:
                     rows += _time_moe(fmt, N, variant, cfg, layers, (x, ids, route_w), floor_ms, bandwidth, LAYERS)
+            if shared and fmt == "int4" and N * K <= GEMV_MAX_PAIRS:
+                points = [None] + (_sweep_points(fmt, "gemv") if "gemv" in sweep and N in (1, 3, 4) else [])
+                rows += _time_shared(N, layers, (x, ids, route_w), floor_ms, bandwidth, LAYERS, D, I, g, points)
         del layers
     return dict(bandwidth_GBps=bandwidth, shapes=dict(D=D, I=I, E=E, K=K, layers=LAYERS), rows=rows,
                 gemv_max_tokens=GEMV_MAX_TOKENS, device=torch.cuda.get_device_name(), torch=torch.__version__,
                 triton=triton.__version__)
 
 
-def _time_moe(fmt, N, variant, cfg, layers, inputs, floor_ms, bandwidth, LAYERS):
-    """One benchmark row (a list of 0 or 1 dicts), printed."""
+def _time_shared(N, layers, inputs, floor_ms, bandwidth, LAYERS, D, I, g, points):
+    """The "gemv+shared" rows (at each config of points) and the "shared-torch" row of benchmark_moe (a
+    bf16 shared expert a layer)."""
+    dev = inputs[0].device
+    shared = [[torch.randn(*s, device=dev, generator=g, dtype=torch.bfloat16) / s[1] ** 0.5
+               for s in ((I, D), (I, D), (D, I))] for _ in layers]
+    shared_ms = sum(t.numel() * t.element_size() for t in shared[0]) / bandwidth / 1e6
+    rows = [r for cfg in points
+            for r in _time_moe("int4", N, "gemv", cfg, layers, inputs, floor_ms + shared_ms, bandwidth, LAYERS, shared)]
+    x, out = inputs[0], torch.zeros_like(inputs[0])
+    stacked = [torch.cat([gate, up]) for gate, up, _ in shared]
+
+    def torch_shared():
+        return lambda: [out.addmm_(silu_mul(*F.linear(x, gu).chunk(2, -1)), d.t())
+                        for gu, (_, _, d) in zip(stacked, shared)]
+    ms = _graph_ms([torch_shared()]) / LAYERS
+    print(f"bf16 shared expert alone, torch (N={N}): {ms * 1e3:.1f} us  floor {shared_ms * 1e3:.1f} us  "
+          f"{ms / shared_ms:.2f}x", flush=True)
+    return rows + [dict(fmt="bf16", tokens=N, variant="shared-torch", config=None, ms=ms, floor_ms=shared_ms,
+                        x_floor=ms / shared_ms, GBps=shared_ms * bandwidth / ms)]
+
+
+def _time_moe(fmt, N, variant, cfg, layers, inputs, floor_ms, bandwidth, LAYERS, shared=None):
+    """One benchmark row (a list of 0 or 1 dicts), printed. shared: a bf16 shared expert a layer, in the
+    launch (fused_moe's shared)."""
     def run():
-        return lambda: [fused_moe(*inputs, *w, configs=cfg, variant=variant) for w in layers]
+        return lambda: [fused_moe(*inputs, *w, configs=cfg, variant=variant, shared=s)
+                        for w, s in zip(layers, shared or [None] * len(layers))]
+    label = variant + ("+shared" if shared else "")
     try:
         ms = _graph_ms([run()]) / LAYERS
     except Exception as e:  # a sweep point that does not compile: say so, go on
-        print(f"{fmt} N={N} {variant} {cfg}: {type(e).__name__}: {str(e)[:200]}")
+        print(f"{fmt} N={N} {label} {cfg}: {type(e).__name__}: {str(e)[:200]}")
         return []
     kernel_ms, by_kernel = _kernel_ms(run()) if cfg is None else (None, {})
     kernel_ms = kernel_ms / LAYERS if kernel_ms else None
     by_kernel = {name[:40]: v / LAYERS for name, v in by_kernel.items()}   # ms a layer, per kernel
-    print(f"{fmt:5s} N={N:3d} {variant:4s} {str(cfg or 'default'):34s} {ms * 1e3:8.1f} us  floor {floor_ms * 1e3:7.1f} us"
+    print(f"{fmt:5s} N={N:3d} {label:11s} {str(cfg or 'default'):34s} {ms * 1e3:8.1f} us"
+          f"  floor {floor_ms * 1e3:7.1f} us"
           f"  {ms / floor_ms:5.2f}x  {floor_ms * bandwidth / ms:6.0f} GB/s"
           + (f"  kernels alone {kernel_ms * 1e3:.1f} us ({kernel_ms / floor_ms:.2f}x): "
              + ", ".join(f"{k.replace('_moe_', '').split('_kernel')[0]} {v * 1e3:.1f}" for k, v in by_kernel.items())
              if kernel_ms else ""), flush=True)
-    return [dict(fmt=fmt, tokens=N, variant=variant, config=cfg, ms=ms, kernel_ms=kernel_ms, by_kernel=by_kernel,
+    return [dict(fmt=fmt, tokens=N, variant=label, config=cfg, ms=ms, kernel_ms=kernel_ms, by_kernel=by_kernel,
                  floor_ms=floor_ms, x_floor=ms / floor_ms, GBps=floor_ms * bandwidth / ms)]
 
 
@@ -401,12 +436,16 @@ def main():
     p = argparse.ArgumentParser(description="Each Triton kernel against its plain twin and its floor, on a GPU.")
     p.add_argument("--json", metavar="PATH", help="write the results: PATH with _moe / _attention before .json")
     p.add_argument("--sweep", nargs="?", const="dot,gemv", default="", metavar="VARIANTS",
-                   help="also time the fused MoE's block-size sweep points at N = 1 and 4, of these variants "
+                   help="also time the fused MoE's block-size sweep points at N = 1, 3 and 4, of these variants "
                         "(comma-separated; all without a value)")
     p.add_argument("--moe", action="store_true", help="time the fused MoE only (not attention and the small kernels)")
     p.add_argument("--small", action="store_true",
                    help="time the small kernels and norm_gemv only (no MoE, no attention); with --sweep, norm_gemv's "
                         "block configurations")
+    p.add_argument("--formats", default="plain,fp8,int4", help="fused MoE weight formats, comma-separated")
+    p.add_argument("--tokens", default="1,2,3,4,8,32", help="fused MoE token counts, comma-separated")
+    p.add_argument("--shared", action="store_true", help="INT4: also with a bf16 shared expert in the GEMV launch, "
+                                                        "and that shared expert alone through torch")
     p.add_argument("--variants", default="dot,gemv",
                    help="fused MoE variants to time in this run, comma-separated: dot (k3's tl.dot tiles), gemv")
     a = p.parse_args()
@@ -416,7 +455,10 @@ def main():
     if a.small:
         benchmark_attention(a.json, small_only=True, sweep=bool(sweep))
         return
-    moe_result = benchmark_moe(sweep=sweep, variants=variants)
+    formats, tokens = tuple(a.formats.split(",")), tuple(int(n) for n in a.tokens.split(","))
+    if not set(formats) <= {"plain", "fp8", "int4"}:
+        p.error(f"--formats {a.formats!r}: choose from plain, fp8, int4")
+    moe_result = benchmark_moe(sweep=sweep, variants=variants, tokens=tokens, formats=formats, shared=a.shared)
     if a.json:
         with open(a.json.replace(".json", "_moe.json"), "w") as f:
             json.dump(moe_result, f)

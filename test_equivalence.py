@@ -287,6 +287,30 @@ def test_fused_moe_gemv_fp8_scale_blocks_as_rows():
 
 
 @triton_runs
+def test_fused_moe_gemv_int4_even_and_masked_blocks():
+    """The INT4 GEMV kernels with blocks that divide the shapes (EVEN: no load masked, as at Kimi-K2's)
+    and blocks that do not (masked rows, words and expert columns), against the gather path, alone and
+    with a shared expert in the launch (against the plain MLP added). D 96: 12 words a row."""
+    args = tiny(n_routed_experts=16, num_experts_per_tok=8, hidden_size=96, moe_intermediate_size=64,
+                quantization_config="int4")
+    experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, torch.float32), 0).experts
+    D, I, K, g = 96, experts.gate_proj.weight_packed.shape[1], 8, torch.Generator().manual_seed(0)
+    ids, w = routing("random", 2, K, 16, g, TRITON_DEVICE)
+    x = torch.randn(2, D, generator=g).to(TRITON_DEVICE)
+    weights = [kernels.expert_weights(getattr(experts, p)) for p in ("gate_proj", "up_proj", "down_proj")]
+    ref = model.Experts.forward(experts, x, ids, w)
+    shared = [torch.randn(*s, generator=g).to(TRITON_DEVICE) / 8 for s in ((I, D), (I, D), (D, I))]
+    ref_shared = ref + (F.silu(x @ shared[0].T) * (x @ shared[1].T)) @ shared[2].T
+    # (gate_up, down): all unmasked (4-word steps); masked rows, words and expert columns; masked words, rows
+    for gate_up, down in (((32, 4, 4), (32, 32, 4)), ((64, 8, 4), (64, 64, 4)), ((16, 16, 4), (128, 32, 4))):
+        for sh, want in ((None, ref), (shared, ref_shared)):
+            got = kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=sh,
+                                    configs=dict(gate_up=gate_up, down=down))
+            assert_close(got, want, 1e-5 * want.abs().max().item(),
+                         f"GEMV INT4 {gate_up} {down}, shared {sh is not None}")
+
+
+@triton_runs
 def test_fused_moe_rule_picks_gemv_for_few_pairs(monkeypatch):
     """The model's fused path runs the GEMV variant up to GEMV_MAX_TOKENS tokens and tiles above: a
     rule on shapes (never on routed values), so one captured graph always replays one variant."""
@@ -2509,8 +2533,62 @@ def test_shared_expert_in_the_fused_launch_equals_plain(tmp_path):
     assert moved.experts.up_proj.data_ptr() == moved.stacked[1].data_ptr()
     assert_close(after(tokens, positions).logits, want[0], 1e-5, "shared expert in the fused launch, after .to()")
     assert kernels.accelerate(Transformer(args, **kw), ["shared_expert"], moe="gather") == ()
-    int4 = tiny(num_hidden_layers=3, moe_intermediate_size=64, quantization_config="int4")
-    assert kernels.accelerate(Transformer(int4, **kw), ["shared_expert"], moe="fused") == ()
+
+
+@triton_runs
+def test_int4_experts_take_the_shared_expert_in_their_launch():
+    """kernels "shared_expert" with INT4 routed experts (Kimi-K2.5: the shared expert stays in the
+    compute dtype): the INT4 GEMV launches take its weights beside theirs (fused_moe's shared) and equal
+    the plain MoE at 1 and 2 tokens; a prefill past the GEMV rule runs the plain sum. The state dict is
+    the plain one; fused_moe refuses a shared expert it cannot take."""
+    args = tiny(num_hidden_layers=2, moe_intermediate_size=64, quantization_config="int4")
+    kw = dict(max_batch_size=2, max_seq_len=48, device=TRITON_DEVICE, dtype=torch.float32)
+    plain = init_random(Transformer(args, **kw), 6)
+    folded = Transformer(args, **kw)
+    assert kernels.accelerate(folded, ["shared_expert"], moe="fused") == ("shared_expert",)
+    folded.load_state_dict(plain.state_dict())
+    assert_same_state(folded, plain)
+    assert isinstance(folded.layers[-1].mlp, kernels.SharedExpertInLaunch) and folded.layers[-1].mlp.stacked is None
+    g = torch.Generator().manual_seed(7)
+    n = kernels.GEMV_MAX_TOKENS["int4"] + 1                                  # past the GEMV rule: the plain sum
+    tokens = torch.randint(0, args.vocab_size, (1, n), generator=g).to(TRITON_DEVICE)
+    positions = torch.arange(n, device=TRITON_DEVICE)[None]
+    step, step_pos = tokens[:, :2].expand(2, 2) % args.vocab_size, torch.full((2, 1), n, device=TRITON_DEVICE)
+    for what, t, p in (("prefill", tokens, positions), ("step of 2 tokens", step[:, :1], step_pos),
+                       ("step of 1 token", step[:1, :1], step_pos[:1])):
+        assert_close(folded(t, p).logits, plain(t, p).logits, 1e-5, f"INT4, the shared expert in the launch, {what}")
+    moe = folded.layers[-1].mlp
+    x = torch.randn(2, args.hidden_size, generator=g).to(TRITON_DEVICE)
+    ids, w = moe.gate(x)
+    sh = moe.shared_experts
+    weights = [kernels.expert_weights(getattr(moe.experts, p)) for p in ("gate_proj", "up_proj", "down_proj")]
+    with pytest.raises(ValueError, match="rides in the INT4 GEMV launches only"):
+        kernels.fused_moe(x, ids, w, *weights, variant="dot", shared=[sh.gate_proj.weight, sh.up_proj.weight,
+                                                                       sh.down_proj.weight])
+    with pytest.raises(ValueError, match="shared expert"):
+        kernels.fused_moe(x, ids, w, *weights, shared=[sh.gate_proj.weight[:-1], sh.up_proj.weight,
+                                                       sh.down_proj.weight])
+
+
+@cuda
+@triton_ok
+def test_int4_shared_expert_in_the_launch_replays_without_host_sync():
+    """INT4 routed experts with the shared expert in their launch: each captured shape (decode, verify
+    of 3 rows of 4 tokens, the head's) replays equal to eager, and nothing syncs with the host."""
+    from graphs import CudaGraphs
+    target, head = gpu_models(quant="int4", moe_impl="fused", kernels_on=["shared_expert"])
+    assert target.kernels == ("shared_expert",)
+    runner = CudaGraphs("cuda")
+    for key, fn, inputs in captured_calls(target, head):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager = flat(fn(*inputs))
+            runner.run(key, fn, *inputs)                                # capture
+            graphed = flat(runner.run(key, fn, *inputs))
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert_close(graphed, eager, 0.0, f"INT4, the shared expert in the launch: graph vs eager {key}")
 
 
 @triton_runs
