@@ -1912,9 +1912,10 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
             return False
         if ex.quantized:
             packed, w = ex.gate_proj, sh.gate_proj.weight
+            if not isinstance(packed, model.PackedExperts):     # FP8 routed experts: the plain sum
+                return False
             _, I, words = packed.weight_packed.shape
-            return (isinstance(packed, model.PackedExperts) and w.dtype == packed.weight_scale.dtype
-                    and list(w.shape) == [I, words * 8])
+            return w.dtype == packed.weight_scale.dtype and list(w.shape) == [I, words * 8]
         return sh.gate_proj.weight.dtype == ex.gate_proj.dtype and sh.gate_proj.weight.shape == ex.gate_proj.shape[1:]
 
 

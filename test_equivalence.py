@@ -2540,7 +2540,7 @@ def test_int4_experts_take_the_shared_expert_in_their_launch():
     """kernels "shared_expert" with INT4 routed experts (Kimi-K2.5: the shared expert stays in the
     compute dtype): the INT4 GEMV launches take its weights beside theirs (fused_moe's shared) and equal
     the plain MoE at 1 and 2 tokens; a prefill past the GEMV rule runs the plain sum. The state dict is
-    the plain one; fused_moe refuses a shared expert it cannot take."""
+    the plain one; fused_moe refuses a shared expert it cannot take; FP8 routed experts are not swapped."""
     args = tiny(num_hidden_layers=2, moe_intermediate_size=64, quantization_config="int4")
     kw = dict(max_batch_size=2, max_seq_len=48, device=TRITON_DEVICE, dtype=torch.float32)
     plain = init_random(Transformer(args, **kw), 6)
@@ -2568,6 +2568,8 @@ def test_int4_experts_take_the_shared_expert_in_their_launch():
     with pytest.raises(ValueError, match="shared expert"):
         kernels.fused_moe(x, ids, w, *weights, shared=[sh.gate_proj.weight[:-1], sh.up_proj.weight,
                                                        sh.down_proj.weight])
+    fp8 = Transformer(tiny(num_hidden_layers=2, moe_intermediate_size=64, quantization_config="fp8"), **kw)
+    assert kernels.accelerate(fp8, ["shared_expert"], moe="fused") == (), "FP8 routed experts keep the plain sum"
 
 
 @cuda
