@@ -351,6 +351,17 @@ def gemv_rule(fmt, N, K):
     return "gemv" if N <= GEMV_MAX_TOKENS[fmt] and N * K <= GEMV_MAX_PAIRS else "dot"
 
 
+def _check_shared(shared, fmt, variant, I, D, dtype):
+    """fused_moe's shared expert: it rides in the INT4 GEMV launches only, as contiguous [I, D],
+    [I, D], [D, I] tensors in the compute dtype."""
+    if fmt != "int4" or variant != "gemv":
+        raise ValueError(f"fused_moe: a shared expert rides in the INT4 GEMV launches only, not {fmt} {variant}")
+    if ([list(t.shape) for t in shared] != [[I, D], [I, D], [D, I]] or any(t.dtype != dtype for t in shared)
+            or any(not t.is_contiguous() for t in shared)):
+        raise ValueError(f"fused_moe: shared expert {[list(t.shape) for t in shared]}: expected contiguous "
+                         f"[{I}, {D}], [{I}, {D}], [{D}, {I}] in x's dtype {dtype}")
+
+
 def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, shared=None):
     """Routed experts in one pass over each distinct expert's weights:
     y[n] = sum_k route_w[n, k] * down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])),  e = ids[n, k].
@@ -379,12 +390,7 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
         raise ValueError(f"fused_moe: variant {variant!r} for {P} token-expert pairs: 'dot', or 'gemv' up to "
                          f"{GEMV_MAX_PAIRS} pairs")
     if shared is not None:
-        if fmt != "int4" or variant != "gemv":
-            raise ValueError(f"fused_moe: a shared expert rides in the INT4 GEMV launches only, not {fmt} {variant}")
-        if ([list(t.shape) for t in shared] != [[I, D], [I, D], [D, I]] or any(t.dtype != x.dtype for t in shared)
-                or any(not t.is_contiguous() for t in shared)):
-            raise ValueError(f"fused_moe: shared expert {[list(t.shape) for t in shared]}: expected contiguous "
-                             f"[{I}, {D}], [{I}, {D}], [{D}, {I}] in x's dtype {x.dtype}")
+        _check_shared(shared, fmt, variant, I, D, x.dtype)
     x, ids, route_w = x.contiguous(), ids.reshape(-1).contiguous(), route_w.reshape(-1).float().contiguous()
     if variant == "gemv":
         cfg = {**_gemv_configs(fmt, N, x.is_cuda), **(configs or {})}
