@@ -914,6 +914,38 @@ def _rotated(x_rows, rope_rows, ok, R: tl.constexpr, BLOCK_R2: tl.constexpr):
 
 
 @_jit
+def _attend_cached(q, qpe, kvc_row, s_cs, pec_row, s_ps, lo, hi, scale_log2, C: tl.constexpr, R: tl.constexpr,
+                   BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Flash attention of query rows q [BLOCK_M, BLOCK_C] and rotated qpe [BLOCK_M, 2 * BLOCK_R2]
+    over the cached slots [lo, hi) of one batch row (kvc_row, pec_row: its cache rows' start),
+    BLOCK_N slots a tile. Returns the running max m_i and sum l_i (base 2) and the unnormalized
+    output acc [BLOCK_M, BLOCK_C], float32; m_i stays finite where no slot is seen."""
+    dt = kvc_row.dtype.element_ty
+    offs_c, offs_r = tl.arange(0, q.shape[1]), tl.arange(0, qpe.shape[1])
+    c_ok, r_ok = offs_c < C, offs_r < R
+    m_i = tl.full([q.shape[0]], -1e30, tl.float32)     # running max (finite: no inf - inf)
+    l_i = tl.zeros([q.shape[0]], tl.float32)           # running sum of 2^(score - max)
+    acc = tl.zeros([q.shape[0], q.shape[1]], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        n_ok = offs_n < hi
+        kv = tl.load(kvc_row + offs_n[:, None] * s_cs + offs_c[None, :],
+                     mask=n_ok[:, None] & c_ok[None, :], other=0.0)                     # [BLOCK_N, BLOCK_C]
+        pe = tl.load(pec_row + offs_n[:, None] * s_ps + offs_r[None, :],
+                     mask=n_ok[:, None] & r_ok[None, :], other=0.0)                     # [BLOCK_N, 2 * BLOCK_R2]
+        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
+        s = tl.dot(qpe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION) * scale_log2   # [BLOCK_M, BLOCK_N]
+        s = tl.where(n_ok[None, :], s, float("-inf"))
+        m_new = tl.maximum(m_i, tl.max(s, 1))
+        alpha = tl.exp2(m_i - m_new)
+        p = tl.exp2(s - m_new[:, None])
+        l_i = l_i * alpha + tl.sum(p, 1)
+        acc = acc * alpha[:, None] + tl.dot(p.to(dt), kv, input_precision=DOT_PRECISION)
+        m_i = m_new
+    return m_i, l_i, acc
+
+
+@_jit
 def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr, kvc_ptr, pec_ptr, po_ptr, lse_ptr,
                        T, H, M, kv_len, split_len, eps, scale_log2,
                        s_qb, s_qm, s_qpb, s_qpm, s_kvb, s_kvt, s_kpb, s_kpt, s_rb, s_rt, s_posb, s_post,
@@ -970,25 +1002,8 @@ def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr
     else:           # cached slots [lo, hi): this split's, before the row's first new position
         lo = (part - 1) * split_len
         hi = tl.minimum(tl.minimum(tl.load(pos_ptr + b * s_posb), kv_len), lo + split_len)
-        m_i = tl.full([BLOCK_M], -1e30, tl.float32)     # running max (finite: no inf - inf)
-        l_i = tl.zeros([BLOCK_M], tl.float32)           # running sum of 2^(score - max)
-        acc = tl.zeros([BLOCK_M, BLOCK_C], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            n_ok = offs_n < hi
-            kv = tl.load(kvc_ptr + b * s_cb + offs_n[:, None] * s_cs + offs_c[None, :],
-                         mask=n_ok[:, None] & c_ok[None, :], other=0.0)                 # [BLOCK_N, BLOCK_C]
-            pe = tl.load(pec_ptr + b * s_pb + offs_n[:, None] * s_ps + offs_r[None, :],
-                         mask=n_ok[:, None] & r_ok[None, :], other=0.0)                 # [BLOCK_N, 2 * BLOCK_R2]
-            s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
-            s = tl.dot(qpe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION) * scale_log2   # [BLOCK_M, BLOCK_N]
-            s = tl.where(n_ok[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(dt), kv, input_precision=DOT_PRECISION)
-            m_i = m_new
+        m_i, l_i, acc = _attend_cached(q, qpe, kvc_ptr + b * s_cb, s_cs, pec_ptr + b * s_pb, s_ps, lo, hi,
+                                       scale_log2, C, R, BLOCK_N, DOT_PRECISION)
         holds = lo < hi
     seen = l_i > 0
     written = row_ok & holds
@@ -1383,22 +1398,17 @@ def _rope_cache_kernel(q_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr, kv_cach
     w = tl.load(w_ptr + c, mask=c < C, other=0.0).to(tl.float32)
     normed = kv / tl.sqrt(tl.sum(kv * kv, 0) / C + eps) * w
     tl.store(kv_cache_ptr + b * s_cb + p * s_cs + c, normed.to(kv_cache_ptr.dtype.element_ty), mask=c < C)
-    i = tl.arange(0, BLOCK_R2)
-    i_ok = 2 * i < R
-    cos = tl.load(rope_ptr + b * s_rb + t * s_rt + 2 * i, mask=i_ok, other=0.0)
-    sin = tl.load(rope_ptr + b * s_rb + t * s_rt + 2 * i + 1, mask=i_ok, other=0.0)
-    k = kpe_ptr + b * s_kpb + t * s_kpt + 2 * i
-    ke, ko = tl.load(k, mask=i_ok, other=0.0).to(tl.float32), tl.load(k + 1, mask=i_ok, other=0.0).to(tl.float32)
-    pe = pe_cache_ptr + b * s_pb + p * s_ps + 2 * i
-    tl.store(pe, (ke * cos - ko * sin).to(pe_cache_ptr.dtype.element_ty), mask=i_ok)
-    tl.store(pe + 1, (ke * sin + ko * cos).to(pe_cache_ptr.dtype.element_ty), mask=i_ok)
-    h = tl.arange(0, BLOCK_H)[:, None]
-    ok = (h < H) & i_ok[None, :]
-    q = q_ptr + b * s_qb + t * s_qt + h * s_qh + 2 * i[None, :]
-    qe, qo = tl.load(q, mask=ok, other=0.0).to(tl.float32), tl.load(q + 1, mask=ok, other=0.0).to(tl.float32)
-    out = qo_ptr + b * s_ob + t * s_ot + h * s_oh + 2 * i[None, :]
-    tl.store(out, (qe * cos[None, :] - qo * sin[None, :]).to(qo_ptr.dtype.element_ty), mask=ok)
-    tl.store(out + 1, (qe * sin[None, :] + qo * cos[None, :]).to(qo_ptr.dtype.element_ty), mask=ok)
+    r = tl.arange(0, 2 * BLOCK_R2)
+    one = tl.zeros([1], tl.int32)   # _rotated takes rows: k_pe is one row
+    pe = _rotated(kpe_ptr + b * s_kpb + t * s_kpt + one, rope_ptr + b * s_rb + t * s_rt + one, one == 0, R,
+                  BLOCK_R2)                                                               # [1, 2 * BLOCK_R2]
+    tl.store(pe_cache_ptr + b * s_pb + p * s_ps + one[:, None] + r[None, :],
+             pe.to(pe_cache_ptr.dtype.element_ty), mask=(r < R)[None, :])
+    h = tl.arange(0, BLOCK_H)
+    q = _rotated(q_ptr + b * s_qb + t * s_qt + h * s_qh, rope_ptr + b * s_rb + t * s_rt + 0 * h, h < H, R,
+                 BLOCK_R2)                                                                # [BLOCK_H, 2 * BLOCK_R2]
+    tl.store(qo_ptr + b * s_ob + t * s_ot + h[:, None] * s_oh + r[None, :], q.to(qo_ptr.dtype.element_ty),
+             mask=(h < H)[:, None] & (r < R)[None, :])
 
 
 def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_cache, pe_cache):
@@ -1440,14 +1450,14 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
 # ---------------------------------------------------------------------------------------------
 # RMSNorm fused into the GEMV that reads it (decode and verify: at most NORM_GEMV_MAX_ROWS rows)
 #
-# out = RMSNorm(x + r) @ W^T for a few rows x [M, K] and a weight W [N, K]: a GEMV, memory-bound
+# out = RMSNorm(x) @ W^T for a few rows x [M, K] and a weight W [N, K]: a GEMV, memory-bound
 # on W. A GEMV is fast only with many bytes in flight, so K is split: a program per (BLOCK_N rows
 # of W, slice of K) reads its tile in one or two steps, and hundreds of programs, several an SM,
 # have all their loads out at once (the first version streamed whole rows in 132 programs, one
 # memory latency a step: 30.8 us for the 30 MB of q_a + kv_a, cuBLAS 12.3). The norm factors out
-# of the sum, out[m, n] = rstd[m] * sum_k h[m, k] g[k] W[n, k], so each program also sums the
-# squares of its slice of h and rstd is applied at the end: neither the norm nor the residual add
-# costs a pass or a launch of its own (program (0, slice) writes the sum x + r where r is given).
+# of the sum, out[m, n] = rstd[m] * sum_k x[m, k] g[k] W[n, k], so each program also sums the
+# squares of its slice of x and rstd is applied at the end: the norm costs no pass or launch of its
+# own.
 # Each program stores its float32 partial sums; the last program of a row block to finish (an
 # atomic counter, reset by that program) adds the slices in slice order, scales and stores. One
 # launch, no float atomics: deterministic, so a graph replay equals the eager call. The products
@@ -1455,9 +1465,9 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
 # M to 16 rows, 16x the activation in registers: with the same split it measured 63 / 11.7 us for
 # q_a + kv_a / q_b at 1 row against 15.9 / 5.9 here). On the H200 at 1 row q_a + kv_a's 30 MB take
 # 13.6 us (2.2 TB/s, 52% of the copy bandwidth); at 4 rows, one reduction a row each, 32 us against
-# cuBLAS's 16: the swaps below use the kernel only where it measured faster. Rounding: h is
-# rounded to x's dtype as the plain add is; the normed row is not rounded (the plain path rounds
-# it to W's dtype), so bf16 results differ from the plain path's by the order of one rounding.
+# cuBLAS's 16: the swaps below use the kernel only where it measured faster.
+# Rounding: the normed row is not rounded (the plain path rounds it to W's dtype), so bf16 results
+# differ from the plain path's by the order of one rounding.
 
 NORM_GEMV_MAX_ROWS = 16     # decode and verify; prefill goes to the plain RMSNorm and cuBLAS
 NORM_GEMV_BLOCK_N = 32      # W rows a program
@@ -1469,14 +1479,13 @@ NORM_GEMV_WARPS = 4         # head_gemv's; norm_gemv 4 up to 4 rows, 8 above (pt
 
 
 @_jit
-def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, sum_ptr, part_ptr, ss_ptr, count_ptr,
-                      M, N, K, k_split, eps, s_xm, s_xh, s_rm, s_wh, s_wn, s_wk, s_om, s_oh, s_sm,
-                      SPLITS: tl.constexpr, NORM: tl.constexpr, ADD: tl.constexpr, BLOCK_M: tl.constexpr,
+def _norm_gemv_kernel(x_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
+                      M, N, K, k_split, eps, s_xm, s_xh, s_wh, s_wn, s_wk, s_om, s_oh,
+                      SPLITS: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[m, n] = sum_k h[m, k] * W[n, k] with h = RMSNorm(x + r) (NORM: h * rsqrt(mean(h^2) + eps) * g;
-    ADD: r added, and sum = x + r written by the programs of row block 0). x, r, sum [M, K], out
-    [M, N] (rows strided, last dim contiguous), W [N, K] (any strides), g [K]; x, r, sum, out and W
-    of one dtype; float32 products and sums on the CUDA cores, M <= BLOCK_M rows one after another
+    """out[m, n] = sum_k h[m, k] * W[n, k] with h = x (NORM: RMSNorm(x), x * rsqrt(mean(x^2) + eps) * g).
+    x [M, K], out [M, N] (rows strided, last dim contiguous), W [N, K] (any strides), g [K]; x, out
+    and W of one dtype; float32 products and sums on the CUDA cores, M <= BLOCK_M rows one after another
     against the W tile in registers. Slice s of K is [s * k_split, (s + 1) * k_split); with SPLITS
     > 1, part [SPLITS, M, N] and ss [N / BLOCK_N, SPLITS, BLOCK_M] float32 hold the slices' sums and
     sums of squares, count [N / BLOCK_N] int32 zeros. With heads (grid axis 1, head_gemv, SPLITS
@@ -1497,11 +1506,7 @@ def _norm_gemv_kernel(x_ptr, r_ptr, g_ptr, w_ptr, out_ptr, sum_ptr, part_ptr, ss
         w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :] * s_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
         for m in tl.static_range(BLOCK_M):                                  # each row against the tile
             ok = k_ok & (m < M)
-            h = tl.load(x_ptr + m * s_xm + k, mask=ok, other=0.0)
-            if ADD:                                                         # rounded as the plain add
-                h = (h.to(tl.float32) + tl.load(r_ptr + m * s_rm + k, mask=ok, other=0.0).to(tl.float32)).to(h.dtype)
-                tl.store(sum_ptr + m * s_sm + k, h, mask=ok & (pid == 0))
-            h = h.to(tl.float32)
+            h = tl.load(x_ptr + m * s_xm + k, mask=ok, other=0.0).to(tl.float32)
             if NORM:
                 ss = tl.where(rows == m, ss + tl.sum(h * h, 0), ss)
                 h = h * tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
@@ -1535,13 +1540,11 @@ def _k_slices(N, K, block_n, block_k, programs):
     return triton.cdiv(K, k_split), k_split
 
 
-def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None, block_k=None, programs=None,
-              warps=None):
-    """(h, RMSNorm(h) @ weight^T) for h = x + residual (x itself without one), in one kernel:
-    x, residual [..., K] of weight's dtype (bf16, fp16 or float32), weight [N, K] (rows may be a
-    strided view), norm_weight [K] (None: no norm, a plain GEMV), at most NORM_GEMV_MAX_ROWS rows.
-    Returns h [..., K] and out [..., N]. The block arguments override the defaults above
-    (benchmarks; tests force several slices of a small K)."""
+def norm_gemv(x, weight, norm_weight=None, eps=0.0, block_n=None, block_k=None, programs=None, warps=None):
+    """RMSNorm(x) @ weight^T in one kernel: x [..., K] of weight's dtype (bf16, fp16 or float32),
+    weight [N, K] (rows may be a strided view), norm_weight [K] (None: no norm, a plain GEMV), at
+    most NORM_GEMV_MAX_ROWS rows. Returns [..., N]. The block arguments override the defaults
+    above (benchmarks; tests force several slices of a small K)."""
     K = x.shape[-1]
     N = weight.shape[0]
     rows = x.numel() // K if K else 0
@@ -1551,8 +1554,6 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or rows > NORM_GEMV_MAX_ROWS:
         raise ValueError(f"norm_gemv: runs bf16, fp16 or float32 and at most {NORM_GEMV_MAX_ROWS} rows, got "
                          f"{x.dtype} and {rows} rows (use the plain path)")
-    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"norm_gemv: residual {residual.dtype} {list(residual.shape)} does not match x")
     if norm_weight is not None and norm_weight.shape != (K,):
         raise ValueError(f"norm_gemv: norm weight {list(norm_weight.shape)} is not [{K}]")
     block_n = block_n or NORM_GEMV_BLOCK_N
@@ -1560,9 +1561,6 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
         raise ValueError(f"norm_gemv: {N} rows of W make more than {COUNTERS} row blocks of {block_n}")
     x2 = x.reshape(rows, K)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
-    r2 = x2 if residual is None else residual.reshape(rows, K)
-    r2 = r2 if r2.stride(-1) == 1 else r2.contiguous()
-    h = x if residual is None else torch.empty(x.shape, device=x.device, dtype=x.dtype)
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
     if rows and N:
         block_k = block_k or min(NORM_GEMV_STEP_BYTES // x.element_size(), _pow2(K))
@@ -1571,11 +1569,11 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
         part = torch.empty(slices, rows, N, device=x.device, dtype=torch.float32) if slices > 1 else out
         ss = torch.empty(blocks * slices * _pow2(rows, 1), device=x.device, dtype=torch.float32)
         _norm_gemv_kernel[(blocks, 1, slices)](
-            x2, r2, x2 if norm_weight is None else norm_weight, weight, out, h, part, ss, _counters(x.device),
-            rows, N, K, k_split, float(eps), x2.stride(0), 0, r2.stride(0), 0, weight.stride(0), 1, N, 0, K,
-            SPLITS=slices, NORM=norm_weight is not None, ADD=residual is not None, BLOCK_M=_pow2(rows, 1),
+            x2, x2 if norm_weight is None else norm_weight, weight, out, part, ss, _counters(x.device),
+            rows, N, K, k_split, float(eps), x2.stride(0), 0, 0, weight.stride(0), 1, N, 0,
+            SPLITS=slices, NORM=norm_weight is not None, BLOCK_M=_pow2(rows, 1),
             BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps or (4 if rows <= 4 else 8), num_stages=1)
-    return h, out
+    return out
 
 
 HEAD_GEMV_BLOCK_N_STRIDED = 64   # W rows a program where W's rows, not its K, are contiguous (absorbed W_uk):
@@ -1606,8 +1604,8 @@ def head_gemv(x, weight):
         block_n = HEAD_GEMV_BLOCK_N if weight.stride(2) == 1 else HEAD_GEMV_BLOCK_N_STRIDED
         block_k = min(HEAD_GEMV_STEP_BYTES // x.element_size(), _pow2(K))
         _norm_gemv_kernel[(triton.cdiv(N, block_n), H, 1)](
-            x2, x2, x2, weight, out, out, out, out, out, rows, N, K, K, 0.0, x2.stride(0), x2.stride(1), 0,
-            weight.stride(0), weight.stride(1), weight.stride(2), H * N, N, 0, SPLITS=1, NORM=False, ADD=False,
+            x2, x2, weight, out, out, out, out, rows, N, K, K, 0.0, x2.stride(0), x2.stride(1),
+            weight.stride(0), weight.stride(1), weight.stride(2), H * N, N, SPLITS=1, NORM=False,
             BLOCK_M=_pow2(rows, 1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NORM_GEMV_WARPS, num_stages=1)
     return out
 
@@ -1695,7 +1693,7 @@ class NormGemvMLA(model.MLA):
         if rows(q_a) > NORM_GEMV_MAX_ROWS:
             return super().query(q_a)
         norm = self.q_a_layernorm
-        return launch.norm_gemv(q_a, self.q_b_proj.weight, norm.weight, norm.eps, None)[1]
+        return launch.norm_gemv(q_a, self.q_b_proj.weight, norm.weight, norm.eps)
 
     def absorb_query(self, q_nope, w_uk):
         if math.prod(q_nope.shape[:2]) > HEAD_GEMV_MAX_ROWS:                # B * T
@@ -1989,11 +1987,10 @@ def accelerate(target, names=(), moe="auto"):
     latent norm + cache writes), "router" (SIMULATED uniform routing included), "add_rmsnorm"
     (every residual add with the norm that reads the sum), "silu_mul" (the MLPs' SwiGLU),
     "norm_gemv" (for <= 16 rows q_b_proj with q_a_layernorm inside; for 1 row decode mode's absorbed
-    products and, with "fused_proj", the input add + norm inside q_a + kv_a), "shared_expert" (the
-    shared expert inside the fused MoE launch, where SharedExpertInLaunch.applies; else left off and
-    not listed), "fused_proj" (plain torch:
-    q_a + kv_a and each unfolded MLP's gate + up as one GEMM, the shared expert's down GEMM
-    adding onto the routed output); an iterable, "all" or "none". moe: the routed experts' path
+    products as GEMV kernels over the heads), "shared_expert" (the shared expert inside the fused
+    MoE launch, where SharedExpertInLaunch.applies; else left off and not listed), "fused_proj"
+    (plain torch: q_a + kv_a and each unfolded MLP's gate + up as one GEMM, the shared expert's down
+    GEMM adding onto the routed output); an iterable, "all" or "none". moe: the routed experts' path
     (pick_moe). The state dict keeps its keys and values. What was done is recorded as
     target.kernels and target.moe_impl (run.py prints them)."""
     names = kernel_names(names)

@@ -363,17 +363,17 @@ def bench_small(rows):
 
 
 def bench_norm_gemv(bw, rows, sweep=False):
-    """norm_gemv at Kimi-K2 TP-8 shapes against what it replaces: q_a + kv_a with the input add +
-    RMSNorm (add_rmsnorm's kernel + cuBLAS), q_b with q_a_layernorm (RMSNorm + cuBLAS), o_proj
-    (cuBLAS); the weight sets rotated past the L2. sweep: block configurations too, K whole in a
-    program (programs 1: the first version's shape) among them."""
+    """norm_gemv at Kimi-K2 TP-8 shapes against the plain RMSNorm + cuBLAS: q_a + kv_a with the
+    input norm, q_b with q_a_layernorm, o_proj (no norm); the weight sets rotated past the L2.
+    sweep: block configurations too, K whole in a program (programs 1: the first version's shape)
+    among them."""
     print(f"\nnorm_gemv, Kimi-K2 TP 8, bf16 (us per call in a graph; GB/s of the weight; copy {bw:.0f} GB/s)")
     dt = torch.bfloat16
     # (BLOCK_N, BLOCK_K, programs) at M 1; programs 1 keeps K whole in a program, the first version's shape
     sweep_points = [(16, 256, 1024), (64, 256, 1024), (32, 256, 512), (32, 256, 2048), (32, 512, 1024),
                     (32, 256, 1)] if sweep else []
-    for name, N, K, has_norm, add in (("q_a+kv_a", 2112, 7168, True, True), ("q_b", 1536, 1536, True, False),
-                                      ("o_proj", 7168, 1024, False, False)):
+    for name, N, K, has_norm in (("q_a+kv_a", 2112, 7168, True), ("q_b", 1536, 1536, True),
+                                 ("o_proj", 7168, 1024, False)):
         sets = max(2, min(16, math.ceil(150e6 / (N * K * 2))))
         ws = [torch.randn(N, K, device="cuda", dtype=dt) / K ** 0.5 for _ in range(sets)]
         norm = model.RMSNorm(K, 1e-6, "cuda", dt) if has_norm else None
@@ -382,18 +382,15 @@ def bench_norm_gemv(bw, rows, sweep=False):
                 norm.weight.fill_(1.0)
         for M in (1, 4):
             xs = [torch.randn(M, K, device="cuda", dtype=dt) for _ in range(sets)]
-            rs = [torch.randn(M, K, device="cuda", dtype=dt) if add else None for _ in range(sets)]
 
-            def plain(x, w, r):
-                if r is not None:
-                    return torch.nn.functional.linear(add_rmsnorm(x, r, norm.weight, norm.eps)[1], w)
+            def plain(x, w):
                 return torch.nn.functional.linear(x if norm is None else norm(x), w)
-            base = _graph_ms([partial(plain, x, w, r) for x, w, r in zip(xs, ws, rs)]) * 1e3
+            base = _graph_ms([partial(plain, x, w) for x, w in zip(xs, ws)]) * 1e3
             for bn, bk, programs in [(None, None, None)] + (sweep_points if M == 1 else []):
                 g = None if norm is None else norm.weight
                 try:
-                    us = _graph_ms([partial(norm_gemv, x, w, g, 1e-6, r, bn, bk, programs)
-                                    for x, w, r in zip(xs, ws, rs)]) * 1e3
+                    calls = [partial(norm_gemv, x, w, g, 1e-6, bn, bk, programs) for x, w in zip(xs, ws)]
+                    us = _graph_ms(calls) * 1e3
                 except Exception as e:   # a configuration past the SM's shared memory, say
                     print(f"  {name:9s} M {M}  config {bn, bk, programs}: {type(e).__name__} {str(e)[:80]}")
                     continue
