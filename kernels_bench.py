@@ -479,13 +479,20 @@ def benchmark_pdl(run_flags, settings=PDL_SETTINGS, phases=("decode_step", "veri
                     z.record()
                 torch.cuda.synchronize()
                 times[setting] += [a.elapsed_time(z) for a, z in stamps]
+        for name, value in default.items():
+            setattr(kernels, name, value)
+        kernels.PDL = False   # the kernels' own time, as run.py's component table sums it (an eager profile)
+        prof = run.profile_components(b.target, partial(fn, *inputs), gpu=True)
+        row = result["phases"][phase] = dict(kernel_ms=prof["kernel_ms"], kernels=prof["kernels"],
+                                             parts_ms=prof["parts_ms"])
         first = next(iter(settings))
-        result["phases"][phase] = {setting: dict(ms=statistics.median(t),
-                                                 outputs_equal=torch.equal(outs[setting], outs[first]))
-                                   for setting, t in times.items()}
-        print(f"{phase}: " + ", ".join(f"{setting} {r['ms']:.4f} ms" + ("" if r["outputs_equal"] else
-                                                                         " (OUTPUTS DIFFER)")
-                                       for setting, r in result["phases"][phase].items()))
+        for setting, t in times.items():
+            ms = statistics.median(t)
+            row[setting] = dict(ms=ms, gaps_ms=ms - prof["kernel_ms"], outputs_equal=torch.equal(outs[setting],
+                                                                                                outs[first]))
+        print(f"{phase}: {prof['kernels']} kernels, {prof['kernel_ms']:.4f} ms summed; " + ", ".join(
+            f"{setting} {row[setting]['ms']:.4f} ms (gaps {row[setting]['gaps_ms']:.4f})"
+            + ("" if row[setting]["outputs_equal"] else " OUTPUTS DIFFER") for setting in settings))
     for name, value in default.items():
         setattr(kernels, name, value)
     return result
