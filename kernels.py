@@ -78,20 +78,25 @@ def _jit(fn):
     return triton.jit(fn) if HAVE_TRITON else fn
 
 
-# Programmatic dependent launch (PDL; sm_90 and later). A decode step runs ~800 kernels of a few us
-# each, and a kernel normally starts only once the one before it on the stream has finished: ~0.9 us
-# between two tiny kernels in a CUDA graph on the H200. Every Triton kernel here is launched with
+# Programmatic dependent launch (PDL; sm_90 and later). A decode step runs ~800 kernels of a few us,
+# and a kernel normally starts only once the one before it on the stream has finished (chained tiny
+# kernels in a CUDA graph: ~0.9 us a launch on the H200). Every Triton kernel here is launched with
 # launch_pdl=PDL, so the GPU may start it while its predecessor still runs, and its first statement
-# is _wait_for_prior(): griddepcontrol.wait, which returns once the prerequisite grid (the kernel
-# before it) has completed and its memory writes are visible (PTX ISA, griddepcontrol). The rule every
-# kernel follows: nothing before the wait reads memory an earlier kernel writes, or writes memory an
-# earlier kernel reads or writes. Since every kernel waits, its predecessor had waited for its own, so
-# all earlier kernels have completed too. Right after the wait, griddepcontrol.launch_dependents lets
-# the next kernel launch: its programs take the SM slots this kernel leaves free and sit in their own
-# wait, so its launch overlaps this kernel's work. A kernel launched without PDL (cuBLAS, torch's)
-# starts after whole kernels as always, and in one launched without it both instructions return at
-# once. GDC: the kernels hold the instructions (compiled for sm_90 on; Triton's CPU interpreter has
-# none); PDL: launches ask for it (kernels_bench.py turns it off to time the step without).
+# is _wait_for_prior(): griddepcontrol.wait returns once the prerequisite grid (the kernel before it)
+# has completed and its memory writes are visible (PTX ISA, griddepcontrol). The rule every kernel
+# follows: nothing before the wait reads memory an earlier kernel writes, or writes memory an earlier
+# kernel reads or writes. Every kernel waits, so its predecessor had waited for its own: all earlier
+# kernels have completed too. Right after the wait, griddepcontrol.launch_dependents lets the next
+# kernel launch: its programs take the SM slots this one leaves free and sit in their own wait, so its
+# launch and start overlap this kernel's tail. A kernel launched without PDL (cuBLAS, torch's) starts
+# after whole kernels as always, and in a kernel launched without PDL both instructions return at once.
+# GDC: the kernels hold the instructions (sm_90 on; Triton's CPU interpreter has neither); PDL: the
+# launches ask for it (kernels_bench.py --pdl turns it off to time the phases without, in one process).
+# Measured so (H200, 2026-12-01, benchmarks/h200_issue25_pdl_bench_*.json, ms, off -> on): bf16 decode
+# step 5.481 -> 5.143, verify of 4 10.593 -> 10.266; INT4 decode 4.761 -> 4.410, verify of 3 7.476 ->
+# 7.288; outputs equal bit for bit. Loading the first weight tile before the wait (norm_gemv, head_gemv,
+# the router) took 0.045 / 0.026 ms more off bf16 and 0.002 / 0.027 off INT4: not done, so that the
+# wait stays every kernel's first statement and no caller must promise its weights are not being written.
 PDL = HAVE_TRITON and not interpreting() and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
 GDC = tl.constexpr(PDL) if HAVE_TRITON else PDL
 
