@@ -31,6 +31,8 @@ batch row, C kv_lora_rank (latent width), R qk_rope_head_dim, S cache slots, N t
 E routed experts, G expert groups, K experts per token, I expert intermediate (this rank's
 slice), P = N*K token-expert pairs. Every kernel keeps a fixed launch shape for given input
 shapes and reads no device value on the host, so all of them can be captured in CUDA graphs.
+Every kernel begins with _wait_for_prior() and every launch passes launch_pdl=PDL: on Hopper a
+kernel starts while the one before it finishes (programmatic dependent launch, below _jit).
 """
 import functools
 import math
@@ -74,6 +76,37 @@ def check_available(device):
 def _jit(fn):
     """triton.jit where triton exists; else the function stays a plain (uncallable-as-kernel) def."""
     return triton.jit(fn) if HAVE_TRITON else fn
+
+
+# Programmatic dependent launch (PDL; sm_90 and later). A decode step runs ~800 kernels of a few us,
+# and a kernel normally starts only once the one before it on the stream has finished (chained tiny
+# kernels in a CUDA graph: ~0.9 us a launch on the H200). Every Triton kernel here is launched with
+# launch_pdl=PDL, so the GPU may start it while its predecessor still runs, and its first statement
+# is _wait_for_prior(): griddepcontrol.wait returns once the prerequisite grid (the kernel before it)
+# has completed and its memory writes are visible (PTX ISA, griddepcontrol). The rule every kernel
+# follows: nothing before the wait reads memory an earlier kernel writes, or writes memory an earlier
+# kernel reads or writes. Every kernel waits, so its predecessor had waited for its own: all earlier
+# kernels have completed too. Right after the wait, griddepcontrol.launch_dependents lets the next
+# kernel launch: its programs take the SM slots this one leaves free and sit in their own wait, so its
+# launch and start overlap this kernel's tail. A kernel launched without PDL (cuBLAS, torch's) starts
+# after whole kernels as always, and in a kernel launched without PDL both instructions return at once.
+# GDC: the kernels hold the instructions (sm_90 on; Triton's CPU interpreter has neither); PDL: the
+# launches ask for it (kernels_bench.py --pdl turns it off to time the phases without, in one process).
+# Measured so (H200, 2026-12-01, benchmarks/h200_issue25_pdl_bench_*.json, ms, off -> on): bf16 decode
+# step 5.481 -> 5.143, verify of 4 10.593 -> 10.266; INT4 decode 4.761 -> 4.410, verify of 3 7.476 ->
+# 7.288; outputs equal bit for bit. Loading the first weight tile before the wait (norm_gemv, head_gemv,
+# the router) took 0.045 / 0.026 ms more off bf16 and 0.002 / 0.027 off INT4: not done, so that the
+# wait stays every kernel's first statement and no caller must promise its weights are not being written.
+PDL = HAVE_TRITON and not interpreting() and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+GDC = tl.constexpr(PDL) if HAVE_TRITON else PDL
+
+
+@_jit
+def _wait_for_prior():
+    """Every kernel's first statement: wait for the kernels before it, then let the next one launch."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def _pow2(n, least=16):
@@ -155,6 +188,7 @@ def _moe_align_kernel(ids_ptr, sorted_pair_ptr, tile_expert_ptr, P, E, max_tiles
     sorted_pair_ptr: int32 [max_tiles * BLOCK_M] out: the pair in each tile row, P in padding rows.
     tile_expert_ptr: int32 [max_tiles] out: each tile's expert, -1 for tiles left unused.
     Pairs of one expert keep their order (stable). Grid: (1,): one program, O(P * E / threads)."""
+    _wait_for_prior()
     experts = tl.arange(0, E_PAD)
     count = tl.zeros([E_PAD], tl.int32)
     for start in range(0, P, CHUNK):                                      # pairs per expert
@@ -235,6 +269,7 @@ def _moe_gate_up_kernel(x_ptr, h_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr, g
     rows in tile order (padding rows get 0). g_ptr / u_ptr and gs_ptr / us_ptr: gate and up weights
     and scales, [E, I, D]-shaped as ExpertWeights (same strides for both). sorted_pair_ptr,
     tile_expert_ptr: from the align kernel. Grid: (cdiv(I, BLOCK_N), max_tiles)."""
+    _wait_for_prior()
     pid_n, tile = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
     if e < 0:
@@ -273,6 +308,7 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
     h_ptr: [max_tiles * BLOCK_M, I] from gate_up. y_ptr: fp32 [P, D] out, one row per pair (every
     pair's row is written once). route_w_ptr: fp32 [P], the routing weights flattened. w_ptr / s_ptr:
     down weights and scales, [E, D, I]-shaped as ExpertWeights. Grid: (cdiv(D, BLOCK_N), max_tiles)."""
+    _wait_for_prior()
     pid_n, tile = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
     if e < 0:
@@ -302,6 +338,7 @@ def _moe_combine_kernel(y_ptr, out_ptr, D, TOPK, BLOCK_D: tl.constexpr):
     """out[n, d] = sum_k y[n*K + k, d], summed in fp32 in k order, stored in out's dtype.
 
     y_ptr: fp32 [N*K, D]; out_ptr: [N, D]. Grid: (N, cdiv(D, BLOCK_D))."""
+    _wait_for_prior()
     token, pid_d = tl.program_id(0), tl.program_id(1)
     d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
     acc = tl.zeros([BLOCK_D], tl.float32)
@@ -400,7 +437,8 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
     sorted_pair = torch.empty(max_tiles * BLOCK_M, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
     _moe_align_kernel[(1,)](ids, sorted_pair, tile_expert, P, E, max_tiles, triton.cdiv(P, BLOCK_M),
-                            BLOCK_M=BLOCK_M, E_PAD=triton.next_power_of_2(E), CHUNK=ALIGN_CHUNK, num_warps=8)
+                            BLOCK_M=BLOCK_M, E_PAD=triton.next_power_of_2(E), CHUNK=ALIGN_CHUNK, num_warps=8,
+                            launch_pdl=PDL)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact products, not tf32; else unused
     bn, bk, warps, stages = cfg["gate_up"]
     h = torch.empty(max_tiles * BLOCK_M, I, dtype=x.dtype, device=dev)          # [rows, I]
@@ -408,16 +446,17 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
     _moe_gate_up_kernel[(triton.cdiv(I, bn), max_tiles)](
         x, h, sorted_pair, tile_expert, gate.data, gs, up.data, _weight_args(up, bk)[0], P, K, D, I, *strides, *quant,
         FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SCALE_PER_ROW=per_row, PRECISION=precision,
-        num_warps=warps, num_stages=stages)
+        launch_pdl=PDL, num_warps=warps, num_stages=stages)
     bn, bk, warps, stages = cfg["down"]
     y = torch.empty(P, D, dtype=torch.float32, device=dev)                      # [P, D], weighted
     ds, strides, quant, per_row = _weight_args(down, bk)
     _moe_down_kernel[(triton.cdiv(D, bn), max_tiles)](
         h, y, sorted_pair, tile_expert, route_w, down.data, ds, P, D, I, *strides, *quant,
         FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SCALE_PER_ROW=per_row, PRECISION=precision,
-        num_warps=warps, num_stages=stages)
+        launch_pdl=PDL, num_warps=warps, num_stages=stages)
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
-    _moe_combine_kernel[(N, triton.cdiv(D, COMBINE_BLOCK))](y, out, D, K, BLOCK_D=COMBINE_BLOCK, num_warps=4)
+    _moe_combine_kernel[(N, triton.cdiv(D, COMBINE_BLOCK))](y, out, D, K, BLOCK_D=COMBINE_BLOCK, num_warps=4,
+                                                            launch_pdl=PDL)
     return out
 
 
@@ -536,6 +575,7 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
     fp32 [P]. g_ptr / u_ptr, gs_ptr / us_ptr: gate and up weights and scales, [E, I, D] as
     ExpertWeights (same strides). P_PAD: a power of two >= P. Grid: (cdiv(I, BLOCK_N), P); only a
     leader program works."""
+    _wait_for_prior()
     pid_n, p = tl.program_id(0), tl.program_id(1)
     same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
     if not leader:
@@ -578,6 +618,7 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
 
     h_ptr: fp32 [P, I] from gate_up. out_ptr: [N, D], x's dtype. w_ptr / s_ptr: down weights and
     scales, [E, D, I] as ExpertWeights. Grid: (N, cdiv(D, BLOCK_N))."""
+    _wait_for_prior()
     token, pid_n = tl.program_id(0), tl.program_id(1)
     r = tl.arange(0, BLOCK_N * SUB)
     n, kb = pid_n * BLOCK_N + r // SUB, (r % SUB) * BLOCK_K
@@ -709,6 +750,7 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
     the bf16 shared expert (_shared_gate_up; x_ptr, hs_ptr, sg_ptr, su_ptr, N: its arguments; SPLIT 0:
     none; SHARED_K bf16 columns a step), launched first since each runs its N tokens one after another;
     pair p is program SPLIT + p."""
+    _wait_for_prior()
     pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
         if p < 0:
@@ -760,6 +802,7 @@ def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we,
     columns a step. SPLIT > 0: the bf16 shared expert too, weight 1: h = silu(g) * u from gate_up's
     SPLIT partial sums hs [2, SPLIT, N, I], times its down weights sd_ptr [D, I] (I_PAD: a power of
     two >= I). Grid: (N, cdiv(D, BLOCK_N))."""
+    _wait_for_prior()
     token, pid_n = tl.program_id(0), tl.program_id(1)
     W: tl.constexpr = I // 8
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -831,14 +874,14 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None):
         x, hs, sg, su, N, TOPK=K, D=D, I=I, GROUP=gate.group, P_PAD=max(16, triton.next_power_of_2(P)),
         BLOCK_N=bn, BLOCK_W=bw, EVEN=I % bn == 0 and D % (8 * bw) == 0, SPLIT=split,
         SHARED_K=256 * warps,                                                         # 16 bytes a thread
-        EVEN_SHARED=I % bn == 0 and D % (4 * 256 * warps) == 0, num_warps=warps)
+        EVEN_SHARED=I % bn == 0 and D % (4 * 256 * warps) == 0, launch_pdl=PDL, num_warps=warps)
     bn, bc, warps = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     s = down.data.stride(), down.scale.stride()
     _moe_gemv_int4_down_kernel[(N, triton.cdiv(D, bn))](
         h, out, ids, down.data, down.scale, s[0][0], s[0][1], s[1][0], s[1][1], MAGIC, hs, sd, N,
         TOPK=K, D=D, I=I, GROUP=down.group, BLOCK_N=bn, BLOCK_C=bc, EVEN=D % bn == 0 and K * I // 8 % bc == 0,
-        SPLIT=split, I_PAD=triton.next_power_of_2(I), num_warps=warps)
+        SPLIT=split, I_PAD=triton.next_power_of_2(I), launch_pdl=PDL, num_warps=warps)
     return out
 
 
@@ -854,13 +897,13 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None):
     _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), P)](
         x, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
         TOPK=K, D=D, I=I, FMT=FORMATS[fmt], P_PAD=max(16, triton.next_power_of_2(P)), BLOCK_N=bn, BLOCK_K=bk,
-        UNROLL=unroll, num_warps=warps, **const)
+        UNROLL=unroll, launch_pdl=PDL, num_warps=warps, **const)
     bn, bk, warps, sub = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     ds, strides, offs, const = _gemv_args(down, bk, sub)
     _moe_gemv_down_kernel[(N, triton.cdiv(D, bn))](
         h, out, ids, down.data, ds, *strides, *offs, TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn, BLOCK_K=bk,
-        num_warps=warps, **const)
+        launch_pdl=PDL, num_warps=warps, **const)
     return out
 
 
@@ -964,6 +1007,7 @@ def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr
     pos int64 [B, T]. po [B, M, parts, C] and lse [B, M, parts] float32 get the part's partial
     output and log2 of its sum (with the max; -inf where no slot), where the part holds a slot.
     Grid: (parts, B, cdiv(M, BLOCK_M))."""
+    _wait_for_prior()
     part, b, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     dt = kvc_ptr.dtype.element_ty
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -1022,6 +1066,7 @@ def _mla_combine_kernel(po_ptr, lse_ptr, pos_ptr, o_ptr, M, kv_len, split_len,
     2^lse_j, all parts in one load (BLOCK_S >= parts). po [B, M, parts, C] and lse [B, M, parts]
     float32 from _mla_decode_kernel; pos int64 [B, T]; o [B, M, C] (any float dtype).
     Grid: (B * M, cdiv(C, BLOCK_C))."""
+    _wait_for_prior()
     row, cb = tl.program_id(0), tl.program_id(1)
     b, m = row // M, row % M
     n_used = 1 + tl.cdiv(tl.minimum(tl.load(pos_ptr + b * s_posb), kv_len), split_len)
@@ -1096,14 +1141,14 @@ def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, position
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         C=C, R=R, BLOCK_C=_pow2(C), BLOCK_R2=_pow2(R // 2, 8), BLOCK_T=_pow2(T), BLOCK_M=block_m,
         BLOCK_N=block_n, DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
-        num_warps=MLA_NUM_WARPS, num_stages=MLA_NUM_STAGES[q_lat.dtype])
+        launch_pdl=PDL, num_warps=MLA_NUM_WARPS, num_stages=MLA_NUM_STAGES[q_lat.dtype])
     out = torch.empty(B, M, C, device=q_lat.device, dtype=q_lat.dtype)
     block_c = MLA_COMBINE_BLOCK_C if q_lat.is_cuda else _pow2(C)   # the CPU interpreter: fewest programs
     _mla_combine_kernel[(B * M, triton.cdiv(C, block_c))](
         partial, lse, positions, out, M, S, split_len,
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         positions.stride(0), out.stride(0), out.stride(1),
-        C=C, BLOCK_C=block_c, BLOCK_S=_pow2(parts), num_warps=4)
+        C=C, BLOCK_C=block_c, BLOCK_S=_pow2(parts), launch_pdl=PDL, num_warps=4)
     return out.view(B, T, H, C)
 
 
@@ -1153,6 +1198,7 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
     program, _router_select over all N (<= BLOCK_N) tokens. x [N, D] (any float dtype), W [E, D]
     float32, part [SPLITS, N, E] float32 (last dims contiguous), count one int32 zero.
     Grid: (cdiv(E, BLOCK_E), SPLITS)."""
+    _wait_for_prior()
     eb, j = tl.program_id(0), tl.program_id(1)
     e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     n = tl.arange(0, BLOCK_N)
@@ -1178,6 +1224,7 @@ def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, N, s_ln, s_idn, 
                           BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
     """_router_select for token n = program_id(0) from whole logits [N, E] float32 (cuBLAS's, many
     tokens). Grid: (N,)."""
+    _wait_for_prior()
     _router_select(logits_ptr, bias_ptr, ids_ptr, w_ptr, tl.program_id(0), N, 0, s_ln, s_idn, s_wn, E_PER_G, G,
                    scale, 1, K, TOPK_GROUP, NORM, GROUPED, UNIFORM, SHARED, 1, BLOCK_G, BLOCK_EG, BLOCK_K)
 
@@ -1279,7 +1326,7 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
     if N > ROUTER_GEMV_MAX_TOKENS:
         logits = torch.nn.functional.linear(x.float(), weight)
         _router_select_kernel[(N,)](logits, bias, ids, weights, N, logits.stride(0), ids.stride(0), weights.stride(0),
-                                    E // n_group, n_group, float(scaling), **select, num_warps=4)
+                                    E // n_group, n_group, float(scaling), **select, launch_pdl=PDL, num_warps=4)
         return ids, weights
     x = x if x.stride(-1) == 1 else x.contiguous()
     block_n = _pow2(N, 1)
@@ -1291,7 +1338,7 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
         x, weight, part, _counters(x.device), bias, ids, weights, N, E, D, d_per_split, x.stride(0),
         weight.stride(0), part.stride(0), part.stride(1), ids.stride(0), weights.stride(0), E // n_group, n_group,
         float(scaling), SPLITS=splits, BLOCK_N=block_n, BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select,
-        num_warps=4 if N <= 8 else 8)   # 16 tokens' selection on 4 warps spills (ptxas: 255 registers)
+        launch_pdl=PDL, num_warps=4 if N <= 8 else 8)   # 16 tokens' selection on 4 warps spills (ptxas: 255 registers)
     return ids, weights
 
 
@@ -1305,6 +1352,7 @@ def _add_rmsnorm_kernel(x_ptr, y_ptr, w_ptr, h_ptr, out_ptr, D, eps, s_x, s_y, s
     """h = x + y (rounded to x's dtype, as the plain add), out = h * rsqrt(mean(h^2) + eps) * w,
     computed in float32 and rounded once. x, y, h, out [N, D] (last dim contiguous), w [D].
     Grid: (N,)."""
+    _wait_for_prior()
     n = tl.program_id(0)
     d = tl.arange(0, BLOCK_D)
     ok = d < D
@@ -1329,7 +1377,7 @@ def add_rmsnorm(x, y, weight, eps):
     if x2.shape[0]:
         _add_rmsnorm_kernel[(x2.shape[0],)](x2, y2, weight, h, out, D, float(eps), x2.stride(0), y2.stride(0),
                                             h.stride(0), out.stride(0), BLOCK_D=_pow2(D),
-                                            num_warps=8 if D >= 4096 else 4)
+                                            launch_pdl=PDL, num_warps=8 if D >= 4096 else 4)
     return h.view(x.shape), out.view(x.shape)
 
 
@@ -1342,6 +1390,7 @@ def _silu_mul_kernel(g_ptr, u_ptr, out_ptr, I, s_g, s_u, s_out, BLOCK: tl.conste
     """out[n] = silu(g[n]) * u[n], in float32, rounded once. g, u, out [N, I] (rows strided, the
     last dim contiguous; g and u may be the two halves of one [N, 2I] GEMM output).
     Grid: (N, cdiv(I, BLOCK))."""
+    _wait_for_prior()
     n, b = tl.program_id(0), tl.program_id(1)
     i = b * BLOCK + tl.arange(0, BLOCK)
     ok = i < I
@@ -1365,7 +1414,7 @@ def silu_mul(gate, up):
     if g2.shape[0]:
         _silu_mul_kernel[(g2.shape[0], triton.cdiv(I, SILU_MUL_BLOCK))](
             g2, u2, out, I, g2.stride(0), u2.stride(0), out.stride(0), BLOCK=min(SILU_MUL_BLOCK, _pow2(I)),
-            num_warps=4)
+            launch_pdl=PDL, num_warps=4)
     return out.view(gate.shape)
 
 
@@ -1390,6 +1439,7 @@ def _rope_cache_kernel(q_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr, kv_cach
     w [C]; rope [B, T, R/2, 2] float32 (cos, sin), contiguous in its last two dims; pos int64
     [B, T]; caches [>=B, S, C] and [>=B, S, R]; qo [B, T, H, R]. Float32 math, one rounding.
     Grid: (B * T,)."""
+    _wait_for_prior()
     n = tl.program_id(0)
     b, t = n // T, n % T
     p = tl.load(pos_ptr + b * s_posb + t * s_post)
@@ -1442,7 +1492,7 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
         rope.stride(0), rope.stride(1), positions.stride(0), positions.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), pe_cache.stride(0), pe_cache.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        C=C, R=R, BLOCK_C=_pow2(C), BLOCK_H=_pow2(H, 1), BLOCK_R2=_pow2(R // 2, 1), num_warps=4)
+        C=C, R=R, BLOCK_C=_pow2(C), BLOCK_H=_pow2(H, 1), BLOCK_R2=_pow2(R // 2, 1), launch_pdl=PDL, num_warps=4)
     return out
 
 
@@ -1491,6 +1541,7 @@ def _norm_gemv_kernel(x_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
     sums of squares, count [N / BLOCK_N] int32 zeros. With heads (grid axis 1, head_gemv, SPLITS
     1): x, W and out of head j start s_xh, s_wh, s_oh elements further.
     Grid: (cdiv(N, BLOCK_N), heads, SPLITS)."""
+    _wait_for_prior()
     pid, j, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     x_ptr += j * s_xh
     w_ptr += j * s_wh
@@ -1572,7 +1623,7 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, block_n=None, block_k=None, 
             x2, x2 if norm_weight is None else norm_weight, weight, out, part, ss, _counters(x.device),
             rows, N, K, k_split, float(eps), x2.stride(0), 0, 0, weight.stride(0), 1, N, 0,
             SPLITS=slices, NORM=norm_weight is not None, BLOCK_M=_pow2(rows, 1),
-            BLOCK_N=block_n, BLOCK_K=block_k, num_warps=warps or (4 if rows <= 4 else 8), num_stages=1)
+            BLOCK_N=block_n, BLOCK_K=block_k, launch_pdl=PDL, num_warps=warps or (4 if rows <= 4 else 8), num_stages=1)
     return out
 
 
@@ -1606,7 +1657,8 @@ def head_gemv(x, weight):
         _norm_gemv_kernel[(triton.cdiv(N, block_n), H, 1)](
             x2, x2, weight, out, out, out, out, rows, N, K, K, 0.0, x2.stride(0), x2.stride(1),
             weight.stride(0), weight.stride(1), weight.stride(2), H * N, N, SPLITS=1, NORM=False,
-            BLOCK_M=_pow2(rows, 1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NORM_GEMV_WARPS, num_stages=1)
+            BLOCK_M=_pow2(rows, 1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NORM_GEMV_WARPS, num_stages=1,
+            launch_pdl=PDL)
     return out
 
 

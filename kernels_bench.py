@@ -8,6 +8,8 @@ replay past the L2; achieved GB/s against the copy bandwidth measured in the sam
         without it the MLA decode attention, the router, add + RMSNorm, SwiGLU, RoPE + cache
         write, norm_gemv and head_gemv follow. --small: the router, add + RMSNorm, SwiGLU, RoPE +
         cache write, norm_gemv and head_gemv only (--sweep: norm_gemv's block configurations).
+    python kernels_bench.py [--json OUT] --pdl [RUN.PY FLAGS]
+        run.py's captured phases with programmatic dependent launch off and on, in one process.
 """
 import math
 from functools import partial
@@ -427,6 +429,72 @@ def benchmark_attention(out=None, small_only=False, sweep=False):
     print(line)
 
 
+
+# ---------------------------------------------------------------------------------------------
+# Programmatic dependent launch (python kernels_bench.py --pdl [RUN.PY FLAGS] [--json OUT]): run.py's
+# model, built from the same flags (default: one SIMULATED TP-8 rank of Kimi-K2, bf16), and its isolated
+# phases captured in one process once per setting of kernels.py's module flags (PDL off: the kernels'
+# grid-dependency instructions are then no-ops; on); the graphs replay in alternation, 20 replays a
+# round, and their outputs must be equal bit for bit (deterministic kernels; a missed wait would show).
+
+PDL_SETTINGS = {"off": dict(PDL=False), "on": dict(PDL=True)}
+
+
+def _flat(out):
+    return torch.cat([t.float().flatten() for t in (out if isinstance(out, tuple) else (out,)) if t is not None])
+
+
+def benchmark_pdl(run_flags, settings=PDL_SETTINGS, phases=("decode_step", "verify/decode", "draft_step"),
+                  rounds=7, reps=20):
+    import statistics
+
+    import run
+    from graphs import CudaGraphs
+    cfg = run.settle(run.parse_args(run_flags), torch.device("cuda"), 1)
+    b = run.prepare(cfg, torch.device("cuda"))
+    calls = run.phase_calls(b, cfg.context_len[0])
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                  run_flags=run_flags, header=run.header_of(b), phases={})
+    default = {name: getattr(kernels, name) for flags in settings.values() for name in flags}
+    for phase in (p for p in phases if p in calls):
+        key, fn, inputs = calls[phase]
+        runners, outs = {}, {}
+        for setting, flags in settings.items():   # captured (and warmed up) with the launches they replay
+            for name, value in {**default, **flags}.items():
+                setattr(kernels, name, value)
+            runners[setting] = CudaGraphs("cuda")
+            outs[setting] = _flat(runners[setting].run(key, fn, *inputs))
+        times = {setting: [] for setting in settings}
+        for _ in range(rounds):
+            for setting, runner in runners.items():
+                graph = runner.graphs[key][0]
+                stamps = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                          for _ in range(reps)]
+                for a, z in stamps:
+                    a.record()
+                    graph.replay()
+                    z.record()
+                torch.cuda.synchronize()
+                times[setting] += [a.elapsed_time(z) for a, z in stamps]
+        for name, value in default.items():
+            setattr(kernels, name, value)
+        kernels.PDL = False   # the kernels' own time, as run.py's component table sums it (an eager profile)
+        prof = run.profile_components(b.target, partial(fn, *inputs), gpu=True)
+        row = result["phases"][phase] = dict(kernel_ms=prof["kernel_ms"], kernels=prof["kernels"],
+                                             parts_ms=prof["parts_ms"])
+        first = next(iter(settings))
+        for setting, t in times.items():
+            ms = statistics.median(t)
+            row[setting] = dict(ms=ms, gaps_ms=ms - prof["kernel_ms"], outputs_equal=torch.equal(outs[setting],
+                                                                                                outs[first]))
+        print(f"{phase}: {prof['kernels']} kernels, {prof['kernel_ms']:.4f} ms summed; " + ", ".join(
+            f"{setting} {row[setting]['ms']:.4f} ms (gaps {row[setting]['gaps_ms']:.4f})"
+            + ("" if row[setting]["outputs_equal"] else " OUTPUTS DIFFER") for setting in settings))
+    for name, value in default.items():
+        setattr(kernels, name, value)
+    return result
+
+
 def main():
     import argparse
     import json
@@ -445,7 +513,16 @@ def main():
                                                         "and that shared expert alone through torch")
     p.add_argument("--variants", default="dot,gemv",
                    help="fused MoE variants to time in this run, comma-separated: dot (k3's tl.dot tiles), gemv")
+    p.add_argument("--pdl", nargs=argparse.REMAINDER, metavar="RUN.PY FLAGS",
+                   help="time run.py's captured phases with programmatic dependent launch off and on, in one "
+                        "process (the flags after it build run.py's model; last on the line)")
     a = p.parse_args()
+    if a.pdl is not None:
+        result = benchmark_pdl(a.pdl)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(result, f)
+        return
     variants, sweep = tuple(a.variants.split(",")), tuple(v for v in a.sweep.split(",") if v)
     if not set(variants + sweep) <= {"dot", "gemv"}:
         p.error(f"--variants {a.variants!r}, --sweep {a.sweep!r}: choose from dot, gemv")
