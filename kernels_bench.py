@@ -450,7 +450,7 @@ def _draft_heads(names_list, max_seq_len):
     for names in names_list:
         head = init_random_draft(Eagle3Draft(draft_preset("kimi-k2", eagle_config=None), target), 1, rank_local=True)
         heads[names] = head
-        kernels.accelerate_draft(head, names.split("+") if names != "none" else "none")
+        kernels.accelerate_draft(head, names if names in ("all", "none") else names.split("+"))
     return heads
 
 
