@@ -2059,14 +2059,17 @@ def compile_layers(target):
 # The EAGLE-3 head (draft.py): its decoder layer at a chain step or an extend, in fewer launches
 #
 # One head step at Kimi-K2's TP-8 shapes reads ~260 MB of weights (q/k/v 88, o 15, MLP 99, lm_head
-# 57): a 62 us floor, but the plain step is ~60 small launches around the GEMMs (RoPE by table
-# gathers, repeat_interleave of the kv heads, an einsum over every slot, masks, two norms and a
-# concat), ~0.26 ms. The swaps below keep the GEMMs (cuBLAS, q/k/v and gate/up stacked, as the
-# target's fused_proj) and put the rest into four kinds of launch: both input norms and their
-# concatenation (draft_input_norms), RoPE + cache write + attention + the merge of its splits
-# (draft_attention), each residual add inside the norm that reads it (add_rmsnorm: the post-attention
-# norm, the final norm) and SwiGLU (silu_mul). A tree (slots and masks given) and training (past)
-# take the plain forward.
+# 57): a 61 us floor on the H200, but the plain step is 70 launches, most of them small ones around
+# the GEMMs (RoPE by table gathers, repeat_interleave of the kv heads, an einsum over every slot,
+# masks, four norms at ~9 us each, a concat, argmax): 0.256 ms in a graph. The swaps below keep the
+# GEMMs (cuBLAS, q/k/v and gate/up stacked, as the target's fused_proj) and put the rest into a few
+# launches: both input norms and their concatenation (draft_input_norms), RoPE + cache write +
+# attention + the merge of its splits (draft_attention), each residual add inside the norm that
+# reads it (add_rmsnorm: the post-attention norm, the final norm), SwiGLU (silu_mul), and the draft
+# token's argmax with its d2t map (draft_top1). A tree (slots and masks given) and training (past)
+# take the plain forward. Measured (H200, 2026-12-01, kernels_bench.py --draft, graphs): the step
+# 0.256 -> 0.138 ms (2.26x its floor, 26 launches) at 256 cached tokens, 0.409 -> 0.177 ms at 32768;
+# the extend of 4 rows 0.348 -> 0.227 ms (1.70x); before draft_top1.
 
 
 @_jit
@@ -2284,6 +2287,44 @@ def draft_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split
     return out
 
 
+@_jit
+def _draft_top1_kernel(x_ptr, d2t_ptr, out_ptr, V, s_x, BLOCK: tl.constexpr):
+    """out[n] = i + d2t[i] for i the first index of the largest x[n, :V] (torch.argmax's; NaN aside).
+    Each lane keeps its first maximum over the row's blocks; the smallest index among the lanes
+    holding the row's maximum is then the first. Grid: (N,)."""
+    n = tl.program_id(0)
+    offs = tl.arange(0, BLOCK)
+    best = tl.full([BLOCK], float("-inf"), tl.float32)
+    best_i = tl.zeros([BLOCK], tl.int32)
+    for start in range(0, V, BLOCK):
+        x = tl.load(x_ptr + n * s_x + start + offs, mask=start + offs < V, other=float("-inf")).to(tl.float32)
+        take = x > best                                 # strictly: a lane keeps its first maximum
+        best = tl.where(take, x, best)
+        best_i = tl.where(take, start + offs, best_i)
+    i = tl.min(tl.where(best == tl.max(best, 0), best_i, V), 0)
+    tl.store(out_ptr + n, i + tl.load(d2t_ptr + i))
+
+
+DRAFT_TOP1_BLOCK = 4096   # logits a step: 8 steps over Kimi-K2's 32000 (torch's argmax reduce took 9.8 us)
+
+
+def draft_top1(logits, d2t):
+    """logits.argmax(-1) mapped to target ids (i + d2t[i]), one launch: logits [..., Vd] float, d2t
+    int64 [Vd]. Returns int64 [...]."""
+    V = logits.shape[-1]
+    if d2t.shape != (V,) or d2t.dtype != torch.int64 or not logits.is_floating_point():
+        raise ValueError(f"draft_top1: logits {logits.dtype} {list(logits.shape)} and d2t {d2t.dtype} "
+                         f"{list(d2t.shape)} do not fit [..., Vd] float and int64 [Vd]")
+    x = logits.reshape(-1, V)
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    out = torch.empty(x.shape[0], device=logits.device, dtype=torch.int64)
+    if x.shape[0]:
+        _draft_top1_kernel[(x.shape[0],)](x, d2t, out, V, x.stride(0), BLOCK=min(DRAFT_TOP1_BLOCK, _pow2(V)),
+                                          num_warps=4)
+    return out.view(logits.shape[:-1])
+
+
+launch.draft_top1 = torch.compiler.disable(draft_top1)
 launch.draft_input_norms = torch.compiler.disable(draft_input_norms)
 launch.draft_attention = torch.compiler.disable(draft_attention)
 
@@ -2354,16 +2395,25 @@ class DraftHeadNorm(draft.Eagle3Draft):
         return self.lm_head(normed), g
 
 
-DRAFT_KERNELS = ("attention", "add_rmsnorm", "silu_mul", "fused_proj")   # the KERNELS names the head takes
+class DraftTop1Kernel(draft.Eagle3Draft):
+    """"router" on the head (its selection: the draft token from the logits, as the target's router
+    selects experts): argmax and the d2t map in one launch (draft_top1)."""
+
+    def to_target_ids(self, logits):
+        return launch.draft_top1(logits, self.d2t)
+
+
+DRAFT_KERNELS = ("attention", "router", "add_rmsnorm", "silu_mul", "fused_proj")   # KERNELS names the head takes
 
 
 def accelerate_draft(head, names=()):
     """Swap the fast paths into a plain draft.Eagle3Draft, in place, and return the names swapped in
     (of KERNELS; those of DRAFT_KERNELS): "attention" (RoPE, cache write and attention of a chain step
-    or an extend), "add_rmsnorm" (the input norms in one launch, each residual add in the norm that
-    reads the sum), "silu_mul" (the MLP's SwiGLU), "fused_proj" (plain torch: q/k/v and gate/up as one GEMM
-    each); an iterable, "all" or "none", as accelerate. The state dict keeps its keys and values;
-    head.kernels records what was done (run.py prints it)."""
+    or an extend), "router" (the draft token's argmax and d2t map), "add_rmsnorm" (the input norms in
+    one launch, each residual add in the norm that reads the sum), "silu_mul" (the MLP's SwiGLU),
+    "fused_proj" (plain torch: q/k/v and gate/up as one GEMM each); an iterable, "all" or "none", as
+    accelerate. The state dict keeps its keys and values; head.kernels records what was done (run.py
+    prints it)."""
     names = kernel_names(names) & set(DRAFT_KERNELS)
     if hasattr(head, "kernels"):
         raise ValueError(f"accelerate_draft: this head is accelerated already (kernels {head.kernels}); build a "
@@ -2384,5 +2434,7 @@ def accelerate_draft(head, names=()):
         swap(head, DraftHeadNorm)
     if "silu_mul" in names:
         swap(mid.mlp, SiluMulKernel)
+    if "router" in names:
+        swap(head, DraftTop1Kernel)
     head.kernels = tuple(k for k in DRAFT_KERNELS if k in names)
     return head.kernels

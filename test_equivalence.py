@@ -2742,6 +2742,24 @@ def test_draft_attention_kernel_equals_twin(B, T, H, G):
         kernels.draft_attention(*long, k_cache[:1], v_cache[:1], scale)
 
 
+@triton_ok
+def test_draft_top1_kernel_equals_twin():
+    """kernels.draft_top1 against Eagle3Draft.to_target_ids's argmax and d2t map, over two blocks of
+    logits: random ones, ones of three values (ties: the first maximum wins, as torch.argmax's), a
+    row of -inf."""
+    g = torch.Generator().manual_seed(5)
+    V = 5000
+    d2t = torch.randint(0, 1000, (V,), generator=g)
+    ties = torch.randint(0, 3, (4, V), generator=g).float()
+    ties[0, 4100] = ties[0, 200] = 9.0   # the first maximum in block 0, a later lane than block 1's
+    ties[1, -1] = 9.0                    # the only maximum in the last, partial block
+    ties[2] = float("-inf")
+    for logits in (torch.randn(3, 2, V, generator=g), ties):
+        ids = logits.argmax(-1)
+        got = kernels.draft_top1(logits.to(TRITON_DEVICE), d2t.to(TRITON_DEVICE))
+        assert got.dtype == torch.int64 and torch.equal(got.cpu(), ids + d2t[ids]), f"top-1 of {list(logits.shape)}"
+
+
 def draft_heads(device, dtype, seed=0, **draft_kw):
     """A tiny target and the tiny head twice: plain, and with every head swap (then loaded with the
     plain head's state dict by the plain names)."""
