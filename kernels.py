@@ -2067,9 +2067,11 @@ def compile_layers(target):
 # attention + the merge of its splits (draft_attention), each residual add inside the norm that
 # reads it (add_rmsnorm: the post-attention norm, the final norm), SwiGLU (silu_mul), and the draft
 # token's argmax with its d2t map (draft_top1). A tree (slots and masks given) and training (past)
-# take the plain forward. Measured (H200, 2026-12-01, kernels_bench.py --draft, graphs): the step
-# 0.256 -> 0.138 ms (2.26x its floor, 26 launches) at 256 cached tokens, 0.409 -> 0.177 ms at 32768;
-# the extend of 4 rows 0.348 -> 0.227 ms (1.70x); before draft_top1.
+# take the plain forward. Measured (H200, 2026-12-01, kernels_bench.py --draft, graphs; benchmarks/
+# h200_issue25_draft_final.json): the step 0.259 -> 0.133 ms (2.16x its floor, 24 launches) at 256
+# cached tokens, 0.410 -> 0.171 ms at 32768; the extend of 4 rows 0.348 -> 0.219 ms (1.63x). Left:
+# cuBLAS GEMVs 81 us of the step with their split-K reduces (3.2 TB/s of 259 MB), draft_top1 8.2 us
+# (one program, 8 dependent steps).
 
 
 @_jit
