@@ -131,15 +131,20 @@ class DraftAttention(nn.Module):
         passes both (Eagle3Draft.tree: its nodes share positions, so they need slots of their
         own, and each sees only its ancestors). past a list (training, see Eagle3Draft.unroll):
         the earlier unrolled steps' keys and values, this step's appended; no cache is touched."""
-        B, T, _ = x.shape
-        q = rotate_half_rope(self.q_proj(x).view(B, T, self.n_local_heads, -1), cos, sin)
-        k = rotate_half_rope(self.k_proj(x).view(B, T, self.n_local_kv_heads, -1), cos, sin)
-        v = self.v_proj(x).view(B, T, self.n_local_kv_heads, -1)
+        q, k, v = self.project(x)
+        q, k = rotate_half_rope(q, cos, sin), rotate_half_rope(k, cos, sin)
         if past is None:
             o = self.attend_cache(q, k, v, positions, kv_len, slots, visible)
         else:
             o = self.attend_unrolled(q, k, v, past)
         return self.o_proj(o.flatten(2))
+
+    def project(self, x):
+        """q [B, T, H, Hd], k and v [B, T, G, Hd] of x [B, T, 2D], before RoPE."""
+        B, T, _ = x.shape
+        H, G = self.n_local_heads, self.n_local_kv_heads
+        return (self.q_proj(x).view(B, T, H, -1), self.k_proj(x).view(B, T, G, -1),
+                self.v_proj(x).view(B, T, G, -1))
 
     def expand_kv(self, t):                                    # [B, S, G, Hd] -> [B, S, H, Hd]
         return t.repeat_interleave(self.n_local_heads // self.n_local_kv_heads, 2)

@@ -2,12 +2,13 @@
 and its floor, captured in CUDA graphs and timed by device events (medians), the bytes of one
 replay past the L2; achieved GB/s against the copy bandwidth measured in the same run.
 
-    python kernels_bench.py [--moe | --small] [--sweep [VARIANTS]] [--variants dot,gemv] [--json OUT]
+    python kernels_bench.py [--moe | --small | --draft] [--sweep [VARIANTS]] [--variants dot,gemv] [--json OUT]
                             [--formats plain,fp8,int4] [--tokens 1,2,3,4,8,32] [--shared]
         --moe: the fused MoE only (each weight format, token count and variant against its floor);
         without it the MLA decode attention, the router, add + RMSNorm, SwiGLU, RoPE + cache
         write, norm_gemv and head_gemv follow. --small: the router, add + RMSNorm, SwiGLU, RoPE +
         cache write, norm_gemv and head_gemv only (--sweep: norm_gemv's block configurations).
+        --draft: the EAGLE-3 head's step and extend, plain and with kernels.accelerate_draft's swaps.
     python kernels_bench.py [--json OUT] --pdl [RUN.PY FLAGS]
         run.py's captured phases with programmatic dependent launch off and on, in one process.
 """
@@ -429,7 +430,6 @@ def benchmark_attention(out=None, small_only=False, sweep=False):
     print(line)
 
 
-
 # ---------------------------------------------------------------------------------------------
 # Programmatic dependent launch (python kernels_bench.py --pdl [RUN.PY FLAGS] [--json OUT]): run.py's
 # model, built from the same flags (default: one SIMULATED TP-8 rank of Kimi-K2, bf16), and its isolated
@@ -495,6 +495,106 @@ def benchmark_pdl(run_flags, settings=PDL_SETTINGS, phases=("decode_step", "veri
     return result
 
 
+# ---------------------------------------------------------------------------------------------
+# The EAGLE-3 head (python kernels_bench.py --draft [--json PATH]): one Kimi-K2 TP-8 rank's head
+# (SIMULATED rank: D 7168, 8 local heads of 128, draft vocab 32000) as run.py times it: the extend
+# of k + 1 = 4 rows and one chain step after ctx cached tokens, captured in CUDA graphs, plain and
+# with the head's swaps (all of them, and all but the attention kernel), against the floor (run.py's
+# draft_bytes over the copy bandwidth of the same run); the kernels of one eager step (profiler);
+# and the attention kernel alone over its split lengths at 32768 slots.
+
+def _draft_heads(names_list, max_seq_len):
+    from draft import Eagle3Draft, draft_preset
+    from checkpoint import init_random_draft
+    from tp import TP
+    args = model.preset("kimi-k2", num_hidden_layers=1)
+    target = model.Transformer(args, 1, max_seq_len, "cuda", torch.bfloat16, TP.simulate(8))
+    torch.nn.init.normal_(target.embed_tokens.weight)    # the head reads the target's embedding
+    heads = {}
+    for names in names_list:
+        head = init_random_draft(Eagle3Draft(draft_preset("kimi-k2", eagle_config=None), target), 1, rank_local=True)
+        heads[names] = head
+        kernels.accelerate_draft(head, names if names in ("all", "none") else names.split("+"))
+    return heads
+
+
+def _step_kernels(fn):
+    """(kernels launched, {name: (count, us)}) of one eager fn() on the device (torch.profiler)."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    events = [e for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    names = {}
+    for e in events:
+        n, us = names.get(e.name[:60], (0, 0.0))
+        names[e.name[:60]] = (n + 1, us + e.time_range.elapsed_us())
+    return len(events), dict(sorted(names.items(), key=lambda kv: -kv[1][1]))
+
+
+def bench_draft(out=None, contexts=(256, 32768), k=3):
+    import json
+    from run import draft_bytes
+    from verify import kv_bucket
+    bw = copy_bandwidth_GBps()
+    variants = ("none", "add_rmsnorm+silu_mul+fused_proj", "all")
+    max_seq = kv_bucket(max(contexts) + 2 * k + 1, 1 << 20)
+    heads = _draft_heads(variants, max_seq)
+    g = torch.Generator(device="cuda").manual_seed(0)
+    rows = []
+    for ctx in contexts:
+        kvd = kv_bucket(ctx + 2 * k + 1, max_seq)
+        toks = torch.randint(0, 163840, (1, k + 1), device="cuda", generator=g)
+        pos = ctx + torch.arange(k + 1, device="cuda").unsqueeze(0)
+        aux = torch.randn(1, k + 1, 3 * 7168, device="cuda", generator=g, dtype=torch.bfloat16)
+        last = torch.full((1,), k, device="cuda")
+        for names, head in heads.items():
+            first, hidden = head.extend(toks, pos, aux, last, kv_len=kvd)
+            calls = dict(draft_extend=lambda: head.extend(toks, pos, aux, last, kv_len=kvd),
+                         draft_step=lambda: head.chain(first, hidden, pos[:, -1], 2, kv_len=kvd))
+            for phase, fn in calls.items():
+                ms = _graph_ms([fn])
+                floor = draft_bytes(head, ctx + (k + 1 if phase == "draft_extend" else 1), 1,
+                                    with_fc=phase == "draft_extend") / bw / 1e6
+                n, top = _step_kernels(fn)
+                rows.append(dict(phase=phase, ctx=ctx, kernels=names, ms=ms, floor_ms=floor, x_floor=ms / floor,
+                                 launches=n, top={name: [c, round(us, 2)] for name, (c, us) in list(top.items())[:12]}))
+                print(f"{phase:13s} ctx {ctx:6d} {names:34s} {ms * 1e3:8.1f} us  floor {floor * 1e3:6.1f}  "
+                      f"{ms / floor:5.2f}x  {n} kernels")
+    rows += _bench_draft_attention(bw)
+    line = json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           copy_GBps=bw, rows=rows))
+    if out:
+        with open(out, "w") as f:
+            f.write(line + "\n")
+    print(line)
+
+
+def _bench_draft_attention(bw, S=32768, G=8, HD=128):
+    """kernels.draft_attention alone at the head's shapes, each split length, 1 and 4 tokens, the
+    whole cache in use: us and GB/s of cache read."""
+    rows = []
+    cos, sin = model.rope_tables(HD, 1e6, None, S, "cuda")
+    caches = [torch.randn(1, S, G, HD, device="cuda", dtype=torch.bfloat16) for _ in range(2)]
+    for T in (1, 4):
+        q = torch.randn(1, T, G, HD, device="cuda", dtype=torch.bfloat16)
+        k, v = torch.randn_like(q), torch.randn_like(q)
+        pos = S - T + torch.arange(T, device="cuda").unsqueeze(0)
+        rope = cos[pos], sin[pos]
+        for split in (None, 512, 1024, 2048, 4096):
+            ms = _graph_ms([lambda: kernels.draft_attention(q, k, v, *rope, pos, *caches, 0.088, split)])
+            gbps = 2 * S * G * HD * 2 / ms / 1e6
+            used = split or kernels.draft_split_len(S, G, kernels.DRAFT_ATTN_BLOCK_N[torch.bfloat16],
+                                                    torch.device("cuda"))
+            rows.append(dict(kernel="draft_attention", S=S, T=T, split_len=used, us=ms * 1e3, GBps=gbps,
+                             of_copy=gbps / bw))
+            print(f"draft_attention S {S} T {T} split {used:5d}: {ms * 1e3:6.1f} us  {gbps:6.0f} GB/s  "
+                  f"({gbps / bw:.0%} of copy)")
+    return rows
+
+
 def main():
     import argparse
     import json
@@ -516,12 +616,17 @@ def main():
     p.add_argument("--pdl", nargs=argparse.REMAINDER, metavar="RUN.PY FLAGS",
                    help="time run.py's captured phases with programmatic dependent launch off and on, in one "
                         "process (the flags after it build run.py's model; last on the line)")
+    p.add_argument("--draft", action="store_true", help="time the EAGLE-3 head only: its step and extend, plain and "
+                                                       "with its swaps, and its attention kernel")
     a = p.parse_args()
     if a.pdl is not None:
         result = benchmark_pdl(a.pdl)
         if a.json:
             with open(a.json, "w") as f:
                 json.dump(result, f)
+        return
+    if a.draft:
+        bench_draft(a.json)
         return
     variants, sweep = tuple(a.variants.split(",")), tuple(v for v in a.sweep.split(",") if v)
     if not set(variants + sweep) <= {"dot", "gemv"}:

@@ -442,6 +442,8 @@ def build(args, device, dtype):
         dargs = random_draft_args(target)
         set_target_aux_layers(target, dargs)
         head = checkpoint.init_random_draft(Eagle3Draft(dargs, target), args.seed + 1, rank_local=tp.simulated)
+    if head is not None:
+        kernels.accelerate_draft(head, args.kernels)   # the head's fast paths, as the target's
     return target, head, how
 
 
@@ -1191,7 +1193,8 @@ def header_of(b):
     routing = "routing SIMULATED uniform" if t.routing == "uniform" else "routing: the model's router"
     ar = modelled_allreduce(b)
     return (f"target: {b.how}, {t.args.num_hidden_layers} layers, {t.args.n_routed_experts} routed experts, "
-            f"{t.tp.describe()}, {a.dtype}{quant_note}, moe {moe_note(t)}, kernels {','.join(t.kernels) or 'none'}, "
+            f"{t.tp.describe()}, {a.dtype}{quant_note}, moe {moe_note(t)}, kernels {','.join(t.kernels) or 'none'}"
+            + (f" (the head's: {','.join(b.head.kernels) or 'none'})" if b.head is not None else "") + ", "
             f"{routing} | batch {a.batch_size}, prompt {a.prompt_len}, cached "
             f"{'/'.join(map(str, a.context_len))} (isolated phases), num_steps {b.k} | "
             f"{torch.cuda.get_device_name(t.device) if b.gpu else f'CPU, {torch.get_num_threads()} thread(s)'}, "
@@ -1216,7 +1219,8 @@ def bench_main(cfg, device, world):
                world_size=world, simulated_tp=cfg.simulate_tp if b.target.tp.simulated else None, dtype=cfg.dtype,
                int4_group_size=b.target.args.int4_group_size, fp8_block=b.target.args.fp8_block,
                moe_impl=b.target.moe_impl,
-               kernels=list(b.target.kernels), routing=b.target.routing,
+               kernels=list(b.target.kernels), draft_kernels=list(b.head.kernels) if b.head is not None else None,
+               routing=b.target.routing,
                simulated_routing=b.target.routing == "uniform", seed=cfg.seed,
                simulated_acceptance=cfg.simulate_accept_len is not None, target=b.how, config=vars(cfg),
                weights="trained tiny pair" if cfg.trained_pair else "checkpoints" if cfg.model_path else "random",

@@ -2703,6 +2703,132 @@ def test_gpu_kernels_in_captured_paths():
           f"{(a - b).abs().max().item():.3e}")
 
 
+
+# ---------------------------------------------------------------------------------------------
+# The EAGLE-3 head's swaps (kernels.accelerate_draft) against the plain head, float32 on fresh
+# random inputs: its attention kernel against draft.py's attention (GQA and MHA, one split and
+# several), the swapped head's extend, chain steps and caches, and a speculative run.
+
+from draft import DraftAttention, rotate_half_rope  # noqa: E402
+
+
+def draft_attention_inputs(B, T, H, G, HD, S, device, seed):
+    """q, k, v of T new tokens a row at consecutive positions (one row ending at the cache's end,
+    one starting at slot 0), their cos / sin rows, and caches of random values with a spare row."""
+    g = torch.Generator().manual_seed(seed)
+    q, k, v = torch.randn(B, T, H, HD, generator=g), torch.randn(B, T, G, HD, generator=g), \
+        torch.randn(B, T, G, HD, generator=g)
+    caches = [torch.randn(B + 1, S, G, HD, generator=g) for _ in range(2)]
+    last = torch.randint(T - 1, S, (B,), generator=g)
+    last[0] = S - 1
+    if B > 2:
+        last[2] = T - 1
+    positions = last.unsqueeze(1) - (T - 1) + torch.arange(T)
+    cos, sin = model.rope_tables(HD, 10000.0, None, S, "cpu")
+    return [x.to(device) for x in (q, k, v, cos[positions], sin[positions], positions, *caches)]
+
+
+@triton_ok
+@pytest.mark.parametrize("B, T, H, G", [(1, 1, 4, 4), (3, 4, 4, 2), (2, 3, 8, 1)])
+def test_draft_attention_kernel_equals_twin(B, T, H, G):
+    """kernels.draft_attention against DraftAttention's RoPE and attend_cache on copies of the same
+    caches: the output and both caches, with the cached slots in one split and in splits of 16
+    and 24 slots (merged with the new tokens' part)."""
+    HD, S, scale = 16, 56, 16 ** -0.5
+    twin = DraftAttention(draft_preset("tiny", num_attention_heads=H, num_key_value_heads=G, head_dim=HD), TP(),
+                          B + 1, S, TRITON_DEVICE, torch.float32)
+    for split_len in (None, 16, 24):
+        q, k, v, cos, sin, pos, k_cache, v_cache = draft_attention_inputs(B, T, H, G, HD, S, TRITON_DEVICE, B + T)
+        twin.k_cache.copy_(k_cache)
+        twin.v_cache.copy_(v_cache)
+        want = twin.attend_cache(rotate_half_rope(q, cos, sin), rotate_half_rope(k, cos, sin), v, pos, S)
+        got = kernels.draft_attention(q, k, v, cos, sin, pos, k_cache[:B], v_cache[:B], scale, split_len)
+        what = f"draft attention B={B} T={T} H={H} G={G} split {split_len}"
+        assert got.shape == want.shape and got.dtype == want.dtype
+        assert_close(got, want, 2e-5 * want.abs().max().item(), what)
+        assert_close(k_cache, twin.k_cache, 1e-5, what + ": key cache")
+        assert_close(v_cache, twin.v_cache, 0.0, what + ": value cache")
+    *long, k_cache, v_cache = draft_attention_inputs(1, 40, H, G, HD, S, TRITON_DEVICE, 0)   # 40 tokens: prefill
+    with pytest.raises(ValueError, match="query rows"):
+        kernels.draft_attention(*long, k_cache[:1], v_cache[:1], scale)
+
+
+@triton_ok
+def test_draft_top1_kernel_equals_twin():
+    """kernels.draft_top1 against Eagle3Draft.to_target_ids's argmax and d2t map, over two blocks of
+    logits: random ones, ones of three values (ties: the first maximum wins, as torch.argmax's), a
+    row of -inf."""
+    g = torch.Generator().manual_seed(5)
+    V = 5000
+    d2t = torch.randint(0, 1000, (V,), generator=g)
+    ties = torch.randint(0, 3, (4, V), generator=g).float()
+    ties[0, 4100] = ties[0, 200] = 9.0   # the first maximum in block 0, a later lane than block 1's
+    ties[1, -1] = 9.0                    # the only maximum in the last, partial block
+    ties[2] = float("-inf")
+    for logits in (torch.randn(3, 2, V, generator=g), ties):
+        ids = logits.argmax(-1)
+        got = kernels.draft_top1(logits.to(TRITON_DEVICE), d2t.to(TRITON_DEVICE))
+        assert got.dtype == torch.int64 and torch.equal(got.cpu(), ids + d2t[ids]), f"top-1 of {list(logits.shape)}"
+
+
+def draft_heads(device, dtype, seed=0, **draft_kw):
+    """A tiny target and the tiny head twice: plain, and with every head swap (then loaded with the
+    plain head's state dict by the plain names)."""
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=64, device=device, dtype=dtype), seed)
+    plain = init_random_draft(Eagle3Draft(draft_preset("tiny", **draft_kw), target), seed + 1)
+    fast = Eagle3Draft(draft_preset("tiny", **draft_kw), target)
+    assert kernels.accelerate_draft(fast, "all") == kernels.DRAFT_KERNELS
+    fast.load_state_dict(plain.state_dict())
+    assert_same_state(fast, plain)
+    return target, plain, fast
+
+
+@triton_ok
+@pytest.mark.parametrize("kv_heads", [4, 2])
+def test_draft_head_with_kernels_equals_plain(kv_heads):
+    """The swapped head against the plain one on the same weights: an extend of 4 rows at each batch
+    row's own position, then 2 chain steps, over the first 48 slots and over all of them: logits,
+    g and the caches they write; a tree (slots and masks: the plain attention) alike."""
+    target, plain, fast = draft_heads(TRITON_DEVICE, torch.float32, num_key_value_heads=kv_heads)
+    g = torch.Generator().manual_seed(kv_heads)
+    B, T = 3, 4
+    tokens = torch.randint(0, 256, (B, T), generator=g).to(TRITON_DEVICE)
+    start = torch.tensor([0, 9, 40])
+    positions = (start.unsqueeze(1) + torch.arange(T)).to(TRITON_DEVICE)
+    states = torch.randn(B, T, 3 * target.args.hidden_size, generator=g).to(TRITON_DEVICE)
+    for kv_len in (48, None):
+        outs = []
+        for head in (plain, fast):
+            logits, h = head(tokens, positions, head.fc(states), kv_len)
+            steps = [(logits, h)]
+            for i in range(2):   # chain steps: the last row's g fed back, one position on
+                steps.append(head(tokens[:, i:i + 1], positions[:, -1:] + 1 + i, steps[-1][1][:, -1:], kv_len))
+            outs.append(steps)
+        for i, ((want_l, want_g), (got_l, got_g)) in enumerate(zip(*outs)):
+            what = f"kv heads {kv_heads}, kv_len {kv_len}, " + ("extend" if i == 0 else f"chain step {i}")
+            assert_close(got_l, want_l, 1e-5 * want_l.abs().max().item(), what + ": logits")
+            assert_close(got_g, want_g, 1e-5 * want_g.abs().max().item(), what + ": g")
+        attn_p, attn_f = plain.midlayer.self_attn, fast.midlayer.self_attn
+        assert_close(attn_f.k_cache, attn_p.k_cache, 1e-5, f"kv_len {kv_len}: key cache")
+        assert_close(attn_f.v_cache, attn_p.v_cache, 1e-5, f"kv_len {kv_len}: value cache")
+    last = torch.full((B,), T - 1, device=TRITON_DEVICE)
+    trees = [head.tree(tokens[:, -1], *head.extend_logits(tokens, positions, states, last, 64), positions[:, -1],
+                       2, 3, 6, 64) for head in (plain, fast)]
+    for name, want, got in zip(trees[0]._fields, *trees):
+        assert_close(got, want, 1e-5 * max(want.abs().max().item(), 1), f"tree {name}")
+
+
+@triton_ok
+def test_speculative_with_the_draft_kernels_equals_plain_greedy():
+    """Greedy speculative decoding with the swapped head (float32) emits the plain greedy output and
+    accepts exactly what the plain head accepts (the same drafts)."""
+    target, plain, fast = draft_heads(TRITON_DEVICE, torch.float32, seed=3)
+    prompts = PROMPTS[3][1:2]   # 1 row, 3 cycles: the interpreter takes ~0.2 s a head forward
+    want = generate(target, None, prompts, max_new_tokens=6).tokens
+    runs = [generate(target, head, prompts, max_new_tokens=6, num_steps=2) for head in (plain, fast)]
+    assert runs[1].tokens == want == runs[0].tokens
+    assert torch.equal(runs[1].accepted, runs[0].accepted)
+
 # ---------------------------------------------------------------------------------------------
 # The all-reduces (tp.py): NCCL's and the one-shot over torch's symmetric memory. Real TP 2 on two
 # GPUs runs under torchrun, each rank the same tests in the same order:
@@ -2716,6 +2842,60 @@ def _tp_gpu_missing():
         return ("needs a 2-rank torchrun world on 2 GPUs: torchrun --nproc-per-node 2 -m pytest -q "
                 "test_equivalence.py -k tp_gpu")
     return None
+
+
+@cuda
+@triton_ok
+@pytest.mark.parametrize("T", [1, 4])
+def test_gpu_draft_attention_kimi_shapes(T):
+    """Kimi-K2's head at TP 8 (8 heads of 128, MHA), bf16, on caches of 320 and 32768 slots (automatic
+    splits): the kernel against the float64 twin, within twice the bf16 twin's error (at least 2e-2),
+    and the caches it writes against the bf16 twin's."""
+    for S in (320, 32768):
+        x = draft_attention_inputs(1, T, 8, 8, 128, S, "cuda", S + T)
+        got_caches = [c.bfloat16() for c in x[6:]]
+        got = kernels.draft_attention(*[t.bfloat16() for t in x[:3]], *x[3:6], got_caches[0][:1], got_caches[1][:1],
+                                      128 ** -0.5)
+        outs = {}
+        for dtype in (torch.float64, torch.bfloat16):
+            twin = DraftAttention(draft_preset("kimi-k2", num_attention_heads=8, num_key_value_heads=8), TP(), 2, S,
+                                  "cuda", dtype)
+            twin.k_cache.copy_(x[6])
+            twin.v_cache.copy_(x[7])
+            q, k, v = (t.to(dtype) for t in x[:3])
+            outs[dtype] = twin.attend_cache(rotate_half_rope(q, *x[3:5]), rotate_half_rope(k, *x[3:5]), v, x[5], S)
+        twin_err = (outs[torch.bfloat16].double() - outs[torch.float64]).abs().max().item()
+        assert_close(got, outs[torch.float64], max(2e-2, 2 * twin_err), f"S {S} T {T} vs float64 (bf16 twin "
+                     f"{twin_err:.2e})")
+        assert_close(got_caches[0], twin.k_cache, 2 ** -7 * 4, f"S {S} T {T}: key cache vs the bf16 twin's")
+        assert_close(got_caches[1], twin.v_cache, 0.0, f"S {S} T {T}: value cache vs the bf16 twin's")
+
+
+@cuda
+@triton_ok
+def test_gpu_draft_kernels_in_captured_paths():
+    """The tiny head with every swap, bf16: its extend and chain replay from CUDA graphs equal to the
+    eager calls, with no host sync; the drafts agree with the plain head's (reported)."""
+    from graphs import CudaGraphs
+    target, plain = gpu_models()
+    _, fast = gpu_models()
+    kernels.accelerate_draft(fast, "all")
+    runner = CudaGraphs("cuda")
+    calls = zip(captured_calls(target, fast)[3:], captured_calls(target, plain)[3:])   # extend, chain
+    for (key, fn, inputs), (_, plain_fn, _) in calls:
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            eager = fn(*inputs)
+            runner.run(key, fn, *inputs)                          # capture
+            graphed = runner.run(key, fn, *inputs)
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+        assert_close(flat(graphed), flat(eager), 0.0, f"head kernels: graph vs eager {key}")
+        want = plain_fn(*inputs)
+        drafts = eager if key.phase == "draft" else eager[0]
+        same = (drafts == (want if key.phase == "draft" else want[0])).float().mean().item()
+        print(f"\nbf16 tiny head, kernels on vs off, {key.phase}: drafts agree {same:.2f}")
 
 
 tp_gpu = pytest.mark.skipif(_tp_gpu_missing() is not None, reason=str(_tp_gpu_missing()))
