@@ -458,9 +458,9 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
 # 256 words); down 4 rows of 128 (23.2 / 51.2 against 23.5 / 50.1 with 8 rows of 256 on 2 warps, which
 # with the shared expert in the launch shuffles its tiles through shared memory).
 GEMV_CONFIGS = {
-    "plain": (dict(gate_up=(8, 512, 2, 4), down=(16, 256, 4)),
-              dict(gate_up=(4, 256, 4, 4), down=(16, 256, 4))),
-    "fp8": (dict(gate_up=(4, 128, 4, 7, 4), down=(16, 128, 16, 4)),) * 2,
+    "plain": (dict(gate_up=(8, 512, 2, 4, 1), down=(16, 256, 4, 1)),
+              dict(gate_up=(4, 256, 4, 4, 1), down=(16, 256, 4, 1))),
+    "fp8": (dict(gate_up=(4, 128, 2, 4, 4), down=(16, 128, 4, 2)),) * 2,
     "int4": (dict(gate_up=(1, 128, 1), down=(4, 128, 1)),) * 2}
 GEMV_SMALL_TOKENS = 2   # in tokens, not pairs: a shared expert's extra slot a token moves no boundary
 # The GEMV variant up to this many tokens (the rule of fused_moe's variant=None; in tokens, not pairs,
@@ -477,19 +477,40 @@ GEMV_MAX_PAIRS = 1024   # the leader test holds all N*K expert ids of a call in 
 
 def _gemv_configs(fmt, N, on_gpu):
     if not on_gpu:  # the CPU interpreter: few, large programs
-        return dict(int4=dict(gate_up=(32, 8, 4), down=(64, 32, 4)),
-                    fp8=dict(gate_up=(32, 64, 2, 1, 4), down=(64, 64, 2, 4)),
-                    plain=dict(gate_up=(32, 64, 1, 4), down=(64, 64, 4)))[fmt]
+        if fmt == "int4":
+            return dict(gate_up=(32, 8, 4), down=(64, 32, 4))
+        return dict(gate_up=(32, 64, 1, 4, 1), down=(64, 64, 4, 1))
     return GEMV_CONFIGS[fmt][N > GEMV_SMALL_TOKENS]
 
 
 @_jit
-def _gemv_step(acc, v_ptr, k0, K_IN, w_ptr, n, n_ok, stride_wn, BLOCK_K: tl.constexpr):
-    """acc [BLOCK_N, BLOCK_K] fp32 += W[n, k] * v[k] elementwise, k = k0 + [0, BLOCK_K) (summed over k
-    by the caller); plain weights. v_ptr: the activation row [K_IN]; w_ptr: one expert's weight."""
-    k = k0 + tl.arange(0, BLOCK_K)
-    wt = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & (k < K_IN)[None, :], other=0.0)
-    return acc + wt.to(tl.float32) * tl.load(v_ptr + k, mask=k < K_IN, other=0.0).to(tl.float32)[None, :]
+def _gemv_step(acc, v_ptr, k0, K_IN, w_ptr, s_ptr, n, kb, n_ok, stride_wn, stride_sr, stride_sc, off_r, off_c,
+               FMT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+               SCALE_PER_ROW: tl.constexpr):
+    """acc [R, BLOCK_K] fp32 += W[n, k] * v[k] elementwise for tile row r: n[r], k = k0 + kb[r] + [0, BLOCK_K)
+    (summed over k by the caller). kb: [R] column offsets (FP8 sub-blocks) or 0. Plain and FP8 (INT4 has
+    kernels of its own below).
+
+    v_ptr: the activation row [K_IN]. w_ptr, s_ptr: one expert's weight and scale (ExpertWeights layouts)."""
+    if FMT == 0:                                         # the activation broadcast over the rows
+        k = k0 + tl.arange(0, BLOCK_K)
+        wt = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & (k < K_IN)[None, :],
+                     other=0.0)
+        acc += wt.to(tl.float32) * tl.load(v_ptr + k, mask=k < K_IN, other=0.0).to(tl.float32)[None, :]
+    else:
+        k = k0 + kb[:, None] + tl.arange(0, BLOCK_K)[None, :]              # [R, BLOCK_K]
+        k_ok = k < K_IN
+        ok = n_ok[:, None] & k_ok
+        wt = tl.load(w_ptr + n[:, None] * stride_wn + k, mask=ok, other=0.0).to(tl.float32)
+        v = tl.load(v_ptr + k, mask=k_ok, other=0.0).to(tl.float32)        # per tile row (sub-blocks)
+        if SCALE_PER_ROW:
+            s = tl.load(s_ptr + ((n + off_r) // BLOCK_R) * stride_sr + ((k0 + kb + off_c) // BLOCK_C) * stride_sc,
+                        mask=n_ok & (k0 + kb < K_IN), other=0.0)
+            acc += wt * s[:, None] * v
+        else:
+            acc += wt * tl.load(s_ptr + ((n + off_r) // BLOCK_R)[:, None] * stride_sr
+                                + ((k + off_c) // BLOCK_C) * stride_sc, mask=ok, other=0.0) * v
+    return acc
 
 
 @_jit
@@ -502,15 +523,19 @@ def _expert_pairs(ids_ptr, p, P, P_PAD: tl.constexpr):
 
 
 @_jit
-def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, u_ptr, P, stride_we, stride_wn,
-                             TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, P_PAD: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, UNROLL: tl.constexpr):
+def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, P,
+                             stride_we, stride_wn, stride_se, stride_sr, stride_sc, off_r, off_c,
+                             TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
+                             BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                             P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+                             UNROLL: tl.constexpr, SCALE_PER_ROW: tl.constexpr):
     """h[p, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) * route_w[p] for pair p = n*K + k, e = ids[p]
-    (plain weights; FP8 and INT4 have kernels of their own below).
+    (plain and FP8 weights).
 
     v_ptr: the activations [N, D] (x's dtype). h_ptr: fp32 [P, I] out. ids_ptr: int [P]; route_w_ptr:
-    fp32 [P]. g_ptr / u_ptr: gate and up weights [E, I, D] (same strides). P_PAD: a power of two >= P.
-    Grid: (cdiv(I, BLOCK_N), P); only a leader program works."""
+    fp32 [P]. g_ptr / u_ptr, gs_ptr / us_ptr: gate and up weights and scales, [E, I, D] as
+    ExpertWeights (same strides). P_PAD: a power of two >= P. Grid: (cdiv(I, BLOCK_N), P); only a
+    leader program works."""
     pid_n, p = tl.program_id(0), tl.program_id(1)
     same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
     if not leader:
@@ -518,165 +543,58 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, u_ptr, P
     q = tl.arange(0, P_PAD)
     e = tl.load(ids_ptr + p).to(tl.int64)
     g_ptr, u_ptr = g_ptr + e * stride_we, u_ptr + e * stride_we
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    gs_ptr, us_ptr = gs_ptr + e * stride_se, us_ptr + e * stride_se
+    r = tl.arange(0, BLOCK_N * SUB)                                         # tile rows: (row of I, sub-block)
+    n, kb = pid_n * BLOCK_N + r // SUB, (r % SUB) * BLOCK_K
     n_ok = n < I
     for c in range(tl.sum(same.to(tl.int32), 0)):                          # each pair of the expert
         pair = tl.sum(tl.where(same & (rank == c), q, 0), 0)
         v = v_ptr + (pair // TOPK).to(tl.int64) * D
-        acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(0, D, BLOCK_K * UNROLL):
+        acc_g = tl.zeros([BLOCK_N * SUB, BLOCK_K], tl.float32)
+        acc_u = tl.zeros([BLOCK_N * SUB, BLOCK_K], tl.float32)
+        for k0 in range(0, D, BLOCK_K * SUB * UNROLL):
             for s in tl.static_range(UNROLL):                               # independent loads in flight
-                acc_g = _gemv_step(acc_g, v, k0 + s * BLOCK_K, D, g_ptr, n, n_ok, stride_wn, BLOCK_K)
-                acc_u = _gemv_step(acc_u, v, k0 + s * BLOCK_K, D, u_ptr, n, n_ok, stride_wn, BLOCK_K)
+                k1 = k0 + s * BLOCK_K * SUB
+                acc_g = _gemv_step(acc_g, v, k1, D, g_ptr, gs_ptr, n, kb, n_ok, stride_wn, stride_sr, stride_sc,
+                                   off_r, off_c, FMT, BLOCK_K, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
+                acc_u = _gemv_step(acc_u, v, k1, D, u_ptr, us_ptr, n, kb, n_ok, stride_wn, stride_sr, stride_sc,
+                                   off_r, off_c, FMT, BLOCK_K, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
         g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
-        h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + pair)
-        tl.store(h_ptr + pair.to(tl.int64) * I + n, h, mask=n_ok)
-
-
-@_jit
-def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, stride_we, stride_wn,
-                          TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
-                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[n, d] = sum_k (down[e] @ h[n*K + k])[d], e = ids[n*K + k] (route weights are in h; plain weights).
-
-    h_ptr: fp32 [P, I] from gate_up. out_ptr: [N, D], x's dtype. w_ptr: down weights [E, D, I].
-    Grid: (N, cdiv(D, BLOCK_N))."""
-    token, pid_n = tl.program_id(0), tl.program_id(1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < D
-    acc = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for k in tl.static_range(TOPK):                                         # the token's K experts
-        pair = token * TOPK + k
-        e = tl.load(ids_ptr + pair).to(tl.int64)
-        for k0 in tl.static_range(0, I, BLOCK_K):
-            acc = _gemv_step(acc, h_ptr + pair.to(tl.int64) * I, k0, I, w_ptr + e * stride_we, n, n_ok, stride_wn,
-                             BLOCK_K)
-    tl.store(out_ptr + token.to(tl.int64) * D + n, tl.sum(acc, 1).to(out_ptr.dtype.element_ty), mask=n_ok)
-
-
-# FP8 GEMV kernels. A step's tile is [BLOCK_N rows, SUB chunks, BLOCK_K columns]: chunk j holds columns
-# j*BLOCK_K.. of the step, and BLOCK_K (128) is the scale block's width, so a chunk has one scale a row
-# block. Each thread loads 16 bytes of a weight row (a 128-bit load; the first version's masks made
-# Triton load FP8 byte by byte and the activation element by element, seen in the sm_90 code), and its
-# 16 activations serve every row it holds. FAST (Kimi-K2's shapes: the blocks divide the shapes, a
-# program's rows lie in one row block, no chunk crosses a column block): no load is masked, and the
-# scale multiplies the activation once a chunk, x * s, instead of every weight. Its scales (and down's
-# experts) come from scalar loads, one a chunk, put in place by tl.where: loaded as tensors, values equal
-# along a chunk took a layout of their own and a shuffle through shared memory (Triton 3.6, sm_90 code).
-# Otherwise every element gets its own scale, masked (tests' small and unaligned blocks). gate_up runs
-# UNROLL steps a loop iteration, unrolled, so the compiler issues a step's loads during the step before
-# (ptxas does, sm_90 code; Triton pipelines only loads that feed tl.dot); down lays the token's K experts
-# side by side as the chunks of its tile, so one step holds all of them (SUB * BLOCK_K = K * I).
-
-@_jit
-def _fp8_products(w_rows, s_row, x_row, k0, j, kk, n_ok, off_r_blocks, off_c, stride_sr, stride_sc, K_IN: tl.constexpr,
-                  BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-                  FAST: tl.constexpr):
-    """One step of one FP8 matrix, W[rows, k] * x[k] [BLOCK_N, SUB, BLOCK_K] fp32 at columns k = k0 + kk
-    (kk [1, SUB, BLOCK_K], j = its chunk [1, SUB, 1]) of the rows at w_rows [BLOCK_N, 1, 1]; s_row: their
-    scale row (FAST: the program's row block; else off_r_blocks [BLOCK_N, 1, 1] adds each row's), x_row:
-    the activation row."""
-    k = k0 + kk
-    if FAST:
-        s = tl.load(s_row + ((k0 + off_c) // BLOCK_C) * stride_sc) + 0.0 * j     # chunk i's scale where j == i
-        for i in tl.static_range(1, SUB):
-            s = tl.where(j == i, tl.load(s_row + ((k0 + i * BLOCK_K + off_c) // BLOCK_C) * stride_sc), s)
-        x = tl.load(tl.broadcast_to(x_row + k, w_rows.shape[:1] + k.shape[1:]))   # full-sized: the weights' layout
-        return tl.load(w_rows + k).to(tl.float32) * (x.to(tl.float32) * s)
-    ok = n_ok & (k < K_IN)
-    s = tl.load(s_row + off_r_blocks * stride_sr + ((k + off_c) // BLOCK_C) * stride_sc, mask=ok, other=0.0)
-    x = tl.load(x_row + k, mask=k < K_IN, other=0.0).to(tl.float32)
-    return tl.load(w_rows + k, mask=ok, other=0.0).to(tl.float32) * s * x
-
-
-@_jit
-def _moe_gemv_fp8_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, P,
-                                 stride_we, stride_wn, stride_se, stride_sr, stride_sc, off_r, off_c,
-                                 TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
-                                 BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr, P_PAD: tl.constexpr,
-                                 BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, UNROLL: tl.constexpr,
-                                 FAST: tl.constexpr):
-    """_moe_gemv_gate_up_kernel for FP8 weights with block scales (ExpertWeights "fp8"; gs_ptr / us_ptr:
-    the scales, same strides): SUB chunks of BLOCK_K columns a step, UNROLL steps a loop iteration (see
-    above). Grid: (cdiv(I, BLOCK_N), P); only a leader program works."""
-    pid_n, p = tl.program_id(0), tl.program_id(1)
-    same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
-    if not leader:
-        return
-    q = tl.arange(0, P_PAD)
-    e = tl.load(ids_ptr + p).to(tl.int64)
-    r = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
-    n_ok = r < I
-    j = tl.arange(0, SUB)[None, :, None]
-    kk = j * BLOCK_K + tl.arange(0, BLOCK_K)[None, None, :]
-    g_rows, u_rows = g_ptr + e * stride_we + r * stride_wn, u_ptr + e * stride_we + r * stride_wn
-    blocks = (r + off_r) // BLOCK_R                                         # each row's row block (not FAST)
-    rb = (pid_n * BLOCK_N + off_r) // BLOCK_R * stride_sr if FAST else 0    # the program's (FAST)
-    gs_row, us_row = gs_ptr + e * stride_se + rb, us_ptr + e * stride_se + rb
-    for c in range(tl.sum(same.to(tl.int32), 0)):                          # each pair of the expert
-        pair = tl.sum(tl.where(same & (rank == c), q, 0), 0)
-        x_row = v_ptr + (pair // TOPK).to(tl.int64) * D
-        acc_g = tl.zeros([BLOCK_N, SUB, BLOCK_K], tl.float32)
-        acc_u = tl.zeros([BLOCK_N, SUB, BLOCK_K], tl.float32)
-        for k0 in range(0, D, UNROLL * SUB * BLOCK_K):
-            for s in tl.static_range(UNROLL):
-                k1 = k0 + s * SUB * BLOCK_K
-                acc_g += _fp8_products(g_rows, gs_row, x_row, k1, j, kk, n_ok, blocks, off_c, stride_sr, stride_sc,
-                                       D, BLOCK_R, BLOCK_C, BLOCK_K, SUB, FAST)
-                acc_u += _fp8_products(u_rows, us_row, x_row, k1, j, kk, n_ok, blocks, off_c, stride_sr, stride_sc,
-                                       D, BLOCK_R, BLOCK_C, BLOCK_K, SUB, FAST)
-        g, u = tl.sum(tl.sum(acc_g, 2), 1), tl.sum(tl.sum(acc_u, 2), 1)
+        if SUB > 1:                                                         # the sub-blocks of each row
+            g, u = tl.sum(tl.reshape(g, [BLOCK_N, SUB]), 1), tl.sum(tl.reshape(u, [BLOCK_N, SUB]), 1)
         h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + pair)
         i = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(h_ptr + pair.to(tl.int64) * I + i, h, mask=i < I)
 
 
 @_jit
-def _moe_gemv_fp8_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
-                              stride_we, stride_wn, stride_se, stride_sr, stride_sc, off_r, off_c,
-                              TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
-                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                              BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr, FAST: tl.constexpr):
-    """_moe_gemv_down_kernel for FP8 weights with block scales: the token's K experts side by side as
-    columns c of [0, K*I) (expert slot c // I, column c % I), SUB chunks of BLOCK_K a step. Grid: (N,
-    cdiv(D, BLOCK_N))."""
+def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
+                          stride_we, stride_wn, stride_se, stride_sr, stride_sc, off_r, off_c,
+                          TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
+                          BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+                          BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
+                          SCALE_PER_ROW: tl.constexpr):
+    """out[n, d] = sum_k (down[e] @ h[n*K + k])[d], e = ids[n*K + k] (route weights are in h; plain and FP8).
+
+    h_ptr: fp32 [P, I] from gate_up. out_ptr: [N, D], x's dtype. w_ptr / s_ptr: down weights and
+    scales, [E, D, I] as ExpertWeights. Grid: (N, cdiv(D, BLOCK_N))."""
     token, pid_n = tl.program_id(0), tl.program_id(1)
-    r = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)[:, None, None]
-    n_ok = r < D
-    j = tl.arange(0, SUB)[None, :, None]
-    t = tl.arange(0, BLOCK_K)[None, None, :]
-    y = tl.zeros([BLOCK_N], tl.float32)
-    h_row = h_ptr + token.to(tl.int64) * TOPK * I                          # the token's K rows of h, side by side
-    for c0 in tl.static_range(0, TOPK * I, SUB * BLOCK_K):
-        if FAST:   # a chunk lies in one expert and one column block: its expert and scale, scalar loads
-            rb = s_ptr + ((pid_n * BLOCK_N + off_r) // BLOCK_R) * stride_sr
-            e = tl.load(ids_ptr + token * TOPK + c0 // I).to(tl.int64) + 0 * j
-            s = tl.load(rb + e * stride_se + ((c0 % I + off_c) // BLOCK_C) * stride_sc) + 0.0 * j
-            for i in tl.static_range(1, SUB):
-                c = c0 + i * BLOCK_K
-                e_i = tl.load(ids_ptr + token * TOPK + c // I).to(tl.int64)
-                e = tl.where(j == i, e_i, e)
-                s = tl.where(j == i, tl.load(rb + e_i * stride_se + ((c % I + off_c) // BLOCK_C) * stride_sc), s)
-            col = (c0 + j * BLOCK_K) % I + t
-            # Triton cannot see that a chunk's columns are contiguous behind a loaded expert: say so
-            w_at = w_ptr + e * stride_we + r * stride_wn + col
-            w = tl.load(tl.max_contiguous(tl.multiple_of(w_at, [1, 1, 16]), [1, 1, BLOCK_K]))
-            x = tl.load(tl.broadcast_to(h_row + c0 + j * BLOCK_K + t, w_at.shape))   # full-sized: the weights' layout
-        else:      # every element its own expert slot and scale, masked
-            c = c0 + j * BLOCK_K + t
-            c_ok = c < TOPK * I
-            ok = n_ok & c_ok
-            pair = token * TOPK + c // I
-            e = tl.load(ids_ptr + pair, mask=c_ok, other=0).to(tl.int64)
-            col = c % I
-            s = tl.load(s_ptr + e * stride_se + ((r + off_r) // BLOCK_R) * stride_sr
-                        + ((col + off_c) // BLOCK_C) * stride_sc, mask=ok, other=0.0)
-            w = tl.load(w_ptr + e * stride_we + r * stride_wn + col, mask=ok, other=0.0)
-            x = tl.load(h_row + c, mask=c_ok, other=0.0)
-        y += tl.sum(tl.sum(w.to(tl.float32) * (x * s), 2), 1)
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(out_ptr + token.to(tl.int64) * D + n, y.to(out_ptr.dtype.element_ty), mask=n < D)
+    r = tl.arange(0, BLOCK_N * SUB)
+    n, kb = pid_n * BLOCK_N + r // SUB, (r % SUB) * BLOCK_K
+    n_ok = n < D
+    acc = tl.zeros([BLOCK_N * SUB, BLOCK_K], tl.float32)
+    for k in tl.static_range(TOPK):                                         # the token's K experts
+        pair = token * TOPK + k
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        for k0 in tl.static_range(0, I, BLOCK_K * SUB):
+            acc = _gemv_step(acc, h_ptr + pair.to(tl.int64) * I, k0, I, w_ptr + e * stride_we, s_ptr + e * stride_se,
+                             n, kb, n_ok, stride_wn, stride_sr, stride_sc, off_r, off_c,
+                             FMT, BLOCK_K, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
+    y = tl.sum(acc, 1)
+    if SUB > 1:
+        y = tl.sum(tl.reshape(y, [BLOCK_N, SUB]), 1)
+    d = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(out_ptr + token.to(tl.int64) * D + d, y.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
 # INT4 GEMV kernels. A weight tile is [rows, words] (word w holds elements 8w..8w+7); with one warp a
@@ -881,17 +799,16 @@ def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we,
     tl.store(out_ptr + token.to(tl.int64) * D + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
-def _fp8_args(w, block_n, block_k, sub, k_in, unroll=1):
-    """The FP8 GEMV kernels' arguments of one ExpertWeights: strides, row/column offsets and constexprs.
-    FAST (see the FP8 kernels) where no step is masked (k_in: the columns a program's steps cover, unroll
-    steps at a time), each chunk of block_k lies in one column block and each program's block_n rows in
-    one row block."""
-    (block_r, block_c), (off_r, off_c) = w.block, w.offset
-    _, out, inp = w.shape
-    fast = (out % block_n == 0 and k_in % (sub * block_k * unroll) == 0 and inp % block_k == 0 and block_c % block_k == 0
-            and off_c % block_k == 0 and block_r % block_n == 0 and off_r % block_n == 0)
-    return ((*w.data.stride()[:2], *w.scale.stride()), (off_r, off_c),
-            dict(BLOCK_R=block_r, BLOCK_C=block_c, BLOCK_N=block_n, BLOCK_K=block_k, SUB=sub, FAST=fast))
+def _gemv_args(w, block_k, sub):
+    """_weight_args for the GEMV kernels: strides, row/column offsets, and the constexprs (block
+    sizes, per-row scale, SUB: 1 where the scale is not one per row and step)."""
+    scale, strides, (br, bc, off_r, off_c, group), per_row = _weight_args(w, block_k)
+    # one scale per row and step only where every step is whole: the FP8 graph test (128x128 blocks over
+    # a 64 x 32 matrix, steps mostly masked) read NaN on the H200 through that path, not through this
+    # fallback (one scale an element, tested on the GPU with masked steps); not reproduced on the CPU
+    per_row = per_row and w.shape[2] % (block_k * sub) == 0
+    return scale, strides, (off_r, off_c), dict(BLOCK_R=br, BLOCK_C=bc, SCALE_PER_ROW=per_row,
+                                                SUB=sub if per_row else 1)
 
 
 MAGIC = 0x4B000000   # the bits of the float 2^23 (_nibble)
@@ -930,27 +847,20 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None):
     if fmt == "int4":
         return _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared)
     (N, D), P, I, dev = x.shape, ids.numel(), gate.shape[1], x.device
-    K, P_PAD = P // N, max(16, triton.next_power_of_2(P))
+    K = P // N
+    bn, bk, unroll, warps, sub = cfg["gate_up"]
     h = torch.empty(P, I, dtype=torch.float32, device=dev)                  # [P, I], route weight in
-    out = torch.empty(N, D, dtype=x.dtype, device=dev)
-    if fmt == "fp8":
-        bn, bk, sub, unroll, warps = cfg["gate_up"]
-        strides, offs, const = _fp8_args(gate, bn, bk, sub, D, unroll)
-        _moe_gemv_fp8_gate_up_kernel[(triton.cdiv(I, bn), P)](
-            x, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, P, *strides, *offs, TOPK=K, D=D, I=I,
-            P_PAD=P_PAD, UNROLL=unroll, num_warps=warps, **const)
-        bn, bk, sub, warps = cfg["down"]
-        strides, offs, const = _fp8_args(down, bn, bk, sub, K * I)
-        _moe_gemv_fp8_down_kernel[(N, triton.cdiv(D, bn))](
-            h, out, ids, down.data, down.scale, *strides, *offs, TOPK=K, D=D, I=I, num_warps=warps, **const)
-        return out
-    bn, bk, unroll, warps = cfg["gate_up"]
+    gs, strides, offs, const = _gemv_args(gate, bk, sub)
     _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), P)](
-        x, h, ids, route_w, gate.data, up.data, P, *gate.data.stride()[:2], TOPK=K, D=D, I=I, P_PAD=P_PAD,
-        BLOCK_N=bn, BLOCK_K=bk, UNROLL=unroll, num_warps=warps)
-    bn, bk, warps = cfg["down"]
+        x, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
+        TOPK=K, D=D, I=I, FMT=FORMATS[fmt], P_PAD=max(16, triton.next_power_of_2(P)), BLOCK_N=bn, BLOCK_K=bk,
+        UNROLL=unroll, num_warps=warps, **const)
+    bn, bk, warps, sub = cfg["down"]
+    out = torch.empty(N, D, dtype=x.dtype, device=dev)
+    ds, strides, offs, const = _gemv_args(down, bk, sub)
     _moe_gemv_down_kernel[(N, triton.cdiv(D, bn))](
-        h, out, ids, down.data, *down.data.stride()[:2], TOPK=K, D=D, I=I, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps)
+        h, out, ids, down.data, ds, *strides, *offs, TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn, BLOCK_K=bk,
+        num_warps=warps, **const)
     return out
 
 

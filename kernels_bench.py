@@ -63,9 +63,9 @@ def _kernel_ms(fn):
 DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5), (32, 128, 4, 5), (64, 128, 4, 4),
                           (16, 256, 4, 3), (32, 256, 8, 3), (16, 64, 4, 6)],
                  down=[(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (64, 256, 8, 3)])
-GEMV_SWEEP = {"plain": dict(gate_up=[], down=[(32, 256, 4)]),
-              "fp8": dict(gate_up=[(8, 128, 4, 7, 8), (8, 128, 2, 7, 4), (8, 128, 4, 7, 4), (4, 128, 4, 2, 4)],
-                          down=[(8, 128, 16, 4), (16, 128, 16, 8), (32, 128, 16, 8)]),
+GEMV_SWEEP = {"plain": dict(gate_up=[], down=[(32, 256, 4, 1)]),
+              "fp8": dict(gate_up=[(8, 128, 2, 4, 4), (2, 128, 2, 2, 4), (4, 128, 1, 4, 4), (4, 128, 2, 8, 8)],
+                          down=[(16, 128, 4, 2), (4, 128, 2, 2)]),
               "int4": dict(gate_up=[(2, 128, 1), (1, 256, 1)], down=[(8, 256, 2)])}
 
 
@@ -146,7 +146,7 @@ def _time_moe(fmt, N, variant, cfg, layers, inputs, floor_ms, bandwidth, LAYERS,
     except Exception as e:  # a sweep point that does not compile: say so, go on
         print(f"{fmt} N={N} {label} {cfg}: {type(e).__name__}: {str(e)[:200]}")
         return []
-    kernel_ms, by_kernel = _kernel_ms(run())
+    kernel_ms, by_kernel = _kernel_ms(run())       # each kernel's share, sweep points too
     kernel_ms = kernel_ms / LAYERS if kernel_ms else None
     by_kernel = {name[:40]: v / LAYERS for name, v in by_kernel.items()}   # ms a layer, per kernel
     print(f"{fmt:5s} N={N:3d} {label:11s} {str(cfg or 'default'):34s} {ms * 1e3:8.1f} us"
