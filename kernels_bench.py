@@ -149,7 +149,7 @@ def _time_moe(fmt, N, variant, cfg, layers, inputs, floor_ms, bandwidth, LAYERS,
     except Exception as e:  # a sweep point that does not compile: say so, go on
         print(f"{fmt} N={N} {label} {cfg}: {type(e).__name__}: {str(e)[:200]}")
         return []
-    kernel_ms, by_kernel = _kernel_ms(run()) if cfg is None else (None, {})
+    kernel_ms, by_kernel = _kernel_ms(run())       # each kernel's share, sweep points too
     kernel_ms = kernel_ms / LAYERS if kernel_ms else None
     by_kernel = {name[:40]: v / LAYERS for name, v in by_kernel.items()}   # ms a layer, per kernel
     print(f"{fmt:5s} N={N:3d} {label:11s} {str(cfg or 'default'):34s} {ms * 1e3:8.1f} us"
