@@ -12,19 +12,24 @@ that put them in place of model.py's plain code, which stays the readable specif
   RMSNorm + GEMV         norm_gemv              swap: NormGemvMLA (twin: model.MLA.query)
   GEMV per head          head_gemv              swap: NormGemvMLA (twin: model.MLA.absorb_query,
                                                 absorb_output)
+  EAGLE-3 head: input    draft_input_norms      swap: DraftNormsKernel (twin: draft.MidLayer's two norms
+  norms, attention,      draft_attention        and concat), DraftAttentionKernel (twin:
+  draft token            draft_top1             draft.DraftAttention), DraftTop1Kernel (twin:
+                                                draft.Eagle3Draft.to_target_ids)
 
 A swap is a subclass of a model.py (or tp.py) module that overrides only the methods that differ
 and keeps the parameter names, so one state dict loads into both and each test compares a module
 with its swap on the same weights. Torch-only swaps live here too: GroupedExperts
 (torch._grouped_mm), StackedQKVA / StackedGateUp (one GEMM over stacked weights, "fused_proj"),
-SharedExpertInLaunch (the shared expert as one more expert of the fused launch). One function puts
-them in place: accelerate(model, names, moe=...) re-classes the modules of a built model (run.py
---kernels, --moe-impl); compile_layers(model) is run.py --compile's regional torch.compile.
+SharedExpertInLaunch (the shared expert as one more expert of the fused launch), StackedQKV (the
+head's q/k/v). accelerate(model, names, moe=...) puts them in place, re-classing the modules of a
+built model (run.py --kernels, --moe-impl); accelerate_draft(head, names) does the same for the
+EAGLE-3 head; compile_layers(model) is run.py --compile's regional torch.compile.
 
 Triton is imported only where it exists: without it this module still imports (HAVE_TRITON is
 False) and the plain paths run. On a CPU the kernels run only under the Triton interpreter
-(TRITON_INTERPRET=1, set before import; slow, for tests). This module imports model.py, never the
-reverse; the kernels' micro-benchmarks are kernels_bench.py.
+(TRITON_INTERPRET=1, set before import; slow, for tests). This module imports model.py and draft.py,
+never the reverse; the kernels' micro-benchmarks are kernels_bench.py.
 
 Shape legend: B batch rows, T query tokens per row, H local heads, M = T*H query rows of one
 batch row, C kv_lora_rank (latent width), R qk_rope_head_dim, S cache slots, N tokens, D hidden,
