@@ -623,48 +623,45 @@ def _nibble(words, high, J: tl.constexpr, magic):
 
 
 @_jit
-def _int4_tile(w_ptr, s_ptr, w, ok, GROUP: tl.constexpr, EVEN: tl.constexpr):
+def _int4_tile(w_ptr, s_ptr, rows_ok, w, W: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr):
     """One step of one INT4 matrix: words [R, BW] and their group scales (fp32), read at word columns
-    w [BW] of the rows whose pointers are w_ptr, s_ptr [R, 1] (ok [R, BW]: the words that exist)."""
+    w [BW] of the rows whose pointers are w_ptr, s_ptr [R, 1]."""
     g = (w * 8 // GROUP)[None, :]
     if EVEN:
         return tl.load(w_ptr + w[None, :]), tl.load(s_ptr + g).to(tl.float32)
+    ok = rows_ok[:, None] & (w < W)[None, :]
     return tl.load(w_ptr + w[None, :], mask=ok, other=0), tl.load(s_ptr + g, mask=ok, other=0.0).to(tl.float32)
 
 
 @_jit
 def _plane(ptrs, J: tl.constexpr, PLANE: tl.constexpr, ok, EVEN: tl.constexpr):
-    """Activation plane J (elements 8w + J) at words w as fp32; ptrs [1 or R, BW]: plane 0's words, PLANE
+    """Activation plane J (elements 8w + J) at words w as [1, BW] fp32; ptrs [BW]: plane 0's words, PLANE
     words apart. Loaded 2-d, so it comes in the weight tile's own layout (a 1-d load took another and
     a shuffle through shared memory a plane, seen in the compiled code)."""
     if EVEN:
-        return tl.load(ptrs + J * PLANE)
-    return tl.load(ptrs + J * PLANE, mask=ok, other=0.0)
+        return tl.load((ptrs + J * PLANE)[None, :])
+    return tl.load((ptrs + J * PLANE)[None, :], mask=ok[None, :], other=0.0)
 
 
 @_jit
-def _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, left, start, GROUP: tl.constexpr, BLOCK_W: tl.constexpr,
-                   EVEN: tl.constexpr):
-    """Gate's and up's words and scales of the BLOCK_W words at `start` of each tile row (masked unless
-    EVEN: rows n_ok [R], words below left [R, 1] or a scalar)."""
+def _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, start, W: tl.constexpr, GROUP: tl.constexpr,
+                   BLOCK_W: tl.constexpr, EVEN: tl.constexpr):
+    """Gate's and up's words and scales of the BLOCK_W words at `start` (masked unless EVEN)."""
     w = start + tl.arange(0, BLOCK_W)
-    ok = n_ok[:, None] & (w[None, :] < left)
-    gw, gs = _int4_tile(g_rows, gs_rows, w, ok, GROUP, EVEN)
-    uw, us = _int4_tile(u_rows, us_rows, w, ok, GROUP, EVEN)
+    gw, gs = _int4_tile(g_rows, gs_rows, n_ok, w, W, GROUP, EVEN)
+    uw, us = _int4_tile(u_rows, us_rows, n_ok, w, W, GROUP, EVEN)
     return gw, gs, uw, us
 
 
 @_jit
-def _gate_up_products(gw, gs, uw, us, v_rows, left, start, magic, W: tl.constexpr, BLOCK_W: tl.constexpr,
-                      EVEN: tl.constexpr):
-    """One step's scaled products [R, BLOCK_W] of gate and up (each word's 8 summed). v_rows: plane 0 at
-    each tile row's first word ([1, 1] where all rows read the same words: one plane load serves them)."""
-    w = (start + tl.arange(0, BLOCK_W))[None, :]
+def _gate_up_products(gw, gs, uw, us, v, start, magic, W: tl.constexpr, BLOCK_W: tl.constexpr, EVEN: tl.constexpr):
+    """One step's scaled products [R, BLOCK_W] of gate and up (each word's 8 summed), v: the planes."""
+    w = start + tl.arange(0, BLOCK_W)
     g_high, u_high = gw >> 12, uw >> 12
     t_g = tl.zeros(gw.shape, tl.float32)
     t_u = tl.zeros(uw.shape, tl.float32)
     for j in tl.static_range(8):
-        x = _plane(v_rows + w, j, W, w < left, EVEN)
+        x = _plane(v + w, j, W, w < W, EVEN)
         t_g += _nibble(gw, g_high, j, magic) * x
         t_u += _nibble(uw, u_high, j, magic) * x
     return t_g * gs, t_u * us
@@ -704,14 +701,11 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
                                   TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
                                   P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                                   EVEN: tl.constexpr, SPLIT: tl.constexpr, SHARED_K: tl.constexpr,
-                                  EVEN_SHARED: tl.constexpr, CHUNKS: tl.constexpr, CW: tl.constexpr):
+                                  EVEN_SHARED: tl.constexpr):
     """_moe_gemv_gate_up_kernel for INT4 weights: v_ptr the activations as fp32 planes [N, 8, D/8]
     (plane j = elements 8w + j), h written in plane order (element i of row p at (i % 8) * I/8 + i // 8),
-    the planes down reads. BLOCK_W words (8 BLOCK_W elements) a step. A row of D/8 words is cut into
-    CHUNKS chunks of CW words (a multiple of BLOCK_W; the last chunks may be short or empty), each a tile
-    row of its own: BLOCK_N * CHUNKS tile rows, summed over the chunks at the end (across warps where
-    CHUNKS warps hold them), so each warp runs CW / BLOCK_W steps, not D/8 / BLOCK_W. EVEN: the blocks
-    divide I and the chunks D/8, so no load is masked. Grid: (cdiv(I, BLOCK_N), SPLIT + P): the first SPLIT programs of each row block take
+    the planes down reads. BLOCK_W words (8 BLOCK_W elements) a step; EVEN: the blocks divide I and D/8,
+    so no load is masked. Grid: (cdiv(I, BLOCK_N), SPLIT + P): the first SPLIT programs of each row block take
     the bf16 shared expert (_shared_gate_up; x_ptr, hs_ptr, sg_ptr, su_ptr, N: its arguments; SPLIT 0:
     none; SHARED_K bf16 columns a step), launched first since each runs its N tokens one after another;
     pair p is program SPLIT + p."""
@@ -728,45 +722,31 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
     q = tl.arange(0, P_PAD)
     W: tl.constexpr = D // 8
     e = tl.load(ids_ptr + p).to(tl.int64)
-    r = tl.arange(0, BLOCK_N * CHUNKS)                                      # tile rows: (row of I, chunk)
-    n, base = pid_n * BLOCK_N + r // CHUNKS, (r % CHUNKS) * CW
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
-    g_rows = g_ptr + e * stride_we + (n * stride_wn + base)[:, None]
-    u_rows = u_ptr + e * stride_we + (n * stride_wn + base)[:, None]
-    gs_rows = gs_ptr + e * stride_se + (n * stride_sr + base * 8 // GROUP)[:, None]
-    us_rows = us_ptr + e * stride_se + (n * stride_sr + base * 8 // GROUP)[:, None]
-    if CHUNKS > 1:
-        left = tl.minimum(W - base, CW)[:, None]                            # the chunk's words
-    else:
-        left = W
+    g_rows, u_rows = g_ptr + e * stride_we + n[:, None] * stride_wn, u_ptr + e * stride_we + n[:, None] * stride_wn
+    gs_rows, us_rows = gs_ptr + e * stride_se + n[:, None] * stride_sr, us_ptr + e * stride_se + n[:, None] * stride_sr
     for c in range(tl.sum(same.to(tl.int32), 0)):                          # each pair of the expert
         pair = tl.sum(tl.where(same & (rank == c), q, 0), 0)
         v = v_ptr + (pair // TOPK).to(tl.int64) * D
-        if CHUNKS > 1:
-            v_rows = v + base[:, None]
-        else:
-            v_rows = v + tl.zeros([1, 1], tl.int32)
-        acc_g = tl.zeros([BLOCK_N * CHUNKS, BLOCK_W], tl.float32)
-        acc_u = tl.zeros([BLOCK_N * CHUNKS, BLOCK_W], tl.float32)
-        gw, gs, uw, us = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, left, 0, GROUP, BLOCK_W, EVEN)
-        for w0 in range(0, CW, BLOCK_W):
-            # the next step's words, in flight while this one is unpacked (EVEN: the last step reloads its
-            # own, so no load needs a mask or a branch; two steps ahead measured slower, 23.5 against 21.3 us)
-            start = w0 + BLOCK_W
-            if EVEN:
-                start = tl.minimum(start, CW - BLOCK_W)
-            gw1, gs1, uw1, us1 = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, left, start, GROUP, BLOCK_W,
-                                                EVEN)
-            pg, pu = _gate_up_products(gw, gs, uw, us, v_rows, left, w0, magic, W, BLOCK_W, EVEN)
+        acc_g = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+        gw, gs, uw, us = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, 0, W, GROUP, BLOCK_W, EVEN)
+        for w0 in range(0, W, BLOCK_W):
+            # the next step's words, in flight while this one is unpacked. Under a branch of their own: loads
+            # in the loop's block ptxas sank to the step's last quarter (sm_90 code), so each step waited out
+            # most of a trip to HBM; it does not move them out of the branch
+            gw1, gs1, uw1, us1 = gw, gs, uw, us
+            if w0 + BLOCK_W < W:
+                gw1, gs1, uw1, us1 = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, w0 + BLOCK_W, W, GROUP,
+                                                    BLOCK_W, EVEN)
+            pg, pu = _gate_up_products(gw, gs, uw, us, v, w0, magic, W, BLOCK_W, EVEN)
             acc_g += pg
             acc_u += pu
             gw, gs, uw, us = gw1, gs1, uw1, us1
         g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
-        if CHUNKS > 1:                                                      # each row's chunks
-            g, u = tl.sum(tl.reshape(g, [BLOCK_N, CHUNKS]), 1), tl.sum(tl.reshape(u, [BLOCK_N, CHUNKS]), 1)
-        i = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + pair)
-        tl.store(h_ptr + pair.to(tl.int64) * I + (i % 8) * (I // 8) + i // 8, h, mask=i < I)
+        tl.store(h_ptr + pair.to(tl.int64) * I + (n % 8) * (I // 8) + n // 8, h, mask=n_ok)
 
 
 @_jit
@@ -804,7 +784,7 @@ def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we,
         h_row = h_ptr + pair.to(tl.int64) * I + w                          # plane j at + j * W
         t = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
         for j in tl.static_range(8):
-            t += _nibble(words, high, j, magic) * _plane(h_row[None, :], j, W, (c < TOPK * W)[None, :], EVEN)
+            t += _nibble(words, high, j, magic) * _plane(h_row, j, W, c < TOPK * W, EVEN)
         acc += t * s.to(tl.float32)
     y = tl.sum(acc, 1)
     if SPLIT > 0:
@@ -841,9 +821,7 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None):
     # the activation as 8 planes, plane j = elements 8w + j: [N, 8, D/8] fp32
     v = torch.empty(N, 8, D // 8, dtype=torch.float32, device=dev).copy_(x.view(N, D // 8, 8).transpose(1, 2))
     h = torch.empty(P, I, dtype=torch.float32, device=dev)                  # [P, I], route weight in
-    bn, bw, warps, chunks = (*cfg["gate_up"], 1)[:4]
-    step = math.lcm(bw, gate.group // 8)                                    # chunks start at a step and a group
-    cw = triton.cdiv(triton.cdiv(D // 8, chunks), step) * step              # words a chunk
+    bn, bw, warps, *maxnreg = cfg["gate_up"]
     split = 4 if shared else 0   # the shared expert's gate and up split 4 ways over D: bf16 is 4x INT4's bytes
     hs = torch.empty(2, split, N, I, dtype=torch.float32, device=dev) if shared else h
     sg, su, sd = shared or (h, h, h)                                        # (never read without shared)
@@ -851,9 +829,10 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None):
     _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), split + P)](
         v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, P, s[0][0], s[0][1], s[1][0], s[1][1], MAGIC,
         x, hs, sg, su, N, TOPK=K, D=D, I=I, GROUP=gate.group, P_PAD=max(16, triton.next_power_of_2(P)),
-        BLOCK_N=bn, BLOCK_W=bw, EVEN=I % bn == 0 and D // 8 == chunks * cw, SPLIT=split,
+        BLOCK_N=bn, BLOCK_W=bw, EVEN=I % bn == 0 and D % (8 * bw) == 0, SPLIT=split,
         SHARED_K=256 * warps,                                                         # 16 bytes a thread
-        EVEN_SHARED=I % bn == 0 and D % (4 * 256 * warps) == 0, CHUNKS=chunks, CW=cw, num_warps=warps)
+        EVEN_SHARED=I % bn == 0 and D % (4 * 256 * warps) == 0, num_warps=warps,
+        **(dict(maxnreg=maxnreg[0]) if maxnreg else {}))
     bn, bc, warps = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     s = down.data.stride(), down.scale.stride()

@@ -66,10 +66,8 @@ DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5), (32
 GEMV_SWEEP = {"plain": dict(gate_up=[], down=[(32, 256, 4, 1)]),
               "fp8": dict(gate_up=[(8, 128, 2, 4, 4), (2, 128, 2, 2, 4), (4, 128, 1, 4, 4), (4, 128, 2, 8, 8)],
                           down=[(16, 128, 4, 2), (4, 128, 2, 2)]),
-              # INT4 gate_up: (BLOCK_N, BLOCK_W, warps, CHUNKS)
-              "int4": dict(gate_up=[(1, 128, 8, 8), (1, 128, 4, 4), (1, 128, 2, 2), (1, 64, 8, 8), (2, 128, 8, 8),
-                                    (1, 128, 4, 8)],
-                           down=[(4, 256, 2)])}
+              # INT4 gate_up: (BLOCK_N, BLOCK_W, warps[, maxnreg])
+              "int4": dict(gate_up=[(1, 128, 1, 96), (2, 128, 1)], down=[])}
 
 
 def _sweep_points(fmt, variant):
