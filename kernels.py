@@ -733,13 +733,13 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
         acc_u = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
         gw, gs, uw, us = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, 0, W, GROUP, BLOCK_W, EVEN)
         for w0 in range(0, W, BLOCK_W):
-            # the next step's words, in flight while this one is unpacked. Under a branch of their own: loads
-            # in the loop's block ptxas sank to the step's last quarter (sm_90 code), so each step waited out
-            # most of a trip to HBM; it does not move them out of the branch
-            gw1, gs1, uw1, us1 = gw, gs, uw, us
-            if w0 + BLOCK_W < W:
-                gw1, gs1, uw1, us1 = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, w0 + BLOCK_W, W, GROUP,
-                                                    BLOCK_W, EVEN)
+            # the next step's words, in flight while this one is unpacked (EVEN: the last step reloads its
+            # own, so no load needs a mask or a branch; two steps ahead measured slower, 23.5 against 21.3 us)
+            start = w0 + BLOCK_W
+            if EVEN:
+                start = tl.minimum(start, W - BLOCK_W)
+            gw1, gs1, uw1, us1 = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, start, W, GROUP, BLOCK_W,
+                                                EVEN)
             pg, pu = _gate_up_products(gw, gs, uw, us, v, w0, magic, W, BLOCK_W, EVEN)
             acc_g += pg
             acc_u += pu
@@ -821,7 +821,7 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None):
     # the activation as 8 planes, plane j = elements 8w + j: [N, 8, D/8] fp32
     v = torch.empty(N, 8, D // 8, dtype=torch.float32, device=dev).copy_(x.view(N, D // 8, 8).transpose(1, 2))
     h = torch.empty(P, I, dtype=torch.float32, device=dev)                  # [P, I], route weight in
-    bn, bw, warps, *maxnreg = cfg["gate_up"]
+    bn, bw, warps = cfg["gate_up"]
     split = 4 if shared else 0   # the shared expert's gate and up split 4 ways over D: bf16 is 4x INT4's bytes
     hs = torch.empty(2, split, N, I, dtype=torch.float32, device=dev) if shared else h
     sg, su, sd = shared or (h, h, h)                                        # (never read without shared)
@@ -831,8 +831,7 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None):
         x, hs, sg, su, N, TOPK=K, D=D, I=I, GROUP=gate.group, P_PAD=max(16, triton.next_power_of_2(P)),
         BLOCK_N=bn, BLOCK_W=bw, EVEN=I % bn == 0 and D % (8 * bw) == 0, SPLIT=split,
         SHARED_K=256 * warps,                                                         # 16 bytes a thread
-        EVEN_SHARED=I % bn == 0 and D % (4 * 256 * warps) == 0, num_warps=warps,
-        **(dict(maxnreg=maxnreg[0]) if maxnreg else {}))
+        EVEN_SHARED=I % bn == 0 and D % (4 * 256 * warps) == 0, num_warps=warps)
     bn, bc, warps = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     s = down.data.stride(), down.scale.stride()
