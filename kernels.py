@@ -2497,3 +2497,16 @@ def accelerate_draft(head, names=()):
         swap(head, DraftTop1Kernel)
     head.kernels = tuple(k for k in DRAFT_KERNELS if k in names)
     return head.kernels
+
+
+def compile_head(head, backend="inductor"):
+    """run.py --compile for the EAGLE-3 head: torch.compile over its decoder layer, where the head
+    calls it. With DraftNormsKernel / DraftHeadNorm ("add_rmsnorm") the head calls the midlayer's
+    residual_parts, not its forward, so that method is compiled; else the module's forward.
+    backend: torch.compile's (tests use "eager" on the CPU)."""
+    mid = head.midlayer
+    if isinstance(mid, DraftNormsKernel):
+        mid.residual_parts = torch.compile(mid.residual_parts, dynamic=False, backend=backend)
+    else:
+        mid.compile(dynamic=False, backend=backend)
+    return head

@@ -1124,7 +1124,7 @@ def compiled(b, ctx, result):
     modules). The compiled layers' graphs live in a runner of their own: the keys are the same."""
     try:
         kernels.compile_layers(b.target)
-        b.head.midlayer.compile(dynamic=False)
+        kernels.compile_head(b.head)
         b.runner = CudaGraphs(b.target.device)
         result["contexts"][ctx]["phases_ms"].update(time_phases(b, ctx, True, "+compile"))
         key, fn, inputs = phase_calls(b, ctx)["decode_step"]

@@ -2829,6 +2829,31 @@ def test_speculative_with_the_draft_kernels_equals_plain_greedy():
     assert runs[1].tokens == want == runs[0].tokens
     assert torch.equal(runs[1].accepted, runs[0].accepted)
 
+
+@triton_ok
+def test_compile_head_compiles_what_the_head_calls():
+    """run.py --compile's kernels.compile_head: with "add_rmsnorm" the head calls its midlayer's
+    residual_parts, not its forward, and that is what gets compiled; the plain head its forward. Each
+    head's output stays the uncompiled twin's, and dynamo's frame counter shows the compiled code ran
+    (backend "eager": the wiring, not Inductor, which the GPU test of the layers covers)."""
+    from torch._dynamo.utils import counters
+    target, plain, fast = draft_heads(TRITON_DEVICE, torch.float32, seed=7)
+    twin = Eagle3Draft(draft_preset("tiny"), target)
+    twin.load_state_dict(plain.state_dict())
+    g = torch.Generator().manual_seed(7)
+    tokens = torch.randint(0, 256, (3, 4), generator=g).to(TRITON_DEVICE)
+    positions = torch.arange(4).repeat(3, 1).to(TRITON_DEVICE)
+    hidden = torch.randn(3, 4, target.args.hidden_size, generator=g).to(TRITON_DEVICE)
+    for name, head, ref in (("plain", twin, plain), ("kernels", fast, plain)):
+        want = ref(tokens, positions, hidden)[0]
+        torch._dynamo.reset()
+        counters.clear()
+        kernels.compile_head(head, backend="eager")
+        got = head(tokens, positions, hidden)[0]
+        assert counters["frames"]["ok"] > 0, f"{name} head: no compiled frame ran"
+        assert_close(got, want, 1e-5 * want.abs().max().item(), f"{name} head compiled")
+    torch._dynamo.reset()
+
 # ---------------------------------------------------------------------------------------------
 # The all-reduces (tp.py): NCCL's and the one-shot over torch's symmetric memory. Real TP 2 on two
 # GPUs runs under torchrun, each rank the same tests in the same order:
