@@ -142,7 +142,8 @@ def make_parser():
     p.add_argument("--kernels", help="fast twins swapped in for model.py's plain modules (kernels.accelerate: "
                    "Triton kernels, and fused_proj: stacked-weight GEMMs): 'all', 'none' or a comma list of "
                    + ",".join(kernels.KERNELS)
-                   + " (default: all on a CUDA GPU with Triton and a bf16/fp16/fp32 model, else none)")
+                   + " (default: all on a CUDA GPU with Triton and a bf16/fp16/fp32 model, else none); the draft "
+                   "head takes those of " + ",".join(kernels.DRAFT_KERNELS) + " (kernels.accelerate_draft)")
     p.add_argument("--compile", action="store_true", help="also time the captured phases with each decoder "
                    "layer and the draft layer fused by torch.compile (inside our own CUDA graphs), beside the plain ones")
     p.add_argument("--reps", type=int, help="timed repetitions per phase, after warm-up (default 20)")
