@@ -167,8 +167,8 @@ def print_components(r, ctx, c, b):
     row("difference (launches, gaps" + (" inside the graph)" if variant == "graph" else ", host)"),
         [gap["decode_step"], ""] + [gap[p] for p in verifies] + [""] + [gap[p] - gap["decode_step"] for p in verifies])
     if variant == "graph" and min(gap.values()) < 0:
-        print("  (a difference below 0: in the graph each Triton kernel starts in its predecessor's tail (programmatic\n"
-              "   dependent launch); the profile ran them eager, one after another)")
+        print("  (a difference below 0: in the graph each Triton kernel starts in its predecessor's tail\n"
+              "   (programmatic dependent launch); the profile ran them eager, one after another)")
     row("kernels" if b.gpu else "leaf ops", [dec["kernels"], ""] + [comps[p]["kernels"] for p in verifies] + [""]
         + [comps[p]["kernels"] - dec["kernels"] for p in verifies])
     ex = c["distinct_experts"]
