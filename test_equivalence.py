@@ -2703,7 +2703,6 @@ def test_gpu_kernels_in_captured_paths():
           f"{(a - b).abs().max().item():.3e}")
 
 
-
 # ---------------------------------------------------------------------------------------------
 # The EAGLE-3 head's swaps (kernels.accelerate_draft) against the plain head, float32 on fresh
 # random inputs: its attention kernel against draft.py's attention (GQA and MHA, one split and
