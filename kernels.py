@@ -1502,7 +1502,6 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
     return out
 
 
-
 # ---------------------------------------------------------------------------------------------
 # RMSNorm fused into the GEMV that reads it (decode and verify: at most NORM_GEMV_MAX_ROWS rows)
 #

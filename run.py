@@ -258,7 +258,6 @@ def check_writable(flag, path):
         raise BadInput(f"{flag} {path}: cannot write there ({why})")
 
 
-
 def check_tree_flags(args):
     """The tree flags as SGLang takes them (K = 1: a chain, N adjusted in settle); returns the
     most drafts a cycle can accept: num_steps, or min(num_steps, N - 1) for a tree."""
