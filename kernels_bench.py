@@ -412,8 +412,18 @@ def bench_norm_gemv(bw, rows, sweep=False):
             rows.append(dict(kernel="head_gemv", proj=name, M=M, us=us, twin_us=base))
 
 
-def benchmark_attention(out=None, small_only=False, sweep=False):
+def _emit(rows, bw, out=None):
+    """Print the rows as one JSON line (with the device, versions and copy bandwidth), and write it to out."""
     import json
+    line = json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+                           copy_GBps=bw, rows=rows))
+    if out:
+        with open(out, "w") as f:
+            f.write(line + "\n")
+    print(line)
+
+
+def benchmark_attention(out=None, small_only=False, sweep=False):
     rows = []
     torch.manual_seed(0)
     bw = copy_bandwidth_GBps()
@@ -422,12 +432,7 @@ def benchmark_attention(out=None, small_only=False, sweep=False):
     if not small_only:
         bench_mla(bw, rows)
         bench_mla_configs(rows)
-    line = json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           copy_GBps=bw, rows=rows))
-    if out:
-        with open(out, "w") as f:
-            f.write(line + "\n")
-    print(line)
+    _emit(rows, bw, out)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -535,7 +540,6 @@ def _step_kernels(fn):
 
 
 def bench_draft(out=None, contexts=(256, 32768), k=3):
-    import json
     from run import draft_bytes
     from verify import kv_bucket
     bw = copy_bandwidth_GBps()
@@ -564,12 +568,7 @@ def bench_draft(out=None, contexts=(256, 32768), k=3):
                 print(f"{phase:13s} ctx {ctx:6d} {names:34s} {ms * 1e3:8.1f} us  floor {floor * 1e3:6.1f}  "
                       f"{ms / floor:5.2f}x  {n} kernels")
     rows += _bench_draft_attention(bw)
-    line = json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                           copy_GBps=bw, rows=rows))
-    if out:
-        with open(out, "w") as f:
-            f.write(line + "\n")
-    print(line)
+    _emit(rows, bw, out)
 
 
 def _bench_draft_attention(bw, S=32768, G=8, HD=128):
