@@ -9,7 +9,9 @@ that put them in place of model.py's plain code, which stays the readable specif
   Router                 router_topk            swap: RouterKernel (twin: model.Router)
   Residual add + RMSNorm add_rmsnorm            swap: AddRMSNorm (twin: model.RMSNorm with a residual)
   SwiGLU activation      silu_mul               swap: SiluMulKernel (twin: model.MLP.act)
-  RMSNorm + GEMV         norm_gemv              swap: NormGemvMLA (twin: model.MLA.query)
+  RMSNorm + GEMV         norm_gemv              swap: NormGemvMLA (twin: model.MLA.query; with
+                                                StackedQKVA, its q_kv_a), GemvRowParallel (twin:
+                                                tp.RowParallelLinear, MLA's o_proj)
   GEMV per head          head_gemv              swap: NormGemvMLA (twin: model.MLA.absorb_query,
                                                 absorb_output)
   EAGLE-3 head: input    draft_input_norms      swap: DraftNormsKernel (twin: draft.MidLayer's two norms
@@ -51,6 +53,7 @@ import torch.nn.functional as F
 
 import draft
 import model
+import tp
 
 try:
     import triton
@@ -496,14 +499,17 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
 # rows of their own, so a step is one scale per tile row and still 32 threads a weight row (at
 # decode only 2048 gate/up rows exist: 8 threads a row, as a one-block step gives, made 512 warps
 # for 132 SMs, issue-bound at 1 TB/s on the H200). From `python kernels_bench.py --moe --sweep gemv` on an
-# H200 (2026-11-29, BENCHMARKS.md, k4): bf16 gate_up 8 rows at decode (30.1 against 33.2 us with 4),
+# H200 (2026-11-29, BENCHMARKS.md, k4): bf16 gate_up 8 rows at decode (30.1 against 33.2 us with 4; see below),
 # 4 rows of 256 from 4 tokens (99.1 against 114.3 us); FP8 down 16 rows (23.5 against 27.9 us at
 # decode, 69.5 against 79.7 at 4 tokens). INT4 (2026-12-01, issue 25, us a layer at 1 / 3 tokens):
 # gate_up 1 row of 128 words (21.3 / 41.2 against 22.0 / 44.2 with 2 rows, 26.0 / 50.7 with steps of
 # 256 words); down 4 rows of 128 (23.2 / 51.2 against 23.5 / 50.1 with 8 rows of 256 on 2 warps, which
-# with the shared expert in the launch shuffles its tiles through shared memory).
+# with the shared expert in the launch shuffles its tiles through shared memory). bf16 at decode with the
+# shared expert as a 9th pair (2026-12-01, benchmarks/h200_s8_sweep2.log, us): gate_up 4 rows, one step
+# of 512 in flight (19.0 against 28.0 with 8 rows and two; likely: with two its registers let fewer of
+# its 288 programs share an SM; 8 pairs 17.8 against 18.0), down 8 rows (9.8 against 10.6).
 GEMV_CONFIGS = {
-    "plain": (dict(gate_up=(8, 512, 2, 4, 1), down=(16, 256, 4, 1)),
+    "plain": (dict(gate_up=(4, 512, 1, 4, 1), down=(8, 256, 4, 1)),
               dict(gate_up=(4, 256, 4, 4, 1), down=(16, 256, 4, 1))),
     "fp8": (dict(gate_up=(4, 128, 2, 4, 4), down=(16, 128, 4, 2)),) * 2,
     "int4": (dict(gate_up=(1, 128, 1), down=(4, 128, 1)),) * 2}
@@ -1506,31 +1512,39 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
 # RMSNorm fused into the GEMV that reads it (decode and verify: at most NORM_GEMV_MAX_ROWS rows)
 #
 # out = RMSNorm(x) @ W^T for a few rows x [M, K] and a weight W [N, K]: a GEMV, memory-bound
-# on W. A GEMV is fast only with many bytes in flight, so K is split: a program per (BLOCK_N rows
-# of W, slice of K) reads its tile in one or two steps, and hundreds of programs, several an SM,
-# have all their loads out at once (the first version streamed whole rows in 132 programs, one
-# memory latency a step: 30.8 us for the 30 MB of q_a + kv_a, cuBLAS 12.3). The norm factors out
-# of the sum, out[m, n] = rstd[m] * sum_k x[m, k] g[k] W[n, k], so each program also sums the
-# squares of its slice of x and rstd is applied at the end: the norm costs no pass or launch of its
-# own.
-# Each program stores its float32 partial sums; the last program of a row block to finish (an
-# atomic counter, reset by that program) adds the slices in slice order, scales and stores. One
-# launch, no float atomics: deterministic, so a graph replay equals the eager call. The products
-# run on the CUDA cores in float32, each of the M rows against the W tile in registers (tl.dot pads
-# M to 16 rows, 16x the activation in registers: with the same split it measured 63 / 11.7 us for
-# q_a + kv_a / q_b at 1 row against 15.9 / 5.9 here). On the H200 at 1 row q_a + kv_a's 30 MB take
-# 13.6 us (2.2 TB/s, 52% of the copy bandwidth); at 4 rows, one reduction a row each, 32 us against
-# cuBLAS's 16: the swaps below use the kernel only where it measured faster.
+# on W. A GEMV is fast only with many bytes in flight. Every program loads its next step's tile
+# before it multiplies the one it holds (Triton pipelines only loads that feed tl.dot). The norm
+# factors out of the sum, out[m, n] = rstd[m] * sum_k x[m, k] g[k] W[n, k], so each program also
+# sums the squares of its part of x and rstd is applied at the end: the norm costs no pass or
+# launch of its own. The products run on the CUDA cores in float32, each of the M rows against the
+# W tile in registers (tl.dot pads M to 16 rows, 16x the activation in registers: 63 / 11.7 us for
+# q_a + kv_a / q_b at 1 row against 15.9 / 5.9 in an earlier form of this kernel).
+# - One row (a decode step): a program holds BLOCK_N rows of W and the whole of K, summing the
+#   products elementwise and over k once at the end; N / BLOCK_N >= 132 programs at Kimi-K2's
+#   attention shapes, one wave (fewer row blocks: K is split as below). Swept on the H200
+#   (2026-12-01, benchmarks/h200_s8_sweep2.log), us for q_a + kv_a (30 MB) / o_proj / q_b with its
+#   norm: 9.8 / 5.7 / 4.0, against cuBLAS's 13.0 / 6.6 and this kernel's earlier form (K split, no
+#   tile in flight) 12.1 / 6.8 / 4.8.
+# - Several rows (verify): K is split, a program per (BLOCK_N rows, slice of K), hundreds of them.
+#   Each program stores its float32 partial sums; the last program of a row block to finish (an
+#   atomic counter, reset by that program) adds the slices in slice order, scales and stores. At 4
+#   rows q_b takes 7.7 us, q_a + kv_a 20 against cuBLAS's 13: the swaps use the kernel where it
+#   measured faster.
+# One launch, no float atomics: deterministic, so a graph replay equals the eager call.
 # Rounding: the normed row is not rounded (the plain path rounds it to W's dtype), so bf16 results
 # differ from the plain path's by the order of one rounding.
 
 NORM_GEMV_MAX_ROWS = 16     # decode and verify; prefill goes to the plain RMSNorm and cuBLAS
-NORM_GEMV_BLOCK_N = 32      # W rows a program
-NORM_GEMV_STEP_BYTES = 512  # bytes of one W row a step reads (256 bf16 columns): 16 KB a step; at 1 row 1 KB
-#                             measured 15.9 / 5.9 / 8.3 us against 13.6 / 5.3 / 7.5 (q_a + kv_a, q_b, o_proj)
-NORM_GEMV_PROGRAMS = 1024   # K is split until about this many programs run (~8 an SM on the H200's 132)
-NORM_GEMV_WARPS = 4         # head_gemv's; norm_gemv 4 up to 4 rows, 8 above (ptxas: 168 / 251 registers at 1 / 4
-#                             rows with 4 warps, no spills; 16 rows need 8 warps, 212 registers)
+# (BLOCK_N, bytes of a W row a step, warps) at one row, K whole, by K: from the sweep above (o_proj, K 1024:
+# 4 steps of 256 columns 5.7 us, one step of 1024 8.1)
+NORM_GEMV_ONE_ROW = {"long": (8, 2048, 8), "short": (16, 512, 8)}
+NORM_GEMV_LONG_K = 1536     # columns from which a row is "long"
+NORM_GEMV_ONE_ROW_PROGRAMS = 264    # one row: K is split only where fewer row blocks than this exist; Kimi-K2's
+#                                     attention projections have more and keep K whole
+NORM_GEMV_BLOCK_N = 32      # several rows: W rows a program
+NORM_GEMV_STEP_BYTES = 512  # several rows: bytes of one W row a step reads (256 bf16 columns)
+NORM_GEMV_PROGRAMS = 1024   # several rows: K is split until about this many programs run (~8 an SM on the H200)
+NORM_GEMV_WARPS = 4         # several rows: 4 up to 4 rows, 8 above (16 rows need 8 warps)
 
 
 @_jit
@@ -1540,11 +1554,12 @@ def _norm_gemv_kernel(x_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[m, n] = sum_k h[m, k] * W[n, k] with h = x (NORM: RMSNorm(x), x * rsqrt(mean(x^2) + eps) * g).
     x [M, K], out [M, N] (rows strided, last dim contiguous), W [N, K] (any strides), g [K]; x, out
-    and W of one dtype; float32 products and sums on the CUDA cores, M <= BLOCK_M rows one after another
-    against the W tile in registers. Slice s of K is [s * k_split, (s + 1) * k_split); with SPLITS
-    > 1, part [SPLITS, M, N] and ss [N / BLOCK_N, SPLITS, BLOCK_M] float32 hold the slices' sums and
-    sums of squares, count [N / BLOCK_N] int32 zeros. With heads (grid axis 1, head_gemv, SPLITS
-    1): x, W and out of head j start s_xh, s_wh, s_oh elements further.
+    and W of one dtype; float32 products and sums on the CUDA cores, M <= BLOCK_M rows one after
+    another against the W tile in registers (one row: the products summed over k once, at the end).
+    Each step loads the next step's tile before it uses its own. Slice s of K is [s * k_split,
+    (s + 1) * k_split); with SPLITS > 1, part [SPLITS, M, N] and ss [N / BLOCK_N, SPLITS, BLOCK_M]
+    float32 hold the slices' sums and sums of squares, count [N / BLOCK_N] int32 zeros. With heads
+    (grid axis 1, head_gemv, SPLITS 1): x, W and out of head j start s_xh, s_wh, s_oh elements further.
     Grid: (cdiv(N, BLOCK_N), heads, SPLITS)."""
     _wait_for_prior()
     pid, j, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -1554,19 +1569,33 @@ def _norm_gemv_kernel(x_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
     rows = tl.arange(0, BLOCK_M)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < N
+    kb = tl.arange(0, BLOCK_K)
+    w_rows = w_ptr + n[:, None] * s_wn
+    lo = s * k_split
+    hi = tl.minimum(lo + k_split, K)
+    last_k = lo + (tl.cdiv(hi - lo, BLOCK_K) - 1) * BLOCK_K                  # the slice's last step
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)     # one row: the products, summed over k at the end
     ss = tl.zeros([BLOCK_M], tl.float32)
-    for k0 in range(s * k_split, s * k_split + k_split, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
+    w = tl.load(w_rows + (lo + kb)[None, :] * s_wk, mask=n_ok[:, None] & (lo + kb < K)[None, :], other=0.0)
+    for k0 in range(lo, hi, BLOCK_K):
+        k = k0 + kb
         k_ok = k < K
-        w = tl.load(w_ptr + n[:, None] * s_wn + k[None, :] * s_wk, mask=n_ok[:, None] & k_ok[None, :], other=0.0)
+        k1 = tl.minimum(k0 + BLOCK_K, last_k) + kb                          # the next step's (the last: its own)
+        w1 = tl.load(w_rows + k1[None, :] * s_wk, mask=n_ok[:, None] & (k1 < K)[None, :], other=0.0)
+        wf = w.to(tl.float32)
         for m in tl.static_range(BLOCK_M):                                  # each row against the tile
-            ok = k_ok & (m < M)
-            h = tl.load(x_ptr + m * s_xm + k, mask=ok, other=0.0).to(tl.float32)
+            h = tl.load(x_ptr + m * s_xm + k, mask=k_ok & (m < M), other=0.0).to(tl.float32)
             if NORM:
                 ss = tl.where(rows == m, ss + tl.sum(h * h, 0), ss)
                 h = h * tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            acc = tl.where(rows[:, None] == m, acc + tl.sum(w.to(tl.float32) * h[None, :], 1)[None, :], acc)
+            if BLOCK_M == 1:
+                acc1 += wf * h[None, :]
+            else:
+                acc = tl.where(rows[:, None] == m, acc + tl.sum(wf * h[None, :], 1)[None, :], acc)
+        w = w1
+    if BLOCK_M == 1:
+        acc = tl.sum(acc1, 1)[None, :]
     last = pid >= 0                                                         # one slice: every program
     if SPLITS > 1:
         ok = (rows < M)[:, None] & n_ok[None, :]
@@ -1612,6 +1641,10 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, block_n=None, block_k=None, 
                          f"{x.dtype} and {rows} rows (use the plain path)")
     if norm_weight is not None and norm_weight.shape != (K,):
         raise ValueError(f"norm_gemv: norm weight {list(norm_weight.shape)} is not [{K}]")
+    if rows == 1:       # K whole in a program (no partial sums) where the row blocks fill the GPU
+        bn, step_bytes, one_warps = NORM_GEMV_ONE_ROW["long" if K >= NORM_GEMV_LONG_K else "short"]
+        block_n, programs, warps = block_n or bn, programs or NORM_GEMV_ONE_ROW_PROGRAMS, warps or one_warps
+        block_k = block_k or min(step_bytes // x.element_size(), _pow2(K))
     block_n = block_n or NORM_GEMV_BLOCK_N
     if triton.cdiv(N, block_n) > COUNTERS:
         raise ValueError(f"norm_gemv: {N} rows of W make more than {COUNTERS} row blocks of {block_n}")
@@ -1632,10 +1665,14 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, block_n=None, block_k=None, 
     return out
 
 
-HEAD_GEMV_BLOCK_N_STRIDED = 64   # W rows a program where W's rows, not its K, are contiguous (absorbed W_uk):
-#                                  64 bf16 rows = 128-byte segments a K step
-HEAD_GEMV_BLOCK_N = 16           # contiguous K (W_uv, K = 512): 8 heads x 8 row blocks of Kimi-K2's 128 rows
+# head_gemv's blocks, swept on the H200 at Kimi-K2's 8 heads (2026-12-01, benchmarks/h200_s8_sweep2.log), us at
+# 1 / 4 rows: W_uk 1.96 / 4.01, W_uv 2.14 / 3.55, against 3.2 / 5.2 and 4.8 / 6.7 for the einsums with the
+# copies the model makes of their permuted inputs and outputs
+HEAD_GEMV_BLOCK_N_STRIDED = 32   # W rows a program where W's rows, not its K, are contiguous (absorbed W_uk):
+#                                  32 bf16 rows = 64-byte segments a K step
+HEAD_GEMV_BLOCK_N = 8            # contiguous K (W_uv, K = 512): 8 heads x 16 row blocks of Kimi-K2's 128 rows
 HEAD_GEMV_STEP_BYTES = 1024      # K whole in one step at Kimi-K2's 128 and 512 (measured so, not swept)
+HEAD_GEMV_WARPS = 4
 
 
 def head_gemv(x, weight):
@@ -1662,7 +1699,7 @@ def head_gemv(x, weight):
         _norm_gemv_kernel[(triton.cdiv(N, block_n), H, 1)](
             x2, x2, weight, out, out, out, out, rows, N, K, K, 0.0, x2.stride(0), x2.stride(1),
             weight.stride(0), weight.stride(1), weight.stride(2), H * N, N, SPLITS=1, NORM=False,
-            BLOCK_M=_pow2(rows, 1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=NORM_GEMV_WARPS, num_stages=1,
+            BLOCK_M=_pow2(rows, 1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=HEAD_GEMV_WARPS, num_stages=1,
             launch_pdl=PDL)
     return out
 
@@ -1729,22 +1766,30 @@ class RopeCacheKernel(model.MLA):
                                            self.kv_cache, self.pe_cache)
 
 
-# Where the GEMV kernels replace cuBLAS, by rows (B * T), from one H200 run (2026-12-01, bf16, Kimi-K2
-# TP-8 shapes, graphs, weights past the L2; benchmarks/h200_issue25_small_ab.json), us at 1 / 4 rows:
-#   q_b with q_a_layernorm: kernel 5.3 / 9.0 (4 rows: 1 KB steps), RMSNorm + cuBLAS 9.9 / 10.1: up to
-#     NORM_GEMV_MAX_ROWS.
-#   q_a + kv_a with the input add + norm: kernel 13.6 / 32.1, add_rmsnorm + cuBLAS 14.8 / 15.9: not
-#     used (the norm inside the projection needs a layer-level swap for 1.2 us a layer).
-#   absorbed W_uk, W_uv: kernel 2.7 + 2.3 / 4.2 + 4.2, the einsums 2.9 + 4.8 / 2.7 + 4.4: 1 row.
-#   o_proj: kernel 7.5 / 14.9, cuBLAS 6.6 / 6.5: never (tp.RowParallelLinear stays).
-# Rows 2 and 3 were not measured; they take the plain path with 4.
-HEAD_GEMV_MAX_ROWS = 1
+# Where the GEMV kernels replace cuBLAS, by rows (B * T), from one H200 sweep (2026-12-01, bf16, Kimi-K2
+# TP-8 shapes, graphs, weights past the L2; benchmarks/h200_s8_sweep2.log), us at 1 / 4 rows:
+#   q_b with q_a_layernorm: kernel 4.0 / 7.7, model.RMSNorm + cuBLAS 9.9 / 10.1 (an earlier run,
+#     benchmarks/h200_issue25_small_ab.json): up to NORM_GEMV_MAX_ROWS.
+#   q_a + kv_a (stacked, fused_proj's weight): kernel 9.8 / 20+, cuBLAS 13.0 / 13.4: 1 row.
+#   o_proj: kernel 5.7 / 12+, cuBLAS 6.6 / 6.5: 1 row.
+#   absorbed W_uk, W_uv: kernel 2.0 + 2.1 / 4.0 + 3.6, the einsums with their copies 3.2 + 4.8 / 5.2 + 6.7:
+#     up to 4 rows (2 and 3 rows alike; more were not measured).
+#   q_a + kv_a with the input add + norm inside (an earlier form, 13.6 against 14.8 us): not done, the
+#     norm inside the projection needs a layer-level swap.
+GEMV_MAX_ROWS = 1
+HEAD_GEMV_MAX_ROWS = 4
 
 
 class NormGemvMLA(model.MLA):
     """"norm_gemv": q_b_proj as a GEMV kernel with q_a_layernorm computed inside it (at most
-    NORM_GEMV_MAX_ROWS rows: decode, verify), and decode mode's absorbed W_uk / W_uv products as
-    GEMV kernels over the heads at HEAD_GEMV_MAX_ROWS (decode); more rows: the plain code."""
+    NORM_GEMV_MAX_ROWS rows: decode, verify), decode mode's absorbed W_uk / W_uv products as GEMV
+    kernels over the heads (at most HEAD_GEMV_MAX_ROWS rows), and, with fused_proj (StackedQKVA
+    behind this swap), the stacked q_a + kv_a at GEMV_MAX_ROWS; more rows: the plain code."""
+
+    def q_kv_a(self, x):
+        if rows(x) > GEMV_MAX_ROWS:
+            return super().q_kv_a(x)
+        return launch.norm_gemv(x, self.q_kv_a_weight)
 
     def query(self, q_a):
         if rows(q_a) > NORM_GEMV_MAX_ROWS:
@@ -1761,6 +1806,17 @@ class NormGemvMLA(model.MLA):
         if math.prod(o_lat.shape[:2]) > HEAD_GEMV_MAX_ROWS:
             return super().absorb_output(o_lat, w_uv)
         return launch.head_gemv(o_lat, w_uv)
+
+
+class GemvRowParallel(tp.RowParallelLinear):
+    """"norm_gemv" on MLA's o_proj: at most GEMV_MAX_ROWS rows through the GEMV kernel (no norm)
+    instead of cuBLAS; the all-reduce as before."""
+
+    def forward(self, x):
+        if rows(x) > GEMV_MAX_ROWS:
+            return super().forward(x)
+        y = launch.norm_gemv(x, self.weight)
+        return self.tp.all_reduce(y) if self.reduce else y
 
 
 def stack_rows(*linears):
@@ -1793,10 +1849,12 @@ class StackedQKVA(AttachAgain, model.MLA):
     def attach(self):
         self.q_kv_a_weight = stack_rows(self.q_a_proj, self.kv_a_proj_with_mqa)
 
+    def q_kv_a(self, x):                                   # [..., q_lora_rank + kv_lora_rank + rope dim]
+        return F.linear(x, self.q_kv_a_weight)
+
     def project(self, x):
         a = self.args
-        q_kv_a = F.linear(x, self.q_kv_a_weight)
-        q_a, kv_a = q_kv_a.split([a.q_lora_rank, a.kv_lora_rank + a.qk_rope_head_dim], -1)
+        q_a, kv_a = self.q_kv_a(x).split([a.q_lora_rank, a.kv_lora_rank + a.qk_rope_head_dim], -1)
         return self.query(q_a), kv_a
 
 
@@ -2043,11 +2101,12 @@ def accelerate(target, names=(), moe="auto"):
     KERNELS swapped in. names: "attention" (decode-mode MLA attention), "rope_cache" (RoPE +
     latent norm + cache writes), "router" (SIMULATED uniform routing included), "add_rmsnorm"
     (every residual add with the norm that reads the sum), "silu_mul" (the MLPs' SwiGLU),
-    "norm_gemv" (for <= 16 rows q_b_proj with q_a_layernorm inside; for 1 row decode mode's absorbed
-    products as GEMV kernels over the heads), "shared_expert" (the shared expert inside the fused
-    MoE launch, where SharedExpertInLaunch.applies; else left off and not listed), "fused_proj"
-    (plain torch: q_a + kv_a and each unfolded MLP's gate + up as one GEMM, the shared expert's down
-    GEMM adding onto the routed output); an iterable, "all" or "none". moe: the routed experts' path
+    "norm_gemv" (GEMV kernels: for <= 16 rows q_b_proj with q_a_layernorm inside; for <= 4 rows
+    decode mode's absorbed products over the heads; for 1 row o_proj and, with fused_proj, the
+    stacked q_a + kv_a), "shared_expert" (the shared expert inside the fused MoE launch, where
+    SharedExpertInLaunch.applies; else left off and not listed), "fused_proj" (plain torch: q_a +
+    kv_a and each unfolded MLP's gate + up as one GEMM, the shared expert's down GEMM adding onto
+    the routed output); an iterable, "all" or "none". moe: the routed experts' path
     (pick_moe). The state dict keeps its keys and values. What was done is recorded as
     target.kernels and target.moe_impl (run.py prints them)."""
     names = kernel_names(names)
@@ -2073,10 +2132,12 @@ def accelerate(target, names=(), moe="auto"):
 def accelerate_layer(layer, names, moe):
     """accelerate's swaps for one model.Block."""
     attn = layer.self_attn
+    if "fused_proj" in names and attn.args.q_lora_rank:
+        swap(attn, StackedQKVA)                 # first: NormGemvMLA, in front of it, takes over its q_kv_a
     swap(attn, *[cls for name, cls in (("attention", DecodeAttentionKernel), ("rope_cache", RopeCacheKernel),
                                        ("norm_gemv", NormGemvMLA)) if name in names])
-    if "fused_proj" in names and attn.args.q_lora_rank:
-        swap(attn, StackedQKVA)
+    if "norm_gemv" in names:
+        swap(attn.o_proj, GemvRowParallel)
     if "add_rmsnorm" in names:
         swap(layer.input_layernorm, AddRMSNorm)
         swap(layer.post_attention_layernorm, AddRMSNorm)

@@ -2203,7 +2203,8 @@ def test_norm_gemv_kernel_equals_twin(dtype):
     the norm and without (a plain GEMV); 1, 4 and 16 rows;
     x a strided view (a split of a wider output, as q_a is) and W a row-strided view (as the stacked
     q_a + kv_a weight is); K whole in a program and (steps of 16 columns) cut into slices whose
-    partial sums the last program of a row block adds. float32 to 1e-5 relative; bf16 (GPU) to 1%
+    partial sums the last program of a row block adds: one step a slice, and (programs=2) several
+    steps a slice, the last one partial where K is no multiple of 16. float32 to 1e-5 relative; bf16 (GPU) to 1%
     of the largest output, since only the order of the float32 sums and a last-ulp rounding of the
     normed row differ."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -2219,10 +2220,12 @@ def test_norm_gemv_kernel_equals_twin(dtype):
         w = (torch.randn(N + 3, K + 8, generator=g) / K ** 0.5).to(device, dtype)[:N, :K]   # rows strided
         for rows in (1, 4, 16):
             x = (2 * torch.randn(rows, K + 5, generator=g)).to(device, dtype)[:, :K]          # rows strided
-            for nrm, block_k in itertools.product((norm, None), (None, 16)):
-                out = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6, block_k=block_k)
+            for nrm, (block_k, programs) in itertools.product((norm, None), ((None, None), (16, None), (16, 2))):
+                out = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6, block_k=block_k,
+                                        programs=programs)
                 ref = F.linear(x if nrm is None else nrm(x), w)
-                what = f"norm_gemv N={N} K={K} rows={rows} {dtype} norm={nrm is not None} block_k={block_k}"
+                what = (f"norm_gemv N={N} K={K} rows={rows} {dtype} norm={nrm is not None} block_k={block_k} "
+                        f"programs={programs}")
                 tol = (1e-5 if dtype == torch.float32 else 1e-2) * ref.abs().max().item()
                 assert out.shape == ref.shape and out.dtype == dtype
                 assert_close(out, ref, tol, what)
@@ -2264,7 +2267,8 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     """kernels "norm_gemv" (alone, and with the fused residual adds and stacked q_a + kv_a) against
     the plain tiny model, float32, 3 layers: the 36-row prefill runs the plain path; a 9-row step
     runs q_b_proj's GEMV kernel (q_a_layernorm inside) once a layer, the rest plain; a 1-row step
-    (decode) also the absorbed products as head_gemv kernels (decode mode); both attention modes."""
+    (decode) also o_proj and (with fused_proj) the stacked q_a + kv_a as GEMV kernels, and the
+    absorbed products as head_gemv kernels (decode mode); both attention modes."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(num_hidden_layers=3)
     plain = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32), 0)
@@ -2282,7 +2286,8 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
         assert_close(fast(prefill, prefill_pos, mode).logits, plain(prefill, prefill_pos, mode).logits, 1e-4,
                      f"norm_gemv {others} prefill, {mode}")
         assert not calls and not heads, "the prefill's 36 rows must take the plain path"
-        for tokens, pos, gemvs, head in ((step, step_pos, 1, 0), (one, one_pos, 1, 2)):
+        one_row = 3 if "fused_proj" in others else 2    # q_b, o_proj (fused_proj: and q_a + kv_a)
+        for tokens, pos, gemvs, head in ((step, step_pos, 1, 0), (one, one_pos, one_row, 2)):
             what = f"norm_gemv {others} {tokens.numel()}-row step, {mode}"
             assert_close(fast(tokens, pos, mode).logits, plain(tokens, pos, mode).logits, 1e-4, what)
             assert len(calls) == gemvs * L, f"{what}: {len(calls)} norm_gemv launches, not {gemvs} a layer"
@@ -2333,13 +2338,14 @@ def randomized(module, seed):
 
 
 def mla_calls(args, device):
-    """MLA inputs: a 9-token extend over an empty cache, then 3 tokens at each row's own position."""
+    """MLA inputs: a 9-token extend over an empty cache, then 3 tokens at each row's own position,
+    then one token of both rows (2 rows) and one of row 0 alone (1 row: a decode step's GEMV paths)."""
     g = torch.Generator().manual_seed(31)
     rope = torch.stack(model.rope_tables(args.qk_rope_head_dim, 10000.0, None, 32, device), -1)
     calls = []
-    for start, T in ((0, 9), (9, 3)):
-        x = torch.randn(2, T, args.hidden_size, generator=g).to(device)
-        pos = (start + torch.arange(T)).expand(2, T).contiguous().to(device)
+    for B, start, T in ((2, 0, 9), (2, 9, 3), (2, 12, 1), (1, 13, 1)):
+        x = torch.randn(B, T, args.hidden_size, generator=g).to(device)
+        pos = (start + torch.arange(T)).expand(B, T).contiguous().to(device)
         future = torch.arange(16, device=device) > pos.unsqueeze(-1)
         calls.append((x, pos, rope[pos], future))
     return calls
@@ -2352,6 +2358,9 @@ SWAPS = {  # name: (the plain module's maker(args, device), swap classes, inputs
     "attention": (None, (kernels.DecodeAttentionKernel,)),
     "rope_cache": (None, (kernels.RopeCacheKernel,)),
     "norm_gemv (MLA)": (None, (kernels.NormGemvMLA,)),
+    "norm_gemv + fused_proj (MLA)": (None, (kernels.NormGemvMLA, kernels.StackedQKVA)),
+    "norm_gemv (o_proj)": (lambda a, d: tp.RowParallelLinear(64, a.hidden_size, TP(), "x", device=d),
+                           (kernels.GemvRowParallel,)),
     "fused_proj (MLA)": (None, (kernels.StackedQKVA,)),
 }
 
@@ -2360,7 +2369,8 @@ SWAPS = {  # name: (the plain module's maker(args, device), swap classes, inputs
 @pytest.mark.parametrize("name", list(SWAPS))
 def test_each_swap_equals_the_module_it_replaces(name):
     """Each swap of kernels.py against the module it replaces, on the same weights (the swap keeps
-    the state dict) and fresh random inputs, float32: 4 and 20 rows (norm_gemv's limit is 16);
+    the state dict) and fresh random inputs, float32: 1, 4 and 20 rows (the GEMV swaps' limits are 1,
+    4 and 16);
     MLA in both attention modes (each also against extend mode), its outputs and the caches it writes."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny()
@@ -2383,7 +2393,7 @@ def test_each_swap_equals_the_module_it_replaces(name):
             assert_close(fast.pe_cache, plain.pe_cache, 1e-6, f"{name} swap vs MLA: rope cache")
         return
     width = (plain.gate_proj if isinstance(plain, model.MLP) else plain).weight.shape[-1]
-    for n in (4, 20):
+    for n in (1, 4, 20):
         x = torch.randn(n, width, generator=g).to(device)
         if isinstance(plain, model.RMSNorm):
             r = torch.randn(n, x.shape[-1], generator=g).to(device)
@@ -2394,12 +2404,14 @@ def test_each_swap_equals_the_module_it_replaces(name):
             want, got = plain(x), fast(x)
         assert_close(got, want, 1e-5 * want.abs().max().item(), f"{name} swap vs its module, {n} rows")
     if isinstance(fast, kernels.StackedGateUp):   # the shared expert's down GEMM onto the routed output
-        shared = kernels.swap(make(args, device), kernels.StackedGateUp)
+        shared = kernels.swap(make(args, device), *swaps)
         shared.load_state_dict(plain.state_dict())
         shared.down_proj.reduce = False
-        routed = torch.randn(4, args.hidden_size, generator=g).to(device)
-        want = routed + plain(x[:4])
-        assert_close(shared(x[:4], add_to=routed.clone()), want, 1e-5 * want.abs().max().item(), "add_to")
+        for n in (1, 4):
+            routed = torch.randn(n, args.hidden_size, generator=g).to(device)
+            want = routed + plain(x[:n])
+            assert_close(shared(x[:n], add_to=routed.clone()), want, 1e-5 * want.abs().max().item(),
+                         f"{name}: add_to, {n} rows")
 
 
 def test_model_py_knows_nothing_of_the_fast_path():
