@@ -507,7 +507,7 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
 # with the shared expert in the launch shuffles its tiles through shared memory). bf16 at decode with the
 # shared expert as a 9th pair (2026-12-01, benchmarks/h200_s8_sweep2.log, us): gate_up 4 rows, one step
 # of 512 in flight (19.0 against 28.0 with 8 rows and two; likely: with two its registers let fewer of
-# its 288 programs share an SM; 8 pairs 17.8 against 18.0), down 8 rows (9.8 against 10.6).
+# its 288 programs share an SM; 8 pairs 17.8 against 18.3), down 8 rows (9.8 against 10.4).
 GEMV_CONFIGS = {
     "plain": (dict(gate_up=(4, 512, 1, 4, 1), down=(8, 256, 4, 1)),
               dict(gate_up=(4, 256, 4, 4, 1), down=(16, 256, 4, 1))),
