@@ -2204,9 +2204,9 @@ def test_norm_gemv_kernel_equals_twin(dtype):
     x a strided view (a split of a wider output, as q_a is) and W a row-strided view (as the stacked
     q_a + kv_a weight is); K whole in a program and (steps of 16 columns) cut into slices whose
     partial sums the last program of a row block adds: one step a slice, and (programs=2) several
-    steps a slice, the last one partial where K is no multiple of 16. float32 to 1e-5 relative; bf16 (GPU) to 1%
-    of the largest output, since only the order of the float32 sums and a last-ulp rounding of the
-    normed row differ."""
+    steps a slice, the last one partial where K is no multiple of 16. float32 to 1e-5 relative;
+    bf16 (GPU) to 1% of the largest output, since only the order of the float32 sums and a last-ulp
+    rounding of the normed row differ."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
