@@ -30,8 +30,8 @@ EAGLE-3 head; compile_layers(model) is run.py --compile's regional torch.compile
 
 Triton is imported only where it exists: without it this module still imports (HAVE_TRITON is
 False) and the plain paths run. On a CPU the kernels run only under the Triton interpreter
-(TRITON_INTERPRET=1, set before import; slow, for tests). This module imports model.py and draft.py,
-never the reverse; the kernels' micro-benchmarks are kernels_bench.py.
+(TRITON_INTERPRET=1, set before import; slow, for tests). This module imports model.py, draft.py
+and tp.py, never the reverse; the kernels' micro-benchmarks are kernels_bench.py.
 
 Shape legend: B batch rows, T query tokens per row, H local heads, M = T*H query rows of one
 batch row, C kv_lora_rank (latent width), R qk_rope_head_dim, S cache slots, N tokens, D hidden,
