@@ -1544,7 +1544,6 @@ NORM_GEMV_ONE_ROW_PROGRAMS = 264    # one row: K is split only where fewer row b
 NORM_GEMV_BLOCK_N = 32      # several rows: W rows a program
 NORM_GEMV_STEP_BYTES = 512  # several rows: bytes of one W row a step reads (256 bf16 columns)
 NORM_GEMV_PROGRAMS = 1024   # several rows: K is split until about this many programs run (~8 an SM on the H200)
-NORM_GEMV_WARPS = 4         # several rows: 4 up to 4 rows, 8 above (16 rows need 8 warps)
 
 
 @_jit
@@ -1661,7 +1660,8 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, block_n=None, block_k=None, 
             x2, x2 if norm_weight is None else norm_weight, weight, out, part, ss, _counters(x.device),
             rows, N, K, k_split, float(eps), x2.stride(0), 0, 0, weight.stride(0), 1, N, 0,
             SPLITS=slices, NORM=norm_weight is not None, BLOCK_M=_pow2(rows, 1),
-            BLOCK_N=block_n, BLOCK_K=block_k, launch_pdl=PDL, num_warps=warps or (4 if rows <= 4 else 8), num_stages=1)
+            BLOCK_N=block_n, BLOCK_K=block_k, launch_pdl=PDL, num_stages=1,
+            num_warps=warps or (4 if rows <= 4 else 8))   # several rows: 16 need 8 warps
     return out
 
 

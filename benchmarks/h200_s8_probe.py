@@ -4,7 +4,8 @@ part of the reference; run from the repository root on a GPU):
   python benchmarks/h200_s8_probe.py sweep OUT.json     a prototype GEMV (gemv2 below) against cuBLAS, norm_gemv
   python benchmarks/h200_s8_probe.py sweep2 OUT.json    norm_gemv / head_gemv block sizes and the bf16 MoE GEMV
                                                         configs; "old kernel": main 3224e19's kernels.py,
-                                                        copied to .lead/kernels_old.py
+                                                        copied to .lead/kernels_old.py (head_gemv's warps
+                                                        were NORM_GEMV_WARPS then, HEAD_GEMV_WARPS now)
 profile and sweep ran on main 3224e19 (norm_gemv: its kernel then); sweep2 on 3224e19 with the new
 _norm_gemv_kernel (one row: the next tile in flight, the products summed once), as committed after it."""
 import json
@@ -227,15 +228,15 @@ def sweep2(out):
             was = kb._graph_ms([partial(old.head_gemv, x, w) for x, w in zip(xs, wts)]) * 1e3
             rows.append(dict(use=name, M=M, twin_us=base, old_us=was))
             line = f"{name} M {M}: einsum+copy {base:.2f} us, old kernel {was:.2f};"
-            keep = (getattr(kernels, knobs[0]), kernels.NORM_GEMV_WARPS)
+            keep = (getattr(kernels, knobs[0]), kernels.HEAD_GEMV_WARPS)
             for bn, warps in itertools.product(knobs[1], (2, 4, 8)):
                 setattr(kernels, knobs[0], bn)
-                kernels.NORM_GEMV_WARPS = warps
+                kernels.HEAD_GEMV_WARPS = warps
                 us = kb._graph_ms([partial(kernels.head_gemv, x, w) for x, w in zip(xs, wts)]) * 1e3
                 rows.append(dict(use=name, M=M, cfg=[bn, warps], us=us))
                 line += f" {bn}/{warps} {us:.2f}"
             setattr(kernels, knobs[0], keep[0])
-            kernels.NORM_GEMV_WARPS = keep[1]
+            kernels.HEAD_GEMV_WARPS = keep[1]
             print(line, flush=True)
     # bf16 MoE GEMV at 1 token: K 8 (no shared slot) and 9 (the shared expert as expert E)
     E, I, D = 129, 256, 7168
