@@ -398,10 +398,11 @@ def gemv_rule(fmt, N, K):
 
 
 def _check_shared(shared, fmt, variant, I, D, dtype):
-    """fused_moe's shared expert: it rides in the INT4 GEMV launches only, as contiguous [I, D],
-    [I, D], [D, I] tensors in the compute dtype."""
-    if fmt != "int4" or variant != "gemv":
-        raise ValueError(f"fused_moe: a shared expert rides in the INT4 GEMV launches only, not {fmt} {variant}")
+    """fused_moe's shared expert: it rides in the INT4 and FP8 GEMV launches only, as contiguous
+    [I, D], [I, D], [D, I] tensors in the compute dtype."""
+    if fmt not in SHARED_SPLIT or variant != "gemv":
+        raise ValueError(f"fused_moe: a shared expert rides in the INT4 and FP8 GEMV launches only, not {fmt} "
+                         f"{variant} (plain experts: make it expert E, as SharedExpertInLaunch does)")
     if ([list(t.shape) for t in shared] != [[I, D], [I, D], [D, I]] or any(t.dtype != dtype for t in shared)
             or any(not t.is_contiguous() for t in shared)):
         raise ValueError(f"fused_moe: shared expert {[list(t.shape) for t in shared]}: expected contiguous "
@@ -419,7 +420,8 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
     products, for a few tokens), "dot" (tiles of BLOCK_M pairs through tl.dot) or None (gemv_rule).
     configs: override the variant's block sizes (the benchmark's sweep). shared: (gate [I, D], up
     [I, D], down [D, I]) tensors in x's dtype, a shared expert added to every token with weight 1,
-    in the same launches (INT4 experts through the GEMV variant only: Kimi-K2.5's bf16 shared expert)."""
+    in the same launches (INT4 and FP8 experts through the GEMV variant only: the bf16 shared expert of
+    Kimi-K2.5, and of Kimi-K2-Instruct's FP8 checkpoint, dequantized at load)."""
     if x.dim() != 2 or ids.shape != route_w.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
         raise ValueError(f"fused_moe: x {list(x.shape)}, ids {list(ids.shape)}, route_w {list(route_w.shape)}: "
                          "expected [N, D], [N, K], [N, K]")
@@ -574,21 +576,75 @@ def _expert_pairs(ids_ptr, p, P, P_PAD: tl.constexpr):
 
 
 @_jit
+def _shared_gate_up(x_ptr, hs_ptr, sg_ptr, su_ptr, N, s, n, n_ok, D: tl.constexpr, I: tl.constexpr,
+                    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+    """The bf16 shared expert's gate and up rows n over split s of D (D / SPLIT columns: SHARED_SPLIT
+    makes it about as many bytes a program as a routed expert's quantized rows), for every token:
+    raw sums into hs [2, SPLIT, N, I] fp32, which down adds up over the splits before its SiLU
+    (_shared_down). x_ptr: the activations [N, D]; sg_ptr, su_ptr: the shared gate and up weights
+    [I, D]. The GEMV kernels run it in SPLIT programs of their own for each row block, launched
+    first since each runs its N tokens one after another."""
+    CHUNK: tl.constexpr = (D + SPLIT - 1) // SPLIT
+    hi = tl.minimum((s + 1) * CHUNK, D)
+    for t in range(N):
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(s * CHUNK, hi, BLOCK_K):
+            k = (k0 + tl.arange(0, BLOCK_K))[None, :]
+            if EVEN:
+                xv = tl.load(x_ptr + t * D + k).to(tl.float32)
+                gw, uw = tl.load(sg_ptr + n[:, None] * D + k), tl.load(su_ptr + n[:, None] * D + k)
+            else:
+                ok = n_ok[:, None] & (k < hi)
+                xv = tl.load(x_ptr + t * D + k, mask=k < hi, other=0.0).to(tl.float32)
+                gw = tl.load(sg_ptr + n[:, None] * D + k, mask=ok, other=0.0)
+                uw = tl.load(su_ptr + n[:, None] * D + k, mask=ok, other=0.0)
+            acc_g += gw.to(tl.float32) * xv
+            acc_u += uw.to(tl.float32) * xv
+        tl.store(hs_ptr + (s * N + t) * I + n, tl.sum(acc_g, 1), mask=n_ok)
+        tl.store(hs_ptr + ((SPLIT + s) * N + t) * I + n, tl.sum(acc_u, 1), mask=n_ok)
+
+
+@_jit
+def _shared_down(hs_ptr, sd_ptr, N, token, n, n_ok, I: tl.constexpr, SPLIT: tl.constexpr, I_PAD: tl.constexpr):
+    """The bf16 shared expert's down rows n for one token, fp32 [BLOCK_N]: h = silu(g) * u from
+    _shared_gate_up's SPLIT partial sums hs [2, SPLIT, N, I], times its down weights sd_ptr [D, I]
+    (I_PAD: a power of two >= I)."""
+    i = tl.arange(0, I_PAD)[None, :]
+    g = tl.zeros([1, I_PAD], tl.float32)
+    u = tl.zeros([1, I_PAD], tl.float32)
+    for s in tl.static_range(SPLIT):
+        g += tl.load(hs_ptr + (s * N + token) * I + i, mask=i < I, other=0.0)
+        u += tl.load(hs_ptr + ((SPLIT + s) * N + token) * I + i, mask=i < I, other=0.0)
+    wt = tl.load(sd_ptr + n[:, None] * I + i, mask=n_ok[:, None] & (i < I), other=0.0).to(tl.float32)
+    return tl.sum(wt * (g / (1.0 + tl.exp(-g)) * u), 1)
+
+
+@_jit
 def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, P,
                              stride_we, stride_wn, stride_se, stride_sr, stride_sc, off_r, off_c,
                              TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                              P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-                             UNROLL: tl.constexpr, SCALE_PER_ROW: tl.constexpr):
+                             UNROLL: tl.constexpr, SCALE_PER_ROW: tl.constexpr, hs_ptr, sg_ptr, su_ptr, N,
+                             SPLIT: tl.constexpr, SHARED_K: tl.constexpr, EVEN_SHARED: tl.constexpr):
     """h[p, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) * route_w[p] for pair p = n*K + k, e = ids[p]
     (plain and FP8 weights).
 
     v_ptr: the activations [N, D] (x's dtype). h_ptr: fp32 [P, I] out. ids_ptr: int [P]; route_w_ptr:
     fp32 [P]. g_ptr / u_ptr, gs_ptr / us_ptr: gate and up weights and scales, [E, I, D] as
-    ExpertWeights (same strides). P_PAD: a power of two >= P. Grid: (cdiv(I, BLOCK_N), P); only a
-    leader program works."""
+    ExpertWeights (same strides). P_PAD: a power of two >= P. Grid: (cdiv(I, BLOCK_N), SPLIT + P);
+    pair p is program SPLIT + p, and only a leader program works. SPLIT > 0: the first SPLIT programs
+    of each row block take a bf16 shared expert (_shared_gate_up; hs_ptr, sg_ptr, su_ptr, N: its
+    arguments; SHARED_K columns a step)."""
     _wait_for_prior()
-    pid_n, p = tl.program_id(0), tl.program_id(1)
+    pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
+    if SPLIT > 0:
+        if p < 0:
+            n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+            _shared_gate_up(v_ptr, hs_ptr, sg_ptr, su_ptr, N, p + SPLIT, n, n < I, D, I, SPLIT, BLOCK_N, SHARED_K,
+                            EVEN_SHARED)
+            return
     same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
     if not leader:
         return                                                              # not the expert's first pair
@@ -625,11 +681,12 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
                           TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-                          SCALE_PER_ROW: tl.constexpr):
+                          SCALE_PER_ROW: tl.constexpr, hs_ptr, sd_ptr, N, SPLIT: tl.constexpr, I_PAD: tl.constexpr):
     """out[n, d] = sum_k (down[e] @ h[n*K + k])[d], e = ids[n*K + k] (route weights are in h; plain and FP8).
 
     h_ptr: fp32 [P, I] from gate_up. out_ptr: [N, D], x's dtype. w_ptr / s_ptr: down weights and
-    scales, [E, D, I] as ExpertWeights. Grid: (N, cdiv(D, BLOCK_N))."""
+    scales, [E, D, I] as ExpertWeights. SPLIT > 0: a bf16 shared expert too, weight 1 (_shared_down).
+    Grid: (N, cdiv(D, BLOCK_N))."""
     _wait_for_prior()
     token, pid_n = tl.program_id(0), tl.program_id(1)
     r = tl.arange(0, BLOCK_N * SUB)
@@ -647,6 +704,8 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
     if SUB > 1:
         y = tl.sum(tl.reshape(y, [BLOCK_N, SUB]), 1)
     d = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    if SPLIT > 0:
+        y += _shared_down(hs_ptr, sd_ptr, N, token, d, d < D, I, SPLIT, I_PAD)
     tl.store(out_ptr + token.to(tl.int64) * D + d, y.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
@@ -718,34 +777,6 @@ def _gate_up_products(gw, gs, uw, us, v, start, magic, W: tl.constexpr, BLOCK_W:
         t_g += _nibble(gw, g_high, j, magic) * x
         t_u += _nibble(uw, u_high, j, magic) * x
     return t_g * gs, t_u * us
-
-
-@_jit
-def _shared_gate_up(x_ptr, hs_ptr, sg_ptr, su_ptr, N, s, n, n_ok, D: tl.constexpr, I: tl.constexpr,
-                    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
-    """The bf16 shared expert's gate and up rows n over split s of D (D / SPLIT columns: SPLIT 4 makes
-    it as many bytes a program as a routed expert's INT4 rows), for every token: raw sums into hs
-    [2, SPLIT, N, I] fp32, which down adds up over the splits before its SiLU. x_ptr: the activations
-    [N, D]; sg_ptr, su_ptr: the shared gate and up weights [I, D]."""
-    CHUNK: tl.constexpr = (D + SPLIT - 1) // SPLIT
-    hi = tl.minimum((s + 1) * CHUNK, D)
-    for t in range(N):
-        acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-        for k0 in range(s * CHUNK, hi, BLOCK_K):
-            k = (k0 + tl.arange(0, BLOCK_K))[None, :]
-            if EVEN:
-                xv = tl.load(x_ptr + t * D + k).to(tl.float32)
-                gw, uw = tl.load(sg_ptr + n[:, None] * D + k), tl.load(su_ptr + n[:, None] * D + k)
-            else:
-                ok = n_ok[:, None] & (k < hi)
-                xv = tl.load(x_ptr + t * D + k, mask=k < hi, other=0.0).to(tl.float32)
-                gw = tl.load(sg_ptr + n[:, None] * D + k, mask=ok, other=0.0)
-                uw = tl.load(su_ptr + n[:, None] * D + k, mask=ok, other=0.0)
-            acc_g += gw.to(tl.float32) * xv
-            acc_u += uw.to(tl.float32) * xv
-        tl.store(hs_ptr + (s * N + t) * I + n, tl.sum(acc_g, 1), mask=n_ok)
-        tl.store(hs_ptr + ((SPLIT + s) * N + t) * I + n, tl.sum(acc_u, 1), mask=n_ok)
 
 
 @_jit
@@ -843,14 +874,7 @@ def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we,
         acc += t * s.to(tl.float32)
     y = tl.sum(acc, 1)
     if SPLIT > 0:
-        i = tl.arange(0, I_PAD)[None, :]
-        g = tl.zeros([1, I_PAD], tl.float32)
-        u = tl.zeros([1, I_PAD], tl.float32)
-        for s in tl.static_range(SPLIT):
-            g += tl.load(hs_ptr + (s * N + token) * I + i, mask=i < I, other=0.0)
-            u += tl.load(hs_ptr + ((SPLIT + s) * N + token) * I + i, mask=i < I, other=0.0)
-        wt = tl.load(sd_ptr + n[:, None] * I + i, mask=n_ok[:, None] & (i < I), other=0.0).to(tl.float32)
-        y += tl.sum(wt * (g / (1.0 + tl.exp(-g)) * u), 1)
+        y += _shared_down(hs_ptr, sd_ptr, N, token, n, n_ok, I, SPLIT, I_PAD)
     tl.store(out_ptr + token.to(tl.int64) * D + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -867,6 +891,21 @@ def _gemv_args(w, block_k, sub):
 
 
 MAGIC = 0x4B000000   # the bits of the float 2^23 (_nibble)
+SHARED_SPLIT = {"int4": 4, "fp8": 2}   # a bf16 shared expert's gate and up split over D in this many programs a
+#                                        row block: bf16 is 4x INT4's bytes, 2x FP8's
+
+
+def _shared_args(shared, fmt, N, I, D, block_n, warps, placeholder):
+    """The GEMV launches' arguments for fused_moe's shared expert: (gate_up's, down's) extra arguments,
+    each a (positional tuple, constexpr dict); none there: SPLIT 0 and `placeholder` for the pointers
+    (never read)."""
+    split = SHARED_SPLIT[fmt] if shared else 0
+    hs = torch.empty(2, split, N, I, dtype=torch.float32, device=placeholder.device) if shared else placeholder
+    sg, su, sd = shared or (placeholder,) * 3
+    step = max(16, 256 * warps // block_n)                   # columns a step: 16 bytes of bf16 a thread
+    even = bool(split) and I % block_n == 0 and D % (split * step) == 0
+    gate_up = (hs, sg, su, N), dict(SPLIT=split, SHARED_K=step, EVEN_SHARED=even)
+    return gate_up, ((hs, sd, N), dict(SPLIT=split, I_PAD=triton.next_power_of_2(I)))
 
 
 def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None):
@@ -877,23 +916,19 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None):
     v = torch.empty(N, 8, D // 8, dtype=torch.float32, device=dev).copy_(x.view(N, D // 8, 8).transpose(1, 2))
     h = torch.empty(P, I, dtype=torch.float32, device=dev)                  # [P, I], route weight in
     bn, bw, warps = cfg["gate_up"]
-    split = 4 if shared else 0   # the shared expert's gate and up split 4 ways over D: bf16 is 4x INT4's bytes
-    hs = torch.empty(2, split, N, I, dtype=torch.float32, device=dev) if shared else h
-    sg, su, sd = shared or (h, h, h)                                        # (never read without shared)
+    (sh_args, sh_const), (sd_args, sd_const) = _shared_args(shared, "int4", N, I, D, bn, warps, h)
     s = gate.data.stride(), gate.scale.stride()
-    _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), split + P)](
+    _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), sh_const["SPLIT"] + P)](
         v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, P, s[0][0], s[0][1], s[1][0], s[1][1], MAGIC,
-        x, hs, sg, su, N, TOPK=K, D=D, I=I, GROUP=gate.group, P_PAD=max(16, triton.next_power_of_2(P)),
-        BLOCK_N=bn, BLOCK_W=bw, EVEN=I % bn == 0 and D % (8 * bw) == 0, SPLIT=split,
-        SHARED_K=256 * warps,                                                         # 16 bytes a thread
-        EVEN_SHARED=I % bn == 0 and D % (4 * 256 * warps) == 0, launch_pdl=PDL, num_warps=warps)
+        x, *sh_args, TOPK=K, D=D, I=I, GROUP=gate.group, P_PAD=max(16, triton.next_power_of_2(P)),
+        BLOCK_N=bn, BLOCK_W=bw, EVEN=I % bn == 0 and D % (8 * bw) == 0, **sh_const, launch_pdl=PDL, num_warps=warps)
     bn, bc, warps = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     s = down.data.stride(), down.scale.stride()
     _moe_gemv_int4_down_kernel[(N, triton.cdiv(D, bn))](
-        h, out, ids, down.data, down.scale, s[0][0], s[0][1], s[1][0], s[1][1], MAGIC, hs, sd, N,
+        h, out, ids, down.data, down.scale, s[0][0], s[0][1], s[1][0], s[1][1], MAGIC, *sd_args,
         TOPK=K, D=D, I=I, GROUP=down.group, BLOCK_N=bn, BLOCK_C=bc, EVEN=D % bn == 0 and K * I // 8 % bc == 0,
-        SPLIT=split, I_PAD=triton.next_power_of_2(I), launch_pdl=PDL, num_warps=warps)
+        **sd_const, launch_pdl=PDL, num_warps=warps)
     return out
 
 
@@ -906,16 +941,18 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None):
     bn, bk, unroll, warps, sub = cfg["gate_up"]
     h = torch.empty(P, I, dtype=torch.float32, device=dev)                  # [P, I], route weight in
     gs, strides, offs, const = _gemv_args(gate, bk, sub)
-    _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), P)](
+    (sh_args, sh_const), (sd_args, sd_const) = _shared_args(shared, fmt, N, I, D, bn, warps, h)
+    _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), sh_const["SPLIT"] + P)](
         x, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
         TOPK=K, D=D, I=I, FMT=FORMATS[fmt], P_PAD=max(16, triton.next_power_of_2(P)), BLOCK_N=bn, BLOCK_K=bk,
-        UNROLL=unroll, launch_pdl=PDL, num_warps=warps, **const)
+        UNROLL=unroll, **const, hs_ptr=sh_args[0], sg_ptr=sh_args[1], su_ptr=sh_args[2], N=N, **sh_const,
+        launch_pdl=PDL, num_warps=warps)
     bn, bk, warps, sub = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     ds, strides, offs, const = _gemv_args(down, bk, sub)
     _moe_gemv_down_kernel[(N, triton.cdiv(D, bn))](
         h, out, ids, down.data, ds, *strides, *offs, TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn, BLOCK_K=bk,
-        launch_pdl=PDL, num_warps=warps, **const)
+        **const, hs_ptr=sd_args[0], sd_ptr=sd_args[1], N=N, **sd_const, launch_pdl=PDL, num_warps=warps)
     return out
 
 
@@ -1991,10 +2028,10 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
     """"shared_expert": the shared expert inside the fused launch. Plain routed experts: it is expert E,
     chosen by every token with weight 1 (K + 1 pairs a token); its weights move in as the last rows of
     [E + 1, ...] tensors, both modules' parameters becoming views of them, so a checkpoint loaded
-    afterwards lands there under the same names. INT4 routed experts (Kimi-K2.5, whose shared expert
-    stays bf16): the INT4 GEMV launches take its weights beside theirs (fused_moe's shared), where the
-    rule picks the GEMV variant. Elsewhere (past FusedExperts' token limit, INT4 tiles) the plain sum
-    runs, the shared expert alone."""
+    afterwards lands there under the same names. INT4 or FP8 routed experts (Kimi-K2.5; Kimi-K2-Instruct's
+    FP8 checkpoint, whose shared expert is dequantized to bf16 at load): the GEMV launches take its
+    weights beside theirs (fused_moe's shared), where the rule picks the GEMV variant. Elsewhere (past
+    FusedExperts' token limit, quantized tiles) the plain sum runs, the shared expert alone."""
 
     def attach(self):
         ex, sh = self.experts, self.shared_experts
@@ -2011,7 +2048,7 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
     def partial_sum(self, x):
         ex, sh = self.experts, self.shared_experts
         K = self.gate.args.num_experts_per_tok
-        if not ex.runs_fused(x) or (ex.quantized and gemv_rule("int4", x.shape[0], K) != "gemv"):
+        if not ex.runs_fused(x) or (ex.quantized and gemv_rule(self.fmt(), x.shape[0], K) != "gemv"):
             return super().partial_sum(x)
         if self.stacked is None:
             ids, weights = self.gate(x)
@@ -2022,20 +2059,25 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
             ids, weights = with_shared_slot(*self.gate(x), self.experts.n_experts)
         return self.experts(x, ids, weights, self.stacked)
 
+    def fmt(self):
+        return expert_weights(self.experts.gate_proj).fmt
+
     @staticmethod
     def applies(moe):
         """One plain shared expert of a routed expert's shape (Kimi-K2, DeepSeek-V3: n_shared_experts
-        1) beside the fused routed experts: plain ones of its dtype, or INT4 ones."""
+        1) beside the fused routed experts: plain ones of its dtype, or INT4 or FP8 ones (it in the
+        model's dtype)."""
         ex, sh = moe.experts, moe.shared_experts
         if not isinstance(ex, FusedExperts):
             return False
-        if ex.quantized:
-            packed, w = ex.gate_proj, sh.gate_proj.weight
-            if not isinstance(packed, model.PackedExperts):     # FP8 routed experts: the plain sum
-                return False
-            _, I, words = packed.weight_packed.shape
-            return w.dtype == packed.weight_scale.dtype and list(w.shape) == [I, words * 8]
-        return sh.gate_proj.weight.dtype == ex.gate_proj.dtype and sh.gate_proj.weight.shape == ex.gate_proj.shape[1:]
+        w = ex.gate_proj
+        if isinstance(w, model.PackedExperts):
+            dtype, shape = w.weight_scale.dtype, [w.weight_packed.shape[1], w.weight_packed.shape[2] * 8]
+        elif isinstance(w, model.Fp8Experts):
+            dtype, shape = w.dtype, list(w.weight.shape[1:])
+        else:
+            dtype, shape = w.dtype, list(w.shape[1:])
+        return sh.gate_proj.weight.dtype == dtype and list(sh.gate_proj.weight.shape) == shape
 
 
 # ---------------------------------------------------------------------------------------------

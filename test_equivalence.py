@@ -287,6 +287,30 @@ def test_fused_moe_gemv_fp8_scale_blocks_as_rows():
 
 
 @triton_runs
+def test_fused_moe_gemv_fp8_takes_a_shared_expert():
+    """The FP8 GEMV launches with a shared expert in the compute dtype beside the routed experts
+    (fused_moe's shared: Kimi-K2-Instruct's, dequantized at load) against the gather path plus the
+    plain MLP, at 1 and 3 tokens (the shared programs run their tokens one after another), with
+    blocks that divide the shapes and blocks that do not (masked shared rows and steps)."""
+    args = tiny(n_routed_experts=16, num_experts_per_tok=4, hidden_size=256, moe_intermediate_size=96,
+                quantization_config=model.fp8_quantization_config((128, 128)))
+    experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, torch.float32), 0).experts
+    D, I, g = 256, experts.gate_proj.weight.shape[1], torch.Generator().manual_seed(0)
+    weights = [kernels.expert_weights(getattr(experts, p)) for p in ("gate_proj", "up_proj", "down_proj")]
+    shared = [torch.randn(*s, generator=g).to(TRITON_DEVICE) / 8 for s in ((I, D), (I, D), (D, I))]
+    for N in (1, 3):
+        ids, w = routing("random", N, 4, 16, g, TRITON_DEVICE)
+        x = torch.randn(N, D, generator=g).to(TRITON_DEVICE)
+        want = model.Experts.forward(experts, x, ids, w) + (F.silu(x @ shared[0].T) * (x @ shared[1].T)) @ shared[2].T
+        # gate_up (BLOCK_N, BLOCK_K, UNROLL, warps, SUB), down (BLOCK_N, BLOCK_K, warps, SUB): 16 rows (shared
+        # steps of 64 columns divide D / 2); 32 rows (I 48 a rank: masked rows, 32-column steps)
+        for gate_up, down in (((16, 128, 1, 4, 1), (64, 128, 4, 1)), ((32, 64, 2, 4, 2), (32, 64, 4, 2))):
+            got = kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=shared,
+                                    configs=dict(gate_up=gate_up, down=down))
+            assert_close(got, want, 1e-5 * want.abs().max().item(), f"GEMV FP8 + shared, {N} tokens, {gate_up} {down}")
+
+
+@triton_runs
 def test_fused_moe_gemv_int4_even_and_masked_blocks():
     """The INT4 GEMV kernels with blocks that divide the shapes (EVEN: no load masked, as at Kimi-K2's)
     and blocks that do not (masked rows, words and expert columns), against the gather path, alone and
@@ -2559,12 +2583,14 @@ def test_shared_expert_in_the_fused_launch_equals_plain(tmp_path):
 
 
 @triton_runs
-def test_int4_experts_take_the_shared_expert_in_their_launch():
-    """kernels "shared_expert" with INT4 routed experts (Kimi-K2.5: the shared expert stays in the
-    compute dtype): the INT4 GEMV launches take its weights beside theirs (fused_moe's shared) and equal
-    the plain MoE at 1 and 2 tokens; a prefill past the GEMV rule runs the plain sum. The state dict is
-    the plain one; fused_moe refuses a shared expert it cannot take; FP8 routed experts are not swapped."""
-    args = tiny(num_hidden_layers=2, moe_intermediate_size=64, quantization_config="int4")
+@pytest.mark.parametrize("quant", ["int4", "fp8"])
+def test_quantized_experts_take_the_shared_expert_in_their_launch(quant):
+    """kernels "shared_expert" with INT4 or FP8 routed experts (Kimi-K2.5; Kimi-K2-Instruct's FP8
+    checkpoint: the shared expert in the compute dtype): their GEMV launches take its weights beside
+    theirs (fused_moe's shared) and equal the plain MoE at 1 and 2 tokens; a prefill past the GEMV rule
+    runs the plain sum. The state dict is the plain one; fused_moe refuses a shared expert it cannot
+    take."""
+    args = tiny(num_hidden_layers=2, moe_intermediate_size=64, quantization_config=quant)
     kw = dict(max_batch_size=2, max_seq_len=48, device=TRITON_DEVICE, dtype=torch.float32)
     plain = init_random(Transformer(args, **kw), 6)
     folded = Transformer(args, **kw)
@@ -2573,35 +2599,37 @@ def test_int4_experts_take_the_shared_expert_in_their_launch():
     assert_same_state(folded, plain)
     assert isinstance(folded.layers[-1].mlp, kernels.SharedExpertInLaunch) and folded.layers[-1].mlp.stacked is None
     g = torch.Generator().manual_seed(7)
-    n = kernels.GEMV_MAX_TOKENS["int4"] + 1                                  # past the GEMV rule: the plain sum
+    n = kernels.GEMV_MAX_TOKENS[quant] + 1                                   # past the GEMV rule: the plain sum
     tokens = torch.randint(0, args.vocab_size, (1, n), generator=g).to(TRITON_DEVICE)
     positions = torch.arange(n, device=TRITON_DEVICE)[None]
     step, step_pos = tokens[:, :2].expand(2, 2) % args.vocab_size, torch.full((2, 1), n, device=TRITON_DEVICE)
     for what, t, p in (("prefill", tokens, positions), ("step of 2 tokens", step[:, :1], step_pos),
                        ("step of 1 token", step[:1, :1], step_pos[:1])):
-        assert_close(folded(t, p).logits, plain(t, p).logits, 1e-5, f"INT4, the shared expert in the launch, {what}")
+        assert_close(folded(t, p).logits, plain(t, p).logits, 1e-5, f"{quant}, the shared expert in the launch, {what}")
     moe = folded.layers[-1].mlp
     x = torch.randn(2, args.hidden_size, generator=g).to(TRITON_DEVICE)
     ids, w = moe.gate(x)
     sh = moe.shared_experts
     weights = [kernels.expert_weights(getattr(moe.experts, p)) for p in ("gate_proj", "up_proj", "down_proj")]
-    with pytest.raises(ValueError, match="rides in the INT4 GEMV launches only"):
-        kernels.fused_moe(x, ids, w, *weights, variant="dot", shared=[sh.gate_proj.weight, sh.up_proj.weight,
-                                                                       sh.down_proj.weight])
+    both = [sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight]
+    with pytest.raises(ValueError, match="rides in the INT4 and FP8 GEMV launches only"):
+        kernels.fused_moe(x, ids, w, *weights, variant="dot", shared=both)
     with pytest.raises(ValueError, match="shared expert"):
-        kernels.fused_moe(x, ids, w, *weights, shared=[sh.gate_proj.weight[:-1], sh.up_proj.weight,
-                                                       sh.down_proj.weight])
-    fp8 = Transformer(tiny(num_hidden_layers=2, moe_intermediate_size=64, quantization_config="fp8"), **kw)
-    assert kernels.accelerate(fp8, ["shared_expert"], moe="fused") == (), "FP8 routed experts keep the plain sum"
+        kernels.fused_moe(x, ids, w, *weights, shared=[both[0][:-1], *both[1:]])
+    (I, D), E = both[0].shape, args.n_routed_experts     # plain routed experts stack the shared one as expert E
+    plain_w = [kernels.ExpertWeights("plain", torch.zeros(E, *s, device=TRITON_DEVICE)) for s in ((I, D), (I, D), (D, I))]
+    with pytest.raises(ValueError, match="make it expert E"):
+        kernels.fused_moe(x, ids, w, *plain_w, variant="gemv", shared=both)
 
 
 @cuda
 @triton_ok
-def test_int4_shared_expert_in_the_launch_replays_without_host_sync():
-    """INT4 routed experts with the shared expert in their launch: each captured shape (decode, verify
-    of 3 rows of 4 tokens, the head's) replays equal to eager, and nothing syncs with the host."""
+@pytest.mark.parametrize("quant", ["int4", "fp8"])
+def test_quantized_shared_expert_in_the_launch_replays_without_host_sync(quant):
+    """INT4 or FP8 routed experts with the shared expert in their launch: each captured shape (decode,
+    verify of 3 rows of 4 tokens, the head's) replays equal to eager, and nothing syncs with the host."""
     from graphs import CudaGraphs
-    target, head = gpu_models(quant="int4", moe_impl="fused", kernels_on=["shared_expert"])
+    target, head = gpu_models(quant=quant, moe_impl="fused", kernels_on=["shared_expert"])
     assert target.kernels == ("shared_expert",)
     runner = CudaGraphs("cuda")
     for key, fn, inputs in captured_calls(target, head):
@@ -2613,7 +2641,7 @@ def test_int4_shared_expert_in_the_launch_replays_without_host_sync():
             graphed = flat(runner.run(key, fn, *inputs))
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert_close(graphed, eager, 0.0, f"INT4, the shared expert in the launch: graph vs eager {key}")
+        assert_close(graphed, eager, 0.0, f"{quant}, the shared expert in the launch: graph vs eager {key}")
 
 
 @triton_runs
