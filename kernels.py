@@ -2283,10 +2283,11 @@ def draft_input_norms(emb, hidden, emb_weight, emb_eps, hidden_weight, hidden_ep
 # The head's attention (Llama's: H query heads over G kv heads of Hd, rotate-half RoPE, K and V
 # cached by slot = position) for a chain step or an extend of a few tokens, one launch. As the MLA
 # kernel above: program (part, b, g) takes kv head g of batch row b and its GROUP = H / G query
-# heads for all T tokens, M = T * GROUP query rows against each tile of keys. Part 0 is the T new
-# tokens: it rotates their keys, writes keys and values to their slots and attends to them in
-# registers (causally). Parts 1, 2, ... split the cached slots before the row's first new position,
-# which no program writes. Each program stores its partial output and log-sum-exp; the last of a
+# heads for all T tokens, M = T * GROUP query rows against each tile of keys, with its helpers (the
+# online-softmax step, part 0's causal tile, the partial store). Part 0 is the T new tokens: it
+# rotates their keys, writes keys and values to their slots and attends to them in registers
+# (causally). Parts 1, 2, ... split the cached slots before the row's first new position, which
+# no program writes. Each program stores its partial output and log-sum-exp; the last of a
 # (b, g) to finish (an atomic counter, as norm_gemv's) merges them in part order: one launch, no
 # float atomics, a graph replay equal to the eager call. Queries are rotated in every program
 # (rotate-half: x * cos + sign * x[(i + Hd/2) % Hd] * sin, both loads from the row in L1/L2).
@@ -2312,6 +2313,50 @@ def _rope_rows(x_rows, rope_rows, cos_ptr, sin_ptr, ok, HD: tl.constexpr, BLOCK_
 
 
 @_jit
+def _draft_attend_cached(q, kc_row, s_kcs, vc_row, s_vcs, lo, hi, scale_log2, HD: tl.constexpr,
+                         BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Flash attention of rotated query rows q [BLOCK_M, BLOCK_D] over the cached slots [lo, hi) of
+    one kv head (kc_row, vc_row: its key and value at slot 0; s_kcs, s_vcs: the slot strides),
+    BLOCK_N slots a tile. Returns m_i, l_i, acc [BLOCK_M, BLOCK_D] as _attend_cached."""
+    d = tl.arange(0, q.shape[1])
+    d_ok = d < HD
+    m_i = tl.full([q.shape[0]], -1e30, tl.float32)
+    l_i = tl.zeros([q.shape[0]], tl.float32)
+    acc = tl.zeros([q.shape[0], q.shape[1]], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        nd = (offs_n < hi)[:, None] & d_ok[None, :]
+        kt = tl.load(kc_row + offs_n[:, None] * s_kcs + d[None, :], mask=nd, other=0.0)
+        vt = tl.load(vc_row + offs_n[:, None] * s_vcs + d[None, :], mask=nd, other=0.0)
+        s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * scale_log2            # [BLOCK_M, BLOCK_N]
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, offs_n < hi, vt, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@_jit
+def _merge_parts(po_ptr, lse_ptr, first, parts, offs_m, row_ok, M, HD: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The output of rows offs_m [BLOCK_M] (row_ok: those that exist) from parts first, ...,
+    first + parts - 1 of po [.., M, HD] and lse [.., M] (float32, as _store_partial stored them), in
+    part order: sum_j 2^lse_j o_j / sum_j 2^lse_j. Returns [BLOCK_M, BLOCK_D] float32, 0 where no
+    part saw a slot."""
+    d = tl.arange(0, BLOCK_D)
+    rd = row_ok[:, None] & (d < HD)[None, :]
+    top = tl.full([offs_m.shape[0]], -1e30, tl.float32)
+    wsum = tl.zeros([offs_m.shape[0]], tl.float32)
+    out = tl.zeros([offs_m.shape[0], BLOCK_D], tl.float32)
+    for j in range(parts):                          # .cg: from L2, never a stale L1 line
+        lse_j = tl.load(lse_ptr + (first + j) * M + offs_m, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        o_j = tl.load(po_ptr + ((first + j) * M + offs_m[:, None]) * HD + d[None, :], mask=rd, other=0.0,
+                      cache_modifier=".cg")
+        top_new = tl.maximum(top, lse_j)
+        alpha, w = tl.exp2(top - top_new), tl.exp2(lse_j - top_new)
+        out = out * alpha[:, None] + w[:, None] * o_j
+        wsum = wsum * alpha + w
+        top = top_new
+    return out / tl.where(wsum > 0, wsum, 1.0)[:, None]
+
+
+@_jit
 def _draft_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, lse_ptr,
                             count_ptr, T, M, kv_len, split_len, scale_log2,
                             s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_rb, s_rt, s_posb, s_post,
@@ -2329,8 +2374,6 @@ def _draft_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_p
     offs_m = tl.arange(0, BLOCK_M)
     row_ok = offs_m < M
     t_m, head = offs_m // GROUP, g * GROUP + offs_m % GROUP
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HD
     q = _rope_rows(q_ptr + b * s_qb + t_m * s_qt + head * s_qh, b * s_rb + t_m * s_rt, cos_ptr, sin_ptr, row_ok,
                    HD, BLOCK_D).to(dt)                                                   # [BLOCK_M, BLOCK_D]
     if part == 0:   # the new tokens, in registers
@@ -2340,61 +2383,24 @@ def _draft_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_p
         pos = tl.load(pos_ptr + b * s_posb + t_m * s_post, mask=row_ok, other=-1)                # [BLOCK_M]
         k_new = _rope_rows(k_ptr + b * s_kb + offs_t * s_kt + g * s_kh, b * s_rb + offs_t * s_rt, cos_ptr, sin_ptr,
                            t_ok, HD, BLOCK_D).to(dt)                                     # [BLOCK_T, BLOCK_D]
-        tv = t_ok[:, None] & d_ok[None, :]
-        v_new = tl.load(v_ptr + b * s_vb + offs_t[:, None] * s_vt + g * s_vh + d[None, :], mask=tv, other=0.0)
-        tl.store(kc_ptr + b * s_kcb + pos_t[:, None] * s_kcs + g * s_kch + d[None, :], k_new, mask=tv)
-        tl.store(vc_ptr + b * s_vcb + pos_t[:, None] * s_vcs + g * s_vch + d[None, :], v_new, mask=tv)
-        s = tl.dot(q, tl.trans(k_new), input_precision=DOT_PRECISION) * scale_log2          # [BLOCK_M, BLOCK_T]
-        s = tl.where((pos_t[None, :] <= pos[:, None]) & t_ok[None, :], s, float("-inf"))
-        m_i = tl.maximum(tl.max(s, 1), -1e30)       # finite, also for padding rows (no inf - inf)
-        p = tl.exp2(s - m_i[:, None])
-        l_i = tl.sum(p, 1)
-        acc = tl.dot(p.to(dt), v_new, input_precision=DOT_PRECISION)
+        v_new = _load_rows(v_ptr + b * s_vb + offs_t * s_vt + g * s_vh, t_ok, HD, BLOCK_D)       # [BLOCK_T, BLOCK_D]
+        _store_rows(kc_ptr + b * s_kcb + pos_t * s_kcs + g * s_kch, k_new, t_ok, HD)
+        _store_rows(vc_ptr + b * s_vcb + pos_t * s_vcs + g * s_vch, v_new, t_ok, HD)
+        s = tl.dot(q, tl.trans(k_new), input_precision=DOT_PRECISION) * scale_log2              # [BLOCK_M, BLOCK_T]
+        m_i, l_i, acc = _softmax_new_tokens(s, pos, pos_t, t_ok, v_new, DOT_PRECISION)
     else:           # cached slots [lo, hi): this split's, before the row's first new position
         lo = (part - 1) * split_len
         hi = tl.minimum(tl.minimum(tl.load(pos_ptr + b * s_posb), kv_len), lo + split_len)
-        m_i = tl.full([BLOCK_M], -1e30, tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            nd = (offs_n < hi)[:, None] & d_ok[None, :]
-            kt = tl.load(kc_ptr + b * s_kcb + offs_n[:, None] * s_kcs + g * s_kch + d[None, :], mask=nd, other=0.0)
-            vt = tl.load(vc_ptr + b * s_vcb + offs_n[:, None] * s_vcs + g * s_vch + d[None, :], mask=nd, other=0.0)
-            s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * scale_log2        # [BLOCK_M, BLOCK_N]
-            s = tl.where((offs_n < hi)[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(dt), vt, input_precision=DOT_PRECISION)
-            m_i = m_new
-    seen = l_i > 0          # a split past the row's first position holds no slot: lse -inf, output 0
-    bg = b * G + g
-    rd = row_ok[:, None] & d_ok[None, :]
-    tl.store(po_ptr + ((bg * parts + part) * M + offs_m[:, None]) * HD + d[None, :],
-             acc / tl.where(seen, l_i, 1.0)[:, None], mask=rd)
-    tl.store(lse_ptr + (bg * parts + part) * M + offs_m,
-             tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=row_ok)
+        m_i, l_i, acc = _draft_attend_cached(q, kc_ptr + b * s_kcb + g * s_kch, s_kcs, vc_ptr + b * s_vcb + g * s_vch,
+                                             s_vcs, lo, hi, scale_log2, HD, BLOCK_N, DOT_PRECISION)
+    bg = b * G + g          # every part stores, one holding no slot too (lse -inf): the merge reads all
+    _store_partial(po_ptr + ((bg * parts + part) * M + offs_m) * HD, lse_ptr + (bg * parts + part) * M + offs_m,
+                   m_i, l_i, acc, row_ok, HD)
     tl.debug_barrier()                                  # every thread's stores before the counter's release
     if tl.atomic_add(count_ptr + bg, 1) == parts - 1:   # the other parts are stored: merge, in part order
         tl.atomic_xchg(count_ptr + bg, 0)
-        top = tl.full([BLOCK_M], -1e30, tl.float32)
-        wsum = tl.zeros([BLOCK_M], tl.float32)
-        out = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for j in range(parts):                          # .cg: from L2, never a stale L1 line
-            lse_j = tl.load(lse_ptr + (bg * parts + j) * M + offs_m, mask=row_ok, other=float("-inf"),
-                            cache_modifier=".cg")
-            o_j = tl.load(po_ptr + ((bg * parts + j) * M + offs_m[:, None]) * HD + d[None, :], mask=rd, other=0.0,
-                          cache_modifier=".cg")
-            top_new = tl.maximum(top, lse_j)
-            alpha, w = tl.exp2(top - top_new), tl.exp2(lse_j - top_new)
-            out = out * alpha[:, None] + w[:, None] * o_j
-            wsum = wsum * alpha + w
-            top = top_new
-        out = out / tl.where(wsum > 0, wsum, 1.0)[:, None]
-        tl.store(o_ptr + b * s_ob + t_m[:, None] * s_ot + head[:, None] * s_oh + d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=rd)
+        out = _merge_parts(po_ptr, lse_ptr, bg * parts, parts, offs_m, row_ok, M, HD, BLOCK_D)
+        _store_rows(o_ptr + b * s_ob + t_m * s_ot + head * s_oh, out.to(o_ptr.dtype.element_ty), row_ok, HD)
 
 
 def draft_split_len(kv_len, programs_per_part, block_n, device):
