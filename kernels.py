@@ -1006,13 +1006,90 @@ def _rotated(x_rows, rope_rows, ok, R: tl.constexpr, BLOCK_R2: tl.constexpr):
 
 
 @_jit
+def _load_rows(rows, ok, N: tl.constexpr, BLOCK: tl.constexpr):
+    """Rows of N values: rows [R] pointers to each row's start, ok [R] which rows exist.
+    Returns [R, BLOCK] in the pointers' dtype (padding 0)."""
+    i = tl.arange(0, BLOCK)
+    return tl.load(rows[:, None] + i[None, :], mask=ok[:, None] & (i < N)[None, :], other=0.0)
+
+
+@_jit
+def _store_rows(rows, x, ok, N: tl.constexpr):
+    """Stores the first N columns of x [R, BLOCK] at rows [R] (pointers to each row's start) where ok [R]."""
+    i = tl.arange(0, x.shape[1])
+    tl.store(rows[:, None] + i[None, :], x, mask=ok[:, None] & (i < N)[None, :])
+
+
+@_jit
+def _online_softmax_step(m_i, l_i, acc, s, n_ok, v, DOT_PRECISION: tl.constexpr):
+    """One tile of keys in flash attention's running softmax: scores s [BLOCK_M, BLOCK_N] (scaled,
+    base 2), n_ok [BLOCK_N] the keys that exist, v [BLOCK_N, BLOCK_D] their values. Takes and
+    returns the running max m_i and sum l_i [BLOCK_M] and the unnormalized output acc
+    [BLOCK_M, BLOCK_D], float32. m_i starts finite (-1e30), so a row with no key in the tile keeps
+    its state (no inf - inf)."""
+    s = tl.where(n_ok[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_new, l_i, acc
+
+
+@_jit
+def _softmax_new_tokens(s, pos, pos_t, t_ok, v, DOT_PRECISION: tl.constexpr):
+    """Part 0's attention, one tile: scores s [BLOCK_M, BLOCK_T] (scaled, base 2) of query rows at
+    positions pos [BLOCK_M] against the new tokens at pos_t [BLOCK_T] (t_ok: those that exist), a
+    row seeing the tokens at or before its position; v [BLOCK_T, BLOCK_D] their values. Returns
+    m_i, l_i, acc as _online_softmax_step, this tile the only one (nothing to rescale)."""
+    s = tl.where((pos_t[None, :] <= pos[:, None]) & t_ok[None, :], s, float("-inf"))
+    m_i = tl.maximum(tl.max(s, 1), -1e30)       # finite, also for padding rows (no inf - inf)
+    p = tl.exp2(s - m_i[:, None])
+    l_i = tl.sum(p, 1)
+    acc = tl.dot(p.to(v.dtype), v, input_precision=DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@_jit
+def _store_partial(po_rows, lse_rows, m_i, l_i, acc, ok, N: tl.constexpr):
+    """A part's result for the merge, where ok [BLOCK_M]: its output acc / l_i (rows of N values at
+    po_rows [BLOCK_M], pointers to each row's start) and its log-sum-exp m_i + log2(l_i) (at
+    lse_rows [BLOCK_M]); a row that saw no key gets output 0 and lse -inf."""
+    seen = l_i > 0
+    _store_rows(po_rows, acc / tl.where(seen, l_i, 1.0)[:, None], ok, N)
+    tl.store(lse_rows, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=ok)
+
+
+@_jit
+def _mla_scores(q, qpe, kv, pe, scale_log2, DOT_PRECISION: tl.constexpr):
+    """The absorbed scores q [BLOCK_M, BLOCK_C] . kv [BLOCK_N, BLOCK_C] + qpe . pe (rope parts,
+    [*, 2 * BLOCK_R2]), times scale_log2 (base 2): [BLOCK_M, BLOCK_N] float32."""
+    s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
+    return tl.dot(qpe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION) * scale_log2
+
+
+@_jit
+def _mla_new_latents(kv_rows, kpe_rows, rope_rows, w_ptr, eps, ok, C: tl.constexpr, R: tl.constexpr,
+                     BLOCK_C: tl.constexpr, BLOCK_R2: tl.constexpr):
+    """The new tokens' cache rows, as model.MLA.write_cache computes them: kv_rows, kpe_rows [BLOCK_T]
+    pointers to each token's latent (C values) and rope key (R), rope_rows [BLOCK_T] to its (cos,
+    sin) pairs, ok [BLOCK_T] the tokens that exist. Returns the latents RMS-normalized (weight w,
+    eps; [BLOCK_T, BLOCK_C]) and the keys rotated ([BLOCK_T, 2 * BLOCK_R2]), in kv's dtype."""
+    dt = kv_rows.dtype.element_ty
+    offs_c = tl.arange(0, BLOCK_C)
+    x = _load_rows(kv_rows, ok, C, BLOCK_C).to(tl.float32)
+    w = tl.load(w_ptr + offs_c, mask=offs_c < C, other=0.0).to(tl.float32)
+    kv = (x / tl.sqrt(tl.sum(x * x, 1) / C + eps)[:, None] * w[None, :]).to(dt)
+    return kv, _rotated(kpe_rows, rope_rows, ok, R, BLOCK_R2).to(dt)
+
+
+@_jit
 def _attend_cached(q, qpe, kvc_row, s_cs, pec_row, s_ps, lo, hi, scale_log2, C: tl.constexpr, R: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Flash attention of query rows q [BLOCK_M, BLOCK_C] and rotated qpe [BLOCK_M, 2 * BLOCK_R2]
     over the cached slots [lo, hi) of one batch row (kvc_row, pec_row: its cache rows' start),
     BLOCK_N slots a tile. Returns the running max m_i and sum l_i (base 2) and the unnormalized
     output acc [BLOCK_M, BLOCK_C], float32; m_i stays finite where no slot is seen."""
-    dt = kvc_row.dtype.element_ty
     offs_c, offs_r = tl.arange(0, q.shape[1]), tl.arange(0, qpe.shape[1])
     c_ok, r_ok = offs_c < C, offs_r < R
     m_i = tl.full([q.shape[0]], -1e30, tl.float32)     # running max (finite: no inf - inf)
@@ -1025,15 +1102,8 @@ def _attend_cached(q, qpe, kvc_row, s_cs, pec_row, s_ps, lo, hi, scale_log2, C: 
                      mask=n_ok[:, None] & c_ok[None, :], other=0.0)                     # [BLOCK_N, BLOCK_C]
         pe = tl.load(pec_row + offs_n[:, None] * s_ps + offs_r[None, :],
                      mask=n_ok[:, None] & r_ok[None, :], other=0.0)                     # [BLOCK_N, 2 * BLOCK_R2]
-        s = tl.dot(q, tl.trans(kv), input_precision=DOT_PRECISION)
-        s = tl.dot(qpe, tl.trans(pe), acc=s, input_precision=DOT_PRECISION) * scale_log2   # [BLOCK_M, BLOCK_N]
-        s = tl.where(n_ok[None, :], s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, 1))
-        alpha = tl.exp2(m_i - m_new)
-        p = tl.exp2(s - m_new[:, None])
-        l_i = l_i * alpha + tl.sum(p, 1)
-        acc = acc * alpha[:, None] + tl.dot(p.to(dt), kv, input_precision=DOT_PRECISION)
-        m_i = m_new
+        s = _mla_scores(q, qpe, kv, pe, scale_log2, DOT_PRECISION)                       # [BLOCK_M, BLOCK_N]
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, n_ok, kv, DOT_PRECISION)
     return m_i, l_i, acc
 
 
@@ -1058,39 +1128,25 @@ def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr
     Grid: (parts, B, cdiv(M, BLOCK_M))."""
     _wait_for_prior()
     part, b, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    dt = kvc_ptr.dtype.element_ty
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < M
     t_m = offs_m // H
-    offs_c, offs_r = tl.arange(0, BLOCK_C), tl.arange(0, 2 * BLOCK_R2)
-    c_ok, r_ok = offs_c < C, offs_r < R
-    q = tl.load(q_ptr + b * s_qb + offs_m[:, None] * s_qm + offs_c[None, :],
-                mask=row_ok[:, None] & c_ok[None, :], other=0.0)                        # [BLOCK_M, BLOCK_C]
+    q = _load_rows(q_ptr + b * s_qb + offs_m * s_qm, row_ok, C, BLOCK_C)                   # [BLOCK_M, BLOCK_C]
     qpe = _rotated(qpe_ptr + b * s_qpb + offs_m * s_qpm, rope_ptr + b * s_rb + t_m * s_rt, row_ok,
-                   R, BLOCK_R2).to(dt)                                                  # [BLOCK_M, 2 * BLOCK_R2]
+                   R, BLOCK_R2).to(q.dtype)                                             # [BLOCK_M, 2 * BLOCK_R2]
     if part == 0:   # the new tokens, in registers
         offs_t = tl.arange(0, BLOCK_T)
         t_ok = offs_t < T
         pos_t = tl.load(pos_ptr + b * s_posb + offs_t * s_post, mask=t_ok, other=0)            # their slots
         pos = tl.load(pos_ptr + b * s_posb + t_m * s_post, mask=row_ok, other=-1)              # [BLOCK_M]
-        x = tl.load(kv_ptr + b * s_kvb + offs_t[:, None] * s_kvt + offs_c[None, :],
-                    mask=t_ok[:, None] & c_ok[None, :], other=0.0).to(tl.float32)      # [BLOCK_T, BLOCK_C]
-        w = tl.load(w_ptr + offs_c, mask=c_ok, other=0.0).to(tl.float32)
-        kv_new = (x / tl.sqrt(tl.sum(x * x, 1) / C + eps)[:, None] * w[None, :]).to(dt)
-        pe_new = _rotated(kpe_ptr + b * s_kpb + offs_t * s_kpt, rope_ptr + b * s_rb + offs_t * s_rt, t_ok,
-                          R, BLOCK_R2).to(dt)                                           # [BLOCK_T, 2 * BLOCK_R2]
-        if mb == 0:
-            tl.store(kvc_ptr + b * s_cb + pos_t[:, None] * s_cs + offs_c[None, :], kv_new,
-                     mask=t_ok[:, None] & c_ok[None, :])
-            tl.store(pec_ptr + b * s_pb + pos_t[:, None] * s_ps + offs_r[None, :], pe_new,
-                     mask=t_ok[:, None] & r_ok[None, :])
-        s = tl.dot(q, tl.trans(kv_new), input_precision=DOT_PRECISION)
-        s = tl.dot(qpe, tl.trans(pe_new), acc=s, input_precision=DOT_PRECISION) * scale_log2   # [BLOCK_M, BLOCK_T]
-        s = tl.where((pos_t[None, :] <= pos[:, None]) & t_ok[None, :], s, float("-inf"))
-        m_i = tl.maximum(tl.max(s, 1), -1e30)       # finite, also for rows past M (no inf - inf)
-        p = tl.exp2(s - m_i[:, None])
-        l_i = tl.sum(p, 1)
-        acc = tl.dot(p.to(dt), kv_new, input_precision=DOT_PRECISION)
+        kv_new, pe_new = _mla_new_latents(kv_ptr + b * s_kvb + offs_t * s_kvt, kpe_ptr + b * s_kpb + offs_t * s_kpt,
+                                          rope_ptr + b * s_rb + offs_t * s_rt, w_ptr, eps, t_ok,
+                                          C, R, BLOCK_C, BLOCK_R2)      # [BLOCK_T, BLOCK_C], [BLOCK_T, 2 * BLOCK_R2]
+        if mb == 0:     # one block of query rows writes them to their slots
+            _store_rows(kvc_ptr + b * s_cb + pos_t * s_cs, kv_new, t_ok, C)
+            _store_rows(pec_ptr + b * s_pb + pos_t * s_ps, pe_new, t_ok, R)
+        s = _mla_scores(q, qpe, kv_new, pe_new, scale_log2, DOT_PRECISION)                     # [BLOCK_M, BLOCK_T]
+        m_i, l_i, acc = _softmax_new_tokens(s, pos, pos_t, t_ok, kv_new, DOT_PRECISION)
         holds = part == 0
     else:           # cached slots [lo, hi): this split's, before the row's first new position
         lo = (part - 1) * split_len
@@ -1098,12 +1154,8 @@ def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr
         m_i, l_i, acc = _attend_cached(q, qpe, kvc_ptr + b * s_cb, s_cs, pec_ptr + b * s_pb, s_ps, lo, hi,
                                        scale_log2, C, R, BLOCK_N, DOT_PRECISION)
         holds = lo < hi
-    seen = l_i > 0
-    written = row_ok & holds
-    tl.store(po_ptr + b * s_pob + offs_m[:, None] * s_pom + part * s_pos + offs_c[None, :],
-             acc / tl.where(seen, l_i, 1.0)[:, None], mask=written[:, None] & c_ok[None, :])
-    lse = tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf"))
-    tl.store(lse_ptr + b * s_lb + offs_m * s_lm + part, lse, mask=written)
+    _store_partial(po_ptr + b * s_pob + offs_m * s_pom + part * s_pos, lse_ptr + b * s_lb + offs_m * s_lm + part,
+                   m_i, l_i, acc, row_ok & holds, C)
 
 
 @_jit
@@ -2273,10 +2325,11 @@ def draft_input_norms(emb, hidden, emb_weight, emb_eps, hidden_weight, hidden_ep
 # The head's attention (Llama's: H query heads over G kv heads of Hd, rotate-half RoPE, K and V
 # cached by slot = position) for a chain step or an extend of a few tokens, one launch. As the MLA
 # kernel above: program (part, b, g) takes kv head g of batch row b and its GROUP = H / G query
-# heads for all T tokens, M = T * GROUP query rows against each tile of keys. Part 0 is the T new
-# tokens: it rotates their keys, writes keys and values to their slots and attends to them in
-# registers (causally). Parts 1, 2, ... split the cached slots before the row's first new position,
-# which no program writes. Each program stores its partial output and log-sum-exp; the last of a
+# heads for all T tokens, M = T * GROUP query rows against each tile of keys, with its helpers (the
+# online-softmax step, part 0's causal tile, the partial store). Part 0 is the T new tokens: it
+# rotates their keys, writes keys and values to their slots and attends to them in registers
+# (causally). Parts 1, 2, ... split the cached slots before the row's first new position, which
+# no program writes. Each program stores its partial output and log-sum-exp; the last of a
 # (b, g) to finish (an atomic counter, as norm_gemv's) merges them in part order: one launch, no
 # float atomics, a graph replay equal to the eager call. Queries are rotated in every program
 # (rotate-half: x * cos + sign * x[(i + Hd/2) % Hd] * sin, both loads from the row in L1/L2).
@@ -2302,6 +2355,50 @@ def _rope_rows(x_rows, rope_rows, cos_ptr, sin_ptr, ok, HD: tl.constexpr, BLOCK_
 
 
 @_jit
+def _draft_attend_cached(q, kc_row, s_kcs, vc_row, s_vcs, lo, hi, scale_log2, HD: tl.constexpr,
+                         BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
+    """Flash attention of rotated query rows q [BLOCK_M, BLOCK_D] over the cached slots [lo, hi) of
+    one kv head (kc_row, vc_row: its key and value at slot 0; s_kcs, s_vcs: the slot strides),
+    BLOCK_N slots a tile. Returns m_i, l_i, acc [BLOCK_M, BLOCK_D] as _attend_cached."""
+    d = tl.arange(0, q.shape[1])
+    d_ok = d < HD
+    m_i = tl.full([q.shape[0]], -1e30, tl.float32)
+    l_i = tl.zeros([q.shape[0]], tl.float32)
+    acc = tl.zeros([q.shape[0], q.shape[1]], tl.float32)
+    for start in range(lo, hi, BLOCK_N):
+        offs_n = start + tl.arange(0, BLOCK_N)
+        nd = (offs_n < hi)[:, None] & d_ok[None, :]
+        kt = tl.load(kc_row + offs_n[:, None] * s_kcs + d[None, :], mask=nd, other=0.0)
+        vt = tl.load(vc_row + offs_n[:, None] * s_vcs + d[None, :], mask=nd, other=0.0)
+        s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * scale_log2            # [BLOCK_M, BLOCK_N]
+        m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, offs_n < hi, vt, DOT_PRECISION)
+    return m_i, l_i, acc
+
+
+@_jit
+def _merge_parts(po_ptr, lse_ptr, first, parts, offs_m, row_ok, M, HD: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The output of rows offs_m [BLOCK_M] (row_ok: those that exist) from parts first, ...,
+    first + parts - 1 of po [.., M, HD] and lse [.., M] (float32, as _store_partial stored them), in
+    part order: sum_j 2^lse_j o_j / sum_j 2^lse_j. Returns [BLOCK_M, BLOCK_D] float32, 0 where no
+    part saw a slot."""
+    d = tl.arange(0, BLOCK_D)
+    rd = row_ok[:, None] & (d < HD)[None, :]
+    top = tl.full([offs_m.shape[0]], -1e30, tl.float32)
+    wsum = tl.zeros([offs_m.shape[0]], tl.float32)
+    out = tl.zeros([offs_m.shape[0], BLOCK_D], tl.float32)
+    for j in range(parts):                          # .cg: from L2, never a stale L1 line
+        lse_j = tl.load(lse_ptr + (first + j) * M + offs_m, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        o_j = tl.load(po_ptr + ((first + j) * M + offs_m[:, None]) * HD + d[None, :], mask=rd, other=0.0,
+                      cache_modifier=".cg")
+        top_new = tl.maximum(top, lse_j)
+        alpha, w = tl.exp2(top - top_new), tl.exp2(lse_j - top_new)
+        out = out * alpha[:, None] + w[:, None] * o_j
+        wsum = wsum * alpha + w
+        top = top_new
+    return out / tl.where(wsum > 0, wsum, 1.0)[:, None]
+
+
+@_jit
 def _draft_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, lse_ptr,
                             count_ptr, T, M, kv_len, split_len, scale_log2,
                             s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_rb, s_rt, s_posb, s_post,
@@ -2319,8 +2416,6 @@ def _draft_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_p
     offs_m = tl.arange(0, BLOCK_M)
     row_ok = offs_m < M
     t_m, head = offs_m // GROUP, g * GROUP + offs_m % GROUP
-    d = tl.arange(0, BLOCK_D)
-    d_ok = d < HD
     q = _rope_rows(q_ptr + b * s_qb + t_m * s_qt + head * s_qh, b * s_rb + t_m * s_rt, cos_ptr, sin_ptr, row_ok,
                    HD, BLOCK_D).to(dt)                                                   # [BLOCK_M, BLOCK_D]
     if part == 0:   # the new tokens, in registers
@@ -2330,61 +2425,24 @@ def _draft_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_p
         pos = tl.load(pos_ptr + b * s_posb + t_m * s_post, mask=row_ok, other=-1)                # [BLOCK_M]
         k_new = _rope_rows(k_ptr + b * s_kb + offs_t * s_kt + g * s_kh, b * s_rb + offs_t * s_rt, cos_ptr, sin_ptr,
                            t_ok, HD, BLOCK_D).to(dt)                                     # [BLOCK_T, BLOCK_D]
-        tv = t_ok[:, None] & d_ok[None, :]
-        v_new = tl.load(v_ptr + b * s_vb + offs_t[:, None] * s_vt + g * s_vh + d[None, :], mask=tv, other=0.0)
-        tl.store(kc_ptr + b * s_kcb + pos_t[:, None] * s_kcs + g * s_kch + d[None, :], k_new, mask=tv)
-        tl.store(vc_ptr + b * s_vcb + pos_t[:, None] * s_vcs + g * s_vch + d[None, :], v_new, mask=tv)
-        s = tl.dot(q, tl.trans(k_new), input_precision=DOT_PRECISION) * scale_log2          # [BLOCK_M, BLOCK_T]
-        s = tl.where((pos_t[None, :] <= pos[:, None]) & t_ok[None, :], s, float("-inf"))
-        m_i = tl.maximum(tl.max(s, 1), -1e30)       # finite, also for padding rows (no inf - inf)
-        p = tl.exp2(s - m_i[:, None])
-        l_i = tl.sum(p, 1)
-        acc = tl.dot(p.to(dt), v_new, input_precision=DOT_PRECISION)
+        v_new = _load_rows(v_ptr + b * s_vb + offs_t * s_vt + g * s_vh, t_ok, HD, BLOCK_D)       # [BLOCK_T, BLOCK_D]
+        _store_rows(kc_ptr + b * s_kcb + pos_t * s_kcs + g * s_kch, k_new, t_ok, HD)
+        _store_rows(vc_ptr + b * s_vcb + pos_t * s_vcs + g * s_vch, v_new, t_ok, HD)
+        s = tl.dot(q, tl.trans(k_new), input_precision=DOT_PRECISION) * scale_log2              # [BLOCK_M, BLOCK_T]
+        m_i, l_i, acc = _softmax_new_tokens(s, pos, pos_t, t_ok, v_new, DOT_PRECISION)
     else:           # cached slots [lo, hi): this split's, before the row's first new position
         lo = (part - 1) * split_len
         hi = tl.minimum(tl.minimum(tl.load(pos_ptr + b * s_posb), kv_len), lo + split_len)
-        m_i = tl.full([BLOCK_M], -1e30, tl.float32)
-        l_i = tl.zeros([BLOCK_M], tl.float32)
-        acc = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for start in range(lo, hi, BLOCK_N):
-            offs_n = start + tl.arange(0, BLOCK_N)
-            nd = (offs_n < hi)[:, None] & d_ok[None, :]
-            kt = tl.load(kc_ptr + b * s_kcb + offs_n[:, None] * s_kcs + g * s_kch + d[None, :], mask=nd, other=0.0)
-            vt = tl.load(vc_ptr + b * s_vcb + offs_n[:, None] * s_vcs + g * s_vch + d[None, :], mask=nd, other=0.0)
-            s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * scale_log2        # [BLOCK_M, BLOCK_N]
-            s = tl.where((offs_n < hi)[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(dt), vt, input_precision=DOT_PRECISION)
-            m_i = m_new
-    seen = l_i > 0          # a split past the row's first position holds no slot: lse -inf, output 0
-    bg = b * G + g
-    rd = row_ok[:, None] & d_ok[None, :]
-    tl.store(po_ptr + ((bg * parts + part) * M + offs_m[:, None]) * HD + d[None, :],
-             acc / tl.where(seen, l_i, 1.0)[:, None], mask=rd)
-    tl.store(lse_ptr + (bg * parts + part) * M + offs_m,
-             tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=row_ok)
+        m_i, l_i, acc = _draft_attend_cached(q, kc_ptr + b * s_kcb + g * s_kch, s_kcs, vc_ptr + b * s_vcb + g * s_vch,
+                                             s_vcs, lo, hi, scale_log2, HD, BLOCK_N, DOT_PRECISION)
+    bg = b * G + g          # every part stores, one holding no slot too (lse -inf): the merge reads all
+    _store_partial(po_ptr + ((bg * parts + part) * M + offs_m) * HD, lse_ptr + (bg * parts + part) * M + offs_m,
+                   m_i, l_i, acc, row_ok, HD)
     tl.debug_barrier()                                  # every thread's stores before the counter's release
     if tl.atomic_add(count_ptr + bg, 1) == parts - 1:   # the other parts are stored: merge, in part order
         tl.atomic_xchg(count_ptr + bg, 0)
-        top = tl.full([BLOCK_M], -1e30, tl.float32)
-        wsum = tl.zeros([BLOCK_M], tl.float32)
-        out = tl.zeros([BLOCK_M, BLOCK_D], tl.float32)
-        for j in range(parts):                          # .cg: from L2, never a stale L1 line
-            lse_j = tl.load(lse_ptr + (bg * parts + j) * M + offs_m, mask=row_ok, other=float("-inf"),
-                            cache_modifier=".cg")
-            o_j = tl.load(po_ptr + ((bg * parts + j) * M + offs_m[:, None]) * HD + d[None, :], mask=rd, other=0.0,
-                          cache_modifier=".cg")
-            top_new = tl.maximum(top, lse_j)
-            alpha, w = tl.exp2(top - top_new), tl.exp2(lse_j - top_new)
-            out = out * alpha[:, None] + w[:, None] * o_j
-            wsum = wsum * alpha + w
-            top = top_new
-        out = out / tl.where(wsum > 0, wsum, 1.0)[:, None]
-        tl.store(o_ptr + b * s_ob + t_m[:, None] * s_ot + head[:, None] * s_oh + d[None, :],
-                 out.to(o_ptr.dtype.element_ty), mask=rd)
+        out = _merge_parts(po_ptr, lse_ptr, bg * parts, parts, offs_m, row_ok, M, HD, BLOCK_D)
+        _store_rows(o_ptr + b * s_ob + t_m * s_ot + head * s_oh, out.to(o_ptr.dtype.element_ty), row_ok, HD)
 
 
 def draft_split_len(kv_len, programs_per_part, block_n, device):
