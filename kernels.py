@@ -1605,34 +1605,58 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
 # before it multiplies the one it holds (Triton pipelines only loads that feed tl.dot). The norm
 # factors out of the sum, out[m, n] = rstd[m] * sum_k x[m, k] g[k] W[n, k], so each program also
 # sums the squares of its part of x and rstd is applied at the end: the norm costs no pass or
-# launch of its own. The products run on the CUDA cores in float32, each of the M rows against the
-# W tile in registers (tl.dot pads M to 16 rows, 16x the activation in registers: 63 / 11.7 us for
-# q_a + kv_a / q_b at 1 row against 15.9 / 5.9 in an earlier form of this kernel).
-# - One row (a decode step): a program holds BLOCK_N rows of W and the whole of K, summing the
-#   products elementwise and over k once at the end; N / BLOCK_N >= 132 programs at Kimi-K2's
-#   attention shapes, one wave (fewer row blocks: K is split as below). Swept on the H200
-#   (2026-12-01, benchmarks/h200_s8_sweep2.log), us for q_a + kv_a (30 MB) / o_proj / q_b with its
-#   norm: 9.8 / 5.7 / 4.0, against cuBLAS's 13.0 / 6.6 and this kernel's earlier form (K split, no
-#   tile in flight) 12.1 / 6.8 / 4.8.
-# - Several rows (verify): K is split, a program per (BLOCK_N rows, slice of K), hundreds of them.
-#   Each program stores its float32 partial sums; the last program of a row block to finish (an
-#   atomic counter, reset by that program) adds the slices in slice order, scales and stores. At 4
-#   rows q_b takes 7.7 us, q_a + kv_a 20 against cuBLAS's 13: the swaps use the kernel where it
-#   measured faster.
+# launch of its own. The products run on the CUDA cores in float32 (tl.dot pads M to 16 rows, 16x
+# the activation in registers: 63 / 11.7 us for q_a + kv_a / q_b at 1 row against 15.9 / 5.9 in an
+# earlier form of this kernel).
+# - A program holds BLOCK_N rows of W and all M rows of x, a step of BLOCK_K columns of each, and
+#   adds their elementwise products into a float32 [BLOCK_M, BLOCK_N, BLOCK_K] accumulator, summed
+#   over k once at the end: no reduction inside the loop, one code path for every row count. The
+#   accumulator lives in registers, so the step shrinks as the rows grow (NORM_GEMV_ACC_REGS).
+# - K is whole in a program where the row blocks fill the GPU (N / BLOCK_N > 132 programs at
+#   Kimi-K2's attention shapes, one wave), at any row count. With fewer row blocks K is split, a
+#   program per (BLOCK_N rows, slice of K): each stores its float32 partial sums and the last
+#   program of a row block to finish (an atomic counter, reset by that program) adds the slices in
+#   slice order, scales and stores.
+# Measured on the H200 (2026-12-01, benchmarks/h200_s8_sweep1.log, h200_s8_sweep2.log) in the form
+# before this one, whose loop at one row did the same and which, at several rows, reduced over k at
+# every step for each row in turn and split K into ~1024 programs: us for q_a + kv_a (30 MB) /
+# o_proj / q_b with its norm at 1 row 9.8 / 5.7 / 4.0, against cuBLAS's 13.0 / 6.6; at 4 rows
+# q_a + kv_a 20 against cuBLAS's 13.4, q_b 7.7. This form: to be measured.
 # One launch, no float atomics: deterministic, so a graph replay equals the eager call.
 # Rounding: the normed row is not rounded (the plain path rounds it to W's dtype), so bf16 results
 # differ from the plain path's by the order of one rounding.
 
 NORM_GEMV_MAX_ROWS = 16     # decode and verify; prefill goes to the plain RMSNorm and cuBLAS
-# (BLOCK_N, bytes of a W row a step, warps) at one row, K whole, by K: from the sweep above (o_proj, K 1024:
-# 4 steps of 256 columns 5.7 us, one step of 1024 8.1)
-NORM_GEMV_ONE_ROW = {"long": (8, 2048, 8), "short": (16, 512, 8)}
+# (BLOCK_N, bytes of a W row a step, warps) by K: from the one-row sweep above (o_proj, K 1024: 4 steps of 256
+# columns 5.7 us, one step of 1024 8.1); several rows: the same, the step cut to fit NORM_GEMV_ACC_REGS
+# (not swept yet)
+NORM_GEMV_BLOCKS = {"long": (8, 2048, 8), "short": (16, 512, 8)}
 NORM_GEMV_LONG_K = 1536     # columns from which a row is "long"
-NORM_GEMV_ONE_ROW_PROGRAMS = 264    # one row: K is split only where fewer row blocks than this exist; Kimi-K2's
-#                                     attention projections have more and keep K whole
-NORM_GEMV_BLOCK_N = 32      # several rows: W rows a program
-NORM_GEMV_STEP_BYTES = 512  # several rows: bytes of one W row a step reads (256 bf16 columns)
-NORM_GEMV_PROGRAMS = 1024   # several rows: K is split until about this many programs run (~8 an SM on the H200)
+NORM_GEMV_ACC_REGS = 64     # float32 products a thread accumulates: BLOCK_M x BLOCK_N x BLOCK_K <= 64 x 32 x warps
+NORM_GEMV_MIN_STEP = 64     # columns: the accumulator's limit cuts the step no shorter
+NORM_GEMV_PROGRAMS = 264    # K is cut into this // row blocks slices (at most one a step): whole from 133 row
+#                             blocks up, as at all of Kimi-K2's attention projections
+
+
+@_jit
+def _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, pid, s, rows, n, M, N,
+                         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Store slice s's sums acc [BLOCK_M, BLOCK_N] and sums of squares ss [BLOCK_M]; the last program of
+    row block pid to finish returns (the sums over all slices in slice order, True), the others False."""
+    ok = (rows < M)[:, None] & (n < N)[None, :]
+    tl.store(part_ptr + (s * M + rows[:, None]) * N + n[None, :], acc, mask=ok)
+    tl.store(ss_ptr + (pid * SPLITS + s) * BLOCK_M + rows, ss)
+    tl.debug_barrier()                                  # every thread's stores before the counter's release
+    last = tl.atomic_add(count_ptr + pid, 1) == SPLITS - 1
+    if last:                                            # the row block's other slices are stored: add them
+        tl.atomic_xchg(count_ptr + pid, 0)
+        acc = tl.zeros_like(acc)
+        ss = tl.zeros_like(ss)
+        for t in range(SPLITS):                         # in slice order (.cg: from L2, never a stale L1 line)
+            acc += tl.load(part_ptr + (t * M + rows[:, None]) * N + n[None, :], mask=ok, other=0.0,
+                           cache_modifier=".cg")
+            ss += tl.load(ss_ptr + (pid * SPLITS + t) * BLOCK_M + rows, cache_modifier=".cg")
+    return acc, ss, last
 
 
 @_jit
@@ -1642,67 +1666,46 @@ def _norm_gemv_kernel(x_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[m, n] = sum_k h[m, k] * W[n, k] with h = x (NORM: RMSNorm(x), x * rsqrt(mean(x^2) + eps) * g).
     x [M, K], out [M, N] (rows strided, last dim contiguous), W [N, K] (any strides), g [K]; x, out
-    and W of one dtype; float32 products and sums on the CUDA cores, M <= BLOCK_M rows one after
-    another against the W tile in registers (one row: the products summed over k once, at the end).
-    Each step loads the next step's tile before it uses its own. Slice s of K is [s * k_split,
-    (s + 1) * k_split); with SPLITS > 1, part [SPLITS, M, N] and ss [N / BLOCK_N, SPLITS, BLOCK_M]
-    float32 hold the slices' sums and sums of squares, count [N / BLOCK_N] int32 zeros. With heads
-    (grid axis 1, head_gemv, SPLITS 1): x, W and out of head j start s_xh, s_wh, s_oh elements further.
-    Grid: (cdiv(N, BLOCK_N), heads, SPLITS)."""
+    and W of one dtype; M <= BLOCK_M; float32 products on the CUDA cores, added up elementwise over
+    the steps and summed over k at the end. Each step loads the next step's W tile before it uses its
+    own. Slice s of K is [s * k_split, (s + 1) * k_split); with SPLITS > 1, part [SPLITS, M, N] and
+    ss [N / BLOCK_N, SPLITS, BLOCK_M] float32 hold the slices' sums and sums of squares, count
+    [N / BLOCK_N] int32 zeros. With heads (grid axis 1, head_gemv, SPLITS 1): x, W and out of head j
+    start s_xh, s_wh, s_oh elements further. Grid: (cdiv(N, BLOCK_N), heads, SPLITS)."""
     _wait_for_prior()
     pid, j, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    x_ptr += j * s_xh
-    w_ptr += j * s_wh
-    out_ptr += j * s_oh
     rows = tl.arange(0, BLOCK_M)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n_ok = n < N
+    n3 = n[None, :, None]                                                   # W's tile [1, BLOCK_N, BLOCK_K]
     kb = tl.arange(0, BLOCK_K)
-    w_rows = w_ptr + n[:, None] * s_wn
+    k3 = kb[None, None, :]
+    x_rows = x_ptr + j * s_xh + rows[:, None] * s_xm
+    w_rows = w_ptr + j * s_wh + n3 * s_wn
     lo = s * k_split
     hi = tl.minimum(lo + k_split, K)
     last_k = lo + (tl.cdiv(hi - lo, BLOCK_K) - 1) * BLOCK_K                  # the slice's last step
-    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    acc1 = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)     # one row: the products, summed over k at the end
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)                 # the products, summed over k at the end
     ss = tl.zeros([BLOCK_M], tl.float32)
-    w = tl.load(w_rows + (lo + kb)[None, :] * s_wk, mask=n_ok[:, None] & (lo + kb < K)[None, :], other=0.0)
+    w = tl.load(w_rows + (lo + k3) * s_wk, mask=(n3 < N) & (lo + k3 < K), other=0.0)
     for k0 in range(lo, hi, BLOCK_K):
         k = k0 + kb
-        k_ok = k < K
-        k1 = tl.minimum(k0 + BLOCK_K, last_k) + kb                          # the next step's (the last: its own)
-        w1 = tl.load(w_rows + k1[None, :] * s_wk, mask=n_ok[:, None] & (k1 < K)[None, :], other=0.0)
-        wf = w.to(tl.float32)
-        for m in tl.static_range(BLOCK_M):                                  # each row against the tile
-            h = tl.load(x_ptr + m * s_xm + k, mask=k_ok & (m < M), other=0.0).to(tl.float32)
-            if NORM:
-                ss = tl.where(rows == m, ss + tl.sum(h * h, 0), ss)
-                h = h * tl.load(g_ptr + k, mask=k_ok, other=0.0).to(tl.float32)
-            if BLOCK_M == 1:
-                acc1 += wf * h[None, :]
-            else:
-                acc = tl.where(rows[:, None] == m, acc + tl.sum(wf * h[None, :], 1)[None, :], acc)
+        k1 = tl.minimum(k0 + BLOCK_K, last_k) + k3                          # the next step's (the last: its own)
+        w1 = tl.load(w_rows + k1 * s_wk, mask=(n3 < N) & (k1 < K), other=0.0)
+        h = tl.load(x_rows + k[None, :], mask=(rows < M)[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+        if NORM:
+            ss += tl.sum(h * h, 1)
+            h = h * tl.load(g_ptr + k[None, :], mask=(k < K)[None, :], other=0.0).to(tl.float32)
+        acc3 += w.to(tl.float32) * h[:, None, :]
         w = w1
-    if BLOCK_M == 1:
-        acc = tl.sum(acc1, 1)[None, :]
+    acc = tl.sum(acc3, 2)                                                   # [m, n]
     last = pid >= 0                                                         # one slice: every program
     if SPLITS > 1:
-        ok = (rows < M)[:, None] & n_ok[None, :]
-        tl.store(part_ptr + (s * M + rows[:, None]) * N + n[None, :], acc, mask=ok)
-        tl.store(ss_ptr + (pid * SPLITS + s) * BLOCK_M + rows, ss)
-        tl.debug_barrier()                              # every thread's stores before the counter's release
-        last = tl.atomic_add(count_ptr + pid, 1) == SPLITS - 1
-        if last:                                        # the row block's other slices are stored: add them
-            tl.atomic_xchg(count_ptr + pid, 0)
-            acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-            ss = tl.zeros([BLOCK_M], tl.float32)
-            for t in range(SPLITS):                     # in slice order (.cg: from L2, never a stale L1 line)
-                acc += tl.load(part_ptr + (t * M + rows[:, None]) * N + n[None, :], mask=ok, other=0.0,
-                               cache_modifier=".cg")
-                ss += tl.load(ss_ptr + (pid * SPLITS + t) * BLOCK_M + rows, cache_modifier=".cg")
+        acc, ss, last = _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, pid, s, rows, n, M, N,
+                                             SPLITS, BLOCK_M)
     if NORM:
         acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
-    tl.store(out_ptr + rows[:, None] * s_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(rows < M)[:, None] & n_ok[None, :] & last)
+    tl.store(out_ptr + j * s_oh + rows[:, None] * s_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rows < M)[:, None] & (n < N)[None, :] & last)
 
 
 def _k_slices(N, K, block_n, block_k, programs):
@@ -1711,6 +1714,14 @@ def _k_slices(N, K, block_n, block_k, programs):
     slices = min(steps, max(1, programs // triton.cdiv(N, block_n)))
     k_split = triton.cdiv(steps, slices) * block_k
     return triton.cdiv(K, k_split), k_split
+
+
+def _norm_gemv_step(rows, block_n, step_bytes, warps, K, elem):
+    """Columns a step: step_bytes of a W row, at most K rounded up to a power of 2, and at most what keeps the
+    float32 accumulator [rows, block_n, step] within NORM_GEMV_ACC_REGS a thread, but no fewer than
+    NORM_GEMV_MIN_STEP."""
+    fit = NORM_GEMV_ACC_REGS * 32 * warps // (_pow2(rows, 1) * block_n)
+    return min(step_bytes // elem, _pow2(K), max(NORM_GEMV_MIN_STEP, 1 << (max(fit, 1).bit_length() - 1)))
 
 
 def norm_gemv(x, weight, norm_weight=None, eps=0.0, block_n=None, block_k=None, programs=None, warps=None):
@@ -1729,18 +1740,15 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, block_n=None, block_k=None, 
                          f"{x.dtype} and {rows} rows (use the plain path)")
     if norm_weight is not None and norm_weight.shape != (K,):
         raise ValueError(f"norm_gemv: norm weight {list(norm_weight.shape)} is not [{K}]")
-    if rows == 1:       # K whole in a program (no partial sums) where the row blocks fill the GPU
-        bn, step_bytes, one_warps = NORM_GEMV_ONE_ROW["long" if K >= NORM_GEMV_LONG_K else "short"]
-        block_n, programs, warps = block_n or bn, programs or NORM_GEMV_ONE_ROW_PROGRAMS, warps or one_warps
-        block_k = block_k or min(step_bytes // x.element_size(), _pow2(K))
-    block_n = block_n or NORM_GEMV_BLOCK_N
+    bn, step_bytes, bw = NORM_GEMV_BLOCKS["long" if K >= NORM_GEMV_LONG_K else "short"]
+    block_n, warps = block_n or bn, warps or bw
     if triton.cdiv(N, block_n) > COUNTERS:
         raise ValueError(f"norm_gemv: {N} rows of W make more than {COUNTERS} row blocks of {block_n}")
     x2 = x.reshape(rows, K)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
     if rows and N:
-        block_k = block_k or min(NORM_GEMV_STEP_BYTES // x.element_size(), _pow2(K))
+        block_k = block_k or _norm_gemv_step(rows, block_n, step_bytes, warps, K, x.element_size())
         slices, k_split = _k_slices(N, K, block_n, block_k, programs or NORM_GEMV_PROGRAMS)
         blocks = triton.cdiv(N, block_n)
         part = torch.empty(slices, rows, N, device=x.device, dtype=torch.float32) if slices > 1 else out
@@ -1749,18 +1757,18 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, block_n=None, block_k=None, 
             x2, x2 if norm_weight is None else norm_weight, weight, out, part, ss, _counters(x.device),
             rows, N, K, k_split, float(eps), x2.stride(0), 0, 0, weight.stride(0), 1, N, 0,
             SPLITS=slices, NORM=norm_weight is not None, BLOCK_M=_pow2(rows, 1),
-            BLOCK_N=block_n, BLOCK_K=block_k, launch_pdl=PDL, num_stages=1,
-            num_warps=warps or (4 if rows <= 4 else 8))   # several rows: 16 need 8 warps
+            BLOCK_N=block_n, BLOCK_K=block_k, launch_pdl=PDL, num_stages=1, num_warps=warps)
     return out
 
 
-# head_gemv's blocks, swept on the H200 at Kimi-K2's 8 heads (2026-12-01, benchmarks/h200_s8_sweep2.log), us at
-# 1 / 4 rows: W_uk 1.96 / 4.01, W_uv 2.14 / 3.55, against 3.2 / 5.2 and 4.8 / 6.7 for the einsums with the
-# copies the model makes of their permuted inputs and outputs
+# head_gemv's blocks, swept on the H200 at Kimi-K2's 8 heads (2026-12-01, benchmarks/h200_s8_sweep2.log) with the
+# kernel's form before the elementwise accumulator, us at 1 / 4 rows: W_uk 1.96 / 4.01, W_uv 2.14 / 3.55, against
+# 3.2 / 5.2 and 4.8 / 6.7 for the einsums with the copies the model makes of their permuted inputs and outputs
 HEAD_GEMV_BLOCK_N_STRIDED = 32   # W rows a program where W's rows, not its K, are contiguous (absorbed W_uk):
 #                                  32 bf16 rows = 64-byte segments a K step
 HEAD_GEMV_BLOCK_N = 8            # contiguous K (W_uv, K = 512): 8 heads x 16 row blocks of Kimi-K2's 128 rows
-HEAD_GEMV_STEP_BYTES = 1024      # K whole in one step at Kimi-K2's 128 and 512 (measured so, not swept)
+HEAD_GEMV_STEP_BYTES = 1024      # K whole in one step at Kimi-K2's 128 and 512 (measured so, not swept); more
+#                                  rows: the step cut to fit NORM_GEMV_ACC_REGS
 HEAD_GEMV_WARPS = 4
 
 
@@ -1784,7 +1792,7 @@ def head_gemv(x, weight):
     out = torch.empty(*lead, H, N, device=x.device, dtype=x.dtype)
     if rows and N and H:
         block_n = HEAD_GEMV_BLOCK_N if weight.stride(2) == 1 else HEAD_GEMV_BLOCK_N_STRIDED
-        block_k = min(HEAD_GEMV_STEP_BYTES // x.element_size(), _pow2(K))
+        block_k = _norm_gemv_step(rows, block_n, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS, K, x.element_size())
         _norm_gemv_kernel[(triton.cdiv(N, block_n), H, 1)](
             x2, x2, weight, out, out, out, out, rows, N, K, K, 0.0, x2.stride(0), x2.stride(1),
             weight.stride(0), weight.stride(1), weight.stride(2), H * N, N, SPLITS=1, NORM=False,
@@ -1856,7 +1864,8 @@ class RopeCacheKernel(model.MLA):
 
 
 # Where the GEMV kernels replace cuBLAS, by rows (B * T), from one H200 sweep (2026-12-01, bf16, Kimi-K2
-# TP-8 shapes, graphs, weights past the L2; benchmarks/h200_s8_sweep2.log), us at 1 / 4 rows:
+# TP-8 shapes, graphs, weights past the L2; benchmarks/h200_s8_sweep2.log) of the kernel's form before its
+# elementwise accumulator at several rows (this form: to be measured, and the limits with it), us at 1 / 4 rows:
 #   q_b with q_a_layernorm: kernel 4.0 / 7.7, model.RMSNorm + cuBLAS 9.9 / 10.1 (an earlier run,
 #     benchmarks/h200_issue25_small_ab.json): up to NORM_GEMV_MAX_ROWS.
 #   q_a + kv_a (stacked, fused_proj's weight): kernel 9.8 / 20+, cuBLAS 13.0 / 13.4: 1 row.

@@ -2224,13 +2224,14 @@ NORM_GEMV_KIMI = [(2112, 7168), (1536, 1536), (7168, 1024)]    # Kimi-K2 TP 8: q
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_gemv_kernel_equals_twin(dtype):
     """kernels.norm_gemv against its twin (model.RMSNorm and F.linear) on fresh random inputs: with
-    the norm and without (a plain GEMV); 1, 4 and 16 rows;
+    the norm and without (a plain GEMV); 1, 2, 3, 4, 5 and 16 rows;
     x a strided view (a split of a wider output, as q_a is) and W a row-strided view (as the stacked
-    q_a + kv_a weight is); K whole in a program and (steps of 16 columns) cut into slices whose
-    partial sums the last program of a row block adds: one step a slice, and (programs=2) several
-    steps a slice, the last one partial where K is no multiple of 16. float32 to 1e-5 relative;
-    bf16 (GPU) to 1% of the largest output, since only the order of the float32 sums and a last-ulp
-    rounding of the normed row differ."""
+    q_a + kv_a weight is); K whole in a program (at 16 rows the default step is cut to 64 columns:
+    two steps, the last one partial at K 100) and (steps of 16 columns) cut into slices whose
+    partial sums the last program of a row block adds: one step a slice, and (8 rows of W a block,
+    twice as many programs as blocks) two slices of several steps, the last one partial where K is
+    no multiple of 16. float32 to 1e-5 relative; bf16 (GPU) to 1% of the largest output, since only
+    the order of the float32 sums and a last-ulp rounding of the normed row differ."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
@@ -2242,14 +2243,13 @@ def test_norm_gemv_kernel_equals_twin(dtype):
         with torch.no_grad():
             norm.weight.copy_(1 + 0.1 * torch.randn(K, generator=g))
         w = (torch.randn(N + 3, K + 8, generator=g) / K ** 0.5).to(device, dtype)[:N, :K]   # rows strided
-        for rows in (1, 4, 16):
+        two_slices = (8, 16, 2 * ((N + 7) // 8))                       # (block_n, block_k, programs)
+        for rows in (1, 2, 3, 4, 5, 16):
             x = (2 * torch.randn(rows, K + 5, generator=g)).to(device, dtype)[:, :K]          # rows strided
-            for nrm, (block_k, programs) in itertools.product((norm, None), ((None, None), (16, None), (16, 2))):
-                out = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6, block_k=block_k,
-                                        programs=programs)
+            for nrm, blocks in itertools.product((norm, None), ((None, None, None), (None, 16, None), two_slices)):
+                out = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6, *blocks)
                 ref = F.linear(x if nrm is None else nrm(x), w)
-                what = (f"norm_gemv N={N} K={K} rows={rows} {dtype} norm={nrm is not None} block_k={block_k} "
-                        f"programs={programs}")
+                what = f"norm_gemv N={N} K={K} rows={rows} {dtype} norm={nrm is not None} blocks={blocks}"
                 tol = (1e-5 if dtype == torch.float32 else 1e-2) * ref.abs().max().item()
                 assert out.shape == ref.shape and out.dtype == dtype
                 assert_close(out, ref, tol, what)
@@ -2263,16 +2263,17 @@ def test_norm_gemv_kernel_equals_twin(dtype):
 def test_head_gemv_kernel_equals_twin(dtype):
     """kernels.head_gemv against the absorbed einsums of model.MLA.attend_absorbed, on views of one kv_b_proj
     weight as the model takes them (W_uk transposed: its K strided; W_uv: row-strided), the query a
-    strided split of q: 1, 4 and 16 rows, tiny and (GPU) Kimi-K2 TP-8 heads."""
+    strided split of q: 1 to 4 and 16 rows, tiny (at 16 rows W_uv's K of 100 takes two steps, the last
+    partial) and (GPU) Kimi-K2 TP-8 heads."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
                     "kernels are checked on the GPU")
     g = torch.Generator().manual_seed(16)
-    for H, d, R, C in [(4, 16, 8, 32)] + ([(8, 128, 64, 512)] if device == "cuda" else []):
+    for H, d, R, C in [(4, 16, 8, 100)] + ([(8, 128, 64, 512)] if device == "cuda" else []):
         kv_b = (torch.randn(H, 2 * d, C, generator=g) / C ** 0.5).to(device, dtype)
         w_uk, w_uv = kv_b.split([d, d], 1)                                     # [H, d, C]
-        for B, T in ((1, 1), (1, 4), (4, 4)):
+        for B, T in ((1, 1), (1, 2), (1, 3), (1, 4), (4, 4)):
             q_nope = torch.randn(B, T, H, d + R, generator=g).to(device, dtype)[..., :d]
             q_lat = kernels.head_gemv(q_nope, w_uk.transpose(1, 2))
             ref = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)
