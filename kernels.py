@@ -1617,20 +1617,25 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
 #   program per (BLOCK_N rows, slice of K): each stores its float32 partial sums and the last
 #   program of a row block to finish (an atomic counter, reset by that program) adds the slices in
 #   slice order, scales and stores.
-# Measured on the H200 (2026-12-01, benchmarks/h200_s8_sweep1.log, h200_s8_sweep2.log) in the form
-# before this one, whose loop at one row did the same and which, at several rows, reduced over k at
-# every step for each row in turn and split K into ~1024 programs: us for q_a + kv_a (30 MB) /
-# o_proj / q_b with its norm at 1 row 9.8 / 5.7 / 4.0, against cuBLAS's 13.0 / 6.6; at 4 rows
-# q_a + kv_a 20 against cuBLAS's 13.4, q_b 7.7. This form: to be measured.
+# Measured on the H200 (2026-12-01, benchmarks/h200_s9_sweep_gemv.log, bf16, graphs, weights past
+# the L2), us for q_a + kv_a (30 MB) / q_b with its norm / o_proj, this form with the blocks below
+# against cuBLAS (q_b: model.RMSNorm + cuBLAS) and the form before it (which at several rows reduced
+# over k at every step for each row in turn, K split into ~1024 programs):
+#   1 row   9.9 / 4.1 / 5.9,    cuBLAS 12.6 / 10.0 / 6.6,  before 9.9 / 4.1 / 5.8
+#   2 rows  10.1 / 4.3 / 6.1,   cuBLAS 13.4 / 9.8 / 6.6,   before 18.5 / 6.2 / 11.9
+#   4 rows  13.1 / 5.5 / 8.1,   cuBLAS 13.3 / 10.1 / 6.5,  before 25.7 / 7.8 / 15.2
+#   8 rows  23.4 / 7.7 / 13.5,  cuBLAS 13.3 / 8.8 / 6.4,   before 52.4 / 16.2 / 26.4
 # One launch, no float atomics: deterministic, so a graph replay equals the eager call.
 # Rounding: the normed row is not rounded (the plain path rounds it to W's dtype), so bf16 results
 # differ from the plain path's by the order of one rounding.
 
 NORM_GEMV_MAX_ROWS = 16     # decode and verify; prefill goes to the plain RMSNorm and cuBLAS
-# (BLOCK_N, bytes of a W row a step, warps) by K: from the one-row sweep above (o_proj, K 1024: 4 steps of 256
-# columns 5.7 us, one step of 1024 8.1); several rows: the same, the step cut to fit NORM_GEMV_ACC_REGS
-# (not swept yet)
-NORM_GEMV_BLOCKS = {"long": (8, 2048, 8), "short": (16, 512, 8)}
+# (BLOCK_N, bytes of a W row a step, warps) by (one row or several, K long or short), the step cut to fit
+# NORM_GEMV_ACC_REGS, from the sweeps above: at one row 8 warps (session 8; o_proj, K 1024: 4 steps of 256
+# columns 5.7 us, one step of 1024 8.1); at several rows 4 warps, and 4 W rows a program at long K (q_b at 4
+# rows 5.5 us against 8.4 with one row's blocks; q_a + kv_a 13.1 either way)
+NORM_GEMV_BLOCKS = {(1, "long"): (8, 2048, 8), (1, "short"): (16, 512, 8),
+                    ("several", "long"): (4, 2048, 4), ("several", "short"): (16, 512, 4)}
 NORM_GEMV_LONG_K = 1536     # columns from which a row is "long"
 NORM_GEMV_ACC_REGS = 64     # float32 products a thread accumulates: BLOCK_M x BLOCK_N x BLOCK_K <= 64 x 32 x warps
 NORM_GEMV_MIN_STEP = 64     # columns: the accumulator's limit cuts the step no shorter
@@ -1740,7 +1745,8 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, block_n=None, block_k=None, 
                          f"{x.dtype} and {rows} rows (use the plain path)")
     if norm_weight is not None and norm_weight.shape != (K,):
         raise ValueError(f"norm_gemv: norm weight {list(norm_weight.shape)} is not [{K}]")
-    bn, step_bytes, bw = NORM_GEMV_BLOCKS["long" if K >= NORM_GEMV_LONG_K else "short"]
+    bn, step_bytes, bw = NORM_GEMV_BLOCKS[1 if rows == 1 else "several",
+                                          "long" if K >= NORM_GEMV_LONG_K else "short"]
     block_n, warps = block_n or bn, warps or bw
     if triton.cdiv(N, block_n) > COUNTERS:
         raise ValueError(f"norm_gemv: {N} rows of W make more than {COUNTERS} row blocks of {block_n}")
@@ -1864,17 +1870,19 @@ class RopeCacheKernel(model.MLA):
 
 
 # Where the GEMV kernels replace cuBLAS, by rows (B * T), from one H200 sweep (2026-12-01, bf16, Kimi-K2
-# TP-8 shapes, graphs, weights past the L2; benchmarks/h200_s8_sweep2.log) of the kernel's form before its
-# elementwise accumulator at several rows (this form: to be measured, and the limits with it), us at 1 / 4 rows:
-#   q_b with q_a_layernorm: kernel 4.0 / 7.7, model.RMSNorm + cuBLAS 9.9 / 10.1 (an earlier run,
-#     benchmarks/h200_issue25_small_ab.json): up to NORM_GEMV_MAX_ROWS.
-#   q_a + kv_a (stacked, fused_proj's weight): kernel 9.8 / 20+, cuBLAS 13.0 / 13.4: 1 row.
-#   o_proj: kernel 5.7 / 12+, cuBLAS 6.6 / 6.5: 1 row.
-#   absorbed W_uk, W_uv: kernel 2.0 + 2.1 / 4.0 + 3.6, the einsums with their copies 3.2 + 4.8 / 5.2 + 6.7:
-#     up to 4 rows (2 and 3 rows alike; more were not measured).
+# TP-8 shapes, graphs, weights past the L2; benchmarks/h200_s9_sweep_gemv.log), us at 1 / 2 / 3 / 4 / 8 rows:
+#   q_b with q_a_layernorm: kernel 4.1 / 4.3 / 5.4 / 5.5 / 7.7, model.RMSNorm + cuBLAS 10.0 / 9.8 / 9.7 /
+#     10.1 / 8.8: up to NORM_GEMV_MAX_ROWS.
+#   q_a + kv_a (stacked, fused_proj's weight): kernel 9.9 / 10.1 / 12.6 / 13.1 / 23.4, cuBLAS 12.6 / 13.4 /
+#     13.5 / 13.3 / 13.3 (two launches, its split-K GEMV and a reduce): up to 4 rows.
+#   o_proj: kernel 5.9 / 6.1 / 8.1 / 8.1 / 13.5, cuBLAS 6.6 / 6.6 / 6.4 / 6.5 / 6.4: up to 2 rows.
+#   absorbed W_uk, W_uv: kernel 2.1 + 2.2 / 2.5 + 2.2 / 3.0 + 2.5 / 2.7 + 2.3, the einsums with the copies
+#     the model makes of their permuted inputs and outputs 3.1 + 4.6 / 5.0 + 6.4 / 5.2 + 6.5 / 5.1 + 6.7:
+#     up to 4 rows (more were not measured).
 #   q_a + kv_a with the input add + norm inside (an earlier form, 13.6 against 14.8 us): not done, the
 #     norm inside the projection needs a layer-level swap.
-GEMV_MAX_ROWS = 1
+QKVA_GEMV_MAX_ROWS = 4
+O_PROJ_GEMV_MAX_ROWS = 2
 HEAD_GEMV_MAX_ROWS = 4
 
 
@@ -1882,10 +1890,10 @@ class NormGemvMLA(model.MLA):
     """"norm_gemv": q_b_proj as a GEMV kernel with q_a_layernorm computed inside it (at most
     NORM_GEMV_MAX_ROWS rows: decode, verify), decode mode's absorbed W_uk / W_uv products as GEMV
     kernels over the heads (at most HEAD_GEMV_MAX_ROWS rows), and, with fused_proj (StackedQKVA
-    behind this swap), the stacked q_a + kv_a at GEMV_MAX_ROWS; more rows: the plain code."""
+    behind this swap), the stacked q_a + kv_a at up to QKVA_GEMV_MAX_ROWS; more rows: the plain code."""
 
     def q_kv_a(self, x):
-        if rows(x) > GEMV_MAX_ROWS:
+        if rows(x) > QKVA_GEMV_MAX_ROWS:
             return super().q_kv_a(x)
         return launch.norm_gemv(x, self.q_kv_a_weight)
 
@@ -1907,11 +1915,11 @@ class NormGemvMLA(model.MLA):
 
 
 class GemvRowParallel(tp.RowParallelLinear):
-    """"norm_gemv" on MLA's o_proj: at most GEMV_MAX_ROWS rows through the GEMV kernel (no norm)
+    """"norm_gemv" on MLA's o_proj: at most O_PROJ_GEMV_MAX_ROWS rows through the GEMV kernel (no norm)
     instead of cuBLAS; the all-reduce as before."""
 
     def forward(self, x):
-        if rows(x) > GEMV_MAX_ROWS:
+        if rows(x) > O_PROJ_GEMV_MAX_ROWS:
             return super().forward(x)
         y = launch.norm_gemv(x, self.weight)
         return self.tp.all_reduce(y) if self.reduce else y

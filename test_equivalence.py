@@ -2291,9 +2291,10 @@ def test_head_gemv_kernel_equals_twin(dtype):
 def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     """kernels "norm_gemv" (alone, and with the fused residual adds and stacked q_a + kv_a) against
     the plain tiny model, float32, 3 layers: the 36-row prefill runs the plain path; a 9-row step
-    runs q_b_proj's GEMV kernel (q_a_layernorm inside) once a layer, the rest plain; a 1-row step
-    (decode) also o_proj and (with fused_proj) the stacked q_a + kv_a as GEMV kernels, and the
-    absorbed products as head_gemv kernels (decode mode); both attention modes."""
+    runs q_b_proj's GEMV kernel (q_a_layernorm inside) once a layer, the rest plain; steps of 1, 2
+    and 3 rows also run o_proj (up to O_PROJ_GEMV_MAX_ROWS) and, with fused_proj, the stacked q_a +
+    kv_a (QKVA_GEMV_MAX_ROWS) as GEMV kernels, and the absorbed products as head_gemv kernels
+    (decode mode, HEAD_GEMV_MAX_ROWS); both attention modes."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(num_hidden_layers=3)
     plain = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32), 0)
@@ -2307,13 +2308,18 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=4))
     one, one_pos = step[:1, :1], torch.tensor([[15]], device=device)    # row 0's next token alone
     L = args.num_hidden_layers
+
+    def launches(rows):
+        """(norm_gemv, head_gemv) launches a layer at `rows` rows, decode mode."""
+        n = 1 + (rows <= kernels.O_PROJ_GEMV_MAX_ROWS) + ("fused_proj" in others and rows <= kernels.QKVA_GEMV_MAX_ROWS)
+        return n, 2 * (rows <= kernels.HEAD_GEMV_MAX_ROWS)
     for mode in ("extend", "decode"):
         assert_close(fast(prefill, prefill_pos, mode).logits, plain(prefill, prefill_pos, mode).logits, 1e-4,
                      f"norm_gemv {others} prefill, {mode}")
         assert not calls and not heads, "the prefill's 36 rows must take the plain path"
-        one_row = 3 if "fused_proj" in others else 2    # q_b, o_proj (fused_proj: and q_a + kv_a)
-        for tokens, pos, gemvs, head in ((step, step_pos, 1, 0), (one, one_pos, one_row, 2)):
+        for tokens, pos in ((step, step_pos), (one, one_pos), (step[:2, :1], step_pos[:2, :1]), (step[:1], step_pos[:1])):
             what = f"norm_gemv {others} {tokens.numel()}-row step, {mode}"
+            gemvs, head = launches(tokens.numel())
             assert_close(fast(tokens, pos, mode).logits, plain(tokens, pos, mode).logits, 1e-4, what)
             assert len(calls) == gemvs * L, f"{what}: {len(calls)} norm_gemv launches, not {gemvs} a layer"
             assert len(heads) == (head * L if mode == "decode" else 0), f"{what}: {len(heads)} head_gemv launches"
