@@ -2213,8 +2213,8 @@ def accelerate(target, names=(), moe="auto"):
     latent norm + cache writes), "router" (SIMULATED uniform routing included), "add_rmsnorm"
     (every residual add with the norm that reads the sum), "silu_mul" (the MLPs' SwiGLU),
     "norm_gemv" (GEMV kernels: for <= 16 rows q_b_proj with q_a_layernorm inside; for <= 4 rows
-    decode mode's absorbed products over the heads; for 1 row o_proj and, with fused_proj, the
-    stacked q_a + kv_a), "shared_expert" (the shared expert inside the fused MoE launch, where
+    decode mode's absorbed products over the heads and, with fused_proj, the stacked q_a + kv_a;
+    for <= 2 rows o_proj), "shared_expert" (the shared expert inside the fused MoE launch, where
     SharedExpertInLaunch.applies; else left off and not listed), "fused_proj" (plain torch: q_a +
     kv_a and each unfolded MLP's gate + up as one GEMM, the shared expert's down GEMM adding onto
     the routed output); an iterable, "all" or "none". moe: the routed experts' path
