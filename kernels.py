@@ -486,6 +486,9 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
 #     experts of the token, each [BLOCK_N, I], times that pair's h, summed in registers, stored once.
 #     Programs of one row block for all tokens are adjacent in launch order, so an expert shared by
 #     tokens is fetched from HBM about once and read from L2 by the others.
+# A bf16 shared expert beside quantized experts (INT4 and FP8: fused_moe's shared) rides in the same
+# two launches: SHARED_SPLIT more programs a row block of gate_up compute its gate and up over slices
+# of D for every token (_shared_gate_up), and each down program adds its rows (_shared_down).
 # INT4 without unpacking to natural order: nibble j of word w is element 8w + j, so the activation
 # comes as 8 planes (plane j = elements 8w + j, contiguous in w: x is permuted once per call, h is
 # written that way by gate_up) and each plane meets nibble j of the same words. A nibble becomes a
