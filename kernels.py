@@ -23,7 +23,7 @@ A swap is a subclass of a model.py (or tp.py) module that overrides only the met
 and keeps the parameter names, so one state dict loads into both and each test compares a module
 with its swap on the same weights. Torch-only swaps live here too: GroupedExperts
 (torch._grouped_mm), StackedQKVA / StackedGateUp (one GEMM over stacked weights, "fused_proj"),
-SharedExpertInLaunch (the shared expert as one more expert of the fused launch), StackedQKV (the
+SharedExpertInLaunch (the shared expert inside the fused launch), StackedQKV (the
 head's q/k/v). accelerate(model, names, moe=...) puts them in place, re-classing the modules of a
 built model (run.py --kernels, --moe-impl); accelerate_draft(head, names) does the same for the
 EAGLE-3 head; compile_layers(model) is run.py --compile's regional torch.compile.
