@@ -579,14 +579,18 @@ def _expert_pairs(ids_ptr, p, P, P_PAD: tl.constexpr):
 
 
 @_jit
-def _shared_gate_up(x_ptr, hs_ptr, sg_ptr, su_ptr, N, s, n, n_ok, D: tl.constexpr, I: tl.constexpr,
+def _shared_gate_up(x_ptr, hs_ptr, sg_ptr, su_ptr, N, p, pid_n, D: tl.constexpr, I: tl.constexpr,
                     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
-    """The bf16 shared expert's gate and up rows n over split s of D (D / SPLIT columns: SHARED_SPLIT
-    makes it about as many bytes a program as a routed expert's quantized rows), for every token:
-    raw sums into hs [2, SPLIT, N, I] fp32, which down adds up over the splits before its SiLU
-    (_shared_down). x_ptr: the activations [N, D]; sg_ptr, su_ptr: the shared gate and up weights
-    [I, D]. The GEMV kernels run it in SPLIT programs of their own for each row block, launched
-    first since each runs its N tokens one after another."""
+    """The bf16 shared expert's gate and up rows of row block pid_n (BLOCK_N rows of I) over split
+    s = p + SPLIT of D, for every token: raw sums into hs [2, SPLIT, N, I] fp32, which down adds up
+    over the splits before its SiLU (_shared_down). D / SPLIT columns a split (SHARED_SPLIT makes it
+    about as many bytes a program as a routed expert's quantized rows). x_ptr: the activations
+    [N, D]; sg_ptr, su_ptr: the shared gate and up weights [I, D]. The GEMV kernels run it in SPLIT
+    programs of their own for each row block, numbered first (pair numbers p in [-SPLIT, 0)) and so
+    launched first, since each runs its N tokens one after another."""
+    s = p + SPLIT
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
     CHUNK: tl.constexpr = (D + SPLIT - 1) // SPLIT
     hi = tl.minimum((s + 1) * CHUNK, D)
     for t in range(N):
@@ -644,9 +648,7 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
     pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
         if p < 0:
-            n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            _shared_gate_up(v_ptr, hs_ptr, sg_ptr, su_ptr, N, p + SPLIT, n, n < I, D, I, SPLIT, BLOCK_N, SHARED_K,
-                            EVEN_SHARED)
+            _shared_gate_up(v_ptr, hs_ptr, sg_ptr, su_ptr, N, p, pid_n, D, I, SPLIT, BLOCK_N, SHARED_K, EVEN_SHARED)
             return
     same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
     if not leader:
@@ -800,9 +802,7 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
     pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
         if p < 0:
-            n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-            _shared_gate_up(x_ptr, hs_ptr, sg_ptr, su_ptr, N, p + SPLIT, n, n < I, D, I, SPLIT, BLOCK_N, SHARED_K,
-                            EVEN_SHARED)
+            _shared_gate_up(x_ptr, hs_ptr, sg_ptr, su_ptr, N, p, pid_n, D, I, SPLIT, BLOCK_N, SHARED_K, EVEN_SHARED)
             return
     same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
     if not leader:
