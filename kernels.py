@@ -1627,7 +1627,7 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
 #   1 row   9.9 / 4.1 / 5.9,    cuBLAS 12.6 / 10.0 / 6.6,  before 9.9 / 4.1 / 5.8
 #   2 rows  10.1 / 4.3 / 6.1,   cuBLAS 13.4 / 9.8 / 6.6,   before 18.5 / 6.2 / 11.9
 #   4 rows  13.1 / 5.5 / 8.1,   cuBLAS 13.3 / 10.1 / 6.5,  before 25.7 / 7.8 / 15.2
-#   8 rows  23.4 / 7.7 / 13.5,  cuBLAS 13.3 / 8.8 / 6.4,   before 52.4 / 16.2 / 26.4
+#   8 rows  25.3 / 7.7 / 14.3,  cuBLAS 13.3 / 8.8 / 6.4,   before 52.4 / 16.2 / 26.4
 # One launch, no float atomics: deterministic, so a graph replay equals the eager call.
 # Rounding: the normed row is not rounded (the plain path rounds it to W's dtype), so bf16 results
 # differ from the plain path's by the order of one rounding.
@@ -1876,9 +1876,9 @@ class RopeCacheKernel(model.MLA):
 # TP-8 shapes, graphs, weights past the L2; benchmarks/h200_s9_sweep_gemv.log), us at 1 / 2 / 3 / 4 / 8 rows:
 #   q_b with q_a_layernorm: kernel 4.1 / 4.3 / 5.4 / 5.5 / 7.7, model.RMSNorm + cuBLAS 10.0 / 9.8 / 9.7 /
 #     10.1 / 8.8: up to NORM_GEMV_MAX_ROWS.
-#   q_a + kv_a (stacked, fused_proj's weight): kernel 9.9 / 10.1 / 12.6 / 13.1 / 23.4, cuBLAS 12.6 / 13.4 /
+#   q_a + kv_a (stacked, fused_proj's weight): kernel 9.9 / 10.1 / 12.6 / 13.1 / 25.3, cuBLAS 12.6 / 13.4 /
 #     13.5 / 13.3 / 13.3 (two launches, its split-K GEMV and a reduce): up to 4 rows.
-#   o_proj: kernel 5.9 / 6.1 / 8.1 / 8.1 / 13.5, cuBLAS 6.6 / 6.6 / 6.4 / 6.5 / 6.4: up to 2 rows.
+#   o_proj: kernel 5.9 / 6.1 / 8.1 / 8.1 / 14.3, cuBLAS 6.6 / 6.6 / 6.4 / 6.5 / 6.4: up to 2 rows.
 #   absorbed W_uk, W_uv: kernel 2.1 + 2.2 / 2.5 + 2.2 / 3.0 + 2.5 / 2.7 + 2.3, the einsums with the copies
 #     the model makes of their permuted inputs and outputs 3.1 + 4.6 / 5.0 + 6.4 / 5.2 + 6.5 / 5.1 + 6.7:
 #     up to 4 rows (more were not measured).
