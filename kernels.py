@@ -488,7 +488,9 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
 #     tokens is fetched from HBM about once and read from L2 by the others.
 # A bf16 shared expert beside quantized experts (INT4 and FP8: fused_moe's shared) rides in the same
 # two launches: SHARED_SPLIT more programs a row block of gate_up compute its gate and up over slices
-# of D for every token (_shared_gate_up), and each down program adds its rows (_shared_down).
+# of D for every token (_shared_gate_up); the last of them to finish (an atomic counter a row block,
+# as norm_gemv's) adds the splits in split order and stores h = silu(g) * u once, fp32 [N, I]
+# (_shared_h), and each down program adds its rows from that one vector a token (_shared_down).
 # INT4 without unpacking to natural order: nibble j of word w is element 8w + j, so the activation
 # comes as 8 planes (plane j = elements 8w + j, contiguous in w: x is permuted once per call, h is
 # written that way by gate_up) and each plane meets nibble j of the same words. A nibble becomes a
@@ -579,15 +581,17 @@ def _expert_pairs(ids_ptr, p, P, P_PAD: tl.constexpr):
 
 
 @_jit
-def _shared_gate_up(x_ptr, hs_ptr, sg_ptr, su_ptr, N, p, pid_n, D: tl.constexpr, I: tl.constexpr,
-                    SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr):
+def _shared_gate_up(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n, D: tl.constexpr,
+                    I: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                    EVEN: tl.constexpr):
     """The bf16 shared expert's gate and up rows of row block pid_n (BLOCK_N rows of I) over split
-    s = p + SPLIT of D, for every token: raw sums into hs [2, SPLIT, N, I] fp32, which down adds up
-    over the splits before its SiLU (_shared_down). D / SPLIT columns a split (SHARED_SPLIT makes it
-    about as many bytes a program as a routed expert's quantized rows). x_ptr: the activations
-    [N, D]; sg_ptr, su_ptr: the shared gate and up weights [I, D]. The GEMV kernels run it in SPLIT
-    programs of their own for each row block, numbered first (pair numbers p in [-SPLIT, 0)) and so
-    launched first, since each runs its N tokens one after another."""
+    s = p + SPLIT of D, for every token: raw sums into part [2, SPLIT, N, I] fp32; the row block's last
+    split to finish makes h = silu(g) * u of them into hs [N, I] fp32 (_shared_h; count_ptr: the
+    counters, one a row block). D / SPLIT columns a split (SHARED_SPLIT makes it about as many bytes a
+    program as a routed expert's quantized rows). x_ptr: the activations [N, D]; sg_ptr, su_ptr: the
+    shared gate and up weights [I, D]. The GEMV kernels run it in SPLIT programs of their own for each
+    row block, numbered first (pair numbers p in [-SPLIT, 0)) and so launched first, since each runs
+    its N tokens one after another."""
     s = p + SPLIT
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
@@ -608,23 +612,37 @@ def _shared_gate_up(x_ptr, hs_ptr, sg_ptr, su_ptr, N, p, pid_n, D: tl.constexpr,
                 uw = tl.load(su_ptr + n[:, None] * D + k, mask=ok, other=0.0)
             acc_g += gw.to(tl.float32) * xv
             acc_u += uw.to(tl.float32) * xv
-        tl.store(hs_ptr + (s * N + t) * I + n, tl.sum(acc_g, 1), mask=n_ok)
-        tl.store(hs_ptr + ((SPLIT + s) * N + t) * I + n, tl.sum(acc_u, 1), mask=n_ok)
+        tl.store(part_ptr + (s * N + t) * I + n, tl.sum(acc_g, 1), mask=n_ok)
+        tl.store(part_ptr + ((SPLIT + s) * N + t) * I + n, tl.sum(acc_u, 1), mask=n_ok)
+    _shared_h(part_ptr, hs_ptr, count_ptr, N, pid_n, n, n_ok, I, SPLIT)
 
 
 @_jit
-def _shared_down(hs_ptr, sd_ptr, N, token, n, n_ok, I: tl.constexpr, SPLIT: tl.constexpr, I_PAD: tl.constexpr):
-    """The bf16 shared expert's down rows n for one token, fp32 [BLOCK_N]: h = silu(g) * u from
-    _shared_gate_up's SPLIT partial sums hs [2, SPLIT, N, I], times its down weights sd_ptr [D, I]
-    (I_PAD: a power of two >= I)."""
+def _shared_h(part_ptr, hs_ptr, count_ptr, N, pid_n, n, n_ok, I: tl.constexpr, SPLIT: tl.constexpr):
+    """Once this split's partial sums are stored: the last of row block pid_n's SPLIT programs to finish
+    adds every split's g and u (part [2, SPLIT, N, I]) in split order and stores h = silu(g) * u into
+    hs [N, I] at rows n, for every token; it resets the row block's counter count_ptr[pid_n] to 0."""
+    tl.debug_barrier()                                  # every thread's stores before the counter's release
+    if tl.atomic_add(count_ptr + pid_n, 1) == SPLIT - 1:   # the other splits are stored: add them
+        tl.atomic_xchg(count_ptr + pid_n, 0)
+        for t in range(N):
+            g = tl.zeros(n.shape, tl.float32)
+            u = tl.zeros(n.shape, tl.float32)
+            for s in tl.static_range(SPLIT):            # in split order (.cg: from L2, never a stale L1 line)
+                g += tl.load(part_ptr + (s * N + t) * I + n, mask=n_ok, other=0.0, cache_modifier=".cg")
+                u += tl.load(part_ptr + ((SPLIT + s) * N + t) * I + n, mask=n_ok, other=0.0, cache_modifier=".cg")
+            tl.store(hs_ptr + t * I + n, g / (1.0 + tl.exp(-g)) * u, mask=n_ok)
+
+
+@_jit
+def _shared_down(hs_ptr, sd_ptr, token, n, n_ok, I: tl.constexpr, I_PAD: tl.constexpr):
+    """The bf16 shared expert's down rows n for one token, fp32 [BLOCK_N]: its down weights sd_ptr
+    [D, I] times the token's h = silu(g) * u, row `token` of gate_up's hs [N, I] fp32 (_shared_h;
+    I_PAD: a power of two >= I)."""
     i = tl.arange(0, I_PAD)[None, :]
-    g = tl.zeros([1, I_PAD], tl.float32)
-    u = tl.zeros([1, I_PAD], tl.float32)
-    for s in tl.static_range(SPLIT):
-        g += tl.load(hs_ptr + (s * N + token) * I + i, mask=i < I, other=0.0)
-        u += tl.load(hs_ptr + ((SPLIT + s) * N + token) * I + i, mask=i < I, other=0.0)
+    h = tl.load(hs_ptr + token * I + i, mask=i < I, other=0.0)
     wt = tl.load(sd_ptr + n[:, None] * I + i, mask=n_ok[:, None] & (i < I), other=0.0).to(tl.float32)
-    return tl.sum(wt * (g / (1.0 + tl.exp(-g)) * u), 1)
+    return tl.sum(wt * h, 1)
 
 
 @_jit
@@ -633,8 +651,9 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
                              TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                              P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-                             UNROLL: tl.constexpr, SCALE_PER_ROW: tl.constexpr, hs_ptr, sg_ptr, su_ptr, N,
-                             SPLIT: tl.constexpr, SHARED_K: tl.constexpr, EVEN_SHARED: tl.constexpr):
+                             UNROLL: tl.constexpr, SCALE_PER_ROW: tl.constexpr, part_ptr, hs_ptr, count_ptr,
+                             sg_ptr, su_ptr, N, SPLIT: tl.constexpr, SHARED_K: tl.constexpr,
+                             EVEN_SHARED: tl.constexpr):
     """h[p, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) * route_w[p] for pair p = n*K + k, e = ids[p]
     (plain and FP8 weights).
 
@@ -642,13 +661,14 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
     fp32 [P]. g_ptr / u_ptr, gs_ptr / us_ptr: gate and up weights and scales, [E, I, D] as
     ExpertWeights (same strides). P_PAD: a power of two >= P. Grid: (cdiv(I, BLOCK_N), SPLIT + P);
     pair p is program SPLIT + p, and only a leader program works. SPLIT > 0: the first SPLIT programs
-    of each row block take a bf16 shared expert (_shared_gate_up; hs_ptr, sg_ptr, su_ptr, N: its
-    arguments; SHARED_K columns a step)."""
+    of each row block take a bf16 shared expert (_shared_gate_up; part_ptr, hs_ptr, count_ptr, sg_ptr,
+    su_ptr, N: its arguments; SHARED_K columns a step)."""
     _wait_for_prior()
     pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
         if p < 0:
-            _shared_gate_up(v_ptr, hs_ptr, sg_ptr, su_ptr, N, p, pid_n, D, I, SPLIT, BLOCK_N, SHARED_K, EVEN_SHARED)
+            _shared_gate_up(v_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n, D, I, SPLIT, BLOCK_N,
+                            SHARED_K, EVEN_SHARED)
             return
     same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
     if not leader:
@@ -686,11 +706,12 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
                           TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-                          SCALE_PER_ROW: tl.constexpr, hs_ptr, sd_ptr, N, SPLIT: tl.constexpr, I_PAD: tl.constexpr):
+                          SCALE_PER_ROW: tl.constexpr, hs_ptr, sd_ptr, SHARED: tl.constexpr, I_PAD: tl.constexpr):
     """out[n, d] = sum_k (down[e] @ h[n*K + k])[d], e = ids[n*K + k] (route weights are in h; plain and FP8).
 
     h_ptr: fp32 [P, I] from gate_up. out_ptr: [N, D], x's dtype. w_ptr / s_ptr: down weights and
-    scales, [E, D, I] as ExpertWeights. SPLIT > 0: a bf16 shared expert too, weight 1 (_shared_down).
+    scales, [E, D, I] as ExpertWeights. SHARED: a bf16 shared expert too, weight 1 (_shared_down; hs_ptr,
+    sd_ptr: its arguments).
     Grid: (N, cdiv(D, BLOCK_N))."""
     _wait_for_prior()
     token, pid_n = tl.program_id(0), tl.program_id(1)
@@ -709,8 +730,8 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
     if SUB > 1:
         y = tl.sum(tl.reshape(y, [BLOCK_N, SUB]), 1)
     d = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if SPLIT > 0:
-        y += _shared_down(hs_ptr, sd_ptr, N, token, d, d < D, I, SPLIT, I_PAD)
+    if SHARED:
+        y += _shared_down(hs_ptr, sd_ptr, token, d, d < D, I, I_PAD)
     tl.store(out_ptr + token.to(tl.int64) * D + d, y.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
@@ -786,7 +807,8 @@ def _gate_up_products(gw, gs, uw, us, v, start, magic, W: tl.constexpr, BLOCK_W:
 
 @_jit
 def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, P,
-                                  stride_we, stride_wn, stride_se, stride_sr, magic, x_ptr, hs_ptr, sg_ptr, su_ptr, N,
+                                  stride_we, stride_wn, stride_se, stride_sr, magic, x_ptr, part_ptr, hs_ptr,
+                                  count_ptr, sg_ptr, su_ptr, N,
                                   TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
                                   P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                                   EVEN: tl.constexpr, SPLIT: tl.constexpr, SHARED_K: tl.constexpr,
@@ -795,14 +817,15 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
     (plane j = elements 8w + j), h written in plane order (element i of row p at (i % 8) * I/8 + i // 8),
     the planes down reads. BLOCK_W words (8 BLOCK_W elements) a step; EVEN: the blocks divide I and D/8,
     so no load is masked. Grid: (cdiv(I, BLOCK_N), SPLIT + P): the first SPLIT programs of each row block take
-    the bf16 shared expert (_shared_gate_up; x_ptr, hs_ptr, sg_ptr, su_ptr, N: its arguments; SPLIT 0:
-    none; SHARED_K bf16 columns a step), launched first since each runs its N tokens one after another;
-    pair p is program SPLIT + p."""
+    the bf16 shared expert (_shared_gate_up; x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N: its
+    arguments; SPLIT 0: none; SHARED_K bf16 columns a step), launched first since each runs its N tokens
+    one after another; pair p is program SPLIT + p."""
     _wait_for_prior()
     pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
         if p < 0:
-            _shared_gate_up(x_ptr, hs_ptr, sg_ptr, su_ptr, N, p, pid_n, D, I, SPLIT, BLOCK_N, SHARED_K, EVEN_SHARED)
+            _shared_gate_up(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n, D, I, SPLIT, BLOCK_N,
+                            SHARED_K, EVEN_SHARED)
             return
     same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
     if not leader:
@@ -839,15 +862,15 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
 
 @_jit
 def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we, stride_wn, stride_se, stride_sr, magic,
-                               hs_ptr, sd_ptr, N,
+                               hs_ptr, sd_ptr,
                                TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr,
-                               SPLIT: tl.constexpr, I_PAD: tl.constexpr):
+                               SHARED: tl.constexpr, I_PAD: tl.constexpr):
     """_moe_gemv_down_kernel for INT4 weights, h in plane order (gate_up's). A tile's columns are the
     token's K experts' words side by side (column c: expert slot c // (I/8), word c % (I/8)), BLOCK_C
-    columns a step. SPLIT > 0: the bf16 shared expert too, weight 1: h = silu(g) * u from gate_up's
-    SPLIT partial sums hs [2, SPLIT, N, I], times its down weights sd_ptr [D, I] (I_PAD: a power of
-    two >= I). Grid: (N, cdiv(D, BLOCK_N))."""
+    columns a step. SHARED: the bf16 shared expert too, weight 1 (_shared_down: gate_up's h = silu(g) * u
+    hs [N, I] fp32 times its down weights sd_ptr [D, I]; I_PAD: a power of two >= I).
+    Grid: (N, cdiv(D, BLOCK_N))."""
     _wait_for_prior()
     token, pid_n = tl.program_id(0), tl.program_id(1)
     W: tl.constexpr = I // 8
@@ -876,8 +899,8 @@ def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we,
             t += _nibble(words, high, j, magic) * _plane(h_row, j, W, c < TOPK * W, EVEN)
         acc += t * s.to(tl.float32)
     y = tl.sum(acc, 1)
-    if SPLIT > 0:
-        y += _shared_down(hs_ptr, sd_ptr, N, token, n, n_ok, I, SPLIT, I_PAD)
+    if SHARED:
+        y += _shared_down(hs_ptr, sd_ptr, token, n, n_ok, I, I_PAD)
     tl.store(out_ptr + token.to(tl.int64) * D + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
 
 
@@ -899,16 +922,22 @@ SHARED_SPLIT = {"int4": 4, "fp8": 2}   # a bf16 shared expert's gate and up spli
 
 
 def _shared_args(shared, fmt, N, I, D, block_n, warps, placeholder):
-    """The GEMV launches' arguments for fused_moe's shared expert: (gate_up's, down's) extra arguments,
-    each a (positional tuple, constexpr dict); none there: SPLIT 0 and `placeholder` for the pointers
-    (never read)."""
+    """The GEMV launches' keyword arguments for fused_moe's shared expert: (gate_up's, down's); none
+    there: SPLIT 0, SHARED False and `placeholder` for the pointers (never read). block_n, warps:
+    gate_up's; each of its row blocks takes one of the shared counters."""
+    dev = placeholder.device
+    if shared and triton.cdiv(I, block_n) > COUNTERS:
+        raise ValueError(f"fused_moe: the shared expert's {I} rows make more than {COUNTERS} row blocks of {block_n}")
     split = SHARED_SPLIT[fmt] if shared else 0
-    hs = torch.empty(2, split, N, I, dtype=torch.float32, device=placeholder.device) if shared else placeholder
+    part = torch.empty(2, split, N, I, dtype=torch.float32, device=dev) if shared else placeholder
+    hs = torch.empty(N, I, dtype=torch.float32, device=dev) if shared else placeholder    # silu(g) * u
     sg, su, sd = shared or (placeholder,) * 3
+    count = _counters(dev) if shared else placeholder
     step = max(16, 256 * warps // block_n)                   # columns a step: 16 bytes of bf16 a thread
     even = bool(split) and I % block_n == 0 and D % (split * step) == 0
-    gate_up = (hs, sg, su, N), dict(SPLIT=split, SHARED_K=step, EVEN_SHARED=even)
-    return gate_up, ((hs, sd, N), dict(SPLIT=split, I_PAD=triton.next_power_of_2(I)))
+    gate_up = dict(part_ptr=part, hs_ptr=hs, count_ptr=count, sg_ptr=sg, su_ptr=su, N=N, SPLIT=split, SHARED_K=step,
+                   EVEN_SHARED=even)
+    return gate_up, dict(hs_ptr=hs, sd_ptr=sd, SHARED=bool(shared), I_PAD=triton.next_power_of_2(I))
 
 
 def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None):
@@ -919,19 +948,19 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None):
     v = torch.empty(N, 8, D // 8, dtype=torch.float32, device=dev).copy_(x.view(N, D // 8, 8).transpose(1, 2))
     h = torch.empty(P, I, dtype=torch.float32, device=dev)                  # [P, I], route weight in
     bn, bw, warps = cfg["gate_up"]
-    (sh_args, sh_const), (sd_args, sd_const) = _shared_args(shared, "int4", N, I, D, bn, warps, h)
+    sh_gate_up, sh_down = _shared_args(shared, "int4", N, I, D, bn, warps, h)
     s = gate.data.stride(), gate.scale.stride()
-    _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), sh_const["SPLIT"] + P)](
+    _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, P, s[0][0], s[0][1], s[1][0], s[1][1], MAGIC,
-        x, *sh_args, TOPK=K, D=D, I=I, GROUP=gate.group, P_PAD=max(16, triton.next_power_of_2(P)),
-        BLOCK_N=bn, BLOCK_W=bw, EVEN=I % bn == 0 and D % (8 * bw) == 0, **sh_const, launch_pdl=PDL, num_warps=warps)
+        x, TOPK=K, D=D, I=I, GROUP=gate.group, P_PAD=max(16, triton.next_power_of_2(P)),
+        BLOCK_N=bn, BLOCK_W=bw, EVEN=I % bn == 0 and D % (8 * bw) == 0, **sh_gate_up, launch_pdl=PDL, num_warps=warps)
     bn, bc, warps = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     s = down.data.stride(), down.scale.stride()
     _moe_gemv_int4_down_kernel[(N, triton.cdiv(D, bn))](
-        h, out, ids, down.data, down.scale, s[0][0], s[0][1], s[1][0], s[1][1], MAGIC, *sd_args,
+        h, out, ids, down.data, down.scale, s[0][0], s[0][1], s[1][0], s[1][1], MAGIC,
         TOPK=K, D=D, I=I, GROUP=down.group, BLOCK_N=bn, BLOCK_C=bc, EVEN=D % bn == 0 and K * I // 8 % bc == 0,
-        **sd_const, launch_pdl=PDL, num_warps=warps)
+        **sh_down, launch_pdl=PDL, num_warps=warps)
     return out
 
 
@@ -944,18 +973,17 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None):
     bn, bk, unroll, warps, sub = cfg["gate_up"]
     h = torch.empty(P, I, dtype=torch.float32, device=dev)                  # [P, I], route weight in
     gs, strides, offs, const = _gemv_args(gate, bk, sub)
-    (sh_args, sh_const), (sd_args, sd_const) = _shared_args(shared, fmt, N, I, D, bn, warps, h)
-    _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), sh_const["SPLIT"] + P)](
+    sh_gate_up, sh_down = _shared_args(shared, fmt, N, I, D, bn, warps, h)
+    _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         x, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
         TOPK=K, D=D, I=I, FMT=FORMATS[fmt], P_PAD=max(16, triton.next_power_of_2(P)), BLOCK_N=bn, BLOCK_K=bk,
-        UNROLL=unroll, **const, hs_ptr=sh_args[0], sg_ptr=sh_args[1], su_ptr=sh_args[2], N=N, **sh_const,
-        launch_pdl=PDL, num_warps=warps)
+        UNROLL=unroll, **const, **sh_gate_up, launch_pdl=PDL, num_warps=warps)
     bn, bk, warps, sub = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     ds, strides, offs, const = _gemv_args(down, bk, sub)
     _moe_gemv_down_kernel[(N, triton.cdiv(D, bn))](
         h, out, ids, down.data, ds, *strides, *offs, TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn, BLOCK_K=bk,
-        **const, hs_ptr=sd_args[0], sd_ptr=sd_args[1], N=N, **sd_const, launch_pdl=PDL, num_warps=warps)
+        **const, **sh_down, launch_pdl=PDL, num_warps=warps)
     return out
 
 

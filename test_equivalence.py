@@ -335,6 +335,42 @@ def test_fused_moe_gemv_int4_even_and_masked_blocks():
 
 
 @triton_runs
+@pytest.mark.parametrize("quant", ["int4", "fp8"])
+def test_fused_moe_gemv_shared_h_made_once(quant, monkeypatch):
+    """The shared expert's h = silu(g) * u is made once a row block, by the last of its split programs
+    to finish (a shared atomic counter): calls in a row with other tokens (a counter left non-zero would
+    make a later call's last program the wrong one) each equal the plain sum, with masked rows and
+    without, repeat bitwise, leave the counters zero; more row blocks than counters are refused."""
+    qc = "int4" if quant == "int4" else model.fp8_quantization_config((128, 128))
+    D = 96 if quant == "int4" else 256
+    args = tiny(n_routed_experts=16, num_experts_per_tok=4, hidden_size=D, moe_intermediate_size=192,
+                quantization_config=qc)
+    experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, torch.float32), 0).experts
+    weights = [kernels.expert_weights(getattr(experts, p)) for p in ("gate_proj", "up_proj", "down_proj")]
+    I, g = weights[0].shape[1], torch.Generator().manual_seed(1)
+    shared = [torch.randn(*s, generator=g).to(TRITON_DEVICE) / 8 for s in ((I, D), (I, D), (D, I))]
+    # I 96 a rank: 32 rows a block divide it, 64 leave the second block's rows masked
+    blocks = ([dict(gate_up=(32, 4, 4), down=(32, 32, 4)), dict(gate_up=(64, 4, 4), down=(32, 32, 4))]
+              if quant == "int4" else [dict(gate_up=(32, 64, 1, 4, 1), down=(64, 64, 4, 1)),
+                                       dict(gate_up=(64, 64, 2, 4, 2), down=(32, 64, 4, 2))])
+    for cfg in blocks:
+        for N in (3, 1, 4):
+            ids, w = routing("random", N, 4, 16, g, TRITON_DEVICE)
+            x = torch.randn(N, D, generator=g).to(TRITON_DEVICE)
+            want = (model.Experts.forward(experts, x, ids, w)
+                    + (F.silu(x @ shared[0].T) * (x @ shared[1].T)) @ shared[2].T)
+            got = kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=shared, configs=cfg)
+            what = f"GEMV {quant} + shared, {N} tokens, {cfg}"
+            assert_close(got, want, 1e-5 * want.abs().max().item(), what)
+            assert not kernels._counters(x.device).any(), f"{what}: the last programs leave the counters 0"
+        again = kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=shared, configs=cfg)
+        assert torch.equal(again, got), f"GEMV {quant} + shared, {cfg}: a second call differs"
+    monkeypatch.setattr(kernels, "COUNTERS", 2)
+    with pytest.raises(ValueError, match="more than 2 row blocks"):
+        kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=shared, configs=blocks[0])
+
+
+@triton_runs
 def test_fused_moe_rule_picks_gemv_for_few_pairs(monkeypatch):
     """The model's fused path runs the GEMV variant up to GEMV_MAX_TOKENS tokens and tiles above: a
     rule on shapes (never on routed values), so one captured graph always replays one variant."""
