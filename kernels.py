@@ -409,7 +409,7 @@ def _check_shared(shared, fmt, variant, I, D, dtype):
                          f"[{I}, {D}], [{I}, {D}], [{D}, {I}] in x's dtype {dtype}")
 
 
-def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, shared=None):
+def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, shared=None, planes=None):
     """Routed experts in one pass over each distinct expert's weights:
     y[n] = sum_k route_w[n, k] * down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])),  e = ids[n, k].
 
@@ -421,7 +421,9 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
     configs: override the variant's block sizes (the benchmark's sweep). shared: (gate [I, D], up
     [I, D], down [D, I]) tensors in x's dtype, a shared expert added to every token with weight 1,
     in the same launches (INT4 and FP8 experts through the GEMV variant only: the bf16 shared expert of
-    Kimi-K2.5, and of Kimi-K2-Instruct's FP8 checkpoint, dequantized at load)."""
+    Kimi-K2.5, and of Kimi-K2-Instruct's FP8 checkpoint, dequantized at load). planes: x already as
+    the INT4 GEMV's activation planes (nibble_planes; router_topk writes them beside its logits), read
+    instead of permuting x again; the other variants and formats ignore them."""
     if x.dim() != 2 or ids.shape != route_w.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
         raise ValueError(f"fused_moe: x {list(x.shape)}, ids {list(ids.shape)}, route_w {list(route_w.shape)}: "
                          "expected [N, D], [N, K], [N, K]")
@@ -439,10 +441,12 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
                          f"{GEMV_MAX_PAIRS} pairs")
     if shared is not None:
         _check_shared(shared, fmt, variant, I, D, x.dtype)
+    if planes is not None:
+        _check_planes(planes, x)
     x, ids, route_w = x.contiguous(), ids.reshape(-1).contiguous(), route_w.reshape(-1).float().contiguous()
     if variant == "gemv":
         cfg = {**_gemv_configs(fmt, N, x.is_cuda), **(configs or {})}
-        return _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared)
+        return _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared, planes)
     cfg = {**_configs(fmt, P, x.is_cuda), **(configs or {})}
     max_tiles = min(E, P) + P // BLOCK_M                                    # see the section comment
     sorted_pair = torch.empty(max_tiles * BLOCK_M, dtype=torch.int32, device=dev)
@@ -492,8 +496,8 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
 # as norm_gemv's) adds the splits in split order and stores h = silu(g) * u once, fp32 [N, I]
 # (_shared_h), and each down program adds its rows from that one vector a token (_shared_down).
 # INT4 without unpacking to natural order: nibble j of word w is element 8w + j, so the activation
-# comes as 8 planes (plane j = elements 8w + j, contiguous in w: x is permuted once per call, h is
-# written that way by gate_up) and each plane meets nibble j of the same words. A nibble becomes a
+# comes as 8 planes (plane j = elements 8w + j, contiguous in w: x is permuted once per call, or
+# the router kernel wrote them beside its logits; h is written that way by gate_up) and each plane meets nibble j of the same words. A nibble becomes a
 # float by the exponent trick (_nibble), and the group scale multiplies each word's 8 products once.
 # The INT4 kernels are their own (see above _nibble): whole 16-byte words a thread, unmasked where
 # the shapes divide, the next step's words in flight, down's K experts in one tile.
@@ -940,12 +944,29 @@ def _shared_args(shared, fmt, N, I, D, block_n, warps, placeholder):
     return gate_up, dict(hs_ptr=hs, sd_ptr=sd, SHARED=bool(shared), I_PAD=triton.next_power_of_2(I))
 
 
-def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None):
-    """The GEMV variant for INT4 weights (see _fused_moe_gemv); shared: fused_moe's."""
+def nibble_planes(x):
+    """x [N, D] as the INT4 GEMV kernels read an activation: 8 fp32 planes [N, 8, D/8], plane j =
+    elements 8w + j (a torch copy, one launch)."""
+    N, D = x.shape
+    return torch.empty(N, 8, D // 8, dtype=torch.float32, device=x.device).copy_(
+        x.reshape(N, D // 8, 8).transpose(1, 2))
+
+
+def _check_planes(planes, x):
+    """fused_moe's and router_topk's planes: an fp32 [N, 8, D/8] contiguous tensor on x's device."""
+    N, D = x.shape
+    if (D % 8 or planes.shape != (N, 8, D // 8) or planes.dtype != torch.float32 or not planes.is_contiguous()
+            or planes.device != x.device):
+        raise ValueError(f"planes must be a contiguous float32 [{N}, 8, {D // 8}] tensor on {x.device} for x "
+                         f"{list(x.shape)} (D a multiple of 8), got {planes.dtype} {list(planes.shape)} on "
+                         f"{planes.device}")
+
+
+def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, planes=None):
+    """The GEMV variant for INT4 weights (see _fused_moe_gemv); shared, planes: fused_moe's."""
     (N, D), P, I, dev = x.shape, ids.numel(), gate.shape[1], x.device
     K = P // N
-    # the activation as 8 planes, plane j = elements 8w + j: [N, 8, D/8] fp32
-    v = torch.empty(N, 8, D // 8, dtype=torch.float32, device=dev).copy_(x.view(N, D // 8, 8).transpose(1, 2))
+    v = nibble_planes(x) if planes is None else planes
     h = torch.empty(P, I, dtype=torch.float32, device=dev)                  # [P, I], route weight in
     bn, bw, warps = cfg["gate_up"]
     sh_gate_up, sh_down = _shared_args(shared, "int4", N, I, D, bn, warps, h)
@@ -964,10 +985,10 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None):
     return out
 
 
-def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None):
+def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None, planes=None):
     """The GEMV variant (see its section); arguments as fused_moe's, already checked and flattened."""
     if fmt == "int4":
-        return _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared)
+        return _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared, planes)
     (N, D), P, I, dev = x.shape, ids.numel(), gate.shape[1], x.device
     K = P // N
     bn, bk, unroll, warps, sub = cfg["gate_up"]
@@ -1299,16 +1320,20 @@ def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, position
 # "uniform") the choice is fixed instead: pair j = n*K + i of the N*K token-expert pairs goes to
 # expert j mod E, weighed by that expert's unbiased score, normalized and scaled as usual; the
 # logits are computed as always (their cost stays), only the top-k rounds are skipped.
+# Every token meets the program's one weight tile in turn, so the tile (ROUTER_TILE elements, the
+# bytes a program has in flight) does not shrink with the tokens: a verify's router is one step a
+# program, as a decode's. Beside INT4 experts the kernel also writes x as the INT4 GEMV's activation
+# planes (router_topk's planes; SharedExpertInLaunch), which saves fused_moe its permute launch.
 # Measured (H200, graphs, weights past the L2, 2026-12-01, benchmarks/h200_issue25_small_ab.json),
 # us at 1 / 4 tokens against the two kernels before (logits, then a select program a token): 128
 # experts 7.4 / 10.8 against 9.2 / 17.0; 384 experts 9.7 / 22.0 against 12.0 / 21.0 (there one
 # program selecting for 4 tokens costs more than the launch it saves). Floors 0.9 and 2.6 us.
 
 ROUTER_GEMV_MAX_TOKENS = 16
-ROUTER_SPLIT_D = 8          # D slices, at most: one step of ROUTER_TILE a program at decode (7 slices of 1024:
-#                             112 programs for 128 experts, 336 for 384; 4 slices left 64 programs at 128)
+ROUTER_SPLIT_D = 8          # D slices, at most: one step of ROUTER_TILE a program (7 slices of 1024: 112
+#                             programs for 128 experts, 336 for 384; 4 slices left 64 programs at 128)
 ROUTER_BLOCK_E = 8
-ROUTER_TILE = 8192          # elements of the [tokens, experts, D] product a program holds at once
+ROUTER_TILE = 8192          # elements of the [experts, D] weight tile a program holds (64 fp32 a thread on 4 warps)
 COUNTERS = 4096             # the shared counters of the kernels that end in a last program (router, norm_gemv)
 
 
@@ -1320,27 +1345,34 @@ def _counters(device):
 
 
 @_jit
-def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_ptr, N, E, D, d_per_split,
+def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_ptr, v_ptr, N, E, D, d_per_split,
                    s_xn, s_we, s_ps, s_pn, s_idn, s_wn, E_PER_G, G, scale,
-                   SPLITS: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
+                   SPLITS: tl.constexpr, PLANES: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
                    GROUPED: tl.constexpr, UNIFORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
                    BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
                    BLOCK_K: tl.constexpr):
     """part[j, n, e] = sum over d in slice j of x[n, d] * W[e, d] in float32, then, in the last
     program, _router_select over all N (<= BLOCK_N) tokens. x [N, D] (any float dtype), W [E, D]
-    float32, part [SPLITS, N, E] float32 (last dims contiguous), count one int32 zero.
-    Grid: (cdiv(E, BLOCK_E), SPLITS)."""
+    float32, part [SPLITS, N, E] float32 (last dims contiguous), count one int32 zero. PLANES: the
+    programs of expert block 0 also write their slice of x as fp32 nibble planes v [N, 8, D/8]
+    (plane j = elements 8w + j: the INT4 GEMV's activation, fused_moe's planes). Grid:
+    (cdiv(E, BLOCK_E), SPLITS)."""
     _wait_for_prior()
     eb, j = tl.program_id(0), tl.program_id(1)
     e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     n = tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
     d_end = tl.minimum((j + 1) * d_per_split, D)
-    for d0 in range(j * d_per_split, d_end, BLOCK_D):
+    for d0 in range(j * d_per_split, d_end, BLOCK_D):   # one step a program up to ROUTER_GEMV_MAX_TOKENS tokens
         d = d0 + tl.arange(0, BLOCK_D)
         w = tl.load(w_ptr + e[:, None] * s_we + d[None, :], mask=(e < E)[:, None] & (d < d_end)[None, :], other=0.0)
-        x = tl.load(x_ptr + n[:, None] * s_xn + d[None, :], mask=(n < N)[:, None] & (d < d_end)[None, :], other=0.0)
-        acc += tl.sum(x.to(tl.float32)[:, None, :] * w[None, :, :], 2)                # [BLOCK_N, BLOCK_E]
+        for i in tl.static_range(BLOCK_N):              # each token against the same weight tile
+            ok = (i < N) & (d < d_end)[None, :]
+            x = tl.load(x_ptr + i * s_xn + d[None, :], mask=ok, other=0.0).to(tl.float32)          # [1, BLOCK_D]
+            acc = tl.where(n[:, None] == i, acc + tl.sum(x * w, 1)[None, :], acc)          # [BLOCK_N, BLOCK_E]
+            if PLANES:
+                if eb == 0:
+                    tl.store(v_ptr + i * D + (d % 8 * (D // 8) + d // 8)[None, :], x, mask=ok)
     tl.store(part_ptr + j * s_ps + n[:, None] * s_pn + e[None, :], acc, mask=(n < N)[:, None] & (e < E)[None, :])
     tl.debug_barrier()                                  # every thread's stores before the counter's release
     if tl.atomic_add(count_ptr, 1) == tl.num_programs(0) * tl.num_programs(1) - 1:
@@ -1435,12 +1467,14 @@ def _top_k(score, bias_ptr, e, ok, j, G, E_PER_G, k, K: tl.constexpr, TOPK_GROUP
 
 
 def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling, uniform=False,
-                shared_slot=False):
+                shared_slot=False, planes=None):
     """model.Router.forward in one kernel (past ROUTER_GEMV_MAX_TOKENS tokens: cuBLAS's logits and
     a selection kernel): x [N, D], weight [E, D] float32, bias [E] float32 -> ids int64 [N, K],
     weights float32 [N, K]. uniform: SIMULATED balanced routing (pair j = n*K + i to expert j mod
     E), as model.Router's routing "uniform"; shared_slot: a column K more, expert E with weight 1
-    (the shared expert in the fused MoE launch); both in the same kernels."""
+    (the shared expert in the fused MoE launch); both in the same kernels. planes: an fp32 [N, 8,
+    D/8] tensor that receives x as the INT4 GEMV's activation planes (fused_moe's planes), written by
+    the same kernel (past ROUTER_GEMV_MAX_TOKENS: a copy)."""
     N, D = x.shape
     E = weight.shape[0]
     if weight.dtype != torch.float32 or bias.dtype != torch.float32 or weight.shape != (E, D) or bias.shape != (E,):
@@ -1448,6 +1482,8 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
                          f"{list(weight.shape)} and {bias.dtype} {list(bias.shape)} (float64: use the plain path)")
     if E % n_group or not 1 <= topk_group <= n_group or top_k > E // n_group * topk_group:
         raise ValueError(f"router_topk: {E} experts in {n_group} groups, {topk_group} kept, cannot give top {top_k}")
+    if planes is not None:
+        _check_planes(planes, x)
     ids = torch.empty(N, top_k + bool(shared_slot), device=x.device, dtype=torch.int64)
     weights = torch.empty(N, top_k + bool(shared_slot), device=x.device, dtype=torch.float32)
     if N == 0:
@@ -1459,18 +1495,20 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
         logits = torch.nn.functional.linear(x.float(), weight)
         _router_select_kernel[(N,)](logits, bias, ids, weights, N, logits.stride(0), ids.stride(0), weights.stride(0),
                                     E // n_group, n_group, float(scaling), **select, launch_pdl=PDL, num_warps=4)
+        if planes is not None:
+            planes.copy_(nibble_planes(x))
         return ids, weights
     x = x if x.stride(-1) == 1 else x.contiguous()
     block_n = _pow2(N, 1)
-    block_d = max(64, ROUTER_TILE // (block_n * ROUTER_BLOCK_E))
+    block_d = ROUTER_TILE // ROUTER_BLOCK_E
     d_per_split = triton.cdiv(triton.cdiv(D, ROUTER_SPLIT_D), block_d) * block_d
     splits = triton.cdiv(D, d_per_split)
     part = torch.empty(splits, N, E, device=x.device, dtype=torch.float32)
     _router_kernel[(triton.cdiv(E, ROUTER_BLOCK_E), splits)](
-        x, weight, part, _counters(x.device), bias, ids, weights, N, E, D, d_per_split, x.stride(0),
-        weight.stride(0), part.stride(0), part.stride(1), ids.stride(0), weights.stride(0), E // n_group, n_group,
-        float(scaling), SPLITS=splits, BLOCK_N=block_n, BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select,
-        launch_pdl=PDL, num_warps=4 if N <= 8 else 8)   # 16 tokens' selection on 4 warps spills (ptxas: 255 registers)
+        x, weight, part, _counters(x.device), bias, ids, weights, part if planes is None else planes, N, E, D,
+        d_per_split, x.stride(0), weight.stride(0), part.stride(0), part.stride(1), ids.stride(0), weights.stride(0),
+        E // n_group, n_group, float(scaling), SPLITS=splits, PLANES=planes is not None, BLOCK_N=block_n,
+        BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select, launch_pdl=PDL, num_warps=4 if N <= 8 else 8)   # 16 tokens' selection on 4 warps spills (ptxas: 255 registers)
     return ids, weights
 
 
@@ -2026,11 +2064,11 @@ class RouterKernel(model.Router):
     shared_slot: one more column, expert E with weight 1 for every token ([N, K + 1]), made in the
     same kernel (SharedExpertInLaunch)."""
 
-    def forward(self, x, shared_slot=False):
+    def forward(self, x, shared_slot=False, planes=None):
         a = self.args
         return launch.router_topk(x, self.weight, self.e_score_correction_bias, a.num_experts_per_tok,
                                   a.n_group, a.topk_group, a.norm_topk_prob, a.routed_scaling_factor,
-                                  uniform=self.routing == "uniform", shared_slot=shared_slot)
+                                  uniform=self.routing == "uniform", shared_slot=shared_slot, planes=planes)
 
 
 def with_shared_slot(ids, weights, E):
@@ -2110,18 +2148,19 @@ class FusedExperts(GroupedExperts):
         return (x.shape[0] <= self.FUSED_MAX_TOKENS or self.quantized
                 or not grouped_mm_available(x.device, x.dtype))
 
-    def forward(self, x, ids, weights, stacked=None, shared=None):
+    def forward(self, x, ids, weights, stacked=None, shared=None, planes=None):
         """stacked: SharedExpertInLaunch's [E + 1, ...] tensors, for ids that may name expert E; shared:
-        its bf16 shared expert's weights beside INT4 experts (fused_moe's shared)."""
+        its bf16 shared expert's weights beside INT4 or FP8 experts, planes: x as the router kernel
+        wrote it for INT4 experts (fused_moe's shared and planes)."""
         if self.runs_fused(x):
             # torch.compile (run.py --compile) leaves the Triton launches alone: a graph break here
             # (around the whole of fused, which also builds the kernel's weight descriptors)
-            return torch.compiler.disable(self.fused)(x, ids, weights, stacked, shared=shared)
+            return torch.compiler.disable(self.fused)(x, ids, weights, stacked, shared=shared, planes=planes)
         return super().forward(x, ids, weights)
 
-    def fused(self, x, ids, weights, stacked=None, variant=None, shared=None):  # variant: fused_moe's
+    def fused(self, x, ids, weights, stacked=None, variant=None, shared=None, planes=None):  # variant: fused_moe's
         projs = stacked or [getattr(self, p) for p in ("gate_proj", "up_proj", "down_proj")]
-        return fused_moe(x, ids, weights, *map(expert_weights, projs), variant=variant, shared=shared)
+        return fused_moe(x, ids, weights, *map(expert_weights, projs), variant=variant, shared=shared, planes=planes)
 
 
 class SharedExpertInLaunch(AttachAgain, model.MoE):
@@ -2130,7 +2169,9 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
     [E + 1, ...] tensors, both modules' parameters becoming views of them, so a checkpoint loaded
     afterwards lands there under the same names. INT4 or FP8 routed experts (Kimi-K2.5; Kimi-K2-Instruct's
     FP8 checkpoint, whose shared expert is dequantized to bf16 at load): the GEMV launches take its
-    weights beside theirs (fused_moe's shared), where the rule picks the GEMV variant. Elsewhere (past
+    weights beside theirs (fused_moe's shared), where the rule picks the GEMV variant; beside INT4 ones the
+    router kernel, where it is swapped in, also writes the activation planes they read (fused_moe's
+    planes), so the launch that permutes x goes. Elsewhere (past
     FusedExperts' token limit, quantized tiles) the plain sum runs, the shared expert alone."""
 
     def attach(self):
@@ -2151,8 +2192,13 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
         if not ex.runs_fused(x) or (ex.quantized and gemv_rule(self.fmt(), x.shape[0], K) != "gemv"):
             return super().partial_sum(x)
         if self.stacked is None:
-            ids, weights = self.gate(x)
-            return ex(x, ids, weights, shared=[sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight])
+            # INT4 experts read x as nibble planes: the router kernel writes them, one launch less
+            planes = None
+            if isinstance(self.gate, RouterKernel) and self.fmt() == "int4":
+                planes = torch.empty(x.shape[0], 8, x.shape[1] // 8, dtype=torch.float32, device=x.device)
+            ids, weights = self.gate(x) if planes is None else self.gate(x, planes=planes)
+            return ex(x, ids, weights, shared=[sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight],
+                      planes=planes)
         if isinstance(self.gate, RouterKernel):
             ids, weights = self.gate(x, shared_slot=True)
         else:

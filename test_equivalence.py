@@ -2206,11 +2206,17 @@ def test_router_kernel_equals_twin(shape, dtype):
         ids, w = router(x)
         if shared_slot:
             ids, w = kernels.with_shared_slot(ids, w, args.n_routed_experts)
-        got_ids, got_w = fast(x, shared_slot)
+        planes = torch.full((n, 8, args.hidden_size // 8), float("nan"), device=device)
+        got_ids, got_w = fast(x, shared_slot, planes=planes if n != 1 else None)
         assert got_ids.dtype == ids.dtype and got_w.dtype == w.dtype
         what = f"router kernel {shape} N={n} shared slot {shared_slot}"
         assert torch.equal(got_ids, ids), f"{what}: ids differ\n{got_ids}\n{ids}"
         assert_close(got_w, w, 1e-6, f"{what}: weights")
+        if n != 1:                # x as the INT4 GEMV's planes (plane j = elements 8w + j), written beside
+            want = x.float().view(n, -1, 8).transpose(1, 2)
+            assert torch.equal(planes, want), f"{what}: the activation planes differ"
+    with pytest.raises(ValueError, match="planes must be a contiguous float32"):
+        fast(x, planes=torch.empty(n, 8, args.hidden_size // 8 + 1, device=device))
 
 
 @triton_ok
@@ -2626,18 +2632,19 @@ def test_shared_expert_in_the_fused_launch_equals_plain(tmp_path):
 
 
 @triton_runs
-@pytest.mark.parametrize("quant", ["int4", "fp8"])
-def test_quantized_experts_take_the_shared_expert_in_their_launch(quant):
+@pytest.mark.parametrize("quant, names", [("int4", ("shared_expert",)), ("int4", ("router", "shared_expert")),
+                                          ("fp8", ("shared_expert",))])
+def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names):
     """kernels "shared_expert" with INT4 or FP8 routed experts (Kimi-K2.5; Kimi-K2-Instruct's FP8
     checkpoint: the shared expert in the compute dtype): their GEMV launches take its weights beside
     theirs (fused_moe's shared) and equal the plain MoE at 1 and 2 tokens; a prefill past the GEMV rule
-    runs the plain sum. The state dict is the plain one; fused_moe refuses a shared expert it cannot
-    take."""
+    runs the plain sum. With "router" too, INT4 experts read the activation planes that the router
+    kernel writes. The state dict is the plain one; fused_moe refuses a shared expert it cannot take."""
     args = tiny(num_hidden_layers=2, moe_intermediate_size=64, quantization_config=quant)
     kw = dict(max_batch_size=2, max_seq_len=48, device=TRITON_DEVICE, dtype=torch.float32)
     plain = init_random(Transformer(args, **kw), 6)
     folded = Transformer(args, **kw)
-    assert kernels.accelerate(folded, ["shared_expert"], moe="fused") == ("shared_expert",)
+    assert kernels.accelerate(folded, names, moe="fused") == names
     folded.load_state_dict(plain.state_dict())
     assert_same_state(folded, plain)
     assert isinstance(folded.layers[-1].mlp, kernels.SharedExpertInLaunch) and folded.layers[-1].mlp.stacked is None
@@ -2648,7 +2655,8 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant):
     step, step_pos = tokens[:, :2].expand(2, 2) % args.vocab_size, torch.full((2, 1), n, device=TRITON_DEVICE)
     for what, t, p in (("prefill", tokens, positions), ("step of 2 tokens", step[:, :1], step_pos),
                        ("step of 1 token", step[:1, :1], step_pos[:1])):
-        assert_close(folded(t, p).logits, plain(t, p).logits, 1e-5, f"{quant}, the shared expert in the launch, {what}")
+        assert_close(folded(t, p).logits, plain(t, p).logits, 1e-5, f"{quant} {names}, the shared expert in the "
+                     f"launch, {what}")
     moe = folded.layers[-1].mlp
     x = torch.randn(2, args.hidden_size, generator=g).to(TRITON_DEVICE)
     ids, w = moe.gate(x)
