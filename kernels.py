@@ -1017,7 +1017,7 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None, plan
 # over slots s <= positions[t]. All H heads (and T tokens) of a batch row share the slots, so
 # one program loads a tile of slots once and uses it for its whole block of M = T*H query rows
 # (two small matrix products per tile). Flash-decoding: one program per (part, batch row, block
-# of query rows) writes a partial output and its log-sum-exp, and the parts are then merged.
+# of query rows) writes a partial output and its log-sum-exp, and a second kernel merges them.
 # Part 0 is the step's T new tokens: it normalizes and rotates their latents in registers (what
 # model.MLA.write_cache computes, rounded alike), attends to them causally and writes them to
 # their cache slots (slot = position). Parts 1, 2, ... cut the cached slots before the row's
@@ -1026,15 +1026,6 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None, plan
 # the positions on the device: a split past a row's first new position reads nothing, so one
 # launch (one CUDA graph) serves any length up to the cache size, with no host read, at a cost
 # that follows the length in use.
-#
-# The merge. While the partials are few and small it happens in the same launch, as in the
-# head's draft_attention: the last part of a (batch row, block of query rows) to finish (an
-# atomic counter, as norm_gemv's) merges, in part order, the parts that hold a slot and writes o.
-# At short context a second launch (~1.7 us a layer at 256 slots, graph, PDL) is pure overhead.
-# But that one program reads all the partials itself, a few parts in flight, so its time grows
-# with their bytes (parts x its query rows x C, fp32): past MLA_MERGE_MAX_BYTES (long caches, a
-# verify's 32 query rows) a second kernel merges instead, one program per (query row, 32
-# columns), all SMs at once. Either way no float atomics, and a graph replay equals the eager call.
 
 # Block sizes, from sweeps on the H200 (BENCHMARKS.md, "MLA decode attention kernel"). BLOCK_N
 # slots per tile: 64 latent rows of 512 bf16 are 64 KB; three of them in flight (num_stages 3)
@@ -1051,11 +1042,6 @@ MLA_MIN_SPLIT = 64       # slots per split at least (one bf16 tile)
 MLA_COMBINE_BLOCK_C = 32  # columns a merge program: 128 programs for 8 query rows. With all parts in one load the
 #                           merge of 129 parts (32768 slots, B 1) took 2.7 us, the earlier two-pass combine of 128
 #                           columns (32 programs) 8.4 (2026-12-01)
-MLA_MERGE_MAX_BYTES = 128 << 10  # the partials the merging program may read to merge in the launch: parts x
-#   min(M, BLOCK_M) x C x 4. Estimated, not measured: one SM reads L2 at some 100-250 GB/s, so 128 KB take ~0.5-1.3 us,
-#   about the launch saved. Kimi-K2 at TP 8, B 1, 64-slot splits: a decode step's 8 query rows (16 KB a part) merge in
-#   the launch up to 8 parts (448 slots; 256 slots are 5 parts, 80 KB), a verify's 32 rows (64 KB a part) up to 2;
-#   32768 slots (129 parts) take the merge kernel. kernels_bench.py --mla times both merges.
 
 
 @_jit
@@ -1127,31 +1113,6 @@ def _store_partial(po_rows, lse_rows, m_i, l_i, acc, ok, N: tl.constexpr):
 
 
 @_jit
-def _merge_parts(po_ptr, lse_ptr, first, parts, offs_m, row_ok, M, HD: tl.constexpr, BLOCK_D: tl.constexpr,
-                 STAGES: tl.constexpr):
-    """The output of rows offs_m [BLOCK_M] (row_ok: those that exist) from parts first, ...,
-    first + parts - 1 of po [.., M, HD] and lse [.., M] (float32, as _store_partial stored them), in
-    part order: sum_j 2^lse_j o_j / sum_j 2^lse_j. Returns [BLOCK_M, BLOCK_D] float32, 0 where no
-    part saw a slot. STAGES > 1: STAGES - 1 parts in flight while one is added (tl.range's software
-    pipelining, through shared memory); 1: one part at a time, each load waited for."""
-    d = tl.arange(0, BLOCK_D)
-    rd = row_ok[:, None] & (d < HD)[None, :]
-    top = tl.full([offs_m.shape[0]], -1e30, tl.float32)
-    wsum = tl.zeros([offs_m.shape[0]], tl.float32)
-    out = tl.zeros([offs_m.shape[0], BLOCK_D], tl.float32)
-    for j in tl.range(parts, num_stages=STAGES):    # .cg: from L2, never a stale L1 line
-        lse_j = tl.load(lse_ptr + (first + j) * M + offs_m, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        o_j = tl.load(po_ptr + ((first + j) * M + offs_m[:, None]) * HD + d[None, :], mask=rd, other=0.0,
-                      cache_modifier=".cg")
-        top_new = tl.maximum(top, lse_j)
-        alpha, w = tl.exp2(top - top_new), tl.exp2(lse_j - top_new)
-        out = out * alpha[:, None] + w[:, None] * o_j
-        wsum = wsum * alpha + w
-        top = top_new
-    return out / tl.where(wsum > 0, wsum, 1.0)[:, None]
-
-
-@_jit
 def _mla_scores(q, qpe, kv, pe, scale_log2, DOT_PRECISION: tl.constexpr):
     """The absorbed scores q [BLOCK_M, BLOCK_C] . kv [BLOCK_N, BLOCK_C] + qpe . pe (rope parts,
     [*, 2 * BLOCK_R2]), times scale_log2 (base 2): [BLOCK_M, BLOCK_N] float32."""
@@ -1200,14 +1161,13 @@ def _attend_cached(q, qpe, kvc_row, s_cs, pec_row, s_ps, lo, hi, scale_log2, C: 
 
 @_jit
 def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr, kvc_ptr, pec_ptr, po_ptr, lse_ptr,
-                       o_ptr, count_ptr, T, H, M, kv_len, split_len, eps, scale_log2,
+                       T, H, M, kv_len, split_len, eps, scale_log2,
                        s_qb, s_qm, s_qpb, s_qpm, s_kvb, s_kvt, s_kpb, s_kpt, s_rb, s_rt, s_posb, s_post,
-                       s_cb, s_cs, s_pb, s_ps, s_ob, s_om,
+                       s_cb, s_cs, s_pb, s_ps, s_pob, s_pom, s_pos, s_lb, s_lm,
                        C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R2: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr, MERGE: tl.constexpr, STAGES: tl.constexpr):
-    """One part (see the section's head) for a block of query rows of one batch row; with MERGE,
-    the last part of the (b, m-block) to finish also merges them.
+                       DOT_PRECISION: tl.constexpr):
+    """One part (see the section's head) for a block of query rows of one batch row.
 
     Query row m = t*H + h of row b sees the slots s < kv_len with s <= pos[b, t]; a row's T
     positions are consecutive (a decode step, a chain's verify). The new tokens come from kv
@@ -1215,12 +1175,9 @@ def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr
     the slots before pos[b, 0] from the caches kvc [B, >=kv_len, C] and pec [B, >=kv_len, R], where
     part 0's m-block 0 writes the new ones. q [B, M, C] and qpe [B, M, R] (not rotated): last
     dim contiguous, one dtype with kv, kpe and the caches; rope [B, T, R/2, 2] float32 (cos, sin);
-    pos int64 [B, T]. po [B, parts, M, C] and lse [B, parts, M] float32 (contiguous) get the part's
-    partial output and log2 of its sum (with the max), where the part holds a slot: parts 0 to
-    n_used - 1, n_used = 1 + cdiv(min(pos[b, 0], kv_len), split_len). With MERGE the last part
-    merges those (_merge_parts, STAGES - 1 parts in flight: the launch's num_stages, whose shared
-    memory the merge reuses) into o [B, M, C] (last dim contiguous) and resets its counter in count
-    [B * cdiv(M, BLOCK_M)] int32 zeros (left zero). Grid: (parts, B, cdiv(M, BLOCK_M))."""
+    pos int64 [B, T]. po [B, M, parts, C] and lse [B, M, parts] float32 get the part's partial
+    output and log2 of its sum (with the max; -inf where no slot), where the part holds a slot.
+    Grid: (parts, B, cdiv(M, BLOCK_M))."""
     _wait_for_prior()
     part, b, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -1248,29 +1205,20 @@ def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr
         hi = tl.minimum(tl.minimum(tl.load(pos_ptr + b * s_posb), kv_len), lo + split_len)
         m_i, l_i, acc = _attend_cached(q, qpe, kvc_ptr + b * s_cb, s_cs, pec_ptr + b * s_pb, s_ps, lo, hi,
                                        scale_log2, C, R, BLOCK_N, DOT_PRECISION)
-        holds = lo < hi                     # part < n_used
-    first = b * tl.num_programs(0)          # the batch row's part 0 in po and lse
-    _store_partial(po_ptr + ((first + part) * M + offs_m) * C, lse_ptr + (first + part) * M + offs_m,
+        holds = lo < hi
+    _store_partial(po_ptr + b * s_pob + offs_m * s_pom + part * s_pos, lse_ptr + b * s_lb + offs_m * s_lm + part,
                    m_i, l_i, acc, row_ok & holds, C)
-    if MERGE:
-        n_used = 1 + tl.cdiv(tl.minimum(tl.load(pos_ptr + b * s_posb), kv_len), split_len)   # read while stores drain
-        count = count_ptr + b * tl.num_programs(2) + mb
-        tl.debug_barrier()                                      # every thread's stores before the counter's release
-        if tl.atomic_add(count, 1) == tl.num_programs(0) - 1:   # the other parts are stored: merge, in part order
-            tl.atomic_xchg(count, 0)
-            out = _merge_parts(po_ptr, lse_ptr, first, n_used, offs_m, row_ok, M, C, BLOCK_C, STAGES)
-            _store_rows(o_ptr + b * s_ob + offs_m * s_om, out.to(o_ptr.dtype.element_ty), row_ok, C)
 
 
 @_jit
 def _mla_combine_kernel(po_ptr, lse_ptr, pos_ptr, o_ptr, M, kv_len, split_len,
-                        s_pob, s_pop, s_pom, s_lb, s_lp, s_lm, s_posb, s_ob, s_om,
+                        s_pob, s_pom, s_pos, s_lb, s_lm, s_posb, s_ob, s_om,
                         C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
     """o[b, m] = sum_j 2^(lse_j - L) o_j over the parts j that hold a slot (part 0, the new
     tokens, and the splits of the slots before the row's first position), L = log2 sum_j
-    2^lse_j, all parts in one load (BLOCK_S >= parts): the merge of _mla_decode_kernel without
-    MERGE. po [B, parts, M, C] and lse [B, parts, M] float32 from it; pos int64 [B, T]; o [B, M,
-    C] (any float dtype). Grid: (B * M, cdiv(C, BLOCK_C))."""
+    2^lse_j, all parts in one load (BLOCK_S >= parts). po [B, M, parts, C] and lse [B, M, parts]
+    float32 from _mla_decode_kernel; pos int64 [B, T]; o [B, M, C] (any float dtype).
+    Grid: (B * M, cdiv(C, BLOCK_C))."""
     _wait_for_prior()
     row, cb = tl.program_id(0), tl.program_id(1)
     b, m = row // M, row % M
@@ -1278,9 +1226,9 @@ def _mla_combine_kernel(po_ptr, lse_ptr, pos_ptr, o_ptr, M, kv_len, split_len,
     j = tl.arange(0, BLOCK_S)
     offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
     c_ok = offs_c < C
-    lse = tl.load(lse_ptr + b * s_lb + j * s_lp + m * s_lm, mask=j < n_used, other=float("-inf"))   # [BLOCK_S]
+    lse = tl.load(lse_ptr + b * s_lb + m * s_lm + j, mask=j < n_used, other=float("-inf"))     # [BLOCK_S]
     w = tl.exp2(lse - tl.max(lse, 0))
-    part = tl.load(po_ptr + b * s_pob + j[:, None] * s_pop + m * s_pom + offs_c[None, :],
+    part = tl.load(po_ptr + b * s_pob + m * s_pom + j[:, None] * s_pos + offs_c[None, :],
                    mask=(j < n_used)[:, None] & c_ok[None, :], other=0.0)                  # [BLOCK_S, BLOCK_C]
     out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
     tl.store(o_ptr + b * s_ob + m * s_om + offs_c, out.to(o_ptr.dtype.element_ty), mask=c_ok)
@@ -1296,8 +1244,17 @@ def mla_split_len(kv_len, batch, m_blocks, block_n, device):
     return math.ceil(split / block_n) * block_n
 
 
-def _check_mla_decode(q_lat, q_pe, kv, k_pe, rope, positions, kv_cache, pe_cache):
-    """mla_decode_attention's refusals: shapes, dtypes, contiguous last dims."""
+def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_cache, pe_cache,
+                         softmax_scale, split_len=None):
+    """MLA's decode-mode step after the projections, in two launches (the parts, the merge):
+    writes each new token's normalized latent and rotated rope key at slot = its position, as
+    model.MLA.write_cache does, and returns the absorbed attention of the rotated queries over
+    the slots <= their positions, o_lat [B, T, H, C] in q_lat's dtype. q_lat [B, T, H, C], q_pe
+    [B, T, H, R] (not rotated), kv [B, T, C] and k_pe [B, T, R] (kv_a's halves), norm_weight [C]
+    with eps (kv_a_layernorm), rope [B, T, R/2, 2] float32 (cos, sin) at the positions, positions
+    int64 [B, T] on the device, consecutive in a row, kv_cache [B, S, C] and pe_cache [B, S, R]
+    (views of the caches, strided over B and S; last dims contiguous, as for every input). No
+    host read: S, not the positions, sets the launch."""
     B, T, H, C = q_lat.shape
     R, S = q_pe.shape[-1], kv_cache.shape[1]
     if (q_pe.shape[:3] != (B, T, H) or kv.shape != (B, T, C) or k_pe.shape != (B, T, R) or R % 2
@@ -1317,22 +1274,6 @@ def _check_mla_decode(q_lat, q_pe, kv, k_pe, rope, positions, kv_cache, pe_cache
     for name, x in dict(q_pe=q_pe, kv=kv, k_pe=k_pe, kv_cache=kv_cache, pe_cache=pe_cache).items():
         if x.stride(-1) != 1:
             raise ValueError(f"mla_decode_attention: {name}'s last dim must be contiguous")
-
-
-def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_cache, pe_cache,
-                         softmax_scale, split_len=None):
-    """MLA's decode-mode step after the projections: writes each new token's normalized latent
-    and rotated rope key at slot = its position, as model.MLA.write_cache does, and returns the
-    absorbed attention of the rotated queries over the slots <= their positions, o_lat [B, T, H,
-    C] in q_lat's dtype. One launch where the partials are small (MLA_MERGE_MAX_BYTES: the kernel
-    merges them), else two (the parts, then the merge kernel). q_lat [B, T, H, C], q_pe [B, T, H,
-    R] (not rotated), kv [B, T, C] and k_pe [B, T, R] (kv_a's halves), norm_weight [C] with eps
-    (kv_a_layernorm), rope [B, T, R/2, 2] float32 (cos, sin) at the positions, positions int64
-    [B, T] on the device, consecutive in a row, kv_cache [B, S, C] and pe_cache [B, S, R] (views of
-    the caches, strided over B and S; last dims contiguous, as for every input). No host read: S,
-    not the positions, sets the launch."""
-    _check_mla_decode(q_lat, q_pe, kv, k_pe, rope, positions, kv_cache, pe_cache)
-    (B, T, H, C), R, S = q_lat.shape, q_pe.shape[-1], kv_cache.shape[1]
     M = T * H
     q = q_lat.reshape(B, M, C)        # a copy only when q_lat is not already [B, M, C]-strided
     qpe = q_pe.reshape(B, M, R)
@@ -1342,29 +1283,25 @@ def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, position
     m_blocks = triton.cdiv(M, block_m)
     split_len = split_len or mla_split_len(S, B, m_blocks, block_n, q_lat.device)
     parts = 1 + triton.cdiv(S, split_len)
-    stages = MLA_NUM_STAGES[q_lat.dtype]
-    merge = parts * min(M, block_m) * C * 4 <= MLA_MERGE_MAX_BYTES     # what the merging program reads
-    if merge and B * m_blocks > COUNTERS:
-        raise ValueError(f"mla_decode_attention: {B} batch rows x {m_blocks} blocks of query rows need {B * m_blocks} "
-                         f"counters, more than COUNTERS ({COUNTERS}): use the plain path")
-    partial = torch.empty(B, parts, M, C, device=q_lat.device, dtype=torch.float32)
-    lse = torch.empty(B, parts, M, device=q_lat.device, dtype=torch.float32)
-    out = torch.empty(B, M, C, device=q_lat.device, dtype=q_lat.dtype)
+    partial = torch.empty(B, M, parts, C, device=q_lat.device, dtype=torch.float32)
+    lse = torch.empty(B, M, parts, device=q_lat.device, dtype=torch.float32)
     _mla_decode_kernel[(parts, B, m_blocks)](
-        q, qpe, kv, k_pe, norm_weight, rope, positions, kv_cache, pe_cache, partial, lse, out, _counters(q.device),
+        q, qpe, kv, k_pe, norm_weight, rope, positions, kv_cache, pe_cache, partial, lse,
         T, H, M, S, split_len, float(eps), softmax_scale * math.log2(math.e),
         q.stride(0), q.stride(1), qpe.stride(0), qpe.stride(1), kv.stride(0), kv.stride(1),
         k_pe.stride(0), k_pe.stride(1), rope.stride(0), rope.stride(1), positions.stride(0), positions.stride(1),
-        kv_cache.stride(0), kv_cache.stride(1), pe_cache.stride(0), pe_cache.stride(1), out.stride(0), out.stride(1),
+        kv_cache.stride(0), kv_cache.stride(1), pe_cache.stride(0), pe_cache.stride(1),
+        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         C=C, R=R, BLOCK_C=_pow2(C), BLOCK_R2=_pow2(R // 2, 8), BLOCK_T=_pow2(T), BLOCK_M=block_m,
-        BLOCK_N=block_n, DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32", MERGE=merge,
-        STAGES=stages, launch_pdl=PDL, num_warps=MLA_NUM_WARPS, num_stages=stages)
-    if not merge:
-        block_c = MLA_COMBINE_BLOCK_C if q_lat.is_cuda else _pow2(C)   # the CPU interpreter: fewest programs
-        _mla_combine_kernel[(B * M, triton.cdiv(C, block_c))](
-            partial, lse, positions, out, M, S, split_len, partial.stride(0), partial.stride(1), partial.stride(2),
-            lse.stride(0), lse.stride(1), lse.stride(2), positions.stride(0), out.stride(0), out.stride(1),
-            C=C, BLOCK_C=block_c, BLOCK_S=_pow2(parts), launch_pdl=PDL, num_warps=4)
+        BLOCK_N=block_n, DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
+        launch_pdl=PDL, num_warps=MLA_NUM_WARPS, num_stages=MLA_NUM_STAGES[q_lat.dtype])
+    out = torch.empty(B, M, C, device=q_lat.device, dtype=q_lat.dtype)
+    block_c = MLA_COMBINE_BLOCK_C if q_lat.is_cuda else _pow2(C)   # the CPU interpreter: fewest programs
+    _mla_combine_kernel[(B * M, triton.cdiv(C, block_c))](
+        partial, lse, positions, out, M, S, split_len,
+        partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+        positions.stride(0), out.stride(0), out.stride(1),
+        C=C, BLOCK_C=block_c, BLOCK_S=_pow2(parts), launch_pdl=PDL, num_warps=4)
     return out.view(B, T, H, C)
 
 
@@ -1397,14 +1334,13 @@ ROUTER_SPLIT_D = 8          # D slices, at most: one step of ROUTER_TILE a progr
 #                             programs for 128 experts, 336 for 384; 4 slices left 64 programs at 128)
 ROUTER_BLOCK_E = 8
 ROUTER_TILE = 8192          # elements of the [experts, D] weight tile a program holds (64 fp32 a thread on 4 warps)
-COUNTERS = 4096             # the shared counters of the kernels that end in a last program (router, norm_gemv,
-#                             the GEMV MoE's shared expert, the MLA and draft attention kernels)
+COUNTERS = 4096             # the shared counters of the kernels that end in a last program (router, norm_gemv)
 
 
 @functools.cache
 def _counters(device):
-    """Zeroed int32 counters that every call of the kernels above (COUNTERS) on `device` shares:
-    the calls run one after another on a stream, and each call's last programs leave them zero."""
+    """Zeroed int32 counters that the router and every norm_gemv call on `device` share: the calls
+    run one after another on a stream, and each call's last programs leave them zero again."""
     return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
 
 
@@ -1969,13 +1905,12 @@ class AddRMSNorm(model.RMSNorm):
 
 
 class DecodeAttentionKernel(model.MLA):
-    """"attention": decode mode's RoPE, cache write, latent attention and the merge of its parts
-    in one kernel (a merge kernel after it where the partials are large: mla_decode_attention)
-    between the projections, which stay model.MLA's methods (and their swaps'); the steps around
-    them are model.MLA.forward's. The kernel masks by position (slots <= position, slot =
-    position, a row's tokens at consecutive positions: a decode step, a chain's verify); a draft
-    tree's nodes (slots given) are not, and extend mode expands the cache: both take
-    model.MLA.forward."""
+    """"attention": decode mode's RoPE, cache write and latent attention in one kernel and a
+    merge (mla_decode_attention) between the projections, which stay model.MLA's methods (and
+    their swaps'); the steps around them are model.MLA.forward's. The kernel masks by position
+    (slots <= position, slot = position, a row's tokens at consecutive positions: a decode step,
+    a chain's verify); a draft tree's nodes (slots given) are not, and extend mode expands the
+    cache: both take model.MLA.forward."""
 
     def forward(self, x, positions, rope, future, mode, slots=None):
         if mode != "decode" or slots is not None:
@@ -2535,6 +2470,29 @@ def _draft_attend_cached(q, kc_row, s_kcs, vc_row, s_vcs, lo, hi, scale_log2, HD
 
 
 @_jit
+def _merge_parts(po_ptr, lse_ptr, first, parts, offs_m, row_ok, M, HD: tl.constexpr, BLOCK_D: tl.constexpr):
+    """The output of rows offs_m [BLOCK_M] (row_ok: those that exist) from parts first, ...,
+    first + parts - 1 of po [.., M, HD] and lse [.., M] (float32, as _store_partial stored them), in
+    part order: sum_j 2^lse_j o_j / sum_j 2^lse_j. Returns [BLOCK_M, BLOCK_D] float32, 0 where no
+    part saw a slot."""
+    d = tl.arange(0, BLOCK_D)
+    rd = row_ok[:, None] & (d < HD)[None, :]
+    top = tl.full([offs_m.shape[0]], -1e30, tl.float32)
+    wsum = tl.zeros([offs_m.shape[0]], tl.float32)
+    out = tl.zeros([offs_m.shape[0], BLOCK_D], tl.float32)
+    for j in range(parts):                          # .cg: from L2, never a stale L1 line
+        lse_j = tl.load(lse_ptr + (first + j) * M + offs_m, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
+        o_j = tl.load(po_ptr + ((first + j) * M + offs_m[:, None]) * HD + d[None, :], mask=rd, other=0.0,
+                      cache_modifier=".cg")
+        top_new = tl.maximum(top, lse_j)
+        alpha, w = tl.exp2(top - top_new), tl.exp2(lse_j - top_new)
+        out = out * alpha[:, None] + w[:, None] * o_j
+        wsum = wsum * alpha + w
+        top = top_new
+    return out / tl.where(wsum > 0, wsum, 1.0)[:, None]
+
+
+@_jit
 def _draft_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, lse_ptr,
                             count_ptr, T, M, kv_len, split_len, scale_log2,
                             s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_rb, s_rt, s_posb, s_post,
@@ -2577,7 +2535,7 @@ def _draft_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_p
     tl.debug_barrier()                                  # every thread's stores before the counter's release
     if tl.atomic_add(count_ptr + bg, 1) == parts - 1:   # the other parts are stored: merge, in part order
         tl.atomic_xchg(count_ptr + bg, 0)
-        out = _merge_parts(po_ptr, lse_ptr, bg * parts, parts, offs_m, row_ok, M, HD, BLOCK_D, 1)
+        out = _merge_parts(po_ptr, lse_ptr, bg * parts, parts, offs_m, row_ok, M, HD, BLOCK_D)
         _store_rows(o_ptr + b * s_ob + t_m * s_ot + head * s_oh, out.to(o_ptr.dtype.element_ty), row_ok, HD)
 
 

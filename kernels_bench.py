@@ -2,13 +2,12 @@
 and its floor, captured in CUDA graphs and timed by device events (medians), the bytes of one
 replay past the L2; achieved GB/s against the copy bandwidth measured in the same run.
 
-    python kernels_bench.py [--moe | --small | --mla | --draft] [--sweep [VARIANTS]] [--variants dot,gemv]
-                            [--json OUT] [--formats plain,fp8,int4] [--tokens 1,2,3,4,8,32] [--shared]
+    python kernels_bench.py [--moe | --small | --draft] [--sweep [VARIANTS]] [--variants dot,gemv] [--json OUT]
+                            [--formats plain,fp8,int4] [--tokens 1,2,3,4,8,32] [--shared]
         --moe: the fused MoE only (each weight format, token count and variant against its floor);
         without it the MLA decode attention, the router, add + RMSNorm, SwiGLU, RoPE + cache
         write, norm_gemv and head_gemv follow. --small: the router, add + RMSNorm, SwiGLU, RoPE +
         cache write, norm_gemv and head_gemv only (--sweep: norm_gemv's block configurations).
-        --mla: the MLA decode attention's merge in the launch against its merge kernel only.
         --draft: the EAGLE-3 head's step and extend, plain and with kernels.accelerate_draft's swaps.
     python kernels_bench.py [--json OUT] --pdl [RUN.PY FLAGS]
         run.py's captured phases with programmatic dependent launch off and on, in one process.
@@ -240,10 +239,9 @@ MLA_POINTS = ((320, 256), (4096, 4096), (32768, 32768), (32768, 256), (32768, 40
 
 
 def bench_mla(bw, rows, points=MLA_POINTS, shapes=((1, 1), (1, 4), (4, 1), (4, 4))):
-    """mla_decode_attention (RoPE, cache write, attention and, where the partials are small, their
-    merge in one kernel; above kernels.MLA_MERGE_MAX_BYTES the merge kernel after it) against its
-    plain twin; "kernels alone": the profiled kernel time of one eager call (what run.py's
-    component table sums), without the launch gaps a graph replay still has."""
+    """mla_decode_attention (RoPE, cache write and attention in one kernel, then the merge) against
+    its plain twin; "kernels alone": the profiled kernel time of one eager call
+    (what run.py's component table sums), without the launch gaps a graph replay still has."""
     scale = 0.1
     print(f"\nMLA decode step, Kimi-K2 TP 8 (H=8, C=512, R=64), bf16; copy bandwidth {bw:.0f} GB/s")
     print(f"{'B':>2} {'T':>2} {'cache':>6} {'used':>6} {'MB read':>8} {'torch us':>9} {'kernel us':>9} "
@@ -307,41 +305,6 @@ def bench_mla_configs(rows, sweep=MLA_SWEEP):
             time_it(sets, f"T {T} S {S} default blocks, merge BLOCK_C {block_c}")
         kernels.MLA_COMBINE_BLOCK_C = saved[3]
         del sets
-
-
-# Points of bench_mla_merge: (cache slots, used). 320 / 256 is the step's short context; at 576 and
-# 2048 slots the in-launch merge reads 10 and 33 parts (B 1, 64-slot splits).
-MLA_MERGE_POINTS = ((320, 256), (576, 576), (2048, 2048), (2048, 256))
-
-
-def bench_mla_merge(rows, points=MLA_MERGE_POINTS, shapes=((1, 1), (1, 4), (4, 1), (4, 4))):
-    """mla_decode_attention's two merges at each point (us a call, graph): the parts merged by the
-    last program in the launch, and by the merge kernel; beside them, what the in-launch merge reads
-    with the cache full (the bytes kernels.MLA_MERGE_MAX_BYTES bounds) and which merge that picks."""
-    print(f"\nMLA merge in the launch against the merge kernel (bf16, Kimi-K2 TP 8; limit "
-          f"{kernels.MLA_MERGE_MAX_BYTES >> 10} KB; us a call in a graph)")
-    print(f"{'B':>2} {'T':>2} {'cache':>6} {'used':>6} {'parts':>5} {'KB':>6} {'in launch':>9} {'kernel':>7} "
-          f"{'picked':>9}")
-    saved = kernels.MLA_MERGE_MAX_BYTES
-    for S, used in points:
-        for B, T in shapes:
-            sets = _mla_sets(B, T, S, used, max(2, min(32, math.ceil(2.5e8 / (B * S * 576 * 2)))))
-            block_m = min(kernels.MLA_MAX_BLOCK_M, kernels._pow2(8 * T))
-            m_blocks = triton.cdiv(8 * T, block_m)
-            block_n = kernels.MLA_BLOCK_N[torch.bfloat16]
-            parts = 1 + triton.cdiv(S, kernels.mla_split_len(S, B, m_blocks, block_n, torch.device("cuda")))
-            nbytes = parts * min(8 * T, block_m) * 512 * 4
-            us = {}
-            for name, limit in (("launch", 1 << 62), ("kernel", 0)):
-                kernels.MLA_MERGE_MAX_BYTES = limit
-                us[name] = _graph_ms([partial(mla_decode_attention, **s, softmax_scale=0.1) for s in sets]) * 1e3
-            kernels.MLA_MERGE_MAX_BYTES = saved
-            picked = "launch" if nbytes <= saved else "kernel"
-            print(f"{B:>2} {T:>2} {S:>6} {used:>6} {parts:>5} {nbytes >> 10:>6} {us['launch']:>9.1f} "
-                  f"{us['kernel']:>7.1f} {picked:>9}", flush=True)
-            rows.append(dict(kernel="mla_merge", B=B, T=T, cache=S, used=used, parts=parts, merge_bytes=nbytes,
-                             launch_us=us["launch"], kernel_us=us["kernel"], picked=picked))
-            del sets
 
 
 def bench_small(rows):
@@ -463,20 +426,15 @@ def _emit(rows, bw, out=None):
     print(line)
 
 
-def benchmark_attention(out=None, small_only=False, sweep=False, mla_only=False):
+def benchmark_attention(out=None, small_only=False, sweep=False):
     rows = []
     torch.manual_seed(0)
     bw = copy_bandwidth_GBps()
-    if mla_only:
-        bench_mla_merge(rows)
-        _emit(rows, bw, out)
-        return
     bench_small(rows)
     bench_norm_gemv(bw, rows, sweep)
     if not small_only:
         bench_mla(bw, rows)
         bench_mla_configs(rows)
-        bench_mla_merge(rows)
     _emit(rows, bw, out)
 
 
@@ -660,8 +618,6 @@ def main():
     p.add_argument("--pdl", nargs=argparse.REMAINDER, metavar="RUN.PY FLAGS",
                    help="time run.py's captured phases with programmatic dependent launch off and on, in one "
                         "process (the flags after it build run.py's model; last on the line)")
-    p.add_argument("--mla", action="store_true", help="time the MLA decode attention's two merges only (in the launch, "
-                                                     "by the merge kernel) at short and middle caches")
     p.add_argument("--draft", action="store_true", help="time the EAGLE-3 head only: its step and extend, plain and "
                                                        "with its swaps, and its attention kernel")
     a = p.parse_args()
@@ -673,9 +629,6 @@ def main():
         return
     if a.draft:
         bench_draft(a.json)
-        return
-    if a.mla:
-        benchmark_attention(a.json, mla_only=True)
         return
     variants, sweep = tuple(a.variants.split(",")), tuple(v for v in a.sweep.split(",") if v)
     if not set(variants + sweep) <= {"dot", "gemv"}:

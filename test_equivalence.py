@@ -15,7 +15,6 @@ import subprocess
 import sys
 import tempfile
 from functools import partial
-from types import SimpleNamespace
 
 # one thread a process unless asked otherwise: CI has 2 cores, and the tests spawn ranks and run.py
 os.environ.setdefault("OMP_NUM_THREADS", "1")
@@ -1936,27 +1935,15 @@ def test_graph_generate_equals_eager_generate_and_reports_bf16_agreement(mode):
 
 
 @cuda
-def test_gpu_decode_attention_equals_extend_and_grouped_equals_gather(monkeypatch):
+def test_gpu_decode_attention_equals_extend_and_grouped_equals_gather():
     """Attention paths in float32 on the GPU (bf16 can flip a near-tied expert choice, which moves
-    logits by O(1) in a random model): decode, plain and with the attention kernel (each merge of
-    its parts), against extend; the grouped MoE against gathered weights on the same routing in
-    bf16."""
+    logits by O(1) in a random model); the grouped MoE against gathered weights on the same routing
+    in bf16."""
     target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32), 0)
-    fast = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32), 0)
-    kernels.accelerate(fast, ["attention"])
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
-    fast(prefill, prefill_pos)
-    extend = target(step, step_pos, "extend").logits
-    assert_close(target(step, step_pos, "decode").logits, extend, 1e-3, "float32 GPU decode vs extend attention")
-    grids = record_merge_launches(monkeypatch)
-    for limit, merged in ((1 << 62, "in the launch"), (0, "by the merge kernel")):
-        monkeypatch.setattr(kernels, "MLA_MERGE_MAX_BYTES", limit)
-        what = f"float32 GPU decode attention kernel, parts merged {merged}"
-        assert_close(fast(step, step_pos, "decode").logits, extend, 1e-3, what + ", vs extend attention")
-        assert (not grids) == (limit > 0), f"{what}: {len(grids)} merge kernel launches"
-        assert not kernels._counters(step.device).any(), f"{what}: the counters left non-zero"
-        grids.clear()
+    assert_close(target(step, step_pos, "decode").logits, target(step, step_pos, "extend").logits, 1e-3,
+                 "float32 GPU decode vs extend attention")
     if not kernels.grouped_mm_available(torch.device("cuda"), torch.bfloat16):
         pytest.skip("torch._grouped_mm is not available for bf16 on this GPU")
     grouped = init_random(Transformer(tiny(), 1, 8, device="cuda", dtype=torch.bfloat16), 1)
@@ -2088,38 +2075,9 @@ def mla_reference(inputs, scale, dtype=None):
     return o, kv_cache, pe_cache
 
 
-def record_merge_launches(monkeypatch):
-    """The grids of kernels._mla_combine_kernel's launches from now on (a list, appended to)."""
-    combine, grids = kernels._mla_combine_kernel, []
-
-    class Recorded:     # kernels._mla_combine_kernel[grid](...), the grid noted
-        def __getitem__(self, grid):
-            grids.append(grid)
-            return combine[grid]
-    monkeypatch.setattr(kernels, "_mla_combine_kernel", Recorded())
-    return grids
-
-
-@pytest.fixture(params=["in_launch", "merge_kernel"])
-def mla_merge(request, monkeypatch):
-    """Each merge of mla_decode_attention's parts, whatever the shapes: in the launch (its last
-    program; MLA_MERGE_MAX_BYTES past any call) or by the merge kernel (the limit 0). check(out,
-    what) asserts that this merge ran since the last check and that the counters are zero again."""
-    in_launch = request.param == "in_launch"
-    monkeypatch.setattr(kernels, "MLA_MERGE_MAX_BYTES", 1 << 62 if in_launch else 0)
-    grids = record_merge_launches(monkeypatch)
-    name = "in the launch" if in_launch else "by the merge kernel"
-
-    def check(out, what):
-        assert (not grids) == in_launch, f"{what}: {len(grids)} merge kernel launches, merging {name}"
-        assert not kernels._counters(out.device).any(), f"{what}: the last programs leave the counters 0"
-        grids.clear()
-    return SimpleNamespace(name=name, check=check)
-
-
-def check_mla(B, T, shape, S, dtype, device, seed, split_len=None, merge=None):
+def check_mla(B, T, shape, S, dtype, device, seed, split_len=None):
     """The kernel's output against the float64 twin, and the caches it wrote against the twin's in
-    the kernel's dtype; with merge (the mla_merge fixture), that its merge ran. Returns the output."""
+    the kernel's dtype."""
     scale = 0.07
     inputs = mla_inputs(B, T, **shape, S=S, dtype=dtype, device=device, seed=seed)
     truth, _, _ = mla_reference(inputs, scale, dtype=torch.float64)
@@ -2127,9 +2085,6 @@ def check_mla(B, T, shape, S, dtype, device, seed, split_len=None, merge=None):
     got = kernels.mla_decode_attention(**inputs, softmax_scale=scale, split_len=split_len)
     assert got.shape == truth.shape and got.dtype == dtype and torch.isfinite(got).all()
     what = f"MLA kernel B={B} T={T} {shape} S={S} {dtype} split {split_len}"
-    if merge is not None:
-        what += f", merged {merge.name}"
-        merge.check(got, what)
     cache_tol = 1e-5 if dtype == torch.float32 else 2 ** -7 * 4    # bf16: one rounding of values below 4
     assert_close(inputs["kv_cache"], twin_kv, cache_tol, what + ": latent cache")
     assert_close(inputs["pe_cache"], twin_pe, cache_tol, what + ": rope cache")
@@ -2138,45 +2093,28 @@ def check_mla(B, T, shape, S, dtype, device, seed, split_len=None, merge=None):
     else:  # bf16: the twin rounds the scores and the output; the kernel keeps scores in fp32
         twin_err = (twin.double() - truth).abs().max().item()
         assert_close(got, truth, max(2e-2, 2 * twin_err), what + f" vs float64 twin (bf16 twin: {twin_err:.2e})")
-    return got
 
 
 @triton_ok
 @pytest.mark.parametrize("B, T", [(1, 1), (3, 1), (1, 4), (3, 4)])
-def test_mla_decode_kernel_equals_twin_tiny(B, T, mla_merge):
+def test_mla_decode_kernel_equals_twin_tiny(B, T):
     """Tiny shapes: the cached slots in one split (S=40), in 64-slot splits and in 16-slot splits
-    (S=300: 5 and 19 splits, merged with the new tokens' part), each merge. With B=3 one row
-    starts at slot 0: none of its cached splits holds a slot, and a merge must skip them all."""
+    (S=300: 5 and 19 splits, merged with the new tokens' part)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    check_mla(B, T, TINY_MLA, 40, torch.float32, device, seed=B * 10 + T, merge=mla_merge)
-    check_mla(B, T, TINY_MLA, 300, torch.float32, device, seed=B * 10 + T + 1, split_len=64, merge=mla_merge)
-    check_mla(B, T, TINY_MLA, 300, torch.float32, device, seed=B * 10 + T + 2, split_len=16, merge=mla_merge)
+    check_mla(B, T, TINY_MLA, 40, torch.float32, device, seed=B * 10 + T)
+    check_mla(B, T, TINY_MLA, 300, torch.float32, device, seed=B * 10 + T + 1, split_len=64)
+    check_mla(B, T, TINY_MLA, 300, torch.float32, device, seed=B * 10 + T + 2, split_len=16)
 
 
 @triton_ok
-def test_mla_decode_kernel_equals_twin_kimi_shapes(mla_merge):
-    """Kimi-K2 at TP 8 (H=8, C=512, R=64), verify-sized (T=4), rows of different lengths, each merge."""
+def test_mla_decode_kernel_equals_twin_kimi_shapes():
+    """Kimi-K2 at TP 8 (H=8, C=512, R=64), verify-sized (T=4), rows of different lengths."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    check_mla(3, 4, KIMI_TP8, 100, torch.float32, device, seed=5, split_len=64, merge=mla_merge)
+    check_mla(3, 4, KIMI_TP8, 100, torch.float32, device, seed=5, split_len=64)
 
 
 @triton_ok
-def test_mla_decode_merge_follows_the_partials_bytes(monkeypatch):
-    """The default MLA_MERGE_MAX_BYTES at Kimi-K2 TP 8 shapes, 256 slots in 64-slot splits: a
-    decode step's 5 parts of 8 query rows (80 KB of partials) merge in the launch and leave the
-    counters zero; a verify of 4 tokens (5 parts of 32 rows, 320 KB) takes the merge kernel. Both
-    equal the float64 twin."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
-    grids = record_merge_launches(monkeypatch)
-    got = check_mla(1, 1, KIMI_TP8, 256, torch.float32, device, seed=6, split_len=64)
-    assert not grids, f"a decode step's partials: {len(grids)} merge kernel launches, not 0"
-    assert not kernels._counters(got.device).any(), "a decode step: the last programs leave the counters 0"
-    check_mla(1, 4, KIMI_TP8, 256, torch.float32, device, seed=7, split_len=64)
-    assert len(grids) == 1, f"a verify's partials: {len(grids)} merge kernel launches, not 1"
-
-
-@triton_ok
-def test_mla_decode_kernel_refuses_bad_input(monkeypatch):
+def test_mla_decode_kernel_refuses_bad_input():
     x = mla_inputs(2, 1, **TINY_MLA, S=16, dtype=torch.float32, device="cpu", seed=0)
     with pytest.raises(ValueError, match="positions must be int64"):
         kernels.mla_decode_attention(**{**x, "positions": x["positions"].int()}, softmax_scale=0.1)
@@ -2187,9 +2125,6 @@ def test_mla_decode_kernel_refuses_bad_input(monkeypatch):
         kernels.mla_decode_attention(**{**x, "kv_cache": x["kv_cache"][:1]}, softmax_scale=0.1)
     with pytest.raises(ValueError, match="last dim must be contiguous"):
         kernels.mla_decode_attention(**{**x, "kv": x["kv"].repeat_interleave(2, -1)[..., ::2]}, softmax_scale=0.1)
-    monkeypatch.setattr(kernels, "COUNTERS", 1)     # merging in the launch: 2 batch rows x 1 block of rows
-    with pytest.raises(ValueError, match=r"2 counters, more than COUNTERS \(1\)"):
-        kernels.mla_decode_attention(**x, softmax_scale=0.1)
 
 
 @triton_ok
@@ -2789,22 +2724,20 @@ def test_fused_proj_with_the_shared_expert_in_the_launch():
 @triton_ok
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B, T", [(1, 1), (3, 1), (1, 4), (3, 4)])
-def test_gpu_mla_decode_kernel_long_cache(dtype, B, T, mla_merge):
-    """Kimi-K2 TP 8 shapes on caches of 256, 4096 and 32768 slots (automatic splits), and the tiny
-    ones, each merge (in the launch also where the default limit would not: up to 129 parts)."""
+def test_gpu_mla_decode_kernel_long_cache(dtype, B, T):
+    """Kimi-K2 TP 8 shapes on caches of 256, 4096 and 32768 slots (automatic splits), and the tiny ones."""
     for S in (256, 4096, 32768):
-        check_mla(B, T, KIMI_TP8, S, dtype, "cuda", seed=S + B + T, merge=mla_merge)
-    check_mla(B, T, TINY_MLA, 1000, dtype, "cuda", seed=B + T, merge=mla_merge)
+        check_mla(B, T, KIMI_TP8, S, dtype, "cuda", seed=S + B + T)
+    check_mla(B, T, TINY_MLA, 1000, dtype, "cuda", seed=B + T)
 
 
 @cuda
 @triton_ok
 @pytest.mark.parametrize("S", [512, 32768])
-def test_gpu_mla_decode_kernel_one_graph_any_length(S, mla_merge):
+def test_gpu_mla_decode_kernel_one_graph_any_length(S):
     """One graph captured on an S-slot cache serves every length: replays with new positions
     (lengths from 1 to the whole cache) equal the eager call and the float64 twin, without a
-    host sync: a short cache (8 splits of 64 slots) and a long one (splits of 768 slots), each
-    merge (in the launch: the counters zero again after every replay)."""
+    host sync: a short cache (8 splits of 64 slots) and a long one (splits of 768 slots)."""
     B, T, scale = 3, 4, 0.07
     x = mla_inputs(B, T, **KIMI_TP8, S=S, dtype=torch.bfloat16, device="cuda", seed=1)
     table = torch.stack(model.rope_tables(KIMI_TP8["R"], 10000.0, None, S, "cuda"), -1)
@@ -2829,7 +2762,6 @@ def test_gpu_mla_decode_kernel_one_graph_any_length(S, mla_merge):
         assert_close(out, eager, 0.0, f"S {S}: graph replay vs eager, last positions {last}")
         truth = mla_reference(x, scale, dtype=torch.float64)[0]
         assert_close(out, truth, 2e-2, f"S {S}: graph replay vs float64 twin, last positions {last}")
-        mla_merge.check(out, f"S {S}, merged {mla_merge.name}, last positions {last}")
 
 
 @cuda
