@@ -628,7 +628,7 @@ def _shared_h(part_ptr, hs_ptr, count_ptr, N, pid_n, n, n_ok, I: tl.constexpr, S
     hs [N, I] at rows n, for every token; it resets the row block's counter count_ptr[pid_n] to 0."""
     tl.debug_barrier()                                  # every thread's stores before the counter's release
     if tl.atomic_add(count_ptr + pid_n, 1) == SPLIT - 1:   # the other splits are stored: add them
-        tl.atomic_xchg(count_ptr + pid_n, 0)
+        tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed")
         for t in range(N):
             g = tl.zeros(n.shape, tl.float32)
             u = tl.zeros(n.shape, tl.float32)
@@ -1334,13 +1334,17 @@ ROUTER_SPLIT_D = 8          # D slices, at most: one step of ROUTER_TILE a progr
 #                             programs for 128 experts, 336 for 384; 4 slices left 64 programs at 128)
 ROUTER_BLOCK_E = 8
 ROUTER_TILE = 8192          # elements of the [experts, D] weight tile a program holds (64 fp32 a thread on 4 warps)
-COUNTERS = 4096             # the shared counters of the kernels that end in a last program (router, norm_gemv)
+COUNTERS = 4096             # the shared counters of the kernels that end in a last program (router, norm_gemv,
+#                             the GEMV MoE's shared expert, the draft attention kernel)
 
 
 @functools.cache
 def _counters(device):
-    """Zeroed int32 counters that the router and every norm_gemv call on `device` share: the calls
-    run one after another on a stream, and each call's last programs leave them zero again."""
+    """Zeroed int32 counters that every call of the kernels above (COUNTERS) on `device` shares: the
+    calls run one after another on a stream, and each call's last programs leave them zero again.
+    The last program's counter add is acquire-release (it must see the others' partial sums); its
+    reset is relaxed: only a later launch reads the counter, after the kernel boundary (with
+    programmatic dependent launch, after its wait for this grid), so no fence is needed there."""
     return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
 
 
@@ -1376,7 +1380,7 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
     tl.store(part_ptr + j * s_ps + n[:, None] * s_pn + e[None, :], acc, mask=(n < N)[:, None] & (e < E)[None, :])
     tl.debug_barrier()                                  # every thread's stores before the counter's release
     if tl.atomic_add(count_ptr, 1) == tl.num_programs(0) * tl.num_programs(1) - 1:
-        tl.atomic_xchg(count_ptr, 0)                    # the last program: every partial sum is stored
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed")     # the last program: every partial sum is stored
         _router_select(part_ptr, bias_ptr, ids_ptr, wout_ptr, 0, N, s_ps, s_pn, s_idn, s_wn, E_PER_G, G, scale,
                        SPLITS, K, TOPK_GROUP, NORM, GROUPED, UNIFORM, SHARED, BLOCK_N, BLOCK_G, BLOCK_EG, BLOCK_K)
 
@@ -1723,7 +1727,7 @@ def _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, pid, s, rows, n, 
     tl.debug_barrier()                                  # every thread's stores before the counter's release
     last = tl.atomic_add(count_ptr + pid, 1) == SPLITS - 1
     if last:                                            # the row block's other slices are stored: add them
-        tl.atomic_xchg(count_ptr + pid, 0)
+        tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed")
         acc = tl.zeros_like(acc)
         ss = tl.zeros_like(ss)
         for t in range(SPLITS):                         # in slice order (.cg: from L2, never a stale L1 line)
@@ -2534,7 +2538,7 @@ def _draft_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_p
                    m_i, l_i, acc, row_ok, HD)
     tl.debug_barrier()                                  # every thread's stores before the counter's release
     if tl.atomic_add(count_ptr + bg, 1) == parts - 1:   # the other parts are stored: merge, in part order
-        tl.atomic_xchg(count_ptr + bg, 0)
+        tl.atomic_xchg(count_ptr + bg, 0, sem="relaxed")
         out = _merge_parts(po_ptr, lse_ptr, bg * parts, parts, offs_m, row_ok, M, HD, BLOCK_D)
         _store_rows(o_ptr + b * s_ob + t_m * s_ot + head * s_oh, out.to(o_ptr.dtype.element_ty), row_ok, HD)
 
