@@ -497,8 +497,9 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
 # (_shared_h), and each down program adds its rows from that one vector a token (_shared_down).
 # INT4 without unpacking to natural order: nibble j of word w is element 8w + j, so the activation
 # comes as 8 planes (plane j = elements 8w + j, contiguous in w: x is permuted once per call, or
-# the router kernel wrote them beside its logits; h is written that way by gate_up) and each plane meets nibble j of the same words. A nibble becomes a
-# float by the exponent trick (_nibble), and the group scale multiplies each word's 8 products once.
+# the router kernel wrote them beside its logits; h is written that way by gate_up) and each plane
+# meets nibble j of the same words. A nibble becomes a float by the exponent trick (_nibble), and
+# the group scale multiplies each word's 8 products once.
 # The INT4 kernels are their own (see above _nibble): whole 16-byte words a thread, unmasked where
 # the shapes divide, the next step's words in flight, down's K experts in one tile.
 
@@ -1327,7 +1328,9 @@ def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, position
 # Measured (H200, graphs, weights past the L2, 2026-12-01, benchmarks/h200_issue25_small_ab.json),
 # us at 1 / 4 tokens against the two kernels before (logits, then a select program a token): 128
 # experts 7.4 / 10.8 against 9.2 / 17.0; 384 experts 9.7 / 22.0 against 12.0 / 21.0 (there one
-# program selecting for 4 tokens costs more than the launch it saves). Floors 0.9 and 2.6 us.
+# program selecting for 4 tokens costs more than the launch it saves). Floors 0.9 and 2.6 us. With
+# the one-step tile (2026-12-01, benchmarks/h200_s10_router_small_*.json), 384 experts at 4 tokens:
+# 13.1 us (8.4 with SIMULATED uniform routing) against 23.8 (11.9) with a tile cut by the tokens.
 
 ROUTER_GEMV_MAX_TOKENS = 16
 ROUTER_SPLIT_D = 8          # D slices, at most: one step of ROUTER_TILE a program (7 slices of 1024: 112
@@ -1351,10 +1354,10 @@ def _counters(device):
 @_jit
 def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_ptr, v_ptr, N, E, D, d_per_split,
                    s_xn, s_we, s_ps, s_pn, s_idn, s_wn, E_PER_G, G, scale,
-                   SPLITS: tl.constexpr, PLANES: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
-                   GROUPED: tl.constexpr, UNIFORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
-                   BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
-                   BLOCK_K: tl.constexpr):
+                   SPLITS: tl.constexpr, PLANES: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                   NORM: tl.constexpr, GROUPED: tl.constexpr, UNIFORM: tl.constexpr, SHARED: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
     """part[j, n, e] = sum over d in slice j of x[n, d] * W[e, d] in float32, then, in the last
     program, _router_select over all N (<= BLOCK_N) tokens. x [N, D] (any float dtype), W [E, D]
     float32, part [SPLITS, N, E] float32 (last dims contiguous), count one int32 zero. PLANES: the
@@ -1512,7 +1515,8 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
         x, weight, part, _counters(x.device), bias, ids, weights, part if planes is None else planes, N, E, D,
         d_per_split, x.stride(0), weight.stride(0), part.stride(0), part.stride(1), ids.stride(0), weights.stride(0),
         E // n_group, n_group, float(scaling), SPLITS=splits, PLANES=planes is not None, BLOCK_N=block_n,
-        BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select, launch_pdl=PDL, num_warps=4 if N <= 8 else 8)   # 16 tokens' selection on 4 warps spills (ptxas: 255 registers)
+        BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select, launch_pdl=PDL,
+        num_warps=4 if N <= 8 else 8)   # 16 tokens' selection on 4 warps spills (ptxas: 255 registers)
     return ids, weights
 
 
