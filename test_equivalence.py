@@ -2634,12 +2634,15 @@ def test_shared_expert_in_the_fused_launch_equals_plain(tmp_path):
 @triton_runs
 @pytest.mark.parametrize("quant, names", [("int4", ("shared_expert",)), ("int4", ("router", "shared_expert")),
                                           ("fp8", ("shared_expert",))])
-def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names):
+def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, monkeypatch):
     """kernels "shared_expert" with INT4 or FP8 routed experts (Kimi-K2.5; Kimi-K2-Instruct's FP8
     checkpoint: the shared expert in the compute dtype): their GEMV launches take its weights beside
     theirs (fused_moe's shared) and equal the plain MoE at 1 and 2 tokens; a prefill past the GEMV rule
     runs the plain sum. With "router" too, INT4 experts read the activation planes that the router
-    kernel writes. The state dict is the plain one; fused_moe refuses a shared expert it cannot take."""
+    kernel writes (the MoE's own permute never runs). The state dict is the plain one; fused_moe
+    refuses a shared expert it cannot take."""
+    permutes, permute = [], kernels.nibble_planes
+    monkeypatch.setattr(kernels, "nibble_planes", lambda x: permutes.append(1) or permute(x))
     args = tiny(num_hidden_layers=2, moe_intermediate_size=64, quantization_config=quant)
     kw = dict(max_batch_size=2, max_seq_len=48, device=TRITON_DEVICE, dtype=torch.float32)
     plain = init_random(Transformer(args, **kw), 6)
@@ -2657,6 +2660,8 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names):
                        ("step of 1 token", step[:1, :1], step_pos[:1])):
         assert_close(folded(t, p).logits, plain(t, p).logits, 1e-5, f"{quant} {names}, the shared expert in the "
                      f"launch, {what}")
+    if quant == "int4":   # the steps' GEMV launches read planes: the router kernel's, else the MoE's permute
+        assert bool(permutes) == ("router" not in names), f"{names}: {len(permutes)} permutes in the MoE"
     moe = folded.layers[-1].mlp
     x = torch.randn(2, args.hidden_size, generator=g).to(TRITON_DEVICE)
     ids, w = moe.gate(x)
