@@ -945,12 +945,12 @@ def _shared_args(shared, fmt, N, I, D, block_n, warps, placeholder):
     return gate_up, dict(hs_ptr=hs, sd_ptr=sd, SHARED=bool(shared), I_PAD=triton.next_power_of_2(I))
 
 
-def nibble_planes(x):
+def nibble_planes(x, out=None):
     """x [N, D] as the INT4 GEMV kernels read an activation: 8 fp32 planes [N, 8, D/8], plane j =
-    elements 8w + j (a torch copy, one launch)."""
+    elements 8w + j (a torch copy, one launch), into `out` where given."""
     N, D = x.shape
-    return torch.empty(N, 8, D // 8, dtype=torch.float32, device=x.device).copy_(
-        x.reshape(N, D // 8, 8).transpose(1, 2))
+    out = torch.empty(N, 8, D // 8, dtype=torch.float32, device=x.device) if out is None else out
+    return out.copy_(x.reshape(N, D // 8, 8).transpose(1, 2))
 
 
 def _check_planes(planes, x):
@@ -1503,7 +1503,7 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
         _router_select_kernel[(N,)](logits, bias, ids, weights, N, logits.stride(0), ids.stride(0), weights.stride(0),
                                     E // n_group, n_group, float(scaling), **select, launch_pdl=PDL, num_warps=4)
         if planes is not None:
-            planes.copy_(nibble_planes(x))
+            nibble_planes(x, planes)
         return ids, weights
     x = x if x.stride(-1) == 1 else x.contiguous()
     block_n = _pow2(N, 1)

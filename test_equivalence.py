@@ -2642,7 +2642,7 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, 
     kernel writes (the MoE's own permute never runs). The state dict is the plain one; fused_moe
     refuses a shared expert it cannot take."""
     permutes, permute = [], kernels.nibble_planes
-    monkeypatch.setattr(kernels, "nibble_planes", lambda x: permutes.append(1) or permute(x))
+    monkeypatch.setattr(kernels, "nibble_planes", lambda *a: permutes.append(1) or permute(*a))
     args = tiny(num_hidden_layers=2, moe_intermediate_size=64, quantization_config=quant)
     kw = dict(max_batch_size=2, max_seq_len=48, device=TRITON_DEVICE, dtype=torch.float32)
     plain = init_random(Transformer(args, **kw), 6)
