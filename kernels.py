@@ -3,7 +3,8 @@ that put them in place of model.py's plain code, which stays the readable specif
 
   Routed experts         fused_moe              swap: FusedExperts (twin: model.Experts)
   MLA decode step        mla_decode_attention   swap: DecodeAttentionKernel (twins: model.MLA.write_cache,
-                                                model.absorbed_attention)
+                         mla_merge_absorb       model.absorbed_attention; with NormGemvMLA, the merge
+                                                inside absorb_output's launch)
   RoPE + cache write     mla_rope_cache_write   swap: RopeCacheKernel (twin: model.MLA.write_cache; extend
                                                 mode and draft trees)
   Router                 router_topk            swap: RouterKernel (twin: model.Router)
@@ -46,6 +47,7 @@ import math
 import os
 from dataclasses import dataclass
 from types import SimpleNamespace
+from typing import NamedTuple
 
 import torch
 import torch.nn as nn
@@ -1018,7 +1020,9 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None, plan
 # over slots s <= positions[t]. All H heads (and T tokens) of a batch row share the slots, so
 # one program loads a tile of slots once and uses it for its whole block of M = T*H query rows
 # (two small matrix products per tile). Flash-decoding: one program per (part, batch row, block
-# of query rows) writes a partial output and its log-sum-exp, and a second kernel merges them.
+# of query rows) writes a partial output and its log-sum-exp, and a second kernel merges them, or
+# (mla_merge_absorb) the launch of the W_uv product that follows does: each of its programs merges its
+# head's rows itself before its product, so the merge costs no launch of its own.
 # Part 0 is the step's T new tokens: it normalizes and rotates their latents in registers (what
 # model.MLA.write_cache computes, rounded alike), attends to them causally and writes them to
 # their cache slots (slot = position). Parts 1, 2, ... cut the cached slots before the row's
@@ -1027,6 +1031,11 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None, plan
 # the positions on the device: a split past a row's first new position reads nothing, so one
 # launch (one CUDA graph) serves any length up to the cache size, with no host read, at a cost
 # that follows the length in use.
+# The merge, o = sum_j 2^(lse_j - L) o_j / sum_j 2^(lse_j - L) over the parts j that hold a slot
+# (L = max_j lse_j), runs in two kernels that must agree bit for bit: the combine, which stores
+# o_lat, and the W_uv launch's (_mla_merge_absorb_kernel), which multiplies the o_lat the combine
+# would have stored. So both add the parts in one fixed order, one after another (_merge_latents),
+# and not with tl.sum, whose order follows the layout the compiler picks in each kernel.
 
 # Block sizes, from sweeps on the H200 (BENCHMARKS.md, "MLA decode attention kernel"). BLOCK_N
 # slots per tile: 64 latent rows of 512 bf16 are 64 KB; three of them in flight (num_stages 3)
@@ -1040,9 +1049,17 @@ MLA_NUM_STAGES = {torch.bfloat16: 3, torch.float16: 3, torch.float32: 2}
 MLA_NUM_WARPS = 8
 MLA_MAX_BLOCK_M = 32
 MLA_MIN_SPLIT = 64       # slots per split at least (one bf16 tile)
-MLA_COMBINE_BLOCK_C = 32  # columns a merge program: 128 programs for 8 query rows. With all parts in one load the
-#                           merge of 129 parts (32768 slots, B 1) took 2.7 us, the earlier two-pass combine of 128
-#                           columns (32 programs) 8.4 (2026-12-01)
+MLA_COMBINE_BLOCK_C = 32  # columns a merge program: 128 programs for 8 query rows. With all parts in one load (and
+#                           tl.sum) the merge of 129 parts (32768 slots, B 1) took 2.7 us, the earlier two-pass
+#                           combine of 128 columns (32 programs) 8.4 (2026-12-01); the parts one after another
+#                           (_merge_latents) are not yet measured
+MLA_COMBINE_WARPS = 1     # a merge program's tile is one row of 32 columns: a float a thread of one warp (with 4
+#                           warps each would hold a copy)
+MLA_MERGE_ABSORB_REGS = 64  # float32 partials a thread of mla_merge_absorb has in flight (a K step's parts of all
+#                             its rows); more parts: the combine and head_gemv, two launches. bf16 at Kimi-K2's
+#                             C = 512: up to 16 parts at 1 row, 8 at 2-4 rows (960 and 448 cached slots in
+#                             splits of 64). There sm_90 code takes up to 255 registers without spilling
+#                             (compiled offline; not yet measured)
 
 
 @_jit
@@ -1212,27 +1229,97 @@ def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr
 
 
 @_jit
+def _parts_used(pos_first, kv_len, split_len):
+    """The parts that hold a slot for a batch row whose first new position is at pos_first (a
+    pointer, or a block of them): part 0 (the new tokens) and the splits of the slots before it."""
+    return 1 + tl.cdiv(tl.minimum(tl.load(pos_first), kv_len), split_len)
+
+
+@_jit
+def _merge_latents(po_rows, lse_rows, s_pos, cols, col_ok, n_used, PARTS: tl.constexpr):
+    """Flash-decoding's merge of the parts j < n_used: sum_j 2^(lse_j - L) o_j / sum_j 2^(lse_j - L),
+    L = max_j lse_j, for R rows. po_rows [R, 1] point at each row's part 0 (part j is j * s_pos
+    further), lse_rows [R, 1] at its log2 sum of part 0 (part j: j further); cols [1, BLOCK] the
+    columns wanted (col_ok: those that exist); n_used [R, 1] <= PARTS (part 0 always holds).
+    Returns [R, BLOCK] float32. The parts are added in order, j = 0, 1, ..., one explicit fma each:
+    the bits follow neither the layouts the compiler picks (tl.sum's order does) nor where it
+    would contract a multiply and an add, so every kernel that merges with this gets the same o.
+    The loops are unrolled, all parts' loads in flight at once, and every value is [R, BLOCK] (a
+    row's lse loaded in each of its columns), so no step changes layout."""
+    po = po_rows + cols                                                                     # [R, BLOCK]
+    lse_at = lse_rows + tl.zeros_like(cols)
+    n_used = n_used + tl.zeros_like(cols)
+    top = tl.full(po.shape, float("-inf"), tl.float32)
+    for j in tl.static_range(PARTS):
+        top = tl.maximum(top, tl.load(lse_at + j, mask=j < n_used, other=float("-inf")))
+    acc = tl.zeros(po.shape, tl.float32)
+    total = tl.zeros(po.shape, tl.float32)
+    for j in tl.static_range(PARTS):
+        w = tl.exp2(tl.load(lse_at + j, mask=j < n_used, other=float("-inf")) - top)        # 0 where unused
+        acc = tl.fma(tl.load(po + j * s_pos, mask=(j < n_used) & col_ok, other=0.0), w, acc)
+        total += w
+    return acc / total
+
+
+@_jit
 def _mla_combine_kernel(po_ptr, lse_ptr, pos_ptr, o_ptr, M, kv_len, split_len,
                         s_pob, s_pom, s_pos, s_lb, s_lm, s_posb, s_ob, s_om,
-                        C: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_S: tl.constexpr):
-    """o[b, m] = sum_j 2^(lse_j - L) o_j over the parts j that hold a slot (part 0, the new
-    tokens, and the splits of the slots before the row's first position), L = log2 sum_j
-    2^lse_j, all parts in one load (BLOCK_S >= parts). po [B, M, parts, C] and lse [B, M, parts]
-    float32 from _mla_decode_kernel; pos int64 [B, T]; o [B, M, C] (any float dtype).
-    Grid: (B * M, cdiv(C, BLOCK_C))."""
+                        C: tl.constexpr, BLOCK_C: tl.constexpr, PARTS: tl.constexpr):
+    """o[b, m] = the merge (_merge_latents) of the parts that hold a slot (part 0, the new tokens,
+    and the splits of the slots before the row's first position). po [B, M, PARTS, C] and lse
+    [B, M, PARTS] float32 from _mla_decode_kernel (last dims contiguous); pos int64 [B, T]; o [B,
+    M, C] (any float dtype). Grid: (B * M, cdiv(C, BLOCK_C))."""
     _wait_for_prior()
     row, cb = tl.program_id(0), tl.program_id(1)
     b, m = row // M, row % M
-    n_used = 1 + tl.cdiv(tl.minimum(tl.load(pos_ptr + b * s_posb), kv_len), split_len)
-    j = tl.arange(0, BLOCK_S)
-    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-    c_ok = offs_c < C
-    lse = tl.load(lse_ptr + b * s_lb + m * s_lm + j, mask=j < n_used, other=float("-inf"))     # [BLOCK_S]
-    w = tl.exp2(lse - tl.max(lse, 0))
-    part = tl.load(po_ptr + b * s_pob + m * s_pom + j[:, None] * s_pos + offs_c[None, :],
-                   mask=(j < n_used)[:, None] & c_ok[None, :], other=0.0)                  # [BLOCK_S, BLOCK_C]
-    out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
-    tl.store(o_ptr + b * s_ob + m * s_om + offs_c, out.to(o_ptr.dtype.element_ty), mask=c_ok)
+    one = tl.zeros([1, 1], tl.int32)                                        # the program's one row, as a block
+    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]                  # [1, BLOCK_C]
+    out = _merge_latents(po_ptr + b * s_pob + m * s_pom + one, lse_ptr + b * s_lb + m * s_lm + one, s_pos,
+                         offs_c, offs_c < C, _parts_used(pos_ptr + b * s_posb + one, kv_len, split_len), PARTS)
+    tl.store(o_ptr + b * s_ob + m * s_om + offs_c, out.to(o_ptr.dtype.element_ty), mask=offs_c < C)
+
+
+@_jit
+def _mla_merge_absorb_kernel(po_ptr, lse_ptr, pos_ptr, w_ptr, out_ptr, rows, T, H, N, K, kv_len, split_len,
+                             s_pob, s_pom, s_pos, s_lb, s_lm, s_posb, s_wh, s_wn, s_or, s_oh,
+                             PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr):
+    """out[r, h, n] = sum_k o[r, h, k] * W[h, n, k] for the rows r = b*T + t, with o[r, h] the merge
+    of query row m = t*H + h of batch row b, as _mla_combine_kernel stores it (rounded to W's dtype):
+    the combine and head_gemv's product in one launch. Each program merges its head's rows for
+    itself, from the partials in L2, a K step at a time (_merge_latents), and multiplies them by
+    its BLOCK_N rows of W[h] as _norm_gemv_kernel does for head_gemv (the same steps of BLOCK_K, the
+    next W tile in flight, the products added elementwise and summed over k at the end: on sm_90
+    the same layouts, so the same order), so out equals head_gemv of the combine's o bit for bit.
+    po [B, M, PARTS, K] and lse [B, M, PARTS] float32 from _mla_decode_kernel (last dims
+    contiguous); pos int64 [B, T]; W [H, N, K] (K contiguous); out [rows, H, N] (rows strided, N
+    contiguous) of W's dtype; rows <= BLOCK_M. Grid: (cdiv(N, BLOCK_N), H)."""
+    _wait_for_prior()
+    pid, h = tl.program_id(0), tl.program_id(1)
+    r = tl.minimum(tl.arange(0, BLOCK_M), rows - 1)     # padding rows repeat the last one, not stored
+    b, m = r // T, (r % T) * H + h
+    po_rows = (po_ptr + b * s_pob + m * s_pom)[:, None]                                  # [BLOCK_M, 1]
+    lse_rows = (lse_ptr + b * s_lb + m * s_lm)[:, None]
+    n_used = _parts_used(pos_ptr + b * s_posb, kv_len, split_len)[:, None]
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n3 = n[None, :, None]                                                   # W's tile [1, BLOCK_N, BLOCK_K]
+    kb = tl.arange(0, BLOCK_K)
+    k3 = kb[None, None, :]
+    w_rows = w_ptr + h * s_wh + n3 * s_wn
+    last_k = (tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K                            # the last step
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)                 # the products, summed over k at the end
+    w = tl.load(w_rows + k3, mask=(n3 < N) & (k3 < K), other=0.0)
+    for k0 in range(0, K, BLOCK_K):
+        k = k0 + kb
+        k1 = tl.minimum(k0 + BLOCK_K, last_k) + k3                          # the next step's (the last: its own)
+        w1 = tl.load(w_rows + k1, mask=(n3 < N) & (k1 < K), other=0.0)
+        o = _merge_latents(po_rows, lse_rows, s_pos, k[None, :], (k < K)[None, :], n_used, PARTS)
+        o = o.to(w_ptr.dtype.element_ty).to(tl.float32)      # [BLOCK_M, BLOCK_K]: o_lat as the combine stores it
+        acc3 += w.to(tl.float32) * o[:, None, :]
+        w = w1
+    acc = tl.sum(acc3, 2)                                                   # [m, n]
+    tl.store(out_ptr + r[:, None] * s_or + h * s_oh + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(tl.arange(0, BLOCK_M) < rows)[:, None] & (n < N)[None, :])
 
 
 def mla_split_len(kv_len, batch, m_blocks, block_n, device):
@@ -1245,8 +1332,19 @@ def mla_split_len(kv_len, batch, m_blocks, block_n, device):
     return math.ceil(split / block_n) * block_n
 
 
+class MLAParts(NamedTuple):
+    """mla_decode_attention's output before the merge: each part's normalized output partial
+    [B, M, parts, C] and log2 of its sum lse [B, M, parts] (float32; parts past a row's first
+    position hold nothing and are never read), the slots a split (split_len) and the cache's
+    length (kv_len), which with the positions give the parts in use."""
+    partial: torch.Tensor
+    lse: torch.Tensor
+    split_len: int
+    kv_len: int
+
+
 def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_cache, pe_cache,
-                         softmax_scale, split_len=None):
+                         softmax_scale, split_len=None, merge=True):
     """MLA's decode-mode step after the projections, in two launches (the parts, the merge):
     writes each new token's normalized latent and rotated rope key at slot = its position, as
     model.MLA.write_cache does, and returns the absorbed attention of the rotated queries over
@@ -1255,7 +1353,8 @@ def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, position
     with eps (kv_a_layernorm), rope [B, T, R/2, 2] float32 (cos, sin) at the positions, positions
     int64 [B, T] on the device, consecutive in a row, kv_cache [B, S, C] and pe_cache [B, S, R]
     (views of the caches, strided over B and S; last dims contiguous, as for every input). No
-    host read: S, not the positions, sets the launch."""
+    host read: S, not the positions, sets the launch. merge=False: one launch, and the parts
+    (MLAParts) come back unmerged, for mla_merge_absorb."""
     B, T, H, C = q_lat.shape
     R, S = q_pe.shape[-1], kv_cache.shape[1]
     if (q_pe.shape[:3] != (B, T, H) or kv.shape != (B, T, C) or k_pe.shape != (B, T, R) or R % 2
@@ -1296,14 +1395,58 @@ def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, position
         C=C, R=R, BLOCK_C=_pow2(C), BLOCK_R2=_pow2(R // 2, 8), BLOCK_T=_pow2(T), BLOCK_M=block_m,
         BLOCK_N=block_n, DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
         launch_pdl=PDL, num_warps=MLA_NUM_WARPS, num_stages=MLA_NUM_STAGES[q_lat.dtype])
-    out = torch.empty(B, M, C, device=q_lat.device, dtype=q_lat.dtype)
-    block_c = MLA_COMBINE_BLOCK_C if q_lat.is_cuda else _pow2(C)   # the CPU interpreter: fewest programs
+    unmerged = MLAParts(partial, lse, split_len, S)
+    return mla_combine(unmerged, positions, q_lat.dtype).view(B, T, H, C) if merge else unmerged
+
+
+def mla_combine(unmerged, positions, dtype):
+    """The merge of mla_decode_attention's parts (MLAParts) into o_lat [B, M, C] of `dtype`: one launch."""
+    partial, lse, split_len, kv_len = unmerged
+    B, M, parts, C = partial.shape
+    out = torch.empty(B, M, C, device=partial.device, dtype=dtype)
+    block_c = MLA_COMBINE_BLOCK_C if partial.is_cuda else _pow2(C)   # the CPU interpreter: fewest programs
     _mla_combine_kernel[(B * M, triton.cdiv(C, block_c))](
-        partial, lse, positions, out, M, S, split_len,
+        partial, lse, positions, out, M, kv_len, split_len,
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         positions.stride(0), out.stride(0), out.stride(1),
-        C=C, BLOCK_C=block_c, BLOCK_S=_pow2(parts), launch_pdl=PDL, num_warps=4)
-    return out.view(B, T, H, C)
+        C=C, BLOCK_C=block_c, PARTS=parts, launch_pdl=PDL, num_warps=MLA_COMBINE_WARPS)
+    return out
+
+
+def mla_merge_absorb(unmerged, positions, w_uv):
+    """head_gemv(o_lat, w_uv) with o_lat the merge of mla_decode_attention's parts (merge=False),
+    in one launch instead of two, and equal bit for bit: out[b, t, h] = W_uv[h] @ o_lat[b, t, h],
+    [B, T, H, N] in w_uv's dtype. Each of the H x N / HEAD_GEMV_BLOCK_N programs merges its head's
+    B*T rows itself (the parts in use from L2; at Kimi-K2's N = 128, 16 programs a head redo that
+    small merge side by side) before its product. w_uv [H, N, C] (K = C contiguous; a view of
+    kv_b_proj's weight) of the model's dtype, positions int64 [B, T] as given to the attention; at
+    most NORM_GEMV_MAX_ROWS rows B*T, as head_gemv. Where a K step's parts of all rows do not fit
+    MLA_MERGE_ABSORB_REGS a thread: the combine, then head_gemv."""
+    partial, lse, split_len, kv_len = unmerged
+    B, M, parts, C = partial.shape
+    H = w_uv.shape[0]
+    T = M // H
+    if w_uv.dim() != 3 or w_uv.shape[2] != C or w_uv.stride(2) != 1 or positions.shape != (B, T) or M != T * H:
+        raise ValueError(f"mla_merge_absorb: partial {list(partial.shape)}, positions {list(positions.shape)} and "
+                         f"w_uv {list(w_uv.shape)} do not fit [B, T*H, parts, C], [B, T] and [H, N, C] (C contiguous)")
+    rows, N = B * T, w_uv.shape[1]
+    if w_uv.dtype not in (torch.bfloat16, torch.float16, torch.float32) or rows > NORM_GEMV_MAX_ROWS:
+        raise ValueError(f"mla_merge_absorb: runs bf16, fp16 or float32 and at most {NORM_GEMV_MAX_ROWS} rows, got "
+                         f"{w_uv.dtype} and {rows} rows (use the plain path)")
+    block_m = _pow2(rows, 1)
+    block_k = _norm_gemv_step(rows, HEAD_GEMV_BLOCK_N, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS, C,
+                              w_uv.element_size())                         # head_gemv's steps: the same sums
+    if parts * block_m * block_k > MLA_MERGE_ABSORB_REGS * 32 * HEAD_GEMV_WARPS:
+        return head_gemv(mla_combine(unmerged, positions, w_uv.dtype).view(B, T, H, C), w_uv)
+    out = torch.empty(B, T, H, N, device=partial.device, dtype=w_uv.dtype)
+    if rows and N and H:
+        _mla_merge_absorb_kernel[(triton.cdiv(N, HEAD_GEMV_BLOCK_N), H)](
+            partial, lse, positions, w_uv, out, rows, T, H, N, C, kv_len, split_len,
+            partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
+            positions.stride(0), w_uv.stride(0), w_uv.stride(1), H * N, N,
+            PARTS=parts, BLOCK_M=block_m, BLOCK_N=HEAD_GEMV_BLOCK_N, BLOCK_K=block_k,
+            num_warps=HEAD_GEMV_WARPS, num_stages=1, launch_pdl=PDL)
+    return out
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1893,8 +2036,8 @@ def head_gemv(x, weight):
 # The kernels as the swaps call them: torch.compile (run.py --compile) does not trace into them
 # (a graph break), so their Triton launches run as written between the compiled parts.
 launch = SimpleNamespace(**{name: torch.compiler.disable(globals()[name]) for name in (
-    "mla_rope_cache_write", "mla_decode_attention", "router_topk", "add_rmsnorm", "silu_mul",
-    "norm_gemv", "head_gemv")})
+    "mla_rope_cache_write", "mla_decode_attention", "mla_merge_absorb", "router_topk", "add_rmsnorm",
+    "silu_mul", "norm_gemv", "head_gemv")})
 
 
 def rows(x):
@@ -1915,7 +2058,9 @@ class AddRMSNorm(model.RMSNorm):
 class DecodeAttentionKernel(model.MLA):
     """"attention": decode mode's RoPE, cache write and latent attention in one kernel and a
     merge (mla_decode_attention) between the projections, which stay model.MLA's methods (and
-    their swaps'); the steps around them are model.MLA.forward's. The kernel masks by position
+    their swaps'); the steps around them are model.MLA.forward's. With "norm_gemv" too (a
+    NormGemvMLA) and at most HEAD_GEMV_MAX_ROWS rows, W_uv's launch merges the parts
+    (mla_merge_absorb) in place of the merge launch and absorb_output. The kernel masks by position
     (slots <= position, slot = position, a row's tokens at consecutive positions: a decode step,
     a chain's verify); a draft tree's nodes (slots given) are not, and extend mode expands the
     cache: both take model.MLA.forward."""
@@ -1929,10 +2074,12 @@ class DecodeAttentionKernel(model.MLA):
         q_nope, q_pe = q.view(B, T, h, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
         kv, k_pe = kv_a.split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
         w_uk, w_uv = self.kv_b_halves()
-        o_lat = launch.mla_decode_attention(self.absorb_query(q_nope, w_uk), q_pe, kv, k_pe, norm.weight, norm.eps,
-                                            rope, positions, self.kv_cache[:B, :kv_len], self.pe_cache[:B, :kv_len],
-                                            a.softmax_scale)
-        return self.o_proj(self.absorb_output(o_lat, w_uv).flatten(2))
+        in_w_uv = isinstance(self, NormGemvMLA) and B * T <= HEAD_GEMV_MAX_ROWS    # W_uv's GEMV merges the parts
+        o = launch.mla_decode_attention(self.absorb_query(q_nope, w_uk), q_pe, kv, k_pe, norm.weight, norm.eps,
+                                        rope, positions, self.kv_cache[:B, :kv_len], self.pe_cache[:B, :kv_len],
+                                        a.softmax_scale, merge=not in_w_uv)
+        out = launch.mla_merge_absorb(o, positions, w_uv) if in_w_uv else self.absorb_output(o, w_uv)
+        return self.o_proj(out.flatten(2))
 
 
 class RopeCacheKernel(model.MLA):

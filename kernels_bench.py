@@ -261,6 +261,30 @@ def bench_mla(bw, rows, points=MLA_POINTS, shapes=((1, 1), (1, 4), (4, 1), (4, 4
             del sets
 
 
+def bench_mla_merge_absorb(rows, points=((320, 256), (4096, 4096), (32768, 32768)),
+                           shapes=((1, 1), (1, 4), (4, 1))):
+    """The attention with W_uv's product after it, the two ways NormGemvMLA + DecodeAttentionKernel
+    can run them: the merge launch then head_gemv (three launches), or the parts merged inside W_uv's
+    launch (mla_merge_absorb: two; past its register budget it takes the three itself)."""
+    scale = 0.1
+    print("\nMLA decode step with W_uv (Kimi-K2 TP 8, bf16): the merge launch + head_gemv against the merge in "
+          "W_uv's launch")
+    w_uv = (torch.randn(8, 256, 512, device="cuda", dtype=torch.bfloat16) / 512 ** 0.5)[:, 128:]   # kv_b's value half
+    for S, used in points:
+        for B, T in shapes:
+            sets = _mla_sets(B, T, S, used, max(2, min(32, math.ceil(2.5e8 / (B * S * 576 * 2)))))
+            three = _graph_ms([partial(lambda s: head_gemv(mla_decode_attention(**s, softmax_scale=scale), w_uv), s)
+                               for s in sets]) * 1e3
+            two = _graph_ms([partial(lambda s: kernels.mla_merge_absorb(
+                mla_decode_attention(**s, softmax_scale=scale, merge=False), s["positions"], w_uv), s)
+                for s in sets]) * 1e3
+            print(f"  B {B} T {T} cache {S:>6} used {used:>6}: merge launch + head_gemv {three:6.1f} us, "
+                  f"merged in W_uv's launch {two:6.1f} us", flush=True)
+            rows.append(dict(kernel="mla_merge_absorb", B=B, T=T, cache=S, used=used, three_launches_us=three,
+                             merged_us=two))
+            del sets
+
+
 # Sweep points of bench_mla_configs: at the long cache the tiles (BLOCK_N, num_stages, num_warps)
 # with split lengths (None: the rule), at the short one the split lengths; the merge kernel's
 # BLOCK_C beside. A split length changes no compiled kernel, the rest do (~1 s each).
@@ -434,6 +458,7 @@ def benchmark_attention(out=None, small_only=False, sweep=False):
     bench_norm_gemv(bw, rows, sweep)
     if not small_only:
         bench_mla(bw, rows)
+        bench_mla_merge_absorb(rows)
         bench_mla_configs(rows)
     _emit(rows, bw, out)
 

@@ -2113,6 +2113,59 @@ def test_mla_decode_kernel_equals_twin_kimi_shapes():
     check_mla(3, 4, KIMI_TP8, 100, torch.float32, device, seed=5, split_len=64)
 
 
+def parts_in_use(x, unmerged):
+    """For each batch row, the parts mla_decode_attention's merge reads: part 0 and the splits of the
+    cached slots before the row's first position (computed on the host, for the test)."""
+    first = x["positions"][:, 0].cpu().clamp(max=unmerged.kv_len)
+    return (1 + (first + unmerged.split_len - 1) // unmerged.split_len).tolist()
+
+
+@triton_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_mla_merge_absorb_equals_combine_then_head_gemv(dtype, monkeypatch):
+    """kernels.mla_merge_absorb (the merge inside W_uv's GEMV launch) against the two launches it
+    replaces, head_gemv(mla_decode_attention(..., merge=True), w_uv): equal bit for bit, on fresh
+    random inputs, tiny and Kimi-K2 TP-8 shapes (N = 128 rows of W_uv a head, a strided view as the
+    model's), 1 to 16 rows, batch rows at different positions (mla_inputs: one at the cache's end,
+    with B > 2 one starting at slot 0, whose only part is the new tokens'), one part up to 20; the
+    parts no row uses are filled with NaN first, to show they are never read. Where the parts do not
+    fit (MLA_MERGE_ABSORB_REGS) it must take the two launches itself; both cases occur. float32:
+    also against the float64 twin."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    combines, combine = [], kernels.mla_combine
+    monkeypatch.setattr(kernels, "mla_combine", lambda *a: combines.append(a[0].partial.shape) or combine(*a))
+    scale, merged, fell_back = 0.07, 0, 0
+    cases = [(TINY_MLA, 16, B, T, S, split) for B, T, S, split in (
+        (1, 1, 40, None), (3, 1, 300, 16), (1, 4, 300, 16), (2, 2, 40, None), (4, 4, 40, None), (4, 4, 300, 16))]
+    cases += [(KIMI_TP8, 128, B, T, S, split) for B, T, S, split in ((1, 1, 300, 16), (3, 1, 100, 64), (1, 4, 300, 16))]
+    if device == "cuda":
+        cases += [(KIMI_TP8, 128, B, T, S, None) for B, T in ((1, 1), (3, 1), (1, 4), (4, 4)) for S in (256, 4096)]
+    for i, (shape, N, B, T, S, split) in enumerate(cases):
+        what = f"merge_absorb H={shape['H']} C={shape['C']} B={B} T={T} S={S} split {split} {dtype}"
+        x = mla_inputs(B, T, **shape, S=S, dtype=dtype, device=device, seed=40 + i)
+        g = torch.Generator().manual_seed(i)
+        kv_b = (torch.randn(shape["H"], 2 * N, shape["C"], generator=g) / shape["C"] ** 0.5).to(device, dtype)
+        w_uv = kv_b[:, N:]                                                      # [H, N, C], row-strided
+        ref_x = {k: v.clone() if torch.is_tensor(v) else v for k, v in x.items()}
+        want = kernels.head_gemv(kernels.mla_decode_attention(**ref_x, softmax_scale=scale, split_len=split), w_uv)
+        combines.clear()
+        unmerged = kernels.mla_decode_attention(**x, softmax_scale=scale, split_len=split, merge=False)
+        assert not combines, f"{what}: merge=False ran the combine"
+        for b, used in enumerate(parts_in_use(x, unmerged)):
+            unmerged.partial[b, :, used:] = float("nan")
+            unmerged.lse[b, :, used:] = float("nan")
+        got = kernels.mla_merge_absorb(unmerged, x["positions"], w_uv)
+        assert got.shape == want.shape == (B, T, shape["H"], N) and got.dtype == dtype and torch.isfinite(got).all()
+        assert torch.equal(got, want), f"{what}: max abs diff {(got.double() - want.double()).abs().max().item():.3e}"
+        merged, fell_back = merged + (not combines), fell_back + bool(combines)
+        o_lat = combine(unmerged, x["positions"], dtype).view(B, T, shape["H"], shape["C"])   # poisoned parts too
+        assert torch.equal(kernels.head_gemv(o_lat, w_uv), want), f"{what}: the combine read a part not in use"
+        if dtype == torch.float32:
+            truth = torch.einsum("bthc,hnc->bthn", mla_reference(x, scale, dtype=torch.float64)[0], w_uv.double())
+            assert_close(got, truth, 2e-5 * truth.abs().max().item(), what + " vs float64 twin")
+    assert merged and fell_back, f"{merged} cases merged in W_uv's launch and {fell_back} fell back: want both"
+
+
 @triton_ok
 def test_mla_decode_kernel_refuses_bad_input():
     x = mla_inputs(2, 1, **TINY_MLA, S=16, dtype=torch.float32, device="cpu", seed=0)
@@ -2329,14 +2382,16 @@ def test_head_gemv_kernel_equals_twin(dtype):
 
 
 @triton_ok
-@pytest.mark.parametrize("others", [(), ("add_rmsnorm", "fused_proj")])
+@pytest.mark.parametrize("others", [(), ("add_rmsnorm", "fused_proj"), ("attention",)])
 def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
-    """kernels "norm_gemv" (alone, and with the fused residual adds and stacked q_a + kv_a) against
-    the plain tiny model, float32, 3 layers: the 36-row prefill runs the plain path; a 9-row step
-    runs q_b_proj's GEMV kernel (q_a_layernorm inside) once a layer, the rest plain; steps of 1, 2
-    and 3 rows also run o_proj (up to O_PROJ_GEMV_MAX_ROWS) and, with fused_proj, the stacked q_a +
-    kv_a (QKVA_GEMV_MAX_ROWS) as GEMV kernels, and the absorbed products as head_gemv kernels
-    (decode mode, HEAD_GEMV_MAX_ROWS); both attention modes."""
+    """kernels "norm_gemv" (alone, with the fused residual adds and stacked q_a + kv_a, and with the
+    attention kernel) against the plain tiny model, float32, 3 layers: the 36-row prefill runs the
+    plain path; a 9-row step runs q_b_proj's GEMV kernel (q_a_layernorm inside) once a layer, the rest
+    plain; steps of 1, 2 and 3 rows also run o_proj (up to O_PROJ_GEMV_MAX_ROWS) and, with fused_proj,
+    the stacked q_a + kv_a (QKVA_GEMV_MAX_ROWS) as GEMV kernels, and the absorbed products as head_gemv
+    kernels (decode mode, HEAD_GEMV_MAX_ROWS). With the attention kernel, decode mode at those rows
+    merges the attention's parts in W_uv's launch (mla_merge_absorb, no combine launch: W_uk's
+    head_gemv alone), and at 9 rows merges them in the combine launch; both attention modes."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(num_hidden_layers=3)
     plain = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32), 0)
@@ -2347,25 +2402,32 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
                         lambda *a, **k: calls.append(a[0].shape) or kernels.norm_gemv(*a, **k))
     monkeypatch.setattr(kernels.launch, "head_gemv",
                         lambda *a, **k: heads.append(a[0].shape) or kernels.head_gemv(*a, **k))
+    merges, combines, combine = [], [], kernels.mla_combine
+    monkeypatch.setattr(kernels.launch, "mla_merge_absorb",
+                        lambda *a, **k: merges.append(a[0].partial.shape) or kernels.mla_merge_absorb(*a, **k))
+    monkeypatch.setattr(kernels, "mla_combine", lambda *a: combines.append(a[0].partial.shape) or combine(*a))
     prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=4))
     one, one_pos = step[:1, :1], torch.tensor([[15]], device=device)    # row 0's next token alone
     L = args.num_hidden_layers
 
-    def launches(rows):
-        """(norm_gemv, head_gemv) launches a layer at `rows` rows, decode mode."""
+    def launches(rows, mode):
+        """(norm_gemv, head_gemv, mla_merge_absorb, combine) launches a layer at `rows` rows."""
         n = 1 + (rows <= kernels.O_PROJ_GEMV_MAX_ROWS) + ("fused_proj" in others and rows <= kernels.QKVA_GEMV_MAX_ROWS)
-        return n, 2 * (rows <= kernels.HEAD_GEMV_MAX_ROWS)
+        few, attention = rows <= kernels.HEAD_GEMV_MAX_ROWS, mode == "decode" and "attention" in others
+        return n, (mode == "decode") * (2 - attention) * few, attention * few, attention * (not few)
     for mode in ("extend", "decode"):
         assert_close(fast(prefill, prefill_pos, mode).logits, plain(prefill, prefill_pos, mode).logits, 1e-4,
                      f"norm_gemv {others} prefill, {mode}")
-        assert not calls and not heads, "the prefill's 36 rows must take the plain path"
+        assert not calls and not heads and not merges, "the prefill's 36 rows must take the plain path"
+        combines.clear()                           # (decode mode's prefill merges in the combine)
         for tokens, pos in ((step, step_pos), (one, one_pos), (step[:2, :1], step_pos[:2, :1]), (step[:1], step_pos[:1])):
             what = f"norm_gemv {others} {tokens.numel()}-row step, {mode}"
-            gemvs, head = launches(tokens.numel())
+            counts = launches(tokens.numel(), mode)
             assert_close(fast(tokens, pos, mode).logits, plain(tokens, pos, mode).logits, 1e-4, what)
-            assert len(calls) == gemvs * L, f"{what}: {len(calls)} norm_gemv launches, not {gemvs} a layer"
-            assert len(heads) == (head * L if mode == "decode" else 0), f"{what}: {len(heads)} head_gemv launches"
-            calls.clear(), heads.clear()
+            got = len(calls), len(heads), len(merges), len(combines)
+            assert got == tuple(c * L for c in counts), \
+                f"{what}: (norm_gemv, head_gemv, mla_merge_absorb, combine) launches {got}, not {counts} a layer"
+            calls.clear(), heads.clear(), merges.clear(), combines.clear()
 
 
 def kernel_models(device, dtype, B=3, max_seq_len=64, layers=8):
@@ -2432,6 +2494,7 @@ SWAPS = {  # name: (the plain module's maker(args, device), swap classes, inputs
     "rope_cache": (None, (kernels.RopeCacheKernel,)),
     "norm_gemv (MLA)": (None, (kernels.NormGemvMLA,)),
     "norm_gemv + fused_proj (MLA)": (None, (kernels.NormGemvMLA, kernels.StackedQKVA)),
+    "attention + norm_gemv (MLA)": (None, (kernels.DecodeAttentionKernel, kernels.NormGemvMLA)),
     "norm_gemv (o_proj)": (lambda a, d: tp.RowParallelLinear(64, a.hidden_size, TP(), "x", device=d),
                            (kernels.GemvRowParallel,)),
     "fused_proj (MLA)": (None, (kernels.StackedQKVA,)),
@@ -2771,12 +2834,19 @@ def test_gpu_mla_decode_kernel_one_graph_any_length(S):
 
 @cuda
 @triton_ok
-def test_gpu_kernels_in_captured_paths():
+def test_gpu_kernels_in_captured_paths(monkeypatch):
     """The tiny model with every kernel on: each captured shape replays equal to eager, with no
-    host sync anywhere; float32 logits equal the plain model's; bf16 agreement is reported."""
+    host sync anywhere; float32 logits equal the plain model's; bf16 agreement is reported. The
+    decode step (3 rows) merges the attention's parts in W_uv's launch (mla_merge_absorb), the
+    verify in decode mode (12 rows) in the combine launch."""
     from graphs import CudaGraphs
     target, head = gpu_models(kernels_on="all")
     runner = CudaGraphs("cuda")
+    merged_in = {}
+    merge_absorb, combine = kernels.launch.mla_merge_absorb, kernels.mla_combine
+    monkeypatch.setattr(kernels.launch, "mla_merge_absorb",
+                        lambda *a: merged_in.__setitem__(key, "w_uv") or merge_absorb(*a))
+    monkeypatch.setattr(kernels, "mla_combine", lambda *a: merged_in.__setitem__(key, "combine") or combine(*a))
     for routing in ("model", "uniform"):   # uniform: SIMULATED, inside the router kernel
         target.set_routing(routing)
         for key, fn, inputs in captured_calls(target, head):
@@ -2789,6 +2859,8 @@ def test_gpu_kernels_in_captured_paths():
             finally:
                 torch.cuda.set_sync_debug_mode("default")
             assert_close(graphed, eager, 0.0, f"kernels on, {routing} routing: graph vs eager {key}")
+    assert {key.phase: where for key, where in merged_in.items() if key.mode == "decode"} == \
+        {"decode_step": "w_uv", "verify": "combine"}, merged_in
     plain, fast = kernel_models("cuda", torch.bfloat16)
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256, seed=9))
     a, b = plain(prefill, prefill_pos).logits, fast(prefill, prefill_pos).logits
