@@ -1034,8 +1034,9 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None, plan
 # The merge, o = sum_j 2^(lse_j - L) o_j / sum_j 2^(lse_j - L) over the parts j that hold a slot
 # (L = max_j lse_j), runs in two kernels that must agree bit for bit: the combine, which stores
 # o_lat, and the W_uv launch's (_mla_merge_absorb_kernel), which multiplies the o_lat the combine
-# would have stored. So both add the parts in one fixed order, one after another (_merge_latents),
-# and not with tl.sum, whose order follows the layout the compiler picks in each kernel.
+# would have stored. So up to MLA_MERGE_IN_ORDER_PARTS parts both add them in one fixed order, one
+# after another (_merge_latents), and not with tl.sum, whose order follows the layout the compiler
+# picks in each kernel; past it only the combine runs, with every part in one load and tl.sum.
 
 # Block sizes, from sweeps on the H200 (BENCHMARKS.md, "MLA decode attention kernel"). BLOCK_N
 # slots per tile: 64 latent rows of 512 bf16 are 64 KB; three of them in flight (num_stages 3)
@@ -1051,15 +1052,20 @@ MLA_MAX_BLOCK_M = 32
 MLA_MIN_SPLIT = 64       # slots per split at least (one bf16 tile)
 MLA_COMBINE_BLOCK_C = 32  # columns a merge program: 128 programs for 8 query rows. With all parts in one load (and
 #                           tl.sum) the merge of 129 parts (32768 slots, B 1) took 2.7 us, the earlier two-pass
-#                           combine of 128 columns (32 programs) 8.4 (2026-12-01); the parts one after another
-#                           (_merge_latents) are not yet measured
-MLA_COMBINE_WARPS = 1     # a merge program's tile is one row of 32 columns: a float a thread of one warp (with 4
-#                           warps each would hold a copy)
+#                           combine of 128 columns (32 programs) 8.4 (2026-12-01)
+MLA_COMBINE_WARPS = 1     # a merge program's tile in order is one row of 32 columns: a float a thread of one warp
+#                           (with 4 warps each would hold a copy); all parts in one load: 4 warps
+MLA_MERGE_IN_ORDER_PARTS = 16  # up to 16 parts the combine adds them one after another as mla_merge_absorb does
+#                                (which runs only there); more, all in one load: 129 parts unrolled took ~40 s to
+#                                compile (run.py at 32768 slots, 2026-12-01)
 MLA_MERGE_ABSORB_REGS = 64  # float32 partials a thread of mla_merge_absorb has in flight (a K step's parts of all
 #                             its rows); more parts: the combine and head_gemv, two launches. bf16 at Kimi-K2's
 #                             C = 512: up to 16 parts at 1 row, 8 at 2-4 rows (960 and 448 cached slots in
 #                             splits of 64). There sm_90 code takes up to 255 registers without spilling
-#                             (compiled offline; not yet measured)
+#                             (compiled offline)
+MLA_MERGE_ABSORB_MAX_ROWS = 1  # where DecodeAttentionKernel merges in W_uv's launch: the attention + merge + W_uv
+#                                at 256 slots took 8.0 against 8.4 us at B 1 T 1, but 13.4 against 12.4 at T 4
+#                                and 9.9 against 9.5 at B 4 (kernels_bench.py, H200, 2026-12-01)
 
 
 @_jit
@@ -1264,18 +1270,30 @@ def _merge_latents(po_rows, lse_rows, s_pos, cols, col_ok, n_used, PARTS: tl.con
 @_jit
 def _mla_combine_kernel(po_ptr, lse_ptr, pos_ptr, o_ptr, M, kv_len, split_len,
                         s_pob, s_pom, s_pos, s_lb, s_lm, s_posb, s_ob, s_om,
-                        C: tl.constexpr, BLOCK_C: tl.constexpr, PARTS: tl.constexpr):
-    """o[b, m] = the merge (_merge_latents) of the parts that hold a slot (part 0, the new tokens,
-    and the splits of the slots before the row's first position). po [B, M, PARTS, C] and lse
-    [B, M, PARTS] float32 from _mla_decode_kernel (last dims contiguous); pos int64 [B, T]; o [B,
-    M, C] (any float dtype). Grid: (B * M, cdiv(C, BLOCK_C))."""
+                        C: tl.constexpr, BLOCK_C: tl.constexpr, PARTS: tl.constexpr, BLOCK_S: tl.constexpr,
+                        IN_ORDER: tl.constexpr):
+    """o[b, m] = the merge of the parts that hold a slot (part 0, the new tokens, and the splits of
+    the slots before the row's first position). IN_ORDER: one part after another (_merge_latents),
+    as mla_merge_absorb adds them; else all parts in one load (BLOCK_S >= PARTS) and tl.sum.
+    po [B, M, PARTS, C] and lse [B, M, PARTS] float32 from _mla_decode_kernel (last dims
+    contiguous); pos int64 [B, T]; o [B, M, C] (any float dtype). Grid: (B * M, cdiv(C, BLOCK_C))."""
     _wait_for_prior()
     row, cb = tl.program_id(0), tl.program_id(1)
     b, m = row // M, row % M
-    one = tl.zeros([1, 1], tl.int32)                                        # the program's one row, as a block
-    offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]                  # [1, BLOCK_C]
-    out = _merge_latents(po_ptr + b * s_pob + m * s_pom + one, lse_ptr + b * s_lb + m * s_lm + one, s_pos,
-                         offs_c, offs_c < C, _parts_used(pos_ptr + b * s_posb + one, kv_len, split_len), PARTS)
+    if IN_ORDER:
+        one = tl.zeros([1, 1], tl.int32)                                    # the program's one row, as a block
+        offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]              # [1, BLOCK_C]
+        out = _merge_latents(po_ptr + b * s_pob + m * s_pom + one, lse_ptr + b * s_lb + m * s_lm + one, s_pos,
+                             offs_c, offs_c < C, _parts_used(pos_ptr + b * s_posb + one, kv_len, split_len), PARTS)
+    else:
+        n_used = _parts_used(pos_ptr + b * s_posb, kv_len, split_len)
+        j = tl.arange(0, BLOCK_S)
+        offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
+        lse = tl.load(lse_ptr + b * s_lb + m * s_lm + j, mask=j < n_used, other=float("-inf"))  # [BLOCK_S]
+        w = tl.exp2(lse - tl.max(lse, 0))
+        part = tl.load(po_ptr + b * s_pob + m * s_pom + j[:, None] * s_pos + offs_c[None, :],
+                       mask=(j < n_used)[:, None] & (offs_c < C)[None, :], other=0.0)  # [BLOCK_S, BLOCK_C]
+        out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
     tl.store(o_ptr + b * s_ob + m * s_om + offs_c, out.to(o_ptr.dtype.element_ty), mask=offs_c < C)
 
 
@@ -1405,11 +1423,13 @@ def mla_combine(unmerged, positions, dtype):
     B, M, parts, C = partial.shape
     out = torch.empty(B, M, C, device=partial.device, dtype=dtype)
     block_c = MLA_COMBINE_BLOCK_C if partial.is_cuda else _pow2(C)   # the CPU interpreter: fewest programs
+    in_order = parts <= MLA_MERGE_IN_ORDER_PARTS
     _mla_combine_kernel[(B * M, triton.cdiv(C, block_c))](
         partial, lse, positions, out, M, kv_len, split_len,
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         positions.stride(0), out.stride(0), out.stride(1),
-        C=C, BLOCK_C=block_c, PARTS=parts, launch_pdl=PDL, num_warps=MLA_COMBINE_WARPS)
+        C=C, BLOCK_C=block_c, PARTS=parts, BLOCK_S=_pow2(parts), IN_ORDER=in_order, launch_pdl=PDL,
+        num_warps=MLA_COMBINE_WARPS if in_order else 4)
     return out
 
 
@@ -1420,8 +1440,8 @@ def mla_merge_absorb(unmerged, positions, w_uv):
     B*T rows itself (the parts in use from L2; at Kimi-K2's N = 128, 16 programs a head redo that
     small merge side by side) before its product. w_uv [H, N, C] (K = C contiguous; a view of
     kv_b_proj's weight) of the model's dtype, positions int64 [B, T] as given to the attention; at
-    most NORM_GEMV_MAX_ROWS rows B*T, as head_gemv. Where a K step's parts of all rows do not fit
-    MLA_MERGE_ABSORB_REGS a thread: the combine, then head_gemv."""
+    most NORM_GEMV_MAX_ROWS rows B*T, as head_gemv. Past MLA_MERGE_IN_ORDER_PARTS parts, or where a
+    K step's parts of all rows do not fit MLA_MERGE_ABSORB_REGS a thread: the combine, then head_gemv."""
     partial, lse, split_len, kv_len = unmerged
     B, M, parts, C = partial.shape
     H = w_uv.shape[0]
@@ -1436,7 +1456,7 @@ def mla_merge_absorb(unmerged, positions, w_uv):
     block_m = _pow2(rows, 1)
     block_k = _norm_gemv_step(rows, HEAD_GEMV_BLOCK_N, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS, C,
                               w_uv.element_size())                         # head_gemv's steps: the same sums
-    if parts * block_m * block_k > MLA_MERGE_ABSORB_REGS * 32 * HEAD_GEMV_WARPS:
+    if parts > MLA_MERGE_IN_ORDER_PARTS or parts * block_m * block_k > MLA_MERGE_ABSORB_REGS * 32 * HEAD_GEMV_WARPS:
         return head_gemv(mla_combine(unmerged, positions, w_uv.dtype).view(B, T, H, C), w_uv)
     out = torch.empty(B, T, H, N, device=partial.device, dtype=w_uv.dtype)
     if rows and N and H:
@@ -2059,7 +2079,7 @@ class DecodeAttentionKernel(model.MLA):
     """"attention": decode mode's RoPE, cache write and latent attention in one kernel and a
     merge (mla_decode_attention) between the projections, which stay model.MLA's methods (and
     their swaps'); the steps around them are model.MLA.forward's. With "norm_gemv" too (a
-    NormGemvMLA) and at most HEAD_GEMV_MAX_ROWS rows, W_uv's launch merges the parts
+    NormGemvMLA) and at most MLA_MERGE_ABSORB_MAX_ROWS rows, W_uv's launch merges the parts
     (mla_merge_absorb) in place of the merge launch and absorb_output. The kernel masks by position
     (slots <= position, slot = position, a row's tokens at consecutive positions: a decode step,
     a chain's verify); a draft tree's nodes (slots given) are not, and extend mode expands the
@@ -2074,7 +2094,7 @@ class DecodeAttentionKernel(model.MLA):
         q_nope, q_pe = q.view(B, T, h, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
         kv, k_pe = kv_a.split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
         w_uk, w_uv = self.kv_b_halves()
-        in_w_uv = isinstance(self, NormGemvMLA) and B * T <= HEAD_GEMV_MAX_ROWS    # W_uv's GEMV merges the parts
+        in_w_uv = isinstance(self, NormGemvMLA) and B * T <= MLA_MERGE_ABSORB_MAX_ROWS   # W_uv's GEMV merges
         o = launch.mla_decode_attention(self.absorb_query(q_nope, w_uk), q_pe, kv, k_pe, norm.weight, norm.eps,
                                         rope, positions, self.kv_cache[:B, :kv_len], self.pe_cache[:B, :kv_len],
                                         a.softmax_scale, merge=not in_w_uv)

@@ -2389,9 +2389,9 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     plain path; a 9-row step runs q_b_proj's GEMV kernel (q_a_layernorm inside) once a layer, the rest
     plain; steps of 1, 2 and 3 rows also run o_proj (up to O_PROJ_GEMV_MAX_ROWS) and, with fused_proj,
     the stacked q_a + kv_a (QKVA_GEMV_MAX_ROWS) as GEMV kernels, and the absorbed products as head_gemv
-    kernels (decode mode, HEAD_GEMV_MAX_ROWS). With the attention kernel, decode mode at those rows
-    merges the attention's parts in W_uv's launch (mla_merge_absorb, no combine launch: W_uk's
-    head_gemv alone), and at 9 rows merges them in the combine launch; both attention modes."""
+    kernels (decode mode, HEAD_GEMV_MAX_ROWS). With the attention kernel, decode mode at one row
+    (MLA_MERGE_ABSORB_MAX_ROWS) merges the attention's parts in W_uv's launch (mla_merge_absorb, no
+    combine launch: W_uk's head_gemv alone), and at more rows in the combine launch; both modes."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(num_hidden_layers=3)
     plain = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32), 0)
@@ -2414,7 +2414,8 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
         """(norm_gemv, head_gemv, mla_merge_absorb, combine) launches a layer at `rows` rows."""
         n = 1 + (rows <= kernels.O_PROJ_GEMV_MAX_ROWS) + ("fused_proj" in others and rows <= kernels.QKVA_GEMV_MAX_ROWS)
         few, attention = rows <= kernels.HEAD_GEMV_MAX_ROWS, mode == "decode" and "attention" in others
-        return n, (mode == "decode") * (2 - attention) * few, attention * few, attention * (not few)
+        merged = attention and rows <= kernels.MLA_MERGE_ABSORB_MAX_ROWS
+        return n, (mode == "decode") * (2 - merged) * few, merged, attention * (not merged)
     for mode in ("extend", "decode"):
         assert_close(fast(prefill, prefill_pos, mode).logits, plain(prefill, prefill_pos, mode).logits, 1e-4,
                      f"norm_gemv {others} prefill, {mode}")
