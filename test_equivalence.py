@@ -2838,9 +2838,11 @@ def test_gpu_mla_decode_kernel_one_graph_any_length(S):
 def test_gpu_kernels_in_captured_paths(monkeypatch):
     """The tiny model with every kernel on: each captured shape replays equal to eager, with no
     host sync anywhere; float32 logits equal the plain model's; bf16 agreement is reported. The
-    decode step (3 rows) merges the attention's parts in W_uv's launch (mla_merge_absorb), the
-    verify in decode mode (12 rows) in the combine launch."""
+    decode step (3 rows, with the merge in W_uv's launch allowed up to HEAD_GEMV_MAX_ROWS rows for
+    the test; run.py's step has 1) merges the attention's parts in W_uv's launch (mla_merge_absorb),
+    the verify in decode mode (12 rows) in the combine launch."""
     from graphs import CudaGraphs
+    monkeypatch.setattr(kernels, "MLA_MERGE_ABSORB_MAX_ROWS", kernels.HEAD_GEMV_MAX_ROWS)
     target, head = gpu_models(kernels_on="all")
     runner = CudaGraphs("cuda")
     merged_in = {}
