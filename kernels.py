@@ -2078,19 +2078,18 @@ class AddRMSNorm(model.RMSNorm):
 class DecodeAttentionKernel(model.MLA):
     """"attention": decode mode's RoPE, cache write and latent attention in one kernel and a
     merge (mla_decode_attention) between the projections, which stay model.MLA's methods (and
-    their swaps'); the steps around them are model.MLA.forward's. With "norm_gemv" too (a
+    their swaps'); the steps around them are model.MLA.attend's. With "norm_gemv" too (a
     NormGemvMLA) and at most MLA_MERGE_ABSORB_MAX_ROWS rows, W_uv's launch merges the parts
     (mla_merge_absorb) in place of the merge launch and absorb_output. The kernel masks by position
     (slots <= position, slot = position, a row's tokens at consecutive positions: a decode step,
     a chain's verify); a draft tree's nodes (slots given) are not, and extend mode expands the
-    cache: both take model.MLA.forward."""
+    cache: both take model.MLA.attend."""
 
-    def forward(self, x, positions, rope, future, mode, slots=None):
+    def attend(self, q, kv_a, positions, rope, future, mode, slots=None):
         if mode != "decode" or slots is not None:
-            return super().forward(x, positions, rope, future, mode, slots)
+            return super().attend(q, kv_a, positions, rope, future, mode, slots)
         a, h, norm = self.args, self.n_local_heads, self.kv_a_layernorm
-        (B, T, _), kv_len = x.shape, future.shape[-1]
-        q, kv_a = self.project(x)
+        (B, T, _), kv_len = kv_a.shape, future.shape[-1]
         q_nope, q_pe = q.view(B, T, h, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
         kv, k_pe = kv_a.split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
         w_uk, w_uv = self.kv_b_halves()
