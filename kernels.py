@@ -1905,11 +1905,13 @@ def _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, pid, s, rows, n, 
 
 
 @_jit
-def _norm_gemv_kernel(x_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
-                      M, N, K, k_split, eps, s_xm, s_xh, s_wh, s_wn, s_wk, s_om, s_oh,
-                      SPLITS: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr,
+def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
+                      M, N, K, k_split, eps, s_xm, s_rm, s_sm, s_xh, s_wh, s_wn, s_wk, s_om, s_oh,
+                      SPLITS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[m, n] = sum_k h[m, k] * W[n, k] with h = x (NORM: RMSNorm(x), x * rsqrt(mean(x^2) + eps) * g).
+    ADD: x is the sum x + r of x and a residual r [M, K], rounded to x's dtype, which the programs of
+    row block 0 (each for its own slice of K) store into sum [M, K] (rows strided, last dim contiguous).
     x [M, K], out [M, N] (rows strided, last dim contiguous), W [N, K] (any strides), g [K]; x, out
     and W of one dtype; M <= BLOCK_M; float32 products on the CUDA cores, added up elementwise over
     the steps and summed over k at the end. Each step loads the next step's W tile before it uses its
@@ -1925,6 +1927,7 @@ def _norm_gemv_kernel(x_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
     kb = tl.arange(0, BLOCK_K)
     k3 = kb[None, None, :]
     x_rows = x_ptr + j * s_xh + rows[:, None] * s_xm
+    r_rows, sum_rows = r_ptr + rows[:, None] * s_rm, sum_ptr + rows[:, None] * s_sm
     w_rows = w_ptr + j * s_wh + n3 * s_wn
     lo = s * k_split
     hi = tl.minimum(lo + k_split, K)
@@ -1936,7 +1939,12 @@ def _norm_gemv_kernel(x_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
         k = k0 + kb
         k1 = tl.minimum(k0 + BLOCK_K, last_k) + k3                          # the next step's (the last: its own)
         w1 = tl.load(w_rows + k1 * s_wk, mask=(n3 < N) & (k1 < K), other=0.0)
-        h = tl.load(x_rows + k[None, :], mask=(rows < M)[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+        ok = (rows < M)[:, None] & (k < K)[None, :]
+        h = tl.load(x_rows + k[None, :], mask=ok, other=0.0)
+        if ADD:                                                             # the plain add's rounding
+            h = (h.to(tl.float32) + tl.load(r_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)).to(h.dtype)
+            tl.store(sum_rows + k[None, :], h, mask=ok & (pid == 0))
+        h = h.to(tl.float32)
         if NORM:
             ss += tl.sum(h * h, 1)
             h = h * tl.load(g_ptr + k[None, :], mask=(k < K)[None, :], other=0.0).to(tl.float32)
@@ -1969,11 +1977,13 @@ def _norm_gemv_step(rows, block_n, step_bytes, warps, K, elem):
     return min(step_bytes // elem, _pow2(K), max(NORM_GEMV_MIN_STEP, 1 << (max(fit, 1).bit_length() - 1)))
 
 
-def norm_gemv(x, weight, norm_weight=None, eps=0.0, block_n=None, block_k=None, programs=None, warps=None):
+def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None, block_k=None, programs=None,
+              warps=None):
     """RMSNorm(x) @ weight^T in one kernel: x [..., K] of weight's dtype (bf16, fp16 or float32),
     weight [N, K] (rows may be a strided view), norm_weight [K] (None: no norm, a plain GEMV), at
-    most NORM_GEMV_MAX_ROWS rows. Returns [..., N]. The block arguments override the defaults
-    above (benchmarks; tests force several slices of a small K)."""
+    most NORM_GEMV_MAX_ROWS rows. Returns [..., N]. With a residual (x's shape and dtype) the input is
+    x + residual, rounded to x's dtype as model.RMSNorm's add: returns ([..., N], x + residual). The
+    block arguments override the defaults above (benchmarks; tests force several slices of a small K)."""
     K = x.shape[-1]
     N = weight.shape[0]
     rows = x.numel() // K if K else 0
@@ -1985,14 +1995,18 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, block_n=None, block_k=None, 
                          f"{x.dtype} and {rows} rows (use the plain path)")
     if norm_weight is not None and norm_weight.shape != (K,):
         raise ValueError(f"norm_gemv: norm weight {list(norm_weight.shape)} is not [{K}]")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"norm_gemv: residual {residual.dtype} {list(residual.shape)} is not of x's shape and "
+                         f"dtype, {x.dtype} {list(x.shape)}")
     bn, step_bytes, bw = NORM_GEMV_BLOCKS[1 if rows == 1 else "several",
                                           "long" if K >= NORM_GEMV_LONG_K else "short"]
     block_n, warps = block_n or bn, warps or bw
     if triton.cdiv(N, block_n) > COUNTERS:
         raise ValueError(f"norm_gemv: {N} rows of W make more than {COUNTERS} row blocks of {block_n}")
-    x2 = x.reshape(rows, K)
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    x2, r2 = (t.reshape(rows, K) for t in (x, x if residual is None else residual))
+    x2, r2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, r2))
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
+    summed = x2 if residual is None else torch.empty(rows, K, device=x.device, dtype=x.dtype)  # x2: not written
     if rows and N:
         block_k = block_k or _norm_gemv_step(rows, block_n, step_bytes, warps, K, x.element_size())
         slices, k_split = _k_slices(N, K, block_n, block_k, programs or NORM_GEMV_PROGRAMS)
@@ -2000,11 +2014,11 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, block_n=None, block_k=None, 
         part = torch.empty(slices, rows, N, device=x.device, dtype=torch.float32) if slices > 1 else out
         ss = torch.empty(blocks * slices * _pow2(rows, 1), device=x.device, dtype=torch.float32)
         _norm_gemv_kernel[(blocks, 1, slices)](
-            x2, x2 if norm_weight is None else norm_weight, weight, out, part, ss, _counters(x.device),
-            rows, N, K, k_split, float(eps), x2.stride(0), 0, 0, weight.stride(0), 1, N, 0,
-            SPLITS=slices, NORM=norm_weight is not None, BLOCK_M=_pow2(rows, 1),
+            x2, r2, summed, x2 if norm_weight is None else norm_weight, weight, out, part, ss, _counters(x.device),
+            rows, N, K, k_split, float(eps), x2.stride(0), r2.stride(0), summed.stride(0), 0, 0, weight.stride(0), 1,
+            N, 0, SPLITS=slices, ADD=residual is not None, NORM=norm_weight is not None, BLOCK_M=_pow2(rows, 1),
             BLOCK_N=block_n, BLOCK_K=block_k, launch_pdl=PDL, num_stages=1, num_warps=warps)
-    return out
+    return out if residual is None else (out, summed.view(x.shape))
 
 
 # head_gemv's blocks, swept on the H200 at Kimi-K2's 8 heads (2026-12-01, benchmarks/h200_s8_sweep2.log) with the
@@ -2040,8 +2054,8 @@ def head_gemv(x, weight):
         block_n = HEAD_GEMV_BLOCK_N if weight.stride(2) == 1 else HEAD_GEMV_BLOCK_N_STRIDED
         block_k = _norm_gemv_step(rows, block_n, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS, K, x.element_size())
         _norm_gemv_kernel[(triton.cdiv(N, block_n), H, 1)](
-            x2, x2, weight, out, out, out, out, rows, N, K, K, 0.0, x2.stride(0), x2.stride(1),
-            weight.stride(0), weight.stride(1), weight.stride(2), H * N, N, SPLITS=1, NORM=False,
+            x2, x2, x2, x2, weight, out, out, out, out, rows, N, K, K, 0.0, x2.stride(0), 0, 0, x2.stride(1),
+            weight.stride(0), weight.stride(1), weight.stride(2), H * N, N, SPLITS=1, ADD=False, NORM=False,
             BLOCK_M=_pow2(rows, 1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=HEAD_GEMV_WARPS, num_stages=1,
             launch_pdl=PDL)
     return out

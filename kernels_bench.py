@@ -417,7 +417,8 @@ def bench_norm_gemv(bw, rows, sweep=False):
             for bn, bk, programs in [(None, None, None)] + (sweep_points if M == 1 else []):
                 g = None if norm is None else norm.weight
                 try:
-                    calls = [partial(norm_gemv, x, w, g, 1e-6, bn, bk, programs) for x, w in zip(xs, ws)]
+                    calls = [partial(norm_gemv, x, w, g, 1e-6, block_n=bn, block_k=bk, programs=programs)
+                             for x, w in zip(xs, ws)]
                     us = _graph_ms(calls) * 1e3
                 except Exception as e:   # a configuration past the SM's shared memory, say
                     print(f"  {name:9s} M {M}  config {bn, bk, programs}: {type(e).__name__} {str(e)[:80]}")

@@ -2342,7 +2342,9 @@ def test_norm_gemv_kernel_equals_twin(dtype):
         for rows in (1, 2, 3, 4, 5, 16):
             x = (2 * torch.randn(rows, K + 5, generator=g)).to(device, dtype)[:, :K]          # rows strided
             for nrm, blocks in itertools.product((norm, None), ((None, None, None), (None, 16, None), two_slices)):
-                out = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6, *blocks)
+                block_n, block_k, programs = blocks
+                out = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6, block_n=block_n,
+                                        block_k=block_k, programs=programs)
                 ref = F.linear(x if nrm is None else nrm(x), w)
                 what = f"norm_gemv N={N} K={K} rows={rows} {dtype} norm={nrm is not None} blocks={blocks}"
                 tol = (1e-5 if dtype == torch.float32 else 1e-2) * ref.abs().max().item()
@@ -2351,6 +2353,44 @@ def test_norm_gemv_kernel_equals_twin(dtype):
                 assert not kernels._counters(x.device).any(), f"{what}: the last programs leave the counters 0"
     with pytest.raises(ValueError, match="at most 16 rows"):
         kernels.norm_gemv(torch.zeros(17, 64, device=device), torch.zeros(8, 64, device=device))
+
+
+@triton_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_gemv_with_residual_equals_add_rmsnorm_and_linear(dtype):
+    """kernels.norm_gemv with a residual (kernels.InputNormInQKVA's: a layer's input add and norm inside
+    the stacked q_a + kv_a GEMV) against its twin, model.RMSNorm with the residual (the sum rounded to
+    the dtype, then the norm) and F.linear, on fresh random inputs: 1 to 4 rows, x and the residual
+    strided views [rows, 1, K]; K whole in a program, in steps of 16, and cut into two slices (each
+    program of row block 0 stores its own part of the sum); also without a norm (two slices). The sum equals x +
+    residual bit for bit; the output float32 to 1e-5 relative, bf16 (GPU) to 1% of the largest output
+    (the normed row is not rounded). Refused: a residual of another shape or dtype."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
+                    "kernels are checked on the GPU")
+    g = torch.Generator().manual_seed(25)
+    for N, K in NORM_GEMV_SHAPES + (NORM_GEMV_KIMI[:1] if device == "cuda" else []):
+        norm = model.RMSNorm(K, 1e-6, device, dtype)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(K, generator=g))
+        w = (torch.randn(N + 3, K + 8, generator=g) / K ** 0.5).to(device, dtype)[:N, :K]   # rows strided
+        blocks = ({}, {"block_k": 16}, {"block_n": 8, "block_k": 16, "programs": 2 * ((N + 7) // 8)})
+        for rows in (1, 2, 3, 4):
+            x, r = ((2 * torch.randn(rows, 1, K + 5, generator=g)).to(device, dtype)[..., :K] for _ in range(2))
+            h, want_sum = norm(x, r)
+            for nrm, block in [(norm, block) for block in blocks] + [(None, blocks[-1])]:
+                out, summed = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6, residual=r, **block)
+                ref = F.linear(want_sum if nrm is None else h, w)
+                what = f"norm_gemv + residual N={N} K={K} rows={rows} {dtype} norm={nrm is not None} {block}"
+                assert summed.shape == x.shape and torch.equal(summed, want_sum), f"{what}: the sum"
+                assert out.shape == ref.shape and out.dtype == dtype
+                assert_close(out, ref, (1e-5 if dtype == torch.float32 else 1e-2) * ref.abs().max().item(), what)
+                assert not kernels._counters(x.device).any(), f"{what}: the last programs leave the counters 0"
+    x = torch.zeros(2, 64, device=device, dtype=dtype)
+    for bad in (torch.zeros(1, 64, device=device, dtype=dtype), torch.zeros(2, 64, device=device, dtype=torch.float16)):
+        with pytest.raises(ValueError, match="residual .* is not of x's shape and dtype"):
+            kernels.norm_gemv(x, torch.zeros(8, 64, device=device, dtype=dtype), residual=bad)
 
 
 @triton_ok
