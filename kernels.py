@@ -12,7 +12,9 @@ that put them in place of model.py's plain code, which stays the readable specif
   SwiGLU activation      silu_mul               swap: SiluMulKernel (twin: model.MLP.act)
   RMSNorm + GEMV         norm_gemv              swap: NormGemvMLA (twin: model.MLA.query; with
                                                 StackedQKVA, its q_kv_a), GemvRowParallel (twin:
-                                                tp.RowParallelLinear, MLA's o_proj)
+                                                tp.RowParallelLinear, MLA's o_proj), with fused_proj
+                                                and add_rmsnorm InputNormInQKVA (twin: model.Block's
+                                                input add + norm and MLA.project, in one launch)
   GEMV per head          head_gemv              swap: NormGemvMLA (twin: model.MLA.absorb_query,
                                                 absorb_output)
   EAGLE-3 head: input    draft_input_norms      swap: DraftNormsKernel (twin: draft.MidLayer's two norms
@@ -1868,6 +1870,9 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
 # One launch, no float atomics: deterministic, so a graph replay equals the eager call.
 # Rounding: the normed row is not rounded (the plain path rounds it to W's dtype), so bf16 results
 # differ from the plain path's by the order of one rounding.
+# With a residual r (a layer's input norm, InputNormInQKVA) the kernel reads x and r and normalizes their
+# sum, rounded to the dtype as the plain add rounds it; the programs of row block 0 also store that sum
+# (the residual stream), each for its own slice of K: the add + norm launch in front of the GEMV goes.
 
 NORM_GEMV_MAX_ROWS = 16     # decode and verify; prefill goes to the plain RMSNorm and cuBLAS
 # (BLOCK_N, bytes of a W row a step, warps) by (one row or several, K long or short), the step cut to fit
@@ -2136,8 +2141,8 @@ class RopeCacheKernel(model.MLA):
 #   absorbed W_uk, W_uv: kernel 2.1 + 2.2 / 2.5 + 2.2 / 3.0 + 2.5 / 2.7 + 2.3, the einsums with the copies
 #     the model makes of their permuted inputs and outputs 3.1 + 4.6 / 5.0 + 6.4 / 5.2 + 6.5 / 5.1 + 6.7:
 #     up to 4 rows (more were not measured).
-#   q_a + kv_a with the input add + norm inside (an earlier form, 13.6 against 14.8 us): not done, the
-#     norm inside the projection needs a layer-level swap.
+#   q_a + kv_a with the input add + norm inside (an earlier form, 13.6 against 14.8 us for add_rmsnorm and
+#     the GEMV): InputNormInQKVA, up to QKVA_GEMV_MAX_ROWS, the same kernel's limit.
 QKVA_GEMV_MAX_ROWS = 4
 O_PROJ_GEMV_MAX_ROWS = 2
 HEAD_GEMV_MAX_ROWS = 4
@@ -2154,6 +2159,17 @@ class NormGemvMLA(model.MLA):
             return super().q_kv_a(x)
         return launch.norm_gemv(x, self.q_kv_a_weight)
 
+    def project_sum(self, x, residual, norm):
+        """(q, kv_a) = project(norm(x + residual)) and x + residual, at most QKVA_GEMV_MAX_ROWS rows, the add
+        and the norm (the layer's input_layernorm) inside q_a + kv_a's GEMV (with StackedQKVA behind this
+        swap: InputNormInQKVA's). residual None: project(norm(x)) and x."""
+        w, g = self.q_kv_a_weight, norm.weight
+        if residual is None:
+            q_kv_a, summed = launch.norm_gemv(x, w, g, norm.eps), x
+        else:
+            q_kv_a, summed = launch.norm_gemv(x, w, g, norm.eps, residual=residual)
+        return *self.split_q_kv_a(q_kv_a), summed
+
     def query(self, q_a):
         if rows(q_a) > NORM_GEMV_MAX_ROWS:
             return super().query(q_a)
@@ -2169,6 +2185,22 @@ class NormGemvMLA(model.MLA):
         if math.prod(o_lat.shape[:2]) > HEAD_GEMV_MAX_ROWS:
             return super().absorb_output(o_lat, w_uv)
         return launch.head_gemv(o_lat, w_uv)
+
+
+class InputNormInQKVA(model.Block):
+    """"norm_gemv" with "fused_proj" and "add_rmsnorm" (MLA with q_lora_rank): at most QKVA_GEMV_MAX_ROWS
+    rows, the layer's input residual add and input_layernorm run inside the stacked q_a + kv_a GEMV
+    (NormGemvMLA.project_sum), so no add_rmsnorm launch runs in front of the attention; the attention
+    takes the projected inputs (model.MLA.attend). More rows: model.Block."""
+
+    def forward(self, x, residual, positions, rope, future, mode, slots=None):
+        if rows(x) > QKVA_GEMV_MAX_ROWS:
+            return super().forward(x, residual, positions, rope, future, mode, slots)
+        attn = self.self_attn
+        q, kv_a, residual = attn.project_sum(x, residual, self.input_layernorm)
+        h = attn.attend(q, kv_a, positions, rope, future, mode, slots)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class GemvRowParallel(tp.RowParallelLinear):
@@ -2216,8 +2248,12 @@ class StackedQKVA(AttachAgain, model.MLA):
         return F.linear(x, self.q_kv_a_weight)
 
     def project(self, x):
+        return self.split_q_kv_a(self.q_kv_a(x))
+
+    def split_q_kv_a(self, q_kv_a):
+        """project's outputs from the stacked product: the queries of its q_a part, and kv_a."""
         a = self.args
-        q_a, kv_a = self.q_kv_a(x).split([a.q_lora_rank, a.kv_lora_rank + a.qk_rope_head_dim], -1)
+        q_a, kv_a = q_kv_a.split([a.q_lora_rank, a.kv_lora_rank + a.qk_rope_head_dim], -1)
         return self.query(q_a), kv_a
 
 
@@ -2478,8 +2514,9 @@ def accelerate(target, names=(), moe="auto"):
     latent norm + cache writes), "router" (SIMULATED uniform routing included), "add_rmsnorm"
     (every residual add with the norm that reads the sum), "silu_mul" (the MLPs' SwiGLU),
     "norm_gemv" (GEMV kernels: for <= 16 rows q_b_proj with q_a_layernorm inside; for <= 4 rows
-    decode mode's absorbed products over the heads and, with fused_proj, the stacked q_a + kv_a;
-    for <= 2 rows o_proj), "shared_expert" (the shared expert inside the fused MoE launch, where
+    decode mode's absorbed products over the heads and, with fused_proj, the stacked q_a + kv_a,
+    with add_rmsnorm too the layer's input add and norm inside it: InputNormInQKVA; for <= 2 rows
+    o_proj), "shared_expert" (the shared expert inside the fused MoE launch, where
     SharedExpertInLaunch.applies; else left off and not listed), "fused_proj" (plain torch: q_a +
     kv_a and each unfolded MLP's gate + up as one GEMM, the shared expert's down GEMM adding onto
     the routed output); an iterable, "all" or "none". moe: the routed experts' path
@@ -2517,6 +2554,8 @@ def accelerate_layer(layer, names, moe):
     if "add_rmsnorm" in names:
         swap(layer.input_layernorm, AddRMSNorm)
         swap(layer.post_attention_layernorm, AddRMSNorm)
+    if {"norm_gemv", "fused_proj", "add_rmsnorm"} <= names and attn.args.q_lora_rank:
+        swap(layer, InputNormInQKVA)
     mlp = layer.mlp
     if isinstance(mlp, model.MoE):
         swap(mlp.experts, *{"gather": (), "grouped": (GroupedExperts,), "fused": (FusedExperts,)}[moe])

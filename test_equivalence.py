@@ -1997,7 +1997,7 @@ def test_compiled_layers_equal_plain_inside_graphs_without_host_sync(kernels_on)
     """run.py --compile: torch.compile fuses each layer, our CUDA graphs capture the result; with
     every kernel on (run.py --compile --kernels all, SIMULATED uniform routing as run.py times it)
     the Triton launches run between the compiled parts. Logits and aux states against the same
-    model uncompiled."""
+    model uncompiled, for a 9-row step and a 3-row one (the GEMV paths: InputNormInQKVA's among them)."""
     from functools import partial
     from graphs import CudaGraphs
     target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32,
@@ -2005,19 +2005,20 @@ def test_compiled_layers_equal_plain_inside_graphs_without_host_sync(kernels_on)
     kernels.accelerate(target, "all" if kernels_on else "none")
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
-    plain = {mode: flat(target(step, step_pos, mode, capture_aux=True)) for mode in ("extend", "decode")}
+    steps = {9: (step, step_pos), 3: (step[:, :1], step_pos[:, :1])}
+    plain = {(mode, n): flat(target(*steps[n], mode, capture_aux=True)) for mode in ("extend", "decode") for n in steps}
     kernels.compile_layers(target)
     runner = CudaGraphs("cuda")
-    for mode, ref in plain.items():
-        fn = partial(target, mode=mode, capture_aux=True)
-        assert_close(flat(fn(step, step_pos)), ref, 1e-4, f"compiled vs plain layers, {mode}, kernels {kernels_on}")
+    for (mode, n), ref in plain.items():
+        fn, what = partial(target, mode=mode, capture_aux=True), f"{mode}, {n} rows, kernels {kernels_on}"
+        assert_close(flat(fn(*steps[n])), ref, 1e-4, f"compiled vs plain layers, {what}")
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            graphed = flat(runner.run(("compiled", mode), fn, step, step_pos))
+            graphed = flat(runner.run(("compiled", mode, n), fn, *steps[n]))
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert_close(graphed, ref, 1e-4, f"compiled layers in a CUDA graph vs plain, {mode}, kernels {kernels_on}")
+        assert_close(graphed, ref, 1e-4, f"compiled layers in a CUDA graph vs plain, {what}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2446,6 +2447,8 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     monkeypatch.setattr(kernels.launch, "mla_merge_absorb",
                         lambda *a, **k: merges.append(a[0].partial.shape) or kernels.mla_merge_absorb(*a, **k))
     monkeypatch.setattr(kernels, "mla_combine", lambda *a: combines.append(a[0].partial.shape) or combine(*a))
+    adds = []
+    monkeypatch.setattr(kernels.launch, "add_rmsnorm", lambda *a: adds.append(1) or kernels.add_rmsnorm(*a))
     prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=4))
     one, one_pos = step[:1, :1], torch.tensor([[15]], device=device)    # row 0's next token alone
     L = args.num_hidden_layers
@@ -2456,11 +2459,18 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
         few, attention = rows <= kernels.HEAD_GEMV_MAX_ROWS, mode == "decode" and "attention" in others
         merged = attention and rows <= kernels.MLA_MERGE_ABSORB_MAX_ROWS
         return n, (mode == "decode") * (2 - merged) * few, merged, attention * (not merged)
+
+    def add_norms(rows):
+        """add_rmsnorm launches a forward: after each attention, in front of each attention but the first
+        layer's (no residual yet) unless q_a + kv_a's GEMV does the add (InputNormInQKVA), and the final norm."""
+        in_qkva = {"add_rmsnorm", "fused_proj"} <= set(others) and rows <= kernels.QKVA_GEMV_MAX_ROWS
+        return ("add_rmsnorm" in others) * (L + (0 if in_qkva else L - 1) + 1)
     for mode in ("extend", "decode"):
         assert_close(fast(prefill, prefill_pos, mode).logits, plain(prefill, prefill_pos, mode).logits, 1e-4,
                      f"norm_gemv {others} prefill, {mode}")
         assert not calls and not heads and not merges, "the prefill's 36 rows must take the plain path"
-        combines.clear()                           # (decode mode's prefill merges in the combine)
+        assert len(adds) == add_norms(36), "the prefill's 36 rows: add_rmsnorm in front of each attention"
+        combines.clear(), adds.clear()             # (decode mode's prefill merges in the combine)
         for tokens, pos in ((step, step_pos), (one, one_pos), (step[:2, :1], step_pos[:2, :1]), (step[:1], step_pos[:1])):
             what = f"norm_gemv {others} {tokens.numel()}-row step, {mode}"
             counts = launches(tokens.numel(), mode)
@@ -2468,7 +2478,8 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
             got = len(calls), len(heads), len(merges), len(combines)
             assert got == tuple(c * L for c in counts), \
                 f"{what}: (norm_gemv, head_gemv, mla_merge_absorb, combine) launches {got}, not {counts} a layer"
-            calls.clear(), heads.clear(), merges.clear(), combines.clear()
+            assert len(adds) == add_norms(tokens.numel()), f"{what}: {len(adds)} add_rmsnorm launches"
+            calls.clear(), heads.clear(), merges.clear(), combines.clear(), adds.clear()
 
 
 def kernel_models(device, dtype, B=3, max_seq_len=64, layers=8):
@@ -2589,6 +2600,47 @@ def test_each_swap_equals_the_module_it_replaces(name):
             want = routed + plain(x[:n])
             assert_close(shared(x[:n], add_to=routed.clone()), want, 1e-5 * want.abs().max().item(),
                          f"{name}: add_to, {n} rows")
+
+
+@triton_ok
+def test_input_norm_in_qkva_block_equals_the_plain_block(monkeypatch):
+    """kernels.InputNormInQKVA (accelerate_layer's with "norm_gemv", "fused_proj" and "add_rmsnorm": the
+    input add and norm inside q_a + kv_a's GEMV) against the plain model.Block on the same weights and
+    fresh random inputs, float32, in both attention modes: a 9-token extend of 2 rows (18 rows: model.Block,
+    an add_rmsnorm launch in front of the attention), then 4, 2 (no residual, as after an EAGLE-3
+    state: the norm alone inside the GEMV), 3 and 1 rows (one add_rmsnorm launch, after the attention);
+    both outputs (the MLP's, the stream after the attention) and the caches written. This swap is no
+    module's own (the test of each swap takes one module's inputs): a layer's, so tested here."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = tiny()
+    plain = randomized(model.Block(0, args, TP(), 2, 16, device, torch.float32), seed=25)
+    fast = model.Block(0, args, TP(), 2, 16, device, torch.float32)
+    kernels.accelerate_layer(fast, {"norm_gemv", "fused_proj", "add_rmsnorm"}, "gather")
+    assert isinstance(fast, kernels.InputNormInQKVA)
+    fast.load_state_dict(plain.state_dict())
+    assert_same_state(fast, plain)
+    adds = []
+    monkeypatch.setattr(kernels.launch, "add_rmsnorm", lambda *a: adds.append(1) or kernels.add_rmsnorm(*a))
+    g = torch.Generator().manual_seed(26)
+    rope = torch.stack(model.rope_tables(args.qk_rope_head_dim, 10000.0, None, 16, device), -1)
+    for mode in ("extend", "decode"):
+        for B, start, T, with_residual in ((2, 0, 9, True), (2, 9, 2, True), (2, 11, 1, False), (1, 12, 3, True),
+                                           (1, 15, 1, True)):
+            x, r = (torch.randn(B, T, args.hidden_size, generator=g).to(device) for _ in range(2))
+            r = r if with_residual else None
+            pos = (start + torch.arange(T)).expand(B, T).contiguous().to(device)
+            call = (pos, rope[pos], torch.arange(16, device=device) > pos.unsqueeze(-1), mode)
+            (want, want_res), (got, got_res) = plain(x, r, *call), fast(x, r, *call)
+            what = f"InputNormInQKVA, {B * T} rows, {mode}, residual {with_residual}"
+            assert_close(got, want, 1e-5 * want.abs().max().item(), what + ": the MLP's output")
+            assert_close(got_res, want_res, 1e-5 * want_res.abs().max().item(), what + ": the stream")
+            in_qkva = B * T <= kernels.QKVA_GEMV_MAX_ROWS
+            assert len(adds) == 1 + (with_residual and not in_qkva), f"{what}: {len(adds)} add_rmsnorm launches"
+            adds.clear()
+        for cache in ("kv_cache", "pe_cache"):
+            want = getattr(plain.self_attn, cache)
+            assert_close(getattr(fast.self_attn, cache), want, 1e-5 * want.abs().max().item(),
+                         f"InputNormInQKVA, {mode}: {cache}")
 
 
 def test_model_py_knows_nothing_of_the_fast_path():
