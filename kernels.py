@@ -2152,7 +2152,8 @@ class NormGemvMLA(model.MLA):
     """"norm_gemv": q_b_proj as a GEMV kernel with q_a_layernorm computed inside it (at most
     NORM_GEMV_MAX_ROWS rows: decode, verify), decode mode's absorbed W_uk / W_uv products as GEMV
     kernels over the heads (at most HEAD_GEMV_MAX_ROWS rows), and, with fused_proj (StackedQKVA
-    behind this swap), the stacked q_a + kv_a at up to QKVA_GEMV_MAX_ROWS; more rows: the plain code."""
+    behind this swap), the stacked q_a + kv_a at up to QKVA_GEMV_MAX_ROWS (project_sum: with the
+    layer's input add and norm inside, for InputNormInQKVA); more rows: the plain code."""
 
     def q_kv_a(self, x):
         if rows(x) > QKVA_GEMV_MAX_ROWS:
@@ -2191,7 +2192,8 @@ class InputNormInQKVA(model.Block):
     """"norm_gemv" with "fused_proj" and "add_rmsnorm" (MLA with q_lora_rank): at most QKVA_GEMV_MAX_ROWS
     rows, the layer's input residual add and input_layernorm run inside the stacked q_a + kv_a GEMV
     (NormGemvMLA.project_sum), so no add_rmsnorm launch runs in front of the attention; the attention
-    takes the projected inputs (model.MLA.attend). More rows: model.Block."""
+    takes the projected inputs (model.MLA.attend). More rows: model.Block. MLA's own call does not run
+    here, so run.py's component table scopes project_sum and attend themselves (its MLA_METHODS)."""
 
     def forward(self, x, residual, positions, rope, future, mode, slots=None):
         if rows(x) > QKVA_GEMV_MAX_ROWS:
