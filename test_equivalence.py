@@ -1721,6 +1721,33 @@ def test_component_table_adds_up_to_the_summed_op_time():
     assert model.apply_rope.__name__ == "apply_rope" and "project" not in vars(m.layers[0].self_attn)
 
 
+@triton_runs
+def test_component_table_puts_the_input_norm_in_qkva_under_the_projections(monkeypatch):
+    """kernels.InputNormInQKVA runs the layer's projections and attention from the layer, outside MLA's
+    own call: run.py's component ranges still put the GEMV with the input add and norm inside it (and
+    the first layer's, with no residual) under the attention projections, and the attention under the
+    attention core (CPU: one decode step of one row, the launches marked by a range of their own)."""
+    device = TRITON_DEVICE
+    m = init_random(Transformer(tiny(num_hidden_layers=2), 1, 24, device=device, dtype=torch.float32), 10)
+    kernels.accelerate(m, ("norm_gemv", "fused_proj", "add_rmsnorm"))
+    tokens = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(10)).to(device)
+    m(tokens, torch.arange(20, device=device).expand(1, 20))
+
+    def marked(*a, **k):
+        with torch.profiler.record_function("norm_gemv" + ("+residual" if "residual" in k else "")):
+            return kernels.norm_gemv(*a, **k)
+    monkeypatch.setattr(kernels.launch, "norm_gemv", marked)
+    from torch.profiler import ProfilerActivity, profile
+    with run.component_scopes(m), profile(activities=[ProfilerActivity.CPU]) as prof:
+        m(tokens[:, -1:], torch.tensor([[20]], device=device), "decode", kv_len=24)
+    where = {}
+    for e in prof.events():
+        if e.name.startswith("norm_gemv") or e.name == "aten::softmax":
+            where.setdefault(e.name, set()).add(run.component_at(e))
+    assert where["norm_gemv+residual"] == {"attn_proj"} and where["aten::softmax"] == {"attn_core"}, where
+    assert where["norm_gemv"] == {"attn_proj"}, where                     # q_b, o_proj and layer 0's q_a + kv_a
+
+
 def test_component_bytes_count_what_a_forward_moves():
     m = init_random(Transformer(tiny(), 2, 48, dtype=torch.float32), 10)
     distinct = [5] * (m.args.num_hidden_layers - 1)
