@@ -3,8 +3,8 @@ that put them in place of model.py's plain code, which stays the readable specif
 
   Routed experts         fused_moe              swap: FusedExperts (twin: model.Experts)
   MLA decode step        mla_decode_attention   swap: DecodeAttentionKernel (twins: model.MLA.write_cache,
-                         mla_merge_absorb       model.absorbed_attention; with NormGemvMLA, the merge
-                                                inside absorb_output's launch)
+                         mla_merge_absorb       model.absorbed_attention; with NormGemvMLA at one row,
+                                                the merge inside W_uv's GEMV launch)
   RoPE + cache write     mla_rope_cache_write   swap: RopeCacheKernel (twin: model.MLA.write_cache; extend
                                                 mode and draft trees)
   Router                 router_topk            swap: RouterKernel (twin: model.Router)
