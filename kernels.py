@@ -2098,8 +2098,12 @@ class DecodeAttentionKernel(model.MLA):
         o = launch.mla_decode_attention(self.absorb_query(q_nope, w_uk), q_pe, kv, k_pe, norm.weight, norm.eps,
                                         rope, positions, self.kv_cache[:B, :kv_len], self.pe_cache[:B, :kv_len],
                                         a.softmax_scale, merge=not in_w_uv)
-        out = launch.mla_merge_absorb(o, positions, w_uv) if in_w_uv else self.absorb_output(o, w_uv)
+        out = self.merge_absorb_output(o, positions, w_uv) if in_w_uv else self.absorb_output(o, w_uv)
         return self.o_proj(out.flatten(2))
+
+    def merge_absorb_output(self, parts, positions, w_uv):
+        """absorb_output of the merge of the attention's parts (MLAParts), in W_uv's launch."""
+        return launch.mla_merge_absorb(parts, positions, w_uv)
 
 
 class RopeCacheKernel(model.MLA):

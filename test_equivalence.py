@@ -2382,6 +2382,29 @@ def test_head_gemv_kernel_equals_twin(dtype):
 
 
 @triton_ok
+def test_component_table_puts_the_merge_in_w_uv_under_the_projections(monkeypatch):
+    """run.py's component ranges: with the attention kernel and norm_gemv, a one-row decode step merges
+    the attention's parts in W_uv's launch (DecodeAttentionKernel.merge_absorb_output); that launch must
+    sit inside an "attn_proj" range, as absorb_output's does, not in the attention core's."""
+    m = init_random(Transformer(tiny(num_hidden_layers=2), 1, 32, dtype=torch.float32), 0)
+    kernels.accelerate(m, ("attention", "norm_gemv"))
+    m(torch.arange(8)[None], torch.arange(8)[None])
+    stack, seen, launch = [], [], kernels.launch.mla_merge_absorb
+
+    @contextlib.contextmanager
+    def scope(component):
+        stack.append(component)
+        yield
+        stack.pop()
+    monkeypatch.setattr(run, "scope", scope)
+    monkeypatch.setattr(kernels.launch, "mla_merge_absorb", lambda *a: seen.append(stack[-1]) or launch(*a))
+    with run.component_scopes(m):
+        m(torch.tensor([[8]]), torch.tensor([[8]]), "decode")
+    assert seen == ["attn_proj"] * 2, seen
+    assert "merge_absorb_output" not in vars(m.layers[0].self_attn), "the wrapper must be removed after"
+
+
+@triton_ok
 @pytest.mark.parametrize("others", [(), ("add_rmsnorm", "fused_proj"), ("attention",)])
 def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     """kernels "norm_gemv" (alone, with the fused residual adds and stacked q_a + kv_a, and with the
