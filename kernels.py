@@ -1938,7 +1938,8 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
     hi = tl.minimum(lo + k_split, K)
     last_k = lo + (tl.cdiv(hi - lo, BLOCK_K) - 1) * BLOCK_K                  # the slice's last step
     acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)                 # the products, summed over k at the end
-    ss = tl.zeros([BLOCK_M], tl.float32)
+    ss2 = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)       # the squares, summed over k at the end (a sum a step
+    #                                                      would be a cross-warp reduction, two barriers, a step)
     w = tl.load(w_rows + (lo + k3) * s_wk, mask=(n3 < N) & (lo + k3 < K), other=0.0)
     for k0 in range(lo, hi, BLOCK_K):
         k = k0 + kb
@@ -1951,11 +1952,12 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
             tl.store(sum_rows + k[None, :], h, mask=ok & (pid == 0))
         h = h.to(tl.float32)
         if NORM:
-            ss += tl.sum(h * h, 1)
+            ss2 += h * h
             h = h * tl.load(g_ptr + k[None, :], mask=(k < K)[None, :], other=0.0).to(tl.float32)
         acc3 += w.to(tl.float32) * h[:, None, :]
         w = w1
     acc = tl.sum(acc3, 2)                                                   # [m, n]
+    ss = tl.sum(ss2, 1)
     last = pid >= 0                                                         # one slice: every program
     if SPLITS > 1:
         acc, ss, last = _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, pid, s, rows, n, M, N,

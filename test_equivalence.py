@@ -2032,7 +2032,9 @@ def test_compiled_layers_equal_plain_inside_graphs_without_host_sync(kernels_on)
     kernels.accelerate(target, "all" if kernels_on else "none")
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
-    steps = {9: (step, step_pos), 3: (step[:, :1], step_pos[:, :1])}
+    # contiguous, as CudaGraphs' static copies (clones) of them are: a strided view's other strides would fail the
+    # compiled layers' guards and recompile inside the no-sync check (GPU run of 2026-12-01)
+    steps = {9: (step, step_pos), 3: (step[:, :1].contiguous(), step_pos[:, :1].contiguous())}
     plain = {(mode, n): flat(target(*steps[n], mode, capture_aux=True)) for mode in ("extend", "decode") for n in steps}
     kernels.compile_layers(target)
     runner = CudaGraphs("cuda")
