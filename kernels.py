@@ -12,7 +12,9 @@ that put them in place of model.py's plain code, which stays the readable specif
   SwiGLU activation      silu_mul               swap: SiluMulKernel (twin: model.MLP.act)
   RMSNorm + GEMV         norm_gemv              swap: NormGemvMLA (twin: model.MLA.query; with
                                                 StackedQKVA, its q_kv_a), GemvRowParallel (twin:
-                                                tp.RowParallelLinear, MLA's o_proj)
+                                                tp.RowParallelLinear, MLA's o_proj), with fused_proj
+                                                and add_rmsnorm InputNormInQKVA (twin: model.Block's
+                                                input add + norm and MLA.project, in one launch)
   GEMV per head          head_gemv              swap: NormGemvMLA (twin: model.MLA.absorb_query,
                                                 absorb_output)
   EAGLE-3 head: input    draft_input_norms      swap: DraftNormsKernel (twin: draft.MidLayer's two norms
@@ -1868,6 +1870,9 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
 # One launch, no float atomics: deterministic, so a graph replay equals the eager call.
 # Rounding: the normed row is not rounded (the plain path rounds it to W's dtype), so bf16 results
 # differ from the plain path's by the order of one rounding.
+# With a residual r (a layer's input norm, InputNormInQKVA) the kernel reads x and r and normalizes their
+# sum, rounded to the dtype as the plain add rounds it; the programs of row block 0 also store that sum
+# (the residual stream), each for its own slice of K: the add + norm launch in front of the GEMV goes.
 
 NORM_GEMV_MAX_ROWS = 16     # decode and verify; prefill goes to the plain RMSNorm and cuBLAS
 # (BLOCK_N, bytes of a W row a step, warps) by (one row or several, K long or short), the step cut to fit
@@ -1905,11 +1910,13 @@ def _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, pid, s, rows, n, 
 
 
 @_jit
-def _norm_gemv_kernel(x_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
-                      M, N, K, k_split, eps, s_xm, s_xh, s_wh, s_wn, s_wk, s_om, s_oh,
-                      SPLITS: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr,
+def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
+                      M, N, K, k_split, eps, s_xm, s_rm, s_sm, s_xh, s_wh, s_wn, s_wk, s_om, s_oh,
+                      SPLITS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[m, n] = sum_k h[m, k] * W[n, k] with h = x (NORM: RMSNorm(x), x * rsqrt(mean(x^2) + eps) * g).
+    ADD: x is the sum x + r of x and a residual r [M, K], rounded to x's dtype, which the programs of
+    row block 0 (each for its own slice of K) store into sum [M, K] (rows strided, last dim contiguous).
     x [M, K], out [M, N] (rows strided, last dim contiguous), W [N, K] (any strides), g [K]; x, out
     and W of one dtype; M <= BLOCK_M; float32 products on the CUDA cores, added up elementwise over
     the steps and summed over k at the end. Each step loads the next step's W tile before it uses its
@@ -1925,24 +1932,32 @@ def _norm_gemv_kernel(x_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
     kb = tl.arange(0, BLOCK_K)
     k3 = kb[None, None, :]
     x_rows = x_ptr + j * s_xh + rows[:, None] * s_xm
+    r_rows, sum_rows = r_ptr + rows[:, None] * s_rm, sum_ptr + rows[:, None] * s_sm
     w_rows = w_ptr + j * s_wh + n3 * s_wn
     lo = s * k_split
     hi = tl.minimum(lo + k_split, K)
     last_k = lo + (tl.cdiv(hi - lo, BLOCK_K) - 1) * BLOCK_K                  # the slice's last step
     acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)                 # the products, summed over k at the end
-    ss = tl.zeros([BLOCK_M], tl.float32)
+    ss2 = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)       # the squares, summed over k at the end (a sum a step
+    #                                                      would be a cross-warp reduction, two barriers, a step)
     w = tl.load(w_rows + (lo + k3) * s_wk, mask=(n3 < N) & (lo + k3 < K), other=0.0)
     for k0 in range(lo, hi, BLOCK_K):
         k = k0 + kb
         k1 = tl.minimum(k0 + BLOCK_K, last_k) + k3                          # the next step's (the last: its own)
         w1 = tl.load(w_rows + k1 * s_wk, mask=(n3 < N) & (k1 < K), other=0.0)
-        h = tl.load(x_rows + k[None, :], mask=(rows < M)[:, None] & (k < K)[None, :], other=0.0).to(tl.float32)
+        ok = (rows < M)[:, None] & (k < K)[None, :]
+        h = tl.load(x_rows + k[None, :], mask=ok, other=0.0)
+        if ADD:                                                             # the plain add's rounding
+            h = (h.to(tl.float32) + tl.load(r_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)).to(h.dtype)
+            tl.store(sum_rows + k[None, :], h, mask=ok & (pid == 0))
+        h = h.to(tl.float32)
         if NORM:
-            ss += tl.sum(h * h, 1)
+            ss2 += h * h
             h = h * tl.load(g_ptr + k[None, :], mask=(k < K)[None, :], other=0.0).to(tl.float32)
         acc3 += w.to(tl.float32) * h[:, None, :]
         w = w1
     acc = tl.sum(acc3, 2)                                                   # [m, n]
+    ss = tl.sum(ss2, 1)
     last = pid >= 0                                                         # one slice: every program
     if SPLITS > 1:
         acc, ss, last = _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, pid, s, rows, n, M, N,
@@ -1969,11 +1984,13 @@ def _norm_gemv_step(rows, block_n, step_bytes, warps, K, elem):
     return min(step_bytes // elem, _pow2(K), max(NORM_GEMV_MIN_STEP, 1 << (max(fit, 1).bit_length() - 1)))
 
 
-def norm_gemv(x, weight, norm_weight=None, eps=0.0, block_n=None, block_k=None, programs=None, warps=None):
+def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None, block_k=None, programs=None,
+              warps=None):
     """RMSNorm(x) @ weight^T in one kernel: x [..., K] of weight's dtype (bf16, fp16 or float32),
     weight [N, K] (rows may be a strided view), norm_weight [K] (None: no norm, a plain GEMV), at
-    most NORM_GEMV_MAX_ROWS rows. Returns [..., N]. The block arguments override the defaults
-    above (benchmarks; tests force several slices of a small K)."""
+    most NORM_GEMV_MAX_ROWS rows. Returns [..., N]. With a residual (x's shape and dtype) the input is
+    x + residual, rounded to x's dtype as model.RMSNorm's add: returns ([..., N], x + residual). The
+    block arguments override the defaults above (benchmarks; tests force several slices of a small K)."""
     K = x.shape[-1]
     N = weight.shape[0]
     rows = x.numel() // K if K else 0
@@ -1985,14 +2002,18 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, block_n=None, block_k=None, 
                          f"{x.dtype} and {rows} rows (use the plain path)")
     if norm_weight is not None and norm_weight.shape != (K,):
         raise ValueError(f"norm_gemv: norm weight {list(norm_weight.shape)} is not [{K}]")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"norm_gemv: residual {residual.dtype} {list(residual.shape)} is not of x's shape and "
+                         f"dtype, {x.dtype} {list(x.shape)}")
     bn, step_bytes, bw = NORM_GEMV_BLOCKS[1 if rows == 1 else "several",
                                           "long" if K >= NORM_GEMV_LONG_K else "short"]
     block_n, warps = block_n or bn, warps or bw
     if triton.cdiv(N, block_n) > COUNTERS:
         raise ValueError(f"norm_gemv: {N} rows of W make more than {COUNTERS} row blocks of {block_n}")
-    x2 = x.reshape(rows, K)
-    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    x2, r2 = (t.reshape(rows, K) for t in (x, x if residual is None else residual))
+    x2, r2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, r2))
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
+    summed = x2 if residual is None else torch.empty(rows, K, device=x.device, dtype=x.dtype)  # x2: not written
     if rows and N:
         block_k = block_k or _norm_gemv_step(rows, block_n, step_bytes, warps, K, x.element_size())
         slices, k_split = _k_slices(N, K, block_n, block_k, programs or NORM_GEMV_PROGRAMS)
@@ -2000,11 +2021,11 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, block_n=None, block_k=None, 
         part = torch.empty(slices, rows, N, device=x.device, dtype=torch.float32) if slices > 1 else out
         ss = torch.empty(blocks * slices * _pow2(rows, 1), device=x.device, dtype=torch.float32)
         _norm_gemv_kernel[(blocks, 1, slices)](
-            x2, x2 if norm_weight is None else norm_weight, weight, out, part, ss, _counters(x.device),
-            rows, N, K, k_split, float(eps), x2.stride(0), 0, 0, weight.stride(0), 1, N, 0,
-            SPLITS=slices, NORM=norm_weight is not None, BLOCK_M=_pow2(rows, 1),
+            x2, r2, summed, x2 if norm_weight is None else norm_weight, weight, out, part, ss, _counters(x.device),
+            rows, N, K, k_split, float(eps), x2.stride(0), r2.stride(0), summed.stride(0), 0, 0, weight.stride(0), 1,
+            N, 0, SPLITS=slices, ADD=residual is not None, NORM=norm_weight is not None, BLOCK_M=_pow2(rows, 1),
             BLOCK_N=block_n, BLOCK_K=block_k, launch_pdl=PDL, num_stages=1, num_warps=warps)
-    return out
+    return out if residual is None else (out, summed.view(x.shape))
 
 
 # head_gemv's blocks, swept on the H200 at Kimi-K2's 8 heads (2026-12-01, benchmarks/h200_s8_sweep2.log) with the
@@ -2040,8 +2061,8 @@ def head_gemv(x, weight):
         block_n = HEAD_GEMV_BLOCK_N if weight.stride(2) == 1 else HEAD_GEMV_BLOCK_N_STRIDED
         block_k = _norm_gemv_step(rows, block_n, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS, K, x.element_size())
         _norm_gemv_kernel[(triton.cdiv(N, block_n), H, 1)](
-            x2, x2, weight, out, out, out, out, rows, N, K, K, 0.0, x2.stride(0), x2.stride(1),
-            weight.stride(0), weight.stride(1), weight.stride(2), H * N, N, SPLITS=1, NORM=False,
+            x2, x2, x2, x2, weight, out, out, out, out, rows, N, K, K, 0.0, x2.stride(0), 0, 0, x2.stride(1),
+            weight.stride(0), weight.stride(1), weight.stride(2), H * N, N, SPLITS=1, ADD=False, NORM=False,
             BLOCK_M=_pow2(rows, 1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=HEAD_GEMV_WARPS, num_stages=1,
             launch_pdl=PDL)
     return out
@@ -2078,19 +2099,18 @@ class AddRMSNorm(model.RMSNorm):
 class DecodeAttentionKernel(model.MLA):
     """"attention": decode mode's RoPE, cache write and latent attention in one kernel and a
     merge (mla_decode_attention) between the projections, which stay model.MLA's methods (and
-    their swaps'); the steps around them are model.MLA.forward's. With "norm_gemv" too (a
+    their swaps'); the steps around them are model.MLA.attend's. With "norm_gemv" too (a
     NormGemvMLA) and at most MLA_MERGE_ABSORB_MAX_ROWS rows, W_uv's launch merges the parts
     (mla_merge_absorb) in place of the merge launch and absorb_output. The kernel masks by position
     (slots <= position, slot = position, a row's tokens at consecutive positions: a decode step,
     a chain's verify); a draft tree's nodes (slots given) are not, and extend mode expands the
-    cache: both take model.MLA.forward."""
+    cache: both take model.MLA.attend."""
 
-    def forward(self, x, positions, rope, future, mode, slots=None):
+    def attend(self, q, kv_a, positions, rope, future, mode, slots=None):
         if mode != "decode" or slots is not None:
-            return super().forward(x, positions, rope, future, mode, slots)
+            return super().attend(q, kv_a, positions, rope, future, mode, slots)
         a, h, norm = self.args, self.n_local_heads, self.kv_a_layernorm
-        (B, T, _), kv_len = x.shape, future.shape[-1]
-        q, kv_a = self.project(x)
+        (B, T, _), kv_len = kv_a.shape, future.shape[-1]
         q_nope, q_pe = q.view(B, T, h, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
         kv, k_pe = kv_a.split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
         w_uk, w_uv = self.kv_b_halves()
@@ -2127,8 +2147,8 @@ class RopeCacheKernel(model.MLA):
 #   absorbed W_uk, W_uv: kernel 2.1 + 2.2 / 2.5 + 2.2 / 3.0 + 2.5 / 2.7 + 2.3, the einsums with the copies
 #     the model makes of their permuted inputs and outputs 3.1 + 4.6 / 5.0 + 6.4 / 5.2 + 6.5 / 5.1 + 6.7:
 #     up to 4 rows (more were not measured).
-#   q_a + kv_a with the input add + norm inside (an earlier form, 13.6 against 14.8 us): not done, the
-#     norm inside the projection needs a layer-level swap.
+#   q_a + kv_a with the input add + norm inside (an earlier form, 13.6 against 14.8 us for add_rmsnorm and
+#     the GEMV): InputNormInQKVA, up to QKVA_GEMV_MAX_ROWS, the same kernel's limit.
 QKVA_GEMV_MAX_ROWS = 4
 O_PROJ_GEMV_MAX_ROWS = 2
 HEAD_GEMV_MAX_ROWS = 4
@@ -2138,12 +2158,24 @@ class NormGemvMLA(model.MLA):
     """"norm_gemv": q_b_proj as a GEMV kernel with q_a_layernorm computed inside it (at most
     NORM_GEMV_MAX_ROWS rows: decode, verify), decode mode's absorbed W_uk / W_uv products as GEMV
     kernels over the heads (at most HEAD_GEMV_MAX_ROWS rows), and, with fused_proj (StackedQKVA
-    behind this swap), the stacked q_a + kv_a at up to QKVA_GEMV_MAX_ROWS; more rows: the plain code."""
+    behind this swap), the stacked q_a + kv_a at up to QKVA_GEMV_MAX_ROWS (project_sum: with the
+    layer's input add and norm inside, for InputNormInQKVA); more rows: the plain code."""
 
     def q_kv_a(self, x):
         if rows(x) > QKVA_GEMV_MAX_ROWS:
             return super().q_kv_a(x)
         return launch.norm_gemv(x, self.q_kv_a_weight)
+
+    def project_sum(self, x, residual, norm):
+        """(q, kv_a) = project(norm(x + residual)) and x + residual, at most QKVA_GEMV_MAX_ROWS rows, the add
+        and the norm (the layer's input_layernorm) inside q_a + kv_a's GEMV (with StackedQKVA behind this
+        swap: InputNormInQKVA's). residual None: project(norm(x)) and x."""
+        w, g = self.q_kv_a_weight, norm.weight
+        if residual is None:
+            q_kv_a, summed = launch.norm_gemv(x, w, g, norm.eps), x
+        else:
+            q_kv_a, summed = launch.norm_gemv(x, w, g, norm.eps, residual=residual)
+        return *self.split_q_kv_a(q_kv_a), summed
 
     def query(self, q_a):
         if rows(q_a) > NORM_GEMV_MAX_ROWS:
@@ -2160,6 +2192,23 @@ class NormGemvMLA(model.MLA):
         if math.prod(o_lat.shape[:2]) > HEAD_GEMV_MAX_ROWS:
             return super().absorb_output(o_lat, w_uv)
         return launch.head_gemv(o_lat, w_uv)
+
+
+class InputNormInQKVA(model.Block):
+    """"norm_gemv" with "fused_proj" and "add_rmsnorm" (MLA with q_lora_rank): at most QKVA_GEMV_MAX_ROWS
+    rows, the layer's input residual add and input_layernorm run inside the stacked q_a + kv_a GEMV
+    (NormGemvMLA.project_sum), so no add_rmsnorm launch runs in front of the attention; the attention
+    takes the projected inputs (model.MLA.attend). More rows: model.Block. MLA's own call does not run
+    here, so run.py's component table scopes project_sum and attend themselves (its MLA_METHODS)."""
+
+    def forward(self, x, residual, positions, rope, future, mode, slots=None):
+        if rows(x) > QKVA_GEMV_MAX_ROWS:
+            return super().forward(x, residual, positions, rope, future, mode, slots)
+        attn = self.self_attn
+        q, kv_a, residual = attn.project_sum(x, residual, self.input_layernorm)
+        h = attn.attend(q, kv_a, positions, rope, future, mode, slots)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
 
 
 class GemvRowParallel(tp.RowParallelLinear):
@@ -2207,8 +2256,12 @@ class StackedQKVA(AttachAgain, model.MLA):
         return F.linear(x, self.q_kv_a_weight)
 
     def project(self, x):
+        return self.split_q_kv_a(self.q_kv_a(x))
+
+    def split_q_kv_a(self, q_kv_a):
+        """project's outputs from the stacked product: the queries of its q_a part, and kv_a."""
         a = self.args
-        q_a, kv_a = self.q_kv_a(x).split([a.q_lora_rank, a.kv_lora_rank + a.qk_rope_head_dim], -1)
+        q_a, kv_a = q_kv_a.split([a.q_lora_rank, a.kv_lora_rank + a.qk_rope_head_dim], -1)
         return self.query(q_a), kv_a
 
 
@@ -2469,8 +2522,9 @@ def accelerate(target, names=(), moe="auto"):
     latent norm + cache writes), "router" (SIMULATED uniform routing included), "add_rmsnorm"
     (every residual add with the norm that reads the sum), "silu_mul" (the MLPs' SwiGLU),
     "norm_gemv" (GEMV kernels: for <= 16 rows q_b_proj with q_a_layernorm inside; for <= 4 rows
-    decode mode's absorbed products over the heads and, with fused_proj, the stacked q_a + kv_a;
-    for <= 2 rows o_proj), "shared_expert" (the shared expert inside the fused MoE launch, where
+    decode mode's absorbed products over the heads and, with fused_proj, the stacked q_a + kv_a,
+    with add_rmsnorm too the layer's input add and norm inside it: InputNormInQKVA; for <= 2 rows
+    o_proj), "shared_expert" (the shared expert inside the fused MoE launch, where
     SharedExpertInLaunch.applies; else left off and not listed), "fused_proj" (plain torch: q_a +
     kv_a and each unfolded MLP's gate + up as one GEMM, the shared expert's down GEMM adding onto
     the routed output); an iterable, "all" or "none". moe: the routed experts' path
@@ -2508,6 +2562,8 @@ def accelerate_layer(layer, names, moe):
     if "add_rmsnorm" in names:
         swap(layer.input_layernorm, AddRMSNorm)
         swap(layer.post_attention_layernorm, AddRMSNorm)
+    if {"norm_gemv", "fused_proj", "add_rmsnorm"} <= names and attn.args.q_lora_rank:
+        swap(layer, InputNormInQKVA)
     mlp = layer.mlp
     if isinstance(mlp, model.MoE):
         swap(mlp.experts, *{"gather": (), "grouped": (GroupedExperts,), "fused": (FusedExperts,)}[moe])

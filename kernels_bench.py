@@ -6,8 +6,9 @@ replay past the L2; achieved GB/s against the copy bandwidth measured in the sam
                             [--formats plain,fp8,int4] [--tokens 1,2,3,4,8,32] [--shared]
         --moe: the fused MoE only (each weight format, token count and variant against its floor);
         without it the MLA decode attention, the router, add + RMSNorm, SwiGLU, RoPE + cache
-        write, norm_gemv and head_gemv follow. --small: the router, add + RMSNorm, SwiGLU, RoPE +
-        cache write, norm_gemv and head_gemv only (--sweep: norm_gemv's block configurations).
+        write, norm_gemv (q_a + kv_a also with the input add + norm inside) and head_gemv follow.
+        --small: the router, add + RMSNorm, SwiGLU, RoPE + cache write, norm_gemv and head_gemv
+        only (--sweep: norm_gemv's block configurations).
         --draft: the EAGLE-3 head's step and extend, plain and with kernels.accelerate_draft's swaps.
     python kernels_bench.py [--json OUT] --pdl [RUN.PY FLAGS]
         run.py's captured phases with programmatic dependent launch off and on, in one process.
@@ -417,7 +418,8 @@ def bench_norm_gemv(bw, rows, sweep=False):
             for bn, bk, programs in [(None, None, None)] + (sweep_points if M == 1 else []):
                 g = None if norm is None else norm.weight
                 try:
-                    calls = [partial(norm_gemv, x, w, g, 1e-6, bn, bk, programs) for x, w in zip(xs, ws)]
+                    calls = [partial(norm_gemv, x, w, g, 1e-6, block_n=bn, block_k=bk, programs=programs)
+                             for x, w in zip(xs, ws)]
                     us = _graph_ms(calls) * 1e3
                 except Exception as e:   # a configuration past the SM's shared memory, say
                     print(f"  {name:9s} M {M}  config {bn, bk, programs}: {type(e).__name__} {str(e)[:80]}")
@@ -425,6 +427,7 @@ def bench_norm_gemv(bw, rows, sweep=False):
                 print(f"  {name:9s} M {M}  config {bn, bk, programs}: kernel {us:6.1f} us ({N * K * 2 / us / 1e3:5.0f} "
                       f"GB/s)  twin {base:6.1f} us ({N * K * 2 / base / 1e3:5.0f} GB/s)", flush=True)
                 rows.append(dict(kernel="norm_gemv", proj=name, M=M, config=[bn, bk, programs], us=us, twin_us=base))
+    bench_input_norm_in_qkva(rows)
     kv_b = torch.randn(8, 256, 512, device="cuda", dtype=dt) / 512 ** 0.5   # W_uk, W_uv [H, 128, C] of one buffer
     w_uk, w_uv = kv_b.split([128, 128], 1)
     for M in (1, 4):
@@ -437,6 +440,26 @@ def bench_norm_gemv(bw, rows, sweep=False):
             us = _graph_ms([partial(head_gemv, x, w)] * 8) * 1e3
             print(f"  {name:12s} M {M}: kernel {us:6.1f} us  twin (einsum) {base:6.1f} us")
             rows.append(dict(kernel="head_gemv", proj=name, M=M, us=us, twin_us=base))
+
+
+def bench_input_norm_in_qkva(rows):
+    """q_a + kv_a (Kimi-K2, stacked) with the layer's input residual add + RMSNorm inside the GEMV (norm_gemv
+    with a residual, as kernels.InputNormInQKVA runs it) against the two launches it replaces: add_rmsnorm,
+    then the GEMV without a norm; the weight sets rotated past the L2."""
+    dt, N, K = torch.bfloat16, 2112, 7168
+    sets = math.ceil(150e6 / (N * K * 2))
+    ws = [torch.randn(N, K, device="cuda", dtype=dt) / K ** 0.5 for _ in range(sets)]
+    g = torch.ones(K, device="cuda", dtype=dt)
+
+    def two_launches(x, r, w):
+        return norm_gemv(add_rmsnorm(r, x, g, 1e-6)[1], w)
+    for M in (1, 2, 3, 4):
+        xs, rs = ([torch.randn(M, K, device="cuda", dtype=dt) for _ in range(sets)] for _ in range(2))
+        base = _graph_ms([partial(two_launches, x, r, w) for x, r, w in zip(xs, rs, ws)]) * 1e3
+        us = _graph_ms([partial(norm_gemv, x, w, g, 1e-6, residual=r) for x, r, w in zip(xs, rs, ws)]) * 1e3
+        print(f"  add+norm+q_a+kv_a M {M}: kernel {us:6.1f} us  twin (add_rmsnorm, then the GEMV) {base:6.1f} us",
+              flush=True)
+        rows.append(dict(kernel="norm_gemv", proj="add+norm+q_a+kv_a", M=M, us=us, twin_us=base))
 
 
 def _emit(rows, bw, out=None):

@@ -433,16 +433,21 @@ class MLA(nn.Module):
         [B, T] (a draft tree's nodes, which share positions): the latents go there and future is
         any mask (Transformer.forward's `visible`); the attention is then given positions None,
         so that only the mask decides what a query sees."""
-        a, h = self.args, self.n_local_heads
-        (B, T, _), kv_len = x.shape, future.shape[-1]
         q, kv_a = self.project(x)                          # [B, T, h*(d+R)], [B, T, C+R]
+        return self.attend(q, kv_a, positions, rope, future, mode, slots)
+
+    def attend(self, q, kv_a, positions, rope, future, mode, slots=None):
+        """forward after the projections: the cache write, the attention over the cache and o_proj
+        for the queries q and the compressed key-values kv_a of project(x)."""
+        a, h = self.args, self.n_local_heads
+        (B, T, _), kv_len = kv_a.shape, future.shape[-1]
         q = q.view(B, T, h, a.qk_head_dim)
         q_nope, q_pe = q.split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
         q_pe = self.write_cache(q_pe, kv_a, positions if slots is None else slots, rope)
         kv_c, pe_c = self.kv_cache[:B, :kv_len], self.pe_cache[:B, :kv_len]   # [B, S, C], [B, S, R]
-        attend = self.attend_extend if mode == "extend" else self.attend_absorbed
+        path = self.attend_extend if mode == "extend" else self.attend_absorbed
         causal = positions if slots is None else None
-        o = attend(q_nope, q_pe, kv_c, pe_c, causal, future)                   # [B, T, H, d]
+        o = path(q_nope, q_pe, kv_c, pe_c, causal, future)                     # [B, T, H, d]
         return self.o_proj(o.flatten(2))                                       # [B, T, D]
 
     def project(self, x):

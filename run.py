@@ -684,11 +684,13 @@ def component_of(name, module):
 
 
 # MLA's methods whose math is projections, not the attention core: the q / kv down projections
-# (a GEMM over stacked weights with --kernels fused_proj), and decode mode's absorbed kv_b_proj. The
+# (a GEMM over stacked weights with --kernels fused_proj; project_sum, kernels.py's, with the layer's
+# input add and norm inside it), and decode mode's absorbed kv_b_proj; and the attention after the
+# projections (attend), which kernels.InputNormInQKVA calls from the layer, outside MLA's own call. The
 # kernels' merge_absorb_output (attention + norm_gemv, one row) also merges the attention's parts in
 # W_uv's launch: a projection by its bytes (W_uv's 1 MB a layer against ~80 KB of partials)
-MLA_METHODS = {"project": "attn_proj", "absorb_query": "attn_proj", "absorb_output": "attn_proj",
-               "merge_absorb_output": "attn_proj"}
+MLA_METHODS = {"project": "attn_proj", "project_sum": "attn_proj", "attend": "attn_core",
+               "absorb_query": "attn_proj", "absorb_output": "attn_proj", "merge_absorb_output": "attn_proj"}
 
 
 def scope(component):
@@ -726,7 +728,7 @@ def component_scopes(target):
             handles += [m.register_forward_pre_hook(enter(component)), m.register_forward_hook(leave)]
         if isinstance(m, model.MLA):
             for method, part in MLA_METHODS.items():
-                if hasattr(m, method):                                 # merge_absorb_output: a swap's only
+                if hasattr(m, method):                                 # project_sum, merge_absorb_output: swaps' only
                     setattr(m, method, scoped(getattr(m, method), part))   # an instance attribute, deleted after
                     wrapped.append((m, method))
     rope, model.apply_rope = model.apply_rope, scoped(model.apply_rope, "elementwise")

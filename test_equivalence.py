@@ -1721,6 +1721,33 @@ def test_component_table_adds_up_to_the_summed_op_time():
     assert model.apply_rope.__name__ == "apply_rope" and "project" not in vars(m.layers[0].self_attn)
 
 
+@triton_runs
+def test_component_table_puts_the_input_norm_in_qkva_under_the_projections(monkeypatch):
+    """kernels.InputNormInQKVA runs the layer's projections and attention from the layer, outside MLA's
+    own call: run.py's component ranges still put the GEMV with the input add and norm inside it (and
+    the first layer's, with no residual) under the attention projections, and the attention under the
+    attention core (CPU: one decode step of one row, the launches marked by a range of their own)."""
+    device = TRITON_DEVICE
+    m = init_random(Transformer(tiny(num_hidden_layers=2), 1, 24, device=device, dtype=torch.float32), 10)
+    kernels.accelerate(m, ("norm_gemv", "fused_proj", "add_rmsnorm"))
+    tokens = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(10)).to(device)
+    m(tokens, torch.arange(20, device=device).expand(1, 20))
+
+    def marked(*a, **k):
+        with torch.profiler.record_function("norm_gemv" + ("+residual" if "residual" in k else "")):
+            return kernels.norm_gemv(*a, **k)
+    monkeypatch.setattr(kernels.launch, "norm_gemv", marked)
+    from torch.profiler import ProfilerActivity, profile
+    with run.component_scopes(m), profile(activities=[ProfilerActivity.CPU]) as prof:
+        m(tokens[:, -1:], torch.tensor([[20]], device=device), "decode", kv_len=24)
+    where = {}
+    for e in prof.events():
+        if e.name.startswith("norm_gemv") or e.name == "aten::softmax":
+            where.setdefault(e.name, set()).add(run.component_at(e))
+    assert where["norm_gemv+residual"] == {"attn_proj"} and where["aten::softmax"] == {"attn_core"}, where
+    assert where["norm_gemv"] == {"attn_proj"}, where                     # q_b, o_proj and layer 0's q_a + kv_a
+
+
 def test_component_bytes_count_what_a_forward_moves():
     m = init_random(Transformer(tiny(), 2, 48, dtype=torch.float32), 10)
     distinct = [5] * (m.args.num_hidden_layers - 1)
@@ -1997,7 +2024,7 @@ def test_compiled_layers_equal_plain_inside_graphs_without_host_sync(kernels_on)
     """run.py --compile: torch.compile fuses each layer, our CUDA graphs capture the result; with
     every kernel on (run.py --compile --kernels all, SIMULATED uniform routing as run.py times it)
     the Triton launches run between the compiled parts. Logits and aux states against the same
-    model uncompiled."""
+    model uncompiled, for a 9-row step and a 3-row one (the GEMV paths: InputNormInQKVA's among them)."""
     from functools import partial
     from graphs import CudaGraphs
     target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32,
@@ -2005,19 +2032,22 @@ def test_compiled_layers_equal_plain_inside_graphs_without_host_sync(kernels_on)
     kernels.accelerate(target, "all" if kernels_on else "none")
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
-    plain = {mode: flat(target(step, step_pos, mode, capture_aux=True)) for mode in ("extend", "decode")}
+    # contiguous, as CudaGraphs' static copies (clones) of them are: a strided view's other strides would fail the
+    # compiled layers' guards and recompile inside the no-sync check (GPU run of 2026-12-01)
+    steps = {9: (step, step_pos), 3: (step[:, :1].contiguous(), step_pos[:, :1].contiguous())}
+    plain = {(mode, n): flat(target(*steps[n], mode, capture_aux=True)) for mode in ("extend", "decode") for n in steps}
     kernels.compile_layers(target)
     runner = CudaGraphs("cuda")
-    for mode, ref in plain.items():
-        fn = partial(target, mode=mode, capture_aux=True)
-        assert_close(flat(fn(step, step_pos)), ref, 1e-4, f"compiled vs plain layers, {mode}, kernels {kernels_on}")
+    for (mode, n), ref in plain.items():
+        fn, what = partial(target, mode=mode, capture_aux=True), f"{mode}, {n} rows, kernels {kernels_on}"
+        assert_close(flat(fn(*steps[n])), ref, 1e-4, f"compiled vs plain layers, {what}")
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            graphed = flat(runner.run(("compiled", mode), fn, step, step_pos))
+            graphed = flat(runner.run(("compiled", mode, n), fn, *steps[n]))
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert_close(graphed, ref, 1e-4, f"compiled layers in a CUDA graph vs plain, {mode}, kernels {kernels_on}")
+        assert_close(graphed, ref, 1e-4, f"compiled layers in a CUDA graph vs plain, {what}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -2342,7 +2372,9 @@ def test_norm_gemv_kernel_equals_twin(dtype):
         for rows in (1, 2, 3, 4, 5, 16):
             x = (2 * torch.randn(rows, K + 5, generator=g)).to(device, dtype)[:, :K]          # rows strided
             for nrm, blocks in itertools.product((norm, None), ((None, None, None), (None, 16, None), two_slices)):
-                out = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6, *blocks)
+                block_n, block_k, programs = blocks
+                out = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6, block_n=block_n,
+                                        block_k=block_k, programs=programs)
                 ref = F.linear(x if nrm is None else nrm(x), w)
                 what = f"norm_gemv N={N} K={K} rows={rows} {dtype} norm={nrm is not None} blocks={blocks}"
                 tol = (1e-5 if dtype == torch.float32 else 1e-2) * ref.abs().max().item()
@@ -2351,6 +2383,44 @@ def test_norm_gemv_kernel_equals_twin(dtype):
                 assert not kernels._counters(x.device).any(), f"{what}: the last programs leave the counters 0"
     with pytest.raises(ValueError, match="at most 16 rows"):
         kernels.norm_gemv(torch.zeros(17, 64, device=device), torch.zeros(8, 64, device=device))
+
+
+@triton_ok
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_norm_gemv_with_residual_equals_add_rmsnorm_and_linear(dtype):
+    """kernels.norm_gemv with a residual (kernels.InputNormInQKVA's: a layer's input add and norm inside
+    the stacked q_a + kv_a GEMV) against its twin, model.RMSNorm with the residual (the sum rounded to
+    the dtype, then the norm) and F.linear, on fresh random inputs: 1 to 4 rows, x and the residual
+    strided views [rows, 1, K]; K whole in a program, in steps of 16, and cut into two slices (each
+    program of row block 0 stores its own part of the sum); also without a norm (two slices). The sum equals x +
+    residual bit for bit; the output float32 to 1e-5 relative, bf16 (GPU) to 1% of the largest output
+    (the normed row is not rounded). Refused: a residual of another shape or dtype."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    if dtype == torch.bfloat16 and device == "cpu":
+        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
+                    "kernels are checked on the GPU")
+    g = torch.Generator().manual_seed(25)
+    for N, K in NORM_GEMV_SHAPES + (NORM_GEMV_KIMI[:1] if device == "cuda" else []):
+        norm = model.RMSNorm(K, 1e-6, device, dtype)
+        with torch.no_grad():
+            norm.weight.copy_(1 + 0.1 * torch.randn(K, generator=g))
+        w = (torch.randn(N + 3, K + 8, generator=g) / K ** 0.5).to(device, dtype)[:N, :K]   # rows strided
+        blocks = ({}, {"block_k": 16}, {"block_n": 8, "block_k": 16, "programs": 2 * ((N + 7) // 8)})
+        for rows in (1, 2, 3, 4):
+            x, r = ((2 * torch.randn(rows, 1, K + 5, generator=g)).to(device, dtype)[..., :K] for _ in range(2))
+            h, want_sum = norm(x, r)
+            for nrm, block in [(norm, block) for block in blocks] + [(None, blocks[-1])]:
+                out, summed = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6, residual=r, **block)
+                ref = F.linear(want_sum if nrm is None else h, w)
+                what = f"norm_gemv + residual N={N} K={K} rows={rows} {dtype} norm={nrm is not None} {block}"
+                assert summed.shape == x.shape and torch.equal(summed, want_sum), f"{what}: the sum"
+                assert out.shape == ref.shape and out.dtype == dtype
+                assert_close(out, ref, (1e-5 if dtype == torch.float32 else 1e-2) * ref.abs().max().item(), what)
+                assert not kernels._counters(x.device).any(), f"{what}: the last programs leave the counters 0"
+    x = torch.zeros(2, 64, device=device, dtype=dtype)
+    for bad in (torch.zeros(1, 64, device=device, dtype=dtype), torch.zeros(2, 64, device=device, dtype=torch.float16)):
+        with pytest.raises(ValueError, match="residual .* is not of x's shape and dtype"):
+            kernels.norm_gemv(x, torch.zeros(8, 64, device=device, dtype=dtype), residual=bad)
 
 
 @triton_ok
@@ -2429,6 +2499,8 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     monkeypatch.setattr(kernels.launch, "mla_merge_absorb",
                         lambda *a, **k: merges.append(a[0].partial.shape) or kernels.mla_merge_absorb(*a, **k))
     monkeypatch.setattr(kernels, "mla_combine", lambda *a: combines.append(a[0].partial.shape) or combine(*a))
+    adds = []
+    monkeypatch.setattr(kernels.launch, "add_rmsnorm", lambda *a: adds.append(1) or kernels.add_rmsnorm(*a))
     prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=4))
     one, one_pos = step[:1, :1], torch.tensor([[15]], device=device)    # row 0's next token alone
     L = args.num_hidden_layers
@@ -2439,11 +2511,18 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
         few, attention = rows <= kernels.HEAD_GEMV_MAX_ROWS, mode == "decode" and "attention" in others
         merged = attention and rows <= kernels.MLA_MERGE_ABSORB_MAX_ROWS
         return n, (mode == "decode") * (2 - merged) * few, merged, attention * (not merged)
+
+    def add_norms(rows):
+        """add_rmsnorm launches a forward: after each attention, in front of each attention but the first
+        layer's (no residual yet) unless q_a + kv_a's GEMV does the add (InputNormInQKVA), and the final norm."""
+        in_qkva = {"add_rmsnorm", "fused_proj"} <= set(others) and rows <= kernels.QKVA_GEMV_MAX_ROWS
+        return ("add_rmsnorm" in others) * (L + (0 if in_qkva else L - 1) + 1)
     for mode in ("extend", "decode"):
         assert_close(fast(prefill, prefill_pos, mode).logits, plain(prefill, prefill_pos, mode).logits, 1e-4,
                      f"norm_gemv {others} prefill, {mode}")
         assert not calls and not heads and not merges, "the prefill's 36 rows must take the plain path"
-        combines.clear()                           # (decode mode's prefill merges in the combine)
+        assert len(adds) == add_norms(36), "the prefill's 36 rows: add_rmsnorm in front of each attention"
+        combines.clear(), adds.clear()             # (decode mode's prefill merges in the combine)
         for tokens, pos in ((step, step_pos), (one, one_pos), (step[:2, :1], step_pos[:2, :1]), (step[:1], step_pos[:1])):
             what = f"norm_gemv {others} {tokens.numel()}-row step, {mode}"
             counts = launches(tokens.numel(), mode)
@@ -2451,7 +2530,8 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
             got = len(calls), len(heads), len(merges), len(combines)
             assert got == tuple(c * L for c in counts), \
                 f"{what}: (norm_gemv, head_gemv, mla_merge_absorb, combine) launches {got}, not {counts} a layer"
-            calls.clear(), heads.clear(), merges.clear(), combines.clear()
+            assert len(adds) == add_norms(tokens.numel()), f"{what}: {len(adds)} add_rmsnorm launches"
+            calls.clear(), heads.clear(), merges.clear(), combines.clear(), adds.clear()
 
 
 def kernel_models(device, dtype, B=3, max_seq_len=64, layers=8):
@@ -2572,6 +2652,47 @@ def test_each_swap_equals_the_module_it_replaces(name):
             want = routed + plain(x[:n])
             assert_close(shared(x[:n], add_to=routed.clone()), want, 1e-5 * want.abs().max().item(),
                          f"{name}: add_to, {n} rows")
+
+
+@triton_ok
+def test_input_norm_in_qkva_block_equals_the_plain_block(monkeypatch):
+    """kernels.InputNormInQKVA (accelerate_layer's with "norm_gemv", "fused_proj" and "add_rmsnorm": the
+    input add and norm inside q_a + kv_a's GEMV) against the plain model.Block on the same weights and
+    fresh random inputs, float32, in both attention modes: a 9-token extend of 2 rows (18 rows: model.Block,
+    an add_rmsnorm launch in front of the attention), then 4, 2 (no residual, as after an EAGLE-3
+    state: the norm alone inside the GEMV), 3 and 1 rows (one add_rmsnorm launch, after the attention);
+    both outputs (the MLP's, the stream after the attention) and the caches written. This swap is no
+    module's own (the test of each swap takes one module's inputs): a layer's, so tested here."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = tiny()
+    plain = randomized(model.Block(0, args, TP(), 2, 16, device, torch.float32), seed=25)
+    fast = model.Block(0, args, TP(), 2, 16, device, torch.float32)
+    kernels.accelerate_layer(fast, {"norm_gemv", "fused_proj", "add_rmsnorm"}, "gather")
+    assert isinstance(fast, kernels.InputNormInQKVA)
+    fast.load_state_dict(plain.state_dict())
+    assert_same_state(fast, plain)
+    adds = []
+    monkeypatch.setattr(kernels.launch, "add_rmsnorm", lambda *a: adds.append(1) or kernels.add_rmsnorm(*a))
+    g = torch.Generator().manual_seed(26)
+    rope = torch.stack(model.rope_tables(args.qk_rope_head_dim, 10000.0, None, 16, device), -1)
+    for mode in ("extend", "decode"):
+        for B, start, T, with_residual in ((2, 0, 9, True), (2, 9, 2, True), (2, 11, 1, False), (1, 12, 3, True),
+                                           (1, 15, 1, True)):
+            x, r = (torch.randn(B, T, args.hidden_size, generator=g).to(device) for _ in range(2))
+            r = r if with_residual else None
+            pos = (start + torch.arange(T)).expand(B, T).contiguous().to(device)
+            call = (pos, rope[pos], torch.arange(16, device=device) > pos.unsqueeze(-1), mode)
+            (want, want_res), (got, got_res) = plain(x, r, *call), fast(x, r, *call)
+            what = f"InputNormInQKVA, {B * T} rows, {mode}, residual {with_residual}"
+            assert_close(got, want, 1e-5 * want.abs().max().item(), what + ": the MLP's output")
+            assert_close(got_res, want_res, 1e-5 * want_res.abs().max().item(), what + ": the stream")
+            in_qkva = B * T <= kernels.QKVA_GEMV_MAX_ROWS
+            assert len(adds) == 1 + (with_residual and not in_qkva), f"{what}: {len(adds)} add_rmsnorm launches"
+            adds.clear()
+        for cache in ("kv_cache", "pe_cache"):
+            want = getattr(plain.self_attn, cache)
+            assert_close(getattr(fast.self_attn, cache), want, 1e-5 * want.abs().max().item(),
+                         f"InputNormInQKVA, {mode}: {cache}")
 
 
 def test_model_py_knows_nothing_of_the_fast_path():
