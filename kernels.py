@@ -2147,9 +2147,10 @@ class RopeCacheKernel(model.MLA):
 #   absorbed W_uk, W_uv: kernel 2.1 + 2.2 / 2.5 + 2.2 / 3.0 + 2.5 / 2.7 + 2.3, the einsums with the copies
 #     the model makes of their permuted inputs and outputs 3.1 + 4.6 / 5.0 + 6.4 / 5.2 + 6.5 / 5.1 + 6.7:
 #     up to 4 rows (more were not measured).
-#   q_a + kv_a with the input add + norm inside (an earlier form, 13.6 against 14.8 us for add_rmsnorm and
-#     the GEMV): InputNormInQKVA, up to QKVA_GEMV_MAX_ROWS, the same kernel's limit.
+#   q_a + kv_a with the input add + norm inside (2026-12-01, benchmarks/h200_s12_*): kernel 11.5 / 18.3 /
+#     30.6 / 31.1, add_rmsnorm + the GEMV 11.6 / 12.0 / 14.0 / 14.0: InputNormInQKVA at one row only.
 QKVA_GEMV_MAX_ROWS = 4
+INPUT_NORM_QKVA_MAX_ROWS = 1
 O_PROJ_GEMV_MAX_ROWS = 2
 HEAD_GEMV_MAX_ROWS = 4
 
@@ -2195,14 +2196,14 @@ class NormGemvMLA(model.MLA):
 
 
 class InputNormInQKVA(model.Block):
-    """"norm_gemv" with "fused_proj" and "add_rmsnorm" (MLA with q_lora_rank): at most QKVA_GEMV_MAX_ROWS
+    """"norm_gemv" with "fused_proj" and "add_rmsnorm" (MLA with q_lora_rank): at most INPUT_NORM_QKVA_MAX_ROWS
     rows, the layer's input residual add and input_layernorm run inside the stacked q_a + kv_a GEMV
     (NormGemvMLA.project_sum), so no add_rmsnorm launch runs in front of the attention; the attention
     takes the projected inputs (model.MLA.attend). More rows: model.Block. MLA's own call does not run
     here, so run.py's component table scopes project_sum and attend themselves (its MLA_METHODS)."""
 
     def forward(self, x, residual, positions, rope, future, mode, slots=None):
-        if rows(x) > QKVA_GEMV_MAX_ROWS:
+        if rows(x) > INPUT_NORM_QKVA_MAX_ROWS:
             return super().forward(x, residual, positions, rope, future, mode, slots)
         attn = self.self_attn
         q, kv_a, residual = attn.project_sum(x, residual, self.input_layernorm)

@@ -2452,13 +2452,15 @@ def test_head_gemv_kernel_equals_twin(dtype):
 
 
 @triton_ok
+@triton_ok
 def test_component_table_puts_the_merge_in_w_uv_under_the_projections(monkeypatch):
     """run.py's component ranges: with the attention kernel and norm_gemv, a one-row decode step merges
     the attention's parts in W_uv's launch (DecodeAttentionKernel.merge_absorb_output); that launch must
     sit inside an "attn_proj" range, as absorb_output's does, not in the attention core's."""
-    m = init_random(Transformer(tiny(num_hidden_layers=2), 1, 32, dtype=torch.float32), 0)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    m = init_random(Transformer(tiny(num_hidden_layers=2), 1, 32, device=device, dtype=torch.float32), 0)
     kernels.accelerate(m, ("attention", "norm_gemv"))
-    m(torch.arange(8)[None], torch.arange(8)[None])
+    m(torch.arange(8, device=device)[None], torch.arange(8, device=device)[None])
     stack, seen, launch = [], [], kernels.launch.mla_merge_absorb
 
     @contextlib.contextmanager
@@ -2469,7 +2471,7 @@ def test_component_table_puts_the_merge_in_w_uv_under_the_projections(monkeypatc
     monkeypatch.setattr(run, "scope", scope)
     monkeypatch.setattr(kernels.launch, "mla_merge_absorb", lambda *a: seen.append(stack[-1]) or launch(*a))
     with run.component_scopes(m):
-        m(torch.tensor([[8]]), torch.tensor([[8]]), "decode")
+        m(torch.tensor([[8]], device=device), torch.tensor([[8]], device=device), "decode")
     assert seen == ["attn_proj"] * 2, seen
     assert "merge_absorb_output" not in vars(m.layers[0].self_attn), "the wrapper must be removed after"
 
@@ -2515,7 +2517,7 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     def add_norms(rows):
         """add_rmsnorm launches a forward: after each attention, in front of each attention but the first
         layer's (no residual yet) unless q_a + kv_a's GEMV does the add (InputNormInQKVA), and the final norm."""
-        in_qkva = {"add_rmsnorm", "fused_proj"} <= set(others) and rows <= kernels.QKVA_GEMV_MAX_ROWS
+        in_qkva = {"add_rmsnorm", "fused_proj"} <= set(others) and rows <= kernels.INPUT_NORM_QKVA_MAX_ROWS
         return ("add_rmsnorm" in others) * (L + (0 if in_qkva else L - 1) + 1)
     for mode in ("extend", "decode"):
         assert_close(fast(prefill, prefill_pos, mode).logits, plain(prefill, prefill_pos, mode).logits, 1e-4,
@@ -2661,8 +2663,10 @@ def test_input_norm_in_qkva_block_equals_the_plain_block(monkeypatch):
     fresh random inputs, float32, in both attention modes: a 9-token extend of 2 rows (18 rows: model.Block,
     an add_rmsnorm launch in front of the attention), then 4, 2 (no residual, as after an EAGLE-3
     state: the norm alone inside the GEMV), 3 and 1 rows (one add_rmsnorm launch, after the attention);
-    both outputs (the MLP's, the stream after the attention) and the caches written. This swap is no
-    module's own (the test of each swap takes one module's inputs): a layer's, so tested here."""
+    both outputs (the MLP's, the stream after the attention) and the caches written. The swap's limit is
+    raised from its one row to the stacked GEMV's 4 here, so that its kernel runs at several rows too. This
+    swap is no module's own (the test of each swap takes one module's inputs): a layer's, so tested here."""
+    monkeypatch.setattr(kernels, "INPUT_NORM_QKVA_MAX_ROWS", kernels.QKVA_GEMV_MAX_ROWS)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny()
     plain = randomized(model.Block(0, args, TP(), 2, 16, device, torch.float32), seed=25)
@@ -2686,7 +2690,7 @@ def test_input_norm_in_qkva_block_equals_the_plain_block(monkeypatch):
             what = f"InputNormInQKVA, {B * T} rows, {mode}, residual {with_residual}"
             assert_close(got, want, 1e-5 * want.abs().max().item(), what + ": the MLP's output")
             assert_close(got_res, want_res, 1e-5 * want_res.abs().max().item(), what + ": the stream")
-            in_qkva = B * T <= kernels.QKVA_GEMV_MAX_ROWS
+            in_qkva = B * T <= kernels.INPUT_NORM_QKVA_MAX_ROWS
             assert len(adds) == 1 + (with_residual and not in_qkva), f"{what}: {len(adds)} add_rmsnorm launches"
             adds.clear()
         for cache in ("kv_cache", "pe_cache"):
