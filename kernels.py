@@ -2151,6 +2151,7 @@ class RopeCacheKernel(model.MLA):
 #     30.6 / 31.1, add_rmsnorm + the GEMV 11.6 / 12.0 / 14.0 / 14.0: InputNormInQKVA at one row only.
 QKVA_GEMV_MAX_ROWS = 4
 INPUT_NORM_QKVA_MAX_ROWS = 1
+INPUT_NORM_QKVA_WARPS = 4   # at one row 10.8 us against 11.6 with the GEMV's 8 (benchmarks/h200_s12_sweep.log)
 O_PROJ_GEMV_MAX_ROWS = 2
 HEAD_GEMV_MAX_ROWS = 4
 
@@ -2173,9 +2174,9 @@ class NormGemvMLA(model.MLA):
         swap: InputNormInQKVA's). residual None: project(norm(x)) and x."""
         w, g = self.q_kv_a_weight, norm.weight
         if residual is None:
-            q_kv_a, summed = launch.norm_gemv(x, w, g, norm.eps), x
+            q_kv_a, summed = launch.norm_gemv(x, w, g, norm.eps, warps=INPUT_NORM_QKVA_WARPS), x
         else:
-            q_kv_a, summed = launch.norm_gemv(x, w, g, norm.eps, residual=residual)
+            q_kv_a, summed = launch.norm_gemv(x, w, g, norm.eps, residual=residual, warps=INPUT_NORM_QKVA_WARPS)
         return *self.split_q_kv_a(q_kv_a), summed
 
     def query(self, q_a):
