@@ -1916,7 +1916,8 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[m, n] = sum_k h[m, k] * W[n, k] with h = x (NORM: RMSNorm(x), x * rsqrt(mean(x^2) + eps) * g).
     ADD: x is the sum x + r of x and a residual r [M, K], rounded to x's dtype, which the programs of
-    row block 0 (each for its own slice of K) store into sum [M, K] (rows strided, last dim contiguous).
+    row block 0 (each for its own slice of K, after its products) store into sum [M, K] (rows strided,
+    last dim contiguous).
     x [M, K], out [M, N] (rows strided, last dim contiguous), W [N, K] (any strides), g [K]; x, out
     and W of one dtype; M <= BLOCK_M; float32 products on the CUDA cores, added up elementwise over
     the steps and summed over k at the end. Each step loads the next step's W tile before it uses its
@@ -1949,7 +1950,6 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
         h = tl.load(x_rows + k[None, :], mask=ok, other=0.0)
         if ADD:                                                             # the plain add's rounding
             h = (h.to(tl.float32) + tl.load(r_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)).to(h.dtype)
-            tl.store(sum_rows + k[None, :], h, mask=ok & (pid == 0))
         h = h.to(tl.float32)
         if NORM:
             ss2 += h * h
@@ -1958,6 +1958,14 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
         w = w1
     acc = tl.sum(acc3, 2)                                                   # [m, n]
     ss = tl.sum(ss2, 1)
+    if ADD:
+        if pid == 0:              # after the loop: a store inside it holds back the next step's loads (1 row: 10.1
+            for k0 in range(lo, hi, BLOCK_K):               # against 11.7 us, benchmarks/h200_s12_var.log)
+                k = k0 + kb
+                ok = (rows < M)[:, None] & (k < K)[None, :]
+                h = tl.load(x_rows + k[None, :], mask=ok, other=0.0)
+                h = (h.to(tl.float32) + tl.load(r_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)).to(h.dtype)
+                tl.store(sum_rows + k[None, :], h, mask=ok)
     last = pid >= 0                                                         # one slice: every program
     if SPLITS > 1:
         acc, ss, last = _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, pid, s, rows, n, M, N,
@@ -2151,7 +2159,6 @@ class RopeCacheKernel(model.MLA):
 #     30.6 / 31.1, add_rmsnorm + the GEMV 11.6 / 12.0 / 14.0 / 14.0: InputNormInQKVA at one row only.
 QKVA_GEMV_MAX_ROWS = 4
 INPUT_NORM_QKVA_MAX_ROWS = 1
-INPUT_NORM_QKVA_WARPS = 4   # at one row 10.8 us against 11.6 with the GEMV's 8 (benchmarks/h200_s12_sweep.log)
 O_PROJ_GEMV_MAX_ROWS = 2
 HEAD_GEMV_MAX_ROWS = 4
 
@@ -2174,9 +2181,9 @@ class NormGemvMLA(model.MLA):
         swap: InputNormInQKVA's). residual None: project(norm(x)) and x."""
         w, g = self.q_kv_a_weight, norm.weight
         if residual is None:
-            q_kv_a, summed = launch.norm_gemv(x, w, g, norm.eps, warps=INPUT_NORM_QKVA_WARPS), x
+            q_kv_a, summed = launch.norm_gemv(x, w, g, norm.eps), x
         else:
-            q_kv_a, summed = launch.norm_gemv(x, w, g, norm.eps, residual=residual, warps=INPUT_NORM_QKVA_WARPS)
+            q_kv_a, summed = launch.norm_gemv(x, w, g, norm.eps, residual=residual)
         return *self.split_q_kv_a(q_kv_a), summed
 
     def query(self, q_a):
