@@ -2155,8 +2155,8 @@ class RopeCacheKernel(model.MLA):
 #   absorbed W_uk, W_uv: kernel 2.1 + 2.2 / 2.5 + 2.2 / 3.0 + 2.5 / 2.7 + 2.3, the einsums with the copies
 #     the model makes of their permuted inputs and outputs 3.1 + 4.6 / 5.0 + 6.4 / 5.2 + 6.5 / 5.1 + 6.7:
 #     up to 4 rows (more were not measured).
-#   q_a + kv_a with the input add + norm inside (2026-12-01, benchmarks/h200_s12_*): kernel 11.5 / 18.3 /
-#     30.6 / 31.1, add_rmsnorm + the GEMV 11.6 / 12.0 / 14.0 / 14.0: InputNormInQKVA at one row only.
+#   q_a + kv_a with the input add + norm inside (2026-12-01, benchmarks/h200_s12_*): kernel 10.0 / 20.3 /
+#     30.7 / 31.1, add_rmsnorm + the GEMV 11.7 / 12.0 / 14.0 / 14.0: InputNormInQKVA at one row only.
 QKVA_GEMV_MAX_ROWS = 4
 INPUT_NORM_QKVA_MAX_ROWS = 1
 O_PROJ_GEMV_MAX_ROWS = 2
