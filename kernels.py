@@ -2176,9 +2176,9 @@ class NormGemvMLA(model.MLA):
         return launch.norm_gemv(x, self.q_kv_a_weight)
 
     def project_sum(self, x, residual, norm):
-        """(q, kv_a) = project(norm(x + residual)) and x + residual, at most QKVA_GEMV_MAX_ROWS rows, the add
-        and the norm (the layer's input_layernorm) inside q_a + kv_a's GEMV (with StackedQKVA behind this
-        swap: InputNormInQKVA's). residual None: project(norm(x)) and x."""
+        """(q, kv_a) = project(norm(x + residual)) and x + residual, at most NORM_GEMV_MAX_ROWS rows (InputNormInQKVA
+        calls it at INPUT_NORM_QKVA_MAX_ROWS), the add and the norm (the layer's input_layernorm) inside q_a +
+        kv_a's GEMV (with StackedQKVA behind this swap). residual None: project(norm(x)) and x."""
         w, g = self.q_kv_a_weight, norm.weight
         if residual is None:
             q_kv_a, summed = launch.norm_gemv(x, w, g, norm.eps), x
@@ -2532,8 +2532,8 @@ def accelerate(target, names=(), moe="auto"):
     (every residual add with the norm that reads the sum), "silu_mul" (the MLPs' SwiGLU),
     "norm_gemv" (GEMV kernels: for <= 16 rows q_b_proj with q_a_layernorm inside; for <= 4 rows
     decode mode's absorbed products over the heads and, with fused_proj, the stacked q_a + kv_a,
-    with add_rmsnorm too the layer's input add and norm inside it: InputNormInQKVA; for <= 2 rows
-    o_proj), "shared_expert" (the shared expert inside the fused MoE launch, where
+    with add_rmsnorm too, at one row, the layer's input add and norm inside it: InputNormInQKVA;
+    for <= 2 rows o_proj), "shared_expert" (the shared expert inside the fused MoE launch, where
     SharedExpertInLaunch.applies; else left off and not listed), "fused_proj" (plain torch: q_a +
     kv_a and each unfolded MLP's gate + up as one GEMM, the shared expert's down GEMM adding onto
     the routed output); an iterable, "all" or "none". moe: the routed experts' path
