@@ -2452,12 +2452,12 @@ def test_head_gemv_kernel_equals_twin(dtype):
 
 
 @triton_ok
-@triton_ok
+@triton_runs
 def test_component_table_puts_the_merge_in_w_uv_under_the_projections(monkeypatch):
     """run.py's component ranges: with the attention kernel and norm_gemv, a one-row decode step merges
     the attention's parts in W_uv's launch (DecodeAttentionKernel.merge_absorb_output); that launch must
     sit inside an "attn_proj" range, as absorb_output's does, not in the attention core's."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE
     m = init_random(Transformer(tiny(num_hidden_layers=2), 1, 32, device=device, dtype=torch.float32), 0)
     kernels.accelerate(m, ("attention", "norm_gemv"))
     m(torch.arange(8, device=device)[None], torch.arange(8, device=device)[None])
@@ -2667,7 +2667,7 @@ def test_input_norm_in_qkva_block_equals_the_plain_block(monkeypatch):
     raised from its one row to the stacked GEMV's 4 here, so that its kernel runs at several rows too. This
     swap is no module's own (the test of each swap takes one module's inputs): a layer's, so tested here."""
     monkeypatch.setattr(kernels, "INPUT_NORM_QKVA_MAX_ROWS", kernels.QKVA_GEMV_MAX_ROWS)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE
     args = tiny()
     plain = randomized(model.Block(0, args, TP(), 2, 16, device, torch.float32), seed=25)
     fast = model.Block(0, args, TP(), 2, 16, device, torch.float32)
