@@ -1910,6 +1910,24 @@ def _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, pid, s, rows, n, 
 
 
 @_jit
+def _residual_sum(x_ptrs, r_ptrs, ok):
+    """x + r at the pointers (where ok), rounded to x's dtype as the plain add (model.RMSNorm's) rounds it."""
+    x = tl.load(x_ptrs, mask=ok, other=0.0)
+    return (x.to(tl.float32) + tl.load(r_ptrs, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+
+
+@_jit
+def _store_residual_sum(x_rows, r_rows, sum_rows, rows, kb, lo, hi, M, K, BLOCK_K: tl.constexpr):
+    """_norm_gemv_kernel's sum x + r over columns [lo, hi) stored into sum's rows, after the products: a
+    store inside the product loop holds back the next step's loads (1 row: 10.1 against 11.7 us,
+    benchmarks/h200_s12_var.log), so the sum is read and added again here."""
+    for k0 in range(lo, hi, BLOCK_K):
+        k = k0 + kb
+        ok = (rows < M)[:, None] & (k < K)[None, :]
+        tl.store(sum_rows + k[None, :], _residual_sum(x_rows + k[None, :], r_rows + k[None, :], ok), mask=ok)
+
+
+@_jit
 def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
                       M, N, K, k_split, eps, s_xm, s_rm, s_sm, s_xh, s_wh, s_wn, s_wk, s_om, s_oh,
                       SPLITS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr,
@@ -1947,10 +1965,10 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
         k1 = tl.minimum(k0 + BLOCK_K, last_k) + k3                          # the next step's (the last: its own)
         w1 = tl.load(w_rows + k1 * s_wk, mask=(n3 < N) & (k1 < K), other=0.0)
         ok = (rows < M)[:, None] & (k < K)[None, :]
-        h = tl.load(x_rows + k[None, :], mask=ok, other=0.0)
-        if ADD:                                                             # the plain add's rounding
-            h = (h.to(tl.float32) + tl.load(r_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)).to(h.dtype)
-        h = h.to(tl.float32)
+        if ADD:
+            h = _residual_sum(x_rows + k[None, :], r_rows + k[None, :], ok).to(tl.float32)
+        else:
+            h = tl.load(x_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
         if NORM:
             ss2 += h * h
             h = h * tl.load(g_ptr + k[None, :], mask=(k < K)[None, :], other=0.0).to(tl.float32)
@@ -1959,13 +1977,8 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
     acc = tl.sum(acc3, 2)                                                   # [m, n]
     ss = tl.sum(ss2, 1)
     if ADD:
-        if pid == 0:              # after the loop: a store inside it holds back the next step's loads (1 row: 10.1
-            for k0 in range(lo, hi, BLOCK_K):               # against 11.7 us, benchmarks/h200_s12_var.log)
-                k = k0 + kb
-                ok = (rows < M)[:, None] & (k < K)[None, :]
-                h = tl.load(x_rows + k[None, :], mask=ok, other=0.0)
-                h = (h.to(tl.float32) + tl.load(r_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)).to(h.dtype)
-                tl.store(sum_rows + k[None, :], h, mask=ok)
+        if pid == 0:
+            _store_residual_sum(x_rows, r_rows, sum_rows, rows, kb, lo, hi, M, K, BLOCK_K)
     last = pid >= 0                                                         # one slice: every program
     if SPLITS > 1:
         acc, ss, last = _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, pid, s, rows, n, M, N,
