@@ -253,7 +253,8 @@ def test_train_py_writes_elsewhere_and_refuses_the_committed_pair(tmp_path, caps
     """train.py's default folder is not the committed pair; writing into the committed pair, into a
     folder it cannot write, or measuring a folder with no pair is refused in one line, before any
     training (exit status 2, argparse's)."""
-    assert os.path.realpath(train.parse_args([]).out) != os.path.realpath(train.PAIR_DIR)
+    default_out = train.parse_args(["--eval"]).out   # --eval: the default --out, no folder made
+    assert os.path.realpath(default_out) != os.path.realpath(train.PAIR_DIR)
     assert train.parse_args(["--out", str(tmp_path / "pair")]).threads == 1 and (tmp_path / "pair").is_dir()
     committed = os.path.join(HERE, "checkpoints", ".", "tiny-stdlib")
     assert train.parse_args(["--out", committed, "--overwrite-committed"]).overwrite_committed
