@@ -1,0 +1,81 @@
+"""The test suite's environment and markers.
+
+    gpu        needs a CUDA GPU; skipped elsewhere
+    multi_gpu  needs a 2-rank torchrun world on 2 GPUs (see test_tp.py); skipped elsewhere
+    triton     needs Triton: on CUDA natively, on a CPU under its interpreter (TRITON_INTERPRET=1,
+               set here before anything imports Triton); skipped without triton
+    slow       long on its machine; run by default (deselect with -m "not slow")
+
+`python -m pytest -q` runs every test the machine can run; `-m gpu`, `-m triton` or `-m "not gpu"`
+select by marker.
+"""
+import os
+import tempfile
+
+# one thread a process unless asked otherwise: CI has 2 cores, and the tests spawn ranks and run.py
+os.environ.setdefault("OMP_NUM_THREADS", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+
+# Triton's CPU interpreter runs the kernels' small cases on a machine without CUDA; set before
+# anything imports Triton (its decorators read it)
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import kernels  # noqa: E402
+from checkpoint import init_random, save_target  # noqa: E402
+from model import Transformer  # noqa: E402
+from testing import TRITON_DEVICE, tiny  # noqa: E402
+
+MARKERS = {
+    "gpu": "needs a CUDA GPU",
+    "multi_gpu": "needs 2 GPUs in a 2-rank torchrun world",
+    "triton": "needs Triton (natively on CUDA, under its interpreter on a CPU)",
+    "slow": "long on its machine; still run by default",
+}
+
+
+def pytest_configure(config):
+    for name, what in MARKERS.items():
+        config.addinivalue_line("markers", f"{name}: {what}")
+
+
+def multi_gpu_missing():
+    if not torch.cuda.is_available():
+        return "needs CUDA GPUs"
+    if os.environ.get("WORLD_SIZE") != "2" or torch.cuda.device_count() < 2:
+        return ("needs a 2-rank torchrun world on 2 GPUs: "
+                "torchrun --nproc-per-node 2 -m pytest -q test_tp.py -m multi_gpu")
+    return None
+
+
+def missing():
+    """Marker -> why its tests cannot run on this machine (None: they can)."""
+    gpu = torch.cuda.is_available()
+    triton = kernels.fused_moe_available(TRITON_DEVICE, torch.float32)
+    return {
+        "gpu": None if gpu else "needs a CUDA GPU (on one: python -m pytest -q -m gpu)",
+        "multi_gpu": multi_gpu_missing(),
+        "triton": None if triton else ("needs Triton (on CUDA, or its CPU interpreter with "
+                                       "TRITON_INTERPRET=1): pip install triton"),
+    }
+
+
+def pytest_collection_modifyitems(config, items):
+    reasons = missing()
+    for item in items:
+        for name, reason in reasons.items():
+            if reason and item.get_closest_marker(name):
+                item.add_marker(pytest.mark.skip(reason=reason))
+                break
+
+
+@pytest.fixture(scope="module")
+def tiny_ckpt():
+    """The tiny model (seed 1) saved as a sharded float64 checkpoint, and its TP 1 logits."""
+    with tempfile.TemporaryDirectory() as d:
+        m = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float64),
+                        1)
+        save_target(m, d, max_shard_bytes=200_000)
+        yield d, m

@@ -1,0 +1,800 @@
+"""The command lines and what they print: run.py end to end on the CPU, its refusals, its report and
+timing aids, the correctness baseline (--dump and --compare), train.py's folders, and the first
+hour of a new user. run.py runs in a subprocess through testing.run_py, as a user runs it.
+"""
+import contextlib
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from functools import partial
+
+import numpy as np
+import pytest
+import torch
+from torch.profiler import profile, ProfilerActivity
+
+import baseline
+import kernels
+import model
+import report
+import run
+import train
+from checkpoint import (CheckpointError, init_random, init_random_draft, load_draft, load_target,
+                        save_draft)
+from draft import draft_preset, Eagle3Draft
+from model import Transformer
+from testing import (assert_close, CPU_ENV, edit_checkpoint, gpu_models, HERE, ONE_THREAD,
+                     PlantedProposer, PROMPTS, reference_sequences, RUN_PY, run_py, run_ranks,
+                     step_inputs, tiny, TRITON_DEVICE)
+from verify import generate, kv_bucket, prefill_draft, prefill_target
+
+
+# ---------------------------------------------------------------------------------------------
+# run.py on the CPU: end to end (the report, the trained pair, the background's flags, trees),
+# its phase timer, its refusals
+
+def test_run_py_cli_background_flags_on_cpu():
+    """The flags of the background's own setup, on the tiny model: a simulated rank with modelled
+    all-reduces, SIMULATED uniform routing (the default on random weights), phases at two context
+    lengths, no end-to-end loops."""
+    out = run_py("--simulate-tp", "2", "--allreduce-us", "35", "--speculative-num-steps", "2",
+                 "--speculative-attention-mode", "decode", "--context-len", "8", "40", "--skip-e2e",
+                 "--reps", "2", "--json", "-", check=True, env=ONE_THREAD).stdout
+    r = json.loads(out.strip().splitlines()[-1])
+    out = " ".join(out.split())  # the report wraps its long lines
+    assert set(r["contexts"]) == {"8", "40"} and r["e2e"] == {}
+    for c in r["contexts"].values():  # batch 1, K 4 of 16 experts: one token 4, the 3 verified 12
+        assert c["distinct_experts"] == {"decode_step": 4.0, "verify/decode": 12.0}
+    assert r["allreduce_modelled"] == dict(us_each=35.0, target_forward_ms=2 * 8 * 35 / 1e3, draft_forward_ms=0.07)
+    assert "all-reduces MODELLED at 35 us" in out and "routing SIMULATED uniform" in out
+    assert abs(r["cost_model"]["plain_step_ms"] - r["phases_ms"]["decode_step/eager"] - 0.56) < 1e-9
+    bad = run_py("--allreduce-us", "35", env=ONE_THREAD)
+    assert bad.returncode != 0 and "--allreduce-us" in bad.stderr and "SIMULATED" in bad.stderr
+
+
+def test_run_py_cli_tiny(tmp_path):
+    """run.py's CPU defaults end to end (the GPU is hidden, so this is the CPU run on any machine).
+    It asserts what holds by construction, not relations between noisy medians: every phase
+    present and positive, each timing's spread ordered around its median, the component table's
+    parts adding up to its summed op time, the answer printed."""
+    out = tmp_path / "r.json"
+    stdout = run_py("--json", str(out), "--max-new-tokens", "20", "--speculative-num-steps", "2",
+                    "--batch-size", "2", "--routing", "model", "--random-weights", check=True).stdout
+    r = json.loads(out.read_text())
+    stdout = " ".join(stdout.split())  # the report wraps its long lines
+    assert r["env"]["simulated_acceptance"] is False and r["floors"] is None
+    assert stdout.count("target: random tiny") == 1 and "the answer:" in stdout and "accepted almost nothing" in stdout
+    for name, ms in r["phases_ms"].items():
+        lo, q1, med, q3, hi = r["spread_ms"]["phases_ms"][name]
+        assert 0 < lo <= q1 <= med <= q3 <= hi and med == ms, (name, r["spread_ms"]["phases_ms"][name])
+    for mode in ("prefill", "decode"):
+        assert f"verify/{mode}/eager" in r["phases_ms"]
+        v = r["e2e"][f"eagle3/{mode}/eager"]
+        assert set(v["phases_ms"]) == {"verify", "accept", "draft_extend", "draft", "commit", "host", "cycle"}
+        assert all(t > 0 for t in v["phases_ms"].values()), v["phases_ms"]
+        assert 1 <= v["accept_len_mean"] <= 3 and sum(v["accept_len_hist"]) > 0
+    assert r["greedy_agreement_with_plain"] == {"eagle3/prefill/eager": 1.0, "eagle3/decode/eager": 1.0}
+    assert set(r["cost_model"]["steps"]) == {"1", "2", "3", "4", "5"} and isinstance(r["warnings"], list)
+    table = r["contexts"]["16"]
+    assert r["env"]["routing"] == "model" and all(1 <= n <= 16 for n in table["distinct_experts"].values())
+    for phase in ("decode_step", "verify/prefill", "verify/decode"):
+        c = table["components"][phase]
+        assert abs(sum(c["parts_ms"].values()) - c["kernel_ms"]) <= 0.05 * c["kernel_ms"], (phase, c)
+        assert set(c["parts_ms"]) == set(report.COMPONENTS) and sum(table["bytes"][phase].values()) > 0
+    assert "decode steps" in r["answer"][0] and "EAGLE-3 with num_steps 2" in " ".join(r["answer"])
+    assert "2 tokens per cycle" in " ".join(r["answer"]) and "SIMULATED" not in " ".join(r["answer"])
+    sim = run_py("--simulate-accept-len", "2.5", "--max-new-tokens", "40", "--json", "-", check=True).stdout
+    r = json.loads(sim.strip().splitlines()[-1])
+    sim = " ".join(sim.split())
+    assert "SIMULATED acceptance: each row's accepted length" in sim and r["env"]["simulated_acceptance"] is True
+    assert "Acceptance was SIMULATED: asked 2.5, drawn" in sim
+    assert 1.8 <= r["e2e"]["eagle3/decode/eager"]["accept_len_mean"] <= 3.2
+
+
+def test_run_py_cli_trained_pair(tmp_path):
+    """run.py's CPU default is the trained tiny pair: the header says so, the draft accepts (real
+    acceptance, not SIMULATED), and speculative output equals plain greedy."""
+    out = tmp_path / "r.json"
+    stdout = run_py("--json", str(out), "--max-new-tokens", "32", "--speculative-num-steps", "3",
+                    "--batch-size", "2", "--reps", "3", check=True).stdout
+    r = json.loads(out.read_text())
+    assert "target: the trained tiny pair" in stdout and "trained tiny pair" in r["env"]["target"]
+    assert r["env"]["routing"] == "model" and r["env"]["simulated_acceptance"] is False
+    for mode in ("prefill", "decode"):
+        v = r["e2e"][f"eagle3/{mode}/eager"]
+        assert 1.8 <= v["accept_len_mean"] <= 4 and sum(v["accept_len_hist"]) > 0, v
+        # the histogram counts the tokens kept: all but the first of each row's, which the prefill makes
+        assert sum(n * c for n, c in enumerate(v["accept_len_hist"], 1)) == v["tokens"] - 2, v
+    assert r["greedy_agreement_with_plain"] == {"eagle3/prefill/eager": 1.0, "eagle3/decode/eager": 1.0}
+    assert "accepted almost nothing" not in stdout
+
+
+def test_phase_timer_accounts_for_every_cycle():
+    """In every cycle the phases that generate marks, and the host gap, add up to the cycle (start
+    to start), each positive: what run.py's end-to-end table rests on. The last cycle has no next
+    start, so no host gap nor total."""
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), 4)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 5)
+    for draft, names in ((head, {"verify", "accept", "draft_extend", "draft", "commit"}), (None, {"decode_step", "commit"})):
+        timer = run.PhaseTimer(run.Clock(torch.device("cpu")))
+        res = generate(target, draft, PROMPTS[3], max_new_tokens=10, num_steps=2, timer=timer)
+        cycles = timer.per_cycle()
+        assert len(cycles) == res.cycles and set(cycles[-1]) == names
+        for c in cycles[:-1]:
+            assert set(c) == names | {"host", "cycle"} and all(t > 0 for t in c.values()), c
+            assert sum(t for n, t in c.items() if n != "cycle") == pytest.approx(c["cycle"], rel=1e-9, abs=1e-9)
+        whole = sorted(c["cycle"] for c in cycles[:-1])
+        assert timer.phases()["cycle"].spread() == [whole[0], *timer.phases()["cycle"].spread()[1:4], whole[-1]]
+
+
+def test_report_warns_about_noise_and_figures_that_cannot_be():
+    """timing_warnings and the verdict on made-up results: a spread past NOISY_IQR is flagged, a
+    break-even outside [1, num_steps + 1], an isolated step far from the same step in the loop,
+    and verify cheaper with more tokens are named; the verdict says what random weights measure."""
+    T = report.Timing
+    steady, noisy = T([10.0, 10.1, 10.2, 10.3]), T([5.0, 10.0, 20.0, 40.0])
+    assert steady.spread() == pytest.approx([10.0, 10.075, 10.15, 10.225, 10.3]) and not steady.noisy and noisy.noisy
+    assert json.loads(json.dumps({"t": noisy})) == {"t": 15.0}  # serialized as the median
+    spec = dict(tok_per_s=50.0, phases_ms=dict(verify=T([12.0]), cycle=T([14.0])), accept_len_mean=1.02,
+                speedup_measured=0.7, speedup_predicted=0.72)
+    r = dict(env=dict(simulated_acceptance=False, device="cpu"), phases_ms={"decode_step/eager": noisy},
+             e2e={"baseline/eager": dict(phases_ms=dict(decode_step=T([3.0]), cycle=T([3.1]))), "eagle3/decode/eager": spec},
+             cost_model=dict(plain_step_ms=3.1, steps={1: dict(cycle_ms=2.0, break_even_accept_len=0.6),
+                                                       3: dict(cycle_ms=14.0, break_even_accept_len=4.5)}),
+             verify_sweep_ms={1: dict(verify=T([9.0])), 2: dict(verify=T([4.0]))})
+    w = "\n".join(report.timing_warnings(r))
+    for words in ["1 timing(s) vary by more than 25%", "decode_step/eager", "num_steps 1: break-even 0.60",
+                  "cheaper than the plain step", "num_steps 3: break-even 4.50", "cannot pay here",
+                  "takes 15.000 ms alone and 3.000 ms inside the loop", "1 tokens 9.000 ms > 1.5 x 2 tokens 4.000 ms"]:
+        assert words in w, (words, w)
+    r["warnings"] = []
+    v = " ".join(report.verdict(r))
+    assert "accepted almost nothing (1.02 tokens per cycle" in v and "--simulate-accept-len" in v
+    r["env"].update(simulated_acceptance=True, config=dict(simulate_accept_len=2.5))
+    spec.update(accept_len_mean=2.25, accept_len_hist=[1, 2, 1, 0])
+    assert "Acceptance was SIMULATED: asked 2.5, drawn 2.25 tokens per cycle over 4 cycles (a mean of 4 draws " \
+           "spreads by about 0.41" in " ".join(report.verdict(r))
+    r["env"].update(simulated_acceptance=False, weights="checkpoints")
+    spec["accept_len_mean"] = 1.02
+    assert "with checkpoints loaded, on the timing run's prompts of random ids" in " ".join(report.verdict(r))
+    assert report.spreads(r)["phases_ms"]["decode_step/eager"] == noisy.spread()
+
+
+def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
+    """Each nonsense value is BadInput naming the flag, the value and what is allowed, raised by
+    parse_args or settle (device-dependent ones are asked as on a CPU); none builds a model."""
+    monkeypatch.setattr(run, "build", lambda *a: pytest.fail("a model was built"))
+    at_least_1 = ["--max-new-tokens 0", "--max-new-tokens -5", "--prompt-len 0", "--reps 0", "--batch-size 0",
+                  "--speculative-num-steps -1", "--simulate-tp 0", "--topk 0 --dump x.npz"]
+    cases = [(flags, f"{flags.split(' --dump')[0]}: must be at least 1") for flags in at_least_1] + [
+        ("--temperature -1", "--temperature -1.0: must be at least 0"),
+        ("--speculative-num-steps 100", r"--speculative-num-steps 100: .* must be below --prompt-len \(16\)"),
+        ("--simulate-accept-len 10", r"--simulate-accept-len 10.0: must lie in \[1, 4\]"),
+        ("--simulate-accept-len 0", r"--simulate-accept-len 0.0: must lie in \[1"),
+        ("--simulate-accept-len -1 --speculative-num-steps 2", r"--simulate-accept-len -1.0: must lie in \[1, 3\]"),
+        ("--speculative-eagle-topk 0", "--speculative-eagle-topk 0: must be at least 1"),
+        ("--speculative-eagle-topk 2", r"a tree needs --speculative-num-draft-tokens N, .* \(2 to 11 here\)"),
+        ("--speculative-eagle-topk 2 --speculative-num-draft-tokens 12",
+         r"--speculative-num-draft-tokens 12: a tree of topk 2 and 3 steps holds 2 to .* = 11 tokens"),
+        ("--speculative-eagle-topk 4 --speculative-num-draft-tokens 3 --simulate-accept-len 3.5",
+         r"--simulate-accept-len 3.5: must lie in \[1, 3\]"),
+        ("--prompt-ids p.jsonl", "--prompt-ids is for --dump"),
+        ("--preset kimi-k2", "--preset kimi-k2: a random Kimi-K2 needs a GPU"),
+        ("--cuda-graph on", "--cuda-graph on: CUDA graphs need a CUDA GPU"),
+        ("--routed-experts 3", "--routed-experts 3: tiny needs between 4 .* and 16"),
+        ("--model-path ckpt --quant int4", "--quant, --routed-experts and --preset shape random weights"),
+        ("--batch-size x", "argument --batch-size: invalid int value: 'x'"),
+        ("--min-top1-agreement 2", r"--min-top1-agreement 2.0: must lie in \[0, 1\]"),
+        ("--dump x.npz", "--dump needs --prompt-ids FILE"),
+        ("--dump x.npz --prompt-ids p --temperature 0.5", "drop --temperature"),
+        ("--dump x.npz --prompt-ids p --batch-size 2", "drop --batch-size"),
+        ("--dump x.npz --prompt-ids nothere.jsonl", "--prompt-ids: .*nothere.jsonl"),
+        ("--random-weights --model-path ckpt", "--random-weights replaces the trained tiny pair"),
+        ("--draft-path ckpt", "--draft-path needs --model-path: a head is trained for one target"),
+        ("--json /nonexistent/r.json", r"--json /nonexistent/r.json: cannot write there \(no folder /nonexistent\)"),
+        ("--json .", r"--json .: cannot write there \(is a folder\)"),
+        ("--dump /nonexistent/x.npz --prompt-ids p", "--dump /nonexistent/x.npz: cannot write there"),
+        ("--dump x.npz --prompt-ids p --skip-e2e", "--dump times nothing"),
+        ("--context-len 2", r"--context-len 2: the isolated verify re-reads 4 cached tokens"),
+    ]
+    for flags, message in cases:
+        with pytest.raises(run.BadInput, match=message):
+            run.settle(run.parse_args(flags.split()), torch.device("cpu"), 1)
+    assert all(action.help for action in run.make_parser()._actions), "a flag without help text"
+    cli = run_py("--max-new-tokens", "0")
+    assert (cli.returncode, cli.stdout, cli.stderr) == (2, "", "run.py: error: --max-new-tokens 0: must be at least 1\n")
+
+
+def test_run_py_names_a_broken_checkpoint_in_one_line(tiny_ckpt, tmp_path):
+    """run.py --model-path / --draft-path with a problem: the loader's CheckpointError, and from
+    the command line one line on stderr, no traceback, exit status 2."""
+    ckpt, _ = tiny_ckpt
+    shutil.copytree(ckpt, tmp_path / "bad")
+    (tmp_path / "bad" / "config.json").write_text('{\n  "hidden_size": 64,\n  "vocab_size": ,\n}')
+    with pytest.raises(CheckpointError, match="no such file or folder"):
+        run.main(["--model-path", str(tmp_path / "nothere"), "--max-new-tokens", "2"])
+    with pytest.raises(CheckpointError, match="no such file or folder"):
+        run.main(["--model-path", ckpt, "--draft-path", str(tmp_path / "nothere"), "--max-new-tokens", "2"])
+    cli = run_py("--model-path", str(tmp_path / "bad"))
+    want = f"run.py: error: {tmp_path / 'bad' / 'config.json'} line 3 column 17: not JSON (Expecting value)\n"
+    assert (cli.returncode, cli.stderr) == (2, want), (cli.returncode, cli.stderr)
+
+
+def test_run_py_cli_tree(tmp_path):
+    """run.py with SGLang's tree flags: the end-to-end rows draft the tree (said in a note), are
+    lossless against plain greedy and accept; the isolated phases add the tree's verify (its
+    distinct experts and components) and expansion."""
+    out = tmp_path / "r.json"
+    stdout = run_py("--json", str(out), "--max-new-tokens", "24", "--speculative-num-steps", "3",
+                    "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8",
+                    "--speculative-attention-mode", "decode", "--batch-size", "2", "--reps", "2",
+                    check=True).stdout
+    r = json.loads(out.read_text())
+    assert "the end-to-end rows draft a tree (topk 4, num_steps 3, 8 draft tokens)" in stdout
+    assert (r["env"]["config"]["speculative_eagle_topk"], r["env"]["config"]["speculative_num_draft_tokens"]) == (4, 8)
+    v = r["e2e"]["eagle3/decode/eager"]
+    assert 1.5 <= v["accept_len_mean"] <= 4 and r["greedy_agreement_with_plain"] == {"eagle3/decode/eager": 1.0}
+    assert {"verify/decode tree/eager", "draft_tree/eager"} <= set(r["phases_ms"])
+    experts = r["contexts"]["16"]["distinct_experts"]   # a tree of 8 tokens reaches more than a chain's 4
+    assert experts["verify/decode tree"] >= experts["verify/decode"] >= experts["decode_step"]
+    assert "dec tree" in stdout and "A tree of topk 4, 3 steps, 8 draft tokens" in " ".join(r["answer"])
+    tree = r["cost_model"]["tree"]
+    assert tree["cycle_ms"] > 0 and tree["break_even_accept_len"] > 0 and tree["accept_ratio_to_beat_chain"] > 0
+
+
+# ---------------------------------------------------------------------------------------------
+# train.py's command line
+
+def test_train_py_writes_elsewhere_and_refuses_the_committed_pair(tmp_path, capsys):
+    """train.py's default folder is not the committed pair; writing into the committed pair, into a
+    folder it cannot write, or measuring a folder with no pair is refused in one line, before any
+    training (exit status 2, argparse's)."""
+    default_out = train.parse_args(["--eval"]).out   # --eval: the default --out, no folder made
+    assert os.path.realpath(default_out) != os.path.realpath(train.PAIR_DIR)
+    assert train.parse_args(["--out", str(tmp_path / "pair")]).threads == 1 and (tmp_path / "pair").is_dir()
+    committed = os.path.join(HERE, "checkpoints", ".", "tiny-stdlib")
+    assert train.parse_args(["--out", committed, "--overwrite-committed"]).overwrite_committed
+    (tmp_path / "file").write_text("")
+    for argv, words in ((["--out", committed], "is the committed pair"),
+                        (["--out", str(tmp_path / "file" / "pair")], "cannot write there"),
+                        (["--eval", str(tmp_path)], "no pair there"), (["--threads", "0"], "at least 1")):
+        with pytest.raises(SystemExit) as e:
+            train.parse_args(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and words in err[-1] and err[-1].startswith("train.py: error:"), (argv, err)
+
+
+# ---------------------------------------------------------------------------------------------
+# The correctness baseline: run.py --dump and --compare
+
+def check_dump_layout(d, prompts, k):
+    """The arrays mean what the README says: padding where it says, the teacher-forced top-1 along
+    a greedy output is the token generated, and each cycle's accepted drafts are the output tokens
+    they became, its first rejected draft is not."""
+    for b, p in enumerate(prompts):
+        out = d["output_ids"][b][d["output_ids"][b] >= 0]
+        end = len(p) + len(out) - 1                     # positions < end predict a token of the row
+        assert d["prompt_ids"][b, :len(p)].tolist() == p and (d["prompt_ids"][b, len(p):] == -1).all()
+        assert (d["output_ids"][b, len(out):] == -1).all()
+        assert d["topk_ids"][b, len(p) - 1:end, 0].tolist() == out.tolist(), b
+        assert (np.diff(d["topk_logprobs"][b, :end], axis=-1) <= 0).all()
+        assert (d["topk_ids"][b, end:] == -1).all() and np.isnan(d["topk_logprobs"][b, end:]).all()
+        at = 1  # out[0] comes from the prefill; then each cycle emits its m accepted drafts and a bonus
+        for m, drafts in zip(d["accepted"][b], d["draft_ids"][b]):
+            if m < 0:
+                assert (drafts == -1).all()
+                continue
+            want = out[at:at + m]
+            assert drafts[:len(want)].tolist() == want.tolist(), (b, at, m)
+            if m < k and at + m + 1 < len(out):  # a cycle the row went on after: not cut
+                assert drafts[m] != out[at + m], (b, at, m)
+            at += m + 1
+
+
+def _dump_worker(seed):
+    """The random tiny target and EAGLE-3 head (seeded whole: the same model at any TP), dumped."""
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), seed)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
+    d = baseline.dump(target, head, PROMPTS[3], max_new_tokens=16, num_steps=2)
+    return {key: torch.from_numpy(v) for key, v in d.items()}  # run_ranks' torch.load takes tensors
+
+
+def test_dump_at_tp2_equals_tp1():
+    ref = {key: v.numpy() for key, v in _dump_worker(31).items()}
+    got = {key: v.numpy() for key, v in run_ranks(2, _dump_worker, 31).items()}
+    check_dump_layout(ref, PROMPTS[3], 2)
+    for key in ("prompt_ids", "output_ids", "topk_ids", "draft_ids", "accepted"):
+        assert np.array_equal(got[key], ref[key]), key
+    report = baseline.compare(ref, got, max_logprob_diff=1e-5, min_top1_agreement=1.0, max_accept_diff=0.0)
+    assert not report["failures"] and [r["diverge"] for r in report["rows"]] == [None] * 3, report
+
+
+@pytest.fixture(scope="module")
+def planted_dump():
+    """A float32 dump whose drafts come from a proposer that knows the answer and errs by plan, so
+    every accepted length 0..k occurs; k = 2."""
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), 32)
+    plain = generate(target, None, PROMPTS[3], max_new_tokens=16).tokens
+    proposer = PlantedProposer(reference_sequences(PROMPTS[3], plain, 32), 256, lambda c, b: (c + b) % 3)
+    d = baseline.dump(target, proposer, PROMPTS[3], max_new_tokens=16, num_steps=2)
+    assert d["output_ids"].tolist() == [o + [-1] * (16 - len(o)) for o in plain]  # lossless
+    return target, d
+
+
+def test_compare_reports_a_planted_divergence(planted_dump, tmp_path, capsys):
+    target, a = planted_dump
+    check_dump_layout(a, PROMPTS[3], 2)
+    b = {key: v.copy() for key, v in a.items()}
+    row, j = 1, 5                   # the runner-up wins at output index 5 of row 1, as a near-tie flip would
+    t = len(PROMPTS[3][row]) - 1 + j                                    # the position that chose it
+    b["output_ids"][row, j] = a["topk_ids"][row, t, 1]
+    b["topk_ids"][row, t, :2] = a["topk_ids"][row, t, [1, 0]]           # the two ids swap log-probabilities
+    report = baseline.compare(a, b)
+    assert [r["diverge"] for r in report["rows"]] == [None, j, None]
+    r = report["rows"][row]
+    assert (r["positions"], r["top1_agree"], r["at"]) == (t + 1, t, t)
+    assert r["max_logprob_diff"] == pytest.approx(a["topk_logprobs"][row, t, 0] - a["topk_logprobs"][row, t, 1])
+    gap = a["topk_logprobs"][row, t, 0] - a["topk_logprobs"][row, t, 1]
+    assert (r["divergence_failure"] is None) == (gap <= baseline.MAX_LOGPROB_DIFF), (gap, r["divergence_failure"])
+    # the CLI: the same table, status 0 within the thresholds, 1 past one, BadInput (2) for files that do not fit
+    for name, d in (("a", a), ("b", b), ("short", dict(a, topk_logprobs=a["topk_logprobs"][:, 1:])),
+                    ("missing", {key: v for key, v in a.items() if key != "topk_ids"})):
+        np.savez(tmp_path / f"{name}.npz", **d)
+
+    def cli(*argv):
+        code = run.main(["--compare", *(str(tmp_path / f"{x}.npz") for x in argv[:2]), *argv[2:]])
+        return code, capsys.readouterr().out
+    code, out = cli("a", "b", "--max-logprob-diff", str(gap + 0.01))
+    line = next(x for x in out.splitlines() if x.split()[:1] == [str(row)])
+    assert code == 0 and line.split()[3:5] == [str(j), "near-tie"] and "PASS" in out, out
+    code, out = cli("a", "b", "--max-logprob-diff", str(gap + 0.01), "--min-top1-agreement", "1")
+    assert code == 1 and "FAIL: top-1 agreement" in out, out
+    code, out = cli("a", "b", "--max-logprob-diff", str(gap - 0.01))  # the flip is no longer a near-tie
+    assert code == 1 and f"row {row}, output {j} (position {t})" in out and "below A's top-1" in out, out
+    with pytest.raises(run.BadInput, match=r"topk_logprobs has shape \[3, 23, 20\], expected \[3, 24, 20\]"):
+        cli("a", "short")
+    with pytest.raises(run.BadInput, match="missing.npz has no array 'topk_ids'"):
+        cli("missing", "a")
+
+
+def test_compare_fails_an_engine_whose_output_is_wrong(planted_dump):
+    """A divergence is judged, not only reported: a token outside A's top-K, a stop where A goes on,
+    or every output replaced by one id fails, naming the row, the position and both tokens, even
+    where top-1 agreement over the shared context stays high."""
+    _, a = planted_dump
+
+    def wrong(edit):
+        b = {key: v.copy() for key, v in a.items()}
+        edit(b["output_ids"])
+        return baseline.compare(a, b)
+    row, j = 2, 6
+    t = len(PROMPTS[3][row]) - 1 + j
+    outside = next(i for i in range(256) if i not in a["topk_ids"][row, t])
+    report = wrong(lambda out: out.__setitem__((row, j), outside))
+    assert report["top1_agreement"] > baseline.MIN_TOP1_AGREEMENT and report["max_logprob_diff"] == 0
+    want = f"row {row}, output {j} (position {t}): A chose {a['output_ids'][row, j]} (log p "
+    assert len(report["failures"]) == 1 and want in report["failures"][0], report["failures"]
+    assert f"B chose {outside}, which is not in A's top-20" in report["failures"][0]
+    report = wrong(lambda out: out.__setitem__((row, slice(j, None)), -1))
+    assert f"row {row}, output {j} (position {t}): B stops, A goes on with token {a['output_ids'][row, j]}" \
+        in report["failures"], report["failures"]
+    report = wrong(lambda out: out.fill(5))
+    judged = [r["divergence_failure"] for r in report["rows"]]
+    assert all(f"row {r}, output " in f for r, f in enumerate(judged)), judged
+    assert not baseline.compare(a, a, max_logprob_diff=0, min_top1_agreement=1, max_accept_diff=0)["failures"]
+
+
+def test_compare_refuses_files_it_cannot_read(planted_dump, tmp_path):
+    """Not a zip, truncated, pickled objects, drafts of another k, more accepted than drafted: each
+    BadInput naming the file; through run.py, one line on stderr and exit status 2."""
+    _, a = planted_dump
+    np.savez(tmp_path / "a.npz", **a)
+    data = (tmp_path / "a.npz").read_bytes()
+    (tmp_path / "truncated.npz").write_bytes(data[:len(data) // 2])
+    (tmp_path / "text.npz").write_text("prompt_ids: [1, 2, 3]\n")
+    np.savez(tmp_path / "pickled.npz", **dict(a, meta=np.array([{"engine": "x"}], dtype=object)))
+    np.savez(tmp_path / "k3.npz", **dict(a, draft_ids=np.concatenate([a["draft_ids"], a["draft_ids"][..., :1]], -1)))
+    over = a["accepted"].copy()
+    over[1, 0] = 3
+    np.savez(tmp_path / "over.npz", **dict(a, accepted=over))
+    cases = {"truncated": "truncated.npz is a truncated or corrupt .npz", "text": "text.npz is not an .npz file",
+             "pickled": r"pickled.npz holds an object \(pickled\) array", "nothere": "nothere.npz: No such file",
+             "k3": "draft_ids: .* k = 2 tokens a cycle, .* k = 3: not runs with the same num_steps",
+             "over": r"over.npz: accepted\[1, 0\] = 3 drafts, more than the k = 2"}
+    for name, message in cases.items():
+        with pytest.raises(run.BadInput, match=message):
+            run.main(["--compare", str(tmp_path / "a.npz"), str(tmp_path / f"{name}.npz")])
+    cli = run_py("--compare", str(tmp_path / "a.npz"), str(tmp_path / "truncated.npz"))
+    assert cli.returncode == 2 and cli.stdout == "", (cli.returncode, cli.stdout)
+    assert cli.stderr.count("\n") == 1 and cli.stderr.startswith("run.py: error: ") and "truncated" in cli.stderr
+
+
+def test_compare_refuses_a_logprob_that_is_not_finite(planted_dump):
+    _, a = planted_dump
+    b = {key: v.copy() for key, v in a.items()}
+    b["topk_logprobs"][0, 2, 3] = np.nan   # NaN compares as "no difference": it must not pass
+    with pytest.raises(ValueError, match=r"B: topk_logprobs\[0, 2, 3\] is not finite"):
+        baseline.compare(a, b)
+
+
+def test_compare_catches_a_draft_that_accepts_less(planted_dump):
+    """The same target outputs (lossless), drafts from a random head instead of the planted ones."""
+    target, a = planted_dump
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 33)
+    b = baseline.dump(target, head, PROMPTS[3], max_new_tokens=16, num_steps=2)
+    report = baseline.compare(a, b)
+    assert np.array_equal(a["output_ids"], b["output_ids"]) and report["max_logprob_diff"] == 0
+    assert report["accept_diff"] > baseline.MAX_ACCEPT_DIFF and "drafts accepted per cycle" in report["failures"][0]
+
+
+def conditioned_tiny(dtype, seed):
+    """The tiny target and a random head as a bf16 checkpoint holds them (weights rounded to bf16),
+    run in `dtype`, with the routed experts' outputs scaled by 0.1: a random MoE is chaotic in bf16
+    (a near-tied routing choice flips and moves the hidden state as much as the whole layer), and
+    the scaling keeps a flip small, so that bf16 against float32 measures the arithmetic."""
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=dtype), seed)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
+    for layer in target.layers[target.args.first_k_dense_replace:]:
+        layer.mlp.experts.down_proj.mul_(0.1)
+    for p in [*target.parameters(), *head.parameters()]:
+        if p.is_floating_point():
+            p.copy_(p.to(torch.bfloat16))
+    return target, head
+
+
+def test_bf16_dump_passes_the_default_thresholds_and_fails_tight_ones():
+    dumps = [baseline.dump(*conditioned_tiny(dtype, 0), PROMPTS[3], max_new_tokens=16, num_steps=2)
+             for dtype in (torch.float32, torch.bfloat16)]
+    report = baseline.compare(*dumps)
+    print(f"\nbf16 against float32: top-1 agreement {report['top1_agreement']:.3f}, max |logprob diff| "
+          f"{report['max_logprob_diff']:.3f}, diverge@ {[r['diverge'] for r in report['rows']]}")
+    assert not report["failures"], report["failures"]
+    tight = baseline.compare(*dumps, max_logprob_diff=1e-3, min_top1_agreement=1.0)
+    assert any("--max-logprob-diff" in f for f in tight["failures"]), tight["failures"]
+
+
+def test_dump_from_the_command_line_and_bad_input(tiny_ckpt, tmp_path):
+    """run.py --dump with a checkpoint, a draft and a prompt file writes what dump() returns."""
+    ckpt, _ = tiny_ckpt
+    target = load_target(ckpt, max_batch_size=3, max_seq_len=32, dtype=torch.float32)
+    save_draft(init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 2), tmp_path / "draft")
+    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(p) for p in PROMPTS[3]) + "\n")
+    flags = ["--model-path", ckpt, "--draft-path", str(tmp_path / "draft"), "--prompt-ids",
+             str(tmp_path / "p.jsonl"), "--max-new-tokens", "12", "--speculative-num-steps", "2",
+             "--dtype", "float32"]
+    run_py(*flags, "--dump", str(tmp_path / "cli.npz"), check=True)
+    cli = baseline.load_dump(tmp_path / "cli.npz")
+    assert json.loads(str(cli["meta"]))["target"] == f"loaded {ckpt}"
+    ref = baseline.dump(target, load_draft(tmp_path / "draft", target), PROMPTS[3], max_new_tokens=12, num_steps=2,
+                   chunk=5)  # the teacher-forced forward in chunks over the cache: the same answers
+    report = baseline.compare(ref, cli, max_logprob_diff=1e-5, min_top1_agreement=1.0, max_accept_diff=0.0)
+    assert not report["failures"] and np.array_equal(ref["draft_ids"], cli["draft_ids"]), report
+    # bad input names the problem
+    with pytest.raises(ValueError, match="prompt row 1 has id 999 at position 2"):
+        baseline.dump(target, None, [[5, 6], [7, 8, 999]], max_new_tokens=4)
+    with pytest.raises(ValueError, match="max_seq_len 32"):
+        baseline.dump(target, None, [[5] * 30], max_new_tokens=4)
+    (tmp_path / "bad.jsonl").write_text("[1, 2]\n{\"ids\": [3]}\n")
+    with pytest.raises(ValueError, match="bad.jsonl line 2: expected a non-empty JSON list"):
+        baseline.read_prompt_ids(tmp_path / "bad.jsonl")
+    bad = run_py(*flags, "--dump", str(tmp_path / "x.npz"), "--temperature", "0.7")
+    assert bad.returncode != 0 and "drop --temperature" in bad.stderr
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing aids: simulated uniform routing, the component table, chunked prefill, kv buckets
+
+def test_uniform_routing_is_balanced_distinct_and_weighted_as_the_model():
+    m = init_random(Transformer(tiny(), 2, 32, dtype=torch.float64, routing="uniform"), 9)
+    router = m.layers[1].mlp.gate
+    assert all(layer.mlp.gate.routing == "uniform" for layer in m.layers[1:])
+    E, K = m.args.n_routed_experts, m.args.num_experts_per_tok
+    for N in (1, 3, 7, 11):  # fewer pairs than experts, and more (7 * 4 = 28 > 16)
+        x = torch.randn(N, m.args.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(N))
+        ids, weights = router(x)
+        assert all(len(set(row)) == K for row in ids.tolist()), f"a token got a repeated expert: {ids.tolist()}"
+        counts = torch.bincount(ids.flatten(), minlength=E)
+        assert counts.max() - counts.min() <= 1, f"uneven spread over experts: {counts.tolist()}"
+        scores = torch.sigmoid(x @ router.weight.T).gather(1, ids)  # the model's weights for those ids
+        expect = scores / scores.sum(-1, keepdim=True) * m.args.routed_scaling_factor
+        assert_close(weights, expect, 1e-12, "uniform routing weights vs the model's normalization")
+    m.set_routing("model")
+    model_ids, _ = router(x)
+    assert not torch.equal(model_ids, ids), "set_routing('model') left the uniform choice in place"
+    with pytest.raises(ValueError, match="routing must be"):
+        m.set_routing("perfect")
+
+
+def test_random_init_int4_is_zero_mean():
+    m = init_random(Transformer(tiny(quantization_config="int4"), 1, 8), 3)
+    q = model.unpack_int4(m.layers[1].mlp.experts.up_proj.weight_packed).double()
+    assert q.min() == -7 and q.max() == 7, "q should be symmetric in [-7, 7]"
+    assert abs(q.mean().item()) < 0.05, f"random INT4 values have mean {q.mean().item():.3f}, not ~0"
+
+
+def test_run_defaults_uniform_routing_for_random_weights_and_model_routing_for_a_checkpoint(tiny_ckpt):
+    ckpt, _ = tiny_ckpt
+    cpu = torch.device("cpu")
+    for argv, want in ((["--random-weights"], "uniform"), (["--model-path", ckpt], "model"),
+                       (["--random-weights", "--routing", "model"], "model"), ([], "model")):  # []: the trained pair
+        args = run.settle(run.parse_args(argv + ["--dtype", "float64"]), cpu, 1)
+        target, _, _ = run.build(args, cpu, torch.float64)
+        routers = {layer.mlp.gate.routing for layer in target.layers if isinstance(layer.mlp, model.MoE)}
+        assert args.routing == want and target.routing == want and routers == {want}, (argv, routers)
+    assert load_target(ckpt, 1, 16).routing == "model"
+
+
+def test_component_table_adds_up_to_the_summed_op_time():
+    """CPU: each op's own time goes to the innermost component around it; the parts must add up to
+    the total counted independently (profiler.key_averages), and every component a forward of this
+    model has must be seen."""
+    m = init_random(Transformer(tiny(), 2, 48, dtype=torch.float32), 10)
+    tokens = torch.randint(0, 256, (2, 20), generator=torch.Generator().manual_seed(10))
+    m(tokens, torch.arange(20).expand(2, 20))
+    for mode in ("extend", "decode"):
+        fn = partial(m, tokens[:, -4:], 20 + torch.arange(4).expand(2, 4), mode, kv_len=24)
+        got = run.profile_components(m, fn, gpu=False, calls=2)
+        parts, total = got["parts_ms"], got["kernel_ms"]
+        assert abs(sum(parts.values()) - total) <= 0.05 * total, f"{mode}: parts {sum(parts.values()):.3f} vs {total:.3f} ms"
+        for c in ("attn_core", "attn_proj", "router", "routed_experts", "shared_mlp", "elementwise", "embed_head"):
+            assert parts[c] > 0, f"{mode}: nothing attributed to {c}: {parts}"
+        assert parts["other"] < 0.1 * total and parts["allreduce"] == 0, parts
+        assert got["kernels"] > 100
+    assert all(not mod._forward_hooks and not mod._forward_pre_hooks for mod in m.modules()), "hooks left behind"
+    assert isinstance(run.scope("router"), contextlib.nullcontext), "a scope outside profiling must cost nothing"
+    assert model.apply_rope.__name__ == "apply_rope" and "project" not in vars(m.layers[0].self_attn)
+
+
+@pytest.mark.gpu
+def test_component_table_adds_up_to_the_summed_kernel_time_on_the_gpu():
+    target, _ = gpu_models()
+    prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
+    target(prefill, prefill_pos)
+    got = run.profile_components(target, partial(target, step, step_pos, "decode", kv_len=16), gpu=True)
+    parts, total = got["parts_ms"], got["kernel_ms"]
+    assert abs(sum(parts.values()) - total) <= 0.05 * total, f"parts {sum(parts.values()):.3f} vs kernels {total:.3f} ms"
+    for c in ("attn_core", "attn_proj", "router", "routed_experts", "shared_mlp", "elementwise", "embed_head"):
+        assert parts[c] > 0, f"no kernel attributed to {c}: {parts}"
+    assert got["kernels"] > 100
+
+
+@pytest.mark.triton
+def test_component_table_puts_the_input_norm_in_qkva_under_the_projections(monkeypatch):
+    """kernels.InputNormInQKVA runs the layer's projections and attention from the layer, outside MLA's
+    own call: run.py's component ranges still put the GEMV with the input add and norm inside it (and
+    the first layer's, with no residual) under the attention projections, and the attention under the
+    attention core (CPU: one decode step of one row, the launches marked by a range of their own)."""
+    device = TRITON_DEVICE
+    m = init_random(Transformer(tiny(num_hidden_layers=2), 1, 24, device=device, dtype=torch.float32), 10)
+    kernels.accelerate(m, ("norm_gemv", "fused_proj", "add_rmsnorm"))
+    tokens = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(10)).to(device)
+    m(tokens, torch.arange(20, device=device).expand(1, 20))
+
+    def marked(*a, **k):
+        with torch.profiler.record_function("norm_gemv" + ("+residual" if "residual" in k else "")):
+            return kernels.norm_gemv(*a, **k)
+    monkeypatch.setattr(kernels.launch, "norm_gemv", marked)
+    with run.component_scopes(m), profile(activities=[ProfilerActivity.CPU]) as prof:
+        m(tokens[:, -1:], torch.tensor([[20]], device=device), "decode", kv_len=24)
+    where = {}
+    for e in prof.events():
+        if e.name.startswith("norm_gemv") or e.name == "aten::softmax":
+            where.setdefault(e.name, set()).add(run.component_at(e))
+    assert where["norm_gemv+residual"] == {"attn_proj"} and where["aten::softmax"] == {"attn_core"}, where
+    assert where["norm_gemv"] == {"attn_proj"}, where                     # q_b, o_proj and layer 0's q_a + kv_a
+
+
+@pytest.mark.triton
+def test_component_table_puts_the_merge_in_w_uv_under_the_projections(monkeypatch):
+    """run.py's component ranges: with the attention kernel and norm_gemv, a one-row decode step merges
+    the attention's parts in W_uv's launch (DecodeAttentionKernel.merge_absorb_output); that launch must
+    sit inside an "attn_proj" range, as absorb_output's does, not in the attention core's."""
+    device = TRITON_DEVICE
+    m = init_random(Transformer(tiny(num_hidden_layers=2), 1, 32, device=device, dtype=torch.float32), 0)
+    kernels.accelerate(m, ("attention", "norm_gemv"))
+    m(torch.arange(8, device=device)[None], torch.arange(8, device=device)[None])
+    stack, seen, launch = [], [], kernels.launch.mla_merge_absorb
+
+    @contextlib.contextmanager
+    def scope(component):
+        stack.append(component)
+        yield
+        stack.pop()
+    monkeypatch.setattr(run, "scope", scope)
+    monkeypatch.setattr(kernels.launch, "mla_merge_absorb", lambda *a: seen.append(stack[-1]) or launch(*a))
+    with run.component_scopes(m):
+        m(torch.tensor([[8]], device=device), torch.tensor([[8]], device=device), "decode")
+    assert seen == ["attn_proj"] * 2, seen
+    assert "merge_absorb_output" not in vars(m.layers[0].self_attn), "the wrapper must be removed after"
+
+
+def test_component_bytes_count_what_a_forward_moves():
+    m = init_random(Transformer(tiny(), 2, 48, dtype=torch.float32), 10)
+    distinct = [5] * (m.args.num_hidden_layers - 1)
+    parts = run.component_bytes(m, distinct, kv_slots=24, batch=2, tokens=3)
+    a = m.args
+    assert parts["routed_experts"] == 7 * 5 * 3 * a.hidden_size * a.moe_intermediate_size * 4
+    assert parts["attn_core"] == 8 * 2 * 24 * (a.kv_lora_rank + a.qk_rope_head_dim) * 4
+    assert parts["embed_head"] == (2 * 3 + a.vocab_size) * a.hidden_size * 4  # looked-up rows + lm_head
+    every = sum(p.numel() * 4 for n, p in m.named_parameters() if ".experts." not in n and "embed_tokens" not in n)
+    assert sum(parts.values()) - parts["routed_experts"] - parts["attn_core"] - 2 * 3 * a.hidden_size * 4 == every
+
+
+@pytest.mark.parametrize("B", [1, 3])
+def test_chunked_prefill_equals_one_pass(B):
+    target = init_random(Transformer(tiny(), 3, 48, dtype=torch.float64), 11)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 12)
+    tokens = torch.randint(0, 256, (B, 23), generator=torch.Generator().manual_seed(B))
+    last = torch.tensor([22, 9, 15][:B])  # rows of different lengths end in different chunks
+    pos = torch.arange(23).expand(B, 23)
+    whole_logits, whole_aux = target(tokens, pos, "extend", capture_aux=True)
+    first, g = head.extend(tokens, pos, whole_aux, last)
+    caches = [t[:B].clone() for layer in target.layers for t in (layer.self_attn.kv_cache, layer.self_attn.pe_cache)]
+    logits, aux = prefill_target(target, tokens, last, capture_aux=True, chunk=5)
+    want = whole_logits.gather(1, last.view(-1, 1, 1).expand(-1, 1, whole_logits.shape[-1])).squeeze(1)
+    assert_close(logits, want, 1e-10, "chunked prefill logits at each row's last position")
+    assert_close(aux, whole_aux, 1e-10, "chunked prefill EAGLE-3 states")
+    again = [t[:B] for layer in target.layers for t in (layer.self_attn.kv_cache, layer.self_attn.pe_cache)]
+    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(again, caches)), "cache differs after chunks"
+    f2, g2 = prefill_draft(head, tokens, aux, last, chunk=5)
+    assert torch.equal(f2, first) and torch.allclose(g2, g, atol=1e-10), "chunked draft extend"
+
+
+def test_kv_bucket_covers_the_positions_with_little_to_spare():
+    prev = 0
+    for n in range(1, 70000, 37):
+        kv = kv_bucket(n, 1 << 20)
+        assert n <= kv <= max(n + 63, n * 1.125) and kv >= prev, (n, kv)
+        prev = kv
+    assert kv_bucket(5000, 4100) == 4100  # never past the cache
+    assert len({kv_bucket(n, 1 << 20) for n in range(4097, 8193)}) == 8  # 8 buckets (graphs) per doubling
+
+
+def test_progress_labels_count_tokens_not_cache_slots():
+    """The progress bar once printed a graph key's last element, the cache bucket, as the token
+    count ("timing verify (extend attention), 320 tokens" for a verify of 4). Keys are GraphKeys
+    now: in generate and in run.py's isolated phases a verify of k+1 tokens reads more cache
+    slots than that, and its label says k+1 tokens, never the slots."""
+    class Recorder:  # CudaGraphs.run's signature, run eager, keeping the keys
+        def __init__(self):
+            self.keys = []
+
+        def run(self, key, fn, *inputs):
+            self.keys.append(key)
+            return fn(*inputs)
+    k, cpu = 3, torch.device("cpu")
+    target = init_random(Transformer(tiny(), 2, 160, dtype=torch.float32), 0)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 1)
+    rec = Recorder()
+    generate(target, head, [list(range(1, 90))] * 2, max_new_tokens=6, num_steps=k, graphs=rec)
+    cfg = run.settle(run.parse_args(["--random-weights", "--context-len", "100", "--speculative-num-steps",
+                                     str(k)]), cpu, 1)
+    isolated = {name: key for name, (key, _, _) in run.phase_calls(run.prepare(cfg, cpu), 100).items()}
+    verifies = [key for key in rec.keys if key.phase == "verify"] + [isolated["verify/prefill"],
+                                                                      isolated["verify/decode"]]
+    assert len(verifies) > 2 and {key.mode for key in verifies} == {"extend", "decode"}
+    for key in verifies:
+        label = run.phase_label(key, graph=True)
+        assert key.tokens == k + 1 and key.slots > k + 1 and f", {k + 1} tokens," in label, (key, label)
+        assert str(key.slots) not in label, (key, label)
+    assert ", 1 token," in run.phase_label(isolated["decode_step"], graph=False)
+    assert f", {k + 1} tokens," in run.phase_label(isolated["draft_extend"], graph=False)
+    assert {key.phase for key in rec.keys} == {"verify", "draft_extend", "draft"}
+
+
+# ---------------------------------------------------------------------------------------------
+# The first hour of a new user: quiet where nothing is news, one line where something is
+
+def test_loading_says_what_it_skips_but_not_t2d(tiny_ckpt, tmp_path, capsys):
+    """Every saved head carries t2d (SGLang's draft-vocabulary mask; d2t says the same): loading it
+    says nothing. A target's MTP layer is news: one line names it."""
+    ckpt, _ = tiny_ckpt
+    target = load_target(ckpt, max_batch_size=1, max_seq_len=8, dtype=torch.float64)
+    save_draft(init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 1), tmp_path / "head")
+    capsys.readouterr()
+    load_draft(tmp_path / "head", target)
+    assert "skipping" not in capsys.readouterr().out
+    edit_checkpoint(ckpt, tmp_path / "mtp", lambda t: t.update({"model.layers.8.mlp.gate.weight": torch.zeros(2)}))
+    load_target(tmp_path / "mtp", max_batch_size=1, max_seq_len=8, dtype=torch.float64)
+    said = [line for line in capsys.readouterr().out.splitlines() if "skipping" in line]
+    assert len(said) == 1 and "MTP" in said[0], said
+
+
+def _settled(flags):
+    return run.settle(run.parse_args(flags.split()), torch.device("cpu"), 1)
+
+
+def test_run_py_refuses_sizes_before_building(monkeypatch, capsys):
+    """check_sizes, before build: caches and weights past the free memory refused in one line that
+    names the flag and the estimate's parts; --topk past the vocabulary refused; positions past
+    max_position_embeddings (256 for tiny) warned once. The estimate's caches are the real ones."""
+    monkeypatch.setattr(run, "build", lambda *a: pytest.fail("a model was built"))
+    with pytest.raises(run.BadInput, match=r"--context-len 10000000, batch 1: needs about \d+\.\d GB of memory \("
+                                           r"KV caches .*\), this machine has \d+\.\d GB free"):
+        run.check_sizes(_settled("--context-len 10000000"), torch.device("cpu"), 1)
+    monkeypatch.setattr(run, "memory_free", lambda device: (10 ** 6, "this machine"))
+    with pytest.raises(run.BadInput, match="--prompt-len 16 \\+ --max-new-tokens 24, batch 1"):
+        run.check_sizes(_settled(""), torch.device("cpu"), 1)
+    monkeypatch.undo()
+    monkeypatch.setattr(run, "build", lambda *a: pytest.fail("a model was built"))
+    cfg = _settled("--random-weights --context-len 8")
+    cfg.dump, cfg.topk = "x.npz", 1000  # as settle_dump leaves them (it reads a prompt file)
+    with pytest.raises(run.BadInput, match=r"--topk 1000: must lie in \[1, the vocabulary's 256 ids\]"):
+        run.check_sizes(cfg, torch.device("cpu"), 1)
+    capsys.readouterr()
+    run.check_sizes(_settled("--random-weights --context-len 300"), torch.device("cpu"), 1)
+    said = capsys.readouterr().out
+    assert said.count("warning: positions reach") == 1 and "max_position_embeddings 256" in said, said
+    run.check_sizes(_settled("--random-weights"), torch.device("cpu"), 1)
+    assert "warning" not in capsys.readouterr().out
+    parts, _ = run.memory_needed(_settled("--random-weights --context-len 100"), torch.device("cpu"), 1)
+    target = Transformer(tiny(), 1, run.cache_slots(_settled("--random-weights --context-len 100")))
+    head = Eagle3Draft(draft_preset("tiny"), target)
+    caches = sum(t.numel() * t.element_size() for m in (target, head) for t in m.buffers())
+    assert parts["KV caches"] == caches, (parts, caches)
+
+
+def test_run_py_cli_interrupt_and_rank_refusals(monkeypatch, capsys):
+    """The entry point: Ctrl-C anywhere is one line on stderr and status 130; a refused flag under
+    torchrun is said by rank 0 alone (status 2; the other ranks exit 0 so that torchrun names one
+    failure), a checkpoint refusal by each rank that meets it, tagged."""
+    def interrupted(argv):
+        raise KeyboardInterrupt
+    monkeypatch.setattr(run, "main", interrupted)
+    assert run.cli([]) == 130
+    assert capsys.readouterr().err == "run.py: interrupted (Ctrl-C); no output file written\n"
+    for rank, said, status in (("0", "run.py: error: --reps 0: must be at least 1\n", 2), ("1", "", 0)):
+        monkeypatch.setenv("RANK", rank)
+        monkeypatch.setenv("WORLD_SIZE", "2")
+        monkeypatch.setattr(run, "main", run.__dict__["parse_args"])
+        assert run.cli(["--reps", "0"]) == status
+        assert capsys.readouterr().err == said, rank
+        assert run.print_refusal(CheckpointError("ckpt: missing")) == 2
+        assert capsys.readouterr().err == f"run.py: error: [rank {rank}] ckpt: missing\n"
+
+
+def said_on(stderr):
+    """stderr without its progress bars (tqdm redraws them after carriage returns)."""
+    return [line for line in stderr.replace("\r", "\n").splitlines()
+            if line.strip() and not any(u in line for u in ("it/s", "s/it", "token/s", "tensor/s", "run/s"))]
+
+
+def test_run_py_cli_refuses_an_output_it_cannot_write():
+    cli = run_py("--json", "/nonexistent/r.json", timeout=300)
+    assert (cli.returncode, cli.stdout) == (2, "") and said_on(cli.stderr) == [
+        "run.py: error: --json /nonexistent/r.json: cannot write there (no folder /nonexistent)"], cli.stderr
+
+
+def test_run_py_cli_refuses_a_size_the_machine_cannot_hold():
+    cli = run_py("--context-len", "10000000", timeout=300)
+    assert (cli.returncode, cli.stdout) == (2, "") and len(said_on(cli.stderr)) == 1, cli.stderr
+    assert said_on(cli.stderr)[0].startswith("run.py: error: --context-len 10000000, batch 1: needs about")
+
+
+def test_run_py_cli_interrupted_says_one_line_and_leaves_no_file(tmp_path):
+    """SIGINT (Ctrl-C) in the middle of a run: exit status 130, one line, no --json file (nor a
+    temporary one)."""
+    err, out = tmp_path / "err.txt", tmp_path / "r.json"
+    with open(err, "w") as f:
+        p = subprocess.Popen([sys.executable, RUN_PY, "--random-weights", "--reps", "100000", "--json", str(out)],
+                             cwd=HERE, env=CPU_ENV, stdout=subprocess.DEVNULL, stderr=f)
+        deadline = time.time() + 120
+        while "timing" not in err.read_text() and time.time() < deadline and p.poll() is None:
+            time.sleep(0.2)
+        p.send_signal(signal.SIGINT)
+        rc = p.wait(timeout=60)
+    assert rc == 130 and said_on(err.read_text()) == ["run.py: interrupted (Ctrl-C); no output file written"], \
+        err.read_text()[-2000:]
+    assert os.listdir(tmp_path) == ["err.txt"]
+
+
+def test_run_py_cli_torchrun_refuses_a_flag_once():
+    """Under torchrun (2 CPU ranks) a refused flag is said once, by rank 0, which alone fails."""
+    out = run_py("--max-new-tokens", "0", ranks=2, env=ONE_THREAD)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("run.py: error:")]
+    assert out.returncode != 0 and errors == ["run.py: error: --max-new-tokens 0: must be at least 1"], out.stderr[-3000:]
+    assert "exitcode  : 2" in out.stderr and "rank      : 1" not in out.stderr, out.stderr[-3000:]

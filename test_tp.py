@@ -1,0 +1,192 @@
+"""Tensor parallelism (tp.py): CPU ranks' threads, the all-reduces (NCCL's and the one-shot over
+torch's symmetric memory), and real TP 2 on two GPUs.
+
+Tests marked `multi_gpu` run under torchrun, each rank the same tests in the same order:
+    torchrun --nproc-per-node 2 -m pytest -q test_tp.py -m multi_gpu
+Elsewhere those skip, saying why; the refusal on gloo and the size rule run on any machine.
+"""
+import json
+import os
+from datetime import timedelta
+from functools import partial
+
+import pytest
+import torch
+import torch.distributed as dist
+
+import checkpoint
+import run
+import tp
+import train
+from checkpoint import init_random, init_random_draft, load_draft
+from draft import draft_preset, Eagle3Draft
+from graphs import CudaGraphs
+from model import Transformer
+from testing import (assert_close, captured_calls, flat, ONE_THREAD, run_py, run_ranks, step_inputs,
+                     tiny)
+from tp import TP
+from verify import generate
+
+
+# ---------------------------------------------------------------------------------------------
+# CPU ranks: threads
+
+def _threads():
+    return torch.get_num_threads()
+
+
+def test_cpu_ranks_share_the_cores(monkeypatch):
+    """A CPU rank takes OMP_NUM_THREADS threads if set, else its share of the cores, not torch's
+    default of all of them (which oversubscribes a small machine many times over); spawned ranks
+    apply it although torch started before the variable was read. run.py times the CPU on one
+    thread unless OMP_NUM_THREADS asks for more."""
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert tp.cpu_threads_per_rank(2) == max(1, os.cpu_count() // 2)
+    monkeypatch.setenv("OMP_NUM_THREADS", "3")
+    assert tp.cpu_threads_per_rank(2) == 3
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert run_ranks(2, _threads) == 1
+    monkeypatch.delenv("OMP_NUM_THREADS")  # a timing run on the CPU: one thread unless asked
+    torch.set_num_threads(2)
+    run.settle(run.parse_args([]), torch.device("cpu"), 1)
+    assert torch.get_num_threads() == 1
+
+
+# ---------------------------------------------------------------------------------------------
+# The all-reduces: the size rule, the refusal on gloo, measured under real TP, and real TP 2
+# on two GPUs (marked multi_gpu)
+
+@pytest.fixture(scope="module")
+def tp_gpu_world():
+    """The NCCL group of the two ranks (a short timeout: a rank that fails must not hang its peer
+    for NCCL's default 10 minutes), and a TP object for each all-reduce."""
+    device = torch.device("cuda", int(os.environ["LOCAL_RANK"]))
+    torch.cuda.set_device(device)
+    if not dist.is_initialized():
+        dist.init_process_group("nccl", timeout=timedelta(seconds=90), device_id=device)
+    return {name: TP.from_env(name) for name in tp.ALLREDUCES}
+
+
+def test_one_shot_fits_small_float_messages():
+    """Decode and verify messages take the one-shot path; prefill-sized ones, dtypes the kernel
+    lacks and sizes off its 16-byte vectors go to NCCL."""
+    fits = partial(tp.one_shot_fits, max_bytes=tp.ONE_SHOT_MAX_BYTES)
+    assert fits(6 * 7168, 2, torch.bfloat16) and fits(64 * 7168, 2, torch.bfloat16)
+    assert fits(1 * 64, 4, torch.float32)
+    assert not fits(74 * 7168, 2, torch.bfloat16)        # 1.06 MB > 1 MiB
+    assert not fits(256 * 7168, 2, torch.bfloat16)       # a prefill
+    assert not fits(64, 8, torch.float64) and not fits(3, 2, torch.bfloat16)
+
+
+def _allreduce_choice_on_gloo():
+    nccl = TP.from_env("nccl")
+    try:
+        TP.from_env("one-shot")
+    except NotImplementedError as e:
+        return nccl.describe(), nccl.one_shot, str(e)
+    return nccl.describe(), nccl.one_shot, None
+
+
+def test_one_shot_allreduce_is_refused_on_gloo():
+    """Symmetric memory needs CUDA GPUs under NCCL: on gloo `TP.from_env("one-shot")`, and so
+    `run.py --allreduce one-shot`, refuse in one line that names what is missing; NCCL's choice
+    (gloo's all-reduce here) still builds."""
+    described, one_shot, refusal = run_ranks(2, _allreduce_choice_on_gloo)
+    assert described == "TP 2, rank 0, gloo all-reduce" and one_shot is None
+    assert refusal and "symmetric memory" in refusal and "gloo on cpu" in refusal, refusal
+    with pytest.raises(ValueError, match="choose from nccl, one-shot"):
+        TP.from_env("ring")
+    out = run_py("--allreduce", "one-shot", "--skip-e2e", "--reps", "1", ranks=2, env=ONE_THREAD)
+    errors = [line for line in out.stderr.splitlines() if line.startswith("run.py: error:")]
+    assert out.returncode != 0 and len(errors) == 1, out.stderr[-2000:]  # the same on every rank: said once
+    assert "run.py: error: one-shot all-reduce: needs torch's symmetric memory" in errors[0]
+
+
+def test_run_py_measures_allreduces_under_real_tp(tmp_path):
+    """A real TP 2 run (gloo) times the all-reduce at 1, 2, 4 and 6 tokens, eager (no graphs on a
+    CPU: the interleaved and back-to-back figures and the simulated twin need them)."""
+    path = tmp_path / "r.json"
+    out = run_py("--skip-e2e", "--reps", "1", "--speculative-attention-mode", "decode", "--json", str(path),
+                 ranks=2, env=ONE_THREAD)
+    assert out.returncode == 0, out.stderr[-2000:]
+    m = json.loads(path.read_text())["allreduce_measured"]
+    assert set(m["us_each"]) == {f"eager/{T}" for T in (1, 2, 4, 6)} and m["per_forward"] == 2 * 8
+    assert all(v > 0 for v in m["us_each"].values()) and m["implementation"] == "TP 2, rank 0, gloo all-reduce"
+    assert "all-reduce, us each, by tokens (TP 2, rank 0, gloo all-reduce):" in out.stdout
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("allreduce", tp.ALLREDUCES)
+def test_tp_gpu_graph_replay_equals_eager_without_host_sync(tp_gpu_world, allreduce):
+    """TP 2 on two GPUs, bf16: every captured shape replays equal to eager, and neither eager nor
+    capture nor replay syncs with the host, with either all-reduce."""
+    tpo = tp_gpu_world[allreduce]
+    assert (tpo.one_shot is not None) == (allreduce == "one-shot") and tpo.world_size == 2
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=64, device="cuda",
+                                     dtype=torch.bfloat16, tp=tpo), 0)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 1)
+    calls, runner, results = captured_calls(target, head), CudaGraphs("cuda"), []
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        for key, fn, inputs in calls:
+            eager = flat(fn(*inputs))
+            runner.run(key, fn, *inputs)                              # capture
+            results.append((key, eager, flat(runner.run(key, fn, *inputs))))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for key, eager, graphed in results:
+        assert_close(graphed, eager, 0.0, f"TP 2 {allreduce}: graph vs eager {key}")
+
+
+@pytest.mark.multi_gpu
+@pytest.mark.parametrize("allreduce", tp.ALLREDUCES)
+def test_tp_gpu_speculative_equals_plain_greedy(tp_gpu_world, allreduce):
+    """The trained pair at TP 2 in float32 with the model's own routing, verify and draft from CUDA
+    graphs: speculative tokens equal plain greedy ones, drafts accepted, in both attention modes."""
+    target = checkpoint.load_target(train.TARGET_DIR, 3, 128, "cuda", torch.float32, tp=tp_gpu_world[allreduce])
+    head = load_draft(train.DRAFT_DIR, target)
+    assert target.routing == "model" and target.tp.world_size == 2
+    prompts = [p[:n] for p, n in zip(train.heldout_prompts(3, 32), (32, 17, 25))]
+    plain = generate(target, None, prompts, max_new_tokens=40, eos_id=-1, use_graphs=True).tokens
+    for mode in ("extend", "decode"):
+        res = generate(target, head, prompts, max_new_tokens=40, num_steps=3, attention_mode=mode,
+                       use_graphs=True, eos_id=-1)
+        assert res.tokens == plain, (allreduce, mode)
+        accepted = res.accepted[res.accepted >= 0].float().mean().item()
+        assert accepted > 0.5, f"{allreduce} {mode}: {accepted:.2f} drafts accepted a cycle"
+
+
+@pytest.mark.multi_gpu
+def test_tp_gpu_one_shot_equals_nccl(tp_gpu_world):
+    """Each rank's own random partial sums: the one-shot sum equals NCCL's within bf16 rounding at
+    1-6 Kimi-sized rows (and exactly in float32), eager and replayed from a graph; a message over
+    the limit goes to NCCL; the tiny model's float32 logits agree."""
+    one, nccl = tp_gpu_world["one-shot"], tp_gpu_world["nccl"]
+    g = torch.Generator("cuda").manual_seed(100 + dist.get_rank())
+    runner, got = CudaGraphs("cuda"), []
+    for T, dtype in [(1, torch.bfloat16), (2, torch.bfloat16), (4, torch.bfloat16), (6, torch.bfloat16),
+                     (4, torch.float32), (80, torch.bfloat16)]:
+        x = torch.randn(1, T, 7168, device="cuda", generator=g).to(dtype)
+        ref = nccl.all_reduce(x.clone())
+        replayed = runner.run(("sum", T, dtype), one.all_reduce, torch.zeros_like(x))  # capture
+        replayed = runner.run(("sum", T, dtype), one.all_reduce, x)
+        got.append((T, dtype, one.one_shot.fits(x), one.all_reduce(x.clone()), replayed, ref))
+    for T, dtype, fits, eager, replayed, ref in got:
+        assert fits == (T < 80), (T, fits)
+        tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=0, atol=0)
+        torch.testing.assert_close(eager, ref, **tol, msg=f"one-shot vs NCCL, {T} rows {dtype}")
+        torch.testing.assert_close(replayed, ref, **tol, msg=f"one-shot in a graph vs NCCL, {T} rows")
+    logits = {}
+    for name, tpo in tp_gpu_world.items():
+        m = init_random(Transformer(tiny(), 3, 32, device="cuda", dtype=torch.float32, tp=tpo), 5)
+        logits[name] = run_steps_cuda(m)
+    assert_close(logits["one-shot"], logits["nccl"], 1e-5, "tiny model at TP 2, one-shot vs NCCL")
+
+
+def run_steps_cuda(m):
+    prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(m.args.vocab_size))
+    outs = [m(prefill, prefill_pos, "extend").logits]
+    for mode in ("extend", "decode"):
+        outs.append(m(step, step_pos, mode).logits)
+    return torch.cat(outs, 1)

@@ -1,0 +1,256 @@
+"""What the test files share: tiny models, closeness, gloo ranks on the CPU, run.py in a subprocess,
+the GPU tests' models and captured calls. Imported after conftest.py has set the environment
+(TRITON_INTERPRET=1 on a machine without CUDA, one thread a process)."""
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from safetensors.torch import load_file, save_file
+
+import checkpoint
+import kernels
+import model
+import tp
+from checkpoint import init_random, init_random_draft, save_target
+from draft import Eagle3Draft, Tree, draft_preset
+from graphs import GraphKey
+from model import Transformer
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+RUN_PY = os.path.join(HERE, "run.py")
+CPU_ENV = dict(os.environ, CUDA_VISIBLE_DEVICES="")  # run.py as a user runs it on the CPU (no GPU)
+ONE_THREAD = dict(CPU_ENV, OMP_NUM_THREADS="1")       # and on one thread, whatever the caller's
+TRITON_DEVICE = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+
+
+# ---------------------------------------------------------------------------------------------
+# run.py in a subprocess, as a user runs it
+
+def run_py(*args, ranks=1, env=CPU_ENV, **kw):
+    """run.py with `args` in a subprocess, as a user runs it (the GPU hidden by default), or under
+    torchrun with `ranks` gloo ranks; its CompletedProcess, output captured as text. kw go to
+    subprocess.run (check, timeout)."""
+    launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
+    return subprocess.run([sys.executable, *(launcher if ranks > 1 else []), RUN_PY, *args],
+                          capture_output=True, text=True, cwd=HERE, env=env, **kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Tiny models and their steps, closeness, gloo ranks on the CPU
+
+def tiny(**kw):
+    return model.preset("tiny", **kw)
+
+
+def assert_close(a, b, atol, what):
+    diff = (a.double() - b.double()).abs().max().item()
+    assert diff <= atol, f"{what}: max abs diff {diff:.3e} > {atol:.1e}"
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _rank_main(rank, world, port, fn, args, out):
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
+                      WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
+    tp.init_distributed("cpu")
+    try:
+        result = fn(*args)
+        if rank == 0:
+            torch.save(result, out)
+    finally:
+        dist.destroy_process_group()
+
+
+def run_ranks(world, fn, *args):
+    """Run fn(*args) on `world` gloo ranks; return rank 0's result."""
+    with tempfile.TemporaryDirectory() as d:
+        out = os.path.join(d, "result.pt")
+        mp.spawn(_rank_main, args=(world, _free_port(), fn, args, out), nprocs=world, join=True)
+        return torch.load(out)
+
+
+def step_inputs(vocab, seed=0):
+    """A 12-token prefill for 3 rows, then a 3-token step with every row at its own position
+    (rows 1 and 2 go back and overwrite slots, as a rejected draft would)."""
+    g = torch.Generator().manual_seed(seed)
+    prefill = torch.randint(0, vocab, (3, 12), generator=g)
+    step = torch.randint(0, vocab, (3, 3), generator=g)
+    step_pos = torch.tensor([[12, 13, 14], [10, 11, 12], [7, 8, 9]])
+    return prefill, torch.arange(12).expand(3, 12), step, step_pos
+
+
+def run_steps(m):
+    """Logits of the prefill and of the step in both attention modes, concatenated along T."""
+    prefill, prefill_pos, step, step_pos = step_inputs(m.args.vocab_size)
+    outs = [m(prefill, prefill_pos, "extend").logits]
+    for mode in ("extend", "decode"):
+        outs.append(m(step, step_pos, mode).logits)
+    return torch.cat(outs, 1)
+
+
+# ---------------------------------------------------------------------------------------------
+# Speculative decoding: prompts, a planted proposer, random trees
+
+PROMPTS = {1: [[11, 12, 13, 14, 15, 16]], 3: [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26, 27, 28, 29], [31, 32, 33, 34, 35, 36, 37]]}
+
+
+class PlantedProposer:
+    """Stands in for an Eagle3Draft in verify.generate (its extend and chain; it keeps Python state,
+    so it runs eager: generate without use_graphs, which would capture it once). Knows the
+    target's greedy sequence `ref` [B, L] (by position) and errs where told: on its c-th chain,
+    row b's first wrong draft is number wrong_at(c, b) (0-based; >= k: all right)."""
+
+    def __init__(self, ref, vocab, wrong_at):
+        self.ref, self.vocab, self.wrong_at, self.calls = ref, vocab, wrong_at, 0
+
+    def extend(self, tokens, positions, hidden, last, kv_len=None):
+        return None, None  # the planted drafts need only the position chain() is given
+
+    def chain(self, first, g, last_pos, num_steps, kv_len=None):
+        """last_pos [B]: the position of the last extend row; draft j (1-based) guesses position
+        last_pos+1+j."""
+        idx = (last_pos.unsqueeze(1) + 1 + torch.arange(1, num_steps + 1)).clamp(max=self.ref.shape[1] - 1)
+        drafts = self.ref.gather(1, idx)
+        first_wrong = torch.tensor([self.wrong_at(self.calls, b) for b in range(len(drafts))])
+        self.calls += 1
+        wrong = torch.arange(num_steps) == first_wrong.unsqueeze(1)
+        return torch.where(wrong, (drafts + 1) % self.vocab, drafts)
+
+
+def reference_sequences(prompts, outputs, length):
+    ref = torch.zeros(len(prompts), length, dtype=torch.int64)
+    for b, (p, o) in enumerate(zip(prompts, outputs)):
+        seq = torch.tensor(p + o)
+        ref[b, :len(seq)] = seq
+    return ref
+
+
+def random_tree(B, N, V, g):
+    """Parents drawn before their children; every token distinct (so siblings' are)."""
+    parents = torch.stack([torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, N)])
+                           for _ in range(B)])
+    tokens = torch.stack([torch.randperm(V, generator=g)[:N] for _ in range(B)])
+    depths = torch.zeros(B, N, dtype=torch.long)
+    for i in range(1, N):
+        depths[:, i] = depths.gather(1, parents[:, i:i + 1]).squeeze(1) + 1
+    return Tree(tokens, parents, depths, torch.zeros(B, N))
+
+
+# ---------------------------------------------------------------------------------------------
+# The GPU tests' models and captured calls
+
+def gpu_models(dtype=torch.bfloat16, B=3, seed=0, quant=None, moe_impl="auto", kernels_on="none"):
+    target = init_random(Transformer(tiny(quantization_config=quant), max_batch_size=B, max_seq_len=64,
+                                     device="cuda", dtype=dtype), seed)
+    kernels.accelerate(target, kernels_on, moe=moe_impl)
+    head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
+    return target, head
+
+
+def captured_calls(target, head, k=3, B=3, P=12):
+    """(key, fn, inputs) for every captured shape, on a prefilled cache."""
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (B, P), generator=g).cuda()
+    _, aux = target(tokens, torch.arange(P, device="cuda").expand(B, P), "extend", capture_aux=True)
+    pos = P + torch.arange(k + 1, device="cuda").expand(B, k + 1)
+    vt = tokens[:, :k + 1]
+    last = torch.tensor([k, 1, 0], device="cuda")[:B]
+    first, gh = head.extend(vt, pos, aux[:, :k + 1], last)
+    return [(GraphKey("decode_step", "decode", B, 1), partial(target, mode="decode"), (vt[:, :1], pos[:, :1])),
+            (GraphKey("verify", "extend", B, k + 1), partial(target, mode="extend", capture_aux=True), (vt, pos)),
+            (GraphKey("verify", "decode", B, k + 1), partial(target, mode="decode", capture_aux=True), (vt, pos)),
+            (GraphKey("draft_extend", None, B, k + 1), head.extend, (vt, pos, aux[:, :k + 1], last)),
+            (GraphKey("draft", None, B, k - 1), partial(head.chain, num_steps=k), (first, gh, pos[:, 0] + last))]
+
+
+def flat(out):
+    return torch.cat([t.double().flatten() for t in (out if isinstance(out, tuple) else (out,)) if t is not None])
+
+
+def eager_without_pdl(fn, *inputs):
+    """fn run eagerly with kernels.py's launches not asking for programmatic dependent launch: a
+    reference in which every kernel starts after the one before it has finished."""
+    kernels.PDL, on = False, kernels.PDL
+    try:
+        return fn(*inputs)
+    finally:
+        kernels.PDL = on
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoints: quantized ones with their dequantized twins, edited ones
+
+def int4_checkpoint(d):
+    """The tiny model with INT4 experts in the Kimi-K2.5 layout (text_config, `language_model.`
+    prefix, a vision tower to skip), sharded; and the same weights dequantized, saved plain."""
+    args = tiny(moe_intermediate_size=64, quantization_config="int4")
+    m = init_random(Transformer(args, max_batch_size=3, max_seq_len=32, dtype=torch.float32), 5)
+    tensors = checkpoint.checkpoint_tensors(m, "language_model.")
+    tensors.update({"vision_tower.patch_embed.proj.weight": torch.zeros(4, 3), "mm_projector.proj.0.weight": torch.zeros(2)})
+    quant, plain = os.path.join(d, "int4"), os.path.join(d, "plain")
+    os.makedirs(quant)
+    checkpoint.write_safetensors(tensors, quant, max_shard_bytes=300_000)
+    with open(os.path.join(quant, "config.json"), "w") as f:
+        json.dump({"architectures": ["KimiK25ForConditionalGeneration"], "vision_config": {},
+                   "text_config": args.to_hf_config()}, f)
+    ref = Transformer(tiny(moe_intermediate_size=64), max_batch_size=3, max_seq_len=32, dtype=torch.float32)
+    for (name, p), (_, q) in zip(ref.named_parameters(), [(n, q) for n, q in m.named_parameters()
+                                                           if not n.endswith("weight_scale")]):
+        p.copy_(m.get_submodule(name.rsplit(".", 1)[0]).weights(name.rsplit(".", 1)[1])
+                if ".mlp.experts." in name else q)
+    save_target(ref, plain)
+    return quant, plain
+
+
+def fp8_checkpoint(d, block=(16, 24)):
+    """The tiny model with every projection FP8 in 16 x 24 blocks (not square, so rows and columns
+    cannot be mixed up; edges partial: 40 rows of kv_a_proj, 64 columns; TP 2 slices that start
+    inside a block along rows, e.g. q_b_proj's 48, and columns, o_proj's 32), and the same weights
+    dequantized here, independently of the loader, saved plain."""
+    m = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), 6)
+    quant, plain = os.path.join(d, "fp8"), os.path.join(d, "plain")
+    save_target(m, plain)
+    tensors, deq = load_file(os.path.join(plain, "model.safetensors")), {}
+    br, bc = block
+    for k in [k for k in tensors if k.endswith("_proj.weight")]:
+        w = tensors[k]
+        rows, cols = -(-w.shape[0] // br), -(-w.shape[1] // bc)
+        padded = torch.zeros(rows * br, cols * bc)
+        padded[:w.shape[0], :w.shape[1]] = w
+        amax = padded.unflatten(0, (rows, br)).unflatten(2, (cols, bc)).abs().amax((1, 3))
+        scale = amax.clamp(min=1e-12) / 448
+        full = scale.repeat_interleave(br, 0).repeat_interleave(bc, 1)[:w.shape[0], :w.shape[1]]
+        tensors[k] = (w / full).to(torch.float8_e4m3fn)
+        tensors[k + "_scale_inv"] = scale
+        deq[k] = tensors[k].float() * full
+    os.makedirs(quant)
+    checkpoint.write_safetensors(tensors, quant, max_shard_bytes=200_000)
+    save_file({**load_file(os.path.join(plain, "model.safetensors")), **deq}, os.path.join(plain, "model.safetensors"))
+    cfg = dict(m.args.to_hf_config(), quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+               "activation_scheme": "dynamic", "weight_block_size": list(block)})
+    with open(os.path.join(quant, "config.json"), "w") as f:
+        json.dump(cfg, f)
+    return quant, plain
+
+
+def edit_checkpoint(src, dst, edit):
+    os.makedirs(dst)
+    tensors = {}
+    for f in sorted(os.listdir(src)):
+        if f.endswith(".safetensors"):
+            tensors.update(load_file(os.path.join(src, f)))
+    edit(tensors)
+    save_file(tensors, os.path.join(dst, "model.safetensors"))
+    with open(os.path.join(src, "config.json")) as f, open(os.path.join(dst, "config.json"), "w") as g:
+        g.write(f.read())
