@@ -4,14 +4,18 @@ Reads a Hugging Face folder (config.json, generation_config.json, model.safetens
 of model.safetensors.index.json) into this rank's model.Transformer or draft.Eagle3Draft, each
 rank reading only its own slices (safetensors get_slice), one tensor at a time; writes the same
 layouts back (TP 1); fills a model with seeded random weights that are the same at any TP.
+Maps a config.json to model.ModelArgs / draft.DraftArgs and back, and holds the presets (the
+random targets run.py builds) and the quantization_config layouts as shipped.
 
-Formats (DESIGN.md, "Checkpoint formats"):
+The formats read and written:
   plain: bf16 / fp16 / fp32, copied into the model's dtype.
   FP8 (Kimi-K2-Instruct, DeepSeek-V3): float8_e4m3fn `weight` times a float32 `weight_scale_inv`
     per block (128 x 128, partial at the edges). The routed experts stay FP8 in memory (this
     rank's slice and the scale blocks over it); every other weight is dequantized per rank slice.
   INT4 (Kimi-K2-Thinking, K2.5; compressed-tensors "pack-quantized", symmetric): the routed
-    experts only, kept packed in memory (`weight_packed`, `weight_scale`, checked `weight_shape`).
+    experts only, kept packed in memory (`weight_packed`, `weight_scale`, checked `weight_shape`);
+    element c of a row sits in word c//8 at bits 4*(c%8)..+3, stored as q + 8 (pack_int4,
+    model.unpack_int4).
   Kimi-K2.5: the text model under `language_model.` and `text_config`; the vision tower skipped.
 
 One table drives every step: checkpoint_table lists (checkpoint name, parameter, expert index)
@@ -19,15 +23,18 @@ and each parameter's `shard_dim` (tp.py) says how the global tensor is split acr
 model.py and draft.py know nothing of this file; it imports them.
 
 Public: load_target, save_target, load_draft, save_draft, init_random, init_random_draft,
-read_target_args, CheckpointError.
+read_target_args, target_args, target_config, draft_args, draft_config, preset, PRESETS,
+fp8_quantization_config, int4_quantization_config, quant_scheme, CheckpointError.
 """
 import json
 import math
 import os
 import re
+import typing
 import zlib
 from collections import Counter
 from contextlib import ExitStack
+from dataclasses import asdict, fields
 
 import torch
 from safetensors import safe_open
@@ -35,7 +42,7 @@ from safetensors.torch import save_file
 from tqdm import tqdm
 
 from draft import DraftArgs, Eagle3Draft, set_target_aux_layers
-from model import ModelArgs, Transformer, eos_union, quant_scheme
+from model import ModelArgs, Transformer, eos_union
 from tp import print0
 
 
@@ -44,8 +51,206 @@ class CheckpointError(ValueError):
 
 
 # ---------------------------------------------------------------------------------------------
-# Config files. model.ModelArgs / draft.DraftArgs map a config dict to their fields; here the
-# files are found and read, and every problem is one error naming the file.
+# Configs: a config.json's keys as model.ModelArgs / draft.DraftArgs (whose fields are those
+# keys) and back, the spellings that differ between transformers versions read as one, and
+# what this model does not implement refused by name
+
+def check_config_types(cls, cfg):
+    """Refuse a config value of the wrong type for a field of the dataclass `cls`, by name
+    ("hidden_size": "abc" would otherwise fail deep inside a constructor). An int may stand for a
+    float, a list of ints for a *token_id (several end-of-sequence ids)."""
+    for f in fields(cls):
+        if f.name not in cfg:
+            continue
+        value, allowed = cfg[f.name], typing.get_args(f.type) or (f.type,)
+        ok = any(type(value) is a or a is float and type(value) is int
+                 or a is dict and isinstance(value, dict) for a in allowed)
+        ok = ok or (f.name.endswith("token_id") and isinstance(value, list)
+                    and all(type(v) is int for v in value))
+        if not ok:
+            names = " or ".join("null" if a is type(None) else a.__name__ for a in allowed)
+            raise ValueError(f"{f.name} = {value!r} is not {names}")
+
+
+def normalize_rope_scaling(rope_scaling):
+    """Both spellings of the scaling kind ("type", "rope_type") as "type"; None stays None."""
+    if not rope_scaling:
+        return None
+    rs = dict(rope_scaling)
+    rs["type"] = rs.pop("rope_type", rs.get("type"))
+    return rs
+
+
+def refuse_unimplemented(cfg):
+    """NotImplementedError naming a config value this model does not implement."""
+    refuse = {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",), "hidden_act": ("silu",),
+              "tie_word_embeddings": (False,), "moe_layer_freq": (1,)}
+    for key, allowed in refuse.items():
+        if key in cfg and cfg[key] not in allowed:
+            raise NotImplementedError(f"config {key} = {cfg[key]!r} is not implemented "
+                                      f"(only {', '.join(map(repr, allowed))})")
+    if cfg.get("rope_scaling") and cfg["rope_scaling"]["type"] != "yarn":
+        raise NotImplementedError(f"rope_scaling type {cfg['rope_scaling']['type']!r} is not "
+                                  "implemented (only yarn or none)")
+
+
+def target_args(top):
+    """A DeepseekV3 / Kimi-K2 / Kimi-K2.5 config.json's contents as ModelArgs (read_target_args
+    reads a checkpoint's: the EOS ids of its generation_config.json added, errors naming the
+    file). Kimi-K2.5 nests the text model under text_config; its EOS ids and those of the outer
+    config are taken together."""
+    cfg = dict(top.get("text_config", top))
+    eos = eos_union(cfg.get("eos_token_id"), top.get("eos_token_id"))
+    if eos:
+        cfg["eos_token_id"] = eos[0] if len(eos) == 1 else eos
+    cfg["quantization_config"] = (cfg.get("quantization_config")
+                                  or top.get("quantization_config"))
+    quant_scheme(cfg["quantization_config"])  # refuses what is not implemented, by name
+    if "rope_parameters" in cfg:  # the newer transformers spelling
+        rp = dict(cfg.pop("rope_parameters"))
+        cfg["rope_theta"] = rp.pop("rope_theta", ModelArgs.rope_theta)
+        kind = rp.pop("rope_type", rp.pop("type", "default"))
+        cfg["rope_scaling"] = None if kind == "default" else dict(rp, type=kind)
+    else:
+        cfg["rope_scaling"] = normalize_rope_scaling(cfg.get("rope_scaling"))
+    refuse_unimplemented(cfg)
+    check_config_types(ModelArgs, cfg)
+    names = {f.name for f in fields(ModelArgs)}
+    return ModelArgs(**{k: v for k, v in cfg.items() if k in names})
+
+
+def target_config(args):
+    """ModelArgs as a DeepseekV3 config.json's contents."""
+    cfg = asdict(args)
+    cfg.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
+    return cfg
+
+
+def draft_args(cfg):
+    """An EAGLE-3 head's config.json's contents as DraftArgs (read_draft_args reads a
+    checkpoint's, errors naming the file)."""
+    arch = cfg.get("architectures") or []
+    if "LlamaForCausalLMEagle3" not in arch:
+        raise ValueError(f"architectures {arch} is not ['LlamaForCausalLMEagle3']")
+    derived = ("head_dim", "num_key_value_heads", "draft_vocab_size")   # null: derive them
+    cfg = {k: v for k, v in cfg.items() if v is not None or k not in derived}
+    check_config_types(DraftArgs, cfg)
+    cfg = dict(cfg, rope_scaling=normalize_rope_scaling(cfg.get("rope_scaling")))
+    heads = cfg.get("num_attention_heads", DraftArgs.num_attention_heads)
+    cfg.setdefault("head_dim", cfg.get("hidden_size", DraftArgs.hidden_size) // heads)
+    cfg.setdefault("num_key_value_heads", heads)
+    vocab = cfg.get("vocab_size", DraftArgs.vocab_size)
+    cfg["draft_vocab_size"] = cfg.get("draft_vocab_size") or vocab
+    names = {f.name for f in fields(DraftArgs)}
+    return DraftArgs(**{k: v for k, v in cfg.items() if k in names})
+
+
+def draft_config(args):
+    """DraftArgs as a SpecForge LlamaForCausalLMEagle3 config.json's contents."""
+    return dict(asdict(args), architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+                num_hidden_layers=1, hidden_act="silu", tie_word_embeddings=False)
+
+
+# ---------------------------------------------------------------------------------------------
+# Quantized experts: what a quantization_config means for the model. FP8 (Kimi-K2-Instruct,
+# DeepSeek-V3): the routed experts stay float8_e4m3fn with float32 block scales; INT4
+# (Kimi-K2-Thinking, K2.5; compressed-tensors "pack-quantized", symmetric): the routed experts
+# stay packed. quant_scheme checks a config against these layouts; ModelArgs.fp8_block and
+# ModelArgs.int4_group_size then read the block or the group from it, which picks the Experts
+# the model builds.
+
+def fp8_quantization_config(block=(128, 128)):
+    """The quantization_config Kimi-K2-Instruct and DeepSeek-V3 ship (FP8 e4m3, 128 x 128
+    blocks)."""
+    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+            "weight_block_size": list(block)}
+
+
+def int4_quantization_config(group_size=32):
+    """The quantization_config Kimi-K2-Thinking / K2.5 ship (routed experts INT4, group 32)."""
+    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
+               "group_size": group_size, "dynamic": False, "actorder": None}
+    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
+            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
+                                          "weights": weights}},
+            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
+                       "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]}
+
+
+def quant_scheme(q):
+    """("fp8", (block rows, block cols)), ("int4", group size) or (None, None) for a config's
+    quantization_config; anything else is refused by name."""
+    if not q:
+        return None, None
+    method = q.get("quant_method")
+    if method == "fp8":
+        block = q.get("weight_block_size")
+        if q.get("fmt", "e4m3") != "e4m3" or not block or len(block) != 2:
+            raise NotImplementedError(f"fp8 with fmt {q.get('fmt')!r}, weight_block_size "
+                                      f"{block!r} is not implemented (only e4m3 with 2-d blocks)")
+        return "fp8", tuple(block)
+    if method != "compressed-tensors":
+        raise NotImplementedError(f"quant_method {method!r} is not implemented (only 'fp8' "
+                                  "block-quantized and 'compressed-tensors' pack-quantized INT4)")
+    ct = "compressed-tensors"
+    if q.get("format") != "pack-quantized":
+        raise NotImplementedError(f"{ct} format {q.get('format')!r} is not implemented "
+                                  "(only 'pack-quantized')")
+    groups = list((q.get("config_groups") or {}).values())
+    if len(groups) != 1:
+        raise NotImplementedError(f"{ct} with {len(groups)} config_groups is not implemented "
+                                  "(only 1)")
+    if groups[0].get("input_activations"):
+        raise NotImplementedError(f"{ct} input_activations quantization is not implemented")
+    w = groups[0].get("weights") or {}
+    for key, want in dict(num_bits=4, type="int", symmetric=True, strategy="group").items():
+        if w.get(key) != want:
+            raise NotImplementedError(f"{ct} weights {key} = {w.get(key)!r} is not implemented "
+                                      f"(only {want!r})")
+    group = w.get("group_size")
+    if not isinstance(group, int) or group <= 0 or group % 8:
+        raise NotImplementedError(f"{ct} group_size {group!r} is not implemented "
+                                  "(a positive multiple of 8, the values per packed word)")
+    return "int4", group
+
+
+# ---------------------------------------------------------------------------------------------
+# Presets: the random targets run.py builds (--preset) and the tests use
+
+PRESETS = {
+    # every feature on at toy size: q_lora, YaRN (mscale != mscale_all_dim), grouped routing,
+    # a shared expert, a first dense layer; vocabulary and heads divisible by 4 for TP 4
+    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
+                 num_hidden_layers=8, num_attention_heads=4, n_shared_experts=1,
+                 n_routed_experts=16, num_experts_per_tok=4, routed_scaling_factor=2.5, n_group=4,
+                 topk_group=2, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
+                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_theta=10000.0,
+                 rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=64,
+                                   beta_fast=32.0, beta_slow=1.0, mscale=0.8, mscale_all_dim=1.0),
+                 rms_norm_eps=1e-6, max_position_embeddings=256, bos_token_id=1, eos_token_id=2),
+    "kimi-k2": {},  # the dataclass defaults are Kimi-K2-Instruct
+    # the same text model as shipped in Kimi-K2-Thinking / K2.5: routed experts INT4, the rest bf16
+    "kimi-k2.5": dict(quantization_config="int4"),
+}
+QUANT_LAYOUTS = {"int4": lambda: int4_quantization_config(),
+                 "fp8": lambda: fp8_quantization_config()}
+
+
+def preset(name, **overrides):
+    """A preset's ModelArgs; quantization_config="int4" / "fp8" stand for
+    int4_quantization_config() / fp8_quantization_config()."""
+    if name not in PRESETS:
+        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
+    kw = {**PRESETS[name], **overrides}
+    if isinstance(kw.get("quantization_config"), str):
+        kw["quantization_config"] = QUANT_LAYOUTS[kw["quantization_config"]]()
+    quant_scheme(kw.get("quantization_config"))  # an override this model does not implement
+    return ModelArgs(**kw)
+
+
+# ---------------------------------------------------------------------------------------------
+# Config files: found and read (target_args / draft_args map their contents), every problem one
+# error naming the file.
 
 def config_file(path):
     """The config.json a path names: the file, or the one in its folder."""
@@ -91,7 +296,7 @@ def read_target_args(path):
     if extra is not None:
         cfg = dict(cfg, eos_token_id=eos_union(cfg.get("eos_token_id"), extra))
     try:
-        return ModelArgs.from_hf_config(cfg)
+        return target_args(cfg)
     except ValueError as e:   # a field of the wrong type
         raise CheckpointError(f"{config_file(path)}: {e}") from None
 
@@ -100,7 +305,7 @@ def read_draft_args(path):
     """DraftArgs of an EAGLE-3 checkpoint's config.json (the file or its folder)."""
     cfg = read_config(path)
     try:
-        return DraftArgs.from_hf_config(cfg)
+        return draft_args(cfg)
     except ValueError as e:   # not an EAGLE-3 head, a field of the wrong type
         raise CheckpointError(f"{config_file(path)}: {e}") from None
 
@@ -280,7 +485,7 @@ def save_target(model, path, max_shard_bytes=None):
     if model.tp.world_size != 1:
         raise ValueError("save_target needs the whole model (TP 1); this rank holds a 1/"
                          f"{model.tp.world_size} shard")
-    cfg = model.args.to_hf_config()
+    cfg = target_config(model.args)
     if model.args.int4_group_size is None and model.args.fp8_block is None:
         cfg.pop("quantization_config")
     write_config(cfg, path)
@@ -324,7 +529,7 @@ def save_draft(draft, path):
     """Write the SpecForge / SGLang layout (config.json + model.safetensors, with t2d). TP 1."""
     if draft.tp.world_size != 1:
         raise ValueError("save_draft needs the whole head (TP 1)")
-    write_config(draft.args.to_hf_config(), path)
+    write_config(draft_config(draft.args), path)
     tensors = {name: p.detach().contiguous().cpu() for name, p, _ in draft_table(draft)}
     t2d = torch.zeros(draft.args.vocab_size, dtype=torch.bool)
     t2d[torch.arange(draft.args.draft_vocab_size) + tensors["d2t"]] = True

@@ -25,20 +25,21 @@ SpecForge's loss). test_equivalence.py checks that the unrolled head is the infe
 Shape legend: B batch, T rows, D draft hidden, Dt target hidden, H local heads, G local kv heads,
 Hd head dim, Vd draft vocab.
 """
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
 import torch.nn as nn
 
-from model import MLP, RMSNorm, check_config_types, config_json, normalize_rope_scaling, rope_tables
+from model import MLP, RMSNorm, rope_tables
 from tp import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear, \
     VocabParallelEmbedding, _param
 
 
 @dataclass
 class DraftArgs:
-    """Fields are the keys of a SpecForge LlamaForCausalLMEagle3 config.json."""
+    """Fields are the keys of a SpecForge LlamaForCausalLMEagle3 config.json (checkpoint.draft_args
+    reads one)."""
     hidden_size: int = 7168
     num_attention_heads: int = 64
     num_key_value_heads: int = 64
@@ -57,30 +58,6 @@ class DraftArgs:
     @property
     def aux_layer_ids(self):
         return (self.eagle_config or {}).get("eagle_aux_hidden_state_layer_ids")
-
-    @classmethod
-    def from_hf_config(cls, path_or_dict):
-        """An EAGLE-3 head's config.json as DraftArgs: a dict, or a file or its folder read as
-        plain JSON (checkpoint.load_draft reads a checkpoint's, errors naming the file)."""
-        cfg = config_json(path_or_dict)
-        arch = cfg.get("architectures") or []
-        if "LlamaForCausalLMEagle3" not in arch:
-            raise ValueError(f"architectures {arch} is not ['LlamaForCausalLMEagle3']")
-        derived = ("head_dim", "num_key_value_heads", "draft_vocab_size")   # null: derive them
-        cfg = {k: v for k, v in cfg.items() if v is not None or k not in derived}
-        check_config_types(cls, cfg)
-        cfg = dict(cfg, rope_scaling=normalize_rope_scaling(cfg.get("rope_scaling")))
-        heads = cfg.get("num_attention_heads", cls.num_attention_heads)
-        cfg.setdefault("head_dim", cfg.get("hidden_size", cls.hidden_size) // heads)
-        cfg.setdefault("num_key_value_heads", heads)
-        vocab = cfg.get("vocab_size", cls.vocab_size)
-        cfg["draft_vocab_size"] = cfg.get("draft_vocab_size") or vocab
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in cfg.items() if k in names})
-
-    def to_hf_config(self):
-        return dict(asdict(self), architectures=["LlamaForCausalLMEagle3"], model_type="llama",
-                    num_hidden_layers=1, hidden_act="silu", tie_word_embeddings=False)
 
 
 DRAFT_PRESETS = {

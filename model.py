@@ -20,11 +20,8 @@ Shape legend: B batch, T new tokens, S cache slots read, D hidden, H local heads
 experts, K experts per token, I local expert intermediate, C kv_lora_rank, R qk_rope_head_dim,
 N = B*T tokens.
 """
-import json
 import math
-import os
-import typing
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import dataclass, field
 from typing import NamedTuple
 
 import torch
@@ -35,68 +32,16 @@ from tp import (TP, ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowP
                 VocabParallelEmbedding, _param)
 
 
-def config_json(path_or_dict):
-    """A config.json as a dict: a dict as it is, else the file (or the config.json in a folder)
-    read as plain JSON. checkpoint.py reads checkpoints' configs, naming the file in its errors."""
-    if isinstance(path_or_dict, dict):
-        return path_or_dict
-    path = os.fspath(path_or_dict)
-    with open(os.path.join(path, "config.json") if os.path.isdir(path) else path) as f:
-        return json.load(f)
-
-
-def check_config_types(cls, cfg):
-    """Refuse a config value of the wrong type for a field of the dataclass `cls`, by name
-    ("hidden_size": "abc" would otherwise fail deep inside a constructor). An int may stand for a
-    float, a list of ints for a *token_id (several end-of-sequence ids)."""
-    for f in fields(cls):
-        if f.name not in cfg:
-            continue
-        value, allowed = cfg[f.name], typing.get_args(f.type) or (f.type,)
-        ok = any(type(value) is a or a is float and type(value) is int
-                 or a is dict and isinstance(value, dict) for a in allowed)
-        ok = ok or (f.name.endswith("token_id") and isinstance(value, list)
-                    and all(type(v) is int for v in value))
-        if not ok:
-            names = " or ".join("null" if a is type(None) else a.__name__ for a in allowed)
-            raise ValueError(f"{f.name} = {value!r} is not {names}")
-
-
-def normalize_rope_scaling(rope_scaling):
-    """Both spellings of the scaling kind ("type", "rope_type") as "type"; None stays None."""
-    if not rope_scaling:
-        return None
-    rs = dict(rope_scaling)
-    rs["type"] = rs.pop("rope_type", rs.get("type"))
-    return rs
-
-
 def eos_union(*values):
     """The ids in values (each an id, a list of ids or None), in order, each once."""
-    ids = []
-    for v in values:
-        for i in [] if v is None else [v] if isinstance(v, int) else v:
-            if i not in ids:
-                ids.append(i)
-    return ids
-
-
-def refuse_unimplemented(cfg):
-    """NotImplementedError naming a config value this model does not implement."""
-    refuse = {"scoring_func": ("sigmoid",), "topk_method": ("noaux_tc",), "hidden_act": ("silu",),
-              "tie_word_embeddings": (False,), "moe_layer_freq": (1,)}
-    for key, allowed in refuse.items():
-        if key in cfg and cfg[key] not in allowed:
-            raise NotImplementedError(f"config {key} = {cfg[key]!r} is not implemented "
-                                      f"(only {', '.join(map(repr, allowed))})")
-    if cfg.get("rope_scaling") and cfg["rope_scaling"]["type"] != "yarn":
-        raise NotImplementedError(f"rope_scaling type {cfg['rope_scaling']['type']!r} is not "
-                                  "implemented (only yarn or none)")
+    ids = [i for v in values for i in ([] if v is None else [v] if isinstance(v, int) else v)]
+    return list(dict.fromkeys(ids))
 
 
 @dataclass
 class ModelArgs:
-    """Fields are the keys of a DeepseekV3 / Kimi-K2 config.json."""
+    """Fields are the keys of a DeepseekV3 / Kimi-K2 config.json; checkpoint.target_args reads
+    one, refusing what this model does not implement (quantization layouts: quant_scheme)."""
     vocab_size: int = 163840
     hidden_size: int = 7168
     intermediate_size: int = 18432
@@ -133,14 +78,17 @@ class ModelArgs:
     @property
     def fp8_block(self):
         """The FP8 (rows, cols) block when the routed experts are kept in FP8, else None."""
-        kind, block = quant_scheme(self.quantization_config)
-        return block if kind == "fp8" else None
+        q = self.quantization_config or {}
+        return tuple(q["weight_block_size"]) if q.get("quant_method") == "fp8" else None
 
     @property
     def int4_group_size(self):
         """The INT4 group size when the routed experts are kept packed, else None."""
-        kind, group = quant_scheme(self.quantization_config)
-        return group if kind == "int4" else None
+        q = self.quantization_config or {}
+        if q.get("quant_method") != "compressed-tensors":
+            return None
+        (group,) = q["config_groups"].values()
+        return group["weights"]["group_size"]
 
     @property
     def eos_token_ids(self):
@@ -171,129 +119,6 @@ class ModelArgs:
         inside [0, L) for toy depths."""
         n = self.num_hidden_layers
         return [min(max(i, 0), n - 1) for i in (1, n // 2 - 1, n - 4)]
-
-    @classmethod
-    def from_hf_config(cls, path_or_dict):
-        """A DeepseekV3 / Kimi-K2 / Kimi-K2.5 config.json as ModelArgs: a dict, or a file or its
-        folder read as plain JSON (checkpoint.read_target_args reads a checkpoint's: the EOS ids
-        of its generation_config.json added, errors naming the file). Kimi-K2.5 nests the text
-        model under text_config; its EOS ids and those of the outer config are taken together."""
-        top = config_json(path_or_dict)
-        cfg = dict(top.get("text_config", top))
-        eos = eos_union(cfg.get("eos_token_id"), top.get("eos_token_id"))
-        if eos:
-            cfg["eos_token_id"] = eos[0] if len(eos) == 1 else eos
-        cfg["quantization_config"] = (cfg.get("quantization_config")
-                                      or top.get("quantization_config"))
-        quant_scheme(cfg["quantization_config"])  # refuses what is not implemented, by name
-        if "rope_parameters" in cfg:  # the newer transformers spelling
-            rp = dict(cfg.pop("rope_parameters"))
-            cfg["rope_theta"] = rp.pop("rope_theta", cls.rope_theta)
-            kind = rp.pop("rope_type", rp.pop("type", "default"))
-            cfg["rope_scaling"] = None if kind == "default" else dict(rp, type=kind)
-        else:
-            cfg["rope_scaling"] = normalize_rope_scaling(cfg.get("rope_scaling"))
-        refuse_unimplemented(cfg)
-        check_config_types(cls, cfg)
-        names = {f.name for f in fields(cls)}
-        return cls(**{k: v for k, v in cfg.items() if k in names})
-
-    def to_hf_config(self):
-        cfg = asdict(self)
-        cfg.update(architectures=["DeepseekV3ForCausalLM"], model_type="deepseek_v3")
-        return cfg
-
-
-PRESETS = {
-    # every feature on at toy size: q_lora, YaRN (mscale != mscale_all_dim), grouped routing,
-    # a shared expert, a first dense layer; vocabulary and heads divisible by 4 for TP 4
-    "tiny": dict(vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=32,
-                 num_hidden_layers=8, num_attention_heads=4, n_shared_experts=1,
-                 n_routed_experts=16, num_experts_per_tok=4, routed_scaling_factor=2.5, n_group=4,
-                 topk_group=2, first_k_dense_replace=1, q_lora_rank=32, kv_lora_rank=32,
-                 qk_nope_head_dim=16, qk_rope_head_dim=8, v_head_dim=16, rope_theta=10000.0,
-                 rope_scaling=dict(type="yarn", factor=4.0, original_max_position_embeddings=64,
-                                   beta_fast=32.0, beta_slow=1.0, mscale=0.8, mscale_all_dim=1.0),
-                 rms_norm_eps=1e-6, max_position_embeddings=256, bos_token_id=1, eos_token_id=2),
-    "kimi-k2": {},  # the dataclass defaults are Kimi-K2-Instruct
-    # the same text model as shipped in Kimi-K2-Thinking / K2.5: routed experts INT4, the rest bf16
-    "kimi-k2.5": dict(quantization_config="int4"),
-}
-QUANT_LAYOUTS = {"int4": lambda: int4_quantization_config(),
-                 "fp8": lambda: fp8_quantization_config()}
-
-
-def preset(name, **overrides):
-    """A preset's ModelArgs; quantization_config="int4" / "fp8" stand for
-    int4_quantization_config() / fp8_quantization_config()."""
-    if name not in PRESETS:
-        raise ValueError(f"unknown preset {name!r}; choose from {sorted(PRESETS)}")
-    kw = {**PRESETS[name], **overrides}
-    if isinstance(kw.get("quantization_config"), str):
-        kw["quantization_config"] = QUANT_LAYOUTS[kw["quantization_config"]]()
-    return ModelArgs(**kw)
-
-
-# ---------------------------------------------------------------------------------------------
-# Quantized experts: what a quantization_config means for the model. FP8 (Kimi-K2-Instruct,
-# DeepSeek-V3): the routed experts stay float8_e4m3fn with float32 block scales; INT4
-# (Kimi-K2-Thinking, K2.5; compressed-tensors "pack-quantized", symmetric): the routed experts
-# stay packed. The config picks which Experts the model builds, so it is read here (checkpoint.py
-# imports model.py, never the reverse); the presets build these layouts too.
-
-def fp8_quantization_config(block=(128, 128)):
-    """The quantization_config Kimi-K2-Instruct and DeepSeek-V3 ship (FP8 e4m3, 128 x 128
-    blocks)."""
-    return {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
-            "weight_block_size": list(block)}
-
-
-def int4_quantization_config(group_size=32):
-    """The quantization_config Kimi-K2-Thinking / K2.5 ship (routed experts INT4, group 32)."""
-    weights = {"num_bits": 4, "type": "int", "symmetric": True, "strategy": "group",
-               "group_size": group_size, "dynamic": False, "actorder": None}
-    return {"quant_method": "compressed-tensors", "format": "pack-quantized",
-            "config_groups": {"group_0": {"targets": ["Linear"], "input_activations": None,
-                                          "weights": weights}},
-            "ignore": ["lm_head", "re:.*self_attn.*", "re:.*shared_experts.*",
-                       "re:.*mlp\\.(gate|up|gate_up|down)_proj.*"]}
-
-
-def quant_scheme(q):
-    """("fp8", (block rows, block cols)), ("int4", group size) or (None, None) for a config's
-    quantization_config; anything else is refused by name."""
-    if not q:
-        return None, None
-    method = q.get("quant_method")
-    if method == "fp8":
-        block = q.get("weight_block_size")
-        if q.get("fmt", "e4m3") != "e4m3" or not block or len(block) != 2:
-            raise NotImplementedError(f"fp8 with fmt {q.get('fmt')!r}, weight_block_size "
-                                      f"{block!r} is not implemented (only e4m3 with 2-d blocks)")
-        return "fp8", tuple(block)
-    if method != "compressed-tensors":
-        raise NotImplementedError(f"quant_method {method!r} is not implemented (only 'fp8' "
-                                  "block-quantized and 'compressed-tensors' pack-quantized INT4)")
-    ct = "compressed-tensors"
-    if q.get("format") != "pack-quantized":
-        raise NotImplementedError(f"{ct} format {q.get('format')!r} is not implemented "
-                                  "(only 'pack-quantized')")
-    groups = list((q.get("config_groups") or {}).values())
-    if len(groups) != 1:
-        raise NotImplementedError(f"{ct} with {len(groups)} config_groups is not implemented "
-                                  "(only 1)")
-    if groups[0].get("input_activations"):
-        raise NotImplementedError(f"{ct} input_activations quantization is not implemented")
-    w = groups[0].get("weights") or {}
-    for key, want in dict(num_bits=4, type="int", symmetric=True, strategy="group").items():
-        if w.get(key) != want:
-            raise NotImplementedError(f"{ct} weights {key} = {w.get(key)!r} is not implemented "
-                                      f"(only {want!r})")
-    group = w.get("group_size")
-    if not isinstance(group, int) or group <= 0 or group % 8:
-        raise NotImplementedError(f"{ct} group_size {group!r} is not implemented "
-                                  "(a positive multiple of 8, the values per packed word)")
-    return "int4", group
 
 
 # ---------------------------------------------------------------------------------------------
@@ -400,10 +225,9 @@ class MLA(nn.Module):
 
     def __init__(self, args, tp, max_batch_size, max_seq_len, device, dtype):
         super().__init__()
-        a = args
-        self.args = a
-        self.n_local_heads = tp.split(a.num_attention_heads, "num_attention_heads")
+        self.args = a = args
         H, heads = a.num_attention_heads, "num_attention_heads"
+        self.n_local_heads = tp.split(H, heads)
         if a.q_lora_rank:
             self.q_a_proj = ReplicatedLinear(a.hidden_size, a.q_lora_rank, device, dtype)
             self.q_a_layernorm = RMSNorm(a.q_lora_rank, a.rms_norm_eps, device, dtype)
@@ -419,20 +243,17 @@ class MLA(nn.Module):
                                               device, dtype)
         self.o_proj = RowParallelLinear(H * a.v_head_dim, a.hidden_size, tp, heads, device=device,
                                         dtype=dtype)
-        cache = dict(device=device, dtype=dtype)
-        self.register_buffer("kv_cache", torch.zeros(max_batch_size, max_seq_len, C, **cache),
-                             persistent=False)
-        self.register_buffer("pe_cache", torch.zeros(max_batch_size, max_seq_len, R, **cache),
-                             persistent=False)
+        for name, width in (("kv_cache", C), ("pe_cache", R)):
+            cache = torch.zeros(max_batch_size, max_seq_len, width, device=device, dtype=dtype)
+            self.register_buffer(name, cache, persistent=False)
 
     def forward(self, x, positions, rope, future, mode, slots=None):
-        """future [B, T, S]: True where a slot lies after the query's position (not written yet,
-        or a rejected draft's), so the query must not see it; S is the number of cache slots read.
-        mode "extend" or "decode": the attention path (attend_extend, attend_absorbed).
-        slots None: the latents go to slot = position and future is causal by position. slots
-        [B, T] (a draft tree's nodes, which share positions): the latents go there and future is
-        any mask (Transformer.forward's `visible`); the attention is then given positions None,
-        so that only the mask decides what a query sees."""
+        """future [B, T, S]: True where a query must not see a slot (after its position: not
+        written yet, or a rejected draft's); S is the number of cache slots read. mode "extend" or
+        "decode": the attention path (attend_extend, attend_absorbed). slots None: the latents go
+        to slot = position. slots [B, T] (a draft tree's nodes, which share positions): they go
+        there, future is any mask (Transformer.forward's `visible`), and the attention is given
+        positions None, so that only the mask decides what a query sees."""
         q, kv_a = self.project(x)                          # [B, T, h*(d+R)], [B, T, C+R]
         return self.attend(q, kv_a, positions, rope, future, mode, slots)
 
@@ -471,8 +292,7 @@ class MLA(nn.Module):
     def kv_b_halves(self):
         """kv_b_proj's weight as its key and value halves per local head: w_uk, w_uv [H, d, C]."""
         a = self.args
-        d = a.qk_nope_head_dim + a.v_head_dim
-        w_kv_b = self.kv_b_proj.weight.view(self.n_local_heads, d, a.kv_lora_rank)
+        w_kv_b = self.kv_b_proj.weight.view(self.n_local_heads, -1, a.kv_lora_rank)
         return w_kv_b.split([a.qk_nope_head_dim, a.v_head_dim], 1)
 
     def attend_extend(self, q_nope, q_pe, kv_c, pe_c, positions, future):
@@ -519,8 +339,7 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, dim, tp, what, reduce, device, dtype)
 
     def forward(self, x):
-        gate, up = self.gate_up(x)
-        return self.down_proj(self.act(gate, up))
+        return self.down_proj(self.act(*self.gate_up(x)))
 
     def gate_up(self, x):
         return self.gate_proj(x), self.up_proj(x)
@@ -595,11 +414,10 @@ class PackedExperts(nn.Module):
 
 
 class Fp8Experts(nn.Module):
-    """One projection of E experts kept in FP8 as shipped: `weight` float8_e4m3fn [E, out, in] (this
-    rank's slice) and `weight_scale_inv` float32 [E, row blocks, col blocks], the checkpoint's
-    block scales over that slice. The slice may start inside a block (block sizes that do not
-    divide the per-rank size): element (r, c) uses block
-    ((r + offset[0]) // br, (c + offset[1]) // bc)."""
+    """One projection of E experts kept in FP8 as shipped: `weight` float8_e4m3fn [E, out, in]
+    (this rank's slice) and `weight_scale_inv` float32 [E, row blocks, col blocks], the
+    checkpoint's block scales over that slice, which may start inside a block: element (r, c)
+    uses block ((r + offset[0]) // br, (c + offset[1]) // bc)."""
 
     def __init__(self, E, out, inp, block, shard_dim, tp, device, dtype):
         super().__init__()
@@ -626,7 +444,6 @@ class Fp8Experts(nn.Module):
         return (w.float() * s).to(self.dtype)
 
 
-
 class Experts(nn.Module):
     """All routed experts of a layer, stacked, each sliced along its intermediate dim across ranks.
     The reference gathers each token's K experts' weights; quantized experts (INT4 packed,
@@ -639,25 +456,21 @@ class Experts(nn.Module):
         inter = tp.split(args.moe_intermediate_size, "moe_intermediate_size")
         self.group, fp8, self.n_experts = args.int4_group_size, args.fp8_block, E
         self.quantized = self.group is not None or fp8 is not None
-        if fp8 is not None:
-            self.gate_proj = Fp8Experts(E, inter, D, fp8, 1, tp, device, dtype)
-            self.up_proj = Fp8Experts(E, inter, D, fp8, 1, tp, device, dtype)
-            self.down_proj = Fp8Experts(E, D, inter, fp8, 2, tp, device, dtype)  # split: input
-            return
-        if self.group is None:
-            self.gate_proj = _param((E, inter, D), 1, device, dtype)
-            self.up_proj = _param((E, inter, D), 1, device, dtype)
-            self.down_proj = _param((E, D, inter), 2, device, dtype)
-            return
         for name, size, why in (("hidden_size", D, "gate_proj and up_proj's input"),
                                 ("moe_intermediate_size per rank", inter,
                                  f"down_proj's input, split across {tp.world_size} ranks")):
-            if size % self.group:
+            if self.group is not None and size % self.group:
                 raise ValueError(f"INT4 experts: {name} = {size} does not fall on whole "
                                  f"{self.group}-element groups ({why})")
-        self.gate_proj = PackedExperts(E, inter, D, self.group, 1, device, dtype)
-        self.up_proj = PackedExperts(E, inter, D, self.group, 1, device, dtype)
-        self.down_proj = PackedExperts(E, D, inter, self.group, 2, device, dtype)  # split: input
+        # [E, out, in] each; gate and up split along their output, down along its input
+        for proj, (out, inp, dim) in dict(gate_proj=(inter, D, 1), up_proj=(inter, D, 1),
+                                          down_proj=(D, inter, 2)).items():
+            if fp8 is not None:
+                setattr(self, proj, Fp8Experts(E, out, inp, fp8, dim, tp, device, dtype))
+            elif self.group is not None:
+                setattr(self, proj, PackedExperts(E, out, inp, self.group, dim, device, dtype))
+            else:
+                setattr(self, proj, _param((E, out, inp), dim, device, dtype))
 
     def weights(self, proj, ids=None):
         """Projection `proj` of experts `ids` (all when None), compute dtype: [..., out, in]."""
@@ -716,10 +529,8 @@ class Block(nn.Module):
         """One pre-norm layer on the residual stream x + residual (residual None: x alone), each
         add done by the norm that reads the sum (RMSNorm.forward). Returns (this layer's MLP
         output, the stream after its attention): their sum is the stream after the layer."""
-        if residual is None:
-            h, residual = self.input_layernorm(x), x
-        else:
-            h, residual = self.input_layernorm(x, residual)
+        h, residual = ((self.input_layernorm(x), x) if residual is None
+                       else self.input_layernorm(x, residual))
         h = self.self_attn(h, positions, rope, future, mode, slots)
         h, residual = self.post_attention_layernorm(h, residual)
         return self.mlp(h), residual
@@ -783,9 +594,8 @@ class Transformer(nn.Module):
     def forward(self, tokens, positions, mode="extend", capture_aux=False, kv_len=None, slots=None,
                 visible=None):
         """tokens, positions: int64 [B, T]. Writes the KV cache at `positions`, then attends to
-        slots <= position over the first kv_len slots (default: all). Returns a TargetOutput:
-        logits [B, T, V] (float32, full vocabulary on every rank) and, with capture_aux, the
-        EAGLE-3 states aux [B, T, 3*D] (the chosen layers' outputs, low to high; else None).
+        slots <= position over the first kv_len slots (default: all). Returns a TargetOutput (with
+        capture_aux, aux holds the chosen layers' outputs, low to high).
         A draft tree (verify.tree_cycle) passes both of: slots [B, T], where to write instead
         (its nodes share positions), and visible [B, T, kv_len] bool, the slots each token sees
         instead (verify.tree_visible: the prefix, its ancestors and itself)."""
@@ -822,7 +632,8 @@ class Transformer(nn.Module):
 
 
 # ---------------------------------------------------------------------------------------------
-# INT4 experts, the reference format (DESIGN.md): the plain paths dequantize inside forward
+# INT4 experts as compressed-tensors "pack-quantized" stores them (checkpoint.py reads and writes
+# that format): the plain paths dequantize inside forward
 
 def unpack_int4(packed):
     """int32 [..., n/8] -> int8 [..., n] in [-8, 7]. Element c sits in word c//8 at bits
