@@ -561,9 +561,9 @@ def benchmark_pdl(run_flags, settings=PDL_SETTINGS, phases=("decode_step", "veri
 
 def _draft_heads(names_list, max_seq_len):
     from draft import Eagle3Draft, draft_preset
-    from checkpoint import init_random_draft
+    from checkpoint import init_random_draft, preset
     from tp import TP
-    args = model.preset("kimi-k2", num_hidden_layers=1)
+    args = preset("kimi-k2", num_hidden_layers=1)
     target = model.Transformer(args, 1, max_seq_len, "cuda", torch.bfloat16, TP.simulate(8))
     torch.nn.init.normal_(target.embed_tokens.weight)    # the head reads the target's embedding
     heads = {}

@@ -175,7 +175,7 @@ def add_model_flags(p):
                    "pair's head on a CPU, or a random head)")
     p.add_argument("--random-weights", action="store_true", help="with the tiny preset: a random target and "
                    "head instead of the trained pair in checkpoints/tiny-stdlib (train.py), the tiny default")
-    p.add_argument("--preset", choices=sorted(model.PRESETS), help="random target to build: kimi-k2 (GPU only), "
+    p.add_argument("--preset", choices=sorted(checkpoint.PRESETS), help="random target to build: kimi-k2 (GPU only), "
                    "kimi-k2.5 (INT4 experts, GPU only), tiny (a toy with every feature; default on CPU)")
     p.add_argument("--simulate-tp", type=int, help="build one SIMULATED rank of TP N (default on one GPU "
                    "with kimi-k2: 8)")
@@ -368,7 +368,7 @@ def check_device_flags(args, device):
             raise BadInput(f"--kernels {','.join(args.kernels) if isinstance(args.kernels, list) else args.kernels}: "
                            f"{e}") from None
     if args.routed_experts is not None and not args.model_path:
-        m = model.preset(args.preset)
+        m = checkpoint.preset(args.preset)
         if not m.num_experts_per_tok <= args.routed_experts <= m.n_routed_experts or args.routed_experts % m.n_group:
             raise BadInput(f"--routed-experts {args.routed_experts}: {args.preset} needs between "
                            f"{m.num_experts_per_tok} (experts per token) and {m.n_routed_experts}, a multiple of "
@@ -394,7 +394,7 @@ def random_target_args(cfg):
     """The preset's ModelArgs with --quant and --routed-experts applied."""
     quant = {None: {}, "none": dict(quantization_config=None), "int4": dict(quantization_config="int4"),
              "fp8": dict(quantization_config="fp8")}
-    margs = model.preset(cfg.preset, **quant[cfg.quant])
+    margs = checkpoint.preset(cfg.preset, **quant[cfg.quant])
     if cfg.routed_experts is not None:
         margs.n_routed_experts = cfg.routed_experts
     return margs
@@ -402,7 +402,7 @@ def random_target_args(cfg):
 
 def random_draft_args(target):
     """A random head's DraftArgs: the tiny one for the tiny target, else Kimi-K2's."""
-    tiny = target.args.hidden_size == model.PRESETS["tiny"]["hidden_size"]
+    tiny = target.args.hidden_size == checkpoint.PRESETS["tiny"]["hidden_size"]
     dargs = draft_preset("tiny" if tiny else "kimi-k2")
     if max(dargs.aux_layer_ids or [0]) >= target.args.num_hidden_layers:  # Kimi's ids, a shallower target
         dargs.eagle_config = None  # EAGLE-3's default layers of this target instead
@@ -424,7 +424,7 @@ def build(args, device, dtype):
     else:
         margs = random_target_args(args)
         if args.routed_experts is not None:
-            tpm.print0(f"memory override: {args.routed_experts} of {model.preset(args.preset).n_routed_experts} "
+            tpm.print0(f"memory override: {args.routed_experts} of {checkpoint.preset(args.preset).n_routed_experts} "
                        "routed experts per layer kept")
         try:
             target = model.Transformer(margs, args.batch_size, max_seq_len, device, dtype, tp, routing=args.routing)

@@ -140,7 +140,7 @@ def test_saved_pair_loads_as_each_ranks_slices(quant, tmp_path):
     TP 2: every rank holds exactly the parameters the seeded init gives that rank (the init is
     the same model at any TP), plain, with INT4 experts (kept packed) and FP8 experts (kept FP8,
     in 16 x 24 blocks, so a rank's slice starts inside a block)."""
-    qc = {None: None, "int4": "int4", "fp8": model.fp8_quantization_config((16, 24))}[quant]
+    qc = {None: None, "int4": "int4", "fp8": checkpoint.fp8_quantization_config((16, 24))}[quant]
     args = tiny(moe_intermediate_size=64, quantization_config=qc)
 
     def pair(tp_):
@@ -278,20 +278,20 @@ def test_world_size_that_does_not_divide_is_named():
 
 
 def test_config_spellings_and_refusals():
-    old = tiny().to_hf_config()
+    old = checkpoint.target_config(tiny())
     new = dict(old)
     rs = dict(new.pop("rope_scaling"))
     rs["rope_type"] = rs.pop("type")
     new["rope_parameters"] = dict(rs, rope_theta=new.pop("rope_theta"))
-    a, b = ModelArgs.from_hf_config(old), ModelArgs.from_hf_config(new)
+    a, b = checkpoint.target_args(old), checkpoint.target_args(new)
     assert a == b and a.softmax_scale == b.softmax_scale and a.is_yarn
-    nested = ModelArgs.from_hf_config({"architectures": ["KimiK25ForConditionalGeneration"], "text_config": old})
+    nested = checkpoint.target_args({"architectures": ["KimiK25ForConditionalGeneration"], "text_config": old})
     assert nested == a
     for key, value in [("scoring_func", "softmax"), ("topk_method", "greedy"), ("hidden_act", "gelu")]:
         with pytest.raises(NotImplementedError, match=f"{key} = '{value}'"):
-            ModelArgs.from_hf_config(dict(old, **{key: value}))
+            checkpoint.target_args(dict(old, **{key: value}))
     with pytest.raises(NotImplementedError, match="rope_scaling type 'linear'"):
-        ModelArgs.from_hf_config(dict(old, rope_scaling={"type": "linear", "factor": 2.0}))
+        checkpoint.target_args(dict(old, rope_scaling={"type": "linear", "factor": 2.0}))
     with tempfile.TemporaryDirectory() as d:
         with open(os.path.join(d, "config.json"), "w") as f:
             json.dump(dict(old, quantization_config={"quant_method": "fp8"}), f)
@@ -314,7 +314,8 @@ def test_yarn_attention_factor_as_hf():
 # the same weights dequantized and saved plain
 
 def test_int4_bit_layout():
-    # DESIGN.md: element c of a row sits in word c//8 at bits 4*(c%8)..+3, stored as q + 8
+    # compressed-tensors pack-quantized (checkpoint.py): element c of a row sits in word c//8 at
+    # bits 4*(c%8)..+3, stored as q + 8
     q = torch.tensor([[-8, -1, 0, 7, 3, -5, 1, 2]])
     nibbles = "A93BF870"   # q + 8 = 0 7 8 15 11 3 9 10, written from element 7 down to element 0
     word = int(nibbles, 16) - 2**32   # the top nibble is >= 8: a negative int32
@@ -570,7 +571,7 @@ def test_speculative_sampling_follows_the_target():
 def test_generation_stops_at_every_eos_id(tmp_path):
     """config.json and generation_config.json each name EOS ids (one or a list); generation stops
     at the first of any of them, as engines do, plain and speculative, wherever it falls in a cycle."""
-    (tmp_path / "config.json").write_text(json.dumps(dict(tiny().to_hf_config(), eos_token_id=[2, 5])))
+    (tmp_path / "config.json").write_text(json.dumps(dict(checkpoint.target_config(tiny()), eos_token_id=[2, 5])))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
     assert checkpoint.read_target_args(tmp_path).eos_token_ids == [2, 5, 9]
     target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=40, dtype=torch.float64), 21)

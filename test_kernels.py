@@ -19,6 +19,7 @@ import torch
 import torch.nn.functional as F
 from torch._dynamo.utils import counters
 
+import checkpoint
 import kernels
 import model
 import tp
@@ -68,12 +69,12 @@ def moe_experts(shape, quant, E, device, dtype, seed=0):
     """One layer's routed experts, random. "tiny": the tiny preset's sizes at TP 2, rank 1 (FP8 in 16x24
     blocks, so a rank's slice of down_proj starts inside a block); "kimi": one rank of Kimi-K2 at TP 8
     (D 7168, I 256, FP8 in 128x128 blocks)."""
-    fp8 = model.fp8_quantization_config((16, 24) if shape == "tiny" else (128, 128))
+    fp8 = checkpoint.fp8_quantization_config((16, 24) if shape == "tiny" else (128, 128))
     qc = {None: None, "int4": "int4", "fp8": fp8}[quant]
     if shape == "tiny":
         args, tp_ = tiny(n_routed_experts=E, num_experts_per_tok=8, moe_intermediate_size=64, quantization_config=qc), TP(1, 2)
     else:
-        args, tp_ = model.preset("kimi-k2", n_routed_experts=E, quantization_config=qc), TP.simulate(8)
+        args, tp_ = checkpoint.preset("kimi-k2", n_routed_experts=E, quantization_config=qc), TP.simulate(8)
     holder = ExpertsHolder(args, tp_, device, dtype)
     return init_random(holder, seed, rank_local=shape != "tiny").experts, args.hidden_size
 
@@ -136,7 +137,7 @@ def test_fused_moe_gemv_fp8_scale_blocks_as_rows():
     """FP8 in 128x128 blocks (Kimi-K2's layout): the GEMV variant reads each k-step as SUB scale blocks
     laid out as tile rows of their own (GEMV_CONFIGS' FP8 entries), one scale per tile row."""
     args = tiny(n_routed_experts=8, num_experts_per_tok=8, hidden_size=256, moe_intermediate_size=512,
-                quantization_config=model.fp8_quantization_config((128, 128)))
+                quantization_config=checkpoint.fp8_quantization_config((128, 128)))
     experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, torch.float32), 0).experts
     ids, w = routing("random", 2, 8, 8, torch.Generator().manual_seed(0), TRITON_DEVICE)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1)).to(TRITON_DEVICE)
@@ -154,7 +155,7 @@ def test_fused_moe_gemv_fp8_takes_a_shared_expert():
     plain MLP, at 1 and 3 tokens (the shared programs run their tokens one after another), with
     blocks that divide the shapes and blocks that do not (masked shared rows and steps)."""
     args = tiny(n_routed_experts=16, num_experts_per_tok=4, hidden_size=256, moe_intermediate_size=96,
-                quantization_config=model.fp8_quantization_config((128, 128)))
+                quantization_config=checkpoint.fp8_quantization_config((128, 128)))
     experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, torch.float32), 0).experts
     D, I, g = 256, experts.gate_proj.weight.shape[1], torch.Generator().manual_seed(0)
     weights = [kernels.expert_weights(getattr(experts, p)) for p in ("gate_proj", "up_proj", "down_proj")]
@@ -202,7 +203,7 @@ def test_fused_moe_gemv_shared_h_made_once(quant, monkeypatch):
     to finish (a shared atomic counter): calls in a row with other tokens (a counter left non-zero would
     make a later call's last program the wrong one) each equal the plain sum, with masked rows and
     without, repeat bitwise, leave the counters zero; more row blocks than counters are refused."""
-    qc = "int4" if quant == "int4" else model.fp8_quantization_config((128, 128))
+    qc = "int4" if quant == "int4" else checkpoint.fp8_quantization_config((128, 128))
     D = 96 if quant == "int4" else 256
     args = tiny(n_routed_experts=16, num_experts_per_tok=4, hidden_size=D, moe_intermediate_size=192,
                 quantization_config=qc)

@@ -46,7 +46,7 @@ def run_py(*args, ranks=1, env=CPU_ENV, **kw):
 # Tiny models and their steps, closeness, gloo ranks on the CPU
 
 def tiny(**kw):
-    return model.preset("tiny", **kw)
+    return checkpoint.preset("tiny", **kw)
 
 
 def assert_close(a, b, atol, what):
@@ -203,7 +203,7 @@ def int4_checkpoint(d):
     checkpoint.write_safetensors(tensors, quant, max_shard_bytes=300_000)
     with open(os.path.join(quant, "config.json"), "w") as f:
         json.dump({"architectures": ["KimiK25ForConditionalGeneration"], "vision_config": {},
-                   "text_config": args.to_hf_config()}, f)
+                   "text_config": checkpoint.target_config(args)}, f)
     ref = Transformer(tiny(moe_intermediate_size=64), max_batch_size=3, max_seq_len=32, dtype=torch.float32)
     for (name, p), (_, q) in zip(ref.named_parameters(), [(n, q) for n, q in m.named_parameters()
                                                            if not n.endswith("weight_scale")]):
@@ -237,7 +237,7 @@ def fp8_checkpoint(d, block=(16, 24)):
     os.makedirs(quant)
     checkpoint.write_safetensors(tensors, quant, max_shard_bytes=200_000)
     save_file({**load_file(os.path.join(plain, "model.safetensors")), **deq}, os.path.join(plain, "model.safetensors"))
-    cfg = dict(m.args.to_hf_config(), quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+    cfg = dict(checkpoint.target_config(m.args), quantization_config={"quant_method": "fp8", "fmt": "e4m3",
                "activation_scheme": "dynamic", "weight_block_size": list(block)})
     with open(os.path.join(quant, "config.json"), "w") as f:
         json.dump(cfg, f)

@@ -162,7 +162,7 @@ def fit(params, cfg, loss_fn, desc, before_step=lambda: None):
 
 
 def train_target(data):
-    args = model.preset("tiny")
+    args = checkpoint.preset("tiny")
     target = model.Transformer(args, TARGET["batch"], SEQ_LEN, dtype=torch.float32)
     checkpoint.init_random(target, TARGET["seed"])
     kernels.accelerate(target, moe="grouped")   # torch._grouped_mm: the experts' fast path on the CPU
