@@ -268,6 +268,48 @@ def test_train_py_writes_elsewhere_and_refuses_the_committed_pair(tmp_path, caps
         assert e.value.code == 2 and words in err[-1] and err[-1].startswith("train.py: error:"), (argv, err)
 
 
+def test_train_py_eval_reads_out_and_refuses_what_cannot_go_together(tmp_path, capsys):
+    """train.py --out X --eval measures the pair in X (bare --eval: the committed pair); --out X
+    --eval Y (two folders), --quick with --eval, and --quick into the committed pair are refused in
+    one line, exit status 2."""
+    pair = tmp_path / "pair"
+    (pair / "target").mkdir(parents=True)
+    assert train.parse_args(["--out", str(pair), "--eval"]).eval == str(pair)
+    assert train.parse_args(["--eval"]).eval == train.PAIR_DIR
+    committed = os.path.join(HERE, "checkpoints", "tiny-stdlib")
+    for argv, words in ((["--out", str(pair), "--eval", str(tmp_path)], "two folders"),
+                        (["--quick", "--eval"], "--eval trains nothing"),
+                        (["--quick", "--out", committed, "--overwrite-committed"], "a poor one")):
+        with pytest.raises(SystemExit) as e:
+            train.parse_args(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and len(err) == 1 and words in err[0], (argv, err)
+        assert err[0].startswith("train.py: error:"), (argv, err)
+
+
+def test_train_py_refusal_and_ctrl_c_as_a_user_meets_them(tmp_path):
+    """Run as a user runs it: a refusal is one line within 120 columns, exit status 2, no
+    traceback. Ctrl-C once --quick has said what it does (its first line): one line, exit status
+    130, no traceback, and the --out folders the run created, holding nothing finished, are gone."""
+    train_py = os.path.join(HERE, "train.py")
+    r = subprocess.run([sys.executable, train_py, "--out", "a", "--eval", "b"], cwd=tmp_path,
+                       env=CPU_ENV, capture_output=True, text=True, timeout=300)
+    err = r.stderr.strip().splitlines()
+    assert r.returncode == 2 and len(err) == 1 and "two folders" in err[0], r.stderr
+    assert len(err[0]) <= 120 and "Traceback" not in r.stderr
+    run = subprocess.Popen([sys.executable, "-u", train_py, "--quick", "--out", "new/pair"],
+                           cwd=tmp_path, env=CPU_ENV, stdout=subprocess.PIPE,
+                           stderr=subprocess.PIPE, text=True)
+    first = run.stdout.readline()
+    run.send_signal(signal.SIGINT)
+    out, err = run.communicate(timeout=300)
+    assert first.startswith("quick try:") and len(first.rstrip("\n")) <= 120, first
+    assert run.returncode == 130 and "Traceback" not in err, (run.returncode, err)
+    last = err.strip().splitlines()[-1]
+    assert last.startswith("train.py: interrupted; nothing finished") and len(last) <= 120, err
+    assert not (tmp_path / "new").exists(), os.listdir(tmp_path)
+
+
 # ---------------------------------------------------------------------------------------------
 # The correctness baseline: run.py --dump and --compare
 

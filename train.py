@@ -2,7 +2,9 @@
 
     python train.py                  # train both (~5 CPU minutes), save them to out/tiny-stdlib, measure
     python train.py --out DIR        # ... save them to DIR instead
+    python train.py --quick          # a quick try of every step (seconds of training; a poor pair)
     python train.py --eval [DIR]     # only measure a saved pair (default the committed one), print it
+    python train.py --out DIR --eval # ... the pair in DIR
     python train.py --out checkpoints/tiny-stdlib --overwrite-committed   # remake the committed pair
 
 Training runs on one CPU thread (--threads): the sums' order then does not depend on the machine,
@@ -31,9 +33,12 @@ import json
 import math
 import os
 import platform
+import shutil
+import signal
 import sys
 import sysconfig
 import tempfile
+import textwrap
 import time
 
 import torch
@@ -68,6 +73,14 @@ TARGET = dict(steps=700, batch=16, lr=1e-2, warmup=30, seed=0)
 DRAFT = dict(steps=350, batch=16, lr=1e-2, warmup=20, seed=1, num_steps=3)
 VOCAB_BATCHES = 16       # batches of training text whose target predictions pick the draft vocabulary
 EVAL = dict(prompt_len=64, max_new_tokens=64, num_steps=3, text_windows=64)
+QUICK = dict(target_steps=20, draft_steps=10, prompts=2, text_windows=16)  # --quick: a short try
+INTERRUPTED = 130        # the exit status of a run stopped by Ctrl-C, as shells give it (128 + 2)
+
+
+def say(text):
+    """Print text in lines of at most 120 columns (continuations indented), at once."""
+    print(textwrap.fill(text, 120, subsequent_indent="  ", break_long_words=False,
+                        break_on_hyphens=False), flush=True)
 
 
 def read_files(names):
@@ -75,7 +88,8 @@ def read_files(names):
     root = sysconfig.get_paths()["stdlib"]
     found = [n for n in names if os.path.isfile(os.path.join(root, n))]
     if len(found) < len(names):
-        print(f"note: not in this Python's stdlib ({root}): {sorted(set(names) - set(found))}")
+        missing = ", ".join(sorted(set(names) - set(found)))
+        say(f"note: not in this Python's stdlib ({root}): {missing}")
     if not found:
         raise FileNotFoundError(f"none of {names} in {root}")
     return {n: open(os.path.join(root, n), "rb").read() for n in found}
@@ -161,25 +175,25 @@ def fit(params, cfg, loss_fn, desc, before_step=lambda: None):
     return history
 
 
-def train_target(data):
+def train_target(data, cfg=TARGET):
     args = checkpoint.preset("tiny")
-    target = model.Transformer(args, TARGET["batch"], SEQ_LEN, dtype=torch.float32)
-    checkpoint.init_random(target, TARGET["seed"])
+    target = model.Transformer(args, cfg["batch"], SEQ_LEN, dtype=torch.float32)
+    checkpoint.init_random(target, cfg["seed"])
     kernels.accelerate(target, moe="grouped")   # torch._grouped_mm: the experts' fast path on the CPU
     for layer in target.layers:  # the router's bias is for balancing (not trained by gradients): start it at 0
         if hasattr(layer.mlp, "gate"):
             layer.mlp.gate.e_score_correction_bias.zero_()
-    positions = torch.arange(SEQ_LEN).expand(TARGET["batch"], SEQ_LEN)
+    positions = torch.arange(SEQ_LEN).expand(cfg["batch"], SEQ_LEN)
 
     def step(opt, gen):
-        x = windows(data, TARGET["batch"], SEQ_LEN + 1, gen)
+        x = windows(data, cfg["batch"], SEQ_LEN + 1, gen)
         logits = target(x[:, :-1], positions).logits
         loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         return loss.item(), ""
-    history = fit(trainable(target), TARGET, step, "target", lambda: detach_caches(target))
+    history = fit(trainable(target), cfg, step, "target", lambda: detach_caches(target))
     for p in target.parameters():
         p.requires_grad_(False)
     detach_caches(target)
@@ -194,20 +208,20 @@ def target_pass(target, tokens):
     return states, logits
 
 
-def train_draft(target, data):
-    gen = torch.Generator().manual_seed(DRAFT["seed"] + 100)
-    predicted = [target_pass(target, windows(data, DRAFT["batch"], SEQ_LEN, gen))[1].argmax(-1)
+def train_draft(target, data, cfg=DRAFT):
+    gen = torch.Generator().manual_seed(cfg["seed"] + 100)
+    predicted = [target_pass(target, windows(data, cfg["batch"], SEQ_LEN, gen))[1].argmax(-1)
                  for _ in range(VOCAB_BATCHES)]
-    head = Eagle3Draft(draft_preset("tiny"), target, max_seq_len=SEQ_LEN + DRAFT["num_steps"])
-    head = checkpoint.init_random_draft(head, DRAFT["seed"])
+    head = Eagle3Draft(draft_preset("tiny"), target, max_seq_len=SEQ_LEN + cfg["num_steps"])
+    head = checkpoint.init_random_draft(head, cfg["seed"])
     head.d2t.copy_(draft_vocab(torch.cat(predicted), head.args.vocab_size, head.args.draft_vocab_size))
 
     def step(opt, gen):
-        tokens = windows(data, DRAFT["batch"], SEQ_LEN, gen)
+        tokens = windows(data, cfg["batch"], SEQ_LEN, gen)
         states, logits = target_pass(target, tokens)
-        loss, agree = train_step(head, opt, tokens, states, logits, DRAFT["num_steps"])
+        loss, agree = train_step(head, opt, tokens, states, logits, cfg["num_steps"])
         return loss, "agree " + " ".join(f"{a:.2f}" for a in agree)
-    history = fit(trainable(head), DRAFT, step, "eagle3 head")
+    history = fit(trainable(head), cfg, step, "eagle3 head")
     for p in head.parameters():
         p.requires_grad_(False)
     return head, history
@@ -220,7 +234,7 @@ def load_pair(max_batch_size=1, max_seq_len=256, dtype=torch.float32, device=Non
     return target, checkpoint.load_draft(os.path.join(folder, "eagle3"), target)
 
 
-def measure(target, head, n_prompts=12):
+def measure(target, head, n_prompts=12, text_windows=EVAL["text_windows"]):
     """Held-out numbers: mean accepted tokens per cycle (bonus included) of greedy speculative
     decoding, equality with plain greedy, and the head's top-1 agreement per step on held-out text."""
     prompts = heldout_prompts(n_prompts, EVAL["prompt_len"])
@@ -231,7 +245,7 @@ def measure(target, head, n_prompts=12):
     text = corpus(HELDOUT_FILES)
     gen = torch.Generator().manual_seed(7)
     agree, bits = [], []
-    for _ in range(EVAL["text_windows"] // 16):
+    for _ in range(text_windows // 16):
         tokens = windows(text, 16, SEQ_LEN, gen)
         states, logits = target_pass(target, tokens)
         with torch.no_grad():
@@ -252,78 +266,169 @@ class Parser(argparse.ArgumentParser):
 
 def parse_args(argv):
     p = Parser(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--out", default=OUT_DIR, help="the folder to write the pair to (target/, eagle3/, "
-                   "recipe.json); default out/tiny-stdlib, not the committed checkpoints/tiny-stdlib")
+    p.add_argument("--out", help="the folder to write the pair to (target/, eagle3/, "
+                   "recipe.json); default out/tiny-stdlib, not the committed "
+                   "checkpoints/tiny-stdlib; with --eval, the pair to measure")
     p.add_argument("--overwrite-committed", action="store_true", help="allow writing into the committed "
                    "pair's folder checkpoints/tiny-stdlib (--out, or --eval's recipe.json)")
-    p.add_argument("--eval", nargs="?", const=PAIR_DIR, metavar="DIR", help="only measure the pair in DIR "
-                   "(default the committed one) and print the numbers; with --overwrite-committed, also "
-                   "write them into its recipe.json")
+    p.add_argument("--eval", nargs="?", const="", metavar="DIR",
+                   help="only measure the pair in DIR (default: --out's folder if given, else the "
+                   "committed one) and print the numbers; with --overwrite-committed, also write "
+                   "them into the committed pair's recipe.json")
+    p.add_argument("--quick", action="store_true", help=f"a quick try of every step: "
+                   f"{QUICK['target_steps']} target and {QUICK['draft_steps']} head training steps "
+                   f"instead of {TARGET['steps']} and {DRAFT['steps']}, measured on "
+                   f"{QUICK['prompts']} prompts; the pair is poor, its numbers no guide")
     p.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1: the committed "
                    "pair is reproduced only with 1; more train faster and make a different pair)")
     args = p.parse_args(argv)
     if args.threads < 1:
         p.error(f"--threads {args.threads}: must be at least 1")
-    committed = os.path.realpath(PAIR_DIR)
-    if args.eval is None and os.path.realpath(args.out) == committed and not args.overwrite_committed:
-        p.error(f"--out {args.out} is the committed pair: training would overwrite it; add "
-                "--overwrite-committed to remake it, or give another folder")
-    if args.eval is not None and not os.path.isdir(os.path.join(args.eval, "target")):
-        p.error(f"--eval {args.eval}: no pair there (no target/ folder; train.py writes one with --out)")
-    if args.eval is None:  # before minutes of training, not after
-        try:
-            os.makedirs(args.out, exist_ok=True)
-            with tempfile.TemporaryFile(dir=args.out):
-                pass
-        except OSError as e:
-            p.error(f"--out {args.out}: cannot write there ({e.strerror})")
+    if args.eval is not None:
+        check_eval(p, args)
+    else:
+        check_out(p, args)
     return args
 
 
+def check_eval(p, args):
+    """--eval's folder: DIR, else --out's, else the committed pair; a pair must be there."""
+    if args.quick:
+        p.error("--quick shortens training; --eval trains nothing (give one of them)")
+    if args.eval and args.out and os.path.realpath(args.eval) != os.path.realpath(args.out):
+        p.error(f"--out {args.out} --eval {args.eval}: two folders; measure one "
+                "(--eval DIR, or --out DIR --eval)")
+    args.eval = args.eval or args.out or PAIR_DIR
+    if not os.path.isdir(os.path.join(args.eval, "target")):
+        p.error(f"--eval {args.eval}: no pair there (no target/ folder; train.py writes one with "
+                "--out)")
+
+
+def check_out(p, args):
+    """--out before minutes of training, not after: not the committed pair (unless allowed, and
+    then not for --quick), and writable. args.created: the outermost folder this run creates
+    (None: none)."""
+    args.out = args.out or OUT_DIR
+    if os.path.realpath(args.out) == os.path.realpath(PAIR_DIR):
+        if not args.overwrite_committed:
+            p.error(f"--out {args.out} is the committed pair; --overwrite-committed remakes it")
+        if args.quick:
+            p.error("--quick would replace the committed pair with a poor one; give another --out")
+    args.created = None
+    path = os.path.abspath(args.out)
+    while not os.path.exists(path):
+        args.created, path = path, os.path.dirname(path)
+    try:
+        os.makedirs(args.out, exist_ok=True)
+        with tempfile.TemporaryFile(dir=args.out):
+            pass
+    except OSError as e:
+        p.error(f"--out {args.out}: cannot write there ({e.strerror})")
+
+
 def main(argv=None):
+    """Train (or with --eval, measure); Ctrl-C ends it in one line with exit status 130."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    if args.eval is not None:  # measure again; into recipe.json beside the training record if allowed
-        target, head = load_pair(max_batch_size=16, folder=args.eval)
-        numbers = measure(target, head)
-        if os.path.realpath(args.eval) != os.path.realpath(PAIR_DIR) or args.overwrite_committed:
-            path = os.path.join(args.eval, "recipe.json")
-            recipe = json.load(open(path)) if os.path.exists(path) else {}
-            write_recipe(dict(recipe, **numbers), args.eval)
+    saved = []   # what the training has finished in args.out, in order
+    try:
+        if args.eval is not None:
+            evaluate(args)
         else:
-            print(json.dumps(numbers, indent=1))
-        return
-    out = args.out
+            train(args, saved)
+    except KeyboardInterrupt:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # a second Ctrl-C: the tidying goes on
+        print(f"train.py: interrupted{tidy(args, saved)}", file=sys.stderr, flush=True)
+        return INTERRUPTED
+    return 0
+
+
+def tidy(args, saved):
+    """After Ctrl-C: the --out folder this run created goes if nothing in it is finished; say so."""
+    if args.eval is not None:
+        return ""
+    if saved:
+        return f"; finished in {args.out}: {', '.join(saved)}"
+    if args.created is not None:
+        shutil.rmtree(args.created, ignore_errors=True)
+        return f"; nothing finished, {args.created} removed"
+    return f"; nothing finished in {args.out}"
+
+
+def evaluate(args):
+    """Measure the pair in args.eval again; into recipe.json beside the training record if
+    allowed."""
+    target, head = load_pair(max_batch_size=16, folder=args.eval)
+    numbers = measure(target, head)
+    if os.path.realpath(args.eval) != os.path.realpath(PAIR_DIR) or args.overwrite_committed:
+        path = os.path.join(args.eval, "recipe.json")
+        recipe = json.load(open(path)) if os.path.exists(path) else {}
+        write_recipe(dict(recipe, **numbers), args.eval)
+    else:
+        show(numbers)
+
+
+def train(args, saved):
+    """Train the target, then the head, each saved as soon as it is trained (`saved` names it),
+    measure the pair and write recipe.json."""
+    out, target_cfg, draft_cfg, eval_kw = args.out, TARGET, DRAFT, {}
+    if args.quick:
+        target_cfg = dict(TARGET, steps=QUICK["target_steps"])
+        draft_cfg = dict(DRAFT, steps=QUICK["draft_steps"])
+        eval_kw = dict(n_prompts=QUICK["prompts"], text_windows=QUICK["text_windows"])
+        say(f"quick try: {target_cfg['steps']} target and {draft_cfg['steps']} head training steps "
+            f"(the real pair: {TARGET['steps']} and {DRAFT['steps']}), measured on "
+            f"{QUICK['prompts']} prompts; a poor pair")
     target_dir, draft_dir = os.path.join(out, "target"), os.path.join(out, "eagle3")
     data = corpus(TRAIN_FILES)
-    print(f"training bytes: {len(data):,} from {len(TRAIN_FILES)} stdlib files of Python {platform.python_version()}"
-          f", {args.threads} thread(s), into {out}")
+    say(f"training bytes: {len(data):,} from {len(TRAIN_FILES)} stdlib files of Python "
+        f"{platform.python_version()}, {args.threads} thread(s), into {out}")
     t0, c0 = time.perf_counter(), time.process_time()
-    target, t_hist = train_target(data)
+    target, t_hist = train_target(data, target_cfg)
     checkpoint.save_target(target, target_dir)
+    saved.append("target/")
     t1, c1 = time.perf_counter(), time.process_time()
-    target = checkpoint.load_target(target_dir, DRAFT["batch"], SEQ_LEN, dtype=torch.float32)
+    target = checkpoint.load_target(target_dir, draft_cfg["batch"], SEQ_LEN, dtype=torch.float32)
     kernels.accelerate(target, moe="grouped")
-    head, d_hist = train_draft(target, data)
+    head, d_hist = train_draft(target, data, draft_cfg)
     checkpoint.save_draft(head, draft_dir)
+    saved.append("eagle3/")
     t2, c2 = time.perf_counter(), time.process_time()
     target, head = load_pair(max_batch_size=16, folder=out)
-    numbers = measure(target, head)
-    recipe = dict(python=platform.python_version(), torch=torch.__version__, machine=platform.machine(),
-                  cpu_threads=torch.get_num_threads(), date=time.strftime("%Y-%m-%d", time.gmtime()),
-                  train_files=TRAIN_FILES, heldout_files=HELDOUT_FILES, train_bytes=len(data),
+    numbers = measure(target, head, **eval_kw)
+    recipe = dict(python=platform.python_version(), torch=torch.__version__,
+                  machine=platform.machine(), cpu_threads=torch.get_num_threads(),
+                  date=time.strftime("%Y-%m-%d", time.gmtime()), train_files=TRAIN_FILES,
+                  heldout_files=HELDOUT_FILES, train_bytes=len(data),
                   train_sha256=hashlib.sha256(data.numpy().tobytes()).hexdigest(), seq_len=SEQ_LEN,
-                  target=TARGET, draft=DRAFT, eval=EVAL, target_train_s=t1 - t0, draft_train_s=t2 - t1,
-                  target_train_cpu_s=c1 - c0, draft_train_cpu_s=c2 - c1, load_average=os.getloadavg(),
-                  target_final_loss=sum(t_hist[-20:]) / 20, draft_final_loss=sum(d_hist[-20:]) / 20, **numbers)
+                  target=target_cfg, draft=draft_cfg, eval=EVAL, target_train_s=t1 - t0,
+                  draft_train_s=t2 - t1, target_train_cpu_s=c1 - c0, draft_train_cpu_s=c2 - c1,
+                  load_average=os.getloadavg(), target_final_loss=mean_last(t_hist),
+                  draft_final_loss=mean_last(d_hist), **numbers)
+    if args.quick:
+        recipe.update(quick=eval_kw)
     write_recipe(recipe, out)
+
+
+def mean_last(history, n=20):
+    """The mean of the last n losses (of all, if fewer)."""
+    return sum(history[-n:]) / len(history[-n:])
 
 
 def write_recipe(recipe, folder):
     with open(os.path.join(folder, "recipe.json"), "w") as f:
         json.dump(recipe, f, indent=1)
-    print(json.dumps({k: v for k, v in recipe.items() if not k.endswith("_files")}, indent=1))
+    show({k: v for k, v in recipe.items() if not k.endswith("_files")})
+
+
+def show(numbers):
+    """The numbers as JSON, one value a line; the sample text (a held-out prompt and the target's
+    greedy continuation) after them as its JSON string, in lines of at most 100 characters."""
+    print(json.dumps({k: v for k, v in numbers.items() if k != "sample"}, indent=1))
+    if "sample" in numbers:
+        text = json.dumps(numbers["sample"])
+        print("sample:\n" + "\n".join("  " + text[i:i + 100] for i in range(0, len(text), 100)))
 
 
 if __name__ == "__main__":
