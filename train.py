@@ -284,21 +284,22 @@ def parse_args(argv):
     args = p.parse_args(argv)
     if args.threads < 1:
         p.error(f"--threads {args.threads}: must be at least 1")
+    out_given, args.out = args.out is not None, args.out or OUT_DIR
     if args.eval is not None:
-        check_eval(p, args)
+        check_eval(p, args, out_given)
     else:
         check_out(p, args)
     return args
 
 
-def check_eval(p, args):
-    """--eval's folder: DIR, else --out's, else the committed pair; a pair must be there."""
+def check_eval(p, args, out_given):
+    """--eval's folder: DIR, else --out's if given, else the committed pair; a pair must be there."""
     if args.quick:
         p.error("--quick shortens training; --eval trains nothing (give one of them)")
-    if args.eval and args.out and os.path.realpath(args.eval) != os.path.realpath(args.out):
+    if args.eval and out_given and os.path.realpath(args.eval) != os.path.realpath(args.out):
         p.error(f"--out {args.out} --eval {args.eval}: two folders; measure one "
                 "(--eval DIR, or --out DIR --eval)")
-    args.eval = args.eval or args.out or PAIR_DIR
+    args.eval = args.eval or (args.out if out_given else PAIR_DIR)
     if not os.path.isdir(os.path.join(args.eval, "target")):
         p.error(f"--eval {args.eval}: no pair there (no target/ folder; train.py writes one with "
                 "--out)")
@@ -308,7 +309,6 @@ def check_out(p, args):
     """--out before minutes of training, not after: not the committed pair (unless allowed, and
     then not for --quick), and writable. args.created: the outermost folder this run creates
     (None: none)."""
-    args.out = args.out or OUT_DIR
     if os.path.realpath(args.out) == os.path.realpath(PAIR_DIR):
         if not args.overwrite_committed:
             p.error(f"--out {args.out} is the committed pair; --overwrite-committed remakes it")
