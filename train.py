@@ -293,7 +293,7 @@ def parse_args(argv):
 
 
 def check_eval(p, args, out_given):
-    """--eval's folder: DIR, else --out's if given, else the committed pair; a pair must be there."""
+    """--eval's folder: DIR, else --out's if given, else the committed pair; it must hold a pair."""
     if args.quick:
         p.error("--quick shortens training; --eval trains nothing (give one of them)")
     if args.eval and out_given and os.path.realpath(args.eval) != os.path.realpath(args.out):
