@@ -35,10 +35,6 @@ import math
 import os
 
 import numpy as np
-import torch
-
-from tp import print0
-from verify import generate
 
 
 # Defaults for --compare, set for bf16 against float32 with room to spare: on the tiny model made
@@ -100,7 +96,6 @@ def read_prompt_ids(path):
     return prompts
 
 
-@torch.no_grad()
 def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
          attention_mode="extend", use_graphs=False, eos_id=None, chunk=256, tree=None):
     """Greedy generation (speculative with `head`, plain with None; tree: (K, N) to draft a tree
@@ -109,43 +104,46 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
 
     The log-probabilities come from a separate teacher-forced extend forward over each row's prompt
     and output, so they do not depend on how generation batched, drafted or graphed its steps."""
-    if max_new_tokens < 1:
-        raise ValueError(f"max_new_tokens {max_new_tokens}: must be at least 1")
-    if not 1 <= topk <= target.args.vocab_size:
-        raise ValueError(f"topk {topk}: must lie in [1, the vocabulary's {target.args.vocab_size} ids]")
-    K, N = tree or (None, None)
-    res = generate(target, head, prompts, max_new_tokens=max_new_tokens, num_steps=num_steps,
-                   attention_mode=attention_mode, use_graphs=use_graphs, eos_id=eos_id, topk=K,
-                   num_draft_tokens=N)
-    B, P, N = len(prompts), max(len(p) for p in prompts), max_new_tokens
-    T = P + N - 1  # the last output token predicts nothing we keep
-    prompt_ids, output_ids = np.full((B, P), -1, np.int64), np.full((B, N), -1, np.int64)
-    seqs = torch.zeros(B, T, dtype=torch.int64)  # past a row's end: zeros, read by no kept position
-    ends = torch.zeros(B, 1, dtype=torch.int64)  # positions < end have a next token in the row
-    for b, (p, out) in enumerate(zip(prompts, res.tokens)):
-        prompt_ids[b, :len(p)], output_ids[b, :len(out)] = p, out
-        seq = (list(p) + out)[:T]
-        seqs[b, :len(seq)] = torch.tensor(seq)
-        ends[b] = len(p) + len(out) - 1
-    seqs = seqs.to(target.device)
-    positions = torch.arange(T, device=target.device).expand(B, T)
-    ids, logprobs = [], []
-    for s in range(0, T, chunk):  # chunks over the cache (slot = position): [B, chunk, V] logits
-        logits, _ = target(seqs[:, s:s + chunk], positions[:, s:s + chunk], "extend")
-        lp, top = torch.log_softmax(logits, -1).topk(topk, -1)  # logits are float32 or wider
-        ids.append(top.cpu())
-        logprobs.append(lp.float().cpu())
-    kept = (torch.arange(T) < ends).unsqueeze(-1)                                # [B, T, 1]
-    out = dict(prompt_ids=prompt_ids, output_ids=output_ids,
-               topk_ids=torch.cat(ids, 1).masked_fill(~kept, -1).numpy(),
-               topk_logprobs=torch.cat(logprobs, 1).masked_fill(~kept, float("nan")).numpy())
-    if head is not None:
-        out["draft_ids"] = res.drafts.transpose(0, 1).numpy()                   # [B, C, k]
-        out["accepted"] = res.accepted.T.numpy()                                 # [B, C]
-    if res.parents is not None:
-        out["draft_parents"] = res.parents.transpose(0, 1).numpy()              # [B, C, N-1]
-        out["accepted_nodes"] = res.paths.transpose(0, 1).numpy()               # [B, C, D]
-    return out
+    import torch  # the model's work: --compare and the command line need numpy only
+    from verify import generate
+    with torch.no_grad():
+        if max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens {max_new_tokens}: must be at least 1")
+        if not 1 <= topk <= target.args.vocab_size:
+            raise ValueError(f"topk {topk}: must lie in [1, the vocabulary's {target.args.vocab_size} ids]")
+        K, N = tree or (None, None)
+        res = generate(target, head, prompts, max_new_tokens=max_new_tokens, num_steps=num_steps,
+                       attention_mode=attention_mode, use_graphs=use_graphs, eos_id=eos_id, topk=K,
+                       num_draft_tokens=N)
+        B, P, N = len(prompts), max(len(p) for p in prompts), max_new_tokens
+        T = P + N - 1  # the last output token predicts nothing we keep
+        prompt_ids, output_ids = np.full((B, P), -1, np.int64), np.full((B, N), -1, np.int64)
+        seqs = torch.zeros(B, T, dtype=torch.int64)  # past a row's end: zeros, read by no kept position
+        ends = torch.zeros(B, 1, dtype=torch.int64)  # positions < end have a next token in the row
+        for b, (p, out) in enumerate(zip(prompts, res.tokens)):
+            prompt_ids[b, :len(p)], output_ids[b, :len(out)] = p, out
+            seq = (list(p) + out)[:T]
+            seqs[b, :len(seq)] = torch.tensor(seq)
+            ends[b] = len(p) + len(out) - 1
+        seqs = seqs.to(target.device)
+        positions = torch.arange(T, device=target.device).expand(B, T)
+        ids, logprobs = [], []
+        for s in range(0, T, chunk):  # chunks over the cache (slot = position): [B, chunk, V] logits
+            logits, _ = target(seqs[:, s:s + chunk], positions[:, s:s + chunk], "extend")
+            lp, top = torch.log_softmax(logits, -1).topk(topk, -1)  # logits are float32 or wider
+            ids.append(top.cpu())
+            logprobs.append(lp.float().cpu())
+        kept = (torch.arange(T) < ends).unsqueeze(-1)                                # [B, T, 1]
+        out = dict(prompt_ids=prompt_ids, output_ids=output_ids,
+                   topk_ids=torch.cat(ids, 1).masked_fill(~kept, -1).numpy(),
+                   topk_logprobs=torch.cat(logprobs, 1).masked_fill(~kept, float("nan")).numpy())
+        if head is not None:
+            out["draft_ids"] = res.drafts.transpose(0, 1).numpy()                   # [B, C, k]
+            out["accepted"] = res.accepted.T.numpy()                                 # [B, C]
+        if res.parents is not None:
+            out["draft_parents"] = res.parents.transpose(0, 1).numpy()              # [B, C, N-1]
+            out["accepted_nodes"] = res.paths.transpose(0, 1).numpy()               # [B, C, D]
+        return out
 
 
 def check_dump(d, name):
@@ -411,6 +409,8 @@ def dump_main(cfg, target, head, how):
     and returns 0. cfg: run.py's settled configuration (its attention_modes: verify's one mode,
     in the model's words); how: what the target is (for the meta array). A request the model
     cannot take raises ValueError."""
+    import torch
+    from tp import print0
     K, N = cfg.speculative_eagle_topk, cfg.speculative_num_draft_tokens
     tree = (K, N) if K > 1 else None
     what = "plain greedy" if head is None else (

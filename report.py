@@ -4,26 +4,21 @@ Timing is a median that keeps its repetitions (its spread, and whether it is noi
 prints, per context length, the isolated phases against their floors and the component table
 (where a decode step's and a verify's time goes); then the end-to-end loops, the cost model,
 memory and collectives; then warnings about figures that cannot be (noise), and the answer in
-words with a verdict on what this run's acceptance means. Everything here reads the result dict
-that run.bench_main builds (the JSON line) and the Bench it ran on; nothing here times anything.
+words with a verdict on what this run's acceptance means. Everything here reads the
+timing.Result that timing.measure returns and the Bench it ran on; as_json turns the Result into
+the --json line. Nothing here times anything.
 """
+import dataclasses
+import json
 import statistics
 import textwrap
 
+import torch
+
+import kernels
+import model
+from components import COMPONENTS, modelled_allreduce
 from verify import simulated_center
-
-
-COMPONENTS = {  # the rows of the component table, in order
-    "attn_core": "attention core (scores, softmax, values, cache write)",
-    "attn_proj": "attention projections (q/kv down, up, o_proj)",
-    "router": "router (scores, selection, weights)",
-    "routed_experts": "routed experts (+ the shared one if in the launch)",
-    "shared_mlp": "shared expert + dense MLP",
-    "elementwise": "norms, residual, RoPE, elementwise",
-    "allreduce": "all-reduce",
-    "embed_head": "embedding + lm_head",
-    "other": "other (mask, RoPE table, aux concat)",
-}
 
 
 class Timing(float):
@@ -54,14 +49,57 @@ NOISY_IQR = 0.25
 NOISE_FLOOR_MS = 0.05
 
 
-def legacy_floors(c, bandwidth):
-    """The first context's floors in ms and GB, as earlier JSONs hold them (None without a GPU)."""
-    if not bandwidth:
-        return None
-    fl = c["floors_ms"]
-    ms = dict(decode_step_ms=fl["decode_step"], verify_ms=next(v for p, v in fl.items() if p.startswith("verify/")),
-              draft_step_ms=fl["draft_step"], draft_extend_ms=fl["draft_extend"])
-    return dict(bandwidth_GBps=bandwidth, **ms, **{n.replace("_ms", "_GB"): v * bandwidth / 1e3 for n, v in ms.items()})
+def as_json(x):
+    """A result as the --json line holds it: a dataclass as a dict of its fields (a field marked
+    OMIT_NONE left out while None), dicts and lists walked, Timings kept (JSON writes a Timing as
+    its median)."""
+    if dataclasses.is_dataclass(x) and not isinstance(x, type):
+        return {f.name: as_json(getattr(x, f.name)) for f in dataclasses.fields(x)
+                if getattr(x, f.name) is not None or not f.metadata.get("omit_none")}
+    if isinstance(x, dict):
+        return {k: as_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [as_json(v) for v in x]
+    return x
+
+
+def json_line(r):
+    return json.dumps(as_json(r)) + "\n"
+
+
+def header(b):
+    """The run's first line (wrapped): the target, its TP, dtype, MoE path, kernels and routing;
+    the batch and lengths; the device; what is SIMULATED or MODELLED."""
+    t, a = b.target, b.cfg
+    group, fp8 = t.args.int4_group_size, t.args.fp8_block
+    quant_note = (f" (routed experts INT4, group {group})" if group else
+                  f" (routed experts FP8 e4m3, {fp8[0]}x{fp8[1]} blocks)" if fp8 else "")
+    routing = ("routing SIMULATED uniform" if t.routing == "uniform"
+               else "routing: the model's router")
+    ar = modelled_allreduce(b)
+    head_kernels = (f" (the head's: {','.join(b.head.kernels) or 'none'})" if b.head is not None
+                    else "")
+    device = (torch.cuda.get_device_name(t.device) if b.gpu
+              else f"CPU, {torch.get_num_threads()} thread(s)")
+    text = (f"target: {b.how}, {t.args.num_hidden_layers} layers, {t.args.n_routed_experts} routed "
+            f"experts, {t.tp.describe()}, {a.dtype}{quant_note}, moe {moe_note(t)}, kernels "
+            f"{','.join(t.kernels) or 'none'}{head_kernels}, {routing} | batch {a.batch_size}, "
+            f"prompt {a.prompt_len}, cached {'/'.join(map(str, a.context_len))} (isolated "
+            f"phases), num_steps {b.k} | {device}, torch {torch.__version__}"
+            + (" | acceptance SIMULATED" if a.simulate_accept_len is not None else "")
+            + (f" | all-reduces MODELLED at {ar.us_each:g} us" if ar else ""))
+    return wrap(text, "", "  ")
+
+
+def moe_note(t):
+    """Which MoE path runs: with "fused", for which token counts."""
+    experts = next((layer.mlp.experts for layer in t.layers if isinstance(layer.mlp, model.MoE)),
+                   None)
+    if t.moe_impl != "fused" or experts is None:
+        return t.moe_impl
+    grouped_above = kernels.grouped_mm_available(t.device, t.dtype) and not experts.quantized
+    return "fused Triton kernel" + (f" (grouped above {experts.FUSED_MAX_TOKENS} tokens)"
+                                    if grouped_above else "")
 
 
 def answer(r, b):
@@ -69,11 +107,11 @@ def answer(r, b):
     (variant, model_mode), k, ctx = b.best, b.k, b.cfg.context_len[0]
     name = b.verify_name(model_mode)  # "verify/prefill" or "verify/decode", as the tables say
     mode = name.split("/")[1]
-    c, ar = r["contexts"][ctx], (r["allreduce_modelled"] or {}).get("target_forward_ms", 0.0)
-    dec, ver = c["phases_ms"][f"decode_step/{variant}"] + ar, c["phases_ms"][f"{name}/{variant}"] + ar
-    d, v = (c["components"][p] for p in ("decode_step", name))
-    extra = sorted(((v["parts_ms"][n] - d["parts_ms"][n], n) for n in COMPONENTS), reverse=True)
-    more, top = v["kernel_ms"] - d["kernel_ms"], []
+    c, ar = r.contexts[ctx], (r.allreduce_modelled.target_forward_ms if r.allreduce_modelled else 0.0)
+    dec, ver = c.phases_ms[f"decode_step/{variant}"] + ar, c.phases_ms[f"{name}/{variant}"] + ar
+    d, v = (c.components[p] for p in ("decode_step", name))
+    extra = sorted(((v.parts_ms[n] - d.parts_ms[n], n) for n in COMPONENTS), reverse=True)
+    more, top = v.kernel_ms - d.kernel_ms, []
     for x, n in extra[:3]:  # the largest parts of the extra kernel time, until they make 60% of it
         if x <= 0 or top and sum(y for y, _ in top) >= 0.6 * more:
             break
@@ -85,24 +123,24 @@ def answer(r, b):
                 else ".")]
     gaps = (ver - dec) - more
     if more > 0 and top:
-        lines.append(f"Its {unit} take {more:.2f} ms more ({v['kernel_ms']:.2f} vs {d['kernel_ms']:.2f} ms summed), "
+        lines.append(f"Its {unit} take {more:.2f} ms more ({v.kernel_ms:.2f} vs {d.kernel_ms:.2f} ms summed), "
                      "mostly " + ", ".join(f"{COMPONENTS[n]} +{x:.2f} ms" for x, n in top) + "; " + (
                          f"launches and gaps {'inside the graph' if variant == 'graph' else 'between ops'} make "
                          f"the other {gaps:+.2f} ms." if gaps >= 0 else
                          f"yet the timed runs differ by only {ver - dec:.2f} ms (the profiled run and the timed "
                          "ones disagree: noise, or ops that overlap)."))
     else:
-        lines.append(f"Its {unit} take no longer ({v['kernel_ms']:.2f} vs {d['kernel_ms']:.2f} ms summed): the "
+        lines.append(f"Its {unit} take no longer ({v.kernel_ms:.2f} vs {d.kernel_ms:.2f} ms summed): the "
                      "difference is launches and gaps.")
-    cm = r["cost_model"]["steps"].get(k)
+    cm = r.cost_model.steps.get(k)
     if cm:
-        at2 = 2 * r["cost_model"]["plain_step_ms"] / cm["cycle_ms"]
-        be = cm["break_even_accept_len"]
+        at2 = 2 * r.cost_model.plain_step_ms / cm.cycle_ms
+        be = cm.break_even_accept_len
         pays = (f"pays above {be:.2f} accepted tokens per cycle" if 1 <= be <= k + 1 else
                 f"cannot pay here ({be:.2f} plain steps a cycle; a cycle accepts at most {k + 1} tokens)"
                 if be > k + 1 else f"looks cheaper than the plain step it contains ({be:.2f}), which cannot be: noise")
-        lines += [f"EAGLE-3 with num_steps {k} {pays} (bonus included: a {cm['cycle_ms']:.2f} ms cycle against a "
-                  f"{r['cost_model']['plain_step_ms']:.2f} ms plain step).",
+        lines += [f"EAGLE-3 with num_steps {k} {pays} (bonus included: a {cm.cycle_ms:.2f} ms cycle against a "
+                  f"{r.cost_model.plain_step_ms:.2f} ms plain step).",
                   f"At the README story's ~2 tokens per cycle it would give {at2:.2f}x"
                   + (" (slower than plain decoding)." if at2 < 1 else ".")]
     lines += tree_answer(r)
@@ -116,14 +154,14 @@ def answer(r, b):
 
 
 def print_phases(r, ctx, c):
-    bw = r["bandwidth_GBps"]
+    bw = r.bandwidth_GBps
     print("\n" + wrap(f"phase times at {ctx} cached tokens, isolated (ms: median [min lower-upper quartile max] of "
-                      f"{r['env']['config']['reps']} repetitions" + (
+                      f"{r.env.config['reps']} repetitions" + (
                           f"; x floor: bytes that must move / {bw:.0f} GB/s measured" if bw else
                           "; floors need a GPU") + ")", "", ""))
-    for name, ms in c["phases_ms"].items():
+    for name, ms in c.phases_ms.items():
         phase = name.rsplit("/", 1)[0] if "/" in name else name
-        floor, experts = c["floors_ms"].get(phase), c["distinct_experts"].get(phase)
+        floor, experts = c.floors_ms.get(phase), c.distinct_experts.get(phase)
         print(f"  {name:30s} {ms:9.3f} {fmt_spread(ms):34s}" + (f"   {ms / floor:5.1f}x floor {floor:.3f}" if floor else "")
               + (f"   {experts:5.1f} distinct experts per MoE layer" if experts is not None else ""))
 
@@ -133,13 +171,13 @@ LABEL, W = 54, 9  # the component table's label and column widths
 
 def print_components(r, ctx, c, b):
     """Rows: components, then totals; columns: each target phase and its floor, verify - decode."""
-    comps, bw = c["components"], r["bandwidth_GBps"]
+    comps, bw = c.components, r.bandwidth_GBps
     verifies = [p for p in comps if p.startswith("verify/")]
     variant = b.best[0]
     unit, floor = ("kernel", "floor ms") if b.gpu else ("CPU op", "floor MB")
 
     def floor_of(phase, n):
-        nbytes = c["bytes"][phase][n] if n else sum(c["bytes"][phase].values())
+        nbytes = c.bytes[phase][n] if n else sum(c.bytes[phase].values())
         return nbytes / bw / 1e6 if bw else nbytes / 1e6
     modes = [p.split("/")[1] for p in verifies]   # a tree's, "decode tree", shortened to fit W
     modes = [m if len(m) < W else m.replace("prefill", "pre").replace("decode", "dec") for m in modes]
@@ -155,33 +193,33 @@ def print_components(r, ctx, c, b):
                                           for x in values))
     dec = comps["decode_step"]
     for n, label in COMPONENTS.items():
-        d = dec["parts_ms"][n]
-        row(label, [d, floor_of("decode_step", n)] + [comps[p]["parts_ms"][n] for p in verifies]
-            + [floor_of(verifies[0], n)] + [comps[p]["parts_ms"][n] - d for p in verifies])
-    totals = {p: c["phases_ms"][f"{p}/{variant}"] for p in comps}
-    row(f"summed {unit} time", [dec["kernel_ms"], floor_of("decode_step", None)] + [comps[p]["kernel_ms"] for p in verifies]
-        + [floor_of(verifies[0], None)] + [comps[p]["kernel_ms"] - dec["kernel_ms"] for p in verifies])
+        d = dec.parts_ms[n]
+        row(label, [d, floor_of("decode_step", n)] + [comps[p].parts_ms[n] for p in verifies]
+            + [floor_of(verifies[0], n)] + [comps[p].parts_ms[n] - d for p in verifies])
+    totals = {p: c.phases_ms[f"{p}/{variant}"] for p in comps}
+    row(f"summed {unit} time", [dec.kernel_ms, floor_of("decode_step", None)] + [comps[p].kernel_ms for p in verifies]
+        + [floor_of(verifies[0], None)] + [comps[p].kernel_ms - dec.kernel_ms for p in verifies])
     row(f"{'captured' if variant == 'graph' else 'eager'} total (median)", [totals["decode_step"], ""]
         + [totals[p] for p in verifies] + [""] + [totals[p] - totals["decode_step"] for p in verifies])
-    gap = {p: totals[p] - comps[p]["kernel_ms"] for p in comps}
+    gap = {p: totals[p] - comps[p].kernel_ms for p in comps}
     row("difference (launches, gaps" + (" inside the graph)" if variant == "graph" else ", host)"),
         [gap["decode_step"], ""] + [gap[p] for p in verifies] + [""] + [gap[p] - gap["decode_step"] for p in verifies])
     if variant == "graph" and min(gap.values()) < 0:
         print("  (a difference below 0: in the graph each Triton kernel starts in its predecessor's tail\n"
               "   (programmatic dependent launch); the profile ran them eager, one after another)")
-    row("kernels" if b.gpu else "leaf ops", [dec["kernels"], ""] + [comps[p]["kernels"] for p in verifies] + [""]
-        + [comps[p]["kernels"] - dec["kernels"] for p in verifies])
-    ex = c["distinct_experts"]
+    row("kernels" if b.gpu else "leaf ops", [dec.kernels, ""] + [comps[p].kernels for p in verifies] + [""]
+        + [comps[p].kernels - dec.kernels for p in verifies])
+    ex = c.distinct_experts
     row("distinct experts per MoE layer" + (" (SIMULATED uniform)" if b.target.routing == "uniform" else ""),
         [ex["decode_step"], ""] + [ex[p] for p in verifies] + [""] + [ex[p] - ex["decode_step"] for p in verifies])
-    ar = r["allreduce_modelled"]
+    ar = r.allreduce_modelled
     if ar:
         print(f"  all-reduce MODELLED, not in the rows above: 2 x {b.target.args.num_hidden_layers} x "
-              f"{ar['us_each']:g} us = {ar['target_forward_ms']:.2f} ms per forward")
+              f"{ar.us_each:g} us = {ar.target_forward_ms:.2f} ms per forward")
 
 
 def print_e2e(r, b):
-    if not r["e2e"]:
+    if not r.e2e:
         return
     sim, k = b.cfg.simulate_accept_len, b.k
     print("\nend to end: tok/s; the cycle in ms, median [min lower-upper quartile max]; its phases in ms, each the\n"
@@ -191,65 +229,65 @@ def print_e2e(r, b):
         print(f"  SIMULATED acceptance: each row's accepted length in each cycle is round(clamp(N(c, 1), 1, {k + 1}))\n"
               f"  with c = {simulated_center(sim, k):.2f}, the center that makes its mean --simulate-accept-len {sim} "
               "(the clamp\n  alone pulls the mean to the middle); the tokens are not the model's")
-    for name, v in r["e2e"].items():
-        cycle = v["phases_ms"].get("cycle")
+    for name, v in r.e2e.items():
+        cycle = v.phases_ms.get("cycle")
         spread = f" {fmt_spread(cycle, 2)}" if isinstance(cycle, Timing) else ""
-        speedup = (f"  speedup {v['speedup_measured']:.2f}x (predicted {v['speedup_predicted']:.2f}x)"
-                   if "speedup_measured" in v else "")
-        print(f"  {name:22s} {v['tok_per_s']:8.1f} tok/s  cycle {cycle or 0:.2f}{spread}{speedup}")
-        print(f"  {'':22s} " + ", ".join(f"{p} {t:.2f}" for p, t in v["phases_ms"].items() if p != "cycle"))
-        if "accept_len_mean" in v:
-            hist = " ".join(f"{n}:{c}" for n, c in enumerate(v["accept_len_hist"], 1))
-            kept = sum(n * c for n, c in enumerate(v["accept_len_hist"], 1))
-            print(f"  {'':22s} accept len {v['accept_len_mean']:.2f}: cycles by length {hist} = {kept} tokens "
-                  f"(+ {v['tokens'] - kept} from the prefill)")
+        speedup = (f"  speedup {v.speedup_measured:.2f}x (predicted {v.speedup_predicted:.2f}x)"
+                   if v.speedup_measured is not None else "")
+        print(f"  {name:22s} {v.tok_per_s:8.1f} tok/s  cycle {cycle or 0:.2f}{spread}{speedup}")
+        print(f"  {'':22s} " + ", ".join(f"{p} {t:.2f}" for p, t in v.phases_ms.items() if p != "cycle"))
+        if v.accept_len_mean is not None:
+            hist = " ".join(f"{n}:{c}" for n, c in enumerate(v.accept_len_hist, 1))
+            kept = sum(n * c for n, c in enumerate(v.accept_len_hist, 1))
+            print(f"  {'':22s} accept len {v.accept_len_mean:.2f}: cycles by length {hist} = {kept} tokens "
+                  f"(+ {v.tokens - kept} from the prefill)")
 
 
 def tree_answer(r):
     """The tree's sentence: its cycle, its break-even, what it must accept to beat the chain, and
     what it accepted (end to end, SIMULATED if so)."""
-    t = r["cost_model"].get("tree")
+    t = r.cost_model.tree
     if not t:
         return []
-    K, S, N = t["topk"], t["num_steps"], t["num_draft_tokens"]
-    line = (f"A tree of topk {K}, {S} steps, {N} draft tokens: a {t['cycle_ms']:.2f} ms cycle, break-even "
-            f"{t['break_even_accept_len']:.2f} accepted tokens per cycle")
-    if "chain_cycle_ms" in t:
-        line += (f"; it pays over the chain of {S} ({t['chain_cycle_ms']:.2f} ms) where it accepts more than "
-                 f"{t['accept_ratio_to_beat_chain']:.2f}x the chain's accepted length")
-    spec = [v for n, v in r["e2e"].items() if n.startswith("eagle3")]
+    K, S, N = t.topk, t.num_steps, t.num_draft_tokens
+    line = (f"A tree of topk {K}, {S} steps, {N} draft tokens: a {t.cycle_ms:.2f} ms cycle, "
+            f"break-even {t.break_even_accept_len:.2f} accepted tokens per cycle")
+    if t.chain_cycle_ms is not None:
+        line += (f"; it pays over the chain of {S} ({t.chain_cycle_ms:.2f} ms) where it accepts more than "
+                 f"{t.accept_ratio_to_beat_chain:.2f}x the chain's accepted length")
+    spec = [v for n, v in r.e2e.items() if n.startswith("eagle3")]
     if spec:
-        line += (f"; end to end it accepted {spec[0]['accept_len_mean']:.2f}"
-                 + (" (SIMULATED)" if spec[0].get("simulated") else ""))
+        line += (f"; end to end it accepted {spec[0].accept_len_mean:.2f}"
+                 + (" (SIMULATED)" if spec[0].simulated else ""))
     return [line + "."]
 
 
 def print_cost_model(r):
-    cm = r["cost_model"]
-    ar = " + all-reduces MODELLED" if r["allreduce_modelled"] else ""
-    print(f"\ncost model (fastest variant{ar}): plain step {cm['plain_step_ms']:.2f} ms; cycle and break-even "
+    cm = r.cost_model
+    ar = " + all-reduces MODELLED" if r.allreduce_modelled else ""
+    print(f"\ncost model (fastest variant{ar}): plain step {cm.plain_step_ms:.2f} ms; cycle and break-even "
           "accepted length per num_steps")
-    for steps, c in cm["steps"].items():
-        sp = " ".join(f"{t}:{s:.2f}x" for t, s in c["speedup_at"].items())
-        print(f"  num_steps {steps}: cycle {c['cycle_ms']:.2f} ms, break-even {c['break_even_accept_len']:.2f} | "
+    for steps, c in cm.steps.items():
+        sp = " ".join(f"{t}:{s:.2f}x" for t, s in c.speedup_at.items())
+        print(f"  num_steps {steps}: cycle {c.cycle_ms:.2f} ms, break-even {c.break_even_accept_len:.2f} | "
               f"speedup at accept len {sp}")
-    if "tree" in cm:
-        t = cm["tree"]
-        print(f"  tree of topk {t['topk']}, num_steps {t['num_steps']}, {t['num_draft_tokens']} draft tokens: cycle "
-              f"{t['cycle_ms']:.2f} ms, break-even {t['break_even_accept_len']:.2f}")
+    if cm.tree:
+        t = cm.tree
+        print(f"  tree of topk {t.topk}, num_steps {t.num_steps}, {t.num_draft_tokens} draft tokens: cycle "
+              f"{t.cycle_ms:.2f} ms, break-even {t.break_even_accept_len:.2f}")
 
 
 def print_extras(r, b):
-    env = r["env"]
-    if "gpu_mem_peak_GB" in env:
-        print(f"\nGPU memory: weights {env['weights_GB']:.1f} GB (routed experts {env['routed_experts_GB']:.1f}), "
-              f"peak allocated {env['gpu_mem_peak_GB']:.1f} GB"
-              + (f" (eager phases only: {env['gpu_mem_peak_eager_GB']:.1f} GB)"
-                 if env.get("gpu_mem_peak_eager_GB") is not None else ""))
-        print(f"kernels per eager decode step: {r.get('kernels_per_decode_step')}"
-              + (f", with torch.compile: {r['kernels_per_decode_step_compiled']}"
-                 if "kernels_per_decode_step_compiled" in r else ""))
-    comm = r.get("allreduce_measured")
+    env = r.env
+    if env.gpu_mem_peak_GB is not None:
+        print(f"\nGPU memory: weights {env.weights_GB:.1f} GB (routed experts {env.routed_experts_GB:.1f}), "
+              f"peak allocated {env.gpu_mem_peak_GB:.1f} GB"
+              + (f" (eager phases only: {env.gpu_mem_peak_eager_GB:.1f} GB)"
+                 if env.gpu_mem_peak_eager_GB is not None else ""))
+        print(f"kernels per eager decode step: {r.kernels_per_decode_step}"
+              + (f", with torch.compile: {r.kernels_per_decode_step_compiled}"
+                 if r.kernels_per_decode_step_compiled is not None else ""))
+    comm = r.allreduce_measured
     if comm:
         print_allreduce(comm, b)
     line = agreement_line(r, b)
@@ -258,29 +296,29 @@ def print_extras(r, b):
 
 
 def print_allreduce(comm, b):
-    us, k1 = comm["us_each"], b.k + 1
-    print(f"\nall-reduce, us each, by tokens ({comm['implementation']}):")
+    us, k1 = comm.us_each, b.k + 1
+    print(f"\nall-reduce, us each, by tokens ({comm.implementation}):")
     for how in ("interleaved", "back_to_back", "eager"):
         row = ", ".join(f"{key.split('/')[1]}: {v:.1f}" for key, v in us.items() if key.split("/")[0] == how)
         if row:
             print(f"  {how.replace('_', ' ')}: {row}")
     if "interleaved/1" in us:
-        print(f"  interleaved = each after a {comm['gemv_MB']:.3g} MB GEMV (as long as this decode step's "
+        print(f"  interleaved = each after a {comm.gemv_MB:.3g} MB GEMV (as long as this decode step's "
               f"compute between two all-reduces), minus the GEMVs alone; after one 8x shorter: "
               f"{us['interleaved_short_gemv/1']:.1f} (1 token)")
         print(f"measured between compute: {us['interleaved/1']:.1f} us per all-reduce of one token's hidden "
               f"row: give it to a simulated rank as --allreduce-us, for the decode step and the verify of "
               f"{k1} alike (on 2 H200s it predicted both within 1%; BENCHMARKS.md)")
-    twin = comm.get("real_minus_twin_us")
+    twin = comm.real_minus_twin_us
     if twin:
         print("real minus its SIMULATED twin (this rank's weights, collectives skipped), per all-reduce of "
-              f"{comm['per_forward']} a forward: " + ", ".join(f"{name} {v:.1f} us" for name, v in twin.items()))
+              f"{comm.per_forward} a forward: " + ", ".join(f"{name} {v:.1f} us" for name, v in twin.items()))
 
 
 def agreement_line(r, b):
-    ag = r["greedy_agreement_with_plain"]
+    ag = r.greedy_agreement_with_plain
     if not ag:
-        return None if not r["e2e"] or b.target.routing == "model" else (
+        return None if not r.e2e or b.target.routing == "model" else (
             "greedy speculative vs plain output: not compared, since SIMULATED uniform routing gives a token its "
             "experts by its place in the forward, so a verify and a decode step compute different functions "
             "(--routing model compares them)")
@@ -299,15 +337,15 @@ def agreement_line(r, b):
 
 def report(r, b):
     """The tables, the warnings and the answer (the header was printed at the start)."""
-    for ctx, c in r["contexts"].items():
+    for ctx, c in r.contexts.items():
         print_phases(r, ctx, c)
         print_components(r, ctx, c, b)
     print_e2e(r, b)
     print_cost_model(r)
     print_extras(r, b)
-    for w in r["warnings"]:
+    for w in r.warnings:
         print("\n" + wrap(f"warning: {w}", "", "  "))
-    print("\nthe answer:\n" + "\n".join(wrap(line, "  ", "    ") for line in r["answer"]) + "\n")
+    print("\nthe answer:\n" + "\n".join(wrap(line, "  ", "    ") for line in r.answer) + "\n")
 
 
 def wrap(text, first, rest, width=110):
@@ -320,9 +358,10 @@ def wrap(text, first, rest, width=110):
 # How far to trust the numbers: spreads, warnings, and the verdict after the answer
 
 def spreads(tree):
-    """The same nesting as `tree`, keeping only its Timings, each as its spread() (for the JSON)."""
+    """The same nesting as `tree` (a result, or its as_json), keeping only its Timings, each as its
+    spread() (for the JSON)."""
     out = {}
-    for key, v in tree.items():
+    for key, v in as_json(tree).items():
         if isinstance(v, Timing):
             out[key] = v.spread()
         elif isinstance(v, dict) and (sub := spreads(v)):
@@ -346,37 +385,38 @@ def named_timings(tree, path="", seen=None):
 def timing_warnings(r):
     """What not to trust in these numbers: noisy timings, and derived figures that cannot be."""
     out = []
-    noisy = [(name, t) for name, t in named_timings(r) if t.noisy]
+    noisy = [(name, t) for name, t in named_timings(as_json(r)) if t.noisy]
     if noisy:
-        out.append(noise_warning(noisy, r["env"].get("load_average"), r["env"].get("cpu_count")))
-    env = r["env"]
-    if env["device"] == "cpu" and env.get("world_size", 1) > 1:
-        out.append(f"{env['world_size']} CPU ranks share this machine's cores, and each waits in gloo's all-reduce "
+        out.append(noise_warning(noisy, r.env.load_average, r.env.cpu_count))
+    env = r.env
+    if env.device == "cpu" and env.world_size > 1:
+        out.append(f"{env.world_size} CPU ranks share this machine's cores, and each waits in gloo's all-reduce "
                    "for the others, so that wait counts as all-reduce time: figures here contradict each other (an "
                    "all-reduce longer than a forward, a verify cheaper than a decode step, phases that outlast "
                    "their cycle). Under torchrun a CPU checks that TP runs and agrees; time on GPUs")
-    cycles = [(int(s), c["cycle_ms"]) for s, c in r["cost_model"]["steps"].items()]
+    cycles = [(int(s), c.cycle_ms) for s, c in r.cost_model.steps.items()]
     shorter = [f"num_steps {s2} {c2:.2f} ms < num_steps {s1} {c1:.2f} ms"
                for (s1, c1), (s2, c2) in zip(cycles, cycles[1:]) if c2 < c1]
     if shorter:
         out.append(f"the cost model's cycle shrinks with more draft steps ({'; '.join(shorter)}), though each step adds "
                    "work: noise in the verify sweep")
-    for steps, c in r["cost_model"]["steps"].items():
-        be, most = c["break_even_accept_len"], int(steps) + 1
+    for steps, c in r.cost_model.steps.items():
+        be, most = c.break_even_accept_len, int(steps) + 1
         if not 1 <= be <= most:
             out.append(f"num_steps {steps}: break-even {be:.2f} accepted tokens per cycle, outside [1, {most}]: "
                        + ("a cycle measured cheaper than the plain step it contains, which cannot be (noise)" if be < 1
                           else f"a cycle costs more than {most} plain steps, so it cannot pay here, unless it is noise"))
-    for name, v in r["e2e"].items():
-        alone, loop = r["phases_ms"].get(f"decode_step/{name.split('/')[-1]}"), v["phases_ms"].get("decode_step")
+    for name, v in r.e2e.items():
+        alone = r.phases_ms.get(f"decode_step/{name.split('/')[-1]}")
+        loop = v.phases_ms.get("decode_step")
         if name.startswith("baseline/") and alone and loop and max(alone, loop) > 2 * min(alone, loop):
             out.append(f"the plain decode step takes {alone:.3f} ms alone and {loop:.3f} ms inside the loop "
                        f"({name}): the same work, so one of them is noise")
-        if "speedup_predicted" in v and max(v["speedup_measured"], v["speedup_predicted"]) > \
-                1.5 * min(v["speedup_measured"], v["speedup_predicted"]):
-            out.append(f"{name}: measured speedup {v['speedup_measured']:.2f}x but {v['speedup_predicted']:.2f}x "
+        measured, predicted = v.speedup_measured, v.speedup_predicted
+        if predicted is not None and max(measured, predicted) > 1.5 * min(measured, predicted):
+            out.append(f"{name}: measured speedup {measured:.2f}x but {predicted:.2f}x "
                        "predicted from its own phases: the wall clock and the phase timings disagree (noise)")
-    sweep = {t: v["verify"] for t, v in r.get("verify_sweep_ms", {}).items()}
+    sweep = {t: v.verify for t, v in (r.verify_sweep_ms or {}).items()}
     inverted = [f"{t1} tokens {sweep[t1]:.3f} ms > 1.5 x {t2} tokens {sweep[t2]:.3f} ms"
                 for t1 in sweep for t2 in sweep if t1 < t2 and sweep[t1] > 1.5 * sweep[t2]]
     if inverted:
@@ -412,24 +452,24 @@ def noise_warning(noisy, load, cores):
 
 def verdict(r):
     """After the answer: what this run's own acceptance means, and how far to trust its numbers."""
-    spec = {n: v for n, v in r["e2e"].items() if n.startswith("eagle3")}
+    spec = {n: v for n, v in r.e2e.items() if n.startswith("eagle3")}
     lines = []
     if spec:
-        best = max(spec, key=lambda n: spec[n]["speedup_measured"])
-        accept_len, speedup = spec[best]["accept_len_mean"], spec[best]["speedup_measured"]
-        if r["env"]["simulated_acceptance"]:
+        best = max(spec, key=lambda n: spec[n].speedup_measured)
+        accept_len, speedup = spec[best].accept_len_mean, spec[best].speedup_measured
+        if r.env.simulated_acceptance:
             lines.append(simulated_verdict(r, spec[best], best))
         elif accept_len < 1.5:
             lines.append(f"The draft accepted almost nothing ({accept_len:.2f} tokens per cycle, bonus included; 1.00 "
-                         f"means every draft rejected), {LOW_ACCEPT[r['env'].get('weights', 'random')]}: the measured "
+                         f"means every draft rejected), {LOW_ACCEPT[r.env.weights]}: the measured "
                          f"speedup ({speedup:.2f}x, {best}) says only what speculation's overhead costs. For a "
                          "trained draft's speedup read the cost model or run with --simulate-accept-len.")
         else:
             lines.append(f"The draft accepted {accept_len:.2f} tokens per cycle (bonus included): measured speedup "
                          f"{speedup:.2f}x ({best}).")
-    if r["warnings"]:
+    if r.warnings:
         lines.append("Some timings are noisy or contradict each other (warnings above): treat these figures as rough.")
-    if r["env"]["device"] == "cpu":
+    if r.env.device == "cpu":
         lines.append("On a CPU the toy model's time is per-operation overhead: the numbers show how the phases fit "
                      "together, not what a GPU serving Kimi-K2 would see (BENCHMARKS.md has H200 numbers).")
     return lines
@@ -446,12 +486,12 @@ LOW_ACCEPT = {  # why a draft accepts almost nothing, by where the weights came 
 
 def simulated_verdict(r, v, name):
     """What a SIMULATED acceptance drew, and why its mean is not exactly the length asked."""
-    asked, n = r["env"]["config"]["simulate_accept_len"], sum(v["accept_len_hist"])
-    lengths = [length for length, c in enumerate(v["accept_len_hist"], 1) for _ in range(c)]
+    asked, n = r.env.config["simulate_accept_len"], sum(v.accept_len_hist)
+    lengths = [length for length, c in enumerate(v.accept_len_hist, 1) for _ in range(c)]
     se = statistics.stdev(lengths) / len(lengths) ** 0.5 if len(lengths) > 1 else float("nan")
-    return (f"Acceptance was SIMULATED: asked {asked}, drawn {v['accept_len_mean']:.2f} tokens per cycle over {n} "
+    return (f"Acceptance was SIMULATED: asked {asked}, drawn {v.accept_len_mean:.2f} tokens per cycle over {n} "
             f"cycles (a mean of {n} draws spreads by about {se:.2f}; a row's last cycle counts only what "
-            f"max_new_tokens left it). The speedup ({v['speedup_measured']:.2f}x, {name}) is what the measured phase "
+            f"max_new_tokens left it). The speedup ({v.speedup_measured:.2f}x, {name}) is what the measured phase "
             "costs give at that acceptance, not what this draft head achieves; the cost model gives it at any.")
 
 

@@ -26,6 +26,7 @@ at slots after the prefix under a mask as data (tree_visible), accepted by a wal
 accepted path's latents moved to slot = position (Transformer.move_cache).
 """
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
 
@@ -44,7 +45,7 @@ class GenerateResult:
                             # the row finished. Per row, the sum of (accepted + 1) over its live
                             # cycles, + 1 for the prefill's token, is len(tokens[row])
     cycles: int
-    simulated: bool       # acceptance forced by simulate_accept_len: the tokens are not the model's
+    simulated: bool       # acceptance forced (Probe.accept_len): the tokens are not the model's
     drafts: torch.Tensor | None = None  # [cycles, B, k] the ids each cycle verified, -1 once a row
                                         # finished (None for plain decoding); a tree: its N - 1
                                         # nodes below the root, in node order
@@ -52,6 +53,36 @@ class GenerateResult:
                                          # root, i: drafts[..., i - 1]); -1 once a row finished
     paths: torch.Tensor | None = None  # a tree: [cycles, B, D] the accepted nodes by depth (D =
                                        # min(S, N - 1)), -1 past the accepted ones and once finished
+
+
+@dataclass(frozen=True)
+class Probe:
+    """What a benchmark puts into the loop, in one object; the default changes nothing.
+    mark(name) is called at the end of each phase of each cycle ("start", "verify", "accept",
+    "draft_extend", "draft", "commit"; plain: "start", "decode_step", "commit"): run.py records
+    device events there. accept_len, when given, forces acceptance (SIMULATED, as SGLang's
+    SGLANG_SIMULATE_ACC_LEN): each cycle draws its accepted length, bonus included, around this
+    mean (simulated_accept), and the tokens are no longer the model's."""
+    mark: Callable[[str], None] = lambda name: None
+    accept_len: float | None = None
+
+
+NO_PROBE = Probe()
+
+
+@dataclass
+class Loop:
+    """What every cycle of one generate() call reads: the models, how a forward runs (run: a
+    CudaGraphs' run, or eager), verify's attention mode, the sampling, the probe, and the tree's
+    sizes (K, S, N; None for a chain)."""
+    target: object
+    draft: object
+    run: Callable
+    mode: str
+    temperature: float
+    generator: torch.Generator
+    probe: Probe = NO_PROBE
+    sizes: tuple | None = None
 
 
 def pad_prompts(prompts, device):
@@ -342,28 +373,30 @@ def prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, generat
     return rows, draft.chain(first, g, last, k, kv_len=kv_bucket(P + k, target.max_seq_len))
 
 
-def decode_cycle(target, run, rows, pos, kv, temperature, generator, mark):
+def decode_cycle(loop, rows, pos, kv):
     """Plain decoding: the target reads x at cur (and the first kv cache slots) and emits its next
     token. Returns m = 0, emitted [B, 1]."""
     key = GraphKey("decode_step", "decode", len(pos), 1, kv)
-    logits, _ = run(key, partial(target, mode="decode", kv_len=kv), rows.x.unsqueeze(1), pos)
-    mark("decode_step")
-    return torch.zeros_like(rows.cur), sample(logits[:, 0], temperature, generator).unsqueeze(1)
+    logits, _ = loop.run(key, partial(loop.target, mode="decode", kv_len=kv),
+                         rows.x.unsqueeze(1), pos)
+    loop.probe.mark("decode_step")
+    return (torch.zeros_like(rows.cur),
+            sample(logits[:, 0], loop.temperature, loop.generator).unsqueeze(1))
 
 
-def speculative_cycle(target, draft, run, rows, pos, kv, kv_draft, drafts, mode, temperature,
-                      generator, simulate_accept_len, mark):
+def speculative_cycle(loop, rows, drafts, *, pos, kv, kv_draft):
     """Verify [x, d_1..d_k] at cur..cur+k (reading the first kv cache slots), accept, then the head
     extends over the accepted tokens and chains the next drafts (reading kv_draft slots of its own
     cache). Returns m [B] drafts accepted, emitted [B, k+1] and the new drafts."""
-    B, k = drafts.shape
+    (B, k), run, mark, gen = drafts.shape, loop.run, loop.probe.mark, loop.generator
     verify_in = torch.cat([rows.x.unsqueeze(1), drafts], 1)                   # [x_p, d_1..d_k]
-    logits, aux = run(GraphKey("verify", mode, B, k + 1, kv),
-                      partial(target, mode=mode, capture_aux=True, kv_len=kv), verify_in, pos)
+    logits, aux = run(GraphKey("verify", loop.mode, B, k + 1, kv),
+                      partial(loop.target, mode=loop.mode, capture_aux=True, kv_len=kv),
+                      verify_in, pos)
     mark("verify")
-    m, bonus = accept(logits, drafts, temperature, generator)
-    if simulate_accept_len is not None:
-        m = simulated_accept(m, simulate_accept_len, k, generator)
+    m, bonus = accept(logits, drafts, loop.temperature, gen)
+    if loop.probe.accept_len is not None:
+        m = simulated_accept(m, loop.probe.accept_len, k, gen)
         bonus = logits.argmax(-1).gather(1, m.unsqueeze(1)).squeeze(1)
     m = m.masked_fill(rows.done, 0)   # a finished row stays where it is: its chain must not run
     # past the cache (found: a row done at max_new_tokens accepting k drafts chained one slot past)
@@ -371,17 +404,16 @@ def speculative_cycle(target, draft, run, rows, pos, kv, kv_draft, drafts, mode,
     emitted = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, m.unsqueeze(1), bonus.unsqueeze(1))
     mark("accept")
     first, g = run(GraphKey("draft_extend", None, B, k + 1, kv_draft),
-                   partial(draft.extend, kv_len=kv_draft), emitted, pos, aux, m)
+                   partial(loop.draft.extend, kv_len=kv_draft), emitted, pos, aux, m)
     mark("draft_extend")
     drafts = run(GraphKey("draft", None, B, k - 1, kv_draft),
-                 partial(draft.chain, num_steps=k, kv_len=kv_draft), first, g, rows.cur + m)
+                 partial(loop.draft.chain, num_steps=k, kv_len=kv_draft), first, g, rows.cur + m)
     mark("draft")
     return m, emitted, drafts
 
 
-def tree_cycle(target, draft, run, rows, kv, kv_draft, tree, sizes, mode, temperature, generator,
-               simulate_accept_len, mark):
-    """speculative_cycle for a draft tree (sizes: K, S, N): the target verifies the tree's N
+def tree_cycle(loop, rows, tree, *, kv, kv_draft):
+    """speculative_cycle for a draft tree (loop.sizes: K, S, N): the target verifies the tree's N
     nodes, x at the root, at positions cur + depth, writing them at the slots cur .. cur + N - 1
     in node order, each seeing the prefix, its ancestors and itself (tree_visible); acceptance
     walks the tree (tree_accept); the accepted path's latents move to slot = position
@@ -389,29 +421,30 @@ def tree_cycle(target, draft, run, rows, kv, kv_draft, tree, sizes, mode, temper
     (writing its own cache at slot = position, so the head needs no move) and drafts the next
     tree. Returns m [B], emitted [B, D + 1] (D = min(S, N - 1)), the next tree and the
     accepted nodes by depth [B, D] (-1 past m)."""
-    (K, S, N), B = sizes, rows.cur.shape[0]
+    (K, S, N), B, run, mark = loop.sizes, rows.cur.shape[0], loop.run, loop.probe.mark
     D, start = min(S, N - 1), rows.cur.unsqueeze(1)
     tree = tree._replace(tokens=torch.cat([rows.x.unsqueeze(1), tree.tokens[:, 1:]], 1))
     visible = tree_visible(tree.parents, rows.cur, kv)                        # [B, N, kv]
     slots = start + torch.arange(N, device=start.device)
-    logits, aux = run(GraphKey("verify_tree", mode, B, N, kv),
-                      partial(tree_forward, target, mode=mode, kv_len=kv),
+    logits, aux = run(GraphKey("verify_tree", loop.mode, B, N, kv),
+                      partial(tree_forward, loop.target, mode=loop.mode, kv_len=kv),
                       tree.tokens, start + tree.depths, slots, visible)
     mark("verify")
-    if simulate_accept_len is None:
-        m, path, bonus = tree_accept(logits, tree, D, temperature, generator)
+    if loop.probe.accept_len is None:
+        m, path, bonus = tree_accept(logits, tree, D, loop.temperature, loop.generator)
     else:
-        m, path, bonus = simulated_tree_accept(logits, tree, D, simulate_accept_len, generator)
+        m, path, bonus = simulated_tree_accept(logits, tree, D, loop.probe.accept_len,
+                                               loop.generator)
     m = m.masked_fill(rows.done, 0)   # a finished row stays where it is (its head scratch too)
     along = start + rows.offsets[:D + 1]                          # [B, D + 1]: the path's positions
-    target.move_cache(start + path, along)
+    loop.target.move_cache(start + path, along)
     emitted = tree_emitted(tree, path, m, bonus)
     mark("accept")
     aux = aux.gather(1, path.unsqueeze(2).expand(-1, -1, aux.shape[-1]))      # [B, D + 1, 3 Dt]
     first, g = run(GraphKey("draft_extend_tree", None, B, D + 1, kv_draft),
-                   partial(draft.extend_logits, kv_len=kv_draft), emitted, along, aux, m)
+                   partial(loop.draft.extend_logits, kv_len=kv_draft), emitted, along, aux, m)
     mark("draft_extend")
-    expand = partial(draft.tree, topk=K, num_steps=S, num_nodes=N, kv_len=kv_draft)
+    expand = partial(loop.draft.tree, topk=K, num_steps=S, num_nodes=N, kv_len=kv_draft)
     tree = run(GraphKey("draft_tree", None, B, (S - 1) * K, kv_draft), expand, bonus, first, g,
                rows.cur + m)
     mark("draft")
@@ -444,9 +477,9 @@ def simulated_tree_accept(logits, tree, max_depth, mean_len, generator):
 
 
 @torch.no_grad()
-def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_mode="extend",
-             use_graphs=False, temperature=0.0, seed=0, eos_id=None, graphs=None,
-             simulate_accept_len=None, timer=None, topk=None, num_draft_tokens=None):
+def generate(target, draft, prompts, *, max_new_tokens=32, num_steps=3, attention_mode="extend",
+             use_graphs=False, temperature=0.0, seed=0, eos_id=None, graphs=None, topk=None,
+             num_draft_tokens=None, probe=NO_PROBE):
     """Speculative decoding with `draft` (an Eagle3Draft, or any object with its `extend` and
     `chain`: the tests plant one, run eager), or plain decoding when draft is None. Prefill runs
     eager; with use_graphs the decode step, the verify step and the head's extend and chain
@@ -455,10 +488,9 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
     the root included (default num_steps + 1), instead of the chain.
     eos_id: an id or a list of ids that end a row (default: the checkpoint's EOS ids; -1: none).
     Every rank draws from the same seeded generator, so all ranks agree.
-    timer: an object whose mark(name) is called at the end of each phase of each cycle
-    ("start", "verify", "accept", "draft_extend", "draft", "commit"; plain: "start",
-    "decode_step", "commit"): run.py records device events there."""
-    sizes, k = check_generate(draft, num_steps, attention_mode, simulate_accept_len, topk,
+    probe: a Probe, whose mark(name) ends each phase of each cycle and whose accept_len forces a
+    SIMULATED acceptance (run.py's timing run); the default does neither."""
+    sizes, k = check_generate(draft, num_steps, attention_mode, probe.accept_len, topk,
                               num_draft_tokens)
     device = target.device
     eos = torch.tensor(eos_union(target.args.eos_token_ids if eos_id is None else eos_id),
@@ -470,8 +502,8 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
     check_request(target, tokens, max_new_tokens, max(width, k + scratch - 1))
     gen = torch.Generator(device).manual_seed(seed)
     runner = graphs or (CudaGraphs(device) if use_graphs else None)
-    run = runner.run if runner else eager
-    mark = timer.mark if timer is not None else (lambda name: None)
+    loop = Loop(target, draft, runner.run if runner else eager, attention_mode, temperature, gen,
+                probe, sizes)
     rows, drafts = prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, gen, eos,
                            sizes)
     # host-side bounds, no device read: reach > every position the next verify (or decode)
@@ -480,36 +512,33 @@ def generate(target, draft, prompts, max_new_tokens=32, num_steps=3, attention_m
     reach, limit = tokens.shape[1] + width, tokens.shape[1] + max_new_tokens + width - 1
     accepted, proposed = [], []
     while not bool(rows.done.all()):  # HOST READ: the loop's one device->host sync per cycle
-        mark("start")
+        probe.mark("start")
         pos = rows.cur.unsqueeze(1) + rows.offsets                                # [B, k+1]
         kv = kv_bucket(min(reach, limit), target.max_seq_len)  # verify (or decode) writes below
         kv_draft = kv_bucket(min(reach, limit) + scratch + 1, target.max_seq_len)  # and the head's
         reach += k + 1
         if draft is None:
-            m, emitted = decode_cycle(target, run, rows, pos, kv, temperature, gen, mark)
+            m, emitted = decode_cycle(loop, rows, pos, kv)
         elif sizes is None:
             proposed.append(drafts)  # kept on the device, stacked after the loop
-            m, emitted, drafts = speculative_cycle(target, draft, run, rows, pos, kv, kv_draft,
-                                                   drafts, attention_mode, temperature, gen,
-                                                   simulate_accept_len, mark)
+            m, emitted, drafts = speculative_cycle(loop, rows, drafts, pos=pos, kv=kv,
+                                                   kv_draft=kv_draft)
         else:
             verified = (drafts.tokens[:, 1:], drafts.parents[:, 1:])
-            m, emitted, drafts, path = tree_cycle(target, draft, run, rows, kv, kv_draft, drafts,
-                                                  sizes, attention_mode, temperature, gen,
-                                                  simulate_accept_len, mark)
+            m, emitted, drafts, path = tree_cycle(loop, rows, drafts, kv=kv, kv_draft=kv_draft)
             proposed.append(verified + (path,))
         # what commit kept, not what accept accepted: a cycle cut at max_new_tokens or an EOS
         # counts only its kept tokens (and a finished row's 0 becomes -1)
         accepted.append(commit(rows, emitted, m, eos, max_new_tokens) - 1)
-        mark("commit")
+        probe.mark("commit")
     return result(rows, accepted, proposed if draft is not None else None, width - 1,
-                  simulate_accept_len is not None)
+                  probe.accept_len is not None)
 
 
-def check_generate(draft, num_steps, attention_mode, simulate_accept_len, topk=None,
+def check_generate(draft, num_steps, attention_mode, accept_len, topk=None,
                    num_draft_tokens=None):
-    """generate's arguments checked; returns the tree's sizes (K, S, N), or None for the chain,
-    and k: the most drafts a cycle can accept (0 for plain decoding)."""
+    """generate's arguments checked (accept_len: the probe's); returns the tree's sizes (K, S, N),
+    or None for the chain, and k: the most drafts a cycle can accept (0 for plain decoding)."""
     if attention_mode not in ("extend", "decode"):
         raise ValueError(f"attention_mode must be 'extend' or 'decode', not {attention_mode!r}")
     if draft is not None and num_steps < 1:
@@ -520,9 +549,9 @@ def check_generate(draft, num_steps, attention_mode, simulate_accept_len, topk=N
         check_tree(*sizes)
     k = 0 if draft is None else min(num_steps, sizes[2] - 1) if sizes else num_steps
     most = k if draft is not None else num_steps   # the deepest accepted path
-    if simulate_accept_len is not None and not 1 <= simulate_accept_len <= most + 1:
-        raise ValueError(f"simulate_accept_len must lie in [1, {most + 1}] (the most drafts a "
-                         f"cycle accepts, + 1), not {simulate_accept_len}")
+    if accept_len is not None and not 1 <= accept_len <= most + 1:
+        raise ValueError(f"the probe's simulated accept_len must lie in [1, {most + 1}] (the most "
+                         f"drafts a cycle accepts, + 1), not {accept_len}")
     return sizes, k
 
 

@@ -1,0 +1,357 @@
+"""Where the time of a forward goes, by component, and what it could not go below: the floors
+and the cost model.
+
+Component attribution: a profiled eager run of a phase's shapes, each op's (or kernel's) time
+under the innermost component range around it (component_scopes puts ranges around each
+module's forward from outside the model, by hooks, and takes them off after). Floors: the bytes
+a component must move (component_bytes, draft_bytes) over the measured copy bandwidth. The cost
+model: a speculative cycle's cost from the isolated phases, its break-even accepted length and
+its speedup at each accepted length. Nothing here times a phase: timing.py does, and hands its
+medians in.
+"""
+import statistics
+from contextlib import contextmanager, nullcontext
+from dataclasses import dataclass, field
+
+import torch
+
+import kernels
+import model
+
+COMPONENTS = {  # the rows of the component table, in order
+    "attn_core": "attention core (scores, softmax, values, cache write)",
+    "attn_proj": "attention projections (q/kv down, up, o_proj)",
+    "router": "router (scores, selection, weights)",
+    "routed_experts": "routed experts (+ the shared one if in the launch)",
+    "shared_mlp": "shared expert + dense MLP",
+    "elementwise": "norms, residual, RoPE, elementwise",
+    "allreduce": "all-reduce",
+    "embed_head": "embedding + lm_head",
+    "other": "other (mask, RoPE table, aux concat)",
+}
+
+# a result field that the JSON leaves out when it is None (report.as_json)
+OMIT_NONE = {"omit_none": True}
+
+
+def optional():
+    return field(default=None, metadata=OMIT_NONE)
+
+
+@dataclass
+class ComponentProfile:
+    """Where one eager call's device kernels (GPU) or ops' own CPU time (CPU) went."""
+    parts_ms: dict        # {component: ms}, each op under the innermost component range around it
+    kernel_ms: float      # all kernels summed, independently of that attribution
+    kernels: int          # kernels (GPU) or leaf ops (CPU) per call
+
+
+def routed_distinct(target, fn, inputs):
+    """Distinct routed experts per MoE layer in one call of fn(*inputs) (recorded by hooks on the
+    routers; a shared expert's slot in the fused launch, id E, is not a routed expert)."""
+    seen = []
+
+    def count(router, inputs, out):
+        seen.append(out[0][out[0] < router.args.n_routed_experts].unique().numel())
+    hooks = [layer.mlp.gate.register_forward_hook(count) for layer in target.layers if isinstance(layer.mlp, model.MoE)]
+    fn(*inputs)
+    for h in hooks:
+        h.remove()
+    return seen
+
+
+def component_bytes(target, distinct, kv_slots, batch, tokens):
+    """{component: bytes} one forward of `batch` rows of `tokens` new tokens must move: weights as
+    stored (routed experts: only the `distinct` ones reached, per MoE layer), the latent cache of
+    kv_slots positions per row, and only the embedding rows looked up."""
+    out = dict.fromkeys(COMPONENTS, 0)
+    # a shared expert folded into the fused MoE launch (kernels "shared_expert") runs there: its
+    # bytes go with the routed experts' (its time does too)
+    folded = tuple(f"layers.{i}.mlp.shared_experts." for i, layer in enumerate(target.layers)
+                   if isinstance(layer.mlp, kernels.SharedExpertInLaunch))
+    for name, p in target.named_parameters():
+        nbytes = p.numel() * p.element_size()
+        if ".mlp.experts." in name:
+            continue
+        if name.startswith("embed_tokens."):
+            out["embed_head"] += batch * tokens * p.shape[1] * p.element_size()
+        elif name.startswith("lm_head."):
+            out["embed_head"] += nbytes
+        elif "norm" in name:
+            out["elementwise"] += nbytes
+        elif ".self_attn." in name:
+            out["attn_proj"] += nbytes
+        elif ".mlp.gate." in name:
+            out["router"] += nbytes
+        else:  # the shared expert and the dense MLP
+            out["routed_experts" if name.startswith(folded) else "shared_mlp"] += nbytes
+    moe = [layer.mlp.experts for layer in target.layers if isinstance(layer.mlp, model.MoE)]
+    out["routed_experts"] += sum(n * experts.expert_bytes() for experts, n in zip(moe, distinct))
+    a = target.args
+    out["attn_core"] = (len(target.layers) * batch * kv_slots * (a.kv_lora_rank + a.qk_rope_head_dim)
+                        * target.dtype.itemsize)
+    return out
+
+
+def draft_bytes(head, kv_slots, batch, with_fc):
+    total = sum(p.numel() * p.element_size() for n, p in head.named_parameters() if with_fc or not n.startswith("fc."))
+    attn = head.midlayer.self_attn
+    return total + 2 * batch * kv_slots * attn.n_local_kv_heads * attn.head_dim * head.norm.weight.element_size()
+
+
+def component_of(name, module):
+    """The component of a module's own ops (None: its parent's). MLA's own ops are the attention
+    core; MLA_METHODS and apply_rope name the math inside it that is no module."""
+    if isinstance(module, model.RMSNorm):   # with a residual, its add too
+        return "elementwise"
+    if isinstance(module, model.MLA):
+        return "attn_core"
+    if ".self_attn." in name:   # q_a_proj, q_b_proj, kv_a_proj_with_mqa, kv_b_proj, o_proj
+        return "attn_proj"
+    kinds = {model.Router: "router", model.Experts: "routed_experts", model.MLP: "shared_mlp",
+             model.MoE: "elementwise", model.Block: "elementwise"}  # the routed + shared sum
+    for kind, component in kinds.items():
+        if isinstance(module, kind):
+            return component
+    return "embed_head" if name in ("embed_tokens", "lm_head") else None
+
+
+# MLA's methods whose math is projections, not the attention core: the q / kv down projections
+# (a GEMM over stacked weights with --kernels fused_proj; project_sum, kernels.py's, with the layer's
+# input add and norm inside it), and decode mode's absorbed kv_b_proj; and the attention after the
+# projections (attend), which kernels.InputNormInQKVA calls from the layer, outside MLA's own call. The
+# kernels' merge_absorb_output (attention + norm_gemv, one row) also merges the attention's parts in
+# W_uv's launch: a projection by its bytes (W_uv's 1 MB a layer against ~80 KB of partials)
+MLA_METHODS = {"project": "attn_proj", "project_sum": "attn_proj", "attend": "attn_core",
+               "absorb_query": "attn_proj", "absorb_output": "attn_proj", "merge_absorb_output": "attn_proj"}
+
+
+def scope(component):
+    """A profiler range that puts the kernels launched inside it under `component`. It exists
+    only while a profiler records, never under torch.compile, and adds no device work."""
+    if torch.compiler.is_compiling() or not torch.autograd._profiler_enabled():
+        return nullcontext()
+    return torch.profiler.record_function("component:" + component)
+
+
+def scoped(fn, component):
+    def call(*args, **kwargs):
+        with scope(component):
+            return fn(*args, **kwargs)
+    return call
+
+
+@contextmanager
+def component_scopes(target):
+    """While profiling: each module's forward inside a range named by its component (hooks), MLA's
+    MLA_METHODS and model.apply_rope (elementwise) wrapped in ranges of theirs; all removed after."""
+    active, handles, wrapped = [], [], []
+
+    def enter(component):
+        def hook(module, inputs):
+            active.append(scope(component))
+            active[-1].__enter__()
+        return hook
+
+    def leave(module, inputs, output):
+        active.pop().__exit__(None, None, None)
+    for name, m in target.named_modules():
+        component = component_of(name, m)
+        if component:
+            handles += [m.register_forward_pre_hook(enter(component)), m.register_forward_hook(leave)]
+        if isinstance(m, model.MLA):
+            for method, part in MLA_METHODS.items():
+                if hasattr(m, method):                                 # project_sum, merge_absorb_output: swaps' only
+                    setattr(m, method, scoped(getattr(m, method), part))   # an instance attribute, deleted after
+                    wrapped.append((m, method))
+    rope, model.apply_rope = model.apply_rope, scoped(model.apply_rope, "elementwise")
+    try:
+        yield
+    finally:
+        model.apply_rope = rope
+        for h in handles:
+            h.remove()
+        for m, method in wrapped:
+            delattr(m, method)
+
+
+def component_at(event, kernel_names=()):
+    """The innermost component range around a profiled op; any all-reduce is "allreduce" (the
+    row-parallel layers' and the MoE's collectives, wherever they sit)."""
+    chain = []
+    while event is not None:
+        chain.append(event.name)
+        event = event.cpu_parent
+    if any("allreduce" in n.lower().replace("_", "") for n in chain + list(kernel_names)):
+        return "allreduce"
+    return next((n.removeprefix("component:") for n in chain if n.startswith("component:")), "other")
+
+
+def profile_components(target, fn, gpu, calls=None):
+    """Where one eager call of fn goes, by component: {component: ms} of the device kernels it
+    launches (GPU) or of its ops' own CPU time (CPU), each put under the innermost component range
+    around the op that launched it; "kernel_ms" sums all kernels independently of that
+    attribution; "kernels": kernels (GPU) or leaf ops (CPU) per call."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+    calls = calls or (1 if gpu else 3)  # kernel times are steady; CPU op times are not
+    fn()
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
+    with component_scopes(target), profile(activities=activities) as prof:
+        for _ in range(calls):
+            fn()
+        if target.device.type == "cuda":
+            torch.cuda.synchronize()
+    parts, n_kernels = dict.fromkeys(COMPONENTS, 0.0), 0
+    ours = ("component:", "profiler::")  # our ranges and their enter/exit ops: not kernels
+    for e in prof.events():
+        if e.device_type != DeviceType.CPU or e.name.startswith("profiler::"):
+            continue
+        if gpu:  # the kernels (and copies) this op launched; our ranges' GPU projections are not kernels
+            launched = [k for k in e.kernels if not k.name.startswith(ours)]
+            us, names = sum(k.duration for k in launched), [k.name for k in launched]
+            n_kernels += len(launched)
+        elif e.name.startswith("component:"):  # on the CPU a range's own time is Python, not an op
+            continue
+        else:
+            us, names = e.self_cpu_time_total, ()
+            n_kernels += not e.cpu_children
+        if us:
+            parts[component_at(e, names)] += us / 1e3 / calls
+    if gpu:
+        device_kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+        total, n_kernels = sum(e.time_range.elapsed_us() for e in device_kernels), len(device_kernels)
+        if sum(parts.values()) < 0.95 * total / 1e3 / calls:  # kernels no aten op launched (Triton's:
+            # the profiler links them to no CPU event; measured on the H200, 2026-11-29)
+            parts = parts_by_device_ranges(prof, calls) or parts
+    else:
+        total = sum(e.self_cpu_time_total for e in prof.key_averages() if not e.key.startswith(ours))
+    return ComponentProfile(parts, total / 1e3 / calls, n_kernels // calls)
+
+
+def parts_by_device_ranges(prof, calls):
+    """{component: ms} with each kernel under the innermost of our ranges around it on the device
+    timeline (a range's GPU projection spans the kernels launched inside it): this also places
+    kernels that no aten op launched, as Triton's, which the profiler links to no op. None when
+    the profile has no device ranges."""
+    from torch.autograd import DeviceType
+    gpu_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    ranges = [(e.time_range.start, e.time_range.end, e.name.removeprefix("component:")) for e in gpu_events
+              if e.is_user_annotation and e.name.startswith("component:")]
+    if not ranges:
+        return None
+    parts = dict.fromkeys(COMPONENTS, 0.0)
+    for k in gpu_events:
+        if k.is_user_annotation or k.name.startswith(("component:", "profiler::")):
+            continue
+        t = k.time_range.start
+        around = [(end - start, name) for start, end, name in ranges if start <= t < end]
+        name = "allreduce" if "allreduce" in k.name.lower().replace("_", "") else min(around)[1] if around else "other"
+        parts[name] += k.time_range.elapsed_us() / 1e3 / calls
+    return parts
+
+
+def count_kernels(fn):
+    """Device kernels (and copies) one eager call launches: what a CUDA graph replays as nodes."""
+    from torch.profiler import ProfilerActivity, profile
+    fn()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    return sum(e.count for e in prof.key_averages()
+               if e.device_type == torch.autograd.DeviceType.CUDA and not e.is_user_annotation)
+
+
+# ---------------------------------------------------------------------------------------------
+# The cost model
+
+@dataclass
+class ModelledAllreduce:
+    """MODELLED all-reduces of a SIMULATED rank (--allreduce-us): 2 a layer."""
+    us_each: float
+    target_forward_ms: float
+    draft_forward_ms: float
+
+
+NO_ALLREDUCE = ModelledAllreduce(0.0, 0.0, 0.0)
+
+
+@dataclass
+class CycleCost:
+    """A chain of num_steps s: its cycle, the accepted length at which it pays, its speedup."""
+    cycle_ms: float
+    break_even_accept_len: float
+    speedup_at: dict      # {accepted length: speedup over the plain step}
+
+
+@dataclass
+class TreeCost:
+    """The tree's cycle and break-even, and what it must accept to beat the chain of num_steps."""
+    topk: int
+    num_steps: int
+    num_draft_tokens: int
+    cycle_ms: float
+    break_even_accept_len: float
+    chain_cycle_ms: float | None = optional()
+    accept_ratio_to_beat_chain: float | None = optional()
+
+
+@dataclass
+class CostModel:
+    plain_step_ms: float
+    steps: dict           # {num_steps: CycleCost}
+    tree: TreeCost | None = optional()
+
+
+def modelled_allreduce(b):
+    """MODELLED all-reduce ms per target forward and per draft forward (2 a layer) for a simulated
+    rank given --allreduce-us; None otherwise."""
+    x = b.cfg.allreduce_us
+    if x is None or not b.target.tp.simulated:
+        return None
+    return ModelledAllreduce(x, 2 * b.target.args.num_hidden_layers * x / 1e3, 2 * x / 1e3)
+
+
+def cost_model(r, b):
+    """cycle(s) = draft extend(s+1) + (s-1) draft steps + verify(s+1) + accept + host [+ modelled
+    all-reduces: 1 target and s draft forwards]; break-even accepted length = cycle / plain step.
+    r: the timing.Result so far; sets each speculative run's measured and predicted speedups."""
+    variant, _ = b.best
+    ph, ar = r.phases_ms, r.allreduce_modelled or NO_ALLREDUCE
+    base = r.e2e[f"baseline/{variant}"].phases_ms["cycle"] if r.e2e else ph[f"decode_step/{variant}"]
+    base += ar.target_forward_ms
+    hosts = [v.phases_ms.get("host", 0.0) for n, v in r.e2e.items() if n.startswith("eagle3")]
+    host, sweep, cm = statistics.median(hosts) if hosts else 0.0, r.verify_sweep_ms, {}
+    for s in range(1, 6):
+        if s + 1 not in sweep:
+            break
+        cyc = (sweep[s + 1].draft_extend + (s - 1) * ph[f"draft_step/{variant}"]
+               + sweep[s + 1].verify + ph["accept"] + host + ar.target_forward_ms
+               + s * ar.draft_forward_ms)
+        cm[s] = CycleCost(cyc, cyc / base, {tau: tau * base / cyc for tau in range(1, s + 2)})
+    tree = tree_cost(r, b, base, host, ar, cm) if b.cfg.speculative_eagle_topk > 1 else None
+    for name, v in r.e2e.items():  # against the baseline with the same graph setting
+        if name.startswith("eagle3"):
+            plain = r.e2e[f"baseline/{name.split('/')[-1]}"]
+            v.speedup_measured = v.tok_per_s / plain.tok_per_s
+            v.speedup_predicted = (v.accept_len_mean * plain.phases_ms["cycle"]
+                                   / v.phases_ms["cycle"])
+    return CostModel(base, cm, tree)
+
+
+def tree_cost(r, b, base, host, ar, chains):
+    """The tree's cycle, as cost_model's: draft extend over the deepest path + the expansion +
+    the verify of its N nodes + accept + host [+ modelled all-reduces]; its break-even accepted
+    length, and how many times the chain of num_steps' accepted length it must accept to beat it
+    (the ratio of the two cycles: the same tokens a millisecond)."""
+    (variant, mode), ph, sweep = b.best, r.phases_ms, r.verify_sweep_ms
+    K, S, N = b.cfg.speculative_eagle_topk, b.k, b.cfg.speculative_num_draft_tokens
+    D = min(S, N - 1)
+    extend = sweep[D + 1].draft_extend if D + 1 in sweep else ph[f"draft_extend/{variant}"]
+    cyc = (extend + ph[f"draft_tree/{variant}"] + ph[f"{b.verify_name(mode)} tree/{variant}"]
+           + ph["accept"] + host + ar.target_forward_ms + S * ar.draft_forward_ms)
+    out = TreeCost(K, S, N, cyc, cyc / base)
+    if S in chains:
+        out.chain_cycle_ms = chains[S].cycle_ms
+        out.accept_ratio_to_beat_chain = cyc / chains[S].cycle_ms
+    return out

@@ -1,0 +1,724 @@
+"""The timing run: build the target and the head, time each phase alone (eager and captured),
+the verify sweep, the plain and speculative loops end to end, and the collectives of real TP.
+
+Device work is timed with CUDA events after warm-up, each time a median that keeps its
+repetitions (report.Timing); on a CPU, whose ops run synchronously, a clock is honest. Every
+stage returns a dataclass; measure() assembles them into one Result, which report.py prints and
+writes as the --json line (report.as_json). components.py says where a phase's time goes and what
+it could not go below; run.py is the command line that settles the configuration (cfg) first.
+"""
+import argparse
+import dataclasses
+import os
+import statistics
+import time
+from dataclasses import dataclass, field
+from functools import partial
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+from tqdm import tqdm
+
+import checkpoint
+import kernels
+import model
+import tp as tpm
+import train
+from components import (CostModel, ModelledAllreduce, component_bytes, cost_model,
+                        count_kernels, draft_bytes, modelled_allreduce, optional, profile_components,
+                        routed_distinct)
+from draft import Eagle3Draft, draft_preset, set_target_aux_layers
+from graphs import CudaGraphs, GraphKey
+from report import Timing, answer, spreads, timing_warnings, verdict
+from verify import (PREFILL_CHUNK, Probe, accept, generate, kv_bucket, prefill_draft, prefill_target,
+                    tree_forward, tree_visible)
+
+# a real TP rank seeds every tensor whole on its CPU and keeps its slice (so TP N holds the same
+# model as TP 1) while its shard stays under this many parameters; a bigger one draws its slice
+# on the device
+MAX_PARAMS_SEEDED_WHOLE = 5e8
+# the run's names and JSON keys keep --speculative-attention-mode's word for an attention path
+FLAG_WORD = {"extend": "prefill", "decode": "decode"}
+
+
+def cache_slots(cfg):
+    """KV cache slots a row needs: the prompt and output, or the longest context and the 6 tokens
+    the isolated phases write after it, and the draft chain's lookahead (a tree's: its N verified
+    slots, or its deepest path and the head's (S - 1) K scratch slots past it, as verify.generate)."""
+    sweep, k, K, N = 6, cfg.speculative_num_steps, cfg.speculative_eagle_topk, cfg.speculative_num_draft_tokens
+    ahead = 2 * k + 2 if K == 1 else max(2 * k + 2, max(N, min(k, N - 1) + (k - 1) * K) + 2)
+    return max(cfg.prompt_len + cfg.max_new_tokens, max(cfg.context_len) + sweep) + ahead
+
+
+def random_target_args(cfg):
+    """The preset's ModelArgs with --quant and --routed-experts applied."""
+    quant = {None: {}, "none": dict(quantization_config=None), "int4": dict(quantization_config="int4"),
+             "fp8": dict(quantization_config="fp8")}
+    margs = model.preset(cfg.preset, **quant[cfg.quant])
+    if cfg.routed_experts is not None:
+        margs.n_routed_experts = cfg.routed_experts
+    return margs
+
+
+def random_draft_args(target):
+    """A random head's DraftArgs: the tiny one for the tiny target, else Kimi-K2's."""
+    tiny = target.args.hidden_size == model.PRESETS["tiny"]["hidden_size"]
+    dargs = draft_preset("tiny" if tiny else "kimi-k2")
+    if max(dargs.aux_layer_ids or [0]) >= target.args.num_hidden_layers:  # Kimi's ids, a shallower target
+        dargs.eagle_config = None  # EAGLE-3's default layers of this target instead
+    return dargs
+
+
+def build(args, device, dtype):
+    """The target and the head, loaded or random. Returns (target, head, description)."""
+    tp = tpm.TP.simulate(args.simulate_tp) if args.simulate_tp > 1 else tpm.TP.from_env(args.allreduce)
+    max_seq_len = cache_slots(args)
+    if args.model_path:
+        target = checkpoint.load_target(args.model_path, args.batch_size, max_seq_len, device, dtype, tp,
+                                        routing=args.routing)
+        how = f"loaded {args.model_path}"
+        if args.trained_pair:
+            how = ("the trained tiny pair (checkpoints/tiny-stdlib, made by train.py from bytes of Python stdlib "
+                   "source" + ("" if args.dump else "; prompts: held-out stdlib source") + "; --random-weights for "
+                   "random ones)")
+    else:
+        margs = random_target_args(args)
+        if args.routed_experts is not None:
+            tpm.print0(f"memory override: {args.routed_experts} of {model.preset(args.preset).n_routed_experts} "
+                       "routed experts per layer kept")
+        # (a size the TP does not divide was refused before: run.check_sizes, memory_needed)
+        target = model.Transformer(margs, args.batch_size, max_seq_len, device, dtype, tp,
+                                   routing=args.routing)
+        params = sum(p.numel() for p in target.parameters())
+        whole = tp.world_size == 1 or not tp.simulated and params < MAX_PARAMS_SEEDED_WHOLE
+        checkpoint.init_random(target, args.seed, rank_local=not whole)
+        how = f"random {args.preset} ({'seeded whole, same at any TP' if whole else 'rank-local init'})"
+    kernels.accelerate(target, args.kernels, moe=args.moe_impl)   # the fast paths, swapped in from outside
+    if args.draft_path:
+        head = checkpoint.load_draft(args.draft_path, target)
+    elif args.dump:  # a dump without a draft checkpoint is plain greedy
+        head = None
+    else:
+        dargs = random_draft_args(target)
+        set_target_aux_layers(target, dargs)
+        head = checkpoint.init_random_draft(Eagle3Draft(dargs, target), args.seed + 1, rank_local=tp.simulated)
+    if head is not None:
+        kernels.accelerate_draft(head, args.kernels)   # the head's fast paths, as the target's
+    return target, head, how
+
+
+def memory_needed(cfg, device, world):
+    """Bytes one rank will hold at its peak, by part: the target and the head built on the meta
+    device (their weights, KV caches and RoPE tables, exactly, without allocating them), and the
+    largest transient: one prefill chunk of extend attention (scores and probabilities [B, T, H,
+    S] in float32, keys and values expanded [B, S, H, d], logits [B, T, V] in float32), with the
+    plain `gather` MoE each of its tokens' K experts' weights gathered [B T, K, 3, I, D], and the
+    EAGLE-3 states kept along the cache fill [B, S, 3D]. Returns (parts, the target's ModelArgs,
+    the head's DraftArgs), or (None, ModelArgs, the ValueError) where a size does not fit the TP or
+    the head does not fit the target."""
+    margs = checkpoint.read_target_args(cfg.model_path) if cfg.model_path else random_target_args(cfg)
+    tp = tpm.TP.simulate(max(cfg.simulate_tp, world))
+    dtype, meta = getattr(torch, cfg.dtype), torch.device("meta")
+    B, slots = cfg.batch_size, cache_slots(cfg)
+    try:
+        target = model.Transformer(margs, B, slots, meta, dtype, tp)
+        dargs = (checkpoint.read_draft_args(cfg.draft_path) if cfg.draft_path
+                 else random_draft_args(target))
+        set_target_aux_layers(target, dargs)
+        own = bool(cfg.draft_path) and \
+            "embed_tokens.weight" in checkpoint.checkpoint_files(cfg.draft_path)
+        head = Eagle3Draft(dargs, target, own_embedding=own)
+    except ValueError as e:  # a size the TP does not divide, a head that does not fit
+        return None, margs, e
+    size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
+    fill = max(max(cfg.context_len), cfg.prompt_len)
+    T, H, a = min(PREFILL_CHUNK, fill), margs.num_attention_heads // tp.world_size, margs
+    parts = {"weights": size(target.parameters()) + size(head.parameters()),
+             "KV caches": size(target.buffers()) + size(head.buffers()),
+             "one prefill chunk": B * T * H * fill * 4 * 2 + B * T * a.vocab_size * 4
+             + B * fill * H * (a.qk_nope_head_dim + a.v_head_dim) * dtype.itemsize,
+             "gathered expert weights": B * T * a.num_experts_per_tok * 3 * (a.moe_intermediate_size // tp.world_size)
+             * a.hidden_size * dtype.itemsize if kernels.pick_moe(cfg.moe_impl, device, dtype) == "gather" else 0,
+             "EAGLE-3 states": B * fill * 3 * a.hidden_size * dtype.itemsize}
+    return parts, margs, dargs
+
+
+def memory_free(device):
+    """Bytes free for this rank: the GPU's free memory, or the host's available memory shared by
+    the ranks on it (None where the system does not say)."""
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0], f"{torch.cuda.get_device_name(device)}"
+    try:
+        with open("/proc/meminfo") as f:
+            kb = next(int(line.split()[1]) for line in f if line.startswith("MemAvailable:"))
+    except (OSError, StopIteration, ValueError):
+        return None, None
+    ranks = int(os.environ.get("LOCAL_WORLD_SIZE", 1))
+    return kb * 1024 // ranks, "this machine" + (f" / {ranks} ranks" if ranks > 1 else "")
+
+
+# ---------------------------------------------------------------------------------------------
+# Timing: device events on a GPU (the CPU runs its ops synchronously, so a clock is honest there)
+
+class Clock:
+    def __init__(self, device):
+        self.cuda = device.type == "cuda"
+
+    def stamp(self):
+        if self.cuda:
+            e = torch.cuda.Event(enable_timing=True)
+            e.record()
+            return e
+        return time.perf_counter()
+
+    def ms(self, a, b):
+        return a.elapsed_time(b) if self.cuda else (b - a) * 1e3
+
+    def sync(self):
+        if self.cuda:
+            torch.cuda.synchronize()
+
+
+def median_ms(clock, fn, reps, warmup=3, desc=None):
+    stamps = []
+    with tqdm(total=warmup + reps, desc=desc, disable=desc is None or not is_rank0(), leave=False) as bar:
+        for _ in range(warmup):
+            fn()
+            bar.update()
+        for _ in range(reps):
+            a = clock.stamp()
+            fn()
+            stamps.append((a, clock.stamp()))
+            bar.update()
+    clock.sync()
+    return Timing([clock.ms(a, b) for a, b in stamps])
+
+
+def phase_label(key, graph):
+    """A progress bar's name for a GraphKey: the phase, its attention mode, the tokens a row reads
+    (key.tokens, never the cache slots), eager or graph."""
+    what = {"decode_step": "decode step", "verify": f"verify ({key.mode} attention)",
+            "draft_extend": "draft extend", "draft": "draft",
+            "allreduce": "all-reduces"}.get(key.phase, key.phase)
+    unit = "head step" if key.phase == "draft" else "token"  # a draft step reads one token
+    return f"timing {what}, {key.tokens} {unit}{'s' if key.tokens != 1 else ''}, " \
+        f"{'graph' if graph else 'eager'}"
+
+
+class PhaseTimer:
+    """verify.generate calls mark(name) at the end of each phase. A phase lasts from the previous
+    mark to its own, and `host` from a cycle's last mark to the next cycle's "start" (the host
+    read and the host's own work), so in every cycle the phases add up to the cycle, start to start."""
+
+    def __init__(self, clock):
+        self.clock, self.marks = clock, []
+
+    def mark(self, name):
+        self.marks.append((name, self.clock.stamp()))
+
+    def per_cycle(self):
+        """[{phase: ms, ..., "host": ms, "cycle": ms}] per cycle; the last has no host nor cycle."""
+        self.clock.sync()
+        cycles = []
+        for (n0, t0), (n1, t1) in zip(self.marks, self.marks[1:]):
+            if n0 == "start":
+                cycles.append({})
+            cycles[-1]["host" if n1 == "start" else n1] = self.clock.ms(t0, t1)
+        starts = [t for n, t in self.marks if n == "start"]
+        for c, a, b in zip(cycles, starts, starts[1:]):
+            c["cycle"] = self.clock.ms(a, b)
+        return cycles
+
+    def phases(self):
+        """Each phase's Timing over the cycles."""
+        cycles = self.per_cycle()
+        names = [n for n in cycles[0] if n not in ("host", "cycle")] + ["host", "cycle"] if cycles else []
+        med = {n: Timing([c[n] for c in cycles if n in c]) for n in names if any(n in c for c in cycles)}
+        if "cycle" not in med and cycles:  # one cycle only: it is the sum of its phases
+            med["cycle"] = Timing([sum(cycles[0].values())])
+        return med
+
+
+def is_rank0():
+    return not dist.is_initialized() or dist.get_rank() == 0
+
+
+def copy_bandwidth(clock, device):
+    """GB/s of a 1 GiB device copy (read + write): the floors' bandwidth."""
+    x = torch.empty(1 << 30, dtype=torch.uint8, device=device)
+    y = torch.empty_like(x)
+    ms = median_ms(clock, lambda: y.copy_(x), 10)
+    return 2 * x.numel() / ms / 1e6  # GB/s, read + write
+
+
+# ---------------------------------------------------------------------------------------------
+# The results: what each stage returns; Result is the --json line (report.as_json)
+
+@dataclass
+class Context:
+    """The isolated phases at one context length, and where their time goes."""
+    phases_ms: dict          # {"phase/variant": Timing}
+    distinct_experts: dict = field(default_factory=dict)  # {phase: routed experts a MoE layer reaches}
+    bytes: dict = field(default_factory=dict)             # {phase: {component: bytes}}
+    components: dict = field(default_factory=dict)        # {phase: ComponentProfile}
+    floors_ms: dict = field(default_factory=dict)         # {phase: ms, None without a GPU}
+    gpu_mem_peak_eager_GB: float | None = optional()
+
+
+@dataclass
+class SweepPoint:
+    """Verify and draft extend of T tokens: what a cycle of num_steps T - 1 pays."""
+    verify: Timing
+    draft_extend: Timing
+
+
+@dataclass
+class E2ERun:
+    """One generate() call end to end; its cycle's phases (PhaseTimer)."""
+    tok_per_s: float
+    wall_s: float
+    tokens: int
+    cycles: int
+    phases_ms: dict          # {phase: Timing over the cycles}
+    accept_len_mean: float | None = optional()   # speculative runs: accepted tokens per cycle
+    accept_len_hist: list | None = optional()    # cycles by accepted length 1 .. k + 1
+    simulated: bool | None = optional()
+    speedup_measured: float | None = optional()  # set by the cost model
+    speedup_predicted: float | None = optional()
+
+
+@dataclass
+class MeasuredAllreduce:
+    """Real TP: one all-reduce's cost (collectives), and the step against its SIMULATED twin."""
+    us_each: dict            # {"how/tokens": us}
+    gemv_MB: float
+    per_forward: int
+    implementation: str
+    for_simulated_rank_us: float | None = None   # what --allreduce-us should get
+    twin_phases_ms: dict | None = optional()
+    real_minus_twin_us: dict | None = optional()
+
+
+@dataclass
+class Env:
+    """Where and how the run ran (the GPU fields only on a GPU)."""
+    device: str
+    torch: str
+    world_size: int
+    simulated_tp: int | None
+    dtype: str
+    int4_group_size: int | None
+    fp8_block: list | None
+    moe_impl: str
+    kernels: list
+    draft_kernels: list | None
+    routing: str
+    simulated_routing: bool
+    seed: int
+    simulated_acceptance: bool
+    target: str
+    config: dict             # run.py's settled configuration
+    weights: str             # "trained tiny pair", "checkpoints" or "random"
+    cpu_count: int | None
+    load_average: float | None = None   # over the last minute, at the end of the run
+    gpu_mem_peak_GB: float | None = optional()
+    gpu_mem_peak_eager_GB: float | None = optional()
+    weights_GB: float | None = optional()
+    routed_experts_GB: float | None = optional()
+
+
+@dataclass
+class Result:
+    """Every number of a timing run; contexts and phases_ms share the first context's dict."""
+    env: Env
+    bandwidth_GBps: float | None
+    contexts: dict           # {context length: Context}
+    phases_ms: dict = None   # the first context's phases, "accept" added
+    floors: dict = None      # the first context's floors_ms
+    verify_sweep_ms: dict = None            # {T: SweepPoint}
+    e2e: dict = field(default_factory=dict)  # {"baseline/graph", "eagle3/decode/graph", ...: E2ERun}
+    greedy_agreement_with_plain: dict | None = None
+    allreduce_measured: MeasuredAllreduce | None = None
+    allreduce_modelled: ModelledAllreduce | None = None
+    cost_model: CostModel = None
+    kernels_per_decode_step: int | None = optional()
+    kernels_per_decode_step_compiled: int | None = optional()
+    compile_error: str | None = optional()
+    warnings: list = field(default_factory=list)
+    spread_ms: dict = field(default_factory=dict)  # each Timing's spread, nested as the result
+    answer: list = field(default_factory=list)
+
+
+# ---------------------------------------------------------------------------------------------
+# The timing run, in the order of its output: build, the phases in isolation (with where their
+# time goes and their floors), end to end, collectives, torch.compile, the cost model; report.py
+# prints what they measured.
+
+@dataclass
+class Bench:
+    """What the stages share: the models, the clock, the graph runner and the run's settings."""
+    cfg: argparse.Namespace    # run.py's settled configuration (settle)
+    target: model.Transformer
+    head: Eagle3Draft
+    how: str                   # what the target is, for the header
+    clock: Clock
+    runner: CudaGraphs | None
+    fill: torch.Tensor = None  # [B, C'] ids prefilled into the cache (random, or held-out text for the trained
+                               # pair), C' the longest context or the prompt length, whichever is longer
+    aux: torch.Tensor = None   # [B, C, 3D] the target's EAGLE-3 states along `fill`
+
+    @property
+    def gpu(self):
+        return self.target.device.type == "cuda"
+
+    @property
+    def k(self):
+        return self.cfg.speculative_num_steps
+
+    @property
+    def modes(self):  # verify's attention modes timed, in the model's words (FLAG_WORD: in names)
+        return self.cfg.attention_modes
+
+    @property
+    def graph_opts(self):
+        return {"both": [False, True], "on": [True], "off": [False]}[self.cfg.cuda_graph]
+
+    @property
+    def best(self):  # the fastest variant: graph when captured; the cost model's attention mode
+        return "graph" if self.graph_opts[-1] else "eager", "decode" if "decode" in self.modes else self.modes[0]
+
+    def verify_name(self, mode):  # an isolated verify's name in the tables and JSON: the flag's word
+        return f"verify/{FLAG_WORD[mode]}"
+
+    def positions(self, ctx, T):  # [B, T]: T new tokens after ctx cached ones
+        return ctx + torch.arange(T, device=self.target.device).expand(self.cfg.batch_size, T)
+
+    def timed(self, key, fn, *inputs, graph):
+        call = (lambda: self.runner.run(key, fn, *inputs)) if graph else (lambda: fn(*inputs))
+        return median_ms(self.clock, call, self.cfg.reps, desc=phase_label(key, graph))
+
+
+def prepare(cfg, device):
+    """Build the models and fill their caches up to the longest context (random ids; held-out
+    text for the trained pair)."""
+    torch.manual_seed(cfg.seed)
+    target, head, how = build(cfg, device, getattr(torch, cfg.dtype))
+    b = Bench(cfg, target, head, how, Clock(device), CudaGraphs(device) if cfg.cuda_graph != "off" else None)
+    B, C = cfg.batch_size, max(cfg.context_len)
+    g = torch.Generator().manual_seed(cfg.seed)
+    L = max(C, cfg.prompt_len)
+    b.fill = (torch.tensor(train.heldout_prompts(B, L)) if cfg.trained_pair  # text like its training data
+              else torch.randint(0, target.args.vocab_size, (B, L), generator=g)).to(device)
+    last = torch.full((B,), C - 1, device=device)
+    with tqdm(total=2 * C, desc=f"filling the caches: target and head, {C} tokens", unit="token",
+              disable=not is_rank0() or C <= PREFILL_CHUNK, leave=False) as bar:
+        _, b.aux = prefill_target(target, b.fill[:, :C], last, capture_aux=True, progress=bar.update)
+        prefill_draft(head, b.fill[:, :C], b.aux, last, progress=bar.update)  # its output is not used
+    return b
+
+
+def phase_calls(b, ctx):
+    """The isolated phases at ctx cached tokens: {name: (graph key, fn, inputs)}. Only their shapes
+    matter for timing, so the inputs are deliberately arbitrary: the decode step and the verify
+    re-read prefilled ids at new positions; the draft extend reads those ids unshifted (draft.py
+    pairs token t+1 with state t) beside target states captured at other positions; the draft
+    step starts from that extend's output (a chain of num_steps 2: one head step). The target
+    reads the slots in use (kv_bucket), as verify.generate does, so the plain phases share its
+    graphs."""
+    k, B, t = b.k, b.cfg.batch_size, b.target
+    pos1, posv = b.positions(ctx, 1), b.positions(ctx, k + 1)
+    kv1, kvv = kv_bucket(ctx + 1, t.max_seq_len), kv_bucket(ctx + k + 1, t.max_seq_len)
+    kvd = kv_bucket(ctx + 2 * k + 1, t.max_seq_len)  # the draft's reads, as in generate (its chain runs ahead)
+    step_tok, vtok = b.fill[:, ctx - 1:ctx], b.fill[:, ctx - k - 1:ctx]
+    aux, last = b.aux[:, ctx - k - 1:ctx], torch.full((B,), k, device=t.device)
+    calls = {"decode_step": (GraphKey("decode_step", "decode", B, 1, kv1),
+                             partial(t, mode="decode", kv_len=kv1), (step_tok, pos1))}
+    for mode in b.modes:
+        calls[b.verify_name(mode)] = (GraphKey("verify", mode, B, k + 1, kvv),
+                                      partial(t, mode=mode, capture_aux=True, kv_len=kvv), (vtok, posv))
+    calls["draft_extend"] = (GraphKey("draft_extend", None, B, k + 1, kvd),
+                             partial(b.head.extend, kv_len=kvd), (vtok, posv, aux, last))
+    first, g = b.head.extend(vtok, posv, aux, last, kv_len=kvd)
+    calls["draft_step"] = (GraphKey("draft", None, B, 1, kvd),
+                           partial(b.head.chain, num_steps=2, kv_len=kvd), (first, g, pos1[:, 0] + k))
+    if b.cfg.speculative_eagle_topk > 1:
+        calls.update(tree_calls(b, ctx))
+    return calls
+
+
+def tree_calls(b, ctx):
+    """The tree's phases beside the chain's: the verify of its N nodes after ctx cached tokens
+    (each attention mode; a tree the head drafts from arbitrary inputs, as phase_calls' are) and
+    the head's expansion (S - 1 passes of K rows)."""
+    K, S, N = b.cfg.speculative_eagle_topk, b.k, b.cfg.speculative_num_draft_tokens
+    B, t, head = b.cfg.batch_size, b.target, b.head
+    kvt, kvd = kv_bucket(ctx + N, t.max_seq_len), kv_bucket(ctx + N + (S - 1) * K, t.max_seq_len)
+    vtok, posv = b.fill[:, ctx - S - 1:ctx], b.positions(ctx - S - 1, S + 1)
+    last = torch.full((B,), S, device=t.device)
+    logits, g = head.extend_logits(vtok, posv, b.aux[:, ctx - S - 1:ctx], last, kv_len=kvd)
+    expand = partial(head.tree, topk=K, num_steps=S, num_nodes=N, kv_len=kvd)
+    tree = expand(vtok[:, -1], logits, g, posv[:, -1])
+    start = torch.full((B,), ctx, device=t.device)
+    inputs = (tree.tokens, ctx + tree.depths, start.unsqueeze(1) + torch.arange(N, device=t.device),
+              tree_visible(tree.parents, start, kvt))
+    calls = {f"{b.verify_name(mode)} tree": (GraphKey("verify_tree", mode, B, N, kvt),
+                                             partial(tree_forward, t, mode=mode, kv_len=kvt), inputs)
+             for mode in b.modes}
+    calls["draft_tree"] = (GraphKey("draft_tree", None, B, (S - 1) * K, kvd), expand,
+                           (vtok[:, -1], logits, g, posv[:, -1]))
+    return calls
+
+
+def time_phases(b, ctx, graph, suffix=""):
+    """Median ms of each isolated phase at ctx cached tokens, eager or replayed from its graph."""
+    name = ("graph" if graph else "eager") + suffix
+    return {f"{phase}/{name}": b.timed(key, fn, *inputs, graph=graph)
+            for phase, (key, fn, inputs) in phase_calls(b, ctx).items()}
+
+
+def isolated(b, ctx, bandwidth):
+    """One context: the phases eager and/or captured; for the decode step and each verify, the
+    distinct experts a MoE layer reaches, the bytes each component must move and where the kernel
+    time goes (a profiled eager run of the same shapes); the floors of every phase."""
+    out = Context(phases_ms={})
+    for graph in b.graph_opts:
+        out.phases_ms.update(time_phases(b, ctx, graph))
+        if b.gpu and not graph:
+            out.gpu_mem_peak_eager_GB = torch.cuda.max_memory_allocated(b.target.device) / 1e9
+    B = b.cfg.batch_size
+    for phase, (_, fn, inputs) in phase_calls(b, ctx).items():
+        T = inputs[0].shape[1] if inputs[0].dim() == 2 else 1  # the draft step's input is d_1 [B]
+        if phase.startswith("draft"):
+            nbytes = draft_bytes(b.head, ctx + T, B, with_fc=phase == "draft_extend")
+        else:
+            distinct = routed_distinct(b.target, fn, inputs)
+            out.distinct_experts[phase] = statistics.mean(distinct) if distinct else 0.0
+            parts = component_bytes(b.target, distinct, ctx + T, B, T)
+            out.bytes[phase], nbytes = parts, sum(parts.values())
+            out.components[phase] = profile_components(b.target, partial(fn, *inputs), b.gpu)
+        out.floors_ms[phase] = nbytes / bandwidth / 1e6 if bandwidth else None
+    return out
+
+
+def verify_sweep(b, ctx):
+    """Verify (the cost model's attention mode) and draft extend of T = 1..6 tokens at ctx cached
+    tokens, fastest variant: what a cycle of num_steps T - 1 pays. Inputs as in phase_calls.
+    Returns {T: SweepPoint}."""
+    graph, mode = b.graph_opts[-1], b.best[1]
+    B, t, sweep = b.cfg.batch_size, b.target, {}
+    for T in range(1, 7):
+        if ctx < T:
+            break
+        kv, vt, pos = kv_bucket(ctx + T, t.max_seq_len), b.fill[:, ctx - T:ctx], b.positions(ctx, T)
+        kvd = kv_bucket(ctx + 2 * T - 1, t.max_seq_len)  # generate's draft extend at num_steps T - 1
+        sweep[T] = SweepPoint(
+            verify=b.timed(GraphKey("verify", mode, B, T, kv),
+                           partial(t, mode=mode, capture_aux=True, kv_len=kv), vt, pos, graph=graph),
+            draft_extend=b.timed(GraphKey("draft_extend", None, B, T, kvd),
+                                 partial(b.head.extend, kv_len=kvd), vt, pos, b.aux[:, ctx - T:ctx],
+                                 torch.full((B,), T - 1, device=t.device), graph=graph))
+    return sweep
+
+
+def run_generate(b, draft, mode, graph):
+    """One generate() call on the random prompts, with device events at each phase of each cycle
+    (a PhaseTimer in the loop's Probe, with the SIMULATED acceptance if asked)."""
+    a, timer = b.cfg, PhaseTimer(b.clock)
+    probe = Probe(timer.mark, a.simulate_accept_len if draft else None)
+    b.clock.sync()
+    t0 = time.perf_counter()
+    tree = a.speculative_eagle_topk > 1
+    res = generate(b.target, draft, b.fill[:, :a.prompt_len].cpu(), max_new_tokens=a.max_new_tokens,
+                   num_steps=b.k, attention_mode=mode, use_graphs=graph,
+                   temperature=a.temperature, seed=a.seed, eos_id=-1,
+                   graphs=b.runner if graph else None, probe=probe,
+                   topk=a.speculative_eagle_topk if tree else None,
+                   num_draft_tokens=a.speculative_num_draft_tokens if tree else None)
+    b.clock.sync()
+    wall = time.perf_counter() - t0
+    n = sum(len(t) for t in res.tokens)
+    out = E2ERun(n / wall, wall, n, res.cycles, timer.phases())
+    if draft is not None:
+        live = res.accepted[res.accepted >= 0]
+        out.accept_len_mean = (live.float().mean().item() + 1) if live.numel() else 0.0
+        out.accept_len_hist = torch.bincount(live + 1, minlength=b.k + 2)[1:].tolist()
+        out.simulated = res.simulated
+    return out, res
+
+
+def end_to_end(b):
+    """The plain loop and each speculative configuration, each run twice (the first captures its
+    graphs); and how many tokens speculative greedy output shares with plain greedy output."""
+    e2e, agreement = {}, {}
+    runs = len(b.graph_opts) * (1 + len(b.modes))
+    bar = tqdm(total=2 * runs, desc="end to end", unit="run", disable=not is_rank0(), leave=False)
+
+    def twice(name, draft, mode, graph):  # the first run captures the graphs; the second is timed
+        bar.set_description(f"end to end: {name}")
+        for _ in range(2):
+            out = run_generate(b, draft, mode, graph)
+            bar.update()
+        return out
+    with bar:
+        for graph in b.graph_opts:
+            name = f"baseline/{'graph' if graph else 'eager'}"
+            e2e[name], base = twice(name, None, "decode", graph)
+        for graph in b.graph_opts:
+            for mode in b.modes:
+                name = f"eagle3/{FLAG_WORD[mode]}/{'graph' if graph else 'eager'}"
+                e2e[name], res = twice(name, b.head, mode, graph)
+                same = sum(x == y for r, p in zip(res.tokens, base.tokens) for x, y in zip(r, p))
+                agreement[name] = same / max(1, sum(len(p) for p in base.tokens))
+    # greedy and the model's own routing: uniform routing picks experts by a token's place in the forward
+    same_model = b.cfg.temperature == 0 and not b.cfg.simulate_accept_len and b.target.routing == "model"
+    return e2e, agreement if same_model else None
+
+
+def collectives(b, r):
+    """Real TP only: what one all-reduce of T tokens' hidden rows costs, in us, by T, three ways:
+    interleaved, the figure that predicts a real step: n = 2 x layers all-reduces in one CUDA graph,
+    each of the output of a GEMV as long as the compute between two all-reduces of this run's
+    decode step (its time / n, at the copy bandwidth), minus the same graph without them; back to
+    back: n in a row in a graph (each then pays its whole latency, which compute otherwise hides
+    in part); eager: separate launches, host included. Then the simulated twin (twin_phases)."""
+    t, n, B = b.target, 2 * b.target.args.num_hidden_layers, b.cfg.batch_size
+    D, variant = t.args.hidden_size, b.best[0]
+    gap_ms = r.phases_ms[f"decode_step/{variant}"] / n
+    cols = max(D, round(gap_ms * 1e-3 * (r.bandwidth_GBps or 0) * 1e9 / (D * t.dtype.itemsize)))
+    w = torch.randn(D, cols, device=t.device).to(t.dtype) / cols ** 0.5
+    out = MeasuredAllreduce({}, w.numel() * w.element_size() / 1e6, n, t.tp.describe())
+
+    def gemvs(x, reduce, w=w):
+        for _ in range(n):
+            y = F.linear(x, w)  # [B T, D], as a row-parallel projection's partial sums
+            y = t.tp.all_reduce(y) if reduce else y
+        return y
+
+    def in_a_row(buf):
+        for _ in range(n):
+            buf = t.tp.all_reduce(buf)
+        return buf
+
+    def between_compute(name, T, w):
+        x = torch.randn(B * T, w.shape[1], device=t.device).to(t.dtype)
+        both = b.timed(GraphKey(name + "+allreduce", None, B, T), partial(gemvs, reduce=True, w=w),
+                       x, graph=True)
+        alone = b.timed(GraphKey(name, None, B, T), partial(gemvs, reduce=False, w=w), x, graph=True)
+        return (both - alone) * 1e3 / n
+
+    us = out.us_each
+    for T in sorted({1, 2, 4, 6, b.k + 1}):
+        buf = torch.zeros(B * T, D, dtype=t.dtype, device=t.device)
+        us[f"eager/{T}"] = median_ms(b.clock, lambda: t.tp.all_reduce(buf), b.cfg.reps) * 1e3
+        if b.runner is None:
+            continue
+        key = GraphKey("allreduce", None, B, T)
+        us[f"back_to_back/{T}"] = b.timed(key, in_a_row, buf, graph=True) * 1e3 / n
+        us[f"interleaved/{T}"] = between_compute("gemv", T, w)
+    if b.runner is not None:  # T = 1 after a GEMV 8 times shorter: how much the gap matters
+        us["interleaved_short_gemv/1"] = between_compute("gemv_short", 1, w[:, :max(D, cols // 8)])
+        out.twin_phases_ms, out.real_minus_twin_us = twin_phases(b, r, n)
+    out.for_simulated_rank_us = us.get("interleaved/1")  # what --allreduce-us should get
+    return out
+
+
+def twin_phases(b, r, n):
+    """The decode step and the verify again, captured with every layer's TP swapped for a SIMULATED
+    rank's (collectives skipped: what `--simulate-tp N` builds, on this rank's very weights), then
+    put back: real minus twin, over n, is what an all-reduce cost inside this step (the logits'
+    all-gather and the embedding's all-reduce counted in). The twin's graphs live in a runner of
+    their own (the keys are the real phases'). Returns the twin's phases and {phase: us}."""
+    twin = dataclasses.replace(b.target.tp, simulated=True, one_shot=None)
+    modules = [m for m in [*b.target.modules(), *b.head.modules()]
+               if isinstance(getattr(m, "tp", None), tpm.TP)]
+    real, runner = [m.tp for m in modules], b.runner
+    try:
+        for m in modules:
+            m.tp = twin
+        b.runner = CudaGraphs(b.target.device)
+        phases = time_phases(b, b.cfg.context_len[0], True, "+twin")
+    finally:
+        for m, tp in zip(modules, real):
+            m.tp = tp
+        b.runner = runner
+    names = ("decode_step", *(b.verify_name(mode) for mode in b.modes))
+    return phases, {name: (r.phases_ms[f"{name}/graph"] - phases[f"{name}/graph+twin"]) * 1e3 / n
+                    for name in names}
+
+
+def compiled(b, ctx, result):
+    """The captured phases again with torch.compile fusing each layer (last: it changes the
+    modules). The compiled layers' graphs live in a runner of their own: the keys are the same."""
+    try:
+        kernels.compile_layers(b.target)
+        kernels.compile_head(b.head)
+        b.runner = CudaGraphs(b.target.device)
+        result.contexts[ctx].phases_ms.update(time_phases(b, ctx, True, "+compile"))
+        key, fn, inputs = phase_calls(b, ctx)["decode_step"]
+        result.kernels_per_decode_step_compiled = count_kernels(partial(fn, *inputs))
+    except Exception as e:  # an optional measurement: say why it is missing, keep the rest
+        result.compile_error = f"{type(e).__name__}: {e}"[:500]
+        tpm.print0(f"torch.compile variant failed: {result.compile_error}")
+
+
+def environment(b, world):
+    """The Env of a run on Bench b (the GPU's memory is added at the end: gpu_memory)."""
+    cfg, t = b.cfg, b.target
+    weights = ("trained tiny pair" if cfg.trained_pair else "checkpoints" if cfg.model_path
+               else "random")
+    return Env(device=torch.cuda.get_device_name(t.device) if b.gpu else "cpu",
+               torch=torch.__version__, world_size=world,
+               simulated_tp=cfg.simulate_tp if t.tp.simulated else None, dtype=cfg.dtype,
+               int4_group_size=t.args.int4_group_size, fp8_block=t.args.fp8_block,
+               moe_impl=t.moe_impl, kernels=list(t.kernels),
+               draft_kernels=list(b.head.kernels) if b.head is not None else None,
+               routing=t.routing, simulated_routing=t.routing == "uniform", seed=cfg.seed,
+               simulated_acceptance=cfg.simulate_accept_len is not None, target=b.how,
+               config=vars(cfg), weights=weights, cpu_count=os.cpu_count())
+
+
+def gpu_memory(b, r):
+    """The GPU's peak memory and the weights' bytes, into r.env."""
+    t, env, first = b.target, r.env, b.cfg.context_len[0]
+    env.gpu_mem_peak_GB = torch.cuda.max_memory_allocated(t.device) / 1e9
+    env.gpu_mem_peak_eager_GB = r.contexts[first].gpu_mem_peak_eager_GB
+    env.weights_GB = sum(p.numel() * p.element_size() for p in t.parameters()) / 1e9
+    env.routed_experts_GB = sum(p.numel() * p.element_size() for n, p in t.named_parameters()
+                                if ".mlp.experts." in n) / 1e9
+
+
+def time_accept(b, ctx):
+    """The acceptance of a verify's logits, alone."""
+    cfg = b.cfg
+    key, fn, inputs = phase_calls(b, ctx)[b.verify_name(b.modes[0])]
+    logits = fn(*inputs)[0]
+    gen = None if cfg.temperature == 0 else torch.Generator(b.target.device).manual_seed(0)
+    return median_ms(b.clock, lambda: accept(logits, inputs[0][:, 1:], cfg.temperature, gen),
+                     cfg.reps)
+
+
+def measure(b, world):
+    """The whole timing run on a prepared Bench, in the order of its output; returns the Result
+    with its warnings, spreads and answer (report.py prints it)."""
+    cfg, first = b.cfg, b.cfg.context_len[0]
+    bandwidth = copy_bandwidth(b.clock, b.target.device) if b.gpu else None
+    r = Result(environment(b, world), bandwidth,
+               {c: isolated(b, c, bandwidth) for c in cfg.context_len})
+    r.phases_ms, r.floors = r.contexts[first].phases_ms, r.contexts[first].floors_ms
+    r.phases_ms["accept"] = time_accept(b, first)
+    r.verify_sweep_ms = verify_sweep(b, first)
+    if not cfg.skip_e2e:
+        r.e2e, r.greedy_agreement_with_plain = end_to_end(b)
+    r.allreduce_measured = collectives(b, r) if b.target.tp.communicates else None
+    r.allreduce_modelled = modelled_allreduce(b)
+    if cfg.compile:
+        compiled(b, first, r)
+    r.cost_model = cost_model(r, b)
+    if b.gpu:
+        gpu_memory(b, r)
+        r.kernels_per_decode_step = r.contexts[first].components["decode_step"].kernels
+    r.env.load_average = os.getloadavg()[0] if hasattr(os, "getloadavg") else None
+    r.warnings, r.spread_ms = timing_warnings(r), spreads(r)
+    r.answer = answer(r, b) + verdict(r)
+    return r
