@@ -33,6 +33,7 @@ log-softmax after reading the sequence's first t+1 tokens, predicting token t+1.
 import json
 import math
 import os
+import textwrap
 
 import numpy as np
 
@@ -353,7 +354,7 @@ def compare(a, b, names=("A", "B"), max_logprob_diff=MAX_LOGPROB_DIFF,
 
 def print_comparison(report, names, metas):
     for name, meta in zip(names, metas):
-        print(f"{name}: {meta or '(no meta array)'}")
+        print(fill(f"{name}: {meta or '(no meta array)'}"))
     accept = "accepted_per_cycle" in report["rows"][0]
     head = (f"{'row':>4} {'prompt':>6} {'out A/B':>9} {'diverge@':>8} {'judged':>8} "
             f"{'top-1 agree':>17} {'max|dlogp|':>10} {'@pos':>5}")
@@ -375,9 +376,17 @@ def print_comparison(report, names, metas):
     accept_line = "" if report["accept_diff"] is None else (
         f", drafts accepted per cycle (bonus token not counted) differ by "
         f"{report['accept_diff']:.3f}")
-    print(f"\nall rows: top-1 agreement {report['top1_agreement']:.4f}, max |logprob diff| "
-          f"{report['max_logprob_diff']:.3g}{accept_line}")
-    print("FAIL: " + "; ".join(report["failures"]) if report["failures"] else "PASS")
+    print("\n" + fill(f"all rows: top-1 agreement {report['top1_agreement']:.4f}, max |logprob "
+                      f"diff| {report['max_logprob_diff']:.3g}{accept_line}"))
+    fails = report["failures"]  # each on a line of its own, where it names its row
+    print("\n".join(fill(("FAIL: " if i == 0 else "  ") + f + (";" if i < len(fails) - 1 else ""),
+                          rest="    ") for i, f in enumerate(fails)) if fails else "PASS")
+
+
+def fill(text, width=110, rest="  "):
+    """A long line of the dump's or the comparison's output in lines of at most `width`."""
+    return textwrap.fill(text, width, subsequent_indent=rest, break_long_words=False,
+                         break_on_hyphens=False)
 
 
 def compare_main(args):
@@ -421,7 +430,7 @@ def dump_main(cfg, target, head, how):
     meta = dict(target=how, tp=target.tp.world_size, dtype=cfg.dtype, decoding=what,
                 max_new_tokens=cfg.max_new_tokens, topk=cfg.topk, torch=torch.__version__,
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
-    print0(f"dump: {json.dumps(meta)}")
+    print0(fill(f"dump: {json.dumps(meta)}"))
     arrays = dump(target, head, cfg.prompts, cfg.max_new_tokens, cfg.speculative_num_steps,
                   cfg.topk, cfg.attention_modes[0], use_graphs=cfg.cuda_graph == "on", tree=tree)
     if target.tp.rank == 0:  # np.savez on a file, not a name: a name would gain ".npz"

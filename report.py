@@ -170,52 +170,63 @@ LABEL, W = 54, 9  # the component table's label and column widths
 
 
 def print_components(r, ctx, c, b):
-    """Rows: components, then totals; columns: each target phase and its floor, verify - decode."""
-    comps, bw = c.components, r.bandwidth_GBps
-    verifies = [p for p in comps if p.startswith("verify/")]
-    variant = b.best[0]
+    """Where the time goes at one context: a table for the chain's verifies and, with a tree, one
+    for the tree's (each within 120 columns); the MODELLED all-reduces under them."""
+    unit, bw = "kernel" if b.gpu else "CPU op", r.bandwidth_GBps
+    print(f"\nwhere the time goes at {ctx} cached tokens: ms per forward of summed {unit} time in a "
+          f"profiled eager run\nof the same shapes, by component; floor: the bytes the component "
+          "must move" + (" / bandwidth, in ms" if bw else ", in MB (a GPU turns them into ms)"))
+    verifies = [p for p in c.components if p.startswith("verify/")]
+    chain = [p for p in verifies if not p.endswith(" tree")]
+    tree = [p for p in verifies if p.endswith(" tree")]
+    for group, title in ((chain, "verify"), (tree, "verify tree")):
+        if group:
+            component_table(r, c, b, group, title)
+    ar = r.allreduce_modelled
+    if ar:
+        print(f"  all-reduce MODELLED, not in the rows above: 2 x {b.target.args.num_hidden_layers} x "
+              f"{ar.us_each:g} us = {ar.target_forward_ms:.2f} ms per forward")
+
+
+def component_table(r, c, b, verifies, title):
+    """Rows: components, then totals; columns: the decode step and its floor, each verify of
+    `verifies` (one per attention mode) and their floor, verify - decode."""
+    comps, bw, variant = c.components, r.bandwidth_GBps, b.best[0]
     unit, floor = ("kernel", "floor ms") if b.gpu else ("CPU op", "floor MB")
 
     def floor_of(phase, n):
         nbytes = c.bytes[phase][n] if n else sum(c.bytes[phase].values())
         return nbytes / bw / 1e6 if bw else nbytes / 1e6
-    modes = [p.split("/")[1] for p in verifies]   # a tree's, "decode tree", shortened to fit W
-    modes = [m if len(m) < W else m.replace("prefill", "pre").replace("decode", "dec") for m in modes]
-    groups = [("decode step", ["ms", floor]), ("verify", modes + [floor]), ("verify - decode", modes)]
-    print(f"\nwhere the time goes at {ctx} cached tokens: ms per forward of summed {unit} time in a profiled "
-          f"eager run\nof the same shapes, by component; floor: the bytes the component must move"
-          + (" / bandwidth, in ms" if bw else ", in MB (a GPU turns them into ms)"))
+
+    def row(label, dec, alone, each):
+        values = ([dec, alone[0]] + [each(p) for p in verifies] + [alone[1]]
+                  + [each(p) - dec for p in verifies])
+        print(f"  {label:{LABEL}s}" + "".join(f"{x:{W}.3f}" if isinstance(x, float)
+                                              else f"{str(x):>{W}s}" for x in values))
+    modes = [p.split("/")[1].removesuffix(" tree") for p in verifies]
+    groups = [("decode step", ["ms", floor]), (title, modes + [floor]), (f"{title} - decode", modes)]
     print(f"  {'':{LABEL}s}" + "".join(f"{g:^{W * len(cols)}s}" for g, cols in groups))
     print(f"  {'':{LABEL}s}" + "".join(f"{h:>{W}s}" for _, cols in groups for h in cols))
-
-    def row(label, values):
-        print(f"  {label:{LABEL}s}" + "".join(f"{x:{W}.3f}" if isinstance(x, float) else f"{str(x):>{W}s}"
-                                          for x in values))
-    dec = comps["decode_step"]
+    dec, first = comps["decode_step"], verifies[0]
     for n, label in COMPONENTS.items():
-        d = dec.parts_ms[n]
-        row(label, [d, floor_of("decode_step", n)] + [comps[p].parts_ms[n] for p in verifies]
-            + [floor_of(verifies[0], n)] + [comps[p].parts_ms[n] - d for p in verifies])
+        row(label, dec.parts_ms[n], (floor_of("decode_step", n), floor_of(first, n)),
+            lambda p: comps[p].parts_ms[n])
+    row(f"summed {unit} time", dec.kernel_ms, (floor_of("decode_step", None), floor_of(first, None)),
+        lambda p: comps[p].kernel_ms)
     totals = {p: c.phases_ms[f"{p}/{variant}"] for p in comps}
-    row(f"summed {unit} time", [dec.kernel_ms, floor_of("decode_step", None)] + [comps[p].kernel_ms for p in verifies]
-        + [floor_of(verifies[0], None)] + [comps[p].kernel_ms - dec.kernel_ms for p in verifies])
-    row(f"{'captured' if variant == 'graph' else 'eager'} total (median)", [totals["decode_step"], ""]
-        + [totals[p] for p in verifies] + [""] + [totals[p] - totals["decode_step"] for p in verifies])
+    row(f"{'captured' if variant == 'graph' else 'eager'} total (median)", totals["decode_step"],
+        ("", ""), totals.get)
     gap = {p: totals[p] - comps[p].kernel_ms for p in comps}
     row("difference (launches, gaps" + (" inside the graph)" if variant == "graph" else ", host)"),
-        [gap["decode_step"], ""] + [gap[p] for p in verifies] + [""] + [gap[p] - gap["decode_step"] for p in verifies])
+        gap["decode_step"], ("", ""), gap.get)
     if variant == "graph" and min(gap.values()) < 0:
-        print("  (a difference below 0: in the graph each Triton kernel starts in its predecessor's tail\n"
-              "   (programmatic dependent launch); the profile ran them eager, one after another)")
-    row("kernels" if b.gpu else "leaf ops", [dec.kernels, ""] + [comps[p].kernels for p in verifies] + [""]
-        + [comps[p].kernels - dec.kernels for p in verifies])
+        print("  (a difference below 0: in the graph each Triton kernel starts in its predecessor's "
+              "tail\n   (programmatic dependent launch); the profile ran them eager, one after another)")
+    row("kernels" if b.gpu else "leaf ops", dec.kernels, ("", ""), lambda p: comps[p].kernels)
     ex = c.distinct_experts
-    row("distinct experts per MoE layer" + (" (SIMULATED uniform)" if b.target.routing == "uniform" else ""),
-        [ex["decode_step"], ""] + [ex[p] for p in verifies] + [""] + [ex[p] - ex["decode_step"] for p in verifies])
-    ar = r.allreduce_modelled
-    if ar:
-        print(f"  all-reduce MODELLED, not in the rows above: 2 x {b.target.args.num_hidden_layers} x "
-              f"{ar.us_each:g} us = {ar.target_forward_ms:.2f} ms per forward")
+    row("distinct experts per MoE layer"
+        + (" (SIMULATED uniform)" if b.target.routing == "uniform" else ""),
+        ex["decode_step"], ("", ""), ex.get)
 
 
 def print_e2e(r, b):
@@ -318,10 +329,10 @@ def print_allreduce(comm, b):
 def agreement_line(r, b):
     ag = r.greedy_agreement_with_plain
     if not ag:
-        return None if not r.e2e or b.target.routing == "model" else (
-            "greedy speculative vs plain output: not compared, since SIMULATED uniform routing gives a token its "
-            "experts by its place in the forward, so a verify and a decode step compute different functions "
-            "(--routing model compares them)")
+        return None if not r.e2e or b.target.routing == "model" else wrap(
+            "greedy speculative vs plain output: not compared, since SIMULATED uniform routing gives "
+            "a token its experts by its place in the forward, so a verify and a decode step compute "
+            "different functions (--routing model compares them)", "", "  ")
     shares = ", ".join(f"{name.removeprefix('eagle3/')} {x:.0%}" for name, x in ag.items())
     if all(x == 1 for x in ag.values()):
         meaning = "identical, as lossless greedy speculative decoding must be"
@@ -416,12 +427,31 @@ def timing_warnings(r):
         if predicted is not None and max(measured, predicted) > 1.5 * min(measured, predicted):
             out.append(f"{name}: measured speedup {measured:.2f}x but {predicted:.2f}x "
                        "predicted from its own phases: the wall clock and the phase timings disagree (noise)")
+    out += profile_warnings(r)
     sweep = {t: v.verify for t, v in (r.verify_sweep_ms or {}).items()}
     inverted = [f"{t1} tokens {sweep[t1]:.3f} ms > 1.5 x {t2} tokens {sweep[t2]:.3f} ms"
                 for t1 in sweep for t2 in sweep if t1 < t2 and sweep[t1] > 1.5 * sweep[t2]]
     if inverted:
         out.append(f"verify costs less with more tokens ({'; '.join(inverted[:3])}{'; ...' if len(inverted) > 3 else ''}), "
                    "which cannot be: noise")
+    return out
+
+
+def profile_warnings(r):
+    """A profiled phase whose summed kernel (or CPU op) time exceeds the timed phase itself."""
+    out, unit = [], "CPU op" if r.env.device == "cpu" else "kernel"
+    for ctx, c in r.contexts.items():
+        over = []
+        for phase, prof in c.components.items():
+            timed = c.phases_ms.get(f"{phase}/graph") or c.phases_ms.get(f"{phase}/eager")
+            if timed and prof.kernel_ms > timed:
+                over.append(f"{phase} {prof.kernel_ms:.2f} > {timed:.2f} ms")
+        if over:
+            out.append(f"at {ctx} cached tokens the profiled run's summed {unit} time exceeds the "
+                       f"timed phase ({'; '.join(over)}): the profiler's own cost per op (on a CPU) "
+                       "or kernels that overlap in a graph, not work the phase does; read the "
+                       "component table's parts as shares, and its difference row (launches, gaps) "
+                       "as too low")
     return out
 
 

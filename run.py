@@ -303,8 +303,6 @@ def settle(args, device, world):
             print_rank0(f"note: --speculative-num-draft-tokens {cfg.speculative_num_draft_tokens} adjusted to "
                        f"{want} (= num_steps + 1 with topk 1)")
         cfg.speculative_num_draft_tokens = want
-    else:
-        print_rank0(tree_note(cfg))
     cfg.preset = cfg.preset or ("kimi-k2" if gpu else "tiny")
     cfg.trained_pair = uses_trained_pair(cfg)
     big = cfg.preset.startswith("kimi-k2") and not cfg.model_path
@@ -526,6 +524,8 @@ def main(argv=None):
     rank, world, device = tp.init_distributed()
     cfg = settle(args, device, world)
     check_sizes(cfg, device, world)
+    if cfg.speculative_eagle_topk > 1:
+        print_rank0(tree_note(cfg))
     with torch.no_grad():
         return dump(cfg, device) if cfg.dump else bench(cfg, device, world)
 
