@@ -111,7 +111,8 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens {max_new_tokens}: must be at least 1")
         if not 1 <= topk <= target.args.vocab_size:
-            raise ValueError(f"topk {topk}: must lie in [1, the vocabulary's {target.args.vocab_size} ids]")
+            raise ValueError(f"topk {topk}: must lie in [1, the vocabulary's "
+                             f"{target.args.vocab_size} ids]")
         K, N = tree or (None, None)
         res = generate(target, head, prompts, max_new_tokens=max_new_tokens, num_steps=num_steps,
                        attention_mode=attention_mode, use_graphs=use_graphs, eos_id=eos_id, topk=K,
@@ -119,7 +120,8 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
         B, P, N = len(prompts), max(len(p) for p in prompts), max_new_tokens
         T = P + N - 1  # the last output token predicts nothing we keep
         prompt_ids, output_ids = np.full((B, P), -1, np.int64), np.full((B, N), -1, np.int64)
-        seqs = torch.zeros(B, T, dtype=torch.int64)  # past a row's end: zeros, read by no kept position
+        # past a row's end: zeros, read by no kept position
+        seqs = torch.zeros(B, T, dtype=torch.int64)
         ends = torch.zeros(B, 1, dtype=torch.int64)  # positions < end have a next token in the row
         for b, (p, out) in enumerate(zip(prompts, res.tokens)):
             prompt_ids[b, :len(p)], output_ids[b, :len(out)] = p, out
@@ -129,7 +131,7 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
         seqs = seqs.to(target.device)
         positions = torch.arange(T, device=target.device).expand(B, T)
         ids, logprobs = [], []
-        for s in range(0, T, chunk):  # chunks over the cache (slot = position): [B, chunk, V] logits
+        for s in range(0, T, chunk):  # chunks over the cache (slot = position): [B, chunk, V]
             logits, _ = target(seqs[:, s:s + chunk], positions[:, s:s + chunk], "extend")
             lp, top = torch.log_softmax(logits, -1).topk(topk, -1)  # logits are float32 or wider
             ids.append(top.cpu())

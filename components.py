@@ -94,7 +94,8 @@ def component_bytes(target, distinct, kv_slots, batch, tokens):
 
 
 def draft_bytes(head, kv_slots, batch, with_fc):
-    total = sum(p.numel() * p.element_size() for n, p in head.named_parameters() if with_fc or not n.startswith("fc."))
+    total = sum(p.numel() * p.element_size() for n, p in head.named_parameters() if with_fc or not n.startswith("fc."
+                                                                                                                ))
     attn = head.midlayer.self_attn
     return total + 2 * batch * kv_slots * attn.n_local_kv_heads * attn.head_dim * head.norm.weight.element_size()
 
@@ -123,7 +124,8 @@ def component_of(name, module):
 # kernels' merge_absorb_output (attention + norm_gemv, one row) also merges the attention's parts in
 # W_uv's launch: a projection by its bytes (W_uv's 1 MB a layer against ~80 KB of partials)
 MLA_METHODS = {"project": "attn_proj", "project_sum": "attn_proj", "attend": "attn_core",
-               "absorb_query": "attn_proj", "absorb_output": "attn_proj", "merge_absorb_output": "attn_proj"}
+               "absorb_query": "attn_proj", "absorb_output": "attn_proj", "merge_absorb_output": "attn_proj"
+               }
 
 
 def scope(component):

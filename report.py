@@ -104,10 +104,15 @@ def moe_note(t):
 
 def answer(r, b):
     """The run's answer in a few plain sentences (what the README's story needed to know)."""
+    return verify_answer(r, b) + cost_answer(r, b) + tree_answer(r) + simulated_note(r, b)
+
+
+def verify_answer(r, b):
+    """What verify costs against a decode step, and which components make the difference."""
     (variant, model_mode), k, ctx = b.best, b.k, b.cfg.context_len[0]
     name = b.verify_name(model_mode)  # "verify/prefill" or "verify/decode", as the tables say
     mode = name.split("/")[1]
-    c, ar = r.contexts[ctx], (r.allreduce_modelled.target_forward_ms if r.allreduce_modelled else 0.0)
+    c, ar = r.contexts[ctx], modelled_ms(r)
     dec, ver = c.phases_ms[f"decode_step/{variant}"] + ar, c.phases_ms[f"{name}/{variant}"] + ar
     d, v = (c.components[p] for p in ("decode_step", name))
     extra = sorted(((v.parts_ms[n] - d.parts_ms[n], n) for n in COMPONENTS), reverse=True)
@@ -117,53 +122,73 @@ def answer(r, b):
             break
         top.append((x, n))
     unit = "kernels" if b.gpu else "ops (CPU time)"
-    lines = [f"Verify of k+1 = {k + 1} tokens ({mode} attention, {variant}, {ctx} cached tokens) costs "
-             f"{ver / dec:.2f} decode steps ({ver:.2f} vs {dec:.2f} ms" + (", all-reduces MODELLED" if ar else "") + ")"
-             + (": below 1, which cannot be (a verify does a decode step's work and more): noise." if ver < dec
-                else ".")]
+    noise = ": below 1, which cannot be (a verify does a decode step's work and more): noise."
+    lines = [f"Verify of k+1 = {k + 1} tokens ({mode} attention, {variant}, {ctx} cached tokens) "
+             f"costs {ver / dec:.2f} decode steps ({ver:.2f} vs {dec:.2f} ms"
+             + (", all-reduces MODELLED" if ar else "") + ")" + (noise if ver < dec else ".")]
     gaps = (ver - dec) - more
-    if more > 0 and top:
-        lines.append(f"Its {unit} take {more:.2f} ms more ({v.kernel_ms:.2f} vs {d.kernel_ms:.2f} ms summed), "
-                     "mostly " + ", ".join(f"{COMPONENTS[n]} +{x:.2f} ms" for x, n in top) + "; " + (
-                         f"launches and gaps {'inside the graph' if variant == 'graph' else 'between ops'} make "
-                         f"the other {gaps:+.2f} ms." if gaps >= 0 else
-                         f"yet the timed runs differ by only {ver - dec:.2f} ms (the profiled run and the timed "
-                         "ones disagree: noise, or ops that overlap)."))
-    else:
-        lines.append(f"Its {unit} take no longer ({v.kernel_ms:.2f} vs {d.kernel_ms:.2f} ms summed): the "
-                     "difference is launches and gaps.")
-    cm = r.cost_model.steps.get(k)
-    if cm:
-        at2 = 2 * r.cost_model.plain_step_ms / cm.cycle_ms
-        be = cm.break_even_accept_len
-        pays = (f"pays above {be:.2f} accepted tokens per cycle" if 1 <= be <= k + 1 else
-                f"cannot pay here ({be:.2f} plain steps a cycle; a cycle accepts at most {k + 1} tokens)"
-                if be > k + 1 else f"looks cheaper than the plain step it contains ({be:.2f}), which cannot be: noise")
-        lines += [f"EAGLE-3 with num_steps {k} {pays} (bonus included: a {cm.cycle_ms:.2f} ms cycle against a "
-                  f"{r.cost_model.plain_step_ms:.2f} ms plain step).",
-                  f"At the README story's ~2 tokens per cycle it would give {at2:.2f}x"
-                  + (" (slower than plain decoding)." if at2 < 1 else ".")]
-    lines += tree_answer(r)
+    if not (more > 0 and top):
+        return lines + [f"Its {unit} take no longer ({v.kernel_ms:.2f} vs {d.kernel_ms:.2f} ms "
+                        "summed): the difference is launches and gaps."]
+    where = "inside the graph" if variant == "graph" else "between ops"
+    rest = (f"launches and gaps {where} make the other {gaps:+.2f} ms." if gaps >= 0 else
+            f"yet the timed runs differ by only {ver - dec:.2f} ms (the profiled run and the timed "
+            "ones disagree: noise, or ops that overlap).")
+    mostly = ", ".join(f"{COMPONENTS[n]} +{x:.2f} ms" for x, n in top)
+    return lines + [f"Its {unit} take {more:.2f} ms more ({v.kernel_ms:.2f} vs {d.kernel_ms:.2f} "
+                    f"ms summed), mostly {mostly}; {rest}"]
+
+
+def modelled_ms(r):
+    """MODELLED all-reduce ms per target forward (0 where none are modelled)."""
+    return r.allreduce_modelled.target_forward_ms if r.allreduce_modelled else 0.0
+
+
+def cost_answer(r, b):
+    """At which accepted length the chain of num_steps pays, and what ~2 tokens a cycle give."""
+    k, cm = b.k, r.cost_model.steps.get(b.k)
+    if not cm:
+        return []
+    at2 = 2 * r.cost_model.plain_step_ms / cm.cycle_ms
+    be = cm.break_even_accept_len
+    pays = (f"pays above {be:.2f} accepted tokens per cycle" if 1 <= be <= k + 1 else
+            f"cannot pay here ({be:.2f} plain steps a cycle; a cycle accepts at most {k + 1} "
+            "tokens)" if be > k + 1 else
+            f"looks cheaper than the plain step it contains ({be:.2f}), which cannot be: noise")
+    return [f"EAGLE-3 with num_steps {k} {pays} (bonus included: a {cm.cycle_ms:.2f} ms "
+            f"cycle against a {r.cost_model.plain_step_ms:.2f} ms plain step).",
+            f"At the README story's ~2 tokens per cycle it would give {at2:.2f}x"
+            + (" (slower than plain decoding)." if at2 < 1 else ".")]
+
+
+def simulated_note(r, b):
+    """What in this run is SIMULATED or MODELLED, in one sentence."""
+    tp = b.target.tp
+    rank = f"one SIMULATED rank of TP {tp.world_size}" + (
+        f", all-reduces MODELLED at {b.cfg.allreduce_us:g} us" if modelled_ms(r) else
+        ", all-reduces not counted (--allreduce-us X models them)")
     notes = [note for note, on in (
-        ("routing SIMULATED uniform (random weights route unlike a trained router)", b.target.routing == "uniform"),
-        (f"one SIMULATED rank of TP {b.target.tp.world_size}" + (f", all-reduces MODELLED at {b.cfg.allreduce_us:g} us"
-         if ar else ", all-reduces not counted (--allreduce-us X models them)"), b.target.tp.simulated),
+        ("routing SIMULATED uniform (random weights route unlike a trained router)",
+         b.target.routing == "uniform"),
+        (rank, tp.simulated),
         ("acceptance SIMULATED", bool(b.cfg.simulate_accept_len)),
         ("CPU op times, not a GPU's", not b.gpu)) if on]
-    return lines + (["Simulated or modelled here: " + "; ".join(notes) + "."] if notes else [])
+    return ["Simulated or modelled here: " + "; ".join(notes) + "."] if notes else []
 
 
 def print_phases(r, ctx, c):
     bw = r.bandwidth_GBps
-    print("\n" + wrap(f"phase times at {ctx} cached tokens, isolated (ms: median [min lower-upper quartile max] of "
-                      f"{r.env.config['reps']} repetitions" + (
-                          f"; x floor: bytes that must move / {bw:.0f} GB/s measured" if bw else
-                          "; floors need a GPU") + ")", "", ""))
+    floors = (f"; x floor: bytes that must move / {bw:.0f} GB/s measured" if bw
+              else "; floors need a GPU")
+    print("\n" + wrap(f"phase times at {ctx} cached tokens, isolated (ms: median [min lower-upper "
+                      f"quartile max] of {r.env.config['reps']} repetitions{floors})", "", ""))
     for name, ms in c.phases_ms.items():
         phase = name.rsplit("/", 1)[0] if "/" in name else name
         floor, experts = c.floors_ms.get(phase), c.distinct_experts.get(phase)
-        print(f"  {name:30s} {ms:9.3f} {fmt_spread(ms):34s}" + (f"   {ms / floor:5.1f}x floor {floor:.3f}" if floor else "")
-              + (f"   {experts:5.1f} distinct experts per MoE layer" if experts is not None else ""))
+        print(f"  {name:30s} {ms:9.3f} {fmt_spread(ms):34s}"
+              + (f"   {ms / floor:5.1f}x floor {floor:.3f}" if floor else "")
+              + (f"   {experts:5.1f} distinct experts per MoE layer" if experts is not None
+                 else ""))
 
 
 LABEL, W = 54, 9  # the component table's label and column widths
@@ -173,8 +198,8 @@ def print_components(r, ctx, c, b):
     """Where the time goes at one context: a table for the chain's verifies and, with a tree, one
     for the tree's (each within 120 columns); the MODELLED all-reduces under them."""
     unit, bw = "kernel" if b.gpu else "CPU op", r.bandwidth_GBps
-    print(f"\nwhere the time goes at {ctx} cached tokens: ms per forward of summed {unit} time in a "
-          f"profiled eager run\nof the same shapes, by component; floor: the bytes the component "
+    print(f"\nwhere the time goes at {ctx} cached tokens: ms per forward of summed {unit} time in "
+          "a profiled eager run\nof the same shapes, by component; floor: the bytes the component "
           "must move" + (" / bandwidth, in ms" if bw else ", in MB (a GPU turns them into ms)"))
     verifies = [p for p in c.components if p.startswith("verify/")]
     chain = [p for p in verifies if not p.endswith(" tree")]
@@ -184,8 +209,9 @@ def print_components(r, ctx, c, b):
             component_table(r, c, b, group, title)
     ar = r.allreduce_modelled
     if ar:
-        print(f"  all-reduce MODELLED, not in the rows above: 2 x {b.target.args.num_hidden_layers} x "
-              f"{ar.us_each:g} us = {ar.target_forward_ms:.2f} ms per forward")
+        print("  all-reduce MODELLED, not in the rows above: 2 x "
+              f"{b.target.args.num_hidden_layers} x {ar.us_each:g} us = {ar.target_forward_ms:.2f} "
+              "ms per forward")
 
 
 def component_table(r, c, b, verifies, title):
@@ -204,15 +230,16 @@ def component_table(r, c, b, verifies, title):
         print(f"  {label:{LABEL}s}" + "".join(f"{x:{W}.3f}" if isinstance(x, float)
                                               else f"{str(x):>{W}s}" for x in values))
     modes = [p.split("/")[1].removesuffix(" tree") for p in verifies]
-    groups = [("decode step", ["ms", floor]), (title, modes + [floor]), (f"{title} - decode", modes)]
+    groups = [("decode step", ["ms", floor]), (title, modes + [floor]),
+              (f"{title} - decode", modes)]
     print(f"  {'':{LABEL}s}" + "".join(f"{g:^{W * len(cols)}s}" for g, cols in groups))
     print(f"  {'':{LABEL}s}" + "".join(f"{h:>{W}s}" for _, cols in groups for h in cols))
     dec, first = comps["decode_step"], verifies[0]
     for n, label in COMPONENTS.items():
         row(label, dec.parts_ms[n], (floor_of("decode_step", n), floor_of(first, n)),
             lambda p: comps[p].parts_ms[n])
-    row(f"summed {unit} time", dec.kernel_ms, (floor_of("decode_step", None), floor_of(first, None)),
-        lambda p: comps[p].kernel_ms)
+    row(f"summed {unit} time", dec.kernel_ms,
+        (floor_of("decode_step", None), floor_of(first, None)), lambda p: comps[p].kernel_ms)
     totals = {p: c.phases_ms[f"{p}/{variant}"] for p in comps}
     row(f"{'captured' if variant == 'graph' else 'eager'} total (median)", totals["decode_step"],
         ("", ""), totals.get)
@@ -220,8 +247,9 @@ def component_table(r, c, b, verifies, title):
     row("difference (launches, gaps" + (" inside the graph)" if variant == "graph" else ", host)"),
         gap["decode_step"], ("", ""), gap.get)
     if variant == "graph" and min(gap.values()) < 0:
-        print("  (a difference below 0: in the graph each Triton kernel starts in its predecessor's "
-              "tail\n   (programmatic dependent launch); the profile ran them eager, one after another)")
+        print("  (a difference below 0: in the graph each Triton kernel starts in its "
+              "predecessor's tail\n   (programmatic dependent launch); the profile ran them "
+              "eager, one after another)")
     row("kernels" if b.gpu else "leaf ops", dec.kernels, ("", ""), lambda p: comps[p].kernels)
     ex = c.distinct_experts
     row("distinct experts per MoE layer"
@@ -233,25 +261,28 @@ def print_e2e(r, b):
     if not r.e2e:
         return
     sim, k = b.cfg.simulate_accept_len, b.k
-    print("\nend to end: tok/s; the cycle in ms, median [min lower-upper quartile max]; its phases in ms, each the\n"
-          "median over the cycles (so they need not add up to the cycle's median); accepted tokens per cycle,\n"
-          "bonus included, as kept" + (" (SIMULATED)" if sim is not None else ""))
+    print("\nend to end: tok/s; the cycle in ms, median [min lower-upper quartile max]; its "
+          "phases in ms, each the\nmedian over the cycles (so they need not add up to the cycle's "
+          "median); accepted tokens per cycle,\nbonus included, as kept"
+          + (" (SIMULATED)" if sim is not None else ""))
     if sim is not None:
-        print(f"  SIMULATED acceptance: each row's accepted length in each cycle is round(clamp(N(c, 1), 1, {k + 1}))\n"
-              f"  with c = {simulated_center(sim, k):.2f}, the center that makes its mean --simulate-accept-len {sim} "
-              "(the clamp\n  alone pulls the mean to the middle); the tokens are not the model's")
+        print("  SIMULATED acceptance: each row's accepted length in each cycle is "
+              f"round(clamp(N(c, 1), 1, {k + 1}))\n  with c = {simulated_center(sim, k):.2f}, the "
+              f"center that makes its mean --simulate-accept-len {sim} (the clamp\n  alone pulls "
+              "the mean to the middle); the tokens are not the model's")
     for name, v in r.e2e.items():
         cycle = v.phases_ms.get("cycle")
         spread = f" {fmt_spread(cycle, 2)}" if isinstance(cycle, Timing) else ""
         speedup = (f"  speedup {v.speedup_measured:.2f}x (predicted {v.speedup_predicted:.2f}x)"
                    if v.speedup_measured is not None else "")
         print(f"  {name:22s} {v.tok_per_s:8.1f} tok/s  cycle {cycle or 0:.2f}{spread}{speedup}")
-        print(f"  {'':22s} " + ", ".join(f"{p} {t:.2f}" for p, t in v.phases_ms.items() if p != "cycle"))
+        print(f"  {'':22s} " + ", ".join(f"{p} {t:.2f}" for p, t in v.phases_ms.items()
+                                         if p != "cycle"))
         if v.accept_len_mean is not None:
             hist = " ".join(f"{n}:{c}" for n, c in enumerate(v.accept_len_hist, 1))
             kept = sum(n * c for n, c in enumerate(v.accept_len_hist, 1))
-            print(f"  {'':22s} accept len {v.accept_len_mean:.2f}: cycles by length {hist} = {kept} tokens "
-                  f"(+ {v.tokens - kept} from the prefill)")
+            print(f"  {'':22s} accept len {v.accept_len_mean:.2f}: cycles by length {hist} = "
+                  f"{kept} tokens (+ {v.tokens - kept} from the prefill)")
 
 
 def tree_answer(r):
@@ -264,8 +295,8 @@ def tree_answer(r):
     line = (f"A tree of topk {K}, {S} steps, {N} draft tokens: a {t.cycle_ms:.2f} ms cycle, "
             f"break-even {t.break_even_accept_len:.2f} accepted tokens per cycle")
     if t.chain_cycle_ms is not None:
-        line += (f"; it pays over the chain of {S} ({t.chain_cycle_ms:.2f} ms) where it accepts more than "
-                 f"{t.accept_ratio_to_beat_chain:.2f}x the chain's accepted length")
+        line += (f"; it pays over the chain of {S} ({t.chain_cycle_ms:.2f} ms) where it accepts "
+                 f"more than {t.accept_ratio_to_beat_chain:.2f}x the chain's accepted length")
     spec = [v for n, v in r.e2e.items() if n.startswith("eagle3")]
     if spec:
         line += (f"; end to end it accepted {spec[0].accept_len_mean:.2f}"
@@ -276,23 +307,23 @@ def tree_answer(r):
 def print_cost_model(r):
     cm = r.cost_model
     ar = " + all-reduces MODELLED" if r.allreduce_modelled else ""
-    print(f"\ncost model (fastest variant{ar}): plain step {cm.plain_step_ms:.2f} ms; cycle and break-even "
-          "accepted length per num_steps")
+    print(f"\ncost model (fastest variant{ar}): plain step {cm.plain_step_ms:.2f} ms; cycle and "
+          "break-even accepted length per num_steps")
     for steps, c in cm.steps.items():
         sp = " ".join(f"{t}:{s:.2f}x" for t, s in c.speedup_at.items())
-        print(f"  num_steps {steps}: cycle {c.cycle_ms:.2f} ms, break-even {c.break_even_accept_len:.2f} | "
-              f"speedup at accept len {sp}")
+        print(f"  num_steps {steps}: cycle {c.cycle_ms:.2f} ms, break-even "
+              f"{c.break_even_accept_len:.2f} | speedup at accept len {sp}")
     if cm.tree:
         t = cm.tree
-        print(f"  tree of topk {t.topk}, num_steps {t.num_steps}, {t.num_draft_tokens} draft tokens: cycle "
-              f"{t.cycle_ms:.2f} ms, break-even {t.break_even_accept_len:.2f}")
+        print(f"  tree of topk {t.topk}, num_steps {t.num_steps}, {t.num_draft_tokens} draft "
+              f"tokens: cycle {t.cycle_ms:.2f} ms, break-even {t.break_even_accept_len:.2f}")
 
 
 def print_extras(r, b):
     env = r.env
     if env.gpu_mem_peak_GB is not None:
-        print(f"\nGPU memory: weights {env.weights_GB:.1f} GB (routed experts {env.routed_experts_GB:.1f}), "
-              f"peak allocated {env.gpu_mem_peak_GB:.1f} GB"
+        print(f"\nGPU memory: weights {env.weights_GB:.1f} GB (routed experts "
+              f"{env.routed_experts_GB:.1f}), peak allocated {env.gpu_mem_peak_GB:.1f} GB"
               + (f" (eager phases only: {env.gpu_mem_peak_eager_GB:.1f} GB)"
                  if env.gpu_mem_peak_eager_GB is not None else ""))
         print(f"kernels per eager decode step: {r.kernels_per_decode_step}"
@@ -310,39 +341,45 @@ def print_allreduce(comm, b):
     us, k1 = comm.us_each, b.k + 1
     print(f"\nall-reduce, us each, by tokens ({comm.implementation}):")
     for how in ("interleaved", "back_to_back", "eager"):
-        row = ", ".join(f"{key.split('/')[1]}: {v:.1f}" for key, v in us.items() if key.split("/")[0] == how)
+        row = ", ".join(f"{key.split('/')[1]}: {v:.1f}" for key, v in us.items()
+                        if key.split("/")[0] == how)
         if row:
             print(f"  {how.replace('_', ' ')}: {row}")
     if "interleaved/1" in us:
-        print(f"  interleaved = each after a {comm.gemv_MB:.3g} MB GEMV (as long as this decode step's "
-              f"compute between two all-reduces), minus the GEMVs alone; after one 8x shorter: "
-              f"{us['interleaved_short_gemv/1']:.1f} (1 token)")
-        print(f"measured between compute: {us['interleaved/1']:.1f} us per all-reduce of one token's hidden "
-              f"row: give it to a simulated rank as --allreduce-us, for the decode step and the verify of "
-              f"{k1} alike (on 2 H200s it predicted both within 1%; BENCHMARKS.md)")
+        print(f"  interleaved = each after a {comm.gemv_MB:.3g} MB GEMV (as long as this decode "
+              "step's compute between two all-reduces), minus the GEMVs alone; after one 8x "
+              f"shorter: {us['interleaved_short_gemv/1']:.1f} (1 token)")
+        print(f"measured between compute: {us['interleaved/1']:.1f} us per all-reduce of one "
+              "token's hidden row: give it to a simulated rank as --allreduce-us, for the decode "
+              f"step and the verify of {k1} alike (on 2 H200s it predicted both within 1%; "
+              "BENCHMARKS.md)")
     twin = comm.real_minus_twin_us
     if twin:
-        print("real minus its SIMULATED twin (this rank's weights, collectives skipped), per all-reduce of "
-              f"{comm.per_forward} a forward: " + ", ".join(f"{name} {v:.1f} us" for name, v in twin.items()))
+        print("real minus its SIMULATED twin (this rank's weights, collectives skipped), per "
+              f"all-reduce of {comm.per_forward} a forward: "
+              + ", ".join(f"{name} {v:.1f} us" for name, v in twin.items()))
 
 
 def agreement_line(r, b):
     ag = r.greedy_agreement_with_plain
     if not ag:
         return None if not r.e2e or b.target.routing == "model" else wrap(
-            "greedy speculative vs plain output: not compared, since SIMULATED uniform routing gives "
-            "a token its experts by its place in the forward, so a verify and a decode step compute "
-            "different functions (--routing model compares them)", "", "  ")
+            "greedy speculative vs plain output: not compared, since SIMULATED uniform routing "
+            "gives a token its experts by its place in the forward, so a verify and a decode step "
+            "compute different functions (--routing model compares them)", "", "  ")
     shares = ", ".join(f"{name.removeprefix('eagle3/')} {x:.0%}" for name, x in ag.items())
     if all(x == 1 for x in ag.values()):
         meaning = "identical, as lossless greedy speculative decoding must be"
     else:
-        meaning = ("verify reads k+1 tokens where plain decoding reads one, so the reductions run in another order; in "
-                   f"{b.cfg.dtype}" + (" on random weights, whose logits over the whole vocabulary nearly tie,"
+        meaning = ("verify reads k+1 tokens where plain decoding reads one, so the reductions run "
+                   f"in another order; in {b.cfg.dtype}"
+                   + (" on random weights, whose logits over the whole vocabulary nearly tie,"
                                         if not b.cfg.model_path else ",")
-                   + " that flips an argmax now and then and the sequences part from there. It measures rounding, "
-                   "not correctness: exact equality is tested in float64 (test_equivalence.py)")
-    return wrap(f"greedy speculative output vs plain greedy output, share of tokens equal: {shares} ({meaning})",
+                   + " that flips an argmax now and then and the sequences part from there. It "
+                   "measures rounding, not correctness: exact equality is tested in float64 "
+                   "(test_equivalence.py)")
+    return wrap("greedy speculative output vs plain greedy output, share of tokens equal: "
+                f"{shares} ({meaning})",
                 "", "  ")
 
 
@@ -361,8 +398,8 @@ def report(r, b):
 
 def wrap(text, first, rest, width=110):
     """One paragraph of the report in lines of at most `width` characters."""
-    return textwrap.fill(text, width, initial_indent=first, subsequent_indent=rest, break_long_words=False,
-                         break_on_hyphens=False)
+    return textwrap.fill(text, width, initial_indent=first, subsequent_indent=rest,
+                         break_long_words=False, break_on_hyphens=False)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -385,7 +422,8 @@ def named_timings(tree, path="", seen=None):
     (the first context's phases appear twice in the result)."""
     seen = set() if seen is None else seen
     for key, v in tree.items():
-        name = path if key in ("phases_ms", "e2e") else f"{path}sweep T=" if key == "verify_sweep_ms" else f"{path}{key}/"
+        name = (path if key in ("phases_ms", "e2e") else f"{path}sweep T="
+                if key == "verify_sweep_ms" else f"{path}{key}/")
         if isinstance(v, Timing) and id(v) not in seen:
             seen.add(id(v))
             yield name.rstrip("/"), v
@@ -401,39 +439,45 @@ def timing_warnings(r):
         out.append(noise_warning(noisy, r.env.load_average, r.env.cpu_count))
     env = r.env
     if env.device == "cpu" and env.world_size > 1:
-        out.append(f"{env.world_size} CPU ranks share this machine's cores, and each waits in gloo's all-reduce "
-                   "for the others, so that wait counts as all-reduce time: figures here contradict each other (an "
-                   "all-reduce longer than a forward, a verify cheaper than a decode step, phases that outlast "
-                   "their cycle). Under torchrun a CPU checks that TP runs and agrees; time on GPUs")
+        out.append(f"{env.world_size} CPU ranks share this machine's cores, and each waits in "
+                   "gloo's all-reduce for the others, so that wait counts as all-reduce time: "
+                   "figures here contradict each other (an all-reduce longer than a forward, a "
+                   "verify cheaper than a decode step, phases that outlast their cycle). Under "
+                   "torchrun a CPU checks that TP runs and agrees; time on GPUs")
     cycles = [(int(s), c.cycle_ms) for s, c in r.cost_model.steps.items()]
     shorter = [f"num_steps {s2} {c2:.2f} ms < num_steps {s1} {c1:.2f} ms"
                for (s1, c1), (s2, c2) in zip(cycles, cycles[1:]) if c2 < c1]
     if shorter:
-        out.append(f"the cost model's cycle shrinks with more draft steps ({'; '.join(shorter)}), though each step adds "
-                   "work: noise in the verify sweep")
+        out.append(f"the cost model's cycle shrinks with more draft steps ({'; '.join(shorter)}), "
+                   "though each step adds work: noise in the verify sweep")
     for steps, c in r.cost_model.steps.items():
         be, most = c.break_even_accept_len, int(steps) + 1
         if not 1 <= be <= most:
-            out.append(f"num_steps {steps}: break-even {be:.2f} accepted tokens per cycle, outside [1, {most}]: "
-                       + ("a cycle measured cheaper than the plain step it contains, which cannot be (noise)" if be < 1
-                          else f"a cycle costs more than {most} plain steps, so it cannot pay here, unless it is noise"))
+            out.append(f"num_steps {steps}: break-even {be:.2f} accepted tokens per cycle, outside "
+                       f"[1, {most}]: "
+                       + ("a cycle measured cheaper than the plain step it contains, which cannot "
+                          "be (noise)" if be < 1
+                          else f"a cycle costs more than {most} plain steps, so it cannot pay "
+                          "here, unless it is noise"))
     for name, v in r.e2e.items():
         alone = r.phases_ms.get(f"decode_step/{name.split('/')[-1]}")
         loop = v.phases_ms.get("decode_step")
-        if name.startswith("baseline/") and alone and loop and max(alone, loop) > 2 * min(alone, loop):
-            out.append(f"the plain decode step takes {alone:.3f} ms alone and {loop:.3f} ms inside the loop "
-                       f"({name}): the same work, so one of them is noise")
+        far = alone and loop and max(alone, loop) > 2 * min(alone, loop)
+        if name.startswith("baseline/") and far:
+            out.append(f"the plain decode step takes {alone:.3f} ms alone and {loop:.3f} ms inside "
+                       f"the loop ({name}): the same work, so one of them is noise")
         measured, predicted = v.speedup_measured, v.speedup_predicted
         if predicted is not None and max(measured, predicted) > 1.5 * min(measured, predicted):
-            out.append(f"{name}: measured speedup {measured:.2f}x but {predicted:.2f}x "
-                       "predicted from its own phases: the wall clock and the phase timings disagree (noise)")
+            out.append(f"{name}: measured speedup {measured:.2f}x but {predicted:.2f}x predicted "
+                       "from its own phases: the wall clock and the phase timings disagree (noise)")
     out += profile_warnings(r)
     sweep = {t: v.verify for t, v in (r.verify_sweep_ms or {}).items()}
     inverted = [f"{t1} tokens {sweep[t1]:.3f} ms > 1.5 x {t2} tokens {sweep[t2]:.3f} ms"
                 for t1 in sweep for t2 in sweep if t1 < t2 and sweep[t1] > 1.5 * sweep[t2]]
     if inverted:
-        out.append(f"verify costs less with more tokens ({'; '.join(inverted[:3])}{'; ...' if len(inverted) > 3 else ''}), "
-                   "which cannot be: noise")
+        out.append("verify costs less with more tokens "
+                   f"({'; '.join(inverted[:3])}{'; ...' if len(inverted) > 3 else ''}), which "
+                   "cannot be: noise")
     return out
 
 
@@ -448,10 +492,10 @@ def profile_warnings(r):
                 over.append(f"{phase} {prof.kernel_ms:.2f} > {timed:.2f} ms")
         if over:
             out.append(f"at {ctx} cached tokens the profiled run's summed {unit} time exceeds the "
-                       f"timed phase ({'; '.join(over)}): the profiler's own cost per op (on a CPU) "
-                       "or kernels that overlap in a graph, not work the phase does; read the "
-                       "component table's parts as shares, and its difference row (launches, gaps) "
-                       "as too low")
+                       f"timed phase ({'; '.join(over)}): the profiler's own cost per op (on a "
+                       "CPU) or kernels that overlap in a graph, not work the phase does; read "
+                       "the component table's parts as shares, and its difference row (launches, "
+                       "gaps) as too low")
     return out
 
 
@@ -468,15 +512,17 @@ def noise_warning(noisy, load, cores):
         return ", ".join(ns[:4]) + (f" and {len(ns) - 4} more" if len(ns) > 4 else "")
     parts = []
     if short:
-        parts.append(f"short phases (under {SHORT_MS:g} ms, where microseconds of jitter count): {names(short)}")
+        parts.append(f"short phases (under {SHORT_MS:g} ms, where microseconds of jitter count): "
+                     f"{names(short)}")
     if long_:
         busy = load is not None and cores and load > cores
         why = (f"the machine was busy (load average {load:.1f} on {cores} cores)" if busy else
-               f"not a busy machine (load average {load:.1f} on {cores} cores): another process, the CPU's clock, "
-               "or memory" if load is not None else "other work on the machine")
+               f"not a busy machine (load average {load:.1f} on {cores} cores): another process, "
+               "the CPU's clock, or memory" if load is not None else "other work on the machine")
         parts.append(f"longer ones: {names(long_)}: {why}")
-    return (f"{len(noisy)} timing(s) vary by more than {NOISY_IQR:.0%} of their median between repetitions "
-            f"(interquartile range; marked noisy): " + "; ".join(parts) + ". More --reps, a quiet machine and "
+    return (f"{len(noisy)} timing(s) vary by more than {NOISY_IQR:.0%} of their median between "
+            "repetitions (interquartile range; marked noisy): "
+            + "; ".join(parts) + ". More --reps, a quiet machine and "
             "one thread a process (OMP_NUM_THREADS=1) steady them")
 
 
@@ -490,27 +536,33 @@ def verdict(r):
         if r.env.simulated_acceptance:
             lines.append(simulated_verdict(r, spec[best], best))
         elif accept_len < 1.5:
-            lines.append(f"The draft accepted almost nothing ({accept_len:.2f} tokens per cycle, bonus included; 1.00 "
-                         f"means every draft rejected), {LOW_ACCEPT[r.env.weights]}: the measured "
-                         f"speedup ({speedup:.2f}x, {best}) says only what speculation's overhead costs. For a "
-                         "trained draft's speedup read the cost model or run with --simulate-accept-len.")
+            lines.append(f"The draft accepted almost nothing ({accept_len:.2f} tokens per cycle, "
+                         "bonus included; 1.00 means every draft rejected), "
+                         f"{LOW_ACCEPT[r.env.weights]}: the measured speedup ({speedup:.2f}x, "
+                         f"{best}) says only what speculation's overhead costs. For a trained "
+                         "draft's speedup read the cost model or run with --simulate-accept-len.")
         else:
-            lines.append(f"The draft accepted {accept_len:.2f} tokens per cycle (bonus included): measured speedup "
-                         f"{speedup:.2f}x ({best}).")
+            lines.append(f"The draft accepted {accept_len:.2f} tokens per cycle (bonus included): "
+                         f"measured speedup {speedup:.2f}x ({best}).")
     if r.warnings:
-        lines.append("Some timings are noisy or contradict each other (warnings above): treat these figures as rough.")
+        lines.append("Some timings are noisy or contradict each other (warnings above): treat "
+                     "these figures as rough.")
     if r.env.device == "cpu":
-        lines.append("On a CPU the toy model's time is per-operation overhead: the numbers show how the phases fit "
-                     "together, not what a GPU serving Kimi-K2 would see (BENCHMARKS.md has H200 numbers).")
+        lines.append("On a CPU the toy model's time is per-operation overhead: the numbers show "
+                     "how the phases fit together, not what a GPU serving Kimi-K2 would see "
+                     "(BENCHMARKS.md has H200 numbers).")
     return lines
 
 
 LOW_ACCEPT = {  # why a draft accepts almost nothing, by where the weights came from (run.py's env)
-    "random": "as random weights do (on a CPU the default without --random-weights is a trained tiny pair)",
-    "checkpoints": "with checkpoints loaded, on the timing run's prompts of random ids, where a trained head has "
-                   "little to predict (its acceptance on real prompts: --dump with --prompt-ids)",
-    "trained tiny pair": "from the trained tiny pair, on held-out text: not what it measured at training "
-                         "(checkpoints/tiny-stdlib/recipe.json); --prompt-len or --max-new-tokens too small?",
+    "random": "as random weights do (on a CPU the default without --random-weights is a trained "
+              "tiny pair)",
+    "checkpoints": "with checkpoints loaded, on the timing run's prompts of random ids, where a "
+              "trained head has little to predict (its acceptance on real prompts: --dump with "
+              "--prompt-ids)",
+    "trained tiny pair": "from the trained tiny pair, on held-out text: not what it measured at "
+              "training (checkpoints/tiny-stdlib/recipe.json); --prompt-len or --max-new-tokens "
+              "too small?",
 }
 
 
@@ -519,12 +571,14 @@ def simulated_verdict(r, v, name):
     asked, n = r.env.config["simulate_accept_len"], sum(v.accept_len_hist)
     lengths = [length for length, c in enumerate(v.accept_len_hist, 1) for _ in range(c)]
     se = statistics.stdev(lengths) / len(lengths) ** 0.5 if len(lengths) > 1 else float("nan")
-    return (f"Acceptance was SIMULATED: asked {asked}, drawn {v.accept_len_mean:.2f} tokens per cycle over {n} "
-            f"cycles (a mean of {n} draws spreads by about {se:.2f}; a row's last cycle counts only what "
-            f"max_new_tokens left it). The speedup ({v.speedup_measured:.2f}x, {name}) is what the measured phase "
-            "costs give at that acceptance, not what this draft head achieves; the cost model gives it at any.")
+    return (f"Acceptance was SIMULATED: asked {asked}, drawn {v.accept_len_mean:.2f} tokens per "
+            f"cycle over {n} cycles (a mean of {n} draws spreads by about {se:.2f}; a row's last "
+            "cycle counts only what max_new_tokens left it). The speedup "
+            f"({v.speedup_measured:.2f}x, {name}) is what the measured phase costs give at that "
+            "acceptance, not what this draft head achieves; the cost model gives it at any.")
 
 
 def fmt_spread(t, digits=3):
     mn, q1, _, q3, mx = t.spread()
-    return f"[{mn:.{digits}f} {q1:.{digits}f}-{q3:.{digits}f} {mx:.{digits}f}]" + (" noisy" if t.noisy else "")
+    return (f"[{mn:.{digits}f} {q1:.{digits}f}-{q3:.{digits}f} {mx:.{digits}f}]"
+            + (" noisy" if t.noisy else ""))

@@ -16,7 +16,7 @@ separately. GPU work is timed with CUDA events after warm-up; each time is a med
 its spread. Random weights accept almost nothing: --simulate-accept-len forces an acceptance,
 labelled SIMULATED everywhere it appears.
 
-    python run.py                           # CPU: the tiny model; one GPU: one SIMULATED rank of TP 8
+    python run.py                           # CPU: the tiny model; a GPU: a SIMULATED rank of TP 8
     torchrun --nproc-per-node 8 run.py      # real tensor parallelism over 8 GPUs
     python run.py --simulate-accept-len 2.5 # what the measured costs give at 2.5 tokens a cycle
     python run.py --model-path K2 --prompt-ids p.jsonl --dump ref.npz   # the correctness baseline
@@ -101,61 +101,77 @@ def parse_args(argv=None):
 def make_parser():
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_flags(p)
-    p.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens proposed per cycle, k "
-                   "(verify reads k + 1 tokens; default %(default)s)")
-    p.add_argument("--speculative-eagle-topk", type=int, default=1, help="draft branches per step, K: 1 "
-                   "drafts a chain; above 1 a tree (EAGLE-2/3's and SGLang's; num_steps levels, K x K "
-                   "candidates a level, the best K expanded; default %(default)s)")
-    p.add_argument("--speculative-num-draft-tokens", type=int, help="tokens verified per cycle, N: with topk "
-                   "1 always num_steps + 1 (another value is adjusted, with a note, as SGLang does); with topk "
-                   "K > 1 required, the tree's nodes with the root, 2 to 1 + K + (num_steps - 1) K^2")
+    p.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens proposed "
+                   "per cycle, k (verify reads k + 1 tokens; default %(default)s)")
+    p.add_argument("--speculative-eagle-topk", type=int, default=1, help="draft branches per "
+                   "step, K: 1 drafts a chain; above 1 a tree (EAGLE-2/3's and SGLang's; "
+                   "num_steps levels, K x K candidates a level, the best K expanded; default "
+                   "%(default)s)")
+    p.add_argument("--speculative-num-draft-tokens", type=int, help="tokens verified per cycle, "
+                   "N: with topk 1 always num_steps + 1 (another value is adjusted, with a note, "
+                   "as SGLang does); with topk K > 1 required, the tree's nodes with the root, 2 "
+                   "to 1 + K + (num_steps - 1) K^2")
     p.add_argument("--speculative-attention-mode", choices=["prefill", "decode", "both"],
-                   help="attention path of verify: prefill (keys and values expanded) or decode (absorbed "
-                   "MLA); default: both (timing), prefill (--dump)")
-    p.add_argument("--cuda-graph", choices=["on", "off", "both"], help="replay captured CUDA graphs; default: "
-                   "both on a GPU, off on CPU (graphs need CUDA)")
-    p.add_argument("--batch-size", type=int, default=1, help="sequences decoded together (default %(default)s)")
-    p.add_argument("--prompt-len", type=int, help="tokens in each prompt of the timing run: held-out stdlib "
-                   "source for the trained tiny pair (the CPU default), random ids otherwise (default 256 on "
-                   "a GPU, 16 on CPU)")
-    p.add_argument("--max-new-tokens", type=int, help="tokens generated per sequence (default 64 on a GPU, 24 on CPU)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sampling with "
-                   "speculative rejection sampling (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the random weights, prompts and sampling "
-                   "(default %(default)s)")
-    p.add_argument("--simulate-accept-len", type=float, help="force the mean accepted length per cycle, bonus "
-                   "token included, between 1 and num_steps + 1 (as SGLANG_SIMULATE_ACC_LEN: each cycle draws "
-                   "its length around this mean); output marked SIMULATED")
-    p.add_argument("--dtype", choices=["bfloat16", "float32", "float64"], help="default bf16 on GPU, fp32 on CPU")
+                   help="attention path of verify: prefill (keys and values expanded) or decode "
+                   "(absorbed MLA); default: both (timing), prefill (--dump)")
+    p.add_argument("--cuda-graph", choices=["on", "off", "both"], help="replay captured CUDA "
+                   "graphs; default: both on a GPU, off on CPU (graphs need CUDA)")
+    p.add_argument("--batch-size", type=int, default=1, help="sequences decoded together (default "
+                   "%(default)s)")
+    p.add_argument("--prompt-len", type=int, help="tokens in each prompt of the timing run: "
+                   "held-out stdlib source for the trained tiny pair (the CPU default), random "
+                   "ids otherwise (default 256 on a GPU, 16 on CPU)")
+    p.add_argument("--max-new-tokens", type=int, help="tokens generated per sequence (default 64 "
+                   "on a GPU, 24 on CPU)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sampling "
+                   "with speculative rejection sampling (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the random weights, prompts and "
+                   "sampling (default %(default)s)")
+    p.add_argument("--simulate-accept-len", type=float, help="force the mean accepted length per "
+                   "cycle, bonus token included, between 1 and num_steps + 1 (as "
+                   "SGLANG_SIMULATE_ACC_LEN: each cycle draws its length around this mean); "
+                   "output marked SIMULATED")
+    p.add_argument("--dtype", choices=["bfloat16", "float32", "float64"], help="default bf16 on "
+                   "GPU, fp32 on CPU")
     p.add_argument("--moe-impl", choices=["auto", "gather", "grouped", "fused"], default="auto",
-                   help="routed experts: gathered weights (plain), torch._grouped_mm, or the fused Triton kernel "
-                   "(kernels.py's swaps, put in by kernels.accelerate; fused: grouped above 256 tokens for unquantized "
-                   "experts) (auto: fused on a GPU with Triton, else grouped; CPU: gather)")
-    p.add_argument("--kernels", help="fast twins swapped in for model.py's plain modules (kernels.accelerate: "
-                   "Triton kernels, and fused_proj: stacked-weight GEMMs): 'all', 'none' or a comma list of "
+                   help="routed experts: gathered weights (plain), torch._grouped_mm, or the "
+                   "fused Triton kernel (kernels.py's swaps, put in by kernels.accelerate; fused: "
+                   "grouped above 256 tokens for unquantized experts) (auto: fused on a GPU with "
+                   "Triton, else grouped; CPU: gather)")
+    p.add_argument("--kernels", help="fast twins swapped in for model.py's plain modules "
+                   "(kernels.accelerate: Triton kernels, and fused_proj: stacked-weight GEMMs): "
+                   "'all', 'none' or a comma list of "
                    + ",".join(KERNELS)
-                   + " (default: all on a CUDA GPU with Triton and a bf16/fp16/fp32 model, else none); the draft "
-                   "head takes those of " + ",".join(DRAFT_KERNELS) + " (kernels.accelerate_draft)")
-    p.add_argument("--compile", action="store_true", help="also time the captured phases with each decoder "
-                   "layer and the draft layer fused by torch.compile (inside our own CUDA graphs), beside the plain ones")
-    p.add_argument("--reps", type=int, help="timed repetitions per phase, after warm-up (default 20)")
-    p.add_argument("--routing", choices=["model", "uniform"], help="model: the router's own choice; uniform: "
-                   "SIMULATED balanced routing (the router still runs, then each token gets K distinct experts and "
-                   "the tokens of a forward spread evenly over the experts), as engines benchmark random weights "
-                   "(default: uniform for random weights, model for --model-path and --dump)")
-    p.add_argument("--context-len", type=int, nargs="+", metavar="N", help="cached tokens before the isolated "
-                   "phases and their component tables, one or more lengths (default: --prompt-len)")
-    p.add_argument("--skip-e2e", action="store_true", help="time the phases in isolation only: no end-to-end "
-                   "loops (the cost model then takes the isolated decode step as the plain step)")
-    p.add_argument("--allreduce-us", type=float, metavar="X", help="for a SIMULATED rank, which skips its "
-                   "collectives: add 2 x layers all-reduces of X microseconds to each forward in the predictions, "
-                   "labelled MODELLED (a torchrun run prints the X it measured between compute in a CUDA graph: "
-                   "~11 with NCCL, ~7 one-shot at TP 2 on H200 NVLink; ~35 over PCIe at TP 8)")
-    p.add_argument("--allreduce", choices=ALLREDUCES, default="nccl", help="real TP (torchrun) on CUDA GPUs: "
-                   "NCCL's all-reduce, or one-shot: each rank reads its peers' rows from torch's symmetric memory "
-                   "and sums them, for messages up to 1 MB (decode, verify; NCCL above) (default %(default)s)")
-    p.add_argument("--json", metavar="PATH", help="write every number of the run and its environment as one "
-                   "JSON line to PATH ('-': to stdout, after the report)")
+                   + " (default: all on a CUDA GPU with Triton and a bf16/fp16/fp32 model, else "
+                   "none); the draft head takes those of "
+                   + ",".join(DRAFT_KERNELS) + " (kernels.accelerate_draft)")
+    p.add_argument("--compile", action="store_true", help="also time the captured phases with "
+                   "each decoder layer and the draft layer fused by torch.compile (inside our own "
+                   "CUDA graphs), beside the plain ones")
+    p.add_argument("--reps", type=int, help="timed repetitions per phase, after warm-up (default "
+                   "20)")
+    p.add_argument("--routing", choices=["model", "uniform"], help="model: the router's own "
+                   "choice; uniform: SIMULATED balanced routing (the router still runs, then each "
+                   "token gets K distinct experts and the tokens of a forward spread evenly over "
+                   "the experts), as engines benchmark random weights (default: uniform for "
+                   "random weights, model for --model-path and --dump)")
+    p.add_argument("--context-len", type=int, nargs="+", metavar="N", help="cached tokens before "
+                   "the isolated phases and their component tables, one or more lengths (default: "
+                   "--prompt-len)")
+    p.add_argument("--skip-e2e", action="store_true", help="time the phases in isolation only: no "
+                   "end-to-end loops (the cost model then takes the isolated decode step as the "
+                   "plain step)")
+    p.add_argument("--allreduce-us", type=float, metavar="X", help="for a SIMULATED rank, which "
+                   "skips its collectives: add 2 x layers all-reduces of X microseconds to each "
+                   "forward in the predictions, labelled MODELLED (a torchrun run prints the X it "
+                   "measured between compute in a CUDA graph: ~11 with NCCL, ~7 one-shot at TP 2 "
+                   "on H200 NVLink; ~35 over PCIe at TP 8)")
+    p.add_argument("--allreduce", choices=ALLREDUCES, default="nccl", help="real TP (torchrun) on "
+                   "CUDA GPUs: NCCL's all-reduce, or one-shot: each rank reads its peers' rows "
+                   "from torch's symmetric memory and sums them, for messages up to 1 MB (decode, "
+                   "verify; NCCL above) (default %(default)s)")
+    p.add_argument("--json", metavar="PATH", help="write every number of the run and its "
+                   "environment as one JSON line to PATH ('-': to stdout, after the report)")
     add_baseline_flags(p)
     return p
 
@@ -163,51 +179,63 @@ def make_parser():
 def add_model_flags(p):
     """Which target and head: checkpoints, or random weights of a preset."""
     p.add_argument("--model-path", help="HF DeepseekV3 / Kimi-K2 checkpoint folder (else --preset)")
-    p.add_argument("--draft-path", help="SpecForge / SGLang EAGLE-3 checkpoint folder (else the trained tiny "
-                   "pair's head on a CPU, or a random head)")
-    p.add_argument("--random-weights", action="store_true", help="with the tiny preset: a random target and "
-                   "head instead of the trained pair in checkpoints/tiny-stdlib (train.py), the tiny default")
+    p.add_argument("--draft-path", help="SpecForge / SGLang EAGLE-3 checkpoint folder (else the "
+                   "trained tiny pair's head on a CPU, or a random head)")
+    p.add_argument("--random-weights", action="store_true", help="with the tiny preset: a random "
+                   "target and head instead of the trained pair in checkpoints/tiny-stdlib "
+                   "(train.py), the tiny default")
     p.add_argument("--preset", choices=PRESETS, help="random target to build: kimi-k2 (GPU only), "
-                   "kimi-k2.5 (INT4 experts, GPU only), tiny (a toy with every feature; default on CPU)")
-    p.add_argument("--simulate-tp", type=int, help="build one SIMULATED rank of TP N (default on one GPU "
-                   "with kimi-k2: 8)")
-    p.add_argument("--routed-experts", type=int, help="keep N routed experts per layer of a random target "
-                   "(memory override; default on one GPU with bf16 kimi-k2: 128; all 384 with --quant int4 or fp8)")
-    p.add_argument("--quant", choices=["none", "int4", "fp8"], help="random weights in this layout: int4 = routed "
-                   "experts packed as Kimi-K2-Thinking / K2.5 ship them; fp8 = routed experts in FP8 e4m3 with "
-                   "128x128 block scales as Kimi-K2-Instruct ships them (the rest dequantized, as at load) "
-                   "(default: the preset's)")
+                   "kimi-k2.5 (INT4 experts, GPU only), tiny (a toy with every feature; default "
+                   "on CPU)")
+    p.add_argument("--simulate-tp", type=int, help="build one SIMULATED rank of TP N (default on "
+                   "one GPU with kimi-k2: 8)")
+    p.add_argument("--routed-experts", type=int, help="keep N routed experts per layer of a "
+                   "random target (memory override; default on one GPU with bf16 kimi-k2: 128; "
+                   "all 384 with --quant int4 or fp8)")
+    p.add_argument("--quant", choices=["none", "int4", "fp8"], help="random weights in this "
+                   "layout: int4 = routed experts packed as Kimi-K2-Thinking / K2.5 ship them; "
+                   "fp8 = routed experts in FP8 e4m3 with 128x128 block scales as "
+                   "Kimi-K2-Instruct ships them (the rest dequantized, as at load) (default: the "
+                   "preset's)")
 
 
 def add_baseline_flags(p):
     """The correctness baseline's flags (baseline.py)."""
-    b = p.add_argument_group("correctness baseline (README: Checking an engine against this reference)")
-    b.add_argument("--dump", metavar="PATH", help="write greedy output and top-K log-probabilities of the "
-                   "--prompt-ids to this .npz; no timing. Speculative, with the drafts and accepted counts, "
-                   "where there is a head: --draft-path, or the trained tiny pair's (the CPU default); "
-                   "plain greedy otherwise (--model-path alone, --random-weights)")
-    b.add_argument("--prompt-ids", metavar="FILE", help="for --dump: one JSON list of token ids per line")
-    b.add_argument("--topk", type=int, help="for --dump: log-probabilities kept per position (default 20)")
-    b.add_argument("--compare", nargs=2, metavar=("A.npz", "B.npz"), help="judge dump B against reference A "
-                   "(no model, no GPU); exit status 1 past the thresholds below, 2 if the files cannot be compared")
-    b.add_argument("--max-logprob-diff", type=float, default=baseline.MAX_LOGPROB_DIFF, help="largest |log p_A - log p_B| "
-                   "over ids in both top-K lists, on positions both runs read the same tokens; also how far "
-                   "below A's top-1 B's token may be where the outputs part (default %(default)s)")
-    b.add_argument("--min-top1-agreement", type=float, default=baseline.MIN_TOP1_AGREEMENT, help="share of those "
-                   "positions, all rows together, whose top-1 ids agree (default %(default)s)")
-    b.add_argument("--max-accept-diff", type=float, default=baseline.MAX_ACCEPT_DIFF, help="largest difference in drafts "
-                   "accepted per cycle (mean over all rows' cycles), when both files have 'accepted' "
+    b = p.add_argument_group("correctness baseline (README: Checking an engine against this "
+                             "reference)")
+    b.add_argument("--dump", metavar="PATH", help="write greedy output and top-K "
+                   "log-probabilities of the --prompt-ids to this .npz; no timing. Speculative, "
+                   "with the drafts and accepted counts, where there is a head: --draft-path, or "
+                   "the trained tiny pair's (the CPU default); plain greedy otherwise "
+                   "(--model-path alone, --random-weights)")
+    b.add_argument("--prompt-ids", metavar="FILE", help="for --dump: one JSON list of token ids "
+                   "per line")
+    b.add_argument("--topk", type=int, help="for --dump: log-probabilities kept per position "
+                   "(default 20)")
+    b.add_argument("--compare", nargs=2, metavar=("A.npz", "B.npz"), help="judge dump B against "
+                   "reference A (no model, no GPU); exit status 1 past the thresholds below, 2 if "
+                   "the files cannot be compared")
+    b.add_argument("--max-logprob-diff", type=float, default=baseline.MAX_LOGPROB_DIFF,
+                   help="largest |log p_A - log p_B| over ids in both top-K lists, on positions "
+                   "both runs read the same tokens; also how far below A's top-1 B's token may be "
+                   "where the outputs part (default %(default)s)")
+    b.add_argument("--min-top1-agreement", type=float, default=baseline.MIN_TOP1_AGREEMENT,
+                   help="share of those positions, all rows together, whose top-1 ids agree "
                    "(default %(default)s)")
+    b.add_argument("--max-accept-diff", type=float, default=baseline.MAX_ACCEPT_DIFF,
+                   help="largest difference in drafts accepted per cycle (mean over all rows' "
+                   "cycles), when both files have 'accepted' (default %(default)s)")
 
 
 def check_flags(args):
     """Refuse values no run can use, naming the flag, the value and what is allowed, before
     anything is built. (Flags that depend on the device are checked in settle.)"""
-    at_least = {"--speculative-num-steps": (args.speculative_num_steps, 1), "--batch-size": (args.batch_size, 1),
-                "--prompt-len": (args.prompt_len, 1), "--max-new-tokens": (args.max_new_tokens, 1),
-                "--reps": (args.reps, 1), "--simulate-tp": (args.simulate_tp, 1),
-                "--routed-experts": (args.routed_experts, 1), "--topk": (args.topk, 1),
-                "--temperature": (args.temperature, 0), "--max-logprob-diff": (args.max_logprob_diff, 0),
+    at_least = {"--speculative-num-steps": (args.speculative_num_steps, 1),
+                "--batch-size": (args.batch_size, 1), "--prompt-len": (args.prompt_len, 1),
+                "--max-new-tokens": (args.max_new_tokens, 1), "--reps": (args.reps, 1),
+                "--simulate-tp": (args.simulate_tp, 1), "--topk": (args.topk, 1),
+                "--routed-experts": (args.routed_experts, 1), "--temperature": (args.temperature, 0),
+                "--max-logprob-diff": (args.max_logprob_diff, 0),
                 "--max-accept-diff": (args.max_accept_diff, 0)}
     for flag, (value, low) in at_least.items():  # None: the flag's default
         if value is not None and not value >= low:  # (NaN fails too)
@@ -216,25 +244,27 @@ def check_flags(args):
         raise BadInput(f"--min-top1-agreement {args.min_top1_agreement}: must lie in [0, 1]")
     k, sim = check_tree_flags(args), args.simulate_accept_len
     if sim is not None and not 1 <= sim <= k + 1:
-        raise BadInput(f"--simulate-accept-len {sim}: must lie in [1, {k + 1}] (accepted tokens per cycle, "
-                       "the bonus token included: at most the deepest draft path + 1)")
+        raise BadInput(f"--simulate-accept-len {sim}: must lie in [1, {k + 1}] (accepted tokens "
+                       "per cycle, the bonus token included: at most the deepest draft path + 1)")
     if args.compare and (args.dump or args.model_path or args.draft_path):
-        raise BadInput("--compare reads two dump files and builds no model: drop --dump, --model-path, --draft-path")
+        raise BadInput("--compare reads two dump files and builds no model: drop --dump, "
+                       "--model-path, --draft-path")
     for flag, value in (("--prompt-ids", args.prompt_ids), ("--topk", args.topk)):
         if value is not None and not args.dump:
-            raise BadInput(f"{flag} is for --dump (the correctness baseline); the timing run makes its own "
-                           "prompts (--prompt-len)")
+            raise BadInput(f"{flag} is for --dump (the correctness baseline); the timing run makes "
+                           "its own prompts (--prompt-len)")
     if args.model_path and (args.quant or args.routed_experts or args.preset):
-        raise BadInput("--quant, --routed-experts and --preset shape random weights; a checkpoint's "
-                       "config.json says its own")
+        raise BadInput("--quant, --routed-experts and --preset shape random weights; a "
+                       "checkpoint's config.json says its own")
     if args.draft_path and not args.model_path:
-        raise BadInput("--draft-path needs --model-path: a head is trained for one target, and without "
-                       "--model-path that target would be a random one")
+        raise BadInput("--draft-path needs --model-path: a head is trained for one target, and "
+                       "without --model-path that target would be a random one")
     if args.random_weights and (args.model_path or args.draft_path):
-        raise BadInput("--random-weights replaces the trained tiny pair; with --model-path / --draft-path the "
-                       "checkpoints are used: drop one")
+        raise BadInput("--random-weights replaces the trained tiny pair; with --model-path / "
+                       "--draft-path the checkpoints are used: drop one")
     if args.dump and (args.context_len or args.skip_e2e or args.compile):
-        raise BadInput("--context-len, --skip-e2e and --compile shape the timing run; --dump times nothing")
+        raise BadInput("--context-len, --skip-e2e and --compile shape the timing run; --dump "
+                       "times nothing")
     if args.json not in (None, "-"):
         check_writable("--json", args.json)
     if args.dump:
@@ -261,18 +291,19 @@ def check_writable(flag, path):
 def check_tree_flags(args):
     """The tree flags as SGLang takes them (K = 1: a chain, N adjusted in settle); returns the
     most drafts a cycle can accept: num_steps, or min(num_steps, N - 1) for a tree."""
-    K, S, N = args.speculative_eagle_topk, args.speculative_num_steps, args.speculative_num_draft_tokens
+    K, S = args.speculative_eagle_topk, args.speculative_num_steps
+    N = args.speculative_num_draft_tokens
     if K < 1:
         raise BadInput(f"--speculative-eagle-topk {K}: must be at least 1")
     if K == 1:
         return S
     most = 1 + K + (S - 1) * K * K  # draft.tree_capacity: all that a tree's passes score
     if N is None:
-        raise BadInput(f"--speculative-eagle-topk {K}: a tree needs --speculative-num-draft-tokens N, its nodes "
-                       f"with the root (2 to {most} here)")
+        raise BadInput(f"--speculative-eagle-topk {K}: a tree needs --speculative-num-draft-tokens "
+                       f"N, its nodes with the root (2 to {most} here)")
     if not 2 <= N <= most:
-        raise BadInput(f"--speculative-num-draft-tokens {N}: a tree of topk {K} and {S} steps holds 2 to "
-                       f"1 + K + (num_steps - 1) K^2 = {most} tokens")
+        raise BadInput(f"--speculative-num-draft-tokens {N}: a tree of topk {K} and {S} steps "
+                       f"holds 2 to 1 + K + (num_steps - 1) K^2 = {most} tokens")
     return min(S, N - 1)
 
 
@@ -300,27 +331,30 @@ def settle(args, device, world):
     want = cfg.speculative_num_steps + 1
     if cfg.speculative_eagle_topk == 1:
         if cfg.speculative_num_draft_tokens not in (None, want):
-            print_rank0(f"note: --speculative-num-draft-tokens {cfg.speculative_num_draft_tokens} adjusted to "
-                       f"{want} (= num_steps + 1 with topk 1)")
+            print_rank0(f"note: --speculative-num-draft-tokens {cfg.speculative_num_draft_tokens} "
+                        f"adjusted to {want} (= num_steps + 1 with topk 1)")
         cfg.speculative_num_draft_tokens = want
     cfg.preset = cfg.preset or ("kimi-k2" if gpu else "tiny")
     cfg.trained_pair = uses_trained_pair(cfg)
     big = cfg.preset.startswith("kimi-k2") and not cfg.model_path
     if big and not gpu:
-        raise BadInput(f"--preset {cfg.preset}: a random Kimi-K2 needs a GPU (hundreds of GB in memory); "
-                       "on CPU use --preset tiny (the default) or --model-path")
+        raise BadInput(f"--preset {cfg.preset}: a random Kimi-K2 needs a GPU (hundreds of GB in "
+                       "memory); on CPU use --preset tiny (the default) or --model-path")
     cfg.cuda_graph = cfg.cuda_graph or ("both" if gpu else "off")
     if cfg.compile and (not gpu or cfg.cuda_graph == "off"):
-        raise BadInput("--compile times the captured phases: it needs a CUDA GPU and --cuda-graph on or both")
+        raise BadInput("--compile times the captured phases: it needs a CUDA GPU and --cuda-graph "
+                       "on or both")
     if cfg.cuda_graph != "off" and not gpu:
-        raise BadInput(f"--cuda-graph {cfg.cuda_graph}: CUDA graphs need a CUDA GPU; use --cuda-graph off on CPU")
+        raise BadInput(f"--cuda-graph {cfg.cuda_graph}: CUDA graphs need a CUDA GPU; use "
+                       "--cuda-graph off on CPU")
     if cfg.simulate_tp is None:
         cfg.simulate_tp = 8 if big and gpu and world == 1 else 1
     if cfg.simulate_tp > 1 and world > 1:
-        raise BadInput(f"--simulate-tp {cfg.simulate_tp} is for a single process; under torchrun the TP is real")
+        raise BadInput(f"--simulate-tp {cfg.simulate_tp} is for a single process; under torchrun "
+                       "the TP is real")
     if cfg.allreduce != "nccl" and world == 1:
-        raise BadInput(f"--allreduce {cfg.allreduce}: picks real TP's all-reduce (torchrun, 2 or more "
-                       "processes); a single process runs none")
+        raise BadInput(f"--allreduce {cfg.allreduce}: picks real TP's all-reduce (torchrun, 2 or "
+                       "more processes); a single process runs none")
     quantized = cfg.quant in ("int4", "fp8") or cfg.quant is None and cfg.preset == "kimi-k2.5"
     if cfg.routed_experts is None and big and gpu and not quantized and not cfg.dump:
         cfg.routed_experts = BF16_EXPERTS_ON_ONE_GPU  # INT4 and FP8 experts all fit
@@ -375,33 +409,36 @@ def check_device_flags(args, device):
 
     import model
     if args.allreduce_us is not None and (args.allreduce_us < 0 or args.simulate_tp <= 1):
-        raise BadInput(f"--allreduce-us {args.allreduce_us}: models the collectives a SIMULATED rank skips "
-                       "(--simulate-tp N, N > 1), with X >= 0; under torchrun they run and are measured")
+        raise BadInput(f"--allreduce-us {args.allreduce_us}: models the collectives a SIMULATED "
+                       "rank skips (--simulate-tp N, N > 1), with X >= 0; under torchrun they run "
+                       "and are measured")
     want = args.speculative_num_steps + 1
     if not args.dump and args.context_len == [args.prompt_len] and want > args.prompt_len:
-        raise BadInput(f"--speculative-num-steps {args.speculative_num_steps}: the isolated timings re-read the last "
-                       "num_steps + 1 cached tokens, as many as the prompt by default, so it must be below "
-                       f"--prompt-len ({args.prompt_len}) (or give a --context-len above it)")
+        raise BadInput(f"--speculative-num-steps {args.speculative_num_steps}: the isolated "
+                       "timings re-read the last num_steps + 1 cached tokens, as many as the "
+                       f"prompt by default, so it must be below --prompt-len ({args.prompt_len}) "
+                       "(or give a --context-len above it)")
     if not args.dump and min(args.context_len) < want:
-        raise BadInput(f"--context-len {min(args.context_len)}: the isolated verify re-reads {want} cached tokens "
-                       f"(num_steps + 1); use at least {want}")
+        raise BadInput(f"--context-len {min(args.context_len)}: the isolated verify re-reads "
+                       f"{want} cached tokens (num_steps + 1); use at least {want}")
     unknown = [] if isinstance(args.kernels, str) else sorted(set(args.kernels) - set(KERNELS))
     if unknown:
-        raise BadInput(f"--kernels: unknown {', '.join(unknown)}; choose from {', '.join(KERNELS)}, "
-                       "all or none")
+        raise BadInput(f"--kernels: unknown {', '.join(unknown)}; choose from "
+                       f"{', '.join(KERNELS)}, all or none")
     if args.kernels not in ("none", ["fused_proj"]):   # fused_proj is plain torch
         import kernels
         try:
             kernels.check_available(device)
         except RuntimeError as e:
-            raise BadInput(f"--kernels {','.join(args.kernels) if isinstance(args.kernels, list) else args.kernels}: "
-                           f"{e}") from None
+            asked = ",".join(args.kernels) if isinstance(args.kernels, list) else args.kernels
+            raise BadInput(f"--kernels {asked}: {e}") from None
     if args.routed_experts is not None and not args.model_path:
-        m = checkpoint.preset(args.preset)
-        if not m.num_experts_per_tok <= args.routed_experts <= m.n_routed_experts or args.routed_experts % m.n_group:
+        m = model.preset(args.preset)
+        n = args.routed_experts
+        if not m.num_experts_per_tok <= n <= m.n_routed_experts or n % m.n_group:
             raise BadInput(f"--routed-experts {args.routed_experts}: {args.preset} needs between "
-                           f"{m.num_experts_per_tok} (experts per token) and {m.n_routed_experts}, a multiple of "
-                           f"n_group {m.n_group}")
+                           f"{m.num_experts_per_tok} (experts per token) and {m.n_routed_experts}, "
+                           f"a multiple of n_group {m.n_group}")
     check_moe_flag(args, device, getattr(torch, args.dtype))
 
 
@@ -411,11 +448,12 @@ def check_moe_flag(args, device, dtype):
         return
     import kernels
     if args.moe_impl == "fused" and not kernels.fused_moe_available(device, dtype):
-        raise BadInput(f"--moe-impl fused: the Triton kernel does not run {args.dtype} on {device.type} here (it "
-                       "needs Triton and a CUDA GPU, and bf16, fp16 or fp32); use --moe-impl gather or auto")
+        raise BadInput(f"--moe-impl fused: the Triton kernel does not run {args.dtype} on "
+                       f"{device.type} here (it needs Triton and a CUDA GPU, and bf16, fp16 or "
+                       "fp32); use --moe-impl gather or auto")
     if args.moe_impl == "grouped" and not kernels.grouped_mm_available(device, dtype):
-        raise BadInput(f"--moe-impl grouped: torch._grouped_mm does not run {args.dtype} on {device.type} here; "
-                       "use --moe-impl gather or auto")
+        raise BadInput(f"--moe-impl grouped: torch._grouped_mm does not run {args.dtype} on "
+                       f"{device.type} here; use --moe-impl gather or auto")
 
 
 def check_sizes(cfg, device, world):
@@ -428,7 +466,8 @@ def check_sizes(cfg, device, world):
     if parts is None and not cfg.model_path:  # (a checkpoint's loader names its own problem)
         raise BadInput(f"--preset {cfg.preset} at TP {max(cfg.simulate_tp, world)}: {dargs}")
     if cfg.dump and cfg.topk > margs.vocab_size:
-        raise BadInput(f"--topk {cfg.topk}: must lie in [1, the vocabulary's {margs.vocab_size} ids]")
+        raise BadInput(f"--topk {cfg.topk}: must lie in [1, the vocabulary's {margs.vocab_size} "
+                       "ids]")
     if cfg.dump:
         check_prompt_ids(cfg, margs.vocab_size)
     K = cfg.speculative_eagle_topk

@@ -53,7 +53,8 @@ def cache_slots(cfg):
 
 def random_target_args(cfg):
     """The preset's ModelArgs with --quant and --routed-experts applied."""
-    quant = {None: {}, "none": dict(quantization_config=None), "int4": dict(quantization_config="int4"),
+    quant = {None: {}, "none": dict(quantization_config=None), "int4": dict(quantization_config="int4"
+                                                                            ),
              "fp8": dict(quantization_config="fp8")}
     margs = model.preset(cfg.preset, **quant[cfg.quant])
     if cfg.routed_experts is not None:
@@ -79,14 +80,16 @@ def build(args, device, dtype):
                                         routing=args.routing)
         how = f"loaded {args.model_path}"
         if args.trained_pair:
-            how = ("the trained tiny pair (checkpoints/tiny-stdlib, made by train.py from bytes of Python stdlib "
-                   "source" + ("" if args.dump else "; prompts: held-out stdlib source") + "; --random-weights for "
-                   "random ones)")
+            how = ("the trained tiny pair (checkpoints/tiny-stdlib, made by train.py from bytes "
+                   "of Python stdlib source"
+                   + ("" if args.dump else "; prompts: held-out stdlib source") + "; "
+                   "--random-weights for random ones)")
     else:
         margs = random_target_args(args)
         if args.routed_experts is not None:
-            tpm.print0(f"memory override: {args.routed_experts} of {model.preset(args.preset).n_routed_experts} "
-                       "routed experts per layer kept")
+            tpm.print0(f"memory override: {args.routed_experts} of "
+                       f"{model.preset(args.preset).n_routed_experts} routed experts per layer kept"
+                       )
         # (a size the TP does not divide was refused before: run.check_sizes, memory_needed)
         target = model.Transformer(margs, args.batch_size, max_seq_len, device, dtype, tp,
                                    routing=args.routing)
@@ -139,7 +142,8 @@ def memory_needed(cfg, device, world):
              "one prefill chunk": B * T * H * fill * 4 * 2 + B * T * a.vocab_size * 4
              + B * fill * H * (a.qk_nope_head_dim + a.v_head_dim) * dtype.itemsize,
              "gathered expert weights": B * T * a.num_experts_per_tok * 3 * (a.moe_intermediate_size // tp.world_size)
-             * a.hidden_size * dtype.itemsize if kernels.pick_moe(cfg.moe_impl, device, dtype) == "gather" else 0,
+             * a.hidden_size * dtype.itemsize if kernels.pick_moe(cfg.moe_impl, device, dtype) == "gather"
+             else 0,
              "EAGLE-3 states": B * fill * 3 * a.hidden_size * dtype.itemsize}
     return parts, margs, dargs
 
