@@ -53,7 +53,8 @@ def routed_distinct(target, fn, inputs):
 
     def count(router, inputs, out):
         seen.append(out[0][out[0] < router.args.n_routed_experts].unique().numel())
-    hooks = [layer.mlp.gate.register_forward_hook(count) for layer in target.layers if isinstance(layer.mlp, model.MoE)]
+    hooks = [layer.mlp.gate.register_forward_hook(count) for layer in target.layers
+             if isinstance(layer.mlp, model.MoE)]
     fn(*inputs)
     for h in hooks:
         h.remove()
@@ -88,16 +89,18 @@ def component_bytes(target, distinct, kv_slots, batch, tokens):
     moe = [layer.mlp.experts for layer in target.layers if isinstance(layer.mlp, model.MoE)]
     out["routed_experts"] += sum(n * experts.expert_bytes() for experts, n in zip(moe, distinct))
     a = target.args
-    out["attn_core"] = (len(target.layers) * batch * kv_slots * (a.kv_lora_rank + a.qk_rope_head_dim)
+    out["attn_core"] = (len(target.layers) * batch * kv_slots
+                        * (a.kv_lora_rank + a.qk_rope_head_dim)
                         * target.dtype.itemsize)
     return out
 
 
 def draft_bytes(head, kv_slots, batch, with_fc):
-    total = sum(p.numel() * p.element_size() for n, p in head.named_parameters() if with_fc or not n.startswith("fc."
-                                                                                                                ))
+    total = sum(p.numel() * p.element_size() for n, p in head.named_parameters()
+                if with_fc or not n.startswith("fc."))
     attn = head.midlayer.self_attn
-    return total + 2 * batch * kv_slots * attn.n_local_kv_heads * attn.head_dim * head.norm.weight.element_size()
+    kv = 2 * batch * kv_slots * attn.n_local_kv_heads * attn.head_dim
+    return total + kv * head.norm.weight.element_size()
 
 
 def component_of(name, module):
@@ -118,14 +121,15 @@ def component_of(name, module):
 
 
 # MLA's methods whose math is projections, not the attention core: the q / kv down projections
-# (a GEMM over stacked weights with --kernels fused_proj; project_sum, kernels.py's, with the layer's
-# input add and norm inside it), and decode mode's absorbed kv_b_proj; and the attention after the
-# projections (attend), which kernels.InputNormInQKVA calls from the layer, outside MLA's own call. The
-# kernels' merge_absorb_output (attention + norm_gemv, one row) also merges the attention's parts in
-# W_uv's launch: a projection by its bytes (W_uv's 1 MB a layer against ~80 KB of partials)
+# (a GEMM over stacked weights with --kernels fused_proj; project_sum, the kernels', with the
+# layer's input add and norm inside it), and decode mode's absorbed kv_b_proj; and the attention
+# after the projections (attend), which kernels.InputNormInQKVA calls from the layer, outside MLA's
+# own call. The kernels' merge_absorb_output (attention + norm_gemv, one row) also merges the
+# attention's parts in W_uv's launch: a projection by its bytes (W_uv's 1 MB a layer against
+# ~80 KB of partials)
 MLA_METHODS = {"project": "attn_proj", "project_sum": "attn_proj", "attend": "attn_core",
-               "absorb_query": "attn_proj", "absorb_output": "attn_proj", "merge_absorb_output": "attn_proj"
-               }
+               "absorb_query": "attn_proj", "absorb_output": "attn_proj",
+               "merge_absorb_output": "attn_proj"}
 
 
 def scope(component):
@@ -145,8 +149,9 @@ def scoped(fn, component):
 
 @contextmanager
 def component_scopes(target):
-    """While profiling: each module's forward inside a range named by its component (hooks), MLA's
-    MLA_METHODS and model.apply_rope (elementwise) wrapped in ranges of theirs; all removed after."""
+    """While profiling: each module's forward inside a range named by its component (hooks),
+    MLA's MLA_METHODS and model.apply_rope (elementwise) wrapped in ranges of theirs; all removed
+    after."""
     active, handles, wrapped = [], [], []
 
     def enter(component):
@@ -160,11 +165,13 @@ def component_scopes(target):
     for name, m in target.named_modules():
         component = component_of(name, m)
         if component:
-            handles += [m.register_forward_pre_hook(enter(component)), m.register_forward_hook(leave)]
+            handles += [m.register_forward_pre_hook(enter(component)),
+                        m.register_forward_hook(leave)]
         if isinstance(m, model.MLA):
             for method, part in MLA_METHODS.items():
-                if hasattr(m, method):                                 # project_sum, merge_absorb_output: swaps' only
-                    setattr(m, method, scoped(getattr(m, method), part))   # an instance attribute, deleted after
+                if hasattr(m, method):  # project_sum, merge_absorb_output: the swaps' only
+                    # an instance attribute, deleted after
+                    setattr(m, method, scoped(getattr(m, method), part))
                     wrapped.append((m, method))
     rope, model.apply_rope = model.apply_rope, scoped(model.apply_rope, "elementwise")
     try:
@@ -186,7 +193,8 @@ def component_at(event, kernel_names=()):
         event = event.cpu_parent
     if any("allreduce" in n.lower().replace("_", "") for n in chain + list(kernel_names)):
         return "allreduce"
-    return next((n.removeprefix("component:") for n in chain if n.startswith("component:")), "other")
+    return next((n.removeprefix("component:") for n in chain if n.startswith("component:")),
+                "other")
 
 
 def profile_components(target, fn, gpu, calls=None):
@@ -204,12 +212,31 @@ def profile_components(target, fn, gpu, calls=None):
             fn()
         if target.device.type == "cuda":
             torch.cuda.synchronize()
-    parts, n_kernels = dict.fromkeys(COMPONENTS, 0.0), 0
     ours = ("component:", "profiler::")  # our ranges and their enter/exit ops: not kernels
+    parts, n_kernels = parts_by_ops(prof, gpu, calls, ours)
+    if gpu:
+        device_kernels = [e for e in prof.events()
+                          if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
+        total = sum(e.time_range.elapsed_us() for e in device_kernels)
+        n_kernels = len(device_kernels)
+        if sum(parts.values()) < 0.95 * total / 1e3 / calls:  # kernels no aten op launched
+            # (Triton's: the profiler links them to no CPU event)
+            parts = parts_by_device_ranges(prof, calls) or parts
+    else:
+        total = sum(e.self_cpu_time_total for e in prof.key_averages()
+                    if not e.key.startswith(ours))
+    return ComponentProfile(parts, total / 1e3 / calls, n_kernels // calls)
+
+
+def parts_by_ops(prof, gpu, calls, ours):
+    """{component: ms} with each op's kernels (GPU) or own CPU time (CPU) under the innermost
+    component range around the op, and the kernels (or leaf ops) counted."""
+    from torch.autograd import DeviceType
+    parts, n_kernels = dict.fromkeys(COMPONENTS, 0.0), 0
     for e in prof.events():
         if e.device_type != DeviceType.CPU or e.name.startswith("profiler::"):
             continue
-        if gpu:  # the kernels (and copies) this op launched; our ranges' GPU projections are not kernels
+        if gpu:  # the kernels (and copies) this op launched; our ranges' projections are not
             launched = [k for k in e.kernels if not k.name.startswith(ours)]
             us, names = sum(k.duration for k in launched), [k.name for k in launched]
             n_kernels += len(launched)
@@ -220,15 +247,7 @@ def profile_components(target, fn, gpu, calls=None):
             n_kernels += not e.cpu_children
         if us:
             parts[component_at(e, names)] += us / 1e3 / calls
-    if gpu:
-        device_kernels = [e for e in prof.events() if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
-        total, n_kernels = sum(e.time_range.elapsed_us() for e in device_kernels), len(device_kernels)
-        if sum(parts.values()) < 0.95 * total / 1e3 / calls:  # kernels no aten op launched (Triton's:
-            # the profiler links them to no CPU event; measured on the H200, 2026-11-29)
-            parts = parts_by_device_ranges(prof, calls) or parts
-    else:
-        total = sum(e.self_cpu_time_total for e in prof.key_averages() if not e.key.startswith(ours))
-    return ComponentProfile(parts, total / 1e3 / calls, n_kernels // calls)
+    return parts, n_kernels
 
 
 def parts_by_device_ranges(prof, calls):
@@ -238,8 +257,8 @@ def parts_by_device_ranges(prof, calls):
     the profile has no device ranges."""
     from torch.autograd import DeviceType
     gpu_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
-    ranges = [(e.time_range.start, e.time_range.end, e.name.removeprefix("component:")) for e in gpu_events
-              if e.is_user_annotation and e.name.startswith("component:")]
+    ranges = [(e.time_range.start, e.time_range.end, e.name.removeprefix("component:"))
+              for e in gpu_events if e.is_user_annotation and e.name.startswith("component:")]
     if not ranges:
         return None
     parts = dict.fromkeys(COMPONENTS, 0.0)
@@ -248,7 +267,8 @@ def parts_by_device_ranges(prof, calls):
             continue
         t = k.time_range.start
         around = [(end - start, name) for start, end, name in ranges if start <= t < end]
-        name = "allreduce" if "allreduce" in k.name.lower().replace("_", "") else min(around)[1] if around else "other"
+        name = ("allreduce" if "allreduce" in k.name.lower().replace("_", "")
+                else min(around)[1] if around else "other")
         parts[name] += k.time_range.elapsed_us() / 1e3 / calls
     return parts
 
@@ -320,7 +340,8 @@ def cost_model(r, b):
     r: the timing.Result so far; sets each speculative run's measured and predicted speedups."""
     variant, _ = b.best
     ph, ar = r.phases_ms, r.allreduce_modelled or NO_ALLREDUCE
-    base = r.e2e[f"baseline/{variant}"].phases_ms["cycle"] if r.e2e else ph[f"decode_step/{variant}"]
+    base = (r.e2e[f"baseline/{variant}"].phases_ms["cycle"] if r.e2e
+            else ph[f"decode_step/{variant}"])
     base += ar.target_forward_ms
     hosts = [v.phases_ms.get("host", 0.0) for n, v in r.e2e.items() if n.startswith("eagle3")]
     host, sweep, cm = statistics.median(hosts) if hosts else 0.0, r.verify_sweep_ms, {}

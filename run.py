@@ -101,6 +101,15 @@ def parse_args(argv=None):
 def make_parser():
     p = Parser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     add_model_flags(p)
+    add_speculative_flags(p)
+    add_run_flags(p)
+    add_timing_flags(p)
+    add_baseline_flags(p)
+    return p
+
+
+def add_speculative_flags(p):
+    """The draft's shape and verify's attention path, in SGLang's words."""
     p.add_argument("--speculative-num-steps", type=int, default=3, help="draft tokens proposed "
                    "per cycle, k (verify reads k + 1 tokens; default %(default)s)")
     p.add_argument("--speculative-eagle-topk", type=int, default=1, help="draft branches per "
@@ -114,6 +123,10 @@ def make_parser():
     p.add_argument("--speculative-attention-mode", choices=["prefill", "decode", "both"],
                    help="attention path of verify: prefill (keys and values expanded) or decode "
                    "(absorbed MLA); default: both (timing), prefill (--dump)")
+
+
+def add_run_flags(p):
+    """How the run goes: graphs, sizes, sampling, dtype, the MoE path and the kernels."""
     p.add_argument("--cuda-graph", choices=["on", "off", "both"], help="replay captured CUDA "
                    "graphs; default: both on a GPU, off on CPU (graphs need CUDA)")
     p.add_argument("--batch-size", type=int, default=1, help="sequences decoded together (default "
@@ -145,6 +158,10 @@ def make_parser():
                    + " (default: all on a CUDA GPU with Triton and a bf16/fp16/fp32 model, else "
                    "none); the draft head takes those of "
                    + ",".join(DRAFT_KERNELS) + " (kernels.accelerate_draft)")
+
+
+def add_timing_flags(p):
+    """What the timing run measures and models, and where its numbers go."""
     p.add_argument("--compile", action="store_true", help="also time the captured phases with "
                    "each decoder layer and the draft layer fused by torch.compile (inside our own "
                    "CUDA graphs), beside the plain ones")
@@ -172,8 +189,6 @@ def make_parser():
                    "verify; NCCL above) (default %(default)s)")
     p.add_argument("--json", metavar="PATH", help="write every number of the run and its "
                    "environment as one JSON line to PATH ('-': to stdout, after the report)")
-    add_baseline_flags(p)
-    return p
 
 
 def add_model_flags(p):
@@ -234,7 +249,8 @@ def check_flags(args):
                 "--batch-size": (args.batch_size, 1), "--prompt-len": (args.prompt_len, 1),
                 "--max-new-tokens": (args.max_new_tokens, 1), "--reps": (args.reps, 1),
                 "--simulate-tp": (args.simulate_tp, 1), "--topk": (args.topk, 1),
-                "--routed-experts": (args.routed_experts, 1), "--temperature": (args.temperature, 0),
+                "--routed-experts": (args.routed_experts, 1),
+                "--temperature": (args.temperature, 0),
                 "--max-logprob-diff": (args.max_logprob_diff, 0),
                 "--max-accept-diff": (args.max_accept_diff, 0)}
     for flag, (value, low) in at_least.items():  # None: the flag's default
@@ -319,13 +335,26 @@ def settle(args, device, world):
     and its device-dependent default filled in (None means the default; 0 is a value), plus
     trained_pair, attention_modes (verify's, in the model's words) and, for --dump, prompts.
     Refuses the flags that depend on the device, the speculative ones as SGLang does."""
-    import torch
     cfg, gpu = argparse.Namespace(**vars(args)), device.type == "cuda"
     if args.dump:
         try:
             vars(cfg).update(baseline.settle_dump(args))
         except ValueError as e:
             raise BadInput(str(e)) from None
+    settle_speculative(cfg)
+    cfg.preset = cfg.preset or ("kimi-k2" if gpu else "tiny")
+    cfg.trained_pair = uses_trained_pair(cfg)
+    settle_device(cfg, gpu, world)
+    settle_defaults(cfg, gpu)
+    check_device_flags(cfg, device)
+    if cfg.trained_pair:
+        import train
+        cfg.model_path, cfg.draft_path = train.TARGET_DIR, train.DRAFT_DIR
+    return cfg
+
+
+def settle_speculative(cfg):
+    """Verify's attention modes, and with topk 1 the draft tokens num_steps + 1 (as SGLang)."""
     cfg.speculative_attention_mode = cfg.speculative_attention_mode or "both"
     cfg.attention_modes = ATTENTION_MODES[cfg.speculative_attention_mode]
     want = cfg.speculative_num_steps + 1
@@ -334,8 +363,10 @@ def settle(args, device, world):
             print_rank0(f"note: --speculative-num-draft-tokens {cfg.speculative_num_draft_tokens} "
                         f"adjusted to {want} (= num_steps + 1 with topk 1)")
         cfg.speculative_num_draft_tokens = want
-    cfg.preset = cfg.preset or ("kimi-k2" if gpu else "tiny")
-    cfg.trained_pair = uses_trained_pair(cfg)
+
+
+def settle_device(cfg, gpu, world):
+    """What needs a GPU or a single process: refused elsewhere; graphs and the simulated TP."""
     big = cfg.preset.startswith("kimi-k2") and not cfg.model_path
     if big and not gpu:
         raise BadInput(f"--preset {cfg.preset}: a random Kimi-K2 needs a GPU (hundreds of GB in "
@@ -358,6 +389,12 @@ def settle(args, device, world):
     quantized = cfg.quant in ("int4", "fp8") or cfg.quant is None and cfg.preset == "kimi-k2.5"
     if cfg.routed_experts is None and big and gpu and not quantized and not cfg.dump:
         cfg.routed_experts = BF16_EXPERTS_ON_ONE_GPU  # INT4 and FP8 experts all fit
+
+
+def settle_defaults(cfg, gpu):
+    """The defaults that depend on the device: lengths, dtype, repetitions, routing, kernels, and
+    one thread for timing on a CPU."""
+    import torch
     if not gpu and not cfg.dump and not os.environ.get("OMP_NUM_THREADS"):
         # timing on a CPU: one thread, unless asked. The toy model gains nothing from more, and
         # threads spinning on cores that other jobs share made a busy 2-core machine 10x slower
@@ -374,11 +411,6 @@ def settle(args, device, world):
         fast = gpu and cfg.dtype in ("bfloat16", "float16", "float32") and have_triton()
         cfg.kernels = "all" if fast else "none"
     cfg.kernels = cfg.kernels if cfg.kernels in ("all", "none") else cfg.kernels.split(",")
-    check_device_flags(cfg, device)
-    if cfg.trained_pair:
-        import train
-        cfg.model_path, cfg.draft_path = train.TARGET_DIR, train.DRAFT_DIR
-    return cfg
 
 
 def have_triton():

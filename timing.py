@@ -25,14 +25,14 @@ import kernels
 import model
 import tp as tpm
 import train
-from components import (CostModel, ModelledAllreduce, component_bytes, cost_model,
-                        count_kernels, draft_bytes, modelled_allreduce, optional, profile_components,
+from components import (CostModel, ModelledAllreduce, component_bytes, cost_model, count_kernels,
+                        draft_bytes, modelled_allreduce, optional, profile_components,
                         routed_distinct)
 from draft import Eagle3Draft, draft_preset, set_target_aux_layers
 from graphs import CudaGraphs, GraphKey
 from report import Timing, answer, spreads, timing_warnings, verdict
-from verify import (PREFILL_CHUNK, Probe, accept, generate, kv_bucket, prefill_draft, prefill_target,
-                    tree_forward, tree_visible)
+from verify import (PREFILL_CHUNK, Probe, accept, generate, kv_bucket, prefill_draft,
+                    prefill_target, tree_forward, tree_visible)
 
 # a real TP rank seeds every tensor whole on its CPU and keeps its slice (so TP N holds the same
 # model as TP 1) while its shard stays under this many parameters; a bigger one draws its slice
@@ -45,17 +45,18 @@ FLAG_WORD = {"extend": "prefill", "decode": "decode"}
 def cache_slots(cfg):
     """KV cache slots a row needs: the prompt and output, or the longest context and the 6 tokens
     the isolated phases write after it, and the draft chain's lookahead (a tree's: its N verified
-    slots, or its deepest path and the head's (S - 1) K scratch slots past it, as verify.generate)."""
-    sweep, k, K, N = 6, cfg.speculative_num_steps, cfg.speculative_eagle_topk, cfg.speculative_num_draft_tokens
+    slots, or its deepest path and the head's (S - 1) K scratch slots past it, as
+    verify.generate)."""
+    sweep, k, K = 6, cfg.speculative_num_steps, cfg.speculative_eagle_topk
+    N = cfg.speculative_num_draft_tokens
     ahead = 2 * k + 2 if K == 1 else max(2 * k + 2, max(N, min(k, N - 1) + (k - 1) * K) + 2)
     return max(cfg.prompt_len + cfg.max_new_tokens, max(cfg.context_len) + sweep) + ahead
 
 
 def random_target_args(cfg):
     """The preset's ModelArgs with --quant and --routed-experts applied."""
-    quant = {None: {}, "none": dict(quantization_config=None), "int4": dict(quantization_config="int4"
-                                                                            ),
-             "fp8": dict(quantization_config="fp8")}
+    quant = {None: {}, "none": dict(quantization_config=None),
+             "int4": dict(quantization_config="int4"), "fp8": dict(quantization_config="fp8")}
     margs = model.preset(cfg.preset, **quant[cfg.quant])
     if cfg.routed_experts is not None:
         margs.n_routed_experts = cfg.routed_experts
@@ -66,38 +67,17 @@ def random_draft_args(target):
     """A random head's DraftArgs: the tiny one for the tiny target, else Kimi-K2's."""
     tiny = target.args.hidden_size == model.PRESETS["tiny"]["hidden_size"]
     dargs = draft_preset("tiny" if tiny else "kimi-k2")
-    if max(dargs.aux_layer_ids or [0]) >= target.args.num_hidden_layers:  # Kimi's ids, a shallower target
+    if max(dargs.aux_layer_ids or [0]) >= target.args.num_hidden_layers:  # Kimi's: a shallower
         dargs.eagle_config = None  # EAGLE-3's default layers of this target instead
     return dargs
 
 
 def build(args, device, dtype):
     """The target and the head, loaded or random. Returns (target, head, description)."""
-    tp = tpm.TP.simulate(args.simulate_tp) if args.simulate_tp > 1 else tpm.TP.from_env(args.allreduce)
-    max_seq_len = cache_slots(args)
-    if args.model_path:
-        target = checkpoint.load_target(args.model_path, args.batch_size, max_seq_len, device, dtype, tp,
-                                        routing=args.routing)
-        how = f"loaded {args.model_path}"
-        if args.trained_pair:
-            how = ("the trained tiny pair (checkpoints/tiny-stdlib, made by train.py from bytes "
-                   "of Python stdlib source"
-                   + ("" if args.dump else "; prompts: held-out stdlib source") + "; "
-                   "--random-weights for random ones)")
-    else:
-        margs = random_target_args(args)
-        if args.routed_experts is not None:
-            tpm.print0(f"memory override: {args.routed_experts} of "
-                       f"{model.preset(args.preset).n_routed_experts} routed experts per layer kept"
-                       )
-        # (a size the TP does not divide was refused before: run.check_sizes, memory_needed)
-        target = model.Transformer(margs, args.batch_size, max_seq_len, device, dtype, tp,
-                                   routing=args.routing)
-        params = sum(p.numel() for p in target.parameters())
-        whole = tp.world_size == 1 or not tp.simulated and params < MAX_PARAMS_SEEDED_WHOLE
-        checkpoint.init_random(target, args.seed, rank_local=not whole)
-        how = f"random {args.preset} ({'seeded whole, same at any TP' if whole else 'rank-local init'})"
-    kernels.accelerate(target, args.kernels, moe=args.moe_impl)   # the fast paths, swapped in from outside
+    tp = (tpm.TP.simulate(args.simulate_tp) if args.simulate_tp > 1
+          else tpm.TP.from_env(args.allreduce))
+    target, how = build_target(args, device, dtype, tp)
+    kernels.accelerate(target, args.kernels, moe=args.moe_impl)   # the fast paths, from outside
     if args.draft_path:
         head = checkpoint.load_draft(args.draft_path, target)
     elif args.dump:  # a dump without a draft checkpoint is plain greedy
@@ -105,10 +85,37 @@ def build(args, device, dtype):
     else:
         dargs = random_draft_args(target)
         set_target_aux_layers(target, dargs)
-        head = checkpoint.init_random_draft(Eagle3Draft(dargs, target), args.seed + 1, rank_local=tp.simulated)
+        head = checkpoint.init_random_draft(Eagle3Draft(dargs, target), args.seed + 1,
+                                            rank_local=tp.simulated)
     if head is not None:
         kernels.accelerate_draft(head, args.kernels)   # the head's fast paths, as the target's
     return target, head, how
+
+
+def build_target(args, device, dtype, tp):
+    """The target, loaded or random (a size the TP does not divide was refused before:
+    run.check_sizes, memory_needed). Returns (target, description)."""
+    max_seq_len = cache_slots(args)
+    if args.model_path:
+        target = checkpoint.load_target(args.model_path, args.batch_size, max_seq_len, device,
+                                        dtype, tp, routing=args.routing)
+        if not args.trained_pair:
+            return target, f"loaded {args.model_path}"
+        return target, ("the trained tiny pair (checkpoints/tiny-stdlib, made by train.py from "
+                        "bytes of Python stdlib source"
+                        + ("" if args.dump else "; prompts: held-out stdlib source")
+                        + "; --random-weights for random ones)")
+    margs = random_target_args(args)
+    if args.routed_experts is not None:
+        tpm.print0(f"memory override: {args.routed_experts} of "
+                   f"{model.preset(args.preset).n_routed_experts} routed experts per layer kept")
+    target = model.Transformer(margs, args.batch_size, max_seq_len, device, dtype, tp,
+                               routing=args.routing)
+    params = sum(p.numel() for p in target.parameters())
+    whole = tp.world_size == 1 or not tp.simulated and params < MAX_PARAMS_SEEDED_WHOLE
+    checkpoint.init_random(target, args.seed, rank_local=not whole)
+    init = "seeded whole, same at any TP" if whole else "rank-local init"
+    return target, f"random {args.preset} ({init})"
 
 
 def memory_needed(cfg, device, world):
@@ -120,7 +127,8 @@ def memory_needed(cfg, device, world):
     EAGLE-3 states kept along the cache fill [B, S, 3D]. Returns (parts, the target's ModelArgs,
     the head's DraftArgs), or (None, ModelArgs, the ValueError) where a size does not fit the TP or
     the head does not fit the target."""
-    margs = checkpoint.read_target_args(cfg.model_path) if cfg.model_path else random_target_args(cfg)
+    margs = (checkpoint.read_target_args(cfg.model_path) if cfg.model_path
+             else random_target_args(cfg))
     tp = tpm.TP.simulate(max(cfg.simulate_tp, world))
     dtype, meta = getattr(torch, cfg.dtype), torch.device("meta")
     B, slots = cfg.batch_size, cache_slots(cfg)
@@ -141,9 +149,9 @@ def memory_needed(cfg, device, world):
              "KV caches": size(target.buffers()) + size(head.buffers()),
              "one prefill chunk": B * T * H * fill * 4 * 2 + B * T * a.vocab_size * 4
              + B * fill * H * (a.qk_nope_head_dim + a.v_head_dim) * dtype.itemsize,
-             "gathered expert weights": B * T * a.num_experts_per_tok * 3 * (a.moe_intermediate_size // tp.world_size)
-             * a.hidden_size * dtype.itemsize if kernels.pick_moe(cfg.moe_impl, device, dtype) == "gather"
-             else 0,
+             "gathered expert weights": B * T * a.num_experts_per_tok * 3
+             * (a.moe_intermediate_size // tp.world_size) * a.hidden_size * dtype.itemsize
+             if kernels.pick_moe(cfg.moe_impl, device, dtype) == "gather" else 0,
              "EAGLE-3 states": B * fill * 3 * a.hidden_size * dtype.itemsize}
     return parts, margs, dargs
 
@@ -186,7 +194,8 @@ class Clock:
 
 def median_ms(clock, fn, reps, warmup=3, desc=None):
     stamps = []
-    with tqdm(total=warmup + reps, desc=desc, disable=desc is None or not is_rank0(), leave=False) as bar:
+    hide = desc is None or not is_rank0()
+    with tqdm(total=warmup + reps, desc=desc, disable=hide, leave=False) as bar:
         for _ in range(warmup):
             fn()
             bar.update()
@@ -213,7 +222,8 @@ def phase_label(key, graph):
 class PhaseTimer:
     """verify.generate calls mark(name) at the end of each phase. A phase lasts from the previous
     mark to its own, and `host` from a cycle's last mark to the next cycle's "start" (the host
-    read and the host's own work), so in every cycle the phases add up to the cycle, start to start."""
+    read and the host's own work), so in every cycle the phases add up to the cycle, start to
+    start. generate gets its mark in a verify.Probe."""
 
     def __init__(self, clock):
         self.clock, self.marks = clock, []
@@ -237,8 +247,10 @@ class PhaseTimer:
     def phases(self):
         """Each phase's Timing over the cycles."""
         cycles = self.per_cycle()
-        names = [n for n in cycles[0] if n not in ("host", "cycle")] + ["host", "cycle"] if cycles else []
-        med = {n: Timing([c[n] for c in cycles if n in c]) for n in names if any(n in c for c in cycles)}
+        names = ([n for n in cycles[0] if n not in ("host", "cycle")] + ["host", "cycle"]
+                 if cycles else [])
+        med = {n: Timing([c[n] for c in cycles if n in c]) for n in names
+               if any(n in c for c in cycles)}
         if "cycle" not in med and cycles:  # one cycle only: it is the sum of its phases
             med["cycle"] = Timing([sum(cycles[0].values())])
         return med
@@ -263,7 +275,7 @@ def copy_bandwidth(clock, device):
 class Context:
     """The isolated phases at one context length, and where their time goes."""
     phases_ms: dict          # {"phase/variant": Timing}
-    distinct_experts: dict = field(default_factory=dict)  # {phase: routed experts a MoE layer reaches}
+    distinct_experts: dict = field(default_factory=dict)  # {phase: experts a MoE layer reaches}
     bytes: dict = field(default_factory=dict)             # {phase: {component: bytes}}
     components: dict = field(default_factory=dict)        # {phase: ComponentProfile}
     floors_ms: dict = field(default_factory=dict)         # {phase: ms, None without a GPU}
@@ -341,7 +353,7 @@ class Result:
     phases_ms: dict = None   # the first context's phases, "accept" added
     floors: dict = None      # the first context's floors_ms
     verify_sweep_ms: dict = None            # {T: SweepPoint}
-    e2e: dict = field(default_factory=dict)  # {"baseline/graph", "eagle3/decode/graph", ...: E2ERun}
+    e2e: dict = field(default_factory=dict)  # {"baseline/graph", "eagle3/decode/graph": E2ERun}
     greedy_agreement_with_plain: dict | None = None
     allreduce_measured: MeasuredAllreduce | None = None
     allreduce_modelled: ModelledAllreduce | None = None
@@ -368,8 +380,9 @@ class Bench:
     how: str                   # what the target is, for the header
     clock: Clock
     runner: CudaGraphs | None
-    fill: torch.Tensor = None  # [B, C'] ids prefilled into the cache (random, or held-out text for the trained
-                               # pair), C' the longest context or the prompt length, whichever is longer
+    # [B, C'] ids prefilled into the cache (random, or held-out text for the trained pair), C' the
+    # longest context or the prompt length, whichever is longer
+    fill: torch.Tensor = None
     aux: torch.Tensor = None   # [B, C, 3D] the target's EAGLE-3 states along `fill`
 
     @property
@@ -390,9 +403,10 @@ class Bench:
 
     @property
     def best(self):  # the fastest variant: graph when captured; the cost model's attention mode
-        return "graph" if self.graph_opts[-1] else "eager", "decode" if "decode" in self.modes else self.modes[0]
+        return ("graph" if self.graph_opts[-1] else "eager",
+                "decode" if "decode" in self.modes else self.modes[0])
 
-    def verify_name(self, mode):  # an isolated verify's name in the tables and JSON: the flag's word
+    def verify_name(self, mode):  # an isolated verify's name in the tables and JSON: flag words
         return f"verify/{FLAG_WORD[mode]}"
 
     def positions(self, ctx, T):  # [B, T]: T new tokens after ctx cached ones
@@ -408,17 +422,19 @@ def prepare(cfg, device):
     text for the trained pair)."""
     torch.manual_seed(cfg.seed)
     target, head, how = build(cfg, device, getattr(torch, cfg.dtype))
-    b = Bench(cfg, target, head, how, Clock(device), CudaGraphs(device) if cfg.cuda_graph != "off" else None)
+    runner = CudaGraphs(device) if cfg.cuda_graph != "off" else None
+    b = Bench(cfg, target, head, how, Clock(device), runner)
     B, C = cfg.batch_size, max(cfg.context_len)
     g = torch.Generator().manual_seed(cfg.seed)
     L = max(C, cfg.prompt_len)
-    b.fill = (torch.tensor(train.heldout_prompts(B, L)) if cfg.trained_pair  # text like its training data
+    b.fill = (torch.tensor(train.heldout_prompts(B, L)) if cfg.trained_pair  # like its training
               else torch.randint(0, target.args.vocab_size, (B, L), generator=g)).to(device)
     last = torch.full((B,), C - 1, device=device)
     with tqdm(total=2 * C, desc=f"filling the caches: target and head, {C} tokens", unit="token",
               disable=not is_rank0() or C <= PREFILL_CHUNK, leave=False) as bar:
-        _, b.aux = prefill_target(target, b.fill[:, :C], last, capture_aux=True, progress=bar.update)
-        prefill_draft(head, b.fill[:, :C], b.aux, last, progress=bar.update)  # its output is not used
+        _, b.aux = prefill_target(target, b.fill[:, :C], last, capture_aux=True,
+                                  progress=bar.update)
+        prefill_draft(head, b.fill[:, :C], b.aux, last, progress=bar.update)  # output not used
     return b
 
 
@@ -433,19 +449,21 @@ def phase_calls(b, ctx):
     k, B, t = b.k, b.cfg.batch_size, b.target
     pos1, posv = b.positions(ctx, 1), b.positions(ctx, k + 1)
     kv1, kvv = kv_bucket(ctx + 1, t.max_seq_len), kv_bucket(ctx + k + 1, t.max_seq_len)
-    kvd = kv_bucket(ctx + 2 * k + 1, t.max_seq_len)  # the draft's reads, as in generate (its chain runs ahead)
+    kvd = kv_bucket(ctx + 2 * k + 1, t.max_seq_len)  # the draft's, as generate's (its chain: ahead)
     step_tok, vtok = b.fill[:, ctx - 1:ctx], b.fill[:, ctx - k - 1:ctx]
     aux, last = b.aux[:, ctx - k - 1:ctx], torch.full((B,), k, device=t.device)
     calls = {"decode_step": (GraphKey("decode_step", "decode", B, 1, kv1),
                              partial(t, mode="decode", kv_len=kv1), (step_tok, pos1))}
     for mode in b.modes:
         calls[b.verify_name(mode)] = (GraphKey("verify", mode, B, k + 1, kvv),
-                                      partial(t, mode=mode, capture_aux=True, kv_len=kvv), (vtok, posv))
+                                      partial(t, mode=mode, capture_aux=True, kv_len=kvv),
+                                      (vtok, posv))
     calls["draft_extend"] = (GraphKey("draft_extend", None, B, k + 1, kvd),
                              partial(b.head.extend, kv_len=kvd), (vtok, posv, aux, last))
     first, g = b.head.extend(vtok, posv, aux, last, kv_len=kvd)
     calls["draft_step"] = (GraphKey("draft", None, B, 1, kvd),
-                           partial(b.head.chain, num_steps=2, kv_len=kvd), (first, g, pos1[:, 0] + k))
+                           partial(b.head.chain, num_steps=2, kv_len=kvd),
+                           (first, g, pos1[:, 0] + k))
     if b.cfg.speculative_eagle_topk > 1:
         calls.update(tree_calls(b, ctx))
     return calls
@@ -467,7 +485,8 @@ def tree_calls(b, ctx):
     inputs = (tree.tokens, ctx + tree.depths, start.unsqueeze(1) + torch.arange(N, device=t.device),
               tree_visible(tree.parents, start, kvt))
     calls = {f"{b.verify_name(mode)} tree": (GraphKey("verify_tree", mode, B, N, kvt),
-                                             partial(tree_forward, t, mode=mode, kv_len=kvt), inputs)
+                                             partial(tree_forward, t, mode=mode, kv_len=kvt),
+                                             inputs)
              for mode in b.modes}
     calls["draft_tree"] = (GraphKey("draft_tree", None, B, (S - 1) * K, kvd), expand,
                            (vtok[:, -1], logits, g, posv[:, -1]))
@@ -515,10 +534,11 @@ def verify_sweep(b, ctx):
         if ctx < T:
             break
         kv, vt, pos = kv_bucket(ctx + T, t.max_seq_len), b.fill[:, ctx - T:ctx], b.positions(ctx, T)
-        kvd = kv_bucket(ctx + 2 * T - 1, t.max_seq_len)  # generate's draft extend at num_steps T - 1
+        kvd = kv_bucket(ctx + 2 * T - 1, t.max_seq_len)  # generate's draft extend, num_steps T-1
         sweep[T] = SweepPoint(
             verify=b.timed(GraphKey("verify", mode, B, T, kv),
-                           partial(t, mode=mode, capture_aux=True, kv_len=kv), vt, pos, graph=graph),
+                           partial(t, mode=mode, capture_aux=True, kv_len=kv), vt, pos,
+                           graph=graph),
             draft_extend=b.timed(GraphKey("draft_extend", None, B, T, kvd),
                                  partial(b.head.extend, kv_len=kvd), vt, pos, b.aux[:, ctx - T:ctx],
                                  torch.full((B,), T - 1, device=t.device), graph=graph))
@@ -574,8 +594,10 @@ def end_to_end(b):
                 e2e[name], res = twice(name, b.head, mode, graph)
                 same = sum(x == y for r, p in zip(res.tokens, base.tokens) for x, y in zip(r, p))
                 agreement[name] = same / max(1, sum(len(p) for p in base.tokens))
-    # greedy and the model's own routing: uniform routing picks experts by a token's place in the forward
-    same_model = b.cfg.temperature == 0 and not b.cfg.simulate_accept_len and b.target.routing == "model"
+    # greedy and the model's own routing (uniform routing picks experts by a token's place in the
+    # forward)
+    same_model = (b.cfg.temperature == 0 and not b.cfg.simulate_accept_len
+                  and b.target.routing == "model")
     return e2e, agreement if same_model else None
 
 
@@ -608,7 +630,8 @@ def collectives(b, r):
         x = torch.randn(B * T, w.shape[1], device=t.device).to(t.dtype)
         both = b.timed(GraphKey(name + "+allreduce", None, B, T), partial(gemvs, reduce=True, w=w),
                        x, graph=True)
-        alone = b.timed(GraphKey(name, None, B, T), partial(gemvs, reduce=False, w=w), x, graph=True)
+        alone = b.timed(GraphKey(name, None, B, T), partial(gemvs, reduce=False, w=w), x,
+                        graph=True)
         return (both - alone) * 1e3 / n
 
     us = out.us_each
