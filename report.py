@@ -204,9 +204,10 @@ def print_components(r, ctx, c, b):
     verifies = [p for p in c.components if p.startswith("verify/")]
     chain = [p for p in verifies if not p.endswith(" tree")]
     tree = [p for p in verifies if p.endswith(" tree")]
-    for group, title in ((chain, "verify"), (tree, "verify tree")):
+    for group, titles in ((chain, ("verify", "verify - decode")),
+                          (tree, ("verify tree", "tree - decode"))):
         if group:
-            component_table(r, c, b, group, title)
+            component_table(r, c, b, group, titles)
     ar = r.allreduce_modelled
     if ar:
         print("  all-reduce MODELLED, not in the rows above: 2 x "
@@ -214,7 +215,7 @@ def print_components(r, ctx, c, b):
               "ms per forward")
 
 
-def component_table(r, c, b, verifies, title):
+def component_table(r, c, b, verifies, titles):
     """Rows: components, then totals; columns: the decode step and its floor, each verify of
     `verifies` (one per attention mode) and their floor, verify - decode."""
     comps, bw, variant = c.components, r.bandwidth_GBps, b.best[0]
@@ -230,8 +231,7 @@ def component_table(r, c, b, verifies, title):
         print(f"  {label:{LABEL}s}" + "".join(f"{x:{W}.3f}" if isinstance(x, float)
                                               else f"{str(x):>{W}s}" for x in values))
     modes = [p.split("/")[1].removesuffix(" tree") for p in verifies]
-    groups = [("decode step", ["ms", floor]), (title, modes + [floor]),
-              (f"{title} - decode", modes)]
+    groups = [("decode step", ["ms", floor]), (titles[0], modes + [floor]), (titles[1], modes)]
     print(f"  {'':{LABEL}s}" + "".join(f"{g:^{W * len(cols)}s}" for g, cols in groups))
     print(f"  {'':{LABEL}s}" + "".join(f"{h:>{W}s}" for _, cols in groups for h in cols))
     dec, first = comps["decode_step"], verifies[0]
