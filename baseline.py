@@ -438,9 +438,9 @@ def dump_main(cfg, target, head, how):
     if target.tp.rank == 0:  # np.savez on a file, not a name: a name would gain ".npz"
         write_whole(cfg.dump, lambda f: np.savez(f, meta=np.array(json.dumps(meta)), **arrays))
         shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in arrays.items())
-        print(f"wrote {cfg.dump}: {shapes}", flush=True)
+        print(fill(f"wrote {cfg.dump}: {shapes}"), flush=True)
         if head is not None:
-            print("accepted counts the tokens each cycle kept minus the target's bonus token "
-                  "(SGLang's accept length minus 1; a cycle cut at max_new_tokens or an EOS counts "
-                  "what it kept)", flush=True)
+            print(fill("accepted counts the tokens each cycle kept minus the target's bonus token "
+                       "(SGLang's accept length minus 1; a cycle cut at max_new_tokens or an EOS "
+                       "counts what it kept)"), flush=True)
     return 0
