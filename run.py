@@ -55,6 +55,8 @@ import tempfile
 import time
 from contextlib import contextmanager
 
+from tqdm import tqdm
+
 import baseline  # numpy only: --compare and the flags' defaults
 
 # the profiler (kineto) prints "USDT: ... profiler_start" and "profiler_stop" on stderr around
@@ -71,8 +73,9 @@ BF16_EXPERTS_ON_ONE_GPU = 128
 # the run's names and JSON keys keep the flag's word (verify/prefill/graph)
 ATTENTION_MODES = {"prefill": ["extend"], "decode": ["decode"], "both": ["extend", "decode"]}
 
-# The names the flags offer, written here so that --help and a refusal need no torch: model.PRESETS,
-# tp.ALLREDUCES, kernels.KERNELS and kernels.DRAFT_KERNELS (a test holds them equal)
+# The names the flags offer, written here so that --help and a refusal need no torch:
+# checkpoint.PRESETS, tp.ALLREDUCES, kernels.KERNELS and kernels.DRAFT_KERNELS (a test holds them
+# equal)
 PRESETS = ("kimi-k2", "kimi-k2.5", "tiny")
 ALLREDUCES = ("nccl", "one-shot")
 KERNELS = ("attention", "rope_cache", "router", "add_rmsnorm", "silu_mul", "shared_expert",
@@ -439,7 +442,7 @@ def check_device_flags(args, device):
     """What depends on the preset, the device or the defaults just settled."""
     import torch
 
-    import model
+    import checkpoint
     if args.allreduce_us is not None and (args.allreduce_us < 0 or args.simulate_tp <= 1):
         raise BadInput(f"--allreduce-us {args.allreduce_us}: models the collectives a SIMULATED "
                        "rank skips (--simulate-tp N, N > 1), with X >= 0; under torchrun they run "
@@ -465,7 +468,7 @@ def check_device_flags(args, device):
             asked = ",".join(args.kernels) if isinstance(args.kernels, list) else args.kernels
             raise BadInput(f"--kernels {asked}: {e}") from None
     if args.routed_experts is not None and not args.model_path:
-        m = model.preset(args.preset)
+        m = checkpoint.preset(args.preset)
         n = args.routed_experts
         if not m.num_experts_per_tok <= n <= m.n_routed_experts or n % m.n_group:
             raise BadInput(f"--routed-experts {args.routed_experts}: {args.preset} needs between "
@@ -568,8 +571,7 @@ def cli(argv=None):
     except KeyboardInterrupt:
         status = 130
         if int(os.environ.get("RANK", 0)) == 0:
-            print("\nrun.py: interrupted (Ctrl-C); no output file written", file=sys.stderr,
-                  flush=True)
+            tqdm.write("run.py: interrupted (Ctrl-C); no output file written", file=sys.stderr)
     except Exception as e:
         if not isinstance(e, refusals()):
             raise

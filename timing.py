@@ -57,7 +57,7 @@ def random_target_args(cfg):
     """The preset's ModelArgs with --quant and --routed-experts applied."""
     quant = {None: {}, "none": dict(quantization_config=None),
              "int4": dict(quantization_config="int4"), "fp8": dict(quantization_config="fp8")}
-    margs = model.preset(cfg.preset, **quant[cfg.quant])
+    margs = checkpoint.preset(cfg.preset, **quant[cfg.quant])
     if cfg.routed_experts is not None:
         margs.n_routed_experts = cfg.routed_experts
     return margs
@@ -65,7 +65,7 @@ def random_target_args(cfg):
 
 def random_draft_args(target):
     """A random head's DraftArgs: the tiny one for the tiny target, else Kimi-K2's."""
-    tiny = target.args.hidden_size == model.PRESETS["tiny"]["hidden_size"]
+    tiny = target.args.hidden_size == checkpoint.PRESETS["tiny"]["hidden_size"]
     dargs = draft_preset("tiny" if tiny else "kimi-k2")
     if max(dargs.aux_layer_ids or [0]) >= target.args.num_hidden_layers:  # Kimi's: a shallower
         dargs.eagle_config = None  # EAGLE-3's default layers of this target instead
@@ -108,7 +108,7 @@ def build_target(args, device, dtype, tp):
     margs = random_target_args(args)
     if args.routed_experts is not None:
         tpm.print0(f"memory override: {args.routed_experts} of "
-                   f"{model.preset(args.preset).n_routed_experts} routed experts per layer kept")
+                   f"{checkpoint.preset(args.preset).n_routed_experts} routed experts per layer kept")
     target = model.Transformer(margs, args.batch_size, max_seq_len, device, dtype, tp,
                                routing=args.routing)
     params = sum(p.numel() for p in target.parameters())
