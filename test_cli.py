@@ -3,8 +3,10 @@ timing aids, the correctness baseline (--dump and --compare), train.py's folders
 hour of a new user. run.py runs in a subprocess through testing.run_py, as a user runs it.
 """
 import contextlib
+import dataclasses
 import json
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -20,8 +22,10 @@ from torch.profiler import profile, ProfilerActivity
 import baseline
 import kernels
 import model
+import components
 import report
 import run
+import timing
 import train
 from checkpoint import (CheckpointError, init_random, init_random_draft, load_draft, load_target,
                         save_draft)
@@ -30,7 +34,7 @@ from model import Transformer
 from testing import (assert_close, CPU_ENV, edit_checkpoint, gpu_models, HERE, ONE_THREAD,
                      PlantedProposer, PROMPTS, reference_sequences, RUN_PY, run_py, run_ranks,
                      step_inputs, tiny, TRITON_DEVICE)
-from verify import generate, kv_bucket, prefill_draft, prefill_target
+from verify import Probe, generate, kv_bucket, prefill_draft, prefill_target
 
 
 # ---------------------------------------------------------------------------------------------
@@ -66,7 +70,7 @@ def test_run_py_cli_tiny(tmp_path):
                     "--batch-size", "2", "--routing", "model", "--random-weights", check=True).stdout
     r = json.loads(out.read_text())
     stdout = " ".join(stdout.split())  # the report wraps its long lines
-    assert r["env"]["simulated_acceptance"] is False and r["floors"] is None
+    assert r["env"]["simulated_acceptance"] is False and all(v is None for v in r["floors"].values())
     assert stdout.count("target: random tiny") == 1 and "the answer:" in stdout and "accepted almost nothing" in stdout
     for name, ms in r["phases_ms"].items():
         lo, q1, med, q3, hi = r["spread_ms"]["phases_ms"][name]
@@ -120,8 +124,8 @@ def test_phase_timer_accounts_for_every_cycle():
     target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), 4)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 5)
     for draft, names in ((head, {"verify", "accept", "draft_extend", "draft", "commit"}), (None, {"decode_step", "commit"})):
-        timer = run.PhaseTimer(run.Clock(torch.device("cpu")))
-        res = generate(target, draft, PROMPTS[3], max_new_tokens=10, num_steps=2, timer=timer)
+        timer = timing.PhaseTimer(timing.Clock(torch.device("cpu")))
+        res = generate(target, draft, PROMPTS[3], max_new_tokens=10, num_steps=2, probe=Probe(timer.mark))
         cycles = timer.per_cycle()
         assert len(cycles) == res.cycles and set(cycles[-1]) == names
         for c in cycles[:-1]:
@@ -139,27 +143,30 @@ def test_report_warns_about_noise_and_figures_that_cannot_be():
     steady, noisy = T([10.0, 10.1, 10.2, 10.3]), T([5.0, 10.0, 20.0, 40.0])
     assert steady.spread() == pytest.approx([10.0, 10.075, 10.15, 10.225, 10.3]) and not steady.noisy and noisy.noisy
     assert json.loads(json.dumps({"t": noisy})) == {"t": 15.0}  # serialized as the median
-    spec = dict(tok_per_s=50.0, phases_ms=dict(verify=T([12.0]), cycle=T([14.0])), accept_len_mean=1.02,
-                speedup_measured=0.7, speedup_predicted=0.72)
-    r = dict(env=dict(simulated_acceptance=False, device="cpu"), phases_ms={"decode_step/eager": noisy},
-             e2e={"baseline/eager": dict(phases_ms=dict(decode_step=T([3.0]), cycle=T([3.1]))), "eagle3/decode/eager": spec},
-             cost_model=dict(plain_step_ms=3.1, steps={1: dict(cycle_ms=2.0, break_even_accept_len=0.6),
-                                                       3: dict(cycle_ms=14.0, break_even_accept_len=4.5)}),
-             verify_sweep_ms={1: dict(verify=T([9.0])), 2: dict(verify=T([4.0]))})
+    env = {f.name: None for f in dataclasses.fields(timing.Env)}
+    env = timing.Env(**dict(env, simulated_acceptance=False, device="cpu", world_size=1, weights="random"))
+    spec = timing.E2ERun(50.0, 1.0, 0, 0, dict(verify=T([12.0]), cycle=T([14.0])), accept_len_mean=1.02,
+                         speedup_measured=0.7, speedup_predicted=0.72)
+    plain = timing.E2ERun(0.0, 1.0, 0, 0, dict(decode_step=T([3.0]), cycle=T([3.1])))
+    r = timing.Result(env, None, {}, phases_ms={"decode_step/eager": noisy},
+                      e2e={"baseline/eager": plain, "eagle3/decode/eager": spec},
+                      cost_model=components.CostModel(3.1, {1: components.CycleCost(2.0, 0.6, {}),
+                                                            3: components.CycleCost(14.0, 4.5, {})}),
+                      verify_sweep_ms={1: timing.SweepPoint(T([9.0]), None), 2: timing.SweepPoint(T([4.0]), None)})
     w = "\n".join(report.timing_warnings(r))
     for words in ["1 timing(s) vary by more than 25%", "decode_step/eager", "num_steps 1: break-even 0.60",
                   "cheaper than the plain step", "num_steps 3: break-even 4.50", "cannot pay here",
                   "takes 15.000 ms alone and 3.000 ms inside the loop", "1 tokens 9.000 ms > 1.5 x 2 tokens 4.000 ms"]:
         assert words in w, (words, w)
-    r["warnings"] = []
+    r.warnings = []
     v = " ".join(report.verdict(r))
     assert "accepted almost nothing (1.02 tokens per cycle" in v and "--simulate-accept-len" in v
-    r["env"].update(simulated_acceptance=True, config=dict(simulate_accept_len=2.5))
-    spec.update(accept_len_mean=2.25, accept_len_hist=[1, 2, 1, 0])
+    r.env.simulated_acceptance, r.env.config = True, dict(simulate_accept_len=2.5)
+    spec.accept_len_mean, spec.accept_len_hist = 2.25, [1, 2, 1, 0]
     assert "Acceptance was SIMULATED: asked 2.5, drawn 2.25 tokens per cycle over 4 cycles (a mean of 4 draws " \
            "spreads by about 0.41" in " ".join(report.verdict(r))
-    r["env"].update(simulated_acceptance=False, weights="checkpoints")
-    spec["accept_len_mean"] = 1.02
+    r.env.simulated_acceptance, r.env.weights = False, "checkpoints"
+    spec.accept_len_mean = 1.02
     assert "with checkpoints loaded, on the timing run's prompts of random ids" in " ".join(report.verdict(r))
     assert report.spreads(r)["phases_ms"]["decode_step/eager"] == noisy.spread()
 
@@ -167,7 +174,7 @@ def test_report_warns_about_noise_and_figures_that_cannot_be():
 def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
     """Each nonsense value is BadInput naming the flag, the value and what is allowed, raised by
     parse_args or settle (device-dependent ones are asked as on a CPU); none builds a model."""
-    monkeypatch.setattr(run, "build", lambda *a: pytest.fail("a model was built"))
+    monkeypatch.setattr(timing, "build", lambda *a: pytest.fail("a model was built"))
     at_least_1 = ["--max-new-tokens 0", "--max-new-tokens -5", "--prompt-len 0", "--reps 0", "--batch-size 0",
                   "--speculative-num-steps -1", "--simulate-tp 0", "--topk 0 --dump x.npz"]
     cases = [(flags, f"{flags.split(' --dump')[0]}: must be at least 1") for flags in at_least_1] + [
@@ -241,7 +248,7 @@ def test_run_py_cli_tree(tmp_path):
     assert {"verify/decode tree/eager", "draft_tree/eager"} <= set(r["phases_ms"])
     experts = r["contexts"]["16"]["distinct_experts"]   # a tree of 8 tokens reaches more than a chain's 4
     assert experts["verify/decode tree"] >= experts["verify/decode"] >= experts["decode_step"]
-    assert "dec tree" in stdout and "A tree of topk 4, 3 steps, 8 draft tokens" in " ".join(r["answer"])
+    assert "verify tree" in stdout and "A tree of topk 4, 3 steps, 8 draft tokens" in " ".join(r["answer"])
     tree = r["cost_model"]["tree"]
     assert tree["cycle_ms"] > 0 and tree["break_even_accept_len"] > 0 and tree["accept_ratio_to_beat_chain"] > 0
 
@@ -396,6 +403,8 @@ def test_compare_reports_a_planted_divergence(planted_dump, tmp_path, capsys):
     code, out = cli("a", "b", "--max-logprob-diff", str(gap + 0.01), "--min-top1-agreement", "1")
     assert code == 1 and "FAIL: top-1 agreement" in out, out
     code, out = cli("a", "b", "--max-logprob-diff", str(gap - 0.01))  # the flip is no longer a near-tie
+    assert max(len(line) for line in out.splitlines()) <= 120, out  # the FAIL summary wrapped
+    out = " ".join(out.split())
     assert code == 1 and f"row {row}, output {j} (position {t})" in out and "below A's top-1" in out, out
     with pytest.raises(run.BadInput, match=r"topk_logprobs has shape \[3, 23, 20\], expected \[3, 24, 20\]"):
         cli("a", "short")
@@ -508,7 +517,8 @@ def test_dump_from_the_command_line_and_bad_input(tiny_ckpt, tmp_path):
     flags = ["--model-path", ckpt, "--draft-path", str(tmp_path / "draft"), "--prompt-ids",
              str(tmp_path / "p.jsonl"), "--max-new-tokens", "12", "--speculative-num-steps", "2",
              "--dtype", "float32"]
-    run_py(*flags, "--dump", str(tmp_path / "cli.npz"), check=True)
+    done = run_py(*flags, "--dump", str(tmp_path / "cli.npz"), check=True)
+    assert "dump: {" in done.stdout and max(map(len, done.stdout.splitlines())) <= 120, done.stdout  # wrapped
     cli = baseline.load_dump(tmp_path / "cli.npz")
     assert json.loads(str(cli["meta"]))["target"] == f"loaded {ckpt}"
     ref = baseline.dump(target, load_draft(tmp_path / "draft", target), PROMPTS[3], max_new_tokens=12, num_steps=2,
@@ -564,7 +574,7 @@ def test_run_defaults_uniform_routing_for_random_weights_and_model_routing_for_a
     for argv, want in ((["--random-weights"], "uniform"), (["--model-path", ckpt], "model"),
                        (["--random-weights", "--routing", "model"], "model"), ([], "model")):  # []: the trained pair
         args = run.settle(run.parse_args(argv + ["--dtype", "float64"]), cpu, 1)
-        target, _, _ = run.build(args, cpu, torch.float64)
+        target, _, _ = timing.build(args, cpu, torch.float64)
         routers = {layer.mlp.gate.routing for layer in target.layers if isinstance(layer.mlp, model.MoE)}
         assert args.routing == want and target.routing == want and routers == {want}, (argv, routers)
     assert load_target(ckpt, 1, 16).routing == "model"
@@ -579,15 +589,15 @@ def test_component_table_adds_up_to_the_summed_op_time():
     m(tokens, torch.arange(20).expand(2, 20))
     for mode in ("extend", "decode"):
         fn = partial(m, tokens[:, -4:], 20 + torch.arange(4).expand(2, 4), mode, kv_len=24)
-        got = run.profile_components(m, fn, gpu=False, calls=2)
-        parts, total = got["parts_ms"], got["kernel_ms"]
+        got = components.profile_components(m, fn, gpu=False, calls=2)
+        parts, total = got.parts_ms, got.kernel_ms
         assert abs(sum(parts.values()) - total) <= 0.05 * total, f"{mode}: parts {sum(parts.values()):.3f} vs {total:.3f} ms"
         for c in ("attn_core", "attn_proj", "router", "routed_experts", "shared_mlp", "elementwise", "embed_head"):
             assert parts[c] > 0, f"{mode}: nothing attributed to {c}: {parts}"
         assert parts["other"] < 0.1 * total and parts["allreduce"] == 0, parts
-        assert got["kernels"] > 100
+        assert got.kernels > 100
     assert all(not mod._forward_hooks and not mod._forward_pre_hooks for mod in m.modules()), "hooks left behind"
-    assert isinstance(run.scope("router"), contextlib.nullcontext), "a scope outside profiling must cost nothing"
+    assert isinstance(components.scope("router"), contextlib.nullcontext), "a scope outside profiling must cost nothing"
     assert model.apply_rope.__name__ == "apply_rope" and "project" not in vars(m.layers[0].self_attn)
 
 
@@ -596,12 +606,12 @@ def test_component_table_adds_up_to_the_summed_kernel_time_on_the_gpu():
     target, _ = gpu_models()
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
-    got = run.profile_components(target, partial(target, step, step_pos, "decode", kv_len=16), gpu=True)
-    parts, total = got["parts_ms"], got["kernel_ms"]
+    got = components.profile_components(target, partial(target, step, step_pos, "decode", kv_len=16), gpu=True)
+    parts, total = got.parts_ms, got.kernel_ms
     assert abs(sum(parts.values()) - total) <= 0.05 * total, f"parts {sum(parts.values()):.3f} vs kernels {total:.3f} ms"
     for c in ("attn_core", "attn_proj", "router", "routed_experts", "shared_mlp", "elementwise", "embed_head"):
         assert parts[c] > 0, f"no kernel attributed to {c}: {parts}"
-    assert got["kernels"] > 100
+    assert got.kernels > 100
 
 
 @pytest.mark.triton
@@ -620,12 +630,12 @@ def test_component_table_puts_the_input_norm_in_qkva_under_the_projections(monke
         with torch.profiler.record_function("norm_gemv" + ("+residual" if "residual" in k else "")):
             return kernels.norm_gemv(*a, **k)
     monkeypatch.setattr(kernels.launch, "norm_gemv", marked)
-    with run.component_scopes(m), profile(activities=[ProfilerActivity.CPU]) as prof:
+    with components.component_scopes(m), profile(activities=[ProfilerActivity.CPU]) as prof:
         m(tokens[:, -1:], torch.tensor([[20]], device=device), "decode", kv_len=24)
     where = {}
     for e in prof.events():
         if e.name.startswith("norm_gemv") or e.name == "aten::softmax":
-            where.setdefault(e.name, set()).add(run.component_at(e))
+            where.setdefault(e.name, set()).add(components.component_at(e))
     assert where["norm_gemv+residual"] == {"attn_proj"} and where["aten::softmax"] == {"attn_core"}, where
     assert where["norm_gemv"] == {"attn_proj"}, where                     # q_b, o_proj and layer 0's q_a + kv_a
 
@@ -646,9 +656,9 @@ def test_component_table_puts_the_merge_in_w_uv_under_the_projections(monkeypatc
         stack.append(component)
         yield
         stack.pop()
-    monkeypatch.setattr(run, "scope", scope)
+    monkeypatch.setattr(components, "scope", scope)
     monkeypatch.setattr(kernels.launch, "mla_merge_absorb", lambda *a: seen.append(stack[-1]) or launch(*a))
-    with run.component_scopes(m):
+    with components.component_scopes(m):
         m(torch.tensor([[8]], device=device), torch.tensor([[8]], device=device), "decode")
     assert seen == ["attn_proj"] * 2, seen
     assert "merge_absorb_output" not in vars(m.layers[0].self_attn), "the wrapper must be removed after"
@@ -657,7 +667,7 @@ def test_component_table_puts_the_merge_in_w_uv_under_the_projections(monkeypatc
 def test_component_bytes_count_what_a_forward_moves():
     m = init_random(Transformer(tiny(), 2, 48, dtype=torch.float32), 10)
     distinct = [5] * (m.args.num_hidden_layers - 1)
-    parts = run.component_bytes(m, distinct, kv_slots=24, batch=2, tokens=3)
+    parts = components.component_bytes(m, distinct, kv_slots=24, batch=2, tokens=3)
     a = m.args
     assert parts["routed_experts"] == 7 * 5 * 3 * a.hidden_size * a.moe_intermediate_size * 4
     assert parts["attn_core"] == 8 * 2 * 24 * (a.kv_lora_rank + a.qk_rope_head_dim) * 4
@@ -715,16 +725,16 @@ def test_progress_labels_count_tokens_not_cache_slots():
     generate(target, head, [list(range(1, 90))] * 2, max_new_tokens=6, num_steps=k, graphs=rec)
     cfg = run.settle(run.parse_args(["--random-weights", "--context-len", "100", "--speculative-num-steps",
                                      str(k)]), cpu, 1)
-    isolated = {name: key for name, (key, _, _) in run.phase_calls(run.prepare(cfg, cpu), 100).items()}
+    isolated = {name: key for name, (key, _, _) in timing.phase_calls(timing.prepare(cfg, cpu), 100).items()}
     verifies = [key for key in rec.keys if key.phase == "verify"] + [isolated["verify/prefill"],
                                                                       isolated["verify/decode"]]
     assert len(verifies) > 2 and {key.mode for key in verifies} == {"extend", "decode"}
     for key in verifies:
-        label = run.phase_label(key, graph=True)
+        label = timing.phase_label(key, graph=True)
         assert key.tokens == k + 1 and key.slots > k + 1 and f", {k + 1} tokens," in label, (key, label)
         assert str(key.slots) not in label, (key, label)
-    assert ", 1 token," in run.phase_label(isolated["decode_step"], graph=False)
-    assert f", {k + 1} tokens," in run.phase_label(isolated["draft_extend"], graph=False)
+    assert ", 1 token," in timing.phase_label(isolated["decode_step"], graph=False)
+    assert f", {k + 1} tokens," in timing.phase_label(isolated["draft_extend"], graph=False)
     assert {key.phase for key in rec.keys} == {"verify", "draft_extend", "draft"}
 
 
@@ -754,15 +764,15 @@ def test_run_py_refuses_sizes_before_building(monkeypatch, capsys):
     """check_sizes, before build: caches and weights past the free memory refused in one line that
     names the flag and the estimate's parts; --topk past the vocabulary refused; positions past
     max_position_embeddings (256 for tiny) warned once. The estimate's caches are the real ones."""
-    monkeypatch.setattr(run, "build", lambda *a: pytest.fail("a model was built"))
+    monkeypatch.setattr(timing, "build", lambda *a: pytest.fail("a model was built"))
     with pytest.raises(run.BadInput, match=r"--context-len 10000000, batch 1: needs about \d+\.\d GB of memory \("
                                            r"KV caches .*\), this machine has \d+\.\d GB free"):
         run.check_sizes(_settled("--context-len 10000000"), torch.device("cpu"), 1)
-    monkeypatch.setattr(run, "memory_free", lambda device: (10 ** 6, "this machine"))
+    monkeypatch.setattr(timing, "memory_free", lambda device: (10 ** 6, "this machine"))
     with pytest.raises(run.BadInput, match="--prompt-len 16 \\+ --max-new-tokens 24, batch 1"):
         run.check_sizes(_settled(""), torch.device("cpu"), 1)
     monkeypatch.undo()
-    monkeypatch.setattr(run, "build", lambda *a: pytest.fail("a model was built"))
+    monkeypatch.setattr(timing, "build", lambda *a: pytest.fail("a model was built"))
     cfg = _settled("--random-weights --context-len 8")
     cfg.dump, cfg.topk = "x.npz", 1000  # as settle_dump leaves them (it reads a prompt file)
     with pytest.raises(run.BadInput, match=r"--topk 1000: must lie in \[1, the vocabulary's 256 ids\]"):
@@ -773,8 +783,8 @@ def test_run_py_refuses_sizes_before_building(monkeypatch, capsys):
     assert said.count("warning: positions reach") == 1 and "max_position_embeddings 256" in said, said
     run.check_sizes(_settled("--random-weights"), torch.device("cpu"), 1)
     assert "warning" not in capsys.readouterr().out
-    parts, _ = run.memory_needed(_settled("--random-weights --context-len 100"), torch.device("cpu"), 1)
-    target = Transformer(tiny(), 1, run.cache_slots(_settled("--random-weights --context-len 100")))
+    parts, _, _ = timing.memory_needed(_settled("--random-weights --context-len 100"), torch.device("cpu"), 1)
+    target = Transformer(tiny(), 1, timing.cache_slots(_settled("--random-weights --context-len 100")))
     head = Eagle3Draft(draft_preset("tiny"), target)
     caches = sum(t.numel() * t.element_size() for m in (target, head) for t in m.buffers())
     assert parts["KV caches"] == caches, (parts, caches)
@@ -840,3 +850,95 @@ def test_run_py_cli_torchrun_refuses_a_flag_once():
     errors = [line for line in out.stderr.splitlines() if line.startswith("run.py: error:")]
     assert out.returncode != 0 and errors == ["run.py: error: --max-new-tokens 0: must be at least 1"], out.stderr[-3000:]
     assert "exitcode  : 2" in out.stderr and "rank      : 1" not in out.stderr, out.stderr[-3000:]
+
+
+def _refused(cli, message):
+    """One line on stderr matching `message`, status 2, no traceback, nothing on stdout."""
+    said = said_on(cli.stderr)
+    assert cli.returncode == 2 and "Traceback" not in cli.stderr, (cli.returncode, cli.stderr[-2000:])
+    assert len(said) == 1 and said[0].startswith("run.py: error: "), cli.stderr[-2000:]
+    assert re.search(message, said[0]), (message, said[0])
+    assert cli.stdout == "", cli.stdout
+
+
+def test_run_py_refuses_an_output_folder_it_cannot_write_in(tmp_path):
+    """--json and --dump: the folder checked by creating a file there, before anything runs (/proc
+    is a folder that os.access calls writable and that holds no new file)."""
+    _refused(run_py("--json", "/proc/x.json"), r"--json /proc/x.json: cannot write there \(folder /proc: ")
+    _refused(run_py("--dump", "/proc/x.npz", "--prompt-ids", str(tmp_path / "p.jsonl")),
+             r"--dump /proc/x.npz: cannot write there \(folder /proc: ")
+    assert not [p for p in os.listdir(HERE) if p.startswith(".run-py-check-")]
+
+
+def test_run_py_refuses_a_tree_wider_than_the_draft_vocabulary():
+    """topk above the head's draft vocabulary (64 for the tiny pair): one line, before the build."""
+    _refused(run_py("--speculative-eagle-topk", "65", "--speculative-num-steps", "3",
+                    "--speculative-num-draft-tokens", "8"),
+             r"--speculative-eagle-topk 65: above the draft head's vocabulary of 64 ids")
+
+
+def test_run_py_names_offered_before_torch_are_the_stages_names():
+    """run.py spells the presets, all-reduces and kernels its flags offer (so --help needs no
+    torch); they are the names the stages take."""
+    import checkpoint
+    import tp
+    assert set(run.PRESETS) == set(checkpoint.PRESETS) and run.ALLREDUCES == tuple(tp.ALLREDUCES)
+    assert run.KERNELS == tuple(kernels.KERNELS) and run.DRAFT_KERNELS == tuple(kernels.DRAFT_KERNELS)
+
+
+def test_run_py_answers_help_and_refusals_before_importing_torch():
+    """--help and the flag refusals import no torch (seconds on a small CPU): the flags are parsed
+    before the stages are imported. Time it: `time python run.py --help`."""
+    code = ("import sys, run\n"
+            "try:\n    run.cli(['--help'])\nexcept SystemExit as e:\n    print('help', e.code)\n"
+            "print('refused', run.cli(['--max-new-tokens', '0']))\n"
+            "print('torch imported', 'torch' in sys.modules)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, env=CPU_ENV)
+    assert out.stdout.splitlines()[-3:] == ["help 0", "refused 2", "torch imported False"], out.stdout[-500:]
+    assert "usage: " in out.stdout and "run.py: error: --max-new-tokens 0: must be at least 1" in out.stderr
+
+
+def test_run_py_ctrl_c_while_importing_is_one_line():
+    """Ctrl-C while torch and the stages are still being imported: status 130, one line, no
+    traceback."""
+    p = subprocess.Popen([sys.executable, RUN_PY, "--random-weights"], cwd=HERE, env=CPU_ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(1.0)   # past run.py's own imports (argparse, numpy), inside torch's
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and "Traceback" not in err, (p.returncode, err[-2000:])
+    assert said_on(err) == ["run.py: interrupted (Ctrl-C); no output file written"], err[-2000:]
+
+
+def test_run_py_refuses_prompt_ids_outside_the_vocabulary_before_building(tmp_path):
+    """--prompt-ids with an id past the vocabulary (256 for the tiny pair): one line tagged
+    --prompt-ids, before the model is built (so no dump: line)."""
+    (tmp_path / "p.jsonl").write_text("[1, 2, 3]\n[1, 2, 999]\n")
+    _refused(run_py("--dump", str(tmp_path / "x.npz"), "--prompt-ids", str(tmp_path / "p.jsonl")),
+             r"--prompt-ids .*p.jsonl: line 2 holds id 999, outside the vocabulary's 256 ids")
+    assert not (tmp_path / "x.npz").exists()
+
+
+def test_run_py_lines_fit_120_columns_and_say_what_a_run_does():
+    """Every line run.py prints within 120 columns (a tree run's component tables, the
+    --random-weights note) and the profile-above-the-step warning where it applies; --allreduce
+    one-shot refused in one process; a dump's tree note speaks of its file; --help says what a dump
+    is on a CPU and exit status 130."""
+    cli = run_py("--random-weights", "--speculative-eagle-topk", "2", "--speculative-num-steps", "2",
+                 "--speculative-num-draft-tokens", "4", "--max-new-tokens", "8", "--reps", "2", "--json", "-")
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    lines, r = cli.stdout.splitlines()[:-1], json.loads(cli.stdout.splitlines()[-1])  # the JSON: for machines
+    assert not [line for line in lines if len(line) > 120], [line for line in lines if len(line) > 120]
+    flat = " ".join(cli.stdout.split())
+    assert "greedy speculative vs plain output: not compared" in flat and "tree - decode" in flat, cli.stdout
+    c = r["contexts"]["16"]
+    over = any(v["kernel_ms"] > c["phases_ms"][f"{p}/eager"] for p, v in c["components"].items())
+    assert over == any("profiled run's summed CPU op time exceeds the timed phase" in w for w in r["warnings"])
+    _refused(run_py("--allreduce", "one-shot"),
+             r"--allreduce one-shot: picks real TP's all-reduce .* a single process runs none")
+    cfg = _settled("--speculative-eagle-topk 2 --speculative-num-draft-tokens 4")
+    assert "end-to-end rows" in run.tree_note(cfg) and "isolated" in run.tree_note(cfg)
+    cfg.dump = "x.npz"
+    assert "the dump drafts a tree" in run.tree_note(cfg) and "isolated" not in run.tree_note(cfg)
+    help_text = " ".join(run_py("--help").stdout.split())
+    assert "the trained tiny pair's (the CPU default)" in help_text and "130 interrupted (Ctrl-C)" in help_text

@@ -36,7 +36,7 @@ from testing import (assert_close, captured_calls, eager_without_pdl, edit_check
                      random_tree, reference_sequences, run_ranks, run_steps, step_inputs, tiny,
                      TRITON_DEVICE)
 from tp import TP
-from verify import (accept, generate, simulated_accept, simulated_center, simulated_mean,
+from verify import (Probe, accept, generate, simulated_accept, simulated_center, simulated_mean,
                     tree_accept, tree_ancestors, tree_emitted, tree_forward, tree_visible)
 
 
@@ -640,8 +640,8 @@ def test_the_draft_chain_stays_inside_the_cache():
     target = init_random(Transformer(tiny(), 1, P + max_new + 2 * k - 2, dtype=torch.float32), 0)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 1)
     for seed in range(8):  # seed 4 reached the end with all 4 drafts accepted
-        generate(target, head, [list(range(1, P + 1))], max_new_tokens=max_new, num_steps=k, simulate_accept_len=4.0,
-                 seed=seed)
+        generate(target, head, [list(range(1, P + 1))], max_new_tokens=max_new, num_steps=k,
+                 probe=Probe(accept_len=4.0), seed=seed)
     with pytest.raises(ValueError, match="lookahead"):
         generate(target, head, [list(range(1, P + 2))], max_new_tokens=max_new, num_steps=k)
 
@@ -1076,10 +1076,10 @@ def test_tree_sampling_and_simulated_generate_run_and_are_seeded():
     b = generate(target, head, PROMPTS[3], temperature=0.8, seed=5, **kw)
     assert a.tokens == b.tokens and all(len(t) == 10 for t in a.tokens)
     assert a.drafts.shape[1:] == (3, 5) and a.parents.shape == a.drafts.shape
-    sim = generate(target, head, PROMPTS[3], simulate_accept_len=3.0, **kw)
+    sim = generate(target, head, PROMPTS[3], probe=Probe(accept_len=3.0), **kw)
     assert sim.simulated and sim.accepted[sim.accepted >= 0].float().mean() > 1
-    with pytest.raises(ValueError, match=r"simulate_accept_len must lie in \[1, 4\]"):
-        generate(target, head, PROMPTS[3], simulate_accept_len=4.5, **kw)
+    with pytest.raises(ValueError, match=r"accept_len must lie in \[1, 4\]"):
+        generate(target, head, PROMPTS[3], probe=Probe(accept_len=4.5), **kw)
 
 
 def test_trained_pair_tree_accepts_more_than_the_chain():
@@ -1155,7 +1155,7 @@ def test_the_tree_stays_inside_the_cache():
         prompts = [list(range(1, P + 1)), list(range(1, P - 1))]
         for seed in range(4):
             generate(target, head, prompts, max_new_tokens=max_new, num_steps=S, topk=K, num_draft_tokens=N,
-                     simulate_accept_len=4.0, seed=seed, eos_id=-1)
+                     probe=Probe(accept_len=4.0), seed=seed, eos_id=-1)
         with pytest.raises(ValueError, match="lookahead"):
             generate(target, head, [list(range(1, P + 2))], max_new_tokens=max_new, num_steps=S, topk=K,
                      num_draft_tokens=N)
