@@ -9,6 +9,7 @@ import tp
 
 from . import common
 from .common import _counters, _jit, _pow2, _wait_for_prior, launch, rows, tl, triton
+from .stacked import StackedQKVA
 
 
 # RMSNorm fused into the GEMV that reads it (decode and verify: at most NORM_GEMV_MAX_ROWS rows)
@@ -285,26 +286,8 @@ HEAD_GEMV_MAX_ROWS = 4
 
 class NormGemvMLA(model.MLA):
     """"norm_gemv": q_b_proj as a GEMV kernel with q_a_layernorm computed inside it (at most
-    NORM_GEMV_MAX_ROWS rows: decode, verify), decode mode's absorbed W_uk / W_uv products as GEMV
-    kernels over the heads (at most HEAD_GEMV_MAX_ROWS rows), and, with fused_proj (StackedQKVA
-    behind this swap), the stacked q_a + kv_a at up to QKVA_GEMV_MAX_ROWS (project_sum: with the
-    layer's input add and norm inside, for InputNormInQKVA); more rows: the plain code."""
-
-    def q_kv_a(self, x):
-        if rows(x) > QKVA_GEMV_MAX_ROWS:
-            return super().q_kv_a(x)
-        return launch.norm_gemv(x, self.q_kv_a_weight)
-
-    def project_sum(self, x, residual, norm):
-        """(q, kv_a) = project(norm(x + residual)) and x + residual, at most NORM_GEMV_MAX_ROWS rows (InputNormInQKVA
-        calls it at INPUT_NORM_QKVA_MAX_ROWS), the add and the norm (the layer's input_layernorm) inside q_a +
-        kv_a's GEMV (with StackedQKVA behind this swap). residual None: project(norm(x)) and x."""
-        w, g = self.q_kv_a_weight, norm.weight
-        if residual is None:
-            q_kv_a, summed = launch.norm_gemv(x, w, g, norm.eps), x
-        else:
-            q_kv_a, summed = launch.norm_gemv(x, w, g, norm.eps, residual=residual)
-        return *self.split_q_kv_a(q_kv_a), summed
+    NORM_GEMV_MAX_ROWS rows: decode, verify) and decode mode's absorbed W_uk / W_uv products as GEMV
+    kernels over the heads (at most HEAD_GEMV_MAX_ROWS rows); more rows: the plain code."""
 
     def query(self, q_a):
         if rows(q_a) > NORM_GEMV_MAX_ROWS:
@@ -323,10 +306,32 @@ class NormGemvMLA(model.MLA):
         return launch.head_gemv(o_lat, w_uv)
 
 
+class NormGemvQKVA(NormGemvMLA, StackedQKVA):
+    """"norm_gemv" with "fused_proj" (MLA with q_lora_rank): NormGemvMLA, and the stacked q_a + kv_a
+    (StackedQKVA's weight) as the GEMV kernel at up to QKVA_GEMV_MAX_ROWS rows; project_sum, the
+    same GEMV with the layer's input add and norm inside, is InputNormInQKVA's."""
+
+    def q_kv_a(self, x):
+        if rows(x) > QKVA_GEMV_MAX_ROWS:
+            return super().q_kv_a(x)
+        return launch.norm_gemv(x, self.q_kv_a_weight)
+
+    def project_sum(self, x, residual, norm):
+        """(q, kv_a) = project(norm(x + residual)) and x + residual, at most NORM_GEMV_MAX_ROWS rows
+        (InputNormInQKVA calls it at INPUT_NORM_QKVA_MAX_ROWS), the add and the norm (the layer's
+        input_layernorm) inside q_a + kv_a's GEMV. residual None: project(norm(x)) and x."""
+        w, g = self.q_kv_a_weight, norm.weight
+        if residual is None:
+            q_kv_a, summed = launch.norm_gemv(x, w, g, norm.eps), x
+        else:
+            q_kv_a, summed = launch.norm_gemv(x, w, g, norm.eps, residual=residual)
+        return *self.split_q_kv_a(q_kv_a), summed
+
+
 class InputNormInQKVA(model.Block):
     """"norm_gemv" with "fused_proj" and "add_rmsnorm" (MLA with q_lora_rank): at most INPUT_NORM_QKVA_MAX_ROWS
     rows, the layer's input residual add and input_layernorm run inside the stacked q_a + kv_a GEMV
-    (NormGemvMLA.project_sum), so no add_rmsnorm launch runs in front of the attention; the attention
+    (NormGemvQKVA.project_sum), so no add_rmsnorm launch runs in front of the attention; the attention
     takes the projected inputs (model.MLA.attend). More rows: model.Block. MLA's own call does not run
     here, so run.py's component table scopes project_sum and attend themselves (its MLA_METHODS)."""
 

@@ -10,7 +10,7 @@ import model
 from . import common
 from .common import _jit, _pow2, _wait_for_prior, launch, tl, triton
 from .gemv import (HEAD_GEMV_BLOCK_N, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS, NORM_GEMV_MAX_ROWS,
-                   NormGemvMLA, _norm_gemv_step, head_gemv)
+                   _norm_gemv_step, head_gemv)
 
 
 # MLA decode step: RoPE, cache write and the absorbed attention, split over slots, then a merge
@@ -559,12 +559,14 @@ launch.mla_merge_absorb = torch.compiler.disable(mla_merge_absorb)
 class DecodeAttentionKernel(model.MLA):
     """"attention": decode mode's RoPE, cache write and latent attention in one kernel and a
     merge (mla_decode_attention) between the projections, which stay model.MLA's methods (and
-    their swaps'); the steps around them are model.MLA.attend's. With "norm_gemv" too (a
-    NormGemvMLA) and at most MLA_MERGE_ABSORB_MAX_ROWS rows, W_uv's launch merges the parts
-    (mla_merge_absorb) in place of the merge launch and absorb_output. The kernel masks by position
+    their swaps'); the steps around them are model.MLA.attend's. merges_in_w_uv (the combinations
+    with "norm_gemv", declared in swaps.py): at most MLA_MERGE_ABSORB_MAX_ROWS rows, W_uv's launch
+    merges the parts (mla_merge_absorb) in place of the merge launch and absorb_output. The kernel masks by position
     (slots <= position, slot = position, a row's tokens at consecutive positions: a decode step,
     a chain's verify); a draft tree's nodes (slots given) are not, and extend mode expands the
     cache: both take model.MLA.attend."""
+
+    merges_in_w_uv = False
 
     def attend(self, q, kv_a, positions, rope, future, mode, slots=None):
         if mode != "decode" or slots is not None:
@@ -574,7 +576,7 @@ class DecodeAttentionKernel(model.MLA):
         q_nope, q_pe = q.view(B, T, h, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
         kv, k_pe = kv_a.split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
         w_uk, w_uv = self.kv_b_halves()
-        in_w_uv = isinstance(self, NormGemvMLA) and B * T <= MLA_MERGE_ABSORB_MAX_ROWS   # W_uv's GEMV merges
+        in_w_uv = self.merges_in_w_uv and B * T <= MLA_MERGE_ABSORB_MAX_ROWS   # W_uv's GEMV merges
         o = launch.mla_decode_attention(self.absorb_query(q_nope, w_uk), q_pe, kv, k_pe, norm.weight, norm.eps,
                                         rope, positions, self.kv_cache[:B, :kv_len], self.pe_cache[:B, :kv_len],
                                         a.softmax_scale, merge=not in_w_uv)

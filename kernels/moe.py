@@ -9,7 +9,6 @@ from . import common, moe_gemv
 from .common import HAVE_TRITON, AttachAgain, _jit, _wait_for_prior, interpreting, tl, triton
 from .moe_gemv import (FORMATS, GEMV_MAX_PAIRS, GEMV_MAX_TOKENS, SHARED_SPLIT, ExpertWeights,
                        _check_planes, _gemv_configs, _weight_args)
-from .router import RouterKernel
 
 
 # Routed experts (fused MoE)
@@ -424,10 +423,13 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
     [E + 1, ...] tensors, both modules' parameters becoming views of them, so a checkpoint loaded
     afterwards lands there under the same names. INT4 or FP8 routed experts (Kimi-K2.5; Kimi-K2-Instruct's
     FP8 checkpoint, whose shared expert is dequantized to bf16 at load): the GEMV launches take its
-    weights beside theirs (fused_moe's shared), where the rule picks the GEMV variant; beside INT4 ones the
-    router kernel, where it is swapped in, also writes the activation planes they read (fused_moe's
-    planes), so the launch that permutes x goes. Elsewhere (past
-    FusedExperts' token limit, quantized tiles) the plain sum runs, the shared expert alone."""
+    weights beside theirs (fused_moe's shared), where the rule picks the GEMV variant. gate_kernel (the
+    combination with "router", declared in swaps.py): the router kernel writes the shared slot, and
+    beside INT4 experts the activation planes they read (fused_moe's planes), so the launch that
+    permutes x goes. Elsewhere (past FusedExperts' token limit, quantized tiles) the plain sum runs,
+    the shared expert alone. Its experts are FusedExperts (a prerequisite in swaps.py's table)."""
+
+    gate_kernel = False
 
     def attach(self):
         ex, sh = self.experts, self.shared_experts
@@ -449,12 +451,12 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
         if self.stacked is None:
             # INT4 experts read x as nibble planes: the router kernel writes them, one launch less
             planes = None
-            if isinstance(self.gate, RouterKernel) and self.fmt() == "int4":
+            if self.gate_kernel and self.fmt() == "int4":
                 planes = torch.empty(x.shape[0], 8, x.shape[1] // 8, dtype=torch.float32, device=x.device)
             ids, weights = self.gate(x) if planes is None else self.gate(x, planes=planes)
             return ex(x, ids, weights, shared=[sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight],
                       planes=planes)
-        if isinstance(self.gate, RouterKernel):
+        if self.gate_kernel:
             ids, weights = self.gate(x, shared_slot=True)
         else:
             ids, weights = with_shared_slot(*self.gate(x), self.experts.n_experts)
@@ -466,11 +468,8 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
     @staticmethod
     def applies(moe):
         """One plain shared expert of a routed expert's shape (Kimi-K2, DeepSeek-V3: n_shared_experts
-        1) beside the fused routed experts: plain ones of its dtype, or INT4 or FP8 ones (it in the
-        model's dtype)."""
+        1): beside plain routed experts of its dtype, or INT4 or FP8 ones (it in the model's dtype)."""
         ex, sh = moe.experts, moe.shared_experts
-        if not isinstance(ex, FusedExperts):
-            return False
         w = ex.gate_proj
         if isinstance(w, model.PackedExperts):
             dtype, shape = w.weight_scale.dtype, [w.weight_packed.shape[1], w.weight_packed.shape[2] * 8]
