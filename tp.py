@@ -2,7 +2,7 @@
 
 Every collective is written in a `forward` below: `RowParallelLinear` and `VocabParallelEmbedding`
 all-reduce, `ParallelLMHead` all-gathers full-vocabulary rows (a swap of one of them, as
-kernels.GemvRowParallelLinear, keeps its collective in its own forward). The model's one other
+kernels.GemvRowParallel, keeps its collective in its own forward). The model's one other
 collective is model.MoE.forward's single all-reduce of the routed and shared experts' partial
 sums. A `TP` object (rank, world size, simulated or not, which all-reduce) is passed explicitly to
 every layer; nothing reads a module global.

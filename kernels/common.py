@@ -31,12 +31,12 @@ def check_available(device):
         raise RuntimeError("the Triton kernels need the triton package, which is not installed "
                            "(pip install triton; or leave the kernels off)")
     if device.type != "cuda" and not interpreting():
-        raise RuntimeError(f"the Triton kernels run on CUDA devices; on {device} only under the Triton "
-                           "interpreter (TRITON_INTERPRET=1 before import; slow, for tests)")
+        raise RuntimeError(f"the Triton kernels run on CUDA devices; on {device} only under the "
+                           "Triton interpreter (TRITON_INTERPRET=1 before import; slow, for tests)")
 
 
 def _jit(fn):
-    """triton.jit where triton exists; else the function stays a plain (uncallable-as-kernel) def."""
+    """triton.jit where triton exists; else the function stays a plain def (no kernel)."""
     return triton.jit(fn) if HAVE_TRITON else fn
 
 
@@ -44,28 +44,28 @@ def _jit(fn):
 # and a kernel normally starts only once the one before it on the stream has finished (chained tiny
 # kernels in a CUDA graph: ~0.9 us a launch on the H200). Every Triton kernel here is launched with
 # launch_pdl=PDL, so the GPU may start it while its predecessor still runs, and its first statement
-# is _wait_for_prior(): griddepcontrol.wait returns once the prerequisite grid (the kernel before it)
-# has completed and its memory writes are visible (PTX ISA, griddepcontrol). The rule every kernel
-# follows: nothing before the wait reads memory an earlier kernel writes, or writes memory an earlier
-# kernel reads or writes. Every kernel waits, so its predecessor had waited for its own: all earlier
-# kernels have completed too. Right after the wait, griddepcontrol.launch_dependents lets the next
-# kernel launch: its programs take the SM slots this one leaves free and sit in their own wait, so its
-# launch and start overlap this kernel's tail. A kernel launched without PDL (cuBLAS, torch's) starts
-# after whole kernels as always, and in a kernel launched without PDL both instructions return at once.
-# GDC: the kernels hold the instructions (sm_90 on; Triton's CPU interpreter has neither); PDL: the
-# launches ask for it (kernels_bench.py --pdl turns it off to time the phases without, in one process).
-# Measured so (H200, 2026-12-01, benchmarks/h200_issue25_pdl_bench_*.json, ms, off -> on): bf16 decode
-# step 5.481 -> 5.143, verify of 4 10.593 -> 10.266; INT4 decode 4.761 -> 4.410, verify of 3 7.476 ->
-# 7.288; outputs equal bit for bit. Loading the first weight tile before the wait (norm_gemv, head_gemv,
-# the router) took 0.045 / 0.026 ms more off bf16 and 0.002 / 0.027 off INT4: not done, so that the
-# wait stays every kernel's first statement and no caller must promise its weights are not being written.
-PDL = HAVE_TRITON and not interpreting() and torch.cuda.is_available() and torch.cuda.get_device_capability() >= (9, 0)
+# is _wait_for_prior(): griddepcontrol.wait returns once the prerequisite grid (the kernel before
+# it) has completed and its memory writes are visible (PTX ISA, griddepcontrol). The rule every
+# kernel follows: nothing before the wait reads memory an earlier kernel writes, or writes memory an
+# earlier kernel reads or writes. Every kernel waits, so its predecessor had waited for its own: all
+# earlier kernels have completed too. Right after the wait, griddepcontrol.launch_dependents lets
+# the next kernel launch: its programs take the SM slots this one leaves free and sit in their own
+# wait, so its launch and start overlap this kernel's tail. A kernel launched without PDL (cuBLAS,
+# torch's) starts after whole kernels as always, and in a kernel launched without PDL both
+# instructions return at once. GDC: the kernels hold the instructions (sm_90 on; Triton's CPU
+# interpreter has neither); PDL: the launches ask for it. Every launch reads common.PDL when it
+# runs, so setting it False here turns PDL off everywhere (`python -m kernels.bench --pdl` times
+# run.py's phases with it off and on). The wait stays every kernel's first statement, even where
+# loading a first weight tile before it would save a little: no caller must then promise that its
+# weights are not being written.
+PDL = (HAVE_TRITON and not interpreting() and torch.cuda.is_available()
+       and torch.cuda.get_device_capability() >= (9, 0))
 GDC = tl.constexpr(PDL) if HAVE_TRITON else PDL
 
 
 @_jit
 def _wait_for_prior():
-    """Every kernel's first statement: wait for the kernels before it, then let the next one launch."""
+    """Every kernel's first statement: wait for the kernels before it, let the next one launch."""
     if GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()
@@ -75,9 +75,10 @@ def _pow2(n, least=16):
     return max(least, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
-
-COUNTERS = 4096             # the shared counters of the kernels that end in a last program (router, norm_gemv,
-#                             the GEMV MoE's shared expert, the draft attention kernel)
+# The counters of the kernels that end in a last program (router, norm_gemv, the GEMV MoE's shared
+# expert, the draft attention kernel): one per program group a launch adds into; a launch that would
+# need more refuses (no sweep: a capacity, far above Kimi-K2's largest need).
+COUNTERS = 4096
 
 
 @functools.cache
@@ -90,11 +91,9 @@ def _counters(device):
     return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
 
 
-
 def rows(x):
     """The rows of x [..., K] (the product of its leading dims)."""
     return math.prod(x.shape[:-1])
-
 
 
 class AttachAgain:
@@ -105,7 +104,6 @@ class AttachAgain:
         super()._apply(fn, recurse)
         self.attach()
         return self
-
 
 
 # The kernels as the swaps call them: torch.compile (run.py --compile) does not trace into them (a

@@ -18,17 +18,14 @@ from .stacked import stack_rows
 # One head step at Kimi-K2's TP-8 shapes reads ~260 MB of weights (q/k/v 88, o 15, MLP 99, lm_head
 # 57): a 61 us floor on the H200, but the plain step is 70 launches, most of them small ones around
 # the GEMMs (RoPE by table gathers, repeat_interleave of the kv heads, an einsum over every slot,
-# masks, four norms at ~9 us each, a concat, argmax): 0.256 ms in a graph. The swaps below keep the
+# masks, four norms, a concat, argmax). The swaps below keep the
 # GEMMs (cuBLAS, q/k/v and gate/up stacked, as the target's fused_proj) and put the rest into a few
 # launches: both input norms and their concatenation (draft_input_norms), RoPE + cache write +
 # attention + the merge of its splits (draft_attention), each residual add inside the norm that
 # reads it (add_rmsnorm: the post-attention norm, the final norm), SwiGLU (silu_mul), and the draft
 # token's argmax with its d2t map (draft_top1). A tree (slots and masks given) and training (past)
-# take the plain forward. Measured (H200, 2026-12-01, kernels_bench.py --draft, graphs; benchmarks/
-# h200_issue25_draft_final.json): the step 0.259 -> 0.133 ms (2.16x its floor, 24 launches) at 256
-# cached tokens, 0.410 -> 0.171 ms at 32768; the extend of 4 rows 0.348 -> 0.219 ms (1.63x). Left:
-# cuBLAS GEMVs 81 us of the step with their split-K reduces (3.2 TB/s of 259 MB), draft_top1 8.2 us
-# (one program, 8 dependent steps).
+# take the plain forward. `python -m kernels.bench --draft` times the step and the extend, plain and
+# with these swaps, against their floor.
 
 
 @_jit
@@ -82,10 +79,13 @@ def draft_input_norms(emb, hidden, emb_weight, emb_eps, hidden_weight, hidden_ep
 # (b, g) to finish (an atomic counter, as norm_gemv's) merges them in part order: one launch, no
 # float atomics, a graph replay equal to the eager call. Queries are rotated in every program
 # (rotate-half: x * cos + sign * x[(i + Hd/2) % Hd] * sin, both loads from the row in L1/L2).
-DRAFT_ATTN_BLOCK_N = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}   # 16 KB bf16 K (and V) tiles
+# Block sizes as the MLA kernel's (mla.py), its tiles smaller (Hd 128: 16 KB bf16 K and V tiles);
+# `python -m kernels.bench --draft` times the kernel at each split length.
+DRAFT_ATTN_BLOCK_N = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
 DRAFT_ATTN_STAGES = {torch.bfloat16: 3, torch.float16: 3, torch.float32: 2}
-DRAFT_ATTN_MAX_ROWS = 32    # M = T * GROUP query rows a program; more (prefill chunks) take the plain forward
-DRAFT_ATTN_MIN_SPLIT = 64   # cached slots a split at least
+DRAFT_ATTN_MAX_ROWS = 32    # M = T * GROUP query rows a program (the fp32 accumulator's registers);
+#                             more (prefill chunks) take the plain forward
+DRAFT_ATTN_MIN_SPLIT = 64   # cached slots a split at least: one bf16 tile
 
 
 @_jit
@@ -273,7 +273,9 @@ def _draft_top1_kernel(x_ptr, d2t_ptr, out_ptr, V, s_x, BLOCK: tl.constexpr):
     tl.store(out_ptr + n, i + tl.load(d2t_ptr + i))
 
 
-DRAFT_TOP1_BLOCK = 4096   # logits a step: 8 steps over Kimi-K2's 32000 (torch's argmax reduce took 9.8 us)
+# logits a step: 8 steps over Kimi-K2's 32000-token draft vocabulary, one program (faster than
+# torch's argmax reduce and the d2t gather: python -m kernels.bench --draft)
+DRAFT_TOP1_BLOCK = 4096
 
 
 def draft_top1(logits, d2t):
@@ -314,8 +316,6 @@ class DraftAttentionKernel(draft.DraftAttention):
         return self.o_proj(o.flatten(2))
 
 
-
-
 class StackedQKV(AttachAgain, draft.DraftAttention):
     """"fused_proj" on the head: q_proj, k_proj and v_proj, which all read x, as one GEMM over their
     weights stacked (stack_rows)."""
@@ -328,8 +328,6 @@ class StackedQKV(AttachAgain, draft.DraftAttention):
         H, G, HD = self.n_local_heads, self.n_local_kv_heads, self.head_dim
         q, k, v = F.linear(x, self.qkv_weight).split([H * HD, G * HD, G * HD], -1)
         return q.view(B, T, H, HD), k.view(B, T, G, HD), v.view(B, T, G, HD)
-
-
 
 
 class DraftNormsKernel(draft.MidLayer):
@@ -354,8 +352,7 @@ class DraftNormsKernel(draft.MidLayer):
 
 class DraftHeadNorm(draft.Eagle3Draft):
     """"add_rmsnorm" on the head (with DraftNormsKernel on its midlayer): the midlayer's last residual
-    add inside the final norm, one launch (add_rmsnorm; torch's norm alone took 8.8 us for one row of
-    7168 on the H200). Training (past) takes the plain forward."""
+    add inside the final norm, one launch (add_rmsnorm). Training (past) takes the plain forward."""
 
     def forward(self, tokens, positions, hidden, kv_len=None, past=None, slots=None, visible=None):
         if past is not None:
@@ -373,8 +370,6 @@ class DraftTop1Kernel(draft.Eagle3Draft):
 
     def to_target_ids(self, logits):
         return launch.draft_top1(logits, self.d2t)
-
-
 
 
 def compile_head(head, backend="inductor"):

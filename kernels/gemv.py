@@ -19,9 +19,8 @@ from .stacked import StackedQKVA
 # before it multiplies the one it holds (Triton pipelines only loads that feed tl.dot). The norm
 # factors out of the sum, out[m, n] = rstd[m] * sum_k x[m, k] g[k] W[n, k], so each program also
 # sums the squares of its part of x and rstd is applied at the end: the norm costs no pass or
-# launch of its own. The products run on the CUDA cores in float32 (tl.dot pads M to 16 rows, 16x
-# the activation in registers: 63 / 11.7 us for q_a + kv_a / q_b at 1 row against 15.9 / 5.9 in an
-# earlier form of this kernel).
+# launch of its own. The products run on the CUDA cores in float32 (tl.dot would pad M to 16 rows:
+# 16x the activation in registers, several times slower at one row).
 # - A program holds BLOCK_N rows of W and all M rows of x, a step of BLOCK_K columns of each, and
 #   adds their elementwise products into a float32 [BLOCK_M, BLOCK_N, BLOCK_K] accumulator, summed
 #   over k once at the end: no reduction inside the loop, one code path for every row count. The
@@ -31,14 +30,6 @@ from .stacked import StackedQKVA
 #   program per (BLOCK_N rows, slice of K): each stores its float32 partial sums and the last
 #   program of a row block to finish (an atomic counter, reset by that program) adds the slices in
 #   slice order, scales and stores.
-# Measured on the H200 (2026-12-01, benchmarks/h200_s9_sweep_gemv.log, bf16, graphs, weights past
-# the L2), us for q_a + kv_a (30 MB) / q_b with its norm / o_proj, this form with the blocks below
-# against cuBLAS (q_b: model.RMSNorm + cuBLAS) and the form before it (which at several rows reduced
-# over k at every step for each row in turn, K split into ~1024 programs):
-#   1 row   9.9 / 4.1 / 5.9,    cuBLAS 12.6 / 10.0 / 6.6,  before 9.9 / 4.1 / 5.8
-#   2 rows  10.1 / 4.3 / 6.1,   cuBLAS 13.4 / 9.8 / 6.6,   before 18.5 / 6.2 / 11.9
-#   4 rows  13.1 / 5.5 / 8.1,   cuBLAS 13.3 / 10.1 / 6.5,  before 25.7 / 7.8 / 15.2
-#   8 rows  25.3 / 7.7 / 14.3,  cuBLAS 13.3 / 8.8 / 6.4,   before 52.4 / 16.2 / 26.4
 # One launch, no float atomics: deterministic, so a graph replay equals the eager call.
 # Rounding: the normed row is not rounded (the plain path rounds it to W's dtype), so bf16 results
 # differ from the plain path's by the order of one rounding.
@@ -47,17 +38,20 @@ from .stacked import StackedQKVA
 # (the residual stream), each for its own slice of K: the add + norm launch in front of the GEMV goes.
 
 NORM_GEMV_MAX_ROWS = 16     # decode and verify; prefill goes to the plain RMSNorm and cuBLAS
-# (BLOCK_N, bytes of a W row a step, warps) by (one row or several, K long or short), the step cut to fit
-# NORM_GEMV_ACC_REGS, from the sweeps above: at one row 8 warps (session 8; o_proj, K 1024: 4 steps of 256
-# columns 5.7 us, one step of 1024 8.1); at several rows 4 warps, and 4 W rows a program at long K (q_b at 4
-# rows 5.5 us against 8.4 with one row's blocks; q_a + kv_a 13.1 either way)
+# (BLOCK_N, bytes of a W row a step, warps) by (one row or several, K long or short), the step cut to
+# fit NORM_GEMV_ACC_REGS: at one row 8 warps and short steps (o_proj, K 1024: 4 steps of 256 beat one
+# of 1024); at several rows 4 warps, and 4 W rows a program at long K (python -m kernels.bench --small
+# --sweep)
 NORM_GEMV_BLOCKS = {(1, "long"): (8, 2048, 8), (1, "short"): (16, 512, 8),
                     ("several", "long"): (4, 2048, 4), ("several", "short"): (16, 512, 4)}
-NORM_GEMV_LONG_K = 1536     # columns from which a row is "long"
-NORM_GEMV_ACC_REGS = 64     # float32 products a thread accumulates: BLOCK_M x BLOCK_N x BLOCK_K <= 64 x 32 x warps
-NORM_GEMV_MIN_STEP = 64     # columns: the accumulator's limit cuts the step no shorter
-NORM_GEMV_PROGRAMS = 264    # K is cut into this // row blocks slices (at most one a step): whole from 133 row
-#                             blocks up, as at all of Kimi-K2's attention projections
+NORM_GEMV_LONG_K = 1536     # columns from which a row is "long": q_a + kv_a and q_b (K 7168, 1536)
+# float32 products a thread accumulates, BLOCK_M x BLOCK_N x BLOCK_K <= 64 x 32 x warps: more spills
+# (python -m kernels.bench --small --sweep)
+NORM_GEMV_ACC_REGS = 64
+NORM_GEMV_MIN_STEP = 64     # columns: the accumulator's limit cuts the step no shorter (a 128-byte row)
+# K is cut into this // row blocks slices (at most one a step): two waves of the H200's 132 SMs; K
+# whole from 133 row blocks up, as at all of Kimi-K2's attention projections (--small --sweep)
+NORM_GEMV_PROGRAMS = 264
 
 
 @_jit
@@ -91,8 +85,8 @@ def _residual_sum(x_ptrs, r_ptrs, ok):
 @_jit
 def _store_residual_sum(x_rows, r_rows, sum_rows, rows, kb, lo, hi, M, K, BLOCK_K: tl.constexpr):
     """_norm_gemv_kernel's sum x + r over columns [lo, hi) stored into sum's rows, after the products: a
-    store inside the product loop holds back the next step's loads (1 row: 10.1 against 11.7 us,
-    benchmarks/h200_s12_var.log), so the sum is read and added again here."""
+    store inside the product loop holds back the next step's loads, so the sum is read and added
+    again here."""
     for k0 in range(lo, hi, BLOCK_K):
         k = k0 + kb
         ok = (rows < M)[:, None] & (k < K)[None, :]
@@ -221,14 +215,13 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
     return out if residual is None else (out, summed.view(x.shape))
 
 
-# head_gemv's blocks, swept on the H200 at Kimi-K2's 8 heads (2026-12-01, benchmarks/h200_s8_sweep2.log) with the
-# kernel's form before the elementwise accumulator, us at 1 / 4 rows: W_uk 1.96 / 4.01, W_uv 2.14 / 3.55, against
-# 3.2 / 5.2 and 4.8 / 6.7 for the einsums with the copies the model makes of their permuted inputs and outputs
-HEAD_GEMV_BLOCK_N_STRIDED = 32   # W rows a program where W's rows, not its K, are contiguous (absorbed W_uk):
-#                                  32 bf16 rows = 64-byte segments a K step
-HEAD_GEMV_BLOCK_N = 8            # contiguous K (W_uv, K = 512): 8 heads x 16 row blocks of Kimi-K2's 128 rows
-HEAD_GEMV_STEP_BYTES = 1024      # K whole in one step at Kimi-K2's 128 and 512 (measured so, not swept); more
-#                                  rows: the step cut to fit NORM_GEMV_ACC_REGS
+# head_gemv's blocks at Kimi-K2's 8 heads (python -m kernels.bench --small, head_gemv against the
+# einsums with the copies the model makes of their permuted inputs and outputs)
+HEAD_GEMV_BLOCK_N_STRIDED = 32   # W rows a program where W's rows, not its K, are contiguous (absorbed
+#                                  W_uk): 32 bf16 rows = 64-byte segments a K step
+HEAD_GEMV_BLOCK_N = 8            # contiguous K (W_uv, K = 512): 8 heads x 16 row blocks of 128 rows
+HEAD_GEMV_STEP_BYTES = 1024      # K whole in one step at Kimi-K2's 128 and 512 (not swept); more rows:
+#                                  the step cut to fit NORM_GEMV_ACC_REGS
 HEAD_GEMV_WARPS = 4
 
 
@@ -261,23 +254,14 @@ def head_gemv(x, weight):
     return out
 
 
-
-
 launch.norm_gemv = torch.compiler.disable(norm_gemv)
 launch.head_gemv = torch.compiler.disable(head_gemv)
 
-# Where the GEMV kernels replace cuBLAS, by rows (B * T), from one H200 sweep (2026-12-01, bf16, Kimi-K2
-# TP-8 shapes, graphs, weights past the L2; benchmarks/h200_s9_sweep_gemv.log), us at 1 / 2 / 3 / 4 / 8 rows:
-#   q_b with q_a_layernorm: kernel 4.1 / 4.3 / 5.4 / 5.5 / 7.7, model.RMSNorm + cuBLAS 10.0 / 9.8 / 9.7 /
-#     10.1 / 8.8: up to NORM_GEMV_MAX_ROWS.
-#   q_a + kv_a (stacked, fused_proj's weight): kernel 9.9 / 10.1 / 12.6 / 13.1 / 25.3, cuBLAS 12.6 / 13.4 /
-#     13.5 / 13.3 / 13.3 (two launches, its split-K GEMV and a reduce): up to 4 rows.
-#   o_proj: kernel 5.9 / 6.1 / 8.1 / 8.1 / 14.3, cuBLAS 6.6 / 6.6 / 6.4 / 6.5 / 6.4: up to 2 rows.
-#   absorbed W_uk, W_uv: kernel 2.1 + 2.2 / 2.5 + 2.2 / 3.0 + 2.5 / 2.7 + 2.3, the einsums with the copies
-#     the model makes of their permuted inputs and outputs 3.1 + 4.6 / 5.0 + 6.4 / 5.2 + 6.5 / 5.1 + 6.7:
-#     up to 4 rows (more were not measured).
-#   q_a + kv_a with the input add + norm inside (2026-12-01, benchmarks/h200_s12_*): kernel 10.0 / 20.3 /
-#     30.7 / 31.1, add_rmsnorm + the GEMV 11.7 / 12.0 / 14.0 / 14.0: InputNormInQKVA at one row only.
+# Rows (B * T) up to which the GEMV swaps run their kernel instead of cuBLAS (and model.RMSNorm):
+# where the kernel is faster at Kimi-K2's TP-8 shapes (python -m kernels.bench --small). q_b with
+# its norm: up to NORM_GEMV_MAX_ROWS. The stacked q_a + kv_a (cuBLAS: a split-K GEMV and a reduce):
+# up to 4. With the input add + norm inside (InputNormInQKVA): one row; from 2 rows add_rmsnorm and
+# the GEMV are faster. o_proj: up to 2. The absorbed W_uk, W_uv: up to 4 (more not timed).
 QKVA_GEMV_MAX_ROWS = 4
 INPUT_NORM_QKVA_MAX_ROWS = 1
 O_PROJ_GEMV_MAX_ROWS = 2

@@ -39,34 +39,34 @@ from .gemv import (HEAD_GEMV_BLOCK_N, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS, NOR
 # after another (_merge_latents), and not with tl.sum, whose order follows the layout the compiler
 # picks in each kernel; past it only the combine runs, with every part in one load and tl.sum.
 
-# Block sizes, from sweeps on the H200 (BENCHMARKS.md, "MLA decode attention kernel"). BLOCK_N
-# slots per tile: 64 latent rows of 512 bf16 are 64 KB; three of them in flight (num_stages 3)
-# fill most of the H200's 228 KB of shared memory, so one program runs per SM at a time and the
-# split rule below aims at one wave of programs. float32 (tests): half the rows, two stages.
-# Query rows per program: up to 32 (T = 4 tokens x 8 heads at TP 8) keep the fp32 accumulator
-# [32, 512] at 64 registers a thread over 8 warps; 8 warps also for 16 rows (28.4 against 30.3 us
-# with 4 at 32768 slots, in this kernel's first form; 2026-12-01).
+# Block sizes; `python -m kernels.bench` times the attention at these and sweeps the alternatives
+# (bench_mla_configs). BLOCK_N slots a tile: 64 latent rows of 512 bf16 are 64 KB; three in flight
+# (num_stages 3) fill most of the H200's 228 KB of shared memory, so one program runs an SM at a time
+# and the split rule (mla_split_len) aims at one wave of programs. float32 (tests): half the rows,
+# two stages. Query rows a program: up to 32 (T = 4 tokens x 8 heads at TP 8) keep the fp32
+# accumulator [32, 512] at 64 registers a thread over 8 warps; 8 warps are faster at 16 rows too.
 MLA_BLOCK_N = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
 MLA_NUM_STAGES = {torch.bfloat16: 3, torch.float16: 3, torch.float32: 2}
 MLA_NUM_WARPS = 8
 MLA_MAX_BLOCK_M = 32
-MLA_MIN_SPLIT = 64       # slots per split at least (one bf16 tile)
-MLA_COMBINE_BLOCK_C = 32  # columns a merge program: 128 programs for 8 query rows. With all parts in one load (and
-#                           tl.sum) the merge of 129 parts (32768 slots, B 1) took 2.7 us, the earlier two-pass
-#                           combine of 128 columns (32 programs) 8.4 (2026-12-01)
-MLA_COMBINE_WARPS = 1     # a merge program's tile in order is one row of 32 columns: a float a thread of one warp
-#                           (with 4 warps each would hold a copy); all parts in one load: 4 warps
-MLA_MERGE_IN_ORDER_PARTS = 16  # up to 16 parts the combine adds them one after another as mla_merge_absorb does
-#                                (which runs only there); more, all in one load: 129 parts unrolled took ~40 s to
-#                                compile (run.py at 32768 slots, 2026-12-01)
-MLA_MERGE_ABSORB_REGS = 64  # float32 partials a thread of mla_merge_absorb has in flight (a K step's parts of all
-#                             its rows); more parts: the combine and head_gemv, two launches. bf16 at Kimi-K2's
-#                             C = 512: up to 16 parts at 1 row, 8 at 2-4 rows (960 and 448 cached slots in
-#                             splits of 64). There sm_90 code takes up to 255 registers without spilling
-#                             (compiled offline)
-MLA_MERGE_ABSORB_MAX_ROWS = 1  # where DecodeAttentionKernel merges in W_uv's launch: the attention + merge + W_uv
-#                                at 256 slots took 8.0 against 8.4 us at B 1 T 1, but 13.4 against 12.4 at T 4
-#                                and 9.9 against 9.5 at B 4 (kernels_bench.py, H200, 2026-12-01)
+MLA_MIN_SPLIT = 64       # slots a split at least: one bf16 tile
+# columns a merge program: 128 programs for 8 query rows, so the merge of 129 parts (32768 slots)
+# is spread over the SMs (python -m kernels.bench, "merge BLOCK_C")
+MLA_COMBINE_BLOCK_C = 32
+# a merge program's in-order tile is one row of 32 columns: a float a thread of one warp (with 4
+# warps each would hold a copy); all parts in one load: 4 warps (not swept)
+MLA_COMBINE_WARPS = 1
+# up to this many parts the combine adds them one after another, as mla_merge_absorb does (which
+# runs only there); more, all in one load: unrolled, 129 parts take tens of seconds to compile
+MLA_MERGE_IN_ORDER_PARTS = 16
+# float32 partials a thread of mla_merge_absorb has in flight (a K step's parts of all its rows);
+# more: the combine and head_gemv, two launches. bf16 at Kimi-K2's C = 512: up to 16 parts at 1 row,
+# 8 at 2-4 rows (960 and 448 cached slots in splits of 64); sm_90 code then takes up to 255 registers
+# without spilling (check: compile the kernel for sm_90 and read its register count)
+MLA_MERGE_ABSORB_REGS = 64
+# rows B*T up to which DecodeAttentionKernel merges in W_uv's launch (with norm_gemv): one launch less
+# at one row; at 4 rows the separate merge is faster (python -m kernels.bench, mla_merge_absorb)
+MLA_MERGE_ABSORB_MAX_ROWS = 1
 
 
 @_jit
@@ -470,8 +470,6 @@ def mla_merge_absorb(unmerged, positions, w_uv):
     return out
 
 
-
-
 # ---------------------------------------------------------------------------------------------
 # RoPE fused with the cache write
 #
@@ -548,8 +546,6 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
         out.stride(0), out.stride(1), out.stride(2),
         C=C, R=R, BLOCK_C=_pow2(C), BLOCK_H=_pow2(H, 1), BLOCK_R2=_pow2(R // 2, 1), launch_pdl=common.PDL, num_warps=4)
     return out
-
-
 
 
 launch.mla_rope_cache_write = torch.compiler.disable(mla_rope_cache_write)

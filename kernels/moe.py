@@ -11,11 +11,9 @@ from .moe_gemv import (FORMATS, GEMV_MAX_PAIRS, GEMV_MAX_TOKENS, SHARED_SPLIT, E
                        _check_planes, _gemv_configs, _weight_args)
 
 
-# Routed experts (fused MoE)
-#
 # y[n] = sum_k w[n, k] * down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])),  e = ids[n, k]
 #
-# The tile variant (k3; the GEMV variant of the next section serves a few tokens, GEMV_MAX_TOKENS).
+# The tile variant (the GEMV variant, moe_gemv.py, serves a few tokens: GEMV_MAX_TOKENS).
 # Four launches, each of a fixed grid for given (N, K, E): align (sort the P pairs by expert on the
 # device, each expert's pairs padded to whole BLOCK_M tiles), gate_up (a program per (tile of
 # pairs of one expert, BLOCK_N rows of I): both projections, SiLU and the product), down (a program
@@ -27,31 +25,26 @@ from .moe_gemv import (FORMATS, GEMV_MAX_PAIRS, GEMV_MAX_TOKENS, SHARED_SPLIT, E
 # fp32, FP8 e4m3 with block scales, INT4 packed words with group scales), dequantized in registers;
 # products accumulate in fp32. Deterministic: no atomics, so a graph replay equals the eager call.
 
-BLOCK_M = 16       # pairs per tile: tl.dot's smallest M. With N <= a few hundred and 384 experts most
-                   # experts get 1-4 tokens, so a larger tile would only add padding rows.
-ALIGN_CHUNK = 32   # pairs per step of the align kernel (a [ALIGN_CHUNK, E] one-hot per step)
-COMBINE_BLOCK = 1024
+# pairs per tile: tl.dot's smallest M. With N <= a few hundred and 384 experts most experts get 1-4
+# tokens, so a larger tile would only add padding rows (python -m kernels.bench --moe --sweep dot)
+BLOCK_M = 16
+ALIGN_CHUNK = 32     # pairs per step of the align kernel: a [ALIGN_CHUNK, E] one-hot a step (not swept)
+COMBINE_BLOCK = 1024   # columns of D a combine program sums (not swept: the combine is a small share)
 
-# Block sizes (BLOCK_N, BLOCK_K, num_warps, num_stages) for gate_up and down, by weight format and
-# number of token-expert pairs P, from `python kernels_bench.py --sweep` on an H200 (2026-11-29,
-# BENCHMARKS.md):
-#  - gate_up BLOCK_N: a decode step (P = 8) has 8 expert tiles; BLOCK_N 16 makes 16 programs of
-#    each (128 for 132 SMs) and beat 32 by 1.1x. From 4 tokens on there are 32+ tiles, and 32 rows
-#    a program beat 16 by 1.3x (bf16) to 1.5x (FP8): half the activation loads and loop overhead
-#    per weight byte. Splitting the k range 4 ways at decode (256 programs, partial sums added
-#    in the down kernel) was ~1.6x slower (86.8 against 55.6 us a layer, bf16): not done.
-#  - BLOCK_K 128 for bf16 and FP8 (= the checkpoint's scale block: one scale per row and k-step,
-#    applied after the dot); 256 for INT4 (32 packed words a row per k-step, 8 sub-dots of 32).
-#  - down BLOCK_N 64: D = 7168 gives 112 programs per expert tile; its block sizes moved times
-#    by under 5%.
+
 def _configs(fmt, P, on_gpu):
+    """Block sizes (BLOCK_N, BLOCK_K, num_warps, num_stages) of gate_up and down by weight format and
+    token-expert pairs P, re-derived by `python -m kernels.bench --moe --sweep dot`:
+     - gate_up BLOCK_N 16 at decode (P = 8: 8 expert tiles, 16 programs each fill 132 SMs), 32 from
+       4 tokens on (32+ tiles: half the activation loads and loop overhead per weight byte);
+     - BLOCK_K 128 for bf16 and FP8 (the checkpoint's scale block: one scale a row and k-step, applied
+       after the dot); 256 for INT4 (32 packed words a row a k-step, 8 sub-dots of 32);
+     - down BLOCK_N 64 (D = 7168: 112 programs an expert tile; its other sizes move little)."""
     if not on_gpu:  # Triton's CPU interpreter runs programs one by one, ~0.1 ms an op: fewest, largest
         return dict(gate_up=(64, 128, 4, 1), down=(64, 128, 4, 1))
     if fmt == "int4":
         return dict(gate_up=(16, 256, 4, 3) if P <= 16 else (32, 256, 8, 3), down=(64, 256, 8, 3))
     return dict(gate_up=(16, 128, 4, 4) if P <= 16 else (32, 128, 4, 4), down=(64, 128, 4, 3))
-
-
 
 
 @_jit
@@ -222,8 +215,6 @@ def _moe_combine_kernel(y_ptr, out_ptr, D, TOPK, BLOCK_D: tl.constexpr):
     tl.store(out_ptr + token.to(tl.int64) * D + d, acc.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-
-
 def _check_weights(gate, up, down, D):
     fmt = gate.fmt
     if fmt not in FORMATS or up.fmt != fmt or down.fmt != fmt:
@@ -331,12 +322,9 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
     return out
 
 
-
-
 def with_shared_slot(ids, weights, E):
     """The plain router's choice with the shared expert as expert E, weight 1: [N, K + 1]."""
     return F.pad(ids, (0, 1), value=E), F.pad(weights, (0, 1), value=1.0)
-
 
 
 def grouped_mm_available(device, dtype):

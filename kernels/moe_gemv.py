@@ -32,7 +32,6 @@ class ExpertWeights:
         return E, out, inp * 8 if self.fmt == "int4" else inp
 
 
-
 FORMATS = {"plain": 0, "fp8": 1, "int4": 2}
 
 
@@ -45,12 +44,10 @@ def _weight_args(w, block_k):
     return scale, strides, (*w.block, *w.offset, w.group), per_row
 
 
-
-# ---------------------------------------------------------------------------------------------
 # Routed experts, GEMV-shaped (decode and verify: a few tokens)
 #
-# With 1-4 tokens most experts serve one token, and k3's tiles of 16 pairs ran tl.dot on 15 padding
-# rows with too few programs to keep HBM busy (8 experts x 256 rows at decode). Here the products
+# With 1-4 tokens most experts serve one token, and the tile variant's tiles of 16 pairs run tl.dot
+# on 15 padding rows with too few programs to keep HBM busy (8 experts x 256 rows at decode). Here the products
 # run on the CUDA cores instead (dequantized weights times the activation, broadcast-multiply into an
 # fp32 [BLOCK_N, BLOCK_K] accumulator, one tl.sum per program), with no align and no combine launch:
 #   gate_up: a program per (BLOCK_N rows of I, pair). The first pair of each expert (the "leader")
@@ -74,37 +71,29 @@ def _weight_args(w, block_k):
 # The INT4 kernels are their own (see above _nibble): whole 16-byte words a thread, unmasked where
 # the shapes divide, the next step's words in flight, down's K experts in one tile.
 
-# Block sizes by format and token count: (small, large) up to / above GEMV_SMALL_TOKENS, each
-# dict(gate_up=(BLOCK_N, BLOCK_K, UNROLL, num_warps, SUB), down=(BLOCK_N, BLOCK_K, num_warps, SUB));
-# INT4: dict(gate_up=(BLOCK_N, BLOCK_W words a step, num_warps), down=(BLOCK_N, BLOCK_C words a step
-# over the K experts side by side, num_warps)). A program's tile has BLOCK_N * SUB rows of
-# BLOCK_K: SUB > 1 (FP8 only) lays SUB consecutive 128-column scale blocks of a weight row out as
-# rows of their own, so a step is one scale per tile row and still 32 threads a weight row (at
-# decode only 2048 gate/up rows exist: 8 threads a row, as a one-block step gives, made 512 warps
-# for 132 SMs, issue-bound at 1 TB/s on the H200). From `python kernels_bench.py --moe --sweep gemv` on an
-# H200 (2026-11-29, BENCHMARKS.md, k4): bf16 gate_up 8 rows at decode (30.1 against 33.2 us with 4; see below),
-# 4 rows of 256 from 4 tokens (99.1 against 114.3 us); FP8 down 16 rows (23.5 against 27.9 us at
-# decode, 69.5 against 79.7 at 4 tokens). INT4 (2026-12-01, issue 25, us a layer at 1 / 3 tokens):
-# gate_up 1 row of 128 words (21.3 / 41.2 against 22.0 / 44.2 with 2 rows, 26.0 / 50.7 with steps of
-# 256 words); down 4 rows of 128 (23.2 / 51.2 against 23.5 / 50.1 with 8 rows of 256 on 2 warps, which
-# with the shared expert in the launch shuffles its tiles through shared memory). bf16 at decode with the
-# shared expert as a 9th pair (2026-12-01, benchmarks/h200_s8_sweep2.log, us): gate_up 4 rows, one step
-# of 512 in flight (19.0 against 28.0 with 8 rows and two; likely: with two its registers let fewer of
-# its 288 programs share an SM; 8 pairs 17.8 against 18.3), down 8 rows (9.8 against 10.4).
+# Block sizes by format, up to / above GEMV_SMALL_TOKENS tokens: dict(gate_up=(BLOCK_N, BLOCK_K,
+# UNROLL, num_warps, SUB), down=(BLOCK_N, BLOCK_K, num_warps, SUB)); INT4: dict(gate_up=(BLOCK_N,
+# BLOCK_W words a step, num_warps), down=(BLOCK_N, BLOCK_C words a step over the K experts side by
+# side, num_warps)). A tile has BLOCK_N * SUB rows of BLOCK_K: SUB > 1 (FP8) lays SUB consecutive
+# 128-column scale blocks of a weight row out as rows of their own, so a step is one scale a tile row
+# and still 32 threads a weight row (at decode only 2048 gate/up rows exist). bf16 gate_up: 4 rows,
+# one step of 512 in flight at decode (with the shared expert as a 9th pair its 288 programs share
+# the SMs), steps of 256 from 3 tokens; down 8 rows at decode, 16 above. FP8: down 16 rows. INT4:
+# gate_up 1 row of 128 words, down 4 rows of 128 (8 rows of 256 on 2 warps would shuffle the shared
+# expert's tiles through shared memory). Re-derived by `python -m kernels.bench --moe --sweep gemv`
+# (INT4 with the shared expert: add --shared).
 GEMV_CONFIGS = {
     "plain": (dict(gate_up=(4, 512, 1, 4, 1), down=(8, 256, 4, 1)),
               dict(gate_up=(4, 256, 4, 4, 1), down=(16, 256, 4, 1))),
     "fp8": (dict(gate_up=(4, 128, 2, 4, 4), down=(16, 128, 4, 2)),) * 2,
     "int4": (dict(gate_up=(1, 128, 1), down=(4, 128, 1)),) * 2}
 GEMV_SMALL_TOKENS = 2   # in tokens, not pairs: a shared expert's extra slot a token moves no boundary
-# The GEMV variant up to this many tokens (the rule of fused_moe's variant=None; in tokens, not pairs,
-# so a shared expert routed as one more slot a token moves no boundary), from the same run at K = 8
-# (us a layer, GEMV against tiles): bf16 30 / 46 at N = 1, 98 / 97 at 4, 177 / 188 at 8, 630 / 527 at
-# 32; FP8 28 / 75 at 1, 80 / 82 at 4, 148 / 144 at 8; INT4 faster at every N up to 32 (629 / 836).
-# In the model (run.py, bf16, 2026-11-29) the rule at 8 lost from 3 tokens on: with the shared expert
-# folded in (SharedExpertInLaunch) every token picks expert E, so E's leader program runs
-# N passes one after another while the others run one; the tiles (k3) measured 10.02 -> 9.91,
-# 11.84 -> 11.14, 14.19 -> 13.50 ms for verify of 3, 4, 5 tokens, and tied at 2. Hence 2 for bf16.
+# The GEMV variant up to this many tokens (fused_moe's rule, variant=None; in tokens, not pairs, so a
+# shared expert routed as one more slot a token moves no boundary): where it beats the tiles at K = 8
+# (`python -m kernels.bench --moe`); for bf16, 2 from the model: with the shared expert folded in
+# (SharedExpertInLaunch) every token picks expert E, whose leader program then runs N passes one
+# after another, and from 3 tokens the tiles win there (verify of 3: `python run.py
+# --speculative-num-steps 2`).
 GEMV_MAX_TOKENS = {"plain": 2, "fp8": 4, "int4": 32}
 GEMV_MAX_PAIRS = 1024   # the leader test holds all N*K expert ids of a call in one vector
 
@@ -350,8 +339,8 @@ def _int4_tile(w_ptr, s_ptr, rows_ok, w, W: tl.constexpr, GROUP: tl.constexpr, E
 @_jit
 def _plane(ptrs, J: tl.constexpr, PLANE: tl.constexpr, ok, EVEN: tl.constexpr):
     """Activation plane J (elements 8w + J) at words w as [1, BW] fp32; ptrs [BW]: plane 0's words, PLANE
-    words apart. Loaded 2-d, so it comes in the weight tile's own layout (a 1-d load took another and
-    a shuffle through shared memory a plane, seen in the compiled code)."""
+    words apart. Loaded 2-d, so it comes in the weight tile's own layout (a 1-d load needs another and
+    a shuffle through shared memory a plane, as the compiled code shows)."""
     if EVEN:
         return tl.load((ptrs + J * PLANE)[None, :])
     return tl.load((ptrs + J * PLANE)[None, :], mask=ok[None, :], other=0.0)
@@ -421,7 +410,7 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
         gw, gs, uw, us = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, 0, W, GROUP, BLOCK_W, EVEN)
         for w0 in range(0, W, BLOCK_W):
             # the next step's words, in flight while this one is unpacked (EVEN: the last step reloads its
-            # own, so no load needs a mask or a branch; two steps ahead measured slower, 23.5 against 21.3 us)
+            # own, so no load needs a mask or a branch; two steps ahead run slower)
             start = w0 + BLOCK_W
             if EVEN:
                 start = tl.minimum(start, W - BLOCK_W)
@@ -493,8 +482,9 @@ def _gemv_args(w, block_k, sub):
 
 
 MAGIC = 0x4B000000   # the bits of the float 2^23 (_nibble)
-SHARED_SPLIT = {"int4": 4, "fp8": 2}   # a bf16 shared expert's gate and up split over D in this many programs a
-#                                        row block: bf16 is 4x INT4's bytes, 2x FP8's
+# a bf16 shared expert's gate and up split over D in this many programs a row block: bf16 is 4x INT4's
+# bytes, 2x FP8's, so its programs take as long as the routed ones (python -m kernels.bench --moe --shared)
+SHARED_SPLIT = {"int4": 4, "fp8": 2}
 
 
 def _shared_args(shared, fmt, N, I, D, block_n, warps, placeholder):

@@ -26,18 +26,16 @@ from .moe_gemv import _check_planes
 # bytes a program has in flight) does not shrink with the tokens: a verify's router is one step a
 # program, as a decode's. Beside INT4 experts the kernel also writes x as the INT4 GEMV's activation
 # planes (router_topk's planes; SharedExpertInLaunch), which saves fused_moe its permute launch.
-# Measured (H200, graphs, weights past the L2, 2026-12-01, benchmarks/h200_issue25_small_ab.json),
-# us at 1 / 4 tokens against the two kernels before (logits, then a select program a token): 128
-# experts 7.4 / 10.8 against 9.2 / 17.0; 384 experts 9.7 / 22.0 against 12.0 / 21.0 (there one
-# program selecting for 4 tokens costs more than the launch it saves). Floors 0.9 and 2.6 us. With
-# the one-step tile (2026-12-01, benchmarks/h200_s10_router_small_*.json), 384 experts at 4 tokens:
-# 13.1 us (8.4 with SIMULATED uniform routing) against 23.8 (11.9) with a tile cut by the tokens.
 
+# Past this many tokens cuBLAS's logits and the selection kernel: one program selecting for all
+# tokens grows with them (python -m kernels.bench --small)
 ROUTER_GEMV_MAX_TOKENS = 16
-ROUTER_SPLIT_D = 8          # D slices, at most: one step of ROUTER_TILE a program (7 slices of 1024: 112
-#                             programs for 128 experts, 336 for 384; 4 slices left 64 programs at 128)
-ROUTER_BLOCK_E = 8
-ROUTER_TILE = 8192          # elements of the [experts, D] weight tile a program holds (64 fp32 a thread on 4 warps)
+# D slices, at most: one step of ROUTER_TILE a program (7 slices of 1024: 112 programs for 128
+# experts, 336 for 384; 4 slices leave 64 programs at 128) (python -m kernels.bench --small)
+ROUTER_SPLIT_D = 8
+ROUTER_BLOCK_E = 8          # experts a program: with ROUTER_TILE, 1024 columns of D a step
+ROUTER_TILE = 8192          # elements of the [experts, D] weight tile a program holds: 64 fp32 a thread
+#                             on 4 warps, whatever the tokens (a tile cut by the tokens is slower)
 
 
 @_jit
@@ -207,8 +205,6 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
         BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select, launch_pdl=common.PDL,
         num_warps=4 if N <= 8 else 8)   # 16 tokens' selection on 4 warps spills (ptxas: 255 registers)
     return ids, weights
-
-
 
 
 launch.router_topk = torch.compiler.disable(router_topk)

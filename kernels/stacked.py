@@ -21,7 +21,6 @@ def stack_rows(*linears):
     return buf
 
 
-
 class StackedQKVA(AttachAgain, model.MLA):
     """"fused_proj" (plain torch; MLA with q_lora_rank): q_a_proj and kv_a_proj_with_mqa, which
     both read x, as one GEMM over their weights stacked (stack_rows)."""
@@ -29,7 +28,7 @@ class StackedQKVA(AttachAgain, model.MLA):
     def attach(self):
         self.q_kv_a_weight = stack_rows(self.q_a_proj, self.kv_a_proj_with_mqa)
 
-    def q_kv_a(self, x):                                   # [..., q_lora_rank + kv_lora_rank + rope dim]
+    def q_kv_a(self, x):                       # [..., q_lora_rank + kv_lora_rank + rope dim]
         return F.linear(x, self.q_kv_a_weight)
 
     def project(self, x):
@@ -42,8 +41,6 @@ class StackedQKVA(AttachAgain, model.MLA):
         return self.query(q_a), kv_a
 
 
-
-
 class StackedGateUp(AttachAgain, model.MLP):
     """"fused_proj": gate_proj and up_proj as one GEMM over their stacked weights (stack_rows).
     add_to (a shared expert, reduce=False): a tensor [N, dim], the MoE's routed output, that the
@@ -52,17 +49,15 @@ class StackedGateUp(AttachAgain, model.MLP):
     def attach(self):
         self.gate_up_weight = stack_rows(self.gate_proj, self.up_proj)
 
-    def gate_up(self, x):                                         # one GEMM: [..., 2 I] = [gate | up]
+    def gate_up(self, x):                                  # one GEMM: [..., 2 I] = [gate | up]
         return F.linear(x, self.gate_up_weight).chunk(2, -1)
 
     def forward(self, x, add_to=None):
         if add_to is None:
             return super().forward(x)
-        assert not self.down_proj.reduce, "add_to needs reduce=False: the sum is reduced by the caller"
+        assert not self.down_proj.reduce, "add_to needs reduce=False: the caller reduces the sum"
         gate, up = self.gate_up(x)
         return add_to.addmm_(self.act(gate, up), self.down_proj.weight.t())
-
-
 
 
 class SharedDownAddsRouted(model.MoE):

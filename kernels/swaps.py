@@ -56,17 +56,18 @@ class RopeNormGemvQKVA(RopeCacheKernel, NormGemvQKVA):
 
 
 class AttentionNormGemv(DecodeAttentionKernel, NormGemvMLA):
-    """"attention" with "norm_gemv": at a few rows W_uv's GEMV launch merges the attention's parts."""
+    """"attention" with "norm_gemv": at a few rows W_uv's GEMV launch merges the attention's
+    parts (MLA_MERGE_ABSORB_MAX_ROWS)."""
     merges_in_w_uv = True
 
 
 class AttentionNormGemvQKVA(DecodeAttentionKernel, NormGemvQKVA):
-    """"attention", "norm_gemv" and "fused_proj"; the merge in W_uv's launch as AttentionNormGemv."""
+    """"attention", "norm_gemv" and "fused_proj"; the merge as AttentionNormGemv's."""
     merges_in_w_uv = True
 
 
 class AttentionRopeNormGemv(DecodeAttentionKernel, RopeCacheKernel, NormGemvMLA):
-    """"attention", "rope_cache" and "norm_gemv"; the merge in W_uv's launch as AttentionNormGemv."""
+    """"attention", "rope_cache" and "norm_gemv"; the merge as AttentionNormGemv's."""
     merges_in_w_uv = True
 
 
@@ -100,9 +101,10 @@ def _parts(cls):
     return frozenset().union(*(_parts(b) for b in cls.__bases__))
 
 
-_DECLARED = (NormGemvQKVA, AttentionRope, AttentionQKVA, RopeQKVA, AttentionRopeQKVA, RopeNormGemv,
-             RopeNormGemvQKVA, AttentionNormGemv, AttentionNormGemvQKVA, AttentionRopeNormGemv,
-             AttentionRopeNormGemvQKVA, StackedGateUpSiluMul, StackedQKVAttention, DraftHeadNormTop1)
+_DECLARED = (NormGemvQKVA, AttentionRope, AttentionQKVA, RopeQKVA, AttentionRopeQKVA,
+             RopeNormGemv, RopeNormGemvQKVA, AttentionNormGemv, AttentionNormGemvQKVA,
+             AttentionRopeNormGemv, AttentionRopeNormGemvQKVA, StackedGateUpSiluMul,
+             StackedQKVAttention, DraftHeadNormTop1)
 COMBINED = {_parts(cls): cls for cls in _DECLARED}   # {the swaps: the class that holds them}
 
 
@@ -122,7 +124,8 @@ def swap(module, *swaps):
     parts = frozenset().union(*map(_parts, swaps))
     cls = next(iter(parts)) if len(parts) == 1 else COMBINED.get(parts)
     if cls is None:
-        raise TypeError(f"no class declared for {sorted(s.__name__ for s in parts)} together (COMBINED)")
+        raise TypeError(f"no class declared for {sorted(s.__name__ for s in parts)} together "
+                        "(COMBINED)")
     module.__class__ = cls
     if hasattr(cls, "attach"):
         module.attach()
@@ -210,7 +213,8 @@ def apply_swaps(root, slots, names):
         if (row.slot not in slots or row.name not in names or not set(row.also) <= names
                 or set(row.unless) & done):
             continue
-        modules = [m for m in SLOTS[row.slot](root) if m is not None and (row.where is None or row.where(m))]
+        modules = [m for m in SLOTS[row.slot](root)
+                   if m is not None and (row.where is None or row.where(m))]
         for m in modules:
             plan.setdefault(m, []).append(row.cls)
         done |= {row.name} if modules else set()
@@ -227,8 +231,8 @@ def kernel_names(names):
     names = set(KERNELS if names == "all" else () if names in (None, "none") else
                 [names] if isinstance(names, str) else names)
     if names - set(KERNELS):
-        raise ValueError(f"unknown kernels {sorted(names - set(KERNELS))}; choose from {list(KERNELS)} "
-                         "or 'all'")
+        raise ValueError(f"unknown kernels {sorted(names - set(KERNELS))}; choose from "
+                         f"{list(KERNELS)} or 'all'")
     return names
 
 
@@ -244,9 +248,9 @@ def pick_moe(moe, device, dtype):
     if moe == "grouped" and not grouped_mm_available(device, dtype):
         raise ValueError(f"moe='grouped' needs torch._grouped_mm for {dtype} on {device}")
     if moe == "fused" and not fused_moe_available(device, dtype):
-        raise ValueError(f"moe='fused' needs Triton and a bf16, fp16 or float32 model on CUDA (or "
-                         f"Triton's CPU interpreter, TRITON_INTERPRET=1); here: {dtype} on {device}, "
-                         f"Triton {'installed' if HAVE_TRITON else 'not installed'}")
+        raise ValueError(f"moe='fused' needs Triton and a bf16, fp16 or float32 model on CUDA "
+                         f"(or Triton's CPU interpreter, TRITON_INTERPRET=1); here: {dtype} on "
+                         f"{device}, Triton {'installed' if HAVE_TRITON else 'not installed'}")
     return moe
 
 
@@ -266,8 +270,8 @@ def accelerate(target, names=(), moe="auto"):
     target.kernels and target.moe_impl (run.py prints them)."""
     names = kernel_names(names)
     if hasattr(target, "kernels"):
-        raise ValueError(f"accelerate: this model is accelerated already (kernels {target.kernels}); "
-                         "build a plain one")
+        raise ValueError(f"accelerate: this model is accelerated already (kernels "
+                         f"{target.kernels}); build a plain one")
     device, dtype = target.device, target.dtype
     moe = pick_moe(moe, device, dtype)
     if names - {"fused_proj"}:
@@ -300,17 +304,17 @@ def compile_layers(target):
 
 
 def accelerate_draft(head, names=()):
-    """Swap the fast paths into a plain draft.Eagle3Draft, in place, and return the names swapped in
-    (of KERNELS; those of DRAFT_KERNELS): "attention" (RoPE, cache write and attention of a chain step
-    or an extend), "router" (the draft token's argmax and d2t map), "add_rmsnorm" (the input norms in
-    one launch, each residual add in the norm that reads the sum), "silu_mul" (the MLP's SwiGLU),
-    "fused_proj" (plain torch: q/k/v and gate/up as one GEMM each); an iterable, "all" or "none", as
-    accelerate. The state dict keeps its keys and values; head.kernels records what was done (run.py
-    prints it)."""
+    """Swap the fast paths into a plain draft.Eagle3Draft, in place, and return the names swapped
+    in (of KERNELS; those of DRAFT_KERNELS): "attention" (RoPE, cache write and attention of a chain
+    step or an extend), "router" (the draft token's argmax and d2t map), "add_rmsnorm" (the input
+    norms in one launch, each residual add in the norm that reads the sum), "silu_mul" (the MLP's
+    SwiGLU), "fused_proj" (plain torch: q/k/v and gate/up as one GEMM each); an iterable, "all" or
+    "none", as accelerate. The state dict keeps its keys and values; head.kernels records what was
+    done (run.py prints it)."""
     names = kernel_names(names) & set(DRAFT_KERNELS)
     if hasattr(head, "kernels"):
-        raise ValueError(f"accelerate_draft: this head is accelerated already (kernels {head.kernels}); "
-                         "build a plain one")
+        raise ValueError(f"accelerate_draft: this head is accelerated already (kernels "
+                         f"{head.kernels}); build a plain one")
     device, dtype = head.norm.weight.device, head.norm.weight.dtype
     if names - {"fused_proj"}:
         check_available(device)
