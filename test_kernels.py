@@ -227,7 +227,7 @@ def test_fused_moe_gemv_shared_h_made_once(quant, monkeypatch):
             assert not kernels._counters(x.device).any(), f"{what}: the last programs leave the counters 0"
         again = kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=shared, configs=cfg)
         assert torch.equal(again, got), f"GEMV {quant} + shared, {cfg}: a second call differs"
-    monkeypatch.setattr(kernels, "COUNTERS", 2)
+    monkeypatch.setattr(kernels.common, "COUNTERS", 2)
     with pytest.raises(ValueError, match="more than 2 row blocks"):
         kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=shared, configs=blocks[0])
 
@@ -238,8 +238,8 @@ def test_fused_moe_rule_picks_gemv_for_few_pairs(monkeypatch):
     rule on shapes (never on routed values), so one captured graph always replays one variant."""
     experts, D = moe_experts("tiny", "fp8", 16, TRITON_DEVICE, torch.float32)
     calls = []
-    gemv = kernels._fused_moe_gemv
-    monkeypatch.setattr(kernels, "_fused_moe_gemv", lambda *a: calls.append(a[0].shape[0]) or gemv(*a))
+    gemv = kernels.moe_gemv._fused_moe_gemv
+    monkeypatch.setattr(kernels.moe_gemv, "_fused_moe_gemv", lambda *a: calls.append(a[0].shape[0]) or gemv(*a))
     g = torch.Generator().manual_seed(0)
     limit = kernels.GEMV_MAX_TOKENS["fp8"]
     for N in (1, limit, limit + 1):
@@ -384,7 +384,7 @@ def test_mla_merge_absorb_equals_combine_then_head_gemv(dtype, monkeypatch):
     also against the float64 twin."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     combines, combine = [], kernels.mla_combine
-    monkeypatch.setattr(kernels, "mla_combine", lambda *a: combines.append(a[0].partial.shape) or combine(*a))
+    monkeypatch.setattr(kernels.mla, "mla_combine", lambda *a: combines.append(a[0].partial.shape) or combine(*a))
     scale, merged, fell_back = 0.07, 0, 0
     cases = [(TINY_MLA, 16, B, T, S, split) for B, T, S, split in (
         (1, 1, 40, None), (3, 1, 300, 16), (1, 4, 300, 16), (2, 2, 40, None), (4, 4, 40, None), (4, 4, 300, 16))]
@@ -698,7 +698,7 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     merges, combines, combine = [], [], kernels.mla_combine
     monkeypatch.setattr(kernels.launch, "mla_merge_absorb",
                         lambda *a, **k: merges.append(a[0].partial.shape) or kernels.mla_merge_absorb(*a, **k))
-    monkeypatch.setattr(kernels, "mla_combine", lambda *a: combines.append(a[0].partial.shape) or combine(*a))
+    monkeypatch.setattr(kernels.mla, "mla_combine", lambda *a: combines.append(a[0].partial.shape) or combine(*a))
     adds = []
     monkeypatch.setattr(kernels.launch, "add_rmsnorm", lambda *a: adds.append(1) or kernels.add_rmsnorm(*a))
     prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=4))
@@ -864,7 +864,7 @@ def test_input_norm_in_qkva_block_equals_the_plain_block(monkeypatch):
     both outputs (the MLP's, the stream after the attention) and the caches written. The swap's limit is
     raised from its one row to the stacked GEMV's 4 here, so that its kernel runs at several rows too. This
     swap is no module's own (the test of each swap takes one module's inputs): a layer's, so tested here."""
-    monkeypatch.setattr(kernels, "INPUT_NORM_QKVA_MAX_ROWS", kernels.QKVA_GEMV_MAX_ROWS)
+    monkeypatch.setattr(kernels.gemv, "INPUT_NORM_QKVA_MAX_ROWS", kernels.QKVA_GEMV_MAX_ROWS)
     device = TRITON_DEVICE
     args = tiny()
     plain = randomized(model.Block(0, args, TP(), 2, 16, device, torch.float32), seed=25)
@@ -888,7 +888,7 @@ def test_input_norm_in_qkva_block_equals_the_plain_block(monkeypatch):
             what = f"InputNormInQKVA, {B * T} rows, {mode}, residual {with_residual}"
             assert_close(got, want, 1e-5 * want.abs().max().item(), what + ": the MLP's output")
             assert_close(got_res, want_res, 1e-5 * want_res.abs().max().item(), what + ": the stream")
-            in_qkva = B * T <= kernels.INPUT_NORM_QKVA_MAX_ROWS
+            in_qkva = B * T <= kernels.gemv.INPUT_NORM_QKVA_MAX_ROWS
             assert len(adds) == 1 + (with_residual and not in_qkva), f"{what}: {len(adds)} add_rmsnorm launches"
             adds.clear()
         for cache in ("kv_cache", "pe_cache"):
@@ -908,7 +908,7 @@ def test_model_py_knows_nothing_of_the_fast_path():
     for word in ("import kernels", "triton", "use_kernels", "_impl", "forward_fused", "fused_proj", r"\bscope\(",
                  "def _apply", "MAX_TOKENS", "MAX_ROWS"):
         assert not re.search(word, source), f"model.py mentions {word!r}"
-    assert "import model" in open(os.path.join(HERE, "kernels.py")).read()
+    assert "import model" in open(os.path.join(HERE, "kernels", "swaps.py")).read()
 
 
 @pytest.mark.triton
@@ -1052,7 +1052,7 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, 
     kernel writes (the MoE's own permute never runs). The state dict is the plain one; fused_moe
     refuses a shared expert it cannot take."""
     permutes, permute = [], kernels.nibble_planes
-    monkeypatch.setattr(kernels, "nibble_planes", lambda *a: permutes.append(1) or permute(*a))
+    monkeypatch.setattr(kernels.moe_gemv, "nibble_planes", lambda *a: permutes.append(1) or permute(*a))
     args = tiny(num_hidden_layers=2, moe_intermediate_size=64, quantization_config=quant)
     kw = dict(max_batch_size=2, max_seq_len=48, device=TRITON_DEVICE, dtype=torch.float32)
     plain = init_random(Transformer(args, **kw), 6)
@@ -1186,14 +1186,14 @@ def test_gpu_kernels_in_captured_paths(monkeypatch):
     decode step (3 rows, with the merge in W_uv's launch allowed up to HEAD_GEMV_MAX_ROWS rows for
     the test; run.py's step has 1) merges the attention's parts in W_uv's launch (mla_merge_absorb),
     the verify in decode mode (12 rows) in the combine launch."""
-    monkeypatch.setattr(kernels, "MLA_MERGE_ABSORB_MAX_ROWS", kernels.HEAD_GEMV_MAX_ROWS)
+    monkeypatch.setattr(kernels.mla, "MLA_MERGE_ABSORB_MAX_ROWS", kernels.HEAD_GEMV_MAX_ROWS)
     target, head = gpu_models(kernels_on="all")
     runner = CudaGraphs("cuda")
     merged_in = {}
     merge_absorb, combine = kernels.launch.mla_merge_absorb, kernels.mla_combine
     monkeypatch.setattr(kernels.launch, "mla_merge_absorb",
                         lambda *a: merged_in.__setitem__(key, "w_uv") or merge_absorb(*a))
-    monkeypatch.setattr(kernels, "mla_combine", lambda *a: merged_in.__setitem__(key, "combine") or combine(*a))
+    monkeypatch.setattr(kernels.mla, "mla_combine", lambda *a: merged_in.__setitem__(key, "combine") or combine(*a))
     for routing in ("model", "uniform"):   # uniform: SIMULATED, inside the router kernel
         target.set_routing(routing)
         for key, fn, inputs in captured_calls(target, head):

@@ -181,11 +181,11 @@ def flat(out):
 def eager_without_pdl(fn, *inputs):
     """fn run eagerly with kernels.py's launches not asking for programmatic dependent launch: a
     reference in which every kernel starts after the one before it has finished."""
-    kernels.PDL, on = False, kernels.PDL
+    kernels.common.PDL, on = False, kernels.common.PDL
     try:
         return fn(*inputs)
     finally:
-        kernels.PDL = on
+        kernels.common.PDL = on
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,8 +1,8 @@
-"""Micro-benchmarks of kernels.py's Triton kernels on a GPU: each kernel against its plain twin
+"""Micro-benchmarks of the kernels' Triton kernels on a GPU: each kernel against its plain twin
 and its floor, captured in CUDA graphs and timed by device events (medians), the bytes of one
 replay past the L2; achieved GB/s against the copy bandwidth measured in the same run.
 
-    python kernels_bench.py [--moe | --small | --draft] [--sweep [VARIANTS]] [--variants dot,gemv] [--json OUT]
+    python -m kernels.bench [--moe | --small | --draft] [--sweep [VARIANTS]] [--variants dot,gemv] [--json OUT]
                             [--formats plain,fp8,int4] [--tokens 1,2,3,4,8,32] [--shared]
         --moe: the fused MoE only (each weight format, token count and variant against its floor);
         without it the MLA decode attention, the router, add + RMSNorm, SwiGLU, RoPE + cache
@@ -10,7 +10,7 @@ replay past the L2; achieved GB/s against the copy bandwidth measured in the sam
         --small: the router, add + RMSNorm, SwiGLU, RoPE + cache write, norm_gemv and head_gemv
         only (--sweep: norm_gemv's block configurations).
         --draft: the EAGLE-3 head's step and extend, plain and with kernels.accelerate_draft's swaps.
-    python kernels_bench.py [--json OUT] --pdl [RUN.PY FLAGS]
+    python -m kernels.bench [--json OUT] --pdl [RUN.PY FLAGS]
         run.py's captured phases with programmatic dependent launch off and on, in one process.
 """
 import math
@@ -21,12 +21,13 @@ import torch.nn.functional as F
 
 import kernels
 import model
-from kernels import (GEMV_MAX_PAIRS, GEMV_MAX_TOKENS, ExpertWeights, add_rmsnorm, fused_moe,
-                     head_gemv, mla_decode_attention, mla_rope_cache_write, norm_gemv, silu_mul, triton)
+from kernels import (GEMV_MAX_PAIRS, GEMV_MAX_TOKENS, ExpertWeights, add_rmsnorm, common, fused_moe,
+                     head_gemv, mla, mla_decode_attention, mla_rope_cache_write, norm_gemv, silu_mul)
+from kernels.common import triton
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused MoE (python kernels_bench.py --moe [--sweep] [--variants dot,gemv] [--json PATH]): the fused MoE
+# The fused MoE (python -m kernels.bench --moe [--sweep] [--variants dot,gemv] [--json PATH]): the fused MoE
 # of one layer at the shapes of one Kimi-K2 rank at TP 8 (D 7168, I 256, 384 experts, K 8), each
 # format and variant, against its floor (the distinct experts' stored bytes over the copy bandwidth
 # measured in the same run). Each time is the
@@ -164,7 +165,7 @@ def _time_moe(fmt, N, variant, cfg, layers, inputs, floor_ms, bandwidth, LAYERS,
 
 
 # ---------------------------------------------------------------------------------------------
-# The other kernels (python kernels_bench.py): each kernel against its plain twin, both captured
+# The other kernels (python -m kernels.bench): each kernel against its plain twin, both captured
 # in CUDA graphs and timed by events around replays (medians), the input sets rotated so that the
 # bytes of one replay exceed the L2; achieved GB/s against the measured copy bandwidth.
 
@@ -301,8 +302,8 @@ def bench_mla_configs(rows, sweep=MLA_SWEEP):
     """Tile, pipeline depth, warps, split length and the merge's columns a program, at B = 1 on a
     cache of S slots all used (us a call, graph)."""
     print("\nMLA kernel configurations (B=1; us a call in a graph)")
-    saved = (dict(kernels.MLA_BLOCK_N), dict(kernels.MLA_NUM_STAGES), kernels.MLA_NUM_WARPS,
-             kernels.MLA_COMBINE_BLOCK_C)
+    saved = (dict(mla.MLA_BLOCK_N), dict(mla.MLA_NUM_STAGES), mla.MLA_NUM_WARPS,
+             mla.MLA_COMBINE_BLOCK_C)
 
     def time_it(sets, what, split=None):
         try:
@@ -317,18 +318,18 @@ def bench_mla_configs(rows, sweep=MLA_SWEEP):
         sets = _mla_sets(1, T, S, S, max(2, min(32, math.ceil(2.5e8 / (S * 576 * 2)))))
         print(f" T {T}, {S} slots used ({S * 576 * 2 / 1e6:.2f} MB)")
         for block_n, stages, warps in points["blocks"]:
-            kernels.MLA_BLOCK_N[torch.bfloat16], kernels.MLA_NUM_STAGES[torch.bfloat16] = block_n, stages
-            kernels.MLA_NUM_WARPS = warps
+            mla.MLA_BLOCK_N[torch.bfloat16], mla.MLA_NUM_STAGES[torch.bfloat16] = block_n, stages
+            mla.MLA_NUM_WARPS = warps
             for split in points["splits"]:
                 time_it(sets, f"T {T} S {S} BLOCK_N {block_n} stages {stages} warps {warps} split {split or 'rule'}",
                         split)
-        kernels.MLA_BLOCK_N[torch.bfloat16], kernels.MLA_NUM_STAGES[torch.bfloat16] = (
+        mla.MLA_BLOCK_N[torch.bfloat16], mla.MLA_NUM_STAGES[torch.bfloat16] = (
             saved[0][torch.bfloat16], saved[1][torch.bfloat16])
-        kernels.MLA_NUM_WARPS = saved[2]
+        mla.MLA_NUM_WARPS = saved[2]
         for block_c in points["combine_block_c"]:
-            kernels.MLA_COMBINE_BLOCK_C = block_c
+            mla.MLA_COMBINE_BLOCK_C = block_c
             time_it(sets, f"T {T} S {S} default blocks, merge BLOCK_C {block_c}")
-        kernels.MLA_COMBINE_BLOCK_C = saved[3]
+        mla.MLA_COMBINE_BLOCK_C = saved[3]
         del sets
 
 
@@ -487,9 +488,9 @@ def benchmark_attention(out=None, small_only=False, sweep=False):
 
 
 # ---------------------------------------------------------------------------------------------
-# Programmatic dependent launch (python kernels_bench.py --pdl [RUN.PY FLAGS] [--json OUT]): run.py's
+# Programmatic dependent launch (python -m kernels.bench --pdl [RUN.PY FLAGS] [--json OUT]): run.py's
 # model, built from the same flags (default: one SIMULATED TP-8 rank of Kimi-K2, bf16), and its isolated
-# phases captured in one process once per setting of kernels.py's module flags (PDL off: the kernels'
+# phases captured in one process once per setting of the kernels' module flags (PDL off: the kernels'
 # grid-dependency instructions are then no-ops; on); the graphs replay in alternation, 20 replays a
 # round, and their outputs must be equal bit for bit (deterministic kernels; a missed wait would show).
 
@@ -511,13 +512,13 @@ def benchmark_pdl(run_flags, settings=PDL_SETTINGS, phases=("decode_step", "veri
     calls = run.phase_calls(b, cfg.context_len[0])
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
                   run_flags=run_flags, header=run.header_of(b), phases={})
-    default = {name: getattr(kernels, name) for flags in settings.values() for name in flags}
+    default = {name: getattr(common, name) for flags in settings.values() for name in flags}
     for phase in (p for p in phases if p in calls):
         key, fn, inputs = calls[phase]
         runners, outs = {}, {}
         for setting, flags in settings.items():   # captured (and warmed up) with the launches they replay
             for name, value in {**default, **flags}.items():
-                setattr(kernels, name, value)
+                setattr(common, name, value)
             runners[setting] = CudaGraphs("cuda")
             outs[setting] = _flat(runners[setting].run(key, fn, *inputs))
         times = {setting: [] for setting in settings}
@@ -533,8 +534,8 @@ def benchmark_pdl(run_flags, settings=PDL_SETTINGS, phases=("decode_step", "veri
                 torch.cuda.synchronize()
                 times[setting] += [a.elapsed_time(z) for a, z in stamps]
         for name, value in default.items():
-            setattr(kernels, name, value)
-        kernels.PDL = False   # the kernels' own time, as run.py's component table sums it (an eager profile)
+            setattr(common, name, value)
+        common.PDL = False   # the kernels' own time, as run.py's component table sums it (an eager profile)
         prof = run.profile_components(b.target, partial(fn, *inputs), gpu=True)
         row = result["phases"][phase] = dict(kernel_ms=prof["kernel_ms"], kernels=prof["kernels"],
                                              parts_ms=prof["parts_ms"])
@@ -547,12 +548,12 @@ def benchmark_pdl(run_flags, settings=PDL_SETTINGS, phases=("decode_step", "veri
             f"{setting} {row[setting]['ms']:.4f} ms (gaps {row[setting]['gaps_ms']:.4f})"
             + ("" if row[setting]["outputs_equal"] else " OUTPUTS DIFFER") for setting in settings))
     for name, value in default.items():
-        setattr(kernels, name, value)
+        setattr(common, name, value)
     return result
 
 
 # ---------------------------------------------------------------------------------------------
-# The EAGLE-3 head (python kernels_bench.py --draft [--json PATH]): one Kimi-K2 TP-8 rank's head
+# The EAGLE-3 head (python -m kernels.bench --draft [--json PATH]): one Kimi-K2 TP-8 rank's head
 # (SIMULATED rank: D 7168, 8 local heads of 128, draft vocab 32000) as run.py times it: the extend
 # of k + 1 = 4 rows and one chain step after ctx cached tokens, captured in CUDA graphs, plain and
 # with the head's swaps (all of them, and all but the attention kernel), against the floor (run.py's

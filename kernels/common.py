@@ -1,0 +1,112 @@
+"""What every kernel family shares: the Triton import guard, _jit, the interpreter switch,
+programmatic dependent launch (PDL, _wait_for_prior), the last-program counters, and `launch`,
+the kernels as the swaps call them."""
+import functools
+import math
+import os
+from types import SimpleNamespace
+
+import torch
+
+try:
+    import triton
+    import triton.language as tl
+    HAVE_TRITON = True
+except ImportError:  # CPU / CI machines without triton: the plain paths run
+    triton = None
+    HAVE_TRITON = False
+
+    class tl:  # lets the kernel signatures below evaluate; no kernel runs without triton
+        constexpr = None
+
+
+def interpreting():
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def check_available(device):
+    """A clear error where the kernels cannot run on `device`."""
+    device = torch.device(device)
+    if not HAVE_TRITON:
+        raise RuntimeError("the Triton kernels need the triton package, which is not installed "
+                           "(pip install triton; or leave the kernels off)")
+    if device.type != "cuda" and not interpreting():
+        raise RuntimeError(f"the Triton kernels run on CUDA devices; on {device} only under the "
+                           "Triton interpreter (TRITON_INTERPRET=1 before import; slow, for tests)")
+
+
+def _jit(fn):
+    """triton.jit where triton exists; else the function stays a plain def (no kernel)."""
+    return triton.jit(fn) if HAVE_TRITON else fn
+
+
+# Programmatic dependent launch (PDL; sm_90 and later). A decode step runs ~800 kernels of a few us,
+# and a kernel normally starts only once the one before it on the stream has finished (chained tiny
+# kernels in a CUDA graph: ~0.9 us a launch on the H200). Every Triton kernel here is launched with
+# launch_pdl=PDL, so the GPU may start it while its predecessor still runs, and its first statement
+# is _wait_for_prior(): griddepcontrol.wait returns once the prerequisite grid (the kernel before
+# it) has completed and its memory writes are visible (PTX ISA, griddepcontrol). The rule every
+# kernel follows: nothing before the wait reads memory an earlier kernel writes, or writes memory an
+# earlier kernel reads or writes. Every kernel waits, so its predecessor had waited for its own: all
+# earlier kernels have completed too. Right after the wait, griddepcontrol.launch_dependents lets
+# the next kernel launch: its programs take the SM slots this one leaves free and sit in their own
+# wait, so its launch and start overlap this kernel's tail. A kernel launched without PDL (cuBLAS,
+# torch's) starts after whole kernels as always, and in a kernel launched without PDL both
+# instructions return at once. GDC: the kernels hold the instructions (sm_90 on; Triton's CPU
+# interpreter has neither); PDL: the launches ask for it. Every launch reads common.PDL when it
+# runs, so setting it False here turns PDL off everywhere (`python -m kernels.bench --pdl` times
+# run.py's phases with it off and on). The wait stays every kernel's first statement, even where
+# loading a first weight tile before it would save a little: no caller must then promise that its
+# weights are not being written.
+PDL = (HAVE_TRITON and not interpreting() and torch.cuda.is_available()
+       and torch.cuda.get_device_capability() >= (9, 0))
+GDC = tl.constexpr(PDL) if HAVE_TRITON else PDL
+
+
+@_jit
+def _wait_for_prior():
+    """Every kernel's first statement: wait for the kernels before it, let the next one launch."""
+    if GDC:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
+
+
+def _pow2(n, least=16):
+    return max(least, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
+
+
+# The counters of the kernels that end in a last program (router, norm_gemv, the GEMV MoE's shared
+# expert, the draft attention kernel): one per program group a launch adds into; a launch that would
+# need more refuses (no sweep: a capacity, far above Kimi-K2's largest need).
+COUNTERS = 4096
+
+
+@functools.cache
+def _counters(device):
+    """Zeroed int32 counters that every call of the kernels above (COUNTERS) on `device` shares: the
+    calls run one after another on a stream, and each call's last programs leave them zero again.
+    The last program's counter add is acquire-release (it must see the others' partial sums); its
+    reset is relaxed: only a later launch reads the counter, after the kernel boundary (with
+    programmatic dependent launch, after its wait for this grid), so no fence is needed there."""
+    return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+
+
+def rows(x):
+    """The rows of x [..., K] (the product of its leading dims)."""
+    return math.prod(x.shape[:-1])
+
+
+class AttachAgain:
+    """For a swap that keeps tensors built from its weights (stacked views, attach()): .to() and
+    the like move each parameter and buffer on its own, so build them again afterwards."""
+
+    def _apply(self, fn, recurse=True):
+        super()._apply(fn, recurse)
+        self.attach()
+        return self
+
+
+# The kernels as the swaps call them: torch.compile (run.py --compile) does not trace into them (a
+# graph break), so their Triton launches run as written between the compiled parts. Each family's
+# module adds its own entry points here, by name, beside their definitions.
+launch = SimpleNamespace()

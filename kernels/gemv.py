@@ -1,0 +1,342 @@
+"""The norm + GEMV family: RMSNorm (and a residual add) inside the GEMV that reads it
+(norm_gemv), the per-head GEMV of MLA's absorbed products (head_gemv), and their swaps."""
+import math
+
+import torch
+
+import model
+import tp
+
+from . import common
+from .common import _counters, _jit, _pow2, _wait_for_prior, launch, rows, tl, triton
+from .stacked import StackedQKVA
+
+
+# RMSNorm fused into the GEMV that reads it (decode and verify: at most NORM_GEMV_MAX_ROWS rows)
+#
+# out = RMSNorm(x) @ W^T for a few rows x [M, K] and a weight W [N, K]: a GEMV, memory-bound
+# on W. A GEMV is fast only with many bytes in flight. Every program loads its next step's tile
+# before it multiplies the one it holds (Triton pipelines only loads that feed tl.dot). The norm
+# factors out of the sum, out[m, n] = rstd[m] * sum_k x[m, k] g[k] W[n, k], so each program also
+# sums the squares of its part of x and rstd is applied at the end: the norm costs no pass or
+# launch of its own. The products run on the CUDA cores in float32 (tl.dot would pad M to 16 rows:
+# 16x the activation in registers, several times slower at one row).
+# - A program holds BLOCK_N rows of W and all M rows of x, a step of BLOCK_K columns of each, and
+#   adds their elementwise products into a float32 [BLOCK_M, BLOCK_N, BLOCK_K] accumulator, summed
+#   over k once at the end: no reduction inside the loop, one code path for every row count. The
+#   accumulator lives in registers, so the step shrinks as the rows grow (NORM_GEMV_ACC_REGS).
+# - K is whole in a program where the row blocks fill the GPU (N / BLOCK_N > 132 programs at
+#   Kimi-K2's attention shapes, one wave), at any row count. With fewer row blocks K is split, a
+#   program per (BLOCK_N rows, slice of K): each stores its float32 partial sums and the last
+#   program of a row block to finish (an atomic counter, reset by that program) adds the slices in
+#   slice order, scales and stores.
+# One launch, no float atomics: deterministic, so a graph replay equals the eager call.
+# Rounding: the normed row is not rounded (the plain path rounds it to W's dtype), so bf16 results
+# differ from the plain path's by the order of one rounding.
+# With a residual r (a layer's input norm, InputNormInQKVA) the kernel reads x and r and normalizes their
+# sum, rounded to the dtype as the plain add rounds it; the programs of row block 0 also store that sum
+# (the residual stream), each for its own slice of K: the add + norm launch in front of the GEMV goes.
+
+NORM_GEMV_MAX_ROWS = 16     # decode and verify; prefill goes to the plain RMSNorm and cuBLAS
+# (BLOCK_N, bytes of a W row a step, warps) by (one row or several, K long or short), the step cut to
+# fit NORM_GEMV_ACC_REGS: at one row 8 warps and short steps (o_proj, K 1024: 4 steps of 256 beat one
+# of 1024); at several rows 4 warps, and 4 W rows a program at long K (python -m kernels.bench --small
+# --sweep)
+NORM_GEMV_BLOCKS = {(1, "long"): (8, 2048, 8), (1, "short"): (16, 512, 8),
+                    ("several", "long"): (4, 2048, 4), ("several", "short"): (16, 512, 4)}
+NORM_GEMV_LONG_K = 1536     # columns from which a row is "long": q_a + kv_a and q_b (K 7168, 1536)
+# float32 products a thread accumulates, BLOCK_M x BLOCK_N x BLOCK_K <= 64 x 32 x warps: more spills
+# (python -m kernels.bench --small --sweep)
+NORM_GEMV_ACC_REGS = 64
+NORM_GEMV_MIN_STEP = 64     # columns: the accumulator's limit cuts the step no shorter (a 128-byte row)
+# K is cut into this // row blocks slices (at most one a step): two waves of the H200's 132 SMs; K
+# whole from 133 row blocks up, as at all of Kimi-K2's attention projections (--small --sweep)
+NORM_GEMV_PROGRAMS = 264
+
+
+@_jit
+def _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, pid, s, rows, n, M, N,
+                         SPLITS: tl.constexpr, BLOCK_M: tl.constexpr):
+    """Store slice s's sums acc [BLOCK_M, BLOCK_N] and sums of squares ss [BLOCK_M]; the last program of
+    row block pid to finish returns (the sums over all slices in slice order, True), the others False."""
+    ok = (rows < M)[:, None] & (n < N)[None, :]
+    tl.store(part_ptr + (s * M + rows[:, None]) * N + n[None, :], acc, mask=ok)
+    tl.store(ss_ptr + (pid * SPLITS + s) * BLOCK_M + rows, ss)
+    tl.debug_barrier()                                  # every thread's stores before the counter's release
+    last = tl.atomic_add(count_ptr + pid, 1) == SPLITS - 1
+    if last:                                            # the row block's other slices are stored: add them
+        tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed")
+        acc = tl.zeros_like(acc)
+        ss = tl.zeros_like(ss)
+        for t in range(SPLITS):                         # in slice order (.cg: from L2, never a stale L1 line)
+            acc += tl.load(part_ptr + (t * M + rows[:, None]) * N + n[None, :], mask=ok, other=0.0,
+                           cache_modifier=".cg")
+            ss += tl.load(ss_ptr + (pid * SPLITS + t) * BLOCK_M + rows, cache_modifier=".cg")
+    return acc, ss, last
+
+
+@_jit
+def _residual_sum(x_ptrs, r_ptrs, ok):
+    """x + r at the pointers (where ok), rounded to x's dtype as the plain add (model.RMSNorm's) rounds it."""
+    x = tl.load(x_ptrs, mask=ok, other=0.0)
+    return (x.to(tl.float32) + tl.load(r_ptrs, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
+
+
+@_jit
+def _store_residual_sum(x_rows, r_rows, sum_rows, rows, kb, lo, hi, M, K, BLOCK_K: tl.constexpr):
+    """_norm_gemv_kernel's sum x + r over columns [lo, hi) stored into sum's rows, after the products: a
+    store inside the product loop holds back the next step's loads, so the sum is read and added
+    again here."""
+    for k0 in range(lo, hi, BLOCK_K):
+        k = k0 + kb
+        ok = (rows < M)[:, None] & (k < K)[None, :]
+        tl.store(sum_rows + k[None, :], _residual_sum(x_rows + k[None, :], r_rows + k[None, :], ok), mask=ok)
+
+
+@_jit
+def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
+                      M, N, K, k_split, eps, s_xm, s_rm, s_sm, s_xh, s_wh, s_wn, s_wk, s_om, s_oh,
+                      SPLITS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """out[m, n] = sum_k h[m, k] * W[n, k] with h = x (NORM: RMSNorm(x), x * rsqrt(mean(x^2) + eps) * g).
+    ADD: x is the sum x + r of x and a residual r [M, K], rounded to x's dtype, which the programs of
+    row block 0 (each for its own slice of K, after its products) store into sum [M, K] (rows strided,
+    last dim contiguous).
+    x [M, K], out [M, N] (rows strided, last dim contiguous), W [N, K] (any strides), g [K]; x, out
+    and W of one dtype; M <= BLOCK_M; float32 products on the CUDA cores, added up elementwise over
+    the steps and summed over k at the end. Each step loads the next step's W tile before it uses its
+    own. Slice s of K is [s * k_split, (s + 1) * k_split); with SPLITS > 1, part [SPLITS, M, N] and
+    ss [N / BLOCK_N, SPLITS, BLOCK_M] float32 hold the slices' sums and sums of squares, count
+    [N / BLOCK_N] int32 zeros. With heads (grid axis 1, head_gemv, SPLITS 1): x, W and out of head j
+    start s_xh, s_wh, s_oh elements further. Grid: (cdiv(N, BLOCK_N), heads, SPLITS)."""
+    _wait_for_prior()
+    pid, j, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    rows = tl.arange(0, BLOCK_M)
+    n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    n3 = n[None, :, None]                                                   # W's tile [1, BLOCK_N, BLOCK_K]
+    kb = tl.arange(0, BLOCK_K)
+    k3 = kb[None, None, :]
+    x_rows = x_ptr + j * s_xh + rows[:, None] * s_xm
+    r_rows, sum_rows = r_ptr + rows[:, None] * s_rm, sum_ptr + rows[:, None] * s_sm
+    w_rows = w_ptr + j * s_wh + n3 * s_wn
+    lo = s * k_split
+    hi = tl.minimum(lo + k_split, K)
+    last_k = lo + (tl.cdiv(hi - lo, BLOCK_K) - 1) * BLOCK_K                  # the slice's last step
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)                 # the products, summed over k at the end
+    ss2 = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)       # the squares, summed over k at the end (a sum a step
+    #                                                      would be a cross-warp reduction, two barriers, a step)
+    w = tl.load(w_rows + (lo + k3) * s_wk, mask=(n3 < N) & (lo + k3 < K), other=0.0)
+    for k0 in range(lo, hi, BLOCK_K):
+        k = k0 + kb
+        k1 = tl.minimum(k0 + BLOCK_K, last_k) + k3                          # the next step's (the last: its own)
+        w1 = tl.load(w_rows + k1 * s_wk, mask=(n3 < N) & (k1 < K), other=0.0)
+        ok = (rows < M)[:, None] & (k < K)[None, :]
+        if ADD:
+            h = _residual_sum(x_rows + k[None, :], r_rows + k[None, :], ok).to(tl.float32)
+        else:
+            h = tl.load(x_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
+        if NORM:
+            ss2 += h * h
+            h = h * tl.load(g_ptr + k[None, :], mask=(k < K)[None, :], other=0.0).to(tl.float32)
+        acc3 += w.to(tl.float32) * h[:, None, :]
+        w = w1
+    acc = tl.sum(acc3, 2)                                                   # [m, n]
+    ss = tl.sum(ss2, 1)
+    if ADD:
+        if pid == 0:
+            _store_residual_sum(x_rows, r_rows, sum_rows, rows, kb, lo, hi, M, K, BLOCK_K)
+    last = pid >= 0                                                         # one slice: every program
+    if SPLITS > 1:
+        acc, ss, last = _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, pid, s, rows, n, M, N,
+                                             SPLITS, BLOCK_M)
+    if NORM:
+        acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
+    tl.store(out_ptr + j * s_oh + rows[:, None] * s_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rows < M)[:, None] & (n < N)[None, :] & last)
+
+
+def _k_slices(N, K, block_n, block_k, programs):
+    """(slices, k_split): K cut into whole steps of block_k until about `programs` programs run."""
+    steps = triton.cdiv(K, block_k)
+    slices = min(steps, max(1, programs // triton.cdiv(N, block_n)))
+    k_split = triton.cdiv(steps, slices) * block_k
+    return triton.cdiv(K, k_split), k_split
+
+
+def _norm_gemv_step(rows, block_n, step_bytes, warps, K, elem):
+    """Columns a step: step_bytes of a W row, at most K rounded up to a power of 2, and at most what keeps the
+    float32 accumulator [rows, block_n, step] within NORM_GEMV_ACC_REGS a thread, but no fewer than
+    NORM_GEMV_MIN_STEP."""
+    fit = NORM_GEMV_ACC_REGS * 32 * warps // (_pow2(rows, 1) * block_n)
+    return min(step_bytes // elem, _pow2(K), max(NORM_GEMV_MIN_STEP, 1 << (max(fit, 1).bit_length() - 1)))
+
+
+def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None, block_k=None, programs=None,
+              warps=None):
+    """RMSNorm(x) @ weight^T in one kernel: x [..., K] of weight's dtype (bf16, fp16 or float32),
+    weight [N, K] (rows may be a strided view), norm_weight [K] (None: no norm, a plain GEMV), at
+    most NORM_GEMV_MAX_ROWS rows. Returns [..., N]. With a residual (x's shape and dtype) the input is
+    x + residual, rounded to x's dtype as model.RMSNorm's add: returns ([..., N], x + residual). The
+    block arguments override the defaults above (benchmarks; tests force several slices of a small K)."""
+    K = x.shape[-1]
+    N = weight.shape[0]
+    rows = x.numel() // K if K else 0
+    if weight.dim() != 2 or weight.shape[1] != K or weight.stride(1) != 1 or x.dtype != weight.dtype:
+        raise ValueError(f"norm_gemv: x {x.dtype} {list(x.shape)} and weight {weight.dtype} {list(weight.shape)} "
+                         "do not fit [..., K] and [N, K] (last dim contiguous) of one dtype")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or rows > NORM_GEMV_MAX_ROWS:
+        raise ValueError(f"norm_gemv: runs bf16, fp16 or float32 and at most {NORM_GEMV_MAX_ROWS} rows, got "
+                         f"{x.dtype} and {rows} rows (use the plain path)")
+    if norm_weight is not None and norm_weight.shape != (K,):
+        raise ValueError(f"norm_gemv: norm weight {list(norm_weight.shape)} is not [{K}]")
+    if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
+        raise ValueError(f"norm_gemv: residual {residual.dtype} {list(residual.shape)} is not of x's shape and "
+                         f"dtype, {x.dtype} {list(x.shape)}")
+    bn, step_bytes, bw = NORM_GEMV_BLOCKS[1 if rows == 1 else "several",
+                                          "long" if K >= NORM_GEMV_LONG_K else "short"]
+    block_n, warps = block_n or bn, warps or bw
+    if triton.cdiv(N, block_n) > common.COUNTERS:
+        raise ValueError(f"norm_gemv: {N} rows of W make more than {common.COUNTERS} row blocks of {block_n}")
+    x2, r2 = (t.reshape(rows, K) for t in (x, x if residual is None else residual))
+    x2, r2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, r2))
+    out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
+    summed = x2 if residual is None else torch.empty(rows, K, device=x.device, dtype=x.dtype)  # x2: not written
+    if rows and N:
+        block_k = block_k or _norm_gemv_step(rows, block_n, step_bytes, warps, K, x.element_size())
+        slices, k_split = _k_slices(N, K, block_n, block_k, programs or NORM_GEMV_PROGRAMS)
+        blocks = triton.cdiv(N, block_n)
+        part = torch.empty(slices, rows, N, device=x.device, dtype=torch.float32) if slices > 1 else out
+        ss = torch.empty(blocks * slices * _pow2(rows, 1), device=x.device, dtype=torch.float32)
+        _norm_gemv_kernel[(blocks, 1, slices)](
+            x2, r2, summed, x2 if norm_weight is None else norm_weight, weight, out, part, ss, _counters(x.device),
+            rows, N, K, k_split, float(eps), x2.stride(0), r2.stride(0), summed.stride(0), 0, 0, weight.stride(0), 1,
+            N, 0, SPLITS=slices, ADD=residual is not None, NORM=norm_weight is not None, BLOCK_M=_pow2(rows, 1),
+            BLOCK_N=block_n, BLOCK_K=block_k, launch_pdl=common.PDL, num_stages=1, num_warps=warps)
+    return out if residual is None else (out, summed.view(x.shape))
+
+
+# head_gemv's blocks at Kimi-K2's 8 heads (python -m kernels.bench --small, head_gemv against the
+# einsums with the copies the model makes of their permuted inputs and outputs)
+HEAD_GEMV_BLOCK_N_STRIDED = 32   # W rows a program where W's rows, not its K, are contiguous (absorbed
+#                                  W_uk): 32 bf16 rows = 64-byte segments a K step
+HEAD_GEMV_BLOCK_N = 8            # contiguous K (W_uv, K = 512): 8 heads x 16 row blocks of 128 rows
+HEAD_GEMV_STEP_BYTES = 1024      # K whole in one step at Kimi-K2's 128 and 512 (not swept); more rows:
+#                                  the step cut to fit NORM_GEMV_ACC_REGS
+HEAD_GEMV_WARPS = 4
+
+
+def head_gemv(x, weight):
+    """out[..., j, n] = sum_k x[..., j, k] * weight[j, n, k], for each of H heads j: x [..., H, K]
+    (last dim contiguous, the leading dims flattening to at most NORM_GEMV_MAX_ROWS rows of one
+    stride), weight [H, N, K] of x's dtype, any strides (MLA's absorbed W_uk^T and W_uv are views
+    of kv_b_proj's weight). One launch of norm_gemv's kernel, no norm, K whole (short rows, and
+    H x N / BLOCK_N programs already); out [..., H, N] contiguous."""
+    *lead, H, K = x.shape
+    rows = math.prod(lead)
+    if weight.dim() != 3 or weight.shape[0] != H or weight.shape[2] != K or weight.dtype != x.dtype:
+        raise ValueError(f"head_gemv: x {x.dtype} {list(x.shape)} and weight {weight.dtype} {list(weight.shape)} "
+                         "do not fit [..., H, K] and [H, N, K] of one dtype")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or rows > NORM_GEMV_MAX_ROWS:
+        raise ValueError(f"head_gemv: runs bf16, fp16 or float32 and at most {NORM_GEMV_MAX_ROWS} rows, got "
+                         f"{x.dtype} and {rows} rows (use the plain path)")
+    N = weight.shape[1]
+    x2 = x.reshape(rows, H, K)
+    x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()
+    out = torch.empty(*lead, H, N, device=x.device, dtype=x.dtype)
+    if rows and N and H:
+        block_n = HEAD_GEMV_BLOCK_N if weight.stride(2) == 1 else HEAD_GEMV_BLOCK_N_STRIDED
+        block_k = _norm_gemv_step(rows, block_n, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS, K, x.element_size())
+        _norm_gemv_kernel[(triton.cdiv(N, block_n), H, 1)](
+            x2, x2, x2, x2, weight, out, out, out, out, rows, N, K, K, 0.0, x2.stride(0), 0, 0, x2.stride(1),
+            weight.stride(0), weight.stride(1), weight.stride(2), H * N, N, SPLITS=1, ADD=False, NORM=False,
+            BLOCK_M=_pow2(rows, 1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=HEAD_GEMV_WARPS, num_stages=1,
+            launch_pdl=common.PDL)
+    return out
+
+
+launch.norm_gemv = torch.compiler.disable(norm_gemv)
+launch.head_gemv = torch.compiler.disable(head_gemv)
+
+# Rows (B * T) up to which the GEMV swaps run their kernel instead of cuBLAS (and model.RMSNorm):
+# where the kernel is faster at Kimi-K2's TP-8 shapes (python -m kernels.bench --small). q_b with
+# its norm: up to NORM_GEMV_MAX_ROWS. The stacked q_a + kv_a (cuBLAS: a split-K GEMV and a reduce):
+# up to 4. With the input add + norm inside (InputNormInQKVA): one row; from 2 rows add_rmsnorm and
+# the GEMV are faster. o_proj: up to 2. The absorbed W_uk, W_uv: up to 4 (more not timed).
+QKVA_GEMV_MAX_ROWS = 4
+INPUT_NORM_QKVA_MAX_ROWS = 1
+O_PROJ_GEMV_MAX_ROWS = 2
+HEAD_GEMV_MAX_ROWS = 4
+
+
+class NormGemvMLA(model.MLA):
+    """"norm_gemv": q_b_proj as a GEMV kernel with q_a_layernorm computed inside it (at most
+    NORM_GEMV_MAX_ROWS rows: decode, verify) and decode mode's absorbed W_uk / W_uv products as GEMV
+    kernels over the heads (at most HEAD_GEMV_MAX_ROWS rows); more rows: the plain code."""
+
+    def query(self, q_a):
+        if rows(q_a) > NORM_GEMV_MAX_ROWS:
+            return super().query(q_a)
+        norm = self.q_a_layernorm
+        return launch.norm_gemv(q_a, self.q_b_proj.weight, norm.weight, norm.eps)
+
+    def absorb_query(self, q_nope, w_uk):
+        if math.prod(q_nope.shape[:2]) > HEAD_GEMV_MAX_ROWS:                # B * T
+            return super().absorb_query(q_nope, w_uk)
+        return launch.head_gemv(q_nope, w_uk.transpose(1, 2))
+
+    def absorb_output(self, o_lat, w_uv):
+        if math.prod(o_lat.shape[:2]) > HEAD_GEMV_MAX_ROWS:
+            return super().absorb_output(o_lat, w_uv)
+        return launch.head_gemv(o_lat, w_uv)
+
+
+class NormGemvQKVA(NormGemvMLA, StackedQKVA):
+    """"norm_gemv" with "fused_proj" (MLA with q_lora_rank): NormGemvMLA, and the stacked q_a + kv_a
+    (StackedQKVA's weight) as the GEMV kernel at up to QKVA_GEMV_MAX_ROWS rows; project_sum, the
+    same GEMV with the layer's input add and norm inside, is InputNormInQKVA's."""
+
+    def q_kv_a(self, x):
+        if rows(x) > QKVA_GEMV_MAX_ROWS:
+            return super().q_kv_a(x)
+        return launch.norm_gemv(x, self.q_kv_a_weight)
+
+    def project_sum(self, x, residual, norm):
+        """(q, kv_a) = project(norm(x + residual)) and x + residual, at most NORM_GEMV_MAX_ROWS rows
+        (InputNormInQKVA calls it at INPUT_NORM_QKVA_MAX_ROWS), the add and the norm (the layer's
+        input_layernorm) inside q_a + kv_a's GEMV. residual None: project(norm(x)) and x."""
+        w, g = self.q_kv_a_weight, norm.weight
+        if residual is None:
+            q_kv_a, summed = launch.norm_gemv(x, w, g, norm.eps), x
+        else:
+            q_kv_a, summed = launch.norm_gemv(x, w, g, norm.eps, residual=residual)
+        return *self.split_q_kv_a(q_kv_a), summed
+
+
+class InputNormInQKVA(model.Block):
+    """"norm_gemv" with "fused_proj" and "add_rmsnorm" (MLA with q_lora_rank): at most INPUT_NORM_QKVA_MAX_ROWS
+    rows, the layer's input residual add and input_layernorm run inside the stacked q_a + kv_a GEMV
+    (NormGemvQKVA.project_sum), so no add_rmsnorm launch runs in front of the attention; the attention
+    takes the projected inputs (model.MLA.attend). More rows: model.Block. MLA's own call does not run
+    here, so run.py's component table scopes project_sum and attend themselves (its MLA_METHODS)."""
+
+    def forward(self, x, residual, positions, rope, future, mode, slots=None):
+        if rows(x) > INPUT_NORM_QKVA_MAX_ROWS:
+            return super().forward(x, residual, positions, rope, future, mode, slots)
+        attn = self.self_attn
+        q, kv_a, residual = attn.project_sum(x, residual, self.input_layernorm)
+        h = attn.attend(q, kv_a, positions, rope, future, mode, slots)
+        h, residual = self.post_attention_layernorm(h, residual)
+        return self.mlp(h), residual
+
+
+class GemvRowParallel(tp.RowParallelLinear):
+    """"norm_gemv" on MLA's o_proj: at most O_PROJ_GEMV_MAX_ROWS rows through the GEMV kernel (no norm)
+    instead of cuBLAS; the all-reduce as before."""
+
+    def forward(self, x):
+        if rows(x) > O_PROJ_GEMV_MAX_ROWS:
+            return super().forward(x)
+        y = launch.norm_gemv(x, self.weight)
+        return self.tp.all_reduce(y) if self.reduce else y
+
+

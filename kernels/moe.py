@@ -1,0 +1,469 @@
+"""Routed experts: fused_moe (its tile variant here, its GEMV variant in moe_gemv.py) and the
+experts swaps (GroupedExperts, FusedExperts, SharedExpertInLaunch)."""
+import torch
+import torch.nn.functional as F
+
+import model
+
+from . import common, moe_gemv
+from .common import HAVE_TRITON, AttachAgain, _jit, _wait_for_prior, interpreting, tl, triton
+from .moe_gemv import (FORMATS, GEMV_MAX_PAIRS, GEMV_MAX_TOKENS, SHARED_SPLIT, ExpertWeights,
+                       _check_planes, _gemv_configs, _weight_args)
+
+
+# y[n] = sum_k w[n, k] * down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])),  e = ids[n, k]
+#
+# The tile variant (the GEMV variant, moe_gemv.py, serves a few tokens: GEMV_MAX_TOKENS).
+# Four launches, each of a fixed grid for given (N, K, E): align (sort the P pairs by expert on the
+# device, each expert's pairs padded to whole BLOCK_M tiles), gate_up (a program per (tile of
+# pairs of one expert, BLOCK_N rows of I): both projections, SiLU and the product), down (a program
+# per (tile, BLOCK_N rows of D): routing weight applied, one fp32 row per pair) and combine (the K
+# rows of a token summed). A tile holds pairs of one expert only, and every tile of an expert reads
+# that expert's weights, so an expert picked by up to BLOCK_M tokens is read exactly once. At most
+# min(E, P) + P // BLOCK_M tiles exist (sum over experts of ceil(count / BLOCK_M)); that bound sizes
+# the buffers and the grids, and tiles left unused exit at once. Weights are read as stored (bf16 /
+# fp32, FP8 e4m3 with block scales, INT4 packed words with group scales), dequantized in registers;
+# products accumulate in fp32. Deterministic: no atomics, so a graph replay equals the eager call.
+
+# pairs per tile: tl.dot's smallest M. With N <= a few hundred and 384 experts most experts get 1-4
+# tokens, so a larger tile would only add padding rows (python -m kernels.bench --moe --sweep dot)
+BLOCK_M = 16
+ALIGN_CHUNK = 32     # pairs per step of the align kernel: a [ALIGN_CHUNK, E] one-hot a step (not swept)
+COMBINE_BLOCK = 1024   # columns of D a combine program sums (not swept: the combine is a small share)
+
+
+def _configs(fmt, P, on_gpu):
+    """Block sizes (BLOCK_N, BLOCK_K, num_warps, num_stages) of gate_up and down by weight format and
+    token-expert pairs P, re-derived by `python -m kernels.bench --moe --sweep dot`:
+     - gate_up BLOCK_N 16 at decode (P = 8: 8 expert tiles, 16 programs each fill 132 SMs), 32 from
+       4 tokens on (32+ tiles: half the activation loads and loop overhead per weight byte);
+     - BLOCK_K 128 for bf16 and FP8 (the checkpoint's scale block: one scale a row and k-step, applied
+       after the dot); 256 for INT4 (32 packed words a row a k-step, 8 sub-dots of 32);
+     - down BLOCK_N 64 (D = 7168: 112 programs an expert tile; its other sizes move little)."""
+    if not on_gpu:  # Triton's CPU interpreter runs programs one by one, ~0.1 ms an op: fewest, largest
+        return dict(gate_up=(64, 128, 4, 1), down=(64, 128, 4, 1))
+    if fmt == "int4":
+        return dict(gate_up=(16, 256, 4, 3) if P <= 16 else (32, 256, 8, 3), down=(64, 256, 8, 3))
+    return dict(gate_up=(16, 128, 4, 4) if P <= 16 else (32, 128, 4, 4), down=(64, 128, 4, 3))
+
+
+@_jit
+def _moe_align_kernel(ids_ptr, sorted_pair_ptr, tile_expert_ptr, P, E, max_tiles, max_tiles_per_expert,
+                      BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
+    """Sort the P token-expert pairs by expert, each expert's run padded to whole BLOCK_M tiles.
+
+    ids_ptr: int [P] expert of pair p = n*K + k (ids [N, K] flattened), values in [0, E).
+    sorted_pair_ptr: int32 [max_tiles * BLOCK_M] out: the pair in each tile row, P in padding rows.
+    tile_expert_ptr: int32 [max_tiles] out: each tile's expert, -1 for tiles left unused.
+    Pairs of one expert keep their order (stable). Grid: (1,): one program, O(P * E / threads)."""
+    _wait_for_prior()
+    experts = tl.arange(0, E_PAD)
+    count = tl.zeros([E_PAD], tl.int32)
+    for start in range(0, P, CHUNK):                                      # pairs per expert
+        p = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        count += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
+    tiles = (count + BLOCK_M - 1) // BLOCK_M
+    first_tile = tl.cumsum(tiles, 0) - tiles                               # [E_PAD], exclusive
+    for start in range(0, max_tiles * BLOCK_M, CHUNK):                     # empty tiles, padding rows
+        r = start + tl.arange(0, CHUNK)
+        tl.store(sorted_pair_ptr + r, tl.full([CHUNK], 0, tl.int32) + P, mask=r < max_tiles * BLOCK_M)
+        tl.store(tile_expert_ptr + r, tl.full([CHUNK], -1, tl.int32), mask=r < max_tiles)
+    tl.debug_barrier()                                                     # before overwriting them
+    for j in range(0, max_tiles_per_expert):                               # tile -> expert
+        tl.store(tile_expert_ptr + first_tile + j, experts, mask=(j < tiles) & (experts < E))
+    seen = tl.zeros([E_PAD], tl.int32)
+    for start in range(0, P, CHUNK):                                       # pair -> row
+        p = start + tl.arange(0, CHUNK)
+        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+        hit = (ids[:, None] == experts[None, :]).to(tl.int32)             # [CHUNK, E_PAD]
+        before = tl.cumsum(hit, 0) - hit + seen[None, :]                   # earlier pairs, same expert
+        row = tl.sum(hit * (first_tile[None, :] * BLOCK_M + before), axis=1)
+        tl.store(sorted_pair_ptr + row, p.to(tl.int32), mask=p < P)
+        seen += tl.sum(hit, axis=0)
+
+
+@_jit
+def _accumulate(acc, xt, x_ptr, x_row, row_ok, k0, K_IN, w_ptr, s_ptr, n, n_ok, stride_wn, stride_sr, stride_sc,
+                block_r, block_c, off_r, off_c, GROUP,
+                FMT: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_PER_ROW: tl.constexpr, PRECISION: tl.constexpr):
+    """acc [BM, BN] += X[rows, k0:k0+BK] @ W[n, k0:k0+BK]^T, W of one expert read as stored.
+
+    xt [BM, BK]: that activation tile (plain, FP8); INT4 reads its own strided pieces of it at
+    x_ptr + x_row[m] + c (element c of tile row m's activation row). w_ptr, s_ptr: the expert's
+    weight and scale (ExpertWeights layouts); n: [BN] output rows. FMT 0 plain, 1 FP8 blocks, 2
+    INT4 packed. SCALE_PER_ROW (FP8): the k-step lies inside one column block, so the scale is one
+    per row, applied to the dot's result."""
+    if FMT == 2:
+        # INT4: the k-step's words [BK/8, BN]; nibble j of word w is element 8w + j, so the step is
+        # 8 dots over the elements {8w + j}, with no unpacking into the natural order (which costs
+        # a layout change through shared memory: 1.5-2.4x slower on the H200, and out of shared
+        # memory for the down projection).
+        w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+        w_ok = w < K_IN // 8
+        words = tl.load(w_ptr + n[None, :] * stride_wn + w[:, None], mask=w_ok[:, None] & n_ok[None, :], other=0)
+        scale = tl.load(s_ptr + n[None, :] * stride_sr + (w * 8 // GROUP)[:, None],
+                        mask=w_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
+        for j in tl.static_range(8):
+            xj = tl.load(x_ptr + x_row[:, None] + (w * 8 + j)[None, :], mask=row_ok[:, None] & w_ok[None, :], other=0.0)
+            q = ((words >> (4 * j)) & 0xF) - 8
+            acc = tl.dot(xj, (q.to(tl.float32) * scale).to(xj.dtype), acc, input_precision=PRECISION)
+    else:
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < K_IN
+        wt = tl.load(w_ptr + n[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FMT == 0:     # the load feeds the dot directly (Triton pipelines it through shared memory)
+            acc = tl.dot(xt, wt.to(xt.dtype), acc, input_precision=PRECISION)
+        elif SCALE_PER_ROW:
+            s = tl.load(s_ptr + ((n + off_r) // block_r) * stride_sr + ((k0 + off_c) // block_c) * stride_sc,
+                        mask=n_ok, other=0.0)
+            acc += tl.dot(xt, wt.to(xt.dtype), input_precision=PRECISION) * s[None, :]
+        else:
+            s = tl.load(s_ptr + ((n + off_r) // block_r)[None, :] * stride_sr + ((k + off_c) // block_c)[:, None]
+                        * stride_sc, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+            acc = tl.dot(xt, (wt.to(tl.float32) * s).to(xt.dtype), acc, input_precision=PRECISION)
+    return acc
+
+
+@_jit
+def _moe_gate_up_kernel(x_ptr, h_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr, gs_ptr, u_ptr, us_ptr,
+                        P, TOPK, D, I, stride_we, stride_wn, stride_se, stride_sr, stride_sc,
+                        block_r, block_c, off_r, off_c, GROUP,
+                        FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        SCALE_PER_ROW: tl.constexpr, PRECISION: tl.constexpr):
+    """h[row, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) for the pair in each tile row (n = pair // K).
+
+    x_ptr: [N, D] contiguous, the compute dtype. h_ptr: [max_tiles * BLOCK_M, I] out, x's dtype,
+    rows in tile order (padding rows get 0). g_ptr / u_ptr and gs_ptr / us_ptr: gate and up weights
+    and scales, [E, I, D]-shaped as ExpertWeights (same strides for both). sorted_pair_ptr,
+    tile_expert_ptr: from the align kernel. Grid: (cdiv(I, BLOCK_N), max_tiles)."""
+    _wait_for_prior()
+    pid_n, tile = tl.program_id(0), tl.program_id(1)
+    e = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    if e < 0:
+        return
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pair_ptr + rows)
+    row_ok = pair < P
+    x_row = (pair // TOPK).to(tl.int64) * D
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < I
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, D, BLOCK_K):
+        xt = tl.zeros([BLOCK_M, BLOCK_K], x_ptr.dtype.element_ty)       # INT4 loads its own pieces
+        if FMT != 2:                                                       # one load for gate and up
+            k = k0 + tl.arange(0, BLOCK_K)
+            xt = tl.load(x_ptr + x_row[:, None] + k[None, :], mask=row_ok[:, None] & (k < D)[None, :], other=0.0)
+        acc_g = _accumulate(acc_g, xt, x_ptr, x_row, row_ok, k0, D, g_ptr + e * stride_we, gs_ptr + e * stride_se, n,
+                            n_ok, stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c, GROUP,
+                            FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
+        acc_u = _accumulate(acc_u, xt, x_ptr, x_row, row_ok, k0, D, u_ptr + e * stride_we, us_ptr + e * stride_se, n,
+                            n_ok, stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c, GROUP,
+                            FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty), mask=n_ok[None, :])
+
+
+@_jit
+def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr, w_ptr, s_ptr,
+                     P, D, I, stride_we, stride_wn, stride_se, stride_sr, stride_sc,
+                     block_r, block_c, off_r, off_c, GROUP,
+                     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     SCALE_PER_ROW: tl.constexpr, PRECISION: tl.constexpr):
+    """y[pair, d] = route_w[pair] * (down[e] @ h[row])[d] for the pair in each tile row.
+
+    h_ptr: [max_tiles * BLOCK_M, I] from gate_up. y_ptr: fp32 [P, D] out, one row per pair (every
+    pair's row is written once). route_w_ptr: fp32 [P], the routing weights flattened. w_ptr / s_ptr:
+    down weights and scales, [E, D, I]-shaped as ExpertWeights. Grid: (cdiv(D, BLOCK_N), max_tiles)."""
+    _wait_for_prior()
+    pid_n, tile = tl.program_id(0), tl.program_id(1)
+    e = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    if e < 0:
+        return
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pair_ptr + rows)
+    row_ok = pair < P
+    h_row = rows.to(tl.int64) * I
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n_ok = n < D
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        ht = tl.zeros([BLOCK_M, BLOCK_K], h_ptr.dtype.element_ty)
+        if FMT != 2:
+            k = k0 + tl.arange(0, BLOCK_K)
+            ht = tl.load(h_ptr + h_row[:, None] + k[None, :], mask=row_ok[:, None] & (k < I)[None, :], other=0.0)
+        acc = _accumulate(acc, ht, h_ptr, h_row, row_ok, k0, I, w_ptr + e * stride_we, s_ptr + e * stride_se, n, n_ok,
+                          stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c, GROUP,
+                          FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
+    route_w = tl.load(route_w_ptr + pair, mask=row_ok, other=0)
+    tl.store(y_ptr + pair[:, None].to(tl.int64) * D + n[None, :], acc * route_w[:, None],
+             mask=row_ok[:, None] & n_ok[None, :])
+
+
+@_jit
+def _moe_combine_kernel(y_ptr, out_ptr, D, TOPK, BLOCK_D: tl.constexpr):
+    """out[n, d] = sum_k y[n*K + k, d], summed in fp32 in k order, stored in out's dtype.
+
+    y_ptr: fp32 [N*K, D]; out_ptr: [N, D]. Grid: (N, cdiv(D, BLOCK_D))."""
+    _wait_for_prior()
+    token, pid_d = tl.program_id(0), tl.program_id(1)
+    d = pid_d * BLOCK_D + tl.arange(0, BLOCK_D)
+    acc = tl.zeros([BLOCK_D], tl.float32)
+    for k in range(0, TOPK):
+        acc += tl.load(y_ptr + (token * TOPK + k).to(tl.int64) * D + d, mask=d < D, other=0)
+    tl.store(out_ptr + token.to(tl.int64) * D + d, acc.to(out_ptr.dtype.element_ty), mask=d < D)
+
+
+def _check_weights(gate, up, down, D):
+    fmt = gate.fmt
+    if fmt not in FORMATS or up.fmt != fmt or down.fmt != fmt:
+        raise ValueError(f"fused_moe: weight formats {gate.fmt}, {up.fmt}, {down.fmt}; all three must be one "
+                         f"of {sorted(FORMATS)}")
+    E, I, D_in = gate.shape
+    if up.shape != gate.shape or down.shape != (E, D, I) or D_in != D:
+        raise ValueError(f"fused_moe: gate {list(gate.shape)}, up {list(up.shape)}, down {list(down.shape)} do not "
+                         f"fit hidden {D}: expected [E, I, D], [E, I, D], [E, D, I]")
+    layout = [(w.data.stride(), w.scale is None or w.scale.stride(), w.block, w.offset, w.group) for w in (gate, up)]
+    if layout[0] != layout[1]:
+        raise ValueError("fused_moe: gate and up must be stored alike (strides, scales, blocks): one kernel reads both")
+    for name, w in (("gate", gate), ("up", up), ("down", down)):
+        if w.data.stride(-1) != 1 or (w.scale is not None and w.scale.stride(-1) != 1):
+            raise ValueError(f"fused_moe: {name} weights and scales must be contiguous along their last dim")
+        if fmt == "int4" and (w.data.dtype != torch.int32 or w.group % 8 or w.shape[2] % w.group):
+            raise ValueError(f"fused_moe: {name} INT4 needs int32 words and a group ({w.group}) that is a multiple "
+                             f"of 8 and divides the input dim {w.shape[2]}")
+        if fmt == "fp8" and (w.data.dtype != torch.float8_e4m3fn or w.scale is None):
+            raise ValueError(f"fused_moe: {name} FP8 needs float8_e4m3fn weights and block scales")
+    return fmt, E, I
+
+
+def gemv_rule(fmt, N, K):
+    """fused_moe's variant when none is named: "gemv" up to GEMV_MAX_TOKENS[fmt] tokens (and
+    GEMV_MAX_PAIRS pairs), else "dot". A rule on shapes only, so a captured graph keeps its variant."""
+    return "gemv" if N <= GEMV_MAX_TOKENS[fmt] and N * K <= GEMV_MAX_PAIRS else "dot"
+
+
+def _check_shared(shared, fmt, variant, I, D, dtype):
+    """fused_moe's shared expert: it rides in the INT4 and FP8 GEMV launches only, as contiguous
+    [I, D], [I, D], [D, I] tensors in the compute dtype."""
+    if fmt not in SHARED_SPLIT or variant != "gemv":
+        raise ValueError(f"fused_moe: a shared expert rides in the INT4 and FP8 GEMV launches only, not {fmt} "
+                         f"{variant} (plain experts: make it expert E, as SharedExpertInLaunch does)")
+    if ([list(t.shape) for t in shared] != [[I, D], [I, D], [D, I]] or any(t.dtype != dtype for t in shared)
+            or any(not t.is_contiguous() for t in shared)):
+        raise ValueError(f"fused_moe: shared expert {[list(t.shape) for t in shared]}: expected contiguous "
+                         f"[{I}, {D}], [{I}, {D}], [{D}, {I}] in x's dtype {dtype}")
+
+
+def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, shared=None, planes=None):
+    """Routed experts in one pass over each distinct expert's weights:
+    y[n] = sum_k route_w[n, k] * down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])),  e = ids[n, k].
+
+    x [N, D] (bf16, fp16 or fp32: the compute dtype; the tile variant rounds dequantized weights to
+    it, the GEMV variant multiplies them in fp32), ids int [N, K] in [0, E) (not checked: that would
+    read the device), route_w [N, K] (any float; used in fp32), gate / up / down: ExpertWeights of
+    [E, I, D], [E, I, D], [E, D, I]. Returns [N, D] in x's dtype. variant: "gemv" (CUDA-core
+    products, for a few tokens), "dot" (tiles of BLOCK_M pairs through tl.dot) or None (gemv_rule).
+    configs: override the variant's block sizes (the benchmark's sweep). shared: (gate [I, D], up
+    [I, D], down [D, I]) tensors in x's dtype, a shared expert added to every token with weight 1,
+    in the same launches (INT4 and FP8 experts through the GEMV variant only: the bf16 shared expert of
+    Kimi-K2.5, and of Kimi-K2-Instruct's FP8 checkpoint, dequantized at load). planes: x already as
+    the INT4 GEMV's activation planes (nibble_planes; router_topk writes them beside its logits), read
+    instead of permuting x again; the other variants and formats ignore them."""
+    if x.dim() != 2 or ids.shape != route_w.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_moe: x {list(x.shape)}, ids {list(ids.shape)}, route_w {list(route_w.shape)}: "
+                         "expected [N, D], [N, K], [N, K]")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or ids.dtype.is_floating_point:
+        raise ValueError(f"fused_moe: x must be bf16, fp16 or fp32 (got {x.dtype}), ids integers (got {ids.dtype})")
+    (N, D), K = x.shape, ids.shape[1]
+    fmt, E, I = _check_weights(gate, up, down, D)
+    P, dev = N * K, x.device
+    if any(t is not None and t.device != dev for t in (ids, route_w, gate.data, gate.scale, up.data, up.scale,
+                                                        down.data, down.scale, *(shared or ()))):
+        raise ValueError(f"fused_moe: every input must be on x's device {dev}")
+    variant = variant or gemv_rule(fmt, N, K)
+    if variant not in ("gemv", "dot") or (variant == "gemv" and P > GEMV_MAX_PAIRS):
+        raise ValueError(f"fused_moe: variant {variant!r} for {P} token-expert pairs: 'dot', or 'gemv' up to "
+                         f"{GEMV_MAX_PAIRS} pairs")
+    if shared is not None:
+        _check_shared(shared, fmt, variant, I, D, x.dtype)
+    if planes is not None:
+        _check_planes(planes, x)
+    x, ids, route_w = x.contiguous(), ids.reshape(-1).contiguous(), route_w.reshape(-1).float().contiguous()
+    if variant == "gemv":
+        cfg = {**_gemv_configs(fmt, N, x.is_cuda), **(configs or {})}
+        return moe_gemv._fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared, planes)
+    cfg = {**_configs(fmt, P, x.is_cuda), **(configs or {})}
+    max_tiles = min(E, P) + P // BLOCK_M                                    # see the section comment
+    sorted_pair = torch.empty(max_tiles * BLOCK_M, dtype=torch.int32, device=dev)
+    tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
+    _moe_align_kernel[(1,)](ids, sorted_pair, tile_expert, P, E, max_tiles, triton.cdiv(P, BLOCK_M),
+                            BLOCK_M=BLOCK_M, E_PAD=triton.next_power_of_2(E), CHUNK=ALIGN_CHUNK, num_warps=8,
+                            launch_pdl=common.PDL)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact products, not tf32; else unused
+    bn, bk, warps, stages = cfg["gate_up"]
+    h = torch.empty(max_tiles * BLOCK_M, I, dtype=x.dtype, device=dev)          # [rows, I]
+    gs, strides, quant, per_row = _weight_args(gate, bk)
+    _moe_gate_up_kernel[(triton.cdiv(I, bn), max_tiles)](
+        x, h, sorted_pair, tile_expert, gate.data, gs, up.data, _weight_args(up, bk)[0], P, K, D, I, *strides, *quant,
+        FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SCALE_PER_ROW=per_row, PRECISION=precision,
+        launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
+    bn, bk, warps, stages = cfg["down"]
+    y = torch.empty(P, D, dtype=torch.float32, device=dev)                      # [P, D], weighted
+    ds, strides, quant, per_row = _weight_args(down, bk)
+    _moe_down_kernel[(triton.cdiv(D, bn), max_tiles)](
+        h, y, sorted_pair, tile_expert, route_w, down.data, ds, P, D, I, *strides, *quant,
+        FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SCALE_PER_ROW=per_row, PRECISION=precision,
+        launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
+    out = torch.empty(N, D, dtype=x.dtype, device=dev)
+    _moe_combine_kernel[(N, triton.cdiv(D, COMBINE_BLOCK))](y, out, D, K, BLOCK_D=COMBINE_BLOCK, num_warps=4,
+                                                            launch_pdl=common.PDL)
+    return out
+
+
+def with_shared_slot(ids, weights, E):
+    """The plain router's choice with the shared expert as expert E, weight 1: [N, K + 1]."""
+    return F.pad(ids, (0, 1), value=E), F.pad(weights, (0, 1), value=1.0)
+
+
+def grouped_mm_available(device, dtype):
+    """torch._grouped_mm: bf16 on Hopper or newer; bf16 and float32 on the CPU."""
+    device = torch.device(device)
+    if not hasattr(torch, "_grouped_mm"):
+        return False
+    if device.type == "cpu":
+        return dtype in (torch.bfloat16, torch.float32)
+    if device.type != "cuda":   # e.g. "meta" (sizing a model without memory)
+        return False
+    return dtype == torch.bfloat16 and torch.cuda.get_device_capability(device) >= (9, 0)
+
+
+def fused_moe_available(device, dtype):
+    """The fused MoE can run here: Triton installed, a bf16 / fp16 / fp32 model, and CUDA, or
+    Triton's CPU interpreter (TRITON_INTERPRET=1, which the CPU tests use)."""
+    return (HAVE_TRITON and dtype in (torch.bfloat16, torch.float16, torch.float32)
+            and (torch.device(device).type == "cuda" or interpreting()))
+
+
+class GroupedExperts(model.Experts):
+    """moe "grouped": the token-expert pairs sorted by expert, torch._grouped_mm over each expert's
+    pairs with device-side offsets, each expert's weights read in place. Quantized experts: while
+    the N*K pairs are fewer than the experts (decode, verify) the plain path dequantizes only the
+    routed ones; past that (prefill) every expert is dequantized once per layer."""
+
+    def forward(self, x, ids, weights):
+        N, K = ids.shape
+        if self.quantized and N * K < self.n_experts:
+            return super().forward(x, ids, weights)
+        by_expert, order = ids.flatten().sort(stable=True)                # [N*K] pairs by expert
+        gate, up, down = (self.weights(p) for p in ("gate_proj", "up_proj", "down_proj"))
+        experts = torch.arange(gate.shape[0], device=x.device, dtype=by_expert.dtype)
+        offs = torch.searchsorted(by_expert, experts, right=True, out_int32=True)  # group ends
+        xs = x[order // K]                                                 # [N*K, D] by expert
+        h = F.silu(torch._grouped_mm(xs, gate.mT, offs=offs)) * torch._grouped_mm(xs, up.mT, offs=offs)
+        ys = torch._grouped_mm(h, down.mT, offs=offs)
+        y = torch.empty_like(ys).index_copy_(0, order, ys).view(N, K, -1)  # back to token order
+        return (model.at_least_f32(y) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
+
+
+def expert_weights(proj):
+    """One projection of model.Experts (a tensor, model.PackedExperts or model.Fp8Experts) as the
+    fused MoE reads it."""
+    if isinstance(proj, model.PackedExperts):
+        return ExpertWeights("int4", proj.weight_packed, proj.weight_scale, group=proj.group)
+    if isinstance(proj, model.Fp8Experts):
+        return ExpertWeights("fp8", proj.weight, proj.weight_scale_inv, proj.block, proj.offset)
+    return ExpertWeights("plain", proj)
+
+
+class FusedExperts(GroupedExperts):
+    """moe "fused": fused_moe (for a few tokens a GEMV per expert on the CUDA cores, else tiles
+    of pairs sorted by expert on the device through tl.dot), reading each distinct expert's
+    weights once, as stored. Above FUSED_MAX_TOKENS tokens (prefill) the grouped path where
+    torch._grouped_mm runs, for plain experts only (it would dequantize every quantized expert of
+    the layer at once)."""
+
+    FUSED_MAX_TOKENS = 256
+
+    def runs_fused(self, x):
+        return (x.shape[0] <= self.FUSED_MAX_TOKENS or self.quantized
+                or not grouped_mm_available(x.device, x.dtype))
+
+    def forward(self, x, ids, weights, stacked=None, shared=None, planes=None):
+        """stacked: SharedExpertInLaunch's [E + 1, ...] tensors, for ids that may name expert E; shared:
+        its bf16 shared expert's weights beside INT4 or FP8 experts, planes: x as the router kernel
+        wrote it for INT4 experts (fused_moe's shared and planes)."""
+        if self.runs_fused(x):
+            # torch.compile (run.py --compile) leaves the Triton launches alone: a graph break here
+            # (around the whole of fused, which also builds the kernel's weight descriptors)
+            return torch.compiler.disable(self.fused)(x, ids, weights, stacked, shared=shared, planes=planes)
+        return super().forward(x, ids, weights)
+
+    def fused(self, x, ids, weights, stacked=None, variant=None, shared=None, planes=None):  # variant: fused_moe's
+        projs = stacked or [getattr(self, p) for p in ("gate_proj", "up_proj", "down_proj")]
+        return fused_moe(x, ids, weights, *map(expert_weights, projs), variant=variant, shared=shared, planes=planes)
+
+
+class SharedExpertInLaunch(AttachAgain, model.MoE):
+    """"shared_expert": the shared expert inside the fused launch. Plain routed experts: it is expert E,
+    chosen by every token with weight 1 (K + 1 pairs a token); its weights move in as the last rows of
+    [E + 1, ...] tensors, both modules' parameters becoming views of them, so a checkpoint loaded
+    afterwards lands there under the same names. INT4 or FP8 routed experts (Kimi-K2.5; Kimi-K2-Instruct's
+    FP8 checkpoint, whose shared expert is dequantized to bf16 at load): the GEMV launches take its
+    weights beside theirs (fused_moe's shared), where the rule picks the GEMV variant. gate_kernel (the
+    combination with "router", declared in swaps.py): the router kernel writes the shared slot, and
+    beside INT4 experts the activation planes they read (fused_moe's planes), so the launch that
+    permutes x goes. Elsewhere (past FusedExperts' token limit, quantized tiles) the plain sum runs,
+    the shared expert alone. Its experts are FusedExperts (a prerequisite in swaps.py's table)."""
+
+    gate_kernel = False
+
+    def attach(self):
+        ex, sh = self.experts, self.shared_experts
+        self.stacked = None
+        if ex.quantized:
+            return
+        self.stacked = []
+        for routed, shared in ((ex.gate_proj, sh.gate_proj.weight), (ex.up_proj, sh.up_proj.weight),
+                               (ex.down_proj, sh.down_proj.weight)):
+            both = torch.cat([routed.data, shared.data.unsqueeze(0)])    # [E + 1, out, in]
+            routed.data, shared.data = both[:-1], both[-1]
+            self.stacked.append(both)
+
+    def partial_sum(self, x):
+        ex, sh = self.experts, self.shared_experts
+        K = self.gate.args.num_experts_per_tok
+        if not ex.runs_fused(x) or (ex.quantized and gemv_rule(self.fmt(), x.shape[0], K) != "gemv"):
+            return super().partial_sum(x)
+        if self.stacked is None:
+            # INT4 experts read x as nibble planes: the router kernel writes them, one launch less
+            planes = None
+            if self.gate_kernel and self.fmt() == "int4":
+                planes = torch.empty(x.shape[0], 8, x.shape[1] // 8, dtype=torch.float32, device=x.device)
+            ids, weights = self.gate(x) if planes is None else self.gate(x, planes=planes)
+            return ex(x, ids, weights, shared=[sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight],
+                      planes=planes)
+        if self.gate_kernel:
+            ids, weights = self.gate(x, shared_slot=True)
+        else:
+            ids, weights = with_shared_slot(*self.gate(x), self.experts.n_experts)
+        return self.experts(x, ids, weights, self.stacked)
+
+    def fmt(self):
+        return expert_weights(self.experts.gate_proj).fmt
+
+    @staticmethod
+    def applies(moe):
+        """One plain shared expert of a routed expert's shape (Kimi-K2, DeepSeek-V3: n_shared_experts
+        1): beside plain routed experts of its dtype, or INT4 or FP8 ones (it in the model's dtype)."""
+        ex, sh = moe.experts, moe.shared_experts
+        w = ex.gate_proj
+        if isinstance(w, model.PackedExperts):
+            dtype, shape = w.weight_scale.dtype, [w.weight_packed.shape[1], w.weight_packed.shape[2] * 8]
+        elif isinstance(w, model.Fp8Experts):
+            dtype, shape = w.dtype, list(w.weight.shape[1:])
+        else:
+            dtype, shape = w.dtype, list(w.shape[1:])
+        return sh.gate_proj.weight.dtype == dtype and list(sh.gate_proj.weight.shape) == shape
+

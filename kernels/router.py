@@ -1,0 +1,222 @@
+"""The router: logits, group-limited top-k selection and weights in one kernel, and its swap."""
+import torch
+
+import model
+
+from . import common, moe_gemv
+from .common import _counters, _jit, _pow2, _wait_for_prior, launch, tl, triton
+from .moe_gemv import _check_planes
+
+
+# Router
+#
+# DeepSeek-V3's noaux_tc routing in one kernel for few tokens (decode, verify). The logits x @ W^T
+# in float32: W is [E, D] float32 (11 MB at Kimi-K2's 384 x 7168) and must be read by many SMs at
+# once, so programs take a block of experts and one of ROUTER_SPLIT_D slices of D each and store
+# partial sums. The last program to finish (an atomic counter, as norm_gemv's) then selects for
+# every token at once: the partial sums added, sigmoid scores, the correction bias added for
+# selection only, groups kept by the sum of their two best biased scores (n_group > 1), the top K
+# experts of the kept groups, their unbiased scores normalized and scaled. Past
+# ROUTER_GEMV_MAX_TOKENS tokens cuBLAS computes the logits and a second kernel, a program a token,
+# selects with the same code. With UNIFORM (SIMULATED balanced routing, model.Router's routing
+# "uniform") the choice is fixed instead: pair j = n*K + i of the N*K token-expert pairs goes to
+# expert j mod E, weighed by that expert's unbiased score, normalized and scaled as usual; the
+# logits are computed as always (their cost stays), only the top-k rounds are skipped.
+# Every token meets the program's one weight tile in turn, so the tile (ROUTER_TILE elements, the
+# bytes a program has in flight) does not shrink with the tokens: a verify's router is one step a
+# program, as a decode's. Beside INT4 experts the kernel also writes x as the INT4 GEMV's activation
+# planes (router_topk's planes; SharedExpertInLaunch), which saves fused_moe its permute launch.
+
+# Past this many tokens cuBLAS's logits and the selection kernel: one program selecting for all
+# tokens grows with them (python -m kernels.bench --small)
+ROUTER_GEMV_MAX_TOKENS = 16
+# D slices, at most: one step of ROUTER_TILE a program (7 slices of 1024: 112 programs for 128
+# experts, 336 for 384; 4 slices leave 64 programs at 128) (python -m kernels.bench --small)
+ROUTER_SPLIT_D = 8
+ROUTER_BLOCK_E = 8          # experts a program: with ROUTER_TILE, 1024 columns of D a step
+ROUTER_TILE = 8192          # elements of the [experts, D] weight tile a program holds: 64 fp32 a thread
+#                             on 4 warps, whatever the tokens (a tile cut by the tokens is slower)
+
+
+@_jit
+def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_ptr, v_ptr, N, E, D, d_per_split,
+                   s_xn, s_we, s_ps, s_pn, s_idn, s_wn, E_PER_G, G, scale,
+                   SPLITS: tl.constexpr, PLANES: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                   NORM: tl.constexpr, GROUPED: tl.constexpr, UNIFORM: tl.constexpr, SHARED: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+                   BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
+    """part[j, n, e] = sum over d in slice j of x[n, d] * W[e, d] in float32, then, in the last
+    program, _router_select over all N (<= BLOCK_N) tokens. x [N, D] (any float dtype), W [E, D]
+    float32, part [SPLITS, N, E] float32 (last dims contiguous), count one int32 zero. PLANES: the
+    programs of expert block 0 also write their slice of x as fp32 nibble planes v [N, 8, D/8]
+    (plane j = elements 8w + j: the INT4 GEMV's activation, fused_moe's planes). Grid:
+    (cdiv(E, BLOCK_E), SPLITS)."""
+    _wait_for_prior()
+    eb, j = tl.program_id(0), tl.program_id(1)
+    e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    n = tl.arange(0, BLOCK_N)
+    acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
+    d_end = tl.minimum((j + 1) * d_per_split, D)
+    for d0 in range(j * d_per_split, d_end, BLOCK_D):   # one step a program up to ROUTER_GEMV_MAX_TOKENS tokens
+        d = d0 + tl.arange(0, BLOCK_D)
+        w = tl.load(w_ptr + e[:, None] * s_we + d[None, :], mask=(e < E)[:, None] & (d < d_end)[None, :], other=0.0)
+        for i in tl.static_range(BLOCK_N):              # each token against the same weight tile
+            ok = (i < N) & (d < d_end)[None, :]
+            x = tl.load(x_ptr + i * s_xn + d[None, :], mask=ok, other=0.0).to(tl.float32)          # [1, BLOCK_D]
+            acc = tl.where(n[:, None] == i, acc + tl.sum(x * w, 1)[None, :], acc)          # [BLOCK_N, BLOCK_E]
+            if PLANES:
+                if eb == 0:
+                    tl.store(v_ptr + i * D + (d % 8 * (D // 8) + d // 8)[None, :], x, mask=ok)
+    tl.store(part_ptr + j * s_ps + n[:, None] * s_pn + e[None, :], acc, mask=(n < N)[:, None] & (e < E)[None, :])
+    tl.debug_barrier()                                  # every thread's stores before the counter's release
+    if tl.atomic_add(count_ptr, 1) == tl.num_programs(0) * tl.num_programs(1) - 1:
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed")     # the last program: every partial sum is stored
+        _router_select(part_ptr, bias_ptr, ids_ptr, wout_ptr, 0, N, s_ps, s_pn, s_idn, s_wn, E_PER_G, G, scale,
+                       SPLITS, K, TOPK_GROUP, NORM, GROUPED, UNIFORM, SHARED, BLOCK_N, BLOCK_G, BLOCK_EG, BLOCK_K)
+
+
+@_jit
+def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, N, s_ln, s_idn, s_wn, E_PER_G, G, scale,
+                          K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, GROUPED: tl.constexpr,
+                          UNIFORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_G: tl.constexpr,
+                          BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
+    """_router_select for token n = program_id(0) from whole logits [N, E] float32 (cuBLAS's, many
+    tokens). Grid: (N,)."""
+    _wait_for_prior()
+    _router_select(logits_ptr, bias_ptr, ids_ptr, w_ptr, tl.program_id(0), N, 0, s_ln, s_idn, s_wn, E_PER_G, G,
+                   scale, 1, K, TOPK_GROUP, NORM, GROUPED, UNIFORM, SHARED, 1, BLOCK_G, BLOCK_EG, BLOCK_K)
+
+
+@_jit
+def _router_select(part_ptr, bias_ptr, ids_ptr, w_ptr, n0, N, s_ps, s_pn, s_idn, s_wn, E_PER_G, G, scale,
+                   SPLITS: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
+                   GROUPED: tl.constexpr, UNIFORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
+                   BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
+    """ids[n], w[n] = the K experts of tokens n = n0 .. n0 + BLOCK_N - 1 (those < N) and their
+    weights, best first (UNIFORM: experts (n*K + i) mod E, i < K), then with SHARED expert E and
+    weight 1 in column K. part [SPLITS, N, E] float32 partial sums of the logits (E = G * E_PER_G,
+    expert e = g * E_PER_G + j; read from L2: another program stored them), bias [E] float32; ids
+    [N, K (+1)] int64, w [N, K (+1)] float32."""
+    n = n0 + tl.arange(0, BLOCK_N)
+    k = tl.arange(0, BLOCK_K)
+    if UNIFORM:   # the fixed choice; the chosen experts' logits gathered from the partial sums
+        ids = (n[:, None] * K + k[None, :]) % (G * E_PER_G)                      # [BLOCK_N, BLOCK_K]
+        logit = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for s in tl.static_range(SPLITS):
+            logit += tl.load(part_ptr + s * s_ps + n[:, None] * s_pn + ids, mask=(n < N)[:, None], other=0.0,
+                             cache_modifier=".cg")
+        w = tl.sigmoid(logit)
+    else:
+        g = tl.arange(0, BLOCK_G)[None, :, None]
+        j = tl.arange(0, BLOCK_EG)[None, None, :]
+        e = g * E_PER_G + j                                               # [1, BLOCK_G, BLOCK_EG] expert ids
+        ok = (n < N)[:, None, None] & (g < G) & (j < E_PER_G)             # [BLOCK_N, BLOCK_G, BLOCK_EG]
+        logit = tl.zeros([BLOCK_N, BLOCK_G, BLOCK_EG], tl.float32)
+        for s in tl.static_range(SPLITS):
+            logit += tl.load(part_ptr + s * s_ps + n[:, None, None] * s_pn + e, mask=ok, other=0.0,
+                             cache_modifier=".cg")
+        ids, w = _top_k(tl.sigmoid(logit), bias_ptr, e, ok, j, G, E_PER_G, k, K, TOPK_GROUP, GROUPED, BLOCK_N,
+                        BLOCK_G, BLOCK_EG, BLOCK_K)
+    w = tl.where(k[None, :] < K, w, 0.0)
+    if NORM:
+        w = w / (tl.sum(w, 1) + 1e-20)[:, None]
+    out = (n < N)[:, None] & (k < K)[None, :]
+    tl.store(ids_ptr + n[:, None] * s_idn + k[None, :], ids.to(tl.int64), mask=out)
+    tl.store(w_ptr + n[:, None] * s_wn + k[None, :], w * scale, mask=out)
+    if SHARED:  # the shared expert as expert E of the fused MoE launch, weight 1
+        tl.store(ids_ptr + n * s_idn + K, tl.zeros([BLOCK_N], tl.int64) + G * E_PER_G, mask=n < N)
+        tl.store(w_ptr + n * s_wn + K, tl.full([BLOCK_N], 1.0, tl.float32), mask=n < N)
+
+
+@_jit
+def _top_k(score, bias_ptr, e, ok, j, G, E_PER_G, k, K: tl.constexpr, TOPK_GROUP: tl.constexpr,
+           GROUPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
+           BLOCK_K: tl.constexpr):
+    """noaux_tc selection from the scores [BLOCK_N, BLOCK_G, BLOCK_EG], every token at once: (ids
+    [BLOCK_N, BLOCK_K] int32, their unbiased scores)."""
+    biased = tl.where(ok, score + tl.load(bias_ptr + e, mask=ok, other=0.0), float("-inf"))
+    if GROUPED:  # keep the TOPK_GROUP groups whose two best biased scores sum highest
+        best = tl.argmax(biased, 2)                                       # [BLOCK_N, BLOCK_G]
+        second = tl.max(tl.where(j == best[:, :, None], float("-inf"), biased), 2)
+        gid = tl.arange(0, BLOCK_G)[None, :]
+        gscore = tl.where(gid < G, tl.max(biased, 2) + second, float("-inf"))
+        keep = gid < 0
+        for _ in tl.static_range(TOPK_GROUP):
+            top = gid == tl.argmax(gscore, 1)[:, None]
+            keep = keep | top
+            gscore = tl.where(top, float("-inf"), gscore)
+        biased = tl.where(keep[:, :, None], biased, float("-inf"))
+    flat = tl.reshape(biased, [BLOCK_N, BLOCK_G * BLOCK_EG])
+    flat_score = tl.reshape(score, [BLOCK_N, BLOCK_G * BLOCK_EG])
+    idx = tl.arange(0, BLOCK_G * BLOCK_EG)[None, :]
+    ids = tl.zeros([BLOCK_N, BLOCK_K], tl.int32)
+    w = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+    for i in tl.static_range(K):  # K rounds of argmax: the top K, best first
+        top = tl.argmax(flat, 1)[:, None]                                  # flat index g * BLOCK_EG + j
+        hit = idx == top
+        ids = tl.where(k[None, :] == i, top // BLOCK_EG * E_PER_G + top % BLOCK_EG, ids)
+        w = tl.where(k[None, :] == i, tl.sum(tl.where(hit, flat_score, 0.0), 1)[:, None], w)
+        flat = tl.where(hit, float("-inf"), flat)
+    return ids, w
+
+
+def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling, uniform=False,
+                shared_slot=False, planes=None):
+    """model.Router.forward in one kernel (past ROUTER_GEMV_MAX_TOKENS tokens: cuBLAS's logits and
+    a selection kernel): x [N, D], weight [E, D] float32, bias [E] float32 -> ids int64 [N, K],
+    weights float32 [N, K]. uniform: SIMULATED balanced routing (pair j = n*K + i to expert j mod
+    E), as model.Router's routing "uniform"; shared_slot: a column K more, expert E with weight 1
+    (the shared expert in the fused MoE launch); both in the same kernels. planes: an fp32 [N, 8,
+    D/8] tensor that receives x as the INT4 GEMV's activation planes (fused_moe's planes), written by
+    the same kernel (past ROUTER_GEMV_MAX_TOKENS: a copy)."""
+    N, D = x.shape
+    E = weight.shape[0]
+    if weight.dtype != torch.float32 or bias.dtype != torch.float32 or weight.shape != (E, D) or bias.shape != (E,):
+        raise ValueError(f"router_topk: needs float32 weight [E, {D}] and bias [E], got {weight.dtype} "
+                         f"{list(weight.shape)} and {bias.dtype} {list(bias.shape)} (float64: use the plain path)")
+    if E % n_group or not 1 <= topk_group <= n_group or top_k > E // n_group * topk_group:
+        raise ValueError(f"router_topk: {E} experts in {n_group} groups, {topk_group} kept, cannot give top {top_k}")
+    if planes is not None:
+        _check_planes(planes, x)
+    ids = torch.empty(N, top_k + bool(shared_slot), device=x.device, dtype=torch.int64)
+    weights = torch.empty(N, top_k + bool(shared_slot), device=x.device, dtype=torch.float32)
+    if N == 0:
+        return ids, weights
+    select = dict(K=top_k, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob), GROUPED=n_group > 1 and not uniform,
+                  UNIFORM=bool(uniform), SHARED=bool(shared_slot), BLOCK_G=_pow2(n_group, 1),
+                  BLOCK_EG=_pow2(E // n_group, 1), BLOCK_K=_pow2(top_k, 1))
+    if N > ROUTER_GEMV_MAX_TOKENS:
+        logits = torch.nn.functional.linear(x.float(), weight)
+        _router_select_kernel[(N,)](logits, bias, ids, weights, N, logits.stride(0), ids.stride(0), weights.stride(0),
+                                    E // n_group, n_group, float(scaling), **select, launch_pdl=common.PDL, num_warps=4)
+        if planes is not None:
+            moe_gemv.nibble_planes(x, planes)
+        return ids, weights
+    x = x if x.stride(-1) == 1 else x.contiguous()
+    block_n = _pow2(N, 1)
+    block_d = ROUTER_TILE // ROUTER_BLOCK_E
+    d_per_split = triton.cdiv(triton.cdiv(D, ROUTER_SPLIT_D), block_d) * block_d
+    splits = triton.cdiv(D, d_per_split)
+    part = torch.empty(splits, N, E, device=x.device, dtype=torch.float32)
+    _router_kernel[(triton.cdiv(E, ROUTER_BLOCK_E), splits)](
+        x, weight, part, _counters(x.device), bias, ids, weights, part if planes is None else planes, N, E, D,
+        d_per_split, x.stride(0), weight.stride(0), part.stride(0), part.stride(1), ids.stride(0), weights.stride(0),
+        E // n_group, n_group, float(scaling), SPLITS=splits, PLANES=planes is not None, BLOCK_N=block_n,
+        BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select, launch_pdl=common.PDL,
+        num_warps=4 if N <= 8 else 8)   # 16 tokens' selection on 4 warps spills (ptxas: 255 registers)
+    return ids, weights
+
+
+launch.router_topk = torch.compiler.disable(router_topk)
+
+class RouterKernel(model.Router):
+    """"router": logits, selection and weights in one kernel (SIMULATED uniform routing too).
+    shared_slot: one more column, expert E with weight 1 for every token ([N, K + 1]), made in the
+    same kernel (SharedExpertInLaunch)."""
+
+    def forward(self, x, shared_slot=False, planes=None):
+        a = self.args
+        return launch.router_topk(x, self.weight, self.e_score_correction_bias, a.num_experts_per_tok,
+                                  a.n_group, a.topk_group, a.norm_topk_prob, a.routed_scaling_factor,
+                                  uniform=self.routing == "uniform", shared_slot=shared_slot, planes=planes)
+
