@@ -13,7 +13,7 @@ before anyone reads them. Two attention paths read that one cache:
 Nothing in `forward` reads a device value on the host, so every shape can be CUDA-graph captured.
 
 This is the plain reference and the only path written here. The fast paths (Triton kernels,
-stacked GEMMs, the fused MoE) are subclasses of these modules in kernels.py, put in place from
+stacked GEMMs, the fused MoE) are subclasses of these modules in kernels/, put in place from
 outside by kernels.accelerate(model, names); this file imports nothing of them.
 
 Shape legend: B batch, T new tokens, S cache slots read, D hidden, H local heads, E routed

@@ -151,7 +151,7 @@ def add_run_flags(p):
                    "GPU, fp32 on CPU")
     p.add_argument("--moe-impl", choices=["auto", "gather", "grouped", "fused"], default="auto",
                    help="routed experts: gathered weights (plain), torch._grouped_mm, or the "
-                   "fused Triton kernel (kernels.py's swaps, put in by kernels.accelerate; fused: "
+                   "fused Triton kernel (kernels/' swaps, put in by kernels.accelerate; fused: "
                    "grouped above 256 tokens for unquantized experts) (auto: fused on a GPU with "
                    "Triton, else grouped; CPU: gather)")
     p.add_argument("--kernels", help="fast twins swapped in for model.py's plain modules "

@@ -1,4 +1,4 @@
-"""The fast path (kernels.py) against the plain reference: the routed experts' grouped_mm and
+"""The fast path (the kernels/ package) against the plain reference: the routed experts' grouped_mm and
 fused MoE kernel against the gather path, each Triton kernel against its plain twin in model.py or
 draft.py, each swap against the module it replaces, on fresh random inputs.
 
@@ -808,7 +808,7 @@ SWAPS = {  # name: (the plain module's maker(args, device), swap classes, inputs
 @pytest.mark.triton
 @pytest.mark.parametrize("name", list(SWAPS))
 def test_each_swap_equals_the_module_it_replaces(name):
-    """Each swap of kernels.py against the module it replaces, on the same weights (the swap keeps
+    """Each swap of kernels/ against the module it replaces, on the same weights (the swap keeps
     the state dict) and fresh random inputs, float32: 1, 4 and 20 rows (the GEMV swaps' limits are 1,
     4 and 16);
     MLA in both attention modes (each also against extend mode), its outputs and the caches it writes."""
@@ -898,8 +898,8 @@ def test_input_norm_in_qkva_block_equals_the_plain_block(monkeypatch):
 
 
 def test_model_py_knows_nothing_of_the_fast_path():
-    """model.py imports neither kernels.py nor Triton (a fresh interpreter: what importing model
-    loads), and holds no switch of the fast path; kernels.py imports model.py."""
+    """model.py imports neither kernels/ nor Triton (a fresh interpreter: what importing model
+    loads), and holds no switch of the fast path; kernels/ imports model.py."""
     code = "import sys, model; print(sorted(m for m in sys.modules if m.split('.')[0] in ('kernels', 'triton')))"
     out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]", f"importing model.py loaded {out.stdout.strip()}"

@@ -179,7 +179,7 @@ def flat(out):
 
 
 def eager_without_pdl(fn, *inputs):
-    """fn run eagerly with kernels.py's launches not asking for programmatic dependent launch: a
+    """fn run eagerly with the kernels' launches not asking for programmatic dependent launch: a
     reference in which every kernel starts after the one before it has finished."""
     kernels.common.PDL, on = False, kernels.common.PDL
     try:

@@ -505,13 +505,16 @@ def benchmark_pdl(run_flags, settings=PDL_SETTINGS, phases=("decode_step", "veri
                   rounds=7, reps=20):
     import statistics
 
+    import components
+    import report
     import run
+    import timing
     from graphs import CudaGraphs
     cfg = run.settle(run.parse_args(run_flags), torch.device("cuda"), 1)
-    b = run.prepare(cfg, torch.device("cuda"))
-    calls = run.phase_calls(b, cfg.context_len[0])
+    b = timing.prepare(cfg, torch.device("cuda"))
+    calls = timing.phase_calls(b, cfg.context_len[0])
     result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
-                  run_flags=run_flags, header=run.header_of(b), phases={})
+                  run_flags=run_flags, header=report.header(b), phases={})
     default = {name: getattr(common, name) for flags in settings.values() for name in flags}
     for phase in (p for p in phases if p in calls):
         key, fn, inputs = calls[phase]
@@ -536,15 +539,15 @@ def benchmark_pdl(run_flags, settings=PDL_SETTINGS, phases=("decode_step", "veri
         for name, value in default.items():
             setattr(common, name, value)
         common.PDL = False   # the kernels' own time, as run.py's component table sums it (an eager profile)
-        prof = run.profile_components(b.target, partial(fn, *inputs), gpu=True)
-        row = result["phases"][phase] = dict(kernel_ms=prof["kernel_ms"], kernels=prof["kernels"],
-                                             parts_ms=prof["parts_ms"])
+        prof = components.profile_components(b.target, partial(fn, *inputs), gpu=True)
+        row = result["phases"][phase] = dict(kernel_ms=prof.kernel_ms, kernels=prof.kernels,
+                                             parts_ms=prof.parts_ms)
         first = next(iter(settings))
         for setting, t in times.items():
             ms = statistics.median(t)
-            row[setting] = dict(ms=ms, gaps_ms=ms - prof["kernel_ms"], outputs_equal=torch.equal(outs[setting],
+            row[setting] = dict(ms=ms, gaps_ms=ms - prof.kernel_ms, outputs_equal=torch.equal(outs[setting],
                                                                                                 outs[first]))
-        print(f"{phase}: {prof['kernels']} kernels, {prof['kernel_ms']:.4f} ms summed; " + ", ".join(
+        print(f"{phase}: {prof.kernels} kernels, {prof.kernel_ms:.4f} ms summed; " + ", ".join(
             f"{setting} {row[setting]['ms']:.4f} ms (gaps {row[setting]['gaps_ms']:.4f})"
             + ("" if row[setting]["outputs_equal"] else " OUTPUTS DIFFER") for setting in settings))
     for name, value in default.items():
