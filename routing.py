@@ -192,6 +192,25 @@ class TraceCursor:
         return ids if self.onto is None else rename(ids, self.onto)
 
 
+class TraceChoice:
+    """routing "trace" for the routers of a model: advance(n) copies the cursor's next n tokens
+    into a device buffer kept for n (one host-to-device copy a forward, made before a graph's
+    replay, outside it); choice(layer, ids) is then that buffer's layer [N, K], the same tensor
+    every time, so a captured graph reads what the last advance wrote."""
+
+    def __init__(self, cursor, device):
+        self.cursor, self.device, self.kept = cursor, device, {}
+
+    def advance(self, n):
+        ids = self.cursor.take(n)
+        if n not in self.kept:
+            self.kept[n] = torch.empty_like(ids, device=self.device)
+        self.kept[n].copy_(ids)
+
+    def choice(self, layer, ids):
+        return self.kept[ids.shape[0]][layer]
+
+
 def rename(ids, n_experts):
     """ids [layers, n, K]: each layer's distinct experts renamed onto 0 ... D - 1 (sorted)."""
     out = torch.empty_like(ids)
@@ -225,6 +244,9 @@ def read_sglang(paths, n_experts, top_k):
                                  f"top-{top_k}")
             if to_logical is not None:
                 table = torch.as_tensor(to_logical).long()
+                if table.max() + 1 != n_experts:
+                    raise ValueError(f"{path}: its experts map onto {int(table.max()) + 1} "
+                                     f"logical experts; the model has {n_experts}")
                 logical = table.gather(1, ids.clamp(min=0).flatten(1)).view_as(ids)
                 ids = torch.where(ids >= 0, logical, ids)
             passes.append(ids)
@@ -285,8 +307,9 @@ PROBE_SHAPE = dict(vocab_size=256, hidden_size=256, intermediate_size=512,
                    num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
                    qk_rope_head_dim=16, v_head_dim=32, rope_theta=10000.0, rope_scaling=None,
                    max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
-PROBE_TRAIN = dict(steps=900, batch=16, seq_len=128, lr=3e-3, warmup=30, seed=0,
-                   bias_rate=1e-3)   # bias_rate: DeepSeek-V3's gamma, the bias's step a batch
+# bias_rate: DeepSeek-V3's gamma, the bias's step a batch (its 0.001 over trillions of tokens;
+# larger here, where the load must balance within a few hundred batches)
+PROBE_TRAIN = dict(steps=800, batch=16, seq_len=128, lr=3e-3, warmup=30, seed=0, bias_rate=0.02)
 PROBE_QUICK = dict(PROBE_TRAIN, steps=20)
 PROBE_RECORD = dict(sequences=64, seq_len=128, max_T=16)
 
@@ -332,12 +355,14 @@ def balance_bias(target, ids, rate):
         router.e_score_correction_bias.add_(rate * torch.sign(load.mean() - load))
 
 
-def train_probe(cfg, data):
-    """The probe trained by next-byte cross-entropy (train.fit's AdamW and schedule; grouped
-    experts), its correction bias balanced after each step. Returns (target, load history)."""
+def train_probe(cfg, data, minutes=None):
+    """The probe trained by next-byte cross-entropy (AdamW, train.py's schedule; grouped experts),
+    its correction bias balanced after each step; stops early past `minutes`. Returns (target,
+    each step's load spread)."""
     import checkpoint
     import kernels
     import train
+    from tqdm import tqdm
     args = probe_args()
     target = model.Transformer(args, cfg["batch"], cfg["seq_len"], dtype=torch.float32)
     checkpoint.init_random(target, cfg["seed"])
@@ -345,23 +370,29 @@ def train_probe(cfg, data):
     for router in routers(target):
         router.e_score_correction_bias.zero_()
     params = [p for n, p in target.named_parameters() if not n.endswith("correction_bias")]
+    opt = torch.optim.AdamW(require_grad(params), lr=cfg["lr"], betas=(0.9, 0.95),
+                            weight_decay=0.0)
     positions = torch.arange(cfg["seq_len"]).expand(cfg["batch"], cfg["seq_len"])
-    recorder, history = RoutingRecorder(target), []
-
-    def step(opt, gen):
+    gen = torch.Generator().manual_seed(cfg["seed"])
+    recorder, history, start = RoutingRecorder(target), [], time.time()
+    for step in (bar := tqdm(range(cfg["steps"]), desc="router probe")):
+        if minutes and time.time() - start > 60 * minutes:
+            break
+        for group in opt.param_groups:
+            group["lr"] = train.lr_at(step, cfg)
+        train.detach_caches(target)
         x = train.windows(data, cfg["batch"], cfg["seq_len"] + 1, gen)
-        logits = target(x[:, :-1], positions).logits
-        loss = F.cross_entropy(logits.flatten(0, 1), x[:, 1:].flatten())
+        loss = F.cross_entropy(target(x[:, :-1], positions).logits.flatten(0, 1),
+                               x[:, 1:].flatten())
         opt.zero_grad(set_to_none=True)
         loss.backward()
         opt.step()
         ids = recorder.pop()
         with torch.no_grad():
             balance_bias(target, ids, cfg["bias_rate"])
-        spread = load_spread(ids, args.n_routed_experts)["mean"]
-        history.append(spread)
-        return loss.item(), f"load max/min {spread['max_over_min']:.1f} cv {spread['cv']:.2f}"
-    train.fit(require_grad(params), cfg, step, "router probe", lambda: train.detach_caches(target))
+        history.append(load_spread(ids, args.n_routed_experts)["mean"] | dict(loss=loss.item()))
+        bar.set_postfix_str(f"loss {loss.item():.3f} load cv {history[-1]['cv']:.2f} "
+                            f"unused {history[-1]['unused']:.0f}")
     recorder.remove()
     for p in target.parameters():
         p.requires_grad_(False)
@@ -420,6 +451,8 @@ def probe_main(argv):
     p.add_argument("--steps", type=int, help=f"training steps (default {PROBE_TRAIN['steps']})")
     p.add_argument("--bias-rate", type=float, help="the correction bias's step a batch "
                    f"(default {PROBE_TRAIN['bias_rate']})")
+    p.add_argument("--minutes", type=float, default=12, help="stop training after this many "
+                   "minutes, wherever the schedule is (default 12)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: more "
                    "spin on a busy machine)")
     a = p.parse_args(argv)
@@ -429,7 +462,7 @@ def probe_main(argv):
     cfg["bias_rate"] = a.bias_rate or cfg["bias_rate"]
     import train
     t0 = time.time()
-    target, history = train_probe(cfg, train.corpus(train.TRAIN_FILES))
+    target, history = train_probe(cfg, train.corpus(train.TRAIN_FILES), a.minutes)
     minutes = (time.time() - t0) / 60
     args, R = target.args, PROBE_RECORD
     tokens = heldout_windows(R["sequences"], R["seq_len"])
@@ -454,9 +487,10 @@ def probe_result(a, cfg, args, ids, lengths, tokens, history, minutes):
     shuffled = ids[:, torch.randperm(ids.shape[1], generator=g)]
     tail = history[-50:]
     out = dict(
-        label="a small trained model's routing at Kimi-K2's expert count, not Kimi-K2's",
+        label="A small trained model's routing at Kimi-K2's expert count, not Kimi-K2's",
         command=" ".join(["python routing.py probe"] + sys.argv[2:]),
-        train=cfg, minutes=round(minutes, 1), threads=torch.get_num_threads(),
+        train=cfg, steps_run=len(history), minutes=round(minutes, 1),
+        threads=torch.get_num_threads(),
         python=sys.version.split()[0], torch=torch.__version__,
         shape={k: getattr(args, k) for k in PROBE_SHAPE} | {k: getattr(args, k)
                                                             for k in KIMI_ROUTING},
@@ -477,21 +511,21 @@ def probe_result(a, cfg, args, ids, lengths, tokens, history, minutes):
 
 
 def probe_markdown(r):
+    s, t = r["shape"], r["train"]
     lines = [
         "# Router probe: distinct experts of T consecutive tokens",
         "",
-        f"**{r['label']}.** Layers {r['shape']['num_hidden_layers']} (the first dense), hidden "
-        f"{r['shape']['hidden_size']}, {r['shape']['n_routed_experts']} routed experts of "
-        f"intermediate {r['shape']['moe_intermediate_size']}, top {r['shape']['num_experts_per_tok']}"
-        f", sigmoid scores with the aux-free correction bias (step {r['train']['bias_rate']} a "
-        f"batch, DeepSeek-V3's rule), n_group {r['shape']['n_group']}, "
-        f"{r['shape']['n_shared_experts']} shared expert, routed scaling "
-        f"{r['shape']['routed_scaling_factor']}; trained {r['train']['steps']} steps of "
-        f"{r['train']['batch']} x {r['train']['seq_len']} bytes of Python stdlib source "
-        f"({r['minutes']} min, {r['threads']} CPU threads, Python {r['python']}, torch "
-        f"{r['torch']}). Routing recorded on {r['heldout']['sequences']} held-out windows of "
-        f"{r['heldout']['seq_len']} bytes (probe_trace.npz); every window of T consecutive bytes "
-        "inside one, each MoE layer counted, averaged.",
+        f"**{r['label']}.** Layers {s['num_hidden_layers']} (the first dense), hidden "
+        f"{s['hidden_size']}, {s['n_routed_experts']} routed experts of intermediate "
+        f"{s['moe_intermediate_size']}, top {s['num_experts_per_tok']}, sigmoid scores with the "
+        f"aux-free correction bias (step {t['bias_rate']} a batch, DeepSeek-V3's rule), n_group "
+        f"{s['n_group']}, {s['n_shared_experts']} shared expert, routed scaling "
+        f"{s['routed_scaling_factor']}; trained {r['steps_run']} steps of {t['batch']} x "
+        f"{t['seq_len']} bytes of Python stdlib source ({r['minutes']} min, {r['threads']} CPU "
+        f"thread(s), Python {r['python']}, torch {r['torch']}). Routing recorded on "
+        f"{r['heldout']['sequences']} held-out windows of {r['heldout']['seq_len']} bytes "
+        "(probe_trace.npz); every window of T consecutive bytes inside one, each MoE layer "
+        "counted, averaged.",
         "",
         f"Command: `{r['command']}`",
         "",

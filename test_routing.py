@@ -146,6 +146,19 @@ def test_an_sglang_per_token_dump_reads(tmp_path):
     assert torch.equal(routing.read_trace(out, E, 8).ids, t.ids)
     with pytest.raises(ValueError, match="top-8; the model routes top-4"):
         routing.read_sglang(path, E, 4)
+    with pytest.raises(ValueError, match="onto 16 logical experts; the model has 384"):
+        routing.read_sglang(path, 384, 8)
+
+
+def test_trace_choice_fills_one_buffer_a_shape():
+    ids = random_trace(layers=2, tokens=10)
+    choice = routing.TraceChoice(routing.TraceCursor(ids, layers=3), "cpu")
+    choice.advance(4)
+    first = choice.choice(2, torch.zeros(4, 8, dtype=torch.long))
+    assert torch.equal(first, ids[0, :4])
+    choice.advance(4)                                  # the same tensor, the next tokens in it
+    assert choice.choice(2, torch.zeros(4, 8, dtype=torch.long)).data_ptr() == first.data_ptr()
+    assert torch.equal(first, ids[0, 4:8]) and torch.equal(choice.choice(1, first), ids[1, 4:8])
 
 
 def test_distinct_curve_counts_windows_inside_each_sequence():
