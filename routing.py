@@ -27,11 +27,11 @@ read_trace refuses, in one line, a trace whose n_experts or top_k is not the mod
 SGLang's expert-distribution recorder (python/sglang/srt/eplb/expert_distribution.py; earlier
 srt/managers/) in its "per_token" mode (--expert-distribution-recorder-mode per_token, then the
 /start_expert_distribution_record, /stop_... and /dump_expert_distribution_record endpoints)
-writes one torch.save file per rank, expert_distribution_recorder_{time}_{rank}.pt: a dict with
-"records", one dict per forward pass ("topk_ids_of_layer" int32 [all layers, tokens of the pass,
-8], -1 where a layer routed nothing (a dense layer) or a slot was unused; "input_ids",
-"positions", "extend_seq_lens", "forward_mode", ...), and "last_physical_to_logical_map" int
-[all layers, physical experts]. Its ids are physical (after EPLB's logical -> physical map; equal
+writes one torch.save file per rank, expert_distribution_recorder_{time}_{rank}.pt (in
+SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR): a dict with "records", one dict per forward pass
+("topk_ids_of_layer" int32 [all layers, tokens of the pass, 8], -1 where a layer routed nothing
+(a dense layer) or a slot was unused; "input_ids", "positions", "extend_seq_lens",
+"forward_mode", ...), and "last_physical_to_logical_map" int [all layers, physical experts]. Its ids are physical (after EPLB's logical -> physical map; equal
 to the logical ones without redundant experts). read_sglang turns such files into our trace: ids
 mapped back to logical experts, the layers that routed nothing dropped, tokens in the recorder's
 order (pass by pass, each pass's tokens in order). Record one request at a time
@@ -48,7 +48,6 @@ Kimi-K2's. It writes the trace, the distinct-expert curve against uniform's and 
 """
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -58,8 +57,6 @@ import torch
 import torch.nn.functional as F
 
 import model
-
-HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 # ---------------------------------------------------------------------------------------------
