@@ -31,10 +31,11 @@ writes one torch.save file per rank, expert_distribution_recorder_{time}_{rank}.
 SGLANG_EXPERT_DISTRIBUTION_RECORDER_DIR): a dict with "records", one dict per forward pass
 ("topk_ids_of_layer" int32 [all layers, tokens of the pass, 8], -1 where a layer routed nothing
 (a dense layer) or a slot was unused; "input_ids", "positions", "extend_seq_lens",
-"forward_mode", ...), and "last_physical_to_logical_map" int [all layers, physical experts]. Its ids are physical (after EPLB's logical -> physical map; equal
-to the logical ones without redundant experts). read_sglang turns such files into our trace: ids
-mapped back to logical experts, the layers that routed nothing dropped, tokens in the recorder's
-order (pass by pass, each pass's tokens in order). Record one request at a time
+"forward_mode", ...), and "last_physical_to_logical_map" int [all layers, physical experts].
+Its ids are physical (after EPLB's logical -> physical map; equal to the logical ones without
+redundant experts). read_sglang turns such files into our trace: ids mapped back to logical
+experts, the layers that routed nothing dropped, tokens in the recorder's order (pass by pass,
+each pass's tokens in order). Record one request at a time
 (--max-running-requests 1) to get a text's tokens in order; a batched server interleaves requests
 within a pass, and neighbouring tokens in the trace are then a batch's neighbours. ("stat" mode
 keeps only per-expert counts: no trace in it.)
@@ -304,9 +305,16 @@ PROBE_SHAPE = dict(vocab_size=256, hidden_size=256, intermediate_size=512,
                    num_attention_heads=4, q_lora_rank=64, kv_lora_rank=64, qk_nope_head_dim=32,
                    qk_rope_head_dim=16, v_head_dim=32, rope_theta=10000.0, rope_scaling=None,
                    max_position_embeddings=256, bos_token_id=1, eos_token_id=2)
-# bias_rate: DeepSeek-V3's gamma, the bias's step a batch (its 0.001 over trillions of tokens;
-# larger here, where the load must balance within a few hundred batches)
-PROBE_TRAIN = dict(steps=800, batch=16, seq_len=128, lr=3e-3, warmup=30, seed=0, bias_rate=0.02)
+# bias_rate: DeepSeek-V3's gamma, the bias's step a batch, at the peak of the learning rate's
+# schedule, which it follows (warm-up, then cosine decay to a tenth). DeepSeek-V3 keeps 0.001
+# over trillions of tokens; here the load must balance within a few hundred batches, then
+# settle: a step much wider than the gap between a token's 8th and 9th biased scores swings the
+# load from batch to batch. router_lr_scale: the routers' weights learn at this fraction of the
+# learning rate. Adam moves each weight by about the rate a step, so at the full rate a logit over
+# 256 normalized inputs can move by tenths a step, faster than a bias step that still settles:
+# the load then collapses onto a few experts within the first 50 batches.
+PROBE_TRAIN = dict(steps=600, batch=16, seq_len=128, lr=3e-3, warmup=30, seed=0, bias_rate=0.01,
+                   router_lr_scale=0.1)
 PROBE_QUICK = dict(PROBE_TRAIN, steps=20)
 PROBE_RECORD = dict(sequences=64, seq_len=128, max_T=16)
 
@@ -354,7 +362,8 @@ def balance_bias(target, ids, rate):
 
 def train_probe(cfg, data, minutes=None):
     """The probe trained by next-byte cross-entropy (AdamW, train.py's schedule; grouped experts),
-    its correction bias balanced after each step; stops early past `minutes`. Returns (target,
+    its correction bias balanced after each step (balance_bias, its rate scheduled as the
+    learning rate); stops early past `minutes`. Returns (target,
     each step's load spread)."""
     import checkpoint
     import kernels
@@ -366,17 +375,19 @@ def train_probe(cfg, data, minutes=None):
     kernels.accelerate(target, moe="grouped")
     for router in routers(target):
         router.e_score_correction_bias.zero_()
-    params = [p for n, p in target.named_parameters() if not n.endswith("correction_bias")]
-    opt = torch.optim.AdamW(require_grad(params), lr=cfg["lr"], betas=(0.9, 0.95),
-                            weight_decay=0.0)
+    named = [(n, p) for n, p in target.named_parameters() if not n.endswith("correction_bias")]
+    groups = [dict(params=require_grad([p for n, p in named if n.endswith("gate.weight") == r]),
+                   scale=cfg["router_lr_scale"] if r else 1.0) for r in (False, True)]
+    opt = torch.optim.AdamW(groups, lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.0)
     positions = torch.arange(cfg["seq_len"]).expand(cfg["batch"], cfg["seq_len"])
     gen = torch.Generator().manual_seed(cfg["seed"])
     recorder, history, start = RoutingRecorder(target), [], time.time()
     for step in (bar := tqdm(range(cfg["steps"]), desc="router probe")):
         if minutes and time.time() - start > 60 * minutes:
             break
+        lr = train.lr_at(step, cfg)
         for group in opt.param_groups:
-            group["lr"] = train.lr_at(step, cfg)
+            group["lr"] = lr * group["scale"]
         train.detach_caches(target)
         x = train.windows(data, cfg["batch"], cfg["seq_len"] + 1, gen)
         loss = F.cross_entropy(target(x[:, :-1], positions).logits.flatten(0, 1),
@@ -386,7 +397,7 @@ def train_probe(cfg, data, minutes=None):
         opt.step()
         ids = recorder.pop()
         with torch.no_grad():
-            balance_bias(target, ids, cfg["bias_rate"])
+            balance_bias(target, ids, cfg["bias_rate"] * lr / cfg["lr"])
         history.append(load_spread(ids, args.n_routed_experts)["mean"] | dict(loss=loss.item()))
         bar.set_postfix_str(f"loss {loss.item():.3f} load cv {history[-1]['cv']:.2f} "
                             f"unused {history[-1]['unused']:.0f}")
@@ -448,6 +459,8 @@ def probe_main(argv):
     p.add_argument("--steps", type=int, help=f"training steps (default {PROBE_TRAIN['steps']})")
     p.add_argument("--bias-rate", type=float, help="the correction bias's step a batch "
                    f"(default {PROBE_TRAIN['bias_rate']})")
+    p.add_argument("--router-lr-scale", type=float, help="the routers' weights' learning rate, "
+                   f"a fraction of the rest's (default {PROBE_TRAIN['router_lr_scale']})")
     p.add_argument("--minutes", type=float, default=12, help="stop training after this many "
                    "minutes, wherever the schedule is (default 12)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: more "
@@ -457,6 +470,7 @@ def probe_main(argv):
     cfg = dict(PROBE_QUICK if a.quick else PROBE_TRAIN)
     cfg["steps"] = a.steps or cfg["steps"]
     cfg["bias_rate"] = a.bias_rate or cfg["bias_rate"]
+    cfg["router_lr_scale"] = a.router_lr_scale or cfg["router_lr_scale"]
     import train
     t0 = time.time()
     target, history = train_probe(cfg, train.corpus(train.TRAIN_FILES), a.minutes)
@@ -470,7 +484,7 @@ def probe_main(argv):
     save_trace(os.path.join(a.out, "probe_trace.npz"), ids, E, K, lengths,
                note="router probe: a small trained model's routing at Kimi-K2's expert count "
                     "(384, top 8), held-out Python stdlib bytes; not Kimi-K2's")
-    result = probe_result(a, cfg, args, ids, lengths, tokens, history, minutes)
+    result = probe_result(cfg, target, ids, lengths, tokens, history, minutes)
     with open(os.path.join(a.out, "probe.json"), "w") as f:
         json.dump(result, f, indent=1)
     with open(os.path.join(a.out, "probe.md"), "w") as f:
@@ -478,10 +492,13 @@ def probe_main(argv):
     print(probe_markdown(result))
 
 
-def probe_result(a, cfg, args, ids, lengths, tokens, history, minutes):
+def probe_result(cfg, target, ids, lengths, tokens, history, minutes):
+    """What probe.json holds: the run, the load spread, the curve (probe, the same tokens
+    shuffled, uniform; the tiny pair's where it is committed)."""
+    args = target.args
     E, K, max_T = args.n_routed_experts, args.num_experts_per_tok, PROBE_RECORD["max_T"]
     g = torch.Generator().manual_seed(0)
-    shuffled = ids[:, torch.randperm(ids.shape[1], generator=g)]
+    shuffled = distinct_curve(ids[:, torch.randperm(ids.shape[1], generator=g)], E, max_T)
     tail = history[-50:]
     out = dict(
         label="A small trained model's routing at Kimi-K2's expert count, not Kimi-K2's",
@@ -494,7 +511,10 @@ def probe_result(a, cfg, args, ids, lengths, tokens, history, minutes):
         heldout=dict(sequences=len(lengths), seq_len=lengths[0]),
         load_heldout=load_spread(ids, E),
         load_train_last_steps={k: sum(h[k] for h in tail) / len(tail) for k in tail[0]},
-        curve={T: dict(probe=v, shuffled=distinct_curve(shuffled, E, max_T)[T],
+        load_train_every_50=[h for h in history[::50]],
+        bias=[dict(min=b.min().item(), max=b.max().item(), std=b.std().item())
+              for b in (r.e_score_correction_bias for r in routers(target))],
+        curve={T: dict(probe=v, shuffled=shuffled[T],
                        uniform=uniform_distinct(E, K, T))
                for T, v in distinct_curve(ids, E, max_T, lengths).items()})
     tiny = tiny_pair_ids(tokens)
@@ -515,7 +535,9 @@ def probe_markdown(r):
         f"**{r['label']}.** Layers {s['num_hidden_layers']} (the first dense), hidden "
         f"{s['hidden_size']}, {s['n_routed_experts']} routed experts of intermediate "
         f"{s['moe_intermediate_size']}, top {s['num_experts_per_tok']}, sigmoid scores with the "
-        f"aux-free correction bias (step {t['bias_rate']} a batch, DeepSeek-V3's rule), n_group "
+        f"aux-free correction bias (DeepSeek-V3's rule; its step {t['bias_rate']} a batch at "
+        "the learning rate's peak, scheduled as it; the routers' weights at "
+        f"{t['router_lr_scale']} of the learning rate), n_group "
         f"{s['n_group']}, {s['n_shared_experts']} shared expert, routed scaling "
         f"{s['routed_scaling_factor']}; trained {r['steps_run']} steps of {t['batch']} x "
         f"{t['seq_len']} bytes of Python stdlib source ({r['minutes']} min, {r['threads']} CPU "
