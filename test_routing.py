@@ -1,15 +1,11 @@
 """routing.py: SIMULATED distinct experts, routing traces, SGLang's per-token dumps, the probe's
 router. CPU, seconds."""
-import os
+import numpy as np
+import pytest
+import torch
 
-os.environ.setdefault("OMP_NUM_THREADS", "1")
-
-import numpy as np  # noqa: E402
-import pytest  # noqa: E402
-import torch  # noqa: E402
-
-import model  # noqa: E402
-import routing  # noqa: E402
+import model
+import routing
 
 
 @pytest.mark.parametrize("E,K", [(16, 4), (384, 8), (8, 8)])
