@@ -207,3 +207,11 @@ def test_balance_bias_moves_towards_the_mean():
     routing.balance_bias(target, ids, 0.01)
     bias = router.e_score_correction_bias
     assert torch.all(bias[:8] == -0.01) and torch.all(bias[8:] == 0.01)
+
+
+def test_load_spread():
+    ids = torch.tensor([[[0, 1], [0, 2], [0, 3]]])                  # expert 0 thrice, 4 unused
+    spread = routing.load_spread(ids, 5)
+    assert spread["layers"][0] == dict(max_over_min=None, cv=pytest.approx(
+        torch.tensor([3.0, 1, 1, 1, 0]).std().item() / 1.2), unused=1)
+    assert routing.load_spread(ids, 4)["mean"]["max_over_min"] == 3.0
