@@ -270,15 +270,14 @@ def distinct_curve(ids, n_experts, max_T, sequence_lengths=None):
     sums, counts = [0.0] * (max_T + 1), [0] * (max_T + 1)
     start = 0
     for n in lengths:
-        seq = ids[:, start:start + n]
+        for seq in ids[:, start:start + n]:                         # one layer's [n, K]
+            hit = torch.zeros(n, n_experts, dtype=torch.int32).scatter_(1, seq, 1)
+            cum = F.pad(hit.cumsum(0), (0, 0, 1, 0))                # [n + 1, E]
+            for T in range(1, min(max_T, n) + 1):
+                present = (cum[T:] - cum[:-T]) > 0                  # [n - T + 1, E]
+                sums[T] += present.sum().item()
+                counts[T] += present.shape[0]
         start += n
-        hit = torch.zeros(seq.shape[0], n, n_experts, dtype=torch.int32)
-        hit.scatter_(2, seq, 1)
-        cum = F.pad(hit.cumsum(1), (0, 0, 1, 0))                   # [layers, n + 1, E]
-        for T in range(1, min(max_T, n) + 1):
-            present = (cum[:, T:] - cum[:, :-T]) > 0                # [layers, n - T + 1, E]
-            sums[T] += present.sum(-1).double().sum().item()
-            counts[T] += present.shape[0] * present.shape[1]
     return {T: sums[T] / counts[T] for T in range(1, max_T + 1) if counts[T]}
 
 
