@@ -316,7 +316,8 @@ PROBE_SHAPE = dict(vocab_size=256, hidden_size=256, intermediate_size=512,
 # load from batch to batch. router_lr_scale: the routers' weights learn at this fraction of the
 # learning rate. Adam moves each weight by about the rate a step, so at the full rate a logit over
 # 256 normalized inputs can move by tenths a step, faster than a bias step that still settles:
-# the load then collapses onto a few experts within the first 50 batches.
+# a third of the experts or more go unused within 50 batches, and the load does not balance
+# within the run.
 PROBE_TRAIN = dict(steps=600, batch=16, seq_len=128, lr=3e-3, warmup=30, seed=0, bias_rate=0.01,
                    router_lr_scale=0.1)
 PROBE_QUICK = dict(PROBE_TRAIN, steps=20)
