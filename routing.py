@@ -326,7 +326,8 @@ PROBE_RECORD = dict(sequences=64, seq_len=128, max_T=16)
 
 def probe_args():
     """ModelArgs: PROBE_SHAPE elsewhere, Kimi-K2's routing (the kimi-k2 preset's values)."""
-    kimi = model.preset("kimi-k2")
+    import checkpoint
+    kimi = checkpoint.preset("kimi-k2")
     return model.ModelArgs(**PROBE_SHAPE, **{k: getattr(kimi, k) for k in KIMI_ROUTING})
 
 

@@ -4,6 +4,7 @@ import numpy as np
 import pytest
 import torch
 
+import checkpoint
 import model
 import routing
 
@@ -33,7 +34,7 @@ def test_distinct_ids_refuse_D_outside_range():
 
 def test_distinct_at_its_top_is_uniform_routing():
     """D = min(T x K, E) with no generator is model.Router's SIMULATED uniform choice."""
-    args = model.preset("tiny")
+    args = checkpoint.preset("tiny")
     router = model.Router(args, None, torch.float32, routing="uniform")
     for T in (1, 3, 4, 5):
         ids = torch.zeros(T, args.num_experts_per_tok, dtype=torch.long)
@@ -174,7 +175,7 @@ def reference_kimi_routing(x, weight, bias, top_k, scaling):
 
 def test_the_probe_routes_as_kimi_k2_and_its_recorder_sees_the_routers_choice():
     args = routing.probe_args()
-    kimi = model.preset("kimi-k2")
+    kimi = checkpoint.preset("kimi-k2")
     for key in routing.KIMI_ROUTING:
         assert getattr(args, key) == getattr(kimi, key), key
     assert (args.n_routed_experts, args.num_experts_per_tok, args.n_group) == (384, 8, 1)
