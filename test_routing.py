@@ -1,0 +1,218 @@
+"""routing.py: SIMULATED distinct experts, routing traces, SGLang's per-token dumps, the probe's
+router. CPU, seconds."""
+import numpy as np
+import pytest
+import torch
+
+import checkpoint
+import model
+import routing
+
+
+@pytest.mark.parametrize("E,K", [(16, 4), (384, 8), (8, 8)])
+def test_distinct_ids_reach_exactly_D_at_every_T(E, K):
+    g = torch.Generator().manual_seed(0)
+    for T in range(1, 9):
+        low, high = routing.distinct_range(T, K, E)
+        for D in range(low, high + 1):
+            ids = routing.distinct_ids(T, K, D, E, g)
+            assert ids.shape == (T, K) and ids.dtype == torch.int64
+            assert ids.unique().numel() == D, (T, D)
+            assert all(row.unique().numel() == K for row in ids), (T, D)  # K different a token
+            assert 0 <= ids.min() and ids.max() < E
+            load = torch.bincount(ids.flatten())
+            assert load[load > 0].max() - load[load > 0].min() <= 1     # spread evenly
+
+
+def test_distinct_ids_refuse_D_outside_range():
+    for T, K, E, D in [(4, 8, 384, 7), (4, 8, 384, 33), (1, 8, 384, 9), (8, 8, 16, 17)]:
+        with pytest.raises(ValueError, match=r"outside \[\d+, \d+\]"):
+            routing.distinct_ids(T, K, D, E)
+    with pytest.raises(ValueError, match="outside"):
+        routing.DistinctChoice(400, 384, 8)
+
+
+def test_distinct_at_its_top_is_uniform_routing():
+    """D = min(T x K, E) with no generator is model.Router's SIMULATED uniform choice."""
+    args = checkpoint.preset("tiny")
+    router = model.Router(args, None, torch.float32, routing="uniform")
+    for T in (1, 3, 4, 5):
+        ids = torch.zeros(T, args.num_experts_per_tok, dtype=torch.long)
+        D = min(T * args.num_experts_per_tok, args.n_routed_experts)
+        assert torch.equal(routing.distinct_ids(T, args.num_experts_per_tok, D,
+                                                args.n_routed_experts), router.uniform_choice(ids))
+
+
+def test_distinct_choice_keeps_one_tensor_a_shape_and_decode_keeps_top_k():
+    choose = routing.DistinctChoice(24, 384, 8, seed=3)
+    verify = choose(torch.zeros(4, 8, dtype=torch.long))
+    assert verify.unique().numel() == 24 and choose(torch.ones(4, 8, dtype=torch.long)) is verify
+    assert choose(torch.zeros(1, 8, dtype=torch.long)).unique().numel() == 8
+
+
+def test_uniform_distinct():
+    assert routing.uniform_distinct(384, 8, 1) == pytest.approx(8)
+    assert routing.uniform_distinct(16, 4, 4) == pytest.approx(16 * (1 - 0.75 ** 4))
+    g = torch.Generator().manual_seed(0)   # against draws: T tokens, K of N each without repeats
+    draws = [torch.cat([torch.randperm(64, generator=g)[:8] for _ in range(4)]).unique().numel()
+             for _ in range(4000)]
+    assert sum(draws) / len(draws) == pytest.approx(routing.uniform_distinct(64, 8, 4), rel=0.01)
+
+
+def random_trace(layers=3, tokens=50, E=384, K=8, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.stack([torch.stack([torch.randperm(E, generator=g)[:K] for _ in range(tokens)])
+                        for _ in range(layers)])
+
+
+def test_trace_round_trips_and_the_cursor_replays_in_order(tmp_path):
+    ids = random_trace()
+    path = tmp_path / "trace.npz"
+    routing.save_trace(path, ids, 384, 8, sequence_lengths=[20, 30], note="test")
+    with np.load(path) as f:
+        assert f["routing_ids"].dtype == np.int16 and f["routing_ids"].shape == (3, 50, 8)
+    t = routing.read_trace(path, 384, 8)
+    assert torch.equal(t.ids, ids) and t.sequence_lengths == [20, 30] and t.note == "test"
+    cursor = routing.TraceCursor(t.ids)
+    got = [cursor.take(1), cursor.take(4), cursor.take(4 * 12)]   # a step, a verify, a wrap
+    assert torch.equal(got[0], ids[:, :1]) and torch.equal(got[1], ids[:, 1:5])
+    assert torch.equal(got[2], ids[:, torch.arange(5, 53) % 50])
+    assert torch.equal(cursor.take(2), ids[:, 3:5])                  # cycling on
+
+
+def test_trace_cursor_repeats_layers_and_renames_onto_a_smaller_rank():
+    ids = random_trace(layers=2, tokens=10)
+    cursor = routing.TraceCursor(ids, layers=5, onto=64)
+    window = cursor.take(4)
+    assert window.shape == (5, 4, 8) and window.max() < 64
+    for layer in range(5):
+        original = ids[layer % 2, :4]
+        assert window[layer].unique().numel() == original.unique().numel()
+        same = original.unsqueeze(-1).unsqueeze(-1) == original      # which pairs share an expert
+        assert torch.equal(same, window[layer].unsqueeze(-1).unsqueeze(-1) == window[layer])
+    with pytest.raises(ValueError, match="reaches 32 experts in layer 0; the rank has 16"):
+        routing.TraceCursor(routing.distinct_ids(4, 8, 32, 384).unsqueeze(0), onto=16).take(4)
+
+
+def test_a_mismatched_trace_is_refused_in_one_line(tmp_path):
+    path = tmp_path / "trace.npz"
+    routing.save_trace(path, random_trace(), 384, 8)
+    for E, K in [(128, 8), (384, 6)]:
+        with pytest.raises(ValueError) as e:
+            routing.read_trace(path, E, K)
+        assert "\n" not in str(e.value) and "384 experts, top-8" in str(e.value)
+        assert f"top-{K} of {E}" in str(e.value)
+    with pytest.raises(ValueError, match="outside 0 ... 15"):
+        routing.save_trace(tmp_path / "bad.npz", random_trace(E=384), 16, 8)
+
+
+def write_sglang_dump(path, passes, n_layers, physical_to_logical):
+    """A file as SGLang's expert-distribution recorder writes it in per_token mode: torch.save of
+    {"records": [one dict a forward pass], "last_physical_to_logical_map": [layers, physical]},
+    each record's "topk_ids_of_layer" int32 [all layers, tokens of the pass, 8], -1 where a layer
+    routed nothing. passes: (forward_mode, physical ids [MoE layers, tokens, 8]); layer 0 dense."""
+    records = []
+    for i, (mode, ids) in enumerate(passes):
+        n = ids.shape[1]
+        full = torch.full((n_layers, n, 8), -1, dtype=torch.int32)
+        full[1:] = ids
+        records.append(dict(forward_pass_id=i, rank=0, gatherer_key="primary",
+                            input_ids=list(range(n)), positions=list(range(n)),
+                            extend_seq_lens=[n] if mode == 1 else None, forward_mode=mode,
+                            topk_ids_of_layer=full, misc_objects=[],
+                            global_physical_count=torch.zeros(n_layers, 20, dtype=torch.int32)))
+    torch.save(dict(records=records, last_physical_to_logical_map=physical_to_logical), path)
+
+
+def test_an_sglang_per_token_dump_reads(tmp_path):
+    E, P, L = 16, 20, 3                          # 16 logical experts, 4 of them redundant copies
+    to_logical = torch.cat([torch.arange(E), torch.tensor([3, 5, 7, 9])]).expand(L, P).clone()
+    g = torch.Generator().manual_seed(0)
+    logical = [torch.stack([torch.stack([torch.randperm(E, generator=g)[:8] for _ in range(n)])
+                            for _ in range(L - 1)]) for n in (6, 1, 1)]   # prefill, 2 decodes
+    physical = [x.clone() for x in logical]
+    physical[1][physical[1] == 3] = 16           # a copy of expert 3 served this token
+    physical[2][physical[2] == 9] = 19
+    path = tmp_path / "expert_distribution_recorder_1.0_0.pt"
+    write_sglang_dump(path, [(1, physical[0]), (2, physical[1]), (2, physical[2])], L, to_logical)
+    t = routing.read_sglang(path, E, 8)
+    assert torch.equal(t.ids, torch.cat(logical, dim=1))   # MoE layers only, logical, in order
+    out = tmp_path / "trace.npz"
+    assert routing.main(["convert-sglang", str(path), "--out", str(out), "--n-experts", "16",
+                         "--top-k", "8"]) is None
+    assert torch.equal(routing.read_trace(out, E, 8).ids, t.ids)
+    with pytest.raises(ValueError, match="top-8; the model routes top-4"):
+        routing.read_sglang(path, E, 4)
+    with pytest.raises(ValueError, match="onto 16 logical experts; the model has 384"):
+        routing.read_sglang(path, 384, 8)
+
+
+def test_trace_choice_fills_one_buffer_a_shape():
+    ids = random_trace(layers=2, tokens=10)
+    choice = routing.TraceChoice(routing.TraceCursor(ids, layers=3), "cpu")
+    choice.advance(4)
+    first = choice.choice(2, torch.zeros(4, 8, dtype=torch.long))
+    assert torch.equal(first, ids[0, :4])
+    choice.advance(4)                                  # the same tensor, the next tokens in it
+    assert choice.choice(2, torch.zeros(4, 8, dtype=torch.long)).data_ptr() == first.data_ptr()
+    assert torch.equal(first, ids[0, 4:8]) and torch.equal(choice.choice(1, first), ids[1, 4:8])
+
+
+def test_distinct_curve_counts_windows_inside_each_sequence():
+    ids = torch.tensor([[[0, 1], [1, 2], [5, 6], [5, 6]]])         # one layer, 4 tokens, K 2
+    assert routing.distinct_curve(ids, 8, 2) == {1: 2.0, 2: (3 + 4 + 2) / 3}
+    assert routing.distinct_curve(ids, 8, 2, sequence_lengths=[2, 2]) == {1: 2.0, 2: 2.5}
+
+
+def reference_kimi_routing(x, weight, bias, top_k, scaling):
+    """Kimi-K2's router (n_group 1), written out: sigmoid scores, top-k of scores + bias, the
+    chosen unbiased scores normalized and scaled."""
+    scores = torch.sigmoid(x.double() @ weight.double().T)
+    ids = (scores + bias.double()).topk(top_k, dim=-1).indices
+    w = scores.gather(1, ids)
+    return ids, w / w.sum(-1, keepdim=True) * scaling
+
+
+def test_the_probe_routes_as_kimi_k2_and_its_recorder_sees_the_routers_choice():
+    args = routing.probe_args()
+    kimi = checkpoint.preset("kimi-k2")
+    for key in routing.KIMI_ROUTING:
+        assert getattr(args, key) == getattr(kimi, key), key
+    assert (args.n_routed_experts, args.num_experts_per_tok, args.n_group) == (384, 8, 1)
+    args.num_hidden_layers = 2                                      # one dense, one MoE layer
+    torch.manual_seed(0)
+    target = model.Transformer(args, 1, 16, dtype=torch.float32)
+    for p in target.parameters():
+        p.data.normal_(0, 0.05)
+    router = routing.routers(target)[0]
+    seen = []
+    router.register_forward_hook(lambda m, inputs, out: seen.append((inputs[0], out)))
+    recorder = routing.RoutingRecorder(target)
+    tokens = torch.randint(0, 256, (1, 16))
+    with torch.no_grad():
+        target(tokens, torch.arange(16).unsqueeze(0))
+    (x, (ids, weights)), = seen
+    ref_ids, ref_w = reference_kimi_routing(x, router.weight, router.e_score_correction_bias, 8,
+                                            args.routed_scaling_factor)
+    assert torch.equal(ids, ref_ids) and torch.allclose(weights.double(), ref_w, atol=1e-6)
+    assert torch.equal(recorder.pop(), ids.unsqueeze(0))
+
+
+def test_balance_bias_moves_towards_the_mean():
+    args = routing.probe_args()
+    args.num_hidden_layers = 2
+    target = model.Transformer(args, 1, 4, dtype=torch.float32)
+    router = routing.routers(target)[0]
+    router.e_score_correction_bias.data.zero_()
+    ids = torch.arange(8).repeat(4, 1).unsqueeze(0)                  # experts 0..7 take all
+    routing.balance_bias(target, ids, 0.01)
+    bias = router.e_score_correction_bias
+    assert torch.all(bias[:8] == -0.01) and torch.all(bias[8:] == 0.01)
+
+
+def test_load_spread():
+    ids = torch.tensor([[[0, 1], [0, 2], [0, 3]]])                  # expert 0 thrice, 4 unused
+    spread = routing.load_spread(ids, 5)
+    assert spread["layers"][0] == dict(max_over_min=None, cv=pytest.approx(
+        torch.tensor([3.0, 1, 1, 1, 0]).std().item() / 1.2), unused=1)
+    assert routing.load_spread(ids, 4)["mean"]["max_over_min"] == 3.0
