@@ -6,8 +6,8 @@ under the innermost component range around it (component_scopes puts ranges arou
 module's forward from outside the model, by hooks, and takes them off after). Floors: the bytes
 a component must move (component_bytes, draft_bytes) over the measured copy bandwidth. The cost
 model: a speculative cycle's cost from the isolated phases, its break-even accepted length and
-its speedup at each accepted length. Nothing here times a phase: timing.py does, and hands its
-medians in.
+its speedup at each accepted length. The verify sweep against its floors: no cliff where a token
+is added (sweep_cliffs). Nothing here times a phase: timing.py does, and hands its medians in.
 """
 import statistics
 from contextlib import contextmanager, nullcontext
@@ -370,11 +370,59 @@ def tree_cost(r, b, base, host, ar, chains):
     (variant, mode), ph, sweep = b.best, r.phases_ms, r.verify_sweep_ms
     K, S, N = b.cfg.speculative_eagle_topk, b.k, b.cfg.speculative_num_draft_tokens
     D = min(S, N - 1)
-    extend = sweep[D + 1].draft_extend if D + 1 in sweep else ph[f"draft_extend/{variant}"]
+    point = sweep.get(D + 1)
+    extend = (point.draft_extend if point and point.draft_extend is not None
+              else ph[f"draft_extend/{variant}"])
     cyc = (extend + ph[f"draft_tree/{variant}"] + ph[f"{b.verify_name(mode)} tree/{variant}"]
            + ph["accept"] + host + ar.target_forward_ms + S * ar.draft_forward_ms)
     out = TreeCost(K, S, N, cyc, cyc / base)
     if S in chains:
         out.chain_cycle_ms = chains[S].cycle_ms
         out.accept_ratio_to_beat_chain = cyc / chains[S].cycle_ms
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# The verify sweep against its floors: no cliff
+
+CLIFF_FLOOR_RATIO = 1.3   # an added token may cost this many times its floor's increment
+CLIFF_SLACK_MS = 0.05     # plus this much a token the forward adds
+CLIFF_MAX_TOKENS = 32     # checked from 1 to this many tokens a row
+
+
+@dataclass
+class Cliff:
+    """Two neighbouring points of the verify sweep whose added time exceeds what the rule allows."""
+    tokens: list          # [T1, T2], tokens a row
+    added_ms: float       # verify(T2) - verify(T1)
+    allowed_ms: float     # CLIFF_FLOOR_RATIO x (floor(T2) - floor(T1)) + slack x B (T2 - T1)
+
+
+@dataclass
+class SweepCliffs:
+    """The sweep checked point to point: each added token costs at most CLIFF_FLOOR_RATIO times
+    its floor's increment plus CLIFF_SLACK_MS a token of the forward (B rows: B a row's token)."""
+    rule: str
+    checked: list         # [[T1, T2], ...] the neighbouring points compared
+    cliffs: list          # [Cliff] those that break the rule
+
+
+def sweep_cliffs(sweep, batch):
+    """The verify sweep {T: SweepPoint} against its floors, neighbouring points up to
+    CLIFF_MAX_TOKENS; None without floors (they need a GPU's bandwidth)."""
+    points = sorted(T for T, p in sweep.items() if p.floor_ms is not None and T <= CLIFF_MAX_TOKENS)
+    if len(points) < 2:
+        return None
+    rule = (f"each added token costs at most {CLIFF_FLOOR_RATIO:g}x its floor's increment + "
+            f"{CLIFF_SLACK_MS * 1e3:g} us" + (f" (a token of the forward: {batch} rows)"
+                                             if batch > 1 else ""))
+    out = SweepCliffs(rule, [], [])
+    for t1, t2 in zip(points, points[1:]):
+        a, z = sweep[t1], sweep[t2]
+        added = float(z.verify) - float(a.verify)
+        allowed = (CLIFF_FLOOR_RATIO * (z.floor_ms - a.floor_ms)
+                   + CLIFF_SLACK_MS * batch * (t2 - t1))
+        out.checked.append([t1, t2])
+        if added > allowed:
+            out.cliffs.append(Cliff([t1, t2], added, allowed))
     return out

@@ -6,7 +6,19 @@ prints, per context length, the isolated phases against their floors and the com
 memory and collectives; then warnings about figures that cannot be (noise), and the answer in
 words with a verdict on what this run's acceptance means. Everything here reads the
 timing.Result that timing.measure returns and the Bench it ran on; as_json turns the Result into
-the --json line. Nothing here times anything.
+the --json line; `python report.py tables A.json B.json ...` puts several runs' lines in one
+markdown table (tables). Nothing here times anything.
+
+The --json line is as_json(timing.Result): each dataclass a dict of its fields, each Timing its
+median in ms, integer keys as strings. Its verify sweep, `verify_sweep_ms`, maps the tokens a row
+T (run.py's settled `verify_sweep_tokens`: 1 to 6 on a CPU; on a GPU 1 to 8, 10, 12, 16, 20, 24,
+28 and 32 while the batch's forward holds at most 32 tokens) to
+    {"verify": ms, "draft_extend": ms (up to 8 tokens; absent above),
+     "distinct_experts": routed experts a MoE layer reaches (the mean over the layers),
+     "floor_ms": the verify's bytes over the copy bandwidth (null without a GPU)};
+`sweep_cliffs` checks it against its floors (components.sweep_cliffs; null without floors):
+    {"rule": in words, "checked": [[T1, T2], ...] neighbouring points,
+     "cliffs": [{"tokens": [T1, T2], "added_ms": ms, "allowed_ms": ms}, ...] those that break it}.
 """
 import dataclasses
 import json
@@ -285,6 +297,42 @@ def print_e2e(r, b):
                   f"{kept} tokens (+ {v.tokens - kept} from the prefill)")
 
 
+def print_sweep(r, b):
+    """The verify sweep: each point's time, its floor and the distinct experts it reaches; then
+    the cliff check (components.sweep_cliffs), each point that breaks it named, within 100
+    columns."""
+    sweep, bw = r.verify_sweep_ms, r.bandwidth_GBps
+    if not sweep:
+        return
+    (variant, mode), ctx = b.best, b.cfg.context_len[0]
+    floors = f"x floor: bytes that must move / {bw:.0f} GB/s" if bw else "floors need a GPU"
+    print("\n" + wrap(f"verify sweep at {ctx} cached tokens, batch {b.cfg.batch_size} "
+                      f"({b.verify_name(mode)}, {variant}; ms, medians; {floors}):", "", "  ",
+                      width=100))
+    print(f"  {'tokens a row':>12s} {'verify':>9s} {'floor':>9s} {'x floor':>8s} "
+          f"{'distinct experts':>17s} {'draft extend':>13s}")
+    for T, p in sweep.items():
+        floor = p.floor_ms
+        print(f"  {T:12d} {p.verify:9.3f} " + (f"{floor:9.3f} {p.verify / floor:7.2f}x "
+                                               if floor else f"{'-':>9s} {'-':>8s} ")
+              + f"{p.distinct_experts:17.1f} "
+              + (f"{p.draft_extend:13.3f}" if p.draft_extend is not None else f"{'-':>13s}"))
+    print(wrap(cliff_line(r.sweep_cliffs), "  ", "    ", width=100))
+
+
+def cliff_line(check):
+    """The cliff check in one paragraph: the rule, and the points that break it (or none)."""
+    if check is None:
+        return ("no cliff check: it compares each added token's time with its floor's increment, "
+                "and the floors need a GPU's bandwidth")
+    if not check.cliffs:
+        first, last = check.checked[0][0], check.checked[-1][1]
+        return f"no cliff from {first} to {last} tokens a row: {check.rule}"
+    return (f"{len(check.cliffs)} cliff(s), where {check.rule} fails (tokens a row: added ms > "
+            "allowed ms): " + "; ".join(f"{c.tokens[0]}->{c.tokens[1]}: +{c.added_ms:.2f} > "
+                                        f"{c.allowed_ms:.2f}" for c in check.cliffs))
+
+
 def tree_answer(r):
     """The tree's sentence: its cycle, its break-even, what it must accept to beat the chain, and
     what it accepted (end to end, SIMULATED if so)."""
@@ -388,6 +436,7 @@ def report(r, b):
     for ctx, c in r.contexts.items():
         print_phases(r, ctx, c)
         print_components(r, ctx, c, b)
+    print_sweep(r, b)
     print_e2e(r, b)
     print_cost_model(r)
     print_extras(r, b)
@@ -582,3 +631,81 @@ def fmt_spread(t, digits=3):
     mn, q1, _, q3, mx = t.spread()
     return (f"[{mn:.{digits}f} {q1:.{digits}f}-{q3:.{digits}f} {mx:.{digits}f}]"
             + (" noisy" if t.noisy else ""))
+
+
+# ---------------------------------------------------------------------------------------------
+# One table across runs (python report.py tables A.json B.json ...): a row per run.py --json file
+
+TABLE_COLUMNS = ("batch", "format", "decode step ms (x floor)", "chain: verify ms (x floor)",
+                 "chain: cycle ms, break-even", "tree: verify ms (x floor)",
+                 "tree: cycle ms, break-even", "JSON")
+
+
+def tables(paths):
+    """A markdown table with a row per run.py --json file: its batch and weight format, the plain
+    decode step, the chain's verify of num_steps + 1 tokens and the tree's of N nodes (verify's
+    attention as the cost model's, the fastest variant), each against its floor where the run had
+    one (a GPU), and the cost model's cycle and break-even accepted length of each. The batch x
+    format x chain of 4 / tree of 8 tables, on a GPU:
+
+        for B in 1 2 4; do
+            R="--cuda-graph on --skip-e2e --batch-size $B --speculative-num-steps 3
+               --speculative-eagle-topk 4 --speculative-num-draft-tokens 8"
+            python run.py $R --json benchmarks/batch${B}_bf16.json
+            python run.py $R --quant fp8 --json benchmarks/batch${B}_fp8.json
+            python run.py $R --preset kimi-k2.5 --json benchmarks/batch${B}_int4.json
+        done
+        python report.py tables benchmarks/batch{1,2,4}_{bf16,fp8,int4}.json
+
+    Returns the table's lines."""
+    lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
+    for path in paths:
+        with open(path) as f:
+            r = json.loads(f.readline())
+        lines.append("| " + " | ".join(table_row(r, path)) + " |")
+    return lines
+
+
+def table_row(r, path):
+    """One run's cells (TABLE_COLUMNS); r: its --json line, read back."""
+    env, ph = r["env"], r["phases_ms"]
+    cfg, floors, cm = env["config"], r.get("floors") or {}, r["cost_model"]
+    variant = "graph" if any(name.endswith("/graph") for name in ph) else "eager"
+    mode = "decode" if "decode" in cfg.get("attention_modes", ["decode"]) else "prefill"
+
+    def timed(phase, what=""):
+        ms, floor = ph.get(f"{phase}/{variant}"), floors.get(phase)
+        if ms is None:
+            return "-"
+        return f"{ms:.3f}" + (f" ({ms / floor:.2f}x)" if floor else "") + what
+    k = cfg["speculative_num_steps"]
+    chain, tree = cm["steps"].get(str(k)), cm.get("tree")
+    cells = [str(cfg["batch_size"]), weight_format(env), timed("decode_step"),
+             timed(f"verify/{mode}", f", {k + 1} tokens"),
+             f"{chain['cycle_ms']:.2f}, {chain['break_even_accept_len']:.2f}" if chain else "-"]
+    if tree:
+        cells += [timed(f"verify/{mode} tree", f", {tree['num_draft_tokens']} nodes, topk "
+                                               f"{tree['topk']}"),
+                  f"{tree['cycle_ms']:.2f}, {tree['break_even_accept_len']:.2f}"]
+    else:
+        cells += ["-", "-"]
+    return cells + [f"`{path}`"]
+
+
+def weight_format(env):
+    """The routed experts' format (INT4, FP8) or the model's dtype (bf16); a quantized model's
+    dtype too where it is not bf16."""
+    short = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32", "float64": "fp64"}
+    dtype = short.get(env["dtype"], env["dtype"])
+    quant = "INT4" if env.get("int4_group_size") else "FP8" if env.get("fp8_block") else None
+    return dtype if quant is None else quant + (f" ({dtype})" if dtype != "bf16" else "")
+
+
+if __name__ == "__main__":
+    import argparse
+    p = argparse.ArgumentParser(description="Tables across run.py --json files.")
+    sub = p.add_subparsers(dest="command", required=True)
+    t = sub.add_parser("tables", help=tables.__doc__.split("\n\n")[0].replace("%", "%%"))
+    t.add_argument("json", nargs="+", help="run.py --json files, one row each, in this order")
+    args = p.parse_args()
+    print("\n".join(tables(args.json)))

@@ -395,8 +395,8 @@ def settle_device(cfg, gpu, world):
 
 
 def settle_defaults(cfg, gpu):
-    """The defaults that depend on the device: lengths, dtype, repetitions, routing, kernels, and
-    one thread for timing on a CPU."""
+    """The defaults that depend on the device: lengths, dtype, repetitions, routing, the verify
+    sweep's tokens, kernels, and one thread for timing on a CPU."""
     import torch
     if not gpu and not cfg.dump and not os.environ.get("OMP_NUM_THREADS"):
         # timing on a CPU: one thread, unless asked. The toy model gains nothing from more, and
@@ -410,6 +410,9 @@ def settle_defaults(cfg, gpu):
     cfg.routing = cfg.routing or ("model" if cfg.model_path or cfg.trained_pair or cfg.dump
                                   else "uniform")
     cfg.context_len = cfg.context_len or [cfg.prompt_len]
+    from timing import sweep_tokens
+    # a dump times nothing: the CPU's short sweep sizes its cache (timing.cache_slots)
+    cfg.verify_sweep_tokens = sweep_tokens(gpu and not cfg.dump, cfg.batch_size)
     if cfg.kernels is None:  # the fast twins where they run (each tested equal to its plain twin)
         fast = gpu and cfg.dtype in ("bfloat16", "float16", "float32") and have_triton()
         cfg.kernels = "all" if fast else "none"

@@ -253,6 +253,76 @@ def test_run_py_cli_tree(tmp_path):
     assert tree["cycle_ms"] > 0 and tree["break_even_accept_len"] > 0 and tree["accept_ratio_to_beat_chain"] > 0
 
 
+def test_run_py_cli_verify_sweep_and_tables(tmp_path):
+    """A batch of 2 with a tree of 8 on the CPU: each verify sweep point carries its distinct
+    experts (SIMULATED uniform: K 4 of 16 experts a token, so min(16, 8 T) for T tokens a row) and
+    its floor (none without a GPU, and so no cliff check, said); `python report.py tables` prints a
+    row per JSON with the chain's and the tree's verify, cycle and break-even."""
+    a, b = tmp_path / "a.json", tmp_path / "b.json"
+    stdout = run_py("--random-weights", "--batch-size", "2", "--speculative-num-steps", "3",
+                    "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8",
+                    "--skip-e2e", "--reps", "2", "--json", str(a), check=True,
+                    env=ONE_THREAD).stdout
+    r = json.loads(a.read_text())
+    assert r["env"]["config"]["verify_sweep_tokens"] == list(timing.SWEEP_TOKENS_CPU)
+    sweep = r["verify_sweep_ms"]
+    assert [int(T) for T in sweep] == list(timing.SWEEP_TOKENS_CPU)
+    for T, point in sweep.items():
+        assert point["verify"] > 0 and point["draft_extend"] > 0 and point["floor_ms"] is None
+        assert point["distinct_experts"] == min(16, 8 * int(T)), (T, point)
+    assert r["sweep_cliffs"] is None and "no cliff check" in " ".join(stdout.split())
+    shutil.copy(a, b)
+    out = subprocess.run([sys.executable, "report.py", "tables", str(a), str(b)], cwd=HERE,
+                         env=ONE_THREAD, capture_output=True, text=True, check=True).stdout
+    lines = out.splitlines()
+    assert len(lines) == 4 and lines[0].startswith("| batch | format | decode step") and \
+        lines[1].startswith("|---|"), out
+    for line, path in zip(lines[2:], (a, b)):
+        cells = [c.strip() for c in line.strip("|").split("|")]
+        assert cells[:2] == ["2", "fp32"] and cells[-1] == f"`{path}`", line
+        assert cells[3].endswith(", 4 tokens") and cells[5].endswith(", 8 nodes, topk 4"), line
+        assert all(float(x) > 0 for cell in (cells[4], cells[6]) for x in cell.split(", ")), line
+
+
+def test_verify_sweep_points_and_the_cliff_check():
+    """The sweep's tokens a row: on a GPU 1 to 8, 10, 12, then every 4 to 32 while the batch's
+    forward holds 32 tokens, on a CPU 1 to 6, and the cache holds them. The cliff check passes a
+    curve that adds 1.25x its floor's increment a token, names a planted cliff (and a gap of
+    two tokens gets twice the slack, a batch of 2 twice again) within 100 columns, and is None
+    without floors."""
+    assert timing.sweep_tokens(True, 1) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 28, 32]
+    assert timing.sweep_tokens(True, 2) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16]
+    assert timing.sweep_tokens(True, 4) == list(range(1, 9))
+    assert timing.sweep_tokens(True, 64) == [1]
+    assert timing.sweep_tokens(False, 4) == list(range(1, 7))
+    cfg = _settled("--random-weights --context-len 40")
+    short = timing.cache_slots(cfg)
+    cfg.verify_sweep_tokens = timing.sweep_tokens(True, 1)
+    assert timing.cache_slots(cfg) == short + 32 - 6
+    T = report.Timing
+    tokens = timing.sweep_tokens(True, 1)
+
+    def sweep(planted=0.0, at=5, floors=True):
+        return {t: timing.SweepPoint(T([3.0 + 0.5 * t + (planted if t >= at else 0.0)]),
+                                     floor_ms=2.0 + 0.4 * t if floors else None) for t in tokens}
+    linear = components.sweep_cliffs(sweep(), 1)
+    assert linear.cliffs == [] and linear.checked == [list(p) for p in zip(tokens, tokens[1:])]
+    assert "no cliff from 1 to 32 tokens a row" in report.cliff_line(linear)
+    cliff = components.sweep_cliffs(sweep(planted=3.0), 1).cliffs
+    assert [c.tokens for c in cliff] == [[4, 5]]
+    assert cliff[0].added_ms == pytest.approx(3.5) and cliff[0].allowed_ms == pytest.approx(0.57)
+    assert [c.tokens for c in components.sweep_cliffs(sweep(planted=0.2, at=10), 1).cliffs] == \
+        [[8, 10]]   # 1.2 added, 1.3 x 0.8 + 2 x 0.05 = 1.14 allowed
+    assert components.sweep_cliffs(sweep(planted=0.2, at=10), 2).cliffs == []   # 1.24 allowed
+    assert components.sweep_cliffs(sweep(floors=False), 1) is None
+    assert "need a GPU" in report.cliff_line(None)
+    squares = {t: timing.SweepPoint(T([t * t]), floor_ms=0.0) for t in tokens}
+    many = components.sweep_cliffs(squares, 1)
+    text = report.wrap(report.cliff_line(many), "  ", "    ", width=100)
+    assert len(many.cliffs) == 14 and "4->5: +9.00 > 0.05" in " ".join(text.split()) and \
+        max(map(len, text.splitlines())) <= 100, text
+
+
 # ---------------------------------------------------------------------------------------------
 # train.py's command line
 

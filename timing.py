@@ -25,9 +25,9 @@ import kernels
 import model
 import tp as tpm
 import train
-from components import (CostModel, ModelledAllreduce, component_bytes, cost_model, count_kernels,
-                        draft_bytes, modelled_allreduce, optional, profile_components,
-                        routed_distinct)
+from components import (CostModel, ModelledAllreduce, SweepCliffs, component_bytes, cost_model,
+                        count_kernels, draft_bytes, modelled_allreduce, optional,
+                        profile_components, routed_distinct, sweep_cliffs)
 from draft import Eagle3Draft, draft_preset, set_target_aux_layers
 from graphs import CudaGraphs, GraphKey
 from report import Timing, answer, spreads, timing_warnings, verdict
@@ -43,12 +43,12 @@ FLAG_WORD = {"extend": "prefill", "decode": "decode"}
 
 
 def cache_slots(cfg):
-    """KV cache slots a row needs: the prompt and output, or the longest context and the 6 tokens
-    the isolated phases write after it, and the draft chain's lookahead (a tree's: its N verified
-    slots, or its deepest path and the head's (S - 1) K scratch slots past it, as
-    verify.generate)."""
-    sweep, k, K = 6, cfg.speculative_num_steps, cfg.speculative_eagle_topk
-    N = cfg.speculative_num_draft_tokens
+    """KV cache slots a row needs: the prompt and output, or the longest context and the tokens
+    the verify sweep writes after it (its most: cfg.verify_sweep_tokens, sweep_tokens), and the
+    draft chain's lookahead (a tree's: its N verified slots, or its deepest path and the head's
+    (S - 1) K scratch slots past it, as verify.generate)."""
+    k, K = cfg.speculative_num_steps, cfg.speculative_eagle_topk
+    sweep, N = max(cfg.verify_sweep_tokens), cfg.speculative_num_draft_tokens
     ahead = 2 * k + 2 if K == 1 else max(2 * k + 2, max(N, min(k, N - 1) + (k - 1) * K) + 2)
     return max(cfg.prompt_len + cfg.max_new_tokens, max(cfg.context_len) + sweep) + ahead
 
@@ -284,9 +284,12 @@ class Context:
 
 @dataclass
 class SweepPoint:
-    """Verify and draft extend of T tokens: what a cycle of num_steps T - 1 pays."""
+    """Verify of T tokens a row, and draft extend of T up to SWEEP_DRAFT_EXTEND (what a cycle of
+    num_steps T - 1 pays); the distinct routed experts the verify reaches and its floor."""
     verify: Timing
-    draft_extend: Timing
+    draft_extend: Timing | None = optional()
+    distinct_experts: float | None = None   # a MoE layer's, the mean over the layers
+    floor_ms: float | None = None           # the verify's bytes over the copy bandwidth (a GPU's)
 
 
 @dataclass
@@ -353,6 +356,7 @@ class Result:
     phases_ms: dict = None   # the first context's phases, "accept" added
     floors: dict = None      # the first context's floors_ms
     verify_sweep_ms: dict = None            # {T: SweepPoint}
+    sweep_cliffs: SweepCliffs | None = None  # the sweep against its floors (None without them)
     e2e: dict = field(default_factory=dict)  # {"baseline/graph", "eagle3/decode/graph": E2ERun}
     greedy_agreement_with_plain: dict | None = None
     allreduce_measured: MeasuredAllreduce | None = None
@@ -524,24 +528,46 @@ def isolated(b, ctx, bandwidth):
     return out
 
 
-def verify_sweep(b, ctx):
-    """Verify (the cost model's attention mode) and draft extend of T = 1..6 tokens at ctx cached
-    tokens, fastest variant: what a cycle of num_steps T - 1 pays. Inputs as in phase_calls.
-    Returns {T: SweepPoint}."""
+# The verify sweep's tokens a row. On a GPU: 1 to 8 each (the chains), then 10, 12 and every 4
+# to 32 (trees, and chains times a batch), while the batch's forward holds at most
+# SWEEP_MAX_FORWARD tokens; on a CPU 1 to 6, the cost model's chains (num_steps 1 to 5). Draft
+# extend is timed up to SWEEP_DRAFT_EXTEND tokens (chains of num_steps up to 7).
+SWEEP_TOKENS = (*range(1, 9), 10, 12, 16, 20, 24, 28, 32)
+SWEEP_TOKENS_CPU = tuple(range(1, 7))
+SWEEP_MAX_FORWARD = 32
+SWEEP_DRAFT_EXTEND = 8
+
+
+def sweep_tokens(gpu, batch):
+    """The verify sweep's tokens a row (run.py settles them as cfg.verify_sweep_tokens)."""
+    if not gpu:
+        return list(SWEEP_TOKENS_CPU)
+    return [T for T in SWEEP_TOKENS if T == 1 or batch * T <= SWEEP_MAX_FORWARD]
+
+
+def verify_sweep(b, ctx, bandwidth):
+    """Verify (the cost model's attention mode) of each of cfg.verify_sweep_tokens T tokens at ctx
+    cached tokens, fastest variant, with the distinct experts it reaches (an eager call counts
+    them) and its floor, as isolated's; and draft extend of T up to SWEEP_DRAFT_EXTEND: what a cycle
+    of num_steps T - 1 pays. Inputs as in phase_calls. Returns {T: SweepPoint}."""
     graph, mode = b.graph_opts[-1], b.best[1]
     B, t, sweep = b.cfg.batch_size, b.target, {}
-    for T in range(1, 7):
+    for T in b.cfg.verify_sweep_tokens:
         if ctx < T:
             break
         kv, vt, pos = kv_bucket(ctx + T, t.max_seq_len), b.fill[:, ctx - T:ctx], b.positions(ctx, T)
-        kvd = kv_bucket(ctx + 2 * T - 1, t.max_seq_len)  # generate's draft extend, num_steps T-1
+        fn = partial(t, mode=mode, capture_aux=True, kv_len=kv)
+        distinct = routed_distinct(t, fn, (vt, pos))
+        nbytes = sum(component_bytes(t, distinct, ctx + T, B, T).values())
         sweep[T] = SweepPoint(
-            verify=b.timed(GraphKey("verify", mode, B, T, kv),
-                           partial(t, mode=mode, capture_aux=True, kv_len=kv), vt, pos,
-                           graph=graph),
-            draft_extend=b.timed(GraphKey("draft_extend", None, B, T, kvd),
-                                 partial(b.head.extend, kv_len=kvd), vt, pos, b.aux[:, ctx - T:ctx],
-                                 torch.full((B,), T - 1, device=t.device), graph=graph))
+            verify=b.timed(GraphKey("verify", mode, B, T, kv), fn, vt, pos, graph=graph),
+            distinct_experts=statistics.mean(distinct) if distinct else 0.0,
+            floor_ms=nbytes / bandwidth / 1e6 if bandwidth else None)
+        if T <= SWEEP_DRAFT_EXTEND:
+            kvd = kv_bucket(ctx + 2 * T - 1, t.max_seq_len)  # generate's, num_steps T - 1
+            sweep[T].draft_extend = b.timed(
+                GraphKey("draft_extend", None, B, T, kvd), partial(b.head.extend, kv_len=kvd), vt,
+                pos, b.aux[:, ctx - T:ctx], torch.full((B,), T - 1, device=t.device), graph=graph)
     return sweep
 
 
@@ -734,7 +760,8 @@ def measure(b, world):
                {c: isolated(b, c, bandwidth) for c in cfg.context_len})
     r.phases_ms, r.floors = r.contexts[first].phases_ms, r.contexts[first].floors_ms
     r.phases_ms["accept"] = time_accept(b, first)
-    r.verify_sweep_ms = verify_sweep(b, first)
+    r.verify_sweep_ms = verify_sweep(b, first, bandwidth)
+    r.sweep_cliffs = sweep_cliffs(r.verify_sweep_ms, cfg.batch_size)
     if not cfg.skip_e2e:
         r.e2e, r.greedy_agreement_with_plain = end_to_end(b)
     r.allreduce_measured = collectives(b, r) if b.target.tp.communicates else None
