@@ -254,32 +254,34 @@ def test_run_py_cli_tree(tmp_path):
 
 
 def test_run_py_cli_verify_sweep_and_tables(tmp_path):
-    """A batch of 2 with a tree of 8 on the CPU: each verify sweep point carries its distinct
-    experts (SIMULATED uniform: K 4 of 16 experts a token, so min(16, 8 T) for T tokens a row) and
-    its floor (none without a GPU, and so no cliff check, said); `python report.py tables` prints a
-    row per JSON with the chain's and the tree's verify, cycle and break-even."""
-    a, b = tmp_path / "a.json", tmp_path / "b.json"
-    stdout = run_py("--random-weights", "--batch-size", "2", "--speculative-num-steps", "3",
-                    "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8",
-                    "--skip-e2e", "--reps", "2", "--json", str(a), check=True,
-                    env=ONE_THREAD).stdout
-    r = json.loads(a.read_text())
-    assert r["env"]["config"]["verify_sweep_tokens"] == list(timing.SWEEP_TOKENS_CPU)
-    sweep = r["verify_sweep_ms"]
-    assert [int(T) for T in sweep] == list(timing.SWEEP_TOKENS_CPU)
-    for T, point in sweep.items():
-        assert point["verify"] > 0 and point["draft_extend"] > 0 and point["floor_ms"] is None
-        assert point["distinct_experts"] == min(16, 8 * int(T)), (T, point)
-    assert r["sweep_cliffs"] is None and "no cliff check" in " ".join(stdout.split())
-    shutil.copy(a, b)
-    out = subprocess.run([sys.executable, "report.py", "tables", str(a), str(b)], cwd=HERE,
+    """Trees of 8 on the CPU at batch 2 (fp32) and batch 4 (INT4 experts, bf16): each verify sweep
+    point carries its distinct experts (SIMULATED uniform: K 4 of 16 experts a token, so
+    min(16, 4 B T) for T tokens a row) and its floor (none without a GPU, and so no cliff check,
+    said); `python report.py tables` prints a row per JSON with the chain's and the tree's verify,
+    cycle and break-even."""
+    tree = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
+            "--speculative-num-draft-tokens", "8", "--skip-e2e", "--reps", "2", "--random-weights"]
+    int4 = ["--batch-size", "4", "--quant", "int4", "--dtype", "bfloat16"]
+    runs = {tmp_path / "b2.json": ["--batch-size", "2"], tmp_path / "b4_int4.json": int4}
+    for path, flags in runs.items():
+        stdout = run_py(*tree, *flags, "--json", str(path), check=True, env=ONE_THREAD).stdout
+        r = json.loads(path.read_text())
+        B = r["env"]["config"]["batch_size"]
+        assert r["env"]["config"]["verify_sweep_tokens"] == list(timing.SWEEP_TOKENS_CPU)
+        sweep = r["verify_sweep_ms"]
+        assert [int(T) for T in sweep] == list(timing.SWEEP_TOKENS_CPU)
+        for T, point in sweep.items():
+            assert point["verify"] > 0 and point["draft_extend"] > 0 and point["floor_ms"] is None
+            assert point["distinct_experts"] == min(16, 4 * B * int(T)), (T, point)
+        assert r["sweep_cliffs"] is None and "no cliff check" in " ".join(stdout.split())
+    out = subprocess.run([sys.executable, "report.py", "tables", *map(str, runs)], cwd=HERE,
                          env=ONE_THREAD, capture_output=True, text=True, check=True).stdout
     lines = out.splitlines()
     assert len(lines) == 4 and lines[0].startswith("| batch | format | decode step") and \
         lines[1].startswith("|---|"), out
-    for line, path in zip(lines[2:], (a, b)):
+    for line, path, first in zip(lines[2:], runs, (["2", "fp32"], ["4", "INT4"])):
         cells = [c.strip() for c in line.strip("|").split("|")]
-        assert cells[:2] == ["2", "fp32"] and cells[-1] == f"`{path}`", line
+        assert cells[:2] == first and cells[-1] == f"`{path}`", line
         assert cells[3].endswith(", 4 tokens") and cells[5].endswith(", 8 nodes, topk 4"), line
         assert all(float(x) > 0 for cell in (cells[4], cells[6]) for x in cell.split(", ")), line
 
