@@ -2,12 +2,12 @@
 
 Timing is a median that keeps its repetitions (its spread, and whether it is noisy). The report
 prints, per context length, the isolated phases against their floors and the component table
-(where a decode step's and a verify's time goes); then the end-to-end loops, the cost model,
-memory and collectives; then warnings about figures that cannot be (noise), and the answer in
-words with a verdict on what this run's acceptance means. Everything here reads the
-timing.Result that timing.measure returns and the Bench it ran on; as_json turns the Result into
-the --json line; `python report.py tables A.json B.json ...` puts several runs' lines in one
-markdown table (tables). Nothing here times anything.
+(where a decode step's and a verify's time goes); then the verify sweep against its floors and
+its cliffs; then the end-to-end loops, the cost model, memory and collectives; then warnings
+about figures that cannot be (noise), and the answer in words with a verdict on what this run's
+acceptance means. Everything here reads the timing.Result that timing.measure returns and the
+Bench it ran on; as_json turns the Result into the --json line; `python report.py tables A.json
+B.json ...` puts several runs' lines in one markdown table (tables). Nothing here times anything.
 
 The --json line is as_json(timing.Result): each dataclass a dict of its fields, each Timing its
 median in ms, integer keys as strings. Its verify sweep, `verify_sweep_ms`, maps the tokens a row
