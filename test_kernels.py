@@ -202,11 +202,12 @@ def test_fused_moe_gemv_shared_h_made_once(quant, monkeypatch):
     """The shared expert's h = silu(g) * u is made once a row block, by the last of its split programs
     to finish (a shared atomic counter): calls in a row with other tokens (a counter left non-zero would
     make a later call's last program the wrong one) each equal the plain sum, with masked rows and
-    without, repeat bitwise, leave the counters zero; more row blocks than counters are refused."""
+    without, repeat bitwise, leave the counters zero; more row blocks than counters are refused. Two
+    routed experts a token (the interpreter's time follows the pairs)."""
     qc = "int4" if quant == "int4" else checkpoint.fp8_quantization_config((128, 128))
     D = 96 if quant == "int4" else 256
-    args = tiny(n_routed_experts=16, num_experts_per_tok=4, hidden_size=D, moe_intermediate_size=192,
-                quantization_config=qc)
+    args = tiny(n_routed_experts=16, num_experts_per_tok=2, hidden_size=D,
+                moe_intermediate_size=192, quantization_config=qc)
     experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, torch.float32), 0).experts
     weights = [kernels.expert_weights(getattr(experts, p)) for p in ("gate_proj", "up_proj", "down_proj")]
     I, g = weights[0].shape[1], torch.Generator().manual_seed(1)
@@ -217,7 +218,7 @@ def test_fused_moe_gemv_shared_h_made_once(quant, monkeypatch):
                                        dict(gate_up=(64, 64, 2, 4, 2), down=(32, 64, 4, 2))])
     for cfg in blocks:
         for N in (3, 1, 4):
-            ids, w = routing("random", N, 4, 16, g, TRITON_DEVICE)
+            ids, w = routing("random", N, 2, 16, g, TRITON_DEVICE)
             x = torch.randn(N, D, generator=g).to(TRITON_DEVICE)
             want = (model.Experts.forward(experts, x, ids, w)
                     + (F.silu(x @ shared[0].T) * (x @ shared[1].T)) @ shared[2].T)
@@ -381,14 +382,17 @@ def test_mla_merge_absorb_equals_combine_then_head_gemv(dtype, monkeypatch):
     with B > 2 one starting at slot 0, whose only part is the new tokens'), one part up to 20; the
     parts no row uses are filled with NaN first, to show they are never read. Where the parts do not
     fit (MLA_MERGE_ABSORB_REGS) it must take the two launches itself; both cases occur. float32:
-    also against the float64 twin."""
+    also against the float64 twin. Triton's CPU interpreter takes seconds a Kimi-K2 case: there
+    the one Kimi-K2 case that merges, the GPU all three."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     combines, combine = [], kernels.mla_combine
     monkeypatch.setattr(kernels.mla, "mla_combine", lambda *a: combines.append(a[0].partial.shape) or combine(*a))
     scale, merged, fell_back = 0.07, 0, 0
     cases = [(TINY_MLA, 16, B, T, S, split) for B, T, S, split in (
         (1, 1, 40, None), (3, 1, 300, 16), (1, 4, 300, 16), (2, 2, 40, None), (4, 4, 40, None), (4, 4, 300, 16))]
-    cases += [(KIMI_TP8, 128, B, T, S, split) for B, T, S, split in ((1, 1, 300, 16), (3, 1, 100, 64), (1, 4, 300, 16))]
+    kimi = [(B, T, S, split) for B, T, S, split in ((1, 1, 300, 16), (3, 1, 100, 64), (1, 4, 300, 16))
+            if device == "cuda" or S == 100]                     # on a CPU the case that merges
+    cases += [(KIMI_TP8, 128, B, T, S, split) for B, T, S, split in kimi]
     if device == "cuda":
         cases += [(KIMI_TP8, 128, B, T, S, None) for B, T in ((1, 1), (3, 1), (1, 4), (4, 4)) for S in (256, 4096)]
     for i, (shape, N, B, T, S, split) in enumerate(cases):
@@ -678,7 +682,7 @@ def test_head_gemv_kernel_equals_twin(dtype):
 @pytest.mark.parametrize("others", [(), ("add_rmsnorm", "fused_proj"), ("attention",)])
 def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     """kernels "norm_gemv" (alone, with the fused residual adds and stacked q_a + kv_a, and with the
-    attention kernel) against the plain tiny model, float32, 3 layers: the 36-row prefill runs the
+    attention kernel) against the plain tiny model, float32, 2 layers: the 36-row prefill runs the
     plain path; a 9-row step runs q_b_proj's GEMV kernel (q_a_layernorm inside) once a layer, the rest
     plain; steps of 1, 2 and 3 rows also run o_proj (up to O_PROJ_GEMV_MAX_ROWS) and, with fused_proj,
     the stacked q_a + kv_a (QKVA_GEMV_MAX_ROWS) as GEMV kernels, and the absorbed products as head_gemv
@@ -686,7 +690,7 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     (MLA_MERGE_ABSORB_MAX_ROWS) merges the attention's parts in W_uv's launch (mla_merge_absorb, no
     combine launch: W_uk's head_gemv alone), and at more rows in the combine launch; both modes."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    args = tiny(num_hidden_layers=3)
+    args = tiny(num_hidden_layers=2)
     plain = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32), 0)
     fast = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32), 0)
     kernels.accelerate(fast, ("norm_gemv",) + others)
@@ -746,12 +750,12 @@ def kernel_models(device, dtype, B=3, max_seq_len=64, layers=8):
 @pytest.mark.triton
 def test_model_with_kernels_equals_plain():
     """The swapped tiny model (every kernel, the fused MoE) against the plain one, end to end
-    (3 layers on a CPU: the interpreter runs each program in turn), float32, on the same weights
-    (accelerate keeps the state dict's keys and values): a 12-token prefill and a 3-token step at
-    each row's own position in each attention mode, so every kernel runs (decode attention with
-    48 and 12 query rows a batch row); logits and the EAGLE-3 aux states."""
+    (2 layers on a CPU, one dense and one MoE: the interpreter runs each program in turn), float32,
+    on the same weights (accelerate keeps the state dict's keys and values): a 12-token prefill and
+    a 3-token step at each row's own position in each attention mode, so every kernel runs (decode
+    attention with 48 and 12 query rows a batch row); logits and the EAGLE-3 aux states."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    plain, fast = kernel_models(device, torch.float32, layers=8 if device == "cuda" else 3)
+    plain, fast = kernel_models(device, torch.float32, layers=8 if device == "cuda" else 2)
     assert fast.kernels == kernels.KERNELS and not hasattr(plain, "kernels")
     assert_same_state(fast, plain)
     prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=9))

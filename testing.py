@@ -191,10 +191,11 @@ def eager_without_pdl(fn, *inputs):
 # ---------------------------------------------------------------------------------------------
 # Checkpoints: quantized ones with their dequantized twins, edited ones
 
-def int4_checkpoint(d):
-    """The tiny model with INT4 experts in the Kimi-K2.5 layout (text_config, `language_model.`
-    prefix, a vision tower to skip), sharded; and the same weights dequantized, saved plain."""
-    args = tiny(moe_intermediate_size=64, quantization_config="int4")
+def int4_checkpoint(d, **shape):
+    """The tiny model (changed by `shape`) with INT4 experts in the Kimi-K2.5 layout (text_config,
+    `language_model.` prefix, a vision tower to skip), sharded; and the same weights dequantized,
+    saved plain."""
+    args = tiny(**{"moe_intermediate_size": 64, **shape}, quantization_config="int4")
     m = init_random(Transformer(args, max_batch_size=3, max_seq_len=32, dtype=torch.float32), 5)
     tensors = checkpoint.checkpoint_tensors(m, "language_model.")
     tensors.update({"vision_tower.patch_embed.proj.weight": torch.zeros(4, 3), "mm_projector.proj.0.weight": torch.zeros(2)})
@@ -204,7 +205,8 @@ def int4_checkpoint(d):
     with open(os.path.join(quant, "config.json"), "w") as f:
         json.dump({"architectures": ["KimiK25ForConditionalGeneration"], "vision_config": {},
                    "text_config": checkpoint.target_config(args)}, f)
-    ref = Transformer(tiny(moe_intermediate_size=64), max_batch_size=3, max_seq_len=32, dtype=torch.float32)
+    ref = Transformer(tiny(**{"moe_intermediate_size": 64, **shape}), max_batch_size=3,
+                      max_seq_len=32, dtype=torch.float32)
     for (name, p), (_, q) in zip(ref.named_parameters(), [(n, q) for n, q in m.named_parameters()
                                                            if not n.endswith("weight_scale")]):
         p.copy_(m.get_submodule(name.rsplit(".", 1)[0]).weights(name.rsplit(".", 1)[1])
@@ -213,12 +215,13 @@ def int4_checkpoint(d):
     return quant, plain
 
 
-def fp8_checkpoint(d, block=(16, 24)):
+def fp8_checkpoint(d, block=(16, 24), **shape):
     """The tiny model with every projection FP8 in 16 x 24 blocks (not square, so rows and columns
     cannot be mixed up; edges partial: 40 rows of kv_a_proj, 64 columns; TP 2 slices that start
     inside a block along rows, e.g. q_b_proj's 48, and columns, o_proj's 32), and the same weights
-    dequantized here, independently of the loader, saved plain."""
-    m = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), 6)
+    dequantized here, independently of the loader, saved plain. `shape` changes the tiny model."""
+    m = init_random(Transformer(tiny(**shape), max_batch_size=3, max_seq_len=32,
+                                dtype=torch.float32), 6)
     quant, plain = os.path.join(d, "fp8"), os.path.join(d, "plain")
     save_target(m, plain)
     tensors, deq = load_file(os.path.join(plain, "model.safetensors")), {}
