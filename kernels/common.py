@@ -106,7 +106,19 @@ class AttachAgain:
         return self
 
 
-# The kernels as the swaps call them: torch.compile (run.py --compile) does not trace into them (a
-# graph break), so their Triton launches run as written between the compiled parts. Each family's
-# module adds its own entry points here, by name, beside their definitions.
+# The kernels as the swaps call them: each family's module adds its entry points here, by name,
+# beside their definitions. torch.compile (run.py --compile) must not trace into them (a graph
+# break), so that their Triton launches run as written between the compiled parts: compile_layers
+# and compile_head wrap them first (keep_out_of_compile). Only runs that compile import
+# torch._dynamo (about a second of CPU for every process otherwise).
 launch = SimpleNamespace()
+_kept_out = False
+
+
+def keep_out_of_compile():
+    """Wrap every entry of `launch` in torch.compiler.disable, once."""
+    global _kept_out
+    if not _kept_out:
+        for name, fn in vars(launch).items():
+            setattr(launch, name, torch.compiler.disable(fn))
+        _kept_out = True

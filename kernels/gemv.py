@@ -254,8 +254,8 @@ def head_gemv(x, weight):
     return out
 
 
-launch.norm_gemv = torch.compiler.disable(norm_gemv)
-launch.head_gemv = torch.compiler.disable(head_gemv)
+launch.norm_gemv = norm_gemv
+launch.head_gemv = head_gemv
 
 # Rows (B * T) up to which the GEMV swaps run their kernel instead of cuBLAS (and model.RMSNorm):
 # where the kernel is faster at Kimi-K2's TP-8 shapes (python -m kernels.bench --small). q_b with

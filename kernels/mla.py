@@ -548,9 +548,9 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
     return out
 
 
-launch.mla_rope_cache_write = torch.compiler.disable(mla_rope_cache_write)
-launch.mla_decode_attention = torch.compiler.disable(mla_decode_attention)
-launch.mla_merge_absorb = torch.compiler.disable(mla_merge_absorb)
+launch.mla_rope_cache_write = mla_rope_cache_write
+launch.mla_decode_attention = mla_decode_attention
+launch.mla_merge_absorb = mla_merge_absorb
 
 class DecodeAttentionKernel(model.MLA):
     """"attention": decode mode's RoPE, cache write and latent attention in one kernel and a

@@ -207,7 +207,7 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
     return ids, weights
 
 
-launch.router_topk = torch.compiler.disable(router_topk)
+launch.router_topk = router_topk
 
 class RouterKernel(model.Router):
     """"router": logits, selection and weights in one kernel (SIMULATED uniform routing too).

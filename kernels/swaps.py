@@ -7,7 +7,7 @@ import torch
 
 import model
 
-from .common import HAVE_TRITON, check_available
+from .common import HAVE_TRITON, check_available, keep_out_of_compile
 from .eagle import (DRAFT_ATTN_BLOCK_N, DraftAttentionKernel, DraftHeadNorm, DraftNormsKernel,
                     DraftTop1Kernel, StackedQKV)
 from .elementwise import AddRMSNorm, SiluMulKernel
@@ -297,6 +297,7 @@ def compile_layers(target):
     compilation: the layers of a kind share one compiled code, one per shape and mode), the
     Triton launches left between the compiled parts. Tested equal to the plain layers; CUDA
     graphs stay explicit (graphs.py captures these)."""
+    keep_out_of_compile()
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 64)
     for layer in target.layers:
         layer.compile(dynamic=False)   # Block.forward, through the module's call
