@@ -79,6 +79,7 @@ class CudaGraphs:
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs = {}  # key -> (graph, static inputs, static outputs)
         self.functions = {}  # key -> (function_id, function_name) of what its graph captured
+        self.before_replay = None  # a callable (fn, inputs) run before each replay, if set
 
     def capture(self, key, fn, *inputs):
         static_in = [x.clone() for x in inputs]
@@ -106,5 +107,7 @@ class CudaGraphs:
         graph, static_in, static_out = self.graphs[key]
         for buf, x in zip(static_in, inputs):
             buf.copy_(x)
+        if self.before_replay is not None:
+            self.before_replay(fn, inputs)
         graph.replay()
         return copy_out(static_out)

@@ -22,6 +22,7 @@ N = B*T tokens.
 """
 import math
 from dataclasses import dataclass, field
+from functools import partial
 from typing import NamedTuple
 
 import torch
@@ -356,11 +357,13 @@ class Router(nn.Module):
     always, so their cost stays, then the choice is replaced on the device by a balanced one: pair
     j of the N*K token-expert pairs of a forward goes to expert j mod E, so each token gets K
     distinct experts (K <= E) and the experts are used evenly. The weights are the model's scores
-    of those experts, normalized and scaled as usual."""
+    of those experts, normalized and scaled as usual.
+    routing "distinct" (SIMULATED) or "trace" (TRACE): `choice`, a callable ids [N, K] -> ids [N, K]
+    that Transformer.set_routing gives each router, replaces the choice in the same place."""
 
     def __init__(self, args, device, dtype, routing="model"):
         super().__init__()
-        self.args, self.routing = args, routing
+        self.args, self.routing, self.choice = args, routing, None
         # kept in (at least) float32, as it is used: no cast of the [E, D] matrix per call
         self.weight = _param((args.n_routed_experts, args.hidden_size), None, device,
                              torch.promote_types(dtype or torch.get_default_dtype(), torch.float32))
@@ -382,6 +385,8 @@ class Router(nn.Module):
         ids = biased.topk(a.num_experts_per_tok, dim=-1).indices
         if self.routing == "uniform":
             ids = self.uniform_choice(ids)
+        elif self.choice is not None:
+            ids = self.choice(ids)
         return ids, self.normalize(scores.gather(1, ids))
 
     def uniform_choice(self, ids):
@@ -545,11 +550,15 @@ class TargetOutput(NamedTuple):
     aux: torch.Tensor | None    # [B, T, 3*D] the EAGLE-3 states with capture_aux, else None
 
 
+ROUTINGS = ("model", "uniform", "distinct", "trace")
+
+
 class Transformer(nn.Module):
     """This rank's shard of the target. `tp` defaults to the torch.distributed world (or 1).
 
     aux_layer_ids: decoder layers whose outputs EAGLE-3 reads (default 1, L//2 - 1, L - 4).
-    routing: "model" (the router's own choice) or "uniform" (SIMULATED balanced routing: Router).
+    routing: "model" (the router's own choice) or "uniform" (SIMULATED balanced routing: Router);
+    set_routing also takes a choice made outside the model ("distinct", "trace").
     This is the plain reference; kernels.accelerate(model, ...) swaps in the fast paths."""
 
     def __init__(self, args, max_batch_size=1, max_seq_len=4096, device=None, dtype=None, tp=None,
@@ -575,13 +584,19 @@ class Transformer(nn.Module):
         self.register_buffer("rope", torch.stack((cos, sin), -1), persistent=False)   # [S, R/2, 2]
         self.set_routing(routing)
 
-    def set_routing(self, routing):
-        if routing not in ("model", "uniform"):
-            raise ValueError(f"routing must be 'model' or 'uniform', not {routing!r}")
+    def set_routing(self, routing, choice=None):
+        """routing "model" or "uniform" (Router); or "distinct" (SIMULATED) or "trace" (TRACE) with
+        `choice`, a callable (layer, ids) -> ids [N, K] that replaces the router's choice in MoE
+        layer `layer` (0, 1, ... over the MoE layers; routing.py makes them)."""
+        if routing not in ROUTINGS:
+            raise ValueError(f"routing must be one of {', '.join(ROUTINGS)}, not {routing!r}")
+        if (choice is None) != (routing in ("model", "uniform")):
+            raise ValueError(f"routing {routing!r}: 'distinct' and 'trace' take a choice, "
+                             "'model' and 'uniform' none")
         self.routing = routing
-        for m in self.modules():
-            if isinstance(m, Router):
-                m.routing = routing
+        routers = [m for m in self.modules() if isinstance(m, Router)]
+        for layer, m in enumerate(routers):
+            m.routing, m.choice = routing, None if choice is None else partial(choice, layer)
 
     @property
     def device(self):

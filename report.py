@@ -86,8 +86,7 @@ def header(b):
     group, fp8 = t.args.int4_group_size, t.args.fp8_block
     quant_note = (f" (routed experts INT4, group {group})" if group else
                   f" (routed experts FP8 e4m3, {fp8[0]}x{fp8[1]} blocks)" if fp8 else "")
-    routing = ("routing SIMULATED uniform" if t.routing == "uniform"
-               else "routing: the model's router")
+    routing = routing_label(b)
     ar = modelled_allreduce(b)
     head_kernels = (f" (the head's: {','.join(b.head.kernels) or 'none'})" if b.head is not None
                     else "")
@@ -116,7 +115,8 @@ def moe_note(t):
 
 def answer(r, b):
     """The run's answer in a few plain sentences (what the README's story needed to know)."""
-    return verify_answer(r, b) + cost_answer(r, b) + tree_answer(r) + simulated_note(r, b)
+    return (verify_answer(r, b) + cost_answer(r, b) + tree_answer(r) + sweep_answer(r, b)
+            + simulated_note(r, b))
 
 
 def verify_answer(r, b):
@@ -182,6 +182,7 @@ def simulated_note(r, b):
     notes = [note for note, on in (
         ("routing SIMULATED uniform (random weights route unlike a trained router)",
          b.target.routing == "uniform"),
+        (routing_label(b), b.target.routing in ("distinct", "trace")),
         (rank, tp.simulated),
         ("acceptance SIMULATED", bool(b.cfg.simulate_accept_len)),
         ("CPU op times, not a GPU's", not b.gpu)) if on]
@@ -265,7 +266,8 @@ def component_table(r, c, b, verifies, titles):
     row("kernels" if b.gpu else "leaf ops", dec.kernels, ("", ""), lambda p: comps[p].kernels)
     ex = c.distinct_experts
     row("distinct experts per MoE layer"
-        + (" (SIMULATED uniform)" if b.target.routing == "uniform" else ""),
+        + {"uniform": " (SIMULATED uniform)", "distinct": " (SIMULATED distinct)",
+           "trace": " (TRACE)"}.get(b.target.routing, ""),
         ex["decode_step"], ("", ""), ex.get)
 
 
@@ -412,9 +414,11 @@ def agreement_line(r, b):
     ag = r.greedy_agreement_with_plain
     if not ag:
         return None if not r.e2e or b.target.routing == "model" else wrap(
-            "greedy speculative vs plain output: not compared, since SIMULATED uniform routing "
-            "gives a token its experts by its place in the forward, so a verify and a decode step "
-            "compute different functions (--routing model compares them)", "", "  ")
+            f"greedy speculative vs plain output: not compared, since {routing_label(b)} "
+            "gives a token its experts by its place in the forward"
+            + (" and the trace's order" if b.target.routing == "trace" else "")
+            + ", so a verify and a decode step compute different functions (--routing model "
+            "compares them)", "", "  ")
     shares = ", ".join(f"{name.removeprefix('eagle3/')} {x:.0%}" for name, x in ag.items())
     if all(x == 1 for x in ag.values()):
         meaning = "identical, as lossless greedy speculative decoding must be"
@@ -439,6 +443,7 @@ def report(r, b):
     print_sweep(r, b)
     print_e2e(r, b)
     print_cost_model(r)
+    print_routing_sweep(r)
     print_extras(r, b)
     for w in r.warnings:
         print("\n" + wrap(f"warning: {w}", "", "  "))
@@ -631,6 +636,78 @@ def fmt_spread(t, digits=3):
     mn, q1, _, q3, mx = t.spread()
     return (f"[{mn:.{digits}f} {q1:.{digits}f}-{q3:.{digits}f} {mx:.{digits}f}]"
             + (" noisy" if t.noisy else ""))
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing: its label, and the answer across distinct experts (--distinct-sweep)
+
+def routing_label(b):
+    """What chose the experts, as the header and the notes say it."""
+    t, cfg = b.target, b.cfg
+    if t.routing == "uniform":
+        return "routing SIMULATED uniform"
+    if t.routing == "distinct":
+        return (f"routing SIMULATED distinct (D = {cfg.distinct_experts} experts a MoE layer in "
+                f"a forward; a decode step's top-{t.args.num_experts_per_tok})")
+    if t.routing == "trace":
+        tr = b.trace
+        onto = (f", each window renamed onto the rank's {tr['renamed_onto']} of its "
+                f"{tr['n_experts']} experts" if tr["renamed_onto"] else "")
+        layers = (f", its {tr['layers']} layers repeated over {tr['model_moe_layers']}"
+                  if tr["layers"] != tr["model_moe_layers"] else "")
+        return (f"routing TRACE ({tr['path']}: {tr['tokens']} tokens{layers}{onto}"
+                + (f"; {tr['note']}" if tr["note"] else "") + ")")
+    return "routing: the model's router"
+
+
+def print_routing_sweep(r):
+    """The verify across distinct experts, one line a D (within 100 columns)."""
+    s = r.routing_sweep
+    if not s:
+        return
+    ar = " + all-reduces MODELLED" if r.allreduce_modelled else ""
+    print(f"\nverify of {s.tokens} tokens across distinct experts a MoE layer (SIMULATED "
+          f"distinct; {s.mode} attention,\n{s.variant}{ar}; top-{s.top_k} of {s.experts} "
+          f"experts; plain step {s.plain_step_ms:.2f} ms; cycle and break-even of num_steps "
+          f"{s.num_steps})")
+    print(f"  {'D':>5s} {'ran':>6s} {'verify ms':>10s} {'decode steps':>13s} {'cycle ms':>9s} "
+          f"{'break-even':>11s}")
+    for p in s.points:
+        print(f"  {p.distinct:5d} {p.distinct_ran:6.1f} {p.verify_ms:10.3f} {p.decode_steps:13.2f} "
+              f"{p.cycle_ms:9.2f} {p.break_even_accept_len:11.2f}")
+    print(f"  uniform's expectation for {s.tokens} tokens drawn independently: "
+          f"{s.uniform_expectation:.1f} distinct\n  this run's routing ({s.run_routing}): "
+          f"{s.run_distinct:.1f} distinct, verify {s.run_verify_ms:.3f} ms")
+
+
+def sweep_answer(r, b):
+    """At which D the accepted length a user expects pays: the SIMULATED one asked, else 2 and 3
+    tokens a cycle (the README story's ~2; published Kimi-K2 EAGLE-3 heads accept 2.3-3.4)."""
+    s = r.routing_sweep
+    if not s or not s.points:
+        return []
+    asked = b.cfg.simulate_accept_len
+    lines = []
+    for tau in [asked] if asked else [2.0, 3.0]:
+        # the first D (ascending) whose break-even reaches tau, and the one before it
+        fail = next((i for i, p in enumerate(s.points) if p.break_even_accept_len >= tau), None)
+        first, last = s.points[0], s.points[-1]
+        if fail == 0:
+            where = (f"pays at no D (break-even {first.break_even_accept_len:.2f} already at D = "
+                     f"{first.distinct})")
+        elif fail is None:
+            where = (f"pays at every D up to {last.distinct} (break-even "
+                     f"{last.break_even_accept_len:.2f} there)")
+        else:
+            top, over = s.points[fail - 1], s.points[fail]
+            where = (f"pays up to D = {top.distinct} (break-even {top.break_even_accept_len:.2f}; "
+                     f"{over.break_even_accept_len:.2f} at D = {over.distinct})")
+        lines.append(f"Across distinct experts a MoE layer (SIMULATED, verify of {s.tokens} "
+                     f"tokens, num_steps {s.num_steps}): {tau:g} accepted tokens a cycle"
+                     + (" (SIMULATED)" if asked else "") + f" {where}; uniform's expectation "
+                     f"is {s.uniform_expectation:.1f} of {s.experts}, this run's routing "
+                     f"({s.run_routing}) reached {s.run_distinct:.1f}.")
+    return lines
 
 
 # ---------------------------------------------------------------------------------------------

@@ -94,12 +94,25 @@ def distinct_ids(tokens, top_k, distinct, n_experts, generator=None):
     return experts[slots]
 
 
+def sweep_points(tokens, top_k, n_experts):
+    """The D of run.py --distinct-sweep: top_k times 1, 1.5, 2, 3, 4, 6, 8, ... (each doubling
+    and the point half-way to the next), below min(tokens x top_k, n_experts), which closes the
+    list (uniform routing's count there). 4 tokens, top 8, 128 experts: 8, 12, 16, 24, 32."""
+    high = distinct_range(tokens, top_k, n_experts)[1]
+    points, m = [], 1
+    while m * top_k < high:
+        points += [D for D in (m * top_k, m * top_k * 3 // 2) if D < high]
+        m *= 2
+    return points + [high]
+
+
 class DistinctChoice:
-    """routing "distinct" for a router: ids [N, K] -> the same shape drawn from D experts
-    (distinct_ids), D clipped to what N tokens reach (a decode step of one token keeps top_k).
-    Each shape's ids are built on the host once, copied to ids' device once and kept, so the
-    first call of a shape must come before a CUDA graph captures it (a warm-up); later calls
-    return the kept tensor and sync nothing."""
+    """routing "distinct" for the routers of a model (model.Transformer.set_routing): (layer, ids
+    [N, K]) -> the same shape drawn from D experts (distinct_ids; every layer the same), D clipped
+    to what N tokens reach (a decode step of one token keeps top_k). Each shape's ids are built
+    on the host once, copied to ids' device once and kept, so the first call of a shape must
+    come before a CUDA graph captures it (a warm-up); later calls return the kept tensor and
+    sync nothing."""
 
     def __init__(self, distinct, n_experts, top_k, seed=0):
         if not top_k <= distinct <= n_experts:
@@ -111,7 +124,7 @@ class DistinctChoice:
     def distinct_for(self, tokens):
         return min(self.distinct, tokens * self.top_k)
 
-    def __call__(self, ids):
+    def __call__(self, layer, ids):
         key = (ids.shape[0], ids.device)
         if key not in self.kept:
             g = torch.Generator().manual_seed(self.seed)
@@ -191,22 +204,39 @@ class TraceCursor:
 
 
 class TraceChoice:
-    """routing "trace" for the routers of a model: advance(n) copies the cursor's next n tokens
-    into a device buffer kept for n (one host-to-device copy a forward, made before a graph's
-    replay, outside it); choice(layer, ids) is then that buffer's layer [N, K], the same tensor
-    every time, so a captured graph reads what the last advance wrote."""
+    """routing "trace" for the routers of a model (model.Transformer.set_routing): advance(n)
+    copies the cursor's next n tokens into a device buffer kept for n (one host-to-device copy a
+    forward, made before a graph's replay, outside it); choice(layer, ids), or calling it, is then
+    that buffer's layer [N, K], the same tensor every time, so a captured graph reads what the
+    last advance wrote. A forward of a size never advanced (a prefill) keeps the router's own
+    ids. On a GPU the copy goes through pinned memory, asynchronously; the next advance of the
+    same size first waits until that copy has read it (the host stays a forward ahead)."""
 
     def __init__(self, cursor, device):
-        self.cursor, self.device, self.kept = cursor, device, {}
+        self.cursor, self.device, self.kept = cursor, torch.device(device), {}
+        self.staged, self.copied = {}, {}
+        self.advanced = 0          # tokens handed out
 
     def advance(self, n):
         ids = self.cursor.take(n)
+        cuda = self.device.type == "cuda"
         if n not in self.kept:
             self.kept[n] = torch.empty_like(ids, device=self.device)
-        self.kept[n].copy_(ids)
+            self.staged[n] = ids.pin_memory() if cuda else ids.clone()
+        elif self.copied.get(n) is not None:
+            self.copied[n].synchronize()
+        self.staged[n].copy_(ids)
+        self.kept[n].copy_(self.staged[n], non_blocking=cuda)
+        if cuda:
+            self.copied[n] = torch.cuda.Event()
+            self.copied[n].record()
+        self.advanced += n
 
     def choice(self, layer, ids):
-        return self.kept[ids.shape[0]][layer]
+        kept = self.kept.get(ids.shape[0])
+        return ids if kept is None else kept[layer]
+
+    __call__ = choice
 
 
 def rename(ids, n_experts):
@@ -343,8 +373,8 @@ class RoutingRecorder:
         self.hooks = [r.register_forward_hook(self.hook(i)) for i, r in enumerate(routers(target))]
 
     def hook(self, layer):
-        def keep(router, inputs, out):
-            self.ids[layer].append(out[0].detach().cpu())
+        def keep(router, inputs, out):  # (a fused MoE launch's shared-expert column left out)
+            self.ids[layer].append(out[0][:, :router.args.num_experts_per_tok].detach().cpu())
         return keep
 
     def pop(self):

@@ -107,6 +107,7 @@ def make_parser():
     add_speculative_flags(p)
     add_run_flags(p)
     add_timing_flags(p)
+    add_routing_flags(p)
     add_baseline_flags(p)
     return p
 
@@ -170,11 +171,6 @@ def add_timing_flags(p):
                    "CUDA graphs), beside the plain ones")
     p.add_argument("--reps", type=int, help="timed repetitions per phase, after warm-up (default "
                    "20)")
-    p.add_argument("--routing", choices=["model", "uniform"], help="model: the router's own "
-                   "choice; uniform: SIMULATED balanced routing (the router still runs, then each "
-                   "token gets K distinct experts and the tokens of a forward spread evenly over "
-                   "the experts), as engines benchmark random weights (default: uniform for "
-                   "random weights, model for --model-path and --dump)")
     p.add_argument("--context-len", type=int, nargs="+", metavar="N", help="cached tokens before "
                    "the isolated phases and their component tables, one or more lengths (default: "
                    "--prompt-len)")
@@ -192,6 +188,34 @@ def add_timing_flags(p):
                    "verify; NCCL above) (default %(default)s)")
     p.add_argument("--json", metavar="PATH", help="write every number of the run and its "
                    "environment as one JSON line to PATH ('-': to stdout, after the report)")
+
+
+def add_routing_flags(p):
+    """Which experts the timed forwards reach (routing.py): the router's, or SIMULATED / TRACE."""
+    p.add_argument("--routing", choices=["model", "uniform", "distinct", "trace"], help="model: "
+                   "the router's own choice; uniform: SIMULATED balanced routing (the router "
+                   "still runs, then each token gets K distinct experts and the tokens of a "
+                   "forward spread evenly over the experts), as engines benchmark random weights; "
+                   "distinct: SIMULATED, each MoE layer of a forward draws its tokens x top-k "
+                   "choices from exactly --distinct-experts D experts (a decode step keeps top-k); "
+                   "trace: TRACE, the ids of --routing-trace FILE replayed in order (a decode step "
+                   "takes one token's, a verify of T tokens the next T tokens', cycling). distinct "
+                   "and trace start after the caches are filled (default: uniform for random "
+                   "weights, model for --model-path and --dump)")
+    p.add_argument("--distinct-experts", type=int, metavar="D", help="with --routing distinct: "
+                   "experts a MoE layer of a forward reaches, top-k ... min(tokens of the verify x "
+                   "top-k, routed experts on the rank); a forward of fewer tokens reaches "
+                   "min(D, its tokens x top-k)")
+    p.add_argument("--routing-trace", metavar="FILE", help="with --routing trace: a routing trace "
+                   "(.npz: routing.py's format; --dump-routing writes one, routing.py "
+                   "convert-sglang makes one from SGLang's recorder). Its experts and top-k must "
+                   "be the model's; a rank keeping fewer experts (--routed-experts) gets each "
+                   "window's experts renamed onto its own, which tokens share an expert kept")
+    p.add_argument("--distinct-sweep", action="store_true", help="also time the verify (the cost "
+                   "model's attention mode, graphs where on) at D = top-k, 1.5, 2, 3, 4, 6, ... x "
+                   "top-k up to min(its tokens x top-k, experts) distinct experts a MoE layer "
+                   "(SIMULATED), with each D's decode steps, cycle and break-even accepted length "
+                   "(JSON: routing_sweep)")
 
 
 def add_model_flags(p):
@@ -226,6 +250,11 @@ def add_baseline_flags(p):
                    "with the drafts and accepted counts, where there is a head: --draft-path, or "
                    "the trained tiny pair's (the CPU default); plain greedy otherwise "
                    "(--model-path alone, --random-weights)")
+    b.add_argument("--dump-routing", action="store_true", help="with --dump: also record the "
+                   "router's top-k ids of every MoE layer for every token of the dumped sequences "
+                   "(prompt and output, as the log-probabilities' forward reads them) as "
+                   "routing_ids [MoE layers, tokens, top_k] with n_experts, top_k and "
+                   "sequence_lengths (routing.py's trace format; --routing-trace reads the file)")
     b.add_argument("--prompt-ids", metavar="FILE", help="for --dump: one JSON list of token ids "
                    "per line")
     b.add_argument("--topk", type=int, help="for --dump: log-probabilities kept per position "
@@ -288,6 +317,71 @@ def check_flags(args):
         check_writable("--json", args.json)
     if args.dump:
         check_writable("--dump", args.dump)
+    check_routing_flags(args)
+
+
+def check_routing_flags(args):
+    """--routing's companions: each with its routing, files that exist; the range of D is checked
+    with the model's sizes (check_routing_sizes)."""
+    if args.routing == "distinct" and args.distinct_experts is None:
+        raise BadInput("--routing distinct needs --distinct-experts D (experts a MoE layer of a "
+                       "forward reaches)")
+    if args.distinct_experts is not None and args.routing != "distinct":
+        raise BadInput(f"--distinct-experts {args.distinct_experts} is for --routing distinct")
+    if args.routing == "trace" and not args.routing_trace:
+        raise BadInput("--routing trace needs --routing-trace FILE (a routing trace .npz)")
+    if args.routing_trace and args.routing != "trace":
+        raise BadInput("--routing-trace is for --routing trace")
+    if args.routing_trace and not os.path.isfile(args.routing_trace):
+        raise BadInput(f"--routing-trace {args.routing_trace}: no such file")
+    if args.dump_routing and not args.dump:
+        raise BadInput("--dump-routing records the routing of a --dump run; add --dump PATH")
+    if args.dump and args.distinct_sweep:
+        raise BadInput("--distinct-sweep shapes the timing run; --dump times nothing")
+    if args.dump and args.routing in ("distinct", "trace"):
+        raise BadInput(f"--dump records the model's own routing: drop --routing {args.routing}")
+    if args.routing in ("distinct", "trace") and args.compare:
+        raise BadInput(f"--routing {args.routing} shapes the timing run; --compare builds no model")
+
+
+def check_routing_sizes(cfg, margs):
+    """--distinct-experts within [top-k, min(the largest verify's tokens x top-k, experts on the
+    rank)]; a --routing-trace whose experts and top-k are the model's (its full expert count,
+    before --routed-experts), and whose windows fit the rank's experts. One line each, before
+    anything is built."""
+    E, K = margs.n_routed_experts, margs.num_experts_per_tok
+    tokens = cfg.batch_size * max(cfg.speculative_num_draft_tokens, cfg.speculative_num_steps + 1)
+    if cfg.routing == "distinct":
+        low, high = K, min(tokens * K, E)
+        if not low <= cfg.distinct_experts <= high:
+            raise BadInput(f"--distinct-experts {cfg.distinct_experts}: must lie in [{low}, {high}]"
+                           f" (top-{K}; a verify of {tokens} tokens x top-{K} on {E} experts)")
+    if cfg.routing != "trace":
+        return
+    import numpy as np
+    full = E if cfg.model_path else trace_full_experts(cfg)
+    try:
+        with np.load(cfg.routing_trace) as f:
+            have_e, have_k, shape = int(f["n_experts"]), int(f["top_k"]), f["routing_ids"].shape
+    except (OSError, KeyError, ValueError) as e:
+        raise BadInput(f"--routing-trace {cfg.routing_trace}: not a routing trace ({e})") from None
+    if (have_e, have_k) != (full, K):
+        raise BadInput(f"--routing-trace {cfg.routing_trace}: {have_e} experts, top-{have_k}; the "
+                       f"model routes top-{K} of {full}")
+    most = cfg.batch_size * max(tokens // cfg.batch_size, 6)   # the verify sweep reads 1 ... 6
+    if E < full and most * K > E:
+        raise BadInput(f"--routing-trace with {E} of {full} experts kept: a forward of {most} "
+                       f"tokens may reach {most * K} experts, more than the rank keeps; keep more "
+                       "(--routed-experts) or read fewer tokens (--batch-size)")
+    if len(shape) != 3 or shape[1] < 1:
+        raise BadInput(f"--routing-trace {cfg.routing_trace}: routing_ids {list(shape)} are not "
+                       "[layers, tokens, top_k]")
+
+
+def trace_full_experts(cfg):
+    """The preset's routed experts before --routed-experts keeps fewer."""
+    import checkpoint
+    return checkpoint.preset(cfg.preset).n_routed_experts
 
 
 
@@ -508,6 +602,7 @@ def check_sizes(cfg, device, world):
                        "ids]")
     if cfg.dump:
         check_prompt_ids(cfg, margs.vocab_size)
+    check_routing_sizes(cfg, margs)
     K = cfg.speculative_eagle_topk
     if parts is not None and K > dargs.draft_vocab_size:
         raise BadInput(f"--speculative-eagle-topk {K}: above the draft head's vocabulary of "

@@ -45,9 +45,9 @@ def test_distinct_at_its_top_is_uniform_routing():
 
 def test_distinct_choice_keeps_one_tensor_a_shape_and_decode_keeps_top_k():
     choose = routing.DistinctChoice(24, 384, 8, seed=3)
-    verify = choose(torch.zeros(4, 8, dtype=torch.long))
-    assert verify.unique().numel() == 24 and choose(torch.ones(4, 8, dtype=torch.long)) is verify
-    assert choose(torch.zeros(1, 8, dtype=torch.long)).unique().numel() == 8
+    verify = choose(0, torch.zeros(4, 8, dtype=torch.long))
+    assert verify.unique().numel() == 24 and choose(0, torch.ones(4, 8, dtype=torch.long)) is verify
+    assert choose(0, torch.zeros(1, 8, dtype=torch.long)).unique().numel() == 8
 
 
 def test_uniform_distinct():

@@ -12,6 +12,7 @@ import dataclasses
 import os
 import statistics
 import time
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from functools import partial
 
@@ -23,6 +24,7 @@ from tqdm import tqdm
 import checkpoint
 import kernels
 import model
+import routing
 import tp as tpm
 import train
 from components import (CostModel, ModelledAllreduce, SweepCliffs, component_bytes, cost_model,
@@ -98,7 +100,7 @@ def build_target(args, device, dtype, tp):
     max_seq_len = cache_slots(args)
     if args.model_path:
         target = checkpoint.load_target(args.model_path, args.batch_size, max_seq_len, device,
-                                        dtype, tp, routing=args.routing)
+                                        dtype, tp, routing=built_routing(args))
         if not args.trained_pair:
             return target, f"loaded {args.model_path}"
         return target, ("the trained tiny pair (checkpoints/tiny-stdlib, made by train.py from "
@@ -110,7 +112,7 @@ def build_target(args, device, dtype, tp):
         tpm.print0(f"memory override: {args.routed_experts} of "
                    f"{checkpoint.preset(args.preset).n_routed_experts} routed experts per layer kept")
     target = model.Transformer(margs, args.batch_size, max_seq_len, device, dtype, tp,
-                               routing=args.routing)
+                               routing=built_routing(args))
     params = sum(p.numel() for p in target.parameters())
     whole = tp.world_size == 1 or not tp.simulated and params < MAX_PARAMS_SEEDED_WHOLE
     checkpoint.init_random(target, args.seed, rank_local=not whole)
@@ -192,14 +194,20 @@ class Clock:
             torch.cuda.synchronize()
 
 
-def median_ms(clock, fn, reps, warmup=3, desc=None):
+def median_ms(clock, fn, reps, warmup=3, desc=None, before=None):
+    """fn's median over reps timed calls after warmup; before() (when given) runs ahead of every
+    call, outside its timed span."""
     stamps = []
     hide = desc is None or not is_rank0()
     with tqdm(total=warmup + reps, desc=desc, disable=hide, leave=False) as bar:
         for _ in range(warmup):
+            if before:
+                before()
             fn()
             bar.update()
         for _ in range(reps):
+            if before:
+                before()
             a = clock.stamp()
             fn()
             stamps.append((a, clock.stamp()))
@@ -345,6 +353,8 @@ class Env:
     gpu_mem_peak_eager_GB: float | None = optional()
     weights_GB: float | None = optional()
     routed_experts_GB: float | None = optional()
+    distinct_experts_asked: int | None = optional()    # --routing distinct's D
+    routing_trace: dict | None = optional()             # --routing trace: the file and its mapping
 
 
 @dataclass
@@ -368,6 +378,7 @@ class Result:
     warnings: list = field(default_factory=list)
     spread_ms: dict = field(default_factory=dict)  # each Timing's spread, nested as the result
     answer: list = field(default_factory=list)
+    routing_sweep: "RoutingSweep | None" = optional()   # --distinct-sweep
 
 
 # ---------------------------------------------------------------------------------------------
@@ -388,6 +399,9 @@ class Bench:
     # longest context or the prompt length, whichever is longer
     fill: torch.Tensor = None
     aux: torch.Tensor = None   # [B, C, 3D] the target's EAGLE-3 states along `fill`
+    routing_choice: object = None   # routing "distinct" or "trace": routing.py's choice
+    feed: "TraceFeed | None" = None  # routing "trace": advances the trace before each forward
+    trace: dict = None               # routing "trace": the file and how it maps (Env)
 
     @property
     def gpu(self):
@@ -418,7 +432,11 @@ class Bench:
 
     def timed(self, key, fn, *inputs, graph):
         call = (lambda: self.runner.run(key, fn, *inputs)) if graph else (lambda: fn(*inputs))
-        return median_ms(self.clock, call, self.cfg.reps, desc=phase_label(key, graph))
+        if self.feed is None or not self.feed.routes(fn):
+            return median_ms(self.clock, call, self.cfg.reps, desc=phase_label(key, graph))
+        with self.feed.held():   # the trace advanced before each call, outside its timed span
+            return median_ms(self.clock, call, self.cfg.reps, desc=phase_label(key, graph),
+                             before=partial(self.feed.choice.advance, inputs[0].numel()))
 
 
 def prepare(cfg, device):
@@ -439,6 +457,7 @@ def prepare(cfg, device):
         _, b.aux = prefill_target(target, b.fill[:, :C], last, capture_aux=True,
                                   progress=bar.update)
         prefill_draft(head, b.fill[:, :C], b.aux, last, progress=bar.update)  # output not used
+    set_timing_routing(b)
     return b
 
 
@@ -726,9 +745,11 @@ def environment(b, world):
                int4_group_size=t.args.int4_group_size, fp8_block=t.args.fp8_block,
                moe_impl=t.moe_impl, kernels=list(t.kernels),
                draft_kernels=list(b.head.kernels) if b.head is not None else None,
-               routing=t.routing, simulated_routing=t.routing == "uniform", seed=cfg.seed,
+               routing=t.routing, simulated_routing=t.routing in ("uniform", "distinct"),
+               seed=cfg.seed,
                simulated_acceptance=cfg.simulate_accept_len is not None, target=b.how,
-               config=vars(cfg), weights=weights, cpu_count=os.cpu_count())
+               config=vars(cfg), weights=weights, cpu_count=os.cpu_count(),
+               **routing_env(b))
 
 
 def gpu_memory(b, r):
@@ -769,6 +790,8 @@ def measure(b, world):
     if cfg.compile:
         compiled(b, first, r)
     r.cost_model = cost_model(r, b)
+    if cfg.distinct_sweep:
+        r.routing_sweep = routing_sweep(b, r)
     if b.gpu:
         gpu_memory(b, r)
         r.kernels_per_decode_step = r.contexts[first].components["decode_step"].kernels
@@ -776,3 +799,146 @@ def measure(b, world):
     r.warnings, r.spread_ms = timing_warnings(r), spreads(r)
     r.answer = answer(r, b) + verdict(r)
     return r
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing for timing (routing.py): "distinct" (SIMULATED) and "trace" (TRACE), put in after the
+# caches are filled; the answer across distinct experts (--distinct-sweep)
+
+def built_routing(cfg):
+    """The routing a target is built with: distinct and trace start after the caches are filled
+    (set_timing_routing); until then the router's own choice."""
+    return cfg.routing if cfg.routing in ("model", "uniform") else "model"
+
+
+def set_timing_routing(b):
+    """Routing "distinct" or "trace" put into the target's routers (model.Transformer.set_routing).
+    A trace is advanced before each forward of the target of up to the most tokens a timed one
+    reads: by Bench.timed outside the timed span, elsewhere (the profiled runs, the end-to-end
+    loops) by a TraceFeed before each eager forward and each graph replay."""
+    cfg, t = b.cfg, b.target
+    E, K = t.args.n_routed_experts, t.args.num_experts_per_tok
+    if cfg.routing == "distinct":
+        b.routing_choice = routing.DistinctChoice(cfg.distinct_experts, E, K, seed=cfg.seed)
+    elif cfg.routing == "trace":
+        full = E if cfg.model_path else checkpoint.preset(cfg.preset).n_routed_experts
+        trace = routing.read_trace(cfg.routing_trace, full, K)   # (run.py checked it fits)
+        layers = sum(isinstance(layer.mlp, model.MoE) for layer in t.layers)
+        cursor = routing.TraceCursor(trace.ids, layers, onto=E if E < full else None)
+        b.routing_choice = routing.TraceChoice(cursor, t.device)
+        most = cfg.batch_size * max(cfg.speculative_num_draft_tokens, b.k + 1, 6)
+        b.feed = TraceFeed(b.routing_choice, t, b.runner, most)
+        b.trace = dict(path=cfg.routing_trace, note=trace.note, layers=trace.ids.shape[0],
+                       tokens=trace.ids.shape[1], n_experts=full, model_moe_layers=layers,
+                       renamed_onto=E if E < full else None)
+    else:
+        return
+    t.set_routing(cfg.routing, b.routing_choice)
+
+
+class TraceFeed:
+    """routing "trace" outside Bench.timed: advances the TraceChoice by a forward's tokens before
+    each eager forward of the target (a forward pre-hook; not while a graph captures) and before
+    each graph replay of the runner (its before_replay), for forwards of up to `most` tokens
+    (longer ones, prefills, keep the router's own choice). held(): off, while Bench.timed
+    advances it itself."""
+
+    def __init__(self, choice, target, runner, most):
+        self.choice, self.target, self.most, self.off = choice, target, most, False
+        target.register_forward_pre_hook(self.before_forward)
+        if runner is not None:
+            runner.before_replay = self.before_replay
+
+    def routes(self, fn):
+        """Whether fn runs the target: the target itself, or a function of it (tree_forward)."""
+        return isinstance(fn, partial) and (fn.func is self.target or self.target in fn.args)
+
+    def advance(self, tokens):
+        if not self.off and tokens.numel() <= self.most:
+            self.choice.advance(tokens.numel())
+
+    def before_forward(self, module, args):
+        if not (module.device.type == "cuda" and torch.cuda.is_current_stream_capturing()):
+            self.advance(args[0])
+
+    def before_replay(self, fn, inputs):
+        if self.routes(fn):
+            self.advance(inputs[0])
+
+    @contextmanager
+    def held(self):
+        self.off = True
+        try:
+            yield
+        finally:
+            self.off = False
+
+
+def routing_env(b):
+    """The Env's fields that say which routing ran, beyond its name."""
+    if b.cfg.routing == "distinct":
+        return dict(distinct_experts_asked=b.cfg.distinct_experts)
+    if b.cfg.routing == "trace":
+        return dict(routing_trace=b.trace)
+    return {}
+
+
+@dataclass
+class RoutingPoint:
+    """The verify at D distinct experts a MoE layer (SIMULATED), and what a cycle then costs."""
+    distinct: int               # D asked
+    distinct_ran: float         # distinct experts a MoE layer, counted in one forward
+    verify_ms: Timing           # the verify alone (+ MODELLED all-reduces where modelled)
+    decode_steps: float         # verify_ms / the plain step
+    cycle_ms: float             # the cost model's cycle of num_steps with this verify
+    break_even_accept_len: float
+
+
+@dataclass
+class RoutingSweep:
+    """The verify timed (the cost model's attention mode and variant) across distinct experts,
+    D = top-k ... min(tokens x top-k, experts) (routing.sweep_points), against the plain step.
+    The cycle is the cost model's for num_steps with its verify swapped for this one."""
+    tokens: int                 # tokens a verify forward reads: batch x (num_steps + 1)
+    top_k: int
+    experts: int                # routed experts on the rank
+    uniform_expectation: float  # routing.uniform_distinct: tokens drawn independently
+    num_steps: int
+    variant: str                # "graph" or "eager"
+    mode: str                   # verify's attention, the flag's word
+    plain_step_ms: float        # the cost model's (+ MODELLED all-reduces where modelled)
+    run_routing: str            # the run's own routing, and its verify (ms, distinct experts)
+    run_verify_ms: float
+    run_distinct: float
+    points: list                # [RoutingPoint], D ascending
+
+
+def routing_sweep(b, r):
+    """The verify of the cost model's num_steps timed at each D of routing.sweep_points, then the
+    run's routing put back. Needs the cost model (its plain step and cycle)."""
+    (variant, mode), k, ctx, t = b.best, b.k, b.cfg.context_len[0], b.target
+    cm = r.cost_model.steps.get(k)
+    if cm is None or k + 1 not in r.verify_sweep_ms:
+        return None
+    E, K = t.args.n_routed_experts, t.args.num_experts_per_tok
+    key, fn, inputs = phase_calls(b, ctx)[b.verify_name(mode)]
+    tokens, ar = inputs[0].numel(), r.allreduce_modelled.target_forward_ms \
+        if r.allreduce_modelled else 0.0
+    rest = cm.cycle_ms - r.verify_sweep_ms[k + 1].verify          # the cycle without its verify
+    out = RoutingSweep(tokens, K, E, routing.uniform_distinct(E, K, tokens), k, variant,
+                       FLAG_WORD[mode], r.cost_model.plain_step_ms, t.routing,
+                       r.phases_ms[f"{b.verify_name(mode)}/{variant}"] + ar,
+                       r.contexts[ctx].distinct_experts[b.verify_name(mode)], [])
+    try:
+        for D in routing.sweep_points(tokens, K, E):
+            t.set_routing("distinct", routing.DistinctChoice(D, E, K, seed=b.cfg.seed))
+            name = key._replace(phase=f"{key.phase} distinct {D}")
+            ms = b.timed(name, fn, *inputs, graph=variant == "graph")
+            ran = statistics.mean(routed_distinct(t, fn, inputs))
+            cycle = rest + ms
+            out.points.append(RoutingPoint(D, ran, Timing([v + ar for v in ms.samples]),
+                                           (ms + ar) / out.plain_step_ms, cycle,
+                                           cycle / out.plain_step_ms))
+    finally:
+        t.set_routing(b.cfg.routing, b.routing_choice)
+    return out

@@ -212,11 +212,18 @@ launch.router_topk = router_topk
 class RouterKernel(model.Router):
     """"router": logits, selection and weights in one kernel (SIMULATED uniform routing too).
     shared_slot: one more column, expert E with weight 1 for every token ([N, K + 1]), made in the
-    same kernel (SharedExpertInLaunch)."""
+    same kernel (SharedExpertInLaunch). A choice made outside (routing "distinct", "trace":
+    model.Router's `choice`): the kernel routes as the model's router, then the choice is copied
+    over its first K columns (the weights stay the router's own)."""
 
     def forward(self, x, shared_slot=False, planes=None):
         a = self.args
-        return launch.router_topk(x, self.weight, self.e_score_correction_bias, a.num_experts_per_tok,
-                                  a.n_group, a.topk_group, a.norm_topk_prob, a.routed_scaling_factor,
-                                  uniform=self.routing == "uniform", shared_slot=shared_slot, planes=planes)
+        K = a.num_experts_per_tok
+        ids, weights = launch.router_topk(
+            x, self.weight, self.e_score_correction_bias, K, a.n_group, a.topk_group,
+            a.norm_topk_prob, a.routed_scaling_factor, uniform=self.routing == "uniform",
+            shared_slot=shared_slot, planes=planes)
+        if self.choice is not None:
+            ids[:, :K].copy_(self.choice(ids[:, :K]))
+        return ids, weights
 
