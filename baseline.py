@@ -29,6 +29,13 @@ log-softmax after reading the sequence's first t+1 tokens, predicting token t+1.
   accepted_nodes int64   [B, C, D]      a tree only: the accepted drafts' node numbers by depth
                                         (1-based, as draft_parents), -1 past the accepted ones
   meta           str     []             optional: JSON saying what produced the file
+With --dump-routing, also a routing trace (routing.py's format, which --routing-trace reads), from
+the same teacher-forced forward: the router's ids of every MoE layer for each row's tokens (prompt,
+then output, as far as the top-K arrays read them), the rows one after another.
+  routing_ids      int16/32 [L, tokens, top_k]  L MoE layers, in model order
+  n_experts        int64   []           the model's routed experts
+  top_k            int64   []           experts per token
+  sequence_lengths int64   [B]          each row's tokens in routing_ids
 """
 import json
 import math
@@ -98,10 +105,12 @@ def read_prompt_ids(path):
 
 
 def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
-         attention_mode="extend", use_graphs=False, eos_id=None, chunk=256, tree=None):
+         attention_mode="extend", use_graphs=False, eos_id=None, chunk=256, tree=None,
+         record_routing=False):
     """Greedy generation (speculative with `head`, plain with None; tree: (K, N) to draft a tree
     of topk K and N draft tokens) and the target's top-K log-probabilities along the sequences
-    it produced: the dump's arrays, the same on every rank.
+    it produced: the dump's arrays, the same on every rank. record_routing: also the routers'
+    ids in that forward (the routing arrays of the module docstring).
 
     The log-probabilities come from a separate teacher-forced extend forward over each row's prompt
     and output, so they do not depend on how generation batched, drafted or graphed its steps."""
@@ -131,12 +140,20 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
         seqs = seqs.to(target.device)
         positions = torch.arange(T, device=target.device).expand(B, T)
         ids, logprobs = [], []
+        if record_routing:
+            import routing
+            recorder = routing.RoutingRecorder(target)
         for s in range(0, T, chunk):  # chunks over the cache (slot = position): [B, chunk, V]
             logits, _ = target(seqs[:, s:s + chunk], positions[:, s:s + chunk], "extend")
             lp, top = torch.log_softmax(logits, -1).topk(topk, -1)  # logits are float32 or wider
             ids.append(top.cpu())
             logprobs.append(lp.float().cpu())
         kept = (torch.arange(T) < ends).unsqueeze(-1)                                # [B, T, 1]
+        routed = {}
+        if record_routing:
+            recorder.remove()
+            lengths = (ends + 1).clamp(max=T).flatten().tolist()
+            routed = routing_arrays(recorder.pop(), B, T, chunk, lengths, target.args)
         out = dict(prompt_ids=prompt_ids, output_ids=output_ids,
                    topk_ids=torch.cat(ids, 1).masked_fill(~kept, -1).numpy(),
                    topk_logprobs=torch.cat(logprobs, 1).masked_fill(~kept, float("nan")).numpy())
@@ -146,7 +163,21 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
         if res.parents is not None:
             out["draft_parents"] = res.parents.transpose(0, 1).numpy()              # [B, C, N-1]
             out["accepted_nodes"] = res.paths.transpose(0, 1).numpy()               # [B, C, D]
-        return out
+        return out | routed
+
+
+def routing_arrays(ids, B, T, chunk, lengths, args):
+    """The recorder's ids [L, chunks of B x chunk tokens, K] (each chunk's rows one after another)
+    as a trace's arrays: each row's first `lengths` tokens in order, the rows one after another."""
+    import torch
+    L, K = ids.shape[0], ids.shape[-1]
+    rows = torch.cat([part.view(L, B, -1, K) for part in ids.split(
+        [B * min(chunk, T - s) for s in range(0, T, chunk)], dim=1)], dim=2)     # [L, B, T, K]
+    routing_ids = torch.cat([rows[:, b, :n] for b, n in enumerate(lengths)], dim=1)
+    E = args.n_routed_experts
+    dtype = np.int16 if E <= np.iinfo(np.int16).max else np.int32
+    return dict(routing_ids=routing_ids.numpy().astype(dtype), n_experts=np.int64(E),
+                top_k=np.int64(K), sequence_lengths=np.asarray(lengths, dtype=np.int64))
 
 
 def check_dump(d, name):
@@ -434,7 +465,8 @@ def dump_main(cfg, target, head, how):
                 device=torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu")
     print0(fill(f"dump: {json.dumps(meta)}"))
     arrays = dump(target, head, cfg.prompts, cfg.max_new_tokens, cfg.speculative_num_steps,
-                  cfg.topk, cfg.attention_modes[0], use_graphs=cfg.cuda_graph == "on", tree=tree)
+                  cfg.topk, cfg.attention_modes[0], use_graphs=cfg.cuda_graph == "on", tree=tree,
+                  record_routing=cfg.dump_routing)
     if target.tp.rank == 0:  # np.savez on a file, not a name: a name would gain ".npz"
         write_whole(cfg.dump, lambda f: np.savez(f, meta=np.array(json.dumps(meta)), **arrays))
         shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in arrays.items())

@@ -374,7 +374,8 @@ class RoutingRecorder:
 
     def hook(self, layer):
         def keep(router, inputs, out):  # (a fused MoE launch's shared-expert column left out)
-            self.ids[layer].append(out[0][:, :router.args.num_experts_per_tok].detach().cpu())
+            ids = out[0][:, :router.args.num_experts_per_tok]   # a copy: a choice's is reused
+            self.ids[layer].append(ids.detach().to("cpu", copy=True))
         return keep
 
     def pop(self):

@@ -216,3 +216,126 @@ def test_load_spread():
     assert spread["layers"][0] == dict(max_over_min=None, cv=pytest.approx(
         torch.tensor([3.0, 1, 1, 1, 0]).std().item() / 1.2), unused=1)
     assert routing.load_spread(ids, 4)["mean"]["max_over_min"] == 3.0
+
+
+# ---------------------------------------------------------------------------------------------
+# The routings through the model, the timing run and the dump
+
+def routed_ids(target, tokens, positions):
+    """The routers' ids of one forward: [MoE layers, tokens, K]."""
+    recorder = routing.RoutingRecorder(target)
+    with torch.no_grad():
+        target(tokens, positions)
+    ids = recorder.pop()
+    recorder.remove()
+    return ids
+
+
+def assert_distinct(ids, D, K, what):
+    for layer, layer_ids in enumerate(ids):
+        assert layer_ids.unique().numel() == D, f"{what}: layer {layer}"
+        assert all(row.unique().numel() == K for row in layer_ids), f"{what}: layer {layer}"
+
+
+def tiny_target(dtype=torch.float32, seed=4, batch=1):
+    return checkpoint.init_random(model.Transformer(checkpoint.preset("tiny"), batch, 32,
+                                                    dtype=dtype), seed)
+
+
+def test_distinct_routing_reaches_exactly_D_in_every_layer_of_a_forward_at_every_T():
+    target = tiny_target()
+    E, K = target.args.n_routed_experts, target.args.num_experts_per_tok
+    for T in range(1, 7):
+        tokens, positions = torch.randint(0, 256, (1, T)), torch.arange(T).unsqueeze(0)
+        low, high = routing.distinct_range(T, K, E)
+        for D in range(low, high + 1):
+            target.set_routing("distinct", routing.DistinctChoice(D, E, K, seed=T))
+            assert_distinct(routed_ids(target, tokens, positions), D, K, f"T {T}, D {D}")
+    target.set_routing("model")
+    assert all(r.choice is None for r in routing.routers(target))
+    with pytest.raises(ValueError, match="take a choice"):
+        target.set_routing("distinct")
+
+
+@pytest.mark.triton
+def test_distinct_routing_through_the_router_kernel():
+    """kernels.RouterKernel routes as the model's router, then the choice's ids are copied over."""
+    import kernels
+    from testing import TRITON_DEVICE
+    target = checkpoint.init_random(model.Transformer(checkpoint.preset("tiny"), 1, 32,
+                                                      TRITON_DEVICE, torch.float32), 4)
+    kernels.accelerate(target, ["router"], moe="gather")
+    assert all(isinstance(r, kernels.RouterKernel) for r in routing.routers(target))
+    E, K = target.args.n_routed_experts, target.args.num_experts_per_tok
+    for T, D in [(1, K), (4, K), (4, 6), (4, E), (6, 9)]:
+        tokens = torch.randint(0, 256, (1, T), device=TRITON_DEVICE)
+        positions = torch.arange(T, device=TRITON_DEVICE).unsqueeze(0)
+        target.set_routing("distinct", routing.DistinctChoice(D, E, K, seed=T))
+        assert_distinct(routed_ids(target, tokens, positions), D, K, f"kernel, T {T}, D {D}")
+
+
+def timing_bench(argv):
+    """run.py's timing run prepared (models built, caches filled, the routing put in), on CPU."""
+    import run
+    import timing
+    cfg = run.settle(run.parse_args(argv), torch.device("cpu"), 1)
+    run.check_sizes(cfg, torch.device("cpu"), 1)
+    return timing.prepare(cfg, torch.device("cpu"))
+
+
+def test_a_trace_replays_exactly_in_the_timed_forwards(tmp_path):
+    """Each timed forward (warm-ups too) takes the trace's next tokens, in order, cycling; a
+    forward outside the timing (a profile, the loops) takes the next ones too; the trace's layers
+    repeat over the model's MoE layers."""
+    import timing
+    ids = random_trace(layers=2, tokens=13, E=16, K=4, seed=5)
+    path = tmp_path / "trace.npz"
+    routing.save_trace(path, ids, 16, 4)
+    b = timing_bench(["--routing", "trace", "--routing-trace", str(path), "--reps", "2"])
+    L = len(routing.routers(b.target))
+    want = ids[torch.arange(L) % 2]
+    recorder = routing.RoutingRecorder(b.target)
+    calls = timing.phase_calls(b, b.cfg.context_len[0])
+    for phase in ("verify/decode", "decode_step"):
+        key, fn, inputs = calls[phase]
+        b.timed(key, fn, *inputs, graph=False)              # 3 warm-ups and 2 timed calls
+        fn(*inputs)                                         # outside the timing: advanced too
+    got = recorder.pop()
+    recorder.remove()
+    T = b.k + 1
+    order = torch.arange(6 * T + 6) % 13
+    assert torch.equal(got, want[:, order]), "the forwards' ids are not the trace's, in order"
+    assert b.routing_choice.advanced == 6 * T + 6
+
+
+def test_distinct_routing_in_the_timing_run_and_its_sweep():
+    import timing
+    b = timing_bench(["--routing", "distinct", "--distinct-experts", "6", "--reps", "1"])
+    K = b.target.args.num_experts_per_tok
+    for phase, D in (("verify/decode", 6), ("decode_step", K)):
+        key, fn, inputs = timing.phase_calls(b, b.cfg.context_len[0])[phase]
+        recorder = routing.RoutingRecorder(b.target)
+        b.timed(key, fn, *inputs, graph=False)
+        got = recorder.pop()
+        recorder.remove()
+        n = inputs[0].numel()
+        for call in got.split(n, dim=1):
+            assert_distinct(call, D, K, phase)
+
+
+def test_a_dumps_routing_is_the_routers_own_choice():
+    import baseline
+    target = tiny_target(torch.float64, seed=6, batch=2)
+    prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
+    d = baseline.dump(target, None, prompts, 5, topk=3, record_routing=True)
+    t = routing.Trace(torch.from_numpy(d["routing_ids"].astype(np.int64)), int(d["n_experts"]),
+                      int(d["top_k"]), d["sequence_lengths"].tolist())
+    assert t.ids.shape[0] == len(routing.routers(target)) and t.top_k == 4
+    start = 0
+    for row, (p, out, n) in enumerate(zip(prompts, d["output_ids"], t.sequence_lengths)):
+        seq = (p + [x for x in out.tolist() if x >= 0])[:6 + 5 - 1]   # P + N - 1 positions
+        assert n == len(seq)
+        own = routed_ids(target, torch.tensor([seq]), torch.arange(n).unsqueeze(0))
+        assert torch.equal(t.ids[:, start:start + n], own), f"row {row}"
+        start += n
+    assert start == t.ids.shape[1]
