@@ -1014,3 +1014,82 @@ def test_run_py_lines_fit_120_columns_and_say_what_a_run_does():
     assert "the dump drafts a tree" in run.tree_note(cfg) and "isolated" not in run.tree_note(cfg)
     help_text = " ".join(run_py("--help").stdout.split())
     assert "the trained tiny pair's (the CPU default)" in help_text and "130 interrupted (Ctrl-C)" in help_text
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing for timing: distinct and trace (routing.py), refused in one line where they cannot run
+
+def test_run_py_refuses_routing_flags_before_building(monkeypatch, tmp_path):
+    """The trained pair routes top-4 of 16 experts; its verify reads 4 tokens (D in [4, 16]),
+    a --batch-size 2 random tiny 8 (D in [4, 16] too), num_steps 1 a verify of 2 (D in [4, 8])."""
+    import routing
+    monkeypatch.setattr(timing, "build", lambda *a: pytest.fail("a model was built"))
+    big = tmp_path / "kimi.npz"
+    routing.save_trace(big, torch.zeros(2, 5, 8, dtype=torch.long), 384, 8)
+    cpu = torch.device("cpu")
+    for flags, message in [
+            ("--routing distinct --distinct-experts 3", r"--distinct-experts 3: must lie in \[4, 16\]"),
+            ("--routing distinct --distinct-experts 17", r"--distinct-experts 17: must lie in \[4, 16\]"),
+            ("--routing distinct --distinct-experts 9 --speculative-num-steps 1",
+             r"--distinct-experts 9: must lie in \[4, 8\] \(top-4; a verify of 2 tokens"),
+            (f"--routing trace --routing-trace {big}",
+             f"--routing-trace {big}: 384 experts, top-8; the model routes top-4 of 16")]:
+        with pytest.raises(run.BadInput, match=message):
+            run.check_sizes(_settled(flags), cpu, 1)
+    run.check_sizes(_settled("--routing distinct --distinct-experts 16 --random-weights "
+                             "--batch-size 2"), cpu, 1)
+    for flags, message in [
+            ("--routing distinct", "--routing distinct needs --distinct-experts D"),
+            ("--distinct-experts 6", "--distinct-experts 6 is for --routing distinct"),
+            ("--routing trace", "--routing trace needs --routing-trace FILE"),
+            (f"--routing-trace {big}", "--routing-trace is for --routing trace"),
+            ("--routing trace --routing-trace nothing.npz", "--routing-trace nothing.npz: no such file"),
+            ("--dump-routing", "--dump-routing records the routing of a --dump run"),
+            ("--dump x.npz --prompt-ids p --distinct-sweep", "--distinct-sweep shapes the timing run"),
+            ("--dump x.npz --prompt-ids p --routing distinct --distinct-experts 6",
+             "--dump records the model's own routing: drop --routing distinct")]:
+        with pytest.raises(run.BadInput, match=message):
+            run.parse_args(flags.split())
+    _refused(run_py("--routing", "distinct", "--distinct-experts", "17"),
+             r"--distinct-experts 17: must lie in \[4, 16\]")
+    _refused(run_py("--routing", "trace", "--routing-trace", str(big)),
+             "384 experts, top-8; the model routes top-4 of 16")
+
+
+def test_run_py_distinct_routing_and_its_sweep_end_to_end(tmp_path):
+    """--routing distinct D: every timed verify reaches D experts a MoE layer, the decode step
+    top-k, labelled SIMULATED; --distinct-sweep times the verify at D = 4, 6, 8, 12, 16 (top 4 of
+    16, 4 tokens), each counted as it ran, its lines within 100 columns; a --dump-routing file
+    replays in --routing trace, labelled TRACE."""
+    cli = run_py("--routing", "distinct", "--distinct-experts", "6", "--distinct-sweep",
+                 "--skip-e2e", "--reps", "2", "--json", "-")
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    r = json.loads(cli.stdout.splitlines()[-1])
+    assert r["env"]["routing"] == "distinct" and r["env"]["simulated_routing"] is True
+    assert r["env"]["distinct_experts_asked"] == 6
+    assert r["contexts"]["16"]["distinct_experts"] == {"decode_step": 4, "verify/prefill": 6,
+                                                       "verify/decode": 6}
+    s = r["routing_sweep"]
+    assert [p["distinct"] for p in s["points"]] == [4, 6, 8, 12, 16] and s["tokens"] == 4
+    assert all(p["distinct_ran"] == p["distinct"] for p in s["points"])
+    for p in s["points"]:
+        assert p["decode_steps"] == pytest.approx(p["verify_ms"] / s["plain_step_ms"])
+        assert p["break_even_accept_len"] == pytest.approx(p["cycle_ms"] / s["plain_step_ms"])
+    out = cli.stdout
+    table = out[out.index("verify of 4 tokens across distinct experts"):].split("\n\n")[0]
+    assert not [line for line in table.splitlines() if len(line) > 100], table
+    assert "routing SIMULATED distinct (D = 6" in out and "Across distinct experts" in out
+    (tmp_path / "p.jsonl").write_text("[10, 20, 30, 40, 50]\n[7, 8, 9]\n")
+    trace = tmp_path / "d.npz"
+    dumped = run_py("--dump", str(trace), "--prompt-ids", str(tmp_path / "p.jsonl"),
+                    "--max-new-tokens", "6", "--dump-routing")
+    assert dumped.returncode == 0, dumped.stderr[-2000:]
+    import routing
+    t = routing.read_trace(trace, 16, 4)
+    assert t.sequence_lengths == [10, 9] and t.ids.shape[1] == 19   # P + N - 1 = 10 at most
+    cli = run_py("--routing", "trace", "--routing-trace", str(trace), "--skip-e2e", "--reps", "2",
+                 "--json", "-")
+    assert cli.returncode == 0, cli.stderr[-2000:]
+    r = json.loads(cli.stdout.splitlines()[-1])
+    assert r["env"]["routing"] == "trace" and r["env"]["routing_trace"]["tokens"] == 19
+    assert "routing TRACE (" in cli.stdout
