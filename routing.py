@@ -40,6 +40,10 @@ each pass's tokens in order). Record one request at a time
 within a pass, and neighbouring tokens in the trace are then a batch's neighbours. ("stat" mode
 keeps only per-expert counts: no trace in it.)
 
+The figure (`python routing.py plot RESULT.json [...] --out FIG.png`): verify's cost in decode
+steps against D, and the break-even accepted length beside it, from run.py --distinct-sweep
+--json files, one series each (matplotlib, imported there only: not a requirement).
+
 The probe (`python routing.py probe --out DIR`): a small model (model.Transformer) whose MoE
 layers route as Kimi-K2 does (384 routed experts, top 8, sigmoid scores, the aux-free correction
 bias moved by the sign of each expert's load as DeepSeek-V3 does, n_group 1, one shared expert,
@@ -649,7 +653,70 @@ def convert_main(argv):
     print(f"{a.out}: {t.ids.shape[0]} layers, {t.ids.shape[1]} tokens ({t.note})")
 
 
-COMMANDS = dict(probe=probe_main, curve=curve_main, **{"convert-sglang": convert_main})
+def plot_main(argv):
+    p = argparse.ArgumentParser(prog="routing.py plot", description="Verify's cost in decode "
+                                "steps against distinct experts a MoE layer, and the break-even "
+                                "accepted length beside it, from run.py --distinct-sweep --json "
+                                "files (one series each); needs matplotlib (not a requirement).")
+    p.add_argument("results", nargs="+", help="run.py --json files with routing_sweep")
+    p.add_argument("--out", required=True, help="the figure (.png, .svg, .pdf)")
+    a = p.parse_args(argv)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("routing.py plot: needs matplotlib (pip install matplotlib)", file=sys.stderr)
+        return 2
+    series = []
+    for path in a.results:
+        with open(path) as f:
+            r = json.loads(f.read().splitlines()[-1])
+        if not r.get("routing_sweep"):
+            print(f"routing.py plot: {path} has no routing_sweep (run.py --distinct-sweep)",
+                  file=sys.stderr)
+            return 2
+        series.append((sweep_label(r), r["routing_sweep"]))
+    fig, (cost, even) = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
+    for label, s in series:
+        D = [q["distinct"] for q in s["points"]]
+        line, = cost.plot(D, [q["decode_steps"] for q in s["points"]], "o-", label=label)
+        even.plot(D, [q["break_even_accept_len"] for q in s["points"]], "o-",
+                  color=line.get_color(), label=label)
+        run_steps = s["run_verify_ms"] / s["plain_step_ms"]
+        cost.plot([s["run_distinct"]], [run_steps], "*", ms=12, color=line.get_color())
+        cost.annotate(s["run_routing"], (s["run_distinct"], run_steps), textcoords="offset points",
+                      xytext=(6, -12), fontsize=8, color=line.get_color())
+    for tau in (2, 3):
+        even.axhline(tau, color="grey", lw=0.8, ls=":")
+        even.annotate(f"{tau} accepted a cycle", (even.get_xlim()[0], tau), fontsize=8,
+                      color="grey", textcoords="offset points", xytext=(4, 3))
+    cost.set(xlabel="distinct experts a MoE layer in the verify (D)",
+             ylabel="verify cost, decode steps", title="verify / plain decode step")
+    even.set(xlabel="distinct experts a MoE layer in the verify (D)",
+             ylabel="accepted tokens a cycle to break even",
+             title="break-even accepted length (bonus included)")
+    for ax in (cost, even):
+        ax.grid(alpha=0.3)
+    cost.legend(fontsize=8)
+    fig.suptitle("SIMULATED distinct experts (run.py --distinct-sweep); star: the run's own "
+                 "routing", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(a.out, dpi=150)
+    print(f"wrote {a.out}")
+    return 0
+
+
+def sweep_label(r):
+    """A series' name: dtype and expert layout, experts, the verify's tokens, graphs."""
+    env, s = r["env"], r["routing_sweep"]
+    quant = " INT4" if env.get("int4_group_size") else " FP8" if env.get("fp8_block") else ""
+    return (f"{env['dtype']}{quant}, {s['experts']} experts, top-{s['top_k']}, verify of "
+            f"{s['tokens']}, {s['variant']}")
+
+
+COMMANDS = dict(probe=probe_main, curve=curve_main, plot=plot_main,
+                **{"convert-sglang": convert_main})
 
 
 def main(argv=None):

@@ -1028,8 +1028,8 @@ def test_run_py_refuses_routing_flags_before_building(monkeypatch, tmp_path):
     routing.save_trace(big, torch.zeros(2, 5, 8, dtype=torch.long), 384, 8)
     cpu = torch.device("cpu")
     for flags, message in [
-            ("--routing distinct --distinct-experts 3", r"--distinct-experts 3: must lie in \[4, 16\]"),
-            ("--routing distinct --distinct-experts 17", r"--distinct-experts 17: must lie in \[4, 16\]"),
+            ("--routing distinct --distinct-experts 3", r"--distinct-experts 3: .* \[4, 16\]"),
+            ("--routing distinct --distinct-experts 17", r"--distinct-experts 17: .* \[4, 16\]"),
             ("--routing distinct --distinct-experts 9 --speculative-num-steps 1",
              r"--distinct-experts 9: must lie in \[4, 8\] \(top-4; a verify of 2 tokens"),
             (f"--routing trace --routing-trace {big}",
@@ -1043,9 +1043,9 @@ def test_run_py_refuses_routing_flags_before_building(monkeypatch, tmp_path):
             ("--distinct-experts 6", "--distinct-experts 6 is for --routing distinct"),
             ("--routing trace", "--routing trace needs --routing-trace FILE"),
             (f"--routing-trace {big}", "--routing-trace is for --routing trace"),
-            ("--routing trace --routing-trace nothing.npz", "--routing-trace nothing.npz: no such file"),
+            ("--routing trace --routing-trace none.npz", "--routing-trace none.npz: no such file"),
             ("--dump-routing", "--dump-routing records the routing of a --dump run"),
-            ("--dump x.npz --prompt-ids p --distinct-sweep", "--distinct-sweep shapes the timing run"),
+            ("--dump x.npz --prompt-ids p --distinct-sweep", "--distinct-sweep shapes the timing"),
             ("--dump x.npz --prompt-ids p --routing distinct --distinct-experts 6",
              "--dump records the model's own routing: drop --routing distinct")]:
         with pytest.raises(run.BadInput, match=message):

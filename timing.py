@@ -851,7 +851,8 @@ class TraceFeed:
 
     def routes(self, fn):
         """Whether fn runs the target: the target itself, or a function of it (tree_forward)."""
-        return isinstance(fn, partial) and (fn.func is self.target or self.target in fn.args)
+        return isinstance(fn, partial) and (fn.func is self.target
+                                            or any(a is self.target for a in fn.args))
 
     def advance(self, tokens):
         if not self.off and tokens.numel() <= self.most:
