@@ -666,10 +666,10 @@ def print_routing_sweep(r):
     if not s:
         return
     ar = " + all-reduces MODELLED" if r.allreduce_modelled else ""
-    print(f"\nverify of {s.tokens} tokens across distinct experts a MoE layer (SIMULATED "
-          f"distinct; {s.mode} attention,\n{s.variant}{ar}; top-{s.top_k} of {s.experts} "
-          f"experts; plain step {s.plain_step_ms:.2f} ms; cycle and break-even of num_steps "
-          f"{s.num_steps})")
+    print("\n" + wrap(f"verify of {s.tokens} tokens across distinct experts a MoE layer "
+                      f"(SIMULATED distinct; {s.mode} attention, {s.variant}{ar}; top-{s.top_k} "
+                      f"of {s.experts} experts; plain step {s.plain_step_ms:.2f} ms; cycle and "
+                      f"break-even of num_steps {s.num_steps})", "", "", width=100))
     print(f"  {'D':>5s} {'ran':>6s} {'verify ms':>10s} {'decode steps':>13s} {'cycle ms':>9s} "
           f"{'break-even':>11s}")
     for p in s.points:
@@ -687,7 +687,7 @@ def sweep_answer(r, b):
     if not s or not s.points:
         return []
     asked = b.cfg.simulate_accept_len
-    lines = []
+    said = []
     for tau in [asked] if asked else [2.0, 3.0]:
         # the first D (ascending) whose break-even reaches tau, and the one before it
         fail = next((i for i, p in enumerate(s.points) if p.break_even_accept_len >= tau), None)
@@ -702,12 +702,16 @@ def sweep_answer(r, b):
             top, over = s.points[fail - 1], s.points[fail]
             where = (f"pays up to D = {top.distinct} (break-even {top.break_even_accept_len:.2f}; "
                      f"{over.break_even_accept_len:.2f} at D = {over.distinct})")
-        lines.append(f"Across distinct experts a MoE layer (SIMULATED, verify of {s.tokens} "
-                     f"tokens, num_steps {s.num_steps}): {tau:g} accepted tokens a cycle"
-                     + (" (SIMULATED)" if asked else "") + f" {where}; uniform's expectation "
-                     f"is {s.uniform_expectation:.1f} of {s.experts}, this run's routing "
-                     f"({s.run_routing}) reached {s.run_distinct:.1f}.")
-    return lines
+        said.append(f"{tau:g} accepted tokens a cycle" + (" (SIMULATED)" if asked else "")
+                    + f" {where}")
+    trace = b.trace if b.target.routing == "trace" else None
+    mean = trace and trace.get("verify_distinct_mean")
+    ran = (f"this run's routing ({s.run_routing}) reached {s.run_distinct:.1f} in its timed verify"
+           + (f", the trace's windows of {trace['verify_tokens']} tokens {mean:.1f} on average"
+              if mean is not None else ""))
+    return [f"Across distinct experts a MoE layer (SIMULATED; verify of {s.tokens} tokens, "
+            f"num_steps {s.num_steps}): " + "; ".join(said) + f". Uniform's expectation is "
+            f"{s.uniform_expectation:.1f} of {s.experts}; {ran}."]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -828,9 +828,12 @@ def set_timing_routing(b):
         b.routing_choice = routing.TraceChoice(cursor, t.device)
         most = cfg.batch_size * max(cfg.speculative_num_draft_tokens, b.k + 1, 6)
         b.feed = TraceFeed(b.routing_choice, t, b.runner, most)
+        T = cfg.batch_size * (b.k + 1)
+        mean = routing.distinct_curve(trace.ids, full, T, trace.sequence_lengths).get(T)
         b.trace = dict(path=cfg.routing_trace, note=trace.note, layers=trace.ids.shape[0],
                        tokens=trace.ids.shape[1], n_experts=full, model_moe_layers=layers,
-                       renamed_onto=E if E < full else None)
+                       renamed_onto=E if E < full else None, verify_tokens=T,
+                       verify_distinct_mean=mean)
     else:
         return
     t.set_routing(cfg.routing, b.routing_choice)
