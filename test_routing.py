@@ -267,7 +267,9 @@ def test_distinct_routing_through_the_router_kernel():
     kernels.accelerate(target, ["router"], moe="gather")
     assert all(isinstance(r, kernels.RouterKernel) for r in routing.routers(target))
     E, K = target.args.n_routed_experts, target.args.num_experts_per_tok
-    for T, D in [(1, K), (4, K), (4, 6), (4, E), (6, 9)]:
+    cases = [(T, D) for T in range(1, 7) for D in sorted({K, (K + min(T * K, E)) // 2,
+                                                          min(T * K, E)})]
+    for T, D in cases:
         tokens = torch.randint(0, 256, (1, T), device=TRITON_DEVICE)
         positions = torch.arange(T, device=TRITON_DEVICE).unsqueeze(0)
         target.set_routing("distinct", routing.DistinctChoice(D, E, K, seed=T))
@@ -339,3 +341,47 @@ def test_a_dumps_routing_is_the_routers_own_choice():
         assert torch.equal(t.ids[:, start:start + n], own), f"row {row}"
         start += n
     assert start == t.ids.shape[1]
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("kernels_on", ["none", "all"])
+def test_distinct_and_trace_routing_replay_in_cuda_graphs_as_eager(kernels_on):
+    """Captured, a forward routes as eager does, with nothing syncing the host in the replay:
+    distinct at D (its ids kept from the eager call), and a trace at each window that
+    TraceChoice.advance wrote before the replay, outside the graph."""
+    from functools import partial
+
+    from graphs import CudaGraphs
+    from testing import gpu_models
+    target, _ = gpu_models(torch.float32, B=1, kernels_on=kernels_on)
+    E, K = target.args.n_routed_experts, target.args.num_experts_per_tok
+    tokens = torch.randint(0, 256, (1, 4), device="cuda")
+    positions = torch.arange(8, 12, device="cuda").unsqueeze(0)
+    fn, runner = partial(target, mode="decode", kv_len=16), CudaGraphs("cuda")
+
+    def replayed(key):
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            return runner.run(key, fn, tokens, positions).logits
+        finally:
+            torch.cuda.set_sync_debug_mode("default")
+    target.set_routing("distinct", routing.DistinctChoice(6, E, K))
+    eager = fn(tokens, positions).logits
+    runner.run("distinct", fn, tokens, positions)                   # captured
+    assert torch.equal(replayed("distinct"), eager), "distinct routing: graph vs eager"
+    choice = routing.TraceChoice(routing.TraceCursor(random_trace(2, 12, E, K),
+                                                     len(routing.routers(target))), "cuda")
+    target.set_routing("trace", choice)
+    outs = []
+    for window in range(3):
+        choice.cursor.at = 4 * window
+        choice.advance(4)
+        eager = fn(tokens, positions).logits
+        if window == 0:
+            runner.run("trace", fn, tokens, positions)              # captured
+        choice.cursor.at = 4 * window
+        choice.advance(4)
+        outs.append(replayed("trace"))
+        assert torch.equal(outs[-1], eager), f"trace window {window}: graph vs eager"
+    assert not torch.equal(outs[0], outs[1]), "the replay did not read the advanced window"
