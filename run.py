@@ -30,7 +30,10 @@ says where the time of a decode step and of a verify goes, by component (a profi
 the captured shapes), against each component's byte floor; the output ends with the answer in
 words. Forced acceptance (--simulate-accept-len), balanced routing on random weights (--routing
 uniform, the default there) and modelled all-reduces (--allreduce-us) are labelled SIMULATED or
-MODELLED everywhere they appear.
+MODELLED everywhere they appear. --routing distinct (SIMULATED: D distinct experts a MoE layer) and
+--routing trace (TRACE: recorded routing replayed; --dump-routing records one) choose the experts
+for the timing (routing.py); --distinct-sweep times the verify across D and says at which D an
+accepted length pays.
 
     python run.py --preset kimi-k2.5 --speculative-num-steps 2 --cuda-graph on --allreduce-us 35
         # the story's deployment (INT4 Kimi-K2.5, TP 8 over PCIe, 2 draft steps), one rank of it

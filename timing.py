@@ -1,5 +1,6 @@
 """The timing run: build the target and the head, time each phase alone (eager and captured),
-the verify sweep, the plain and speculative loops end to end, and the collectives of real TP.
+the verify sweep, the plain and speculative loops end to end, the collectives of real TP, and
+with --distinct-sweep the verify across distinct experts (routing_sweep).
 
 Device work is timed with CUDA events after warm-up, each time a median that keeps its
 repetitions (report.Timing); on a CPU, whose ops run synchronously, a clock is honest. Every
