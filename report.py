@@ -652,7 +652,8 @@ def routing_label(b):
     if t.routing == "trace":
         tr = b.trace
         onto = (f", each window renamed onto the rank's {tr['renamed_onto']} of its "
-                f"{tr['n_experts']} experts" if tr["renamed_onto"] else "")
+                f"{tr['n_experts']} experts (one reaching more: all {tr['renamed_onto']})"
+                if tr["renamed_onto"] else "")
         layers = (f", its {tr['layers']} layers repeated over {tr['model_moe_layers']}"
                   if tr["layers"] != tr["model_moe_layers"] else "")
         return (f"routing TRACE ({tr['path']}: {tr['tokens']} tokens{layers}{onto}"

@@ -191,20 +191,22 @@ class TraceCursor:
     its layer l replays the trace's layer l mod (the trace's layers). onto: experts on the rank,
     when fewer than the trace's: each take's experts are renamed, layer by layer, onto 0 ... D -1
     in order of their ids (which tokens share an expert is kept, so the distinct count and each
-    expert's load are; refused where D > onto). Host tensors; the caller copies them to the
+    expert's load are; refused where D > onto, unless saturate: such a layer's window then
+    reaches all the rank's experts, its pairs spread over them as uniform routing spreads them,
+    pair j of the window to expert j mod onto). Host tensors; the caller copies them to the
     device buffer its router reads."""
 
-    def __init__(self, ids, layers=None, onto=None):
+    def __init__(self, ids, layers=None, onto=None, saturate=False):
         layers = layers or ids.shape[0]
         self.ids = ids[torch.arange(layers) % ids.shape[0]]
-        self.onto, self.at = onto, 0
+        self.onto, self.saturate, self.at = onto, saturate, 0
 
     def take(self, n):
         tokens = self.ids.shape[1]
         index = (self.at + torch.arange(n)) % tokens
         self.at = (self.at + n) % tokens
         ids = self.ids[:, index]
-        return ids if self.onto is None else rename(ids, self.onto)
+        return ids if self.onto is None else rename(ids, self.onto, self.saturate)
 
 
 class TraceChoice:
@@ -243,15 +245,17 @@ class TraceChoice:
     __call__ = choice
 
 
-def rename(ids, n_experts):
-    """ids [layers, n, K]: each layer's distinct experts renamed onto 0 ... D - 1 (sorted)."""
+def rename(ids, n_experts, saturate=False):
+    """ids [layers, n, K]: each layer's distinct experts renamed onto 0 ... D - 1 (sorted); where
+    D > n_experts, refused, or with saturate pair j to expert j mod n_experts (TraceCursor)."""
     out = torch.empty_like(ids)
     for layer, layer_ids in enumerate(ids):
         used, renamed = layer_ids.unique(return_inverse=True)
-        if len(used) > n_experts:
+        if len(used) > n_experts and not saturate:
             raise ValueError(f"a window of the trace reaches {len(used)} experts in layer {layer}; "
                              f"the rank has {n_experts}")
-        out[layer] = renamed
+        out[layer] = (renamed if len(used) <= n_experts else
+                      torch.arange(renamed.numel()).view_as(renamed) % n_experts)
     return out
 
 

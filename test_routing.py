@@ -92,6 +92,9 @@ def test_trace_cursor_repeats_layers_and_renames_onto_a_smaller_rank():
         assert torch.equal(same, window[layer].unsqueeze(-1).unsqueeze(-1) == window[layer])
     with pytest.raises(ValueError, match="reaches 32 experts in layer 0; the rank has 16"):
         routing.TraceCursor(routing.distinct_ids(4, 8, 32, 384).unsqueeze(0), onto=16).take(4)
+    full = routing.TraceCursor(routing.distinct_ids(4, 8, 32, 384).unsqueeze(0), onto=16,
+                               saturate=True).take(4)               # all the rank's experts
+    assert full.unique().numel() == 16 and all(row.unique().numel() == 8 for row in full[0])
 
 
 def test_a_mismatched_trace_is_refused_in_one_line(tmp_path):

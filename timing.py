@@ -825,9 +825,11 @@ def set_timing_routing(b):
         full = E if cfg.model_path else checkpoint.preset(cfg.preset).n_routed_experts
         trace = routing.read_trace(cfg.routing_trace, full, K)   # (run.py checked it fits)
         layers = sum(isinstance(layer.mlp, model.MoE) for layer in t.layers)
-        cursor = routing.TraceCursor(trace.ids, layers, onto=E if E < full else None)
+        cursor = routing.TraceCursor(trace.ids, layers, onto=E if E < full else None,
+                                     saturate=True)
         b.routing_choice = routing.TraceChoice(cursor, t.device)
-        most = cfg.batch_size * max(cfg.speculative_num_draft_tokens, b.k + 1, 6)
+        most = cfg.batch_size * max(cfg.speculative_num_draft_tokens, b.k + 1,
+                                    *cfg.verify_sweep_tokens)
         b.feed = TraceFeed(b.routing_choice, t, b.runner, most)
         T = cfg.batch_size * (b.k + 1)
         mean = routing.distinct_curve(trace.ids, full, T, trace.sequence_lengths).get(T)
