@@ -674,9 +674,13 @@ def plot_main(argv):
         return 2
     series = []
     for path in a.results:
-        with open(path) as f:
-            r = json.loads(f.read().splitlines()[-1])
-        if not r.get("routing_sweep"):
+        try:
+            with open(path) as f:
+                r = json.loads(f.read().splitlines()[-1])
+        except (OSError, UnicodeDecodeError, IndexError, ValueError) as e:
+            print(f"routing.py plot: {path}: not a run.py --json file ({e})", file=sys.stderr)
+            return 2
+        if not isinstance(r, dict) or not r.get("routing_sweep"):
             print(f"routing.py plot: {path} has no routing_sweep (run.py --distinct-sweep)",
                   file=sys.stderr)
             return 2

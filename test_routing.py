@@ -1,5 +1,7 @@
 """routing.py: SIMULATED distinct experts, routing traces, SGLang's per-token dumps, the probe's
 router. CPU, seconds."""
+import json
+
 import numpy as np
 import pytest
 import torch
@@ -388,3 +390,23 @@ def test_distinct_and_trace_routing_replay_in_cuda_graphs_as_eager(kernels_on):
         outs.append(replayed("trace"))
         assert torch.equal(outs[-1], eager), f"trace window {window}: graph vs eager"
     assert not torch.equal(outs[0], outs[1]), "the replay did not read the advanced window"
+
+
+def test_the_figure_draws_from_a_sweep_or_says_in_one_line_what_it_needs(tmp_path, capsys):
+    import importlib.util
+    points = [dict(distinct=D, distinct_ran=D, verify_ms=2 + D / 8, decode_steps=0.5 + D / 16,
+                   cycle_ms=3 + D / 8, break_even_accept_len=0.75 + D / 16) for D in (8, 16, 32)]
+    sweep = dict(tokens=4, top_k=8, experts=128, uniform_expectation=29.1, num_steps=3,
+                 variant="graph", mode="decode", plain_step_ms=4.0, run_routing="uniform",
+                 run_verify_ms=6.0, run_distinct=32, points=points)
+    path, out = tmp_path / "r.json", tmp_path / "fig.png"
+    path.write_text(json.dumps(dict(env=dict(dtype="bfloat16"), routing_sweep=sweep)) + "\n")
+    status = routing.main(["plot", str(path), "--out", str(out)])
+    err = capsys.readouterr().err.strip().splitlines()
+    if importlib.util.find_spec("matplotlib") is None:
+        assert status == 2 and err == ["routing.py plot: needs matplotlib (pip install matplotlib)"]
+    else:
+        assert status == 0 and out.stat().st_size > 0, err
+        (tmp_path / "bad.json").write_text("{}\n")
+        assert routing.main(["plot", str(tmp_path / "bad.json"), "--out", str(out)]) == 2
+        assert "no routing_sweep" in capsys.readouterr().err
