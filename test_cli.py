@@ -982,6 +982,19 @@ def test_run_py_ctrl_c_while_importing_is_one_line():
     assert said_on(err) == ["run.py: interrupted (Ctrl-C); no output file written"], err[-2000:]
 
 
+def test_train_py_ctrl_c_while_importing_is_one_line(tmp_path):
+    """train.py's twin of the test above: Ctrl-C while torch loads is one line and status 130."""
+    p = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), "--quick", "--out",
+                          str(tmp_path / "pair")], cwd=tmp_path, env=CPU_ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    time.sleep(0.5)   # inside torch's import (or, on a fast machine, later: one line there too)
+    p.send_signal(signal.SIGINT)
+    out, err = p.communicate(timeout=120)
+    assert p.returncode == 130 and "Traceback" not in err, (p.returncode, err[-2000:])
+    said = said_on(err)
+    assert len(said) == 1 and said[0].startswith("train.py: interrupted"), err[-2000:]
+
+
 def test_run_py_refuses_prompt_ids_outside_the_vocabulary_before_building(tmp_path):
     """--prompt-ids with an id past the vocabulary (256 for the tiny pair): one line tagged
     --prompt-ids, before the model is built (so no dump: line)."""

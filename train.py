@@ -41,15 +41,21 @@ import tempfile
 import textwrap
 import time
 
-import torch
-import torch.nn.functional as F
-from tqdm import tqdm
+try:  # Ctrl-C while torch loads (seconds): one line and exit status 130, as later (main)
+    import torch
+    import torch.nn.functional as F
+    from tqdm import tqdm
 
-import checkpoint
-import kernels
-import model
-from draft import Eagle3Draft, draft_preset, draft_vocab, train_step, ttt_loss
-from verify import generate
+    import checkpoint
+    import kernels
+    import model
+    from draft import Eagle3Draft, draft_preset, draft_vocab, train_step, ttt_loss
+    from verify import generate
+except KeyboardInterrupt:
+    if __name__ != "__main__":
+        raise
+    print("train.py: interrupted; nothing started", file=sys.stderr)
+    sys.exit(130)
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 PAIR_DIR = os.path.join(HERE, "checkpoints", "tiny-stdlib")  # the committed pair, what run.py runs
