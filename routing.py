@@ -184,6 +184,37 @@ def read_trace(path, n_experts, top_k):
     return Trace(ids, n_experts, top_k, lengths, note)
 
 
+def check_flags(cfg, margs):
+    """run.py's --routing flags against the model's sizes, before anything is built (ValueError,
+    one line each): --distinct-experts within distinct_range of the largest verify; a
+    --routing-trace whose experts and top-k are the model's (its full expert count, before
+    --routed-experts: the preset's for random weights)."""
+    E, K = margs.n_routed_experts, margs.num_experts_per_tok
+    tokens = cfg.batch_size * max(cfg.speculative_num_draft_tokens, cfg.speculative_num_steps + 1)
+    if cfg.routing == "distinct":
+        low, high = distinct_range(tokens, K, E)
+        if not low <= cfg.distinct_experts <= high:
+            raise ValueError(f"--distinct-experts {cfg.distinct_experts}: must lie in [{low}, "
+                             f"{high}] (top-{K}; a verify of {tokens} tokens x top-{K} on {E} "
+                             "experts)")
+    if cfg.routing != "trace":
+        return
+    import checkpoint
+    full = E if cfg.model_path else checkpoint.preset(cfg.preset).n_routed_experts
+    try:
+        with np.load(cfg.routing_trace) as f:
+            have_e, have_k, shape = int(f["n_experts"]), int(f["top_k"]), f["routing_ids"].shape
+    except (OSError, KeyError, ValueError) as e:
+        why = f"not a routing trace ({e})"
+        raise ValueError(f"--routing-trace {cfg.routing_trace}: {why}") from None
+    if (have_e, have_k) != (full, K):
+        raise ValueError(f"--routing-trace {cfg.routing_trace}: {have_e} experts, top-{have_k}; "
+                         f"the model routes top-{K} of {full}")
+    if len(shape) != 3 or shape[1] < 1:
+        raise ValueError(f"--routing-trace {cfg.routing_trace}: routing_ids {list(shape)} are not "
+                         "[layers, tokens, top_k]")
+
+
 class TraceCursor:
     """Hands out a trace's tokens in order, cycling: take(n) -> ids [layers, n, top_k], the next n
     tokens (a decode step of B rows takes B, a verify of B x T tokens takes B x T, rows one

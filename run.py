@@ -91,8 +91,6 @@ class BadInput(ValueError):
     on stderr and exits with status 2, argparse's own status for a bad command line."""
 
 
-
-
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # argparse's own refusals (a bad int, an unknown flag) the same way
         raise BadInput(message)
@@ -326,7 +324,7 @@ def check_flags(args):
 
 def check_routing_flags(args):
     """--routing's companions: each with its routing, files that exist; the range of D is checked
-    with the model's sizes (check_routing_sizes)."""
+    with the model's sizes (routing.check_flags)."""
     if args.routing == "distinct" and args.distinct_experts is None:
         raise BadInput("--routing distinct needs --distinct-experts D (experts a MoE layer of a "
                        "forward reaches)")
@@ -346,41 +344,6 @@ def check_routing_flags(args):
         raise BadInput(f"--dump records the model's own routing: drop --routing {args.routing}")
     if args.routing in ("distinct", "trace") and args.compare:
         raise BadInput(f"--routing {args.routing} shapes the timing run; --compare builds no model")
-
-
-def check_routing_sizes(cfg, margs):
-    """--distinct-experts within [top-k, min(the largest verify's tokens x top-k, experts on the
-    rank)]; a --routing-trace whose experts and top-k are the model's (its full expert count,
-    before --routed-experts). One line each, before anything is built."""
-    E, K = margs.n_routed_experts, margs.num_experts_per_tok
-    tokens = cfg.batch_size * max(cfg.speculative_num_draft_tokens, cfg.speculative_num_steps + 1)
-    if cfg.routing == "distinct":
-        low, high = K, min(tokens * K, E)
-        if not low <= cfg.distinct_experts <= high:
-            raise BadInput(f"--distinct-experts {cfg.distinct_experts}: must lie in [{low}, {high}]"
-                           f" (top-{K}; a verify of {tokens} tokens x top-{K} on {E} experts)")
-    if cfg.routing != "trace":
-        return
-    import numpy as np
-    full = E if cfg.model_path else trace_full_experts(cfg)
-    try:
-        with np.load(cfg.routing_trace) as f:
-            have_e, have_k, shape = int(f["n_experts"]), int(f["top_k"]), f["routing_ids"].shape
-    except (OSError, KeyError, ValueError) as e:
-        raise BadInput(f"--routing-trace {cfg.routing_trace}: not a routing trace ({e})") from None
-    if (have_e, have_k) != (full, K):
-        raise BadInput(f"--routing-trace {cfg.routing_trace}: {have_e} experts, top-{have_k}; the "
-                       f"model routes top-{K} of {full}")
-    if len(shape) != 3 or shape[1] < 1:
-        raise BadInput(f"--routing-trace {cfg.routing_trace}: routing_ids {list(shape)} are not "
-                       "[layers, tokens, top_k]")
-
-
-def trace_full_experts(cfg):
-    """The preset's routed experts before --routed-experts keeps fewer."""
-    import checkpoint
-    return checkpoint.preset(cfg.preset).n_routed_experts
-
 
 
 def check_writable(flag, path):
@@ -440,6 +403,7 @@ def settle(args, device, world):
     cfg.preset = cfg.preset or ("kimi-k2" if gpu else "tiny")
     cfg.trained_pair = uses_trained_pair(cfg)
     settle_device(cfg, gpu, world)
+    from timing import settle_defaults  # the run's defaults (imports torch and the stages)
     settle_defaults(cfg, gpu)
     check_device_flags(cfg, device)
     if cfg.trained_pair:
@@ -484,36 +448,6 @@ def settle_device(cfg, gpu, world):
     quantized = cfg.quant in ("int4", "fp8") or cfg.quant is None and cfg.preset == "kimi-k2.5"
     if cfg.routed_experts is None and big and gpu and not quantized and not cfg.dump:
         cfg.routed_experts = BF16_EXPERTS_ON_ONE_GPU  # INT4 and FP8 experts all fit
-
-
-def settle_defaults(cfg, gpu):
-    """The defaults that depend on the device: lengths, dtype, repetitions, routing, the verify
-    sweep's tokens, kernels, and one thread for timing on a CPU."""
-    import torch
-    if not gpu and not cfg.dump and not os.environ.get("OMP_NUM_THREADS"):
-        # timing on a CPU: one thread, unless asked. The toy model gains nothing from more, and
-        # threads spinning on cores that other jobs share made a busy 2-core machine 10x slower
-        torch.set_num_threads(1)
-    defaults = dict(prompt_len=256 if gpu else 16, max_new_tokens=64 if gpu else 24,
-                    dtype="bfloat16" if gpu else "float32", reps=20)
-    for name, value in defaults.items():
-        if getattr(cfg, name) is None:
-            setattr(cfg, name, value)
-    cfg.routing = cfg.routing or ("model" if cfg.model_path or cfg.trained_pair or cfg.dump
-                                  else "uniform")
-    cfg.context_len = cfg.context_len or [cfg.prompt_len]
-    from timing import sweep_tokens
-    # a dump times nothing: the CPU's short sweep sizes its cache (timing.cache_slots)
-    cfg.verify_sweep_tokens = sweep_tokens(gpu and not cfg.dump, cfg.batch_size)
-    if cfg.kernels is None:  # the fast twins where they run (each tested equal to its plain twin)
-        fast = gpu and cfg.dtype in ("bfloat16", "float16", "float32") and have_triton()
-        cfg.kernels = "all" if fast else "none"
-    cfg.kernels = cfg.kernels if cfg.kernels in ("all", "none") else cfg.kernels.split(",")
-
-
-def have_triton():
-    import kernels
-    return kernels.HAVE_TRITON
 
 
 def tree_note(cfg):
@@ -591,6 +525,7 @@ def check_sizes(cfg, device, world):
     estimate's parts), sizes the TP does not divide, a --topk above the vocabulary, prompt ids
     outside it, a tree wider than the head's vocabulary; warn when positions pass the model's
     max_position_embeddings."""
+    import routing
     from timing import cache_slots, memory_free, memory_needed
     parts, margs, dargs = memory_needed(cfg, device, world)
     if parts is None and not cfg.model_path:  # (a checkpoint's loader names its own problem)
@@ -600,7 +535,8 @@ def check_sizes(cfg, device, world):
                        "ids]")
     if cfg.dump:
         check_prompt_ids(cfg, margs.vocab_size)
-    check_routing_sizes(cfg, margs)
+    with refusal():  # routing.py's ValueError as BadInput
+        routing.check_flags(cfg, margs)
     K = cfg.speculative_eagle_topk
     if parts is not None and K > dargs.draft_vocab_size:
         raise BadInput(f"--speculative-eagle-topk {K}: above the draft head's vocabulary of "

@@ -45,6 +45,29 @@ MAX_PARAMS_SEEDED_WHOLE = 5e8
 FLAG_WORD = {"extend": "prefill", "decode": "decode"}
 
 
+def settle_defaults(cfg, gpu):
+    """The defaults that depend on the device (run.settle fills them in): lengths, dtype,
+    repetitions, routing, the verify sweep's tokens, kernels, and one thread for timing on a CPU."""
+    if not gpu and not cfg.dump and not os.environ.get("OMP_NUM_THREADS"):
+        # timing on a CPU: one thread, unless asked. The toy model gains nothing from more, and
+        # threads spinning on cores that other jobs share made a busy 2-core machine 10x slower
+        torch.set_num_threads(1)
+    defaults = dict(prompt_len=256 if gpu else 16, max_new_tokens=64 if gpu else 24,
+                    dtype="bfloat16" if gpu else "float32", reps=20)
+    for name, value in defaults.items():
+        if getattr(cfg, name) is None:
+            setattr(cfg, name, value)
+    cfg.routing = cfg.routing or ("model" if cfg.model_path or cfg.trained_pair or cfg.dump
+                                  else "uniform")
+    cfg.context_len = cfg.context_len or [cfg.prompt_len]
+    # a dump times nothing: the CPU's short sweep sizes its cache (cache_slots)
+    cfg.verify_sweep_tokens = sweep_tokens(gpu and not cfg.dump, cfg.batch_size)
+    if cfg.kernels is None:  # the fast twins where they run (each tested equal to its plain twin)
+        fast = gpu and cfg.dtype in ("bfloat16", "float16", "float32") and kernels.HAVE_TRITON
+        cfg.kernels = "all" if fast else "none"
+    cfg.kernels = cfg.kernels if cfg.kernels in ("all", "none") else cfg.kernels.split(",")
+
+
 def cache_slots(cfg):
     """KV cache slots a row needs: the prompt and output, or the longest context and the tokens
     the verify sweep writes after it (its most: cfg.verify_sweep_tokens, sweep_tokens), and the
