@@ -106,8 +106,7 @@ class ModelArgs:
 
     @property
     def softmax_scale(self):
-        # DeepseekV3: qk_head_dim^-0.5, times mscale^2 whenever rope_scaling is yarn (HF, SGLang;
-        # DeepSeek's own reference only when its cache is longer than the original context)
+        # DeepseekV3: qk_head_dim^-0.5, times mscale^2 whenever rope_scaling is yarn (rope_tables)
         scale = self.qk_head_dim ** -0.5
         if self.is_yarn:
             rs = self.rope_scaling
@@ -134,9 +133,8 @@ def yarn_mscale(factor, mscale=1.0):
 
 
 def rope_tables(dim, theta, rope_scaling, max_seq_len, device):
-    """cos, sin [S, dim/2] in float32, YaRN-scaled when rope_scaling says so (HF's formulas).
-
-    YaRN applies at every cache length here, as in HF transformers and SGLang. DeepSeek's own
+    """cos, sin [S, dim/2] in float32, YaRN-scaled when rope_scaling says so (HF's formulas). YaRN
+    applies at every cache length here, as in HF transformers and SGLang. DeepSeek's own
     inference/model.py ramps the frequencies (and multiplies the softmax scale by mscale^2) only
     when its max_seq_len exceeds original_max_position_embeddings, so with a cache of at most
     4096 slots its logits differ from these and from the engines'."""
@@ -249,12 +247,10 @@ class MLA(nn.Module):
             self.register_buffer(name, cache, persistent=False)
 
     def forward(self, x, positions, rope, future, mode, slots=None):
-        """future [B, T, S]: True where a query must not see a slot (after its position: not
-        written yet, or a rejected draft's); S is the number of cache slots read. mode "extend" or
-        "decode": the attention path (attend_extend, attend_absorbed). slots None: the latents go
-        to slot = position. slots [B, T] (a draft tree's nodes, which share positions): they go
-        there, future is any mask (Transformer.forward's `visible`), and the attention is given
-        positions None, so that only the mask decides what a query sees."""
+        """future [B, T, S]: True where a query must not see one of the S slots read (past its
+        position: not written yet, or a rejected draft's); mode "extend" or "decode" picks
+        attend_extend or attend_absorbed. The latents go to slot = position, or to a tree's
+        slots [B, T] (Transformer.forward), where only the mask decides what a query sees."""
         q, kv_a = self.project(x)                          # [B, T, h*(d+R)], [B, T, C+R]
         return self.attend(q, kv_a, positions, rope, future, mode, slots)
 
@@ -351,15 +347,11 @@ class MLP(nn.Module):
 
 class Router(nn.Module):
     """Sigmoid scores; the correction bias picks groups and experts, the unbiased scores weigh them.
-
-    routing "uniform" (SIMULATED, for timing random weights, whose router picks unlike a trained
-    one; run.py --routing, Transformer.set_routing): the scores and the selection are computed as
-    always, so their cost stays, then the choice is replaced on the device by a balanced one: pair
-    j of the N*K token-expert pairs of a forward goes to expert j mod E, so each token gets K
-    distinct experts (K <= E) and the experts are used evenly. The weights are the model's scores
-    of those experts, normalized and scaled as usual.
-    routing "distinct" (SIMULATED) or "trace" (TRACE): `choice`, a callable ids [N, K] -> ids [N, K]
-    that Transformer.set_routing gives each router, replaces the choice in the same place."""
+    For timing random weights (whose router picks unlike a trained one; run.py --routing), the
+    choice is replaced on the device after the scores and the selection, whose cost stays
+    (set_routing): "uniform" (SIMULATED) by uniform_choice, K distinct experts a token (K <= E),
+    used evenly; "distinct" (SIMULATED) or "trace" (TRACE) by `choice`, ids [N, K] -> ids [N, K].
+    The weights are the model's scores of the chosen experts, normalized and scaled as usual."""
 
     def __init__(self, args, device, dtype, routing="model"):
         super().__init__()
@@ -401,9 +393,25 @@ class Router(nn.Module):
         return weights * a.routed_scaling_factor
 
 
+def unpack_int4(packed):
+    """int32 [..., n/8] -> int8 [..., n] in [-8, 7]. Element c sits in word c//8 at bits
+    4*(c%8)..+3, stored as q + 8; read as little-endian bytes, byte j holds elements 2j (low
+    nibble) and 2j+1 (high). Byte-wide, so each pass moves a quarter of what int32 ones would."""
+    b = packed.view(torch.uint8)
+    return torch.stack((b & 0xF, b >> 4), -1).flatten(-2).view(torch.int8) - 8
+
+
+def dequantize_int4(packed, scale, group):
+    """W[r, c] = q[r, c] * scale[r, c // group], in scale's dtype: [..., out, in/8] ->
+    [..., out, in]."""
+    q = unpack_int4(packed).unflatten(-1, (-1, group))
+    return (q * scale.unsqueeze(-1)).flatten(-2)       # int8 times the scale's dtype: one kernel
+
+
 class PackedExperts(nn.Module):
-    """One projection of E experts as INT4 pack-quantized [E, out, in]: `weight_packed` int32
-    [E, out, in/8] and `weight_scale` [E, out, in/group] (the compute dtype; bf16 as shipped)."""
+    """One projection of E experts as INT4 pack-quantized [E, out, in] (compressed-tensors' format;
+    checkpoint.py reads and writes it): `weight_packed` int32 [E, out, in/8] and `weight_scale`
+    [E, out, in/group] (the compute dtype; bf16 as shipped)."""
 
     def __init__(self, E, out, inp, group, shard_dim, device, dtype):
         super().__init__()
@@ -451,9 +459,8 @@ class Fp8Experts(nn.Module):
 
 class Experts(nn.Module):
     """All routed experts of a layer, stacked, each sliced along its intermediate dim across ranks.
-    The reference gathers each token's K experts' weights; quantized experts (INT4 packed,
-    args.int4_group_size; FP8 blocks, args.fp8_block) stay as stored, and only the routed ones
-    are dequantized, by gathering. Nothing reads a device value on the host."""
+    The reference gathers each token's K experts' weights; quantized ones (INT4, int4_group_size;
+    FP8, fp8_block) stay as stored, and only the routed ones are dequantized, by gathering."""
 
     def __init__(self, args, tp, device, dtype):
         super().__init__()
@@ -555,11 +562,8 @@ ROUTINGS = ("model", "uniform", "distinct", "trace")
 
 class Transformer(nn.Module):
     """This rank's shard of the target. `tp` defaults to the torch.distributed world (or 1).
-
     aux_layer_ids: decoder layers whose outputs EAGLE-3 reads (default 1, L//2 - 1, L - 4).
-    routing: "model" (the router's own choice) or "uniform" (SIMULATED balanced routing: Router);
-    set_routing also takes a choice made outside the model ("distinct", "trace").
-    This is the plain reference; kernels.accelerate(model, ...) swaps in the fast paths."""
+    routing: "model" (the router's own choice) or "uniform" (Router); see set_routing."""
 
     def __init__(self, args, max_batch_size=1, max_seq_len=4096, device=None, dtype=None, tp=None,
                  aux_layer_ids=None, routing="model"):
@@ -644,22 +648,3 @@ class Transformer(nn.Module):
             attn = layer.self_attn
             attn.kv_cache[rows, dst] = attn.kv_cache[rows, src]
             attn.pe_cache[rows, dst] = attn.pe_cache[rows, src]
-
-
-# ---------------------------------------------------------------------------------------------
-# INT4 experts as compressed-tensors "pack-quantized" stores them (checkpoint.py reads and writes
-# that format): the plain paths dequantize inside forward
-
-def unpack_int4(packed):
-    """int32 [..., n/8] -> int8 [..., n] in [-8, 7]. Element c sits in word c//8 at bits
-    4*(c%8)..+3, stored as q + 8; read as little-endian bytes, byte j holds elements 2j (low
-    nibble) and 2j+1 (high). Byte-wide, so each pass moves a quarter of what int32 ones would."""
-    b = packed.view(torch.uint8)
-    return torch.stack((b & 0xF, b >> 4), -1).flatten(-2).view(torch.int8) - 8
-
-
-def dequantize_int4(packed, scale, group):
-    """W[r, c] = q[r, c] * scale[r, c // group], in scale's dtype: [..., out, in/8] ->
-    [..., out, in]."""
-    q = unpack_int4(packed).unflatten(-1, (-1, group))
-    return (q * scale.unsqueeze(-1)).flatten(-2)       # int8 times the scale's dtype: one kernel
