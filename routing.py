@@ -184,7 +184,7 @@ def read_trace(path, n_experts, top_k):
     return Trace(ids, n_experts, top_k, lengths, note)
 
 
-def check_flags(cfg, margs):
+def check_run(cfg, margs):
     """run.py's --routing flags against the model's sizes, before anything is built (ValueError,
     one line each): --distinct-experts within distinct_range of the largest verify; a
     --routing-trace whose experts and top-k are the model's (its full expert count, before

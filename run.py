@@ -324,7 +324,7 @@ def check_flags(args):
 
 def check_routing_flags(args):
     """--routing's companions: each with its routing, files that exist; the range of D is checked
-    with the model's sizes (routing.check_flags)."""
+    with the model's sizes (routing.check_run)."""
     if args.routing == "distinct" and args.distinct_experts is None:
         raise BadInput("--routing distinct needs --distinct-experts D (experts a MoE layer of a "
                        "forward reaches)")
@@ -536,7 +536,7 @@ def check_sizes(cfg, device, world):
     if cfg.dump:
         check_prompt_ids(cfg, margs.vocab_size)
     with refusal():  # routing.py's ValueError as BadInput
-        routing.check_flags(cfg, margs)
+        routing.check_run(cfg, margs)
     K = cfg.speculative_eagle_topk
     if parts is not None and K > dargs.draft_vocab_size:
         raise BadInput(f"--speculative-eagle-topk {K}: above the draft head's vocabulary of "
