@@ -46,9 +46,9 @@ import numpy as np
 
 
 # Defaults for --compare, set for bf16 against float32 with room to spare: on the tiny model made
-# well-conditioned (docs/engine-check.md), bf16 against float32 reached at worst top-1 agreement 0.886 and max
-# |logprob diff| 0.244 over 12 seeds; the defaults allow about twice that. A random MoE without
-# that conditioning is chaotic in bf16 (near-tied routing flips) and fails them.
+# well-conditioned (docs/engine-check.md), bf16 against float32 reached at worst top-1 agreement
+# 0.886 and max |logprob diff| 0.244 over 12 seeds; the defaults allow about twice that. A random
+# MoE without that conditioning is chaotic in bf16 (near-tied routing flips) and fails them.
 MAX_LOGPROB_DIFF = 0.5
 MIN_TOP1_AGREEMENT = 0.8
 MAX_ACCEPT_DIFF = 0.5

@@ -53,7 +53,8 @@ def test_run_py_cli_background_flags_on_cpu():
     assert set(r["contexts"]) == {"8", "40"} and r["e2e"] == {}
     for c in r["contexts"].values():  # batch 1, K 4 of 16 experts: one token 4, the 3 verified 12
         assert c["distinct_experts"] == {"decode_step": 4.0, "verify/decode": 12.0}
-    assert r["allreduce_modelled"] == dict(us_each=35.0, target_forward_ms=2 * 8 * 35 / 1e3, draft_forward_ms=0.07)
+    assert r["allreduce_modelled"] == dict(us_each=35.0, target_forward_ms=2 * 8 * 35 / 1e3,
+                                           draft_forward_ms=0.07)
     assert "all-reduces MODELLED at 35 us" in out and "routing SIMULATED uniform" in out
     assert abs(r["cost_model"]["plain_step_ms"] - r["phases_ms"]["decode_step/eager"] - 0.56) < 1e-9
     bad = run_py("--allreduce-us", "35", env=ONE_THREAD)
@@ -67,31 +68,40 @@ def test_run_py_cli_tiny(tmp_path):
     parts adding up to its summed op time, the answer printed."""
     out = tmp_path / "r.json"
     stdout = run_py("--json", str(out), "--max-new-tokens", "20", "--speculative-num-steps", "2",
-                    "--batch-size", "2", "--routing", "model", "--random-weights", check=True).stdout
+                    "--batch-size", "2", "--routing", "model", "--random-weights",
+                    check=True).stdout
     r = json.loads(out.read_text())
     stdout = " ".join(stdout.split())  # the report wraps its long lines
-    assert r["env"]["simulated_acceptance"] is False and all(v is None for v in r["floors"].values())
+    assert r["env"]["simulated_acceptance"] is False
+    assert all(v is None for v in r["floors"].values())
     assert stdout.count("target: random tiny") == 1 and "the answer:" in stdout and "accepted almost nothing" in stdout
     for name, ms in r["phases_ms"].items():
         lo, q1, med, q3, hi = r["spread_ms"]["phases_ms"][name]
-        assert 0 < lo <= q1 <= med <= q3 <= hi and med == ms, (name, r["spread_ms"]["phases_ms"][name])
+        assert 0 < lo <= q1 <= med <= q3 <= hi and med == ms, (name,
+                                                               r["spread_ms"]["phases_ms"][name])
     for mode in ("prefill", "decode"):
         assert f"verify/{mode}/eager" in r["phases_ms"]
         v = r["e2e"][f"eagle3/{mode}/eager"]
-        assert set(v["phases_ms"]) == {"verify", "accept", "draft_extend", "draft", "commit", "host", "cycle"}
+        assert set(v["phases_ms"]) == {"verify", "accept", "draft_extend", "draft", "commit",
+                                       "host", "cycle"}
         assert all(t > 0 for t in v["phases_ms"].values()), v["phases_ms"]
         assert 1 <= v["accept_len_mean"] <= 3 and sum(v["accept_len_hist"]) > 0
-    assert r["greedy_agreement_with_plain"] == {"eagle3/prefill/eager": 1.0, "eagle3/decode/eager": 1.0}
-    assert set(r["cost_model"]["steps"]) == {"1", "2", "3", "4", "5"} and isinstance(r["warnings"], list)
+    assert r["greedy_agreement_with_plain"] == {"eagle3/prefill/eager": 1.0,
+                                                "eagle3/decode/eager": 1.0}
+    assert set(r["cost_model"]["steps"]) == {"1", "2", "3", "4",
+                                             "5"} and isinstance(r["warnings"], list)
     table = r["contexts"]["16"]
-    assert r["env"]["routing"] == "model" and all(1 <= n <= 16 for n in table["distinct_experts"].values())
+    assert r["env"]["routing"] == "model" and all(1 <= n <= 16
+                                                  for n in table["distinct_experts"].values())
     for phase in ("decode_step", "verify/prefill", "verify/decode"):
         c = table["components"][phase]
-        assert abs(sum(c["parts_ms"].values()) - c["kernel_ms"]) <= 0.05 * c["kernel_ms"], (phase, c)
+        assert abs(sum(c["parts_ms"].values()) - c["kernel_ms"]) <= 0.05 * c["kernel_ms"], (phase,
+        c)
         assert set(c["parts_ms"]) == set(report.COMPONENTS) and sum(table["bytes"][phase].values()) > 0
     assert "decode steps" in r["answer"][0] and "EAGLE-3 with num_steps 2" in " ".join(r["answer"])
     assert "2 tokens per cycle" in " ".join(r["answer"]) and "SIMULATED" not in " ".join(r["answer"])
-    sim = run_py("--simulate-accept-len", "2.5", "--max-new-tokens", "40", "--json", "-", check=True).stdout
+    sim = run_py("--simulate-accept-len", "2.5", "--max-new-tokens", "40", "--json", "-",
+                 check=True).stdout
     r = json.loads(sim.strip().splitlines()[-1])
     sim = " ".join(sim.split())
     assert "SIMULATED acceptance: each row's accepted length" in sim and r["env"]["simulated_acceptance"] is True
@@ -111,9 +121,11 @@ def test_run_py_cli_trained_pair(tmp_path):
     for mode in ("prefill", "decode"):
         v = r["e2e"][f"eagle3/{mode}/eager"]
         assert 1.8 <= v["accept_len_mean"] <= 4 and sum(v["accept_len_hist"]) > 0, v
-        # the histogram counts the tokens kept: all but the first of each row's, which the prefill makes
+        # the histogram counts the tokens kept: all but the first of each row's, which the prefill
+        # makes
         assert sum(n * c for n, c in enumerate(v["accept_len_hist"], 1)) == v["tokens"] - 2, v
-    assert r["greedy_agreement_with_plain"] == {"eagle3/prefill/eager": 1.0, "eagle3/decode/eager": 1.0}
+    assert r["greedy_agreement_with_plain"] == {"eagle3/prefill/eager": 1.0,
+                                                "eagle3/decode/eager": 1.0}
     assert "accepted almost nothing" not in stdout
 
 
@@ -121,18 +133,24 @@ def test_phase_timer_accounts_for_every_cycle():
     """In every cycle the phases that generate marks, and the host gap, add up to the cycle (start
     to start), each positive: what run.py's end-to-end table rests on. The last cycle has no next
     start, so no host gap nor total."""
-    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), 4)
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32),
+                         4)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 5)
-    for draft, names in ((head, {"verify", "accept", "draft_extend", "draft", "commit"}), (None, {"decode_step", "commit"})):
+    for draft, names in ((head, {"verify", "accept", "draft_extend", "draft", "commit"}),
+                         (None, {"decode_step", "commit"})):
         timer = timing.PhaseTimer(timing.Clock(torch.device("cpu")))
-        res = generate(target, draft, PROMPTS[3], max_new_tokens=10, num_steps=2, probe=Probe(timer.mark))
+        res = generate(target, draft, PROMPTS[3], max_new_tokens=10, num_steps=2,
+                       probe=Probe(timer.mark))
         cycles = timer.per_cycle()
         assert len(cycles) == res.cycles and set(cycles[-1]) == names
         for c in cycles[:-1]:
             assert set(c) == names | {"host", "cycle"} and all(t > 0 for t in c.values()), c
-            assert sum(t for n, t in c.items() if n != "cycle") == pytest.approx(c["cycle"], rel=1e-9, abs=1e-9)
+            assert sum(t for n, t in c.items() if n != "cycle") == pytest.approx(c["cycle"],
+                                                                                 rel=1e-9, abs=1e-9)
         whole = sorted(c["cycle"] for c in cycles[:-1])
-        assert timer.phases()["cycle"].spread() == [whole[0], *timer.phases()["cycle"].spread()[1:4], whole[-1]]
+        assert timer.phases()["cycle"].spread() == [whole[0],
+                                                    *timer.phases()["cycle"].spread()[1:4],
+                                                    whole[-1]]
 
 
 def test_report_warns_about_noise_and_figures_that_cannot_be():
@@ -141,22 +159,29 @@ def test_report_warns_about_noise_and_figures_that_cannot_be():
     and verify cheaper with more tokens are named; the verdict says what random weights measure."""
     T = report.Timing
     steady, noisy = T([10.0, 10.1, 10.2, 10.3]), T([5.0, 10.0, 20.0, 40.0])
-    assert steady.spread() == pytest.approx([10.0, 10.075, 10.15, 10.225, 10.3]) and not steady.noisy and noisy.noisy
+    assert steady.spread() == pytest.approx([10.0, 10.075, 10.15, 10.225,
+                                             10.3]) and not steady.noisy and noisy.noisy
     assert json.loads(json.dumps({"t": noisy})) == {"t": 15.0}  # serialized as the median
     env = {f.name: None for f in dataclasses.fields(timing.Env)}
-    env = timing.Env(**dict(env, simulated_acceptance=False, device="cpu", world_size=1, weights="random"))
-    spec = timing.E2ERun(50.0, 1.0, 0, 0, dict(verify=T([12.0]), cycle=T([14.0])), accept_len_mean=1.02,
+    env = timing.Env(**dict(env, simulated_acceptance=False, device="cpu", world_size=1,
+                            weights="random"))
+    spec = timing.E2ERun(50.0, 1.0, 0, 0, dict(verify=T([12.0]), cycle=T([14.0])),
+                         accept_len_mean=1.02,
                          speedup_measured=0.7, speedup_predicted=0.72)
     plain = timing.E2ERun(0.0, 1.0, 0, 0, dict(decode_step=T([3.0]), cycle=T([3.1])))
     r = timing.Result(env, None, {}, phases_ms={"decode_step/eager": noisy},
                       e2e={"baseline/eager": plain, "eagle3/decode/eager": spec},
                       cost_model=components.CostModel(3.1, {1: components.CycleCost(2.0, 0.6, {}),
-                                                            3: components.CycleCost(14.0, 4.5, {})}),
-                      verify_sweep_ms={1: timing.SweepPoint(T([9.0]), None), 2: timing.SweepPoint(T([4.0]), None)})
+                                                            3: components.CycleCost(14.0, 4.5,
+                                                            {})}),
+                      verify_sweep_ms={1: timing.SweepPoint(T([9.0]), None),
+                                       2: timing.SweepPoint(T([4.0]), None)})
     w = "\n".join(report.timing_warnings(r))
-    for words in ["1 timing(s) vary by more than 25%", "decode_step/eager", "num_steps 1: break-even 0.60",
+    for words in ["1 timing(s) vary by more than 25%", "decode_step/eager",
+                  "num_steps 1: break-even 0.60",
                   "cheaper than the plain step", "num_steps 3: break-even 4.50", "cannot pay here",
-                  "takes 15.000 ms alone and 3.000 ms inside the loop", "1 tokens 9.000 ms > 1.5 x 2 tokens 4.000 ms"]:
+                  "takes 15.000 ms alone and 3.000 ms inside the loop",
+                  "1 tokens 9.000 ms > 1.5 x 2 tokens 4.000 ms"]:
         assert words in w, (words, w)
     r.warnings = []
     v = " ".join(report.verdict(r))
@@ -175,16 +200,21 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
     """Each nonsense value is BadInput naming the flag, the value and what is allowed, raised by
     parse_args or settle (device-dependent ones are asked as on a CPU); none builds a model."""
     monkeypatch.setattr(timing, "build", lambda *a: pytest.fail("a model was built"))
-    at_least_1 = ["--max-new-tokens 0", "--max-new-tokens -5", "--prompt-len 0", "--reps 0", "--batch-size 0",
+    at_least_1 = ["--max-new-tokens 0", "--max-new-tokens -5", "--prompt-len 0", "--reps 0",
+                  "--batch-size 0",
                   "--speculative-num-steps -1", "--simulate-tp 0", "--topk 0 --dump x.npz"]
-    cases = [(flags, f"{flags.split(' --dump')[0]}: must be at least 1") for flags in at_least_1] + [
+    cases = [(flags, f"{flags.split(' --dump')[0]}: must be at least 1")
+             for flags in at_least_1] + [
         ("--temperature -1", "--temperature -1.0: must be at least 0"),
-        ("--speculative-num-steps 100", r"--speculative-num-steps 100: .* must be below --prompt-len \(16\)"),
+        ("--speculative-num-steps 100",
+         r"--speculative-num-steps 100: .* must be below --prompt-len \(16\)"),
         ("--simulate-accept-len 10", r"--simulate-accept-len 10.0: must lie in \[1, 4\]"),
         ("--simulate-accept-len 0", r"--simulate-accept-len 0.0: must lie in \[1"),
-        ("--simulate-accept-len -1 --speculative-num-steps 2", r"--simulate-accept-len -1.0: must lie in \[1, 3\]"),
+        ("--simulate-accept-len -1 --speculative-num-steps 2",
+         r"--simulate-accept-len -1.0: must lie in \[1, 3\]"),
         ("--speculative-eagle-topk 0", "--speculative-eagle-topk 0: must be at least 1"),
-        ("--speculative-eagle-topk 2", r"a tree needs --speculative-num-draft-tokens N, .* \(2 to 11 here\)"),
+        ("--speculative-eagle-topk 2",
+         r"a tree needs --speculative-num-draft-tokens N, .* \(2 to 11 here\)"),
         ("--speculative-eagle-topk 2 --speculative-num-draft-tokens 12",
          r"--speculative-num-draft-tokens 12: a tree of topk 2 and 3 steps holds 2 to .* = 11 tokens"),
         ("--speculative-eagle-topk 4 --speculative-num-draft-tokens 3 --simulate-accept-len 3.5",
@@ -193,7 +223,8 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
         ("--preset kimi-k2", "--preset kimi-k2: a random Kimi-K2 needs a GPU"),
         ("--cuda-graph on", "--cuda-graph on: CUDA graphs need a CUDA GPU"),
         ("--routed-experts 3", "--routed-experts 3: tiny needs between 4 .* and 16"),
-        ("--model-path ckpt --quant int4", "--quant, --routed-experts and --preset shape random weights"),
+        ("--model-path ckpt --quant int4",
+         "--quant, --routed-experts and --preset shape random weights"),
         ("--batch-size x", "argument --batch-size: invalid int value: 'x'"),
         ("--min-top1-agreement 2", r"--min-top1-agreement 2.0: must lie in \[0, 1\]"),
         ("--dump x.npz", "--dump needs --prompt-ids FILE"),
@@ -202,9 +233,11 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
         ("--dump x.npz --prompt-ids nothere.jsonl", "--prompt-ids: .*nothere.jsonl"),
         ("--random-weights --model-path ckpt", "--random-weights replaces the trained tiny pair"),
         ("--draft-path ckpt", "--draft-path needs --model-path: a head is trained for one target"),
-        ("--json /nonexistent/r.json", r"--json /nonexistent/r.json: cannot write there \(no folder /nonexistent\)"),
+        ("--json /nonexistent/r.json",
+         r"--json /nonexistent/r.json: cannot write there \(no folder /nonexistent\)"),
         ("--json .", r"--json .: cannot write there \(is a folder\)"),
-        ("--dump /nonexistent/x.npz --prompt-ids p", "--dump /nonexistent/x.npz: cannot write there"),
+        ("--dump /nonexistent/x.npz --prompt-ids p",
+         "--dump /nonexistent/x.npz: cannot write there"),
         ("--dump x.npz --prompt-ids p --skip-e2e", "--dump times nothing"),
         ("--context-len 2", r"--context-len 2: the isolated verify re-reads 4 cached tokens"),
     ]
@@ -213,7 +246,8 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
             run.settle(run.parse_args(flags.split()), torch.device("cpu"), 1)
     assert all(action.help for action in run.make_parser()._actions), "a flag without help text"
     cli = run_py("--max-new-tokens", "0")
-    assert (cli.returncode, cli.stdout, cli.stderr) == (2, "", "run.py: error: --max-new-tokens 0: must be at least 1\n")
+    assert (cli.returncode, cli.stdout,
+            cli.stderr) == (2, "", "run.py: error: --max-new-tokens 0: must be at least 1\n")
 
 
 def test_run_py_names_a_broken_checkpoint_in_one_line(tiny_ckpt, tmp_path):
@@ -225,7 +259,8 @@ def test_run_py_names_a_broken_checkpoint_in_one_line(tiny_ckpt, tmp_path):
     with pytest.raises(CheckpointError, match="no such file or folder"):
         run.main(["--model-path", str(tmp_path / "nothere"), "--max-new-tokens", "2"])
     with pytest.raises(CheckpointError, match="no such file or folder"):
-        run.main(["--model-path", ckpt, "--draft-path", str(tmp_path / "nothere"), "--max-new-tokens", "2"])
+        run.main(["--model-path", ckpt, "--draft-path", str(tmp_path / "nothere"),
+                  "--max-new-tokens", "2"])
     cli = run_py("--model-path", str(tmp_path / "bad"))
     want = f"run.py: error: {tmp_path / 'bad' / 'config.json'} line 3 column 17: not JSON (Expecting value)\n"
     assert (cli.returncode, cli.stderr) == (2, want), (cli.returncode, cli.stderr)
@@ -242,11 +277,13 @@ def test_run_py_cli_tree(tmp_path):
                     check=True).stdout
     r = json.loads(out.read_text())
     assert "the end-to-end rows draft a tree (topk 4, num_steps 3, 8 draft tokens)" in stdout
-    assert (r["env"]["config"]["speculative_eagle_topk"], r["env"]["config"]["speculative_num_draft_tokens"]) == (4, 8)
+    assert (r["env"]["config"]["speculative_eagle_topk"],
+            r["env"]["config"]["speculative_num_draft_tokens"]) == (4, 8)
     v = r["e2e"]["eagle3/decode/eager"]
     assert 1.5 <= v["accept_len_mean"] <= 4 and r["greedy_agreement_with_plain"] == {"eagle3/decode/eager": 1.0}
     assert {"verify/decode tree/eager", "draft_tree/eager"} <= set(r["phases_ms"])
-    experts = r["contexts"]["16"]["distinct_experts"]   # a tree of 8 tokens reaches more than a chain's 4
+    # a tree of 8 tokens reaches more than a chain's 4
+    experts = r["contexts"]["16"]["distinct_experts"]
     assert experts["verify/decode tree"] >= experts["verify/decode"] >= experts["decode_step"]
     assert "verify tree" in stdout and "A tree of topk 4, 3 steps, 8 draft tokens" in " ".join(r["answer"])
     tree = r["cost_model"]["tree"]
@@ -334,13 +371,15 @@ def test_train_py_writes_elsewhere_and_refuses_the_committed_pair(tmp_path, caps
     training (exit status 2, argparse's)."""
     default_out = train.parse_args(["--eval"]).out   # --eval: the default --out, no folder made
     assert os.path.realpath(default_out) != os.path.realpath(train.PAIR_DIR)
-    assert train.parse_args(["--out", str(tmp_path / "pair")]).threads == 1 and (tmp_path / "pair").is_dir()
+    assert train.parse_args(["--out",
+                             str(tmp_path / "pair")]).threads == 1 and (tmp_path / "pair").is_dir()
     committed = os.path.join(HERE, "checkpoints", ".", "tiny-stdlib")
     assert train.parse_args(["--out", committed, "--overwrite-committed"]).overwrite_committed
     (tmp_path / "file").write_text("")
     for argv, words in ((["--out", committed], "is the committed pair"),
                         (["--out", str(tmp_path / "file" / "pair")], "cannot write there"),
-                        (["--eval", str(tmp_path)], "no pair there"), (["--threads", "0"], "at least 1")):
+                        (["--eval", str(tmp_path)],
+                         "no pair there"), (["--threads", "0"], "at least 1")):
         with pytest.raises(SystemExit) as e:
             train.parse_args(argv)
         err = capsys.readouterr().err.strip().splitlines()
@@ -398,12 +437,14 @@ def check_dump_layout(d, prompts, k):
     for b, p in enumerate(prompts):
         out = d["output_ids"][b][d["output_ids"][b] >= 0]
         end = len(p) + len(out) - 1                     # positions < end predict a token of the row
-        assert d["prompt_ids"][b, :len(p)].tolist() == p and (d["prompt_ids"][b, len(p):] == -1).all()
+        assert d["prompt_ids"][b,
+                               :len(p)].tolist() == p and (d["prompt_ids"][b, len(p):] == -1).all()
         assert (d["output_ids"][b, len(out):] == -1).all()
         assert d["topk_ids"][b, len(p) - 1:end, 0].tolist() == out.tolist(), b
         assert (np.diff(d["topk_logprobs"][b, :end], axis=-1) <= 0).all()
         assert (d["topk_ids"][b, end:] == -1).all() and np.isnan(d["topk_logprobs"][b, end:]).all()
-        at = 1  # out[0] comes from the prefill; then each cycle emits its m accepted drafts and a bonus
+        # out[0] comes from the prefill; then each cycle emits its m accepted drafts and a bonus
+        at = 1
         for m, drafts in zip(d["accepted"][b], d["draft_ids"][b]):
             if m < 0:
                 assert (drafts == -1).all()
@@ -417,7 +458,8 @@ def check_dump_layout(d, prompts, k):
 
 def _dump_worker(seed):
     """The random tiny target and EAGLE-3 head (seeded whole: the same model at any TP), dumped."""
-    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), seed)
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32),
+                         seed)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
     d = baseline.dump(target, head, PROMPTS[3], max_new_tokens=16, num_steps=2)
     return {key: torch.from_numpy(v) for key, v in d.items()}  # run_ranks' torch.load takes tensors
@@ -429,7 +471,8 @@ def test_dump_at_tp2_equals_tp1():
     check_dump_layout(ref, PROMPTS[3], 2)
     for key in ("prompt_ids", "output_ids", "topk_ids", "draft_ids", "accepted"):
         assert np.array_equal(got[key], ref[key]), key
-    report = baseline.compare(ref, got, max_logprob_diff=1e-5, min_top1_agreement=1.0, max_accept_diff=0.0)
+    report = baseline.compare(ref, got, max_logprob_diff=1e-5, min_top1_agreement=1.0,
+                              max_accept_diff=0.0)
     assert not report["failures"] and [r["diverge"] for r in report["rows"]] == [None] * 3, report
 
 
@@ -437,9 +480,11 @@ def test_dump_at_tp2_equals_tp1():
 def planted_dump():
     """A float32 dump whose drafts come from a proposer that knows the answer and errs by plan, so
     every accepted length 0..k occurs; k = 2."""
-    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32), 32)
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32),
+                         32)
     plain = generate(target, None, PROMPTS[3], max_new_tokens=16).tokens
-    proposer = PlantedProposer(reference_sequences(PROMPTS[3], plain, 32), 256, lambda c, b: (c + b) % 3)
+    proposer = PlantedProposer(reference_sequences(PROMPTS[3], plain, 32), 256, lambda c,
+                               b: (c + b) % 3)
     d = baseline.dump(target, proposer, PROMPTS[3], max_new_tokens=16, num_steps=2)
     assert d["output_ids"].tolist() == [o + [-1] * (16 - len(o)) for o in plain]  # lossless
     return target, d
@@ -449,18 +494,21 @@ def test_compare_reports_a_planted_divergence(planted_dump, tmp_path, capsys):
     target, a = planted_dump
     check_dump_layout(a, PROMPTS[3], 2)
     b = {key: v.copy() for key, v in a.items()}
-    row, j = 1, 5                   # the runner-up wins at output index 5 of row 1, as a near-tie flip would
+    row, j = 1, 5  # the runner-up wins at output index 5 of row 1, as a near-tie flip would
     t = len(PROMPTS[3][row]) - 1 + j                                    # the position that chose it
     b["output_ids"][row, j] = a["topk_ids"][row, t, 1]
-    b["topk_ids"][row, t, :2] = a["topk_ids"][row, t, [1, 0]]           # the two ids swap log-probabilities
+    b["topk_ids"][row, t, :2] = a["topk_ids"][row, t, [1, 0]]  # the two ids swap log-probabilities
     report = baseline.compare(a, b)
     assert [r["diverge"] for r in report["rows"]] == [None, j, None]
     r = report["rows"][row]
     assert (r["positions"], r["top1_agree"], r["at"]) == (t + 1, t, t)
-    assert r["max_logprob_diff"] == pytest.approx(a["topk_logprobs"][row, t, 0] - a["topk_logprobs"][row, t, 1])
+    assert r["max_logprob_diff"] == pytest.approx(a["topk_logprobs"][row, t,
+                                                                     0] - a["topk_logprobs"][row, t,
+                                                                     1])
     gap = a["topk_logprobs"][row, t, 0] - a["topk_logprobs"][row, t, 1]
     assert (r["divergence_failure"] is None) == (gap <= baseline.MAX_LOGPROB_DIFF), (gap, r["divergence_failure"])
-    # the CLI: the same table, status 0 within the thresholds, 1 past one, BadInput (2) for files that do not fit
+    # the CLI: the same table, status 0 within the thresholds, 1 past one, BadInput (2) for files
+    # that do not fit
     for name, d in (("a", a), ("b", b), ("short", dict(a, topk_logprobs=a["topk_logprobs"][:, 1:])),
                     ("missing", {key: v for key, v in a.items() if key != "topk_ids"})):
         np.savez(tmp_path / f"{name}.npz", **d)
@@ -473,11 +521,13 @@ def test_compare_reports_a_planted_divergence(planted_dump, tmp_path, capsys):
     assert code == 0 and line.split()[3:5] == [str(j), "near-tie"] and "PASS" in out, out
     code, out = cli("a", "b", "--max-logprob-diff", str(gap + 0.01), "--min-top1-agreement", "1")
     assert code == 1 and "FAIL: top-1 agreement" in out, out
-    code, out = cli("a", "b", "--max-logprob-diff", str(gap - 0.01))  # the flip is no longer a near-tie
+    # the flip is no longer a near-tie
+    code, out = cli("a", "b", "--max-logprob-diff", str(gap - 0.01))
     assert max(len(line) for line in out.splitlines()) <= 120, out  # the FAIL summary wrapped
     out = " ".join(out.split())
     assert code == 1 and f"row {row}, output {j} (position {t})" in out and "below A's top-1" in out, out
-    with pytest.raises(run.BadInput, match=r"topk_logprobs has shape \[3, 23, 20\], expected \[3, 24, 20\]"):
+    with pytest.raises(run.BadInput,
+                       match=r"topk_logprobs has shape \[3, 23, 20\], expected \[3, 24, 20\]"):
         cli("a", "short")
     with pytest.raises(run.BadInput, match="missing.npz has no array 'topk_ids'"):
         cli("missing", "a")
@@ -507,7 +557,8 @@ def test_compare_fails_an_engine_whose_output_is_wrong(planted_dump):
     report = wrong(lambda out: out.fill(5))
     judged = [r["divergence_failure"] for r in report["rows"]]
     assert all(f"row {r}, output " in f for r, f in enumerate(judged)), judged
-    assert not baseline.compare(a, a, max_logprob_diff=0, min_top1_agreement=1, max_accept_diff=0)["failures"]
+    assert not baseline.compare(a, a, max_logprob_diff=0, min_top1_agreement=1,
+                                max_accept_diff=0)["failures"]
 
 
 def test_compare_refuses_files_it_cannot_read(planted_dump, tmp_path):
@@ -519,12 +570,15 @@ def test_compare_refuses_files_it_cannot_read(planted_dump, tmp_path):
     (tmp_path / "truncated.npz").write_bytes(data[:len(data) // 2])
     (tmp_path / "text.npz").write_text("prompt_ids: [1, 2, 3]\n")
     np.savez(tmp_path / "pickled.npz", **dict(a, meta=np.array([{"engine": "x"}], dtype=object)))
-    np.savez(tmp_path / "k3.npz", **dict(a, draft_ids=np.concatenate([a["draft_ids"], a["draft_ids"][..., :1]], -1)))
+    np.savez(tmp_path / "k3.npz",
+             **dict(a, draft_ids=np.concatenate([a["draft_ids"], a["draft_ids"][..., :1]], -1)))
     over = a["accepted"].copy()
     over[1, 0] = 3
     np.savez(tmp_path / "over.npz", **dict(a, accepted=over))
-    cases = {"truncated": "truncated.npz is a truncated or corrupt .npz", "text": "text.npz is not an .npz file",
-             "pickled": r"pickled.npz holds an object \(pickled\) array", "nothere": "nothere.npz: No such file",
+    cases = {"truncated": "truncated.npz is a truncated or corrupt .npz",
+             "text": "text.npz is not an .npz file",
+             "pickled": r"pickled.npz holds an object \(pickled\) array",
+             "nothere": "nothere.npz: No such file",
              "k3": "draft_ids: .* k = 2 tokens a cycle, .* k = 3: not runs with the same num_steps",
              "over": r"over.npz: accepted\[1, 0\] = 3 drafts, more than the k = 2"}
     for name, message in cases.items():
@@ -589,12 +643,15 @@ def test_dump_from_the_command_line_and_bad_input(tiny_ckpt, tmp_path):
              str(tmp_path / "p.jsonl"), "--max-new-tokens", "12", "--speculative-num-steps", "2",
              "--dtype", "float32"]
     done = run_py(*flags, "--dump", str(tmp_path / "cli.npz"), check=True)
-    assert "dump: {" in done.stdout and max(map(len, done.stdout.splitlines())) <= 120, done.stdout  # wrapped
+    # wrapped
+    assert "dump: {" in done.stdout and max(map(len, done.stdout.splitlines())) <= 120, done.stdout
     cli = baseline.load_dump(tmp_path / "cli.npz")
     assert json.loads(str(cli["meta"]))["target"] == f"loaded {ckpt}"
-    ref = baseline.dump(target, load_draft(tmp_path / "draft", target), PROMPTS[3], max_new_tokens=12, num_steps=2,
+    ref = baseline.dump(target, load_draft(tmp_path / "draft", target), PROMPTS[3],
+                        max_new_tokens=12, num_steps=2,
                    chunk=5)  # the teacher-forced forward in chunks over the cache: the same answers
-    report = baseline.compare(ref, cli, max_logprob_diff=1e-5, min_top1_agreement=1.0, max_accept_diff=0.0)
+    report = baseline.compare(ref, cli, max_logprob_diff=1e-5, min_top1_agreement=1.0,
+                              max_accept_diff=0.0)
     assert not report["failures"] and np.array_equal(ref["draft_ids"], cli["draft_ids"]), report
     # bad input names the problem
     with pytest.raises(ValueError, match="prompt row 1 has id 999 at position 2"):
@@ -617,12 +674,15 @@ def test_uniform_routing_is_balanced_distinct_and_weighted_as_the_model():
     assert all(layer.mlp.gate.routing == "uniform" for layer in m.layers[1:])
     E, K = m.args.n_routed_experts, m.args.num_experts_per_tok
     for N in (1, 3, 7, 11):  # fewer pairs than experts, and more (7 * 4 = 28 > 16)
-        x = torch.randn(N, m.args.hidden_size, dtype=torch.float64, generator=torch.Generator().manual_seed(N))
+        x = torch.randn(N, m.args.hidden_size, dtype=torch.float64,
+                        generator=torch.Generator().manual_seed(N))
         ids, weights = router(x)
-        assert all(len(set(row)) == K for row in ids.tolist()), f"a token got a repeated expert: {ids.tolist()}"
+        assert all(len(set(row)) == K
+                   for row in ids.tolist()), f"a token got a repeated expert: {ids.tolist()}"
         counts = torch.bincount(ids.flatten(), minlength=E)
         assert counts.max() - counts.min() <= 1, f"uneven spread over experts: {counts.tolist()}"
-        scores = torch.sigmoid(x @ router.weight.T).gather(1, ids)  # the model's weights for those ids
+        # the model's weights for those ids
+        scores = torch.sigmoid(x @ router.weight.T).gather(1, ids)
         expect = scores / scores.sum(-1, keepdim=True) * m.args.routed_scaling_factor
         assert_close(weights, expect, 1e-12, "uniform routing weights vs the model's normalization")
     m.set_routing("model")
@@ -643,11 +703,14 @@ def test_run_defaults_uniform_routing_for_random_weights_and_model_routing_for_a
     ckpt, _ = tiny_ckpt
     cpu = torch.device("cpu")
     for argv, want in ((["--random-weights"], "uniform"), (["--model-path", ckpt], "model"),
-                       (["--random-weights", "--routing", "model"], "model"), ([], "model")):  # []: the trained pair
+                       # []: the trained pair
+                       (["--random-weights", "--routing", "model"], "model"), ([], "model")):
         args = run.settle(run.parse_args(argv + ["--dtype", "float64"]), cpu, 1)
         target, _, _ = timing.build(args, cpu, torch.float64)
-        routers = {layer.mlp.gate.routing for layer in target.layers if isinstance(layer.mlp, model.MoE)}
-        assert args.routing == want and target.routing == want and routers == {want}, (argv, routers)
+        routers = {layer.mlp.gate.routing for layer in target.layers
+                   if isinstance(layer.mlp, model.MoE)}
+        assert args.routing == want and target.routing == want and routers == {want}, (argv,
+        routers)
     assert load_target(ckpt, 1, 16).routing == "model"
 
 
@@ -663,12 +726,15 @@ def test_component_table_adds_up_to_the_summed_op_time():
         got = components.profile_components(m, fn, gpu=False, calls=2)
         parts, total = got.parts_ms, got.kernel_ms
         assert abs(sum(parts.values()) - total) <= 0.05 * total, f"{mode}: parts {sum(parts.values()):.3f} vs {total:.3f} ms"
-        for c in ("attn_core", "attn_proj", "router", "routed_experts", "shared_mlp", "elementwise", "embed_head"):
+        for c in ("attn_core", "attn_proj", "router", "routed_experts", "shared_mlp", "elementwise",
+                  "embed_head"):
             assert parts[c] > 0, f"{mode}: nothing attributed to {c}: {parts}"
         assert parts["other"] < 0.1 * total and parts["allreduce"] == 0, parts
         assert got.kernels > 100
-    assert all(not mod._forward_hooks and not mod._forward_pre_hooks for mod in m.modules()), "hooks left behind"
-    assert isinstance(components.scope("router"), contextlib.nullcontext), "a scope outside profiling must cost nothing"
+    assert all(not mod._forward_hooks and not mod._forward_pre_hooks
+               for mod in m.modules()), "hooks left behind"
+    assert isinstance(components.scope("router"),
+                      contextlib.nullcontext), "a scope outside profiling must cost nothing"
     assert model.apply_rope.__name__ == "apply_rope" and "project" not in vars(m.layers[0].self_attn)
 
 
@@ -677,22 +743,26 @@ def test_component_table_adds_up_to_the_summed_kernel_time_on_the_gpu():
     target, _ = gpu_models()
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
-    got = components.profile_components(target, partial(target, step, step_pos, "decode", kv_len=16), gpu=True)
+    got = components.profile_components(target, partial(target, step, step_pos, "decode",
+                                                        kv_len=16), gpu=True)
     parts, total = got.parts_ms, got.kernel_ms
     assert abs(sum(parts.values()) - total) <= 0.05 * total, f"parts {sum(parts.values()):.3f} vs kernels {total:.3f} ms"
-    for c in ("attn_core", "attn_proj", "router", "routed_experts", "shared_mlp", "elementwise", "embed_head"):
+    for c in ("attn_core", "attn_proj", "router", "routed_experts", "shared_mlp", "elementwise",
+              "embed_head"):
         assert parts[c] > 0, f"no kernel attributed to {c}: {parts}"
     assert got.kernels > 100
 
 
 @pytest.mark.triton
 def test_component_table_puts_the_input_norm_in_qkva_under_the_projections(monkeypatch):
-    """kernels.InputNormInQKVA runs the layer's projections and attention from the layer, outside MLA's
-    own call: run.py's component ranges still put the GEMV with the input add and norm inside it (and
-    the first layer's, with no residual) under the attention projections, and the attention under the
-    attention core (CPU: one decode step of one row, the launches marked by a range of their own)."""
+    """kernels.InputNormInQKVA runs the layer's projections and attention from the layer, outside
+    MLA's own call: run.py's component ranges still put the GEMV with the input add and norm inside
+    it (and the first layer's, with no residual) under the attention projections, and the attention
+    under the attention core (CPU: one decode step of one row, the launches marked by a range of
+    their own)."""
     device = TRITON_DEVICE
-    m = init_random(Transformer(tiny(num_hidden_layers=2), 1, 24, device=device, dtype=torch.float32), 10)
+    m = init_random(Transformer(tiny(num_hidden_layers=2), 1, 24, device=device,
+                                dtype=torch.float32), 10)
     kernels.accelerate(m, ("norm_gemv", "fused_proj", "add_rmsnorm"))
     tokens = torch.randint(0, 256, (1, 20), generator=torch.Generator().manual_seed(10)).to(device)
     m(tokens, torch.arange(20, device=device).expand(1, 20))
@@ -708,16 +778,18 @@ def test_component_table_puts_the_input_norm_in_qkva_under_the_projections(monke
         if e.name.startswith("norm_gemv") or e.name == "aten::softmax":
             where.setdefault(e.name, set()).add(components.component_at(e))
     assert where["norm_gemv+residual"] == {"attn_proj"} and where["aten::softmax"] == {"attn_core"}, where
-    assert where["norm_gemv"] == {"attn_proj"}, where                     # q_b, o_proj and layer 0's q_a + kv_a
+    assert where["norm_gemv"] == {"attn_proj"}, where  # q_b, o_proj and layer 0's q_a + kv_a
 
 
 @pytest.mark.triton
 def test_component_table_puts_the_merge_in_w_uv_under_the_projections(monkeypatch):
-    """run.py's component ranges: with the attention kernel and norm_gemv, a one-row decode step merges
-    the attention's parts in W_uv's launch (DecodeAttentionKernel.merge_absorb_output); that launch must
-    sit inside an "attn_proj" range, as absorb_output's does, not in the attention core's."""
+    """run.py's component ranges: with the attention kernel and norm_gemv, a one-row decode step
+    merges the attention's parts in W_uv's launch (DecodeAttentionKernel.merge_absorb_output); that
+    launch must sit inside an "attn_proj" range, as absorb_output's does, not in the attention
+    core's."""
     device = TRITON_DEVICE
-    m = init_random(Transformer(tiny(num_hidden_layers=2), 1, 32, device=device, dtype=torch.float32), 0)
+    m = init_random(Transformer(tiny(num_hidden_layers=2), 1, 32, device=device,
+                                dtype=torch.float32), 0)
     kernels.accelerate(m, ("attention", "norm_gemv"))
     m(torch.arange(8, device=device)[None], torch.arange(8, device=device)[None])
     stack, seen, launch = [], [], kernels.launch.mla_merge_absorb
@@ -728,7 +800,8 @@ def test_component_table_puts_the_merge_in_w_uv_under_the_projections(monkeypatc
         yield
         stack.pop()
     monkeypatch.setattr(components, "scope", scope)
-    monkeypatch.setattr(kernels.launch, "mla_merge_absorb", lambda *a: seen.append(stack[-1]) or launch(*a))
+    monkeypatch.setattr(kernels.launch, "mla_merge_absorb", lambda *a: seen.append(stack[-1])
+                        or launch(*a))
     with components.component_scopes(m):
         m(torch.tensor([[8]], device=device), torch.tensor([[8]], device=device), "decode")
     assert seen == ["attn_proj"] * 2, seen
@@ -742,8 +815,10 @@ def test_component_bytes_count_what_a_forward_moves():
     a = m.args
     assert parts["routed_experts"] == 7 * 5 * 3 * a.hidden_size * a.moe_intermediate_size * 4
     assert parts["attn_core"] == 8 * 2 * 24 * (a.kv_lora_rank + a.qk_rope_head_dim) * 4
-    assert parts["embed_head"] == (2 * 3 + a.vocab_size) * a.hidden_size * 4  # looked-up rows + lm_head
-    every = sum(p.numel() * 4 for n, p in m.named_parameters() if ".experts." not in n and "embed_tokens" not in n)
+    # looked-up rows + lm_head
+    assert parts["embed_head"] == (2 * 3 + a.vocab_size) * a.hidden_size * 4
+    every = sum(p.numel() * 4 for n, p in m.named_parameters() if ".experts." not in n
+                and "embed_tokens" not in n)
     assert sum(parts.values()) - parts["routed_experts"] - parts["attn_core"] - 2 * 3 * a.hidden_size * 4 == every
 
 
@@ -756,13 +831,17 @@ def test_chunked_prefill_equals_one_pass(B):
     pos = torch.arange(23).expand(B, 23)
     whole_logits, whole_aux = target(tokens, pos, "extend", capture_aux=True)
     first, g = head.extend(tokens, pos, whole_aux, last)
-    caches = [t[:B].clone() for layer in target.layers for t in (layer.self_attn.kv_cache, layer.self_attn.pe_cache)]
+    caches = [t[:B].clone() for layer in target.layers
+              for t in (layer.self_attn.kv_cache, layer.self_attn.pe_cache)]
     logits, aux = prefill_target(target, tokens, last, capture_aux=True, chunk=5)
-    want = whole_logits.gather(1, last.view(-1, 1, 1).expand(-1, 1, whole_logits.shape[-1])).squeeze(1)
+    want = whole_logits.gather(1,
+                               last.view(-1, 1, 1).expand(-1, 1, whole_logits.shape[-1])).squeeze(1)
     assert_close(logits, want, 1e-10, "chunked prefill logits at each row's last position")
     assert_close(aux, whole_aux, 1e-10, "chunked prefill EAGLE-3 states")
-    again = [t[:B] for layer in target.layers for t in (layer.self_attn.kv_cache, layer.self_attn.pe_cache)]
-    assert all(torch.allclose(a, b, atol=1e-12) for a, b in zip(again, caches)), "cache differs after chunks"
+    again = [t[:B] for layer in target.layers
+             for t in (layer.self_attn.kv_cache, layer.self_attn.pe_cache)]
+    assert all(torch.allclose(a, b, atol=1e-12) for a,
+               b in zip(again, caches)), "cache differs after chunks"
     f2, g2 = prefill_draft(head, tokens, aux, last, chunk=5)
     assert torch.equal(f2, first) and torch.allclose(g2, g, atol=1e-10), "chunked draft extend"
 
@@ -774,7 +853,8 @@ def test_kv_bucket_covers_the_positions_with_little_to_spare():
         assert n <= kv <= max(n + 63, n * 1.125) and kv >= prev, (n, kv)
         prev = kv
     assert kv_bucket(5000, 4100) == 4100  # never past the cache
-    assert len({kv_bucket(n, 1 << 20) for n in range(4097, 8193)}) == 8  # 8 buckets (graphs) per doubling
+    # 8 buckets (graphs) per doubling
+    assert len({kv_bucket(n, 1 << 20) for n in range(4097, 8193)}) == 8
 
 
 def test_progress_labels_count_tokens_not_cache_slots():
@@ -794,15 +874,18 @@ def test_progress_labels_count_tokens_not_cache_slots():
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 1)
     rec = Recorder()
     generate(target, head, [list(range(1, 90))] * 2, max_new_tokens=6, num_steps=k, graphs=rec)
-    cfg = run.settle(run.parse_args(["--random-weights", "--context-len", "100", "--speculative-num-steps",
+    cfg = run.settle(run.parse_args(["--random-weights", "--context-len", "100",
+                                     "--speculative-num-steps",
                                      str(k)]), cpu, 1)
-    isolated = {name: key for name, (key, _, _) in timing.phase_calls(timing.prepare(cfg, cpu), 100).items()}
+    isolated = {name: key for name,
+                (key, _, _) in timing.phase_calls(timing.prepare(cfg, cpu), 100).items()}
     verifies = [key for key in rec.keys if key.phase == "verify"] + [isolated["verify/prefill"],
                                                                       isolated["verify/decode"]]
     assert len(verifies) > 2 and {key.mode for key in verifies} == {"extend", "decode"}
     for key in verifies:
         label = timing.phase_label(key, graph=True)
-        assert key.tokens == k + 1 and key.slots > k + 1 and f", {k + 1} tokens," in label, (key, label)
+        assert key.tokens == k + 1 and key.slots > k + 1 and f", {k + 1} tokens," in label, (key,
+        label)
         assert str(key.slots) not in label, (key, label)
     assert ", 1 token," in timing.phase_label(isolated["decode_step"], graph=False)
     assert f", {k + 1} tokens," in timing.phase_label(isolated["draft_extend"], graph=False)
@@ -821,7 +904,8 @@ def test_loading_says_what_it_skips_but_not_t2d(tiny_ckpt, tmp_path, capsys):
     capsys.readouterr()
     load_draft(tmp_path / "head", target)
     assert "skipping" not in capsys.readouterr().out
-    edit_checkpoint(ckpt, tmp_path / "mtp", lambda t: t.update({"model.layers.8.mlp.gate.weight": torch.zeros(2)}))
+    edit_checkpoint(ckpt, tmp_path / "mtp",
+                    lambda t: t.update({"model.layers.8.mlp.gate.weight": torch.zeros(2)}))
     load_target(tmp_path / "mtp", max_batch_size=1, max_seq_len=8, dtype=torch.float64)
     said = [line for line in capsys.readouterr().out.splitlines() if "skipping" in line]
     assert len(said) == 1 and "MTP" in said[0], said
@@ -836,7 +920,8 @@ def test_run_py_refuses_sizes_before_building(monkeypatch, capsys):
     names the flag and the estimate's parts; --topk past the vocabulary refused; positions past
     max_position_embeddings (256 for tiny) warned once. The estimate's caches are the real ones."""
     monkeypatch.setattr(timing, "build", lambda *a: pytest.fail("a model was built"))
-    with pytest.raises(run.BadInput, match=r"--context-len 10000000, batch 1: needs about \d+\.\d GB of memory \("
+    with pytest.raises(run.BadInput,
+                       match=r"--context-len 10000000, batch 1: needs about \d+\.\d GB of memory \("
                                            r"KV caches .*\), this machine has \d+\.\d GB free"):
         run.check_sizes(_settled("--context-len 10000000"), torch.device("cpu"), 1)
     monkeypatch.setattr(timing, "memory_free", lambda device: (10 ** 6, "this machine"))
@@ -846,7 +931,8 @@ def test_run_py_refuses_sizes_before_building(monkeypatch, capsys):
     monkeypatch.setattr(timing, "build", lambda *a: pytest.fail("a model was built"))
     cfg = _settled("--random-weights --context-len 8")
     cfg.dump, cfg.topk = "x.npz", 1000  # as settle_dump leaves them (it reads a prompt file)
-    with pytest.raises(run.BadInput, match=r"--topk 1000: must lie in \[1, the vocabulary's 256 ids\]"):
+    with pytest.raises(run.BadInput,
+                       match=r"--topk 1000: must lie in \[1, the vocabulary's 256 ids\]"):
         run.check_sizes(cfg, torch.device("cpu"), 1)
     capsys.readouterr()
     run.check_sizes(_settled("--random-weights --context-len 300"), torch.device("cpu"), 1)
@@ -854,8 +940,10 @@ def test_run_py_refuses_sizes_before_building(monkeypatch, capsys):
     assert said.count("warning: positions reach") == 1 and "max_position_embeddings 256" in said, said
     run.check_sizes(_settled("--random-weights"), torch.device("cpu"), 1)
     assert "warning" not in capsys.readouterr().out
-    parts, _, _ = timing.memory_needed(_settled("--random-weights --context-len 100"), torch.device("cpu"), 1)
-    target = Transformer(tiny(), 1, timing.cache_slots(_settled("--random-weights --context-len 100")))
+    parts, _, _ = timing.memory_needed(_settled("--random-weights --context-len 100"),
+                                       torch.device("cpu"), 1)
+    target = Transformer(tiny(), 1,
+                         timing.cache_slots(_settled("--random-weights --context-len 100")))
     head = Eagle3Draft(draft_preset("tiny"), target)
     caches = sum(t.numel() * t.element_size() for m in (target, head) for t in m.buffers())
     assert parts["KV caches"] == caches, (parts, caches)
@@ -870,7 +958,8 @@ def test_run_py_cli_interrupt_and_rank_refusals(monkeypatch, capsys):
     monkeypatch.setattr(run, "main", interrupted)
     assert run.cli([]) == 130
     assert capsys.readouterr().err == "run.py: interrupted (Ctrl-C); no output file written\n"
-    for rank, said, status in (("0", "run.py: error: --reps 0: must be at least 1\n", 2), ("1", "", 0)):
+    for rank, said, status in (("0", "run.py: error: --reps 0: must be at least 1\n", 2),
+                               ("1", "", 0)):
         monkeypatch.setenv("RANK", rank)
         monkeypatch.setenv("WORLD_SIZE", "2")
         monkeypatch.setattr(run, "main", run.__dict__["parse_args"])
@@ -882,7 +971,8 @@ def test_run_py_cli_interrupt_and_rank_refusals(monkeypatch, capsys):
 
 def interrupt(p, every=2.0, timeout=300):
     """Ctrl-C a child until it exits (CPython drops a KeyboardInterrupt raised inside a __del__ or
-    a garbage-collection callback, as it would a user's first Ctrl-C there); its (stdout, stderr)."""
+    a garbage-collection callback, as it would a user's first Ctrl-C there); its (stdout,
+    stderr)."""
     deadline = time.time() + timeout
     while True:
         p.send_signal(signal.SIGINT)
@@ -896,7 +986,8 @@ def interrupt(p, every=2.0, timeout=300):
 def said_on(stderr):
     """stderr without its progress bars (tqdm redraws them after carriage returns)."""
     return [line for line in stderr.replace("\r", "\n").splitlines()
-            if line.strip() and not any(u in line for u in ("it/s", "s/it", "token/s", "tensor/s", "run/s"))]
+            if line.strip() and not any(u in line
+                                        for u in ("it/s", "s/it", "token/s", "tensor/s", "run/s"))]
 
 
 def test_run_py_cli_refuses_an_output_it_cannot_write():
@@ -916,7 +1007,8 @@ def test_run_py_cli_interrupted_says_one_line_and_leaves_no_file(tmp_path):
     temporary one)."""
     err, out = tmp_path / "err.txt", tmp_path / "r.json"
     with open(err, "w") as f:
-        p = subprocess.Popen([sys.executable, RUN_PY, "--random-weights", "--reps", "100000", "--json", str(out)],
+        p = subprocess.Popen([sys.executable, RUN_PY, "--random-weights", "--reps", "100000",
+                              "--json", str(out)],
                              cwd=HERE, env=CPU_ENV, stdout=subprocess.DEVNULL, stderr=f)
         deadline = time.time() + 120
         while "timing" not in err.read_text() and time.time() < deadline and p.poll() is None:
@@ -939,7 +1031,8 @@ def test_run_py_cli_torchrun_refuses_a_flag_once():
 def _refused(cli, message):
     """One line on stderr matching `message`, status 2, no traceback, nothing on stdout."""
     said = said_on(cli.stderr)
-    assert cli.returncode == 2 and "Traceback" not in cli.stderr, (cli.returncode, cli.stderr[-2000:])
+    assert cli.returncode == 2 and "Traceback" not in cli.stderr, (cli.returncode,
+                                                                   cli.stderr[-2000:])
     assert len(said) == 1 and said[0].startswith("run.py: error: "), cli.stderr[-2000:]
     assert re.search(message, said[0]), (message, said[0])
     assert cli.stdout == "", cli.stdout
@@ -948,7 +1041,8 @@ def _refused(cli, message):
 def test_run_py_refuses_an_output_folder_it_cannot_write_in(tmp_path):
     """--json and --dump: the folder checked by creating a file there, before anything runs (/proc
     is a folder that os.access calls writable and that holds no new file)."""
-    _refused(run_py("--json", "/proc/x.json"), r"--json /proc/x.json: cannot write there \(folder /proc: ")
+    _refused(run_py("--json", "/proc/x.json"),
+             r"--json /proc/x.json: cannot write there \(folder /proc: ")
     _refused(run_py("--dump", "/proc/x.npz", "--prompt-ids", str(tmp_path / "p.jsonl")),
              r"--dump /proc/x.npz: cannot write there \(folder /proc: ")
     assert not [p for p in os.listdir(HERE) if p.startswith(".run-py-check-")]
@@ -977,8 +1071,10 @@ def test_run_py_answers_help_and_refusals_before_importing_torch():
             "try:\n    run.cli(['--help'])\nexcept SystemExit as e:\n    print('help', e.code)\n"
             "print('refused', run.cli(['--max-new-tokens', '0']))\n"
             "print('torch imported', 'torch' in sys.modules)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE, env=CPU_ENV)
-    assert out.stdout.splitlines()[-3:] == ["help 0", "refused 2", "torch imported False"], out.stdout[-500:]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=HERE,
+                         env=CPU_ENV)
+    assert out.stdout.splitlines()[-3:] == ["help 0", "refused 2",
+                                            "torch imported False"], out.stdout[-500:]
     assert "usage: " in out.stdout and "run.py: error: --max-new-tokens 0: must be at least 1" in out.stderr
 
 
@@ -1020,16 +1116,21 @@ def test_run_py_lines_fit_120_columns_and_say_what_a_run_does():
     --random-weights note) and the profile-above-the-step warning where it applies; --allreduce
     one-shot refused in one process; a dump's tree note speaks of its file; --help says what a dump
     is on a CPU and exit status 130."""
-    cli = run_py("--random-weights", "--speculative-eagle-topk", "2", "--speculative-num-steps", "2",
-                 "--speculative-num-draft-tokens", "4", "--max-new-tokens", "8", "--reps", "2", "--json", "-")
+    cli = run_py("--random-weights", "--speculative-eagle-topk", "2", "--speculative-num-steps",
+                 "2",
+                 "--speculative-num-draft-tokens", "4", "--max-new-tokens", "8", "--reps", "2",
+                 "--json", "-")
     assert cli.returncode == 0, cli.stderr[-2000:]
-    lines, r = cli.stdout.splitlines()[:-1], json.loads(cli.stdout.splitlines()[-1])  # the JSON: for machines
-    assert not [line for line in lines if len(line) > 120], [line for line in lines if len(line) > 120]
+    # the JSON: for machines
+    lines, r = cli.stdout.splitlines()[:-1], json.loads(cli.stdout.splitlines()[-1])
+    assert not [line for line in lines if len(line) > 120], [line for line in lines
+                                                             if len(line) > 120]
     flat = " ".join(cli.stdout.split())
     assert "greedy speculative vs plain output: not compared" in flat and "tree - decode" in flat, cli.stdout
     c = r["contexts"]["16"]
     over = any(v["kernel_ms"] > c["phases_ms"][f"{p}/eager"] for p, v in c["components"].items())
-    assert over == any("profiled run's summed CPU op time exceeds the timed phase" in w for w in r["warnings"])
+    assert over == any("profiled run's summed CPU op time exceeds the timed phase" in w
+                       for w in r["warnings"])
     _refused(run_py("--allreduce", "one-shot"),
              r"--allreduce one-shot: picks real TP's all-reduce .* a single process runs none")
     cfg = _settled("--speculative-eagle-topk 2 --speculative-num-draft-tokens 4")

@@ -46,7 +46,8 @@ from verify import (Probe, accept, generate, simulated_accept, simulated_center,
 
 def _tp_worker(ckpt, seed, dtype):
     """On each rank: the seeded random model and the checkpoint-loaded model."""
-    from_seed = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=dtype), seed)
+    from_seed = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=dtype),
+                            seed)
     loaded = load_target(ckpt, max_batch_size=3, max_seq_len=32, dtype=dtype)
     return run_steps(from_seed), run_steps(loaded)
 
@@ -68,12 +69,15 @@ def test_extend_decode_and_incremental_agree():
     tokens = torch.randint(0, m.args.vocab_size, (3, 20), generator=g)
     pos = torch.arange(20).expand(3, 20)
     whole = {mode: m(tokens, pos, mode).logits for mode in ("extend", "decode")}
-    assert_close(whole["decode"], whole["extend"], 1e-10, "decode vs extend attention, whole prompt")
+    assert_close(whole["decode"], whole["extend"], 1e-10,
+                 "decode vs extend attention, whole prompt")
     for mode in ("extend", "decode"):
         # prefill 15, one token, then a (k+1) = 4 token step at the offset
-        parts = [m(tokens[:, :15], pos[:, :15], "extend").logits, m(tokens[:, 15:16], pos[:, 15:16], mode).logits,
+        parts = [m(tokens[:, :15], pos[:, :15], "extend").logits,
+                 m(tokens[:, 15:16], pos[:, 15:16], mode).logits,
                  m(tokens[:, 16:], pos[:, 16:], mode).logits]
-        assert_close(torch.cat(parts, 1), whole["extend"], 1e-10, f"incremental {mode} vs one forward")
+        assert_close(torch.cat(parts, 1), whole["extend"], 1e-10,
+                     f"incremental {mode} vs one forward")
 
 
 def test_kv_len_bounds_the_read_without_changing_results():
@@ -81,7 +85,8 @@ def test_kv_len_bounds_the_read_without_changing_results():
     prefill, prefill_pos, step, step_pos = step_inputs(m.args.vocab_size, seed=4)
     m(prefill, prefill_pos)
     full = m(step, step_pos, "decode").logits
-    assert_close(m(step, step_pos, "decode", kv_len=16).logits, full, 1e-12, "kv_len=16 vs full cache")
+    assert_close(m(step, step_pos, "decode", kv_len=16).logits, full, 1e-12,
+                 "kv_len=16 vs full cache")
 
 
 def test_aux_states_are_the_chosen_layer_outputs():
@@ -91,7 +96,8 @@ def test_aux_states_are_the_chosen_layer_outputs():
     tokens, pos = torch.tensor([[5, 6, 7]]), torch.arange(3)[None]
     seen = []
     # a layer returns (its MLP output, the stream it read): their sum is its output
-    hooks = [m.layers[i].register_forward_hook(lambda mod, i_, o: seen.append(o[0] + o[1])) for i in (0, 2, 6)]
+    hooks = [m.layers[i].register_forward_hook(lambda mod, i_, o: seen.append(o[0] + o[1]))
+             for i in (0, 2, 6)]
     logits, aux = m(tokens, pos, capture_aux=True)
     for h in hooks:
         h.remove()
@@ -109,7 +115,8 @@ def test_matches_hf_transformers(tiny_ckpt):
     ckpt, _ = tiny_ckpt
     ours = load_target(ckpt, max_batch_size=2, max_seq_len=32, dtype=torch.float32)
     hf = DeepseekV3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
-    tokens = torch.randint(0, ours.args.vocab_size, (2, 24), generator=torch.Generator().manual_seed(8))
+    tokens = torch.randint(0, ours.args.vocab_size, (2, 24),
+                           generator=torch.Generator().manual_seed(8))
     with torch.no_grad():
         ref = hf(tokens).logits
     got = ours(tokens, torch.arange(24).expand(2, 24)).logits
@@ -131,7 +138,8 @@ def assert_same_parameters(got, want, what):
     names = [n for n, _ in want.named_parameters()]
     assert [n for n, _ in got.named_parameters()] == names, what
     for (name, a), (_, b) in zip(got.named_parameters(), want.named_parameters()):
-        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8), b.view(torch.uint8)), (what, name)
+        assert a.dtype == b.dtype and torch.equal(a.view(torch.uint8),
+                                                  b.view(torch.uint8)), (what, name)
 
 
 @pytest.mark.parametrize("quant", [None, "int4", "fp8"])
@@ -154,7 +162,8 @@ def test_saved_pair_loads_as_each_ranks_slices(quant, tmp_path):
         want_target, want_head = pair(tp_)
         got_target = load_target(tmp_path / "target", 2, 16, dtype=torch.float32, tp=tp_)
         assert_same_parameters(got_target, want_target, f"target, {where}")
-        assert_same_parameters(load_draft(tmp_path / "draft", got_target), want_head, f"draft, {where}")
+        assert_same_parameters(load_draft(tmp_path / "draft", got_target), want_head,
+                               f"draft, {where}")
 
 
 MEMORY_PROBE = r"""
@@ -184,9 +193,12 @@ def test_rank_loads_only_its_quarter():
     """A rank of four loading a >= 512 MiB checkpoint: its peak anonymous memory (sampled) grows by
     less than half the checkpoint, and even counting the file pages safetensors maps in (page
     cache, shared by all ranks), its resident peak stays below the whole checkpoint."""
-    args = ModelArgs(vocab_size=4096, hidden_size=1024, intermediate_size=4096, moe_intermediate_size=4096,
-                     num_hidden_layers=2, num_attention_heads=8, n_routed_experts=22, num_experts_per_tok=2,
-                     first_k_dense_replace=0, q_lora_rank=256, kv_lora_rank=128, qk_nope_head_dim=64,
+    args = ModelArgs(vocab_size=4096, hidden_size=1024, intermediate_size=4096,
+                     moe_intermediate_size=4096,
+                     num_hidden_layers=2, num_attention_heads=8, n_routed_experts=22,
+                     num_experts_per_tok=2,
+                     first_k_dense_replace=0, q_lora_rank=256, kv_lora_rank=128,
+                     qk_nope_head_dim=64,
                      qk_rope_head_dim=32, v_head_dim=64, rope_scaling=None)
     with tempfile.TemporaryDirectory() as d:
         m = Transformer(args, max_seq_len=16, dtype=torch.bfloat16)
@@ -208,10 +220,14 @@ KEY = "model.layers.2.self_attn.kv_b_proj.weight"
 
 @pytest.mark.parametrize("edit, error, words", [
     (lambda t: t.pop(KEY), CheckpointError, ["missing", KEY]),
-    (lambda t: t.update({"model.extra.weight": torch.zeros(2)}), CheckpointError, ["unexpected", "model.extra.weight"]),
-    (lambda t: t.update({KEY: torch.zeros(3, 4, dtype=torch.float64)}), ValueError, [KEY, "[128, 32]", "[3, 4]"]),
-    (lambda t: t.update({KEY: t[KEY].to(torch.int32)}), CheckpointError, [KEY, "I32", "model.safetensors"]),
-    (lambda t: t.update({"model.layers.8.mlp.gate.weight": torch.zeros(2)}), None, []),  # an MTP layer: skipped
+    (lambda t: t.update({"model.extra.weight": torch.zeros(2)}), CheckpointError,
+     ["unexpected", "model.extra.weight"]),
+    (lambda t: t.update({KEY: torch.zeros(3, 4, dtype=torch.float64)}), ValueError,
+     [KEY, "[128, 32]", "[3, 4]"]),
+    (lambda t: t.update({KEY: t[KEY].to(torch.int32)}), CheckpointError,
+     [KEY, "I32", "model.safetensors"]),
+    # an MTP layer: skipped
+    (lambda t: t.update({"model.layers.8.mlp.gate.weight": torch.zeros(2)}), None, []),
 ])
 def test_bad_checkpoints_name_the_problem(tiny_ckpt, edit, error, words):
     ckpt, _ = tiny_ckpt
@@ -240,11 +256,14 @@ def _set_config(f, **kw):
 BROKEN = [  # (what, file to edit or None: the folder is missing, edit, what the error must say)
     ("missing", None, None, "{dir}: no such file or folder"),
     ("no config", "config.json", os.remove, "{dir} has no config.json"),
-    ("not JSON", "config.json", lambda f: open(f, "w").write('{\n  "hidden_size": 64,\n  "vocab_size": ,\n}'),
+    ("not JSON", "config.json",
+     lambda f: open(f, "w").write('{\n  "hidden_size": 64,\n  "vocab_size": ,\n}'),
      "{dir}/config.json line 3 column 17: not JSON"),
-    ("wrong type", "config.json", lambda f: _set_config(f, hidden_size="abc"), "{dir}/config.json: hidden_size = 'abc' is not int"),
+    ("wrong type", "config.json", lambda f: _set_config(f, hidden_size="abc"),
+     "{dir}/config.json: hidden_size = 'abc' is not int"),
     ("truncated", "{tensors}", _truncate, "{dir}/{tensors}: not a readable safetensors file"),
-    ("corrupt", "{tensors}", lambda f: open(f, "w").write("not a tensor file"), "{dir}/{tensors}: not a readable safetensors file"),
+    ("corrupt", "{tensors}", lambda f: open(f, "w").write("not a tensor file"),
+     "{dir}/{tensors}: not a readable safetensors file"),
 ]
 
 
@@ -254,7 +273,8 @@ def test_unreadable_checkpoints_are_one_error_naming_the_file(tiny_ckpt, tmp_pat
     ckpt, m = tiny_ckpt
     shard = sorted(f for f in os.listdir(ckpt) if f.endswith(".safetensors"))[1]
     save_draft(init_random_draft(Eagle3Draft(draft_preset("tiny"), m), 3), tmp_path / "draft")
-    for kind, src, tensors in (("target", ckpt, shard), ("draft", str(tmp_path / "draft"), "model.safetensors")):
+    for kind, src, tensors in (("target", ckpt, shard),
+                               ("draft", str(tmp_path / "draft"), "model.safetensors")):
         for what, name, edit, message in BROKEN:
             bad = str(tmp_path / f"{kind} {what}".replace(" ", "_"))
             if name is not None:
@@ -265,7 +285,8 @@ def test_unreadable_checkpoints_are_one_error_naming_the_file(tiny_ckpt, tmp_pat
                     load_target(bad, max_seq_len=8, dtype=torch.float64)
                 else:
                     load_draft(bad, m)
-            assert message.format(dir=bad, tensors=tensors) in str(e.value), (kind, what, str(e.value))
+            assert message.format(dir=bad, tensors=tensors) in str(e.value), (kind,
+                                                                              what, str(e.value))
 
 
 def test_world_size_that_does_not_divide_is_named():
@@ -285,9 +306,11 @@ def test_config_spellings_and_refusals():
     new["rope_parameters"] = dict(rs, rope_theta=new.pop("rope_theta"))
     a, b = checkpoint.target_args(old), checkpoint.target_args(new)
     assert a == b and a.softmax_scale == b.softmax_scale and a.is_yarn
-    nested = checkpoint.target_args({"architectures": ["KimiK25ForConditionalGeneration"], "text_config": old})
+    nested = checkpoint.target_args({"architectures": ["KimiK25ForConditionalGeneration"],
+                                     "text_config": old})
     assert nested == a
-    for key, value in [("scoring_func", "softmax"), ("topk_method", "greedy"), ("hidden_act", "gelu")]:
+    for key, value in [("scoring_func", "softmax"), ("topk_method", "greedy"),
+                       ("hidden_act", "gelu")]:
         with pytest.raises(NotImplementedError, match=f"{key} = '{value}'"):
             checkpoint.target_args(dict(old, **{key: value}))
     with pytest.raises(NotImplementedError, match="rope_scaling type 'linear'"):
@@ -301,12 +324,16 @@ def test_config_spellings_and_refusals():
 
 def test_yarn_attention_factor_as_hf():
     """The cos/sin tables carry YaRN's attention factor: rope_scaling's own attention_factor when
-    given (as transformers reads it), else mscale(factor, mscale) / mscale(factor, mscale_all_dim)."""
-    rs = dict(type="yarn", factor=4.0, original_max_position_embeddings=64, mscale=0.8, mscale_all_dim=1.0)
+    given (as transformers reads it), else mscale(factor, mscale) / mscale(factor,
+    mscale_all_dim)."""
+    rs = dict(type="yarn", factor=4.0, original_max_position_embeddings=64, mscale=0.8,
+              mscale_all_dim=1.0)
     for scaling, want in ((rs, model.yarn_mscale(4.0, 0.8) / model.yarn_mscale(4.0, 1.0)),
-                          (dict(rs, attention_factor=1.25), 1.25), (dict(rs, mscale=0, attention_factor=0.5), 0.5)):
+                          (dict(rs, attention_factor=1.25),
+                           1.25), (dict(rs, mscale=0, attention_factor=0.5), 0.5)):
         cos, sin = model.rope_tables(8, 10000.0, scaling, 16, "cpu")
-        assert_close((cos ** 2 + sin ** 2).sqrt(), torch.full_like(cos, want), 1e-6, f"attention factor {scaling}")
+        assert_close((cos ** 2 + sin ** 2).sqrt(), torch.full_like(cos, want), 1e-6,
+                     f"attention factor {scaling}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -333,7 +360,9 @@ def test_int4_bit_layout():
 
 
 def _quant_worker(quant, plain):
-    return run_steps(load_target(quant, 3, 32, dtype=torch.float32)), run_steps(load_target(plain, 3, 32, dtype=torch.float32))
+    return run_steps(load_target(quant, 3, 32,
+                                 dtype=torch.float32)), run_steps(load_target(plain, 3, 32,
+                                                                              dtype=torch.float32))
 
 
 @pytest.mark.parametrize("make", [int4_checkpoint, fp8_checkpoint])
@@ -341,11 +370,14 @@ def test_quantized_checkpoint_equals_dequantized(make, tmp_path):
     quant, plain = make(str(tmp_path))
     loaded = load_target(quant, 3, 32, dtype=torch.float32)
     if make is int4_checkpoint:
-        assert loaded.layers[1].mlp.experts.gate_proj.weight_packed.dtype == torch.int32  # stays packed
+        # stays packed
+        assert loaded.layers[1].mlp.experts.gate_proj.weight_packed.dtype == torch.int32
     else:
-        assert loaded.layers[1].mlp.experts.down_proj.weight.dtype == torch.float8_e4m3fn  # stays FP8
+        # stays FP8
+        assert loaded.layers[1].mlp.experts.down_proj.weight.dtype == torch.float8_e4m3fn
     for world in (1, 2):
-        got, ref = _quant_worker(quant, plain) if world == 1 else run_ranks(2, _quant_worker, quant, plain)
+        got, ref = _quant_worker(quant,
+                                 plain) if world == 1 else run_ranks(2, _quant_worker, quant, plain)
         assert_close(got, ref, 1e-5, f"{make.__name__} at TP {world}: quantized vs dequantized")
         assert ref.abs().max() > 0.1
 
@@ -355,7 +387,8 @@ def small_steps(m):
     interpreter takes ~0.3-1 s per fused MoE call)."""
     tokens = torch.tensor([[5, 17, 3, 250, 9], [41, 2, 199, 64, 8]], device=m.device)
     pos = torch.arange(5, device=m.device).expand(2, 5)
-    return torch.cat([m(tokens[:, :3], pos[:, :3], "extend").logits, m(tokens[:, 3:], pos[:, 3:], "decode").logits],
+    return torch.cat([m(tokens[:, :3], pos[:, :3], "extend").logits,
+                      m(tokens[:, 3:], pos[:, 3:], "decode").logits],
                      1).cpu()
 
 
@@ -403,22 +436,32 @@ def test_bad_quantized_checkpoints_name_the_tensor(tmp_path):
     def qcfg(c):
         return c["text_config"]["quantization_config"]["config_groups"]["group_0"]["weights"]
     cases = [
-        (int4, dict(edit_tensors=lambda t: t.pop(E + ".weight_scale")), CheckpointError, [E + ".weight_scale", "missing"]),
-        (int4, dict(edit_tensors=lambda t: t.update({E + ".weight_shape": torch.tensor([64, 128])})),
+        (int4, dict(edit_tensors=lambda t: t.pop(E + ".weight_scale")), CheckpointError,
+         [E + ".weight_scale", "missing"]),
+        (int4,
+         dict(edit_tensors=lambda t: t.update({E + ".weight_shape": torch.tensor([64, 128])})),
          ValueError, [E + ".weight_packed", "[64, 128]"]),
-        (int4, dict(edit_config=lambda c: qcfg(c).update(group_size=48)), ValueError, ["hidden_size = 64", "48-element"]),
-        (int4, dict(edit_config=lambda c: qcfg(c).update(group_size=12)), NotImplementedError, ["group_size 12"]),
-        (int4, dict(edit_config=lambda c: c["text_config"]["quantization_config"].update(quant_method="awq")),
+        (int4, dict(edit_config=lambda c: qcfg(c).update(group_size=48)), ValueError,
+         ["hidden_size = 64", "48-element"]),
+        (int4, dict(edit_config=lambda c: qcfg(c).update(group_size=12)), NotImplementedError,
+         ["group_size 12"]),
+        (int4,
+         dict(edit_config=lambda c: c["text_config"]["quantization_config"].update(quant_method="awq")),
          NotImplementedError, ["'awq'"]),
-        (int4, dict(edit_config=lambda c: c["text_config"]["quantization_config"].update(ignore=["lm_head"])),
+        (int4,
+         dict(edit_config=lambda c: c["text_config"]["quantization_config"].update(ignore=["lm_head"])),
          NotImplementedError, ["self_attn", "ignore"]),
-        (int4, dict(edit_tensors=lambda t: t.update({"language_model." + A.replace("weight", "weight_packed"): torch.zeros(2, dtype=torch.int32)})),
+        (int4,
+         dict(edit_tensors=lambda t: t.update({"language_model." + A.replace("weight", "weight_packed"): torch.zeros(2, dtype=torch.int32)})),
          NotImplementedError, ["INT4-packed", "self_attn.q_b_proj.weight_packed"]),
         (int4, dict(edit_config=lambda c: c["text_config"].pop("quantization_config")),
          NotImplementedError, ["INT4-packed", "no compressed-tensors quantization_config"]),
-        (fp8, dict(edit_tensors=lambda t: t.pop(A + "_scale_inv")), CheckpointError, [A + "_scale_inv"]),
-        (fp8, dict(edit_tensors=lambda t: t.update({A + "_scale_inv": torch.ones(2, 2)})), ValueError, [A + "_scale_inv", "[6, 2]"]),
-        (fp8, dict(edit_config=lambda c: c.pop("quantization_config")), CheckpointError, ["F8_E4M3", "quantization_config"]),
+        (fp8, dict(edit_tensors=lambda t: t.pop(A + "_scale_inv")), CheckpointError,
+         [A + "_scale_inv"]),
+        (fp8, dict(edit_tensors=lambda t: t.update({A + "_scale_inv": torch.ones(2, 2)})),
+         ValueError, [A + "_scale_inv", "[6, 2]"]),
+        (fp8, dict(edit_config=lambda c: c.pop("quantization_config")), CheckpointError,
+         ["F8_E4M3", "quantization_config"]),
     ]
     for i, (src, edits, error, words) in enumerate(cases):
         bad = _edit(src, str(tmp_path / f"bad{i}"), **edits)
@@ -426,13 +469,15 @@ def test_bad_quantized_checkpoints_name_the_tensor(tmp_path):
             load_target(bad, max_batch_size=1, max_seq_len=8, dtype=torch.float32)
         for w in words:
             assert w in str(e.value), (i, w, str(e.value))
-    with pytest.raises(ValueError, match="moe_intermediate_size per rank = 16 does not fall on whole 32-element"):
+    with pytest.raises(ValueError,
+                       match="moe_intermediate_size per rank = 16 does not fall on whole 32-element"):
         Transformer(tiny(moe_intermediate_size=64, quantization_config="int4"), tp=TP(0, 4))
 
 
 def test_simulated_rank_is_labelled_and_shaped_like_tp8():
     sim = TP.simulate(4)
-    m = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float32, tp=sim), 0,
+    m = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float32,
+                                tp=sim), 0,
                     rank_local=True)
     assert "SIMULATED" in sim.describe() and m.layers[0].self_attn.n_local_heads == 1
     logits, _ = m(torch.tensor([[3, 4], [5, 6]]), torch.arange(2).expand(2, 2), "decode")
@@ -455,10 +500,12 @@ def lossless_matrix(seed, max_new=24):
         for mode in ("extend", "decode"):
             for k in (1, 2, 4):
                 proposers = {"eagle3": head,
-                             "errs": PlantedProposer(ref, target.args.vocab_size, lambda c, b, k=k: (c + b) % (k + 1)),
+                             "errs": PlantedProposer(ref, target.args.vocab_size, lambda c, b,
+                                                     k=k: (c + b) % (k + 1)),
                              "right": PlantedProposer(ref, target.args.vocab_size, lambda c, b: 99)}
                 for name, prop in proposers.items():
-                    res = generate(target, prop, prompts, max_new_tokens=max_new, num_steps=k, attention_mode=mode)
+                    res = generate(target, prop, prompts, max_new_tokens=max_new, num_steps=k,
+                                   attention_mode=mode)
                     if res.tokens != plain:
                         failures.append((B, mode, k, name, plain, res.tokens))
                     body = []  # each row's live cycles but its last, which max_new_tokens may cut
@@ -491,7 +538,8 @@ def test_speculative_equals_plain_greedy_tp2():
 
 
 def test_accepted_lengths_follow_the_plan():
-    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=64, dtype=torch.float64), 2)
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=64, dtype=torch.float64),
+                         2)
     prompts = PROMPTS[3]
     plain = generate(target, None, prompts, max_new_tokens=30, eos_id=-1).tokens
     ref = reference_sequences(prompts, plain, 64)
@@ -509,21 +557,26 @@ def test_accepted_counts_what_commit_keeps():
     """A cycle that max_new_tokens or an EOS cuts counts the tokens it kept, not the drafts it
     accepted: per row, the kept lengths (accepted + 1) plus the prefill's token sum to the tokens
     produced. An always-right proposer (k = 3, 4 tokens a cycle) makes the cut cycle known."""
-    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=64, dtype=torch.float64), 3)
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=64, dtype=torch.float64),
+                         3)
     prompts, k = PROMPTS[3], 3
     plain = generate(target, None, prompts, max_new_tokens=30, eos_id=-1).tokens
     ref = reference_sequences(prompts, plain, 64)
     for max_new, eos in ((5, -1), (7, -1), (8, -1), (13, -1), (30, plain[1][6]), (30, plain[0][9])):
-        res = generate(target, PlantedProposer(ref, 256, lambda c, b: 99), prompts, max_new_tokens=max_new,
+        res = generate(target, PlantedProposer(ref, 256, lambda c, b: 99), prompts,
+                       max_new_tokens=max_new,
                        num_steps=k, eos_id=eos)
         for b, tokens in enumerate(res.tokens):
             live = res.accepted[:, b][res.accepted[:, b] >= 0]
             assert int((live + 1).sum()) + 1 == len(tokens), (max_new, eos, b, live, len(tokens))
-            assert (live[:-1] == k).all(), (max_new, eos, b, live)  # every cycle but the cut one: all kept
+            # every cycle but the cut one: all kept
+            assert (live[:-1] == k).all(), (max_new, eos, b, live)
             if eos == -1:
-                assert len(tokens) == max_new and live[-1] == (max_new - 2) % (k + 1), (max_new, b, live)
+                assert len(tokens) == max_new and live[-1] == (max_new - 2) % (k + 1), (max_new, b,
+                live)
             else:
-                assert eos not in tokens[:-1] and (tokens[-1] == eos or len(tokens) == max_new), (b, tokens)
+                assert eos not in tokens[:-1] and (tokens[-1] == eos
+                                                   or len(tokens) == max_new), (b, tokens)
 
 
 def test_simulated_acceptance_has_the_mean_asked():
@@ -532,7 +585,8 @@ def test_simulated_acceptance_has_the_mean_asked():
     draws within 5 standard errors (~0.007); the center at the mean itself misses at 1.2 by ~0.3."""
     g = torch.Generator().manual_seed(0)
     m = torch.zeros(400_000, dtype=torch.int64)
-    for k, mean in ((1, 1.5), (1, 1.9), (2, 2.5), (3, 1.2), (3, 2.5), (3, 3.7), (5, 2.0), (3, 1.0), (3, 4.0)):
+    for k, mean in ((1, 1.5), (1, 1.9), (2, 2.5), (3, 1.2), (3, 2.5), (3, 3.7), (5, 2.0), (3, 1.0),
+                    (3, 4.0)):
         lengths = simulated_accept(m, mean, k, g).double() + 1
         assert lengths.min() >= 1 and lengths.max() <= k + 1, (k, mean)
         err = 5 * lengths.std().item() / len(lengths) ** 0.5 + 1e-9
@@ -556,7 +610,8 @@ def test_speculative_sampling_follows_the_target():
             pick = p[:k].argmax(-1) if kind == "good" else p[:k].argmin(-1)
             drafts = pick.expand(N, k).clone()
         m, bonus = accept(logits.expand(N, k + 1, V), drafts, 1.0, g)
-        emitted = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, m.unsqueeze(1), bonus.unsqueeze(1))
+        emitted = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, m.unsqueeze(1),
+                                                                bonus.unsqueeze(1))
         first = torch.bincount(emitted[:, 0], minlength=V) / N
         tv0 = 0.5 * (first - p[0]).abs().sum().item()
         took_d1 = emitted[:, 0] == drafts[:, 0]
@@ -571,22 +626,28 @@ def test_speculative_sampling_follows_the_target():
 
 def test_generation_stops_at_every_eos_id(tmp_path):
     """config.json and generation_config.json each name EOS ids (one or a list); generation stops
-    at the first of any of them, as engines do, plain and speculative, wherever it falls in a cycle."""
-    (tmp_path / "config.json").write_text(json.dumps(dict(checkpoint.target_config(tiny()), eos_token_id=[2, 5])))
+    at the first of any of them, as engines do, plain and speculative, wherever it falls in a
+    cycle."""
+    (tmp_path / "config.json").write_text(json.dumps(dict(checkpoint.target_config(tiny()),
+                                                          eos_token_id=[2, 5])))
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": 9}))
     assert checkpoint.read_target_args(tmp_path).eos_token_ids == [2, 5, 9]
-    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=40, dtype=torch.float64), 21)
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=40, dtype=torch.float64),
+                         21)
     free = generate(target, None, PROMPTS[3], max_new_tokens=20, eos_id=-1).tokens
     stops = [free[0][4], free[1][7], free[2][9]]
     ref = reference_sequences(PROMPTS[3], free, 40)
     for proposer in (None, PlantedProposer(ref, 256, lambda c, b: (c + b) % 3)):
-        got = generate(target, proposer, PROMPTS[3], max_new_tokens=20, num_steps=2, eos_id=stops).tokens
+        got = generate(target, proposer, PROMPTS[3], max_new_tokens=20, num_steps=2,
+                       eos_id=stops).tokens
         for row, out in zip(free, got):
-            assert out == row[:next(i + 1 for i, t in enumerate(row) if t in stops)], (proposer, stops)
+            assert out == row[:next(i + 1 for i, t in enumerate(row)
+                                    if t in stops)], (proposer, stops)
 
 
 def test_sampling_generate_runs_and_is_seeded():
-    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=40, dtype=torch.float32), 3)
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=40, dtype=torch.float32),
+                         3)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 4)
     a = generate(target, head, PROMPTS[3], max_new_tokens=10, num_steps=2, temperature=0.8, seed=5)
     b = generate(target, head, PROMPTS[3], max_new_tokens=10, num_steps=2, temperature=0.8, seed=5)
@@ -594,7 +655,8 @@ def test_sampling_generate_runs_and_is_seeded():
 
 
 def test_draft_round_trip_and_errors(tmp_path):
-    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float64), 5)
+    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float64),
+                         5)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 6)
     save_draft(head, tmp_path / "d")
     loaded = load_draft(tmp_path / "d", target)
@@ -602,7 +664,8 @@ def test_draft_round_trip_and_errors(tmp_path):
         assert torch.equal(a, b), name
     tokens, pos = torch.tensor([[3, 4, 5]] * 2), torch.arange(3).expand(2, 3)
     hidden = torch.randn(2, 3, 3 * 64, dtype=torch.float64)
-    assert torch.equal(head(tokens, pos, head.fc(hidden))[0], loaded(tokens, pos, loaded.fc(hidden))[0])
+    assert torch.equal(head(tokens, pos, head.fc(hidden))[0],
+                       loaded(tokens, pos, loaded.fc(hidden))[0])
     tensors = load_file(tmp_path / "d" / "model.safetensors")
     tensors.pop("midlayer.self_attn.k_proj.weight")
     os.makedirs(tmp_path / "bad")
@@ -611,22 +674,27 @@ def test_draft_round_trip_and_errors(tmp_path):
     (tmp_path / "bad" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="midlayer.self_attn.k_proj.weight"):
         load_draft(tmp_path / "bad", target)
-    (tmp_path / "bad" / "config.json").write_text(json.dumps(dict(cfg, architectures=["LlamaForCausalLM"])))
+    (tmp_path / "bad" / "config.json").write_text(json.dumps(dict(cfg,
+                                                                  architectures=["LlamaForCausalLM"])))
     with pytest.raises(ValueError, match="LlamaForCausalLMEagle3"):
         load_draft(tmp_path / "bad", target)
 
 
 def _draft_tp_worker(path, seed):
-    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float64), seed)
+    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float64),
+                         seed)
     head = load_draft(path, target)
     tokens, pos = torch.tensor([[3, 4, 5], [7, 8, 9]]), torch.tensor([[0, 1, 2], [4, 5, 6]])
-    hidden = torch.randn(2, 3, 3 * 64, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
-    return head(tokens, pos, head.fc(hidden))[0], head.propose(tokens, pos, hidden, torch.tensor([2, 1]), 3)
+    hidden = torch.randn(2, 3, 3 * 64, dtype=torch.float64,
+                         generator=torch.Generator().manual_seed(1))
+    return head(tokens, pos, head.fc(hidden))[0], head.propose(tokens, pos, hidden,
+                                                               torch.tensor([2, 1]), 3)
 
 
 @pytest.mark.parametrize("world", [2, 4])
 def test_draft_tp_equals_tp1(world, tmp_path):
-    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float64), 9)
+    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float64),
+                         9)
     save_draft(init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 10), tmp_path)
     ref_logits, ref_drafts = _draft_tp_worker(tmp_path, 9)
     logits, drafts = run_ranks(world, _draft_tp_worker, tmp_path, 9)
@@ -636,7 +704,8 @@ def test_draft_tp_equals_tp1(world, tmp_path):
 
 def test_the_draft_chain_stays_inside_the_cache():
     """Full acceptance near the end of the output: the chain drafts k-1 positions past the verified
-    ones, so the cache needs P + max_new_tokens + 2k - 2 slots (found: an index past a 19-slot cache)."""
+    ones, so the cache needs P + max_new_tokens + 2k - 2 slots (found: an index past a 19-slot
+    cache)."""
     P, max_new, k = 6, 8, 4
     target = init_random(Transformer(tiny(), 1, P + max_new + 2 * k - 2, dtype=torch.float32), 0)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 1)
@@ -648,7 +717,8 @@ def test_the_draft_chain_stays_inside_the_cache():
 
 
 def test_requests_that_cannot_run_are_refused():
-    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float32), 0)
+    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float32),
+                         0)
     with pytest.raises(ValueError, match="max_seq_len 16"):
         generate(target, None, [[1] * 10], max_new_tokens=8)
     with pytest.raises(ValueError, match="outside the vocabulary"):
@@ -665,8 +735,8 @@ def test_requests_that_cannot_run_are_refused():
 # EAGLE-3 training: the unrolled head (training-time test) is the inference head
 
 def test_unrolled_head_equals_inference():
-    """Step i, row t of Eagle3Draft.unroll equals extend over rows 0..t, then i chain steps, when the
-    unrolled sequence holds the drafts the chain read: same logits, same draft ids (float64)."""
+    """Step i, row t of Eagle3Draft.unroll equals extend over rows 0..t, then i chain steps, when
+    the unrolled sequence holds the drafts the chain read: same logits, same draft ids (float64)."""
     dtype, B, T, k = torch.float64, 3, 14, 4
     target = init_random(Transformer(tiny(), max_batch_size=B, max_seq_len=T + k, dtype=dtype), 41)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 42)
@@ -674,28 +744,30 @@ def test_unrolled_head_equals_inference():
     x = torch.randint(0, 256, (B, T), generator=g)
     positions = torch.arange(T).expand(B, T)
     _, states = target(x, positions, capture_aux=True)
-    shifted = torch.cat([x[:, 1:], x[:, :1]], 1)                  # row t reads x_{t+1} (the last row: junk)
+    shifted = torch.cat([x[:, 1:], x[:, :1]], 1)  # row t reads x_{t+1} (the last row: junk)
     last = torch.tensor([3, 6, 9])                                # each row's extend ends at row t
-    drafts = head.chain(*head.extend(shifted, positions, states, last), last, k)      # [B, k]: d_1..d_k
-    for i in range(1, k):                                         # the unrolled sequence reads d_i at t+1+i
+    drafts = head.chain(*head.extend(shifted, positions, states, last), last, k)  # [B, k]: d_1..d_k
+    for i in range(1, k):  # the unrolled sequence reads d_i at t+1+i
         x[torch.arange(B), last + 1 + i] = drafts[:, i - 1]
     shifted = torch.cat([x[:, 1:], x[:, :1]], 1)
     unrolled = head.unroll(x, states, k)                          # [k, B, T, Vd]
-    logits, gh = head(shifted, positions, head.fc(states))       # inference, step by step: the extend...
+    logits, gh = head(shifted, positions, head.fc(states))  # inference, step by step: the extend...
     want = [logits[torch.arange(B), last]]
     gh = gh[torch.arange(B), last].unsqueeze(1)
-    for i in range(k - 1):                                        # ...then the chain, as chain() runs it
+    for i in range(k - 1):  # ...then the chain, as chain() runs it
         step_logits, gh = head(drafts[:, i:i + 1], (last + 1 + i).unsqueeze(1), gh)
         want.append(step_logits[:, 0])
     for i in range(k):
-        assert_close(unrolled[i, torch.arange(B), last], want[i], 1e-10, f"unrolled step {i} vs inference")
+        assert_close(unrolled[i, torch.arange(B), last], want[i], 1e-10,
+                     f"unrolled step {i} vs inference")
     assert torch.equal(head.to_target_ids(unrolled[:, torch.arange(B), last]).T, drafts)
 
 
 def test_training_step_lowers_the_loss():
     """A few steps of draft.train_step on one fixed batch lower ttt_loss; gradients reach fc, the
     midlayer and lm_head; the draft vocabulary is the most predicted ids."""
-    target = init_random(Transformer(tiny(), max_batch_size=4, max_seq_len=24, dtype=torch.float32), 44)
+    target = init_random(Transformer(tiny(), max_batch_size=4, max_seq_len=24, dtype=torch.float32),
+                         44)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 45)
     x = torch.randint(0, 256, (4, 20), generator=torch.Generator().manual_seed(46))
     with torch.no_grad():
@@ -735,7 +807,8 @@ def test_trained_pair_speculative_equals_plain_greedy(dtype):
     plain = generate(target, None, prompts, max_new_tokens=40, eos_id=-1).tokens
     for mode in ("extend", "decode"):
         for k in ((1, 3, 4) if dtype == torch.float64 else (3,)):
-            res = generate(target, head, prompts, max_new_tokens=40, num_steps=k, attention_mode=mode, eos_id=-1)
+            res = generate(target, head, prompts, max_new_tokens=40, num_steps=k,
+                           attention_mode=mode, eos_id=-1)
             assert res.tokens == plain, (mode, k, dtype)
 
 
@@ -774,7 +847,8 @@ def test_trained_pair_accepts_more_than_a_random_head():
 # Draft trees (topk > 1): expansion, masks, acceptance
 
 def hand_tree(B):
-    """Root (token 10) -> nodes 1 (3), 2 (5); 1 -> 3 (7), 4 (8); 2 -> 5 (9); 3 -> 6 (4); 4 -> 7 (2)."""
+    """Root (token 10) -> nodes 1 (3), 2 (5); 1 -> 3 (7), 4 (8); 2 -> 5 (9); 3 -> 6 (4); 4 -> 7
+    (2)."""
     t = lambda v: torch.tensor(v).expand(B, -1)  # noqa: E731
     return Tree(tokens=t([10, 3, 5, 7, 8, 9, 4, 2]), parents=t([-1, 0, 0, 1, 1, 2, 3, 4]),
                 depths=t([0, 1, 1, 2, 2, 2, 3, 3]), scores=torch.zeros(B, 8))
@@ -794,7 +868,8 @@ def test_tree_greedy_walks_the_targets_argmax():
     assert m.tolist() == [2, 3, 0, 2] and bonus.tolist() == [1, 6, 11, 0]
     assert path.tolist() == [[0, 2, 5, 5], [0, 1, 4, 7], [0, 0, 0, 0], [0, 1, 3, 3]]
     emitted = tree_emitted(tree, path, m, bonus)
-    assert [e[:k + 1] for e, k in zip(emitted.tolist(), m.tolist())] == [[5, 9, 1], [3, 8, 2, 6], [11], [3, 7, 0]]
+    assert [e[:k + 1] for e, k in zip(emitted.tolist(), m.tolist())] == [[5, 9, 1], [3, 8, 2, 6],
+                                                                         [11], [3, 7, 0]]
 
 
 def test_tree_greedy_equals_a_walk_on_the_host_and_masks_see_only_ancestors():
@@ -802,11 +877,13 @@ def test_tree_greedy_equals_a_walk_on_the_host_and_masks_see_only_ancestors():
     B, N, V = 64, 9, 16
     tree = random_tree(B, N, V, g)
     logits = torch.randn(B, N, V, generator=g)
-    for b in range(B):  # most nodes point the target at one of their children (a proposer that knows)
+    # most nodes point the target at one of their children (a proposer that knows)
+    for b in range(B):
         for i in range(N):
             kids = [j for j in range(N) if tree.parents[b, j] == i]
             if kids and torch.rand(1, generator=g) < 0.8:
-                logits[b, i, tree.tokens[b, kids[int(torch.randint(len(kids), (1,), generator=g))]]] += 20
+                logits[b, i,
+                       tree.tokens[b, kids[int(torch.randint(len(kids), (1,), generator=g))]]] += 20
     depth = int(tree.depths.max())
     m, path, bonus = tree_accept(logits, tree, depth, 0.0, None)
     start = torch.randint(0, 5, (B,), generator=g)
@@ -814,12 +891,14 @@ def test_tree_greedy_equals_a_walk_on_the_host_and_masks_see_only_ancestors():
     for b in range(B):
         cur, walked = 0, [0]
         while True:
-            nxt = [j for j in range(N) if tree.parents[b, j] == cur and tree.tokens[b, j] == logits[b, cur].argmax()]
+            nxt = [j for j in range(N) if tree.parents[b, j] == cur
+                   and tree.tokens[b, j] == logits[b, cur].argmax()]
             if not nxt:
                 break
             cur = nxt[0]
             walked.append(cur)
-        assert (m[b], bonus[b], path[b, :len(walked)].tolist()) == (len(walked) - 1, logits[b, cur].argmax(), walked)
+        assert (m[b], bonus[b], path[b, :len(walked)].tolist()) == (len(walked) - 1,
+                                                                    logits[b, cur].argmax(), walked)
         for i in range(N):
             anc, a = {i}, i
             while a > 0:
@@ -844,7 +923,8 @@ def test_tree_sampling_follows_the_target():
     for kind in ("as drawn", "least likely first"):
         root_kids = [0, 2, 5] if kind == "as drawn" else p[0].argsort()[:3].tolist()
         t = torch.tensor([3] + root_kids + [1, 2]).expand(R, -1)
-        tree = Tree(t, torch.tensor([-1, 0, 0, 0, 1, 1]).expand(R, -1), torch.tensor([0, 1, 1, 1, 2, 2]).expand(R, -1),
+        tree = Tree(t, torch.tensor([-1, 0, 0, 0, 1, 1]).expand(R, -1),
+                    torch.tensor([0, 1, 1, 1, 2, 2]).expand(R, -1),
                     torch.zeros(R, 6))
         m, path, bonus = tree_accept(logits.expand(R, 6, V), tree, 2, 1.0, g)
         emitted = tree_emitted(tree, path, m, bonus)
@@ -861,12 +941,14 @@ def test_tree_sampling_follows_the_target():
 
 def tree_setup(seed=0):
     """A float64 tiny target and random head, the head extended over two ragged prompt rows."""
-    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=32, dtype=torch.float64), seed)
+    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=32, dtype=torch.float64),
+                         seed)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
     g = torch.Generator().manual_seed(seed + 2)
     tokens, pos = torch.randint(0, 256, (2, 6), generator=g), torch.arange(6).expand(2, 6)
     last = torch.tensor([5, 3])
-    logits, g0 = head.extend_logits(tokens, pos, torch.randn(2, 6, 3 * 64, dtype=torch.float64, generator=g), last)
+    logits, g0 = head.extend_logits(tokens, pos, torch.randn(2, 6, 3 * 64, dtype=torch.float64,
+                                                             generator=g), last)
     return head, torch.tensor([7, 9]), logits, g0, last
 
 
@@ -876,7 +958,8 @@ def test_tree_with_topk_1_is_the_chain():
         tree = head.tree(root, logits, g0, q, 1, S, S + 1)
         chain = head.chain(head.to_target_ids(logits), g0, q, S)
         assert torch.equal(tree.tokens[:, 1:], chain) and torch.equal(tree.tokens[:, 0], root)
-        assert tree.parents.tolist() == [list(range(-1, S))] * 2 and tree.depths.tolist() == [list(range(S + 1))] * 2
+        assert tree.parents.tolist() == [list(range(-1,
+                                                    S))] * 2 and tree.depths.tolist() == [list(range(S + 1))] * 2
 
 
 def reference_tree(head, b, logits, g0, q, K, S, N):
@@ -921,7 +1004,8 @@ def test_tree_expansion_is_the_head_along_each_path(K, S, N):
     for b in range(2):
         tokens, parents, scores = reference_tree(head, b, logits, g0, q, K, S, N)
         assert tree.tokens[b, 1:].tolist() == tokens and tree.parents[b, 1:].tolist() == parents, b
-        assert_close(tree.scores[b, 1:], torch.tensor(scores, dtype=torch.float64), 1e-9, f"row {b} scores")
+        assert_close(tree.scores[b, 1:], torch.tensor(scores, dtype=torch.float64), 1e-9,
+                     f"row {b} scores")
     anc_depth = tree_ancestors(tree.parents).sum(-1) - 1
     assert torch.equal(anc_depth, tree.depths) and (tree.parents[:, 1:] < torch.arange(1, N)).all()
 
@@ -961,7 +1045,9 @@ class PlantedTreeHead:
 
     def __call__(self, tokens, positions, hidden, kv_len=None, slots=None, visible=None):
         """Pass j: positions q + j, reading the tokens at q + j + 1, guessing those at q + j + 2."""
-        on = (hidden[..., 0] > 0) & (tokens == self.ref.gather(1, (positions + 1).clamp(max=self.ref.shape[1] - 1)))
+        on = (hidden[...,
+                     0] > 0) & (tokens == self.ref.gather(1,
+                                                          (positions + 1).clamp(max=self.ref.shape[1] - 1)))
         depth = int((positions - self.q)[0, 0])
         return self.planted(positions + 2, on, depth), on.unsqueeze(-1).double()
 
@@ -973,7 +1059,8 @@ def tree_lossless(seed, max_new=16, sizes=TREE_SIZES):
     """Greedy tree decoding against plain greedy for every (K, S, N) of TREE_SIZES that fits,
     batch 2, both attention modes, a planted head that errs by plan (and, for one size, the
     random head: Eagle3Draft's own passes inside the loop)."""
-    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=48, dtype=torch.float64), seed)
+    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=48, dtype=torch.float64),
+                         seed)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
     prompts = [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26, 27, 28]]
     plain = generate(target, None, prompts, max_new_tokens=max_new, eos_id=-1).tokens
@@ -984,10 +1071,12 @@ def tree_lossless(seed, max_new=16, sizes=TREE_SIZES):
             continue
         for mode in ("extend", "decode"):
             # every third cycle of a row all right (rank 0 at every depth), else wrong somewhere
-            planted = PlantedTreeHead(ref, 256, lambda c, b, d, K=K: (c + b) % 3 and (c + b + d) % (K + 1))
+            planted = PlantedTreeHead(ref, 256, lambda c, b, d, K=K: (c + b) % 3
+                                      and (c + b + d) % (K + 1))
             proposers = [("planted", planted)] + [("eagle3", head)] * ((K, S, N) == (4, 3, 8))
             for name, prop in proposers:
-                res = generate(target, prop, prompts, max_new_tokens=max_new, num_steps=S, attention_mode=mode,
+                res = generate(target, prop, prompts, max_new_tokens=max_new, num_steps=S,
+                               attention_mode=mode,
                                eos_id=-1, topk=K, num_draft_tokens=N)
                 if res.tokens != plain:
                     failures.append((K, S, N, mode, name, plain, res.tokens))
@@ -1040,7 +1129,8 @@ def tree_logits_and_paths(target, tree, P, mode):
         for b in range(B):
             path = anc[b, i].nonzero().squeeze(1)                 # ancestors and i, in node order
             rows = tree.tokens[b, path].expand(B, -1)
-            alone[b, i] = target(rows, (P + torch.arange(len(path))).expand(B, -1), mode).logits[b, -1]
+            alone[b, i] = target(rows, (P + torch.arange(len(path))).expand(B, -1),
+                                 mode).logits[b, -1]
     return out, alone
 
 
@@ -1048,17 +1138,22 @@ def tree_logits_and_paths(target, tree, P, mode):
 def test_tree_verify_sees_only_prefix_and_ancestors(mode):
     """Each node's logits from one forward over the whole tree equal its logits when its own path
     runs alone: nothing of a sibling's or a cousin's latent (written at the slots beside it) leaks
-    in; and changing every node that is not node i's ancestor leaves node i's logits as they were."""
-    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=32, dtype=torch.float64), 4)
+    in; and changing every node that is not node i's ancestor leaves node i's logits as they
+    were."""
+    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=32, dtype=torch.float64),
+                         4)
     tree = random_tree(2, 7, 256, torch.Generator().manual_seed(5))
     out, alone = tree_logits_and_paths(target, tree, 9, mode)
     assert_close(out, alone, 1e-10, f"{mode}: tree forward vs each path alone")
     anc = tree_ancestors(tree.parents)
     for i in (3, 6):
-        planted = tree._replace(tokens=torch.where(anc[:, i], tree.tokens, (tree.tokens + 100) % 256))
-        again = target(planted.tokens, 9 + tree.depths, mode, kv_len=16, slots=9 + torch.arange(7).expand(2, 7),
+        planted = tree._replace(tokens=torch.where(anc[:, i], tree.tokens,
+                                                   (tree.tokens + 100) % 256))
+        again = target(planted.tokens, 9 + tree.depths, mode, kv_len=16,
+                       slots=9 + torch.arange(7).expand(2, 7),
                        visible=tree_visible(tree.parents, torch.full((2,), 9), 16)).logits
-        assert_close(again[:, i], out[:, i], 1e-10, f"{mode}: node {i} after its non-ancestors changed")
+        assert_close(again[:, i], out[:, i], 1e-10,
+                     f"{mode}: node {i} after its non-ancestors changed")
 
 
 def _tree_lossless_worker(seed):
@@ -1070,7 +1165,8 @@ def test_tree_speculative_equals_plain_greedy_tp2():
 
 
 def test_tree_sampling_and_simulated_generate_run_and_are_seeded():
-    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=48, dtype=torch.float32), 3)
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=48, dtype=torch.float32),
+                         3)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 4)
     kw = dict(max_new_tokens=10, num_steps=3, topk=2, num_draft_tokens=6, eos_id=-1)
     a = generate(target, head, PROMPTS[3], temperature=0.8, seed=5, **kw)
@@ -1091,7 +1187,8 @@ def test_trained_pair_tree_accepts_more_than_the_chain():
     plain = generate(target, None, prompts, max_new_tokens=48, eos_id=-1).tokens
     lengths = {}
     for K, N in ((None, None), (2, 4), (4, 8)):
-        res = generate(target, head, prompts, max_new_tokens=48, num_steps=3, eos_id=-1, topk=K, num_draft_tokens=N)
+        res = generate(target, head, prompts, max_new_tokens=48, num_steps=3, eos_id=-1, topk=K,
+                       num_draft_tokens=N)
         assert res.tokens == plain, (K, N)
         lengths[K] = res.accepted[res.accepted >= 0].float().mean().item() + 1
     print(f"\ntrained pair, accepted tokens per cycle (bonus included): chain of 3 {lengths[None]:.2f}, "
@@ -1136,10 +1233,12 @@ def test_gpu_tree_cycle_makes_no_host_sync():
                 out = runner.run(GraphKey("verify_tree", mode, B, N, kv), verify, tree.tokens,
                                  start.unsqueeze(1) + tree.depths, slots, visible)
             m, path, bonus = tree_accept(out.logits, tree, S, temperature, gen)
-            target.move_cache(start.unsqueeze(1) + path, start.unsqueeze(1) + torch.arange(S + 1, device="cuda"))
+            target.move_cache(start.unsqueeze(1) + path,
+                              start.unsqueeze(1) + torch.arange(S + 1, device="cuda"))
             expand = partial(head.tree, topk=K, num_steps=S, num_nodes=N, kv_len=kv)
             for _ in range(2):
-                runner.run(GraphKey("draft_tree", None, B, (S - 1) * K, kv), expand, bonus, logits, g, last)
+                runner.run(GraphKey("draft_tree", None, B, (S - 1) * K, kv), expand, bonus, logits,
+                           g, last)
     finally:
         torch.cuda.set_sync_debug_mode("default")
 
@@ -1151,14 +1250,17 @@ def test_the_tree_stays_inside_the_cache():
     P, max_new, S = 6, 8, 3
     for K, N in ((2, 8), (4, 4)):   # the verify's N slots bound it, or the head's scratch does
         lookahead = max(N, min(S, N - 1) + (S - 1) * K - 1)
-        target = init_random(Transformer(tiny(), 2, P + max_new + lookahead, dtype=torch.float32), 0)
+        target = init_random(Transformer(tiny(), 2, P + max_new + lookahead, dtype=torch.float32),
+                             0)
         head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 1)
         prompts = [list(range(1, P + 1)), list(range(1, P - 1))]
         for seed in range(4):
-            generate(target, head, prompts, max_new_tokens=max_new, num_steps=S, topk=K, num_draft_tokens=N,
+            generate(target, head, prompts, max_new_tokens=max_new, num_steps=S, topk=K,
+                     num_draft_tokens=N,
                      probe=Probe(accept_len=4.0), seed=seed, eos_id=-1)
         with pytest.raises(ValueError, match="lookahead"):
-            generate(target, head, [list(range(1, P + 2))], max_new_tokens=max_new, num_steps=S, topk=K,
+            generate(target, head, [list(range(1, P + 2))], max_new_tokens=max_new, num_steps=S,
+                     topk=K,
                      num_draft_tokens=N)
 
 
@@ -1171,14 +1273,16 @@ def test_a_finished_row_stays_inside_the_cache():
     target, head = train.load_pair(max_batch_size=2, max_seq_len=P + max_new + 2 * k - 2)
     rows = [prompts[4][:P], prompts[0][:15]]   # the case found (row 0 finishes first)
     plain = generate(target, None, rows, max_new_tokens=max_new, eos_id=-1).tokens
-    assert generate(target, head, rows, max_new_tokens=max_new, num_steps=k, eos_id=-1).tokens == plain
+    assert generate(target, head, rows, max_new_tokens=max_new, num_steps=k,
+                    eos_id=-1).tokens == plain
 
 
 def test_tree_dump_holds_the_tree_and_its_accepted_path():
     """--dump of a tree (a planted head, so paths of every depth are accepted): each live cycle's
     accepted nodes are a path down the tree whose tokens are the output tokens they became;
     compare passes the dump against itself, refuses a chain against it and names a broken path."""
-    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=40, dtype=torch.float32), 32)
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=40, dtype=torch.float32),
+                         32)
     plain = generate(target, None, PROMPTS[3], max_new_tokens=16).tokens
     ref = reference_sequences(PROMPTS[3], plain, 40)
     head = PlantedTreeHead(ref, 256, lambda c, b, d: (c + b) % 3 and (c + b + d) % 3)
@@ -1214,7 +1318,8 @@ def test_graph_replay_equals_eager(quant, impl):
     """With the fused MoE every Triton kernel is on, launched with programmatic dependent launch
     where the GPU has it (sm_90 on), and the eager reference runs without it: a kernel that read
     what its predecessor writes before waiting for it would differ."""
-    target, head = gpu_models(quant=quant, moe_impl=impl, kernels_on="all" if impl == "fused" else "none")
+    target, head = gpu_models(quant=quant, moe_impl=impl, kernels_on="all" if impl == "fused"
+                              else "none")
     assert target.moe_impl == impl
     assert kernels.PDL == (torch.cuda.get_device_capability() >= (9, 0))
     runner = CudaGraphs("cuda")
@@ -1230,20 +1335,26 @@ def test_graph_replay_equals_eager(quant, impl):
 
 def test_graph_keys_remember_their_function():
     """A CUDA graph replays what it captured, so a key names one function: the same partial or
-    bound method again is the same, another mode or method is not (compared without a device read)."""
+    bound method again is the same, another mode or method is not (compared without a device
+    read)."""
     target = Transformer(tiny(), max_batch_size=1, max_seq_len=8)
     head = Eagle3Draft(draft_preset("tiny"), target)
-    assert function_id(partial(target, mode="decode")) == function_id(partial(target, mode="decode"))
-    assert function_id(partial(target, mode="decode")) != function_id(partial(target, mode="extend"))
+    assert function_id(partial(target,
+                               mode="decode")) == function_id(partial(target, mode="decode"))
+    assert function_id(partial(target,
+                               mode="decode")) != function_id(partial(target, mode="extend"))
     assert function_id(head.extend) == function_id(head.extend) != function_id(head.chain)
-    assert function_name(partial(head.chain, num_steps=3)) == "partial(Eagle3Draft.chain, num_steps=3)"
+    assert function_name(partial(head.chain,
+                                 num_steps=3)) == "partial(Eagle3Draft.chain, num_steps=3)"
 
 
 def test_graph_outputs_are_copied_whole():
-    """A replay hands back copies (the pool may be reused): a named tuple stays one, None stays None."""
+    """A replay hands back copies (the pool may be reused): a named tuple stays one, None stays
+    None."""
     out = model.TargetOutput(torch.ones(2, 3), None)
     copy = copy_out(out)
-    assert type(copy) is model.TargetOutput and copy.aux is None and torch.equal(copy.logits, out.logits)
+    assert type(copy) is model.TargetOutput and copy.aux is None and torch.equal(copy.logits,
+    out.logits)
     assert copy.logits.data_ptr() != out.logits.data_ptr()
     first, g = copy_out((torch.zeros(2), torch.ones(2, 4)))
     assert torch.equal(g, torch.ones(2, 4)) and first.shape == (2,)
@@ -1262,7 +1373,8 @@ def test_graph_key_collision_is_refused():
 @pytest.mark.gpu
 @pytest.mark.parametrize("quant, impl", GPU_MOE)
 def test_no_host_sync_in_captured_paths(quant, impl):
-    target, head = gpu_models(quant=quant, moe_impl=impl, kernels_on="all" if impl == "fused" else "none")
+    target, head = gpu_models(quant=quant, moe_impl=impl, kernels_on="all" if impl == "fused"
+                              else "none")
     calls = captured_calls(target, head)
     runner = CudaGraphs("cuda")
     torch.cuda.synchronize()
@@ -1282,7 +1394,8 @@ def test_graph_generate_equals_eager_generate_and_reports_bf16_agreement(mode):
     target, head = gpu_models()
     prompts = PROMPTS[3]
     eager = generate(target, head, prompts, max_new_tokens=24, num_steps=3, attention_mode=mode)
-    graphed = generate(target, head, prompts, max_new_tokens=24, num_steps=3, attention_mode=mode, use_graphs=True)
+    graphed = generate(target, head, prompts, max_new_tokens=24, num_steps=3, attention_mode=mode,
+                       use_graphs=True)
     assert graphed.tokens == eager.tokens
     plain = generate(target, None, prompts, max_new_tokens=24, use_graphs=True).tokens
     same = sum(a == b for x, y in zip(graphed.tokens, plain) for a, b in zip(x, y))
@@ -1300,7 +1413,8 @@ def test_gpu_decode_attention_equals_extend_and_grouped_equals_gather():
     target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32), 0)
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
-    assert_close(target(step, step_pos, "decode").logits, target(step, step_pos, "extend").logits, 1e-3,
+    assert_close(target(step, step_pos, "decode").logits, target(step, step_pos, "extend").logits,
+                 1e-3,
                  "float32 GPU decode vs extend attention")
     if not kernels.grouped_mm_available(torch.device("cuda"), torch.bfloat16):
         pytest.skip("torch._grouped_mm is not available for bf16 on this GPU")
@@ -1310,7 +1424,8 @@ def test_gpu_decode_attention_equals_extend_and_grouped_equals_gather():
     x = torch.randn(37, 64, device="cuda", dtype=torch.bfloat16)
     ids, weights = moe.gate(x)
     grouped = moe.experts(x, ids, weights)
-    assert_close(grouped, model.Experts.forward(moe.experts, x, ids, weights), 2e-2 * grouped.abs().max().item(), "bf16 grouped vs gather")
+    assert_close(grouped, model.Experts.forward(moe.experts, x, ids, weights),
+                 2e-2 * grouped.abs().max().item(), "bf16 grouped vs gather")
 
 
 @pytest.mark.gpu
@@ -1330,7 +1445,9 @@ def test_uniform_routing_same_in_a_graph_as_eager_without_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     (ids, w), (eager_ids, eager_w) = graphed[0], eager[0]
-    assert torch.equal(ids, eager_ids) and torch.equal(w, eager_w), "uniform routing chose differently in a graph"
+    assert torch.equal(ids,
+                       eager_ids) and torch.equal(w,
+                                                  eager_w), "uniform routing chose differently in a graph"
     for (key, _, _), a, b in zip(calls, graphed[1:], eager[1:]):
         assert_close(a, b, 0.0, f"uniform routing, graph vs eager {key}")
 
@@ -1341,20 +1458,24 @@ def test_compiled_layers_equal_plain_inside_graphs_without_host_sync(kernels_on)
     """run.py --compile: torch.compile fuses each layer, our CUDA graphs capture the result; with
     every kernel on (run.py --compile --kernels all, SIMULATED uniform routing as run.py times it)
     the Triton launches run between the compiled parts. Logits and aux states against the same
-    model uncompiled, for a 9-row step and a 3-row one (the GEMV paths: InputNormInQKVA's among them)."""
+    model uncompiled, for a 9-row step and a 3-row one (the GEMV paths: InputNormInQKVA's among
+    them)."""
     target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32,
                                      routing="uniform" if kernels_on else "model"), 0)
     kernels.accelerate(target, "all" if kernels_on else "none")
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
-    # contiguous, as CudaGraphs' static copies (clones) of them are: a strided view's other strides would fail the
-    # compiled layers' guards and recompile inside the no-sync check (GPU run of 2026-12-01)
+    # contiguous, as CudaGraphs' static copies (clones) of them are: a strided view's other strides
+    # would fail the compiled layers' guards and recompile inside the no-sync check (GPU run of
+    # 2026-12-01)
     steps = {9: (step, step_pos), 3: (step[:, :1].contiguous(), step_pos[:, :1].contiguous())}
-    plain = {(mode, n): flat(target(*steps[n], mode, capture_aux=True)) for mode in ("extend", "decode") for n in steps}
+    plain = {(mode, n): flat(target(*steps[n], mode, capture_aux=True))
+             for mode in ("extend", "decode") for n in steps}
     kernels.compile_layers(target)
     runner = CudaGraphs("cuda")
     for (mode, n), ref in plain.items():
-        fn, what = partial(target, mode=mode, capture_aux=True), f"{mode}, {n} rows, kernels {kernels_on}"
+        fn, what = partial(target, mode=mode,
+                           capture_aux=True), f"{mode}, {n} rows, kernels {kernels_on}"
         assert_close(flat(fn(*steps[n])), ref, 1e-4, f"compiled vs plain layers, {what}")
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")

@@ -1,6 +1,6 @@
-"""The fast path (the kernels/ package) against the plain reference: the routed experts' grouped_mm and
-fused MoE kernel against the gather path, each Triton kernel against its plain twin in model.py or
-draft.py, each swap against the module it replaces, on fresh random inputs.
+"""The fast path (the kernels/ package) against the plain reference: the routed experts' grouped_mm
+and fused MoE kernel against the gather path, each Triton kernel against its plain twin in model.py
+or draft.py, each swap against the module it replaces, on fresh random inputs.
 
 Tests marked `triton` run the kernels under Triton's CPU interpreter on a machine without CUDA
 (TRITON_INTERPRET=1, set in conftest.py): float32 only (the interpreter rounds to bf16 toward
@@ -52,7 +52,8 @@ def test_grouped_moe_equals_gather(quant):
     g.load_state_dict(m.state_dict())
     assert type(m.layers[1].mlp.experts) is model.Experts and g.moe_impl == "grouped"
     assert isinstance(g.layers[1].mlp.experts, kernels.GroupedExperts)
-    assert_close(run_steps(g), run_steps(m), 1e-4, f"grouped_mm MoE vs gathered weights, {quant or 'plain'} experts")
+    assert_close(run_steps(g), run_steps(m), 1e-4,
+                 f"grouped_mm MoE vs gathered weights, {quant or 'plain'} experts")
 
 
 class ExpertsHolder(torch.nn.Module):
@@ -66,15 +67,17 @@ class ExpertsHolder(torch.nn.Module):
 
 
 def moe_experts(shape, quant, E, device, dtype, seed=0):
-    """One layer's routed experts, random. "tiny": the tiny preset's sizes at TP 2, rank 1 (FP8 in 16x24
-    blocks, so a rank's slice of down_proj starts inside a block); "kimi": one rank of Kimi-K2 at TP 8
-    (D 7168, I 256, FP8 in 128x128 blocks)."""
+    """One layer's routed experts, random. "tiny": the tiny preset's sizes at TP 2, rank 1 (FP8 in
+    16x24 blocks, so a rank's slice of down_proj starts inside a block); "kimi": one rank of Kimi-K2
+    at TP 8 (D 7168, I 256, FP8 in 128x128 blocks)."""
     fp8 = checkpoint.fp8_quantization_config((16, 24) if shape == "tiny" else (128, 128))
     qc = {None: None, "int4": "int4", "fp8": fp8}[quant]
     if shape == "tiny":
-        args, tp_ = tiny(n_routed_experts=E, num_experts_per_tok=8, moe_intermediate_size=64, quantization_config=qc), TP(1, 2)
+        args, tp_ = tiny(n_routed_experts=E, num_experts_per_tok=8, moe_intermediate_size=64,
+                         quantization_config=qc), TP(1, 2)
     else:
-        args, tp_ = checkpoint.preset("kimi-k2", n_routed_experts=E, quantization_config=qc), TP.simulate(8)
+        args, tp_ = checkpoint.preset("kimi-k2", n_routed_experts=E,
+                                      quantization_config=qc), TP.simulate(8)
     holder = ExpertsHolder(args, tp_, device, dtype)
     return init_random(holder, seed, rank_local=shape != "tiny").experts, args.hidden_size
 
@@ -104,20 +107,23 @@ def check_fused_moe(experts_and_dim, cases, dtype, seed=0):
         ids, w = routing(kind, N, K, E, g, TRITON_DEVICE)
         x = torch.randn(N, D, generator=g).to(TRITON_DEVICE, dtype)
         fused = experts(x, ids, w) if variant is None else experts.fused(x, ids, w, variant=variant)
-        ref = model.Experts.forward(experts, x, ids, w)      # the plain reference on the same weights
+        ref = model.Experts.forward(experts, x, ids, w)  # the plain reference on the same weights
         tol = (1e-5 if dtype == torch.float32 else 2e-2) * ref.abs().max().item()
         assert fused.dtype == ref.dtype and fused.shape == ref.shape
-        assert_close(fused, ref, tol, f"fused ({variant or 'auto'}) vs gather MoE, E {E}, N {N}, {kind} routing, {dtype}")
+        assert_close(fused, ref, tol,
+                     f"fused ({variant or 'auto'}) vs gather MoE, E {E}, N {N}, {kind} routing, {dtype}")
         assert ref.abs().max() > 0.1
 
 
 # (N, routing, variant) cases; the CPU interpreter runs a few of them (each ~0.2-1 s there), the GPU
 # all. The rule (GEMV_MAX_TOKENS) picks the GEMV variant at small N and tiles (tl.dot) at 37.
-FUSED_CASES_ALL = [(N, kind, v) for N in (1, 2, 4, 8, 37) for kind in ("shared", "disjoint", "random")
+FUSED_CASES_ALL = [(N, kind, v) for N in (1, 2, 4, 8, 37)
+                   for kind in ("shared", "disjoint", "random")
                    for v in ((None, "dot") if N <= 8 else (None,))]
 
 
-FUSED_CASES_CPU = {16: [(1, "random", None), (2, "disjoint", None), (4, "shared", None), (4, "shared", "dot"),
+FUSED_CASES_CPU = {16: [(1, "random", None), (2, "disjoint", None), (4, "shared", None),
+                        (4, "shared", "dot"),
                         (37, "random", None)],
                    384: [(8, "disjoint", None), (2, "random", "dot")]}
 
@@ -127,25 +133,31 @@ FUSED_CASES_CPU = {16: [(1, "random", None), (2, "disjoint", None), (4, "shared"
 def test_fused_moe_equals_gather_tiny(quant):
     for E in (16, 384):
         cases = FUSED_CASES_ALL if TRITON_DEVICE.type == "cuda" else FUSED_CASES_CPU[E]
-        dtypes = (torch.float32, torch.bfloat16) if TRITON_DEVICE.type == "cuda" else (torch.float32,)
-        for dtype in dtypes:   # (Triton's interpreter computes bf16 dots wrongly: float32 on the CPU)
+        on_gpu = TRITON_DEVICE.type == "cuda"
+        dtypes = (torch.float32, torch.bfloat16) if on_gpu else (torch.float32,)
+        # (Triton's interpreter computes bf16 dots wrongly: float32 on the CPU)
+        for dtype in dtypes:
             check_fused_moe(moe_experts("tiny", quant, E, TRITON_DEVICE, dtype), cases, dtype)
 
 
 @pytest.mark.triton
 def test_fused_moe_gemv_fp8_scale_blocks_as_rows():
-    """FP8 in 128x128 blocks (Kimi-K2's layout): the GEMV variant reads each k-step as SUB scale blocks
-    laid out as tile rows of their own (GEMV_CONFIGS' FP8 entries), one scale per tile row."""
-    args = tiny(n_routed_experts=8, num_experts_per_tok=8, hidden_size=256, moe_intermediate_size=512,
+    """FP8 in 128x128 blocks (Kimi-K2's layout): the GEMV variant reads each k-step as SUB scale
+    blocks laid out as tile rows of their own (GEMV_CONFIGS' FP8 entries), one scale per tile
+    row."""
+    args = tiny(n_routed_experts=8, num_experts_per_tok=8, hidden_size=256,
+                moe_intermediate_size=512,
                 quantization_config=checkpoint.fp8_quantization_config((128, 128)))
     experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, torch.float32), 0).experts
     ids, w = routing("random", 2, 8, 8, torch.Generator().manual_seed(0), TRITON_DEVICE)
     x = torch.randn(2, 256, generator=torch.Generator().manual_seed(1)).to(TRITON_DEVICE)
-    weights = [kernels.expert_weights(getattr(experts, p)) for p in ("gate_proj", "up_proj", "down_proj")]
+    weights = [kernels.expert_weights(getattr(experts, p))
+               for p in ("gate_proj", "up_proj", "down_proj")]
     got = kernels.fused_moe(x, ids, w, *weights, variant="gemv",
                             configs=dict(gate_up=(32, 128, 1, 4, 2), down=(64, 128, 4, 2)))
     ref = model.Experts.forward(experts, x, ids, w)
-    assert_close(got, ref, 1e-5 * ref.abs().max().item(), "GEMV FP8 with 2 scale blocks a k-step vs gather")
+    assert_close(got, ref, 1e-5 * ref.abs().max().item(),
+                 "GEMV FP8 with 2 scale blocks a k-step vs gather")
 
 
 @pytest.mark.triton
@@ -154,41 +166,52 @@ def test_fused_moe_gemv_fp8_takes_a_shared_expert():
     (fused_moe's shared: Kimi-K2-Instruct's, dequantized at load) against the gather path plus the
     plain MLP, at 1 and 3 tokens (the shared programs run their tokens one after another), with
     blocks that divide the shapes and blocks that do not (masked shared rows and steps)."""
-    args = tiny(n_routed_experts=16, num_experts_per_tok=4, hidden_size=256, moe_intermediate_size=96,
+    args = tiny(n_routed_experts=16, num_experts_per_tok=4, hidden_size=256,
+                moe_intermediate_size=96,
                 quantization_config=checkpoint.fp8_quantization_config((128, 128)))
     experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, torch.float32), 0).experts
     D, I, g = 256, experts.gate_proj.weight.shape[1], torch.Generator().manual_seed(0)
-    weights = [kernels.expert_weights(getattr(experts, p)) for p in ("gate_proj", "up_proj", "down_proj")]
+    weights = [kernels.expert_weights(getattr(experts, p))
+               for p in ("gate_proj", "up_proj", "down_proj")]
     shared = [torch.randn(*s, generator=g).to(TRITON_DEVICE) / 8 for s in ((I, D), (I, D), (D, I))]
     for N in (1, 3):
         ids, w = routing("random", N, 4, 16, g, TRITON_DEVICE)
         x = torch.randn(N, D, generator=g).to(TRITON_DEVICE)
-        want = model.Experts.forward(experts, x, ids, w) + (F.silu(x @ shared[0].T) * (x @ shared[1].T)) @ shared[2].T
-        # gate_up (BLOCK_N, BLOCK_K, UNROLL, warps, SUB), down (BLOCK_N, BLOCK_K, warps, SUB): 16 rows (shared
-        # steps of 64 columns divide D / 2); 32 rows (I 48 a rank: masked rows, 32-column steps)
-        for gate_up, down in (((16, 128, 1, 4, 1), (64, 128, 4, 1)), ((32, 64, 2, 4, 2), (32, 64, 4, 2))):
+        want = model.Experts.forward(experts, x, ids,
+                                     w) + (F.silu(x @ shared[0].T) * (x @ shared[1].T)) @ shared[2].T
+        # gate_up (BLOCK_N, BLOCK_K, UNROLL, warps, SUB), down (BLOCK_N, BLOCK_K, warps, SUB): 16
+        # rows (shared steps of 64 columns divide D / 2); 32 rows (I 48 a rank: masked rows,
+        # 32-column steps)
+        for gate_up, down in (((16, 128, 1, 4, 1), (64, 128, 4, 1)),
+                              ((32, 64, 2, 4, 2), (32, 64, 4, 2))):
             got = kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=shared,
                                     configs=dict(gate_up=gate_up, down=down))
-            assert_close(got, want, 1e-5 * want.abs().max().item(), f"GEMV FP8 + shared, {N} tokens, {gate_up} {down}")
+            assert_close(got, want, 1e-5 * want.abs().max().item(),
+                         f"GEMV FP8 + shared, {N} tokens, {gate_up} {down}")
 
 
 @pytest.mark.triton
 def test_fused_moe_gemv_int4_even_and_masked_blocks():
-    """The INT4 GEMV kernels with blocks that divide the shapes (EVEN: no load masked, as at Kimi-K2's)
-    and blocks that do not (masked rows, words and expert columns), against the gather path, alone and
-    with a shared expert in the launch (against the plain MLP added). D 96: 12 words a row."""
-    args = tiny(n_routed_experts=16, num_experts_per_tok=8, hidden_size=96, moe_intermediate_size=64,
+    """The INT4 GEMV kernels with blocks that divide the shapes (EVEN: no load masked, as at
+    Kimi-K2's) and blocks that do not (masked rows, words and expert columns), against the gather
+    path, alone and with a shared expert in the launch (against the plain MLP added). D 96: 12 words
+    a row."""
+    args = tiny(n_routed_experts=16, num_experts_per_tok=8, hidden_size=96,
+                moe_intermediate_size=64,
                 quantization_config="int4")
     experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, torch.float32), 0).experts
     D, I, K, g = 96, experts.gate_proj.weight_packed.shape[1], 8, torch.Generator().manual_seed(0)
     ids, w = routing("random", 2, K, 16, g, TRITON_DEVICE)
     x = torch.randn(2, D, generator=g).to(TRITON_DEVICE)
-    weights = [kernels.expert_weights(getattr(experts, p)) for p in ("gate_proj", "up_proj", "down_proj")]
+    weights = [kernels.expert_weights(getattr(experts, p))
+               for p in ("gate_proj", "up_proj", "down_proj")]
     ref = model.Experts.forward(experts, x, ids, w)
     shared = [torch.randn(*s, generator=g).to(TRITON_DEVICE) / 8 for s in ((I, D), (I, D), (D, I))]
     ref_shared = ref + (F.silu(x @ shared[0].T) * (x @ shared[1].T)) @ shared[2].T
-    # (gate_up, down): all unmasked (4-word steps); masked rows, words and expert columns; masked words, rows
-    for gate_up, down in (((32, 4, 4), (32, 32, 4)), ((64, 8, 4), (64, 64, 4)), ((16, 16, 4), (128, 32, 4))):
+    # (gate_up, down): all unmasked (4-word steps); masked rows, words and expert columns; masked
+    # words, rows
+    for gate_up, down in (((32, 4, 4), (32, 32, 4)), ((64, 8, 4), (64, 64, 4)),
+                          ((16, 16, 4), (128, 32, 4))):
         for sh, want in ((None, ref), (shared, ref_shared)):
             got = kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=sh,
                                     configs=dict(gate_up=gate_up, down=down))
@@ -199,21 +222,23 @@ def test_fused_moe_gemv_int4_even_and_masked_blocks():
 @pytest.mark.triton
 @pytest.mark.parametrize("quant", ["int4", "fp8"])
 def test_fused_moe_gemv_shared_h_made_once(quant, monkeypatch):
-    """The shared expert's h = silu(g) * u is made once a row block, by the last of its split programs
-    to finish (a shared atomic counter): calls in a row with other tokens (a counter left non-zero would
-    make a later call's last program the wrong one) each equal the plain sum, with masked rows and
-    without, repeat bitwise, leave the counters zero; more row blocks than counters are refused. Two
-    routed experts a token (the interpreter's time follows the pairs)."""
+    """The shared expert's h = silu(g) * u is made once a row block, by the last of its split
+    programs to finish (a shared atomic counter): calls in a row with other tokens (a counter left
+    non-zero would make a later call's last program the wrong one) each equal the plain sum, with
+    masked rows and without, repeat bitwise, leave the counters zero; more row blocks than counters
+    are refused. Two routed experts a token (the interpreter's time follows the pairs)."""
     qc = "int4" if quant == "int4" else checkpoint.fp8_quantization_config((128, 128))
     D = 96 if quant == "int4" else 256
     args = tiny(n_routed_experts=16, num_experts_per_tok=2, hidden_size=D,
                 moe_intermediate_size=192, quantization_config=qc)
     experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, torch.float32), 0).experts
-    weights = [kernels.expert_weights(getattr(experts, p)) for p in ("gate_proj", "up_proj", "down_proj")]
+    weights = [kernels.expert_weights(getattr(experts, p))
+               for p in ("gate_proj", "up_proj", "down_proj")]
     I, g = weights[0].shape[1], torch.Generator().manual_seed(1)
     shared = [torch.randn(*s, generator=g).to(TRITON_DEVICE) / 8 for s in ((I, D), (I, D), (D, I))]
     # I 96 a rank: 32 rows a block divide it, 64 leave the second block's rows masked
-    blocks = ([dict(gate_up=(32, 4, 4), down=(32, 32, 4)), dict(gate_up=(64, 4, 4), down=(32, 32, 4))]
+    blocks = ([dict(gate_up=(32, 4, 4), down=(32, 32, 4)),
+               dict(gate_up=(64, 4, 4), down=(32, 32, 4))]
               if quant == "int4" else [dict(gate_up=(32, 64, 1, 4, 1), down=(64, 64, 4, 1)),
                                        dict(gate_up=(64, 64, 2, 4, 2), down=(32, 64, 4, 2))])
     for cfg in blocks:
@@ -240,16 +265,18 @@ def test_fused_moe_rule_picks_gemv_for_few_pairs(monkeypatch):
     experts, D = moe_experts("tiny", "fp8", 16, TRITON_DEVICE, torch.float32)
     calls = []
     gemv = kernels.moe_gemv._fused_moe_gemv
-    monkeypatch.setattr(kernels.moe_gemv, "_fused_moe_gemv", lambda *a: calls.append(a[0].shape[0]) or gemv(*a))
+    monkeypatch.setattr(kernels.moe_gemv, "_fused_moe_gemv", lambda *a: calls.append(a[0].shape[0])
+                        or gemv(*a))
     g = torch.Generator().manual_seed(0)
     limit = kernels.GEMV_MAX_TOKENS["fp8"]
     for N in (1, limit, limit + 1):
         ids, w = routing("random", N, 8, 16, g, TRITON_DEVICE)
         experts(torch.randn(N, D, generator=g).to(TRITON_DEVICE), ids, w)
     assert calls == [1, limit], f"GEMV variant ran for token counts {calls}, expected [1, {limit}]"
-    many = kernels.GEMV_MAX_PAIRS // 8 + 1                                # tokens: more pairs than it handles
+    many = kernels.GEMV_MAX_PAIRS // 8 + 1  # tokens: more pairs than it handles
     with pytest.raises(ValueError, match=f"'gemv' up to {kernels.GEMV_MAX_PAIRS} pairs"):
-        experts.fused(torch.randn(many, D, device=TRITON_DEVICE), ids[:1].expand(many, 8), w[:1].expand(many, 8),
+        experts.fused(torch.randn(many, D, device=TRITON_DEVICE), ids[:1].expand(many, 8),
+                      w[:1].expand(many, 8),
                       variant="gemv")
 
 
@@ -259,20 +286,24 @@ def test_fused_moe_rule_picks_gemv_for_few_pairs(monkeypatch):
 def test_fused_moe_equals_gather_kimi_rank_shapes(quant):
     for E in (16, 384):
         for dtype in (torch.float32, torch.bfloat16):
-            check_fused_moe(moe_experts("kimi", quant, E, "cuda", dtype), [c for c in FUSED_CASES_ALL if not c[2]], dtype)
+            check_fused_moe(moe_experts("kimi", quant, E, "cuda", dtype),
+                            [c for c in FUSED_CASES_ALL if not c[2]], dtype)
             torch.cuda.empty_cache()
 
 
 @pytest.mark.triton
 def test_fused_moe_refuses_bad_input_by_name():
     experts, _ = moe_experts("tiny", None, 16, TRITON_DEVICE, torch.float32)
-    x, ids = torch.randn(2, 64, device=TRITON_DEVICE), torch.zeros(2, 8, dtype=torch.int64, device=TRITON_DEVICE)
+    x, ids = torch.randn(2, 64, device=TRITON_DEVICE), torch.zeros(2, 8, dtype=torch.int64,
+                                                                   device=TRITON_DEVICE)
     w = kernels.ExpertWeights("plain", experts.gate_proj)
     with pytest.raises(ValueError, match=r"expected \[E, I, D\], \[E, I, D\], \[E, D, I\]"):
         kernels.fused_moe(x, ids, ids.float(), w, w, w)
     with pytest.raises(ValueError, match="x must be bf16, fp16 or fp32"):
-        kernels.fused_moe(x.double(), ids, ids.float(), w, w, kernels.ExpertWeights("plain", experts.down_proj))
-    with pytest.raises(ValueError, match="moe='fused' needs Triton and a bf16, fp16 or float32 model"):
+        kernels.fused_moe(x.double(), ids, ids.float(), w, w,
+                          kernels.ExpertWeights("plain", experts.down_proj))
+    with pytest.raises(ValueError,
+                       match="moe='fused' needs Triton and a bf16, fp16 or float32 model"):
         kernels.accelerate(Transformer(tiny(), dtype=torch.float64), moe="fused")
 
 
@@ -296,16 +327,19 @@ def mla_inputs(B, T, H, C, R, S, dtype, device, seed):
     q_lat, q_pe = torch.randn(B, T, H, C, generator=g), torch.randn(B, T, H, R, generator=g)
     kv, k_pe = torch.randn(B, T, C, generator=g), torch.randn(B, T, R, generator=g)
     weight = 1 + 0.1 * torch.randn(C, generator=g)
-    kv_cache, pe_cache = torch.randn(B + 1, S, C, generator=g), torch.randn(B + 1, S, R, generator=g)
+    kv_cache, pe_cache = torch.randn(B + 1, S, C, generator=g), torch.randn(B + 1,
+                                                                            S, R, generator=g)
     last = torch.randint(T - 1, S, (B,), generator=g)
     last[0] = S - 1                              # one row uses the whole cache
     if B > 2:
         last[2] = T - 1                          # one row starts at slot 0
     positions = last.unsqueeze(1) - (T - 1) + torch.arange(T)
-    rope = torch.stack(model.rope_tables(R, 10000.0, None, S, "cpu"), -1)[positions]       # [B, T, R/2, 2]
+    # [B, T, R/2, 2]
+    rope = torch.stack(model.rope_tables(R, 10000.0, None, S, "cpu"), -1)[positions]
     to = dict(device=device, dtype=dtype)
     return dict(q_lat=q_lat.to(**to), q_pe=q_pe.to(**to), kv=kv.to(**to), k_pe=k_pe.to(**to),
-                norm_weight=weight.to(**to), eps=1e-6, rope=rope.to(device), positions=positions.to(device),
+                norm_weight=weight.to(**to), eps=1e-6, rope=rope.to(device),
+                positions=positions.to(device),
                 kv_cache=kv_cache.to(**to)[:B], pe_cache=pe_cache.to(**to)[:B])
 
 
@@ -313,7 +347,8 @@ def mla_reference(inputs, scale, dtype=None):
     """The plain twins on copies of the caches, in `dtype` (default: the inputs'): model.MLA's
     write_cache lines (kv_a_layernorm, apply_rope, the index writes), then
     model.absorbed_attention of the rotated queries. Returns (o_lat, kv_cache, pe_cache)."""
-    x = {k: v.to(dtype or v.dtype) if torch.is_tensor(v) and v.is_floating_point() and k != "rope" else v
+    x = {k: v.to(dtype or v.dtype) if torch.is_tensor(v) and v.is_floating_point() and k != "rope"
+         else v
          for k, v in inputs.items()}
     kv_cache, pe_cache, pos = x["kv_cache"].clone(), x["pe_cache"].clone(), x["positions"]
     norm = model.RMSNorm(kv_cache.shape[-1], x["eps"], kv_cache.device, kv_cache.dtype)
@@ -323,7 +358,8 @@ def mla_reference(inputs, scale, dtype=None):
     kv_cache[rows, pos] = norm(x["kv"])
     pe_cache[rows, pos] = model.apply_rope(x["k_pe"], x["rope"])
     hidden = torch.arange(kv_cache.shape[1], device=pos.device) > pos.unsqueeze(-1)
-    o = model.absorbed_attention(x["q_lat"], model.apply_rope(x["q_pe"], x["rope"]), kv_cache, pe_cache, hidden, scale)
+    o = model.absorbed_attention(x["q_lat"], model.apply_rope(x["q_pe"], x["rope"]), kv_cache,
+                                 pe_cache, hidden, scale)
     return o, kv_cache, pe_cache
 
 
@@ -337,14 +373,16 @@ def check_mla(B, T, shape, S, dtype, device, seed, split_len=None):
     got = kernels.mla_decode_attention(**inputs, softmax_scale=scale, split_len=split_len)
     assert got.shape == truth.shape and got.dtype == dtype and torch.isfinite(got).all()
     what = f"MLA kernel B={B} T={T} {shape} S={S} {dtype} split {split_len}"
-    cache_tol = 1e-5 if dtype == torch.float32 else 2 ** -7 * 4    # bf16: one rounding of values below 4
+    # bf16: one rounding of values below 4
+    cache_tol = 1e-5 if dtype == torch.float32 else 2 ** -7 * 4
     assert_close(inputs["kv_cache"], twin_kv, cache_tol, what + ": latent cache")
     assert_close(inputs["pe_cache"], twin_pe, cache_tol, what + ": rope cache")
     if dtype == torch.float32:
         assert_close(got, truth, 2e-5, what + " vs float64 twin")
     else:  # bf16: the twin rounds the scores and the output; the kernel keeps scores in fp32
         twin_err = (twin.double() - truth).abs().max().item()
-        assert_close(got, truth, max(2e-2, 2 * twin_err), what + f" vs float64 twin (bf16 twin: {twin_err:.2e})")
+        assert_close(got, truth, max(2e-2, 2 * twin_err),
+                     what + f" vs float64 twin (bf16 twin: {twin_err:.2e})")
 
 
 @pytest.mark.triton
@@ -366,8 +404,8 @@ def test_mla_decode_kernel_equals_twin_kimi_shapes():
 
 
 def parts_in_use(x, unmerged):
-    """For each batch row, the parts mla_decode_attention's merge reads: part 0 and the splits of the
-    cached slots before the row's first position (computed on the host, for the test)."""
+    """For each batch row, the parts mla_decode_attention's merge reads: part 0 and the splits of
+    the cached slots before the row's first position (computed on the host, for the test)."""
     first = x["positions"][:, 0].cpu().clamp(max=unmerged.kv_len)
     return (1 + (first + unmerged.split_len - 1) // unmerged.split_len).tolist()
 
@@ -386,37 +424,50 @@ def test_mla_merge_absorb_equals_combine_then_head_gemv(dtype, monkeypatch):
     the one Kimi-K2 case that merges, the GPU all three."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     combines, combine = [], kernels.mla_combine
-    monkeypatch.setattr(kernels.mla, "mla_combine", lambda *a: combines.append(a[0].partial.shape) or combine(*a))
+    monkeypatch.setattr(kernels.mla, "mla_combine", lambda *a: combines.append(a[0].partial.shape)
+                        or combine(*a))
     scale, merged, fell_back = 0.07, 0, 0
     cases = [(TINY_MLA, 16, B, T, S, split) for B, T, S, split in (
-        (1, 1, 40, None), (3, 1, 300, 16), (1, 4, 300, 16), (2, 2, 40, None), (4, 4, 40, None), (4, 4, 300, 16))]
-    kimi = [(B, T, S, split) for B, T, S, split in ((1, 1, 300, 16), (3, 1, 100, 64), (1, 4, 300, 16))
+        (1, 1, 40,
+         None), (3, 1, 300, 16), (1, 4, 300, 16), (2, 2, 40, None), (4, 4, 40,
+                                                                     None), (4, 4, 300, 16))]
+    kimi = [(B, T, S, split) for B, T, S,
+            split in ((1, 1, 300, 16), (3, 1, 100, 64), (1, 4, 300, 16))
             if device == "cuda" or S == 100]                     # on a CPU the case that merges
     cases += [(KIMI_TP8, 128, B, T, S, split) for B, T, S, split in kimi]
     if device == "cuda":
-        cases += [(KIMI_TP8, 128, B, T, S, None) for B, T in ((1, 1), (3, 1), (1, 4), (4, 4)) for S in (256, 4096)]
+        cases += [(KIMI_TP8, 128, B, T, S, None) for B, T in ((1, 1), (3, 1), (1, 4), (4, 4))
+                  for S in (256, 4096)]
     for i, (shape, N, B, T, S, split) in enumerate(cases):
         what = f"merge_absorb H={shape['H']} C={shape['C']} B={B} T={T} S={S} split {split} {dtype}"
         x = mla_inputs(B, T, **shape, S=S, dtype=dtype, device=device, seed=40 + i)
         g = torch.Generator().manual_seed(i)
-        kv_b = (torch.randn(shape["H"], 2 * N, shape["C"], generator=g) / shape["C"] ** 0.5).to(device, dtype)
-        w_uv = kv_b[:, N:]                                                      # [H, N, C], row-strided
+        kv_b = (torch.randn(shape["H"], 2 * N, shape["C"],
+                            generator=g) / shape["C"] ** 0.5).to(device, dtype)
+        w_uv = kv_b[:, N:]  # [H, N, C], row-strided
         ref_x = {k: v.clone() if torch.is_tensor(v) else v for k, v in x.items()}
-        want = kernels.head_gemv(kernels.mla_decode_attention(**ref_x, softmax_scale=scale, split_len=split), w_uv)
+        want = kernels.head_gemv(kernels.mla_decode_attention(**ref_x, softmax_scale=scale,
+                                                              split_len=split), w_uv)
         combines.clear()
-        unmerged = kernels.mla_decode_attention(**x, softmax_scale=scale, split_len=split, merge=False)
+        unmerged = kernels.mla_decode_attention(**x, softmax_scale=scale,
+                                                split_len=split, merge=False)
         assert not combines, f"{what}: merge=False ran the combine"
         for b, used in enumerate(parts_in_use(x, unmerged)):
             unmerged.partial[b, :, used:] = float("nan")
             unmerged.lse[b, :, used:] = float("nan")
         got = kernels.mla_merge_absorb(unmerged, x["positions"], w_uv)
-        assert got.shape == want.shape == (B, T, shape["H"], N) and got.dtype == dtype and torch.isfinite(got).all()
-        assert torch.equal(got, want), f"{what}: max abs diff {(got.double() - want.double()).abs().max().item():.3e}"
+        assert got.shape == want.shape == (B, T, shape["H"],
+                                           N) and got.dtype == dtype and torch.isfinite(got).all()
+        assert torch.equal(got,
+                           want), f"{what}: max abs diff {(got.double() - want.double()).abs().max().item():.3e}"
         merged, fell_back = merged + (not combines), fell_back + bool(combines)
-        o_lat = combine(unmerged, x["positions"], dtype).view(B, T, shape["H"], shape["C"])   # poisoned parts too
-        assert torch.equal(kernels.head_gemv(o_lat, w_uv), want), f"{what}: the combine read a part not in use"
+        # poisoned parts too
+        o_lat = combine(unmerged, x["positions"], dtype).view(B, T, shape["H"], shape["C"])
+        assert torch.equal(kernels.head_gemv(o_lat, w_uv),
+                           want), f"{what}: the combine read a part not in use"
         if dtype == torch.float32:
-            truth = torch.einsum("bthc,hnc->bthn", mla_reference(x, scale, dtype=torch.float64)[0], w_uv.double())
+            truth = torch.einsum("bthc,hnc->bthn", mla_reference(x, scale, dtype=torch.float64)[0],
+                                 w_uv.double())
             assert_close(got, truth, 2e-5 * truth.abs().max().item(), what + " vs float64 twin")
     assert merged and fell_back, f"{merged} cases merged in W_uv's launch and {fell_back} fell back: want both"
 
@@ -427,12 +478,14 @@ def test_mla_decode_kernel_refuses_bad_input():
     with pytest.raises(ValueError, match="positions must be int64"):
         kernels.mla_decode_attention(**{**x, "positions": x["positions"].int()}, softmax_scale=0.1)
     with pytest.raises(ValueError, match="float64: use the plain path"):
-        kernels.mla_decode_attention(**{k: v.double() if k in ("q_lat", "q_pe", "kv", "k_pe", "kv_cache", "pe_cache")
+        kernels.mla_decode_attention(**{k: v.double() if k in ("q_lat", "q_pe", "kv", "k_pe",
+                                                               "kv_cache", "pe_cache")
                                         else v for k, v in x.items()}, softmax_scale=0.1)
     with pytest.raises(ValueError, match="do not fit"):
         kernels.mla_decode_attention(**{**x, "kv_cache": x["kv_cache"][:1]}, softmax_scale=0.1)
     with pytest.raises(ValueError, match="last dim must be contiguous"):
-        kernels.mla_decode_attention(**{**x, "kv": x["kv"].repeat_interleave(2, -1)[..., ::2]}, softmax_scale=0.1)
+        kernels.mla_decode_attention(**{**x, "kv": x["kv"].repeat_interleave(2, -1)[..., ::2]},
+                                     softmax_scale=0.1)
 
 
 @pytest.mark.triton
@@ -458,16 +511,18 @@ def test_rope_cache_kernel_equals_twin(shape, dtype):
         caches = [torch.randn(B + 1, S, n, generator=g).to(device, dtype) for n in (C, R)]
         positions = torch.tensor([[S - T], [5], [0]]) + torch.arange(T)
         positions = positions.to(device)
-        rope = table[positions]                                                        # [B, T, R/2, 2]
+        rope = table[positions]  # [B, T, R/2, 2]
         q_pe = q.split([nope, R], -1)[1]
         kv, k_pe = kv_a.split([C, R], -1)
         kv_cache, pe_cache = (c.clone() for c in caches)
-        got = kernels.mla_rope_cache_write(q_pe, kv, k_pe, norm.weight, norm.eps, rope, positions, kv_cache, pe_cache)
+        got = kernels.mla_rope_cache_write(q_pe, kv, k_pe, norm.weight, norm.eps, rope, positions,
+                                           kv_cache, pe_cache)
         want_kv, want_pe = (c.clone() for c in caches)
         rows = torch.arange(B, device=device).unsqueeze(1)
         want_kv[rows, positions] = norm(kv)
         want_pe[rows, positions] = model.apply_rope(k_pe, rope)
-        tol = 1e-5 if dtype == torch.float32 else 2 ** -7 * 4    # bf16: one rounding of values below 4
+        # bf16: one rounding of values below 4
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -7 * 4
         what = f"rope_cache kernel {shape} T={T} {dtype}"
         assert_close(got, model.apply_rope(q_pe, rope), tol, what + ": rotated q_pe")
         assert_close(kv_cache, want_kv, tol, what + ": latent cache")
@@ -496,8 +551,10 @@ def assert_same_state(swapped, plain):
 
 
 ROUTER_SHAPES = {"tiny": {},  # 16 experts in 4 groups, 2 kept, top 4
-                 "kimi-k2": dict(n_routed_experts=384, num_experts_per_tok=8, n_group=1, topk_group=1),
-                 "deepseek-v3": dict(n_routed_experts=256, num_experts_per_tok=8, n_group=8, topk_group=4)}
+                 "kimi-k2": dict(n_routed_experts=384, num_experts_per_tok=8, n_group=1,
+                                 topk_group=1),
+                 "deepseek-v3": dict(n_routed_experts=256, num_experts_per_tok=8, n_group=8,
+                                     topk_group=4)}
 
 
 @pytest.mark.triton
@@ -508,9 +565,10 @@ def test_router_kernel_equals_twin(shape, dtype):
     args = tiny(**ROUTER_SHAPES[shape])
     router, fast = random_routers(args, device, dtype, seed=len(shape))
     g = torch.Generator().manual_seed(100 + len(shape))
-    for n in (1, 5, 37):   # up to 16 tokens one kernel (logits, then selection in its last program); 37: two
+    # up to 16 tokens one kernel (logits, then selection in its last program); 37: two
+    for n in (1, 5, 37):
         x = torch.randn(n, args.hidden_size, generator=g).to(device, dtype)
-        shared_slot = n == 5      # expert E with weight 1 in a column more (the shared expert's launch)
+        shared_slot = n == 5  # expert E with weight 1 in a column more (the shared expert's launch)
         ids, w = router(x)
         if shared_slot:
             ids, w = kernels.with_shared_slot(ids, w, args.n_routed_experts)
@@ -520,7 +578,7 @@ def test_router_kernel_equals_twin(shape, dtype):
         what = f"router kernel {shape} N={n} shared slot {shared_slot}"
         assert torch.equal(got_ids, ids), f"{what}: ids differ\n{got_ids}\n{ids}"
         assert_close(got_w, w, 1e-6, f"{what}: weights")
-        if n != 1:                # x as the INT4 GEMV's planes (plane j = elements 8w + j), written beside
+        if n != 1:  # x as the INT4 GEMV's planes (plane j = elements 8w + j), written beside
             want = x.float().view(n, -1, 8).transpose(1, 2)
             assert torch.equal(planes, want), f"{what}: the activation planes differ"
     with pytest.raises(ValueError, match="planes must be a contiguous float32"):
@@ -543,7 +601,8 @@ def test_add_rmsnorm_kernel_equals_twin(D, dtype):
     h, out = kernels.add_rmsnorm(x, y, norm.weight, norm.eps)
     assert_close(h, x + y, 0.0, f"add_rmsnorm D={D} {dtype}: the sum")
     ref = norm(x + y)
-    tol = 1e-5 if dtype == torch.float32 else 2 ** -7 * ref.abs().max().item()  # bf16: one rounding apart
+    # bf16: one rounding apart
+    tol = 1e-5 if dtype == torch.float32 else 2 ** -7 * ref.abs().max().item()
     assert_close(out, ref, tol, f"add_rmsnorm D={D} {dtype}: the norm")
 
 
@@ -559,17 +618,20 @@ def test_silu_mul_kernel_equals_twin(dtype):
     g = torch.Generator().manual_seed(11)
     for I in (32, 256, 2304):   # tiny's shared expert, Kimi-K2's at TP 8, its dense MLP at TP 8
         gate_up = (2 * torch.randn(2, 3, 2 * I, generator=g)).to(device, dtype)
-        for gate, up in (gate_up.chunk(2, -1), (gate_up[..., :I].contiguous(), gate_up[..., I:].contiguous())):
+        for gate, up in (gate_up.chunk(2, -1),
+                         (gate_up[..., :I].contiguous(), gate_up[..., I:].contiguous())):
             got, want = kernels.silu_mul(gate, up), F.silu(gate) * up
-            tol = (1e-6 if dtype == torch.float32 else 2 ** -7) * want.abs().max().item()   # bf16: one rounding less
+            # bf16: one rounding less
+            tol = (1e-6 if dtype == torch.float32 else 2 ** -7) * want.abs().max().item()
             assert got.shape == want.shape and got.dtype == dtype
-            assert_close(got, want, tol, f"silu_mul I={I} {dtype} contiguous={gate.is_contiguous()}")
+            assert_close(got, want, tol,
+                         f"silu_mul I={I} {dtype} contiguous={gate.is_contiguous()}")
 
 
 NORM_GEMV_SHAPES = [(40, 64), (33, 100)]                       # (N, K): tiny, odd sizes
 
 
-NORM_GEMV_KIMI = [(2112, 7168), (1536, 1536), (7168, 1024)]    # Kimi-K2 TP 8: q_a + kv_a, q_b, o_proj
+NORM_GEMV_KIMI = [(2112, 7168), (1536, 1536), (7168, 1024)]  # Kimi-K2 TP 8: q_a + kv_a, q_b, o_proj
 
 
 @pytest.mark.triton
@@ -594,13 +656,16 @@ def test_norm_gemv_kernel_equals_twin(dtype):
         norm = model.RMSNorm(K, 1e-6, device, dtype)
         with torch.no_grad():
             norm.weight.copy_(1 + 0.1 * torch.randn(K, generator=g))
-        w = (torch.randn(N + 3, K + 8, generator=g) / K ** 0.5).to(device, dtype)[:N, :K]   # rows strided
-        two_slices = (8, 16, 2 * ((N + 7) // 8))                       # (block_n, block_k, programs)
+        # rows strided
+        w = (torch.randn(N + 3, K + 8, generator=g) / K ** 0.5).to(device, dtype)[:N, :K]
+        two_slices = (8, 16, 2 * ((N + 7) // 8))  # (block_n, block_k, programs)
         for rows in (1, 2, 3, 4, 5, 16):
-            x = (2 * torch.randn(rows, K + 5, generator=g)).to(device, dtype)[:, :K]          # rows strided
-            for nrm, blocks in itertools.product((norm, None), ((None, None, None), (None, 16, None), two_slices)):
+            x = (2 * torch.randn(rows, K + 5, generator=g)).to(device, dtype)[:, :K]  # rows strided
+            for nrm, blocks in itertools.product((norm, None), ((None, None, None),
+                                                                (None, 16, None), two_slices)):
                 block_n, block_k, programs = blocks
-                out = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6, block_n=block_n,
+                out = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6,
+                                        block_n=block_n,
                                         block_k=block_k, programs=programs)
                 ref = F.linear(x if nrm is None else nrm(x), w)
                 what = f"norm_gemv N={N} K={K} rows={rows} {dtype} norm={nrm is not None} blocks={blocks}"
@@ -615,13 +680,14 @@ def test_norm_gemv_kernel_equals_twin(dtype):
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_gemv_with_residual_equals_add_rmsnorm_and_linear(dtype):
-    """kernels.norm_gemv with a residual (kernels.InputNormInQKVA's: a layer's input add and norm inside
-    the stacked q_a + kv_a GEMV) against its twin, model.RMSNorm with the residual (the sum rounded to
-    the dtype, then the norm) and F.linear, on fresh random inputs: 1 to 4 rows, x and the residual
-    strided views [rows, 1, K]; K whole in a program, in steps of 16, and cut into two slices (each
-    program of row block 0 stores its own part of the sum); also without a norm (two slices). The sum equals x +
-    residual bit for bit; the output float32 to 1e-5 relative, bf16 (GPU) to 1% of the largest output
-    (the normed row is not rounded). Refused: a residual of another shape or dtype."""
+    """kernels.norm_gemv with a residual (kernels.InputNormInQKVA's: a layer's input add and norm
+    inside the stacked q_a + kv_a GEMV) against its twin, model.RMSNorm with the residual (the sum
+    rounded to the dtype, then the norm) and F.linear, on fresh random inputs: 1 to 4 rows, x and
+    the residual strided views [rows, 1, K]; K whole in a program, in steps of 16, and cut into two
+    slices (each program of row block 0 stores its own part of the sum); also without a norm (two
+    slices). The sum equals x + residual bit for bit; the output float32 to 1e-5 relative, bf16
+    (GPU) to 1% of the largest output (the normed row is not rounded). Refused: a residual of
+    another shape or dtype."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
@@ -631,21 +697,27 @@ def test_norm_gemv_with_residual_equals_add_rmsnorm_and_linear(dtype):
         norm = model.RMSNorm(K, 1e-6, device, dtype)
         with torch.no_grad():
             norm.weight.copy_(1 + 0.1 * torch.randn(K, generator=g))
-        w = (torch.randn(N + 3, K + 8, generator=g) / K ** 0.5).to(device, dtype)[:N, :K]   # rows strided
-        blocks = ({}, {"block_k": 16}, {"block_n": 8, "block_k": 16, "programs": 2 * ((N + 7) // 8)})
+        # rows strided
+        w = (torch.randn(N + 3, K + 8, generator=g) / K ** 0.5).to(device, dtype)[:N, :K]
+        blocks = ({}, {"block_k": 16},
+                  {"block_n": 8, "block_k": 16, "programs": 2 * ((N + 7) // 8)})
         for rows in (1, 2, 3, 4):
-            x, r = ((2 * torch.randn(rows, 1, K + 5, generator=g)).to(device, dtype)[..., :K] for _ in range(2))
+            x, r = ((2 * torch.randn(rows, 1, K + 5, generator=g)).to(device, dtype)[..., :K]
+                    for _ in range(2))
             h, want_sum = norm(x, r)
             for nrm, block in [(norm, block) for block in blocks] + [(None, blocks[-1])]:
-                out, summed = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6, residual=r, **block)
+                out, summed = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6,
+                                                residual=r, **block)
                 ref = F.linear(want_sum if nrm is None else h, w)
                 what = f"norm_gemv + residual N={N} K={K} rows={rows} {dtype} norm={nrm is not None} {block}"
                 assert summed.shape == x.shape and torch.equal(summed, want_sum), f"{what}: the sum"
                 assert out.shape == ref.shape and out.dtype == dtype
-                assert_close(out, ref, (1e-5 if dtype == torch.float32 else 1e-2) * ref.abs().max().item(), what)
+                assert_close(out, ref, (1e-5 if dtype == torch.float32
+                                        else 1e-2) * ref.abs().max().item(), what)
                 assert not kernels._counters(x.device).any(), f"{what}: the last programs leave the counters 0"
     x = torch.zeros(2, 64, device=device, dtype=dtype)
-    for bad in (torch.zeros(1, 64, device=device, dtype=dtype), torch.zeros(2, 64, device=device, dtype=torch.float16)):
+    for bad in (torch.zeros(1, 64, device=device, dtype=dtype),
+                torch.zeros(2, 64, device=device, dtype=torch.float16)):
         with pytest.raises(ValueError, match="residual .* is not of x's shape and dtype"):
             kernels.norm_gemv(x, torch.zeros(8, 64, device=device, dtype=dtype), residual=bad)
 
@@ -653,10 +725,10 @@ def test_norm_gemv_with_residual_equals_add_rmsnorm_and_linear(dtype):
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_head_gemv_kernel_equals_twin(dtype):
-    """kernels.head_gemv against the absorbed einsums of model.MLA.attend_absorbed, on views of one kv_b_proj
-    weight as the model takes them (W_uk transposed: its K strided; W_uv: row-strided), the query a
-    strided split of q: 1 to 4 and 16 rows, tiny (at 16 rows W_uv's K of 100 takes two steps, the last
-    partial) and (GPU) Kimi-K2 TP-8 heads."""
+    """kernels.head_gemv against the absorbed einsums of model.MLA.attend_absorbed, on views of one
+    kv_b_proj weight as the model takes them (W_uk transposed: its K strided; W_uv: row-strided),
+    the query a strided split of q: 1 to 4 and 16 rows, tiny (at 16 rows W_uv's K of 100 takes two
+    steps, the last partial) and (GPU) Kimi-K2 TP-8 heads."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
@@ -674,7 +746,8 @@ def test_head_gemv_kernel_equals_twin(dtype):
             o = kernels.head_gemv(ref, w_uv)
             want = torch.einsum("bthc,hdc->bthd", ref, w_uv)
             assert o.is_contiguous() and o.shape == want.shape
-            assert_close(o, want, (1e-5 if dtype == torch.float32 else 1e-2) * want.abs().max().item(),
+            assert_close(o, want,
+                         (1e-5 if dtype == torch.float32 else 1e-2) * want.abs().max().item(),
                          f"head_gemv W_uv H={H} B={B} T={T} {dtype}")
 
 
@@ -683,12 +756,13 @@ def test_head_gemv_kernel_equals_twin(dtype):
 def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     """kernels "norm_gemv" (alone, with the fused residual adds and stacked q_a + kv_a, and with the
     attention kernel) against the plain tiny model, float32, 2 layers: the 36-row prefill runs the
-    plain path; a 9-row step runs q_b_proj's GEMV kernel (q_a_layernorm inside) once a layer, the rest
-    plain; steps of 1, 2 and 3 rows also run o_proj (up to O_PROJ_GEMV_MAX_ROWS) and, with fused_proj,
-    the stacked q_a + kv_a (QKVA_GEMV_MAX_ROWS) as GEMV kernels, and the absorbed products as head_gemv
-    kernels (decode mode, HEAD_GEMV_MAX_ROWS). With the attention kernel, decode mode at one row
-    (MLA_MERGE_ABSORB_MAX_ROWS) merges the attention's parts in W_uv's launch (mla_merge_absorb, no
-    combine launch: W_uk's head_gemv alone), and at more rows in the combine launch; both modes."""
+    plain path; a 9-row step runs q_b_proj's GEMV kernel (q_a_layernorm inside) once a layer, the
+    rest plain; steps of 1, 2 and 3 rows also run o_proj (up to O_PROJ_GEMV_MAX_ROWS) and, with
+    fused_proj, the stacked q_a + kv_a (QKVA_GEMV_MAX_ROWS) as GEMV kernels, and the absorbed
+    products as head_gemv kernels (decode mode, HEAD_GEMV_MAX_ROWS). With the attention kernel,
+    decode mode at one row (MLA_MERGE_ABSORB_MAX_ROWS) merges the attention's parts in W_uv's launch
+    (mla_merge_absorb, no combine launch: W_uk's head_gemv alone), and at more rows in the combine
+    launch; both modes."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(num_hidden_layers=2)
     plain = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32), 0)
@@ -701,36 +775,45 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
                         lambda *a, **k: heads.append(a[0].shape) or kernels.head_gemv(*a, **k))
     merges, combines, combine = [], [], kernels.mla_combine
     monkeypatch.setattr(kernels.launch, "mla_merge_absorb",
-                        lambda *a, **k: merges.append(a[0].partial.shape) or kernels.mla_merge_absorb(*a, **k))
-    monkeypatch.setattr(kernels.mla, "mla_combine", lambda *a: combines.append(a[0].partial.shape) or combine(*a))
+                        lambda *a, **k: merges.append(a[0].partial.shape)
+                        or kernels.mla_merge_absorb(*a, **k))
+    monkeypatch.setattr(kernels.mla, "mla_combine", lambda *a: combines.append(a[0].partial.shape)
+                        or combine(*a))
     adds = []
-    monkeypatch.setattr(kernels.launch, "add_rmsnorm", lambda *a: adds.append(1) or kernels.add_rmsnorm(*a))
+    monkeypatch.setattr(kernels.launch, "add_rmsnorm", lambda *a: adds.append(1)
+                        or kernels.add_rmsnorm(*a))
     prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=4))
     one, one_pos = step[:1, :1], torch.tensor([[15]], device=device)    # row 0's next token alone
     L = args.num_hidden_layers
 
     def launches(rows, mode):
         """(norm_gemv, head_gemv, mla_merge_absorb, combine) launches a layer at `rows` rows."""
-        n = 1 + (rows <= kernels.O_PROJ_GEMV_MAX_ROWS) + ("fused_proj" in others and rows <= kernels.QKVA_GEMV_MAX_ROWS)
+        n = 1 + (rows <= kernels.O_PROJ_GEMV_MAX_ROWS) + ("fused_proj" in others
+                                                          and rows <= kernels.QKVA_GEMV_MAX_ROWS)
         few, attention = rows <= kernels.HEAD_GEMV_MAX_ROWS, mode == "decode" and "attention" in others
         merged = attention and rows <= kernels.MLA_MERGE_ABSORB_MAX_ROWS
         return n, (mode == "decode") * (2 - merged) * few, merged, attention * (not merged)
 
     def add_norms(rows):
-        """add_rmsnorm launches a forward: after each attention, in front of each attention but the first
-        layer's (no residual yet) unless q_a + kv_a's GEMV does the add (InputNormInQKVA), and the final norm."""
-        in_qkva = {"add_rmsnorm", "fused_proj"} <= set(others) and rows <= kernels.INPUT_NORM_QKVA_MAX_ROWS
+        """add_rmsnorm launches a forward: after each attention, in front of each attention but the
+        first layer's (no residual yet) unless q_a + kv_a's GEMV does the add (InputNormInQKVA), and
+        the final norm."""
+        in_qkva = {"add_rmsnorm",
+                   "fused_proj"} <= set(others) and rows <= kernels.INPUT_NORM_QKVA_MAX_ROWS
         return ("add_rmsnorm" in others) * (L + (0 if in_qkva else L - 1) + 1)
     for mode in ("extend", "decode"):
-        assert_close(fast(prefill, prefill_pos, mode).logits, plain(prefill, prefill_pos, mode).logits, 1e-4,
+        assert_close(fast(prefill, prefill_pos, mode).logits,
+                     plain(prefill, prefill_pos, mode).logits, 1e-4,
                      f"norm_gemv {others} prefill, {mode}")
         assert not calls and not heads and not merges, "the prefill's 36 rows must take the plain path"
         assert len(adds) == add_norms(36), "the prefill's 36 rows: add_rmsnorm in front of each attention"
         combines.clear(), adds.clear()             # (decode mode's prefill merges in the combine)
-        for tokens, pos in ((step, step_pos), (one, one_pos), (step[:2, :1], step_pos[:2, :1]), (step[:1], step_pos[:1])):
+        for tokens, pos in ((step, step_pos), (one, one_pos), (step[:2, :1], step_pos[:2, :1]),
+                            (step[:1], step_pos[:1])):
             what = f"norm_gemv {others} {tokens.numel()}-row step, {mode}"
             counts = launches(tokens.numel(), mode)
-            assert_close(fast(tokens, pos, mode).logits, plain(tokens, pos, mode).logits, 1e-4, what)
+            assert_close(fast(tokens, pos, mode).logits, plain(tokens, pos, mode).logits, 1e-4,
+                         what)
             got = len(calls), len(heads), len(merges), len(combines)
             assert got == tuple(c * L for c in counts), \
                 f"{what}: (norm_gemv, head_gemv, mla_merge_absorb, combine) launches {got}, not {counts} a layer"
@@ -739,7 +822,8 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
 
 
 def kernel_models(device, dtype, B=3, max_seq_len=64, layers=8):
-    """The tiny model twice (same seed): all kernels off (the gather MoE), all on (the fused MoE)."""
+    """The tiny model twice (same seed): all kernels off (the gather MoE), all on (the fused
+    MoE)."""
     args = tiny(num_hidden_layers=layers)
     plain = init_random(Transformer(args, B, max_seq_len, device=device, dtype=dtype), 0)
     fast = init_random(Transformer(args, B, max_seq_len, device=device, dtype=dtype), 0)
@@ -761,9 +845,12 @@ def test_model_with_kernels_equals_plain():
     prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=9))
     for mode in ("decode", "extend"):
         for tokens, pos, what in ((prefill, prefill_pos, "prefill"), (step, step_pos, "step")):
-            want, got = plain(tokens, pos, mode, capture_aux=True), fast(tokens, pos, mode, capture_aux=True)
-            assert_close(got.logits, want.logits, 1e-4, f"kernels on vs off, {what}, {mode} attention: logits")
-            assert_close(got.aux, want.aux, 1e-4, f"kernels on vs off, {what}, {mode} attention: aux states")
+            want, got = plain(tokens, pos, mode, capture_aux=True), fast(tokens, pos, mode,
+                                                                         capture_aux=True)
+            assert_close(got.logits, want.logits, 1e-4,
+                         f"kernels on vs off, {what}, {mode} attention: logits")
+            assert_close(got.aux, want.aux, 1e-4,
+                         f"kernels on vs off, {what}, {mode} attention: aux states")
     with pytest.raises(ValueError, match="unknown kernels"):
         kernels.accelerate(plain, ["attention", "flash"])
     with pytest.raises(ValueError, match="accelerated already"):
@@ -782,7 +869,8 @@ def randomized(module, seed):
 
 def mla_calls(args, device):
     """MLA inputs: a 9-token extend over an empty cache, then 3 tokens at each row's own position,
-    then one token of both rows (2 rows) and one of row 0 alone (1 row: a decode step's GEMV paths)."""
+    then one token of both rows (2 rows) and one of row 0 alone (1 row: a decode step's GEMV
+    paths)."""
     g = torch.Generator().manual_seed(31)
     rope = torch.stack(model.rope_tables(args.qk_rope_head_dim, 10000.0, None, 32, device), -1)
     calls = []
@@ -794,16 +882,20 @@ def mla_calls(args, device):
     return calls
 
 
-SWAPS = {  # name: (the plain module's maker(args, device), swap classes, inputs(args, device, seed))
+# name: (the plain module's maker(args, device), swap classes, inputs(args, device, seed))
+SWAPS = {
     "add_rmsnorm": (lambda a, d: model.RMSNorm(a.hidden_size, 1e-6, d), (kernels.AddRMSNorm,)),
-    "silu_mul": (lambda a, d: model.MLP(a.hidden_size, 96, TP(), "x", device=d), (kernels.SiluMulKernel,)),
-    "fused_proj (MLP)": (lambda a, d: model.MLP(a.hidden_size, 96, TP(), "x", device=d), (kernels.StackedGateUp,)),
+    "silu_mul": (lambda a, d: model.MLP(a.hidden_size, 96, TP(), "x", device=d),
+                 (kernels.SiluMulKernel,)),
+    "fused_proj (MLP)": (lambda a, d: model.MLP(a.hidden_size, 96, TP(), "x", device=d),
+                         (kernels.StackedGateUp,)),
     "attention": (None, (kernels.DecodeAttentionKernel,)),
     "rope_cache": (None, (kernels.RopeCacheKernel,)),
     "norm_gemv (MLA)": (None, (kernels.NormGemvMLA,)),
     "norm_gemv + fused_proj (MLA)": (None, (kernels.NormGemvMLA, kernels.StackedQKVA)),
     "attention + norm_gemv (MLA)": (None, (kernels.DecodeAttentionKernel, kernels.NormGemvMLA)),
-    "norm_gemv (o_proj)": (lambda a, d: tp.RowParallelLinear(64, a.hidden_size, TP(), "x", device=d),
+    "norm_gemv (o_proj)": (lambda a,
+                           d: tp.RowParallelLinear(64, a.hidden_size, TP(), "x", device=d),
                            (kernels.GemvRowParallel,)),
     "fused_proj (MLA)": (None, (kernels.StackedQKVA,)),
 }
@@ -813,9 +905,10 @@ SWAPS = {  # name: (the plain module's maker(args, device), swap classes, inputs
 @pytest.mark.parametrize("name", list(SWAPS))
 def test_each_swap_equals_the_module_it_replaces(name):
     """Each swap of kernels/ against the module it replaces, on the same weights (the swap keeps
-    the state dict) and fresh random inputs, float32: 1, 4 and 20 rows (the GEMV swaps' limits are 1,
-    4 and 16);
-    MLA in both attention modes (each also against extend mode), its outputs and the caches it writes."""
+    the state dict) and fresh random inputs, float32: 1, 4 and 20 rows (the GEMV swaps' limits are
+    1, 4 and 16);
+    MLA in both attention modes (each also against extend mode), its outputs and the caches it
+    writes."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny()
     make, swaps = SWAPS[name]
@@ -830,9 +923,11 @@ def test_each_swap_equals_the_module_it_replaces(name):
         for mode in ("extend", "decode"):
             for call in mla_calls(args, device):
                 want, got = plain(*call, mode), fast(*call, mode)
-                assert_close(got, want, 1e-5 * want.abs().max().item(), f"{name} swap vs MLA, {mode}")
-                extend = plain(*call, "extend")       # the same cache writes again, then the other path
-                assert_close(got, extend, 1e-5 * extend.abs().max().item(), f"{name} swap, {mode}, vs MLA, extend")
+                assert_close(got, want, 1e-5 * want.abs().max().item(),
+                             f"{name} swap vs MLA, {mode}")
+                extend = plain(*call, "extend")  # the same cache writes again, then the other path
+                assert_close(got, extend, 1e-5 * extend.abs().max().item(),
+                             f"{name} swap, {mode}, vs MLA, extend")
             assert_close(fast.kv_cache, plain.kv_cache, 1e-6, f"{name} swap vs MLA: latent cache")
             assert_close(fast.pe_cache, plain.pe_cache, 1e-6, f"{name} swap vs MLA: rope cache")
         return
@@ -846,8 +941,10 @@ def test_each_swap_equals_the_module_it_replaces(name):
             assert_close(fast(x), plain(x), 0.0, f"{name} without a residual")
         else:
             want, got = plain(x), fast(x)
-        assert_close(got, want, 1e-5 * want.abs().max().item(), f"{name} swap vs its module, {n} rows")
-    if isinstance(fast, kernels.StackedGateUp):   # the shared expert's down GEMM onto the routed output
+        assert_close(got, want, 1e-5 * want.abs().max().item(),
+                     f"{name} swap vs its module, {n} rows")
+    # the shared expert's down GEMM onto the routed output
+    if isinstance(fast, kernels.StackedGateUp):
         shared = kernels.swap(make(args, device), *swaps)
         shared.load_state_dict(plain.state_dict())
         shared.down_proj.reduce = False
@@ -860,14 +957,15 @@ def test_each_swap_equals_the_module_it_replaces(name):
 
 @pytest.mark.triton
 def test_input_norm_in_qkva_block_equals_the_plain_block(monkeypatch):
-    """kernels.InputNormInQKVA (accelerate_layer's with "norm_gemv", "fused_proj" and "add_rmsnorm": the
-    input add and norm inside q_a + kv_a's GEMV) against the plain model.Block on the same weights and
-    fresh random inputs, float32, in both attention modes: a 9-token extend of 2 rows (18 rows: model.Block,
-    an add_rmsnorm launch in front of the attention), then 4, 2 (no residual, as after an EAGLE-3
-    state: the norm alone inside the GEMV), 3 and 1 rows (one add_rmsnorm launch, after the attention);
-    both outputs (the MLP's, the stream after the attention) and the caches written. The swap's limit is
-    raised from its one row to the stacked GEMV's 4 here, so that its kernel runs at several rows too. This
-    swap is no module's own (the test of each swap takes one module's inputs): a layer's, so tested here."""
+    """kernels.InputNormInQKVA (accelerate_layer's with "norm_gemv", "fused_proj" and "add_rmsnorm":
+    the input add and norm inside q_a + kv_a's GEMV) against the plain model.Block on the same
+    weights and fresh random inputs, float32, in both attention modes: a 9-token extend of 2 rows
+    (18 rows: model.Block, an add_rmsnorm launch in front of the attention), then 4, 2 (no residual,
+    as after an EAGLE-3 state: the norm alone inside the GEMV), 3 and 1 rows (one add_rmsnorm
+    launch, after the attention); both outputs (the MLP's, the stream after the attention) and the
+    caches written. The swap's limit is raised from its one row to the stacked GEMV's 4 here, so
+    that its kernel runs at several rows too. This swap is no module's own (the test of each swap
+    takes one module's inputs): a layer's, so tested here."""
     monkeypatch.setattr(kernels.gemv, "INPUT_NORM_QKVA_MAX_ROWS", kernels.QKVA_GEMV_MAX_ROWS)
     device = TRITON_DEVICE
     args = tiny()
@@ -878,11 +976,13 @@ def test_input_norm_in_qkva_block_equals_the_plain_block(monkeypatch):
     fast.load_state_dict(plain.state_dict())
     assert_same_state(fast, plain)
     adds = []
-    monkeypatch.setattr(kernels.launch, "add_rmsnorm", lambda *a: adds.append(1) or kernels.add_rmsnorm(*a))
+    monkeypatch.setattr(kernels.launch, "add_rmsnorm", lambda *a: adds.append(1)
+                        or kernels.add_rmsnorm(*a))
     g = torch.Generator().manual_seed(26)
     rope = torch.stack(model.rope_tables(args.qk_rope_head_dim, 10000.0, None, 16, device), -1)
     for mode in ("extend", "decode"):
-        for B, start, T, with_residual in ((2, 0, 9, True), (2, 9, 2, True), (2, 11, 1, False), (1, 12, 3, True),
+        for B, start, T, with_residual in ((2, 0, 9, True), (2, 9, 2, True), (2, 11, 1, False),
+                                           (1, 12, 3, True),
                                            (1, 15, 1, True)):
             x, r = (torch.randn(B, T, args.hidden_size, generator=g).to(device) for _ in range(2))
             r = r if with_residual else None
@@ -891,9 +991,11 @@ def test_input_norm_in_qkva_block_equals_the_plain_block(monkeypatch):
             (want, want_res), (got, got_res) = plain(x, r, *call), fast(x, r, *call)
             what = f"InputNormInQKVA, {B * T} rows, {mode}, residual {with_residual}"
             assert_close(got, want, 1e-5 * want.abs().max().item(), what + ": the MLP's output")
-            assert_close(got_res, want_res, 1e-5 * want_res.abs().max().item(), what + ": the stream")
+            assert_close(got_res, want_res, 1e-5 * want_res.abs().max().item(),
+                         what + ": the stream")
             in_qkva = B * T <= kernels.gemv.INPUT_NORM_QKVA_MAX_ROWS
-            assert len(adds) == 1 + (with_residual and not in_qkva), f"{what}: {len(adds)} add_rmsnorm launches"
+            assert len(adds) == 1 + (with_residual
+                                     and not in_qkva), f"{what}: {len(adds)} add_rmsnorm launches"
             adds.clear()
         for cache in ("kv_cache", "pe_cache"):
             want = getattr(plain.self_attn, cache)
@@ -905,11 +1007,13 @@ def test_model_py_knows_nothing_of_the_fast_path():
     """model.py imports neither kernels/ nor Triton (a fresh interpreter: what importing model
     loads), and holds no switch of the fast path; kernels/ imports model.py."""
     code = "import sys, model; print(sorted(m for m in sys.modules if m.split('.')[0] in ('kernels', 'triton')))"
-    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True, check=True)
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True,
+                         check=True)
     assert out.stdout.strip() == "[]", f"importing model.py loaded {out.stdout.strip()}"
     with open(os.path.join(HERE, "model.py")) as f:
         source = f.read()
-    for word in ("import kernels", "triton", "use_kernels", "_impl", "forward_fused", "fused_proj", r"\bscope\(",
+    for word in ("import kernels", "triton", "use_kernels", "_impl", "forward_fused", "fused_proj",
+                 r"\bscope\(",
                  "def _apply", "MAX_TOKENS", "MAX_ROWS"):
         assert not re.search(word, source), f"model.py mentions {word!r}"
     assert "import model" in open(os.path.join(HERE, "kernels", "swaps.py")).read()
@@ -923,11 +1027,14 @@ def test_router_kernel_uniform_routing_equals_twin(shape):
     scores, normalized and scaled, as its weights."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(**ROUTER_SHAPES[shape])
-    router, fast = random_routers(args, device, torch.float32, seed=len(shape) + 1, routing="uniform")
+    router, fast = random_routers(args, device, torch.float32, seed=len(shape) + 1,
+                                  routing="uniform")
     g = torch.Generator().manual_seed(200 + len(shape))
-    for n in (1, 5, 37, 60) if device == "cuda" else (1, 5, 37):   # 5 x 4 = 20 pairs wrap past tiny's 16 experts
+    # 5 x 4 = 20 pairs wrap past tiny's 16 experts
+    for n in (1, 5, 37, 60) if device == "cuda" else (1, 5, 37):
         x = torch.randn(n, args.hidden_size, generator=g).to(device)
-        for shared_slot in (False, True):   # True: expert E, weight 1, in a column more (shared expert launch)
+        # True: expert E, weight 1, in a column more (shared expert launch)
+        for shared_slot in (False, True):
             ids, w = router(x)
             if shared_slot:
                 ids, w = kernels.with_shared_slot(ids, w, args.n_routed_experts)
@@ -946,23 +1053,29 @@ def test_add_rmsnorm_across_layers_equals_plain_with_exact_aux_states(monkeypatc
     (none in the first layer's input norm, one in the final norm), less one after each captured
     layer (whose output is added whole for EAGLE-3, so the next input norm has no residual)."""
     calls = []
-    monkeypatch.setattr(kernels.launch, "add_rmsnorm", lambda *a: calls.append(1) or kernels.add_rmsnorm(*a))
+    monkeypatch.setattr(kernels.launch, "add_rmsnorm", lambda *a: calls.append(1)
+                        or kernels.add_rmsnorm(*a))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(num_hidden_layers=4 if device == "cpu" else 8)
     aux_ids = [0, 1, args.num_hidden_layers - 2]
-    plain = init_random(Transformer(args, 3, 32, device=device, dtype=torch.float32, aux_layer_ids=aux_ids), 3)
-    fused = init_random(Transformer(args, 3, 32, device=device, dtype=torch.float32, aux_layer_ids=aux_ids), 3)
+    plain = init_random(Transformer(args, 3, 32, device=device, dtype=torch.float32,
+                                    aux_layer_ids=aux_ids), 3)
+    fused = init_random(Transformer(args, 3, 32, device=device, dtype=torch.float32,
+                                    aux_layer_ids=aux_ids), 3)
     assert kernels.accelerate(fused, "add_rmsnorm") == ("add_rmsnorm",)
     prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=4))
-    for tokens, pos, mode in ((prefill, prefill_pos, "extend"), (step, step_pos, "decode"), (step, step_pos, "extend")):
+    for tokens, pos, mode in ((prefill, prefill_pos, "extend"), (step, step_pos, "decode"),
+                              (step, step_pos, "extend")):
         for capture_aux in (True, False):
             want, got = plain(tokens, pos, mode, capture_aux), fused(tokens, pos, mode, capture_aux)
             what = f"add_rmsnorm across layers, {mode}, T={tokens.shape[1]}, aux {capture_aux}"
-            assert len(calls) == 2 * args.num_hidden_layers - (len(aux_ids) if capture_aux else 0), what
+            assert len(calls) == 2 * args.num_hidden_layers - (len(aux_ids)
+                                                               if capture_aux else 0), what
             calls.clear()
             assert_close(got.logits, want.logits, 1e-4, what + ": logits")
             if capture_aux:
-                assert_close(got.aux, want.aux, 1e-5 * want.aux.abs().max().item(), what + ": aux states")
+                assert_close(got.aux, want.aux, 1e-5 * want.aux.abs().max().item(),
+                             what + ": aux states")
 
 
 def fused_proj_target(path, **kw):
@@ -992,7 +1105,8 @@ def test_fused_proj_equals_plain_on_one_copy_of_the_weights(tiny_ckpt, tmp_path)
     storages = {p.untyped_storage().data_ptr() for p in fused.parameters()}
     pairs = 2 * fused.args.num_hidden_layers          # each layer: the attention pair and an MLP's
     assert len(storages) == len(list(fused.parameters())) - pairs, "a stacked pair is not one storage"
-    moved = fused.to(torch.float32).to(torch.float64)     # .to() moves each tensor alone: stacked again
+    # .to() moves each tensor alone: stacked again
+    moved = fused.to(torch.float32).to(torch.float64)
     assert moved.layers[1].self_attn.q_a_proj.weight.data_ptr() == moved.layers[1].self_attn.q_kv_a_weight.data_ptr()
     assert_close(run_steps(moved), run_steps(m), 1e-6, "fused_proj after .to() and back")
     for r in (0, 1):
@@ -1024,39 +1138,49 @@ def test_shared_expert_in_the_fused_launch_equals_plain(tmp_path):
     before.load_state_dict(plain.state_dict())
     after = load_target(tmp_path / "t", **kw)
     kernels.accelerate(after, ["shared_expert"], moe="fused")
-    tokens = torch.randint(0, args.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5)).to(TRITON_DEVICE)
+    tokens = torch.randint(0, args.vocab_size, (2, 6),
+                           generator=torch.Generator().manual_seed(5)).to(TRITON_DEVICE)
     positions = torch.arange(6, device=TRITON_DEVICE).expand(2, 6)
-    step, step_pos = (tokens[:, :1] + 1) % args.vocab_size, torch.full((2, 1), 6, device=TRITON_DEVICE)
-    want = [plain(tokens, positions).logits, plain(step, step_pos).logits, plain(step[:1], step_pos[:1]).logits]
+    step, step_pos = (tokens[:, :1] + 1) % args.vocab_size, torch.full((2, 1), 6,
+                                                                       device=TRITON_DEVICE)
+    want = [plain(tokens, positions).logits, plain(step, step_pos).logits,
+            plain(step[:1], step_pos[:1]).logits]
     for folded in (before, after):
         assert folded.kernels == ("shared_expert",)
         assert_same_state(folded, plain)
         moe = folded.layers[-1].mlp
-        assert isinstance(moe, kernels.SharedExpertInLaunch) and moe.stacked[0].shape[0] == args.n_routed_experts + 1
+        assert isinstance(moe,
+                          kernels.SharedExpertInLaunch) and moe.stacked[0].shape[0] == args.n_routed_experts + 1
         assert moe.shared_experts.down_proj.weight.data_ptr() == moe.stacked[2][-1].data_ptr()
-        # a prefill (the tile variant), then decode steps of 2 and 1 tokens (the GEMV variant, K + 1 pairs a token)
-        got = [folded(tokens, positions).logits, folded(step, step_pos).logits, folded(step[:1], step_pos[:1]).logits]
+        # a prefill (the tile variant), then decode steps of 2 and 1 tokens (the GEMV variant, K + 1
+        # pairs a token)
+        got = [folded(tokens, positions).logits, folded(step, step_pos).logits,
+               folded(step[:1], step_pos[:1]).logits]
         for g, w, what in zip(got, want, ("prefill", "step of 2 tokens", "step of 1 token")):
             assert_close(g, w, 1e-5, f"shared expert in the fused launch, {what}")
-    moved = after.to(torch.float64).to(torch.float32).layers[-1].mlp   # .to() moves each parameter alone
+    # .to() moves each parameter alone
+    moved = after.to(torch.float64).to(torch.float32).layers[-1].mlp
     assert moved.shared_experts.up_proj.weight.data_ptr() == moved.stacked[1][-1].data_ptr()
     assert moved.experts.up_proj.data_ptr() == moved.stacked[1].data_ptr()
-    assert_close(after(tokens, positions).logits, want[0], 1e-5, "shared expert in the fused launch, after .to()")
+    assert_close(after(tokens, positions).logits, want[0], 1e-5,
+                 "shared expert in the fused launch, after .to()")
     assert kernels.accelerate(Transformer(args, **kw), ["shared_expert"], moe="gather") == ()
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("quant, names", [("int4", ("shared_expert",)), ("int4", ("router", "shared_expert")),
+@pytest.mark.parametrize("quant, names",
+                         [("int4", ("shared_expert",)), ("int4", ("router", "shared_expert")),
                                           ("fp8", ("shared_expert",))])
 def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, monkeypatch):
     """kernels "shared_expert" with INT4 or FP8 routed experts (Kimi-K2.5; Kimi-K2-Instruct's FP8
     checkpoint: the shared expert in the compute dtype): their GEMV launches take its weights beside
-    theirs (fused_moe's shared) and equal the plain MoE at 1 and 2 tokens; a prefill past the GEMV rule
-    runs the plain sum. With "router" too, INT4 experts read the activation planes that the router
-    kernel writes (the MoE's own permute never runs). The state dict is the plain one; fused_moe
-    refuses a shared expert it cannot take."""
+    theirs (fused_moe's shared) and equal the plain MoE at 1 and 2 tokens; a prefill past the GEMV
+    rule runs the plain sum. With "router" too, INT4 experts read the activation planes that the
+    router kernel writes (the MoE's own permute never runs). The state dict is the plain one;
+    fused_moe refuses a shared expert it cannot take."""
     permutes, permute = [], kernels.nibble_planes
-    monkeypatch.setattr(kernels.moe_gemv, "nibble_planes", lambda *a: permutes.append(1) or permute(*a))
+    monkeypatch.setattr(kernels.moe_gemv, "nibble_planes", lambda *a: permutes.append(1)
+                        or permute(*a))
     args = tiny(num_hidden_layers=2, moe_intermediate_size=64, quantization_config=quant)
     kw = dict(max_batch_size=2, max_seq_len=48, device=TRITON_DEVICE, dtype=torch.float32)
     plain = init_random(Transformer(args, **kw), 6)
@@ -1064,30 +1188,37 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, 
     assert kernels.accelerate(folded, names, moe="fused") == names
     folded.load_state_dict(plain.state_dict())
     assert_same_state(folded, plain)
-    assert isinstance(folded.layers[-1].mlp, kernels.SharedExpertInLaunch) and folded.layers[-1].mlp.stacked is None
+    assert isinstance(folded.layers[-1].mlp,
+                      kernels.SharedExpertInLaunch) and folded.layers[-1].mlp.stacked is None
     g = torch.Generator().manual_seed(7)
-    n = kernels.GEMV_MAX_TOKENS[quant] + 1                                   # past the GEMV rule: the plain sum
+    n = kernels.GEMV_MAX_TOKENS[quant] + 1  # past the GEMV rule: the plain sum
     tokens = torch.randint(0, args.vocab_size, (1, n), generator=g).to(TRITON_DEVICE)
     positions = torch.arange(n, device=TRITON_DEVICE)[None]
-    step, step_pos = tokens[:, :2].expand(2, 2) % args.vocab_size, torch.full((2, 1), n, device=TRITON_DEVICE)
+    step, step_pos = tokens[:, :2].expand(2, 2) % args.vocab_size, torch.full((2, 1), n,
+                                                                              device=TRITON_DEVICE)
     for what, t, p in (("prefill", tokens, positions), ("step of 2 tokens", step[:, :1], step_pos),
                        ("step of 1 token", step[:1, :1], step_pos[:1])):
-        assert_close(folded(t, p).logits, plain(t, p).logits, 1e-5, f"{quant} {names}, the shared expert in the "
+        assert_close(folded(t, p).logits, plain(t, p).logits, 1e-5,
+                     f"{quant} {names}, the shared expert in the "
                      f"launch, {what}")
-    if quant == "int4":   # the steps' GEMV launches read planes: the router kernel's, else the MoE's permute
+    # the steps' GEMV launches read planes: the router kernel's, else the MoE's permute
+    if quant == "int4":
         assert bool(permutes) == ("router" not in names), f"{names}: {len(permutes)} permutes in the MoE"
     moe = folded.layers[-1].mlp
     x = torch.randn(2, args.hidden_size, generator=g).to(TRITON_DEVICE)
     ids, w = moe.gate(x)
     sh = moe.shared_experts
-    weights = [kernels.expert_weights(getattr(moe.experts, p)) for p in ("gate_proj", "up_proj", "down_proj")]
+    weights = [kernels.expert_weights(getattr(moe.experts, p))
+               for p in ("gate_proj", "up_proj", "down_proj")]
     both = [sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight]
     with pytest.raises(ValueError, match="rides in the INT4 and FP8 GEMV launches only"):
         kernels.fused_moe(x, ids, w, *weights, variant="dot", shared=both)
     with pytest.raises(ValueError, match="shared expert"):
         kernels.fused_moe(x, ids, w, *weights, shared=[both[0][:-1], *both[1:]])
-    (I, D), E = both[0].shape, args.n_routed_experts     # plain routed experts stack the shared one as expert E
-    plain_w = [kernels.ExpertWeights("plain", torch.zeros(E, *s, device=TRITON_DEVICE)) for s in ((I, D), (I, D), (D, I))]
+    # plain routed experts stack the shared one as expert E
+    (I, D), E = both[0].shape, args.n_routed_experts
+    plain_w = [kernels.ExpertWeights("plain", torch.zeros(E, *s, device=TRITON_DEVICE))
+               for s in ((I, D), (I, D), (D, I))]
     with pytest.raises(ValueError, match="make it expert E"):
         kernels.fused_moe(x, ids, w, *plain_w, variant="gemv", shared=both)
 
@@ -1096,8 +1227,9 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, 
 @pytest.mark.triton
 @pytest.mark.parametrize("quant", ["int4", "fp8"])
 def test_quantized_shared_expert_in_the_launch_replays_without_host_sync(quant):
-    """INT4 or FP8 routed experts with the shared expert in their launch: each captured shape (decode,
-    verify of 3 rows of 4 tokens, the head's) replays equal to eager, and nothing syncs with the host."""
+    """INT4 or FP8 routed experts with the shared expert in their launch: each captured shape
+    (decode, verify of 3 rows of 4 tokens, the head's) replays equal to eager, and nothing syncs
+    with the host."""
     target, head = gpu_models(quant=quant, moe_impl="fused", kernels_on=["shared_expert"])
     assert target.kernels == ("shared_expert",)
     runner = CudaGraphs("cuda")
@@ -1110,7 +1242,8 @@ def test_quantized_shared_expert_in_the_launch_replays_without_host_sync(quant):
             graphed = flat(runner.run(key, fn, *inputs))
         finally:
             torch.cuda.set_sync_debug_mode("default")
-        assert_close(graphed, eager, 0.0, f"{quant}, the shared expert in the launch: graph vs eager {key}")
+        assert_close(graphed, eager, 0.0,
+                     f"{quant}, the shared expert in the launch: graph vs eager {key}")
 
 
 @pytest.mark.triton
@@ -1123,19 +1256,24 @@ def test_fused_proj_with_the_shared_expert_in_the_launch():
     kw = dict(max_batch_size=2, max_seq_len=32, device=TRITON_DEVICE, dtype=torch.float32)
     plain = init_random(Transformer(args, **kw), 4)
     both = init_random(Transformer(args, **kw), 4)
-    assert kernels.accelerate(both, ["shared_expert", "fused_proj"], moe="fused") == ("shared_expert", "fused_proj")
+    assert kernels.accelerate(both, ["shared_expert", "fused_proj"],
+                              moe="fused") == ("shared_expert", "fused_proj")
     for layer in both.layers[1:]:
         assert not isinstance(layer.mlp.shared_experts, kernels.StackedGateUp)
         assert not isinstance(layer.mlp, kernels.SharedDownAddsRouted)
         assert isinstance(layer.self_attn, kernels.StackedQKVA)
     assert isinstance(both.layers[0].mlp, kernels.StackedGateUp)
-    tokens = torch.randint(0, args.vocab_size, (2, 6), generator=torch.Generator().manual_seed(5)).to(TRITON_DEVICE)
+    tokens = torch.randint(0, args.vocab_size, (2, 6),
+                           generator=torch.Generator().manual_seed(5)).to(TRITON_DEVICE)
     positions = torch.arange(6, device=TRITON_DEVICE).expand(2, 6)
     want = plain(tokens, positions).logits
-    assert_close(both(tokens, positions).logits, want, 1e-5, "shared expert in the launch + fused_proj")
+    assert_close(both(tokens, positions).logits, want, 1e-5,
+                 "shared expert in the launch + fused_proj")
     for layer in both.layers[1:]:
-        layer.mlp.experts.FUSED_MAX_TOKENS = 4      # 12 tokens: the grouped path and the shared MLP alone
-    assert_close(both(tokens, positions).logits, want, 1e-5, "folded shared expert run alone + fused_proj")
+        # 12 tokens: the grouped path and the shared MLP alone
+        layer.mlp.experts.FUSED_MAX_TOKENS = 4
+    assert_close(both(tokens, positions).logits, want, 1e-5,
+                 "folded shared expert run alone + fused_proj")
 
 
 @pytest.mark.gpu
@@ -1143,7 +1281,8 @@ def test_fused_proj_with_the_shared_expert_in_the_launch():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("B, T", [(1, 1), (3, 1), (1, 4), (3, 4)])
 def test_gpu_mla_decode_kernel_long_cache(dtype, B, T):
-    """Kimi-K2 TP 8 shapes on caches of 256, 4096 and 32768 slots (automatic splits), and the tiny ones."""
+    """Kimi-K2 TP 8 shapes on caches of 256, 4096 and 32768 slots (automatic splits), and the tiny
+    ones."""
     for S in (256, 4096, 32768):
         check_mla(B, T, KIMI_TP8, S, dtype, "cuda", seed=S + B + T)
     check_mla(B, T, TINY_MLA, 1000, dtype, "cuda", seed=B + T)
@@ -1163,7 +1302,9 @@ def test_gpu_mla_decode_kernel_one_graph_any_length(S):
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     for i, last in enumerate(([S - 1, 3, 100], [T - 1, S - 1, 400], [200, S - 300, 17])):
-        new_pos = torch.tensor(last, device="cuda").unsqueeze(1) - (T - 1) + torch.arange(T, device="cuda")
+        new_pos = torch.tensor(last,
+                               device="cuda").unsqueeze(1) - (T - 1) + torch.arange(T,
+                               device="cuda")
         new_rope = table[new_pos]
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
@@ -1179,7 +1320,8 @@ def test_gpu_mla_decode_kernel_one_graph_any_length(S):
             torch.cuda.set_sync_debug_mode("default")
         assert_close(out, eager, 0.0, f"S {S}: graph replay vs eager, last positions {last}")
         truth = mla_reference(x, scale, dtype=torch.float64)[0]
-        assert_close(out, truth, 2e-2, f"S {S}: graph replay vs float64 twin, last positions {last}")
+        assert_close(out, truth, 2e-2,
+                     f"S {S}: graph replay vs float64 twin, last positions {last}")
 
 
 @pytest.mark.gpu
@@ -1197,7 +1339,8 @@ def test_gpu_kernels_in_captured_paths(monkeypatch):
     merge_absorb, combine = kernels.launch.mla_merge_absorb, kernels.mla_combine
     monkeypatch.setattr(kernels.launch, "mla_merge_absorb",
                         lambda *a: merged_in.__setitem__(key, "w_uv") or merge_absorb(*a))
-    monkeypatch.setattr(kernels.mla, "mla_combine", lambda *a: merged_in.__setitem__(key, "combine") or combine(*a))
+    monkeypatch.setattr(kernels.mla, "mla_combine",
+                        lambda *a: merged_in.__setitem__(key, "combine") or combine(*a))
     for routing in ("model", "uniform"):   # uniform: SIMULATED, inside the router kernel
         target.set_routing(routing)
         for key, fn, inputs in captured_calls(target, head):
@@ -1209,7 +1352,8 @@ def test_gpu_kernels_in_captured_paths(monkeypatch):
                 graphed = flat(runner.run(key + (routing,), fn, *inputs))
             finally:
                 torch.cuda.set_sync_debug_mode("default")
-            assert_close(graphed, eager, 0.0, f"kernels on, {routing} routing: graph vs eager {key}")
+            assert_close(graphed, eager, 0.0,
+                         f"kernels on, {routing} routing: graph vs eager {key}")
     assert {key.phase: where for key, where in merged_in.items() if key.mode == "decode"} == \
         {"decode_step": "w_uv", "verify": "combine"}, merged_in
     plain, fast = kernel_models("cuda", torch.bfloat16)
@@ -1251,20 +1395,25 @@ def test_draft_attention_kernel_equals_twin(B, T, H, G):
     caches: the output and both caches, with the cached slots in one split and in splits of 16
     and 24 slots (merged with the new tokens' part)."""
     HD, S, scale = 16, 56, 16 ** -0.5
-    twin = DraftAttention(draft_preset("tiny", num_attention_heads=H, num_key_value_heads=G, head_dim=HD), TP(),
+    twin = DraftAttention(draft_preset("tiny", num_attention_heads=H, num_key_value_heads=G,
+                                       head_dim=HD), TP(),
                           B + 1, S, TRITON_DEVICE, torch.float32)
     for split_len in (None, 16, 24):
-        q, k, v, cos, sin, pos, k_cache, v_cache = draft_attention_inputs(B, T, H, G, HD, S, TRITON_DEVICE, B + T)
+        q, k, v, cos, sin, pos, k_cache, v_cache = draft_attention_inputs(B, T, H, G, HD, S,
+                                                                          TRITON_DEVICE, B + T)
         twin.k_cache.copy_(k_cache)
         twin.v_cache.copy_(v_cache)
-        want = twin.attend_cache(rotate_half_rope(q, cos, sin), rotate_half_rope(k, cos, sin), v, pos, S)
-        got = kernels.draft_attention(q, k, v, cos, sin, pos, k_cache[:B], v_cache[:B], scale, split_len)
+        want = twin.attend_cache(rotate_half_rope(q, cos, sin), rotate_half_rope(k, cos, sin), v,
+                                 pos, S)
+        got = kernels.draft_attention(q, k, v, cos, sin, pos, k_cache[:B], v_cache[:B], scale,
+                                      split_len)
         what = f"draft attention B={B} T={T} H={H} G={G} split {split_len}"
         assert got.shape == want.shape and got.dtype == want.dtype
         assert_close(got, want, 2e-5 * want.abs().max().item(), what)
         assert_close(k_cache, twin.k_cache, 1e-5, what + ": key cache")
         assert_close(v_cache, twin.v_cache, 0.0, what + ": value cache")
-    *long, k_cache, v_cache = draft_attention_inputs(1, 40, H, G, HD, S, TRITON_DEVICE, 0)   # 40 tokens: prefill
+    # 40 tokens: prefill
+    *long, k_cache, v_cache = draft_attention_inputs(1, 40, H, G, HD, S, TRITON_DEVICE, 0)
     with pytest.raises(ValueError, match="query rows"):
         kernels.draft_attention(*long, k_cache[:1], v_cache[:1], scale)
 
@@ -1284,13 +1433,15 @@ def test_draft_top1_kernel_equals_twin():
     for logits in (torch.randn(3, 2, V, generator=g), ties):
         ids = logits.argmax(-1)
         got = kernels.draft_top1(logits.to(TRITON_DEVICE), d2t.to(TRITON_DEVICE))
-        assert got.dtype == torch.int64 and torch.equal(got.cpu(), ids + d2t[ids]), f"top-1 of {list(logits.shape)}"
+        assert got.dtype == torch.int64 and torch.equal(got.cpu(),
+                                                        ids + d2t[ids]), f"top-1 of {list(logits.shape)}"
 
 
 def draft_heads(device, dtype, seed=0, **draft_kw):
     """A tiny target and the tiny head twice: plain, and with every head swap (then loaded with the
     plain head's state dict by the plain names)."""
-    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=64, device=device, dtype=dtype), seed)
+    target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=64, device=device,
+                                     dtype=dtype), seed)
     plain = init_random_draft(Eagle3Draft(draft_preset("tiny", **draft_kw), target), seed + 1)
     fast = Eagle3Draft(draft_preset("tiny", **draft_kw), target)
     assert kernels.accelerate_draft(fast, "all") == kernels.DRAFT_KERNELS
@@ -1318,17 +1469,20 @@ def test_draft_head_with_kernels_equals_plain(kv_heads):
             logits, h = head(tokens, positions, head.fc(states), kv_len)
             steps = [(logits, h)]
             for i in range(2):   # chain steps: the last row's g fed back, one position on
-                steps.append(head(tokens[:, i:i + 1], positions[:, -1:] + 1 + i, steps[-1][1][:, -1:], kv_len))
+                steps.append(head(tokens[:, i:i + 1], positions[:, -1:] + 1 + i,
+                                  steps[-1][1][:, -1:], kv_len))
             outs.append(steps)
         for i, ((want_l, want_g), (got_l, got_g)) in enumerate(zip(*outs)):
-            what = f"kv heads {kv_heads}, kv_len {kv_len}, " + ("extend" if i == 0 else f"chain step {i}")
+            what = f"kv heads {kv_heads}, kv_len {kv_len}, " + ("extend" if i == 0
+                                                                else f"chain step {i}")
             assert_close(got_l, want_l, 1e-5 * want_l.abs().max().item(), what + ": logits")
             assert_close(got_g, want_g, 1e-5 * want_g.abs().max().item(), what + ": g")
         attn_p, attn_f = plain.midlayer.self_attn, fast.midlayer.self_attn
         assert_close(attn_f.k_cache, attn_p.k_cache, 1e-5, f"kv_len {kv_len}: key cache")
         assert_close(attn_f.v_cache, attn_p.v_cache, 1e-5, f"kv_len {kv_len}: value cache")
     last = torch.full((B,), T - 1, device=TRITON_DEVICE)
-    trees = [head.tree(tokens[:, -1], *head.extend_logits(tokens, positions, states, last, 64), positions[:, -1],
+    trees = [head.tree(tokens[:, -1], *head.extend_logits(tokens, positions, states, last, 64),
+                       positions[:, -1],
                        2, 3, 6, 64) for head in (plain, fast)]
     for name, want, got in zip(trees[0]._fields, *trees):
         assert_close(got, want, 1e-5 * max(want.abs().max().item(), 1), f"tree {name}")
@@ -1341,7 +1495,8 @@ def test_speculative_with_the_draft_kernels_equals_plain_greedy():
     target, plain, fast = draft_heads(TRITON_DEVICE, torch.float32, seed=3)
     prompts = PROMPTS[3][1:2]   # 1 row, 3 cycles: the interpreter takes ~0.2 s a head forward
     want = generate(target, None, prompts, max_new_tokens=6).tokens
-    runs = [generate(target, head, prompts, max_new_tokens=6, num_steps=2) for head in (plain, fast)]
+    runs = [generate(target, head, prompts, max_new_tokens=6, num_steps=2)
+            for head in (plain, fast)]
     assert runs[1].tokens == want == runs[0].tokens
     assert torch.equal(runs[1].accepted, runs[0].accepted)
 
@@ -1349,9 +1504,10 @@ def test_speculative_with_the_draft_kernels_equals_plain_greedy():
 @pytest.mark.triton
 def test_compile_head_compiles_what_the_head_calls():
     """run.py --compile's kernels.compile_head: with "add_rmsnorm" the head calls its midlayer's
-    residual_parts, not its forward, and that is what gets compiled; the plain head its forward. Each
-    head's output stays the uncompiled twin's, and dynamo's frame counter shows the compiled code ran
-    (backend "eager": the wiring, not Inductor, which the GPU test of the layers covers)."""
+    residual_parts, not its forward, and that is what gets compiled; the plain head its forward.
+    Each head's output stays the uncompiled twin's, and dynamo's frame counter shows the compiled
+    code ran (backend "eager": the wiring, not Inductor, which the GPU test of the layers
+    covers)."""
     target, plain, fast = draft_heads(TRITON_DEVICE, torch.float32, seed=7)
     twin = Eagle3Draft(draft_preset("tiny"), target)
     twin.load_state_dict(plain.state_dict())
@@ -1374,39 +1530,46 @@ def test_compile_head_compiles_what_the_head_calls():
 @pytest.mark.triton
 @pytest.mark.parametrize("T", [1, 4])
 def test_gpu_draft_attention_kimi_shapes(T):
-    """Kimi-K2's head at TP 8 (8 heads of 128, MHA), bf16, on caches of 320 and 32768 slots (automatic
-    splits): the kernel against the float64 twin, within twice the bf16 twin's error (at least 2e-2),
-    and the caches it writes against the bf16 twin's."""
+    """Kimi-K2's head at TP 8 (8 heads of 128, MHA), bf16, on caches of 320 and 32768 slots
+    (automatic splits): the kernel against the float64 twin, within twice the bf16 twin's error (at
+    least 2e-2), and the caches it writes against the bf16 twin's."""
     for S in (320, 32768):
         x = draft_attention_inputs(1, T, 8, 8, 128, S, "cuda", S + T)
         got_caches = [c.bfloat16() for c in x[6:]]
-        got = kernels.draft_attention(*[t.bfloat16() for t in x[:3]], *x[3:6], got_caches[0][:1], got_caches[1][:1],
+        got = kernels.draft_attention(*[t.bfloat16() for t in x[:3]], *x[3:6], got_caches[0][:1],
+                                      got_caches[1][:1],
                                       128 ** -0.5)
         outs = {}
         for dtype in (torch.float64, torch.bfloat16):
-            twin = DraftAttention(draft_preset("kimi-k2", num_attention_heads=8, num_key_value_heads=8), TP(), 2, S,
+            twin = DraftAttention(draft_preset("kimi-k2", num_attention_heads=8,
+                                               num_key_value_heads=8), TP(), 2, S,
                                   "cuda", dtype)
             twin.k_cache.copy_(x[6])
             twin.v_cache.copy_(x[7])
             q, k, v = (t.to(dtype) for t in x[:3])
-            outs[dtype] = twin.attend_cache(rotate_half_rope(q, *x[3:5]), rotate_half_rope(k, *x[3:5]), v, x[5], S)
+            outs[dtype] = twin.attend_cache(rotate_half_rope(q, *x[3:5]),
+                                            rotate_half_rope(k, *x[3:5]), v, x[5], S)
         twin_err = (outs[torch.bfloat16].double() - outs[torch.float64]).abs().max().item()
-        assert_close(got, outs[torch.float64], max(2e-2, 2 * twin_err), f"S {S} T {T} vs float64 (bf16 twin "
+        assert_close(got, outs[torch.float64], max(2e-2, 2 * twin_err),
+                     f"S {S} T {T} vs float64 (bf16 twin "
                      f"{twin_err:.2e})")
-        assert_close(got_caches[0], twin.k_cache, 2 ** -7 * 4, f"S {S} T {T}: key cache vs the bf16 twin's")
-        assert_close(got_caches[1], twin.v_cache, 0.0, f"S {S} T {T}: value cache vs the bf16 twin's")
+        assert_close(got_caches[0], twin.k_cache, 2 ** -7 * 4,
+                     f"S {S} T {T}: key cache vs the bf16 twin's")
+        assert_close(got_caches[1], twin.v_cache, 0.0,
+                     f"S {S} T {T}: value cache vs the bf16 twin's")
 
 
 @pytest.mark.gpu
 @pytest.mark.triton
 def test_gpu_draft_kernels_in_captured_paths():
-    """The tiny head with every swap, bf16: its extend and chain replay from CUDA graphs equal to the
-    eager calls, with no host sync; the drafts agree with the plain head's (reported)."""
+    """The tiny head with every swap, bf16: its extend and chain replay from CUDA graphs equal to
+    the eager calls, with no host sync; the drafts agree with the plain head's (reported)."""
     target, plain = gpu_models()
     _, fast = gpu_models()
     kernels.accelerate_draft(fast, "all")
     runner = CudaGraphs("cuda")
-    calls = zip(captured_calls(target, fast)[3:], captured_calls(target, plain)[3:])   # extend, chain
+    # extend, chain
+    calls = zip(captured_calls(target, fast)[3:], captured_calls(target, plain)[3:])
     for (key, fn, inputs), (_, plain_fn, _) in calls:
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")

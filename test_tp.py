@@ -98,7 +98,8 @@ def test_one_shot_allreduce_is_refused_on_gloo():
         TP.from_env("ring")
     out = run_py("--allreduce", "one-shot", "--skip-e2e", "--reps", "1", ranks=2, env=ONE_THREAD)
     errors = [line for line in out.stderr.splitlines() if line.startswith("run.py: error:")]
-    assert out.returncode != 0 and len(errors) == 1, out.stderr[-2000:]  # the same on every rank: said once
+    # the same on every rank: said once
+    assert out.returncode != 0 and len(errors) == 1, out.stderr[-2000:]
     assert "run.py: error: one-shot all-reduce: needs torch's symmetric memory" in errors[0]
 
 
@@ -106,12 +107,14 @@ def test_run_py_measures_allreduces_under_real_tp(tmp_path):
     """A real TP 2 run (gloo) times the all-reduce at 1, 2, 4 and 6 tokens, eager (no graphs on a
     CPU: the interleaved and back-to-back figures and the simulated twin need them)."""
     path = tmp_path / "r.json"
-    out = run_py("--skip-e2e", "--reps", "1", "--speculative-attention-mode", "decode", "--json", str(path),
+    out = run_py("--skip-e2e", "--reps", "1", "--speculative-attention-mode", "decode", "--json",
+                 str(path),
                  ranks=2, env=ONE_THREAD)
     assert out.returncode == 0, out.stderr[-2000:]
     m = json.loads(path.read_text())["allreduce_measured"]
     assert set(m["us_each"]) == {f"eager/{T}" for T in (1, 2, 4, 6)} and m["per_forward"] == 2 * 8
-    assert all(v > 0 for v in m["us_each"].values()) and m["implementation"] == "TP 2, rank 0, gloo all-reduce"
+    assert all(v > 0 for v in m["us_each"].values())
+    assert m["implementation"] == "TP 2, rank 0, gloo all-reduce"
     assert "all-reduce, us each, by tokens (TP 2, rank 0, gloo all-reduce):" in out.stdout
 
 
@@ -144,7 +147,8 @@ def test_tp_gpu_graph_replay_equals_eager_without_host_sync(tp_gpu_world, allred
 def test_tp_gpu_speculative_equals_plain_greedy(tp_gpu_world, allreduce):
     """The trained pair at TP 2 in float32 with the model's own routing, verify and draft from CUDA
     graphs: speculative tokens equal plain greedy ones, drafts accepted, in both attention modes."""
-    target = checkpoint.load_target(train.TARGET_DIR, 3, 128, "cuda", torch.float32, tp=tp_gpu_world[allreduce])
+    target = checkpoint.load_target(train.TARGET_DIR, 3, 128, "cuda", torch.float32,
+                                    tp=tp_gpu_world[allreduce])
     head = load_draft(train.DRAFT_DIR, target)
     assert target.routing == "model" and target.tp.world_size == 2
     prompts = [p[:n] for p, n in zip(train.heldout_prompts(3, 32), (32, 17, 25))]
@@ -165,7 +169,8 @@ def test_tp_gpu_one_shot_equals_nccl(tp_gpu_world):
     one, nccl = tp_gpu_world["one-shot"], tp_gpu_world["nccl"]
     g = torch.Generator("cuda").manual_seed(100 + dist.get_rank())
     runner, got = CudaGraphs("cuda"), []
-    for T, dtype in [(1, torch.bfloat16), (2, torch.bfloat16), (4, torch.bfloat16), (6, torch.bfloat16),
+    for T, dtype in [(1, torch.bfloat16), (2, torch.bfloat16), (4, torch.bfloat16),
+                     (6, torch.bfloat16),
                      (4, torch.float32), (80, torch.bfloat16)]:
         x = torch.randn(1, T, 7168, device="cuda", generator=g).to(dtype)
         ref = nccl.all_reduce(x.clone())
@@ -176,7 +181,8 @@ def test_tp_gpu_one_shot_equals_nccl(tp_gpu_world):
         assert fits == (T < 80), (T, fits)
         tol = dict(rtol=1e-2, atol=1e-2) if dtype == torch.bfloat16 else dict(rtol=0, atol=0)
         torch.testing.assert_close(eager, ref, **tol, msg=f"one-shot vs NCCL, {T} rows {dtype}")
-        torch.testing.assert_close(replayed, ref, **tol, msg=f"one-shot in a graph vs NCCL, {T} rows")
+        torch.testing.assert_close(replayed, ref, **tol,
+                                   msg=f"one-shot in a graph vs NCCL, {T} rows")
     logits = {}
     for name, tpo in tp_gpu_world.items():
         m = init_random(Transformer(tiny(), 3, 32, device="cuda", dtype=torch.float32, tp=tpo), 5)

@@ -102,7 +102,9 @@ def run_steps(m):
 # ---------------------------------------------------------------------------------------------
 # Speculative decoding: prompts, a planted proposer, random trees
 
-PROMPTS = {1: [[11, 12, 13, 14, 15, 16]], 3: [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26, 27, 28, 29], [31, 32, 33, 34, 35, 36, 37]]}
+PROMPTS = {1: [[11, 12, 13, 14, 15, 16]],
+           3: [[11, 12, 13, 14, 15], [21, 22, 23, 24, 25, 26, 27, 28, 29],
+               [31, 32, 33, 34, 35, 36, 37]]}
 
 
 class PlantedProposer:
@@ -120,7 +122,8 @@ class PlantedProposer:
     def chain(self, first, g, last_pos, num_steps, kv_len=None):
         """last_pos [B]: the position of the last extend row; draft j (1-based) guesses position
         last_pos+1+j."""
-        idx = (last_pos.unsqueeze(1) + 1 + torch.arange(1, num_steps + 1)).clamp(max=self.ref.shape[1] - 1)
+        idx = (last_pos.unsqueeze(1) + 1 + torch.arange(1,
+                                                        num_steps + 1)).clamp(max=self.ref.shape[1] - 1)
         drafts = self.ref.gather(1, idx)
         first_wrong = torch.tensor([self.wrong_at(self.calls, b) for b in range(len(drafts))])
         self.calls += 1
@@ -138,7 +141,8 @@ def reference_sequences(prompts, outputs, length):
 
 def random_tree(B, N, V, g):
     """Parents drawn before their children; every token distinct (so siblings' are)."""
-    parents = torch.stack([torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g)) for i in range(1, N)])
+    parents = torch.stack([torch.tensor([-1] + [int(torch.randint(0, i, (1,), generator=g))
+                                                for i in range(1, N)])
                            for _ in range(B)])
     tokens = torch.stack([torch.randperm(V, generator=g)[:N] for _ in range(B)])
     depths = torch.zeros(B, N, dtype=torch.long)
@@ -151,7 +155,8 @@ def random_tree(B, N, V, g):
 # The GPU tests' models and captured calls
 
 def gpu_models(dtype=torch.bfloat16, B=3, seed=0, quant=None, moe_impl="auto", kernels_on="none"):
-    target = init_random(Transformer(tiny(quantization_config=quant), max_batch_size=B, max_seq_len=64,
+    target = init_random(Transformer(tiny(quantization_config=quant), max_batch_size=B,
+                                     max_seq_len=64,
                                      device="cuda", dtype=dtype), seed)
     kernels.accelerate(target, kernels_on, moe=moe_impl)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
@@ -167,15 +172,21 @@ def captured_calls(target, head, k=3, B=3, P=12):
     vt = tokens[:, :k + 1]
     last = torch.tensor([k, 1, 0], device="cuda")[:B]
     first, gh = head.extend(vt, pos, aux[:, :k + 1], last)
-    return [(GraphKey("decode_step", "decode", B, 1), partial(target, mode="decode"), (vt[:, :1], pos[:, :1])),
-            (GraphKey("verify", "extend", B, k + 1), partial(target, mode="extend", capture_aux=True), (vt, pos)),
-            (GraphKey("verify", "decode", B, k + 1), partial(target, mode="decode", capture_aux=True), (vt, pos)),
-            (GraphKey("draft_extend", None, B, k + 1), head.extend, (vt, pos, aux[:, :k + 1], last)),
-            (GraphKey("draft", None, B, k - 1), partial(head.chain, num_steps=k), (first, gh, pos[:, 0] + last))]
+    return [(GraphKey("decode_step", "decode", B, 1), partial(target, mode="decode"),
+             (vt[:, :1], pos[:, :1])),
+            (GraphKey("verify", "extend", B, k + 1),
+             partial(target, mode="extend", capture_aux=True), (vt, pos)),
+            (GraphKey("verify", "decode", B, k + 1),
+             partial(target, mode="decode", capture_aux=True), (vt, pos)),
+            (GraphKey("draft_extend", None, B, k + 1), head.extend,
+             (vt, pos, aux[:, :k + 1], last)),
+            (GraphKey("draft", None, B, k - 1), partial(head.chain, num_steps=k),
+             (first, gh, pos[:, 0] + last))]
 
 
 def flat(out):
-    return torch.cat([t.double().flatten() for t in (out if isinstance(out, tuple) else (out,)) if t is not None])
+    return torch.cat([t.double().flatten() for t in (out if isinstance(out, tuple) else (out,))
+                      if t is not None])
 
 
 def eager_without_pdl(fn, *inputs):
@@ -198,7 +209,8 @@ def int4_checkpoint(d, **shape):
     args = tiny(**{"moe_intermediate_size": 64, **shape}, quantization_config="int4")
     m = init_random(Transformer(args, max_batch_size=3, max_seq_len=32, dtype=torch.float32), 5)
     tensors = checkpoint.checkpoint_tensors(m, "language_model.")
-    tensors.update({"vision_tower.patch_embed.proj.weight": torch.zeros(4, 3), "mm_projector.proj.0.weight": torch.zeros(2)})
+    tensors.update({"vision_tower.patch_embed.proj.weight": torch.zeros(4, 3),
+                    "mm_projector.proj.0.weight": torch.zeros(2)})
     quant, plain = os.path.join(d, "int4"), os.path.join(d, "plain")
     os.makedirs(quant)
     checkpoint.write_safetensors(tensors, quant, max_shard_bytes=300_000)
@@ -239,8 +251,10 @@ def fp8_checkpoint(d, block=(16, 24), **shape):
         deq[k] = tensors[k].float() * full
     os.makedirs(quant)
     checkpoint.write_safetensors(tensors, quant, max_shard_bytes=200_000)
-    save_file({**load_file(os.path.join(plain, "model.safetensors")), **deq}, os.path.join(plain, "model.safetensors"))
-    cfg = dict(checkpoint.target_config(m.args), quantization_config={"quant_method": "fp8", "fmt": "e4m3",
+    save_file({**load_file(os.path.join(plain, "model.safetensors")), **deq},
+              os.path.join(plain, "model.safetensors"))
+    cfg = dict(checkpoint.target_config(m.args),
+               quantization_config={"quant_method": "fp8", "fmt": "e4m3",
                "activation_scheme": "dynamic", "weight_block_size": list(block)})
     with open(os.path.join(quant, "config.json"), "w") as f:
         json.dump(cfg, f)
@@ -255,5 +269,6 @@ def edit_checkpoint(src, dst, edit):
             tensors.update(load_file(os.path.join(src, f)))
     edit(tensors)
     save_file(tensors, os.path.join(dst, "model.safetensors"))
-    with open(os.path.join(src, "config.json")) as f, open(os.path.join(dst, "config.json"), "w") as g:
+    with open(os.path.join(src, "config.json")) as f, open(os.path.join(dst,
+                                                                        "config.json"), "w") as g:
         g.write(f.read())

@@ -1,11 +1,13 @@
-"""The tiny trained pair: a tiny Kimi-K2-architecture target and its EAGLE-3 head, made in minutes on a CPU.
+"""The tiny trained pair: a tiny Kimi-K2-architecture target and its EAGLE-3 head, made in minutes
+on a CPU.
 
-    python train.py                  # train both (~5 CPU minutes), save them to out/tiny-stdlib, measure
-    python train.py --out DIR        # ... save them to DIR instead
+    python train.py                  # train both (~5 CPU minutes), save them to out/tiny-stdlib,
+    measure python train.py --out DIR        # ... save them to DIR instead
     python train.py --quick          # a quick try of every step (seconds of training; a poor pair)
-    python train.py --eval [DIR]     # only measure a saved pair (default the committed one), print it
-    python train.py --out DIR --eval # ... the pair in DIR
-    python train.py --out checkpoints/tiny-stdlib --overwrite-committed   # remake the committed pair
+    python train.py --eval [DIR]     # only measure a saved pair (default the committed one), print
+    it python train.py --out DIR --eval # ... the pair in DIR
+    python train.py --out checkpoints/tiny-stdlib --overwrite-committed   # remake the committed
+    pair
 
 Training runs on one CPU thread (--threads): the sums' order then does not depend on the machine,
 and the default remakes the committed pair tensor for tensor on the Python and torch that
@@ -60,24 +62,30 @@ except KeyboardInterrupt:
 HERE = os.path.dirname(os.path.abspath(__file__))
 PAIR_DIR = os.path.join(HERE, "checkpoints", "tiny-stdlib")  # the committed pair, what run.py runs
 TARGET_DIR, DRAFT_DIR = os.path.join(PAIR_DIR, "target"), os.path.join(PAIR_DIR, "eagle3")
-OUT_DIR = os.path.join(HERE, "out", "tiny-stdlib")           # where training writes by default (not in git)
+OUT_DIR = os.path.join(HERE, "out", "tiny-stdlib")  # where training writes by default (not in git)
 
-# modules present in every CPython from 3.10 on (none of them removed or turned into a package since)
+# modules present in every CPython from 3.10 on (none of them removed or turned into a package
+# since)
 TRAIN_FILES = sorted([
-    "argparse.py", "ast.py", "base64.py", "bisect.py", "calendar.py", "configparser.py", "contextlib.py",
+    "argparse.py", "ast.py", "base64.py", "bisect.py", "calendar.py", "configparser.py",
+    "contextlib.py",
     "copy.py", "csv.py", "dataclasses.py", "difflib.py", "enum.py", "fractions.py", "functools.py",
-    "gettext.py", "heapq.py", "inspect.py", "ipaddress.py", "locale.py", "logging/__init__.py", "mailbox.py",
-    "optparse.py", "os.py", "pickle.py", "platform.py", "pprint.py", "random.py", "shutil.py", "socket.py",
+    "gettext.py", "heapq.py", "inspect.py", "ipaddress.py", "locale.py", "logging/__init__.py",
+    "mailbox.py",
+    "optparse.py", "os.py", "pickle.py", "platform.py", "pprint.py", "random.py", "shutil.py",
+    "socket.py",
     "statistics.py", "subprocess.py", "tarfile.py", "tempfile.py", "threading.py", "tokenize.py",
-    "traceback.py", "typing.py", "unittest/case.py", "urllib/parse.py", "uuid.py", "warnings.py", "weakref.py"])
+    "traceback.py", "typing.py", "unittest/case.py", "urllib/parse.py", "uuid.py", "warnings.py",
+    "weakref.py"])
 HELDOUT_FILES = sorted([
-    "bdb.py", "cmd.py", "code.py", "fileinput.py", "fnmatch.py", "glob.py", "gzip.py", "hmac.py", "queue.py",
+    "bdb.py", "cmd.py", "code.py", "fileinput.py", "fnmatch.py", "glob.py", "gzip.py", "hmac.py",
+    "queue.py",
     "sched.py", "shlex.py", "string.py", "textwrap.py", "timeit.py"])
 
 SEQ_LEN = 128            # training windows (bytes); positions 0..127
 TARGET = dict(steps=700, batch=16, lr=1e-2, warmup=30, seed=0)
 DRAFT = dict(steps=350, batch=16, lr=1e-2, warmup=20, seed=1, num_steps=3)
-VOCAB_BATCHES = 16       # batches of training text whose target predictions pick the draft vocabulary
+VOCAB_BATCHES = 16  # batches of training text whose target predictions pick the draft vocabulary
 EVAL = dict(prompt_len=64, max_new_tokens=64, num_steps=3, text_windows=64)
 QUICK = dict(target_steps=20, draft_steps=10, prompts=2, text_windows=16)  # --quick: a short try
 INTERRUPTED = 130        # the exit status of a run stopped by Ctrl-C, as shells give it (128 + 2)
@@ -124,7 +132,8 @@ def heldout_prompts(n, length):
         text, lines = files[i % len(files)], starts[i % len(files)]
         at = lines[(i // len(files)) % len(lines)]
         stream = text[at:at + length]
-        while len(stream) < length:  # longer than the rest of the file: go on through all held-out files
+        # longer than the rest of the file: go on through all held-out files
+        while len(stream) < length:
             stream += b"".join(files)[:length - len(stream)]
         prompts.append(list(stream))
     return prompts
@@ -151,7 +160,8 @@ def lr_at(step, cfg):
 
 
 def trainable(module):
-    """The module's floating-point parameters, set to require grad (the project builds them frozen)."""
+    """The module's floating-point parameters, set to require grad (the project builds them
+    frozen)."""
     params = [p for p in module.parameters() if p.is_floating_point()]
     for p in params:
         p.requires_grad_(True)
@@ -167,7 +177,8 @@ def detach_caches(module):
 
 
 def fit(params, cfg, loss_fn, desc, before_step=lambda: None):
-    """AdamW over cfg["steps"] steps of loss_fn(step, gen) -> (loss, extra); returns the last losses."""
+    """AdamW over cfg["steps"] steps of loss_fn(step, gen) -> (loss, extra); returns the last
+    losses."""
     opt = torch.optim.AdamW(params, lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(cfg["seed"])
     bar, history = tqdm(range(cfg["steps"]), desc=desc), []
@@ -185,8 +196,10 @@ def train_target(data, cfg=TARGET):
     args = checkpoint.preset("tiny")
     target = model.Transformer(args, cfg["batch"], SEQ_LEN, dtype=torch.float32)
     checkpoint.init_random(target, cfg["seed"])
-    kernels.accelerate(target, moe="grouped")   # torch._grouped_mm: the experts' fast path on the CPU
-    for layer in target.layers:  # the router's bias is for balancing (not trained by gradients): start it at 0
+    # torch._grouped_mm: the experts' fast path on the CPU
+    kernels.accelerate(target, moe="grouped")
+    # the router's bias is for balancing (not trained by gradients): start it at 0
+    for layer in target.layers:
         if hasattr(layer.mlp, "gate"):
             layer.mlp.gate.e_score_correction_bias.zero_()
     positions = torch.arange(SEQ_LEN).expand(cfg["batch"], SEQ_LEN)
@@ -220,7 +233,8 @@ def train_draft(target, data, cfg=DRAFT):
                  for _ in range(VOCAB_BATCHES)]
     head = Eagle3Draft(draft_preset("tiny"), target, max_seq_len=SEQ_LEN + cfg["num_steps"])
     head = checkpoint.init_random_draft(head, cfg["seed"])
-    head.d2t.copy_(draft_vocab(torch.cat(predicted), head.args.vocab_size, head.args.draft_vocab_size))
+    head.d2t.copy_(draft_vocab(torch.cat(predicted), head.args.vocab_size,
+                               head.args.draft_vocab_size))
 
     def step(opt, gen):
         tokens = windows(data, cfg["batch"], SEQ_LEN, gen)
@@ -236,16 +250,19 @@ def train_draft(target, data, cfg=DRAFT):
 def load_pair(max_batch_size=1, max_seq_len=256, dtype=torch.float32, device=None, folder=PAIR_DIR):
     """The pair saved in `folder` (target/ and eagle3/; default the committed one), loaded as run.py
     loads checkpoints."""
-    target = checkpoint.load_target(os.path.join(folder, "target"), max_batch_size, max_seq_len, device, dtype)
+    target = checkpoint.load_target(os.path.join(folder, "target"), max_batch_size, max_seq_len,
+                                    device, dtype)
     return target, checkpoint.load_draft(os.path.join(folder, "eagle3"), target)
 
 
 def measure(target, head, n_prompts=12, text_windows=EVAL["text_windows"]):
     """Held-out numbers: mean accepted tokens per cycle (bonus included) of greedy speculative
-    decoding, equality with plain greedy, and the head's top-1 agreement per step on held-out text."""
+    decoding, equality with plain greedy, and the head's top-1 agreement per step on held-out
+    text."""
     prompts = heldout_prompts(n_prompts, EVAL["prompt_len"])
     plain = generate(target, None, prompts, max_new_tokens=EVAL["max_new_tokens"], eos_id=-1)
-    spec = generate(target, head, prompts, max_new_tokens=EVAL["max_new_tokens"], num_steps=EVAL["num_steps"],
+    spec = generate(target, head, prompts, max_new_tokens=EVAL["max_new_tokens"],
+                    num_steps=EVAL["num_steps"],
                     eos_id=-1)
     live = spec.accepted[spec.accepted >= 0]
     text = corpus(HELDOUT_FILES)
@@ -256,11 +273,14 @@ def measure(target, head, n_prompts=12, text_windows=EVAL["text_windows"]):
         states, logits = target_pass(target, tokens)
         with torch.no_grad():
             agree.append(ttt_loss(head, tokens, states, logits, EVAL["num_steps"])[1])
-        bits.append(F.cross_entropy(logits[:, :-1].flatten(0, 1), tokens[:, 1:].flatten()).item() / math.log(2))
+        bits.append(F.cross_entropy(logits[:, :-1].flatten(0, 1),
+                                    tokens[:, 1:].flatten()).item() / math.log(2))
     return dict(accept_len_mean=live.float().mean().item() + 1,
-                accept_len_hist=torch.bincount(live + 1, minlength=EVAL["num_steps"] + 2)[1:].tolist(),
+                accept_len_hist=torch.bincount(live + 1,
+                                               minlength=EVAL["num_steps"] + 2)[1:].tolist(),
                 speculative_equals_plain=spec.tokens == plain.tokens,
-                top1_agreement_per_step=[sum(a[i] for a in agree) / len(agree) for i in range(EVAL["num_steps"])],
+                top1_agreement_per_step=[sum(a[i] for a in agree) / len(agree)
+                                         for i in range(EVAL["num_steps"])],
                 target_bits_per_byte=sum(bits) / len(bits),
                 sample=bytes(prompts[0] + plain.tokens[0]).decode("utf-8", "replace"))
 
@@ -271,11 +291,13 @@ class Parser(argparse.ArgumentParser):
 
 
 def parse_args(argv):
-    p = Parser(prog="train.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p = Parser(prog="train.py", description=__doc__,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--out", help="the folder to write the pair to (target/, eagle3/, "
                    "recipe.json); default out/tiny-stdlib, not the committed "
                    "checkpoints/tiny-stdlib; with --eval, the pair to measure")
-    p.add_argument("--overwrite-committed", action="store_true", help="allow writing into the committed "
+    p.add_argument("--overwrite-committed", action="store_true",
+                   help="allow writing into the committed "
                    "pair's folder checkpoints/tiny-stdlib (--out, or --eval's recipe.json)")
     p.add_argument("--eval", nargs="?", const="", metavar="DIR",
                    help="only measure the pair in DIR (default: --out's folder if given, else the "
@@ -285,7 +307,8 @@ def parse_args(argv):
                    f"{QUICK['target_steps']} target and {QUICK['draft_steps']} head training steps "
                    f"instead of {TARGET['steps']} and {DRAFT['steps']}, measured on "
                    f"{QUICK['prompts']} prompts; the pair is poor, its numbers no guide")
-    p.add_argument("--threads", type=int, default=1, help="CPU threads for torch (default 1: the committed "
+    p.add_argument("--threads", type=int, default=1,
+                   help="CPU threads for torch (default 1: the committed "
                    "pair is reproduced only with 1; more train faster and make a different pair)")
     args = p.parse_args(argv)
     if args.threads < 1:

@@ -2,14 +2,16 @@
 and its floor, captured in CUDA graphs and timed by device events (medians), the bytes of one
 replay past the L2; achieved GB/s against the copy bandwidth measured in the same run.
 
-    python -m kernels.bench [--moe | --small | --draft] [--sweep [VARIANTS]] [--variants dot,gemv] [--json OUT]
+    python -m kernels.bench [--moe | --small | --draft] [--sweep [VARIANTS]] [--variants dot,gemv]
+    [--json OUT]
                             [--formats plain,fp8,int4] [--tokens 1,2,3,4,8,32] [--shared]
         --moe: the fused MoE only (each weight format, token count and variant against its floor);
         without it the MLA decode attention, the router, add + RMSNorm, SwiGLU, RoPE + cache
         write, norm_gemv (q_a + kv_a also with the input add + norm inside) and head_gemv follow.
         --small: the router, add + RMSNorm, SwiGLU, RoPE + cache write, norm_gemv and head_gemv
         only (--sweep: norm_gemv's block configurations).
-        --draft: the EAGLE-3 head's step and extend, plain and with kernels.accelerate_draft's swaps.
+        --draft: the EAGLE-3 head's step and extend, plain and with kernels.accelerate_draft's
+        swaps.
     python -m kernels.bench [--json OUT] --pdl [RUN.PY FLAGS]
         run.py's captured phases with programmatic dependent launch off and on, in one process.
 """
@@ -22,17 +24,19 @@ import torch.nn.functional as F
 import kernels
 import model
 from kernels import (GEMV_MAX_PAIRS, GEMV_MAX_TOKENS, ExpertWeights, add_rmsnorm, common, fused_moe,
-                     head_gemv, mla, mla_decode_attention, mla_rope_cache_write, norm_gemv, silu_mul)
+                     head_gemv, mla, mla_decode_attention, mla_rope_cache_write, norm_gemv,
+                     silu_mul)
 from kernels.common import triton
 
 
 # ---------------------------------------------------------------------------------------------
-# The fused MoE (python -m kernels.bench --moe [--sweep] [--variants dot,gemv] [--json PATH]): the fused MoE
-# of one layer at the shapes of one Kimi-K2 rank at TP 8 (D 7168, I 256, 384 experts, K 8), each
-# format and variant, against its floor (the distinct experts' stored bytes over the copy bandwidth
-# measured in the same run). Each time is the
+# The fused MoE (python -m kernels.bench --moe [--sweep] [--variants dot,gemv] [--json PATH]): the
+# fused MoE of one layer at the shapes of one Kimi-K2 rank at TP 8 (D 7168, I 256, 384 experts, K
+# 8), each format and variant, against its floor (the distinct experts' stored bytes over the copy
+# bandwidth measured in the same run). Each time is the
 # median over replays of a CUDA graph of LAYERS calls on different weights (as in a captured step,
-# launch gaps included; the weights of LAYERS layers are larger than the 60 MB L2), divided by LAYERS.
+# launch gaps included; the weights of LAYERS layers are larger than the 60 MB L2), divided by
+# LAYERS.
 
 def _random_experts(fmt, E, out, inp, device, g):
     if fmt == "plain":
@@ -40,10 +44,13 @@ def _random_experts(fmt, E, out, inp, device, g):
         return ExpertWeights("plain", w / inp ** 0.5)
     if fmt == "fp8":
         w = torch.randn(E, out, inp, device=device, generator=g).to(torch.float8_e4m3fn)
-        s = torch.rand(E, triton.cdiv(out, 128), triton.cdiv(inp, 128), device=device, generator=g) / inp ** 0.5
+        s = torch.rand(E, triton.cdiv(out, 128), triton.cdiv(inp, 128), device=device,
+                       generator=g) / inp ** 0.5
         return ExpertWeights("fp8", w, s, (128, 128))
-    words = torch.randint(-2**31, 2**31 - 1, (E, out, inp // 8), device=device, generator=g, dtype=torch.int32)
-    s = (torch.rand(E, out, inp // 32, device=device, generator=g) / (4.6 * inp ** 0.5)).to(torch.bfloat16)
+    words = torch.randint(-2**31, 2**31 - 1, (E, out, inp // 8), device=device, generator=g,
+                          dtype=torch.int32)
+    s = (torch.rand(E, out, inp // 32, device=device,
+                    generator=g) / (4.6 * inp ** 0.5)).to(torch.bfloat16)
     return ExpertWeights("int4", words, s, group=32)
 
 
@@ -64,12 +71,15 @@ def _kernel_ms(fn):
     return sum(kernels.values()), kernels
 
 
-# Sweep points (N = 1, 3 and 4 only), each beside the default: k3's tiles ("dot") and the GEMV variant.
-DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5), (32, 128, 4, 5), (64, 128, 4, 4),
+# Sweep points (N = 1, 3 and 4 only), each beside the default: k3's tiles ("dot") and the GEMV
+# variant.
+DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5), (32, 128, 4, 5),
+                          (64, 128, 4, 4),
                           (16, 256, 4, 3), (32, 256, 8, 3), (16, 64, 4, 6)],
                  down=[(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (64, 256, 8, 3)])
 GEMV_SWEEP = {"plain": dict(gate_up=[], down=[(32, 256, 4, 1)]),
-              "fp8": dict(gate_up=[(8, 128, 2, 4, 4), (2, 128, 2, 2, 4), (4, 128, 1, 4, 4), (4, 128, 2, 8, 8)],
+              "fp8": dict(gate_up=[(8, 128, 2, 4, 4), (2, 128, 2, 2, 4), (4, 128, 1, 4, 4),
+                                   (4, 128, 2, 8, 8)],
                           down=[(16, 128, 4, 2), (4, 128, 2, 2)]),
               "int4": dict(gate_up=[(2, 128, 1), (1, 256, 1)], down=[(8, 256, 2)])}
 
@@ -81,21 +91,24 @@ def _sweep_points(fmt, variant):
     return [{part: c} for part, cs in DOT_SWEEP.items() for c in cs if ok(c)]
 
 
-def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8, LAYERS=6, tokens=(1, 2, 3, 4, 8, 32),
+def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8, LAYERS=6,
+                  tokens=(1, 2, 3, 4, 8, 32),
                   formats=("plain", "fp8", "int4"), shared=False):
     """One layer's routed experts per format, token count and variant of fused_moe ("dot": k3's
     tiles through tl.dot, "gemv": the GEMV variant) against its floor (the distinct experts' stored
     bytes over the eager copy bandwidth measured here), timed as a graph of LAYERS calls. sweep: the
     variants whose sweep points are also timed (at N = 1, 3 and 4 where timed). shared (INT4): also
     the GEMV launch with Kimi-K2.5's bf16 shared expert in it ("gemv+shared", its bytes added to the
-    floor), and that shared expert alone the way the model runs it unfolded ("shared-torch": one GEMM
-    over the stacked gate and up, SiLU times up, the down GEMM adding onto the routed output)."""
+    floor), and that shared expert alone the way the model runs it unfolded ("shared-torch": one
+    GEMM over the stacked gate and up, SiLU times up, the down GEMM adding onto the routed
+    output)."""
     dev, g = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
     bandwidth = copy_bandwidth_GBps()
     print(f"fused MoE, one Kimi-K2 TP-8 rank (D {D}, I {I}, {E} experts, K {K}); copy bandwidth {bandwidth:.0f} GB/s")
     rows = []
     for fmt in formats:
-        layers = [[_random_experts(fmt, E, o, i, dev, g) for o, i in ((I, D), (I, D), (D, I))] for _ in range(LAYERS)]
+        layers = [[_random_experts(fmt, E, o, i, dev, g) for o, i in ((I, D), (I, D), (D, I))]
+                  for _ in range(LAYERS)]
         per_expert = sum(_expert_bytes(w) for w in layers[0])
         for N in tokens:
             x = torch.randn(N, D, device=dev, dtype=torch.bfloat16, generator=g)
@@ -105,27 +118,33 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
             for variant in variants:
                 if variant == "gemv" and N * K > GEMV_MAX_PAIRS:
                     continue
-                points = [None] + (_sweep_points(fmt, variant) if variant in sweep and N in (1, 3, 4) else [])
+                points = [None] + (_sweep_points(fmt, variant) if variant in sweep
+                                   and N in (1, 3, 4) else [])
                 for cfg in points:
-                    rows += _time_moe(fmt, N, variant, cfg, layers, (x, ids, route_w), floor_ms, bandwidth, LAYERS)
+                    rows += _time_moe(fmt, N, variant, cfg, layers, (x, ids, route_w), floor_ms,
+                                      bandwidth, LAYERS)
             if shared and fmt == "int4" and N * K <= GEMV_MAX_PAIRS:
-                points = [None] + (_sweep_points(fmt, "gemv") if "gemv" in sweep and N in (1, 3, 4) else [])
-                rows += _time_shared(N, layers, (x, ids, route_w), floor_ms, bandwidth, LAYERS, D, I, g, points)
+                points = [None] + (_sweep_points(fmt, "gemv") if "gemv" in sweep and N in (1, 3, 4)
+                                   else [])
+                rows += _time_shared(N, layers, (x, ids, route_w), floor_ms, bandwidth, LAYERS, D,
+                                     I, g, points)
         del layers
     return dict(bandwidth_GBps=bandwidth, shapes=dict(D=D, I=I, E=E, K=K, layers=LAYERS), rows=rows,
-                gemv_max_tokens=GEMV_MAX_TOKENS, device=torch.cuda.get_device_name(), torch=torch.__version__,
+                gemv_max_tokens=GEMV_MAX_TOKENS, device=torch.cuda.get_device_name(),
+                torch=torch.__version__,
                 triton=triton.__version__)
 
 
 def _time_shared(N, layers, inputs, floor_ms, bandwidth, LAYERS, D, I, g, points):
-    """The "gemv+shared" rows (at each config of points) and the "shared-torch" row of benchmark_moe (a
-    bf16 shared expert a layer)."""
+    """The "gemv+shared" rows (at each config of points) and the "shared-torch" row of benchmark_moe
+    (a bf16 shared expert a layer)."""
     dev = inputs[0].device
     shared = [[torch.randn(*s, device=dev, generator=g, dtype=torch.bfloat16) / s[1] ** 0.5
                for s in ((I, D), (I, D), (D, I))] for _ in layers]
     shared_ms = sum(t.numel() * t.element_size() for t in shared[0]) / bandwidth / 1e6
     rows = [r for cfg in points
-            for r in _time_moe("int4", N, "gemv", cfg, layers, inputs, floor_ms + shared_ms, bandwidth, LAYERS, shared)]
+            for r in _time_moe("int4", N, "gemv", cfg, layers, inputs, floor_ms + shared_ms,
+                               bandwidth, LAYERS, shared)]
     x, out = inputs[0], torch.zeros_like(inputs[0])
     stacked = [torch.cat([gate, up]) for gate, up, _ in shared]
 
@@ -135,13 +154,14 @@ def _time_shared(N, layers, inputs, floor_ms, bandwidth, LAYERS, D, I, g, points
     ms = _graph_ms([torch_shared()]) / LAYERS
     print(f"bf16 shared expert alone, torch (N={N}): {ms * 1e3:.1f} us  floor {shared_ms * 1e3:.1f} us  "
           f"{ms / shared_ms:.2f}x", flush=True)
-    return rows + [dict(fmt="bf16", tokens=N, variant="shared-torch", config=None, ms=ms, floor_ms=shared_ms,
+    return rows + [dict(fmt="bf16", tokens=N, variant="shared-torch", config=None, ms=ms,
+                        floor_ms=shared_ms,
                         x_floor=ms / shared_ms, GBps=shared_ms * bandwidth / ms)]
 
 
 def _time_moe(fmt, N, variant, cfg, layers, inputs, floor_ms, bandwidth, LAYERS, shared=None):
-    """One benchmark row (a list of 0 or 1 dicts), printed. shared: a bf16 shared expert a layer, in the
-    launch (fused_moe's shared)."""
+    """One benchmark row (a list of 0 or 1 dicts), printed. shared: a bf16 shared expert a layer, in
+    the launch (fused_moe's shared)."""
     def run():
         return lambda: [fused_moe(*inputs, *w, configs=cfg, variant=variant, shared=s)
                         for w, s in zip(layers, shared or [None] * len(layers))]
@@ -158,9 +178,11 @@ def _time_moe(fmt, N, variant, cfg, layers, inputs, floor_ms, bandwidth, LAYERS,
           f"  floor {floor_ms * 1e3:7.1f} us"
           f"  {ms / floor_ms:5.2f}x  {floor_ms * bandwidth / ms:6.0f} GB/s"
           + (f"  kernels alone {kernel_ms * 1e3:.1f} us ({kernel_ms / floor_ms:.2f}x): "
-             + ", ".join(f"{k.replace('_moe_', '').split('_kernel')[0]} {v * 1e3:.1f}" for k, v in by_kernel.items())
+             + ", ".join(f"{k.replace('_moe_', '').split('_kernel')[0]} {v * 1e3:.1f}" for k,
+                         v in by_kernel.items())
              if kernel_ms else ""), flush=True)
-    return [dict(fmt=fmt, tokens=N, variant=label, config=cfg, ms=ms, kernel_ms=kernel_ms, by_kernel=by_kernel,
+    return [dict(fmt=fmt, tokens=N, variant=label, config=cfg, ms=ms, kernel_ms=kernel_ms,
+                 by_kernel=by_kernel,
                  floor_ms=floor_ms, x_floor=ms / floor_ms, GBps=floor_ms * bandwidth / ms)]
 
 
@@ -221,7 +243,8 @@ def _mla_sets(B, T, S, used, n_sets, H=8, C=512, R=64, dtype=torch.bfloat16):
     pos = (used - T + torch.arange(T, device="cuda")).expand(B, T).contiguous()
     new = lambda *shape: torch.randn(*shape, device="cuda", dtype=dtype)   # noqa: E731
     return [dict(q_lat=new(B, T, H, C), q_pe=new(B, T, H, R), kv=new(B, T, C), k_pe=new(B, T, R),
-                 norm_weight=torch.ones(C, device="cuda", dtype=dtype), eps=1e-6, rope=table[pos], positions=pos,
+                 norm_weight=torch.ones(C, device="cuda",
+                                        dtype=dtype), eps=1e-6, rope=table[pos], positions=pos,
                  kv_cache=new(B, S, C), pe_cache=new(B, S, R)) for _ in range(n_sets)]
 
 
@@ -230,14 +253,17 @@ def _mla_plain(s, scale):
     model.absorbed_attention over the whole cache view, masked."""
     pos, kv_cache, pe_cache = s["positions"], s["kv_cache"], s["pe_cache"]
     rows = torch.arange(pos.shape[0], device="cuda").unsqueeze(1)
-    kv_cache[rows, pos] = torch.nn.functional.rms_norm(s["kv"], s["norm_weight"].shape, s["norm_weight"], s["eps"])
+    kv_cache[rows, pos] = torch.nn.functional.rms_norm(s["kv"], s["norm_weight"].shape,
+                                                       s["norm_weight"], s["eps"])
     pe_cache[rows, pos] = model.apply_rope(s["k_pe"], s["rope"])
     hidden = torch.arange(kv_cache.shape[1], device="cuda") > pos.unsqueeze(-1)
-    return model.absorbed_attention(s["q_lat"], model.apply_rope(s["q_pe"], s["rope"]), kv_cache, pe_cache, hidden,
+    return model.absorbed_attention(s["q_lat"], model.apply_rope(s["q_pe"], s["rope"]), kv_cache,
+                                    pe_cache, hidden,
                                     scale)
 
 
-MLA_POINTS = ((320, 256), (4096, 4096), (32768, 32768), (32768, 256), (32768, 4096))   # (cache slots, used)
+# (cache slots, used)
+MLA_POINTS = ((320, 256), (4096, 4096), (32768, 32768), (32768, 256), (32768, 4096))
 
 
 def bench_mla(bw, rows, points=MLA_POINTS, shapes=((1, 1), (1, 4), (4, 1), (4, 4))):
@@ -250,15 +276,18 @@ def bench_mla(bw, rows, points=MLA_POINTS, shapes=((1, 1), (1, 4), (4, 1), (4, 4
           f"{'speedup':>7} {'kernel GB/s':>11} {'of copy':>7} {'kernels alone us':>16}")
     for S, used in points:
         for B, T in shapes:
-            nbytes = B * used * 576 * 2 + 2 * B * T * 8 * 576 * 2      # cache slots read + queries and output
+            # cache slots read + queries and output
+            nbytes = B * used * 576 * 2 + 2 * B * T * 8 * 576 * 2
             sets = _mla_sets(B, T, S, used, max(2, min(32, math.ceil(2.5e8 / (B * S * 576 * 2)))))
             plain = _graph_ms([partial(_mla_plain, s, scale) for s in sets])
-            fast = _graph_ms([partial(mla_decode_attention, **s, softmax_scale=scale) for s in sets])
+            fast = _graph_ms([partial(mla_decode_attention, **s, softmax_scale=scale)
+                              for s in sets])
             alone = _kernel_ms(partial(mla_decode_attention, **sets[0], softmax_scale=scale))[0]
             gbps = nbytes / fast / 1e6
             print(f"{B:>2} {T:>2} {S:>6} {used:>6} {nbytes / 1e6:>8.2f} {plain * 1e3:>9.1f} {fast * 1e3:>9.1f} "
                   f"{plain / fast:>6.1f}x {gbps:>11.0f} {gbps / bw:>6.0%} {alone * 1e3:>16.1f}")
-            rows.append(dict(kernel="mla_decode", B=B, T=T, cache=S, used=used, bytes=nbytes, torch_ms=plain,
+            rows.append(dict(kernel="mla_decode", B=B, T=T, cache=S, used=used, bytes=nbytes,
+                             torch_ms=plain,
                              kernel_ms=fast, kernels_alone_ms=alone, GBps=gbps))
             del sets
 
@@ -266,23 +295,26 @@ def bench_mla(bw, rows, points=MLA_POINTS, shapes=((1, 1), (1, 4), (4, 1), (4, 4
 def bench_mla_merge_absorb(rows, points=((320, 256), (4096, 4096), (32768, 32768)),
                            shapes=((1, 1), (1, 4), (4, 1))):
     """The attention with W_uv's product after it, the two ways NormGemvMLA + DecodeAttentionKernel
-    can run them: the merge launch then head_gemv (three launches), or the parts merged inside W_uv's
-    launch (mla_merge_absorb: two; past its register budget it takes the three itself)."""
+    can run them: the merge launch then head_gemv (three launches), or the parts merged inside
+    W_uv's launch (mla_merge_absorb: two; past its register budget it takes the three itself)."""
     scale = 0.1
     print("\nMLA decode step with W_uv (Kimi-K2 TP 8, bf16): the merge launch + head_gemv against the merge in "
           "W_uv's launch")
-    w_uv = (torch.randn(8, 256, 512, device="cuda", dtype=torch.bfloat16) / 512 ** 0.5)[:, 128:]   # kv_b's value half
+    # kv_b's value half
+    w_uv = (torch.randn(8, 256, 512, device="cuda", dtype=torch.bfloat16) / 512 ** 0.5)[:, 128:]
     for S, used in points:
         for B, T in shapes:
             sets = _mla_sets(B, T, S, used, max(2, min(32, math.ceil(2.5e8 / (B * S * 576 * 2)))))
             three = _graph_ms([partial(lambda s: head_gemv(mla_decode_attention(**s, softmax_scale=scale), w_uv), s)
                                for s in sets]) * 1e3
             two = _graph_ms([partial(lambda s: kernels.mla_merge_absorb(
-                mla_decode_attention(**s, softmax_scale=scale, merge=False), s["positions"], w_uv), s)
+                mla_decode_attention(**s, softmax_scale=scale,
+                                     merge=False), s["positions"], w_uv), s)
                 for s in sets]) * 1e3
             print(f"  B {B} T {T} cache {S:>6} used {used:>6}: merge launch + head_gemv {three:6.1f} us, "
                   f"merged in W_uv's launch {two:6.1f} us", flush=True)
-            rows.append(dict(kernel="mla_merge_absorb", B=B, T=T, cache=S, used=used, three_launches_us=three,
+            rows.append(dict(kernel="mla_merge_absorb", B=B, T=T, cache=S, used=used,
+                             three_launches_us=three,
                              merged_us=two))
             del sets
 
@@ -290,12 +322,16 @@ def bench_mla_merge_absorb(rows, points=((320, 256), (4096, 4096), (32768, 32768
 # Sweep points of bench_mla_configs: at the long cache the tiles (BLOCK_N, num_stages, num_warps)
 # with split lengths (None: the rule), at the short one the split lengths; the merge kernel's
 # BLOCK_C beside. A split length changes no compiled kernel, the rest do (~1 s each).
-MLA_SWEEP = {(32768, 1): dict(blocks=((64, 3, 8), (64, 3, 4), (32, 3, 8), (32, 3, 4)), splits=(None, 128),
+MLA_SWEEP = {(32768, 1): dict(blocks=((64, 3, 8), (64, 3, 4), (32, 3, 8), (32, 3, 4)),
+                              splits=(None, 128),
                               combine_block_c=(128,)),
-             (32768, 4): dict(blocks=((64, 3, 8), (32, 3, 8)), splits=(None,), combine_block_c=(128,)),
-             (320, 1): dict(blocks=((64, 3, 8), (64, 3, 4), (32, 3, 8), (32, 3, 4)), splits=(None, 32, 128),
+             (32768, 4): dict(blocks=((64, 3, 8), (32, 3, 8)), splits=(None,),
+                              combine_block_c=(128,)),
+             (320, 1): dict(blocks=((64, 3, 8), (64, 3, 4), (32, 3, 8), (32, 3, 4)),
+                            splits=(None, 32, 128),
                             combine_block_c=(128,)),
-             (320, 4): dict(blocks=((64, 3, 8), (32, 3, 8)), splits=(None, 128), combine_block_c=())}
+             (320, 4): dict(blocks=((64, 3, 8), (32, 3, 8)), splits=(None, 128),
+                            combine_block_c=())}
 
 
 def bench_mla_configs(rows, sweep=MLA_SWEEP):
@@ -307,8 +343,10 @@ def bench_mla_configs(rows, sweep=MLA_SWEEP):
 
     def time_it(sets, what, split=None):
         try:
-            us = _graph_ms([partial(mla_decode_attention, **s, softmax_scale=0.1, split_len=split) for s in sets]) * 1e3
-        except Exception as e:  # a configuration that does not fit (shared memory) is reported, not fatal
+            us = _graph_ms([partial(mla_decode_attention, **s, softmax_scale=0.1, split_len=split)
+                            for s in sets]) * 1e3
+        # a configuration that does not fit (shared memory) is reported, not fatal
+        except Exception as e:
             print(f"  {what}: {type(e).__name__}: {str(e)[:120]}")
             return
         print(f"  {what}: {us:7.1f} us", flush=True)
@@ -321,7 +359,8 @@ def bench_mla_configs(rows, sweep=MLA_SWEEP):
             mla.MLA_BLOCK_N[torch.bfloat16], mla.MLA_NUM_STAGES[torch.bfloat16] = block_n, stages
             mla.MLA_NUM_WARPS = warps
             for split in points["splits"]:
-                time_it(sets, f"T {T} S {S} BLOCK_N {block_n} stages {stages} warps {warps} split {split or 'rule'}",
+                time_it(sets,
+                        f"T {T} S {S} BLOCK_N {block_n} stages {stages} warps {warps} split {split or 'rule'}",
                         split)
         mla.MLA_BLOCK_N[torch.bfloat16], mla.MLA_NUM_STAGES[torch.bfloat16] = (
             saved[0][torch.bfloat16], saved[1][torch.bfloat16])
@@ -365,23 +404,33 @@ def bench_small(rows):
     for N in (1, 4):
         xs = [torch.randn(N, 7168, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
         ys = [torch.randn(N, 7168, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
-        qs = [torch.randn(1, N, 8, 192, device="cuda", dtype=torch.bfloat16)[..., 128:] for _ in range(8)]
-        kvs = [torch.randn(1, N, 576, device="cuda", dtype=torch.bfloat16).split([512, 64], -1) for _ in range(8)]
+        qs = [torch.randn(1, N, 8, 192, device="cuda", dtype=torch.bfloat16)[..., 128:]
+              for _ in range(8)]
+        kvs = [torch.randn(1, N, 576, device="cuda", dtype=torch.bfloat16).split([512, 64], -1)
+               for _ in range(8)]
         pos = (100 + torch.arange(N, device="cuda")).unsqueeze(0)
         rope = table[pos]
         gate_ups = [torch.randn(N, 512, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
         pairs = {
             "router (fp32 GEMV + selection)": ([lambda x=x: router_call(x, "torch") for x in xs],
                                                [lambda x=x: router_call(x, "triton") for x in xs]),
-            "router, SIMULATED uniform routing": ([lambda x=x: router_call(x, "torch", "uniform") for x in xs],
-                                                  [lambda x=x: router_call(x, "triton", "uniform") for x in xs]),
-            "SwiGLU silu * up, I 256": ([lambda g=g: torch.nn.functional.silu(g[:, :256]) * g[:, 256:]
+            "router, SIMULATED uniform routing": ([lambda x=x: router_call(x, "torch",
+                                                                           "uniform") for x in xs],
+                                                  [lambda x=x: router_call(x, "triton",
+                                                                           "uniform") for x in xs]),
+            "SwiGLU silu * up, I 256": ([lambda g=g: torch.nn.functional.silu(g[:,
+                                                                                :256]) * g[:, 256:]
                                          for g in gate_ups],
-                                        [lambda g=g: silu_mul(g[:, :256], g[:, 256:]) for g in gate_ups]),
+                                        [lambda g=g: silu_mul(g[:, :256], g[:, 256:])
+                                         for g in gate_ups]),
             "add + RMSNorm": ([lambda x=x, y=y: norm(x + y) for x, y in zip(xs, ys)],
-                              [lambda x=x, y=y: add_rmsnorm(x, y, norm.weight, 1e-6) for x, y in zip(xs, ys)]),
-            "RoPE + cache write": ([lambda q=q, kv=kv: rope_plain(q, kv[0], kv[1], rope, pos) for q, kv in zip(qs, kvs)],
-                                   [lambda q=q, kv=kv: mla_rope_cache_write(q, kv[0], kv[1], lat_norm.weight, 1e-6, rope,
+                              [lambda x=x, y=y: add_rmsnorm(x, y, norm.weight, 1e-6) for x,
+                               y in zip(xs, ys)]),
+            "RoPE + cache write": ([lambda q=q, kv=kv: rope_plain(q, kv[0], kv[1], rope, pos) for q,
+                                    kv in zip(qs, kvs)],
+                                   [lambda q=q,
+                                    kv=kv: mla_rope_cache_write(q, kv[0], kv[1],
+                                                                lat_norm.weight, 1e-6, rope,
                                                                            pos, kv_cache, pe_cache)
                                     for q, kv in zip(qs, kvs)]),
         }
@@ -394,13 +443,15 @@ def bench_small(rows):
 def bench_norm_gemv(bw, rows, sweep=False):
     """norm_gemv at Kimi-K2 TP-8 shapes against the plain RMSNorm + cuBLAS: q_a + kv_a (stacked, no
     norm, as NormGemvMLA.q_kv_a), q_b with q_a_layernorm, o_proj (no norm); the weight sets rotated
-    past the L2. head_gemv against the einsums with the copy the model makes of their permuted output.
-    sweep: block configurations too, K whole in a program (programs 1: the first version's shape)
-    among them."""
+    past the L2. head_gemv against the einsums with the copy the model makes of their permuted
+    output. sweep: block configurations too, K whole in a program (programs 1: the first version's
+    shape) among them."""
     print(f"\nnorm_gemv, Kimi-K2 TP 8, bf16 (us per call in a graph; GB/s of the weight; copy {bw:.0f} GB/s)")
     dt = torch.bfloat16
-    # (BLOCK_N, BLOCK_K, programs) at M 1; programs 1 keeps K whole in a program, the first version's shape
-    sweep_points = [(16, 256, 1024), (64, 256, 1024), (32, 256, 512), (32, 256, 2048), (32, 512, 1024),
+    # (BLOCK_N, BLOCK_K, programs) at M 1; programs 1 keeps K whole in a program, the first
+    # version's shape
+    sweep_points = [(16, 256, 1024), (64, 256, 1024), (32, 256, 512), (32, 256, 2048),
+                    (32, 512, 1024),
                     (32, 256, 1)] if sweep else []
     for name, N, K, has_norm in (("q_a+kv_a", 2112, 7168, False), ("q_b", 1536, 1536, True),
                                  ("o_proj", 7168, 1024, False)):
@@ -419,34 +470,41 @@ def bench_norm_gemv(bw, rows, sweep=False):
             for bn, bk, programs in [(None, None, None)] + (sweep_points if M == 1 else []):
                 g = None if norm is None else norm.weight
                 try:
-                    calls = [partial(norm_gemv, x, w, g, 1e-6, block_n=bn, block_k=bk, programs=programs)
+                    calls = [partial(norm_gemv, x, w, g, 1e-6, block_n=bn, block_k=bk,
+                                     programs=programs)
                              for x, w in zip(xs, ws)]
                     us = _graph_ms(calls) * 1e3
                 except Exception as e:   # a configuration past the SM's shared memory, say
                     print(f"  {name:9s} M {M}  config {bn, bk, programs}: {type(e).__name__} {str(e)[:80]}")
                     continue
                 print(f"  {name:9s} M {M}  config {bn, bk, programs}: kernel {us:6.1f} us ({N * K * 2 / us / 1e3:5.0f} "
-                      f"GB/s)  twin {base:6.1f} us ({N * K * 2 / base / 1e3:5.0f} GB/s)", flush=True)
-                rows.append(dict(kernel="norm_gemv", proj=name, M=M, config=[bn, bk, programs], us=us, twin_us=base))
+                      f"GB/s)  twin {base:6.1f} us ({N * K * 2 / base / 1e3:5.0f} GB/s)",
+                      flush=True)
+                rows.append(dict(kernel="norm_gemv", proj=name, M=M, config=[bn, bk, programs],
+                                 us=us, twin_us=base))
     bench_input_norm_in_qkva(rows)
-    kv_b = torch.randn(8, 256, 512, device="cuda", dtype=dt) / 512 ** 0.5   # W_uk, W_uv [H, 128, C] of one buffer
+    # W_uk, W_uv [H, 128, C] of one buffer
+    kv_b = torch.randn(8, 256, 512, device="cuda", dtype=dt) / 512 ** 0.5
     w_uk, w_uv = kv_b.split([128, 128], 1)
     for M in (1, 4):
-        for name, x, w, eq in (("q_lat (W_uk)", torch.randn(M, 8, 192, device="cuda", dtype=dt)[..., :128],
+        for name, x, w, eq in (("q_lat (W_uk)",
+                                torch.randn(M, 8, 192, device="cuda", dtype=dt)[..., :128],
                                 w_uk.transpose(1, 2), "mhd,hcd->mhc"),
-                               ("o (W_uv)", torch.randn(M, 8, 512, device="cuda", dtype=dt), w_uv, "mhc,hdc->mhd")):
+                               ("o (W_uv)", torch.randn(M, 8, 512, device="cuda", dtype=dt), w_uv,
+                                "mhc,hdc->mhd")):
             def twin(x, w, eq):   # the einsum and the copy the model makes of its permuted output
                 return torch.einsum(eq, x, w).contiguous()
-            base = _graph_ms([partial(twin, x, w, eq)] * 8) * 1e3   # 1 MB of weights: in L2 either way
+            # 1 MB of weights: in L2 either way
+            base = _graph_ms([partial(twin, x, w, eq)] * 8) * 1e3
             us = _graph_ms([partial(head_gemv, x, w)] * 8) * 1e3
             print(f"  {name:12s} M {M}: kernel {us:6.1f} us  twin (einsum) {base:6.1f} us")
             rows.append(dict(kernel="head_gemv", proj=name, M=M, us=us, twin_us=base))
 
 
 def bench_input_norm_in_qkva(rows):
-    """q_a + kv_a (Kimi-K2, stacked) with the layer's input residual add + RMSNorm inside the GEMV (norm_gemv
-    with a residual, as kernels.InputNormInQKVA runs it) against the two launches it replaces: add_rmsnorm,
-    then the GEMV without a norm; the weight sets rotated past the L2."""
+    """q_a + kv_a (Kimi-K2, stacked) with the layer's input residual add + RMSNorm inside the GEMV
+    (norm_gemv with a residual, as kernels.InputNormInQKVA runs it) against the two launches it
+    replaces: add_rmsnorm, then the GEMV without a norm; the weight sets rotated past the L2."""
     dt, N, K = torch.bfloat16, 2112, 7168
     sets = math.ceil(150e6 / (N * K * 2))
     ws = [torch.randn(N, K, device="cuda", dtype=dt) / K ** 0.5 for _ in range(sets)]
@@ -455,18 +513,22 @@ def bench_input_norm_in_qkva(rows):
     def two_launches(x, r, w):
         return norm_gemv(add_rmsnorm(r, x, g, 1e-6)[1], w)
     for M in (1, 2, 3, 4):
-        xs, rs = ([torch.randn(M, K, device="cuda", dtype=dt) for _ in range(sets)] for _ in range(2))
+        xs, rs = ([torch.randn(M, K, device="cuda", dtype=dt) for _ in range(sets)]
+                  for _ in range(2))
         base = _graph_ms([partial(two_launches, x, r, w) for x, r, w in zip(xs, rs, ws)]) * 1e3
-        us = _graph_ms([partial(norm_gemv, x, w, g, 1e-6, residual=r) for x, r, w in zip(xs, rs, ws)]) * 1e3
+        us = _graph_ms([partial(norm_gemv, x, w, g, 1e-6, residual=r) for x, r,
+                        w in zip(xs, rs, ws)]) * 1e3
         print(f"  add+norm+q_a+kv_a M {M}: kernel {us:6.1f} us  twin (add_rmsnorm, then the GEMV) {base:6.1f} us",
               flush=True)
         rows.append(dict(kernel="norm_gemv", proj="add+norm+q_a+kv_a", M=M, us=us, twin_us=base))
 
 
 def _emit(rows, bw, out=None):
-    """Print the rows as one JSON line (with the device, versions and copy bandwidth), and write it to out."""
+    """Print the rows as one JSON line (with the device, versions and copy bandwidth), and write it
+    to out."""
     import json
-    line = json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+    line = json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                           triton=triton.__version__,
                            copy_GBps=bw, rows=rows))
     if out:
         with open(out, "w") as f:
@@ -488,20 +550,23 @@ def benchmark_attention(out=None, small_only=False, sweep=False):
 
 
 # ---------------------------------------------------------------------------------------------
-# Programmatic dependent launch (python -m kernels.bench --pdl [RUN.PY FLAGS] [--json OUT]): run.py's
-# model, built from the same flags (default: one SIMULATED TP-8 rank of Kimi-K2, bf16), and its isolated
-# phases captured in one process once per setting of the kernels' module flags (PDL off: the kernels'
-# grid-dependency instructions are then no-ops; on); the graphs replay in alternation, 20 replays a
-# round, and their outputs must be equal bit for bit (deterministic kernels; a missed wait would show).
+# Programmatic dependent launch (python -m kernels.bench --pdl [RUN.PY FLAGS] [--json OUT]):
+# run.py's model, built from the same flags (default: one SIMULATED TP-8 rank of Kimi-K2, bf16), and
+# its isolated phases captured in one process once per setting of the kernels' module flags (PDL
+# off: the kernels' grid-dependency instructions are then no-ops; on); the graphs replay in
+# alternation, 20 replays a round, and their outputs must be equal bit for bit (deterministic
+# kernels; a missed wait would show).
 
 PDL_SETTINGS = {"off": dict(PDL=False), "on": dict(PDL=True)}
 
 
 def _flat(out):
-    return torch.cat([t.float().flatten() for t in (out if isinstance(out, tuple) else (out,)) if t is not None])
+    return torch.cat([t.float().flatten() for t in (out if isinstance(out, tuple) else (out,))
+                      if t is not None])
 
 
-def benchmark_pdl(run_flags, settings=PDL_SETTINGS, phases=("decode_step", "verify/decode", "draft_step"),
+def benchmark_pdl(run_flags, settings=PDL_SETTINGS,
+                  phases=("decode_step", "verify/decode", "draft_step"),
                   rounds=7, reps=20):
     import statistics
 
@@ -513,13 +578,15 @@ def benchmark_pdl(run_flags, settings=PDL_SETTINGS, phases=("decode_step", "veri
     cfg = run.settle(run.parse_args(run_flags), torch.device("cuda"), 1)
     b = timing.prepare(cfg, torch.device("cuda"))
     calls = timing.phase_calls(b, cfg.context_len[0])
-    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__, triton=triton.__version__,
+    result = dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                  triton=triton.__version__,
                   run_flags=run_flags, header=report.header(b), phases={})
     default = {name: getattr(common, name) for flags in settings.values() for name in flags}
     for phase in (p for p in phases if p in calls):
         key, fn, inputs = calls[phase]
         runners, outs = {}, {}
-        for setting, flags in settings.items():   # captured (and warmed up) with the launches they replay
+        # captured (and warmed up) with the launches they replay
+        for setting, flags in settings.items():
             for name, value in {**default, **flags}.items():
                 setattr(common, name, value)
             runners[setting] = CudaGraphs("cuda")
@@ -528,7 +595,8 @@ def benchmark_pdl(run_flags, settings=PDL_SETTINGS, phases=("decode_step", "veri
         for _ in range(rounds):
             for setting, runner in runners.items():
                 graph = runner.graphs[key][0]
-                stamps = [(torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True))
+                stamps = [(torch.cuda.Event(enable_timing=True),
+                           torch.cuda.Event(enable_timing=True))
                           for _ in range(reps)]
                 for a, z in stamps:
                     a.record()
@@ -538,14 +606,16 @@ def benchmark_pdl(run_flags, settings=PDL_SETTINGS, phases=("decode_step", "veri
                 times[setting] += [a.elapsed_time(z) for a, z in stamps]
         for name, value in default.items():
             setattr(common, name, value)
-        common.PDL = False   # the kernels' own time, as run.py's component table sums it (an eager profile)
+        # the kernels' own time, as run.py's component table sums it (an eager profile)
+        common.PDL = False
         prof = components.profile_components(b.target, partial(fn, *inputs), gpu=True)
         row = result["phases"][phase] = dict(kernel_ms=prof.kernel_ms, kernels=prof.kernels,
                                              parts_ms=prof.parts_ms)
         first = next(iter(settings))
         for setting, t in times.items():
             ms = statistics.median(t)
-            row[setting] = dict(ms=ms, gaps_ms=ms - prof.kernel_ms, outputs_equal=torch.equal(outs[setting],
+            row[setting] = dict(ms=ms, gaps_ms=ms - prof.kernel_ms,
+                                outputs_equal=torch.equal(outs[setting],
                                                                                                 outs[first]))
         print(f"{phase}: {prof.kernels} kernels, {prof.kernel_ms:.4f} ms summed; " + ", ".join(
             f"{setting} {row[setting]['ms']:.4f} ms (gaps {row[setting]['gaps_ms']:.4f})"
@@ -572,7 +642,8 @@ def _draft_heads(names_list, max_seq_len):
     torch.nn.init.normal_(target.embed_tokens.weight)    # the head reads the target's embedding
     heads = {}
     for names in names_list:
-        head = init_random_draft(Eagle3Draft(draft_preset("kimi-k2", eagle_config=None), target), 1, rank_local=True)
+        head = init_random_draft(Eagle3Draft(draft_preset("kimi-k2", eagle_config=None), target), 1,
+                                 rank_local=True)
         heads[names] = head
         kernels.accelerate_draft(head, names if names in ("all", "none") else names.split("+"))
     return heads
@@ -618,8 +689,10 @@ def bench_draft(out=None, contexts=(256, 32768), k=3):
                 floor = draft_bytes(head, ctx + (k + 1 if phase == "draft_extend" else 1), 1,
                                     with_fc=phase == "draft_extend") / bw / 1e6
                 n, top = _step_kernels(fn)
-                rows.append(dict(phase=phase, ctx=ctx, kernels=names, ms=ms, floor_ms=floor, x_floor=ms / floor,
-                                 launches=n, top={name: [c, round(us, 2)] for name, (c, us) in list(top.items())[:12]}))
+                rows.append(dict(phase=phase, ctx=ctx, kernels=names, ms=ms, floor_ms=floor,
+                                 x_floor=ms / floor,
+                                 launches=n, top={name: [c, round(us, 2)] for name,
+                                                  (c, us) in list(top.items())[:12]}))
                 print(f"{phase:13s} ctx {ctx:6d} {names:34s} {ms * 1e3:8.1f} us  floor {floor * 1e3:6.1f}  "
                       f"{ms / floor:5.2f}x  {n} kernels")
     rows += _bench_draft_attention(bw)
@@ -638,11 +711,14 @@ def _bench_draft_attention(bw, S=32768, G=8, HD=128):
         pos = S - T + torch.arange(T, device="cuda").unsqueeze(0)
         rope = cos[pos], sin[pos]
         for split in (None, 512, 1024, 2048, 4096):
-            ms = _graph_ms([lambda: kernels.draft_attention(q, k, v, *rope, pos, *caches, 0.088, split)])
+            ms = _graph_ms([lambda: kernels.draft_attention(q, k, v, *rope, pos,
+                                                            *caches, 0.088, split)])
             gbps = 2 * S * G * HD * 2 / ms / 1e6
-            used = split or kernels.draft_split_len(S, G, kernels.DRAFT_ATTN_BLOCK_N[torch.bfloat16],
+            used = split or kernels.draft_split_len(S, G,
+                                                    kernels.DRAFT_ATTN_BLOCK_N[torch.bfloat16],
                                                     torch.device("cuda"))
-            rows.append(dict(kernel="draft_attention", S=S, T=T, split_len=used, us=ms * 1e3, GBps=gbps,
+            rows.append(dict(kernel="draft_attention", S=S, T=T, split_len=used, us=ms * 1e3,
+                             GBps=gbps,
                              of_copy=gbps / bw))
             print(f"draft_attention S {S} T {T} split {used:5d}: {ms * 1e3:6.1f} us  {gbps:6.0f} GB/s  "
                   f"({gbps / bw:.0%} of copy)")
@@ -653,24 +729,30 @@ def main():
     import argparse
     import json
     p = argparse.ArgumentParser(description="Each Triton kernel against its plain twin and its floor, on a GPU.")
-    p.add_argument("--json", metavar="PATH", help="write the results: PATH with _moe / _attention before .json")
+    p.add_argument("--json", metavar="PATH",
+                   help="write the results: PATH with _moe / _attention before .json")
     p.add_argument("--sweep", nargs="?", const="dot,gemv", default="", metavar="VARIANTS",
                    help="also time the fused MoE's block-size sweep points at N = 1, 3 and 4, of these variants "
                         "(comma-separated; all without a value)")
-    p.add_argument("--moe", action="store_true", help="time the fused MoE only (not attention and the small kernels)")
+    p.add_argument("--moe", action="store_true",
+                   help="time the fused MoE only (not attention and the small kernels)")
     p.add_argument("--small", action="store_true",
                    help="time the small kernels and norm_gemv only (no MoE, no attention); with --sweep, norm_gemv's "
                         "block configurations")
-    p.add_argument("--formats", default="plain,fp8,int4", help="fused MoE weight formats, comma-separated")
-    p.add_argument("--tokens", default="1,2,3,4,8,32", help="fused MoE token counts, comma-separated")
-    p.add_argument("--shared", action="store_true", help="INT4: also with a bf16 shared expert in the GEMV launch, "
+    p.add_argument("--formats", default="plain,fp8,int4",
+                   help="fused MoE weight formats, comma-separated")
+    p.add_argument("--tokens", default="1,2,3,4,8,32",
+                   help="fused MoE token counts, comma-separated")
+    p.add_argument("--shared", action="store_true",
+                   help="INT4: also with a bf16 shared expert in the GEMV launch, "
                                                         "and that shared expert alone through torch")
     p.add_argument("--variants", default="dot,gemv",
                    help="fused MoE variants to time in this run, comma-separated: dot (k3's tl.dot tiles), gemv")
     p.add_argument("--pdl", nargs=argparse.REMAINDER, metavar="RUN.PY FLAGS",
                    help="time run.py's captured phases with programmatic dependent launch off and on, in one "
                         "process (the flags after it build run.py's model; last on the line)")
-    p.add_argument("--draft", action="store_true", help="time the EAGLE-3 head only: its step and extend, plain and "
+    p.add_argument("--draft", action="store_true",
+                   help="time the EAGLE-3 head only: its step and extend, plain and "
                                                        "with its swaps, and its attention kernel")
     a = p.parse_args()
     if a.pdl is not None:
@@ -691,7 +773,8 @@ def main():
     formats, tokens = tuple(a.formats.split(",")), tuple(int(n) for n in a.tokens.split(","))
     if not set(formats) <= {"plain", "fp8", "int4"}:
         p.error(f"--formats {a.formats!r}: choose from plain, fp8, int4")
-    moe_result = benchmark_moe(sweep=sweep, variants=variants, tokens=tokens, formats=formats, shared=a.shared)
+    moe_result = benchmark_moe(sweep=sweep, variants=variants, tokens=tokens, formats=formats,
+                               shared=a.shared)
     if a.json:
         with open(a.json.replace(".json", "_moe.json"), "w") as f:
             json.dump(moe_result, f)

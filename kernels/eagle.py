@@ -51,7 +51,8 @@ def _draft_norms_kernel(e_ptr, h_ptr, we_ptr, wh_ptr, out_ptr, D, eps_e, eps_h, 
 
 
 def draft_input_norms(emb, hidden, emb_weight, emb_eps, hidden_weight, hidden_eps):
-    """torch.cat([RMSNorm(emb), RMSNorm(hidden)], -1) for emb, hidden [..., D] of one dtype: one launch."""
+    """torch.cat([RMSNorm(emb), RMSNorm(hidden)], -1) for emb, hidden [..., D] of one dtype: one
+    launch."""
     D = emb.shape[-1]
     if hidden.shape != emb.shape or hidden.dtype != emb.dtype or emb_weight.shape != (D,) \
             or hidden_weight.shape != (D,):
@@ -62,9 +63,12 @@ def draft_input_norms(emb, hidden, emb_weight, emb_eps, hidden_weight, hidden_ep
     e2, h2 = (x if x.stride(-1) == 1 else x.contiguous() for x in (e2, h2))
     out = torch.empty(e2.shape[0], 2 * D, device=emb.device, dtype=emb.dtype)
     if e2.shape[0]:
-        _draft_norms_kernel[(e2.shape[0], 2)](e2, h2, emb_weight, hidden_weight, out, D, float(emb_eps),
-                                              float(hidden_eps), e2.stride(0), h2.stride(0), out.stride(0),
-                                              BLOCK_D=_pow2(D), launch_pdl=common.PDL, num_warps=8 if D >= 4096 else 4)
+        _draft_norms_kernel[(e2.shape[0], 2)](e2, h2, emb_weight, hidden_weight, out,
+                                              D, float(emb_eps),
+                                              float(hidden_eps), e2.stride(0), h2.stride(0),
+                                              out.stride(0),
+                                              BLOCK_D=_pow2(D), launch_pdl=common.PDL, num_warps=8
+                                              if D >= 4096 else 4)
     return out.view(*emb.shape[:-1], 2 * D)
 
 
@@ -91,12 +95,14 @@ DRAFT_ATTN_MIN_SPLIT = 64   # cached slots a split at least: one bf16 tile
 @_jit
 def _rope_rows(x_rows, rope_rows, cos_ptr, sin_ptr, ok, HD: tl.constexpr, BLOCK_D: tl.constexpr):
     """Rotate-half RoPE of rows of HD values (draft.rotate_half_rope): x_rows [N] pointers to each
-    row, rope_rows [N] offsets of its cos / sin rows [HD / 2] float32. Returns [N, BLOCK_D] float32."""
+    row, rope_rows [N] offsets of its cos / sin rows [HD / 2] float32. Returns [N, BLOCK_D]
+    float32."""
     i = tl.arange(0, BLOCK_D)
     m = ok[:, None] & (i < HD)[None, :]
     half = HD // 2
     x = tl.load(x_rows[:, None] + i[None, :], mask=m, other=0.0).to(tl.float32)
-    x_other = tl.load(x_rows[:, None] + ((i + half) % HD)[None, :], mask=m, other=0.0).to(tl.float32)
+    x_other = tl.load(x_rows[:, None] + ((i + half) % HD)[None, :], mask=m,
+                      other=0.0).to(tl.float32)
     j = rope_rows[:, None] + (i % half)[None, :]
     cos = tl.load(cos_ptr + j, mask=m, other=0.0)
     sin = tl.load(sin_ptr + j, mask=m, other=0.0)
@@ -119,13 +125,15 @@ def _draft_attend_cached(q, kc_row, s_kcs, vc_row, s_vcs, lo, hi, scale_log2, HD
         nd = (offs_n < hi)[:, None] & d_ok[None, :]
         kt = tl.load(kc_row + offs_n[:, None] * s_kcs + d[None, :], mask=nd, other=0.0)
         vt = tl.load(vc_row + offs_n[:, None] * s_vcs + d[None, :], mask=nd, other=0.0)
-        s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * scale_log2            # [BLOCK_M, BLOCK_N]
+        # [BLOCK_M, BLOCK_N]
+        s = tl.dot(q, tl.trans(kt), input_precision=DOT_PRECISION) * scale_log2
         m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, offs_n < hi, vt, DOT_PRECISION)
     return m_i, l_i, acc
 
 
 @_jit
-def _merge_parts(po_ptr, lse_ptr, first, parts, offs_m, row_ok, M, HD: tl.constexpr, BLOCK_D: tl.constexpr):
+def _merge_parts(po_ptr, lse_ptr, first, parts, offs_m, row_ok, M, HD: tl.constexpr,
+                 BLOCK_D: tl.constexpr):
     """The output of rows offs_m [BLOCK_M] (row_ok: those that exist) from parts first, ...,
     first + parts - 1 of po [.., M, HD] and lse [.., M] (float32, as _store_partial stored them), in
     part order: sum_j 2^lse_j o_j / sum_j 2^lse_j. Returns [BLOCK_M, BLOCK_D] float32, 0 where no
@@ -136,8 +144,10 @@ def _merge_parts(po_ptr, lse_ptr, first, parts, offs_m, row_ok, M, HD: tl.conste
     wsum = tl.zeros([offs_m.shape[0]], tl.float32)
     out = tl.zeros([offs_m.shape[0], BLOCK_D], tl.float32)
     for j in range(parts):                          # .cg: from L2, never a stale L1 line
-        lse_j = tl.load(lse_ptr + (first + j) * M + offs_m, mask=row_ok, other=float("-inf"), cache_modifier=".cg")
-        o_j = tl.load(po_ptr + ((first + j) * M + offs_m[:, None]) * HD + d[None, :], mask=rd, other=0.0,
+        lse_j = tl.load(lse_ptr + (first + j) * M + offs_m, mask=row_ok, other=float("-inf"),
+                        cache_modifier=".cg")
+        o_j = tl.load(po_ptr + ((first + j) * M + offs_m[:, None]) * HD + d[None, :], mask=rd,
+                      other=0.0,
                       cache_modifier=".cg")
         top_new = tl.maximum(top, lse_j)
         alpha, w = tl.exp2(top - top_new), tl.exp2(lse_j - top_new)
@@ -148,16 +158,20 @@ def _merge_parts(po_ptr, lse_ptr, first, parts, offs_m, row_ok, M, HD: tl.conste
 
 
 @_jit
-def _draft_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, o_ptr, po_ptr, lse_ptr,
+def _draft_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_ptr, vc_ptr, o_ptr,
+                            po_ptr, lse_ptr,
                             count_ptr, T, M, kv_len, split_len, scale_log2,
-                            s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_rb, s_rt, s_posb, s_post,
+                            s_qb, s_qt, s_qh, s_kb, s_kt, s_kh, s_vb, s_vt, s_vh, s_rb, s_rt,
+                            s_posb, s_post,
                             s_kcb, s_kcs, s_kch, s_vcb, s_vcs, s_vch, s_ob, s_ot, s_oh,
-                            HD: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_M: tl.constexpr,
-                            BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
-    """See the section's head. q [B, T, H, HD], k and v [B, T, G, HD] (not rotated), cos and sin [B, T, HD / 2]
-    float32 at pos int64 [B, T] (consecutive in a row), caches kc, vc [B, >= kv_len, G, HD], o [B, T, H, HD]:
-    last dims contiguous. po [B, G, parts, M, HD] and lse [B, G, parts, M] float32 scratch, count [B * G]
-    int32 zeros (left zero). Grid: (parts, B, G)."""
+                            HD: tl.constexpr, GROUP: tl.constexpr, BLOCK_D: tl.constexpr,
+                            BLOCK_M: tl.constexpr,
+                            BLOCK_T: tl.constexpr, BLOCK_N: tl.constexpr,
+                            DOT_PRECISION: tl.constexpr):
+    """See the section's head. q [B, T, H, HD], k and v [B, T, G, HD] (not rotated), cos and sin [B,
+    T, HD / 2] float32 at pos int64 [B, T] (consecutive in a row), caches kc, vc [B, >= kv_len, G,
+    HD], o [B, T, H, HD]: last dims contiguous. po [B, G, parts, M, HD] and lse [B, G, parts, M]
+    float32 scratch, count [B * G] int32 zeros (left zero). Grid: (parts, B, G)."""
     _wait_for_prior()
     part, b, g = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     parts, G = tl.num_programs(0), tl.num_programs(2)
@@ -165,33 +179,41 @@ def _draft_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_p
     offs_m = tl.arange(0, BLOCK_M)
     row_ok = offs_m < M
     t_m, head = offs_m // GROUP, g * GROUP + offs_m % GROUP
-    q = _rope_rows(q_ptr + b * s_qb + t_m * s_qt + head * s_qh, b * s_rb + t_m * s_rt, cos_ptr, sin_ptr, row_ok,
-                   HD, BLOCK_D).to(dt)                                                   # [BLOCK_M, BLOCK_D]
+    q = _rope_rows(q_ptr + b * s_qb + t_m * s_qt + head * s_qh, b * s_rb + t_m * s_rt, cos_ptr,
+                   sin_ptr, row_ok,
+                   HD, BLOCK_D).to(dt)  # [BLOCK_M, BLOCK_D]
     if part == 0:   # the new tokens, in registers
         offs_t = tl.arange(0, BLOCK_T)
         t_ok = offs_t < T
-        pos_t = tl.load(pos_ptr + b * s_posb + offs_t * s_post, mask=t_ok, other=0)              # their slots
-        pos = tl.load(pos_ptr + b * s_posb + t_m * s_post, mask=row_ok, other=-1)                # [BLOCK_M]
-        k_new = _rope_rows(k_ptr + b * s_kb + offs_t * s_kt + g * s_kh, b * s_rb + offs_t * s_rt, cos_ptr, sin_ptr,
-                           t_ok, HD, BLOCK_D).to(dt)                                     # [BLOCK_T, BLOCK_D]
-        v_new = _load_rows(v_ptr + b * s_vb + offs_t * s_vt + g * s_vh, t_ok, HD, BLOCK_D)       # [BLOCK_T, BLOCK_D]
+        pos_t = tl.load(pos_ptr + b * s_posb + offs_t * s_post, mask=t_ok, other=0)  # their slots
+        pos = tl.load(pos_ptr + b * s_posb + t_m * s_post, mask=row_ok, other=-1)  # [BLOCK_M]
+        k_new = _rope_rows(k_ptr + b * s_kb + offs_t * s_kt + g * s_kh, b * s_rb + offs_t * s_rt,
+                           cos_ptr, sin_ptr,
+                           t_ok, HD, BLOCK_D).to(dt)  # [BLOCK_T, BLOCK_D]
+        # [BLOCK_T, BLOCK_D]
+        v_new = _load_rows(v_ptr + b * s_vb + offs_t * s_vt + g * s_vh, t_ok, HD, BLOCK_D)
         _store_rows(kc_ptr + b * s_kcb + pos_t * s_kcs + g * s_kch, k_new, t_ok, HD)
         _store_rows(vc_ptr + b * s_vcb + pos_t * s_vcs + g * s_vch, v_new, t_ok, HD)
-        s = tl.dot(q, tl.trans(k_new), input_precision=DOT_PRECISION) * scale_log2              # [BLOCK_M, BLOCK_T]
+        # [BLOCK_M, BLOCK_T]
+        s = tl.dot(q, tl.trans(k_new), input_precision=DOT_PRECISION) * scale_log2
         m_i, l_i, acc = _softmax_new_tokens(s, pos, pos_t, t_ok, v_new, DOT_PRECISION)
     else:           # cached slots [lo, hi): this split's, before the row's first new position
         lo = (part - 1) * split_len
         hi = tl.minimum(tl.minimum(tl.load(pos_ptr + b * s_posb), kv_len), lo + split_len)
-        m_i, l_i, acc = _draft_attend_cached(q, kc_ptr + b * s_kcb + g * s_kch, s_kcs, vc_ptr + b * s_vcb + g * s_vch,
+        m_i, l_i, acc = _draft_attend_cached(q, kc_ptr + b * s_kcb + g * s_kch, s_kcs,
+                                             vc_ptr + b * s_vcb + g * s_vch,
                                              s_vcs, lo, hi, scale_log2, HD, BLOCK_N, DOT_PRECISION)
-    bg = b * G + g          # every part stores, one holding no slot too (lse -inf): the merge reads all
-    _store_partial(po_ptr + ((bg * parts + part) * M + offs_m) * HD, lse_ptr + (bg * parts + part) * M + offs_m,
+    bg = b * G + g  # every part stores, one holding no slot too (lse -inf): the merge reads all
+    _store_partial(po_ptr + ((bg * parts + part) * M + offs_m) * HD,
+                   lse_ptr + (bg * parts + part) * M + offs_m,
                    m_i, l_i, acc, row_ok, HD)
-    tl.debug_barrier()                                  # every thread's stores before the counter's release
-    if tl.atomic_add(count_ptr + bg, 1) == parts - 1:   # the other parts are stored: merge, in part order
+    tl.debug_barrier()  # every thread's stores before the counter's release
+    # the other parts are stored: merge, in part order
+    if tl.atomic_add(count_ptr + bg, 1) == parts - 1:
         tl.atomic_xchg(count_ptr + bg, 0, sem="relaxed")
         out = _merge_parts(po_ptr, lse_ptr, bg * parts, parts, offs_m, row_ok, M, HD, BLOCK_D)
-        _store_rows(o_ptr + b * s_ob + t_m * s_ot + head * s_oh, out.to(o_ptr.dtype.element_ty), row_ok, HD)
+        _store_rows(o_ptr + b * s_ob + t_m * s_ot + head * s_oh, out.to(o_ptr.dtype.element_ty),
+                    row_ok, HD)
 
 
 def draft_split_len(kv_len, programs_per_part, block_n, device):
@@ -213,8 +235,10 @@ def draft_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split
     row and below S. No host read: S, not the positions, sets the launch."""
     B, T, H, HD = q.shape
     G, S = k.shape[2], k_cache.shape[1]
-    if (k.shape != (B, T, G, HD) or v.shape != k.shape or H % G or HD % 2 or cos.shape != (B, T, HD // 2)
-            or sin.shape != cos.shape or k_cache.shape != (B, S, G, HD) or v_cache.shape != k_cache.shape):
+    if (k.shape != (B, T, G, HD) or v.shape != k.shape or H % G or HD % 2
+        or cos.shape != (B, T, HD // 2)
+            or sin.shape != cos.shape or k_cache.shape != (B, S, G,
+                                                           HD) or v_cache.shape != k_cache.shape):
         raise ValueError(f"draft_attention: shapes q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, cos "
                          f"{list(cos.shape)}, sin {list(sin.shape)}, caches {list(k_cache.shape)} "
                          f"{list(v_cache.shape)} do not fit [B, T, H, Hd], [B, T, G, Hd] twice, [B, T, Hd/2] twice, "
@@ -243,29 +267,35 @@ def draft_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split
     lse = torch.empty(B, G, parts, M, device=q.device, dtype=torch.float32)
     out = torch.empty(B, T, H, HD, device=q.device, dtype=q.dtype)
     _draft_attention_kernel[(parts, B, G)](
-        q, k, v, cos, sin, positions, k_cache, v_cache, out, po, lse, _counters(q.device), T, M, S, split_len,
-        scale * math.log2(math.e), q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1), k.stride(2),
-        v.stride(0), v.stride(1), v.stride(2), cos.stride(0), cos.stride(1), positions.stride(0), positions.stride(1),
-        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0), v_cache.stride(1),
+        q, k, v, cos, sin, positions, k_cache, v_cache, out, po, lse, _counters(q.device), T, M, S,
+        split_len,
+        scale * math.log2(math.e), q.stride(0), q.stride(1), q.stride(2), k.stride(0), k.stride(1),
+        k.stride(2),
+        v.stride(0), v.stride(1), v.stride(2), cos.stride(0), cos.stride(1), positions.stride(0),
+        positions.stride(1),
+        k_cache.stride(0), k_cache.stride(1), k_cache.stride(2), v_cache.stride(0),
+        v_cache.stride(1),
         v_cache.stride(2), out.stride(0), out.stride(1), out.stride(2),
         HD=HD, GROUP=H // G, BLOCK_D=_pow2(HD), BLOCK_M=_pow2(M), BLOCK_T=_pow2(T), BLOCK_N=block_n,
-        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", launch_pdl=common.PDL, num_warps=4,
+        DOT_PRECISION="ieee" if q.dtype == torch.float32 else "tf32", launch_pdl=common.PDL,
+        num_warps=4,
         num_stages=DRAFT_ATTN_STAGES[q.dtype])
     return out
 
 
 @_jit
 def _draft_top1_kernel(x_ptr, d2t_ptr, out_ptr, V, s_x, BLOCK: tl.constexpr):
-    """out[n] = i + d2t[i] for i the first index of the largest x[n, :V] (torch.argmax's; NaN aside).
-    Each lane keeps its first maximum over the row's blocks; the smallest index among the lanes
-    holding the row's maximum is then the first. Grid: (N,)."""
+    """out[n] = i + d2t[i] for i the first index of the largest x[n, :V] (torch.argmax's; NaN
+    aside). Each lane keeps its first maximum over the row's blocks; the smallest index among the
+    lanes holding the row's maximum is then the first. Grid: (N,)."""
     _wait_for_prior()
     n = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     best = tl.full([BLOCK], float("-inf"), tl.float32)
     best_i = tl.zeros([BLOCK], tl.int32)
     for start in range(0, V, BLOCK):
-        x = tl.load(x_ptr + n * s_x + start + offs, mask=start + offs < V, other=float("-inf")).to(tl.float32)
+        x = tl.load(x_ptr + n * s_x + start + offs, mask=start + offs < V,
+                    other=float("-inf")).to(tl.float32)
         take = x > best                                 # strictly: a lane keeps its first maximum
         best = tl.where(take, x, best)
         best_i = tl.where(take, start + offs, best_i)
@@ -289,7 +319,8 @@ def draft_top1(logits, d2t):
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(x.shape[0], device=logits.device, dtype=torch.int64)
     if x.shape[0]:
-        _draft_top1_kernel[(x.shape[0],)](x, d2t, out, V, x.stride(0), BLOCK=min(DRAFT_TOP1_BLOCK, _pow2(V)),
+        _draft_top1_kernel[(x.shape[0],)](x, d2t, out, V, x.stride(0),
+                                          BLOCK=min(DRAFT_TOP1_BLOCK, _pow2(V)),
                                           launch_pdl=common.PDL, num_warps=4)
     return out.view(logits.shape[:-1])
 
@@ -311,7 +342,8 @@ class DraftAttentionKernel(draft.DraftAttention):
             return super().forward(x, positions, cos, sin, kv_len, past, slots, visible)
         q, k, v = self.project(x)
         S = kv_len or self.k_cache.shape[1]
-        o = launch.draft_attention(q, k, v, cos, sin, positions, self.k_cache[:B, :S], self.v_cache[:B, :S],
+        o = launch.draft_attention(q, k, v, cos, sin, positions, self.k_cache[:B, :S],
+                                   self.v_cache[:B, :S],
                                    self.scale)
         return self.o_proj(o.flatten(2))
 
@@ -335,30 +367,36 @@ class DraftNormsKernel(draft.MidLayer):
     (draft_input_norms), the residual add inside post_attention_layernorm (add_rmsnorm). Training
     (past) takes the plain forward: the kernels have no backward."""
 
-    def forward(self, emb, hidden, positions, cos, sin, kv_len=None, past=None, slots=None, visible=None):
+    def forward(self, emb, hidden, positions, cos, sin, kv_len=None, past=None, slots=None,
+                visible=None):
         if past is not None:
             return super().forward(emb, hidden, positions, cos, sin, kv_len, past, slots, visible)
         h, mlp_out = self.residual_parts(emb, hidden, positions, cos, sin, kv_len, slots, visible)
         return h + mlp_out
 
-    def residual_parts(self, emb, hidden, positions, cos, sin, kv_len=None, slots=None, visible=None):
-        """The output g = h + mlp_out as its two terms, for DraftHeadNorm to add inside the final norm."""
+    def residual_parts(self, emb, hidden, positions, cos, sin, kv_len=None, slots=None,
+                       visible=None):
+        """The output g = h + mlp_out as its two terms, for DraftHeadNorm to add inside the final
+        norm."""
         e_norm, h_norm, post = self.input_layernorm, self.hidden_norm, self.post_attention_layernorm
-        x = launch.draft_input_norms(emb, hidden, e_norm.weight, e_norm.eps, h_norm.weight, h_norm.eps)
+        x = launch.draft_input_norms(emb, hidden, e_norm.weight, e_norm.eps, h_norm.weight,
+                                     h_norm.eps)
         attn = self.self_attn(x, positions, cos, sin, kv_len, None, slots, visible)
-        h, normed = launch.add_rmsnorm(hidden, attn, post.weight, post.eps)          # h = hidden + attn
+        h, normed = launch.add_rmsnorm(hidden, attn, post.weight, post.eps)  # h = hidden + attn
         return h, self.mlp(normed)
 
 
 class DraftHeadNorm(draft.Eagle3Draft):
-    """"add_rmsnorm" on the head (with DraftNormsKernel on its midlayer): the midlayer's last residual
-    add inside the final norm, one launch (add_rmsnorm). Training (past) takes the plain forward."""
+    """"add_rmsnorm" on the head (with DraftNormsKernel on its midlayer): the midlayer's last
+    residual add inside the final norm, one launch (add_rmsnorm). Training (past) takes the plain
+    forward."""
 
     def forward(self, tokens, positions, hidden, kv_len=None, past=None, slots=None, visible=None):
         if past is not None:
             return super().forward(tokens, positions, hidden, kv_len, past, slots, visible)
         cos, sin = self.rope_cos[positions], self.rope_sin[positions]
-        h, mlp_out = self.midlayer.residual_parts(self.embed_tokens(tokens), hidden, positions, cos, sin, kv_len,
+        h, mlp_out = self.midlayer.residual_parts(self.embed_tokens(tokens), hidden, positions,
+                                                  cos, sin, kv_len,
                                                   slots, visible)
         g, normed = launch.add_rmsnorm(h, mlp_out, self.norm.weight, self.norm.eps)
         return self.lm_head(normed), g

@@ -23,7 +23,8 @@ def _add_rmsnorm_kernel(x_ptr, y_ptr, w_ptr, h_ptr, out_ptr, D, eps, s_x, s_y, s
     ok = d < D
     x = tl.load(x_ptr + n * s_x + d, mask=ok, other=0.0)
     y = tl.load(y_ptr + n * s_y + d, mask=ok, other=0.0)
-    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)   # with x and y: its latency not after the sum
+    # with x and y: its latency not after the sum
+    w = tl.load(w_ptr + d, mask=ok, other=0.0).to(tl.float32)
     h = (x.to(tl.float32) + y.to(tl.float32)).to(x.dtype)
     tl.store(h_ptr + n * s_h + d, h, mask=ok)
     hf = h.to(tl.float32)
@@ -32,7 +33,8 @@ def _add_rmsnorm_kernel(x_ptr, y_ptr, w_ptr, h_ptr, out_ptr, D, eps, s_x, s_y, s
 
 
 def add_rmsnorm(x, y, weight, eps):
-    """(x + y, RMSNorm(x + y)) for x, y [..., D] of one dtype and weight [D]: one read of x and y."""
+    """(x + y, RMSNorm(x + y)) for x, y [..., D] of one dtype and weight [D]: one read of x and
+    y."""
     D = x.shape[-1]
     if y.shape != x.shape or y.dtype != x.dtype or weight.shape != (D,):
         raise ValueError(f"add_rmsnorm: x {x.dtype} {list(x.shape)}, y {y.dtype} {list(y.shape)}, weight "
@@ -40,7 +42,8 @@ def add_rmsnorm(x, y, weight, eps):
     x2, y2 = x.contiguous().view(-1, D), y.contiguous().view(-1, D)
     h, out = torch.empty_like(x2), torch.empty_like(x2)
     if x2.shape[0]:
-        _add_rmsnorm_kernel[(x2.shape[0],)](x2, y2, weight, h, out, D, float(eps), x2.stride(0), y2.stride(0),
+        _add_rmsnorm_kernel[(x2.shape[0],)](x2, y2, weight, h, out, D, float(eps),
+                                            x2.stride(0), y2.stride(0),
                                             h.stride(0), out.stride(0), BLOCK_D=_pow2(D),
                                             launch_pdl=common.PDL, num_warps=8 if D >= 4096 else 4)
     return h.view(x.shape), out.view(x.shape)
@@ -76,11 +79,12 @@ def silu_mul(gate, up):
     if up.shape != gate.shape or up.dtype != gate.dtype or gate.stride(-1) != 1 or up.stride(-1) != 1:
         raise ValueError(f"silu_mul: gate {gate.dtype} {list(gate.shape)} and up {up.dtype} {list(up.shape)} must "
                          "match, each with a contiguous last dim")
-    g2, u2 = gate.reshape(-1, I), up.reshape(-1, I)      # views for the halves of a [..., 2I] output
+    g2, u2 = gate.reshape(-1, I), up.reshape(-1, I)  # views for the halves of a [..., 2I] output
     out = torch.empty(g2.shape, device=gate.device, dtype=gate.dtype)
     if g2.shape[0]:
         _silu_mul_kernel[(g2.shape[0], triton.cdiv(I, SILU_MUL_BLOCK))](
-            g2, u2, out, I, g2.stride(0), u2.stride(0), out.stride(0), BLOCK=min(SILU_MUL_BLOCK, _pow2(I)),
+            g2, u2, out, I, g2.stride(0), u2.stride(0), out.stride(0), BLOCK=min(SILU_MUL_BLOCK,
+            _pow2(I)),
             launch_pdl=common.PDL, num_warps=4)
     return out.view(gate.shape)
 

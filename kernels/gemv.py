@@ -33,22 +33,24 @@ from .stacked import StackedQKVA
 # One launch, no float atomics: deterministic, so a graph replay equals the eager call.
 # Rounding: the normed row is not rounded (the plain path rounds it to W's dtype), so bf16 results
 # differ from the plain path's by the order of one rounding.
-# With a residual r (a layer's input norm, InputNormInQKVA) the kernel reads x and r and normalizes their
-# sum, rounded to the dtype as the plain add rounds it; the programs of row block 0 also store that sum
-# (the residual stream), each for its own slice of K: the add + norm launch in front of the GEMV goes.
+# With a residual r (a layer's input norm, InputNormInQKVA) the kernel reads x and r and normalizes
+# their sum, rounded to the dtype as the plain add rounds it; the programs of row block 0 also store
+# that sum (the residual stream), each for its own slice of K: the add + norm launch in front of the
+# GEMV goes.
 
 NORM_GEMV_MAX_ROWS = 16     # decode and verify; prefill goes to the plain RMSNorm and cuBLAS
-# (BLOCK_N, bytes of a W row a step, warps) by (one row or several, K long or short), the step cut to
-# fit NORM_GEMV_ACC_REGS: at one row 8 warps and short steps (o_proj, K 1024: 4 steps of 256 beat one
-# of 1024); at several rows 4 warps, and 4 W rows a program at long K (python -m kernels.bench --small
-# --sweep)
+# (BLOCK_N, bytes of a W row a step, warps) by (one row or several, K long or short), the step cut
+# to fit NORM_GEMV_ACC_REGS: at one row 8 warps and short steps (o_proj, K 1024: 4 steps of 256 beat
+# one of 1024); at several rows 4 warps, and 4 W rows a program at long K (python -m kernels.bench
+# --small --sweep)
 NORM_GEMV_BLOCKS = {(1, "long"): (8, 2048, 8), (1, "short"): (16, 512, 8),
                     ("several", "long"): (4, 2048, 4), ("several", "short"): (16, 512, 4)}
 NORM_GEMV_LONG_K = 1536     # columns from which a row is "long": q_a + kv_a and q_b (K 7168, 1536)
 # float32 products a thread accumulates, BLOCK_M x BLOCK_N x BLOCK_K <= 64 x 32 x warps: more spills
 # (python -m kernels.bench --small --sweep)
 NORM_GEMV_ACC_REGS = 64
-NORM_GEMV_MIN_STEP = 64     # columns: the accumulator's limit cuts the step no shorter (a 128-byte row)
+# columns: the accumulator's limit cuts the step no shorter (a 128-byte row)
+NORM_GEMV_MIN_STEP = 64
 # K is cut into this // row blocks slices (at most one a step): two waves of the H200's 132 SMs; K
 # whole from 133 row blocks up, as at all of Kimi-K2's attention projections (--small --sweep)
 NORM_GEMV_PROGRAMS = 264
@@ -57,18 +59,19 @@ NORM_GEMV_PROGRAMS = 264
 @_jit
 def _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, pid, s, rows, n, M, N,
                          SPLITS: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Store slice s's sums acc [BLOCK_M, BLOCK_N] and sums of squares ss [BLOCK_M]; the last program of
-    row block pid to finish returns (the sums over all slices in slice order, True), the others False."""
+    """Store slice s's sums acc [BLOCK_M, BLOCK_N] and sums of squares ss [BLOCK_M]; the last
+    program of row block pid to finish returns (the sums over all slices in slice order, True), the
+    others False."""
     ok = (rows < M)[:, None] & (n < N)[None, :]
     tl.store(part_ptr + (s * M + rows[:, None]) * N + n[None, :], acc, mask=ok)
     tl.store(ss_ptr + (pid * SPLITS + s) * BLOCK_M + rows, ss)
-    tl.debug_barrier()                                  # every thread's stores before the counter's release
+    tl.debug_barrier()  # every thread's stores before the counter's release
     last = tl.atomic_add(count_ptr + pid, 1) == SPLITS - 1
-    if last:                                            # the row block's other slices are stored: add them
+    if last:  # the row block's other slices are stored: add them
         tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed")
         acc = tl.zeros_like(acc)
         ss = tl.zeros_like(ss)
-        for t in range(SPLITS):                         # in slice order (.cg: from L2, never a stale L1 line)
+        for t in range(SPLITS):  # in slice order (.cg: from L2, never a stale L1 line)
             acc += tl.load(part_ptr + (t * M + rows[:, None]) * N + n[None, :], mask=ok, other=0.0,
                            cache_modifier=".cg")
             ss += tl.load(ss_ptr + (pid * SPLITS + t) * BLOCK_M + rows, cache_modifier=".cg")
@@ -77,43 +80,46 @@ def _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, pid, s, rows, n, 
 
 @_jit
 def _residual_sum(x_ptrs, r_ptrs, ok):
-    """x + r at the pointers (where ok), rounded to x's dtype as the plain add (model.RMSNorm's) rounds it."""
+    """x + r at the pointers (where ok), rounded to x's dtype as the plain add (model.RMSNorm's)
+    rounds it."""
     x = tl.load(x_ptrs, mask=ok, other=0.0)
     return (x.to(tl.float32) + tl.load(r_ptrs, mask=ok, other=0.0).to(tl.float32)).to(x.dtype)
 
 
 @_jit
 def _store_residual_sum(x_rows, r_rows, sum_rows, rows, kb, lo, hi, M, K, BLOCK_K: tl.constexpr):
-    """_norm_gemv_kernel's sum x + r over columns [lo, hi) stored into sum's rows, after the products: a
-    store inside the product loop holds back the next step's loads, so the sum is read and added
-    again here."""
+    """_norm_gemv_kernel's sum x + r over columns [lo, hi) stored into sum's rows, after the
+    products: a store inside the product loop holds back the next step's loads, so the sum is read
+    and added again here."""
     for k0 in range(lo, hi, BLOCK_K):
         k = k0 + kb
         ok = (rows < M)[:, None] & (k < K)[None, :]
-        tl.store(sum_rows + k[None, :], _residual_sum(x_rows + k[None, :], r_rows + k[None, :], ok), mask=ok)
+        tl.store(sum_rows + k[None, :], _residual_sum(x_rows + k[None, :], r_rows + k[None, :], ok),
+                 mask=ok)
 
 
 @_jit
 def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
                       M, N, K, k_split, eps, s_xm, s_rm, s_sm, s_xh, s_wh, s_wn, s_wk, s_om, s_oh,
-                      SPLITS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr,
+                      SPLITS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
+                      BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """out[m, n] = sum_k h[m, k] * W[n, k] with h = x (NORM: RMSNorm(x), x * rsqrt(mean(x^2) + eps) * g).
-    ADD: x is the sum x + r of x and a residual r [M, K], rounded to x's dtype, which the programs of
-    row block 0 (each for its own slice of K, after its products) store into sum [M, K] (rows strided,
-    last dim contiguous).
+    """out[m, n] = sum_k h[m, k] * W[n, k] with h = x (NORM: RMSNorm(x), x * rsqrt(mean(x^2) + eps)
+    * g). ADD: x is the sum x + r of x and a residual r [M, K], rounded to x's dtype, which the
+    programs of row block 0 (each for its own slice of K, after its products) store into sum [M, K]
+    (rows strided, last dim contiguous).
     x [M, K], out [M, N] (rows strided, last dim contiguous), W [N, K] (any strides), g [K]; x, out
     and W of one dtype; M <= BLOCK_M; float32 products on the CUDA cores, added up elementwise over
-    the steps and summed over k at the end. Each step loads the next step's W tile before it uses its
-    own. Slice s of K is [s * k_split, (s + 1) * k_split); with SPLITS > 1, part [SPLITS, M, N] and
-    ss [N / BLOCK_N, SPLITS, BLOCK_M] float32 hold the slices' sums and sums of squares, count
+    the steps and summed over k at the end. Each step loads the next step's W tile before it uses
+    its own. Slice s of K is [s * k_split, (s + 1) * k_split); with SPLITS > 1, part [SPLITS, M, N]
+    and ss [N / BLOCK_N, SPLITS, BLOCK_M] float32 hold the slices' sums and sums of squares, count
     [N / BLOCK_N] int32 zeros. With heads (grid axis 1, head_gemv, SPLITS 1): x, W and out of head j
     start s_xh, s_wh, s_oh elements further. Grid: (cdiv(N, BLOCK_N), heads, SPLITS)."""
     _wait_for_prior()
     pid, j, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     rows = tl.arange(0, BLOCK_M)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n3 = n[None, :, None]                                                   # W's tile [1, BLOCK_N, BLOCK_K]
+    n3 = n[None, :, None]  # W's tile [1, BLOCK_N, BLOCK_K]
     kb = tl.arange(0, BLOCK_K)
     k3 = kb[None, None, :]
     x_rows = x_ptr + j * s_xh + rows[:, None] * s_xm
@@ -122,13 +128,15 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
     lo = s * k_split
     hi = tl.minimum(lo + k_split, K)
     last_k = lo + (tl.cdiv(hi - lo, BLOCK_K) - 1) * BLOCK_K                  # the slice's last step
-    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)                 # the products, summed over k at the end
-    ss2 = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)       # the squares, summed over k at the end (a sum a step
+    # the products, summed over k at the end
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
+    # the squares, summed over k at the end (a sum a step
+    ss2 = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
     #                                                      would be a cross-warp reduction, two barriers, a step)
     w = tl.load(w_rows + (lo + k3) * s_wk, mask=(n3 < N) & (lo + k3 < K), other=0.0)
     for k0 in range(lo, hi, BLOCK_K):
         k = k0 + kb
-        k1 = tl.minimum(k0 + BLOCK_K, last_k) + k3                          # the next step's (the last: its own)
+        k1 = tl.minimum(k0 + BLOCK_K, last_k) + k3  # the next step's (the last: its own)
         w1 = tl.load(w_rows + k1 * s_wk, mask=(n3 < N) & (k1 < K), other=0.0)
         ok = (rows < M)[:, None] & (k < K)[None, :]
         if ADD:
@@ -145,13 +153,15 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
     if ADD:
         if pid == 0:
             _store_residual_sum(x_rows, r_rows, sum_rows, rows, kb, lo, hi, M, K, BLOCK_K)
-    last = pid >= 0                                                         # one slice: every program
+    last = pid >= 0  # one slice: every program
     if SPLITS > 1:
-        acc, ss, last = _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, pid, s, rows, n, M, N,
+        acc, ss, last = _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, pid,
+                                             s, rows, n, M, N,
                                              SPLITS, BLOCK_M)
     if NORM:
         acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
-    tl.store(out_ptr + j * s_oh + rows[:, None] * s_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+    tl.store(out_ptr + j * s_oh + rows[:, None] * s_om + n[None, :],
+             acc.to(out_ptr.dtype.element_ty),
              mask=(rows < M)[:, None] & (n < N)[None, :] & last)
 
 
@@ -164,20 +174,23 @@ def _k_slices(N, K, block_n, block_k, programs):
 
 
 def _norm_gemv_step(rows, block_n, step_bytes, warps, K, elem):
-    """Columns a step: step_bytes of a W row, at most K rounded up to a power of 2, and at most what keeps the
-    float32 accumulator [rows, block_n, step] within NORM_GEMV_ACC_REGS a thread, but no fewer than
-    NORM_GEMV_MIN_STEP."""
+    """Columns a step: step_bytes of a W row, at most K rounded up to a power of 2, and at most what
+    keeps the float32 accumulator [rows, block_n, step] within NORM_GEMV_ACC_REGS a thread, but no
+    fewer than NORM_GEMV_MIN_STEP."""
     fit = NORM_GEMV_ACC_REGS * 32 * warps // (_pow2(rows, 1) * block_n)
-    return min(step_bytes // elem, _pow2(K), max(NORM_GEMV_MIN_STEP, 1 << (max(fit, 1).bit_length() - 1)))
+    return min(step_bytes // elem, _pow2(K),
+               max(NORM_GEMV_MIN_STEP, 1 << (max(fit, 1).bit_length() - 1)))
 
 
-def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None, block_k=None, programs=None,
+def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None, block_k=None,
+              programs=None,
               warps=None):
     """RMSNorm(x) @ weight^T in one kernel: x [..., K] of weight's dtype (bf16, fp16 or float32),
     weight [N, K] (rows may be a strided view), norm_weight [K] (None: no norm, a plain GEMV), at
-    most NORM_GEMV_MAX_ROWS rows. Returns [..., N]. With a residual (x's shape and dtype) the input is
-    x + residual, rounded to x's dtype as model.RMSNorm's add: returns ([..., N], x + residual). The
-    block arguments override the defaults above (benchmarks; tests force several slices of a small K)."""
+    most NORM_GEMV_MAX_ROWS rows. Returns [..., N]. With a residual (x's shape and dtype) the input
+    is x + residual, rounded to x's dtype as model.RMSNorm's add: returns ([..., N], x + residual).
+    The block arguments override the defaults above (benchmarks; tests force several slices of a
+    small K)."""
     K = x.shape[-1]
     N = weight.shape[0]
     rows = x.numel() // K if K else 0
@@ -200,27 +213,33 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
     x2, r2 = (t.reshape(rows, K) for t in (x, x if residual is None else residual))
     x2, r2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, r2))
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
-    summed = x2 if residual is None else torch.empty(rows, K, device=x.device, dtype=x.dtype)  # x2: not written
+    # x2: not written
+    summed = x2 if residual is None else torch.empty(rows, K, device=x.device, dtype=x.dtype)
     if rows and N:
         block_k = block_k or _norm_gemv_step(rows, block_n, step_bytes, warps, K, x.element_size())
         slices, k_split = _k_slices(N, K, block_n, block_k, programs or NORM_GEMV_PROGRAMS)
         blocks = triton.cdiv(N, block_n)
-        part = torch.empty(slices, rows, N, device=x.device, dtype=torch.float32) if slices > 1 else out
+        part = torch.empty(slices, rows, N, device=x.device,
+                           dtype=torch.float32) if slices > 1 else out
         ss = torch.empty(blocks * slices * _pow2(rows, 1), device=x.device, dtype=torch.float32)
         _norm_gemv_kernel[(blocks, 1, slices)](
-            x2, r2, summed, x2 if norm_weight is None else norm_weight, weight, out, part, ss, _counters(x.device),
-            rows, N, K, k_split, float(eps), x2.stride(0), r2.stride(0), summed.stride(0), 0, 0, weight.stride(0), 1,
-            N, 0, SPLITS=slices, ADD=residual is not None, NORM=norm_weight is not None, BLOCK_M=_pow2(rows, 1),
+            x2, r2, summed, x2 if norm_weight is None else norm_weight, weight, out, part, ss,
+            _counters(x.device),
+            rows, N, K, k_split, float(eps), x2.stride(0), r2.stride(0), summed.stride(0), 0, 0,
+            weight.stride(0), 1,
+            N, 0, SPLITS=slices, ADD=residual is not None, NORM=norm_weight is not None,
+            BLOCK_M=_pow2(rows, 1),
             BLOCK_N=block_n, BLOCK_K=block_k, launch_pdl=common.PDL, num_stages=1, num_warps=warps)
     return out if residual is None else (out, summed.view(x.shape))
 
 
 # head_gemv's blocks at Kimi-K2's 8 heads (python -m kernels.bench --small, head_gemv against the
 # einsums with the copies the model makes of their permuted inputs and outputs)
-HEAD_GEMV_BLOCK_N_STRIDED = 32   # W rows a program where W's rows, not its K, are contiguous (absorbed
+# W rows a program where W's rows, not its K, are contiguous (absorbed
+HEAD_GEMV_BLOCK_N_STRIDED = 32
 #                                  W_uk): 32 bf16 rows = 64-byte segments a K step
 HEAD_GEMV_BLOCK_N = 8            # contiguous K (W_uv, K = 512): 8 heads x 16 row blocks of 128 rows
-HEAD_GEMV_STEP_BYTES = 1024      # K whole in one step at Kimi-K2's 128 and 512 (not swept); more rows:
+HEAD_GEMV_STEP_BYTES = 1024  # K whole in one step at Kimi-K2's 128 and 512 (not swept); more rows:
 #                                  the step cut to fit NORM_GEMV_ACC_REGS
 HEAD_GEMV_WARPS = 4
 
@@ -245,11 +264,16 @@ def head_gemv(x, weight):
     out = torch.empty(*lead, H, N, device=x.device, dtype=x.dtype)
     if rows and N and H:
         block_n = HEAD_GEMV_BLOCK_N if weight.stride(2) == 1 else HEAD_GEMV_BLOCK_N_STRIDED
-        block_k = _norm_gemv_step(rows, block_n, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS, K, x.element_size())
+        block_k = _norm_gemv_step(rows, block_n, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS, K,
+                                  x.element_size())
         _norm_gemv_kernel[(triton.cdiv(N, block_n), H, 1)](
-            x2, x2, x2, x2, weight, out, out, out, out, rows, N, K, K, 0.0, x2.stride(0), 0, 0, x2.stride(1),
-            weight.stride(0), weight.stride(1), weight.stride(2), H * N, N, SPLITS=1, ADD=False, NORM=False,
-            BLOCK_M=_pow2(rows, 1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=HEAD_GEMV_WARPS, num_stages=1,
+            x2, x2, x2, x2, weight, out, out, out, out, rows, N, K, K, 0.0, x2.stride(0), 0, 0,
+            x2.stride(1),
+            weight.stride(0), weight.stride(1), weight.stride(2), H * N, N, SPLITS=1, ADD=False,
+            NORM=False,
+            BLOCK_M=_pow2(rows,
+                          1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=HEAD_GEMV_WARPS,
+                          num_stages=1,
             launch_pdl=common.PDL)
     return out
 
@@ -313,11 +337,12 @@ class NormGemvQKVA(NormGemvMLA, StackedQKVA):
 
 
 class InputNormInQKVA(model.Block):
-    """"norm_gemv" with "fused_proj" and "add_rmsnorm" (MLA with q_lora_rank): at most INPUT_NORM_QKVA_MAX_ROWS
-    rows, the layer's input residual add and input_layernorm run inside the stacked q_a + kv_a GEMV
-    (NormGemvQKVA.project_sum), so no add_rmsnorm launch runs in front of the attention; the attention
-    takes the projected inputs (model.MLA.attend). More rows: model.Block. MLA's own call does not run
-    here, so run.py's component table scopes project_sum and attend themselves (its MLA_METHODS)."""
+    """"norm_gemv" with "fused_proj" and "add_rmsnorm" (MLA with q_lora_rank): at most
+    INPUT_NORM_QKVA_MAX_ROWS rows, the layer's input residual add and input_layernorm run inside the
+    stacked q_a + kv_a GEMV (NormGemvQKVA.project_sum), so no add_rmsnorm launch runs in front of
+    the attention; the attention takes the projected inputs (model.MLA.attend). More rows:
+    model.Block. MLA's own call does not run here, so run.py's component table scopes project_sum
+    and attend themselves (its MLA_METHODS)."""
 
     def forward(self, x, residual, positions, rope, future, mode, slots=None):
         if rows(x) > INPUT_NORM_QKVA_MAX_ROWS:
@@ -330,8 +355,8 @@ class InputNormInQKVA(model.Block):
 
 
 class GemvRowParallel(tp.RowParallelLinear):
-    """"norm_gemv" on MLA's o_proj: at most O_PROJ_GEMV_MAX_ROWS rows through the GEMV kernel (no norm)
-    instead of cuBLAS; the all-reduce as before."""
+    """"norm_gemv" on MLA's o_proj: at most O_PROJ_GEMV_MAX_ROWS rows through the GEMV kernel (no
+    norm) instead of cuBLAS; the all-reduce as before."""
 
     def forward(self, x):
         if rows(x) > O_PROJ_GEMV_MAX_ROWS:

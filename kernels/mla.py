@@ -17,13 +17,13 @@ from .gemv import (HEAD_GEMV_BLOCK_N, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS, NOR
 #
 # The absorbed path of MLA attends in the latent space: every head's query q_lat[h] (q_nope
 # times W_uk[h]) meets the one latent row per slot, which is the key and the value at once, plus
-# the rotary parts:  o_lat[t, h] = sum_s softmax_s(scale * (q_lat[t,h].kv[s] + q_pe[t,h].pe[s])) kv[s]
-# over slots s <= positions[t]. All H heads (and T tokens) of a batch row share the slots, so
+# the rotary parts:  o_lat[t, h] = sum_s softmax_s(scale * (q_lat[t,h].kv[s] + q_pe[t,h].pe[s]))
+# kv[s] over slots s <= positions[t]. All H heads (and T tokens) of a batch row share the slots, so
 # one program loads a tile of slots once and uses it for its whole block of M = T*H query rows
 # (two small matrix products per tile). Flash-decoding: one program per (part, batch row, block
 # of query rows) writes a partial output and its log-sum-exp, and a second kernel merges them, or
-# (mla_merge_absorb) the launch of the W_uv product that follows does: each of its programs merges its
-# head's rows itself before its product, so the merge costs no launch of its own.
+# (mla_merge_absorb) the launch of the W_uv product that follows does: each of its programs merges
+# its head's rows itself before its product, so the merge costs no launch of its own.
 # Part 0 is the step's T new tokens: it normalizes and rotates their latents in registers (what
 # model.MLA.write_cache computes, rounded alike), attends to them causally and writes them to
 # their cache slots (slot = position). Parts 1, 2, ... cut the cached slots before the row's
@@ -41,9 +41,9 @@ from .gemv import (HEAD_GEMV_BLOCK_N, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS, NOR
 
 # Block sizes; `python -m kernels.bench` times the attention at these and sweeps the alternatives
 # (bench_mla_configs). BLOCK_N slots a tile: 64 latent rows of 512 bf16 are 64 KB; three in flight
-# (num_stages 3) fill most of the H200's 228 KB of shared memory, so one program runs an SM at a time
-# and the split rule (mla_split_len) aims at one wave of programs. float32 (tests): half the rows,
-# two stages. Query rows a program: up to 32 (T = 4 tokens x 8 heads at TP 8) keep the fp32
+# (num_stages 3) fill most of the H200's 228 KB of shared memory, so one program runs an SM at a
+# time and the split rule (mla_split_len) aims at one wave of programs. float32 (tests): half the
+# rows, two stages. Query rows a program: up to 32 (T = 4 tokens x 8 heads at TP 8) keep the fp32
 # accumulator [32, 512] at 64 registers a thread over 8 warps; 8 warps are faster at 16 rows too.
 MLA_BLOCK_N = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
 MLA_NUM_STAGES = {torch.bfloat16: 3, torch.float16: 3, torch.float32: 2}
@@ -61,11 +61,12 @@ MLA_COMBINE_WARPS = 1
 MLA_MERGE_IN_ORDER_PARTS = 16
 # float32 partials a thread of mla_merge_absorb has in flight (a K step's parts of all its rows);
 # more: the combine and head_gemv, two launches. bf16 at Kimi-K2's C = 512: up to 16 parts at 1 row,
-# 8 at 2-4 rows (960 and 448 cached slots in splits of 64); sm_90 code then takes up to 255 registers
-# without spilling (check: compile the kernel for sm_90 and read its register count)
+# 8 at 2-4 rows (960 and 448 cached slots in splits of 64); sm_90 code then takes up to 255
+# registers without spilling (check: compile the kernel for sm_90 and read its register count)
 MLA_MERGE_ABSORB_REGS = 64
-# rows B*T up to which DecodeAttentionKernel merges in W_uv's launch (with norm_gemv): one launch less
-# at one row; at 4 rows the separate merge is faster (python -m kernels.bench, mla_merge_absorb)
+# rows B*T up to which DecodeAttentionKernel merges in W_uv's launch (with norm_gemv): one launch
+# less at one row; at 4 rows the separate merge is faster (python -m kernels.bench,
+# mla_merge_absorb)
 MLA_MERGE_ABSORB_MAX_ROWS = 1
 
 
@@ -79,7 +80,8 @@ def _rotated(x_rows, rope_rows, ok, R: tl.constexpr, BLOCK_R2: tl.constexpr):
     xo = tl.load(x_rows[:, None] + 2 * i[None, :] + 1, mask=m, other=0.0).to(tl.float32)
     cos = tl.load(rope_rows[:, None] + 2 * i[None, :], mask=m, other=0.0)
     sin = tl.load(rope_rows[:, None] + 2 * i[None, :] + 1, mask=m, other=0.0)
-    return tl.reshape(tl.join(xe * cos - xo * sin, xe * sin + xo * cos), [x_rows.shape[0], 2 * BLOCK_R2])
+    return tl.reshape(tl.join(xe * cos - xo * sin, xe * sin + xo * cos),
+                      [x_rows.shape[0], 2 * BLOCK_R2])
 
 
 @_jit
@@ -92,7 +94,8 @@ def _load_rows(rows, ok, N: tl.constexpr, BLOCK: tl.constexpr):
 
 @_jit
 def _store_rows(rows, x, ok, N: tl.constexpr):
-    """Stores the first N columns of x [R, BLOCK] at rows [R] (pointers to each row's start) where ok [R]."""
+    """Stores the first N columns of x [R, BLOCK] at rows [R] (pointers to each row's start) where
+    ok [R]."""
     i = tl.arange(0, x.shape[1])
     tl.store(rows[:, None] + i[None, :], x, mask=ok[:, None] & (i < N)[None, :])
 
@@ -134,7 +137,8 @@ def _store_partial(po_rows, lse_rows, m_i, l_i, acc, ok, N: tl.constexpr):
     lse_rows [BLOCK_M]); a row that saw no key gets output 0 and lse -inf."""
     seen = l_i > 0
     _store_rows(po_rows, acc / tl.where(seen, l_i, 1.0)[:, None], ok, N)
-    tl.store(lse_rows, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")), mask=ok)
+    tl.store(lse_rows, tl.where(seen, m_i + tl.log2(tl.where(seen, l_i, 1.0)), float("-inf")),
+             mask=ok)
 
 
 @_jit
@@ -148,10 +152,11 @@ def _mla_scores(q, qpe, kv, pe, scale_log2, DOT_PRECISION: tl.constexpr):
 @_jit
 def _mla_new_latents(kv_rows, kpe_rows, rope_rows, w_ptr, eps, ok, C: tl.constexpr, R: tl.constexpr,
                      BLOCK_C: tl.constexpr, BLOCK_R2: tl.constexpr):
-    """The new tokens' cache rows, as model.MLA.write_cache computes them: kv_rows, kpe_rows [BLOCK_T]
-    pointers to each token's latent (C values) and rope key (R), rope_rows [BLOCK_T] to its (cos,
-    sin) pairs, ok [BLOCK_T] the tokens that exist. Returns the latents RMS-normalized (weight w,
-    eps; [BLOCK_T, BLOCK_C]) and the keys rotated ([BLOCK_T, 2 * BLOCK_R2]), in kv's dtype."""
+    """The new tokens' cache rows, as model.MLA.write_cache computes them: kv_rows, kpe_rows
+    [BLOCK_T] pointers to each token's latent (C values) and rope key (R), rope_rows [BLOCK_T] to
+    its (cos, sin) pairs, ok [BLOCK_T] the tokens that exist. Returns the latents RMS-normalized
+    (weight w, eps; [BLOCK_T, BLOCK_C]) and the keys rotated ([BLOCK_T, 2 * BLOCK_R2]), in kv's
+    dtype."""
     dt = kv_rows.dtype.element_ty
     offs_c = tl.arange(0, BLOCK_C)
     x = _load_rows(kv_rows, ok, C, BLOCK_C).to(tl.float32)
@@ -161,7 +166,8 @@ def _mla_new_latents(kv_rows, kpe_rows, rope_rows, w_ptr, eps, ok, C: tl.constex
 
 
 @_jit
-def _attend_cached(q, qpe, kvc_row, s_cs, pec_row, s_ps, lo, hi, scale_log2, C: tl.constexpr, R: tl.constexpr,
+def _attend_cached(q, qpe, kvc_row, s_cs, pec_row, s_ps, lo, hi, scale_log2, C: tl.constexpr,
+                   R: tl.constexpr,
                    BLOCK_N: tl.constexpr, DOT_PRECISION: tl.constexpr):
     """Flash attention of query rows q [BLOCK_M, BLOCK_C] and rotated qpe [BLOCK_M, 2 * BLOCK_R2]
     over the cached slots [lo, hi) of one batch row (kvc_row, pec_row: its cache rows' start),
@@ -176,20 +182,23 @@ def _attend_cached(q, qpe, kvc_row, s_cs, pec_row, s_ps, lo, hi, scale_log2, C: 
         offs_n = start + tl.arange(0, BLOCK_N)
         n_ok = offs_n < hi
         kv = tl.load(kvc_row + offs_n[:, None] * s_cs + offs_c[None, :],
-                     mask=n_ok[:, None] & c_ok[None, :], other=0.0)                     # [BLOCK_N, BLOCK_C]
+                     mask=n_ok[:, None] & c_ok[None, :], other=0.0)  # [BLOCK_N, BLOCK_C]
         pe = tl.load(pec_row + offs_n[:, None] * s_ps + offs_r[None, :],
-                     mask=n_ok[:, None] & r_ok[None, :], other=0.0)                     # [BLOCK_N, 2 * BLOCK_R2]
-        s = _mla_scores(q, qpe, kv, pe, scale_log2, DOT_PRECISION)                       # [BLOCK_M, BLOCK_N]
+                     mask=n_ok[:, None] & r_ok[None, :], other=0.0)  # [BLOCK_N, 2 * BLOCK_R2]
+        s = _mla_scores(q, qpe, kv, pe, scale_log2, DOT_PRECISION)  # [BLOCK_M, BLOCK_N]
         m_i, l_i, acc = _online_softmax_step(m_i, l_i, acc, s, n_ok, kv, DOT_PRECISION)
     return m_i, l_i, acc
 
 
 @_jit
-def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr, kvc_ptr, pec_ptr, po_ptr, lse_ptr,
+def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr, kvc_ptr, pec_ptr,
+                       po_ptr, lse_ptr,
                        T, H, M, kv_len, split_len, eps, scale_log2,
-                       s_qb, s_qm, s_qpb, s_qpm, s_kvb, s_kvt, s_kpb, s_kpt, s_rb, s_rt, s_posb, s_post,
+                       s_qb, s_qm, s_qpb, s_qpm, s_kvb, s_kvt, s_kpb, s_kpt, s_rb, s_rt, s_posb,
+                       s_post,
                        s_cb, s_cs, s_pb, s_ps, s_pob, s_pom, s_pos, s_lb, s_lm,
-                       C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_R2: tl.constexpr,
+                       C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr,
+                       BLOCK_R2: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                        DOT_PRECISION: tl.constexpr):
     """One part (see the section's head) for a block of query rows of one batch row.
@@ -208,30 +217,34 @@ def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < M
     t_m = offs_m // H
-    q = _load_rows(q_ptr + b * s_qb + offs_m * s_qm, row_ok, C, BLOCK_C)                   # [BLOCK_M, BLOCK_C]
+    q = _load_rows(q_ptr + b * s_qb + offs_m * s_qm, row_ok, C, BLOCK_C)  # [BLOCK_M, BLOCK_C]
     qpe = _rotated(qpe_ptr + b * s_qpb + offs_m * s_qpm, rope_ptr + b * s_rb + t_m * s_rt, row_ok,
-                   R, BLOCK_R2).to(q.dtype)                                             # [BLOCK_M, 2 * BLOCK_R2]
+                   R, BLOCK_R2).to(q.dtype)  # [BLOCK_M, 2 * BLOCK_R2]
     if part == 0:   # the new tokens, in registers
         offs_t = tl.arange(0, BLOCK_T)
         t_ok = offs_t < T
-        pos_t = tl.load(pos_ptr + b * s_posb + offs_t * s_post, mask=t_ok, other=0)            # their slots
-        pos = tl.load(pos_ptr + b * s_posb + t_m * s_post, mask=row_ok, other=-1)              # [BLOCK_M]
-        kv_new, pe_new = _mla_new_latents(kv_ptr + b * s_kvb + offs_t * s_kvt, kpe_ptr + b * s_kpb + offs_t * s_kpt,
+        pos_t = tl.load(pos_ptr + b * s_posb + offs_t * s_post, mask=t_ok, other=0)  # their slots
+        pos = tl.load(pos_ptr + b * s_posb + t_m * s_post, mask=row_ok, other=-1)  # [BLOCK_M]
+        kv_new, pe_new = _mla_new_latents(kv_ptr + b * s_kvb + offs_t * s_kvt,
+                                          kpe_ptr + b * s_kpb + offs_t * s_kpt,
                                           rope_ptr + b * s_rb + offs_t * s_rt, w_ptr, eps, t_ok,
-                                          C, R, BLOCK_C, BLOCK_R2)      # [BLOCK_T, BLOCK_C], [BLOCK_T, 2 * BLOCK_R2]
+                                          # [BLOCK_T, BLOCK_C], [BLOCK_T, 2 * BLOCK_R2]
+                                          C, R, BLOCK_C, BLOCK_R2)
         if mb == 0:     # one block of query rows writes them to their slots
             _store_rows(kvc_ptr + b * s_cb + pos_t * s_cs, kv_new, t_ok, C)
             _store_rows(pec_ptr + b * s_pb + pos_t * s_ps, pe_new, t_ok, R)
-        s = _mla_scores(q, qpe, kv_new, pe_new, scale_log2, DOT_PRECISION)                     # [BLOCK_M, BLOCK_T]
+        s = _mla_scores(q, qpe, kv_new, pe_new, scale_log2, DOT_PRECISION)  # [BLOCK_M, BLOCK_T]
         m_i, l_i, acc = _softmax_new_tokens(s, pos, pos_t, t_ok, kv_new, DOT_PRECISION)
         holds = part == 0
     else:           # cached slots [lo, hi): this split's, before the row's first new position
         lo = (part - 1) * split_len
         hi = tl.minimum(tl.minimum(tl.load(pos_ptr + b * s_posb), kv_len), lo + split_len)
-        m_i, l_i, acc = _attend_cached(q, qpe, kvc_ptr + b * s_cb, s_cs, pec_ptr + b * s_pb, s_ps, lo, hi,
+        m_i, l_i, acc = _attend_cached(q, qpe, kvc_ptr + b * s_cb, s_cs, pec_ptr + b * s_pb, s_ps,
+                                       lo, hi,
                                        scale_log2, C, R, BLOCK_N, DOT_PRECISION)
         holds = lo < hi
-    _store_partial(po_ptr + b * s_pob + offs_m * s_pom + part * s_pos, lse_ptr + b * s_lb + offs_m * s_lm + part,
+    _store_partial(po_ptr + b * s_pob + offs_m * s_pom + part * s_pos,
+                   lse_ptr + b * s_lb + offs_m * s_lm + part,
                    m_i, l_i, acc, row_ok & holds, C)
 
 
@@ -244,8 +257,8 @@ def _parts_used(pos_first, kv_len, split_len):
 
 @_jit
 def _merge_latents(po_rows, lse_rows, s_pos, cols, col_ok, n_used, PARTS: tl.constexpr):
-    """Flash-decoding's merge of the parts j < n_used: sum_j 2^(lse_j - L) o_j / sum_j 2^(lse_j - L),
-    L = max_j lse_j, for R rows. po_rows [R, 1] point at each row's part 0 (part j is j * s_pos
+    """Flash-decoding's merge of the parts j < n_used: sum_j 2^(lse_j - L) o_j / sum_j 2^(lse_j -
+    L), L = max_j lse_j, for R rows. po_rows [R, 1] point at each row's part 0 (part j is j * s_pos
     further), lse_rows [R, 1] at its log2 sum of part 0 (part j: j further); cols [1, BLOCK] the
     columns wanted (col_ok: those that exist); n_used [R, 1] <= PARTS (part 0 always holds).
     Returns [R, BLOCK] float32. The parts are added in order, j = 0, 1, ..., one explicit fma each:
@@ -253,7 +266,7 @@ def _merge_latents(po_rows, lse_rows, s_pos, cols, col_ok, n_used, PARTS: tl.con
     would contract a multiply and an add, so every kernel that merges with this gets the same o.
     The loops are unrolled, all parts' loads in flight at once, and every value is [R, BLOCK] (a
     row's lse loaded in each of its columns), so no step changes layout."""
-    po = po_rows + cols                                                                     # [R, BLOCK]
+    po = po_rows + cols  # [R, BLOCK]
     lse_at = lse_rows + tl.zeros_like(cols)
     n_used = n_used + tl.zeros_like(cols)
     top = tl.full(po.shape, float("-inf"), tl.float32)
@@ -262,7 +275,8 @@ def _merge_latents(po_rows, lse_rows, s_pos, cols, col_ok, n_used, PARTS: tl.con
     acc = tl.zeros(po.shape, tl.float32)
     total = tl.zeros(po.shape, tl.float32)
     for j in tl.static_range(PARTS):
-        w = tl.exp2(tl.load(lse_at + j, mask=j < n_used, other=float("-inf")) - top)        # 0 where unused
+        # 0 where unused
+        w = tl.exp2(tl.load(lse_at + j, mask=j < n_used, other=float("-inf")) - top)
         acc = tl.fma(tl.load(po + j * s_pos, mask=(j < n_used) & col_ok, other=0.0), w, acc)
         total += w
     return acc / total
@@ -271,42 +285,49 @@ def _merge_latents(po_rows, lse_rows, s_pos, cols, col_ok, n_used, PARTS: tl.con
 @_jit
 def _mla_combine_kernel(po_ptr, lse_ptr, pos_ptr, o_ptr, M, kv_len, split_len,
                         s_pob, s_pom, s_pos, s_lb, s_lm, s_posb, s_ob, s_om,
-                        C: tl.constexpr, BLOCK_C: tl.constexpr, PARTS: tl.constexpr, BLOCK_S: tl.constexpr,
+                        C: tl.constexpr, BLOCK_C: tl.constexpr, PARTS: tl.constexpr,
+                        BLOCK_S: tl.constexpr,
                         IN_ORDER: tl.constexpr):
     """o[b, m] = the merge of the parts that hold a slot (part 0, the new tokens, and the splits of
     the slots before the row's first position). IN_ORDER: one part after another (_merge_latents),
     as mla_merge_absorb adds them; else all parts in one load (BLOCK_S >= PARTS) and tl.sum.
     po [B, M, PARTS, C] and lse [B, M, PARTS] float32 from _mla_decode_kernel (last dims
-    contiguous); pos int64 [B, T]; o [B, M, C] (any float dtype). Grid: (B * M, cdiv(C, BLOCK_C))."""
+    contiguous); pos int64 [B, T]; o [B, M, C] (any float dtype). Grid: (B * M, cdiv(C,
+    BLOCK_C))."""
     _wait_for_prior()
     row, cb = tl.program_id(0), tl.program_id(1)
     b, m = row // M, row % M
     if IN_ORDER:
-        one = tl.zeros([1, 1], tl.int32)                                    # the program's one row, as a block
+        one = tl.zeros([1, 1], tl.int32)  # the program's one row, as a block
         offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)[None, :]              # [1, BLOCK_C]
-        out = _merge_latents(po_ptr + b * s_pob + m * s_pom + one, lse_ptr + b * s_lb + m * s_lm + one, s_pos,
-                             offs_c, offs_c < C, _parts_used(pos_ptr + b * s_posb + one, kv_len, split_len), PARTS)
+        out = _merge_latents(po_ptr + b * s_pob + m * s_pom + one,
+                             lse_ptr + b * s_lb + m * s_lm + one, s_pos,
+                             offs_c, offs_c < C, _parts_used(pos_ptr + b * s_posb + one, kv_len,
+                                                             split_len), PARTS)
     else:
         n_used = _parts_used(pos_ptr + b * s_posb, kv_len, split_len)
         j = tl.arange(0, BLOCK_S)
         offs_c = cb * BLOCK_C + tl.arange(0, BLOCK_C)
-        lse = tl.load(lse_ptr + b * s_lb + m * s_lm + j, mask=j < n_used, other=float("-inf"))  # [BLOCK_S]
+        # [BLOCK_S]
+        lse = tl.load(lse_ptr + b * s_lb + m * s_lm + j, mask=j < n_used, other=float("-inf"))
         w = tl.exp2(lse - tl.max(lse, 0))
         part = tl.load(po_ptr + b * s_pob + m * s_pom + j[:, None] * s_pos + offs_c[None, :],
-                       mask=(j < n_used)[:, None] & (offs_c < C)[None, :], other=0.0)  # [BLOCK_S, BLOCK_C]
+                       # [BLOCK_S, BLOCK_C]
+                       mask=(j < n_used)[:, None] & (offs_c < C)[None, :], other=0.0)
         out = tl.sum(w[:, None] * part, 0) / tl.sum(w, 0)
     tl.store(o_ptr + b * s_ob + m * s_om + offs_c, out.to(o_ptr.dtype.element_ty), mask=offs_c < C)
 
 
 @_jit
-def _mla_merge_absorb_kernel(po_ptr, lse_ptr, pos_ptr, w_ptr, out_ptr, rows, T, H, N, K, kv_len, split_len,
+def _mla_merge_absorb_kernel(po_ptr, lse_ptr, pos_ptr, w_ptr, out_ptr, rows, T, H, N, K, kv_len,
+                             split_len,
                              s_pob, s_pom, s_pos, s_lb, s_lm, s_posb, s_wh, s_wn, s_or, s_oh,
                              PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr):
     """out[r, h, n] = sum_k o[r, h, k] * W[h, n, k] for the rows r = b*T + t, with o[r, h] the merge
-    of query row m = t*H + h of batch row b, as _mla_combine_kernel stores it (rounded to W's dtype):
-    the combine and head_gemv's product in one launch. Each program merges its head's rows for
-    itself, from the partials in L2, a K step at a time (_merge_latents), and multiplies them by
+    of query row m = t*H + h of batch row b, as _mla_combine_kernel stores it (rounded to W's
+    dtype): the combine and head_gemv's product in one launch. Each program merges its head's rows
+    for itself, from the partials in L2, a K step at a time (_merge_latents), and multiplies them by
     its BLOCK_N rows of W[h] as _norm_gemv_kernel does for head_gemv (the same steps of BLOCK_K, the
     next W tile in flight, the products added elementwise and summed over k at the end: on sm_90
     the same layouts, so the same order), so out equals head_gemv of the combine's o bit for bit.
@@ -315,25 +336,27 @@ def _mla_merge_absorb_kernel(po_ptr, lse_ptr, pos_ptr, w_ptr, out_ptr, rows, T, 
     contiguous) of W's dtype; rows <= BLOCK_M. Grid: (cdiv(N, BLOCK_N), H)."""
     _wait_for_prior()
     pid, h = tl.program_id(0), tl.program_id(1)
-    r = tl.minimum(tl.arange(0, BLOCK_M), rows - 1)     # padding rows repeat the last one, not stored
+    r = tl.minimum(tl.arange(0, BLOCK_M), rows - 1)  # padding rows repeat the last one, not stored
     b, m = r // T, (r % T) * H + h
-    po_rows = (po_ptr + b * s_pob + m * s_pom)[:, None]                                  # [BLOCK_M, 1]
+    po_rows = (po_ptr + b * s_pob + m * s_pom)[:, None]  # [BLOCK_M, 1]
     lse_rows = (lse_ptr + b * s_lb + m * s_lm)[:, None]
     n_used = _parts_used(pos_ptr + b * s_posb, kv_len, split_len)[:, None]
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
-    n3 = n[None, :, None]                                                   # W's tile [1, BLOCK_N, BLOCK_K]
+    n3 = n[None, :, None]  # W's tile [1, BLOCK_N, BLOCK_K]
     kb = tl.arange(0, BLOCK_K)
     k3 = kb[None, None, :]
     w_rows = w_ptr + h * s_wh + n3 * s_wn
     last_k = (tl.cdiv(K, BLOCK_K) - 1) * BLOCK_K                            # the last step
-    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)                 # the products, summed over k at the end
+    # the products, summed over k at the end
+    acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
     w = tl.load(w_rows + k3, mask=(n3 < N) & (k3 < K), other=0.0)
     for k0 in range(0, K, BLOCK_K):
         k = k0 + kb
-        k1 = tl.minimum(k0 + BLOCK_K, last_k) + k3                          # the next step's (the last: its own)
+        k1 = tl.minimum(k0 + BLOCK_K, last_k) + k3  # the next step's (the last: its own)
         w1 = tl.load(w_rows + k1, mask=(n3 < N) & (k1 < K), other=0.0)
         o = _merge_latents(po_rows, lse_rows, s_pos, k[None, :], (k < K)[None, :], n_used, PARTS)
-        o = o.to(w_ptr.dtype.element_ty).to(tl.float32)      # [BLOCK_M, BLOCK_K]: o_lat as the combine stores it
+        # [BLOCK_M, BLOCK_K]: o_lat as the combine stores it
+        o = o.to(w_ptr.dtype.element_ty).to(tl.float32)
         acc3 += w.to(tl.float32) * o[:, None, :]
         w = w1
     acc = tl.sum(acc3, 2)                                                   # [m, n]
@@ -362,7 +385,8 @@ class MLAParts(NamedTuple):
     kv_len: int
 
 
-def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_cache, pe_cache,
+def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_cache,
+                         pe_cache,
                          softmax_scale, split_len=None, merge=True):
     """MLA's decode-mode step after the projections, in two launches (the parts, the merge):
     writes each new token's normalized latent and rotated rope key at slot = its position, as
@@ -377,7 +401,8 @@ def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, position
     B, T, H, C = q_lat.shape
     R, S = q_pe.shape[-1], kv_cache.shape[1]
     if (q_pe.shape[:3] != (B, T, H) or kv.shape != (B, T, C) or k_pe.shape != (B, T, R) or R % 2
-            or rope.shape != (B, T, R // 2, 2) or kv_cache.shape != (B, S, C) or pe_cache.shape != (B, S, R)):
+            or rope.shape != (B, T, R // 2,
+                              2) or kv_cache.shape != (B, S, C) or pe_cache.shape != (B, S, R)):
         raise ValueError(f"mla_decode_attention: shapes q_lat {list(q_lat.shape)}, q_pe {list(q_pe.shape)}, kv "
                          f"{list(kv.shape)}, k_pe {list(k_pe.shape)}, rope {list(rope.shape)}, kv_cache "
                          f"{list(kv_cache.shape)}, pe_cache {list(pe_cache.shape)} do not fit [B, T, H, C], "
@@ -408,7 +433,8 @@ def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, position
         q, qpe, kv, k_pe, norm_weight, rope, positions, kv_cache, pe_cache, partial, lse,
         T, H, M, S, split_len, float(eps), softmax_scale * math.log2(math.e),
         q.stride(0), q.stride(1), qpe.stride(0), qpe.stride(1), kv.stride(0), kv.stride(1),
-        k_pe.stride(0), k_pe.stride(1), rope.stride(0), rope.stride(1), positions.stride(0), positions.stride(1),
+        k_pe.stride(0), k_pe.stride(1), rope.stride(0), rope.stride(1), positions.stride(0),
+        positions.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), pe_cache.stride(0), pe_cache.stride(1),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         C=C, R=R, BLOCK_C=_pow2(C), BLOCK_R2=_pow2(R // 2, 8), BLOCK_T=_pow2(T), BLOCK_M=block_m,
@@ -419,17 +445,20 @@ def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, position
 
 
 def mla_combine(unmerged, positions, dtype):
-    """The merge of mla_decode_attention's parts (MLAParts) into o_lat [B, M, C] of `dtype`: one launch."""
+    """The merge of mla_decode_attention's parts (MLAParts) into o_lat [B, M, C] of `dtype`: one
+    launch."""
     partial, lse, split_len, kv_len = unmerged
     B, M, parts, C = partial.shape
     out = torch.empty(B, M, C, device=partial.device, dtype=dtype)
-    block_c = MLA_COMBINE_BLOCK_C if partial.is_cuda else _pow2(C)   # the CPU interpreter: fewest programs
+    # the CPU interpreter: fewest programs
+    block_c = MLA_COMBINE_BLOCK_C if partial.is_cuda else _pow2(C)
     in_order = parts <= MLA_MERGE_IN_ORDER_PARTS
     _mla_combine_kernel[(B * M, triton.cdiv(C, block_c))](
         partial, lse, positions, out, M, kv_len, split_len,
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         positions.stride(0), out.stride(0), out.stride(1),
-        C=C, BLOCK_C=block_c, PARTS=parts, BLOCK_S=_pow2(parts), IN_ORDER=in_order, launch_pdl=common.PDL,
+        C=C, BLOCK_C=block_c, PARTS=parts, BLOCK_S=_pow2(parts), IN_ORDER=in_order,
+        launch_pdl=common.PDL,
         num_warps=MLA_COMBINE_WARPS if in_order else 4)
     return out
 
@@ -442,7 +471,8 @@ def mla_merge_absorb(unmerged, positions, w_uv):
     small merge side by side) before its product. w_uv [H, N, C] (K = C contiguous; a view of
     kv_b_proj's weight) of the model's dtype, positions int64 [B, T] as given to the attention; at
     most NORM_GEMV_MAX_ROWS rows B*T, as head_gemv. Past MLA_MERGE_IN_ORDER_PARTS parts, or where a
-    K step's parts of all rows do not fit MLA_MERGE_ABSORB_REGS a thread: the combine, then head_gemv."""
+    K step's parts of all rows do not fit MLA_MERGE_ABSORB_REGS a thread: the combine, then
+    head_gemv."""
     partial, lse, split_len, kv_len = unmerged
     B, M, parts, C = partial.shape
     H = w_uv.shape[0]
@@ -451,12 +481,13 @@ def mla_merge_absorb(unmerged, positions, w_uv):
         raise ValueError(f"mla_merge_absorb: partial {list(partial.shape)}, positions {list(positions.shape)} and "
                          f"w_uv {list(w_uv.shape)} do not fit [B, T*H, parts, C], [B, T] and [H, N, C] (C contiguous)")
     rows, N = B * T, w_uv.shape[1]
-    if w_uv.dtype not in (torch.bfloat16, torch.float16, torch.float32) or rows > NORM_GEMV_MAX_ROWS:
+    if w_uv.dtype not in (torch.bfloat16, torch.float16,
+                          torch.float32) or rows > NORM_GEMV_MAX_ROWS:
         raise ValueError(f"mla_merge_absorb: runs bf16, fp16 or float32 and at most {NORM_GEMV_MAX_ROWS} rows, got "
                          f"{w_uv.dtype} and {rows} rows (use the plain path)")
     block_m = _pow2(rows, 1)
     block_k = _norm_gemv_step(rows, HEAD_GEMV_BLOCK_N, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS, C,
-                              w_uv.element_size())                         # head_gemv's steps: the same sums
+                              w_uv.element_size())  # head_gemv's steps: the same sums
     if parts > MLA_MERGE_IN_ORDER_PARTS or parts * block_m * block_k > MLA_MERGE_ABSORB_REGS * 32 * HEAD_GEMV_WARPS:
         return head_gemv(mla_combine(unmerged, positions, w_uv.dtype).view(B, T, H, C), w_uv)
     out = torch.empty(B, T, H, N, device=partial.device, dtype=w_uv.dtype)
@@ -480,10 +511,13 @@ def mla_merge_absorb(unmerged, positions, w_uv):
 
 
 @_jit
-def _rope_cache_kernel(q_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr, kv_cache_ptr, pe_cache_ptr, qo_ptr,
-                       T, H, eps, s_qb, s_qt, s_qh, s_kvb, s_kvt, s_kpb, s_kpt, s_rb, s_rt, s_posb, s_post,
+def _rope_cache_kernel(q_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr, kv_cache_ptr, pe_cache_ptr,
+                       qo_ptr,
+                       T, H, eps, s_qb, s_qt, s_qh, s_kvb, s_kvt, s_kpb, s_kpt, s_rb, s_rt, s_posb,
+                       s_post,
                        s_cb, s_cs, s_pb, s_ps, s_ob, s_ot, s_oh,
-                       C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr, BLOCK_H: tl.constexpr,
+                       C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr,
+                       BLOCK_H: tl.constexpr,
                        BLOCK_R2: tl.constexpr):
     """For token (b, t) at slot p = pos[b, t]: kv_cache[b, p] = RMSNorm(kv[b, t]) * w,
     pe_cache[b, p] = rope(kpe[b, t]), qo[b, t, h] = rope(q[b, t, h]) for every head h.
@@ -499,17 +533,21 @@ def _rope_cache_kernel(q_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr, kv_cach
     kv = tl.load(kv_ptr + b * s_kvb + t * s_kvt + c, mask=c < C, other=0.0).to(tl.float32)
     w = tl.load(w_ptr + c, mask=c < C, other=0.0).to(tl.float32)
     normed = kv / tl.sqrt(tl.sum(kv * kv, 0) / C + eps) * w
-    tl.store(kv_cache_ptr + b * s_cb + p * s_cs + c, normed.to(kv_cache_ptr.dtype.element_ty), mask=c < C)
+    tl.store(kv_cache_ptr + b * s_cb + p * s_cs + c, normed.to(kv_cache_ptr.dtype.element_ty),
+             mask=c < C)
     r = tl.arange(0, 2 * BLOCK_R2)
     one = tl.zeros([1], tl.int32)   # _rotated takes rows: k_pe is one row
-    pe = _rotated(kpe_ptr + b * s_kpb + t * s_kpt + one, rope_ptr + b * s_rb + t * s_rt + one, one == 0, R,
-                  BLOCK_R2)                                                               # [1, 2 * BLOCK_R2]
+    pe = _rotated(kpe_ptr + b * s_kpb + t * s_kpt + one, rope_ptr + b * s_rb + t * s_rt + one,
+                  one == 0, R,
+                  BLOCK_R2)  # [1, 2 * BLOCK_R2]
     tl.store(pe_cache_ptr + b * s_pb + p * s_ps + one[:, None] + r[None, :],
              pe.to(pe_cache_ptr.dtype.element_ty), mask=(r < R)[None, :])
     h = tl.arange(0, BLOCK_H)
-    q = _rotated(q_ptr + b * s_qb + t * s_qt + h * s_qh, rope_ptr + b * s_rb + t * s_rt + 0 * h, h < H, R,
-                 BLOCK_R2)                                                                # [BLOCK_H, 2 * BLOCK_R2]
-    tl.store(qo_ptr + b * s_ob + t * s_ot + h[:, None] * s_oh + r[None, :], q.to(qo_ptr.dtype.element_ty),
+    q = _rotated(q_ptr + b * s_qb + t * s_qt + h * s_qh, rope_ptr + b * s_rb + t * s_rt + 0 * h,
+                 h < H, R,
+                 BLOCK_R2)  # [BLOCK_H, 2 * BLOCK_R2]
+    tl.store(qo_ptr + b * s_ob + t * s_ot + h[:, None] * s_oh + r[None, :],
+             q.to(qo_ptr.dtype.element_ty),
              mask=(h < H)[:, None] & (r < R)[None, :])
 
 
@@ -524,7 +562,8 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
         raise ValueError(f"mla_rope_cache_write: q_pe {list(q_pe.shape)}, kv {list(kv.shape)}, k_pe "
                          f"{list(k_pe.shape)}, rope {list(rope.shape)} do not fit [B, T, H, R], [B, T, C], "
                          "[B, T, R], [B, T, R/2, 2] with R even")
-    if q_pe.dtype not in MLA_BLOCK_N or len({q_pe.dtype, kv.dtype, k_pe.dtype, kv_cache.dtype, pe_cache.dtype}) != 1:
+    if q_pe.dtype not in MLA_BLOCK_N or len({q_pe.dtype, kv.dtype, k_pe.dtype, kv_cache.dtype,
+                                             pe_cache.dtype}) != 1:
         raise ValueError(f"mla_rope_cache_write: needs one dtype of {sorted(map(str, MLA_BLOCK_N))} for the inputs "
                          f"and the caches, got {q_pe.dtype}, {kv.dtype}, {k_pe.dtype}, {kv_cache.dtype}, "
                          f"{pe_cache.dtype} (float64: use the plain path)")
@@ -540,11 +579,15 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
     out = torch.empty(B, T, H, R, device=q_pe.device, dtype=q_pe.dtype)
     _rope_cache_kernel[(B * T,)](
         q_pe, kv, k_pe, norm_weight, rope, positions, kv_cache, pe_cache, out, T, H, float(eps),
-        q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), kv.stride(0), kv.stride(1), k_pe.stride(0), k_pe.stride(1),
+        q_pe.stride(0), q_pe.stride(1), q_pe.stride(2), kv.stride(0), kv.stride(1), k_pe.stride(0),
+        k_pe.stride(1),
         rope.stride(0), rope.stride(1), positions.stride(0), positions.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), pe_cache.stride(0), pe_cache.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        C=C, R=R, BLOCK_C=_pow2(C), BLOCK_H=_pow2(H, 1), BLOCK_R2=_pow2(R // 2, 1), launch_pdl=common.PDL, num_warps=4)
+        C=C, R=R, BLOCK_C=_pow2(C), BLOCK_H=_pow2(H,
+                                                  1), BLOCK_R2=_pow2(R // 2,
+                                                                     1), launch_pdl=common.PDL,
+                                                                     num_warps=4)
     return out
 
 
@@ -557,10 +600,10 @@ class DecodeAttentionKernel(model.MLA):
     merge (mla_decode_attention) between the projections, which stay model.MLA's methods (and
     their swaps'); the steps around them are model.MLA.attend's. merges_in_w_uv (the combinations
     with "norm_gemv", declared in swaps.py): at most MLA_MERGE_ABSORB_MAX_ROWS rows, W_uv's launch
-    merges the parts (mla_merge_absorb) in place of the merge launch and absorb_output. The kernel masks by position
-    (slots <= position, slot = position, a row's tokens at consecutive positions: a decode step,
-    a chain's verify); a draft tree's nodes (slots given) are not, and extend mode expands the
-    cache: both take model.MLA.attend."""
+    merges the parts (mla_merge_absorb) in place of the merge launch and absorb_output. The kernel
+    masks by position (slots <= position, slot = position, a row's tokens at consecutive positions:
+    a decode step, a chain's verify); a draft tree's nodes (slots given) are not, and extend mode
+    expands the cache: both take model.MLA.attend."""
 
     merges_in_w_uv = False
 
@@ -569,14 +612,19 @@ class DecodeAttentionKernel(model.MLA):
             return super().attend(q, kv_a, positions, rope, future, mode, slots)
         a, h, norm = self.args, self.n_local_heads, self.kv_a_layernorm
         (B, T, _), kv_len = kv_a.shape, future.shape[-1]
-        q_nope, q_pe = q.view(B, T, h, a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
+        q_nope, q_pe = q.view(B, T, h,
+                              a.qk_head_dim).split([a.qk_nope_head_dim, a.qk_rope_head_dim], -1)
         kv, k_pe = kv_a.split([a.kv_lora_rank, a.qk_rope_head_dim], -1)
         w_uk, w_uv = self.kv_b_halves()
         in_w_uv = self.merges_in_w_uv and B * T <= MLA_MERGE_ABSORB_MAX_ROWS   # W_uv's GEMV merges
-        o = launch.mla_decode_attention(self.absorb_query(q_nope, w_uk), q_pe, kv, k_pe, norm.weight, norm.eps,
-                                        rope, positions, self.kv_cache[:B, :kv_len], self.pe_cache[:B, :kv_len],
+        o = launch.mla_decode_attention(self.absorb_query(q_nope, w_uk), q_pe, kv, k_pe,
+                                        norm.weight, norm.eps,
+                                        rope, positions, self.kv_cache[:B,
+                                                                       :kv_len], self.pe_cache[:B,
+                                                                       :kv_len],
                                         a.softmax_scale, merge=not in_w_uv)
-        out = self.merge_absorb_output(o, positions, w_uv) if in_w_uv else self.absorb_output(o, w_uv)
+        out = self.merge_absorb_output(o, positions,
+                                       w_uv) if in_w_uv else self.absorb_output(o, w_uv)
         return self.o_proj(out.flatten(2))
 
     def merge_absorb_output(self, parts, positions, w_uv):

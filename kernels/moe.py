@@ -28,19 +28,23 @@ from .moe_gemv import (FORMATS, GEMV_MAX_PAIRS, GEMV_MAX_TOKENS, SHARED_SPLIT, E
 # pairs per tile: tl.dot's smallest M. With N <= a few hundred and 384 experts most experts get 1-4
 # tokens, so a larger tile would only add padding rows (python -m kernels.bench --moe --sweep dot)
 BLOCK_M = 16
-ALIGN_CHUNK = 32     # pairs per step of the align kernel: a [ALIGN_CHUNK, E] one-hot a step (not swept)
-COMBINE_BLOCK = 1024   # columns of D a combine program sums (not swept: the combine is a small share)
+# pairs per step of the align kernel: a [ALIGN_CHUNK, E] one-hot a step (not swept)
+ALIGN_CHUNK = 32
+# columns of D a combine program sums (not swept: the combine is a small share)
+COMBINE_BLOCK = 1024
 
 
 def _configs(fmt, P, on_gpu):
-    """Block sizes (BLOCK_N, BLOCK_K, num_warps, num_stages) of gate_up and down by weight format and
-    token-expert pairs P, re-derived by `python -m kernels.bench --moe --sweep dot`:
+    """Block sizes (BLOCK_N, BLOCK_K, num_warps, num_stages) of gate_up and down by weight format
+    and token-expert pairs P, re-derived by `python -m kernels.bench --moe --sweep dot`:
      - gate_up BLOCK_N 16 at decode (P = 8: 8 expert tiles, 16 programs each fill 132 SMs), 32 from
        4 tokens on (32+ tiles: half the activation loads and loop overhead per weight byte);
-     - BLOCK_K 128 for bf16 and FP8 (the checkpoint's scale block: one scale a row and k-step, applied
+     - BLOCK_K 128 for bf16 and FP8 (the checkpoint's scale block: one scale a row and k-step,
+     applied
        after the dot); 256 for INT4 (32 packed words a row a k-step, 8 sub-dots of 32);
      - down BLOCK_N 64 (D = 7168: 112 programs an expert tile; its other sizes move little)."""
-    if not on_gpu:  # Triton's CPU interpreter runs programs one by one, ~0.1 ms an op: fewest, largest
+    # Triton's CPU interpreter runs programs one by one, ~0.1 ms an op: fewest, largest
+    if not on_gpu:
         return dict(gate_up=(64, 128, 4, 1), down=(64, 128, 4, 1))
     if fmt == "int4":
         return dict(gate_up=(16, 256, 4, 3) if P <= 16 else (32, 256, 8, 3), down=(64, 256, 8, 3))
@@ -48,7 +52,8 @@ def _configs(fmt, P, on_gpu):
 
 
 @_jit
-def _moe_align_kernel(ids_ptr, sorted_pair_ptr, tile_expert_ptr, P, E, max_tiles, max_tiles_per_expert,
+def _moe_align_kernel(ids_ptr, sorted_pair_ptr, tile_expert_ptr, P, E, max_tiles,
+                      max_tiles_per_expert,
                       BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
     """Sort the P token-expert pairs by expert, each expert's run padded to whole BLOCK_M tiles.
 
@@ -65,9 +70,10 @@ def _moe_align_kernel(ids_ptr, sorted_pair_ptr, tile_expert_ptr, P, E, max_tiles
         count += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
     tiles = (count + BLOCK_M - 1) // BLOCK_M
     first_tile = tl.cumsum(tiles, 0) - tiles                               # [E_PAD], exclusive
-    for start in range(0, max_tiles * BLOCK_M, CHUNK):                     # empty tiles, padding rows
+    for start in range(0, max_tiles * BLOCK_M, CHUNK):  # empty tiles, padding rows
         r = start + tl.arange(0, CHUNK)
-        tl.store(sorted_pair_ptr + r, tl.full([CHUNK], 0, tl.int32) + P, mask=r < max_tiles * BLOCK_M)
+        tl.store(sorted_pair_ptr + r, tl.full([CHUNK], 0, tl.int32) + P,
+                 mask=r < max_tiles * BLOCK_M)
         tl.store(tile_expert_ptr + r, tl.full([CHUNK], -1, tl.int32), mask=r < max_tiles)
     tl.debug_barrier()                                                     # before overwriting them
     for j in range(0, max_tiles_per_expert):                               # tile -> expert
@@ -77,16 +83,18 @@ def _moe_align_kernel(ids_ptr, sorted_pair_ptr, tile_expert_ptr, P, E, max_tiles
         p = start + tl.arange(0, CHUNK)
         ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
         hit = (ids[:, None] == experts[None, :]).to(tl.int32)             # [CHUNK, E_PAD]
-        before = tl.cumsum(hit, 0) - hit + seen[None, :]                   # earlier pairs, same expert
+        before = tl.cumsum(hit, 0) - hit + seen[None, :]  # earlier pairs, same expert
         row = tl.sum(hit * (first_tile[None, :] * BLOCK_M + before), axis=1)
         tl.store(sorted_pair_ptr + row, p.to(tl.int32), mask=p < P)
         seen += tl.sum(hit, axis=0)
 
 
 @_jit
-def _accumulate(acc, xt, x_ptr, x_row, row_ok, k0, K_IN, w_ptr, s_ptr, n, n_ok, stride_wn, stride_sr, stride_sc,
+def _accumulate(acc, xt, x_ptr, x_row, row_ok, k0, K_IN, w_ptr, s_ptr, n, n_ok, stride_wn,
+                stride_sr, stride_sc,
                 block_r, block_c, off_r, off_c, GROUP,
-                FMT: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_PER_ROW: tl.constexpr, PRECISION: tl.constexpr):
+                FMT: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_PER_ROW: tl.constexpr,
+                PRECISION: tl.constexpr):
     """acc [BM, BN] += X[rows, k0:k0+BK] @ W[n, k0:k0+BK]^T, W of one expert read as stored.
 
     xt [BM, BK]: that activation tile (plain, FP8); INT4 reads its own strided pieces of it at
@@ -101,37 +109,45 @@ def _accumulate(acc, xt, x_ptr, x_row, row_ok, k0, K_IN, w_ptr, s_ptr, n, n_ok, 
         # memory for the down projection).
         w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
         w_ok = w < K_IN // 8
-        words = tl.load(w_ptr + n[None, :] * stride_wn + w[:, None], mask=w_ok[:, None] & n_ok[None, :], other=0)
+        words = tl.load(w_ptr + n[None, :] * stride_wn + w[:, None],
+                        mask=w_ok[:, None] & n_ok[None, :], other=0)
         scale = tl.load(s_ptr + n[None, :] * stride_sr + (w * 8 // GROUP)[:, None],
                         mask=w_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
         for j in tl.static_range(8):
-            xj = tl.load(x_ptr + x_row[:, None] + (w * 8 + j)[None, :], mask=row_ok[:, None] & w_ok[None, :], other=0.0)
+            xj = tl.load(x_ptr + x_row[:, None] + (w * 8 + j)[None, :],
+                         mask=row_ok[:, None] & w_ok[None, :], other=0.0)
             q = ((words >> (4 * j)) & 0xF) - 8
-            acc = tl.dot(xj, (q.to(tl.float32) * scale).to(xj.dtype), acc, input_precision=PRECISION)
+            acc = tl.dot(xj, (q.to(tl.float32) * scale).to(xj.dtype), acc,
+                         input_precision=PRECISION)
     else:
         k = k0 + tl.arange(0, BLOCK_K)
         k_ok = k < K_IN
-        wt = tl.load(w_ptr + n[None, :] * stride_wn + k[:, None], mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if FMT == 0:     # the load feeds the dot directly (Triton pipelines it through shared memory)
+        wt = tl.load(w_ptr + n[None, :] * stride_wn + k[:, None],
+                     mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        if FMT == 0:  # the load feeds the dot directly (Triton pipelines it through shared memory)
             acc = tl.dot(xt, wt.to(xt.dtype), acc, input_precision=PRECISION)
         elif SCALE_PER_ROW:
             s = tl.load(s_ptr + ((n + off_r) // block_r) * stride_sr + ((k0 + off_c) // block_c) * stride_sc,
                         mask=n_ok, other=0.0)
             acc += tl.dot(xt, wt.to(xt.dtype), input_precision=PRECISION) * s[None, :]
         else:
-            s = tl.load(s_ptr + ((n + off_r) // block_r)[None, :] * stride_sr + ((k + off_c) // block_c)[:, None]
+            s = tl.load(s_ptr + ((n + off_r) // block_r)[None,
+                                                         :] * stride_sr + ((k + off_c) // block_c)[:, None]
                         * stride_sc, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(xt, (wt.to(tl.float32) * s).to(xt.dtype), acc, input_precision=PRECISION)
     return acc
 
 
 @_jit
-def _moe_gate_up_kernel(x_ptr, h_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr, gs_ptr, u_ptr, us_ptr,
+def _moe_gate_up_kernel(x_ptr, h_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr, gs_ptr, u_ptr,
+                        us_ptr,
                         P, TOPK, D, I, stride_we, stride_wn, stride_se, stride_sr, stride_sc,
                         block_r, block_c, off_r, off_c, GROUP,
-                        FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                        FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                        BLOCK_K: tl.constexpr,
                         SCALE_PER_ROW: tl.constexpr, PRECISION: tl.constexpr):
-    """h[row, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) for the pair in each tile row (n = pair // K).
+    """h[row, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) for the pair in each tile row (n = pair //
+    K).
 
     x_ptr: [N, D] contiguous, the compute dtype. h_ptr: [max_tiles * BLOCK_M, I] out, x's dtype,
     rows in tile order (padding rows get 0). g_ptr / u_ptr and gs_ptr / us_ptr: gate and up weights
@@ -152,30 +168,38 @@ def _moe_gate_up_kernel(x_ptr, h_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr, g
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, D, BLOCK_K):
         xt = tl.zeros([BLOCK_M, BLOCK_K], x_ptr.dtype.element_ty)       # INT4 loads its own pieces
-        if FMT != 2:                                                       # one load for gate and up
+        if FMT != 2:  # one load for gate and up
             k = k0 + tl.arange(0, BLOCK_K)
-            xt = tl.load(x_ptr + x_row[:, None] + k[None, :], mask=row_ok[:, None] & (k < D)[None, :], other=0.0)
-        acc_g = _accumulate(acc_g, xt, x_ptr, x_row, row_ok, k0, D, g_ptr + e * stride_we, gs_ptr + e * stride_se, n,
-                            n_ok, stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c, GROUP,
+            xt = tl.load(x_ptr + x_row[:, None] + k[None, :],
+                         mask=row_ok[:, None] & (k < D)[None, :], other=0.0)
+        acc_g = _accumulate(acc_g, xt, x_ptr, x_row, row_ok, k0, D, g_ptr + e * stride_we,
+                            gs_ptr + e * stride_se, n,
+                            n_ok, stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c,
+                            GROUP,
                             FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
-        acc_u = _accumulate(acc_u, xt, x_ptr, x_row, row_ok, k0, D, u_ptr + e * stride_we, us_ptr + e * stride_se, n,
-                            n_ok, stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c, GROUP,
+        acc_u = _accumulate(acc_u, xt, x_ptr, x_row, row_ok, k0, D, u_ptr + e * stride_we,
+                            us_ptr + e * stride_se, n,
+                            n_ok, stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c,
+                            GROUP,
                             FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty), mask=n_ok[None, :])
+    tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty),
+             mask=n_ok[None, :])
 
 
 @_jit
 def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr, w_ptr, s_ptr,
                      P, D, I, stride_we, stride_wn, stride_se, stride_sr, stride_sc,
                      block_r, block_c, off_r, off_c, GROUP,
-                     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                     FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                     BLOCK_K: tl.constexpr,
                      SCALE_PER_ROW: tl.constexpr, PRECISION: tl.constexpr):
     """y[pair, d] = route_w[pair] * (down[e] @ h[row])[d] for the pair in each tile row.
 
     h_ptr: [max_tiles * BLOCK_M, I] from gate_up. y_ptr: fp32 [P, D] out, one row per pair (every
-    pair's row is written once). route_w_ptr: fp32 [P], the routing weights flattened. w_ptr / s_ptr:
-    down weights and scales, [E, D, I]-shaped as ExpertWeights. Grid: (cdiv(D, BLOCK_N), max_tiles)."""
+    pair's row is written once). route_w_ptr: fp32 [P], the routing weights flattened. w_ptr /
+    s_ptr: down weights and scales, [E, D, I]-shaped as ExpertWeights. Grid: (cdiv(D, BLOCK_N),
+    max_tiles)."""
     _wait_for_prior()
     pid_n, tile = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
@@ -192,8 +216,10 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
         ht = tl.zeros([BLOCK_M, BLOCK_K], h_ptr.dtype.element_ty)
         if FMT != 2:
             k = k0 + tl.arange(0, BLOCK_K)
-            ht = tl.load(h_ptr + h_row[:, None] + k[None, :], mask=row_ok[:, None] & (k < I)[None, :], other=0.0)
-        acc = _accumulate(acc, ht, h_ptr, h_row, row_ok, k0, I, w_ptr + e * stride_we, s_ptr + e * stride_se, n, n_ok,
+            ht = tl.load(h_ptr + h_row[:, None] + k[None, :],
+                         mask=row_ok[:, None] & (k < I)[None, :], other=0.0)
+        acc = _accumulate(acc, ht, h_ptr, h_row, row_ok, k0, I, w_ptr + e * stride_we,
+                          s_ptr + e * stride_se, n, n_ok,
                           stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c, GROUP,
                           FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
     route_w = tl.load(route_w_ptr + pair, mask=row_ok, other=0)
@@ -224,7 +250,8 @@ def _check_weights(gate, up, down, D):
     if up.shape != gate.shape or down.shape != (E, D, I) or D_in != D:
         raise ValueError(f"fused_moe: gate {list(gate.shape)}, up {list(up.shape)}, down {list(down.shape)} do not "
                          f"fit hidden {D}: expected [E, I, D], [E, I, D], [E, D, I]")
-    layout = [(w.data.stride(), w.scale is None or w.scale.stride(), w.block, w.offset, w.group) for w in (gate, up)]
+    layout = [(w.data.stride(), w.scale is None or w.scale.stride(), w.block, w.offset, w.group)
+              for w in (gate, up)]
     if layout[0] != layout[1]:
         raise ValueError("fused_moe: gate and up must be stored alike (strides, scales, blocks): one kernel reads both")
     for name, w in (("gate", gate), ("up", up), ("down", down)):
@@ -240,7 +267,8 @@ def _check_weights(gate, up, down, D):
 
 def gemv_rule(fmt, N, K):
     """fused_moe's variant when none is named: "gemv" up to GEMV_MAX_TOKENS[fmt] tokens (and
-    GEMV_MAX_PAIRS pairs), else "dot". A rule on shapes only, so a captured graph keeps its variant."""
+    GEMV_MAX_PAIRS pairs), else "dot". A rule on shapes only, so a captured graph keeps its
+    variant."""
     return "gemv" if N <= GEMV_MAX_TOKENS[fmt] and N * K <= GEMV_MAX_PAIRS else "dot"
 
 
@@ -250,13 +278,15 @@ def _check_shared(shared, fmt, variant, I, D, dtype):
     if fmt not in SHARED_SPLIT or variant != "gemv":
         raise ValueError(f"fused_moe: a shared expert rides in the INT4 and FP8 GEMV launches only, not {fmt} "
                          f"{variant} (plain experts: make it expert E, as SharedExpertInLaunch does)")
-    if ([list(t.shape) for t in shared] != [[I, D], [I, D], [D, I]] or any(t.dtype != dtype for t in shared)
+    if ([list(t.shape) for t in shared] != [[I, D], [I, D], [D, I]]
+        or any(t.dtype != dtype for t in shared)
             or any(not t.is_contiguous() for t in shared)):
         raise ValueError(f"fused_moe: shared expert {[list(t.shape) for t in shared]}: expected contiguous "
                          f"[{I}, {D}], [{I}, {D}], [{D}, {I}] in x's dtype {dtype}")
 
 
-def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, shared=None, planes=None):
+def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, shared=None,
+              planes=None):
     """Routed experts in one pass over each distinct expert's weights:
     y[n] = sum_k route_w[n, k] * down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])),  e = ids[n, k].
 
@@ -267,58 +297,74 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
     products, for a few tokens), "dot" (tiles of BLOCK_M pairs through tl.dot) or None (gemv_rule).
     configs: override the variant's block sizes (the benchmark's sweep). shared: (gate [I, D], up
     [I, D], down [D, I]) tensors in x's dtype, a shared expert added to every token with weight 1,
-    in the same launches (INT4 and FP8 experts through the GEMV variant only: the bf16 shared expert of
-    Kimi-K2.5, and of Kimi-K2-Instruct's FP8 checkpoint, dequantized at load). planes: x already as
-    the INT4 GEMV's activation planes (nibble_planes; router_topk writes them beside its logits), read
-    instead of permuting x again; the other variants and formats ignore them."""
-    if x.dim() != 2 or ids.shape != route_w.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
-        raise ValueError(f"fused_moe: x {list(x.shape)}, ids {list(ids.shape)}, route_w {list(route_w.shape)}: "
-                         "expected [N, D], [N, K], [N, K]")
-    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or ids.dtype.is_floating_point:
-        raise ValueError(f"fused_moe: x must be bf16, fp16 or fp32 (got {x.dtype}), ids integers (got {ids.dtype})")
-    (N, D), K = x.shape, ids.shape[1]
-    fmt, E, I = _check_weights(gate, up, down, D)
-    P, dev = N * K, x.device
-    if any(t is not None and t.device != dev for t in (ids, route_w, gate.data, gate.scale, up.data, up.scale,
-                                                        down.data, down.scale, *(shared or ()))):
-        raise ValueError(f"fused_moe: every input must be on x's device {dev}")
-    variant = variant or gemv_rule(fmt, N, K)
-    if variant not in ("gemv", "dot") or (variant == "gemv" and P > GEMV_MAX_PAIRS):
-        raise ValueError(f"fused_moe: variant {variant!r} for {P} token-expert pairs: 'dot', or 'gemv' up to "
-                         f"{GEMV_MAX_PAIRS} pairs")
-    if shared is not None:
-        _check_shared(shared, fmt, variant, I, D, x.dtype)
-    if planes is not None:
-        _check_planes(planes, x)
+    in the same launches (INT4 and FP8 experts through the GEMV variant only: the bf16 shared expert
+    of Kimi-K2.5, and of Kimi-K2-Instruct's FP8 checkpoint, dequantized at load). planes: x already
+    as the INT4 GEMV's activation planes (nibble_planes; router_topk writes them beside its logits),
+    read instead of permuting x again; the other variants and formats ignore them."""
+    fmt, variant = _check_inputs(x, ids, route_w, gate, up, down, variant, shared, planes)
+    N, K = ids.shape
     x, ids, route_w = x.contiguous(), ids.reshape(-1).contiguous(), route_w.reshape(-1).float().contiguous()
     if variant == "gemv":
         cfg = {**_gemv_configs(fmt, N, x.is_cuda), **(configs or {})}
         return moe_gemv._fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared, planes)
-    cfg = {**_configs(fmt, P, x.is_cuda), **(configs or {})}
-    max_tiles = min(E, P) + P // BLOCK_M                                    # see the section comment
+    cfg = {**_configs(fmt, N * K, x.is_cuda), **(configs or {})}
+    return _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, cfg)
+
+
+def _check_inputs(x, ids, route_w, gate, up, down, variant, shared, planes):
+    """fused_moe's refusals, by shape, dtype and device (nothing read from the device); returns
+    the weights' format and the variant to run."""
+    if x.dim() != 2 or ids.shape != route_w.shape or ids.dim() != 2 or ids.shape[0] != x.shape[0]:
+        raise ValueError(f"fused_moe: x {list(x.shape)}, ids {list(ids.shape)}, route_w "
+                         f"{list(route_w.shape)}: expected [N, D], [N, K], [N, K]")
+    if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or ids.dtype.is_floating_point:
+        raise ValueError(f"fused_moe: x must be bf16, fp16 or fp32 (got {x.dtype}), ids integers "
+                         f"(got {ids.dtype})")
+    (N, D), K = x.shape, ids.shape[1]
+    fmt, E, I = _check_weights(gate, up, down, D)
+    weights = (gate.data, gate.scale, up.data, up.scale, down.data, down.scale)
+    if any(t is not None and t.device != x.device
+           for t in (ids, route_w, *weights, *(shared or ()))):
+        raise ValueError(f"fused_moe: every input must be on x's device {x.device}")
+    variant = variant or gemv_rule(fmt, N, K)
+    if variant not in ("gemv", "dot") or (variant == "gemv" and N * K > GEMV_MAX_PAIRS):
+        raise ValueError(f"fused_moe: variant {variant!r} for {N * K} token-expert pairs: 'dot', "
+                         f"or 'gemv' up to {GEMV_MAX_PAIRS} pairs")
+    if shared is not None:
+        _check_shared(shared, fmt, variant, I, D, x.dtype)
+    if planes is not None:
+        _check_planes(planes, x)
+    return fmt, variant
+
+
+def _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, cfg):
+    """fused_moe's tile variant: align, gate_up, down, combine (x [N, D], ids and route_w [N*K])."""
+    (N, D), (E, I, _), P, dev = x.shape, gate.shape, ids.numel(), x.device
+    max_tiles = min(E, P) + P // BLOCK_M  # see the section comment
     sorted_pair = torch.empty(max_tiles * BLOCK_M, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
     _moe_align_kernel[(1,)](ids, sorted_pair, tile_expert, P, E, max_tiles, triton.cdiv(P, BLOCK_M),
-                            BLOCK_M=BLOCK_M, E_PAD=triton.next_power_of_2(E), CHUNK=ALIGN_CHUNK, num_warps=8,
-                            launch_pdl=common.PDL)
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact products, not tf32; else unused
+                            BLOCK_M=BLOCK_M, E_PAD=triton.next_power_of_2(E), CHUNK=ALIGN_CHUNK,
+                            num_warps=8, launch_pdl=common.PDL)
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact, not tf32; else unused
     bn, bk, warps, stages = cfg["gate_up"]
     h = torch.empty(max_tiles * BLOCK_M, I, dtype=x.dtype, device=dev)          # [rows, I]
     gs, strides, quant, per_row = _weight_args(gate, bk)
     _moe_gate_up_kernel[(triton.cdiv(I, bn), max_tiles)](
-        x, h, sorted_pair, tile_expert, gate.data, gs, up.data, _weight_args(up, bk)[0], P, K, D, I, *strides, *quant,
-        FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SCALE_PER_ROW=per_row, PRECISION=precision,
+        x, h, sorted_pair, tile_expert, gate.data, gs, up.data, _weight_args(up, bk)[0], P, K, D, I,
+        *strides, *quant, FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
+        SCALE_PER_ROW=per_row, PRECISION=precision,
         launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
     bn, bk, warps, stages = cfg["down"]
     y = torch.empty(P, D, dtype=torch.float32, device=dev)                      # [P, D], weighted
     ds, strides, quant, per_row = _weight_args(down, bk)
     _moe_down_kernel[(triton.cdiv(D, bn), max_tiles)](
         h, y, sorted_pair, tile_expert, route_w, down.data, ds, P, D, I, *strides, *quant,
-        FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SCALE_PER_ROW=per_row, PRECISION=precision,
-        launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
+        FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SCALE_PER_ROW=per_row,
+        PRECISION=precision, launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
-    _moe_combine_kernel[(N, triton.cdiv(D, COMBINE_BLOCK))](y, out, D, K, BLOCK_D=COMBINE_BLOCK, num_warps=4,
-                                                            launch_pdl=common.PDL)
+    _moe_combine_kernel[(N, triton.cdiv(D, COMBINE_BLOCK))](y, out, D, K, BLOCK_D=COMBINE_BLOCK,
+                                                            num_warps=4, launch_pdl=common.PDL)
     return out
 
 
@@ -361,7 +407,8 @@ class GroupedExperts(model.Experts):
         experts = torch.arange(gate.shape[0], device=x.device, dtype=by_expert.dtype)
         offs = torch.searchsorted(by_expert, experts, right=True, out_int32=True)  # group ends
         xs = x[order // K]                                                 # [N*K, D] by expert
-        h = F.silu(torch._grouped_mm(xs, gate.mT, offs=offs)) * torch._grouped_mm(xs, up.mT, offs=offs)
+        h = F.silu(torch._grouped_mm(xs, gate.mT, offs=offs)) * torch._grouped_mm(xs,
+                                                                                  up.mT, offs=offs)
         ys = torch._grouped_mm(h, down.mT, offs=offs)
         y = torch.empty_like(ys).index_copy_(0, order, ys).view(N, K, -1)  # back to token order
         return (model.at_least_f32(y) * weights.unsqueeze(-1)).sum(1).to(x.dtype)
@@ -391,31 +438,35 @@ class FusedExperts(GroupedExperts):
                 or not grouped_mm_available(x.device, x.dtype))
 
     def forward(self, x, ids, weights, stacked=None, shared=None, planes=None):
-        """stacked: SharedExpertInLaunch's [E + 1, ...] tensors, for ids that may name expert E; shared:
-        its bf16 shared expert's weights beside INT4 or FP8 experts, planes: x as the router kernel
-        wrote it for INT4 experts (fused_moe's shared and planes)."""
+        """stacked: SharedExpertInLaunch's [E + 1, ...] tensors, for ids that may name expert E;
+        shared: its bf16 shared expert's weights beside INT4 or FP8 experts, planes: x as the router
+        kernel wrote it for INT4 experts (fused_moe's shared and planes)."""
         if self.runs_fused(x):
             # torch.compile (run.py --compile) leaves the Triton launches alone: a graph break here
             # (around the whole of fused, which also builds the kernel's weight descriptors)
-            return torch.compiler.disable(self.fused)(x, ids, weights, stacked, shared=shared, planes=planes)
+            return torch.compiler.disable(self.fused)(x, ids, weights, stacked,
+                                                      shared=shared, planes=planes)
         return super().forward(x, ids, weights)
 
-    def fused(self, x, ids, weights, stacked=None, variant=None, shared=None, planes=None):  # variant: fused_moe's
+    # variant: fused_moe's
+    def fused(self, x, ids, weights, stacked=None, variant=None, shared=None, planes=None):
         projs = stacked or [getattr(self, p) for p in ("gate_proj", "up_proj", "down_proj")]
-        return fused_moe(x, ids, weights, *map(expert_weights, projs), variant=variant, shared=shared, planes=planes)
+        return fused_moe(x, ids, weights, *map(expert_weights, projs), variant=variant,
+                         shared=shared, planes=planes)
 
 
 class SharedExpertInLaunch(AttachAgain, model.MoE):
-    """"shared_expert": the shared expert inside the fused launch. Plain routed experts: it is expert E,
-    chosen by every token with weight 1 (K + 1 pairs a token); its weights move in as the last rows of
-    [E + 1, ...] tensors, both modules' parameters becoming views of them, so a checkpoint loaded
-    afterwards lands there under the same names. INT4 or FP8 routed experts (Kimi-K2.5; Kimi-K2-Instruct's
-    FP8 checkpoint, whose shared expert is dequantized to bf16 at load): the GEMV launches take its
-    weights beside theirs (fused_moe's shared), where the rule picks the GEMV variant. gate_kernel (the
-    combination with "router", declared in swaps.py): the router kernel writes the shared slot, and
-    beside INT4 experts the activation planes they read (fused_moe's planes), so the launch that
-    permutes x goes. Elsewhere (past FusedExperts' token limit, quantized tiles) the plain sum runs,
-    the shared expert alone. Its experts are FusedExperts (a prerequisite in swaps.py's table)."""
+    """"shared_expert": the shared expert inside the fused launch. Plain routed experts: it is
+    expert E, chosen by every token with weight 1 (K + 1 pairs a token); its weights move in as the
+    last rows of [E + 1, ...] tensors, both modules' parameters becoming views of them, so a
+    checkpoint loaded afterwards lands there under the same names. INT4 or FP8 routed experts
+    (Kimi-K2.5; Kimi-K2-Instruct's FP8 checkpoint, whose shared expert is dequantized to bf16 at
+    load): the GEMV launches take its weights beside theirs (fused_moe's shared), where the rule
+    picks the GEMV variant. gate_kernel (the combination with "router", declared in swaps.py): the
+    router kernel writes the shared slot, and beside INT4 experts the activation planes they read
+    (fused_moe's planes), so the launch that permutes x goes. Elsewhere (past FusedExperts' token
+    limit, quantized tiles) the plain sum runs, the shared expert alone. Its experts are
+    FusedExperts (a prerequisite in swaps.py's table)."""
 
     gate_kernel = False
 
@@ -434,15 +485,18 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
     def partial_sum(self, x):
         ex, sh = self.experts, self.shared_experts
         K = self.gate.args.num_experts_per_tok
-        if not ex.runs_fused(x) or (ex.quantized and gemv_rule(self.fmt(), x.shape[0], K) != "gemv"):
+        if not ex.runs_fused(x) or (ex.quantized
+                                    and gemv_rule(self.fmt(), x.shape[0], K) != "gemv"):
             return super().partial_sum(x)
         if self.stacked is None:
             # INT4 experts read x as nibble planes: the router kernel writes them, one launch less
             planes = None
             if self.gate_kernel and self.fmt() == "int4":
-                planes = torch.empty(x.shape[0], 8, x.shape[1] // 8, dtype=torch.float32, device=x.device)
+                planes = torch.empty(x.shape[0], 8, x.shape[1] // 8, dtype=torch.float32,
+                                     device=x.device)
             ids, weights = self.gate(x) if planes is None else self.gate(x, planes=planes)
-            return ex(x, ids, weights, shared=[sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight],
+            return ex(x, ids, weights,
+                      shared=[sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight],
                       planes=planes)
         if self.gate_kernel:
             ids, weights = self.gate(x, shared_slot=True)
@@ -455,12 +509,14 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
 
     @staticmethod
     def applies(moe):
-        """One plain shared expert of a routed expert's shape (Kimi-K2, DeepSeek-V3: n_shared_experts
-        1): beside plain routed experts of its dtype, or INT4 or FP8 ones (it in the model's dtype)."""
+        """One plain shared expert of a routed expert's shape (Kimi-K2, DeepSeek-V3:
+        n_shared_experts 1): beside plain routed experts of its dtype, or INT4 or FP8 ones (it in
+        the model's dtype)."""
         ex, sh = moe.experts, moe.shared_experts
         w = ex.gate_proj
         if isinstance(w, model.PackedExperts):
-            dtype, shape = w.weight_scale.dtype, [w.weight_packed.shape[1], w.weight_packed.shape[2] * 8]
+            dtype, shape = w.weight_scale.dtype, [w.weight_packed.shape[1],
+                                                  w.weight_packed.shape[2] * 8]
         elif isinstance(w, model.Fp8Experts):
             dtype, shape = w.dtype, list(w.weight.shape[1:])
         else:

@@ -47,27 +47,27 @@ def _weight_args(w, block_k):
 # Routed experts, GEMV-shaped (decode and verify: a few tokens)
 #
 # With 1-4 tokens most experts serve one token, and the tile variant's tiles of 16 pairs run tl.dot
-# on 15 padding rows with too few programs to keep HBM busy (8 experts x 256 rows at decode). Here the products
-# run on the CUDA cores instead (dequantized weights times the activation, broadcast-multiply into an
-# fp32 [BLOCK_N, BLOCK_K] accumulator, one tl.sum per program), with no align and no combine launch:
-#   gate_up: a program per (BLOCK_N rows of I, pair). The first pair of each expert (the "leader")
-#     does the work for every pair of that expert, one after another, so the expert's weights come
-#     from HBM once (a later pair re-reads the same rows from L1/L2); other pairs' programs exit.
-#     Writes h = silu(g) * u * route_w per pair, fp32 [P, I] (INT4: in the nibble-plane order below).
-#   down: a program per (token, BLOCK_N rows of D), token-major so no combine is needed: the K
-#     experts of the token, each [BLOCK_N, I], times that pair's h, summed in registers, stored once.
-#     Programs of one row block for all tokens are adjacent in launch order, so an expert shared by
-#     tokens is fetched from HBM about once and read from L2 by the others.
-# A bf16 shared expert beside quantized experts (INT4 and FP8: fused_moe's shared) rides in the same
-# two launches: SHARED_SPLIT more programs a row block of gate_up compute its gate and up over slices
-# of D for every token (_shared_gate_up); the last of them to finish (an atomic counter a row block,
-# as norm_gemv's) adds the splits in split order and stores h = silu(g) * u once, fp32 [N, I]
-# (_shared_h), and each down program adds its rows from that one vector a token (_shared_down).
-# INT4 without unpacking to natural order: nibble j of word w is element 8w + j, so the activation
-# comes as 8 planes (plane j = elements 8w + j, contiguous in w: x is permuted once per call, or
-# the router kernel wrote them beside its logits; h is written that way by gate_up) and each plane
-# meets nibble j of the same words. A nibble becomes a float by the exponent trick (_nibble), and
-# the group scale multiplies each word's 8 products once.
+# on 15 padding rows with too few programs to keep HBM busy (8 experts x 256 rows at decode). Here
+# the products run on the CUDA cores instead (dequantized weights times the activation,
+# broadcast-multiply into an fp32 [BLOCK_N, BLOCK_K] accumulator, one tl.sum per program), with no
+# align and no combine launch:   gate_up: a program per (BLOCK_N rows of I, pair). The first pair of
+# each expert (the "leader")     does the work for every pair of that expert, one after another, so
+# the expert's weights come     from HBM once (a later pair re-reads the same rows from L1/L2);
+# other pairs' programs exit.     Writes h = silu(g) * u * route_w per pair, fp32 [P, I] (INT4: in
+# the nibble-plane order below).   down: a program per (token, BLOCK_N rows of D), token-major so no
+# combine is needed: the K     experts of the token, each [BLOCK_N, I], times that pair's h, summed
+# in registers, stored once.     Programs of one row block for all tokens are adjacent in launch
+# order, so an expert shared by     tokens is fetched from HBM about once and read from L2 by the
+# others. A bf16 shared expert beside quantized experts (INT4 and FP8: fused_moe's shared) rides in
+# the same two launches: SHARED_SPLIT more programs a row block of gate_up compute its gate and up
+# over slices of D for every token (_shared_gate_up); the last of them to finish (an atomic counter
+# a row block, as norm_gemv's) adds the splits in split order and stores h = silu(g) * u once, fp32
+# [N, I] (_shared_h), and each down program adds its rows from that one vector a token
+# (_shared_down). INT4 without unpacking to natural order: nibble j of word w is element 8w + j, so
+# the activation comes as 8 planes (plane j = elements 8w + j, contiguous in w: x is permuted once
+# per call, or the router kernel wrote them beside its logits; h is written that way by gate_up) and
+# each plane meets nibble j of the same words. A nibble becomes a float by the exponent trick
+# (_nibble), and the group scale multiplies each word's 8 products once.
 # The INT4 kernels are their own (see above _nibble): whole 16-byte words a thread, unmasked where
 # the shapes divide, the next step's words in flight, down's K experts in one tile.
 
@@ -75,23 +75,24 @@ def _weight_args(w, block_k):
 # UNROLL, num_warps, SUB), down=(BLOCK_N, BLOCK_K, num_warps, SUB)); INT4: dict(gate_up=(BLOCK_N,
 # BLOCK_W words a step, num_warps), down=(BLOCK_N, BLOCK_C words a step over the K experts side by
 # side, num_warps)). A tile has BLOCK_N * SUB rows of BLOCK_K: SUB > 1 (FP8) lays SUB consecutive
-# 128-column scale blocks of a weight row out as rows of their own, so a step is one scale a tile row
-# and still 32 threads a weight row (at decode only 2048 gate/up rows exist). bf16 gate_up: 4 rows,
-# one step of 512 in flight at decode (with the shared expert as a 9th pair its 288 programs share
-# the SMs), steps of 256 from 3 tokens; down 8 rows at decode, 16 above. FP8: down 16 rows. INT4:
-# gate_up 1 row of 128 words, down 4 rows of 128 (8 rows of 256 on 2 warps would shuffle the shared
-# expert's tiles through shared memory). Re-derived by `python -m kernels.bench --moe --sweep gemv`
-# (INT4 with the shared expert: add --shared).
+# 128-column scale blocks of a weight row out as rows of their own, so a step is one scale a tile
+# row and still 32 threads a weight row (at decode only 2048 gate/up rows exist). bf16 gate_up: 4
+# rows, one step of 512 in flight at decode (with the shared expert as a 9th pair its 288 programs
+# share the SMs), steps of 256 from 3 tokens; down 8 rows at decode, 16 above. FP8: down 16 rows.
+# INT4: gate_up 1 row of 128 words, down 4 rows of 128 (8 rows of 256 on 2 warps would shuffle the
+# shared expert's tiles through shared memory). Re-derived by `python -m kernels.bench --moe --sweep
+# gemv` (INT4 with the shared expert: add --shared).
 GEMV_CONFIGS = {
     "plain": (dict(gate_up=(4, 512, 1, 4, 1), down=(8, 256, 4, 1)),
               dict(gate_up=(4, 256, 4, 4, 1), down=(16, 256, 4, 1))),
     "fp8": (dict(gate_up=(4, 128, 2, 4, 4), down=(16, 128, 4, 2)),) * 2,
     "int4": (dict(gate_up=(1, 128, 1), down=(4, 128, 1)),) * 2}
-GEMV_SMALL_TOKENS = 2   # in tokens, not pairs: a shared expert's extra slot a token moves no boundary
-# The GEMV variant up to this many tokens (fused_moe's rule, variant=None; in tokens, not pairs, so a
-# shared expert routed as one more slot a token moves no boundary): where it beats the tiles at K = 8
-# (`python -m kernels.bench --moe`); for bf16, 2 from the model: with the shared expert folded in
-# (SharedExpertInLaunch) every token picks expert E, whose leader program then runs N passes one
+# in tokens, not pairs: a shared expert's extra slot a token moves no boundary
+GEMV_SMALL_TOKENS = 2
+# The GEMV variant up to this many tokens (fused_moe's rule, variant=None; in tokens, not pairs, so
+# a shared expert routed as one more slot a token moves no boundary): where it beats the tiles at K
+# = 8 (`python -m kernels.bench --moe`); for bf16, 2 from the model: with the shared expert folded
+# in (SharedExpertInLaunch) every token picks expert E, whose leader program then runs N passes one
 # after another, and from 3 tokens the tiles win there (verify of 3: `python run.py
 # --speculative-num-steps 2`).
 GEMV_MAX_TOKENS = {"plain": 2, "fp8": 4, "int4": 32}
@@ -107,25 +108,30 @@ def _gemv_configs(fmt, N, on_gpu):
 
 
 @_jit
-def _gemv_step(acc, v_ptr, k0, K_IN, w_ptr, s_ptr, n, kb, n_ok, stride_wn, stride_sr, stride_sc, off_r, off_c,
-               FMT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
+def _gemv_step(acc, v_ptr, k0, K_IN, w_ptr, s_ptr, n, kb, n_ok, stride_wn, stride_sr, stride_sc,
+               off_r, off_c,
+               FMT: tl.constexpr, BLOCK_K: tl.constexpr, BLOCK_R: tl.constexpr,
+               BLOCK_C: tl.constexpr,
                SCALE_PER_ROW: tl.constexpr):
-    """acc [R, BLOCK_K] fp32 += W[n, k] * v[k] elementwise for tile row r: n[r], k = k0 + kb[r] + [0, BLOCK_K)
-    (summed over k by the caller). kb: [R] column offsets (FP8 sub-blocks) or 0. Plain and FP8 (INT4 has
-    kernels of its own below).
+    """acc [R, BLOCK_K] fp32 += W[n, k] * v[k] elementwise for tile row r: n[r], k = k0 + kb[r] +
+    [0, BLOCK_K) (summed over k by the caller). kb: [R] column offsets (FP8 sub-blocks) or 0. Plain
+    and FP8 (INT4 has kernels of its own below).
 
-    v_ptr: the activation row [K_IN]. w_ptr, s_ptr: one expert's weight and scale (ExpertWeights layouts)."""
+    v_ptr: the activation row [K_IN]. w_ptr, s_ptr: one expert's weight and scale (ExpertWeights
+    layouts)."""
     if FMT == 0:                                         # the activation broadcast over the rows
         k = k0 + tl.arange(0, BLOCK_K)
-        wt = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :], mask=n_ok[:, None] & (k < K_IN)[None, :],
+        wt = tl.load(w_ptr + n[:, None] * stride_wn + k[None, :],
+                     mask=n_ok[:, None] & (k < K_IN)[None, :],
                      other=0.0)
-        acc += wt.to(tl.float32) * tl.load(v_ptr + k, mask=k < K_IN, other=0.0).to(tl.float32)[None, :]
+        acc += wt.to(tl.float32) * tl.load(v_ptr + k, mask=k < K_IN,
+                                           other=0.0).to(tl.float32)[None, :]
     else:
         k = k0 + kb[:, None] + tl.arange(0, BLOCK_K)[None, :]              # [R, BLOCK_K]
         k_ok = k < K_IN
         ok = n_ok[:, None] & k_ok
         wt = tl.load(w_ptr + n[:, None] * stride_wn + k, mask=ok, other=0.0).to(tl.float32)
-        v = tl.load(v_ptr + k, mask=k_ok, other=0.0).to(tl.float32)        # per tile row (sub-blocks)
+        v = tl.load(v_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # per tile row (sub-blocks)
         if SCALE_PER_ROW:
             s = tl.load(s_ptr + ((n + off_r) // BLOCK_R) * stride_sr + ((k0 + kb + off_c) // BLOCK_C) * stride_sc,
                         mask=n_ok & (k0 + kb < K_IN), other=0.0)
@@ -146,17 +152,19 @@ def _expert_pairs(ids_ptr, p, P, P_PAD: tl.constexpr):
 
 
 @_jit
-def _shared_gate_up(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n, D: tl.constexpr,
-                    I: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+def _shared_gate_up(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n,
+                    D: tl.constexpr,
+                    I: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr,
                     EVEN: tl.constexpr):
     """The bf16 shared expert's gate and up rows of row block pid_n (BLOCK_N rows of I) over split
-    s = p + SPLIT of D, for every token: raw sums into part [2, SPLIT, N, I] fp32; the row block's last
-    split to finish makes h = silu(g) * u of them into hs [N, I] fp32 (_shared_h; count_ptr: the
-    counters, one a row block). D / SPLIT columns a split (SHARED_SPLIT makes it about as many bytes a
-    program as a routed expert's quantized rows). x_ptr: the activations [N, D]; sg_ptr, su_ptr: the
-    shared gate and up weights [I, D]. The GEMV kernels run it in SPLIT programs of their own for each
-    row block, numbered first (pair numbers p in [-SPLIT, 0)) and so launched first, since each runs
-    its N tokens one after another."""
+    s = p + SPLIT of D, for every token: raw sums into part [2, SPLIT, N, I] fp32; the row block's
+    last split to finish makes h = silu(g) * u of them into hs [N, I] fp32 (_shared_h; count_ptr:
+    the counters, one a row block). D / SPLIT columns a split (SHARED_SPLIT makes it about as many
+    bytes a program as a routed expert's quantized rows). x_ptr: the activations [N, D]; sg_ptr,
+    su_ptr: the shared gate and up weights [I, D]. The GEMV kernels run it in SPLIT programs of
+    their own for each row block, numbered first (pair numbers p in [-SPLIT, 0)) and so launched
+    first, since each runs its N tokens one after another."""
     s = p + SPLIT
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
@@ -184,18 +192,21 @@ def _shared_gate_up(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pi
 
 @_jit
 def _shared_h(part_ptr, hs_ptr, count_ptr, N, pid_n, n, n_ok, I: tl.constexpr, SPLIT: tl.constexpr):
-    """Once this split's partial sums are stored: the last of row block pid_n's SPLIT programs to finish
-    adds every split's g and u (part [2, SPLIT, N, I]) in split order and stores h = silu(g) * u into
-    hs [N, I] at rows n, for every token; it resets the row block's counter count_ptr[pid_n] to 0."""
-    tl.debug_barrier()                                  # every thread's stores before the counter's release
+    """Once this split's partial sums are stored: the last of row block pid_n's SPLIT programs to
+    finish adds every split's g and u (part [2, SPLIT, N, I]) in split order and stores h = silu(g)
+    * u into hs [N, I] at rows n, for every token; it resets the row block's counter
+    count_ptr[pid_n] to 0."""
+    tl.debug_barrier()  # every thread's stores before the counter's release
     if tl.atomic_add(count_ptr + pid_n, 1) == SPLIT - 1:   # the other splits are stored: add them
         tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed")
         for t in range(N):
             g = tl.zeros(n.shape, tl.float32)
             u = tl.zeros(n.shape, tl.float32)
-            for s in tl.static_range(SPLIT):            # in split order (.cg: from L2, never a stale L1 line)
-                g += tl.load(part_ptr + (s * N + t) * I + n, mask=n_ok, other=0.0, cache_modifier=".cg")
-                u += tl.load(part_ptr + ((SPLIT + s) * N + t) * I + n, mask=n_ok, other=0.0, cache_modifier=".cg")
+            for s in tl.static_range(SPLIT):  # in split order (.cg: from L2, never a stale L1 line)
+                g += tl.load(part_ptr + (s * N + t) * I + n, mask=n_ok, other=0.0,
+                             cache_modifier=".cg")
+                u += tl.load(part_ptr + ((SPLIT + s) * N + t) * I + n, mask=n_ok, other=0.0,
+                             cache_modifier=".cg")
             tl.store(hs_ptr + t * I + n, g / (1.0 + tl.exp(-g)) * u, mask=n_ok)
 
 
@@ -206,43 +217,48 @@ def _shared_down(hs_ptr, sd_ptr, token, n, n_ok, I: tl.constexpr, I_PAD: tl.cons
     I_PAD: a power of two >= I)."""
     i = tl.arange(0, I_PAD)[None, :]
     h = tl.load(hs_ptr + token * I + i, mask=i < I, other=0.0)
-    wt = tl.load(sd_ptr + n[:, None] * I + i, mask=n_ok[:, None] & (i < I), other=0.0).to(tl.float32)
+    wt = tl.load(sd_ptr + n[:, None] * I + i, mask=n_ok[:, None] & (i < I),
+                 other=0.0).to(tl.float32)
     return tl.sum(wt * h, 1)
 
 
 @_jit
 def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, P,
                              stride_we, stride_wn, stride_se, stride_sr, stride_sc, off_r, off_c,
-                             TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
+                             TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
+                             FMT: tl.constexpr,
                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                             P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-                             UNROLL: tl.constexpr, SCALE_PER_ROW: tl.constexpr, part_ptr, hs_ptr, count_ptr,
+                             P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             SUB: tl.constexpr,
+                             UNROLL: tl.constexpr, SCALE_PER_ROW: tl.constexpr, part_ptr, hs_ptr,
+                             count_ptr,
                              sg_ptr, su_ptr, N, SPLIT: tl.constexpr, SHARED_K: tl.constexpr,
                              EVEN_SHARED: tl.constexpr):
     """h[p, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) * route_w[p] for pair p = n*K + k, e = ids[p]
     (plain and FP8 weights).
 
-    v_ptr: the activations [N, D] (x's dtype). h_ptr: fp32 [P, I] out. ids_ptr: int [P]; route_w_ptr:
-    fp32 [P]. g_ptr / u_ptr, gs_ptr / us_ptr: gate and up weights and scales, [E, I, D] as
-    ExpertWeights (same strides). P_PAD: a power of two >= P. Grid: (cdiv(I, BLOCK_N), SPLIT + P);
-    pair p is program SPLIT + p, and only a leader program works. SPLIT > 0: the first SPLIT programs
-    of each row block take a bf16 shared expert (_shared_gate_up; part_ptr, hs_ptr, count_ptr, sg_ptr,
-    su_ptr, N: its arguments; SHARED_K columns a step)."""
+    v_ptr: the activations [N, D] (x's dtype). h_ptr: fp32 [P, I] out. ids_ptr: int [P];
+    route_w_ptr: fp32 [P]. g_ptr / u_ptr, gs_ptr / us_ptr: gate and up weights and scales, [E, I, D]
+    as ExpertWeights (same strides). P_PAD: a power of two >= P. Grid: (cdiv(I, BLOCK_N), SPLIT +
+    P); pair p is program SPLIT + p, and only a leader program works. SPLIT > 0: the first SPLIT
+    programs of each row block take a bf16 shared expert (_shared_gate_up; part_ptr, hs_ptr,
+    count_ptr, sg_ptr, su_ptr, N: its arguments; SHARED_K columns a step)."""
     _wait_for_prior()
     pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
         if p < 0:
-            _shared_gate_up(v_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n, D, I, SPLIT, BLOCK_N,
+            _shared_gate_up(v_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n, D, I,
+                            SPLIT, BLOCK_N,
                             SHARED_K, EVEN_SHARED)
             return
     same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
     if not leader:
-        return                                                              # not the expert's first pair
+        return  # not the expert's first pair
     q = tl.arange(0, P_PAD)
     e = tl.load(ids_ptr + p).to(tl.int64)
     g_ptr, u_ptr = g_ptr + e * stride_we, u_ptr + e * stride_we
     gs_ptr, us_ptr = gs_ptr + e * stride_se, us_ptr + e * stride_se
-    r = tl.arange(0, BLOCK_N * SUB)                                         # tile rows: (row of I, sub-block)
+    r = tl.arange(0, BLOCK_N * SUB)  # tile rows: (row of I, sub-block)
     n, kb = pid_n * BLOCK_N + r // SUB, (r % SUB) * BLOCK_K
     n_ok = n < I
     for c in range(tl.sum(same.to(tl.int32), 0)):                          # each pair of the expert
@@ -251,15 +267,18 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
         acc_g = tl.zeros([BLOCK_N * SUB, BLOCK_K], tl.float32)
         acc_u = tl.zeros([BLOCK_N * SUB, BLOCK_K], tl.float32)
         for k0 in range(0, D, BLOCK_K * SUB * UNROLL):
-            for s in tl.static_range(UNROLL):                               # independent loads in flight
+            for s in tl.static_range(UNROLL):  # independent loads in flight
                 k1 = k0 + s * BLOCK_K * SUB
-                acc_g = _gemv_step(acc_g, v, k1, D, g_ptr, gs_ptr, n, kb, n_ok, stride_wn, stride_sr, stride_sc,
+                acc_g = _gemv_step(acc_g, v, k1, D, g_ptr, gs_ptr, n, kb, n_ok, stride_wn,
+                                   stride_sr, stride_sc,
                                    off_r, off_c, FMT, BLOCK_K, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
-                acc_u = _gemv_step(acc_u, v, k1, D, u_ptr, us_ptr, n, kb, n_ok, stride_wn, stride_sr, stride_sc,
+                acc_u = _gemv_step(acc_u, v, k1, D, u_ptr, us_ptr, n, kb, n_ok, stride_wn,
+                                   stride_sr, stride_sc,
                                    off_r, off_c, FMT, BLOCK_K, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
         g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
-        if SUB > 1:                                                         # the sub-blocks of each row
-            g, u = tl.sum(tl.reshape(g, [BLOCK_N, SUB]), 1), tl.sum(tl.reshape(u, [BLOCK_N, SUB]), 1)
+        if SUB > 1:  # the sub-blocks of each row
+            g, u = tl.sum(tl.reshape(g, [BLOCK_N, SUB]),
+                          1), tl.sum(tl.reshape(u, [BLOCK_N, SUB]), 1)
         h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + pair)
         i = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
         tl.store(h_ptr + pair.to(tl.int64) * I + i, h, mask=i < I)
@@ -271,12 +290,14 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
                           TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr,
                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
-                          SCALE_PER_ROW: tl.constexpr, hs_ptr, sd_ptr, SHARED: tl.constexpr, I_PAD: tl.constexpr):
-    """out[n, d] = sum_k (down[e] @ h[n*K + k])[d], e = ids[n*K + k] (route weights are in h; plain and FP8).
+                          SCALE_PER_ROW: tl.constexpr, hs_ptr, sd_ptr, SHARED: tl.constexpr,
+                          I_PAD: tl.constexpr):
+    """out[n, d] = sum_k (down[e] @ h[n*K + k])[d], e = ids[n*K + k] (route weights are in h; plain
+    and FP8).
 
     h_ptr: fp32 [P, I] from gate_up. out_ptr: [N, D], x's dtype. w_ptr / s_ptr: down weights and
-    scales, [E, D, I] as ExpertWeights. SHARED: a bf16 shared expert too, weight 1 (_shared_down; hs_ptr,
-    sd_ptr: its arguments).
+    scales, [E, D, I] as ExpertWeights. SHARED: a bf16 shared expert too, weight 1 (_shared_down;
+    hs_ptr, sd_ptr: its arguments).
     Grid: (N, cdiv(D, BLOCK_N))."""
     _wait_for_prior()
     token, pid_n = tl.program_id(0), tl.program_id(1)
@@ -288,7 +309,8 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
         pair = token * TOPK + k
         e = tl.load(ids_ptr + pair).to(tl.int64)
         for k0 in tl.static_range(0, I, BLOCK_K * SUB):
-            acc = _gemv_step(acc, h_ptr + pair.to(tl.int64) * I, k0, I, w_ptr + e * stride_we, s_ptr + e * stride_se,
+            acc = _gemv_step(acc, h_ptr + pair.to(tl.int64) * I, k0, I, w_ptr + e * stride_we,
+                             s_ptr + e * stride_se,
                              n, kb, n_ok, stride_wn, stride_sr, stride_sc, off_r, off_c,
                              FMT, BLOCK_K, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
     y = tl.sum(acc, 1)
@@ -300,23 +322,23 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
     tl.store(out_ptr + token.to(tl.int64) * D + d, y.to(out_ptr.dtype.element_ty), mask=d < D)
 
 
-# INT4 GEMV kernels. A weight tile is [rows, words] (word w holds elements 8w..8w+7); with one warp a
-# program and 128 words a step (the defaults) each thread holds the same 4 words (a 16-byte load) of
-# every row of the tile, so the activation planes loaded for its words serve all of its rows, gate's
-# and up's, in the tile's own layout (sm_90 code checked: no shuffle through shared memory in a step).
-# Where the shapes divide the blocks (EVEN, Kimi-K2's) no load is masked: a masked load zeroes its
-# destination registers first, one move a word. gate_up issues the next step's words before it
-# unpacks this step's (Triton pipelines only loads that feed tl.dot). down lays the token's K experts
-# side by side as columns of one tile, so all of their words are in flight at once instead of one
-# expert after another.
+# INT4 GEMV kernels. A weight tile is [rows, words] (word w holds elements 8w..8w+7); with one warp
+# a program and 128 words a step (the defaults) each thread holds the same 4 words (a 16-byte load)
+# of every row of the tile, so the activation planes loaded for its words serve all of its rows,
+# gate's and up's, in the tile's own layout (sm_90 code checked: no shuffle through shared memory in
+# a step). Where the shapes divide the blocks (EVEN, Kimi-K2's) no load is masked: a masked load
+# zeroes its destination registers first, one move a word. gate_up issues the next step's words
+# before it unpacks this step's (Triton pipelines only loads that feed tl.dot). down lays the
+# token's K experts side by side as columns of one tile, so all of their words are in flight at once
+# instead of one expert after another.
 
 @_jit
 def _nibble(words, high, J: tl.constexpr, magic):
-    """(nibble J of each word) - 8 in fp32, exactly: the nibble ORed into the mantissa of 2^23 is the
-    float 2^23 + nib * 2^b (b its bit position), and one FMA scales and subtracts. A float's mantissa
-    has 23 bits: nibbles 5-7 come from high = words >> 12 (bits 8-19). magic: 0x4B000000, the bits of
-    2^23, passed at run time so that the AND and the OR compile to one instruction (LOP3 takes one
-    immediate: with both constants known, the sm_90 code had two a nibble)."""
+    """(nibble J of each word) - 8 in fp32, exactly: the nibble ORed into the mantissa of 2^23 is
+    the float 2^23 + nib * 2^b (b its bit position), and one FMA scales and subtracts. A float's
+    mantissa has 23 bits: nibbles 5-7 come from high = words >> 12 (bits 8-19). magic: 0x4B000000,
+    the bits of 2^23, passed at run time so that the AND and the OR compile to one instruction (LOP3
+    takes one immediate: with both constants known, the sm_90 code had two a nibble)."""
     if J < 5:
         f = ((words & (15 << (4 * J))) | magic).to(tl.float32, bitcast=True)
         return f * (1.0 / (1 << (4 * J))) - (8388608.0 / (1 << (4 * J)) + 8.0)
@@ -327,27 +349,29 @@ def _nibble(words, high, J: tl.constexpr, magic):
 
 @_jit
 def _int4_tile(w_ptr, s_ptr, rows_ok, w, W: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr):
-    """One step of one INT4 matrix: words [R, BW] and their group scales (fp32), read at word columns
-    w [BW] of the rows whose pointers are w_ptr, s_ptr [R, 1]."""
+    """One step of one INT4 matrix: words [R, BW] and their group scales (fp32), read at word
+    columns w [BW] of the rows whose pointers are w_ptr, s_ptr [R, 1]."""
     g = (w * 8 // GROUP)[None, :]
     if EVEN:
         return tl.load(w_ptr + w[None, :]), tl.load(s_ptr + g).to(tl.float32)
     ok = rows_ok[:, None] & (w < W)[None, :]
-    return tl.load(w_ptr + w[None, :], mask=ok, other=0), tl.load(s_ptr + g, mask=ok, other=0.0).to(tl.float32)
+    return tl.load(w_ptr + w[None, :], mask=ok, other=0), tl.load(s_ptr + g, mask=ok,
+                                                                  other=0.0).to(tl.float32)
 
 
 @_jit
 def _plane(ptrs, J: tl.constexpr, PLANE: tl.constexpr, ok, EVEN: tl.constexpr):
-    """Activation plane J (elements 8w + J) at words w as [1, BW] fp32; ptrs [BW]: plane 0's words, PLANE
-    words apart. Loaded 2-d, so it comes in the weight tile's own layout (a 1-d load needs another and
-    a shuffle through shared memory a plane, as the compiled code shows)."""
+    """Activation plane J (elements 8w + J) at words w as [1, BW] fp32; ptrs [BW]: plane 0's words,
+    PLANE words apart. Loaded 2-d, so it comes in the weight tile's own layout (a 1-d load needs
+    another and a shuffle through shared memory a plane, as the compiled code shows)."""
     if EVEN:
         return tl.load((ptrs + J * PLANE)[None, :])
     return tl.load((ptrs + J * PLANE)[None, :], mask=ok[None, :], other=0.0)
 
 
 @_jit
-def _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, start, W: tl.constexpr, GROUP: tl.constexpr,
+def _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, start, W: tl.constexpr,
+                   GROUP: tl.constexpr,
                    BLOCK_W: tl.constexpr, EVEN: tl.constexpr):
     """Gate's and up's words and scales of the BLOCK_W words at `start` (masked unless EVEN)."""
     w = start + tl.arange(0, BLOCK_W)
@@ -357,8 +381,10 @@ def _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, start, W: tl.constexp
 
 
 @_jit
-def _gate_up_products(gw, gs, uw, us, v, start, magic, W: tl.constexpr, BLOCK_W: tl.constexpr, EVEN: tl.constexpr):
-    """One step's scaled products [R, BLOCK_W] of gate and up (each word's 8 summed), v: the planes."""
+def _gate_up_products(gw, gs, uw, us, v, start, magic, W: tl.constexpr, BLOCK_W: tl.constexpr,
+                      EVEN: tl.constexpr):
+    """One step's scaled products [R, BLOCK_W] of gate and up (each word's 8 summed), v: the
+    planes."""
     w = start + tl.arange(0, BLOCK_W)
     g_high, u_high = gw >> 12, uw >> 12
     t_g = tl.zeros(gw.shape, tl.float32)
@@ -371,25 +397,29 @@ def _gate_up_products(gw, gs, uw, us, v, start, magic, W: tl.constexpr, BLOCK_W:
 
 
 @_jit
-def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, P,
-                                  stride_we, stride_wn, stride_se, stride_sr, magic, x_ptr, part_ptr, hs_ptr,
+def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr,
+                                  P,
+                                  stride_we, stride_wn, stride_se, stride_sr, magic, x_ptr,
+                                  part_ptr, hs_ptr,
                                   count_ptr, sg_ptr, su_ptr, N,
-                                  TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
+                                  TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
+                                  GROUP: tl.constexpr,
                                   P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                                   EVEN: tl.constexpr, SPLIT: tl.constexpr, SHARED_K: tl.constexpr,
                                   EVEN_SHARED: tl.constexpr):
     """_moe_gemv_gate_up_kernel for INT4 weights: v_ptr the activations as fp32 planes [N, 8, D/8]
-    (plane j = elements 8w + j), h written in plane order (element i of row p at (i % 8) * I/8 + i // 8),
-    the planes down reads. BLOCK_W words (8 BLOCK_W elements) a step; EVEN: the blocks divide I and D/8,
-    so no load is masked. Grid: (cdiv(I, BLOCK_N), SPLIT + P): the first SPLIT programs of each row block take
-    the bf16 shared expert (_shared_gate_up; x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N: its
-    arguments; SPLIT 0: none; SHARED_K bf16 columns a step), launched first since each runs its N tokens
-    one after another; pair p is program SPLIT + p."""
+    (plane j = elements 8w + j), h written in plane order (element i of row p at (i % 8) * I/8 + i
+    // 8), the planes down reads. BLOCK_W words (8 BLOCK_W elements) a step; EVEN: the blocks divide
+    I and D/8, so no load is masked. Grid: (cdiv(I, BLOCK_N), SPLIT + P): the first SPLIT programs
+    of each row block take the bf16 shared expert (_shared_gate_up; x_ptr, part_ptr, hs_ptr,
+    count_ptr, sg_ptr, su_ptr, N: its arguments; SPLIT 0: none; SHARED_K bf16 columns a step),
+    launched first since each runs its N tokens one after another; pair p is program SPLIT + p."""
     _wait_for_prior()
     pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
         if p < 0:
-            _shared_gate_up(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n, D, I, SPLIT, BLOCK_N,
+            _shared_gate_up(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n, D, I,
+                            SPLIT, BLOCK_N,
                             SHARED_K, EVEN_SHARED)
             return
     same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
@@ -400,21 +430,25 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
     e = tl.load(ids_ptr + p).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
-    g_rows, u_rows = g_ptr + e * stride_we + n[:, None] * stride_wn, u_ptr + e * stride_we + n[:, None] * stride_wn
-    gs_rows, us_rows = gs_ptr + e * stride_se + n[:, None] * stride_sr, us_ptr + e * stride_se + n[:, None] * stride_sr
+    g_rows, u_rows = g_ptr + e * stride_we + n[:,
+                                               None] * stride_wn, u_ptr + e * stride_we + n[:, None] * stride_wn
+    gs_rows, us_rows = gs_ptr + e * stride_se + n[:,
+                                                  None] * stride_sr, us_ptr + e * stride_se + n[:, None] * stride_sr
     for c in range(tl.sum(same.to(tl.int32), 0)):                          # each pair of the expert
         pair = tl.sum(tl.where(same & (rank == c), q, 0), 0)
         v = v_ptr + (pair // TOPK).to(tl.int64) * D
         acc_g = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
         acc_u = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
-        gw, gs, uw, us = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, 0, W, GROUP, BLOCK_W, EVEN)
+        gw, gs, uw, us = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, 0, W, GROUP,
+                                        BLOCK_W, EVEN)
         for w0 in range(0, W, BLOCK_W):
-            # the next step's words, in flight while this one is unpacked (EVEN: the last step reloads its
-            # own, so no load needs a mask or a branch; two steps ahead run slower)
+            # the next step's words, in flight while this one is unpacked (EVEN: the last step
+            # reloads its own, so no load needs a mask or a branch; two steps ahead run slower)
             start = w0 + BLOCK_W
             if EVEN:
                 start = tl.minimum(start, W - BLOCK_W)
-            gw1, gs1, uw1, us1 = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, start, W, GROUP, BLOCK_W,
+            gw1, gs1, uw1, us1 = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, start,
+                                                W, GROUP, BLOCK_W,
                                                 EVEN)
             pg, pu = _gate_up_products(gw, gs, uw, us, v, w0, magic, W, BLOCK_W, EVEN)
             acc_g += pg
@@ -426,15 +460,17 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
 
 
 @_jit
-def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we, stride_wn, stride_se, stride_sr, magic,
+def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we, stride_wn,
+                               stride_se, stride_sr, magic,
                                hs_ptr, sd_ptr,
-                               TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
+                               TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
+                               GROUP: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr,
                                SHARED: tl.constexpr, I_PAD: tl.constexpr):
-    """_moe_gemv_down_kernel for INT4 weights, h in plane order (gate_up's). A tile's columns are the
-    token's K experts' words side by side (column c: expert slot c // (I/8), word c % (I/8)), BLOCK_C
-    columns a step. SHARED: the bf16 shared expert too, weight 1 (_shared_down: gate_up's h = silu(g) * u
-    hs [N, I] fp32 times its down weights sd_ptr [D, I]; I_PAD: a power of two >= I).
+    """_moe_gemv_down_kernel for INT4 weights, h in plane order (gate_up's). A tile's columns are
+    the token's K experts' words side by side (column c: expert slot c // (I/8), word c % (I/8)),
+    BLOCK_C columns a step. SHARED: the bf16 shared expert too, weight 1 (_shared_down: gate_up's h
+    = silu(g) * u hs [N, I] fp32 times its down weights sd_ptr [D, I]; I_PAD: a power of two >= I).
     Grid: (N, cdiv(D, BLOCK_N))."""
     _wait_for_prior()
     token, pid_n = tl.program_id(0), tl.program_id(1)
@@ -449,13 +485,18 @@ def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we,
         if EVEN:
             e = tl.load(ids_ptr + pair).to(tl.int64)
             words = tl.load(w_ptr + e[None, :] * stride_we + n[:, None] * stride_wn + w[None, :])
-            s = tl.load(s_ptr + e[None, :] * stride_se + n[:, None] * stride_sr + (w * 8 // GROUP)[None, :])
+            s = tl.load(s_ptr + e[None,
+                                  :] * stride_se + n[:,
+                                                     None] * stride_sr + (w * 8 // GROUP)[None, :])
         else:
             c_ok = c < TOPK * W
             ok = n_ok[:, None] & c_ok[None, :]
             e = tl.load(ids_ptr + pair, mask=c_ok, other=0).to(tl.int64)
-            words = tl.load(w_ptr + e[None, :] * stride_we + n[:, None] * stride_wn + w[None, :], mask=ok, other=0)
-            s = tl.load(s_ptr + e[None, :] * stride_se + n[:, None] * stride_sr + (w * 8 // GROUP)[None, :],
+            words = tl.load(w_ptr + e[None, :] * stride_we + n[:, None] * stride_wn + w[None, :],
+                            mask=ok, other=0)
+            s = tl.load(s_ptr + e[None,
+                                  :] * stride_se + n[:,
+                                                     None] * stride_sr + (w * 8 // GROUP)[None, :],
                         mask=ok, other=0.0)
         high = words >> 12
         h_row = h_ptr + pair.to(tl.int64) * I + w                          # plane j at + j * W
@@ -473,17 +514,19 @@ def _gemv_args(w, block_k, sub):
     """_weight_args for the GEMV kernels: strides, row/column offsets, and the constexprs (block
     sizes, per-row scale, SUB: 1 where the scale is not one per row and step)."""
     scale, strides, (br, bc, off_r, off_c, group), per_row = _weight_args(w, block_k)
-    # one scale per row and step only where every step is whole: the FP8 graph test (128x128 blocks over
-    # a 64 x 32 matrix, steps mostly masked) read NaN on the H200 through that path, not through this
-    # fallback (one scale an element, tested on the GPU with masked steps); not reproduced on the CPU
+    # one scale per row and step only where every step is whole: the FP8 graph test (128x128 blocks
+    # over a 64 x 32 matrix, steps mostly masked) read NaN on the H200 through that path, not
+    # through this fallback (one scale an element, tested on the GPU with masked steps); not
+    # reproduced on the CPU
     per_row = per_row and w.shape[2] % (block_k * sub) == 0
     return scale, strides, (off_r, off_c), dict(BLOCK_R=br, BLOCK_C=bc, SCALE_PER_ROW=per_row,
                                                 SUB=sub if per_row else 1)
 
 
 MAGIC = 0x4B000000   # the bits of the float 2^23 (_nibble)
-# a bf16 shared expert's gate and up split over D in this many programs a row block: bf16 is 4x INT4's
-# bytes, 2x FP8's, so its programs take as long as the routed ones (python -m kernels.bench --moe --shared)
+# a bf16 shared expert's gate and up split over D in this many programs a row block: bf16 is 4x
+# INT4's bytes, 2x FP8's, so its programs take as long as the routed ones (python -m kernels.bench
+# --moe --shared)
 SHARED_SPLIT = {"int4": 4, "fp8": 2}
 
 
@@ -496,12 +539,14 @@ def _shared_args(shared, fmt, N, I, D, block_n, warps, placeholder):
         raise ValueError(f"fused_moe: the shared expert's {I} rows make more than {common.COUNTERS} row blocks of {block_n}")
     split = SHARED_SPLIT[fmt] if shared else 0
     part = torch.empty(2, split, N, I, dtype=torch.float32, device=dev) if shared else placeholder
-    hs = torch.empty(N, I, dtype=torch.float32, device=dev) if shared else placeholder    # silu(g) * u
+    # silu(g) * u
+    hs = torch.empty(N, I, dtype=torch.float32, device=dev) if shared else placeholder
     sg, su, sd = shared or (placeholder,) * 3
     count = _counters(dev) if shared else placeholder
-    step = max(16, 256 * warps // block_n)                   # columns a step: 16 bytes of bf16 a thread
+    step = max(16, 256 * warps // block_n)  # columns a step: 16 bytes of bf16 a thread
     even = bool(split) and I % block_n == 0 and D % (split * step) == 0
-    gate_up = dict(part_ptr=part, hs_ptr=hs, count_ptr=count, sg_ptr=sg, su_ptr=su, N=N, SPLIT=split, SHARED_K=step,
+    gate_up = dict(part_ptr=part, hs_ptr=hs, count_ptr=count, sg_ptr=sg, su_ptr=su, N=N,
+                   SPLIT=split, SHARED_K=step,
                    EVEN_SHARED=even)
     return gate_up, dict(hs_ptr=hs, sd_ptr=sd, SHARED=bool(shared), I_PAD=triton.next_power_of_2(I))
 
@@ -517,7 +562,8 @@ def nibble_planes(x, out=None):
 def _check_planes(planes, x):
     """fused_moe's and router_topk's planes: an fp32 [N, 8, D/8] contiguous tensor on x's device."""
     N, D = x.shape
-    if (D % 8 or planes.shape != (N, 8, D // 8) or planes.dtype != torch.float32 or not planes.is_contiguous()
+    if (D % 8 or planes.shape != (N, 8, D // 8) or planes.dtype != torch.float32
+        or not planes.is_contiguous()
             or planes.device != x.device):
         raise ValueError(f"planes must be a contiguous float32 [{N}, 8, {D // 8}] tensor on {x.device} for x "
                          f"{list(x.shape)} (D a multiple of 8), got {planes.dtype} {list(planes.shape)} on "
@@ -529,43 +575,50 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, plan
     (N, D), P, I, dev = x.shape, ids.numel(), gate.shape[1], x.device
     K = P // N
     v = nibble_planes(x) if planes is None else planes
-    h = torch.empty(P, I, dtype=torch.float32, device=dev)                  # [P, I], route weight in
+    h = torch.empty(P, I, dtype=torch.float32, device=dev)  # [P, I], route weight in
     bn, bw, warps = cfg["gate_up"]
     sh_gate_up, sh_down = _shared_args(shared, "int4", N, I, D, bn, warps, h)
     s = gate.data.stride(), gate.scale.stride()
     _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
-        v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, P, s[0][0], s[0][1], s[1][0], s[1][1], MAGIC,
+        v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, P, s[0][0], s[0][1], s[1][0],
+        s[1][1], MAGIC,
         x, TOPK=K, D=D, I=I, GROUP=gate.group, P_PAD=max(16, triton.next_power_of_2(P)),
-        BLOCK_N=bn, BLOCK_W=bw, EVEN=I % bn == 0 and D % (8 * bw) == 0, **sh_gate_up, launch_pdl=common.PDL, num_warps=warps)
+        BLOCK_N=bn, BLOCK_W=bw, EVEN=I % bn == 0 and D % (8 * bw) == 0, **sh_gate_up,
+        launch_pdl=common.PDL, num_warps=warps)
     bn, bc, warps = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     s = down.data.stride(), down.scale.stride()
     _moe_gemv_int4_down_kernel[(N, triton.cdiv(D, bn))](
         h, out, ids, down.data, down.scale, s[0][0], s[0][1], s[1][0], s[1][1], MAGIC,
-        TOPK=K, D=D, I=I, GROUP=down.group, BLOCK_N=bn, BLOCK_C=bc, EVEN=D % bn == 0 and K * I // 8 % bc == 0,
+        TOPK=K, D=D, I=I, GROUP=down.group, BLOCK_N=bn, BLOCK_C=bc, EVEN=D % bn == 0
+        and K * I // 8 % bc == 0,
         **sh_down, launch_pdl=common.PDL, num_warps=warps)
     return out
 
 
 def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None, planes=None):
-    """The GEMV variant (see its section); arguments as fused_moe's, already checked and flattened."""
+    """The GEMV variant (see its section); arguments as fused_moe's, already checked and
+    flattened."""
     if fmt == "int4":
         return _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared, planes)
     (N, D), P, I, dev = x.shape, ids.numel(), gate.shape[1], x.device
     K = P // N
     bn, bk, unroll, warps, sub = cfg["gate_up"]
-    h = torch.empty(P, I, dtype=torch.float32, device=dev)                  # [P, I], route weight in
+    h = torch.empty(P, I, dtype=torch.float32, device=dev)  # [P, I], route weight in
     gs, strides, offs, const = _gemv_args(gate, bk, sub)
     sh_gate_up, sh_down = _shared_args(shared, fmt, N, I, D, bn, warps, h)
     _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         x, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
-        TOPK=K, D=D, I=I, FMT=FORMATS[fmt], P_PAD=max(16, triton.next_power_of_2(P)), BLOCK_N=bn, BLOCK_K=bk,
+        TOPK=K, D=D, I=I, FMT=FORMATS[fmt], P_PAD=max(16,
+                                                      triton.next_power_of_2(P)), BLOCK_N=bn,
+                                                      BLOCK_K=bk,
         UNROLL=unroll, **const, **sh_gate_up, launch_pdl=common.PDL, num_warps=warps)
     bn, bk, warps, sub = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     ds, strides, offs, const = _gemv_args(down, bk, sub)
     _moe_gemv_down_kernel[(N, triton.cdiv(D, bn))](
-        h, out, ids, down.data, ds, *strides, *offs, TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn, BLOCK_K=bk,
+        h, out, ids, down.data, ds, *strides, *offs, TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn,
+        BLOCK_K=bk,
         **const, **sh_down, launch_pdl=common.PDL, num_warps=warps)
     return out
 

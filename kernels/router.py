@@ -34,16 +34,20 @@ ROUTER_GEMV_MAX_TOKENS = 16
 # experts, 336 for 384; 4 slices leave 64 programs at 128) (python -m kernels.bench --small)
 ROUTER_SPLIT_D = 8
 ROUTER_BLOCK_E = 8          # experts a program: with ROUTER_TILE, 1024 columns of D a step
-ROUTER_TILE = 8192          # elements of the [experts, D] weight tile a program holds: 64 fp32 a thread
+ROUTER_TILE = 8192  # elements of the [experts, D] weight tile a program holds: 64 fp32 a thread
 #                             on 4 warps, whatever the tokens (a tile cut by the tokens is slower)
 
 
 @_jit
-def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_ptr, v_ptr, N, E, D, d_per_split,
+def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_ptr, v_ptr, N, E, D,
+                   d_per_split,
                    s_xn, s_we, s_ps, s_pn, s_idn, s_wn, E_PER_G, G, scale,
-                   SPLITS: tl.constexpr, PLANES: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr,
-                   NORM: tl.constexpr, GROUPED: tl.constexpr, UNIFORM: tl.constexpr, SHARED: tl.constexpr,
-                   BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, BLOCK_G: tl.constexpr,
+                   SPLITS: tl.constexpr, PLANES: tl.constexpr, K: tl.constexpr,
+                   TOPK_GROUP: tl.constexpr,
+                   NORM: tl.constexpr, GROUPED: tl.constexpr, UNIFORM: tl.constexpr,
+                   SHARED: tl.constexpr,
+                   BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
+                   BLOCK_G: tl.constexpr,
                    BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
     """part[j, n, e] = sum over d in slice j of x[n, d] * W[e, d] in float32, then, in the last
     program, _router_select over all N (<= BLOCK_N) tokens. x [N, D] (any float dtype), W [E, D]
@@ -57,40 +61,54 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
     n = tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
     d_end = tl.minimum((j + 1) * d_per_split, D)
-    for d0 in range(j * d_per_split, d_end, BLOCK_D):   # one step a program up to ROUTER_GEMV_MAX_TOKENS tokens
+    # one step a program up to ROUTER_GEMV_MAX_TOKENS tokens
+    for d0 in range(j * d_per_split, d_end, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
-        w = tl.load(w_ptr + e[:, None] * s_we + d[None, :], mask=(e < E)[:, None] & (d < d_end)[None, :], other=0.0)
+        w = tl.load(w_ptr + e[:, None] * s_we + d[None, :],
+                    mask=(e < E)[:, None] & (d < d_end)[None, :], other=0.0)
         for i in tl.static_range(BLOCK_N):              # each token against the same weight tile
             ok = (i < N) & (d < d_end)[None, :]
-            x = tl.load(x_ptr + i * s_xn + d[None, :], mask=ok, other=0.0).to(tl.float32)          # [1, BLOCK_D]
-            acc = tl.where(n[:, None] == i, acc + tl.sum(x * w, 1)[None, :], acc)          # [BLOCK_N, BLOCK_E]
+            # [1, BLOCK_D]
+            x = tl.load(x_ptr + i * s_xn + d[None, :], mask=ok, other=0.0).to(tl.float32)
+            # [BLOCK_N, BLOCK_E]
+            acc = tl.where(n[:, None] == i, acc + tl.sum(x * w, 1)[None, :], acc)
             if PLANES:
                 if eb == 0:
                     tl.store(v_ptr + i * D + (d % 8 * (D // 8) + d // 8)[None, :], x, mask=ok)
-    tl.store(part_ptr + j * s_ps + n[:, None] * s_pn + e[None, :], acc, mask=(n < N)[:, None] & (e < E)[None, :])
-    tl.debug_barrier()                                  # every thread's stores before the counter's release
+    tl.store(part_ptr + j * s_ps + n[:, None] * s_pn + e[None, :], acc,
+             mask=(n < N)[:, None] & (e < E)[None, :])
+    tl.debug_barrier()  # every thread's stores before the counter's release
     if tl.atomic_add(count_ptr, 1) == tl.num_programs(0) * tl.num_programs(1) - 1:
-        tl.atomic_xchg(count_ptr, 0, sem="relaxed")     # the last program: every partial sum is stored
-        _router_select(part_ptr, bias_ptr, ids_ptr, wout_ptr, 0, N, s_ps, s_pn, s_idn, s_wn, E_PER_G, G, scale,
-                       SPLITS, K, TOPK_GROUP, NORM, GROUPED, UNIFORM, SHARED, BLOCK_N, BLOCK_G, BLOCK_EG, BLOCK_K)
+        tl.atomic_xchg(count_ptr, 0, sem="relaxed")  # the last program: every partial sum is stored
+        _router_select(part_ptr, bias_ptr, ids_ptr, wout_ptr, 0, N, s_ps, s_pn, s_idn, s_wn,
+                       E_PER_G, G, scale,
+                       SPLITS, K, TOPK_GROUP, NORM, GROUPED, UNIFORM, SHARED, BLOCK_N, BLOCK_G,
+                       BLOCK_EG, BLOCK_K)
 
 
 @_jit
-def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, N, s_ln, s_idn, s_wn, E_PER_G, G, scale,
-                          K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr, GROUPED: tl.constexpr,
+def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, N, s_ln, s_idn, s_wn, E_PER_G, G,
+                          scale,
+                          K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
+                          GROUPED: tl.constexpr,
                           UNIFORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_G: tl.constexpr,
                           BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
     """_router_select for token n = program_id(0) from whole logits [N, E] float32 (cuBLAS's, many
     tokens). Grid: (N,)."""
     _wait_for_prior()
-    _router_select(logits_ptr, bias_ptr, ids_ptr, w_ptr, tl.program_id(0), N, 0, s_ln, s_idn, s_wn, E_PER_G, G,
-                   scale, 1, K, TOPK_GROUP, NORM, GROUPED, UNIFORM, SHARED, 1, BLOCK_G, BLOCK_EG, BLOCK_K)
+    _router_select(logits_ptr, bias_ptr, ids_ptr, w_ptr, tl.program_id(0), N, 0, s_ln, s_idn, s_wn,
+                   E_PER_G, G,
+                   scale, 1, K, TOPK_GROUP, NORM, GROUPED, UNIFORM, SHARED, 1, BLOCK_G, BLOCK_EG,
+                   BLOCK_K)
 
 
 @_jit
-def _router_select(part_ptr, bias_ptr, ids_ptr, w_ptr, n0, N, s_ps, s_pn, s_idn, s_wn, E_PER_G, G, scale,
-                   SPLITS: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
-                   GROUPED: tl.constexpr, UNIFORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_N: tl.constexpr,
+def _router_select(part_ptr, bias_ptr, ids_ptr, w_ptr, n0, N, s_ps, s_pn, s_idn, s_wn, E_PER_G, G,
+                   scale,
+                   SPLITS: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                   NORM: tl.constexpr,
+                   GROUPED: tl.constexpr, UNIFORM: tl.constexpr, SHARED: tl.constexpr,
+                   BLOCK_N: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
     """ids[n], w[n] = the K experts of tokens n = n0 .. n0 + BLOCK_N - 1 (those < N) and their
     weights, best first (UNIFORM: experts (n*K + i) mod E, i < K), then with SHARED expert E and
@@ -100,22 +118,24 @@ def _router_select(part_ptr, bias_ptr, ids_ptr, w_ptr, n0, N, s_ps, s_pn, s_idn,
     n = n0 + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     if UNIFORM:   # the fixed choice; the chosen experts' logits gathered from the partial sums
-        ids = (n[:, None] * K + k[None, :]) % (G * E_PER_G)                      # [BLOCK_N, BLOCK_K]
+        ids = (n[:, None] * K + k[None, :]) % (G * E_PER_G)  # [BLOCK_N, BLOCK_K]
         logit = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
         for s in tl.static_range(SPLITS):
-            logit += tl.load(part_ptr + s * s_ps + n[:, None] * s_pn + ids, mask=(n < N)[:, None], other=0.0,
+            logit += tl.load(part_ptr + s * s_ps + n[:, None] * s_pn + ids, mask=(n < N)[:, None],
+                             other=0.0,
                              cache_modifier=".cg")
         w = tl.sigmoid(logit)
     else:
         g = tl.arange(0, BLOCK_G)[None, :, None]
         j = tl.arange(0, BLOCK_EG)[None, None, :]
-        e = g * E_PER_G + j                                               # [1, BLOCK_G, BLOCK_EG] expert ids
-        ok = (n < N)[:, None, None] & (g < G) & (j < E_PER_G)             # [BLOCK_N, BLOCK_G, BLOCK_EG]
+        e = g * E_PER_G + j  # [1, BLOCK_G, BLOCK_EG] expert ids
+        ok = (n < N)[:, None, None] & (g < G) & (j < E_PER_G)  # [BLOCK_N, BLOCK_G, BLOCK_EG]
         logit = tl.zeros([BLOCK_N, BLOCK_G, BLOCK_EG], tl.float32)
         for s in tl.static_range(SPLITS):
             logit += tl.load(part_ptr + s * s_ps + n[:, None, None] * s_pn + e, mask=ok, other=0.0,
                              cache_modifier=".cg")
-        ids, w = _top_k(tl.sigmoid(logit), bias_ptr, e, ok, j, G, E_PER_G, k, K, TOPK_GROUP, GROUPED, BLOCK_N,
+        ids, w = _top_k(tl.sigmoid(logit), bias_ptr, e, ok, j, G, E_PER_G, k, K, TOPK_GROUP,
+                        GROUPED, BLOCK_N,
                         BLOCK_G, BLOCK_EG, BLOCK_K)
     w = tl.where(k[None, :] < K, w, 0.0)
     if NORM:
@@ -130,7 +150,8 @@ def _router_select(part_ptr, bias_ptr, ids_ptr, w_ptr, n0, N, s_ps, s_pn, s_idn,
 
 @_jit
 def _top_k(score, bias_ptr, e, ok, j, G, E_PER_G, k, K: tl.constexpr, TOPK_GROUP: tl.constexpr,
-           GROUPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
+           GROUPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
+           BLOCK_EG: tl.constexpr,
            BLOCK_K: tl.constexpr):
     """noaux_tc selection from the scores [BLOCK_N, BLOCK_G, BLOCK_EG], every token at once: (ids
     [BLOCK_N, BLOCK_K] int32, their unbiased scores)."""
@@ -152,7 +173,7 @@ def _top_k(score, bias_ptr, e, ok, j, G, E_PER_G, k, K: tl.constexpr, TOPK_GROUP
     ids = tl.zeros([BLOCK_N, BLOCK_K], tl.int32)
     w = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
     for i in tl.static_range(K):  # K rounds of argmax: the top K, best first
-        top = tl.argmax(flat, 1)[:, None]                                  # flat index g * BLOCK_EG + j
+        top = tl.argmax(flat, 1)[:, None]  # flat index g * BLOCK_EG + j
         hit = idx == top
         ids = tl.where(k[None, :] == i, top // BLOCK_EG * E_PER_G + top % BLOCK_EG, ids)
         w = tl.where(k[None, :] == i, tl.sum(tl.where(hit, flat_score, 0.0), 1)[:, None], w)
@@ -167,8 +188,8 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
     weights float32 [N, K]. uniform: SIMULATED balanced routing (pair j = n*K + i to expert j mod
     E), as model.Router's routing "uniform"; shared_slot: a column K more, expert E with weight 1
     (the shared expert in the fused MoE launch); both in the same kernels. planes: an fp32 [N, 8,
-    D/8] tensor that receives x as the INT4 GEMV's activation planes (fused_moe's planes), written by
-    the same kernel (past ROUTER_GEMV_MAX_TOKENS: a copy)."""
+    D/8] tensor that receives x as the INT4 GEMV's activation planes (fused_moe's planes), written
+    by the same kernel (past ROUTER_GEMV_MAX_TOKENS: a copy)."""
     N, D = x.shape
     E = weight.shape[0]
     if weight.dtype != torch.float32 or bias.dtype != torch.float32 or weight.shape != (E, D) or bias.shape != (E,):
@@ -182,13 +203,16 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
     weights = torch.empty(N, top_k + bool(shared_slot), device=x.device, dtype=torch.float32)
     if N == 0:
         return ids, weights
-    select = dict(K=top_k, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob), GROUPED=n_group > 1 and not uniform,
+    select = dict(K=top_k, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob), GROUPED=n_group > 1
+                  and not uniform,
                   UNIFORM=bool(uniform), SHARED=bool(shared_slot), BLOCK_G=_pow2(n_group, 1),
                   BLOCK_EG=_pow2(E // n_group, 1), BLOCK_K=_pow2(top_k, 1))
     if N > ROUTER_GEMV_MAX_TOKENS:
         logits = torch.nn.functional.linear(x.float(), weight)
-        _router_select_kernel[(N,)](logits, bias, ids, weights, N, logits.stride(0), ids.stride(0), weights.stride(0),
-                                    E // n_group, n_group, float(scaling), **select, launch_pdl=common.PDL, num_warps=4)
+        _router_select_kernel[(N,)](logits, bias, ids, weights, N, logits.stride(0), ids.stride(0),
+                                    weights.stride(0),
+                                    E // n_group, n_group, float(scaling), **select,
+                                    launch_pdl=common.PDL, num_warps=4)
         if planes is not None:
             moe_gemv.nibble_planes(x, planes)
         return ids, weights
@@ -199,11 +223,15 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
     splits = triton.cdiv(D, d_per_split)
     part = torch.empty(splits, N, E, device=x.device, dtype=torch.float32)
     _router_kernel[(triton.cdiv(E, ROUTER_BLOCK_E), splits)](
-        x, weight, part, _counters(x.device), bias, ids, weights, part if planes is None else planes, N, E, D,
-        d_per_split, x.stride(0), weight.stride(0), part.stride(0), part.stride(1), ids.stride(0), weights.stride(0),
-        E // n_group, n_group, float(scaling), SPLITS=splits, PLANES=planes is not None, BLOCK_N=block_n,
+        x, weight, part, _counters(x.device), bias, ids, weights, part if planes is None
+        else planes, N, E, D,
+        d_per_split, x.stride(0), weight.stride(0), part.stride(0), part.stride(1), ids.stride(0),
+        weights.stride(0),
+        E // n_group, n_group, float(scaling), SPLITS=splits, PLANES=planes is not None,
+        BLOCK_N=block_n,
         BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select, launch_pdl=common.PDL,
-        num_warps=4 if N <= 8 else 8)   # 16 tokens' selection on 4 warps spills (ptxas: 255 registers)
+        # 16 tokens' selection on 4 warps spills (ptxas: 255 registers)
+        num_warps=4 if N <= 8 else 8)
     return ids, weights
 
 
