@@ -71,7 +71,7 @@ def _kernel_ms(fn):
     return sum(kernels.values()), kernels
 
 
-# Sweep points (N = 1, 3 and 4 only), each beside the default: k3's tiles ("dot") and the GEMV
+# Sweep points (N = 1, 3 and 4 only), each beside the default: the tile variant ("dot") and the GEMV
 # variant.
 DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5), (32, 128, 4, 5),
                           (64, 128, 4, 4),
@@ -94,14 +94,14 @@ def _sweep_points(fmt, variant):
 def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8, LAYERS=6,
                   tokens=(1, 2, 3, 4, 8, 32),
                   formats=("plain", "fp8", "int4"), shared=False):
-    """One layer's routed experts per format, token count and variant of fused_moe ("dot": k3's
-    tiles through tl.dot, "gemv": the GEMV variant) against its floor (the distinct experts' stored
-    bytes over the eager copy bandwidth measured here), timed as a graph of LAYERS calls. sweep: the
-    variants whose sweep points are also timed (at N = 1, 3 and 4 where timed). shared (INT4): also
-    the GEMV launch with Kimi-K2.5's bf16 shared expert in it ("gemv+shared", its bytes added to the
-    floor), and that shared expert alone the way the model runs it unfolded ("shared-torch": one
-    GEMM over the stacked gate and up, SiLU times up, the down GEMM adding onto the routed
-    output)."""
+    """One layer's routed experts per format, token count and variant of fused_moe ("dot": the tile
+    variant's tiles through tl.dot, "gemv": the GEMV variant) against its floor (the distinct
+    experts' stored bytes over the eager copy bandwidth measured here), timed as a graph of LAYERS
+    calls. sweep: the variants whose sweep points are also timed (at N = 1, 3 and 4 where timed).
+    shared (INT4): also the GEMV launch with Kimi-K2.5's bf16 shared expert in it ("gemv+shared",
+    its bytes added to the floor), and that shared expert alone the way the model runs it unfolded
+    ("shared-torch": one GEMM over the stacked gate and up, SiLU times up, the down GEMM adding onto
+    the routed output)."""
     dev, g = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
     bandwidth = copy_bandwidth_GBps()
     print(f"fused MoE, one Kimi-K2 TP-8 rank (D {D}, I {I}, {E} experts, K {K}); copy bandwidth {bandwidth:.0f} GB/s")
@@ -745,9 +745,9 @@ def main():
                    help="fused MoE token counts, comma-separated")
     p.add_argument("--shared", action="store_true",
                    help="INT4: also with a bf16 shared expert in the GEMV launch, "
-                                                        "and that shared expert alone through torch")
+                        "and that shared expert alone through torch")
     p.add_argument("--variants", default="dot,gemv",
-                   help="fused MoE variants to time in this run, comma-separated: dot (k3's tl.dot tiles), gemv")
+                   help="fused MoE variants to time in this run, comma-separated: dot (tl.dot tiles), gemv")
     p.add_argument("--pdl", nargs=argparse.REMAINDER, metavar="RUN.PY FLAGS",
                    help="time run.py's captured phases with programmatic dependent launch off and on, in one "
                         "process (the flags after it build run.py's model; last on the line)")
