@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import numpy as np
@@ -20,12 +21,15 @@ import torch
 from torch.profiler import profile, ProfilerActivity
 
 import baseline
+import checkpoint
 import kernels
 import model
 import components
 import report
+import routing
 import run
 import timing
+import tp
 import train
 from checkpoint import (CheckpointError, init_random, init_random_draft, load_draft, load_target,
                         save_draft)
@@ -300,8 +304,11 @@ def test_run_py_cli_verify_sweep_and_tables(tmp_path):
             "--speculative-num-draft-tokens", "8", "--skip-e2e", "--reps", "2", "--random-weights"]
     int4 = ["--batch-size", "4", "--quant", "int4", "--dtype", "bfloat16"]
     runs = {tmp_path / "b2.json": ["--batch-size", "2"], tmp_path / "b4_int4.json": int4}
-    for path, flags in runs.items():
-        stdout = run_py(*tree, *flags, "--json", str(path), check=True, env=ONE_THREAD).stdout
+    with ThreadPoolExecutor(2) as pool:   # two one-thread processes at once, one a core
+        outs = list(pool.map(lambda pf: run_py(*tree, *pf[1], "--json", str(pf[0]), check=True,
+                                               env=ONE_THREAD), runs.items()))
+    for (path, flags), done in zip(runs.items(), outs):
+        stdout = done.stdout
         r = json.loads(path.read_text())
         B = r["env"]["config"]["batch_size"]
         assert r["env"]["config"]["verify_sweep_tokens"] == list(timing.SWEEP_TOKENS_CPU)
@@ -1058,8 +1065,6 @@ def test_run_py_refuses_a_tree_wider_than_the_draft_vocabulary():
 def test_run_py_names_offered_before_torch_are_the_stages_names():
     """run.py spells the presets, all-reduces and kernels its flags offer (so --help needs no
     torch); they are the names the stages take."""
-    import checkpoint
-    import tp
     assert set(run.PRESETS) == set(checkpoint.PRESETS) and run.ALLREDUCES == tuple(tp.ALLREDUCES)
     assert run.KERNELS == tuple(kernels.KERNELS) and run.DRAFT_KERNELS == tuple(kernels.DRAFT_KERNELS)
 
@@ -1147,7 +1152,6 @@ def test_run_py_lines_fit_120_columns_and_say_what_a_run_does():
 def test_run_py_refuses_routing_flags_before_building(monkeypatch, tmp_path):
     """The trained pair routes top-4 of 16 experts; its verify reads 4 tokens (D in [4, 16]),
     a --batch-size 2 random tiny 8 (D in [4, 16] too), num_steps 1 a verify of 2 (D in [4, 8])."""
-    import routing
     monkeypatch.setattr(timing, "build", lambda *a: pytest.fail("a model was built"))
     big = tmp_path / "kimi.npz"
     routing.save_trace(big, torch.zeros(2, 5, 8, dtype=torch.long), 384, 8)
@@ -1186,8 +1190,14 @@ def test_run_py_distinct_routing_and_its_sweep_end_to_end(tmp_path):
     top-k, labelled SIMULATED; --distinct-sweep times the verify at D = 4, 6, 8, 12, 16 (top 4 of
     16, 4 tokens), each counted as it ran, its lines within 100 columns; a --dump-routing file
     replays in --routing trace, labelled TRACE."""
-    cli = run_py("--routing", "distinct", "--distinct-experts", "6", "--distinct-sweep",
-                 "--skip-e2e", "--reps", "2", "--json", "-")
+    (tmp_path / "p.jsonl").write_text("[10, 20, 30, 40, 50]\n[7, 8, 9]\n")
+    trace = tmp_path / "d.npz"
+    with ThreadPoolExecutor(2) as pool:   # the timing run and the dump at once, one a core
+        timed = pool.submit(run_py, "--routing", "distinct", "--distinct-experts", "6",
+                            "--distinct-sweep", "--skip-e2e", "--reps", "2", "--json", "-")
+        dumped = pool.submit(run_py, "--dump", str(trace), "--prompt-ids",
+                             str(tmp_path / "p.jsonl"), "--max-new-tokens", "6", "--dump-routing")
+        cli, dumped = timed.result(), dumped.result()
     assert cli.returncode == 0, cli.stderr[-2000:]
     r = json.loads(cli.stdout.splitlines()[-1])
     assert r["env"]["routing"] == "distinct" and r["env"]["simulated_routing"] is True
@@ -1204,12 +1214,7 @@ def test_run_py_distinct_routing_and_its_sweep_end_to_end(tmp_path):
     table = out[out.index("verify of 4 tokens across distinct experts"):].split("\n\n")[0]
     assert not [line for line in table.splitlines() if len(line) > 100], table
     assert "routing SIMULATED distinct (D = 6" in out and "Across distinct experts" in out
-    (tmp_path / "p.jsonl").write_text("[10, 20, 30, 40, 50]\n[7, 8, 9]\n")
-    trace = tmp_path / "d.npz"
-    dumped = run_py("--dump", str(trace), "--prompt-ids", str(tmp_path / "p.jsonl"),
-                    "--max-new-tokens", "6", "--dump-routing")
     assert dumped.returncode == 0, dumped.stderr[-2000:]
-    import routing
     t = routing.read_trace(trace, 16, 4)
     assert t.sequence_lengths == [10, 9] and t.ids.shape[1] == 19   # P + N - 1 = 10 at most
     cli = run_py("--routing", "trace", "--routing-trace", str(trace), "--skip-e2e", "--reps", "2",

@@ -1,14 +1,19 @@
 """routing.py: SIMULATED distinct experts, routing traces, SGLang's per-token dumps, the probe's
 router. CPU, seconds."""
+import importlib.util
 import json
 
 import numpy as np
 import pytest
 import torch
 
+import baseline
 import checkpoint
+import kernels
 import model
 import routing
+import run
+import timing
 
 
 @pytest.mark.parametrize("E,K", [(16, 4), (384, 8), (8, 8)])
@@ -265,7 +270,6 @@ def test_distinct_routing_reaches_exactly_D_in_every_layer_of_a_forward_at_every
 @pytest.mark.triton
 def test_distinct_routing_through_the_router_kernel():
     """kernels.RouterKernel routes as the model's router, then the choice's ids are copied over."""
-    import kernels
     from testing import TRITON_DEVICE
     target = checkpoint.init_random(model.Transformer(checkpoint.preset("tiny"), 1, 32,
                                                       TRITON_DEVICE, torch.float32), 4)
@@ -283,8 +287,6 @@ def test_distinct_routing_through_the_router_kernel():
 
 def timing_bench(argv):
     """run.py's timing run prepared (models built, caches filled, the routing put in), on CPU."""
-    import run
-    import timing
     cfg = run.settle(run.parse_args(argv), torch.device("cpu"), 1)
     run.check_sizes(cfg, torch.device("cpu"), 1)
     return timing.prepare(cfg, torch.device("cpu"))
@@ -294,7 +296,6 @@ def test_a_trace_replays_exactly_in_the_timed_forwards(tmp_path):
     """Each timed forward (warm-ups too) takes the trace's next tokens, in order, cycling; a
     forward outside the timing (a profile, the loops) takes the next ones too; the trace's layers
     repeat over the model's MoE layers."""
-    import timing
     ids = random_trace(layers=2, tokens=13, E=16, K=4, seed=5)
     path = tmp_path / "trace.npz"
     routing.save_trace(path, ids, 16, 4)
@@ -316,7 +317,6 @@ def test_a_trace_replays_exactly_in_the_timed_forwards(tmp_path):
 
 
 def test_distinct_routing_in_the_timing_run_and_its_sweep():
-    import timing
     b = timing_bench(["--routing", "distinct", "--distinct-experts", "6", "--reps", "1"])
     K = b.target.args.num_experts_per_tok
     for phase, D in (("verify/decode", 6), ("decode_step", K)):
@@ -331,7 +331,6 @@ def test_distinct_routing_in_the_timing_run_and_its_sweep():
 
 
 def test_a_dumps_routing_is_the_routers_own_choice():
-    import baseline
     target = tiny_target(torch.float64, seed=6, batch=2)
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
     d = baseline.dump(target, None, prompts, 5, topk=3, record_routing=True)
@@ -393,7 +392,6 @@ def test_distinct_and_trace_routing_replay_in_cuda_graphs_as_eager(kernels_on):
 
 
 def test_the_figure_draws_from_a_sweep_or_says_in_one_line_what_it_needs(tmp_path, capsys):
-    import importlib.util
     points = [dict(distinct=D, distinct_ran=D, verify_ms=2 + D / 8, decode_steps=0.5 + D / 16,
                    cycle_ms=3 + D / 8, break_even_accept_len=0.75 + D / 16) for D in (8, 16, 32)]
     sweep = dict(tokens=4, top_k=8, experts=128, uniform_expectation=29.1, num_steps=3,
