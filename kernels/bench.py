@@ -17,6 +17,7 @@ replay past the L2; achieved GB/s against the copy bandwidth measured in the sam
 """
 import math
 from functools import partial
+from types import SimpleNamespace
 
 import torch
 import torch.nn.functional as F
@@ -376,6 +377,18 @@ def bench_small(rows):
     """Router (model and SIMULATED uniform routing), add + RMSNorm, SwiGLU, RoPE + cache write
     against their twins at Kimi-K2 TP 8 shapes."""
     print("\nsmall kernels, Kimi-K2 shapes, bf16 (us per call, in a graph; 8 input sets)")
+    m = _small_modules()
+    for N in (1, 4):
+        for name, (plain_calls, fast_calls) in _small_pairs(m, N).items():
+            plain, fast = _graph_ms(plain_calls), _graph_ms(fast_calls)
+            print(f"  {name:32s} N={N}: torch {plain * 1e3:7.1f}  kernel {fast * 1e3:7.1f}  "
+                  f"({plain / fast:.1f}x)")
+            rows.append(dict(kernel=name, N=N, torch_ms=plain, kernel_ms=fast))
+
+
+def _small_modules():
+    """bench_small's modules and caches: the plain router and its kernel on the same weights,
+    the layer norm and the latent norm, the RoPE table, the latent caches."""
     args = model.ModelArgs(n_routed_experts=384)
     router = model.Router(args, "cuda", torch.bfloat16)
     with torch.no_grad():
@@ -391,53 +404,51 @@ def bench_small(rows):
     table = torch.stack(model.rope_tables(64, 50000.0, None, 4096, "cuda"), -1)
     kv_cache = torch.randn(4, 4096, 512, device="cuda", dtype=torch.bfloat16)
     pe_cache = torch.randn(4, 4096, 64, device="cuda", dtype=torch.bfloat16)
+    return SimpleNamespace(routers=routers, norm=norm, lat_norm=lat_norm, table=table,
+                           kv_cache=kv_cache, pe_cache=pe_cache)
 
-    def router_call(x, impl, routing="model"):
-        routers[impl].routing = routing
-        return routers[impl](x)
 
-    def rope_plain(q_pe, kv, k_pe, rope, pos):
+def _small_pairs(m, N):
+    """{name: (plain calls, kernel calls)} at N rows, one call per input set."""
+    def randn(*shape):
+        return [torch.randn(*shape, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+
+    def router(x, impl, routing):
+        m.routers[impl].routing = routing
+        return m.routers[impl](x)
+
+    def rope_plain(q_pe, kv, k_pe):
         rows_ = torch.arange(q_pe.shape[0], device="cuda").unsqueeze(1)
-        kv_cache[rows_, pos] = lat_norm(kv)
-        pe_cache[rows_, pos] = model.apply_rope(k_pe, rope)
+        m.kv_cache[rows_, pos] = m.lat_norm(kv)
+        m.pe_cache[rows_, pos] = model.apply_rope(k_pe, rope)
         return model.apply_rope(q_pe, rope)
-    for N in (1, 4):
-        xs = [torch.randn(N, 7168, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
-        ys = [torch.randn(N, 7168, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
-        qs = [torch.randn(1, N, 8, 192, device="cuda", dtype=torch.bfloat16)[..., 128:]
-              for _ in range(8)]
-        kvs = [torch.randn(1, N, 576, device="cuda", dtype=torch.bfloat16).split([512, 64], -1)
-               for _ in range(8)]
-        pos = (100 + torch.arange(N, device="cuda")).unsqueeze(0)
-        rope = table[pos]
-        gate_ups = [torch.randn(N, 512, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
-        pairs = {
-            "router (fp32 GEMV + selection)": ([lambda x=x: router_call(x, "torch") for x in xs],
-                                               [lambda x=x: router_call(x, "triton") for x in xs]),
-            "router, SIMULATED uniform routing": ([lambda x=x: router_call(x, "torch",
-                                                                           "uniform") for x in xs],
-                                                  [lambda x=x: router_call(x, "triton",
-                                                                           "uniform") for x in xs]),
-            "SwiGLU silu * up, I 256": ([lambda g=g: torch.nn.functional.silu(g[:,
-                                                                                :256]) * g[:, 256:]
-                                         for g in gate_ups],
-                                        [lambda g=g: silu_mul(g[:, :256], g[:, 256:])
-                                         for g in gate_ups]),
-            "add + RMSNorm": ([lambda x=x, y=y: norm(x + y) for x, y in zip(xs, ys)],
-                              [lambda x=x, y=y: add_rmsnorm(x, y, norm.weight, 1e-6) for x,
-                               y in zip(xs, ys)]),
-            "RoPE + cache write": ([lambda q=q, kv=kv: rope_plain(q, kv[0], kv[1], rope, pos) for q,
-                                    kv in zip(qs, kvs)],
-                                   [lambda q=q,
-                                    kv=kv: mla_rope_cache_write(q, kv[0], kv[1],
-                                                                lat_norm.weight, 1e-6, rope,
-                                                                           pos, kv_cache, pe_cache)
-                                    for q, kv in zip(qs, kvs)]),
-        }
-        for name, (plain_calls, fast_calls) in pairs.items():
-            plain, fast = _graph_ms(plain_calls), _graph_ms(fast_calls)
-            print(f"  {name:32s} N={N}: torch {plain * 1e3:7.1f}  kernel {fast * 1e3:7.1f}  ({plain / fast:.1f}x)")
-            rows.append(dict(kernel=name, N=N, torch_ms=plain, kernel_ms=fast))
+
+    def rope_kernel(q_pe, kv, k_pe):
+        return mla_rope_cache_write(q_pe, kv, k_pe, m.lat_norm.weight, 1e-6, rope, pos,
+                                    m.kv_cache, m.pe_cache)
+
+    xs, ys, gate_ups = randn(N, 7168), randn(N, 7168), randn(N, 512)
+    qs = [q[..., 128:] for q in randn(1, N, 8, 192)]
+    kvs = [kv.split([512, 64], -1) for kv in randn(1, N, 576)]
+    pos = (100 + torch.arange(N, device="cuda")).unsqueeze(0)
+    rope = m.table[pos]
+    return {
+        "router (fp32 GEMV + selection)": (
+            [partial(router, x, "torch", "model") for x in xs],
+            [partial(router, x, "triton", "model") for x in xs]),
+        "router, SIMULATED uniform routing": (
+            [partial(router, x, "torch", "uniform") for x in xs],
+            [partial(router, x, "triton", "uniform") for x in xs]),
+        "SwiGLU silu * up, I 256": (
+            [lambda g=g: F.silu(g[:, :256]) * g[:, 256:] for g in gate_ups],
+            [lambda g=g: silu_mul(g[:, :256], g[:, 256:]) for g in gate_ups]),
+        "add + RMSNorm": (
+            [lambda x=x, y=y: m.norm(x + y) for x, y in zip(xs, ys)],
+            [lambda x=x, y=y: add_rmsnorm(x, y, m.norm.weight, 1e-6) for x, y in zip(xs, ys)]),
+        "RoPE + cache write": (
+            [partial(rope_plain, q, *kv) for q, kv in zip(qs, kvs)],
+            [partial(rope_kernel, q, *kv) for q, kv in zip(qs, kvs)]),
+    }
 
 
 def bench_norm_gemv(bw, rows, sweep=False):
