@@ -444,8 +444,7 @@ def check_dump_layout(d, prompts, k):
     for b, p in enumerate(prompts):
         out = d["output_ids"][b][d["output_ids"][b] >= 0]
         end = len(p) + len(out) - 1                     # positions < end predict a token of the row
-        assert d["prompt_ids"][b,
-                               :len(p)].tolist() == p and (d["prompt_ids"][b, len(p):] == -1).all()
+        assert d["prompt_ids"][b, :len(p)].tolist() == p and (d["prompt_ids"][b, len(p):] == -1).all()
         assert (d["output_ids"][b, len(out):] == -1).all()
         assert d["topk_ids"][b, len(p) - 1:end, 0].tolist() == out.tolist(), b
         assert (np.diff(d["topk_logprobs"][b, :end], axis=-1) <= 0).all()
@@ -490,8 +489,8 @@ def planted_dump():
     target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float32),
                          32)
     plain = generate(target, None, PROMPTS[3], max_new_tokens=16).tokens
-    proposer = PlantedProposer(reference_sequences(PROMPTS[3], plain, 32), 256, lambda c,
-                               b: (c + b) % 3)
+    proposer = PlantedProposer(reference_sequences(PROMPTS[3], plain, 32), 256,
+                               lambda c, b: (c + b) % 3)
     d = baseline.dump(target, proposer, PROMPTS[3], max_new_tokens=16, num_steps=2)
     assert d["output_ids"].tolist() == [o + [-1] * (16 - len(o)) for o in plain]  # lossless
     return target, d
@@ -509,9 +508,8 @@ def test_compare_reports_a_planted_divergence(planted_dump, tmp_path, capsys):
     assert [r["diverge"] for r in report["rows"]] == [None, j, None]
     r = report["rows"][row]
     assert (r["positions"], r["top1_agree"], r["at"]) == (t + 1, t, t)
-    assert r["max_logprob_diff"] == pytest.approx(a["topk_logprobs"][row, t,
-                                                                     0] - a["topk_logprobs"][row, t,
-                                                                     1])
+    lp = a["topk_logprobs"][row, t]
+    assert r["max_logprob_diff"] == pytest.approx(lp[0] - lp[1])
     gap = a["topk_logprobs"][row, t, 0] - a["topk_logprobs"][row, t, 1]
     assert (r["divergence_failure"] is None) == (gap <= baseline.MAX_LOGPROB_DIFF), (gap, r["divergence_failure"])
     # the CLI: the same table, status 0 within the thresholds, 1 past one, BadInput (2) for files
@@ -847,8 +845,8 @@ def test_chunked_prefill_equals_one_pass(B):
     assert_close(aux, whole_aux, 1e-10, "chunked prefill EAGLE-3 states")
     again = [t[:B] for layer in target.layers
              for t in (layer.self_attn.kv_cache, layer.self_attn.pe_cache)]
-    assert all(torch.allclose(a, b, atol=1e-12) for a,
-               b in zip(again, caches)), "cache differs after chunks"
+    assert all(torch.allclose(a, b, atol=1e-12)
+               for a, b in zip(again, caches)), "cache differs after chunks"
     f2, g2 = prefill_draft(head, tokens, aux, last, chunk=5)
     assert torch.equal(f2, first) and torch.allclose(g2, g, atol=1e-10), "chunked draft extend"
 
@@ -884,8 +882,8 @@ def test_progress_labels_count_tokens_not_cache_slots():
     cfg = run.settle(run.parse_args(["--random-weights", "--context-len", "100",
                                      "--speculative-num-steps",
                                      str(k)]), cpu, 1)
-    isolated = {name: key for name,
-                (key, _, _) in timing.phase_calls(timing.prepare(cfg, cpu), 100).items()}
+    isolated = {name: key
+                for name, (key, _, _) in timing.phase_calls(timing.prepare(cfg, cpu), 100).items()}
     verifies = [key for key in rec.keys if key.phase == "verify"] + [isolated["verify/prefill"],
                                                                       isolated["verify/decode"]]
     assert len(verifies) > 2 and {key.mode for key in verifies} == {"extend", "decode"}

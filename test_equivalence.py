@@ -500,8 +500,8 @@ def lossless_matrix(seed, max_new=24):
         for mode in ("extend", "decode"):
             for k in (1, 2, 4):
                 proposers = {"eagle3": head,
-                             "errs": PlantedProposer(ref, target.args.vocab_size, lambda c, b,
-                                                     k=k: (c + b) % (k + 1)),
+                             "errs": PlantedProposer(ref, target.args.vocab_size,
+                                                     lambda c, b, k=k: (c + b) % (k + 1)),
                              "right": PlantedProposer(ref, target.args.vocab_size, lambda c, b: 99)}
                 for name, prop in proposers.items():
                     res = generate(target, prop, prompts, max_new_tokens=max_new, num_steps=k,
@@ -882,8 +882,8 @@ def test_tree_greedy_equals_a_walk_on_the_host_and_masks_see_only_ancestors():
         for i in range(N):
             kids = [j for j in range(N) if tree.parents[b, j] == i]
             if kids and torch.rand(1, generator=g) < 0.8:
-                logits[b, i,
-                       tree.tokens[b, kids[int(torch.randint(len(kids), (1,), generator=g))]]] += 20
+                logits[b, i, tree.tokens[b, kids[int(torch.randint(len(kids), (1,),
+                                                                   generator=g))]]] += 20
     depth = int(tree.depths.max())
     m, path, bonus = tree_accept(logits, tree, depth, 0.0, None)
     start = torch.randint(0, 5, (B,), generator=g)
@@ -1045,8 +1045,7 @@ class PlantedTreeHead:
 
     def __call__(self, tokens, positions, hidden, kv_len=None, slots=None, visible=None):
         """Pass j: positions q + j, reading the tokens at q + j + 1, guessing those at q + j + 2."""
-        on = (hidden[...,
-                     0] > 0) & (tokens == self.ref.gather(1,
+        on = (hidden[..., 0] > 0) & (tokens == self.ref.gather(1,
                                                           (positions + 1).clamp(max=self.ref.shape[1] - 1)))
         depth = int((positions - self.q)[0, 0])
         return self.planted(positions + 2, on, depth), on.unsqueeze(-1).double()

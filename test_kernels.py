@@ -431,8 +431,8 @@ def test_mla_merge_absorb_equals_combine_then_head_gemv(dtype, monkeypatch):
         (1, 1, 40,
          None), (3, 1, 300, 16), (1, 4, 300, 16), (2, 2, 40, None), (4, 4, 40,
                                                                      None), (4, 4, 300, 16))]
-    kimi = [(B, T, S, split) for B, T, S,
-            split in ((1, 1, 300, 16), (3, 1, 100, 64), (1, 4, 300, 16))
+    kimi = [(B, T, S, split)
+            for B, T, S, split in ((1, 1, 300, 16), (3, 1, 100, 64), (1, 4, 300, 16))
             if device == "cuda" or S == 100]                     # on a CPU the case that merges
     cases += [(KIMI_TP8, 128, B, T, S, split) for B, T, S, split in kimi]
     if device == "cuda":
@@ -894,8 +894,8 @@ SWAPS = {
     "norm_gemv (MLA)": (None, (kernels.NormGemvMLA,)),
     "norm_gemv + fused_proj (MLA)": (None, (kernels.NormGemvMLA, kernels.StackedQKVA)),
     "attention + norm_gemv (MLA)": (None, (kernels.DecodeAttentionKernel, kernels.NormGemvMLA)),
-    "norm_gemv (o_proj)": (lambda a,
-                           d: tp.RowParallelLinear(64, a.hidden_size, TP(), "x", device=d),
+    "norm_gemv (o_proj)": (lambda a, d: tp.RowParallelLinear(64, a.hidden_size,
+                                                             TP(), "x", device=d),
                            (kernels.GemvRowParallel,)),
     "fused_proj (MLA)": (None, (kernels.StackedQKVA,)),
 }

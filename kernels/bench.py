@@ -179,8 +179,8 @@ def _time_moe(fmt, N, variant, cfg, layers, inputs, floor_ms, bandwidth, LAYERS,
           f"  floor {floor_ms * 1e3:7.1f} us"
           f"  {ms / floor_ms:5.2f}x  {floor_ms * bandwidth / ms:6.0f} GB/s"
           + (f"  kernels alone {kernel_ms * 1e3:.1f} us ({kernel_ms / floor_ms:.2f}x): "
-             + ", ".join(f"{k.replace('_moe_', '').split('_kernel')[0]} {v * 1e3:.1f}" for k,
-                         v in by_kernel.items())
+             + ", ".join(f"{k.replace('_moe_', '').split('_kernel')[0]} {v * 1e3:.1f}"
+                         for k, v in by_kernel.items())
              if kernel_ms else ""), flush=True)
     return [dict(fmt=fmt, tokens=N, variant=label, config=cfg, ms=ms, kernel_ms=kernel_ms,
                  by_kernel=by_kernel,
@@ -527,8 +527,8 @@ def bench_input_norm_in_qkva(rows):
         xs, rs = ([torch.randn(M, K, device="cuda", dtype=dt) for _ in range(sets)]
                   for _ in range(2))
         base = _graph_ms([partial(two_launches, x, r, w) for x, r, w in zip(xs, rs, ws)]) * 1e3
-        us = _graph_ms([partial(norm_gemv, x, w, g, 1e-6, residual=r) for x, r,
-                        w in zip(xs, rs, ws)]) * 1e3
+        us = _graph_ms([partial(norm_gemv, x, w, g, 1e-6, residual=r)
+                        for x, r, w in zip(xs, rs, ws)]) * 1e3
         print(f"  add+norm+q_a+kv_a M {M}: kernel {us:6.1f} us  twin (add_rmsnorm, then the GEMV) {base:6.1f} us",
               flush=True)
         rows.append(dict(kernel="norm_gemv", proj="add+norm+q_a+kv_a", M=M, us=us, twin_us=base))
@@ -702,8 +702,8 @@ def bench_draft(out=None, contexts=(256, 32768), k=3):
                 n, top = _step_kernels(fn)
                 rows.append(dict(phase=phase, ctx=ctx, kernels=names, ms=ms, floor_ms=floor,
                                  x_floor=ms / floor,
-                                 launches=n, top={name: [c, round(us, 2)] for name,
-                                                  (c, us) in list(top.items())[:12]}))
+                                 launches=n, top={name: [c, round(us, 2)]
+                                                  for name, (c, us) in list(top.items())[:12]}))
                 print(f"{phase:13s} ctx {ctx:6d} {names:34s} {ms * 1e3:8.1f} us  floor {floor * 1e3:6.1f}  "
                       f"{ms / floor:5.2f}x  {n} kernels")
     rows += _bench_draft_attention(bw)

@@ -619,9 +619,8 @@ class DecodeAttentionKernel(model.MLA):
         in_w_uv = self.merges_in_w_uv and B * T <= MLA_MERGE_ABSORB_MAX_ROWS   # W_uv's GEMV merges
         o = launch.mla_decode_attention(self.absorb_query(q_nope, w_uk), q_pe, kv, k_pe,
                                         norm.weight, norm.eps,
-                                        rope, positions, self.kv_cache[:B,
-                                                                       :kv_len], self.pe_cache[:B,
-                                                                       :kv_len],
+                                        rope, positions, self.kv_cache[:B, :kv_len],
+                                        self.pe_cache[:B, :kv_len],
                                         a.softmax_scale, merge=not in_w_uv)
         out = self.merge_absorb_output(o, positions,
                                        w_uv) if in_w_uv else self.absorb_output(o, w_uv)

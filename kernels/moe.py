@@ -131,8 +131,7 @@ def _accumulate(acc, xt, x_ptr, x_row, row_ok, k0, K_IN, w_ptr, s_ptr, n, n_ok, 
                         mask=n_ok, other=0.0)
             acc += tl.dot(xt, wt.to(xt.dtype), input_precision=PRECISION) * s[None, :]
         else:
-            s = tl.load(s_ptr + ((n + off_r) // block_r)[None,
-                                                         :] * stride_sr + ((k + off_c) // block_c)[:, None]
+            s = tl.load(s_ptr + ((n + off_r) // block_r)[None, :] * stride_sr + ((k + off_c) // block_c)[:, None]
                         * stride_sc, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
             acc = tl.dot(xt, (wt.to(tl.float32) * s).to(xt.dtype), acc, input_precision=PRECISION)
     return acc

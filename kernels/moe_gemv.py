@@ -430,10 +430,8 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
     e = tl.load(ids_ptr + p).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
-    g_rows, u_rows = g_ptr + e * stride_we + n[:,
-                                               None] * stride_wn, u_ptr + e * stride_we + n[:, None] * stride_wn
-    gs_rows, us_rows = gs_ptr + e * stride_se + n[:,
-                                                  None] * stride_sr, us_ptr + e * stride_se + n[:, None] * stride_sr
+    g_rows, u_rows = g_ptr + e * stride_we + n[:, None] * stride_wn, u_ptr + e * stride_we + n[:, None] * stride_wn
+    gs_rows, us_rows = gs_ptr + e * stride_se + n[:, None] * stride_sr, us_ptr + e * stride_se + n[:, None] * stride_sr
     for c in range(tl.sum(same.to(tl.int32), 0)):                          # each pair of the expert
         pair = tl.sum(tl.where(same & (rank == c), q, 0), 0)
         v = v_ptr + (pair // TOPK).to(tl.int64) * D
@@ -485,18 +483,14 @@ def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we,
         if EVEN:
             e = tl.load(ids_ptr + pair).to(tl.int64)
             words = tl.load(w_ptr + e[None, :] * stride_we + n[:, None] * stride_wn + w[None, :])
-            s = tl.load(s_ptr + e[None,
-                                  :] * stride_se + n[:,
-                                                     None] * stride_sr + (w * 8 // GROUP)[None, :])
+            s = tl.load(s_ptr + e[None, :] * stride_se + n[:, None] * stride_sr + (w * 8 // GROUP)[None, :])
         else:
             c_ok = c < TOPK * W
             ok = n_ok[:, None] & c_ok[None, :]
             e = tl.load(ids_ptr + pair, mask=c_ok, other=0).to(tl.int64)
             words = tl.load(w_ptr + e[None, :] * stride_we + n[:, None] * stride_wn + w[None, :],
                             mask=ok, other=0)
-            s = tl.load(s_ptr + e[None,
-                                  :] * stride_se + n[:,
-                                                     None] * stride_sr + (w * 8 // GROUP)[None, :],
+            s = tl.load(s_ptr + e[None, :] * stride_se + n[:, None] * stride_sr + (w * 8 // GROUP)[None, :],
                         mask=ok, other=0.0)
         high = words >> 12
         h_row = h_ptr + pair.to(tl.int64) * I + w                          # plane j at + j * W
