@@ -191,6 +191,70 @@ def test_fused_moe_gemv_fp8_takes_a_shared_expert():
 
 
 @pytest.mark.triton
+def test_fused_moe_int4_tiles_even_and_masked_blocks():
+    """The INT4 tile kernels (weights as the MMA's first operand) against the gather path: steps
+    that divide the words a row (EVEN) and steps that do not, weight rows past I and D in the last
+    row block, and an expert picked by more pairs than a tile holds (20 tokens on the same 8
+    experts: two tiles each), in fp32 (and bf16 on a GPU). D 256 (32 words a row), then D 96
+    (12)."""
+    on_gpu = TRITON_DEVICE.type == "cuda"
+    # (BLOCK_N, BLOCK_K, warps, stages): I 96 a rank (12 words), so 64-row blocks mask rows of
+    # gate_up, and of down at D 96
+    configs = [dict(gate_up=(16, 128, 4, 1), down=(32, 128, 4, 1)),
+               dict(gate_up=(64, 256, 4, 1), down=(64, 256, 4, 1))]
+    cases = [(D, N, kind, cfg) for D in (256, 96) for N, kind in ((3, "random"), (20, "shared"))
+             for cfg in configs]
+    if not on_gpu:  # the interpreter: each D, routing and config once
+        cases = [cases[0], cases[-1], (256, 20, "shared", configs[1])]
+    for D, N, kind, cfg in cases:
+        args = tiny(n_routed_experts=16, num_experts_per_tok=8, hidden_size=D,
+                    moe_intermediate_size=192, quantization_config="int4")
+        for dtype in (torch.float32, torch.bfloat16) if on_gpu else (torch.float32,):
+            experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, dtype), 0).experts
+            weights = [kernels.expert_weights(getattr(experts, p))
+                       for p in ("gate_proj", "up_proj", "down_proj")]
+            g = torch.Generator().manual_seed(N)
+            ids, w = routing(kind, N, 8, 16, g, TRITON_DEVICE)
+            x = torch.randn(N, D, generator=g).to(TRITON_DEVICE, dtype)
+            ref = model.Experts.forward(experts, x, ids, w)
+            got = kernels.fused_moe(x, ids, w, *weights, variant="dot", configs=cfg)
+            tol = (1e-5 if dtype == torch.float32 else 2e-2) * ref.abs().max().item()
+            assert_close(got, ref, tol, f"INT4 tiles D {D} {dtype} N {N} {kind} {cfg}")
+
+
+@pytest.mark.gpu
+@pytest.mark.triton
+def test_gpu_fused_moe_int4_tiles_graph_equals_eager():
+    """The INT4 tile variant at a Kimi-K2 TP-8 rank's shapes (384 experts, D 7168, I 256), bf16,
+    captured once with no host sync: replays on new tokens and new routing (16 tokens, from every
+    expert distinct to all on the same 8) equal the eager call, and the plain module."""
+    experts, D = moe_experts("kimi", "int4", 384, "cuda", torch.bfloat16)
+    g = torch.Generator().manual_seed(0)
+    N = 16
+    ids, w = routing("random", N, 8, 384, g, "cuda")
+    x = torch.randn(N, D, generator=g).to("cuda", torch.bfloat16)
+    experts.fused(x, ids, w, variant="dot")                              # compile outside capture
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        with torch.cuda.graph(graph):
+            out = experts.fused(x, ids, w, variant="dot")
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    for kind in ("disjoint", "random", "shared"):
+        new_ids, new_w = routing(kind, N, 8, 384, g, "cuda")
+        ids.copy_(new_ids)
+        w.copy_(new_w)
+        x.copy_(torch.randn(N, D, generator=g).to("cuda", torch.bfloat16))
+        graph.replay()
+        eager = experts.fused(x, ids, w, variant="dot")
+        assert_close(out, eager, 0.0, f"INT4 tiles, {kind} routing: graph replay vs eager")
+        ref = model.Experts.forward(experts, x, ids, w)
+        assert_close(out, ref, 2e-2 * ref.abs().max().item(), f"INT4 tiles, {kind}: vs plain")
+
+
+@pytest.mark.triton
 def test_fused_moe_gemv_int4_even_and_masked_blocks():
     """The INT4 GEMV kernels with blocks that divide the shapes (EVEN: no load masked, as at
     Kimi-K2's) and blocks that do not (masked rows, words and expert columns), against the gather

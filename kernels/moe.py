@@ -40,14 +40,16 @@ def _configs(fmt, P, on_gpu):
      - gate_up BLOCK_N 16 at decode (P = 8: 8 expert tiles, 16 programs each fill 132 SMs), 32 from
        4 tokens on (32+ tiles: half the activation loads and loop overhead per weight byte);
      - BLOCK_K 128 for bf16 and FP8 (the checkpoint's scale block: one scale a row and k-step,
-     applied
-       after the dot); 256 for INT4 (32 packed words a row a k-step, 8 sub-dots of 32);
-     - down BLOCK_N 64 (D = 7168: 112 programs an expert tile; its other sizes move little)."""
+       applied after the dot);
+     - down BLOCK_N 64 (D = 7168: 112 programs an expert tile; its other sizes move little).
+    INT4 (its own kernels; BLOCK_N counts weight rows): gate_up 32 rows of 128 elements (16 words
+    a sub-dot) in 4 stages, down 64 rows of 256: the fastest of the points timed at 2 to 32
+    tokens (gate_up steps of 256 elements ran 1.5-1.7x slower, at 16 to 128 rows)."""
     # Triton's CPU interpreter runs programs one by one, ~0.1 ms an op: fewest, largest
     if not on_gpu:
         return dict(gate_up=(64, 128, 4, 1), down=(64, 128, 4, 1))
     if fmt == "int4":
-        return dict(gate_up=(16, 256, 4, 3) if P <= 16 else (32, 256, 8, 3), down=(64, 256, 8, 3))
+        return dict(gate_up=(32, 128, 4, 4), down=(64, 256, 4, 3))
     return dict(gate_up=(16, 128, 4, 4) if P <= 16 else (32, 128, 4, 4), down=(64, 128, 4, 3))
 
 
@@ -90,50 +92,30 @@ def _moe_align_kernel(ids_ptr, sorted_pair_ptr, tile_expert_ptr, P, E, max_tiles
 
 
 @_jit
-def _accumulate(acc, xt, x_ptr, x_row, row_ok, k0, K_IN, w_ptr, s_ptr, n, n_ok, stride_wn,
-                stride_sr, stride_sc,
-                block_r, block_c, off_r, off_c, GROUP,
+def _accumulate(acc, xt, k0, K_IN, w_ptr, s_ptr, n, n_ok, stride_wn, stride_sr, stride_sc,
+                block_r, block_c, off_r, off_c,
                 FMT: tl.constexpr, BLOCK_K: tl.constexpr, SCALE_PER_ROW: tl.constexpr,
                 PRECISION: tl.constexpr):
-    """acc [BM, BN] += X[rows, k0:k0+BK] @ W[n, k0:k0+BK]^T, W of one expert read as stored.
+    """acc [BM, BN] += X[rows, k0:k0+BK] @ W[n, k0:k0+BK]^T, W of one expert read as stored (plain
+    or FP8; INT4 has kernels of its own below).
 
-    xt [BM, BK]: that activation tile (plain, FP8); INT4 reads its own strided pieces of it at
-    x_ptr + x_row[m] + c (element c of tile row m's activation row). w_ptr, s_ptr: the expert's
-    weight and scale (ExpertWeights layouts); n: [BN] output rows. FMT 0 plain, 1 FP8 blocks, 2
-    INT4 packed. SCALE_PER_ROW (FP8): the k-step lies inside one column block, so the scale is one
-    per row, applied to the dot's result."""
-    if FMT == 2:
-        # INT4: the k-step's words [BK/8, BN]; nibble j of word w is element 8w + j, so the step is
-        # 8 dots over the elements {8w + j}, with no unpacking into the natural order (which costs
-        # a layout change through shared memory: 1.5-2.4x slower on the H200, and out of shared
-        # memory for the down projection).
-        w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-        w_ok = w < K_IN // 8
-        words = tl.load(w_ptr + n[None, :] * stride_wn + w[:, None],
-                        mask=w_ok[:, None] & n_ok[None, :], other=0)
-        scale = tl.load(s_ptr + n[None, :] * stride_sr + (w * 8 // GROUP)[:, None],
-                        mask=w_ok[:, None] & n_ok[None, :], other=0.0).to(tl.float32)
-        for j in tl.static_range(8):
-            xj = tl.load(x_ptr + x_row[:, None] + (w * 8 + j)[None, :],
-                         mask=row_ok[:, None] & w_ok[None, :], other=0.0)
-            q = ((words >> (4 * j)) & 0xF) - 8
-            acc = tl.dot(xj, (q.to(tl.float32) * scale).to(xj.dtype), acc,
-                         input_precision=PRECISION)
+    xt [BM, BK]: that activation tile. w_ptr, s_ptr: the expert's weight and scale (ExpertWeights
+    layouts); n: [BN] output rows. FMT 0 plain, 1 FP8 blocks. SCALE_PER_ROW (FP8): the k-step lies
+    inside one column block, so the scale is one per row, applied to the dot's result."""
+    k = k0 + tl.arange(0, BLOCK_K)
+    k_ok = k < K_IN
+    wt = tl.load(w_ptr + n[None, :] * stride_wn + k[:, None],
+                 mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+    if FMT == 0:  # the load feeds the dot directly (Triton pipelines it through shared memory)
+        acc = tl.dot(xt, wt.to(xt.dtype), acc, input_precision=PRECISION)
+    elif SCALE_PER_ROW:
+        s = tl.load(s_ptr + ((n + off_r) // block_r) * stride_sr + ((k0 + off_c) // block_c) * stride_sc,
+                    mask=n_ok, other=0.0)
+        acc += tl.dot(xt, wt.to(xt.dtype), input_precision=PRECISION) * s[None, :]
     else:
-        k = k0 + tl.arange(0, BLOCK_K)
-        k_ok = k < K_IN
-        wt = tl.load(w_ptr + n[None, :] * stride_wn + k[:, None],
-                     mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-        if FMT == 0:  # the load feeds the dot directly (Triton pipelines it through shared memory)
-            acc = tl.dot(xt, wt.to(xt.dtype), acc, input_precision=PRECISION)
-        elif SCALE_PER_ROW:
-            s = tl.load(s_ptr + ((n + off_r) // block_r) * stride_sr + ((k0 + off_c) // block_c) * stride_sc,
-                        mask=n_ok, other=0.0)
-            acc += tl.dot(xt, wt.to(xt.dtype), input_precision=PRECISION) * s[None, :]
-        else:
-            s = tl.load(s_ptr + ((n + off_r) // block_r)[None, :] * stride_sr + ((k + off_c) // block_c)[:, None]
-                        * stride_sc, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
-            acc = tl.dot(xt, (wt.to(tl.float32) * s).to(xt.dtype), acc, input_precision=PRECISION)
+        s = tl.load(s_ptr + ((n + off_r) // block_r)[None, :] * stride_sr + ((k + off_c) // block_c)[:, None]
+                    * stride_sc, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        acc = tl.dot(xt, (wt.to(tl.float32) * s).to(xt.dtype), acc, input_precision=PRECISION)
     return acc
 
 
@@ -141,7 +123,7 @@ def _accumulate(acc, xt, x_ptr, x_row, row_ok, k0, K_IN, w_ptr, s_ptr, n, n_ok, 
 def _moe_gate_up_kernel(x_ptr, h_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr, gs_ptr, u_ptr,
                         us_ptr,
                         P, TOPK, D, I, stride_we, stride_wn, stride_se, stride_sr, stride_sc,
-                        block_r, block_c, off_r, off_c, GROUP,
+                        block_r, block_c, off_r, off_c,
                         FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                         BLOCK_K: tl.constexpr,
                         SCALE_PER_ROW: tl.constexpr, PRECISION: tl.constexpr):
@@ -166,20 +148,14 @@ def _moe_gate_up_kernel(x_ptr, h_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr, g
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, D, BLOCK_K):
-        xt = tl.zeros([BLOCK_M, BLOCK_K], x_ptr.dtype.element_ty)       # INT4 loads its own pieces
-        if FMT != 2:  # one load for gate and up
-            k = k0 + tl.arange(0, BLOCK_K)
-            xt = tl.load(x_ptr + x_row[:, None] + k[None, :],
-                         mask=row_ok[:, None] & (k < D)[None, :], other=0.0)
-        acc_g = _accumulate(acc_g, xt, x_ptr, x_row, row_ok, k0, D, g_ptr + e * stride_we,
-                            gs_ptr + e * stride_se, n,
+        k = k0 + tl.arange(0, BLOCK_K)                                    # one load for gate and up
+        xt = tl.load(x_ptr + x_row[:, None] + k[None, :],
+                     mask=row_ok[:, None] & (k < D)[None, :], other=0.0)
+        acc_g = _accumulate(acc_g, xt, k0, D, g_ptr + e * stride_we, gs_ptr + e * stride_se, n,
                             n_ok, stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c,
-                            GROUP,
                             FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
-        acc_u = _accumulate(acc_u, xt, x_ptr, x_row, row_ok, k0, D, u_ptr + e * stride_we,
-                            us_ptr + e * stride_se, n,
+        acc_u = _accumulate(acc_u, xt, k0, D, u_ptr + e * stride_we, us_ptr + e * stride_se, n,
                             n_ok, stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c,
-                            GROUP,
                             FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty),
@@ -189,7 +165,7 @@ def _moe_gate_up_kernel(x_ptr, h_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr, g
 @_jit
 def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr, w_ptr, s_ptr,
                      P, D, I, stride_we, stride_wn, stride_se, stride_sr, stride_sc,
-                     block_r, block_c, off_r, off_c, GROUP,
+                     block_r, block_c, off_r, off_c,
                      FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr,
                      SCALE_PER_ROW: tl.constexpr, PRECISION: tl.constexpr):
@@ -212,18 +188,117 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
     n_ok = n < D
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        ht = tl.zeros([BLOCK_M, BLOCK_K], h_ptr.dtype.element_ty)
-        if FMT != 2:
-            k = k0 + tl.arange(0, BLOCK_K)
-            ht = tl.load(h_ptr + h_row[:, None] + k[None, :],
-                         mask=row_ok[:, None] & (k < I)[None, :], other=0.0)
-        acc = _accumulate(acc, ht, h_ptr, h_row, row_ok, k0, I, w_ptr + e * stride_we,
-                          s_ptr + e * stride_se, n, n_ok,
-                          stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c, GROUP,
+        k = k0 + tl.arange(0, BLOCK_K)
+        ht = tl.load(h_ptr + h_row[:, None] + k[None, :],
+                     mask=row_ok[:, None] & (k < I)[None, :], other=0.0)
+        acc = _accumulate(acc, ht, k0, I, w_ptr + e * stride_we, s_ptr + e * stride_se, n, n_ok,
+                          stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c,
                           FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
     route_w = tl.load(route_w_ptr + pair, mask=row_ok, other=0)
     tl.store(y_ptr + pair[:, None].to(tl.int64) * D + n[None, :], acc * route_w[:, None],
              mask=row_ok[:, None] & n_ok[None, :])
+
+
+# INT4 tiles: the weights as the MMA's first operand. A tile's pairs (at most BLOCK_M = 16, mostly
+# 1 to 4 under any routing) are the product's narrow side, BLOCK_N weight rows its tall side:
+# acc [BLOCK_N, BLOCK_M] += W_j [BLOCK_N, BLOCK_W] @ X_j [BLOCK_W, BLOCK_M]. Nibble j of word w is
+# element 8w + j: a step of BLOCK_W words is 8 dots, dot j over the elements {8w + j} (W_j: nibble
+# j of every word; X_j: the activation at those elements, a strided load that L1 serves after
+# j = 0), so the words are never reordered. Each weight element is unpacked once however many
+# pairs the tile holds, by the exponent trick (moe_gemv._nibble: an AND-OR and an FMA give q - 8
+# exactly), times its group scale in fp32 and rounded once to the compute dtype, as the plain
+# module's dequantization rounds. Measured on the H200 (python -m kernels.bench --moe --formats
+# int4 --variants dot,gemv): 5.5-6x the floor at 8 to 32 tokens, against 2-3x for the GEMV
+# variant, which therefore serves INT4 up to 32 tokens. The sm_90 TTGIR shows why: Triton stages
+# every W_j through shared memory on its way to the MMA, 16 small dots a step, each behind a
+# barrier. Unpacking to natural order in registers (tl.join) or loading each word once per
+# element it holds ran 1.4-1.5x and 10x slower.
+
+@_jit
+def _int4_dot(acc, w_rows, s_rows, x_ptr, x_col, cols_ok, w0, magic, PRECISION: tl.constexpr,
+              W: tl.constexpr, GROUP: tl.constexpr, BLOCK_W: tl.constexpr, EVEN: tl.constexpr):
+    """acc [BN, BM] += W[rows, 8 w0 : 8 (w0 + BLOCK_W)] @ X[cols, same elements]^T.
+
+    w_rows, s_rows [BN, 1]: the weight rows' word and scale pointers (the caller points rows past
+    the matrix at its last row). W: words a row; EVEN: BLOCK_W divides W, so no weight load is
+    masked. x_ptr + x_col [1, BM]: each tile column's activation row (element c at + c); cols_ok
+    [1, BM]: the columns holding a pair."""
+    w = w0 + tl.arange(0, BLOCK_W)
+    if EVEN:
+        words = tl.load(w_rows + w[None, :])
+        scale = tl.load(s_rows + (w * 8 // GROUP)[None, :]).to(tl.float32)
+    else:
+        words = tl.load(w_rows + w[None, :], mask=(w < W)[None, :], other=0)
+        scale = tl.load(s_rows + (w * 8 // GROUP)[None, :], mask=(w < W)[None, :],
+                        other=0.0).to(tl.float32)
+    high = words >> 12
+    for j in tl.static_range(8):
+        xj = tl.load(x_ptr + x_col + (w * 8 + j)[:, None], mask=cols_ok & (w < W)[:, None],
+                     other=0.0)                                               # [BLOCK_W, BM]
+        wj = (moe_gemv._nibble(words, high, j, magic) * scale).to(xj.dtype)  # [BN, BLOCK_W]
+        acc = tl.dot(wj, xj, acc, input_precision=PRECISION)
+    return acc
+
+
+@_jit
+def _moe_int4_gate_up_kernel(x_ptr, h_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr, gs_ptr, u_ptr,
+                             us_ptr, P, TOPK, stride_we, stride_wn, stride_se, stride_sr, magic,
+                             D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
+                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                             EVEN: tl.constexpr, PRECISION: tl.constexpr):
+    """_moe_gate_up_kernel for INT4 weights (the section above): h[row, i] for the BLOCK_N rows i
+    of program pid_n and the pairs of one tile. Grid: (cdiv(I, BLOCK_N), max_tiles)."""
+    _wait_for_prior()
+    pid_n, tile = tl.program_id(0), tl.program_id(1)
+    e = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    if e < 0:
+        return
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pair_ptr + rows)
+    x_col, cols_ok = (pair // TOPK).to(tl.int64)[None, :] * D, (pair < P)[None, :]
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    n = tl.minimum(n, I - 1)[:, None]           # rows past I read row I - 1 again, stored nowhere
+    g_rows, u_rows = g_ptr + e * stride_we + n * stride_wn, u_ptr + e * stride_we + n * stride_wn
+    gs_rows, us_rows = gs_ptr + e * stride_se + n * stride_sr, us_ptr + e * stride_se + n * stride_sr
+    acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for w0 in range(0, D // 8, BLOCK_W):
+        acc_g = _int4_dot(acc_g, g_rows, gs_rows, x_ptr, x_col, cols_ok, w0, magic, PRECISION,
+                          D // 8, GROUP, BLOCK_W, EVEN)
+        acc_u = _int4_dot(acc_u, u_rows, us_rows, x_ptr, x_col, cols_ok, w0, magic, PRECISION,
+                          D // 8, GROUP, BLOCK_W, EVEN)
+    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+    i = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(h_ptr + rows[None, :].to(tl.int64) * I + i[:, None], h.to(h_ptr.dtype.element_ty),
+             mask=(i < I)[:, None])
+
+
+@_jit
+def _moe_int4_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr, w_ptr,
+                          s_ptr, P, stride_we, stride_wn, stride_se, stride_sr, magic,
+                          D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                          EVEN: tl.constexpr, PRECISION: tl.constexpr):
+    """_moe_down_kernel for INT4 weights (the section above): y[pair, d] for the BLOCK_N rows d of
+    program pid_n and the pairs of one tile. Grid: (cdiv(D, BLOCK_N), max_tiles)."""
+    _wait_for_prior()
+    pid_n, tile = tl.program_id(0), tl.program_id(1)
+    e = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    if e < 0:
+        return
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pair_ptr + rows)
+    h_col, cols_ok = rows[None, :].to(tl.int64) * I, (pair < P)[None, :]
+    n = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), D - 1)[:, None]
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for w0 in range(0, I // 8, BLOCK_W):
+        acc = _int4_dot(acc, w_ptr + e * stride_we + n * stride_wn,
+                        s_ptr + e * stride_se + n * stride_sr, h_ptr, h_col, cols_ok, w0, magic,
+                        PRECISION, I // 8, GROUP, BLOCK_W, EVEN)
+    route_w = tl.load(route_w_ptr + pair, mask=pair < P, other=0)
+    d = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(y_ptr + pair[None, :].to(tl.int64) * D + d[:, None], acc * route_w[None, :],
+             mask=(pair < P)[None, :] & (d < D)[:, None])
 
 
 @_jit
@@ -346,25 +421,48 @@ def _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, cfg):
                             BLOCK_M=BLOCK_M, E_PAD=triton.next_power_of_2(E), CHUNK=ALIGN_CHUNK,
                             num_warps=8, launch_pdl=common.PDL)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact, not tf32; else unused
-    bn, bk, warps, stages = cfg["gate_up"]
     h = torch.empty(max_tiles * BLOCK_M, I, dtype=x.dtype, device=dev)          # [rows, I]
-    gs, strides, quant, per_row = _weight_args(gate, bk)
-    _moe_gate_up_kernel[(triton.cdiv(I, bn), max_tiles)](
-        x, h, sorted_pair, tile_expert, gate.data, gs, up.data, _weight_args(up, bk)[0], P, K, D, I,
-        *strides, *quant, FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
-        SCALE_PER_ROW=per_row, PRECISION=precision,
-        launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
-    bn, bk, warps, stages = cfg["down"]
     y = torch.empty(P, D, dtype=torch.float32, device=dev)                      # [P, D], weighted
-    ds, strides, quant, per_row = _weight_args(down, bk)
-    _moe_down_kernel[(triton.cdiv(D, bn), max_tiles)](
-        h, y, sorted_pair, tile_expert, route_w, down.data, ds, P, D, I, *strides, *quant,
-        FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SCALE_PER_ROW=per_row,
-        PRECISION=precision, launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
+    tiles = (sorted_pair, tile_expert)
+    if fmt == "int4":
+        _int4_tiles(x, h, y, tiles, route_w, gate, up, down, K, cfg, precision)
+    else:
+        bn, bk, warps, stages = cfg["gate_up"]
+        gs, strides, quant, per_row = _weight_args(gate, bk)
+        _moe_gate_up_kernel[(triton.cdiv(I, bn), max_tiles)](
+            x, h, *tiles, gate.data, gs, up.data, _weight_args(up, bk)[0], P, K, D, I, *strides,
+            *quant[:4], FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
+            SCALE_PER_ROW=per_row, PRECISION=precision,
+            launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
+        bn, bk, warps, stages = cfg["down"]
+        ds, strides, quant, per_row = _weight_args(down, bk)
+        _moe_down_kernel[(triton.cdiv(D, bn), max_tiles)](
+            h, y, *tiles, route_w, down.data, ds, P, D, I, *strides, *quant[:4],
+            FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SCALE_PER_ROW=per_row,
+            PRECISION=precision, launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     _moe_combine_kernel[(N, triton.cdiv(D, COMBINE_BLOCK))](y, out, D, K, BLOCK_D=COMBINE_BLOCK,
                                                             num_warps=4, launch_pdl=common.PDL)
     return out
+
+
+def _int4_tiles(x, h, y, tiles, route_w, gate, up, down, K, cfg, precision):
+    """The tile variant's gate_up and down launches for INT4 weights; configs: (BLOCK_N weight
+    rows, BLOCK_K elements a step, num_warps, num_stages)."""
+    (D, I), P, max_tiles = (x.shape[1], gate.shape[1]), route_w.numel(), tiles[1].numel()
+    strides = lambda w: (*w.data.stride()[:2], *w.scale.stride()[:2])   # noqa: E731
+    bn, bk, warps, stages = cfg["gate_up"]
+    _moe_int4_gate_up_kernel[(triton.cdiv(I, bn), max_tiles)](
+        x, h, *tiles, gate.data, gate.scale, up.data, up.scale, P, K, *strides(gate),
+        moe_gemv.MAGIC, D=D, I=I, GROUP=gate.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_W=bk // 8,
+        EVEN=D // 8 % (bk // 8) == 0, PRECISION=precision, launch_pdl=common.PDL,
+        num_warps=warps, num_stages=stages)
+    bn, bk, warps, stages = cfg["down"]
+    _moe_int4_down_kernel[(triton.cdiv(D, bn), max_tiles)](
+        h, y, *tiles, route_w, down.data, down.scale, P, *strides(down), moe_gemv.MAGIC, D=D, I=I,
+        GROUP=down.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_W=bk // 8,
+        EVEN=I // 8 % (bk // 8) == 0, PRECISION=precision, launch_pdl=common.PDL,
+        num_warps=warps, num_stages=stages)
 
 
 def with_shared_slot(ids, weights, E):

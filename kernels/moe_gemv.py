@@ -90,12 +90,16 @@ GEMV_CONFIGS = {
 # in tokens, not pairs: a shared expert's extra slot a token moves no boundary
 GEMV_SMALL_TOKENS = 2
 # The GEMV variant up to this many tokens (fused_moe's rule, variant=None; in tokens, not pairs, so
-# a shared expert routed as one more slot a token moves no boundary): where it beats the tiles at K
-# = 8 (`python -m kernels.bench --moe`); for bf16, 2 from the model: with the shared expert folded
-# in (SharedExpertInLaunch) every token picks expert E, whose leader program then runs N passes one
-# after another, and from 3 tokens the tiles win there (verify of 3: `python run.py
-# --speculative-num-steps 2`).
-GEMV_MAX_TOKENS = {"plain": 2, "fp8": 4, "int4": 32}
+# a shared expert routed as one more slot a token moves no boundary), from `python -m kernels.bench
+# --moe` at a Kimi-K2 TP-8 rank's shapes (D 7168, I 256), 1 to 32 tokens, on the H200:
+#  - FP8, 384 experts: the GEMV at 1.55-1.78x its floor, the tiles at 1.71x (32 tokens) to 6.9x (1
+#    token); the tiles catch up at 20-24 tokens and are 4% faster at 32, but there the GEMV also
+#    carries the bf16 shared expert, which beside the tiles runs alone (12.6 us a layer): 32;
+#  - INT4: the GEMV at 2.1-3.2x, the tiles at 5.5-6x (their section in moe.py): 32;
+#  - bf16, 128 experts and the shared expert folded in as expert 129 (SharedExpertInLaunch: every
+#    token picks it, and its leader program runs N passes one after another): the GEMV wins at 1
+#    and 2 tokens (30 against 54 us, 53 against 59), the tiles from 3 (72 against 81): 2.
+GEMV_MAX_TOKENS = {"plain": 2, "fp8": 32, "int4": 32}
 GEMV_MAX_PAIRS = 1024   # the leader test holds all N*K expert ids of a call in one vector
 
 
