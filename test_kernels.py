@@ -26,9 +26,10 @@ import tp
 from checkpoint import init_random, init_random_draft, load_target, save_target
 from draft import draft_preset, DraftAttention, Eagle3Draft, rotate_half_rope
 from graphs import CudaGraphs
+from kernels.common import _jit, tl
 from model import Transformer
-from testing import (assert_close, captured_calls, flat, fp8_checkpoint, gpu_models, HERE,
-                     int4_checkpoint, PROMPTS, random_tree, run_steps, step_inputs, tiny,
+from testing import (assert_close, captured_calls, count_reads, flat, fp8_checkpoint, gpu_models,
+                     HERE, int4_checkpoint, PROMPTS, random_tree, run_steps, step_inputs, tiny,
                      TRITON_DEVICE)
 from tp import TP
 from verify import generate, tree_visible
@@ -369,6 +370,143 @@ def test_fused_moe_refuses_bad_input_by_name():
     with pytest.raises(ValueError,
                        match="moe='fused' needs Triton and a bf16, fp16 or float32 model"):
         kernels.accelerate(Transformer(tiny(), dtype=torch.float64), moe="fused")
+
+
+# ---------------------------------------------------------------------------------------------
+# The weight bytes a fused MoE launch reads, counted under Triton's CPU interpreter (count_reads:
+# every mask-true element a tl.load fetches from each expert tensor). "issued": every load counted;
+# "distinct": the bytes loaded at least once. A token's experts are K = 8 of E = 16, so tokens share
+# them; the routing gives each expert's pairs (the tokens that pick it).
+
+ON_THE_INTERPRETER = pytest.mark.skipif(
+    TRITON_DEVICE.type == "cuda",
+    reason="counts loads inside Triton's CPU interpreter (TRITON_INTERPRET=1, a machine without "
+           "CUDA); on CUDA the kernels run compiled and their loads cannot be counted")
+
+
+@_jit
+def _load_twice_kernel(src_ptr, dst_ptr, n, BLOCK: tl.constexpr):
+    """dst[i] = 2 * src[i], i < n, src loaded twice: a known count for count_reads."""
+    i = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    a = tl.load(src_ptr + i, mask=i < n)
+    b = tl.load(src_ptr + i, mask=i < n)
+    tl.store(dst_ptr + i, a + b, mask=i < n)
+
+
+@pytest.mark.triton
+@ON_THE_INTERPRETER
+def test_count_reads_counts_the_mask_true_loads_inside_each_tensor():
+    """100 fp32 elements in the middle of a buffer, loaded twice by 2 programs of 64 lanes: the 28
+    masked-off lanes point into the buffer's tail and must not count; stores do not count."""
+    from triton.runtime.interpreter import InterpreterBuilder
+    original = InterpreterBuilder.create_masked_load
+    buf = torch.arange(300, dtype=torch.float32)
+    head, src, tail = buf[:100], buf[100:200].view(10, 10), buf[200:]
+    dst = torch.zeros(100)
+    with count_reads({"head": head, "src": src, "tail": tail, "dst": dst}) as reads:
+        _load_twice_kernel[(2,)](src, dst, 100, BLOCK=64)
+    assert InterpreterBuilder.create_masked_load is original, "count_reads left its wrapper in"
+    assert torch.equal(dst, 2 * src.flatten())
+    assert (reads["src"].bytes, reads["src"].distinct) == (800, 400)
+    assert reads["src"].by_row() == ([80] * 10, [40] * 10)
+    assert [reads[k].bytes for k in ("head", "tail", "dst")] == [0, 0, 0]
+
+
+def expert_tensors(experts):
+    """The fused MoE's expert tensors by name: each projection's data and, quantized, its scales."""
+    tensors = {}
+    for p in ("gate", "up", "down"):
+        w = kernels.expert_weights(getattr(experts, p + "_proj"))
+        tensors[p] = w.data
+        if w.scale is not None:
+            tensors[p + " scales"] = w.scale
+    return tensors
+
+
+def moe_reads(experts, D, N, kind, variant, seed):
+    """One fused_moe call of `variant` on N tokens routed as `kind` (checked against the plain
+    reference): its pairs per expert [E] and, per expert tensor, (issued, distinct) bytes per
+    expert."""
+    g = torch.Generator().manual_seed(seed)
+    ids, w = routing(kind, N, 8, experts.n_experts, g, TRITON_DEVICE)
+    x = torch.randn(N, D, generator=g)
+    with count_reads(expert_tensors(experts)) as reads:
+        out = experts.fused(x, ids, w, variant=variant)
+    ref = model.Experts.forward(experts, x, ids, w)
+    assert_close(out, ref, 1e-5 * ref.abs().max().item(), f"fused ({variant}) vs gather MoE, N {N}")
+    pairs = torch.bincount(ids.flatten(), minlength=experts.n_experts).tolist()
+    return pairs, {name: r.by_row() for name, r in reads.items()}
+
+
+def one_expert_bytes(experts):
+    return {name: t[0].numel() * t.element_size() for name, t in expert_tensors(experts).items()}
+
+
+def per_pass_bytes(experts, D, variant):
+    """Bytes a launch issues for one expert serving one token, per expert tensor, from one token's
+    call (its K experts one pair each); every one of them must read alike."""
+    pairs, reads = moe_reads(experts, D, 1, "random", variant, seed=1)
+    per_pass = {}
+    for name, (issued, _) in reads.items():
+        seen = {b for b, p in zip(issued, pairs) if p}
+        assert len(seen) == 1 and 0 not in seen, f"{name}: one token's experts issued {issued}"
+        per_pass[name] = seen.pop()
+    return per_pass
+
+
+@pytest.mark.triton
+@ON_THE_INTERPRETER
+@pytest.mark.parametrize("quant", [None, "int4", "fp8"])
+def test_fused_moe_tile_variant_reads_each_distinct_expert_once(quant):
+    """The tile variant reads each distinct expert's weights once, however many tokens pick it (up
+    to 4 here): every expert a token picks, its gate, up and down data loaded once, element by
+    element (issued = distinct = the expert's bytes), nothing of the others; its scales loaded
+    completely and as often as for one token (a scale is loaded once for each weight element or
+    word it scales, so issued scale bytes exceed distinct by a fixed factor)."""
+    experts, D = moe_experts("tiny", quant, 16, TRITON_DEVICE, torch.float32)
+    one, per_pass = one_expert_bytes(experts), per_pass_bytes(experts, D, "dot")
+    for name in ("gate", "up", "down"):
+        assert per_pass[name] == one[name], (
+            f"{name}: {per_pass[name]} bytes issued a pass, {one[name]} held")
+    for N, kind in ((4, "shared"), (4, "random")):
+        pairs, reads = moe_reads(experts, D, N, kind, "dot", seed=2)
+        for name, (issued, distinct) in reads.items():
+            what = f"{quant or 'plain'} {name}, {kind} routing, pairs per expert {pairs}"
+            assert issued == [per_pass[name] if p else 0 for p in pairs], f"{what}: issued {issued}"
+            once = [one[name] if p else 0 for p in pairs]
+            assert distinct == once, f"{what}: distinct {distinct}"
+
+
+# the GEMV variant's passes over one expert's data per pair: INT4's gate_up, where its blocks
+# divide the shapes, loads its next step's words ahead and reloads the last step's own in place of
+# a masked load; here (64 columns: 8 words, one step of 8 in the interpreter's block sizes) that
+# reads gate and up twice a pass
+GEMV_DATA_PASSES = {None: {}, "fp8": {}, "int4": {"gate": 2, "up": 2}}
+
+
+@pytest.mark.triton
+@ON_THE_INTERPRETER
+@pytest.mark.parametrize("quant", [None, "int4", "fp8"])
+def test_fused_moe_gemv_variant_reads_an_expert_once_per_token_that_picks_it(quant):
+    """The GEMV variant does NOT pay once: it issues one read of an expert per token that picks
+    it. gate_up's leader program of an expert runs one pass over the expert's rows per pair (on a
+    GPU the later passes mostly hit L1/L2, but they are issued loads) and down is token-major (each
+    token reads its K experts). So an expert with c pairs is issued c passes of every tensor (data:
+    GEMV_DATA_PASSES times its bytes a pass, scales: as often as for one token), and its distinct
+    bytes are its bytes once."""
+    experts, D = moe_experts("tiny", quant, 16, TRITON_DEVICE, torch.float32)
+    one, per_pass = one_expert_bytes(experts), per_pass_bytes(experts, D, "gemv")
+    for name in ("gate", "up", "down"):
+        passes = GEMV_DATA_PASSES[quant].get(name, 1)
+        assert per_pass[name] == passes * one[name], (
+            f"{name}: {per_pass[name]} bytes issued a pass, {one[name]} held")
+    for N, kind in ((4, "shared"), (4, "random")):
+        pairs, reads = moe_reads(experts, D, N, kind, "gemv", seed=2)
+        for name, (issued, distinct) in reads.items():
+            what = f"{quant or 'plain'} {name}, {kind} routing, pairs per expert {pairs}"
+            assert issued == [p * per_pass[name] for p in pairs], f"{what}: issued {issued}"
+            once = [one[name] if p else 0 for p in pairs]
+            assert distinct == once, f"{what}: distinct {distinct}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -1,6 +1,7 @@
 """What the test files share: tiny models, closeness, gloo ranks on the CPU, run.py in a subprocess,
 the GPU tests' models and captured calls. Imported after conftest.py has set the environment
 (TRITON_INTERPRET=1 on a machine without CUDA, one thread a process)."""
+import contextlib
 import json
 import os
 import socket
@@ -9,6 +10,7 @@ import sys
 import tempfile
 from functools import partial
 
+import numpy as np
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -272,3 +274,81 @@ def edit_checkpoint(src, dst, edit):
     with open(os.path.join(src, "config.json")) as f, open(os.path.join(dst,
                                                                         "config.json"), "w") as g:
         g.write(f.read())
+
+
+# ---------------------------------------------------------------------------------------------
+# The bytes a Triton launch reads, counted under the CPU interpreter
+
+class Reads:
+    """The loads that kernels issued inside one tensor: the byte offset of each mask-true element
+    loaded, and its size. bytes: every load counted (an element loaded twice, twice); distinct:
+    the bytes loaded at least once. by_row: both per index of dim 0 (an expert, for [E, ...]
+    expert weights)."""
+
+    def __init__(self, tensor):
+        self.tensor, self.loads = tensor, []      # loads: (offsets int64 [n], element size)
+
+    @property
+    def bytes(self):
+        return sum(o.size * size for o, size in self.loads)
+
+    @property
+    def distinct(self):
+        return self._distinct_bytes().size
+
+    def _distinct_bytes(self):
+        spans = [(o[:, None] + np.arange(size)).ravel() for o, size in self.loads]
+        return np.unique(np.concatenate(spans)) if spans else np.zeros(0, np.int64)
+
+    def by_row(self):
+        """(bytes, distinct) per index of dim 0: two lists of len(tensor) ints."""
+        row = self.tensor.stride(0) * self.tensor.element_size()
+        n = self.tensor.shape[0]
+        issued = np.zeros(n, np.int64)
+        for o, size in self.loads:
+            issued += np.bincount(o // row, minlength=n)[:n] * size
+        distinct = np.bincount(self._distinct_bytes() // row, minlength=n)[:n]
+        return issued.tolist(), distinct.tolist()
+
+
+@contextlib.contextmanager
+def count_reads(tensors):
+    """Count the loads of every Triton launch inside the block, run by the CPU interpreter
+    (TRITON_INTERPRET=1), that fall inside each of `tensors` (name -> contiguous CPU tensor):
+    yields name -> Reads, filled as the kernels run. Every tl.load, masked or not, through a
+    block pointer or a descriptor too, reaches the interpreter's InterpreterBuilder.
+    create_masked_load with the numpy array of its element addresses and its mask; the wrapper
+    keeps the mask-true addresses in [data_ptr, data_ptr + numel * element_size) of each tensor.
+    The interpreter runs a launch on the tensors' own storage (on the CPU it copies nothing), so
+    the addresses are the tensors'. Fails, naming what is missing, where that entry point is not
+    found or the interpreter is off."""
+    if not kernels.common.interpreting():
+        raise AssertionError("count_reads counts loads in Triton's CPU interpreter, which is off "
+                             "(TRITON_INTERPRET=1 must be set before triton is imported)")
+    try:
+        from triton.runtime.interpreter import InterpreterBuilder
+        load = InterpreterBuilder.create_masked_load
+    except (ImportError, AttributeError) as e:
+        raise AssertionError("count_reads wraps triton.runtime.interpreter.InterpreterBuilder."
+                             f"create_masked_load, which this Triton lacks: {e!r}") from e
+    for name, t in tensors.items():
+        if t.device.type != "cpu" or not t.is_contiguous():
+            raise ValueError(f"count_reads: {name} must be a contiguous CPU tensor")
+    reads = {name: Reads(t) for name, t in tensors.items()}
+    ranges = [(r, t.data_ptr(), t.data_ptr() + t.numel() * t.element_size())
+              for r, t in zip(reads.values(), tensors.values())]
+
+    def counted(self, ptrs, mask, *args, **kw):
+        out = load(self, ptrs, mask, *args, **kw)
+        addresses = ptrs.data[np.broadcast_to(mask.data, ptrs.data.shape)].astype(np.int64)
+        for r, lo, hi in ranges:
+            inside = addresses[(addresses >= lo) & (addresses < hi)]
+            if inside.size:
+                r.loads.append((inside - lo, out.data.itemsize))
+        return out
+
+    InterpreterBuilder.create_masked_load = counted
+    try:
+        yield reads
+    finally:
+        InterpreterBuilder.create_masked_load = load
