@@ -215,12 +215,13 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
 # element it holds ran 1.4-1.5x and 10x slower.
 
 @_jit
-def _int4_dot(acc, w_rows, s_rows, x_ptr, x_col, cols_ok, w0, magic, PRECISION: tl.constexpr,
-              W: tl.constexpr, GROUP: tl.constexpr, BLOCK_W: tl.constexpr, EVEN: tl.constexpr):
+def _int4_dot(acc, w_rows, s_rows, rows_ok, x_ptr, x_col, cols_ok, w0, magic,
+              PRECISION: tl.constexpr, W: tl.constexpr, GROUP: tl.constexpr,
+              BLOCK_W: tl.constexpr, EVEN: tl.constexpr):
     """acc [BN, BM] += W[rows, 8 w0 : 8 (w0 + BLOCK_W)] @ X[cols, same elements]^T.
 
-    w_rows, s_rows [BN, 1]: the weight rows' word and scale pointers (the caller points rows past
-    the matrix at its last row). W: words a row; EVEN: BLOCK_W divides W, so no weight load is
+    w_rows, s_rows [BN, 1]: the weight rows' word and scale pointers; rows_ok [BN, 1]: the rows
+    inside the matrix. W: words a row; EVEN: the blocks divide the rows and W, so no weight load is
     masked. x_ptr + x_col [1, BM]: each tile column's activation row (element c at + c); cols_ok
     [1, BM]: the columns holding a pair."""
     w = w0 + tl.arange(0, BLOCK_W)
@@ -228,9 +229,9 @@ def _int4_dot(acc, w_rows, s_rows, x_ptr, x_col, cols_ok, w0, magic, PRECISION: 
         words = tl.load(w_rows + w[None, :])
         scale = tl.load(s_rows + (w * 8 // GROUP)[None, :]).to(tl.float32)
     else:
-        words = tl.load(w_rows + w[None, :], mask=(w < W)[None, :], other=0)
-        scale = tl.load(s_rows + (w * 8 // GROUP)[None, :], mask=(w < W)[None, :],
-                        other=0.0).to(tl.float32)
+        ok = rows_ok & (w < W)[None, :]
+        words = tl.load(w_rows + w[None, :], mask=ok, other=0)
+        scale = tl.load(s_rows + (w * 8 // GROUP)[None, :], mask=ok, other=0.0).to(tl.float32)
     high = words >> 12
     for j in tl.static_range(8):
         xj = tl.load(x_ptr + x_col + (w * 8 + j)[:, None], mask=cols_ok & (w < W)[:, None],
@@ -256,17 +257,16 @@ def _moe_int4_gate_up_kernel(x_ptr, h_ptr, sorted_pair_ptr, tile_expert_ptr, g_p
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_pair_ptr + rows)
     x_col, cols_ok = (pair // TOPK).to(tl.int64)[None, :] * D, (pair < P)[None, :]
-    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    n = tl.minimum(n, I - 1)[:, None]           # rows past I read row I - 1 again, stored nowhere
+    n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None]
     g_rows, u_rows = g_ptr + e * stride_we + n * stride_wn, u_ptr + e * stride_we + n * stride_wn
     gs_rows, us_rows = gs_ptr + e * stride_se + n * stride_sr, us_ptr + e * stride_se + n * stride_sr
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for w0 in range(0, D // 8, BLOCK_W):
-        acc_g = _int4_dot(acc_g, g_rows, gs_rows, x_ptr, x_col, cols_ok, w0, magic, PRECISION,
-                          D // 8, GROUP, BLOCK_W, EVEN)
-        acc_u = _int4_dot(acc_u, u_rows, us_rows, x_ptr, x_col, cols_ok, w0, magic, PRECISION,
-                          D // 8, GROUP, BLOCK_W, EVEN)
+        acc_g = _int4_dot(acc_g, g_rows, gs_rows, n < I, x_ptr, x_col, cols_ok, w0, magic,
+                          PRECISION, D // 8, GROUP, BLOCK_W, EVEN)
+        acc_u = _int4_dot(acc_u, u_rows, us_rows, n < I, x_ptr, x_col, cols_ok, w0, magic,
+                          PRECISION, D // 8, GROUP, BLOCK_W, EVEN)
     h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
     i = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(h_ptr + rows[None, :].to(tl.int64) * I + i[:, None], h.to(h_ptr.dtype.element_ty),
@@ -289,12 +289,12 @@ def _moe_int4_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_pair_ptr + rows)
     h_col, cols_ok = rows[None, :].to(tl.int64) * I, (pair < P)[None, :]
-    n = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), D - 1)[:, None]
+    n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None]
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for w0 in range(0, I // 8, BLOCK_W):
         acc = _int4_dot(acc, w_ptr + e * stride_we + n * stride_wn,
-                        s_ptr + e * stride_se + n * stride_sr, h_ptr, h_col, cols_ok, w0, magic,
-                        PRECISION, I // 8, GROUP, BLOCK_W, EVEN)
+                        s_ptr + e * stride_se + n * stride_sr, n < D, h_ptr, h_col, cols_ok, w0,
+                        magic, PRECISION, I // 8, GROUP, BLOCK_W, EVEN)
     route_w = tl.load(route_w_ptr + pair, mask=pair < P, other=0)
     d = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(y_ptr + pair[None, :].to(tl.int64) * D + d[:, None], acc * route_w[None, :],
@@ -455,13 +455,13 @@ def _int4_tiles(x, h, y, tiles, route_w, gate, up, down, K, cfg, precision):
     _moe_int4_gate_up_kernel[(triton.cdiv(I, bn), max_tiles)](
         x, h, *tiles, gate.data, gate.scale, up.data, up.scale, P, K, *strides(gate),
         moe_gemv.MAGIC, D=D, I=I, GROUP=gate.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_W=bk // 8,
-        EVEN=D // 8 % (bk // 8) == 0, PRECISION=precision, launch_pdl=common.PDL,
+        EVEN=D // 8 % (bk // 8) == 0 and I % bn == 0, PRECISION=precision, launch_pdl=common.PDL,
         num_warps=warps, num_stages=stages)
     bn, bk, warps, stages = cfg["down"]
     _moe_int4_down_kernel[(triton.cdiv(D, bn), max_tiles)](
         h, y, *tiles, route_w, down.data, down.scale, P, *strides(down), moe_gemv.MAGIC, D=D, I=I,
         GROUP=down.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_W=bk // 8,
-        EVEN=I // 8 % (bk // 8) == 0, PRECISION=precision, launch_pdl=common.PDL,
+        EVEN=I // 8 % (bk // 8) == 0 and D % bn == 0, PRECISION=precision, launch_pdl=common.PDL,
         num_warps=warps, num_stages=stages)
 
 
