@@ -1377,7 +1377,8 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, 
     """kernels "shared_expert" with INT4 or FP8 routed experts (Kimi-K2.5; Kimi-K2-Instruct's FP8
     checkpoint: the shared expert in the compute dtype): their GEMV launches take its weights beside
     theirs (fused_moe's shared) and equal the plain MoE at 1 and 2 tokens; a prefill past the GEMV
-    rule runs the plain sum. With "router" too, INT4 experts read the activation planes that the
+    rule runs the plain sum, and past SHARED_MAX_TOKENS (set to 1 here) the shared expert runs
+    alone beside the routed experts' GEMV launches. With "router" too, INT4 experts read the activation planes that the
     router kernel writes (the MoE's own permute never runs). The state dict is the plain one;
     fused_moe refuses a shared expert it cannot take."""
     permutes, permute = [], kernels.nibble_planes
@@ -1406,6 +1407,16 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, 
     # the steps' GEMV launches read planes: the router kernel's, else the MoE's permute
     if quant == "int4":
         assert bool(permutes) == ("router" not in names), f"{names}: {len(permutes)} permutes in the MoE"
+    # above SHARED_MAX_TOKENS tokens the shared expert runs alone beside the GEMV launches
+    calls, fused = [], kernels.moe.fused_moe
+    monkeypatch.setattr(kernels.moe, "fused_moe", lambda x, *a, shared=None, **kw: calls.append(
+        (x.shape[0], shared is not None)) or fused(x, *a, shared=shared, **kw))
+    monkeypatch.setitem(kernels.moe_gemv.SHARED_MAX_TOKENS, quant, 1)
+    for what, t, p in (("step of 2 tokens, the shared expert alone", step[:, :1], step_pos),
+                       ("step of 1 token, the shared expert in the launch", step[:1, :1],
+                        step_pos[:1])):
+        assert_close(folded(t, p).logits, plain(t, p).logits, 1e-5, f"{quant} {names}, {what}")
+    assert set(calls) == {(2, False), (1, True)}, f"(tokens, shared in the launch): {calls}"
     moe = folded.layers[-1].mlp
     x = torch.randn(2, args.hidden_size, generator=g).to(TRITON_DEVICE)
     ids, w = moe.gate(x)

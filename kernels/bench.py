@@ -99,7 +99,7 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
     variant's tiles through tl.dot, "gemv": the GEMV variant) against its floor (the distinct
     experts' stored bytes over the eager copy bandwidth measured here), timed as a graph of LAYERS
     calls. sweep: the variants whose sweep points are also timed (at N = 1, 3 and 4 where timed).
-    shared (INT4): also the GEMV launch with Kimi-K2.5's bf16 shared expert in it ("gemv+shared",
+    shared (INT4, FP8): also the GEMV launch with a bf16 shared expert in it ("gemv+shared",
     its bytes added to the floor), and that shared expert alone the way the model runs it unfolded
     ("shared-torch": one GEMM over the stacked gate and up, SiLU times up, the down GEMM adding onto
     the routed output)."""
@@ -124,10 +124,10 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
                 for cfg in points:
                     rows += _time_moe(fmt, N, variant, cfg, layers, (x, ids, route_w), floor_ms,
                                       bandwidth, LAYERS)
-            if shared and fmt == "int4" and N * K <= GEMV_MAX_PAIRS:
+            if shared and fmt in ("int4", "fp8") and N * K <= GEMV_MAX_PAIRS:
                 points = [None] + (_sweep_points(fmt, "gemv") if "gemv" in sweep and N in (1, 3, 4)
                                    else [])
-                rows += _time_shared(N, layers, (x, ids, route_w), floor_ms, bandwidth, LAYERS, D,
+                rows += _time_shared(fmt, N, layers, (x, ids, route_w), floor_ms, bandwidth, LAYERS, D,
                                      I, g, points)
         del layers
     return dict(bandwidth_GBps=bandwidth, shapes=dict(D=D, I=I, E=E, K=K, layers=LAYERS), rows=rows,
@@ -136,7 +136,7 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
                 triton=triton.__version__)
 
 
-def _time_shared(N, layers, inputs, floor_ms, bandwidth, LAYERS, D, I, g, points):
+def _time_shared(fmt, N, layers, inputs, floor_ms, bandwidth, LAYERS, D, I, g, points):
     """The "gemv+shared" rows (at each config of points) and the "shared-torch" row of benchmark_moe
     (a bf16 shared expert a layer)."""
     dev = inputs[0].device
@@ -144,7 +144,7 @@ def _time_shared(N, layers, inputs, floor_ms, bandwidth, LAYERS, D, I, g, points
                for s in ((I, D), (I, D), (D, I))] for _ in layers]
     shared_ms = sum(t.numel() * t.element_size() for t in shared[0]) / bandwidth / 1e6
     rows = [r for cfg in points
-            for r in _time_moe("int4", N, "gemv", cfg, layers, inputs, floor_ms + shared_ms,
+            for r in _time_moe(fmt, N, "gemv", cfg, layers, inputs, floor_ms + shared_ms,
                                bandwidth, LAYERS, shared)]
     x, out = inputs[0], torch.zeros_like(inputs[0])
     stacked = [torch.cat([gate, up]) for gate, up, _ in shared]
@@ -755,7 +755,7 @@ def main():
     p.add_argument("--tokens", default="1,2,3,4,8,32",
                    help="fused MoE token counts, comma-separated")
     p.add_argument("--shared", action="store_true",
-                   help="INT4: also with a bf16 shared expert in the GEMV launch, "
+                   help="INT4 and FP8: also with a bf16 shared expert in the GEMV launch, "
                         "and that shared expert alone through torch")
     p.add_argument("--variants", default="dot,gemv",
                    help="fused MoE variants to time in this run, comma-separated: dot (tl.dot tiles), gemv")

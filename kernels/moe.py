@@ -559,7 +559,8 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
     checkpoint loaded afterwards lands there under the same names. INT4 or FP8 routed experts
     (Kimi-K2.5; Kimi-K2-Instruct's FP8 checkpoint, whose shared expert is dequantized to bf16 at
     load): the GEMV launches take its weights beside theirs (fused_moe's shared), where the rule
-    picks the GEMV variant. gate_kernel (the combination with "router", declared in swaps.py): the
+    picks the GEMV variant, up to moe_gemv.SHARED_MAX_TOKENS tokens; above, it runs alone beside
+    them. gate_kernel (the combination with "router", declared in swaps.py): the
     router kernel writes the shared slot, and beside INT4 experts the activation planes they read
     (fused_moe's planes), so the launch that permutes x goes. Elsewhere (past FusedExperts' token
     limit, quantized tiles) the plain sum runs, the shared expert alone. Its experts are
@@ -592,6 +593,8 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
                 planes = torch.empty(x.shape[0], 8, x.shape[1] // 8, dtype=torch.float32,
                                      device=x.device)
             ids, weights = self.gate(x) if planes is None else self.gate(x, planes=planes)
+            if x.shape[0] > moe_gemv.SHARED_MAX_TOKENS[self.fmt()]:   # the shared expert alone
+                return ex(x, ids, weights, planes=planes) + sh(x)
             return ex(x, ids, weights,
                       shared=[sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight],
                       planes=planes)
