@@ -533,10 +533,10 @@ SHARED_SPLIT = {"int4": 4, "fp8": 2}
 # the verify sweep with both paths, one H200 run each (python run.py --skip-e2e --cuda-graph on
 # --preset kimi-k2.5 --speculative-num-steps 2, and --quant fp8 --speculative-attention-mode
 # decode): INT4 alone is 0.1-0.5 ms slower at 6-8 tokens, 1.3-2.9 ms faster at 10-16 and within
-# 0.6 ms either way from 20 to 32; FP8 in
-# the launch is as fast or faster at every count to 28. (The kernel benchmark, python -m
-# kernels.bench --moe --variants gemv --shared, puts the INT4 crossover at 5 and FP8's at 12: its
-# torch twin of the shared expert, one stacked gate-up GEMM, is cheaper than the model's MLP.)
+# 0.6 ms either way from 20 to 32; FP8 in the launch is as fast or faster at every count to 28.
+# (The kernel benchmark, python -m kernels.bench --moe --variants gemv --shared, puts the INT4
+# crossover at 5 and FP8's at 12: its torch twin of the shared expert, one stacked gate-up GEMM,
+# is cheaper than the model's MLP.)
 SHARED_MAX_TOKENS = {"int4": 8, "fp8": 32}
 
 
