@@ -1378,9 +1378,9 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, 
     checkpoint: the shared expert in the compute dtype): their GEMV launches take its weights beside
     theirs (fused_moe's shared) and equal the plain MoE at 1 and 2 tokens; a prefill past the GEMV
     rule runs the plain sum, and past SHARED_MAX_TOKENS (set to 1 here) the shared expert runs
-    alone beside the routed experts' GEMV launches. With "router" too, INT4 experts read the activation planes that the
-    router kernel writes (the MoE's own permute never runs). The state dict is the plain one;
-    fused_moe refuses a shared expert it cannot take."""
+    alone beside the routed experts' GEMV launches. With "router" too, INT4 experts read the
+    activation planes that the router kernel writes (the MoE's own permute never runs). The state
+    dict is the plain one; fused_moe refuses a shared expert it cannot take."""
     permutes, permute = [], kernels.nibble_planes
     monkeypatch.setattr(kernels.moe_gemv, "nibble_planes", lambda *a: permutes.append(1)
                         or permute(*a))

@@ -127,8 +127,8 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
             if shared and fmt in ("int4", "fp8") and N * K <= GEMV_MAX_PAIRS:
                 points = [None] + (_sweep_points(fmt, "gemv") if "gemv" in sweep and N in (1, 3, 4)
                                    else [])
-                rows += _time_shared(fmt, N, layers, (x, ids, route_w), floor_ms, bandwidth, LAYERS, D,
-                                     I, g, points)
+                rows += _time_shared(fmt, N, layers, (x, ids, route_w), floor_ms, bandwidth,
+                                     LAYERS, D, I, g, points)
         del layers
     return dict(bandwidth_GBps=bandwidth, shapes=dict(D=D, I=I, E=E, K=K, layers=LAYERS), rows=rows,
                 gemv_max_tokens=GEMV_MAX_TOKENS, device=torch.cuda.get_device_name(),

@@ -259,7 +259,8 @@ def _moe_int4_gate_up_kernel(x_ptr, h_ptr, sorted_pair_ptr, tile_expert_ptr, g_p
     x_col, cols_ok = (pair // TOPK).to(tl.int64)[None, :] * D, (pair < P)[None, :]
     n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None]
     g_rows, u_rows = g_ptr + e * stride_we + n * stride_wn, u_ptr + e * stride_we + n * stride_wn
-    gs_rows, us_rows = gs_ptr + e * stride_se + n * stride_sr, us_ptr + e * stride_se + n * stride_sr
+    gs_rows = gs_ptr + e * stride_se + n * stride_sr
+    us_rows = us_ptr + e * stride_se + n * stride_sr
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for w0 in range(0, D // 8, BLOCK_W):
