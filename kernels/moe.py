@@ -208,7 +208,7 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
 # pairs the tile holds, by the exponent trick (moe_gemv._nibble: an AND-OR and an FMA give q - 8
 # exactly), times its group scale in fp32 and rounded once to the compute dtype, as the plain
 # module's dequantization rounds. Measured on the H200 (python -m kernels.bench --moe --formats
-# int4 --variants dot,gemv): 5.5-6x the floor at 8 to 32 tokens, against 2-3x for the GEMV
+# int4 --variants dot,gemv): 5.4-5.9x the floor at 8 to 32 tokens, against 2-3x for the GEMV
 # variant, which therefore serves INT4 up to 32 tokens. The sm_90 TTGIR shows why: Triton stages
 # every W_j through shared memory on its way to the MMA, 16 small dots a step, each behind a
 # barrier. Unpacking to natural order in registers (tl.join) or loading each word once per
@@ -429,7 +429,7 @@ def _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, cfg):
         _int4_tiles(x, h, y, tiles, route_w, gate, up, down, K, cfg, precision)
     else:
         bn, bk, warps, stages = cfg["gate_up"]
-        gs, strides, quant, per_row = _weight_args(gate, bk)
+        gs, strides, quant, per_row = _weight_args(gate, bk)   # quant[:4]: block, offset
         _moe_gate_up_kernel[(triton.cdiv(I, bn), max_tiles)](
             x, h, *tiles, gate.data, gs, up.data, _weight_args(up, bk)[0], P, K, D, I, *strides,
             *quant[:4], FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
