@@ -429,16 +429,16 @@ def _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, cfg):
         _int4_tiles(x, h, y, tiles, route_w, gate, up, down, K, cfg, precision)
     else:
         bn, bk, warps, stages = cfg["gate_up"]
-        gs, strides, quant, per_row = _weight_args(gate, bk)   # quant[:4]: block, offset
+        gs, strides, quant, per_row = _weight_args(gate, bk)
         _moe_gate_up_kernel[(triton.cdiv(I, bn), max_tiles)](
             x, h, *tiles, gate.data, gs, up.data, _weight_args(up, bk)[0], P, K, D, I, *strides,
-            *quant[:4], FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
+            *quant, FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
             SCALE_PER_ROW=per_row, PRECISION=precision,
             launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
         bn, bk, warps, stages = cfg["down"]
         ds, strides, quant, per_row = _weight_args(down, bk)
         _moe_down_kernel[(triton.cdiv(D, bn), max_tiles)](
-            h, y, *tiles, route_w, down.data, ds, P, D, I, *strides, *quant[:4],
+            h, y, *tiles, route_w, down.data, ds, P, D, I, *strides, *quant,
             FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SCALE_PER_ROW=per_row,
             PRECISION=precision, launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
     out = torch.empty(N, D, dtype=x.dtype, device=dev)

@@ -36,12 +36,13 @@ FORMATS = {"plain": 0, "fp8": 1, "int4": 2}
 
 
 def _weight_args(w, block_k):
-    """Pointers, strides and quantization constants of one ExpertWeights, in the kernels' order."""
+    """Pointers, strides and FP8 block constants (block, offset) of one ExpertWeights, in the
+    kernels' order."""
     scale = w.scale if w.scale is not None else w.data   # plain: never read
     strides = (w.data.stride(0), w.data.stride(1), scale.stride(0), scale.stride(1),
                scale.stride(2) if scale.dim() == 3 else 0)
     per_row = w.fmt == "fp8" and w.block[1] % block_k == 0 and w.offset[1] % block_k == 0
-    return scale, strides, (*w.block, *w.offset, w.group), per_row
+    return scale, strides, (*w.block, *w.offset), per_row
 
 
 # Routed experts, GEMV-shaped (decode and verify: a few tokens)
@@ -511,7 +512,7 @@ def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we,
 def _gemv_args(w, block_k, sub):
     """_weight_args for the GEMV kernels: strides, row/column offsets, and the constexprs (block
     sizes, per-row scale, SUB: 1 where the scale is not one per row and step)."""
-    scale, strides, (br, bc, off_r, off_c, group), per_row = _weight_args(w, block_k)
+    scale, strides, (br, bc, off_r, off_c), per_row = _weight_args(w, block_k)
     # one scale per row and step only where every step is whole: the FP8 graph test (128x128 blocks
     # over a 64 x 32 matrix, steps mostly masked) read NaN on the H200 through that path, not
     # through this fallback (one scale an element, tested on the GPU with masked steps); not
