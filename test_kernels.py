@@ -124,7 +124,7 @@ FUSED_CASES_ALL = [(N, kind, v) for N in (1, 2, 4, 8, 37)
 
 
 FUSED_CASES_CPU = {16: [(1, "random", None), (2, "disjoint", None), (4, "shared", None),
-                        (4, "shared", "dot"),
+                        (4, "shared", "dot"), (3, "shared", "gemv"),
                         (37, "random", None)],
                    384: [(8, "disjoint", None), (2, "random", "dot")]}
 
@@ -489,11 +489,11 @@ GEMV_DATA_PASSES = {None: {}, "fp8": {}, "int4": {"gate": 2, "up": 2}}
 @pytest.mark.parametrize("quant", [None, "int4", "fp8"])
 def test_fused_moe_gemv_variant_reads_an_expert_once_per_token_that_picks_it(quant):
     """The GEMV variant does NOT pay once: it issues one read of an expert per token that picks
-    it. gate_up's leader program of an expert runs one pass over the expert's rows per pair (on a
-    GPU the later passes mostly hit L1/L2, but they are issued loads) and down is token-major (each
-    token reads its K experts). So an expert with c pairs is issued c passes of every tensor (data:
-    GEMV_DATA_PASSES times its bytes a pass, scales: as often as for one token), and its distinct
-    bytes are its bytes once."""
+    it. gate_up runs a program per pair and row block, each a pass over its expert's rows (on a GPU
+    side by side, the later ones mostly reading from L2, but they are issued loads), and down is
+    token-major (each token reads its K experts). So an expert with c pairs is issued c passes of
+    every tensor (data: GEMV_DATA_PASSES times its bytes a pass, scales: as often as for one
+    token), and its distinct bytes are its bytes once."""
     experts, D = moe_experts("tiny", quant, 16, TRITON_DEVICE, torch.float32)
     one, per_pass = one_expert_bytes(experts), per_pass_bytes(experts, D, "gemv")
     for name in ("gate", "up", "down"):

@@ -51,19 +51,22 @@ def _weight_args(w, block_k):
 # on 15 padding rows with too few programs to keep HBM busy (8 experts x 256 rows at decode). Here
 # the products run on the CUDA cores instead (dequantized weights times the activation,
 # broadcast-multiply into an fp32 [BLOCK_N, BLOCK_K] accumulator, one tl.sum per program), with no
-# align and no combine launch:   gate_up: a program per (BLOCK_N rows of I, pair). The first pair of
-# each expert (the "leader")     does the work for every pair of that expert, one after another, so
-# the expert's weights come     from HBM once (a later pair re-reads the same rows from L1/L2);
-# other pairs' programs exit.     Writes h = silu(g) * u * route_w per pair, fp32 [P, I] (INT4: in
-# the nibble-plane order below).   down: a program per (token, BLOCK_N rows of D), token-major so no
-# combine is needed: the K     experts of the token, each [BLOCK_N, I], times that pair's h, summed
-# in registers, stored once.     Programs of one row block for all tokens are adjacent in launch
-# order, so an expert shared by     tokens is fetched from HBM about once and read from L2 by the
-# others. A bf16 shared expert beside quantized experts (INT4 and FP8: fused_moe's shared) rides in
-# the same two launches: SHARED_SPLIT more programs a row block of gate_up compute its gate and up
-# over slices of D for every token (_shared_gate_up); the last of them to finish (an atomic counter
-# a row block, as norm_gemv's) adds the splits in split order and stores h = silu(g) * u once, fp32
-# [N, I] (_shared_h), and each down program adds its rows from that one vector a token
+# align and no combine launch. gate_up: a program per (BLOCK_N rows of I, pair), each its own pass
+# over its expert's rows (bf16: see GEMV_LEADER); the pairs of an expert that several tokens
+# picked run side by side, the later passes reading the rows mostly from L2 (one program serving
+# them all, one pass after another, is slower where tokens share experts: python -m kernels.bench
+# --moe --distinct 8).
+# Writes h = silu(g) * u * route_w per pair, fp32 [P, I] (INT4: in the nibble-plane order below).
+# down: a program per (token, BLOCK_N rows of D), token-major so no combine is needed: the K
+# experts of the token, each [BLOCK_N, I], times that pair's h, summed in registers, stored once.
+# Programs of one row block for all tokens are adjacent in launch order, so an expert shared by
+# tokens is fetched from HBM about once and read from L2 by the others. So this variant issues an
+# expert's bytes once a pair, not once (the tile variant reads each distinct expert once). A bf16
+# shared expert beside quantized experts (INT4 and FP8: fused_moe's shared) rides in the same two
+# launches: SHARED_SPLIT more programs a row block of gate_up compute its gate and up over slices
+# of D for every token (_shared_gate_up); the last of them to finish (an atomic counter a row
+# block, as norm_gemv's) adds the splits in split order and stores h = silu(g) * u once, fp32 [N,
+# I] (_shared_h), and each down program adds its rows from that one vector a token
 # (_shared_down). INT4 without unpacking to natural order: nibble j of word w is element 8w + j, so
 # the activation comes as 8 planes (plane j = elements 8w + j, contiguous in w: x is permuted once
 # per call, or the router kernel wrote them beside its logits; h is written that way by gate_up) and
@@ -98,10 +101,15 @@ GEMV_SMALL_TOKENS = 2
 #    carries the bf16 shared expert, which beside the tiles runs alone (12.6 us a layer): 32;
 #  - INT4: the GEMV at 2.1-3.2x, the tiles at 5.5-6x (their section in moe.py): 32;
 #  - bf16, 128 experts and the shared expert folded in as expert 129 (SharedExpertInLaunch: every
-#    token picks it, and its leader program runs N passes one after another): the GEMV wins at 1
-#    and 2 tokens (30 against 54 us, 53 against 59), the tiles from 3 (72 against 81): 2.
+#    token picks it): the GEMV wins at 1 and 2 tokens (30 against 54 us, 53 against 59), the tiles
+#    from 3 (72 against 81): 2.
 GEMV_MAX_TOKENS = {"plain": 2, "fp8": 32, "int4": 32}
-GEMV_MAX_PAIRS = 1024   # the leader test holds all N*K expert ids of a call in one vector
+GEMV_MAX_PAIRS = 1024   # a program a pair and row block: the largest call measured and tested
+# Formats whose gate_up serves an expert's pairs from its first pair's program, one pass after
+# another (the "leader" form; the others run a program a pair). bf16: at its 1-2 tokens the leader
+# form's compiled loop keeps fewer registers live, 18 against 24 us a layer's gate_up at 1 token
+# (python -m kernels.bench --moe --formats plain --variants gemv).
+GEMV_LEADER = ("plain",)
 
 
 def _gemv_configs(fmt, N, on_gpu):
@@ -233,21 +241,22 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
                              TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
                              FMT: tl.constexpr,
                              BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
-                             P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                             SUB: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
                              UNROLL: tl.constexpr, SCALE_PER_ROW: tl.constexpr, part_ptr, hs_ptr,
                              count_ptr,
                              sg_ptr, su_ptr, N, SPLIT: tl.constexpr, SHARED_K: tl.constexpr,
-                             EVEN_SHARED: tl.constexpr):
+                             EVEN_SHARED: tl.constexpr, LEADER: tl.constexpr,
+                             P_PAD: tl.constexpr):
     """h[p, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) * route_w[p] for pair p = n*K + k, e = ids[p]
     (plain and FP8 weights).
 
     v_ptr: the activations [N, D] (x's dtype). h_ptr: fp32 [P, I] out. ids_ptr: int [P];
     route_w_ptr: fp32 [P]. g_ptr / u_ptr, gs_ptr / us_ptr: gate and up weights and scales, [E, I, D]
-    as ExpertWeights (same strides). P_PAD: a power of two >= P. Grid: (cdiv(I, BLOCK_N), SPLIT +
-    P); pair p is program SPLIT + p, and only a leader program works. SPLIT > 0: the first SPLIT
-    programs of each row block take a bf16 shared expert (_shared_gate_up; part_ptr, hs_ptr,
-    count_ptr, sg_ptr, su_ptr, N: its arguments; SHARED_K columns a step)."""
+    as ExpertWeights (same strides). Grid: (cdiv(I, BLOCK_N), SPLIT + P); pair p is program
+    SPLIT + p; LEADER: only the first pair of each expert works, for all of its P pairs (P_PAD: a
+    power of two >= P). SPLIT > 0: the first SPLIT programs of each row block take a bf16 shared
+    expert (_shared_gate_up; part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N: its arguments;
+    SHARED_K columns a step)."""
     _wait_for_prior()
     pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
@@ -256,37 +265,54 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
                             SPLIT, BLOCK_N,
                             SHARED_K, EVEN_SHARED)
             return
-    same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
-    if not leader:
-        return  # not the expert's first pair
-    q = tl.arange(0, P_PAD)
     e = tl.load(ids_ptr + p).to(tl.int64)
     g_ptr, u_ptr = g_ptr + e * stride_we, u_ptr + e * stride_we
     gs_ptr, us_ptr = gs_ptr + e * stride_se, us_ptr + e * stride_se
     r = tl.arange(0, BLOCK_N * SUB)  # tile rows: (row of I, sub-block)
     n, kb = pid_n * BLOCK_N + r // SUB, (r % SUB) * BLOCK_K
+    if LEADER:  # bf16 (GEMV_LEADER): the expert's first pair serves all of its pairs
+        same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
+        if not leader:
+            return
+        q = tl.arange(0, P_PAD)
+        for c in range(tl.sum(same.to(tl.int32), 0)):                      # each pair of the expert
+            _gate_up_pass(tl.sum(tl.where(same & (rank == c), q, 0), 0), v_ptr, h_ptr, route_w_ptr,
+                          g_ptr, gs_ptr, u_ptr, us_ptr, n, kb, pid_n, stride_wn, stride_sr,
+                          stride_sc, off_r, off_c, TOPK, D, I, FMT, BLOCK_R, BLOCK_C, BLOCK_N,
+                          BLOCK_K, SUB, UNROLL, SCALE_PER_ROW)
+    else:
+        _gate_up_pass(p, v_ptr, h_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, n, kb, pid_n,
+                      stride_wn, stride_sr, stride_sc, off_r, off_c, TOPK, D, I, FMT, BLOCK_R,
+                      BLOCK_C, BLOCK_N, BLOCK_K, SUB, UNROLL, SCALE_PER_ROW)
+
+
+@_jit
+def _gate_up_pass(pair, v_ptr, h_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, n, kb, pid_n,
+                  stride_wn, stride_sr, stride_sc, off_r, off_c, TOPK: tl.constexpr,
+                  D: tl.constexpr, I: tl.constexpr, FMT: tl.constexpr, BLOCK_R: tl.constexpr,
+                  BLOCK_C: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                  SUB: tl.constexpr, UNROLL: tl.constexpr, SCALE_PER_ROW: tl.constexpr):
+    """h of one pair at the tile rows n (row of I, sub-block kb): a pass over its expert's gate
+    and up rows (pointers and constants as _moe_gemv_gate_up_kernel's, offset to the expert)."""
     n_ok = n < I
-    for c in range(tl.sum(same.to(tl.int32), 0)):                          # each pair of the expert
-        pair = tl.sum(tl.where(same & (rank == c), q, 0), 0)
-        v = v_ptr + (pair // TOPK).to(tl.int64) * D
-        acc_g = tl.zeros([BLOCK_N * SUB, BLOCK_K], tl.float32)
-        acc_u = tl.zeros([BLOCK_N * SUB, BLOCK_K], tl.float32)
-        for k0 in range(0, D, BLOCK_K * SUB * UNROLL):
-            for s in tl.static_range(UNROLL):  # independent loads in flight
-                k1 = k0 + s * BLOCK_K * SUB
-                acc_g = _gemv_step(acc_g, v, k1, D, g_ptr, gs_ptr, n, kb, n_ok, stride_wn,
-                                   stride_sr, stride_sc,
-                                   off_r, off_c, FMT, BLOCK_K, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
-                acc_u = _gemv_step(acc_u, v, k1, D, u_ptr, us_ptr, n, kb, n_ok, stride_wn,
-                                   stride_sr, stride_sc,
-                                   off_r, off_c, FMT, BLOCK_K, BLOCK_R, BLOCK_C, SCALE_PER_ROW)
-        g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
-        if SUB > 1:  # the sub-blocks of each row
-            g, u = tl.sum(tl.reshape(g, [BLOCK_N, SUB]),
-                          1), tl.sum(tl.reshape(u, [BLOCK_N, SUB]), 1)
-        h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + pair)
-        i = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-        tl.store(h_ptr + pair.to(tl.int64) * I + i, h, mask=i < I)
+    v = v_ptr + (pair // TOPK).to(tl.int64) * D
+    acc_g = tl.zeros([BLOCK_N * SUB, BLOCK_K], tl.float32)
+    acc_u = tl.zeros([BLOCK_N * SUB, BLOCK_K], tl.float32)
+    for k0 in range(0, D, BLOCK_K * SUB * UNROLL):
+        for s in tl.static_range(UNROLL):  # independent loads in flight
+            k1 = k0 + s * BLOCK_K * SUB
+            acc_g = _gemv_step(acc_g, v, k1, D, g_ptr, gs_ptr, n, kb, n_ok, stride_wn, stride_sr,
+                               stride_sc, off_r, off_c, FMT, BLOCK_K, BLOCK_R, BLOCK_C,
+                               SCALE_PER_ROW)
+            acc_u = _gemv_step(acc_u, v, k1, D, u_ptr, us_ptr, n, kb, n_ok, stride_wn, stride_sr,
+                               stride_sc, off_r, off_c, FMT, BLOCK_K, BLOCK_R, BLOCK_C,
+                               SCALE_PER_ROW)
+    g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
+    if SUB > 1:  # the sub-blocks of each row
+        g, u = tl.sum(tl.reshape(g, [BLOCK_N, SUB]), 1), tl.sum(tl.reshape(u, [BLOCK_N, SUB]), 1)
+    h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + pair)
+    i = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    tl.store(h_ptr + pair.to(tl.int64) * I + i, h, mask=i < I)
 
 
 @_jit
@@ -403,13 +429,12 @@ def _gate_up_products(gw, gs, uw, us, v, start, magic, W: tl.constexpr, BLOCK_W:
 
 @_jit
 def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr,
-                                  P,
                                   stride_we, stride_wn, stride_se, stride_sr, magic, x_ptr,
                                   part_ptr, hs_ptr,
                                   count_ptr, sg_ptr, su_ptr, N,
                                   TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
                                   GROUP: tl.constexpr,
-                                  P_PAD: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                                  BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                                   EVEN: tl.constexpr, SPLIT: tl.constexpr, SHARED_K: tl.constexpr,
                                   EVEN_SHARED: tl.constexpr):
     """_moe_gemv_gate_up_kernel for INT4 weights: v_ptr the activations as fp32 planes [N, 8, D/8]
@@ -427,39 +452,32 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
                             SPLIT, BLOCK_N,
                             SHARED_K, EVEN_SHARED)
             return
-    same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
-    if not leader:
-        return
-    q = tl.arange(0, P_PAD)
     W: tl.constexpr = D // 8
     e = tl.load(ids_ptr + p).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
     g_rows, u_rows = g_ptr + e * stride_we + n[:, None] * stride_wn, u_ptr + e * stride_we + n[:, None] * stride_wn
     gs_rows, us_rows = gs_ptr + e * stride_se + n[:, None] * stride_sr, us_ptr + e * stride_se + n[:, None] * stride_sr
-    for c in range(tl.sum(same.to(tl.int32), 0)):                          # each pair of the expert
-        pair = tl.sum(tl.where(same & (rank == c), q, 0), 0)
-        v = v_ptr + (pair // TOPK).to(tl.int64) * D
-        acc_g = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
-        gw, gs, uw, us = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, 0, W, GROUP,
-                                        BLOCK_W, EVEN)
-        for w0 in range(0, W, BLOCK_W):
-            # the next step's words, in flight while this one is unpacked (EVEN: the last step
-            # reloads its own, so no load needs a mask or a branch; two steps ahead run slower)
-            start = w0 + BLOCK_W
-            if EVEN:
-                start = tl.minimum(start, W - BLOCK_W)
-            gw1, gs1, uw1, us1 = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, start,
-                                                W, GROUP, BLOCK_W,
-                                                EVEN)
-            pg, pu = _gate_up_products(gw, gs, uw, us, v, w0, magic, W, BLOCK_W, EVEN)
-            acc_g += pg
-            acc_u += pu
-            gw, gs, uw, us = gw1, gs1, uw1, us1
-        g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
-        h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + pair)
-        tl.store(h_ptr + pair.to(tl.int64) * I + (n % 8) * (I // 8) + n // 8, h, mask=n_ok)
+    v = v_ptr + (p // TOPK).to(tl.int64) * D
+    acc_g = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
+    gw, gs, uw, us = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, 0, W, GROUP, BLOCK_W,
+                                    EVEN)
+    for w0 in range(0, W, BLOCK_W):
+        # the next step's words, in flight while this one is unpacked (EVEN: the last step reloads
+        # its own, so no load needs a mask or a branch; two steps ahead run slower)
+        start = w0 + BLOCK_W
+        if EVEN:
+            start = tl.minimum(start, W - BLOCK_W)
+        gw1, gs1, uw1, us1 = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, start, W,
+                                            GROUP, BLOCK_W, EVEN)
+        pg, pu = _gate_up_products(gw, gs, uw, us, v, w0, magic, W, BLOCK_W, EVEN)
+        acc_g += pg
+        acc_u += pu
+        gw, gs, uw, us = gw1, gs1, uw1, us1
+    g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
+    h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + p)
+    tl.store(h_ptr + p.to(tl.int64) * I + (n % 8) * (I // 8) + n // 8, h, mask=n_ok)
 
 
 @_jit
@@ -591,9 +609,9 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, plan
     sh_gate_up, sh_down = _shared_args(shared, "int4", N, I, D, bn, warps, h)
     s = gate.data.stride(), gate.scale.stride()
     _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
-        v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, P, s[0][0], s[0][1], s[1][0],
+        v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, s[0][0], s[0][1], s[1][0],
         s[1][1], MAGIC,
-        x, TOPK=K, D=D, I=I, GROUP=gate.group, P_PAD=max(16, triton.next_power_of_2(P)),
+        x, TOPK=K, D=D, I=I, GROUP=gate.group,
         BLOCK_N=bn, BLOCK_W=bw, EVEN=I % bn == 0 and D % (8 * bw) == 0, **sh_gate_up,
         launch_pdl=common.PDL, num_warps=warps)
     bn, bc, warps = cfg["down"]
@@ -620,10 +638,9 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None, plan
     sh_gate_up, sh_down = _shared_args(shared, fmt, N, I, D, bn, warps, h)
     _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         x, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
-        TOPK=K, D=D, I=I, FMT=FORMATS[fmt], P_PAD=max(16,
-                                                      triton.next_power_of_2(P)), BLOCK_N=bn,
-                                                      BLOCK_K=bk,
-        UNROLL=unroll, **const, **sh_gate_up, launch_pdl=common.PDL, num_warps=warps)
+        TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn, BLOCK_K=bk, UNROLL=unroll,
+        LEADER=fmt in GEMV_LEADER, P_PAD=max(16, triton.next_power_of_2(P)), **const,
+        **sh_gate_up, launch_pdl=common.PDL, num_warps=warps)
     bn, bk, warps, sub = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     ds, strides, offs, const = _gemv_args(down, bk, sub)
