@@ -124,7 +124,7 @@ FUSED_CASES_ALL = [(N, kind, v) for N in (1, 2, 4, 8, 37)
 
 
 FUSED_CASES_CPU = {16: [(1, "random", None), (2, "disjoint", None), (4, "shared", None),
-                        (4, "shared", "dot"), (3, "shared", "gemv"),
+                        (4, "shared", "dot"), (3, "shared", "gemv"), (6, "shared", "gemv"),
                         (37, "random", None)],
                    384: [(8, "disjoint", None), (2, "random", "dot")]}
 

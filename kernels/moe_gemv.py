@@ -52,10 +52,10 @@ def _weight_args(w, block_k):
 # the products run on the CUDA cores instead (dequantized weights times the activation,
 # broadcast-multiply into an fp32 [BLOCK_N, BLOCK_K] accumulator, one tl.sum per program), with no
 # align and no combine launch. gate_up: a program per (BLOCK_N rows of I, pair), each its own pass
-# over its expert's rows (bf16: see GEMV_LEADER); the pairs of an expert that several tokens
-# picked run side by side, the later passes reading the rows mostly from L2 (one program serving
-# them all, one pass after another, is slower where tokens share experts: python -m kernels.bench
-# --moe --distinct 8).
+# over its expert's rows (a few tokens in bf16 and FP8: GEMV_LEADER_TOKENS); the pairs of an
+# expert that several tokens picked run side by side, the later passes reading the rows mostly
+# from L2 (one program serving them all, one pass after another, is slower where tokens share
+# experts: python -m kernels.bench --moe --distinct 8).
 # Writes h = silu(g) * u * route_w per pair, fp32 [P, I] (INT4: in the nibble-plane order below).
 # down: a program per (token, BLOCK_N rows of D), token-major so no combine is needed: the K
 # experts of the token, each [BLOCK_N, I], times that pair's h, summed in registers, stored once.
@@ -105,11 +105,13 @@ GEMV_SMALL_TOKENS = 2
 #    from 3 (72 against 81): 2.
 GEMV_MAX_TOKENS = {"plain": 2, "fp8": 32, "int4": 32}
 GEMV_MAX_PAIRS = 1024   # a program a pair and row block: the largest call measured and tested
-# Formats whose gate_up serves an expert's pairs from its first pair's program, one pass after
-# another (the "leader" form; the others run a program a pair). bf16: at its 1-2 tokens the leader
-# form's compiled loop keeps fewer registers live, 18 against 24 us a layer's gate_up at 1 token
-# (python -m kernels.bench --moe --formats plain --variants gemv).
-GEMV_LEADER = ("plain",)
+# Up to this many tokens gate_up serves an expert's pairs from its first pair's program, one pass
+# after another (the "leader" form), above it a program a pair (INT4: always). bf16, at its 1-2
+# tokens: the leader form's compiled loop keeps fewer registers live, 18 against 24 us a layer's
+# gate_up at 1 token (python -m kernels.bench --moe --formats plain --variants gemv). FP8 with its
+# shared expert in the launch: verify of 3 and 4 tokens 0.07 and 0.12 ms faster a step in the
+# leader form, 5 to 32 tokens 0.15 to 0.76 ms slower (run.py --quant fp8, both forms).
+GEMV_LEADER_TOKENS = {"plain": 2, "fp8": 4}
 
 
 def _gemv_configs(fmt, N, on_gpu):
@@ -270,7 +272,7 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
     gs_ptr, us_ptr = gs_ptr + e * stride_se, us_ptr + e * stride_se
     r = tl.arange(0, BLOCK_N * SUB)  # tile rows: (row of I, sub-block)
     n, kb = pid_n * BLOCK_N + r // SUB, (r % SUB) * BLOCK_K
-    if LEADER:  # bf16 (GEMV_LEADER): the expert's first pair serves all of its pairs
+    if LEADER:  # GEMV_LEADER_TOKENS: the expert's first pair serves all of its pairs
         same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
         if not leader:
             return
@@ -639,8 +641,8 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None, plan
     _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         x, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
         TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn, BLOCK_K=bk, UNROLL=unroll,
-        LEADER=fmt in GEMV_LEADER, P_PAD=max(16, triton.next_power_of_2(P)), **const,
-        **sh_gate_up, launch_pdl=common.PDL, num_warps=warps)
+        LEADER=N <= GEMV_LEADER_TOKENS.get(fmt, 0), P_PAD=max(16, triton.next_power_of_2(P)),
+        **const, **sh_gate_up, launch_pdl=common.PDL, num_warps=warps)
     bn, bk, warps, sub = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     ds, strides, offs, const = _gemv_args(down, bk, sub)
