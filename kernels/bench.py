@@ -31,7 +31,8 @@ from kernels.common import triton
 
 
 # ---------------------------------------------------------------------------------------------
-# The other kernels (python -m kernels.bench): each kernel against its plain twin, both captured
+# The kernels other than the fused MoE (its benchmark: bench_moe.py, run by --moe here): each
+# kernel against its plain twin, both captured
 # in CUDA graphs and timed by events around replays (medians), the input sets rotated so that the
 # bytes of one replay exceed the L2; achieved GB/s against the measured copy bandwidth.
 
