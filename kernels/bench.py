@@ -32,9 +32,9 @@ from kernels.common import triton
 
 # ---------------------------------------------------------------------------------------------
 # The kernels other than the fused MoE (its benchmark: bench_moe.py, run by --moe here): each
-# kernel against its plain twin, both captured
-# in CUDA graphs and timed by events around replays (medians), the input sets rotated so that the
-# bytes of one replay exceed the L2; achieved GB/s against the measured copy bandwidth.
+# kernel against its plain twin, both captured in CUDA graphs and timed by events around replays
+# (medians), the input sets rotated so that the bytes of one replay exceed the L2; achieved GB/s
+# against the measured copy bandwidth.
 
 def _kernel_ms(fn):
     """Device time of the kernels of one eager fn() (torch.profiler), in ms: no launch gaps."""
