@@ -22,8 +22,8 @@ from checkpoint import init_random, init_random_draft, load_draft
 from draft import draft_preset, Eagle3Draft
 from graphs import CudaGraphs
 from model import Transformer
-from testing import (assert_close, captured_calls, flat, ONE_THREAD, run_py, run_ranks, step_inputs,
-                     tiny)
+from testing import (assert_close, captured_calls, flat, ONE_THREAD, ranks_stderr, run_py, run_ranks,
+                     step_inputs, tiny)
 from tp import TP
 from verify import generate
 
@@ -99,7 +99,7 @@ def test_one_shot_allreduce_is_refused_on_gloo():
     out = run_py("--allreduce", "one-shot", "--skip-e2e", "--reps", "1", ranks=2, env=ONE_THREAD)
     errors = [line for line in out.stderr.splitlines() if line.startswith("run.py: error:")]
     # the same on every rank: said once
-    assert out.returncode != 0 and len(errors) == 1, out.stderr[-2000:]
+    assert out.returncode != 0 and len(errors) == 1, ranks_stderr(out)
     assert "run.py: error: one-shot all-reduce: needs torch's symmetric memory" in errors[0]
 
 
@@ -110,7 +110,7 @@ def test_run_py_measures_allreduces_under_real_tp(tmp_path):
     out = run_py("--skip-e2e", "--reps", "1", "--speculative-attention-mode", "decode", "--json",
                  str(path),
                  ranks=2, env=ONE_THREAD)
-    assert out.returncode == 0, out.stderr[-2000:]
+    assert out.returncode == 0, ranks_stderr(out)
     m = json.loads(path.read_text())["allreduce_measured"]
     assert set(m["us_each"]) == {f"eager/{T}" for T in (1, 2, 4, 6)} and m["per_forward"] == 2 * 8
     assert all(v > 0 for v in m["us_each"].values())

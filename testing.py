@@ -44,6 +44,15 @@ def run_py(*args, ranks=1, env=CPU_ENV, **kw):
                           capture_output=True, text=True, cwd=HERE, env=env, **kw)
 
 
+def ranks_stderr(out, chars=2000):
+    """The end of a torchrun run's stderr before torchrun's own report of a failed rank (its
+    traceback and summary would push the ranks' messages out of a failed assertion's text)."""
+    lines = out.stderr.splitlines()
+    cut = next((i for i, line in enumerate(lines)
+                if "distributed/elastic" in line or "distributed.elastic" in line), len(lines))
+    return "\n".join(lines[:cut])[-chars:]
+
+
 # ---------------------------------------------------------------------------------------------
 # Tiny models and their steps, closeness, gloo ranks on the CPU
 
