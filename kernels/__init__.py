@@ -21,7 +21,7 @@ One module a kernel family, each with its kernels, launchers, constants and swap
   common.py            the Triton guard, _jit, programmatic dependent launch, shared counters
   swaps.py             SWAPS, the one table of every swap and its prerequisites; accelerate
   bench.py             the kernels' micro-benchmarks (python -m kernels.bench --help); the fused
-                       MoE's (--moe) in bench_moe.py
+                       MoE's (--moe) in bench_moe.py, their timing in bench_timing.py
 
 A swap is a subclass of a model.py (or tp.py, draft.py) module that overrides only the methods
 that differ and keeps the parameter names, so one state dict loads into both and each test

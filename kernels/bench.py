@@ -27,6 +27,7 @@ import kernels
 import model
 from kernels import (add_rmsnorm, common, head_gemv, mla, mla_decode_attention,
                      mla_rope_cache_write, norm_gemv, silu_mul)
+from kernels.bench_timing import copy_bandwidth_GBps, graph_ms, kernel_ms
 from kernels.common import triton
 
 
@@ -35,64 +36,6 @@ from kernels.common import triton
 # kernel against its plain twin, both captured in CUDA graphs and timed by events around replays
 # (medians), the input sets rotated so that the bytes of one replay exceed the L2; achieved GB/s
 # against the measured copy bandwidth.
-
-def _kernel_ms(fn):
-    """Device time of the kernels of one eager fn() (torch.profiler), in ms: no launch gaps."""
-    from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        fn()
-        torch.cuda.synchronize()
-    kernels = {e.key: e.self_device_time_total / 1e3 for e in prof.key_averages()
-               if e.device_type == torch.autograd.DeviceType.CUDA}
-    return sum(kernels.values()), kernels
-
-
-def _graph_ms(calls, reps=30):
-    """Median ms of one call: `calls` (one per input set) captured in one graph, replayed."""
-    import statistics
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for f in calls:
-            f()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for f in calls:
-            f()
-    graph.replay()
-    stamps = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        stamps.append((a, b))
-    torch.cuda.synchronize()
-    return statistics.median(a.elapsed_time(b) for a, b in stamps) / len(calls)
-
-
-def copy_bandwidth_GBps(reps=20):
-    """Device-to-device copy of 1 GiB (bytes read + written), launched eagerly between events as
-    run.py does: captured in a graph the copy becomes a memcpy node, which read ~2.7 TB/s on the
-    H200 (2026-11-29) against ~4.2 TB/s eagerly in the same call."""
-    import statistics
-    x = torch.empty(1 << 30, dtype=torch.uint8, device="cuda")
-    y = torch.empty_like(x)
-    for _ in range(5):
-        y.copy_(x)
-    stamps = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        y.copy_(x)
-        b.record()
-        stamps.append((a, b))
-    torch.cuda.synchronize()
-    return 2 * x.numel() / statistics.median(a.elapsed_time(b) for a, b in stamps) / 1e6
-
 
 def _mla_sets(B, T, S, used, n_sets, H=8, C=512, R=64, dtype=torch.bfloat16):
     """Input sets of mla_decode_attention on the GPU: each row's T new tokens end at slot used - 1
@@ -137,10 +80,10 @@ def bench_mla(bw, rows, points=MLA_POINTS, shapes=((1, 1), (1, 4), (4, 1), (4, 4
             # cache slots read + queries and output
             nbytes = B * used * 576 * 2 + 2 * B * T * 8 * 576 * 2
             sets = _mla_sets(B, T, S, used, max(2, min(32, math.ceil(2.5e8 / (B * S * 576 * 2)))))
-            plain = _graph_ms([partial(_mla_plain, s, scale) for s in sets])
-            fast = _graph_ms([partial(mla_decode_attention, **s, softmax_scale=scale)
+            plain = graph_ms([partial(_mla_plain, s, scale) for s in sets])
+            fast = graph_ms([partial(mla_decode_attention, **s, softmax_scale=scale)
                               for s in sets])
-            alone = _kernel_ms(partial(mla_decode_attention, **sets[0], softmax_scale=scale))[0]
+            alone = kernel_ms(partial(mla_decode_attention, **sets[0], softmax_scale=scale))[0]
             gbps = nbytes / fast / 1e6
             print(f"{B:>2} {T:>2} {S:>6} {used:>6} {nbytes / 1e6:>8.2f} {plain * 1e3:>9.1f} {fast * 1e3:>9.1f} "
                   f"{plain / fast:>6.1f}x {gbps:>11.0f} {gbps / bw:>6.0%} {alone * 1e3:>16.1f}")
@@ -163,9 +106,9 @@ def bench_mla_merge_absorb(rows, points=((320, 256), (4096, 4096), (32768, 32768
     for S, used in points:
         for B, T in shapes:
             sets = _mla_sets(B, T, S, used, max(2, min(32, math.ceil(2.5e8 / (B * S * 576 * 2)))))
-            three = _graph_ms([partial(lambda s: head_gemv(mla_decode_attention(**s, softmax_scale=scale), w_uv), s)
+            three = graph_ms([partial(lambda s: head_gemv(mla_decode_attention(**s, softmax_scale=scale), w_uv), s)
                                for s in sets]) * 1e3
-            two = _graph_ms([partial(lambda s: kernels.mla_merge_absorb(
+            two = graph_ms([partial(lambda s: kernels.mla_merge_absorb(
                 mla_decode_attention(**s, softmax_scale=scale,
                                      merge=False), s["positions"], w_uv), s)
                 for s in sets]) * 1e3
@@ -201,7 +144,7 @@ def bench_mla_configs(rows, sweep=MLA_SWEEP):
 
     def time_it(sets, what, split=None):
         try:
-            us = _graph_ms([partial(mla_decode_attention, **s, softmax_scale=0.1, split_len=split)
+            us = graph_ms([partial(mla_decode_attention, **s, softmax_scale=0.1, split_len=split)
                             for s in sets]) * 1e3
         # a configuration that does not fit (shared memory) is reported, not fatal
         except Exception as e:
@@ -237,7 +180,7 @@ def bench_small(rows):
     m = _small_modules()
     for N in (1, 4):
         for name, (plain_calls, fast_calls) in _small_pairs(m, N).items():
-            plain, fast = _graph_ms(plain_calls), _graph_ms(fast_calls)
+            plain, fast = graph_ms(plain_calls), graph_ms(fast_calls)
             print(f"  {name:32s} N={N}: torch {plain * 1e3:7.1f}  kernel {fast * 1e3:7.1f}  "
                   f"({plain / fast:.1f}x)")
             rows.append(dict(kernel=name, N=N, torch_ms=plain, kernel_ms=fast))
@@ -334,14 +277,14 @@ def bench_norm_gemv(bw, rows, sweep=False):
 
             def plain(x, w):
                 return torch.nn.functional.linear(x if norm is None else norm(x), w)
-            base = _graph_ms([partial(plain, x, w) for x, w in zip(xs, ws)]) * 1e3
+            base = graph_ms([partial(plain, x, w) for x, w in zip(xs, ws)]) * 1e3
             for bn, bk, programs in [(None, None, None)] + (sweep_points if M == 1 else []):
                 g = None if norm is None else norm.weight
                 try:
                     calls = [partial(norm_gemv, x, w, g, 1e-6, block_n=bn, block_k=bk,
                                      programs=programs)
                              for x, w in zip(xs, ws)]
-                    us = _graph_ms(calls) * 1e3
+                    us = graph_ms(calls) * 1e3
                 except Exception as e:   # a configuration past the SM's shared memory, say
                     print(f"  {name:9s} M {M}  config {bn, bk, programs}: {type(e).__name__} {str(e)[:80]}")
                     continue
@@ -363,8 +306,8 @@ def bench_norm_gemv(bw, rows, sweep=False):
             def twin(x, w, eq):   # the einsum and the copy the model makes of its permuted output
                 return torch.einsum(eq, x, w).contiguous()
             # 1 MB of weights: in L2 either way
-            base = _graph_ms([partial(twin, x, w, eq)] * 8) * 1e3
-            us = _graph_ms([partial(head_gemv, x, w)] * 8) * 1e3
+            base = graph_ms([partial(twin, x, w, eq)] * 8) * 1e3
+            us = graph_ms([partial(head_gemv, x, w)] * 8) * 1e3
             print(f"  {name:12s} M {M}: kernel {us:6.1f} us  twin (einsum) {base:6.1f} us")
             rows.append(dict(kernel="head_gemv", proj=name, M=M, us=us, twin_us=base))
 
@@ -383,8 +326,8 @@ def bench_input_norm_in_qkva(rows):
     for M in (1, 2, 3, 4):
         xs, rs = ([torch.randn(M, K, device="cuda", dtype=dt) for _ in range(sets)]
                   for _ in range(2))
-        base = _graph_ms([partial(two_launches, x, r, w) for x, r, w in zip(xs, rs, ws)]) * 1e3
-        us = _graph_ms([partial(norm_gemv, x, w, g, 1e-6, residual=r)
+        base = graph_ms([partial(two_launches, x, r, w) for x, r, w in zip(xs, rs, ws)]) * 1e3
+        us = graph_ms([partial(norm_gemv, x, w, g, 1e-6, residual=r)
                         for x, r, w in zip(xs, rs, ws)]) * 1e3
         print(f"  add+norm+q_a+kv_a M {M}: kernel {us:6.1f} us  twin (add_rmsnorm, then the GEMV) {base:6.1f} us",
               flush=True)
@@ -553,7 +496,7 @@ def bench_draft(out=None, contexts=(256, 32768), k=3):
             calls = dict(draft_extend=lambda: head.extend(toks, pos, aux, last, kv_len=kvd),
                          draft_step=lambda: head.chain(first, hidden, pos[:, -1], 2, kv_len=kvd))
             for phase, fn in calls.items():
-                ms = _graph_ms([fn])
+                ms = graph_ms([fn])
                 floor = draft_bytes(head, ctx + (k + 1 if phase == "draft_extend" else 1), 1,
                                     with_fc=phase == "draft_extend") / bw / 1e6
                 n, top = _step_kernels(fn)
@@ -579,7 +522,7 @@ def _bench_draft_attention(bw, S=32768, G=8, HD=128):
         pos = S - T + torch.arange(T, device="cuda").unsqueeze(0)
         rope = cos[pos], sin[pos]
         for split in (None, 512, 1024, 2048, 4096):
-            ms = _graph_ms([lambda: kernels.draft_attention(q, k, v, *rope, pos,
+            ms = graph_ms([lambda: kernels.draft_attention(q, k, v, *rope, pos,
                                                             *caches, 0.088, split)])
             gbps = 2 * S * G * HD * 2 / ms / 1e6
             used = split or kernels.draft_split_len(S, G,

@@ -5,7 +5,7 @@ import torch
 import torch.nn.functional as F
 
 from . import GEMV_MAX_PAIRS, GEMV_MAX_TOKENS, ExpertWeights, fused_moe, silu_mul
-from .bench import _graph_ms, _kernel_ms, copy_bandwidth_GBps
+from .bench_timing import copy_bandwidth_GBps, graph_ms, kernel_ms
 from .common import triton
 
 
@@ -125,7 +125,7 @@ def _time_shared(fmt, N, layers, inputs, floor_ms, bandwidth, LAYERS, D, I, g, p
     def torch_shared():
         return lambda: [out.addmm_(silu_mul(*F.linear(x, gu).chunk(2, -1)), d.t())
                         for gu, (_, _, d) in zip(stacked, shared)]
-    ms = _graph_ms([torch_shared()]) / LAYERS
+    ms = graph_ms([torch_shared()]) / LAYERS
     print(f"bf16 shared expert alone, torch (N={N}): {ms * 1e3:.1f} us  "
           f"floor {shared_ms * 1e3:.1f} us  {ms / shared_ms:.2f}x", flush=True)
     return rows + [dict(fmt="bf16", tokens=N, variant="shared-torch", config=None, ms=ms,
@@ -141,20 +141,20 @@ def _time_moe(fmt, N, variant, cfg, layers, inputs, floor_ms, bandwidth, LAYERS,
                         for w, s in zip(layers, shared or [None] * len(layers))]
     label = variant + ("+shared" if shared else "")
     try:
-        ms = _graph_ms([run()]) / LAYERS
+        ms = graph_ms([run()]) / LAYERS
     except Exception as e:  # a sweep point that does not compile: say so, go on
         print(f"{fmt} N={N} {label} {cfg}: {type(e).__name__}: {str(e)[:200]}")
         return []
-    kernel_ms, by_kernel = _kernel_ms(run())       # each kernel's share, sweep points too
-    kernel_ms = kernel_ms / LAYERS if kernel_ms else None
+    alone_ms, by_kernel = kernel_ms(run())        # each kernel's share, sweep points too
+    alone_ms = alone_ms / LAYERS if alone_ms else None
     by_kernel = {name[:40]: v / LAYERS for name, v in by_kernel.items()}   # ms a layer, per kernel
     print(f"{fmt:5s} N={N:3d} {label:11s} {str(cfg or 'default'):34s} {ms * 1e3:8.1f} us"
           f"  floor {floor_ms * 1e3:7.1f} us"
           f"  {ms / floor_ms:5.2f}x  {floor_ms * bandwidth / ms:6.0f} GB/s"
-          + (f"  kernels alone {kernel_ms * 1e3:.1f} us ({kernel_ms / floor_ms:.2f}x): "
+          + (f"  kernels alone {alone_ms * 1e3:.1f} us ({alone_ms / floor_ms:.2f}x): "
              + ", ".join(f"{k.replace('_moe_', '').split('_kernel')[0]} {v * 1e3:.1f}"
                          for k, v in by_kernel.items())
-             if kernel_ms else ""), flush=True)
-    return [dict(fmt=fmt, tokens=N, variant=label, config=cfg, ms=ms, kernel_ms=kernel_ms,
+             if alone_ms else ""), flush=True)
+    return [dict(fmt=fmt, tokens=N, variant=label, config=cfg, ms=ms, kernel_ms=alone_ms,
                  by_kernel=by_kernel,
                  floor_ms=floor_ms, x_floor=ms / floor_ms, GBps=floor_ms * bandwidth / ms)]
