@@ -27,6 +27,7 @@ import kernels
 import model
 from kernels import (add_rmsnorm, common, head_gemv, mla, mla_decode_attention,
                      mla_rope_cache_write, norm_gemv, silu_mul)
+from kernels.bench_moe import benchmark_moe
 from kernels.bench_timing import copy_bandwidth_GBps, graph_ms, kernel_ms
 from kernels.common import triton
 
@@ -536,9 +537,8 @@ def _bench_draft_attention(bw, S=32768, G=8, HD=128):
     return rows
 
 
-def main():
+def _parser():
     import argparse
-    import json
     p = argparse.ArgumentParser(description="Each Triton kernel against its plain twin and its floor, on a GPU.")
     p.add_argument("--json", metavar="PATH",
                    help="write the results: PATH with _moe / _attention before .json")
@@ -569,6 +569,20 @@ def main():
     p.add_argument("--draft", action="store_true",
                    help="time the EAGLE-3 head only: its step and extend, plain and "
                                                        "with its swaps, and its attention kernel")
+    return p
+
+
+def _ints(p, flag, text):
+    """A comma-separated list of integers, or the parser's error naming the flag."""
+    try:
+        return tuple(int(n) for n in text.split(",") if n)
+    except ValueError:
+        p.error(f"{flag} {text!r}: comma-separated integers")
+
+
+def main():
+    import json
+    p = _parser()
     a = p.parse_args()
     if a.pdl is not None:
         result = benchmark_pdl(a.pdl)
@@ -585,11 +599,10 @@ def main():
     if a.small:
         benchmark_attention(a.json, small_only=True, sweep=bool(sweep))
         return
-    formats, tokens = tuple(a.formats.split(",")), tuple(int(n) for n in a.tokens.split(","))
+    formats, tokens = tuple(a.formats.split(",")), _ints(p, "--tokens", a.tokens)
     if not set(formats) <= {"plain", "fp8", "int4"}:
         p.error(f"--formats {a.formats!r}: choose from plain, fp8, int4")
-    from kernels.bench_moe import benchmark_moe
-    pools = tuple(int(n) for n in a.distinct.split(",") if n)
+    pools = _ints(p, "--distinct", a.distinct)
     if any(not 8 <= n <= 384 for n in pools):
         p.error(f"--distinct {a.distinct!r}: pool sizes from K = 8 to E = 384")
     moe_result = benchmark_moe(sweep=sweep, variants=variants, tokens=tokens, formats=formats,
