@@ -638,10 +638,11 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None, plan
     h = torch.empty(P, I, dtype=torch.float32, device=dev)  # [P, I], route weight in
     gs, strides, offs, const = _gemv_args(gate, bk, sub)
     sh_gate_up, sh_down = _shared_args(shared, fmt, N, I, D, bn, warps, h)
+    leader = N <= GEMV_LEADER_TOKENS.get(fmt, 0)
     _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         x, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
-        TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn, BLOCK_K=bk, UNROLL=unroll,
-        LEADER=N <= GEMV_LEADER_TOKENS.get(fmt, 0), P_PAD=max(16, triton.next_power_of_2(P)),
+        TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn, BLOCK_K=bk, UNROLL=unroll, LEADER=leader,
+        P_PAD=max(16, triton.next_power_of_2(P)) if leader else 16,  # 16: unused, one compile
         **const, **sh_gate_up, launch_pdl=common.PDL, num_warps=warps)
     bn, bk, warps, sub = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
