@@ -285,6 +285,41 @@ def test_fused_moe_gemv_int4_even_and_masked_blocks():
 
 
 @pytest.mark.triton
+def test_fused_moe_gemv_int4_packed_bf16_precision():
+    """bf16 activations take the INT4 GEMV's packed form (products by bf16 pairs, a word's 4 pairs
+    summed in bf16, then fp32): against the fp32 form on the same weights (x in fp32), within 1.5%
+    of the largest output, and on average within 2x the plain bf16 module's own error (its
+    dequantized weights rounded to bf16); with blocks that divide the shapes and blocks that do
+    not, alone and with a shared expert in the launch. On the CPU the interpreter runs the same
+    arithmetic in fp32 with the GPU's rounding (moe_gemv._fma2)."""
+    args = tiny(n_routed_experts=16, num_experts_per_tok=8, hidden_size=96,
+                moe_intermediate_size=64, quantization_config="int4")
+    experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, torch.bfloat16), 0).experts
+    D, I, g = 96, experts.gate_proj.weight_packed.shape[1], torch.Generator().manual_seed(3)
+    weights = [kernels.expert_weights(getattr(experts, p))
+               for p in ("gate_proj", "up_proj", "down_proj")]
+    shared = [(torch.randn(*s, generator=g) / 8).to(TRITON_DEVICE, torch.bfloat16)
+              for s in ((I, D), (I, D), (D, I))]
+    for N, (gate_up, down), sh in ((1, ((32, 4, 4), (32, 32, 4)), None),
+                                   (3, ((64, 8, 4), (64, 64, 4)), shared)):
+        ids, w = routing("random", N, 8, 16, g, TRITON_DEVICE)
+        x = torch.randn(N, D, generator=g).to(TRITON_DEVICE, torch.bfloat16)
+        cfg = dict(gate_up=gate_up, down=down)
+        got = kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=sh, configs=cfg)
+        fp32 = kernels.fused_moe(x.float(), ids, w, *weights, variant="gemv",
+                                 shared=sh and [t.float() for t in sh], configs=cfg)
+        plain = model.Experts.forward(experts, x, ids, w)
+        if sh:
+            plain = plain + (F.silu(x @ sh[0].T) * (x @ sh[1].T)) @ sh[2].T
+        what = f"packed INT4 GEMV, {N} tokens, {cfg}, shared {sh is not None}"
+        assert got.dtype == torch.bfloat16 and fp32.abs().max() > 0.1
+        assert_close(got.float(), fp32, 1.5e-2 * fp32.abs().max().item(), what + " vs fp32")
+        err, plain_err = ((y.float() - fp32).abs().mean().item() for y in (got, plain))
+        assert err <= 2 * plain_err, (f"{what}: mean error {err:.2e}, the plain "
+                                      f"module's {plain_err:.2e}")
+
+
+@pytest.mark.triton
 @pytest.mark.parametrize("quant", ["int4", "fp8"])
 def test_fused_moe_gemv_shared_h_made_once(quant, monkeypatch):
     """The shared expert's h = silu(g) * u is made once a row block, by the last of its split
@@ -774,16 +809,22 @@ def test_router_kernel_equals_twin(shape, dtype):
         ids, w = router(x)
         if shared_slot:
             ids, w = kernels.with_shared_slot(ids, w, args.n_routed_experts)
-        planes = torch.full((n, 8, args.hidden_size // 8), float("nan"), device=device)
+        planes = kernels.moe_gemv.empty_planes(x).fill_(-1)   # -1: fp32 -1.0, a bf16 NaN pair
         got_ids, got_w = fast(x, shared_slot, planes=planes if n != 1 else None)
         assert got_ids.dtype == ids.dtype and got_w.dtype == w.dtype
         what = f"router kernel {shape} N={n} shared slot {shared_slot}"
         assert torch.equal(got_ids, ids), f"{what}: ids differ\n{got_ids}\n{ids}"
         assert_close(got_w, w, 1e-6, f"{what}: weights")
-        if n != 1:  # x as the INT4 GEMV's planes (plane j = elements 8w + j), written beside
+        if n != 1 and dtype == torch.bfloat16:  # x as the packed INT4 GEMV's pair planes: word w
+            # of plane j holds elements 8w + j (low half) and 8w + j + 4 (high), written beside
+            got = planes.view(torch.bfloat16).view(n, 4, -1, 2)
+            for j, half in ((j, half) for j in range(4) for half in range(2)):
+                assert torch.equal(got[:, j, :, half],
+                                   x[:, j + 4 * half::8]), f"{what}: pair plane {j}, {half}"
+        elif n != 1:  # x as the INT4 GEMV's fp32 planes (plane j = elements 8w + j)
             want = x.float().view(n, -1, 8).transpose(1, 2)
             assert torch.equal(planes, want), f"{what}: the activation planes differ"
-    with pytest.raises(ValueError, match="planes must be a contiguous float32"):
+    with pytest.raises(ValueError, match="planes must be a contiguous"):
         fast(x, planes=torch.empty(n, 8, args.hidden_size // 8 + 1, device=device))
 
 
@@ -1440,11 +1481,12 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, 
 @pytest.mark.triton
 @pytest.mark.parametrize("quant", ["int4", "fp8"])
 def test_quantized_shared_expert_in_the_launch_replays_without_host_sync(quant):
-    """INT4 or FP8 routed experts with the shared expert in their launch: each captured shape
+    """INT4 or FP8 routed experts with the shared expert in their launch, bf16, and the router
+    kernel (beside INT4 experts it writes the packed form's pair planes): each captured shape
     (decode, verify of 3 rows of 4 tokens, the head's) replays equal to eager, and nothing syncs
     with the host."""
-    target, head = gpu_models(quant=quant, moe_impl="fused", kernels_on=["shared_expert"])
-    assert target.kernels == ("shared_expert",)
+    target, head = gpu_models(quant=quant, moe_impl="fused", kernels_on=["router", "shared_expert"])
+    assert target.kernels == ("router", "shared_expert")
     runner = CudaGraphs("cuda")
     for key, fn, inputs in captured_calls(target, head):
         torch.cuda.synchronize()

@@ -56,7 +56,8 @@ from .mla import (MLA_MERGE_ABSORB_MAX_ROWS, DecodeAttentionKernel, MLAParts, Ro
                   mla_split_len)
 from .moe import (FusedExperts, GroupedExperts, SharedExpertInLaunch, expert_weights, fused_moe,
                   fused_moe_available, gemv_rule, grouped_mm_available, with_shared_slot)
-from .moe_gemv import GEMV_MAX_PAIRS, GEMV_MAX_TOKENS, ExpertWeights, nibble_planes
+from .moe_gemv import (GEMV_MAX_PAIRS, GEMV_MAX_TOKENS, ExpertWeights, activation_planes,
+                       nibble_planes, pair_planes)
 from .router import RouterKernel, router_topk
 from .stacked import SharedDownAddsRouted, StackedGateUp, StackedQKVA, stack_rows
 from .swaps import (COMBINED, DRAFT_KERNELS, KERNELS, MOE_IMPLS, SWAPS, accelerate,

@@ -591,8 +591,7 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
             # INT4 experts read x as nibble planes: the router kernel writes them, one launch less
             planes = None
             if self.gate_kernel and self.fmt() == "int4":
-                planes = torch.empty(x.shape[0], 8, x.shape[1] // 8, dtype=torch.float32,
-                                     device=x.device)
+                planes = moe_gemv.empty_planes(x)
             ids, weights = self.gate(x) if planes is None else self.gate(x, planes=planes)
             if x.shape[0] > moe_gemv.SHARED_MAX_TOKENS[self.fmt()]:   # the shared expert alone
                 return ex(x, ids, weights, planes=planes) + sh(x)

@@ -56,7 +56,7 @@ def _weight_args(w, block_k):
 # expert that several tokens picked run side by side, the later passes reading the rows mostly
 # from L2 (one program serving them all, one pass after another, is slower where tokens share
 # experts: python -m kernels.bench --moe --distinct 8).
-# Writes h = silu(g) * u * route_w per pair, fp32 [P, I] (INT4: in the nibble-plane order below).
+# Writes h = silu(g) * u * route_w per pair, fp32 [P, I] (INT4: in the plane order below).
 # down: a program per (token, BLOCK_N rows of D), token-major so no combine is needed: the K
 # experts of the token, each [BLOCK_N, I], times that pair's h, summed in registers, stored once.
 # Programs of one row block for all tokens are adjacent in launch order, so an expert shared by
@@ -71,7 +71,9 @@ def _weight_args(w, block_k):
 # the activation comes as 8 planes (plane j = elements 8w + j, contiguous in w: x is permuted once
 # per call, or the router kernel wrote them beside its logits; h is written that way by gate_up) and
 # each plane meets nibble j of the same words. A nibble becomes a float by the exponent trick
-# (_nibble), and the group scale multiplies each word's 8 products once.
+# (_nibble), and the group scale multiplies each word's 8 products once. bf16 activations (the
+# model's) take the packed form instead (above _fma2): 4 planes of bf16 pairs, two elements an
+# instruction, h bf16 (as the plain module's).
 # The INT4 kernels are their own (see above _nibble): whole 16-byte words a thread, unmasked where
 # the shapes divide, the next step's words in flight, down's K experts in one tile.
 
@@ -380,6 +382,65 @@ def _nibble(words, high, J: tl.constexpr, magic):
         return f * (1.0 / (1 << (4 * J - 12))) - (8388608.0 / (1 << (4 * J - 12)) + 8.0)
 
 
+# bf16 activations (the model's dtype) take the packed form: two bf16 in one 32-bit register, so one
+# fma.rn.bf16x2 does two elements' work. Nibbles j and j + 4 of a word sit 16 bits apart: one AND-OR
+# puts both into the mantissas of two bf16 128.0 (128 + q; nibbles 1 and 3, shifted to bits 3-6:
+# 128 + 8q), one packed FMA makes them q - 8 exactly, one more multiplies them by the activation
+# pair (x[8w + j], x[8w + j + 4]) and adds. The activation comes as 4 pair planes [N, 4, D/8] of
+# such words (pair_planes). A word's 4 pairs accumulate in bf16 (each FMA rounds to bf16's 8-bit
+# mantissa, as the plain module's bf16 dequantized weights do), its two halves then in fp32 times
+# the group scale. About 2.4 instructions an element on sm_90, against 3.4 unpacking to fp32.
+BF16_MAGIC = 0x43004300                          # two bf16 128.0, the bits as an int32
+_c = tl.constexpr if common.HAVE_TRITON else int
+# bf16 pairs as int32 bits: (128 + q) * 1 - 136 and (128 + 8q) * 0.125 - 24 are q - 8
+BF16_ONE, BF16_M136 = _c(0x3F803F80), _c(0xC308C308 - (1 << 32))
+BF16_EIGHTH, BF16_M24 = _c(0x3E003E00), _c(0xC1C0C1C0 - (1 << 32))
+ASM = _c(common.HAVE_TRITON and not common.interpreting())     # inline PTX (not interpreted)
+
+
+@_jit
+def _fma2(a, b, c):
+    """a * b + c on int32 words of two bf16 each, rounded to bf16 (fma.rn.bf16x2). Triton's
+    interpreter has no inline asm: there each half in fp32 (the product of two bf16 is exact), then
+    rounded to the nearest bf16, ties to even, as the GPU rounds."""
+    if ASM:
+        return tl.inline_asm_elementwise("fma.rn.bf16x2 $0, $1, $2, $3;", "=r,r,r,r", [a, b, c],
+                                         dtype=tl.int32, is_pure=True, pack=1)
+    else:
+        lo = (_low(a) * _low(b) + _low(c)).to(tl.int32, bitcast=True)
+        hi = (_high(a) * _high(b) + _high(c)).to(tl.int32, bitcast=True)
+        lo = ((lo + 0x7FFF + ((lo >> 16) & 1)) >> 16) & 0xFFFF
+        return lo | (((hi + 0x7FFF + ((hi >> 16) & 1)) >> 16) << 16)
+
+
+@_jit
+def _low(pair):
+    """The low bf16 of int32 words, as fp32 (exact)."""
+    return (pair << 16).to(tl.float32, bitcast=True)
+
+
+@_jit
+def _high(pair):
+    """The high bf16 of int32 words, as fp32 (exact)."""
+    return (pair & -65536).to(tl.float32, bitcast=True)
+
+
+@_jit
+def _packed_word(words, x_ptrs, PLANE: tl.constexpr, ok, EVEN: tl.constexpr, magic):
+    """sum over j of (nibble j of each word - 8) * x[8w + j] in fp32 [R, BW], the products by bf16
+    pairs (the packed form above). x_ptrs [BW]: pair plane 0's words, PLANE words apart."""
+    one, m136 = tl.full([1, 1], BF16_ONE, tl.int32), tl.full([1, 1], BF16_M136, tl.int32)
+    eighth, m24 = tl.full([1, 1], BF16_EIGHTH, tl.int32), tl.full([1, 1], BF16_M24, tl.int32)
+    acc = tl.zeros(words.shape, tl.int32)                  # two bf16 zeros
+    for j in tl.static_range(4):
+        if j % 2 == 0:
+            q = _fma2(((words >> (4 * j)) & 0x000F000F) | magic, one, m136)
+        else:
+            q = _fma2(((words >> (4 * j - 3)) & 0x00780078) | magic, eighth, m24)
+        acc = _fma2(q, _plane(x_ptrs, j, PLANE, ok, EVEN), acc)
+    return _low(acc) + _high(acc)
+
+
 @_jit
 def _int4_tile(w_ptr, s_ptr, rows_ok, w, W: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr):
     """One step of one INT4 matrix: words [R, BW] and their group scales (fp32), read at word
@@ -415,10 +476,13 @@ def _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, start, W: tl.constexp
 
 @_jit
 def _gate_up_products(gw, gs, uw, us, v, start, magic, W: tl.constexpr, BLOCK_W: tl.constexpr,
-                      EVEN: tl.constexpr):
+                      EVEN: tl.constexpr, PACKED: tl.constexpr):
     """One step's scaled products [R, BLOCK_W] of gate and up (each word's 8 summed), v: the
-    planes."""
+    planes (PACKED: the pair planes, magic BF16_MAGIC; else fp32 planes, MAGIC)."""
     w = start + tl.arange(0, BLOCK_W)
+    if PACKED:
+        return (_packed_word(gw, v + w, W, w < W, EVEN, magic) * gs,
+                _packed_word(uw, v + w, W, w < W, EVEN, magic) * us)
     g_high, u_high = gw >> 12, uw >> 12
     t_g = tl.zeros(gw.shape, tl.float32)
     t_u = tl.zeros(uw.shape, tl.float32)
@@ -438,10 +502,12 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
                                   GROUP: tl.constexpr,
                                   BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                                   EVEN: tl.constexpr, SPLIT: tl.constexpr, SHARED_K: tl.constexpr,
-                                  EVEN_SHARED: tl.constexpr):
+                                  EVEN_SHARED: tl.constexpr, PACKED: tl.constexpr):
     """_moe_gemv_gate_up_kernel for INT4 weights: v_ptr the activations as fp32 planes [N, 8, D/8]
     (plane j = elements 8w + j), h written in plane order (element i of row p at (i % 8) * I/8 + i
-    // 8), the planes down reads. BLOCK_W words (8 BLOCK_W elements) a step; EVEN: the blocks divide
+    // 8), the planes down reads; PACKED (bf16 x): v_ptr the pair planes [N, 4, D/8] (int32), h bf16
+    in pair-plane order (element i of row p at 2 ((i % 4) I/8 + i // 8) + (i % 8) // 4 of the
+    row's I). BLOCK_W words (8 BLOCK_W elements) a step; EVEN: the blocks divide
     I and D/8, so no load is masked. Grid: (cdiv(I, BLOCK_N), SPLIT + P): the first SPLIT programs
     of each row block take the bf16 shared expert (_shared_gate_up; x_ptr, part_ptr, hs_ptr,
     count_ptr, sg_ptr, su_ptr, N: its arguments; SPLIT 0: none; SHARED_K bf16 columns a step),
@@ -460,7 +526,7 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
     n_ok = n < I
     g_rows, u_rows = g_ptr + e * stride_we + n[:, None] * stride_wn, u_ptr + e * stride_we + n[:, None] * stride_wn
     gs_rows, us_rows = gs_ptr + e * stride_se + n[:, None] * stride_sr, us_ptr + e * stride_se + n[:, None] * stride_sr
-    v = v_ptr + (p // TOPK).to(tl.int64) * D
+    v = v_ptr + (p // TOPK).to(tl.int64) * (D // 2 if PACKED else D)
     acc_g = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
     gw, gs, uw, us = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, 0, W, GROUP, BLOCK_W,
@@ -473,13 +539,17 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
             start = tl.minimum(start, W - BLOCK_W)
         gw1, gs1, uw1, us1 = _gate_up_words(g_rows, gs_rows, u_rows, us_rows, n_ok, start, W,
                                             GROUP, BLOCK_W, EVEN)
-        pg, pu = _gate_up_products(gw, gs, uw, us, v, w0, magic, W, BLOCK_W, EVEN)
+        pg, pu = _gate_up_products(gw, gs, uw, us, v, w0, magic, W, BLOCK_W, EVEN, PACKED)
         acc_g += pg
         acc_u += pu
         gw, gs, uw, us = gw1, gs1, uw1, us1
     g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
     h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + p)
-    tl.store(h_ptr + p.to(tl.int64) * I + (n % 8) * (I // 8) + n // 8, h, mask=n_ok)
+    if PACKED:
+        tl.store(h_ptr + p.to(tl.int64) * I + 2 * ((n % 4) * (I // 8) + n // 8) + n % 8 // 4,
+                 h.to(tl.bfloat16), mask=n_ok)
+    else:
+        tl.store(h_ptr + p.to(tl.int64) * I + (n % 8) * (I // 8) + n // 8, h, mask=n_ok)
 
 
 @_jit
@@ -489,10 +559,11 @@ def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we,
                                TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
                                GROUP: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr,
-                               SHARED: tl.constexpr, I_PAD: tl.constexpr):
+                               SHARED: tl.constexpr, I_PAD: tl.constexpr, PACKED: tl.constexpr):
     """_moe_gemv_down_kernel for INT4 weights, h in plane order (gate_up's). A tile's columns are
     the token's K experts' words side by side (column c: expert slot c // (I/8), word c % (I/8)),
-    BLOCK_C columns a step. SHARED: the bf16 shared expert too, weight 1 (_shared_down: gate_up's h
+    BLOCK_C columns a step; PACKED: h as gate_up's bf16 pair planes, read as int32 [P, 4, I/8].
+    SHARED: the bf16 shared expert too, weight 1 (_shared_down: gate_up's h
     = silu(g) * u hs [N, I] fp32 times its down weights sd_ptr [D, I]; I_PAD: a power of two >= I).
     Grid: (N, cdiv(D, BLOCK_N))."""
     _wait_for_prior()
@@ -517,11 +588,15 @@ def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we,
                             mask=ok, other=0)
             s = tl.load(s_ptr + e[None, :] * stride_se + n[:, None] * stride_sr + (w * 8 // GROUP)[None, :],
                         mask=ok, other=0.0)
-        high = words >> 12
-        h_row = h_ptr + pair.to(tl.int64) * I + w                          # plane j at + j * W
-        t = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
-        for j in tl.static_range(8):
-            t += _nibble(words, high, j, magic) * _plane(h_row, j, W, c < TOPK * W, EVEN)
+        if PACKED:
+            h_row = h_ptr + pair.to(tl.int64) * (I // 2) + w               # pair plane j at + j W
+            t = _packed_word(words, h_row, W, c < TOPK * W, EVEN, magic)
+        else:
+            high = words >> 12
+            h_row = h_ptr + pair.to(tl.int64) * I + w                      # plane j at + j * W
+            t = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
+            for j in tl.static_range(8):
+                t += _nibble(words, high, j, magic) * _plane(h_row, j, W, c < TOPK * W, EVEN)
         acc += t * s.to(tl.float32)
     y = tl.sum(acc, 1)
     if SHARED:
@@ -582,6 +657,17 @@ def _shared_args(shared, fmt, N, I, D, block_n, warps, placeholder):
     return gate_up, dict(hs_ptr=hs, sd_ptr=sd, SHARED=bool(shared), I_PAD=triton.next_power_of_2(I))
 
 
+def pair_planes(x, out=None):
+    """x [N, D] as the packed INT4 GEMV reads a bf16 activation: 4 pair planes [N, 4, D/8] of int32
+    words, word w of plane j holding the bf16 x[8w + j] (low half) and x[8w + j + 4] (high), into
+    `out` where given (a torch copy, one launch)."""
+    N, D = x.shape
+    out = torch.empty(N, 4, D // 8, dtype=torch.int32, device=x.device) if out is None else out
+    pairs = x.reshape(N, D // 8, 2, 4).permute(0, 3, 1, 2)          # [N, j, w, half]
+    out.view(torch.bfloat16).view(N, 4, D // 8, 2).copy_(pairs)
+    return out
+
+
 def nibble_planes(x, out=None):
     """x [N, D] as the INT4 GEMV kernels read an activation: 8 fp32 planes [N, 8, D/8], plane j =
     elements 8w + j (a torch copy, one launch), into `out` where given."""
@@ -590,40 +676,57 @@ def nibble_planes(x, out=None):
     return out.copy_(x.reshape(N, D // 8, 8).transpose(1, 2))
 
 
-def _check_planes(planes, x):
-    """fused_moe's and router_topk's planes: an fp32 [N, 8, D/8] contiguous tensor on x's device."""
+def activation_planes(x, out=None):
+    """x as the INT4 GEMV kernels read it: pair planes for bf16 x (the packed form), else fp32
+    nibble planes; into `out` (empty_planes(x)) where given."""
+    return pair_planes(x, out) if x.dtype == torch.bfloat16 else nibble_planes(x, out)
+
+
+def empty_planes(x):
+    """An uninitialized tensor for activation_planes(x) (router_topk writes it)."""
     N, D = x.shape
-    if (D % 8 or planes.shape != (N, 8, D // 8) or planes.dtype != torch.float32
-        or not planes.is_contiguous()
+    if x.dtype == torch.bfloat16:
+        return torch.empty(N, 4, D // 8, dtype=torch.int32, device=x.device)
+    return torch.empty(N, 8, D // 8, dtype=torch.float32, device=x.device)
+
+
+def _check_planes(planes, x):
+    """fused_moe's and router_topk's planes: as empty_planes(x) makes them, on x's device."""
+    N, D = x.shape
+    want = (N, 4, D // 8) if x.dtype == torch.bfloat16 else (N, 8, D // 8)
+    dtype = torch.int32 if x.dtype == torch.bfloat16 else torch.float32
+    if (D % 8 or planes.shape != want or planes.dtype != dtype or not planes.is_contiguous()
             or planes.device != x.device):
-        raise ValueError(f"planes must be a contiguous float32 [{N}, 8, {D // 8}] tensor on {x.device} for x "
-                         f"{list(x.shape)} (D a multiple of 8), got {planes.dtype} {list(planes.shape)} on "
-                         f"{planes.device}")
+        raise ValueError(f"planes must be a contiguous {dtype} {list(want)} tensor on {x.device} "
+                         f"for {x.dtype} x {list(x.shape)} (D a multiple of 8), got {planes.dtype} "
+                         f"{list(planes.shape)} on {planes.device}")
 
 
 def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, planes=None):
     """The GEMV variant for INT4 weights (see _fused_moe_gemv); shared, planes: fused_moe's."""
     (N, D), P, I, dev = x.shape, ids.numel(), gate.shape[1], x.device
     K = P // N
-    v = nibble_planes(x) if planes is None else planes
-    h = torch.empty(P, I, dtype=torch.float32, device=dev)  # [P, I], route weight in
+    packed = x.dtype == torch.bfloat16
+    v = activation_planes(x) if planes is None else planes
+    h = torch.empty(P, I, dtype=torch.bfloat16 if packed else torch.float32, device=dev)
     bn, bw, warps = cfg["gate_up"]
     sh_gate_up, sh_down = _shared_args(shared, "int4", N, I, D, bn, warps, h)
     s = gate.data.stride(), gate.scale.stride()
     _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, s[0][0], s[0][1], s[1][0],
-        s[1][1], MAGIC,
+        s[1][1], BF16_MAGIC if packed else MAGIC,
         x, TOPK=K, D=D, I=I, GROUP=gate.group,
         BLOCK_N=bn, BLOCK_W=bw, EVEN=I % bn == 0 and D % (8 * bw) == 0, **sh_gate_up,
-        launch_pdl=common.PDL, num_warps=warps)
+        PACKED=packed, launch_pdl=common.PDL, num_warps=warps)
     bn, bc, warps = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     s = down.data.stride(), down.scale.stride()
     _moe_gemv_int4_down_kernel[(N, triton.cdiv(D, bn))](
-        h, out, ids, down.data, down.scale, s[0][0], s[0][1], s[1][0], s[1][1], MAGIC,
+        h.view(torch.int32) if packed else h, out, ids, down.data, down.scale, s[0][0], s[0][1],
+        s[1][0], s[1][1], BF16_MAGIC if packed else MAGIC,
         TOPK=K, D=D, I=I, GROUP=down.group, BLOCK_N=bn, BLOCK_C=bc, EVEN=D % bn == 0
         and K * I // 8 % bc == 0,
-        **sh_down, launch_pdl=common.PDL, num_warps=warps)
+        **sh_down, PACKED=packed, launch_pdl=common.PDL, num_warps=warps)
     return out
 
 

@@ -52,8 +52,9 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
     """part[j, n, e] = sum over d in slice j of x[n, d] * W[e, d] in float32, then, in the last
     program, _router_select over all N (<= BLOCK_N) tokens. x [N, D] (any float dtype), W [E, D]
     float32, part [SPLITS, N, E] float32 (last dims contiguous), count one int32 zero. PLANES: the
-    programs of expert block 0 also write their slice of x as fp32 nibble planes v [N, 8, D/8]
-    (plane j = elements 8w + j: the INT4 GEMV's activation, fused_moe's planes). Grid:
+    programs of expert block 0 also write their slice of x as the INT4 GEMV's activation
+    (fused_moe's planes, moe_gemv.activation_planes): 1, fp32 nibble planes [N, 8, D/8]; 2, bf16
+    pair planes (v_ptr a bf16 view of them). Grid:
     (cdiv(E, BLOCK_E), SPLITS)."""
     _wait_for_prior()
     eb, j = tl.program_id(0), tl.program_id(1)
@@ -72,9 +73,13 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
             x = tl.load(x_ptr + i * s_xn + d[None, :], mask=ok, other=0.0).to(tl.float32)
             # [BLOCK_N, BLOCK_E]
             acc = tl.where(n[:, None] == i, acc + tl.sum(x * w, 1)[None, :], acc)
-            if PLANES:
+            if PLANES == 1:
                 if eb == 0:
                     tl.store(v_ptr + i * D + (d % 8 * (D // 8) + d // 8)[None, :], x, mask=ok)
+            elif PLANES == 2:
+                if eb == 0:
+                    pos = 2 * (d % 4 * (D // 8) + d // 8) + d % 8 // 4
+                    tl.store(v_ptr + i * D + pos[None, :], x.to(tl.bfloat16), mask=ok)
     tl.store(part_ptr + j * s_ps + n[:, None] * s_pn + e[None, :], acc,
              mask=(n < N)[:, None] & (e < E)[None, :])
     tl.debug_barrier()  # every thread's stores before the counter's release
@@ -187,9 +192,9 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
     a selection kernel): x [N, D], weight [E, D] float32, bias [E] float32 -> ids int64 [N, K],
     weights float32 [N, K]. uniform: SIMULATED balanced routing (pair j = n*K + i to expert j mod
     E), as model.Router's routing "uniform"; shared_slot: a column K more, expert E with weight 1
-    (the shared expert in the fused MoE launch); both in the same kernels. planes: an fp32 [N, 8,
-    D/8] tensor that receives x as the INT4 GEMV's activation planes (fused_moe's planes), written
-    by the same kernel (past ROUTER_GEMV_MAX_TOKENS: a copy)."""
+    (the shared expert in the fused MoE launch); both in the same kernels. planes: a tensor from
+    moe_gemv.empty_planes(x) that receives x as the INT4 GEMV's activation planes (fused_moe's
+    planes), written by the same kernel (past ROUTER_GEMV_MAX_TOKENS: a copy)."""
     N, D = x.shape
     E = weight.shape[0]
     if weight.dtype != torch.float32 or bias.dtype != torch.float32 or weight.shape != (E, D) or bias.shape != (E,):
@@ -214,7 +219,7 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
                                     E // n_group, n_group, float(scaling), **select,
                                     launch_pdl=common.PDL, num_warps=4)
         if planes is not None:
-            moe_gemv.nibble_planes(x, planes)
+            moe_gemv.activation_planes(x, planes)
         return ids, weights
     x = x if x.stride(-1) == 1 else x.contiguous()
     block_n = _pow2(N, 1)
@@ -222,12 +227,15 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
     d_per_split = triton.cdiv(triton.cdiv(D, ROUTER_SPLIT_D), block_d) * block_d
     splits = triton.cdiv(D, d_per_split)
     part = torch.empty(splits, N, E, device=x.device, dtype=torch.float32)
+    v = part if planes is None else planes   # (never read without planes)
+    if planes is not None and planes.dtype == torch.int32:
+        v = planes.view(torch.bfloat16)        # pair planes: the kernel stores bf16 halves
     _router_kernel[(triton.cdiv(E, ROUTER_BLOCK_E), splits)](
-        x, weight, part, _counters(x.device), bias, ids, weights, part if planes is None
-        else planes, N, E, D,
+        x, weight, part, _counters(x.device), bias, ids, weights, v, N, E, D,
         d_per_split, x.stride(0), weight.stride(0), part.stride(0), part.stride(1), ids.stride(0),
         weights.stride(0),
-        E // n_group, n_group, float(scaling), SPLITS=splits, PLANES=planes is not None,
+        E // n_group, n_group, float(scaling), SPLITS=splits,
+        PLANES=0 if planes is None else 2 if planes.dtype == torch.int32 else 1,
         BLOCK_N=block_n,
         BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select, launch_pdl=common.PDL,
         # 16 tokens' selection on 4 warps spills (ptxas: 255 registers)
