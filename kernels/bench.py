@@ -13,6 +13,8 @@ replay past the L2; achieved GB/s against the copy bandwidth measured in the sam
         only (--sweep: norm_gemv's block configurations).
         --draft: the EAGLE-3 head's step and extend, plain and with kernels.accelerate_draft's
         swaps.
+    python -m kernels.bench --precision [--tokens 1,3,8,32] [--json OUT]
+        the INT4 GEMV's packed form (bf16 activations) against its fp32 form: errors, no timing.
     python -m kernels.bench [--json OUT] --pdl [RUN.PY FLAGS]
         run.py's captured phases with programmatic dependent launch off and on, in one process.
 """
@@ -27,7 +29,7 @@ import kernels
 import model
 from kernels import (add_rmsnorm, common, head_gemv, mla, mla_decode_attention,
                      mla_rope_cache_write, norm_gemv, silu_mul)
-from kernels.bench_moe import benchmark_moe
+from kernels.bench_moe import benchmark_moe, int4_precision
 from kernels.bench_timing import copy_bandwidth_GBps, graph_ms, kernel_ms
 from kernels.common import triton
 
@@ -566,6 +568,9 @@ def _parser():
     p.add_argument("--pdl", nargs=argparse.REMAINDER, metavar="RUN.PY FLAGS",
                    help="time run.py's captured phases with programmatic dependent launch off and on, in one "
                         "process (the flags after it build run.py's model; last on the line)")
+    p.add_argument("--precision", action="store_true",
+                   help="the INT4 GEMV's packed form (bf16 activations) against its fp32 form, "
+                        "beside the plain twin and the tiles, at --tokens (no timing)")
     p.add_argument("--draft", action="store_true",
                    help="time the EAGLE-3 head only: its step and extend, plain and "
                                                        "with its swaps, and its attention kernel")
@@ -602,6 +607,12 @@ def main():
     formats, tokens = tuple(a.formats.split(",")), _ints(p, "--tokens", a.tokens)
     if not set(formats) <= {"plain", "fp8", "int4"}:
         p.error(f"--formats {a.formats!r}: choose from plain, fp8, int4")
+    if a.precision:
+        result = int4_precision(tokens)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(result, f)
+        return
     pools = _ints(p, "--distinct", a.distinct)
     if any(not 8 <= n <= 384 for n in pools):
         p.error(f"--distinct {a.distinct!r}: pool sizes from K = 8 to E = 384")

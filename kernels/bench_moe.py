@@ -4,6 +4,8 @@ and variant against its floor."""
 import torch
 import torch.nn.functional as F
 
+import model
+
 from . import GEMV_MAX_PAIRS, GEMV_MAX_TOKENS, ExpertWeights, fused_moe, silu_mul
 from .bench_timing import copy_bandwidth_GBps, graph_ms, kernel_ms
 from .common import triton
@@ -47,7 +49,10 @@ GEMV_SWEEP = {"plain": dict(gate_up=[], down=[(32, 256, 4, 1)]),
               "fp8": dict(gate_up=[(8, 128, 2, 4, 4), (2, 128, 2, 2, 4), (4, 128, 1, 4, 4),
                                    (4, 128, 2, 8, 8)],
                           down=[(16, 128, 4, 2), (4, 128, 2, 2)]),
-              "int4": dict(gate_up=[(2, 128, 1), (1, 256, 1)], down=[(8, 256, 2)])}
+              "int4": dict(gate_up=[(2, 128, 1), (1, 256, 1), (1, 64, 1), (2, 128, 2), (4, 128, 2),
+                                    (2, 256, 1)],
+                           down=[(8, 256, 2), (4, 64, 1), (2, 128, 1), (4, 256, 1), (8, 128, 2),
+                                 (4, 128, 2)])}
 
 
 def _sweep_points(fmt, variant):
@@ -158,3 +163,34 @@ def _time_moe(fmt, N, variant, cfg, layers, inputs, floor_ms, bandwidth, LAYERS,
     return [dict(fmt=fmt, tokens=N, variant=label, config=cfg, ms=ms, kernel_ms=alone_ms,
                  by_kernel=by_kernel,
                  floor_ms=floor_ms, x_floor=ms / floor_ms, GBps=floor_ms * bandwidth / ms)]
+
+
+def int4_precision(tokens=(1, 3, 8, 32), draws=3, D=7168, I=256, E=384, K=8):
+    """The INT4 GEMV's packed form (a bf16 activation) against its fp32 form on the same weights and
+    activation (x in fp32), beside the plain twin (weights dequantized to bf16, torch's bf16
+    matmuls, as model.Experts computes) and the tile variant: a row per draw, each error's largest
+    over the largest output and its mean over the mean output."""
+    dev, g = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
+    w = [_random_experts("int4", E, o, i, dev, g) for o, i in ((I, D), (I, D), (D, I))]
+    rows = []
+    for N, draw in [(N, d) for N in tokens for d in range(draws)]:
+        x = torch.randn(N, D, device=dev, dtype=torch.bfloat16, generator=g)
+        ids = torch.stack([torch.randperm(E, device=dev, generator=g)[:K] for _ in range(N)])
+        route_w = torch.rand(N, K, device=dev, generator=g)
+        fp32 = fused_moe(x.float(), ids, route_w, *w, variant="gemv").double()
+        gate, up, down = (model.dequantize_int4(p.data[ids], p.scale[ids], p.group) for p in w)
+        h = F.silu(torch.einsum("nd,nkid->nki", x, gate)) * torch.einsum("nd,nkid->nki", x, up)
+        plain = (torch.einsum("nki,nkdi->nkd", h, down).float() * route_w[..., None]).sum(1)
+        row = dict(tokens=N, draw=draw)
+        for name, y in (("packed_gemv", fused_moe(x, ids, route_w, *w, variant="gemv")),
+                        ("plain_bf16", plain), ("tiles", fused_moe(x, ids, route_w, *w,
+                                                                   variant="dot"))):
+            err = (y.double() - fp32).abs()
+            row[name] = dict(max=(err.max() / fp32.abs().max()).item(),
+                             mean=(err.mean() / fp32.abs().mean()).item())
+        rows.append(row)
+        print(f"int4 N={N} draw {draw}: error against the fp32 form, max / mean: "
+              + ", ".join(f"{k} {row[k]['max']:.2%} / {row[k]['mean']:.2%}"
+                          for k in ("packed_gemv", "plain_bf16", "tiles")), flush=True)
+    return dict(shapes=dict(D=D, I=I, E=E, K=K), rows=rows, device=torch.cuda.get_device_name(),
+                torch=torch.__version__, triton=triton.__version__)
