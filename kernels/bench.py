@@ -28,7 +28,7 @@ import torch.nn.functional as F
 import kernels
 import model
 from kernels import (add_rmsnorm, common, head_gemv, mla, mla_decode_attention,
-                     mla_rope_cache_write, norm_gemv, silu_mul)
+                     mla_rope_cache_write, norm_gemv, router, silu_mul)
 from kernels.bench_moe import benchmark_moe, int4_precision
 from kernels.bench_timing import copy_bandwidth_GBps, graph_ms, kernel_ms
 from kernels.common import triton
@@ -174,6 +174,29 @@ def bench_mla_configs(rows, sweep=MLA_SWEEP):
             time_it(sets, f"T {T} S {S} default blocks, merge BLOCK_C {block_c}")
         mla.MLA_COMBINE_BLOCK_C = saved[3]
         del sets
+
+
+def bench_router(rows, tokens=(1, 2, 3, 4, 5, 6, 8, 12, 16)):
+    """The router kernel at Kimi-K2's 384 experts, the model's routing and SIMULATED uniform, with
+    the selection in the logits kernel's last program and in a launch of its own (a program a
+    token), whatever router.ROUTER_SELECT_MAX_TOKENS says."""
+    print("\nrouter, 384 experts, bf16 (us per call, in a graph; 8 input sets): selection in the "
+          "last program | in its own launch")
+    m, saved = _small_modules(), router.ROUTER_SELECT_MAX_TOKENS
+    try:
+        for N in tokens:
+            xs = [torch.randn(N, 7168, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+            for routing in ("model", "uniform"):
+                m.routers["triton"].routing = routing
+                times = []
+                for limit in (router.ROUTER_GEMV_MAX_TOKENS, 0):   # in the last program, apart
+                    router.ROUTER_SELECT_MAX_TOKENS = limit
+                    times.append(graph_ms([partial(m.routers["triton"], x) for x in xs]))
+                print(f"  N={N:2d} {routing:7s}: {times[0] * 1e3:6.1f} | {times[1] * 1e3:6.1f}")
+                rows.append(dict(kernel="router", N=N, routing=routing,
+                                 last_program_ms=times[0], own_launch_ms=times[1]))
+    finally:
+        router.ROUTER_SELECT_MAX_TOKENS = saved
 
 
 def bench_small(rows):
@@ -568,6 +591,9 @@ def _parser():
     p.add_argument("--pdl", nargs=argparse.REMAINDER, metavar="RUN.PY FLAGS",
                    help="time run.py's captured phases with programmatic dependent launch off and on, in one "
                         "process (the flags after it build run.py's model; last on the line)")
+    p.add_argument("--router", action="store_true",
+                   help="the router kernel at 1 to 16 tokens, its selection in the logits "
+                        "kernel's last program and in a launch of its own")
     p.add_argument("--precision", action="store_true",
                    help="the INT4 GEMV's packed form (bf16 activations) against its fp32 form, "
                         "beside the plain twin and the tiles, at --tokens (no timing)")
@@ -597,6 +623,14 @@ def main():
         return
     if a.draft:
         bench_draft(a.json)
+        return
+    if a.router:
+        rows = []
+        bench_router(rows)
+        if a.json:
+            with open(a.json, "w") as f:
+                json.dump(dict(rows=rows, device=torch.cuda.get_device_name(),
+                               torch=torch.__version__), f)
         return
     variants, sweep = tuple(a.variants.split(",")), tuple(v for v in a.sweep.split(",") if v)
     if not set(variants + sweep) <= {"dot", "gemv"}:

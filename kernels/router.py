@@ -16,9 +16,11 @@ from .moe_gemv import _check_planes
 # partial sums. The last program to finish (an atomic counter, as norm_gemv's) then selects for
 # every token at once: the partial sums added, sigmoid scores, the correction bias added for
 # selection only, groups kept by the sum of their two best biased scores (n_group > 1), the top K
-# experts of the kept groups, their unbiased scores normalized and scaled. Past
-# ROUTER_GEMV_MAX_TOKENS tokens cuBLAS computes the logits and a second kernel, a program a token,
-# selects with the same code. With UNIFORM (SIMULATED balanced routing, model.Router's routing
+# experts of the kept groups, their unbiased scores normalized and scaled. That last program's
+# selection is serial in the tokens (K rounds of argmax over E a token, each a reduction across
+# its warps), so past ROUTER_SELECT_MAX_TOKENS tokens the kernel only stores the partial sums and
+# a second kernel, a program a token, selects from them with the same code. Past
+# ROUTER_GEMV_MAX_TOKENS tokens cuBLAS computes the logits and that second kernel selects. With UNIFORM (SIMULATED balanced routing, model.Router's routing
 # "uniform") the choice is fixed instead: pair j = n*K + i of the N*K token-expert pairs goes to
 # expert j mod E, weighed by that expert's unbiased score, normalized and scaled as usual; the
 # logits are computed as always (their cost stays), only the top-k rounds are skipped.
@@ -30,6 +32,10 @@ from .moe_gemv import _check_planes
 # Past this many tokens cuBLAS's logits and the selection kernel: one program selecting for all
 # tokens grows with them (python -m kernels.bench --small)
 ROUTER_GEMV_MAX_TOKENS = 16
+# Up to this many tokens the logits kernel's last program selects; past it the selection kernel,
+# a program a token (python -m kernels.bench --router: the last program's selection under the
+# model's routing costs about 10 us more a layer at 4 tokens, 55 at 8, than a token's alone)
+ROUTER_SELECT_MAX_TOKENS = 4
 # D slices, at most: one step of ROUTER_TILE a program (7 slices of 1024: 112 programs for 128
 # experts, 336 for 384; 4 slices leave 64 programs at 128) (python -m kernels.bench --small)
 ROUTER_SPLIT_D = 8
@@ -48,9 +54,9 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
                    SHARED: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_G: tl.constexpr,
-                   BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
-    """part[j, n, e] = sum over d in slice j of x[n, d] * W[e, d] in float32, then, in the last
-    program, _router_select over all N (<= BLOCK_N) tokens. x [N, D] (any float dtype), W [E, D]
+                   BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr, SELECT: tl.constexpr):
+    """part[j, n, e] = sum over d in slice j of x[n, d] * W[e, d] in float32, then (SELECT), in the
+    last program, _router_select over all N (<= BLOCK_N) tokens. x [N, D] (any float dtype), W [E, D]
     float32, part [SPLITS, N, E] float32 (last dims contiguous), count one int32 zero. PLANES: the
     programs of expert block 0 also write their slice of x as the INT4 GEMV's activation
     (fused_moe's planes, moe_gemv.activation_planes): 1, fp32 nibble planes [N, 8, D/8]; 2, bf16
@@ -82,6 +88,8 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
                     tl.store(v_ptr + i * D + pos[None, :], x.to(tl.bfloat16), mask=ok)
     tl.store(part_ptr + j * s_ps + n[:, None] * s_pn + e[None, :], acc,
              mask=(n < N)[:, None] & (e < E)[None, :])
+    if not SELECT:   # the selection kernel selects, launched next
+        return
     tl.debug_barrier()  # every thread's stores before the counter's release
     if tl.atomic_add(count_ptr, 1) == tl.num_programs(0) * tl.num_programs(1) - 1:
         tl.atomic_xchg(count_ptr, 0, sem="relaxed")  # the last program: every partial sum is stored
@@ -92,19 +100,19 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
 
 
 @_jit
-def _router_select_kernel(logits_ptr, bias_ptr, ids_ptr, w_ptr, N, s_ln, s_idn, s_wn, E_PER_G, G,
-                          scale,
-                          K: tl.constexpr, TOPK_GROUP: tl.constexpr, NORM: tl.constexpr,
-                          GROUPED: tl.constexpr,
-                          UNIFORM: tl.constexpr, SHARED: tl.constexpr, BLOCK_G: tl.constexpr,
-                          BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
-    """_router_select for token n = program_id(0) from whole logits [N, E] float32 (cuBLAS's, many
-    tokens). Grid: (N,)."""
+def _router_select_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, N, s_ps, s_pn, s_idn, s_wn, E_PER_G,
+                          G, scale,
+                          SPLITS: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr,
+                          NORM: tl.constexpr, GROUPED: tl.constexpr, UNIFORM: tl.constexpr,
+                          SHARED: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """_router_select for token n = program_id(0) from the logits as SPLITS partial sums [SPLITS,
+    N, E] float32 (the logits kernel's part; cuBLAS's whole logits: SPLITS 1). Grid: (N,)."""
     _wait_for_prior()
-    _router_select(logits_ptr, bias_ptr, ids_ptr, w_ptr, tl.program_id(0), N, 0, s_ln, s_idn, s_wn,
-                   E_PER_G, G,
-                   scale, 1, K, TOPK_GROUP, NORM, GROUPED, UNIFORM, SHARED, 1, BLOCK_G, BLOCK_EG,
-                   BLOCK_K)
+    _router_select(part_ptr, bias_ptr, ids_ptr, w_ptr, tl.program_id(0), N, s_ps, s_pn, s_idn,
+                   s_wn, E_PER_G, G,
+                   scale, SPLITS, K, TOPK_GROUP, NORM, GROUPED, UNIFORM, SHARED, 1, BLOCK_G,
+                   BLOCK_EG, BLOCK_K)
 
 
 @_jit
@@ -214,14 +222,15 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
                   BLOCK_EG=_pow2(E // n_group, 1), BLOCK_K=_pow2(top_k, 1))
     if N > ROUTER_GEMV_MAX_TOKENS:
         logits = torch.nn.functional.linear(x.float(), weight)
-        _router_select_kernel[(N,)](logits, bias, ids, weights, N, logits.stride(0), ids.stride(0),
-                                    weights.stride(0),
-                                    E // n_group, n_group, float(scaling), **select,
+        _router_select_kernel[(N,)](logits, bias, ids, weights, N, 0, logits.stride(0),
+                                    ids.stride(0), weights.stride(0),
+                                    E // n_group, n_group, float(scaling), SPLITS=1, **select,
                                     launch_pdl=common.PDL, num_warps=4)
         if planes is not None:
             moe_gemv.activation_planes(x, planes)
         return ids, weights
     x = x if x.stride(-1) == 1 else x.contiguous()
+    in_kernel = N <= ROUTER_SELECT_MAX_TOKENS
     block_n = _pow2(N, 1)
     block_d = ROUTER_TILE // ROUTER_BLOCK_E
     d_per_split = triton.cdiv(triton.cdiv(D, ROUTER_SPLIT_D), block_d) * block_d
@@ -237,9 +246,16 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
         E // n_group, n_group, float(scaling), SPLITS=splits,
         PLANES=0 if planes is None else 2 if planes.dtype == torch.int32 else 1,
         BLOCK_N=block_n,
-        BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select, launch_pdl=common.PDL,
-        # 16 tokens' selection on 4 warps spills (ptxas: 255 registers)
+        BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select, SELECT=in_kernel,
+        launch_pdl=common.PDL,
+        # 8 warps past 8 tokens (chosen when the last program selected for up to 16 tokens: on 4
+        # warps that spilled, ptxas: 255 registers)
         num_warps=4 if N <= 8 else 8)
+    if not in_kernel:
+        _router_select_kernel[(N,)](part, bias, ids, weights, N, part.stride(0), part.stride(1),
+                                    ids.stride(0), weights.stride(0), E // n_group, n_group,
+                                    float(scaling), SPLITS=splits, **select,
+                                    launch_pdl=common.PDL, num_warps=4)
     return ids, weights
 
 
