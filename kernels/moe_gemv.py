@@ -391,7 +391,7 @@ def _nibble(words, high, J: tl.constexpr, magic):
 # mantissa, as the plain module's bf16 dequantized weights are rounded), its two halves then in
 # fp32 times the group scale: against the fp32 form the mean error is about 10% above the plain
 # module's (python -m kernels.bench --precision). About 2.4 instructions an element in the sm_90
-# loop against 3.4 unpacking to fp32; 16-18% less time at 3 to 32 tokens, 10% at 1 (--moe).
+# loop against 3.4 unpacking to fp32 (the times of both: BENCHMARKS.md, Kernel level).
 BF16_MAGIC = 0x43004300                          # two bf16 128.0, the bits as an int32
 _c = tl.constexpr if common.HAVE_TRITON else int
 # bf16 pairs as int32 bits: (128 + q) * 1 - 136 and (128 + 8q) * 0.125 - 24 are q - 8

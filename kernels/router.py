@@ -33,10 +33,9 @@ from .moe_gemv import _check_planes
 # tokens grows with them (python -m kernels.bench --small)
 ROUTER_GEMV_MAX_TOKENS = 16
 # Up to this many tokens the logits kernel's last program selects; past it the selection kernel,
-# a program a token. python -m kernels.bench --router on the H200, the model's routing, last
-# program | own launch (us): 1 token 7.9 | 9.0, 2: 9.1 | 9.6, 3: 12.5 | 11.1, 5: 27.7 | 13.6, 8:
-# 29.2 | 14.1, 16: 50.8 | 35.8 (SIMULATED uniform routing, whose selection is a gather: its own
-# launch is as fast or faster at every count, 1 token 5.9 | 4.9; the rule follows the model's)
+# a program a token: where the model's routing selects faster on the H200 (python -m kernels.bench
+# --router; BENCHMARKS.md, Kernel level). SIMULATED uniform routing, whose selection is a gather,
+# would take the launch at every count; the rule follows the model's.
 ROUTER_SELECT_MAX_TOKENS = 2
 # D slices, at most: one step of ROUTER_TILE a program (7 slices of 1024: 112 programs for 128
 # experts, 336 for 384; 4 slices leave 64 programs at 128) (python -m kernels.bench --small)
