@@ -802,8 +802,12 @@ def test_router_kernel_equals_twin(shape, dtype):
     args = tiny(**ROUTER_SHAPES[shape])
     router, fast = random_routers(args, device, dtype, seed=len(shape))
     g = torch.Generator().manual_seed(100 + len(shape))
-    # up to 16 tokens one kernel (logits, then selection in its last program); 37: two
-    for n in (1, 5, 37):
+    # up to ROUTER_SELECT_MAX_TOKENS tokens one kernel (logits, then the selection in its last
+    # program); 5: the logits kernel, then a selection kernel reading its partial sums; 37 (past
+    # ROUTER_GEMV_MAX_TOKENS): cuBLAS's logits, then that selection kernel
+    most = kernels.router.ROUTER_SELECT_MAX_TOKENS
+    assert most < 5 <= kernels.router.ROUTER_GEMV_MAX_TOKENS < 37
+    for n in (1, most, 5, 37):
         x = torch.randn(n, args.hidden_size, generator=g).to(device, dtype)
         shared_slot = n == 5  # expert E with weight 1 in a column more (the shared expert's launch)
         ids, w = router(x)
