@@ -35,7 +35,9 @@ ROUTER_GEMV_MAX_TOKENS = 16
 # Up to this many tokens the logits kernel's last program selects; past it the selection kernel,
 # a program a token: where the model's routing selects faster on the H200 (python -m kernels.bench
 # --router; BENCHMARKS.md, Kernel level). SIMULATED uniform routing, whose selection is a gather,
-# would take the launch at every count; the rule follows the model's.
+# would take the launch at every count; the rule follows the model's. That benchmark replays
+# router calls back to back, so a call's next one starts beside its last program's selection and
+# hides part of it (BENCHMARKS.md, Routing): at 1 and 2 tokens the launch may pay in the model too.
 ROUTER_SELECT_MAX_TOKENS = 2
 # D slices, at most: one step of ROUTER_TILE a program (7 slices of 1024: 112 programs for 128
 # experts, 336 for 384; 4 slices leave 64 programs at 128) (python -m kernels.bench --small)
