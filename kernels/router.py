@@ -20,10 +20,11 @@ from .moe_gemv import _check_planes
 # selection is serial in the tokens (K rounds of argmax over E a token, each a reduction across
 # its warps), so past ROUTER_SELECT_MAX_TOKENS tokens the kernel only stores the partial sums and
 # a second kernel, a program a token, selects from them with the same code. Past
-# ROUTER_GEMV_MAX_TOKENS tokens cuBLAS computes the logits and that second kernel selects. With UNIFORM (SIMULATED balanced routing, model.Router's routing
-# "uniform") the choice is fixed instead: pair j = n*K + i of the N*K token-expert pairs goes to
-# expert j mod E, weighed by that expert's unbiased score, normalized and scaled as usual; the
-# logits are computed as always (their cost stays), only the top-k rounds are skipped.
+# ROUTER_GEMV_MAX_TOKENS tokens cuBLAS computes the logits and that second kernel selects. With
+# UNIFORM (SIMULATED balanced routing, model.Router's routing "uniform") the choice is fixed
+# instead: pair j = n*K + i of the N*K token-expert pairs goes to expert j mod E, weighed by that
+# expert's unbiased score, normalized and scaled as usual; the logits are computed as always (their
+# cost stays), only the top-k rounds are skipped.
 # Every token meets the program's one weight tile in turn, so the tile (ROUTER_TILE elements, the
 # bytes a program has in flight) does not shrink with the tokens: a verify's router is one step a
 # program, as a decode's. Beside INT4 experts the kernel also writes x as the INT4 GEMV's activation
@@ -59,8 +60,8 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
                    BLOCK_G: tl.constexpr,
                    BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr, SELECT: tl.constexpr):
     """part[j, n, e] = sum over d in slice j of x[n, d] * W[e, d] in float32, then (SELECT), in the
-    last program, _router_select over all N (<= BLOCK_N) tokens. x [N, D] (any float dtype), W [E, D]
-    float32, part [SPLITS, N, E] float32 (last dims contiguous), count one int32 zero. PLANES: the
+    last program, _router_select over all N (<= BLOCK_N) tokens. x [N, D] (any float dtype), W [E,
+    D] float32, part [SPLITS, N, E] float32 (last dims contiguous), count one int32 zero. PLANES: the
     programs of expert block 0 also write their slice of x as the INT4 GEMV's activation
     (fused_moe's planes, moe_gemv.activation_planes): 1, fp32 nibble planes [N, 8, D/8]; 2, bf16
     pair planes (v_ptr a bf16 view of them). Grid:
