@@ -588,7 +588,8 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
                                     and gemv_rule(self.fmt(), x.shape[0], K) != "gemv"):
             return super().partial_sum(x)
         if self.stacked is None:
-            # INT4 experts read x as activation planes: the router kernel writes them, one launch less
+            # INT4 experts read x as activation planes: the router kernel writes them (one launch
+            # less)
             planes = None
             if self.gate_kernel and self.fmt() == "int4":
                 planes = moe_gemv.empty_planes(x)
