@@ -788,8 +788,9 @@ def assert_same_state(swapped, plain):
 
 
 ROUTER_SHAPES = {"tiny": {},  # 16 experts in 4 groups, 2 kept, top 4
+                 # D 2048: the logits in 2 slices of D, the selection adds their partial sums
                  "kimi-k2": dict(n_routed_experts=384, num_experts_per_tok=8, n_group=1,
-                                 topk_group=1),
+                                 topk_group=1, hidden_size=2048),
                  "deepseek-v3": dict(n_routed_experts=256, num_experts_per_tok=8, n_group=8,
                                      topk_group=4)}
 
@@ -797,17 +798,21 @@ ROUTER_SHAPES = {"tiny": {},  # 16 experts in 4 groups, 2 kept, top 4
 @pytest.mark.triton
 @pytest.mark.parametrize("shape", list(ROUTER_SHAPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_router_kernel_equals_twin(shape, dtype):
+def test_router_kernel_equals_twin(shape, dtype, monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(**ROUTER_SHAPES[shape])
     router, fast = random_routers(args, device, dtype, seed=len(shape))
     g = torch.Generator().manual_seed(100 + len(shape))
+    select_in_kernel = kernels.router._select_in_kernel
     # up to ROUTER_SELECT_MAX_TOKENS tokens one kernel (logits, then the selection in its last
-    # program); 5: the logits kernel, then a selection kernel reading its partial sums; 37 (past
-    # ROUTER_GEMV_MAX_TOKENS): cuBLAS's logits, then that selection kernel
+    # program); 5: the logits kernel, then a selection kernel reading its partial sums (on the GPU;
+    # the CPU interpreter selects in the last program up to 16, and 5 runs the selection kernel
+    # by force); 37 (past ROUTER_GEMV_MAX_TOKENS): cuBLAS's logits, then that selection kernel
     most = kernels.router.ROUTER_SELECT_MAX_TOKENS
     assert most < 5 <= kernels.router.ROUTER_GEMV_MAX_TOKENS < 37
-    for n in (1, most, 5, 37):
+    for n, apart in ((1, False), (most, False), (5, False), (5, True), (37, False)):
+        monkeypatch.setattr(kernels.router, "_select_in_kernel", select_in_kernel if not apart
+                            else lambda N, device: False)
         x = torch.randn(n, args.hidden_size, generator=g).to(device, dtype)
         shared_slot = n == 5  # expert E with weight 1 in a column more (the shared expert's launch)
         ids, w = router(x)
@@ -816,7 +821,7 @@ def test_router_kernel_equals_twin(shape, dtype):
         planes = kernels.moe_gemv.empty_planes(x).fill_(-1)   # -1: fp32 -1.0, a bf16 NaN pair
         got_ids, got_w = fast(x, shared_slot, planes=planes if n != 1 else None)
         assert got_ids.dtype == ids.dtype and got_w.dtype == w.dtype
-        what = f"router kernel {shape} N={n} shared slot {shared_slot}"
+        what = f"router kernel {shape} N={n} shared slot {shared_slot}, selecting apart {apart}"
         assert torch.equal(got_ids, ids), f"{what}: ids differ\n{got_ids}\n{ids}"
         assert_close(got_w, w, 1e-6, f"{what}: weights")
         if n != 1 and dtype == torch.bfloat16:  # x as the packed INT4 GEMV's pair planes: word w

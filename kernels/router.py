@@ -18,8 +18,8 @@ from .moe_gemv import _check_planes
 # selection only, groups kept by the sum of their two best biased scores (n_group > 1), the top K
 # experts of the kept groups, their unbiased scores normalized and scaled. That last program's
 # selection is serial in the tokens (K rounds of argmax over E a token, each a reduction across
-# its warps), so past ROUTER_SELECT_MAX_TOKENS tokens the kernel only stores the partial sums and
-# a second kernel, a program a token, selects from them with the same code. Past
+# its warps), so on a GPU past ROUTER_SELECT_MAX_TOKENS tokens the kernel only stores the partial
+# sums and a second kernel, a program a token, selects from them with the same code. Past
 # ROUTER_GEMV_MAX_TOKENS tokens cuBLAS computes the logits and that second kernel selects. With
 # UNIFORM (SIMULATED balanced routing, model.Router's routing "uniform") the choice is fixed
 # instead: pair j = n*K + i of the N*K token-expert pairs goes to expert j mod E, weighed by that
@@ -198,6 +198,13 @@ def _top_k(score, bias_ptr, e, ok, j, G, E_PER_G, k, K: tl.constexpr, TOPK_GROUP
     return ids, w
 
 
+def _select_in_kernel(N, device):
+    """Whether the logits kernel's last program selects for the N tokens (else the selection
+    kernel, a program a token): up to ROUTER_SELECT_MAX_TOKENS on a GPU; always under Triton's CPU
+    interpreter, which runs programs one by one (one program: the fewest interpreted ops)."""
+    return N <= ROUTER_SELECT_MAX_TOKENS or device.type != "cuda"
+
+
 def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling, uniform=False,
                 shared_slot=False, planes=None):
     """model.Router.forward in one kernel (past ROUTER_GEMV_MAX_TOKENS tokens: cuBLAS's logits and
@@ -234,7 +241,7 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
             moe_gemv.activation_planes(x, planes)
         return ids, weights
     x = x if x.stride(-1) == 1 else x.contiguous()
-    in_kernel = N <= ROUTER_SELECT_MAX_TOKENS
+    in_kernel = _select_in_kernel(N, x.device)
     block_n = _pow2(N, 1)
     block_d = ROUTER_TILE // ROUTER_BLOCK_E
     d_per_split = triton.cdiv(triton.cdiv(D, ROUTER_SPLIT_D), block_d) * block_d
