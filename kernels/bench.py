@@ -15,6 +15,9 @@ replay past the L2; achieved GB/s against the copy bandwidth measured in the sam
         swaps.
     python -m kernels.bench --precision [--tokens 1,3,8,32] [--json OUT]
         the INT4 GEMV's packed form (bf16 activations) against its fp32 form: errors, no timing.
+    python -m kernels.bench --router [--json OUT]
+        the router kernel at 1 to 16 tokens, its selection in the logits kernel's last program
+        and in a launch of its own (router.ROUTER_SELECT_MAX_TOKENS).
     python -m kernels.bench [--json OUT] --pdl [RUN.PY FLAGS]
         run.py's captured phases with programmatic dependent launch off and on, in one process.
 """
