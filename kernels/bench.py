@@ -179,13 +179,13 @@ def bench_mla_configs(rows, sweep=MLA_SWEEP):
         del sets
 
 
-def bench_router(rows, tokens=(1, 2, 3, 4, 5, 6, 8, 12, 16)):
+def bench_router(tokens=(1, 2, 3, 4, 5, 6, 8, 12, 16)):
     """The router kernel at Kimi-K2's 384 experts, the model's routing and SIMULATED uniform, with
     the selection in the logits kernel's last program and in a launch of its own (a program a
     token), whatever router.ROUTER_SELECT_MAX_TOKENS says."""
     print("\nrouter, 384 experts, bf16 (us per call, in a graph; 8 input sets): selection in the "
           "last program | in its own launch")
-    m, saved = _small_modules(), router.ROUTER_SELECT_MAX_TOKENS
+    m, saved, rows = _small_modules(), router.ROUTER_SELECT_MAX_TOKENS, []
     try:
         for N in tokens:
             xs = [torch.randn(N, 7168, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
@@ -200,6 +200,7 @@ def bench_router(rows, tokens=(1, 2, 3, 4, 5, 6, 8, 12, 16)):
                                  last_program_ms=times[0], own_launch_ms=times[1]))
     finally:
         router.ROUTER_SELECT_MAX_TOKENS = saved
+    return dict(rows=rows, device=torch.cuda.get_device_name(), torch=torch.__version__)
 
 
 def bench_small(rows):
@@ -614,26 +615,25 @@ def _ints(p, flag, text):
         p.error(f"{flag} {text!r}: comma-separated integers")
 
 
+def _save(path, result):
+    """Write a benchmark's result as JSON where --json named a path."""
+    if path:
+        import json
+        with open(path, "w") as f:
+            json.dump(result, f)
+
+
 def main():
-    import json
     p = _parser()
     a = p.parse_args()
     if a.pdl is not None:
-        result = benchmark_pdl(a.pdl)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(result, f)
+        _save(a.json, benchmark_pdl(a.pdl))
         return
     if a.draft:
         bench_draft(a.json)
         return
     if a.router:
-        rows = []
-        bench_router(rows)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(dict(rows=rows, device=torch.cuda.get_device_name(),
-                               torch=torch.__version__), f)
+        _save(a.json, bench_router())
         return
     variants, sweep = tuple(a.variants.split(",")), tuple(v for v in a.sweep.split(",") if v)
     if not set(variants + sweep) <= {"dot", "gemv"}:
@@ -645,19 +645,14 @@ def main():
     if not set(formats) <= {"plain", "fp8", "int4"}:
         p.error(f"--formats {a.formats!r}: choose from plain, fp8, int4")
     if a.precision:
-        result = int4_precision(tokens)
-        if a.json:
-            with open(a.json, "w") as f:
-                json.dump(result, f)
+        _save(a.json, int4_precision(tokens))
         return
     pools = _ints(p, "--distinct", a.distinct)
     if any(not 8 <= n <= 384 for n in pools):
         p.error(f"--distinct {a.distinct!r}: pool sizes from K = 8 to E = 384")
-    moe_result = benchmark_moe(sweep=sweep, variants=variants, tokens=tokens, formats=formats,
-                               shared=a.shared, distinct=pools or None)
-    if a.json:
-        with open(a.json.replace(".json", "_moe.json"), "w") as f:
-            json.dump(moe_result, f)
+    _save(a.json and a.json.replace(".json", "_moe.json"),
+          benchmark_moe(sweep=sweep, variants=variants, tokens=tokens, formats=formats,
+                        shared=a.shared, distinct=pools or None))
     if not a.moe:
         benchmark_attention(a.json.replace(".json", "_attention.json") if a.json else None)
 

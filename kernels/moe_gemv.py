@@ -389,9 +389,9 @@ def _nibble(words, high, J: tl.constexpr, magic):
 # pair (x[8w + j], x[8w + j + 4]) and adds. The activation comes as 4 pair planes [N, 4, D/8] of
 # such words (pair_planes). A word's 4 pairs accumulate in bf16 (each FMA rounds to bf16's 8-bit
 # mantissa, as the plain module's bf16 dequantized weights are rounded), its two halves then in
-# fp32 times the group scale: against the fp32 form the mean error is about 10% above the plain
-# module's (python -m kernels.bench --precision). About 2.4 instructions an element in the sm_90
-# loop against 3.4 unpacking to fp32 (the times of both: BENCHMARKS.md, Kernel level).
+# fp32 times the group scale: against the fp32 form about as precise as the plain module (python
+# -m kernels.bench --precision). About 2.4 instructions an element in the sm_90 loop against 3.4
+# unpacking to fp32 (the errors and times of both: BENCHMARKS.md, Kernel level).
 BF16_MAGIC = 0x43004300                          # two bf16 128.0, the bits as an int32
 _c = tl.constexpr if common.HAVE_TRITON else int
 # bf16 pairs as int32 bits: (128 + q) * 1 - 136 and (128 + 8q) * 0.125 - 24 are q - 8
@@ -684,19 +684,23 @@ def activation_planes(x, out=None):
     return pair_planes(x, out) if x.dtype == torch.bfloat16 else nibble_planes(x, out)
 
 
-def empty_planes(x):
-    """An uninitialized tensor for activation_planes(x) (router_topk writes it)."""
+def _planes_spec(x):
+    """The shape and dtype of activation_planes(x): bf16 pairs in int32 words, or fp32 planes."""
     N, D = x.shape
     if x.dtype == torch.bfloat16:
-        return torch.empty(N, 4, D // 8, dtype=torch.int32, device=x.device)
-    return torch.empty(N, 8, D // 8, dtype=torch.float32, device=x.device)
+        return (N, 4, D // 8), torch.int32
+    return (N, 8, D // 8), torch.float32
+
+
+def empty_planes(x):
+    """An uninitialized tensor for activation_planes(x) (router_topk writes it)."""
+    shape, dtype = _planes_spec(x)
+    return torch.empty(shape, dtype=dtype, device=x.device)
 
 
 def _check_planes(planes, x):
     """fused_moe's and router_topk's planes: as empty_planes(x) makes them, on x's device."""
-    N, D = x.shape
-    want = (N, 4, D // 8) if x.dtype == torch.bfloat16 else (N, 8, D // 8)
-    dtype = torch.int32 if x.dtype == torch.bfloat16 else torch.float32
+    (want, dtype), D = _planes_spec(x), x.shape[1]
     if (D % 8 or planes.shape != want or planes.dtype != dtype or not planes.is_contiguous()
             or planes.device != x.device):
         raise ValueError(f"planes must be a contiguous {dtype} {list(want)} tensor on {x.device} "

@@ -247,15 +247,15 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
     d_per_split = triton.cdiv(triton.cdiv(D, ROUTER_SPLIT_D), block_d) * block_d
     splits = triton.cdiv(D, d_per_split)
     part = torch.empty(splits, N, E, device=x.device, dtype=torch.float32)
-    v = part if planes is None else planes   # (never read without planes)
-    if planes is not None and planes.dtype == torch.int32:
-        v = planes.view(torch.bfloat16)        # pair planes: the kernel stores bf16 halves
+    v, kind = part, 0                          # (v is never read without planes)
+    if planes is not None:                     # pair planes (int32): the kernel stores bf16 halves
+        v, kind = (planes.view(torch.bfloat16), 2) if planes.dtype == torch.int32 else (planes, 1)
     _router_kernel[(triton.cdiv(E, ROUTER_BLOCK_E), splits)](
         x, weight, part, _counters(x.device), bias, ids, weights, v, N, E, D,
         d_per_split, x.stride(0), weight.stride(0), part.stride(0), part.stride(1), ids.stride(0),
         weights.stride(0),
         E // n_group, n_group, float(scaling), SPLITS=splits,
-        PLANES=0 if planes is None else 2 if planes.dtype == torch.int32 else 1,
+        PLANES=kind,
         BLOCK_N=block_n,
         BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select, SELECT=in_kernel,
         launch_pdl=common.PDL,
