@@ -167,9 +167,11 @@ def _time_moe(fmt, N, variant, cfg, layers, inputs, floor_ms, bandwidth, LAYERS,
 
 def int4_precision(tokens=(1, 3, 8, 32), draws=3, D=7168, I=256, E=384, K=8):
     """The INT4 GEMV's packed form (a bf16 activation) against its fp32 form on the same weights and
-    activation (x in fp32), beside the plain twin (weights dequantized to bf16, torch's bf16
-    matmuls, as model.Experts computes) and the tile variant: a row per draw, each error's largest
-    over the largest output and its mean over the mean output."""
+    activation (x in fp32), beside the plain twin and the tile variant: a row per draw, each
+    error's largest over the largest output and its mean over the mean output. The plain twin is
+    model.Experts' products (weights dequantized to bf16, torch's bf16 einsums) with the K experts
+    summed in fp32 and not rounded to bf16 at the end, as model.Experts and the kernels' outputs
+    are: its errors here are that rounding lower."""
     dev, g = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
     w = [_random_experts("int4", E, o, i, dev, g) for o, i in ((I, D), (I, D), (D, I))]
     rows = []
