@@ -240,9 +240,16 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
         if planes is not None:
             moe_gemv.activation_planes(x, planes)
         return ids, weights
+    _router_gemv(x, weight, bias, ids, weights, planes, n_group, float(scaling), select)
+    return ids, weights
+
+
+def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select):
+    """router_topk up to ROUTER_GEMV_MAX_TOKENS tokens: the logits kernel, selecting in its last
+    program or followed by the selection kernel (_select_in_kernel), into ids and weights."""
+    (N, D), E = x.shape, weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     in_kernel = _select_in_kernel(N, x.device)
-    block_n = _pow2(N, 1)
     block_d = ROUTER_TILE // ROUTER_BLOCK_E
     d_per_split = triton.cdiv(triton.cdiv(D, ROUTER_SPLIT_D), block_d) * block_d
     splits = triton.cdiv(D, d_per_split)
@@ -253,11 +260,8 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
     _router_kernel[(triton.cdiv(E, ROUTER_BLOCK_E), splits)](
         x, weight, part, _counters(x.device), bias, ids, weights, v, N, E, D,
         d_per_split, x.stride(0), weight.stride(0), part.stride(0), part.stride(1), ids.stride(0),
-        weights.stride(0),
-        E // n_group, n_group, float(scaling), SPLITS=splits,
-        PLANES=kind,
-        BLOCK_N=block_n,
-        BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select, SELECT=in_kernel,
+        weights.stride(0), E // n_group, n_group, scaling, SPLITS=splits, PLANES=kind,
+        BLOCK_N=_pow2(N, 1), BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select, SELECT=in_kernel,
         launch_pdl=common.PDL,
         # 8 warps past 8 tokens (chosen when the last program selected for up to 16 tokens: on 4
         # warps that spilled, ptxas: 255 registers)
@@ -265,10 +269,8 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
     if not in_kernel:
         _router_select_kernel[(N,)](part, bias, ids, weights, N, part.stride(0), part.stride(1),
                                     ids.stride(0), weights.stride(0), E // n_group, n_group,
-                                    float(scaling), SPLITS=splits, **select,
+                                    scaling, SPLITS=splits, **select,
                                     launch_pdl=common.PDL, num_warps=4)
-    return ids, weights
-
 
 launch.router_topk = router_topk
 
