@@ -208,11 +208,15 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
 # pairs the tile holds, by the exponent trick (moe_gemv._nibble: an AND-OR and an FMA give q - 8
 # exactly), times its group scale in fp32 and rounded once to the compute dtype, as the plain
 # module's dequantization rounds. Measured on the H200 (python -m kernels.bench --moe --formats
-# int4 --variants dot,gemv): 5.4-5.9x the floor at 8 to 32 tokens, against 2-3x for the GEMV
+# int4 --variants dot,gemv): 5.4-6.3x the floor at 4 to 32 tokens, against 1.6-1.9x for the GEMV
 # variant, which therefore serves INT4 up to 32 tokens. The sm_90 TTGIR shows why: Triton stages
 # every W_j through shared memory on its way to the MMA, 16 small dots a step, each behind a
 # barrier. Unpacking to natural order in registers (tl.join) or loading each word once per
-# element it holds ran 1.4-1.5x and 10x slower.
+# element it holds ran 1.4-1.5x and 10x slower; one dot a step over all 8 nibbles (the [BN, 8,
+# BLOCK_W] unpack reshaped, the activation loaded in the same order) 1.2-1.4x slower. Where tokens
+# share experts the tiles do not approach the floor either: 8 distinct experts take 105 us at 4
+# tokens and 190 at 32 (floor 5.8; --distinct 8), gate_up then a few programs an expert, each
+# stepping through all of D.
 
 @_jit
 def _int4_dot(acc, w_rows, s_rows, rows_ok, x_ptr, x_col, cols_ok, w0, magic,
