@@ -10,7 +10,7 @@ replay past the L2; achieved GB/s against the copy bandwidth measured in the sam
         without it the MLA decode attention, the router, add + RMSNorm, SwiGLU, RoPE + cache
         write, norm_gemv (q_a + kv_a also with the input add + norm inside) and head_gemv follow.
         --small: the router, add + RMSNorm, SwiGLU, RoPE + cache write, norm_gemv and head_gemv
-        only (--sweep: norm_gemv's block configurations).
+        only, at --tokens rows (default 1,4; --sweep: norm_gemv's block configurations).
         --draft: the EAGLE-3 head's step and extend, plain and with kernels.accelerate_draft's
         swaps.
     python -m kernels.bench --precision [--tokens 1,3,8,32] [--json OUT]
@@ -203,12 +203,12 @@ def bench_router(tokens=(1, 2, 3, 4, 5, 6, 8, 12, 16)):
     return dict(rows=rows, device=torch.cuda.get_device_name(), torch=torch.__version__)
 
 
-def bench_small(rows):
+def bench_small(rows, Ms=None):
     """Router (model and SIMULATED uniform routing), add + RMSNorm, SwiGLU, RoPE + cache write
     against their twins at Kimi-K2 TP 8 shapes."""
     print("\nsmall kernels, Kimi-K2 shapes, bf16 (us per call, in a graph; 8 input sets)")
     m = _small_modules()
-    for N in (1, 4):
+    for N in Ms or (1, 4):
         for name, (plain_calls, fast_calls) in _small_pairs(m, N).items():
             plain, fast = graph_ms(plain_calls), graph_ms(fast_calls)
             print(f"  {name:32s} N={N}: torch {plain * 1e3:7.1f}  kernel {fast * 1e3:7.1f}  "
@@ -281,7 +281,7 @@ def _small_pairs(m, N):
     }
 
 
-def bench_norm_gemv(bw, rows, sweep=False):
+def bench_norm_gemv(bw, rows, sweep=False, Ms=None):
     """norm_gemv at Kimi-K2 TP-8 shapes against the plain RMSNorm + cuBLAS: q_a + kv_a (stacked, no
     norm, as NormGemvMLA.q_kv_a), q_b with q_a_layernorm, o_proj (no norm); the weight sets rotated
     past the L2. head_gemv against the einsums with the copy the model makes of their permuted
@@ -302,7 +302,7 @@ def bench_norm_gemv(bw, rows, sweep=False):
         if norm is not None:
             with torch.no_grad():
                 norm.weight.fill_(1.0)
-        for M in (1, 4):
+        for M in Ms or (1, 4):
             xs = [torch.randn(M, K, device="cuda", dtype=dt) for _ in range(sets)]
 
             def plain(x, w):
@@ -323,11 +323,11 @@ def bench_norm_gemv(bw, rows, sweep=False):
                       flush=True)
                 rows.append(dict(kernel="norm_gemv", proj=name, M=M, config=[bn, bk, programs],
                                  us=us, twin_us=base))
-    bench_input_norm_in_qkva(rows)
+    bench_input_norm_in_qkva(rows, Ms)
     # W_uk, W_uv [H, 128, C] of one buffer
     kv_b = torch.randn(8, 256, 512, device="cuda", dtype=dt) / 512 ** 0.5
     w_uk, w_uv = kv_b.split([128, 128], 1)
-    for M in (1, 4):
+    for M in Ms or (1, 4):
         for name, x, w, eq in (("q_lat (W_uk)",
                                 torch.randn(M, 8, 192, device="cuda", dtype=dt)[..., :128],
                                 w_uk.transpose(1, 2), "mhd,hcd->mhc"),
@@ -342,7 +342,7 @@ def bench_norm_gemv(bw, rows, sweep=False):
             rows.append(dict(kernel="head_gemv", proj=name, M=M, us=us, twin_us=base))
 
 
-def bench_input_norm_in_qkva(rows):
+def bench_input_norm_in_qkva(rows, Ms=None):
     """q_a + kv_a (Kimi-K2, stacked) with the layer's input residual add + RMSNorm inside the GEMV
     (norm_gemv with a residual, as kernels.InputNormInQKVA runs it) against the two launches it
     replaces: add_rmsnorm, then the GEMV without a norm; the weight sets rotated past the L2."""
@@ -353,7 +353,7 @@ def bench_input_norm_in_qkva(rows):
 
     def two_launches(x, r, w):
         return norm_gemv(add_rmsnorm(r, x, g, 1e-6)[1], w)
-    for M in (1, 2, 3, 4):
+    for M in Ms or (1, 2, 3, 4):
         xs, rs = ([torch.randn(M, K, device="cuda", dtype=dt) for _ in range(sets)]
                   for _ in range(2))
         base = graph_ms([partial(two_launches, x, r, w) for x, r, w in zip(xs, rs, ws)]) * 1e3
@@ -377,12 +377,15 @@ def _emit(rows, bw, out=None):
     print(line)
 
 
-def benchmark_attention(out=None, small_only=False, sweep=False):
+def benchmark_attention(out=None, small_only=False, sweep=False, Ms=None):
+    """The attention-side kernels against their twins (small_only: no MLA decode attention), Ms:
+    the rows (tokens) each small kernel and GEMV is timed at (None: 1 and 4; the input norm
+    inside q_a + kv_a 1 to 4)."""
     rows = []
     torch.manual_seed(0)
     bw = copy_bandwidth_GBps()
-    bench_small(rows)
-    bench_norm_gemv(bw, rows, sweep)
+    bench_small(rows, Ms)
+    bench_norm_gemv(bw, rows, sweep, Ms)
     if not small_only:
         bench_mla(bw, rows)
         bench_mla_merge_absorb(rows)
@@ -581,8 +584,9 @@ def _parser():
                         "block configurations")
     p.add_argument("--formats", default="plain,fp8,int4",
                    help="fused MoE weight formats, comma-separated")
-    p.add_argument("--tokens", default="1,2,3,4,8,32",
-                   help="fused MoE token counts, comma-separated")
+    p.add_argument("--tokens", default=None,
+                   help="fused MoE token counts, comma-separated (default 1,2,3,4,8,32); with "
+                        "--small the rows of each small kernel and GEMV (default 1,4)")
     p.add_argument("--shared", action="store_true",
                    help="INT4 and FP8: also with a bf16 shared expert in the GEMV launch, "
                         "and that shared expert alone through torch")
@@ -639,9 +643,11 @@ def main():
     if not set(variants + sweep) <= {"dot", "gemv"}:
         p.error(f"--variants {a.variants!r}, --sweep {a.sweep!r}: choose from dot, gemv")
     if a.small:
-        benchmark_attention(a.json, small_only=True, sweep=bool(sweep))
+        benchmark_attention(a.json, small_only=True, sweep=bool(sweep),
+                            Ms=a.tokens and _ints(p, "--tokens", a.tokens))
         return
-    formats, tokens = tuple(a.formats.split(",")), _ints(p, "--tokens", a.tokens)
+    formats = tuple(a.formats.split(","))
+    tokens = _ints(p, "--tokens", a.tokens or "1,2,3,4,8,32")
     if not set(formats) <= {"plain", "fp8", "int4"}:
         p.error(f"--formats {a.formats!r}: choose from plain, fp8, int4")
     if a.precision:
