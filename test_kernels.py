@@ -1008,10 +1008,11 @@ def test_head_gemv_kernel_equals_twin(dtype):
 def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     """kernels "norm_gemv" (alone, with the fused residual adds and stacked q_a + kv_a, and with the
     attention kernel) against the plain tiny model, float32, 2 layers: the 36-row prefill runs the
-    plain path; a 9-row step runs q_b_proj's GEMV kernel (q_a_layernorm inside) once a layer, the
-    rest plain; steps of 1, 2 and 3 rows also run o_proj (up to O_PROJ_GEMV_MAX_ROWS) and, with
-    fused_proj, the stacked q_a + kv_a (QKVA_GEMV_MAX_ROWS) as GEMV kernels, and the absorbed
-    products as head_gemv kernels (decode mode, HEAD_GEMV_MAX_ROWS). With the attention kernel,
+    plain path, and so does a 9-row step; a 6-row step runs q_b_proj's GEMV kernel (q_a_layernorm
+    inside, up to Q_B_GEMV_MAX_ROWS) once a layer and the absorbed products as head_gemv kernels
+    (decode mode, HEAD_GEMV_MAX_ROWS), the rest plain; steps of 1, 2 and 3 rows also run o_proj (up
+    to O_PROJ_GEMV_MAX_ROWS) and, with fused_proj, the stacked q_a + kv_a (QKVA_GEMV_MAX_ROWS) as
+    GEMV kernels. With the attention kernel,
     decode mode at one row (MLA_MERGE_ABSORB_MAX_ROWS) merges the attention's parts in W_uv's launch
     (mla_merge_absorb, no combine launch: W_uk's head_gemv alone), and at more rows in the combine
     launch; both modes."""
@@ -1040,8 +1041,8 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
 
     def launches(rows, mode):
         """(norm_gemv, head_gemv, mla_merge_absorb, combine) launches a layer at `rows` rows."""
-        n = 1 + (rows <= kernels.O_PROJ_GEMV_MAX_ROWS) + ("fused_proj" in others
-                                                          and rows <= kernels.QKVA_GEMV_MAX_ROWS)
+        n = ((rows <= kernels.Q_B_GEMV_MAX_ROWS) + (rows <= kernels.O_PROJ_GEMV_MAX_ROWS)
+             + ("fused_proj" in others and rows <= kernels.QKVA_GEMV_MAX_ROWS))
         few, attention = rows <= kernels.HEAD_GEMV_MAX_ROWS, mode == "decode" and "attention" in others
         merged = attention and rows <= kernels.MLA_MERGE_ABSORB_MAX_ROWS
         return n, (mode == "decode") * (2 - merged) * few, merged, attention * (not merged)
@@ -1060,8 +1061,8 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
         assert not calls and not heads and not merges, "the prefill's 36 rows must take the plain path"
         assert len(adds) == add_norms(36), "the prefill's 36 rows: add_rmsnorm in front of each attention"
         combines.clear(), adds.clear()             # (decode mode's prefill merges in the combine)
-        for tokens, pos in ((step, step_pos), (one, one_pos), (step[:2, :1], step_pos[:2, :1]),
-                            (step[:1], step_pos[:1])):
+        for tokens, pos in ((step, step_pos), (step[:2], step_pos[:2]), (one, one_pos),
+                            (step[:2, :1], step_pos[:2, :1]), (step[:1], step_pos[:1])):
             what = f"norm_gemv {others} {tokens.numel()}-row step, {mode}"
             counts = launches(tokens.numel(), mode)
             assert_close(fast(tokens, pos, mode).logits, plain(tokens, pos, mode).logits, 1e-4,

@@ -49,8 +49,8 @@ from .eagle import (DraftAttentionKernel, DraftHeadNorm, DraftNormsKernel, Draft
                     draft_top1)
 from .elementwise import AddRMSNorm, SiluMulKernel, add_rmsnorm, silu_mul
 from .gemv import (HEAD_GEMV_MAX_ROWS, INPUT_NORM_QKVA_MAX_ROWS, NORM_GEMV_MAX_ROWS,
-                   O_PROJ_GEMV_MAX_ROWS, QKVA_GEMV_MAX_ROWS, GemvRowParallel, InputNormInQKVA,
-                   NormGemvMLA, NormGemvQKVA, head_gemv, norm_gemv)
+                   O_PROJ_GEMV_MAX_ROWS, Q_B_GEMV_MAX_ROWS, QKVA_GEMV_MAX_ROWS, GemvRowParallel,
+                   InputNormInQKVA, NormGemvMLA, NormGemvQKVA, head_gemv, norm_gemv)
 from .mla import (MLA_MERGE_ABSORB_MAX_ROWS, DecodeAttentionKernel, MLAParts, RopeCacheKernel,
                   mla_combine, mla_decode_attention, mla_merge_absorb, mla_rope_cache_write,
                   mla_split_len)

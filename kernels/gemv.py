@@ -282,23 +282,30 @@ launch.norm_gemv = norm_gemv
 launch.head_gemv = head_gemv
 
 # Rows (B * T) up to which the GEMV swaps run their kernel instead of cuBLAS (and model.RMSNorm):
-# where the kernel is faster at Kimi-K2's TP-8 shapes (python -m kernels.bench --small). q_b with
-# its norm: up to NORM_GEMV_MAX_ROWS. The stacked q_a + kv_a (cuBLAS: a split-K GEMV and a reduce):
-# up to 4. With the input add + norm inside (InputNormInQKVA): one row; from 2 rows add_rmsnorm and
-# the GEMV are faster. o_proj: up to 2. The absorbed W_uk, W_uv: up to 4 (more not timed).
+# where the kernel is faster at Kimi-K2's TP-8 shapes (python -m kernels.bench --small --tokens
+# 1,2,3,4,5,6,8,12,16; µs, kernel against twin).
+# - The stacked q_a + kv_a (cuBLAS: a split-K GEMV and a reduce): up to 4 (12.7 against 12.9 at 4,
+#   25.3 against 13.2 at 5).
+# - With the input add + norm inside (InputNormInQKVA): one row; from 2 rows add_rmsnorm and the
+#   GEMV are faster.
+# - o_proj: up to 2 (6.2 against 6.6 at 2, 8.1 against 6.4 at 3).
+# - q_b with its norm: up to 8 (7.9 against 8.8 at 8, 13.2 against 8.9 at 12).
+# - The absorbed W_uk, W_uv (head_gemv): up to 8 (3.7 and 2.8 against the einsums' 5.2 and 5.4-6.9
+#   at 5 to 8 rows; 7.5 and 4.1 against 5.3 and 5.3 at 12).
 QKVA_GEMV_MAX_ROWS = 4
 INPUT_NORM_QKVA_MAX_ROWS = 1
 O_PROJ_GEMV_MAX_ROWS = 2
-HEAD_GEMV_MAX_ROWS = 4
+Q_B_GEMV_MAX_ROWS = 8
+HEAD_GEMV_MAX_ROWS = 8
 
 
 class NormGemvMLA(model.MLA):
     """"norm_gemv": q_b_proj as a GEMV kernel with q_a_layernorm computed inside it (at most
-    NORM_GEMV_MAX_ROWS rows: decode, verify) and decode mode's absorbed W_uk / W_uv products as GEMV
+    Q_B_GEMV_MAX_ROWS rows: decode, verify) and decode mode's absorbed W_uk / W_uv products as GEMV
     kernels over the heads (at most HEAD_GEMV_MAX_ROWS rows); more rows: the plain code."""
 
     def query(self, q_a):
-        if rows(q_a) > NORM_GEMV_MAX_ROWS:
+        if rows(q_a) > Q_B_GEMV_MAX_ROWS:
             return super().query(q_a)
         norm = self.q_a_layernorm
         return launch.norm_gemv(q_a, self.q_b_proj.weight, norm.weight, norm.eps)
