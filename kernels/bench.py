@@ -5,7 +5,7 @@ replay past the L2; achieved GB/s against the copy bandwidth measured in the sam
     python -m kernels.bench [--moe | --small | --draft] [--sweep [VARIANTS]] [--variants dot,gemv]
     [--json OUT]
                             [--formats plain,fp8,int4] [--tokens 1,2,3,4,8,32] [--shared]
-                            [--distinct 8,16,32]
+                            [--distinct 8,16,32] [--tp 8]
         --moe: the fused MoE only (each weight format, token count and variant against its floor);
         without it the MLA decode attention, the router, add + RMSNorm, SwiGLU, RoPE + cache
         write, norm_gemv (q_a + kv_a also with the input add + norm inside) and head_gemv follow.
@@ -594,6 +594,8 @@ def _parser():
                    help="fused MoE routing: each token's experts drawn from a fixed random set "
                         "of this many (comma-separated pool sizes, SIMULATED; default uniform "
                         "over all 384)")
+    p.add_argument("--tp", type=int, default=8, metavar="N",
+                   help="fused MoE: a Kimi-K2 rank's expert shapes at TP N (I = 2048 / N; default 8)")
     p.add_argument("--variants", default="dot,gemv",
                    help="fused MoE variants to time in this run, comma-separated: dot (tl.dot tiles), gemv")
     p.add_argument("--pdl", nargs=argparse.REMAINDER, metavar="RUN.PY FLAGS",
@@ -654,11 +656,13 @@ def main():
         _save(a.json, int4_precision(tokens))
         return
     pools = _ints(p, "--distinct", a.distinct)
+    if a.tp not in (1, 2, 4, 8):
+        p.error(f"--tp {a.tp}: one of 1, 2, 4, 8 (Kimi-K2's expert width 2048 split evenly)")
     if any(not 8 <= n <= 384 for n in pools):
         p.error(f"--distinct {a.distinct!r}: pool sizes from K = 8 to E = 384")
     _save(a.json and a.json.replace(".json", "_moe.json"),
           benchmark_moe(sweep=sweep, variants=variants, tokens=tokens, formats=formats,
-                        shared=a.shared, distinct=pools or None))
+                        I=2048 // a.tp, shared=a.shared, distinct=pools or None))
     if not a.moe:
         benchmark_attention(a.json.replace(".json", "_attention.json") if a.json else None)
 

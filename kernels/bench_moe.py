@@ -76,7 +76,8 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
     of that many (SIMULATED routing; None: uniform over all E), a row's "pool"."""
     dev, g = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
     bandwidth = copy_bandwidth_GBps()
-    print(f"fused MoE, one Kimi-K2 TP-8 rank (D {D}, I {I}, {E} experts, K {K}); "
+    LAYERS = max(2, LAYERS * 256 // I)   # wider ranks (TP 4, 2, 1): fewer layers, still past the L2
+    print(f"fused MoE, one Kimi-K2 rank (D {D}, I {I}, {E} experts, K {K}, {LAYERS} layers); "
           f"copy bandwidth {bandwidth:.0f} GB/s")
     rows = []
     for fmt in formats:
