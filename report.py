@@ -7,7 +7,8 @@ its cliffs; then the end-to-end loops, the cost model, memory and collectives; t
 about figures that cannot be (noise), and the answer in words with a verdict on what this run's
 acceptance means. Everything here reads the timing.Result that timing.measure returns and the
 Bench it ran on; as_json turns the Result into the --json line; `python report.py tables A.json
-B.json ...` puts several runs' lines in one markdown table (tables). Nothing here times anything.
+B.json ...` puts several runs' lines in one markdown table (tables), `python report.py sweep-plot`
+draws their verify sweeps (sweep_plot). Nothing here times anything.
 
 The --json line is as_json(timing.Result): each dataclass a dict of its fields, each Timing its
 median in ms, integer keys as strings. Its verify sweep, `verify_sweep_ms`, maps the tokens a row
@@ -23,6 +24,7 @@ T (run.py's settled `verify_sweep_tokens`: 1 to 6 on a CPU; on a GPU 1 to 8, 10,
 import dataclasses
 import json
 import statistics
+import sys
 import textwrap
 
 import torch
@@ -783,11 +785,76 @@ def weight_format(env):
     return dtype if quant is None else quant + (f" ({dtype})" if dtype != "bf16" else "")
 
 
+def sweep_plot(paths, out):
+    """The verify sweeps of run.py --json files from a GPU in one figure (needs matplotlib).
+
+    One series a file, into `out`: left, verify ms against tokens a row with its floor dashed;
+    right, what each added token costs beside what the no-cliff rule allows (1.3x the floor's
+    increment + 50 µs a token, components.sweep_cliffs), its breaks marked. matplotlib is not a
+    requirement. Returns 0, or 2 with the reason on stderr."""
+    runs = [_read_sweep(path) for path in paths]
+    problems = [r for r in runs if isinstance(r, str)]
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        problems.append("needs matplotlib (pip install matplotlib)")
+    if problems:
+        print(f"report.py sweep-plot: {problems[0]}", file=sys.stderr)
+        return 2
+    fig, (cost, step) = plt.subplots(1, 2, figsize=(11, 4))
+    for label, sweep, cliffs in runs:
+        T = [int(t) for t in sweep]
+        ms, floor = [p["verify"] for p in sweep.values()], [p["floor_ms"] for p in sweep.values()]
+        line, = cost.plot(T, ms, "o-", ms=3, label=label)
+        cost.plot(T, floor, "--", color=line.get_color(), lw=0.8)
+        mid = [(a + b) / 2 for a, b in zip(T, T[1:])]
+        per = [(b - a) / (tb - ta) for a, b, ta, tb in zip(ms, ms[1:], T, T[1:])]
+        allowed = [(1.3 * (b - a) + 0.05 * (tb - ta)) / (tb - ta)
+                   for a, b, ta, tb in zip(floor, floor[1:], T, T[1:])]
+        step.plot(mid, per, "o-", ms=3, color=line.get_color(), label=label)
+        step.plot(mid, allowed, ":", color=line.get_color(), lw=0.8)
+        broken = {tuple(c["tokens"]) for c in cliffs.get("cliffs", [])}
+        hits = [(m, p) for m, p, ta, tb in zip(mid, per, T, T[1:]) if (ta, tb) in broken]
+        step.plot([m for m, _ in hits], [p for _, p in hits], "x", ms=8, color=line.get_color())
+    cost.set(xlabel="tokens a row (T)", ylabel="verify ms", title="verify (dashed: its floor)")
+    step.set(xlabel="tokens a row (between two points)", ylabel="ms an added token",
+             title="an added token (dotted: the rule allows; x: over it)")
+    for ax in (cost, step):
+        ax.grid(alpha=0.3)
+        ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out, dpi=150)
+    print(f"wrote {out}")
+    return 0
+
+
+def _read_sweep(path):
+    """(weight format, verify_sweep_ms, sweep_cliffs) of a run.py --json file, or what is wrong
+    with it (a string)."""
+    try:
+        with open(path) as f:
+            r = json.loads(f.readline())
+        sweep = r["verify_sweep_ms"]
+        floors = [sweep[T]["floor_ms"] for T in sweep]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        return f"{path}: not a run.py --json file ({e!r})"
+    if None in floors:
+        return f"{path}: its sweep has no floors (a CPU run)"
+    return weight_format(r["env"]), sweep, r.get("sweep_cliffs") or {}
+
+
 if __name__ == "__main__":
     import argparse
     p = argparse.ArgumentParser(description="Tables across run.py --json files.")
     sub = p.add_subparsers(dest="command", required=True)
     t = sub.add_parser("tables", help=tables.__doc__.split("\n\n")[0].replace("%", "%%"))
     t.add_argument("json", nargs="+", help="run.py --json files, one row each, in this order")
+    g = sub.add_parser("sweep-plot", help=sweep_plot.__doc__.split("\n\n")[0].replace("%", "%%"))
+    g.add_argument("json", nargs="+", help="run.py --json files from a GPU, one series each")
+    g.add_argument("--out", required=True, help="the figure (.png, .svg, .pdf)")
     args = p.parse_args()
+    if args.command == "sweep-plot":
+        sys.exit(sweep_plot(args.json, args.out))
     print("\n".join(tables(args.json)))

@@ -330,6 +330,37 @@ def test_run_py_cli_verify_sweep_and_tables(tmp_path):
         assert all(float(x) > 0 for cell in (cells[4], cells[6]) for x in cell.split(", ")), line
 
 
+def test_report_sweep_plot_draws_gpu_sweeps_and_refuses_the_rest(tmp_path, capsys):
+    """`report.py sweep-plot`: a sweep with floors (a GPU's, written here by hand, one cliff) is
+    drawn where matplotlib is installed, and where it is not the refusal says so (it is not a
+    requirement); a file that is no run.py --json and a CPU run's sweep (no floors) are refused by
+    name, with exit status 2, in both cases."""
+    def run_json(path, floors):
+        sweep = {str(T): dict(verify=1.0 + 0.5 * T + (T > 2), distinct_experts=8 * T,
+                              floor_ms=0.4 * T if floors else None) for T in (1, 2, 3, 4)}
+        cliffs = dict(cliffs=[dict(tokens=[2, 3], added_ms=1.5, allowed_ms=0.57)])
+        path.write_text(json.dumps(dict(env=dict(dtype="bfloat16", int4_group_size=32),
+                                        verify_sweep_ms=sweep, sweep_cliffs=cliffs)) + "\n")
+        return str(path)
+    gpu, cpu = run_json(tmp_path / "gpu.json", True), run_json(tmp_path / "cpu.json", False)
+    (tmp_path / "notes.txt").write_text("not json\n")
+    out = tmp_path / "sweep.png"
+    try:
+        import matplotlib  # noqa: F401
+        drawn = True
+    except ImportError:
+        drawn = False
+    assert report.sweep_plot([gpu], str(out)) == (0 if drawn else 2)
+    err = capsys.readouterr().err
+    assert (out.stat().st_size > 1000) if drawn else ("needs matplotlib" in err and not out.exists())
+    for path, why in ((cpu, "its sweep has no floors"),
+                      (str(tmp_path / "notes.txt"), "not a run.py --json file")):
+        assert report.sweep_plot([gpu, path], str(tmp_path / "no.png")) == 2
+        err = capsys.readouterr().err
+        assert f"{path}: {why}" in err, err
+        assert not (tmp_path / "no.png").exists()
+
+
 def test_verify_sweep_points_and_the_cliff_check():
     """The sweep's tokens a row: on a GPU 1 to 8, 10, 12, then every 4 to 32 while the batch's
     forward holds 32 tokens, on a CPU 1 to 6, and the cache holds them. The cliff check passes a
