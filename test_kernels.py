@@ -83,6 +83,13 @@ def moe_experts(shape, quant, E, device, dtype, seed=0):
     return init_random(holder, seed, rank_local=shape != "tiny").experts, args.hidden_size
 
 
+def shared_mlp(x, shared):
+    """A shared expert (gate [I, D], up [I, D], down [D, I]) on x [N, D], as the plain MLP computes
+    it: the reference for fused_moe's `shared`."""
+    gate, up, down = shared
+    return (F.silu(x @ gate.T) * (x @ up.T)) @ down.T
+
+
 def routing(kind, N, K, E, g, device):
     """ids [N, K]: "shared": every token picks the same K experts (in its own order); "disjoint": no
     two tokens share one (needs N*K <= E); "random": each token K distinct experts at random."""
@@ -178,8 +185,7 @@ def test_fused_moe_gemv_fp8_takes_a_shared_expert():
     for N in (1, 3):
         ids, w = routing("random", N, 4, 16, g, TRITON_DEVICE)
         x = torch.randn(N, D, generator=g).to(TRITON_DEVICE)
-        want = model.Experts.forward(experts, x, ids,
-                                     w) + (F.silu(x @ shared[0].T) * (x @ shared[1].T)) @ shared[2].T
+        want = model.Experts.forward(experts, x, ids, w) + shared_mlp(x, shared)
         # gate_up (BLOCK_N, BLOCK_K, UNROLL, warps, SUB), down (BLOCK_N, BLOCK_K, warps, SUB): 16
         # rows (shared steps of 64 columns divide D / 2); 32 rows (I 48 a rank: masked rows,
         # 32-column steps)
@@ -272,7 +278,7 @@ def test_fused_moe_gemv_int4_even_and_masked_blocks():
                for p in ("gate_proj", "up_proj", "down_proj")]
     ref = model.Experts.forward(experts, x, ids, w)
     shared = [torch.randn(*s, generator=g).to(TRITON_DEVICE) / 8 for s in ((I, D), (I, D), (D, I))]
-    ref_shared = ref + (F.silu(x @ shared[0].T) * (x @ shared[1].T)) @ shared[2].T
+    ref_shared = ref + shared_mlp(x, shared)
     # (gate_up, down): all unmasked (4-word steps); masked rows, words and expert columns; masked
     # words, rows
     for gate_up, down in (((32, 4, 4), (32, 32, 4)), ((64, 8, 4), (64, 64, 4)),
@@ -345,8 +351,7 @@ def test_fused_moe_gemv_shared_h_made_once(quant, monkeypatch):
         for N in (3, 1, 4):
             ids, w = routing("random", N, 2, 16, g, TRITON_DEVICE)
             x = torch.randn(N, D, generator=g).to(TRITON_DEVICE)
-            want = (model.Experts.forward(experts, x, ids, w)
-                    + (F.silu(x @ shared[0].T) * (x @ shared[1].T)) @ shared[2].T)
+            want = model.Experts.forward(experts, x, ids, w) + shared_mlp(x, shared)
             got = kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=shared, configs=cfg)
             what = f"GEMV {quant} + shared, {N} tokens, {cfg}"
             assert_close(got, want, 1e-5 * want.abs().max().item(), what)
