@@ -31,7 +31,7 @@ import torch
 
 import kernels
 import model
-from components import COMPONENTS, modelled_allreduce
+from components import CLIFF_FLOOR_RATIO, CLIFF_SLACK_MS, COMPONENTS, modelled_allreduce
 from verify import simulated_center
 
 
@@ -789,8 +789,9 @@ def sweep_plot(paths, out):
     """The verify sweeps of run.py --json files from a GPU in one figure (needs matplotlib).
 
     One series a file, into `out`: left, verify ms against tokens a row with its floor dashed;
-    right, what each added token costs beside what the no-cliff rule allows (1.3x the floor's
-    increment + 50 µs a token, components.sweep_cliffs), its breaks marked. matplotlib is not a
+    right, what each added token costs beside what the no-cliff rule allows (components.
+    sweep_cliffs: CLIFF_FLOOR_RATIO x the floor's increment + CLIFF_SLACK_MS a token of the
+    forward), its breaks marked. matplotlib is not a
     requirement. Returns 0, or 2 with the reason on stderr."""
     runs = [_read_sweep(path) for path in paths]
     problems = [r for r in runs if isinstance(r, str)]
@@ -804,14 +805,14 @@ def sweep_plot(paths, out):
         print(f"report.py sweep-plot: {problems[0]}", file=sys.stderr)
         return 2
     fig, (cost, step) = plt.subplots(1, 2, figsize=(11, 4))
-    for label, sweep, cliffs in runs:
+    for label, sweep, cliffs, batch in runs:
         T = [int(t) for t in sweep]
         ms, floor = [p["verify"] for p in sweep.values()], [p["floor_ms"] for p in sweep.values()]
         line, = cost.plot(T, ms, "o-", ms=3, label=label)
         cost.plot(T, floor, "--", color=line.get_color(), lw=0.8)
         mid = [(a + b) / 2 for a, b in zip(T, T[1:])]
         per = [(b - a) / (tb - ta) for a, b, ta, tb in zip(ms, ms[1:], T, T[1:])]
-        allowed = [(1.3 * (b - a) + 0.05 * (tb - ta)) / (tb - ta)
+        allowed = [(CLIFF_FLOOR_RATIO * (b - a) + CLIFF_SLACK_MS * batch * (tb - ta)) / (tb - ta)
                    for a, b, ta, tb in zip(floor, floor[1:], T, T[1:])]
         step.plot(mid, per, "o-", ms=3, color=line.get_color(), label=label)
         step.plot(mid, allowed, ":", color=line.get_color(), lw=0.8)
@@ -831,18 +832,19 @@ def sweep_plot(paths, out):
 
 
 def _read_sweep(path):
-    """(weight format, verify_sweep_ms, sweep_cliffs) of a run.py --json file, or what is wrong
-    with it (a string)."""
+    """(weight format, verify_sweep_ms, sweep_cliffs, batch) of a run.py --json file, or what is
+    wrong with it (a string)."""
     try:
         with open(path) as f:
             r = json.loads(f.readline())
-        sweep = r["verify_sweep_ms"]
+        sweep, batch = r["verify_sweep_ms"], r["env"]["config"]["batch_size"]
         floors = [sweep[T]["floor_ms"] for T in sweep]
     except (OSError, ValueError, KeyError, TypeError) as e:
         return f"{path}: not a run.py --json file ({e!r})"
     if None in floors:
         return f"{path}: its sweep has no floors (a CPU run)"
-    return weight_format(r["env"]), sweep, r.get("sweep_cliffs") or {}
+    label = weight_format(r["env"]) + (f", batch {batch}" if batch > 1 else "")
+    return label, sweep, r.get("sweep_cliffs") or {}, batch
 
 
 if __name__ == "__main__":

@@ -339,7 +339,8 @@ def test_report_sweep_plot_draws_gpu_sweeps_and_refuses_the_rest(tmp_path, capsy
         sweep = {str(T): dict(verify=1.0 + 0.5 * T + (T > 2), distinct_experts=8 * T,
                               floor_ms=0.4 * T if floors else None) for T in (1, 2, 3, 4)}
         cliffs = dict(cliffs=[dict(tokens=[2, 3], added_ms=1.5, allowed_ms=0.57)])
-        path.write_text(json.dumps(dict(env=dict(dtype="bfloat16", int4_group_size=32),
+        path.write_text(json.dumps(dict(env=dict(dtype="bfloat16", int4_group_size=32,
+                                                 config=dict(batch_size=1)),
                                         verify_sweep_ms=sweep, sweep_cliffs=cliffs)) + "\n")
         return str(path)
     gpu, cpu = run_json(tmp_path / "gpu.json", True), run_json(tmp_path / "cpu.json", False)
@@ -352,7 +353,10 @@ def test_report_sweep_plot_draws_gpu_sweeps_and_refuses_the_rest(tmp_path, capsy
         drawn = False
     assert report.sweep_plot([gpu], str(out)) == (0 if drawn else 2)
     err = capsys.readouterr().err
-    assert (out.stat().st_size > 1000) if drawn else ("needs matplotlib" in err and not out.exists())
+    if drawn:
+        assert out.stat().st_size > 1000, "the figure"
+    else:
+        assert "needs matplotlib" in err and not out.exists(), err
     for path, why in ((cpu, "its sweep has no floors"),
                       (str(tmp_path / "notes.txt"), "not a run.py --json file")):
         assert report.sweep_plot([gpu, path], str(tmp_path / "no.png")) == 2

@@ -595,7 +595,8 @@ def _parser():
                         "of this many (comma-separated pool sizes, SIMULATED; default uniform "
                         "over all 384)")
     p.add_argument("--tp", type=int, default=8, metavar="N",
-                   help="fused MoE: a Kimi-K2 rank's expert shapes at TP N (I = 2048 / N; default 8)")
+                   help="fused MoE: a Kimi-K2 rank's expert shapes at TP N (I = 2048 / N; "
+                        "default 8)")
     p.add_argument("--variants", default="dot,gemv",
                    help="fused MoE variants to time in this run, comma-separated: dot (tl.dot tiles), gemv")
     p.add_argument("--pdl", nargs=argparse.REMAINDER, metavar="RUN.PY FLAGS",
