@@ -388,6 +388,7 @@ def tree_cost(r, b, base, host, ar, chains):
 CLIFF_FLOOR_RATIO = 1.3   # an added token may cost this many times its floor's increment
 CLIFF_SLACK_MS = 0.05     # plus this much a token the forward adds
 CLIFF_MAX_TOKENS = 32     # checked from 1 to this many tokens a row
+CLIFF_COMPONENTS = 2      # a cliff names this many components, those that grew most
 
 
 @dataclass
@@ -396,6 +397,9 @@ class Cliff:
     tokens: list          # [T1, T2], tokens a row
     added_ms: float       # verify(T2) - verify(T1)
     allowed_ms: float     # CLIFF_FLOOR_RATIO x (floor(T2) - floor(T1)) + slack x B (T2 - T1)
+    # the components whose profiled time grew most from T1 to T2, {component: ms}, largest first
+    # (CLIFF_COMPONENTS of them; where both points have a profile)
+    grew: dict | None = optional()
 
 
 @dataclass
@@ -424,5 +428,15 @@ def sweep_cliffs(sweep, batch):
                    + CLIFF_SLACK_MS * batch * (t2 - t1))
         out.checked.append([t1, t2])
         if added > allowed:
-            out.cliffs.append(Cliff([t1, t2], added, allowed))
+            out.cliffs.append(Cliff([t1, t2], added, allowed,
+                                   grown_components(a.components, z.components)))
     return out
+
+
+def grown_components(before, after):
+    """The CLIFF_COMPONENTS components whose time grew most from one profile ({component: ms}) to
+    the next, largest first; None unless both exist."""
+    if not before or not after:
+        return None
+    growth = {c: after.get(c, 0.0) - before.get(c, 0.0) for c in COMPONENTS}
+    return dict(sorted(growth.items(), key=lambda kv: -kv[1])[:CLIFF_COMPONENTS])

@@ -16,10 +16,14 @@ T (run.py's settled `verify_sweep_tokens`: 1 to 6 on a CPU; on a GPU 1 to 8, 10,
 28 and 32 while the batch's forward holds at most 32 tokens) to
     {"verify": ms, "draft_extend": ms (up to 8 tokens; absent above),
      "distinct_experts": routed experts a MoE layer reaches (the mean over the layers),
-     "floor_ms": the verify's bytes over the copy bandwidth (null without a GPU)};
+     "floor_ms": the verify's bytes over the copy bandwidth (null without a GPU),
+     "components": {component: ms} of a profiled eager verify, as the component table's (a
+     GPU's run: with floors; absent on a CPU)};
 `sweep_cliffs` checks it against its floors (components.sweep_cliffs; null without floors):
     {"rule": in words, "checked": [[T1, T2], ...] neighbouring points,
-     "cliffs": [{"tokens": [T1, T2], "added_ms": ms, "allowed_ms": ms}, ...] those that break it}.
+     "cliffs": [{"tokens": [T1, T2], "added_ms": ms, "allowed_ms": ms,
+                 "grew": {component: ms} the components whose time grew most}, ...] those that
+     break it}.
 """
 import dataclasses
 import json
@@ -333,8 +337,11 @@ def cliff_line(check):
         first, last = check.checked[0][0], check.checked[-1][1]
         return f"no cliff from {first} to {last} tokens a row: {check.rule}"
     return (f"{len(check.cliffs)} cliff(s), where {check.rule} fails (tokens a row: added ms > "
-            "allowed ms): " + "; ".join(f"{c.tokens[0]}->{c.tokens[1]}: +{c.added_ms:.2f} > "
-                                        f"{c.allowed_ms:.2f}" for c in check.cliffs))
+            "allowed ms, and the components that grew most): "
+            + "; ".join(f"{c.tokens[0]}->{c.tokens[1]}: +{c.added_ms:.2f} > {c.allowed_ms:.2f}"
+                        + (" (" + ", ".join(f"{k.replace('_', ' ')} {v:+.2f}"
+                                            for k, v in c.grew.items()) + ")" if c.grew else "")
+                        for c in check.cliffs))
 
 
 def tree_answer(r):

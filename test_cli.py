@@ -316,6 +316,7 @@ def test_run_py_cli_verify_sweep_and_tables(tmp_path):
         assert [int(T) for T in sweep] == list(timing.SWEEP_TOKENS_CPU)
         for T, point in sweep.items():
             assert point["verify"] > 0 and point["draft_extend"] > 0 and point["floor_ms"] is None
+            assert "components" not in point, point   # profiled where floors exist (a GPU)
             assert point["distinct_experts"] == min(16, 4 * B * int(T)), (T, point)
         assert r["sweep_cliffs"] is None and "no cliff check" in " ".join(stdout.split())
     out = subprocess.run([sys.executable, "report.py", "tables", *map(str, runs)], cwd=HERE,
@@ -369,8 +370,9 @@ def test_verify_sweep_points_and_the_cliff_check():
     """The sweep's tokens a row: on a GPU 1 to 8, 10, 12, then every 4 to 32 while the batch's
     forward holds 32 tokens, on a CPU 1 to 6, and the cache holds them. The cliff check passes a
     curve that adds 1.25x its floor's increment a token, names a planted cliff (and a gap of
-    two tokens gets twice the slack, a batch of 2 twice again) within 100 columns, and is None
-    without floors."""
+    two tokens gets twice the slack, a batch of 2 twice again) within 100 columns, with the
+    components whose profiled time grew most where the points have profiles, and is None without
+    floors."""
     assert timing.sweep_tokens(True, 1) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 28, 32]
     assert timing.sweep_tokens(True, 2) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16]
     assert timing.sweep_tokens(True, 4) == list(range(1, 9))
@@ -383,15 +385,24 @@ def test_verify_sweep_points_and_the_cliff_check():
     T = report.Timing
     tokens = timing.sweep_tokens(True, 1)
 
-    def sweep(planted=0.0, at=5, floors=True):
+    def sweep(planted=0.0, at=5, floors=True, profiles=False):
+        def parts(t):   # the planted time in the router, a little growth everywhere
+            return {c: 0.1 * t + (planted if c == "router" and t >= at else 0.0)
+                    for c in components.COMPONENTS} if profiles else None
         return {t: timing.SweepPoint(T([3.0 + 0.5 * t + (planted if t >= at else 0.0)]),
-                                     floor_ms=2.0 + 0.4 * t if floors else None) for t in tokens}
+                                     floor_ms=2.0 + 0.4 * t if floors else None,
+                                     components=parts(t)) for t in tokens}
     linear = components.sweep_cliffs(sweep(), 1)
     assert linear.cliffs == [] and linear.checked == [list(p) for p in zip(tokens, tokens[1:])]
     assert "no cliff from 1 to 32 tokens a row" in report.cliff_line(linear)
     cliff = components.sweep_cliffs(sweep(planted=3.0), 1).cliffs
-    assert [c.tokens for c in cliff] == [[4, 5]]
+    assert [c.tokens for c in cliff] == [[4, 5]] and cliff[0].grew is None
     assert cliff[0].added_ms == pytest.approx(3.5) and cliff[0].allowed_ms == pytest.approx(0.57)
+    named = components.sweep_cliffs(sweep(planted=3.0, profiles=True), 1)
+    assert list(named.cliffs[0].grew) == ["router", "attn_core"]   # then the first of the ties
+    assert named.cliffs[0].grew["router"] == pytest.approx(3.1)
+    assert "4->5: +3.50 > 0.57 (router +3.10, attn core +0.10)" in " ".join(
+        report.cliff_line(named).split())
     assert [c.tokens for c in components.sweep_cliffs(sweep(planted=0.2, at=10), 1).cliffs] == \
         [[8, 10]]   # 1.2 added, 1.3 x 0.8 + 2 x 0.05 = 1.14 allowed
     assert components.sweep_cliffs(sweep(planted=0.2, at=10), 2).cliffs == []   # 1.24 allowed

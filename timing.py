@@ -317,11 +317,14 @@ class Context:
 @dataclass
 class SweepPoint:
     """Verify of T tokens a row, and draft extend of T up to SWEEP_DRAFT_EXTEND (what a cycle of
-    num_steps T - 1 pays); the distinct routed experts the verify reaches and its floor."""
+    num_steps T - 1 pays); the distinct routed experts the verify reaches, its floor, and (a GPU's,
+    with floors) where a profiled eager verify's time goes ({component: ms}, as the component
+    table's)."""
     verify: Timing
     draft_extend: Timing | None = optional()
     distinct_experts: float | None = None   # a MoE layer's, the mean over the layers
     floor_ms: float | None = None           # the verify's bytes over the copy bandwidth (a GPU's)
+    components: dict | None = optional()
 
 
 @dataclass
@@ -591,7 +594,8 @@ def sweep_tokens(gpu, batch):
 def verify_sweep(b, ctx, bandwidth):
     """Verify (the cost model's attention mode) of each of cfg.verify_sweep_tokens T tokens at ctx
     cached tokens, fastest variant, with the distinct experts it reaches (an eager call counts
-    them) and its floor, as isolated's; and draft extend of T up to SWEEP_DRAFT_EXTEND: what a cycle
+    them), its floor and (with floors: what the cliff check names) its component profile (a
+    profiled eager call), as isolated's; and draft extend of T up to SWEEP_DRAFT_EXTEND: what a cycle
     of num_steps T - 1 pays. Inputs as in phase_calls. Returns {T: SweepPoint}."""
     graph, mode = b.graph_opts[-1], b.best[1]
     B, t, sweep = b.cfg.batch_size, b.target, {}
@@ -605,7 +609,9 @@ def verify_sweep(b, ctx, bandwidth):
         sweep[T] = SweepPoint(
             verify=b.timed(GraphKey("verify", mode, B, T, kv), fn, vt, pos, graph=graph),
             distinct_experts=statistics.mean(distinct) if distinct else 0.0,
-            floor_ms=nbytes / bandwidth / 1e6 if bandwidth else None)
+            floor_ms=nbytes / bandwidth / 1e6 if bandwidth else None,
+            components=(profile_components(t, partial(fn, vt, pos), b.gpu).parts_ms
+                        if bandwidth else None))
         if T <= SWEEP_DRAFT_EXTEND:
             kvd = kv_bucket(ctx + 2 * T - 1, t.max_seq_len)  # generate's, num_steps T - 1
             sweep[T].draft_extend = b.timed(
