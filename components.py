@@ -411,6 +411,12 @@ class SweepCliffs:
     cliffs: list          # [Cliff] those that break the rule
 
 
+def cliff_allowed_ms(floor_added_ms, tokens_added, batch):
+    """What the rule lets tokens_added more tokens a row cost, their floor grown by floor_added_ms
+    (B rows: B tokens of the forward a row's token)."""
+    return CLIFF_FLOOR_RATIO * floor_added_ms + CLIFF_SLACK_MS * batch * tokens_added
+
+
 def sweep_cliffs(sweep, batch):
     """The verify sweep {T: SweepPoint} against its floors, neighbouring points up to
     CLIFF_MAX_TOKENS; None without floors (they need a GPU's bandwidth)."""
@@ -424,8 +430,7 @@ def sweep_cliffs(sweep, batch):
     for t1, t2 in zip(points, points[1:]):
         a, z = sweep[t1], sweep[t2]
         added = float(z.verify) - float(a.verify)
-        allowed = (CLIFF_FLOOR_RATIO * (z.floor_ms - a.floor_ms)
-                   + CLIFF_SLACK_MS * batch * (t2 - t1))
+        allowed = cliff_allowed_ms(z.floor_ms - a.floor_ms, t2 - t1, batch)
         out.checked.append([t1, t2])
         if added > allowed:
             out.cliffs.append(Cliff([t1, t2], added, allowed,

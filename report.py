@@ -35,7 +35,7 @@ import torch
 
 import kernels
 import model
-from components import CLIFF_FLOOR_RATIO, CLIFF_SLACK_MS, COMPONENTS, modelled_allreduce
+from components import COMPONENTS, cliff_allowed_ms, modelled_allreduce
 from verify import simulated_center
 
 
@@ -796,10 +796,9 @@ def sweep_plot(paths, out):
     """The verify sweeps of run.py --json files from a GPU in one figure (needs matplotlib).
 
     One series a file, into `out`: left, verify ms against tokens a row with its floor dashed;
-    right, what each added token costs beside what the no-cliff rule allows (components.
-    sweep_cliffs: CLIFF_FLOOR_RATIO x the floor's increment + CLIFF_SLACK_MS a token of the
-    forward), its breaks marked. matplotlib is not a
-    requirement. Returns 0, or 2 with the reason on stderr."""
+    right, what each added token costs beside what the no-cliff rule allows
+    (components.cliff_allowed_ms), its breaks marked. matplotlib is not a requirement. Returns 0,
+    or 2 with the reason on stderr."""
     runs = [_read_sweep(path) for path in paths]
     problems = [r for r in runs if isinstance(r, str)]
     try:
@@ -819,7 +818,7 @@ def sweep_plot(paths, out):
         cost.plot(T, floor, "--", color=line.get_color(), lw=0.8)
         mid = [(a + b) / 2 for a, b in zip(T, T[1:])]
         per = [(b - a) / (tb - ta) for a, b, ta, tb in zip(ms, ms[1:], T, T[1:])]
-        allowed = [(CLIFF_FLOOR_RATIO * (b - a) + CLIFF_SLACK_MS * batch * (tb - ta)) / (tb - ta)
+        allowed = [cliff_allowed_ms(b - a, tb - ta, batch) / (tb - ta)
                    for a, b, ta, tb in zip(floor, floor[1:], T, T[1:])]
         step.plot(mid, per, "o-", ms=3, color=line.get_color(), label=label)
         step.plot(mid, allowed, ":", color=line.get_color(), lw=0.8)

@@ -316,7 +316,7 @@ def test_fused_moe_gemv_int4_packed_bf16_precision():
                                  shared=sh and [t.float() for t in sh], configs=cfg)
         plain = model.Experts.forward(experts, x, ids, w)
         if sh:
-            plain = plain + (F.silu(x @ sh[0].T) * (x @ sh[1].T)) @ sh[2].T
+            plain = plain + shared_mlp(x, sh)
         what = f"packed INT4 GEMV, {N} tokens, {cfg}, shared {sh is not None}"
         assert got.dtype == torch.bfloat16 and fp32.abs().max() > 0.1
         assert_close(got.float(), fp32, 1.5e-2 * fp32.abs().max().item(), what + " vs fp32")

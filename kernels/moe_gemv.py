@@ -713,6 +713,7 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, plan
     (N, D), P, I, dev = x.shape, ids.numel(), gate.shape[1], x.device
     K = P // N
     packed = x.dtype == torch.bfloat16
+    magic = BF16_MAGIC if packed else MAGIC          # the form's exponent bits (_nibble, _fma2)
     v = activation_planes(x) if planes is None else planes
     h = torch.empty(P, I, dtype=torch.bfloat16 if packed else torch.float32, device=dev)
     bn, bw, warps = cfg["gate_up"]
@@ -720,8 +721,7 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, plan
     s = gate.data.stride(), gate.scale.stride()
     _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, s[0][0], s[0][1], s[1][0],
-        s[1][1], BF16_MAGIC if packed else MAGIC,
-        x, TOPK=K, D=D, I=I, GROUP=gate.group,
+        s[1][1], magic, x, TOPK=K, D=D, I=I, GROUP=gate.group,
         BLOCK_N=bn, BLOCK_W=bw, EVEN=I % bn == 0 and D % (8 * bw) == 0, **sh_gate_up,
         PACKED=packed, launch_pdl=common.PDL, num_warps=warps)
     bn, bc, warps = cfg["down"]
@@ -729,10 +729,8 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, plan
     s = down.data.stride(), down.scale.stride()
     _moe_gemv_int4_down_kernel[(N, triton.cdiv(D, bn))](
         h.view(torch.int32) if packed else h, out, ids, down.data, down.scale, s[0][0], s[0][1],
-        s[1][0], s[1][1], BF16_MAGIC if packed else MAGIC,
-        TOPK=K, D=D, I=I, GROUP=down.group, BLOCK_N=bn, BLOCK_C=bc, EVEN=D % bn == 0
-        and K * I // 8 % bc == 0,
-        **sh_down, PACKED=packed, launch_pdl=common.PDL, num_warps=warps)
+        s[1][0], s[1][1], magic, TOPK=K, D=D, I=I, GROUP=down.group, BLOCK_N=bn, BLOCK_C=bc,
+        EVEN=D % bn == 0 and K * I // 8 % bc == 0, **sh_down, PACKED=packed, launch_pdl=common.PDL, num_warps=warps)
     return out
 
 
