@@ -730,7 +730,8 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, plan
     _moe_gemv_int4_down_kernel[(N, triton.cdiv(D, bn))](
         h.view(torch.int32) if packed else h, out, ids, down.data, down.scale, s[0][0], s[0][1],
         s[1][0], s[1][1], magic, TOPK=K, D=D, I=I, GROUP=down.group, BLOCK_N=bn, BLOCK_C=bc,
-        EVEN=D % bn == 0 and K * I // 8 % bc == 0, **sh_down, PACKED=packed, launch_pdl=common.PDL, num_warps=warps)
+        EVEN=D % bn == 0 and K * I // 8 % bc == 0, **sh_down, PACKED=packed, launch_pdl=common.PDL,
+        num_warps=warps)
     return out
 
 
