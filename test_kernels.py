@@ -172,10 +172,12 @@ def test_fused_moe_gemv_fp8_scale_blocks_as_rows():
 def test_fused_moe_gemv_fp8_takes_a_shared_expert():
     """The FP8 GEMV launches with a shared expert in the compute dtype beside the routed experts
     (fused_moe's shared: Kimi-K2-Instruct's, dequantized at load) against the gather path plus the
-    plain MLP, at 1 and 3 tokens (the shared programs run their tokens one after another), with
-    blocks that divide the shapes and blocks that do not (masked shared rows and steps)."""
+    plain MLP, at 1 and 3 tokens, the shared programs in either form (the loop form running its
+    tokens one after another, the dot form all at once), with blocks that divide the shapes and
+    blocks that do not (masked shared rows and steps; I 52 a rank: 4 rows of the dot form's last
+    16-row tile masked)."""
     args = tiny(n_routed_experts=16, num_experts_per_tok=4, hidden_size=256,
-                moe_intermediate_size=96,
+                moe_intermediate_size=104,
                 quantization_config=checkpoint.fp8_quantization_config((128, 128)))
     experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, torch.float32), 0).experts
     D, I, g = 256, experts.gate_proj.weight.shape[1], torch.Generator().manual_seed(0)
@@ -187,14 +189,13 @@ def test_fused_moe_gemv_fp8_takes_a_shared_expert():
         x = torch.randn(N, D, generator=g).to(TRITON_DEVICE)
         want = model.Experts.forward(experts, x, ids, w) + shared_mlp(x, shared)
         # gate_up (BLOCK_N, BLOCK_K, UNROLL, warps, SUB), down (BLOCK_N, BLOCK_K, warps, SUB): 16
-        # rows (shared steps of 64 columns divide D / 2); 32 rows (I 48 a rank: masked rows,
-        # 32-column steps)
-        for gate_up, down in (((16, 128, 1, 4, 1), (64, 128, 4, 1)),
-                              ((32, 64, 2, 4, 2), (32, 64, 4, 2))):
+        # rows (shared steps of 64 columns divide D / 2); 32 rows (masked rows, 32-column steps)
+        blocks = (((16, 128, 1, 4, 1), (64, 128, 4, 1)), ((32, 64, 2, 4, 2), (32, 64, 4, 2)))
+        for (gate_up, down), dot in itertools.product(blocks, (False, True)):
             got = kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=shared,
-                                    configs=dict(gate_up=gate_up, down=down))
+                                    configs=dict(gate_up=gate_up, down=down, shared_dot=dot))
             assert_close(got, want, 1e-5 * want.abs().max().item(),
-                         f"GEMV FP8 + shared, {N} tokens, {gate_up} {down}")
+                         f"GEMV FP8 + shared, {N} tokens, {gate_up} {down}, dot form {dot}")
 
 
 @pytest.mark.triton
@@ -331,8 +332,9 @@ def test_fused_moe_gemv_shared_h_made_once(quant, monkeypatch):
     """The shared expert's h = silu(g) * u is made once a row block, by the last of its split
     programs to finish (a shared atomic counter): calls in a row with other tokens (a counter left
     non-zero would make a later call's last program the wrong one) each equal the plain sum, with
-    masked rows and without, repeat bitwise, leave the counters zero; more row blocks than counters
-    are refused. Two routed experts a token (the interpreter's time follows the pairs)."""
+    masked rows and without, repeat bitwise, leave the counters zero, in the loop form and (the
+    first blocks) in the dot form (a counter a 16-row tile); more row blocks than counters are
+    refused. Two routed experts a token (the interpreter's time follows the pairs)."""
     qc = "int4" if quant == "int4" else checkpoint.fp8_quantization_config((128, 128))
     D = 96 if quant == "int4" else 256
     args = tiny(n_routed_experts=16, num_experts_per_tok=2, hidden_size=D,
@@ -347,7 +349,7 @@ def test_fused_moe_gemv_shared_h_made_once(quant, monkeypatch):
                dict(gate_up=(64, 4, 4), down=(32, 32, 4))]
               if quant == "int4" else [dict(gate_up=(32, 64, 1, 4, 1), down=(64, 64, 4, 1)),
                                        dict(gate_up=(64, 64, 2, 4, 2), down=(32, 64, 4, 2))])
-    for cfg in blocks:
+    for cfg in [dict(b, shared_dot=False) for b in blocks] + [dict(blocks[0], shared_dot=True)]:
         for N in (3, 1, 4):
             ids, w = routing("random", N, 2, 16, g, TRITON_DEVICE)
             x = torch.randn(N, D, generator=g).to(TRITON_DEVICE)
@@ -360,7 +362,8 @@ def test_fused_moe_gemv_shared_h_made_once(quant, monkeypatch):
         assert torch.equal(again, got), f"GEMV {quant} + shared, {cfg}: a second call differs"
     monkeypatch.setattr(kernels.common, "COUNTERS", 2)
     with pytest.raises(ValueError, match="more than 2 row blocks"):
-        kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=shared, configs=blocks[0])
+        kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=shared,
+                          configs=dict(blocks[0], shared_dot=False))
 
 
 @pytest.mark.triton

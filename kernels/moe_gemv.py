@@ -64,10 +64,11 @@ def _weight_args(w, block_k):
 # expert's bytes once a pair, not once (the tile variant reads each distinct expert once). A bf16
 # shared expert beside quantized experts (INT4 and FP8: fused_moe's shared) rides in the same two
 # launches: SHARED_SPLIT more programs a row block of gate_up compute its gate and up over slices
-# of D for every token (_shared_gate_up); the last of them to finish (an atomic counter a row
-# block, as norm_gemv's) adds the splits in split order and stores h = silu(g) * u once, fp32 [N,
-# I] (_shared_h), and each down program adds its rows from that one vector a token
-# (_shared_down). INT4 without unpacking to natural order: nibble j of word w is element 8w + j, so
+# of D for every token, one token after another (_shared_gate_up; from SHARED_DOT_MIN_TOKENS, the
+# dot form instead: 16-row tiles times all tokens at once through tl.dot, _shared_gate_up_dot);
+# the last of them to finish (an atomic counter a row block or tile, as norm_gemv's) adds the
+# splits in split order and stores h = silu(g) * u once, fp32 [N, I] (_shared_h), and each down
+# program adds its rows from that one vector a token (_shared_down). INT4 without unpacking to natural order: nibble j of word w is element 8w + j, so
 # the activation comes as 8 planes (plane j = elements 8w + j, contiguous in w: x is permuted once
 # per call, or the router kernel wrote them beside its logits; h is written that way by gate_up) and
 # each plane meets nibble j of the same words. A nibble becomes a float by the exponent trick
@@ -208,6 +209,57 @@ def _shared_gate_up(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pi
 
 
 @_jit
+def _shared_part(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n,
+                 D: tl.constexpr, I: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                 SHARED_K: tl.constexpr, EVEN_SHARED: tl.constexpr, SLICES: tl.constexpr,
+                 N_PAD: tl.constexpr, PRECISION: tl.constexpr):
+    """A GEMV gate_up kernel's shared program p (in [-SPLIT, 0)) of row block pid_n: the loop form
+    (_shared_gate_up) or, SLICES > 0, the dot form (_shared_gate_up_dot)."""
+    if SLICES > 0:
+        _shared_gate_up_dot(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N,
+                            pid_n * SPLIT + p + SPLIT, D, I, SLICES, N_PAD, SHARED_K, PRECISION)
+    else:
+        _shared_gate_up(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n, D, I,
+                        SPLIT, BLOCK_N, SHARED_K, EVEN_SHARED)
+
+
+@_jit
+def _shared_gate_up_dot(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, f,
+                        D: tl.constexpr, I: tl.constexpr, SLICES: tl.constexpr,
+                        N_PAD: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
+    """_shared_gate_up with the tokens as a tl.dot's columns, so each weight is read once for all
+    N tokens (the loop form reads its slice once a token). Shared program f (of cdiv(I, BLOCK_N) *
+    SPLIT) takes rows 16 (f // SLICES) .. + 16 of gate and up over slice f % SLICES of D, if
+    that tile exists (f < cdiv(I, 16) * SLICES; the other shared programs return): [16, N_PAD]
+    sums a projection into part [2, SLICES, N, I], then _shared_h with a counter a tile."""
+    tile, s = f // SLICES, f % SLICES
+    if tile >= (I + 15) // 16:
+        return
+    n = tile * 16 + tl.arange(0, 16)
+    n_ok = n < I
+    t = tl.arange(0, N_PAD)
+    CHUNK: tl.constexpr = ((D + SLICES - 1) // SLICES + BLOCK_K - 1) // BLOCK_K * BLOCK_K
+    acc_g = tl.zeros([16, N_PAD], tl.float32)
+    acc_u = tl.zeros([16, N_PAD], tl.float32)
+    for k0 in range(s * CHUNK, tl.minimum((s + 1) * CHUNK, D), BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        k_ok = k < D
+        xt = tl.load(x_ptr + t[None, :] * D + k[:, None], mask=k_ok[:, None] & (t < N)[None, :],
+                     other=0.0)                                              # [BLOCK_K, N_PAD]
+        w_ok = n_ok[:, None] & k_ok[None, :]
+        gw = tl.load(sg_ptr + n[:, None] * D + k[None, :], mask=w_ok, other=0.0)
+        uw = tl.load(su_ptr + n[:, None] * D + k[None, :], mask=w_ok, other=0.0)
+        if not ASM:  # Triton's interpreter: its tl.dot of bf16 operands is wrong; fp32 is exact
+            gw, uw, xt = gw.to(tl.float32), uw.to(tl.float32), xt.to(tl.float32)
+        acc_g = tl.dot(gw, xt, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(uw, xt, acc_u, input_precision=PRECISION)
+    ok = n_ok[:, None] & (t < N)[None, :]
+    tl.store(part_ptr + (s * N + t[None, :]) * I + n[:, None], acc_g, mask=ok)
+    tl.store(part_ptr + ((SLICES + s) * N + t[None, :]) * I + n[:, None], acc_u, mask=ok)
+    _shared_h(part_ptr, hs_ptr, count_ptr, N, tile, n, n_ok, I, SLICES)
+
+
+@_jit
 def _shared_h(part_ptr, hs_ptr, count_ptr, N, pid_n, n, n_ok, I: tl.constexpr, SPLIT: tl.constexpr):
     """Once this split's partial sums are stored: the last of row block pid_n's SPLIT programs to
     finish adds every split's g and u (part [2, SPLIT, N, I]) in split order and stores h = silu(g)
@@ -249,8 +301,9 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
                              UNROLL: tl.constexpr, SCALE_PER_ROW: tl.constexpr, part_ptr, hs_ptr,
                              count_ptr,
                              sg_ptr, su_ptr, N, SPLIT: tl.constexpr, SHARED_K: tl.constexpr,
-                             EVEN_SHARED: tl.constexpr, LEADER: tl.constexpr,
-                             P_PAD: tl.constexpr):
+                             EVEN_SHARED: tl.constexpr, SHARED_SLICES: tl.constexpr,
+                             SHARED_N_PAD: tl.constexpr, SHARED_PRECISION: tl.constexpr,
+                             LEADER: tl.constexpr, P_PAD: tl.constexpr):
     """h[p, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) * route_w[p] for pair p = n*K + k, e = ids[p]
     (plain and FP8 weights).
 
@@ -260,14 +313,14 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
     SPLIT + p; LEADER: only the first pair of each expert works, for all of its P pairs (P_PAD: a
     power of two >= P). SPLIT > 0: the first SPLIT programs of each row block take a bf16 shared
     expert (_shared_gate_up; part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N: its arguments;
-    SHARED_K columns a step)."""
+    SHARED_K columns a step; SHARED_SLICES > 0: its dot form, _shared_gate_up_dot)."""
     _wait_for_prior()
     pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
         if p < 0:
-            _shared_gate_up(v_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n, D, I,
-                            SPLIT, BLOCK_N,
-                            SHARED_K, EVEN_SHARED)
+            _shared_part(v_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n, D, I,
+                         SPLIT, BLOCK_N, SHARED_K, EVEN_SHARED, SHARED_SLICES, SHARED_N_PAD,
+                         SHARED_PRECISION)
             return
     e = tl.load(ids_ptr + p).to(tl.int64)
     g_ptr, u_ptr = g_ptr + e * stride_we, u_ptr + e * stride_we
@@ -504,7 +557,9 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
                                   GROUP: tl.constexpr,
                                   BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
                                   EVEN: tl.constexpr, SPLIT: tl.constexpr, SHARED_K: tl.constexpr,
-                                  EVEN_SHARED: tl.constexpr, PACKED: tl.constexpr):
+                                  EVEN_SHARED: tl.constexpr, SHARED_SLICES: tl.constexpr,
+                                  SHARED_N_PAD: tl.constexpr, SHARED_PRECISION: tl.constexpr,
+                                  PACKED: tl.constexpr):
     """_moe_gemv_gate_up_kernel for INT4 weights: v_ptr the activations as fp32 planes [N, 8, D/8]
     (plane j = elements 8w + j), h written in plane order (element i of row p at (i % 8) * I/8 + i
     // 8), the planes down reads; PACKED (bf16 x): v_ptr the pair planes [N, 4, D/8] (int32), h bf16
@@ -512,15 +567,16 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
     row's I). BLOCK_W words (8 BLOCK_W elements) a step; EVEN: the blocks divide
     I and D/8, so no load is masked. Grid: (cdiv(I, BLOCK_N), SPLIT + P): the first SPLIT programs
     of each row block take the bf16 shared expert (_shared_gate_up; x_ptr, part_ptr, hs_ptr,
-    count_ptr, sg_ptr, su_ptr, N: its arguments; SPLIT 0: none; SHARED_K bf16 columns a step),
+    count_ptr, sg_ptr, su_ptr, N: its arguments; SPLIT 0: none; SHARED_K bf16 columns a step;
+    SHARED_SLICES > 0: its dot form),
     launched first since each runs its N tokens one after another; pair p is program SPLIT + p."""
     _wait_for_prior()
     pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
         if p < 0:
-            _shared_gate_up(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n, D, I,
-                            SPLIT, BLOCK_N,
-                            SHARED_K, EVEN_SHARED)
+            _shared_part(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n, D, I,
+                         SPLIT, BLOCK_N, SHARED_K, EVEN_SHARED, SHARED_SLICES, SHARED_N_PAD,
+                         SHARED_PRECISION)
             return
     W: tl.constexpr = D // 8
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -636,26 +692,41 @@ SHARED_SPLIT = {"int4": 4, "fp8": 2}
 # crossover at 5 and FP8's at 12: its torch twin of the shared expert, one stacked gate-up GEMM,
 # is cheaper than the model's MLP.)
 SHARED_MAX_TOKENS = {"int4": 8, "fp8": 32}
+# gate_up's shared programs in the dot form (_shared_gate_up_dot) from this many tokens: each weight
+# read once for all tokens, not once a token. NOT MEASURED YET: every count, to be timed against
+# the loop form (python -m kernels.bench --moe --formats int4,fp8 --variants gemv --shared)
+SHARED_DOT_MIN_TOKENS = 1
+SHARED_DOT_SLICES = 8    # slices of D a 16-row tile (16 tiles at I 256: 128 programs); not swept
+# columns a step of the dot form: at 64 the INT4 gate_up kernel keeps the loop form's 64 registers
+# a thread on sm_90 (128 at 128 columns: half the resident one-warp programs); not timed
+SHARED_DOT_K = 64
 
 
-def _shared_args(shared, fmt, N, I, D, block_n, warps, placeholder):
+def _shared_args(shared, fmt, N, I, D, block_n, warps, placeholder, dot=False):
     """The GEMV launches' keyword arguments for fused_moe's shared expert: (gate_up's, down's); none
     there: SPLIT 0, SHARED False and `placeholder` for the pointers (never read). block_n, warps:
-    gate_up's; each of its row blocks takes one of the shared counters."""
+    gate_up's; each of its row blocks (dot: each tile of 16 rows) takes one of the shared counters.
+    dot: gate_up's shared programs in the dot form (_shared_gate_up_dot), SHARED_DOT_SLICES slices
+    of D a tile, as few programs a row block (SPLIT) as make enough."""
     dev = placeholder.device
-    if shared and triton.cdiv(I, block_n) > common.COUNTERS:
+    blocks = triton.cdiv(I, 16 if dot else block_n)
+    if shared and blocks > common.COUNTERS:
         raise ValueError(f"fused_moe: the shared expert's {I} rows make more than {common.COUNTERS} row blocks of {block_n}")
-    split = SHARED_SPLIT[fmt] if shared else 0
-    part = torch.empty(2, split, N, I, dtype=torch.float32, device=dev) if shared else placeholder
+    split = 0 if not shared else (triton.cdiv(blocks * SHARED_DOT_SLICES, triton.cdiv(I, block_n))
+                                  if dot else SHARED_SPLIT[fmt])
+    slices = SHARED_DOT_SLICES if shared and dot else 0
+    part = (torch.empty(2, slices or split, N, I, dtype=torch.float32, device=dev) if shared
+            else placeholder)
     # silu(g) * u
     hs = torch.empty(N, I, dtype=torch.float32, device=dev) if shared else placeholder
     sg, su, sd = shared or (placeholder,) * 3
     count = _counters(dev) if shared else placeholder
-    step = max(16, 256 * warps // block_n)  # columns a step: 16 bytes of bf16 a thread
-    even = bool(split) and I % block_n == 0 and D % (split * step) == 0
+    step = SHARED_DOT_K if dot else max(16, 256 * warps // block_n)  # columns a step: 16 bytes
+    even = bool(split) and I % block_n == 0 and D % (split * step) == 0  # of bf16 a thread
     gate_up = dict(part_ptr=part, hs_ptr=hs, count_ptr=count, sg_ptr=sg, su_ptr=su, N=N,
-                   SPLIT=split, SHARED_K=step,
-                   EVEN_SHARED=even)
+                   SPLIT=split, SHARED_K=step, EVEN_SHARED=even, SHARED_SLICES=slices,
+                   SHARED_N_PAD=max(16, triton.next_power_of_2(N)),
+                   SHARED_PRECISION="ieee" if shared and sg.dtype == torch.float32 else "tf32")
     return gate_up, dict(hs_ptr=hs, sd_ptr=sd, SHARED=bool(shared), I_PAD=triton.next_power_of_2(I))
 
 
@@ -717,7 +788,8 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, plan
     v = activation_planes(x) if planes is None else planes
     h = torch.empty(P, I, dtype=torch.bfloat16 if packed else torch.float32, device=dev)
     bn, bw, warps = cfg["gate_up"]
-    sh_gate_up, sh_down = _shared_args(shared, "int4", N, I, D, bn, warps, h)
+    sh_gate_up, sh_down = _shared_args(shared, "int4", N, I, D, bn, warps, h,
+                                       cfg.get("shared_dot", N >= SHARED_DOT_MIN_TOKENS))
     s = gate.data.stride(), gate.scale.stride()
     _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, s[0][0], s[0][1], s[1][0],
@@ -745,7 +817,8 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None, plan
     bn, bk, unroll, warps, sub = cfg["gate_up"]
     h = torch.empty(P, I, dtype=torch.float32, device=dev)  # [P, I], route weight in
     gs, strides, offs, const = _gemv_args(gate, bk, sub)
-    sh_gate_up, sh_down = _shared_args(shared, fmt, N, I, D, bn, warps, h)
+    sh_gate_up, sh_down = _shared_args(shared, fmt, N, I, D, bn, warps, h,
+                                       cfg.get("shared_dot", N >= SHARED_DOT_MIN_TOKENS))
     leader = N <= GEMV_LEADER_TOKENS.get(fmt, 0)
     _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         x, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
