@@ -70,7 +70,7 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
     experts' stored bytes over the eager copy bandwidth measured here), timed as a graph of LAYERS
     calls. sweep: the variants whose sweep points are also timed (at N = 1, 3 and 4 where timed).
     shared (INT4, FP8): also the GEMV launch with a bf16 shared expert in it ("gemv+shared",
-    its bytes added to the floor), and that shared expert alone the way the model runs it unfolded
+    its bytes added to the floor; its gate_up in the default form and in the loop form), and that shared expert alone the way the model runs it unfolded
     ("shared-torch": one GEMM over the stacked gate and up, SiLU times up, the down GEMM adding onto
     the routed output). distinct: pool sizes; each token's K experts drawn from a fixed random set
     of that many (SIMULATED routing; None: uniform over all E), a row's "pool"."""
@@ -102,8 +102,9 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
                     rows += _time_moe(fmt, N, variant, cfg, layers, (x, ids, route_w), floor_ms,
                                       bandwidth, LAYERS)
             if shared and fmt in ("int4", "fp8") and N * K <= GEMV_MAX_PAIRS:
-                points = [None] + (_sweep_points(fmt, "gemv") if "gemv" in sweep and N in (1, 3, 4)
-                                   else [])
+                # the shared expert's gate_up in its default form, then in the loop form
+                points = [None, dict(shared_dot=False)] + (
+                    _sweep_points(fmt, "gemv") if "gemv" in sweep and N in (1, 3, 4) else [])
                 rows += _time_shared(fmt, N, layers, (x, ids, route_w), floor_ms, bandwidth,
                                      LAYERS, D, I, g, points)
             for r in rows[first:]:
