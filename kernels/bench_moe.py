@@ -70,10 +70,11 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
     experts' stored bytes over the eager copy bandwidth measured here), timed as a graph of LAYERS
     calls. sweep: the variants whose sweep points are also timed (at N = 1, 3 and 4 where timed).
     shared (INT4, FP8): also the GEMV launch with a bf16 shared expert in it ("gemv+shared",
-    its bytes added to the floor; its gate_up in the default form and in the loop form), and that shared expert alone the way the model runs it unfolded
-    ("shared-torch": one GEMM over the stacked gate and up, SiLU times up, the down GEMM adding onto
-    the routed output). distinct: pool sizes; each token's K experts drawn from a fixed random set
-    of that many (SIMULATED routing; None: uniform over all E), a row's "pool"."""
+    its bytes added to the floor; its gate_up in the default form, then in the loop form:
+    moe_gemv.SHARED_DOT_MIN_TOKENS), and that shared expert alone the way the model runs it
+    unfolded ("shared-torch": one GEMM over the stacked gate and up, SiLU times up, the down GEMM
+    adding onto the routed output). distinct: pool sizes; each token's K experts drawn from a
+    fixed random set of that many (SIMULATED routing; None: uniform over all E), a row's "pool"."""
     dev, g = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
     bandwidth = copy_bandwidth_GBps()
     LAYERS = max(2, LAYERS * 256 // I)   # wider ranks (TP 4, 2, 1): fewer layers, still past the L2

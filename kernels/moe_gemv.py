@@ -64,11 +64,12 @@ def _weight_args(w, block_k):
 # expert's bytes once a pair, not once (the tile variant reads each distinct expert once). A bf16
 # shared expert beside quantized experts (INT4 and FP8: fused_moe's shared) rides in the same two
 # launches: SHARED_SPLIT more programs a row block of gate_up compute its gate and up over slices
-# of D for every token, one token after another (_shared_gate_up; from SHARED_DOT_MIN_TOKENS, the
-# dot form instead: 16-row tiles times all tokens at once through tl.dot, _shared_gate_up_dot);
-# the last of them to finish (an atomic counter a row block or tile, as norm_gemv's) adds the
-# splits in split order and stores h = silu(g) * u once, fp32 [N, I] (_shared_h), and each down
-# program adds its rows from that one vector a token (_shared_down). INT4 without unpacking to natural order: nibble j of word w is element 8w + j, so
+# of D for every token, one token after another (_shared_gate_up, the loop form; FP8 from
+# SHARED_DOT_MIN_TOKENS the dot form instead: 16-row tiles times all tokens at once through tl.dot,
+# _shared_gate_up_dot); the last of them to finish (an atomic counter a row block or tile, as
+# norm_gemv's) adds the splits in split order and stores h = silu(g) * u once, fp32 [N, I]
+# (_shared_h), and each down program adds its rows from that one vector a token (_shared_down).
+# INT4 without unpacking to natural order: nibble j of word w is element 8w + j, so
 # the activation comes as 8 planes (plane j = elements 8w + j, contiguous in w: x is permuted once
 # per call, or the router kernel wrote them beside its logits; h is written that way by gate_up) and
 # each plane meets nibble j of the same words. A nibble becomes a float by the exponent trick
@@ -692,14 +693,23 @@ SHARED_SPLIT = {"int4": 4, "fp8": 2}
 # crossover at 5 and FP8's at 12: its torch twin of the shared expert, one stacked gate-up GEMM,
 # is cheaper than the model's MLP.)
 SHARED_MAX_TOKENS = {"int4": 8, "fp8": 32}
-# gate_up's shared programs in the dot form (_shared_gate_up_dot) from this many tokens: each weight
-# read once for all tokens, not once a token. NOT MEASURED YET: every count, to be timed against
-# the loop form (python -m kernels.bench --moe --formats int4,fp8 --variants gemv --shared)
-SHARED_DOT_MIN_TOKENS = 1
+# gate_up's shared programs in the dot form (_shared_gate_up_dot) from this many tokens, by format
+# (absent: the loop form always); each weight read once for all tokens, not once a token. FP8 (4
+# warps a program): the verify sweep 0.29 to 3.14 ms a step faster at 5 to 32 tokens, within 0.04
+# at 1 to 4 (python run.py --skip-e2e --cuda-graph on --quant fp8 --speculative-attention-mode
+# decode, both forms in one H200 call). INT4 (a warp a program): slower at every count, 1-2
+# against the loop form's 0.3-1.1 us over the routed experts at 1 token, 92.7 against 80.5 at 8
+# (python -m kernels.bench --moe --formats int4 --variants gemv --shared, both forms)
+SHARED_DOT_MIN_TOKENS = {"fp8": 1}
 SHARED_DOT_SLICES = 8    # slices of D a 16-row tile (16 tiles at I 256: 128 programs); not swept
 # columns a step of the dot form: at 64 the INT4 gate_up kernel keeps the loop form's 64 registers
 # a thread on sm_90 (128 at 128 columns: half the resident one-warp programs); not timed
 SHARED_DOT_K = 64
+
+
+def _shared_dot(fmt, N):
+    """Whether gate_up's shared programs take the dot form at N tokens (SHARED_DOT_MIN_TOKENS)."""
+    return fmt in SHARED_DOT_MIN_TOKENS and N >= SHARED_DOT_MIN_TOKENS[fmt]
 
 
 def _shared_args(shared, fmt, N, I, D, block_n, warps, placeholder, dot=False):
@@ -789,7 +799,7 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, plan
     h = torch.empty(P, I, dtype=torch.bfloat16 if packed else torch.float32, device=dev)
     bn, bw, warps = cfg["gate_up"]
     sh_gate_up, sh_down = _shared_args(shared, "int4", N, I, D, bn, warps, h,
-                                       cfg.get("shared_dot", N >= SHARED_DOT_MIN_TOKENS))
+                                       cfg.get("shared_dot", _shared_dot("int4", N)))
     s = gate.data.stride(), gate.scale.stride()
     _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, s[0][0], s[0][1], s[1][0],
@@ -818,7 +828,7 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None, plan
     h = torch.empty(P, I, dtype=torch.float32, device=dev)  # [P, I], route weight in
     gs, strides, offs, const = _gemv_args(gate, bk, sub)
     sh_gate_up, sh_down = _shared_args(shared, fmt, N, I, D, bn, warps, h,
-                                       cfg.get("shared_dot", N >= SHARED_DOT_MIN_TOKENS))
+                                       cfg.get("shared_dot", _shared_dot(fmt, N)))
     leader = N <= GEMV_LEADER_TOKENS.get(fmt, 0)
     _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         x, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
