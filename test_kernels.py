@@ -124,7 +124,7 @@ def check_fused_moe(experts_and_dim, cases, dtype, seed=0):
 
 
 # (N, routing, variant) cases; the CPU interpreter runs a few of them (each ~0.2-1 s there), the GPU
-# all. The rule (GEMV_MAX_TOKENS) picks the GEMV variant at small N and tiles (tl.dot) at 37.
+# all. The rule (gemv_max_tokens) picks the GEMV variant at small N and tiles (tl.dot) at 37.
 FUSED_CASES_ALL = [(N, kind, v) for N in (1, 2, 4, 8, 37)
                    for kind in ("shared", "disjoint", "random")
                    for v in ((None, "dot") if N <= 8 else (None,))]
@@ -368,15 +368,20 @@ def test_fused_moe_gemv_shared_h_made_once(quant, monkeypatch):
 
 @pytest.mark.triton
 def test_fused_moe_rule_picks_gemv_for_few_pairs(monkeypatch):
-    """The model's fused path runs the GEMV variant up to GEMV_MAX_TOKENS tokens and tiles above: a
-    rule on shapes (never on routed values), so one captured graph always replays one variant."""
+    """The model's fused path runs the GEMV variant up to gemv_max_tokens tokens and tiles above: a
+    rule on shapes (never on routed values), so one captured graph always replays one variant. The
+    limit is the one measured at the expert width nearest the experts' (by ratio)."""
     experts, D = moe_experts("tiny", "fp8", 16, TRITON_DEVICE, torch.float32)
     calls = []
     gemv = kernels.moe_gemv._fused_moe_gemv
     monkeypatch.setattr(kernels.moe_gemv, "_fused_moe_gemv", lambda *a: calls.append(a[0].shape[0])
                         or gemv(*a))
     g = torch.Generator().manual_seed(0)
-    limit = kernels.GEMV_MAX_TOKENS["fp8"]
+    table = kernels.GEMV_MAX_TOKENS
+    assert [kernels.gemv_max_tokens("plain", I) for I in (16, 256, 400, 512, 800, 2048)] == [
+        table["plain"][256], table["plain"][256], table["plain"][512], table["plain"][512],
+        table["plain"][1024], table["plain"][1024]]
+    limit = kernels.gemv_max_tokens("fp8", kernels.expert_weights(experts.gate_proj).shape[1])
     for N in (1, limit, limit + 1):
         ids, w = routing("random", N, 8, 16, g, TRITON_DEVICE)
         experts(torch.randn(N, D, generator=g).to(TRITON_DEVICE), ids, w)
@@ -1455,7 +1460,7 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, 
     assert isinstance(folded.layers[-1].mlp,
                       kernels.SharedExpertInLaunch) and folded.layers[-1].mlp.stacked is None
     g = torch.Generator().manual_seed(7)
-    n = kernels.GEMV_MAX_TOKENS[quant] + 1  # past the GEMV rule: the plain sum
+    n = kernels.gemv_max_tokens(quant, 64) + 1  # past the GEMV rule: the plain sum
     tokens = torch.randint(0, args.vocab_size, (1, n), generator=g).to(TRITON_DEVICE)
     positions = torch.arange(n, device=TRITON_DEVICE)[None]
     step, step_pos = tokens[:, :2].expand(2, 2) % args.vocab_size, torch.full((2, 1), n,

@@ -57,7 +57,7 @@ from .mla import (MLA_MERGE_ABSORB_MAX_ROWS, DecodeAttentionKernel, MLAParts, Ro
 from .moe import (FusedExperts, GroupedExperts, SharedExpertInLaunch, expert_weights, fused_moe,
                   fused_moe_available, gemv_rule, grouped_mm_available, with_shared_slot)
 from .moe_gemv import (GEMV_MAX_PAIRS, GEMV_MAX_TOKENS, ExpertWeights, activation_planes,
-                       nibble_planes, pair_planes)
+                       gemv_max_tokens, nibble_planes, pair_planes)
 from .router import RouterKernel, router_topk
 from .stacked import SharedDownAddsRouted, StackedGateUp, StackedQKVA, stack_rows
 from .swaps import (COMBINED, DRAFT_KERNELS, KERNELS, MOE_IMPLS, SWAPS, accelerate,

@@ -7,13 +7,13 @@ import model
 
 from . import common, moe_gemv
 from .common import HAVE_TRITON, AttachAgain, _jit, _wait_for_prior, interpreting, tl, triton
-from .moe_gemv import (FORMATS, GEMV_MAX_PAIRS, GEMV_MAX_TOKENS, SHARED_SPLIT, ExpertWeights,
-                       _check_planes, _gemv_configs, _weight_args)
+from .moe_gemv import (FORMATS, GEMV_MAX_PAIRS, SHARED_SPLIT, ExpertWeights, _check_planes,
+                       _gemv_configs, _weight_args, gemv_max_tokens)
 
 
 # y[n] = sum_k w[n, k] * down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])),  e = ids[n, k]
 #
-# The tile variant (the GEMV variant, moe_gemv.py, serves a few tokens: GEMV_MAX_TOKENS).
+# The tile variant (the GEMV variant, moe_gemv.py, serves a few tokens: gemv_max_tokens).
 # Four launches, each of a fixed grid for given (N, K, E): align (sort the P pairs by expert on the
 # device, each expert's pairs padded to whole BLOCK_M tiles), gate_up (a program per (tile of
 # pairs of one expert, BLOCK_N rows of I): both projections, SiLU and the product), down (a program
@@ -344,11 +344,11 @@ def _check_weights(gate, up, down, D):
     return fmt, E, I
 
 
-def gemv_rule(fmt, N, K):
-    """fused_moe's variant when none is named: "gemv" up to GEMV_MAX_TOKENS[fmt] tokens (and
-    GEMV_MAX_PAIRS pairs), else "dot". A rule on shapes only, so a captured graph keeps its
-    variant."""
-    return "gemv" if N <= GEMV_MAX_TOKENS[fmt] and N * K <= GEMV_MAX_PAIRS else "dot"
+def gemv_rule(fmt, N, K, I):
+    """fused_moe's variant when none is named: "gemv" up to moe_gemv.gemv_max_tokens(fmt, I) tokens
+    (and GEMV_MAX_PAIRS pairs), else "dot". A rule on shapes only (I: the experts' width), so a
+    captured graph keeps its variant."""
+    return "gemv" if N <= gemv_max_tokens(fmt, I) and N * K <= GEMV_MAX_PAIRS else "dot"
 
 
 def _check_shared(shared, fmt, variant, I, D, dtype):
@@ -405,7 +405,7 @@ def _check_inputs(x, ids, route_w, gate, up, down, variant, shared, planes):
     if any(t is not None and t.device != x.device
            for t in (ids, route_w, *weights, *(shared or ()))):
         raise ValueError(f"fused_moe: every input must be on x's device {x.device}")
-    variant = variant or gemv_rule(fmt, N, K)
+    variant = variant or gemv_rule(fmt, N, K, I)
     if variant not in ("gemv", "dot") or (variant == "gemv" and N * K > GEMV_MAX_PAIRS):
         raise ValueError(f"fused_moe: variant {variant!r} for {N * K} token-expert pairs: 'dot', "
                          f"or 'gemv' up to {GEMV_MAX_PAIRS} pairs")
@@ -588,8 +588,8 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
     def partial_sum(self, x):
         ex, sh = self.experts, self.shared_experts
         K = self.gate.args.num_experts_per_tok
-        if not ex.runs_fused(x) or (ex.quantized
-                                    and gemv_rule(self.fmt(), x.shape[0], K) != "gemv"):
+        if not ex.runs_fused(x) or (ex.quantized and gemv_rule(
+                self.fmt(), x.shape[0], K, expert_weights(ex.gate_proj).shape[1]) != "gemv"):
             return super().partial_sum(x)
         if self.stacked is None:
             # INT4 experts read x as activation planes: the router kernel writes them (one launch

@@ -1,5 +1,6 @@
 """Routed experts, GEMV-shaped: fused_moe's variant for a few tokens (CUDA-core products, INT4
 unpacked in registers, a bf16 shared expert inside the launch), and the expert weights as stored."""
+import math
 from dataclasses import dataclass
 
 import torch
@@ -98,16 +99,30 @@ GEMV_CONFIGS = {
 # in tokens, not pairs: a shared expert's extra slot a token moves no boundary
 GEMV_SMALL_TOKENS = 2
 # The GEMV variant up to this many tokens (fused_moe's rule, variant=None; in tokens, not pairs, so
-# a shared expert routed as one more slot a token moves no boundary), from `python -m kernels.bench
-# --moe` at a Kimi-K2 TP-8 rank's shapes (D 7168, I 256), 1 to 32 tokens, on the H200:
-#  - FP8, 384 experts: the GEMV at 1.55-1.78x its floor, the tiles at 1.71x (32 tokens) to 6.9x (1
-#    token); the tiles catch up at 20-24 tokens and are 4% faster at 32, but there the GEMV also
-#    carries the bf16 shared expert, which beside the tiles runs alone (12.6 us a layer): 32;
+# a shared expert routed as one more slot a token moves no boundary), by format and by a rank's
+# expert width I (Kimi-K2's 2048 split over TP 8, 4, 2), from `python -m kernels.bench --moe [--tp
+# N]` (D 7168, 384 experts, 1 to 32 tokens, uniform routing) on the H200. At TP 8 (I 256):
+#  - FP8: the GEMV at 1.55-1.78x its floor, the tiles at 1.71x (32 tokens) to 6.9x (1 token); the
+#    tiles catch up at 20-24 tokens and are 4% faster at 32, but there the GEMV also carries the
+#    bf16 shared expert, which beside the tiles runs alone (12.6 us a layer): 32;
 #  - INT4: the GEMV at 2.1-3.2x, the tiles at 5.5-6x (their section in moe.py): 32;
 #  - bf16, 128 experts and the shared expert folded in as expert 129 (SharedExpertInLaunch: every
-#    token picks it): the GEMV wins at 1 and 2 tokens (30 against 54 us, 53 against 59), the tiles
-#    from 3 (72 against 81): 2.
-GEMV_MAX_TOKENS = {"plain": 2, "fp8": 32, "int4": 32}
+#    token picks it; run.py's shapes): the GEMV wins at 1 and 2 tokens (30 against 54 us, 53
+#    against 59), the tiles from 3 (72 against 81): 2.
+# At TP 4 (I 512) and TP 2 (I 1024), no shared expert, us a layer (benchmarks/shapes/
+# kernels_tp{4,2}_moe.json): bf16 GEMV / tiles 315 / 320 at 8 tokens and 615 / 579 at 16 (TP 4:
+# 8), 172 / 194 at 2 and 245 / 242 at 3 (TP 2: 2); FP8 398 / 435 at 16 and 777 / 733 at 32 (TP
+# 4), 768 / 812 and 1511 / 1319 (TP 2): 16 (17 to 31 not timed); INT4 the GEMV at every count
+# (its tiles 3.3-4.6x slower): 32.
+GEMV_MAX_TOKENS = {"plain": {256: 2, 512: 8, 1024: 2}, "fp8": {256: 32, 512: 16, 1024: 16},
+                   "int4": {256: 32, 512: 32, 1024: 32}}
+
+
+def gemv_max_tokens(fmt, I):
+    """GEMV_MAX_TOKENS for weight format fmt at the measured expert width nearest I (by ratio: a
+    tiny test model's takes TP 8's, an unsplit 2048 TP 2's)."""
+    by_width = GEMV_MAX_TOKENS[fmt]
+    return by_width[min(by_width, key=lambda w: abs(math.log2(I / w)))]
 GEMV_MAX_PAIRS = 1024   # a program a pair and row block: the largest call measured and tested
 # Up to this many tokens gate_up serves an expert's pairs from its first pair's program, one pass
 # after another (the "leader" form), above it a program a pair (INT4: always). bf16, at its 1-2
