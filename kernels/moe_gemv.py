@@ -712,9 +712,9 @@ SHARED_MAX_TOKENS = {"int4": 8, "fp8": 32}
 # (absent: the loop form always); each weight read once for all tokens, not once a token. FP8 (4
 # warps a program): the verify sweep 0.29 to 3.14 ms a step faster at 5 to 32 tokens, within 0.04
 # at 1 to 4 (python run.py --skip-e2e --cuda-graph on --quant fp8 --speculative-attention-mode
-# decode, both forms in one H200 call). INT4 (a warp a program): slower at every count, 1-2
-# against the loop form's 0.3-1.1 us over the routed experts at 1 token, 92.7 against 80.5 at 8
-# (python -m kernels.bench --moe --formats int4 --variants gemv --shared, both forms)
+# decode, both forms in one H200 call). INT4 (a warp a program): slower at every count, 19.8
+# against the loop form's 18.7 us a layer at 1 token, 92.7 against 80.5 at 8 (python -m
+# kernels.bench --moe --formats int4 --variants gemv --shared, both forms)
 SHARED_DOT_MIN_TOKENS = {"fp8": 1}
 SHARED_DOT_SLICES = 8    # slices of D a 16-row tile (16 tiles at I 256: 128 programs); not swept
 # columns a step of the dot form: at 64 the INT4 gate_up kernel keeps the loop form's 64 registers
