@@ -15,9 +15,9 @@ replay past the L2; achieved GB/s against the copy bandwidth measured in the sam
         swaps.
     python -m kernels.bench --precision [--tokens 1,3,8,32] [--json OUT]
         the INT4 GEMV's packed form (bf16 activations) against its fp32 form: errors, no timing.
-    python -m kernels.bench --router [--json OUT]
-        the router kernel at 1 to 16 tokens, its selection in the logits kernel's last program
-        and in a launch of its own (router.ROUTER_SELECT_MAX_TOKENS).
+    python -m kernels.bench --router [--tokens 1,2,..] [--json OUT]
+        the router kernel at 1 to 16 tokens (or those given), its selection in the logits
+        kernel's last program and in a launch of its own (router.ROUTER_SELECT_MAX_TOKENS).
     python -m kernels.bench [--json OUT] --pdl [RUN.PY FLAGS]
         run.py's captured phases with programmatic dependent launch off and on, in one process.
 """
@@ -586,7 +586,8 @@ def _parser():
                    help="fused MoE weight formats, comma-separated")
     p.add_argument("--tokens", default=None,
                    help="fused MoE token counts, comma-separated (default 1,2,3,4,8,32); with "
-                        "--small the rows of each small kernel and GEMV (default 1,4)")
+                        "--small the rows of each small kernel and GEMV (default 1,4); with "
+                        "--router its token counts (default 1 to 16)")
     p.add_argument("--shared", action="store_true",
                    help="INT4 and FP8: also with a bf16 shared expert in the GEMV launch, "
                         "and that shared expert alone through torch")
@@ -603,8 +604,8 @@ def _parser():
                    help="time run.py's captured phases with programmatic dependent launch off and on, in one "
                         "process (the flags after it build run.py's model; last on the line)")
     p.add_argument("--router", action="store_true",
-                   help="the router kernel at 1 to 16 tokens, its selection in the logits "
-                        "kernel's last program and in a launch of its own")
+                   help="the router kernel at 1 to 16 tokens (or --tokens), its selection in the "
+                        "logits kernel's last program and in a launch of its own")
     p.add_argument("--precision", action="store_true",
                    help="the INT4 GEMV's packed form (bf16 activations) against its fp32 form, "
                         "beside the plain twin and the tiles, at --tokens (no timing)")
@@ -640,7 +641,7 @@ def main():
         bench_draft(a.json)
         return
     if a.router:
-        _save(a.json, bench_router())
+        _save(a.json, bench_router(*[_ints(p, "--tokens", a.tokens)] if a.tokens else ()))
         return
     variants, sweep = tuple(a.variants.split(",")), tuple(v for v in a.sweep.split(",") if v)
     if not set(variants + sweep) <= {"dot", "gemv"}:
