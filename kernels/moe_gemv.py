@@ -123,6 +123,8 @@ def gemv_max_tokens(fmt, I):
     tiny test model's takes TP 8's, an unsplit 2048 TP 2's)."""
     by_width = GEMV_MAX_TOKENS[fmt]
     return by_width[min(by_width, key=lambda w: abs(math.log2(I / w)))]
+
+
 GEMV_MAX_PAIRS = 1024   # a program a pair and row block: the largest call measured and tested
 # Up to this many tokens gate_up serves an expert's pairs from its first pair's program, one pass
 # after another (the "leader" form), above it a program a pair (INT4: always). bf16, at its 1-2
@@ -734,9 +736,11 @@ def _shared_args(shared, fmt, N, I, D, block_n, warps, placeholder, dot=False):
     dot: gate_up's shared programs in the dot form (_shared_gate_up_dot), SHARED_DOT_SLICES slices
     of D a tile, as few programs a row block (SPLIT) as make enough."""
     dev = placeholder.device
-    blocks = triton.cdiv(I, 16 if dot else block_n)
+    rows = 16 if dot else block_n
+    blocks = triton.cdiv(I, rows)
     if shared and blocks > common.COUNTERS:
-        raise ValueError(f"fused_moe: the shared expert's {I} rows make more than {common.COUNTERS} row blocks of {block_n}")
+        raise ValueError(f"fused_moe: the shared expert's {I} rows make more than "
+                         f"{common.COUNTERS} row blocks of {rows}")
     split = 0 if not shared else (triton.cdiv(blocks * SHARED_DOT_SLICES, triton.cdiv(I, block_n))
                                   if dot else SHARED_SPLIT[fmt])
     slices = SHARED_DOT_SLICES if shared and dot else 0
@@ -746,8 +750,9 @@ def _shared_args(shared, fmt, N, I, D, block_n, warps, placeholder, dot=False):
     hs = torch.empty(N, I, dtype=torch.float32, device=dev) if shared else placeholder
     sg, su, sd = shared or (placeholder,) * 3
     count = _counters(dev) if shared else placeholder
-    step = SHARED_DOT_K if dot else max(16, 256 * warps // block_n)  # columns a step: 16 bytes
-    even = bool(split) and I % block_n == 0 and D % (split * step) == 0  # of bf16 a thread
+    # columns a step (the loop form: 16 bytes of bf16 a thread)
+    step = SHARED_DOT_K if dot else max(16, 256 * warps // block_n)
+    even = bool(split) and I % block_n == 0 and D % (split * step) == 0
     gate_up = dict(part_ptr=part, hs_ptr=hs, count_ptr=count, sg_ptr=sg, su_ptr=su, N=N,
                    SPLIT=split, SHARED_K=step, EVEN_SHARED=even, SHARED_SLICES=slices,
                    SHARED_N_PAD=max(16, triton.next_power_of_2(N)),
