@@ -334,7 +334,9 @@ def test_fused_moe_gemv_shared_h_made_once(quant, monkeypatch):
     non-zero would make a later call's last program the wrong one) each equal the plain sum, with
     masked rows and without, repeat bitwise, leave the counters zero, in the loop form and (the
     first blocks) in the dot form (a counter a 16-row tile); more row blocks than counters are
-    refused. Two routed experts a token (the interpreter's time follows the pairs)."""
+    refused. Two routed experts a token and 2 slices of D a dot-form tile (the interpreter's time
+    follows the programs; test_fused_moe_gemv_fp8_takes_a_shared_expert runs the default slices)."""
+    monkeypatch.setattr(kernels.moe_gemv, "SHARED_DOT_SLICES", 2)
     qc = "int4" if quant == "int4" else checkpoint.fp8_quantization_config((128, 128))
     D = 96 if quant == "int4" else 256
     args = tiny(n_routed_experts=16, num_experts_per_tok=2, hidden_size=D,
@@ -377,11 +379,13 @@ def test_fused_moe_rule_picks_gemv_for_few_pairs(monkeypatch):
     monkeypatch.setattr(kernels.moe_gemv, "_fused_moe_gemv", lambda *a: calls.append(a[0].shape[0])
                         or gemv(*a))
     g = torch.Generator().manual_seed(0)
-    table = kernels.GEMV_MAX_TOKENS
-    assert [kernels.gemv_max_tokens("plain", I) for I in (16, 256, 400, 512, 800, 2048)] == [
-        table["plain"][256], table["plain"][256], table["plain"][512], table["plain"][512],
-        table["plain"][1024], table["plain"][1024]]
+    monkeypatch.setitem(kernels.GEMV_MAX_TOKENS, "plain", {256: 1, 512: 2, 1024: 3})
+    widths = (16, 256, 360, 400, 512, 800, 2048)     # nearest by ratio: 360 to 256, 400 to 512
+    assert [kernels.gemv_max_tokens("plain", I) for I in widths] == [1, 1, 1, 2, 2, 3, 3]
+    # the experts' width (32 a rank) nearer 16 than 256: fused_moe's rule reads the width's row
+    monkeypatch.setitem(kernels.GEMV_MAX_TOKENS, "fp8", {16: 3, 256: 32})
     limit = kernels.gemv_max_tokens("fp8", kernels.expert_weights(experts.gate_proj).shape[1])
+    assert limit == 3
     for N in (1, limit, limit + 1):
         ids, w = routing("random", N, 8, 16, g, TRITON_DEVICE)
         experts(torch.randn(N, D, generator=g).to(TRITON_DEVICE), ids, w)
