@@ -1463,7 +1463,8 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, 
     assert isinstance(folded.layers[-1].mlp,
                       kernels.SharedExpertInLaunch) and folded.layers[-1].mlp.stacked is None
     g = torch.Generator().manual_seed(7)
-    n = kernels.gemv_max_tokens(quant, 64) + 1  # past the GEMV rule: the plain sum
+    width = kernels.expert_weights(folded.layers[-1].mlp.experts.gate_proj).shape[1]
+    n = kernels.gemv_max_tokens(quant, width) + 1  # past the GEMV rule: the plain sum
     tokens = torch.randint(0, args.vocab_size, (1, n), generator=g).to(TRITON_DEVICE)
     positions = torch.arange(n, device=TRITON_DEVICE)[None]
     step, step_pos = tokens[:, :2].expand(2, 2) % args.vocab_size, torch.full((2, 1), n,
