@@ -12,7 +12,6 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import numpy as np
@@ -36,8 +35,8 @@ from checkpoint import (CheckpointError, init_random, init_random_draft, load_dr
 from draft import draft_preset, Eagle3Draft
 from model import Transformer
 from testing import (assert_close, CPU_ENV, edit_checkpoint, gpu_models, HERE, ONE_THREAD,
-                     PlantedProposer, PROMPTS, reference_sequences, RUN_PY, run_py, run_ranks,
-                     step_inputs, tiny, TRITON_DEVICE)
+                     PlantedProposer, PROMPTS, reference_sequences, RUN_PY, run_py,
+                     run_py_at_once, run_ranks, step_inputs, tiny, TRITON_DEVICE)
 from verify import Probe, generate, kv_bucket, prefill_draft, prefill_target
 
 
@@ -49,9 +48,13 @@ def test_run_py_cli_background_flags_on_cpu():
     """The flags of the background's own setup, on the tiny model: a simulated rank with modelled
     all-reduces, SIMULATED uniform routing (the default on random weights), phases at two context
     lengths, no end-to-end loops."""
-    out = run_py("--simulate-tp", "2", "--allreduce-us", "35", "--speculative-num-steps", "2",
-                 "--speculative-attention-mode", "decode", "--context-len", "8", "40", "--skip-e2e",
-                 "--reps", "2", "--json", "-", check=True, env=ONE_THREAD).stdout
+    done, bad = run_py_at_once(("--simulate-tp", "2", "--allreduce-us", "35",
+                                "--speculative-num-steps", "2", "--speculative-attention-mode",
+                                "decode", "--context-len", "8", "40", "--skip-e2e", "--reps", "2",
+                                "--json", "-"),
+                               ("--allreduce-us", "35"))
+    assert done.returncode == 0, done.stderr[-2000:]
+    out = done.stdout
     r = json.loads(out.strip().splitlines()[-1])
     out = " ".join(out.split())  # the report wraps its long lines
     assert set(r["contexts"]) == {"8", "40"} and r["e2e"] == {}
@@ -61,7 +64,6 @@ def test_run_py_cli_background_flags_on_cpu():
                                            draft_forward_ms=0.07)
     assert "all-reduces MODELLED at 35 us" in out and "routing SIMULATED uniform" in out
     assert abs(r["cost_model"]["plain_step_ms"] - r["phases_ms"]["decode_step/eager"] - 0.56) < 1e-9
-    bad = run_py("--allreduce-us", "35", env=ONE_THREAD)
     assert bad.returncode != 0 and "--allreduce-us" in bad.stderr and "SIMULATED" in bad.stderr
 
 
@@ -71,9 +73,12 @@ def test_run_py_cli_tiny(tmp_path):
     present and positive, each timing's spread ordered around its median, the component table's
     parts adding up to its summed op time, the answer printed."""
     out = tmp_path / "r.json"
-    stdout = run_py("--json", str(out), "--max-new-tokens", "20", "--speculative-num-steps", "2",
-                    "--batch-size", "2", "--routing", "model", "--random-weights",
-                    check=True).stdout
+    main, sim = run_py_at_once(("--json", str(out), "--max-new-tokens", "20",
+                                "--speculative-num-steps", "2", "--batch-size", "2", "--routing",
+                                "model", "--random-weights"),
+                               ("--simulate-accept-len", "2.5", "--max-new-tokens", "40", "--json",
+                                "-"), check=True)
+    stdout = main.stdout
     r = json.loads(out.read_text())
     stdout = " ".join(stdout.split())  # the report wraps its long lines
     assert r["env"]["simulated_acceptance"] is False
@@ -104,8 +109,7 @@ def test_run_py_cli_tiny(tmp_path):
         assert set(c["parts_ms"]) == set(report.COMPONENTS) and sum(table["bytes"][phase].values()) > 0
     assert "decode steps" in r["answer"][0] and "EAGLE-3 with num_steps 2" in " ".join(r["answer"])
     assert "2 tokens per cycle" in " ".join(r["answer"]) and "SIMULATED" not in " ".join(r["answer"])
-    sim = run_py("--simulate-accept-len", "2.5", "--max-new-tokens", "40", "--json", "-",
-                 check=True).stdout
+    sim = sim.stdout
     r = json.loads(sim.strip().splitlines()[-1])
     sim = " ".join(sim.split())
     assert "SIMULATED acceptance: each row's accepted length" in sim and r["env"]["simulated_acceptance"] is True
@@ -304,9 +308,8 @@ def test_run_py_cli_verify_sweep_and_tables(tmp_path):
             "--speculative-num-draft-tokens", "8", "--skip-e2e", "--reps", "2", "--random-weights"]
     int4 = ["--batch-size", "4", "--quant", "int4", "--dtype", "bfloat16"]
     runs = {tmp_path / "b2.json": ["--batch-size", "2"], tmp_path / "b4_int4.json": int4}
-    with ThreadPoolExecutor(2) as pool:   # two one-thread processes at once, one a core
-        outs = list(pool.map(lambda pf: run_py(*tree, *pf[1], "--json", str(pf[0]), check=True,
-                                               env=ONE_THREAD), runs.items()))
+    outs = run_py_at_once(*[(*tree, *flags, "--json", str(path)) for path, flags in runs.items()],
+                          check=True)
     for (path, flags), done in zip(runs.items(), outs):
         stdout = done.stdout
         r = json.loads(path.read_text())
@@ -1165,10 +1168,11 @@ def test_run_py_lines_fit_120_columns_and_say_what_a_run_does():
     --random-weights note) and the profile-above-the-step warning where it applies; --allreduce
     one-shot refused in one process; a dump's tree note speaks of its file; --help says what a dump
     is on a CPU and exit status 130."""
-    cli = run_py("--random-weights", "--speculative-eagle-topk", "2", "--speculative-num-steps",
-                 "2",
-                 "--speculative-num-draft-tokens", "4", "--max-new-tokens", "8", "--reps", "2",
-                 "--json", "-")
+    cli, one_shot, helped = run_py_at_once(
+        ("--random-weights", "--speculative-eagle-topk", "2", "--speculative-num-steps", "2",
+         "--speculative-num-draft-tokens", "4", "--max-new-tokens", "8", "--reps", "2", "--json",
+         "-"),
+        ("--allreduce", "one-shot"), ("--help",))
     assert cli.returncode == 0, cli.stderr[-2000:]
     # the JSON: for machines
     lines, r = cli.stdout.splitlines()[:-1], json.loads(cli.stdout.splitlines()[-1])
@@ -1180,13 +1184,13 @@ def test_run_py_lines_fit_120_columns_and_say_what_a_run_does():
     over = any(v["kernel_ms"] > c["phases_ms"][f"{p}/eager"] for p, v in c["components"].items())
     assert over == any("profiled run's summed CPU op time exceeds the timed phase" in w
                        for w in r["warnings"])
-    _refused(run_py("--allreduce", "one-shot"),
+    _refused(one_shot,
              r"--allreduce one-shot: picks real TP's all-reduce .* a single process runs none")
     cfg = _settled("--speculative-eagle-topk 2 --speculative-num-draft-tokens 4")
     assert "end-to-end rows" in run.tree_note(cfg) and "isolated" in run.tree_note(cfg)
     cfg.dump = "x.npz"
     assert "the dump drafts a tree" in run.tree_note(cfg) and "isolated" not in run.tree_note(cfg)
-    help_text = " ".join(run_py("--help").stdout.split())
+    help_text = " ".join(helped.stdout.split())
     assert "the trained tiny pair's (the CPU default)" in help_text and "130 interrupted (Ctrl-C)" in help_text
 
 
@@ -1223,10 +1227,10 @@ def test_run_py_refuses_routing_flags_before_building(monkeypatch, tmp_path):
              "--dump records the model's own routing: drop --routing distinct")]:
         with pytest.raises(run.BadInput, match=message):
             run.parse_args(flags.split())
-    _refused(run_py("--routing", "distinct", "--distinct-experts", "17"),
-             r"--distinct-experts 17: must lie in \[4, 16\]")
-    _refused(run_py("--routing", "trace", "--routing-trace", str(big)),
-             "384 experts, top-8; the model routes top-4 of 16")
+    distinct, trace = run_py_at_once(("--routing", "distinct", "--distinct-experts", "17"),
+                                     ("--routing", "trace", "--routing-trace", str(big)))
+    _refused(distinct, r"--distinct-experts 17: must lie in \[4, 16\]")
+    _refused(trace, "384 experts, top-8; the model routes top-4 of 16")
 
 
 def test_run_py_distinct_routing_and_its_sweep_end_to_end(tmp_path):
@@ -1236,12 +1240,11 @@ def test_run_py_distinct_routing_and_its_sweep_end_to_end(tmp_path):
     replays in --routing trace, labelled TRACE."""
     (tmp_path / "p.jsonl").write_text("[10, 20, 30, 40, 50]\n[7, 8, 9]\n")
     trace = tmp_path / "d.npz"
-    with ThreadPoolExecutor(2) as pool:   # the timing run and the dump at once, one a core
-        timed = pool.submit(run_py, "--routing", "distinct", "--distinct-experts", "6",
-                            "--distinct-sweep", "--skip-e2e", "--reps", "2", "--json", "-")
-        dumped = pool.submit(run_py, "--dump", str(trace), "--prompt-ids",
-                             str(tmp_path / "p.jsonl"), "--max-new-tokens", "6", "--dump-routing")
-        cli, dumped = timed.result(), dumped.result()
+    cli, dumped = run_py_at_once(   # the timing run and the dump at once, one a core
+        ("--routing", "distinct", "--distinct-experts", "6", "--distinct-sweep", "--skip-e2e",
+         "--reps", "2", "--json", "-"),
+        ("--dump", str(trace), "--prompt-ids", str(tmp_path / "p.jsonl"), "--max-new-tokens", "6",
+         "--dump-routing"))
     assert cli.returncode == 0, cli.stderr[-2000:]
     r = json.loads(cli.stdout.splitlines()[-1])
     assert r["env"]["routing"] == "distinct" and r["env"]["simulated_routing"] is True

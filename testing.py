@@ -8,6 +8,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import numpy as np
@@ -42,6 +43,13 @@ def run_py(*args, ranks=1, env=CPU_ENV, **kw):
     launcher = ["-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(ranks)]
     return subprocess.run([sys.executable, *(launcher if ranks > 1 else []), RUN_PY, *args],
                           capture_output=True, text=True, cwd=HERE, env=env, **kw)
+
+
+def run_py_at_once(*arg_lists, **kw):
+    """run.py once for each argument list, two processes at a time on one thread each (CI's two
+    cores), as run_py runs it (kw: check, timeout); their CompletedProcesses in order."""
+    with ThreadPoolExecutor(2) as pool:
+        return list(pool.map(lambda args: run_py(*args, env=ONE_THREAD, **kw), arg_lists))
 
 
 def ranks_stderr(out, chars=2000):
