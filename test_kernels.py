@@ -1021,6 +1021,26 @@ def test_head_gemv_kernel_equals_twin(dtype):
                          f"head_gemv W_uv H={H} B={B} T={T} {dtype}")
 
 
+def _norm_gemv_launches(rows, mode, others):
+    """test_norm_gemv_in_model_equals_plain's (norm_gemv, head_gemv, mla_merge_absorb, combine)
+    launches a layer at `rows` rows in attention mode `mode`, with the swaps `others` beside
+    norm_gemv."""
+    n = ((rows <= kernels.Q_B_GEMV_MAX_ROWS) + (rows <= kernels.O_PROJ_GEMV_MAX_ROWS)
+         + ("fused_proj" in others and rows <= kernels.QKVA_GEMV_MAX_ROWS))
+    few, attention = rows <= kernels.HEAD_GEMV_MAX_ROWS, mode == "decode" and "attention" in others
+    merged = attention and rows <= kernels.MLA_MERGE_ABSORB_MAX_ROWS
+    return n, (mode == "decode") * (2 - merged) * few, merged, attention * (not merged)
+
+
+def _add_norm_launches(rows, others, L):
+    """add_rmsnorm launches a forward of L layers: after each attention, in front of each attention
+    but the first layer's (no residual yet) unless q_a + kv_a's GEMV does the add
+    (InputNormInQKVA), and the final norm."""
+    in_qkva = ({"add_rmsnorm", "fused_proj"} <= set(others)
+               and rows <= kernels.INPUT_NORM_QKVA_MAX_ROWS)
+    return ("add_rmsnorm" in others) * (L + (0 if in_qkva else L - 1) + 1)
+
+
 @pytest.mark.triton
 @pytest.mark.parametrize("others", [(), ("add_rmsnorm", "fused_proj"), ("attention",)])
 def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
@@ -1030,10 +1050,9 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     inside, up to Q_B_GEMV_MAX_ROWS) once a layer and the absorbed products as head_gemv kernels
     (decode mode, HEAD_GEMV_MAX_ROWS), the rest plain; steps of 1, 2 and 3 rows also run o_proj (up
     to O_PROJ_GEMV_MAX_ROWS) and, with fused_proj, the stacked q_a + kv_a (QKVA_GEMV_MAX_ROWS) as
-    GEMV kernels. With the attention kernel,
-    decode mode at one row (MLA_MERGE_ABSORB_MAX_ROWS) merges the attention's parts in W_uv's launch
-    (mla_merge_absorb, no combine launch: W_uk's head_gemv alone), and at more rows in the combine
-    launch; both modes."""
+    GEMV kernels. With the attention kernel, decode mode at one row (MLA_MERGE_ABSORB_MAX_ROWS)
+    merges the attention's parts in W_uv's launch (mla_merge_absorb, no combine launch: W_uk's
+    head_gemv alone), and at more rows in the combine launch; both modes."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(num_hidden_layers=2)
     plain = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32), 0)
@@ -1056,39 +1075,25 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=4))
     one, one_pos = step[:1, :1], torch.tensor([[15]], device=device)    # row 0's next token alone
     L = args.num_hidden_layers
-
-    def launches(rows, mode):
-        """(norm_gemv, head_gemv, mla_merge_absorb, combine) launches a layer at `rows` rows."""
-        n = ((rows <= kernels.Q_B_GEMV_MAX_ROWS) + (rows <= kernels.O_PROJ_GEMV_MAX_ROWS)
-             + ("fused_proj" in others and rows <= kernels.QKVA_GEMV_MAX_ROWS))
-        few, attention = rows <= kernels.HEAD_GEMV_MAX_ROWS, mode == "decode" and "attention" in others
-        merged = attention and rows <= kernels.MLA_MERGE_ABSORB_MAX_ROWS
-        return n, (mode == "decode") * (2 - merged) * few, merged, attention * (not merged)
-
-    def add_norms(rows):
-        """add_rmsnorm launches a forward: after each attention, in front of each attention but the
-        first layer's (no residual yet) unless q_a + kv_a's GEMV does the add (InputNormInQKVA), and
-        the final norm."""
-        in_qkva = {"add_rmsnorm",
-                   "fused_proj"} <= set(others) and rows <= kernels.INPUT_NORM_QKVA_MAX_ROWS
-        return ("add_rmsnorm" in others) * (L + (0 if in_qkva else L - 1) + 1)
     for mode in ("extend", "decode"):
         assert_close(fast(prefill, prefill_pos, mode).logits,
                      plain(prefill, prefill_pos, mode).logits, 1e-4,
                      f"norm_gemv {others} prefill, {mode}")
         assert not calls and not heads and not merges, "the prefill's 36 rows must take the plain path"
-        assert len(adds) == add_norms(36), "the prefill's 36 rows: add_rmsnorm in front of each attention"
+        assert len(adds) == _add_norm_launches(36, others, L), \
+            "the prefill's 36 rows: add_rmsnorm in front of each attention"
         combines.clear(), adds.clear()             # (decode mode's prefill merges in the combine)
         for tokens, pos in ((step, step_pos), (step[:2], step_pos[:2]), (one, one_pos),
                             (step[:2, :1], step_pos[:2, :1]), (step[:1], step_pos[:1])):
             what = f"norm_gemv {others} {tokens.numel()}-row step, {mode}"
-            counts = launches(tokens.numel(), mode)
+            counts = _norm_gemv_launches(tokens.numel(), mode, others)
             assert_close(fast(tokens, pos, mode).logits, plain(tokens, pos, mode).logits, 1e-4,
                          what)
             got = len(calls), len(heads), len(merges), len(combines)
             assert got == tuple(c * L for c in counts), \
                 f"{what}: (norm_gemv, head_gemv, mla_merge_absorb, combine) launches {got}, not {counts} a layer"
-            assert len(adds) == add_norms(tokens.numel()), f"{what}: {len(adds)} add_rmsnorm launches"
+            assert len(adds) == _add_norm_launches(tokens.numel(), others, L), \
+                f"{what}: {len(adds)} add_rmsnorm launches"
             calls.clear(), heads.clear(), merges.clear(), combines.clear(), adds.clear()
 
 
@@ -1460,10 +1465,10 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, 
     assert kernels.accelerate(folded, names, moe="fused") == names
     folded.load_state_dict(plain.state_dict())
     assert_same_state(folded, plain)
-    assert isinstance(folded.layers[-1].mlp,
-                      kernels.SharedExpertInLaunch) and folded.layers[-1].mlp.stacked is None
+    moe = folded.layers[-1].mlp
+    assert isinstance(moe, kernels.SharedExpertInLaunch) and moe.stacked is None
     g = torch.Generator().manual_seed(7)
-    width = kernels.expert_weights(folded.layers[-1].mlp.experts.gate_proj).shape[1]
+    width = kernels.expert_weights(moe.experts.gate_proj).shape[1]
     n = kernels.gemv_max_tokens(quant, width) + 1  # past the GEMV rule: the plain sum
     tokens = torch.randint(0, args.vocab_size, (1, n), generator=g).to(TRITON_DEVICE)
     positions = torch.arange(n, device=TRITON_DEVICE)[None]
@@ -1472,8 +1477,7 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, 
     for what, t, p in (("prefill", tokens, positions), ("step of 2 tokens", step[:, :1], step_pos),
                        ("step of 1 token", step[:1, :1], step_pos[:1])):
         assert_close(folded(t, p).logits, plain(t, p).logits, 1e-5,
-                     f"{quant} {names}, the shared expert in the "
-                     f"launch, {what}")
+                     f"{quant} {names}, the shared expert in the launch, {what}")
     # the steps' GEMV launches read planes: the router kernel's, else the MoE's permute
     if quant == "int4":
         assert bool(permutes) == ("router" not in names), f"{names}: {len(permutes)} permutes in the MoE"
@@ -1487,7 +1491,6 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, 
                         step_pos[:1])):
         assert_close(folded(t, p).logits, plain(t, p).logits, 1e-5, f"{quant} {names}, {what}")
     assert set(calls) == {(2, False), (1, True)}, f"(tokens, shared in the launch): {calls}"
-    moe = folded.layers[-1].mlp
     x = torch.randn(2, args.hidden_size, generator=g).to(TRITON_DEVICE)
     ids, w = moe.gate(x)
     sh = moe.shared_experts
