@@ -337,7 +337,7 @@ def cliff_line(check):
         first, last = check.checked[0][0], check.checked[-1][1]
         return f"no cliff from {first} to {last} tokens a row: {check.rule}"
     return (f"{len(check.cliffs)} cliff(s), where {check.rule} fails (tokens a row: added ms > "
-            "allowed ms, and the components that grew most): "
+            "allowed ms, and the components that grew most in a profiled eager verify): "
             + "; ".join(f"{c.tokens[0]}->{c.tokens[1]}: +{c.added_ms:.2f} > {c.allowed_ms:.2f}"
                         + (" (" + ", ".join(f"{k.replace('_', ' ')} {v:+.2f}"
                                             for k, v in c.grew.items()) + ")" if c.grew else "")

@@ -587,18 +587,18 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
 
     def partial_sum(self, x):
         ex, sh = self.experts, self.shared_experts
-        K = self.gate.args.num_experts_per_tok
-        if not ex.runs_fused(x) or (ex.quantized and gemv_rule(
-                self.fmt(), x.shape[0], K, expert_weights(ex.gate_proj).shape[1]) != "gemv"):
+        K, w = self.gate.args.num_experts_per_tok, expert_weights(ex.gate_proj)
+        if not ex.runs_fused(x) or (ex.quantized
+                                    and gemv_rule(w.fmt, x.shape[0], K, w.shape[1]) != "gemv"):
             return super().partial_sum(x)
         if self.stacked is None:
             # INT4 experts read x as activation planes: the router kernel writes them (one launch
             # less)
             planes = None
-            if self.gate_kernel and self.fmt() == "int4":
+            if self.gate_kernel and w.fmt == "int4":
                 planes = moe_gemv.empty_planes(x)
             ids, weights = self.gate(x) if planes is None else self.gate(x, planes=planes)
-            if x.shape[0] > moe_gemv.SHARED_MAX_TOKENS[self.fmt()]:   # the shared expert alone
+            if x.shape[0] > moe_gemv.SHARED_MAX_TOKENS[w.fmt]:   # the shared expert alone
                 return ex(x, ids, weights, planes=planes) + sh(x)
             return ex(x, ids, weights,
                       shared=[sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight],
@@ -608,9 +608,6 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
         else:
             ids, weights = with_shared_slot(*self.gate(x), self.experts.n_experts)
         return self.experts(x, ids, weights, self.stacked)
-
-    def fmt(self):
-        return expert_weights(self.experts.gate_proj).fmt
 
     @staticmethod
     def applies(moe):
