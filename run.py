@@ -597,9 +597,10 @@ def cli(argv=None):
     """The command line: main's exit status; a refusal in one line (status 2); Ctrl-C in one line
     (status 130, the shell's for SIGINT; an output file is written whole or not at all), also
     while torch and the kernels are still being imported."""
-    status = 2
+    status, orderly = 2, False
     try:
         status = main(argv)
+        orderly = True
     except KeyboardInterrupt:
         status = 130
         if int(os.environ.get("RANK", 0)) == 0:
@@ -608,10 +609,9 @@ def cli(argv=None):
         if not isinstance(e, refusals()):
             raise
         status = print_refusal(e)
-    finally:  # every rank leaves the group together (gloo aborts a rank whose peer exits first)
-        dist = sys.modules.get("torch.distributed")
-        if dist is not None and dist.is_available() and dist.is_initialized():
-            dist.destroy_process_group()
+    finally:  # a finished run's ranks leave the group together (tp.leave_group)
+        if "tp" in sys.modules:
+            sys.modules["tp"].leave_group(orderly)
     return status
 
 

@@ -13,13 +13,11 @@ from functools import partial
 
 import numpy as np
 import torch
-import torch.distributed as dist
 import torch.multiprocessing as mp
 from safetensors.torch import load_file, save_file
 
 import checkpoint
 import kernels
-import model
 import tp
 from checkpoint import init_random, init_random_draft, save_target
 from draft import Eagle3Draft, Tree, draft_preset
@@ -83,12 +81,14 @@ def _rank_main(rank, world, port, fn, args, out):
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK=str(rank),
                       WORLD_SIZE=str(world), LOCAL_RANK=str(rank))
     tp.init_distributed("cpu")
+    orderly = False
     try:
         result = fn(*args)
         if rank == 0:
             torch.save(result, out)
+        orderly = True
     finally:
-        dist.destroy_process_group()
+        tp.leave_group(orderly)
 
 
 def run_ranks(world, fn, *args):

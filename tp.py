@@ -57,6 +57,18 @@ def init_distributed(device=None):
     return rank, world_size, device
 
 
+def leave_group(orderly):
+    """Leave the process group, if there is one. An orderly exit (every rank at the same point)
+    first meets its peers at a barrier: a rank that tears its connections down while a peer still
+    talks to it can abort that peer under gloo ("terminate called without an active exception").
+    An exit on an error leaves at once: its peers may never reach a barrier."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    if orderly:
+        dist.barrier()
+    dist.destroy_process_group()
+
+
 def cpu_threads_per_rank(local_world_size):
     """OMP_NUM_THREADS if set (torchrun sets 1), else this rank's share of the cores: torch's own
     default, every core in every process, oversubscribes them. Set explicitly, since torch reads
