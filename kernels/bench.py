@@ -79,8 +79,9 @@ def bench_mla(bw, rows, points=MLA_POINTS, shapes=((1, 1), (1, 4), (4, 1), (4, 4
     (what run.py's component table sums), without the launch gaps a graph replay still has."""
     scale = 0.1
     print(f"\nMLA decode step, Kimi-K2 TP 8 (H=8, C=512, R=64), bf16; copy bandwidth {bw:.0f} GB/s")
-    print(f"{'B':>2} {'T':>2} {'cache':>6} {'used':>6} {'MB read':>8} {'torch us':>9} {'kernel us':>9} "
-          f"{'speedup':>7} {'kernel GB/s':>11} {'of copy':>7} {'kernels alone us':>16}")
+    print(f"{'B':>2} {'T':>2} {'cache':>6} {'used':>6} {'MB read':>8} {'torch us':>9} "
+          f"{'kernel us':>9} {'speedup':>7} {'kernel GB/s':>11} {'of copy':>7} "
+          f"{'kernels alone us':>16}")
     for S, used in points:
         for B, T in shapes:
             # cache slots read + queries and output
@@ -91,8 +92,9 @@ def bench_mla(bw, rows, points=MLA_POINTS, shapes=((1, 1), (1, 4), (4, 1), (4, 4
                               for s in sets])
             alone = kernel_ms(partial(mla_decode_attention, **sets[0], softmax_scale=scale))[0]
             gbps = nbytes / fast / 1e6
-            print(f"{B:>2} {T:>2} {S:>6} {used:>6} {nbytes / 1e6:>8.2f} {plain * 1e3:>9.1f} {fast * 1e3:>9.1f} "
-                  f"{plain / fast:>6.1f}x {gbps:>11.0f} {gbps / bw:>6.0%} {alone * 1e3:>16.1f}")
+            print(f"{B:>2} {T:>2} {S:>6} {used:>6} {nbytes / 1e6:>8.2f} {plain * 1e3:>9.1f} "
+                  f"{fast * 1e3:>9.1f} {plain / fast:>6.1f}x {gbps:>11.0f} {gbps / bw:>6.0%} "
+                  f"{alone * 1e3:>16.1f}")
             rows.append(dict(kernel="mla_decode", B=B, T=T, cache=S, used=used, bytes=nbytes,
                              torch_ms=plain,
                              kernel_ms=fast, kernels_alone_ms=alone, GBps=gbps))
@@ -105,21 +107,22 @@ def bench_mla_merge_absorb(rows, points=((320, 256), (4096, 4096), (32768, 32768
     can run them: the merge launch then head_gemv (three launches), or the parts merged inside
     W_uv's launch (mla_merge_absorb: two; past its register budget it takes the three itself)."""
     scale = 0.1
-    print("\nMLA decode step with W_uv (Kimi-K2 TP 8, bf16): the merge launch + head_gemv against the merge in "
-          "W_uv's launch")
+    print("\nMLA decode step with W_uv (Kimi-K2 TP 8, bf16): the merge launch + head_gemv against "
+          "the merge in W_uv's launch")
     # kv_b's value half
     w_uv = (torch.randn(8, 256, 512, device="cuda", dtype=torch.bfloat16) / 512 ** 0.5)[:, 128:]
     for S, used in points:
         for B, T in shapes:
             sets = _mla_sets(B, T, S, used, max(2, min(32, math.ceil(2.5e8 / (B * S * 576 * 2)))))
-            three = graph_ms([partial(lambda s: head_gemv(mla_decode_attention(**s, softmax_scale=scale), w_uv), s)
-                               for s in sets]) * 1e3
+            three = graph_ms([partial(lambda s: head_gemv(
+                mla_decode_attention(**s, softmax_scale=scale), w_uv), s)
+                for s in sets]) * 1e3
             two = graph_ms([partial(lambda s: kernels.mla_merge_absorb(
                 mla_decode_attention(**s, softmax_scale=scale,
                                      merge=False), s["positions"], w_uv), s)
                 for s in sets]) * 1e3
-            print(f"  B {B} T {T} cache {S:>6} used {used:>6}: merge launch + head_gemv {three:6.1f} us, "
-                  f"merged in W_uv's launch {two:6.1f} us", flush=True)
+            print(f"  B {B} T {T} cache {S:>6} used {used:>6}: merge launch + head_gemv "
+                  f"{three:6.1f} us, merged in W_uv's launch {two:6.1f} us", flush=True)
             rows.append(dict(kernel="mla_merge_absorb", B=B, T=T, cache=S, used=used,
                              three_launches_us=three,
                              merged_us=two))
@@ -166,9 +169,8 @@ def bench_mla_configs(rows, sweep=MLA_SWEEP):
             mla.MLA_BLOCK_N[torch.bfloat16], mla.MLA_NUM_STAGES[torch.bfloat16] = block_n, stages
             mla.MLA_NUM_WARPS = warps
             for split in points["splits"]:
-                time_it(sets,
-                        f"T {T} S {S} BLOCK_N {block_n} stages {stages} warps {warps} split {split or 'rule'}",
-                        split)
+                time_it(sets, f"T {T} S {S} BLOCK_N {block_n} stages {stages} warps {warps} "
+                              f"split {split or 'rule'}", split)
         mla.MLA_BLOCK_N[torch.bfloat16], mla.MLA_NUM_STAGES[torch.bfloat16] = (
             saved[0][torch.bfloat16], saved[1][torch.bfloat16])
         mla.MLA_NUM_WARPS = saved[2]
@@ -287,7 +289,8 @@ def bench_norm_gemv(bw, rows, sweep=False, Ms=None):
     past the L2. head_gemv against the einsums with the copy the model makes of their permuted
     output. sweep: block configurations too, K whole in a program (programs 1: the first version's
     shape) among them."""
-    print(f"\nnorm_gemv, Kimi-K2 TP 8, bf16 (us per call in a graph; GB/s of the weight; copy {bw:.0f} GB/s)")
+    print(f"\nnorm_gemv, Kimi-K2 TP 8, bf16 (us per call in a graph; GB/s of the weight; copy "
+          f"{bw:.0f} GB/s)")
     dt = torch.bfloat16
     # (BLOCK_N, BLOCK_K, programs) at M 1; programs 1 keeps K whole in a program, the first
     # version's shape
@@ -316,11 +319,12 @@ def bench_norm_gemv(bw, rows, sweep=False, Ms=None):
                              for x, w in zip(xs, ws)]
                     us = graph_ms(calls) * 1e3
                 except Exception as e:   # a configuration past the SM's shared memory, say
-                    print(f"  {name:9s} M {M}  config {bn, bk, programs}: {type(e).__name__} {str(e)[:80]}")
+                    print(f"  {name:9s} M {M}  config {bn, bk, programs}: {type(e).__name__} "
+                          f"{str(e)[:80]}")
                     continue
-                print(f"  {name:9s} M {M}  config {bn, bk, programs}: kernel {us:6.1f} us ({N * K * 2 / us / 1e3:5.0f} "
-                      f"GB/s)  twin {base:6.1f} us ({N * K * 2 / base / 1e3:5.0f} GB/s)",
-                      flush=True)
+                print(f"  {name:9s} M {M}  config {bn, bk, programs}: kernel {us:6.1f} us "
+                      f"({N * K * 2 / us / 1e3:5.0f} GB/s)  twin {base:6.1f} us "
+                      f"({N * K * 2 / base / 1e3:5.0f} GB/s)", flush=True)
                 rows.append(dict(kernel="norm_gemv", proj=name, M=M, config=[bn, bk, programs],
                                  us=us, twin_us=base))
     bench_input_norm_in_qkva(rows, Ms)
@@ -359,8 +363,8 @@ def bench_input_norm_in_qkva(rows, Ms=None):
         base = graph_ms([partial(two_launches, x, r, w) for x, r, w in zip(xs, rs, ws)]) * 1e3
         us = graph_ms([partial(norm_gemv, x, w, g, 1e-6, residual=r)
                         for x, r, w in zip(xs, rs, ws)]) * 1e3
-        print(f"  add+norm+q_a+kv_a M {M}: kernel {us:6.1f} us  twin (add_rmsnorm, then the GEMV) {base:6.1f} us",
-              flush=True)
+        print(f"  add+norm+q_a+kv_a M {M}: kernel {us:6.1f} us  twin (add_rmsnorm, then the GEMV) "
+              f"{base:6.1f} us", flush=True)
         rows.append(dict(kernel="norm_gemv", proj="add+norm+q_a+kv_a", M=M, us=us, twin_us=base))
 
 
@@ -459,8 +463,7 @@ def benchmark_pdl(run_flags, settings=PDL_SETTINGS,
         for setting, t in times.items():
             ms = statistics.median(t)
             row[setting] = dict(ms=ms, gaps_ms=ms - prof.kernel_ms,
-                                outputs_equal=torch.equal(outs[setting],
-                                                                                                outs[first]))
+                                outputs_equal=torch.equal(outs[setting], outs[first]))
         print(f"{phase}: {prof.kernels} kernels, {prof.kernel_ms:.4f} ms summed; " + ", ".join(
             f"{setting} {row[setting]['ms']:.4f} ms (gaps {row[setting]['gaps_ms']:.4f})"
             + ("" if row[setting]["outputs_equal"] else " OUTPUTS DIFFER") for setting in settings))
@@ -537,8 +540,8 @@ def bench_draft(out=None, contexts=(256, 32768), k=3):
                                  x_floor=ms / floor,
                                  launches=n, top={name: [c, round(us, 2)]
                                                   for name, (c, us) in list(top.items())[:12]}))
-                print(f"{phase:13s} ctx {ctx:6d} {names:34s} {ms * 1e3:8.1f} us  floor {floor * 1e3:6.1f}  "
-                      f"{ms / floor:5.2f}x  {n} kernels")
+                print(f"{phase:13s} ctx {ctx:6d} {names:34s} {ms * 1e3:8.1f} us  "
+                      f"floor {floor * 1e3:6.1f}  {ms / floor:5.2f}x  {n} kernels")
     rows += _bench_draft_attention(bw)
     _emit(rows, bw, out)
 
@@ -564,24 +567,25 @@ def _bench_draft_attention(bw, S=32768, G=8, HD=128):
             rows.append(dict(kernel="draft_attention", S=S, T=T, split_len=used, us=ms * 1e3,
                              GBps=gbps,
                              of_copy=gbps / bw))
-            print(f"draft_attention S {S} T {T} split {used:5d}: {ms * 1e3:6.1f} us  {gbps:6.0f} GB/s  "
-                  f"({gbps / bw:.0%} of copy)")
+            print(f"draft_attention S {S} T {T} split {used:5d}: {ms * 1e3:6.1f} us  "
+                  f"{gbps:6.0f} GB/s  ({gbps / bw:.0%} of copy)")
     return rows
 
 
 def _parser():
     import argparse
-    p = argparse.ArgumentParser(description="Each Triton kernel against its plain twin and its floor, on a GPU.")
+    p = argparse.ArgumentParser(
+        description="Each Triton kernel against its plain twin and its floor, on a GPU.")
     p.add_argument("--json", metavar="PATH",
                    help="write the results: PATH with _moe / _attention before .json")
     p.add_argument("--sweep", nargs="?", const="dot,gemv", default="", metavar="VARIANTS",
-                   help="also time the fused MoE's block-size sweep points at N = 1, 3 and 4, of these variants "
-                        "(comma-separated; all without a value)")
+                   help="also time the fused MoE's block-size sweep points at N = 1, 3 and 4, of "
+                        "these variants (comma-separated; all without a value)")
     p.add_argument("--moe", action="store_true",
                    help="time the fused MoE only (not attention and the small kernels)")
     p.add_argument("--small", action="store_true",
-                   help="time the small kernels and norm_gemv only (no MoE, no attention); with --sweep, norm_gemv's "
-                        "block configurations")
+                   help="time the small kernels and norm_gemv only (no MoE, no attention); with "
+                        "--sweep, norm_gemv's block configurations")
     p.add_argument("--formats", default="plain,fp8,int4",
                    help="fused MoE weight formats, comma-separated")
     p.add_argument("--tokens", default=None,
@@ -599,10 +603,12 @@ def _parser():
                    help="fused MoE: a Kimi-K2 rank's expert shapes at TP N (I = 2048 / N; "
                         "default 8)")
     p.add_argument("--variants", default="dot,gemv",
-                   help="fused MoE variants to time in this run, comma-separated: dot (tl.dot tiles), gemv")
+                   help="fused MoE variants to time in this run, comma-separated: "
+                        "dot (tl.dot tiles), gemv")
     p.add_argument("--pdl", nargs=argparse.REMAINDER, metavar="RUN.PY FLAGS",
-                   help="time run.py's captured phases with programmatic dependent launch off and on, in one "
-                        "process (the flags after it build run.py's model; last on the line)")
+                   help="time run.py's captured phases with programmatic dependent launch off "
+                        "and on, in one process (the flags after it build run.py's model; last "
+                        "on the line)")
     p.add_argument("--router", action="store_true",
                    help="the router kernel at 1 to 16 tokens (or --tokens), its selection in the "
                         "logits kernel's last program and in a launch of its own")

@@ -56,9 +56,9 @@ def draft_input_norms(emb, hidden, emb_weight, emb_eps, hidden_weight, hidden_ep
     D = emb.shape[-1]
     if hidden.shape != emb.shape or hidden.dtype != emb.dtype or emb_weight.shape != (D,) \
             or hidden_weight.shape != (D,):
-        raise ValueError(f"draft_input_norms: emb {emb.dtype} {list(emb.shape)}, hidden {hidden.dtype} "
-                         f"{list(hidden.shape)}, weights {list(emb_weight.shape)} {list(hidden_weight.shape)} do "
-                         "not fit")
+        raise ValueError(f"draft_input_norms: emb {emb.dtype} {list(emb.shape)}, hidden "
+                         f"{hidden.dtype} {list(hidden.shape)}, weights {list(emb_weight.shape)} "
+                         f"{list(hidden_weight.shape)} do not fit")
     e2, h2 = emb.reshape(-1, D), hidden.reshape(-1, D)
     e2, h2 = (x if x.stride(-1) == 1 else x.contiguous() for x in (e2, h2))
     out = torch.empty(e2.shape[0], 2 * D, device=emb.device, dtype=emb.dtype)
@@ -219,7 +219,8 @@ def _draft_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_p
 def draft_split_len(kv_len, programs_per_part, block_n, device):
     """Slots per split: about two programs an SM over a full cache, each split at least
     DRAFT_ATTN_MIN_SPLIT slots and whole tiles. Host ints only."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    sms = (torch.cuda.get_device_properties(device).multi_processor_count
+           if device.type == "cuda" else 8)
     want = max(1, 2 * sms // programs_per_part - 1)
     split = max(DRAFT_ATTN_MIN_SPLIT, math.ceil(kv_len / want))
     return math.ceil(split / block_n) * block_n
@@ -236,25 +237,28 @@ def draft_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split
     B, T, H, HD = q.shape
     G, S = k.shape[2], k_cache.shape[1]
     if (k.shape != (B, T, G, HD) or v.shape != k.shape or H % G or HD % 2
-        or cos.shape != (B, T, HD // 2)
-            or sin.shape != cos.shape or k_cache.shape != (B, S, G,
-                                                           HD) or v_cache.shape != k_cache.shape):
-        raise ValueError(f"draft_attention: shapes q {list(q.shape)}, k {list(k.shape)}, v {list(v.shape)}, cos "
-                         f"{list(cos.shape)}, sin {list(sin.shape)}, caches {list(k_cache.shape)} "
-                         f"{list(v_cache.shape)} do not fit [B, T, H, Hd], [B, T, G, Hd] twice, [B, T, Hd/2] twice, "
+            or cos.shape != (B, T, HD // 2) or sin.shape != cos.shape
+            or k_cache.shape != (B, S, G, HD) or v_cache.shape != k_cache.shape):
+        raise ValueError(f"draft_attention: shapes q {list(q.shape)}, k {list(k.shape)}, "
+                         f"v {list(v.shape)}, cos {list(cos.shape)}, sin {list(sin.shape)}, "
+                         f"caches {list(k_cache.shape)} {list(v_cache.shape)} do not fit "
+                         "[B, T, H, Hd], [B, T, G, Hd] twice, [B, T, Hd/2] twice, "
                          "[B, S, G, Hd] twice, with G dividing H and Hd even")
     if positions.shape != (B, T) or positions.dtype != torch.int64 or cos.dtype != torch.float32 \
             or sin.dtype != torch.float32:
-        raise ValueError(f"draft_attention: positions must be int64 [{B}, {T}] and cos, sin float32, got "
-                         f"{positions.dtype} {list(positions.shape)}, {cos.dtype}, {sin.dtype}")
+        raise ValueError(f"draft_attention: positions must be int64 [{B}, {T}] and cos, sin "
+                         f"float32, got {positions.dtype} {list(positions.shape)}, {cos.dtype}, "
+                         f"{sin.dtype}")
     dtypes = {x.dtype for x in (q, k, v, k_cache, v_cache)}
     if len(dtypes) != 1 or q.dtype not in DRAFT_ATTN_BLOCK_N:
-        raise ValueError(f"draft_attention: needs one dtype of {sorted(map(str, DRAFT_ATTN_BLOCK_N))} for q, k, v "
-                         f"and the caches, got {sorted(map(str, dtypes))} (float64: use the plain path)")
+        raise ValueError("draft_attention: needs one dtype of "
+                         f"{sorted(map(str, DRAFT_ATTN_BLOCK_N))} for q, k, v and the caches, got "
+                         f"{sorted(map(str, dtypes))} (float64: use the plain path)")
     M = T * (H // G)
     if M > DRAFT_ATTN_MAX_ROWS or B * G > common.COUNTERS:
-        raise ValueError(f"draft_attention: {M} query rows a kv head (at most {DRAFT_ATTN_MAX_ROWS}) or {B * G} "
-                         f"batch rows x kv heads (at most {common.COUNTERS}): use the plain path")
+        raise ValueError(f"draft_attention: {M} query rows a kv head (at most "
+                         f"{DRAFT_ATTN_MAX_ROWS}) or {B * G} batch rows x kv heads (at most "
+                         f"{common.COUNTERS}): use the plain path")
     for name, x in dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache).items():
         if x.stride(-1) != 1:
             raise ValueError(f"draft_attention: {name}'s last dim must be contiguous")
@@ -313,8 +317,8 @@ def draft_top1(logits, d2t):
     int64 [Vd]. Returns int64 [...]."""
     V = logits.shape[-1]
     if d2t.shape != (V,) or d2t.dtype != torch.int64 or not logits.is_floating_point():
-        raise ValueError(f"draft_top1: logits {logits.dtype} {list(logits.shape)} and d2t {d2t.dtype} "
-                         f"{list(d2t.shape)} do not fit [..., Vd] float and int64 [Vd]")
+        raise ValueError(f"draft_top1: logits {logits.dtype} {list(logits.shape)} and d2t "
+                         f"{d2t.dtype} {list(d2t.shape)} do not fit [..., Vd] float and int64 [Vd]")
     x = logits.reshape(-1, V)
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(x.shape[0], device=logits.device, dtype=torch.int64)

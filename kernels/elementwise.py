@@ -37,8 +37,8 @@ def add_rmsnorm(x, y, weight, eps):
     y."""
     D = x.shape[-1]
     if y.shape != x.shape or y.dtype != x.dtype or weight.shape != (D,):
-        raise ValueError(f"add_rmsnorm: x {x.dtype} {list(x.shape)}, y {y.dtype} {list(y.shape)}, weight "
-                         f"{list(weight.shape)} do not fit")
+        raise ValueError(f"add_rmsnorm: x {x.dtype} {list(x.shape)}, y {y.dtype} {list(y.shape)}, "
+                         f"weight {list(weight.shape)} do not fit")
     x2, y2 = x.contiguous().view(-1, D), y.contiguous().view(-1, D)
     h, out = torch.empty_like(x2), torch.empty_like(x2)
     if x2.shape[0]:
@@ -76,9 +76,10 @@ def silu_mul(gate, up):
     """silu(gate) * up for gate, up [..., I] of one dtype (views with a contiguous last dim, e.g.
     the halves of one GEMM output): one read of each, one write."""
     I = gate.shape[-1]
-    if up.shape != gate.shape or up.dtype != gate.dtype or gate.stride(-1) != 1 or up.stride(-1) != 1:
-        raise ValueError(f"silu_mul: gate {gate.dtype} {list(gate.shape)} and up {up.dtype} {list(up.shape)} must "
-                         "match, each with a contiguous last dim")
+    if (up.shape != gate.shape or up.dtype != gate.dtype or gate.stride(-1) != 1
+            or up.stride(-1) != 1):
+        raise ValueError(f"silu_mul: gate {gate.dtype} {list(gate.shape)} and up {up.dtype} "
+                         f"{list(up.shape)} must match, each with a contiguous last dim")
     g2, u2 = gate.reshape(-1, I), up.reshape(-1, I)  # views for the halves of a [..., 2I] output
     out = torch.empty(g2.shape, device=gate.device, dtype=gate.dtype)
     if g2.shape[0]:

@@ -130,9 +130,9 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
     last_k = lo + (tl.cdiv(hi - lo, BLOCK_K) - 1) * BLOCK_K                  # the slice's last step
     # the products, summed over k at the end
     acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
-    # the squares, summed over k at the end (a sum a step
+    # the squares, summed over k at the end (a sum a step would be a cross-warp reduction, two
+    # barriers, a step)
     ss2 = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)
-    #                                                      would be a cross-warp reduction, two barriers, a step)
     w = tl.load(w_rows + (lo + k3) * s_wk, mask=(n3 < N) & (lo + k3 < K), other=0.0)
     for k0 in range(lo, hi, BLOCK_K):
         k = k0 + kb
@@ -194,22 +194,25 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
     K = x.shape[-1]
     N = weight.shape[0]
     rows = x.numel() // K if K else 0
-    if weight.dim() != 2 or weight.shape[1] != K or weight.stride(1) != 1 or x.dtype != weight.dtype:
-        raise ValueError(f"norm_gemv: x {x.dtype} {list(x.shape)} and weight {weight.dtype} {list(weight.shape)} "
-                         "do not fit [..., K] and [N, K] (last dim contiguous) of one dtype")
+    if (weight.dim() != 2 or weight.shape[1] != K or weight.stride(1) != 1
+            or x.dtype != weight.dtype):
+        raise ValueError(f"norm_gemv: x {x.dtype} {list(x.shape)} and weight {weight.dtype} "
+                         f"{list(weight.shape)} do not fit [..., K] and [N, K] (last dim "
+                         "contiguous) of one dtype")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or rows > NORM_GEMV_MAX_ROWS:
-        raise ValueError(f"norm_gemv: runs bf16, fp16 or float32 and at most {NORM_GEMV_MAX_ROWS} rows, got "
-                         f"{x.dtype} and {rows} rows (use the plain path)")
+        raise ValueError(f"norm_gemv: runs bf16, fp16 or float32 and at most {NORM_GEMV_MAX_ROWS} "
+                         f"rows, got {x.dtype} and {rows} rows (use the plain path)")
     if norm_weight is not None and norm_weight.shape != (K,):
         raise ValueError(f"norm_gemv: norm weight {list(norm_weight.shape)} is not [{K}]")
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
-        raise ValueError(f"norm_gemv: residual {residual.dtype} {list(residual.shape)} is not of x's shape and "
-                         f"dtype, {x.dtype} {list(x.shape)}")
+        raise ValueError(f"norm_gemv: residual {residual.dtype} {list(residual.shape)} is not of "
+                         f"x's shape and dtype, {x.dtype} {list(x.shape)}")
     bn, step_bytes, bw = NORM_GEMV_BLOCKS[1 if rows == 1 else "several",
                                           "long" if K >= NORM_GEMV_LONG_K else "short"]
     block_n, warps = block_n or bn, warps or bw
     if triton.cdiv(N, block_n) > common.COUNTERS:
-        raise ValueError(f"norm_gemv: {N} rows of W make more than {common.COUNTERS} row blocks of {block_n}")
+        raise ValueError(f"norm_gemv: {N} rows of W make more than {common.COUNTERS} row blocks "
+                         f"of {block_n}")
     x2, r2 = (t.reshape(rows, K) for t in (x, x if residual is None else residual))
     x2, r2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, r2))
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
@@ -253,11 +256,11 @@ def head_gemv(x, weight):
     *lead, H, K = x.shape
     rows = math.prod(lead)
     if weight.dim() != 3 or weight.shape[0] != H or weight.shape[2] != K or weight.dtype != x.dtype:
-        raise ValueError(f"head_gemv: x {x.dtype} {list(x.shape)} and weight {weight.dtype} {list(weight.shape)} "
-                         "do not fit [..., H, K] and [H, N, K] of one dtype")
+        raise ValueError(f"head_gemv: x {x.dtype} {list(x.shape)} and weight {weight.dtype} "
+                         f"{list(weight.shape)} do not fit [..., H, K] and [H, N, K] of one dtype")
     if x.dtype not in (torch.bfloat16, torch.float16, torch.float32) or rows > NORM_GEMV_MAX_ROWS:
-        raise ValueError(f"head_gemv: runs bf16, fp16 or float32 and at most {NORM_GEMV_MAX_ROWS} rows, got "
-                         f"{x.dtype} and {rows} rows (use the plain path)")
+        raise ValueError(f"head_gemv: runs bf16, fp16 or float32 and at most {NORM_GEMV_MAX_ROWS} "
+                         f"rows, got {x.dtype} and {rows} rows (use the plain path)")
     N = weight.shape[1]
     x2 = x.reshape(rows, H, K)
     x2 = x2 if x2.stride(-1) == 1 else x2.contiguous()

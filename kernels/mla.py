@@ -368,7 +368,8 @@ def mla_split_len(kv_len, batch, m_blocks, block_n, device):
     """Slots per split: enough splits that a full cache and the new tokens' part give one
     program per SM (one wave), each split at least MLA_MIN_SPLIT slots and a whole number of
     tiles. Host ints only."""
-    sms = torch.cuda.get_device_properties(device).multi_processor_count if device.type == "cuda" else 8
+    sms = (torch.cuda.get_device_properties(device).multi_processor_count
+           if device.type == "cuda" else 8)
     want = max(1, sms // (batch * m_blocks) - 1)
     split = max(MLA_MIN_SPLIT, math.ceil(kv_len / want))
     return math.ceil(split / block_n) * block_n
@@ -401,20 +402,21 @@ def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, position
     B, T, H, C = q_lat.shape
     R, S = q_pe.shape[-1], kv_cache.shape[1]
     if (q_pe.shape[:3] != (B, T, H) or kv.shape != (B, T, C) or k_pe.shape != (B, T, R) or R % 2
-            or rope.shape != (B, T, R // 2,
-                              2) or kv_cache.shape != (B, S, C) or pe_cache.shape != (B, S, R)):
-        raise ValueError(f"mla_decode_attention: shapes q_lat {list(q_lat.shape)}, q_pe {list(q_pe.shape)}, kv "
-                         f"{list(kv.shape)}, k_pe {list(k_pe.shape)}, rope {list(rope.shape)}, kv_cache "
-                         f"{list(kv_cache.shape)}, pe_cache {list(pe_cache.shape)} do not fit [B, T, H, C], "
-                         "[B, T, H, R], [B, T, C], [B, T, R], [B, T, R/2, 2], [B, S, C], [B, S, R] with R even")
+            or rope.shape != (B, T, R // 2, 2) or kv_cache.shape != (B, S, C)
+            or pe_cache.shape != (B, S, R)):
+        raise ValueError(f"mla_decode_attention: shapes q_lat {list(q_lat.shape)}, "
+                         f"q_pe {list(q_pe.shape)}, kv {list(kv.shape)}, k_pe {list(k_pe.shape)}, "
+                         f"rope {list(rope.shape)}, kv_cache {list(kv_cache.shape)}, "
+                         f"pe_cache {list(pe_cache.shape)} do not fit [B, T, H, C], [B, T, H, R], "
+                         "[B, T, C], [B, T, R], [B, T, R/2, 2], [B, S, C], [B, S, R] with R even")
     if positions.shape != (B, T) or positions.dtype != torch.int64 or rope.dtype != torch.float32:
-        raise ValueError(f"mla_decode_attention: positions must be int64 [{B}, {T}] and rope float32, got "
-                         f"{positions.dtype} {list(positions.shape)} and {rope.dtype}")
+        raise ValueError(f"mla_decode_attention: positions must be int64 [{B}, {T}] and rope "
+                         f"float32, got {positions.dtype} {list(positions.shape)} and {rope.dtype}")
     dtypes = {x.dtype for x in (q_lat, q_pe, kv, k_pe, kv_cache, pe_cache)}
     if len(dtypes) != 1 or q_lat.dtype not in MLA_BLOCK_N:
-        raise ValueError(f"mla_decode_attention: needs one dtype of {sorted(map(str, MLA_BLOCK_N))} for the "
-                         f"queries, the new latents and the cache, got {sorted(map(str, dtypes))} (float64: use "
-                         "the plain path)")
+        raise ValueError("mla_decode_attention: needs one dtype of "
+                         f"{sorted(map(str, MLA_BLOCK_N))} for the queries, the new latents and "
+                         f"the cache, got {sorted(map(str, dtypes))} (float64: use the plain path)")
     for name, x in dict(q_pe=q_pe, kv=kv, k_pe=k_pe, kv_cache=kv_cache, pe_cache=pe_cache).items():
         if x.stride(-1) != 1:
             raise ValueError(f"mla_decode_attention: {name}'s last dim must be contiguous")
@@ -477,18 +479,22 @@ def mla_merge_absorb(unmerged, positions, w_uv):
     B, M, parts, C = partial.shape
     H = w_uv.shape[0]
     T = M // H
-    if w_uv.dim() != 3 or w_uv.shape[2] != C or w_uv.stride(2) != 1 or positions.shape != (B, T) or M != T * H:
-        raise ValueError(f"mla_merge_absorb: partial {list(partial.shape)}, positions {list(positions.shape)} and "
-                         f"w_uv {list(w_uv.shape)} do not fit [B, T*H, parts, C], [B, T] and [H, N, C] (C contiguous)")
+    if (w_uv.dim() != 3 or w_uv.shape[2] != C or w_uv.stride(2) != 1 or positions.shape != (B, T)
+            or M != T * H):
+        raise ValueError(f"mla_merge_absorb: partial {list(partial.shape)}, positions "
+                         f"{list(positions.shape)} and w_uv {list(w_uv.shape)} do not fit "
+                         "[B, T*H, parts, C], [B, T] and [H, N, C] (C contiguous)")
     rows, N = B * T, w_uv.shape[1]
-    if w_uv.dtype not in (torch.bfloat16, torch.float16,
-                          torch.float32) or rows > NORM_GEMV_MAX_ROWS:
-        raise ValueError(f"mla_merge_absorb: runs bf16, fp16 or float32 and at most {NORM_GEMV_MAX_ROWS} rows, got "
-                         f"{w_uv.dtype} and {rows} rows (use the plain path)")
+    if (w_uv.dtype not in (torch.bfloat16, torch.float16, torch.float32)
+            or rows > NORM_GEMV_MAX_ROWS):
+        raise ValueError(f"mla_merge_absorb: runs bf16, fp16 or float32 and at most "
+                         f"{NORM_GEMV_MAX_ROWS} rows, got {w_uv.dtype} and {rows} rows (use the "
+                         "plain path)")
     block_m = _pow2(rows, 1)
     block_k = _norm_gemv_step(rows, HEAD_GEMV_BLOCK_N, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS, C,
                               w_uv.element_size())  # head_gemv's steps: the same sums
-    if parts > MLA_MERGE_IN_ORDER_PARTS or parts * block_m * block_k > MLA_MERGE_ABSORB_REGS * 32 * HEAD_GEMV_WARPS:
+    if (parts > MLA_MERGE_IN_ORDER_PARTS
+            or parts * block_m * block_k > MLA_MERGE_ABSORB_REGS * 32 * HEAD_GEMV_WARPS):
         return head_gemv(mla_combine(unmerged, positions, w_uv.dtype).view(B, T, H, C), w_uv)
     out = torch.empty(B, T, H, N, device=partial.device, dtype=w_uv.dtype)
     if rows and N and H:
@@ -559,19 +565,21 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
     B, T, H, R = q_pe.shape
     C = kv.shape[-1]
     if kv.shape != (B, T, C) or k_pe.shape != (B, T, R) or rope.shape != (B, T, R // 2, 2) or R % 2:
-        raise ValueError(f"mla_rope_cache_write: q_pe {list(q_pe.shape)}, kv {list(kv.shape)}, k_pe "
-                         f"{list(k_pe.shape)}, rope {list(rope.shape)} do not fit [B, T, H, R], [B, T, C], "
-                         "[B, T, R], [B, T, R/2, 2] with R even")
+        raise ValueError(f"mla_rope_cache_write: q_pe {list(q_pe.shape)}, kv {list(kv.shape)}, "
+                         f"k_pe {list(k_pe.shape)}, rope {list(rope.shape)} do not fit "
+                         "[B, T, H, R], [B, T, C], [B, T, R], [B, T, R/2, 2] with R even")
     if q_pe.dtype not in MLA_BLOCK_N or len({q_pe.dtype, kv.dtype, k_pe.dtype, kv_cache.dtype,
                                              pe_cache.dtype}) != 1:
-        raise ValueError(f"mla_rope_cache_write: needs one dtype of {sorted(map(str, MLA_BLOCK_N))} for the inputs "
-                         f"and the caches, got {q_pe.dtype}, {kv.dtype}, {k_pe.dtype}, {kv_cache.dtype}, "
+        raise ValueError("mla_rope_cache_write: needs one dtype of "
+                         f"{sorted(map(str, MLA_BLOCK_N))} for the inputs and the caches, got "
+                         f"{q_pe.dtype}, {kv.dtype}, {k_pe.dtype}, {kv_cache.dtype}, "
                          f"{pe_cache.dtype} (float64: use the plain path)")
     if positions.shape != (B, T) or positions.dtype != torch.int64 or rope.dtype != torch.float32:
-        raise ValueError("mla_rope_cache_write: needs int64 positions [B, T] and a float32 rope table")
+        raise ValueError("mla_rope_cache_write: needs int64 positions [B, T] and a float32 rope "
+                         "table")
     if kv_cache.shape[0] < B or kv_cache.shape[2] != C or pe_cache.shape[2] != R:
-        raise ValueError(f"mla_rope_cache_write: caches {list(kv_cache.shape)}, {list(pe_cache.shape)} do not "
-                         f"hold [{B}, S, {C}] and [{B}, S, {R}]")
+        raise ValueError(f"mla_rope_cache_write: caches {list(kv_cache.shape)}, "
+                         f"{list(pe_cache.shape)} do not hold [{B}, S, {C}] and [{B}, S, {R}]")
     for name, x in dict(q_pe=q_pe, kv=kv, k_pe=k_pe, kv_cache=kv_cache, pe_cache=pe_cache).items():
         if x.stride(-1) != 1:
             raise ValueError(f"mla_rope_cache_write: {name}'s last dim must be contiguous")

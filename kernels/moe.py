@@ -109,12 +109,13 @@ def _accumulate(acc, xt, k0, K_IN, w_ptr, s_ptr, n, n_ok, stride_wn, stride_sr, 
     if FMT == 0:  # the load feeds the dot directly (Triton pipelines it through shared memory)
         acc = tl.dot(xt, wt.to(xt.dtype), acc, input_precision=PRECISION)
     elif SCALE_PER_ROW:
-        s = tl.load(s_ptr + ((n + off_r) // block_r) * stride_sr + ((k0 + off_c) // block_c) * stride_sc,
-                    mask=n_ok, other=0.0)
+        s = tl.load(s_ptr + ((n + off_r) // block_r) * stride_sr
+                    + ((k0 + off_c) // block_c) * stride_sc, mask=n_ok, other=0.0)
         acc += tl.dot(xt, wt.to(xt.dtype), input_precision=PRECISION) * s[None, :]
     else:
-        s = tl.load(s_ptr + ((n + off_r) // block_r)[None, :] * stride_sr + ((k + off_c) // block_c)[:, None]
-                    * stride_sc, mask=k_ok[:, None] & n_ok[None, :], other=0.0)
+        s = tl.load(s_ptr + ((n + off_r) // block_r)[None, :] * stride_sr
+                    + ((k + off_c) // block_c)[:, None] * stride_sc,
+                    mask=k_ok[:, None] & n_ok[None, :], other=0.0)
         acc = tl.dot(xt, (wt.to(tl.float32) * s).to(xt.dtype), acc, input_precision=PRECISION)
     return acc
 
@@ -323,22 +324,25 @@ def _moe_combine_kernel(y_ptr, out_ptr, D, TOPK, BLOCK_D: tl.constexpr):
 def _check_weights(gate, up, down, D):
     fmt = gate.fmt
     if fmt not in FORMATS or up.fmt != fmt or down.fmt != fmt:
-        raise ValueError(f"fused_moe: weight formats {gate.fmt}, {up.fmt}, {down.fmt}; all three must be one "
-                         f"of {sorted(FORMATS)}")
+        raise ValueError(f"fused_moe: weight formats {gate.fmt}, {up.fmt}, {down.fmt}; all three "
+                         f"must be one of {sorted(FORMATS)}")
     E, I, D_in = gate.shape
     if up.shape != gate.shape or down.shape != (E, D, I) or D_in != D:
-        raise ValueError(f"fused_moe: gate {list(gate.shape)}, up {list(up.shape)}, down {list(down.shape)} do not "
-                         f"fit hidden {D}: expected [E, I, D], [E, I, D], [E, D, I]")
+        raise ValueError(f"fused_moe: gate {list(gate.shape)}, up {list(up.shape)}, "
+                         f"down {list(down.shape)} do not fit hidden {D}: expected [E, I, D], "
+                         "[E, I, D], [E, D, I]")
     layout = [(w.data.stride(), w.scale is None or w.scale.stride(), w.block, w.offset, w.group)
               for w in (gate, up)]
     if layout[0] != layout[1]:
-        raise ValueError("fused_moe: gate and up must be stored alike (strides, scales, blocks): one kernel reads both")
+        raise ValueError("fused_moe: gate and up must be stored alike (strides, scales, blocks): "
+                         "one kernel reads both")
     for name, w in (("gate", gate), ("up", up), ("down", down)):
         if w.data.stride(-1) != 1 or (w.scale is not None and w.scale.stride(-1) != 1):
-            raise ValueError(f"fused_moe: {name} weights and scales must be contiguous along their last dim")
+            raise ValueError(f"fused_moe: {name} weights and scales must be contiguous along "
+                             "their last dim")
         if fmt == "int4" and (w.data.dtype != torch.int32 or w.group % 8 or w.shape[2] % w.group):
-            raise ValueError(f"fused_moe: {name} INT4 needs int32 words and a group ({w.group}) that is a multiple "
-                             f"of 8 and divides the input dim {w.shape[2]}")
+            raise ValueError(f"fused_moe: {name} INT4 needs int32 words and a group ({w.group}) "
+                             f"that is a multiple of 8 and divides the input dim {w.shape[2]}")
         if fmt == "fp8" and (w.data.dtype != torch.float8_e4m3fn or w.scale is None):
             raise ValueError(f"fused_moe: {name} FP8 needs float8_e4m3fn weights and block scales")
     return fmt, E, I
@@ -355,13 +359,14 @@ def _check_shared(shared, fmt, variant, I, D, dtype):
     """fused_moe's shared expert: it rides in the INT4 and FP8 GEMV launches only, as contiguous
     [I, D], [I, D], [D, I] tensors in the compute dtype."""
     if fmt not in SHARED_SPLIT or variant != "gemv":
-        raise ValueError(f"fused_moe: a shared expert rides in the INT4 and FP8 GEMV launches only, not {fmt} "
-                         f"{variant} (plain experts: make it expert E, as SharedExpertInLaunch does)")
+        raise ValueError(f"fused_moe: a shared expert rides in the INT4 and FP8 GEMV launches "
+                         f"only, not {fmt} {variant} (plain experts: make it expert E, as "
+                         "SharedExpertInLaunch does)")
     if ([list(t.shape) for t in shared] != [[I, D], [I, D], [D, I]]
-        or any(t.dtype != dtype for t in shared)
+            or any(t.dtype != dtype for t in shared)
             or any(not t.is_contiguous() for t in shared)):
-        raise ValueError(f"fused_moe: shared expert {[list(t.shape) for t in shared]}: expected contiguous "
-                         f"[{I}, {D}], [{I}, {D}], [{D}, {I}] in x's dtype {dtype}")
+        raise ValueError(f"fused_moe: shared expert {[list(t.shape) for t in shared]}: expected "
+                         f"contiguous [{I}, {D}], [{I}, {D}], [{D}, {I}] in x's dtype {dtype}")
 
 
 def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, shared=None,
@@ -382,7 +387,8 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
     read instead of permuting x again; the other variants and formats ignore them."""
     fmt, variant = _check_inputs(x, ids, route_w, gate, up, down, variant, shared, planes)
     N, K = ids.shape
-    x, ids, route_w = x.contiguous(), ids.reshape(-1).contiguous(), route_w.reshape(-1).float().contiguous()
+    x, ids, route_w = (x.contiguous(), ids.reshape(-1).contiguous(),
+                       route_w.reshape(-1).float().contiguous())
     if variant == "gemv":
         cfg = {**_gemv_configs(fmt, N, x.is_cuda), **(configs or {})}
         return moe_gemv._fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared, planes)

@@ -171,7 +171,8 @@ def _gemv_step(acc, v_ptr, k0, K_IN, w_ptr, s_ptr, n, kb, n_ok, stride_wn, strid
         wt = tl.load(w_ptr + n[:, None] * stride_wn + k, mask=ok, other=0.0).to(tl.float32)
         v = tl.load(v_ptr + k, mask=k_ok, other=0.0).to(tl.float32)  # per tile row (sub-blocks)
         if SCALE_PER_ROW:
-            s = tl.load(s_ptr + ((n + off_r) // BLOCK_R) * stride_sr + ((k0 + kb + off_c) // BLOCK_C) * stride_sc,
+            s = tl.load(s_ptr + ((n + off_r) // BLOCK_R) * stride_sr
+                        + ((k0 + kb + off_c) // BLOCK_C) * stride_sc,
                         mask=n_ok & (k0 + kb < K_IN), other=0.0)
             acc += wt * s[:, None] * v
         else:
@@ -602,8 +603,10 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
     e = tl.load(ids_ptr + p).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
-    g_rows, u_rows = g_ptr + e * stride_we + n[:, None] * stride_wn, u_ptr + e * stride_we + n[:, None] * stride_wn
-    gs_rows, us_rows = gs_ptr + e * stride_se + n[:, None] * stride_sr, us_ptr + e * stride_se + n[:, None] * stride_sr
+    g_rows, u_rows = (g_ptr + e * stride_we + n[:, None] * stride_wn,
+                      u_ptr + e * stride_we + n[:, None] * stride_wn)
+    gs_rows, us_rows = (gs_ptr + e * stride_se + n[:, None] * stride_sr,
+                        us_ptr + e * stride_se + n[:, None] * stride_sr)
     v = v_ptr + (p // TOPK).to(tl.int64) * (D // 2 if PACKED else D)
     acc_g = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_W], tl.float32)
@@ -657,15 +660,16 @@ def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we,
         if EVEN:
             e = tl.load(ids_ptr + pair).to(tl.int64)
             words = tl.load(w_ptr + e[None, :] * stride_we + n[:, None] * stride_wn + w[None, :])
-            s = tl.load(s_ptr + e[None, :] * stride_se + n[:, None] * stride_sr + (w * 8 // GROUP)[None, :])
+            s = tl.load(s_ptr + e[None, :] * stride_se + n[:, None] * stride_sr
+                        + (w * 8 // GROUP)[None, :])
         else:
             c_ok = c < TOPK * W
             ok = n_ok[:, None] & c_ok[None, :]
             e = tl.load(ids_ptr + pair, mask=c_ok, other=0).to(tl.int64)
             words = tl.load(w_ptr + e[None, :] * stride_we + n[:, None] * stride_wn + w[None, :],
                             mask=ok, other=0)
-            s = tl.load(s_ptr + e[None, :] * stride_se + n[:, None] * stride_sr + (w * 8 // GROUP)[None, :],
-                        mask=ok, other=0.0)
+            s = tl.load(s_ptr + e[None, :] * stride_se + n[:, None] * stride_sr
+                        + (w * 8 // GROUP)[None, :], mask=ok, other=0.0)
         if PACKED:
             h_row = h_ptr + pair.to(tl.int64) * (I // 2) + w               # pair plane j at + j W
             t = _packed_word(words, h_row, W, c < TOPK * W, EVEN, magic)

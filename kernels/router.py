@@ -60,12 +60,11 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
                    BLOCK_G: tl.constexpr,
                    BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr, SELECT: tl.constexpr):
     """part[j, n, e] = sum over d in slice j of x[n, d] * W[e, d] in float32, then (SELECT), in the
-    last program, _router_select over all N (<= BLOCK_N) tokens. x [N, D] (any float dtype), W [E,
-    D] float32, part [SPLITS, N, E] float32 (last dims contiguous), count one int32 zero. PLANES: the
-    programs of expert block 0 also write their slice of x as the INT4 GEMV's activation
+    last program, _router_select over all N (<= BLOCK_N) tokens. x [N, D] (any float dtype),
+    W [E, D] float32, part [SPLITS, N, E] float32 (last dims contiguous), count one int32 zero.
+    PLANES: the programs of expert block 0 also write their slice of x as the INT4 GEMV's activation
     (fused_moe's planes, moe_gemv.activation_planes): 1, fp32 nibble planes [N, 8, D/8]; 2, bf16
-    pair planes (v_ptr a bf16 view of them). Grid:
-    (cdiv(E, BLOCK_E), SPLITS)."""
+    pair planes (v_ptr a bf16 view of them). Grid: (cdiv(E, BLOCK_E), SPLITS)."""
     _wait_for_prior()
     eb, j = tl.program_id(0), tl.program_id(1)
     e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -216,11 +215,14 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
     planes), written by the same kernel (past ROUTER_GEMV_MAX_TOKENS: a copy)."""
     N, D = x.shape
     E = weight.shape[0]
-    if weight.dtype != torch.float32 or bias.dtype != torch.float32 or weight.shape != (E, D) or bias.shape != (E,):
-        raise ValueError(f"router_topk: needs float32 weight [E, {D}] and bias [E], got {weight.dtype} "
-                         f"{list(weight.shape)} and {bias.dtype} {list(bias.shape)} (float64: use the plain path)")
+    if (weight.dtype != torch.float32 or bias.dtype != torch.float32 or weight.shape != (E, D)
+            or bias.shape != (E,)):
+        raise ValueError(f"router_topk: needs float32 weight [E, {D}] and bias [E], got "
+                         f"{weight.dtype} {list(weight.shape)} and {bias.dtype} {list(bias.shape)} "
+                         "(float64: use the plain path)")
     if E % n_group or not 1 <= topk_group <= n_group or top_k > E // n_group * topk_group:
-        raise ValueError(f"router_topk: {E} experts in {n_group} groups, {topk_group} kept, cannot give top {top_k}")
+        raise ValueError(f"router_topk: {E} experts in {n_group} groups, {topk_group} kept, "
+                         f"cannot give top {top_k}")
     if planes is not None:
         _check_planes(planes, x)
     ids = torch.empty(N, top_k + bool(shared_slot), device=x.device, dtype=torch.int64)
