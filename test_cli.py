@@ -83,7 +83,8 @@ def test_run_py_cli_tiny(tmp_path):
     stdout = " ".join(stdout.split())  # the report wraps its long lines
     assert r["env"]["simulated_acceptance"] is False
     assert all(v is None for v in r["floors"].values())
-    assert stdout.count("target: random tiny") == 1 and "the answer:" in stdout and "accepted almost nothing" in stdout
+    assert stdout.count("target: random tiny") == 1 and "the answer:" in stdout and \
+        "accepted almost nothing" in stdout
     for name, ms in r["phases_ms"].items():
         lo, q1, med, q3, hi = r["spread_ms"]["phases_ms"][name]
         assert 0 < lo <= q1 <= med <= q3 <= hi and med == ms, (name,
@@ -106,13 +107,16 @@ def test_run_py_cli_tiny(tmp_path):
         c = table["components"][phase]
         assert abs(sum(c["parts_ms"].values()) - c["kernel_ms"]) <= 0.05 * c["kernel_ms"], (phase,
         c)
-        assert set(c["parts_ms"]) == set(report.COMPONENTS) and sum(table["bytes"][phase].values()) > 0
+        assert set(c["parts_ms"]) == set(report.COMPONENTS) and \
+            sum(table["bytes"][phase].values()) > 0
     assert "decode steps" in r["answer"][0] and "EAGLE-3 with num_steps 2" in " ".join(r["answer"])
-    assert "2 tokens per cycle" in " ".join(r["answer"]) and "SIMULATED" not in " ".join(r["answer"])
+    assert "2 tokens per cycle" in " ".join(r["answer"]) and \
+        "SIMULATED" not in " ".join(r["answer"])
     sim = sim.stdout
     r = json.loads(sim.strip().splitlines()[-1])
     sim = " ".join(sim.split())
-    assert "SIMULATED acceptance: each row's accepted length" in sim and r["env"]["simulated_acceptance"] is True
+    assert "SIMULATED acceptance: each row's accepted length" in sim and \
+        r["env"]["simulated_acceptance"] is True
     assert "Acceptance was SIMULATED: asked 2.5, drawn" in sim
     assert 1.8 <= r["e2e"]["eagle3/decode/eager"]["accept_len_mean"] <= 3.2
 
@@ -196,11 +200,12 @@ def test_report_warns_about_noise_and_figures_that_cannot_be():
     assert "accepted almost nothing (1.02 tokens per cycle" in v and "--simulate-accept-len" in v
     r.env.simulated_acceptance, r.env.config = True, dict(simulate_accept_len=2.5)
     spec.accept_len_mean, spec.accept_len_hist = 2.25, [1, 2, 1, 0]
-    assert "Acceptance was SIMULATED: asked 2.5, drawn 2.25 tokens per cycle over 4 cycles (a mean of 4 draws " \
-           "spreads by about 0.41" in " ".join(report.verdict(r))
+    assert "Acceptance was SIMULATED: asked 2.5, drawn 2.25 tokens per cycle over 4 cycles " \
+           "(a mean of 4 draws spreads by about 0.41" in " ".join(report.verdict(r))
     r.env.simulated_acceptance, r.env.weights = False, "checkpoints"
     spec.accept_len_mean = 1.02
-    assert "with checkpoints loaded, on the timing run's prompts of random ids" in " ".join(report.verdict(r))
+    assert "with checkpoints loaded, on the timing run's prompts of random ids" in \
+        " ".join(report.verdict(r))
     assert report.spreads(r)["phases_ms"]["decode_step/eager"] == noisy.spread()
 
 
@@ -224,7 +229,8 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
         ("--speculative-eagle-topk 2",
          r"a tree needs --speculative-num-draft-tokens N, .* \(2 to 11 here\)"),
         ("--speculative-eagle-topk 2 --speculative-num-draft-tokens 12",
-         r"--speculative-num-draft-tokens 12: a tree of topk 2 and 3 steps holds 2 to .* = 11 tokens"),
+         r"--speculative-num-draft-tokens 12: a tree of topk 2 and 3 steps "
+         r"holds 2 to .* = 11 tokens"),
         ("--speculative-eagle-topk 4 --speculative-num-draft-tokens 3 --simulate-accept-len 3.5",
          r"--simulate-accept-len 3.5: must lie in \[1, 3\]"),
         ("--prompt-ids p.jsonl", "--prompt-ids is for --dump"),
@@ -270,7 +276,8 @@ def test_run_py_names_a_broken_checkpoint_in_one_line(tiny_ckpt, tmp_path):
         run.main(["--model-path", ckpt, "--draft-path", str(tmp_path / "nothere"),
                   "--max-new-tokens", "2"])
     cli = run_py("--model-path", str(tmp_path / "bad"))
-    want = f"run.py: error: {tmp_path / 'bad' / 'config.json'} line 3 column 17: not JSON (Expecting value)\n"
+    want = (f"run.py: error: {tmp_path / 'bad' / 'config.json'} line 3 column 17: not JSON "
+            "(Expecting value)\n")
     assert (cli.returncode, cli.stderr) == (2, want), (cli.returncode, cli.stderr)
 
 
@@ -288,14 +295,17 @@ def test_run_py_cli_tree(tmp_path):
     assert (r["env"]["config"]["speculative_eagle_topk"],
             r["env"]["config"]["speculative_num_draft_tokens"]) == (4, 8)
     v = r["e2e"]["eagle3/decode/eager"]
-    assert 1.5 <= v["accept_len_mean"] <= 4 and r["greedy_agreement_with_plain"] == {"eagle3/decode/eager": 1.0}
+    assert 1.5 <= v["accept_len_mean"] <= 4 and \
+        r["greedy_agreement_with_plain"] == {"eagle3/decode/eager": 1.0}
     assert {"verify/decode tree/eager", "draft_tree/eager"} <= set(r["phases_ms"])
     # a tree of 8 tokens reaches more than a chain's 4
     experts = r["contexts"]["16"]["distinct_experts"]
     assert experts["verify/decode tree"] >= experts["verify/decode"] >= experts["decode_step"]
-    assert "verify tree" in stdout and "A tree of topk 4, 3 steps, 8 draft tokens" in " ".join(r["answer"])
+    assert "verify tree" in stdout and \
+        "A tree of topk 4, 3 steps, 8 draft tokens" in " ".join(r["answer"])
     tree = r["cost_model"]["tree"]
-    assert tree["cycle_ms"] > 0 and tree["break_even_accept_len"] > 0 and tree["accept_ratio_to_beat_chain"] > 0
+    assert tree["cycle_ms"] > 0 and tree["break_even_accept_len"] > 0 and \
+        tree["accept_ratio_to_beat_chain"] > 0
 
 
 def test_run_py_cli_verify_sweep_and_tables(tmp_path):
@@ -439,7 +449,8 @@ def test_train_py_writes_elsewhere_and_refuses_the_committed_pair(tmp_path, caps
         with pytest.raises(SystemExit) as e:
             train.parse_args(argv)
         err = capsys.readouterr().err.strip().splitlines()
-        assert e.value.code == 2 and words in err[-1] and err[-1].startswith("train.py: error:"), (argv, err)
+        assert e.value.code == 2 and words in err[-1] and \
+            err[-1].startswith("train.py: error:"), (argv, err)
 
 
 def test_train_py_eval_reads_out_and_refuses_what_cannot_go_together(tmp_path, capsys):
@@ -493,7 +504,8 @@ def check_dump_layout(d, prompts, k):
     for b, p in enumerate(prompts):
         out = d["output_ids"][b][d["output_ids"][b] >= 0]
         end = len(p) + len(out) - 1                     # positions < end predict a token of the row
-        assert d["prompt_ids"][b, :len(p)].tolist() == p and (d["prompt_ids"][b, len(p):] == -1).all()
+        assert d["prompt_ids"][b, :len(p)].tolist() == p and \
+            (d["prompt_ids"][b, len(p):] == -1).all()
         assert (d["output_ids"][b, len(out):] == -1).all()
         assert d["topk_ids"][b, len(p) - 1:end, 0].tolist() == out.tolist(), b
         assert (np.diff(d["topk_logprobs"][b, :end], axis=-1) <= 0).all()
@@ -560,7 +572,8 @@ def test_compare_reports_a_planted_divergence(planted_dump, tmp_path, capsys):
     lp = a["topk_logprobs"][row, t]
     assert r["max_logprob_diff"] == pytest.approx(lp[0] - lp[1])
     gap = a["topk_logprobs"][row, t, 0] - a["topk_logprobs"][row, t, 1]
-    assert (r["divergence_failure"] is None) == (gap <= baseline.MAX_LOGPROB_DIFF), (gap, r["divergence_failure"])
+    assert (r["divergence_failure"] is None) == (gap <= baseline.MAX_LOGPROB_DIFF), \
+        (gap, r["divergence_failure"])
     # the CLI: the same table, status 0 within the thresholds, 1 past one, BadInput (2) for files
     # that do not fit
     for name, d in (("a", a), ("b", b), ("short", dict(a, topk_logprobs=a["topk_logprobs"][:, 1:])),
@@ -579,7 +592,8 @@ def test_compare_reports_a_planted_divergence(planted_dump, tmp_path, capsys):
     code, out = cli("a", "b", "--max-logprob-diff", str(gap - 0.01))
     assert max(len(line) for line in out.splitlines()) <= 120, out  # the FAIL summary wrapped
     out = " ".join(out.split())
-    assert code == 1 and f"row {row}, output {j} (position {t})" in out and "below A's top-1" in out, out
+    assert code == 1 and f"row {row}, output {j} (position {t})" in out and \
+        "below A's top-1" in out, out
     with pytest.raises(run.BadInput,
                        match=r"topk_logprobs has shape \[3, 23, 20\], expected \[3, 24, 20\]"):
         cli("a", "short")
@@ -601,13 +615,14 @@ def test_compare_fails_an_engine_whose_output_is_wrong(planted_dump):
     t = len(PROMPTS[3][row]) - 1 + j
     outside = next(i for i in range(256) if i not in a["topk_ids"][row, t])
     report = wrong(lambda out: out.__setitem__((row, j), outside))
-    assert report["top1_agreement"] > baseline.MIN_TOP1_AGREEMENT and report["max_logprob_diff"] == 0
+    assert report["top1_agreement"] > baseline.MIN_TOP1_AGREEMENT and \
+        report["max_logprob_diff"] == 0
     want = f"row {row}, output {j} (position {t}): A chose {a['output_ids'][row, j]} (log p "
     assert len(report["failures"]) == 1 and want in report["failures"][0], report["failures"]
     assert f"B chose {outside}, which is not in A's top-20" in report["failures"][0]
     report = wrong(lambda out: out.__setitem__((row, slice(j, None)), -1))
-    assert f"row {row}, output {j} (position {t}): B stops, A goes on with token {a['output_ids'][row, j]}" \
-        in report["failures"], report["failures"]
+    assert f"row {row}, output {j} (position {t}): B stops, A goes on with token " \
+           f"{a['output_ids'][row, j]}" in report["failures"], report["failures"]
     report = wrong(lambda out: out.fill(5))
     judged = [r["divergence_failure"] for r in report["rows"]]
     assert all(f"row {r}, output " in f for r, f in enumerate(judged)), judged
@@ -640,7 +655,8 @@ def test_compare_refuses_files_it_cannot_read(planted_dump, tmp_path):
             run.main(["--compare", str(tmp_path / "a.npz"), str(tmp_path / f"{name}.npz")])
     cli = run_py("--compare", str(tmp_path / "a.npz"), str(tmp_path / "truncated.npz"))
     assert cli.returncode == 2 and cli.stdout == "", (cli.returncode, cli.stdout)
-    assert cli.stderr.count("\n") == 1 and cli.stderr.startswith("run.py: error: ") and "truncated" in cli.stderr
+    assert cli.stderr.count("\n") == 1 and cli.stderr.startswith("run.py: error: ") and \
+        "truncated" in cli.stderr
 
 
 def test_compare_refuses_a_logprob_that_is_not_finite(planted_dump):
@@ -658,7 +674,8 @@ def test_compare_catches_a_draft_that_accepts_less(planted_dump):
     b = baseline.dump(target, head, PROMPTS[3], max_new_tokens=16, num_steps=2)
     report = baseline.compare(a, b)
     assert np.array_equal(a["output_ids"], b["output_ids"]) and report["max_logprob_diff"] == 0
-    assert report["accept_diff"] > baseline.MAX_ACCEPT_DIFF and "drafts accepted per cycle" in report["failures"][0]
+    assert report["accept_diff"] > baseline.MAX_ACCEPT_DIFF and \
+        "drafts accepted per cycle" in report["failures"][0]
 
 
 def conditioned_tiny(dtype, seed):
@@ -680,8 +697,9 @@ def test_bf16_dump_passes_the_default_thresholds_and_fails_tight_ones():
     dumps = [baseline.dump(*conditioned_tiny(dtype, 0), PROMPTS[3], max_new_tokens=16, num_steps=2)
              for dtype in (torch.float32, torch.bfloat16)]
     report = baseline.compare(*dumps)
-    print(f"\nbf16 against float32: top-1 agreement {report['top1_agreement']:.3f}, max |logprob diff| "
-          f"{report['max_logprob_diff']:.3f}, diverge@ {[r['diverge'] for r in report['rows']]}")
+    print(f"\nbf16 against float32: top-1 agreement {report['top1_agreement']:.3f}, "
+          f"max |logprob diff| {report['max_logprob_diff']:.3f}, "
+          f"diverge@ {[r['diverge'] for r in report['rows']]}")
     assert not report["failures"], report["failures"]
     tight = baseline.compare(*dumps, max_logprob_diff=1e-3, min_top1_agreement=1.0)
     assert any("--max-logprob-diff" in f for f in tight["failures"]), tight["failures"]
@@ -750,10 +768,12 @@ def test_random_init_int4_is_zero_mean():
     m = init_random(Transformer(tiny(quantization_config="int4"), 1, 8), 3)
     q = model.unpack_int4(m.layers[1].mlp.experts.up_proj.weight_packed).double()
     assert q.min() == -7 and q.max() == 7, "q should be symmetric in [-7, 7]"
-    assert abs(q.mean().item()) < 0.05, f"random INT4 values have mean {q.mean().item():.3f}, not ~0"
+    assert abs(q.mean().item()) < 0.05, \
+        f"random INT4 values have mean {q.mean().item():.3f}, not ~0"
 
 
-def test_run_defaults_uniform_routing_for_random_weights_and_model_routing_for_a_checkpoint(tiny_ckpt):
+def test_run_defaults_uniform_routing_for_random_weights_and_model_routing_for_a_checkpoint(
+        tiny_ckpt):
     ckpt, _ = tiny_ckpt
     cpu = torch.device("cpu")
     for argv, want in ((["--random-weights"], "uniform"), (["--model-path", ckpt], "model"),
@@ -779,7 +799,8 @@ def test_component_table_adds_up_to_the_summed_op_time():
         fn = partial(m, tokens[:, -4:], 20 + torch.arange(4).expand(2, 4), mode, kv_len=24)
         got = components.profile_components(m, fn, gpu=False, calls=2)
         parts, total = got.parts_ms, got.kernel_ms
-        assert abs(sum(parts.values()) - total) <= 0.05 * total, f"{mode}: parts {sum(parts.values()):.3f} vs {total:.3f} ms"
+        assert abs(sum(parts.values()) - total) <= 0.05 * total, \
+            f"{mode}: parts {sum(parts.values()):.3f} vs {total:.3f} ms"
         for c in ("attn_core", "attn_proj", "router", "routed_experts", "shared_mlp", "elementwise",
                   "embed_head"):
             assert parts[c] > 0, f"{mode}: nothing attributed to {c}: {parts}"
@@ -789,7 +810,8 @@ def test_component_table_adds_up_to_the_summed_op_time():
                for mod in m.modules()), "hooks left behind"
     assert isinstance(components.scope("router"),
                       contextlib.nullcontext), "a scope outside profiling must cost nothing"
-    assert model.apply_rope.__name__ == "apply_rope" and "project" not in vars(m.layers[0].self_attn)
+    assert model.apply_rope.__name__ == "apply_rope" and \
+        "project" not in vars(m.layers[0].self_attn)
 
 
 @pytest.mark.gpu
@@ -800,7 +822,8 @@ def test_component_table_adds_up_to_the_summed_kernel_time_on_the_gpu():
     got = components.profile_components(target, partial(target, step, step_pos, "decode",
                                                         kv_len=16), gpu=True)
     parts, total = got.parts_ms, got.kernel_ms
-    assert abs(sum(parts.values()) - total) <= 0.05 * total, f"parts {sum(parts.values()):.3f} vs kernels {total:.3f} ms"
+    assert abs(sum(parts.values()) - total) <= 0.05 * total, \
+        f"parts {sum(parts.values()):.3f} vs kernels {total:.3f} ms"
     for c in ("attn_core", "attn_proj", "router", "routed_experts", "shared_mlp", "elementwise",
               "embed_head"):
         assert parts[c] > 0, f"no kernel attributed to {c}: {parts}"
@@ -831,7 +854,8 @@ def test_component_table_puts_the_input_norm_in_qkva_under_the_projections(monke
     for e in prof.events():
         if e.name.startswith("norm_gemv") or e.name == "aten::softmax":
             where.setdefault(e.name, set()).add(components.component_at(e))
-    assert where["norm_gemv+residual"] == {"attn_proj"} and where["aten::softmax"] == {"attn_core"}, where
+    assert where["norm_gemv+residual"] == {"attn_proj"} and \
+        where["aten::softmax"] == {"attn_core"}, where
     assert where["norm_gemv"] == {"attn_proj"}, where  # q_b, o_proj and layer 0's q_a + kv_a
 
 
@@ -859,7 +883,8 @@ def test_component_table_puts_the_merge_in_w_uv_under_the_projections(monkeypatc
     with components.component_scopes(m):
         m(torch.tensor([[8]], device=device), torch.tensor([[8]], device=device), "decode")
     assert seen == ["attn_proj"] * 2, seen
-    assert "merge_absorb_output" not in vars(m.layers[0].self_attn), "the wrapper must be removed after"
+    assert "merge_absorb_output" not in vars(m.layers[0].self_attn), \
+        "the wrapper must be removed after"
 
 
 def test_component_bytes_count_what_a_forward_moves():
@@ -873,7 +898,8 @@ def test_component_bytes_count_what_a_forward_moves():
     assert parts["embed_head"] == (2 * 3 + a.vocab_size) * a.hidden_size * 4
     every = sum(p.numel() * 4 for n, p in m.named_parameters() if ".experts." not in n
                 and "embed_tokens" not in n)
-    assert sum(parts.values()) - parts["routed_experts"] - parts["attn_core"] - 2 * 3 * a.hidden_size * 4 == every
+    assert (sum(parts.values()) - parts["routed_experts"] - parts["attn_core"]
+            - 2 * 3 * a.hidden_size * 4 == every)
 
 
 @pytest.mark.parametrize("B", [1, 3])
@@ -991,7 +1017,8 @@ def test_run_py_refuses_sizes_before_building(monkeypatch, capsys):
     capsys.readouterr()
     run.check_sizes(_settled("--random-weights --context-len 300"), torch.device("cpu"), 1)
     said = capsys.readouterr().out
-    assert said.count("warning: positions reach") == 1 and "max_position_embeddings 256" in said, said
+    assert said.count("warning: positions reach") == 1 and \
+        "max_position_embeddings 256" in said, said
     run.check_sizes(_settled("--random-weights"), torch.device("cpu"), 1)
     assert "warning" not in capsys.readouterr().out
     parts, _, _ = timing.memory_needed(_settled("--random-weights --context-len 100"),
@@ -1047,13 +1074,15 @@ def said_on(stderr):
 def test_run_py_cli_refuses_an_output_it_cannot_write():
     cli = run_py("--json", "/nonexistent/r.json", timeout=300)
     assert (cli.returncode, cli.stdout) == (2, "") and said_on(cli.stderr) == [
-        "run.py: error: --json /nonexistent/r.json: cannot write there (no folder /nonexistent)"], cli.stderr
+        "run.py: error: --json /nonexistent/r.json: cannot write there (no folder "
+        "/nonexistent)"], cli.stderr
 
 
 def test_run_py_cli_refuses_a_size_the_machine_cannot_hold():
     cli = run_py("--context-len", "10000000", timeout=300)
     assert (cli.returncode, cli.stdout) == (2, "") and len(said_on(cli.stderr)) == 1, cli.stderr
-    assert said_on(cli.stderr)[0].startswith("run.py: error: --context-len 10000000, batch 1: needs about")
+    assert said_on(cli.stderr)[0].startswith(
+        "run.py: error: --context-len 10000000, batch 1: needs about")
 
 
 def test_run_py_cli_interrupted_says_one_line_and_leaves_no_file(tmp_path):
@@ -1069,8 +1098,8 @@ def test_run_py_cli_interrupted_says_one_line_and_leaves_no_file(tmp_path):
             time.sleep(0.2)
         p.send_signal(signal.SIGINT)
         rc = p.wait(timeout=60)
-    assert rc == 130 and said_on(err.read_text()) == ["run.py: interrupted (Ctrl-C); no output file written"], \
-        err.read_text()[-2000:]
+    assert rc == 130 and said_on(err.read_text()) == [
+        "run.py: interrupted (Ctrl-C); no output file written"], err.read_text()[-2000:]
     assert os.listdir(tmp_path) == ["err.txt"]
 
 
@@ -1078,7 +1107,8 @@ def test_run_py_cli_torchrun_refuses_a_flag_once():
     """Under torchrun (2 CPU ranks) a refused flag is said once, by rank 0, which alone fails."""
     out = run_py("--max-new-tokens", "0", ranks=2, env=ONE_THREAD)
     errors = [line for line in out.stderr.splitlines() if line.startswith("run.py: error:")]
-    assert out.returncode != 0 and errors == ["run.py: error: --max-new-tokens 0: must be at least 1"], out.stderr[-3000:]
+    assert out.returncode != 0 and \
+        errors == ["run.py: error: --max-new-tokens 0: must be at least 1"], out.stderr[-3000:]
     assert "exitcode  : 2" in out.stderr and "rank      : 1" not in out.stderr, out.stderr[-3000:]
 
 
@@ -1113,7 +1143,8 @@ def test_run_py_names_offered_before_torch_are_the_stages_names():
     """run.py spells the presets, all-reduces and kernels its flags offer (so --help needs no
     torch); they are the names the stages take."""
     assert set(run.PRESETS) == set(checkpoint.PRESETS) and run.ALLREDUCES == tuple(tp.ALLREDUCES)
-    assert run.KERNELS == tuple(kernels.KERNELS) and run.DRAFT_KERNELS == tuple(kernels.DRAFT_KERNELS)
+    assert run.KERNELS == tuple(kernels.KERNELS) and \
+        run.DRAFT_KERNELS == tuple(kernels.DRAFT_KERNELS)
 
 
 def test_run_py_answers_help_and_refusals_before_importing_torch():
@@ -1127,7 +1158,8 @@ def test_run_py_answers_help_and_refusals_before_importing_torch():
                          env=CPU_ENV)
     assert out.stdout.splitlines()[-3:] == ["help 0", "refused 2",
                                             "torch imported False"], out.stdout[-500:]
-    assert "usage: " in out.stdout and "run.py: error: --max-new-tokens 0: must be at least 1" in out.stderr
+    assert "usage: " in out.stdout and \
+        "run.py: error: --max-new-tokens 0: must be at least 1" in out.stderr
 
 
 def test_run_py_ctrl_c_while_importing_is_one_line():
@@ -1179,7 +1211,8 @@ def test_run_py_lines_fit_120_columns_and_say_what_a_run_does():
     assert not [line for line in lines if len(line) > 120], [line for line in lines
                                                              if len(line) > 120]
     flat = " ".join(cli.stdout.split())
-    assert "greedy speculative vs plain output: not compared" in flat and "tree - decode" in flat, cli.stdout
+    assert "greedy speculative vs plain output: not compared" in flat and \
+        "tree - decode" in flat, cli.stdout
     c = r["contexts"]["16"]
     over = any(v["kernel_ms"] > c["phases_ms"][f"{p}/eager"] for p, v in c["components"].items())
     assert over == any("profiled run's summed CPU op time exceeds the timed phase" in w
@@ -1191,7 +1224,8 @@ def test_run_py_lines_fit_120_columns_and_say_what_a_run_does():
     cfg.dump = "x.npz"
     assert "the dump drafts a tree" in run.tree_note(cfg) and "isolated" not in run.tree_note(cfg)
     help_text = " ".join(helped.stdout.split())
-    assert "the trained tiny pair's (the CPU default)" in help_text and "130 interrupted (Ctrl-C)" in help_text
+    assert "the trained tiny pair's (the CPU default)" in help_text and \
+        "130 interrupted (Ctrl-C)" in help_text
 
 
 # ---------------------------------------------------------------------------------------------

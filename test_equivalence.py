@@ -107,7 +107,8 @@ def test_aux_states_are_the_chosen_layer_outputs():
 
 
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("transformers"),
-                    reason="transformers is not installed (pip install transformers to compare with HF)")
+                    reason="transformers is not installed (pip install transformers to compare "
+                           "with HF)")
 def test_matches_hf_transformers(tiny_ckpt):
     """Same weights, same logits as transformers' DeepseekV3ForCausalLM (float32: its grouped
     experts take no float64)."""
@@ -211,8 +212,10 @@ def test_rank_loads_only_its_quarter():
         out = subprocess.run([sys.executable, "-c", MEMORY_PROBE, d, HERE], capture_output=True,
                              text=True, check=True).stdout.split()
         anon_growth, hwm_growth = int(out[-2]), int(out[-1])
-        assert anon_growth < size / 2, f"anonymous memory grew {anon_growth / 2**20:.0f} MiB of {size / 2**20:.0f}"
-        assert hwm_growth < size, f"resident peak grew {hwm_growth / 2**20:.0f} MiB of {size / 2**20:.0f}"
+        assert anon_growth < size / 2, \
+            f"anonymous memory grew {anon_growth / 2**20:.0f} MiB of {size / 2**20:.0f}"
+        assert hwm_growth < size, \
+            f"resident peak grew {hwm_growth / 2**20:.0f} MiB of {size / 2**20:.0f}"
 
 
 KEY = "model.layers.2.self_attn.kv_b_proj.weight"
@@ -446,13 +449,17 @@ def test_bad_quantized_checkpoints_name_the_tensor(tmp_path):
         (int4, dict(edit_config=lambda c: qcfg(c).update(group_size=12)), NotImplementedError,
          ["group_size 12"]),
         (int4,
-         dict(edit_config=lambda c: c["text_config"]["quantization_config"].update(quant_method="awq")),
+         dict(edit_config=lambda c: c["text_config"]["quantization_config"].update(
+             quant_method="awq")),
          NotImplementedError, ["'awq'"]),
         (int4,
-         dict(edit_config=lambda c: c["text_config"]["quantization_config"].update(ignore=["lm_head"])),
+         dict(edit_config=lambda c: c["text_config"]["quantization_config"].update(
+             ignore=["lm_head"])),
          NotImplementedError, ["self_attn", "ignore"]),
         (int4,
-         dict(edit_tensors=lambda t: t.update({"language_model." + A.replace("weight", "weight_packed"): torch.zeros(2, dtype=torch.int32)})),
+         dict(edit_tensors=lambda t: t.update(
+             {"language_model." + A.replace("weight", "weight_packed"):
+              torch.zeros(2, dtype=torch.int32)})),
          NotImplementedError, ["INT4-packed", "self_attn.q_b_proj.weight_packed"]),
         (int4, dict(edit_config=lambda c: c["text_config"].pop("quantization_config")),
          NotImplementedError, ["INT4-packed", "no compressed-tensors quantization_config"]),
@@ -470,7 +477,8 @@ def test_bad_quantized_checkpoints_name_the_tensor(tmp_path):
         for w in words:
             assert w in str(e.value), (i, w, str(e.value))
     with pytest.raises(ValueError,
-                       match="moe_intermediate_size per rank = 16 does not fall on whole 32-element"):
+                       match="moe_intermediate_size per rank = 16 does not fall on whole "
+                             "32-element"):
         Transformer(tiny(moe_intermediate_size=64, quantization_config="int4"), tp=TP(0, 4))
 
 
@@ -517,12 +525,15 @@ def lossless_matrix(seed, max_new=24, ks=(1, 2, 4)):
 
 
 def check_lossless(failures, seen):
-    assert not failures, f"speculative != plain greedy in {len(failures)} cases, first: {failures[0]}"
+    assert not failures, \
+        f"speculative != plain greedy in {len(failures)} cases, first: {failures[0]}"
     for (B, mode, k, name), lengths in seen.items():
         if name == "errs":
-            assert lengths == list(range(k + 1)), f"accepted lengths {lengths} for k={k} B={B} {mode}"
+            assert lengths == list(range(k + 1)), \
+                f"accepted lengths {lengths} for k={k} B={B} {mode}"
         if name == "right":
-            assert lengths == [k], f"always-right proposer accepted {lengths} (k={k}, B={B}, {mode})"
+            assert lengths == [k], \
+                f"always-right proposer accepted {lengths} (k={k}, B={B}, {mode})"
 
 
 def test_speculative_equals_plain_greedy_tp1():
@@ -676,8 +687,8 @@ def test_draft_round_trip_and_errors(tmp_path):
     (tmp_path / "bad" / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(CheckpointError, match="midlayer.self_attn.k_proj.weight"):
         load_draft(tmp_path / "bad", target)
-    (tmp_path / "bad" / "config.json").write_text(json.dumps(dict(cfg,
-                                                                  architectures=["LlamaForCausalLM"])))
+    (tmp_path / "bad" / "config.json").write_text(
+        json.dumps(dict(cfg, architectures=["LlamaForCausalLM"])))
     with pytest.raises(ValueError, match="LlamaForCausalLMEagle3"):
         load_draft(tmp_path / "bad", target)
 
@@ -729,7 +740,8 @@ def test_requests_that_cannot_run_are_refused():
         generate(target, None, [[1]] * 3, max_new_tokens=2)
     with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device"):
         if torch.cuda.is_available():
-            raise RuntimeError("CUDA graphs need a CUDA device (this machine has one: nothing to refuse)")
+            raise RuntimeError("CUDA graphs need a CUDA device (this machine has one: "
+                               "nothing to refuse)")
         generate(target, None, [[1, 2]], max_new_tokens=2, use_graphs=True)
 
 
@@ -777,7 +789,8 @@ def test_training_step_lowers_the_loss():
     logits = 8 * logits  # a peaked target distribution: the loss can fall far below its start
     head.d2t.copy_(draft_vocab(logits.argmax(-1), 256, head.args.draft_vocab_size))
     counts = torch.bincount(logits.argmax(-1).flatten(), minlength=256)
-    assert counts[head.hot_ids()].min() >= counts.sort(descending=True).values[head.args.draft_vocab_size - 1]
+    assert (counts[head.hot_ids()].min()
+            >= counts.sort(descending=True).values[head.args.draft_vocab_size - 1])
     params = [p for p in head.parameters() if p.is_floating_point()]
     for p in params:
         p.requires_grad_(True)
@@ -830,7 +843,8 @@ def test_gpu_trained_pair_graph_speculative_equals_plain_greedy(kernels_on):
                        use_graphs=True, eos_id=-1)
         assert res.tokens == plain, mode
         accepted = res.accepted[res.accepted >= 0].float().mean().item()
-        assert accepted > 0.5, f"{mode}: {accepted:.2f} drafts accepted a cycle; the graphs' accept paths barely ran"
+        assert accepted > 0.5, \
+            f"{mode}: {accepted:.2f} drafts accepted a cycle; the graphs' accept paths barely ran"
 
 
 def test_trained_pair_accepts_more_than_a_random_head():
@@ -910,7 +924,8 @@ def test_tree_greedy_equals_a_walk_on_the_host_and_masks_see_only_ancestors():
             want = [s < s0 or s - s0 in anc for s in range(20)]
             assert visible[b, i].tolist() == want, (b, i)
     assert tree_ancestors(tree.parents).sum(-1).equal(tree.depths + 1)
-    assert m.min() == 0 and m.max() >= 4, f"accepted lengths {sorted(set(m.tolist()))}: too narrow a test"
+    assert m.min() == 0 and m.max() >= 4, \
+        f"accepted lengths {sorted(set(m.tolist()))}: too narrow a test"
 
 
 def test_tree_sampling_follows_the_target():
@@ -960,8 +975,8 @@ def test_tree_with_topk_1_is_the_chain():
         tree = head.tree(root, logits, g0, q, 1, S, S + 1)
         chain = head.chain(head.to_target_ids(logits), g0, q, S)
         assert torch.equal(tree.tokens[:, 1:], chain) and torch.equal(tree.tokens[:, 0], root)
-        assert tree.parents.tolist() == [list(range(-1,
-                                                    S))] * 2 and tree.depths.tolist() == [list(range(S + 1))] * 2
+        assert (tree.parents.tolist() == [list(range(-1, S))] * 2
+                and tree.depths.tolist() == [list(range(S + 1))] * 2)
 
 
 def reference_tree(head, b, logits, g0, q, K, S, N):
@@ -1037,7 +1052,8 @@ class PlantedTreeHead:
         rank = torch.tensor([[self.rank_at(self.calls, b, depth)] * T for b in range(B)])
         c, r = torch.where(on, right, (right + 7) % self.vocab), torch.where(on, rank, 0)
         # token c - r ranks first, c - r + 1 second, ...: c ranks r-th
-        return -((torch.arange(self.vocab) - c.unsqueeze(-1) + r.unsqueeze(-1)) % self.vocab).double()
+        return -((torch.arange(self.vocab) - c.unsqueeze(-1) + r.unsqueeze(-1))
+                 % self.vocab).double()
 
     def extend_logits(self, tokens, positions, target_states, last, kv_len=None):
         self.calls += 1
@@ -1047,8 +1063,8 @@ class PlantedTreeHead:
 
     def __call__(self, tokens, positions, hidden, kv_len=None, slots=None, visible=None):
         """Pass j: positions q + j, reading the tokens at q + j + 1, guessing those at q + j + 2."""
-        on = (hidden[..., 0] > 0) & (tokens == self.ref.gather(1,
-                                                          (positions + 1).clamp(max=self.ref.shape[1] - 1)))
+        on = (hidden[..., 0] > 0) & (tokens == self.ref.gather(
+            1, (positions + 1).clamp(max=self.ref.shape[1] - 1)))
         depth = int((positions - self.q)[0, 0])
         return self.planted(positions + 2, on, depth), on.unsqueeze(-1).double()
 
@@ -1192,8 +1208,8 @@ def test_trained_pair_tree_accepts_more_than_the_chain():
                        num_draft_tokens=N)
         assert res.tokens == plain, (K, N)
         lengths[K] = res.accepted[res.accepted >= 0].float().mean().item() + 1
-    print(f"\ntrained pair, accepted tokens per cycle (bonus included): chain of 3 {lengths[None]:.2f}, "
-          f"tree K 2 N 4 {lengths[2]:.2f}, tree K 4 N 8 {lengths[4]:.2f}")
+    print(f"\ntrained pair, accepted tokens per cycle (bonus included): chain of 3 "
+          f"{lengths[None]:.2f}, tree K 2 N 4 {lengths[2]:.2f}, tree K 4 N 8 {lengths[4]:.2f}")
     assert lengths[4] > lengths[None] + 0.1, lengths
 
 
@@ -1446,9 +1462,8 @@ def test_uniform_routing_same_in_a_graph_as_eager_without_host_sync():
     finally:
         torch.cuda.set_sync_debug_mode("default")
     (ids, w), (eager_ids, eager_w) = graphed[0], eager[0]
-    assert torch.equal(ids,
-                       eager_ids) and torch.equal(w,
-                                                  eager_w), "uniform routing chose differently in a graph"
+    assert torch.equal(ids, eager_ids) and torch.equal(w, eager_w), \
+        "uniform routing chose differently in a graph"
     for (key, _, _), a, b in zip(calls, graphed[1:], eager[1:]):
         assert_close(a, b, 0.0, f"uniform routing, graph vs eager {key}")
 

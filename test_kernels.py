@@ -119,7 +119,8 @@ def check_fused_moe(experts_and_dim, cases, dtype, seed=0):
         tol = (1e-5 if dtype == torch.float32 else 2e-2) * ref.abs().max().item()
         assert fused.dtype == ref.dtype and fused.shape == ref.shape
         assert_close(fused, ref, tol,
-                     f"fused ({variant or 'auto'}) vs gather MoE, E {E}, N {N}, {kind} routing, {dtype}")
+                     f"fused ({variant or 'auto'}) vs gather MoE, E {E}, N {N}, "
+                     f"{kind} routing, {dtype}")
         assert ref.abs().max() > 0.1
 
 
@@ -360,7 +361,8 @@ def test_fused_moe_gemv_shared_h_made_once(quant, monkeypatch):
             got = kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=shared, configs=cfg)
             what = f"GEMV {quant} + shared, {N} tokens, {cfg}"
             assert_close(got, want, 1e-5 * want.abs().max().item(), what)
-            assert not kernels._counters(x.device).any(), f"{what}: the last programs leave the counters 0"
+            assert not kernels._counters(x.device).any(), \
+                f"{what}: the last programs leave the counters 0"
         again = kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=shared, configs=cfg)
         assert torch.equal(again, got), f"GEMV {quant} + shared, {cfg}: a second call differs"
     monkeypatch.setattr(kernels.common, "COUNTERS", 2)
@@ -713,8 +715,8 @@ def test_mla_merge_absorb_equals_combine_then_head_gemv(dtype, monkeypatch):
         got = kernels.mla_merge_absorb(unmerged, x["positions"], w_uv)
         assert got.shape == want.shape == (B, T, shape["H"],
                                            N) and got.dtype == dtype and torch.isfinite(got).all()
-        assert torch.equal(got,
-                           want), f"{what}: max abs diff {(got.double() - want.double()).abs().max().item():.3e}"
+        assert torch.equal(got, want), \
+            f"{what}: max abs diff {(got.double() - want.double()).abs().max().item():.3e}"
         merged, fell_back = merged + (not combines), fell_back + bool(combines)
         # poisoned parts too
         o_lat = combine(unmerged, x["positions"], dtype).view(B, T, shape["H"], shape["C"])
@@ -724,7 +726,8 @@ def test_mla_merge_absorb_equals_combine_then_head_gemv(dtype, monkeypatch):
             truth = torch.einsum("bthc,hnc->bthn", mla_reference(x, scale, dtype=torch.float64)[0],
                                  w_uv.double())
             assert_close(got, truth, 2e-5 * truth.abs().max().item(), what + " vs float64 twin")
-    assert merged and fell_back, f"{merged} cases merged in W_uv's launch and {fell_back} fell back: want both"
+    assert merged and fell_back, \
+        f"{merged} cases merged in W_uv's launch and {fell_back} fell back: want both"
 
 
 @pytest.mark.triton
@@ -751,8 +754,8 @@ def test_rope_cache_kernel_equals_twin(shape, dtype):
     index writes) on strided views as MLA has them; slots not written stay as they were."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
-        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
-                    "kernels are checked on the GPU")
+        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
+                    "nearest): bf16 kernels are checked on the GPU")
     H, C, R = (TINY_MLA if shape == "tiny" else KIMI_TP8).values()
     B, S, nope = 3, 40, 16
     norm = model.RMSNorm(C, 1e-6, device, dtype)
@@ -861,8 +864,8 @@ def test_router_kernel_equals_twin(shape, dtype, monkeypatch):
 def test_add_rmsnorm_kernel_equals_twin(D, dtype):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
-        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
-                    "kernels are checked on the GPU")
+        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
+                    "nearest): bf16 kernels are checked on the GPU")
     norm = model.RMSNorm(D, 1e-6, device, dtype)
     g = torch.Generator().manual_seed(D)
     with torch.no_grad():
@@ -883,8 +886,8 @@ def test_silu_mul_kernel_equals_twin(dtype):
     output (as fused_proj gives them) and on separate tensors, at tiny and Kimi-K2 TP-8 widths."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
-        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
-                    "kernels are checked on the GPU")
+        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
+                    "nearest): bf16 kernels are checked on the GPU")
     g = torch.Generator().manual_seed(11)
     for I in (32, 256, 2304):   # tiny's shared expert, Kimi-K2's at TP 8, its dense MLP at TP 8
         gate_up = (2 * torch.randn(2, 3, 2 * I, generator=g)).to(device, dtype)
@@ -918,8 +921,8 @@ def test_norm_gemv_kernel_equals_twin(dtype):
     the order of the float32 sums and a last-ulp rounding of the normed row differ."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
-        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
-                    "kernels are checked on the GPU")
+        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
+                    "nearest): bf16 kernels are checked on the GPU")
     g = torch.Generator().manual_seed(15)
     shapes = NORM_GEMV_SHAPES + (NORM_GEMV_KIMI if device == "cuda" else [])
     for N, K in shapes:
@@ -938,11 +941,13 @@ def test_norm_gemv_kernel_equals_twin(dtype):
                                         block_n=block_n,
                                         block_k=block_k, programs=programs)
                 ref = F.linear(x if nrm is None else nrm(x), w)
-                what = f"norm_gemv N={N} K={K} rows={rows} {dtype} norm={nrm is not None} blocks={blocks}"
+                what = (f"norm_gemv N={N} K={K} rows={rows} {dtype} norm={nrm is not None} "
+                        f"blocks={blocks}")
                 tol = (1e-5 if dtype == torch.float32 else 1e-2) * ref.abs().max().item()
                 assert out.shape == ref.shape and out.dtype == dtype
                 assert_close(out, ref, tol, what)
-                assert not kernels._counters(x.device).any(), f"{what}: the last programs leave the counters 0"
+                assert not kernels._counters(x.device).any(), \
+                    f"{what}: the last programs leave the counters 0"
     with pytest.raises(ValueError, match="at most 16 rows"):
         kernels.norm_gemv(torch.zeros(17, 64, device=device), torch.zeros(8, 64, device=device))
 
@@ -960,8 +965,8 @@ def test_norm_gemv_with_residual_equals_add_rmsnorm_and_linear(dtype):
     another shape or dtype."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
-        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
-                    "kernels are checked on the GPU")
+        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
+                    "nearest): bf16 kernels are checked on the GPU")
     g = torch.Generator().manual_seed(25)
     for N, K in NORM_GEMV_SHAPES + (NORM_GEMV_KIMI[:1] if device == "cuda" else []):
         norm = model.RMSNorm(K, 1e-6, device, dtype)
@@ -979,12 +984,14 @@ def test_norm_gemv_with_residual_equals_add_rmsnorm_and_linear(dtype):
                 out, summed = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6,
                                                 residual=r, **block)
                 ref = F.linear(want_sum if nrm is None else h, w)
-                what = f"norm_gemv + residual N={N} K={K} rows={rows} {dtype} norm={nrm is not None} {block}"
+                what = (f"norm_gemv + residual N={N} K={K} rows={rows} {dtype} "
+                        f"norm={nrm is not None} {block}")
                 assert summed.shape == x.shape and torch.equal(summed, want_sum), f"{what}: the sum"
                 assert out.shape == ref.shape and out.dtype == dtype
                 assert_close(out, ref, (1e-5 if dtype == torch.float32
                                         else 1e-2) * ref.abs().max().item(), what)
-                assert not kernels._counters(x.device).any(), f"{what}: the last programs leave the counters 0"
+                assert not kernels._counters(x.device).any(), \
+                    f"{what}: the last programs leave the counters 0"
     x = torch.zeros(2, 64, device=device, dtype=dtype)
     for bad in (torch.zeros(1, 64, device=device, dtype=dtype),
                 torch.zeros(2, 64, device=device, dtype=torch.float16)):
@@ -1001,8 +1008,8 @@ def test_head_gemv_kernel_equals_twin(dtype):
     steps, the last partial) and (GPU) Kimi-K2 TP-8 heads."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
-        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to nearest): bf16 "
-                    "kernels are checked on the GPU")
+        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
+                    "nearest): bf16 kernels are checked on the GPU")
     g = torch.Generator().manual_seed(16)
     for H, d, R, C in [(4, 16, 8, 100)] + ([(8, 128, 64, 512)] if device == "cuda" else []):
         kv_b = (torch.randn(H, 2 * d, C, generator=g) / C ** 0.5).to(device, dtype)
@@ -1079,7 +1086,8 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
         assert_close(fast(prefill, prefill_pos, mode).logits,
                      plain(prefill, prefill_pos, mode).logits, 1e-4,
                      f"norm_gemv {others} prefill, {mode}")
-        assert not calls and not heads and not merges, "the prefill's 36 rows must take the plain path"
+        assert not calls and not heads and not merges, \
+            "the prefill's 36 rows must take the plain path"
         assert len(adds) == _add_norm_launches(36, others, L), \
             "the prefill's 36 rows: add_rmsnorm in front of each attention"
         combines.clear(), adds.clear()             # (decode mode's prefill merges in the combine)
@@ -1090,8 +1098,9 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
             assert_close(fast(tokens, pos, mode).logits, plain(tokens, pos, mode).logits, 1e-4,
                          what)
             got = len(calls), len(heads), len(merges), len(combines)
-            assert got == tuple(c * L for c in counts), \
-                f"{what}: (norm_gemv, head_gemv, mla_merge_absorb, combine) launches {got}, not {counts} a layer"
+            assert got == tuple(c * L for c in counts), (
+                f"{what}: (norm_gemv, head_gemv, mla_merge_absorb, combine) launches {got}, "
+                f"not {counts} a layer")
             assert len(adds) == _add_norm_launches(tokens.numel(), others, L), \
                 f"{what}: {len(adds)} add_rmsnorm launches"
             calls.clear(), heads.clear(), merges.clear(), combines.clear(), adds.clear()
@@ -1282,7 +1291,8 @@ def test_input_norm_in_qkva_block_equals_the_plain_block(monkeypatch):
 def test_model_py_knows_nothing_of_the_fast_path():
     """model.py imports neither kernels/ nor Triton (a fresh interpreter: what importing model
     loads), and holds no switch of the fast path; kernels/ imports model.py."""
-    code = "import sys, model; print(sorted(m for m in sys.modules if m.split('.')[0] in ('kernels', 'triton')))"
+    code = ("import sys, model; print(sorted(m for m in sys.modules if m.split('.')[0] in "
+            "('kernels', 'triton')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=HERE, capture_output=True, text=True,
                          check=True)
     assert out.stdout.strip() == "[]", f"importing model.py loaded {out.stdout.strip()}"
@@ -1371,19 +1381,23 @@ def test_fused_proj_equals_plain_on_one_copy_of_the_weights(tiny_ckpt, tmp_path)
     fused = fused_proj_target(ckpt, dtype=torch.float64)
     assert_same_state(fused, m)
     assert_close(run_steps(fused), run_steps(m), 1e-12, "fused_proj vs plain, float64 checkpoint")
-    attn, dense, shared = fused.layers[1].self_attn, fused.layers[0].mlp, fused.layers[1].mlp.shared_experts
+    attn, dense, shared = (fused.layers[1].self_attn, fused.layers[0].mlp,
+                           fused.layers[1].mlp.shared_experts)
     for buf, parts in ((attn.q_kv_a_weight, (attn.q_a_proj, attn.kv_a_proj_with_mqa)),
                        (dense.gate_up_weight, (dense.gate_proj, dense.up_proj)),
                        (shared.gate_up_weight, (shared.gate_proj, shared.up_proj))):
         first, second = (p.weight for p in parts)
-        assert first.data_ptr() == buf.data_ptr() and second.data_ptr() == buf[len(first):].data_ptr()
+        assert (first.data_ptr() == buf.data_ptr()
+                and second.data_ptr() == buf[len(first):].data_ptr())
         assert torch.equal(torch.cat([first, second]), buf)
     storages = {p.untyped_storage().data_ptr() for p in fused.parameters()}
     pairs = 2 * fused.args.num_hidden_layers          # each layer: the attention pair and an MLP's
-    assert len(storages) == len(list(fused.parameters())) - pairs, "a stacked pair is not one storage"
+    assert len(storages) == len(list(fused.parameters())) - pairs, \
+        "a stacked pair is not one storage"
     # .to() moves each tensor alone: stacked again
     moved = fused.to(torch.float32).to(torch.float64)
-    assert moved.layers[1].self_attn.q_a_proj.weight.data_ptr() == moved.layers[1].self_attn.q_kv_a_weight.data_ptr()
+    assert (moved.layers[1].self_attn.q_a_proj.weight.data_ptr()
+            == moved.layers[1].self_attn.q_kv_a_weight.data_ptr())
     assert_close(run_steps(moved), run_steps(m), 1e-6, "fused_proj after .to() and back")
     for r in (0, 1):
         tp = TP.simulate(2, r)
@@ -1425,8 +1439,8 @@ def test_shared_expert_in_the_fused_launch_equals_plain(tmp_path):
         assert folded.kernels == ("shared_expert",)
         assert_same_state(folded, plain)
         moe = folded.layers[-1].mlp
-        assert isinstance(moe,
-                          kernels.SharedExpertInLaunch) and moe.stacked[0].shape[0] == args.n_routed_experts + 1
+        assert (isinstance(moe, kernels.SharedExpertInLaunch)
+                and moe.stacked[0].shape[0] == args.n_routed_experts + 1)
         assert moe.shared_experts.down_proj.weight.data_ptr() == moe.stacked[2][-1].data_ptr()
         # a prefill (the tile variant), then decode steps of 2 and 1 tokens (the GEMV variant, K + 1
         # pairs a token)
@@ -1480,7 +1494,8 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, 
                      f"{quant} {names}, the shared expert in the launch, {what}")
     # the steps' GEMV launches read planes: the router kernel's, else the MoE's permute
     if quant == "int4":
-        assert bool(permutes) == ("router" not in names), f"{names}: {len(permutes)} permutes in the MoE"
+        assert bool(permutes) == ("router" not in names), \
+            f"{names}: {len(permutes)} permutes in the MoE"
     # above SHARED_MAX_TOKENS tokens the shared expert runs alone beside the GEMV launches
     calls, fused = [], kernels.moe.fused_moe
     monkeypatch.setattr(kernels.moe, "fused_moe", lambda x, *a, shared=None, **kw: calls.append(
@@ -1720,8 +1735,8 @@ def test_draft_top1_kernel_equals_twin():
     for logits in (torch.randn(3, 2, V, generator=g), ties):
         ids = logits.argmax(-1)
         got = kernels.draft_top1(logits.to(TRITON_DEVICE), d2t.to(TRITON_DEVICE))
-        assert got.dtype == torch.int64 and torch.equal(got.cpu(),
-                                                        ids + d2t[ids]), f"top-1 of {list(logits.shape)}"
+        assert got.dtype == torch.int64 and torch.equal(got.cpu(), ids + d2t[ids]), \
+            f"top-1 of {list(logits.shape)}"
 
 
 def draft_heads(device, dtype, seed=0, **draft_kw):

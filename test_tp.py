@@ -22,8 +22,8 @@ from checkpoint import init_random, init_random_draft, load_draft
 from draft import draft_preset, Eagle3Draft
 from graphs import CudaGraphs
 from model import Transformer
-from testing import (assert_close, captured_calls, flat, ONE_THREAD, ranks_stderr, run_py, run_ranks,
-                     step_inputs, tiny)
+from testing import (assert_close, captured_calls, flat, ONE_THREAD, ranks_stderr, run_py,
+                     run_ranks, step_inputs, tiny)
 from tp import TP
 from verify import generate
 
