@@ -141,8 +141,8 @@ class PlantedProposer:
     def chain(self, first, g, last_pos, num_steps, kv_len=None):
         """last_pos [B]: the position of the last extend row; draft j (1-based) guesses position
         last_pos+1+j."""
-        idx = (last_pos.unsqueeze(1) + 1 + torch.arange(1,
-                                                        num_steps + 1)).clamp(max=self.ref.shape[1] - 1)
+        idx = (last_pos.unsqueeze(1) + 1
+               + torch.arange(1, num_steps + 1)).clamp(max=self.ref.shape[1] - 1)
         drafts = self.ref.gather(1, idx)
         first_wrong = torch.tensor([self.wrong_at(self.calls, b) for b in range(len(drafts))])
         self.calls += 1

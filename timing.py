@@ -134,7 +134,8 @@ def build_target(args, device, dtype, tp):
     margs = random_target_args(args)
     if args.routed_experts is not None:
         tpm.print0(f"memory override: {args.routed_experts} of "
-                   f"{checkpoint.preset(args.preset).n_routed_experts} routed experts per layer kept")
+                   f"{checkpoint.preset(args.preset).n_routed_experts} routed experts "
+                   "per layer kept")
     target = model.Transformer(margs, args.batch_size, max_seq_len, device, dtype, tp,
                                routing=built_routing(args))
     params = sum(p.numel() for p in target.parameters())
@@ -595,8 +596,8 @@ def verify_sweep(b, ctx, bandwidth):
     """Verify (the cost model's attention mode) of each of cfg.verify_sweep_tokens T tokens at ctx
     cached tokens, fastest variant, with the distinct experts it reaches (an eager call counts
     them), its floor and (with floors: what the cliff check names) its component profile (a
-    profiled eager call), as isolated's; and draft extend of T up to SWEEP_DRAFT_EXTEND: what a cycle
-    of num_steps T - 1 pays. Inputs as in phase_calls. Returns {T: SweepPoint}."""
+    profiled eager call), as isolated's; and draft extend of T up to SWEEP_DRAFT_EXTEND: what a
+    cycle of num_steps T - 1 pays. Inputs as in phase_calls. Returns {T: SweepPoint}."""
     graph, mode = b.graph_opts[-1], b.best[1]
     B, t, sweep = b.cfg.batch_size, b.target, {}
     for T in b.cfg.verify_sweep_tokens:
