@@ -1228,6 +1228,19 @@ def test_run_py_lines_fit_120_columns_and_say_what_a_run_does():
         "130 interrupted (Ctrl-C)" in help_text
 
 
+def test_source_lines_fit_100_columns():
+    """Every line of the repository's tracked Python files within 100 columns, the project's one
+    width."""
+    names = subprocess.run(["git", "ls-files", "*.py"], cwd=HERE, capture_output=True, text=True,
+                           check=True).stdout.splitlines()
+    over = []
+    for name in names:
+        with open(os.path.join(HERE, name), encoding="utf-8") as f:
+            over += [f"{name}:{i}:{len(line)}" for i, line in enumerate(f.read().splitlines(), 1)
+                     if len(line) > 100]
+    assert names and not over, f"{len(over)} lines past 100 columns, first: {over[:10]}"
+
+
 # ---------------------------------------------------------------------------------------------
 # Routing for timing: distinct and trace (routing.py), refused in one line where they cannot run
 
