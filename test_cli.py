@@ -105,8 +105,8 @@ def test_run_py_cli_tiny(tmp_path):
                                                   for n in table["distinct_experts"].values())
     for phase in ("decode_step", "verify/prefill", "verify/decode"):
         c = table["components"][phase]
-        assert abs(sum(c["parts_ms"].values()) - c["kernel_ms"]) <= 0.05 * c["kernel_ms"], (phase,
-        c)
+        assert abs(sum(c["parts_ms"].values()) - c["kernel_ms"]) <= 0.05 * c["kernel_ms"], \
+            (phase, c)
         assert set(c["parts_ms"]) == set(report.COMPONENTS) and \
             sum(table["bytes"][phase].values()) > 0
     assert "decode steps" in r["answer"][0] and "EAGLE-3 with num_steps 2" in " ".join(r["answer"])
@@ -808,8 +808,8 @@ def test_component_table_adds_up_to_the_summed_op_time():
         assert got.kernels > 100
     assert all(not mod._forward_hooks and not mod._forward_pre_hooks
                for mod in m.modules()), "hooks left behind"
-    assert isinstance(components.scope("router"),
-                      contextlib.nullcontext), "a scope outside profiling must cost nothing"
+    assert isinstance(components.scope("router"), contextlib.nullcontext), \
+        "a scope outside profiling must cost nothing"
     assert model.apply_rope.__name__ == "apply_rope" and \
         "project" not in vars(m.layers[0].self_attn)
 

@@ -713,8 +713,8 @@ def test_mla_merge_absorb_equals_combine_then_head_gemv(dtype, monkeypatch):
             unmerged.partial[b, :, used:] = float("nan")
             unmerged.lse[b, :, used:] = float("nan")
         got = kernels.mla_merge_absorb(unmerged, x["positions"], w_uv)
-        assert got.shape == want.shape == (B, T, shape["H"],
-                                           N) and got.dtype == dtype and torch.isfinite(got).all()
+        assert got.shape == want.shape == (B, T, shape["H"], N)
+        assert got.dtype == dtype and torch.isfinite(got).all()
         assert torch.equal(got, want), \
             f"{what}: max abs diff {(got.double() - want.double()).abs().max().item():.3e}"
         merged, fell_back = merged + (not combines), fell_back + bool(combines)
