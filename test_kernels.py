@@ -685,9 +685,8 @@ def test_mla_merge_absorb_equals_combine_then_head_gemv(dtype, monkeypatch):
                         or combine(*a))
     scale, merged, fell_back = 0.07, 0, 0
     cases = [(TINY_MLA, 16, B, T, S, split) for B, T, S, split in (
-        (1, 1, 40,
-         None), (3, 1, 300, 16), (1, 4, 300, 16), (2, 2, 40, None), (4, 4, 40,
-                                                                     None), (4, 4, 300, 16))]
+        (1, 1, 40, None), (3, 1, 300, 16), (1, 4, 300, 16), (2, 2, 40, None), (4, 4, 40, None),
+        (4, 4, 300, 16))]
     kimi = [(B, T, S, split)
             for B, T, S, split in ((1, 1, 300, 16), (3, 1, 100, 64), (1, 4, 300, 16))
             if device == "cuda" or S == 100]                     # on a CPU the case that merges
