@@ -339,9 +339,14 @@ def cliff_line(check):
     return (f"{len(check.cliffs)} cliff(s), where {check.rule} fails (tokens a row: added ms > "
             "allowed ms, and the components that grew most in a profiled eager verify): "
             + "; ".join(f"{c.tokens[0]}->{c.tokens[1]}: +{c.added_ms:.2f} > {c.allowed_ms:.2f}"
-                        + (" (" + ", ".join(f"{k.replace('_', ' ')} {v:+.2f}"
-                                            for k, v in c.grew.items()) + ")" if c.grew else "")
-                        for c in check.cliffs))
+                        + _grew(c) for c in check.cliffs))
+
+
+def _grew(cliff):
+    """' (component +ms, ...)' for a cliff's components that grew most, or '' without them."""
+    if not cliff.grew:
+        return ""
+    return " (" + ", ".join(f"{k.replace('_', ' ')} {v:+.2f}" for k, v in cliff.grew.items()) + ")"
 
 
 def tree_answer(r):

@@ -111,16 +111,19 @@ def bench_mla_merge_absorb(rows, points=((320, 256), (4096, 4096), (32768, 32768
           "the merge in W_uv's launch")
     # kv_b's value half
     w_uv = (torch.randn(8, 256, 512, device="cuda", dtype=torch.bfloat16) / 512 ** 0.5)[:, 128:]
+
+    def launches(s):      # the merge launch, then W_uv's
+        return head_gemv(mla_decode_attention(**s, softmax_scale=scale), w_uv)
+
+    def merged(s):        # the merge inside W_uv's launch
+        parts = mla_decode_attention(**s, softmax_scale=scale, merge=False)
+        return kernels.mla_merge_absorb(parts, s["positions"], w_uv)
+
     for S, used in points:
         for B, T in shapes:
             sets = _mla_sets(B, T, S, used, max(2, min(32, math.ceil(2.5e8 / (B * S * 576 * 2)))))
-            three = graph_ms([partial(lambda s: head_gemv(
-                mla_decode_attention(**s, softmax_scale=scale), w_uv), s)
-                for s in sets]) * 1e3
-            two = graph_ms([partial(lambda s: kernels.mla_merge_absorb(
-                mla_decode_attention(**s, softmax_scale=scale,
-                                     merge=False), s["positions"], w_uv), s)
-                for s in sets]) * 1e3
+            three = graph_ms([partial(launches, s) for s in sets]) * 1e3
+            two = graph_ms([partial(merged, s) for s in sets]) * 1e3
             print(f"  B {B} T {T} cache {S:>6} used {used:>6}: merge launch + head_gemv "
                   f"{three:6.1f} us, merged in W_uv's launch {two:6.1f} us", flush=True)
             rows.append(dict(kernel="mla_merge_absorb", B=B, T=T, cache=S, used=used,
@@ -647,7 +650,8 @@ def main():
         bench_draft(a.json)
         return
     if a.router:
-        _save(a.json, bench_router(*[_ints(p, "--tokens", a.tokens)] if a.tokens else ()))
+        _save(a.json, bench_router(_ints(p, "--tokens", a.tokens)) if a.tokens
+              else bench_router())
         return
     variants, sweep = tuple(a.variants.split(",")), tuple(v for v in a.sweep.split(",") if v)
     if not set(variants + sweep) <= {"dot", "gemv"}:

@@ -270,7 +270,7 @@ def _shared_gate_up_dot(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, f
         w_ok = n_ok[:, None] & k_ok[None, :]
         gw = tl.load(sg_ptr + n[:, None] * D + k[None, :], mask=w_ok, other=0.0)
         uw = tl.load(su_ptr + n[:, None] * D + k[None, :], mask=w_ok, other=0.0)
-        if not ASM:  # Triton's interpreter: its tl.dot of bf16 operands is wrong; fp32 is exact
+        if INTERPRETED:  # Triton's interpreter: its tl.dot of bf16 operands is wrong; fp32 exact
             gw, uw, xt = gw.to(tl.float32), uw.to(tl.float32), xt.to(tl.float32)
         acc_g = tl.dot(gw, xt, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(uw, xt, acc_u, input_precision=PRECISION)
@@ -471,6 +471,7 @@ _c = tl.constexpr if common.HAVE_TRITON else int
 # bf16 pairs as int32 bits: (128 + q) * 1 - 136 and (128 + 8q) * 0.125 - 24 are q - 8
 BF16_ONE, BF16_M136 = _c(0x3F803F80), _c(0xC308C308 - (1 << 32))
 BF16_EIGHTH, BF16_M24 = _c(0x3E003E00), _c(0xC1C0C1C0 - (1 << 32))
+INTERPRETED = _c(common.HAVE_TRITON and common.interpreting())  # Triton's CPU interpreter
 ASM = _c(common.HAVE_TRITON and not common.interpreting())     # inline PTX (not interpreted)
 
 
