@@ -56,7 +56,10 @@ def _weight_args(w, block_k):
 # over its expert's rows (a few tokens in bf16 and FP8: GEMV_LEADER_TOKENS); the pairs of an
 # expert that several tokens picked run side by side, the later passes reading the rows mostly
 # from L2 (one program serving them all, one pass after another, is slower where tokens share
-# experts: python -m kernels.bench --moe --distinct 8).
+# experts: python -m kernels.bench --moe --distinct 8). In INT4 a program serving 2 to 8 pairs of
+# its expert at once (the row unpacked once, the activations a tile's rows) was at most 10% faster
+# with 8 experts for 2 to 32 tokens and 8-150% slower under uniform routing: the products on the
+# CUDA cores, not the unpack, bound it (benchmarks/shapes/kernels_int4_gemv_pairs.json).
 # Writes h = silu(g) * u * route_w per pair, fp32 [P, I] (INT4: in the plane order below).
 # down: a program per (token, BLOCK_N rows of D), token-major so no combine is needed: the K
 # experts of the token, each [BLOCK_N, I], times that pair's h, summed in registers, stored once.
@@ -110,13 +113,14 @@ GEMV_SMALL_TOKENS = 2
 #    token picks it; run.py's shapes): the GEMV wins at 1 and 2 tokens (30 against 54 us, 53
 #    against 59), the tiles from 3 (72 against 81): 2.
 # At TP 4 (I 512) and TP 2 (I 1024), no shared expert, us a layer (benchmarks/shapes/
-# kernels_tp{4,2}_moe.json): FP8 GEMV / tiles 398 / 435 at 16 tokens and 777 / 733 at 32 (TP 4),
-# 768 / 812 and 1511 / 1319 (TP 2): 16 (17 to 31 not timed); INT4 the GEMV at every count (its
-# tiles 3.3-4.6x slower): 32; bf16 172 / 194 at 2 and 245 / 242 at 3 at TP 2: 2. bf16 at TP 4
-# stays at 2 though its GEMV led up to 8 tokens there (315 / 320 at 8, 615 / 579 at 16): those
-# rows lack the shared expert that SharedExpertInLaunch folds in as one more expert a token, which
-# the GEMV reads once a token and the tiles once, as in TP 8's rows; not yet timed that way.
-GEMV_MAX_TOKENS = {"plain": {256: 2, 512: 2, 1024: 2}, "fp8": {256: 32, 512: 16, 1024: 16},
+# kernels_tp{4,2}_moe.json, kernels_tp{4,2}_fp8_16to32_moe.json): FP8 GEMV / tiles 395 / 407 at 16
+# tokens, 494 / 499 at 20, 590 / 582 at 24 and 780 / 699 at 32 (TP 4), 771 / 782, 957 / 953, 1151 /
+# 1075 and 1518 / 1313 (TP 2): 20; INT4 the GEMV at every count (its tiles 3.3-4.6x slower): 32;
+# bf16 172 / 194 at 2 and 245 / 242 at 3 at TP 2: 2. bf16 at TP 4 stays at 2 though its GEMV led
+# up to 8 tokens there (315 / 320 at 8, 615 / 579 at 16): those rows lack the shared expert that
+# SharedExpertInLaunch folds in as one more expert a token, which the GEMV reads once a token and
+# the tiles once, as in TP 8's rows; not yet timed that way.
+GEMV_MAX_TOKENS = {"plain": {256: 2, 512: 2, 1024: 2}, "fp8": {256: 32, 512: 20, 1024: 20},
                    "int4": {256: 32, 512: 32, 1024: 32}}
 
 
