@@ -150,7 +150,7 @@ def _router_select(part_ptr, bias_ptr, ids_ptr, w_ptr, n0, N, s_ps, s_pn, s_idn,
         for s in tl.static_range(SPLITS):
             logit += tl.load(part_ptr + s * s_ps + n[:, None, None] * s_pn + e, mask=ok, other=0.0,
                              cache_modifier=".cg")
-        ids, w = _top_k(tl.sigmoid(logit), bias_ptr, e, ok, j, G, E_PER_G, k, K, TOPK_GROUP,
+        ids, w = _top_k(tl.sigmoid(logit), bias_ptr, e, ok, g, j, G, E_PER_G, k, K, TOPK_GROUP,
                         GROUPED, BLOCK_N,
                         BLOCK_G, BLOCK_EG, BLOCK_K)
     w = tl.where(k[None, :] < K, w, 0.0)
@@ -165,7 +165,7 @@ def _router_select(part_ptr, bias_ptr, ids_ptr, w_ptr, n0, N, s_ps, s_pn, s_idn,
 
 
 @_jit
-def _top_k(score, bias_ptr, e, ok, j, G, E_PER_G, k, K: tl.constexpr, TOPK_GROUP: tl.constexpr,
+def _top_k(score, bias_ptr, e, ok, g, j, G, E_PER_G, k, K: tl.constexpr, TOPK_GROUP: tl.constexpr,
            GROUPED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_G: tl.constexpr,
            BLOCK_EG: tl.constexpr,
            BLOCK_K: tl.constexpr):
@@ -183,17 +183,20 @@ def _top_k(score, bias_ptr, e, ok, j, G, E_PER_G, k, K: tl.constexpr, TOPK_GROUP
             keep = keep | top
             gscore = tl.where(top, float("-inf"), gscore)
         biased = tl.where(keep[:, :, None], biased, float("-inf"))
-    flat = tl.reshape(biased, [BLOCK_N, BLOCK_G * BLOCK_EG])
-    flat_score = tl.reshape(score, [BLOCK_N, BLOCK_G * BLOCK_EG])
-    idx = tl.arange(0, BLOCK_G * BLOCK_EG)[None, :]
+    # K rounds on the [BLOCK_N, BLOCK_G, BLOCK_EG] scores as they are: each the best score, the
+    # first expert holding it (argmax's tie rule), then that expert masked. (Reshaping them to
+    # [BLOCK_N, BLOCK_G * BLOCK_EG] for one argmax selected wrong experts on the H200 at BLOCK_N 2
+    # with groups: test_router_kernel_equals_twin[deepseek-v3].)
+    flat = g * BLOCK_EG + j   # [1, BLOCK_G, BLOCK_EG]
     ids = tl.zeros([BLOCK_N, BLOCK_K], tl.int32)
     w = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
-    for i in tl.static_range(K):  # K rounds of argmax: the top K, best first
-        top = tl.argmax(flat, 1)[:, None]  # flat index g * BLOCK_EG + j
-        hit = idx == top
+    for i in tl.static_range(K):  # the top K, best first
+        best = tl.max(tl.max(biased, 2), 1)[:, None, None]
+        top = tl.min(tl.min(tl.where(biased == best, flat, BLOCK_G * BLOCK_EG), 2), 1)[:, None]
+        hit = flat == top[:, :, None]
         ids = tl.where(k[None, :] == i, top // BLOCK_EG * E_PER_G + top % BLOCK_EG, ids)
-        w = tl.where(k[None, :] == i, tl.sum(tl.where(hit, flat_score, 0.0), 1)[:, None], w)
-        flat = tl.where(hit, float("-inf"), flat)
+        w = tl.where(k[None, :] == i, tl.sum(tl.sum(tl.where(hit, score, 0.0), 2), 1)[:, None], w)
+        biased = tl.where(hit, float("-inf"), biased)
     return ids, w
 
 
