@@ -827,7 +827,9 @@ def test_router_kernel_equals_twin(shape, dtype, monkeypatch):
     # up to ROUTER_SELECT_MAX_TOKENS tokens one kernel (logits, then the selection in its last
     # program); 5: the logits kernel, then a selection kernel reading its partial sums (on the GPU;
     # the CPU interpreter selects in the last program up to 16, and 5 runs the selection kernel
-    # by force); 37 (past ROUTER_GEMV_MAX_TOKENS): cuBLAS's logits, then that selection kernel
+    # by force); 37 (past ROUTER_GEMV_MAX_TOKENS): cuBLAS's logits, then that selection kernel.
+    # The logits kernel takes its tokens 4 at a time here: 5 tokens are a chunk and a masked one
+    monkeypatch.setattr(kernels.router, "ROUTER_CHUNK", 4)
     most = kernels.router.ROUTER_SELECT_MAX_TOKENS
     assert most < 5 <= kernels.router.ROUTER_GEMV_MAX_TOKENS < 37
     for n, apart in ((1, False), (most, False), (5, False), (5, True), (37, False)):

@@ -46,6 +46,10 @@ ROUTER_SPLIT_D = 8
 ROUTER_BLOCK_E = 8          # experts a program: with ROUTER_TILE, 1024 columns of D a step
 ROUTER_TILE = 8192  # elements of the [experts, D] weight tile a program holds: 64 fp32 a thread
 #                             on 4 warps, whatever the tokens (a tile cut by the tokens is slower)
+# tokens a program takes at once against its weight tile (their loads in flight together), then
+# the next as many: its cost follows the tokens in steps of this, not their power of two. All 16
+# at once on 8 warps cost 33 us at 12 tokens against 14 at 8 (python -m kernels.bench --router)
+ROUTER_CHUNK = 8
 
 
 @_jit
@@ -58,13 +62,15 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
                    SHARED: tl.constexpr,
                    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_G: tl.constexpr,
-                   BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr, SELECT: tl.constexpr):
-    """part[j, n, e] = sum over d in slice j of x[n, d] * W[e, d] in float32, then (SELECT), in the
-    last program, _router_select over all N (<= BLOCK_N) tokens. x [N, D] (any float dtype),
-    W [E, D] float32, part [SPLITS, N, E] float32 (last dims contiguous), count one int32 zero.
-    PLANES: the programs of expert block 0 also write their slice of x as the INT4 GEMV's activation
-    (fused_moe's planes, moe_gemv.activation_planes): 1, fp32 nibble planes [N, 8, D/8]; 2, bf16
-    pair planes (v_ptr a bf16 view of them). Grid: (cdiv(E, BLOCK_E), SPLITS)."""
+                   BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr, SELECT: tl.constexpr,
+                   CHUNK: tl.constexpr):
+    """part[j, n, e] = sum over d in slice j of x[n, d] * W[e, d] in float32 (CHUNK tokens at a
+    time, _router_chunk), then (SELECT), in the last program, _router_select over all N (<=
+    BLOCK_N) tokens. x [N, D] (any float dtype), W [E, D] float32, part [SPLITS, N, E] float32
+    (last dims contiguous), count one int32 zero. PLANES: the programs of expert block 0 also write
+    their slice of x as the INT4 GEMV's activation (fused_moe's planes,
+    moe_gemv.activation_planes): 1, fp32 nibble planes [N, 8, D/8]; 2, bf16 pair planes (v_ptr a
+    bf16 view of them). Grid: (cdiv(E, BLOCK_E), SPLITS)."""
     _wait_for_prior()
     eb, j = tl.program_id(0), tl.program_id(1)
     e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -76,19 +82,13 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
         d = d0 + tl.arange(0, BLOCK_D)
         w = tl.load(w_ptr + e[:, None] * s_we + d[None, :],
                     mask=(e < E)[:, None] & (d < d_end)[None, :], other=0.0)
-        for i in tl.static_range(BLOCK_N):              # each token against the same weight tile
-            ok = (i < N) & (d < d_end)[None, :]
-            # [1, BLOCK_D]
-            x = tl.load(x_ptr + i * s_xn + d[None, :], mask=ok, other=0.0).to(tl.float32)
-            # [BLOCK_N, BLOCK_E]
-            acc = tl.where(n[:, None] == i, acc + tl.sum(x * w, 1)[None, :], acc)
-            if PLANES == 1:
-                if eb == 0:
-                    tl.store(v_ptr + i * D + (d % 8 * (D // 8) + d // 8)[None, :], x, mask=ok)
-            elif PLANES == 2:
-                if eb == 0:
-                    pos = 2 * (d % 4 * (D // 8) + d // 8) + d % 8 // 4
-                    tl.store(v_ptr + i * D + pos[None, :], x.to(tl.bfloat16), mask=ok)
+        if BLOCK_N <= CHUNK:  # one chunk, unrolled (c a constant)
+            acc = _router_chunk(acc, x_ptr, v_ptr, 0, N, D, d, d_end, w, n, eb, s_xn, PLANES,
+                                CHUNK)
+        else:
+            for c in range(0, N, CHUNK):  # each token against the same tile, CHUNK at a time
+                acc = _router_chunk(acc, x_ptr, v_ptr, c, N, D, d, d_end, w, n, eb, s_xn, PLANES,
+                                    CHUNK)
     tl.store(part_ptr + j * s_ps + n[:, None] * s_pn + e[None, :], acc,
              mask=(n < N)[:, None] & (e < E)[None, :])
     if not SELECT:   # the selection kernel selects, launched next
@@ -100,6 +100,27 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
                        E_PER_G, G, scale,
                        SPLITS, K, TOPK_GROUP, NORM, GROUPED, UNIFORM, SHARED, BLOCK_N, BLOCK_G,
                        BLOCK_EG, BLOCK_K)
+
+
+@_jit
+def _router_chunk(acc, x_ptr, v_ptr, c, N, D, d, d_end, w, n, eb, s_xn, PLANES: tl.constexpr,
+                  CHUNK: tl.constexpr):
+    """_router_kernel's tokens c .. c + CHUNK - 1 (those < N) against its weight tile w [BLOCK_E,
+    BLOCK_D] at columns d: each token's dot products added into its row of acc [BLOCK_N, BLOCK_E],
+    and (PLANES, expert block eb 0) its slice of x stored as the INT4 GEMV's planes."""
+    for i in tl.static_range(CHUNK):
+        t = c + i
+        ok = (t < N) & (d < d_end)[None, :]
+        x = tl.load(x_ptr + t * s_xn + d[None, :], mask=ok, other=0.0).to(tl.float32)  # [1, BD]
+        acc = tl.where(n[:, None] == t, acc + tl.sum(x * w, 1)[None, :], acc)
+        if PLANES == 1:
+            if eb == 0:
+                tl.store(v_ptr + t * D + (d % 8 * (D // 8) + d // 8)[None, :], x, mask=ok)
+        elif PLANES == 2:
+            if eb == 0:
+                pos = 2 * (d % 4 * (D // 8) + d // 8) + d % 8 // 4
+                tl.store(v_ptr + t * D + pos[None, :], x.to(tl.bfloat16), mask=ok)
+    return acc
 
 
 @_jit
@@ -267,10 +288,7 @@ def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select
         d_per_split, x.stride(0), weight.stride(0), part.stride(0), part.stride(1), ids.stride(0),
         weights.stride(0), E // n_group, n_group, scaling, SPLITS=splits, PLANES=kind,
         BLOCK_N=_pow2(N, 1), BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select, SELECT=in_kernel,
-        launch_pdl=common.PDL,
-        # 8 warps past 8 tokens (chosen when the last program selected for up to 16 tokens: on 4
-        # warps that spilled, ptxas: 255 registers)
-        num_warps=4 if N <= 8 else 8)
+        CHUNK=min(_pow2(N, 1), ROUTER_CHUNK), launch_pdl=common.PDL, num_warps=4)
     if not in_kernel:
         _router_select_kernel[(N,)](part, bias, ids, weights, N, part.stride(0), part.stride(1),
                                     ids.stride(0), weights.stride(0), E // n_group, n_group,
