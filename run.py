@@ -53,8 +53,10 @@ Exit status: 0 done; 1 --compare found a difference past its thresholds; 2 the i
 """
 import argparse
 import os
+import signal
 import sys
 import tempfile
+import threading
 import time
 from contextlib import contextmanager
 
@@ -615,6 +617,26 @@ def cli(argv=None):
     return status
 
 
+@contextmanager
+def ctrl_c_after_the_block():
+    """A Ctrl-C inside the block is raised (KeyboardInterrupt) at its end, not where it lands:
+    raised inside torch's or Triton's C++ during an import, it can abort the process ("terminate
+    called after throwing an instance of 'pybind11::error_already_set'") instead of unwinding to
+    cli's one line. Only the main thread holds the signal handler; elsewhere the block runs as it
+    is."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    caught = []
+    previous = signal.signal(signal.SIGINT, lambda *_: caught.append(True))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if caught:
+        raise KeyboardInterrupt
+
+
 def main(argv=None):
     """Returns the exit status (0, or 1 when --compare fails); a flag, file or checkpoint the run
     cannot use raises BadInput or checkpoint.CheckpointError, which the command line prints as
@@ -623,9 +645,12 @@ def main(argv=None):
     if args.compare:
         with refusal():
             return baseline.compare_main(args)
-    import torch
+    with ctrl_c_after_the_block():   # torch, Triton and the stages: seconds of imports
+        import torch
 
-    import tp
+        import report  # noqa: F401 (bench's and dump's)
+        import timing  # noqa: F401
+        import tp
     rank, world, device = tp.init_distributed()
     cfg = settle(args, device, world)
     check_sizes(cfg, device, world)

@@ -43,7 +43,14 @@ import tempfile
 import textwrap
 import time
 
-try:  # Ctrl-C while torch loads (seconds): one line and exit status 130, as later (main)
+# Ctrl-C while torch loads (seconds): one line and exit status 130, as later (main). As a command,
+# a Ctrl-C is only noted during the imports and acted on after them: raised inside torch's or
+# Triton's C++, a KeyboardInterrupt can abort the process ("terminate called after throwing an
+# instance of 'pybind11::error_already_set'") instead of unwinding to this line.
+_ctrl_c = []
+_sigint = (signal.signal(signal.SIGINT, lambda *_: _ctrl_c.append(True))
+           if __name__ == "__main__" else None)
+try:
     import torch
     import torch.nn.functional as F
     from tqdm import tqdm
@@ -53,9 +60,11 @@ try:  # Ctrl-C while torch loads (seconds): one line and exit status 130, as lat
     import model
     from draft import Eagle3Draft, draft_preset, draft_vocab, train_step, ttt_loss
     from verify import generate
-except KeyboardInterrupt:
-    if __name__ != "__main__":
-        raise
+finally:
+    if _sigint is not None:
+        signal.signal(signal.SIGINT, _sigint)
+if _ctrl_c:
+    signal.signal(signal.SIGINT, signal.SIG_IGN)   # another Ctrl-C: the exit goes on
     print("train.py: interrupted; nothing started", file=sys.stderr)
     sys.exit(130)
 
