@@ -67,9 +67,12 @@ def component_bytes(target, distinct, kv_slots, batch, tokens):
     kv_slots positions per row, and only the embedding rows looked up."""
     out = dict.fromkeys(COMPONENTS, 0)
     # a shared expert folded into the fused MoE launch (kernels "shared_expert") runs there: its
-    # bytes go with the routed experts' (its time does too)
+    # bytes go with the routed experts' (its time does too), where it rides in for this many
+    # tokens (beside quantized experts up to moe_gemv.SHARED_MAX_TOKENS)
+    x = target.embed_tokens.weight.new_empty(batch * tokens, 0)   # the MoE's rows, as shaped
     folded = tuple(f"layers.{i}.mlp.shared_experts." for i, layer in enumerate(target.layers)
-                   if isinstance(layer.mlp, kernels.SharedExpertInLaunch))
+                   if isinstance(layer.mlp, kernels.SharedExpertInLaunch)
+                   and layer.mlp.shared_in_launch(x))
     for name, p in target.named_parameters():
         nbytes = p.numel() * p.element_size()
         if ".mlp.experts." in name:

@@ -902,6 +902,24 @@ def test_component_bytes_count_what_a_forward_moves():
             - 2 * 3 * a.hidden_size * 4 == every)
 
 
+@pytest.mark.triton
+def test_component_bytes_put_the_shared_expert_where_it_runs(monkeypatch):
+    """kernels "shared_expert" beside INT4 experts: the shared expert's bytes count with the routed
+    experts' where it rides in their launch (up to SHARED_MAX_TOKENS, set to 2 here), and with the
+    shared MLP's where it runs alone; the total is the same."""
+    args = tiny(num_hidden_layers=2, moe_intermediate_size=64, quantization_config="int4")
+    m = init_random(Transformer(args, 2, 32, device=TRITON_DEVICE, dtype=torch.float32), 0)
+    kernels.accelerate(m, ("shared_expert",), moe="fused")
+    monkeypatch.setitem(kernels.moe_gemv.SHARED_MAX_TOKENS, "int4", 2)
+    shared = sum(p.numel() * 4 for n, p in m.named_parameters() if ".shared_experts." in n)
+    launch, alone = (components.component_bytes(m, [4], kv_slots=8, batch=1, tokens=T)
+                     for T in (2, 3))
+    per_token = m.embed_tokens.weight.shape[1] * 4     # the one looked-up row more at 3 tokens
+    assert alone["shared_mlp"] - launch["shared_mlp"] == shared
+    assert launch["routed_experts"] - alone["routed_experts"] == shared
+    assert sum(alone.values()) - sum(launch.values()) == per_token
+
+
 @pytest.mark.parametrize("B", [1, 3])
 def test_chunked_prefill_equals_one_pass(B):
     target = init_random(Transformer(tiny(), 3, 48, dtype=torch.float64), 11)

@@ -591,20 +591,33 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
             routed.data, shared.data = both[:-1], both[-1]
             self.stacked.append(both)
 
+    def routed_fused(self, x):
+        """Whether partial_sum(x) takes the routed experts through fused_moe; else the plain sum
+        (past FusedExperts' token limit; quantized experts past the GEMV rule)."""
+        ex, K = self.experts, self.gate.args.num_experts_per_tok
+        w = expert_weights(ex.gate_proj)
+        return ex.runs_fused(x) and (not ex.quantized
+                                     or gemv_rule(w.fmt, x.shape[0], K, w.shape[1]) == "gemv")
+
+    def shared_in_launch(self, x):
+        """Whether partial_sum(x) runs the shared expert inside the routed launch, not alone (the
+        component table counts its bytes where its time goes)."""
+        fmt = expert_weights(self.experts.gate_proj).fmt
+        return self.routed_fused(x) and (self.stacked is not None
+                                         or x.shape[0] <= moe_gemv.SHARED_MAX_TOKENS[fmt])
+
     def partial_sum(self, x):
         ex, sh = self.experts, self.shared_experts
-        K, w = self.gate.args.num_experts_per_tok, expert_weights(ex.gate_proj)
-        if not ex.runs_fused(x) or (ex.quantized
-                                    and gemv_rule(w.fmt, x.shape[0], K, w.shape[1]) != "gemv"):
+        if not self.routed_fused(x):
             return super().partial_sum(x)
         if self.stacked is None:
             # INT4 experts read x as activation planes: the router kernel writes them (one launch
             # less)
             planes = None
-            if self.gate_kernel and w.fmt == "int4":
+            if self.gate_kernel and expert_weights(ex.gate_proj).fmt == "int4":
                 planes = moe_gemv.empty_planes(x)
             ids, weights = self.gate(x) if planes is None else self.gate(x, planes=planes)
-            if x.shape[0] > moe_gemv.SHARED_MAX_TOKENS[w.fmt]:   # the shared expert alone
+            if not self.shared_in_launch(x):   # the shared expert alone
                 return ex(x, ids, weights, planes=planes) + sh(x)
             return ex(x, ids, weights,
                       shared=[sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight],
