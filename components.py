@@ -72,7 +72,7 @@ def component_bytes(target, distinct, kv_slots, batch, tokens):
     x = target.embed_tokens.weight.new_empty(batch * tokens, 0)   # the MoE's rows, as shaped
     folded = tuple(f"layers.{i}.mlp.shared_experts." for i, layer in enumerate(target.layers)
                    if isinstance(layer.mlp, kernels.SharedExpertInLaunch)
-                   and layer.mlp.shared_in_launch(x))
+                   and layer.mlp.paths(x)[1])
     for name, p in target.named_parameters():
         nbytes = p.numel() * p.element_size()
         if ".mlp.experts." in name:

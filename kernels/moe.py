@@ -591,33 +591,31 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
             routed.data, shared.data = both[:-1], both[-1]
             self.stacked.append(both)
 
-    def routed_fused(self, x):
-        """Whether partial_sum(x) takes the routed experts through fused_moe; else the plain sum
-        (past FusedExperts' token limit; quantized experts past the GEMV rule)."""
+    def paths(self, x):
+        """How partial_sum(x) runs, as two flags: the routed experts through fused_moe (else the
+        plain sum: past FusedExperts' token limit, or quantized experts past the GEMV rule), and
+        the shared expert inside that launch (else alone). The component table asks it too, to
+        count the shared expert's bytes where its time goes."""
         ex, K = self.experts, self.gate.args.num_experts_per_tok
         w = expert_weights(ex.gate_proj)
-        return ex.runs_fused(x) and (not ex.quantized
-                                     or gemv_rule(w.fmt, x.shape[0], K, w.shape[1]) == "gemv")
-
-    def shared_in_launch(self, x):
-        """Whether partial_sum(x) runs the shared expert inside the routed launch, not alone (the
-        component table counts its bytes where its time goes)."""
-        fmt = expert_weights(self.experts.gate_proj).fmt
-        return self.routed_fused(x) and (self.stacked is not None
-                                         or x.shape[0] <= moe_gemv.SHARED_MAX_TOKENS[fmt])
+        fused = ex.runs_fused(x) and (not ex.quantized
+                                      or gemv_rule(w.fmt, x.shape[0], K, w.shape[1]) == "gemv")
+        return fused, fused and (self.stacked is not None
+                                 or x.shape[0] <= moe_gemv.SHARED_MAX_TOKENS[w.fmt])
 
     def partial_sum(self, x):
         ex, sh = self.experts, self.shared_experts
-        if not self.routed_fused(x):
+        fused, in_launch = self.paths(x)
+        if not fused:
             return super().partial_sum(x)
         if self.stacked is None:
             # INT4 experts read x as activation planes: the router kernel writes them (one launch
             # less)
             planes = None
-            if self.gate_kernel and expert_weights(ex.gate_proj).fmt == "int4":
+            if self.gate_kernel and isinstance(ex.gate_proj, model.PackedExperts):
                 planes = moe_gemv.empty_planes(x)
             ids, weights = self.gate(x) if planes is None else self.gate(x, planes=planes)
-            if not self.shared_in_launch(x):   # the shared expert alone
+            if not in_launch:   # the shared expert alone
                 return ex(x, ids, weights, planes=planes) + sh(x)
             return ex(x, ids, weights,
                       shared=[sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight],
