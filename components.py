@@ -133,6 +133,9 @@ def component_of(name, module):
 MLA_METHODS = {"project": "attn_proj", "project_sum": "attn_proj", "attend": "attn_core",
                "absorb_query": "attn_proj", "absorb_output": "attn_proj",
                "merge_absorb_output": "attn_proj"}
+# The MoE's: kernels.SharedExpertInLaunch runs the shared expert alone (past SHARED_MAX_TOKENS)
+# from its own method, with the shared MLP's weights but not its forward
+MOE_METHODS = {"shared_alone": "shared_mlp"}
 
 
 def scope(component):
@@ -153,8 +156,8 @@ def scoped(fn, component):
 @contextmanager
 def component_scopes(target):
     """While profiling: each module's forward inside a range named by its component (hooks),
-    MLA's MLA_METHODS and model.apply_rope (elementwise) wrapped in ranges of theirs; all removed
-    after."""
+    MLA's MLA_METHODS, the MoE's MOE_METHODS and model.apply_rope (elementwise) wrapped in ranges
+    of theirs; all removed after."""
     active, handles, wrapped = [], [], []
 
     def enter(component):
@@ -170,12 +173,13 @@ def component_scopes(target):
         if component:
             handles += [m.register_forward_pre_hook(enter(component)),
                         m.register_forward_hook(leave)]
-        if isinstance(m, model.MLA):
-            for method, part in MLA_METHODS.items():
-                if hasattr(m, method):  # project_sum, merge_absorb_output: the swaps' only
-                    # an instance attribute, deleted after
-                    setattr(m, method, scoped(getattr(m, method), part))
-                    wrapped.append((m, method))
+        methods = (MLA_METHODS if isinstance(m, model.MLA)
+                   else MOE_METHODS if isinstance(m, model.MoE) else {})
+        for method, part in methods.items():
+            if hasattr(m, method):  # project_sum, merge_absorb_output, shared_alone: the swaps'
+                # only; an instance attribute, deleted after
+                setattr(m, method, scoped(getattr(m, method), part))
+                wrapped.append((m, method))
     rope, model.apply_rope = model.apply_rope, scoped(model.apply_rope, "elementwise")
     try:
         yield

@@ -887,6 +887,35 @@ def test_component_table_puts_the_merge_in_w_uv_under_the_projections(monkeypatc
         "the wrapper must be removed after"
 
 
+@pytest.mark.triton
+def test_component_table_puts_the_shared_expert_alone_under_the_shared_mlp(monkeypatch):
+    """Beside INT4 experts past SHARED_MAX_TOKENS (set to 1 here), kernels.SharedExpertInLaunch
+    runs the shared expert from its own method (shared_alone), not the MLP's forward: its GEMMs
+    and SwiGLU must still sit in a "shared_mlp" range, not in the MoE's ("elementwise")."""
+    device = TRITON_DEVICE
+    args = tiny(num_hidden_layers=2, moe_intermediate_size=64, quantization_config="int4")
+    m = init_random(Transformer(args, 2, 32, device=device, dtype=torch.float32), 0)
+    kernels.accelerate(m, ("shared_expert",), moe="fused")
+    monkeypatch.setitem(kernels.moe_gemv.SHARED_MAX_TOKENS, "int4", 1)
+    m(torch.arange(8, device=device).expand(2, 8), torch.arange(8, device=device).expand(2, 8))
+    stack, seen = [], []
+
+    @contextlib.contextmanager
+    def scope(component):
+        stack.append(component)
+        yield
+        stack.pop()
+    monkeypatch.setattr(components, "scope", scope)
+    sh = m.layers[-1].mlp.shared_experts
+    act = sh.act
+    monkeypatch.setattr(sh, "act", lambda *a: seen.append(stack[-1]) or act(*a))
+    with components.component_scopes(m):
+        m(torch.tensor([[8], [9]], device=device), torch.tensor([[8], [8]], device=device),
+          "decode")
+    assert seen == ["shared_mlp"], seen
+    assert "shared_alone" not in vars(m.layers[-1].mlp), "the wrapper must be removed after"
+
+
 def test_component_bytes_count_what_a_forward_moves():
     m = init_random(Transformer(tiny(), 2, 48, dtype=torch.float32), 10)
     distinct = [5] * (m.args.num_hidden_layers - 1)

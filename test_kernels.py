@@ -1467,9 +1467,10 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, 
     checkpoint: the shared expert in the compute dtype): their GEMV launches take its weights beside
     theirs (fused_moe's shared) and equal the plain MoE at 1 and 2 tokens; a prefill past the GEMV
     rule runs the plain sum, and past SHARED_MAX_TOKENS (set to 1 here) the shared expert runs
-    alone beside the routed experts' GEMV launches. With "router" too, INT4 experts read the
-    activation planes that the router kernel writes (the MoE's own permute never runs). The state
-    dict is the plain one; fused_moe refuses a shared expert it cannot take."""
+    alone beside the routed experts' GEMV launches (gate and up one GEMM, down adding onto them).
+    With "router" too, INT4 experts read the activation planes that the router kernel writes (the
+    MoE's own permute never runs). The state dict is the plain one; fused_moe refuses a shared
+    expert it cannot take."""
     permutes, permute = [], kernels.nibble_planes
     monkeypatch.setattr(kernels.moe_gemv, "nibble_planes", lambda *a: permutes.append(1)
                         or permute(*a))
@@ -1482,6 +1483,10 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, 
     assert_same_state(folded, plain)
     moe = folded.layers[-1].mlp
     assert isinstance(moe, kernels.SharedExpertInLaunch) and moe.stacked is None
+    # alone, its gate and up are one GEMM: their weights views of one stacked buffer
+    sh = moe.shared_experts
+    assert [sh.gate_proj.weight.data_ptr(), sh.up_proj.weight.data_ptr()] == [
+        half.data_ptr() for half in moe.shared_gate_up.chunk(2)]
     g = torch.Generator().manual_seed(7)
     width = kernels.expert_weights(moe.experts.gate_proj).shape[1]
     n = kernels.gemv_max_tokens(quant, width) + 1  # past the GEMV rule: the plain sum
@@ -1509,7 +1514,6 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, 
     assert set(calls) == {(2, False), (1, True)}, f"(tokens, shared in the launch): {calls}"
     x = torch.randn(2, args.hidden_size, generator=g).to(TRITON_DEVICE)
     ids, w = moe.gate(x)
-    sh = moe.shared_experts
     weights = [kernels.expert_weights(getattr(moe.experts, p))
                for p in ("gate_proj", "up_proj", "down_proj")]
     both = [sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight]

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 import model
 
 from . import common, moe_gemv
+from .stacked import stack_rows
 from .common import HAVE_TRITON, AttachAgain, _jit, _wait_for_prior, interpreting, tl, triton
 from .moe_gemv import (FORMATS, GEMV_MAX_PAIRS, SHARED_SPLIT, ExpertWeights, _check_planes,
                        _gemv_configs, _weight_args, gemv_max_tokens)
@@ -571,7 +572,8 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
     (Kimi-K2.5; Kimi-K2-Instruct's FP8 checkpoint, whose shared expert is dequantized to bf16 at
     load): the GEMV launches take its weights beside theirs (fused_moe's shared), where the rule
     picks the GEMV variant, up to moe_gemv.SHARED_MAX_TOKENS tokens; above, it runs alone beside
-    them. gate_kernel (the combination with "router", declared in swaps.py): the
+    them (shared_alone: its gate and up one GEMM over their stacked weights, its down GEMM adding
+    onto the routed output). gate_kernel (the combination with "router", declared in swaps.py): the
     router kernel writes the shared slot, and beside INT4 experts the activation planes they read
     (fused_moe's planes), so the launch that permutes x goes. Elsewhere (past FusedExperts' token
     limit, quantized tiles) the plain sum runs, the shared expert alone. Its experts are
@@ -581,8 +583,9 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
 
     def attach(self):
         ex, sh = self.experts, self.shared_experts
-        self.stacked = None
+        self.stacked = self.shared_gate_up = None
         if ex.quantized:
+            self.shared_gate_up = stack_rows(sh.gate_proj, sh.up_proj)   # [2 I, D]: gate | up
             return
         self.stacked = []
         for routed, shared in ((ex.gate_proj, sh.gate_proj.weight), (ex.up_proj, sh.up_proj.weight),
@@ -615,8 +618,8 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
             if self.gate_kernel and isinstance(ex.gate_proj, model.PackedExperts):
                 planes = moe_gemv.empty_planes(x)
             ids, weights = self.gate(x) if planes is None else self.gate(x, planes=planes)
-            if not in_launch:   # the shared expert alone
-                return ex(x, ids, weights, planes=planes) + sh(x)
+            if not in_launch:
+                return self.shared_alone(x, ex(x, ids, weights, planes=planes))
             return ex(x, ids, weights,
                       shared=[sh.gate_proj.weight, sh.up_proj.weight, sh.down_proj.weight],
                       planes=planes)
@@ -625,6 +628,14 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
         else:
             ids, weights = with_shared_slot(*self.gate(x), self.experts.n_experts)
         return self.experts(x, ids, weights, self.stacked)
+
+    def shared_alone(self, x, routed):
+        """routed + the shared expert of x, in place: gate and up one GEMM over their stacked
+        weights, the MLP's SwiGLU (a kernel where "silu_mul" swapped it), the down GEMM adding its
+        product into routed (a partial sum, as the shared expert's own: the MoE all-reduces)."""
+        sh = self.shared_experts
+        h = sh.act(*F.linear(x, self.shared_gate_up).chunk(2, -1))
+        return routed.addmm_(h, sh.down_proj.weight.t())
 
     @staticmethod
     def applies(moe):
