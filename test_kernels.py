@@ -826,13 +826,14 @@ def test_router_kernel_equals_twin(shape, dtype, monkeypatch):
     select_in_kernel = kernels.router._select_in_kernel
     # up to ROUTER_SELECT_MAX_TOKENS tokens one kernel (logits, then the selection in its last
     # program); 5: the logits kernel, then a selection kernel reading its partial sums (on the GPU;
-    # the CPU interpreter selects in the last program up to 16, and 5 runs the selection kernel
-    # by force); 37 (past ROUTER_GEMV_MAX_TOKENS): cuBLAS's logits, then that selection kernel.
-    # The logits kernel takes its tokens 4 at a time here: 5 tokens are a chunk and a masked one
+    # the CPU interpreter selects in the last program up to ROUTER_GEMV_MAX_TOKENS, and 5 and 20
+    # run the selection kernel by force); 37 (past ROUTER_GEMV_MAX_TOKENS): cuBLAS's logits, then
+    # that selection kernel. The logits kernel takes its tokens 4 at a time here: 5 tokens are a
+    # chunk and a masked one, 20 five chunks of a 32-row block
     monkeypatch.setattr(kernels.router, "ROUTER_CHUNK", 4)
     most = kernels.router.ROUTER_SELECT_MAX_TOKENS
-    assert most < 5 <= kernels.router.ROUTER_GEMV_MAX_TOKENS < 37
-    for n, apart in ((1, False), (most, False), (5, False), (5, True), (37, False)):
+    assert most < 5 <= 20 <= kernels.router.ROUTER_GEMV_MAX_TOKENS < 37
+    for n, apart in ((1, False), (most, False), (5, False), (5, True), (20, True), (37, False)):
         monkeypatch.setattr(kernels.router, "_select_in_kernel", select_in_kernel if not apart
                             else lambda N, device: False)
         x = torch.randn(n, args.hidden_size, generator=g).to(device, dtype)

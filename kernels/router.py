@@ -30,9 +30,10 @@ from .moe_gemv import _check_planes
 # program, as a decode's. Beside INT4 experts the kernel also writes x as the INT4 GEMV's activation
 # planes (router_topk's planes; SharedExpertInLaunch), which saves fused_moe its permute launch.
 
-# Past this many tokens cuBLAS's logits and the selection kernel: one program selecting for all
-# tokens grows with them (python -m kernels.bench --small)
-ROUTER_GEMV_MAX_TOKENS = 16
+# Past this many tokens cuBLAS's logits (and a copy into the INT4 GEMV's planes) before the
+# selection kernel; up to it the logits kernel, ROUTER_CHUNK tokens at a time (its cost grows by
+# a chunk's, about 5 us, every 8 tokens: python -m kernels.bench --router --tokens 8,16,24,32)
+ROUTER_GEMV_MAX_TOKENS = 32
 # Up to this many tokens the logits kernel's last program selects; past it the selection kernel,
 # a program a token: where the model's routing selects faster on the H200 (python -m kernels.bench
 # --router; BENCHMARKS.md, Kernel level). SIMULATED uniform routing, whose selection is a gather,
