@@ -710,16 +710,16 @@ MAGIC = 0x4B000000   # the bits of the float 2^23 (_nibble)
 # --moe --shared)
 SHARED_SPLIT = {"int4": 4, "fp8": 2}
 # SharedExpertInLaunch gives the GEMV launches its bf16 shared expert up to this many tokens; above,
-# the shared expert runs alone beside them (its plain MLP). Each of its SHARED_SPLIT programs a row
-# block runs the tokens one after another, so in the launch it costs more with every token (INT4:
-# +3 us a layer at 1 token, +80 at 16), alone it costs about the same at any count. Chosen from
-# the verify sweep with both paths, one H200 run each (python run.py --skip-e2e --cuda-graph on
-# --preset kimi-k2.5 --speculative-num-steps 2, and --quant fp8 --speculative-attention-mode
-# decode): INT4 alone is 0.1-0.5 ms slower at 6-8 tokens, 1.3-2.9 ms faster at 10-16 and within
-# 0.6 ms either way from 20 to 32; FP8 in the launch is as fast or faster at every count to 28.
-# (The kernel benchmark, python -m kernels.bench --moe --variants gemv --shared, puts the INT4
-# crossover at 5 and FP8's at 12: its torch twin of the shared expert, one stacked gate-up GEMM,
-# is cheaper than the model's MLP.)
+# the shared expert runs alone beside them (SharedExpertInLaunch.shared_alone: a gate-up GEMM, the
+# SwiGLU, the down GEMM adding onto the routed sum). Each of its SHARED_SPLIT programs a row block
+# runs the tokens one after another, so in the launch it costs more with every token (INT4: +3 us
+# a layer at 1 token, +80 at 16), alone about 12 us at any count. Chosen from the verify sweep
+# with both limits, one H200 run each (python run.py --skip-e2e --cuda-graph on --preset kimi-k2.5
+# --speculative-num-steps 2, and --quant fp8 --speculative-attention-mode decode): INT4 with 4
+# here is 0.19-0.38 ms slower at 5 to 8 tokens than with 8 and equal elsewhere; FP8 in the launch
+# is as fast or faster at every count to 28. (The kernel benchmark, python -m kernels.bench --moe
+# --variants gemv --shared, puts the INT4 crossover at 5 and FP8's at 12, back to back in a graph
+# of the MoE alone; the rule follows the whole step's measurement.)
 SHARED_MAX_TOKENS = {"int4": 8, "fp8": 32}
 # gate_up's shared programs in the dot form (_shared_gate_up_dot) from this many tokens, by format
 # (absent: the loop form always); each weight read once for all tokens, not once a token. FP8 (4
