@@ -788,6 +788,19 @@ def test_run_defaults_uniform_routing_for_random_weights_and_model_routing_for_a
     assert load_target(ckpt, 1, 16).routing == "model"
 
 
+def assert_parts_add_up(got, what):
+    """A component table (components.profile_components) whose parts sum to its kernels' time
+    within 5%, with time in every component these models run (all but the all-reduce's) and more
+    than 100 kernels."""
+    parts, total = got.parts_ms, got.kernel_ms
+    assert abs(sum(parts.values()) - total) <= 0.05 * total, \
+        f"{what}: parts {sum(parts.values()):.3f} vs kernels {total:.3f} ms"
+    for c in ("attn_core", "attn_proj", "router", "routed_experts", "shared_mlp", "elementwise",
+              "embed_head"):
+        assert parts[c] > 0, f"{what}: nothing attributed to {c}: {parts}"
+    assert got.kernels > 100
+
+
 def test_component_table_adds_up_to_the_summed_op_time():
     """CPU: each op's own time goes to the innermost component around it; the parts must add up to
     the total counted independently (profiler.key_averages), and every component a forward of this
@@ -798,14 +811,9 @@ def test_component_table_adds_up_to_the_summed_op_time():
     for mode in ("extend", "decode"):
         fn = partial(m, tokens[:, -4:], 20 + torch.arange(4).expand(2, 4), mode, kv_len=24)
         got = components.profile_components(m, fn, gpu=False, calls=2)
-        parts, total = got.parts_ms, got.kernel_ms
-        assert abs(sum(parts.values()) - total) <= 0.05 * total, \
-            f"{mode}: parts {sum(parts.values()):.3f} vs {total:.3f} ms"
-        for c in ("attn_core", "attn_proj", "router", "routed_experts", "shared_mlp", "elementwise",
-                  "embed_head"):
-            assert parts[c] > 0, f"{mode}: nothing attributed to {c}: {parts}"
-        assert parts["other"] < 0.1 * total and parts["allreduce"] == 0, parts
-        assert got.kernels > 100
+        assert_parts_add_up(got, mode)
+        assert got.parts_ms["other"] < 0.1 * got.kernel_ms and got.parts_ms["allreduce"] == 0, \
+            got.parts_ms
     assert all(not mod._forward_hooks and not mod._forward_pre_hooks
                for mod in m.modules()), "hooks left behind"
     assert isinstance(components.scope("router"), contextlib.nullcontext), \
@@ -821,13 +829,7 @@ def test_component_table_adds_up_to_the_summed_kernel_time_on_the_gpu():
     target(prefill, prefill_pos)
     got = components.profile_components(target, partial(target, step, step_pos, "decode",
                                                         kv_len=16), gpu=True)
-    parts, total = got.parts_ms, got.kernel_ms
-    assert abs(sum(parts.values()) - total) <= 0.05 * total, \
-        f"parts {sum(parts.values()):.3f} vs kernels {total:.3f} ms"
-    for c in ("attn_core", "attn_proj", "router", "routed_experts", "shared_mlp", "elementwise",
-              "embed_head"):
-        assert parts[c] > 0, f"no kernel attributed to {c}: {parts}"
-    assert got.kernels > 100
+    assert_parts_add_up(got, "decode")
 
 
 @pytest.mark.triton
@@ -859,6 +861,20 @@ def test_component_table_puts_the_input_norm_in_qkva_under_the_projections(monke
     assert where["norm_gemv"] == {"attn_proj"}, where  # q_b, o_proj and layer 0's q_a + kv_a
 
 
+def recorded_scopes(monkeypatch):
+    """components.scope replaced, for one test, by a range that keeps the open components on a
+    stack: returns the stack, whose last entry is the component a call runs in."""
+    stack = []
+
+    @contextlib.contextmanager
+    def scope(component):
+        stack.append(component)
+        yield
+        stack.pop()
+    monkeypatch.setattr(components, "scope", scope)
+    return stack
+
+
 @pytest.mark.triton
 def test_component_table_puts_the_merge_in_w_uv_under_the_projections(monkeypatch):
     """run.py's component ranges: with the attention kernel and norm_gemv, a one-row decode step
@@ -870,14 +886,7 @@ def test_component_table_puts_the_merge_in_w_uv_under_the_projections(monkeypatc
                                 dtype=torch.float32), 0)
     kernels.accelerate(m, ("attention", "norm_gemv"))
     m(torch.arange(8, device=device)[None], torch.arange(8, device=device)[None])
-    stack, seen, launch = [], [], kernels.launch.mla_merge_absorb
-
-    @contextlib.contextmanager
-    def scope(component):
-        stack.append(component)
-        yield
-        stack.pop()
-    monkeypatch.setattr(components, "scope", scope)
+    stack, seen, launch = recorded_scopes(monkeypatch), [], kernels.launch.mla_merge_absorb
     monkeypatch.setattr(kernels.launch, "mla_merge_absorb", lambda *a: seen.append(stack[-1])
                         or launch(*a))
     with components.component_scopes(m):
@@ -898,14 +907,7 @@ def test_component_table_puts_the_shared_expert_alone_under_the_shared_mlp(monke
     kernels.accelerate(m, ("shared_expert",), moe="fused")
     monkeypatch.setitem(kernels.moe_gemv.SHARED_MAX_TOKENS, "int4", 1)
     m(torch.arange(8, device=device).expand(2, 8), torch.arange(8, device=device).expand(2, 8))
-    stack, seen = [], []
-
-    @contextlib.contextmanager
-    def scope(component):
-        stack.append(component)
-        yield
-        stack.pop()
-    monkeypatch.setattr(components, "scope", scope)
+    stack, seen = recorded_scopes(monkeypatch), []
     sh = m.layers[-1].mlp.shared_experts
     act = sh.act
     monkeypatch.setattr(sh, "act", lambda *a: seen.append(stack[-1]) or act(*a))
