@@ -37,7 +37,8 @@ and tp.py, never the reverse.
 Shape legend: B batch rows, T query tokens per row, H local heads, M = T*H query rows of one
 batch row, C kv_lora_rank (latent width), R qk_rope_head_dim, S cache slots, N tokens, D hidden,
 E routed experts, G expert groups, K experts per token, I expert intermediate (this rank's
-slice), P = N*K token-expert pairs. Every kernel keeps a fixed launch shape for given input
+slice), P = N*K token-expert pairs (gemv.py's GEMVs use GEMM's M rows, N outputs, K inputs;
+eagle.py's G is the head's kv heads). Every kernel keeps a fixed launch shape for given input
 shapes and reads no device value on the host, so all of them can be captured in CUDA graphs.
 Every kernel begins with _wait_for_prior() and every launch passes launch_pdl=common.PDL: on
 Hopper a kernel starts while the one before it finishes (programmatic dependent launch, common.py).
@@ -45,22 +46,18 @@ Hopper a kernel starts while the one before it finishes (programmatic dependent 
 
 from .common import HAVE_TRITON, PDL, check_available, interpreting, launch
 from .eagle import (DraftAttentionKernel, DraftHeadNorm, DraftNormsKernel, DraftTop1Kernel,
-                    StackedQKV, compile_head, draft_attention, draft_input_norms, draft_split_len,
-                    draft_top1)
+                    StackedQKV, compile_head, draft_attention, draft_split_len, draft_top1)
 from .elementwise import AddRMSNorm, SiluMulKernel, add_rmsnorm, silu_mul
 from .gemv import (HEAD_GEMV_MAX_ROWS, INPUT_NORM_QKVA_MAX_ROWS, NORM_GEMV_MAX_ROWS,
                    O_PROJ_GEMV_MAX_ROWS, Q_B_GEMV_MAX_ROWS, QKVA_GEMV_MAX_ROWS, GemvRowParallel,
                    InputNormInQKVA, NormGemvMLA, NormGemvQKVA, head_gemv, norm_gemv)
-from .mla import (MLA_MERGE_ABSORB_MAX_ROWS, DecodeAttentionKernel, MLAParts, RopeCacheKernel,
-                  mla_combine, mla_decode_attention, mla_merge_absorb, mla_rope_cache_write,
-                  mla_split_len)
+from .mla import (MLA_MERGE_ABSORB_MAX_ROWS, DecodeAttentionKernel, RopeCacheKernel, mla_combine,
+                  mla_decode_attention, mla_merge_absorb, mla_rope_cache_write)
 from .moe import (FusedExperts, GroupedExperts, SharedExpertInLaunch, expert_weights, fused_moe,
-                  fused_moe_available, gemv_rule, grouped_mm_available, with_shared_slot)
-from .moe_gemv import (GEMV_MAX_PAIRS, GEMV_MAX_TOKENS, ExpertWeights, activation_planes,
-                       gemv_max_tokens, nibble_planes, pair_planes)
-from .router import RouterKernel, router_topk
-from .stacked import SharedDownAddsRouted, StackedGateUp, StackedQKVA, stack_rows
-from .swaps import (COMBINED, DRAFT_KERNELS, KERNELS, MOE_IMPLS, SWAPS, accelerate,
-                    accelerate_draft, accelerate_layer, compile_layers, kernel_names, pick_moe,
-                    swap)
+                  fused_moe_available, grouped_mm_available, with_shared_slot)
+from .moe_gemv import GEMV_MAX_PAIRS, GEMV_MAX_TOKENS, ExpertWeights, gemv_max_tokens, nibble_planes
+from .router import RouterKernel
+from .stacked import SharedDownAddsRouted, StackedGateUp, StackedQKVA
+from .swaps import (DRAFT_KERNELS, KERNELS, SWAPS, accelerate, accelerate_draft, accelerate_layer,
+                    compile_layers, pick_moe, swap)
 from .common import _counters  # noqa: F401  (the tests check the counters are left zero)

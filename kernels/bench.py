@@ -564,9 +564,8 @@ def _bench_draft_attention(bw, S=32768, G=8, HD=128):
             ms = graph_ms([lambda: kernels.draft_attention(q, k, v, *rope, pos,
                                                             *caches, 0.088, split)])
             gbps = 2 * S * G * HD * 2 / ms / 1e6
-            used = split or kernels.draft_split_len(S, G,
-                                                    kernels.DRAFT_ATTN_BLOCK_N[torch.bfloat16],
-                                                    torch.device("cuda"))
+            block_n = kernels.eagle.DRAFT_ATTN_BLOCK_N[torch.bfloat16]
+            used = split or kernels.draft_split_len(S, G, block_n, torch.device("cuda"))
             rows.append(dict(kernel="draft_attention", S=S, T=T, split_len=used, us=ms * 1e3,
                              GBps=gbps,
                              of_copy=gbps / bw))

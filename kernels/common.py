@@ -106,11 +106,13 @@ class AttachAgain:
         return self
 
 
-# The kernels as the swaps call them: each family's module adds its entry points here, by name,
+# The kernels as the swaps call them: the families' modules add their entry points here, by name,
 # beside their definitions. torch.compile (run.py --compile) must not trace into them (a graph
 # break), so that their Triton launches run as written between the compiled parts: compile_layers
-# and compile_head wrap them first (keep_out_of_compile). Only runs that compile import
-# torch._dynamo (about a second of CPU for every process otherwise).
+# and compile_head wrap them first (keep_out_of_compile), so that these launches import
+# torch._dynamo (about a second of CPU) only in runs that compile. The fused MoE is the exception:
+# FusedExperts.forward wraps its fused call in torch.compiler.disable itself, which imports
+# torch._dynamo at the first fused MoE forward.
 launch = SimpleNamespace()
 _kept_out = False
 

@@ -73,18 +73,18 @@ def draft_input_norms(emb, hidden, emb_weight, emb_eps, hidden_weight, hidden_ep
 
 
 # The head's attention (Llama's: H query heads over G kv heads of Hd, rotate-half RoPE, K and V
-# cached by slot = position) for a chain step or an extend of a few tokens, one launch. As the MLA
-# kernel above: program (part, b, g) takes kv head g of batch row b and its GROUP = H / G query
-# heads for all T tokens, M = T * GROUP query rows against each tile of keys, with its helpers (the
-# online-softmax step, part 0's causal tile, the partial store). Part 0 is the T new tokens: it
-# rotates their keys, writes keys and values to their slots and attends to them in registers
-# (causally). Parts 1, 2, ... split the cached slots before the row's first new position, which
-# no program writes. Each program stores its partial output and log-sum-exp; the last of a
-# (b, g) to finish (an atomic counter, as norm_gemv's) merges them in part order: one launch, no
-# float atomics, a graph replay equal to the eager call. Queries are rotated in every program
-# (rotate-half: x * cos + sign * x[(i + Hd/2) % Hd] * sin, both loads from the row in L1/L2).
-# Block sizes as the MLA kernel's (mla.py), its tiles smaller (Hd 128: 16 KB bf16 K and V tiles);
-# `python -m kernels.bench --draft` times the kernel at each split length.
+# cached by slot = position) for a chain step or an extend of a few tokens, one launch. As MLA's
+# decode kernel (mla.py): program (part, b, g) takes kv head g of batch row b and its
+# GROUP = H / G query heads for all T tokens, M = T * GROUP query rows against each tile of keys,
+# with its helpers (the online-softmax step, part 0's causal tile, the partial store). Part 0 is
+# the T new tokens: it rotates their keys, writes keys and values to their slots and attends to
+# them in registers (causally). Parts 1, 2, ... split the cached slots before the row's first new
+# position, which no program writes. Each program stores its partial output and log-sum-exp; the
+# last of a (b, g) to finish (an atomic counter, as norm_gemv's) merges them in part order: one
+# launch, no float atomics, a graph replay equal to the eager call. Queries are rotated in every
+# program (rotate-half: x * cos + sign * x[(i + Hd/2) % Hd] * sin, both loads from the row in
+# L1/L2). Block sizes as the MLA kernel's (mla.py), its tiles smaller (Hd 128: 16 KB bf16 K and V
+# tiles); `python -m kernels.bench --draft` times the kernel at each split length.
 DRAFT_ATTN_BLOCK_N = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
 DRAFT_ATTN_STAGES = {torch.bfloat16: 3, torch.float16: 3, torch.float32: 2}
 DRAFT_ATTN_MAX_ROWS = 32    # M = T * GROUP query rows a program (the fp32 accumulator's registers);

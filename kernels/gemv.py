@@ -183,8 +183,7 @@ def _norm_gemv_step(rows, block_n, step_bytes, warps, K, elem):
 
 
 def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None, block_k=None,
-              programs=None,
-              warps=None):
+              programs=None):
     """RMSNorm(x) @ weight^T in one kernel: x [..., K] of weight's dtype (bf16, fp16 or float32),
     weight [N, K] (rows may be a strided view), norm_weight [K] (None: no norm, a plain GEMV), at
     most NORM_GEMV_MAX_ROWS rows. Returns [..., N]. With a residual (x's shape and dtype) the input
@@ -209,7 +208,7 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
                          f"x's shape and dtype, {x.dtype} {list(x.shape)}")
     bn, step_bytes, bw = NORM_GEMV_BLOCKS[1 if rows == 1 else "several",
                                           "long" if K >= NORM_GEMV_LONG_K else "short"]
-    block_n, warps = block_n or bn, warps or bw
+    block_n, warps = block_n or bn, bw
     if triton.cdiv(N, block_n) > common.COUNTERS:
         raise ValueError(f"norm_gemv: {N} rows of W make more than {common.COUNTERS} row blocks "
                          f"of {block_n}")
@@ -352,7 +351,7 @@ class InputNormInQKVA(model.Block):
     stacked q_a + kv_a GEMV (NormGemvQKVA.project_sum), so no add_rmsnorm launch runs in front of
     the attention; the attention takes the projected inputs (model.MLA.attend). More rows:
     model.Block. MLA's own call does not run here, so run.py's component table scopes project_sum
-    and attend themselves (its MLA_METHODS)."""
+    and attend themselves (components.MLA_METHODS)."""
 
     def forward(self, x, residual, positions, rope, future, mode, slots=None):
         if rows(x) > INPUT_NORM_QKVA_MAX_ROWS:
@@ -366,7 +365,7 @@ class InputNormInQKVA(model.Block):
 
 class GemvRowParallel(tp.RowParallelLinear):
     """"norm_gemv" on MLA's o_proj: at most O_PROJ_GEMV_MAX_ROWS rows through the GEMV kernel (no
-    norm) instead of cuBLAS; the all-reduce as before."""
+    norm) instead of cuBLAS, then tp.RowParallelLinear's all-reduce."""
 
     def forward(self, x):
         if rows(x) > O_PROJ_GEMV_MAX_ROWS:

@@ -38,8 +38,9 @@ COMBINE_BLOCK = 1024
 def _configs(fmt, P, on_gpu):
     """Block sizes (BLOCK_N, BLOCK_K, num_warps, num_stages) of gate_up and down by weight format
     and token-expert pairs P, re-derived by `python -m kernels.bench --moe --sweep dot`:
-     - gate_up BLOCK_N 16 at decode (P = 8: 8 expert tiles, 16 programs each fill 132 SMs), 32 from
-       4 tokens on (32+ tiles: half the activation loads and loop overhead per weight byte);
+     - gate_up BLOCK_N 16 up to 16 pairs (decode, P = 8: 8 expert tiles, 16 programs each fill 132
+       SMs), 32 above (from 3 tokens at K = 8: half the activation loads and loop overhead per
+       weight byte);
      - BLOCK_K 128 for bf16 and FP8 (the checkpoint's scale block: one scale a row and k-step,
        applied after the dot);
      - down BLOCK_N 64 (D = 7168: 112 programs an expert tile; its other sizes move little).
@@ -214,7 +215,7 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
 # variant, which therefore serves INT4 up to 32 tokens. The sm_90 TTGIR shows why: Triton stages
 # every W_j through shared memory on its way to the MMA, 16 small dots a step, each behind a
 # barrier. Unpacking to natural order in registers (tl.join) or loading each word once per
-# element it holds ran 1.4-1.5x and 10x slower; one dot a step over all 8 nibbles (the [BN, 8,
+# element it holds run 1.4-1.5x and 10x slower; one dot a step over all 8 nibbles (the [BN, 8,
 # BLOCK_W] unpack reshaped, the activation loaded in the same order) 1.2-1.4x slower. Where tokens
 # share experts the tiles do not approach the floor either: 8 distinct experts take 105 us at 4
 # tokens and 190 at 32 (floor 5.8; --distinct 8), gate_up then a few programs an expert, each
@@ -384,7 +385,9 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
     [I, D], down [D, I]) tensors in x's dtype, a shared expert added to every token with weight 1,
     in the same launches (INT4 and FP8 experts through the GEMV variant only: the bf16 shared expert
     of Kimi-K2.5, and of Kimi-K2-Instruct's FP8 checkpoint, dequantized at load). planes: x already
-    as the INT4 GEMV's activation planes (nibble_planes; router_topk writes them beside its logits),
+    as the INT4 GEMV's activation planes (moe_gemv.activation_planes: pair planes for bf16 x, else
+    fp32 nibble planes, in a tensor from moe_gemv.empty_planes; router_topk writes them beside its
+    logits),
     read instead of permuting x again; the other variants and formats ignore them."""
     fmt, variant = _check_inputs(x, ids, route_w, gate, up, down, variant, shared, planes)
     N, K = ids.shape

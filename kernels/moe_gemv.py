@@ -57,7 +57,7 @@ def _weight_args(w, block_k):
 # expert that several tokens picked run side by side, the later passes reading the rows mostly
 # from L2 (one program serving them all, one pass after another, is slower where tokens share
 # experts: python -m kernels.bench --moe --distinct 8). In INT4 a program serving 2 to 8 pairs of
-# its expert at once (the row unpacked once, the activations a tile's rows) was at most 10% faster
+# its expert at once (the row unpacked once, the activations a tile's rows) is at most 10% faster
 # with 8 experts for 2 to 32 tokens and 8-150% slower under uniform routing: the products on the
 # CUDA cores, not the unpack, bound it (benchmarks/shapes/kernels_int4_gemv_pairs.json).
 # Writes h = silu(g) * u * route_w per pair, fp32 [P, I] (INT4: in the plane order below).
@@ -119,7 +119,7 @@ GEMV_SMALL_TOKENS = 2
 # bf16 172 / 194 at 2 and 245 / 242 at 3 at TP 2: 2. bf16 at TP 4 stays at 2 though its GEMV led
 # up to 8 tokens there (315 / 320 at 8, 615 / 579 at 16): those rows lack the shared expert that
 # SharedExpertInLaunch folds in as one more expert a token, which the GEMV reads once a token and
-# the tiles once, as in TP 8's rows; not yet timed that way.
+# the tiles once, as in TP 8's rows; they are not measured with it.
 GEMV_MAX_TOKENS = {"plain": {256: 2, 512: 2, 1024: 2}, "fp8": {256: 32, 512: 20, 1024: 20},
                    "int4": {256: 32, 512: 32, 1024: 32}}
 

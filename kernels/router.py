@@ -49,7 +49,7 @@ ROUTER_TILE = 8192  # elements of the [experts, D] weight tile a program holds: 
 #                             on 4 warps, whatever the tokens (a tile cut by the tokens is slower)
 # tokens a program takes at once against its weight tile (their loads in flight together), then
 # the next as many: its cost follows the tokens in steps of this, not their power of two. All 16
-# at once on 8 warps cost 33 us at 12 tokens against 14 at 8 (python -m kernels.bench --router)
+# at once on 8 warps take 33 us at 12 tokens against 14 at 8 (python -m kernels.bench --router)
 ROUTER_CHUNK = 8
 
 
@@ -125,8 +125,8 @@ def _router_chunk(acc, x_ptr, v_ptr, c, N, D, d, d_end, w, n, eb, s_xn, PLANES: 
 
 
 @_jit
-def _router_select_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, N, s_ps, s_pn, s_idn, s_wn, E_PER_G,
-                          G, scale,
+def _router_select_kernel(part_ptr, bias_ptr, ids_ptr, wout_ptr, N, s_ps, s_pn, s_idn, s_wn,
+                          E_PER_G, G, scale,
                           SPLITS: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr,
                           NORM: tl.constexpr, GROUPED: tl.constexpr, UNIFORM: tl.constexpr,
                           SHARED: tl.constexpr, BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr,
@@ -134,25 +134,25 @@ def _router_select_kernel(part_ptr, bias_ptr, ids_ptr, w_ptr, N, s_ps, s_pn, s_i
     """_router_select for token n = program_id(0) from the logits as SPLITS partial sums [SPLITS,
     N, E] float32 (the logits kernel's part; cuBLAS's whole logits: SPLITS 1). Grid: (N,)."""
     _wait_for_prior()
-    _router_select(part_ptr, bias_ptr, ids_ptr, w_ptr, tl.program_id(0), N, s_ps, s_pn, s_idn,
+    _router_select(part_ptr, bias_ptr, ids_ptr, wout_ptr, tl.program_id(0), N, s_ps, s_pn, s_idn,
                    s_wn, E_PER_G, G,
                    scale, SPLITS, K, TOPK_GROUP, NORM, GROUPED, UNIFORM, SHARED, 1, BLOCK_G,
                    BLOCK_EG, BLOCK_K)
 
 
 @_jit
-def _router_select(part_ptr, bias_ptr, ids_ptr, w_ptr, n0, N, s_ps, s_pn, s_idn, s_wn, E_PER_G, G,
-                   scale,
+def _router_select(part_ptr, bias_ptr, ids_ptr, wout_ptr, n0, N, s_ps, s_pn, s_idn, s_wn, E_PER_G,
+                   G, scale,
                    SPLITS: tl.constexpr, K: tl.constexpr, TOPK_GROUP: tl.constexpr,
                    NORM: tl.constexpr,
                    GROUPED: tl.constexpr, UNIFORM: tl.constexpr, SHARED: tl.constexpr,
                    BLOCK_N: tl.constexpr,
                    BLOCK_G: tl.constexpr, BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr):
-    """ids[n], w[n] = the K experts of tokens n = n0 .. n0 + BLOCK_N - 1 (those < N) and their
+    """ids[n], wout[n] = the K experts of tokens n = n0 .. n0 + BLOCK_N - 1 (those < N) and their
     weights, best first (UNIFORM: experts (n*K + i) mod E, i < K), then with SHARED expert E and
     weight 1 in column K. part [SPLITS, N, E] float32 partial sums of the logits (E = G * E_PER_G,
     expert e = g * E_PER_G + j; read from L2: another program stored them), bias [E] float32; ids
-    [N, K (+1)] int64, w [N, K (+1)] float32."""
+    [N, K (+1)] int64, wout [N, K (+1)] float32."""
     n = n0 + tl.arange(0, BLOCK_N)
     k = tl.arange(0, BLOCK_K)
     if UNIFORM:   # the fixed choice; the chosen experts' logits gathered from the partial sums
@@ -180,10 +180,10 @@ def _router_select(part_ptr, bias_ptr, ids_ptr, w_ptr, n0, N, s_ps, s_pn, s_idn,
         w = w / (tl.sum(w, 1) + 1e-20)[:, None]
     out = (n < N)[:, None] & (k < K)[None, :]
     tl.store(ids_ptr + n[:, None] * s_idn + k[None, :], ids.to(tl.int64), mask=out)
-    tl.store(w_ptr + n[:, None] * s_wn + k[None, :], w * scale, mask=out)
+    tl.store(wout_ptr + n[:, None] * s_wn + k[None, :], w * scale, mask=out)
     if SHARED:  # the shared expert as expert E of the fused MoE launch, weight 1
         tl.store(ids_ptr + n * s_idn + K, tl.zeros([BLOCK_N], tl.int64) + G * E_PER_G, mask=n < N)
-        tl.store(w_ptr + n * s_wn + K, tl.full([BLOCK_N], 1.0, tl.float32), mask=n < N)
+        tl.store(wout_ptr + n * s_wn + K, tl.full([BLOCK_N], 1.0, tl.float32), mask=n < N)
 
 
 @_jit

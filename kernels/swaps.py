@@ -8,8 +8,8 @@ import torch
 import model
 
 from .common import HAVE_TRITON, check_available, keep_out_of_compile
-from .eagle import (DRAFT_ATTN_BLOCK_N, DraftAttentionKernel, DraftHeadNorm, DraftNormsKernel,
-                    DraftTop1Kernel, StackedQKV)
+from .eagle import (DraftAttentionKernel, DraftHeadNorm, DraftNormsKernel, DraftTop1Kernel,
+                    StackedQKV)
 from .elementwise import AddRMSNorm, SiluMulKernel
 from .gemv import GemvRowParallel, InputNormInQKVA, NormGemvMLA, NormGemvQKVA
 from .mla import DecodeAttentionKernel, RopeCacheKernel
@@ -56,8 +56,8 @@ class RopeNormGemvQKVA(RopeCacheKernel, NormGemvQKVA):
 
 
 class AttentionNormGemv(DecodeAttentionKernel, NormGemvMLA):
-    """"attention" with "norm_gemv": at a few rows W_uv's GEMV launch merges the attention's
-    parts (MLA_MERGE_ABSORB_MAX_ROWS)."""
+    """"attention" with "norm_gemv": at one row (MLA_MERGE_ABSORB_MAX_ROWS) W_uv's GEMV launch
+    merges the attention's parts."""
     merges_in_w_uv = True
 
 
@@ -259,10 +259,10 @@ def accelerate(target, names=(), moe="auto"):
     KERNELS swapped in. names: "attention" (decode-mode MLA attention), "rope_cache" (RoPE +
     latent norm + cache writes), "router" (SIMULATED uniform routing included), "add_rmsnorm"
     (every residual add with the norm that reads the sum), "silu_mul" (the MLPs' SwiGLU),
-    "norm_gemv" (GEMV kernels: for <= 16 rows q_b_proj with q_a_layernorm inside; for <= 4 rows
-    decode mode's absorbed products over the heads and, with fused_proj, the stacked q_a + kv_a,
-    with add_rmsnorm too, at one row, the layer's input add and norm inside it: InputNormInQKVA;
-    for <= 2 rows o_proj), "shared_expert" (the shared expert inside the fused MoE launch, where
+    "norm_gemv" (GEMV kernels: for <= 8 rows q_b_proj with q_a_layernorm inside and decode mode's
+    absorbed products over the heads; for <= 4 rows, with fused_proj, the stacked q_a + kv_a, with
+    add_rmsnorm too, at one row, the layer's input add and norm inside it: InputNormInQKVA; for <= 2
+    rows o_proj), "shared_expert" (the shared expert inside the fused MoE launch, where
     SharedExpertInLaunch.applies; else left off and not listed), "fused_proj" (plain torch: q_a +
     kv_a and each unfolded MLP's gate + up as one GEMM, the shared expert's down GEMM adding onto
     the routed output); an iterable, "all" or "none". moe: the routed experts' path
@@ -319,7 +319,7 @@ def accelerate_draft(head, names=()):
     device, dtype = head.norm.weight.device, head.norm.weight.dtype
     if names - {"fused_proj"}:
         check_available(device)
-        if dtype not in DRAFT_ATTN_BLOCK_N:
+        if dtype not in (torch.bfloat16, torch.float16, torch.float32):
             raise ValueError(f"the Triton kernels run bf16, fp16 or fp32 heads, not {dtype}")
     apply_swaps(head, HEAD_SLOTS, names)
     head.kernels = tuple(k for k in DRAFT_KERNELS if k in names)
