@@ -415,8 +415,8 @@ def print_allreduce(comm, b):
               f"shorter: {us['interleaved_short_gemv/1']:.1f} (1 token)")
         print(f"measured between compute: {us['interleaved/1']:.1f} us per all-reduce of one "
               "token's hidden row: give it to a simulated rank as --allreduce-us, for the decode "
-              f"step and the verify of {k1} alike (on 2 H200s it predicted both within 1%; "
-              "BENCHMARKS.md)")
+              f"step and the verify of {k1} alike (on 2 H200s it predicted the decode step "
+              "within 1.9% and the verify within 0.9%; BENCHMARKS.md)")
     twin = comm.real_minus_twin_us
     if twin:
         print("real minus its SIMULATED twin (this rank's weights, collectives skipped), per "
@@ -675,13 +675,20 @@ def routing_label(b):
     return "routing: the model's router"
 
 
+def verify_tokens(s):
+    """A RoutingSweep's verify in words: its tokens a row, and at batch > 1 those of the forward."""
+    a_row = s.num_steps + 1
+    return f"verify of {a_row} tokens" + (f" a row ({s.tokens} in the forward)"
+                                          if s.tokens != a_row else "")
+
+
 def print_routing_sweep(r):
     """The verify across distinct experts, one line a D (within 100 columns)."""
     s = r.routing_sweep
     if not s:
         return
     ar = " + all-reduces MODELLED" if r.allreduce_modelled else ""
-    print("\n" + wrap(f"verify of {s.tokens} tokens across distinct experts a MoE layer "
+    print("\n" + wrap(f"{verify_tokens(s)} across distinct experts a MoE layer "
                       f"(SIMULATED distinct; {s.mode} attention, {s.variant}{ar}; top-{s.top_k} "
                       f"of {s.experts} experts; plain step {s.plain_step_ms:.2f} ms; cycle and "
                       f"break-even of num_steps {s.num_steps})", "", "", width=100))
@@ -724,7 +731,7 @@ def sweep_answer(r, b):
     ran = (f"this run's routing ({s.run_routing}) reached {s.run_distinct:.1f} in its timed verify"
            + (f", the trace's windows of {trace['verify_tokens']} tokens {mean:.1f} on average"
               if mean is not None else ""))
-    return [f"Across distinct experts a MoE layer (SIMULATED; verify of {s.tokens} tokens, "
+    return [f"Across distinct experts a MoE layer (SIMULATED; {verify_tokens(s)}, "
             f"num_steps {s.num_steps}): " + "; ".join(said) + f". Uniform's expectation is "
             f"{s.uniform_expectation:.1f} of {s.experts}; {ran}."]
 
@@ -741,17 +748,18 @@ def tables(paths):
     """A markdown table with a row per run.py --json file: its batch and weight format, the plain
     decode step, the chain's verify of num_steps + 1 tokens and the tree's of N nodes (verify's
     attention as the cost model's, the fastest variant), each against its floor where the run had
-    one (a GPU), and the cost model's cycle and break-even accepted length of each. The batch x
-    format x chain of 4 / tree of 8 tables, on a GPU:
+    one (a GPU), and the cost model's cycle and break-even accepted length of each.
+
+    The batch x format x chain of 4 / tree of 8 tables, on a GPU:
 
         for B in 1 2 4; do
             R="--cuda-graph on --skip-e2e --batch-size $B --speculative-num-steps 3
                --speculative-eagle-topk 4 --speculative-num-draft-tokens 8"
-            python run.py $R --json benchmarks/batch${B}_bf16.json
-            python run.py $R --quant fp8 --json benchmarks/batch${B}_fp8.json
-            python run.py $R --preset kimi-k2.5 --json benchmarks/batch${B}_int4.json
+            python run.py $R --json benchmarks/shapes/batch${B}_bf16.json
+            python run.py $R --quant fp8 --json benchmarks/shapes/batch${B}_fp8.json
+            python run.py $R --preset kimi-k2.5 --json benchmarks/shapes/batch${B}_int4.json
         done
-        python report.py tables benchmarks/batch{1,2,4}_{bf16,fp8,int4}.json
+        python report.py tables benchmarks/shapes/batch{1,2,4}_{bf16,fp8,int4}.json
 
     Returns the table's lines."""
     lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
@@ -765,7 +773,10 @@ def tables(paths):
 def table_row(r, path):
     """One run's cells (TABLE_COLUMNS); r: its --json line, read back."""
     env, ph = r["env"], r["phases_ms"]
-    cfg, floors, cm = env["config"], r.get("floors") or {}, r["cost_model"]
+    cfg, cm = env["config"], r["cost_model"]
+    # the first context's floors: `floors` holds the same, except in files of an older layout
+    first = (r.get("contexts") or {}).get(str(cfg["context_len"][0]), {})
+    floors = first.get("floors_ms") or {}
     variant = "graph" if any(name.endswith("/graph") for name in ph) else "eager"
     mode = "decode" if "decode" in cfg.get("attention_modes", ["decode"]) else "prefill"
 

@@ -183,7 +183,7 @@ def add_timing_flags(p):
     p.add_argument("--allreduce-us", type=float, metavar="X", help="for a SIMULATED rank, which "
                    "skips its collectives: add 2 x layers all-reduces of X microseconds to each "
                    "forward in the predictions, labelled MODELLED (a torchrun run prints the X it "
-                   "measured between compute in a CUDA graph: ~11 with NCCL, ~7 one-shot at TP 2 "
+                   "measured between compute in a CUDA graph: ~14 with NCCL, ~7 one-shot at TP 2 "
                    "on H200 NVLink; ~35 over PCIe at TP 8)")
     p.add_argument("--allreduce", choices=ALLREDUCES, default="nccl", help="real TP (torchrun) on "
                    "CUDA GPUs: NCCL's all-reduce, or one-shot: each rank reads its peers' rows "
@@ -232,7 +232,7 @@ def add_model_flags(p):
                    "(train.py), the tiny default")
     p.add_argument("--preset", choices=PRESETS, help="random target to build: kimi-k2 (GPU only), "
                    "kimi-k2.5 (INT4 experts, GPU only), tiny (a toy with every feature; default "
-                   "on CPU)")
+                   "on CPU; the trained pair unless --random-weights)")
     p.add_argument("--simulate-tp", type=int, help="build one SIMULATED rank of TP N (default on "
                    "one GPU with kimi-k2: 8)")
     p.add_argument("--routed-experts", type=int, help="keep N routed experts per layer of a "

@@ -50,7 +50,7 @@ def settle_defaults(cfg, gpu):
     repetitions, routing, the verify sweep's tokens, kernels, and one thread for timing on a CPU."""
     if not gpu and not cfg.dump and not os.environ.get("OMP_NUM_THREADS"):
         # timing on a CPU: one thread, unless asked. The toy model gains nothing from more, and
-        # threads spinning on cores that other jobs share made a busy 2-core machine 10x slower
+        # threads spinning on cores that other jobs share slow a busy machine many times over
         torch.set_num_threads(1)
     defaults = dict(prompt_len=256 if gpu else 16, max_new_tokens=64 if gpu else 24,
                     dtype="bfloat16" if gpu else "float32", reps=20)
