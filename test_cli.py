@@ -344,6 +344,22 @@ def test_run_py_cli_verify_sweep_and_tables(tmp_path):
         assert all(float(x) > 0 for cell in (cells[4], cells[6]) for x in cell.split(", ")), line
 
 
+def test_report_table_rows_take_floors_from_the_first_context():
+    """`report.py tables` reads a run's floors from its first context's floors_ms, which every
+    run.py --json file has; in files of an older layout `floors` held bytes and bandwidth, so a
+    row read from `floors` would lose its x floor."""
+    floors_ms = {"decode_step": 2.0, "verify/decode": 4.0}
+    cost = dict(steps={"3": dict(cycle_ms=9.0, break_even_accept_len=2.5)})
+    env = dict(dtype="bfloat16", config=dict(batch_size=1, context_len=[256],
+                                             attention_modes=["decode"], speculative_num_steps=3))
+    phases = {"decode_step/graph": 3.0, "verify/decode/graph": 8.0}
+    for floors in (floors_ms, dict(bandwidth_GBps=4200.0, decode_step_ms=2.0, verify_ms=4.0)):
+        r = dict(env=env, phases_ms=phases, floors=floors, cost_model=cost,
+                 contexts={"256": dict(floors_ms=floors_ms)})
+        cells = report.table_row(r, "run.json")
+        assert cells[2:5] == ["3.000 (1.50x)", "8.000 (2.00x), 4 tokens", "9.00, 2.50"], cells
+
+
 def test_report_sweep_plot_draws_gpu_sweeps_and_refuses_the_rest(tmp_path, capsys):
     """`report.py sweep-plot`: a sweep with floors (a GPU's, written here by hand, one cliff) is
     drawn where matplotlib is installed, and where it is not the refusal says so (it is not a
