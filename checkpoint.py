@@ -23,7 +23,8 @@ and each parameter's `shard_dim` (tp.py) says how the global tensor is split acr
 model.py and draft.py know nothing of this file; it imports them.
 
 Public: load_target, save_target, load_draft, save_draft, init_random, init_random_draft,
-read_target_args, target_args, target_config, draft_args, draft_config, preset, PRESETS,
+read_target_args, read_draft_args, target_args, target_config, draft_args, draft_config, preset,
+PRESETS,
 fp8_quantization_config, int4_quantization_config, quant_scheme, CheckpointError.
 """
 import json
@@ -328,7 +329,8 @@ def check_int4_scope(table, ignore):
     for name, _, _ in table:
         module, leaf = name.rsplit(".", 1)
         routed = ".mlp.experts." in name
-        linear = name.endswith("_proj.weight") or name.endswith("lm_head.weight") or routed
+        linear = routed or name.endswith(("_proj.weight", "_proj_with_mqa.weight",
+                                          "lm_head.weight"))
         if not linear or leaf == "weight_scale":   # a packed expert: checked by its weight_packed
             continue
         if ignored(module, ignore) == routed:
@@ -424,7 +426,8 @@ def random_weight(model, name, p, shape, g):
     if name.endswith("weight_scale_inv"):
         fan_in = global_shape(model.get_parameter(name.removesuffix("_scale_inv")), model.tp)[-1]
         return (1 + 0.1 * noise) / math.sqrt(fan_in)
-    if name.endswith("weight_scale"):  # q uniform in [-7, 7] has std sqrt(17.5) ~ 4.18
+    if name.endswith("weight_scale"):  # q in [-7, 7], 0 twice as likely (nibble 0 folded onto 8):
+        # E[q^2] = 280 / 16 = 17.5
         fan_in = shape[-1] * model.args.int4_group_size
         return (1 + 0.1 * noise) / (math.sqrt(17.5) * math.sqrt(fan_in))
     if name.endswith("norm.weight") or name.endswith("layernorm.weight"):

@@ -243,9 +243,9 @@ def set_target_aux_layers(target, args):
     ids = args.aux_layer_ids
     if ids is None:
         return
-    if any(not 0 <= i < target.args.num_hidden_layers for i in ids):
-        raise ValueError(f"draft eagle_aux_hidden_state_layer_ids {ids} outside the target's "
-                         f"{target.args.num_hidden_layers} layers")
+    if len(ids) != 3 or any(not 0 <= i < target.args.num_hidden_layers for i in ids):
+        raise ValueError(f"draft eagle_aux_hidden_state_layer_ids {ids}: EAGLE-3 reads 3 layers, "
+                         f"each among the target's {target.args.num_hidden_layers}")
     target.aux_layer_ids = sorted(ids)
 
 

@@ -116,7 +116,7 @@ class ModelArgs:
 
     def default_aux_layer_ids(self):
         """EAGLE-3's default: outputs of layers 1, L//2 - 1 and L - 4 (SGLang, SpecForge), kept
-        inside [0, L) for toy depths."""
+        inside [0, L) for toy depths (where two ids may name one layer: it is read twice)."""
         n = self.num_hidden_layers
         return [min(max(i, 0), n - 1) for i in (1, n // 2 - 1, n - 4)]
 
@@ -264,8 +264,7 @@ class MLA(nn.Module):
         q_pe = self.write_cache(q_pe, kv_a, positions if slots is None else slots, rope)
         kv_c, pe_c = self.kv_cache[:B, :kv_len], self.pe_cache[:B, :kv_len]   # [B, S, C], [B, S, R]
         path = self.attend_extend if mode == "extend" else self.attend_absorbed
-        causal = positions if slots is None else None
-        o = path(q_nope, q_pe, kv_c, pe_c, causal, future)                     # [B, T, H, d]
+        o = path(q_nope, q_pe, kv_c, pe_c, future)                             # [B, T, H, d]
         return self.o_proj(o.flatten(2))                                       # [B, T, D]
 
     def project(self, x):
@@ -292,7 +291,7 @@ class MLA(nn.Module):
         w_kv_b = self.kv_b_proj.weight.view(self.n_local_heads, -1, a.kv_lora_rank)
         return w_kv_b.split([a.qk_nope_head_dim, a.v_head_dim], 1)
 
-    def attend_extend(self, q_nope, q_pe, kv_c, pe_c, positions, future):
+    def attend_extend(self, q_nope, q_pe, kv_c, pe_c, future):
         """Prefill-style: every cached latent expanded by kv_b_proj to per-head keys and values."""
         a, (B, S, _) = self.args, kv_c.shape
         k_nope, v = self.kv_b_proj(kv_c).view(B, S, self.n_local_heads, -1).split(
@@ -303,19 +302,19 @@ class MLA(nn.Module):
         p = scores.softmax(-1, dtype=torch.promote_types(q_nope.dtype, torch.float32))
         return torch.einsum("bths,bshd->bthd", p.to(q_nope.dtype), v)          # p [B, T, H, S]
 
-    def attend_absorbed(self, q_nope, q_pe, kv_c, pe_c, positions, future):
+    def attend_absorbed(self, q_nope, q_pe, kv_c, pe_c, future):
         """Decode-style (absorbed MLA): a key is k = W_uk c for a cached latent c, so q . k =
         (W_uk^T q) . c: W_uk moves onto the T queries instead of onto all S cached latents; likewise
         o = sum_s p_s (W_uv c_s) = W_uv (sum_s p_s c_s): attend over latents, then W_uv once."""
         w_uk, w_uv = self.kv_b_halves()
         q_lat = self.absorb_query(q_nope, w_uk)                                # [B, T, H, C]
-        o_lat = self.attend_latent(q_lat, q_pe, kv_c, pe_c, positions, future)  # [B, T, H, C]
+        o_lat = self.attend_latent(q_lat, q_pe, kv_c, pe_c, future)           # [B, T, H, C]
         return self.absorb_output(o_lat, w_uv)                                 # [B, T, H, d]
 
     def absorb_query(self, q_nope, w_uk):                             # kv_b_proj's key half
         return torch.einsum("bthd,hdc->bthc", q_nope, w_uk)
 
-    def attend_latent(self, q_lat, q_pe, kv_c, pe_c, positions, future):
+    def attend_latent(self, q_lat, q_pe, kv_c, pe_c, future):
         return absorbed_attention(q_lat, q_pe, kv_c, pe_c, future, self.args.softmax_scale)
 
     def absorb_output(self, o_lat, w_uv):                             # kv_b_proj's value half
@@ -575,8 +574,9 @@ class Transformer(nn.Module):
         L = args.num_hidden_layers
         aux = aux_layer_ids if aux_layer_ids is not None else args.default_aux_layer_ids()
         self.aux_layer_ids = sorted(aux)
-        if any(not 0 <= i < L for i in self.aux_layer_ids):
-            raise ValueError(f"aux layer ids {self.aux_layer_ids} must lie in [0, {L})")
+        if len(self.aux_layer_ids) != 3 or any(not 0 <= i < L for i in self.aux_layer_ids):
+            raise ValueError(f"aux layer ids {self.aux_layer_ids}: EAGLE-3 reads 3 layers, each in "
+                             f"[0, {L})")
         D, V = args.hidden_size, args.vocab_size
         self.embed_tokens = VocabParallelEmbedding(V, D, self.tp, device, dtype)
         self.layers = nn.ModuleList(
@@ -634,7 +634,7 @@ class Transformer(nn.Module):
             x, residual = layer(x, residual, positions, rope, future, mode, slots)
             if capture_aux and i in self.aux_layer_ids:  # an EAGLE-3 state: the stream after it
                 x, residual = x + residual, None
-                captured.append(x)
+                captured += [x] * self.aux_layer_ids.count(i)   # twice where two ids name it
         aux = torch.cat(captured, dim=-1) if capture_aux else None
         h = self.norm(x) if residual is None else self.norm(x, residual)[0]
         return TargetOutput(self.lm_head(h), aux)
