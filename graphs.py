@@ -7,8 +7,8 @@ so the warm-up writes to the KV cache are the very writes the replay makes.
 
 Outputs are copied out of the pool right after each replay. With one shared pool, a graph's static
 output may sit in memory that an earlier-captured graph uses as scratch, so it would be clobbered
-by that graph's next replay (found on the H200: the verify replay overwrote the draft chain's
-output before acceptance read it). The copies are small (logits and hidden states of a few tokens).
+by that graph's next replay (the verify's replay can overwrite the draft chain's output before
+acceptance reads it). The copies are small (logits and hidden states of a few tokens).
 
 A graph replays the function it captured, whatever `fn` a later call passes; so each key remembers
 which function it holds, and a call with another function under the same key is refused.

@@ -2,12 +2,14 @@
 on a CPU.
 
     python train.py                  # train both (~5 CPU minutes), save them to out/tiny-stdlib,
-    measure python train.py --out DIR        # ... save them to DIR instead
+                                     # measure
+    python train.py --out DIR        # ... save them to DIR instead
     python train.py --quick          # a quick try of every step (seconds of training; a poor pair)
-    python train.py --eval [DIR]     # only measure a saved pair (default the committed one), print
-    it python train.py --out DIR --eval # ... the pair in DIR
+    python train.py --eval [DIR]     # only measure a saved pair (default the committed one),
+                                     # print it
+    python train.py --out DIR --eval # ... the pair in DIR
     python train.py --out checkpoints/tiny-stdlib --overwrite-committed   # remake the committed
-    pair
+                                                                          # pair
 
 Training runs on one CPU thread (--threads): the sums' order then does not depend on the machine,
 and the default remakes the committed pair tensor for tensor on the Python and torch that
@@ -186,8 +188,8 @@ def detach_caches(module):
 
 
 def fit(params, cfg, loss_fn, desc, before_step=lambda: None):
-    """AdamW over cfg["steps"] steps of loss_fn(step, gen) -> (loss, extra); returns the last
-    losses."""
+    """AdamW over cfg["steps"] steps of loss_fn(opt, gen) -> (loss, extra), before_step() ahead
+    of each; returns every step's loss."""
     opt = torch.optim.AdamW(params, lr=cfg["lr"], betas=(0.9, 0.95), weight_decay=0.0)
     gen = torch.Generator().manual_seed(cfg["seed"])
     bar, history = tqdm(range(cfg["steps"]), desc=desc), []

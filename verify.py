@@ -20,7 +20,7 @@ cycle), so each graphs.GraphKey (phase, mode, batch, tokens, slots) is one fixed
 graph. Prefill runs in chunks through the static cache (slot = position makes that exact), so a
 long prompt never holds extend attention's scores for all its positions at once.
 
-A draft tree (topk > 1, draft.Eagle3Draft.tree) runs tree_cycle instead: its N nodes verified
+A draft tree (topk given, draft.Eagle3Draft.tree) runs tree_cycle instead: its N nodes verified
 at slots after the prefix under a mask as data (tree_visible), accepted by a walk from the root
 (tree_accept: greedy, or multi-candidate rejection sampling, SpecInfer arXiv:2305.09781), the
 accepted path's latents moved to slot = position (Transformer.move_cache).
@@ -230,7 +230,7 @@ def simulated_accept(m, mean_len, k, generator):
 
 
 # ---------------------------------------------------------------------------------------------
-# Trees (draft.Tree, topk > 1): the verify mask and acceptance, as functions of tensors
+# Trees (draft.Tree, topk given): the verify mask and acceptance, as functions of tensors
 
 def tree_ancestors(parents):
     """[B, N, N] bool: [b, i, a] when node a is node i or one of its ancestors. parents [B, N]
@@ -257,16 +257,16 @@ def tree_visible(parents, start, kv_len):
 
 def tree_accept(logits, tree, max_depth, temperature, generator):
     """Walk each row's tree from the root: at the current node, accept one of its children or
-    stop. logits [B, N, V]: the target's at the tree's nodes; tree: a draft.Tree; max_depth:
-    the tree's levels (num_steps). Greedy: the child whose token is the target's argmax there
-    (siblings' tokens are distinct, so at most one). Sampling: multi-candidate rejection
+    stop. logits [B, N, V]: the target's at the tree's nodes; tree: a draft.Tree; max_depth: the
+    deepest path, min(num_steps, N - 1). Greedy: the child whose token is the target's argmax
+    there (siblings' tokens are distinct, so at most one). Sampling: multi-candidate rejection
     sampling with the drafts as point masses (SpecInfer, arXiv:2305.09781; SGLang's target-only
     tree sampling): one uniform u per node, the children in node order accepted at the first
     whose cumulative target probability exceeds u (child c with probability p(c)); with none,
-    the bonus token comes from p with every child's token removed, so each emitted token
-    follows the target's distribution exactly. Fixed shapes: max_depth steps for every row.
-    Returns m [B] (nodes accepted below the root), path [B, max_depth + 1] (the accepted nodes
-    by depth, root first; past m it repeats the last) and the target's own next token [B]."""
+    the bonus token comes from p with every child's token removed, so each emitted token follows
+    the target's distribution exactly. Fixed shapes: max_depth steps for every row. Returns m
+    [B] (nodes accepted below the root), path [B, max_depth + 1] (the accepted nodes by depth,
+    root first; past m it repeats the last) and the target's own next token [B]."""
     (B, N), tokens, parents = tree.tokens.shape, tree.tokens, tree.parents
     if temperature == 0:
         best = logits.argmax(-1)                                             # [B, N]
@@ -398,8 +398,8 @@ def speculative_cycle(loop, rows, drafts, *, pos, kv, kv_draft):
     if loop.probe.accept_len is not None:
         m = simulated_accept(m, loop.probe.accept_len, k, gen)
         bonus = logits.argmax(-1).gather(1, m.unsqueeze(1)).squeeze(1)
-    m = m.masked_fill(rows.done, 0)   # a finished row stays where it is: its chain must not run
-    # past the cache (found: a row done at max_new_tokens accepting k drafts chained one slot past)
+    # a finished row stays where it is: with m = 0 its draft chain never writes past the cache
+    m = m.masked_fill(rows.done, 0)
     # [d_1..d_m, bonus, junk]: the tokens emitted, and the draft extend's input rows
     emitted = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, m.unsqueeze(1), bonus.unsqueeze(1))
     mark("accept")
