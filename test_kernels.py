@@ -1122,16 +1122,19 @@ def kernel_models(device, dtype, B=3, max_seq_len=64, layers=8):
 def test_model_with_kernels_equals_plain():
     """The swapped tiny model (every kernel, the fused MoE) against the plain one, end to end
     (2 layers on a CPU, one dense and one MoE: the interpreter runs each program in turn), float32,
-    on the same weights (accelerate keeps the state dict's keys and values): a 12-token prefill and
-    a 3-token step at each row's own position in each attention mode, so every kernel runs (decode
-    attention with 48 and 12 query rows a batch row); logits and the EAGLE-3 aux states."""
+    on the same weights (accelerate keeps the state dict's keys and values): a 12-token prefill, a
+    3-token step at each row's own position, then a token of two rows and of one row (the GEMV
+    kernels' row limits: 1, 2, 4, 8) in each attention mode; logits and the EAGLE-3 aux states."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     plain, fast = kernel_models(device, torch.float32, layers=8 if device == "cuda" else 2)
     assert fast.kernels == kernels.KERNELS and not hasattr(plain, "kernels")
     assert_same_state(fast, plain)
     prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=9))
+    one, one_pos = step[:1, :1], torch.tensor([[15]], device=device)    # row 0's next token alone
     for mode in ("decode", "extend"):
-        for tokens, pos, what in ((prefill, prefill_pos, "prefill"), (step, step_pos, "step")):
+        for tokens, pos, what in ((prefill, prefill_pos, "prefill"), (step, step_pos, "step"),
+                                  (step[:2, :1], step_pos[:2, :1], "2-row step"),
+                                  (one, one_pos, "1-row step")):
             want, got = plain(tokens, pos, mode, capture_aux=True), fast(tokens, pos, mode,
                                                                          capture_aux=True)
             assert_close(got.logits, want.logits, 1e-4,
@@ -1225,6 +1228,7 @@ def test_each_swap_equals_the_module_it_replaces(name):
             r = torch.randn(n, x.shape[-1], generator=g).to(device)
             (want, want_sum), (got, got_sum) = plain(x, r), fast(x, r)
             assert_close(got_sum, want_sum, 0.0, f"{name}: the residual sum")
+            # without a residual the swap runs the plain norm, no kernel: exactly the module's
             assert_close(fast(x), plain(x), 0.0, f"{name} without a residual")
         else:
             want, got = plain(x), fast(x)
@@ -1636,7 +1640,8 @@ def test_gpu_mla_decode_kernel_one_graph_any_length(S):
 @pytest.mark.triton
 def test_gpu_kernels_in_captured_paths(monkeypatch):
     """The tiny model with every kernel on: each captured shape replays equal to eager, with no
-    host sync anywhere; float32 logits equal the plain model's; bf16 agreement is reported. The
+    host sync anywhere; bf16 agreement with the plain model is reported (float32 logits against
+    the plain model's: test_model_with_kernels_equals_plain, which runs on the GPU too). The
     decode step (3 rows, with the merge in W_uv's launch allowed up to HEAD_GEMV_MAX_ROWS rows for
     the test; run.py's step has 1) merges the attention's parts in W_uv's launch (mla_merge_absorb),
     the verify in decode mode (12 rows) in the combine launch."""
@@ -1745,26 +1750,30 @@ def test_draft_top1_kernel_equals_twin():
             f"top-1 of {list(logits.shape)}"
 
 
-def draft_heads(device, dtype, seed=0, **draft_kw):
-    """A tiny target and the tiny head twice: plain, and with every head swap (then loaded with the
-    plain head's state dict by the plain names)."""
+def draft_heads(device, dtype, seed=0, names="all", **draft_kw):
+    """A tiny target and the tiny head twice: plain, and with the head swaps `names` (default
+    every one; then loaded with the plain head's state dict by the plain names)."""
     target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=64, device=device,
                                      dtype=dtype), seed)
     plain = init_random_draft(Eagle3Draft(draft_preset("tiny", **draft_kw), target), seed + 1)
     fast = Eagle3Draft(draft_preset("tiny", **draft_kw), target)
-    assert kernels.accelerate_draft(fast, "all") == kernels.DRAFT_KERNELS
+    want = tuple(k for k in kernels.DRAFT_KERNELS if names == "all" or k in names)
+    assert kernels.accelerate_draft(fast, names) == want
     fast.load_state_dict(plain.state_dict())
     assert_same_state(fast, plain)
     return target, plain, fast
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("kv_heads", [4, 2])
-def test_draft_head_with_kernels_equals_plain(kv_heads):
-    """The swapped head against the plain one on the same weights: an extend of 4 rows at each batch
-    row's own position, then 2 chain steps, over the first 48 slots and over all of them: logits,
-    g and the caches they write; a tree (slots and masks: the plain attention) alike."""
-    target, plain, fast = draft_heads(TRITON_DEVICE, torch.float32, num_key_value_heads=kv_heads)
+@pytest.mark.parametrize("kv_heads,names", [(4, "all"), (2, "all"),
+                                            *((2, [k]) for k in kernels.DRAFT_KERNELS)])
+def test_draft_head_with_kernels_equals_plain(kv_heads, names):
+    """The swapped head (every head swap, and each alone, as run.py --kernels may ask) against the
+    plain one on the same weights: an extend of 4 rows at each batch row's own position, then 2
+    chain steps, over the first 48 slots and over all of them: logits, g and the caches they write;
+    a tree (slots and masks: the plain attention) alike."""
+    target, plain, fast = draft_heads(TRITON_DEVICE, torch.float32, names=names,
+                                      num_key_value_heads=kv_heads)
     g = torch.Generator().manual_seed(kv_heads)
     B, T = 3, 4
     tokens = torch.randint(0, 256, (B, T), generator=g).to(TRITON_DEVICE)

@@ -2,6 +2,7 @@
 router. CPU, seconds."""
 import importlib.util
 import json
+from functools import partial
 
 import numpy as np
 import pytest
@@ -14,6 +15,7 @@ import model
 import routing
 import run
 import timing
+from testing import assert_close
 
 
 @pytest.mark.parametrize("E,K", [(16, 4), (384, 8), (8, 8)])
@@ -267,12 +269,29 @@ def test_distinct_routing_reaches_exactly_D_in_every_layer_of_a_forward_at_every
         target.set_routing("distinct")
 
 
+def first_router_calls(target, tokens, positions):
+    """Each MoE layer's router (ids, weights) of one forward; the first layer's input is the same
+    whatever the routing, so its weights compare across routings."""
+    calls = []
+    hooks = [r.register_forward_hook(lambda m, args, out: calls.append(out))
+             for r in routing.routers(target)]
+    with torch.no_grad():
+        target(tokens, positions)
+    for h in hooks:
+        h.remove()
+    return calls
+
+
 @pytest.mark.triton
 def test_distinct_routing_through_the_router_kernel():
-    """kernels.RouterKernel routes as the model's router, then the choice's ids are copied over."""
+    """kernels.RouterKernel under a choice made outside ("distinct", as "trace"): the choice's ids,
+    those the plain router takes, in every layer; its weights stay the kernel's own selection's
+    (model.Router's under routing "model"), not the plain router's scores at the chosen ids (the
+    kernel's docstring says so): the first MoE layer, whose input no routing changes, shows both."""
     from testing import TRITON_DEVICE
-    target = checkpoint.init_random(model.Transformer(checkpoint.preset("tiny"), 1, 32,
-                                                      TRITON_DEVICE, torch.float32), 4)
+    build = partial(model.Transformer, checkpoint.preset("tiny"), 1, 32, TRITON_DEVICE,
+                    torch.float32)
+    target, plain = checkpoint.init_random(build(), 4), checkpoint.init_random(build(), 4)
     kernels.accelerate(target, ["router"], moe="gather")
     assert all(isinstance(r, kernels.RouterKernel) for r in routing.routers(target))
     E, K = target.args.n_routed_experts, target.args.num_experts_per_tok
@@ -281,7 +300,14 @@ def test_distinct_routing_through_the_router_kernel():
     for T, D in cases:
         tokens = torch.randint(0, 256, (1, T), device=TRITON_DEVICE)
         positions = torch.arange(T, device=TRITON_DEVICE).unsqueeze(0)
-        target.set_routing("distinct", routing.DistinctChoice(D, E, K, seed=T))
+        plain.set_routing("model")
+        own = first_router_calls(plain, tokens, positions)[0][1]
+        for m in (target, plain):
+            m.set_routing("distinct", routing.DistinctChoice(D, E, K, seed=T))
+        got, want = (first_router_calls(m, tokens, positions) for m in (target, plain))
+        for layer, ((ids, _), (plain_ids, _)) in enumerate(zip(got, want)):
+            assert torch.equal(ids, plain_ids), f"T {T}, D {D}, layer {layer}"
+        assert_close(got[0][1], own, 1e-5, f"T {T}, D {D}: the kernel's own weights")
         assert_distinct(routed_ids(target, tokens, positions), D, K, f"kernel, T {T}, D {D}")
 
 
