@@ -1366,7 +1366,9 @@ def test_tree_dump_holds_the_tree_and_its_accepted_path():
 # ---------------------------------------------------------------------------------------------
 # CUDA graphs against eager: no host sync, bf16 agreement (marked gpu)
 
-GPU_MOE = [(q, impl) for q in (None, "int4", "fp8") for impl in ("fused", "grouped")]
+# the fused MoE (with every Triton kernel on) needs Triton: marked so, it skips with the reason
+GPU_MOE = [pytest.param(q, impl, marks=[pytest.mark.triton] if impl == "fused" else [])
+           for q in (None, "int4", "fp8") for impl in ("fused", "grouped")]
 
 
 @pytest.mark.gpu
@@ -1509,7 +1511,7 @@ def test_uniform_routing_same_in_a_graph_as_eager_without_host_sync():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernels_on", [False, True])
+@pytest.mark.parametrize("kernels_on", [False, pytest.param(True, marks=pytest.mark.triton)])
 def test_compiled_layers_equal_plain_inside_graphs_without_host_sync(kernels_on):
     """run.py --compile: torch.compile fuses each layer, our CUDA graphs capture the result; with
     every kernel on (run.py --compile --kernels all, SIMULATED uniform routing as run.py times it)

@@ -374,7 +374,7 @@ def test_a_dumps_routing_is_the_routers_own_choice():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("kernels_on", ["none", "all"])
+@pytest.mark.parametrize("kernels_on", ["none", pytest.param("all", marks=pytest.mark.triton)])
 def test_distinct_and_trace_routing_replay_in_cuda_graphs_as_eager(kernels_on):
     """Captured, a forward routes as eager does, with nothing syncing the host in the replay:
     distinct at D (its ids kept from the eager call), and a trace at each window that
