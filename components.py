@@ -98,12 +98,15 @@ def component_bytes(target, distinct, kv_slots, batch, tokens):
     return out
 
 
-def draft_bytes(head, kv_slots, batch, with_fc):
+def draft_bytes(head, kv_slots, batch, with_fc, tokens=1):
+    """The bytes one head pass must move: its weights (fc only where it runs: the extend), the
+    embedding rows of its batch x tokens (a checkpoint's own embedding table is not read whole)
+    and the key-value cache of kv_slots."""
     total = sum(p.numel() * p.element_size() for n, p in head.named_parameters()
-                if with_fc or not n.startswith("fc."))
-    attn = head.midlayer.self_attn
+                if (with_fc or not n.startswith("fc.")) and not n.startswith("embed_tokens."))
+    attn, elem = head.midlayer.self_attn, head.norm.weight.element_size()
     kv = 2 * batch * kv_slots * attn.n_local_kv_heads * attn.head_dim
-    return total + kv * head.norm.weight.element_size()
+    return total + (kv + batch * tokens * head.args.hidden_size) * elem
 
 
 def component_of(name, module):
@@ -341,25 +344,37 @@ def modelled_allreduce(b):
     return ModelledAllreduce(x, 2 * b.target.args.num_hidden_layers * x / 1e3, 2 * x / 1e3)
 
 
+def loop_overheads(r, variant):
+    """The speculative loops' per-cycle commit and host time (medians over the eagle3 runs of this
+    graph setting; 0 without end-to-end runs): what a cycle pays beside its timed phases."""
+    runs = [v for n, v in r.e2e.items() if n.startswith("eagle3") and n.endswith("/" + variant)]
+    return tuple(statistics.median(v.phases_ms.get(p, 0.0) for v in runs) if runs else 0.0
+                 for p in ("commit", "host"))
+
+
 def cost_model(r, b):
-    """cycle(s) = draft extend(s+1) + (s-1) draft steps + verify(s+1) + accept + host [+ modelled
-    all-reduces: 1 target and s draft forwards]; break-even accepted length = cycle / plain step.
-    r: the timing.Result so far; sets each speculative run's measured and predicted speedups."""
+    """cycle(s) = draft extend(s+1) + (s-1) draft steps + verify(s+1) + accept + commit + host
+    [+ modelled all-reduces: 1 target and s draft forwards]; break-even accepted length = cycle /
+    plain step, the plain loop's cycle (its step, commit and host) where it ran at the context
+    the phases were timed at, else the isolated decode step. s from 1 while the sweep has verify
+    and draft extend of s + 1 tokens. r: the timing.Result so far; sets each speculative run's
+    measured and predicted speedups."""
     variant, _ = b.best
     ph, ar = r.phases_ms, r.allreduce_modelled or NO_ALLREDUCE
-    base = (r.e2e[f"baseline/{variant}"].phases_ms["cycle"] if r.e2e
+    same_context = b.cfg.context_len[0] == b.cfg.prompt_len
+    base = (r.e2e[f"baseline/{variant}"].phases_ms["cycle"] if r.e2e and same_context
             else ph[f"decode_step/{variant}"])
     base += ar.target_forward_ms
-    hosts = [v.phases_ms.get("host", 0.0) for n, v in r.e2e.items() if n.startswith("eagle3")]
-    host, sweep, cm = statistics.median(hosts) if hosts else 0.0, r.verify_sweep_ms, {}
-    for s in range(1, 6):
-        if s + 1 not in sweep:
-            break
+    commit, host = loop_overheads(r, variant)
+    sweep, cm, s = r.verify_sweep_ms, {}, 1
+    while s + 1 in sweep and sweep[s + 1].draft_extend is not None:
         cyc = (sweep[s + 1].draft_extend + (s - 1) * ph[f"draft_step/{variant}"]
-               + sweep[s + 1].verify + ph["accept"] + host + ar.target_forward_ms
+               + sweep[s + 1].verify + ph["accept"] + commit + host + ar.target_forward_ms
                + s * ar.draft_forward_ms)
         cm[s] = CycleCost(cyc, cyc / base, {tau: tau * base / cyc for tau in range(1, s + 2)})
-    tree = tree_cost(r, b, base, host, ar, cm) if b.cfg.speculative_eagle_topk > 1 else None
+        s += 1
+    tree = (tree_cost(r, b, base, commit + host, ar, cm) if b.cfg.speculative_eagle_topk > 1
+            else None)
     for name, v in r.e2e.items():  # against the baseline with the same graph setting
         if name.startswith("eagle3"):
             plain = r.e2e[f"baseline/{name.split('/')[-1]}"]
@@ -369,11 +384,14 @@ def cost_model(r, b):
     return CostModel(base, cm, tree)
 
 
-def tree_cost(r, b, base, host, ar, chains):
+def tree_cost(r, b, base, overhead, ar, chains):
     """The tree's cycle, as cost_model's: draft extend over the deepest path + the expansion +
-    the verify of its N nodes + accept + host [+ modelled all-reduces]; its break-even accepted
-    length, and how many times the chain of num_steps' accepted length it must accept to beat it
-    (the ratio of the two cycles: the same tokens a millisecond)."""
+    the verify of its N nodes + accept + overhead (the loop's commit and host) [+ modelled
+    all-reduces]; its break-even accepted length, and how many times the chain of num_steps'
+    accepted length it must accept to beat it (the ratio of the two cycles: the same tokens a
+    millisecond). Its accept is the chain's acceptance as timed: the tree's own per-cycle work
+    (its mask, tree_visible; its walk, tree_accept; the path's cache move, move_cache; eager
+    launches) is not timed, so the tree's cycle is low by that much."""
     (variant, mode), ph, sweep = b.best, r.phases_ms, r.verify_sweep_ms
     K, S, N = b.cfg.speculative_eagle_topk, b.k, b.cfg.speculative_num_draft_tokens
     D = min(S, N - 1)
@@ -381,7 +399,7 @@ def tree_cost(r, b, base, host, ar, chains):
     extend = (point.draft_extend if point and point.draft_extend is not None
               else ph[f"draft_extend/{variant}"])
     cyc = (extend + ph[f"draft_tree/{variant}"] + ph[f"{b.verify_name(mode)} tree/{variant}"]
-           + ph["accept"] + host + ar.target_forward_ms + S * ar.draft_forward_ms)
+           + ph["accept"] + overhead + ar.target_forward_ms + S * ar.draft_forward_ms)
     out = TreeCost(K, S, N, cyc, cyc / base)
     if S in chains:
         out.chain_cycle_ms = chains[S].cycle_ms

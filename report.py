@@ -281,9 +281,10 @@ def print_e2e(r, b):
     if not r.e2e:
         return
     sim, k = b.cfg.simulate_accept_len, b.k
-    print("\nend to end: tok/s; the cycle in ms, median [min lower-upper quartile max]; its "
-          "phases in ms, each the\nmedian over the cycles (so they need not add up to the cycle's "
-          "median); accepted tokens per cycle,\nbonus included, as kept"
+    print("\nend to end: tok/s (one generate call, its prefill included); the cycle in ms, median "
+          "[min lower-upper\nquartile max]; its phases in ms, each the median over the cycles (so "
+          "they need not add up to the\ncycle's median); accepted tokens per cycle, bonus "
+          "included, as kept"
           + (" (SIMULATED)" if sim is not None else ""))
     if sim is not None:
         print("  SIMULATED acceptance: each row's accepted length in each cycle is "
@@ -301,7 +302,8 @@ def print_e2e(r, b):
         if v.accept_len_mean is not None:
             hist = " ".join(f"{n}:{c}" for n, c in enumerate(v.accept_len_hist, 1))
             kept = sum(n * c for n, c in enumerate(v.accept_len_hist, 1))
-            print(f"  {'':22s} accept len {v.accept_len_mean:.2f}: cycles by length {hist} = "
+            cycles = "cycles" if b.cfg.batch_size == 1 else "row-cycles"   # a row's cycle each
+            print(f"  {'':22s} accept len {v.accept_len_mean:.2f}: {cycles} by length {hist} = "
                   f"{kept} tokens (+ {v.tokens - kept} from the prefill)")
 
 
@@ -537,7 +539,8 @@ def timing_warnings(r):
         measured, predicted = v.speedup_measured, v.speedup_predicted
         if predicted is not None and max(measured, predicted) > 1.5 * min(measured, predicted):
             out.append(f"{name}: measured speedup {measured:.2f}x but {predicted:.2f}x predicted "
-                       "from its own phases: the wall clock and the phase timings disagree (noise)")
+                       "from its own phases: the wall clock (one generate call, its prefill "
+                       "included) and the cycles' medians disagree")
     out += profile_warnings(r)
     sweep = {t: v.verify for t, v in (r.verify_sweep_ms or {}).items()}
     inverted = [f"{t1} tokens {sweep[t1]:.3f} ms > 1.5 x {t2} tokens {sweep[t2]:.3f} ms"

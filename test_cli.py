@@ -344,6 +344,51 @@ def test_run_py_cli_verify_sweep_and_tables(tmp_path):
         assert all(float(x) > 0 for cell in (cells[4], cells[6]) for x in cell.split(", ")), line
 
 
+def test_cost_model_cycles_add_the_loops_commit_and_host_and_follow_the_sweep():
+    """components.cost_model by hand: cycle(s) = draft extend(s+1) + (s-1) draft steps +
+    verify(s+1) + accept + the eagle3 loops' commit and host (medians over this graph setting's
+    runs only); the plain step is the plain loop's cycle when the loop ran at the phases' context,
+    else the isolated decode step; num_steps as far as the sweep times verify and draft extend."""
+    from types import SimpleNamespace as NS
+    sweep = {T: timing.SweepPoint(verify=1.0 + T, draft_extend=0.1 * T if T <= 8 else None)
+             for T in (*range(1, 9), 10, 12)}
+
+    def loop(cycle, commit, host):
+        return NS(phases_ms=dict(cycle=cycle, commit=commit, host=host), tok_per_s=1.0,
+                  accept_len_mean=1.0)
+    e2e = {"baseline/graph": loop(4.0, 0.2, 0.3), "baseline/eager": loop(9.0, 0.5, 0.5),
+           "eagle3/decode/graph": loop(5.0, 0.2, 0.3), "eagle3/prefill/graph": loop(5.0, 0.4, 0.5),
+           "eagle3/decode/eager": loop(9.0, 5.0, 5.0)}
+    r = NS(phases_ms={"decode_step/graph": 3.0, "draft_step/graph": 0.05, "accept": 0.1},
+           allreduce_modelled=None, e2e=e2e, verify_sweep_ms=sweep)
+    for context, base in ((256, 4.0), (4096, 3.0)):
+        cfg = NS(context_len=[context], prompt_len=256, speculative_eagle_topk=1)
+        cm = components.cost_model(r, NS(best=("graph", "decode"), cfg=cfg))
+        assert cm.plain_step_ms == base and sorted(cm.steps) == list(range(1, 8)), cm
+        for s, c in cm.steps.items():   # commit 0.3 and host 0.4: the graph runs' medians
+            want = 0.1 * (s + 1) + (s - 1) * 0.05 + 2.0 + s + 0.1 + 0.3 + 0.4
+            assert abs(c.cycle_ms - want) < 1e-9 and abs(c.break_even_accept_len
+                                                         - want / base) < 1e-9, (s, c)
+
+
+def test_draft_bytes_read_embedding_rows_not_the_table():
+    """components.draft_bytes: a head pass reads its weights (fc only in the extend), the rows its
+    tokens look up and its key-value cache; a head with its own embedding (a checkpoint's) reads
+    no more than one that shares the target's."""
+    import checkpoint
+    import draft
+    target = checkpoint.init_random(model.Transformer(checkpoint.preset("tiny"), 1, 16,
+                                                      dtype=torch.float32), 0)
+    shared, own = (draft.Eagle3Draft(draft.draft_preset("tiny"), target, own_embedding=o)
+                   for o in (False, True))
+    D, attn = shared.args.hidden_size, shared.midlayer.self_attn
+    weights = sum(p.numel() * p.element_size() for n, p in shared.named_parameters()
+                  if not n.startswith("fc."))
+    for head in (shared, own):
+        assert components.draft_bytes(head, 10, 2, with_fc=False, tokens=3) == \
+            weights + 4 * (2 * 2 * 10 * attn.n_local_kv_heads * attn.head_dim + 2 * 3 * D)
+
+
 def test_report_table_rows_take_floors_from_the_first_context():
     """`report.py tables` reads a run's floors from its first context's floors_ms, which every
     run.py --json file has; in files of an older layout `floors` held bytes and bandwidth, so a

@@ -337,7 +337,7 @@ class E2ERun:
     cycles: int
     phases_ms: dict          # {phase: Timing over the cycles}
     accept_len_mean: float | None = optional()   # speculative runs: accepted tokens per cycle
-    accept_len_hist: list | None = optional()    # cycles by accepted length 1 .. k + 1
+    accept_len_hist: list | None = optional()    # (row, cycle)s by accepted length 1 .. k + 1
     simulated: bool | None = optional()
     speedup_measured: float | None = optional()  # set by the cost model
     speedup_predicted: float | None = optional()
@@ -563,8 +563,11 @@ def isolated(b, ctx, bandwidth):
     B = b.cfg.batch_size
     for phase, (_, fn, inputs) in phase_calls(b, ctx).items():
         T = inputs[0].shape[1] if inputs[0].dim() == 2 else 1  # the draft step's input is d_1 [B]
-        if phase.startswith("draft"):
-            nbytes = draft_bytes(b.head, ctx + T, B, with_fc=phase == "draft_extend")
+        if phase == "draft_tree":   # S - 1 head passes of K rows each (at least its KV so far)
+            K, S = b.cfg.speculative_eagle_topk, b.k
+            nbytes = (S - 1) * draft_bytes(b.head, ctx + 1, B, with_fc=False, tokens=K)
+        elif phase.startswith("draft"):
+            nbytes = draft_bytes(b.head, ctx + T, B, with_fc=phase == "draft_extend", tokens=T)
         else:
             distinct = routed_distinct(b.target, fn, inputs)
             out.distinct_experts[phase] = statistics.mean(distinct) if distinct else 0.0

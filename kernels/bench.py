@@ -536,8 +536,9 @@ def bench_draft(out=None, contexts=(256, 32768), k=3):
                          draft_step=lambda: head.chain(first, hidden, pos[:, -1], 2, kv_len=kvd))
             for phase, fn in calls.items():
                 ms = graph_ms([fn])
-                floor = draft_bytes(head, ctx + (k + 1 if phase == "draft_extend" else 1), 1,
-                                    with_fc=phase == "draft_extend") / bw / 1e6
+                T = k + 1 if phase == "draft_extend" else 1
+                floor = draft_bytes(head, ctx + T, 1, with_fc=phase == "draft_extend",
+                                    tokens=T) / bw / 1e6
                 n, top = _step_kernels(fn)
                 rows.append(dict(phase=phase, ctx=ctx, kernels=names, ms=ms, floor_ms=floor,
                                  x_floor=ms / floor,
