@@ -386,12 +386,11 @@ def cost_model(r, b):
 
 def tree_cost(r, b, base, overhead, ar, chains):
     """The tree's cycle, as cost_model's: draft extend over the deepest path + the expansion +
-    the verify of its N nodes + accept + overhead (the loop's commit and host) [+ modelled
+    the verify of its N nodes + the tree's acceptance (timing.time_tree_accept: its mask, its walk,
+    the accepted path's cache move) + overhead (the loop's commit and host) [+ modelled
     all-reduces]; its break-even accepted length, and how many times the chain of num_steps'
     accepted length it must accept to beat it (the ratio of the two cycles: the same tokens a
-    millisecond). Its accept is the chain's acceptance as timed: the tree's own per-cycle work
-    (its mask, tree_visible; its walk, tree_accept; the path's cache move, move_cache; eager
-    launches) is not timed, so the tree's cycle is low by that much."""
+    millisecond)."""
     (variant, mode), ph, sweep = b.best, r.phases_ms, r.verify_sweep_ms
     K, S, N = b.cfg.speculative_eagle_topk, b.k, b.cfg.speculative_num_draft_tokens
     D = min(S, N - 1)
@@ -399,7 +398,7 @@ def tree_cost(r, b, base, overhead, ar, chains):
     extend = (point.draft_extend if point and point.draft_extend is not None
               else ph[f"draft_extend/{variant}"])
     cyc = (extend + ph[f"draft_tree/{variant}"] + ph[f"{b.verify_name(mode)} tree/{variant}"]
-           + ph["accept"] + overhead + ar.target_forward_ms + S * ar.draft_forward_ms)
+           + ph["tree_accept"] + overhead + ar.target_forward_ms + S * ar.draft_forward_ms)
     out = TreeCost(K, S, N, cyc, cyc / base)
     if S in chains:
         out.chain_cycle_ms = chains[S].cycle_ms

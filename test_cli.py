@@ -312,8 +312,8 @@ def test_run_py_cli_verify_sweep_and_tables(tmp_path):
     """Trees of 8 on the CPU at batch 2 (fp32) and batch 4 (INT4 experts, bf16): each verify sweep
     point carries its distinct experts (SIMULATED uniform: K 4 of 16 experts a token, so
     min(16, 4 B T) for T tokens a row) and its floor (none without a GPU, and so no cliff check,
-    said); `python report.py tables` prints a row per JSON with the chain's and the tree's verify,
-    cycle and break-even."""
+    said); the tree's acceptance is timed (tree_accept) and in its cycle; `python report.py tables`
+    prints a row per JSON with the chain's and the tree's verify, cycle and break-even."""
     tree = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
             "--speculative-num-draft-tokens", "8", "--skip-e2e", "--reps", "2", "--random-weights"]
     int4 = ["--batch-size", "4", "--quant", "int4", "--dtype", "bfloat16"]
@@ -332,6 +332,9 @@ def test_run_py_cli_verify_sweep_and_tables(tmp_path):
             assert "components" not in point, point   # profiled where floors exist (a GPU)
             assert point["distinct_experts"] == min(16, 4 * B * int(T)), (T, point)
         assert r["sweep_cliffs"] is None and "no cliff check" in " ".join(stdout.split())
+        tree, ph = r["cost_model"]["tree"], r["phases_ms"]   # the tree's own acceptance timed
+        assert ph["tree_accept"] > 0 and \
+            tree["cycle_ms"] > ph["tree_accept"] + ph["draft_tree/eager"], (tree, ph)
     out = subprocess.run([sys.executable, "report.py", "tables", *map(str, runs)], cwd=HERE,
                          env=ONE_THREAD, capture_output=True, text=True, check=True).stdout
     lines = out.splitlines()

@@ -35,7 +35,7 @@ from draft import Eagle3Draft, draft_preset, set_target_aux_layers
 from graphs import CudaGraphs, GraphKey
 from report import Timing, answer, spreads, timing_warnings, verdict
 from verify import (PREFILL_CHUNK, Probe, accept, generate, kv_bucket, prefill_draft,
-                    prefill_target, tree_forward, tree_visible)
+                    prefill_target, tree_accept, tree_emitted, tree_forward, tree_visible)
 
 # a real TP rank seeds every tensor whole on its CPU and keeps its slice (so TP N holds the same
 # model as TP 1) while its shard stays under this many parameters; a bigger one draws its slice
@@ -520,18 +520,27 @@ def phase_calls(b, ctx):
     return calls
 
 
-def tree_calls(b, ctx):
-    """The tree's phases beside the chain's: the verify of its N nodes after ctx cached tokens
-    (each attention mode; a tree the head drafts from arbitrary inputs, as phase_calls' are) and
-    the head's expansion (S - 1 passes of K rows)."""
+def sample_tree(b, ctx):
+    """A tree the head drafts from arbitrary inputs after ctx cached tokens (as phase_calls'
+    inputs are), the expansion that drafted it and that expansion's inputs."""
     K, S, N = b.cfg.speculative_eagle_topk, b.k, b.cfg.speculative_num_draft_tokens
     B, t, head = b.cfg.batch_size, b.target, b.head
-    kvt, kvd = kv_bucket(ctx + N, t.max_seq_len), kv_bucket(ctx + N + (S - 1) * K, t.max_seq_len)
+    kvd = kv_bucket(ctx + N + (S - 1) * K, t.max_seq_len)
     vtok, posv = b.fill[:, ctx - S - 1:ctx], b.positions(ctx - S - 1, S + 1)
     last = torch.full((B,), S, device=t.device)
     logits, g = head.extend_logits(vtok, posv, b.aux[:, ctx - S - 1:ctx], last, kv_len=kvd)
     expand = partial(head.tree, topk=K, num_steps=S, num_nodes=N, kv_len=kvd)
-    tree = expand(vtok[:, -1], logits, g, posv[:, -1])
+    inputs = (vtok[:, -1], logits, g, posv[:, -1])
+    return expand(*inputs), expand, inputs
+
+
+def tree_calls(b, ctx):
+    """The tree's phases beside the chain's: the verify of its N nodes after ctx cached tokens
+    (each attention mode; sample_tree's tree) and the head's expansion (S - 1 passes of K rows)."""
+    K, S, N = b.cfg.speculative_eagle_topk, b.k, b.cfg.speculative_num_draft_tokens
+    B, t = b.cfg.batch_size, b.target
+    kvt = kv_bucket(ctx + N, t.max_seq_len)
+    tree, expand, expand_inputs = sample_tree(b, ctx)
     start = torch.full((B,), ctx, device=t.device)
     inputs = (tree.tokens, ctx + tree.depths, start.unsqueeze(1) + torch.arange(N, device=t.device),
               tree_visible(tree.parents, start, kvt))
@@ -539,9 +548,31 @@ def tree_calls(b, ctx):
                                              partial(tree_forward, t, mode=mode, kv_len=kvt),
                                              inputs)
              for mode in b.modes}
-    calls["draft_tree"] = (GraphKey("draft_tree", None, B, (S - 1) * K, kvd), expand,
-                           (vtok[:, -1], logits, g, posv[:, -1]))
+    calls["draft_tree"] = (GraphKey("draft_tree", None, B, (S - 1) * K,
+                                    expand.keywords["kv_len"]), expand, expand_inputs)
     return calls
+
+
+def time_tree_accept(b, ctx):
+    """The tree's own work in a cycle beside its timed phases, alone and eager as the loop runs
+    it (verify.tree_cycle): the verify's mask (tree_visible), the walk (tree_accept), the accepted
+    path's latents moved to slot = position (Transformer.move_cache) and the tokens emitted
+    (tree_emitted), on a tree verify's logits. The moves stay within the tree's scratch slots."""
+    cfg, t = b.cfg, b.target
+    S, N, B = b.k, cfg.speculative_num_draft_tokens, cfg.batch_size
+    D, kvt = min(S, N - 1), kv_bucket(ctx + N, t.max_seq_len)
+    _, fn, inputs = tree_calls(b, ctx)[f"{b.verify_name(b.modes[0])} tree"]
+    tree, logits = sample_tree(b, ctx)[0], fn(*inputs)[0]
+    start = torch.full((B,), ctx, device=t.device)
+    along = start.unsqueeze(1) + torch.arange(D + 1, device=t.device)
+    gen = None if cfg.temperature == 0 else torch.Generator(t.device).manual_seed(0)
+
+    def work():
+        tree_visible(tree.parents, start, kvt)
+        m, path, bonus = tree_accept(logits, tree, D, cfg.temperature, gen)
+        t.move_cache(start.unsqueeze(1) + path, along)
+        return tree_emitted(tree, path, m, bonus)
+    return median_ms(b.clock, work, cfg.reps)
 
 
 def time_phases(b, ctx, graph, suffix=""):
@@ -815,6 +846,8 @@ def measure(b, world):
                {c: isolated(b, c, bandwidth) for c in cfg.context_len})
     r.phases_ms, r.floors = r.contexts[first].phases_ms, r.contexts[first].floors_ms
     r.phases_ms["accept"] = time_accept(b, first)
+    if cfg.speculative_eagle_topk > 1:
+        r.phases_ms["tree_accept"] = time_tree_accept(b, first)
     r.verify_sweep_ms = verify_sweep(b, first, bandwidth)
     r.sweep_cliffs = sweep_cliffs(r.verify_sweep_ms, cfg.batch_size)
     if not cfg.skip_e2e:
