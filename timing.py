@@ -534,16 +534,24 @@ def sample_tree(b, ctx):
     return expand(*inputs), expand, inputs
 
 
+def tree_verify_inputs(b, ctx, tree):
+    """The verify of a tree's N nodes written after ctx cached tokens: (the slots it reads, the
+    root's slot per row, tree_forward's inputs: tokens, positions, slots and the mask)."""
+    N, t = tree.tokens.shape[1], b.target
+    kvt = kv_bucket(ctx + N, t.max_seq_len)
+    start = torch.full((b.cfg.batch_size,), ctx, device=t.device)
+    return kvt, start, (tree.tokens, ctx + tree.depths,
+                        start.unsqueeze(1) + torch.arange(N, device=t.device),
+                        tree_visible(tree.parents, start, kvt))
+
+
 def tree_calls(b, ctx):
     """The tree's phases beside the chain's: the verify of its N nodes after ctx cached tokens
     (each attention mode; sample_tree's tree) and the head's expansion (S - 1 passes of K rows)."""
     K, S, N = b.cfg.speculative_eagle_topk, b.k, b.cfg.speculative_num_draft_tokens
     B, t = b.cfg.batch_size, b.target
-    kvt = kv_bucket(ctx + N, t.max_seq_len)
     tree, expand, expand_inputs = sample_tree(b, ctx)
-    start = torch.full((B,), ctx, device=t.device)
-    inputs = (tree.tokens, ctx + tree.depths, start.unsqueeze(1) + torch.arange(N, device=t.device),
-              tree_visible(tree.parents, start, kvt))
+    kvt, _, inputs = tree_verify_inputs(b, ctx, tree)
     calls = {f"{b.verify_name(mode)} tree": (GraphKey("verify_tree", mode, B, N, kvt),
                                              partial(tree_forward, t, mode=mode, kv_len=kvt),
                                              inputs)
@@ -558,12 +566,10 @@ def time_tree_accept(b, ctx):
     it (verify.tree_cycle): the verify's mask (tree_visible), the walk (tree_accept), the accepted
     path's latents moved to slot = position (Transformer.move_cache) and the tokens emitted
     (tree_emitted), on a tree verify's logits. The moves stay within the tree's scratch slots."""
-    cfg, t = b.cfg, b.target
-    S, N, B = b.k, cfg.speculative_num_draft_tokens, cfg.batch_size
-    D, kvt = min(S, N - 1), kv_bucket(ctx + N, t.max_seq_len)
-    _, fn, inputs = tree_calls(b, ctx)[f"{b.verify_name(b.modes[0])} tree"]
-    tree, logits = sample_tree(b, ctx)[0], fn(*inputs)[0]
-    start = torch.full((B,), ctx, device=t.device)
+    cfg, t, tree = b.cfg, b.target, sample_tree(b, ctx)[0]
+    D = min(b.k, cfg.speculative_num_draft_tokens - 1)
+    kvt, start, inputs = tree_verify_inputs(b, ctx, tree)
+    logits = tree_forward(t, *inputs, mode=b.modes[0], kv_len=kvt)[0]
     along = start.unsqueeze(1) + torch.arange(D + 1, device=t.device)
     gen = None if cfg.temperature == 0 else torch.Generator(t.device).manual_seed(0)
 
