@@ -1517,6 +1517,13 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, 
                         step_pos[:1])):
         assert_close(folded(t, p).logits, plain(t, p).logits, 1e-5, f"{quant} {names}, {what}")
     assert set(calls) == {(2, False), (1, True)}, f"(tokens, shared in the launch): {calls}"
+    assert_fused_moe_refuses_shared_it_cannot_take(moe, args, g)
+
+
+def assert_fused_moe_refuses_shared_it_cannot_take(moe, args, g):
+    """fused_moe with a shared expert beside moe's quantized experts: refused in the tile variant,
+    with a wrongly shaped weight, and beside plain experts (there it is stacked as expert E)."""
+    sh = moe.shared_experts
     x = torch.randn(2, args.hidden_size, generator=g).to(TRITON_DEVICE)
     ids, w = moe.gate(x)
     weights = [kernels.expert_weights(getattr(moe.experts, p))
