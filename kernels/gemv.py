@@ -294,6 +294,9 @@ launch.head_gemv = head_gemv
 # - q_b with its norm: up to 8 (7.9 against 8.8 at 8, 13.2 against 8.9 at 12).
 # - The absorbed W_uk, W_uv (head_gemv): up to 8 (3.7 and 2.8 against the einsums' 5.2 and 5.4-6.9
 #   at 5 to 8 rows; 7.5 and 4.1 against 5.3 and 5.3 at 12).
+# Re-checked in the step (run.py's INT4 verify sweep, each limit raised alone): o_proj to 4 rows,
+# the input norm inside to 4, q_b and head_gemv to 16 each made the verify slower where they moved
+# it (0.02-1.19 ms; BENCHMARKS.md, Verify sweep).
 QKVA_GEMV_MAX_ROWS = 4
 INPUT_NORM_QKVA_MAX_ROWS = 1
 O_PROJ_GEMV_MAX_ROWS = 2
