@@ -220,9 +220,11 @@ def absorbed_attention(q_lat, q_pe, kv_c, pe_c, future, scale):
 class MLA(nn.Module):
     """Multi-head latent attention: the queries through a low-rank q_a / q_b pair, the keys and
     values compressed to one latent row per token (kv_a), which the cache holds, normalized,
-    beside its rotated rope key."""
+    beside its rotated rope key. caches: the (latent, rope key) caches [max_batch_size,
+    max_seq_len, C] and [..., R] to hold (Transformer's: views of its stacked caches); None: its
+    own."""
 
-    def __init__(self, args, tp, max_batch_size, max_seq_len, device, dtype):
+    def __init__(self, args, tp, max_batch_size, max_seq_len, device, dtype, caches=None):
         super().__init__()
         self.args = a = args
         H, heads = a.num_attention_heads, "num_attention_heads"
@@ -242,8 +244,9 @@ class MLA(nn.Module):
                                               device, dtype)
         self.o_proj = RowParallelLinear(H * a.v_head_dim, a.hidden_size, tp, heads, device=device,
                                         dtype=dtype)
-        for name, width in (("kv_cache", C), ("pe_cache", R)):
-            cache = torch.zeros(max_batch_size, max_seq_len, width, device=device, dtype=dtype)
+        caches = caches or [torch.zeros(max_batch_size, max_seq_len, width, device=device,
+                                        dtype=dtype) for width in (C, R)]
+        for name, cache in zip(("kv_cache", "pe_cache"), caches):
             self.register_buffer(name, cache, persistent=False)
 
     def forward(self, x, positions, rope, future, mode, slots=None):
@@ -525,10 +528,11 @@ class MoE(nn.Module):
 
 
 class Block(nn.Module):
-    def __init__(self, layer_id, args, tp, max_batch_size, max_seq_len, device, dtype):
+    def __init__(self, layer_id, args, tp, max_batch_size, max_seq_len, device, dtype,
+                 caches=None):
         super().__init__()
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, device, dtype)
-        self.self_attn = MLA(args, tp, max_batch_size, max_seq_len, device, dtype)
+        self.self_attn = MLA(args, tp, max_batch_size, max_seq_len, device, dtype, caches)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps, device, dtype)
         if layer_id < args.first_k_dense_replace:
             self.mlp = MLP(args.hidden_size, args.intermediate_size, tp, "intermediate_size",
@@ -579,8 +583,14 @@ class Transformer(nn.Module):
                              f"[0, {L})")
         D, V = args.hidden_size, args.vocab_size
         self.embed_tokens = VocabParallelEmbedding(V, D, self.tp, device, dtype)
+        # every layer's latent and rope-key cache, [L, B, S, C] and [L, B, S, R]: each layer holds
+        # its views, so move_cache moves all layers' slots in one copy each
+        for name, width in (("kv_caches", args.kv_lora_rank), ("pe_caches", args.qk_rope_head_dim)):
+            self.register_buffer(name, torch.zeros(L, max_batch_size, max_seq_len, width,
+                                                   device=device, dtype=dtype), persistent=False)
         self.layers = nn.ModuleList(
-            Block(i, args, self.tp, max_batch_size, max_seq_len, device, dtype) for i in range(L))
+            Block(i, args, self.tp, max_batch_size, max_seq_len, device, dtype,
+                  (self.kv_caches[i], self.pe_caches[i])) for i in range(L))
         self.norm = RMSNorm(D, args.rms_norm_eps, device, dtype)
         self.lm_head = ParallelLMHead(D, V, self.tp, device=device, dtype=dtype)
         cos, sin = rope_tables(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling,
@@ -644,7 +654,5 @@ class Transformer(nn.Module):
         before any write: a tree's accepted path, verified at slots after the prefix in node
         order, moved to slot = position (verify.tree_cycle)."""
         rows = torch.arange(src.shape[0], device=src.device).unsqueeze(1)
-        for layer in self.layers:
-            attn = layer.self_attn
-            attn.kv_cache[rows, dst] = attn.kv_cache[rows, src]
-            attn.pe_cache[rows, dst] = attn.pe_cache[rows, src]
+        for caches in (self.kv_caches, self.pe_caches):   # [L, B, S, width]: all layers at once
+            caches[:, rows, dst] = caches[:, rows, src]

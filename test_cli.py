@@ -1139,7 +1139,9 @@ def test_run_py_refuses_sizes_before_building(monkeypatch, capsys):
     target = Transformer(tiny(), 1,
                          timing.cache_slots(_settled("--random-weights --context-len 100")))
     head = Eagle3Draft(draft_preset("tiny"), target)
-    caches = sum(t.numel() * t.element_size() for m in (target, head) for t in m.buffers())
+    # the target's stacked caches (its layers hold views of them), the head's own buffers
+    caches = sum(t.numel() * t.element_size()
+                 for t in [target.kv_caches, target.pe_caches, target.rope, *head.buffers()])
     assert parts["KV caches"] == caches, (parts, caches)
 
 

@@ -903,6 +903,32 @@ def hand_tree(B):
                 depths=t([0, 1, 1, 2, 2, 2, 3, 3]), scores=torch.zeros(B, 8))
 
 
+def test_move_cache_moves_every_layers_slots_and_no_other():
+    """Transformer.move_cache (one copy a cache over the stacked [L, B, S, width] caches) against
+    its plain twin, each layer's own latent and rope-key cache copied slot by slot on the host, on
+    fresh random caches: paths that overlap their targets (a node moved onto a slot another node
+    leaves) and one already in place; each layer's caches are views of the stacked ones, so a
+    write through a layer lands there."""
+    t = Transformer(tiny(), 2, 40)
+    g = torch.Generator().manual_seed(3)
+    for caches in (t.kv_caches, t.pe_caches):
+        caches.copy_(torch.randn(caches.shape, generator=g))
+    src = torch.tensor([[20, 23, 21, 24], [30, 31, 32, 33]])
+    dst = torch.tensor([[20, 21, 22, 23], [30, 31, 32, 33]])
+    want = [(layer.self_attn.kv_cache.clone(), layer.self_attn.pe_cache.clone())
+            for layer in t.layers]
+    for kv, pe in want:
+        for b in range(2):
+            for cache in (kv, pe):
+                cache[b, dst[b]] = cache[b, src[b]].clone()     # all reads before any write
+    t.move_cache(src, dst)
+    for i, (layer, (kv, pe)) in enumerate(zip(t.layers, want)):
+        assert torch.equal(layer.self_attn.kv_cache, kv) and torch.equal(layer.self_attn.pe_cache,
+                                                                           pe), f"layer {i}"
+    t.layers[1].self_attn.kv_cache[0, 5] = 7.0
+    assert (t.kv_caches[1, 0, 5] == 7.0).all() and len(t.layers) > 1
+
+
 def test_tree_greedy_walks_the_targets_argmax():
     """Hand-built tree, a target that knows where to go: row 0 takes 5, 9 (a leaf), then its
     bonus; row 1 runs to full depth; row 2 rejects every child of the root; row 3 stops at

@@ -170,10 +170,12 @@ def memory_needed(cfg, device, world):
     except ValueError as e:  # a size the TP does not divide, a head that does not fit
         return None, margs, e
     size = lambda tensors: sum(t.numel() * t.element_size() for t in tensors)  # noqa: E731
+    # a view (a layer's cache in the target's stacked caches) holds no bytes of its own
+    owned = lambda tensors: [t for t in tensors if t._base is None]  # noqa: E731
     fill = max(max(cfg.context_len), cfg.prompt_len)
     T, H, a = min(PREFILL_CHUNK, fill), margs.num_attention_heads // tp.world_size, margs
     parts = {"weights": size(target.parameters()) + size(head.parameters()),
-             "KV caches": size(target.buffers()) + size(head.buffers()),
+             "KV caches": size(owned(target.buffers())) + size(owned(head.buffers())),
              "one prefill chunk": B * T * H * fill * 4 * 2 + B * T * a.vocab_size * 4
              + B * fill * H * (a.qk_nope_head_dim + a.v_head_dim) * dtype.itemsize,
              "gathered expert weights": B * T * a.num_experts_per_tok * 3
