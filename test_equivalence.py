@@ -983,6 +983,8 @@ def test_tree_greedy_equals_a_walk_on_the_host_and_masks_see_only_ancestors():
             want = [s < s0 or s - s0 in anc for s in range(20)]
             assert visible[b, i].tolist() == want, (b, i)
     assert tree_ancestors(tree.parents).sum(-1).equal(tree.depths + 1)
+    chain = torch.arange(-1, 16).unsqueeze(0)                                 # 17 nodes deep
+    assert tree_ancestors(chain)[0].equal(torch.ones(17, 17, dtype=torch.bool).tril())
     assert m.min() == 0 and m.max() >= 4, \
         f"accepted lengths {sorted(set(m.tolist()))}: too narrow a test"
 

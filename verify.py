@@ -234,13 +234,15 @@ def simulated_accept(m, mean_len, k, generator):
 
 def tree_ancestors(parents):
     """[B, N, N] bool: [b, i, a] when node a is node i or one of its ancestors. parents [B, N]
-    (-1 for the root, node 0); every parent precedes its children, so one pass in node order."""
-    B, N = parents.shape
-    anc = torch.eye(N, dtype=torch.bool, device=parents.device).expand(B, N, N).clone()
-    for i in range(1, N):
-        up = anc.gather(1, parents[:, i].view(B, 1, 1).expand(B, 1, N)).squeeze(1)   # [B, N]
-        anc[:, i] |= up
-    return anc
+    (-1 for the root, node 0). Reachability by squaring: a node reaches itself and its parent in
+    one step, and A @ A (0/1, clamped) reaches in 2, 4, ... steps, until 2^k >= N - 1 covers the
+    deepest path: a few launches, whatever N (the loop runs eagerly every tree cycle)."""
+    N = parents.shape[1]
+    step = torch.nn.functional.one_hot(parents.clamp(min=0), N).float()      # [B, N, N]: parent
+    anc = (step + torch.eye(N, device=parents.device)).clamp(max=1)          # the root: itself
+    for _ in range(max(N - 1, 1).bit_length()):
+        anc = (anc @ anc).clamp(max=1)   # counts of paths, at most N: exact in float32 and tf32
+    return anc.bool()
 
 
 def tree_visible(parents, start, kv_len):
