@@ -206,9 +206,9 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"norm_gemv: residual {residual.dtype} {list(residual.shape)} is not of "
                          f"x's shape and dtype, {x.dtype} {list(x.shape)}")
-    bn, step_bytes, bw = NORM_GEMV_BLOCKS[1 if rows == 1 else "several",
-                                          "long" if K >= NORM_GEMV_LONG_K else "short"]
-    block_n, warps = block_n or bn, bw
+    bn, step_bytes, warps = NORM_GEMV_BLOCKS[1 if rows == 1 else "several",
+                                             "long" if K >= NORM_GEMV_LONG_K else "short"]
+    block_n = block_n or bn
     if triton.cdiv(N, block_n) > common.COUNTERS:
         raise ValueError(f"norm_gemv: {N} rows of W make more than {common.COUNTERS} row blocks "
                          f"of {block_n}")
