@@ -37,7 +37,8 @@ from testing import (assert_close, captured_calls, eager_without_pdl, edit_check
                      TRITON_DEVICE)
 from tp import TP
 from verify import (Probe, accept, generate, simulated_accept, simulated_center, simulated_mean,
-                    tree_accept, tree_ancestors, tree_emitted, tree_forward, tree_visible)
+                    tree_accept, tree_ancestors, tree_commit, tree_emitted, tree_forward,
+                    tree_visible)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1277,8 +1278,9 @@ def test_trained_pair_tree_accepts_more_than_the_chain():
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["extend", "decode"])
 def test_gpu_tree_graph_generate_equals_eager(mode):
-    """A tree's verify, draft extend and expansion replayed from CUDA graphs: the same tokens,
-    drafts, parents and accepted counts as eager, cycle by cycle."""
+    """A tree's verify (its mask built inside), greedy acceptance (tree_commit: the walk, the
+    cache move, the tokens emitted), draft extend and expansion replayed from CUDA graphs: the same
+    tokens, drafts, parents and accepted counts as eager, cycle by cycle."""
     target, head = gpu_models()
     kw = dict(max_new_tokens=24, num_steps=3, attention_mode=mode, topk=2, num_draft_tokens=6)
     eager = generate(target, head, PROMPTS[3], **kw)
@@ -1289,8 +1291,9 @@ def test_gpu_tree_graph_generate_equals_eager(mode):
 
 @pytest.mark.gpu
 def test_gpu_tree_cycle_makes_no_host_sync():
-    """Every call of a tree's cycle, captured (verify, expansion) or eager (mask, acceptance,
-    the cache move), with the device's sync check set to fail on any host sync."""
+    """Every call of a tree's cycle, captured (verify with its mask, the greedy tree_commit,
+    expansion) or eager (the sampling tree_commit), with the device's sync check set to fail on
+    any host sync."""
     target, head = gpu_models()
     B, P, K, S, N, kv = 3, 12, 2, 3, 6, 32
     tokens = torch.randint(0, 256, (B, P), generator=torch.Generator().manual_seed(0)).cuda()
@@ -1299,20 +1302,22 @@ def test_gpu_tree_cycle_makes_no_host_sync():
     logits, g = head.extend_logits(tokens, pos, aux, last)
     tree = head.tree(tokens[:, -1], logits, g, last, K, S, N, kv_len=kv)
     start, runner = last + 1, CudaGraphs("cuda")
+    done = torch.zeros(B, dtype=torch.bool, device="cuda")
     gen = torch.Generator("cuda").manual_seed(0)
     torch.cuda.synchronize()
     torch.cuda.set_sync_debug_mode("error")
     try:
         for mode, temperature in (("extend", 0.0), ("decode", 0.0), ("decode", 1.0)):
-            visible = tree_visible(tree.parents, start, kv)
-            slots = start.unsqueeze(1) + torch.arange(N, device="cuda")
             verify = partial(tree_forward, target, mode=mode, kv_len=kv)
             for _ in range(2):  # capture, then replay
                 out = runner.run(GraphKey("verify_tree", mode, B, N, kv), verify, tree.tokens,
-                                 start.unsqueeze(1) + tree.depths, slots, visible)
-            m, path, bonus = tree_accept(out.logits, tree, S, temperature, gen)
-            target.move_cache(start.unsqueeze(1) + path,
-                              start.unsqueeze(1) + torch.arange(S + 1, device="cuda"))
+                                 tree.parents, tree.depths, start)
+            walk = partial(tree_commit, target, max_depth=S, temperature=temperature,
+                           generator=gen)
+            for _ in range(2):
+                args = (out.logits, tree.tokens, tree.parents, tree.depths, start, done)
+                bonus = (runner.run(GraphKey("tree_commit", None, B, N), walk, *args)
+                         if temperature == 0 else walk(*args))[2]
             expand = partial(head.tree, topk=K, num_steps=S, num_nodes=N, kv_len=kv)
             for _ in range(2):
                 runner.run(GraphKey("draft_tree", None, B, (S - 1) * K, kv), expand, bonus, logits,

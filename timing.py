@@ -34,8 +34,8 @@ from components import (CostModel, ModelledAllreduce, SweepCliffs, component_byt
 from draft import Eagle3Draft, draft_preset, set_target_aux_layers
 from graphs import CudaGraphs, GraphKey
 from report import Timing, answer, spreads, timing_warnings, verdict
-from verify import (PREFILL_CHUNK, Probe, accept, generate, kv_bucket, prefill_draft,
-                    prefill_target, tree_accept, tree_emitted, tree_forward, tree_visible)
+from verify import (PREFILL_CHUNK, Probe, chain_commit, generate, kv_bucket, prefill_draft,
+                    prefill_target, tree_commit, tree_forward)
 
 # a real TP rank seeds every tensor whole on its CPU and keeps its slice (so TP N holds the same
 # model as TP 1) while its shard stays under this many parameters; a bigger one draws its slice
@@ -537,14 +537,12 @@ def sample_tree(b, ctx):
 
 
 def tree_verify_inputs(b, ctx, tree):
-    """The verify of a tree's N nodes written after ctx cached tokens: (the slots it reads, the
-    root's slot per row, tree_forward's inputs: tokens, positions, slots and the mask)."""
-    N, t = tree.tokens.shape[1], b.target
-    kvt = kv_bucket(ctx + N, t.max_seq_len)
+    """The verify of a tree's N nodes written after ctx cached tokens: (the slots it reads,
+    tree_forward's inputs: the tree's tokens, parents and depths, the root's slot per row)."""
+    t = b.target
+    kvt = kv_bucket(ctx + tree.tokens.shape[1], t.max_seq_len)
     start = torch.full((b.cfg.batch_size,), ctx, device=t.device)
-    return kvt, start, (tree.tokens, ctx + tree.depths,
-                        start.unsqueeze(1) + torch.arange(N, device=t.device),
-                        tree_visible(tree.parents, start, kvt))
+    return kvt, (tree.tokens, tree.parents, tree.depths, start)
 
 
 def tree_calls(b, ctx):
@@ -553,7 +551,7 @@ def tree_calls(b, ctx):
     K, S, N = b.cfg.speculative_eagle_topk, b.k, b.cfg.speculative_num_draft_tokens
     B, t = b.cfg.batch_size, b.target
     tree, expand, expand_inputs = sample_tree(b, ctx)
-    kvt, _, inputs = tree_verify_inputs(b, ctx, tree)
+    kvt, inputs = tree_verify_inputs(b, ctx, tree)
     calls = {f"{b.verify_name(mode)} tree": (GraphKey("verify_tree", mode, B, N, kvt),
                                              partial(tree_forward, t, mode=mode, kv_len=kvt),
                                              inputs)
@@ -564,23 +562,19 @@ def tree_calls(b, ctx):
 
 
 def time_tree_accept(b, ctx):
-    """The tree's own work in a cycle beside its timed phases, alone and eager as the loop runs
-    it (verify.tree_cycle): the verify's mask (tree_visible), the walk (tree_accept), the accepted
-    path's latents moved to slot = position (Transformer.move_cache) and the tokens emitted
-    (tree_emitted), on a tree verify's logits. The moves stay within the tree's scratch slots."""
+    """The tree's acceptance beside its timed phases, as the loop runs it (verify.tree_cycle):
+    tree_commit (the walk, the accepted path's cache move, the tokens emitted) on a tree verify's
+    logits, replayed from its graph where the run's last graph setting is on and the walk greedy,
+    else eager. The moves stay within the tree's scratch slots."""
     cfg, t, tree = b.cfg, b.target, sample_tree(b, ctx)[0]
     D = min(b.k, cfg.speculative_num_draft_tokens - 1)
-    kvt, start, inputs = tree_verify_inputs(b, ctx, tree)
+    kvt, inputs = tree_verify_inputs(b, ctx, tree)
     logits = tree_forward(t, *inputs, mode=b.modes[0], kv_len=kvt)[0]
-    along = start.unsqueeze(1) + torch.arange(D + 1, device=t.device)
     gen = None if cfg.temperature == 0 else torch.Generator(t.device).manual_seed(0)
-
-    def work():
-        tree_visible(tree.parents, start, kvt)
-        m, path, bonus = tree_accept(logits, tree, D, cfg.temperature, gen)
-        t.move_cache(start.unsqueeze(1) + path, along)
-        return tree_emitted(tree, path, m, bonus)
-    return median_ms(b.clock, work, cfg.reps)
+    walk = partial(tree_commit, t, max_depth=D, temperature=cfg.temperature, generator=gen)
+    done = torch.zeros(cfg.batch_size, dtype=torch.bool, device=t.device)
+    key = GraphKey("tree_commit", None, cfg.batch_size, tree.tokens.shape[1])
+    return b.timed(key, walk, logits, *inputs, done, graph=b.graph_opts[-1] and cfg.temperature == 0)
 
 
 def time_phases(b, ctx, graph, suffix=""):
@@ -836,13 +830,17 @@ def gpu_memory(b, r):
 
 
 def time_accept(b, ctx):
-    """The acceptance of a verify's logits, alone."""
+    """The chain's acceptance of a verify's logits, alone, as the loop runs it
+    (verify.chain_commit; replayed from its graph where the run's last graph setting is on and
+    the acceptance greedy, else eager)."""
     cfg = b.cfg
     key, fn, inputs = phase_calls(b, ctx)[b.verify_name(b.modes[0])]
-    logits = fn(*inputs)[0]
+    logits, drafts = fn(*inputs)[0], inputs[0][:, 1:]
     gen = None if cfg.temperature == 0 else torch.Generator(b.target.device).manual_seed(0)
-    return median_ms(b.clock, lambda: accept(logits, inputs[0][:, 1:], cfg.temperature, gen),
-                     cfg.reps)
+    take = partial(chain_commit, temperature=cfg.temperature, generator=gen)
+    done = torch.zeros(cfg.batch_size, dtype=torch.bool, device=b.target.device)
+    return b.timed(GraphKey("chain_commit", None, cfg.batch_size, drafts.shape[1] + 1), take,
+                   logits, drafts, done, graph=b.graph_opts[-1] and cfg.temperature == 0)
 
 
 def measure(b, world):

@@ -32,7 +32,7 @@ from functools import partial
 
 import torch
 
-from draft import check_tree
+from draft import Tree, check_tree
 from graphs import CudaGraphs, GraphKey
 from model import eos_union
 
@@ -202,6 +202,31 @@ def accept(logits, drafts, temperature, generator):
     return m, exponential_race(residual, generator)
 
 
+def chain_commit(logits, drafts, done, temperature, generator, accept_len=None):
+    """A chain's acceptance after its verify (speculative_cycle), its tensors positional (a graph's
+    inputs): accept (with accept_len, simulated_accept after it), m held at 0 for finished rows
+    (done [B]: with m = 0 a finished row's draft chain never writes past the cache) and the
+    tokens emitted, [d_1..d_m, bonus, junk] (the draft extend's input rows). Nothing here reads
+    the device. Returns m [B] and emitted [B, k + 1]."""
+    m, bonus = accept(logits, drafts, temperature, generator)
+    if accept_len is not None:
+        m = simulated_accept(m, accept_len, drafts.shape[1], generator)
+        bonus = logits.argmax(-1).gather(1, m.unsqueeze(1)).squeeze(1)
+    m = m.masked_fill(done, 0)
+    return m, torch.cat([drafts, drafts[:, :1]], 1).scatter(1, m.unsqueeze(1), bonus.unsqueeze(1))
+
+
+def run_commit(loop, key, fn, *inputs):
+    """A cycle's acceptance, fn (chain_commit or tree_commit, its other arguments bound) on
+    inputs: greedy and not simulated it draws nothing and runs through loop.run (a CUDA graph's
+    replay where the loop captures); else eagerly, drawing from loop.generator, which no graph
+    registers."""
+    if loop.temperature == 0 and loop.probe.accept_len is None:
+        return loop.run(key, partial(fn, temperature=0.0, generator=None), *inputs)
+    return fn(*inputs, temperature=loop.temperature, generator=loop.generator,
+              accept_len=loop.probe.accept_len)
+
+
 def simulated_mean(center, k):
     """The mean of round(clamp(N(center, 1), 1, k+1)): 1 + the sum over j = 1..k of P(length > j),
     and length > j when the draw passes j + 1/2."""
@@ -269,7 +294,7 @@ def tree_accept(logits, tree, max_depth, temperature, generator):
     the target's distribution exactly. Fixed shapes: max_depth steps for every row. Returns m
     [B] (nodes accepted below the root), path [B, max_depth + 1] (the accepted nodes by depth,
     root first; past m it repeats the last) and the target's own next token [B]."""
-    (B, N), tokens, parents = tree.tokens.shape, tree.tokens, tree.parents
+    B, tokens, parents = tree.tokens.shape[0], tree.tokens, tree.parents
     if temperature == 0:
         best = logits.argmax(-1)                                             # [B, N]
     else:
@@ -387,23 +412,18 @@ def decode_cycle(loop, rows, pos, kv):
 
 
 def speculative_cycle(loop, rows, drafts, *, pos, kv, kv_draft):
-    """Verify [x, d_1..d_k] at cur..cur+k (reading the first kv cache slots), accept, then the head
-    extends over the accepted tokens and chains the next drafts (reading kv_draft slots of its own
-    cache). Returns m [B] drafts accepted, emitted [B, k+1] and the new drafts."""
-    (B, k), run, mark, gen = drafts.shape, loop.run, loop.probe.mark, loop.generator
+    """Verify [x, d_1..d_k] at cur..cur+k (reading the first kv cache slots), accept (chain_commit,
+    through run_commit), then the head extends over the accepted tokens and chains the next drafts
+    (reading kv_draft slots of its own cache). Returns m [B] drafts accepted, emitted [B, k+1] and
+    the new drafts."""
+    (B, k), run, mark = drafts.shape, loop.run, loop.probe.mark
     verify_in = torch.cat([rows.x.unsqueeze(1), drafts], 1)                   # [x_p, d_1..d_k]
     logits, aux = run(GraphKey("verify", loop.mode, B, k + 1, kv),
                       partial(loop.target, mode=loop.mode, capture_aux=True, kv_len=kv),
                       verify_in, pos)
     mark("verify")
-    m, bonus = accept(logits, drafts, loop.temperature, gen)
-    if loop.probe.accept_len is not None:
-        m = simulated_accept(m, loop.probe.accept_len, k, gen)
-        bonus = logits.argmax(-1).gather(1, m.unsqueeze(1)).squeeze(1)
-    # a finished row stays where it is: with m = 0 its draft chain never writes past the cache
-    m = m.masked_fill(rows.done, 0)
-    # [d_1..d_m, bonus, junk]: the tokens emitted, and the draft extend's input rows
-    emitted = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, m.unsqueeze(1), bonus.unsqueeze(1))
+    m, emitted = run_commit(loop, GraphKey("chain_commit", None, B, k + 1), chain_commit, logits,
+                            drafts, rows.done)
     mark("accept")
     first, g = run(GraphKey("draft_extend", None, B, k + 1, kv_draft),
                    partial(loop.draft.extend, kv_len=kv_draft), emitted, pos, aux, m)
@@ -417,31 +437,24 @@ def speculative_cycle(loop, rows, drafts, *, pos, kv, kv_draft):
 def tree_cycle(loop, rows, tree, *, kv, kv_draft):
     """speculative_cycle for a draft tree (loop.sizes: K, S, N): the target verifies the tree's N
     nodes, x at the root, at positions cur + depth, writing them at the slots cur .. cur + N - 1
-    in node order, each seeing the prefix, its ancestors and itself (tree_visible); acceptance
-    walks the tree (tree_accept); the accepted path's latents move to slot = position
-    (Transformer.move_cache); the head extends over the path with the target's states there
-    (writing its own cache at slot = position, so the head needs no move) and drafts the next
-    tree. Returns m [B], emitted [B, D + 1] (D = min(S, N - 1)), the next tree and the
-    accepted nodes by depth [B, D] (-1 past m)."""
+    in node order, each seeing the prefix, its ancestors and itself (tree_forward's mask,
+    tree_visible); tree_commit walks the tree (tree_accept), moves the accepted path's latents to
+    slot = position (Transformer.move_cache) and emits its tokens (run_commit); the head extends over the path with the target's states there (writing its own cache at slot
+    = position, so the head needs no move) and drafts the next tree. Returns m [B], emitted [B,
+    D + 1] (D = min(S, N - 1)), the next tree and the accepted nodes by depth [B, D] (-1 past m)."""
     (K, S, N), B, run, mark = loop.sizes, rows.cur.shape[0], loop.run, loop.probe.mark
     D, start = min(S, N - 1), rows.cur.unsqueeze(1)
     tree = tree._replace(tokens=torch.cat([rows.x.unsqueeze(1), tree.tokens[:, 1:]], 1))
-    visible = tree_visible(tree.parents, rows.cur, kv)                        # [B, N, kv]
-    slots = start + torch.arange(N, device=start.device)
     logits, aux = run(GraphKey("verify_tree", loop.mode, B, N, kv),
                       partial(tree_forward, loop.target, mode=loop.mode, kv_len=kv),
-                      tree.tokens, start + tree.depths, slots, visible)
+                      tree.tokens, tree.parents, tree.depths, rows.cur)
     mark("verify")
-    if loop.probe.accept_len is None:
-        m, path, bonus = tree_accept(logits, tree, D, loop.temperature, loop.generator)
-    else:
-        m, path, bonus = simulated_tree_accept(logits, tree, D, loop.probe.accept_len,
-                                               loop.generator)
-    m = m.masked_fill(rows.done, 0)   # a finished row stays where it is (its head scratch too)
-    along = start + rows.offsets[:D + 1]                          # [B, D + 1]: the path's positions
-    loop.target.move_cache(start + path, along)
-    emitted = tree_emitted(tree, path, m, bonus)
+    walk = partial(tree_commit, loop.target, max_depth=D)
+    m, path, bonus, emitted = run_commit(loop, GraphKey("tree_commit", None, B, N), walk, logits,
+                                         tree.tokens, tree.parents, tree.depths, rows.cur,
+                                         rows.done)
     mark("accept")
+    along = start + rows.offsets[:D + 1]                          # [B, D + 1]: the path's positions
     aux = aux.gather(1, path.unsqueeze(2).expand(-1, -1, aux.shape[-1]))      # [B, D + 1, 3 Dt]
     first, g = run(GraphKey("draft_extend_tree", None, B, D + 1, kv_draft),
                    partial(loop.draft.extend_logits, kv_len=kv_draft), emitted, along, aux, m)
@@ -454,10 +467,34 @@ def tree_cycle(loop, rows, tree, *, kv, kv_draft):
     return m, emitted, tree, path[:, 1:].masked_fill(depth > m.unsqueeze(1), -1)
 
 
-def tree_forward(target, tokens, positions, slots, visible, mode, kv_len):
-    """The target's forward over a tree's nodes, its tensors positional (a graph's inputs)."""
-    return target(tokens, positions, mode, capture_aux=True, kv_len=kv_len, slots=slots,
-                  visible=visible)
+def tree_forward(target, tokens, parents, depths, start, mode, kv_len):
+    """The target's forward over a tree's nodes (tokens, parents, depths [B, N]: a draft.Tree's)
+    written at slots start .. start + N - 1 (start [B]: the root's slot, the prefix length), at
+    positions start + depth, each node seeing the prefix, its ancestors and itself
+    (tree_visible); its tensors positional (a graph's inputs; the mask is built inside)."""
+    slots = start.unsqueeze(1) + torch.arange(tokens.shape[1], device=tokens.device)
+    return target(tokens, start.unsqueeze(1) + depths, mode, capture_aux=True, kv_len=kv_len,
+                  slots=slots, visible=tree_visible(parents, start, kv_len))
+
+
+def tree_commit(target, logits, tokens, parents, depths, start, done, max_depth, temperature,
+                generator, accept_len=None):
+    """A tree's acceptance after its verify (tree_cycle), its tensors positional (a graph's
+    inputs): the walk (tree_accept on logits [B, N, V] and the tree's tokens, parents and depths
+    [B, N]; with accept_len, simulated_tree_accept), m held at 0 for finished rows (done [B]: a
+    finished row stays where it is, its head scratch too), the accepted path's latents moved from
+    their slots (start + node) to slot = position (start + depth; Transformer.move_cache) and the
+    tokens emitted (tree_emitted). Nothing here reads the device. Returns m [B], path [B,
+    max_depth + 1], the target's own next token [B] and emitted [B, max_depth + 1]."""
+    tree = Tree(tokens, parents, depths, None)
+    if accept_len is None:
+        m, path, bonus = tree_accept(logits, tree, max_depth, temperature, generator)
+    else:
+        m, path, bonus = simulated_tree_accept(logits, tree, max_depth, accept_len, generator)
+    m = m.masked_fill(done, 0)
+    first = start.unsqueeze(1)
+    target.move_cache(first + path, first + torch.arange(max_depth + 1, device=start.device))
+    return m, path, bonus, tree_emitted(tree, path, m, bonus)
 
 
 def simulated_tree_accept(logits, tree, max_depth, mean_len, generator):
