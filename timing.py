@@ -247,8 +247,8 @@ def phase_label(key, graph):
     """A progress bar's name for a GraphKey: the phase, its attention mode, the tokens a row reads
     (key.tokens, never the cache slots), eager or graph."""
     what = {"decode_step": "decode step", "verify": f"verify ({key.mode} attention)",
-            "draft_extend": "draft extend", "draft": "draft",
-            "allreduce": "all-reduces"}.get(key.phase, key.phase)
+            "draft_extend": "draft extend", "draft": "draft", "chain_commit": "acceptance",
+            "tree_commit": "tree acceptance", "allreduce": "all-reduces"}.get(key.phase, key.phase)
     unit = "head step" if key.phase == "draft" else "token"  # a draft step reads one token
     return f"timing {what}, {key.tokens} {unit}{'s' if key.tokens != 1 else ''}, " \
         f"{'graph' if graph else 'eager'}"
@@ -574,7 +574,8 @@ def time_tree_accept(b, ctx):
     walk = partial(tree_commit, t, max_depth=D, temperature=cfg.temperature, generator=gen)
     done = torch.zeros(cfg.batch_size, dtype=torch.bool, device=t.device)
     key = GraphKey("tree_commit", None, cfg.batch_size, tree.tokens.shape[1])
-    return b.timed(key, walk, logits, *inputs, done, graph=b.graph_opts[-1] and cfg.temperature == 0)
+    return b.timed(key, walk, logits, *inputs, done,
+                   graph=b.graph_opts[-1] and cfg.temperature == 0)
 
 
 def time_phases(b, ctx, graph, suffix=""):

@@ -439,9 +439,10 @@ def tree_cycle(loop, rows, tree, *, kv, kv_draft):
     nodes, x at the root, at positions cur + depth, writing them at the slots cur .. cur + N - 1
     in node order, each seeing the prefix, its ancestors and itself (tree_forward's mask,
     tree_visible); tree_commit walks the tree (tree_accept), moves the accepted path's latents to
-    slot = position (Transformer.move_cache) and emits its tokens (run_commit); the head extends over the path with the target's states there (writing its own cache at slot
-    = position, so the head needs no move) and drafts the next tree. Returns m [B], emitted [B,
-    D + 1] (D = min(S, N - 1)), the next tree and the accepted nodes by depth [B, D] (-1 past m)."""
+    slot = position (Transformer.move_cache) and emits its tokens (run_commit); the head extends
+    over the path with the target's states there (writing its own cache at slot = position, so
+    the head needs no move) and drafts the next tree. Returns m [B], emitted [B, D + 1] (D =
+    min(S, N - 1)), the next tree and the accepted nodes by depth [B, D] (-1 past m)."""
     (K, S, N), B, run, mark = loop.sizes, rows.cur.shape[0], loop.run, loop.probe.mark
     D, start = min(S, N - 1), rows.cur.unsqueeze(1)
     tree = tree._replace(tokens=torch.cat([rows.x.unsqueeze(1), tree.tokens[:, 1:]], 1))
