@@ -16,6 +16,7 @@ import routing
 import run
 import timing
 from testing import assert_close
+from verify import tree_commit, tree_forward
 
 
 @pytest.mark.parametrize("E,K", [(16, 4), (384, 8), (8, 8)])
@@ -340,6 +341,23 @@ def test_a_trace_replays_exactly_in_the_timed_forwards(tmp_path):
     order = torch.arange(6 * T + 6) % 13
     assert torch.equal(got, want[:, order]), "the forwards' ids are not the trace's, in order"
     assert b.routing_choice.advanced == 6 * T + 6
+
+
+def test_the_trees_acceptance_takes_no_trace_tokens(tmp_path):
+    """tree_commit takes the target only to move its cache: timing it (5 calls) advances the trace
+    by nothing, where the tree's verify before it (tree_forward, eager, once) takes its N nodes'
+    tokens a row; a partial of tree_forward or of the target itself routes, tree_commit's not."""
+    ids = random_trace(layers=2, tokens=13, E=16, K=4, seed=5)
+    path = tmp_path / "trace.npz"
+    routing.save_trace(path, ids, 16, 4)
+    tree = ["--speculative-eagle-topk", "2", "--speculative-num-draft-tokens", "4"]
+    b = timing_bench(["--routing", "trace", "--routing-trace", str(path), "--reps", "2", *tree])
+    before = b.routing_choice.advanced
+    assert timing.time_tree_accept(b, b.cfg.context_len[0]) > 0
+    assert b.routing_choice.advanced - before == b.cfg.batch_size * 4
+    t = b.target
+    assert b.feed.routes(partial(t, mode="decode")) and b.feed.routes(partial(tree_forward, t))
+    assert not b.feed.routes(partial(tree_commit, t, max_depth=3))
 
 
 def test_distinct_routing_in_the_timing_run_and_its_sweep():

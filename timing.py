@@ -929,9 +929,10 @@ class TraceFeed:
             runner.before_replay = self.before_replay
 
     def routes(self, fn):
-        """Whether fn runs the target: the target itself, or a function of it (tree_forward)."""
-        return isinstance(fn, partial) and (fn.func is self.target
-                                            or any(a is self.target for a in fn.args))
+        """Whether fn runs the target's forward: a partial of the target itself or of tree_forward
+        on it (not tree_commit, which takes the target only to move its cache)."""
+        return isinstance(fn, partial) and (fn.func is self.target or (
+            fn.func is tree_forward and bool(fn.args) and fn.args[0] is self.target))
 
     def advance(self, tokens):
         if not self.off and tokens.numel() <= self.most:
