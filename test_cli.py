@@ -1082,7 +1082,7 @@ def test_progress_labels_count_tokens_not_cache_slots():
         assert str(key.slots) not in label, (key, label)
     assert ", 1 token," in timing.phase_label(isolated["decode_step"], graph=False)
     assert f", {k + 1} tokens," in timing.phase_label(isolated["draft_extend"], graph=False)
-    assert {key.phase for key in rec.keys} == {"verify", "chain_commit", "draft_extend", "draft"}
+    assert {key.phase for key in rec.keys} == {"verify", "accept_chain", "draft_extend", "draft"}
 
 
 # ---------------------------------------------------------------------------------------------

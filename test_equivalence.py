@@ -37,7 +37,7 @@ from testing import (assert_close, captured_calls, eager_without_pdl, edit_check
                      TRITON_DEVICE)
 from tp import TP
 from verify import (Probe, accept, generate, simulated_accept, simulated_center, simulated_mean,
-                    tree_accept, tree_ancestors, tree_commit, tree_emitted, tree_forward,
+                    tree_accept, tree_ancestors, accept_tree, tree_emitted, tree_forward,
                     tree_visible)
 
 
@@ -1278,7 +1278,7 @@ def test_trained_pair_tree_accepts_more_than_the_chain():
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["extend", "decode"])
 def test_gpu_tree_graph_generate_equals_eager(mode):
-    """A tree's verify (its mask built inside), greedy acceptance (tree_commit: the walk, the
+    """A tree's verify (its mask built inside), greedy acceptance (accept_tree: the walk, the
     cache move, the tokens emitted), draft extend and expansion replayed from CUDA graphs: the same
     tokens, drafts, parents and accepted counts as eager, cycle by cycle."""
     target, head = gpu_models()
@@ -1291,8 +1291,8 @@ def test_gpu_tree_graph_generate_equals_eager(mode):
 
 @pytest.mark.gpu
 def test_gpu_tree_cycle_makes_no_host_sync():
-    """Every call of a tree's cycle, captured (verify with its mask, the greedy tree_commit,
-    expansion) or eager (the sampling tree_commit), with the device's sync check set to fail on
+    """Every call of a tree's cycle, captured (verify with its mask, the greedy accept_tree,
+    expansion) or eager (the sampling accept_tree), with the device's sync check set to fail on
     any host sync."""
     target, head = gpu_models()
     B, P, K, S, N, kv = 3, 12, 2, 3, 6, 32
@@ -1312,11 +1312,11 @@ def test_gpu_tree_cycle_makes_no_host_sync():
             for _ in range(2):  # capture, then replay
                 out = runner.run(GraphKey("verify_tree", mode, B, N, kv), verify, tree.tokens,
                                  tree.parents, tree.depths, start)
-            walk = partial(tree_commit, target, max_depth=S, temperature=temperature,
+            walk = partial(accept_tree, target, max_depth=S, temperature=temperature,
                            generator=gen)
             for _ in range(2):
                 args = (out.logits, tree.tokens, tree.parents, tree.depths, start, done)
-                bonus = (runner.run(GraphKey("tree_commit", None, B, N), walk, *args)
+                bonus = (runner.run(GraphKey("accept_tree", None, B, N), walk, *args)
                          if temperature == 0 else walk(*args))[2]
             expand = partial(head.tree, topk=K, num_steps=S, num_nodes=N, kv_len=kv)
             for _ in range(2):

@@ -34,8 +34,8 @@ from components import (CostModel, ModelledAllreduce, SweepCliffs, component_byt
 from draft import Eagle3Draft, draft_preset, set_target_aux_layers
 from graphs import CudaGraphs, GraphKey
 from report import Timing, answer, spreads, timing_warnings, verdict
-from verify import (PREFILL_CHUNK, Probe, chain_commit, generate, kv_bucket, prefill_draft,
-                    prefill_target, tree_commit, tree_forward)
+from verify import (PREFILL_CHUNK, Probe, accept_chain, generate, kv_bucket, prefill_draft,
+                    prefill_target, accept_tree, tree_forward)
 
 # a real TP rank seeds every tensor whole on its CPU and keeps its slice (so TP N holds the same
 # model as TP 1) while its shard stays under this many parameters; a bigger one draws its slice
@@ -247,8 +247,8 @@ def phase_label(key, graph):
     """A progress bar's name for a GraphKey: the phase, its attention mode, the tokens a row reads
     (key.tokens, never the cache slots), eager or graph."""
     what = {"decode_step": "decode step", "verify": f"verify ({key.mode} attention)",
-            "draft_extend": "draft extend", "draft": "draft", "chain_commit": "acceptance",
-            "tree_commit": "tree acceptance", "allreduce": "all-reduces"}.get(key.phase, key.phase)
+            "draft_extend": "draft extend", "draft": "draft", "accept_chain": "acceptance",
+            "accept_tree": "tree acceptance", "allreduce": "all-reduces"}.get(key.phase, key.phase)
     unit = "head step" if key.phase == "draft" else "token"  # a draft step reads one token
     return f"timing {what}, {key.tokens} {unit}{'s' if key.tokens != 1 else ''}, " \
         f"{'graph' if graph else 'eager'}"
@@ -563,7 +563,7 @@ def tree_calls(b, ctx):
 
 def time_tree_accept(b, ctx):
     """The tree's acceptance beside its timed phases, as the loop runs it (verify.tree_cycle):
-    tree_commit (the walk, the accepted path's cache move, the tokens emitted) on a tree verify's
+    accept_tree (the walk, the accepted path's cache move, the tokens emitted) on a tree verify's
     logits, replayed from its graph where the run's last graph setting is on and the walk greedy,
     else eager. The moves stay within the tree's scratch slots."""
     cfg, t, tree = b.cfg, b.target, sample_tree(b, ctx)[0]
@@ -571,9 +571,9 @@ def time_tree_accept(b, ctx):
     kvt, inputs = tree_verify_inputs(b, ctx, tree)
     logits = tree_forward(t, *inputs, mode=b.modes[0], kv_len=kvt)[0]
     gen = None if cfg.temperature == 0 else torch.Generator(t.device).manual_seed(0)
-    walk = partial(tree_commit, t, max_depth=D, temperature=cfg.temperature, generator=gen)
+    walk = partial(accept_tree, t, max_depth=D, temperature=cfg.temperature, generator=gen)
     done = torch.zeros(cfg.batch_size, dtype=torch.bool, device=t.device)
-    key = GraphKey("tree_commit", None, cfg.batch_size, tree.tokens.shape[1])
+    key = GraphKey("accept_tree", None, cfg.batch_size, tree.tokens.shape[1])
     return b.timed(key, walk, logits, *inputs, done,
                    graph=b.graph_opts[-1] and cfg.temperature == 0)
 
@@ -832,15 +832,15 @@ def gpu_memory(b, r):
 
 def time_accept(b, ctx):
     """The chain's acceptance of a verify's logits, alone, as the loop runs it
-    (verify.chain_commit; replayed from its graph where the run's last graph setting is on and
+    (verify.accept_chain; replayed from its graph where the run's last graph setting is on and
     the acceptance greedy, else eager)."""
     cfg = b.cfg
     key, fn, inputs = phase_calls(b, ctx)[b.verify_name(b.modes[0])]
     logits, drafts = fn(*inputs)[0], inputs[0][:, 1:]
     gen = None if cfg.temperature == 0 else torch.Generator(b.target.device).manual_seed(0)
-    take = partial(chain_commit, temperature=cfg.temperature, generator=gen)
+    take = partial(accept_chain, temperature=cfg.temperature, generator=gen)
     done = torch.zeros(cfg.batch_size, dtype=torch.bool, device=b.target.device)
-    return b.timed(GraphKey("chain_commit", None, cfg.batch_size, drafts.shape[1] + 1), take,
+    return b.timed(GraphKey("accept_chain", None, cfg.batch_size, drafts.shape[1] + 1), take,
                    logits, drafts, done, graph=b.graph_opts[-1] and cfg.temperature == 0)
 
 
@@ -930,7 +930,7 @@ class TraceFeed:
 
     def routes(self, fn):
         """Whether fn runs the target's forward: a partial of the target itself or of tree_forward
-        on it (not tree_commit, which takes the target only to move its cache)."""
+        on it (not accept_tree, which takes the target only to move its cache)."""
         return isinstance(fn, partial) and (fn.func is self.target or (
             fn.func is tree_forward and bool(fn.args) and fn.args[0] is self.target))
 

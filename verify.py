@@ -202,7 +202,7 @@ def accept(logits, drafts, temperature, generator):
     return m, exponential_race(residual, generator)
 
 
-def chain_commit(logits, drafts, done, temperature, generator, accept_len=None):
+def accept_chain(logits, drafts, done, temperature, generator, accept_len=None):
     """A chain's acceptance after its verify (speculative_cycle), its tensors positional (a graph's
     inputs): accept (with accept_len, simulated_accept after it), m held at 0 for finished rows
     (done [B]: with m = 0 a finished row's draft chain never writes past the cache) and the
@@ -216,8 +216,8 @@ def chain_commit(logits, drafts, done, temperature, generator, accept_len=None):
     return m, torch.cat([drafts, drafts[:, :1]], 1).scatter(1, m.unsqueeze(1), bonus.unsqueeze(1))
 
 
-def run_commit(loop, key, fn, *inputs):
-    """A cycle's acceptance, fn (chain_commit or tree_commit, its other arguments bound) on
+def run_accept(loop, key, fn, *inputs):
+    """A cycle's acceptance, fn (accept_chain or accept_tree, its other arguments bound) on
     inputs: greedy and not simulated it draws nothing and runs through loop.run (a CUDA graph's
     replay where the loop captures); else eagerly, drawing from loop.generator, which no graph
     registers."""
@@ -412,8 +412,8 @@ def decode_cycle(loop, rows, pos, kv):
 
 
 def speculative_cycle(loop, rows, drafts, *, pos, kv, kv_draft):
-    """Verify [x, d_1..d_k] at cur..cur+k (reading the first kv cache slots), accept (chain_commit,
-    through run_commit), then the head extends over the accepted tokens and chains the next drafts
+    """Verify [x, d_1..d_k] at cur..cur+k (reading the first kv cache slots), accept (accept_chain,
+    through run_accept), then the head extends over the accepted tokens and chains the next drafts
     (reading kv_draft slots of its own cache). Returns m [B] drafts accepted, emitted [B, k+1] and
     the new drafts."""
     (B, k), run, mark = drafts.shape, loop.run, loop.probe.mark
@@ -422,7 +422,7 @@ def speculative_cycle(loop, rows, drafts, *, pos, kv, kv_draft):
                       partial(loop.target, mode=loop.mode, capture_aux=True, kv_len=kv),
                       verify_in, pos)
     mark("verify")
-    m, emitted = run_commit(loop, GraphKey("chain_commit", None, B, k + 1), chain_commit, logits,
+    m, emitted = run_accept(loop, GraphKey("accept_chain", None, B, k + 1), accept_chain, logits,
                             drafts, rows.done)
     mark("accept")
     first, g = run(GraphKey("draft_extend", None, B, k + 1, kv_draft),
@@ -438,8 +438,8 @@ def tree_cycle(loop, rows, tree, *, kv, kv_draft):
     """speculative_cycle for a draft tree (loop.sizes: K, S, N): the target verifies the tree's N
     nodes, x at the root, at positions cur + depth, writing them at the slots cur .. cur + N - 1
     in node order, each seeing the prefix, its ancestors and itself (tree_forward's mask,
-    tree_visible); tree_commit walks the tree (tree_accept), moves the accepted path's latents to
-    slot = position (Transformer.move_cache) and emits its tokens (run_commit); the head extends
+    tree_visible); accept_tree walks the tree (tree_accept), moves the accepted path's latents to
+    slot = position (Transformer.move_cache) and emits its tokens (run_accept); the head extends
     over the path with the target's states there (writing its own cache at slot = position, so
     the head needs no move) and drafts the next tree. Returns m [B], emitted [B, D + 1] (D =
     min(S, N - 1)), the next tree and the accepted nodes by depth [B, D] (-1 past m)."""
@@ -450,8 +450,8 @@ def tree_cycle(loop, rows, tree, *, kv, kv_draft):
                       partial(tree_forward, loop.target, mode=loop.mode, kv_len=kv),
                       tree.tokens, tree.parents, tree.depths, rows.cur)
     mark("verify")
-    walk = partial(tree_commit, loop.target, max_depth=D)
-    m, path, bonus, emitted = run_commit(loop, GraphKey("tree_commit", None, B, N), walk, logits,
+    walk = partial(accept_tree, loop.target, max_depth=D)
+    m, path, bonus, emitted = run_accept(loop, GraphKey("accept_tree", None, B, N), walk, logits,
                                          tree.tokens, tree.parents, tree.depths, rows.cur,
                                          rows.done)
     mark("accept")
@@ -478,7 +478,7 @@ def tree_forward(target, tokens, parents, depths, start, mode, kv_len):
                   slots=slots, visible=tree_visible(parents, start, kv_len))
 
 
-def tree_commit(target, logits, tokens, parents, depths, start, done, max_depth, temperature,
+def accept_tree(target, logits, tokens, parents, depths, start, done, max_depth, temperature,
                 generator, accept_len=None):
     """A tree's acceptance after its verify (tree_cycle), its tensors positional (a graph's
     inputs): the walk (tree_accept on logits [B, N, V] and the tree's tokens, parents and depths
