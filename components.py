@@ -387,8 +387,8 @@ def cost_model(r, b):
 def tree_cost(r, b, base, overhead, ar, chains):
     """The tree's cycle, as cost_model's: draft extend over the deepest path + the expansion +
     the verify of its N nodes (its mask built inside) + the tree's acceptance
-    (timing.time_tree_accept: its walk, the accepted path's cache move, the tokens emitted; a
-    graph's replay where the run's graphs are on and the walk greedy) + overhead (the loop's
+    (timing.time_tree_accept: its walk and the tokens emitted, a graph's replay where the run's
+    graphs are on and the walk greedy, then the accepted path's cache move) + overhead (the loop's
     commit and host) [+ modelled all-reduces]; its break-even accepted length, and how many times
     the chain of num_steps' accepted length it must accept to beat it (the ratio of the two
     cycles: the same tokens a millisecond)."""

@@ -1292,8 +1292,8 @@ def test_gpu_tree_graph_generate_equals_eager(mode):
 @pytest.mark.gpu
 def test_gpu_tree_cycle_makes_no_host_sync():
     """Every call of a tree's cycle, captured (verify with its mask, the greedy accept_tree,
-    expansion) or eager (the sampling accept_tree), with the device's sync check set to fail on
-    any host sync."""
+    expansion) or eager (the sampling accept_tree, the cache move), with the device's sync check
+    set to fail on any host sync."""
     target, head = gpu_models()
     B, P, K, S, N, kv = 3, 12, 2, 3, 6, 32
     tokens = torch.randint(0, 256, (B, P), generator=torch.Generator().manual_seed(0)).cuda()
@@ -1312,12 +1312,13 @@ def test_gpu_tree_cycle_makes_no_host_sync():
             for _ in range(2):  # capture, then replay
                 out = runner.run(GraphKey("verify_tree", mode, B, N, kv), verify, tree.tokens,
                                  tree.parents, tree.depths, start)
-            walk = partial(accept_tree, target, max_depth=S, temperature=temperature,
-                           generator=gen)
+            walk = partial(accept_tree, max_depth=S, temperature=temperature, generator=gen)
             for _ in range(2):
-                args = (out.logits, tree.tokens, tree.parents, tree.depths, start, done)
-                bonus = (runner.run(GraphKey("accept_tree", None, B, N), walk, *args)
-                         if temperature == 0 else walk(*args))[2]
+                args = (out.logits, tree.tokens, tree.parents, tree.depths, done)
+                _, path, bonus, _ = (runner.run(GraphKey("accept_tree", None, B, N), walk, *args)
+                                     if temperature == 0 else walk(*args))
+            target.move_cache(start.unsqueeze(1) + path,
+                              start.unsqueeze(1) + torch.arange(S + 1, device="cuda"))
             expand = partial(head.tree, topk=K, num_steps=S, num_nodes=N, kv_len=kv)
             for _ in range(2):
                 runner.run(GraphKey("draft_tree", None, B, (S - 1) * K, kv), expand, bonus, logits,

@@ -16,7 +16,7 @@ import routing
 import run
 import timing
 from testing import assert_close
-from verify import accept_tree, tree_forward
+from verify import tree_forward
 
 
 @pytest.mark.parametrize("E,K", [(16, 4), (384, 8), (8, 8)])
@@ -344,9 +344,10 @@ def test_a_trace_replays_exactly_in_the_timed_forwards(tmp_path):
 
 
 def test_the_trees_acceptance_takes_no_trace_tokens(tmp_path):
-    """accept_tree takes the target only to move its cache: timing it (5 calls) advances the trace
-    by nothing, where the tree's verify before it (tree_forward, eager, once) takes its N nodes'
-    tokens a row; a partial of tree_forward or of the target itself routes, accept_tree's not."""
+    """Timing the tree's acceptance (accept_tree and the cache move, 5 calls) advances the trace by
+    nothing, where the tree's verify before it (tree_forward, eager, once) takes its N nodes'
+    tokens a row; a partial of tree_forward or of the target itself routes, one that holds the
+    target for another use (its cache move) does not."""
     ids = random_trace(layers=2, tokens=13, E=16, K=4, seed=5)
     path = tmp_path / "trace.npz"
     routing.save_trace(path, ids, 16, 4)
@@ -357,7 +358,7 @@ def test_the_trees_acceptance_takes_no_trace_tokens(tmp_path):
     assert b.routing_choice.advanced - before == b.cfg.batch_size * 4
     t = b.target
     assert b.feed.routes(partial(t, mode="decode")) and b.feed.routes(partial(tree_forward, t))
-    assert not b.feed.routes(partial(accept_tree, t, max_depth=3))
+    assert not b.feed.routes(partial(type(t).move_cache, t))
 
 
 def test_distinct_routing_in_the_timing_run_and_its_sweep():

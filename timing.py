@@ -563,19 +563,27 @@ def tree_calls(b, ctx):
 
 def time_tree_accept(b, ctx):
     """The tree's acceptance beside its timed phases, as the loop runs it (verify.tree_cycle):
-    accept_tree (the walk, the accepted path's cache move, the tokens emitted) on a tree verify's
-    logits, replayed from its graph where the run's last graph setting is on and the walk greedy,
-    else eager. The moves stay within the tree's scratch slots."""
+    accept_tree (the walk, the tokens emitted) on a tree verify's logits, replayed from its graph
+    where the run's last graph setting is on and the walk greedy, else eager, then the accepted
+    path's cache move (Transformer.move_cache, eager). The moves stay within the tree's scratch
+    slots."""
     cfg, t, tree = b.cfg, b.target, sample_tree(b, ctx)[0]
     D = min(b.k, cfg.speculative_num_draft_tokens - 1)
     kvt, inputs = tree_verify_inputs(b, ctx, tree)
     logits = tree_forward(t, *inputs, mode=b.modes[0], kv_len=kvt)[0]
     gen = None if cfg.temperature == 0 else torch.Generator(t.device).manual_seed(0)
-    walk = partial(accept_tree, t, max_depth=D, temperature=cfg.temperature, generator=gen)
+    walk = partial(accept_tree, max_depth=D, temperature=cfg.temperature, generator=gen)
     done = torch.zeros(cfg.batch_size, dtype=torch.bool, device=t.device)
+    args = (logits, *inputs[:3], done)
     key = GraphKey("accept_tree", None, cfg.batch_size, tree.tokens.shape[1])
-    return b.timed(key, walk, logits, *inputs, done,
-                   graph=b.graph_opts[-1] and cfg.temperature == 0)
+    first = inputs[3].unsqueeze(1)
+    along = first + torch.arange(D + 1, device=t.device)
+
+    def work():
+        graph = b.graph_opts[-1] and cfg.temperature == 0
+        path = (b.runner.run(key, walk, *args) if graph else walk(*args))[1]
+        t.move_cache(first + path, along)
+    return median_ms(b.clock, work, cfg.reps, desc=phase_label(key, b.graph_opts[-1]))
 
 
 def time_phases(b, ctx, graph, suffix=""):
@@ -930,7 +938,7 @@ class TraceFeed:
 
     def routes(self, fn):
         """Whether fn runs the target's forward: a partial of the target itself or of tree_forward
-        on it (not accept_tree, which takes the target only to move its cache)."""
+        on it (not a partial that holds the target for another use, such as its cache move)."""
         return isinstance(fn, partial) and (fn.func is self.target or (
             fn.func is tree_forward and bool(fn.args) and fn.args[0] is self.target))
 

@@ -438,8 +438,8 @@ def tree_cycle(loop, rows, tree, *, kv, kv_draft):
     """speculative_cycle for a draft tree (loop.sizes: K, S, N): the target verifies the tree's N
     nodes, x at the root, at positions cur + depth, writing them at the slots cur .. cur + N - 1
     in node order, each seeing the prefix, its ancestors and itself (tree_forward's mask,
-    tree_visible); accept_tree walks the tree (tree_accept), moves the accepted path's latents to
-    slot = position (Transformer.move_cache) and emits its tokens (run_accept); the head extends
+    tree_visible); accept_tree walks the tree (tree_accept) and emits its tokens (run_accept);
+    the accepted path's latents move to slot = position (Transformer.move_cache); the head extends
     over the path with the target's states there (writing its own cache at slot = position, so
     the head needs no move) and drafts the next tree. Returns m [B], emitted [B, D + 1] (D =
     min(S, N - 1)), the next tree and the accepted nodes by depth [B, D] (-1 past m)."""
@@ -450,12 +450,14 @@ def tree_cycle(loop, rows, tree, *, kv, kv_draft):
                       partial(tree_forward, loop.target, mode=loop.mode, kv_len=kv),
                       tree.tokens, tree.parents, tree.depths, rows.cur)
     mark("verify")
-    walk = partial(accept_tree, loop.target, max_depth=D)
-    m, path, bonus, emitted = run_accept(loop, GraphKey("accept_tree", None, B, N), walk, logits,
-                                         tree.tokens, tree.parents, tree.depths, rows.cur,
-                                         rows.done)
-    mark("accept")
+    m, path, bonus, emitted = run_accept(loop, GraphKey("accept_tree", None, B, N),
+                                         partial(accept_tree, max_depth=D), logits, tree.tokens,
+                                         tree.parents, tree.depths, rows.done)
     along = start + rows.offsets[:D + 1]                          # [B, D + 1]: the path's positions
+    # eager, outside accept_tree's graph: a capture's warm-up runs would repeat the move, and a
+    # path that skips a node moves a slot that an earlier move of the same path has overwritten
+    loop.target.move_cache(start + path, along)
+    mark("accept")
     aux = aux.gather(1, path.unsqueeze(2).expand(-1, -1, aux.shape[-1]))      # [B, D + 1, 3 Dt]
     first, g = run(GraphKey("draft_extend_tree", None, B, D + 1, kv_draft),
                    partial(loop.draft.extend_logits, kv_len=kv_draft), emitted, along, aux, m)
@@ -478,23 +480,21 @@ def tree_forward(target, tokens, parents, depths, start, mode, kv_len):
                   slots=slots, visible=tree_visible(parents, start, kv_len))
 
 
-def accept_tree(target, logits, tokens, parents, depths, start, done, max_depth, temperature,
-                generator, accept_len=None):
+def accept_tree(logits, tokens, parents, depths, done, max_depth, temperature, generator,
+                accept_len=None):
     """A tree's acceptance after its verify (tree_cycle), its tensors positional (a graph's
     inputs): the walk (tree_accept on logits [B, N, V] and the tree's tokens, parents and depths
     [B, N]; with accept_len, simulated_tree_accept), m held at 0 for finished rows (done [B]: a
-    finished row stays where it is, its head scratch too), the accepted path's latents moved from
-    their slots (start + node) to slot = position (start + depth; Transformer.move_cache) and the
-    tokens emitted (tree_emitted). Nothing here reads the device. Returns m [B], path [B,
-    max_depth + 1], the target's own next token [B] and emitted [B, max_depth + 1]."""
+    finished row stays where it is, its head scratch too) and the tokens emitted (tree_emitted).
+    Nothing here reads the device or writes outside its outputs, so a capture's warm-up runs may
+    repeat it. Returns m [B], path [B, max_depth + 1], the target's own next token [B] and
+    emitted [B, max_depth + 1]."""
     tree = Tree(tokens, parents, depths, None)
     if accept_len is None:
         m, path, bonus = tree_accept(logits, tree, max_depth, temperature, generator)
     else:
         m, path, bonus = simulated_tree_accept(logits, tree, max_depth, accept_len, generator)
     m = m.masked_fill(done, 0)
-    first = start.unsqueeze(1)
-    target.move_cache(first + path, first + torch.arange(max_depth + 1, device=start.device))
     return m, path, bonus, tree_emitted(tree, path, m, bonus)
 
 
