@@ -1275,12 +1275,48 @@ def test_trained_pair_tree_accepts_more_than_the_chain():
     assert lengths[4] > lengths[None] + 0.1, lengths
 
 
+class CaptureLikeRunner:
+    """CudaGraphs.run as a CPU sees it: a key's first call runs the function as CudaGraphs.capture
+    does (3 warm-up calls on copies of the inputs, then the replay), later calls once."""
+
+    def __init__(self):
+        self.seen = set()
+
+    def run(self, key, fn, *inputs):
+        if key not in self.seen:
+            self.seen.add(key)
+            static = [x.clone() for x in inputs]
+            for _ in range(3):
+                fn(*static)
+        return fn(*[x.clone() for x in inputs])
+
+
+def test_whatever_generate_captures_can_run_again():
+    """A capture runs its function several times (CudaGraphs' warm-up), so whatever generate hands
+    to its runner must give the same result when run again: a tree's cache move, which along a
+    path that skips a node reads a slot its first run overwrote, stays outside the graphs. The
+    trained pair's trees (K 4, N 8; its first cycles accept paths through later siblings) with a
+    runner that repeats each key's first call as a capture does: the same tokens, accepted paths
+    and target cache as eager."""
+    prompts = train.heldout_prompts(6, 24)
+    runs = []
+    for graphs in (None, CaptureLikeRunner()):
+        target, head = train.load_pair(max_batch_size=6, max_seq_len=96)
+        res = generate(target, head, prompts, max_new_tokens=16, num_steps=3, eos_id=-1, topk=4,
+                       num_draft_tokens=8, graphs=graphs)
+        runs.append((res, target.kv_caches.clone(), target.pe_caches.clone()))
+    (eager, kv, pe), (repeated, kv2, pe2) = runs
+    assert repeated.tokens == eager.tokens and torch.equal(repeated.accepted, eager.accepted)
+    assert (eager.paths[0] > 1).any(), "no first-cycle path through a later sibling: no check"
+    assert torch.equal(kv2, kv) and torch.equal(pe2, pe)
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["extend", "decode"])
 def test_gpu_tree_graph_generate_equals_eager(mode):
     """A tree's verify (its mask built inside), greedy acceptance (accept_tree: the walk, the
-    cache move, the tokens emitted), draft extend and expansion replayed from CUDA graphs: the same
-    tokens, drafts, parents and accepted counts as eager, cycle by cycle."""
+    tokens emitted), draft extend and expansion replayed from CUDA graphs: the same tokens, drafts,
+    parents and accepted counts as eager, cycle by cycle."""
     target, head = gpu_models()
     kw = dict(max_new_tokens=24, num_steps=3, attention_mode=mode, topk=2, num_draft_tokens=6)
     eager = generate(target, head, PROMPTS[3], **kw)
