@@ -578,12 +578,12 @@ def time_tree_accept(b, ctx):
     key = GraphKey("accept_tree", None, cfg.batch_size, tree.tokens.shape[1])
     first = inputs[3].unsqueeze(1)
     along = first + torch.arange(D + 1, device=t.device)
+    graph = b.graph_opts[-1] and cfg.temperature == 0
 
     def work():
-        graph = b.graph_opts[-1] and cfg.temperature == 0
         path = (b.runner.run(key, walk, *args) if graph else walk(*args))[1]
         t.move_cache(first + path, along)
-    return median_ms(b.clock, work, cfg.reps, desc=phase_label(key, b.graph_opts[-1]))
+    return median_ms(b.clock, work, cfg.reps, desc=phase_label(key, graph))
 
 
 def time_phases(b, ctx, graph, suffix=""):
