@@ -3,7 +3,9 @@
 One graph per key (a GraphKey: phase, attention mode, batch, tokens, cache slots): inputs are
 copied into static buffers, a few warm-up runs go on a side stream, and every graph allocates
 from one shared memory pool. A key with no graph is captured on first use, with the real inputs,
-so the warm-up writes to the KV cache are the very writes the replay makes.
+so the warm-up writes to the KV cache are the very writes the replay makes. A captured function
+must therefore give the same result run again: a tree's cache move, which along a path that skips
+a node reads a slot its first run overwrote, runs outside the graphs (verify.tree_cycle).
 
 Outputs are copied out of the pool right after each replay. With one shared pool, a graph's static
 output may sit in memory that an earlier-captured graph uses as scratch, so it would be clobbered
