@@ -36,8 +36,8 @@ from testing import (assert_close, captured_calls, eager_without_pdl, edit_check
                      random_tree, reference_sequences, run_ranks, run_steps, step_inputs, tiny,
                      TRITON_DEVICE)
 from tp import TP
-from verify import (Probe, accept, generate, simulated_accept, simulated_center, simulated_mean,
-                    tree_accept, tree_ancestors, accept_tree, tree_emitted, tree_forward,
+from verify import (Probe, accept, accept_tree, generate, simulated_accept, simulated_center,
+                    simulated_mean, tree_accept, tree_ancestors, tree_emitted, tree_forward,
                     tree_visible)
 
 

@@ -34,8 +34,8 @@ from components import (CostModel, ModelledAllreduce, SweepCliffs, component_byt
 from draft import Eagle3Draft, draft_preset, set_target_aux_layers
 from graphs import CudaGraphs, GraphKey
 from report import Timing, answer, spreads, timing_warnings, verdict
-from verify import (PREFILL_CHUNK, Probe, accept_chain, generate, kv_bucket, prefill_draft,
-                    prefill_target, accept_tree, tree_forward)
+from verify import (PREFILL_CHUNK, Probe, accept_chain, accept_tree, generate, kv_bucket,
+                    prefill_draft, prefill_target, tree_forward)
 
 # a real TP rank seeds every tensor whole on its CPU and keeps its slice (so TP N holds the same
 # model as TP 1) while its shard stays under this many parameters; a bigger one draws its slice
@@ -573,10 +573,11 @@ def time_tree_accept(b, ctx):
     logits = tree_forward(t, *inputs, mode=b.modes[0], kv_len=kvt)[0]
     gen = None if cfg.temperature == 0 else torch.Generator(t.device).manual_seed(0)
     walk = partial(accept_tree, max_depth=D, temperature=cfg.temperature, generator=gen)
-    done = torch.zeros(cfg.batch_size, dtype=torch.bool, device=t.device)
-    args = (logits, *inputs[:3], done)
-    key = GraphKey("accept_tree", None, cfg.batch_size, tree.tokens.shape[1])
-    first = inputs[3].unsqueeze(1)
+    tokens, parents, depths, start = inputs
+    args = (logits, tokens, parents, depths,
+            torch.zeros(cfg.batch_size, dtype=torch.bool, device=t.device))   # no row done
+    key = GraphKey("accept_tree", None, cfg.batch_size, tokens.shape[1])
+    first = start.unsqueeze(1)
     along = first + torch.arange(D + 1, device=t.device)
     graph = b.graph_opts[-1] and cfg.temperature == 0
 

@@ -261,7 +261,7 @@ def tree_ancestors(parents):
     """[B, N, N] bool: [b, i, a] when node a is node i or one of its ancestors. parents [B, N]
     (-1 for the root, node 0). Reachability by squaring: a node reaches itself and its parent in
     one step, and A @ A (0/1, clamped) reaches in 2, 4, ... steps, until 2^k >= N - 1 covers the
-    deepest path: log2(N) launches, not N (generate runs it eagerly every tree cycle)."""
+    deepest path: log2(N) launches, not N (every tree cycle's verify builds its mask with it)."""
     N = parents.shape[1]
     step = torch.nn.functional.one_hot(parents.clamp(min=0), N).float()      # [B, N, N]: parent
     anc = (step + torch.eye(N, device=parents.device)).clamp(max=1)          # the root: itself
