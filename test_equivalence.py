@@ -1316,13 +1316,16 @@ def test_whatever_generate_captures_can_run_again():
 def test_gpu_tree_graph_generate_equals_eager(mode):
     """A tree's verify (its mask built inside), greedy acceptance (accept_tree: the walk, the
     tokens emitted), draft extend and expansion replayed from CUDA graphs: the same tokens, drafts,
-    parents and accepted counts as eager, cycle by cycle."""
+    parents and accepted counts as eager, cycle by cycle, and the same target cache after (both
+    runs write the same slots of one model's cache; a capture's warm-up runs must not move it)."""
     target, head = gpu_models()
     kw = dict(max_new_tokens=24, num_steps=3, attention_mode=mode, topk=2, num_draft_tokens=6)
     eager = generate(target, head, PROMPTS[3], **kw)
+    caches = target.kv_caches.clone(), target.pe_caches.clone()
     graphed = generate(target, head, PROMPTS[3], use_graphs=True, **kw)
     assert graphed.tokens == eager.tokens and torch.equal(graphed.accepted, eager.accepted)
     assert torch.equal(graphed.drafts, eager.drafts) and torch.equal(graphed.parents, eager.parents)
+    assert torch.equal(target.kv_caches, caches[0]) and torch.equal(target.pe_caches, caches[1])
 
 
 @pytest.mark.gpu
@@ -1520,12 +1523,16 @@ def test_no_host_sync_in_captured_paths(quant, impl):
 @pytest.mark.gpu
 @pytest.mark.parametrize("mode", ["extend", "decode"])
 def test_graph_generate_equals_eager_generate_and_reports_bf16_agreement(mode):
+    """A chain's cycles replayed from CUDA graphs: the same tokens as eager and the same target
+    cache after (both runs write the same slots of one model's cache)."""
     target, head = gpu_models()
     prompts = PROMPTS[3]
     eager = generate(target, head, prompts, max_new_tokens=24, num_steps=3, attention_mode=mode)
+    caches = target.kv_caches.clone(), target.pe_caches.clone()
     graphed = generate(target, head, prompts, max_new_tokens=24, num_steps=3, attention_mode=mode,
                        use_graphs=True)
     assert graphed.tokens == eager.tokens
+    assert torch.equal(target.kv_caches, caches[0]) and torch.equal(target.pe_caches, caches[1])
     plain = generate(target, None, prompts, max_new_tokens=24, use_graphs=True).tokens
     same = sum(a == b for x, y in zip(graphed.tokens, plain) for a, b in zip(x, y))
     total = sum(len(x) for x in plain)
