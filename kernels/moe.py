@@ -50,7 +50,7 @@ def _configs(fmt, P, on_gpu):
     INT4 (its own kernels, the section above _int4_block; BLOCK_N counts weight rows; gate_up's
     fifth entry is SPLIT, the parts of D): from a sweep at 8 and 32 tokens, uniform routing and 8
     distinct experts, the configs of least summed time over best time of the two routings (H200,
-    the layer's us in benchmarks/routing/kernels_int4_dot_sweep_*.json):
+    the layer's us in benchmarks/routing/kernels_int4_dot_sweep_52350b9.json):
      - gate_up 64 rows of 256 elements in 3 stages (64 rows: sm_90's wgmma shape; with 32 and 16
        rows the layer took 1.4x and 1.9-2.0x as long under uniform routing); D in 7 parts up to
        128 pairs (8 experts at 8 tokens: 50.5 us against 60.8 in 4 parts and 72.8 in 2; uniform:
