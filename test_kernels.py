@@ -204,14 +204,16 @@ def test_fused_moe_gemv_fp8_takes_a_shared_expert():
 def test_fused_moe_int4_tiles_even_and_masked_blocks():
     """The INT4 tile kernels (weights as the MMA's first operand) against the gather path: steps
     that divide the words a row (EVEN) and steps that do not, weight rows past I and D in the last
-    row block, and an expert picked by more pairs than a tile holds (20 tokens on the same 8
-    experts: two tiles each), in fp32 (and bf16 on a GPU). D 256 (32 words a row), then D 96
+    row block, gate_up whole and split over D, and an expert picked by more pairs than a tile holds
+    (20 tokens on the same 8 experts: two tiles each), in fp32 (and bf16 on a GPU: the weights
+    rounded to bf16 once, as the plain module rounds them). D 256 (32 words a row), then D 96
     (12)."""
     on_gpu = TRITON_DEVICE.type == "cuda"
-    # (BLOCK_N, BLOCK_K, warps, stages): I 96 a rank (12 words), so 64-row blocks mask rows of
-    # gate_up, and of down at D 96
-    configs = [dict(gate_up=(16, 128, 4, 1), down=(32, 128, 4, 1)),
-               dict(gate_up=(64, 256, 4, 1), down=(64, 256, 4, 1))]
+    # (BLOCK_N, BLOCK_K, warps, stages[, SPLIT]): I 96 a rank (12 words), so 64-row blocks mask
+    # rows of gate_up, and of down at D 96; gate_up in 2 parts of D (128 columns each at D 256, at
+    # D 96 one part masked and one empty) before the silu launch
+    configs = [dict(gate_up=(16, 128, 4, 1, 1), down=(32, 128, 4, 1)),
+               dict(gate_up=(64, 128, 4, 1, 2), down=(64, 256, 4, 1))]
     cases = [(D, N, kind, cfg) for D in (256, 96) for N, kind in ((3, "random"), (20, "shared"))
              for cfg in configs]
     if not on_gpu:  # the interpreter: each D, routing and config once
@@ -516,8 +518,8 @@ def test_fused_moe_tile_variant_reads_each_distinct_expert_once(quant):
     """The tile variant reads each distinct expert's weights once, however many tokens pick it (up
     to 4 here): every expert a token picks, its gate, up and down data loaded once, element by
     element (issued = distinct = the expert's bytes), nothing of the others; its scales loaded
-    completely and as often as for one token (a scale is loaded once for each weight element or
-    word it scales, so issued scale bytes exceed distinct by a fixed factor)."""
+    completely and as often as for one token (FP8's once for each weight element they scale, so
+    issued scale bytes exceed distinct by a fixed factor; INT4's once a row and group)."""
     experts, D = moe_experts("tiny", quant, 16, TRITON_DEVICE, torch.float32)
     one, per_pass = one_expert_bytes(experts), per_pass_bytes(experts, D, "dot")
     for name in ("gate", "up", "down"):

@@ -45,6 +45,10 @@ DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5), (32
                           (64, 128, 4, 4),
                           (16, 256, 4, 3), (32, 256, 8, 3), (16, 64, 4, 6)],
                  down=[(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (64, 256, 8, 3)])
+# INT4's tiles (moe._configs): gate_up (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT)
+INT4_DOT_SWEEP = dict(gate_up=[(64, 256, 4, 3, 7), (64, 256, 4, 3, 4), (64, 256, 4, 3, 2),
+                               (64, 256, 4, 3, 1), (32, 256, 4, 3, 4), (64, 256, 8, 3, 4)],
+                      down=[(64, 128, 4, 2), (128, 256, 8, 1), (64, 256, 4, 1), (32, 256, 4, 1)])
 GEMV_SWEEP = {"plain": dict(gate_up=[], down=[(32, 256, 4, 1)]),
               "fp8": dict(gate_up=[(8, 128, 2, 4, 4), (2, 128, 2, 2, 4), (4, 128, 1, 4, 4),
                                    (4, 128, 2, 8, 8)],
@@ -58,7 +62,9 @@ GEMV_SWEEP = {"plain": dict(gate_up=[], down=[(32, 256, 4, 1)]),
 def _sweep_points(fmt, variant):
     if variant == "gemv":
         return [{part: c} for part, cs in GEMV_SWEEP[fmt].items() for c in cs]
-    ok = lambda c: (fmt != "fp8" or c[1] <= 128) and (fmt != "int4" or c[1] >= 128)   # noqa: E731
+    if fmt == "int4":
+        return [{part: c} for part, cs in INT4_DOT_SWEEP.items() for c in cs]
+    ok = lambda c: fmt != "fp8" or c[1] <= 128                                  # noqa: E731
     return [{part: c} for part, cs in DOT_SWEEP.items() for c in cs if ok(c)]
 
 

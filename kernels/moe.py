@@ -17,14 +17,15 @@ from .moe_gemv import (FORMATS, GEMV_MAX_PAIRS, SHARED_SPLIT, ExpertWeights, _ch
 # The tile variant (the GEMV variant, moe_gemv.py, serves a few tokens: gemv_max_tokens).
 # Four launches, each of a fixed grid for given (N, K, E): align (sort the P pairs by expert on the
 # device, each expert's pairs padded to whole BLOCK_M tiles), gate_up (a program per (tile of
-# pairs of one expert, BLOCK_N rows of I): both projections, SiLU and the product), down (a program
-# per (tile, BLOCK_N rows of D): routing weight applied, one fp32 row per pair) and combine (the K
-# rows of a token summed). A tile holds pairs of one expert only, and every tile of an expert reads
-# that expert's weights, so an expert picked by up to BLOCK_M tokens is read exactly once. At most
-# min(E, P) + P // BLOCK_M tiles exist (sum over experts of ceil(count / BLOCK_M)); that bound sizes
-# the buffers and the grids, and tiles left unused exit at once. Weights are read as stored (bf16 /
-# fp32, FP8 e4m3 with block scales, INT4 packed words with group scales), dequantized in registers;
-# products accumulate in fp32. Deterministic: no atomics, so a graph replay equals the eager call.
+# pairs of one expert, BLOCK_N rows of I): both projections, SiLU and the product; INT4's may split
+# D, a silu launch then finishing h), down (a program per (tile, BLOCK_N rows of D): routing weight
+# applied, one fp32 row per pair) and combine (the K rows of a token summed). A tile holds pairs of
+# one expert only, and every tile of an expert reads that expert's weights, so an expert picked by
+# up to BLOCK_M tokens is read exactly once. At most min(E, P) + P // BLOCK_M tiles exist (sum over
+# experts of ceil(count / BLOCK_M)); that bound sizes the buffers and the grids, and tiles left
+# unused exit at once. Weights are read as stored (bf16 / fp32, FP8 e4m3 with block scales, INT4
+# packed words with group scales), dequantized in registers; products accumulate in fp32.
+# Deterministic: no atomics, so a graph replay equals the eager call.
 
 # pairs per tile: tl.dot's smallest M. With N <= a few hundred and 384 experts most experts get 1-4
 # tokens, so a larger tile would only add padding rows (python -m kernels.bench --moe --sweep dot)
@@ -33,6 +34,8 @@ BLOCK_M = 16
 ALIGN_CHUNK = 32
 # columns of D a combine program sums (not swept: the combine is a small share)
 COMBINE_BLOCK = 1024
+# elements of h an INT4 silu program makes (not swept: P * I elements, a small share)
+SILU_BLOCK = 1024
 
 
 def _configs(fmt, P, on_gpu):
@@ -44,14 +47,27 @@ def _configs(fmt, P, on_gpu):
      - BLOCK_K 128 for bf16 and FP8 (the checkpoint's scale block: one scale a row and k-step,
        applied after the dot);
      - down BLOCK_N 64 (D = 7168: 112 programs an expert tile; its other sizes move little).
-    INT4 (its own kernels; BLOCK_N counts weight rows): gate_up 32 rows of 128 elements (16 words
-    a sub-dot) in 4 stages, down 64 rows of 256: the fastest of the points timed at 2 to 32
-    tokens (gate_up steps of 256 elements ran 1.5-1.7x slower, at 16 to 128 rows)."""
+    INT4 (its own kernels, the section above _int4_block; BLOCK_N counts weight rows; gate_up's
+    fifth entry is SPLIT, the parts of D): from a sweep at 8 and 32 tokens, uniform routing and 8
+    distinct experts, the configs of least summed time over best time of the two routings (H200,
+    the layer's us in benchmarks/routing/kernels_int4_dot_sweep_52350b9.json):
+     - gate_up 64 rows of 256 elements in 3 stages (64 rows: sm_90's wgmma shape; with 32 and 16
+       rows the layer took 1.4x and 1.9-2.0x as long under uniform routing); D in 7 parts up to
+       128 pairs (8 experts at 8 tokens: 50.5 us against 60.8 in 4 parts and 72.8 in 2; uniform:
+       165 against 161 and 176), in 4 up to 256 (32 tokens: 462 against 459 in 2 and 473 in 7;
+       8 experts 115 against 138 and 117), whole above (not timed there: past 32 tokens every
+       expert gets tiles, and 4 parts' fp32 sums of gate and up are 32 bytes a pair and row of
+       I, written and read again);
+     - down 64 rows of 128 in 2 stages up to 128 pairs, 128 rows of 256 on 8 warps above (at 32
+       tokens, 8 experts: 117 us against 130 with 64 rows of 128; uniform: 634 against 606)."""
     # Triton's CPU interpreter runs programs one by one, ~0.1 ms an op: fewest, largest
     if not on_gpu:
-        return dict(gate_up=(64, 128, 4, 1), down=(64, 128, 4, 1))
+        return dict(gate_up=(64, 128, 4, 1) + ((1,) if fmt == "int4" else ()),
+                    down=(64, 128, 4, 1))
     if fmt == "int4":
-        return dict(gate_up=(32, 128, 4, 4), down=(64, 256, 4, 3))
+        if P <= 128:
+            return dict(gate_up=(64, 256, 4, 3, 7), down=(64, 128, 4, 2))
+        return dict(gate_up=(64, 256, 4, 3, 4 if P <= 256 else 1), down=(128, 256, 8, 1))
     return dict(gate_up=(16, 128, 4, 4) if P <= 16 else (32, 128, 4, 4), down=(64, 128, 4, 3))
 
 
@@ -203,110 +219,153 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
 
 
 # INT4 tiles: the weights as the MMA's first operand. A tile's pairs (at most BLOCK_M = 16, mostly
-# 1 to 4 under any routing) are the product's narrow side, BLOCK_N weight rows its tall side:
-# acc [BLOCK_N, BLOCK_M] += W_j [BLOCK_N, BLOCK_W] @ X_j [BLOCK_W, BLOCK_M]. Nibble j of word w is
-# element 8w + j: a step of BLOCK_W words is 8 dots, dot j over the elements {8w + j} (W_j: nibble
-# j of every word; X_j: the activation at those elements, a strided load that L1 serves after
-# j = 0), so the words are never reordered. Each weight element is unpacked once however many
-# pairs the tile holds, by the exponent trick (moe_gemv._nibble: an AND-OR and an FMA give q - 8
-# exactly), times its group scale in fp32 and rounded once to the compute dtype, as the plain
-# module's dequantization rounds. Measured on the H200 (python -m kernels.bench --moe --formats
-# int4 --variants dot,gemv): 5.4-6.3x the floor at 4 to 32 tokens, against 1.6-1.9x for the GEMV
-# variant, which therefore serves INT4 up to 32 tokens. The sm_90 TTGIR shows why: Triton stages
-# every W_j through shared memory on its way to the MMA, 16 small dots a step, each behind a
-# barrier. Unpacking to natural order in registers (tl.join) or loading each word once per
-# element it holds run 1.4-1.5x and 10x slower; one dot a step over all 8 nibbles (the [BN, 8,
-# BLOCK_W] unpack reshaped, the activation loaded in the same order) 1.2-1.4x slower. Where tokens
-# share experts the tiles do not approach the floor either: 8 distinct experts take 105 us at 4
-# tokens and 190 at 32 (floor 5.8; --distinct 8), gate_up then a few programs an expert, each
-# stepping through all of D.
+# 1 to 4 under uniform routing) are the product's narrow side, BLOCK_N weight rows its tall side:
+# acc [BLOCK_N, BLOCK_M] += W [BLOCK_N, BLOCK_K] @ X [BLOCK_K, BLOCK_M], one tl.dot a projection
+# and step. _int4_block dequantizes W in registers, in element order: the step's words [BLOCK_N,
+# BLOCK_K / 8] give 8 nibble tensors (the exponent trick, moe_gemv._nibble: an AND-OR and an FMA
+# give q - 8 exactly), each times its group scale in fp32 and rounded once to the compute dtype (as
+# the plain module's dequantization rounds; exact in fp32), then three rounds of tl.join (nibbles
+# j and j + 4, those pairs j and j + 2, then j and j + 1) and a reshape put nibble j of word w at
+# element 8w + j. The joined dims lie within a thread (each holds whole words), so the interleave
+# moves no data; the tile then reaches the MMA's operand layout through shared memory, as any
+# operand made in registers does. X is loaded once a step, contiguous along k, for gate and up.
+# Words, scales and X feed the dot, so Triton's pipeliner issues them num_stages - 1 steps ahead
+# (cp.async), the scales only where a step holds two a thread (4 bytes: BLOCK_N * BLOCK_K / GROUP
+# >= 64 * num_warps); below that their load waits out a memory latency every step.
+# gate_up splits D into SPLIT parts (grid axis 2): where tokens share a few experts the tiles are
+# few, and a program stepping through all of D alone leaves the SMs idle. Each part writes its
+# fp32 sums of gate and up for its pairs (part [SPLIT, P, 2, I]), and the silu launch adds the
+# parts in order, then SiLU times up; SPLIT 1: gate_up writes h itself. h is [P, I], a row a pair.
+# Measured on the H200 (python -m kernels.bench --moe --formats int4 --variants dot,gemv --tokens
+# 1,2,4,8,16,32 --distinct 384,32,8): 3.5x, 3.2x and 3.3x the floor at 8, 16 and 32 tokens under
+# uniform routing, where the GEMV variant takes 1.6-1.8x (so it serves INT4 up to 32 tokens); with
+# 8 distinct experts 49, 66 and 103 us (floor 5.8; the align kernel alone takes 7 to 27 us of it),
+# where the GEMV takes 64, 120 and 232.
 
 @_jit
-def _int4_dot(acc, w_rows, s_rows, rows_ok, x_ptr, x_col, cols_ok, w0, magic,
-              PRECISION: tl.constexpr, W: tl.constexpr, GROUP: tl.constexpr,
-              BLOCK_W: tl.constexpr, EVEN: tl.constexpr):
-    """acc [BN, BM] += W[rows, 8 w0 : 8 (w0 + BLOCK_W)] @ X[cols, same elements]^T.
+def _int4_block(w_rows, s_rows, rows_ok, k0, magic, K_IN: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK_K: tl.constexpr, EVEN: tl.constexpr, DTYPE: tl.constexpr):
+    """W[rows, k0 : k0 + BLOCK_K] dequantized in element order: [BN, BLOCK_K] of DTYPE.
 
-    w_rows, s_rows [BN, 1]: the weight rows' word and scale pointers; rows_ok [BN, 1]: the rows
-    inside the matrix. W: words a row; EVEN: the blocks divide the rows and W, so no weight load is
-    masked. x_ptr + x_col [1, BM]: each tile column's activation row (element c at + c); cols_ok
-    [1, BM]: the columns holding a pair."""
-    w = w0 + tl.arange(0, BLOCK_W)
+    w_rows, s_rows [BN, 1]: the rows' word and group-scale pointers; rows_ok [BN, 1]: the rows
+    inside the matrix; K_IN: elements a row. EVEN: no load masked (the blocks divide the shape)."""
+    w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
     if EVEN:
         words = tl.load(w_rows + w[None, :])
-        scale = tl.load(s_rows + (w * 8 // GROUP)[None, :]).to(tl.float32)
+        s = tl.load(s_rows + g[None, :])
     else:
-        ok = rows_ok & (w < W)[None, :]
-        words = tl.load(w_rows + w[None, :], mask=ok, other=0)
-        scale = tl.load(s_rows + (w * 8 // GROUP)[None, :], mask=ok, other=0.0).to(tl.float32)
+        words = tl.load(w_rows + w[None, :], mask=rows_ok & (w < K_IN // 8)[None, :], other=0)
+        s = tl.load(s_rows + g[None, :], mask=rows_ok & (g < K_IN // GROUP)[None, :], other=0.0)
+    BN: tl.constexpr = words.shape[0]
+    s = tl.reshape(tl.broadcast_to(s.to(tl.float32)[:, :, None],
+                                   (BN, BLOCK_K // GROUP, GROUP // 8)), (BN, BLOCK_K // 8))
     high = words >> 12
-    for j in tl.static_range(8):
-        xj = tl.load(x_ptr + x_col + (w * 8 + j)[:, None], mask=cols_ok & (w < W)[:, None],
-                     other=0.0)                                               # [BLOCK_W, BM]
-        wj = (moe_gemv._nibble(words, high, j, magic) * scale).to(xj.dtype)  # [BN, BLOCK_W]
-        acc = tl.dot(wj, xj, acc, input_precision=PRECISION)
-    return acc
+    # [BN, words, 2, 2, 2]: index (a, b, c) holds nibble 4a + 2b + c, so the reshape puts nibble j
+    # of word w at element 8w + j
+    even = tl.join(tl.join(_scaled(words, high, 0, s, magic, DTYPE),
+                           _scaled(words, high, 4, s, magic, DTYPE)),
+                   tl.join(_scaled(words, high, 2, s, magic, DTYPE),
+                           _scaled(words, high, 6, s, magic, DTYPE)))
+    odd = tl.join(tl.join(_scaled(words, high, 1, s, magic, DTYPE),
+                          _scaled(words, high, 5, s, magic, DTYPE)),
+                  tl.join(_scaled(words, high, 3, s, magic, DTYPE),
+                          _scaled(words, high, 7, s, magic, DTYPE)))
+    return tl.reshape(tl.join(even, odd), (BN, BLOCK_K))
 
 
 @_jit
-def _moe_int4_gate_up_kernel(x_ptr, h_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr, gs_ptr, u_ptr,
-                             us_ptr, P, TOPK, stride_we, stride_wn, stride_se, stride_sr, magic,
-                             D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
-                             BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
-                             EVEN: tl.constexpr, PRECISION: tl.constexpr):
-    """_moe_gate_up_kernel for INT4 weights (the section above): h[row, i] for the BLOCK_N rows i
-    of program pid_n and the pairs of one tile. Grid: (cdiv(I, BLOCK_N), max_tiles)."""
+def _scaled(words, high, J: tl.constexpr, s, magic, DTYPE: tl.constexpr):
+    """Nibble J of each word times its group scale, in fp32, rounded once to DTYPE."""
+    return (moe_gemv._nibble(words, high, J, magic) * s).to(DTYPE)
+
+
+@_jit
+def _moe_int4_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr,
+                             gs_ptr, u_ptr, us_ptr, P, TOPK, stride_we, stride_wn, stride_se,
+                             stride_sr, magic, D: tl.constexpr, I: tl.constexpr,
+                             GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
+                             PRECISION: tl.constexpr):
+    """_moe_gate_up_kernel for INT4 weights (the section above), over part pid_k of SPLIT of D:
+    h[pair, i] for the BLOCK_N rows i of program pid_n and the pairs of one tile (SPLIT 1), else
+    the fp32 sums of gate and up, part[pid_k, pair, 0 / 1, i]. Grid: (cdiv(I, BLOCK_N), max_tiles,
+    SPLIT)."""
     _wait_for_prior()
-    pid_n, tile = tl.program_id(0), tl.program_id(1)
+    pid_n, tile, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
     if e < 0:
         return
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_pair_ptr + rows)
-    x_col, cols_ok = (pair // TOPK).to(tl.int64)[None, :] * D, (pair < P)[None, :]
+    pair = tl.load(sorted_pair_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))[None, :]
+    x_col = (pair // TOPK).to(tl.int64) * D
     n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None]
     g_rows, u_rows = g_ptr + e * stride_we + n * stride_wn, u_ptr + e * stride_we + n * stride_wn
     gs_rows = gs_ptr + e * stride_se + n * stride_sr
     us_rows = us_ptr + e * stride_se + n * stride_sr
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for w0 in range(0, D // 8, BLOCK_W):
-        acc_g = _int4_dot(acc_g, g_rows, gs_rows, n < I, x_ptr, x_col, cols_ok, w0, magic,
-                          PRECISION, D // 8, GROUP, BLOCK_W, EVEN)
-        acc_u = _int4_dot(acc_u, u_rows, us_rows, n < I, x_ptr, x_col, cols_ok, w0, magic,
-                          PRECISION, D // 8, GROUP, BLOCK_W, EVEN)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    i = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(h_ptr + rows[None, :].to(tl.int64) * I + i[:, None], h.to(h_ptr.dtype.element_ty),
-             mask=(i < I)[:, None])
+    PART: tl.constexpr = (D + SPLIT * BLOCK_K - 1) // (SPLIT * BLOCK_K) * BLOCK_K
+    for k0 in range(pid_k * PART, tl.minimum(pid_k * PART + PART, D), BLOCK_K):
+        k = (k0 + tl.arange(0, BLOCK_K))[:, None]
+        xt = tl.load(x_ptr + x_col + k, mask=(pair < P) & (k < D), other=0.0)   # [BLOCK_K, BM]
+        acc_g = tl.dot(_int4_block(g_rows, gs_rows, n < I, k0, magic, D, GROUP, BLOCK_K, EVEN,
+                                   xt.dtype), xt, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(_int4_block(u_rows, us_rows, n < I, k0, magic, D, GROUP, BLOCK_K, EVEN,
+                                   xt.dtype), xt, acc_u, input_precision=PRECISION)
+    ok = (pair < P) & (n < I)
+    if SPLIT == 1:
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(h_ptr + pair.to(tl.int64) * I + n, h.to(h_ptr.dtype.element_ty), mask=ok)
+    else:
+        part = part_ptr + ((pid_k * P + pair).to(tl.int64) * 2) * I + n
+        tl.store(part, acc_g, mask=ok)
+        tl.store(part + I, acc_u, mask=ok)
+
+
+@_jit
+def _moe_int4_silu_kernel(part_ptr, h_ptr, P, I: tl.constexpr, SPLIT: tl.constexpr,
+                          BLOCK: tl.constexpr):
+    """h[pair, i] = silu(sum_s part[s, pair, 0, i]) * sum_s part[s, pair, 1, i], s in order.
+
+    part_ptr: fp32 [SPLIT, P, 2, I] from the gate_up kernel; h_ptr: [P, I]. Grid: (cdiv(P * I,
+    BLOCK),)."""
+    _wait_for_prior()
+    c = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    ok = c < P * I
+    at = (c // I) * 2 * I + c % I
+    g = tl.zeros([BLOCK], tl.float32)
+    u = tl.zeros([BLOCK], tl.float32)
+    for s in tl.static_range(SPLIT):
+        g += tl.load(part_ptr + s * P * 2 * I + at, mask=ok, other=0.0)
+        u += tl.load(part_ptr + s * P * 2 * I + at + I, mask=ok, other=0.0)
+    tl.store(h_ptr + c, (g / (1.0 + tl.exp(-g)) * u).to(h_ptr.dtype.element_ty), mask=ok)
 
 
 @_jit
 def _moe_int4_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr, w_ptr,
                           s_ptr, P, stride_we, stride_wn, stride_se, stride_sr, magic,
                           D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
-                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr,
+                          BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           EVEN: tl.constexpr, PRECISION: tl.constexpr):
     """_moe_down_kernel for INT4 weights (the section above): y[pair, d] for the BLOCK_N rows d of
-    program pid_n and the pairs of one tile. Grid: (cdiv(D, BLOCK_N), max_tiles)."""
+    program pid_n and the pairs of one tile, h read by pair. Grid: (cdiv(D, BLOCK_N), max_tiles)."""
     _wait_for_prior()
     pid_n, tile = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
     if e < 0:
         return
-    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
-    pair = tl.load(sorted_pair_ptr + rows)
-    h_col, cols_ok = rows[None, :].to(tl.int64) * I, (pair < P)[None, :]
+    pair = tl.load(sorted_pair_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))[None, :]
+    h_col = pair.to(tl.int64) * I
     n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None]
+    w_rows, s_rows = w_ptr + e * stride_we + n * stride_wn, s_ptr + e * stride_se + n * stride_sr
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for w0 in range(0, I // 8, BLOCK_W):
-        acc = _int4_dot(acc, w_ptr + e * stride_we + n * stride_wn,
-                        s_ptr + e * stride_se + n * stride_sr, n < D, h_ptr, h_col, cols_ok, w0,
-                        magic, PRECISION, I // 8, GROUP, BLOCK_W, EVEN)
+    for k0 in range(0, I, BLOCK_K):
+        k = (k0 + tl.arange(0, BLOCK_K))[:, None]
+        ht = tl.load(h_ptr + h_col + k, mask=(pair < P) & (k < I), other=0.0)   # [BLOCK_K, BM]
+        acc = tl.dot(_int4_block(w_rows, s_rows, n < D, k0, magic, I, GROUP, BLOCK_K, EVEN,
+                                 ht.dtype), ht, acc, input_precision=PRECISION)
     route_w = tl.load(route_w_ptr + pair, mask=pair < P, other=0)
-    d = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    tl.store(y_ptr + pair[None, :].to(tl.int64) * D + d[:, None], acc * route_w[None, :],
-             mask=(pair < P)[None, :] & (d < D)[:, None])
+    tl.store(y_ptr + pair.to(tl.int64) * D + n, acc * route_w, mask=(pair < P) & (n < D))
 
 
 @_jit
@@ -436,12 +495,12 @@ def _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, cfg):
                             BLOCK_M=BLOCK_M, E_PAD=triton.next_power_of_2(E), CHUNK=ALIGN_CHUNK,
                             num_warps=8, launch_pdl=common.PDL)
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact, not tf32; else unused
-    h = torch.empty(max_tiles * BLOCK_M, I, dtype=x.dtype, device=dev)          # [rows, I]
     y = torch.empty(P, D, dtype=torch.float32, device=dev)                      # [P, D], weighted
     tiles = (sorted_pair, tile_expert)
     if fmt == "int4":
-        _int4_tiles(x, h, y, tiles, route_w, gate, up, down, K, cfg, precision)
+        _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision)
     else:
+        h = torch.empty(max_tiles * BLOCK_M, I, dtype=x.dtype, device=dev)      # [rows, I]
         bn, bk, warps, stages = cfg["gate_up"]
         gs, strides, quant, per_row = _weight_args(gate, bk)
         _moe_gate_up_kernel[(triton.cdiv(I, bn), max_tiles)](
@@ -461,22 +520,32 @@ def _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, cfg):
     return out
 
 
-def _int4_tiles(x, h, y, tiles, route_w, gate, up, down, K, cfg, precision):
-    """The tile variant's gate_up and down launches for INT4 weights; configs: (BLOCK_N weight
-    rows, BLOCK_K elements a step, num_warps, num_stages)."""
+def _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision):
+    """The tile variant's INT4 launches: gate_up (split over D where cfg says, then the silu
+    launch), down; configs: gate_up (BLOCK_N weight rows, BLOCK_K elements a step, num_warps,
+    num_stages, SPLIT), down (the same but SPLIT). BLOCK_K: a multiple of the group."""
     (D, I), P, max_tiles = (x.shape[1], gate.shape[1]), route_w.numel(), tiles[1].numel()
     strides = lambda w: (*w.data.stride()[:2], *w.scale.stride()[:2])   # noqa: E731
-    bn, bk, warps, stages = cfg["gate_up"]
-    _moe_int4_gate_up_kernel[(triton.cdiv(I, bn), max_tiles)](
-        x, h, *tiles, gate.data, gate.scale, up.data, up.scale, P, K, *strides(gate),
-        moe_gemv.MAGIC, D=D, I=I, GROUP=gate.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_W=bk // 8,
-        EVEN=D // 8 % (bk // 8) == 0 and I % bn == 0, PRECISION=precision, launch_pdl=common.PDL,
-        num_warps=warps, num_stages=stages)
+    for name, w in (("gate_up", gate), ("down", down)):
+        if cfg[name][1] % w.group:
+            raise ValueError(f"fused_moe: INT4 tiles' {name} BLOCK_K {cfg[name][1]} must be a "
+                             f"multiple of the group {w.group}")
+    h = torch.empty(P, I, dtype=x.dtype, device=x.device)                        # [P, I]
+    bn, bk, warps, stages, split = cfg["gate_up"]
+    part = torch.empty(split if split > 1 else 0, P, 2, I, dtype=torch.float32, device=x.device)
+    _moe_int4_gate_up_kernel[(triton.cdiv(I, bn), max_tiles, split)](
+        x, h, part, *tiles, gate.data, gate.scale, up.data, up.scale, P, K, *strides(gate),
+        moe_gemv.MAGIC, D=D, I=I, GROUP=gate.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
+        SPLIT=split, EVEN=D % bk == 0 and I % bn == 0, PRECISION=precision,
+        launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
+    if split > 1:
+        _moe_int4_silu_kernel[(triton.cdiv(P * I, SILU_BLOCK),)](
+            part, h, P, I=I, SPLIT=split, BLOCK=SILU_BLOCK, launch_pdl=common.PDL, num_warps=4)
     bn, bk, warps, stages = cfg["down"]
     _moe_int4_down_kernel[(triton.cdiv(D, bn), max_tiles)](
         h, y, *tiles, route_w, down.data, down.scale, P, *strides(down), moe_gemv.MAGIC, D=D, I=I,
-        GROUP=down.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_W=bk // 8,
-        EVEN=I // 8 % (bk // 8) == 0 and D % bn == 0, PRECISION=precision, launch_pdl=common.PDL,
+        GROUP=down.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
+        EVEN=I % bk == 0 and D % bn == 0, PRECISION=precision, launch_pdl=common.PDL,
         num_warps=warps, num_stages=stages)
 
 

@@ -108,14 +108,16 @@ GEMV_SMALL_TOKENS = 2
 #  - FP8: the GEMV at 1.55-1.78x its floor, the tiles at 1.71x (32 tokens) to 6.9x (1 token); the
 #    tiles catch up at 20-24 tokens and are 4% faster at 32, but there the GEMV also carries the
 #    bf16 shared expert, which beside the tiles runs alone (12.6 us a layer): 32;
-#  - INT4: the GEMV at 2.1-3.2x, the tiles at 5.5-6x (their section in moe.py): 32;
+#  - INT4: the GEMV at 1.6-2.2x from 2 tokens (2.8x at 1), the tiles at 3.2-5.0x (their
+#    section in moe.py), 1.9-2.3x the GEMV's time at every count: 32;
 #  - bf16, 128 experts and the shared expert folded in as expert 129 (SharedExpertInLaunch: every
 #    token picks it; run.py's shapes): the GEMV wins at 1 and 2 tokens (30 against 54 us, 53
 #    against 59), the tiles from 3 (72 against 81): 2.
 # At TP 4 (I 512) and TP 2 (I 1024), no shared expert, us a layer (benchmarks/shapes/
 # kernels_tp{4,2}_moe.json, kernels_tp{4,2}_fp8_16to32_moe.json): FP8 GEMV / tiles 395 / 407 at 16
 # tokens, 494 / 499 at 20, 590 / 582 at 24 and 780 / 699 at 32 (TP 4), 771 / 782, 957 / 953, 1151 /
-# 1075 and 1518 / 1313 (TP 2): 20; INT4 the GEMV at every count (its tiles 3.3-4.6x slower): 32;
+# 1075 and 1518 / 1313 (TP 2): 20; INT4 the GEMV at every count (against tiles older than
+# moe.py's, 3.3-4.6x slower): 32;
 # bf16 172 / 194 at 2 and 245 / 242 at 3 at TP 2: 2. bf16 at TP 4 stays at 2 though its GEMV led
 # up to 8 tokens there (315 / 320 at 8, 615 / 579 at 16): those rows lack the shared expert that
 # SharedExpertInLaunch folds in as one more expert a token, which the GEMV reads once a token and
