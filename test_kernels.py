@@ -677,20 +677,25 @@ def test_mla_merge_absorb_equals_combine_then_head_gemv(dtype, monkeypatch):
     with B > 2 one starting at slot 0, whose only part is the new tokens'), one part up to 20; the
     parts no row uses are filled with NaN first, to show they are never read. Where the parts do not
     fit (MLA_MERGE_ABSORB_REGS) it must take the two launches itself; both cases occur. float32:
-    also against the float64 twin. Triton's CPU interpreter takes seconds a Kimi-K2 case: there
-    the one Kimi-K2 case that merges, the GPU all three."""
+    also against the float64 twin. Triton's CPU interpreter takes seconds a case: there float32
+    runs 1, 3 and 16 rows that merge (2 to 8 parts) and 4 rows of 20 parts that fall back, and
+    the one Kimi-K2 case that merges with 2 of its 8 heads (each head is its own programs); bf16
+    (whose K steps are twice as wide) a tiny case of each kind and that Kimi-K2 case. The GPU runs
+    every case, Kimi-K2's with all 8 heads."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     combines, combine = [], kernels.mla_combine
     monkeypatch.setattr(kernels.mla, "mla_combine", lambda *a: combines.append(a[0].partial.shape)
                         or combine(*a))
     scale, merged, fell_back = 0.07, 0, 0
-    cases = [(TINY_MLA, 16, B, T, S, split) for B, T, S, split in (
-        (1, 1, 40, None), (3, 1, 300, 16), (1, 4, 300, 16), (2, 2, 40, None), (4, 4, 40, None),
-        (4, 4, 300, 16))]
-    kimi = [(B, T, S, split)
-            for B, T, S, split in ((1, 1, 300, 16), (3, 1, 100, 64), (1, 4, 300, 16))
-            if device == "cuda" or S == 100]                     # on a CPU the case that merges
-    cases += [(KIMI_TP8, 128, B, T, S, split) for B, T, S, split in kimi]
+    tiny_cases = ((1, 1, 40, None), (3, 1, 300, 16), (1, 4, 300, 16), (2, 2, 40, None),
+                  (4, 4, 40, None), (4, 4, 300, 16))
+    kimi, kimi_shape = ((1, 1, 300, 16), (3, 1, 100, 64), (1, 4, 300, 16)), KIMI_TP8
+    if device == "cpu":
+        tiny_cases = (((1, 1, 40, None), (3, 1, 100, 16), (4, 4, 40, None), (1, 4, 300, 16))
+                      if dtype == torch.float32 else ((3, 1, 100, 16), (1, 4, 300, 16)))
+        kimi, kimi_shape = ((3, 1, 100, 64),), dict(KIMI_TP8, H=2)   # the case that merges
+    cases = [(TINY_MLA, 16, B, T, S, split) for B, T, S, split in tiny_cases]
+    cases += [(kimi_shape, 128, B, T, S, split) for B, T, S, split in kimi]
     if device == "cuda":
         cases += [(KIMI_TP8, 128, B, T, S, None) for B, T in ((1, 1), (3, 1), (1, 4), (4, 4))
                   for S in (256, 4096)]
