@@ -337,7 +337,9 @@ def test_fused_moe_gemv_shared_h_made_once(quant, monkeypatch):
     masked rows and without, repeat bitwise, leave the counters zero, in the loop form and (the
     first blocks) in the dot form (a counter a 16-row tile); more row blocks than counters are
     refused. Two routed experts a token and 2 slices of D a dot-form tile (the interpreter's time
-    follows the programs; test_fused_moe_gemv_fp8_takes_a_shared_expert runs the default slices)."""
+    follows the programs; test_fused_moe_gemv_fp8_takes_a_shared_expert runs the default slices).
+    Each form runs 3 tokens then 1 (a call after one with more row programs); the GPU adds a third
+    call, of 4 tokens, in the loop form."""
     monkeypatch.setattr(kernels.moe_gemv, "SHARED_DOT_SLICES", 2)
     qc = "int4" if quant == "int4" else checkpoint.fp8_quantization_config((128, 128))
     D = 96 if quant == "int4" else 256
@@ -354,7 +356,7 @@ def test_fused_moe_gemv_shared_h_made_once(quant, monkeypatch):
               if quant == "int4" else [dict(gate_up=(32, 64, 1, 4, 1), down=(64, 64, 4, 1)),
                                        dict(gate_up=(64, 64, 2, 4, 2), down=(32, 64, 4, 2))])
     for cfg in [dict(b, shared_dot=False) for b in blocks] + [dict(blocks[0], shared_dot=True)]:
-        for N in (3, 1, 4) if not cfg["shared_dot"] else (3, 1):
+        for N in (3, 1, 4) if not cfg["shared_dot"] and TRITON_DEVICE.type == "cuda" else (3, 1):
             ids, w = routing("random", N, 2, 16, g, TRITON_DEVICE)
             x = torch.randn(N, D, generator=g).to(TRITON_DEVICE)
             want = model.Experts.forward(experts, x, ids, w) + shared_mlp(x, shared)
@@ -838,7 +840,13 @@ def test_router_kernel_equals_twin(shape, dtype, monkeypatch):
     monkeypatch.setattr(kernels.router, "ROUTER_CHUNK", 4)
     most = kernels.router.ROUTER_SELECT_MAX_TOKENS
     assert most < 5 <= 20 <= kernels.router.ROUTER_GEMV_MAX_TOKENS < 37
-    for n, apart in ((1, False), (most, False), (5, False), (5, True), (20, True), (37, False)):
+    cases = ((1, False), (most, False), (5, False), (5, True), (20, True), (37, False))
+    if device == "cpu":   # the interpreter takes seconds a case at 384 experts and in bf16: there
+        # Kimi-K2's float32 up to the forced selection kernel (20 and 37 select as at 5, in
+        # DeepSeek-V3's and tiny's float32), bf16 the pair planes written by each path
+        cases = (cases[:4] if dtype == torch.float32 and shape == "kimi-k2"
+                 else cases if dtype == torch.float32 else (cases[1], cases[3], cases[5]))
+    for n, apart in cases:
         monkeypatch.setattr(kernels.router, "_select_in_kernel", select_in_kernel if not apart
                             else lambda N, device: False)
         x = torch.randn(n, args.hidden_size, generator=g).to(device, dtype)
@@ -918,7 +926,8 @@ NORM_GEMV_KIMI = [(2112, 7168), (1536, 1536), (7168, 1024)]  # Kimi-K2 TP 8: q_a
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_gemv_kernel_equals_twin(dtype):
     """kernels.norm_gemv against its twin (model.RMSNorm and F.linear) on fresh random inputs: with
-    the norm and without (a plain GEMV); 1, 2, 3, 4, 5 and 16 rows;
+    the norm and without (a plain GEMV); 1, 2, 3, 4, 5 and 16 rows (the CPU interpreter: 1, 3, 4
+    and 16, a power of 2 and not, below and at the row limit);
     x a strided view (a split of a wider output, as q_a is) and W a row-strided view (as the stacked
     q_a + kv_a weight is); K whole in a program (at 16 rows the default step is cut to 64 columns:
     two steps, the last one partial at K 100) and (steps of 16 columns) cut into slices whose
@@ -939,7 +948,7 @@ def test_norm_gemv_kernel_equals_twin(dtype):
         # rows strided
         w = (torch.randn(N + 3, K + 8, generator=g) / K ** 0.5).to(device, dtype)[:N, :K]
         two_slices = (8, 16, 2 * ((N + 7) // 8))  # (block_n, block_k, programs)
-        for rows in (1, 2, 3, 4, 5, 16):
+        for rows in (1, 2, 3, 4, 5, 16) if device == "cuda" else (1, 3, 4, 16):
             x = (2 * torch.randn(rows, K + 5, generator=g)).to(device, dtype)[:, :K]  # rows strided
             for nrm, blocks in itertools.product((norm, None), ((None, None, None),
                                                                 (None, 16, None), two_slices)):
