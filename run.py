@@ -173,7 +173,7 @@ def add_timing_flags(p):
                    "each decoder layer and the draft layer fused by torch.compile (inside our own "
                    "CUDA graphs), beside the plain ones")
     p.add_argument("--reps", type=int, help="timed repetitions per phase, after warm-up (default "
-                   "20)")
+                   "20); on a CPU also the profiled calls behind a component table, at most 3")
     p.add_argument("--context-len", type=int, nargs="+", metavar="N", help="cached tokens before "
                    "the isolated phases and their component tables, one or more lengths (default: "
                    "--prompt-len)")

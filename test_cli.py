@@ -44,17 +44,70 @@ from verify import Probe, generate, kv_bucket, prefill_draft, prefill_target
 # run.py on the CPU: end to end (the report, the trained pair, the background's flags, trees),
 # its phase timer, its refusals
 
-def test_run_py_cli_background_flags_on_cpu():
+# The run.py launches of the tests below and of the tree, verify-sweep, refusal, 120-column and
+# routing tests further down, each launched once for the module, two at a time on one thread each
+# (CI's two cores; run_py_at_once): name -> run.py's flags. "{tmp}" is the module's folder. --reps
+# 1 or 2: the tests check no spread past 2 (on a CPU --reps also bounds a component table's
+# profiled calls)
+RUN_PY_RUNS = {
+    # the background's setup: a simulated TP 2 rank, modelled all-reduces, two contexts
+    "background": ("--simulate-tp", "2", "--allreduce-us", "35", "--speculative-num-steps", "2",
+                   "--speculative-attention-mode", "decode", "--context-len", "8", "40",
+                   "--skip-e2e", "--reps", "1", "--json", "-"),
+    "background_refused": ("--allreduce-us", "35"),
+    # random weights, the model's routing, e2e in both attention modes (spreads of 2 reps)
+    "tiny": ("--json", "{tmp}/tiny.json", "--max-new-tokens", "20", "--speculative-num-steps", "2",
+             "--batch-size", "2", "--routing", "model", "--random-weights", "--reps", "2"),
+    "simulated": ("--simulate-accept-len", "2.5", "--max-new-tokens", "40", "--reps", "1",
+                  "--json", "-"),
+    "trained_pair": ("--json", "{tmp}/pair.json", "--max-new-tokens", "32",
+                     "--speculative-num-steps", "3", "--batch-size", "2", "--reps", "1"),
+    "tree": ("--json", "{tmp}/tree.json", "--max-new-tokens", "24", "--speculative-num-steps", "3",
+             "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8",
+             "--speculative-attention-mode", "decode", "--batch-size", "2", "--reps", "1"),
+    # trees of 8 at batch 2 (fp32) and batch 4 (INT4 experts, bf16), isolated phases only
+    **{name: ("--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
+              "--speculative-num-draft-tokens", "8", "--skip-e2e", "--reps", "1",
+              "--random-weights", *flags, "--json", f"{{tmp}}/{name}.json")
+       for name, flags in (("sweep_b2", ("--batch-size", "2")),
+                           ("sweep_b4_int4", ("--batch-size", "4", "--quant", "int4", "--dtype",
+                                              "bfloat16")))},
+    "lines": ("--random-weights", "--speculative-eagle-topk", "2", "--speculative-num-steps", "2",
+              "--speculative-num-draft-tokens", "4", "--max-new-tokens", "8", "--reps", "1",
+              "--json", "-"),
+    "one_shot": ("--allreduce", "one-shot"),
+    "help": ("--help",),
+    "distinct": ("--routing", "distinct", "--distinct-experts", "6", "--distinct-sweep",
+                 "--skip-e2e", "--reps", "1", "--json", "-"),
+    "dump_routing": ("--dump", "{tmp}/d.npz", "--prompt-ids", "{tmp}/p.jsonl",
+                     "--max-new-tokens", "6", "--dump-routing"),
+    "too_big": ("--context-len", "10000000"),
+    "tree_too_wide": ("--speculative-eagle-topk", "65", "--speculative-num-steps", "3",
+                      "--speculative-num-draft-tokens", "8"),
+}
+
+
+@pytest.fixture(scope="module")
+def run_py_runs(tmp_path_factory):
+    """RUN_PY_RUNS launched (two at a time): name -> (CompletedProcess, the module's folder)."""
+    tmp = tmp_path_factory.mktemp("run_py_runs")
+    (tmp / "p.jsonl").write_text("[10, 20, 30, 40, 50]\n[7, 8, 9]\n")   # dump_routing's prompts
+    argv = [[a.format(tmp=tmp) for a in flags] for flags in RUN_PY_RUNS.values()]
+    return {name: done for name, done in zip(RUN_PY_RUNS, run_py_at_once(*argv))}, tmp
+
+
+def ran(run_py_runs, name):
+    """RUN_PY_RUNS[name]'s CompletedProcess, asserted to have exited 0."""
+    done = run_py_runs[0][name]
+    assert done.returncode == 0, f"run.py {' '.join(RUN_PY_RUNS[name])}: {done.stderr[-2000:]}"
+    return done
+
+
+def test_run_py_cli_background_flags_on_cpu(run_py_runs):
     """The flags of the background's own setup, on the tiny model: a simulated rank with modelled
     all-reduces, SIMULATED uniform routing (the default on random weights), phases at two context
     lengths, no end-to-end loops."""
-    done, bad = run_py_at_once(("--simulate-tp", "2", "--allreduce-us", "35",
-                                "--speculative-num-steps", "2", "--speculative-attention-mode",
-                                "decode", "--context-len", "8", "40", "--skip-e2e", "--reps", "2",
-                                "--json", "-"),
-                               ("--allreduce-us", "35"))
-    assert done.returncode == 0, done.stderr[-2000:]
-    out = done.stdout
+    out, bad = ran(run_py_runs, "background").stdout, run_py_runs[0]["background_refused"]
     r = json.loads(out.strip().splitlines()[-1])
     out = " ".join(out.split())  # the report wraps its long lines
     assert set(r["contexts"]) == {"8", "40"} and r["e2e"] == {}
@@ -67,19 +120,14 @@ def test_run_py_cli_background_flags_on_cpu():
     assert bad.returncode != 0 and "--allreduce-us" in bad.stderr and "SIMULATED" in bad.stderr
 
 
-def test_run_py_cli_tiny(tmp_path):
-    """run.py's CPU defaults end to end (the GPU is hidden, so this is the CPU run on any machine).
-    It asserts what holds by construction, not relations between noisy medians: every phase
-    present and positive, each timing's spread ordered around its median, the component table's
-    parts adding up to its summed op time, the answer printed."""
-    out = tmp_path / "r.json"
-    main, sim = run_py_at_once(("--json", str(out), "--max-new-tokens", "20",
-                                "--speculative-num-steps", "2", "--batch-size", "2", "--routing",
-                                "model", "--random-weights"),
-                               ("--simulate-accept-len", "2.5", "--max-new-tokens", "40", "--json",
-                                "-"), check=True)
-    stdout = main.stdout
-    r = json.loads(out.read_text())
+def test_run_py_cli_tiny(run_py_runs):
+    """run.py's CPU defaults end to end (the GPU is hidden, so this is the CPU run on any machine),
+    but 2 repetitions a phase (a spread needs no more). It asserts what holds by construction, not
+    relations between noisy medians: every phase present and positive, each timing's spread
+    ordered around its median, the component table's parts adding up to its summed op time, the
+    answer printed."""
+    stdout, sim = ran(run_py_runs, "tiny").stdout, ran(run_py_runs, "simulated")
+    r = json.loads((run_py_runs[1] / "tiny.json").read_text())
     stdout = " ".join(stdout.split())  # the report wraps its long lines
     assert r["env"]["simulated_acceptance"] is False
     assert all(v is None for v in r["floors"].values())
@@ -121,13 +169,11 @@ def test_run_py_cli_tiny(tmp_path):
     assert 1.8 <= r["e2e"]["eagle3/decode/eager"]["accept_len_mean"] <= 3.2
 
 
-def test_run_py_cli_trained_pair(tmp_path):
+def test_run_py_cli_trained_pair(run_py_runs):
     """run.py's CPU default is the trained tiny pair: the header says so, the draft accepts (real
     acceptance, not SIMULATED), and speculative output equals plain greedy."""
-    out = tmp_path / "r.json"
-    stdout = run_py("--json", str(out), "--max-new-tokens", "32", "--speculative-num-steps", "3",
-                    "--batch-size", "2", "--reps", "3", check=True).stdout
-    r = json.loads(out.read_text())
+    stdout = ran(run_py_runs, "trained_pair").stdout
+    r = json.loads((run_py_runs[1] / "pair.json").read_text())
     assert "target: the trained tiny pair" in stdout and "trained tiny pair" in r["env"]["target"]
     assert r["env"]["routing"] == "model" and r["env"]["simulated_acceptance"] is False
     for mode in ("prefill", "decode"):
@@ -281,16 +327,12 @@ def test_run_py_names_a_broken_checkpoint_in_one_line(tiny_ckpt, tmp_path):
     assert (cli.returncode, cli.stderr) == (2, want), (cli.returncode, cli.stderr)
 
 
-def test_run_py_cli_tree(tmp_path):
+def test_run_py_cli_tree(run_py_runs):
     """run.py with SGLang's tree flags: the end-to-end rows draft the tree (said in a note), are
     lossless against plain greedy and accept; the isolated phases add the tree's verify (its
     distinct experts and components) and expansion."""
-    out = tmp_path / "r.json"
-    stdout = run_py("--json", str(out), "--max-new-tokens", "24", "--speculative-num-steps", "3",
-                    "--speculative-eagle-topk", "4", "--speculative-num-draft-tokens", "8",
-                    "--speculative-attention-mode", "decode", "--batch-size", "2", "--reps", "2",
-                    check=True).stdout
-    r = json.loads(out.read_text())
+    stdout = ran(run_py_runs, "tree").stdout
+    r = json.loads((run_py_runs[1] / "tree.json").read_text())
     assert "the end-to-end rows draft a tree (topk 4, num_steps 3, 8 draft tokens)" in stdout
     assert (r["env"]["config"]["speculative_eagle_topk"],
             r["env"]["config"]["speculative_num_draft_tokens"]) == (4, 8)
@@ -308,20 +350,15 @@ def test_run_py_cli_tree(tmp_path):
         tree["accept_ratio_to_beat_chain"] > 0
 
 
-def test_run_py_cli_verify_sweep_and_tables(tmp_path):
+def test_run_py_cli_verify_sweep_and_tables(run_py_runs):
     """Trees of 8 on the CPU at batch 2 (fp32) and batch 4 (INT4 experts, bf16): each verify sweep
     point carries its distinct experts (SIMULATED uniform: K 4 of 16 experts a token, so
     min(16, 4 B T) for T tokens a row) and its floor (none without a GPU, and so no cliff check,
     said); the tree's acceptance is timed (tree_accept) and in its cycle; `python report.py tables`
     prints a row per JSON with the chain's and the tree's verify, cycle and break-even."""
-    tree = ["--speculative-num-steps", "3", "--speculative-eagle-topk", "4",
-            "--speculative-num-draft-tokens", "8", "--skip-e2e", "--reps", "2", "--random-weights"]
-    int4 = ["--batch-size", "4", "--quant", "int4", "--dtype", "bfloat16"]
-    runs = {tmp_path / "b2.json": ["--batch-size", "2"], tmp_path / "b4_int4.json": int4}
-    outs = run_py_at_once(*[(*tree, *flags, "--json", str(path)) for path, flags in runs.items()],
-                          check=True)
-    for (path, flags), done in zip(runs.items(), outs):
-        stdout = done.stdout
+    runs = {run_py_runs[1] / f"{name}.json": name for name in ("sweep_b2", "sweep_b4_int4")}
+    for path, name in runs.items():
+        stdout = ran(run_py_runs, name).stdout
         r = json.loads(path.read_text())
         B = r["env"]["config"]["batch_size"]
         assert r["env"]["config"]["verify_sweep_tokens"] == list(timing.SWEEP_TOKENS_CPU)
@@ -1193,8 +1230,8 @@ def test_run_py_cli_refuses_an_output_it_cannot_write():
         "/nonexistent)"], cli.stderr
 
 
-def test_run_py_cli_refuses_a_size_the_machine_cannot_hold():
-    cli = run_py("--context-len", "10000000", timeout=300)
+def test_run_py_cli_refuses_a_size_the_machine_cannot_hold(run_py_runs):
+    cli = run_py_runs[0]["too_big"]
     assert (cli.returncode, cli.stdout) == (2, "") and len(said_on(cli.stderr)) == 1, cli.stderr
     assert said_on(cli.stderr)[0].startswith(
         "run.py: error: --context-len 10000000, batch 1: needs about")
@@ -1247,10 +1284,9 @@ def test_run_py_refuses_an_output_folder_it_cannot_write_in(tmp_path):
     assert not [p for p in os.listdir(HERE) if p.startswith(".run-py-check-")]
 
 
-def test_run_py_refuses_a_tree_wider_than_the_draft_vocabulary():
+def test_run_py_refuses_a_tree_wider_than_the_draft_vocabulary(run_py_runs):
     """topk above the head's draft vocabulary (64 for the tiny pair): one line, before the build."""
-    _refused(run_py("--speculative-eagle-topk", "65", "--speculative-num-steps", "3",
-                    "--speculative-num-draft-tokens", "8"),
+    _refused(run_py_runs[0]["tree_too_wide"],
              r"--speculative-eagle-topk 65: above the draft head's vocabulary of 64 ids")
 
 
@@ -1310,16 +1346,12 @@ def test_run_py_refuses_prompt_ids_outside_the_vocabulary_before_building(tmp_pa
     assert not (tmp_path / "x.npz").exists()
 
 
-def test_run_py_lines_fit_120_columns_and_say_what_a_run_does():
+def test_run_py_lines_fit_120_columns_and_say_what_a_run_does(run_py_runs):
     """Every line run.py prints within 120 columns (a tree run's component tables, the
     --random-weights note) and the profile-above-the-step warning where it applies; --allreduce
     one-shot refused in one process; a dump's tree note speaks of its file; --help says what a dump
     is on a CPU and exit status 130."""
-    cli, one_shot, helped = run_py_at_once(
-        ("--random-weights", "--speculative-eagle-topk", "2", "--speculative-num-steps", "2",
-         "--speculative-num-draft-tokens", "4", "--max-new-tokens", "8", "--reps", "2", "--json",
-         "-"),
-        ("--allreduce", "one-shot"), ("--help",))
+    cli, one_shot, helped = (run_py_runs[0][name] for name in ("lines", "one_shot", "help"))
     assert cli.returncode == 0, cli.stderr[-2000:]
     # the JSON: for machines
     lines, r = cli.stdout.splitlines()[:-1], json.loads(cli.stdout.splitlines()[-1])
@@ -1395,18 +1427,13 @@ def test_run_py_refuses_routing_flags_before_building(monkeypatch, tmp_path):
     _refused(trace, "384 experts, top-8; the model routes top-4 of 16")
 
 
-def test_run_py_distinct_routing_and_its_sweep_end_to_end(tmp_path):
+def test_run_py_distinct_routing_and_its_sweep_end_to_end(run_py_runs):
     """--routing distinct D: every timed verify reaches D experts a MoE layer, the decode step
     top-k, labelled SIMULATED; --distinct-sweep times the verify at D = 4, 6, 8, 12, 16 (top 4 of
     16, 4 tokens), each counted as it ran, its lines within 100 columns; a --dump-routing file
     replays in --routing trace, labelled TRACE."""
-    (tmp_path / "p.jsonl").write_text("[10, 20, 30, 40, 50]\n[7, 8, 9]\n")
-    trace = tmp_path / "d.npz"
-    cli, dumped = run_py_at_once(   # the timing run and the dump at once, one a core
-        ("--routing", "distinct", "--distinct-experts", "6", "--distinct-sweep", "--skip-e2e",
-         "--reps", "2", "--json", "-"),
-        ("--dump", str(trace), "--prompt-ids", str(tmp_path / "p.jsonl"), "--max-new-tokens", "6",
-         "--dump-routing"))
+    cli, dumped = (run_py_runs[0][name] for name in ("distinct", "dump_routing"))
+    trace = run_py_runs[1] / "d.npz"   # dump_routing's: prompts [10, 20, 30, 40, 50], [7, 8, 9]
     assert cli.returncode == 0, cli.stderr[-2000:]
     r = json.loads(cli.stdout.splitlines()[-1])
     assert r["env"]["routing"] == "distinct" and r["env"]["simulated_routing"] is True
@@ -1426,7 +1453,7 @@ def test_run_py_distinct_routing_and_its_sweep_end_to_end(tmp_path):
     assert dumped.returncode == 0, dumped.stderr[-2000:]
     t = routing.read_trace(trace, 16, 4)
     assert t.sequence_lengths == [10, 9] and t.ids.shape[1] == 19   # P + N - 1 = 10 at most
-    cli = run_py("--routing", "trace", "--routing-trace", str(trace), "--skip-e2e", "--reps", "2",
+    cli = run_py("--routing", "trace", "--routing-trace", str(trace), "--skip-e2e", "--reps", "1",
                  "--json", "-")
     assert cli.returncode == 0, cli.stderr[-2000:]
     r = json.loads(cli.stdout.splitlines()[-1])

@@ -288,10 +288,13 @@ def test_distinct_routing_through_the_router_kernel():
     """kernels.RouterKernel under a choice made outside ("distinct", as "trace"): the choice's ids,
     those the plain router takes, in every layer; its weights stay the kernel's own selection's
     (model.Router's under routing "model"), not the plain router's scores at the chosen ids (the
-    kernel's docstring says so): the first MoE layer, whose input no routing changes, shows both."""
+    kernel's docstring says so): the first MoE layer, whose input no routing changes, shows both.
+    On the CPU interpreter the tiny model keeps 3 of its 8 layers (a dense one, then 2 MoE layers:
+    the first and one whose input the choice has changed); the GPU runs all 8."""
     from testing import TRITON_DEVICE
-    build = partial(model.Transformer, checkpoint.preset("tiny"), 1, 32, TRITON_DEVICE,
-                    torch.float32)
+    layers = 8 if TRITON_DEVICE.type == "cuda" else 3
+    build = partial(model.Transformer, checkpoint.preset("tiny", num_hidden_layers=layers), 1, 32,
+                    TRITON_DEVICE, torch.float32, aux_layer_ids=(0, 1, 2) if layers == 3 else None)
     target, plain = checkpoint.init_random(build(), 4), checkpoint.init_random(build(), 4)
     kernels.accelerate(target, ["router"], moe="gather")
     assert all(isinstance(r, kernels.RouterKernel) for r in routing.routers(target))

@@ -442,6 +442,10 @@ class Bench:
         return self.cfg.speculative_num_steps
 
     @property
+    def profile_calls(self):  # a component table's profiled calls: up to --reps of them on a CPU
+        return None if self.gpu else min(3, self.cfg.reps)
+
+    @property
     def modes(self):  # verify's attention modes timed, in the model's words (FLAG_WORD: in names)
         return self.cfg.attention_modes
 
@@ -616,7 +620,8 @@ def isolated(b, ctx, bandwidth):
             out.distinct_experts[phase] = statistics.mean(distinct) if distinct else 0.0
             parts = component_bytes(b.target, distinct, ctx + T, B, T)
             out.bytes[phase], nbytes = parts, sum(parts.values())
-            out.components[phase] = profile_components(b.target, partial(fn, *inputs), b.gpu)
+            out.components[phase] = profile_components(b.target, partial(fn, *inputs), b.gpu,
+                                                       b.profile_calls)
         out.floors_ms[phase] = nbytes / bandwidth / 1e6 if bandwidth else None
     return out
 
@@ -657,7 +662,7 @@ def verify_sweep(b, ctx, bandwidth):
             verify=b.timed(GraphKey("verify", mode, B, T, kv), fn, vt, pos, graph=graph),
             distinct_experts=statistics.mean(distinct) if distinct else 0.0,
             floor_ms=nbytes / bandwidth / 1e6 if bandwidth else None,
-            components=(profile_components(t, partial(fn, vt, pos), b.gpu).parts_ms
+            components=(profile_components(t, partial(fn, vt, pos), b.gpu, b.profile_calls).parts_ms
                         if bandwidth else None))
         if T <= SWEEP_DRAFT_EXTEND:
             kvd = kv_bucket(ctx + 2 * T - 1, t.max_seq_len)  # generate's, num_steps T - 1
