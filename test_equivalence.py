@@ -419,9 +419,11 @@ def test_quantized_checkpoint_through_fused_moe_equals_dequantized(make, tmp_pat
     of down_proj starting inside a block): equal to the dequantized checkpoint through the gather
     path, at TP 1 and on each rank's slices of TP 2 (simulated ranks in this process: each rank's
     partial sums, the collectives skipped, compared rank by rank; the real TP-2 load of these
-    checkpoints is test_quantized_checkpoint_equals_dequantized's). 3 layers (2 of them MoE):
-    Triton's CPU interpreter takes ~0.3-1 s a fused MoE call."""
-    quant, plain = make(str(tmp_path), num_hidden_layers=3)
+    checkpoints is test_quantized_checkpoint_equals_dequantized's). 3 layers (2 of them MoE), and
+    on the CPU 2 routed experts a token (the tiny model's 4 on the GPU): Triton's CPU interpreter
+    takes ~0.3-1 s a fused MoE call, its time following the token-expert pairs."""
+    cpu = {} if TRITON_DEVICE.type == "cuda" else {"num_experts_per_tok": 2}
+    quant, plain = make(str(tmp_path), num_hidden_layers=3, **cpu)
     for tp in (None, TP.simulate(2, 0), TP.simulate(2, 1)):
         got, ref = _fused_quant_worker(quant, plain, TRITON_DEVICE.type, tp)
         where = "TP 1" if tp is None else f"rank {tp.rank} of TP 2"
