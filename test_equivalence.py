@@ -45,23 +45,35 @@ from verify import (Probe, accept, accept_tree, generate, simulated_accept, simu
 # The target: TP N against TP 1, extend against decode, incremental against whole, HF's
 # DeepseekV3ForCausalLM
 
-def _tp_worker(ckpt, seed, dtype):
-    """On each rank: the seeded random model and the checkpoint-loaded model."""
+def _tp_worker(ckpt, seed, dtype, draft_path=None, draft_seed=None):
+    """On each rank: the seeded random model and the checkpoint-loaded model; with draft_path, also
+    the saved draft head's logits and drafts (_draft_tp_worker)."""
     from_seed = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=dtype),
                             seed)
     loaded = load_target(ckpt, max_batch_size=3, max_seq_len=32, dtype=dtype)
-    return run_steps(from_seed), run_steps(loaded)
+    draft = () if draft_path is None else _draft_tp_worker(draft_path, draft_seed)
+    return run_steps(from_seed), run_steps(loaded), *draft
 
 
 @pytest.mark.parametrize("world", [2, 4])
-def test_tp_equals_tp1(world, tiny_ckpt):
+def test_tp_equals_tp1(world, tiny_ckpt, tmp_path):
+    """The target at TP `world` against TP 1 (seeded and loaded from a checkpoint), and in the same
+    gloo ranks (one spawn a world: a CI core starts a rank in seconds) the saved draft head loaded
+    at TP `world` against TP 1: its logits and the drafts it proposes."""
     ckpt, _ = tiny_ckpt
     seed = 7
     ref_seed = run_steps(init_random(Transformer(tiny(), 3, 32, dtype=torch.float64), seed))
     ref_loaded = run_steps(load_target(ckpt, 3, 32, dtype=torch.float64))
-    got_seed, got_loaded = run_ranks(world, _tp_worker, ckpt, seed, torch.float64)
+    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float64),
+                         9)
+    save_draft(init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 10), tmp_path)
+    ref_logits, ref_drafts = _draft_tp_worker(tmp_path, 9)
+    got_seed, got_loaded, logits, drafts = run_ranks(world, _tp_worker, ckpt, seed, torch.float64,
+                                                     tmp_path, 9)
     assert_close(got_seed, ref_seed, 1e-10, f"TP {world} vs TP 1, seeded init")
     assert_close(got_loaded, ref_loaded, 1e-10, f"TP {world} vs TP 1, loaded checkpoint")
+    assert_close(logits, ref_logits, 1e-10, f"draft logits TP {world} vs TP 1")
+    assert torch.equal(drafts, ref_drafts), f"draft proposals TP {world} vs TP 1"
 
 
 def test_extend_decode_and_incremental_agree():
@@ -419,9 +431,11 @@ def test_quantized_checkpoint_through_fused_moe_equals_dequantized(make, tmp_pat
     of down_proj starting inside a block): equal to the dequantized checkpoint through the gather
     path, at TP 1 and on each rank's slices of TP 2 (simulated ranks in this process: each rank's
     partial sums, the collectives skipped, compared rank by rank; the real TP-2 load of these
-    checkpoints is test_quantized_checkpoint_equals_dequantized's). 3 layers (2 of them MoE):
-    Triton's CPU interpreter takes ~0.3-1 s a fused MoE call."""
-    quant, plain = make(str(tmp_path), num_hidden_layers=3)
+    checkpoints is test_quantized_checkpoint_equals_dequantized's). 3 layers (2 of them MoE), and
+    on the CPU 2 routed experts a token (the tiny model's 4 on the GPU): Triton's CPU interpreter
+    takes ~0.3-1 s a fused MoE call, its time following the token-expert pairs."""
+    cpu = {} if TRITON_DEVICE.type == "cuda" else {"num_experts_per_tok": 2}
+    quant, plain = make(str(tmp_path), num_hidden_layers=3, **cpu)
     for tp in (None, TP.simulate(2, 0), TP.simulate(2, 1)):
         got, ref = _fused_quant_worker(quant, plain, TRITON_DEVICE.type, tp)
         where = "TP 1" if tp is None else f"rank {tp.rank} of TP 2"
@@ -727,15 +741,7 @@ def _draft_tp_worker(path, seed):
                                                                torch.tensor([2, 1]), 3)
 
 
-@pytest.mark.parametrize("world", [2, 4])
-def test_draft_tp_equals_tp1(world, tmp_path):
-    target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float64),
-                         9)
-    save_draft(init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 10), tmp_path)
-    ref_logits, ref_drafts = _draft_tp_worker(tmp_path, 9)
-    logits, drafts = run_ranks(world, _draft_tp_worker, tmp_path, 9)
-    assert_close(logits, ref_logits, 1e-10, f"draft logits TP {world} vs TP 1")
-    assert torch.equal(drafts, ref_drafts)
+# the draft head at TP 2 and 4 against TP 1: test_tp_equals_tp1 (in the target's gloo ranks)
 
 
 def last_slot_written(attention):

@@ -103,12 +103,12 @@ def routing(kind, N, K, E, g, device):
     return ids.to(device), torch.rand(N, K, generator=g).to(device) * 2
 
 
-def check_fused_moe(experts_and_dim, cases, dtype, seed=0):
+def check_fused_moe(experts_and_dim, cases, dtype, seed=0, K=8):
     """cases: (N, routing kind, variant): the model's path (variant None: kernels.fused_moe's rule
-    picks) or kernels.fused_moe forced to "gemv" or "dot"."""
+    picks) or kernels.fused_moe forced to "gemv" or "dot"; K experts a token."""
     experts, D = experts_and_dim
     g = torch.Generator().manual_seed(seed)
-    E, K = experts.n_experts, 8
+    E = experts.n_experts
     for N, kind, variant in cases:
         if kind == "disjoint" and N * K > E:
             continue
@@ -124,8 +124,9 @@ def check_fused_moe(experts_and_dim, cases, dtype, seed=0):
         assert ref.abs().max() > 0.1
 
 
-# (N, routing, variant) cases; the CPU interpreter runs a few of them (each ~0.2-1 s there), the GPU
-# all. The rule (gemv_max_tokens) picks the GEMV variant at small N and tiles (tl.dot) at 37.
+# (N, routing, variant) cases; the CPU interpreter runs a few of them (each ~1-5 s there) at 4
+# experts a token (its time follows the token-expert pairs), the GPU all at 8. The rule
+# (gemv_max_tokens, on tokens) picks the GEMV variant at small N and tiles (tl.dot) at 37.
 FUSED_CASES_ALL = [(N, kind, v) for N in (1, 2, 4, 8, 37)
                    for kind in ("shared", "disjoint", "random")
                    for v in ((None, "dot") if N <= 8 else (None,))]
@@ -146,7 +147,8 @@ def test_fused_moe_equals_gather_tiny(quant):
         dtypes = (torch.float32, torch.bfloat16) if on_gpu else (torch.float32,)
         # (Triton's interpreter computes bf16 dots wrongly: float32 on the CPU)
         for dtype in dtypes:
-            check_fused_moe(moe_experts("tiny", quant, E, TRITON_DEVICE, dtype), cases, dtype)
+            check_fused_moe(moe_experts("tiny", quant, E, TRITON_DEVICE, dtype), cases, dtype,
+                            K=8 if on_gpu else 4)
 
 
 @pytest.mark.triton
@@ -176,7 +178,9 @@ def test_fused_moe_gemv_fp8_takes_a_shared_expert():
     plain MLP, at 1 and 3 tokens, the shared programs in the loop form (running its tokens one
     after another) with blocks that divide the shapes and blocks that do not (masked shared rows
     and steps), and in the dot form (all at once; I 52 a rank: 4 rows of its last 16-row tile
-    masked)."""
+    masked). 4 routed experts a token on the GPU, 2 on the CPU (the interpreter's time follows the
+    token-expert pairs)."""
+    K = 4 if TRITON_DEVICE.type == "cuda" else 2
     args = tiny(n_routed_experts=16, num_experts_per_tok=4, hidden_size=256,
                 moe_intermediate_size=104,
                 quantization_config=checkpoint.fp8_quantization_config((128, 128)))
@@ -186,7 +190,7 @@ def test_fused_moe_gemv_fp8_takes_a_shared_expert():
                for p in ("gate_proj", "up_proj", "down_proj")]
     shared = [torch.randn(*s, generator=g).to(TRITON_DEVICE) / 8 for s in ((I, D), (I, D), (D, I))]
     for N in (1, 3):
-        ids, w = routing("random", N, 4, 16, g, TRITON_DEVICE)
+        ids, w = routing("random", N, K, 16, g, TRITON_DEVICE)
         x = torch.randn(N, D, generator=g).to(TRITON_DEVICE)
         want = model.Experts.forward(experts, x, ids, w) + shared_mlp(x, shared)
         # gate_up (BLOCK_N, BLOCK_K, UNROLL, warps, SUB), down (BLOCK_N, BLOCK_K, warps, SUB): 16
@@ -205,10 +209,13 @@ def test_fused_moe_int4_tiles_even_and_masked_blocks():
     """The INT4 tile kernels (weights as the MMA's first operand) against the gather path: steps
     that divide the words a row (EVEN) and steps that do not, weight rows past I and D in the last
     row block, gate_up whole and split over D, and an expert picked by more pairs than a tile holds
-    (20 tokens on the same 8 experts: two tiles each), in fp32 (and bf16 on a GPU: the weights
+    (20 tokens on the same K experts: two tiles each), in fp32 (and bf16 on a GPU: the weights
     rounded to bf16 once, as the plain module rounds them). D 256 (32 words a row), then D 96
-    (12)."""
+    (12). K = 8 experts a token on the GPU; 2 on the CPU (the interpreter's time follows the
+    programs, a program per tile: 3 tokens take up to 6 tiles, 20 shared tokens 2 experts of 2
+    tiles each)."""
     on_gpu = TRITON_DEVICE.type == "cuda"
+    K = 8 if on_gpu else 2
     # (BLOCK_N, BLOCK_K, warps, stages[, SPLIT]): I 96 a rank (12 words), so 64-row blocks mask
     # rows of gate_up, and of down at D 96; gate_up in 2 parts of D (128 columns each at D 256, at
     # D 96 one part masked and one empty) before the silu launch
@@ -226,12 +233,12 @@ def test_fused_moe_int4_tiles_even_and_masked_blocks():
             weights = [kernels.expert_weights(getattr(experts, p))
                        for p in ("gate_proj", "up_proj", "down_proj")]
             g = torch.Generator().manual_seed(N)
-            ids, w = routing(kind, N, 8, 16, g, TRITON_DEVICE)
+            ids, w = routing(kind, N, K, 16, g, TRITON_DEVICE)
             x = torch.randn(N, D, generator=g).to(TRITON_DEVICE, dtype)
             ref = model.Experts.forward(experts, x, ids, w)
             got = kernels.fused_moe(x, ids, w, *weights, variant="dot", configs=cfg)
             tol = (1e-5 if dtype == torch.float32 else 2e-2) * ref.abs().max().item()
-            assert_close(got, ref, tol, f"INT4 tiles D {D} {dtype} N {N} {kind} {cfg}")
+            assert_close(got, ref, tol, f"INT4 tiles D {D} {dtype} N {N} K {K} {kind} {cfg}")
 
 
 @pytest.mark.gpu
@@ -271,12 +278,14 @@ def test_fused_moe_gemv_int4_even_and_masked_blocks():
     """The INT4 GEMV kernels with blocks that divide the shapes (EVEN: no load masked, as at
     Kimi-K2's) and blocks that do not (masked rows, words and expert columns), against the gather
     path, alone and with a shared expert in the launch (against the plain MLP added). D 96: 12 words
-    a row."""
+    a row. 2 tokens of 8 experts each on the GPU, of 4 on the CPU (the interpreter's time follows
+    the token-expert pairs)."""
     args = tiny(n_routed_experts=16, num_experts_per_tok=8, hidden_size=96,
                 moe_intermediate_size=64,
                 quantization_config="int4")
     experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, torch.float32), 0).experts
-    D, I, K, g = 96, experts.gate_proj.weight_packed.shape[1], 8, torch.Generator().manual_seed(0)
+    D, I, g = 96, experts.gate_proj.weight_packed.shape[1], torch.Generator().manual_seed(0)
+    K = 8 if TRITON_DEVICE.type == "cuda" else 4
     ids, w = routing("random", 2, K, 16, g, TRITON_DEVICE)
     x = torch.randn(2, D, generator=g).to(TRITON_DEVICE)
     weights = [kernels.expert_weights(getattr(experts, p))
@@ -302,7 +311,9 @@ def test_fused_moe_gemv_int4_packed_bf16_precision():
     of the largest output, and on average within 2x the plain bf16 module's own error (its
     dequantized weights rounded to bf16); with blocks that divide the shapes and blocks that do
     not, alone and with a shared expert in the launch. On the CPU the interpreter runs the same
-    arithmetic in fp32 with the GPU's rounding (moe_gemv._fma2)."""
+    arithmetic in fp32 with the GPU's rounding (moe_gemv._fma2), at 4 experts a token (8 on the
+    GPU: the interpreter's time follows the token-expert pairs)."""
+    K = 8 if TRITON_DEVICE.type == "cuda" else 4
     args = tiny(n_routed_experts=16, num_experts_per_tok=8, hidden_size=96,
                 moe_intermediate_size=64, quantization_config="int4")
     experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, torch.bfloat16), 0).experts
@@ -313,7 +324,7 @@ def test_fused_moe_gemv_int4_packed_bf16_precision():
               for s in ((I, D), (I, D), (D, I))]
     for N, (gate_up, down), sh in ((1, ((32, 4, 4), (32, 32, 4)), None),
                                    (3, ((64, 8, 4), (64, 64, 4)), shared)):
-        ids, w = routing("random", N, 8, 16, g, TRITON_DEVICE)
+        ids, w = routing("random", N, K, 16, g, TRITON_DEVICE)
         x = torch.randn(N, D, generator=g).to(TRITON_DEVICE, torch.bfloat16)
         cfg = dict(gate_up=gate_up, down=down)
         got = kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=sh, configs=cfg)
@@ -935,8 +946,10 @@ def test_norm_gemv_kernel_equals_twin(dtype):
     two steps, the last one partial at K 100) and (steps of 16 columns) cut into slices whose
     partial sums the last program of a row block adds: one step a slice, and (8 rows of W a block,
     twice as many programs as blocks) two slices of several steps, the last one partial where K is
-    no multiple of 16. float32 to 1e-5 relative; bf16 (GPU) to 1% of the largest output, since only
-    the order of the float32 sums and a last-ulp rounding of the normed row differ."""
+    no multiple of 16 (the CPU interpreter runs the plain GEMV in the last, two slices, alone: the
+    norm's absence changes no block's path). float32 to 1e-5 relative; bf16 (GPU) to 1% of the
+    largest output, since only the order of the float32 sums and a last-ulp rounding of the normed
+    row differ."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
@@ -952,8 +965,9 @@ def test_norm_gemv_kernel_equals_twin(dtype):
         two_slices = (8, 16, 2 * ((N + 7) // 8))  # (block_n, block_k, programs)
         for rows in (1, 2, 3, 4, 5, 16) if device == "cuda" else (1, 3, 4, 16):
             x = (2 * torch.randn(rows, K + 5, generator=g)).to(device, dtype)[:, :K]  # rows strided
-            for nrm, blocks in itertools.product((norm, None), ((None, None, None),
-                                                                (None, 16, None), two_slices)):
+            cases = list(itertools.product((norm, None), ((None, None, None), (None, 16, None),
+                                                          two_slices)))
+            for nrm, blocks in cases if device == "cuda" else cases[:3] + cases[-1:]:
                 block_n, block_k, programs = blocks
                 out = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6,
                                         block_n=block_n,
@@ -1077,7 +1091,9 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     to O_PROJ_GEMV_MAX_ROWS) and, with fused_proj, the stacked q_a + kv_a (QKVA_GEMV_MAX_ROWS) as
     GEMV kernels. With the attention kernel, decode mode at one row (MLA_MERGE_ABSORB_MAX_ROWS)
     merges the attention's parts in W_uv's launch (mla_merge_absorb, no combine launch: W_uk's
-    head_gemv alone), and at more rows in the combine launch; both modes."""
+    head_gemv alone), and at more rows in the combine launch; both modes. (On the CPU, with the
+    attention kernel, the prefill runs extend mode in both, as generate prefills: the decode
+    kernel over 12 tokens a row is the interpreter's slowest part and no norm_gemv launch.)"""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(num_hidden_layers=2)
     plain = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32), 0)
@@ -1101,9 +1117,10 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     one, one_pos = step[:1, :1], torch.tensor([[15]], device=device)    # row 0's next token alone
     L = args.num_hidden_layers
     for mode in ("extend", "decode"):
-        assert_close(fast(prefill, prefill_pos, mode).logits,
-                     plain(prefill, prefill_pos, mode).logits, 1e-4,
-                     f"norm_gemv {others} prefill, {mode}")
+        pre = mode if device == "cuda" or "attention" not in others else "extend"
+        assert_close(fast(prefill, prefill_pos, pre).logits,
+                     plain(prefill, prefill_pos, pre).logits, 1e-4,
+                     f"norm_gemv {others} prefill, {pre}")
         assert not calls and not heads and not merges, \
             "the prefill's 36 rows must take the plain path"
         assert len(adds) == _add_norm_launches(36, others, L), \
@@ -1138,25 +1155,32 @@ def kernel_models(device, dtype, B=3, max_seq_len=64, layers=8):
 def test_model_with_kernels_equals_plain():
     """The swapped tiny model (every kernel, the fused MoE) against the plain one, end to end
     (2 layers on a CPU, one dense and one MoE: the interpreter runs each program in turn), float32,
-    on the same weights (accelerate keeps the state dict's keys and values): a 12-token prefill, a
-    3-token step at each row's own position, then a token of two rows and of one row (the GEMV
-    kernels' row limits: 1, 2, 4, 8) in each attention mode; logits and the EAGLE-3 aux states."""
+    on the same weights (accelerate keeps the state dict's keys and values): in each attention mode
+    a 12-token prefill, a 3-token step at each row's own position, then a token of two rows and of
+    one row (the GEMV kernels' row limits: 1, 2, 4, 8); logits and the EAGLE-3 aux states. On the
+    CPU the prefill runs once, in extend mode (as generate prefills; the decode kernel over a
+    9-token extend is test_each_swap_equals_the_module_it_replaces[attention]'s), before both
+    modes' steps (each step rewrites the slots it reads past the prefill's)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     plain, fast = kernel_models(device, torch.float32, layers=8 if device == "cuda" else 2)
     assert fast.kernels == kernels.KERNELS and not hasattr(plain, "kernels")
     assert_same_state(fast, plain)
     prefill, prefill_pos, step, step_pos = (t.to(device) for t in step_inputs(256, seed=9))
     one, one_pos = step[:1, :1], torch.tensor([[15]], device=device)    # row 0's next token alone
+    calls = []
     for mode in ("decode", "extend"):
-        for tokens, pos, what in ((prefill, prefill_pos, "prefill"), (step, step_pos, "step"),
-                                  (step[:2, :1], step_pos[:2, :1], "2-row step"),
-                                  (one, one_pos, "1-row step")):
-            want, got = plain(tokens, pos, mode, capture_aux=True), fast(tokens, pos, mode,
-                                                                         capture_aux=True)
-            assert_close(got.logits, want.logits, 1e-4,
-                         f"kernels on vs off, {what}, {mode} attention: logits")
-            assert_close(got.aux, want.aux, 1e-4,
-                         f"kernels on vs off, {what}, {mode} attention: aux states")
+        if device == "cuda" or not calls:
+            calls.append((mode if device == "cuda" else "extend", prefill, prefill_pos, "prefill"))
+        calls += [(mode, step, step_pos, "step"),
+                  (mode, step[:2, :1], step_pos[:2, :1], "2-row step"),
+                  (mode, one, one_pos, "1-row step")]
+    for mode, tokens, pos, what in calls:
+        want, got = plain(tokens, pos, mode, capture_aux=True), fast(tokens, pos, mode,
+                                                                     capture_aux=True)
+        assert_close(got.logits, want.logits, 1e-4,
+                     f"kernels on vs off, {what}, {mode} attention: logits")
+        assert_close(got.aux, want.aux, 1e-4,
+                     f"kernels on vs off, {what}, {mode} attention: aux states")
     with pytest.raises(ValueError, match="unknown kernels"):
         kernels.accelerate(plain, ["attention", "flash"])
     with pytest.raises(ValueError, match="accelerated already"):
