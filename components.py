@@ -207,17 +207,23 @@ def component_at(event, kernel_names=()):
                 "other")
 
 
+def kineto_profile(cpu, gpu):
+    """torch's profiler (kineto) recording CPU ops and/or CUDA kernels, as torch.profiler.profile
+    runs it, but without that wrapper's start, whose `hasattr(torch, "_inductor")` imports the
+    compiler (seconds, in every run that profiles)."""
+    from torch.autograd.profiler import profile
+    return profile(use_cpu=cpu, use_device="cuda" if gpu else None, use_kineto=True)
+
+
 def profile_components(target, fn, gpu, calls=None):
     """Where one eager call of fn goes, by component: {component: ms} of the device kernels it
     launches (GPU) or of its ops' own CPU time (CPU), each put under the innermost component range
     around the op that launched it; "kernel_ms" sums all kernels independently of that
     attribution; "kernels": kernels (GPU) or leaf ops (CPU) per call."""
     from torch.autograd import DeviceType
-    from torch.profiler import ProfilerActivity, profile
     calls = calls or (1 if gpu else 3)  # kernel times are steady; CPU op times are not
     fn()
-    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if gpu else [])
-    with component_scopes(target), profile(activities=activities) as prof:
+    with component_scopes(target), kineto_profile(cpu=True, gpu=gpu) as prof:
         for _ in range(calls):
             fn()
         if target.device.type == "cuda":
@@ -225,7 +231,7 @@ def profile_components(target, fn, gpu, calls=None):
     ours = ("component:", "profiler::")  # our ranges and their enter/exit ops: not kernels
     parts, n_kernels = parts_by_ops(prof, gpu, calls, ours)
     if gpu:
-        device_kernels = [e for e in prof.events()
+        device_kernels = [e for e in prof.function_events
                           if e.device_type == DeviceType.CUDA and not e.is_user_annotation]
         total = sum(e.time_range.elapsed_us() for e in device_kernels)
         n_kernels = len(device_kernels)
@@ -243,7 +249,7 @@ def parts_by_ops(prof, gpu, calls, ours):
     component range around the op, and the kernels (or leaf ops) counted."""
     from torch.autograd import DeviceType
     parts, n_kernels = dict.fromkeys(COMPONENTS, 0.0), 0
-    for e in prof.events():
+    for e in prof.function_events:
         if e.device_type != DeviceType.CPU or e.name.startswith("profiler::"):
             continue
         if gpu:  # the kernels (and copies) this op launched; our ranges' projections are not
@@ -266,7 +272,7 @@ def parts_by_device_ranges(prof, calls):
     kernels that no aten op launched, as Triton's, which the profiler links to no op. None when
     the profile has no device ranges."""
     from torch.autograd import DeviceType
-    gpu_events = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    gpu_events = [e for e in prof.function_events if e.device_type == DeviceType.CUDA]
     ranges = [(e.time_range.start, e.time_range.end, e.name.removeprefix("component:"))
               for e in gpu_events if e.is_user_annotation and e.name.startswith("component:")]
     if not ranges:
@@ -285,9 +291,8 @@ def parts_by_device_ranges(prof, calls):
 
 def count_kernels(fn):
     """Device kernels (and copies) one eager call launches: what a CUDA graph replays as nodes."""
-    from torch.profiler import ProfilerActivity, profile
     fn()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with kineto_profile(cpu=False, gpu=True) as prof:
         fn()
         torch.cuda.synchronize()
     return sum(e.count for e in prof.key_averages()

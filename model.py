@@ -162,8 +162,22 @@ def rope_tables(dim, theta, rope_scaling, max_seq_len, device):
     elif rope_scaling:
         raise NotImplementedError(f"rope_scaling type {rope_scaling.get('type')!r} "
                                   "is not implemented")
+    if torch.device(device).type == "meta":  # sizes only: nothing computed for S positions
+        shape = (max_seq_len, len(inv_freq))
+        return (torch.empty(shape, dtype=torch.float32, device=device),
+                torch.empty(shape, dtype=torch.float32, device=device))
     freqs = torch.outer(torch.arange(max_seq_len, dtype=torch.float32), inv_freq)
     return (freqs.cos() * attention_factor).to(device), (freqs.sin() * attention_factor).to(device)
+
+
+def rope_table(args, max_seq_len, device):
+    """rope_tables' cos and sin stacked, [S, R/2, 2]. On the meta device (sizes only: run.py's
+    memory estimate) only allocated: a stack of meta tensors imports torch._dynamo (seconds)."""
+    cos, sin = rope_tables(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling,
+                           max_seq_len, device)
+    if cos.is_meta:
+        return torch.empty(*cos.shape, 2, dtype=cos.dtype, device=device)
+    return torch.stack((cos, sin), -1)
 
 
 def apply_rope(x, rope):
@@ -593,9 +607,7 @@ class Transformer(nn.Module):
                   (self.kv_caches[i], self.pe_caches[i])) for i in range(L))
         self.norm = RMSNorm(D, args.rms_norm_eps, device, dtype)
         self.lm_head = ParallelLMHead(D, V, self.tp, device=device, dtype=dtype)
-        cos, sin = rope_tables(args.qk_rope_head_dim, args.rope_theta, args.rope_scaling,
-                               max_seq_len, device)
-        self.register_buffer("rope", torch.stack((cos, sin), -1), persistent=False)   # [S, R/2, 2]
+        self.register_buffer("rope", rope_table(args, max_seq_len, device), persistent=False)
         self.set_routing(routing)
 
     def set_routing(self, routing, choice=None):

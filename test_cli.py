@@ -12,6 +12,7 @@ import signal
 import subprocess
 import sys
 import time
+from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
 import numpy as np
@@ -35,8 +36,8 @@ from checkpoint import (CheckpointError, init_random, init_random_draft, load_dr
 from draft import draft_preset, Eagle3Draft
 from model import Transformer
 from testing import (assert_close, CPU_ENV, edit_checkpoint, gpu_models, HERE, ONE_THREAD,
-                     PlantedProposer, PROMPTS, reference_sequences, RUN_PY, run_py,
-                     run_py_at_once, run_ranks, step_inputs, tiny, TRITON_DEVICE)
+                     PlantedProposer, PROMPTS, reference_sequences, RUN_PY, run_py, run_ranks,
+                     step_inputs, tiny, TRITON_DEVICE)
 from verify import Probe, generate, kv_bucket, prefill_draft, prefill_target
 
 
@@ -44,12 +45,19 @@ from verify import Probe, generate, kv_bucket, prefill_draft, prefill_target
 # run.py on the CPU: end to end (the report, the trained pair, the background's flags, trees),
 # its phase timer, its refusals
 
-# The run.py launches of the tests below and of the tree, verify-sweep, refusal, 120-column and
-# routing tests further down, each launched once for the module, two at a time on one thread each
-# (CI's two cores; run_py_at_once): name -> run.py's flags. "{tmp}" is the module's folder. --reps
-# 1 or 2: the tests check no spread past 2 (on a CPU --reps also bounds a component table's
-# profiled calls)
+# The run.py launches of the tests below and of the tree, verify-sweep, refusal, checkpoint, dump,
+# 120-column and routing tests further down, each launched once for the module, two at a time on
+# one thread each (CI's two cores, as run_py_at_once runs them): name -> run.py's flags. "{tmp}"
+# is the module's folder (run_py_runs writes the files they read there), "{ckpt}" tiny_ckpt's
+# checkpoint. --reps 1 or 2: the tests check no spread past 2 (on a CPU --reps also bounds a
+# component table's profiled calls)
+DUMP_FLAGS = ("--model-path", "{ckpt}", "--draft-path", "{tmp}/draft", "--prompt-ids",
+              "{tmp}/p3.jsonl", "--max-new-tokens", "12", "--speculative-num-steps", "2",
+              "--dtype", "float32")
 RUN_PY_RUNS = {
+    # first: trace_replay below waits for its file
+    "dump_routing": ("--dump", "{tmp}/d.npz", "--prompt-ids", "{tmp}/p.jsonl",
+                     "--max-new-tokens", "6", "--dump-routing"),
     # the background's setup: a simulated TP 2 rank, modelled all-reduces, two contexts
     "background": ("--simulate-tp", "2", "--allreduce-us", "35", "--speculative-num-steps", "2",
                    "--speculative-attention-mode", "decode", "--context-len", "8", "40",
@@ -79,27 +87,54 @@ RUN_PY_RUNS = {
     "help": ("--help",),
     "distinct": ("--routing", "distinct", "--distinct-experts", "6", "--distinct-sweep",
                  "--skip-e2e", "--reps", "1", "--json", "-"),
-    "dump_routing": ("--dump", "{tmp}/d.npz", "--prompt-ids", "{tmp}/p.jsonl",
-                     "--max-new-tokens", "6", "--dump-routing"),
+    "dump_cli": (*DUMP_FLAGS, "--dump", "{tmp}/cli.npz"),
+    # refusals
+    "dump_temperature": (*DUMP_FLAGS, "--dump", "{tmp}/x.npz", "--temperature", "0.7"),
+    "broken_checkpoint": ("--model-path", "{tmp}/bad"),
+    "prompt_ids_outside": ("--dump", "{tmp}/outside.npz", "--prompt-ids", "{tmp}/outside.jsonl"),
+    "distinct_17": ("--routing", "distinct", "--distinct-experts", "17"),
+    "trace_of_another_model": ("--routing", "trace", "--routing-trace", "{tmp}/kimi.npz"),
     "too_big": ("--context-len", "10000000"),
     "tree_too_wide": ("--speculative-eagle-topk", "65", "--speculative-num-steps", "3",
                       "--speculative-num-draft-tokens", "8"),
 }
+# runs that read another run's output file, launched once that run has ended: name -> (that run,
+# the flags)
+RUN_PY_AFTER = {
+    "trace_replay": ("dump_routing", ("--routing", "trace", "--routing-trace", "{tmp}/d.npz",
+                                      "--skip-e2e", "--reps", "1", "--json", "-")),
+}
 
 
 @pytest.fixture(scope="module")
-def run_py_runs(tmp_path_factory):
-    """RUN_PY_RUNS launched (two at a time): name -> (CompletedProcess, the module's folder)."""
-    tmp = tmp_path_factory.mktemp("run_py_runs")
+def run_py_runs(tmp_path_factory, tiny_ckpt):
+    """RUN_PY_RUNS and RUN_PY_AFTER launched (two at a time, each of RUN_PY_AFTER queued once the
+    run it reads has ended): name -> (CompletedProcess, the module's folder)."""
+    tmp, (ckpt, _) = tmp_path_factory.mktemp("run_py_runs"), tiny_ckpt
     (tmp / "p.jsonl").write_text("[10, 20, 30, 40, 50]\n[7, 8, 9]\n")   # dump_routing's prompts
-    argv = [[a.format(tmp=tmp) for a in flags] for flags in RUN_PY_RUNS.values()]
-    return {name: done for name, done in zip(RUN_PY_RUNS, run_py_at_once(*argv))}, tmp
+    (tmp / "p3.jsonl").write_text("\n".join(json.dumps(p) for p in PROMPTS[3]) + "\n")
+    (tmp / "outside.jsonl").write_text("[1, 2, 3]\n[1, 2, 999]\n")   # 999: past the 256 ids
+    target = load_target(ckpt, max_batch_size=3, max_seq_len=32, dtype=torch.float32)
+    save_draft(init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 2), tmp / "draft")
+    shutil.copytree(ckpt, tmp / "bad")
+    (tmp / "bad" / "config.json").write_text('{\n  "hidden_size": 64,\n  "vocab_size": ,\n}')
+    routing.save_trace(tmp / "kimi.npz", torch.zeros(2, 5, 8, dtype=torch.long), 384, 8)
+
+    def launch(pool, flags):
+        return pool.submit(run_py, *(a.format(tmp=tmp, ckpt=ckpt) for a in flags), env=ONE_THREAD)
+    with ThreadPoolExecutor(2) as pool:
+        runs = {name: launch(pool, flags) for name, flags in RUN_PY_RUNS.items()}
+        for name, (first, flags) in RUN_PY_AFTER.items():
+            runs[first].result()
+            runs[name] = launch(pool, flags)
+        return {name: run.result() for name, run in runs.items()}, tmp
 
 
 def ran(run_py_runs, name):
-    """RUN_PY_RUNS[name]'s CompletedProcess, asserted to have exited 0."""
+    """The CompletedProcess of RUN_PY_RUNS[name] (or RUN_PY_AFTER's), asserted to have exited 0."""
     done = run_py_runs[0][name]
-    assert done.returncode == 0, f"run.py {' '.join(RUN_PY_RUNS[name])}: {done.stderr[-2000:]}"
+    flags = RUN_PY_RUNS[name] if name in RUN_PY_RUNS else RUN_PY_AFTER[name][1]
+    assert done.returncode == 0, f"run.py {' '.join(flags)}: {done.stderr[-2000:]}"
     return done
 
 
@@ -310,19 +345,18 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
             cli.stderr) == (2, "", "run.py: error: --max-new-tokens 0: must be at least 1\n")
 
 
-def test_run_py_names_a_broken_checkpoint_in_one_line(tiny_ckpt, tmp_path):
+def test_run_py_names_a_broken_checkpoint_in_one_line(tiny_ckpt, tmp_path, run_py_runs):
     """run.py --model-path / --draft-path with a problem: the loader's CheckpointError, and from
-    the command line one line on stderr, no traceback, exit status 2."""
+    the command line (a copy of the checkpoint whose config.json is not JSON) one line on stderr,
+    no traceback, exit status 2."""
     ckpt, _ = tiny_ckpt
-    shutil.copytree(ckpt, tmp_path / "bad")
-    (tmp_path / "bad" / "config.json").write_text('{\n  "hidden_size": 64,\n  "vocab_size": ,\n}')
     with pytest.raises(CheckpointError, match="no such file or folder"):
         run.main(["--model-path", str(tmp_path / "nothere"), "--max-new-tokens", "2"])
     with pytest.raises(CheckpointError, match="no such file or folder"):
         run.main(["--model-path", ckpt, "--draft-path", str(tmp_path / "nothere"),
                   "--max-new-tokens", "2"])
-    cli = run_py("--model-path", str(tmp_path / "bad"))
-    want = (f"run.py: error: {tmp_path / 'bad' / 'config.json'} line 3 column 17: not JSON "
+    cli = run_py_runs[0]["broken_checkpoint"]
+    want = (f"run.py: error: {run_py_runs[1] / 'bad' / 'config.json'} line 3 column 17: not JSON "
             "(Expecting value)\n")
     assert (cli.returncode, cli.stderr) == (2, want), (cli.returncode, cli.stderr)
 
@@ -806,21 +840,17 @@ def test_bf16_dump_passes_the_default_thresholds_and_fails_tight_ones():
     assert any("--max-logprob-diff" in f for f in tight["failures"]), tight["failures"]
 
 
-def test_dump_from_the_command_line_and_bad_input(tiny_ckpt, tmp_path):
-    """run.py --dump with a checkpoint, a draft and a prompt file writes what dump() returns."""
-    ckpt, _ = tiny_ckpt
+def test_dump_from_the_command_line_and_bad_input(tiny_ckpt, tmp_path, run_py_runs):
+    """run.py --dump with a checkpoint, a draft and a prompt file (DUMP_FLAGS: the module's random
+    draft of tiny_ckpt's target, PROMPTS[3]) writes what dump() returns."""
+    (ckpt, _), tmp = tiny_ckpt, run_py_runs[1]
     target = load_target(ckpt, max_batch_size=3, max_seq_len=32, dtype=torch.float32)
-    save_draft(init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 2), tmp_path / "draft")
-    (tmp_path / "p.jsonl").write_text("\n".join(json.dumps(p) for p in PROMPTS[3]) + "\n")
-    flags = ["--model-path", ckpt, "--draft-path", str(tmp_path / "draft"), "--prompt-ids",
-             str(tmp_path / "p.jsonl"), "--max-new-tokens", "12", "--speculative-num-steps", "2",
-             "--dtype", "float32"]
-    done = run_py(*flags, "--dump", str(tmp_path / "cli.npz"), check=True)
+    done = ran(run_py_runs, "dump_cli")
     # wrapped
     assert "dump: {" in done.stdout and max(map(len, done.stdout.splitlines())) <= 120, done.stdout
-    cli = baseline.load_dump(tmp_path / "cli.npz")
+    cli = baseline.load_dump(tmp / "cli.npz")
     assert json.loads(str(cli["meta"]))["target"] == f"loaded {ckpt}"
-    ref = baseline.dump(target, load_draft(tmp_path / "draft", target), PROMPTS[3],
+    ref = baseline.dump(target, load_draft(tmp / "draft", target), PROMPTS[3],
                         max_new_tokens=12, num_steps=2,
                    chunk=5)  # the teacher-forced forward in chunks over the cache: the same answers
     report = baseline.compare(ref, cli, max_logprob_diff=1e-5, min_top1_agreement=1.0,
@@ -834,7 +864,7 @@ def test_dump_from_the_command_line_and_bad_input(tiny_ckpt, tmp_path):
     (tmp_path / "bad.jsonl").write_text("[1, 2]\n{\"ids\": [3]}\n")
     with pytest.raises(ValueError, match="bad.jsonl line 2: expected a non-empty JSON list"):
         baseline.read_prompt_ids(tmp_path / "bad.jsonl")
-    bad = run_py(*flags, "--dump", str(tmp_path / "x.npz"), "--temperature", "0.7")
+    bad = run_py_runs[0]["dump_temperature"]
     assert bad.returncode != 0 and "drop --temperature" in bad.stderr
 
 
@@ -1337,13 +1367,12 @@ def test_train_py_ctrl_c_while_importing_is_one_line(tmp_path):
     assert len(said) == 1 and said[0].startswith("train.py: interrupted"), err[-2000:]
 
 
-def test_run_py_refuses_prompt_ids_outside_the_vocabulary_before_building(tmp_path):
+def test_run_py_refuses_prompt_ids_outside_the_vocabulary_before_building(run_py_runs):
     """--prompt-ids with an id past the vocabulary (256 for the tiny pair): one line tagged
     --prompt-ids, before the model is built (so no dump: line)."""
-    (tmp_path / "p.jsonl").write_text("[1, 2, 3]\n[1, 2, 999]\n")
-    _refused(run_py("--dump", str(tmp_path / "x.npz"), "--prompt-ids", str(tmp_path / "p.jsonl")),
-             r"--prompt-ids .*p.jsonl: line 2 holds id 999, outside the vocabulary's 256 ids")
-    assert not (tmp_path / "x.npz").exists()
+    _refused(run_py_runs[0]["prompt_ids_outside"],
+             r"--prompt-ids .*outside.jsonl: line 2 holds id 999, outside the vocabulary's 256 ids")
+    assert not (run_py_runs[1] / "outside.npz").exists()
 
 
 def test_run_py_lines_fit_120_columns_and_say_what_a_run_does(run_py_runs):
@@ -1391,7 +1420,7 @@ def test_source_lines_fit_100_columns():
 # ---------------------------------------------------------------------------------------------
 # Routing for timing: distinct and trace (routing.py), refused in one line where they cannot run
 
-def test_run_py_refuses_routing_flags_before_building(monkeypatch, tmp_path):
+def test_run_py_refuses_routing_flags_before_building(monkeypatch, tmp_path, run_py_runs):
     """The trained pair routes top-4 of 16 experts; its verify reads 4 tokens (D in [4, 16]),
     a --batch-size 2 random tiny 8 (D in [4, 16] too), num_steps 1 a verify of 2 (D in [4, 8])."""
     monkeypatch.setattr(timing, "build", lambda *a: pytest.fail("a model was built"))
@@ -1421,8 +1450,8 @@ def test_run_py_refuses_routing_flags_before_building(monkeypatch, tmp_path):
              "--dump records the model's own routing: drop --routing distinct")]:
         with pytest.raises(run.BadInput, match=message):
             run.parse_args(flags.split())
-    distinct, trace = run_py_at_once(("--routing", "distinct", "--distinct-experts", "17"),
-                                     ("--routing", "trace", "--routing-trace", str(big)))
+    # from the command line (the trace of RUN_PY_RUNS: the same as `big`)
+    distinct, trace = (run_py_runs[0][name] for name in ("distinct_17", "trace_of_another_model"))
     _refused(distinct, r"--distinct-experts 17: must lie in \[4, 16\]")
     _refused(trace, "384 experts, top-8; the model routes top-4 of 16")
 
@@ -1453,9 +1482,7 @@ def test_run_py_distinct_routing_and_its_sweep_end_to_end(run_py_runs):
     assert dumped.returncode == 0, dumped.stderr[-2000:]
     t = routing.read_trace(trace, 16, 4)
     assert t.sequence_lengths == [10, 9] and t.ids.shape[1] == 19   # P + N - 1 = 10 at most
-    cli = run_py("--routing", "trace", "--routing-trace", str(trace), "--skip-e2e", "--reps", "1",
-                 "--json", "-")
-    assert cli.returncode == 0, cli.stderr[-2000:]
+    cli = ran(run_py_runs, "trace_replay")   # run.py --routing trace --routing-trace that file
     r = json.loads(cli.stdout.splitlines()[-1])
     assert r["env"]["routing"] == "trace" and r["env"]["routing_trace"]["tokens"] == 19
     assert "routing TRACE (" in cli.stdout

@@ -78,29 +78,20 @@ def test_one_shot_fits_small_float_messages():
     assert not fits(64, 8, torch.float64) and not fits(3, 2, torch.bfloat16)
 
 
-def _allreduce_choice_on_gloo():
-    nccl = TP.from_env("nccl")
-    try:
-        TP.from_env("one-shot")
-    except NotImplementedError as e:
-        return nccl.describe(), nccl.one_shot, str(e)
-    return nccl.describe(), nccl.one_shot, None
-
-
 def test_one_shot_allreduce_is_refused_on_gloo():
-    """Symmetric memory needs CUDA GPUs under NCCL: on gloo `TP.from_env("one-shot")`, and so
-    `run.py --allreduce one-shot`, refuse in one line that names what is missing; NCCL's choice
-    (gloo's all-reduce here) still builds."""
-    described, one_shot, refusal = run_ranks(2, _allreduce_choice_on_gloo)
-    assert described == "TP 2, rank 0, gloo all-reduce" and one_shot is None
-    assert refusal and "symmetric memory" in refusal and "gloo on cpu" in refusal, refusal
+    """Symmetric memory needs CUDA GPUs under NCCL: on gloo ranks `run.py --allreduce one-shot`
+    (`TP.from_env("one-shot")` inside) refuses in one line that names what is missing and what
+    the run has, said once. (NCCL's choice, gloo's all-reduce here, builds and runs on the same
+    ranks: test_run_py_measures_allreduces_under_real_tp.)"""
     with pytest.raises(ValueError, match="choose from nccl, one-shot"):
         TP.from_env("ring")
     out = run_py("--allreduce", "one-shot", "--skip-e2e", "--reps", "1", ranks=2, env=ONE_THREAD)
     errors = [line for line in out.stderr.splitlines() if line.startswith("run.py: error:")]
     # the same on every rank: said once
     assert out.returncode != 0 and len(errors) == 1, ranks_stderr(out)
-    assert "run.py: error: one-shot all-reduce: needs torch's symmetric memory" in errors[0]
+    assert errors[0] == ("run.py: error: one-shot all-reduce: needs torch's symmetric memory on "
+                         "CUDA GPUs under NCCL; this run has gloo on cpu (use the NCCL "
+                         "all-reduce)"), errors[0]
 
 
 def test_run_py_measures_allreduces_under_real_tp(tmp_path):
