@@ -682,6 +682,24 @@ def parts_in_use(x, unmerged):
     return (1 + (first + unmerged.split_len - 1) // unmerged.split_len).tolist()
 
 
+def _merge_absorb_cases(device, dtype):
+    """The merge_absorb test's cases (shape, rows of W_uv a head N, B, T, cached slots S, split
+    length): see its docstring for which run where."""
+    tiny_cases = ((1, 1, 40, None), (3, 1, 300, 16), (1, 4, 300, 16), (2, 2, 40, None),
+                  (4, 4, 40, None), (4, 4, 300, 16))
+    kimi, kimi_shape = ((1, 1, 300, 16), (3, 1, 100, 64), (1, 4, 300, 16)), KIMI_TP8
+    if device == "cpu":
+        tiny_cases = (((1, 1, 40, None), (3, 1, 100, 16), (4, 4, 40, None), (1, 4, 300, 16))
+                      if dtype == torch.float32 else ((3, 1, 100, 16), (1, 4, 300, 16)))
+        kimi, kimi_shape = ((3, 1, 100, 64),), dict(KIMI_TP8, H=2)   # the case that merges
+    cases = [(TINY_MLA, 16, B, T, S, split) for B, T, S, split in tiny_cases]
+    cases += [(kimi_shape, 128, B, T, S, split) for B, T, S, split in kimi]
+    if device == "cuda":
+        cases += [(KIMI_TP8, 128, B, T, S, None) for B, T in ((1, 1), (3, 1), (1, 4), (4, 4))
+                  for S in (256, 4096)]
+    return cases
+
+
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_mla_merge_absorb_equals_combine_then_head_gemv(dtype, monkeypatch):
@@ -702,19 +720,7 @@ def test_mla_merge_absorb_equals_combine_then_head_gemv(dtype, monkeypatch):
     monkeypatch.setattr(kernels.mla, "mla_combine", lambda *a: combines.append(a[0].partial.shape)
                         or combine(*a))
     scale, merged, fell_back = 0.07, 0, 0
-    tiny_cases = ((1, 1, 40, None), (3, 1, 300, 16), (1, 4, 300, 16), (2, 2, 40, None),
-                  (4, 4, 40, None), (4, 4, 300, 16))
-    kimi, kimi_shape = ((1, 1, 300, 16), (3, 1, 100, 64), (1, 4, 300, 16)), KIMI_TP8
-    if device == "cpu":
-        tiny_cases = (((1, 1, 40, None), (3, 1, 100, 16), (4, 4, 40, None), (1, 4, 300, 16))
-                      if dtype == torch.float32 else ((3, 1, 100, 16), (1, 4, 300, 16)))
-        kimi, kimi_shape = ((3, 1, 100, 64),), dict(KIMI_TP8, H=2)   # the case that merges
-    cases = [(TINY_MLA, 16, B, T, S, split) for B, T, S, split in tiny_cases]
-    cases += [(kimi_shape, 128, B, T, S, split) for B, T, S, split in kimi]
-    if device == "cuda":
-        cases += [(KIMI_TP8, 128, B, T, S, None) for B, T in ((1, 1), (3, 1), (1, 4), (4, 4))
-                  for S in (256, 4096)]
-    for i, (shape, N, B, T, S, split) in enumerate(cases):
+    for i, (shape, N, B, T, S, split) in enumerate(_merge_absorb_cases(device, dtype)):
         what = f"merge_absorb H={shape['H']} C={shape['C']} B={B} T={T} S={S} split {split} {dtype}"
         x = mla_inputs(B, T, **shape, S=S, dtype=dtype, device=device, seed=40 + i)
         g = torch.Generator().manual_seed(i)
