@@ -23,6 +23,52 @@ import torch  # noqa: E402
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
+
+
+def patch_the_language_once_a_kernel():
+    """Triton's interpreter (3.7) patches triton.language for a kernel's run, and again at every
+    call of a device function inside the run, walking the language's members each time (40% of a
+    fused MoE test's time) to find nothing left to patch where the modules it patches (tl, tl.core:
+    those among the function's globals) were patched already in this run. Here such a call skips
+    the walk; one naming a module not yet patched in the run patches as before. Left alone if the
+    interpreter's internals differ."""
+    try:
+        import inspect
+
+        from triton.runtime import interpreter
+        langs = (interpreter.tl, interpreter.tl.core)
+    except (ImportError, AttributeError):
+        return
+    real = getattr(interpreter, "_patch_lang", None)
+    if real is None or not hasattr(interpreter, "_LangPatchScope"):
+        return
+    patched = set()                             # the modules patched in the kernel's run (ids)
+    modules = {}                                # function -> the ids of the modules it would patch
+
+    def patch_lang(fn):
+        if fn not in modules:
+            modules[fn] = {id(v) for v in fn.__globals__.values()
+                           if inspect.ismodule(v) and v in langs}
+        mine = modules[fn]
+        if patched and mine <= patched:                    # a device function inside a kernel
+            return interpreter._LangPatchScope()
+        kernel = not patched
+        scope = real(fn)
+        patched.update(mine)
+        if kernel:
+            restore = scope.restore
+
+            def restore_and_end():
+                patched.clear()
+                restore()
+            scope.restore = restore_and_end
+        return scope
+    interpreter._patch_lang = patch_lang
+
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    patch_the_language_once_a_kernel()
+
 import kernels  # noqa: E402
 from checkpoint import init_random, save_target  # noqa: E402
 from model import Transformer  # noqa: E402
