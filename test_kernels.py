@@ -26,7 +26,7 @@ import tp
 from checkpoint import init_random, init_random_draft, load_target, save_target
 from draft import draft_preset, DraftAttention, Eagle3Draft, rotate_half_rope
 from graphs import CudaGraphs
-from kernels.common import _jit, tl
+from kernels.common import _jit, tl, triton
 from model import Transformer
 from testing import (assert_close, captured_calls, count_reads, flat, fp8_checkpoint, gpu_models,
                      HERE, int4_checkpoint, PROMPTS, random_tree, run_steps, step_inputs, tiny,
@@ -239,6 +239,90 @@ def test_fused_moe_int4_tiles_even_and_masked_blocks():
             got = kernels.fused_moe(x, ids, w, *weights, variant="dot", configs=cfg)
             tol = (1e-5 if dtype == torch.float32 else 2e-2) * ref.abs().max().item()
             assert_close(got, ref, tol, f"INT4 tiles D {D} {dtype} N {N} K {K} {kind} {cfg}")
+
+
+@pytest.mark.triton
+def test_moe_align_sorts_pairs_by_expert_stably():
+    """The tile variant's align (two launches, a program per chunk of pairs) against the same order
+    built in torch: each expert's pairs in pair order, in whole tiles of BLOCK_M rows, experts
+    ascending, padding rows P; each tile's expert, -1 past the last used tile. Pair counts within
+    one chunk and across several, routing spread and shared (experts with several tiles)."""
+    g = torch.Generator().manual_seed(7)
+    BM = kernels.moe.BLOCK_M
+    for N, K, E, kind in ((3, 2, 16, "random"), (20, 8, 16, "shared"), (40, 4, 384, "random")):
+        ids = routing(kind, N, K, E, g, TRITON_DEVICE)[0].reshape(-1)
+        sorted_pair, tile_expert = kernels.moe.align(ids, E)
+        P, max_tiles = ids.numel(), min(E, ids.numel()) + ids.numel() // BM
+        rows, experts = [], []
+        for e in range(E):
+            pairs = (ids.cpu() == e).nonzero().flatten().tolist()
+            tiles = -(-len(pairs) // BM)
+            rows += pairs + [P] * (tiles * BM - len(pairs))
+            experts += [e] * tiles
+        rows += [P] * (max_tiles * BM - len(rows))
+        experts += [-1] * (max_tiles - len(experts))
+        assert sorted_pair.cpu().tolist() == rows, f"{N} x {K} pairs, {E} experts: rows"
+        assert tile_expert.cpu().tolist() == experts, f"{N} x {K} pairs, {E} experts: tiles"
+
+
+@_jit
+def _int4_block_kernel(w_ptr, s_ptr, out_ptr, magic, R, K_IN: tl.constexpr, BN: tl.constexpr,
+                       BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr):
+    """out[r, k] = kernels.moe._int4_block's W[r, k] (bf16) for an INT4 matrix [R, K_IN] (group
+    32): a program per (BN rows, BLOCK_K columns)."""
+    n = (tl.program_id(0) * BN + tl.arange(0, BN))[:, None]
+    k0 = tl.program_id(1) * BLOCK_K
+    w = kernels.moe._int4_block(w_ptr + n * (K_IN // 8), s_ptr + n * (K_IN // 32), n < R, k0,
+                                magic, K_IN, 32, BLOCK_K, EVEN, tl.bfloat16, PACKED)
+    k = (k0 + tl.arange(0, BLOCK_K))[None, :]
+    tl.store(out_ptr + n * K_IN + k, w, mask=(n < R) & (k < K_IN))
+
+
+@pytest.mark.triton
+def test_int4_tile_dequantization_equals_the_plain_module():
+    """The INT4 tiles' dequantized weights (kernels.moe._int4_block) against model.dequantize_int4,
+    bf16 scales, bit for bit: the packed form (nibble pairs through fma.rn.bf16x2, which the tiles
+    take for bf16 activations and scales) and the fp32 form, blocks that divide the matrix and
+    blocks that mask rows and words. The fp32 form on a GPU only: Triton's CPU interpreter rounds
+    fp32 to bf16 by truncation (3.7), so there it is checked to one bf16 step."""
+    g = torch.Generator().manual_seed(3)
+    for R, K_IN, BN, BLOCK_K in ((32, 256, 16, 128), (24, 192, 16, 128)):
+        words = torch.randint(-2**31, 2**31 - 1, (R, K_IN // 8), generator=g, dtype=torch.int32)
+        scale = (torch.rand(R, K_IN // 32, generator=g) - 0.5).to(torch.bfloat16)
+        want = model.dequantize_int4(words, scale, 32).to(TRITON_DEVICE)
+        even = R % BN == 0 and K_IN % BLOCK_K == 0
+        for packed in (True, False):
+            out = torch.empty(R, K_IN, dtype=torch.bfloat16, device=TRITON_DEVICE)
+            magic = kernels.moe_gemv.BF16_MAGIC if packed else kernels.moe_gemv.MAGIC
+            _int4_block_kernel[(triton.cdiv(R, BN), triton.cdiv(K_IN, BLOCK_K))](
+                words.to(TRITON_DEVICE), scale.to(TRITON_DEVICE), out, magic, R, K_IN=K_IN, BN=BN,
+                BLOCK_K=BLOCK_K, EVEN=even, PACKED=packed)
+            what = f"{'packed' if packed else 'fp32'} form, [{R}, {K_IN}], even {even}"
+            if packed or TRITON_DEVICE.type == "cuda":
+                assert torch.equal(out, want), what
+            else:
+                assert_close(out.float(), want.float(), 2 ** -7 * want.abs().max().item(), what)
+
+
+@pytest.mark.gpu
+@pytest.mark.triton
+def test_gpu_fused_moe_int4_tiles_packed_form_equals_fp32_form():
+    """The INT4 tile variant at a Kimi-K2 TP-8 rank's shapes, bf16, 16 tokens: bf16 scales (the
+    packed dequantization) and the same scales held in fp32 (the fp32 form) give the same output
+    bits, under random routing and 16 tokens on the same 8 experts; and match the plain module."""
+    experts, D = moe_experts("kimi", "int4", 384, "cuda", torch.bfloat16)
+    weights = [kernels.expert_weights(getattr(experts, p))
+               for p in ("gate_proj", "up_proj", "down_proj")]
+    as_fp32 = [kernels.ExpertWeights("int4", w.data, w.scale.float(), group=w.group)
+               for w in weights]
+    g = torch.Generator().manual_seed(5)
+    for kind in ("random", "shared"):
+        ids, w = routing(kind, 16, 8, 384, g, "cuda")
+        x = torch.randn(16, D, generator=g).to("cuda", torch.bfloat16)
+        packed = kernels.fused_moe(x, ids, w, *weights, variant="dot")
+        assert torch.equal(packed, kernels.fused_moe(x, ids, w, *as_fp32, variant="dot")), kind
+        ref = model.Experts.forward(experts, x, ids, w)
+        assert_close(packed, ref, 2e-2 * ref.abs().max().item(), f"INT4 tiles, {kind}: vs plain")
 
 
 @pytest.mark.gpu

@@ -15,10 +15,10 @@ from .moe_gemv import (FORMATS, GEMV_MAX_PAIRS, SHARED_SPLIT, ExpertWeights, _ch
 # y[n] = sum_k w[n, k] * down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])),  e = ids[n, k]
 #
 # The tile variant (the GEMV variant, moe_gemv.py, serves a few tokens: gemv_max_tokens).
-# Four launches, each of a fixed grid for given (N, K, E): align (sort the P pairs by expert on the
-# device, each expert's pairs padded to whole BLOCK_M tiles), gate_up (a program per (tile of
-# pairs of one expert, BLOCK_N rows of I): both projections, SiLU and the product; INT4's may split
-# D, a silu launch then finishing h), down (a program per (tile, BLOCK_N rows of D): routing weight
+# Launches of a fixed grid for given (N, K, E): align (sort the P pairs by expert on the device,
+# each expert's pairs padded to whole BLOCK_M tiles; two launches, counting then placing, a program
+# per chunk of pairs), gate_up (a program per (tile of pairs of one expert, BLOCK_N rows of I):
+# both projections, SiLU and the product; INT4's may split D, a silu launch then finishing h), down (a program per (tile, BLOCK_N rows of D): routing weight
 # applied, one fp32 row per pair) and combine (the K rows of a token summed). A tile holds pairs of
 # one expert only, and every tile of an expert reads that expert's weights, so an expert picked by
 # up to BLOCK_M tokens is read exactly once. At most min(E, P) + P // BLOCK_M tiles exist (sum over
@@ -30,8 +30,12 @@ from .moe_gemv import (FORMATS, GEMV_MAX_PAIRS, SHARED_SPLIT, ExpertWeights, _ch
 # pairs per tile: tl.dot's smallest M. With N <= a few hundred and 384 experts most experts get 1-4
 # tokens, so a larger tile would only add padding rows (python -m kernels.bench --moe --sweep dot)
 BLOCK_M = 16
-# pairs per step of the align kernel: a [ALIGN_CHUNK, E] one-hot a step (not swept)
-ALIGN_CHUNK = 32
+# two bf16 -0.0 as an int32: the addend of _scaled_pair's FMA (x + -0 is x, -0 included)
+NEG_ZEROS = (tl.constexpr if HAVE_TRITON else int)(0x80008000 - (1 << 32))
+# the align's two launches (_moe_count_kernel, _moe_place_kernel): a program per ALIGN_CHUNK pairs
+# (a [ALIGN_CHUNK, E] one-hot), padding rows written ALIGN_FILL a step, the tile -> expert map
+# ALIGN_TILES tiles a step (not swept)
+ALIGN_CHUNK, ALIGN_FILL, ALIGN_TILES = 32, 512, 16
 # columns of D a combine program sums (not swept: the combine is a small share)
 COMBINE_BLOCK = 1024
 # elements of h an INT4 silu program makes (not swept: P * I elements, a small share)
@@ -76,41 +80,63 @@ def _configs(fmt, P, on_gpu):
 
 
 @_jit
-def _moe_align_kernel(ids_ptr, sorted_pair_ptr, tile_expert_ptr, P, E, max_tiles,
-                      max_tiles_per_expert,
-                      BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr):
-    """Sort the P token-expert pairs by expert, each expert's run padded to whole BLOCK_M tiles.
+def _moe_count_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, P, ROWS,
+                      E_PAD: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
+    """The align's first launch: counts[c, e] = the pairs of chunk c (pairs c * CHUNK onwards) whose
+    expert is e; and sorted_pair[r] = P (a padding row) for this program's share of the ROWS rows
+    (_moe_place_kernel then writes the pairs' rows).
 
     ids_ptr: int [P] expert of pair p = n*K + k (ids [N, K] flattened), values in [0, E).
-    sorted_pair_ptr: int32 [max_tiles * BLOCK_M] out: the pair in each tile row, P in padding rows.
-    tile_expert_ptr: int32 [max_tiles] out: each tile's expert, -1 for tiles left unused.
-    Pairs of one expert keep their order (stable). Grid: (1,): one program, O(P * E / threads)."""
+    counts_ptr: int32 [cdiv(P, CHUNK), E_PAD] out. Grid: (cdiv(P, CHUNK),)."""
     _wait_for_prior()
+    c = tl.program_id(0)
+    p = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
     experts = tl.arange(0, E_PAD)
-    count = tl.zeros([E_PAD], tl.int32)
-    for start in range(0, P, CHUNK):                                      # pairs per expert
-        p = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
-        count += tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0)
-    tiles = (count + BLOCK_M - 1) // BLOCK_M
-    first_tile = tl.cumsum(tiles, 0) - tiles                               # [E_PAD], exclusive
-    for start in range(0, max_tiles * BLOCK_M, CHUNK):  # empty tiles, padding rows
-        r = start + tl.arange(0, CHUNK)
-        tl.store(sorted_pair_ptr + r, tl.full([CHUNK], 0, tl.int32) + P,
-                 mask=r < max_tiles * BLOCK_M)
-        tl.store(tile_expert_ptr + r, tl.full([CHUNK], -1, tl.int32), mask=r < max_tiles)
-    tl.debug_barrier()                                                     # before overwriting them
-    for j in range(0, max_tiles_per_expert):                               # tile -> expert
-        tl.store(tile_expert_ptr + first_tile + j, experts, mask=(j < tiles) & (experts < E))
-    seen = tl.zeros([E_PAD], tl.int32)
-    for start in range(0, P, CHUNK):                                       # pair -> row
-        p = start + tl.arange(0, CHUNK)
-        ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
-        hit = (ids[:, None] == experts[None, :]).to(tl.int32)             # [CHUNK, E_PAD]
-        before = tl.cumsum(hit, 0) - hit + seen[None, :]  # earlier pairs, same expert
-        row = tl.sum(hit * (first_tile[None, :] * BLOCK_M + before), axis=1)
-        tl.store(sorted_pair_ptr + row, p.to(tl.int32), mask=p < P)
-        seen += tl.sum(hit, axis=0)
+    tl.store(counts_ptr + c * E_PAD + experts,
+             tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0))
+    share = tl.cdiv(ROWS, tl.num_programs(0))
+    for start in range(c * share, (c + 1) * share, FILL):
+        r = start + tl.arange(0, FILL)
+        tl.store(sorted_pair_ptr + r, tl.full([FILL], 0, tl.int32) + P,
+                 mask=(r < (c + 1) * share) & (r < ROWS))
+
+
+@_jit
+def _moe_place_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, tile_expert_ptr, P, E, max_tiles,
+                      BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                      TILES: tl.constexpr):
+    """The align's second launch: each pair's row (its expert's first tile * BLOCK_M + the pairs of
+    that expert before it, in pair order: stable) for the pairs of chunk c, and the tile -> expert
+    map for this program's share of the max_tiles tiles (-1 past the last used tile). Every
+    program sums the chunks' counts itself (the experts' totals and the counts of earlier chunks).
+
+    sorted_pair_ptr: int32 [max_tiles * BLOCK_M] out: the pair in each tile row (padding rows keep
+    P from _moe_count_kernel). tile_expert_ptr: int32 [max_tiles] out. Grid: (cdiv(P, CHUNK),)."""
+    _wait_for_prior()
+    c, chunks = tl.program_id(0), tl.num_programs(0)
+    experts = tl.arange(0, E_PAD)
+    total = tl.zeros([E_PAD], tl.int32)
+    before = tl.zeros([E_PAD], tl.int32)                               # earlier chunks' pairs
+    for j in range(0, chunks):
+        n = tl.load(counts_ptr + j * E_PAD + experts)
+        total += n
+        before += tl.where(j < c, n, 0)
+    tiles = (total + BLOCK_M - 1) // BLOCK_M
+    end_tile = tl.cumsum(tiles, 0)                                     # [E_PAD], inclusive
+    p = c * CHUNK + tl.arange(0, CHUNK)
+    ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
+    hit = (ids[:, None] == experts[None, :]).to(tl.int32)             # [CHUNK, E_PAD]
+    first_row = (end_tile - tiles) * BLOCK_M + before
+    row = tl.sum(hit * (first_row[None, :] + tl.cumsum(hit, 0) - hit), axis=1)
+    tl.store(sorted_pair_ptr + row, p.to(tl.int32), mask=p < P)
+    share = tl.cdiv(max_tiles, chunks)
+    for t0 in range(c * share, (c + 1) * share, TILES):
+        t = t0 + tl.arange(0, TILES)
+        # tile t is its expert's if the experts before it end at or before t (end_tile ascends)
+        e = tl.sum((end_tile[None, :] <= t[:, None]).to(tl.int32), axis=1)
+        tl.store(tile_expert_ptr + t, tl.where(e < E, e, -1),
+                 mask=(t < (c + 1) * share) & (t < max_tiles))
 
 
 @_jit
@@ -248,11 +274,16 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
 
 @_jit
 def _int4_block(w_rows, s_rows, rows_ok, k0, magic, K_IN: tl.constexpr, GROUP: tl.constexpr,
-                BLOCK_K: tl.constexpr, EVEN: tl.constexpr, DTYPE: tl.constexpr):
+                BLOCK_K: tl.constexpr, EVEN: tl.constexpr, DTYPE: tl.constexpr,
+                PACKED: tl.constexpr):
     """W[rows, k0 : k0 + BLOCK_K] dequantized in element order: [BN, BLOCK_K] of DTYPE.
 
     w_rows, s_rows [BN, 1]: the rows' word and group-scale pointers; rows_ok [BN, 1]: the rows
-    inside the matrix; K_IN: elements a row. EVEN: no load masked (the blocks divide the shape)."""
+    inside the matrix; K_IN: elements a row. EVEN: no load masked (the blocks divide the shape).
+    PACKED (bf16 scales and DTYPE; magic then moe_gemv.BF16_MAGIC, else moe_gemv.MAGIC): nibbles
+    j and j + 4 as a pair of bf16 (moe_gemv's packed form), q - 8 exactly, one fma.rn.bf16x2 by
+    the scale pair rounding each product once: the same bits as the fp32 form's product rounded
+    to bf16 (the product of a 4-bit and an 8-bit significand is exact in fp32)."""
     w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
     if EVEN:
@@ -262,19 +293,28 @@ def _int4_block(w_rows, s_rows, rows_ok, k0, magic, K_IN: tl.constexpr, GROUP: t
         words = tl.load(w_rows + w[None, :], mask=rows_ok & (w < K_IN // 8)[None, :], other=0)
         s = tl.load(s_rows + g[None, :], mask=rows_ok & (g < K_IN // GROUP)[None, :], other=0.0)
     BN: tl.constexpr = words.shape[0]
-    s = tl.reshape(tl.broadcast_to(s.to(tl.float32)[:, :, None],
-                                   (BN, BLOCK_K // GROUP, GROUP // 8)), (BN, BLOCK_K // 8))
-    high = words >> 12
-    # [BN, words, 2, 2, 2]: index (a, b, c) holds nibble 4a + 2b + c, so the reshape puts nibble j
-    # of word w at element 8w + j
-    even = tl.join(tl.join(_scaled(words, high, 0, s, magic, DTYPE),
-                           _scaled(words, high, 4, s, magic, DTYPE)),
-                   tl.join(_scaled(words, high, 2, s, magic, DTYPE),
-                           _scaled(words, high, 6, s, magic, DTYPE)))
-    odd = tl.join(tl.join(_scaled(words, high, 1, s, magic, DTYPE),
-                          _scaled(words, high, 5, s, magic, DTYPE)),
-                  tl.join(_scaled(words, high, 3, s, magic, DTYPE),
-                          _scaled(words, high, 7, s, magic, DTYPE)))
+    if PACKED:
+        s = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        s = s | (s << 16)                                                 # (s, s) as an int32
+    else:
+        s = s.to(tl.float32)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BLOCK_K // GROUP, GROUP // 8)),
+                   (BN, BLOCK_K // 8))
+    # nibble tensors [BN, words] joined to [BN, words, 2, 2, 2]: index (a, b, c) holds nibble
+    # 4a + 2b + c, so the reshape puts nibble j of word w at element 8w + j
+    if PACKED:
+        n0, n4 = _scaled_pair(words, 0, s, magic)
+        n1, n5 = _scaled_pair(words, 1, s, magic)
+        n2, n6 = _scaled_pair(words, 2, s, magic)
+        n3, n7 = _scaled_pair(words, 3, s, magic)
+    else:
+        high = words >> 12
+        n0, n4 = _scaled(words, high, 0, s, magic, DTYPE), _scaled(words, high, 4, s, magic, DTYPE)
+        n1, n5 = _scaled(words, high, 1, s, magic, DTYPE), _scaled(words, high, 5, s, magic, DTYPE)
+        n2, n6 = _scaled(words, high, 2, s, magic, DTYPE), _scaled(words, high, 6, s, magic, DTYPE)
+        n3, n7 = _scaled(words, high, 3, s, magic, DTYPE), _scaled(words, high, 7, s, magic, DTYPE)
+    even = tl.join(tl.join(n0, n4), tl.join(n2, n6))
+    odd = tl.join(tl.join(n1, n5), tl.join(n3, n7))
     return tl.reshape(tl.join(even, odd), (BN, BLOCK_K))
 
 
@@ -285,12 +325,22 @@ def _scaled(words, high, J: tl.constexpr, s, magic, DTYPE: tl.constexpr):
 
 
 @_jit
+def _scaled_pair(words, J: tl.constexpr, s2, magic):
+    """Nibbles J and J + 4 of each word times their group scale (s2: the bf16 pair (s, s)), each
+    rounded once: two bf16 tensors. The pair splits by truncation and a bitcast (no arithmetic)."""
+    v = moe_gemv._fma2(moe_gemv._q_pair(words, J, magic), s2,
+                       tl.full([1, 1], NEG_ZEROS, tl.int32))
+    return (v.to(tl.int16).to(tl.bfloat16, bitcast=True),
+            (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))
+
+
+@_jit
 def _moe_int4_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr,
                              gs_ptr, u_ptr, us_ptr, P, TOPK, stride_we, stride_wn, stride_se,
                              stride_sr, magic, D: tl.constexpr, I: tl.constexpr,
                              GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
-                             PRECISION: tl.constexpr):
+                             PACKED: tl.constexpr, PRECISION: tl.constexpr):
     """_moe_gate_up_kernel for INT4 weights (the section above), over part pid_k of SPLIT of D:
     h[pair, i] for the BLOCK_N rows i of program pid_n and the pairs of one tile (SPLIT 1), else
     the fp32 sums of gate and up, part[pid_k, pair, 0 / 1, i]. Grid: (cdiv(I, BLOCK_N), max_tiles,
@@ -313,9 +363,9 @@ def _moe_int4_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_exper
         k = (k0 + tl.arange(0, BLOCK_K))[:, None]
         xt = tl.load(x_ptr + x_col + k, mask=(pair < P) & (k < D), other=0.0)   # [BLOCK_K, BM]
         acc_g = tl.dot(_int4_block(g_rows, gs_rows, n < I, k0, magic, D, GROUP, BLOCK_K, EVEN,
-                                   xt.dtype), xt, acc_g, input_precision=PRECISION)
+                                   xt.dtype, PACKED), xt, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(_int4_block(u_rows, us_rows, n < I, k0, magic, D, GROUP, BLOCK_K, EVEN,
-                                   xt.dtype), xt, acc_u, input_precision=PRECISION)
+                                   xt.dtype, PACKED), xt, acc_u, input_precision=PRECISION)
     ok = (pair < P) & (n < I)
     if SPLIT == 1:
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -350,7 +400,7 @@ def _moe_int4_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_
                           s_ptr, P, stride_we, stride_wn, stride_se, stride_sr, magic,
                           D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          EVEN: tl.constexpr, PRECISION: tl.constexpr):
+                          EVEN: tl.constexpr, PACKED: tl.constexpr, PRECISION: tl.constexpr):
     """_moe_down_kernel for INT4 weights (the section above): y[pair, d] for the BLOCK_N rows d of
     program pid_n and the pairs of one tile, h read by pair. Grid: (cdiv(D, BLOCK_N), max_tiles)."""
     _wait_for_prior()
@@ -367,7 +417,7 @@ def _moe_int4_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_
         k = (k0 + tl.arange(0, BLOCK_K))[:, None]
         ht = tl.load(h_ptr + h_col + k, mask=(pair < P) & (k < I), other=0.0)   # [BLOCK_K, BM]
         acc = tl.dot(_int4_block(w_rows, s_rows, n < D, k0, magic, I, GROUP, BLOCK_K, EVEN,
-                                 ht.dtype), ht, acc, input_precision=PRECISION)
+                                 ht.dtype, PACKED), ht, acc, input_precision=PRECISION)
     route_w = tl.load(route_w_ptr + pair, mask=pair < P, other=0)
     tl.store(y_ptr + pair.to(tl.int64) * D + n, acc * route_w, mask=(pair < P) & (n < D))
 
@@ -489,15 +539,31 @@ def _check_inputs(x, ids, route_w, gate, up, down, variant, shared, planes):
     return fmt, variant
 
 
+def align(ids, E):
+    """The tile variant's align: (sorted_pair int32 [max_tiles * BLOCK_M], tile_expert int32
+    [max_tiles]) for ids [P] (experts in [0, E)): each expert's pairs in pair order, in whole tiles
+    of BLOCK_M rows, experts in ascending order, padding rows P; each tile's expert, -1 for tiles
+    left unused (max_tiles = min(E, P) + P // BLOCK_M, the section comment's bound)."""
+    P, dev = ids.numel(), ids.device
+    max_tiles = min(E, P) + P // BLOCK_M
+    sorted_pair = torch.empty(max_tiles * BLOCK_M, dtype=torch.int32, device=dev)
+    tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
+    chunks, e_pad = triton.cdiv(P, ALIGN_CHUNK), triton.next_power_of_2(E)
+    counts = torch.empty(chunks, e_pad, dtype=torch.int32, device=dev)
+    _moe_count_kernel[(chunks,)](ids, counts, sorted_pair, P, max_tiles * BLOCK_M, E_PAD=e_pad,
+                                 CHUNK=ALIGN_CHUNK, FILL=ALIGN_FILL, num_warps=4,
+                                 launch_pdl=common.PDL)
+    _moe_place_kernel[(chunks,)](ids, counts, sorted_pair, tile_expert, P, E, max_tiles,
+                                 BLOCK_M=BLOCK_M, E_PAD=e_pad, CHUNK=ALIGN_CHUNK,
+                                 TILES=ALIGN_TILES, num_warps=4, launch_pdl=common.PDL)
+    return sorted_pair, tile_expert
+
+
 def _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, cfg):
     """fused_moe's tile variant: align, gate_up, down, combine (x [N, D], ids and route_w [N*K])."""
     (N, D), (E, I, _), P, dev = x.shape, gate.shape, ids.numel(), x.device
-    max_tiles = min(E, P) + P // BLOCK_M  # see the section comment
-    sorted_pair = torch.empty(max_tiles * BLOCK_M, dtype=torch.int32, device=dev)
-    tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
-    _moe_align_kernel[(1,)](ids, sorted_pair, tile_expert, P, E, max_tiles, triton.cdiv(P, BLOCK_M),
-                            BLOCK_M=BLOCK_M, E_PAD=triton.next_power_of_2(E), CHUNK=ALIGN_CHUNK,
-                            num_warps=8, launch_pdl=common.PDL)
+    sorted_pair, tile_expert = align(ids, E)
+    max_tiles = tile_expert.numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact, not tf32; else unused
     y = torch.empty(P, D, dtype=torch.float32, device=dev)                      # [P, D], weighted
     tiles = (sorted_pair, tile_expert)
@@ -535,21 +601,25 @@ def _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision):
             raise ValueError(f"fused_moe: INT4 tiles' {name} BLOCK_K {cfg[name][1]} must be a "
                              f"multiple of the group {w.group}")
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)                        # [P, I]
+    # _int4_block's packed form where it gives the fp32 form's bits: bf16 x and scales
+    packed = x.dtype == torch.bfloat16 and all(w.scale.dtype == torch.bfloat16
+                                               for w in (gate, up, down))
+    magic = moe_gemv.BF16_MAGIC if packed else moe_gemv.MAGIC
     bn, bk, warps, stages, split = cfg["gate_up"]
     part = torch.empty(split if split > 1 else 0, P, 2, I, dtype=torch.float32, device=x.device)
     _moe_int4_gate_up_kernel[(triton.cdiv(I, bn), max_tiles, split)](
         x, h, part, *tiles, gate.data, gate.scale, up.data, up.scale, P, K, *strides(gate),
-        moe_gemv.MAGIC, D=D, I=I, GROUP=gate.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
-        SPLIT=split, EVEN=D % bk == 0 and I % bn == 0, PRECISION=precision,
+        magic, D=D, I=I, GROUP=gate.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
+        SPLIT=split, EVEN=D % bk == 0 and I % bn == 0, PACKED=packed, PRECISION=precision,
         launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
     if split > 1:
         _moe_int4_silu_kernel[(triton.cdiv(P * I, SILU_BLOCK),)](
             part, h, P, I=I, SPLIT=split, BLOCK=SILU_BLOCK, launch_pdl=common.PDL, num_warps=4)
     bn, bk, warps, stages = cfg["down"]
     _moe_int4_down_kernel[(triton.cdiv(D, bn), max_tiles)](
-        h, y, *tiles, route_w, down.data, down.scale, P, *strides(down), moe_gemv.MAGIC, D=D, I=I,
+        h, y, *tiles, route_w, down.data, down.scale, P, *strides(down), magic, D=D, I=I,
         GROUP=down.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
-        EVEN=I % bk == 0 and D % bn == 0, PRECISION=precision, launch_pdl=common.PDL,
+        EVEN=I % bk == 0 and D % bn == 0, PACKED=packed, PRECISION=precision, launch_pdl=common.PDL,
         num_warps=warps, num_stages=stages)
 
 

@@ -512,16 +512,21 @@ def _high(pair):
 def _packed_word(words, x_ptrs, PLANE: tl.constexpr, ok, EVEN: tl.constexpr, magic):
     """sum over j of (nibble j of each word - 8) * x[8w + j] in fp32 [R, BW], the products by bf16
     pairs (the packed form above). x_ptrs [BW]: pair plane 0's words, PLANE words apart."""
-    one, m136 = tl.full([1, 1], BF16_ONE, tl.int32), tl.full([1, 1], BF16_M136, tl.int32)
-    eighth, m24 = tl.full([1, 1], BF16_EIGHTH, tl.int32), tl.full([1, 1], BF16_M24, tl.int32)
     acc = tl.zeros(words.shape, tl.int32)                  # two bf16 zeros
     for j in tl.static_range(4):
-        if j % 2 == 0:
-            q = _fma2(((words >> (4 * j)) & 0x000F000F) | magic, one, m136)
-        else:
-            q = _fma2(((words >> (4 * j - 3)) & 0x00780078) | magic, eighth, m24)
-        acc = _fma2(q, _plane(x_ptrs, j, PLANE, ok, EVEN), acc)
+        acc = _fma2(_q_pair(words, j, magic), _plane(x_ptrs, j, PLANE, ok, EVEN), acc)
     return _low(acc) + _high(acc)
+
+
+@_jit
+def _q_pair(words, J: tl.constexpr, magic):
+    """(nibbles J and J + 4 of each word) - 8 as a pair of bf16 in an int32, exactly (the packed
+    form above; magic: BF16_MAGIC)."""
+    if J % 2 == 0:
+        return _fma2(((words >> (4 * J)) & 0x000F000F) | magic, tl.full([1, 1], BF16_ONE, tl.int32),
+                     tl.full([1, 1], BF16_M136, tl.int32))
+    return _fma2(((words >> (4 * J - 3)) & 0x00780078) | magic,
+                 tl.full([1, 1], BF16_EIGHTH, tl.int32), tl.full([1, 1], BF16_M24, tl.int32))
 
 
 @_jit
