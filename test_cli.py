@@ -5,7 +5,6 @@ hour of a new user. run.py runs in a subprocess through testing.run_py, as a use
 import atexit
 import contextlib
 import dataclasses
-import io
 import json
 import os
 import re
@@ -127,8 +126,7 @@ def start_run_py_runs():
     (tmp / "p.jsonl").write_text("[10, 20, 30, 40, 50]\n[7, 8, 9]\n")   # dump_routing's prompts
     (tmp / "p3.jsonl").write_text("\n".join(json.dumps(p) for p in PROMPTS[3]) + "\n")
     (tmp / "outside.jsonl").write_text("[1, 2, 3]\n[1, 2, 999]\n")   # 999: past the 256 ids
-    with contextlib.redirect_stderr(io.StringIO()):          # the loader's progress bar
-        target = load_target(ckpt, max_batch_size=3, max_seq_len=32, dtype=torch.float32)
+    target = load_target(ckpt, max_batch_size=3, max_seq_len=32, dtype=torch.float32)
     save_draft(init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 2), tmp / "draft")
     shutil.copytree(ckpt, tmp / "bad")
     (tmp / "bad" / "config.json").write_text('{\n  "hidden_size": 64,\n  "vocab_size": ,\n}')
