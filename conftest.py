@@ -70,7 +70,9 @@ if os.environ.get("TRITON_INTERPRET") == "1":
     patch_the_language_once_a_kernel()
 
 import kernels  # noqa: E402
-from testing import TRITON_DEVICE, save_tiny_checkpoint  # noqa: E402
+from checkpoint import init_random, save_target  # noqa: E402
+from model import Transformer  # noqa: E402
+from testing import TRITON_DEVICE, tiny  # noqa: E402
 
 MARKERS = {
     "gpu": "needs a CUDA GPU",
@@ -113,21 +115,13 @@ def pytest_collection_modifyitems(config, items):
             if reason and item.get_closest_marker(name):
                 item.add_marker(pytest.mark.skip(reason=reason))
                 break
-    # the tests that read test_cli's run.py launches (run_py_runs) go last: the launches start as
-    # the collection ends (below) and run beside the other tests, on the cores those leave idle
-    late = [item for item in items if "run_py_runs" in getattr(item, "fixturenames", ())]
-    items[:] = [item for item in items if item not in late] + late
-
-
-def pytest_collection_finish(session):
-    late = [item for item in session.items
-            if "run_py_runs" in getattr(item, "fixturenames", ())]
-    if late and not session.config.option.collectonly:
-        late[0].module.start_run_py_runs()
 
 
 @pytest.fixture(scope="module")
 def tiny_ckpt():
     """The tiny model (seed 1) saved as a sharded float64 checkpoint, and its TP 1 logits."""
     with tempfile.TemporaryDirectory() as d:
-        yield d, save_tiny_checkpoint(d)
+        m = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float64),
+                        1)
+        save_target(m, d, max_shard_bytes=200_000)
+        yield d, m

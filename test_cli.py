@@ -2,7 +2,6 @@
 timing aids, the correctness baseline (--dump and --compare), train.py's folders, and the first
 hour of a new user. run.py runs in a subprocess through testing.run_py, as a user runs it.
 """
-import atexit
 import contextlib
 import dataclasses
 import json
@@ -12,11 +11,9 @@ import shutil
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -40,7 +37,7 @@ from draft import draft_preset, Eagle3Draft
 from model import Transformer
 from testing import (assert_close, CPU_ENV, edit_checkpoint, gpu_models, HERE, ONE_THREAD,
                      PlantedProposer, PROMPTS, reference_sequences, RUN_PY, run_py, run_ranks,
-                     save_tiny_checkpoint, step_inputs, tiny, TRITON_DEVICE)
+                     step_inputs, tiny, TRITON_DEVICE)
 from verify import Probe, generate, kv_bucket, prefill_draft, prefill_target
 
 
@@ -49,11 +46,11 @@ from verify import Probe, generate, kv_bucket, prefill_draft, prefill_target
 # its phase timer, its refusals
 
 # The run.py launches of the tests below and of the tree, verify-sweep, refusal, checkpoint, dump,
-# 120-column and routing tests further down, each launched once a session in the background
-# (start_run_py_runs), two at a time on one thread each (CI's two cores, as run_py_at_once runs
-# them): name -> run.py's flags. "{tmp}" is the runs' folder (start_run_py_runs writes the files
-# they read there), "{ckpt}" its copy of tiny_ckpt's checkpoint. --reps 1 or 2: the tests check
-# no spread past 2 (on a CPU --reps also bounds a component table's profiled calls)
+# 120-column and routing tests further down, each launched once for the module, two at a time on
+# one thread each (CI's two cores, as run_py_at_once runs them): name -> run.py's flags. "{tmp}"
+# is the module's folder (run_py_runs writes the files they read there), "{ckpt}" tiny_ckpt's
+# checkpoint. --reps 1 or 2: the tests check no spread past 2 (on a CPU --reps also bounds a
+# component table's profiled calls)
 DUMP_FLAGS = ("--model-path", "{ckpt}", "--draft-path", "{tmp}/draft", "--prompt-ids",
               "{tmp}/p3.jsonl", "--max-new-tokens", "12", "--speculative-num-steps", "2",
               "--dtype", "float32")
@@ -109,20 +106,11 @@ RUN_PY_AFTER = {
 }
 
 
-_RUNS = {}   # start_run_py_runs: "tmp", the runs' folder; "future", their CompletedProcesses
-
-
-def start_run_py_runs():
-    """Launch RUN_PY_RUNS and RUN_PY_AFTER in a background thread (two at a time, each of
-    RUN_PY_AFTER queued once the run it reads has ended), from a folder made here: its own copy of
-    tiny_ckpt's checkpoint and the files the runs read. conftest calls it as the session's
-    collection ends, the tests that read the runs running last; the run_py_runs fixture waits."""
-    if _RUNS:
-        return
-    tmp = Path(tempfile.mkdtemp(prefix="run_py_runs_"))
-    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
-    ckpt = tmp / "ckpt"
-    save_tiny_checkpoint(ckpt)
+@pytest.fixture(scope="module")
+def run_py_runs(tmp_path_factory, tiny_ckpt):
+    """RUN_PY_RUNS and RUN_PY_AFTER launched (two at a time, each of RUN_PY_AFTER queued once the
+    run it reads has ended): name -> (CompletedProcess, the module's folder)."""
+    tmp, (ckpt, _) = tmp_path_factory.mktemp("run_py_runs"), tiny_ckpt
     (tmp / "p.jsonl").write_text("[10, 20, 30, 40, 50]\n[7, 8, 9]\n")   # dump_routing's prompts
     (tmp / "p3.jsonl").write_text("\n".join(json.dumps(p) for p in PROMPTS[3]) + "\n")
     (tmp / "outside.jsonl").write_text("[1, 2, 3]\n[1, 2, 999]\n")   # 999: past the 256 ids
@@ -134,22 +122,12 @@ def start_run_py_runs():
 
     def launch(pool, flags):
         return pool.submit(run_py, *(a.format(tmp=tmp, ckpt=ckpt) for a in flags), env=ONE_THREAD)
-
-    def launch_all():
-        with ThreadPoolExecutor(2) as pool:
-            runs = {name: launch(pool, flags) for name, flags in RUN_PY_RUNS.items()}
-            for name, (first, flags) in RUN_PY_AFTER.items():
-                runs[first].result()
-                runs[name] = launch(pool, flags)
-            return {name: run.result() for name, run in runs.items()}
-    _RUNS.update(tmp=tmp, future=ThreadPoolExecutor(1).submit(launch_all))
-
-
-@pytest.fixture(scope="module")
-def run_py_runs():
-    """start_run_py_runs' runs, waited for: name -> CompletedProcess, and their folder."""
-    start_run_py_runs()                                          # where conftest did not
-    return _RUNS["future"].result(), _RUNS["tmp"]
+    with ThreadPoolExecutor(2) as pool:
+        runs = {name: launch(pool, flags) for name, flags in RUN_PY_RUNS.items()}
+        for name, (first, flags) in RUN_PY_AFTER.items():
+            runs[first].result()
+            runs[name] = launch(pool, flags)
+        return {name: run.result() for name, run in runs.items()}, tmp
 
 
 def ran(run_py_runs, name):

@@ -66,13 +66,6 @@ def tiny(**kw):
     return checkpoint.preset("tiny", **kw)
 
 
-def save_tiny_checkpoint(path):
-    """The tiny model (seed 1, float64) saved at path as a sharded checkpoint; the model."""
-    m = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float64), 1)
-    save_target(m, path, max_shard_bytes=200_000)
-    return m
-
-
 def assert_close(a, b, atol, what):
     diff = (a.double() - b.double()).abs().max().item()
     assert diff <= atol, f"{what}: max abs diff {diff:.3e} > {atol:.1e}"
