@@ -24,7 +24,6 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 
-
 def patch_the_language_once_a_kernel():
     """Triton's interpreter (3.7) patches triton.language for a kernel's run, and again at every
     call of a device function inside the run, walking the language's members each time (40% of a

@@ -255,7 +255,8 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
 # and step. _int4_block dequantizes W in registers, in element order: the step's words [BLOCK_N,
 # BLOCK_K / 8] give 8 nibble tensors (the exponent trick, moe_gemv._nibble: an AND-OR and an FMA
 # give q - 8 exactly), each times its group scale in fp32 and rounded once to the compute dtype (as
-# the plain module's dequantization rounds; exact in fp32), then three rounds of tl.join (nibbles
+# the plain module's dequantization rounds; exact in fp32; for bf16, in pairs of nibbles j and j + 4
+# through fma.rn.bf16x2, the packed form, the same bits), then three rounds of tl.join (nibbles
 # j and j + 4, those pairs j and j + 2, then j and j + 1) and a reshape put nibble j of word w at
 # element 8w + j. The joined dims lie within a thread (each holds whole words), so the interleave
 # moves no data; the tile then reaches the MMA's operand layout through shared memory, as any
