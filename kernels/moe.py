@@ -31,8 +31,6 @@ from .moe_gemv import (FORMATS, GEMV_MAX_PAIRS, SHARED_SPLIT, ExpertWeights, _ch
 # pairs per tile: tl.dot's smallest M. With N <= a few hundred and 384 experts most experts get 1-4
 # tokens, so a larger tile would only add padding rows (python -m kernels.bench --moe --sweep dot)
 BLOCK_M = 16
-# two bf16 -0.0 as an int32: the addend of _scaled_pair's FMA (x + -0 is x, -0 included)
-NEG_ZEROS = (tl.constexpr if HAVE_TRITON else int)(0x80008000 - (1 << 32))
 # the align's two launches (_moe_count_kernel, _moe_place_kernel): a program per ALIGN_CHUNK pairs
 # (a [ALIGN_CHUNK, E] one-hot), padding rows written ALIGN_FILL a step, the tile -> expert map
 # ALIGN_TILES tiles a step (not swept)
@@ -332,7 +330,7 @@ def _scaled_pair(words, J: tl.constexpr, s2, magic):
     """Nibbles J and J + 4 of each word times their group scale (s2: the bf16 pair (s, s)), each
     rounded once: two bf16 tensors. The pair splits by truncation and a bitcast (no arithmetic)."""
     v = moe_gemv._fma2(moe_gemv._q_pair(words, J, magic), s2,
-                       tl.full([1, 1], NEG_ZEROS, tl.int32))
+                       tl.full([1, 1], moe_gemv.BF16_NEG_ZEROS, tl.int32))
     return (v.to(tl.int16).to(tl.bfloat16, bitcast=True),
             (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))
 

@@ -477,6 +477,7 @@ _c = tl.constexpr if common.HAVE_TRITON else int
 # bf16 pairs as int32 bits: (128 + q) * 1 - 136 and (128 + 8q) * 0.125 - 24 are q - 8
 BF16_ONE, BF16_M136 = _c(0x3F803F80), _c(0xC308C308 - (1 << 32))
 BF16_EIGHTH, BF16_M24 = _c(0x3E003E00), _c(0xC1C0C1C0 - (1 << 32))
+BF16_NEG_ZEROS = _c(0x80008000 - (1 << 32))   # two bf16 -0.0: an FMA's addend that keeps x, -0 too
 INTERPRETED = _c(common.HAVE_TRITON and common.interpreting())  # Triton's CPU interpreter
 ASM = _c(common.HAVE_TRITON and not common.interpreting())     # inline PTX (not interpreted)
 
