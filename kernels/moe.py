@@ -61,10 +61,12 @@ def _configs(fmt, P, on_gpu):
        8 experts 115 against 138 and 117), whole above (64 and 128 tokens, uniform: 685 and 871
        against 695 and 875 in 2 parts, 700 and 882 in 4; 32 experts: 214 and 324 against 194
        and 313, 200 and 319; kernels_int4_dot_sweep_large_555e516.json);
-     - down 64 rows of 128 in 2 stages up to 128 pairs and above 256, 128 rows of 256 on 8 warps
-       between (at 32 tokens, 8 experts: 117 us against 130 with 64 rows of 128; uniform: 634
-       against 606; at 64 and 128 tokens, uniform: 648 and 819 against 685 and 871; 32 experts:
-       228 and 332 against 214 and 324: above 256 pairs uniform routing, the worst case, picks)."""
+     - down 64 rows of 128 in 2 stages up to 128 pairs and above 256, 128 rows of 128 on 8 warps
+       in 2 stages between (at 32 tokens, with the packed dequantization: uniform 426.8 us against
+       439.3 with 128 rows of 256 in 1 stage and 390.7 with 64 rows of 128; 8 experts 80.7 against
+       82.1 and 93.8; benchmarks/routing/kernels_int4_tiles_sweep_d939771.json; at 64 and 128
+       tokens, uniform: 648 and 819 against 685 and 871; 32 experts: 228 and 332 against 214 and
+       324: above 256 pairs uniform routing, the worst case, picks)."""
     # Triton's CPU interpreter runs programs one by one, ~0.1 ms an op: fewest, largest
     if not on_gpu:
         return dict(gate_up=(64, 128, 4, 1) + ((1,) if fmt == "int4" else ()),
@@ -73,7 +75,7 @@ def _configs(fmt, P, on_gpu):
         if P <= 128:
             return dict(gate_up=(64, 256, 4, 3, 7), down=(64, 128, 4, 2))
         if P <= 256:
-            return dict(gate_up=(64, 256, 4, 3, 4), down=(128, 256, 8, 1))
+            return dict(gate_up=(64, 256, 4, 3, 4), down=(128, 128, 8, 2))
         return dict(gate_up=(64, 256, 4, 3, 1), down=(64, 128, 4, 2))
     return dict(gate_up=(16, 128, 4, 4) if P <= 16 else (32, 128, 4, 4), down=(64, 128, 4, 3))
 
