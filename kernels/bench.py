@@ -582,8 +582,8 @@ def _parser():
     p.add_argument("--json", metavar="PATH",
                    help="write the results: PATH with _moe / _attention before .json")
     p.add_argument("--sweep", nargs="?", const="dot,gemv", default="", metavar="VARIANTS",
-                   help="also time the fused MoE's block-size sweep points at N = 1, 3 and 4, of "
-                        "these variants (comma-separated; all without a value)")
+                   help="also time the fused MoE's block-size sweep points, at N = 1, 3 and 4 or "
+                        "at --tokens, of these variants (comma-separated; all without a value)")
     p.add_argument("--moe", action="store_true",
                    help="time the fused MoE only (not attention and the small kernels)")
     p.add_argument("--small", action="store_true",
@@ -674,7 +674,8 @@ def main():
         p.error(f"--distinct {a.distinct!r}: pool sizes from K = 8 to E = 384")
     _save(a.json and a.json.replace(".json", "_moe.json"),
           benchmark_moe(sweep=sweep, variants=variants, tokens=tokens, formats=formats,
-                        I=2048 // a.tp, shared=a.shared, distinct=pools or None))
+                        I=2048 // a.tp, shared=a.shared, distinct=pools or None,
+                        sweep_tokens=tokens if a.tokens else (1, 3, 4)))
     if not a.moe:
         benchmark_attention(a.json.replace(".json", "_attention.json") if a.json else None)
 

@@ -39,16 +39,18 @@ def _expert_bytes(w):
     return sum(t[0].numel() * t.element_size() for t in (w.data, w.scale) if t is not None)
 
 
-# Sweep points (N = 1, 3 and 4 only), each beside the default: the tile variant ("dot") and the GEMV
-# variant.
+# Sweep points (at N = 1, 3 and 4, or the token counts asked for), each beside the default: the tile
+# variant ("dot") and the GEMV variant.
 DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5), (32, 128, 4, 5),
                           (64, 128, 4, 4),
                           (16, 256, 4, 3), (32, 256, 8, 3), (16, 64, 4, 6)],
                  down=[(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (64, 256, 8, 3)])
 # INT4's tiles (moe._configs): gate_up (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT)
 INT4_DOT_SWEEP = dict(gate_up=[(64, 256, 4, 3, 7), (64, 256, 4, 3, 4), (64, 256, 4, 3, 2),
-                               (64, 256, 4, 3, 1), (32, 256, 4, 3, 4), (64, 256, 8, 3, 4)],
-                      down=[(64, 128, 4, 2), (128, 256, 8, 1), (64, 256, 4, 1), (32, 256, 4, 1)])
+                               (64, 256, 4, 3, 1), (32, 256, 4, 3, 4), (64, 256, 8, 3, 4),
+                               (64, 256, 4, 4, 4), (128, 256, 8, 3, 4)],
+                      down=[(64, 128, 4, 2), (128, 128, 8, 2), (128, 256, 8, 1), (64, 256, 4, 2),
+                            (64, 256, 4, 1), (32, 256, 4, 1)])
 GEMV_SWEEP = {"plain": dict(gate_up=[], down=[(32, 256, 4, 1)]),
               "fp8": dict(gate_up=[(8, 128, 2, 4, 4), (2, 128, 2, 2, 4), (4, 128, 1, 4, 4),
                                    (4, 128, 2, 8, 8)],
@@ -70,11 +72,13 @@ def _sweep_points(fmt, variant):
 
 def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8, LAYERS=6,
                   tokens=(1, 2, 3, 4, 8, 32),
-                  formats=("plain", "fp8", "int4"), shared=False, distinct=None):
+                  formats=("plain", "fp8", "int4"), shared=False, distinct=None,
+                  sweep_tokens=(1, 3, 4)):
     """One layer's routed experts per format, token count and variant of fused_moe ("dot": the tile
     variant's tiles through tl.dot, "gemv": the GEMV variant) against its floor (the distinct
     experts' stored bytes over the eager copy bandwidth measured here), timed as a graph of LAYERS
-    calls. sweep: the variants whose sweep points are also timed (at N = 1, 3 and 4 where timed).
+    calls. sweep: the variants whose sweep points are also timed, at the token counts of
+    sweep_tokens.
     shared (INT4, FP8): also the GEMV launch with a bf16 shared expert in it ("gemv+shared",
     its bytes added to the floor; its gate_up in the default form, then in the loop form:
     moe_gemv.SHARED_DOT_MIN_TOKENS), and that shared expert alone the way the model runs it
@@ -104,14 +108,14 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
                 if variant == "gemv" and N * K > GEMV_MAX_PAIRS:
                     continue
                 points = [None] + (_sweep_points(fmt, variant) if variant in sweep
-                                   and N in (1, 3, 4) else [])
+                                   and N in sweep_tokens else [])
                 for cfg in points:
                     rows += _time_moe(fmt, N, variant, cfg, layers, (x, ids, route_w), floor_ms,
                                       bandwidth, LAYERS)
             if shared and fmt in ("int4", "fp8") and N * K <= GEMV_MAX_PAIRS:
                 # the shared expert's gate_up in its default form, then in the loop form
                 points = [None, dict(shared_dot=False)] + (
-                    _sweep_points(fmt, "gemv") if "gemv" in sweep and N in (1, 3, 4) else [])
+                    _sweep_points(fmt, "gemv") if "gemv" in sweep and N in sweep_tokens else [])
                 rows += _time_shared(fmt, N, layers, (x, ids, route_w), floor_ms, bandwidth,
                                      LAYERS, D, I, g, points)
             for r in rows[first:]:
