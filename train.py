@@ -392,7 +392,10 @@ def tidy(args, saved):
         return f"; finished in {args.out}: {', '.join(saved)}"
     if args.created is not None:
         shutil.rmtree(args.created, ignore_errors=True)
-        return f"; nothing finished, {args.created} removed"
+        shown = os.path.relpath(args.created)   # as the user named it, where it is below here
+        if shown.startswith(os.pardir):
+            shown = args.created
+        return f"; nothing finished, {shown} removed"
     return f"; nothing finished in {args.out}"
 
 
