@@ -6,8 +6,8 @@
                set here before anything imports Triton); skipped without triton
     slow       long on its machine; run by default (deselect with -m "not slow")
 
-`python -m pytest -q` runs every test the machine can run; `-m gpu`, `-m triton` or `-m "not gpu"`
-select by marker.
+`python -m pytest -q` runs every test the machine can run (`-n 2 --dist loadfile`: a test file a
+process, over 2, as CI runs them); `-m gpu`, `-m triton` or `-m "not gpu"` select by marker.
 """
 import os
 import tempfile
