@@ -194,6 +194,7 @@ def fit(params, cfg, loss_fn, desc, before_step=lambda: None):
     gen = torch.Generator().manual_seed(cfg["seed"])
     bar, history = tqdm(range(cfg["steps"]), desc=desc), []
     for step in bar:
+        check_ctrl_c()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg)
         before_step()
@@ -271,7 +272,9 @@ def measure(target, head, n_prompts=12, text_windows=EVAL["text_windows"]):
     decoding, equality with plain greedy, and the head's top-1 agreement per step on held-out
     text."""
     prompts = heldout_prompts(n_prompts, EVAL["prompt_len"])
+    check_ctrl_c()
     plain = generate(target, None, prompts, max_new_tokens=EVAL["max_new_tokens"], eos_id=-1)
+    check_ctrl_c()
     spec = generate(target, head, prompts, max_new_tokens=EVAL["max_new_tokens"],
                     num_steps=EVAL["num_steps"],
                     eos_id=-1)
@@ -280,6 +283,7 @@ def measure(target, head, n_prompts=12, text_windows=EVAL["text_windows"]):
     gen = torch.Generator().manual_seed(7)
     agree, bits = [], []
     for _ in range(text_windows // 16):
+        check_ctrl_c()
         tokens = windows(text, 16, SEQ_LEN, gen)
         states, logits = target_pass(target, tokens)
         with torch.no_grad():
@@ -367,21 +371,37 @@ def check_out(p, args):
 
 
 def main(argv=None):
-    """Train (or with --eval, measure); Ctrl-C ends it in one line with exit status 130."""
+    """Train (or with --eval, measure); Ctrl-C ends it in one line with exit status 130. As during
+    the imports, a Ctrl-C is noted when pressed and acted on at the next step (check_ctrl_c): a
+    KeyboardInterrupt raised inside torch's C++ can leave its state half made (a training step
+    then failing with "Can't detach views in-place") or abort the process."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     saved = []   # what the training has finished in args.out, in order
+    _ctrl_c.clear()
+    previous, interrupted = signal.signal(signal.SIGINT, lambda *_: _ctrl_c.append(True)), False
     try:
         if args.eval is not None:
             evaluate(args)
         else:
             train(args, saved)
     except KeyboardInterrupt:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)   # a second Ctrl-C: the tidying goes on
+        interrupted = True
+        signal.signal(signal.SIGINT, signal.SIG_IGN)   # another Ctrl-C: the tidying and exit go on
         print(f"train.py: interrupted{tidy(args, saved)}", file=sys.stderr, flush=True)
         return INTERRUPTED
+    finally:
+        if not interrupted:
+            signal.signal(signal.SIGINT, previous)
     return 0
+
+
+def check_ctrl_c():
+    """Stop here (KeyboardInterrupt, main's) if Ctrl-C was pressed since the last check: called
+    between steps, never inside one."""
+    if _ctrl_c:
+        raise KeyboardInterrupt
 
 
 def tidy(args, saved):
