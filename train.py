@@ -50,8 +50,14 @@ import time
 # Triton's C++, a KeyboardInterrupt can abort the process ("terminate called after throwing an
 # instance of 'pybind11::error_already_set'") instead of unwinding to this line.
 _ctrl_c = []
-_sigint = (signal.signal(signal.SIGINT, lambda *_: _ctrl_c.append(True))
-           if __name__ == "__main__" else None)
+
+
+def _note_ctrl_c(signum, frame):
+    """SIGINT's handler while a Ctrl-C is only noted (the imports, main's work)."""
+    _ctrl_c.append(True)
+
+
+_sigint = signal.signal(signal.SIGINT, _note_ctrl_c) if __name__ == "__main__" else None
 try:
     import torch
     import torch.nn.functional as F
@@ -380,7 +386,8 @@ def main(argv=None):
     torch.manual_seed(0)
     saved = []   # what the training has finished in args.out, in order
     _ctrl_c.clear()
-    previous, interrupted = signal.signal(signal.SIGINT, lambda *_: _ctrl_c.append(True)), False
+    previous = signal.signal(signal.SIGINT, _note_ctrl_c)
+    interrupted = False
     try:
         if args.eval is not None:
             evaluate(args)
