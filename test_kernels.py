@@ -760,12 +760,12 @@ def test_mla_decode_kernel_equals_twin_kimi_shapes():
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("block_m", [8, 16])
+@pytest.mark.parametrize("block_m", [8, 16, 32])
 def test_mla_decode_kernel_query_rows_in_blocks(block_m, monkeypatch):
-    """A verify's query rows (T x H = 24 at Kimi-K2's TP 8) split over blocks of block_m rows,
-    each block a program of its own that recomputes the new tokens' latents (block 0 writes them):
-    equal to the twin, as in one block."""
-    monkeypatch.setattr(kernels.mla, "MLA_MAX_BLOCK_M", block_m)
+    """A verify's query rows (T x H = 24 at Kimi-K2's TP 8) in blocks of block_m rows, each block
+    a program of its own that recomputes the new tokens' latents (block 0 writes them), or all in
+    one block of 32: equal to the twin either way."""
+    monkeypatch.setattr(kernels.mla, "mla_block_m", lambda rows, batch, kv_len: block_m)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     check_mla(2, 3, KIMI_TP8, 100, torch.float32, device, seed=6, split_len=64)
 

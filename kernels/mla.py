@@ -43,12 +43,17 @@ from .gemv import (HEAD_GEMV_BLOCK_N, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS, NOR
 # (bench_mla_configs). BLOCK_N slots a tile: 64 latent rows of 512 bf16 are 64 KB; three in flight
 # (num_stages 3) fill most of the H200's 228 KB of shared memory, so one program runs an SM at a
 # time and the split rule (mla_split_len) aims at one wave of programs. float32 (tests): half the
-# rows, two stages. Query rows a program: up to 32 (T = 4 tokens x 8 heads at TP 8) keep the fp32
-# accumulator [32, 512] at 64 registers a thread over 8 warps; 8 warps are faster at 16 rows too.
+# rows, two stages. Query rows a program (mla_block_m): up to 32 (T = 4 tokens x 8 heads at TP 8)
+# keep the fp32 accumulator [32, 512] at 64 registers a thread over 8 warps, and each block of rows
+# reads the cache once. On a short cache (B x S <= MLA_SHORT_CACHE_SLOTS: one more pass over it
+# costs about 2 us at the copy bandwidth) blocks of 16 rows are faster, as a 32-row program's own
+# latency sets the time there (python -m kernels.bench, "MLA decode step"); 8 warps either way.
 MLA_BLOCK_N = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
 MLA_NUM_STAGES = {torch.bfloat16: 3, torch.float16: 3, torch.float32: 2}
 MLA_NUM_WARPS = 8
 MLA_MAX_BLOCK_M = 32
+MLA_SHORT_BLOCK_M = 16
+MLA_SHORT_CACHE_SLOTS = 8192
 MLA_MIN_SPLIT = 64       # slots a split at least: one bf16 tile
 # columns a merge program: 128 programs for 8 query rows, so the merge of 129 parts (32768 slots)
 # is spread over the SMs (python -m kernels.bench, "merge BLOCK_C")
@@ -364,6 +369,13 @@ def _mla_merge_absorb_kernel(po_ptr, lse_ptr, pos_ptr, w_ptr, out_ptr, rows, T, 
              mask=(tl.arange(0, BLOCK_M) < rows)[:, None] & (n < N)[None, :])
 
 
+def mla_block_m(rows, batch, kv_len):
+    """Query rows a program of the MLA decode kernel, for `rows` = T x H query rows a batch row
+    and a cache of kv_len slots: see the block sizes above. Host ints only."""
+    most = MLA_SHORT_BLOCK_M if batch * kv_len <= MLA_SHORT_CACHE_SLOTS else MLA_MAX_BLOCK_M
+    return min(most, _pow2(rows))
+
+
 def mla_split_len(kv_len, batch, m_blocks, block_n, device):
     """Slots per split: enough splits that a full cache and the new tokens' part give one
     program per SM (one wave), each split at least MLA_MIN_SPLIT slots and a whole number of
@@ -425,7 +437,7 @@ def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, position
     qpe = q_pe.reshape(B, M, R)
     rope = rope if rope.stride(-1) == 1 and rope.stride(-2) == 2 else rope.contiguous()
     block_n = MLA_BLOCK_N[q_lat.dtype]
-    block_m = min(MLA_MAX_BLOCK_M, _pow2(M))
+    block_m = mla_block_m(M, B, S)
     m_blocks = triton.cdiv(M, block_m)
     split_len = split_len or mla_split_len(S, B, m_blocks, block_n, q_lat.device)
     parts = 1 + triton.cdiv(S, split_len)
