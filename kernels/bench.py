@@ -34,7 +34,7 @@ from kernels import (add_rmsnorm, common, head_gemv, mla, mla_decode_attention,
                      mla_rope_cache_write, norm_gemv, router, silu_mul)
 from kernels.bench_moe import benchmark_moe, int4_precision
 from kernels.bench_timing import copy_bandwidth_GBps, graph_ms, kernel_ms
-from kernels.common import triton
+from kernels.common import _pow2, triton
 
 
 # ---------------------------------------------------------------------------------------------
@@ -99,6 +99,26 @@ def bench_mla(bw, rows, points=MLA_POINTS, shapes=((1, 1), (1, 4), (4, 1), (4, 4
                              torch_ms=plain,
                              kernel_ms=fast, kernels_alone_ms=alone, GBps=gbps))
             del sets
+
+
+def bench_mla_block_m(blocks=(32, 16), points=MLA_POINTS[:4],
+                      shapes=((1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 8), (4, 4))):
+    """bench_mla once a block size: every launch at blocks of up to `block` query rows
+    (kernels.mla.mla_block_m replaced for the run, its rule aside): the data behind
+    MLA_SHORT_CACHE_SLOTS. Returns the rows, each with its max_block_m."""
+    rule, rows = mla.mla_block_m, []
+    bw = copy_bandwidth_GBps()
+    try:
+        for block in blocks:
+            mla.mla_block_m = lambda n, batch, kv_len, block=block: min(block, _pow2(n))
+            print(f"\nquery rows a program: up to {block}")
+            block_rows = []
+            bench_mla(bw, block_rows, points, shapes)
+            rows += [dict(r, max_block_m=block) for r in block_rows]
+    finally:
+        mla.mla_block_m = rule
+    return dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
+                triton=triton.__version__, copy_GBps=bw, rows=rows)
 
 
 def bench_mla_merge_absorb(rows, points=((320, 256), (4096, 4096), (32768, 32768)),
@@ -618,6 +638,9 @@ def _parser():
     p.add_argument("--precision", action="store_true",
                    help="the INT4 GEMV's packed form (bf16 activations) against its fp32 form, "
                         "beside the plain twin and the tiles, at --tokens (no timing)")
+    p.add_argument("--mla-blocks", action="store_true",
+                   help="the MLA decode kernel with blocks of up to 32 and of up to 16 query "
+                        "rows a program, 1 to 8 tokens, 320 to 32768 slots")
     p.add_argument("--draft", action="store_true",
                    help="time the EAGLE-3 head only: its step and extend, plain and "
                                                        "with its swaps, and its attention kernel")
@@ -645,6 +668,9 @@ def main():
     a = p.parse_args()
     if a.pdl is not None:
         _save(a.json, benchmark_pdl(a.pdl))
+        return
+    if a.mla_blocks:
+        _save(a.json, bench_mla_block_m())
         return
     if a.draft:
         bench_draft(a.json)
