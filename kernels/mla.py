@@ -47,7 +47,7 @@ from .gemv import (HEAD_GEMV_BLOCK_N, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS, NOR
 # keep the fp32 accumulator [32, 512] at 64 registers a thread over 8 warps, and each block of rows
 # reads the cache once. On a short cache (B x S <= MLA_SHORT_CACHE_SLOTS: one more pass over it
 # costs about 2 us at the copy bandwidth) blocks of 16 rows are faster, as a 32-row program's own
-# latency sets the time there (python -m kernels.bench, "MLA decode step"); 8 warps either way.
+# latency sets the time there (python -m kernels.bench --mla-blocks); 8 warps either way.
 MLA_BLOCK_N = {torch.bfloat16: 64, torch.float16: 64, torch.float32: 32}
 MLA_NUM_STAGES = {torch.bfloat16: 3, torch.float16: 3, torch.float32: 2}
 MLA_NUM_WARPS = 8
