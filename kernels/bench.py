@@ -34,7 +34,7 @@ from kernels import (add_rmsnorm, common, head_gemv, mla, mla_decode_attention,
                      mla_rope_cache_write, norm_gemv, router, silu_mul)
 from kernels.bench_moe import benchmark_moe, int4_precision
 from kernels.bench_timing import copy_bandwidth_GBps, graph_ms, kernel_ms
-from kernels.common import _pow2, triton
+from kernels.common import triton
 
 
 # ---------------------------------------------------------------------------------------------
@@ -101,24 +101,23 @@ def bench_mla(bw, rows, points=MLA_POINTS, shapes=((1, 1), (1, 4), (4, 1), (4, 4
             del sets
 
 
-def bench_mla_block_m(blocks=(32, 16), points=MLA_POINTS[:4],
+def bench_mla_block_m(out=None, blocks=(32, 16), points=MLA_POINTS[:4],
                       shapes=((1, 1), (1, 2), (1, 3), (1, 4), (1, 5), (1, 8), (4, 4))):
-    """bench_mla once a block size: every launch at blocks of up to `block` query rows
-    (kernels.mla.mla_block_m replaced for the run, its rule aside): the data behind
-    MLA_SHORT_CACHE_SLOTS. Returns the rows, each with its max_block_m."""
-    rule, rows = mla.mla_block_m, []
+    """bench_mla once a block size: every launch at blocks of up to `block` query rows (both of
+    kernels.mla.mla_block_m's limits set to it for the run): the data behind
+    MLA_SHORT_CACHE_SLOTS. Each row carries its max_block_m."""
+    saved, rows = (mla.MLA_MAX_BLOCK_M, mla.MLA_SHORT_BLOCK_M), []
     bw = copy_bandwidth_GBps()
     try:
         for block in blocks:
-            mla.mla_block_m = lambda n, batch, kv_len, block=block: min(block, _pow2(n))
+            mla.MLA_MAX_BLOCK_M = mla.MLA_SHORT_BLOCK_M = block
             print(f"\nquery rows a program: up to {block}")
             block_rows = []
             bench_mla(bw, block_rows, points, shapes)
             rows += [dict(r, max_block_m=block) for r in block_rows]
     finally:
-        mla.mla_block_m = rule
-    return dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                triton=triton.__version__, copy_GBps=bw, rows=rows)
+        mla.MLA_MAX_BLOCK_M, mla.MLA_SHORT_BLOCK_M = saved
+    _emit(rows, bw, out)
 
 
 def bench_mla_merge_absorb(rows, points=((320, 256), (4096, 4096), (32768, 32768)),
@@ -670,7 +669,7 @@ def main():
         _save(a.json, benchmark_pdl(a.pdl))
         return
     if a.mla_blocks:
-        _save(a.json, bench_mla_block_m())
+        bench_mla_block_m(a.json)
         return
     if a.draft:
         bench_draft(a.json)
