@@ -42,7 +42,7 @@ def _expert_bytes(w):
 # Sweep points (at N = 1, 3 and 4, or the token counts asked for), each beside the default: the tile
 # variant ("dot") and the GEMV variant.
 DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5), (32, 128, 4, 5),
-                          (64, 128, 4, 4),
+                          (64, 128, 4, 4), (64, 128, 4, 3), (64, 128, 8, 4), (128, 128, 8, 3),
                           (16, 256, 4, 3), (32, 256, 8, 3), (16, 64, 4, 6)],
                  down=[(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (64, 256, 8, 3)])
 # INT4's tiles (moe._configs): gate_up (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT)

@@ -31,6 +31,12 @@ from .moe_gemv import (FORMATS, GEMV_MAX_PAIRS, SHARED_SPLIT, ExpertWeights, _ch
 # pairs per tile: tl.dot's smallest M. With N <= a few hundred and 384 experts most experts get 1-4
 # tokens, so a larger tile would only add padding rows (python -m kernels.bench --moe --sweep dot)
 BLOCK_M = 16
+# bf16 / fp32 tiles at a TP-8 rank's expert width (I 256): the token-expert pairs at which gate_up
+# takes 64 weight rows a program instead of 32, as ranges [first, last] (last None: no end). From
+# the verify sweep with either width (BENCHMARKS.md, Verify sweep): 64 rows won at 7-8 tokens and
+# from 16, lost at 10-12 (the model's bf16 launch has 9 pairs a token: 8 experts and the shared one)
+PLAIN_WIDE_PAIRS = ((55, 72), (128, None))
+PLAIN_WIDE_WIDTH = 256
 # the align's two launches (_moe_count_kernel, _moe_place_kernel): a program per ALIGN_CHUNK pairs
 # (a [ALIGN_CHUNK, E] one-hot), padding rows written ALIGN_FILL a step, the tile -> expert map
 # ALIGN_TILES tiles a step (not swept)
@@ -41,7 +47,7 @@ COMBINE_BLOCK = 1024
 SILU_BLOCK = 1024
 
 
-def _configs(fmt, P, on_gpu):
+def _configs(fmt, P, I, on_gpu):
     """Block sizes (BLOCK_N, BLOCK_K, num_warps, num_stages) of gate_up and down by weight format
     and token-expert pairs P, re-derived by `python -m kernels.bench --moe --sweep dot`:
      - gate_up BLOCK_N 16 up to 16 pairs (decode, P = 8: 8 expert tiles, 16 programs each fill 132
@@ -49,6 +55,12 @@ def _configs(fmt, P, on_gpu):
        weight byte);
      - BLOCK_K 128 for bf16 and FP8 (the checkpoint's scale block: one scale a row and k-step,
        applied after the dot);
+     - bf16 at I 256 (PLAIN_WIDE_PAIRS): gate_up 64 rows from 55 to 72 pairs and from 128. At 7
+       tokens the model's 32-row grid has 57 expert tiles x 8 programs = 456 programs against 392
+       at 6 tokens, and a layer's experts took 42 µs more at kernel level (133.8 -> 175.6, uniform
+       routing over 384); 64 rows: 150.2 µs at 7, 173.9 at 8 (benchmarks/shapes/
+       kernels_plain_dot_5to8_moe.json, kernels_plain_wide_moe.json). Other widths keep 32 rows
+       (not measured);
      - down BLOCK_N 64 (D = 7168: 112 programs an expert tile; its other sizes move little).
     INT4 (its own kernels, the section above _int4_block; BLOCK_N counts weight rows; gate_up's
     fifth entry is SPLIT, the parts of D): from a sweep at 8 and 32 tokens, uniform routing and 8
@@ -77,6 +89,9 @@ def _configs(fmt, P, on_gpu):
         if P <= 256:
             return dict(gate_up=(64, 256, 4, 3, 4), down=(128, 128, 8, 2))
         return dict(gate_up=(64, 256, 4, 3, 1), down=(64, 128, 4, 2))
+    if fmt == "plain" and I == PLAIN_WIDE_WIDTH and any(
+            first <= P and (last is None or P <= last) for first, last in PLAIN_WIDE_PAIRS):
+        return dict(gate_up=(64, 128, 4, 4), down=(64, 128, 4, 3))
     return dict(gate_up=(16, 128, 4, 4) if P <= 16 else (32, 128, 4, 4), down=(64, 128, 4, 3))
 
 
@@ -512,7 +527,7 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
     if variant == "gemv":
         cfg = {**_gemv_configs(fmt, N, x.is_cuda), **(configs or {})}
         return moe_gemv._fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared, planes)
-    cfg = {**_configs(fmt, N * K, x.is_cuda), **(configs or {})}
+    cfg = {**_configs(fmt, N * K, gate.shape[1], x.is_cuda), **(configs or {})}
     return _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, cfg)
 
 
