@@ -49,7 +49,8 @@ SILU_BLOCK = 1024
 
 def _configs(fmt, P, I, on_gpu):
     """Block sizes (BLOCK_N, BLOCK_K, num_warps, num_stages) of gate_up and down by weight format
-    and token-expert pairs P (and, for bf16, the experts' width I), re-derived by `python -m kernels.bench --moe --sweep dot`:
+    and token-expert pairs P (and, for bf16, the experts' width I), re-derived by
+    `python -m kernels.bench --moe --sweep dot`:
      - gate_up BLOCK_N 16 up to 16 pairs (decode, P = 8: 8 expert tiles, 16 programs each fill 132
        SMs), 32 above (from 3 tokens at K = 8: half the activation loads and loop overhead per
        weight byte);
