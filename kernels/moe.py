@@ -90,10 +90,10 @@ def _configs(fmt, P, I, on_gpu):
         if P <= 256:
             return dict(gate_up=(64, 256, 4, 3, 4), down=(128, 128, 8, 2))
         return dict(gate_up=(64, 256, 4, 3, 1), down=(64, 128, 4, 2))
-    if fmt == "plain" and I == PLAIN_WIDE_WIDTH and any(
-            first <= P and (last is None or P <= last) for first, last in PLAIN_WIDE_PAIRS):
-        return dict(gate_up=(64, 128, 4, 4), down=(64, 128, 4, 3))
-    return dict(gate_up=(16, 128, 4, 4) if P <= 16 else (32, 128, 4, 4), down=(64, 128, 4, 3))
+    wide = fmt == "plain" and I == PLAIN_WIDE_WIDTH and any(
+        first <= P and (last is None or P <= last) for first, last in PLAIN_WIDE_PAIRS)
+    rows = 64 if wide else 16 if P <= 16 else 32
+    return dict(gate_up=(rows, 128, 4, 4), down=(64, 128, 4, 3))
 
 
 @_jit
