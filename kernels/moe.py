@@ -302,8 +302,10 @@ def _int4_words(w_rows, s_rows, rows_ok, k0, K_IN: tl.constexpr, GROUP: tl.const
         s = tl.load(s_rows + w * 8 // GROUP, mask=ok, other=0.0)
     if PACKED:
         s = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        return words, s | (s << 16)                                       # (s, s) as an int32
-    return words, s.to(tl.float32)
+        s = s | (s << 16)                                                 # (s, s) as an int32
+    else:
+        s = s.to(tl.float32)
+    return words, s
 
 
 @_jit
@@ -341,9 +343,12 @@ def _int4_planes(words, s, J: tl.constexpr, magic, DTYPE: tl.constexpr, PACKED: 
     """Nibble planes J and J + 4 of the words times their scales (_int4_words' s), each rounded once
     to DTYPE (PACKED: bf16): the columns 8w + J and 8w + J + 4 of W, two [BN, words] tensors."""
     if PACKED:
-        return _scaled_pair(words, J, s, magic)
-    high = words >> 12
-    return _scaled(words, high, J, s, magic, DTYPE), _scaled(words, high, J + 4, s, magic, DTYPE)
+        lo, hi = _scaled_pair(words, J, s, magic)
+    else:
+        high = words >> 12
+        lo, hi = (_scaled(words, high, J, s, magic, DTYPE),
+                  _scaled(words, high, J + 4, s, magic, DTYPE))
+    return lo, hi
 
 
 @_jit
