@@ -266,26 +266,21 @@ def test_moe_align_sorts_pairs_by_expert_stably():
 
 
 @_jit
-def _int4_planes_kernel(w_ptr, s_ptr, out_ptr, magic, R, K_IN: tl.constexpr, BN: tl.constexpr,
-                        BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr):
-    """out[r, k] = W[r, k] (bf16) as the INT4 tiles' step dequantizes it (kernels.moe._int4_words,
-    then _int4_planes: column 8w + j of W is word w's nibble plane j) for an INT4 matrix [R, K_IN]
-    (group 32): a program per (BN rows, BLOCK_K columns)."""
+def _int4_block_kernel(w_ptr, s_ptr, out_ptr, magic, R, K_IN: tl.constexpr, BN: tl.constexpr,
+                       BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr):
+    """out[r, k] = kernels.moe._int4_block's W[r, k] (bf16) for an INT4 matrix [R, K_IN] (group
+    32): a program per (BN rows, BLOCK_K columns)."""
     n = (tl.program_id(0) * BN + tl.arange(0, BN))[:, None]
     k0 = tl.program_id(1) * BLOCK_K
-    words, s = kernels.moe._int4_words(w_ptr + n * (K_IN // 8), s_ptr + n * (K_IN // 32), n < R,
-                                       k0, K_IN, 32, BLOCK_K, EVEN, PACKED)
-    col = n * K_IN + k0 + 8 * tl.arange(0, BLOCK_K // 8)[None, :]
-    ok = (n < R) & (k0 + 8 * tl.arange(0, BLOCK_K // 8)[None, :] < K_IN)
-    for j in tl.static_range(4):
-        lo, hi = kernels.moe._int4_planes(words, s, j, magic, tl.bfloat16, PACKED)
-        tl.store(out_ptr + col + j, lo, mask=ok)
-        tl.store(out_ptr + col + j + 4, hi, mask=ok)
+    w = kernels.moe._int4_block(w_ptr + n * (K_IN // 8), s_ptr + n * (K_IN // 32), n < R, k0,
+                                magic, K_IN, 32, BLOCK_K, EVEN, tl.bfloat16, PACKED)
+    k = (k0 + tl.arange(0, BLOCK_K))[None, :]
+    tl.store(out_ptr + n * K_IN + k, w, mask=(n < R) & (k < K_IN))
 
 
 @pytest.mark.triton
 def test_int4_tile_dequantization_equals_the_plain_module():
-    """The INT4 tiles' dequantized weights (kernels.moe._int4_planes) against model.dequantize_int4,
+    """The INT4 tiles' dequantized weights (kernels.moe._int4_block) against model.dequantize_int4,
     bf16 scales, bit for bit: the packed form (nibble pairs through fma.rn.bf16x2, which the tiles
     take for bf16 activations and scales) and the fp32 form, blocks that divide the matrix and
     blocks that mask rows and words. The fp32 form on a GPU only: Triton's CPU interpreter rounds
@@ -299,7 +294,7 @@ def test_int4_tile_dequantization_equals_the_plain_module():
         for packed in (True, False):
             out = torch.empty(R, K_IN, dtype=torch.bfloat16, device=TRITON_DEVICE)
             magic = kernels.moe_gemv.BF16_MAGIC if packed else kernels.moe_gemv.MAGIC
-            _int4_planes_kernel[(triton.cdiv(R, BN), triton.cdiv(K_IN, BLOCK_K))](
+            _int4_block_kernel[(triton.cdiv(R, BN), triton.cdiv(K_IN, BLOCK_K))](
                 words.to(TRITON_DEVICE), scale.to(TRITON_DEVICE), out, magic, R, K_IN=K_IN, BN=BN,
                 BLOCK_K=BLOCK_K, EVEN=even, PACKED=packed)
             what = f"{'packed' if packed else 'fp32'} form, [{R}, {K_IN}], even {even}"
@@ -1647,14 +1642,12 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, 
                                                                               device=TRITON_DEVICE)
     for what, t, p in (("prefill", tokens, positions), ("step of 2 tokens", step[:, :1], step_pos),
                        ("step of 1 token", step[:1, :1], step_pos[:1])):
-        permutes.clear()
         assert_close(folded(t, p).logits, plain(t, p).logits, 1e-5,
                      f"{quant} {names}, the shared expert in the launch, {what}")
-        # the steps' GEMV launches read planes: the router kernel's, else the MoE's permute (the
-        # prefill's INT4 tiles permute x themselves)
-        if quant == "int4" and what != "prefill":
-            assert bool(permutes) == ("router" not in names), \
-                f"{names}, {what}: {len(permutes)} permutes in the MoE"
+    # the steps' GEMV launches read planes: the router kernel's, else the MoE's permute
+    if quant == "int4":
+        assert bool(permutes) == ("router" not in names), \
+            f"{names}: {len(permutes)} permutes in the MoE"
     # above SHARED_MAX_TOKENS tokens the shared expert runs alone beside the GEMV launches
     calls, fused = [], kernels.moe.fused_moe
     monkeypatch.setattr(kernels.moe, "fused_moe", lambda x, *a, shared=None, **kw: calls.append(

@@ -267,88 +267,74 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
 
 # INT4 tiles: the weights as the MMA's first operand. A tile's pairs (at most BLOCK_M = 16, mostly
 # 1 to 4 under uniform routing) are the product's narrow side, BLOCK_N weight rows its tall side:
-# acc [BLOCK_N, BLOCK_M] += W [BLOCK_N, BLOCK_K] @ X [BLOCK_K, BLOCK_M] a projection and step.
-# A sum over k can take its terms in any order, so the step runs in plane order, not element
-# order: nibble j of the step's words [BLOCK_N, BLOCK_K / 8] is column 8w + j of W, and plane j
-# of the activation (moe_gemv's planes, elements 8w + j contiguous in w) is the matching rows of
-# X, so W @ X is the sum over j of 8 dots of BLOCK_K / 8 columns, nibble plane j times activation
-# plane j (_int4_dot_step). No nibble moves to another position: each plane is made in place
-# from its words (the exponent trick, moe_gemv._nibble: an AND-OR and an FMA give q - 8 exactly),
-# times its group scale in fp32 and rounded once to the compute dtype (as the plain module's
-# dequantization rounds; exact in fp32; for bf16, nibbles j and j + 4 as a pair through
-# fma.rn.bf16x2, the packed form, the same bits), and meets the activation's pair-plane word of
-# the same j split into its two bf16 halves. gate_up reads x as moe_gemv.activation_planes(x)
-# and writes h in the same plane order for down. Words, scales and planes feed the dots, so
-# Triton's pipeliner issues them num_stages - 1 steps ahead (cp.async).
+# acc [BLOCK_N, BLOCK_M] += W [BLOCK_N, BLOCK_K] @ X [BLOCK_K, BLOCK_M], one tl.dot a projection
+# and step. _int4_block dequantizes W in registers, in element order: the step's words [BLOCK_N,
+# BLOCK_K / 8] give 8 nibble tensors (the exponent trick, moe_gemv._nibble: an AND-OR and an FMA
+# give q - 8 exactly), each times its group scale in fp32 and rounded once to the compute dtype (as
+# the plain module's dequantization rounds; exact in fp32; for bf16, in pairs of nibbles j and j + 4
+# through fma.rn.bf16x2, the packed form, the same bits), then three rounds of tl.join (nibbles
+# j and j + 4, those pairs j and j + 2, then j and j + 1) and a reshape put nibble j of word w at
+# element 8w + j. The joined dims lie within a thread (each holds whole words), so the interleave
+# moves no data; the tile then reaches the MMA's operand layout through shared memory, as any
+# operand made in registers does. X is loaded once a step, contiguous along k, for gate and up.
+# Words, scales and X feed the dot, so Triton's pipeliner issues them num_stages - 1 steps ahead
+# (cp.async), the scales only where a step holds two a thread (4 bytes: BLOCK_N * BLOCK_K / GROUP
+# >= 64 * num_warps); below that their load waits out a memory latency every step.
 # gate_up splits D into SPLIT parts (grid axis 2): where tokens share a few experts the tiles are
 # few, and a program stepping through all of D alone leaves the SMs idle. Each part writes its
 # fp32 sums of gate and up for its pairs (part [SPLIT, P, 2, I]), and the silu launch adds the
 # parts in order, then SiLU times up; SPLIT 1: gate_up writes h itself. h is [P, I], a row a pair.
+# Measured on the H200 (python -m kernels.bench --moe --formats int4 --variants dot,gemv --tokens
+# 1,8,16,32 --distinct 384,32,8; BENCHMARKS.md, Routing): 3.2x, 3.0x and 3.1x the floor at 8, 16
+# and 32 tokens under uniform routing, where the GEMV variant takes 1.6-1.8x (so it serves INT4 up
+# to 32 tokens); with 8 distinct experts 45, 57 and 82 us (floor 5.8; the align's two launches 6-7
+# us of it), where the GEMV takes 64, 119 and 231. The packed dequantization gains past 32 tokens
+# (gate_up 22-31% less time), where a program has many tokens' products to feed.
 
 @_jit
-def _int4_words(w_rows, s_rows, rows_ok, k0, K_IN: tl.constexpr, GROUP: tl.constexpr,
-                BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr):
-    """The words of W[rows, k0 : k0 + BLOCK_K] and each word's group scale, both [BN, BLOCK_K / 8]:
-    the scale as the bf16 pair (s, s) in an int32 (PACKED: bf16 scales), else in fp32.
+def _int4_block(w_rows, s_rows, rows_ok, k0, magic, K_IN: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK_K: tl.constexpr, EVEN: tl.constexpr, DTYPE: tl.constexpr,
+                PACKED: tl.constexpr):
+    """W[rows, k0 : k0 + BLOCK_K] dequantized in element order: [BN, BLOCK_K] of DTYPE.
 
     w_rows, s_rows [BN, 1]: the rows' word and group-scale pointers; rows_ok [BN, 1]: the rows
-    inside the matrix; K_IN: elements a row. EVEN: no load masked (the blocks divide the shape)."""
-    w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[None, :]
+    inside the matrix; K_IN: elements a row. EVEN: no load masked (the blocks divide the shape).
+    PACKED (bf16 scales and DTYPE; magic then moe_gemv.BF16_MAGIC, else moe_gemv.MAGIC): nibbles
+    j and j + 4 as a pair of bf16 (moe_gemv's packed form), q - 8 exactly, one fma.rn.bf16x2 by
+    the scale pair rounding each product once: the same bits as the fp32 form's product rounded
+    to bf16 (the product of a 4-bit and an 8-bit significand is exact in fp32)."""
+    w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
     if EVEN:
-        words, s = tl.load(w_rows + w), tl.load(s_rows + w * 8 // GROUP)
+        words = tl.load(w_rows + w[None, :])
+        s = tl.load(s_rows + g[None, :])
     else:
-        ok = rows_ok & (w < K_IN // 8)
-        words = tl.load(w_rows + w, mask=ok, other=0)
-        s = tl.load(s_rows + w * 8 // GROUP, mask=ok, other=0.0)
+        words = tl.load(w_rows + w[None, :], mask=rows_ok & (w < K_IN // 8)[None, :], other=0)
+        s = tl.load(s_rows + g[None, :], mask=rows_ok & (g < K_IN // GROUP)[None, :], other=0.0)
+    BN: tl.constexpr = words.shape[0]
     if PACKED:
         s = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         s = s | (s << 16)                                                 # (s, s) as an int32
     else:
         s = s.to(tl.float32)
-    return words, s
-
-
-@_jit
-def _int4_dot_step(acc, w_rows, s_rows, rows_ok, v_rows, v_ok, k0, magic, K_IN: tl.constexpr,
-                   GROUP: tl.constexpr, BLOCK_K: tl.constexpr, EVEN: tl.constexpr,
-                   DTYPE: tl.constexpr, PACKED: tl.constexpr, PRECISION: tl.constexpr):
-    """acc [BN, BM] + W[rows, k0 : k0 + BLOCK_K] @ X[k0 : k0 + BLOCK_K, pairs], in plane order
-    (the section above), plane j's dot before plane j + 4's, j = 0..3, in both forms.
-
-    w_rows, s_rows, rows_ok: _int4_words'. v_rows [1, BM]: each pair's activation planes (PACKED:
-    the pair planes [4, K_IN / 8] of int32, magic moe_gemv.BF16_MAGIC; else the fp32 planes
-    [8, K_IN / 8], magic moe_gemv.MAGIC); v_ok [1, BM]: the pairs that exist."""
-    W: tl.constexpr = K_IN // 8
-    words, s = _int4_words(w_rows, s_rows, rows_ok, k0, K_IN, GROUP, BLOCK_K, EVEN, PACKED)
-    w = (k0 // 8 + tl.arange(0, BLOCK_K // 8))[:, None]
-    ok = v_ok
-    if not EVEN:
-        ok = v_ok & (w < W)
-    for j in tl.static_range(4):
-        lo, hi = _int4_planes(words, s, j, magic, DTYPE, PACKED)
-        if PACKED:
-            v = tl.load(v_rows + j * W + w, mask=ok, other=0)              # [BLOCK_K / 8, BM]
-            v_lo = v.to(tl.int16).to(tl.bfloat16, bitcast=True)
-            v_hi = (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True)
-        else:
-            v_lo = tl.load(v_rows + j * W + w, mask=ok, other=0.0).to(DTYPE)
-            v_hi = tl.load(v_rows + (j + 4) * W + w, mask=ok, other=0.0).to(DTYPE)
-        acc = tl.dot(lo, v_lo, acc, input_precision=PRECISION)
-        acc = tl.dot(hi, v_hi, acc, input_precision=PRECISION)
-    return acc
-
-
-@_jit
-def _int4_planes(words, s, J: tl.constexpr, magic, DTYPE: tl.constexpr, PACKED: tl.constexpr):
-    """Nibble planes J and J + 4 of the words times their scales (_int4_words' s), each rounded once
-    to DTYPE (PACKED: bf16): the columns 8w + J and 8w + J + 4 of W, two [BN, words] tensors."""
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BLOCK_K // GROUP, GROUP // 8)),
+                   (BN, BLOCK_K // 8))
+    # nibble tensors [BN, words] joined to [BN, words, 2, 2, 2]: index (a, b, c) holds nibble
+    # 4a + 2b + c, so the reshape puts nibble j of word w at element 8w + j
     if PACKED:
-        lo, hi = _scaled_pair(words, J, s, magic)
+        n0, n4 = _scaled_pair(words, 0, s, magic)
+        n1, n5 = _scaled_pair(words, 1, s, magic)
+        n2, n6 = _scaled_pair(words, 2, s, magic)
+        n3, n7 = _scaled_pair(words, 3, s, magic)
     else:
         high = words >> 12
-        lo, hi = (_scaled(words, high, J, s, magic, DTYPE),
-                  _scaled(words, high, J + 4, s, magic, DTYPE))
-    return lo, hi
+        n0, n4 = _scaled(words, high, 0, s, magic, DTYPE), _scaled(words, high, 4, s, magic, DTYPE)
+        n1, n5 = _scaled(words, high, 1, s, magic, DTYPE), _scaled(words, high, 5, s, magic, DTYPE)
+        n2, n6 = _scaled(words, high, 2, s, magic, DTYPE), _scaled(words, high, 6, s, magic, DTYPE)
+        n3, n7 = _scaled(words, high, 3, s, magic, DTYPE), _scaled(words, high, 7, s, magic, DTYPE)
+    even = tl.join(tl.join(n0, n4), tl.join(n2, n6))
+    odd = tl.join(tl.join(n1, n5), tl.join(n3, n7))
+    return tl.reshape(tl.join(even, odd), (BN, BLOCK_K))
 
 
 @_jit
@@ -368,16 +354,15 @@ def _scaled_pair(words, J: tl.constexpr, s2, magic):
 
 
 @_jit
-def _moe_int4_gate_up_kernel(v_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr,
+def _moe_int4_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr,
                              gs_ptr, u_ptr, us_ptr, P, TOPK, stride_we, stride_wn, stride_se,
                              stride_sr, magic, D: tl.constexpr, I: tl.constexpr,
                              GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
-                             DTYPE: tl.constexpr, PACKED: tl.constexpr, PRECISION: tl.constexpr):
+                             PACKED: tl.constexpr, PRECISION: tl.constexpr):
     """_moe_gate_up_kernel for INT4 weights (the section above), over part pid_k of SPLIT of D:
-    h[pair, i] for the BLOCK_N rows i of program pid_n and the pairs of one tile (SPLIT 1; h in
-    plane order, moe_gemv._plane_index), else the fp32 sums of gate and up, part[pid_k, pair, 0 /
-    1, i]. v_ptr: x's activation planes (_int4_dot_step). Grid: (cdiv(I, BLOCK_N), max_tiles,
+    h[pair, i] for the BLOCK_N rows i of program pid_n and the pairs of one tile (SPLIT 1), else
+    the fp32 sums of gate and up, part[pid_k, pair, 0 / 1, i]. Grid: (cdiv(I, BLOCK_N), max_tiles,
     SPLIT)."""
     _wait_for_prior()
     pid_n, tile, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
@@ -385,7 +370,7 @@ def _moe_int4_gate_up_kernel(v_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_exper
     if e < 0:
         return
     pair = tl.load(sorted_pair_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))[None, :]
-    v_rows = v_ptr + (pair // TOPK).to(tl.int64) * (D // 2 if PACKED else D)
+    x_col = (pair // TOPK).to(tl.int64) * D
     n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None]
     g_rows, u_rows = g_ptr + e * stride_we + n * stride_wn, u_ptr + e * stride_we + n * stride_wn
     gs_rows = gs_ptr + e * stride_se + n * stride_sr
@@ -394,15 +379,16 @@ def _moe_int4_gate_up_kernel(v_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_exper
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     PART: tl.constexpr = (D + SPLIT * BLOCK_K - 1) // (SPLIT * BLOCK_K) * BLOCK_K
     for k0 in range(pid_k * PART, tl.minimum(pid_k * PART + PART, D), BLOCK_K):
-        acc_g = _int4_dot_step(acc_g, g_rows, gs_rows, n < I, v_rows, pair < P, k0, magic, D,
-                               GROUP, BLOCK_K, EVEN, DTYPE, PACKED, PRECISION)
-        acc_u = _int4_dot_step(acc_u, u_rows, us_rows, n < I, v_rows, pair < P, k0, magic, D,
-                               GROUP, BLOCK_K, EVEN, DTYPE, PACKED, PRECISION)
+        k = (k0 + tl.arange(0, BLOCK_K))[:, None]
+        xt = tl.load(x_ptr + x_col + k, mask=(pair < P) & (k < D), other=0.0)   # [BLOCK_K, BM]
+        acc_g = tl.dot(_int4_block(g_rows, gs_rows, n < I, k0, magic, D, GROUP, BLOCK_K, EVEN,
+                                   xt.dtype, PACKED), xt, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(_int4_block(u_rows, us_rows, n < I, k0, magic, D, GROUP, BLOCK_K, EVEN,
+                                   xt.dtype, PACKED), xt, acc_u, input_precision=PRECISION)
     ok = (pair < P) & (n < I)
     if SPLIT == 1:
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-        tl.store(h_ptr + pair.to(tl.int64) * I + moe_gemv._plane_index(n, I, PACKED),
-                 h.to(h_ptr.dtype.element_ty), mask=ok)
+        tl.store(h_ptr + pair.to(tl.int64) * I + n, h.to(h_ptr.dtype.element_ty), mask=ok)
     else:
         part = part_ptr + ((pid_k * P + pair).to(tl.int64) * 2) * I + n
         tl.store(part, acc_g, mask=ok)
@@ -411,24 +397,21 @@ def _moe_int4_gate_up_kernel(v_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_exper
 
 @_jit
 def _moe_int4_silu_kernel(part_ptr, h_ptr, P, I: tl.constexpr, SPLIT: tl.constexpr,
-                          PACKED: tl.constexpr, BLOCK: tl.constexpr):
-    """h[pair, i] = silu(sum_s part[s, pair, 0, i]) * sum_s part[s, pair, 1, i], s in order, h in
-    plane order (moe_gemv._plane_index).
+                          BLOCK: tl.constexpr):
+    """h[pair, i] = silu(sum_s part[s, pair, 0, i]) * sum_s part[s, pair, 1, i], s in order.
 
     part_ptr: fp32 [SPLIT, P, 2, I] from the gate_up kernel; h_ptr: [P, I]. Grid: (cdiv(P * I,
     BLOCK),)."""
     _wait_for_prior()
     c = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = c < P * I
-    pair, i = c // I, c % I
-    at = pair * 2 * I + i
+    at = (c // I) * 2 * I + c % I
     g = tl.zeros([BLOCK], tl.float32)
     u = tl.zeros([BLOCK], tl.float32)
     for s in tl.static_range(SPLIT):
         g += tl.load(part_ptr + s * P * 2 * I + at, mask=ok, other=0.0)
         u += tl.load(part_ptr + s * P * 2 * I + at + I, mask=ok, other=0.0)
-    tl.store(h_ptr + pair * I + moe_gemv._plane_index(i, I, PACKED),
-             (g / (1.0 + tl.exp(-g)) * u).to(h_ptr.dtype.element_ty), mask=ok)
+    tl.store(h_ptr + c, (g / (1.0 + tl.exp(-g)) * u).to(h_ptr.dtype.element_ty), mask=ok)
 
 
 @_jit
@@ -436,24 +419,24 @@ def _moe_int4_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_
                           s_ptr, P, stride_we, stride_wn, stride_se, stride_sr, magic,
                           D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          EVEN: tl.constexpr, DTYPE: tl.constexpr, PACKED: tl.constexpr,
-                          PRECISION: tl.constexpr):
+                          EVEN: tl.constexpr, PACKED: tl.constexpr, PRECISION: tl.constexpr):
     """_moe_down_kernel for INT4 weights (the section above): y[pair, d] for the BLOCK_N rows d of
-    program pid_n and the pairs of one tile, h read by pair as gate_up wrote it (planes; PACKED:
-    as int32 pair planes). Grid: (cdiv(D, BLOCK_N), max_tiles)."""
+    program pid_n and the pairs of one tile, h read by pair. Grid: (cdiv(D, BLOCK_N), max_tiles)."""
     _wait_for_prior()
     pid_n, tile = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
     if e < 0:
         return
     pair = tl.load(sorted_pair_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))[None, :]
-    h_rows = h_ptr + pair.to(tl.int64) * (I // 2 if PACKED else I)
+    h_col = pair.to(tl.int64) * I
     n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None]
     w_rows, s_rows = w_ptr + e * stride_we + n * stride_wn, s_ptr + e * stride_se + n * stride_sr
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for k0 in range(0, I, BLOCK_K):
-        acc = _int4_dot_step(acc, w_rows, s_rows, n < D, h_rows, pair < P, k0, magic, I, GROUP,
-                             BLOCK_K, EVEN, DTYPE, PACKED, PRECISION)
+        k = (k0 + tl.arange(0, BLOCK_K))[:, None]
+        ht = tl.load(h_ptr + h_col + k, mask=(pair < P) & (k < I), other=0.0)   # [BLOCK_K, BM]
+        acc = tl.dot(_int4_block(w_rows, s_rows, n < D, k0, magic, I, GROUP, BLOCK_K, EVEN,
+                                 ht.dtype, PACKED), ht, acc, input_precision=PRECISION)
     route_w = tl.load(route_w_ptr + pair, mask=pair < P, other=0)
     tl.store(y_ptr + pair.to(tl.int64) * D + n, acc * route_w, mask=(pair < P) & (n < D))
 
@@ -629,39 +612,34 @@ def _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, cfg):
 def _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision):
     """The tile variant's INT4 launches: gate_up (split over D where cfg says, then the silu
     launch), down; configs: gate_up (BLOCK_N weight rows, BLOCK_K elements a step, num_warps,
-    num_stages, SPLIT), down (the same but SPLIT). BLOCK_K: a multiple of the group and of 128
-    (a plane's dot takes BLOCK_K / 8 >= 16 columns)."""
+    num_stages, SPLIT), down (the same but SPLIT). BLOCK_K: a multiple of the group."""
     (D, I), P, max_tiles = (x.shape[1], gate.shape[1]), route_w.numel(), tiles[1].numel()
     strides = lambda w: (*w.data.stride()[:2], *w.scale.stride()[:2])   # noqa: E731
     for name, w in (("gate_up", gate), ("down", down)):
-        if cfg[name][1] % w.group or cfg[name][1] % 128:
+        if cfg[name][1] % w.group:
             raise ValueError(f"fused_moe: INT4 tiles' {name} BLOCK_K {cfg[name][1]} must be a "
-                             f"multiple of the group {w.group} and of 128")
-    # the packed form where it gives the fp32 form's bits: bf16 x and scales
+                             f"multiple of the group {w.group}")
+    h = torch.empty(P, I, dtype=x.dtype, device=x.device)                        # [P, I]
+    # _int4_block's packed form where it gives the fp32 form's bits: bf16 x and scales
     packed = x.dtype == torch.bfloat16 and all(w.scale.dtype == torch.bfloat16
                                                for w in (gate, up, down))
     magic = moe_gemv.BF16_MAGIC if packed else moe_gemv.MAGIC
-    v = moe_gemv.pair_planes(x) if packed else moe_gemv.nibble_planes(x)
-    h = torch.empty(P, I, dtype=x.dtype, device=x.device)              # [P, I] in plane order
-    dtype = tl.bfloat16 if packed else {torch.bfloat16: tl.bfloat16, torch.float16: tl.float16,
-                                        torch.float32: tl.float32}[x.dtype]
     bn, bk, warps, stages, split = cfg["gate_up"]
     part = torch.empty(split if split > 1 else 0, P, 2, I, dtype=torch.float32, device=x.device)
     _moe_int4_gate_up_kernel[(triton.cdiv(I, bn), max_tiles, split)](
-        v, h, part, *tiles, gate.data, gate.scale, up.data, up.scale, P, K, *strides(gate),
+        x, h, part, *tiles, gate.data, gate.scale, up.data, up.scale, P, K, *strides(gate),
         magic, D=D, I=I, GROUP=gate.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
-        SPLIT=split, EVEN=D % bk == 0 and I % bn == 0, DTYPE=dtype, PACKED=packed,
-        PRECISION=precision, launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
+        SPLIT=split, EVEN=D % bk == 0 and I % bn == 0, PACKED=packed, PRECISION=precision,
+        launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
     if split > 1:
         _moe_int4_silu_kernel[(triton.cdiv(P * I, SILU_BLOCK),)](
-            part, h, P, I=I, SPLIT=split, PACKED=packed, BLOCK=SILU_BLOCK, launch_pdl=common.PDL,
-            num_warps=4)
+            part, h, P, I=I, SPLIT=split, BLOCK=SILU_BLOCK, launch_pdl=common.PDL, num_warps=4)
     bn, bk, warps, stages = cfg["down"]
     _moe_int4_down_kernel[(triton.cdiv(D, bn), max_tiles)](
-        h.view(torch.int32) if packed else h, y, *tiles, route_w, down.data, down.scale, P,
-        *strides(down), magic, D=D, I=I, GROUP=down.group, BLOCK_M=BLOCK_M, BLOCK_N=bn,
-        BLOCK_K=bk, EVEN=I % bk == 0 and D % bn == 0, DTYPE=dtype, PACKED=packed,
-        PRECISION=precision, launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
+        h, y, *tiles, route_w, down.data, down.scale, P, *strides(down), magic, D=D, I=I,
+        GROUP=down.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
+        EVEN=I % bk == 0 and D % bn == 0, PACKED=packed, PRECISION=precision, launch_pdl=common.PDL,
+        num_warps=warps, num_stages=stages)
 
 
 def with_shared_slot(ids, weights, E):

@@ -639,18 +639,11 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
         gw, gs, uw, us = gw1, gs1, uw1, us1
     g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
     h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + p)
-    tl.store(h_ptr + p.to(tl.int64) * I + _plane_index(n, I, PACKED),
-             h.to(h_ptr.dtype.element_ty), mask=n_ok)
-
-
-@_jit
-def _plane_index(i, I: tl.constexpr, PACKED: tl.constexpr):
-    """Where element i of a row of I lies in that row's planes: plane i % 8, word i // 8 (fp32
-    planes); PACKED, as bf16 within the pair planes: word i // 8 of pair plane i % 4, the low half
-    for i % 8 < 4."""
     if PACKED:
-        return 2 * ((i % 4) * (I // 8) + i // 8) + i % 8 // 4
-    return (i % 8) * (I // 8) + i // 8
+        tl.store(h_ptr + p.to(tl.int64) * I + 2 * ((n % 4) * (I // 8) + n // 8) + n % 8 // 4,
+                 h.to(tl.bfloat16), mask=n_ok)
+    else:
+        tl.store(h_ptr + p.to(tl.int64) * I + (n % 8) * (I // 8) + n // 8, h, mask=n_ok)
 
 
 @_jit
