@@ -45,7 +45,6 @@ ALIGN_CHUNK, ALIGN_FILL, ALIGN_TILES = 32, 512, 16
 COMBINE_BLOCK = 1024
 # elements of h an INT4 silu program makes (not swept: P * I elements, a small share)
 SILU_BLOCK = 1024
-INT4_W_SECOND = False   # experiment: the INT4 tiles' weights as the dot's second operand
 
 
 def _configs(fmt, P, I, on_gpu):
@@ -360,8 +359,7 @@ def _moe_int4_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_exper
                              stride_sr, magic, D: tl.constexpr, I: tl.constexpr,
                              GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
-                             PACKED: tl.constexpr, PRECISION: tl.constexpr,
-                             W_SECOND: tl.constexpr):
+                             PACKED: tl.constexpr, PRECISION: tl.constexpr):
     """_moe_gate_up_kernel for INT4 weights (the section above), over part pid_k of SPLIT of D:
     h[pair, i] for the BLOCK_N rows i of program pid_n and the pairs of one tile (SPLIT 1), else
     the fp32 sums of gate and up, part[pid_k, pair, 0 / 1, i]. Grid: (cdiv(I, BLOCK_N), max_tiles,
@@ -379,26 +377,14 @@ def _moe_int4_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_exper
     us_rows = us_ptr + e * stride_se + n * stride_sr
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    if W_SECOND:
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     PART: tl.constexpr = (D + SPLIT * BLOCK_K - 1) // (SPLIT * BLOCK_K) * BLOCK_K
     for k0 in range(pid_k * PART, tl.minimum(pid_k * PART + PART, D), BLOCK_K):
         k = (k0 + tl.arange(0, BLOCK_K))[:, None]
         xt = tl.load(x_ptr + x_col + k, mask=(pair < P) & (k < D), other=0.0)   # [BLOCK_K, BM]
-        wg = _int4_block(g_rows, gs_rows, n < I, k0, magic, D, GROUP, BLOCK_K, EVEN, xt.dtype,
-                         PACKED)
-        wu = _int4_block(u_rows, us_rows, n < I, k0, magic, D, GROUP, BLOCK_K, EVEN, xt.dtype,
-                         PACKED)
-        if W_SECOND:
-            acc_g = tl.dot(tl.trans(xt), tl.trans(wg), acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(tl.trans(xt), tl.trans(wu), acc_u, input_precision=PRECISION)
-        else:
-            acc_g = tl.dot(wg, xt, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(wu, xt, acc_u, input_precision=PRECISION)
-    if W_SECOND:
-        acc_g = tl.trans(acc_g)
-        acc_u = tl.trans(acc_u)
+        acc_g = tl.dot(_int4_block(g_rows, gs_rows, n < I, k0, magic, D, GROUP, BLOCK_K, EVEN,
+                                   xt.dtype, PACKED), xt, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(_int4_block(u_rows, us_rows, n < I, k0, magic, D, GROUP, BLOCK_K, EVEN,
+                                   xt.dtype, PACKED), xt, acc_u, input_precision=PRECISION)
     ok = (pair < P) & (n < I)
     if SPLIT == 1:
         h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
@@ -433,8 +419,7 @@ def _moe_int4_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_
                           s_ptr, P, stride_we, stride_wn, stride_se, stride_sr, magic,
                           D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          EVEN: tl.constexpr, PACKED: tl.constexpr, PRECISION: tl.constexpr,
-                          W_SECOND: tl.constexpr):
+                          EVEN: tl.constexpr, PACKED: tl.constexpr, PRECISION: tl.constexpr):
     """_moe_down_kernel for INT4 weights (the section above): y[pair, d] for the BLOCK_N rows d of
     program pid_n and the pairs of one tile, h read by pair. Grid: (cdiv(D, BLOCK_N), max_tiles)."""
     _wait_for_prior()
@@ -447,19 +432,11 @@ def _moe_int4_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_
     n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None]
     w_rows, s_rows = w_ptr + e * stride_we + n * stride_wn, s_ptr + e * stride_se + n * stride_sr
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    if W_SECOND:
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     for k0 in range(0, I, BLOCK_K):
         k = (k0 + tl.arange(0, BLOCK_K))[:, None]
         ht = tl.load(h_ptr + h_col + k, mask=(pair < P) & (k < I), other=0.0)   # [BLOCK_K, BM]
-        w = _int4_block(w_rows, s_rows, n < D, k0, magic, I, GROUP, BLOCK_K, EVEN, ht.dtype,
-                        PACKED)
-        if W_SECOND:
-            acc = tl.dot(tl.trans(ht), tl.trans(w), acc, input_precision=PRECISION)
-        else:
-            acc = tl.dot(w, ht, acc, input_precision=PRECISION)
-    if W_SECOND:
-        acc = tl.trans(acc)
+        acc = tl.dot(_int4_block(w_rows, s_rows, n < D, k0, magic, I, GROUP, BLOCK_K, EVEN,
+                                 ht.dtype, PACKED), ht, acc, input_precision=PRECISION)
     route_w = tl.load(route_w_ptr + pair, mask=pair < P, other=0)
     tl.store(y_ptr + pair.to(tl.int64) * D + n, acc * route_w, mask=(pair < P) & (n < D))
 
@@ -653,7 +630,7 @@ def _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision):
         x, h, part, *tiles, gate.data, gate.scale, up.data, up.scale, P, K, *strides(gate),
         magic, D=D, I=I, GROUP=gate.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         SPLIT=split, EVEN=D % bk == 0 and I % bn == 0, PACKED=packed, PRECISION=precision,
-        W_SECOND=INT4_W_SECOND, launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
+        launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
     if split > 1:
         _moe_int4_silu_kernel[(triton.cdiv(P * I, SILU_BLOCK),)](
             part, h, P, I=I, SPLIT=split, BLOCK=SILU_BLOCK, launch_pdl=common.PDL, num_warps=4)
@@ -661,8 +638,8 @@ def _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision):
     _moe_int4_down_kernel[(triton.cdiv(D, bn), max_tiles)](
         h, y, *tiles, route_w, down.data, down.scale, P, *strides(down), magic, D=D, I=I,
         GROUP=down.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
-        EVEN=I % bk == 0 and D % bn == 0, PACKED=packed, PRECISION=precision,
-        W_SECOND=INT4_W_SECOND, launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
+        EVEN=I % bk == 0 and D % bn == 0, PACKED=packed, PRECISION=precision, launch_pdl=common.PDL,
+        num_warps=warps, num_stages=stages)
 
 
 def with_shared_slot(ids, weights, E):
