@@ -9,6 +9,7 @@ zero), small caches; without triton they skip, saying so. On the GPU the same te
 graph replay against eager and the absence of host syncs.
 """
 import itertools
+import json
 import os
 import re
 import subprocess
@@ -31,6 +32,7 @@ from model import Transformer
 from testing import (assert_close, captured_calls, count_reads, flat, fp8_checkpoint, gpu_models,
                      HERE, int4_checkpoint, PROMPTS, random_tree, run_steps, step_inputs, tiny,
                      TRITON_DEVICE)
+import testing
 from tp import TP
 from verify import generate, tree_visible
 
@@ -2069,3 +2071,46 @@ def test_tree_verify_with_kernels_equals_plain():
     a = plain(tokens, 9 + depths, "decode", **kw).logits
     b = fast(tokens, 9 + depths, "decode", **kw).logits
     assert_close(a, b, 1e-4, "tree verify, kernels on vs plain")
+
+
+def _package_kernels():
+    """Every Triton kernel of the kernels package (module, name): its @_jit functions whose name
+    ends in _kernel."""
+    import importlib
+    import pkgutil
+    found = set()
+    for info in pkgutil.iter_modules(kernels.__path__):
+        module = importlib.import_module(f"kernels.{info.name}")
+        found |= {(module.__name__, name) for name, f in vars(module).items()
+                  if name.endswith("_kernel") and getattr(f, "__module__", None) == module.__name__
+                  and hasattr(f, "fn")}
+    return found
+
+
+@pytest.mark.triton
+def test_every_kernel_compiles_for_sm90(tmp_path):
+    """Every Triton kernel of the kernels package, compiled for sm_90 by Triton's own compiler on
+    a machine without a GPU. The CPU interpreter runs code that the compiler refuses (a helper
+    returning a different type from each branch of a constexpr if), so the CPU tests alone do not
+    show that a kernel builds. The launches of some of those tests, recorded under the interpreter
+    (fp32 and bf16, the INT4 packed form, tiles, GEMVs, MLA decode and its merges, router, head),
+    each compiled in a subprocess without TRITON_INTERPRET (testing.compile_launches)."""
+    if TRITON_DEVICE.type == "cuda":
+        pytest.skip("on a GPU the GPU tests compile every kernel natively")
+    with testing.recorded_launches() as specs, pytest.MonkeyPatch.context() as mp:
+        test_model_with_kernels_equals_plain()
+        test_draft_head_with_kernels_equals_plain(4, "all")
+        test_fused_moe_int4_tiles_even_and_masked_blocks()
+        test_fused_moe_gemv_int4_packed_bf16_precision()
+        test_router_kernel_equals_twin("tiny", torch.float32, mp)
+        test_mla_merge_absorb_equals_combine_then_head_gemv(torch.bfloat16, mp)
+    missing = _package_kernels() - {(s["module"], s["name"]) for s in specs}
+    assert not missing, f"kernels no recorded launch reached: {sorted(missing)}"
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps(specs))
+    env = {k: v for k, v in testing.CPU_ENV.items() if k != "TRITON_INTERPRET"}
+    code = f"import testing; testing.compile_launches({str(path)!r})"
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True,
+                         text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.count("compiled ") == len(specs), out.stdout[-2000:]

@@ -369,3 +369,77 @@ def count_reads(tensors):
         yield reads
     finally:
         InterpreterBuilder.create_masked_load = load
+
+
+# ---------------------------------------------------------------------------------------------
+# The kernels compiled for sm_90 on a machine without a GPU
+
+SM90 = ("cuda", 90, 32)   # Triton's GPUTarget: backend, capability, warp size
+
+
+@contextlib.contextmanager
+def recorded_launches():
+    """Each Triton launch of the kernels package under the CPU interpreter while the block runs,
+    recorded as a JSON-able spec: the kernel (module, name), each argument (a tensor as its dtype,
+    a number or a name of triton.language as its value) and num_warps / num_stages. Yields the
+    list of specs, one per distinct launch."""
+    from triton.runtime.interpreter import InterpretedFunction
+    specs, real = [], InterpretedFunction.run
+
+    def arg(v):
+        if isinstance(v, torch.Tensor):
+            return {"tensor": str(v.dtype).removeprefix("torch.")}
+        if v is None or isinstance(v, (bool, int, float, str)):
+            return {"value": v}
+        name = getattr(v, "name", None) or str(v)       # a triton.language dtype: bfloat16, ...
+        return {"tl": name}
+
+    def run(self, *args, grid, warmup, **kw):
+        if self.fn.__module__.startswith("kernels."):
+            params = dict(zip(self.arg_names, args), **{
+                k: v for k, v in kw.items() if k in self.arg_names})
+            spec = {"module": self.fn.__module__, "name": self.fn.__name__,
+                    "args": {k: arg(v) for k, v in params.items()},
+                    "options": {k: kw[k] for k in ("num_warps", "num_stages") if k in kw}}
+            if spec not in specs:
+                specs.append(spec)
+        return real(self, *args, grid=grid, warmup=warmup, **kw)
+
+    InterpretedFunction.run = run
+    try:
+        yield specs
+    finally:
+        InterpretedFunction.run = real
+
+
+def compile_launches(path):
+    """Compile each launch spec of the JSON file at `path` (recorded_launches') for sm_90 with
+    Triton's own compiler, no GPU needed (run without TRITON_INTERPRET). Prints one line a spec;
+    raises on the first that fails to compile."""
+    import importlib
+
+    import triton
+    from triton.backends.compiler import GPUTarget
+
+    types = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64",
+             "int32": "i32", "int64": "i64", "int16": "i16", "int8": "i8", "uint8": "u8",
+             "bool": "i1", "float8_e4m3fn": "fp8e4nv"}
+    for spec in json.load(open(path)):
+        fn = getattr(importlib.import_module(spec["module"]), spec["name"])
+        sig, consts = {}, {}
+        for p in fn.params:
+            a = spec["args"].get(p.name, {"value": p.default if p.has_default else None})
+            if p.is_constexpr or a.get("value", 0) is None:
+                v = a.get("value") if "tl" not in a else getattr(triton.language, a["tl"])
+                sig[p.name], consts[p.name] = "constexpr", v
+            elif "tensor" in a:
+                sig[p.name] = "*" + types[a["tensor"]]
+            elif isinstance(a["value"], bool):
+                sig[p.name] = "i1"
+            elif isinstance(a["value"], int):
+                sig[p.name] = "i32" if -2**31 <= a["value"] < 2**31 else "i64"
+            else:
+                sig[p.name] = "fp32"
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+        triton.compile(src, target=GPUTarget(*SM90), options=spec["options"])
+        print("compiled", spec["module"], spec["name"], flush=True)
