@@ -8,9 +8,11 @@ zero), small caches; without triton they skip, saying so. On the GPU the same te
 (their bf16 cases too), and those marked `gpu` add bf16 attention on caches up to 32768 slots,
 graph replay against eager and the absence of host syncs.
 """
+import importlib
 import itertools
 import json
 import os
+import pkgutil
 import re
 import subprocess
 import sys
@@ -2076,8 +2078,6 @@ def test_tree_verify_with_kernels_equals_plain():
 def _package_kernels():
     """Every Triton kernel of the kernels package (module, name): its @_jit functions whose name
     ends in _kernel."""
-    import importlib
-    import pkgutil
     found = set()
     for info in pkgutil.iter_modules(kernels.__path__):
         module = importlib.import_module(f"kernels.{info.name}")

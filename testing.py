@@ -381,8 +381,8 @@ SM90 = ("cuda", 90, 32)   # Triton's GPUTarget: backend, capability, warp size
 def recorded_launches():
     """Each Triton launch of the kernels package under the CPU interpreter while the block runs,
     recorded as a JSON-able spec: the kernel (module, name), each argument (a tensor as its dtype,
-    a number or a name of triton.language as its value) and num_warps / num_stages. Yields the
-    list of specs, one per distinct launch."""
+    a number or string as its value, a triton.language dtype as its name) and num_warps /
+    num_stages. Yields the list of specs, one per distinct launch."""
     from triton.runtime.interpreter import InterpretedFunction
     specs, real = [], InterpretedFunction.run
 
@@ -391,8 +391,7 @@ def recorded_launches():
             return {"tensor": str(v.dtype).removeprefix("torch.")}
         if v is None or isinstance(v, (bool, int, float, str)):
             return {"value": v}
-        name = getattr(v, "name", None) or str(v)       # a triton.language dtype: bfloat16, ...
-        return {"tl": name}
+        return {"tl_dtype": v.name}                       # a triton.language dtype: "bf16", ...
 
     def run(self, *args, grid, warmup, **kw):
         if self.fn.__module__.startswith("kernels."):
@@ -430,7 +429,7 @@ def compile_launches(path):
         for p in fn.params:
             a = spec["args"].get(p.name, {"value": p.default if p.has_default else None})
             if p.is_constexpr or a.get("value", 0) is None:
-                v = a.get("value") if "tl" not in a else getattr(triton.language, a["tl"])
+                v = triton.language.dtype(a["tl_dtype"]) if "tl_dtype" in a else a.get("value")
                 sig[p.name], consts[p.name] = "constexpr", v
             elif "tensor" in a:
                 sig[p.name] = "*" + types[a["tensor"]]
