@@ -2105,7 +2105,7 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
         test_router_kernel_equals_twin("tiny", torch.float32, mp)
         test_mla_merge_absorb_equals_combine_then_head_gemv(torch.bfloat16, mp)
     missing = _package_kernels() - {(s["module"], s["name"]) for s in specs}
-    assert not missing, f"kernels no recorded launch reached: {sorted(missing)}"
+    assert not missing, f"kernels that no recorded launch reached: {sorted(missing)}"
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(specs))
     env = {k: v for k, v in testing.CPU_ENV.items() if k != "TRITON_INTERPRET"}
