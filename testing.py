@@ -380,16 +380,19 @@ SM90 = ("cuda", 90, 32)   # Triton's GPUTarget: backend, capability, warp size
 @contextlib.contextmanager
 def recorded_launches():
     """Each Triton launch of the kernels package under the CPU interpreter while the block runs,
-    recorded as a JSON-able spec: the kernel (module, name), each argument (a tensor as its dtype,
-    a number or string as its value, a triton.language dtype as its name) and num_warps /
-    num_stages. Yields the list of specs, one per distinct launch."""
+    recorded as a JSON-able spec: the kernel (module, name), each argument (its type as Triton's
+    launcher names it, and a number's or string's value; a triton.language dtype by its name) and
+    num_warps / num_stages. Yields the list of specs, one per distinct launch."""
     from triton.runtime.interpreter import InterpretedFunction
+    from triton.runtime.jit import mangle_type
     specs, real = [], InterpretedFunction.run
 
-    def arg(v):
+    def arg(v):   # Triton's own signature type ("*bf16", "i32", ...) beside a value to keep
         if isinstance(v, torch.Tensor):
-            return {"tensor": str(v.dtype).removeprefix("torch.")}
-        if v is None or isinstance(v, (bool, int, float, str)):
+            return {"type": mangle_type(v)}
+        if isinstance(v, (bool, int, float)):
+            return {"value": v, "type": mangle_type(v)}
+        if v is None or isinstance(v, str):
             return {"value": v}
         return {"tl_dtype": v.name}                       # a triton.language dtype: "bf16", ...
 
@@ -420,25 +423,16 @@ def compile_launches(path):
     import triton
     from triton.backends.compiler import GPUTarget
 
-    types = {"float32": "fp32", "float16": "fp16", "bfloat16": "bf16", "float64": "fp64",
-             "int32": "i32", "int64": "i64", "int16": "i16", "int8": "i8", "uint8": "u8",
-             "bool": "i1", "float8_e4m3fn": "fp8e4nv"}
     for spec in json.load(open(path)):
         fn = getattr(importlib.import_module(spec["module"]), spec["name"])
         sig, consts = {}, {}
         for p in fn.params:
             a = spec["args"].get(p.name, {"value": p.default if p.has_default else None})
-            if p.is_constexpr or a.get("value", 0) is None:
+            if p.is_constexpr or "type" not in a:                  # None passes as a constexpr
                 v = triton.language.dtype(a["tl_dtype"]) if "tl_dtype" in a else a.get("value")
                 sig[p.name], consts[p.name] = "constexpr", v
-            elif "tensor" in a:
-                sig[p.name] = "*" + types[a["tensor"]]
-            elif isinstance(a["value"], bool):
-                sig[p.name] = "i1"
-            elif isinstance(a["value"], int):
-                sig[p.name] = "i32" if -2**31 <= a["value"] < 2**31 else "i64"
             else:
-                sig[p.name] = "fp32"
+                sig[p.name] = a["type"]
         src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
         triton.compile(src, target=GPUTarget(*SM90), options=spec["options"])
         print("compiled", spec["module"], spec["name"], flush=True)
