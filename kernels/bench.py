@@ -35,7 +35,6 @@ from kernels import (add_rmsnorm, common, head_gemv, mla, mla_decode_attention,
 from kernels.bench_moe import benchmark_moe, int4_precision
 from kernels.bench_timing import copy_bandwidth_GBps, graph_ms, kernel_ms
 from kernels.common import triton
-from kernels.gemv import NORM_DOT_BLOCKS
 
 
 # ---------------------------------------------------------------------------------------------
@@ -320,10 +319,6 @@ def bench_norm_gemv(bw, rows, sweep=False, Ms=None):
     sweep_points = [(16, 256, 1024), (64, 256, 1024), (32, 256, 512), (32, 256, 2048),
                     (32, 512, 1024),
                     (32, 256, 1)] if sweep else []
-    # the tensor-core kernel's (BLOCK_N, BLOCK_K, num_stages, num_warps), from 2 rows
-    dot_points = [(16, 256, 3, 4), (16, 256, 6, 4), (16, 512, 3, 4), (16, 512, 4, 4),
-                  (32, 256, 4, 4), (32, 512, 3, 4), (16, 128, 6, 4), (16, 256, 4, 8),
-                  (64, 256, 3, 4)]
     for name, N, K, has_norm in (("q_a+kv_a", 2112, 7168, False), ("q_b", 1536, 1536, True),
                                  ("o_proj", 7168, 1024, False)):
         sets = max(2, min(16, math.ceil(150e6 / (N * K * 2))))
@@ -338,29 +333,21 @@ def bench_norm_gemv(bw, rows, sweep=False, Ms=None):
             def plain(x, w):
                 return torch.nn.functional.linear(x if norm is None else norm(x), w)
             base = graph_ms([partial(plain, x, w) for x, w in zip(xs, ws)]) * 1e3
-            # (CUDA-core blocks or None, tensor-core blocks or None): the CUDA-core kernel, then
-            # (from 2 rows) the tensor-core one, each with its defaults, then the sweep's points
-            configs = [((None, None, None), None)] + [((bn, bk, p), None) for bn, bk, p in
-                                                      (sweep_points if M == 1 else [])]
-            if M > 1:
-                configs += [(None, b) for b in [None] + (dot_points if sweep else [])]
-            for blocks, dot_blocks in configs:
+            for bn, bk, programs in [(None, None, None)] + (sweep_points if M == 1 else []):
                 g = None if norm is None else norm.weight
-                bn, bk, programs = blocks or (None, None, None)
-                config = list(blocks) if blocks else ["dot"] + list(dot_blocks or NORM_DOT_BLOCKS)
                 try:
                     calls = [partial(norm_gemv, x, w, g, 1e-6, block_n=bn, block_k=bk,
-                                     programs=programs, dot=blocks is None, dot_blocks=dot_blocks)
+                                     programs=programs)
                              for x, w in zip(xs, ws)]
                     us = graph_ms(calls) * 1e3
                 except Exception as e:   # a configuration past the SM's shared memory, say
-                    print(f"  {name:9s} M {M}  config {config}: {type(e).__name__} "
+                    print(f"  {name:9s} M {M}  config {bn, bk, programs}: {type(e).__name__} "
                           f"{str(e)[:80]}")
                     continue
-                print(f"  {name:9s} M {M}  config {config}: kernel {us:6.1f} us "
+                print(f"  {name:9s} M {M}  config {bn, bk, programs}: kernel {us:6.1f} us "
                       f"({N * K * 2 / us / 1e3:5.0f} GB/s)  twin {base:6.1f} us "
                       f"({N * K * 2 / base / 1e3:5.0f} GB/s)", flush=True)
-                rows.append(dict(kernel="norm_gemv", proj=name, M=M, config=config,
+                rows.append(dict(kernel="norm_gemv", proj=name, M=M, config=[bn, bk, programs],
                                  us=us, twin_us=base))
     bench_input_norm_in_qkva(rows, Ms)
     # W_uk, W_uv [H, 128, C] of one buffer

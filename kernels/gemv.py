@@ -165,67 +165,6 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
              mask=(rows < M)[:, None] & (n < N)[None, :] & last)
 
 
-# The same product on the tensor cores, from NORM_DOT_MIN_ROWS rows (no residual add)
-#
-# With several rows the CUDA-core accumulator above cuts the step short (NORM_GEMV_ACC_REGS), so
-# few bytes of W are in flight and the kernel waits on memory (q_a + kv_a: 12.7 us at 3 and 4 rows,
-# 25 at 5 to 8, against a 7.0 us floor). Here the rows, padded to 16, are tl.dot's first operand
-# and a tile of W^T its second: acc [16, BLOCK_N] += h [16, BLOCK_K] @ W^T [BLOCK_K, BLOCK_N], so
-# Triton's pipeliner keeps num_stages - 1 tiles of W in flight (cp.async) whatever the rows. A
-# program holds BLOCK_N rows of W over the whole of K (one launch, no slices, no counters); the norm
-# factors out as above: the squares are summed along the way and rstd scales the sums at the end.
-# Rounding: h * g is rounded to W's dtype for the product (the plain path rounds the normed row):
-# bf16 results differ from the plain path's by the order of one rounding; float32 products are
-# IEEE (input_precision "ieee", not tf32).
-
-NORM_DOT_MIN_ROWS = 3
-# (BLOCK_N, BLOCK_K, num_stages, num_warps)
-NORM_DOT_BLOCKS = (16, 256, 4, 4)
-
-
-@_jit
-def _norm_dot_kernel(x_ptr, g_ptr, w_ptr, out_ptr, M, N, K, eps, s_xm, s_wn, s_om,
-                     NORM: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                     PRECISION: tl.constexpr):
-    """out[m, n] = sum_k h[m, k] * W[n, k], h = x (NORM: RMSNorm(x), x * rsqrt(mean(x^2) + eps)
-    * g) for M <= 16 rows, on the tensor cores (the section above). x [M, K], out [M, N] (rows
-    strided, last dim contiguous), W [N, K] (rows strided, K contiguous), g [K]. Grid:
-    (cdiv(N, BLOCK_N),)."""
-    _wait_for_prior()
-    rows = tl.arange(0, 16)
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
-    x_rows, w_cols = x_ptr + rows[:, None] * s_xm, w_ptr + n[None, :] * s_wn
-    acc = tl.zeros([16, BLOCK_N], tl.float32)
-    ss = tl.zeros([16, BLOCK_K], tl.float32)       # the squares, summed over k at the end
-    for k0 in range(0, K, BLOCK_K):
-        k = k0 + tl.arange(0, BLOCK_K)
-        h = tl.load(x_rows + k[None, :], mask=(rows < M)[:, None] & (k < K)[None, :], other=0.0)
-        if NORM:
-            hf = h.to(tl.float32)
-            ss += hf * hf
-            g = tl.load(g_ptr + k, mask=k < K, other=0.0).to(tl.float32)
-            h = (hf * g[None, :]).to(h.dtype)
-        w = tl.load(w_cols + k[:, None], mask=(k < K)[:, None] & (n < N)[None, :], other=0.0)
-        acc = tl.dot(h, w, acc, input_precision=PRECISION)
-    if NORM:
-        acc = acc * (1.0 / tl.sqrt(tl.sum(ss, 1) / K + eps))[:, None]
-    tl.store(out_ptr + rows[:, None] * s_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(rows < M)[:, None] & (n < N)[None, :])
-
-
-def _norm_dot(x2, weight, norm_weight, eps, out2, blocks=None):
-    """_norm_dot_kernel's launch: x2 [M, K] (last dim contiguous), out2 [M, N]. blocks overrides
-    NORM_DOT_BLOCKS (benchmarks)."""
-    (M, K), N = x2.shape, weight.shape[0]
-    block_n, block_k, stages, warps = blocks or NORM_DOT_BLOCKS
-    _norm_dot_kernel[(triton.cdiv(N, block_n),)](
-        x2, x2 if norm_weight is None else norm_weight, weight, out2, M, N, K, float(eps),
-        x2.stride(0), weight.stride(0), out2.stride(0), NORM=norm_weight is not None,
-        BLOCK_N=block_n, BLOCK_K=min(block_k, _pow2(K)),
-        PRECISION="ieee" if x2.dtype == torch.float32 else "tf32",
-        launch_pdl=common.PDL, num_stages=stages, num_warps=warps)
-
-
 def _k_slices(N, K, block_n, block_k, programs):
     """(slices, k_split): K cut into whole steps of block_k until about `programs` programs run."""
     steps = triton.cdiv(K, block_k)
@@ -244,15 +183,13 @@ def _norm_gemv_step(rows, block_n, step_bytes, warps, K, elem):
 
 
 def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None, block_k=None,
-              programs=None, dot=None, dot_blocks=None):
+              programs=None):
     """RMSNorm(x) @ weight^T in one kernel: x [..., K] of weight's dtype (bf16, fp16 or float32),
     weight [N, K] (rows may be a strided view), norm_weight [K] (None: no norm, a plain GEMV), at
     most NORM_GEMV_MAX_ROWS rows. Returns [..., N]. With a residual (x's shape and dtype) the input
     is x + residual, rounded to x's dtype as model.RMSNorm's add: returns ([..., N], x + residual).
-    dot: the tensor-core kernel (True) or the CUDA-core one (False); None: the tensor cores from
-    NORM_DOT_MIN_ROWS rows without a residual. The block arguments override the defaults above
-    (block_n, block_k, programs: the CUDA-core kernel's, dot_blocks: NORM_DOT_BLOCKS; benchmarks,
-    and tests that force several slices of a small K)."""
+    The block arguments override the defaults above (benchmarks; tests force several slices of a
+    small K)."""
     K = x.shape[-1]
     N = weight.shape[0]
     rows = x.numel() // K if K else 0
@@ -269,10 +206,6 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"norm_gemv: residual {residual.dtype} {list(residual.shape)} is not of "
                          f"x's shape and dtype, {x.dtype} {list(x.shape)}")
-    if dot is None:
-        dot = rows >= NORM_DOT_MIN_ROWS and residual is None
-    if dot and residual is not None:
-        raise ValueError("norm_gemv: the tensor-core kernel takes no residual")
     bn, step_bytes, warps = NORM_GEMV_BLOCKS[1 if rows == 1 else "several",
                                              "long" if K >= NORM_GEMV_LONG_K else "short"]
     block_n = block_n or bn
@@ -284,9 +217,7 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
     # x2: not written
     summed = x2 if residual is None else torch.empty(rows, K, device=x.device, dtype=x.dtype)
-    if rows and N and dot:
-        _norm_dot(x2, weight, norm_weight, eps, out.view(rows, N), dot_blocks)
-    elif rows and N:
+    if rows and N:
         block_k = block_k or _norm_gemv_step(rows, block_n, step_bytes, warps, K, x.element_size())
         slices, k_split = _k_slices(N, K, block_n, block_k, programs or NORM_GEMV_PROGRAMS)
         blocks = triton.cdiv(N, block_n)
