@@ -276,7 +276,12 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
 # j and j + 4, those pairs j and j + 2, then j and j + 1) and a reshape put nibble j of word w at
 # element 8w + j. The joined dims lie within a thread (each holds whole words), so the interleave
 # moves no data; the tile then reaches the MMA's operand layout through shared memory, as any
-# operand made in registers does. X is loaded once a step, contiguous along k, for gate and up.
+# operand made in registers does. (Triton feeds wgmma's first operand from registers only where
+# every op between the operand's loads and the dot is elementwise on the whole tile: the joins and
+# the scales' broadcast are not. A tile loaded elementwise, each element's byte, shift and scale a
+# load of its own, does reach wgmma from registers, but each of those loads passes through shared
+# memory, a scalar load an element: sm_90 TTGIR read on a CPU, not timed.)
+# X is loaded once a step, contiguous along k, for gate and up.
 # Words, scales and X feed the dot, so Triton's pipeliner issues them num_stages - 1 steps ahead
 # (cp.async), the scales only where a step holds two a thread (4 bytes: BLOCK_N * BLOCK_K / GROUP
 # >= 64 * num_warps); below that their load waits out a memory latency every step.
