@@ -654,9 +654,10 @@ class Transformer(nn.Module):
         captured = []
         for i, layer in enumerate(self.layers):
             x, residual = layer(x, residual, positions, rope, future, mode, slots)
-            if capture_aux and i in self.aux_layer_ids:  # an EAGLE-3 state: the stream after it
-                x, residual = x + residual, None
-                captured += [x] * self.aux_layer_ids.count(i)   # twice where two ids name it
+            if capture_aux and i in self.aux_layer_ids:
+                # an EAGLE-3 state: the stream after layer i (twice where two ids name it); the
+                # next norm adds x and residual again, as it does without the capture
+                captured += [x + residual] * self.aux_layer_ids.count(i)
         aux = torch.cat(captured, dim=-1) if capture_aux else None
         h = self.norm(x) if residual is None else self.norm(x, residual)[0]
         return TargetOutput(self.lm_head(h), aux)

@@ -995,6 +995,8 @@ def test_router_kernel_equals_twin(shape, dtype, monkeypatch):
 @pytest.mark.parametrize("D", [64, 7168])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_add_rmsnorm_kernel_equals_twin(D, dtype):
+    """kernels.add_rmsnorm (the sum exactly, the norm of it) and kernels.rmsnorm (its kernel
+    without the add) against model.RMSNorm on fresh random rows."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
@@ -1006,10 +1008,12 @@ def test_add_rmsnorm_kernel_equals_twin(D, dtype):
     x, y = (torch.randn(3, 5, D, generator=g).to(device, dtype) for _ in range(2))
     h, out = kernels.add_rmsnorm(x, y, norm.weight, norm.eps)
     assert_close(h, x + y, 0.0, f"add_rmsnorm D={D} {dtype}: the sum")
-    ref = norm(x + y)
-    # bf16: one rounding apart
-    tol = 1e-5 if dtype == torch.float32 else 2 ** -7 * ref.abs().max().item()
-    assert_close(out, ref, tol, f"add_rmsnorm D={D} {dtype}: the norm")
+    for got, ref, what in ((out, norm(x + y), "add_rmsnorm"),
+                           (kernels.rmsnorm(x, norm.weight, norm.eps), norm(x), "rmsnorm")):
+        # bf16: one rounding apart
+        tol = 1e-5 if dtype == torch.float32 else 2 ** -7 * ref.abs().max().item()
+        assert got.shape == ref.shape and got.dtype == dtype
+        assert_close(got, ref, tol, f"{what} D={D} {dtype}: the norm")
 
 
 @pytest.mark.triton
@@ -1373,8 +1377,9 @@ def test_each_swap_equals_the_module_it_replaces(name):
             r = torch.randn(n, x.shape[-1], generator=g).to(device)
             (want, want_sum), (got, got_sum) = plain(x, r), fast(x, r)
             assert_close(got_sum, want_sum, 0.0, f"{name}: the residual sum")
-            # without a residual the swap runs the plain norm, no kernel: exactly the module's
-            assert_close(fast(x), plain(x), 0.0, f"{name} without a residual")
+            # without a residual the swap runs the norm alone in the same kernel (kernels.rmsnorm)
+            assert_close(fast(x), plain(x), 1e-5 * plain(x).abs().max().item(),
+                         f"{name} without a residual")
         else:
             want, got = plain(x), fast(x)
         assert_close(got, want, 1e-5 * want.abs().max().item(),
@@ -1486,12 +1491,15 @@ def test_add_rmsnorm_across_layers_equals_plain_with_exact_aux_states(monkeypatc
     """kernels="add_rmsnorm": every residual add fused into the norm that reads it (the MLP output
     carried into the next layer's input norm, the last one into the final norm). Logits and the
     EAGLE-3 aux states (whole layer outputs, x + mlp, among them the second-to-last layer's) equal
-    the plain model's, in both attention modes. The kernel runs where it always ran: 2 a layer
-    (none in the first layer's input norm, one in the final norm), less one after each captured
-    layer (whose output is added whole for EAGLE-3, so the next input norm has no residual)."""
-    calls = []
+    the plain model's, in both attention modes. The kernel runs 2 a layer with or without the
+    capture (none in the first layer's input norm, one in the final norm; a captured layer's output
+    is added for EAGLE-3 beside the pair the next norm adds), and the norm alone (kernels.rmsnorm)
+    once, in the first layer's input norm, which has no residual."""
+    calls, alone = [], []
     monkeypatch.setattr(kernels.launch, "add_rmsnorm", lambda *a: calls.append(1)
                         or kernels.add_rmsnorm(*a))
+    monkeypatch.setattr(kernels.launch, "rmsnorm", lambda *a: alone.append(1)
+                        or kernels.rmsnorm(*a))
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(num_hidden_layers=4 if device == "cpu" else 8)
     aux_ids = [0, 1, args.num_hidden_layers - 2]
@@ -1506,9 +1514,8 @@ def test_add_rmsnorm_across_layers_equals_plain_with_exact_aux_states(monkeypatc
         for capture_aux in (True, False):
             want, got = plain(tokens, pos, mode, capture_aux), fused(tokens, pos, mode, capture_aux)
             what = f"add_rmsnorm across layers, {mode}, T={tokens.shape[1]}, aux {capture_aux}"
-            assert len(calls) == 2 * args.num_hidden_layers - (len(aux_ids)
-                                                               if capture_aux else 0), what
-            calls.clear()
+            assert (len(calls), len(alone)) == (2 * args.num_hidden_layers, 1), what
+            calls.clear(), alone.clear()
             assert_close(got.logits, want.logits, 1e-4, what + ": logits")
             if capture_aux:
                 assert_close(got.aux, want.aux, 1e-5 * want.aux.abs().max().item(),

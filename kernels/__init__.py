@@ -13,8 +13,8 @@ One module a kernel family, each with its kernels, launchers, constants and swap
   gemv.py              norm_gemv (RMSNorm and a residual add inside the GEMV), head_gemv;
                        NormGemvMLA, NormGemvQKVA, InputNormInQKVA, GemvRowParallel (twins:
                        model.MLA's projections, model.Block's input norm, tp.RowParallelLinear)
-  elementwise.py       add_rmsnorm, silu_mul; AddRMSNorm, SiluMulKernel (twins: model.RMSNorm
-                       with a residual, model.MLP.act)
+  elementwise.py       add_rmsnorm, rmsnorm, silu_mul; AddRMSNorm, SiluMulKernel (twins:
+                       model.RMSNorm, model.MLP.act)
   stacked.py           "fused_proj", plain torch: StackedQKVA, StackedGateUp, SharedDownAddsRouted
   eagle.py             the EAGLE-3 head: draft_input_norms, draft_attention, draft_top1 and their
                        swaps (twins: draft.py's modules)
@@ -47,7 +47,7 @@ Hopper a kernel starts while the one before it finishes (programmatic dependent 
 from .common import HAVE_TRITON, PDL, check_available, interpreting, launch
 from .eagle import (DraftAttentionKernel, DraftHeadNorm, DraftNormsKernel, DraftTop1Kernel,
                     StackedQKV, compile_head, draft_attention, draft_split_len, draft_top1)
-from .elementwise import AddRMSNorm, SiluMulKernel, add_rmsnorm, silu_mul
+from .elementwise import AddRMSNorm, SiluMulKernel, add_rmsnorm, rmsnorm, silu_mul
 from .gemv import (HEAD_GEMV_MAX_ROWS, INPUT_NORM_QKVA_MAX_ROWS, NORM_GEMV_MAX_ROWS,
                    O_PROJ_GEMV_MAX_ROWS, Q_B_GEMV_MAX_ROWS, QKVA_GEMV_MAX_ROWS, GemvRowParallel,
                    InputNormInQKVA, NormGemvMLA, NormGemvQKVA, head_gemv, norm_gemv)
