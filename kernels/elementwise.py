@@ -45,12 +45,7 @@ def add_rmsnorm(x, y, weight, eps):
                          f"weight {list(weight.shape)} do not fit")
     x2, y2 = x.contiguous().view(-1, D), y.contiguous().view(-1, D)
     h, out = torch.empty_like(x2), torch.empty_like(x2)
-    if x2.shape[0]:
-        _add_rmsnorm_kernel[(x2.shape[0],)](x2, y2, weight, h, out, D, float(eps),
-                                            x2.stride(0), y2.stride(0),
-                                            h.stride(0), out.stride(0), ADD=True,
-                                            BLOCK_D=_pow2(D),
-                                            launch_pdl=common.PDL, num_warps=8 if D >= 4096 else 4)
+    _launch_norm(x2, y2, weight, h, out, eps, add=True)
     return h.view(x.shape), out.view(x.shape)
 
 
@@ -64,11 +59,18 @@ def rmsnorm(x, weight, eps):
                          f"{list(weight.shape)} do not fit")
     x2 = x.contiguous().view(-1, D)
     out = torch.empty_like(x2)
-    if x2.shape[0]:
-        _add_rmsnorm_kernel[(x2.shape[0],)](x2, x2, weight, x2, out, D, float(eps), x2.stride(0),
-                                            0, 0, out.stride(0), ADD=False, BLOCK_D=_pow2(D),
-                                            launch_pdl=common.PDL, num_warps=8 if D >= 4096 else 4)
+    _launch_norm(x2, x2, weight, x2, out, eps, add=False)     # y and h: not touched
     return out.view(x.shape)
+
+
+def _launch_norm(x2, y2, weight, h, out, eps, add):
+    """_add_rmsnorm_kernel over the rows of x2 [N, D] (add: y2 added, the sum stored into h)."""
+    N, D = x2.shape
+    if N:
+        _add_rmsnorm_kernel[(N,)](x2, y2, weight, h, out, D, float(eps), x2.stride(0),
+                                  y2.stride(0), h.stride(0), out.stride(0), ADD=add,
+                                  BLOCK_D=_pow2(D), launch_pdl=common.PDL,
+                                  num_warps=8 if D >= 4096 else 4)
 
 
 # ---------------------------------------------------------------------------------------------
