@@ -381,17 +381,20 @@ SM90 = ("cuda", 90, 32)   # Triton's GPUTarget: backend, capability, warp size
 def recorded_launches():
     """Each Triton launch of the kernels package under the CPU interpreter while the block runs,
     recorded as a JSON-able spec: the kernel (module, name), each argument (its type as Triton's
-    launcher names it, and a number's or string's value; a triton.language dtype by its name) and
-    num_warps / num_stages. Yields the list of specs, one per distinct launch."""
+    launcher names it, and a number's or string's value; a triton.language dtype by its name),
+    whether a pointer or int is a multiple of 16 (the launcher compiles a kernel specialized on
+    that: wider loads, cp.async) and num_warps / num_stages. Yields the list of specs, one per
+    distinct launch."""
     from triton.runtime.interpreter import InterpretedFunction
     from triton.runtime.jit import mangle_type
     specs, real = [], InterpretedFunction.run
 
     def arg(v):   # Triton's own signature type ("*bf16", "i32", ...) beside a value to keep
         if isinstance(v, torch.Tensor):
-            return {"type": mangle_type(v)}
+            return {"type": mangle_type(v), "div16": v.data_ptr() % 16 == 0}
         if isinstance(v, (bool, int, float)):
-            return {"value": v, "type": mangle_type(v)}
+            return {"value": v, "type": mangle_type(v),
+                    "div16": type(v) is int and v % 16 == 0}
         if v is None or isinstance(v, str):
             return {"value": v}
         return {"tl_dtype": v.name}                       # a triton.language dtype: "bf16", ...
@@ -425,14 +428,16 @@ def compile_launches(path):
 
     for spec in json.load(open(path)):
         fn = getattr(importlib.import_module(spec["module"]), spec["name"])
-        sig, consts = {}, {}
-        for p in fn.params:
+        sig, consts, attrs = {}, {}, {}
+        for i, p in enumerate(fn.params):
             a = spec["args"].get(p.name, {"value": p.default if p.has_default else None})
             if p.is_constexpr or "type" not in a:                  # None passes as a constexpr
                 v = triton.language.dtype(a["tl_dtype"]) if "tl_dtype" in a else a.get("value")
                 sig[p.name], consts[p.name] = "constexpr", v
             else:
                 sig[p.name] = a["type"]
-        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts)
+                if a.get("div16"):
+                    attrs[(i,)] = [["tt.divisibility", 16]]
+        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
         triton.compile(src, target=GPUTarget(*SM90), options=spec["options"])
         print("compiled", spec["module"], spec["name"], flush=True)
