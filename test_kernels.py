@@ -1056,9 +1056,10 @@ def test_norm_gemv_kernel_equals_twin(dtype):
     partial sums the last program of a row block adds: one step a slice, and (8 rows of W a block,
     twice as many programs as blocks) two slices of several steps, the last one partial where K is
     no multiple of 16 (the CPU interpreter runs the plain GEMV in the last, two slices, alone: the
-    norm's absence changes no block's path). float32 to 1e-5 relative; bf16 (GPU) to 1% of the
-    largest output, since only the order of the float32 sums and a last-ulp rounding of the normed
-    row differ."""
+    norm's absence changes no block's path); and x's rows in groups of 2, a program a group (each
+    group's sums of squares across two slices: the CPU interpreter runs that with the norm). float32
+    to 1e-5 relative; bf16 (GPU) to 1% of the largest output, since only the order of the float32
+    sums and a last-ulp rounding of the normed row differ."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
@@ -1071,16 +1072,18 @@ def test_norm_gemv_kernel_equals_twin(dtype):
             norm.weight.copy_(1 + 0.1 * torch.randn(K, generator=g))
         # rows strided
         w = (torch.randn(N + 3, K + 8, generator=g) / K ** 0.5).to(device, dtype)[:N, :K]
-        two_slices = (8, 16, 2 * ((N + 7) // 8))  # (block_n, block_k, programs)
+        two_slices = (8, 16, 2 * ((N + 7) // 8), None)  # (block_n, block_k, programs, group_rows)
+        grouped = (None, None, None, 2), two_slices[:3] + (2,)
         for rows in (1, 2, 3, 4, 5, 16) if device == "cuda" else (1, 3, 4, 16):
             x = (2 * torch.randn(rows, K + 5, generator=g)).to(device, dtype)[:, :K]  # rows strided
-            cases = list(itertools.product((norm, None), ((None, None, None), (None, 16, None),
-                                                          two_slices)))
-            for nrm, blocks in cases if device == "cuda" else cases[:3] + cases[-1:]:
-                block_n, block_k, programs = blocks
+            cases = list(itertools.product((norm, None), ((None, None, None, None),
+                                                          (None, 16, None, None), two_slices)
+                                           + grouped))
+            for nrm, blocks in cases if device == "cuda" else cases[:3] + cases[4:5] + cases[-3:-2]:
+                block_n, block_k, programs, group_rows = blocks
                 out = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6,
-                                        block_n=block_n,
-                                        block_k=block_k, programs=programs)
+                                        block_n=block_n, block_k=block_k, programs=programs,
+                                        group_rows=group_rows)
                 ref = F.linear(x if nrm is None else nrm(x), w)
                 what = (f"norm_gemv N={N} K={K} rows={rows} {dtype} norm={nrm is not None} "
                         f"blocks={blocks}")
@@ -1100,8 +1103,9 @@ def test_norm_gemv_with_residual_equals_add_rmsnorm_and_linear(dtype):
     inside the stacked q_a + kv_a GEMV) against its twin, model.RMSNorm with the residual (the sum
     rounded to the dtype, then the norm) and F.linear, on fresh random inputs: 1 to 4 rows, x and
     the residual strided views [rows, 1, K]; K whole in a program, in steps of 16, and cut into two
-    slices (each program of row block 0 stores its own part of the sum); also without a norm (two
-    slices). The sum equals x + residual bit for bit; the output float32 to 1e-5 relative, bf16
+    slices (each program of row block 0 stores its own part of the sum), and in two slices with
+    x's rows in groups of 2 (each group's programs of row block 0 store its rows of the sum); also
+    without a norm (two slices). The sum equals x + residual bit for bit; the output float32 to 1e-5 relative, bf16
     (GPU) to 1% of the largest output (the normed row is not rounded). Refused: a residual of
     another shape or dtype."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -1115,8 +1119,8 @@ def test_norm_gemv_with_residual_equals_add_rmsnorm_and_linear(dtype):
             norm.weight.copy_(1 + 0.1 * torch.randn(K, generator=g))
         # rows strided
         w = (torch.randn(N + 3, K + 8, generator=g) / K ** 0.5).to(device, dtype)[:N, :K]
-        blocks = ({}, {"block_k": 16},
-                  {"block_n": 8, "block_k": 16, "programs": 2 * ((N + 7) // 8)})
+        two_slices = {"block_n": 8, "block_k": 16, "programs": 2 * ((N + 7) // 8)}
+        blocks = ({}, {"block_k": 16}, {**two_slices, "group_rows": 2}, two_slices)
         for rows in (1, 2, 3, 4):
             x, r = ((2 * torch.randn(rows, 1, K + 5, generator=g)).to(device, dtype)[..., :K]
                     for _ in range(2))
@@ -1146,7 +1150,8 @@ def test_head_gemv_kernel_equals_twin(dtype):
     """kernels.head_gemv against the absorbed einsums of model.MLA.attend_absorbed, on views of one
     kv_b_proj weight as the model takes them (W_uk transposed: its K strided; W_uv: row-strided),
     the query a strided split of q: 1 to 4 and 16 rows, tiny (at 16 rows W_uv's K of 100 takes two
-    steps, the last partial) and (GPU) Kimi-K2 TP-8 heads."""
+    steps, the last partial) and (GPU) Kimi-K2 TP-8 heads; at 3 and 16 rows also in groups of 2
+    rows, a program a group."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
@@ -1157,16 +1162,18 @@ def test_head_gemv_kernel_equals_twin(dtype):
         w_uk, w_uv = kv_b.split([d, d], 1)                                     # [H, d, C]
         for B, T in ((1, 1), (1, 2), (1, 3), (1, 4), (4, 4)):
             q_nope = torch.randn(B, T, H, d + R, generator=g).to(device, dtype)[..., :d]
-            q_lat = kernels.head_gemv(q_nope, w_uk.transpose(1, 2))
             ref = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)
-            tol = (1e-5 if dtype == torch.float32 else 1e-2) * ref.abs().max().item()
-            assert_close(q_lat, ref, tol, f"head_gemv W_uk H={H} B={B} T={T} {dtype}")
-            o = kernels.head_gemv(ref, w_uv)
             want = torch.einsum("bthc,hdc->bthd", ref, w_uv)
-            assert o.is_contiguous() and o.shape == want.shape
-            assert_close(o, want,
-                         (1e-5 if dtype == torch.float32 else 1e-2) * want.abs().max().item(),
-                         f"head_gemv W_uv H={H} B={B} T={T} {dtype}")
+            for group_rows in (None, 2) if B * T in (3, 16) else (None,):
+                what = f"H={H} B={B} T={T} {dtype} group_rows={group_rows}"
+                q_lat = kernels.head_gemv(q_nope, w_uk.transpose(1, 2), group_rows=group_rows)
+                tol = (1e-5 if dtype == torch.float32 else 1e-2) * ref.abs().max().item()
+                assert_close(q_lat, ref, tol, f"head_gemv W_uk {what}")
+                o = kernels.head_gemv(ref, w_uv, group_rows=group_rows)
+                assert o.is_contiguous() and o.shape == want.shape
+                assert_close(o, want,
+                             (1e-5 if dtype == torch.float32 else 1e-2) * want.abs().max().item(),
+                             f"head_gemv W_uv {what}")
 
 
 def _norm_gemv_launches(rows, mode, others):

@@ -309,16 +309,17 @@ def bench_norm_gemv(bw, rows, sweep=False, Ms=None):
     """norm_gemv at Kimi-K2 TP-8 shapes against the plain RMSNorm + cuBLAS: q_a + kv_a (stacked, no
     norm, as NormGemvMLA.q_kv_a), q_b with q_a_layernorm, o_proj (no norm); the weight sets rotated
     past the L2. head_gemv against the einsums with the copy the model makes of their permuted
-    output. sweep: block configurations too, K whole in a program (programs 1: the first version's
-    shape) among them."""
+    output. Each at more than 2 rows also with x's rows in smaller groups, a program a group
+    (group_rows). sweep: block configurations too, K whole in a program (programs 1: the first
+    version's shape) among them."""
     print(f"\nnorm_gemv, Kimi-K2 TP 8, bf16 (us per call in a graph; GB/s of the weight; copy "
           f"{bw:.0f} GB/s)")
     dt = torch.bfloat16
     # (BLOCK_N, BLOCK_K, programs) at M 1; programs 1 keeps K whole in a program, the first
     # version's shape
-    sweep_points = [(16, 256, 1024), (64, 256, 1024), (32, 256, 512), (32, 256, 2048),
-                    (32, 512, 1024),
-                    (32, 256, 1)] if sweep else []
+    sweep_points = [(16, 256, 1024, None), (64, 256, 1024, None), (32, 256, 512, None),
+                    (32, 256, 2048, None), (32, 512, 1024, None),
+                    (32, 256, 1, None)] if sweep else []
     for name, N, K, has_norm in (("q_a+kv_a", 2112, 7168, False), ("q_b", 1536, 1536, True),
                                  ("o_proj", 7168, 1024, False)):
         sets = max(2, min(16, math.ceil(150e6 / (N * K * 2))))
@@ -333,22 +334,23 @@ def bench_norm_gemv(bw, rows, sweep=False, Ms=None):
             def plain(x, w):
                 return torch.nn.functional.linear(x if norm is None else norm(x), w)
             base = graph_ms([partial(plain, x, w) for x, w in zip(xs, ws)]) * 1e3
-            for bn, bk, programs in [(None, None, None)] + (sweep_points if M == 1 else []):
+            configs = [(None, None, None, None)] + [(None, None, None, r) for r in _groups(M)]
+            for bn, bk, programs, group_rows in configs + (sweep_points if M == 1 else []):
                 g = None if norm is None else norm.weight
                 try:
                     calls = [partial(norm_gemv, x, w, g, 1e-6, block_n=bn, block_k=bk,
-                                     programs=programs)
+                                     programs=programs, group_rows=group_rows)
                              for x, w in zip(xs, ws)]
                     us = graph_ms(calls) * 1e3
                 except Exception as e:   # a configuration past the SM's shared memory, say
                     print(f"  {name:9s} M {M}  config {bn, bk, programs}: {type(e).__name__} "
                           f"{str(e)[:80]}")
                     continue
-                print(f"  {name:9s} M {M}  config {bn, bk, programs}: kernel {us:6.1f} us "
-                      f"({N * K * 2 / us / 1e3:5.0f} GB/s)  twin {base:6.1f} us "
-                      f"({N * K * 2 / base / 1e3:5.0f} GB/s)", flush=True)
+                print(f"  {name:9s} M {M}  config {bn, bk, programs} group_rows {group_rows}: "
+                      f"kernel {us:6.1f} us ({N * K * 2 / us / 1e3:5.0f} GB/s)  twin {base:6.1f} "
+                      f"us ({N * K * 2 / base / 1e3:5.0f} GB/s)", flush=True)
                 rows.append(dict(kernel="norm_gemv", proj=name, M=M, config=[bn, bk, programs],
-                                 us=us, twin_us=base))
+                                 group_rows=group_rows, us=us, twin_us=base))
     bench_input_norm_in_qkva(rows, Ms)
     # W_uk, W_uv [H, 128, C] of one buffer
     kv_b = torch.randn(8, 256, 512, device="cuda", dtype=dt) / 512 ** 0.5
@@ -363,9 +365,17 @@ def bench_norm_gemv(bw, rows, sweep=False, Ms=None):
                 return torch.einsum(eq, x, w).contiguous()
             # 1 MB of weights: in L2 either way
             base = graph_ms([partial(twin, x, w, eq)] * 8) * 1e3
-            us = graph_ms([partial(head_gemv, x, w)] * 8) * 1e3
-            print(f"  {name:12s} M {M}: kernel {us:6.1f} us  twin (einsum) {base:6.1f} us")
-            rows.append(dict(kernel="head_gemv", proj=name, M=M, us=us, twin_us=base))
+            for group_rows in [None] + _groups(M):
+                us = graph_ms([partial(head_gemv, x, w, group_rows=group_rows)] * 8) * 1e3
+                print(f"  {name:12s} M {M} group_rows {group_rows}: kernel {us:6.1f} us  twin "
+                      f"(einsum) {base:6.1f} us")
+                rows.append(dict(kernel="head_gemv", proj=name, M=M, group_rows=group_rows,
+                                 us=us, twin_us=base))
+
+
+def _groups(M):
+    """The groups of rows a program tried at M rows beside the default: 1, 2, 4 and 8 below M."""
+    return [r for r in (1, 2, 4, 8) if r < M]
 
 
 def bench_input_norm_in_qkva(rows, Ms=None):
@@ -383,11 +393,13 @@ def bench_input_norm_in_qkva(rows, Ms=None):
         xs, rs = ([torch.randn(M, K, device="cuda", dtype=dt) for _ in range(sets)]
                   for _ in range(2))
         base = graph_ms([partial(two_launches, x, r, w) for x, r, w in zip(xs, rs, ws)]) * 1e3
-        us = graph_ms([partial(norm_gemv, x, w, g, 1e-6, residual=r)
-                        for x, r, w in zip(xs, rs, ws)]) * 1e3
-        print(f"  add+norm+q_a+kv_a M {M}: kernel {us:6.1f} us  twin (add_rmsnorm, then the GEMV) "
-              f"{base:6.1f} us", flush=True)
-        rows.append(dict(kernel="norm_gemv", proj="add+norm+q_a+kv_a", M=M, us=us, twin_us=base))
+        for group_rows in [None] + _groups(M):
+            us = graph_ms([partial(norm_gemv, x, w, g, 1e-6, residual=r, group_rows=group_rows)
+                           for x, r, w in zip(xs, rs, ws)]) * 1e3
+            print(f"  add+norm+q_a+kv_a M {M} group_rows {group_rows}: kernel {us:6.1f} us  twin "
+                  f"(add_rmsnorm, then the GEMV) {base:6.1f} us", flush=True)
+            rows.append(dict(kernel="norm_gemv", proj="add+norm+q_a+kv_a", M=M,
+                             group_rows=group_rows, us=us, twin_us=base))
 
 
 def _emit(rows, bw, out=None):

@@ -54,27 +54,32 @@ NORM_GEMV_MIN_STEP = 64
 # K is cut into this // row blocks slices (at most one a step): two waves of the H200's 132 SMs; K
 # whole from 133 row blocks up, as at all of Kimi-K2's attention projections (--small --sweep)
 NORM_GEMV_PROGRAMS = 264
+# x's rows a program at most (a power of 2): more rows go to more programs, a group of rows each,
+# the groups of a W tile side by side (the later ones reading it from L2), so a program's
+# accumulator and step stay those of GROUP_ROWS rows. 16: every row in one program.
+NORM_GEMV_GROUP_ROWS = 16
 
 
 @_jit
-def _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, pid, s, rows, n, M, N,
+def _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, q, s, rows, n, M, N,
                          SPLITS: tl.constexpr, BLOCK_M: tl.constexpr):
-    """Store slice s's sums acc [BLOCK_M, BLOCK_N] and sums of squares ss [BLOCK_M]; the last
-    program of row block pid to finish returns (the sums over all slices in slice order, True), the
-    others False."""
+    """Store slice s's sums acc [BLOCK_M, BLOCK_N] and sums of squares ss [BLOCK_M] of block q (a
+    row block of W and a group of x's rows); the last of q's programs to finish returns (the sums
+    over all slices in slice order, True), the others False."""
     ok = (rows < M)[:, None] & (n < N)[None, :]
     tl.store(part_ptr + (s * M + rows[:, None]) * N + n[None, :], acc, mask=ok)
-    tl.store(ss_ptr + (pid * SPLITS + s) * BLOCK_M + rows, ss)
+    mine = ss_ptr + (q * SPLITS + s) * BLOCK_M + tl.arange(0, BLOCK_M)
+    tl.store(mine, ss)
     tl.debug_barrier()  # every thread's stores before the counter's release
-    last = tl.atomic_add(count_ptr + pid, 1) == SPLITS - 1
-    if last:  # the row block's other slices are stored: add them
-        tl.atomic_xchg(count_ptr + pid, 0, sem="relaxed")
+    last = tl.atomic_add(count_ptr + q, 1) == SPLITS - 1
+    if last:  # the block's other slices are stored: add them
+        tl.atomic_xchg(count_ptr + q, 0, sem="relaxed")
         acc = tl.zeros_like(acc)
         ss = tl.zeros_like(ss)
         for t in range(SPLITS):  # in slice order (.cg: from L2, never a stale L1 line)
             acc += tl.load(part_ptr + (t * M + rows[:, None]) * N + n[None, :], mask=ok, other=0.0,
                            cache_modifier=".cg")
-            ss += tl.load(ss_ptr + (pid * SPLITS + t) * BLOCK_M + rows, cache_modifier=".cg")
+            ss += tl.load(mine + (t - s) * BLOCK_M, cache_modifier=".cg")
     return acc, ss, last
 
 
@@ -101,7 +106,7 @@ def _store_residual_sum(x_rows, r_rows, sum_rows, rows, kb, lo, hi, M, K, BLOCK_
 @_jit
 def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
                       M, N, K, k_split, eps, s_xm, s_rm, s_sm, s_xh, s_wh, s_wn, s_wk, s_om, s_oh,
-                      SPLITS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
+                      groups, SPLITS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
                       BLOCK_M: tl.constexpr,
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[m, n] = sum_k h[m, k] * W[n, k] with h = x (NORM: RMSNorm(x), x * rsqrt(mean(x^2) + eps)
@@ -109,15 +114,19 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
     programs of row block 0 (each for its own slice of K, after its products) store into sum [M, K]
     (rows strided, last dim contiguous).
     x [M, K], out [M, N] (rows strided, last dim contiguous), W [N, K] (any strides), g [K]; x, out
-    and W of one dtype; M <= BLOCK_M; float32 products on the CUDA cores, added up elementwise over
+    and W of one dtype; float32 products on the CUDA cores, added up elementwise over
     the steps and summed over k at the end. Each step loads the next step's W tile before it uses
     its own. Slice s of K is [s * k_split, (s + 1) * k_split); with SPLITS > 1, part [SPLITS, M, N]
     and ss [N / BLOCK_N, SPLITS, BLOCK_M] float32 hold the slices' sums and sums of squares, count
     [N / BLOCK_N] int32 zeros. With heads (grid axis 1, head_gemv, SPLITS 1): x, W and out of head j
-    start s_xh, s_wh, s_oh elements further. Grid: (cdiv(N, BLOCK_N), heads, SPLITS)."""
+    start s_xh, s_wh, s_oh elements further. x's rows in `groups` groups of BLOCK_M (M <= groups x
+    BLOCK_M), a program a group: program q of axis 0 takes W's row block q // groups and group
+    q % groups, so the groups of one row block run side by side and all but the first read W's
+    tile from L2; ss and count are by q then. Grid: (cdiv(N, BLOCK_N) * groups, heads, SPLITS)."""
     _wait_for_prior()
-    pid, j, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
-    rows = tl.arange(0, BLOCK_M)
+    q, j, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    pid = q // groups
+    rows = (q % groups) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     n3 = n[None, :, None]  # W's tile [1, BLOCK_N, BLOCK_K]
     kb = tl.arange(0, BLOCK_K)
@@ -155,7 +164,7 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
             _store_residual_sum(x_rows, r_rows, sum_rows, rows, kb, lo, hi, M, K, BLOCK_K)
     last = pid >= 0  # one slice: every program
     if SPLITS > 1:
-        acc, ss, last = _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, pid,
+        acc, ss, last = _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, q,
                                              s, rows, n, M, N,
                                              SPLITS, BLOCK_M)
     if NORM:
@@ -165,10 +174,11 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
              mask=(rows < M)[:, None] & (n < N)[None, :] & last)
 
 
-def _k_slices(N, K, block_n, block_k, programs):
-    """(slices, k_split): K cut into whole steps of block_k until about `programs` programs run."""
+def _k_slices(blocks, K, block_k, programs):
+    """(slices, k_split): K cut into whole steps of block_k until about `programs` programs run,
+    `blocks` of them a slice."""
     steps = triton.cdiv(K, block_k)
-    slices = min(steps, max(1, programs // triton.cdiv(N, block_n)))
+    slices = min(steps, max(1, programs // blocks))
     k_split = triton.cdiv(steps, slices) * block_k
     return triton.cdiv(K, k_split), k_split
 
@@ -182,14 +192,20 @@ def _norm_gemv_step(rows, block_n, step_bytes, warps, K, elem):
                max(NORM_GEMV_MIN_STEP, 1 << (max(fit, 1).bit_length() - 1)))
 
 
+def _groups(rows, group_rows):
+    """(groups, BLOCK_M): x's rows cut into groups of at most group_rows (a power of 2)."""
+    block_m = min(_pow2(rows, 1), group_rows)
+    return triton.cdiv(rows, block_m), block_m
+
+
 def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None, block_k=None,
-              programs=None):
+              programs=None, group_rows=None):
     """RMSNorm(x) @ weight^T in one kernel: x [..., K] of weight's dtype (bf16, fp16 or float32),
     weight [N, K] (rows may be a strided view), norm_weight [K] (None: no norm, a plain GEMV), at
     most NORM_GEMV_MAX_ROWS rows. Returns [..., N]. With a residual (x's shape and dtype) the input
     is x + residual, rounded to x's dtype as model.RMSNorm's add: returns ([..., N], x + residual).
-    The block arguments override the defaults above (benchmarks; tests force several slices of a
-    small K)."""
+    The block arguments and group_rows override the defaults above (benchmarks; tests force
+    several slices of a small K and several groups of rows)."""
     K = x.shape[-1]
     N = weight.shape[0]
     rows = x.numel() // K if K else 0
@@ -206,31 +222,32 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"norm_gemv: residual {residual.dtype} {list(residual.shape)} is not of "
                          f"x's shape and dtype, {x.dtype} {list(x.shape)}")
-    bn, step_bytes, warps = NORM_GEMV_BLOCKS[1 if rows == 1 else "several",
+    groups, block_m = _groups(rows, group_rows or NORM_GEMV_GROUP_ROWS)
+    bn, step_bytes, warps = NORM_GEMV_BLOCKS[1 if block_m == 1 else "several",
                                              "long" if K >= NORM_GEMV_LONG_K else "short"]
     block_n = block_n or bn
-    if triton.cdiv(N, block_n) > common.COUNTERS:
+    blocks = triton.cdiv(N, block_n) * groups
+    if blocks > common.COUNTERS:
         raise ValueError(f"norm_gemv: {N} rows of W make more than {common.COUNTERS} row blocks "
-                         f"of {block_n}")
+                         f"of {block_n} x {groups} groups of rows")
     x2, r2 = (t.reshape(rows, K) for t in (x, x if residual is None else residual))
     x2, r2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, r2))
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
     # x2: not written
     summed = x2 if residual is None else torch.empty(rows, K, device=x.device, dtype=x.dtype)
     if rows and N:
-        block_k = block_k or _norm_gemv_step(rows, block_n, step_bytes, warps, K, x.element_size())
-        slices, k_split = _k_slices(N, K, block_n, block_k, programs or NORM_GEMV_PROGRAMS)
-        blocks = triton.cdiv(N, block_n)
+        block_k = block_k or _norm_gemv_step(block_m, block_n, step_bytes, warps, K,
+                                             x.element_size())
+        slices, k_split = _k_slices(blocks, K, block_k, programs or NORM_GEMV_PROGRAMS)
         part = torch.empty(slices, rows, N, device=x.device,
                            dtype=torch.float32) if slices > 1 else out
-        ss = torch.empty(blocks * slices * _pow2(rows, 1), device=x.device, dtype=torch.float32)
+        ss = torch.empty(blocks * slices * block_m, device=x.device, dtype=torch.float32)
         _norm_gemv_kernel[(blocks, 1, slices)](
             x2, r2, summed, x2 if norm_weight is None else norm_weight, weight, out, part, ss,
             _counters(x.device),
             rows, N, K, k_split, float(eps), x2.stride(0), r2.stride(0), summed.stride(0), 0, 0,
-            weight.stride(0), 1,
-            N, 0, SPLITS=slices, ADD=residual is not None, NORM=norm_weight is not None,
-            BLOCK_M=_pow2(rows, 1),
+            weight.stride(0), 1, N, 0, groups,
+            SPLITS=slices, ADD=residual is not None, NORM=norm_weight is not None, BLOCK_M=block_m,
             BLOCK_N=block_n, BLOCK_K=block_k, launch_pdl=common.PDL, num_stages=1, num_warps=warps)
     return out if residual is None else (out, summed.view(x.shape))
 
@@ -244,14 +261,16 @@ HEAD_GEMV_BLOCK_N = 8            # contiguous K (W_uv, K = 512): 8 heads x 16 ro
 HEAD_GEMV_STEP_BYTES = 1024  # K whole in one step at Kimi-K2's 128 and 512 (not swept); more rows:
 #                                  the step cut to fit NORM_GEMV_ACC_REGS
 HEAD_GEMV_WARPS = 4
+HEAD_GEMV_GROUP_ROWS = 16   # x's rows a program at most (NORM_GEMV_GROUP_ROWS)
 
 
-def head_gemv(x, weight):
+def head_gemv(x, weight, group_rows=None):
     """out[..., j, n] = sum_k x[..., j, k] * weight[j, n, k], for each of H heads j: x [..., H, K]
     (last dim contiguous, the leading dims flattening to at most NORM_GEMV_MAX_ROWS rows of one
     stride), weight [H, N, K] of x's dtype, any strides (MLA's absorbed W_uk^T and W_uv are views
     of kv_b_proj's weight). One launch of norm_gemv's kernel, no norm, K whole (short rows, and
-    H x N / BLOCK_N programs already); out [..., H, N] contiguous."""
+    H x N / BLOCK_N programs already); out [..., H, N] contiguous. group_rows overrides
+    HEAD_GEMV_GROUP_ROWS."""
     *lead, H, K = x.shape
     rows = math.prod(lead)
     if weight.dim() != 3 or weight.shape[0] != H or weight.shape[2] != K or weight.dtype != x.dtype:
@@ -266,17 +285,14 @@ def head_gemv(x, weight):
     out = torch.empty(*lead, H, N, device=x.device, dtype=x.dtype)
     if rows and N and H:
         block_n = HEAD_GEMV_BLOCK_N if weight.stride(2) == 1 else HEAD_GEMV_BLOCK_N_STRIDED
-        block_k = _norm_gemv_step(rows, block_n, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS, K,
+        groups, block_m = _groups(rows, group_rows or HEAD_GEMV_GROUP_ROWS)
+        block_k = _norm_gemv_step(block_m, block_n, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS, K,
                                   x.element_size())
-        _norm_gemv_kernel[(triton.cdiv(N, block_n), H, 1)](
+        _norm_gemv_kernel[(triton.cdiv(N, block_n) * groups, H, 1)](
             x2, x2, x2, x2, weight, out, out, out, out, rows, N, K, K, 0.0, x2.stride(0), 0, 0,
-            x2.stride(1),
-            weight.stride(0), weight.stride(1), weight.stride(2), H * N, N, SPLITS=1, ADD=False,
-            NORM=False,
-            BLOCK_M=_pow2(rows,
-                          1), BLOCK_N=block_n, BLOCK_K=block_k, num_warps=HEAD_GEMV_WARPS,
-                          num_stages=1,
-            launch_pdl=common.PDL)
+            x2.stride(1), weight.stride(0), weight.stride(1), weight.stride(2), H * N, N, groups,
+            SPLITS=1, ADD=False, NORM=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            num_warps=HEAD_GEMV_WARPS, num_stages=1, launch_pdl=common.PDL)
     return out
 
 
