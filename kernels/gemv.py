@@ -54,10 +54,11 @@ NORM_GEMV_MIN_STEP = 64
 # K is cut into this // row blocks slices (at most one a step): two waves of the H200's 132 SMs; K
 # whole from 133 row blocks up, as at all of Kimi-K2's attention projections (--small --sweep)
 NORM_GEMV_PROGRAMS = 264
-# x's rows a program at most (a power of 2): more rows go to more programs, a group of rows each,
-# the groups of a W tile side by side (the later ones reading it from L2), so a program's
-# accumulator and step stay those of GROUP_ROWS rows. 16: every row in one program.
-NORM_GEMV_GROUP_ROWS = 16
+# x's rows may be cut into groups (group_rows, a power of 2), a program a group, the groups of a W
+# tile side by side (all but the first reading it from L2), so that a program's accumulator and
+# step stay those of a group's rows. head_gemv takes groups (HEAD_GEMV_GROUP_ROWS); norm_gemv's
+# projections keep every row in one program: in groups they are faster than in one from 5 rows,
+# but no faster than cuBLAS there (kernels.bench --small, the limits below)
 
 
 @_jit
@@ -222,14 +223,11 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"norm_gemv: residual {residual.dtype} {list(residual.shape)} is not of "
                          f"x's shape and dtype, {x.dtype} {list(x.shape)}")
-    groups, block_m = _groups(rows, group_rows or NORM_GEMV_GROUP_ROWS)
+    groups, block_m = _groups(rows, group_rows or NORM_GEMV_MAX_ROWS)
     bn, step_bytes, warps = NORM_GEMV_BLOCKS[1 if block_m == 1 else "several",
                                              "long" if K >= NORM_GEMV_LONG_K else "short"]
     block_n = block_n or bn
     blocks = triton.cdiv(N, block_n) * groups
-    if blocks > common.COUNTERS:
-        raise ValueError(f"norm_gemv: {N} rows of W make more than {common.COUNTERS} row blocks "
-                         f"of {block_n} x {groups} groups of rows")
     x2, r2 = (t.reshape(rows, K) for t in (x, x if residual is None else residual))
     x2, r2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, r2))
     out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
@@ -239,6 +237,10 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
         block_k = block_k or _norm_gemv_step(block_m, block_n, step_bytes, warps, K,
                                              x.element_size())
         slices, k_split = _k_slices(blocks, K, block_k, programs or NORM_GEMV_PROGRAMS)
+        if slices > 1 and blocks > common.COUNTERS:       # a counter a block of a split K
+            raise ValueError(f"norm_gemv: K in {slices} slices for {blocks} blocks ({N} rows of "
+                             f"W in {block_n}s x {groups} groups of x's rows), more than "
+                             f"{common.COUNTERS}")
         part = torch.empty(slices, rows, N, device=x.device,
                            dtype=torch.float32) if slices > 1 else out
         ss = torch.empty(blocks * slices * block_m, device=x.device, dtype=torch.float32)
@@ -261,7 +263,9 @@ HEAD_GEMV_BLOCK_N = 8            # contiguous K (W_uv, K = 512): 8 heads x 16 ro
 HEAD_GEMV_STEP_BYTES = 1024  # K whole in one step at Kimi-K2's 128 and 512 (not swept); more rows:
 #                                  the step cut to fit NORM_GEMV_ACC_REGS
 HEAD_GEMV_WARPS = 4
-HEAD_GEMV_GROUP_ROWS = 16   # x's rows a program at most (NORM_GEMV_GROUP_ROWS)
+# x's rows a program at most (the groups: beside NORM_GEMV_PROGRAMS): from 5 rows, groups of 4 with
+# the accumulator and step of 4 rows; one program of 16 rows lost to the einsums at 9 to 16
+HEAD_GEMV_GROUP_ROWS = 4
 
 
 def head_gemv(x, weight, group_rows=None):
@@ -308,16 +312,16 @@ launch.head_gemv = head_gemv
 #   GEMV are faster.
 # - o_proj: up to 2 (6.2 against 6.6 at 2, 8.1 against 6.4 at 3).
 # - q_b with its norm: up to 8 (7.9 against 8.8 at 8, 13.2 against 8.9 at 12).
-# - The absorbed W_uk, W_uv (head_gemv): up to 8 (3.7 and 2.8 against the einsums' 5.2 and 5.4-6.9
-#   at 5 to 8 rows; 7.5 and 4.1 against 5.3 and 5.3 at 12).
+# - The absorbed W_uk, W_uv (head_gemv): up to 16, in groups of 4 rows from 5 (HEAD_GEMV_GROUP_ROWS;
+#   in one program of 16 rows 7.5 and 4.1 against the einsums' 5.3 and 5.3 at 12).
 # Re-checked in the step (run.py's INT4 verify sweep, each limit raised alone): o_proj to 4 rows,
-# the input norm inside to 4, q_b and head_gemv to 16 each made the verify slower where they moved
-# it (0.02-1.19 ms; BENCHMARKS.md, Verify sweep).
+# the input norm inside to 4 and q_b to 16 (in one program or in groups of 4 or 8 rows) made the
+# verify slower where they moved it (BENCHMARKS.md, Verify sweep).
 QKVA_GEMV_MAX_ROWS = 4
 INPUT_NORM_QKVA_MAX_ROWS = 1
 O_PROJ_GEMV_MAX_ROWS = 2
 Q_B_GEMV_MAX_ROWS = 8
-HEAD_GEMV_MAX_ROWS = 8
+HEAD_GEMV_MAX_ROWS = 16
 
 
 class NormGemvMLA(model.MLA):
