@@ -1105,9 +1105,9 @@ def test_norm_gemv_with_residual_equals_add_rmsnorm_and_linear(dtype):
     the residual strided views [rows, 1, K]; K whole in a program, in steps of 16, and cut into two
     slices (each program of row block 0 stores its own part of the sum), and in two slices with
     x's rows in groups of 2 (each group's programs of row block 0 store its rows of the sum); also
-    without a norm (two slices). The sum equals x + residual bit for bit; the output float32 to 1e-5 relative, bf16
-    (GPU) to 1% of the largest output (the normed row is not rounded). Refused: a residual of
-    another shape or dtype."""
+    without a norm (two slices). The sum equals x + residual bit for bit; the output float32 to
+    1e-5 relative, bf16 (GPU) to 1% of the largest output (the normed row is not rounded).
+    Refused: a residual of another shape or dtype."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
