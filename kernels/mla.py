@@ -9,8 +9,8 @@ import model
 
 from . import common
 from .common import _jit, _pow2, _wait_for_prior, launch, tl, triton
-from .gemv import (HEAD_GEMV_BLOCK_N, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS, NORM_GEMV_MAX_ROWS,
-                   _norm_gemv_step, head_gemv)
+from .gemv import (HEAD_GEMV_BLOCK_N, HEAD_GEMV_GROUP_ROWS, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS,
+                   NORM_GEMV_MAX_ROWS, _groups, _norm_gemv_step, head_gemv)
 
 
 # MLA decode step: RoPE, cache write and the absorbed attention, split over slots, then a merge
@@ -327,7 +327,7 @@ def _mla_combine_kernel(po_ptr, lse_ptr, pos_ptr, o_ptr, M, kv_len, split_len,
 def _mla_merge_absorb_kernel(po_ptr, lse_ptr, pos_ptr, w_ptr, out_ptr, rows, T, H, N, K, kv_len,
                              split_len,
                              s_pob, s_pom, s_pos, s_lb, s_lm, s_posb, s_wh, s_wn, s_or, s_oh,
-                             PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                             groups, PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr):
     """out[r, h, n] = sum_k o[r, h, k] * W[h, n, k] for the rows r = b*T + t, with o[r, h] the merge
     of query row m = t*H + h of batch row b, as _mla_combine_kernel stores it (rounded to W's
@@ -338,10 +338,12 @@ def _mla_merge_absorb_kernel(po_ptr, lse_ptr, pos_ptr, w_ptr, out_ptr, rows, T, 
     the same layouts, so the same order), so out equals head_gemv of the combine's o bit for bit.
     po [B, M, PARTS, K] and lse [B, M, PARTS] float32 from _mla_decode_kernel (last dims
     contiguous); pos int64 [B, T]; W [H, N, K] (K contiguous); out [rows, H, N] (rows strided, N
-    contiguous) of W's dtype; rows <= BLOCK_M. Grid: (cdiv(N, BLOCK_N), H)."""
+    contiguous) of W's dtype; the rows in head_gemv's groups of BLOCK_M, a program a group (program q
+    of axis 0: W's row block q // groups, group q % groups). Grid: (cdiv(N, BLOCK_N) * groups, H)."""
     _wait_for_prior()
-    pid, h = tl.program_id(0), tl.program_id(1)
-    r = tl.minimum(tl.arange(0, BLOCK_M), rows - 1)  # padding rows repeat the last one, not stored
+    q, h = tl.program_id(0), tl.program_id(1)
+    pid, r_all = q // groups, (q % groups) * BLOCK_M + tl.arange(0, BLOCK_M)
+    r = tl.minimum(r_all, rows - 1)  # padding rows repeat the last one, not stored
     b, m = r // T, (r % T) * H + h
     po_rows = (po_ptr + b * s_pob + m * s_pom)[:, None]  # [BLOCK_M, 1]
     lse_rows = (lse_ptr + b * s_lb + m * s_lm)[:, None]
@@ -366,7 +368,7 @@ def _mla_merge_absorb_kernel(po_ptr, lse_ptr, pos_ptr, w_ptr, out_ptr, rows, T, 
         w = w1
     acc = tl.sum(acc3, 2)                                                   # [m, n]
     tl.store(out_ptr + r[:, None] * s_or + h * s_oh + n[None, :], acc.to(out_ptr.dtype.element_ty),
-             mask=(tl.arange(0, BLOCK_M) < rows)[:, None] & (n < N)[None, :])
+             mask=(r_all < rows)[:, None] & (n < N)[None, :])
 
 
 def mla_block_m(rows, batch, kv_len):
@@ -480,9 +482,10 @@ def mla_combine(unmerged, positions, dtype):
 def mla_merge_absorb(unmerged, positions, w_uv):
     """head_gemv(o_lat, w_uv) with o_lat the merge of mla_decode_attention's parts (merge=False),
     in one launch instead of two, and equal bit for bit: out[b, t, h] = W_uv[h] @ o_lat[b, t, h],
-    [B, T, H, N] in w_uv's dtype. Each of the H x N / HEAD_GEMV_BLOCK_N programs merges its head's
-    B*T rows itself (the parts in use from L2; at Kimi-K2's N = 128, 16 programs a head redo that
-    small merge side by side) before its product. w_uv [H, N, C] (K = C contiguous; a view of
+    [B, T, H, N] in w_uv's dtype. Each program (H x N / HEAD_GEMV_BLOCK_N of them for each of
+    head_gemv's groups of rows) merges its head's rows of its group itself (the parts in use from
+    L2; at Kimi-K2's N = 128, 16 programs a head redo that small merge side by side) before its
+    product. w_uv [H, N, C] (K = C contiguous; a view of
     kv_b_proj's weight) of the model's dtype, positions int64 [B, T] as given to the attention; at
     most NORM_GEMV_MAX_ROWS rows B*T, as head_gemv. Past MLA_MERGE_IN_ORDER_PARTS parts, or where a
     K step's parts of all rows do not fit MLA_MERGE_ABSORB_REGS a thread: the combine, then
@@ -502,18 +505,18 @@ def mla_merge_absorb(unmerged, positions, w_uv):
         raise ValueError(f"mla_merge_absorb: runs bf16, fp16 or float32 and at most "
                          f"{NORM_GEMV_MAX_ROWS} rows, got {w_uv.dtype} and {rows} rows (use the "
                          "plain path)")
-    block_m = _pow2(rows, 1)
-    block_k = _norm_gemv_step(rows, HEAD_GEMV_BLOCK_N, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS, C,
-                              w_uv.element_size())  # head_gemv's steps: the same sums
+    groups, block_m = _groups(rows, HEAD_GEMV_GROUP_ROWS)           # head_gemv's groups and steps:
+    block_k = _norm_gemv_step(block_m, HEAD_GEMV_BLOCK_N, HEAD_GEMV_STEP_BYTES,  # the same sums
+                              HEAD_GEMV_WARPS, C, w_uv.element_size())
     if (parts > MLA_MERGE_IN_ORDER_PARTS
             or parts * block_m * block_k > MLA_MERGE_ABSORB_REGS * 32 * HEAD_GEMV_WARPS):
         return head_gemv(mla_combine(unmerged, positions, w_uv.dtype).view(B, T, H, C), w_uv)
     out = torch.empty(B, T, H, N, device=partial.device, dtype=w_uv.dtype)
     if rows and N and H:
-        _mla_merge_absorb_kernel[(triton.cdiv(N, HEAD_GEMV_BLOCK_N), H)](
+        _mla_merge_absorb_kernel[(triton.cdiv(N, HEAD_GEMV_BLOCK_N) * groups, H)](
             partial, lse, positions, w_uv, out, rows, T, H, N, C, kv_len, split_len,
             partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
-            positions.stride(0), w_uv.stride(0), w_uv.stride(1), H * N, N,
+            positions.stride(0), w_uv.stride(0), w_uv.stride(1), H * N, N, groups,
             PARTS=parts, BLOCK_M=block_m, BLOCK_N=HEAD_GEMV_BLOCK_N, BLOCK_K=block_k,
             num_warps=HEAD_GEMV_WARPS, num_stages=1, launch_pdl=common.PDL)
     return out
