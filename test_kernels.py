@@ -1201,9 +1201,10 @@ def _add_norm_launches(rows, others, L):
 def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     """kernels "norm_gemv" (alone, with the fused residual adds and stacked q_a + kv_a, and with the
     attention kernel) against the plain tiny model, float32, 2 layers: the 36-row prefill runs the
-    plain path, and so does a 9-row step; a 6-row step runs q_b_proj's GEMV kernel (q_a_layernorm
-    inside, up to Q_B_GEMV_MAX_ROWS) once a layer and the absorbed products as head_gemv kernels
-    (decode mode, HEAD_GEMV_MAX_ROWS), the rest plain; steps of 1, 2 and 3 rows also run o_proj (up
+    plain path; a 9-row step runs only the absorbed products as head_gemv kernels (decode mode, up
+    to HEAD_GEMV_MAX_ROWS, in groups of rows); a 6-row step also q_b_proj's GEMV kernel
+    (q_a_layernorm inside, up to Q_B_GEMV_MAX_ROWS) once a layer, the rest plain; steps of 1, 2
+    and 3 rows also run o_proj (up
     to O_PROJ_GEMV_MAX_ROWS) and, with fused_proj, the stacked q_a + kv_a (QKVA_GEMV_MAX_ROWS) as
     GEMV kernels. With the attention kernel, decode mode at one row (MLA_MERGE_ABSORB_MAX_ROWS)
     merges the attention's parts in W_uv's launch (mla_merge_absorb, no combine launch: W_uk's

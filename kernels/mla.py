@@ -327,8 +327,8 @@ def _mla_combine_kernel(po_ptr, lse_ptr, pos_ptr, o_ptr, M, kv_len, split_len,
 def _mla_merge_absorb_kernel(po_ptr, lse_ptr, pos_ptr, w_ptr, out_ptr, rows, T, H, N, K, kv_len,
                              split_len,
                              s_pob, s_pom, s_pos, s_lb, s_lm, s_posb, s_wh, s_wn, s_or, s_oh,
-                             groups, PARTS: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                             BLOCK_K: tl.constexpr):
+                             groups, PARTS: tl.constexpr, BLOCK_M: tl.constexpr,
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[r, h, n] = sum_k o[r, h, k] * W[h, n, k] for the rows r = b*T + t, with o[r, h] the merge
     of query row m = t*H + h of batch row b, as _mla_combine_kernel stores it (rounded to W's
     dtype): the combine and head_gemv's product in one launch. Each program merges its head's rows
@@ -338,8 +338,9 @@ def _mla_merge_absorb_kernel(po_ptr, lse_ptr, pos_ptr, w_ptr, out_ptr, rows, T, 
     the same layouts, so the same order), so out equals head_gemv of the combine's o bit for bit.
     po [B, M, PARTS, K] and lse [B, M, PARTS] float32 from _mla_decode_kernel (last dims
     contiguous); pos int64 [B, T]; W [H, N, K] (K contiguous); out [rows, H, N] (rows strided, N
-    contiguous) of W's dtype; the rows in head_gemv's groups of BLOCK_M, a program a group (program q
-    of axis 0: W's row block q // groups, group q % groups). Grid: (cdiv(N, BLOCK_N) * groups, H)."""
+    contiguous) of W's dtype; the rows in head_gemv's groups of BLOCK_M, a program a group
+    (program q of axis 0: W's row block q // groups, group q % groups).
+    Grid: (cdiv(N, BLOCK_N) * groups, H)."""
     _wait_for_prior()
     q, h = tl.program_id(0), tl.program_id(1)
     pid, r_all = q // groups, (q % groups) * BLOCK_M + tl.arange(0, BLOCK_M)
