@@ -1094,6 +1094,9 @@ def test_norm_gemv_kernel_equals_twin(dtype):
                     f"{what}: the last programs leave the counters 0"
     with pytest.raises(ValueError, match="at most 16 rows"):
         kernels.norm_gemv(torch.zeros(17, 64, device=device), torch.zeros(8, 64, device=device))
+    with pytest.raises(ValueError, match="group_rows 3: a power of 2"):
+        kernels.norm_gemv(torch.zeros(5, 64, device=device), torch.zeros(8, 64, device=device),
+                          group_rows=3)
 
 
 @pytest.mark.triton

@@ -309,8 +309,9 @@ def bench_norm_gemv(bw, rows, sweep=False, Ms=None):
     """norm_gemv at Kimi-K2 TP-8 shapes against the plain RMSNorm + cuBLAS: q_a + kv_a (stacked, no
     norm, as NormGemvMLA.q_kv_a), q_b with q_a_layernorm, o_proj (no norm); the weight sets rotated
     past the L2. head_gemv against the einsums with the copy the model makes of their permuted
-    output. Each at more than 2 rows also with x's rows in smaller groups, a program a group
-    (group_rows). sweep: block configurations too, K whole in a program (programs 1: the first
+    output. Each at more than 1 row also with x's rows in smaller groups, a program a group
+    (group_rows; None: the default, one group for norm_gemv, HEAD_GEMV_GROUP_ROWS for head_gemv).
+    sweep: block configurations too, K whole in a program (programs 1: the first
     version's shape) among them."""
     print(f"\nnorm_gemv, Kimi-K2 TP 8, bf16 (us per call in a graph; GB/s of the weight; copy "
           f"{bw:.0f} GB/s)")

@@ -195,6 +195,8 @@ def _norm_gemv_step(rows, block_n, step_bytes, warps, K, elem):
 
 def _groups(rows, group_rows):
     """(groups, BLOCK_M): x's rows cut into groups of at most group_rows (a power of 2)."""
+    if group_rows < 1 or group_rows & (group_rows - 1):
+        raise ValueError(f"group_rows {group_rows}: a power of 2 rows a program is needed")
     block_m = min(_pow2(rows, 1), group_rows)
     return triton.cdiv(rows, block_m), block_m
 
