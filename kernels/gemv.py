@@ -57,8 +57,8 @@ NORM_GEMV_PROGRAMS = 264
 # x's rows may be cut into groups (group_rows, a power of 2), a program a group, the groups of a W
 # tile side by side (all but the first reading it from L2), so that a program's accumulator and
 # step stay those of a group's rows. head_gemv takes groups (HEAD_GEMV_GROUP_ROWS); norm_gemv's
-# projections keep every row in one program: in groups they are faster than in one from 5 rows,
-# but no faster than cuBLAS there (kernels.bench --small, the limits below)
+# projections keep every row in one program: in groups they are no faster than cuBLAS past the
+# limits below, nor than one program at q_b's 5 to 8 rows (kernels.bench --small)
 
 
 @_jit
@@ -112,18 +112,18 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """out[m, n] = sum_k h[m, k] * W[n, k] with h = x (NORM: RMSNorm(x), x * rsqrt(mean(x^2) + eps)
     * g). ADD: x is the sum x + r of x and a residual r [M, K], rounded to x's dtype, which the
-    programs of row block 0 (each for its own slice of K, after its products) store into sum [M, K]
-    (rows strided, last dim contiguous).
+    programs of W's row block 0 (each for its own rows and slice of K, after its products) store
+    into sum [M, K] (rows strided, last dim contiguous).
     x [M, K], out [M, N] (rows strided, last dim contiguous), W [N, K] (any strides), g [K]; x, out
-    and W of one dtype; float32 products on the CUDA cores, added up elementwise over
-    the steps and summed over k at the end. Each step loads the next step's W tile before it uses
-    its own. Slice s of K is [s * k_split, (s + 1) * k_split); with SPLITS > 1, part [SPLITS, M, N]
-    and ss [N / BLOCK_N, SPLITS, BLOCK_M] float32 hold the slices' sums and sums of squares, count
-    [N / BLOCK_N] int32 zeros. With heads (grid axis 1, head_gemv, SPLITS 1): x, W and out of head j
-    start s_xh, s_wh, s_oh elements further. x's rows in `groups` groups of BLOCK_M (M <= groups x
-    BLOCK_M), a program a group: program q of axis 0 takes W's row block q // groups and group
-    q % groups, so the groups of one row block run side by side and all but the first read W's
-    tile from L2; ss and count are by q then. Grid: (cdiv(N, BLOCK_N) * groups, heads, SPLITS)."""
+    and W of one dtype; float32 products on the CUDA cores, added up elementwise over the steps and
+    summed over k at the end. Each step loads the next step's W tile before it uses its own. Slice
+    s of K is [s * k_split, (s + 1) * k_split); with SPLITS > 1, part [SPLITS, M, N] and ss
+    [cdiv(N, BLOCK_N) x groups, SPLITS, BLOCK_M] float32 hold the slices' sums and sums of squares,
+    count [cdiv(N, BLOCK_N) x groups] int32 zeros. With heads (grid axis 1, head_gemv, SPLITS 1):
+    x, W and out of head j start s_xh, s_wh, s_oh elements further. x's rows in `groups` groups of
+    BLOCK_M (M <= groups x BLOCK_M), a program a group: program q of axis 0 takes W's row block
+    q // groups and group q % groups, so the groups of one row block run side by side and all but
+    the first read W's tile from L2. Grid: (cdiv(N, BLOCK_N) * groups, heads, SPLITS)."""
     _wait_for_prior()
     q, j, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pid = q // groups
@@ -207,8 +207,8 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
     weight [N, K] (rows may be a strided view), norm_weight [K] (None: no norm, a plain GEMV), at
     most NORM_GEMV_MAX_ROWS rows. Returns [..., N]. With a residual (x's shape and dtype) the input
     is x + residual, rounded to x's dtype as model.RMSNorm's add: returns ([..., N], x + residual).
-    The block arguments and group_rows override the defaults above (benchmarks; tests force
-    several slices of a small K and several groups of rows)."""
+    The block arguments and group_rows (default: every row in one program) override the defaults
+    above (benchmarks; tests force several slices of a small K and several groups of rows)."""
     K = x.shape[-1]
     N = weight.shape[0]
     rows = x.numel() // K if K else 0
@@ -315,10 +315,12 @@ launch.head_gemv = head_gemv
 # - o_proj: up to 2 (6.2 against 6.6 at 2, 8.1 against 6.4 at 3).
 # - q_b with its norm: up to 8 (7.9 against 8.8 at 8, 13.2 against 8.9 at 12).
 # - The absorbed W_uk, W_uv (head_gemv): up to 16, in groups of 4 rows from 5 (HEAD_GEMV_GROUP_ROWS;
-#   in one program of 16 rows 7.5 and 4.1 against the einsums' 5.3 and 5.3 at 12).
+#   at 10 to 16 rows 5.5-5.7 and 3.2-3.8 against the einsums' 5.2-5.3 and 5.3-6.2; in one program
+#   of 16 rows 7.5 and 4.1 at 12).
+# q_b in groups of 4 is no faster than cuBLAS from 9 rows (11.7-14.6 against 8.8-8.9).
 # Re-checked in the step (run.py's INT4 verify sweep, each limit raised alone): o_proj to 4 rows,
-# the input norm inside to 4 and q_b to 16 (in one program or in groups of 4 or 8 rows) made the
-# verify slower where they moved it (BENCHMARKS.md, Verify sweep).
+# the input norm inside to 4 and q_b to 16 in one program made the verify slower where they moved
+# it, q_b to 16 in groups no faster (BENCHMARKS.md, Tried and not kept).
 QKVA_GEMV_MAX_ROWS = 4
 INPUT_NORM_QKVA_MAX_ROWS = 1
 O_PROJ_GEMV_MAX_ROWS = 2
