@@ -311,13 +311,13 @@ def bench_norm_gemv(bw, rows, sweep=False, Ms=None):
     past the L2. head_gemv against the einsums with the copy the model makes of their permuted
     output. Each at more than 1 row also with x's rows in smaller groups, a program a group
     (group_rows; None: the default, one group for norm_gemv, HEAD_GEMV_GROUP_ROWS for head_gemv).
-    sweep: block configurations too, K whole in a program (programs 1: the first
-    version's shape) among them."""
+    sweep: block configurations too, K whole in a program (programs 1: the first version's shape)
+    among them."""
     print(f"\nnorm_gemv, Kimi-K2 TP 8, bf16 (us per call in a graph; GB/s of the weight; copy "
           f"{bw:.0f} GB/s)")
     dt = torch.bfloat16
-    # (BLOCK_N, BLOCK_K, programs) at M 1; programs 1 keeps K whole in a program, the first
-    # version's shape
+    # (BLOCK_N, BLOCK_K, programs, group_rows) at M 1; programs 1 keeps K whole in a program, the
+    # first version's shape
     sweep_points = [(16, 256, 1024, None), (64, 256, 1024, None), (32, 256, 512, None),
                     (32, 256, 2048, None), (32, 512, 1024, None),
                     (32, 256, 1, None)] if sweep else []
@@ -344,8 +344,8 @@ def bench_norm_gemv(bw, rows, sweep=False, Ms=None):
                              for x, w in zip(xs, ws)]
                     us = graph_ms(calls) * 1e3
                 except Exception as e:   # a configuration past the SM's shared memory, say
-                    print(f"  {name:9s} M {M}  config {bn, bk, programs}: {type(e).__name__} "
-                          f"{str(e)[:80]}")
+                    print(f"  {name:9s} M {M}  config {bn, bk, programs} group_rows "
+                          f"{group_rows}: {type(e).__name__} {str(e)[:80]}")
                     continue
                 print(f"  {name:9s} M {M}  config {bn, bk, programs} group_rows {group_rows}: "
                       f"kernel {us:6.1f} us ({N * K * 2 / us / 1e3:5.0f} GB/s)  twin {base:6.1f} "

@@ -486,11 +486,10 @@ def mla_merge_absorb(unmerged, positions, w_uv):
     [B, T, H, N] in w_uv's dtype. Each program (H x N / HEAD_GEMV_BLOCK_N of them for each of
     head_gemv's groups of rows) merges its head's rows of its group itself (the parts in use from
     L2; at Kimi-K2's N = 128, 16 programs a head redo that small merge side by side) before its
-    product. w_uv [H, N, C] (K = C contiguous; a view of
-    kv_b_proj's weight) of the model's dtype, positions int64 [B, T] as given to the attention; at
-    most NORM_GEMV_MAX_ROWS rows B*T, as head_gemv. Past MLA_MERGE_IN_ORDER_PARTS parts, or where a
-    K step's parts of all rows do not fit MLA_MERGE_ABSORB_REGS a thread: the combine, then
-    head_gemv."""
+    product. w_uv [H, N, C] (K = C contiguous; a view of kv_b_proj's weight) of the model's dtype,
+    positions int64 [B, T] as given to the attention; at most NORM_GEMV_MAX_ROWS rows B*T, as
+    head_gemv. Past MLA_MERGE_IN_ORDER_PARTS parts, or where a K step's parts of all rows do not fit
+    MLA_MERGE_ABSORB_REGS a thread: the combine, then head_gemv."""
     partial, lse, split_len, kv_len = unmerged
     B, M, parts, C = partial.shape
     H = w_uv.shape[0]
