@@ -1072,14 +1072,17 @@ def test_norm_gemv_kernel_equals_twin(dtype):
             norm.weight.copy_(1 + 0.1 * torch.randn(K, generator=g))
         # rows strided
         w = (torch.randn(N + 3, K + 8, generator=g) / K ** 0.5).to(device, dtype)[:N, :K]
-        two_slices = (8, 16, 2 * ((N + 7) // 8), None)  # (block_n, block_k, programs, group_rows)
-        grouped = (None, None, None, 2), two_slices[:3] + (2,)
+        # (block_n, block_k, programs, group_rows)
+        whole, steps16 = (None, None, None, None), (None, 16, None, None)
+        two_slices = (8, 16, 2 * ((N + 7) // 8), None)
+        grouped, grouped_slices = (None, None, None, 2), two_slices[:3] + (2,)
+        cases = list(itertools.product((norm, None), (whole, steps16, two_slices, grouped,
+                                                      grouped_slices)))
+        cpu_cases = [(norm, whole), (norm, steps16), (norm, two_slices), (norm, grouped_slices),
+                     (None, two_slices)]
         for rows in (1, 2, 3, 4, 5, 16) if device == "cuda" else (1, 3, 4, 16):
             x = (2 * torch.randn(rows, K + 5, generator=g)).to(device, dtype)[:, :K]  # rows strided
-            cases = list(itertools.product((norm, None), ((None, None, None, None),
-                                                          (None, 16, None, None), two_slices)
-                                           + grouped))
-            for nrm, blocks in cases if device == "cuda" else cases[:3] + cases[4:5] + cases[-3:-2]:
+            for nrm, blocks in cases if device == "cuda" else cpu_cases:
                 block_n, block_k, programs, group_rows = blocks
                 out = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6,
                                         block_n=block_n, block_k=block_k, programs=programs,
@@ -1207,13 +1210,13 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     plain path; a 9-row step runs only the absorbed products as head_gemv kernels (decode mode, up
     to HEAD_GEMV_MAX_ROWS, in groups of rows); a 6-row step also q_b_proj's GEMV kernel
     (q_a_layernorm inside, up to Q_B_GEMV_MAX_ROWS) once a layer, the rest plain; steps of 1, 2
-    and 3 rows also run o_proj (up
-    to O_PROJ_GEMV_MAX_ROWS) and, with fused_proj, the stacked q_a + kv_a (QKVA_GEMV_MAX_ROWS) as
-    GEMV kernels. With the attention kernel, decode mode at one row (MLA_MERGE_ABSORB_MAX_ROWS)
-    merges the attention's parts in W_uv's launch (mla_merge_absorb, no combine launch: W_uk's
-    head_gemv alone), and at more rows in the combine launch; both modes. (On the CPU, with the
-    attention kernel, the prefill runs extend mode in both, as generate prefills: the decode
-    kernel over 12 tokens a row is the interpreter's slowest part and no norm_gemv launch.)"""
+    and 3 rows also run o_proj (up to O_PROJ_GEMV_MAX_ROWS) and, with fused_proj, the stacked q_a
+    + kv_a (QKVA_GEMV_MAX_ROWS) as GEMV kernels. With the attention kernel, decode mode at one
+    row (MLA_MERGE_ABSORB_MAX_ROWS) merges the attention's parts in W_uv's launch
+    (mla_merge_absorb, no combine launch: W_uk's head_gemv alone), and at more rows in the combine
+    launch; both modes. (On the CPU, with the attention kernel, the prefill runs extend mode in
+    both, as generate prefills: the decode kernel over 12 tokens a row is the interpreter's
+    slowest part and no norm_gemv launch.)"""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(num_hidden_layers=2)
     plain = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32), 0)
