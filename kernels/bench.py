@@ -335,7 +335,7 @@ def bench_norm_gemv(bw, rows, sweep=False, Ms=None):
             def plain(x, w):
                 return torch.nn.functional.linear(x if norm is None else norm(x), w)
             base = graph_ms([partial(plain, x, w) for x, w in zip(xs, ws)]) * 1e3
-            configs = [(None, None, None, None)] + [(None, None, None, r) for r in _groups(M)]
+            configs = [(None, None, None, None)] + [(None, None, None, r) for r in _group_sizes(M)]
             for bn, bk, programs, group_rows in configs + (sweep_points if M == 1 else []):
                 g = None if norm is None else norm.weight
                 try:
@@ -366,7 +366,7 @@ def bench_norm_gemv(bw, rows, sweep=False, Ms=None):
                 return torch.einsum(eq, x, w).contiguous()
             # 1 MB of weights: in L2 either way
             base = graph_ms([partial(twin, x, w, eq)] * 8) * 1e3
-            for group_rows in [None] + _groups(M):
+            for group_rows in [None] + _group_sizes(M):
                 us = graph_ms([partial(head_gemv, x, w, group_rows=group_rows)] * 8) * 1e3
                 print(f"  {name:12s} M {M} group_rows {group_rows}: kernel {us:6.1f} us  twin "
                       f"(einsum) {base:6.1f} us")
@@ -374,7 +374,7 @@ def bench_norm_gemv(bw, rows, sweep=False, Ms=None):
                                  us=us, twin_us=base))
 
 
-def _groups(M):
+def _group_sizes(M):
     """The groups of rows a program tried at M rows beside the default: 1, 2, 4 and 8 below M."""
     return [r for r in (1, 2, 4, 8) if r < M]
 
@@ -394,7 +394,7 @@ def bench_input_norm_in_qkva(rows, Ms=None):
         xs, rs = ([torch.randn(M, K, device="cuda", dtype=dt) for _ in range(sets)]
                   for _ in range(2))
         base = graph_ms([partial(two_launches, x, r, w) for x, r, w in zip(xs, rs, ws)]) * 1e3
-        for group_rows in [None] + _groups(M):
+        for group_rows in [None] + _group_sizes(M):
             us = graph_ms([partial(norm_gemv, x, w, g, 1e-6, residual=r, group_rows=group_rows)
                            for x, r, w in zip(xs, rs, ws)]) * 1e3
             print(f"  add+norm+q_a+kv_a M {M} group_rows {group_rows}: kernel {us:6.1f} us  twin "
