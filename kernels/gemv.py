@@ -270,6 +270,14 @@ HEAD_GEMV_WARPS = 4
 HEAD_GEMV_GROUP_ROWS = 4
 
 
+def _head_gemv_blocks(rows, block_n, K, elem, group_rows=None):
+    """head_gemv's (groups, BLOCK_M, BLOCK_K) at `rows` rows: its groups of rows and its K step,
+    which mla_merge_absorb takes too so that its sums are head_gemv's, bit for bit."""
+    groups, block_m = _groups(rows, group_rows or HEAD_GEMV_GROUP_ROWS)
+    return groups, block_m, _norm_gemv_step(block_m, block_n, HEAD_GEMV_STEP_BYTES,
+                                            HEAD_GEMV_WARPS, K, elem)
+
+
 def head_gemv(x, weight, group_rows=None):
     """out[..., j, n] = sum_k x[..., j, k] * weight[j, n, k], for each of H heads j: x [..., H, K]
     (last dim contiguous, the leading dims flattening to at most NORM_GEMV_MAX_ROWS rows of one
@@ -291,9 +299,8 @@ def head_gemv(x, weight, group_rows=None):
     out = torch.empty(*lead, H, N, device=x.device, dtype=x.dtype)
     if rows and N and H:
         block_n = HEAD_GEMV_BLOCK_N if weight.stride(2) == 1 else HEAD_GEMV_BLOCK_N_STRIDED
-        groups, block_m = _groups(rows, group_rows or HEAD_GEMV_GROUP_ROWS)
-        block_k = _norm_gemv_step(block_m, block_n, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS, K,
-                                  x.element_size())
+        groups, block_m, block_k = _head_gemv_blocks(rows, block_n, K, x.element_size(),
+                                                     group_rows)
         _norm_gemv_kernel[(triton.cdiv(N, block_n) * groups, H, 1)](
             x2, x2, x2, x2, weight, out, out, out, out, rows, N, K, K, 0.0, x2.stride(0), 0, 0,
             x2.stride(1), weight.stride(0), weight.stride(1), weight.stride(2), H * N, N, groups,

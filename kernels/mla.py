@@ -9,8 +9,8 @@ import model
 
 from . import common
 from .common import _jit, _pow2, _wait_for_prior, launch, tl, triton
-from .gemv import (HEAD_GEMV_BLOCK_N, HEAD_GEMV_GROUP_ROWS, HEAD_GEMV_STEP_BYTES, HEAD_GEMV_WARPS,
-                   NORM_GEMV_MAX_ROWS, _groups, _norm_gemv_step, head_gemv)
+from .gemv import (HEAD_GEMV_BLOCK_N, HEAD_GEMV_WARPS, NORM_GEMV_MAX_ROWS, _head_gemv_blocks,
+                   head_gemv)
 
 
 # MLA decode step: RoPE, cache write and the absorbed attention, split over slots, then a merge
@@ -505,9 +505,8 @@ def mla_merge_absorb(unmerged, positions, w_uv):
         raise ValueError(f"mla_merge_absorb: runs bf16, fp16 or float32 and at most "
                          f"{NORM_GEMV_MAX_ROWS} rows, got {w_uv.dtype} and {rows} rows (use the "
                          "plain path)")
-    groups, block_m = _groups(rows, HEAD_GEMV_GROUP_ROWS)           # head_gemv's groups and steps:
-    block_k = _norm_gemv_step(block_m, HEAD_GEMV_BLOCK_N, HEAD_GEMV_STEP_BYTES,  # the same sums
-                              HEAD_GEMV_WARPS, C, w_uv.element_size())
+    # head_gemv's groups and steps: the same sums
+    groups, block_m, block_k = _head_gemv_blocks(rows, HEAD_GEMV_BLOCK_N, C, w_uv.element_size())
     if (parts > MLA_MERGE_IN_ORDER_PARTS
             or parts * block_m * block_k > MLA_MERGE_ABSORB_REGS * 32 * HEAD_GEMV_WARPS):
         return head_gemv(mla_combine(unmerged, positions, w_uv.dtype).view(B, T, H, C), w_uv)
