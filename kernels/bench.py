@@ -309,8 +309,9 @@ def bench_norm_gemv(bw, rows, sweep=False, Ms=None):
     """norm_gemv at Kimi-K2 TP-8 shapes against the plain RMSNorm + cuBLAS: q_a + kv_a (stacked, no
     norm, as NormGemvMLA.q_kv_a), q_b with q_a_layernorm, o_proj (no norm); the weight sets rotated
     past the L2. head_gemv against the einsums with the copy the model makes of their permuted
-    output. Each at more than 1 row also with x's rows in smaller groups, a program a group
-    (group_rows; None: the default, one group for norm_gemv, HEAD_GEMV_GROUP_ROWS for head_gemv).
+    output (bench_head_gemv). Each at more than 1 row also with x's rows in smaller groups, a
+    program a group (group_rows; None: the default, one group for norm_gemv, HEAD_GEMV_GROUP_ROWS
+    for head_gemv).
     sweep: block configurations too, K whole in a program (programs 1: the first version's shape)
     among them."""
     print(f"\nnorm_gemv, Kimi-K2 TP 8, bf16 (us per call in a graph; GB/s of the weight; copy "
@@ -353,6 +354,14 @@ def bench_norm_gemv(bw, rows, sweep=False, Ms=None):
                 rows.append(dict(kernel="norm_gemv", proj=name, M=M, config=[bn, bk, programs],
                                  group_rows=group_rows, us=us, twin_us=base))
     bench_input_norm_in_qkva(rows, Ms)
+    bench_head_gemv(rows, Ms)
+
+
+def bench_head_gemv(rows, Ms=None):
+    """head_gemv at Kimi-K2 TP-8 heads (MLA's absorbed W_uk and W_uv, views of one kv_b_proj
+    weight) against the einsums with the copy the model makes of their permuted output, in its
+    default groups of rows and in groups of 1, 2, 4 and 8 below M."""
+    dt = torch.bfloat16
     # W_uk, W_uv [H, 128, C] of one buffer
     kv_b = torch.randn(8, 256, 512, device="cuda", dtype=dt) / 512 ** 0.5
     w_uk, w_uv = kv_b.split([128, 128], 1)
