@@ -331,25 +331,22 @@ def test_gpu_fused_moe_int4_tiles_packed_form_equals_fp32_form():
 
 @pytest.mark.gpu
 @pytest.mark.triton
-@pytest.mark.parametrize("variant", ["dot", "gemv"])
-def test_gpu_fused_moe_int4_graph_equals_eager(variant):
-    """The INT4 variants at a Kimi-K2 TP-8 rank's shapes (384 experts, D 7168, I 256), bf16,
+def test_gpu_fused_moe_int4_tiles_graph_equals_eager():
+    """The INT4 tile variant at a Kimi-K2 TP-8 rank's shapes (384 experts, D 7168, I 256), bf16,
     captured once with no host sync: replays on new tokens and new routing (16 tokens, from every
-    expert distinct to all on the same 8: the GEMV's pairs-dot path with its 16 slices a tile and
-    two chunks of pairs where 16 or more share one, counters and all) equal the eager call, and the
-    plain module; the counters are left zero."""
+    expert distinct to all on the same 8) equal the eager call, and the plain module."""
     experts, D = moe_experts("kimi", "int4", 384, "cuda", torch.bfloat16)
     g = torch.Generator().manual_seed(0)
-    N = 16 if variant == "dot" else 20
+    N = 16
     ids, w = routing("random", N, 8, 384, g, "cuda")
     x = torch.randn(N, D, generator=g).to("cuda", torch.bfloat16)
-    experts.fused(x, ids, w, variant=variant)                            # compile outside capture
+    experts.fused(x, ids, w, variant="dot")                              # compile outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.cuda.graph(graph):
-            out = experts.fused(x, ids, w, variant=variant)
+            out = experts.fused(x, ids, w, variant="dot")
     finally:
         torch.cuda.set_sync_debug_mode("default")
     for kind in ("disjoint", "random", "shared"):
@@ -358,12 +355,10 @@ def test_gpu_fused_moe_int4_graph_equals_eager(variant):
         w.copy_(new_w)
         x.copy_(torch.randn(N, D, generator=g).to("cuda", torch.bfloat16))
         graph.replay()
-        eager = experts.fused(x, ids, w, variant=variant)
-        what = f"INT4 {variant}, {kind} routing"
-        assert_close(out, eager, 0.0, f"{what}: graph replay vs eager")
+        eager = experts.fused(x, ids, w, variant="dot")
+        assert_close(out, eager, 0.0, f"INT4 tiles, {kind} routing: graph replay vs eager")
         ref = model.Experts.forward(experts, x, ids, w)
-        assert_close(out, ref, 2e-2 * ref.abs().max().item(), f"{what}: vs plain")
-        assert not kernels._counters(x.device).any(), f"{what}: counters left non-zero"
+        assert_close(out, ref, 2e-2 * ref.abs().max().item(), f"INT4 tiles, {kind}: vs plain")
 
 
 @pytest.mark.triton
@@ -395,44 +390,6 @@ def test_fused_moe_gemv_int4_even_and_masked_blocks():
                                     configs=dict(gate_up=gate_up, down=down))
             assert_close(got, want, 1e-5 * want.abs().max().item(),
                          f"GEMV INT4 {gate_up} {down}, shared {sh is not None}")
-
-
-@pytest.mark.triton
-def test_fused_moe_gemv_int4_pairs_dot_equals_a_pass_a_pair():
-    """INT4 gate_up's pairs-dot path (an expert of PAIRS_DOT_MIN pairs or more: its rows once, the
-    pairs through tl.dot) against the same launch with it off (a pass a pair) and the gather path:
-    17 tokens on one expert (two chunks of 16 pairs), then 5 tokens of 2 experts at random (experts
-    of 1 pair beside experts of several). 8 row programs over 2 tiles of 16 rows: 4 slices of D a
-    tile, so the last slice to finish adds them (a counter a pair and tile), masked (D 320: slices
-    of 128 in steps of 64, the third ending inside a step, the fourth empty) and, on the GPU, not
-    (D 256); the counters are left zero and a second call repeats the first bitwise. bf16 too on the
-    GPU (the packed dequantization)."""
-    on_gpu = TRITON_DEVICE.type == "cuda"
-    for D, dtype in [(D, dt) for D in ((256, 320) if on_gpu else (320,))
-                     for dt in ((torch.float32, torch.bfloat16) if on_gpu else (torch.float32,))]:
-        args = tiny(n_routed_experts=16, num_experts_per_tok=2, hidden_size=D,
-                    moe_intermediate_size=64, quantization_config="int4")
-        experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, dtype), 0).experts
-        weights = [kernels.expert_weights(getattr(experts, p))
-                   for p in ("gate_proj", "up_proj", "down_proj")]
-        g = torch.Generator().manual_seed(4)
-        blocks = dict(gate_up=(4, 8, 4), down=(32, 32, 4))
-        for N, K, kind in ((17, 1, "shared"), (5, 2, "random")):
-            ids, w = routing(kind, N, K, 16, g, TRITON_DEVICE)
-            pairs = torch.bincount(ids.flatten().cpu())
-            assert pairs.max() >= 2 and (kind == "shared" or pairs[pairs > 0].min() == 1), pairs
-            x = torch.randn(N, D, generator=g).to(TRITON_DEVICE, dtype)
-            got = kernels.fused_moe(x, ids, w, *weights, variant="gemv", configs=blocks)
-            per_pair = kernels.fused_moe(x, ids, w, *weights, variant="gemv",
-                                         configs=dict(blocks, pairs_dot=0))
-            ref = model.Experts.forward(experts, x, ids, w)
-            what = f"INT4 pairs dot, D {D}, {dtype}, {N} tokens {kind}"
-            tol = (1e-5 if dtype == torch.float32 else 2e-2) * ref.abs().max().item()
-            assert_close(got, per_pair, tol, f"{what}: vs a pass a pair")
-            assert_close(got, ref, tol, f"{what}: vs the gather path")
-            assert not kernels._counters(x.device).any(), f"{what}: counters left non-zero"
-            again = kernels.fused_moe(x, ids, w, *weights, variant="gemv", configs=blocks)
-            assert torch.equal(again, got), f"{what}: a second call differs"
 
 
 @pytest.mark.triton
@@ -688,34 +645,24 @@ GEMV_DATA_PASSES = {None: {}, "fp8": {}, "int4": {"gate": 2, "up": 2}}
 @pytest.mark.triton
 @ON_THE_INTERPRETER
 @pytest.mark.parametrize("quant", [None, "int4", "fp8"])
-def test_fused_moe_gemv_variant_reads_shared_experts_once_in_int4_gate_up_only(quant):
-    """The GEMV variant pays once only in INT4's gate_up. There an expert that PAIRS_DOT_MIN or
-    more tokens picked takes the pairs-dot path: its gate and up data and scales are read once,
-    element by element (issued = distinct = the expert's bytes). Everywhere else it issues one read
-    of an expert per token that picks it: gate_up runs a program per pair and row block, each a pass
-    over its expert's rows (on a GPU side by side, the later ones mostly reading from L2, but they
-    are issued loads), and down is token-major (each token reads its K experts). So an expert with
-    c pairs is issued c passes of every other tensor (data: GEMV_DATA_PASSES times its bytes a pass,
-    scales: as often as for one token), and its distinct bytes are its bytes once. "shared" routing
-    gives 4 pairs to each picked expert, "random" 1 to 4."""
+def test_fused_moe_gemv_variant_reads_an_expert_once_per_token_that_picks_it(quant):
+    """The GEMV variant does NOT pay once: it issues one read of an expert per token that picks
+    it. gate_up runs a program per pair and row block, each a pass over its expert's rows (on a GPU
+    side by side, the later ones mostly reading from L2, but they are issued loads), and down is
+    token-major (each token reads its K experts). So an expert with c pairs is issued c passes of
+    every tensor (data: GEMV_DATA_PASSES times its bytes a pass, scales: as often as for one
+    token), and its distinct bytes are its bytes once."""
     experts, D = moe_experts("tiny", quant, 16, TRITON_DEVICE, torch.float32)
     one, per_pass = one_expert_bytes(experts), per_pass_bytes(experts, D, "gemv")
     for name in ("gate", "up", "down"):
         passes = GEMV_DATA_PASSES[quant].get(name, 1)
         assert per_pass[name] == passes * one[name], (
             f"{name}: {per_pass[name]} bytes issued a pass, {one[name]} held")
-    least = kernels.moe_gemv.PAIRS_DOT_MIN["int4"]
-    assert least >= 2, "one token's K experts differ: the test needs the path to start at 2 pairs"
-    together = {"gate", "up", "gate scales", "up scales"} if quant == "int4" else set()
     for N, kind in ((4, "shared"), (4, "random")):
         pairs, reads = moe_reads(experts, D, N, kind, "gemv", seed=2)
-        assert any(p >= least for p in pairs) and (kind == "shared" or 0 < min(p for p in pairs
-                                                                               if p) < least)
         for name, (issued, distinct) in reads.items():
             what = f"{quant or 'plain'} {name}, {kind} routing, pairs per expert {pairs}"
-            want = [one[name] if name in together and p >= least else p * per_pass[name]
-                    for p in pairs]
-            assert issued == want, f"{what}: issued {issued}"
+            assert issued == [p * per_pass[name] for p in pairs], f"{what}: issued {issued}"
             once = [one[name] if p else 0 for p in pairs]
             assert distinct == once, f"{what}: distinct {distinct}"
 

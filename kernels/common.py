@@ -76,10 +76,9 @@ def _pow2(n, least=16):
 
 
 # The counters of the kernels that end in a last program (router, norm_gemv, the GEMV MoE's shared
-# expert and INT4 pairs dot, the draft attention kernel): one per program group a launch adds into;
-# a launch that would need more refuses, the pairs dot turns itself off (no sweep: a capacity, far
-# above Kimi-K2's largest need: the pairs dot of 32 tokens at TP 8 takes 256 * 16).
-COUNTERS = 1 << 15
+# expert, the draft attention kernel): one per program group a launch adds into; a launch that would
+# need more refuses (no sweep: a capacity, far above Kimi-K2's largest need).
+COUNTERS = 4096
 
 
 @functools.cache

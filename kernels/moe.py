@@ -9,7 +9,7 @@ from . import common, moe_gemv
 from .stacked import stack_rows
 from .common import HAVE_TRITON, AttachAgain, _jit, _wait_for_prior, interpreting, tl, triton
 from .moe_gemv import (FORMATS, GEMV_MAX_PAIRS, SHARED_SPLIT, ExpertWeights, _check_planes,
-                       _gemv_configs, _int4_block, _weight_args, gemv_max_tokens)
+                       _gemv_configs, _weight_args, gemv_max_tokens)
 
 
 # y[n] = sum_k w[n, k] * down[e] @ (silu(gate[e] @ x[n]) * (up[e] @ x[n])),  e = ids[n, k]
@@ -63,7 +63,7 @@ def _configs(fmt, P, I, on_gpu):
        kernels_plain_dot_5to8_moe.json, kernels_plain_wide_moe.json). Other widths keep 32 rows
        (not measured);
      - down BLOCK_N 64 (D = 7168: 112 programs an expert tile; its other sizes move little).
-    INT4 (its own kernels, the section "INT4 tiles" below; BLOCK_N counts weight rows; gate_up's
+    INT4 (its own kernels, the section above _int4_block; BLOCK_N counts weight rows; gate_up's
     fifth entry is SPLIT, the parts of D): from a sweep at 8 and 32 tokens, uniform routing and 8
     distinct experts, the configs of least summed time over best time of the two routings (H200,
     the layer's us in benchmarks/routing/kernels_int4_dot_sweep_52350b9.json):
@@ -265,18 +265,18 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
              mask=row_ok[:, None] & n_ok[None, :])
 
 
-# INT4 tiles: the weights as the MMA's first operand. A tile's pairs (at most BLOCK_M = 16, mostly 1
-# to 4 under uniform routing) are the product's narrow side, BLOCK_N weight rows its tall side: acc
-# [BLOCK_N, BLOCK_M] += W [BLOCK_N, BLOCK_K] @ X [BLOCK_K, BLOCK_M], one tl.dot a projection and
-# step. _int4_block (moe_gemv.py) dequantizes W in registers, in element order: the step's words
-# [BLOCK_N, BLOCK_K / 8] give 8 nibble tensors (the exponent trick, moe_gemv._nibble: an AND-OR and
-# an FMA give q - 8 exactly), each times its group scale in fp32 and rounded once to the compute
-# dtype (as the plain module's dequantization rounds; exact in fp32; for bf16, in pairs of nibbles j
-# and j + 4 through fma.rn.bf16x2, the packed form, the same bits), then three rounds of tl.join
-# (nibbles j and j + 4, those pairs j and j + 2, then j and j + 1) and a reshape put nibble j of
-# word w at element 8w + j. The joined dims lie within a thread (each holds whole words), so the
-# interleave moves no data; the tile then reaches the MMA's operand layout through shared memory, as
-# any operand made in registers does. (Triton feeds wgmma's first operand from registers only where
+# INT4 tiles: the weights as the MMA's first operand. A tile's pairs (at most BLOCK_M = 16, mostly
+# 1 to 4 under uniform routing) are the product's narrow side, BLOCK_N weight rows its tall side:
+# acc [BLOCK_N, BLOCK_M] += W [BLOCK_N, BLOCK_K] @ X [BLOCK_K, BLOCK_M], one tl.dot a projection
+# and step. _int4_block dequantizes W in registers, in element order: the step's words [BLOCK_N,
+# BLOCK_K / 8] give 8 nibble tensors (the exponent trick, moe_gemv._nibble: an AND-OR and an FMA
+# give q - 8 exactly), each times its group scale in fp32 and rounded once to the compute dtype (as
+# the plain module's dequantization rounds; exact in fp32; for bf16, in pairs of nibbles j and j + 4
+# through fma.rn.bf16x2, the packed form, the same bits), then three rounds of tl.join (nibbles
+# j and j + 4, those pairs j and j + 2, then j and j + 1) and a reshape put nibble j of word w at
+# element 8w + j. The joined dims lie within a thread (each holds whole words), so the interleave
+# moves no data; the tile then reaches the MMA's operand layout through shared memory, as any
+# operand made in registers does. (Triton feeds wgmma's first operand from registers only where
 # every op between the operand's loads and the dot is elementwise on the whole tile: the joins and
 # the scales' broadcast are not. A tile loaded elementwise, each element's byte, shift and scale a
 # load of its own, does reach wgmma from registers, but each of those loads passes through shared
@@ -295,6 +295,68 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
 # to 32 tokens); with 8 distinct experts 45, 57 and 82 us (floor 5.8; the align's two launches 6-7
 # us of it), where the GEMV takes 64, 119 and 231. The packed dequantization gains past 32 tokens
 # (gate_up 22-31% less time), where a program has many tokens' products to feed.
+
+@_jit
+def _int4_block(w_rows, s_rows, rows_ok, k0, magic, K_IN: tl.constexpr, GROUP: tl.constexpr,
+                BLOCK_K: tl.constexpr, EVEN: tl.constexpr, DTYPE: tl.constexpr,
+                PACKED: tl.constexpr):
+    """W[rows, k0 : k0 + BLOCK_K] dequantized in element order: [BN, BLOCK_K] of DTYPE.
+
+    w_rows, s_rows [BN, 1]: the rows' word and group-scale pointers; rows_ok [BN, 1]: the rows
+    inside the matrix; K_IN: elements a row. EVEN: no load masked (the blocks divide the shape).
+    PACKED (bf16 scales and DTYPE; magic then moe_gemv.BF16_MAGIC, else moe_gemv.MAGIC): nibbles
+    j and j + 4 as a pair of bf16 (moe_gemv's packed form), q - 8 exactly, one fma.rn.bf16x2 by
+    the scale pair rounding each product once: the same bits as the fp32 form's product rounded
+    to bf16 (the product of a 4-bit and an 8-bit significand is exact in fp32)."""
+    w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+    if EVEN:
+        words = tl.load(w_rows + w[None, :])
+        s = tl.load(s_rows + g[None, :])
+    else:
+        words = tl.load(w_rows + w[None, :], mask=rows_ok & (w < K_IN // 8)[None, :], other=0)
+        s = tl.load(s_rows + g[None, :], mask=rows_ok & (g < K_IN // GROUP)[None, :], other=0.0)
+    BN: tl.constexpr = words.shape[0]
+    if PACKED:
+        s = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
+        s = s | (s << 16)                                                 # (s, s) as an int32
+    else:
+        s = s.to(tl.float32)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BLOCK_K // GROUP, GROUP // 8)),
+                   (BN, BLOCK_K // 8))
+    # nibble tensors [BN, words] joined to [BN, words, 2, 2, 2]: index (a, b, c) holds nibble
+    # 4a + 2b + c, so the reshape puts nibble j of word w at element 8w + j
+    if PACKED:
+        n0, n4 = _scaled_pair(words, 0, s, magic)
+        n1, n5 = _scaled_pair(words, 1, s, magic)
+        n2, n6 = _scaled_pair(words, 2, s, magic)
+        n3, n7 = _scaled_pair(words, 3, s, magic)
+    else:
+        high = words >> 12
+        n0, n4 = _scaled(words, high, 0, s, magic, DTYPE), _scaled(words, high, 4, s, magic, DTYPE)
+        n1, n5 = _scaled(words, high, 1, s, magic, DTYPE), _scaled(words, high, 5, s, magic, DTYPE)
+        n2, n6 = _scaled(words, high, 2, s, magic, DTYPE), _scaled(words, high, 6, s, magic, DTYPE)
+        n3, n7 = _scaled(words, high, 3, s, magic, DTYPE), _scaled(words, high, 7, s, magic, DTYPE)
+    even = tl.join(tl.join(n0, n4), tl.join(n2, n6))
+    odd = tl.join(tl.join(n1, n5), tl.join(n3, n7))
+    return tl.reshape(tl.join(even, odd), (BN, BLOCK_K))
+
+
+@_jit
+def _scaled(words, high, J: tl.constexpr, s, magic, DTYPE: tl.constexpr):
+    """Nibble J of each word times its group scale, in fp32, rounded once to DTYPE."""
+    return (moe_gemv._nibble(words, high, J, magic) * s).to(DTYPE)
+
+
+@_jit
+def _scaled_pair(words, J: tl.constexpr, s2, magic):
+    """Nibbles J and J + 4 of each word times their group scale (s2: the bf16 pair (s, s)), each
+    rounded once: two bf16 tensors. The pair splits by truncation and a bitcast (no arithmetic)."""
+    v = moe_gemv._fma2(moe_gemv._q_pair(words, J, magic), s2,
+                       tl.full([1, 1], moe_gemv.BF16_NEG_ZEROS, tl.int32))
+    return (v.to(tl.int16).to(tl.bfloat16, bitcast=True),
+            (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))
+
 
 @_jit
 def _moe_int4_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr,

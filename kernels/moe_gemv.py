@@ -531,68 +531,6 @@ def _q_pair(words, J: tl.constexpr, magic):
 
 
 @_jit
-def _int4_block(w_rows, s_rows, rows_ok, k0, magic, K_IN: tl.constexpr, GROUP: tl.constexpr,
-                BLOCK_K: tl.constexpr, EVEN: tl.constexpr, DTYPE: tl.constexpr,
-                PACKED: tl.constexpr):
-    """W[rows, k0 : k0 + BLOCK_K] dequantized in element order: [BN, BLOCK_K] of DTYPE.
-
-    w_rows, s_rows [BN, 1]: the rows' word and group-scale pointers; rows_ok [BN, 1]: the rows
-    inside the matrix; K_IN: elements a row. EVEN: no load masked (the blocks divide the shape).
-    PACKED (bf16 scales and DTYPE; magic then BF16_MAGIC, else MAGIC): nibbles
-    j and j + 4 as a pair of bf16 (moe_gemv's packed form), q - 8 exactly, one fma.rn.bf16x2 by
-    the scale pair rounding each product once: the same bits as the fp32 form's product rounded
-    to bf16 (the product of a 4-bit and an 8-bit significand is exact in fp32)."""
-    w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
-    if EVEN:
-        words = tl.load(w_rows + w[None, :])
-        s = tl.load(s_rows + g[None, :])
-    else:
-        words = tl.load(w_rows + w[None, :], mask=rows_ok & (w < K_IN // 8)[None, :], other=0)
-        s = tl.load(s_rows + g[None, :], mask=rows_ok & (g < K_IN // GROUP)[None, :], other=0.0)
-    BN: tl.constexpr = words.shape[0]
-    if PACKED:
-        s = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
-        s = s | (s << 16)                                                 # (s, s) as an int32
-    else:
-        s = s.to(tl.float32)
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BLOCK_K // GROUP, GROUP // 8)),
-                   (BN, BLOCK_K // 8))
-    # nibble tensors [BN, words] joined to [BN, words, 2, 2, 2]: index (a, b, c) holds nibble
-    # 4a + 2b + c, so the reshape puts nibble j of word w at element 8w + j
-    if PACKED:
-        n0, n4 = _scaled_pair(words, 0, s, magic)
-        n1, n5 = _scaled_pair(words, 1, s, magic)
-        n2, n6 = _scaled_pair(words, 2, s, magic)
-        n3, n7 = _scaled_pair(words, 3, s, magic)
-    else:
-        high = words >> 12
-        n0, n4 = _scaled(words, high, 0, s, magic, DTYPE), _scaled(words, high, 4, s, magic, DTYPE)
-        n1, n5 = _scaled(words, high, 1, s, magic, DTYPE), _scaled(words, high, 5, s, magic, DTYPE)
-        n2, n6 = _scaled(words, high, 2, s, magic, DTYPE), _scaled(words, high, 6, s, magic, DTYPE)
-        n3, n7 = _scaled(words, high, 3, s, magic, DTYPE), _scaled(words, high, 7, s, magic, DTYPE)
-    even = tl.join(tl.join(n0, n4), tl.join(n2, n6))
-    odd = tl.join(tl.join(n1, n5), tl.join(n3, n7))
-    return tl.reshape(tl.join(even, odd), (BN, BLOCK_K))
-
-
-@_jit
-def _scaled(words, high, J: tl.constexpr, s, magic, DTYPE: tl.constexpr):
-    """Nibble J of each word times its group scale, in fp32, rounded once to DTYPE."""
-    return (_nibble(words, high, J, magic) * s).to(DTYPE)
-
-
-@_jit
-def _scaled_pair(words, J: tl.constexpr, s2, magic):
-    """Nibbles J and J + 4 of each word times their group scale (s2: the bf16 pair (s, s)), each
-    rounded once: two bf16 tensors. The pair splits by truncation and a bitcast (no arithmetic)."""
-    v = _fma2(_q_pair(words, J, magic), s2,
-                       tl.full([1, 1], BF16_NEG_ZEROS, tl.int32))
-    return (v.to(tl.int16).to(tl.bfloat16, bitcast=True),
-            (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))
-
-
-@_jit
 def _int4_tile(w_ptr, s_ptr, rows_ok, w, W: tl.constexpr, GROUP: tl.constexpr, EVEN: tl.constexpr):
     """One step of one INT4 matrix: words [R, BW] and their group scales (fp32), read at word
     columns w [BW] of the rows whose pointers are w_ptr, s_ptr [R, 1]."""
@@ -644,89 +582,6 @@ def _gate_up_products(gw, gs, uw, us, v, start, magic, W: tl.constexpr, BLOCK_W:
     return t_g * gs, t_u * us
 
 
-# INT4 gate_up, an expert that several tokens picked ("pairs dot"): a program a pair reads the
-# expert once a pair (from L2 after the first) and unpacks it once a pair on the CUDA cores, which
-# bound this variant. From PAIRS_DOT_MIN pairs on, the expert's first pair takes all of them and the
-# others return: its cdiv(I, BLOCK_N) programs share out the expert's tiles of 16 gate and up rows,
-# each tile cut into DOT_SLICES slices of D so that a program reads about as many words as a
-# program of one pair does. A slice dequantizes its rows once (_int4_block, the tile variant's
-# dequantization, in element order) and multiplies them by up to 16 of the pairs' activations at
-# once through tl.dot (x in element order, rows of tokens), fp32 sums a slice into part [SLICES, P,
-# 2, I]. The last slice of a tile to finish (a counter a pair and tile, as _shared_h's) adds the
-# slices in order and stores h = silu(g) * u * route_w in the plane order down reads. The products
-# round as the tile variant's (weights dequantized to x's dtype, fp32 sums).
-
-@_jit
-def _expert_pair_list(same, q, c0, P):
-    """The pairs of ranks c0 .. c0 + 15 among an expert's pairs (same [P_PAD]: the pairs that are
-    the expert's; q: arange(P_PAD)), in pair order: int32 [16], P past the last."""
-    rank = tl.cumsum(same.to(tl.int32), 0) - 1
-    c = tl.arange(0, 16)
-    pair = tl.full([16], P, tl.int32)
-    for j in tl.static_range(16):
-        hit = same & (rank == c0 + j)
-        pair = tl.where(c == j, tl.min(tl.where(hit, q, P), 0), pair)
-    return pair
-
-
-@_jit
-def _pairs_dot_gate_up(x_ptr, h_ptr, route_w_ptr, part_ptr, count_ptr, g_ptr, gs_ptr, u_ptr,
-                       us_ptr, stride_wn, stride_sr, magic, p, pid_n, same, pairs, P,
-                       TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
-                       GROUP: tl.constexpr, P_PAD: tl.constexpr, SLICES: tl.constexpr,
-                       DOT_K: tl.constexpr, EVEN: tl.constexpr, DQ_PACKED: tl.constexpr,
-                       PRECISION: tl.constexpr, PACKED: tl.constexpr):
-    """gate_up of the `pairs` pairs of one expert (the section above), by its first pair p's
-    program pid_n. x_ptr: the activations [N, D] in element order; g_ptr ... us_ptr: the expert's
-    gate and up words and scales; same [P_PAD]: its pairs; part_ptr: fp32 [SLICES, P, 2, I];
-    count_ptr: counters, P * cdiv(I, 16) of them. DOT_K elements a step (a multiple of GROUP);
-    EVEN: every step whole (D % (SLICES * DOT_K) == 0, I % 16 == 0); DQ_PACKED: _int4_block's
-    packed form (bf16 x and scales); PACKED: h as bf16 pair planes."""
-    TILES: tl.constexpr = (I + 15) // 16
-    CHUNK: tl.constexpr = ((D + SLICES - 1) // SLICES + DOT_K - 1) // DOT_K * DOT_K
-    q = tl.arange(0, P_PAD)
-    for f in range(pid_n, TILES * SLICES, tl.num_programs(0)):
-        tile, s = f // SLICES, f % SLICES
-        n = tile * 16 + tl.arange(0, 16)
-        rows_ok = (n < I)[:, None]
-        g_rows, u_rows = g_ptr + n[:, None] * stride_wn, u_ptr + n[:, None] * stride_wn
-        gs_rows, us_rows = gs_ptr + n[:, None] * stride_sr, us_ptr + n[:, None] * stride_sr
-        for c0 in range(0, pairs, 16):                                 # 16 of the pairs at a time
-            pair = _expert_pair_list(same, q, c0, P)[None, :]
-            x_col = (pair // TOPK).to(tl.int64) * D
-            acc_g = tl.zeros([16, 16], tl.float32)
-            acc_u = tl.zeros([16, 16], tl.float32)
-            for k0 in range(s * CHUNK, tl.minimum(s * CHUNK + CHUNK, D), DOT_K):
-                k = (k0 + tl.arange(0, DOT_K))[:, None]
-                xt = tl.load(x_ptr + x_col + k, mask=(pair < P) & (k < D), other=0.0)
-                gt = _int4_block(g_rows, gs_rows, rows_ok, k0, magic, D, GROUP, DOT_K, EVEN,
-                                 xt.dtype, DQ_PACKED)
-                ut = _int4_block(u_rows, us_rows, rows_ok, k0, magic, D, GROUP, DOT_K, EVEN,
-                                 xt.dtype, DQ_PACKED)
-                if INTERPRETED:  # Triton's interpreter: its tl.dot of bf16 is wrong; fp32 exact
-                    gt, ut, xt = gt.to(tl.float32), ut.to(tl.float32), xt.to(tl.float32)
-                acc_g = tl.dot(gt, xt, acc_g, input_precision=PRECISION)
-                acc_u = tl.dot(ut, xt, acc_u, input_precision=PRECISION)
-            at = part_ptr + ((s * P + pair).to(tl.int64) * 2) * I + n[:, None]
-            tl.store(at, acc_g, mask=rows_ok & (pair < P))
-            tl.store(at + I, acc_u, mask=rows_ok & (pair < P))
-        tl.debug_barrier()  # every thread's stores before the counter's release
-        if tl.atomic_add(count_ptr + p * TILES + tile, 1) == SLICES - 1:  # the other slices are in
-            tl.atomic_xchg(count_ptr + p * TILES + tile, 0, sem="relaxed")
-            for c0 in range(0, pairs, 16):
-                pair = _expert_pair_list(same, q, c0, P)[None, :]
-                ok = rows_ok & (pair < P)
-                g = tl.zeros([16, 16], tl.float32)
-                u = tl.zeros([16, 16], tl.float32)
-                for t in tl.static_range(SLICES):  # in slice order, from L2 (.cg)
-                    at = part_ptr + ((t * P + pair).to(tl.int64) * 2) * I + n[:, None]
-                    g += tl.load(at, mask=ok, other=0.0, cache_modifier=".cg")
-                    u += tl.load(at + I, mask=ok, other=0.0, cache_modifier=".cg")
-                h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + pair, mask=pair < P,
-                                                         other=0.0)
-                _store_h(h_ptr, pair.to(tl.int64) * I, n[:, None], h, ok, I, PACKED)
-
-
 @_jit
 def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr,
                                   stride_we, stride_wn, stride_se, stride_sr, magic, x_ptr,
@@ -738,11 +593,7 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
                                   EVEN: tl.constexpr, SPLIT: tl.constexpr, SHARED_K: tl.constexpr,
                                   EVEN_SHARED: tl.constexpr, SHARED_SLICES: tl.constexpr,
                                   SHARED_N_PAD: tl.constexpr, SHARED_PRECISION: tl.constexpr,
-                                  PACKED: tl.constexpr, P, dot_part_ptr, dot_count_ptr,
-                                  PAIRS_DOT: tl.constexpr, P_PAD: tl.constexpr,
-                                  DOT_SLICES: tl.constexpr, DOT_K: tl.constexpr,
-                                  DOT_EVEN: tl.constexpr, DOT_PACKED: tl.constexpr,
-                                  DOT_PRECISION: tl.constexpr):
+                                  PACKED: tl.constexpr):
     """_moe_gemv_gate_up_kernel for INT4 weights: v_ptr the activations as fp32 planes [N, 8, D/8]
     (plane j = elements 8w + j), h written in plane order (element i of row p at (i % 8) * I/8 + i
     // 8), the planes down reads; PACKED (bf16 x): v_ptr the pair planes [N, 4, D/8] (int32), h bf16
@@ -752,10 +603,7 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
     of each row block take the bf16 shared expert (_shared_gate_up; x_ptr, part_ptr, hs_ptr,
     count_ptr, sg_ptr, su_ptr, N: its arguments; SPLIT 0: none; SHARED_K bf16 columns a step;
     SHARED_SLICES > 0: its dot form),
-    launched first since each runs its N tokens one after another; pair p is program SPLIT + p.
-    PAIRS_DOT > 0: an expert with that many pairs or more takes the pairs-dot path instead
-    (_pairs_dot_gate_up; x_ptr, P, dot_part_ptr, dot_count_ptr and the DOT_ constants: its
-    arguments; P_PAD a power of two >= P)."""
+    launched first since each runs its N tokens one after another; pair p is program SPLIT + p."""
     _wait_for_prior()
     pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
@@ -766,19 +614,6 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
             return
     W: tl.constexpr = D // 8
     e = tl.load(ids_ptr + p).to(tl.int64)
-    if PAIRS_DOT > 0:
-        q = tl.arange(0, P_PAD)
-        same = tl.load(ids_ptr + q, mask=q < P, other=-1) == e
-        pairs = tl.sum(same.to(tl.int32), 0)
-        if pairs >= PAIRS_DOT:  # the expert's first pair takes them all; the others are done
-            if tl.min(tl.where(same, q, P_PAD), 0) == p:
-                _pairs_dot_gate_up(x_ptr, h_ptr, route_w_ptr, dot_part_ptr, dot_count_ptr,
-                                   g_ptr + e * stride_we, gs_ptr + e * stride_se,
-                                   u_ptr + e * stride_we, us_ptr + e * stride_se, stride_wn,
-                                   stride_sr, magic, p, pid_n, same, pairs, P, TOPK, D, I, GROUP,
-                                   P_PAD, DOT_SLICES, DOT_K, DOT_EVEN, DOT_PACKED, DOT_PRECISION,
-                                   PACKED)
-            return
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
     g_rows, u_rows = (g_ptr + e * stride_we + n[:, None] * stride_wn,
@@ -804,19 +639,11 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
         gw, gs, uw, us = gw1, gs1, uw1, us1
     g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
     h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + p)
-    _store_h(h_ptr, p.to(tl.int64) * I, n, h, n_ok, I, PACKED)
-
-
-@_jit
-def _store_h(h_ptr, row, n, h, ok, I: tl.constexpr, PACKED: tl.constexpr):
-    """h's elements n (any shape) into the row at h_ptr + row (elements), in the plane order the
-    INT4 down kernel reads: element i at (i % 8) I/8 + i // 8 (fp32), or PACKED at 2 ((i % 4) I/8 +
-    i // 8) + (i % 8) // 4 (bf16 pair planes)."""
     if PACKED:
-        tl.store(h_ptr + row + 2 * ((n % 4) * (I // 8) + n // 8) + n % 8 // 4, h.to(tl.bfloat16),
-                 mask=ok)
+        tl.store(h_ptr + p.to(tl.int64) * I + 2 * ((n % 4) * (I // 8) + n // 8) + n % 8 // 4,
+                 h.to(tl.bfloat16), mask=n_ok)
     else:
-        tl.store(h_ptr + row + (n % 8) * (I // 8) + n // 8, h, mask=ok)
+        tl.store(h_ptr + p.to(tl.int64) * I + (n % 8) * (I // 8) + n // 8, h, mask=n_ok)
 
 
 @_jit
@@ -1001,32 +828,6 @@ def _check_planes(planes, x):
                          f"{list(planes.shape)} on {planes.device}")
 
 
-# INT4 gate_up's pairs-dot path (its section) for an expert of this many pairs or more; 0: never.
-# Not yet chosen by measurement
-PAIRS_DOT_MIN = {"int4": 2}
-PAIRS_DOT_K = 64            # elements of D a step (at least the group)
-
-
-def _pairs_dot_args(x, gate, N, P, I, D, block_n, min_pairs, placeholder):
-    """The INT4 gate_up kernel's pairs-dot arguments (PAIRS_DOT 0: off, with one token, whose K
-    experts differ, or where its counters would not fit beside the shared expert's)."""
-    tiles, programs = triton.cdiv(I, 16), triton.cdiv(I, block_n)
-    counters = common._counters(x.device)
-    if N < 2 or min_pairs == 0 or I + P * tiles > counters.numel():
-        return dict(dot_part_ptr=placeholder, dot_count_ptr=placeholder, PAIRS_DOT=0, P_PAD=16,
-                    DOT_SLICES=1, DOT_K=16, DOT_EVEN=False, DOT_PACKED=False,
-                    DOT_PRECISION="ieee")
-    step = max(PAIRS_DOT_K, gate.group)
-    slices = max(1, min(programs // tiles, D // step))
-    # the shared expert's counters come first (at most I of them)
-    return dict(dot_part_ptr=torch.empty(slices, P, 2, I, dtype=torch.float32, device=x.device),
-                dot_count_ptr=counters[I:], PAIRS_DOT=min_pairs,
-                P_PAD=max(16, triton.next_power_of_2(P)), DOT_SLICES=slices, DOT_K=step,
-                DOT_EVEN=I % 16 == 0 and D % (slices * step) == 0,
-                DOT_PACKED=x.dtype == torch.bfloat16 and gate.scale.dtype == torch.bfloat16,
-                DOT_PRECISION="ieee" if x.dtype == torch.float32 else "tf32")
-
-
 def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, planes=None):
     """The GEMV variant for INT4 weights (see _fused_moe_gemv); shared, planes: fused_moe's."""
     (N, D), P, I, dev = x.shape, ids.numel(), gate.shape[1], x.device
@@ -1039,12 +840,11 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, plan
     sh_gate_up, sh_down = _shared_args(shared, "int4", N, I, D, bn, warps, h,
                                        cfg.get("shared_dot", _shared_dot("int4", N)))
     s = gate.data.stride(), gate.scale.stride()
-    dot = _pairs_dot_args(x, gate, N, P, I, D, bn, cfg.get("pairs_dot", PAIRS_DOT_MIN["int4"]), h)
     _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, s[0][0], s[0][1], s[1][0],
         s[1][1], magic, x, TOPK=K, D=D, I=I, GROUP=gate.group,
         BLOCK_N=bn, BLOCK_W=bw, EVEN=I % bn == 0 and D % (8 * bw) == 0, **sh_gate_up,
-        PACKED=packed, P=P, **dot, launch_pdl=common.PDL, num_warps=warps)
+        PACKED=packed, launch_pdl=common.PDL, num_warps=warps)
     bn, bc, warps = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     s = down.data.stride(), down.scale.stride()
