@@ -7,6 +7,7 @@ import torch.nn.functional as F
 import model
 
 from . import GEMV_MAX_PAIRS, GEMV_MAX_TOKENS, ExpertWeights, fused_moe, silu_mul
+from .moe_gemv import activation_planes
 from .bench_timing import copy_bandwidth_GBps, graph_ms, kernel_ms
 from .common import triton
 
@@ -84,7 +85,9 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
     moe_gemv.SHARED_DOT_MIN_TOKENS), and that shared expert alone the way the model runs it
     unfolded ("shared-torch": one GEMM over the stacked gate and up, SiLU times up, the down GEMM
     adding onto the routed output). distinct: pool sizes; each token's K experts drawn from a
-    fixed random set of that many (SIMULATED routing; None: uniform over all E), a row's "pool"."""
+    fixed random set of that many (SIMULATED routing; None: uniform over all E), a row's "pool".
+    INT4's GEMV also runs as the model calls it, the activation planes made before the timing
+    ("gemv+planes": the model's router kernel writes them, so no permute launch)."""
     dev, g = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
     bandwidth = copy_bandwidth_GBps()
     LAYERS = max(2, LAYERS * 256 // I)   # wider ranks (TP 4, 2, 1): fewer layers, still past the L2
@@ -112,6 +115,9 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
                 for cfg in points:
                     rows += _time_moe(fmt, N, variant, cfg, layers, (x, ids, route_w), floor_ms,
                                       bandwidth, LAYERS)
+                if variant == "gemv" and fmt == "int4":  # as the model calls it: the router's planes
+                    rows += _time_moe(fmt, N, variant, None, layers, (x, ids, route_w), floor_ms,
+                                      bandwidth, LAYERS, planes=activation_planes(x))
             if shared and fmt in ("int4", "fp8") and N * K <= GEMV_MAX_PAIRS:
                 # the shared expert's gate_up in its default form, then in the loop form
                 points = [None, dict(shared_dot=False)] + (
@@ -151,13 +157,17 @@ def _time_shared(fmt, N, layers, inputs, floor_ms, bandwidth, LAYERS, D, I, g, p
                         x_floor=ms / shared_ms, GBps=shared_ms * bandwidth / ms)]
 
 
-def _time_moe(fmt, N, variant, cfg, layers, inputs, floor_ms, bandwidth, LAYERS, shared=None):
+def _time_moe(fmt, N, variant, cfg, layers, inputs, floor_ms, bandwidth, LAYERS, shared=None,
+              planes=None):
     """One benchmark row (a list of 0 or 1 dicts), printed. shared: a bf16 shared expert a layer, in
-    the launch (fused_moe's shared)."""
+    the launch (fused_moe's shared). planes: INT4's activation planes made before the timing, as
+    the model's router kernel writes them beside its logits (fused_moe's planes; row "gemv+planes":
+    no permute launch)."""
     def run():
-        return lambda: [fused_moe(*inputs, *w, configs=cfg, variant=variant, shared=s)
+        return lambda: [fused_moe(*inputs, *w, configs=cfg, variant=variant, shared=s,
+                                  planes=planes)
                         for w, s in zip(layers, shared or [None] * len(layers))]
-    label = variant + ("+shared" if shared else "")
+    label = variant + ("+shared" if shared else "") + ("+planes" if planes is not None else "")
     try:
         ms = graph_ms([run()]) / LAYERS
     except Exception as e:  # a sweep point that does not compile: say so, go on
