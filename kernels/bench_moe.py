@@ -115,7 +115,7 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
                 for cfg in points:
                     rows += _time_moe(fmt, N, variant, cfg, layers, (x, ids, route_w), floor_ms,
                                       bandwidth, LAYERS)
-                if variant == "gemv" and fmt == "int4":  # as the model calls it: the router's planes
+                if variant == "gemv" and fmt == "int4":   # as the model calls it (router's planes)
                     rows += _time_moe(fmt, N, variant, None, layers, (x, ids, route_w), floor_ms,
                                       bandwidth, LAYERS, planes=activation_planes(x))
             if shared and fmt in ("int4", "fp8") and N * K <= GEMV_MAX_PAIRS:
