@@ -8,7 +8,8 @@ about figures that cannot be (noise), and the answer in words with a verdict on 
 acceptance means. Everything here reads the timing.Result that timing.measure returns and the
 Bench it ran on; as_json turns the Result into the --json line; `python report.py tables A.json
 B.json ...` puts several runs' lines in one markdown table (tables), `python report.py sweep-plot`
-draws their verify sweeps (sweep_plot). Nothing here times anything.
+draws their verify sweeps (sweep_plot), `python report.py routed` sets their routed experts
+against their floor across routings (routed). Nothing here times anything.
 
 The --json line is as_json(timing.Result): each dataclass a dict of its fields, each Timing its
 median in ms, integer keys as strings. Its verify sweep, `verify_sweep_ms`, maps the tokens a row
@@ -33,6 +34,7 @@ import textwrap
 
 import torch
 
+import checkpoint
 import kernels
 import model
 from components import COMPONENTS, cliff_allowed_ms, modelled_allreduce
@@ -802,6 +804,66 @@ def table_row(r, path):
     return cells + [f"`{path}`"]
 
 
+def routed(paths):
+    """The routed experts of verify sweeps against their own floor, a column group per run.py
+    --json file (a GPU's run): the same weight format under different routings (--routing
+    uniform, model, distinct or trace). A point's floor is the distinct experts a MoE layer reaches
+    times one expert's stored bytes in every MoE layer, over the run's copy bandwidth; its time is
+    the routed_experts component of the profiled verify. A launch that reads each distinct expert
+    once keeps its x floor as tokens share experts; one that makes a pass a token-expert pair does
+    not. The last column: the last run's x floor over the first's.
+
+        U="--cuda-graph on --skip-e2e --speculative-attention-mode decode"
+        for R in uniform model; do
+            python run.py $U --routing $R --json benchmarks/routing/bf16_$R.json
+            python run.py $U --quant fp8 --routing $R --json benchmarks/routing/fp8_$R.json
+            python run.py $U --preset kimi-k2.5 --speculative-num-steps 2 --routing $R \\
+                --json benchmarks/routing/int4_$R.json
+        done
+        python report.py routed benchmarks/routing/int4_{uniform,model}.json
+
+    Returns the table's lines; a file that is not a GPU run's raises ValueError naming it."""
+    runs = [_routed_points(path) for path in paths]
+    head = ["tokens"] + [f"{label}: {col}" for label, _ in runs
+                         for col in ("verify ms", "routed experts ms (x floor), experts")]
+    if len(runs) > 1:
+        head.append(f"x floor, {runs[-1][0]} / {runs[0][0]}")
+    lines = ["| " + " | ".join(head) + " |", "|" + "---:|" * len(head)]
+    for T in sorted(set.intersection(*(set(points) for _, points in runs))):
+        cells = [str(T)]
+        for _, points in runs:
+            verify, ms, x, experts = points[T]
+            cells += [f"{verify:.3f}", f"{ms:.3f} ({x:.2f}x), {experts:.1f}"]
+        if len(runs) > 1:
+            cells.append(f"{runs[-1][1][T][2] / runs[0][1][T][2]:.2f}")
+        lines.append("| " + " | ".join(cells) + " |")
+    return lines
+
+
+def _routed_points(path):
+    """(label: format and routing, {T: (verify ms, routed experts ms, x their floor, distinct
+    experts)}) of one run.py --json file from a GPU."""
+    try:
+        with open(path) as f:
+            r = json.loads(f.readline())
+        env, cfg = r["env"], r["env"]["config"]
+        sweep = r.get("verify_sweep_ms") or {}
+    except (ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a run.py --json file ({e!r})") from None
+    E = env.get("n_routed_experts") or cfg.get("routed_experts")
+    if E is None and cfg.get("preset") and not cfg.get("model_path"):
+        E = checkpoint.preset(cfg["preset"]).n_routed_experts   # a file from before the field
+    if not (E and env.get("routed_experts_GB") and r.get("bandwidth_GBps") and sweep
+            and all("routed_experts" in (p.get("components") or {}) for p in sweep.values())):
+        raise ValueError(f"{path}: not a GPU run's --json with a profiled verify sweep")
+    expert_ms = env["routed_experts_GB"] / E / r["bandwidth_GBps"] * 1e3   # every MoE layer's
+    points = {}
+    for T, p in sweep.items():
+        ms, experts = p["components"]["routed_experts"], p["distinct_experts"]
+        points[int(T)] = (p["verify"], ms, ms / (experts * expert_ms), experts)
+    return f"{weight_format(env)} {env['routing']}", points
+
+
 def weight_format(env):
     """The routed experts' format (INT4, FP8) or the model's dtype (bf16); a quantized model's
     dtype too where it is not bf16."""
@@ -881,7 +943,17 @@ if __name__ == "__main__":
     g = sub.add_parser("sweep-plot", help=sweep_plot.__doc__.split("\n\n")[0].replace("%", "%%"))
     g.add_argument("json", nargs="+", help="run.py --json files from a GPU, one series each")
     g.add_argument("--out", required=True, help="the figure (.png, .svg, .pdf)")
+    e = sub.add_parser("routed", help=routed.__doc__.split("\n\n")[0].replace("%", "%%"))
+    e.add_argument("json", nargs="+", help="run.py --json files from a GPU, one column group "
+                   "each, in this order")
     args = p.parse_args()
     if args.command == "sweep-plot":
         sys.exit(sweep_plot(args.json, args.out))
+    if args.command == "routed":
+        try:
+            print("\n".join(routed(args.json)))
+        except (OSError, ValueError) as err:
+            print(f"report.py routed: {err}", file=sys.stderr)
+            sys.exit(2)
+        sys.exit(0)
     print("\n".join(tables(args.json)))

@@ -514,6 +514,46 @@ def test_report_sweep_plot_draws_gpu_sweeps_and_refuses_the_rest(tmp_path, capsy
         assert not (tmp_path / "no.png").exists()
 
 
+def test_report_routed_sets_routed_experts_against_their_floor_across_routings(tmp_path):
+    """`report.py routed`: each point's routed experts component over its distinct experts' bytes
+    (one expert in every MoE layer: routed_experts_GB / n_routed_experts over the bandwidth), a
+    column group per file and the last file's x floor over the first's; written here by hand: 1 GB
+    of 100 experts at 1000 GB/s is 0.01 ms an expert. A file written before n_routed_experts takes
+    its preset's count. A CPU run (no bandwidth or components) and a file that is not JSON are
+    refused by name, with exit status 2 on the command line."""
+    def run_json(name, routing, points, E=100, preset=None):
+        sweep = {str(T): dict(verify=v, distinct_experts=d, floor_ms=1.0,
+                              components=dict(routed_experts=ms))
+                 for T, (v, ms, d) in points.items()}
+        env = dict(dtype="bfloat16", int4_group_size=32, routing=routing, routed_experts_GB=1.0,
+                   config=dict(routed_experts=None, preset=preset, model_path=None))
+        if E:
+            env["n_routed_experts"] = E
+        path = tmp_path / name
+        path.write_text(json.dumps(dict(env=env, bandwidth_GBps=1000.0,
+                                        verify_sweep_ms=sweep)) + "\n")
+        return str(path)
+    uniform = run_json("u.json", "uniform", {1: (2.0, 0.16, 8), 2: (3.0, 0.32, 16)})
+    model = run_json("m.json", "model", {1: (2.1, 0.16, 8), 2: (3.1, 0.30, 10)})
+    lines = report.routed([uniform, model])
+    assert lines[0].startswith("| tokens | INT4 uniform: verify ms") and len(lines) == 4, lines
+    assert lines[3] == "| 2 | 3.000 | 0.320 (2.00x), 16.0 | 3.100 | 0.300 (3.00x), 10.0 | 1.50 |"
+    # preset kimi-k2: 384 experts, so 1 GB over them gives 2.604 us an expert
+    old = run_json("old.json", "uniform", {1: (2.0, 0.16, 8)}, E=None, preset="kimi-k2")
+    assert report.routed([old])[2] == "| 1 | 2.000 | 0.160 (7.68x), 8.0 |"
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(json.dumps(dict(env=dict(config={}), verify_sweep_ms={"1": dict(verify=1.0)}))
+                   + "\n")
+    (tmp_path / "notes.txt").write_text("not json\n")
+    for path, why in ((str(cpu), "not a GPU run's --json"),
+                      (str(tmp_path / "notes.txt"), "not a run.py --json file")):
+        with pytest.raises(ValueError, match=f"{re.escape(path)}: {why}"):
+            report.routed([uniform, path])
+        out = subprocess.run([sys.executable, "report.py", "routed", uniform, path], cwd=HERE,
+                             capture_output=True, text=True)
+        assert out.returncode == 2 and f"{path}: {why}" in out.stderr, out.stderr
+
+
 def test_verify_sweep_points_and_the_cliff_check():
     """The sweep's tokens a row: on a GPU 1 to 8, 10, 12, then every 4 to 32 while the batch's
     forward holds 32 tokens, on a CPU 1 to 6, and the cache holds them. The cliff check passes a

@@ -383,6 +383,7 @@ class Env:
     gpu_mem_peak_eager_GB: float | None = optional()
     weights_GB: float | None = optional()
     routed_experts_GB: float | None = optional()
+    n_routed_experts: int | None = optional()          # a MoE layer's routed experts, this run's
     distinct_experts_asked: int | None = optional()    # --routing distinct's D
     routing_trace: dict | None = optional()             # --routing trace: the file and its mapping
 
@@ -842,6 +843,7 @@ def gpu_memory(b, r):
     env.weights_GB = sum(p.numel() * p.element_size() for p in t.parameters()) / 1e9
     env.routed_experts_GB = sum(p.numel() * p.element_size() for n, p in t.named_parameters()
                                 if ".mlp.experts." in n) / 1e9
+    env.n_routed_experts = t.args.n_routed_experts
 
 
 def time_accept(b, ctx):
