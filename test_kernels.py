@@ -1815,10 +1815,10 @@ def test_gpu_kernels_in_captured_paths(monkeypatch):
     """The tiny model with every kernel on: each captured shape replays equal to eager, with no
     host sync anywhere; bf16 agreement with the plain model is reported (float32 logits against
     the plain model's: test_model_with_kernels_equals_plain, which runs on the GPU too). The
-    decode step (3 rows, with the merge in W_uv's launch allowed up to HEAD_GEMV_MAX_ROWS rows for
+    decode step (batch 3: 3 rows, with the merge in W_uv's launch allowed up to those 3 rows for
     the test; run.py's step has 1) merges the attention's parts in W_uv's launch (mla_merge_absorb),
     the verify in decode mode (12 rows) in the combine launch."""
-    monkeypatch.setattr(kernels.mla, "MLA_MERGE_ABSORB_MAX_ROWS", kernels.HEAD_GEMV_MAX_ROWS)
+    monkeypatch.setattr(kernels.mla, "MLA_MERGE_ABSORB_MAX_ROWS", 3)   # captured_calls' batch
     target, head = gpu_models(kernels_on="all")
     runner = CudaGraphs("cuda")
     merged_in = {}
