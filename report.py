@@ -769,10 +769,14 @@ def tables(paths):
     Returns the table's lines."""
     lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
     for path in paths:
-        with open(path) as f:
-            r = json.loads(f.readline())
-        lines.append("| " + " | ".join(table_row(r, path)) + " |")
+        lines.append("| " + " | ".join(table_row(read_run(path), path)) + " |")
     return lines
+
+
+def read_run(path):
+    """A run.py --json file's line, read back (its first line: the JSON as_json wrote)."""
+    with open(path) as f:
+        return json.loads(f.readline())
 
 
 def table_row(r, path):
@@ -844,8 +848,7 @@ def _routed_points(path):
     """(label: format and routing, {T: (verify ms, routed experts ms, x their floor, distinct
     experts)}) of one run.py --json file from a GPU."""
     try:
-        with open(path) as f:
-            r = json.loads(f.readline())
+        r = read_run(path)
         env, cfg = r["env"], r["env"]["config"]
         sweep = r.get("verify_sweep_ms") or {}
     except (ValueError, KeyError, TypeError) as e:
@@ -922,8 +925,7 @@ def _read_sweep(path):
     """(weight format, verify_sweep_ms, sweep_cliffs, batch) of a run.py --json file, or what is
     wrong with it (a string)."""
     try:
-        with open(path) as f:
-            r = json.loads(f.readline())
+        r = read_run(path)
         sweep, batch = r["verify_sweep_ms"], r["env"]["config"]["batch_size"]
         floors = [sweep[T]["floor_ms"] for T in sweep]
     except (OSError, ValueError, KeyError, TypeError) as e:
