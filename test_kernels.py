@@ -757,6 +757,35 @@ def test_mla_decode_kernel_equals_twin_tiny(B, T):
 
 
 @pytest.mark.triton
+def test_mla_decode_kernel_reads_permuted_queries_in_place(monkeypatch):
+    """q_lat as the absorbed einsum leaves it (stored head-major, [B, T, H, C] a permuted view:
+    model.MLA.absorb_query past head_gemv's rows) reaches the kernel uncopied, and gives its output
+    and caches equal to a contiguous q_lat's, bit for bit, and against the float64 twin."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    inputs = mla_inputs(3, 4, **TINY_MLA, S=40, dtype=torch.float32, device=device, seed=7)
+    permuted = inputs["q_lat"].permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
+    assert not permuted.is_contiguous() and torch.equal(permuted, inputs["q_lat"])
+    truth, _, _ = mla_reference(inputs, 0.07, dtype=torch.float64)
+    outs = []
+    for q_lat in (inputs["q_lat"], permuted):
+        x = dict(inputs, q_lat=q_lat, kv_cache=inputs["kv_cache"].clone(),
+                 pe_cache=inputs["pe_cache"].clone())
+        outs.append((kernels.mla_decode_attention(**x, softmax_scale=0.07), x["kv_cache"],
+                     x["pe_cache"]))
+    for a, b, what in zip(outs[0], outs[1], ("o_lat", "latent cache", "rope cache")):
+        assert torch.equal(a, b), f"MLA kernel, permuted q_lat: {what} differs"
+    assert_close(outs[1][0], truth, 2e-5, "MLA kernel, permuted q_lat vs float64 twin")
+    launched = []
+
+    class Launch:                          # kernel[grid](q, ...): the q it gets, not run
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launched.append(args[0])
+    monkeypatch.setattr(kernels.mla, "_mla_decode_kernel", Launch())
+    kernels.mla_decode_attention(**dict(inputs, q_lat=permuted), softmax_scale=0.07, merge=False)
+    assert launched[0].data_ptr() == permuted.data_ptr(), "permuted q_lat copied before the launch"
+
+
+@pytest.mark.triton
 def test_mla_decode_kernel_equals_twin_kimi_shapes():
     """Kimi-K2 at TP 8 (H=8, C=512, R=64), verify-sized (T=4), rows of different lengths."""
     device = "cuda" if torch.cuda.is_available() else "cpu"

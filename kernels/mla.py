@@ -199,8 +199,8 @@ def _attend_cached(q, qpe, kvc_row, s_cs, pec_row, s_ps, lo, hi, scale_log2, C: 
 def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr, kvc_ptr, pec_ptr,
                        po_ptr, lse_ptr,
                        T, H, M, kv_len, split_len, eps, scale_log2,
-                       s_qb, s_qm, s_qpb, s_qpm, s_kvb, s_kvt, s_kpb, s_kpt, s_rb, s_rt, s_posb,
-                       s_post,
+                       s_qb, s_qt, s_qh, s_qpb, s_qpm, s_kvb, s_kvt, s_kpb, s_kpt, s_rb, s_rt,
+                       s_posb, s_post,
                        s_cb, s_cs, s_pb, s_ps, s_pob, s_pom, s_pos, s_lb, s_lm,
                        C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr,
                        BLOCK_R2: tl.constexpr,
@@ -212,17 +212,19 @@ def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr
     positions are consecutive (a decode step, a chain's verify). The new tokens come from kv
     [B, T, C] (normalized here: RMSNorm with weight w and eps) and kpe [B, T, R] (rotated here),
     the slots before pos[b, 0] from the caches kvc [B, >=kv_len, C] and pec [B, >=kv_len, R], where
-    part 0's m-block 0 writes the new ones. q [B, M, C] and qpe [B, M, R] (not rotated): last
-    dim contiguous, one dtype with kv, kpe and the caches; rope [B, T, R/2, 2] float32 (cos, sin);
-    pos int64 [B, T]. po [B, M, parts, C] and lse [B, M, parts] float32 get the part's partial
-    output and log2 of its sum (with the max; -inf where no slot), where the part holds a slot.
+    part 0's m-block 0 writes the new ones. q [B, T, H, C] through its strides (the einsum's
+    permuted output is read in place) and qpe [B, M, R] (not rotated): last dim contiguous, one
+    dtype with kv, kpe and the caches; rope [B, T, R/2, 2] float32 (cos, sin); pos int64 [B, T].
+    po [B, M, parts, C] and lse [B, M, parts] float32 get the part's partial output and log2 of its
+    sum (with the max; -inf where no slot), where the part holds a slot.
     Grid: (parts, B, cdiv(M, BLOCK_M))."""
     _wait_for_prior()
     part, b, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < M
     t_m = offs_m // H
-    q = _load_rows(q_ptr + b * s_qb + offs_m * s_qm, row_ok, C, BLOCK_C)  # [BLOCK_M, BLOCK_C]
+    q = _load_rows(q_ptr + b * s_qb + t_m * s_qt + (offs_m % H) * s_qh, row_ok, C,
+                   BLOCK_C)  # [BLOCK_M, BLOCK_C]
     qpe = _rotated(qpe_ptr + b * s_qpb + offs_m * s_qpm, rope_ptr + b * s_rb + t_m * s_rt, row_ok,
                    R, BLOCK_R2).to(q.dtype)  # [BLOCK_M, 2 * BLOCK_R2]
     if part == 0:   # the new tokens, in registers
@@ -436,7 +438,7 @@ def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, position
         if x.stride(-1) != 1:
             raise ValueError(f"mla_decode_attention: {name}'s last dim must be contiguous")
     M = T * H
-    q = q_lat.reshape(B, M, C)        # a copy only when q_lat is not already [B, M, C]-strided
+    q = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()   # read through its B, T, H strides
     qpe = q_pe.reshape(B, M, R)
     rope = rope if rope.stride(-1) == 1 and rope.stride(-2) == 2 else rope.contiguous()
     block_n = MLA_BLOCK_N[q_lat.dtype]
@@ -449,9 +451,9 @@ def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, position
     _mla_decode_kernel[(parts, B, m_blocks)](
         q, qpe, kv, k_pe, norm_weight, rope, positions, kv_cache, pe_cache, partial, lse,
         T, H, M, S, split_len, float(eps), softmax_scale * math.log2(math.e),
-        q.stride(0), q.stride(1), qpe.stride(0), qpe.stride(1), kv.stride(0), kv.stride(1),
-        k_pe.stride(0), k_pe.stride(1), rope.stride(0), rope.stride(1), positions.stride(0),
-        positions.stride(1),
+        q.stride(0), q.stride(1), q.stride(2), qpe.stride(0), qpe.stride(1), kv.stride(0),
+        kv.stride(1), k_pe.stride(0), k_pe.stride(1), rope.stride(0), rope.stride(1),
+        positions.stride(0), positions.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), pe_cache.stride(0), pe_cache.stride(1),
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         C=C, R=R, BLOCK_C=_pow2(C), BLOCK_R2=_pow2(R // 2, 8), BLOCK_T=_pow2(T), BLOCK_M=block_m,
