@@ -255,19 +255,19 @@ def pick_moe(moe, device, dtype):
 
 
 def accelerate(target, names=(), moe="auto"):
-    """Swap the fast paths into a plain model.Transformer, in place, and return the names of
-    KERNELS swapped in. names: "attention" (decode-mode MLA attention), "rope_cache" (RoPE +
-    latent norm + cache writes), "router" (SIMULATED uniform routing included), "add_rmsnorm"
-    (every residual add with the norm that reads the sum), "silu_mul" (the MLPs' SwiGLU),
-    "norm_gemv" (GEMV kernels: for <= 8 rows q_b_proj with q_a_layernorm inside and decode mode's
-    absorbed products over the heads; for <= 4 rows, with fused_proj, the stacked q_a + kv_a, with
-    add_rmsnorm too, at one row, the layer's input add and norm inside it: InputNormInQKVA; for <= 2
-    rows o_proj), "shared_expert" (the shared expert inside the fused MoE launch, where
+    """Swap the fast paths into a plain model.Transformer, in place, and return the names of KERNELS
+    swapped in. names: "attention" (decode-mode MLA attention), "rope_cache" (RoPE + latent norm +
+    cache writes), "router" (SIMULATED uniform routing included), "add_rmsnorm" (every residual add
+    with the norm that reads the sum), "silu_mul" (the MLPs' SwiGLU), "norm_gemv" (GEMV kernels: for
+    <= 8 rows q_b_proj with q_a_layernorm inside, for <= 16 decode mode's absorbed products over the
+    heads; for <= 4 rows, with fused_proj, the stacked q_a + kv_a, with add_rmsnorm too, at one row,
+    the layer's input add and norm inside it: InputNormInQKVA; for <= 2 rows o_proj),
+    "shared_expert" (the shared expert inside the fused MoE launch, where
     SharedExpertInLaunch.applies; else left off and not listed), "fused_proj" (plain torch: q_a +
     kv_a and each unfolded MLP's gate + up as one GEMM, the shared expert's down GEMM adding onto
-    the routed output); an iterable, "all" or "none". moe: the routed experts' path
-    (pick_moe). The state dict keeps its keys and values. What was done is recorded as
-    target.kernels and target.moe_impl (run.py prints them)."""
+    the routed output); an iterable, "all" or "none". moe: the routed experts' path (pick_moe). The
+    state dict keeps its keys and values. What was done is recorded as target.kernels and
+    target.moe_impl (run.py prints them)."""
     names = kernel_names(names)
     if hasattr(target, "kernels"):
         raise ValueError(f"accelerate: this model is accelerated already (kernels "
