@@ -409,11 +409,12 @@ def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, position
     """MLA's decode-mode step after the projections, in two launches (the parts, the merge):
     writes each new token's normalized latent and rotated rope key at slot = its position, as
     model.MLA.write_cache does, and returns the absorbed attention of the rotated queries over
-    the slots <= their positions, o_lat [B, T, H, C] in q_lat's dtype. q_lat [B, T, H, C], q_pe
-    [B, T, H, R] (not rotated), kv [B, T, C] and k_pe [B, T, R] (kv_a's halves), norm_weight [C]
-    with eps (kv_a_layernorm), rope [B, T, R/2, 2] float32 (cos, sin) at the positions, positions
-    int64 [B, T] on the device, consecutive in a row, kv_cache [B, S, C] and pe_cache [B, S, R]
-    (views of the caches, strided over B and S; last dims contiguous, as for every input). No
+    the slots <= their positions, o_lat [B, T, H, C] in q_lat's dtype. q_lat [B, T, H, C] (read
+    through its strides: the absorbed einsum's head-major output is not copied), q_pe [B, T, H, R]
+    (not rotated), kv [B, T, C] and k_pe [B, T, R] (kv_a's halves), norm_weight [C] with eps
+    (kv_a_layernorm), rope [B, T, R/2, 2] float32 (cos, sin) at the positions, positions int64 [B,
+    T] on the device, consecutive in a row, kv_cache [B, S, C] and pe_cache [B, S, R] (views of the
+    caches, strided over B and S; last dims contiguous, as for every input but q_lat). No
     host read: S, not the positions, sets the launch. merge=False: one launch, and the parts
     (MLAParts) come back unmerged, for mla_merge_absorb."""
     B, T, H, C = q_lat.shape
