@@ -1537,7 +1537,8 @@ def test_add_rmsnorm_across_layers_equals_plain_with_exact_aux_states(monkeypatc
     the plain model's, in both attention modes. The kernel runs 2 a layer with or without the
     capture (none in the first layer's input norm, one in the final norm; a captured layer's output
     is added for EAGLE-3 beside the pair the next norm adds), and the norm alone (kernels.rmsnorm)
-    once, in the first layer's input norm, which has no residual."""
+    where there is no residual: the first layer's input norm, and every layer's MLA norms of q_a
+    and of the new latents (2 a layer)."""
     calls, alone = [], []
     monkeypatch.setattr(kernels.launch, "add_rmsnorm", lambda *a: calls.append(1)
                         or kernels.add_rmsnorm(*a))
@@ -1557,7 +1558,8 @@ def test_add_rmsnorm_across_layers_equals_plain_with_exact_aux_states(monkeypatc
         for capture_aux in (True, False):
             want, got = plain(tokens, pos, mode, capture_aux), fused(tokens, pos, mode, capture_aux)
             what = f"add_rmsnorm across layers, {mode}, T={tokens.shape[1]}, aux {capture_aux}"
-            assert (len(calls), len(alone)) == (2 * args.num_hidden_layers, 1), what
+            L = args.num_hidden_layers
+            assert (len(calls), len(alone)) == (2 * L, 1 + 2 * L), what
             calls.clear(), alone.clear()
             assert_close(got.logits, want.logits, 1e-4, what + ": logits")
             if capture_aux:
