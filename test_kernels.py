@@ -1211,6 +1211,39 @@ def test_head_gemv_kernel_equals_twin(dtype):
                              f"head_gemv W_uv {what}")
 
 
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_head_bmm_equals_absorb_output_row_major(dtype):
+    """kernels.gemv.head_bmm (NormGemvMLA's W_uv past HEAD_GEMV_MAX_ROWS) against
+    model.MLA.absorb_output's einsum on fresh inputs, W_uv the row-strided view of kv_b_proj's
+    weight the model takes: equal (on the GPU to cuBLAS's rounding), and its output row-major, so
+    o_proj's flatten is a view. On the GPU the product is one GEMM launch, no copy after it."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(17)
+    H, d, C = (8, 128, 512) if device == "cuda" else (4, 16, 100)
+    kv_b = (torch.randn(H, 2 * d, C, generator=g) / C ** 0.5).to(device, dtype)
+    w_uv = kv_b.split([d, d], 1)[1]                                            # [H, d, C]
+    for B, T in ((1, 17), (4, 8), (3, 32)):
+        o_lat = torch.randn(B, T, H, C, generator=g).to(device, dtype)
+        want = model.MLA.absorb_output(None, o_lat, w_uv)
+        got = kernels.gemv.head_bmm(o_lat, w_uv)
+        what = f"head_bmm B={B} T={T} {dtype}"
+        assert got.is_contiguous() and got.shape == want.shape, f"{what}: {got.stride()}"
+        if device == "cpu":
+            assert torch.equal(got, want), f"{what}: differs from the einsum"
+        else:
+            tol = (1e-5 if dtype == torch.float32 else 1e-2) * want.abs().max().item()
+            assert_close(got, want, tol, what)
+    if device == "cuda":
+        from torch.profiler import ProfilerActivity, profile
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            kernels.gemv.head_bmm(o_lat, w_uv).flatten(2)
+            torch.cuda.synchronize()
+        names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+        assert names and not any("copy" in n.lower() or "elementwise" in n.lower()
+                                 for n in names), f"head_bmm launched {names}"
+
+
 def _norm_gemv_launches(rows, mode, others):
     """test_norm_gemv_in_model_equals_plain's (norm_gemv, head_gemv, mla_merge_absorb, combine)
     launches a layer at `rows` rows in attention mode `mode`, with the swaps `others` beside
@@ -1537,7 +1570,8 @@ def test_add_rmsnorm_across_layers_equals_plain_with_exact_aux_states(monkeypatc
     the plain model's, in both attention modes. The kernel runs 2 a layer with or without the
     capture (none in the first layer's input norm, one in the final norm; a captured layer's output
     is added for EAGLE-3 beside the pair the next norm adds), and the norm alone (kernels.rmsnorm)
-    once, in the first layer's input norm, which has no residual."""
+    where there is no residual: the first layer's input norm, and every layer's MLA norms of q_a
+    and of the new latents (2 a layer)."""
     calls, alone = [], []
     monkeypatch.setattr(kernels.launch, "add_rmsnorm", lambda *a: calls.append(1)
                         or kernels.add_rmsnorm(*a))
@@ -1557,7 +1591,8 @@ def test_add_rmsnorm_across_layers_equals_plain_with_exact_aux_states(monkeypatc
         for capture_aux in (True, False):
             want, got = plain(tokens, pos, mode, capture_aux), fused(tokens, pos, mode, capture_aux)
             what = f"add_rmsnorm across layers, {mode}, T={tokens.shape[1]}, aux {capture_aux}"
-            assert (len(calls), len(alone)) == (2 * args.num_hidden_layers, 1), what
+            L = args.num_hidden_layers
+            assert (len(calls), len(alone)) == (2 * L, 1 + 2 * L), what
             calls.clear(), alone.clear()
             assert_close(got.logits, want.logits, 1e-4, what + ": logits")
             if capture_aux:

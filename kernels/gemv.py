@@ -309,6 +309,17 @@ def head_gemv(x, weight, group_rows=None):
     return out
 
 
+def head_bmm(x, weight):
+    """head_gemv's product past its rows, by cuBLAS's batched GEMM over the heads, written straight
+    into out [..., H, N] contiguous (the GEMM's output rows H * N apart): MLA's absorbed W_uv as
+    the plain einsum leaves it is stored head-major, and o_proj's flatten of it is a copy."""
+    *lead, H, K = x.shape
+    x2 = x.reshape(-1, H, K).transpose(0, 1)                  # [H, rows, K]
+    out = torch.empty(*lead, H, weight.shape[1], device=x.device, dtype=x.dtype)
+    torch.bmm(x2, weight.transpose(1, 2), out=out.view(-1, H, weight.shape[1]).transpose(0, 1))
+    return out
+
+
 launch.norm_gemv = norm_gemv
 launch.head_gemv = head_gemv
 
@@ -338,7 +349,8 @@ HEAD_GEMV_MAX_ROWS = 16
 class NormGemvMLA(model.MLA):
     """"norm_gemv": q_b_proj as a GEMV kernel with q_a_layernorm computed inside it (at most
     Q_B_GEMV_MAX_ROWS rows: decode, verify) and decode mode's absorbed W_uk / W_uv products as GEMV
-    kernels over the heads (at most HEAD_GEMV_MAX_ROWS rows); more rows: the plain code."""
+    kernels over the heads (at most HEAD_GEMV_MAX_ROWS rows); more rows: the plain code, but W_uv
+    by head_bmm, its output row-major for o_proj."""
 
     def query(self, q_a):
         if rows(q_a) > Q_B_GEMV_MAX_ROWS:
@@ -353,7 +365,7 @@ class NormGemvMLA(model.MLA):
 
     def absorb_output(self, o_lat, w_uv):
         if math.prod(o_lat.shape[:2]) > HEAD_GEMV_MAX_ROWS:
-            return super().absorb_output(o_lat, w_uv)
+            return head_bmm(o_lat, w_uv)
         return launch.head_gemv(o_lat, w_uv)
 
 

@@ -161,6 +161,8 @@ SLOTS = {   # slot -> the modules it names, of a layer of the target, the target
     "attention": lambda layer: [layer.self_attn],
     "o_proj": lambda layer: [layer.self_attn.o_proj],
     "norms": lambda layer: [layer.input_layernorm, layer.post_attention_layernorm],
+    "attention norms": lambda layer: [getattr(layer.self_attn, "q_a_layernorm", None),
+                                      layer.self_attn.kv_a_layernorm],     # MLA's, no residual
     "layer": lambda layer: [layer],
     "moe": lambda layer: [_moe(layer)],
     "experts": lambda layer: [_moe(layer) and layer.mlp.experts],
@@ -172,7 +174,8 @@ SLOTS = {   # slot -> the modules it names, of a layer of the target, the target
     "head.attention": lambda head: [head.midlayer.self_attn],
     "head.mlp": lambda head: [head.midlayer.mlp],
 }
-LAYER_SLOTS = ("attention", "o_proj", "norms", "layer", "moe", "experts", "gate", "mlp")
+LAYER_SLOTS = ("attention", "o_proj", "norms", "attention norms", "layer", "moe", "experts", "gate",
+               "mlp")
 HEAD_SLOTS = ("head", "head.midlayer", "head.attention", "head.mlp")
 
 SWAPS = (
@@ -184,6 +187,7 @@ SWAPS = (
     Swap("fused_proj", "attention", StackedQKVA, where=_q_lora),
     Swap("norm_gemv", "o_proj", GemvRowParallel),
     Swap("add_rmsnorm", "norms", AddRMSNorm),
+    Swap("add_rmsnorm", "attention norms", AddRMSNorm),
     Swap("norm_gemv", "layer", InputNormInQKVA, also=("fused_proj", "add_rmsnorm"), where=_q_lora),
     Swap("router", "gate", RouterKernel),
     Swap("shared_expert", "moe", SharedExpertRouterInLaunch, also=("moe=fused", "router"),
@@ -258,7 +262,8 @@ def accelerate(target, names=(), moe="auto"):
     """Swap the fast paths into a plain model.Transformer, in place, and return the names of KERNELS
     swapped in. names: "attention" (decode-mode MLA attention), "rope_cache" (RoPE + latent norm +
     cache writes), "router" (SIMULATED uniform routing included), "add_rmsnorm" (every residual add
-    with the norm that reads the sum), "silu_mul" (the MLPs' SwiGLU), "norm_gemv" (GEMV kernels: for
+    with the norm that reads the sum; MLA's q_a and kv_a norms, which have none, by its kernel
+    without the add), "silu_mul" (the MLPs' SwiGLU), "norm_gemv" (GEMV kernels: for
     <= 8 rows q_b_proj with q_a_layernorm inside, for <= 16 decode mode's absorbed products over the
     heads; for <= 4 rows, with fused_proj, the stacked q_a + kv_a, with add_rmsnorm too, at one row,
     the layer's input add and norm inside it: InputNormInQKVA; for <= 2 rows o_proj),
