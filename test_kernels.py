@@ -1046,6 +1046,34 @@ def test_add_rmsnorm_kernel_equals_twin(D, dtype):
 
 
 @pytest.mark.triton
+def test_rmsnorm_reads_a_column_slice_in_place(monkeypatch):
+    """kernels.rmsnorm on q_a's columns of a stacked [B, T, q_a + kv_a] output, as MLA's q_a norm
+    gets them: equal, bit for bit, to the norm of a contiguous copy and close to model.RMSNorm's,
+    and the launch reads the slice's own storage (no copy before it)."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    g = torch.Generator().manual_seed(5)
+    stacked = torch.randn(2, 10, 96 + 72, generator=g).to(device)
+    x = stacked[..., :96]
+    assert not x.is_contiguous()
+    norm = model.RMSNorm(96, 1e-6, device, torch.float32)
+    with torch.no_grad():
+        norm.weight.copy_(1 + 0.1 * torch.randn(96, generator=g))
+    got = kernels.rmsnorm(x, norm.weight, norm.eps)
+    assert got.is_contiguous() and got.shape == x.shape
+    assert torch.equal(got, kernels.rmsnorm(x.contiguous(), norm.weight, norm.eps)), \
+        "rmsnorm: a column slice and its contiguous copy differ"
+    assert_close(got, norm(x), 1e-5, "rmsnorm of a column slice vs model.RMSNorm")
+    launched = []
+
+    class Launch:                          # kernel[grid](x, ...): the x it gets, not run
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launched.append(args[0])
+    monkeypatch.setattr(kernels.elementwise, "_add_rmsnorm_kernel", Launch())
+    kernels.rmsnorm(x, norm.weight, norm.eps)
+    assert launched[0].data_ptr() == x.data_ptr(), "the column slice copied before the launch"
+
+
+@pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_kernel_equals_twin(dtype):
     """SwiGLU's silu(gate) * up against model.MLP's plain line, on the two halves of one [N, 2I]
