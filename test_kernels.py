@@ -756,6 +756,18 @@ def test_mla_decode_kernel_equals_twin_tiny(B, T):
     check_mla(B, T, TINY_MLA, 300, torch.float32, device, seed=B * 10 + T + 2, split_len=16)
 
 
+def first_args_launched(monkeypatch, module, kernel):
+    """module.kernel replaced by a stand-in whose launches (kernel[grid](...)) run nothing and
+    record their first tensor: the list they fill, to check what reaches a kernel uncopied."""
+    launched = []
+
+    class Launch:
+        def __getitem__(self, grid):
+            return lambda *args, **meta: launched.append(args[0])
+    monkeypatch.setattr(module, kernel, Launch())
+    return launched
+
+
 @pytest.mark.triton
 def test_mla_decode_kernel_reads_permuted_queries_in_place(monkeypatch):
     """q_lat as the absorbed einsum leaves it (stored head-major, [B, T, H, C] a permuted view:
@@ -775,12 +787,7 @@ def test_mla_decode_kernel_reads_permuted_queries_in_place(monkeypatch):
     for a, b, what in zip(outs[0], outs[1], ("o_lat", "latent cache", "rope cache")):
         assert torch.equal(a, b), f"MLA kernel, permuted q_lat: {what} differs"
     assert_close(outs[1][0], truth, 2e-5, "MLA kernel, permuted q_lat vs float64 twin")
-    launched = []
-
-    class Launch:                          # kernel[grid](q, ...): the q it gets, not run
-        def __getitem__(self, grid):
-            return lambda *args, **meta: launched.append(args[0])
-    monkeypatch.setattr(kernels.mla, "_mla_decode_kernel", Launch())
+    launched = first_args_launched(monkeypatch, kernels.mla, "_mla_decode_kernel")
     kernels.mla_decode_attention(**dict(inputs, q_lat=permuted), softmax_scale=0.07, merge=False)
     assert launched[0].data_ptr() == permuted.data_ptr(), "permuted q_lat copied before the launch"
 
@@ -1063,12 +1070,7 @@ def test_rmsnorm_reads_a_column_slice_in_place(monkeypatch):
     assert torch.equal(got, kernels.rmsnorm(x.contiguous(), norm.weight, norm.eps)), \
         "rmsnorm: a column slice and its contiguous copy differ"
     assert_close(got, norm(x), 1e-5, "rmsnorm of a column slice vs model.RMSNorm")
-    launched = []
-
-    class Launch:                          # kernel[grid](x, ...): the x it gets, not run
-        def __getitem__(self, grid):
-            return lambda *args, **meta: launched.append(args[0])
-    monkeypatch.setattr(kernels.elementwise, "_add_rmsnorm_kernel", Launch())
+    launched = first_args_launched(monkeypatch, kernels.elementwise, "_add_rmsnorm_kernel")
     kernels.rmsnorm(x, norm.weight, norm.eps)
     assert launched[0].data_ptr() == x.data_ptr(), "the column slice copied before the launch"
 

@@ -43,8 +43,8 @@ def add_rmsnorm(x, y, weight, eps):
     if y.shape != x.shape or y.dtype != x.dtype or weight.shape != (D,):
         raise ValueError(f"add_rmsnorm: x {x.dtype} {list(x.shape)}, y {y.dtype} {list(y.shape)}, "
                          f"weight {list(weight.shape)} do not fit")
-    x2, y2 = x.contiguous().view(-1, D), y.contiguous().view(-1, D)
-    h, out = torch.empty_like(x2), torch.empty_like(x2)
+    x2, y2 = _rows(x), _rows(y)
+    h, out = (torch.empty(x2.shape, device=x.device, dtype=x.dtype) for _ in range(2))
     _launch_norm(x2, y2, weight, h, out, eps, add=True)
     return h.view(x.shape), out.view(x.shape)
 
@@ -53,19 +53,23 @@ def rmsnorm(x, weight, eps):
     """RMSNorm(x) for x [..., D] and weight [D] of x's dtype: add_rmsnorm's kernel without the add
     (one read of x), where no residual comes with the input (a model's first layer; MLA's q_a and
     kv_a norms). In a profiled verify of 3 tokens on the H200 torch's rms_norm took 9 us a call,
-    add_rmsnorm 2. x is read in place where its rows are one stride apart with the last dim
-    contiguous (MLA's q_a and kv_a: column slices of the stacked projection's output); the
-    output is contiguous."""
+    add_rmsnorm 2. x is read in place (_rows: MLA's q_a and kv_a are column slices of the stacked
+    projection's output); the output is contiguous."""
     D = x.shape[-1]
     if weight.shape != (D,) or weight.dtype != x.dtype:
         raise ValueError(f"rmsnorm: x {x.dtype} {list(x.shape)} and weight {weight.dtype} "
                          f"{list(weight.shape)} do not fit")
-    x2 = x.reshape(-1, D)                    # a view wherever the leading dims merge
-    if x2.stride(-1) != 1:
-        x2 = x2.contiguous()
+    x2 = _rows(x)
     out = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
     _launch_norm(x2, x2, weight, x2, out, eps, add=False)     # y and h: not touched
     return out.view(x.shape)
+
+
+def _rows(x):
+    """x [..., D] as the kernel's rows [N, D]: a view wherever the leading dims merge and the last
+    is contiguous (a column slice of a wider output too), else a copy."""
+    x2 = x.reshape(-1, x.shape[-1])
+    return x2 if x2.stride(-1) == 1 else x2.contiguous()
 
 
 def _launch_norm(x2, y2, weight, h, out, eps, add):
