@@ -288,12 +288,13 @@ def _select_in_kernel(N, device):
 def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling, uniform=False,
                 shared_slot=False, planes=None):
     """model.Router.forward in one kernel (from ROUTER_DOT_MIN_TOKENS tokens the tensor cores'
-    logits, past ROUTER_GEMV_MAX_TOKENS cuBLAS's, each then a selection kernel): x [N, D], weight [E, D] float32, bias [E] float32 -> ids int64 [N, K],
-    weights float32 [N, K]. uniform: SIMULATED balanced routing (pair j = n*K + i to expert j mod
-    E), as model.Router's routing "uniform"; shared_slot: a column K more, expert E with weight 1
-    (the shared expert in the fused MoE launch); both in the same kernels. planes: a tensor from
-    moe_gemv.empty_planes(x) that receives x as the INT4 GEMV's activation planes (fused_moe's
-    planes), written by the same kernel (past ROUTER_GEMV_MAX_TOKENS: a copy)."""
+    logits, past ROUTER_GEMV_MAX_TOKENS cuBLAS's, each then a selection kernel): x [N, D], weight
+    [E, D] float32, bias [E] float32 -> ids int64 [N, K], weights float32 [N, K]. uniform:
+    SIMULATED balanced routing (pair j = n*K + i to expert j mod E), as model.Router's routing
+    "uniform"; shared_slot: a column K more, expert E with weight 1 (the shared expert in the fused
+    MoE launch); both in the same kernels. planes: a tensor from moe_gemv.empty_planes(x) that
+    receives x as the INT4 GEMV's activation planes (fused_moe's planes), written by the same
+    kernel (past ROUTER_GEMV_MAX_TOKENS: a copy)."""
     N, D = x.shape
     E = weight.shape[0]
     if (weight.dtype != torch.float32 or bias.dtype != torch.float32 or weight.shape != (E, D)
