@@ -988,20 +988,18 @@ def test_router_kernel_equals_twin(shape, dtype, monkeypatch):
     # up to ROUTER_SELECT_MAX_TOKENS tokens one kernel (logits, then the selection in its last
     # program); 5: the logits kernel, then a selection kernel reading its partial sums (on the GPU;
     # the CPU interpreter selects in the last program up to ROUTER_GEMV_MAX_TOKENS, and 5 and 20
-    # run the selection kernel by force); 20 (from ROUTER_DOT_MIN_TOKENS): the tensor cores' logits
-    # kernel, then the selection kernel; 37 (past ROUTER_GEMV_MAX_TOKENS): cuBLAS's logits, then
+    # run the selection kernel by force); 37 (past ROUTER_GEMV_MAX_TOKENS): cuBLAS's logits, then
     # that selection kernel. The logits kernel takes its tokens 4 at a time here: 5 tokens are a
-    # chunk and a masked one
+    # chunk and a masked one, 20 five chunks of a 32-row block
     monkeypatch.setattr(kernels.router, "ROUTER_CHUNK", 4)
     most = kernels.router.ROUTER_SELECT_MAX_TOKENS
-    assert most < 5 < kernels.router.ROUTER_DOT_MIN_TOKENS <= 20 <= \
-        kernels.router.ROUTER_GEMV_MAX_TOKENS < 37
+    assert most < 5 <= 20 <= kernels.router.ROUTER_GEMV_MAX_TOKENS < 37
     cases = ((1, False), (most, False), (5, False), (5, True), (20, True), (37, False))
     if device == "cpu":   # the interpreter takes seconds a case at 384 experts and in bf16: there
-        # Kimi-K2's float32 up to the tensor cores' kernel (37 selects as at 5, in DeepSeek-V3's
-        # and tiny's float32), bf16 the pair planes written by each path
-        cases = (cases[:5] if dtype == torch.float32 and shape == "kimi-k2"
-                 else cases if dtype == torch.float32 else cases[1::2] + cases[4:5])
+        # Kimi-K2's float32 up to the forced selection kernel (20 and 37 select as at 5, in
+        # DeepSeek-V3's and tiny's float32), bf16 the pair planes written by each path
+        cases = (cases[:4] if dtype == torch.float32 and shape == "kimi-k2"
+                 else cases if dtype == torch.float32 else (cases[1], cases[3], cases[5]))
     for n, apart in cases:
         monkeypatch.setattr(kernels.router, "_select_in_kernel", select_in_kernel if not apart
                             else lambda N, device: False)

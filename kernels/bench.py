@@ -204,30 +204,26 @@ def bench_mla_configs(rows, sweep=MLA_SWEEP):
 
 
 def bench_router(tokens=(1, 2, 3, 4, 5, 6, 8, 12, 16)):
-    """The router kernel at Kimi-K2's 384 experts, the model's routing and SIMULATED uniform: the
-    logits kernel with the selection in its last program, the same with the selection in a launch
-    of its own (a program a token), and the tensor cores' logits kernel (selection apart), whatever
-    router.ROUTER_SELECT_MAX_TOKENS and ROUTER_DOT_MIN_TOKENS say."""
+    """The router kernel at Kimi-K2's 384 experts, the model's routing and SIMULATED uniform, with
+    the selection in the logits kernel's last program and in a launch of its own (a program a
+    token), whatever router.ROUTER_SELECT_MAX_TOKENS says."""
     print("\nrouter, 384 experts, bf16 (us per call, in a graph; 8 input sets): selection in the "
-          "last program | in its own launch | tensor cores' logits")
-    m, rows = _small_modules(), []
-    saved = router.ROUTER_SELECT_MAX_TOKENS, router.ROUTER_DOT_MIN_TOKENS
-    forms = ((router.ROUTER_GEMV_MAX_TOKENS, 1 << 30), (0, 1 << 30), (0, 1))  # select, dot limits
+          "last program | in its own launch")
+    m, saved, rows = _small_modules(), router.ROUTER_SELECT_MAX_TOKENS, []
     try:
         for N in tokens:
             xs = [torch.randn(N, 7168, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
             for routing in ("model", "uniform"):
                 m.routers["triton"].routing = routing
                 times = []
-                for select_limit, dot_limit in forms:
-                    router.ROUTER_SELECT_MAX_TOKENS, router.ROUTER_DOT_MIN_TOKENS = (select_limit,
-                                                                                     dot_limit)
+                for limit in (router.ROUTER_GEMV_MAX_TOKENS, 0):   # in the last program, apart
+                    router.ROUTER_SELECT_MAX_TOKENS = limit
                     times.append(graph_ms([partial(m.routers["triton"], x) for x in xs]))
-                print(f"  N={N:2d} {routing:7s}: " + " | ".join(f"{t * 1e3:6.1f}" for t in times))
-                rows.append(dict(kernel="router", N=N, routing=routing, last_program_ms=times[0],
-                                 own_launch_ms=times[1], dot_ms=times[2]))
+                print(f"  N={N:2d} {routing:7s}: {times[0] * 1e3:6.1f} | {times[1] * 1e3:6.1f}")
+                rows.append(dict(kernel="router", N=N, routing=routing,
+                                 last_program_ms=times[0], own_launch_ms=times[1]))
     finally:
-        router.ROUTER_SELECT_MAX_TOKENS, router.ROUTER_DOT_MIN_TOKENS = saved
+        router.ROUTER_SELECT_MAX_TOKENS = saved
     return dict(rows=rows, device=torch.cuda.get_device_name(), torch=torch.__version__)
 
 

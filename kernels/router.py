@@ -27,10 +27,7 @@ from .moe_gemv import _check_planes
 # cost stays), only the top-k rounds are skipped.
 # Every token meets the program's one weight tile in turn, so the tile (ROUTER_TILE elements, the
 # bytes a program has in flight) does not shrink with the tokens: a verify's router is one step a
-# program, as a decode's. Each token's dot products end in a reduction across the program's warps,
-# which is what more tokens cost; from ROUTER_DOT_MIN_TOKENS a second logits kernel takes all the
-# tokens against its tile at once on the tensor cores (tl.dot, W split into two tf32 parts), the
-# selection apart. Beside INT4 experts the kernel also writes x as the INT4 GEMV's activation
+# program, as a decode's. Beside INT4 experts the kernel also writes x as the INT4 GEMV's activation
 # planes (router_topk's planes; SharedExpertInLaunch), which saves fused_moe its permute launch.
 
 # Past this many tokens cuBLAS's logits (and a copy into the INT4 GEMV's planes) before the
@@ -54,15 +51,6 @@ ROUTER_TILE = 8192  # elements of the [experts, D] weight tile a program holds: 
 # the next as many: its cost follows the tokens in steps of this, not their power of two. All 16
 # at once on 8 warps take 33 us at 12 tokens against 14 at 8 (python -m kernels.bench --router)
 ROUTER_CHUNK = 8
-# From this many tokens (to ROUTER_GEMV_MAX_TOKENS) the logits on the tensor cores
-# (_router_dot_kernel: no reduction across warps a token, the cost of the chunks above), then the
-# selection kernel. Not yet measured against the chunks on the H200: the limit is the first count
-# past one chunk.
-ROUTER_DOT_MIN_TOKENS = 9
-ROUTER_DOT_BLOCK_E = 16     # experts a program (tl.dot's least width)
-ROUTER_DOT_BLOCK_D = 128    # columns of D a step over the program's slice (256 spills
-#                             registers on sm_90)
-ROUTER_DOT_WARPS = 8        # on 4, 32 tokens with the INT4 planes spill registers (sm_90 SASS)
 
 
 @_jit
@@ -126,58 +114,14 @@ def _router_chunk(acc, x_ptr, v_ptr, c, N, D, d, d_end, w, n, eb, s_xn, PLANES: 
         ok = (t < N) & (d < d_end)[None, :]
         x = tl.load(x_ptr + t * s_xn + d[None, :], mask=ok, other=0.0).to(tl.float32)  # [1, BD]
         acc = tl.where(n[:, None] == t, acc + tl.sum(x * w, 1)[None, :], acc)
-        if PLANES != 0:
+        if PLANES == 1:
             if eb == 0:
-                _store_planes(v_ptr, x, t, d, D, ok, PLANES)
+                tl.store(v_ptr + t * D + (d % 8 * (D // 8) + d // 8)[None, :], x, mask=ok)
+        elif PLANES == 2:
+            if eb == 0:
+                pos = 2 * (d % 4 * (D // 8) + d // 8) + d % 8 // 4
+                tl.store(v_ptr + t * D + pos[None, :], x.to(tl.bfloat16), mask=ok)
     return acc
-
-
-@_jit
-def _store_planes(v_ptr, x, t, d, D, ok, PLANES: tl.constexpr):
-    """x [rows, len(d)] float32, rows t (a token or a column of them) at columns d (ok its mask),
-    stored as the INT4 GEMV's activation planes: PLANES 1, fp32 nibble planes [N, 8, D/8]; 2, bf16
-    pair planes (v_ptr a bf16 view of them)."""
-    if PLANES == 1:
-        tl.store(v_ptr + t * D + (d % 8 * (D // 8) + d // 8)[None, :], x, mask=ok)
-    else:
-        pos = 2 * (d % 4 * (D // 8) + d // 8) + d % 8 // 4
-        tl.store(v_ptr + t * D + pos[None, :], x.to(tl.bfloat16), mask=ok)
-
-
-@_jit
-def _router_dot_kernel(x_ptr, w_ptr, part_ptr, v_ptr, N, E, D, d_per_split, s_xn, s_we, s_ps,
-                       s_pn, PLANES: tl.constexpr, EXACT_X: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
-    """part[j, n, e] as _router_kernel's, every token at once: x [BLOCK_N, BLOCK_D] times the
-    weight tile [BLOCK_E, BLOCK_D] transposed by tl.dot, BLOCK_D columns a step over slice j, no
-    reduction across warps a token. EXACT_X (x bf16 or fp16, exact in tf32): on the tensor cores,
-    W as its tf32 high part plus the rest, two tf32 products whose sum holds W to about 2^-21 of
-    itself, each product exact and accumulated in float32; else (float32 x) float32 products on the
-    CUDA cores. PLANES as _router_kernel's. No selection: the selection kernel follows.
-    Grid: (cdiv(E, BLOCK_E), SPLITS)."""
-    _wait_for_prior()
-    eb, j = tl.program_id(0), tl.program_id(1)
-    e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
-    n = tl.arange(0, BLOCK_N)
-    acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
-    d_end = tl.minimum((j + 1) * d_per_split, D)
-    for d0 in range(j * d_per_split, d_end, BLOCK_D):
-        d = d0 + tl.arange(0, BLOCK_D)
-        w = tl.load(w_ptr + e[:, None] * s_we + d[None, :],
-                    mask=(e < E)[:, None] & (d < d_end)[None, :], other=0.0)
-        ok = (n < N)[:, None] & (d < d_end)[None, :]
-        x = tl.load(x_ptr + n[:, None] * s_xn + d[None, :], mask=ok, other=0.0).to(tl.float32)
-        if EXACT_X:
-            hi = (w.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
-            acc = tl.dot(x, tl.trans(hi), acc, input_precision="tf32")
-            acc = tl.dot(x, tl.trans(w - hi), acc, input_precision="tf32")
-        else:
-            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        if PLANES != 0:
-            if eb == 0:
-                _store_planes(v_ptr, x, n[:, None], d, D, ok, PLANES)
-    tl.store(part_ptr + j * s_ps + n[:, None] * s_pn + e[None, :], acc,
-             mask=(n < N)[:, None] & (e < E)[None, :])
 
 
 @_jit
@@ -287,14 +231,13 @@ def _select_in_kernel(N, device):
 
 def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling, uniform=False,
                 shared_slot=False, planes=None):
-    """model.Router.forward in one kernel (from ROUTER_DOT_MIN_TOKENS tokens the tensor cores'
-    logits, past ROUTER_GEMV_MAX_TOKENS cuBLAS's, each then a selection kernel): x [N, D], weight
-    [E, D] float32, bias [E] float32 -> ids int64 [N, K], weights float32 [N, K]. uniform:
-    SIMULATED balanced routing (pair j = n*K + i to expert j mod E), as model.Router's routing
-    "uniform"; shared_slot: a column K more, expert E with weight 1 (the shared expert in the fused
-    MoE launch); both in the same kernels. planes: a tensor from moe_gemv.empty_planes(x) that
-    receives x as the INT4 GEMV's activation planes (fused_moe's planes), written by the same
-    kernel (past ROUTER_GEMV_MAX_TOKENS: a copy)."""
+    """model.Router.forward in one kernel (past ROUTER_GEMV_MAX_TOKENS tokens: cuBLAS's logits and
+    a selection kernel): x [N, D], weight [E, D] float32, bias [E] float32 -> ids int64 [N, K],
+    weights float32 [N, K]. uniform: SIMULATED balanced routing (pair j = n*K + i to expert j mod
+    E), as model.Router's routing "uniform"; shared_slot: a column K more, expert E with weight 1
+    (the shared expert in the fused MoE launch); both in the same kernels. planes: a tensor from
+    moe_gemv.empty_planes(x) that receives x as the INT4 GEMV's activation planes (fused_moe's
+    planes), written by the same kernel (past ROUTER_GEMV_MAX_TOKENS: a copy)."""
     N, D = x.shape
     E = weight.shape[0]
     if (weight.dtype != torch.float32 or bias.dtype != torch.float32 or weight.shape != (E, D)
@@ -329,35 +272,24 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
 
 
 def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select):
-    """router_topk up to ROUTER_GEMV_MAX_TOKENS tokens into ids and weights: the logits kernel,
-    selecting in its last program or followed by the selection kernel (_select_in_kernel); from
-    ROUTER_DOT_MIN_TOKENS the tensor cores' logits kernel, then the selection kernel."""
+    """router_topk up to ROUTER_GEMV_MAX_TOKENS tokens: the logits kernel, selecting in its last
+    program or followed by the selection kernel (_select_in_kernel), into ids and weights."""
     (N, D), E = x.shape, weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
-    dot = N >= ROUTER_DOT_MIN_TOKENS
-    in_kernel = _select_in_kernel(N, x.device) and not dot
-    block_d = ROUTER_DOT_BLOCK_D if dot else ROUTER_TILE // ROUTER_BLOCK_E
+    in_kernel = _select_in_kernel(N, x.device)
+    block_d = ROUTER_TILE // ROUTER_BLOCK_E
     d_per_split = triton.cdiv(triton.cdiv(D, ROUTER_SPLIT_D), block_d) * block_d
     splits = triton.cdiv(D, d_per_split)
     part = torch.empty(splits, N, E, device=x.device, dtype=torch.float32)
     v, kind = part, 0                          # (v is never read without planes)
     if planes is not None:                     # pair planes (int32): the kernel stores bf16 halves
         v, kind = (planes.view(torch.bfloat16), 2) if planes.dtype == torch.int32 else (planes, 1)
-    if dot:
-        _router_dot_kernel[(triton.cdiv(E, ROUTER_DOT_BLOCK_E), splits)](
-            x, weight, part, v, N, E, D, d_per_split, x.stride(0), weight.stride(0),
-            part.stride(0), part.stride(1), PLANES=kind,
-            EXACT_X=x.dtype in (torch.bfloat16, torch.float16), BLOCK_N=max(16, _pow2(N, 1)),
-            BLOCK_E=ROUTER_DOT_BLOCK_E, BLOCK_D=block_d, launch_pdl=common.PDL,
-            num_warps=ROUTER_DOT_WARPS)
-    else:
-        _router_kernel[(triton.cdiv(E, ROUTER_BLOCK_E), splits)](
-            x, weight, part, _counters(x.device), bias, ids, weights, v, N, E, D,
-            d_per_split, x.stride(0), weight.stride(0), part.stride(0), part.stride(1),
-            ids.stride(0), weights.stride(0), E // n_group, n_group, scaling, SPLITS=splits,
-            PLANES=kind, BLOCK_N=_pow2(N, 1), BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select,
-            SELECT=in_kernel, CHUNK=min(_pow2(N, 1), ROUTER_CHUNK), launch_pdl=common.PDL,
-            num_warps=4)
+    _router_kernel[(triton.cdiv(E, ROUTER_BLOCK_E), splits)](
+        x, weight, part, _counters(x.device), bias, ids, weights, v, N, E, D,
+        d_per_split, x.stride(0), weight.stride(0), part.stride(0), part.stride(1), ids.stride(0),
+        weights.stride(0), E // n_group, n_group, scaling, SPLITS=splits, PLANES=kind,
+        BLOCK_N=_pow2(N, 1), BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select, SELECT=in_kernel,
+        CHUNK=min(_pow2(N, 1), ROUTER_CHUNK), launch_pdl=common.PDL, num_warps=4)
     if not in_kernel:
         _router_select_kernel[(N,)](part, bias, ids, weights, N, part.stride(0), part.stride(1),
                                     ids.stride(0), weights.stride(0), E // n_group, n_group,
