@@ -206,25 +206,40 @@ def bench_mla_configs(rows, sweep=MLA_SWEEP):
 def bench_router(tokens=(1, 2, 3, 4, 5, 6, 8, 12, 16)):
     """The router kernel at Kimi-K2's 384 experts, the model's routing and SIMULATED uniform, with
     the selection in the logits kernel's last program and in a launch of its own (a program a
-    token), whatever router.ROUTER_SELECT_MAX_TOKENS says."""
-    print("\nrouter, 384 experts, bf16 (us per call, in a graph; 8 input sets): selection in the "
+    token), whatever router.ROUTER_SELECT_MAX_TOKENS says. A graph replays 8 routers, each with
+    weights of its own (88 MB of float32, past the L2), as a step reads its 60 layers' routers."""
+    print("\nrouter, 384 experts, bf16 (us per call, in a graph of 8 routers): selection in the "
           "last program | in its own launch")
-    m, saved, rows = _small_modules(), router.ROUTER_SELECT_MAX_TOKENS, []
+    routers, saved, rows = _routers(8), router.ROUTER_SELECT_MAX_TOKENS, []
     try:
         for N in tokens:
-            xs = [torch.randn(N, 7168, device="cuda", dtype=torch.bfloat16) for _ in range(8)]
+            xs = [torch.randn(N, 7168, device="cuda", dtype=torch.bfloat16) for _ in routers]
             for routing in ("model", "uniform"):
-                m.routers["triton"].routing = routing
                 times = []
                 for limit in (router.ROUTER_GEMV_MAX_TOKENS, 0):   # in the last program, apart
                     router.ROUTER_SELECT_MAX_TOKENS = limit
-                    times.append(graph_ms([partial(m.routers["triton"], x) for x in xs]))
+                    for r in routers:
+                        r.routing = routing
+                    times.append(graph_ms([partial(r, x) for r, x in zip(routers, xs)]))
                 print(f"  N={N:2d} {routing:7s}: {times[0] * 1e3:6.1f} | {times[1] * 1e3:6.1f}")
                 rows.append(dict(kernel="router", N=N, routing=routing,
                                  last_program_ms=times[0], own_launch_ms=times[1]))
     finally:
         router.ROUTER_SELECT_MAX_TOKENS = saved
-    return dict(rows=rows, device=torch.cuda.get_device_name(), torch=torch.__version__)
+    return dict(rows=rows, routers=len(routers), device=torch.cuda.get_device_name(),
+                torch=torch.__version__)
+
+
+def _routers(n):
+    """n router kernels at Kimi-K2's shapes, each with random weights of its own."""
+    args, out = model.ModelArgs(n_routed_experts=384), []
+    for _ in range(n):
+        r = kernels.RouterKernel(args, "cuda", torch.bfloat16)
+        with torch.no_grad():
+            r.weight.normal_(0, 0.01)
+            r.e_score_correction_bias.normal_(0, 0.1)
+        out.append(r)
+    return out
 
 
 def bench_small(rows, Ms=None):
