@@ -198,45 +198,40 @@ def _expert_pairs(ids_ptr, p, P, P_PAD: tl.constexpr):
 
 @_jit
 def _shared_gate_up(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n,
-                    D: tl.constexpr, I: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
-                    BLOCK_K: tl.constexpr, EVEN: tl.constexpr, N_PAD: tl.constexpr):
+                    D: tl.constexpr,
+                    I: tl.constexpr, SPLIT: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr,
+                    EVEN: tl.constexpr):
     """The bf16 shared expert's gate and up rows of row block pid_n (BLOCK_N rows of I) over split
     s = p + SPLIT of D, for every token: raw sums into part [2, SPLIT, N, I] fp32; the row block's
     last split to finish makes h = silu(g) * u of them into hs [N, I] fp32 (_shared_h; count_ptr:
     the counters, one a row block). D / SPLIT columns a split (SHARED_SPLIT makes it about as many
-    bytes a program as a routed expert's quantized rows), BLOCK_K a step: each step's weights are
-    loaded once, then every token's activations meet them in turn, a token's sums (columns of
-    [BLOCK_N, N_PAD], N_PAD >= N) reduced a step. x_ptr: the activations [N, D]; sg_ptr, su_ptr:
-    the shared gate and up weights [I, D]. The GEMV kernels run it in SPLIT programs of their own
-    for each row block, numbered first (pair numbers p in [-SPLIT, 0)) and so launched first,
-    since each runs its N tokens one after another."""
+    bytes a program as a routed expert's quantized rows). x_ptr: the activations [N, D]; sg_ptr,
+    su_ptr: the shared gate and up weights [I, D]. The GEMV kernels run it in SPLIT programs of
+    their own for each row block, numbered first (pair numbers p in [-SPLIT, 0)) and so launched
+    first, since each runs its N tokens one after another."""
     s = p + SPLIT
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
-    t = tl.arange(0, N_PAD)[None, :]
     CHUNK: tl.constexpr = (D + SPLIT - 1) // SPLIT
     hi = tl.minimum((s + 1) * CHUNK, D)
-    sum_g = tl.zeros([BLOCK_N, N_PAD], tl.float32)
-    sum_u = tl.zeros([BLOCK_N, N_PAD], tl.float32)
-    for k0 in range(s * CHUNK, hi, BLOCK_K):
-        k = (k0 + tl.arange(0, BLOCK_K))[None, :]
-        if EVEN:
-            gw, uw = tl.load(sg_ptr + n[:, None] * D + k), tl.load(su_ptr + n[:, None] * D + k)
-        else:
-            ok = n_ok[:, None] & (k < hi)
-            gw = tl.load(sg_ptr + n[:, None] * D + k, mask=ok, other=0.0)
-            uw = tl.load(su_ptr + n[:, None] * D + k, mask=ok, other=0.0)
-        gw, uw = gw.to(tl.float32), uw.to(tl.float32)
-        for i in range(N):
+    for t in range(N):
+        acc_g = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        acc_u = tl.zeros([BLOCK_N, BLOCK_K], tl.float32)
+        for k0 in range(s * CHUNK, hi, BLOCK_K):
+            k = (k0 + tl.arange(0, BLOCK_K))[None, :]
             if EVEN:
-                xv = tl.load(x_ptr + i * D + k).to(tl.float32)
+                xv = tl.load(x_ptr + t * D + k).to(tl.float32)
+                gw, uw = tl.load(sg_ptr + n[:, None] * D + k), tl.load(su_ptr + n[:, None] * D + k)
             else:
-                xv = tl.load(x_ptr + i * D + k, mask=k < hi, other=0.0).to(tl.float32)
-            sum_g = tl.where(t == i, sum_g + tl.sum(gw * xv, 1)[:, None], sum_g)
-            sum_u = tl.where(t == i, sum_u + tl.sum(uw * xv, 1)[:, None], sum_u)
-    ok = n_ok[:, None] & (t < N)
-    tl.store(part_ptr + (s * N + t) * I + n[:, None], sum_g, mask=ok)
-    tl.store(part_ptr + ((SPLIT + s) * N + t) * I + n[:, None], sum_u, mask=ok)
+                ok = n_ok[:, None] & (k < hi)
+                xv = tl.load(x_ptr + t * D + k, mask=k < hi, other=0.0).to(tl.float32)
+                gw = tl.load(sg_ptr + n[:, None] * D + k, mask=ok, other=0.0)
+                uw = tl.load(su_ptr + n[:, None] * D + k, mask=ok, other=0.0)
+            acc_g += gw.to(tl.float32) * xv
+            acc_u += uw.to(tl.float32) * xv
+        tl.store(part_ptr + (s * N + t) * I + n, tl.sum(acc_g, 1), mask=n_ok)
+        tl.store(part_ptr + ((SPLIT + s) * N + t) * I + n, tl.sum(acc_u, 1), mask=n_ok)
     _shared_h(part_ptr, hs_ptr, count_ptr, N, pid_n, n, n_ok, I, SPLIT)
 
 
@@ -252,7 +247,7 @@ def _shared_part(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n
                             pid_n * SPLIT + p + SPLIT, D, I, SLICES, N_PAD, SHARED_K, PRECISION)
     else:
         _shared_gate_up(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n, D, I,
-                        SPLIT, BLOCK_N, SHARED_K, EVEN_SHARED, N_PAD)
+                        SPLIT, BLOCK_N, SHARED_K, EVEN_SHARED)
 
 
 @_jit
