@@ -985,24 +985,23 @@ def test_router_kernel_equals_twin(shape, dtype, monkeypatch):
     router, fast = random_routers(args, device, dtype, seed=len(shape))
     g = torch.Generator().manual_seed(100 + len(shape))
     select_in_kernel = kernels.router._select_in_kernel
-    # up to ROUTER_SELECT_MAX_TOKENS tokens one kernel (logits, then the selection in its last
-    # program); 5: the logits kernel, then a selection kernel reading its partial sums (on the GPU;
-    # the CPU interpreter selects in the last program up to ROUTER_GEMV_MAX_TOKENS, and 5 and 20
-    # run the selection kernel by force); 37 (past ROUTER_GEMV_MAX_TOKENS): cuBLAS's logits, then
-    # that selection kernel. The logits kernel takes its tokens 4 at a time here: 5 tokens are a
-    # chunk and a masked one, 20 five chunks of a 32-row block
+    # each case: tokens, and where the selection runs: the rule (None; on the GPU a selection
+    # kernel reading the logits kernel's partial sums, past ROUTER_GEMV_MAX_TOKENS cuBLAS's
+    # logits; under the CPU interpreter the logits kernel's last program up to
+    # ROUTER_GEMV_MAX_TOKENS), forced into the last program (True) or apart (False). The logits
+    # kernel takes its tokens 4 at a time here: 5 tokens are a chunk and a masked one, 20 five
+    # chunks of a 32-row block
     monkeypatch.setattr(kernels.router, "ROUTER_CHUNK", 4)
-    most = kernels.router.ROUTER_SELECT_MAX_TOKENS
-    assert most < 5 <= 20 <= kernels.router.ROUTER_GEMV_MAX_TOKENS < 37
-    cases = ((1, False), (most, False), (5, False), (5, True), (20, True), (37, False))
+    assert 5 <= 20 <= kernels.router.ROUTER_GEMV_MAX_TOKENS < 37
+    cases = ((1, None), (2, True), (5, None), (5, False), (20, False), (37, None))
     if device == "cpu":   # the interpreter takes seconds a case at 384 experts and in bf16: there
         # Kimi-K2's float32 up to the forced selection kernel (20 and 37 select as at 5, in
         # DeepSeek-V3's and tiny's float32), bf16 the pair planes written by each path
         cases = (cases[:4] if dtype == torch.float32 and shape == "kimi-k2"
                  else cases if dtype == torch.float32 else (cases[1], cases[3], cases[5]))
-    for n, apart in cases:
-        monkeypatch.setattr(kernels.router, "_select_in_kernel", select_in_kernel if not apart
-                            else lambda N, device: False)
+    for n, in_kernel in cases:
+        monkeypatch.setattr(kernels.router, "_select_in_kernel", select_in_kernel
+                            if in_kernel is None else lambda N, device, v=in_kernel: v)
         x = torch.randn(n, args.hidden_size, generator=g).to(device, dtype)
         shared_slot = n == 5  # expert E with weight 1 in a column more (the shared expert's launch)
         ids, w = router(x)
@@ -1011,7 +1010,8 @@ def test_router_kernel_equals_twin(shape, dtype, monkeypatch):
         planes = kernels.moe_gemv.empty_planes(x).fill_(-1)   # -1: fp32 -1.0, a bf16 NaN pair
         got_ids, got_w = fast(x, shared_slot, planes=planes if n != 1 else None)
         assert got_ids.dtype == ids.dtype and got_w.dtype == w.dtype
-        what = f"router kernel {shape} N={n} shared slot {shared_slot}, selecting apart {apart}"
+        what = (f"router kernel {shape} N={n} shared slot {shared_slot}, selecting in the last "
+                f"program: {'the rule' if in_kernel is None else in_kernel}")
         assert torch.equal(got_ids, ids), f"{what}: ids differ\n{got_ids}\n{ids}"
         assert_close(got_w, w, 1e-6, f"{what}: weights")
         if n != 1 and dtype == torch.bfloat16:  # x as the packed INT4 GEMV's pair planes: word w

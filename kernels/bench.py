@@ -17,7 +17,8 @@ replay past the L2; achieved GB/s against the copy bandwidth measured in the sam
         the INT4 GEMV's packed form (bf16 activations) against its fp32 form: errors, no timing.
     python -m kernels.bench --router [--tokens 1,2,..] [--json OUT]
         the router kernel at 1 to 16 tokens (or those given), its selection in the logits
-        kernel's last program and in a launch of its own (router.ROUTER_SELECT_MAX_TOKENS).
+        kernel's last program and in a launch of its own (router.ROUTER_SELECT_MAX_TOKENS), 8
+        routers in a graph (their weights past the L2).
     python -m kernels.bench [--json OUT] --pdl [RUN.PY FLAGS]
         run.py's captured phases with programmatic dependent launch off and on, in one process.
 """

@@ -35,12 +35,19 @@ from .moe_gemv import _check_planes
 # a chunk's, about 5 us, every 8 tokens: python -m kernels.bench --router --tokens 8,16,24,32)
 ROUTER_GEMV_MAX_TOKENS = 32
 # Up to this many tokens the logits kernel's last program selects; past it the selection kernel,
-# a program a token: where the model's routing selects faster on the H200 (python -m kernels.bench
-# --router; BENCHMARKS.md, Kernel level). SIMULATED uniform routing, whose selection is a gather,
-# would take the launch at every count; the rule follows the model's. That benchmark replays
-# router calls back to back, so a call's next one starts beside its last program's selection and
-# hides part of it (BENCHMARKS.md, Routing): at 1 and 2 tokens the launch may pay in the model too.
-ROUTER_SELECT_MAX_TOKENS = 2
+# a program a token. 0: on the H200 the launch of its own is as fast or faster at every count,
+# under the model's routing and SIMULATED uniform (python -m kernels.bench --router, 8 routers
+# past the L2: 9.4 against 10.6 us at 1 token, the model's; BENCHMARKS.md, Kernel level). The
+# INT4 decode step under the model's routing took 0.19 ms less with this 0 and one warp below
+# than with 2 and four warps (3.725 -> 3.539 ms; verify 0.03-0.11 less at 2-32 tokens): the last
+# program's selection is a serial tail after every logits program. Under Triton's CPU
+# interpreter the last program still selects (_select_in_kernel).
+ROUTER_SELECT_MAX_TOKENS = 0
+# warps of the selection kernel's program: its K rounds of max, first index and weight are
+# reductions over the E scores, on one warp by shuffles alone, on more also across warps through
+# shared memory (4 warps: 1.0-1.3 us more at 1-32 tokens under the model's routing, the same
+# under uniform; python -m kernels.bench --router)
+ROUTER_SELECT_WARPS = 1
 # D slices, at most: one step of ROUTER_TILE a program (7 slices of 1024: 112 programs for 128
 # experts, 336 for 384; 4 slices leave 64 programs at 128) (python -m kernels.bench --small)
 ROUTER_SPLIT_D = 8
@@ -263,7 +270,7 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
         _router_select_kernel[(N,)](logits, bias, ids, weights, N, 0, logits.stride(0),
                                     ids.stride(0), weights.stride(0),
                                     E // n_group, n_group, float(scaling), SPLITS=1, **select,
-                                    launch_pdl=common.PDL, num_warps=4)
+                                    launch_pdl=common.PDL, num_warps=ROUTER_SELECT_WARPS)
         if planes is not None:
             moe_gemv.activation_planes(x, planes)
         return ids, weights
@@ -294,7 +301,7 @@ def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select
         _router_select_kernel[(N,)](part, bias, ids, weights, N, part.stride(0), part.stride(1),
                                     ids.stride(0), weights.stride(0), E // n_group, n_group,
                                     scaling, SPLITS=splits, **select,
-                                    launch_pdl=common.PDL, num_warps=4)
+                                    launch_pdl=common.PDL, num_warps=ROUTER_SELECT_WARPS)
 
 launch.router_topk = router_topk
 
