@@ -1,4 +1,4 @@
-"""The router: logits, group-limited top-k selection and weights in one kernel, and its swap."""
+"""The router: logits, then group-limited top-k selection and weights, and its swap."""
 import torch
 
 import model
@@ -10,17 +10,17 @@ from .moe_gemv import _check_planes
 
 # Router
 #
-# DeepSeek-V3's noaux_tc routing in one kernel for few tokens (decode, verify). The logits x @ W^T
+# DeepSeek-V3's noaux_tc routing for few tokens (decode, verify) in two kernels. The logits x @ W^T
 # in float32: W is [E, D] float32 (11 MB at Kimi-K2's 384 x 7168) and must be read by many SMs at
 # once, so programs take a block of experts and one of ROUTER_SPLIT_D slices of D each and store
-# partial sums. The last program to finish (an atomic counter, as norm_gemv's) then selects for
-# every token at once: the partial sums added, sigmoid scores, the correction bias added for
-# selection only, groups kept by the sum of their two best biased scores (n_group > 1), the top K
-# experts of the kept groups, their unbiased scores normalized and scaled. That last program's
-# selection is serial in the tokens (K rounds of argmax over E a token, each a reduction across
-# its warps), so on a GPU past ROUTER_SELECT_MAX_TOKENS tokens the kernel only stores the partial
-# sums and a second kernel, a program a token, selects from them with the same code. Past
-# ROUTER_GEMV_MAX_TOKENS tokens cuBLAS computes the logits and that second kernel selects. With
+# partial sums. The selection kernel, a program a token, then selects: the partial sums added,
+# sigmoid scores, the correction bias added for selection only, groups kept by the sum of their
+# two best biased scores (n_group > 1), the top K experts of the kept groups, their unbiased
+# scores normalized and scaled. The same selection code can also run in the logits kernel's last
+# program to finish (an atomic counter, as norm_gemv's), for every token in turn, saving a launch:
+# up to ROUTER_SELECT_MAX_TOKENS tokens on a GPU (0: never; a serial tail, measured slower) and
+# always under Triton's CPU interpreter (the fewest interpreted ops). Past
+# ROUTER_GEMV_MAX_TOKENS tokens cuBLAS computes the logits and the selection kernel selects. With
 # UNIFORM (SIMULATED balanced routing, model.Router's routing "uniform") the choice is fixed
 # instead: pair j = n*K + i of the N*K token-expert pairs goes to expert j mod E, weighed by that
 # expert's unbiased score, normalized and scaled as usual; the logits are computed as always (their
@@ -238,13 +238,14 @@ def _select_in_kernel(N, device):
 
 def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling, uniform=False,
                 shared_slot=False, planes=None):
-    """model.Router.forward in one kernel (past ROUTER_GEMV_MAX_TOKENS tokens: cuBLAS's logits and
-    a selection kernel): x [N, D], weight [E, D] float32, bias [E] float32 -> ids int64 [N, K],
-    weights float32 [N, K]. uniform: SIMULATED balanced routing (pair j = n*K + i to expert j mod
-    E), as model.Router's routing "uniform"; shared_slot: a column K more, expert E with weight 1
-    (the shared expert in the fused MoE launch); both in the same kernels. planes: a tensor from
-    moe_gemv.empty_planes(x) that receives x as the INT4 GEMV's activation planes (fused_moe's
-    planes), written by the same kernel (past ROUTER_GEMV_MAX_TOKENS: a copy)."""
+    """model.Router.forward in a logits kernel and a selection kernel (past ROUTER_GEMV_MAX_TOKENS
+    tokens: cuBLAS's logits; see the section above): x [N, D], weight [E, D] float32, bias [E]
+    float32 -> ids int64 [N, K], weights float32 [N, K]. uniform: SIMULATED balanced routing
+    (pair j = n*K + i to expert j mod E), as model.Router's routing "uniform"; shared_slot: a
+    column K more, expert E with weight 1 (the shared expert in the fused MoE launch); both in the
+    same kernels. planes: a tensor from moe_gemv.empty_planes(x) that receives x as the INT4
+    GEMV's activation planes (fused_moe's planes), written by the logits kernel (past
+    ROUTER_GEMV_MAX_TOKENS: a copy)."""
     N, D = x.shape
     E = weight.shape[0]
     if (weight.dtype != torch.float32 or bias.dtype != torch.float32 or weight.shape != (E, D)
@@ -306,9 +307,9 @@ def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select
 launch.router_topk = router_topk
 
 class RouterKernel(model.Router):
-    """"router": logits, selection and weights in one kernel (SIMULATED uniform routing too).
+    """"router": logits, selection and weights in Triton (SIMULATED uniform routing too).
     shared_slot: one more column, expert E with weight 1 for every token ([N, K + 1]), made in the
-    same kernel (SharedExpertInLaunch). A choice made outside (routing "distinct", "trace":
+    same kernels (SharedExpertInLaunch). A choice made outside (routing "distinct", "trace":
     model.Router's `choice`): the kernel routes as the model's router, then the choice is copied
     over its first K columns (the weights stay the router's own)."""
 
