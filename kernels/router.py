@@ -37,7 +37,7 @@ ROUTER_GEMV_MAX_TOKENS = 32
 # Up to this many tokens the logits kernel's last program selects; past it the selection kernel,
 # a program a token. 0: on the H200 the launch of its own is as fast or faster at every count,
 # under the model's routing and SIMULATED uniform (python -m kernels.bench --router, 8 routers
-# past the L2: 9.4 against 10.6 us at 1 token, the model's; BENCHMARKS.md, Kernel level). The
+# past the L2: 9.4 against 10.5 us at 1 token, the model's; BENCHMARKS.md, Kernel level). The
 # INT4 decode step under the model's routing took 0.19 ms less with this 0 and one warp below
 # than with 2 and four warps (3.725 -> 3.539 ms; verify 0.03-0.11 less at 2-32 tokens): the last
 # program's selection is a serial tail after every logits program. Under Triton's CPU
