@@ -54,6 +54,7 @@ ROUTER_SPLIT_D = 8
 ROUTER_BLOCK_E = 8          # experts a program: with ROUTER_TILE, 1024 columns of D a step
 ROUTER_TILE = 8192  # elements of the [experts, D] weight tile a program holds: 64 fp32 a thread
 #                             on 4 warps, whatever the tokens (a tile cut by the tokens is slower)
+ROUTER_WARPS = 4            # the logits kernel's warps: a token's sums reduced across them
 # tokens a program takes at once against its weight tile (their loads in flight together), then
 # the next as many: its cost follows the tokens in steps of this, not their power of two. All 16
 # at once on 8 warps take 33 us at 12 tokens against 14 at 8 (python -m kernels.bench --router)
@@ -297,7 +298,7 @@ def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select
         d_per_split, x.stride(0), weight.stride(0), part.stride(0), part.stride(1), ids.stride(0),
         weights.stride(0), E // n_group, n_group, scaling, SPLITS=splits, PLANES=kind,
         BLOCK_N=_pow2(N, 1), BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select, SELECT=in_kernel,
-        CHUNK=min(_pow2(N, 1), ROUTER_CHUNK), launch_pdl=common.PDL, num_warps=4)
+        CHUNK=min(_pow2(N, 1), ROUTER_CHUNK), launch_pdl=common.PDL, num_warps=ROUTER_WARPS)
     if not in_kernel:
         _router_select_kernel[(N,)](part, bias, ids, weights, N, part.stride(0), part.stride(1),
                                     ids.stride(0), weights.stride(0), E // n_group, n_group,
