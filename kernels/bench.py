@@ -217,10 +217,10 @@ def bench_router(tokens=(1, 2, 3, 4, 5, 6, 8, 12, 16)):
             xs = [torch.randn(N, 7168, device="cuda", dtype=torch.bfloat16) for _ in routers]
             for routing in ("model", "uniform"):
                 times = []
+                for r in routers:
+                    r.routing = routing
                 for limit in (router.ROUTER_GEMV_MAX_TOKENS, 0):   # in the last program, apart
                     router.ROUTER_SELECT_MAX_TOKENS = limit
-                    for r in routers:
-                        r.routing = routing
                     times.append(graph_ms([partial(r, x) for r, x in zip(routers, xs)]))
                 print(f"  N={N:2d} {routing:7s}: {times[0] * 1e3:6.1f} | {times[1] * 1e3:6.1f}")
                 rows.append(dict(kernel="router", N=N, routing=routing,
@@ -259,13 +259,9 @@ def bench_small(rows, Ms=None):
 def _small_modules():
     """bench_small's modules and caches: the plain router and its kernel on the same weights,
     the layer norm and the latent norm, the RoPE table, the latent caches."""
-    args = model.ModelArgs(n_routed_experts=384)
-    router = model.Router(args, "cuda", torch.bfloat16)
-    with torch.no_grad():
-        router.weight.normal_(0, 0.01)
-        router.e_score_correction_bias.normal_(0, 0.1)
-    routers = {"torch": router, "triton": kernels.RouterKernel(args, "cuda", torch.bfloat16)}
-    routers["triton"].load_state_dict(router.state_dict())
+    fast = _routers(1)[0]
+    routers = {"torch": model.Router(fast.args, "cuda", torch.bfloat16), "triton": fast}
+    routers["torch"].load_state_dict(fast.state_dict())
     norm = model.RMSNorm(7168, 1e-6, "cuda", torch.bfloat16)
     lat_norm = model.RMSNorm(512, 1e-6, "cuda", torch.bfloat16)
     with torch.no_grad():

@@ -44,7 +44,7 @@ def add_rmsnorm(x, y, weight, eps):
         raise ValueError(f"add_rmsnorm: x {x.dtype} {list(x.shape)}, y {y.dtype} {list(y.shape)}, "
                          f"weight {list(weight.shape)} do not fit")
     x2, y2 = _rows(x), _rows(y)
-    h, out = (torch.empty(x2.shape, device=x.device, dtype=x.dtype) for _ in range(2))
+    h, out = x2.new_empty(x2.shape), x2.new_empty(x2.shape)        # contiguous, as x2 need not be
     _launch_norm(x2, y2, weight, h, out, eps, add=True)
     return h.view(x.shape), out.view(x.shape)
 
@@ -60,7 +60,7 @@ def rmsnorm(x, weight, eps):
         raise ValueError(f"rmsnorm: x {x.dtype} {list(x.shape)} and weight {weight.dtype} "
                          f"{list(weight.shape)} do not fit")
     x2 = _rows(x)
-    out = torch.empty(x2.shape, device=x.device, dtype=x.dtype)
+    out = x2.new_empty(x2.shape)
     _launch_norm(x2, x2, weight, x2, out, eps, add=False)     # y and h: not touched
     return out.view(x.shape)
 
