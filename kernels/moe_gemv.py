@@ -283,9 +283,10 @@ def _shared_gate_up_dot(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, f
         acc_g = tl.dot(gw, xt, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(uw, xt, acc_u, input_precision=PRECISION)
     ok = n_ok[:, None] & (t < N)[None, :]
-    tl.store(part_ptr + (s * N + t[None, :]) * I + n[:, None], acc_g, mask=ok)
-    tl.store(part_ptr + ((SLICES + s) * N + t[None, :]) * I + n[:, None], acc_u, mask=ok)
-    _shared_h(part_ptr, hs_ptr, count_ptr, N, tile, n, n_ok, I, SLICES)
+    at = t[None, :] * I + n[:, None]                                          # [16, N_PAD]
+    tl.store(part_ptr + s * N * I + at, acc_g, mask=ok)
+    tl.store(part_ptr + (SLICES + s) * N * I + at, acc_u, mask=ok)
+    _shared_h_tile(part_ptr, hs_ptr, count_ptr, N, tile, at, ok, I, SLICES)
 
 
 @_jit
@@ -319,6 +320,23 @@ def _shared_h(part_ptr, hs_ptr, count_ptr, N, pid_n, n, n_ok, I: tl.constexpr, S
                 u += tl.load(part_ptr + ((SPLIT + s) * N + t) * I + n, mask=n_ok, other=0.0,
                              cache_modifier=".cg")
             tl.store(hs_ptr + t * I + n, g / (1.0 + tl.exp(-g)) * u, mask=n_ok)
+
+
+@_jit
+def _shared_h_tile(part_ptr, hs_ptr, count_ptr, N, tile, at, ok, I: tl.constexpr,
+                   SLICES: tl.constexpr):
+    """_shared_h for the dot form's [16, N_PAD] tile (offsets `at` = token * I + row, mask `ok`):
+    the tile's last slice to finish adds the slices in order for all its tokens at once."""
+    tl.debug_barrier()  # every thread's stores before the counter's release
+    if tl.atomic_add(count_ptr + tile, 1) == SLICES - 1:   # the other slices are stored: add them
+        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed")
+        g = tl.zeros(at.shape, tl.float32)
+        u = tl.zeros(at.shape, tl.float32)
+        for s in tl.static_range(SLICES):  # in slice order (.cg: from L2, never a stale L1 line)
+            g += tl.load(part_ptr + s * N * I + at, mask=ok, other=0.0, cache_modifier=".cg")
+            u += tl.load(part_ptr + (SLICES + s) * N * I + at, mask=ok, other=0.0,
+                         cache_modifier=".cg")
+        tl.store(hs_ptr + at, g / (1.0 + tl.exp(-g)) * u, mask=ok)
 
 
 @_jit
@@ -761,6 +779,7 @@ SHARED_DOT_SLICES = 8    # slices of D a 16-row tile (16 tiles at I 256: 128 pro
 # on a GPU (absent: the loop form in the launch).
 SHARED_APART_MIN_TOKENS = {"int4": 5}
 SHARED_APART_WARPS = 4
+SHARED_APART_SLICES = 8  # slices of D a 16-row tile in that launch (16 tiles at I 256)
 # columns a step of the dot form: at 64 the INT4 gate_up kernel keeps the loop form's 64 registers
 # a thread on sm_90 (128 at 128 columns: half the resident one-warp programs); not timed
 SHARED_DOT_K = 64
@@ -785,10 +804,10 @@ def _shared_gate_up_apart(x, shared):
     if tiles > common.COUNTERS:
         raise ValueError(f"fused_moe: the shared expert's {I} rows make more than "
                          f"{common.COUNTERS} tiles of 16")
-    part = torch.empty(2, SHARED_DOT_SLICES, N, I, dtype=torch.float32, device=dev)
+    part = torch.empty(2, SHARED_APART_SLICES, N, I, dtype=torch.float32, device=dev)
     hs = torch.empty(N, I, dtype=torch.float32, device=dev)
-    _shared_gate_up_kernel[(tiles * SHARED_DOT_SLICES,)](
-        x, part, hs, _counters(dev), sg, su, N, D=D, I=I, SLICES=SHARED_DOT_SLICES,
+    _shared_gate_up_kernel[(tiles * SHARED_APART_SLICES,)](
+        x, part, hs, _counters(dev), sg, su, N, D=D, I=I, SLICES=SHARED_APART_SLICES,
         N_PAD=max(16, triton.next_power_of_2(N)), BLOCK_K=SHARED_DOT_K,
         PRECISION="ieee" if sg.dtype == torch.float32 else "tf32", launch_pdl=common.PDL,
         num_warps=SHARED_APART_WARPS)
