@@ -437,11 +437,10 @@ def test_fused_moe_gemv_shared_h_made_once(quant, monkeypatch):
     non-zero would make a later call's last program the wrong one) each equal the plain sum, with
     masked rows and without, repeat bitwise, leave the counters zero, in the loop form and (the
     first blocks) in the dot form (a counter a 16-row tile); more row blocks than counters are
-    refused. INT4 also with the gate and up in a launch of their own (the dot form's programs,
-    shared_apart), the down in the GEMV's. Two routed experts a token and 2 slices of D a dot-form
-    tile (the interpreter's time follows the programs; test_fused_moe_gemv_fp8_takes_a_shared_expert
-    runs the default slices). Each form runs 3 tokens then 1 (a call after one with more row
-    programs); the GPU adds a third call, of 4 tokens, in the loop form."""
+    refused. Two routed experts a token and 2 slices of D a dot-form tile (the interpreter's time
+    follows the programs; test_fused_moe_gemv_fp8_takes_a_shared_expert runs the default slices).
+    Each form runs 3 tokens then 1 (a call after one with more row programs); the GPU adds a third
+    call, of 4 tokens, in the loop form."""
     monkeypatch.setattr(kernels.moe_gemv, "SHARED_DOT_SLICES", 2)
     qc = "int4" if quant == "int4" else checkpoint.fp8_quantization_config((128, 128))
     D = 96 if quant == "int4" else 256
@@ -457,12 +456,8 @@ def test_fused_moe_gemv_shared_h_made_once(quant, monkeypatch):
                dict(gate_up=(64, 4, 4), down=(32, 32, 4))]
               if quant == "int4" else [dict(gate_up=(32, 64, 1, 4, 1), down=(64, 64, 4, 1)),
                                        dict(gate_up=(64, 64, 2, 4, 2), down=(32, 64, 4, 2))])
-    cfgs = ([dict(b, shared_dot=False, shared_apart=False) for b in blocks]
-            + [dict(blocks[0], shared_dot=True, shared_apart=False)]
-            + ([dict(blocks[1], shared_apart=True)] if quant == "int4" else []))
-    for cfg in cfgs:
-        loop = not (cfg.get("shared_dot") or cfg["shared_apart"])
-        for N in (3, 1, 4) if loop and TRITON_DEVICE.type == "cuda" else (3, 1):
+    for cfg in [dict(b, shared_dot=False) for b in blocks] + [dict(blocks[0], shared_dot=True)]:
+        for N in (3, 1, 4) if not cfg["shared_dot"] and TRITON_DEVICE.type == "cuda" else (3, 1):
             ids, w = routing("random", N, 2, 16, g, TRITON_DEVICE)
             x = torch.randn(N, D, generator=g).to(TRITON_DEVICE)
             want = model.Experts.forward(experts, x, ids, w) + shared_mlp(x, shared)
@@ -1808,15 +1803,12 @@ def assert_fused_moe_refuses_shared_it_cannot_take(moe, args, g):
 
 @pytest.mark.gpu
 @pytest.mark.triton
-@pytest.mark.parametrize("quant,apart", [("int4", False), ("int4", True), ("fp8", False)])
-def test_quantized_shared_expert_in_the_launch_replays_without_host_sync(quant, apart,
-                                                                          monkeypatch):
+@pytest.mark.parametrize("quant", ["int4", "fp8"])
+def test_quantized_shared_expert_in_the_launch_replays_without_host_sync(quant):
     """INT4 or FP8 routed experts with the shared expert in their launch, bf16, and the router
     kernel (beside INT4 experts it writes the packed form's pair planes): each captured shape
     (decode, verify of 3 rows of 4 tokens, the head's) replays equal to eager, and nothing syncs
-    with the host. apart: INT4's shared gate and up in a launch of their own from 1 token."""
-    if apart:
-        monkeypatch.setitem(kernels.moe_gemv.SHARED_APART_MIN_TOKENS, "int4", 1)
+    with the host."""
     target, head = gpu_models(quant=quant, moe_impl="fused", kernels_on=["router", "shared_expert"])
     assert target.kernels == ("router", "shared_expert")
     runner = CudaGraphs("cuda")

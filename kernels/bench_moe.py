@@ -87,8 +87,7 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
     sweep_tokens.
     shared (INT4, FP8): also the GEMV launch with a bf16 shared expert in it ("gemv+shared",
     its bytes added to the floor; its gate_up in the default form, then in the loop form:
-    moe_gemv.SHARED_DOT_MIN_TOKENS, then for INT4 in a launch of its own before the GEMV's:
-    SHARED_APART_MIN_TOKENS), and that shared expert alone the way the model runs it
+    moe_gemv.SHARED_DOT_MIN_TOKENS), and that shared expert alone the way the model runs it
     unfolded ("shared-torch": one GEMM over the stacked gate and up, SiLU times up, the down GEMM
     adding onto the routed output). distinct: pool sizes; each token's K experts drawn from a
     fixed random set of that many (SIMULATED routing; None: uniform over all E), a row's "pool".
@@ -125,10 +124,8 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
                     rows += _time_moe(fmt, N, variant, None, layers, (x, ids, route_w), floor_ms,
                                       bandwidth, LAYERS, planes=activation_planes(x))
             if shared and fmt in ("int4", "fp8") and N * K <= GEMV_MAX_PAIRS:
-                # the shared expert's gate_up in its default form, then in the launch's loop form,
-                # then (INT4) in a launch of its own
-                points = [None, dict(shared_dot=False, shared_apart=False)] + (
-                    [dict(shared_apart=True)] if fmt == "int4" else []) + (
+                # the shared expert's gate_up in its default form, then in the loop form
+                points = [None, dict(shared_dot=False)] + (
                     _sweep_points(fmt, "gemv") if "gemv" in sweep and N in sweep_tokens else [])
                 rows += _time_shared(fmt, N, layers, (x, ids, route_w), floor_ms, bandwidth,
                                      LAYERS, D, I, g, points)

@@ -73,8 +73,6 @@ def _weight_args(w, block_k):
 # _shared_gate_up_dot); the last of them to finish (an atomic counter a row block or tile, as
 # norm_gemv's) adds the splits in split order and stores h = silu(g) * u once, fp32 [N, I]
 # (_shared_h), and each down program adds its rows from that one vector a token (_shared_down).
-# INT4 from SHARED_APART_MIN_TOKENS: the dot form's programs run in a launch of their own before
-# the GEMV's (_shared_gate_up_kernel), on more warps than INT4's one; down still in the GEMV's.
 # INT4 without unpacking to natural order: nibble j of word w is element 8w + j, so
 # the activation comes as 8 planes (plane j = elements 8w + j, contiguous in w: x is permuted once
 # per call, or the router kernel wrote them beside its logits; h is written that way by gate_up) and
@@ -283,23 +281,9 @@ def _shared_gate_up_dot(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, f
         acc_g = tl.dot(gw, xt, acc_g, input_precision=PRECISION)
         acc_u = tl.dot(uw, xt, acc_u, input_precision=PRECISION)
     ok = n_ok[:, None] & (t < N)[None, :]
-    at = t[None, :] * I + n[:, None]                                          # [16, N_PAD]
-    tl.store(part_ptr + s * N * I + at, acc_g, mask=ok)
-    tl.store(part_ptr + (SLICES + s) * N * I + at, acc_u, mask=ok)
-    _shared_h_tile(part_ptr, hs_ptr, count_ptr, N, tile, at, ok, I, SLICES)
-
-
-@_jit
-def _shared_gate_up_kernel(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N,
-                           D: tl.constexpr, I: tl.constexpr, SLICES: tl.constexpr,
-                           N_PAD: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
-    """The bf16 shared expert's gate and up in a launch of their own: program f is
-    _shared_gate_up_dot's shared program f (a 16-row tile and a slice of D), h = silu(g) * u into
-    hs [N, I] fp32 by each tile's last slice, which the GEMV's down launch then reads.
-    Grid: (cdiv(I, 16) * SLICES,)."""
-    _wait_for_prior()
-    _shared_gate_up_dot(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, tl.program_id(0),
-                        D, I, SLICES, N_PAD, BLOCK_K, PRECISION)
+    tl.store(part_ptr + (s * N + t[None, :]) * I + n[:, None], acc_g, mask=ok)
+    tl.store(part_ptr + ((SLICES + s) * N + t[None, :]) * I + n[:, None], acc_u, mask=ok)
+    _shared_h(part_ptr, hs_ptr, count_ptr, N, tile, n, n_ok, I, SLICES)
 
 
 @_jit
@@ -320,23 +304,6 @@ def _shared_h(part_ptr, hs_ptr, count_ptr, N, pid_n, n, n_ok, I: tl.constexpr, S
                 u += tl.load(part_ptr + ((SPLIT + s) * N + t) * I + n, mask=n_ok, other=0.0,
                              cache_modifier=".cg")
             tl.store(hs_ptr + t * I + n, g / (1.0 + tl.exp(-g)) * u, mask=n_ok)
-
-
-@_jit
-def _shared_h_tile(part_ptr, hs_ptr, count_ptr, N, tile, at, ok, I: tl.constexpr,
-                   SLICES: tl.constexpr):
-    """_shared_h for the dot form's [16, N_PAD] tile (offsets `at` = token * I + row, mask `ok`):
-    the tile's last slice to finish adds the slices in order for all its tokens at once."""
-    tl.debug_barrier()  # every thread's stores before the counter's release
-    if tl.atomic_add(count_ptr + tile, 1) == SLICES - 1:   # the other slices are stored: add them
-        tl.atomic_xchg(count_ptr + tile, 0, sem="relaxed")
-        g = tl.zeros(at.shape, tl.float32)
-        u = tl.zeros(at.shape, tl.float32)
-        for s in tl.static_range(SLICES):  # in slice order (.cg: from L2, never a stale L1 line)
-            g += tl.load(part_ptr + s * N * I + at, mask=ok, other=0.0, cache_modifier=".cg")
-            u += tl.load(part_ptr + (SLICES + s) * N * I + at, mask=ok, other=0.0,
-                         cache_modifier=".cg")
-        tl.store(hs_ptr + at, g / (1.0 + tl.exp(-g)) * u, mask=ok)
 
 
 @_jit
@@ -771,15 +738,6 @@ SHARED_MAX_TOKENS = {"int4": 8, "fp8": 32}
 # kernels.bench --moe --formats int4 --variants gemv --shared, both forms)
 SHARED_DOT_MIN_TOKENS = {"fp8": 1}
 SHARED_DOT_SLICES = 8    # slices of D a 16-row tile (16 tiles at I 256: 128 programs); not swept
-# INT4: from this many tokens the shared expert's gate and up run in a launch of their own before
-# the GEMV's (_shared_gate_up_kernel: the dot form on SHARED_APART_WARPS warps, each weight read
-# once for all tokens), its down still in the down launch. INT4's gate_up programs have one warp,
-# on which the dot form is slower than the loop form (kernels_int4_shared_forms.json) and the
-# loop form's cost grows with the tokens (10 us a layer at 8, 44 at 32; alone 12). Not yet timed
-# on a GPU (absent: the loop form in the launch).
-SHARED_APART_MIN_TOKENS = {"int4": 5}
-SHARED_APART_WARPS = 4
-SHARED_APART_SLICES = 8  # slices of D a 16-row tile in that launch (16 tiles at I 256)
 # columns a step of the dot form: at 64 the INT4 gate_up kernel keeps the loop form's 64 registers
 # a thread on sm_90 (128 at 128 columns: half the resident one-warp programs); not timed
 SHARED_DOT_K = 64
@@ -788,30 +746,6 @@ SHARED_DOT_K = 64
 def _shared_dot(fmt, N):
     """Whether gate_up's shared programs take the dot form at N tokens (SHARED_DOT_MIN_TOKENS)."""
     return fmt in SHARED_DOT_MIN_TOKENS and N >= SHARED_DOT_MIN_TOKENS[fmt]
-
-
-def _shared_apart(fmt, N):
-    """Whether the shared expert's gate and up run in a launch of their own at N tokens
-    (SHARED_APART_MIN_TOKENS)."""
-    return fmt in SHARED_APART_MIN_TOKENS and N >= SHARED_APART_MIN_TOKENS[fmt]
-
-
-def _shared_gate_up_apart(x, shared):
-    """_shared_gate_up_kernel over x [N, D] (contiguous) and the shared expert's gate and up [I, D]:
-    h = silu(g) * u, fp32 [N, I], for the GEMV's down launch (its hs_ptr)."""
-    (N, D), (sg, su, _), dev = x.shape, shared, x.device
-    I, tiles = sg.shape[0], triton.cdiv(sg.shape[0], 16)
-    if tiles > common.COUNTERS:
-        raise ValueError(f"fused_moe: the shared expert's {I} rows make more than "
-                         f"{common.COUNTERS} tiles of 16")
-    part = torch.empty(2, SHARED_APART_SLICES, N, I, dtype=torch.float32, device=dev)
-    hs = torch.empty(N, I, dtype=torch.float32, device=dev)
-    _shared_gate_up_kernel[(tiles * SHARED_APART_SLICES,)](
-        x, part, hs, _counters(dev), sg, su, N, D=D, I=I, SLICES=SHARED_APART_SLICES,
-        N_PAD=max(16, triton.next_power_of_2(N)), BLOCK_K=SHARED_DOT_K,
-        PRECISION="ieee" if sg.dtype == torch.float32 else "tf32", launch_pdl=common.PDL,
-        num_warps=SHARED_APART_WARPS)
-    return hs
 
 
 def _shared_args(shared, fmt, N, I, D, block_n, warps, placeholder, dot=False):
@@ -903,13 +837,8 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, plan
     v = activation_planes(x) if planes is None else planes
     h = torch.empty(P, I, dtype=torch.bfloat16 if packed else torch.float32, device=dev)
     bn, bw, warps = cfg["gate_up"]
-    if shared is not None and cfg.get("shared_apart", _shared_apart("int4", N)):
-        hs = _shared_gate_up_apart(x, shared)                # its own launch; down rides below
-        sh_gate_up, sh_down = _shared_args(None, "int4", N, I, D, bn, warps, h)
-        sh_down.update(hs_ptr=hs, sd_ptr=shared[2], SHARED=True)
-    else:
-        sh_gate_up, sh_down = _shared_args(shared, "int4", N, I, D, bn, warps, h,
-                                           cfg.get("shared_dot", _shared_dot("int4", N)))
+    sh_gate_up, sh_down = _shared_args(shared, "int4", N, I, D, bn, warps, h,
+                                       cfg.get("shared_dot", _shared_dot("int4", N)))
     s = gate.data.stride(), gate.scale.stride()
     _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, s[0][0], s[0][1], s[1][0],
