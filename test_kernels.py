@@ -989,10 +989,12 @@ def test_router_kernel_equals_twin(shape, dtype, monkeypatch):
     # kernel reading the logits kernel's partial sums, past ROUTER_GEMV_MAX_TOKENS cuBLAS's
     # logits; under the CPU interpreter the logits kernel's last program up to
     # ROUTER_GEMV_MAX_TOKENS), forced into the last program (True) or apart (False). The logits
-    # kernel takes its tokens 4 at a time here: 5 tokens are a chunk and a masked one, 20 five
-    # chunks of a 32-row block
+    # kernel takes its tokens 4 at a time here: 1, 2 and 5 tokens in its small form (5: a chunk
+    # and a masked one), 20 in its large form, five chunks of a 32-row block
     monkeypatch.setattr(kernels.router, "ROUTER_CHUNK", 4)
-    assert 5 <= 20 <= kernels.router.ROUTER_GEMV_MAX_TOKENS < 37
+    monkeypatch.setattr(kernels.router, "ROUTER_SMALL", kernels.router.ROUTER_SMALL[:3] + (4,))
+    assert 5 <= kernels.router.ROUTER_SMALL_MAX_TOKENS < 20 <= kernels.router.ROUTER_GEMV_MAX_TOKENS
+    assert kernels.router.ROUTER_GEMV_MAX_TOKENS < 37
     cases = ((1, None), (2, True), (5, None), (5, False), (20, False), (37, None))
     if device == "cpu":   # the interpreter takes seconds a case at 384 experts and in bf16: there
         # Kimi-K2's float32 up to the forced selection kernel (20 and 37 select as at 5, in

@@ -59,6 +59,22 @@ ROUTER_WARPS = 4            # the logits kernel's warps: a token's sums reduced 
 # the next as many: its cost follows the tokens in steps of this, not their power of two. All 16
 # at once on 8 warps take 33 us at 12 tokens against 14 at 8 (python -m kernels.bench --router)
 ROUTER_CHUNK = 8
+# Up to ROUTER_SMALL_MAX_TOKENS tokens the logits kernel takes (ROUTER_BLOCK_E, ROUTER_TILE,
+# ROUTER_WARPS, ROUTER_CHUNK) = ROUTER_SMALL instead: twice the programs, each half the tile on 2
+# warps, 4 tokens at a time. Alone (8 routers past the L2, 384 experts) it is 0.3-4.6 us faster a
+# call at every count to 32 (python -m kernels.bench --router). In the verify sweep (run.py, 61
+# routers, BENCHMARKS.md: Verify sweep, Kept) verify took 0.11-0.24 ms less at 10-12 tokens and
+# 0.02-0.08 at 5-8 in every format; past 12 the INT4 sweep's routers summed 0.15-0.45 ms more at
+# 20-32 (not explained; there expert block 0's programs also write the INT4 activation planes).
+ROUTER_SMALL = (4, 4096, 2, 4)
+ROUTER_SMALL_MAX_TOKENS = 12
+
+
+def _router_form(N):
+    """(BLOCK_E, TILE, WARPS, CHUNK) of the logits kernel for N tokens."""
+    if N <= ROUTER_SMALL_MAX_TOKENS:
+        return ROUTER_SMALL
+    return ROUTER_BLOCK_E, ROUTER_TILE, ROUTER_WARPS, ROUTER_CHUNK
 
 
 @_jit
@@ -286,19 +302,20 @@ def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select
     (N, D), E = x.shape, weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     in_kernel = _select_in_kernel(N, x.device)
-    block_d = ROUTER_TILE // ROUTER_BLOCK_E
+    block_e, tile, warps, chunk = _router_form(N)
+    block_d = tile // block_e
     d_per_split = triton.cdiv(triton.cdiv(D, ROUTER_SPLIT_D), block_d) * block_d
     splits = triton.cdiv(D, d_per_split)
     part = torch.empty(splits, N, E, device=x.device, dtype=torch.float32)
     v, kind = part, 0                          # (v is never read without planes)
     if planes is not None:                     # pair planes (int32): the kernel stores bf16 halves
         v, kind = (planes.view(torch.bfloat16), 2) if planes.dtype == torch.int32 else (planes, 1)
-    _router_kernel[(triton.cdiv(E, ROUTER_BLOCK_E), splits)](
+    _router_kernel[(triton.cdiv(E, block_e), splits)](
         x, weight, part, _counters(x.device), bias, ids, weights, v, N, E, D,
         d_per_split, x.stride(0), weight.stride(0), part.stride(0), part.stride(1), ids.stride(0),
         weights.stride(0), E // n_group, n_group, scaling, SPLITS=splits, PLANES=kind,
-        BLOCK_N=_pow2(N, 1), BLOCK_E=ROUTER_BLOCK_E, BLOCK_D=block_d, **select, SELECT=in_kernel,
-        CHUNK=min(_pow2(N, 1), ROUTER_CHUNK), launch_pdl=common.PDL, num_warps=ROUTER_WARPS)
+        BLOCK_N=_pow2(N, 1), BLOCK_E=block_e, BLOCK_D=block_d, **select, SELECT=in_kernel,
+        CHUNK=min(_pow2(N, 1), chunk), launch_pdl=common.PDL, num_warps=warps)
     if not in_kernel:
         _router_select_kernel[(N,)](part, bias, ids, weights, N, part.stride(0), part.stride(1),
                                     ids.stride(0), weights.stride(0), E // n_group, n_group,
