@@ -31,8 +31,9 @@ from .moe_gemv import _check_planes
 # planes (router_topk's planes; SharedExpertInLaunch), which saves fused_moe its permute launch.
 
 # Past this many tokens cuBLAS's logits (and a copy into the INT4 GEMV's planes) before the
-# selection kernel; up to it the logits kernel, ROUTER_CHUNK tokens at a time (its cost grows by
-# a chunk's, about 5 us, every 8 tokens: python -m kernels.bench --router --tokens 8,16,24,32)
+# selection kernel; up to it the logits kernel, a chunk of tokens at a time (in the large form,
+# past ROUTER_SMALL_MAX_TOKENS, its cost grows by a chunk's, about 5 us, every 8 tokens:
+# python -m kernels.bench --router --tokens 16,17,24,32)
 ROUTER_GEMV_MAX_TOKENS = 32
 # Up to this many tokens the logits kernel's last program selects; past it the selection kernel,
 # a program a token. 0: on the H200 the launch of its own is as fast or faster at every count,
@@ -48,8 +49,9 @@ ROUTER_SELECT_MAX_TOKENS = 0
 # shared memory (4 warps: 1.0-1.3 us more at 1-32 tokens under the model's routing, the same
 # under uniform; python -m kernels.bench --router)
 ROUTER_SELECT_WARPS = 1
-# D slices, at most: one step of ROUTER_TILE a program (7 slices of 1024: 112 programs for 128
-# experts, 336 for 384; 4 slices leave 64 programs at 128) (python -m kernels.bench --small)
+# D slices, at most: one step of a tile a program (7 slices of 1024: in the large form 112
+# programs for 128 experts, 336 for 384, twice as many in the small form; 4 slices leave 64
+# programs at 128) (python -m kernels.bench --small)
 ROUTER_SPLIT_D = 8
 ROUTER_BLOCK_E = 8          # experts a program: with ROUTER_TILE, 1024 columns of D a step
 ROUTER_TILE = 8192  # elements of the [experts, D] weight tile a program holds: 64 fp32 a thread
