@@ -990,8 +990,10 @@ def test_router_kernel_equals_twin(shape, dtype, monkeypatch):
     # logits; under the CPU interpreter the logits kernel's last program up to
     # ROUTER_GEMV_MAX_TOKENS), forced into the last program (True) or apart (False). The logits
     # kernel takes its tokens 4 at a time here: 1, 2 and 5 tokens in its small form (5: a chunk
-    # and a masked one), 20 in its large form, five chunks of a 32-row block
+    # and a masked one), 20 in its large form, five chunks of a 32-row block. The INT4 planes are
+    # stored by expert block 0 at 2 tokens and spread over the expert blocks from 5
     monkeypatch.setattr(kernels.router, "ROUTER_CHUNK", 4)
+    monkeypatch.setattr(kernels.router, "ROUTER_SPREAD_MIN_TOKENS", 5)
     monkeypatch.setattr(kernels.router, "ROUTER_SMALL", kernels.router.ROUTER_SMALL[:3] + (4,))
     assert 5 <= kernels.router.ROUTER_SMALL_MAX_TOKENS < 20 <= kernels.router.ROUTER_GEMV_MAX_TOKENS
     assert kernels.router.ROUTER_GEMV_MAX_TOKENS < 37

@@ -70,6 +70,11 @@ ROUTER_CHUNK = 8
 # 20-32 (not explained; there expert block 0's programs also write the INT4 activation planes).
 ROUTER_SMALL = (4, 4096, 2, 4)
 ROUTER_SMALL_MAX_TOKENS = 12
+# From this many tokens the INT4 activation planes' stores are spread over the expert blocks
+# (token t's by block t mod the blocks), below it expert block 0 stores every token's. Spread at
+# every count, INT4 verify took 0.10-0.24 ms less at 16-32 tokens and 0.14-0.18 more at 5-12
+# (BLOCK_E 4, the small form) and 0.03-0.05 more at 3-4 (run.py, BENCHMARKS.md: Verify sweep, Kept)
+ROUTER_SPREAD_MIN_TOKENS = 13
 
 
 def _router_form(N):
@@ -90,14 +95,14 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
                    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_G: tl.constexpr,
                    BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr, SELECT: tl.constexpr,
-                   CHUNK: tl.constexpr):
+                   SPREAD: tl.constexpr, CHUNK: tl.constexpr):
     """part[j, n, e] = sum over d in slice j of x[n, d] * W[e, d] in float32 (CHUNK tokens at a
     time, _router_chunk), then (SELECT), in the last program, _router_select over all N (<=
     BLOCK_N) tokens. x [N, D] (any float dtype), W [E, D] float32, part [SPLITS, N, E] float32
-    (last dims contiguous), count one int32 zero. PLANES: the programs of expert block 0 also write
-    their slice of x as the INT4 GEMV's activation (fused_moe's planes,
-    moe_gemv.activation_planes): 1, fp32 nibble planes [N, 8, D/8]; 2, bf16 pair planes (v_ptr a
-    bf16 view of them). Grid: (cdiv(E, BLOCK_E), SPLITS)."""
+    (last dims contiguous), count one int32 zero. PLANES: the programs of one expert block a token
+    (block 0, or with SPREAD block t mod the blocks) also write their slice of x as the INT4 GEMV's
+    activation (fused_moe's planes, moe_gemv.activation_planes): 1, fp32 nibble planes [N, 8,
+    D/8]; 2, bf16 pair planes (v_ptr a bf16 view of them). Grid: (cdiv(E, BLOCK_E), SPLITS)."""
     _wait_for_prior()
     eb, j = tl.program_id(0), tl.program_id(1)
     e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -111,11 +116,11 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
                     mask=(e < E)[:, None] & (d < d_end)[None, :], other=0.0)
         if BLOCK_N <= CHUNK:  # one chunk, unrolled (c a constant)
             acc = _router_chunk(acc, x_ptr, v_ptr, 0, N, D, d, d_end, w, n, eb, s_xn, PLANES,
-                                CHUNK)
+                                SPREAD, CHUNK)
         else:
             for c in range(0, N, CHUNK):  # each token against the same tile, CHUNK at a time
                 acc = _router_chunk(acc, x_ptr, v_ptr, c, N, D, d, d_end, w, n, eb, s_xn, PLANES,
-                                    CHUNK)
+                                    SPREAD, CHUNK)
     tl.store(part_ptr + j * s_ps + n[:, None] * s_pn + e[None, :], acc,
              mask=(n < N)[:, None] & (e < E)[None, :])
     if not SELECT:   # the selection kernel selects, launched next
@@ -131,20 +136,25 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
 
 @_jit
 def _router_chunk(acc, x_ptr, v_ptr, c, N, D, d, d_end, w, n, eb, s_xn, PLANES: tl.constexpr,
-                  CHUNK: tl.constexpr):
+                  SPREAD: tl.constexpr, CHUNK: tl.constexpr):
     """_router_kernel's tokens c .. c + CHUNK - 1 (those < N) against its weight tile w [BLOCK_E,
     BLOCK_D] at columns d: each token's dot products added into its row of acc [BLOCK_N, BLOCK_E],
-    and (PLANES, expert block eb 0) its slice of x stored as the INT4 GEMV's planes."""
+    and (PLANES) its slice of x stored as the INT4 GEMV's planes by one expert block: eb 0, or
+    (SPREAD) eb = t mod the expert blocks."""
     for i in tl.static_range(CHUNK):
         t = c + i
         ok = (t < N) & (d < d_end)[None, :]
         x = tl.load(x_ptr + t * s_xn + d[None, :], mask=ok, other=0.0).to(tl.float32)  # [1, BD]
         acc = tl.where(n[:, None] == t, acc + tl.sum(x * w, 1)[None, :], acc)
+        if SPREAD:  # token t's planes by expert block t mod the blocks
+            mine = t % tl.num_programs(0) == eb
+        else:       # every token's by expert block 0
+            mine = eb == 0
         if PLANES == 1:
-            if eb == 0:
+            if mine:
                 tl.store(v_ptr + t * D + (d % 8 * (D // 8) + d // 8)[None, :], x, mask=ok)
         elif PLANES == 2:
-            if eb == 0:
+            if mine:
                 pos = 2 * (d % 4 * (D // 8) + d // 8) + d % 8 // 4
                 tl.store(v_ptr + t * D + pos[None, :], x.to(tl.bfloat16), mask=ok)
     return acc
@@ -317,7 +327,8 @@ def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select
         d_per_split, x.stride(0), weight.stride(0), part.stride(0), part.stride(1), ids.stride(0),
         weights.stride(0), E // n_group, n_group, scaling, SPLITS=splits, PLANES=kind,
         BLOCK_N=_pow2(N, 1), BLOCK_E=block_e, BLOCK_D=block_d, **select, SELECT=in_kernel,
-        CHUNK=min(_pow2(N, 1), chunk), launch_pdl=common.PDL, num_warps=warps)
+        SPREAD=N >= ROUTER_SPREAD_MIN_TOKENS, CHUNK=min(_pow2(N, 1), chunk),
+        launch_pdl=common.PDL, num_warps=warps)
     if not in_kernel:
         _router_select_kernel[(N,)](part, bias, ids, weights, N, part.stride(0), part.stride(1),
                                     ids.stride(0), weights.stride(0), E // n_group, n_group,
