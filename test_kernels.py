@@ -985,26 +985,29 @@ def test_router_kernel_equals_twin(shape, dtype, monkeypatch):
     router, fast = random_routers(args, device, dtype, seed=len(shape))
     g = torch.Generator().manual_seed(100 + len(shape))
     select_in_kernel = kernels.router._select_in_kernel
-    # each case: tokens, and where the selection runs: the rule (None; on the GPU a selection
-    # kernel reading the logits kernel's partial sums, past ROUTER_GEMV_MAX_TOKENS cuBLAS's
-    # logits; under the CPU interpreter the logits kernel's last program up to
-    # ROUTER_GEMV_MAX_TOKENS), forced into the last program (True) or apart (False). The logits
-    # kernel takes its tokens 4 at a time here: 1, 2 and 5 tokens in its small form (5: a chunk
-    # and a masked one), 20 in its large form, five chunks of a 32-row block. The INT4 planes are
-    # stored by expert block 0 at 2 tokens and spread over the expert blocks from 5
-    monkeypatch.setattr(kernels.router, "ROUTER_CHUNK", 4)
-    monkeypatch.setattr(kernels.router, "ROUTER_SPREAD_MIN_TOKENS", 5)
-    monkeypatch.setattr(kernels.router, "ROUTER_SMALL", kernels.router.ROUTER_SMALL[:3] + (4,))
-    assert 5 <= kernels.router.ROUTER_SMALL_MAX_TOKENS < 20 <= kernels.router.ROUTER_GEMV_MAX_TOKENS
-    assert kernels.router.ROUTER_GEMV_MAX_TOKENS < 37
-    cases = ((1, None), (2, True), (5, None), (5, False), (20, False), (37, None))
+    # each case: tokens, where the selection runs, and whether the INT4 planes are written. The
+    # selection: the rule (None; on the GPU a selection kernel reading the logits kernel's partial
+    # sums, past ROUTER_GEMV_MAX_TOKENS cuBLAS's logits; under the CPU interpreter the logits
+    # kernel's last program up to ROUTER_GEMV_MAX_TOKENS), forced into the last program (True) or
+    # apart (False). The logits kernel takes its tokens 4 at a time here: 1, 2 and 5 tokens in its
+    # small form (5: a chunk and a masked one), 20 in its large form with the planes and in its
+    # small form without, five chunks of a 32-row block. The planes are stored by expert block 0
+    # at 2 tokens and spread over the expert blocks from 5.
+    r = kernels.router
+    monkeypatch.setattr(r, "ROUTER_CHUNK", 4)
+    monkeypatch.setattr(r, "ROUTER_SMALL", r.ROUTER_SMALL[:3] + (4,))
+    monkeypatch.setattr(r, "ROUTER_SPREAD_MIN_TOKENS", 5)
+    assert 5 <= r.ROUTER_SMALL_PLANES_MAX_TOKENS < 20 <= r.ROUTER_SMALL_MAX_TOKENS
+    assert r.ROUTER_GEMV_MAX_TOKENS < 37
+    cases = ((1, None, False), (2, True, True), (5, None, True), (5, False, True),
+             (20, False, True), (20, None, False), (37, None, True))
     if device == "cpu":   # the interpreter takes seconds a case at 384 experts and in bf16: there
         # Kimi-K2's float32 up to the forced selection kernel (20 and 37 select as at 5, in
         # DeepSeek-V3's and tiny's float32), bf16 the pair planes written by each path
         cases = (cases[:4] if dtype == torch.float32 and shape == "kimi-k2"
-                 else cases if dtype == torch.float32 else (cases[1], cases[3], cases[5]))
-    for n, in_kernel in cases:
-        monkeypatch.setattr(kernels.router, "_select_in_kernel", select_in_kernel
+                 else cases if dtype == torch.float32 else (cases[1], cases[3], cases[6]))
+    for n, in_kernel, with_planes in cases:
+        monkeypatch.setattr(r, "_select_in_kernel", select_in_kernel
                             if in_kernel is None else lambda N, device, v=in_kernel: v)
         x = torch.randn(n, args.hidden_size, generator=g).to(device, dtype)
         shared_slot = n == 5  # expert E with weight 1 in a column more (the shared expert's launch)
@@ -1012,19 +1015,19 @@ def test_router_kernel_equals_twin(shape, dtype, monkeypatch):
         if shared_slot:
             ids, w = kernels.with_shared_slot(ids, w, args.n_routed_experts)
         planes = kernels.moe_gemv.empty_planes(x).fill_(-1)   # -1: fp32 -1.0, a bf16 NaN pair
-        got_ids, got_w = fast(x, shared_slot, planes=planes if n != 1 else None)
+        got_ids, got_w = fast(x, shared_slot, planes=planes if with_planes else None)
         assert got_ids.dtype == ids.dtype and got_w.dtype == w.dtype
-        what = (f"router kernel {shape} N={n} shared slot {shared_slot}, selecting in the last "
-                f"program: {'the rule' if in_kernel is None else in_kernel}")
+        what = (f"router kernel {shape} N={n} shared slot {shared_slot}, planes {with_planes}, "
+                f"selecting in the last program: {'the rule' if in_kernel is None else in_kernel}")
         assert torch.equal(got_ids, ids), f"{what}: ids differ\n{got_ids}\n{ids}"
         assert_close(got_w, w, 1e-6, f"{what}: weights")
-        if n != 1 and dtype == torch.bfloat16:  # x as the packed INT4 GEMV's pair planes: word w
+        if with_planes and dtype == torch.bfloat16:  # x as the INT4 GEMV's pair planes: word w
             # of plane j holds elements 8w + j (low half) and 8w + j + 4 (high), written beside
             got = planes.view(torch.bfloat16).view(n, 4, -1, 2)
             for j, half in ((j, half) for j in range(4) for half in range(2)):
                 assert torch.equal(got[:, j, :, half],
                                    x[:, j + 4 * half::8]), f"{what}: pair plane {j}, {half}"
-        elif n != 1:  # x as the INT4 GEMV's fp32 planes (plane j = elements 8w + j)
+        elif with_planes:  # x as the INT4 GEMV's fp32 planes (plane j = elements 8w + j)
             want = x.float().view(n, -1, 8).transpose(1, 2)
             assert torch.equal(planes, want), f"{what}: the activation planes differ"
     with pytest.raises(ValueError, match="planes must be a contiguous"):

@@ -31,9 +31,8 @@ from .moe_gemv import _check_planes
 # planes (router_topk's planes; SharedExpertInLaunch), which saves fused_moe its permute launch.
 
 # Past this many tokens cuBLAS's logits (and a copy into the INT4 GEMV's planes) before the
-# selection kernel; up to it the logits kernel, a chunk of tokens at a time (in the large form,
-# past ROUTER_SMALL_MAX_TOKENS, its cost grows by a chunk's, about 5 us, every 8 tokens:
-# python -m kernels.bench --router --tokens 16,17,24,32)
+# selection kernel; up to it the logits kernel, a chunk of tokens at a time (in the large form
+# its cost grows by a chunk's, about 5 us, every 8 tokens: python -m kernels.bench --router)
 ROUTER_GEMV_MAX_TOKENS = 32
 # Up to this many tokens the logits kernel's last program selects; past it the selection kernel,
 # a program a token. 0: on the H200 the launch of its own is as fast or faster at every count,
@@ -61,25 +60,29 @@ ROUTER_WARPS = 4            # the logits kernel's warps: a token's sums reduced 
 # the next as many: its cost follows the tokens in steps of this, not their power of two. All 16
 # at once on 8 warps take 33 us at 12 tokens against 14 at 8 (python -m kernels.bench --router)
 ROUTER_CHUNK = 8
-# Up to ROUTER_SMALL_MAX_TOKENS tokens the logits kernel takes (ROUTER_BLOCK_E, ROUTER_TILE,
-# ROUTER_WARPS, ROUTER_CHUNK) = ROUTER_SMALL instead: twice the programs, each half the tile on 2
-# warps, 4 tokens at a time. Alone (8 routers past the L2, 384 experts) it is 0.3-4.6 us faster a
-# call at every count to 32 (python -m kernels.bench --router). In the verify sweep (run.py, 61
-# routers, BENCHMARKS.md: Verify sweep, Kept) verify took 0.11-0.24 ms less at 10-12 tokens and
-# 0.02-0.08 at 5-8 in every format; past 12 the INT4 sweep's routers summed 0.15-0.45 ms more at
-# 20-32 (not explained; there expert block 0's programs also write the INT4 activation planes).
+# The logits kernel takes (ROUTER_BLOCK_E, ROUTER_TILE, ROUTER_WARPS, ROUTER_CHUNK) = ROUTER_SMALL
+# up to ROUTER_SMALL_MAX_TOKENS tokens, and up to ROUTER_SMALL_PLANES_MAX_TOKENS when it also
+# writes the INT4 planes: twice the programs, each half the tile on 2 warps, 4 tokens at a time.
+# Alone (8 routers past the L2, 384 experts, no planes) it is 0.3-4.6 us faster a call at every
+# count to 32 (python -m kernels.bench --router). In the verify sweep (run.py, 61 routers,
+# BENCHMARKS.md: Verify sweep, Kept) verify took 0.11-0.24 ms less at 10-12 tokens and 0.02-0.08
+# at 5-8 in every format, and 0.12-0.53 less at 16-32 in FP8, 0.05-0.32 in bf16; in INT4, with the
+# planes, 0.33-0.76 ms MORE at 16-32 (the routers' sum; not explained, and so with the stores
+# spread as without), so there the large form past 12.
 ROUTER_SMALL = (4, 4096, 2, 4)
-ROUTER_SMALL_MAX_TOKENS = 12
+ROUTER_SMALL_MAX_TOKENS = 32
+ROUTER_SMALL_PLANES_MAX_TOKENS = 12
 # From this many tokens the INT4 activation planes' stores are spread over the expert blocks
-# (token t's by block t mod the blocks), below it expert block 0 stores every token's. Spread at
-# every count, INT4 verify took 0.10-0.24 ms less at 16-32 tokens and 0.14-0.18 more at 5-12
-# (BLOCK_E 4, the small form) and 0.03-0.05 more at 3-4 (run.py, BENCHMARKS.md: Verify sweep, Kept)
+# (token t's by block t mod the blocks); below it expert block 0 stores every token's. INT4
+# verify took 0.10-0.24 ms less at 16-32 tokens than with block 0's at every count, within 0.02
+# at 1-12 (run.py, BENCHMARKS.md: Verify sweep, Kept)
 ROUTER_SPREAD_MIN_TOKENS = 13
 
 
-def _router_form(N):
-    """(BLOCK_E, TILE, WARPS, CHUNK) of the logits kernel for N tokens."""
-    if N <= ROUTER_SMALL_MAX_TOKENS:
+def _router_form(N, planes):
+    """(BLOCK_E, TILE, WARPS, CHUNK) of the logits kernel for N tokens, writing the INT4 planes
+    or not."""
+    if N <= (ROUTER_SMALL_MAX_TOKENS if planes is None else ROUTER_SMALL_PLANES_MAX_TOKENS):
         return ROUTER_SMALL
     return ROUTER_BLOCK_E, ROUTER_TILE, ROUTER_WARPS, ROUTER_CHUNK
 
@@ -314,7 +317,7 @@ def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select
     (N, D), E = x.shape, weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     in_kernel = _select_in_kernel(N, x.device)
-    block_e, tile, warps, chunk = _router_form(N)
+    block_e, tile, warps, chunk = _router_form(N, planes)
     block_d = tile // block_e
     d_per_split = triton.cdiv(triton.cdiv(D, ROUTER_SPLIT_D), block_d) * block_d
     splits = triton.cdiv(D, d_per_split)
