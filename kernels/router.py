@@ -77,6 +77,12 @@ ROUTER_SMALL_PLANES_MAX_TOKENS = 12
 # verify took 0.10-0.24 ms less at 16-32 tokens than with block 0's at every count, within 0.02
 # at 1-12 (run.py, BENCHMARKS.md: Verify sweep, Kept)
 ROUTER_SPREAD_MIN_TOKENS = 13
+# From ROUTER_DOT_MIN_TOKENS to ROUTER_GEMV_MAX_TOKENS tokens the logits on the tensor cores
+# instead (_router_dot_kernel: every token against the tile at once, no reduction across warps a
+# token), then the selection kernel; ROUTER_DOT = (BLOCK_E experts a program, BLOCK_D columns a
+# step, warps, D slices at most)
+ROUTER_DOT_MIN_TOKENS = 33
+ROUTER_DOT = (16, 128, 8, 8)
 
 
 def _router_form(N, planes):
@@ -153,14 +159,58 @@ def _router_chunk(acc, x_ptr, v_ptr, c, N, D, d, d_end, w, n, eb, s_xn, PLANES: 
             mine = t % tl.num_programs(0) == eb
         else:       # every token's by expert block 0
             mine = eb == 0
-        if PLANES == 1:
+        if PLANES != 0:
             if mine:
-                tl.store(v_ptr + t * D + (d % 8 * (D // 8) + d // 8)[None, :], x, mask=ok)
-        elif PLANES == 2:
-            if mine:
-                pos = 2 * (d % 4 * (D // 8) + d // 8) + d % 8 // 4
-                tl.store(v_ptr + t * D + pos[None, :], x.to(tl.bfloat16), mask=ok)
+                _store_planes(v_ptr, x, t, d, D, ok, PLANES)
     return acc
+
+
+@_jit
+def _store_planes(v_ptr, x, t, d, D, ok, PLANES: tl.constexpr):
+    """x [rows, len(d)] float32, rows t (a token, or a column of them) at columns d (ok its mask),
+    stored as the INT4 GEMV's activation planes: PLANES 1, fp32 nibble planes [N, 8, D/8]; 2, bf16
+    pair planes (v_ptr a bf16 view of them)."""
+    if PLANES == 1:
+        tl.store(v_ptr + t * D + (d % 8 * (D // 8) + d // 8)[None, :], x, mask=ok)
+    else:
+        pos = 2 * (d % 4 * (D // 8) + d // 8) + d % 8 // 4
+        tl.store(v_ptr + t * D + pos[None, :], x.to(tl.bfloat16), mask=ok)
+
+
+@_jit
+def _router_dot_kernel(x_ptr, w_ptr, part_ptr, v_ptr, N, E, D, d_per_split, s_xn, s_we, s_ps,
+                       s_pn, PLANES: tl.constexpr, EXACT_X: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+    """part[j, n, e] as _router_kernel's, every token at once: x [BLOCK_N, BLOCK_D] times the
+    weight tile [BLOCK_E, BLOCK_D] transposed by tl.dot, BLOCK_D columns a step over slice j, no
+    reduction across warps a token. EXACT_X (x bf16 or fp16, exact in tf32): on the tensor cores,
+    W as its tf32 high part plus the rest, two tf32 products whose sum holds W to about 2^-21 of
+    itself, each product exact and accumulated in float32; else (float32 x) float32 products.
+    PLANES as _router_kernel's, token n's by expert block n mod the blocks. No selection: the
+    selection kernel follows. Grid: (cdiv(E, BLOCK_E), SPLITS)."""
+    _wait_for_prior()
+    eb, j = tl.program_id(0), tl.program_id(1)
+    e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    n = tl.arange(0, BLOCK_N)
+    mine = (n < N) & (n % tl.num_programs(0) == eb)
+    acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
+    d_end = tl.minimum((j + 1) * d_per_split, D)
+    for d0 in range(j * d_per_split, d_end, BLOCK_D):
+        d = d0 + tl.arange(0, BLOCK_D)
+        w = tl.load(w_ptr + e[:, None] * s_we + d[None, :],
+                    mask=(e < E)[:, None] & (d < d_end)[None, :], other=0.0)
+        ok = (n < N)[:, None] & (d < d_end)[None, :]
+        x = tl.load(x_ptr + n[:, None] * s_xn + d[None, :], mask=ok, other=0.0).to(tl.float32)
+        if EXACT_X:
+            hi = (w.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
+            acc = tl.dot(x, tl.trans(hi), acc, input_precision="tf32")
+            acc = tl.dot(x, tl.trans(w - hi), acc, input_precision="tf32")
+        else:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
+        if PLANES != 0:
+            _store_planes(v_ptr, x, n[:, None], d, D, mine[:, None] & ok, PLANES)
+    tl.store(part_ptr + j * s_ps + n[:, None] * s_pn + e[None, :], acc,
+             mask=(n < N)[:, None] & (e < E)[None, :])
 
 
 @_jit
@@ -312,26 +362,39 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
 
 
 def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select):
-    """router_topk up to ROUTER_GEMV_MAX_TOKENS tokens: the logits kernel, selecting in its last
-    program or followed by the selection kernel (_select_in_kernel), into ids and weights."""
+    """router_topk up to ROUTER_GEMV_MAX_TOKENS tokens into ids and weights: the logits kernel,
+    selecting in its last program or followed by the selection kernel (_select_in_kernel); from
+    ROUTER_DOT_MIN_TOKENS the tensor cores' logits kernel, then the selection kernel."""
     (N, D), E = x.shape, weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
-    in_kernel = _select_in_kernel(N, x.device)
-    block_e, tile, warps, chunk = _router_form(N, planes)
-    block_d = tile // block_e
-    d_per_split = triton.cdiv(triton.cdiv(D, ROUTER_SPLIT_D), block_d) * block_d
+    dot = N >= ROUTER_DOT_MIN_TOKENS
+    in_kernel = _select_in_kernel(N, x.device) and not dot
+    if dot:
+        block_e, block_d, warps, split_d = ROUTER_DOT
+    else:
+        block_e, tile, warps, chunk = _router_form(N, planes)
+        block_d, split_d = tile // block_e, ROUTER_SPLIT_D
+    d_per_split = triton.cdiv(triton.cdiv(D, split_d), block_d) * block_d
     splits = triton.cdiv(D, d_per_split)
     part = torch.empty(splits, N, E, device=x.device, dtype=torch.float32)
     v, kind = part, 0                          # (v is never read without planes)
     if planes is not None:                     # pair planes (int32): the kernel stores bf16 halves
         v, kind = (planes.view(torch.bfloat16), 2) if planes.dtype == torch.int32 else (planes, 1)
-    _router_kernel[(triton.cdiv(E, block_e), splits)](
-        x, weight, part, _counters(x.device), bias, ids, weights, v, N, E, D,
-        d_per_split, x.stride(0), weight.stride(0), part.stride(0), part.stride(1), ids.stride(0),
-        weights.stride(0), E // n_group, n_group, scaling, SPLITS=splits, PLANES=kind,
-        BLOCK_N=_pow2(N, 1), BLOCK_E=block_e, BLOCK_D=block_d, **select, SELECT=in_kernel,
-        SPREAD=N >= ROUTER_SPREAD_MIN_TOKENS, CHUNK=min(_pow2(N, 1), chunk),
-        launch_pdl=common.PDL, num_warps=warps)
+    grid = (triton.cdiv(E, block_e), splits)
+    if dot:
+        _router_dot_kernel[grid](
+            x, weight, part, v, N, E, D, d_per_split, x.stride(0), weight.stride(0),
+            part.stride(0), part.stride(1), PLANES=kind,
+            EXACT_X=x.dtype in (torch.bfloat16, torch.float16), BLOCK_N=_pow2(N, 16),
+            BLOCK_E=block_e, BLOCK_D=block_d, launch_pdl=common.PDL, num_warps=warps)
+    else:
+        _router_kernel[grid](
+            x, weight, part, _counters(x.device), bias, ids, weights, v, N, E, D,
+            d_per_split, x.stride(0), weight.stride(0), part.stride(0), part.stride(1),
+            ids.stride(0), weights.stride(0), E // n_group, n_group, scaling, SPLITS=splits,
+            PLANES=kind, BLOCK_N=_pow2(N, 1), BLOCK_E=block_e, BLOCK_D=block_d, **select,
+            SELECT=in_kernel, SPREAD=N >= ROUTER_SPREAD_MIN_TOKENS,
+            CHUNK=min(_pow2(N, 1), chunk), launch_pdl=common.PDL, num_warps=warps)
     if not in_kernel:
         _router_select_kernel[(N,)](part, bias, ids, weights, N, part.stride(0), part.stride(1),
                                     ids.stride(0), weights.stride(0), E // n_group, n_group,
