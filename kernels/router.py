@@ -60,35 +60,38 @@ ROUTER_WARPS = 4            # the logits kernel's warps: a token's sums reduced 
 # the next as many: its cost follows the tokens in steps of this, not their power of two. All 16
 # at once on 8 warps take 33 us at 12 tokens against 14 at 8 (python -m kernels.bench --router)
 ROUTER_CHUNK = 8
-# The logits kernel takes (ROUTER_BLOCK_E, ROUTER_TILE, ROUTER_WARPS, ROUTER_CHUNK) = ROUTER_SMALL
-# up to ROUTER_SMALL_MAX_TOKENS tokens, and up to ROUTER_SMALL_PLANES_MAX_TOKENS when it also
-# writes the INT4 planes: twice the programs, each half the tile on 2 warps, 4 tokens at a time.
-# Alone (8 routers past the L2, 384 experts, no planes) it is 0.3-4.6 us faster a call at every
-# count to 32 (python -m kernels.bench --router). In the verify sweep (run.py, 61 routers,
-# BENCHMARKS.md: Verify sweep, Kept) verify took 0.11-0.24 ms less at 10-12 tokens and 0.02-0.08
-# at 5-8 in every format, and 0.12-0.53 less at 16-32 in FP8, 0.05-0.32 in bf16; in INT4, with the
-# planes, 0.33-0.76 ms MORE at 16-32 (the routers' sum; not explained, and so with the stores
-# spread as without), so there the large form past 12.
+# The logits kernel's forms, by tokens (µs a call: python -m kernels.bench --router, 8 routers past
+# the L2, 384 experts; verify: run.py's sweep, 61 routers; BENCHMARKS.md: Verify sweep, Kept):
+#  - up to ROUTER_SMALL_MAX_TOKENS, the chunks in ROUTER_SMALL = (ROUTER_BLOCK_E, ROUTER_TILE,
+#    ROUTER_WARPS, ROUTER_CHUNK)'s small form: twice the programs, each half the tile on 2 warps,
+#    4 tokens at a time. Alone 0.3-4.6 us faster a call than the large form at every count; verify
+#    0.11-0.24 ms less at 10-12 tokens, 0.02-0.08 at 5-8, in every format;
+#  - past it, without the INT4 planes (FP8, bf16): the tensor cores (ROUTER_DOT, from
+#    ROUTER_DOT_MIN_TOKENS), 14.4-15.1 us a call at 9-32 tokens against the small form's 15.7,
+#    18.0, 22.5 and 27.0 at 12, 16, 24 and 32;
+#  - past it, writing the INT4 planes: the chunks' large form. With the planes the small form took
+#    7-17 us a call more at 16-32 (INT4 verify 0.33-0.76 ms more; 205 registers a thread against
+#    120 without, yet on 4 warps, 96 registers, as slow: not explained) and the tensor cores'
+#    kernel 27-53 us, against the large form's 21-33.
 ROUTER_SMALL = (4, 4096, 2, 4)
-ROUTER_SMALL_MAX_TOKENS = 32
-ROUTER_SMALL_PLANES_MAX_TOKENS = 12
+ROUTER_SMALL_MAX_TOKENS = 12
 # From this many tokens the INT4 activation planes' stores are spread over the expert blocks
 # (token t's by block t mod the blocks); below it expert block 0 stores every token's. INT4
 # verify took 0.10-0.24 ms less at 16-32 tokens than with block 0's at every count, within 0.02
-# at 1-12 (run.py, BENCHMARKS.md: Verify sweep, Kept)
+# at 1-12
 ROUTER_SPREAD_MIN_TOKENS = 13
-# From ROUTER_DOT_MIN_TOKENS to ROUTER_GEMV_MAX_TOKENS tokens the logits on the tensor cores
-# instead (_router_dot_kernel: every token against the tile at once, no reduction across warps a
-# token), then the selection kernel; ROUTER_DOT = (BLOCK_E experts a program, BLOCK_D columns a
-# step, warps, D slices at most)
-ROUTER_DOT_MIN_TOKENS = 33
-ROUTER_DOT = (16, 128, 8, 8)
+# From this many tokens to ROUTER_GEMV_MAX_TOKENS, without the INT4 planes, the logits on the
+# tensor cores (_router_dot_kernel: every token against the tile at once, no reduction across
+# warps a token), then the selection kernel. ROUTER_DOT = (BLOCK_E experts a program, BLOCK_D
+# columns a step, warps, D slices at most): at 9-32 tokens 14.4-15.1 us a call; 8 warps 23-24,
+# 28 slices of D 16-29, 32 experts a program 16-25
+ROUTER_DOT_MIN_TOKENS = 13
+ROUTER_DOT = (16, 128, 4, 8)
 
 
-def _router_form(N, planes):
-    """(BLOCK_E, TILE, WARPS, CHUNK) of the logits kernel for N tokens, writing the INT4 planes
-    or not."""
-    if N <= (ROUTER_SMALL_MAX_TOKENS if planes is None else ROUTER_SMALL_PLANES_MAX_TOKENS):
+def _router_form(N):
+    """(BLOCK_E, TILE, WARPS, CHUNK) of the chunks' logits kernel for N tokens."""
+    if N <= ROUTER_SMALL_MAX_TOKENS:
         return ROUTER_SMALL
     return ROUTER_BLOCK_E, ROUTER_TILE, ROUTER_WARPS, ROUTER_CHUNK
 
@@ -159,40 +162,30 @@ def _router_chunk(acc, x_ptr, v_ptr, c, N, D, d, d_end, w, n, eb, s_xn, PLANES: 
             mine = t % tl.num_programs(0) == eb
         else:       # every token's by expert block 0
             mine = eb == 0
-        if PLANES != 0:
+        if PLANES == 1:
             if mine:
-                _store_planes(v_ptr, x, t, d, D, ok, PLANES)
+                tl.store(v_ptr + t * D + (d % 8 * (D // 8) + d // 8)[None, :], x, mask=ok)
+        elif PLANES == 2:
+            if mine:
+                pos = 2 * (d % 4 * (D // 8) + d // 8) + d % 8 // 4
+                tl.store(v_ptr + t * D + pos[None, :], x.to(tl.bfloat16), mask=ok)
     return acc
 
 
 @_jit
-def _store_planes(v_ptr, x, t, d, D, ok, PLANES: tl.constexpr):
-    """x [rows, len(d)] float32, rows t (a token, or a column of them) at columns d (ok its mask),
-    stored as the INT4 GEMV's activation planes: PLANES 1, fp32 nibble planes [N, 8, D/8]; 2, bf16
-    pair planes (v_ptr a bf16 view of them)."""
-    if PLANES == 1:
-        tl.store(v_ptr + t * D + (d % 8 * (D // 8) + d // 8)[None, :], x, mask=ok)
-    else:
-        pos = 2 * (d % 4 * (D // 8) + d // 8) + d % 8 // 4
-        tl.store(v_ptr + t * D + pos[None, :], x.to(tl.bfloat16), mask=ok)
-
-
-@_jit
-def _router_dot_kernel(x_ptr, w_ptr, part_ptr, v_ptr, N, E, D, d_per_split, s_xn, s_we, s_ps,
-                       s_pn, PLANES: tl.constexpr, EXACT_X: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+def _router_dot_kernel(x_ptr, w_ptr, part_ptr, N, E, D, d_per_split, s_xn, s_we, s_ps, s_pn,
+                       EXACT_X: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
+                       BLOCK_D: tl.constexpr):
     """part[j, n, e] as _router_kernel's, every token at once: x [BLOCK_N, BLOCK_D] times the
     weight tile [BLOCK_E, BLOCK_D] transposed by tl.dot, BLOCK_D columns a step over slice j, no
     reduction across warps a token. EXACT_X (x bf16 or fp16, exact in tf32): on the tensor cores,
     W as its tf32 high part plus the rest, two tf32 products whose sum holds W to about 2^-21 of
-    itself, each product exact and accumulated in float32; else (float32 x) float32 products.
-    PLANES as _router_kernel's, token n's by expert block n mod the blocks. No selection: the
-    selection kernel follows. Grid: (cdiv(E, BLOCK_E), SPLITS)."""
+    itself, each product exact and accumulated in float32; else (float32 x) float32 products. No
+    INT4 planes, no selection: the selection kernel follows. Grid: (cdiv(E, BLOCK_E), SPLITS)."""
     _wait_for_prior()
     eb, j = tl.program_id(0), tl.program_id(1)
     e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     n = tl.arange(0, BLOCK_N)
-    mine = (n < N) & (n % tl.num_programs(0) == eb)
     acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
     d_end = tl.minimum((j + 1) * d_per_split, D)
     for d0 in range(j * d_per_split, d_end, BLOCK_D):
@@ -207,8 +200,6 @@ def _router_dot_kernel(x_ptr, w_ptr, part_ptr, v_ptr, N, E, D, d_per_split, s_xn
             acc = tl.dot(x, tl.trans(w - hi), acc, input_precision="tf32")
         else:
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-        if PLANES != 0:
-            _store_planes(v_ptr, x, n[:, None], d, D, mine[:, None] & ok, PLANES)
     tl.store(part_ptr + j * s_ps + n[:, None] * s_pn + e[None, :], acc,
              mask=(n < N)[:, None] & (e < E)[None, :])
 
@@ -363,16 +354,16 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
 
 def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select):
     """router_topk up to ROUTER_GEMV_MAX_TOKENS tokens into ids and weights: the logits kernel,
-    selecting in its last program or followed by the selection kernel (_select_in_kernel); from
-    ROUTER_DOT_MIN_TOKENS the tensor cores' logits kernel, then the selection kernel."""
+    selecting in its last program or followed by the selection kernel (_select_in_kernel); without
+    planes from ROUTER_DOT_MIN_TOKENS the tensor cores' logits kernel, then the selection kernel."""
     (N, D), E = x.shape, weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
-    dot = N >= ROUTER_DOT_MIN_TOKENS
+    dot = planes is None and N >= ROUTER_DOT_MIN_TOKENS
     in_kernel = _select_in_kernel(N, x.device) and not dot
     if dot:
         block_e, block_d, warps, split_d = ROUTER_DOT
     else:
-        block_e, tile, warps, chunk = _router_form(N, planes)
+        block_e, tile, warps, chunk = _router_form(N)
         block_d, split_d = tile // block_e, ROUTER_SPLIT_D
     d_per_split = triton.cdiv(triton.cdiv(D, split_d), block_d) * block_d
     splits = triton.cdiv(D, d_per_split)
@@ -383,9 +374,8 @@ def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select
     grid = (triton.cdiv(E, block_e), splits)
     if dot:
         _router_dot_kernel[grid](
-            x, weight, part, v, N, E, D, d_per_split, x.stride(0), weight.stride(0),
-            part.stride(0), part.stride(1), PLANES=kind,
-            EXACT_X=x.dtype in (torch.bfloat16, torch.float16), BLOCK_N=_pow2(N, 16),
+            x, weight, part, N, E, D, d_per_split, x.stride(0), weight.stride(0),
+            part.stride(0), part.stride(1), EXACT_X=x.dtype in (torch.bfloat16, torch.float16), BLOCK_N=_pow2(N, 16),
             BLOCK_E=block_e, BLOCK_D=block_d, launch_pdl=common.PDL, num_warps=warps)
     else:
         _router_kernel[grid](
