@@ -991,16 +991,18 @@ def test_router_kernel_equals_twin(shape, dtype, monkeypatch):
     # kernel's last program up to ROUTER_GEMV_MAX_TOKENS), forced into the last program (True) or
     # apart (False). The logits kernel takes its tokens 4 at a time here: 1, 2 and 5 tokens in its
     # small form (5: a chunk and a masked one), 20 in its large form (five chunks of a 32-row
-    # block), with the planes and without; 24 without the planes on the tensor cores. The planes
-    # are stored by expert block 0 at 2 tokens and spread over the expert blocks from 5.
+    # block), with the planes and without; 24 on the tensor cores, the planes then by a copy. The
+    # planes are stored by expert block 0 at 2 tokens and spread over the expert blocks from 5.
     r = kernels.router
     monkeypatch.setattr(r, "ROUTER_CHUNK", 4)
     monkeypatch.setattr(r, "ROUTER_SMALL", r.ROUTER_SMALL[:3] + (4,))
     monkeypatch.setattr(r, "ROUTER_SPREAD_MIN_TOKENS", 5)
     monkeypatch.setattr(r, "ROUTER_DOT_MIN_TOKENS", 24)
+    monkeypatch.setattr(r, "ROUTER_DOT_PLANES_MIN_TOKENS", 24)
     assert 5 <= r.ROUTER_SMALL_MAX_TOKENS < 20 and 24 <= r.ROUTER_GEMV_MAX_TOKENS < 37
     cases = ((1, None, False), (2, True, True), (5, None, True), (5, False, True),
-             (20, False, True), (20, None, False), (24, None, False), (37, None, True))
+             (20, False, True), (20, None, False), (24, None, False), (24, None, True),
+             (37, None, True))
     if device == "cpu":   # the interpreter takes seconds a case at 384 experts and in bf16: there
         # Kimi-K2's float32 up to the forced selection kernel (20 and 37 select as at 5, in
         # DeepSeek-V3's and tiny's float32), bf16 the pair planes written by each path

@@ -87,6 +87,9 @@ ROUTER_SPREAD_MIN_TOKENS = 13
 # 28 slices of D 16-29, 32 experts a program 16-25
 ROUTER_DOT_MIN_TOKENS = 13
 ROUTER_DOT = (16, 128, 4, 8)
+# From this many tokens the tensor cores' logits beside INT4 experts too, the planes then written
+# by a copy (moe_gemv.activation_planes, a launch)
+ROUTER_DOT_PLANES_MIN_TOKENS = 33
 
 
 def _router_form(N):
@@ -354,11 +357,12 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
 
 def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select):
     """router_topk up to ROUTER_GEMV_MAX_TOKENS tokens into ids and weights: the logits kernel,
-    selecting in its last program or followed by the selection kernel (_select_in_kernel); without
-    planes from ROUTER_DOT_MIN_TOKENS the tensor cores' logits kernel, then the selection kernel."""
+    selecting in its last program or followed by the selection kernel (_select_in_kernel); from
+    ROUTER_DOT_MIN_TOKENS (with planes ROUTER_DOT_PLANES_MIN_TOKENS) the tensor cores' logits
+    kernel (and a copy into the planes), then the selection kernel."""
     (N, D), E = x.shape, weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
-    dot = planes is None and N >= ROUTER_DOT_MIN_TOKENS
+    dot = N >= (ROUTER_DOT_MIN_TOKENS if planes is None else ROUTER_DOT_PLANES_MIN_TOKENS)
     in_kernel = _select_in_kernel(N, x.device) and not dot
     if dot:
         block_e, block_d, warps, split_d = ROUTER_DOT
@@ -377,6 +381,8 @@ def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select
             x, weight, part, N, E, D, d_per_split, x.stride(0), weight.stride(0),
             part.stride(0), part.stride(1), EXACT_X=x.dtype in (torch.bfloat16, torch.float16), BLOCK_N=_pow2(N, 16),
             BLOCK_E=block_e, BLOCK_D=block_d, launch_pdl=common.PDL, num_warps=warps)
+        if planes is not None:
+            moe_gemv.activation_planes(x, planes)
     else:
         _router_kernel[grid](
             x, weight, part, _counters(x.device), bias, ids, weights, v, N, E, D,
