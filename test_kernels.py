@@ -987,19 +987,15 @@ def test_router_kernel_equals_twin(shape, dtype, monkeypatch):
     select_in_kernel = kernels.router._select_in_kernel
     # each case: tokens, where the selection runs, and whether the INT4 planes are written. The
     # selection: the rule (None; on the GPU a selection kernel reading the logits kernel's partial
-    # sums, past ROUTER_GEMV_MAX_TOKENS cuBLAS's logits; under the CPU interpreter the logits
-    # kernel's last program up to ROUTER_GEMV_MAX_TOKENS), forced into the last program (True) or
-    # apart (False). The logits kernel takes its tokens 4 at a time here: 1, 2 and 5 tokens in its
-    # small form (5: a chunk and a masked one), 20 in its large form (five chunks of a 32-row
-    # block), with the planes and without; 24 on the tensor cores, the planes then by a copy. The
-    # planes are stored by expert block 0 at 2 tokens and spread over the expert blocks from 5.
+    # sums, past ROUTER_GEMV_MAX_TOKENS cuBLAS's logits; under the CPU interpreter the chunks'
+    # logits kernel's last program), forced into the last program (True) or
+    # apart (False). The chunks' logits kernel takes its tokens 4 at a time (ROUTER_CHUNK): 1, 2
+    # and 5 tokens (5: a chunk and a masked one), 20 here (five chunks of a 32-row block), with the
+    # planes and without; from 24 here the tensor cores' kernel, the planes then by a copy.
     r = kernels.router
     monkeypatch.setattr(r, "ROUTER_CHUNK", 4)
-    monkeypatch.setattr(r, "ROUTER_SMALL", r.ROUTER_SMALL[:3] + (4,))
-    monkeypatch.setattr(r, "ROUTER_SPREAD_MIN_TOKENS", 5)
     monkeypatch.setattr(r, "ROUTER_DOT_MIN_TOKENS", 24)
-    monkeypatch.setattr(r, "ROUTER_DOT_PLANES_MIN_TOKENS", 24)
-    assert 5 <= r.ROUTER_SMALL_MAX_TOKENS < 20 and 24 <= r.ROUTER_GEMV_MAX_TOKENS < 37
+    assert 24 <= r.ROUTER_GEMV_MAX_TOKENS < 37
     cases = ((1, None, False), (2, True, True), (5, None, True), (5, False, True),
              (20, False, True), (20, None, False), (24, None, False), (24, None, True),
              (37, None, True))

@@ -207,8 +207,10 @@ def bench_mla_configs(rows, sweep=MLA_SWEEP):
 def bench_router(tokens=(1, 2, 3, 4, 5, 6, 8, 12, 16)):
     """The router kernel at Kimi-K2's 384 experts, the model's routing and SIMULATED uniform, with
     the selection in the logits kernel's last program and in a launch of its own (a program a
-    token), whatever router.ROUTER_SELECT_MAX_TOKENS says. A graph replays 8 routers, each with
-    weights of its own (88 MB of float32, past the L2), as a step reads its 60 layers' routers."""
+    token), whatever router.ROUTER_SELECT_MAX_TOKENS says (from router.ROUTER_DOT_MIN_TOKENS the
+    tensor cores' logits, the selection always apart: both columns time the same launches). A
+    graph replays 8 routers, each with weights of its own (88 MB of float32, past the L2), as a
+    step reads its 60 layers' routers; no INT4 planes."""
     print("\nrouter, 384 experts, bf16 (us per call, in a graph of 8 routers): selection in the "
           "last program | in its own launch")
     routers, saved, rows = _routers(8), router.ROUTER_SELECT_MAX_TOKENS, []

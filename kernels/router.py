@@ -19,20 +19,23 @@ from .moe_gemv import _check_planes
 # scores normalized and scaled. The same selection code can also run in the logits kernel's last
 # program to finish (an atomic counter, as norm_gemv's), for every token in turn, saving a launch:
 # up to ROUTER_SELECT_MAX_TOKENS tokens on a GPU (0: never; a serial tail, measured slower) and
-# always under Triton's CPU interpreter (the fewest interpreted ops). Past
+# under Triton's CPU interpreter always in the chunks' kernel (the fewest interpreted ops). Past
 # ROUTER_GEMV_MAX_TOKENS tokens cuBLAS computes the logits and the selection kernel selects. With
 # UNIFORM (SIMULATED balanced routing, model.Router's routing "uniform") the choice is fixed
 # instead: pair j = n*K + i of the N*K token-expert pairs goes to expert j mod E, weighed by that
 # expert's unbiased score, normalized and scaled as usual; the logits are computed as always (their
 # cost stays), only the top-k rounds are skipped.
-# Every token meets the program's one weight tile in turn, so the tile (ROUTER_TILE elements, the
-# bytes a program has in flight) does not shrink with the tokens: a verify's router is one step a
-# program, as a decode's. Beside INT4 experts the kernel also writes x as the INT4 GEMV's activation
-# planes (router_topk's planes; SharedExpertInLaunch), which saves fused_moe its permute launch.
+# Two logits kernels by the tokens N. Up to ROUTER_DOT_MIN_TOKENS - 1 the chunks' kernel: every
+# token meets the program's one weight tile in turn, ROUTER_CHUNK at a time, each token's dot
+# products reduced across the program's warps, so the tile (ROUTER_TILE elements, the bytes a
+# program has in flight) does not shrink with the tokens and a verify's router is one step a
+# program, as a decode's; beside INT4 experts it also writes x as the INT4 GEMV's activation planes
+# (router_topk's planes; SharedExpertInLaunch), which saves fused_moe its permute launch. From
+# ROUTER_DOT_MIN_TOKENS the tensor cores' kernel: every token against the tile at once (tl.dot), no
+# reduction across warps a token; the planes then by a copy.
 
 # Past this many tokens cuBLAS's logits (and a copy into the INT4 GEMV's planes) before the
-# selection kernel; up to it the logits kernel, a chunk of tokens at a time (in the large form
-# its cost grows by a chunk's, about 5 us, every 8 tokens: python -m kernels.bench --router)
+# selection kernel
 ROUTER_GEMV_MAX_TOKENS = 32
 # Up to this many tokens the logits kernel's last program selects; past it the selection kernel,
 # a program a token. 0: on the H200 the launch of its own is as fast or faster at every count,
@@ -48,55 +51,30 @@ ROUTER_SELECT_MAX_TOKENS = 0
 # shared memory (4 warps: 1.0-1.3 us more at 1-32 tokens under the model's routing, the same
 # under uniform; python -m kernels.bench --router)
 ROUTER_SELECT_WARPS = 1
-# D slices, at most: one step of a tile a program (7 slices of 1024: in the large form 112
-# programs for 128 experts, 336 for 384, twice as many in the small form; 4 slices leave 64
-# programs at 128) (python -m kernels.bench --small)
+# D slices, at most: one step of a tile a program (7 slices of 1024: 672 programs for 384
+# experts, 224 for 128) (python -m kernels.bench --small)
 ROUTER_SPLIT_D = 8
-ROUTER_BLOCK_E = 8          # experts a program: with ROUTER_TILE, 1024 columns of D a step
-ROUTER_TILE = 8192  # elements of the [experts, D] weight tile a program holds: 64 fp32 a thread
-#                             on 4 warps, whatever the tokens (a tile cut by the tokens is slower)
-ROUTER_WARPS = 4            # the logits kernel's warps: a token's sums reduced across them
-# tokens a program takes at once against its weight tile (their loads in flight together), then
-# the next as many: its cost follows the tokens in steps of this, not their power of two. All 16
-# at once on 8 warps take 33 us at 12 tokens against 14 at 8 (python -m kernels.bench --router)
-ROUTER_CHUNK = 8
-# The logits kernel's forms, by tokens (µs a call: python -m kernels.bench --router, 8 routers past
-# the L2, 384 experts; verify: run.py's sweep, 61 routers; BENCHMARKS.md: Verify sweep, Kept):
-#  - up to ROUTER_SMALL_MAX_TOKENS, the chunks in ROUTER_SMALL = (ROUTER_BLOCK_E, ROUTER_TILE,
-#    ROUTER_WARPS, ROUTER_CHUNK)'s small form: twice the programs, each half the tile on 2 warps,
-#    4 tokens at a time. Alone 0.3-4.6 us faster a call than the large form at every count; verify
-#    0.11-0.24 ms less at 10-12 tokens, 0.02-0.08 at 5-8, in every format;
-#  - past it, without the INT4 planes (FP8, bf16): the tensor cores (ROUTER_DOT, from
-#    ROUTER_DOT_MIN_TOKENS), 14.4-15.1 us a call at 9-32 tokens against the small form's 15.7,
-#    18.0, 22.5 and 27.0 at 12, 16, 24 and 32;
-#  - past it, writing the INT4 planes: the chunks' large form. With the planes the small form took
-#    7-17 us a call more at 16-32 (INT4 verify 0.33-0.76 ms more; 205 registers a thread against
-#    120 without, yet on 4 warps, 96 registers, as slow: not explained) and the tensor cores'
-#    kernel 27-53 us, against the large form's 21-33.
-ROUTER_SMALL = (4, 4096, 2, 4)
-ROUTER_SMALL_MAX_TOKENS = 12
-# From this many tokens the INT4 activation planes' stores are spread over the expert blocks
-# (token t's by block t mod the blocks); below it expert block 0 stores every token's. INT4
-# verify took 0.10-0.24 ms less at 16-32 tokens than with block 0's at every count, within 0.02
-# at 1-12
-ROUTER_SPREAD_MIN_TOKENS = 13
-# From this many tokens to ROUTER_GEMV_MAX_TOKENS, without the INT4 planes, the logits on the
-# tensor cores (_router_dot_kernel: every token against the tile at once, no reduction across
-# warps a token), then the selection kernel. ROUTER_DOT = (BLOCK_E experts a program, BLOCK_D
-# columns a step, warps, D slices at most): at 9-32 tokens 14.4-15.1 us a call; 8 warps 23-24,
-# 28 slices of D 16-29, 32 experts a program 16-25
+# The chunks' kernel (µs a call: python -m kernels.bench --router, 8 routers past the L2, 384
+# experts; verify: run.py's sweep, 61 routers; BENCHMARKS.md: Verify sweep, Kept): 4 experts a
+# program, a tile of 4096 elements (1024 columns of D a step, 64 fp32 a thread) on 2 warps, 4 tokens
+# at a time. 8 experts and 8192 elements on 4 warps, 8 tokens at a time, were 0.3-4.6 us slower a
+# call at every count (verify 0.11-0.24 ms more at 10-12 tokens, 0.02-0.08 at 5-8, in every
+# format). All 16 tokens at once on 8 warps took 33 us at 12 tokens against 14 at 8.
+ROUTER_BLOCK_E = 4          # experts a program
+ROUTER_TILE = 4096          # elements of the [experts, D] weight tile a program holds
+ROUTER_WARPS = 2            # its warps: a token's sums reduced across them
+ROUTER_CHUNK = 4            # tokens a program takes at once against its tile (loads in flight)
+# From this many tokens to ROUTER_GEMV_MAX_TOKENS the tensor cores' kernel (_router_dot_kernel),
+# then the selection kernel. ROUTER_DOT = (BLOCK_E experts a program, BLOCK_D columns a step,
+# warps, D slices at most). Without the planes 14.4-15.1 us a call at 9-32 tokens against the
+# chunks' 15.7, 18.0, 22.5 and 27.0 at 12, 16, 24 and 32 (on 8 warps 23-24, with 28 slices of D
+# 16-29, 32 experts a program 16-25). Beside INT4 experts, the planes stored by a copy: verify
+# 0.16-0.96 ms less at 16-32 tokens than the chunks' kernel writing them (8 experts, 8192
+# elements, 4 warps, 8 tokens at a time). Storing the planes inside it took 27-53 us a call;
+# inside the chunks' 4-expert form, 7-17 us a call more at 16-32 (205 registers a thread against
+# 120 without; on 4 warps 96, yet as slow: not explained).
 ROUTER_DOT_MIN_TOKENS = 13
 ROUTER_DOT = (16, 128, 4, 8)
-# From this many tokens the tensor cores' logits beside INT4 experts too, the planes then written
-# by a copy (moe_gemv.activation_planes, a launch)
-ROUTER_DOT_PLANES_MIN_TOKENS = 33
-
-
-def _router_form(N):
-    """(BLOCK_E, TILE, WARPS, CHUNK) of the chunks' logits kernel for N tokens."""
-    if N <= ROUTER_SMALL_MAX_TOKENS:
-        return ROUTER_SMALL
-    return ROUTER_BLOCK_E, ROUTER_TILE, ROUTER_WARPS, ROUTER_CHUNK
 
 
 @_jit
@@ -110,14 +88,14 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
                    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_G: tl.constexpr,
                    BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr, SELECT: tl.constexpr,
-                   SPREAD: tl.constexpr, CHUNK: tl.constexpr):
+                   CHUNK: tl.constexpr):
     """part[j, n, e] = sum over d in slice j of x[n, d] * W[e, d] in float32 (CHUNK tokens at a
     time, _router_chunk), then (SELECT), in the last program, _router_select over all N (<=
     BLOCK_N) tokens. x [N, D] (any float dtype), W [E, D] float32, part [SPLITS, N, E] float32
-    (last dims contiguous), count one int32 zero. PLANES: the programs of one expert block a token
-    (block 0, or with SPREAD block t mod the blocks) also write their slice of x as the INT4 GEMV's
-    activation (fused_moe's planes, moe_gemv.activation_planes): 1, fp32 nibble planes [N, 8,
-    D/8]; 2, bf16 pair planes (v_ptr a bf16 view of them). Grid: (cdiv(E, BLOCK_E), SPLITS)."""
+    (last dims contiguous), count one int32 zero. PLANES: the programs of expert block 0 also write
+    their slice of x as the INT4 GEMV's activation (fused_moe's planes,
+    moe_gemv.activation_planes): 1, fp32 nibble planes [N, 8, D/8]; 2, bf16 pair planes (v_ptr a
+    bf16 view of them). Grid: (cdiv(E, BLOCK_E), SPLITS)."""
     _wait_for_prior()
     eb, j = tl.program_id(0), tl.program_id(1)
     e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
@@ -131,11 +109,11 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
                     mask=(e < E)[:, None] & (d < d_end)[None, :], other=0.0)
         if BLOCK_N <= CHUNK:  # one chunk, unrolled (c a constant)
             acc = _router_chunk(acc, x_ptr, v_ptr, 0, N, D, d, d_end, w, n, eb, s_xn, PLANES,
-                                SPREAD, CHUNK)
+                                CHUNK)
         else:
             for c in range(0, N, CHUNK):  # each token against the same tile, CHUNK at a time
                 acc = _router_chunk(acc, x_ptr, v_ptr, c, N, D, d, d_end, w, n, eb, s_xn, PLANES,
-                                    SPREAD, CHUNK)
+                                    CHUNK)
     tl.store(part_ptr + j * s_ps + n[:, None] * s_pn + e[None, :], acc,
              mask=(n < N)[:, None] & (e < E)[None, :])
     if not SELECT:   # the selection kernel selects, launched next
@@ -151,25 +129,20 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
 
 @_jit
 def _router_chunk(acc, x_ptr, v_ptr, c, N, D, d, d_end, w, n, eb, s_xn, PLANES: tl.constexpr,
-                  SPREAD: tl.constexpr, CHUNK: tl.constexpr):
+                  CHUNK: tl.constexpr):
     """_router_kernel's tokens c .. c + CHUNK - 1 (those < N) against its weight tile w [BLOCK_E,
     BLOCK_D] at columns d: each token's dot products added into its row of acc [BLOCK_N, BLOCK_E],
-    and (PLANES) its slice of x stored as the INT4 GEMV's planes by one expert block: eb 0, or
-    (SPREAD) eb = t mod the expert blocks."""
+    and (PLANES, expert block eb 0) its slice of x stored as the INT4 GEMV's planes."""
     for i in tl.static_range(CHUNK):
         t = c + i
         ok = (t < N) & (d < d_end)[None, :]
         x = tl.load(x_ptr + t * s_xn + d[None, :], mask=ok, other=0.0).to(tl.float32)  # [1, BD]
         acc = tl.where(n[:, None] == t, acc + tl.sum(x * w, 1)[None, :], acc)
-        if SPREAD:  # token t's planes by expert block t mod the blocks
-            mine = t % tl.num_programs(0) == eb
-        else:       # every token's by expert block 0
-            mine = eb == 0
         if PLANES == 1:
-            if mine:
+            if eb == 0:
                 tl.store(v_ptr + t * D + (d % 8 * (D // 8) + d // 8)[None, :], x, mask=ok)
         elif PLANES == 2:
-            if mine:
+            if eb == 0:
                 pos = 2 * (d % 4 * (D // 8) + d // 8) + d % 8 // 4
                 tl.store(v_ptr + t * D + pos[None, :], x.to(tl.bfloat16), mask=ok)
     return acc
@@ -358,17 +331,17 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
 def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select):
     """router_topk up to ROUTER_GEMV_MAX_TOKENS tokens into ids and weights: the logits kernel,
     selecting in its last program or followed by the selection kernel (_select_in_kernel); from
-    ROUTER_DOT_MIN_TOKENS (with planes ROUTER_DOT_PLANES_MIN_TOKENS) the tensor cores' logits
-    kernel (and a copy into the planes), then the selection kernel."""
+    ROUTER_DOT_MIN_TOKENS the tensor cores' logits kernel (and a copy into the planes), then the
+    selection kernel."""
     (N, D), E = x.shape, weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
-    dot = N >= (ROUTER_DOT_MIN_TOKENS if planes is None else ROUTER_DOT_PLANES_MIN_TOKENS)
+    dot = N >= ROUTER_DOT_MIN_TOKENS
     in_kernel = _select_in_kernel(N, x.device) and not dot
     if dot:
         block_e, block_d, warps, split_d = ROUTER_DOT
     else:
-        block_e, tile, warps, chunk = _router_form(N)
-        block_d, split_d = tile // block_e, ROUTER_SPLIT_D
+        block_e, block_d = ROUTER_BLOCK_E, ROUTER_TILE // ROUTER_BLOCK_E
+        warps, split_d = ROUTER_WARPS, ROUTER_SPLIT_D
     d_per_split = triton.cdiv(triton.cdiv(D, split_d), block_d) * block_d
     splits = triton.cdiv(D, d_per_split)
     part = torch.empty(splits, N, E, device=x.device, dtype=torch.float32)
@@ -378,9 +351,10 @@ def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select
     grid = (triton.cdiv(E, block_e), splits)
     if dot:
         _router_dot_kernel[grid](
-            x, weight, part, N, E, D, d_per_split, x.stride(0), weight.stride(0),
-            part.stride(0), part.stride(1), EXACT_X=x.dtype in (torch.bfloat16, torch.float16), BLOCK_N=_pow2(N, 16),
-            BLOCK_E=block_e, BLOCK_D=block_d, launch_pdl=common.PDL, num_warps=warps)
+            x, weight, part, N, E, D, d_per_split, x.stride(0), weight.stride(0), part.stride(0),
+            part.stride(1), EXACT_X=x.dtype in (torch.bfloat16, torch.float16),
+            BLOCK_N=_pow2(N, 16), BLOCK_E=block_e, BLOCK_D=block_d, launch_pdl=common.PDL,
+            num_warps=warps)
         if planes is not None:
             moe_gemv.activation_planes(x, planes)
     else:
@@ -389,8 +363,8 @@ def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select
             d_per_split, x.stride(0), weight.stride(0), part.stride(0), part.stride(1),
             ids.stride(0), weights.stride(0), E // n_group, n_group, scaling, SPLITS=splits,
             PLANES=kind, BLOCK_N=_pow2(N, 1), BLOCK_E=block_e, BLOCK_D=block_d, **select,
-            SELECT=in_kernel, SPREAD=N >= ROUTER_SPREAD_MIN_TOKENS,
-            CHUNK=min(_pow2(N, 1), chunk), launch_pdl=common.PDL, num_warps=warps)
+            SELECT=in_kernel, CHUNK=min(_pow2(N, 1), ROUTER_CHUNK), launch_pdl=common.PDL,
+            num_warps=warps)
     if not in_kernel:
         _router_select_kernel[(N,)](part, bias, ids, weights, N, part.stride(0), part.stride(1),
                                     ids.stride(0), weights.stride(0), E // n_group, n_group,
