@@ -345,9 +345,6 @@ def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select
     d_per_split = triton.cdiv(triton.cdiv(D, split_d), block_d) * block_d
     splits = triton.cdiv(D, d_per_split)
     part = torch.empty(splits, N, E, device=x.device, dtype=torch.float32)
-    v, kind = part, 0                          # (v is never read without planes)
-    if planes is not None:                     # pair planes (int32): the kernel stores bf16 halves
-        v, kind = (planes.view(torch.bfloat16), 2) if planes.dtype == torch.int32 else (planes, 1)
     grid = (triton.cdiv(E, block_e), splits)
     if dot:
         _router_dot_kernel[grid](
@@ -358,6 +355,10 @@ def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select
         if planes is not None:
             moe_gemv.activation_planes(x, planes)
     else:
+        v, kind = part, 0                      # (v is never read without planes)
+        if planes is not None:                 # pair planes (int32): the kernel stores bf16 halves
+            v, kind = ((planes.view(torch.bfloat16), 2) if planes.dtype == torch.int32
+                       else (planes, 1))
         _router_kernel[grid](
             x, weight, part, _counters(x.device), bias, ids, weights, v, N, E, D,
             d_per_split, x.stride(0), weight.stride(0), part.stride(0), part.stride(1),
