@@ -209,6 +209,28 @@ def test_fused_moe_gemv_fp8_takes_a_shared_expert():
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("quant", [None, "fp8"])
+def test_fused_moe_tiles_split_over_d(quant):
+    """The bf16 / fp32 and FP8 tiles' gate_up split over D (moe.TILE_SPLIT) against the gather
+    path: D 64 in 3 parts of 32 columns (16 a step; the third part empty) and in 2 parts of one
+    128-column step (the second empty), whole in one part; an expert shared by every token (its
+    pairs in one tile) and random routing. FP8 in 16x24 blocks: steps that cross a scale block."""
+    experts, D = moe_experts("tiny", quant, 16, TRITON_DEVICE, torch.float32)
+    weights = [kernels.expert_weights(getattr(experts, p))
+               for p in ("gate_proj", "up_proj", "down_proj")]
+    g = torch.Generator().manual_seed(3)
+    for kind, parts in (("shared", (16, 16, 4, 1, 3)), ("random", (64, 128, 4, 1, 2)),
+                        ("random", (64, 16, 4, 1, 1))):
+        ids, w = routing(kind, 3, 4, 16, g, TRITON_DEVICE)
+        x = torch.randn(3, D, generator=g).to(TRITON_DEVICE)
+        ref = model.Experts.forward(experts, x, ids, w)
+        got = kernels.fused_moe(x, ids, w, *weights, variant="dot",
+                                configs=dict(gate_up=parts, down=(64, 16, 4, 1)))
+        assert_close(got, ref, 1e-5 * ref.abs().max().item(),
+                     f"{quant or 'plain'} tiles, D {D}, {kind} routing, gate_up {parts}")
+
+
+@pytest.mark.triton
 def test_fused_moe_int4_tiles_even_and_masked_blocks():
     """The INT4 tile kernels (weights as the MMA's first operand) against the gather path: steps
     that divide the words a row (EVEN) and steps that do not, weight rows past I and D in the last

@@ -42,9 +42,13 @@ def _expert_bytes(w):
 
 # Sweep points (at N = 1, 3 and 4, or the token counts asked for), each beside the default: the tile
 # variant ("dot") and the GEMV variant.
-DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4), (32, 128, 4, 4), (16, 128, 4, 5), (32, 128, 4, 5),
-                          (64, 128, 4, 4), (64, 128, 4, 3), (64, 128, 8, 4), (128, 128, 8, 3),
-                          (16, 256, 4, 3), (32, 256, 8, 3), (16, 64, 4, 6)],
+# bf16 / FP8 tiles (moe._configs): gate_up (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT)
+DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4, 1), (32, 128, 4, 4, 1), (16, 128, 4, 5, 1),
+                          (32, 128, 4, 5, 1), (64, 128, 4, 4, 1), (64, 128, 4, 3, 1),
+                          (64, 128, 8, 4, 1), (128, 128, 8, 3, 1), (16, 256, 4, 3, 1),
+                          (32, 256, 8, 3, 1), (16, 64, 4, 6, 1), (16, 128, 4, 4, 4),
+                          (16, 128, 4, 4, 7), (32, 128, 4, 4, 2), (32, 128, 4, 4, 4),
+                          (32, 128, 4, 4, 7), (64, 128, 4, 4, 4), (64, 128, 4, 4, 7)],
                  down=[(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (64, 256, 8, 3)])
 # INT4's tiles (moe._configs): gate_up (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT). Steps of
 # 128 and 64 elements hold fewer registers a thread: gate_up's sm_90 build at Kimi-K2's shapes

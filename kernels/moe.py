@@ -37,13 +37,17 @@ BLOCK_M = 16
 # from 16, lost at 10-12 (the model's bf16 launch has 9 pairs a token: 8 experts and the shared one)
 PLAIN_WIDE_PAIRS = ((55, 72), (128, None))
 PLAIN_WIDE_WIDTH = 256
+# bf16 / fp32 and FP8 tiles: gate_up splits D into this many parts up to the given token-expert
+# pairs, as (most pairs, parts) in ascending order (past the last: whole), by format
+TILE_SPLIT = {"fp8": ((128, 7), (256, 4))}
 # the align's two launches (_moe_count_kernel, _moe_place_kernel): a program per ALIGN_CHUNK pairs
 # (a [ALIGN_CHUNK, E] one-hot), padding rows written ALIGN_FILL a step, the tile -> expert map
 # ALIGN_TILES tiles a step (not swept)
 ALIGN_CHUNK, ALIGN_FILL, ALIGN_TILES = 32, 512, 16
 # columns of D a combine program sums (not swept: the combine is a small share)
 COMBINE_BLOCK = 1024
-# elements of h an INT4 silu program makes (not swept: P * I elements, a small share)
+# elements of h a silu program makes, after a gate_up split over D (not swept: P * I elements, a
+# small share)
 SILU_BLOCK = 1024
 
 
@@ -82,8 +86,7 @@ def _configs(fmt, P, I, on_gpu):
        324: above 256 pairs uniform routing, the worst case, picks)."""
     # Triton's CPU interpreter runs programs one by one, ~0.1 ms an op: fewest, largest
     if not on_gpu:
-        return dict(gate_up=(64, 128, 4, 1) + ((1,) if fmt == "int4" else ()),
-                    down=(64, 128, 4, 1))
+        return dict(gate_up=(64, 128, 4, 1, 1), down=(64, 128, 4, 1))
     if fmt == "int4":
         if P <= 128:
             return dict(gate_up=(64, 256, 4, 3, 7), down=(64, 128, 4, 2))
@@ -93,7 +96,8 @@ def _configs(fmt, P, I, on_gpu):
     wide = fmt == "plain" and I == PLAIN_WIDE_WIDTH and any(
         first <= P and (last is None or P <= last) for first, last in PLAIN_WIDE_PAIRS)
     rows = 64 if wide else 16 if P <= 16 else 32
-    return dict(gate_up=(rows, 128, 4, 4), down=(64, 128, 4, 3))
+    split = next((parts for most, parts in TILE_SPLIT.get(fmt, ()) if P <= most), 1)
+    return dict(gate_up=(rows, 128, 4, 4, split), down=(64, 128, 4, 3))
 
 
 @_jit
@@ -186,22 +190,23 @@ def _accumulate(acc, xt, k0, K_IN, w_ptr, s_ptr, n, n_ok, stride_wn, stride_sr, 
 
 
 @_jit
-def _moe_gate_up_kernel(x_ptr, h_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr, gs_ptr, u_ptr,
-                        us_ptr,
+def _moe_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr, gs_ptr,
+                        u_ptr, us_ptr,
                         P, TOPK, D, I, stride_we, stride_wn, stride_se, stride_sr, stride_sc,
                         block_r, block_c, off_r, off_c,
                         FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                        BLOCK_K: tl.constexpr,
+                        BLOCK_K: tl.constexpr, SPLIT: tl.constexpr,
                         SCALE_PER_ROW: tl.constexpr, PRECISION: tl.constexpr):
-    """h[row, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) for the pair in each tile row (n = pair //
-    K).
+    """h[pair, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) for the pair in each tile row (n = pair //
+    K), over part pid_k of SPLIT of D: SPLIT 1 stores h, else the fp32 sums of gate and up,
+    part[pid_k, pair, 0 / 1, i] (the silu launch adds them), as the INT4 tiles do.
 
-    x_ptr: [N, D] contiguous, the compute dtype. h_ptr: [max_tiles * BLOCK_M, I] out, x's dtype,
-    rows in tile order (padding rows get 0). g_ptr / u_ptr and gs_ptr / us_ptr: gate and up weights
-    and scales, [E, I, D]-shaped as ExpertWeights (same strides for both). sorted_pair_ptr,
-    tile_expert_ptr: from the align kernel. Grid: (cdiv(I, BLOCK_N), max_tiles)."""
+    x_ptr: [N, D] contiguous, the compute dtype. h_ptr: [P, I] out, x's dtype. g_ptr / u_ptr and
+    gs_ptr / us_ptr: gate and up weights and scales, [E, I, D]-shaped as ExpertWeights (same
+    strides for both). sorted_pair_ptr, tile_expert_ptr: from the align kernel. Grid:
+    (cdiv(I, BLOCK_N), max_tiles, SPLIT)."""
     _wait_for_prior()
-    pid_n, tile = tl.program_id(0), tl.program_id(1)
+    pid_n, tile, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
     if e < 0:
         return
@@ -213,7 +218,8 @@ def _moe_gate_up_kernel(x_ptr, h_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr, g
     n_ok = n < I
     acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-    for k0 in range(0, D, BLOCK_K):
+    PART = tl.cdiv(tl.cdiv(D, SPLIT), BLOCK_K) * BLOCK_K
+    for k0 in range(pid_k * PART, tl.minimum(pid_k * PART + PART, D), BLOCK_K):
         k = k0 + tl.arange(0, BLOCK_K)                                    # one load for gate and up
         xt = tl.load(x_ptr + x_row[:, None] + k[None, :],
                      mask=row_ok[:, None] & (k < D)[None, :], other=0.0)
@@ -223,9 +229,15 @@ def _moe_gate_up_kernel(x_ptr, h_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr, g
         acc_u = _accumulate(acc_u, xt, k0, D, u_ptr + e * stride_we, us_ptr + e * stride_se, n,
                             n_ok, stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c,
                             FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
-    h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-    tl.store(h_ptr + rows[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty),
-             mask=n_ok[None, :])
+    ok = row_ok[:, None] & n_ok[None, :]
+    if SPLIT == 1:
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(h_ptr + pair[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=ok)
+    else:
+        part = part_ptr + ((pid_k * P + pair[:, None]).to(tl.int64) * 2) * I + n[None, :]
+        tl.store(part, acc_g, mask=ok)
+        tl.store(part + I, acc_u, mask=ok)
 
 
 @_jit
@@ -235,9 +247,9 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
                      FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr,
                      SCALE_PER_ROW: tl.constexpr, PRECISION: tl.constexpr):
-    """y[pair, d] = route_w[pair] * (down[e] @ h[row])[d] for the pair in each tile row.
+    """y[pair, d] = route_w[pair] * (down[e] @ h[pair])[d] for the pair in each tile row.
 
-    h_ptr: [max_tiles * BLOCK_M, I] from gate_up. y_ptr: fp32 [P, D] out, one row per pair (every
+    h_ptr: [P, I] from gate_up (or the silu launch). y_ptr: fp32 [P, D] out, one row per pair (every
     pair's row is written once). route_w_ptr: fp32 [P], the routing weights flattened. w_ptr /
     s_ptr: down weights and scales, [E, D, I]-shaped as ExpertWeights. Grid: (cdiv(D, BLOCK_N),
     max_tiles)."""
@@ -249,7 +261,7 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
     rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
     pair = tl.load(sorted_pair_ptr + rows)
     row_ok = pair < P
-    h_row = rows.to(tl.int64) * I
+    h_row = pair.to(tl.int64) * I
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
@@ -401,7 +413,7 @@ def _moe_int4_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_exper
 
 
 @_jit
-def _moe_int4_silu_kernel(part_ptr, h_ptr, P, I: tl.constexpr, SPLIT: tl.constexpr,
+def _moe_silu_kernel(part_ptr, h_ptr, P, I: tl.constexpr, SPLIT: tl.constexpr,
                           BLOCK: tl.constexpr):
     """h[pair, i] = silu(sum_s part[s, pair, 0, i]) * sum_s part[s, pair, 1, i], s in order.
 
@@ -594,14 +606,19 @@ def _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, cfg):
     if fmt == "int4":
         _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision)
     else:
-        h = torch.empty(max_tiles * BLOCK_M, I, dtype=x.dtype, device=dev)      # [rows, I]
-        bn, bk, warps, stages = cfg["gate_up"]
+        h = torch.empty(P, I, dtype=x.dtype, device=dev)                         # [P, I]
+        bn, bk, warps, stages, split = cfg["gate_up"]
+        part = torch.empty(split if split > 1 else 0, P, 2, I, dtype=torch.float32, device=dev)
         gs, strides, quant, per_row = _weight_args(gate, bk)
-        _moe_gate_up_kernel[(triton.cdiv(I, bn), max_tiles)](
-            x, h, *tiles, gate.data, gs, up.data, _weight_args(up, bk)[0], P, K, D, I, *strides,
-            *quant, FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
-            SCALE_PER_ROW=per_row, PRECISION=precision,
+        _moe_gate_up_kernel[(triton.cdiv(I, bn), max_tiles, split)](
+            x, h, part, *tiles, gate.data, gs, up.data, _weight_args(up, bk)[0], P, K, D, I,
+            *strides, *quant, FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
+            SPLIT=split, SCALE_PER_ROW=per_row, PRECISION=precision,
             launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
+        if split > 1:
+            _moe_silu_kernel[(triton.cdiv(P * I, SILU_BLOCK),)](
+                part, h, P, I=I, SPLIT=split, BLOCK=SILU_BLOCK, launch_pdl=common.PDL,
+                num_warps=4)
         bn, bk, warps, stages = cfg["down"]
         ds, strides, quant, per_row = _weight_args(down, bk)
         _moe_down_kernel[(triton.cdiv(D, bn), max_tiles)](
@@ -637,7 +654,7 @@ def _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision):
         SPLIT=split, EVEN=D % bk == 0 and I % bn == 0, PACKED=packed, PRECISION=precision,
         launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
     if split > 1:
-        _moe_int4_silu_kernel[(triton.cdiv(P * I, SILU_BLOCK),)](
+        _moe_silu_kernel[(triton.cdiv(P * I, SILU_BLOCK),)](
             part, h, P, I=I, SPLIT=split, BLOCK=SILU_BLOCK, launch_pdl=common.PDL, num_warps=4)
     bn, bk, warps, stages = cfg["down"]
     _moe_int4_down_kernel[(triton.cdiv(D, bn), max_tiles)](
