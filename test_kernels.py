@@ -277,7 +277,7 @@ def test_moe_align_sorts_pairs_by_expert_stably():
     BM = kernels.moe.BLOCK_M
     for N, K, E, kind in ((3, 2, 16, "random"), (20, 8, 16, "shared"), (40, 4, 384, "random")):
         ids = routing(kind, N, K, E, g, TRITON_DEVICE)[0].reshape(-1)
-        sorted_pair, tile_expert = kernels.moe.align(ids, E)
+        sorted_pair, tile_expert, _ = kernels.moe.align(ids, E)
         P, max_tiles = ids.numel(), min(E, ids.numel()) + ids.numel() // BM
         rows, experts = [], []
         for e in range(E):

@@ -124,13 +124,15 @@ def _moe_count_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, P, ROWS,
 
 
 @_jit
-def _moe_place_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, tile_expert_ptr, P, E, max_tiles,
-                      BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                      TILES: tl.constexpr):
+def _moe_place_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, tile_expert_ptr, tiled_ptr, P, E,
+                      max_tiles, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                      TILES: tl.constexpr, MIN_PAIRS: tl.constexpr):
     """The align's second launch: each pair's row (its expert's first tile * BLOCK_M + the pairs of
     that expert before it, in pair order: stable) for the pairs of chunk c, and the tile -> expert
     map for this program's share of the max_tiles tiles (-1 past the last used tile). Every
     program sums the chunks' counts itself (the experts' totals and the counts of earlier chunks).
+    Only experts with at least MIN_PAIRS pairs get tiles; MIN_PAIRS > 1 (the hybrid variant) also
+    writes tiled_ptr, int32 [P]: 1 where the pair's expert has tiles, else 0.
 
     sorted_pair_ptr: int32 [max_tiles * BLOCK_M] out: the pair in each tile row (padding rows keep
     P from _moe_count_kernel). tile_expert_ptr: int32 [max_tiles] out. Grid: (cdiv(P, CHUNK),)."""
@@ -143,14 +145,18 @@ def _moe_place_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, tile_expert_ptr, P, 
         n = tl.load(counts_ptr + j * E_PAD + experts)
         total += n
         before += tl.where(j < c, n, 0)
-    tiles = (total + BLOCK_M - 1) // BLOCK_M
+    kept = total >= MIN_PAIRS
+    tiles = tl.where(kept, (total + BLOCK_M - 1) // BLOCK_M, 0)
     end_tile = tl.cumsum(tiles, 0)                                     # [E_PAD], inclusive
     p = c * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
     hit = (ids[:, None] == experts[None, :]).to(tl.int32)             # [CHUNK, E_PAD]
     first_row = (end_tile - tiles) * BLOCK_M + before
     row = tl.sum(hit * (first_row[None, :] + tl.cumsum(hit, 0) - hit), axis=1)
-    tl.store(sorted_pair_ptr + row, p.to(tl.int32), mask=p < P)
+    tiled = tl.sum(hit * kept.to(tl.int32)[None, :], axis=1)          # [CHUNK]: 1 or 0
+    tl.store(sorted_pair_ptr + row, p.to(tl.int32), mask=(p < P) & (tiled > 0))
+    if MIN_PAIRS > 1:
+        tl.store(tiled_ptr + p, tiled, mask=p < P)
     share = tl.cdiv(max_tiles, chunks)
     for t0 in range(c * share, (c + 1) * share, TILES):
         t = t0 + tl.arange(0, TILES)
@@ -499,6 +505,9 @@ def _check_weights(gate, up, down, D):
     return fmt, E, I
 
 
+VARIANTS = ("gemv", "dot", "hybrid")
+
+
 def gemv_rule(fmt, N, K, I):
     """fused_moe's variant when none is named: "gemv" up to moe_gemv.gemv_max_tokens(fmt, I) tokens
     (and GEMV_MAX_PAIRS pairs), else "dot". A rule on shapes only (I: the experts' width), so a
@@ -509,10 +518,10 @@ def gemv_rule(fmt, N, K, I):
 def _check_shared(shared, fmt, variant, I, D, dtype):
     """fused_moe's shared expert: it rides in the INT4 and FP8 GEMV launches only, as contiguous
     [I, D], [I, D], [D, I] tensors in the compute dtype."""
-    if fmt not in SHARED_SPLIT or variant != "gemv":
+    if fmt not in SHARED_SPLIT or variant == "dot":
         raise ValueError(f"fused_moe: a shared expert rides in the INT4 and FP8 GEMV launches "
-                         f"only, not {fmt} {variant} (plain experts: make it expert E, as "
-                         "SharedExpertInLaunch does)")
+                         f"only (variants gemv, hybrid), not {fmt} {variant} (plain experts: make "
+                         "it expert E, as SharedExpertInLaunch does)")
     if ([list(t.shape) for t in shared] != [[I, D], [I, D], [D, I]]
             or any(t.dtype != dtype for t in shared)
             or any(not t.is_contiguous() for t in shared)):
@@ -529,10 +538,12 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
     it, the GEMV variant multiplies them in fp32), ids int [N, K] in [0, E) (not checked: that would
     read the device), route_w [N, K] (any float; used in fp32), gate / up / down: ExpertWeights of
     [E, I, D], [E, I, D], [E, D, I]. Returns [N, D] in x's dtype. variant: "gemv" (CUDA-core
-    products, for a few tokens), "dot" (tiles of BLOCK_M pairs through tl.dot) or None (gemv_rule).
-    configs: override the variant's block sizes (the benchmark's sweep). shared: (gate [I, D], up
-    [I, D], down [D, I]) tensors in x's dtype, a shared expert added to every token with weight 1,
-    in the same launches (INT4 and FP8 experts through the GEMV variant only: the bf16 shared expert
+    products, for a few tokens), "dot" (tiles of BLOCK_M pairs through tl.dot), "hybrid" (tiles for
+    the experts two or more pairs pick, the GEMV for the others) or None (gemv_rule).
+    configs: override the variant's block sizes (the benchmark's sweep; hybrid: the GEMV's).
+    shared: (gate [I, D], up [I, D], down [D, I]) tensors in x's dtype, a shared expert added to
+    every token with weight 1, in the same launches (INT4 and FP8 experts through the GEMV
+    launches only, gemv or hybrid: the bf16 shared expert
     of Kimi-K2.5, and of Kimi-K2-Instruct's FP8 checkpoint, dequantized at load). planes: x already
     as the INT4 GEMV's activation planes (moe_gemv.activation_planes: pair planes for bf16 x, else
     fp32 nibble planes, in a tensor from moe_gemv.empty_planes; router_topk writes them beside its
@@ -542,11 +553,16 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
     N, K = ids.shape
     x, ids, route_w = (x.contiguous(), ids.reshape(-1).contiguous(),
                        route_w.reshape(-1).float().contiguous())
+    gemv_cfg = {**_gemv_configs(fmt, N, x.is_cuda), **(configs or {})}
+    tile_cfg = {**_configs(fmt, N * K, gate.shape[1], x.is_cuda), **(configs or {})}
     if variant == "gemv":
-        cfg = {**_gemv_configs(fmt, N, x.is_cuda), **(configs or {})}
-        return moe_gemv._fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared, planes)
-    cfg = {**_configs(fmt, N * K, gate.shape[1], x.is_cuda), **(configs or {})}
-    return _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, cfg)
+        return moe_gemv._fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, gemv_cfg, shared,
+                                        planes)
+    if variant == "hybrid":
+        tile_cfg = _configs(fmt, N * K, gate.shape[1], x.is_cuda)    # configs: the GEMV's
+        return _fused_moe_hybrid(x, ids, route_w, gate, up, down, fmt, K, (gemv_cfg, tile_cfg),
+                                 shared, planes)
+    return _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, tile_cfg)
 
 
 def _check_inputs(x, ids, route_w, gate, up, down, variant, shared, planes):
@@ -565,9 +581,9 @@ def _check_inputs(x, ids, route_w, gate, up, down, variant, shared, planes):
            for t in (ids, route_w, *weights, *(shared or ()))):
         raise ValueError(f"fused_moe: every input must be on x's device {x.device}")
     variant = variant or gemv_rule(fmt, N, K, I)
-    if variant not in ("gemv", "dot") or (variant == "gemv" and N * K > GEMV_MAX_PAIRS):
+    if variant not in VARIANTS or (variant != "dot" and N * K > GEMV_MAX_PAIRS):
         raise ValueError(f"fused_moe: variant {variant!r} for {N * K} token-expert pairs: 'dot', "
-                         f"or 'gemv' up to {GEMV_MAX_PAIRS} pairs")
+                         f"or 'gemv' or 'hybrid' up to {GEMV_MAX_PAIRS} pairs")
     if shared is not None:
         _check_shared(shared, fmt, variant, I, D, x.dtype)
     if planes is not None:
@@ -575,13 +591,15 @@ def _check_inputs(x, ids, route_w, gate, up, down, variant, shared, planes):
     return fmt, variant
 
 
-def align(ids, E):
+def align(ids, E, min_pairs=1):
     """The tile variant's align: (sorted_pair int32 [max_tiles * BLOCK_M], tile_expert int32
-    [max_tiles]) for ids [P] (experts in [0, E)): each expert's pairs in pair order, in whole tiles
-    of BLOCK_M rows, experts in ascending order, padding rows P; each tile's expert, -1 for tiles
-    left unused (max_tiles = min(E, P) + P // BLOCK_M, the section comment's bound)."""
+    [max_tiles], tiled) for ids [P] (experts in [0, E)): each expert's pairs in pair order, in whole
+    tiles of BLOCK_M rows, experts in ascending order, padding rows P; each tile's expert, -1 for
+    tiles left unused (max_tiles = min(E, P // min_pairs) + P // BLOCK_M, the section comment's
+    bound). Only experts with at least min_pairs pairs get tiles; tiled: None for min_pairs 1,
+    else int32 [P], 1 where the pair's expert has tiles (the hybrid variant)."""
     P, dev = ids.numel(), ids.device
-    max_tiles = min(E, P) + P // BLOCK_M
+    max_tiles = min(E, P // min_pairs) + P // BLOCK_M
     sorted_pair = torch.empty(max_tiles * BLOCK_M, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
     chunks, e_pad = triton.cdiv(P, ALIGN_CHUNK), triton.next_power_of_2(E)
@@ -589,20 +607,46 @@ def align(ids, E):
     _moe_count_kernel[(chunks,)](ids, counts, sorted_pair, P, max_tiles * BLOCK_M, E_PAD=e_pad,
                                  CHUNK=ALIGN_CHUNK, FILL=ALIGN_FILL, num_warps=4,
                                  launch_pdl=common.PDL)
-    _moe_place_kernel[(chunks,)](ids, counts, sorted_pair, tile_expert, P, E, max_tiles,
+    tiled = torch.empty(P, dtype=torch.int32, device=dev) if min_pairs > 1 else None
+    _moe_place_kernel[(chunks,)](ids, counts, sorted_pair, tile_expert,
+                                 tile_expert if tiled is None else tiled, P, E, max_tiles,
                                  BLOCK_M=BLOCK_M, E_PAD=e_pad, CHUNK=ALIGN_CHUNK,
-                                 TILES=ALIGN_TILES, num_warps=4, launch_pdl=common.PDL)
-    return sorted_pair, tile_expert
+                                 TILES=ALIGN_TILES, MIN_PAIRS=min_pairs, num_warps=4,
+                                 launch_pdl=common.PDL)
+    return sorted_pair, tile_expert, tiled
 
 
 def _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, cfg):
     """fused_moe's tile variant: align, gate_up, down, combine (x [N, D], ids and route_w [N*K])."""
-    (N, D), (E, I, _), P, dev = x.shape, gate.shape, ids.numel(), x.device
-    sorted_pair, tile_expert = align(ids, E)
-    max_tiles = tile_expert.numel()
-    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact, not tf32; else unused
+    (N, D), P, dev = x.shape, ids.numel(), x.device
+    sorted_pair, tile_expert, _ = align(ids, gate.shape[0])
     y = torch.empty(P, D, dtype=torch.float32, device=dev)                      # [P, D], weighted
-    tiles = (sorted_pair, tile_expert)
+    _tile_launches(x, y, (sorted_pair, tile_expert), route_w, gate, up, down, fmt, K, cfg)
+    out = torch.empty(N, D, dtype=x.dtype, device=dev)
+    _moe_combine_kernel[(N, triton.cdiv(D, COMBINE_BLOCK))](y, out, D, K, BLOCK_D=COMBINE_BLOCK,
+                                                            num_warps=4, launch_pdl=common.PDL)
+    return out
+
+
+def _fused_moe_hybrid(x, ids, route_w, gate, up, down, fmt, K, cfgs, shared, planes):
+    """fused_moe's hybrid variant: the experts that two or more pairs pick through the tiles (align
+    with min_pairs 2, gate_up, down: their pairs' rows of y), the others through the GEMV launches,
+    whose down adds those rows of y for its tokens (in place of the combine). cfgs: (the GEMV's
+    block sizes, the tiles')."""
+    P, D = ids.numel(), x.shape[1]
+    sorted_pair, tile_expert, tiled = align(ids, gate.shape[0], min_pairs=2)
+    y = torch.empty(P, D, dtype=torch.float32, device=x.device)    # the tiled pairs' rows only
+    _tile_launches(x, y, (sorted_pair, tile_expert), route_w, gate, up, down, fmt, K, cfgs[1])
+    return moe_gemv._fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfgs[0], shared, planes,
+                                    tiled=(tiled, y))
+
+
+def _tile_launches(x, y, tiles, route_w, gate, up, down, fmt, K, cfg):
+    """The tile variant's gate_up and down over the align's tiles: y [P, D] fp32, the routing
+    weight applied, written for the pairs in tiles."""
+    D, (E, I, _), P, dev = x.shape[1], gate.shape, route_w.numel(), x.device
+    max_tiles = tiles[1].numel()
+    precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact, not tf32; else unused
     if fmt == "int4":
         _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision)
     else:
@@ -625,10 +669,6 @@ def _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, cfg):
             h, y, *tiles, route_w, down.data, ds, P, D, I, *strides, *quant,
             FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SCALE_PER_ROW=per_row,
             PRECISION=precision, launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
-    out = torch.empty(N, D, dtype=x.dtype, device=dev)
-    _moe_combine_kernel[(N, triton.cdiv(D, COMBINE_BLOCK))](y, out, D, K, BLOCK_D=COMBINE_BLOCK,
-                                                            num_warps=4, launch_pdl=common.PDL)
-    return out
 
 
 def _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision):
