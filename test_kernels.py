@@ -109,7 +109,7 @@ def routing(kind, N, K, E, g, device):
 
 def check_fused_moe(experts_and_dim, cases, dtype, seed=0, K=8):
     """cases: (N, routing kind, variant): the model's path (variant None: kernels.fused_moe's rule
-    picks) or kernels.fused_moe forced to "gemv" or "dot"; K experts a token."""
+    picks) or kernels.fused_moe forced to "gemv", "dot" or "hybrid"; K experts a token."""
     experts, D = experts_and_dim
     g = torch.Generator().manual_seed(seed)
     E = experts.n_experts
@@ -133,12 +133,12 @@ def check_fused_moe(experts_and_dim, cases, dtype, seed=0, K=8):
 # (gemv_max_tokens, on tokens) picks the GEMV variant at small N and tiles (tl.dot) at 37.
 FUSED_CASES_ALL = [(N, kind, v) for N in (1, 2, 4, 8, 37)
                    for kind in ("shared", "disjoint", "random")
-                   for v in ((None, "dot") if N <= 8 else (None,))]
+                   for v in ((None, "dot", "hybrid") if N <= 8 else (None, "hybrid"))]
 
 
 FUSED_CASES_CPU = {16: [(1, "random", None), (2, "disjoint", None), (4, "shared", None),
                         (4, "shared", "dot"), (3, "shared", "gemv"), (6, "shared", "gemv"),
-                        (37, "random", None)],
+                        (37, "random", None), (3, "random", "hybrid"), (2, "shared", "hybrid")],
                    384: [(8, "disjoint", None), (2, "random", "dot")]}
 
 
@@ -182,8 +182,8 @@ def test_fused_moe_gemv_fp8_takes_a_shared_expert():
     plain MLP, at 1 and 3 tokens, the shared programs in the loop form (running its tokens one
     after another) with blocks that divide the shapes and blocks that do not (masked shared rows
     and steps), and in the dot form (all at once; I 52 a rank: 4 rows of its last 16-row tile
-    masked). 4 routed experts a token on the GPU, 2 on the CPU (the interpreter's time follows the
-    token-expert pairs)."""
+    masked); and the hybrid variant. 4 routed experts a token on the GPU, 2 on the CPU (the
+    interpreter's time follows the token-expert pairs)."""
     K = 4 if TRITON_DEVICE.type == "cuda" else 2
     args = tiny(n_routed_experts=16, num_experts_per_tok=4, hidden_size=256,
                 moe_intermediate_size=104,
@@ -206,6 +206,11 @@ def test_fused_moe_gemv_fp8_takes_a_shared_expert():
                                     configs=dict(gate_up=gate_up, down=down, shared_dot=dot))
             assert_close(got, want, 1e-5 * want.abs().max().item(),
                          f"GEMV FP8 + shared, {N} tokens, {gate_up} {down}, dot form {dot}")
+    # the hybrid variant: tokens 0 and 1 on the same experts (tiles), token 2 on others (GEMV)
+    ids[1] = ids[0]
+    want = model.Experts.forward(experts, x, ids, w) + shared_mlp(x, shared)
+    got = kernels.fused_moe(x, ids, w, *weights, variant="hybrid", shared=shared)
+    assert_close(got, want, 1e-5 * want.abs().max().item(), "hybrid FP8 + shared, 3 tokens")
 
 
 @pytest.mark.triton
@@ -353,34 +358,38 @@ def test_gpu_fused_moe_int4_tiles_packed_form_equals_fp32_form():
 
 @pytest.mark.gpu
 @pytest.mark.triton
-def test_gpu_fused_moe_int4_tiles_graph_equals_eager():
-    """The INT4 tile variant at a Kimi-K2 TP-8 rank's shapes (384 experts, D 7168, I 256), bf16,
-    captured once with no host sync: replays on new tokens and new routing (16 tokens, from every
-    expert distinct to all on the same 8) equal the eager call, and the plain module."""
-    experts, D = moe_experts("kimi", "int4", 384, "cuda", torch.bfloat16)
+@pytest.mark.parametrize("quant, variant", [("int4", "dot"), (None, "hybrid"), ("fp8", "hybrid"),
+                                            ("int4", "hybrid")])
+def test_gpu_fused_moe_graph_equals_eager(quant, variant):
+    """The INT4 tile variant and the hybrid variant at a Kimi-K2 TP-8 rank's shapes (384 experts, D
+    7168, I 256), bf16, captured once with no host sync: replays on new tokens and new routing (16
+    tokens, from every expert distinct to all on the same 8: the hybrid's split between tiles and
+    GEMV moves with the routing inside one graph) equal the eager call, and the plain module."""
+    experts, D = moe_experts("kimi", quant, 384, "cuda", torch.bfloat16)
     g = torch.Generator().manual_seed(0)
     N = 16
     ids, w = routing("random", N, 8, 384, g, "cuda")
     x = torch.randn(N, D, generator=g).to("cuda", torch.bfloat16)
-    experts.fused(x, ids, w, variant="dot")                              # compile outside capture
+    experts.fused(x, ids, w, variant=variant)                            # compile outside capture
     torch.cuda.synchronize()
     graph = torch.cuda.CUDAGraph()
     torch.cuda.set_sync_debug_mode("error")
     try:
         with torch.cuda.graph(graph):
-            out = experts.fused(x, ids, w, variant="dot")
+            out = experts.fused(x, ids, w, variant=variant)
     finally:
         torch.cuda.set_sync_debug_mode("default")
+    what = f"{quant or 'plain'} {variant}"
     for kind in ("disjoint", "random", "shared"):
         new_ids, new_w = routing(kind, N, 8, 384, g, "cuda")
         ids.copy_(new_ids)
         w.copy_(new_w)
         x.copy_(torch.randn(N, D, generator=g).to("cuda", torch.bfloat16))
         graph.replay()
-        eager = experts.fused(x, ids, w, variant="dot")
-        assert_close(out, eager, 0.0, f"INT4 tiles, {kind} routing: graph replay vs eager")
+        eager = experts.fused(x, ids, w, variant=variant)
+        assert_close(out, eager, 0.0, f"{what}, {kind} routing: graph replay vs eager")
         ref = model.Experts.forward(experts, x, ids, w)
-        assert_close(out, ref, 2e-2 * ref.abs().max().item(), f"INT4 tiles, {kind}: vs plain")
+        assert_close(out, ref, 2e-2 * ref.abs().max().item(), f"{what}, {kind}: vs plain")
 
 
 @pytest.mark.triton
@@ -490,6 +499,14 @@ def test_fused_moe_gemv_shared_h_made_once(quant, monkeypatch):
                 f"{what}: the last programs leave the counters 0"
         again = kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=shared, configs=cfg)
         assert torch.equal(again, got), f"GEMV {quant} + shared, {cfg}: a second call differs"
+    # the hybrid variant, its GEMV launches with the shared expert: tokens 0 and 1 on the same
+    # experts (tiles), token 2 on others (the GEMV)
+    ids, w = routing("random", 3, 2, 16, g, TRITON_DEVICE)
+    ids[1] = ids[0]
+    x = torch.randn(3, D, generator=g).to(TRITON_DEVICE)
+    want = model.Experts.forward(experts, x, ids, w) + shared_mlp(x, shared)
+    got = kernels.fused_moe(x, ids, w, *weights, variant="hybrid", shared=shared)
+    assert_close(got, want, 1e-5 * want.abs().max().item(), f"hybrid {quant} + shared, 3 tokens")
     monkeypatch.setattr(kernels.common, "COUNTERS", 2)
     with pytest.raises(ValueError, match="more than 2 row blocks"):
         kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=shared,
@@ -687,6 +704,28 @@ def test_fused_moe_gemv_variant_reads_an_expert_once_per_token_that_picks_it(qua
             assert issued == [p * per_pass[name] for p in pairs], f"{what}: issued {issued}"
             once = [one[name] if p else 0 for p in pairs]
             assert distinct == once, f"{what}: distinct {distinct}"
+
+
+@pytest.mark.triton
+@ON_THE_INTERPRETER
+@pytest.mark.parametrize("quant", [None, "int4", "fp8"])
+def test_fused_moe_hybrid_variant_reads_each_distinct_expert_once(quant):
+    """The hybrid variant pays once: an expert that one pair picks is read by that pair's GEMV pass,
+    an expert that two or more pick by the tiles, once (the GEMV's programs for its pairs return,
+    and down masks their words off). So an expert with c pairs is issued the GEMV's pass at c = 1,
+    the tiles' at c >= 2, and nothing else (INT4: the GEMV's pass reloads its last step's words,
+    GEMV_DATA_PASSES)."""
+    experts, D = moe_experts("tiny", quant, 16, TRITON_DEVICE, torch.float32)
+    one = one_expert_bytes(experts)
+    gemv, tiles = per_pass_bytes(experts, D, "gemv"), per_pass_bytes(experts, D, "dot")
+    for N, kind in ((4, "shared"), (4, "random"), (1, "random")):
+        pairs, reads = moe_reads(experts, D, N, kind, "hybrid", seed=2)
+        assert kind != "random" or N == 1 or {1, 2} <= set(pairs), f"routing {pairs}: not mixed"
+        for name, (issued, distinct) in reads.items():
+            what = f"{quant or 'plain'} {name}, {kind} routing, pairs per expert {pairs}"
+            want = [0 if p == 0 else gemv[name] if p == 1 else tiles[name] for p in pairs]
+            assert issued == want, f"{what}: issued {issued}"
+            assert distinct == [one[name] if p else 0 for p in pairs], f"{what}: distinct {distinct}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -85,7 +85,8 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
                   formats=("plain", "fp8", "int4"), shared=False, distinct=None,
                   sweep_tokens=(1, 3, 4)):
     """One layer's routed experts per format, token count and variant of fused_moe ("dot": the tile
-    variant's tiles through tl.dot, "gemv": the GEMV variant) against its floor (the distinct
+    variant's tiles through tl.dot, "gemv": the GEMV variant, "hybrid": tiles for the experts
+    two or more pairs pick, the GEMV for the rest) against its floor (the distinct
     experts' stored bytes over the eager copy bandwidth measured here), timed as a graph of LAYERS
     calls. sweep: the variants whose sweep points are also timed, at the token counts of
     sweep_tokens.
@@ -95,8 +96,8 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
     unfolded ("shared-torch": one GEMM over the stacked gate and up, SiLU times up, the down GEMM
     adding onto the routed output). distinct: pool sizes; each token's K experts drawn from a
     fixed random set of that many (SIMULATED routing; None: uniform over all E), a row's "pool".
-    INT4's GEMV also runs as the model calls it, the activation planes made before the timing
-    ("gemv+planes": the model's router kernel writes them, so no permute launch)."""
+    INT4's GEMV and hybrid also run as the model calls them, the activation planes made before the
+    timing ("gemv+planes": the model's router kernel writes them, so no permute launch)."""
     dev, g = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
     bandwidth = copy_bandwidth_GBps()
     LAYERS = max(2, LAYERS * 256 // I)   # wider ranks (TP 4, 2, 1): fewer layers, still past the L2
@@ -117,14 +118,14 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
             print(f"{fmt} N={N}: experts from {pool} of {E}, {ids.unique().numel()} distinct")
             first = len(rows)
             for variant in variants:
-                if variant == "gemv" and N * K > GEMV_MAX_PAIRS:
+                if variant != "dot" and N * K > GEMV_MAX_PAIRS:
                     continue
                 points = [None] + (_sweep_points(fmt, variant) if variant in sweep
                                    and N in sweep_tokens else [])
                 for cfg in points:
                     rows += _time_moe(fmt, N, variant, cfg, layers, (x, ids, route_w), floor_ms,
                                       bandwidth, LAYERS)
-                if variant == "gemv" and fmt == "int4":   # as the model calls it (router's planes)
+                if variant != "dot" and fmt == "int4":   # as the model calls it (router's planes)
                     rows += _time_moe(fmt, N, variant, None, layers, (x, ids, route_w), floor_ms,
                                       bandwidth, LAYERS, planes=activation_planes(x))
             if shared and fmt in ("int4", "fp8") and N * K <= GEMV_MAX_PAIRS:

@@ -506,13 +506,17 @@ def _check_weights(gate, up, down, D):
 
 
 VARIANTS = ("gemv", "dot", "hybrid")
+# the hybrid variant in place of the GEMV from this many tokens, by format (absent: never)
+HYBRID_MIN_TOKENS = {}
 
 
 def gemv_rule(fmt, N, K, I):
     """fused_moe's variant when none is named: "gemv" up to moe_gemv.gemv_max_tokens(fmt, I) tokens
-    (and GEMV_MAX_PAIRS pairs), else "dot". A rule on shapes only (I: the experts' width), so a
-    captured graph keeps its variant."""
-    return "gemv" if N <= gemv_max_tokens(fmt, I) and N * K <= GEMV_MAX_PAIRS else "dot"
+    (and GEMV_MAX_PAIRS pairs; "hybrid" instead from HYBRID_MIN_TOKENS), else "dot". A rule on
+    shapes only (I: the experts' width), so a captured graph keeps its variant."""
+    if N > gemv_max_tokens(fmt, I) or N * K > GEMV_MAX_PAIRS:
+        return "dot"
+    return "hybrid" if N >= HYBRID_MIN_TOKENS.get(fmt, GEMV_MAX_PAIRS + 1) else "gemv"
 
 
 def _check_shared(shared, fmt, variant, I, D, dtype):
@@ -583,7 +587,7 @@ def _check_inputs(x, ids, route_w, gate, up, down, variant, shared, planes):
     variant = variant or gemv_rule(fmt, N, K, I)
     if variant not in VARIANTS or (variant != "dot" and N * K > GEMV_MAX_PAIRS):
         raise ValueError(f"fused_moe: variant {variant!r} for {N * K} token-expert pairs: 'dot', "
-                         f"or 'gemv' or 'hybrid' up to {GEMV_MAX_PAIRS} pairs")
+                         f"or 'hybrid' or 'gemv' up to {GEMV_MAX_PAIRS} pairs")
     if shared is not None:
         _check_shared(shared, fmt, variant, I, D, x.dtype)
     if planes is not None:
@@ -823,13 +827,14 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
 
     def paths(self, x):
         """How partial_sum(x) runs, as two flags: the routed experts through fused_moe (else the
-        plain sum: past FusedExperts' token limit, or quantized experts past the GEMV rule), and
+        plain sum: past FusedExperts' token limit, or quantized experts past the GEMV rule's GEMV
+        or hybrid), and
         the shared expert inside that launch (else alone). The component table asks it too, to
         count the shared expert's bytes where its time goes."""
         ex, K = self.experts, self.gate.args.num_experts_per_tok
         w = expert_weights(ex.gate_proj)
         fused = ex.runs_fused(x) and (not ex.quantized
-                                      or gemv_rule(w.fmt, x.shape[0], K, w.shape[1]) == "gemv")
+                                      or gemv_rule(w.fmt, x.shape[0], K, w.shape[1]) != "dot")
         return fused, fused and (self.stacked is not None
                                  or x.shape[0] <= moe_gemv.SHARED_MAX_TOKENS[w.fmt])
 
