@@ -109,7 +109,7 @@ def routing(kind, N, K, E, g, device):
 
 def check_fused_moe(experts_and_dim, cases, dtype, seed=0, K=8):
     """cases: (N, routing kind, variant): the model's path (variant None: kernels.fused_moe's rule
-    picks) or kernels.fused_moe forced to "gemv", "dot" or "hybrid"; K experts a token."""
+    picks) or kernels.fused_moe forced to "gemv", "dot" or "adaptive"; K experts a token."""
     experts, D = experts_and_dim
     g = torch.Generator().manual_seed(seed)
     E = experts.n_experts
@@ -133,12 +133,12 @@ def check_fused_moe(experts_and_dim, cases, dtype, seed=0, K=8):
 # (gemv_max_tokens, on tokens) picks the GEMV variant at small N and tiles (tl.dot) at 37.
 FUSED_CASES_ALL = [(N, kind, v) for N in (1, 2, 4, 8, 37)
                    for kind in ("shared", "disjoint", "random")
-                   for v in ((None, "dot", "hybrid") if N <= 8 else (None, "hybrid"))]
+                   for v in ((None, "dot", "adaptive") if N <= 8 else (None, "adaptive"))]
 
 
 FUSED_CASES_CPU = {16: [(1, "random", None), (2, "disjoint", None), (4, "shared", None),
                         (4, "shared", "dot"), (3, "shared", "gemv"), (6, "shared", "gemv"),
-                        (37, "random", None), (3, "random", "hybrid"), (2, "shared", "hybrid")],
+                        (37, "random", None), (3, "random", "adaptive"), (2, "shared", "adaptive")],
                    384: [(8, "disjoint", None), (2, "random", "dot")]}
 
 
@@ -175,6 +175,17 @@ def test_fused_moe_gemv_fp8_scale_blocks_as_rows():
                  "GEMV FP8 with 2 scale blocks a k-step vs gather")
 
 
+def check_adaptive_with_shared(x, ids, w, experts, weights, shared, what):
+    """The adaptive variant with a shared expert in its GEMV launches on 3 tokens (ids [3, K]) as
+    routed (mostly distinct experts: the GEMV) and with every token on token 2's experts (K
+    distinct of 3 K pairs: the tiles), against the gather path plus the plain MLP."""
+    for how, chosen in (("as routed", ids), ("on one token's experts", ids[[2, 2, 2]])):
+        want = model.Experts.forward(experts, x, chosen, w) + shared_mlp(x, shared)
+        got = kernels.fused_moe(x, chosen, w, *weights, variant="adaptive", shared=shared)
+        assert_close(got, want, 1e-5 * want.abs().max().item(),
+                     f"adaptive {what} + shared, 3 tokens, {how}")
+
+
 @pytest.mark.triton
 def test_fused_moe_gemv_fp8_takes_a_shared_expert():
     """The FP8 GEMV launches with a shared expert in the compute dtype beside the routed experts
@@ -182,7 +193,7 @@ def test_fused_moe_gemv_fp8_takes_a_shared_expert():
     plain MLP, at 1 and 3 tokens, the shared programs in the loop form (running its tokens one
     after another) with blocks that divide the shapes and blocks that do not (masked shared rows
     and steps), and in the dot form (all at once; I 52 a rank: 4 rows of its last 16-row tile
-    masked); and the hybrid variant. 4 routed experts a token on the GPU, 2 on the CPU (the
+    masked); and the adaptive variant, its tiles chosen and not. 4 routed experts a token on the GPU, 2 on the CPU (the
     interpreter's time follows the token-expert pairs)."""
     K = 4 if TRITON_DEVICE.type == "cuda" else 2
     args = tiny(n_routed_experts=16, num_experts_per_tok=4, hidden_size=256,
@@ -206,11 +217,7 @@ def test_fused_moe_gemv_fp8_takes_a_shared_expert():
                                     configs=dict(gate_up=gate_up, down=down, shared_dot=dot))
             assert_close(got, want, 1e-5 * want.abs().max().item(),
                          f"GEMV FP8 + shared, {N} tokens, {gate_up} {down}, dot form {dot}")
-    # the hybrid variant: tokens 0 and 1 on the same experts (tiles), token 2 on others (GEMV)
-    ids[1] = ids[0]
-    want = model.Experts.forward(experts, x, ids, w) + shared_mlp(x, shared)
-    got = kernels.fused_moe(x, ids, w, *weights, variant="hybrid", shared=shared)
-    assert_close(got, want, 1e-5 * want.abs().max().item(), "hybrid FP8 + shared, 3 tokens")
+    check_adaptive_with_shared(x, ids, w, experts, weights, shared, "FP8")
 
 
 @pytest.mark.triton
@@ -358,13 +365,14 @@ def test_gpu_fused_moe_int4_tiles_packed_form_equals_fp32_form():
 
 @pytest.mark.gpu
 @pytest.mark.triton
-@pytest.mark.parametrize("quant, variant", [("int4", "dot"), (None, "hybrid"), ("fp8", "hybrid"),
-                                            ("int4", "hybrid")])
+@pytest.mark.parametrize("quant, variant", [("int4", "dot"), (None, "adaptive"), ("fp8", "adaptive"),
+                                            ("int4", "adaptive")])
 def test_gpu_fused_moe_graph_equals_eager(quant, variant):
-    """The INT4 tile variant and the hybrid variant at a Kimi-K2 TP-8 rank's shapes (384 experts, D
-    7168, I 256), bf16, captured once with no host sync: replays on new tokens and new routing (16
-    tokens, from every expert distinct to all on the same 8: the hybrid's split between tiles and
-    GEMV moves with the routing inside one graph) equal the eager call, and the plain module."""
+    """The INT4 tile variant and the adaptive variant at a Kimi-K2 TP-8 rank's shapes (384 experts,
+    D 7168, I 256), bf16, captured once with no host sync: replays on new tokens and new routing (16
+    tokens, from every expert distinct to all on the same 8: the adaptive variant's choice between
+    tiles and GEMV moves with the routing inside one graph) equal the eager call, and the plain
+    module."""
     experts, D = moe_experts("kimi", quant, 384, "cuda", torch.bfloat16)
     g = torch.Generator().manual_seed(0)
     N = 16
@@ -499,14 +507,9 @@ def test_fused_moe_gemv_shared_h_made_once(quant, monkeypatch):
                 f"{what}: the last programs leave the counters 0"
         again = kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=shared, configs=cfg)
         assert torch.equal(again, got), f"GEMV {quant} + shared, {cfg}: a second call differs"
-    # the hybrid variant, its GEMV launches with the shared expert: tokens 0 and 1 on the same
-    # experts (tiles), token 2 on others (the GEMV)
     ids, w = routing("random", 3, 2, 16, g, TRITON_DEVICE)
-    ids[1] = ids[0]
     x = torch.randn(3, D, generator=g).to(TRITON_DEVICE)
-    want = model.Experts.forward(experts, x, ids, w) + shared_mlp(x, shared)
-    got = kernels.fused_moe(x, ids, w, *weights, variant="hybrid", shared=shared)
-    assert_close(got, want, 1e-5 * want.abs().max().item(), f"hybrid {quant} + shared, 3 tokens")
+    check_adaptive_with_shared(x, ids, w, experts, weights, shared, quant)
     monkeypatch.setattr(kernels.common, "COUNTERS", 2)
     with pytest.raises(ValueError, match="more than 2 row blocks"):
         kernels.fused_moe(x, ids, w, *weights, variant="gemv", shared=shared,
@@ -709,21 +712,22 @@ def test_fused_moe_gemv_variant_reads_an_expert_once_per_token_that_picks_it(qua
 @pytest.mark.triton
 @ON_THE_INTERPRETER
 @pytest.mark.parametrize("quant", [None, "int4", "fp8"])
-def test_fused_moe_hybrid_variant_reads_each_distinct_expert_once(quant):
-    """The hybrid variant pays once: an expert that one pair picks is read by that pair's GEMV pass,
-    an expert that two or more pick by the tiles, once (the GEMV's programs for its pairs return,
-    and down masks their words off). So an expert with c pairs is issued the GEMV's pass at c = 1,
-    the tiles' at c >= 2, and nothing else (INT4: the GEMV's pass reloads its last step's words,
-    GEMV_DATA_PASSES)."""
+def test_fused_moe_adaptive_variant_reads_each_distinct_expert_once_where_tokens_share(quant):
+    """The adaptive variant reads each distinct expert once where the routing shares experts: with
+    at most ADAPTIVE_SHARE / ADAPTIVE_SCALE of the pairs distinct, every expert is issued the
+    tiles' one pass, and the GEMV's programs read no weights; above it (one token's 8 distinct
+    experts) the GEMV's pass a pair (INT4: its pass reloads its last step's words,
+    GEMV_DATA_PASSES) and the tiles read nothing."""
     experts, D = moe_experts("tiny", quant, 16, TRITON_DEVICE, torch.float32)
     one = one_expert_bytes(experts)
     gemv, tiles = per_pass_bytes(experts, D, "gemv"), per_pass_bytes(experts, D, "dot")
-    for N, kind in ((4, "shared"), (4, "random"), (1, "random")):
-        pairs, reads = moe_reads(experts, D, N, kind, "hybrid", seed=2)
-        assert kind != "random" or N == 1 or {1, 2} <= set(pairs), f"routing {pairs}: not mixed"
+    share = kernels.moe.ADAPTIVE_SHARE / kernels.moe.ADAPTIVE_SCALE
+    for N, kind, want_tiles in ((4, "shared", True), (4, "random", True), (1, "random", False)):
+        pairs, reads = moe_reads(experts, D, N, kind, "adaptive", seed=2)
+        assert (sum(p > 0 for p in pairs) <= share * N * 8) == want_tiles, f"routing {pairs}"
         for name, (issued, distinct) in reads.items():
             what = f"{quant or 'plain'} {name}, {kind} routing, pairs per expert {pairs}"
-            want = [0 if p == 0 else gemv[name] if p == 1 else tiles[name] for p in pairs]
+            want = [0 if p == 0 else tiles[name] if want_tiles else p * gemv[name] for p in pairs]
             assert issued == want, f"{what}: issued {issued}"
             assert distinct == [one[name] if p else 0 for p in pairs], f"{what}: distinct {distinct}"
 

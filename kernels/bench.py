@@ -662,8 +662,8 @@ def _parser():
                         "default 8)")
     p.add_argument("--variants", default="dot,gemv",
                    help="fused MoE variants to time in this run, comma-separated: "
-                        "dot (tl.dot tiles), gemv, hybrid (tiles for shared experts, GEMV for "
-                        "the rest)")
+                        "dot (tl.dot tiles), gemv, adaptive (the tiles or the GEMV, chosen on "
+                        "the device from the routing)")
     p.add_argument("--pdl", nargs=argparse.REMAINDER, metavar="RUN.PY FLAGS",
                    help="time run.py's captured phases with programmatic dependent launch off "
                         "and on, in one process (the flags after it build run.py's model; last "
@@ -716,8 +716,8 @@ def main():
               else bench_router())
         return
     variants, sweep = tuple(a.variants.split(",")), tuple(v for v in a.sweep.split(",") if v)
-    if not set(variants) <= {"dot", "gemv", "hybrid"} or not set(sweep) <= {"dot", "gemv"}:
-        p.error(f"--variants {a.variants!r}, --sweep {a.sweep!r}: choose from dot, gemv, hybrid "
+    if not set(variants) <= {"dot", "gemv", "adaptive"} or not set(sweep) <= {"dot", "gemv"}:
+        p.error(f"--variants {a.variants!r}, --sweep {a.sweep!r}: choose from dot, gemv, adaptive "
                 "(--sweep: dot, gemv)")
     if a.small:
         benchmark_attention(a.json, small_only=True, sweep=bool(sweep),

@@ -85,8 +85,8 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
                   formats=("plain", "fp8", "int4"), shared=False, distinct=None,
                   sweep_tokens=(1, 3, 4)):
     """One layer's routed experts per format, token count and variant of fused_moe ("dot": the tile
-    variant's tiles through tl.dot, "gemv": the GEMV variant, "hybrid": tiles for the experts
-    two or more pairs pick, the GEMV for the rest) against its floor (the distinct
+    variant's tiles through tl.dot, "gemv": the GEMV variant, "adaptive": the tiles or the GEMV, chosen
+    on the device from the routing) against its floor (the distinct
     experts' stored bytes over the eager copy bandwidth measured here), timed as a graph of LAYERS
     calls. sweep: the variants whose sweep points are also timed, at the token counts of
     sweep_tokens.
@@ -96,7 +96,7 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
     unfolded ("shared-torch": one GEMM over the stacked gate and up, SiLU times up, the down GEMM
     adding onto the routed output). distinct: pool sizes; each token's K experts drawn from a
     fixed random set of that many (SIMULATED routing; None: uniform over all E), a row's "pool".
-    INT4's GEMV and hybrid also run as the model calls them, the activation planes made before the
+    INT4's GEMV and adaptive also run as the model calls them, the activation planes made before the
     timing ("gemv+planes": the model's router kernel writes them, so no permute launch)."""
     dev, g = torch.device("cuda"), torch.Generator("cuda").manual_seed(0)
     bandwidth = copy_bandwidth_GBps()

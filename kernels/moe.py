@@ -40,6 +40,12 @@ PLAIN_WIDE_WIDTH = 256
 # bf16 / fp32 and FP8 tiles: gate_up splits D into this many parts up to the given token-expert
 # pairs, as (most pairs, parts) in ascending order (past the last: whole), by format
 TILE_SPLIT = {"fp8": ((128, 7), (256, 4))}
+# The adaptive variant (fused_moe) runs the tiles where the call's distinct experts are at most
+# ADAPTIVE_SHARE / ADAPTIVE_SCALE of its token-expert pairs, else the GEMV. From the kernel
+# benchmark (FP8, 8 to 32 tokens; BENCHMARKS.md, Routing): the tiles win at 32 tokens with 183 of
+# 256 pairs distinct (0.71) and with fewer, tie at 16 with 105 of 128 (0.82) and lose with every
+# pair distinct (run.py's uniform routing)
+ADAPTIVE_SHARE, ADAPTIVE_SCALE = 3, 4
 # the align's two launches (_moe_count_kernel, _moe_place_kernel): a program per ALIGN_CHUNK pairs
 # (a [ALIGN_CHUNK, E] one-hot), padding rows written ALIGN_FILL a step, the tile -> expert map
 # ALIGN_TILES tiles a step (not swept)
@@ -97,7 +103,7 @@ def _configs(fmt, P, I, on_gpu):
         first <= P and (last is None or P <= last) for first, last in PLAIN_WIDE_PAIRS)
     rows = 64 if wide else 16 if P <= 16 else 32
     split = next((parts for most, parts in TILE_SPLIT.get(fmt, ()) if P <= most), 1)
-    return dict(gate_up=(rows, 128, 4, 4, split), down=(64, 128, 4, 3))
+    return dict(gate_up=(rows, 128, 4, 4, split), down=(128 if fmt == "fp8" else 64, 128, 4, 3))
 
 
 @_jit
@@ -126,13 +132,14 @@ def _moe_count_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, P, ROWS,
 @_jit
 def _moe_place_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, tile_expert_ptr, tiled_ptr, P, E,
                       max_tiles, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                      TILES: tl.constexpr, MIN_PAIRS: tl.constexpr):
+                      TILES: tl.constexpr, SHARE: tl.constexpr, SCALE: tl.constexpr):
     """The align's second launch: each pair's row (its expert's first tile * BLOCK_M + the pairs of
     that expert before it, in pair order: stable) for the pairs of chunk c, and the tile -> expert
     map for this program's share of the max_tiles tiles (-1 past the last used tile). Every
     program sums the chunks' counts itself (the experts' totals and the counts of earlier chunks).
-    Only experts with at least MIN_PAIRS pairs get tiles; MIN_PAIRS > 1 (the hybrid variant) also
-    writes tiled_ptr, int32 [P]: 1 where the pair's expert has tiles, else 0.
+    SHARE > 0 (the adaptive variant): the tiles only where the call's distinct experts are at most
+    SHARE / SCALE of its pairs (every tile unused otherwise), and tiled_ptr, int32 [P], is
+    written: 1 for every pair where the tiles serve them, else 0.
 
     sorted_pair_ptr: int32 [max_tiles * BLOCK_M] out: the pair in each tile row (padding rows keep
     P from _moe_count_kernel). tile_expert_ptr: int32 [max_tiles] out. Grid: (cdiv(P, CHUNK),)."""
@@ -145,7 +152,9 @@ def _moe_place_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, tile_expert_ptr, til
         n = tl.load(counts_ptr + j * E_PAD + experts)
         total += n
         before += tl.where(j < c, n, 0)
-    kept = total >= MIN_PAIRS
+    kept = total > 0
+    if SHARE > 0:  # one choice for the whole call: every program sums the same totals
+        kept &= tl.sum(kept.to(tl.int32), 0) * SCALE <= P * SHARE
     tiles = tl.where(kept, (total + BLOCK_M - 1) // BLOCK_M, 0)
     end_tile = tl.cumsum(tiles, 0)                                     # [E_PAD], inclusive
     p = c * CHUNK + tl.arange(0, CHUNK)
@@ -155,7 +164,7 @@ def _moe_place_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, tile_expert_ptr, til
     row = tl.sum(hit * (first_row[None, :] + tl.cumsum(hit, 0) - hit), axis=1)
     tiled = tl.sum(hit * kept.to(tl.int32)[None, :], axis=1)          # [CHUNK]: 1 or 0
     tl.store(sorted_pair_ptr + row, p.to(tl.int32), mask=(p < P) & (tiled > 0))
-    if MIN_PAIRS > 1:
+    if SHARE > 0:
         tl.store(tiled_ptr + p, tiled, mask=p < P)
     share = tl.cdiv(max_tiles, chunks)
     for t0 in range(c * share, (c + 1) * share, TILES):
@@ -505,18 +514,18 @@ def _check_weights(gate, up, down, D):
     return fmt, E, I
 
 
-VARIANTS = ("gemv", "dot", "hybrid")
-# the hybrid variant in place of the GEMV from this many tokens, by format (absent: never)
-HYBRID_MIN_TOKENS = {}
+VARIANTS = ("gemv", "dot", "adaptive")
+# the adaptive variant in place of the GEMV from this many tokens, by format (absent: never)
+ADAPTIVE_MIN_TOKENS = {}
 
 
 def gemv_rule(fmt, N, K, I):
     """fused_moe's variant when none is named: "gemv" up to moe_gemv.gemv_max_tokens(fmt, I) tokens
-    (and GEMV_MAX_PAIRS pairs; "hybrid" instead from HYBRID_MIN_TOKENS), else "dot". A rule on
+    (and GEMV_MAX_PAIRS pairs; "adaptive" instead from ADAPTIVE_MIN_TOKENS), else "dot". A rule on
     shapes only (I: the experts' width), so a captured graph keeps its variant."""
     if N > gemv_max_tokens(fmt, I) or N * K > GEMV_MAX_PAIRS:
         return "dot"
-    return "hybrid" if N >= HYBRID_MIN_TOKENS.get(fmt, GEMV_MAX_PAIRS + 1) else "gemv"
+    return "adaptive" if N >= ADAPTIVE_MIN_TOKENS.get(fmt, GEMV_MAX_PAIRS + 1) else "gemv"
 
 
 def _check_shared(shared, fmt, variant, I, D, dtype):
@@ -524,7 +533,7 @@ def _check_shared(shared, fmt, variant, I, D, dtype):
     [I, D], [I, D], [D, I] tensors in the compute dtype."""
     if fmt not in SHARED_SPLIT or variant == "dot":
         raise ValueError(f"fused_moe: a shared expert rides in the INT4 and FP8 GEMV launches "
-                         f"only (variants gemv, hybrid), not {fmt} {variant} (plain experts: make "
+                         f"only (variants gemv, adaptive), not {fmt} {variant} (plain experts: make "
                          "it expert E, as SharedExpertInLaunch does)")
     if ([list(t.shape) for t in shared] != [[I, D], [I, D], [D, I]]
             or any(t.dtype != dtype for t in shared)
@@ -542,12 +551,13 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
     it, the GEMV variant multiplies them in fp32), ids int [N, K] in [0, E) (not checked: that would
     read the device), route_w [N, K] (any float; used in fp32), gate / up / down: ExpertWeights of
     [E, I, D], [E, I, D], [E, D, I]. Returns [N, D] in x's dtype. variant: "gemv" (CUDA-core
-    products, for a few tokens), "dot" (tiles of BLOCK_M pairs through tl.dot), "hybrid" (tiles for
-    the experts two or more pairs pick, the GEMV for the others) or None (gemv_rule).
-    configs: override the variant's block sizes (the benchmark's sweep; hybrid: the GEMV's).
+    products, for a few tokens), "dot" (tiles of BLOCK_M pairs through tl.dot), "adaptive" (the
+    tiles where the routing shares experts, else the GEMV, chosen on the device: ADAPTIVE_SHARE)
+    or None (gemv_rule).
+    configs: override the variant's block sizes (the benchmark's sweep; adaptive: the GEMV's).
     shared: (gate [I, D], up [I, D], down [D, I]) tensors in x's dtype, a shared expert added to
     every token with weight 1, in the same launches (INT4 and FP8 experts through the GEMV
-    launches only, gemv or hybrid: the bf16 shared expert
+    launches only, gemv or adaptive: the bf16 shared expert
     of Kimi-K2.5, and of Kimi-K2-Instruct's FP8 checkpoint, dequantized at load). planes: x already
     as the INT4 GEMV's activation planes (moe_gemv.activation_planes: pair planes for bf16 x, else
     fp32 nibble planes, in a tensor from moe_gemv.empty_planes; router_topk writes them beside its
@@ -562,9 +572,9 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
     if variant == "gemv":
         return moe_gemv._fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, gemv_cfg, shared,
                                         planes)
-    if variant == "hybrid":
+    if variant == "adaptive":
         tile_cfg = _configs(fmt, N * K, gate.shape[1], x.is_cuda)    # configs: the GEMV's
-        return _fused_moe_hybrid(x, ids, route_w, gate, up, down, fmt, K, (gemv_cfg, tile_cfg),
+        return _fused_moe_adaptive(x, ids, route_w, gate, up, down, fmt, K, (gemv_cfg, tile_cfg),
                                  shared, planes)
     return _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, tile_cfg)
 
@@ -587,7 +597,7 @@ def _check_inputs(x, ids, route_w, gate, up, down, variant, shared, planes):
     variant = variant or gemv_rule(fmt, N, K, I)
     if variant not in VARIANTS or (variant != "dot" and N * K > GEMV_MAX_PAIRS):
         raise ValueError(f"fused_moe: variant {variant!r} for {N * K} token-expert pairs: 'dot', "
-                         f"or 'hybrid' or 'gemv' up to {GEMV_MAX_PAIRS} pairs")
+                         f"or 'adaptive' or 'gemv' up to {GEMV_MAX_PAIRS} pairs")
     if shared is not None:
         _check_shared(shared, fmt, variant, I, D, x.dtype)
     if planes is not None:
@@ -595,15 +605,15 @@ def _check_inputs(x, ids, route_w, gate, up, down, variant, shared, planes):
     return fmt, variant
 
 
-def align(ids, E, min_pairs=1):
+def align(ids, E, share=0):
     """The tile variant's align: (sorted_pair int32 [max_tiles * BLOCK_M], tile_expert int32
     [max_tiles], tiled) for ids [P] (experts in [0, E)): each expert's pairs in pair order, in whole
     tiles of BLOCK_M rows, experts in ascending order, padding rows P; each tile's expert, -1 for
-    tiles left unused (max_tiles = min(E, P // min_pairs) + P // BLOCK_M, the section comment's
-    bound). Only experts with at least min_pairs pairs get tiles; tiled: None for min_pairs 1,
-    else int32 [P], 1 where the pair's expert has tiles (the hybrid variant)."""
+    tiles left unused (max_tiles = min(E, P) + P // BLOCK_M, the section comment's bound). share 0:
+    tiled None; else (the adaptive variant) the tiles only where the distinct experts are at most
+    share / ADAPTIVE_SCALE of the pairs, and tiled int32 [P], 1 for every pair if so, else 0."""
     P, dev = ids.numel(), ids.device
-    max_tiles = min(E, P // min_pairs) + P // BLOCK_M
+    max_tiles = min(E, P) + P // BLOCK_M
     sorted_pair = torch.empty(max_tiles * BLOCK_M, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
     chunks, e_pad = triton.cdiv(P, ALIGN_CHUNK), triton.next_power_of_2(E)
@@ -611,11 +621,12 @@ def align(ids, E, min_pairs=1):
     _moe_count_kernel[(chunks,)](ids, counts, sorted_pair, P, max_tiles * BLOCK_M, E_PAD=e_pad,
                                  CHUNK=ALIGN_CHUNK, FILL=ALIGN_FILL, num_warps=4,
                                  launch_pdl=common.PDL)
-    tiled = torch.empty(P, dtype=torch.int32, device=dev) if min_pairs > 1 else None
+    tiled = torch.empty(P, dtype=torch.int32, device=dev) if share else None
     _moe_place_kernel[(chunks,)](ids, counts, sorted_pair, tile_expert,
                                  tile_expert if tiled is None else tiled, P, E, max_tiles,
                                  BLOCK_M=BLOCK_M, E_PAD=e_pad, CHUNK=ALIGN_CHUNK,
-                                 TILES=ALIGN_TILES, MIN_PAIRS=min_pairs, num_warps=4,
+                                 TILES=ALIGN_TILES, SHARE=share, SCALE=ADAPTIVE_SCALE,
+                                 num_warps=4,
                                  launch_pdl=common.PDL)
     return sorted_pair, tile_expert, tiled
 
@@ -632,14 +643,16 @@ def _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, cfg):
     return out
 
 
-def _fused_moe_hybrid(x, ids, route_w, gate, up, down, fmt, K, cfgs, shared, planes):
-    """fused_moe's hybrid variant: the experts that two or more pairs pick through the tiles (align
-    with min_pairs 2, gate_up, down: their pairs' rows of y), the others through the GEMV launches,
-    whose down adds those rows of y for its tokens (in place of the combine). cfgs: (the GEMV's
-    block sizes, the tiles')."""
+def _fused_moe_adaptive(x, ids, route_w, gate, up, down, fmt, K, cfgs, shared, planes):
+    """fused_moe's adaptive variant: the tiles or the GEMV, chosen on the device from the routing
+    (align with share ADAPTIVE_SHARE: the tiles where the call's distinct experts are at most that
+    share of its pairs). Both paths are launched; the unchosen one's programs return at once. The
+    GEMV launches always carry the shared expert, and their down either makes its products or, for
+    the tiles, adds each token's rows of y (in place of the combine). cfgs: (the GEMV's block
+    sizes, the tiles')."""
     P, D = ids.numel(), x.shape[1]
-    sorted_pair, tile_expert, tiled = align(ids, gate.shape[0], min_pairs=2)
-    y = torch.empty(P, D, dtype=torch.float32, device=x.device)    # the tiled pairs' rows only
+    sorted_pair, tile_expert, tiled = align(ids, gate.shape[0], share=ADAPTIVE_SHARE)
+    y = torch.empty(P, D, dtype=torch.float32, device=x.device)    # the tiles' rows, if chosen
     _tile_launches(x, y, (sorted_pair, tile_expert), route_w, gate, up, down, fmt, K, cfgs[1])
     return moe_gemv._fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfgs[0], shared, planes,
                                     tiled=(tiled, y))
@@ -828,7 +841,7 @@ class SharedExpertInLaunch(AttachAgain, model.MoE):
     def paths(self, x):
         """How partial_sum(x) runs, as two flags: the routed experts through fused_moe (else the
         plain sum: past FusedExperts' token limit, or quantized experts past the GEMV rule's GEMV
-        or hybrid), and
+        or adaptive), and
         the shared expert inside that launch (else alone). The component table asks it too, to
         count the shared expert's bytes where its time goes."""
         ex, K = self.experts, self.gate.args.num_experts_per_tok

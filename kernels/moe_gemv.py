@@ -331,7 +331,7 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
                              EVEN_SHARED: tl.constexpr, SHARED_SLICES: tl.constexpr,
                              SHARED_N_PAD: tl.constexpr, SHARED_PRECISION: tl.constexpr,
                              LEADER: tl.constexpr, P_PAD: tl.constexpr, tiled_ptr,
-                             HYBRID: tl.constexpr):
+                             ADAPTIVE: tl.constexpr):
     """h[p, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) * route_w[p] for pair p = n*K + k, e = ids[p]
     (plain and FP8 weights).
 
@@ -341,8 +341,8 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
     SPLIT + p; LEADER: only the first pair of each expert works, for all of its P pairs (P_PAD: a
     power of two >= P). SPLIT > 0: the first SPLIT programs of each row block take a bf16 shared
     expert (_shared_gate_up; part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N: its arguments;
-    SHARED_K columns a step; SHARED_SLICES > 0: its dot form, _shared_gate_up_dot). HYBRID: the
-    pairs whose tiled_ptr entry (int32 [P]) is 1 are the tiles' (fused_moe's hybrid variant), and
+    SHARED_K columns a step; SHARED_SLICES > 0: its dot form, _shared_gate_up_dot). ADAPTIVE: the
+    pairs whose tiled_ptr entry (int32 [P]) is 1 are the tiles' (fused_moe's adaptive variant), and
     their programs return."""
     _wait_for_prior()
     pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
@@ -352,7 +352,7 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
                          SPLIT, BLOCK_N, SHARED_K, EVEN_SHARED, SHARED_SLICES, SHARED_N_PAD,
                          SHARED_PRECISION)
             return
-    if HYBRID:
+    if ADAPTIVE:
         if tl.load(tiled_ptr + p) != 0:
             return
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -408,7 +408,7 @@ def _gate_up_pass(pair, v_ptr, h_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr,
 @_jit
 def _tiled_rows(tiled_ptr, y_ptr, token, d, d_ok, TOPK: tl.constexpr, D: tl.constexpr):
     """The sum, in k order, of the tiles' rows y[pair, d] (fp32 [P, D]) of the token's pairs whose
-    tiled_ptr entry is 1 (fused_moe's hybrid variant), fp32 [len(d)]."""
+    tiled_ptr entry is 1 (fused_moe's adaptive variant), fp32 [len(d)]."""
     y = tl.zeros(d.shape, tl.float32)
     for k in tl.static_range(TOPK):
         pair = token * TOPK + k
@@ -424,13 +424,13 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
                           SCALE_PER_ROW: tl.constexpr, hs_ptr, sd_ptr, SHARED: tl.constexpr,
-                          I_PAD: tl.constexpr, tiled_ptr, y_ptr, HYBRID: tl.constexpr):
+                          I_PAD: tl.constexpr, tiled_ptr, y_ptr, ADAPTIVE: tl.constexpr):
     """out[n, d] = sum_k (down[e] @ h[n*K + k])[d], e = ids[n*K + k] (route weights are in h; plain
     and FP8).
 
     h_ptr: fp32 [P, I] from gate_up. out_ptr: [N, D], x's dtype. w_ptr / s_ptr: down weights and
     scales, [E, D, I] as ExpertWeights. SHARED: a bf16 shared expert too, weight 1 (_shared_down;
-    hs_ptr, sd_ptr: its arguments). HYBRID: the pairs whose tiled_ptr entry is 1 add their row of
+    hs_ptr, sd_ptr: its arguments). ADAPTIVE: the pairs whose tiled_ptr entry is 1 add their row of
     the tiles' y_ptr (fp32 [P, D], the routing weight in) in place of their products.
     Grid: (N, cdiv(D, BLOCK_N))."""
     _wait_for_prior()
@@ -443,7 +443,7 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
         pair = token * TOPK + k
         e = tl.load(ids_ptr + pair).to(tl.int64)
         mine = True
-        if HYBRID:
+        if ADAPTIVE:
             mine = tl.load(tiled_ptr + pair) == 0
         if mine:
             for k0 in tl.static_range(0, I, BLOCK_K * SUB):
@@ -455,7 +455,7 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
     if SUB > 1:
         y = tl.sum(tl.reshape(y, [BLOCK_N, SUB]), 1)
     d = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    if HYBRID:
+    if ADAPTIVE:
         y += _tiled_rows(tiled_ptr, y_ptr, token, d, d < D, TOPK, D)
     if SHARED:
         y += _shared_down(hs_ptr, sd_ptr, token, d, d < D, I, I_PAD)
@@ -618,7 +618,7 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
                                   EVEN: tl.constexpr, SPLIT: tl.constexpr, SHARED_K: tl.constexpr,
                                   EVEN_SHARED: tl.constexpr, SHARED_SLICES: tl.constexpr,
                                   SHARED_N_PAD: tl.constexpr, SHARED_PRECISION: tl.constexpr,
-                                  PACKED: tl.constexpr, tiled_ptr, HYBRID: tl.constexpr):
+                                  PACKED: tl.constexpr, tiled_ptr, ADAPTIVE: tl.constexpr):
     """_moe_gemv_gate_up_kernel for INT4 weights: v_ptr the activations as fp32 planes [N, 8, D/8]
     (plane j = elements 8w + j), h written in plane order (element i of row p at (i % 8) * I/8 + i
     // 8), the planes down reads; PACKED (bf16 x): v_ptr the pair planes [N, 4, D/8] (int32), h bf16
@@ -629,7 +629,7 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
     count_ptr, sg_ptr, su_ptr, N: its arguments; SPLIT 0: none; SHARED_K bf16 columns a step;
     SHARED_SLICES > 0: its dot form),
     launched first since each runs its N tokens one after another; pair p is program SPLIT + p.
-    HYBRID: as _moe_gemv_gate_up_kernel's (the tiles' pairs return)."""
+    ADAPTIVE: as _moe_gemv_gate_up_kernel's (the tiles' pairs return)."""
     _wait_for_prior()
     pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
@@ -638,7 +638,7 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
                          SPLIT, BLOCK_N, SHARED_K, EVEN_SHARED, SHARED_SLICES, SHARED_N_PAD,
                          SHARED_PRECISION)
             return
-    if HYBRID:
+    if ADAPTIVE:
         if tl.load(tiled_ptr + p) != 0:
             return
     W: tl.constexpr = D // 8
@@ -683,13 +683,13 @@ def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we,
                                GROUP: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr,
                                SHARED: tl.constexpr, I_PAD: tl.constexpr, PACKED: tl.constexpr,
-                               tiled_ptr, y_ptr, HYBRID: tl.constexpr):
+                               tiled_ptr, y_ptr, ADAPTIVE: tl.constexpr):
     """_moe_gemv_down_kernel for INT4 weights, h in plane order (gate_up's). A tile's columns are
     the token's K experts' words side by side (column c: expert slot c // (I/8), word c % (I/8)),
     BLOCK_C columns a step; PACKED: h as gate_up's bf16 pair planes, read as int32 [P, 4, I/8].
     SHARED: the bf16 shared expert too, weight 1 (_shared_down: gate_up's h
     = silu(g) * u hs [N, I] fp32 times its down weights sd_ptr [D, I]; I_PAD: a power of two >= I).
-    HYBRID: as _moe_gemv_down_kernel's (the tiles' pairs add their row of y_ptr; their columns
+    ADAPTIVE: as _moe_gemv_down_kernel's (the tiles' pairs add their row of y_ptr; their columns
     here are masked off, so neither their words nor their h are read).
     Grid: (N, cdiv(D, BLOCK_N))."""
     _wait_for_prior()
@@ -698,13 +698,13 @@ def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we,
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
     acc = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
-    UNMASKED: tl.constexpr = EVEN and not HYBRID
+    UNMASKED: tl.constexpr = EVEN and not ADAPTIVE
     for c0 in tl.static_range(0, TOPK * W, BLOCK_C):
         c = c0 + tl.arange(0, BLOCK_C)
         pair = token * TOPK + c // W
         w = c % W
         c_ok = c < TOPK * W
-        if HYBRID:
+        if ADAPTIVE:
             c_ok = c_ok & (tl.load(tiled_ptr + pair, mask=c_ok, other=1) == 0)
         if UNMASKED:
             e = tl.load(ids_ptr + pair).to(tl.int64)
@@ -729,7 +729,7 @@ def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we,
                 t += _nibble(words, high, j, magic) * _plane(h_row, j, W, c_ok, UNMASKED)
         acc += t * s.to(tl.float32)
     y = tl.sum(acc, 1)
-    if HYBRID:
+    if ADAPTIVE:
         y += _tiled_rows(tiled_ptr, y_ptr, token, n, n_ok, TOPK, D)
     if SHARED:
         y += _shared_down(hs_ptr, sd_ptr, token, n, n_ok, I, I_PAD)
@@ -865,12 +865,12 @@ def _check_planes(planes, x):
                          f"{list(planes.shape)} on {planes.device}")
 
 
-def _hybrid_args(tiled, placeholder):
-    """The GEMV kernels' hybrid arguments: tiled None (the GEMV variant) or (the pairs' tiled flags
+def _adaptive_args(tiled, placeholder):
+    """The GEMV kernels' adaptive arguments: tiled None (the GEMV variant) or (the pairs' tiled flags
     int32 [P], the tiles' y fp32 [P, D]); gate_up's and down's keywords."""
     flags, y = tiled or (placeholder, placeholder)
-    return (dict(tiled_ptr=flags, HYBRID=tiled is not None),
-            dict(tiled_ptr=flags, y_ptr=y, HYBRID=tiled is not None))
+    return (dict(tiled_ptr=flags, ADAPTIVE=tiled is not None),
+            dict(tiled_ptr=flags, y_ptr=y, ADAPTIVE=tiled is not None))
 
 
 def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, planes=None,
@@ -885,20 +885,20 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, plan
     bn, bw, warps = cfg["gate_up"]
     sh_gate_up, sh_down = _shared_args(shared, "int4", N, I, D, bn, warps, h,
                                        cfg.get("shared_dot", _shared_dot("int4", N)))
-    hy_gate_up, hy_down = _hybrid_args(tiled, ids)
+    ad_gate_up, ad_down = _adaptive_args(tiled, ids)
     s = gate.data.stride(), gate.scale.stride()
     _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, s[0][0], s[0][1], s[1][0],
         s[1][1], magic, x, TOPK=K, D=D, I=I, GROUP=gate.group,
         BLOCK_N=bn, BLOCK_W=bw, EVEN=I % bn == 0 and D % (8 * bw) == 0, **sh_gate_up,
-        **hy_gate_up, PACKED=packed, launch_pdl=common.PDL, num_warps=warps)
+        **ad_gate_up, PACKED=packed, launch_pdl=common.PDL, num_warps=warps)
     bn, bc, warps = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     s = down.data.stride(), down.scale.stride()
     _moe_gemv_int4_down_kernel[(N, triton.cdiv(D, bn))](
         h.view(torch.int32) if packed else h, out, ids, down.data, down.scale, s[0][0], s[0][1],
         s[1][0], s[1][1], magic, TOPK=K, D=D, I=I, GROUP=down.group, BLOCK_N=bn, BLOCK_C=bc,
-        EVEN=D % bn == 0 and K * I // 8 % bc == 0, **sh_down, **hy_down, PACKED=packed,
+        EVEN=D % bn == 0 and K * I // 8 % bc == 0, **sh_down, **ad_down, PACKED=packed,
         launch_pdl=common.PDL, num_warps=warps)
     return out
 
@@ -906,7 +906,7 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, plan
 def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None, planes=None,
                     tiled=None):
     """The GEMV variant (see its section); arguments as fused_moe's, already checked and
-    flattened. tiled: fused_moe's hybrid variant, (the pairs the tiles served, int32 [P] flags;
+    flattened. tiled: fused_moe's adaptive variant, (the pairs the tiles served, int32 [P] flags;
     their rows y, fp32 [P, D]): their programs return, and down adds their rows of y."""
     if fmt == "int4":
         return _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared, planes, tiled)
@@ -917,20 +917,20 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None, plan
     gs, strides, offs, const = _gemv_args(gate, bk, sub)
     sh_gate_up, sh_down = _shared_args(shared, fmt, N, I, D, bn, warps, h,
                                        cfg.get("shared_dot", _shared_dot(fmt, N)))
-    hy_gate_up, hy_down = _hybrid_args(tiled, ids)
+    ad_gate_up, ad_down = _adaptive_args(tiled, ids)
     leader = N <= GEMV_LEADER_TOKENS.get(fmt, 0) and tiled is None
     _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         x, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
         TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn, BLOCK_K=bk, UNROLL=unroll, LEADER=leader,
         P_PAD=max(16, triton.next_power_of_2(P)) if leader else 16,  # 16: unused, one compile
-        **const, **sh_gate_up, **hy_gate_up, launch_pdl=common.PDL, num_warps=warps)
+        **const, **sh_gate_up, **ad_gate_up, launch_pdl=common.PDL, num_warps=warps)
     bn, bk, warps, sub = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     ds, strides, offs, const = _gemv_args(down, bk, sub)
     _moe_gemv_down_kernel[(N, triton.cdiv(D, bn))](
         h, out, ids, down.data, ds, *strides, *offs, TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn,
         BLOCK_K=bk,
-        **const, **sh_down, **hy_down, launch_pdl=common.PDL, num_warps=warps)
+        **const, **sh_down, **ad_down, launch_pdl=common.PDL, num_warps=warps)
     return out
 
 
