@@ -215,6 +215,12 @@ def add_routing_flags(p):
                    "be the model's; a rank keeping fewer experts (--routed-experts) gets each "
                    "window's experts renamed onto its own, which tokens share an expert kept (a "
                    "window reaching more experts than the rank keeps reaches all of them)")
+    p.add_argument("--moe-adaptive", type=int, metavar="N", help="FP8 routed experts, from N "
+                   "tokens a forward: the fused MoE's adaptive variant, which picks the tiles or "
+                   "the GEMV on the GPU for each call, the tiles where its distinct experts are at "
+                   "most 3/4 of its token-expert pairs (faster where tokens share experts, as "
+                   "under --routing model; slower where every pair is distinct, as under uniform: "
+                   "BENCHMARKS.md, Routing; default: the GEMV)")
     p.add_argument("--distinct-sweep", action="store_true", help="also time the verify (the cost "
                    "model's attention mode, graphs where on) at D = top-k, 1.5, 2, 3, 4, 6, ... x "
                    "top-k up to min(its tokens x top-k, experts) distinct experts a MoE layer "
@@ -509,7 +515,11 @@ def check_device_flags(args, device):
 
 
 def check_moe_flag(args, device, dtype):
-    """--moe-impl fused or grouped where it runs."""
+    """--moe-impl fused or grouped where it runs; --moe-adaptive for FP8 experts."""
+    n = args.moe_adaptive
+    if n is not None and (n < 1 or args.quant in ("none", "int4")):
+        raise BadInput(f"--moe-adaptive {n}: a token count of 1 or more, for FP8 routed experts "
+                       f"(not --quant {args.quant})")
     if args.moe_impl not in ("fused", "grouped"):
         return
     import kernels

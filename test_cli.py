@@ -318,6 +318,8 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
         ("--preset kimi-k2", "--preset kimi-k2: a random Kimi-K2 needs a GPU"),
         ("--cuda-graph on", "--cuda-graph on: CUDA graphs need a CUDA GPU"),
         ("--routed-experts 3", "--routed-experts 3: tiny needs between 4 .* and 16"),
+        ("--moe-adaptive 0", "--moe-adaptive 0: a token count of 1 or more, for FP8"),
+        ("--quant int4 --moe-adaptive 8", r"--moe-adaptive 8: .* \(not --quant int4\)"),
         ("--model-path ckpt --quant int4",
          "--quant, --routed-experts and --preset shape random weights"),
         ("--batch-size x", "argument --batch-size: invalid int value: 'x'"),

@@ -104,6 +104,8 @@ def build(args, device, dtype):
           else tpm.TP.from_env(args.allreduce))
     target, how = build_target(args, device, dtype, tp)
     kernels.accelerate(target, args.kernels, moe=args.moe_impl)   # the fast paths, from outside
+    if args.moe_adaptive is not None:
+        kernels.moe.ADAPTIVE_MIN_TOKENS["fp8"] = args.moe_adaptive
     if args.draft_path:
         head = checkpoint.load_draft(args.draft_path, target)
     elif args.dump:  # a dump without a draft checkpoint is plain greedy

@@ -57,7 +57,7 @@ COMBINE_BLOCK = 1024
 SILU_BLOCK = 1024
 
 
-def _configs(fmt, P, I, on_gpu):
+def _configs(fmt, P, I, on_gpu, dtype=torch.bfloat16):
     """Block sizes (BLOCK_N, BLOCK_K, num_warps, num_stages) of gate_up and down by weight format
     and token-expert pairs P (and, for bf16, the experts' width I), re-derived by
     `python -m kernels.bench --moe --sweep dot`:
@@ -72,7 +72,15 @@ def _configs(fmt, P, I, on_gpu):
        routing over 384); 64 rows: 150.2 µs at 7, 173.9 at 8 (benchmarks/shapes/
        kernels_plain_dot_5to8_moe.json, kernels_plain_wide_moe.json). Other widths keep 32 rows
        (not measured);
-     - down BLOCK_N 64 (D = 7168: 112 programs an expert tile; its other sizes move little).
+     - down BLOCK_N 64 (D = 7168: 112 programs an expert tile; its other sizes move little); FP8
+       with 16-bit activations 128 (1-4% less than 64 at 8, 16 and 32 tokens under uniform
+       routing, 10-16% with 8 experts at 8 and 16; TP 4 2%; fp32 activations keep 64: 128 rows
+       need 245 KB of shared memory);
+     - FP8 gate_up split over D (TILE_SPLIT): 7 parts up to 128 pairs, 4 up to 256 (against
+       whole: 3-4% less at 8, 16 and 32 tokens under uniform routing, 16-25% less with 8 experts
+       at 8 and 16; TP 4 at 24 and 32 tokens: within 1.3% uniform, 16% less with 8 experts).
+       Sweeps at I 256 and 512: benchmarks/routing/kernels_fp8_tiles_split_sweep_moe.json,
+       kernels_fp8_tp4_tiles_moe.json.
     INT4 (its own kernels, the section above _int4_block; BLOCK_N counts weight rows; gate_up's
     fifth entry is SPLIT, the parts of D): from a sweep at 8 and 32 tokens, uniform routing and 8
     distinct experts, the configs of least summed time over best time of the two routings (H200,
@@ -103,7 +111,8 @@ def _configs(fmt, P, I, on_gpu):
         first <= P and (last is None or P <= last) for first, last in PLAIN_WIDE_PAIRS)
     rows = 64 if wide else 16 if P <= 16 else 32
     split = next((parts for most, parts in TILE_SPLIT.get(fmt, ()) if P <= most), 1)
-    return dict(gate_up=(rows, 128, 4, 4, split), down=(128 if fmt == "fp8" else 64, 128, 4, 3))
+    wide_down = fmt == "fp8" and dtype != torch.float32
+    return dict(gate_up=(rows, 128, 4, 4, split), down=(128 if wide_down else 64, 128, 4, 3))
 
 
 @_jit
@@ -568,12 +577,12 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
     x, ids, route_w = (x.contiguous(), ids.reshape(-1).contiguous(),
                        route_w.reshape(-1).float().contiguous())
     gemv_cfg = {**_gemv_configs(fmt, N, x.is_cuda), **(configs or {})}
-    tile_cfg = {**_configs(fmt, N * K, gate.shape[1], x.is_cuda), **(configs or {})}
+    tile_cfg = {**_configs(fmt, N * K, gate.shape[1], x.is_cuda, x.dtype), **(configs or {})}
     if variant == "gemv":
         return moe_gemv._fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, gemv_cfg, shared,
                                         planes)
     if variant == "adaptive":
-        tile_cfg = _configs(fmt, N * K, gate.shape[1], x.is_cuda)    # configs: the GEMV's
+        tile_cfg = _configs(fmt, N * K, gate.shape[1], x.is_cuda, x.dtype)  # configs: the GEMV's
         return _fused_moe_adaptive(x, ids, route_w, gate, up, down, fmt, K, (gemv_cfg, tile_cfg),
                                  shared, planes)
     return _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, tile_cfg)
