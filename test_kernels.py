@@ -193,8 +193,8 @@ def test_fused_moe_gemv_fp8_takes_a_shared_expert():
     plain MLP, at 1 and 3 tokens, the shared programs in the loop form (running its tokens one
     after another) with blocks that divide the shapes and blocks that do not (masked shared rows
     and steps), and in the dot form (all at once; I 52 a rank: 4 rows of its last 16-row tile
-    masked); and the adaptive variant, its tiles chosen and not. 4 routed experts a token on the GPU, 2 on the CPU (the
-    interpreter's time follows the token-expert pairs)."""
+    masked); and the adaptive variant, its tiles chosen and not. 4 routed experts a token on the
+    GPU, 2 on the CPU (the interpreter's time follows the token-expert pairs)."""
     K = 4 if TRITON_DEVICE.type == "cuda" else 2
     args = tiny(n_routed_experts=16, num_experts_per_tok=4, hidden_size=256,
                 moe_intermediate_size=104,
@@ -365,8 +365,8 @@ def test_gpu_fused_moe_int4_tiles_packed_form_equals_fp32_form():
 
 @pytest.mark.gpu
 @pytest.mark.triton
-@pytest.mark.parametrize("quant, variant", [("int4", "dot"), (None, "adaptive"), ("fp8", "adaptive"),
-                                            ("int4", "adaptive")])
+@pytest.mark.parametrize("quant, variant", [("int4", "dot"), (None, "adaptive"),
+                                            ("fp8", "adaptive"), ("int4", "adaptive")])
 def test_gpu_fused_moe_graph_equals_eager(quant, variant):
     """The INT4 tile variant and the adaptive variant at a Kimi-K2 TP-8 rank's shapes (384 experts,
     D 7168, I 256), bf16, captured once with no host sync: replays on new tokens and new routing (16
@@ -729,7 +729,8 @@ def test_fused_moe_adaptive_variant_reads_each_distinct_expert_once_where_tokens
             what = f"{quant or 'plain'} {name}, {kind} routing, pairs per expert {pairs}"
             want = [0 if p == 0 else tiles[name] if want_tiles else p * gemv[name] for p in pairs]
             assert issued == want, f"{what}: issued {issued}"
-            assert distinct == [one[name] if p else 0 for p in pairs], f"{what}: distinct {distinct}"
+            once = [one[name] if p else 0 for p in pairs]
+            assert distinct == once, f"{what}: distinct {distinct}"
 
 
 # ---------------------------------------------------------------------------------------------

@@ -85,8 +85,8 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
                   formats=("plain", "fp8", "int4"), shared=False, distinct=None,
                   sweep_tokens=(1, 3, 4)):
     """One layer's routed experts per format, token count and variant of fused_moe ("dot": the tile
-    variant's tiles through tl.dot, "gemv": the GEMV variant, "adaptive": the tiles or the GEMV, chosen
-    on the device from the routing) against its floor (the distinct
+    variant's tiles through tl.dot, "gemv": the GEMV variant, "adaptive": the tiles or the GEMV,
+    chosen on the device from the routing) against its floor (the distinct
     experts' stored bytes over the eager copy bandwidth measured here), timed as a graph of LAYERS
     calls. sweep: the variants whose sweep points are also timed, at the token counts of
     sweep_tokens.

@@ -438,7 +438,7 @@ def _moe_int4_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_exper
 
 @_jit
 def _moe_silu_kernel(part_ptr, h_ptr, P, I: tl.constexpr, SPLIT: tl.constexpr,
-                          BLOCK: tl.constexpr):
+                     BLOCK: tl.constexpr):
     """h[pair, i] = silu(sum_s part[s, pair, 0, i]) * sum_s part[s, pair, 1, i], s in order.
 
     part_ptr: fp32 [SPLIT, P, 2, I] from the gate_up kernel; h_ptr: [P, I]. Grid: (cdiv(P * I,
@@ -542,8 +542,8 @@ def _check_shared(shared, fmt, variant, I, D, dtype):
     [I, D], [I, D], [D, I] tensors in the compute dtype."""
     if fmt not in SHARED_SPLIT or variant == "dot":
         raise ValueError(f"fused_moe: a shared expert rides in the INT4 and FP8 GEMV launches "
-                         f"only (variants gemv, adaptive), not {fmt} {variant} (plain experts: make "
-                         "it expert E, as SharedExpertInLaunch does)")
+                         f"only (variants gemv, adaptive), not {fmt} {variant} (plain experts: "
+                         "make it expert E, as SharedExpertInLaunch does)")
     if ([list(t.shape) for t in shared] != [[I, D], [I, D], [D, I]]
             or any(t.dtype != dtype for t in shared)
             or any(not t.is_contiguous() for t in shared)):
@@ -566,8 +566,8 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
     configs: override the variant's block sizes (the benchmark's sweep; adaptive: the GEMV's).
     shared: (gate [I, D], up [I, D], down [D, I]) tensors in x's dtype, a shared expert added to
     every token with weight 1, in the same launches (INT4 and FP8 experts through the GEMV
-    launches only, gemv or adaptive: the bf16 shared expert
-    of Kimi-K2.5, and of Kimi-K2-Instruct's FP8 checkpoint, dequantized at load). planes: x already
+    launches only, gemv or adaptive: the bf16 shared expert of Kimi-K2.5, and of
+    Kimi-K2-Instruct's FP8 checkpoint, dequantized at load). planes: x already
     as the INT4 GEMV's activation planes (moe_gemv.activation_planes: pair planes for bf16 x, else
     fp32 nibble planes, in a tensor from moe_gemv.empty_planes; router_topk writes them beside its
     logits),
@@ -576,16 +576,15 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
     N, K = ids.shape
     x, ids, route_w = (x.contiguous(), ids.reshape(-1).contiguous(),
                        route_w.reshape(-1).float().contiguous())
-    gemv_cfg = {**_gemv_configs(fmt, N, x.is_cuda), **(configs or {})}
-    tile_cfg = {**_configs(fmt, N * K, gate.shape[1], x.is_cuda, x.dtype), **(configs or {})}
-    if variant == "gemv":
-        return moe_gemv._fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, gemv_cfg, shared,
-                                        planes)
+    tiles = _configs(fmt, N * K, gate.shape[1], x.is_cuda, x.dtype)
+    if variant == "dot":
+        return _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K,
+                               {**tiles, **(configs or {})})
+    cfg = {**_gemv_configs(fmt, N, x.is_cuda), **(configs or {})}
     if variant == "adaptive":
-        tile_cfg = _configs(fmt, N * K, gate.shape[1], x.is_cuda, x.dtype)  # configs: the GEMV's
-        return _fused_moe_adaptive(x, ids, route_w, gate, up, down, fmt, K, (gemv_cfg, tile_cfg),
-                                 shared, planes)
-    return _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, tile_cfg)
+        return _fused_moe_adaptive(x, ids, route_w, gate, up, down, fmt, K, (cfg, tiles), shared,
+                                   planes)
+    return moe_gemv._fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared, planes)
 
 
 def _check_inputs(x, ids, route_w, gate, up, down, variant, shared, planes):

@@ -866,8 +866,8 @@ def _check_planes(planes, x):
 
 
 def _adaptive_args(tiled, placeholder):
-    """The GEMV kernels' adaptive arguments: tiled None (the GEMV variant) or (the pairs' tiled flags
-    int32 [P], the tiles' y fp32 [P, D]); gate_up's and down's keywords."""
+    """The GEMV kernels' adaptive arguments: tiled None (the GEMV variant) or (the pairs' tiled
+    flags int32 [P], the tiles' y fp32 [P, D]); gate_up's and down's keywords."""
     flags, y = tiled or (placeholder, placeholder)
     return (dict(tiled_ptr=flags, ADAPTIVE=tiled is not None),
             dict(tiled_ptr=flags, y_ptr=y, ADAPTIVE=tiled is not None))
@@ -918,7 +918,7 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None, plan
     sh_gate_up, sh_down = _shared_args(shared, fmt, N, I, D, bn, warps, h,
                                        cfg.get("shared_dot", _shared_dot(fmt, N)))
     ad_gate_up, ad_down = _adaptive_args(tiled, ids)
-    leader = N <= GEMV_LEADER_TOKENS.get(fmt, 0) and tiled is None
+    leader = N <= GEMV_LEADER_TOKENS.get(fmt, 0) and tiled is None   # (adaptive: a program a pair)
     _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         x, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
         TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn, BLOCK_K=bk, UNROLL=unroll, LEADER=leader,
