@@ -139,7 +139,7 @@ def _moe_count_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, P, ROWS,
 
 
 @_jit
-def _moe_place_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, tile_expert_ptr, tiled_ptr, P, E,
+def _moe_place_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, tile_expert_ptr, use_tiles_ptr, P, E,
                       max_tiles, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
                       TILES: tl.constexpr, SHARE: tl.constexpr, SCALE: tl.constexpr):
     """The align's second launch: each pair's row (its expert's first tile * BLOCK_M + the pairs of
@@ -147,8 +147,8 @@ def _moe_place_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, tile_expert_ptr, til
     map for this program's share of the max_tiles tiles (-1 past the last used tile). Every
     program sums the chunks' counts itself (the experts' totals and the counts of earlier chunks).
     SHARE > 0 (the adaptive variant): the tiles only where the call's distinct experts are at most
-    SHARE / SCALE of its pairs (every tile unused otherwise), and tiled_ptr, int32 [P], is
-    written: 1 for every pair where the tiles serve them, else 0.
+    SHARE / SCALE of its pairs (every tile unused otherwise), and that choice in use_tiles_ptr,
+    int32 [1]: 1 where the tiles serve the call, else 0.
 
     sorted_pair_ptr: int32 [max_tiles * BLOCK_M] out: the pair in each tile row (padding rows keep
     P from _moe_count_kernel). tile_expert_ptr: int32 [max_tiles] out. Grid: (cdiv(P, CHUNK),)."""
@@ -163,7 +163,10 @@ def _moe_place_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, tile_expert_ptr, til
         before += tl.where(j < c, n, 0)
     kept = total > 0
     if SHARE > 0:  # one choice for the whole call: every program sums the same totals
-        kept &= tl.sum(kept.to(tl.int32), 0) * SCALE <= P * SHARE
+        use_tiles = tl.sum(kept.to(tl.int32), 0) * SCALE <= P * SHARE
+        kept &= use_tiles
+        if c == 0:
+            tl.store(use_tiles_ptr, use_tiles.to(tl.int32))
     tiles = tl.where(kept, (total + BLOCK_M - 1) // BLOCK_M, 0)
     end_tile = tl.cumsum(tiles, 0)                                     # [E_PAD], inclusive
     p = c * CHUNK + tl.arange(0, CHUNK)
@@ -171,10 +174,8 @@ def _moe_place_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, tile_expert_ptr, til
     hit = (ids[:, None] == experts[None, :]).to(tl.int32)             # [CHUNK, E_PAD]
     first_row = (end_tile - tiles) * BLOCK_M + before
     row = tl.sum(hit * (first_row[None, :] + tl.cumsum(hit, 0) - hit), axis=1)
-    tiled = tl.sum(hit * kept.to(tl.int32)[None, :], axis=1)          # [CHUNK]: 1 or 0
-    tl.store(sorted_pair_ptr + row, p.to(tl.int32), mask=(p < P) & (tiled > 0))
-    if SHARE > 0:
-        tl.store(tiled_ptr + p, tiled, mask=p < P)
+    in_tiles = tl.sum(hit * kept.to(tl.int32)[None, :], axis=1) > 0  # [CHUNK]
+    tl.store(sorted_pair_ptr + row, p.to(tl.int32), mask=(p < P) & in_tiles)
     share = tl.cdiv(max_tiles, chunks)
     for t0 in range(c * share, (c + 1) * share, TILES):
         t = t0 + tl.arange(0, TILES)
@@ -615,11 +616,11 @@ def _check_inputs(x, ids, route_w, gate, up, down, variant, shared, planes):
 
 def align(ids, E, share=0):
     """The tile variant's align: (sorted_pair int32 [max_tiles * BLOCK_M], tile_expert int32
-    [max_tiles], tiled) for ids [P] (experts in [0, E)): each expert's pairs in pair order, in whole
+    [max_tiles], use_tiles) for ids [P] (experts in [0, E)): each expert's pairs in pair order, in whole
     tiles of BLOCK_M rows, experts in ascending order, padding rows P; each tile's expert, -1 for
     tiles left unused (max_tiles = min(E, P) + P // BLOCK_M, the section comment's bound). share 0:
-    tiled None; else (the adaptive variant) the tiles only where the distinct experts are at most
-    share / ADAPTIVE_SCALE of the pairs, and tiled int32 [P], 1 for every pair if so, else 0."""
+    use_tiles None; else (the adaptive variant) the tiles only where the distinct experts are at
+    most share / ADAPTIVE_SCALE of the pairs, and use_tiles int32 [1]: 1 if so, else 0."""
     P, dev = ids.numel(), ids.device
     max_tiles = min(E, P) + P // BLOCK_M
     sorted_pair = torch.empty(max_tiles * BLOCK_M, dtype=torch.int32, device=dev)
@@ -629,14 +630,14 @@ def align(ids, E, share=0):
     _moe_count_kernel[(chunks,)](ids, counts, sorted_pair, P, max_tiles * BLOCK_M, E_PAD=e_pad,
                                  CHUNK=ALIGN_CHUNK, FILL=ALIGN_FILL, num_warps=4,
                                  launch_pdl=common.PDL)
-    tiled = torch.empty(P, dtype=torch.int32, device=dev) if share else None
+    use_tiles = torch.empty(1, dtype=torch.int32, device=dev) if share else None
     _moe_place_kernel[(chunks,)](ids, counts, sorted_pair, tile_expert,
-                                 tile_expert if tiled is None else tiled, P, E, max_tiles,
+                                 tile_expert if use_tiles is None else use_tiles, P, E, max_tiles,
                                  BLOCK_M=BLOCK_M, E_PAD=e_pad, CHUNK=ALIGN_CHUNK,
                                  TILES=ALIGN_TILES, SHARE=share, SCALE=ADAPTIVE_SCALE,
                                  num_warps=4,
                                  launch_pdl=common.PDL)
-    return sorted_pair, tile_expert, tiled
+    return sorted_pair, tile_expert, use_tiles
 
 
 def _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, cfg):
@@ -659,11 +660,11 @@ def _fused_moe_adaptive(x, ids, route_w, gate, up, down, fmt, K, cfgs, shared, p
     the tiles, adds each token's rows of y (in place of the combine). cfgs: (the GEMV's block
     sizes, the tiles')."""
     P, D = ids.numel(), x.shape[1]
-    sorted_pair, tile_expert, tiled = align(ids, gate.shape[0], share=ADAPTIVE_SHARE)
+    sorted_pair, tile_expert, use_tiles = align(ids, gate.shape[0], share=ADAPTIVE_SHARE)
     y = torch.empty(P, D, dtype=torch.float32, device=x.device)    # the tiles' rows, if chosen
     _tile_launches(x, y, (sorted_pair, tile_expert), route_w, gate, up, down, fmt, K, cfgs[1])
     return moe_gemv._fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfgs[0], shared, planes,
-                                    tiled=(tiled, y))
+                                    tiles=(use_tiles, y))
 
 
 def _tile_launches(x, y, tiles, route_w, gate, up, down, fmt, K, cfg):

@@ -330,7 +330,7 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
                              sg_ptr, su_ptr, N, SPLIT: tl.constexpr, SHARED_K: tl.constexpr,
                              EVEN_SHARED: tl.constexpr, SHARED_SLICES: tl.constexpr,
                              SHARED_N_PAD: tl.constexpr, SHARED_PRECISION: tl.constexpr,
-                             LEADER: tl.constexpr, P_PAD: tl.constexpr, tiled_ptr,
+                             LEADER: tl.constexpr, P_PAD: tl.constexpr, use_tiles_ptr,
                              ADAPTIVE: tl.constexpr):
     """h[p, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) * route_w[p] for pair p = n*K + k, e = ids[p]
     (plain and FP8 weights).
@@ -342,8 +342,8 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
     power of two >= P). SPLIT > 0: the first SPLIT programs of each row block take a bf16 shared
     expert (_shared_gate_up; part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N: its arguments;
     SHARED_K columns a step; SHARED_SLICES > 0: its dot form, _shared_gate_up_dot). ADAPTIVE: the
-    pairs whose tiled_ptr entry (int32 [P]) is 1 are the tiles' (fused_moe's adaptive variant), and
-    their programs return."""
+    programs return where use_tiles_ptr (int32 [1]) is 1: the tiles served the call (fused_moe's
+    adaptive variant)."""
     _wait_for_prior()
     pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
@@ -353,7 +353,7 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
                          SHARED_PRECISION)
             return
     if ADAPTIVE:
-        if tl.load(tiled_ptr + p) != 0:
+        if tl.load(use_tiles_ptr) != 0:
             return
     e = tl.load(ids_ptr + p).to(tl.int64)
     g_ptr, u_ptr = g_ptr + e * stride_we, u_ptr + e * stride_we
@@ -406,14 +406,14 @@ def _gate_up_pass(pair, v_ptr, h_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr,
 
 
 @_jit
-def _tiled_rows(tiled_ptr, y_ptr, token, d, d_ok, TOPK: tl.constexpr, D: tl.constexpr):
-    """The sum, in k order, of the tiles' rows y[pair, d] (fp32 [P, D]) of the token's pairs whose
-    tiled_ptr entry is 1 (fused_moe's adaptive variant), fp32 [len(d)]."""
+def _tile_rows(use_tiles, y_ptr, token, d, d_ok, TOPK: tl.constexpr, D: tl.constexpr):
+    """Where use_tiles (fused_moe's adaptive variant: the tiles served the call), the sum in k order
+    of the token's K rows y[pair, d] (the tiles' output, fp32 [P, D], routing weights in); else
+    zeros (nothing loaded). fp32 [len(d)]."""
     y = tl.zeros(d.shape, tl.float32)
     for k in tl.static_range(TOPK):
         pair = token * TOPK + k
-        tiled = tl.load(tiled_ptr + pair) != 0
-        y += tl.load(y_ptr + pair.to(tl.int64) * D + d, mask=d_ok & tiled, other=0.0)
+        y += tl.load(y_ptr + pair.to(tl.int64) * D + d, mask=d_ok & use_tiles, other=0.0)
     return y
 
 
@@ -424,14 +424,15 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
                           SCALE_PER_ROW: tl.constexpr, hs_ptr, sd_ptr, SHARED: tl.constexpr,
-                          I_PAD: tl.constexpr, tiled_ptr, y_ptr, ADAPTIVE: tl.constexpr):
+                          I_PAD: tl.constexpr, use_tiles_ptr, y_ptr, ADAPTIVE: tl.constexpr):
     """out[n, d] = sum_k (down[e] @ h[n*K + k])[d], e = ids[n*K + k] (route weights are in h; plain
     and FP8).
 
     h_ptr: fp32 [P, I] from gate_up. out_ptr: [N, D], x's dtype. w_ptr / s_ptr: down weights and
     scales, [E, D, I] as ExpertWeights. SHARED: a bf16 shared expert too, weight 1 (_shared_down;
-    hs_ptr, sd_ptr: its arguments). ADAPTIVE: the pairs whose tiled_ptr entry is 1 add their row of
-    the tiles' y_ptr (fp32 [P, D], the routing weight in) in place of their products.
+    hs_ptr, sd_ptr: its arguments). ADAPTIVE: where use_tiles_ptr (int32 [1]) is 1 the tiles served
+    the call, and each token's K rows of their y_ptr (fp32 [P, D]) are summed in place of the
+    products (_tile_rows).
     Grid: (N, cdiv(D, BLOCK_N))."""
     _wait_for_prior()
     token, pid_n = tl.program_id(0), tl.program_id(1)
@@ -439,13 +440,13 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
     n, kb = pid_n * BLOCK_N + r // SUB, (r % SUB) * BLOCK_K
     n_ok = n < D
     acc = tl.zeros([BLOCK_N * SUB, BLOCK_K], tl.float32)
+    gemv = True
+    if ADAPTIVE:
+        gemv = tl.load(use_tiles_ptr) == 0
     for k in tl.static_range(TOPK):                                         # the token's K experts
         pair = token * TOPK + k
         e = tl.load(ids_ptr + pair).to(tl.int64)
-        mine = True
-        if ADAPTIVE:
-            mine = tl.load(tiled_ptr + pair) == 0
-        if mine:
+        if gemv:
             for k0 in tl.static_range(0, I, BLOCK_K * SUB):
                 acc = _gemv_step(acc, h_ptr + pair.to(tl.int64) * I, k0, I, w_ptr + e * stride_we,
                                  s_ptr + e * stride_se,
@@ -456,7 +457,7 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
         y = tl.sum(tl.reshape(y, [BLOCK_N, SUB]), 1)
     d = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     if ADAPTIVE:
-        y += _tiled_rows(tiled_ptr, y_ptr, token, d, d < D, TOPK, D)
+        y += _tile_rows(gemv == 0, y_ptr, token, d, d < D, TOPK, D)
     if SHARED:
         y += _shared_down(hs_ptr, sd_ptr, token, d, d < D, I, I_PAD)
     tl.store(out_ptr + token.to(tl.int64) * D + d, y.to(out_ptr.dtype.element_ty), mask=d < D)
@@ -618,7 +619,7 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
                                   EVEN: tl.constexpr, SPLIT: tl.constexpr, SHARED_K: tl.constexpr,
                                   EVEN_SHARED: tl.constexpr, SHARED_SLICES: tl.constexpr,
                                   SHARED_N_PAD: tl.constexpr, SHARED_PRECISION: tl.constexpr,
-                                  PACKED: tl.constexpr, tiled_ptr, ADAPTIVE: tl.constexpr):
+                                  PACKED: tl.constexpr, use_tiles_ptr, ADAPTIVE: tl.constexpr):
     """_moe_gemv_gate_up_kernel for INT4 weights: v_ptr the activations as fp32 planes [N, 8, D/8]
     (plane j = elements 8w + j), h written in plane order (element i of row p at (i % 8) * I/8 + i
     // 8), the planes down reads; PACKED (bf16 x): v_ptr the pair planes [N, 4, D/8] (int32), h bf16
@@ -629,7 +630,7 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
     count_ptr, sg_ptr, su_ptr, N: its arguments; SPLIT 0: none; SHARED_K bf16 columns a step;
     SHARED_SLICES > 0: its dot form),
     launched first since each runs its N tokens one after another; pair p is program SPLIT + p.
-    ADAPTIVE: as _moe_gemv_gate_up_kernel's (the tiles' pairs return)."""
+    ADAPTIVE: as _moe_gemv_gate_up_kernel's."""
     _wait_for_prior()
     pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
@@ -639,7 +640,7 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
                          SHARED_PRECISION)
             return
     if ADAPTIVE:
-        if tl.load(tiled_ptr + p) != 0:
+        if tl.load(use_tiles_ptr) != 0:
             return
     W: tl.constexpr = D // 8
     e = tl.load(ids_ptr + p).to(tl.int64)
@@ -676,6 +677,42 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
 
 
 @_jit
+def _int4_down_step(c0, token, n, n_ok, h_ptr, ids_ptr, w_ptr, s_ptr, stride_we, stride_wn,
+                    stride_se, stride_sr, magic, TOPK: tl.constexpr, I: tl.constexpr,
+                    GROUP: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr,
+                    PACKED: tl.constexpr):
+    """One step of _moe_gemv_int4_down_kernel: its rows n times columns c0 .. c0 + BLOCK_C of the
+    token's K experts side by side, each column's 8 products scaled, fp32 [len(n), BLOCK_C]."""
+    W: tl.constexpr = I // 8
+    c = c0 + tl.arange(0, BLOCK_C)
+    pair = token * TOPK + c // W
+    w = c % W
+    if EVEN:
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        words = tl.load(w_ptr + e[None, :] * stride_we + n[:, None] * stride_wn + w[None, :])
+        s = tl.load(s_ptr + e[None, :] * stride_se + n[:, None] * stride_sr
+                    + (w * 8 // GROUP)[None, :])
+    else:
+        c_ok = c < TOPK * W
+        ok = n_ok[:, None] & c_ok[None, :]
+        e = tl.load(ids_ptr + pair, mask=c_ok, other=0).to(tl.int64)
+        words = tl.load(w_ptr + e[None, :] * stride_we + n[:, None] * stride_wn + w[None, :],
+                        mask=ok, other=0)
+        s = tl.load(s_ptr + e[None, :] * stride_se + n[:, None] * stride_sr
+                    + (w * 8 // GROUP)[None, :], mask=ok, other=0.0)
+    if PACKED:
+        h_row = h_ptr + pair.to(tl.int64) * (I // 2) + w                   # pair plane j at + j W
+        t = _packed_word(words, h_row, W, c < TOPK * W, EVEN, magic)
+    else:
+        high = words >> 12
+        h_row = h_ptr + pair.to(tl.int64) * I + w                          # plane j at + j * W
+        t = tl.zeros(words.shape, tl.float32)
+        for j in tl.static_range(8):
+            t += _nibble(words, high, j, magic) * _plane(h_row, j, W, c < TOPK * W, EVEN)
+    return t * s.to(tl.float32)
+
+
+@_jit
 def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we, stride_wn,
                                stride_se, stride_sr, magic,
                                hs_ptr, sd_ptr,
@@ -683,14 +720,13 @@ def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we,
                                GROUP: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr,
                                SHARED: tl.constexpr, I_PAD: tl.constexpr, PACKED: tl.constexpr,
-                               tiled_ptr, y_ptr, ADAPTIVE: tl.constexpr):
+                               use_tiles_ptr, y_ptr, ADAPTIVE: tl.constexpr):
     """_moe_gemv_down_kernel for INT4 weights, h in plane order (gate_up's). A tile's columns are
     the token's K experts' words side by side (column c: expert slot c // (I/8), word c % (I/8)),
     BLOCK_C columns a step; PACKED: h as gate_up's bf16 pair planes, read as int32 [P, 4, I/8].
     SHARED: the bf16 shared expert too, weight 1 (_shared_down: gate_up's h
     = silu(g) * u hs [N, I] fp32 times its down weights sd_ptr [D, I]; I_PAD: a power of two >= I).
-    ADAPTIVE: as _moe_gemv_down_kernel's (the tiles' pairs add their row of y_ptr; their columns
-    here are masked off, so neither their words nor their h are read).
+    ADAPTIVE: as _moe_gemv_down_kernel's.
     Grid: (N, cdiv(D, BLOCK_N))."""
     _wait_for_prior()
     token, pid_n = tl.program_id(0), tl.program_id(1)
@@ -698,39 +734,17 @@ def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we,
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
     acc = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
-    UNMASKED: tl.constexpr = EVEN and not ADAPTIVE
-    for c0 in tl.static_range(0, TOPK * W, BLOCK_C):
-        c = c0 + tl.arange(0, BLOCK_C)
-        pair = token * TOPK + c // W
-        w = c % W
-        c_ok = c < TOPK * W
-        if ADAPTIVE:
-            c_ok = c_ok & (tl.load(tiled_ptr + pair, mask=c_ok, other=1) == 0)
-        if UNMASKED:
-            e = tl.load(ids_ptr + pair).to(tl.int64)
-            words = tl.load(w_ptr + e[None, :] * stride_we + n[:, None] * stride_wn + w[None, :])
-            s = tl.load(s_ptr + e[None, :] * stride_se + n[:, None] * stride_sr
-                        + (w * 8 // GROUP)[None, :])
-        else:
-            ok = n_ok[:, None] & c_ok[None, :]
-            e = tl.load(ids_ptr + pair, mask=c_ok, other=0).to(tl.int64)
-            words = tl.load(w_ptr + e[None, :] * stride_we + n[:, None] * stride_wn + w[None, :],
-                            mask=ok, other=0)
-            s = tl.load(s_ptr + e[None, :] * stride_se + n[:, None] * stride_sr
-                        + (w * 8 // GROUP)[None, :], mask=ok, other=0.0)
-        if PACKED:
-            h_row = h_ptr + pair.to(tl.int64) * (I // 2) + w               # pair plane j at + j W
-            t = _packed_word(words, h_row, W, c_ok, UNMASKED, magic)
-        else:
-            high = words >> 12
-            h_row = h_ptr + pair.to(tl.int64) * I + w                      # plane j at + j * W
-            t = tl.zeros([BLOCK_N, BLOCK_C], tl.float32)
-            for j in tl.static_range(8):
-                t += _nibble(words, high, j, magic) * _plane(h_row, j, W, c_ok, UNMASKED)
-        acc += t * s.to(tl.float32)
+    gemv = True
+    if ADAPTIVE:
+        gemv = tl.load(use_tiles_ptr) == 0
+    if gemv:
+        for c0 in tl.static_range(0, TOPK * W, BLOCK_C):
+            acc += _int4_down_step(c0, token, n, n_ok, h_ptr, ids_ptr, w_ptr, s_ptr, stride_we,
+                                   stride_wn, stride_se, stride_sr, magic, TOPK, I, GROUP, BLOCK_C,
+                                   EVEN, PACKED)
     y = tl.sum(acc, 1)
     if ADAPTIVE:
-        y += _tiled_rows(tiled_ptr, y_ptr, token, n, n_ok, TOPK, D)
+        y += _tile_rows(gemv == 0, y_ptr, token, n, n_ok, TOPK, D)
     if SHARED:
         y += _shared_down(hs_ptr, sd_ptr, token, n, n_ok, I, I_PAD)
     tl.store(out_ptr + token.to(tl.int64) * D + n, y.to(out_ptr.dtype.element_ty), mask=n_ok)
@@ -865,17 +879,17 @@ def _check_planes(planes, x):
                          f"{list(planes.shape)} on {planes.device}")
 
 
-def _adaptive_args(tiled, placeholder):
-    """The GEMV kernels' adaptive arguments: tiled None (the GEMV variant) or (the pairs' tiled
-    flags int32 [P], the tiles' y fp32 [P, D]); gate_up's and down's keywords."""
-    flags, y = tiled or (placeholder, placeholder)
-    return (dict(tiled_ptr=flags, ADAPTIVE=tiled is not None),
-            dict(tiled_ptr=flags, y_ptr=y, ADAPTIVE=tiled is not None))
+def _adaptive_args(tiles, placeholder):
+    """The GEMV kernels' adaptive arguments: tiles None (the GEMV variant) or (use_tiles int32 [1],
+    the tiles' y fp32 [P, D]); gate_up's and down's keywords."""
+    use_tiles, y = tiles or (placeholder, placeholder)
+    return (dict(use_tiles_ptr=use_tiles, ADAPTIVE=tiles is not None),
+            dict(use_tiles_ptr=use_tiles, y_ptr=y, ADAPTIVE=tiles is not None))
 
 
 def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, planes=None,
-                         tiled=None):
-    """The GEMV variant for INT4 weights (see _fused_moe_gemv); shared, planes, tiled: its."""
+                         tiles=None):
+    """The GEMV variant for INT4 weights (see _fused_moe_gemv); shared, planes, tiles: its."""
     (N, D), P, I, dev = x.shape, ids.numel(), gate.shape[1], x.device
     K = P // N
     packed = x.dtype == torch.bfloat16
@@ -885,7 +899,7 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, plan
     bn, bw, warps = cfg["gate_up"]
     sh_gate_up, sh_down = _shared_args(shared, "int4", N, I, D, bn, warps, h,
                                        cfg.get("shared_dot", _shared_dot("int4", N)))
-    ad_gate_up, ad_down = _adaptive_args(tiled, ids)
+    ad_gate_up, ad_down = _adaptive_args(tiles, ids)
     s = gate.data.stride(), gate.scale.stride()
     _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, s[0][0], s[0][1], s[1][0],
@@ -904,12 +918,13 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, plan
 
 
 def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None, planes=None,
-                    tiled=None):
+                    tiles=None):
     """The GEMV variant (see its section); arguments as fused_moe's, already checked and
-    flattened. tiled: fused_moe's adaptive variant, (the pairs the tiles served, int32 [P] flags;
-    their rows y, fp32 [P, D]): their programs return, and down adds their rows of y."""
+    flattened. tiles: fused_moe's adaptive variant, (use_tiles int32 [1], the tiles' y fp32 [P,
+    D]): where the tiles served the call, the pair programs return and down sums each token's rows
+    of y."""
     if fmt == "int4":
-        return _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared, planes, tiled)
+        return _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared, planes, tiles)
     (N, D), P, I, dev = x.shape, ids.numel(), gate.shape[1], x.device
     K = P // N
     bn, bk, unroll, warps, sub = cfg["gate_up"]
@@ -917,8 +932,8 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None, plan
     gs, strides, offs, const = _gemv_args(gate, bk, sub)
     sh_gate_up, sh_down = _shared_args(shared, fmt, N, I, D, bn, warps, h,
                                        cfg.get("shared_dot", _shared_dot(fmt, N)))
-    ad_gate_up, ad_down = _adaptive_args(tiled, ids)
-    leader = N <= GEMV_LEADER_TOKENS.get(fmt, 0) and tiled is None   # (adaptive: a program a pair)
+    ad_gate_up, ad_down = _adaptive_args(tiles, ids)
+    leader = N <= GEMV_LEADER_TOKENS.get(fmt, 0) and tiles is None   # (adaptive: a program a pair)
     _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         x, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
         TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn, BLOCK_K=bk, UNROLL=unroll, LEADER=leader,
