@@ -2279,7 +2279,8 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     a machine without a GPU. The CPU interpreter runs code that the compiler refuses (a helper
     returning a different type from each branch of a constexpr if), so the CPU tests alone do not
     show that a kernel builds. The launches of some of those tests, recorded under the interpreter
-    (fp32 and bf16, the INT4 packed form, tiles, GEMVs, MLA decode and its merges, router, head),
+    (fp32 and bf16, the INT4 packed form, tiles, GEMVs and the adaptive variant, MLA decode and
+    its merges, router, head),
     each compiled in a subprocess without TRITON_INTERPRET (testing.compile_launches)."""
     if TRITON_DEVICE.type == "cuda":
         pytest.skip("on a GPU the GPU tests compile every kernel natively")
@@ -2290,6 +2291,9 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
         test_fused_moe_gemv_int4_packed_bf16_precision()
         test_router_kernel_equals_twin("tiny", torch.float32, mp)
         test_mla_merge_absorb_equals_combine_then_head_gemv(torch.bfloat16, mp)
+        for quant in (None, "int4", "fp8"):                  # the adaptive variant's launches
+            check_fused_moe(moe_experts("tiny", quant, 16, TRITON_DEVICE, torch.float32),
+                            [(4, "shared", "adaptive")], torch.float32, K=4)
     missing = _package_kernels() - {(s["module"], s["name"]) for s in specs}
     assert not missing, f"kernels that no recorded launch reached: {sorted(missing)}"
     path = tmp_path / "launches.json"
