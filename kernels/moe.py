@@ -616,11 +616,11 @@ def _check_inputs(x, ids, route_w, gate, up, down, variant, shared, planes):
 
 def align(ids, E, share=0):
     """The tile variant's align: (sorted_pair int32 [max_tiles * BLOCK_M], tile_expert int32
-    [max_tiles], use_tiles) for ids [P] (experts in [0, E)): each expert's pairs in pair order, in whole
-    tiles of BLOCK_M rows, experts in ascending order, padding rows P; each tile's expert, -1 for
-    tiles left unused (max_tiles = min(E, P) + P // BLOCK_M, the section comment's bound). share 0:
-    use_tiles None; else (the adaptive variant) the tiles only where the distinct experts are at
-    most share / ADAPTIVE_SCALE of the pairs, and use_tiles int32 [1]: 1 if so, else 0."""
+    [max_tiles], use_tiles) for ids [P] (experts in [0, E)): each expert's pairs in pair order, in
+    whole tiles of BLOCK_M rows, experts in ascending order, padding rows P; each tile's expert, -1
+    for tiles left unused (max_tiles = min(E, P) + P // BLOCK_M, the section comment's bound).
+    share 0: use_tiles None; else (the adaptive variant) the tiles only where the distinct experts
+    are at most share / ADAPTIVE_SCALE of the pairs, and use_tiles int32 [1]: 1 if so, else 0."""
     P, dev = ids.numel(), ids.device
     max_tiles = min(E, P) + P // BLOCK_M
     sorted_pair = torch.empty(max_tiles * BLOCK_M, dtype=torch.int32, device=dev)
