@@ -176,10 +176,14 @@ def test_fused_moe_gemv_fp8_scale_blocks_as_rows():
 
 
 def check_adaptive_with_shared(x, ids, w, experts, weights, shared, what):
-    """The adaptive variant with a shared expert in its GEMV launches on 3 tokens (ids [3, K]) as
-    routed (mostly distinct experts: the GEMV) and with every token on token 2's experts (K
-    distinct of 3 K pairs: the tiles), against the gather path plus the plain MLP."""
-    for how, chosen in (("as routed", ids), ("on one token's experts", ids[[2, 2, 2]])):
+    """The adaptive variant with a shared expert in its GEMV launches on 3 tokens (ids [3, K], K
+    at most a third of the experts) with every pair on an expert of its own (the GEMV) and with
+    every token on token 2's experts (K distinct of 3 K pairs: the tiles), against the gather path
+    plus the plain MLP."""
+    K, g = ids.shape[1], torch.Generator().manual_seed(5)
+    disjoint = torch.randperm(experts.n_experts, generator=g)[:3 * K].view(3, K).to(ids)
+    for how, chosen in (("every pair its own expert", disjoint),
+                        ("every token on one token's experts", ids[[2, 2, 2]])):
         want = model.Experts.forward(experts, x, chosen, w) + shared_mlp(x, shared)
         got = kernels.fused_moe(x, chosen, w, *weights, variant="adaptive", shared=shared)
         assert_close(got, want, 1e-5 * want.abs().max().item(),
