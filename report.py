@@ -111,14 +111,17 @@ def header(b):
 
 
 def moe_note(t):
-    """Which MoE path runs: with "fused", for which token counts."""
+    """Which MoE path runs: with "fused", for which token counts (and FP8's adaptive variant,
+    run.py --moe-adaptive)."""
     experts = next((layer.mlp.experts for layer in t.layers if isinstance(layer.mlp, model.MoE)),
                    None)
     if t.moe_impl != "fused" or experts is None:
         return t.moe_impl
     grouped_above = kernels.grouped_mm_available(t.device, t.dtype) and not experts.quantized
-    return "fused Triton kernel" + (f" (grouped above {experts.FUSED_MAX_TOKENS} tokens)"
-                                    if grouped_above else "")
+    adaptive = kernels.moe.ADAPTIVE_MIN_TOKENS.get("fp8") if t.args.fp8_block else None
+    return ("fused Triton kernel"
+            + (f" (grouped above {experts.FUSED_MAX_TOKENS} tokens)" if grouped_above else "")
+            + (f" (adaptive variant from {adaptive} tokens)" if adaptive else ""))
 
 
 def answer(r, b):

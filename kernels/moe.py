@@ -174,8 +174,10 @@ def _moe_place_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, tile_expert_ptr, use
     hit = (ids[:, None] == experts[None, :]).to(tl.int32)             # [CHUNK, E_PAD]
     first_row = (end_tile - tiles) * BLOCK_M + before
     row = tl.sum(hit * (first_row[None, :] + tl.cumsum(hit, 0) - hit), axis=1)
-    in_tiles = tl.sum(hit * kept.to(tl.int32)[None, :], axis=1) > 0  # [CHUNK]
-    tl.store(sorted_pair_ptr + row, p.to(tl.int32), mask=(p < P) & in_tiles)
+    placed = p < P
+    if SHARE > 0:  # only the pairs of experts with tiles
+        placed &= tl.sum(hit * kept.to(tl.int32)[None, :], axis=1) > 0
+    tl.store(sorted_pair_ptr + row, p.to(tl.int32), mask=placed)
     share = tl.cdiv(max_tiles, chunks)
     for t0 in range(c * share, (c + 1) * share, TILES):
         t = t0 + tl.arange(0, TILES)

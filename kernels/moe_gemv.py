@@ -624,13 +624,12 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
     (plane j = elements 8w + j), h written in plane order (element i of row p at (i % 8) * I/8 + i
     // 8), the planes down reads; PACKED (bf16 x): v_ptr the pair planes [N, 4, D/8] (int32), h bf16
     in pair-plane order (element i of row p at 2 ((i % 4) I/8 + i // 8) + (i % 8) // 4 of the
-    row's I). BLOCK_W words (8 BLOCK_W elements) a step; EVEN: the blocks divide
-    I and D/8, so no load is masked. Grid: (cdiv(I, BLOCK_N), SPLIT + P): the first SPLIT programs
-    of each row block take the bf16 shared expert (_shared_gate_up; x_ptr, part_ptr, hs_ptr,
-    count_ptr, sg_ptr, su_ptr, N: its arguments; SPLIT 0: none; SHARED_K bf16 columns a step;
-    SHARED_SLICES > 0: its dot form),
-    launched first since each runs its N tokens one after another; pair p is program SPLIT + p.
-    ADAPTIVE: as _moe_gemv_gate_up_kernel's."""
+    row's I). BLOCK_W words (8 BLOCK_W elements) a step; EVEN: the blocks divide I and D/8, so no
+    load is masked. Grid: (cdiv(I, BLOCK_N), SPLIT + P): the first SPLIT programs of each row block
+    take the bf16 shared expert (_shared_gate_up; x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr,
+    su_ptr, N: its arguments; SPLIT 0: none; SHARED_K bf16 columns a step; SHARED_SLICES > 0: its
+    dot form), launched first since each runs its N tokens one after another; pair p is program
+    SPLIT + p. ADAPTIVE: as _moe_gemv_gate_up_kernel's."""
     _wait_for_prior()
     pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
@@ -933,7 +932,7 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None, plan
     sh_gate_up, sh_down = _shared_args(shared, fmt, N, I, D, bn, warps, h,
                                        cfg.get("shared_dot", _shared_dot(fmt, N)))
     ad_gate_up, ad_down = _adaptive_args(tiles, ids)
-    leader = N <= GEMV_LEADER_TOKENS.get(fmt, 0) and tiles is None   # (adaptive: a program a pair)
+    leader = N <= GEMV_LEADER_TOKENS.get(fmt, 0)
     _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         x, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
         TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn, BLOCK_K=bk, UNROLL=unroll, LEADER=leader,
