@@ -443,10 +443,12 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
     gemv = True
     if ADAPTIVE:
         gemv = tl.load(use_tiles_ptr) == 0
-    if gemv:
-        for k in tl.static_range(TOPK):                                     # the token's K experts
-            pair = token * TOPK + k
-            e = tl.load(ids_ptr + pair).to(tl.int64)
+    # the branch inside the loop: the ids' loads issue beside the flag's, not after it (the branch
+    # around the loop took 9-20 µs more a layer where the tiles served 8 to 32 tokens, FP8)
+    for k in tl.static_range(TOPK):                                         # the token's K experts
+        pair = token * TOPK + k
+        e = tl.load(ids_ptr + pair).to(tl.int64)
+        if gemv:
             for k0 in tl.static_range(0, I, BLOCK_K * SUB):
                 acc = _gemv_step(acc, h_ptr + pair.to(tl.int64) * I, k0, I, w_ptr + e * stride_we,
                                  s_ptr + e * stride_se,
