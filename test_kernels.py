@@ -288,23 +288,31 @@ def test_moe_align_sorts_pairs_by_expert_stably():
     """The tile variant's align (two launches, a program per chunk of pairs) against the same order
     built in torch: each expert's pairs in pair order, in whole tiles of BLOCK_M rows, experts
     ascending, padding rows P; each tile's expert, -1 past the last used tile. Pair counts within
-    one chunk and across several, routing spread and shared (experts with several tiles)."""
+    one chunk and across several, routing spread and shared (experts with several tiles). With the
+    adaptive variant's share: the choice in use_tiles, no tile where it is 0, and the tighter
+    bound on the tiles (at most share / ADAPTIVE_SCALE of the pairs distinct)."""
     g = torch.Generator().manual_seed(7)
-    BM = kernels.moe.BLOCK_M
+    BM, SCALE = kernels.moe.BLOCK_M, kernels.moe.ADAPTIVE_SCALE
     for N, K, E, kind in ((3, 2, 16, "random"), (20, 8, 16, "shared"), (40, 4, 384, "random")):
         ids = routing(kind, N, K, E, g, TRITON_DEVICE)[0].reshape(-1)
-        sorted_pair, tile_expert, _ = kernels.moe.align(ids, E)
-        P, max_tiles = ids.numel(), min(E, ids.numel()) + ids.numel() // BM
-        rows, experts = [], []
-        for e in range(E):
-            pairs = (ids.cpu() == e).nonzero().flatten().tolist()
-            tiles = -(-len(pairs) // BM)
-            rows += pairs + [P] * (tiles * BM - len(pairs))
-            experts += [e] * tiles
-        rows += [P] * (max_tiles * BM - len(rows))
-        experts += [-1] * (max_tiles - len(experts))
-        assert sorted_pair.cpu().tolist() == rows, f"{N} x {K} pairs, {E} experts: rows"
-        assert tile_expert.cpu().tolist() == experts, f"{N} x {K} pairs, {E} experts: tiles"
+        P, distinct = ids.numel(), len(set(ids.tolist()))
+        for share in (0, kernels.moe.ADAPTIVE_SHARE):
+            what = f"{N} x {K} pairs, {E} experts, share {share}"
+            sorted_pair, tile_expert, use_tiles = kernels.moe.align(ids, E, share=share)
+            chosen = not share or distinct * SCALE <= P * share
+            max_tiles = max(1, min(E, P * share // SCALE if share else P) + P // BM)
+            rows, experts = [], []
+            for e in range(E if chosen else 0):
+                pairs = (ids.cpu() == e).nonzero().flatten().tolist()
+                tiles = -(-len(pairs) // BM)
+                rows += pairs + [P] * (tiles * BM - len(pairs))
+                experts += [e] * tiles
+            rows += [P] * (max_tiles * BM - len(rows))
+            experts += [-1] * (max_tiles - len(experts))
+            assert sorted_pair.cpu().tolist() == rows, f"{what}: rows"
+            assert tile_expert.cpu().tolist() == experts, f"{what}: tiles"
+            assert use_tiles is None if not share else use_tiles.item() == chosen, what
+        assert kind != "shared" or distinct * SCALE <= P * kernels.moe.ADAPTIVE_SHARE, kind
 
 
 @_jit

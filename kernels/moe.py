@@ -622,9 +622,11 @@ def align(ids, E, share=0):
     whole tiles of BLOCK_M rows, experts in ascending order, padding rows P; each tile's expert, -1
     for tiles left unused (max_tiles = min(E, P) + P // BLOCK_M, the section comment's bound).
     share 0: use_tiles None; else (the adaptive variant) the tiles only where the distinct experts
-    are at most share / ADAPTIVE_SCALE of the pairs, and use_tiles int32 [1]: 1 if so, else 0."""
+    are at most share / ADAPTIVE_SCALE of the pairs, and use_tiles int32 [1]: 1 if so, else 0; the
+    bound then takes that many distinct experts at most (fewer programs that find no tile)."""
     P, dev = ids.numel(), ids.device
-    max_tiles = min(E, P) + P // BLOCK_M
+    distinct = min(E, P * share // ADAPTIVE_SCALE if share else P)
+    max_tiles = max(1, distinct + P // BLOCK_M)
     sorted_pair = torch.empty(max_tiles * BLOCK_M, dtype=torch.int32, device=dev)
     tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
     chunks, e_pad = triton.cdiv(P, ALIGN_CHUNK), triton.next_power_of_2(E)
