@@ -156,18 +156,6 @@ def test_fused_moe_equals_gather_tiny(quant):
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("quant", [None, "fp8"])
-def test_fused_moe_adaptive_gemv_takes_several_pairs_a_program(quant, monkeypatch):
-    """The adaptive variant's GEMV gate_up with several pairs a program (ADAPTIVE_PAIR_PROGRAMS 3:
-    6 pairs a program at 20 pairs, the last program's 4 past P masked) against the gather path,
-    where the GEMV serves the call (every pair its own expert) and where the tiles do."""
-    monkeypatch.setattr(kernels.moe_gemv, "ADAPTIVE_PAIR_PROGRAMS", 3)
-    for E, kind in ((384, "disjoint"), (16, "shared")):
-        check_fused_moe(moe_experts("tiny", quant, E, TRITON_DEVICE, torch.float32),
-                        [(5, kind, "adaptive")], torch.float32, K=4)
-
-
-@pytest.mark.triton
 def test_fused_moe_gemv_fp8_scale_blocks_as_rows():
     """FP8 in 128x128 blocks (Kimi-K2's layout): the GEMV variant reads each k-step as SUB scale
     blocks laid out as tile rows of their own (GEMV_CONFIGS' FP8 entries), one scale per tile

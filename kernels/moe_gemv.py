@@ -331,55 +331,49 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
                              EVEN_SHARED: tl.constexpr, SHARED_SLICES: tl.constexpr,
                              SHARED_N_PAD: tl.constexpr, SHARED_PRECISION: tl.constexpr,
                              LEADER: tl.constexpr, P_PAD: tl.constexpr, use_tiles_ptr,
-                             ADAPTIVE: tl.constexpr, PAIRS: tl.constexpr):
+                             ADAPTIVE: tl.constexpr):
     """h[p, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) * route_w[p] for pair p = n*K + k, e = ids[p]
     (plain and FP8 weights).
 
     v_ptr: the activations [N, D] (x's dtype). h_ptr: fp32 [P, I] out. ids_ptr: int [P];
     route_w_ptr: fp32 [P]. g_ptr / u_ptr, gs_ptr / us_ptr: gate and up weights and scales, [E, I, D]
-    as ExpertWeights (same strides). Grid: (cdiv(I, BLOCK_N), SPLIT + cdiv(P, PAIRS)); program
-    SPLIT + q takes pairs q PAIRS to q PAIRS + PAIRS - 1, one after another; LEADER (PAIRS 1): only
-    the first pair of each expert works, for all of its P pairs (P_PAD: a power of two >= P).
-    SPLIT > 0: the first SPLIT programs of each row block take a bf16 shared
+    as ExpertWeights (same strides). Grid: (cdiv(I, BLOCK_N), SPLIT + P); pair p is program
+    SPLIT + p; LEADER: only the first pair of each expert works, for all of its P pairs (P_PAD: a
+    power of two >= P). SPLIT > 0: the first SPLIT programs of each row block take a bf16 shared
     expert (_shared_gate_up; part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N: its arguments;
     SHARED_K columns a step; SHARED_SLICES > 0: its dot form, _shared_gate_up_dot). ADAPTIVE: the
     programs return where use_tiles_ptr (int32 [1]) is 1: the tiles served the call (fused_moe's
     adaptive variant)."""
     _wait_for_prior()
-    pid_n, q = tl.program_id(0), tl.program_id(1) - SPLIT
+    pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
-        if q < 0:
-            _shared_part(v_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, q, pid_n, D, I,
+        if p < 0:
+            _shared_part(v_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n, D, I,
                          SPLIT, BLOCK_N, SHARED_K, EVEN_SHARED, SHARED_SLICES, SHARED_N_PAD,
                          SHARED_PRECISION)
             return
     if ADAPTIVE:
         if tl.load(use_tiles_ptr) != 0:
             return
+    e = tl.load(ids_ptr + p).to(tl.int64)
+    g_ptr, u_ptr = g_ptr + e * stride_we, u_ptr + e * stride_we
+    gs_ptr, us_ptr = gs_ptr + e * stride_se, us_ptr + e * stride_se
     r = tl.arange(0, BLOCK_N * SUB)  # tile rows: (row of I, sub-block)
     n, kb = pid_n * BLOCK_N + r // SUB, (r % SUB) * BLOCK_K
     if LEADER:  # GEMV_LEADER_TOKENS: the expert's first pair serves all of its pairs
-        e = tl.load(ids_ptr + q).to(tl.int64)
-        same, rank, leader = _expert_pairs(ids_ptr, q, P, P_PAD)
+        same, rank, leader = _expert_pairs(ids_ptr, p, P, P_PAD)
         if not leader:
             return
-        pairs = tl.arange(0, P_PAD)
+        q = tl.arange(0, P_PAD)
         for c in range(tl.sum(same.to(tl.int32), 0)):                      # each pair of the expert
-            _gate_up_pass(tl.sum(tl.where(same & (rank == c), pairs, 0), 0), v_ptr, h_ptr,
-                          route_w_ptr, g_ptr + e * stride_we, gs_ptr + e * stride_se,
-                          u_ptr + e * stride_we, us_ptr + e * stride_se, n, kb, pid_n, stride_wn,
-                          stride_sr, stride_sc, off_r, off_c, TOPK, D, I, FMT, BLOCK_R, BLOCK_C,
-                          BLOCK_N, BLOCK_K, SUB, UNROLL, SCALE_PER_ROW)
+            _gate_up_pass(tl.sum(tl.where(same & (rank == c), q, 0), 0), v_ptr, h_ptr, route_w_ptr,
+                          g_ptr, gs_ptr, u_ptr, us_ptr, n, kb, pid_n, stride_wn, stride_sr,
+                          stride_sc, off_r, off_c, TOPK, D, I, FMT, BLOCK_R, BLOCK_C, BLOCK_N,
+                          BLOCK_K, SUB, UNROLL, SCALE_PER_ROW)
     else:
-        for j in tl.static_range(PAIRS):
-            p = q * PAIRS + j
-            if p < P:
-                e = tl.load(ids_ptr + p).to(tl.int64)
-                _gate_up_pass(p, v_ptr, h_ptr, route_w_ptr, g_ptr + e * stride_we,
-                              gs_ptr + e * stride_se, u_ptr + e * stride_we, us_ptr + e * stride_se,
-                              n, kb, pid_n, stride_wn, stride_sr, stride_sc, off_r, off_c, TOPK, D,
-                              I, FMT, BLOCK_R, BLOCK_C, BLOCK_N, BLOCK_K, SUB, UNROLL,
-                              SCALE_PER_ROW)
+        _gate_up_pass(p, v_ptr, h_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, n, kb, pid_n,
+                      stride_wn, stride_sr, stride_sc, off_r, off_c, TOPK, D, I, FMT, BLOCK_R,
+                      BLOCK_C, BLOCK_N, BLOCK_K, SUB, UNROLL, SCALE_PER_ROW)
 
 
 @_jit
@@ -787,10 +781,6 @@ SHARED_SPLIT = {"int4": 4, "fp8": 2}
 # --variants gemv --shared, puts the INT4 crossover at 5 and FP8's at 12, back to back in a graph
 # of the MoE alone; the rule follows the whole step's measurement.)
 SHARED_MAX_TOKENS = {"int4": 8, "fp8": 32}
-# fused_moe's adaptive variant (bf16 and FP8 weights): its GEMV gate_up gives a program P // this
-# many pairs (at least 1), one after another, so where the tiles served the call fewer programs
-# find the flag set and return (each costs about a nanosecond of the launch however little it does)
-ADAPTIVE_PAIR_PROGRAMS = 64
 # gate_up's shared programs in the dot form (_shared_gate_up_dot) from this many tokens, by format
 # (absent: the loop form always); each weight read once for all tokens, not once a token. FP8 (4
 # warps a program): the verify sweep 0.29 to 3.14 ms a step faster at 5 to 32 tokens, within 0.04
@@ -945,12 +935,11 @@ def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None, plan
                                        cfg.get("shared_dot", _shared_dot(fmt, N)))
     ad_gate_up, ad_down = _adaptive_args(tiles, ids)
     leader = N <= GEMV_LEADER_TOKENS.get(fmt, 0)
-    pairs = 1 if leader or tiles is None else max(1, P // ADAPTIVE_PAIR_PROGRAMS)
-    _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + triton.cdiv(P, pairs))](
+    _moe_gemv_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         x, h, ids, route_w, gate.data, gs, up.data, _weight_args(up, bk)[0], P, *strides, *offs,
         TOPK=K, D=D, I=I, FMT=FORMATS[fmt], BLOCK_N=bn, BLOCK_K=bk, UNROLL=unroll, LEADER=leader,
         P_PAD=max(16, triton.next_power_of_2(P)) if leader else 16,  # 16: unused, one compile
-        PAIRS=pairs, **const, **sh_gate_up, **ad_gate_up, launch_pdl=common.PDL, num_warps=warps)
+        **const, **sh_gate_up, **ad_gate_up, launch_pdl=common.PDL, num_warps=warps)
     bn, bk, warps, sub = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     ds, strides, offs, const = _gemv_args(down, bk, sub)
