@@ -961,6 +961,21 @@ def test_run_defaults_uniform_routing_for_random_weights_and_model_routing_for_a
     assert load_target(ckpt, 1, 16).routing == "model"
 
 
+def test_run_moe_adaptive_sets_the_rule_for_its_build_only(monkeypatch):
+    """--moe-adaptive N puts FP8's entry in the fused MoE's rule (kernels.moe.ADAPTIVE_MIN_TOKENS)
+    for the build, the rule then picks the adaptive variant from N tokens, and a later build
+    without the flag clears it (the rule is module state; nothing carries over between runs)."""
+    monkeypatch.setattr(kernels.moe, "ADAPTIVE_MIN_TOKENS", {})
+    cpu = torch.device("cpu")
+    for flags, want in (("--moe-adaptive 3", {"fp8": 3}), ("", {})):
+        argv = f"--random-weights --quant fp8 --dtype float64 {flags}".split()
+        timing.build(run.settle(run.parse_args(argv), cpu, 1), cpu, torch.float64)
+        assert kernels.moe.ADAPTIVE_MIN_TOKENS == want, flags
+        picks = [kernels.moe.gemv_rule("fp8", N, 8, 256) for N in (1, 2, 3, 32, 33)]
+        adaptive = "adaptive" if want else "gemv"
+        assert picks == ["gemv", "gemv", adaptive, adaptive, "dot"], (flags, picks)
+
+
 def assert_parts_add_up(got, what):
     """A component table (components.profile_components) whose parts sum to its kernels' time
     within 5%, with time in every component these models run (all but the all-reduce's) and more

@@ -104,6 +104,9 @@ def build(args, device, dtype):
           else tpm.TP.from_env(args.allreduce))
     target, how = build_target(args, device, dtype, tp)
     kernels.accelerate(target, args.kernels, moe=args.moe_impl)   # the fast paths, from outside
+    # --moe-adaptive: FP8's entry of the fused MoE's rule (kernels.moe.ADAPTIVE_MIN_TOKENS), this
+    # build's flag, none without it (the rule is the process's: a build sets it or clears it)
+    kernels.moe.ADAPTIVE_MIN_TOKENS.pop("fp8", None)
     if args.moe_adaptive is not None:
         kernels.moe.ADAPTIVE_MIN_TOKENS["fp8"] = args.moe_adaptive
     if args.draft_path:
