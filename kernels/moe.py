@@ -44,7 +44,9 @@ TILE_SPLIT = {"fp8": ((128, 7), (256, 4))}
 # ADAPTIVE_SHARE / ADAPTIVE_SCALE of its token-expert pairs, else the GEMV. From the kernel
 # benchmark (FP8, 8 to 32 tokens; BENCHMARKS.md, Routing): the tiles win at 32 tokens with 183 of
 # 256 pairs distinct (0.71) and with fewer, tie at 16 with 105 of 128 (0.82) and lose with every
-# pair distinct (run.py's uniform routing)
+# pair distinct (run.py's uniform routing). In the step, under the trained probe's routing trace,
+# the tiles it picked at 10-16 tokens (0.65-0.74 of the pairs distinct) were no faster than the
+# GEMV with the variant's fixed costs; from 24 tokens (0.51-0.70) they were faster
 ADAPTIVE_SHARE, ADAPTIVE_SCALE = 3, 4
 # the align's two launches (_moe_count_kernel, _moe_place_kernel): a program per ALIGN_CHUNK pairs
 # (a [ALIGN_CHUNK, E] one-hot), padding rows written ALIGN_FILL a step, the tile -> expert map
