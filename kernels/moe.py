@@ -676,7 +676,7 @@ def _fused_moe_adaptive(x, ids, route_w, gate, up, down, fmt, K, cfgs, shared, p
 def _tile_launches(x, y, tiles, route_w, gate, up, down, fmt, K, cfg):
     """The tile variant's gate_up and down over the align's tiles: y [P, D] fp32, the routing
     weight applied, written for the pairs in tiles."""
-    D, (E, I, _), P, dev = x.shape[1], gate.shape, route_w.numel(), x.device
+    D, I, P, dev = x.shape[1], gate.shape[1], route_w.numel(), x.device
     max_tiles = tiles[1].numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact, not tf32; else unused
     if fmt == "int4":
@@ -684,23 +684,35 @@ def _tile_launches(x, y, tiles, route_w, gate, up, down, fmt, K, cfg):
     else:
         h = torch.empty(P, I, dtype=x.dtype, device=dev)                         # [P, I]
         bn, bk, warps, stages, split = cfg["gate_up"]
-        part = torch.empty(split if split > 1 else 0, P, 2, I, dtype=torch.float32, device=dev)
+        part = _gate_up_parts(split, P, I, dev)
         gs, strides, quant, per_row = _weight_args(gate, bk)
         _moe_gate_up_kernel[(triton.cdiv(I, bn), max_tiles, split)](
             x, h, part, *tiles, gate.data, gs, up.data, _weight_args(up, bk)[0], P, K, D, I,
             *strides, *quant, FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
             SPLIT=split, SCALE_PER_ROW=per_row, PRECISION=precision,
             launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
-        if split > 1:
-            _moe_silu_kernel[(triton.cdiv(P * I, SILU_BLOCK),)](
-                part, h, P, I=I, SPLIT=split, BLOCK=SILU_BLOCK, launch_pdl=common.PDL,
-                num_warps=4)
+        _silu_of_parts(part, h)
         bn, bk, warps, stages = cfg["down"]
         ds, strides, quant, per_row = _weight_args(down, bk)
         _moe_down_kernel[(triton.cdiv(D, bn), max_tiles)](
             h, y, *tiles, route_w, down.data, ds, P, D, I, *strides, *quant,
             FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SCALE_PER_ROW=per_row,
             PRECISION=precision, launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
+
+
+def _gate_up_parts(split, P, I, device):
+    """The tiles' gate_up output where it splits D: each part's fp32 sums of gate and up, [split,
+    P, 2, I] (empty for split 1, where gate_up makes h itself)."""
+    return torch.empty(split if split > 1 else 0, P, 2, I, dtype=torch.float32, device=device)
+
+
+def _silu_of_parts(part, h):
+    """h [P, I] = silu(the parts' gate sum) * their up sum (_moe_silu_kernel), where gate_up split
+    D (part from _gate_up_parts); nothing for one part."""
+    split, P, _, I = part.shape
+    if split > 1:
+        _moe_silu_kernel[(triton.cdiv(P * I, SILU_BLOCK),)](
+            part, h, P, I=I, SPLIT=split, BLOCK=SILU_BLOCK, launch_pdl=common.PDL, num_warps=4)
 
 
 def _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision):
@@ -719,15 +731,13 @@ def _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision):
                                                for w in (gate, up, down))
     magic = moe_gemv.BF16_MAGIC if packed else moe_gemv.MAGIC
     bn, bk, warps, stages, split = cfg["gate_up"]
-    part = torch.empty(split if split > 1 else 0, P, 2, I, dtype=torch.float32, device=x.device)
+    part = _gate_up_parts(split, P, I, x.device)
     _moe_int4_gate_up_kernel[(triton.cdiv(I, bn), max_tiles, split)](
         x, h, part, *tiles, gate.data, gate.scale, up.data, up.scale, P, K, *strides(gate),
         magic, D=D, I=I, GROUP=gate.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         SPLIT=split, EVEN=D % bk == 0 and I % bn == 0, PACKED=packed, PRECISION=precision,
         launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
-    if split > 1:
-        _moe_silu_kernel[(triton.cdiv(P * I, SILU_BLOCK),)](
-            part, h, P, I=I, SPLIT=split, BLOCK=SILU_BLOCK, launch_pdl=common.PDL, num_warps=4)
+    _silu_of_parts(part, h)
     bn, bk, warps, stages = cfg["down"]
     _moe_int4_down_kernel[(triton.cdiv(D, bn), max_tiles)](
         h, y, *tiles, route_w, down.data, down.scale, P, *strides(down), magic, D=D, I=I,
