@@ -105,8 +105,7 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
     # one step a program up to ROUTER_GEMV_MAX_TOKENS tokens
     for d0 in range(j * d_per_split, d_end, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
-        w = tl.load(w_ptr + e[:, None] * s_we + d[None, :],
-                    mask=(e < E)[:, None] & (d < d_end)[None, :], other=0.0)
+        w = _weight_tile(w_ptr, e, E, d, d_end, s_we)
         if BLOCK_N <= CHUNK:  # one chunk, unrolled (c a constant)
             acc = _router_chunk(acc, x_ptr, v_ptr, 0, N, D, d, d_end, w, n, eb, s_xn, PLANES,
                                 CHUNK)
@@ -114,8 +113,7 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
             for c in range(0, N, CHUNK):  # each token against the same tile, CHUNK at a time
                 acc = _router_chunk(acc, x_ptr, v_ptr, c, N, D, d, d_end, w, n, eb, s_xn, PLANES,
                                     CHUNK)
-    tl.store(part_ptr + j * s_ps + n[:, None] * s_pn + e[None, :], acc,
-             mask=(n < N)[:, None] & (e < E)[None, :])
+    _store_part(part_ptr, acc, j, n, N, e, E, s_ps, s_pn)
     if not SELECT:   # the selection kernel selects, launched next
         return
     tl.debug_barrier()  # every thread's stores before the counter's release
@@ -125,6 +123,21 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
                        E_PER_G, G, scale,
                        SPLITS, K, TOPK_GROUP, NORM, GROUPED, UNIFORM, SHARED, BLOCK_N, BLOCK_G,
                        BLOCK_EG, BLOCK_K)
+
+
+@_jit
+def _weight_tile(w_ptr, e, E, d, d_end, s_we):
+    """The logits kernels' weight tile: W [E, D] float32 at experts e and columns d (those below
+    d_end, the end of the program's slice), zero elsewhere, [len(e), len(d)]."""
+    return tl.load(w_ptr + e[:, None] * s_we + d[None, :],
+                   mask=(e < E)[:, None] & (d < d_end)[None, :], other=0.0)
+
+
+@_jit
+def _store_part(part_ptr, acc, j, n, N, e, E, s_ps, s_pn):
+    """The logits kernels' partial sums acc [len(n), len(e)] of slice j into part [SPLITS, N, E]."""
+    tl.store(part_ptr + j * s_ps + n[:, None] * s_pn + e[None, :], acc,
+             mask=(n < N)[:, None] & (e < E)[None, :])
 
 
 @_jit
@@ -166,8 +179,7 @@ def _router_dot_kernel(x_ptr, w_ptr, part_ptr, N, E, D, d_per_split, s_xn, s_we,
     d_end = tl.minimum((j + 1) * d_per_split, D)
     for d0 in range(j * d_per_split, d_end, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
-        w = tl.load(w_ptr + e[:, None] * s_we + d[None, :],
-                    mask=(e < E)[:, None] & (d < d_end)[None, :], other=0.0)
+        w = _weight_tile(w_ptr, e, E, d, d_end, s_we)
         ok = (n < N)[:, None] & (d < d_end)[None, :]
         x = tl.load(x_ptr + n[:, None] * s_xn + d[None, :], mask=ok, other=0.0).to(tl.float32)
         if EXACT_X:
@@ -176,8 +188,7 @@ def _router_dot_kernel(x_ptr, w_ptr, part_ptr, N, E, D, d_per_split, s_xn, s_we,
             acc = tl.dot(x, tl.trans(w - hi), acc, input_precision="tf32")
         else:
             acc = tl.dot(x, tl.trans(w), acc, input_precision="ieee")
-    tl.store(part_ptr + j * s_ps + n[:, None] * s_pn + e[None, :], acc,
-             mask=(n < N)[:, None] & (e < E)[None, :])
+    _store_part(part_ptr, acc, j, n, N, e, E, s_ps, s_pn)
 
 
 @_jit
