@@ -18,14 +18,12 @@ from .moe_gemv import (FORMATS, GEMV_MAX_PAIRS, SHARED_SPLIT, ExpertWeights, _ch
 # Launches of a fixed grid for given (N, K, E): align (sort the P pairs by expert on the device,
 # each expert's pairs padded to whole BLOCK_M tiles; two launches, counting then placing, a program
 # per chunk of pairs), gate_up (a program per (tile of pairs of one expert, BLOCK_N rows of I): both
-# projections, SiLU and the product; a split of D, a silu launch then finishing h), down (a
+# projections, SiLU and the product; INT4's may split D, a silu launch then finishing h), down (a
 # program per (tile, BLOCK_N rows of D): routing weight applied, one fp32 row per pair) and combine
 # (the K rows of a token summed). A tile holds pairs of one expert only, and every tile of an expert
 # reads that expert's weights, so an expert picked by up to BLOCK_M tokens is read exactly once. At
 # most min(E, P) + P // BLOCK_M tiles exist (sum over experts of ceil(count / BLOCK_M)); that bound
-# sizes the buffers and the grids. The align also counts the tiles in use (they come first), and a
-# program steps through them a grid's axis 1 apart, so programs left without a tile exit at once,
-# and a grid may have fewer programs than tiles (the adaptive variant's). Weights are read as stored
+# sizes the buffers and the grids, and tiles left unused exit at once. Weights are read as stored
 # (bf16 / fp32, FP8 e4m3 with block scales, INT4 packed words with group scales), dequantized in
 # registers; products accumulate in fp32. Deterministic: no atomics, so a graph replay equals the
 # eager call.
@@ -50,12 +48,6 @@ TILE_SPLIT = {"fp8": ((128, 7), (256, 4))}
 # the tiles it picked at 10-16 tokens (0.65-0.74 of the pairs distinct) were no faster than the
 # GEMV with the variant's fixed costs; from 24 tokens (0.51-0.70) they were faster
 ADAPTIVE_SHARE, ADAPTIVE_SCALE = 3, 4
-# The adaptive variant's tile launches take at most this many programs each, each program then
-# stepping through the tiles in use (the tile variant: a program a tile). Where the GEMV serves
-# the call no tile is in use, and every program of the launch returns at once: about 1.3 ns a
-# program on the H200, so a grid of a program a possible tile cost 7.8 µs a launch at 16 tokens
-# (5,824 programs)
-ADAPTIVE_TILE_PROGRAMS = 1024
 # the align's two launches (_moe_count_kernel, _moe_place_kernel): a program per ALIGN_CHUNK pairs
 # (a [ALIGN_CHUNK, E] one-hot), padding rows written ALIGN_FILL a step, the tile -> expert map
 # ALIGN_TILES tiles a step (not swept)
@@ -149,16 +141,16 @@ def _moe_count_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, P, ROWS,
 
 
 @_jit
-def _moe_place_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, tile_expert_ptr, used_ptr, P, E,
+def _moe_place_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, tile_expert_ptr, use_tiles_ptr, P, E,
                       max_tiles, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
                       TILES: tl.constexpr, SHARE: tl.constexpr, SCALE: tl.constexpr):
     """The align's second launch: each pair's row (its expert's first tile * BLOCK_M + the pairs of
     that expert before it, in pair order: stable) for the pairs of chunk c, and the tile -> expert
     map for this program's share of the max_tiles tiles (-1 past the last used tile). Every
     program sums the chunks' counts itself (the experts' totals and the counts of earlier chunks).
-    used_ptr, int32 [1] out: the tiles in use (the first ones; the tile kernels step through
-    them). SHARE > 0 (the adaptive variant): the tiles only where the call's distinct experts are
-    at most SHARE / SCALE of its pairs, else every tile unused (used 0: the GEMV serves).
+    SHARE > 0 (the adaptive variant): the tiles only where the call's distinct experts are at most
+    SHARE / SCALE of its pairs (every tile unused otherwise), and that choice in use_tiles_ptr,
+    int32 [1]: 1 where the tiles serve the call, else 0.
 
     sorted_pair_ptr: int32 [max_tiles * BLOCK_M] out: the pair in each tile row (padding rows keep
     P from _moe_count_kernel). tile_expert_ptr: int32 [max_tiles] out. Grid: (cdiv(P, CHUNK),)."""
@@ -173,10 +165,11 @@ def _moe_place_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, tile_expert_ptr, use
         before += tl.where(j < c, n, 0)
     kept = total > 0
     if SHARE > 0:  # one choice for the whole call: every program sums the same totals
-        kept &= tl.sum(kept.to(tl.int32), 0) * SCALE <= P * SHARE
+        use_tiles = tl.sum(kept.to(tl.int32), 0) * SCALE <= P * SHARE
+        kept &= use_tiles
+        if c == 0:
+            tl.store(use_tiles_ptr, use_tiles.to(tl.int32))
     tiles = tl.where(kept, (total + BLOCK_M - 1) // BLOCK_M, 0)
-    if c == 0:
-        tl.store(used_ptr, tl.sum(tiles, 0))
     end_tile = tl.cumsum(tiles, 0)                                     # [E_PAD], inclusive
     p = c * CHUNK + tl.arange(0, CHUNK)
     ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
@@ -226,8 +219,8 @@ def _accumulate(acc, xt, k0, K_IN, w_ptr, s_ptr, n, n_ok, stride_wn, stride_sr, 
 
 
 @_jit
-def _moe_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_expert_ptr, used_ptr, g_ptr,
-                        gs_ptr, u_ptr, us_ptr,
+def _moe_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr, gs_ptr,
+                        u_ptr, us_ptr,
                         P, TOPK, D, I, stride_we, stride_wn, stride_se, stride_sr, stride_sc,
                         block_r, block_c, off_r, off_c,
                         FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
@@ -239,45 +232,46 @@ def _moe_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_expert_ptr
 
     x_ptr: [N, D] contiguous, the compute dtype. h_ptr: [P, I] out, x's dtype. g_ptr / u_ptr and
     gs_ptr / us_ptr: gate and up weights and scales, [E, I, D]-shaped as ExpertWeights (same
-    strides for both). sorted_pair_ptr, tile_expert_ptr, used_ptr: from the align kernel. Grid:
-    (cdiv(I, BLOCK_N), at most max_tiles, SPLIT): program (pid_n, t, pid_k) takes the tiles in use
-    from t on, a grid's axis 1 apart."""
+    strides for both). sorted_pair_ptr, tile_expert_ptr: from the align kernel. Grid:
+    (cdiv(I, BLOCK_N), max_tiles, SPLIT)."""
     _wait_for_prior()
-    pid_n, pid_k = tl.program_id(0), tl.program_id(2)
+    pid_n, tile, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    e = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    if e < 0:
+        return
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pair_ptr + rows)
+    row_ok = pair < P
+    x_row = (pair // TOPK).to(tl.int64) * D
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
+    acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     PART = tl.cdiv(tl.cdiv(D, SPLIT), BLOCK_K) * BLOCK_K
-    for tile in range(tl.program_id(1), tl.load(used_ptr), tl.num_programs(1)):
-        e = tl.load(tile_expert_ptr + tile).to(tl.int64)
-        pair = tl.load(sorted_pair_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-        row_ok = pair < P
-        x_row = (pair // TOPK).to(tl.int64) * D
-        acc_g = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        acc_u = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(pid_k * PART, tl.minimum(pid_k * PART + PART, D), BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)                                # one load for gate and up
-            xt = tl.load(x_ptr + x_row[:, None] + k[None, :],
-                         mask=row_ok[:, None] & (k < D)[None, :], other=0.0)
-            acc_g = _accumulate(acc_g, xt, k0, D, g_ptr + e * stride_we, gs_ptr + e * stride_se,
-                                n, n_ok, stride_wn, stride_sr, stride_sc, block_r, block_c, off_r,
-                                off_c, FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
-            acc_u = _accumulate(acc_u, xt, k0, D, u_ptr + e * stride_we, us_ptr + e * stride_se,
-                                n, n_ok, stride_wn, stride_sr, stride_sc, block_r, block_c, off_r,
-                                off_c, FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
-        ok = row_ok[:, None] & n_ok[None, :]
-        if SPLIT == 1:
-            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-            tl.store(h_ptr + pair[:, None].to(tl.int64) * I + n[None, :],
-                     h.to(h_ptr.dtype.element_ty), mask=ok)
-        else:
-            part = part_ptr + ((pid_k * P + pair[:, None]).to(tl.int64) * 2) * I + n[None, :]
-            tl.store(part, acc_g, mask=ok)
-            tl.store(part + I, acc_u, mask=ok)
+    for k0 in range(pid_k * PART, tl.minimum(pid_k * PART + PART, D), BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)                                    # one load for gate and up
+        xt = tl.load(x_ptr + x_row[:, None] + k[None, :],
+                     mask=row_ok[:, None] & (k < D)[None, :], other=0.0)
+        acc_g = _accumulate(acc_g, xt, k0, D, g_ptr + e * stride_we, gs_ptr + e * stride_se, n,
+                            n_ok, stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c,
+                            FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
+        acc_u = _accumulate(acc_u, xt, k0, D, u_ptr + e * stride_we, us_ptr + e * stride_se, n,
+                            n_ok, stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c,
+                            FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
+    ok = row_ok[:, None] & n_ok[None, :]
+    if SPLIT == 1:
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(h_ptr + pair[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty),
+                 mask=ok)
+    else:
+        part = part_ptr + ((pid_k * P + pair[:, None]).to(tl.int64) * 2) * I + n[None, :]
+        tl.store(part, acc_g, mask=ok)
+        tl.store(part + I, acc_u, mask=ok)
 
 
 @_jit
-def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, used_ptr, route_w_ptr, w_ptr,
-                     s_ptr, P, D, I, stride_we, stride_wn, stride_se, stride_sr, stride_sc,
+def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr, w_ptr, s_ptr,
+                     P, D, I, stride_we, stride_wn, stride_se, stride_sr, stride_sc,
                      block_r, block_c, off_r, off_c,
                      FMT: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                      BLOCK_K: tl.constexpr,
@@ -287,26 +281,29 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, used_ptr, r
     h_ptr: [P, I] from gate_up (or the silu launch). y_ptr: fp32 [P, D] out, one row per pair (every
     pair's row is written once). route_w_ptr: fp32 [P], the routing weights flattened. w_ptr /
     s_ptr: down weights and scales, [E, D, I]-shaped as ExpertWeights. Grid: (cdiv(D, BLOCK_N),
-    at most max_tiles), its axis 1 stepping through the tiles in use as in gate_up."""
+    max_tiles)."""
     _wait_for_prior()
-    n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    pid_n, tile = tl.program_id(0), tl.program_id(1)
+    e = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    if e < 0:
+        return
+    rows = tile * BLOCK_M + tl.arange(0, BLOCK_M)
+    pair = tl.load(sorted_pair_ptr + rows)
+    row_ok = pair < P
+    h_row = pair.to(tl.int64) * I
+    n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
-    for tile in range(tl.program_id(1), tl.load(used_ptr), tl.num_programs(1)):
-        e = tl.load(tile_expert_ptr + tile).to(tl.int64)
-        pair = tl.load(sorted_pair_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))
-        row_ok = pair < P
-        h_row = pair.to(tl.int64) * I
-        acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k = k0 + tl.arange(0, BLOCK_K)
-            ht = tl.load(h_ptr + h_row[:, None] + k[None, :],
-                         mask=row_ok[:, None] & (k < I)[None, :], other=0.0)
-            acc = _accumulate(acc, ht, k0, I, w_ptr + e * stride_we, s_ptr + e * stride_se, n,
-                              n_ok, stride_wn, stride_sr, stride_sc, block_r, block_c, off_r,
-                              off_c, FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
-        route_w = tl.load(route_w_ptr + pair, mask=row_ok, other=0)
-        tl.store(y_ptr + pair[:, None].to(tl.int64) * D + n[None, :], acc * route_w[:, None],
-                 mask=row_ok[:, None] & n_ok[None, :])
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k = k0 + tl.arange(0, BLOCK_K)
+        ht = tl.load(h_ptr + h_row[:, None] + k[None, :],
+                     mask=row_ok[:, None] & (k < I)[None, :], other=0.0)
+        acc = _accumulate(acc, ht, k0, I, w_ptr + e * stride_we, s_ptr + e * stride_se, n, n_ok,
+                          stride_wn, stride_sr, stride_sc, block_r, block_c, off_r, off_c,
+                          FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
+    route_w = tl.load(route_w_ptr + pair, mask=row_ok, other=0)
+    tl.store(y_ptr + pair[:, None].to(tl.int64) * D + n[None, :], acc * route_w[:, None],
+             mask=row_ok[:, None] & n_ok[None, :])
 
 
 # INT4 tiles: the weights as the MMA's first operand. A tile's pairs (at most BLOCK_M = 16, mostly
@@ -403,45 +400,45 @@ def _scaled_pair(words, J: tl.constexpr, s2, magic):
 
 
 @_jit
-def _moe_int4_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_expert_ptr, used_ptr,
-                             g_ptr, gs_ptr, u_ptr, us_ptr, P, TOPK, stride_we, stride_wn, stride_se,
+def _moe_int4_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_expert_ptr, g_ptr,
+                             gs_ptr, u_ptr, us_ptr, P, TOPK, stride_we, stride_wn, stride_se,
                              stride_sr, magic, D: tl.constexpr, I: tl.constexpr,
                              GROUP: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                              BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
                              PACKED: tl.constexpr, PRECISION: tl.constexpr):
     """_moe_gate_up_kernel for INT4 weights (the section above), over part pid_k of SPLIT of D:
     h[pair, i] for the BLOCK_N rows i of program pid_n and the pairs of one tile (SPLIT 1), else
-    the fp32 sums of gate and up, part[pid_k, pair, 0 / 1, i]. Grid: (cdiv(I, BLOCK_N), at most
-    max_tiles, SPLIT), its axis 1 stepping through the tiles in use as in _moe_gate_up_kernel."""
+    the fp32 sums of gate and up, part[pid_k, pair, 0 / 1, i]. Grid: (cdiv(I, BLOCK_N), max_tiles,
+    SPLIT)."""
     _wait_for_prior()
-    pid_n, pid_k = tl.program_id(0), tl.program_id(2)
+    pid_n, tile, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    e = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    if e < 0:
+        return
+    pair = tl.load(sorted_pair_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))[None, :]
+    x_col = (pair // TOPK).to(tl.int64) * D
     n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None]
+    g_rows, u_rows = g_ptr + e * stride_we + n * stride_wn, u_ptr + e * stride_we + n * stride_wn
+    gs_rows = gs_ptr + e * stride_se + n * stride_sr
+    us_rows = us_ptr + e * stride_se + n * stride_sr
+    acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     PART: tl.constexpr = (D + SPLIT * BLOCK_K - 1) // (SPLIT * BLOCK_K) * BLOCK_K
-    for tile in range(tl.program_id(1), tl.load(used_ptr), tl.num_programs(1)):
-        e = tl.load(tile_expert_ptr + tile).to(tl.int64)
-        pair = tl.load(sorted_pair_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))[None, :]
-        x_col = (pair // TOPK).to(tl.int64) * D
-        g_rows = g_ptr + e * stride_we + n * stride_wn
-        u_rows = u_ptr + e * stride_we + n * stride_wn
-        gs_rows = gs_ptr + e * stride_se + n * stride_sr
-        us_rows = us_ptr + e * stride_se + n * stride_sr
-        acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for k0 in range(pid_k * PART, tl.minimum(pid_k * PART + PART, D), BLOCK_K):
-            k = (k0 + tl.arange(0, BLOCK_K))[:, None]
-            xt = tl.load(x_ptr + x_col + k, mask=(pair < P) & (k < D), other=0.0)  # [BLOCK_K, BM]
-            acc_g = tl.dot(_int4_block(g_rows, gs_rows, n < I, k0, magic, D, GROUP, BLOCK_K, EVEN,
-                                       xt.dtype, PACKED), xt, acc_g, input_precision=PRECISION)
-            acc_u = tl.dot(_int4_block(u_rows, us_rows, n < I, k0, magic, D, GROUP, BLOCK_K, EVEN,
-                                       xt.dtype, PACKED), xt, acc_u, input_precision=PRECISION)
-        ok = (pair < P) & (n < I)
-        if SPLIT == 1:
-            h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
-            tl.store(h_ptr + pair.to(tl.int64) * I + n, h.to(h_ptr.dtype.element_ty), mask=ok)
-        else:
-            part = part_ptr + ((pid_k * P + pair).to(tl.int64) * 2) * I + n
-            tl.store(part, acc_g, mask=ok)
-            tl.store(part + I, acc_u, mask=ok)
+    for k0 in range(pid_k * PART, tl.minimum(pid_k * PART + PART, D), BLOCK_K):
+        k = (k0 + tl.arange(0, BLOCK_K))[:, None]
+        xt = tl.load(x_ptr + x_col + k, mask=(pair < P) & (k < D), other=0.0)   # [BLOCK_K, BM]
+        acc_g = tl.dot(_int4_block(g_rows, gs_rows, n < I, k0, magic, D, GROUP, BLOCK_K, EVEN,
+                                   xt.dtype, PACKED), xt, acc_g, input_precision=PRECISION)
+        acc_u = tl.dot(_int4_block(u_rows, us_rows, n < I, k0, magic, D, GROUP, BLOCK_K, EVEN,
+                                   xt.dtype, PACKED), xt, acc_u, input_precision=PRECISION)
+    ok = (pair < P) & (n < I)
+    if SPLIT == 1:
+        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        tl.store(h_ptr + pair.to(tl.int64) * I + n, h.to(h_ptr.dtype.element_ty), mask=ok)
+    else:
+        part = part_ptr + ((pid_k * P + pair).to(tl.int64) * 2) * I + n
+        tl.store(part, acc_g, mask=ok)
+        tl.store(part + I, acc_u, mask=ok)
 
 
 @_jit
@@ -464,30 +461,30 @@ def _moe_silu_kernel(part_ptr, h_ptr, P, I: tl.constexpr, SPLIT: tl.constexpr,
 
 
 @_jit
-def _moe_int4_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, used_ptr, route_w_ptr,
-                          w_ptr, s_ptr, P, stride_we, stride_wn, stride_se, stride_sr, magic,
+def _moe_int4_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr, w_ptr,
+                          s_ptr, P, stride_we, stride_wn, stride_se, stride_sr, magic,
                           D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
                           EVEN: tl.constexpr, PACKED: tl.constexpr, PRECISION: tl.constexpr):
     """_moe_down_kernel for INT4 weights (the section above): y[pair, d] for the BLOCK_N rows d of
-    program pid_n and the pairs of one tile, h read by pair. Grid: (cdiv(D, BLOCK_N), at most
-    max_tiles), its axis 1 stepping through the tiles in use as in _moe_gate_up_kernel."""
+    program pid_n and the pairs of one tile, h read by pair. Grid: (cdiv(D, BLOCK_N), max_tiles)."""
     _wait_for_prior()
-    n = (tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N))[:, None]
-    for tile in range(tl.program_id(1), tl.load(used_ptr), tl.num_programs(1)):
-        e = tl.load(tile_expert_ptr + tile).to(tl.int64)
-        pair = tl.load(sorted_pair_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))[None, :]
-        h_col = pair.to(tl.int64) * I
-        w_rows = w_ptr + e * stride_we + n * stride_wn
-        s_rows = s_ptr + e * stride_se + n * stride_sr
-        acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-        for k0 in range(0, I, BLOCK_K):
-            k = (k0 + tl.arange(0, BLOCK_K))[:, None]
-            ht = tl.load(h_ptr + h_col + k, mask=(pair < P) & (k < I), other=0.0)  # [BLOCK_K, BM]
-            acc = tl.dot(_int4_block(w_rows, s_rows, n < D, k0, magic, I, GROUP, BLOCK_K, EVEN,
-                                     ht.dtype, PACKED), ht, acc, input_precision=PRECISION)
-        route_w = tl.load(route_w_ptr + pair, mask=pair < P, other=0)
-        tl.store(y_ptr + pair.to(tl.int64) * D + n, acc * route_w, mask=(pair < P) & (n < D))
+    pid_n, tile = tl.program_id(0), tl.program_id(1)
+    e = tl.load(tile_expert_ptr + tile).to(tl.int64)
+    if e < 0:
+        return
+    pair = tl.load(sorted_pair_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))[None, :]
+    h_col = pair.to(tl.int64) * I
+    n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None]
+    w_rows, s_rows = w_ptr + e * stride_we + n * stride_wn, s_ptr + e * stride_se + n * stride_sr
+    acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
+    for k0 in range(0, I, BLOCK_K):
+        k = (k0 + tl.arange(0, BLOCK_K))[:, None]
+        ht = tl.load(h_ptr + h_col + k, mask=(pair < P) & (k < I), other=0.0)   # [BLOCK_K, BM]
+        acc = tl.dot(_int4_block(w_rows, s_rows, n < D, k0, magic, I, GROUP, BLOCK_K, EVEN,
+                                 ht.dtype, PACKED), ht, acc, input_precision=PRECISION)
+    route_w = tl.load(route_w_ptr + pair, mask=pair < P, other=0)
+    tl.store(y_ptr + pair.to(tl.int64) * D + n, acc * route_w, mask=(pair < P) & (n < D))
 
 
 @_jit
@@ -623,12 +620,12 @@ def _check_inputs(x, ids, route_w, gate, up, down, variant, shared, planes):
 
 def align(ids, E, share=0):
     """The tile variant's align: (sorted_pair int32 [max_tiles * BLOCK_M], tile_expert int32
-    [max_tiles], used int32 [1]) for ids [P] (experts in [0, E)): each expert's pairs in pair
-    order, in whole tiles of BLOCK_M rows, experts in ascending order, padding rows P; each tile's
-    expert, -1 for tiles left unused (max_tiles = min(E, P) + P // BLOCK_M, the section comment's
-    bound); the tiles in use, the first `used`. share > 0 (the adaptive variant): the tiles only
-    where the distinct experts are at most share / ADAPTIVE_SCALE of the pairs, else used 0; the
-    bound then takes that many distinct experts at most (fewer tiles to size for)."""
+    [max_tiles], use_tiles) for ids [P] (experts in [0, E)): each expert's pairs in pair order, in
+    whole tiles of BLOCK_M rows, experts in ascending order, padding rows P; each tile's expert, -1
+    for tiles left unused (max_tiles = min(E, P) + P // BLOCK_M, the section comment's bound).
+    share 0: use_tiles None; else (the adaptive variant) the tiles only where the distinct experts
+    are at most share / ADAPTIVE_SCALE of the pairs, and use_tiles int32 [1]: 1 if so, else 0; the
+    bound then takes that many distinct experts at most (fewer programs that find no tile)."""
     P, dev = ids.numel(), ids.device
     distinct = min(E, P * share // ADAPTIVE_SCALE if share else P)
     max_tiles = max(1, distinct + P // BLOCK_M)
@@ -639,19 +636,22 @@ def align(ids, E, share=0):
     _moe_count_kernel[(chunks,)](ids, counts, sorted_pair, P, max_tiles * BLOCK_M, E_PAD=e_pad,
                                  CHUNK=ALIGN_CHUNK, FILL=ALIGN_FILL, num_warps=4,
                                  launch_pdl=common.PDL)
-    used = torch.empty(1, dtype=torch.int32, device=dev)
-    _moe_place_kernel[(chunks,)](ids, counts, sorted_pair, tile_expert, used, P, E, max_tiles,
+    use_tiles = torch.empty(1, dtype=torch.int32, device=dev) if share else None
+    _moe_place_kernel[(chunks,)](ids, counts, sorted_pair, tile_expert,
+                                 tile_expert if use_tiles is None else use_tiles, P, E, max_tiles,
                                  BLOCK_M=BLOCK_M, E_PAD=e_pad, CHUNK=ALIGN_CHUNK,
                                  TILES=ALIGN_TILES, SHARE=share, SCALE=ADAPTIVE_SCALE,
-                                 num_warps=4, launch_pdl=common.PDL)
-    return sorted_pair, tile_expert, used
+                                 num_warps=4,
+                                 launch_pdl=common.PDL)
+    return sorted_pair, tile_expert, use_tiles
 
 
 def _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, cfg):
     """fused_moe's tile variant: align, gate_up, down, combine (x [N, D], ids and route_w [N*K])."""
     (N, D), P, dev = x.shape, ids.numel(), x.device
+    sorted_pair, tile_expert, _ = align(ids, gate.shape[0])
     y = torch.empty(P, D, dtype=torch.float32, device=dev)                      # [P, D], weighted
-    _tile_launches(x, y, align(ids, gate.shape[0]), route_w, gate, up, down, fmt, K, cfg)
+    _tile_launches(x, y, (sorted_pair, tile_expert), route_w, gate, up, down, fmt, K, cfg)
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     _moe_combine_kernel[(N, triton.cdiv(D, COMBINE_BLOCK))](y, out, D, K, BLOCK_D=COMBINE_BLOCK,
                                                             num_warps=4, launch_pdl=common.PDL)
@@ -664,30 +664,29 @@ def _fused_moe_adaptive(x, ids, route_w, gate, up, down, fmt, K, cfgs, shared, p
     share of its pairs). Both paths are launched; the unchosen one's programs return at once. The
     GEMV launches always carry the shared expert, and their down either makes its products or, for
     the tiles, adds each token's rows of y (in place of the combine). cfgs: (the GEMV's block
-    sizes, the tiles'). The tile launches take at most ADAPTIVE_TILE_PROGRAMS programs each."""
+    sizes, the tiles')."""
     P, D = ids.numel(), x.shape[1]
-    tiles = align(ids, gate.shape[0], share=ADAPTIVE_SHARE)
+    sorted_pair, tile_expert, use_tiles = align(ids, gate.shape[0], share=ADAPTIVE_SHARE)
     y = torch.empty(P, D, dtype=torch.float32, device=x.device)    # the tiles' rows, if chosen
-    _tile_launches(x, y, tiles, route_w, gate, up, down, fmt, K, cfgs[1], ADAPTIVE_TILE_PROGRAMS)
+    _tile_launches(x, y, (sorted_pair, tile_expert), route_w, gate, up, down, fmt, K, cfgs[1])
     return moe_gemv._fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfgs[0], shared, planes,
-                                    tiles=(tiles[2], y))
+                                    tiles=(use_tiles, y))
 
 
-def _tile_launches(x, y, tiles, route_w, gate, up, down, fmt, K, cfg, programs=None):
-    """The tile variant's gate_up and down over the align's tiles (sorted_pair, tile_expert, used):
-    y [P, D] fp32, the routing weight applied, written for the pairs in tiles. programs: at most
-    this many programs a launch, each then taking several tiles in turn (None: one a tile)."""
+def _tile_launches(x, y, tiles, route_w, gate, up, down, fmt, K, cfg):
+    """The tile variant's gate_up and down over the align's tiles: y [P, D] fp32, the routing
+    weight applied, written for the pairs in tiles."""
     D, I, P, dev = x.shape[1], gate.shape[1], route_w.numel(), x.device
-    slots = lambda per_tile: _tile_slots(tiles[1].numel(), per_tile, programs)  # noqa: E731
+    max_tiles = tiles[1].numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact, not tf32; else unused
     if fmt == "int4":
-        _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision, slots)
+        _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision)
     else:
         h = torch.empty(P, I, dtype=x.dtype, device=dev)                         # [P, I]
         bn, bk, warps, stages, split = cfg["gate_up"]
         part = _gate_up_parts(split, P, I, dev)
         gs, strides, quant, per_row = _weight_args(gate, bk)
-        _moe_gate_up_kernel[(triton.cdiv(I, bn), slots(triton.cdiv(I, bn) * split), split)](
+        _moe_gate_up_kernel[(triton.cdiv(I, bn), max_tiles, split)](
             x, h, part, *tiles, gate.data, gs, up.data, _weight_args(up, bk)[0], P, K, D, I,
             *strides, *quant, FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
             SPLIT=split, SCALE_PER_ROW=per_row, PRECISION=precision,
@@ -695,16 +694,10 @@ def _tile_launches(x, y, tiles, route_w, gate, up, down, fmt, K, cfg, programs=N
         _silu_of_parts(part, h)
         bn, bk, warps, stages = cfg["down"]
         ds, strides, quant, per_row = _weight_args(down, bk)
-        _moe_down_kernel[(triton.cdiv(D, bn), slots(triton.cdiv(D, bn)))](
+        _moe_down_kernel[(triton.cdiv(D, bn), max_tiles)](
             h, y, *tiles, route_w, down.data, ds, P, D, I, *strides, *quant,
             FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SCALE_PER_ROW=per_row,
             PRECISION=precision, launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
-
-
-def _tile_slots(max_tiles, per_tile, programs):
-    """The tile launches' grid axis 1: max_tiles, or fewer where `programs` (not None) caps the
-    launch's programs (per_tile of them a tile), at least 1."""
-    return max_tiles if programs is None else max(1, min(max_tiles, programs // per_tile))
 
 
 def _gate_up_parts(split, P, I, device):
@@ -722,12 +715,11 @@ def _silu_of_parts(part, h):
             part, h, P, I=I, SPLIT=split, BLOCK=SILU_BLOCK, launch_pdl=common.PDL, num_warps=4)
 
 
-def _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision, slots):
+def _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision):
     """The tile variant's INT4 launches: gate_up (split over D where cfg says, then the silu
     launch), down; configs: gate_up (BLOCK_N weight rows, BLOCK_K elements a step, num_warps,
-    num_stages, SPLIT), down (the same but SPLIT). BLOCK_K: a multiple of the group. slots: the
-    grids' axis 1 from a launch's programs a tile (_tile_launches)."""
-    (D, I), P = (x.shape[1], gate.shape[1]), route_w.numel()
+    num_stages, SPLIT), down (the same but SPLIT). BLOCK_K: a multiple of the group."""
+    (D, I), P, max_tiles = (x.shape[1], gate.shape[1]), route_w.numel(), tiles[1].numel()
     strides = lambda w: (*w.data.stride()[:2], *w.scale.stride()[:2])   # noqa: E731
     for name, w in (("gate_up", gate), ("down", down)):
         if cfg[name][1] % w.group:
@@ -740,14 +732,14 @@ def _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision, slots):
     magic = moe_gemv.BF16_MAGIC if packed else moe_gemv.MAGIC
     bn, bk, warps, stages, split = cfg["gate_up"]
     part = _gate_up_parts(split, P, I, x.device)
-    _moe_int4_gate_up_kernel[(triton.cdiv(I, bn), slots(triton.cdiv(I, bn) * split), split)](
+    _moe_int4_gate_up_kernel[(triton.cdiv(I, bn), max_tiles, split)](
         x, h, part, *tiles, gate.data, gate.scale, up.data, up.scale, P, K, *strides(gate),
         magic, D=D, I=I, GROUP=gate.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         SPLIT=split, EVEN=D % bk == 0 and I % bn == 0, PACKED=packed, PRECISION=precision,
         launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
     _silu_of_parts(part, h)
     bn, bk, warps, stages = cfg["down"]
-    _moe_int4_down_kernel[(triton.cdiv(D, bn), slots(triton.cdiv(D, bn)))](
+    _moe_int4_down_kernel[(triton.cdiv(D, bn), max_tiles)](
         h, y, *tiles, route_w, down.data, down.scale, P, *strides(down), magic, D=D, I=I,
         GROUP=down.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         EVEN=I % bk == 0 and D % bn == 0, PACKED=packed, PRECISION=precision, launch_pdl=common.PDL,

@@ -342,8 +342,8 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
     power of two >= P). SPLIT > 0: the first SPLIT programs of each row block take a bf16 shared
     expert (_shared_gate_up; part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N: its arguments;
     SHARED_K columns a step; SHARED_SLICES > 0: its dot form, _shared_gate_up_dot). ADAPTIVE: the
-    programs return where use_tiles_ptr (int32 [1], the align's tiles in use) is not 0: the tiles
-    served the call (fused_moe's adaptive variant)."""
+    programs return where use_tiles_ptr (int32 [1]) is 1: the tiles served the call (fused_moe's
+    adaptive variant)."""
     _wait_for_prior()
     pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
@@ -430,9 +430,9 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
 
     h_ptr: fp32 [P, I] from gate_up. out_ptr: [N, D], x's dtype. w_ptr / s_ptr: down weights and
     scales, [E, D, I] as ExpertWeights. SHARED: a bf16 shared expert too, weight 1 (_shared_down;
-    hs_ptr, sd_ptr: its arguments). ADAPTIVE: where use_tiles_ptr (int32 [1], the align's tiles in
-    use) is not 0 the tiles served the call, and each token's K rows of their y_ptr (fp32 [P, D])
-    are summed in place of the products (_tile_rows).
+    hs_ptr, sd_ptr: its arguments). ADAPTIVE: where use_tiles_ptr (int32 [1]) is 1 the tiles served
+    the call, and each token's K rows of their y_ptr (fp32 [P, D]) are summed in place of the
+    products (_tile_rows).
     Grid: (N, cdiv(D, BLOCK_N))."""
     _wait_for_prior()
     token, pid_n = tl.program_id(0), tl.program_id(1)
@@ -881,8 +881,8 @@ def _check_planes(planes, x):
 
 
 def _adaptive_args(tiles, placeholder):
-    """The GEMV kernels' adaptive arguments: tiles None (the GEMV variant) or (use_tiles int32 [1]:
-    the align's tiles in use, the tiles' y fp32 [P, D]); gate_up's and down's keywords."""
+    """The GEMV kernels' adaptive arguments: tiles None (the GEMV variant) or (use_tiles int32 [1],
+    the tiles' y fp32 [P, D]); gate_up's and down's keywords."""
     use_tiles, y = tiles or (placeholder, placeholder)
     return (dict(use_tiles_ptr=use_tiles, ADAPTIVE=tiles is not None),
             dict(use_tiles_ptr=use_tiles, y_ptr=y, ADAPTIVE=tiles is not None))
@@ -921,9 +921,9 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, plan
 def _fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfg, shared=None, planes=None,
                     tiles=None):
     """The GEMV variant (see its section); arguments as fused_moe's, already checked and
-    flattened. tiles: fused_moe's adaptive variant, (use_tiles int32 [1]: the align's tiles in use,
-    the tiles' y fp32 [P, D]): where the tiles served the call (use_tiles not 0), the pair
-    programs return and down sums each token's rows of y."""
+    flattened. tiles: fused_moe's adaptive variant, (use_tiles int32 [1], the tiles' y fp32 [P,
+    D]): where the tiles served the call, the pair programs return and down sums each token's rows
+    of y."""
     if fmt == "int4":
         return _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared, planes, tiles)
     (N, D), P, I, dev = x.shape, ids.numel(), gate.shape[1], x.device
