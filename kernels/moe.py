@@ -49,9 +49,8 @@ TILE_SPLIT = {"fp8": ((128, 7), (256, 4))}
 # GEMV with the variant's fixed costs; from 24 tokens (0.51-0.70) they were faster
 ADAPTIVE_SHARE, ADAPTIVE_SCALE = 3, 4
 # the align's two launches (_moe_count_kernel, _moe_place_kernel): a program per ALIGN_CHUNK pairs
-# (a [ALIGN_CHUNK, E] one-hot), padding rows written ALIGN_FILL a step, the tile -> expert map
-# ALIGN_TILES tiles a step (not swept)
-ALIGN_CHUNK, ALIGN_FILL, ALIGN_TILES = 32, 512, 16
+# (a [ALIGN_CHUNK, E] one-hot), padding rows and unused tiles written ALIGN_FILL a step (not swept)
+ALIGN_CHUNK, ALIGN_FILL = 32, 512
 # columns of D a combine program sums (not swept: the combine is a small share)
 COMBINE_BLOCK = 1024
 # elements of h a silu program makes, after a gate_up split over D (not swept: P * I elements, a
@@ -118,11 +117,12 @@ def _configs(fmt, P, I, on_gpu, dtype=torch.bfloat16):
 
 
 @_jit
-def _moe_count_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, P, ROWS,
-                      E_PAD: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr):
+def _moe_count_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, tile_expert_ptr, P, TILES,
+                      E_PAD: tl.constexpr, CHUNK: tl.constexpr, FILL: tl.constexpr,
+                      BLOCK_M: tl.constexpr):
     """The align's first launch: counts[c, e] = the pairs of chunk c (pairs c * CHUNK onwards) whose
-    expert is e; and sorted_pair[r] = P (a padding row) for this program's share of the ROWS rows
-    (_moe_place_kernel then writes the pairs' rows).
+    expert is e; and, for this program's share of the TILES tiles, sorted_pair[r] = P (a padding
+    row) and tile_expert[t] = -1 (unused) (_moe_place_kernel then writes the used ones).
 
     ids_ptr: int [P] expert of pair p = n*K + k (ids [N, K] flattened), values in [0, E).
     counts_ptr: int32 [cdiv(P, CHUNK), E_PAD] out. Grid: (cdiv(P, CHUNK),)."""
@@ -133,27 +133,32 @@ def _moe_count_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, P, ROWS,
     experts = tl.arange(0, E_PAD)
     tl.store(counts_ptr + c * E_PAD + experts,
              tl.sum((ids[:, None] == experts[None, :]).to(tl.int32), axis=0))
-    share = tl.cdiv(ROWS, tl.num_programs(0))
-    for start in range(c * share, (c + 1) * share, FILL):
+    share = tl.cdiv(TILES, tl.num_programs(0))
+    for start in range(c * share * BLOCK_M, (c + 1) * share * BLOCK_M, FILL):
         r = start + tl.arange(0, FILL)
         tl.store(sorted_pair_ptr + r, tl.full([FILL], 0, tl.int32) + P,
-                 mask=(r < (c + 1) * share) & (r < ROWS))
+                 mask=(r < (c + 1) * share * BLOCK_M) & (r < TILES * BLOCK_M))
+    for start in range(c * share, (c + 1) * share, FILL):
+        t = start + tl.arange(0, FILL)
+        tl.store(tile_expert_ptr + t, tl.full([FILL], -1, tl.int32),
+                 mask=(t < (c + 1) * share) & (t < TILES))
 
 
 @_jit
-def _moe_place_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, tile_expert_ptr, use_tiles_ptr, P, E,
-                      max_tiles, BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
-                      TILES: tl.constexpr, SHARE: tl.constexpr, SCALE: tl.constexpr):
+def _moe_place_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, tile_expert_ptr, use_tiles_ptr, P,
+                      BLOCK_M: tl.constexpr, E_PAD: tl.constexpr, CHUNK: tl.constexpr,
+                      SHARE: tl.constexpr, SCALE: tl.constexpr):
     """The align's second launch: each pair's row (its expert's first tile * BLOCK_M + the pairs of
     that expert before it, in pair order: stable) for the pairs of chunk c, and the tile -> expert
-    map for this program's share of the max_tiles tiles (-1 past the last used tile). Every
-    program sums the chunks' counts itself (the experts' totals and the counts of earlier chunks).
+    map for the experts e with e % chunks == c (the tiles past the last used one keep -1 from
+    _moe_count_kernel). Every program sums the chunks' counts itself (the experts' totals and the
+    counts of earlier chunks).
     SHARE > 0 (the adaptive variant): the tiles only where the call's distinct experts are at most
     SHARE / SCALE of its pairs (every tile unused otherwise), and that choice in use_tiles_ptr,
     int32 [1]: 1 where the tiles serve the call, else 0.
 
     sorted_pair_ptr: int32 [max_tiles * BLOCK_M] out: the pair in each tile row (padding rows keep
-    P from _moe_count_kernel). tile_expert_ptr: int32 [max_tiles] out. Grid: (cdiv(P, CHUNK),)."""
+    P). tile_expert_ptr: int32 [max_tiles] out. Grid: (cdiv(P, CHUNK),)."""
     _wait_for_prior()
     c, chunks = tl.program_id(0), tl.num_programs(0)
     experts = tl.arange(0, E_PAD)
@@ -170,23 +175,20 @@ def _moe_place_kernel(ids_ptr, counts_ptr, sorted_pair_ptr, tile_expert_ptr, use
         if c == 0:
             tl.store(use_tiles_ptr, use_tiles.to(tl.int32))
     tiles = tl.where(kept, (total + BLOCK_M - 1) // BLOCK_M, 0)
-    end_tile = tl.cumsum(tiles, 0)                                     # [E_PAD], inclusive
-    p = c * CHUNK + tl.arange(0, CHUNK)
-    ids = tl.load(ids_ptr + p, mask=p < P, other=-1)
-    hit = (ids[:, None] == experts[None, :]).to(tl.int32)             # [CHUNK, E_PAD]
-    first_row = (end_tile - tiles) * BLOCK_M + before
-    row = tl.sum(hit * (first_row[None, :] + tl.cumsum(hit, 0) - hit), axis=1)
+    first_tile = tl.cumsum(tiles, 0) - tiles                           # [E_PAD]
+    i = tl.arange(0, CHUNK)
+    p = c * CHUNK + i
+    ids = tl.load(ids_ptr + p, mask=p < P, other=0)
+    # a pair's rank among its expert's pairs in this chunk: the earlier pairs with its expert
+    rank = tl.sum(((ids[:, None] == ids[None, :]) & (i[None, :] < i[:, None])).to(tl.int32), 1)
+    row = tl.gather(first_tile * BLOCK_M + before, ids, 0) + rank
     placed = p < P
     if SHARE > 0:  # only the pairs of experts with tiles
-        placed &= tl.sum(hit * kept.to(tl.int32)[None, :], axis=1) > 0
+        placed &= tl.gather(tiles, ids, 0) > 0
     tl.store(sorted_pair_ptr + row, p.to(tl.int32), mask=placed)
-    share = tl.cdiv(max_tiles, chunks)
-    for t0 in range(c * share, (c + 1) * share, TILES):
-        t = t0 + tl.arange(0, TILES)
-        # tile t is its expert's if the experts before it end at or before t (end_tile ascends)
-        e = tl.sum((end_tile[None, :] <= t[:, None]).to(tl.int32), axis=1)
-        tl.store(tile_expert_ptr + t, tl.where(e < E, e, -1),
-                 mask=(t < (c + 1) * share) & (t < max_tiles))
+    mine = experts % chunks == c
+    for j in range(0, tl.max(tl.where(mine, tiles, 0), 0)):          # an expert's j-th tile
+        tl.store(tile_expert_ptr + first_tile + j, experts, mask=mine & (j < tiles))
 
 
 @_jit
@@ -442,13 +444,17 @@ def _moe_int4_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_exper
 
 
 @_jit
-def _moe_silu_kernel(part_ptr, h_ptr, P, I: tl.constexpr, SPLIT: tl.constexpr,
-                     BLOCK: tl.constexpr):
+def _moe_silu_kernel(part_ptr, h_ptr, use_tiles_ptr, P, I: tl.constexpr, SPLIT: tl.constexpr,
+                     BLOCK: tl.constexpr, ADAPTIVE: tl.constexpr):
     """h[pair, i] = silu(sum_s part[s, pair, 0, i]) * sum_s part[s, pair, 1, i], s in order.
 
-    part_ptr: fp32 [SPLIT, P, 2, I] from the gate_up kernel; h_ptr: [P, I]. Grid: (cdiv(P * I,
-    BLOCK),)."""
+    part_ptr: fp32 [SPLIT, P, 2, I] from the gate_up kernel; h_ptr: [P, I]. ADAPTIVE: nothing
+    where use_tiles_ptr (int32 [1], the align's choice) is 0 (the GEMV serves; part holds nothing).
+    Grid: (cdiv(P * I, BLOCK),)."""
     _wait_for_prior()
+    if ADAPTIVE:
+        if tl.load(use_tiles_ptr) == 0:
+            return
     c = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     ok = c < P * I
     at = (c // I) * 2 * I + c % I
@@ -633,25 +639,22 @@ def align(ids, E, share=0):
     tile_expert = torch.empty(max_tiles, dtype=torch.int32, device=dev)
     chunks, e_pad = triton.cdiv(P, ALIGN_CHUNK), triton.next_power_of_2(E)
     counts = torch.empty(chunks, e_pad, dtype=torch.int32, device=dev)
-    _moe_count_kernel[(chunks,)](ids, counts, sorted_pair, P, max_tiles * BLOCK_M, E_PAD=e_pad,
-                                 CHUNK=ALIGN_CHUNK, FILL=ALIGN_FILL, num_warps=4,
-                                 launch_pdl=common.PDL)
+    _moe_count_kernel[(chunks,)](ids, counts, sorted_pair, tile_expert, P, max_tiles,
+                                 E_PAD=e_pad, CHUNK=ALIGN_CHUNK, FILL=ALIGN_FILL,
+                                 BLOCK_M=BLOCK_M, num_warps=4, launch_pdl=common.PDL)
     use_tiles = torch.empty(1, dtype=torch.int32, device=dev) if share else None
     _moe_place_kernel[(chunks,)](ids, counts, sorted_pair, tile_expert,
-                                 tile_expert if use_tiles is None else use_tiles, P, E, max_tiles,
-                                 BLOCK_M=BLOCK_M, E_PAD=e_pad, CHUNK=ALIGN_CHUNK,
-                                 TILES=ALIGN_TILES, SHARE=share, SCALE=ADAPTIVE_SCALE,
-                                 num_warps=4,
-                                 launch_pdl=common.PDL)
+                                 tile_expert if use_tiles is None else use_tiles, P,
+                                 BLOCK_M=BLOCK_M, E_PAD=e_pad, CHUNK=ALIGN_CHUNK, SHARE=share,
+                                 SCALE=ADAPTIVE_SCALE, num_warps=4, launch_pdl=common.PDL)
     return sorted_pair, tile_expert, use_tiles
 
 
 def _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, cfg):
     """fused_moe's tile variant: align, gate_up, down, combine (x [N, D], ids and route_w [N*K])."""
     (N, D), P, dev = x.shape, ids.numel(), x.device
-    sorted_pair, tile_expert, _ = align(ids, gate.shape[0])
     y = torch.empty(P, D, dtype=torch.float32, device=dev)                      # [P, D], weighted
-    _tile_launches(x, y, (sorted_pair, tile_expert), route_w, gate, up, down, fmt, K, cfg)
+    _tile_launches(x, y, align(ids, gate.shape[0]), route_w, gate, up, down, fmt, K, cfg)
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     _moe_combine_kernel[(N, triton.cdiv(D, COMBINE_BLOCK))](y, out, D, K, BLOCK_D=COMBINE_BLOCK,
                                                             num_warps=4, launch_pdl=common.PDL)
@@ -666,16 +669,16 @@ def _fused_moe_adaptive(x, ids, route_w, gate, up, down, fmt, K, cfgs, shared, p
     the tiles, adds each token's rows of y (in place of the combine). cfgs: (the GEMV's block
     sizes, the tiles')."""
     P, D = ids.numel(), x.shape[1]
-    sorted_pair, tile_expert, use_tiles = align(ids, gate.shape[0], share=ADAPTIVE_SHARE)
+    tiles = align(ids, gate.shape[0], share=ADAPTIVE_SHARE)
     y = torch.empty(P, D, dtype=torch.float32, device=x.device)    # the tiles' rows, if chosen
-    _tile_launches(x, y, (sorted_pair, tile_expert), route_w, gate, up, down, fmt, K, cfgs[1])
+    _tile_launches(x, y, tiles, route_w, gate, up, down, fmt, K, cfgs[1])
     return moe_gemv._fused_moe_gemv(x, ids, route_w, gate, up, down, fmt, cfgs[0], shared, planes,
-                                    tiles=(use_tiles, y))
+                                    tiles=(tiles[2], y))
 
 
 def _tile_launches(x, y, tiles, route_w, gate, up, down, fmt, K, cfg):
-    """The tile variant's gate_up and down over the align's tiles: y [P, D] fp32, the routing
-    weight applied, written for the pairs in tiles."""
+    """The tile variant's gate_up and down over the align's tiles (sorted_pair, tile_expert,
+    use_tiles): y [P, D] fp32, the routing weight applied, written for the pairs in tiles."""
     D, I, P, dev = x.shape[1], gate.shape[1], route_w.numel(), x.device
     max_tiles = tiles[1].numel()
     precision = "ieee" if x.dtype == torch.float32 else "tf32"  # fp32: exact, not tf32; else unused
@@ -687,15 +690,15 @@ def _tile_launches(x, y, tiles, route_w, gate, up, down, fmt, K, cfg):
         part = _gate_up_parts(split, P, I, dev)
         gs, strides, quant, per_row = _weight_args(gate, bk)
         _moe_gate_up_kernel[(triton.cdiv(I, bn), max_tiles, split)](
-            x, h, part, *tiles, gate.data, gs, up.data, _weight_args(up, bk)[0], P, K, D, I,
+            x, h, part, *tiles[:2], gate.data, gs, up.data, _weight_args(up, bk)[0], P, K, D, I,
             *strides, *quant, FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
             SPLIT=split, SCALE_PER_ROW=per_row, PRECISION=precision,
             launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
-        _silu_of_parts(part, h)
+        _silu_of_parts(part, h, tiles[2])
         bn, bk, warps, stages = cfg["down"]
         ds, strides, quant, per_row = _weight_args(down, bk)
         _moe_down_kernel[(triton.cdiv(D, bn), max_tiles)](
-            h, y, *tiles, route_w, down.data, ds, P, D, I, *strides, *quant,
+            h, y, *tiles[:2], route_w, down.data, ds, P, D, I, *strides, *quant,
             FMT=FORMATS[fmt], BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, SCALE_PER_ROW=per_row,
             PRECISION=precision, launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
 
@@ -706,13 +709,15 @@ def _gate_up_parts(split, P, I, device):
     return torch.empty(split if split > 1 else 0, P, 2, I, dtype=torch.float32, device=device)
 
 
-def _silu_of_parts(part, h):
+def _silu_of_parts(part, h, use_tiles):
     """h [P, I] = silu(the parts' gate sum) * their up sum (_moe_silu_kernel), where gate_up split
-    D (part from _gate_up_parts); nothing for one part."""
+    D (part from _gate_up_parts); nothing for one part. use_tiles: the align's choice (the
+    adaptive variant) or None."""
     split, P, _, I = part.shape
     if split > 1:
         _moe_silu_kernel[(triton.cdiv(P * I, SILU_BLOCK),)](
-            part, h, P, I=I, SPLIT=split, BLOCK=SILU_BLOCK, launch_pdl=common.PDL, num_warps=4)
+            part, h, part if use_tiles is None else use_tiles, P, I=I, SPLIT=split,
+            BLOCK=SILU_BLOCK, ADAPTIVE=use_tiles is not None, launch_pdl=common.PDL, num_warps=4)
 
 
 def _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision):
@@ -733,14 +738,14 @@ def _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision):
     bn, bk, warps, stages, split = cfg["gate_up"]
     part = _gate_up_parts(split, P, I, x.device)
     _moe_int4_gate_up_kernel[(triton.cdiv(I, bn), max_tiles, split)](
-        x, h, part, *tiles, gate.data, gate.scale, up.data, up.scale, P, K, *strides(gate),
+        x, h, part, *tiles[:2], gate.data, gate.scale, up.data, up.scale, P, K, *strides(gate),
         magic, D=D, I=I, GROUP=gate.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         SPLIT=split, EVEN=D % bk == 0 and I % bn == 0, PACKED=packed, PRECISION=precision,
         launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
-    _silu_of_parts(part, h)
+    _silu_of_parts(part, h, tiles[2])
     bn, bk, warps, stages = cfg["down"]
     _moe_int4_down_kernel[(triton.cdiv(D, bn), max_tiles)](
-        h, y, *tiles, route_w, down.data, down.scale, P, *strides(down), magic, D=D, I=I,
+        h, y, *tiles[:2], route_w, down.data, down.scale, P, *strides(down), magic, D=D, I=I,
         GROUP=down.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
         EVEN=I % bk == 0 and D % bn == 0, PACKED=packed, PRECISION=precision, launch_pdl=common.PDL,
         num_warps=warps, num_stages=stages)
