@@ -19,6 +19,9 @@ replay past the L2; achieved GB/s against the copy bandwidth measured in the sam
         the router kernel at 1 to 16 tokens (or those given), its selection in the logits
         kernel's last program and in a launch of its own (router.ROUTER_SELECT_MAX_TOKENS), 8
         routers in a graph (their weights past the L2).
+    python -m kernels.bench --align [--tokens 4,8,16,32] [--json OUT]
+        the tile variant's align (its two launches) at the bf16 layout's 129 experts and 9 a
+        token and at 384 experts and 8 a token, with and without the adaptive variant's share.
     python -m kernels.bench [--json OUT] --pdl [RUN.PY FLAGS]
         run.py's captured phases with programmatic dependent launch off and on, in one process.
 """
@@ -231,6 +234,24 @@ def bench_router(tokens=(1, 2, 3, 4, 5, 6, 8, 12, 16)):
         router.ROUTER_SELECT_MAX_TOKENS = saved
     return dict(rows=rows, routers=len(routers), device=torch.cuda.get_device_name(),
                 torch=torch.__version__)
+
+
+def bench_align(tokens=(4, 8, 16, 32), sets=8):
+    """The tile variant's align (kernels.moe.align: its count and place launches), µs a call in a
+    graph of `sets` calls on uniform routings of their own: run.py's bf16 layout (128 experts and
+    the shared one as expert 129, 9 a token) and 384 experts, 8 a token; share 0 (the tile variant)
+    and the adaptive variant's ADAPTIVE_SHARE."""
+    print("\nalign (us per call, in a graph of 8): experts, a token's pairs, tokens, share")
+    rows = []
+    for E, K in ((129, 9), (384, 8)):
+        for N in tokens:
+            ids = [torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(N)]).view(-1)
+                   for _ in range(sets)]
+            for share in (0, kernels.moe.ADAPTIVE_SHARE):
+                us = graph_ms([partial(kernels.moe.align, i, E, share) for i in ids]) * 1e3
+                print(f"  E={E:3d} K={K} N={N:2d} share {share}: {us:5.2f}")
+                rows.append(dict(kernel="align", E=E, K=K, N=N, share=share, us=us))
+    return dict(rows=rows, device=torch.cuda.get_device_name(), torch=torch.__version__)
 
 
 def _routers(n):
@@ -668,6 +689,9 @@ def _parser():
                    help="time run.py's captured phases with programmatic dependent launch off "
                         "and on, in one process (the flags after it build run.py's model; last "
                         "on the line)")
+    p.add_argument("--align", action="store_true",
+                   help="the tile variant's align at 4, 8, 16, 32 tokens (or --tokens), 129 and "
+                        "384 experts, with and without the adaptive variant's share")
     p.add_argument("--router", action="store_true",
                    help="the router kernel at 1 to 16 tokens (or --tokens), its selection in the "
                         "logits kernel's last program and in a launch of its own")
@@ -714,6 +738,9 @@ def main():
     if a.router:
         _save(a.json, bench_router(_ints(p, "--tokens", a.tokens)) if a.tokens
               else bench_router())
+        return
+    if a.align:
+        _save(a.json, bench_align(_ints(p, "--tokens", a.tokens)) if a.tokens else bench_align())
         return
     variants, sweep = tuple(a.variants.split(",")), tuple(v for v in a.sweep.split(",") if v)
     if not set(variants) <= {"dot", "gemv", "adaptive"} or not set(sweep) <= {"dot", "gemv"}:
