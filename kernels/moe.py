@@ -338,8 +338,9 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
 # 1,8,16,32 --distinct 384,32,8; BENCHMARKS.md, Routing): 3.2x, 3.0x and 3.1x the floor at 8, 16
 # and 32 tokens under uniform routing, where the GEMV variant takes 1.6-1.8x (so it serves INT4 up
 # to 32 tokens); with 8 distinct experts 45, 57 and 82 us (floor 5.8; the align's two launches 6-7
-# us of it then, 3-4 since), where the GEMV takes 64, 119 and 231. The packed dequantization gains past 32 tokens
-# (gate_up 22-31% less time), where a program has many tokens' products to feed.
+# us of it then, 3-4 since), where the GEMV takes 64, 119 and 231. The packed dequantization
+# gains past 32 tokens (gate_up 22-31% less time), where a program has many tokens' products to
+# feed.
 
 @_jit
 def _int4_block(w_rows, s_rows, rows_ok, k0, magic, K_IN: tl.constexpr, GROUP: tl.constexpr,
