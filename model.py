@@ -1,8 +1,9 @@
 """The Kimi-K2 / DeepSeek-V3 target: MLA attention, sigmoid noaux_tc MoE, tensor parallel.
 
-Numerics follow Hugging Face transformers' DeepseekV3 (fp32 router, correction bias for selection
-only, YaRN with the mscale^2 softmax factor, RoPE on interleaved pairs). References: DeepSeek-V2
-(MLA, arXiv:2405.04434), DeepSeek-V3 (noaux_tc routing, arXiv:2412.19437), YaRN (arXiv:2309.00071).
+Numerics follow Hugging Face transformers' DeepseekV3 (fp32 router logits, correction bias for
+selection only, YaRN with the mscale^2 softmax factor, RoPE on interleaved pairs). References:
+DeepSeek-V2 (MLA, arXiv:2405.04434), DeepSeek-V3 (noaux_tc routing, arXiv:2412.19437), YaRN
+(arXiv:2309.00071).
 
 The KV cache is static: per layer the normalized latent [B, S, kv_lora_rank] and the rotated
 k_pe [B, S, qk_rope_head_dim], written at `positions` (slot = position). A query at position p
@@ -372,14 +373,15 @@ class Router(nn.Module):
     def __init__(self, args, device, dtype, routing="model"):
         super().__init__()
         self.args, self.routing, self.choice = args, routing, None
-        # kept in (at least) float32, as it is used: no cast of the [E, D] matrix per call
-        self.weight = _param((args.n_routed_experts, args.hidden_size), None, device,
-                             torch.promote_types(dtype or torch.get_default_dtype(), torch.float32))
+        # as the checkpoints store it (bf16), or wider where the model's dtype is (fp16 widens to
+        # fp32: bf16's range); the logits in fp32 from its exact fp32 values, as transformers does
+        wide = torch.promote_types(dtype or torch.get_default_dtype(), torch.bfloat16)
+        self.weight = _param((args.n_routed_experts, args.hidden_size), None, device, wide)
         self.e_score_correction_bias = _param((args.n_routed_experts,), None, device, torch.float32)
 
     def forward(self, x):                                          # [N, D] -> [N, K] ids, weights
         a = self.args
-        scores = F.linear(at_least_f32(x), self.weight).sigmoid()               # [N, E] fp32
+        scores = F.linear(at_least_f32(x), at_least_f32(self.weight)).sigmoid()  # [N, E] fp32
         biased = scores + self.e_score_correction_bias
         if a.n_group > 1:
             grouped = biased.unflatten(-1, (a.n_group, -1))                    # [N, G, E/G]

@@ -1061,6 +1061,7 @@ def test_router_kernel_equals_twin(shape, dtype, monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(**ROUTER_SHAPES[shape])
     router, fast = random_routers(args, device, dtype, seed=len(shape))
+    assert router.weight.dtype == dtype, "the router's weight as the checkpoints store it (bf16)"
     g = torch.Generator().manual_seed(100 + len(shape))
     select_in_kernel = kernels.router._select_in_kernel
     # each case: tokens, where the selection runs, and whether the INT4 planes are written. The

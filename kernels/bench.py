@@ -212,11 +212,11 @@ def bench_router(tokens=(1, 2, 3, 4, 5, 6, 8, 12, 16)):
     the selection in the logits kernel's last program and in a launch of its own (a program a
     token), whatever router.ROUTER_SELECT_MAX_TOKENS says (from router.ROUTER_DOT_MIN_TOKENS the
     tensor cores' logits, the selection always apart: both columns time the same launches). A
-    graph replays 8 routers, each with weights of its own (88 MB of float32, past the L2), as a
+    graph replays 16 routers, each with weights of its own (88 MB of bf16, past the L2), as a
     step reads its 60 layers' routers; no INT4 planes."""
-    print("\nrouter, 384 experts, bf16 (us per call, in a graph of 8 routers): selection in the "
+    print("\nrouter, 384 experts, bf16 (us per call, in a graph of 16 routers): selection in the "
           "last program | in its own launch")
-    routers, saved, rows = _routers(8), router.ROUTER_SELECT_MAX_TOKENS, []
+    routers, saved, rows = _routers(16), router.ROUTER_SELECT_MAX_TOKENS, []
     try:
         for N in tokens:
             xs = [torch.randn(N, 7168, device="cuda", dtype=torch.bfloat16) for _ in routers]
@@ -322,7 +322,7 @@ def _small_pairs(m, N):
     pos = (100 + torch.arange(N, device="cuda")).unsqueeze(0)
     rope = m.table[pos]
     return {
-        "router (fp32 GEMV + selection)": (
+        "router (fp32 logits GEMV + selection)": (
             [partial(router, x, "torch", "model") for x in xs],
             [partial(router, x, "triton", "model") for x in xs]),
         "router, SIMULATED uniform routing": (

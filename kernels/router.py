@@ -11,7 +11,8 @@ from .moe_gemv import _check_planes
 # Router
 #
 # DeepSeek-V3's noaux_tc routing for few tokens (decode, verify) in two kernels. The logits x @ W^T
-# in float32: W is [E, D] float32 (11 MB at Kimi-K2's 384 x 7168) and must be read by many SMs at
+# in float32: W is [E, D] bf16 as the checkpoints store it (5.5 MB at Kimi-K2's 384 x 7168; float32
+# where the model runs in float32), each element exact in float32, and must be read by many SMs at
 # once, so programs take a block of experts and one of ROUTER_SPLIT_D slices of D each and store
 # partial sums. The selection kernel, a program a token, then selects: the partial sums added,
 # sigmoid scores, the correction bias added for selection only, groups kept by the sum of their
@@ -91,9 +92,9 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
                    CHUNK: tl.constexpr):
     """part[j, n, e] = sum over d in slice j of x[n, d] * W[e, d] in float32 (CHUNK tokens at a
     time, _router_chunk), then (SELECT), in the last program, _router_select over all N (<=
-    BLOCK_N) tokens. x [N, D] (any float dtype), W [E, D] float32, part [SPLITS, N, E] float32
-    (last dims contiguous), count one int32 zero. PLANES: the programs of expert block 0 also write
-    their slice of x as the INT4 GEMV's activation (fused_moe's planes,
+    BLOCK_N) tokens. x [N, D] (any float dtype), W [E, D] bf16 or float32, part [SPLITS, N, E]
+    float32 (last dims contiguous), count one int32 zero. PLANES: the programs of expert block 0
+    also write their slice of x as the INT4 GEMV's activation (fused_moe's planes,
     moe_gemv.activation_planes): 1, fp32 nibble planes [N, 8, D/8]; 2, bf16 pair planes (v_ptr a
     bf16 view of them). Grid: (cdiv(E, BLOCK_E), SPLITS)."""
     _wait_for_prior()
@@ -127,10 +128,10 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
 
 @_jit
 def _weight_tile(w_ptr, e, E, d, d_end, s_we):
-    """The logits kernels' weight tile: W [E, D] float32 at experts e and columns d (those below
-    d_end, the end of the program's slice), zero elsewhere, [len(e), len(d)]."""
+    """The logits kernels' weight tile: W [E, D] (bf16 or float32) at experts e and columns d (those
+    below d_end, the end of the program's slice), zero elsewhere, [len(e), len(d)] float32."""
     return tl.load(w_ptr + e[:, None] * s_we + d[None, :],
-                   mask=(e < E)[:, None] & (d < d_end)[None, :], other=0.0)
+                   mask=(e < E)[:, None] & (d < d_end)[None, :], other=0.0).to(tl.float32)
 
 
 @_jit
@@ -163,13 +164,14 @@ def _router_chunk(acc, x_ptr, v_ptr, c, N, D, d, d_end, w, n, eb, s_xn, PLANES: 
 
 @_jit
 def _router_dot_kernel(x_ptr, w_ptr, part_ptr, N, E, D, d_per_split, s_xn, s_we, s_ps, s_pn,
-                       EXACT_X: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr,
-                       BLOCK_D: tl.constexpr):
+                       EXACT_X: tl.constexpr, EXACT_W: tl.constexpr, BLOCK_N: tl.constexpr,
+                       BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
     """part[j, n, e] as _router_kernel's, every token at once: x [BLOCK_N, BLOCK_D] times the
     weight tile [BLOCK_E, BLOCK_D] transposed by tl.dot, BLOCK_D columns a step over slice j, no
     reduction across warps a token. EXACT_X (x bf16 or fp16, exact in tf32): on the tensor cores,
-    W as its tf32 high part plus the rest, two tf32 products whose sum holds W to about 2^-21 of
-    itself, each product exact and accumulated in float32; else (float32 x) float32 products. No
+    each product exact and accumulated in float32: one tf32 product where W is exact in tf32 too
+    (EXACT_W: W bf16), else W as its tf32 high part plus the rest, two tf32 products whose sum
+    holds W to about 2^-21 of itself; without EXACT_X (float32 x) float32 products. No
     INT4 planes, no selection: the selection kernel follows. Grid: (cdiv(E, BLOCK_E), SPLITS)."""
     _wait_for_prior()
     eb, j = tl.program_id(0), tl.program_id(1)
@@ -182,7 +184,9 @@ def _router_dot_kernel(x_ptr, w_ptr, part_ptr, N, E, D, d_per_split, s_xn, s_we,
         w = _weight_tile(w_ptr, e, E, d, d_end, s_we)
         ok = (n < N)[:, None] & (d < d_end)[None, :]
         x = tl.load(x_ptr + n[:, None] * s_xn + d[None, :], mask=ok, other=0.0).to(tl.float32)
-        if EXACT_X:
+        if EXACT_X and EXACT_W:
+            acc = tl.dot(x, tl.trans(w), acc, input_precision="tf32")
+        elif EXACT_X:
             hi = (w.to(tl.uint32, bitcast=True) & 0xFFFFE000).to(tl.float32, bitcast=True)
             acc = tl.dot(x, tl.trans(hi), acc, input_precision="tf32")
             acc = tl.dot(x, tl.trans(w - hi), acc, input_precision="tf32")
@@ -299,18 +303,19 @@ def _select_in_kernel(N, device):
 def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling, uniform=False,
                 shared_slot=False, planes=None):
     """model.Router.forward in a logits kernel and a selection kernel (past ROUTER_GEMV_MAX_TOKENS
-    tokens: cuBLAS's logits; see the section above): x [N, D], weight [E, D] float32, bias [E]
-    float32 -> ids int64 [N, K], weights float32 [N, K]. uniform: SIMULATED balanced routing
-    (pair j = n*K + i to expert j mod E), as model.Router's routing "uniform"; shared_slot: a
-    column K more, expert E with weight 1 (the shared expert in the fused MoE launch); both in the
-    same kernels. planes: a tensor from moe_gemv.empty_planes(x) that receives x as the INT4
-    GEMV's activation planes (fused_moe's planes), written by the logits kernel (past
-    ROUTER_GEMV_MAX_TOKENS: a copy)."""
+    tokens: cuBLAS's logits; see the section above): x [N, D], weight [E, D] bf16 or float32,
+    bias [E] float32 -> ids int64 [N, K], weights float32 [N, K]. uniform: SIMULATED balanced
+    routing (pair j = n*K + i to expert j mod E), as model.Router's routing "uniform";
+    shared_slot: a column K more, expert E with weight 1 (the shared expert in the fused MoE
+    launch); both in the same kernels. planes: a tensor from moe_gemv.empty_planes(x) that
+    receives x as the INT4 GEMV's activation planes (fused_moe's planes), written by the logits
+    kernel (past ROUTER_GEMV_MAX_TOKENS: a copy)."""
     N, D = x.shape
     E = weight.shape[0]
-    if (weight.dtype != torch.float32 or bias.dtype != torch.float32 or weight.shape != (E, D)
-            or bias.shape != (E,)):
-        raise ValueError(f"router_topk: needs float32 weight [E, {D}] and bias [E], got "
+    if (weight.dtype not in (torch.float32, torch.bfloat16) or bias.dtype != torch.float32
+            or weight.shape != (E, D) or bias.shape != (E,)):
+        raise ValueError(f"router_topk: needs a bf16 or float32 weight [E, {D}] and a float32 "
+                         f"bias [E], got "
                          f"{weight.dtype} {list(weight.shape)} and {bias.dtype} {list(bias.shape)} "
                          "(float64: use the plain path)")
     if E % n_group or not 1 <= topk_group <= n_group or top_k > E // n_group * topk_group:
@@ -327,7 +332,7 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
                   UNIFORM=bool(uniform), SHARED=bool(shared_slot), BLOCK_G=_pow2(n_group, 1),
                   BLOCK_EG=_pow2(E // n_group, 1), BLOCK_K=_pow2(top_k, 1))
     if N > ROUTER_GEMV_MAX_TOKENS:
-        logits = torch.nn.functional.linear(x.float(), weight)
+        logits = torch.nn.functional.linear(x.float(), weight.float())
         _router_select_kernel[(N,)](logits, bias, ids, weights, N, 0, logits.stride(0),
                                     ids.stride(0), weights.stride(0),
                                     E // n_group, n_group, float(scaling), SPLITS=1, **select,
@@ -361,6 +366,7 @@ def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select
         _router_dot_kernel[grid](
             x, weight, part, N, E, D, d_per_split, x.stride(0), weight.stride(0), part.stride(0),
             part.stride(1), EXACT_X=x.dtype in (torch.bfloat16, torch.float16),
+            EXACT_W=weight.dtype == torch.bfloat16,
             BLOCK_N=_pow2(N, 16), BLOCK_E=block_e, BLOCK_D=block_d, launch_pdl=common.PDL,
             num_warps=warps)
         if planes is not None:
