@@ -1056,12 +1056,15 @@ ROUTER_SHAPES = {"tiny": {},  # 16 experts in 4 groups, 2 kept, top 4
 
 @pytest.mark.triton
 @pytest.mark.parametrize("shape", list(ROUTER_SHAPES))
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_router_kernel_equals_twin(shape, dtype, monkeypatch):
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(**ROUTER_SHAPES[shape])
     router, fast = random_routers(args, device, dtype, seed=len(shape))
-    assert router.weight.dtype == dtype, "the router's weight as the checkpoints store it (bf16)"
+    # the weight as the checkpoints store it (bf16), fp16 models widening it to fp32 (bf16's range):
+    # the tensor cores' logits then take W in two tf32 parts
+    want = torch.float32 if dtype == torch.float16 else dtype
+    assert router.weight.dtype == want, f"router weight {router.weight.dtype} in a {dtype} model"
     g = torch.Generator().manual_seed(100 + len(shape))
     select_in_kernel = kernels.router._select_in_kernel
     # each case: tokens, where the selection runs, and whether the INT4 planes are written. The
