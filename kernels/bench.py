@@ -17,7 +17,7 @@ replay past the L2; achieved GB/s against the copy bandwidth measured in the sam
         the INT4 GEMV's packed form (bf16 activations) against its fp32 form: errors, no timing.
     python -m kernels.bench --router [--tokens 1,2,..] [--json OUT]
         the router kernel at 1 to 16 tokens (or those given), its selection in the logits
-        kernel's last program and in a launch of its own (router.ROUTER_SELECT_MAX_TOKENS), 8
+        kernel's last program and in a launch of its own (router.ROUTER_SELECT_MAX_TOKENS), 16
         routers in a graph (their weights past the L2).
     python -m kernels.bench --align [--tokens 4,8,16,32] [--json OUT]
         the tile variant's align (its two launches) at the bf16 layout's 129 experts and 9 a

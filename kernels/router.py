@@ -315,9 +315,8 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
     if (weight.dtype not in (torch.float32, torch.bfloat16) or bias.dtype != torch.float32
             or weight.shape != (E, D) or bias.shape != (E,)):
         raise ValueError(f"router_topk: needs a bf16 or float32 weight [E, {D}] and a float32 "
-                         f"bias [E], got "
-                         f"{weight.dtype} {list(weight.shape)} and {bias.dtype} {list(bias.shape)} "
-                         "(float64: use the plain path)")
+                         f"bias [E], got {weight.dtype} {list(weight.shape)} and {bias.dtype} "
+                         f"{list(bias.shape)} (float64: use the plain path)")
     if E % n_group or not 1 <= topk_group <= n_group or top_k > E // n_group * topk_group:
         raise ValueError(f"router_topk: {E} experts in {n_group} groups, {topk_group} kept, "
                          f"cannot give top {top_k}")
