@@ -241,7 +241,7 @@ def bench_align(tokens=(4, 8, 16, 32), sets=8):
     graph of `sets` calls on uniform routings of their own: run.py's bf16 layout (128 experts and
     the shared one as expert 129, 9 a token) and 384 experts, 8 a token; share 0 (the tile variant)
     and the adaptive variant's ADAPTIVE_SHARE."""
-    print("\nalign (us per call, in a graph of 8): experts, a token's pairs, tokens, share")
+    print(f"\nalign (us per call, in a graph of {sets}): experts, a token's pairs, tokens, share")
     rows = []
     for E, K in ((129, 9), (384, 8)):
         for N in tokens:

@@ -55,10 +55,10 @@ ROUTER_SELECT_WARPS = 1
 # D slices, at most: one step of a tile a program (7 slices of 1024: 672 programs for 384
 # experts, 224 for 128) (python -m kernels.bench --small)
 ROUTER_SPLIT_D = 8
-# The chunks' kernel (µs a call: python -m kernels.bench --router, 8 routers past the L2, 384
-# experts; verify: run.py's sweep, 61 routers; BENCHMARKS.md: Verify sweep, Kept): 4 experts a
-# program, a tile of 4096 elements (1024 columns of D a step, 64 fp32 a thread) on 2 warps, 4 tokens
-# at a time. 8 experts and 8192 elements on 4 warps, 8 tokens at a time, were 0.3-4.6 us slower a
+# The chunks' kernel (measured with float32 weights; µs a call: python -m kernels.bench --router,
+# then 8 routers past the L2, 384 experts; verify: run.py's sweep, 61 routers; BENCHMARKS.md:
+# Verify sweep, Kept): 4 experts a program, a tile of 4096 elements (1024 columns of D a step, 64
+# a thread) on 2 warps, 4 tokens at a time. 8 experts and 8192 elements on 4 warps, 8 tokens at a time, were 0.3-4.6 us slower a
 # call at every count (verify 0.11-0.24 ms more at 10-12 tokens, 0.02-0.08 at 5-8, in every
 # format). All 16 tokens at once on 8 warps took 33 us at 12 tokens against 14 at 8.
 ROUTER_BLOCK_E = 4          # experts a program
@@ -67,8 +67,9 @@ ROUTER_WARPS = 2            # its warps: a token's sums reduced across them
 ROUTER_CHUNK = 4            # tokens a program takes at once against its tile (loads in flight)
 # From this many tokens to ROUTER_GEMV_MAX_TOKENS the tensor cores' kernel (_router_dot_kernel),
 # then the selection kernel. ROUTER_DOT = (BLOCK_E experts a program, BLOCK_D columns a step,
-# warps, D slices at most). Without the planes 14.4-15.1 us a call at 9-32 tokens against the
-# chunks' 15.7, 18.0, 22.5 and 27.0 at 12, 16, 24 and 32 (on 8 warps 23-24, with 28 slices of D
+# warps, D slices at most). With float32 weights, without the planes 14.4-15.1 us a call at 9-32
+# tokens (9.3-9.6 at 16-32 with bf16 weights, one tf32 product a step) against the chunks' 15.7,
+# 18.0, 22.5 and 27.0 at 12, 16, 24 and 32 (on 8 warps 23-24, with 28 slices of D
 # 16-29, 32 experts a program 16-25). Beside INT4 experts, the planes stored by a copy: verify
 # 0.16-0.96 ms less at 16-32 tokens than the chunks' kernel writing them (8 experts, 8192
 # elements, 4 warps, 8 tokens at a time). Storing the planes inside it took 27-53 us a call;
