@@ -1195,17 +1195,22 @@ NORM_GEMV_KIMI = [(2112, 7168), (1536, 1536), (7168, 1024)]  # Kimi-K2 TP 8: q_a
 def test_norm_gemv_kernel_equals_twin(dtype):
     """kernels.norm_gemv against its twin (model.RMSNorm and F.linear) on fresh random inputs: with
     the norm and without (a plain GEMV); 1, 2, 3, 4, 5 and 16 rows (the CPU interpreter: 1, 3, 4
-    and 16, a power of 2 and not, below and at the row limit);
-    x a strided view (a split of a wider output, as q_a is) and W a row-strided view (as the stacked
-    q_a + kv_a weight is); K whole in a program (at 16 rows the default step is cut to 64 columns:
-    two steps, the last one partial at K 100) and (steps of 16 columns) cut into slices whose
-    partial sums the last program of a row block adds: one step a slice, and (8 rows of W a block,
-    twice as many programs as blocks) two slices of several steps, the last one partial where K is
-    no multiple of 16 (the CPU interpreter runs the plain GEMV in the last, two slices, alone: the
-    norm's absence changes no block's path); and x's rows in groups of 2, a program a group (each
-    group's sums of squares across two slices: the CPU interpreter runs that with the norm). float32
-    to 1e-5 relative; bf16 (GPU) to 1% of the largest output, since only the order of the float32
-    sums and a last-ulp rounding of the normed row differ."""
+    and 16, a power of 2 and not, below and at the row limit); x a strided view (a split of a
+    wider output, as q_a is) and W a row-strided view (as the stacked q_a + kv_a weight is); K
+    whole in a program (at 16 rows the default step is cut to 64 columns: two steps, the last
+    one partial at K 100) and (steps of 16 columns) cut into slices whose partial sums the last
+    program of a row block adds: one step a slice, and (8 rows of W a block, twice as many
+    programs as blocks) two slices of several steps, the last one partial where K is no multiple
+    of 16 (the CPU interpreter runs the plain GEMV in the last, two slices, alone: the norm's
+    absence changes no block's path); and x's rows in groups of 2, a program a group (each
+    group's sums of squares across two slices: the CPU interpreter runs that with the norm).
+    Each block shape in the default form (bf16 from NORM_GEMV_DOT_MIN_ROWS rows: the tensor
+    cores'), and each form forced, K whole, and the tensor cores' also in two slices (16 rows of
+    W a block; the CPU interpreter: also in steps of 16 without the norm; float32 only, whose
+    products there are ieee: its bf16 tl.dot is wrong); Kimi-K2's shapes (GPU) K whole only.
+    float32 to 1e-5 relative; bf16 (GPU) to 1% of the largest output, since only the order of
+    the float32 sums and a rounding of the normed row differ (the tensor cores' form rounds x *
+    g to bf16 as the plain path rounds the normed row)."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
@@ -1218,21 +1223,25 @@ def test_norm_gemv_kernel_equals_twin(dtype):
             norm.weight.copy_(1 + 0.1 * torch.randn(K, generator=g))
         # rows strided
         w = (torch.randn(N + 3, K + 8, generator=g) / K ** 0.5).to(device, dtype)[:N, :K]
-        # (block_n, block_k, programs, group_rows)
-        whole, steps16 = (None, None, None, None), (None, 16, None, None)
-        two_slices = (8, 16, 2 * ((N + 7) // 8), None)
-        grouped, grouped_slices = (None, None, None, 2), two_slices[:3] + (2,)
+        # (block_n, block_k, programs, group_rows, dot)
+        whole, steps16 = (None, None, None, None, None), (None, 16, None, None, None)
+        two_slices = (8, 16, 2 * ((N + 7) // 8), None, None)
+        grouped, grouped_slices = (None, None, None, 2, None), two_slices[:3] + (2, None)
+        cores, dot, dot_steps16 = whole[:4] + (False,), whole[:4] + (True,), steps16[:4] + (True,)
+        dot_slices = (16, 16, 2 * ((N + 15) // 16), None, True)
         cases = list(itertools.product((norm, None), (whole, steps16, two_slices, grouped,
-                                                      grouped_slices)))
+                                                      grouped_slices, cores, dot, dot_slices)))
+        if K > 1000:  # Kimi-K2's shapes: the defaults and each form forced, K whole
+            cases = list(itertools.product((norm, None), (whole, cores, dot)))
         cpu_cases = [(norm, whole), (norm, steps16), (norm, two_slices), (norm, grouped_slices),
-                     (None, two_slices)]
+                     (None, two_slices), (norm, dot), (norm, dot_slices), (None, dot_steps16)]
         for rows in (1, 2, 3, 4, 5, 16) if device == "cuda" else (1, 3, 4, 16):
             x = (2 * torch.randn(rows, K + 5, generator=g)).to(device, dtype)[:, :K]  # rows strided
             for nrm, blocks in cases if device == "cuda" else cpu_cases:
-                block_n, block_k, programs, group_rows = blocks
+                block_n, block_k, programs, group_rows, dot = blocks
                 out = kernels.norm_gemv(x, w, None if nrm is None else nrm.weight, 1e-6,
                                         block_n=block_n, block_k=block_k, programs=programs,
-                                        group_rows=group_rows)
+                                        group_rows=group_rows, dot=dot)
                 ref = F.linear(x if nrm is None else nrm(x), w)
                 what = (f"norm_gemv N={N} K={K} rows={rows} {dtype} norm={nrm is not None} "
                         f"blocks={blocks}")
@@ -1246,20 +1255,24 @@ def test_norm_gemv_kernel_equals_twin(dtype):
     with pytest.raises(ValueError, match="group_rows 3: a power of 2"):
         kernels.norm_gemv(torch.zeros(5, 64, device=device), torch.zeros(8, 64, device=device),
                           group_rows=3)
+    with pytest.raises(ValueError, match="tensor cores' form runs bf16 or float32"):
+        kernels.norm_gemv(torch.zeros(5, 64, device=device, dtype=torch.float16),
+                          torch.zeros(8, 64, device=device, dtype=torch.float16), dot=True)
 
 
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_norm_gemv_with_residual_equals_add_rmsnorm_and_linear(dtype):
     """kernels.norm_gemv with a residual (kernels.InputNormInQKVA's: a layer's input add and norm
-    inside the stacked q_a + kv_a GEMV) against its twin, model.RMSNorm with the residual (the sum
-    rounded to the dtype, then the norm) and F.linear, on fresh random inputs: 1 to 4 rows, x and
-    the residual strided views [rows, 1, K]; K whole in a program, in steps of 16, and cut into two
-    slices (each program of row block 0 stores its own part of the sum), and in two slices with
-    x's rows in groups of 2 (each group's programs of row block 0 store its rows of the sum); also
-    without a norm (two slices). The sum equals x + residual bit for bit; the output float32 to
-    1e-5 relative, bf16 (GPU) to 1% of the largest output (the normed row is not rounded).
-    Refused: a residual of another shape or dtype."""
+    inside the stacked q_a + kv_a GEMV) against its twin, model.RMSNorm with the residual (the
+    sum rounded to the dtype, then the norm) and F.linear, on fresh random inputs: 1 to 4 rows,
+    x and the residual strided views [rows, 1, K]; K whole in a program, in steps of 16, and cut
+    into two slices (each program of row block 0 stores its own part of the sum), and in two
+    slices with x's rows in groups of 2 (each group's programs of row block 0 store its rows of
+    the sum); the CUDA cores' form and the tensor cores' forced, K whole and (16 rows of W a
+    block) in two slices; also without a norm (two slices). The sum equals x + residual bit for
+    bit; the output float32 to 1e-5 relative, bf16 (GPU) to 1% of the largest output (the normed
+    row is not rounded). Refused: a residual of another shape or dtype."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
@@ -1272,7 +1285,9 @@ def test_norm_gemv_with_residual_equals_add_rmsnorm_and_linear(dtype):
         # rows strided
         w = (torch.randn(N + 3, K + 8, generator=g) / K ** 0.5).to(device, dtype)[:N, :K]
         two_slices = {"block_n": 8, "block_k": 16, "programs": 2 * ((N + 7) // 8)}
-        blocks = ({}, {"block_k": 16}, {**two_slices, "group_rows": 2}, two_slices)
+        dot_slices = {"block_n": 16, "block_k": 16, "programs": 2 * ((N + 15) // 16), "dot": True}
+        blocks = ({}, {"block_k": 16}, {**two_slices, "group_rows": 2}, {"dot": False},
+                  {"dot": True}, dot_slices, two_slices)
         for rows in (1, 2, 3, 4):
             x, r = ((2 * torch.randn(rows, 1, K + 5, generator=g)).to(device, dtype)[..., :K]
                     for _ in range(2))
@@ -1384,18 +1399,18 @@ def _add_norm_launches(rows, others, L):
 @pytest.mark.triton
 @pytest.mark.parametrize("others", [(), ("add_rmsnorm", "fused_proj"), ("attention",)])
 def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
-    """kernels "norm_gemv" (alone, with the fused residual adds and stacked q_a + kv_a, and with the
-    attention kernel) against the plain tiny model, float32, 2 layers: the 36-row prefill runs the
-    plain path; a 9-row step runs only the absorbed products as head_gemv kernels (decode mode, up
-    to HEAD_GEMV_MAX_ROWS, in groups of rows); a 6-row step also q_b_proj's GEMV kernel
-    (q_a_layernorm inside, up to Q_B_GEMV_MAX_ROWS) once a layer, the rest plain; steps of 1, 2
-    and 3 rows also run o_proj (up to O_PROJ_GEMV_MAX_ROWS) and, with fused_proj, the stacked q_a
-    + kv_a (QKVA_GEMV_MAX_ROWS) as GEMV kernels. With the attention kernel, decode mode at one
-    row (MLA_MERGE_ABSORB_MAX_ROWS) merges the attention's parts in W_uv's launch
-    (mla_merge_absorb, no combine launch: W_uk's head_gemv alone), and at more rows in the combine
-    launch; both modes. (On the CPU, with the attention kernel, the prefill runs extend mode in
-    both, as generate prefills: the decode kernel over 12 tokens a row is the interpreter's
-    slowest part and no norm_gemv launch.)"""
+    """kernels "norm_gemv" (alone, with the fused residual adds and stacked q_a + kv_a, and with
+    the attention kernel) against the plain tiny model, float32, 2 layers: the 36-row prefill
+    runs the plain path; steps of 9 and 6 rows run the absorbed products as head_gemv kernels
+    (decode mode, up to HEAD_GEMV_MAX_ROWS, in groups of rows), q_b_proj's GEMV kernel
+    (q_a_layernorm inside, up to Q_B_GEMV_MAX_ROWS) once a layer and, with fused_proj, the
+    stacked q_a + kv_a (QKVA_GEMV_MAX_ROWS), o_proj plain; steps of 1 and 2 rows also o_proj (up
+    to O_PROJ_GEMV_MAX_ROWS) as a GEMV kernel, and a step of 3 rows not. With the attention
+    kernel, decode mode at one row (MLA_MERGE_ABSORB_MAX_ROWS) merges the attention's parts in
+    W_uv's launch (mla_merge_absorb, no combine launch: W_uk's head_gemv alone), and at more
+    rows in the combine launch; both modes. (On the CPU, with the attention kernel, the prefill
+    runs extend mode in both, as generate prefills: the decode kernel over 12 tokens a row is
+    the interpreter's slowest part and no norm_gemv launch.)"""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(num_hidden_layers=2)
     plain = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32), 0)

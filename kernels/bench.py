@@ -346,17 +346,18 @@ def bench_norm_gemv(bw, rows, sweep=False, Ms=None):
     past the L2. head_gemv against the einsums with the copy the model makes of their permuted
     output (bench_head_gemv). Each at more than 1 row also with x's rows in smaller groups, a
     program a group (group_rows; None: the default, one group for norm_gemv, HEAD_GEMV_GROUP_ROWS
-    for head_gemv).
+    for head_gemv), and norm_gemv in each form forced (dot False: the CUDA cores', True: the
+    tensor cores'; None: its rule, gemv.NORM_GEMV_DOT_MIN_ROWS).
     sweep: block configurations too, K whole in a program (programs 1: the first version's shape)
     among them."""
     print(f"\nnorm_gemv, Kimi-K2 TP 8, bf16 (us per call in a graph; GB/s of the weight; copy "
           f"{bw:.0f} GB/s)")
     dt = torch.bfloat16
-    # (BLOCK_N, BLOCK_K, programs, group_rows) at M 1; programs 1 keeps K whole in a program, the
-    # first version's shape
-    sweep_points = [(16, 256, 1024, None), (64, 256, 1024, None), (32, 256, 512, None),
-                    (32, 256, 2048, None), (32, 512, 1024, None),
-                    (32, 256, 1, None)] if sweep else []
+    # (BLOCK_N, BLOCK_K, programs, group_rows, dot) at M 1; programs 1 keeps K whole in a program,
+    # the first version's shape
+    sweep_points = [(16, 256, 1024, None, False), (64, 256, 1024, None, False),
+                    (32, 256, 512, None, False), (32, 256, 2048, None, False),
+                    (32, 512, 1024, None, False), (32, 256, 1, None, False)] if sweep else []
     for name, N, K, has_norm in (("q_a+kv_a", 2112, 7168, False), ("q_b", 1536, 1536, True),
                                  ("o_proj", 7168, 1024, False)):
         sets = max(2, min(16, math.ceil(150e6 / (N * K * 2))))
@@ -371,23 +372,26 @@ def bench_norm_gemv(bw, rows, sweep=False, Ms=None):
             def plain(x, w):
                 return torch.nn.functional.linear(x if norm is None else norm(x), w)
             base = graph_ms([partial(plain, x, w) for x, w in zip(xs, ws)]) * 1e3
-            configs = [(None, None, None, None)] + [(None, None, None, r) for r in _group_sizes(M)]
-            for bn, bk, programs, group_rows in configs + (sweep_points if M == 1 else []):
+            configs = ([(None, None, None, None, None)]
+                       + [(None, None, None, r, False) for r in _group_sizes(M)]
+                       + [(None, None, None, None, dot) for dot in (False, True)])
+            for bn, bk, programs, group_rows, dot in configs + (sweep_points if M == 1 else []):
                 g = None if norm is None else norm.weight
                 try:
                     calls = [partial(norm_gemv, x, w, g, 1e-6, block_n=bn, block_k=bk,
-                                     programs=programs, group_rows=group_rows)
+                                     programs=programs, group_rows=group_rows, dot=dot)
                              for x, w in zip(xs, ws)]
                     us = graph_ms(calls) * 1e3
                 except Exception as e:   # a configuration past the SM's shared memory, say
                     print(f"  {name:9s} M {M}  config {bn, bk, programs} group_rows "
-                          f"{group_rows}: {type(e).__name__} {str(e)[:80]}")
+                          f"{group_rows} dot {dot}: {type(e).__name__} {str(e)[:80]}")
                     continue
-                print(f"  {name:9s} M {M}  config {bn, bk, programs} group_rows {group_rows}: "
+                print(f"  {name:9s} M {M}  config {bn, bk, programs} group_rows {group_rows} "
+                      f"dot {dot}: "
                       f"kernel {us:6.1f} us ({N * K * 2 / us / 1e3:5.0f} GB/s)  twin {base:6.1f} "
                       f"us ({N * K * 2 / base / 1e3:5.0f} GB/s)", flush=True)
                 rows.append(dict(kernel="norm_gemv", proj=name, M=M, config=[bn, bk, programs],
-                                 group_rows=group_rows, us=us, twin_us=base))
+                                 group_rows=group_rows, dot=dot, us=us, twin_us=base))
     bench_input_norm_in_qkva(rows, Ms)
     bench_head_gemv(rows, Ms)
 

@@ -32,7 +32,8 @@ from .stacked import StackedQKVA
 #   slice order, scales and stores.
 # One launch, no float atomics: deterministic, so a graph replay equals the eager call.
 # Rounding: the normed row is not rounded (the plain path rounds it to W's dtype), so bf16 results
-# differ from the plain path's by the order of one rounding.
+# differ from the plain path's by the order of one rounding. From NORM_GEMV_DOT_MIN_ROWS rows the
+# products run on the tensor cores instead (_norm_gemv_dot_kernel), x * g rounded to bf16 there.
 # With a residual r (a layer's input norm, InputNormInQKVA) the kernel reads x and r and normalizes
 # their sum, rounded to the dtype as the plain add rounds it; the programs of row block 0 also store
 # that sum (the residual stream), each for its own slice of K: the add + norm launch in front of the
@@ -54,6 +55,17 @@ NORM_GEMV_MIN_STEP = 64
 # K is cut into this // row blocks slices (at most one a step): two waves of the H200's 132 SMs; K
 # whole from 133 row blocks up, as at all of Kimi-K2's attention projections (--small --sweep)
 NORM_GEMV_PROGRAMS = 264
+# From this many rows, in bf16, the products run on the tensor cores (_norm_gemv_dot_kernel): x's
+# rows padded to 16, the accumulator [16, BLOCK_N] however long the step, where the CUDA cores'
+# [rows, BLOCK_N, step] cuts the step as the rows grow. Alone, µs a call in a graph at 1 to 16
+# rows (python -m kernels.bench --small; the CUDA cores' form, cuBLAS): q_a + kv_a 11.0-11.2 flat
+# (9.9 at 1-2, 12.7-12.9 at 3-4, 25.4-51.7 from 5; cuBLAS 13.2-13.9); q_b with its norm 5.5-5.7
+# (3.7-5.0 at 1-4, 7.9 at 5-8; cuBLAS 8.8-9.9); o_proj 6.0 (5.7-6.1 at 1-2, 8.1 at 3-4; cuBLAS
+# 6.4-6.6). In run.py's verify the form paid only from 5 rows (at 3-4 q_a + kv_a no time saved;
+# BENCHMARKS.md, Kept and Tried). NORM_GEMV_DOT: (BLOCK_N, BLOCK_K, warps, stages), the best of
+# 16-64 x 128-512 x 2-4 stages at q_a + kv_a and q_b.
+NORM_GEMV_DOT_MIN_ROWS = 5
+NORM_GEMV_DOT = (32, 128, 4, 4)
 # x's rows may be cut into groups (group_rows, a power of 2), a program a group, the groups of a W
 # tile side by side (all but the first reading it from L2), so that a program's accumulator and
 # step stay those of a group's rows. head_gemv takes groups (HEAD_GEMV_GROUP_ROWS); norm_gemv's
@@ -105,6 +117,38 @@ def _store_residual_sum(x_rows, r_rows, sum_rows, rows, kb, lo, hi, M, K, BLOCK_
 
 
 @_jit
+def _norm_gemv_input(x_rows, r_rows, g_ptr, rows, k, M, K, ss2, ADD: tl.constexpr,
+                     NORM: tl.constexpr):
+    """A step's input at columns k, float32 [len(rows), len(k)]: x (ADD: x + r, rounded to x's
+    dtype), times g (NORM); and ss2 with the step's squares of x added (NORM)."""
+    ok = (rows < M)[:, None] & (k < K)[None, :]
+    if ADD:
+        h = _residual_sum(x_rows + k[None, :], r_rows + k[None, :], ok).to(tl.float32)
+    else:
+        h = tl.load(x_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
+    if NORM:
+        ss2 += h * h
+        h = h * tl.load(g_ptr + k[None, :], mask=(k < K)[None, :], other=0.0).to(tl.float32)
+    return h, ss2
+
+
+@_jit
+def _norm_gemv_finish(acc, ss, out_ptr, part_ptr, ss_ptr, count_ptr, q, s, rows, n, M, N, K, eps,
+                      s_om, SPLITS: tl.constexpr, NORM: tl.constexpr, BLOCK_M: tl.constexpr):
+    """A program's sums acc [BLOCK_M, BLOCK_N] and sums of squares ss [BLOCK_M] of slice s: with
+    SPLITS > 1 stored, and the last program of block q adds every slice's; that program (or each,
+    with one slice) scales the rows by their rstd (NORM) and stores them into out."""
+    last = q >= 0  # one slice: every program
+    if SPLITS > 1:
+        acc, ss, last = _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, q, s, rows, n,
+                                             M, N, SPLITS, BLOCK_M)
+    if NORM:
+        acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
+    tl.store(out_ptr + rows[:, None] * s_om + n[None, :], acc.to(out_ptr.dtype.element_ty),
+             mask=(rows < M)[:, None] & (n < N)[None, :] & last)
+
+
+@_jit
 def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
                       M, N, K, k_split, eps, s_xm, s_rm, s_sm, s_xh, s_wh, s_wn, s_wk, s_om, s_oh,
                       groups, SPLITS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
@@ -148,31 +192,55 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
         k = k0 + kb
         k1 = tl.minimum(k0 + BLOCK_K, last_k) + k3  # the next step's (the last: its own)
         w1 = tl.load(w_rows + k1 * s_wk, mask=(n3 < N) & (k1 < K), other=0.0)
-        ok = (rows < M)[:, None] & (k < K)[None, :]
-        if ADD:
-            h = _residual_sum(x_rows + k[None, :], r_rows + k[None, :], ok).to(tl.float32)
-        else:
-            h = tl.load(x_rows + k[None, :], mask=ok, other=0.0).to(tl.float32)
-        if NORM:
-            ss2 += h * h
-            h = h * tl.load(g_ptr + k[None, :], mask=(k < K)[None, :], other=0.0).to(tl.float32)
+        h, ss2 = _norm_gemv_input(x_rows, r_rows, g_ptr, rows, k, M, K, ss2, ADD, NORM)
         acc3 += w.to(tl.float32) * h[:, None, :]
         w = w1
-    acc = tl.sum(acc3, 2)                                                   # [m, n]
-    ss = tl.sum(ss2, 1)
     if ADD:
         if pid == 0:
             _store_residual_sum(x_rows, r_rows, sum_rows, rows, kb, lo, hi, M, K, BLOCK_K)
-    last = pid >= 0  # one slice: every program
-    if SPLITS > 1:
-        acc, ss, last = _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, q,
-                                             s, rows, n, M, N,
-                                             SPLITS, BLOCK_M)
-    if NORM:
-        acc = acc * (1.0 / tl.sqrt(ss / K + eps))[:, None]
-    tl.store(out_ptr + j * s_oh + rows[:, None] * s_om + n[None, :],
-             acc.to(out_ptr.dtype.element_ty),
-             mask=(rows < M)[:, None] & (n < N)[None, :] & last)
+    _norm_gemv_finish(tl.sum(acc3, 2), tl.sum(ss2, 1), out_ptr + j * s_oh, part_ptr, ss_ptr,
+                      count_ptr, q, s, rows, n, M, N, K, eps, s_om, SPLITS, NORM, BLOCK_M)
+
+
+@_jit
+def _norm_gemv_dot_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss_ptr,
+                          count_ptr, M, N, K, k_split, eps, s_xm, s_rm, s_sm, s_wn, s_om,
+                          SPLITS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
+                          IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                          BLOCK_K: tl.constexpr):
+    """_norm_gemv_kernel's out, sum and slices (one group of rows, no heads) with the products on
+    the tensor cores: each step the input h [BLOCK_M, BLOCK_K] (BLOCK_M 16, tl.dot's least; rows
+    from M on are zeros) times W's tile [BLOCK_N, BLOCK_K] transposed, by tl.dot into a float32
+    [BLOCK_M, BLOCK_N] accumulator, W's tiles loaded ahead into shared memory by Triton's
+    pipelining (num_stages). bf16 W: h rounded to bf16, which is x (or x + r) exactly; with NORM
+    x * g, one rounding as the plain path's RMSNorm rounds its output (here before rstd, which
+    scales the sums); the products exact, added in float32. IEEE (float32 W): float32 products.
+    Grid: (cdiv(N, BLOCK_N), 1, SPLITS)."""
+    _wait_for_prior()
+    q, s = tl.program_id(0), tl.program_id(2)
+    rows = tl.arange(0, BLOCK_M)
+    n = q * BLOCK_N + tl.arange(0, BLOCK_N)
+    kb = tl.arange(0, BLOCK_K)
+    x_rows = x_ptr + rows[:, None] * s_xm
+    r_rows, sum_rows = r_ptr + rows[:, None] * s_rm, sum_ptr + rows[:, None] * s_sm
+    w_rows = w_ptr + n[:, None] * s_wn
+    lo = s * k_split
+    hi = tl.minimum(lo + k_split, K)
+    acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
+    ss2 = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)  # the squares, summed over k at the end
+    for k0 in range(lo, hi, BLOCK_K):
+        k = k0 + kb
+        w = tl.load(w_rows + k[None, :], mask=(n < N)[:, None] & (k < K)[None, :], other=0.0)
+        h, ss2 = _norm_gemv_input(x_rows, r_rows, g_ptr, rows, k, M, K, ss2, ADD, NORM)
+        if IEEE:
+            acc = tl.dot(h, tl.trans(w), acc, input_precision="ieee")
+        else:
+            acc = tl.dot(h.to(w.dtype), tl.trans(w), acc)
+    if ADD:
+        if q == 0:
+            _store_residual_sum(x_rows, r_rows, sum_rows, rows, kb, lo, hi, M, K, BLOCK_K)
+    _norm_gemv_finish(acc, tl.sum(ss2, 1), out_ptr, part_ptr, ss_ptr, count_ptr, q, s, rows, n, M,
+                      N, K, eps, s_om, SPLITS, NORM, BLOCK_M)
 
 
 def _k_slices(blocks, K, block_k, programs):
@@ -202,16 +270,42 @@ def _groups(rows, group_rows):
 
 
 def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None, block_k=None,
-              programs=None, group_rows=None):
+              programs=None, group_rows=None, dot=None):
     """RMSNorm(x) @ weight^T in one kernel: x [..., K] of weight's dtype (bf16, fp16 or float32),
     weight [N, K] (rows may be a strided view), norm_weight [K] (None: no norm, a plain GEMV), at
     most NORM_GEMV_MAX_ROWS rows. Returns [..., N]. With a residual (x's shape and dtype) the input
     is x + residual, rounded to x's dtype as model.RMSNorm's add: returns ([..., N], x + residual).
-    The block arguments and group_rows (default: every row in one program) override the defaults
-    above (benchmarks; tests force several slices of a small K and several groups of rows)."""
+    dot: the products on the tensor cores (_norm_gemv_dot_kernel; bf16 and float32); None: from
+    NORM_GEMV_DOT_MIN_ROWS rows in bf16 (every row in one program), else on the CUDA cores.
+    The block arguments and group_rows (default: every row in one program; not with dot) override
+    the defaults above (benchmarks; tests force several slices of a small K and several groups of
+    rows)."""
     K = x.shape[-1]
     N = weight.shape[0]
     rows = x.numel() // K if K else 0
+    _check_norm_gemv(x, weight, norm_weight, residual, rows)
+    if dot is None:
+        dot = (rows >= NORM_GEMV_DOT_MIN_ROWS and x.dtype == torch.bfloat16
+               and group_rows is None)
+    elif dot and (x.dtype == torch.float16 or group_rows is not None):
+        raise ValueError(f"norm_gemv: the tensor cores' form runs bf16 or float32, every row in "
+                         f"one program, got {x.dtype} and group_rows {group_rows}")
+    x2, r2 = (t.reshape(rows, K) for t in (x, x if residual is None else residual))
+    x2, r2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, r2))
+    out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
+    # x2: not written
+    summed = x2 if residual is None else torch.empty(rows, K, device=x.device, dtype=x.dtype)
+    if rows and N:
+        g = x2 if norm_weight is None else norm_weight
+        (_launch_norm_gemv_dot if dot else _launch_norm_gemv)(
+            x2, r2, summed, g, weight, out, float(eps), residual is not None,
+            norm_weight is not None, block_n, block_k, programs or NORM_GEMV_PROGRAMS, group_rows)
+    return out if residual is None else (out, summed.view(x.shape))
+
+
+def _check_norm_gemv(x, weight, norm_weight, residual, rows):
+    """norm_gemv's arguments, or a ValueError that names what does not fit."""
+    K = x.shape[-1]
     if (weight.dim() != 2 or weight.shape[1] != K or weight.stride(1) != 1
             or x.dtype != weight.dtype):
         raise ValueError(f"norm_gemv: x {x.dtype} {list(x.shape)} and weight {weight.dtype} "
@@ -225,35 +319,55 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"norm_gemv: residual {residual.dtype} {list(residual.shape)} is not of "
                          f"x's shape and dtype, {x.dtype} {list(x.shape)}")
+
+
+def _slice_buffers(out, blocks, block_m, K, block_k, programs):
+    """(slices, k_split, part, ss) of a norm_gemv launch of `blocks` blocks: K's slices, and the
+    buffers of their partial sums and sums of squares (part is out with one slice)."""
+    rows, N = out.numel() // out.shape[-1], out.shape[-1]
+    slices, k_split = _k_slices(blocks, K, block_k, programs)
+    if slices > 1 and blocks > common.COUNTERS:       # a counter a block of a split K
+        raise ValueError(f"norm_gemv: K in {slices} slices for {blocks} blocks ({N} rows of W), "
+                         f"more than {common.COUNTERS}")
+    part = torch.empty(slices, rows, N, device=out.device,
+                       dtype=torch.float32) if slices > 1 else out
+    ss = torch.empty(blocks * slices * block_m, device=out.device, dtype=torch.float32)
+    return slices, k_split, part, ss
+
+
+def _launch_norm_gemv(x2, r2, summed, g, weight, out, eps, add, norm, block_n, block_k,
+                      programs, group_rows):
+    """norm_gemv's products on the CUDA cores (_norm_gemv_kernel)."""
+    (rows, K), N = x2.shape, weight.shape[0]
     groups, block_m = _groups(rows, group_rows or NORM_GEMV_MAX_ROWS)
     bn, step_bytes, warps = NORM_GEMV_BLOCKS[1 if block_m == 1 else "several",
                                              "long" if K >= NORM_GEMV_LONG_K else "short"]
     block_n = block_n or bn
     blocks = triton.cdiv(N, block_n) * groups
-    x2, r2 = (t.reshape(rows, K) for t in (x, x if residual is None else residual))
-    x2, r2 = (t if t.stride(-1) == 1 else t.contiguous() for t in (x2, r2))
-    out = torch.empty(*x.shape[:-1], N, device=x.device, dtype=x.dtype)
-    # x2: not written
-    summed = x2 if residual is None else torch.empty(rows, K, device=x.device, dtype=x.dtype)
-    if rows and N:
-        block_k = block_k or _norm_gemv_step(block_m, block_n, step_bytes, warps, K,
-                                             x.element_size())
-        slices, k_split = _k_slices(blocks, K, block_k, programs or NORM_GEMV_PROGRAMS)
-        if slices > 1 and blocks > common.COUNTERS:       # a counter a block of a split K
-            raise ValueError(f"norm_gemv: K in {slices} slices for {blocks} blocks ({N} rows of "
-                             f"W in {block_n}s x {groups} groups of x's rows), more than "
-                             f"{common.COUNTERS}")
-        part = torch.empty(slices, rows, N, device=x.device,
-                           dtype=torch.float32) if slices > 1 else out
-        ss = torch.empty(blocks * slices * block_m, device=x.device, dtype=torch.float32)
-        _norm_gemv_kernel[(blocks, 1, slices)](
-            x2, r2, summed, x2 if norm_weight is None else norm_weight, weight, out, part, ss,
-            _counters(x.device),
-            rows, N, K, k_split, float(eps), x2.stride(0), r2.stride(0), summed.stride(0), 0, 0,
-            weight.stride(0), 1, N, 0, groups,
-            SPLITS=slices, ADD=residual is not None, NORM=norm_weight is not None, BLOCK_M=block_m,
-            BLOCK_N=block_n, BLOCK_K=block_k, launch_pdl=common.PDL, num_stages=1, num_warps=warps)
-    return out if residual is None else (out, summed.view(x.shape))
+    block_k = block_k or _norm_gemv_step(block_m, block_n, step_bytes, warps, K, x2.element_size())
+    slices, k_split, part, ss = _slice_buffers(out, blocks, block_m, K, block_k, programs)
+    _norm_gemv_kernel[(blocks, 1, slices)](
+        x2, r2, summed, g, weight, out, part, ss, _counters(x2.device),
+        rows, N, K, k_split, eps, x2.stride(0), r2.stride(0), summed.stride(0), 0, 0,
+        weight.stride(0), 1, N, 0, groups,
+        SPLITS=slices, ADD=add, NORM=norm, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, launch_pdl=common.PDL, num_stages=1, num_warps=warps)
+
+
+def _launch_norm_gemv_dot(x2, r2, summed, g, weight, out, eps, add, norm, block_n, block_k,
+                          programs, group_rows):
+    """norm_gemv's products on the tensor cores (_norm_gemv_dot_kernel), x's rows padded to 16."""
+    (rows, K), N = x2.shape, weight.shape[0]
+    bn, bk, warps, stages = NORM_GEMV_DOT
+    block_n, block_k = max(16, block_n or bn), block_k or min(bk, max(16, _pow2(K)))
+    blocks, block_m = triton.cdiv(N, block_n), 16
+    slices, k_split, part, ss = _slice_buffers(out, blocks, block_m, K, block_k, programs)
+    _norm_gemv_dot_kernel[(blocks, 1, slices)](
+        x2, r2, summed, g, weight, out, part, ss, _counters(x2.device), rows, N, K, k_split, eps,
+        x2.stride(0), r2.stride(0), summed.stride(0), weight.stride(0), N,
+        SPLITS=slices, ADD=add, NORM=norm, IEEE=x2.dtype == torch.float32, BLOCK_M=block_m,
+        BLOCK_N=block_n, BLOCK_K=block_k, launch_pdl=common.PDL, num_stages=stages,
+        num_warps=warps)
 
 
 # head_gemv's blocks at Kimi-K2's 8 heads (python -m kernels.bench --small, head_gemv against the
@@ -325,24 +439,26 @@ launch.head_gemv = head_gemv
 
 # Rows (B * T) up to which the GEMV swaps run their kernel instead of cuBLAS (and model.RMSNorm):
 # where the kernel is faster at Kimi-K2's TP-8 shapes (python -m kernels.bench --small --tokens
-# 1,2,3,4,5,6,8,12,16; µs, kernel against twin).
-# - The stacked q_a + kv_a (cuBLAS: a split-K GEMV and a reduce): up to 4 (12.7 against 12.9 at 4,
-#   25.3 against 13.2 at 5).
+# 1,2,3,4,5,6,8,12,16; µs, kernel against twin), and in run.py's verify.
+# - The stacked q_a + kv_a (cuBLAS: a split-K GEMV and a reduce): up to 16 (the CUDA cores' form
+#   12.7 against 12.9 at 4; from 5 rows the tensor cores', 11.0-11.2 against 13.2-13.9).
 # - With the input add + norm inside (InputNormInQKVA): one row; from 2 rows add_rmsnorm and the
 #   GEMV are faster.
-# - o_proj: up to 2 (6.2 against 6.6 at 2, 8.1 against 6.4 at 3).
-# - q_b with its norm: up to 8 (7.9 against 8.8 at 8, 13.2 against 8.9 at 12).
+# - o_proj: up to 2 (6.2 against 6.6 at 2, 8.1 against 6.4 at 3). Its tensor cores' form, 6.0
+#   against 6.4-6.5 alone at 3-16, made the INT4 verify 0.17 ms slower at 3-4 tokens and saved
+#   nothing at 5-16 (BENCHMARKS.md, Tried and not kept).
+# - q_b with its norm: up to 16 (the CUDA cores' form to 4, then the tensor cores', 5.5-5.7
+#   against cuBLAS's 8.8-9.7).
 # - The absorbed W_uk, W_uv (head_gemv): up to 16, in groups of 4 rows from 5 (HEAD_GEMV_GROUP_ROWS;
 #   at 10 to 16 rows 5.5-5.7 and 3.2-3.8 against the einsums' 5.2-5.3 and 5.3-6.2; in one program
 #   of 16 rows 7.5 and 4.1 at 12).
-# q_b in groups of 4 is no faster than cuBLAS from 9 rows (11.7-14.6 against 8.8-8.9).
-# Re-checked in the step (run.py's INT4 verify sweep, each limit raised alone): o_proj to 4 rows,
-# the input norm inside to 4 and q_b to 16 in one program made the verify slower where they moved
-# it, q_b to 16 in groups no faster (BENCHMARKS.md, Tried and not kept).
-QKVA_GEMV_MAX_ROWS = 4
+# Re-checked in the step (run.py's INT4 verify sweep, each limit raised alone): o_proj to 4 rows
+# and the input norm inside to 4 made the verify slower where they moved it (BENCHMARKS.md, Tried
+# and not kept).
+QKVA_GEMV_MAX_ROWS = 16
 INPUT_NORM_QKVA_MAX_ROWS = 1
 O_PROJ_GEMV_MAX_ROWS = 2
-Q_B_GEMV_MAX_ROWS = 8
+Q_B_GEMV_MAX_ROWS = 16
 HEAD_GEMV_MAX_ROWS = 16
 
 
