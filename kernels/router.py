@@ -61,7 +61,9 @@ ROUTER_SPLIT_D = 8
 # a thread) on 2 warps, 4 tokens at a time. 8 experts and 8192 elements on 4 warps, 8 tokens at a
 # time, were 0.3-4.6 us slower a call at every count (verify 0.11-0.24 ms more at 10-12 tokens,
 # 0.02-0.08 at 5-8, in every format). All 16 tokens at once on 8 warps took 33 us at 12 tokens
-# against 14 at 8.
+# against 14 at 8. With bf16 weights (a tile half the bytes) 8192 elements on 2 or 4 warps were
+# 0.2-0.4 us faster at 1-4 tokens under the model's routing, 0.2-0.5 slower under uniform and
+# 0.3-2.0 slower at 8-12 (BENCHMARKS.md, Tried and not kept).
 ROUTER_BLOCK_E = 4          # experts a program
 ROUTER_TILE = 4096          # elements of the [experts, D] weight tile a program holds
 ROUTER_WARPS = 2            # its warps: a token's sums reduced across them
