@@ -356,7 +356,8 @@ def _launch_norm_gemv(x2, r2, summed, g, weight, out, eps, add, norm, block_n, b
 
 def _launch_norm_gemv_dot(x2, r2, summed, g, weight, out, eps, add, norm, block_n, block_k,
                           programs, group_rows):
-    """norm_gemv's products on the tensor cores (_norm_gemv_dot_kernel), x's rows padded to 16."""
+    """norm_gemv's products on the tensor cores (_norm_gemv_dot_kernel), x's rows padded to 16
+    (group_rows None: _launch_norm_gemv's signature, every row in one program)."""
     (rows, K), N = x2.shape, weight.shape[0]
     bn, bk, warps, stages = NORM_GEMV_DOT
     block_n, block_k = max(16, block_n or bn), block_k or min(bk, max(16, _pow2(K)))
