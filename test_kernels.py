@@ -1271,8 +1271,9 @@ def test_norm_gemv_with_residual_equals_add_rmsnorm_and_linear(dtype):
     slices with x's rows in groups of 2 (each group's programs of row block 0 store its rows of
     the sum); the CUDA cores' form and the tensor cores' forced, K whole and (16 rows of W a
     block) in two slices; also without a norm (two slices). The sum equals x + residual bit for
-    bit; the output float32 to 1e-5 relative, bf16 (GPU) to 1% of the largest output (the normed
-    row is not rounded). Refused: a residual of another shape or dtype."""
+    bit; the output float32 to 1e-5 relative, bf16 (GPU) to 1% of the largest output (the CUDA
+    cores' form does not round the normed row, the tensor cores' rounds x * g to bf16). Refused: a
+    residual of another shape or dtype."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
