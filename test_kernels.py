@@ -1250,6 +1250,13 @@ def test_norm_gemv_kernel_equals_twin(dtype):
                 assert_close(out, ref, tol, what)
                 assert not kernels._counters(x.device).any(), \
                     f"{what}: the last programs leave the counters 0"
+
+
+@pytest.mark.triton
+def test_norm_gemv_refuses_what_it_cannot_run():
+    """kernels.norm_gemv refuses, naming the problem: more than 16 rows, groups of rows that are no
+    power of 2, and the tensor cores' form forced on fp16."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
     with pytest.raises(ValueError, match="at most 16 rows"):
         kernels.norm_gemv(torch.zeros(17, 64, device=device), torch.zeros(8, 64, device=device))
     with pytest.raises(ValueError, match="group_rows 3: a power of 2"):

@@ -296,10 +296,13 @@ def norm_gemv(x, weight, norm_weight=None, eps=0.0, residual=None, block_n=None,
     # x2: not written
     summed = x2 if residual is None else torch.empty(rows, K, device=x.device, dtype=x.dtype)
     if rows and N:
-        g = x2 if norm_weight is None else norm_weight
-        (_launch_norm_gemv_dot if dot else _launch_norm_gemv)(
-            x2, r2, summed, g, weight, out, float(eps), residual is not None,
-            norm_weight is not None, block_n, block_k, programs or NORM_GEMV_PROGRAMS, group_rows)
+        args = (x2, r2, summed, x2 if norm_weight is None else norm_weight, weight, out, float(eps),
+                residual is not None, norm_weight is not None, block_n, block_k,
+                programs or NORM_GEMV_PROGRAMS)
+        if dot:
+            _launch_norm_gemv_dot(*args)
+        else:
+            _launch_norm_gemv(*args, group_rows)
     return out if residual is None else (out, summed.view(x.shape))
 
 
@@ -355,9 +358,9 @@ def _launch_norm_gemv(x2, r2, summed, g, weight, out, eps, add, norm, block_n, b
 
 
 def _launch_norm_gemv_dot(x2, r2, summed, g, weight, out, eps, add, norm, block_n, block_k,
-                          programs, group_rows):
-    """norm_gemv's products on the tensor cores (_norm_gemv_dot_kernel), x's rows padded to 16
-    (group_rows None: _launch_norm_gemv's signature, every row in one program)."""
+                          programs):
+    """norm_gemv's products on the tensor cores (_norm_gemv_dot_kernel), x's rows padded to 16,
+    W's rows at least 16 a block (tl.dot's least)."""
     (rows, K), N = x2.shape, weight.shape[0]
     bn, bk, warps, stages = NORM_GEMV_DOT
     block_n, block_k = max(16, block_n or bn), block_k or min(bk, max(16, _pow2(K)))
