@@ -1319,6 +1319,53 @@ def test_norm_gemv_with_residual_equals_add_rmsnorm_and_linear(dtype):
             kernels.norm_gemv(x, torch.zeros(8, 64, device=device, dtype=dtype), residual=bad)
 
 
+def test_prefetch_bytes(monkeypatch):
+    """common.prefetch_bytes: PREFETCH_ROW_BYTES at most the row's bytes, a power of 2 (the
+    sectors' tl.arange) from one 32-byte sector; none without PDL, for a strided row, or at 0."""
+    monkeypatch.setattr(kernels.common, "PDL", True)
+    monkeypatch.setattr(kernels.common, "PREFETCH_ROW_BYTES", 1024)
+    got = [kernels.common.prefetch_bytes(b) for b in (14336, 1024, 1000, 512, 100, 31)]
+    assert got == [1024, 1024, 512, 512, 64, 0]
+    assert kernels.common.prefetch_bytes(14336, contiguous=False) == 0
+    monkeypatch.setattr(kernels.common, "PREFETCH_ROW_BYTES", 0)
+    assert kernels.common.prefetch_bytes(14336) == 0
+    monkeypatch.setattr(kernels.common, "PREFETCH_ROW_BYTES", 1024)
+    monkeypatch.setattr(kernels.common, "PDL", False)
+    assert kernels.common.prefetch_bytes(14336) == 0
+
+
+@pytest.mark.gpu
+@pytest.mark.triton
+def test_gpu_prefetch_changes_no_result(monkeypatch):
+    """The L2 prefetch before the wait (common._prefetch_rows) is a hint: norm_gemv in each form,
+    head_gemv and the router's logits kernels at Kimi-K2 TP-8 shapes give the same bits with it
+    off, at the default and at 8192 bytes a row (more than a slice holds: the sectors clamped
+    inside the row)."""
+    if not (torch.cuda.is_available() and kernels.common.PDL):
+        pytest.skip("the prefetch runs only under programmatic dependent launch (CUDA, sm_90+)")
+    g = torch.Generator().manual_seed(31)
+    bf16 = dict(device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(16, 7168, generator=g).to(**bf16)
+    w, nw = (torch.randn(2112, 7168, generator=g) / 85).to(**bf16), torch.ones(7168, **bf16)
+    q, w_uv = (torch.randn(s, generator=g).to(**bf16) for s in ((3, 8, 512), (8, 128, 512)))
+    rw, bias = (torch.randn(384, 7168, generator=g) / 85).to(**bf16), torch.zeros(384).cuda()
+
+    def outputs():
+        outs = [kernels.norm_gemv(x[:rows], w, nw, 1e-6, dot=dot)
+                for rows, dot in ((1, False), (3, False), (5, True), (16, True))]
+        outs.append(kernels.head_gemv(q, w_uv))
+        for rows in (3, 16):  # the chunks' logits kernel and the tensor cores'
+            outs += kernels.router.router_topk(x[:rows], rw, bias, 8, 1, 1, True, 2.827)
+        return outs
+
+    monkeypatch.setattr(kernels.common, "PREFETCH_ROW_BYTES", 0)
+    plain = outputs()
+    for row_bytes in (1024, 8192):
+        monkeypatch.setattr(kernels.common, "PREFETCH_ROW_BYTES", row_bytes)
+        for a, b in zip(outputs(), plain):
+            assert torch.equal(a, b), f"prefetch of {row_bytes} bytes a row changed a result"
+
+
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_head_gemv_kernel_equals_twin(dtype):

@@ -43,29 +43,65 @@ def _jit(fn):
 # Programmatic dependent launch (PDL; sm_90 and later). A decode step runs ~800 kernels of a few us,
 # and a kernel normally starts only once the one before it on the stream has finished (chained tiny
 # kernels in a CUDA graph: ~0.9 us a launch on the H200). Every Triton kernel here is launched with
-# launch_pdl=PDL, so the GPU may start it while its predecessor still runs, and its first statement
-# is _wait_for_prior(): griddepcontrol.wait returns once the prerequisite grid (the kernel before
-# it) has completed and its memory writes are visible (PTX ISA, griddepcontrol). The rule every
-# kernel follows: nothing before the wait reads memory an earlier kernel writes, or writes memory an
-# earlier kernel reads or writes. Every kernel waits, so its predecessor had waited for its own: all
-# earlier kernels have completed too. Right after the wait, griddepcontrol.launch_dependents lets
-# the next kernel launch: its programs take the SM slots this one leaves free and sit in their own
-# wait, so its launch and start overlap this kernel's tail. A kernel launched without PDL (cuBLAS,
-# torch's) starts after whole kernels as always, and in a kernel launched without PDL both
-# instructions return at once. GDC: the kernels hold the instructions (sm_90 on; Triton's CPU
-# interpreter has neither); PDL: the launches ask for it. Every launch reads common.PDL when it
-# runs, so setting it False here turns PDL off everywhere (`python -m kernels.bench --pdl` times
-# run.py's phases with it off and on). The wait stays every kernel's first statement, even where
-# loading a first weight tile before it would save a little: no caller must then promise that its
-# weights are not being written.
+# launch_pdl=PDL, so the GPU may start it while its predecessor still runs, and before its first
+# load it calls _wait_for_prior(): griddepcontrol.wait returns once the prerequisite grid (the
+# kernel before it) has completed and its memory writes are visible (PTX ISA, griddepcontrol). The
+# rule every kernel follows: nothing before the wait reads memory an earlier kernel writes, or
+# writes memory an earlier kernel reads or writes. Every kernel waits, so its predecessor had waited
+# for its own: all earlier kernels have completed too. Right after the wait,
+# griddepcontrol.launch_dependents lets the next kernel launch: its programs take the SM slots this
+# one leaves free and sit in their own wait, so its launch and start overlap this kernel's tail. A
+# kernel launched without PDL (cuBLAS, torch's) starts after whole kernels as always, and in a
+# kernel launched without PDL both instructions return at once. GDC: the kernels hold the
+# instructions (sm_90 on; Triton's CPU interpreter has neither); PDL: the launches ask for it. Every
+# launch reads common.PDL when it runs, so setting it False here turns PDL off everywhere (`python
+# -m kernels.bench --pdl` times run.py's phases with it off and on). The wait comes before every
+# load, even of a weight tile that no kernel writes: no caller must then promise that its weights
+# are not being written. Before it a kernel only computes addresses and may ask the L2 for bytes
+# (the prefetch below).
 PDL = (HAVE_TRITON and not interpreting() and torch.cuda.is_available()
        and torch.cuda.get_device_capability() >= (9, 0))
 GDC = tl.constexpr(PDL) if HAVE_TRITON else PDL
 
 
+# A prefetch before the wait. A kernel's programs can be resident and waiting while the kernel
+# before it still runs; those that read the checkpoint's weights first ask the L2 for the first
+# PREFETCH_ROW_BYTES of each weight row they will read (a 32-byte sector an instruction), so that
+# their loads after the wait find those bytes there: the memory's idle time in the predecessor's
+# tail carries them. A prefetch moves bytes into the L2 only and returns nothing: the L2 is where
+# every SM's writes meet, so it can hand no stale value to a later load, and the rule above holds
+# (no load before the wait). 0: none. Only under PDL (without it the programs start after the
+# predecessor, and a prefetch would come just before the load it serves). 1024 bytes: the INT4
+# decode step 0.08 ms less than without, verify of 3 0.07; 4096 bytes gave back half of it
+# (BENCHMARKS.md, Kept).
+PREFETCH_ROW_BYTES = 1024
+
+
+def prefetch_bytes(row_bytes, contiguous=True):
+    """The bytes of each weight row a launch asks the L2 for before its wait (_prefetch_rows'
+    ROW_BYTES): PREFETCH_ROW_BYTES, at most the row's (its slice's) bytes, a power of 2 from 32; 0
+    without PDL or where the row is not contiguous."""
+    most = min(PREFETCH_ROW_BYTES, row_bytes)
+    if not (PDL and contiguous) or most < 32:
+        return 0
+    return 1 << (most.bit_length() - 1)      # a power of 2 (tl.arange's length)
+
+
+@_jit
+def _prefetch_rows(rows, nbytes, ROW_BYTES: tl.constexpr):
+    """Ask the L2 for the first ROW_BYTES (a multiple of 32; 0: nothing) of the rows starting at
+    the pointers rows [R] (valid rows: callers clamp their row indices; contiguous, at least nbytes
+    long, a run-time bound that keeps every address inside the row). Reads nothing."""
+    if GDC and ROW_BYTES > 0:
+        sector = tl.minimum(tl.arange(0, ROW_BYTES // 32) * 32, nbytes - 1)
+        p = rows.to(tl.pointer_type(tl.int8))[:, None] + sector[None, :]
+        tl.inline_asm_elementwise("prefetch.global.L2 [$1];\n\tmov.u32 $0, 0;", "=r,l", [p],
+                                  dtype=tl.int32, is_pure=False, pack=1)
+
+
 @_jit
 def _wait_for_prior():
-    """Every kernel's first statement: wait for the kernels before it, let the next one launch."""
+    """Before every kernel's first load: wait for the kernels before it, let the next one launch."""
     if GDC:
         tl.extra.cuda.gdc_wait()
         tl.extra.cuda.gdc_launch_dependents()

@@ -8,7 +8,8 @@ import model
 import tp
 
 from . import common
-from .common import _counters, _jit, _pow2, _wait_for_prior, launch, rows, tl, triton
+from .common import (_counters, _jit, _pow2, _prefetch_rows, _wait_for_prior, launch, rows,
+                     tl, triton)
 from .stacked import StackedQKVA
 
 
@@ -149,11 +150,19 @@ def _norm_gemv_finish(acc, ss, out_ptr, part_ptr, ss_ptr, count_ptr, q, s, rows,
 
 
 @_jit
+def _prefetch_w(w_ptr, n, N, s_wn, lo, hi, PREFETCH: tl.constexpr):
+    """Before the wait: the L2 asked for the first PREFETCH bytes of W's rows n (those past N: row
+    N - 1) from column lo, at most up to hi (common._prefetch_rows)."""
+    elem: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    _prefetch_rows(w_ptr + tl.minimum(n, N - 1) * s_wn + lo, (hi - lo) * elem, PREFETCH)
+
+
+@_jit
 def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
                       M, N, K, k_split, eps, s_xm, s_rm, s_sm, s_xh, s_wh, s_wn, s_wk, s_om, s_oh,
                       groups, SPLITS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
-                      BLOCK_M: tl.constexpr,
-                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                      BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                      PREFETCH: tl.constexpr):
     """out[m, n] = sum_k h[m, k] * W[n, k] with h = x (NORM: RMSNorm(x), x * rsqrt(mean(x^2) + eps)
     * g). ADD: x is the sum x + r of x and a residual r [M, K], rounded to x's dtype, which the
     programs of W's row block 0 (each for its own rows and slice of K, after its products) store
@@ -167,20 +176,23 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
     x, W and out of head j start s_xh, s_wh, s_oh elements further. x's rows in `groups` groups of
     BLOCK_M (M <= groups x BLOCK_M), a program a group: program q of axis 0 takes W's row block
     q // groups and group q % groups, so the groups of one row block run side by side and all but
-    the first read W's tile from L2. Grid: (cdiv(N, BLOCK_N) * groups, heads, SPLITS)."""
-    _wait_for_prior()
+    the first read W's tile from L2. PREFETCH: the bytes of each of its W rows a program asks the
+    L2 for before its wait (common._prefetch_rows; W's rows contiguous).
+    Grid: (cdiv(N, BLOCK_N) * groups, heads, SPLITS)."""
     q, j, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pid = q // groups
     rows = (q % groups) * BLOCK_M + tl.arange(0, BLOCK_M)
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
+    lo = s * k_split
+    hi = tl.minimum(lo + k_split, K)
+    _prefetch_w(w_ptr + j * s_wh, n, N, s_wn, lo, hi, PREFETCH)
+    _wait_for_prior()
     n3 = n[None, :, None]  # W's tile [1, BLOCK_N, BLOCK_K]
     kb = tl.arange(0, BLOCK_K)
     k3 = kb[None, None, :]
     x_rows = x_ptr + j * s_xh + rows[:, None] * s_xm
     r_rows, sum_rows = r_ptr + rows[:, None] * s_rm, sum_ptr + rows[:, None] * s_sm
     w_rows = w_ptr + j * s_wh + n3 * s_wn
-    lo = s * k_split
-    hi = tl.minimum(lo + k_split, K)
     last_k = lo + (tl.cdiv(hi - lo, BLOCK_K) - 1) * BLOCK_K                  # the slice's last step
     # the products, summed over k at the end
     acc3 = tl.zeros([BLOCK_M, BLOCK_N, BLOCK_K], tl.float32)
@@ -207,7 +219,7 @@ def _norm_gemv_dot_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr
                           count_ptr, M, N, K, k_split, eps, s_xm, s_rm, s_sm, s_wn, s_om,
                           SPLITS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
                           IEEE: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                          BLOCK_K: tl.constexpr):
+                          BLOCK_K: tl.constexpr, PREFETCH: tl.constexpr):
     """_norm_gemv_kernel's out, sum and slices (one group of rows, no heads) with the products on
     the tensor cores: each step the input h [BLOCK_M, BLOCK_K] (BLOCK_M 16, tl.dot's least; rows
     from M on are zeros) times W's tile [BLOCK_N, BLOCK_K] transposed, by tl.dot into a float32
@@ -215,17 +227,18 @@ def _norm_gemv_dot_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr
     pipelining (num_stages). bf16 W: h rounded to bf16, which is x (or x + r) exactly; with NORM
     x * g, one rounding as the plain path's RMSNorm rounds its output (here before rstd, which
     scales the sums); the products exact, added in float32. IEEE (float32 W): float32 products.
-    Grid: (cdiv(N, BLOCK_N), 1, SPLITS)."""
-    _wait_for_prior()
+    PREFETCH: as _norm_gemv_kernel's. Grid: (cdiv(N, BLOCK_N), 1, SPLITS)."""
     q, s = tl.program_id(0), tl.program_id(2)
     rows = tl.arange(0, BLOCK_M)
     n = q * BLOCK_N + tl.arange(0, BLOCK_N)
+    lo = s * k_split
+    hi = tl.minimum(lo + k_split, K)
+    _prefetch_w(w_ptr, n, N, s_wn, lo, hi, PREFETCH)
+    _wait_for_prior()
     kb = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows[:, None] * s_xm
     r_rows, sum_rows = r_ptr + rows[:, None] * s_rm, sum_ptr + rows[:, None] * s_sm
     w_rows = w_ptr + n[:, None] * s_wn
-    lo = s * k_split
-    hi = tl.minimum(lo + k_split, K)
     acc = tl.zeros([BLOCK_M, BLOCK_N], tl.float32)
     ss2 = tl.zeros([BLOCK_M, BLOCK_K], tl.float32)  # the squares, summed over k at the end
     for k0 in range(lo, hi, BLOCK_K):
@@ -353,8 +366,9 @@ def _launch_norm_gemv(x2, r2, summed, g, weight, out, eps, add, norm, block_n, b
         x2, r2, summed, g, weight, out, part, ss, _counters(x2.device),
         rows, N, K, k_split, eps, x2.stride(0), r2.stride(0), summed.stride(0), 0, 0,
         weight.stride(0), 1, N, 0, groups,
-        SPLITS=slices, ADD=add, NORM=norm, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, launch_pdl=common.PDL, num_stages=1, num_warps=warps)
+        SPLITS=slices, ADD=add, NORM=norm, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+        PREFETCH=common.prefetch_bytes(k_split * x2.element_size()), launch_pdl=common.PDL,
+        num_stages=1, num_warps=warps)
 
 
 def _launch_norm_gemv_dot(x2, r2, summed, g, weight, out, eps, add, norm, block_n, block_k,
@@ -370,8 +384,9 @@ def _launch_norm_gemv_dot(x2, r2, summed, g, weight, out, eps, add, norm, block_
         x2, r2, summed, g, weight, out, part, ss, _counters(x2.device), rows, N, K, k_split, eps,
         x2.stride(0), r2.stride(0), summed.stride(0), weight.stride(0), N,
         SPLITS=slices, ADD=add, NORM=norm, IEEE=x2.dtype == torch.float32, BLOCK_M=block_m,
-        BLOCK_N=block_n, BLOCK_K=block_k, launch_pdl=common.PDL, num_stages=stages,
-        num_warps=warps)
+        BLOCK_N=block_n, BLOCK_K=block_k,
+        PREFETCH=common.prefetch_bytes(k_split * x2.element_size()), launch_pdl=common.PDL,
+        num_stages=stages, num_warps=warps)
 
 
 # head_gemv's blocks at Kimi-K2's 8 heads (python -m kernels.bench --small, head_gemv against the
@@ -423,6 +438,7 @@ def head_gemv(x, weight, group_rows=None):
             x2, x2, x2, x2, weight, out, out, out, out, rows, N, K, K, 0.0, x2.stride(0), 0, 0,
             x2.stride(1), weight.stride(0), weight.stride(1), weight.stride(2), H * N, N, groups,
             SPLITS=1, ADD=False, NORM=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
+            PREFETCH=common.prefetch_bytes(K * x.element_size(), weight.stride(2) == 1),
             num_warps=HEAD_GEMV_WARPS, num_stages=1, launch_pdl=common.PDL)
     return out
 

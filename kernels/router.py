@@ -4,7 +4,8 @@ import torch
 import model
 
 from . import common, moe_gemv
-from .common import _counters, _jit, _pow2, _wait_for_prior, launch, tl, triton
+from .common import (_counters, _jit, _pow2, _prefetch_rows, _wait_for_prior, launch, tl,
+                     triton)
 from .moe_gemv import _check_planes
 
 
@@ -93,20 +94,22 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
                    BLOCK_N: tl.constexpr, BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr,
                    BLOCK_G: tl.constexpr,
                    BLOCK_EG: tl.constexpr, BLOCK_K: tl.constexpr, SELECT: tl.constexpr,
-                   CHUNK: tl.constexpr):
+                   CHUNK: tl.constexpr, PREFETCH: tl.constexpr):
     """part[j, n, e] = sum over d in slice j of x[n, d] * W[e, d] in float32 (CHUNK tokens at a
     time, _router_chunk), then (SELECT), in the last program, _router_select over all N (<=
     BLOCK_N) tokens. x [N, D] (any float dtype), W [E, D] bf16 or float32, part [SPLITS, N, E]
     float32 (last dims contiguous), count one int32 zero. PLANES: the programs of expert block 0
     also write their slice of x as the INT4 GEMV's activation (fused_moe's planes,
     moe_gemv.activation_planes): 1, fp32 nibble planes [N, 8, D/8]; 2, bf16 pair planes (v_ptr a
-    bf16 view of them). Grid: (cdiv(E, BLOCK_E), SPLITS)."""
-    _wait_for_prior()
+    bf16 view of them). PREFETCH: the bytes of each of its W rows a program asks the L2 for
+    before its wait (_prefetch_slice). Grid: (cdiv(E, BLOCK_E), SPLITS)."""
     eb, j = tl.program_id(0), tl.program_id(1)
     e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    d_end = tl.minimum((j + 1) * d_per_split, D)
+    _prefetch_slice(w_ptr, e, E, j * d_per_split, d_end, s_we, PREFETCH)
+    _wait_for_prior()
     n = tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
-    d_end = tl.minimum((j + 1) * d_per_split, D)
     # one step a program up to ROUTER_GEMV_MAX_TOKENS tokens
     for d0 in range(j * d_per_split, d_end, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
@@ -128,6 +131,14 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
                        E_PER_G, G, scale,
                        SPLITS, K, TOPK_GROUP, NORM, GROUPED, UNIFORM, SHARED, BLOCK_N, BLOCK_G,
                        BLOCK_EG, BLOCK_K)
+
+
+@_jit
+def _prefetch_slice(w_ptr, e, E, d0, d_end, s_we, PREFETCH: tl.constexpr):
+    """Before the wait: the L2 asked for the first PREFETCH bytes of W's rows e (those past E: row
+    E - 1) from column d0, at most up to d_end (common._prefetch_rows)."""
+    elem: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    _prefetch_rows(w_ptr + tl.minimum(e, E - 1) * s_we + d0, (d_end - d0) * elem, PREFETCH)
 
 
 @_jit
@@ -169,20 +180,22 @@ def _router_chunk(acc, x_ptr, v_ptr, c, N, D, d, d_end, w, n, eb, s_xn, PLANES: 
 @_jit
 def _router_dot_kernel(x_ptr, w_ptr, part_ptr, N, E, D, d_per_split, s_xn, s_we, s_ps, s_pn,
                        EXACT_X: tl.constexpr, EXACT_W: tl.constexpr, BLOCK_N: tl.constexpr,
-                       BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr):
+                       BLOCK_E: tl.constexpr, BLOCK_D: tl.constexpr, PREFETCH: tl.constexpr):
     """part[j, n, e] as _router_kernel's, every token at once: x [BLOCK_N, BLOCK_D] times the
     weight tile [BLOCK_E, BLOCK_D] transposed by tl.dot, BLOCK_D columns a step over slice j, no
     reduction across warps a token. EXACT_X (x bf16 or fp16, exact in tf32): on the tensor cores,
     each product exact and accumulated in float32: one tf32 product where W is exact in tf32 too
     (EXACT_W: W bf16), else W as its tf32 high part plus the rest, two tf32 products whose sum
     holds W to about 2^-21 of itself; without EXACT_X (float32 x) float32 products. No
-    INT4 planes, no selection: the selection kernel follows. Grid: (cdiv(E, BLOCK_E), SPLITS)."""
-    _wait_for_prior()
+    INT4 planes, no selection: the selection kernel follows. PREFETCH: as _router_kernel's.
+    Grid: (cdiv(E, BLOCK_E), SPLITS)."""
     eb, j = tl.program_id(0), tl.program_id(1)
     e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
+    d_end = tl.minimum((j + 1) * d_per_split, D)
+    _prefetch_slice(w_ptr, e, E, j * d_per_split, d_end, s_we, PREFETCH)
+    _wait_for_prior()
     n = tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
-    d_end = tl.minimum((j + 1) * d_per_split, D)
     for d0 in range(j * d_per_split, d_end, BLOCK_D):
         d = d0 + tl.arange(0, BLOCK_D)
         w = _weight_tile(w_ptr, e, E, d, d_end, s_we)
@@ -365,13 +378,14 @@ def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select
     splits = triton.cdiv(D, d_per_split)
     part = torch.empty(splits, N, E, device=x.device, dtype=torch.float32)
     grid = (triton.cdiv(E, block_e), splits)
+    prefetch = common.prefetch_bytes(d_per_split * weight.element_size())
     if dot:
         _router_dot_kernel[grid](
             x, weight, part, N, E, D, d_per_split, x.stride(0), weight.stride(0), part.stride(0),
             part.stride(1), EXACT_X=x.dtype in (torch.bfloat16, torch.float16),
             EXACT_W=weight.dtype == torch.bfloat16,
-            BLOCK_N=_pow2(N, 16), BLOCK_E=block_e, BLOCK_D=block_d, launch_pdl=common.PDL,
-            num_warps=warps)
+            BLOCK_N=_pow2(N, 16), BLOCK_E=block_e, BLOCK_D=block_d, PREFETCH=prefetch,
+            launch_pdl=common.PDL, num_warps=warps)
         if planes is not None:
             moe_gemv.activation_planes(x, planes)
     else:
@@ -384,8 +398,8 @@ def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select
             d_per_split, x.stride(0), weight.stride(0), part.stride(0), part.stride(1),
             ids.stride(0), weights.stride(0), E // n_group, n_group, scaling, SPLITS=splits,
             PLANES=kind, BLOCK_N=_pow2(N, 1), BLOCK_E=block_e, BLOCK_D=block_d, **select,
-            SELECT=in_kernel, CHUNK=min(_pow2(N, 1), ROUTER_CHUNK), launch_pdl=common.PDL,
-            num_warps=warps)
+            SELECT=in_kernel, CHUNK=min(_pow2(N, 1), ROUTER_CHUNK), PREFETCH=prefetch,
+            launch_pdl=common.PDL, num_warps=warps)
     if not in_kernel:
         _router_select_kernel[(N,)](part, bias, ids, weights, N, part.stride(0), part.stride(1),
                                     ids.stride(0), weights.stride(0), E // n_group, n_group,
