@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from . import common
-from .common import _counters, _jit, _prefetch_rows, _wait_for_prior, tl, triton
+from .common import _counters, _jit, _wait_for_prior, tl, triton
 
 
 @dataclass
@@ -251,28 +251,6 @@ def _shared_part(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n
 
 
 @_jit
-def _shared_prefetch(sg_ptr, su_ptr, p, pid_n, D: tl.constexpr, I: tl.constexpr,
-                     SPLIT: tl.constexpr, BLOCK_N: tl.constexpr, SLICES: tl.constexpr,
-                     SHARED_K: tl.constexpr, PREFETCH: tl.constexpr):
-    """Before the wait, shared program p (in [-SPLIT, 0)) of row block pid_n: the L2 asked for
-    the first PREFETCH bytes of the gate and up rows it reads from the start of its slice of D
-    (_shared_gate_up's, or with SLICES > 0 _shared_gate_up_dot's; common._prefetch_rows)."""
-    if SLICES > 0:
-        f = pid_n * SPLIT + p + SPLIT
-        CHUNK: tl.constexpr = ((D + SLICES - 1) // SLICES + SHARED_K - 1) // SHARED_K * SHARED_K
-        n, lo = (f // SLICES) * 16 + tl.arange(0, 16), (f % SLICES) * CHUNK
-        hi = tl.minimum(lo + CHUNK, D)
-    else:
-        CHUNK: tl.constexpr = (D + SPLIT - 1) // SPLIT
-        n, lo = pid_n * BLOCK_N + tl.arange(0, BLOCK_N), (p + SPLIT) * CHUNK
-        hi = tl.minimum(lo + CHUNK, D)
-    row = tl.minimum(n, I - 1) * D + tl.minimum(lo, D - 1)
-    nbytes = tl.maximum(hi - lo, 1) * (sg_ptr.dtype.element_ty.primitive_bitwidth // 8)
-    _prefetch_rows(sg_ptr + row, nbytes, PREFETCH)
-    _prefetch_rows(su_ptr + row, nbytes, PREFETCH)
-
-
-@_jit
 def _shared_gate_up_dot(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, f,
                         D: tl.constexpr, I: tl.constexpr, SLICES: tl.constexpr,
                         N_PAD: tl.constexpr, BLOCK_K: tl.constexpr, PRECISION: tl.constexpr):
@@ -341,15 +319,6 @@ def _shared_down(hs_ptr, sd_ptr, token, n, n_ok, I: tl.constexpr, I_PAD: tl.cons
 
 
 @_jit
-def _prefetch_shared_down(sd_ptr, pid_n, D, I: tl.constexpr, BLOCK_N: tl.constexpr,
-                          PREFETCH: tl.constexpr):
-    """Before the wait: the L2 asked for the first PREFETCH bytes of the shared down rows [D, I]
-    that row block pid_n reads (_shared_down; common._prefetch_rows)."""
-    n = tl.minimum(pid_n * BLOCK_N + tl.arange(0, BLOCK_N), D - 1)
-    _prefetch_rows(sd_ptr + n * I, I * (sd_ptr.dtype.element_ty.primitive_bitwidth // 8), PREFETCH)
-
-
-@_jit
 def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr, P,
                              stride_we, stride_wn, stride_se, stride_sr, stride_sc, off_r, off_c,
                              TOPK: tl.constexpr, D: tl.constexpr, I: tl.constexpr,
@@ -362,7 +331,7 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
                              EVEN_SHARED: tl.constexpr, SHARED_SLICES: tl.constexpr,
                              SHARED_N_PAD: tl.constexpr, SHARED_PRECISION: tl.constexpr,
                              LEADER: tl.constexpr, P_PAD: tl.constexpr, use_tiles_ptr,
-                             ADAPTIVE: tl.constexpr, SHARED_PREFETCH: tl.constexpr):
+                             ADAPTIVE: tl.constexpr):
     """h[p, i] = silu(gate[e] @ x[n]) * (up[e] @ x[n]) * route_w[p] for pair p = n*K + k, e = ids[p]
     (plain and FP8 weights).
 
@@ -374,13 +343,9 @@ def _moe_gemv_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, 
     expert (_shared_gate_up; part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N: its arguments;
     SHARED_K columns a step; SHARED_SLICES > 0: its dot form, _shared_gate_up_dot). ADAPTIVE: the
     programs return where use_tiles_ptr (int32 [1]) is 1: the tiles served the call (fused_moe's
-    adaptive variant). SHARED_PREFETCH: _shared_prefetch's PREFETCH."""
-    pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
-    if SPLIT > 0:
-        if p < 0:
-            _shared_prefetch(sg_ptr, su_ptr, p, pid_n, D, I, SPLIT, BLOCK_N, SHARED_SLICES,
-                             SHARED_K, SHARED_PREFETCH)
+    adaptive variant)."""
     _wait_for_prior()
+    pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
         if p < 0:
             _shared_part(v_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n, D, I,
@@ -459,8 +424,7 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
                           BLOCK_R: tl.constexpr, BLOCK_C: tl.constexpr,
                           BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SUB: tl.constexpr,
                           SCALE_PER_ROW: tl.constexpr, hs_ptr, sd_ptr, SHARED: tl.constexpr,
-                          I_PAD: tl.constexpr, use_tiles_ptr, y_ptr, ADAPTIVE: tl.constexpr,
-                          SHARED_PREFETCH: tl.constexpr):
+                          I_PAD: tl.constexpr, use_tiles_ptr, y_ptr, ADAPTIVE: tl.constexpr):
     """out[n, d] = sum_k (down[e] @ h[n*K + k])[d], e = ids[n*K + k] (route weights are in h; plain
     and FP8).
 
@@ -469,12 +433,9 @@ def _moe_gemv_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
     hs_ptr, sd_ptr: its arguments). ADAPTIVE: where use_tiles_ptr (int32 [1]) is 1 the tiles served
     the call, and each token's K rows of their y_ptr (fp32 [P, D]) are summed in place of the
     products (_tile_rows).
-    SHARED_PREFETCH: the bytes of each shared down row the L2 is asked for before the wait.
     Grid: (N, cdiv(D, BLOCK_N))."""
-    token, pid_n = tl.program_id(0), tl.program_id(1)
-    if SHARED:
-        _prefetch_shared_down(sd_ptr, pid_n, D, I, BLOCK_N, SHARED_PREFETCH)
     _wait_for_prior()
+    token, pid_n = tl.program_id(0), tl.program_id(1)
     r = tl.arange(0, BLOCK_N * SUB)
     n, kb = pid_n * BLOCK_N + r // SUB, (r % SUB) * BLOCK_K
     n_ok = n < D
@@ -660,8 +621,7 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
                                   EVEN: tl.constexpr, SPLIT: tl.constexpr, SHARED_K: tl.constexpr,
                                   EVEN_SHARED: tl.constexpr, SHARED_SLICES: tl.constexpr,
                                   SHARED_N_PAD: tl.constexpr, SHARED_PRECISION: tl.constexpr,
-                                  PACKED: tl.constexpr, use_tiles_ptr, ADAPTIVE: tl.constexpr,
-                                  SHARED_PREFETCH: tl.constexpr):
+                                  PACKED: tl.constexpr, use_tiles_ptr, ADAPTIVE: tl.constexpr):
     """_moe_gemv_gate_up_kernel for INT4 weights: v_ptr the activations as fp32 planes [N, 8, D/8]
     (plane j = elements 8w + j), h written in plane order (element i of row p at (i % 8) * I/8 + i
     // 8), the planes down reads; PACKED (bf16 x): v_ptr the pair planes [N, 4, D/8] (int32), h bf16
@@ -671,13 +631,9 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
     take the bf16 shared expert (_shared_gate_up; x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr,
     su_ptr, N: its arguments; SPLIT 0: none; SHARED_K bf16 columns a step; SHARED_SLICES > 0: its
     dot form), launched first since each runs its N tokens one after another; pair p is program
-    SPLIT + p. ADAPTIVE, SHARED_PREFETCH: as _moe_gemv_gate_up_kernel's."""
-    pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
-    if SPLIT > 0:
-        if p < 0:
-            _shared_prefetch(sg_ptr, su_ptr, p, pid_n, D, I, SPLIT, BLOCK_N, SHARED_SLICES,
-                             SHARED_K, SHARED_PREFETCH)
+    SPLIT + p. ADAPTIVE: as _moe_gemv_gate_up_kernel's."""
     _wait_for_prior()
+    pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
         if p < 0:
             _shared_part(x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr, su_ptr, N, p, pid_n, D, I,
@@ -765,19 +721,16 @@ def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we,
                                GROUP: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr,
                                SHARED: tl.constexpr, I_PAD: tl.constexpr, PACKED: tl.constexpr,
-                               use_tiles_ptr, y_ptr, ADAPTIVE: tl.constexpr,
-                               SHARED_PREFETCH: tl.constexpr):
+                               use_tiles_ptr, y_ptr, ADAPTIVE: tl.constexpr):
     """_moe_gemv_down_kernel for INT4 weights, h in plane order (gate_up's). A tile's columns are
     the token's K experts' words side by side (column c: expert slot c // (I/8), word c % (I/8)),
     BLOCK_C columns a step; PACKED: h as gate_up's bf16 pair planes, read as int32 [P, 4, I/8].
     SHARED: the bf16 shared expert too, weight 1 (_shared_down: gate_up's h
     = silu(g) * u hs [N, I] fp32 times its down weights sd_ptr [D, I]; I_PAD: a power of two >= I).
-    ADAPTIVE, SHARED_PREFETCH: as _moe_gemv_down_kernel's.
+    ADAPTIVE: as _moe_gemv_down_kernel's.
     Grid: (N, cdiv(D, BLOCK_N))."""
-    token, pid_n = tl.program_id(0), tl.program_id(1)
-    if SHARED:
-        _prefetch_shared_down(sd_ptr, pid_n, D, I, BLOCK_N, SHARED_PREFETCH)
     _wait_for_prior()
+    token, pid_n = tl.program_id(0), tl.program_id(1)
     W: tl.constexpr = I // 8
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
@@ -874,12 +827,8 @@ def _shared_args(shared, fmt, N, I, D, block_n, warps, placeholder, dot=False):
     gate_up = dict(part_ptr=part, hs_ptr=hs, count_ptr=count, sg_ptr=sg, su_ptr=su, N=N,
                    SPLIT=split, SHARED_K=step, EVEN_SHARED=even, SHARED_SLICES=slices,
                    SHARED_N_PAD=max(16, triton.next_power_of_2(N)),
-                   SHARED_PRECISION="ieee" if shared and sg.dtype == torch.float32 else "tf32",
-                   SHARED_PREFETCH=common.prefetch_bytes(D // (slices or split) * sg.element_size())
-                   if shared else 0)
-    return gate_up, dict(hs_ptr=hs, sd_ptr=sd, SHARED=bool(shared), I_PAD=triton.next_power_of_2(I),
-                         SHARED_PREFETCH=common.prefetch_bytes(I * sd.element_size()) if shared
-                         else 0)
+                   SHARED_PRECISION="ieee" if shared and sg.dtype == torch.float32 else "tf32")
+    return gate_up, dict(hs_ptr=hs, sd_ptr=sd, SHARED=bool(shared), I_PAD=triton.next_power_of_2(I))
 
 
 def pair_planes(x, out=None):
