@@ -2354,8 +2354,8 @@ def _package_kernels():
     for info in pkgutil.iter_modules(kernels.__path__):
         module = importlib.import_module(f"kernels.{info.name}")
         found |= {(module.__name__, name) for name, f in vars(module).items()
-                  if name.endswith("_kernel") and getattr(f, "__module__", None) == module.__name__
-                  and hasattr(f, "fn")}
+                  if name.endswith("_kernel") and hasattr(f, "fn")
+                  and getattr(f.fn, "__module__", None) == module.__name__}
     return found
 
 
@@ -2366,8 +2366,9 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     returning a different type from each branch of a constexpr if), so the CPU tests alone do not
     show that a kernel builds. The launches of some of those tests, recorded under the interpreter
     (fp32 and bf16, the INT4 packed form, tiles, GEMVs and the adaptive variant, MLA decode and
-    its merges, router, head),
-    each compiled in a subprocess without TRITON_INTERPRET (testing.compile_launches)."""
+    its merges, router, head), each compiled in a subprocess without TRITON_INTERPRET
+    (testing.compile_launches), as a Hopper GPU runs them: programmatic dependent launch's wait
+    first, no global memory access before it, the weights' prefetch there where asked for."""
     if TRITON_DEVICE.type == "cuda":
         pytest.skip("on a GPU the GPU tests compile every kernel natively")
     with testing.recorded_launches() as specs, pytest.MonkeyPatch.context() as mp:
@@ -2380,6 +2381,11 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
         for quant in (None, "int4", "fp8"):                  # the adaptive variant's launches
             check_fused_moe(moe_experts("tiny", quant, 16, TRITON_DEVICE, torch.float32),
                             [(4, "shared", "adaptive")], torch.float32, K=4)
+        test_draft_top1_kernel_equals_twin()
+        for dtype in (torch.float32, torch.bfloat16):   # norm_gemv's tensor cores' form, as the
+            x = torch.randn(5, 64, dtype=dtype)         # GPU runs it (bf16; recorded, not checked:
+            kernels.norm_gemv(x, torch.randn(32, 64, dtype=dtype), torch.ones(64, dtype=dtype),
+                              1e-6, residual=x, dot=True)  # the interpreter's bf16 dot is wrong)
     missing = _package_kernels() - {(s["module"], s["name"]) for s in specs}
     assert not missing, f"kernels that no recorded launch reached: {sorted(missing)}"
     path = tmp_path / "launches.json"

@@ -4,6 +4,7 @@ the GPU tests' models and captured calls. Imported after conftest.py has set the
 import contextlib
 import json
 import os
+import re
 import socket
 import subprocess
 import sys
@@ -419,13 +420,18 @@ def recorded_launches():
 
 def compile_launches(path):
     """Compile each launch spec of the JSON file at `path` (recorded_launches') for sm_90 with
-    Triton's own compiler, no GPU needed (run without TRITON_INTERPRET). Prints one line a spec;
-    raises on the first that fails to compile."""
+    Triton's own compiler, no GPU needed (run without TRITON_INTERPRET), as a Hopper GPU runs
+    them: with programmatic dependent launch's wait (common.GDC) and, where a kernel prefetches,
+    common.PREFETCH_ROW_BYTES (capped at 1024) in place of the recorded 0 (no PDL on a CPU). Each
+    kernel's PTX must then hold the wait, no global memory access before it in the text's order,
+    and the prefetch there where one is asked for (_before_wait). Prints one line a spec; raises on
+    the first that fails."""
     import importlib
 
     import triton
     from triton.backends.compiler import GPUTarget
 
+    kernels.common.GDC = triton.language.constexpr(True)
     for spec in json.load(open(path)):
         fn = getattr(importlib.import_module(spec["module"]), spec["name"])
         sig, consts, attrs = {}, {}, {}
@@ -438,6 +444,32 @@ def compile_launches(path):
                 sig[p.name] = a["type"]
                 if a.get("div16"):
                     attrs[(i,)] = [["tt.divisibility", 16]]
+        if consts.get("PREFETCH") == 0:
+            consts["PREFETCH"] = min(kernels.common.PREFETCH_ROW_BYTES, 1024)
         src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-        triton.compile(src, target=GPUTarget(*SM90), options=spec["options"])
+        ptx = triton.compile(src, target=GPUTarget(*SM90), options=spec["options"]).asm["ptx"]
+        problem = _before_wait(ptx, consts.get("PREFETCH", 0) > 0)
+        if problem:
+            raise AssertionError(f"{spec['module']}.{spec['name']}: {problem}")
         print("compiled", spec["module"], spec["name"], flush=True)
+
+
+# a PTX line that reads or writes global memory (a prefetch does neither)
+GLOBAL_ACCESS = re.compile(r"\b(ld|st|atom|red)\.global|\bcp\.async\.(ca|cg)\b"
+                           r"|\bcp\.async\.bulk\.(?!prefetch)")
+
+
+def _before_wait(ptx, prefetch):
+    """What breaks the rule of programmatic dependent launch (kernels/common.py) in a kernel's
+    PTX, in the text's order: no griddepcontrol.wait, a global memory access before the first one,
+    or (prefetch) no prefetch.global.L2 before it. None where nothing does."""
+    lines = ptx.splitlines()
+    wait = next((i for i, line in enumerate(lines) if "griddepcontrol.wait" in line), None)
+    if wait is None:
+        return "no griddepcontrol.wait"
+    early = [line.strip() for line in lines[:wait] if GLOBAL_ACCESS.search(line)]
+    if early:
+        return f"global memory accessed before the wait: {early[:3]}"
+    if prefetch and not any("prefetch.global.L2" in line for line in lines[:wait]):
+        return "no prefetch before the wait"
+    return None
