@@ -1339,8 +1339,7 @@ def test_prefetch_bytes(monkeypatch):
 def test_gpu_prefetch_changes_no_result(monkeypatch):
     """The L2 prefetch before the wait (common._prefetch_rows) is a hint: norm_gemv in each form,
     head_gemv and the router's logits kernels at Kimi-K2 TP-8 shapes give the same bits with it
-    off, at the default and at 8192 bytes a row (more than a slice holds: the sectors clamped
-    inside the row)."""
+    off, at the default and at 8192 bytes a row (each launch caps it at its slice of a row)."""
     if not (torch.cuda.is_available() and kernels.common.PDL):
         pytest.skip("the prefetch runs only under programmatic dependent launch (CUDA, sm_90+)")
     g = torch.Generator().manual_seed(31)
