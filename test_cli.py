@@ -1141,6 +1141,10 @@ def test_component_bytes_put_the_shared_expert_where_it_runs(monkeypatch):
 
 @pytest.mark.parametrize("B", [1, 3])
 def test_chunked_prefill_equals_one_pass(B):
+    """prefill_target and prefill_draft in chunks of 5 against one pass over the prompt: the
+    logits at each row's last position, the EAGLE-3 states, the caches, the head's first draft.
+    The chunked passes start from zeroed caches, so each chunk reads only what the chunks before
+    it wrote."""
     target = init_random(Transformer(tiny(), 3, 48, dtype=torch.float64), 11)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), 12)
     tokens = torch.randint(0, 256, (B, 23), generator=torch.Generator().manual_seed(B))
@@ -1150,6 +1154,10 @@ def test_chunked_prefill_equals_one_pass(B):
     first, g = head.extend(tokens, pos, whole_aux, last)
     caches = [t[:B].clone() for layer in target.layers
               for t in (layer.self_attn.kv_cache, layer.self_attn.pe_cache)]
+    attn = head.midlayer.self_attn
+    head_caches = [t[:B].clone() for t in (attn.k_cache, attn.v_cache)]
+    for t in (target.kv_caches, target.pe_caches, attn.k_cache, attn.v_cache):
+        t.zero_()
     logits, aux = prefill_target(target, tokens, last, capture_aux=True, chunk=5)
     want = whole_logits.gather(1,
                                last.view(-1, 1, 1).expand(-1, 1, whole_logits.shape[-1])).squeeze(1)
@@ -1161,6 +1169,8 @@ def test_chunked_prefill_equals_one_pass(B):
                for a, b in zip(again, caches)), "cache differs after chunks"
     f2, g2 = prefill_draft(head, tokens, aux, last, chunk=5)
     assert torch.equal(f2, first) and torch.allclose(g2, g, atol=1e-10), "chunked draft extend"
+    assert all(torch.allclose(t[:B], c, atol=1e-12) for t, c in
+               zip((attn.k_cache, attn.v_cache), head_caches)), "head cache differs after chunks"
 
 
 def test_kv_bucket_covers_the_positions_with_little_to_spare():

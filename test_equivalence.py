@@ -77,6 +77,9 @@ def test_tp_equals_tp1(world, tiny_ckpt, tmp_path):
 
 
 def test_extend_decode_and_incremental_agree():
+    """Decode attention against extend attention over a whole prompt, and a prompt in three parts
+    (15 tokens, one, four) in each mode against one forward, from zeroed caches: each part reads
+    only what the parts before it wrote."""
     m = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=40, dtype=torch.float64), 3)
     g = torch.Generator().manual_seed(3)
     tokens = torch.randint(0, m.args.vocab_size, (3, 20), generator=g)
@@ -85,6 +88,8 @@ def test_extend_decode_and_incremental_agree():
     assert_close(whole["decode"], whole["extend"], 1e-10,
                  "decode vs extend attention, whole prompt")
     for mode in ("extend", "decode"):
+        m.kv_caches.zero_()
+        m.pe_caches.zero_()
         # prefill 15, one token, then a (k+1) = 4 token step at the offset
         parts = [m(tokens[:, :15], pos[:, :15], "extend").logits,
                  m(tokens[:, 15:16], pos[:, 15:16], mode).logits,
@@ -94,10 +99,15 @@ def test_extend_decode_and_incremental_agree():
 
 
 def test_kv_len_bounds_the_read_without_changing_results():
+    """kv_len=16 reads only the first 16 slots (NaN past them changes nothing) and gives what
+    reading the whole cache gave before."""
     m = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=64, dtype=torch.float64), 4)
     prefill, prefill_pos, step, step_pos = step_inputs(m.args.vocab_size, seed=4)
     m(prefill, prefill_pos)
     full = m(step, step_pos, "decode").logits
+    assert int(step_pos.max()) < 16
+    for caches in (m.kv_caches, m.pe_caches):
+        caches[:, :, 16:] = float("nan")
     assert_close(m(step, step_pos, "decode", kv_len=16).logits, full, 1e-12,
                  "kv_len=16 vs full cache")
 
@@ -1075,7 +1085,7 @@ def reference_tree(head, b, logits, g0, q, K, S, N):
         frontier = [(n[0], n[3], n[4]) for n in sorted(grown, key=lambda n: -n[3])[:K]]
     chosen = sorted(sorted(nodes, key=lambda n: (-n[3], n[0]))[:N - 1])
     index = {n[0]: i + 1 for i, n in enumerate(chosen)}
-    assert all(to_draft[n[2]] >= 0 for n in chosen)
+    assert all(n[2] in to_draft for n in chosen), "a chosen token outside the draft vocabulary"
     return [n[2] for n in chosen], [index.get(n[1], 0) for n in chosen], [n[3] for n in chosen]
 
 

@@ -2194,7 +2194,8 @@ def test_draft_head_with_kernels_equals_plain(kv_heads, names):
     """The swapped head (every head swap, and each alone, as run.py --kernels may ask) against the
     plain one on the same weights: an extend of 4 rows at each batch row's own position, then 2
     chain steps, over the first 48 slots and over all of them: logits, g and the caches they write;
-    a tree (slots and masks: the plain attention) alike."""
+    a tree (slots and masks: the plain attention) alike; then extend's first draft and chain's
+    drafts in target ids (to_target_ids: the "router" swap's top-1 kernel)."""
     target, plain, fast = draft_heads(TRITON_DEVICE, torch.float32, names=names,
                                       num_key_value_heads=kv_heads)
     g = torch.Generator().manual_seed(kv_heads)
@@ -2226,6 +2227,11 @@ def test_draft_head_with_kernels_equals_plain(kv_heads, names):
                        2, 3, 6, 64) for head in (plain, fast)]
     for name, want, got in zip(trees[0]._fields, *trees):
         assert_close(got, want, 1e-5 * max(want.abs().max().item(), 1), f"tree {name}")
+    firsts = [head.extend(tokens, positions, states, last, 64) for head in (plain, fast)]
+    assert torch.equal(firsts[1][0], firsts[0][0]), "extend's first draft"
+    chains = [head.chain(*first, positions[:, -1], 3, 64) for head, first in zip((plain, fast),
+                                                                                 firsts)]
+    assert torch.equal(chains[1], chains[0]), "chain's drafts"
 
 
 @pytest.mark.triton
@@ -2239,6 +2245,7 @@ def test_speculative_with_the_draft_kernels_equals_plain_greedy():
             for head in (plain, fast)]
     assert runs[1].tokens == want == runs[0].tokens
     assert torch.equal(runs[1].accepted, runs[0].accepted)
+    assert torch.equal(runs[1].drafts, runs[0].drafts)
 
 
 @pytest.mark.triton
