@@ -72,8 +72,8 @@ GDC = tl.constexpr(PDL) if HAVE_TRITON else PDL
 # every SM's writes meet, so it can hand no stale value to a later load, and the rule above holds
 # (no load before the wait). 0: none. Only under PDL (without it the programs start after the
 # predecessor, and a prefetch would come just before the load it serves). 1024 bytes: the INT4
-# decode step 0.08 ms less than without, verify of 3 0.07; 4096 bytes gave back half of it
-# (BENCHMARKS.md, Kept).
+# decode step and verify of 3 each 0.08 ms less than without; 4096 bytes gave back three quarters
+# and half of that, 512 and 2048 a little (BENCHMARKS.md, Kept and Tried).
 PREFETCH_ROW_BYTES = 1024
 
 
