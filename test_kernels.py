@@ -2373,11 +2373,13 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     show that a kernel builds. The launches of some of those tests, recorded under the interpreter
     (fp32 and bf16, the INT4 packed form, tiles, GEMVs and the adaptive variant, MLA decode and
     its merges, router, head), each compiled in a subprocess without TRITON_INTERPRET
-    (testing.compile_launches), as a Hopper GPU runs them: programmatic dependent launch's wait
-    first, no global memory access before it, the weights' prefetch there where asked for."""
+    (testing.compile_launches), as a Hopper GPU runs them: recorded with common.PDL on (the
+    prefetch's bytes as a GPU launch asks; the interpreter runs neither), compiled with the wait
+    (common.GDC), no global memory access before it, the weights' prefetch there where asked for."""
     if TRITON_DEVICE.type == "cuda":
         pytest.skip("on a GPU the GPU tests compile every kernel natively")
     with testing.recorded_launches() as specs, pytest.MonkeyPatch.context() as mp:
+        mp.setattr(kernels.common, "PDL", True)  # the launches' arguments as on a Hopper GPU
         test_model_with_kernels_equals_plain()
         test_draft_head_with_kernels_equals_plain(4, "all")
         test_fused_moe_int4_tiles_even_and_masked_blocks()
@@ -2394,6 +2396,9 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
                               1e-6, residual=x, dot=True)  # the interpreter's bf16 dot is wrong)
     missing = _package_kernels() - {(s["module"], s["name"]) for s in specs}
     assert not missing, f"kernels that no recorded launch reached: {sorted(missing)}"
+    prefetching = {s["name"] for s in specs if s["args"].get("PREFETCH", {}).get("value")}
+    assert prefetching == {s["name"] for s in specs if "PREFETCH" in s["args"]}, \
+        f"kernels with a prefetch that no recorded launch asked for: {sorted(prefetching)}"
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(specs))
     env = {k: v for k, v in testing.CPU_ENV.items() if k != "TRITON_INTERPRET"}

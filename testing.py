@@ -421,11 +421,10 @@ def recorded_launches():
 def compile_launches(path):
     """Compile each launch spec of the JSON file at `path` (recorded_launches') for sm_90 with
     Triton's own compiler, no GPU needed (run without TRITON_INTERPRET), as a Hopper GPU runs
-    them: with programmatic dependent launch's wait (common.GDC) and, where a kernel prefetches,
-    common.PREFETCH_ROW_BYTES (capped at 1024) in place of the recorded 0 (no PDL on a CPU). Each
-    kernel's PTX must then hold the wait, no global memory access before it in the text's order,
-    and the prefetch there where one is asked for (_before_wait). Prints one line a spec; raises on
-    the first that fails."""
+    them: with programmatic dependent launch's wait (common.GDC). Each kernel's PTX must then hold
+    the wait, no global memory access before it in the text's order, and the prefetch there where
+    its launch asked for one (PREFETCH > 0; _before_wait). Prints one line a spec; raises on the
+    first that fails."""
     import importlib
 
     import triton
@@ -444,8 +443,6 @@ def compile_launches(path):
                 sig[p.name] = a["type"]
                 if a.get("div16"):
                     attrs[(i,)] = [["tt.divisibility", 16]]
-        if consts.get("PREFETCH") == 0:
-            consts["PREFETCH"] = min(kernels.common.PREFETCH_ROW_BYTES, 1024)
         src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
         ptx = triton.compile(src, target=GPUTarget(*SM90), options=spec["options"]).asm["ptx"]
         problem = _before_wait(ptx, consts.get("PREFETCH", 0) > 0)
