@@ -18,7 +18,8 @@ One module a kernel family, each with its kernels, launchers, constants and swap
   stacked.py           "fused_proj", plain torch: StackedQKVA, StackedGateUp, SharedDownAddsRouted
   eagle.py             the EAGLE-3 head: draft_input_norms, draft_attention, draft_top1 and their
                        swaps (twins: draft.py's modules)
-  common.py            the Triton guard, _jit, programmatic dependent launch, shared counters
+  common.py            the Triton guard, _jit, programmatic dependent launch (and the weights'
+                       L2 prefetch before its wait), shared counters
   swaps.py             SWAPS, the one table of every swap and its prerequisites; accelerate
   bench.py             the kernels' micro-benchmarks (python -m kernels.bench --help); the fused
                        MoE's (--moe) in bench_moe.py, their timing in bench_timing.py
