@@ -100,6 +100,15 @@ def _prefetch_rows(rows, nbytes, ROW_BYTES: tl.constexpr):
 
 
 @_jit
+def _prefetch_weight_rows(w_ptr, rows, R, s_row, lo, hi, ROW_BYTES: tl.constexpr):
+    """Before the wait: the L2 asked for the first ROW_BYTES of W's rows `rows` (those past R: row
+    R - 1; `s_row` elements apart, each contiguous) from column lo, at most up to hi
+    (_prefetch_rows)."""
+    elem: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
+    _prefetch_rows(w_ptr + tl.minimum(rows, R - 1) * s_row + lo, (hi - lo) * elem, ROW_BYTES)
+
+
+@_jit
 def _wait_for_prior():
     """Before every kernel's first load: wait for the kernels before it, let the next one launch."""
     if GDC:

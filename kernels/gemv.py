@@ -8,8 +8,8 @@ import model
 import tp
 
 from . import common
-from .common import (_counters, _jit, _pow2, _prefetch_rows, _wait_for_prior, launch, rows,
-                     tl, triton)
+from .common import (_counters, _jit, _pow2, _prefetch_weight_rows, _wait_for_prior, launch,
+                     rows, tl, triton)
 from .stacked import StackedQKVA
 
 
@@ -150,14 +150,6 @@ def _norm_gemv_finish(acc, ss, out_ptr, part_ptr, ss_ptr, count_ptr, q, s, rows,
 
 
 @_jit
-def _prefetch_w(w_ptr, n, N, s_wn, lo, hi, PREFETCH: tl.constexpr):
-    """Before the wait: the L2 asked for the first PREFETCH bytes of W's rows n (those past N: row
-    N - 1) from column lo, at most up to hi (common._prefetch_rows)."""
-    elem: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    _prefetch_rows(w_ptr + tl.minimum(n, N - 1) * s_wn + lo, (hi - lo) * elem, PREFETCH)
-
-
-@_jit
 def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss_ptr, count_ptr,
                       M, N, K, k_split, eps, s_xm, s_rm, s_sm, s_xh, s_wh, s_wn, s_wk, s_om, s_oh,
                       groups, SPLITS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
@@ -177,7 +169,7 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
     BLOCK_M (M <= groups x BLOCK_M), a program a group: program q of axis 0 takes W's row block
     q // groups and group q % groups, so the groups of one row block run side by side and all but
     the first read W's tile from L2. PREFETCH: the bytes of each of its W rows a program asks the
-    L2 for before its wait (common._prefetch_rows; W's rows contiguous).
+    L2 for before its wait (common._prefetch_weight_rows; W's rows contiguous).
     Grid: (cdiv(N, BLOCK_N) * groups, heads, SPLITS)."""
     q, j, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pid = q // groups
@@ -185,7 +177,7 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     lo = s * k_split
     hi = tl.minimum(lo + k_split, K)
-    _prefetch_w(w_ptr + j * s_wh, n, N, s_wn, lo, hi, PREFETCH)
+    _prefetch_weight_rows(w_ptr + j * s_wh, n, N, s_wn, lo, hi, PREFETCH)
     _wait_for_prior()
     n3 = n[None, :, None]  # W's tile [1, BLOCK_N, BLOCK_K]
     kb = tl.arange(0, BLOCK_K)
@@ -233,7 +225,7 @@ def _norm_gemv_dot_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr
     n = q * BLOCK_N + tl.arange(0, BLOCK_N)
     lo = s * k_split
     hi = tl.minimum(lo + k_split, K)
-    _prefetch_w(w_ptr, n, N, s_wn, lo, hi, PREFETCH)
+    _prefetch_weight_rows(w_ptr, n, N, s_wn, lo, hi, PREFETCH)
     _wait_for_prior()
     kb = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows[:, None] * s_xm

@@ -4,8 +4,8 @@ import torch
 import model
 
 from . import common, moe_gemv
-from .common import (_counters, _jit, _pow2, _prefetch_rows, _wait_for_prior, launch, tl,
-                     triton)
+from .common import (_counters, _jit, _pow2, _prefetch_weight_rows, _wait_for_prior, launch,
+                     tl, triton)
 from .moe_gemv import _check_planes
 
 
@@ -102,11 +102,11 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
     also write their slice of x as the INT4 GEMV's activation (fused_moe's planes,
     moe_gemv.activation_planes): 1, fp32 nibble planes [N, 8, D/8]; 2, bf16 pair planes (v_ptr a
     bf16 view of them). PREFETCH: the bytes of each of its W rows a program asks the L2 for
-    before its wait (_prefetch_slice). Grid: (cdiv(E, BLOCK_E), SPLITS)."""
+    before its wait (common._prefetch_weight_rows). Grid: (cdiv(E, BLOCK_E), SPLITS)."""
     eb, j = tl.program_id(0), tl.program_id(1)
     e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     d_end = tl.minimum((j + 1) * d_per_split, D)
-    _prefetch_slice(w_ptr, e, E, j * d_per_split, d_end, s_we, PREFETCH)
+    _prefetch_weight_rows(w_ptr, e, E, s_we, j * d_per_split, d_end, PREFETCH)
     _wait_for_prior()
     n = tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
@@ -131,14 +131,6 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
                        E_PER_G, G, scale,
                        SPLITS, K, TOPK_GROUP, NORM, GROUPED, UNIFORM, SHARED, BLOCK_N, BLOCK_G,
                        BLOCK_EG, BLOCK_K)
-
-
-@_jit
-def _prefetch_slice(w_ptr, e, E, d0, d_end, s_we, PREFETCH: tl.constexpr):
-    """Before the wait: the L2 asked for the first PREFETCH bytes of W's rows e (those past E: row
-    E - 1) from column d0, at most up to d_end (common._prefetch_rows)."""
-    elem: tl.constexpr = w_ptr.dtype.element_ty.primitive_bitwidth // 8
-    _prefetch_rows(w_ptr + tl.minimum(e, E - 1) * s_we + d0, (d_end - d0) * elem, PREFETCH)
 
 
 @_jit
@@ -192,7 +184,7 @@ def _router_dot_kernel(x_ptr, w_ptr, part_ptr, N, E, D, d_per_split, s_xn, s_we,
     eb, j = tl.program_id(0), tl.program_id(1)
     e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     d_end = tl.minimum((j + 1) * d_per_split, D)
-    _prefetch_slice(w_ptr, e, E, j * d_per_split, d_end, s_we, PREFETCH)
+    _prefetch_weight_rows(w_ptr, e, E, s_we, j * d_per_split, d_end, PREFETCH)
     _wait_for_prior()
     n = tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
