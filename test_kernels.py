@@ -1338,8 +1338,9 @@ def test_prefetch_bytes(monkeypatch):
 @pytest.mark.triton
 def test_gpu_prefetch_changes_no_result(monkeypatch):
     """The L2 prefetch before the wait (common._prefetch_rows) is a hint: norm_gemv in each form,
-    head_gemv and the router's logits kernels at Kimi-K2 TP-8 shapes give the same bits with it
-    off, at the default and at 8192 bytes a row (each launch caps it at its slice of a row)."""
+    head_gemv (W's rows contiguous, and its columns: W_uk^T) and the router's logits kernels at
+    Kimi-K2 TP-8 shapes give the same bits with it off, at the default and at 8192 bytes a row
+    (each launch caps it at its slice of a row)."""
     if not (torch.cuda.is_available() and kernels.common.PDL):
         pytest.skip("the prefetch runs only under programmatic dependent launch (CUDA, sm_90+)")
     g = torch.Generator().manual_seed(31)
@@ -1347,12 +1348,13 @@ def test_gpu_prefetch_changes_no_result(monkeypatch):
     x = torch.randn(16, 7168, generator=g).to(**bf16)
     w, nw = (torch.randn(2112, 7168, generator=g) / 85).to(**bf16), torch.ones(7168, **bf16)
     q, w_uv = (torch.randn(s, generator=g).to(**bf16) for s in ((3, 8, 512), (8, 128, 512)))
+    q_nope, w_uk = torch.randn(3, 8, 128, generator=g).to(**bf16), w_uv.transpose(1, 2)
     rw, bias = (torch.randn(384, 7168, generator=g) / 85).to(**bf16), torch.zeros(384).cuda()
 
     def outputs():
         outs = [kernels.norm_gemv(x[:rows], w, nw, 1e-6, dot=dot)
                 for rows, dot in ((1, False), (3, False), (5, True), (16, True))]
-        outs.append(kernels.head_gemv(q, w_uv))
+        outs += [kernels.head_gemv(q, w_uv), kernels.head_gemv(q_nope, w_uk)]
         for rows in (3, 16):  # the chunks' logits kernel and the tensor cores'
             outs += kernels.router.router_topk(x[:rows], rw, bias, 8, 1, 1, True, 2.827)
         return outs

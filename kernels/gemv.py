@@ -154,7 +154,7 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
                       M, N, K, k_split, eps, s_xm, s_rm, s_sm, s_xh, s_wh, s_wn, s_wk, s_om, s_oh,
                       groups, SPLITS: tl.constexpr, ADD: tl.constexpr, NORM: tl.constexpr,
                       BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                      PREFETCH: tl.constexpr):
+                      PREFETCH: tl.constexpr, PREFETCH_COLS: tl.constexpr):
     """out[m, n] = sum_k h[m, k] * W[n, k] with h = x (NORM: RMSNorm(x), x * rsqrt(mean(x^2) + eps)
     * g). ADD: x is the sum x + r of x and a residual r [M, K], rounded to x's dtype, which the
     programs of W's row block 0 (each for its own rows and slice of K, after its products) store
@@ -169,7 +169,9 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
     BLOCK_M (M <= groups x BLOCK_M), a program a group: program q of axis 0 takes W's row block
     q // groups and group q % groups, so the groups of one row block run side by side and all but
     the first read W's tile from L2. PREFETCH: the bytes of each of its W rows a program asks the
-    L2 for before its wait (common._prefetch_weight_rows; W's rows contiguous).
+    L2 for before its wait (common._prefetch_weight_rows; W's rows contiguous); with
+    PREFETCH_COLS > 0 (W's columns contiguous instead, head_gemv's W_uk^T) the bytes of each of its
+    first PREFETCH_COLS columns' segments of BLOCK_N rows, a column's segment as its row.
     Grid: (cdiv(N, BLOCK_N) * groups, heads, SPLITS)."""
     q, j, s = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     pid = q // groups
@@ -177,7 +179,11 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
     n = pid * BLOCK_N + tl.arange(0, BLOCK_N)
     lo = s * k_split
     hi = tl.minimum(lo + k_split, K)
-    _prefetch_weight_rows(w_ptr + j * s_wh, n, N, s_wn, lo, hi, PREFETCH)
+    if PREFETCH_COLS > 0:  # the columns lo .. as the rows, rows pid * BLOCK_N .. N as the columns
+        _prefetch_weight_rows(w_ptr + j * s_wh, lo + tl.arange(0, PREFETCH_COLS), hi, s_wk,
+                              pid * BLOCK_N, N, PREFETCH)
+    else:
+        _prefetch_weight_rows(w_ptr + j * s_wh, n, N, s_wn, lo, hi, PREFETCH)
     _wait_for_prior()
     n3 = n[None, :, None]  # W's tile [1, BLOCK_N, BLOCK_K]
     kb = tl.arange(0, BLOCK_K)
@@ -359,8 +365,8 @@ def _launch_norm_gemv(x2, r2, summed, g, weight, out, eps, add, norm, block_n, b
         rows, N, K, k_split, eps, x2.stride(0), r2.stride(0), summed.stride(0), 0, 0,
         weight.stride(0), 1, N, 0, groups,
         SPLITS=slices, ADD=add, NORM=norm, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-        PREFETCH=common.prefetch_bytes(k_split * x2.element_size()), launch_pdl=common.PDL,
-        num_stages=1, num_warps=warps)
+        PREFETCH=common.prefetch_bytes(k_split * x2.element_size()), PREFETCH_COLS=0,
+        launch_pdl=common.PDL, num_stages=1, num_warps=warps)
 
 
 def _launch_norm_gemv_dot(x2, r2, summed, g, weight, out, eps, add, norm, block_n, block_k,
@@ -430,9 +436,23 @@ def head_gemv(x, weight, group_rows=None):
             x2, x2, x2, x2, weight, out, out, out, out, rows, N, K, K, 0.0, x2.stride(0), 0, 0,
             x2.stride(1), weight.stride(0), weight.stride(1), weight.stride(2), H * N, N, groups,
             SPLITS=1, ADD=False, NORM=False, BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_K=block_k,
-            PREFETCH=common.prefetch_bytes(K * x.element_size(), weight.stride(2) == 1),
+            **_head_prefetch(weight, block_n),
             num_warps=HEAD_GEMV_WARPS, num_stages=1, launch_pdl=common.PDL)
     return out
+
+
+def _head_prefetch(weight, block_n):
+    """head_gemv's prefetch before the wait: W [H, N, K] with K contiguous, the first bytes of
+    each row; with N contiguous (W_uk^T), each column's segment of block_n rows in up to as many
+    columns as keep the bytes a program asks for within common.PREFETCH_ROW_BYTES a row."""
+    H, N, K = weight.shape
+    if weight.stride(2) == 1:
+        return dict(PREFETCH=common.prefetch_bytes(K * weight.element_size()), PREFETCH_COLS=0)
+    segment = common.prefetch_bytes(block_n * weight.element_size(), weight.stride(1) == 1)
+    if not segment:
+        return dict(PREFETCH=0, PREFETCH_COLS=0)
+    most = max(1, min(K, common.PREFETCH_ROW_BYTES * block_n // segment))
+    return dict(PREFETCH=segment, PREFETCH_COLS=1 << (most.bit_length() - 1))
 
 
 def head_bmm(x, weight):

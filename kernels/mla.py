@@ -8,7 +8,7 @@ import torch
 import model
 
 from . import common
-from .common import _jit, _pow2, _wait_for_prior, launch, tl, triton
+from .common import _jit, _pow2, _prefetch_weight_rows, _wait_for_prior, launch, tl, triton
 from .gemv import (HEAD_GEMV_BLOCK_N, HEAD_GEMV_WARPS, NORM_GEMV_MAX_ROWS, _head_gemv_blocks,
                    head_gemv)
 
@@ -330,7 +330,8 @@ def _mla_merge_absorb_kernel(po_ptr, lse_ptr, pos_ptr, w_ptr, out_ptr, rows, T, 
                              split_len,
                              s_pob, s_pom, s_pos, s_lb, s_lm, s_posb, s_wh, s_wn, s_or, s_oh,
                              groups, PARTS: tl.constexpr, BLOCK_M: tl.constexpr,
-                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                             BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+                             PREFETCH: tl.constexpr):
     """out[r, h, n] = sum_k o[r, h, k] * W[h, n, k] for the rows r = b*T + t, with o[r, h] the merge
     of query row m = t*H + h of batch row b, as _mla_combine_kernel stores it (rounded to W's
     dtype): the combine and head_gemv's product in one launch. Each program merges its head's rows
@@ -341,11 +342,15 @@ def _mla_merge_absorb_kernel(po_ptr, lse_ptr, pos_ptr, w_ptr, out_ptr, rows, T, 
     po [B, M, PARTS, K] and lse [B, M, PARTS] float32 from _mla_decode_kernel (last dims
     contiguous); pos int64 [B, T]; W [H, N, K] (K contiguous); out [rows, H, N] (rows strided, N
     contiguous) of W's dtype; the rows in head_gemv's groups of BLOCK_M, a program a group
-    (program q of axis 0: W's row block q // groups, group q % groups).
+    (program q of axis 0: W's row block q // groups, group q % groups). PREFETCH: the bytes of
+    each of its W rows a program asks the L2 for before its wait (common._prefetch_weight_rows).
     Grid: (cdiv(N, BLOCK_N) * groups, H)."""
-    _wait_for_prior()
     q, h = tl.program_id(0), tl.program_id(1)
-    pid, r_all = q // groups, (q % groups) * BLOCK_M + tl.arange(0, BLOCK_M)
+    pid = q // groups
+    _prefetch_weight_rows(w_ptr + h * s_wh, pid * BLOCK_N + tl.arange(0, BLOCK_N), N, s_wn, 0, K,
+                          PREFETCH)
+    _wait_for_prior()
+    r_all = (q % groups) * BLOCK_M + tl.arange(0, BLOCK_M)
     r = tl.minimum(r_all, rows - 1)  # padding rows repeat the last one, not stored
     b, m = r // T, (r % T) * H + h
     po_rows = (po_ptr + b * s_pob + m * s_pom)[:, None]  # [BLOCK_M, 1]
@@ -520,6 +525,7 @@ def mla_merge_absorb(unmerged, positions, w_uv):
             partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
             positions.stride(0), w_uv.stride(0), w_uv.stride(1), H * N, N, groups,
             PARTS=parts, BLOCK_M=block_m, BLOCK_N=HEAD_GEMV_BLOCK_N, BLOCK_K=block_k,
+            PREFETCH=common.prefetch_bytes(C * w_uv.element_size()),
             num_warps=HEAD_GEMV_WARPS, num_stages=1, launch_pdl=common.PDL)
     return out
 
