@@ -1338,9 +1338,10 @@ def test_prefetch_bytes(monkeypatch):
 @pytest.mark.triton
 def test_gpu_prefetch_changes_no_result(monkeypatch):
     """The L2 prefetch before the wait (common._prefetch_rows) is a hint: norm_gemv in each form,
-    head_gemv (W's rows contiguous, and its columns: W_uk^T) and the router's logits kernels at
-    Kimi-K2 TP-8 shapes give the same bits with it off, at the default and at 8192 bytes a row
-    (each launch caps it at its slice of a row)."""
+    head_gemv (W's rows contiguous, and its columns: W_uk^T), the router's logits kernels, MLA's
+    decode kernel (the cache's slots; its caches written alike each time) and the merge in W_uv's
+    launch at Kimi-K2 TP-8 shapes give the same bits with it off, at the default and at 8192
+    bytes a row (each launch caps it at its slice of a row)."""
     if not (torch.cuda.is_available() and kernels.common.PDL):
         pytest.skip("the prefetch runs only under programmatic dependent launch (CUDA, sm_90+)")
     g = torch.Generator().manual_seed(31)
@@ -1350,6 +1351,7 @@ def test_gpu_prefetch_changes_no_result(monkeypatch):
     q, w_uv = (torch.randn(s, generator=g).to(**bf16) for s in ((3, 8, 512), (8, 128, 512)))
     q_nope, w_uk = torch.randn(3, 8, 128, generator=g).to(**bf16), w_uv.transpose(1, 2)
     rw, bias = (torch.randn(384, 7168, generator=g) / 85).to(**bf16), torch.zeros(384).cuda()
+    mla = {T: mla_inputs(1, T, 8, 512, 64, 320, torch.bfloat16, "cuda", seed=T) for T in (1, 3)}
 
     def outputs():
         outs = [kernels.norm_gemv(x[:rows], w, nw, 1e-6, dot=dot)
@@ -1357,6 +1359,12 @@ def test_gpu_prefetch_changes_no_result(monkeypatch):
         outs += [kernels.head_gemv(q, w_uv), kernels.head_gemv(q_nope, w_uk)]
         for rows in (3, 16):  # the chunks' logits kernel and the tensor cores'
             outs += kernels.router.router_topk(x[:rows], rw, bias, 8, 1, 1, True, 2.827)
+        for T in (1, 3):
+            inputs = {k: v.clone() if torch.is_tensor(v) else v for k, v in mla[T].items()}
+            outs.append(kernels.mla_decode_attention(**inputs, softmax_scale=0.07))
+            outs += [inputs["kv_cache"], inputs["pe_cache"]]
+            unmerged = kernels.mla_decode_attention(**mla[T], softmax_scale=0.07, merge=False)
+            outs.append(kernels.mla_merge_absorb(unmerged, mla[T]["positions"], w_uv))
         return outs
 
     monkeypatch.setattr(kernels.common, "PREFETCH_ROW_BYTES", 0)

@@ -65,15 +65,16 @@ GDC = tl.constexpr(PDL) if HAVE_TRITON else PDL
 
 
 # A prefetch before the wait. A kernel's programs can be resident and waiting while the kernel
-# before it still runs; those that read the checkpoint's weights first ask the L2 for the first
-# PREFETCH_ROW_BYTES of each weight row they will read (a 32-byte sector an instruction), so that
-# their loads after the wait find those bytes there: the memory's idle time in the predecessor's
-# tail carries them. A prefetch moves bytes into the L2 only and returns nothing: the L2 is where
-# every SM's writes meet, so it can hand no stale value to a later load, and the rule above holds
-# (no load before the wait). 0: none. Only under PDL (without it the programs start after the
-# predecessor, and a prefetch would come just before the load it serves). 1024 bytes: the INT4
-# decode step and verify of 3 each 0.08 ms less than without; 4096 bytes gave back three quarters
-# and half of that, 512 and 2048 a little (BENCHMARKS.md, Kept and Tried).
+# before it still runs; those that read the checkpoint's weights (and MLA's decode kernel, which
+# reads cache slots that earlier steps wrote) first ask the L2 for the first PREFETCH_ROW_BYTES of
+# each row they will read (a 32-byte sector an instruction), so that their loads after the wait
+# find those bytes there: the memory's idle time in the predecessor's tail carries them. A
+# prefetch moves bytes into the L2 only and returns nothing: the L2 is where every SM's writes
+# meet, so it can hand no stale value to a later load, and the rule above holds (no load before
+# the wait). 0: none. Only under PDL (without it the programs start after the predecessor, and a
+# prefetch would come just before the load it serves). 1024 bytes: the INT4 decode step and verify
+# of 3 each 0.08 ms less than without; 4096 bytes gave back three quarters and half of that, 512
+# and 2048 a little (BENCHMARKS.md, Kept and Tried).
 PREFETCH_ROW_BYTES = 1024
 
 
@@ -100,7 +101,7 @@ def _prefetch_rows(rows, nbytes, ROW_BYTES: tl.constexpr):
 
 
 @_jit
-def _prefetch_weight_rows(w_ptr, rows, R, s_row, lo, hi, ROW_BYTES: tl.constexpr):
+def _prefetch_matrix_rows(w_ptr, rows, R, s_row, lo, hi, ROW_BYTES: tl.constexpr):
     """Before the wait: the L2 asked for the first ROW_BYTES of W's rows `rows` (those past R: row
     R - 1; `s_row` elements apart, each contiguous) from column lo, at most up to hi
     (_prefetch_rows)."""

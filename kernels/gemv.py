@@ -8,7 +8,7 @@ import model
 import tp
 
 from . import common
-from .common import (_counters, _jit, _pow2, _prefetch_weight_rows, _wait_for_prior, launch,
+from .common import (_counters, _jit, _pow2, _prefetch_matrix_rows, _wait_for_prior, launch,
                      rows, tl, triton)
 from .stacked import StackedQKVA
 
@@ -169,7 +169,7 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
     BLOCK_M (M <= groups x BLOCK_M), a program a group: program q of axis 0 takes W's row block
     q // groups and group q % groups, so the groups of one row block run side by side and all but
     the first read W's tile from L2. PREFETCH: the bytes of each of its W rows a program asks the
-    L2 for before its wait (common._prefetch_weight_rows; W's rows contiguous); with
+    L2 for before its wait (common._prefetch_matrix_rows; W's rows contiguous); with
     PREFETCH_COLS > 0 (W's columns contiguous instead, head_gemv's W_uk^T) the bytes of each of its
     first PREFETCH_COLS columns' segments of BLOCK_N rows, a column's segment as its row.
     Grid: (cdiv(N, BLOCK_N) * groups, heads, SPLITS)."""
@@ -180,10 +180,10 @@ def _norm_gemv_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr, ss
     lo = s * k_split
     hi = tl.minimum(lo + k_split, K)
     if PREFETCH_COLS > 0:  # the columns lo .. as the rows, rows pid * BLOCK_N .. N as the columns
-        _prefetch_weight_rows(w_ptr + j * s_wh, lo + tl.arange(0, PREFETCH_COLS), hi, s_wk,
+        _prefetch_matrix_rows(w_ptr + j * s_wh, lo + tl.arange(0, PREFETCH_COLS), hi, s_wk,
                               pid * BLOCK_N, N, PREFETCH)
     else:
-        _prefetch_weight_rows(w_ptr + j * s_wh, n, N, s_wn, lo, hi, PREFETCH)
+        _prefetch_matrix_rows(w_ptr + j * s_wh, n, N, s_wn, lo, hi, PREFETCH)
     _wait_for_prior()
     n3 = n[None, :, None]  # W's tile [1, BLOCK_N, BLOCK_K]
     kb = tl.arange(0, BLOCK_K)
@@ -231,7 +231,7 @@ def _norm_gemv_dot_kernel(x_ptr, r_ptr, sum_ptr, g_ptr, w_ptr, out_ptr, part_ptr
     n = q * BLOCK_N + tl.arange(0, BLOCK_N)
     lo = s * k_split
     hi = tl.minimum(lo + k_split, K)
-    _prefetch_weight_rows(w_ptr, n, N, s_wn, lo, hi, PREFETCH)
+    _prefetch_matrix_rows(w_ptr, n, N, s_wn, lo, hi, PREFETCH)
     _wait_for_prior()
     kb = tl.arange(0, BLOCK_K)
     x_rows = x_ptr + rows[:, None] * s_xm

@@ -8,7 +8,7 @@ import torch
 import model
 
 from . import common
-from .common import _jit, _pow2, _prefetch_weight_rows, _wait_for_prior, launch, tl, triton
+from .common import _jit, _pow2, _prefetch_matrix_rows, _wait_for_prior, launch, tl, triton
 from .gemv import (HEAD_GEMV_BLOCK_N, HEAD_GEMV_WARPS, NORM_GEMV_MAX_ROWS, _head_gemv_blocks,
                    head_gemv)
 
@@ -205,7 +205,8 @@ def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr
                        C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr,
                        BLOCK_R2: tl.constexpr,
                        BLOCK_T: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                       DOT_PRECISION: tl.constexpr):
+                       DOT_PRECISION: tl.constexpr, PREFETCH: tl.constexpr,
+                       PREFETCH_PE: tl.constexpr):
     """One part (see the section's head) for a block of query rows of one batch row.
 
     Query row m = t*H + h of row b sees the slots s < kv_len with s <= pos[b, t]; a row's T
@@ -216,10 +217,16 @@ def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr
     permuted output is read in place) and qpe [B, M, R] (not rotated): last dim contiguous, one
     dtype with kv, kpe and the caches; rope [B, T, R/2, 2] float32 (cos, sin); pos int64 [B, T].
     po [B, M, parts, C] and lse [B, M, parts] float32 get the part's partial output and log2 of its
-    sum (with the max; -inf where no slot), where the part holds a slot.
+    sum (with the max; -inf where no slot), where the part holds a slot. PREFETCH, PREFETCH_PE:
+    the bytes of each latent and rope key row of its first tile of slots that a cache part asks
+    the L2 for before its wait (common._prefetch_matrix_rows; kernels of earlier steps wrote them).
     Grid: (parts, B, cdiv(M, BLOCK_M))."""
-    _wait_for_prior()
     part, b, mb = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    if part > 0:
+        first = (part - 1) * split_len + tl.arange(0, BLOCK_N)
+        _prefetch_matrix_rows(kvc_ptr + b * s_cb, first, kv_len, s_cs, 0, C, PREFETCH)
+        _prefetch_matrix_rows(pec_ptr + b * s_pb, first, kv_len, s_ps, 0, R, PREFETCH_PE)
+    _wait_for_prior()
     offs_m = mb * BLOCK_M + tl.arange(0, BLOCK_M)
     row_ok = offs_m < M
     t_m = offs_m // H
@@ -343,11 +350,11 @@ def _mla_merge_absorb_kernel(po_ptr, lse_ptr, pos_ptr, w_ptr, out_ptr, rows, T, 
     contiguous); pos int64 [B, T]; W [H, N, K] (K contiguous); out [rows, H, N] (rows strided, N
     contiguous) of W's dtype; the rows in head_gemv's groups of BLOCK_M, a program a group
     (program q of axis 0: W's row block q // groups, group q % groups). PREFETCH: the bytes of
-    each of its W rows a program asks the L2 for before its wait (common._prefetch_weight_rows).
+    each of its W rows a program asks the L2 for before its wait (common._prefetch_matrix_rows).
     Grid: (cdiv(N, BLOCK_N) * groups, H)."""
     q, h = tl.program_id(0), tl.program_id(1)
     pid = q // groups
-    _prefetch_weight_rows(w_ptr + h * s_wh, pid * BLOCK_N + tl.arange(0, BLOCK_N), N, s_wn, 0, K,
+    _prefetch_matrix_rows(w_ptr + h * s_wh, pid * BLOCK_N + tl.arange(0, BLOCK_N), N, s_wn, 0, K,
                           PREFETCH)
     _wait_for_prior()
     r_all = (q % groups) * BLOCK_M + tl.arange(0, BLOCK_M)
@@ -464,7 +471,8 @@ def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, position
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         C=C, R=R, BLOCK_C=_pow2(C), BLOCK_R2=_pow2(R // 2, 8), BLOCK_T=_pow2(T), BLOCK_M=block_m,
         BLOCK_N=block_n, DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
-        launch_pdl=common.PDL, num_warps=MLA_NUM_WARPS, num_stages=MLA_NUM_STAGES[q_lat.dtype])
+        PREFETCH=common.prefetch_bytes(C * kv_cache.element_size()),
+        PREFETCH_PE=common.prefetch_bytes(R * pe_cache.element_size()), launch_pdl=common.PDL, num_warps=MLA_NUM_WARPS, num_stages=MLA_NUM_STAGES[q_lat.dtype])
     unmerged = MLAParts(partial, lse, split_len, S)
     return mla_combine(unmerged, positions, q_lat.dtype).view(B, T, H, C) if merge else unmerged
 

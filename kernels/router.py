@@ -4,7 +4,7 @@ import torch
 import model
 
 from . import common, moe_gemv
-from .common import (_counters, _jit, _pow2, _prefetch_weight_rows, _wait_for_prior, launch,
+from .common import (_counters, _jit, _pow2, _prefetch_matrix_rows, _wait_for_prior, launch,
                      tl, triton)
 from .moe_gemv import _check_planes
 
@@ -102,11 +102,11 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
     also write their slice of x as the INT4 GEMV's activation (fused_moe's planes,
     moe_gemv.activation_planes): 1, fp32 nibble planes [N, 8, D/8]; 2, bf16 pair planes (v_ptr a
     bf16 view of them). PREFETCH: the bytes of each of its W rows a program asks the L2 for
-    before its wait (common._prefetch_weight_rows). Grid: (cdiv(E, BLOCK_E), SPLITS)."""
+    before its wait (common._prefetch_matrix_rows). Grid: (cdiv(E, BLOCK_E), SPLITS)."""
     eb, j = tl.program_id(0), tl.program_id(1)
     e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     d_end = tl.minimum((j + 1) * d_per_split, D)
-    _prefetch_weight_rows(w_ptr, e, E, s_we, j * d_per_split, d_end, PREFETCH)
+    _prefetch_matrix_rows(w_ptr, e, E, s_we, j * d_per_split, d_end, PREFETCH)
     _wait_for_prior()
     n = tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
@@ -184,7 +184,7 @@ def _router_dot_kernel(x_ptr, w_ptr, part_ptr, N, E, D, d_per_split, s_xn, s_we,
     eb, j = tl.program_id(0), tl.program_id(1)
     e = eb * BLOCK_E + tl.arange(0, BLOCK_E)
     d_end = tl.minimum((j + 1) * d_per_split, D)
-    _prefetch_weight_rows(w_ptr, e, E, s_we, j * d_per_split, d_end, PREFETCH)
+    _prefetch_matrix_rows(w_ptr, e, E, s_we, j * d_per_split, d_end, PREFETCH)
     _wait_for_prior()
     n = tl.arange(0, BLOCK_N)
     acc = tl.zeros([BLOCK_N, BLOCK_E], tl.float32)
