@@ -9,8 +9,8 @@ import model
 
 from . import common
 from .common import _jit, _pow2, _prefetch_matrix_rows, _wait_for_prior, launch, tl, triton
-from .gemv import (HEAD_GEMV_BLOCK_N, HEAD_GEMV_WARPS, NORM_GEMV_MAX_ROWS, _head_gemv_blocks,
-                   head_gemv)
+from .gemv import (HEAD_GEMV_BLOCK_N, HEAD_GEMV_MAX_ROWS, HEAD_GEMV_WARPS, NORM_GEMV_MAX_ROWS,
+                   _head_gemv_blocks, head_gemv)
 
 
 # MLA decode step: RoPE, cache write and the absorbed attention, split over slots, then a merge
@@ -73,6 +73,13 @@ MLA_MERGE_ABSORB_REGS = 64
 # less at one row; at 4 rows the separate merge is faster (python -m kernels.bench,
 # mla_merge_absorb)
 MLA_MERGE_ABSORB_MAX_ROWS = 1
+# rows B*T up to which the decode kernel's cache parts prefetch their first tile (PREFETCH): where
+# the kernel before it, head_gemv's W_uk, runs under PDL (to HEAD_GEMV_MAX_ROWS rows), so the
+# prefetch overlaps that kernel's tail; past it cuBLAS's W_uk precedes and the programs start after
+# it, where the prefetch would only come before the loads it serves. INT4 verify, two runs each in
+# one call: at 20-32 tokens 0.01-0.05 ms less than with the prefetch at every row (within the
+# runs' spread); at 3 tokens 0.023 less than without it (BENCHMARKS.md, Verify sweep, Kept)
+MLA_PREFETCH_MAX_ROWS = HEAD_GEMV_MAX_ROWS
 
 
 @_jit
@@ -455,6 +462,7 @@ def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, position
     qpe = q_pe.reshape(B, M, R)
     rope = rope if rope.stride(-1) == 1 and rope.stride(-2) == 2 else rope.contiguous()
     block_n = MLA_BLOCK_N[q_lat.dtype]
+    prefetch = B * T <= MLA_PREFETCH_MAX_ROWS
     block_m = mla_block_m(M, B, S)
     m_blocks = triton.cdiv(M, block_m)
     split_len = split_len or mla_split_len(S, B, m_blocks, block_n, q_lat.device)
@@ -471,8 +479,9 @@ def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, position
         partial.stride(0), partial.stride(1), partial.stride(2), lse.stride(0), lse.stride(1),
         C=C, R=R, BLOCK_C=_pow2(C), BLOCK_R2=_pow2(R // 2, 8), BLOCK_T=_pow2(T), BLOCK_M=block_m,
         BLOCK_N=block_n, DOT_PRECISION="ieee" if q_lat.dtype == torch.float32 else "tf32",
-        PREFETCH=common.prefetch_bytes(C * kv_cache.element_size()),
-        PREFETCH_PE=common.prefetch_bytes(R * pe_cache.element_size()), launch_pdl=common.PDL, num_warps=MLA_NUM_WARPS, num_stages=MLA_NUM_STAGES[q_lat.dtype])
+        PREFETCH=common.prefetch_bytes(C * kv_cache.element_size()) if prefetch else 0,
+        PREFETCH_PE=common.prefetch_bytes(R * pe_cache.element_size()) if prefetch else 0,
+        launch_pdl=common.PDL, num_warps=MLA_NUM_WARPS, num_stages=MLA_NUM_STAGES[q_lat.dtype])
     unmerged = MLAParts(partial, lse, split_len, S)
     return mla_combine(unmerged, positions, q_lat.dtype).view(B, T, H, C) if merge else unmerged
 
