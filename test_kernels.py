@@ -1341,8 +1341,7 @@ def test_gpu_prefetch_changes_no_result(monkeypatch):
     head_gemv (W's rows contiguous, and its columns: W_uk^T), the router's logits kernels, MLA's
     decode kernel (the cache's slots; its caches written alike each time) and the merge in W_uv's
     launch at Kimi-K2 TP-8 shapes give the same bits with it off, at the default and at 8192
-    bytes a row (each launch caps it at its slice of a row); and INT4's GEMV with its gate_up's
-    prefetch of the down weights (moe_gemv.DOWN_PREFETCH_MAX_PAIRS) off and on, at 1 token."""
+    bytes a row (each launch caps it at its slice of a row)."""
     if not (torch.cuda.is_available() and kernels.common.PDL):
         pytest.skip("the prefetch runs only under programmatic dependent launch (CUDA, sm_90+)")
     g = torch.Generator().manual_seed(31)
@@ -1353,10 +1352,6 @@ def test_gpu_prefetch_changes_no_result(monkeypatch):
     q_nope, w_uk = torch.randn(3, 8, 128, generator=g).to(**bf16), w_uv.transpose(1, 2)
     rw, bias = (torch.randn(384, 7168, generator=g) / 85).to(**bf16), torch.zeros(384).cuda()
     mla = {T: mla_inputs(1, T, 8, 512, 64, 320, torch.bfloat16, "cuda", seed=T) for T in (1, 3)}
-    experts, _ = moe_experts("kimi", "int4", 16, "cuda", torch.bfloat16)
-    int4 = [kernels.expert_weights(getattr(experts, p))
-            for p in ("gate_proj", "up_proj", "down_proj")]
-    ids, route_w = routing("random", 1, 8, 16, g, "cuda")
 
     def outputs():
         outs = [kernels.norm_gemv(x[:rows], w, nw, 1e-6, dot=dot)
@@ -1370,13 +1365,10 @@ def test_gpu_prefetch_changes_no_result(monkeypatch):
             outs += [inputs["kv_cache"], inputs["pe_cache"]]
             unmerged = kernels.mla_decode_attention(**mla[T], softmax_scale=0.07, merge=False)
             outs.append(kernels.mla_merge_absorb(unmerged, mla[T]["positions"], w_uv))
-        outs.append(kernels.fused_moe(x[:1], ids, route_w, *int4, variant="gemv"))
         return outs
 
     monkeypatch.setattr(kernels.common, "PREFETCH_ROW_BYTES", 0)
-    monkeypatch.setattr(kernels.moe_gemv, "DOWN_PREFETCH_MAX_PAIRS", 0)
     plain = outputs()
-    monkeypatch.setattr(kernels.moe_gemv, "DOWN_PREFETCH_MAX_PAIRS", 8)
     for row_bytes in (1024, 8192):
         monkeypatch.setattr(kernels.common, "PREFETCH_ROW_BYTES", row_bytes)
         for a, b in zip(outputs(), plain):
@@ -2417,8 +2409,6 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     prefetching = {s["name"] for s in specs if s["args"].get("PREFETCH", {}).get("value")}
     assert prefetching == {s["name"] for s in specs if "PREFETCH" in s["args"]}, \
         f"kernels with a prefetch that no recorded launch asked for: {sorted(prefetching)}"
-    assert any(s["args"].get("DOWN_ROWS", {}).get("value") for s in specs), \
-        "no recorded launch of INT4's GEMV gate_up asked for the down weights' prefetch"
     path = tmp_path / "launches.json"
     path.write_text(json.dumps(specs))
     env = {k: v for k, v in testing.CPU_ENV.items() if k != "TRITON_INTERPRET"}

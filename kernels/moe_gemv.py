@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from . import common
-from .common import _counters, _jit, _prefetch_rows, _wait_for_prior, tl, triton
+from .common import _counters, _jit, _wait_for_prior, tl, triton
 
 
 @dataclass
@@ -621,9 +621,7 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
                                   EVEN: tl.constexpr, SPLIT: tl.constexpr, SHARED_K: tl.constexpr,
                                   EVEN_SHARED: tl.constexpr, SHARED_SLICES: tl.constexpr,
                                   SHARED_N_PAD: tl.constexpr, SHARED_PRECISION: tl.constexpr,
-                                  PACKED: tl.constexpr, use_tiles_ptr, ADAPTIVE: tl.constexpr,
-                                  d_ptr, ds_ptr, stride_de, stride_dn, stride_dse, stride_dsr,
-                                  DOWN_ROWS: tl.constexpr, DOWN_BYTES: tl.constexpr):
+                                  PACKED: tl.constexpr, use_tiles_ptr, ADAPTIVE: tl.constexpr):
     """_moe_gemv_gate_up_kernel for INT4 weights: v_ptr the activations as fp32 planes [N, 8, D/8]
     (plane j = elements 8w + j), h written in plane order (element i of row p at (i % 8) * I/8 + i
     // 8), the planes down reads; PACKED (bf16 x): v_ptr the pair planes [N, 4, D/8] (int32), h bf16
@@ -633,10 +631,7 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
     take the bf16 shared expert (_shared_gate_up; x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr,
     su_ptr, N: its arguments; SPLIT 0: none; SHARED_K bf16 columns a step; SHARED_SLICES > 0: its
     dot form), launched first since each runs its N tokens one after another; pair p is program
-    SPLIT + p. ADAPTIVE: as _moe_gemv_gate_up_kernel's. DOWN_ROWS > 0: each pair program first
-    asks the L2 for the first DOWN_BYTES of DOWN_ROWS rows of its expert's down weights (d_ptr,
-    ds_ptr: down's words and scales with their strides; the rows from pid_n * DOWN_ROWS), for the
-    down launch after it (_prefetch_down)."""
+    SPLIT + p. ADAPTIVE: as _moe_gemv_gate_up_kernel's."""
     _wait_for_prior()
     pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
@@ -650,9 +645,6 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
             return
     W: tl.constexpr = D // 8
     e = tl.load(ids_ptr + p).to(tl.int64)
-    if DOWN_ROWS > 0:
-        _prefetch_down(d_ptr + e * stride_de, ds_ptr + e * stride_dse, stride_dn, stride_dsr,
-                       pid_n * DOWN_ROWS + tl.arange(0, DOWN_ROWS), D, I, GROUP, DOWN_BYTES)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < I
     g_rows, u_rows = (g_ptr + e * stride_we + n[:, None] * stride_wn,
@@ -683,18 +675,6 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
                  h.to(tl.bfloat16), mask=n_ok)
     else:
         tl.store(h_ptr + p.to(tl.int64) * I + (n % 8) * (I // 8) + n // 8, h, mask=n_ok)
-
-
-@_jit
-def _prefetch_down(w_ptr, s_ptr, s_wn, s_sr, rows, D: tl.constexpr, I: tl.constexpr,
-                   GROUP: tl.constexpr, ROW_BYTES: tl.constexpr):
-    """The L2 asked for an INT4 expert's down rows `rows` (past D: row D - 1): the first
-    ROW_BYTES of each row's I / 8 words and the 32-byte sector where its I / GROUP scales start
-    (common._prefetch_rows)."""
-    elem: tl.constexpr = s_ptr.dtype.element_ty.primitive_bitwidth // 8
-    r = tl.minimum(rows, D - 1)
-    _prefetch_rows(w_ptr + r * s_wn, I // 2, ROW_BYTES)
-    _prefetch_rows(s_ptr + r * s_sr, I // GROUP * elem, 32)
 
 
 @_jit
@@ -908,24 +888,6 @@ def _adaptive_args(tiles, placeholder):
             dict(use_tiles_ptr=use_tiles, y_ptr=y, ADAPTIVE=tiles is not None))
 
 
-# INT4's gate_up asks the L2 for the down launch's weights: each pair program, once it knows its
-# expert, for that expert's down rows of its row block's share (D / the row blocks, rounded up to a
-# power of 2), so that down, which needs gate_up's h and so starts after it, finds its weights in
-# the L2. Up to DOWN_PREFETCH_MAX_PAIRS token-expert pairs, where gate_up's and down's weights
-# together (about 3 MB an expert at TP 8) fit the H200's 50 MB L2 with room; only on GPUs that
-# take the instruction (common.GDC).
-DOWN_PREFETCH_MAX_PAIRS = 8
-
-
-def down_prefetch(P, D, I, row_blocks):
-    """_moe_gemv_int4_gate_up_kernel's DOWN_ROWS and DOWN_BYTES (a down row's I / 2 bytes of
-    words, rounded down to a power of 2, at least 32) for P pairs and row_blocks programs a pair."""
-    if P > DOWN_PREFETCH_MAX_PAIRS:
-        return dict(DOWN_ROWS=0, DOWN_BYTES=0)
-    return dict(DOWN_ROWS=common._pow2(triton.cdiv(D, row_blocks), 1),
-                DOWN_BYTES=max(32, 1 << ((I // 2).bit_length() - 1)))
-
-
 def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, planes=None,
                          tiles=None):
     """The GEMV variant for INT4 weights (see _fused_moe_gemv); shared, planes, tiles: its."""
@@ -939,19 +901,18 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, plan
     sh_gate_up, sh_down = _shared_args(shared, "int4", N, I, D, bn, warps, h,
                                        cfg.get("shared_dot", _shared_dot("int4", N)))
     ad_gate_up, ad_down = _adaptive_args(tiles, ids)
-    s, ds = (gate.data.stride(), gate.scale.stride()), (down.data.stride(), down.scale.stride())
+    s = gate.data.stride(), gate.scale.stride()
     _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
         v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, s[0][0], s[0][1], s[1][0],
         s[1][1], magic, x, TOPK=K, D=D, I=I, GROUP=gate.group,
         BLOCK_N=bn, BLOCK_W=bw, EVEN=I % bn == 0 and D % (8 * bw) == 0, **sh_gate_up,
-        **ad_gate_up, PACKED=packed, d_ptr=down.data, ds_ptr=down.scale, stride_de=ds[0][0],
-        stride_dn=ds[0][1], stride_dse=ds[1][0], stride_dsr=ds[1][1],
-        **down_prefetch(P, D, I, triton.cdiv(I, bn)), launch_pdl=common.PDL, num_warps=warps)
+        **ad_gate_up, PACKED=packed, launch_pdl=common.PDL, num_warps=warps)
     bn, bc, warps = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
+    s = down.data.stride(), down.scale.stride()
     _moe_gemv_int4_down_kernel[(N, triton.cdiv(D, bn))](
-        h.view(torch.int32) if packed else h, out, ids, down.data, down.scale, ds[0][0], ds[0][1],
-        ds[1][0], ds[1][1], magic, TOPK=K, D=D, I=I, GROUP=down.group, BLOCK_N=bn, BLOCK_C=bc,
+        h.view(torch.int32) if packed else h, out, ids, down.data, down.scale, s[0][0], s[0][1],
+        s[1][0], s[1][1], magic, TOPK=K, D=D, I=I, GROUP=down.group, BLOCK_N=bn, BLOCK_C=bc,
         EVEN=D % bn == 0 and K * I // 8 % bc == 0, **sh_down, **ad_down, PACKED=packed,
         launch_pdl=common.PDL, num_warps=warps)
     return out
