@@ -76,9 +76,10 @@ MLA_MERGE_ABSORB_MAX_ROWS = 1
 # rows B*T up to which the decode kernel's cache parts prefetch their first tile (PREFETCH): where
 # the kernel before it, head_gemv's W_uk, runs under PDL (to HEAD_GEMV_MAX_ROWS rows), so the
 # prefetch overlaps that kernel's tail; past it cuBLAS's W_uk precedes and the programs start after
-# it, where the prefetch would only come before the loads it serves. INT4 verify, two runs each in
-# one call: at 20-32 tokens 0.01-0.05 ms less than with the prefetch at every row (within the
-# runs' spread); at 3 tokens 0.023 less than without it (BENCHMARKS.md, Verify sweep, Kept)
+# it, where the prefetch would only come before the loads it serves. Verify, two runs each in one
+# call: INT4 at 20-32 tokens 0.01-0.05 ms less than with the prefetch at every row (within the
+# runs' spread), bf16 at 20 tokens 0.03 less in both; INT4 at 3 tokens 0.023 less than without
+# the prefetch (BENCHMARKS.md, Verify sweep, Kept)
 MLA_PREFETCH_MAX_ROWS = HEAD_GEMV_MAX_ROWS
 
 
