@@ -7,9 +7,11 @@ its cliffs; then the end-to-end loops, the cost model, memory and collectives; t
 about figures that cannot be (noise), and the answer in words with a verdict on what this run's
 acceptance means. Everything here reads the timing.Result that timing.measure returns and the
 Bench it ran on; as_json turns the Result into the --json line; `python report.py tables A.json
-B.json ...` puts several runs' lines in one markdown table (tables), `python report.py sweep-plot`
-draws their verify sweeps (sweep_plot), `python report.py routed` sets their routed experts
-against their floor across routings (routed). Nothing here times anything.
+B.json ...` puts several runs' lines in one markdown table (tables), `python report.py phases`
+makes one GPU run's phase and component tables (phases) and `python report.py sweep` their verify
+sweeps side by side (sweep), as BENCHMARKS.md shows them; `python report.py sweep-plot` draws the
+sweeps (sweep_plot), `python report.py routed` sets their routed experts against their floor
+across routings (routed). Nothing here times anything.
 
 The --json line is as_json(timing.Result): each dataclass a dict of its fields, each Timing its
 median in ms, integer keys as strings. Its verify sweep, `verify_sweep_ms`, maps the tokens a row
@@ -811,6 +813,130 @@ def table_row(r, path):
     return cells + [f"`{path}`"]
 
 
+# ---------------------------------------------------------------------------------------------
+# One run's tables and several runs' verify sweeps, as BENCHMARKS.md sets them
+# (python report.py phases A.json; python report.py sweep A.json B.json ...)
+
+# components.COMPONENTS as BENCHMARKS.md names them, in its order ("other", at most 0.011 ms, left
+# out; the all-reduce only where a run has one: a real TP run's, which in an eager profile includes
+# its wait for the peers)
+MD_COMPONENTS = {"attn_proj": "attention projections", "attn_core": "attention core",
+                 "router": "router", "routed_experts": "routed experts (+ shared in the launch)",
+                 "shared_mlp": "shared expert + dense MLP", "elementwise": "norms, residual, RoPE",
+                 "embed_head": "embedding + lm_head", "allreduce": "all-reduce"}
+PHASE_COLUMNS = (("decode step", "decode_step"), ("verify of {n}, decode attn", "verify/decode"),
+                 ("verify of {n}, extend attn", "verify/prefill"),
+                 ("draft extend", "draft_extend"), ("draft step", "draft_step"))
+
+
+def phases(path):
+    """A GPU run's two tables at its first context: its captured (else eager) phases against their
+    floors, and where the time goes (component_table's rows: each component's profiled kernel time
+    in the decode step and each verify beside the bytes it must move over the copy bandwidth), then
+    the cost model's cycle and break-even at its num_steps.
+
+        python run.py --preset kimi-k2.5 --speculative-num-steps 2 --cuda-graph on --skip-e2e \\
+            --json benchmarks/int4_kimi-k2.5.json
+        python report.py phases benchmarks/int4_kimi-k2.5.json
+
+    Returns the lines; a file that is not a GPU run's raises ValueError naming it."""
+    r, ctx = _gpu_run(path)
+    ph, bw, k = r["phases_ms"], r["bandwidth_GBps"], r["env"]["config"]["speculative_num_steps"]
+    variant = "graph" if any(name.endswith("/graph") for name in ph) else "eager"
+    ms = {phase: ph[f"{phase}/{variant}"] for _, phase in PHASE_COLUMNS
+          if f"{phase}/{variant}" in ph}
+    floors = ctx["floors_ms"]
+    cols = [(title.format(n=k + 1), phase) for title, phase in PHASE_COLUMNS if phase in ms]
+    lines = ["| phase (" + ("CUDA graph" if variant == "graph" else "eager") + ") | "
+             + " | ".join(t for t, _ in cols) + " |", "|---|" + "---:|" * len(cols),
+             "| ms | " + " | ".join(f"{ms[p]:.3f}" for _, p in cols) + " |",
+             "| floor ms | " + " | ".join(f"{floors[p]:.3f}" for _, p in cols) + " |",
+             "| x floor | " + " | ".join(f"{ms[p] / floors[p]:.2f}x" for _, p in cols) + " |", ""]
+    verifies = [p for _, p in cols if p.startswith("verify/") and p in ctx["components"]]
+    lines += _md_components(ctx, ms, bw, verifies, variant) + [""]
+    chain = r["cost_model"]["steps"][str(k)]
+    return lines + [f"cycle {chain['cycle_ms']:.2f} ms, break-even "
+                    f"{chain['break_even_accept_len']:.2f} accepted tokens (num_steps {k}); copy "
+                    f"bandwidth {bw:.0f} GB/s"]
+
+
+def _md_components(ctx, ms, bw, verifies, variant):
+    """phases' component table: a row per MD_COMPONENTS, then the summed kernel time, the phase's
+    time less it, the kernels and the distinct experts a MoE layer."""
+    comps, nbytes = ctx["components"], ctx["bytes"]
+    head = ["decode step", "floor"] + [
+        "verify, " + ("decode attn" if v.endswith("decode") else "extend attn") for v in verifies
+    ] + ["verify floor"]
+    lines = ["| component (ms) | " + " | ".join(head) + " |", "|---|" + "---:|" * len(head)]
+    each = ["decode_step"] + verifies
+    for name, label in MD_COMPONENTS.items():
+        if name == "allreduce" and not any(comps[p]["parts_ms"].get(name) for p in each):
+            continue
+        row = ([comps["decode_step"]["parts_ms"][name], nbytes["decode_step"][name] / bw / 1e6]
+               + [comps[v]["parts_ms"][name] for v in verifies]
+               + [nbytes[verifies[0]][name] / bw / 1e6])
+        lines.append(f"| {label} | " + " | ".join(f"{x:.3f}" for x in row) + " |")
+    summed = [comps[p]["kernel_ms"] for p in each]
+    floors = ctx["floors_ms"]
+    lines.append("| summed kernel time | " + " | ".join(f"{x:.3f}" for x in [
+        summed[0], floors["decode_step"], *summed[1:], floors[verifies[0]]]) + " |")
+    return lines + [
+        _blank_floor_row(f"{variant} minus summed kernels",
+                         [f"{ms[p] - t:.3f}" for p, t in zip(each, summed)]),
+        _blank_floor_row("kernels", [str(comps[p]["kernels"]) for p in each]),
+        _blank_floor_row("distinct experts a MoE layer",
+                         [f"{ctx['distinct_experts'][p]:g}" for p in each])]
+
+
+def _blank_floor_row(label, cells):
+    """A component-table row without floors: the decode step's cell, an empty floor, the
+    verifies' cells, an empty floor."""
+    return f"| {label} | {cells[0]} |  | " + " | ".join(cells[1:]) + " |  |"
+
+
+def _gpu_run(path):
+    """(the run, its first context) of a run.py --json file from a GPU with a component table;
+    else ValueError naming the file."""
+    try:
+        r = read_run(path)
+        ctx = r["contexts"][str(r["env"]["config"]["context_len"][0])]
+        ok = r.get("bandwidth_GBps") and ctx.get("floors_ms") and ctx.get("components")
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"{path}: not a run.py --json file ({e!r})") from None
+    if not ok:
+        raise ValueError(f"{path}: not a GPU run's --json with floors and a component table")
+    return r, ctx
+
+
+def sweep(paths):
+    """The verify sweeps of GPU runs side by side: a row per tokens a row T that every file has, a
+    column per file (its weight format), each point's ms and its x floor; then each file's steps
+    over the no-cliff line (sweep_cliffs), with how much they add against what it allows.
+
+        python report.py sweep benchmarks/bf16_128experts.json benchmarks/int4_kimi-k2.5.json \\
+            benchmarks/fp8_384experts.json
+
+    Returns the lines; a file without a sweep with floors raises ValueError naming it."""
+    runs = [_read_sweep(path) for path in paths]
+    bad = [r for r in runs if isinstance(r, str)]
+    if bad:
+        raise ValueError(bad[0])
+    lines = ["| T | " + " | ".join(f"{label} ms (x floor)" for label, *_ in runs) + " |",
+             "|---:|" + "---:|" * len(runs)]
+    for T in sorted(set.intersection(*(set(map(int, s)) for _, s, _, _ in runs))):
+        cells = [f"{s[str(T)]['verify']:.2f} ({s[str(T)]['verify'] / s[str(T)]['floor_ms']:.2f}x)"
+                 for _, s, _, _ in runs]
+        lines.append(f"| {T} | " + " | ".join(cells) + " |")
+    lines.append("")
+    for label, _, cliffs, _ in runs:
+        over = cliffs.get("cliffs", [])
+        lines.append(f"- {label}: {len(over)} of {len(cliffs.get('checked', []))} steps over the "
+                     "line" + (": " if over else "") + ", ".join(
+                         f"{a}->{b} +{c['added_ms']:.3f} ms against {c['allowed_ms']:.3f}"
+                         for c in over for a, b in [c["tokens"]]))
+    return lines
+
+
 def routed(paths):
     """The routed experts of verify sweeps against their own floor, a column group per run.py
     --json file (a GPU's run): the same weight format under different routings (--routing
@@ -948,17 +1074,22 @@ if __name__ == "__main__":
     g = sub.add_parser("sweep-plot", help=sweep_plot.__doc__.split("\n\n")[0].replace("%", "%%"))
     g.add_argument("json", nargs="+", help="run.py --json files from a GPU, one series each")
     g.add_argument("--out", required=True, help="the figure (.png, .svg, .pdf)")
+    h = sub.add_parser("phases", help=phases.__doc__.split("\n\n")[0].replace("%", "%%"))
+    h.add_argument("json", help="a run.py --json file from a GPU")
+    w = sub.add_parser("sweep", help=sweep.__doc__.split("\n\n")[0].replace("%", "%%"))
+    w.add_argument("json", nargs="+", help="run.py --json files from a GPU, a column each")
     e = sub.add_parser("routed", help=routed.__doc__.split("\n\n")[0].replace("%", "%%"))
     e.add_argument("json", nargs="+", help="run.py --json files from a GPU, one column group "
                    "each, in this order")
     args = p.parse_args()
     if args.command == "sweep-plot":
         sys.exit(sweep_plot(args.json, args.out))
-    if args.command == "routed":
+    makers = {"routed": routed, "phases": phases, "sweep": sweep}
+    if args.command in makers:
         try:
-            print("\n".join(routed(args.json)))
+            print("\n".join(makers[args.command](args.json)))
         except (OSError, ValueError) as err:
-            print(f"report.py routed: {err}", file=sys.stderr)
+            print(f"report.py {args.command}: {err}", file=sys.stderr)
             sys.exit(2)
         sys.exit(0)
     print("\n".join(tables(args.json)))

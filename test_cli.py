@@ -516,6 +516,45 @@ def test_report_sweep_plot_draws_gpu_sweeps_and_refuses_the_rest(tmp_path, capsy
         assert not (tmp_path / "no.png").exists()
 
 
+HEADLINE_JSON = ("bf16_128experts", "int4_kimi-k2.5", "fp8_384experts", "bf16_ctx32768")
+
+
+def test_report_phases_and_sweep_make_the_benchmarks_tables(tmp_path):
+    """`report.py phases` and `report.py sweep` on the headline runs' JSON under benchmarks/ make
+    BENCHMARKS.md's tables line for line (each table a block of the file as it stands: the tables
+    and their JSON cannot drift apart); the sweep's cliff list counts what each file's
+    sweep_cliffs holds. A CPU run's file (no floors, no component table) and a file that is no
+    run.py --json are refused by name, exit status 2."""
+    bench = open(os.path.join(HERE, "BENCHMARKS.md")).read()
+    paths = [os.path.join(HERE, "benchmarks", f"{name}.json") for name in HEADLINE_JSON]
+    for path in paths:
+        text = "\n".join(report.phases(path))
+        phase_table, component_table, last = text.split("\n\n")
+        for table in (phase_table, component_table):
+            assert table in bench, f"{path}: its table is not in BENCHMARKS.md:\n{table}"
+        assert last.startswith("cycle ") and "num_steps" in last
+    lines = report.sweep(paths[:3])
+    table = "\n".join(lines[:lines.index("")])
+    assert table.count("\n") == 1 + 15 and table in bench, table
+    for line, path in zip(lines[lines.index("") + 1:], paths):
+        cliffs = report.read_run(path)["sweep_cliffs"]
+        counted = f"{len(cliffs['cliffs'])} of {len(cliffs['checked'])} steps"
+        assert line.split(": ")[1].startswith(counted), line
+    cpu = tmp_path / "cpu.json"
+    cpu.write_text(json.dumps(dict(env=dict(dtype="bfloat16", config=dict(
+        batch_size=1, context_len=[64], speculative_num_steps=3)), phases_ms={},
+        contexts={"64": dict(floors_ms={})}, bandwidth_GBps=None,
+        verify_sweep_ms={"1": dict(verify=1.0, floor_ms=None)})) + "\n")
+    (tmp_path / "notes.txt").write_text("not json\n")
+    for command, why in (("phases", "not a GPU run's --json"),
+                         ("sweep", "its sweep has no floors")):
+        for path, reason in ((str(cpu), why), (str(tmp_path / "notes.txt"), "not a run.py")):
+            out = subprocess.run([sys.executable, "report.py", command, path], cwd=HERE,
+                                 capture_output=True, text=True, timeout=120)
+            assert out.returncode == 2 and f"report.py {command}: {path}: {reason}" in out.stderr, \
+                (command, out.stderr)
+
+
 def test_report_routed_sets_routed_experts_against_their_floor_across_routings(tmp_path):
     """`report.py routed`: each point's routed experts component over its distinct experts' bytes
     (one expert in every MoE layer: routed_experts_GB / n_routed_experts over the bandwidth), a
