@@ -520,10 +520,10 @@ HEADLINE_JSON = ("bf16_128experts", "int4_kimi-k2.5", "fp8_384experts", "bf16_ct
 
 
 def test_report_phases_and_sweep_make_the_benchmarks_tables(tmp_path):
-    """`report.py phases` and `report.py sweep` on the headline runs' JSON under benchmarks/ make
-    BENCHMARKS.md's tables line for line (each table a block of the file as it stands: the tables
-    and their JSON cannot drift apart); the sweep's cliff list counts what each file's
-    sweep_cliffs holds. A CPU run's file (no floors, no component table) and a file that is no
+    """`report.py phases` and `report.py sweep` on the headline runs' JSON under benchmarks/, and
+    `report.py tables` on the batch-and-tree runs', make BENCHMARKS.md's tables line for line
+    (each table a block of the file as it stands: the tables and their JSON cannot drift apart);
+    the sweep's cliff list counts what each file's sweep_cliffs holds. A CPU run's file (no floors, no component table) and a file that is no
     run.py --json are refused by name, exit status 2."""
     bench = open(os.path.join(HERE, "BENCHMARKS.md")).read()
     paths = [os.path.join(HERE, "benchmarks", f"{name}.json") for name in HEADLINE_JSON]
@@ -540,6 +540,10 @@ def test_report_phases_and_sweep_make_the_benchmarks_tables(tmp_path):
         cliffs = report.read_run(path)["sweep_cliffs"]
         counted = f"{len(cliffs['cliffs'])} of {len(cliffs['checked'])} steps"
         assert line.split(": ")[1].startswith(counted), line
+    batch = [os.path.join(HERE, "benchmarks", "shapes", f"batch{b}_{f}.json")
+             for b in (1, 2, 4) for f in ("bf16", "fp8", "int4")]
+    table = "\n".join(report.tables(batch)).replace(os.path.join(HERE, ""), "")
+    assert table in bench, table
     cpu = tmp_path / "cpu.json"
     cpu.write_text(json.dumps(dict(env=dict(dtype="bfloat16", config=dict(
         batch_size=1, context_len=[64], speculative_num_steps=3)), phases_ms={},
