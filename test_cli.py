@@ -523,8 +523,9 @@ def test_report_phases_and_sweep_make_the_benchmarks_tables(tmp_path):
     """`report.py phases` and `report.py sweep` on the headline runs' JSON under benchmarks/, and
     `report.py tables` on the batch-and-tree runs', make BENCHMARKS.md's tables line for line
     (each table a block of the file as it stands: the tables and their JSON cannot drift apart);
-    the sweep's cliff list counts what each file's sweep_cliffs holds. A CPU run's file (no floors, no component table) and a file that is no
-    run.py --json are refused by name, exit status 2."""
+    the sweep's cliff list counts what each file's sweep_cliffs holds. A CPU run's file (no
+    floors, no component table) and a file that is no run.py --json are refused by name, exit
+    status 2."""
     bench = open(os.path.join(HERE, "BENCHMARKS.md")).read()
     paths = [os.path.join(HERE, "benchmarks", f"{name}.json") for name in HEADLINE_JSON]
     for path in paths:
