@@ -77,9 +77,9 @@ MLA_MERGE_ABSORB_MAX_ROWS = 1
 # the kernel before it, head_gemv's W_uk, runs under PDL (to HEAD_GEMV_MAX_ROWS rows), so the
 # prefetch overlaps that kernel's tail; past it cuBLAS's W_uk precedes and the programs start after
 # it, where the prefetch would only come before the loads it serves. Verify, two runs each in one
-# call: INT4 at 20-32 tokens 0.01-0.05 ms less than with the prefetch at every row (within the
-# runs' spread), bf16 at 20 tokens 0.03 less in both; INT4 at 3 tokens 0.023 less than without
-# the prefetch (BENCHMARKS.md, Verify sweep, Kept)
+# call: INT4 at 20-32 tokens 0.015-0.054 ms less on the mean than with the prefetch at every row
+# (within the runs' spread), bf16 at 20 tokens 0.03 less in both; INT4 at 3 tokens 0.023 less
+# than without the prefetch (BENCHMARKS.md, Verify sweep, Kept)
 MLA_PREFETCH_MAX_ROWS = HEAD_GEMV_MAX_ROWS
 
 
