@@ -423,20 +423,8 @@ class MLAParts(NamedTuple):
     kv_len: int
 
 
-def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_cache,
-                         pe_cache,
-                         softmax_scale, split_len=None, merge=True):
-    """MLA's decode-mode step after the projections, in two launches (the parts, the merge):
-    writes each new token's normalized latent and rotated rope key at slot = its position, as
-    model.MLA.write_cache does, and returns the absorbed attention of the rotated queries over
-    the slots <= their positions, o_lat [B, T, H, C] in q_lat's dtype. q_lat [B, T, H, C] (read
-    through its strides: the absorbed einsum's head-major output is not copied), q_pe [B, T, H, R]
-    (not rotated), kv [B, T, C] and k_pe [B, T, R] (kv_a's halves), norm_weight [C] with eps
-    (kv_a_layernorm), rope [B, T, R/2, 2] float32 (cos, sin) at the positions, positions int64 [B,
-    T] on the device, consecutive in a row, kv_cache [B, S, C] and pe_cache [B, S, R] (views of the
-    caches, strided over B and S; last dims contiguous, as for every input but q_lat). No
-    host read: S, not the positions, sets the launch. merge=False: one launch, and the parts
-    (MLAParts) come back unmerged, for mla_merge_absorb."""
+def _check_decode_inputs(q_lat, q_pe, kv, k_pe, rope, positions, kv_cache, pe_cache):
+    """mla_decode_attention's inputs, or a ValueError that names what does not fit."""
     B, T, H, C = q_lat.shape
     R, S = q_pe.shape[-1], kv_cache.shape[1]
     if (q_pe.shape[:3] != (B, T, H) or kv.shape != (B, T, C) or k_pe.shape != (B, T, R) or R % 2
@@ -458,6 +446,25 @@ def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, position
     for name, x in dict(q_pe=q_pe, kv=kv, k_pe=k_pe, kv_cache=kv_cache, pe_cache=pe_cache).items():
         if x.stride(-1) != 1:
             raise ValueError(f"mla_decode_attention: {name}'s last dim must be contiguous")
+
+
+def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_cache,
+                         pe_cache,
+                         softmax_scale, split_len=None, merge=True):
+    """MLA's decode-mode step after the projections, in two launches (the parts, the merge):
+    writes each new token's normalized latent and rotated rope key at slot = its position, as
+    model.MLA.write_cache does, and returns the absorbed attention of the rotated queries over
+    the slots <= their positions, o_lat [B, T, H, C] in q_lat's dtype. q_lat [B, T, H, C] (read
+    through its strides: the absorbed einsum's head-major output is not copied), q_pe [B, T, H, R]
+    (not rotated), kv [B, T, C] and k_pe [B, T, R] (kv_a's halves), norm_weight [C] with eps
+    (kv_a_layernorm), rope [B, T, R/2, 2] float32 (cos, sin) at the positions, positions int64 [B,
+    T] on the device, consecutive in a row, kv_cache [B, S, C] and pe_cache [B, S, R] (views of the
+    caches, strided over B and S; last dims contiguous, as for every input but q_lat). No
+    host read: S, not the positions, sets the launch. merge=False: one launch, and the parts
+    (MLAParts) come back unmerged, for mla_merge_absorb."""
+    B, T, H, C = q_lat.shape
+    R, S = q_pe.shape[-1], kv_cache.shape[1]
+    _check_decode_inputs(q_lat, q_pe, kv, k_pe, rope, positions, kv_cache, pe_cache)
     M = T * H
     q = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()   # read through its B, T, H strides
     qpe = q_pe.reshape(B, M, R)
