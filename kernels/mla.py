@@ -204,6 +204,30 @@ def _attend_cached(q, qpe, kvc_row, s_cs, pec_row, s_ps, lo, hi, scale_log2, C: 
 
 
 @_jit
+def _attend_new_tokens(q, qpe, pos, pos_row, s_post, kv_row, s_kvt, kpe_row, s_kpt, rope_row,
+                       s_rt, w_ptr, eps, T, kvc_row, s_cs, pec_row, s_ps, write,
+                       scale_log2, C: tl.constexpr, R: tl.constexpr, BLOCK_C: tl.constexpr,
+                       BLOCK_R2: tl.constexpr, BLOCK_T: tl.constexpr,
+                       DOT_PRECISION: tl.constexpr):
+    """Part 0 of _mla_decode_kernel: the query rows (q, qpe, their positions pos) against the
+    row's T new tokens, made in registers from kv and kpe (normalized, rotated); where write
+    (m-block 0), the new latents and rope keys also go to their slots in the caches. The _row
+    pointers are the batch row's. Returns the softmax state (m_i, l_i, acc)."""
+    offs_t = tl.arange(0, BLOCK_T)
+    t_ok = offs_t < T
+    pos_t = tl.load(pos_row + offs_t * s_post, mask=t_ok, other=0)               # their slots
+    kv_new, pe_new = _mla_new_latents(kv_row + offs_t * s_kvt, kpe_row + offs_t * s_kpt,
+                                      rope_row + offs_t * s_rt, w_ptr, eps, t_ok,
+                                      # [BLOCK_T, BLOCK_C], [BLOCK_T, 2 * BLOCK_R2]
+                                      C, R, BLOCK_C, BLOCK_R2)
+    if write:
+        _store_rows(kvc_row + pos_t * s_cs, kv_new, t_ok, C)
+        _store_rows(pec_row + pos_t * s_ps, pe_new, t_ok, R)
+    s = _mla_scores(q, qpe, kv_new, pe_new, scale_log2, DOT_PRECISION)      # [BLOCK_M, BLOCK_T]
+    return _softmax_new_tokens(s, pos, pos_t, t_ok, kv_new, DOT_PRECISION)
+
+
+@_jit
 def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr, kvc_ptr, pec_ptr,
                        po_ptr, lse_ptr,
                        T, H, M, kv_len, split_len, eps, scale_log2,
@@ -243,20 +267,12 @@ def _mla_decode_kernel(q_ptr, qpe_ptr, kv_ptr, kpe_ptr, w_ptr, rope_ptr, pos_ptr
     qpe = _rotated(qpe_ptr + b * s_qpb + offs_m * s_qpm, rope_ptr + b * s_rb + t_m * s_rt, row_ok,
                    R, BLOCK_R2).to(q.dtype)  # [BLOCK_M, 2 * BLOCK_R2]
     if part == 0:   # the new tokens, in registers
-        offs_t = tl.arange(0, BLOCK_T)
-        t_ok = offs_t < T
-        pos_t = tl.load(pos_ptr + b * s_posb + offs_t * s_post, mask=t_ok, other=0)  # their slots
         pos = tl.load(pos_ptr + b * s_posb + t_m * s_post, mask=row_ok, other=-1)  # [BLOCK_M]
-        kv_new, pe_new = _mla_new_latents(kv_ptr + b * s_kvb + offs_t * s_kvt,
-                                          kpe_ptr + b * s_kpb + offs_t * s_kpt,
-                                          rope_ptr + b * s_rb + offs_t * s_rt, w_ptr, eps, t_ok,
-                                          # [BLOCK_T, BLOCK_C], [BLOCK_T, 2 * BLOCK_R2]
-                                          C, R, BLOCK_C, BLOCK_R2)
-        if mb == 0:     # one block of query rows writes them to their slots
-            _store_rows(kvc_ptr + b * s_cb + pos_t * s_cs, kv_new, t_ok, C)
-            _store_rows(pec_ptr + b * s_pb + pos_t * s_ps, pe_new, t_ok, R)
-        s = _mla_scores(q, qpe, kv_new, pe_new, scale_log2, DOT_PRECISION)  # [BLOCK_M, BLOCK_T]
-        m_i, l_i, acc = _softmax_new_tokens(s, pos, pos_t, t_ok, kv_new, DOT_PRECISION)
+        m_i, l_i, acc = _attend_new_tokens(
+            q, qpe, pos, pos_ptr + b * s_posb, s_post, kv_ptr + b * s_kvb, s_kvt,
+            kpe_ptr + b * s_kpb, s_kpt, rope_ptr + b * s_rb, s_rt, w_ptr, eps, T,
+            kvc_ptr + b * s_cb, s_cs, pec_ptr + b * s_pb, s_ps, mb == 0, scale_log2,
+            C, R, BLOCK_C, BLOCK_R2, BLOCK_T, DOT_PRECISION)
         holds = part == 0
     else:           # cached slots [lo, hi): this split's, before the row's first new position
         lo = (part - 1) * split_len
