@@ -29,7 +29,9 @@ from .moe_gemv import (FORMATS, GEMV_MAX_PAIRS, SHARED_SPLIT, ExpertWeights, _ch
 # eager call.
 
 # pairs per tile: tl.dot's smallest M. With N <= a few hundred and 384 experts most experts get 1-4
-# tokens, so a larger tile would only add padding rows (python -m kernels.bench --moe --sweep dot)
+# tokens, so a larger tile would only add padding rows (python -m kernels.bench --moe --sweep dot).
+# INT4 tiles of 32 were slower even where 8 experts serve 32 tokens a layer (fewer programs, not
+# less dequantization: BENCHMARKS.md, Tried and not kept)
 BLOCK_M = 16
 # bf16 / fp32 tiles at a TP-8 rank's expert width (I 256): the token-expert pairs at which gate_up
 # takes 64 weight rows a program instead of 32, as ranges [first, last] (last None: no end). From
