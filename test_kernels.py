@@ -258,11 +258,13 @@ def test_fused_moe_int4_tiles_even_and_masked_blocks():
     tiles each)."""
     on_gpu = TRITON_DEVICE.type == "cuda"
     K = 8 if on_gpu else 2
-    # (BLOCK_N, BLOCK_K, warps, stages[, SPLIT]): I 96 a rank (12 words), so 64-row blocks mask
-    # rows of gate_up, and of down at D 96; gate_up in 2 parts of D (128 columns each at D 256, at
-    # D 96 one part masked and one empty) before the silu launch
-    configs = [dict(gate_up=(16, 128, 4, 1, 1), down=(32, 128, 4, 1)),
-               dict(gate_up=(64, 128, 4, 1, 2), down=(64, 256, 4, 1))]
+    # (BLOCK_N, BLOCK_K, warps, stages, gate_up's SPLIT or down's BLOCKS): I 96 a rank (12 words),
+    # so 64-row blocks mask rows of gate_up, and of down at D 96; gate_up in 2 parts of D (128
+    # columns each at D 256, at D 96 one part masked and one empty) before the silu launch; down
+    # making 3 row blocks a program in turn (at D 256 the third program's last block lies past D;
+    # at D 96 one program makes all three)
+    configs = [dict(gate_up=(16, 128, 4, 1, 1), down=(32, 128, 4, 1, 3)),
+               dict(gate_up=(64, 128, 4, 1, 2), down=(64, 256, 4, 1, 1))]
     cases = [(D, N, kind, cfg) for D in (256, 96) for N, kind in ((3, "random"), (20, "shared"))
              for cfg in configs]
     if not on_gpu:  # the interpreter: each D, routing and config once

@@ -55,6 +55,8 @@ ADAPTIVE_SHARE, ADAPTIVE_SCALE = 3, 4
 # rows and unused tiles written ALIGN_FILL a step (not swept). In a graph on the H200 (python -m
 # kernels.bench --align): 2.8-3.6 µs a call at 129 experts, 3.3-4.0 at 384, 4 to 32 tokens
 ALIGN_CHUNK, ALIGN_FILL = 32, 512
+# INT4 tiles: the row blocks of D a down program makes in turn (_moe_int4_down_kernel)
+INT4_DOWN_BLOCKS = 1
 # columns of D a combine program sums (not swept: the combine is a small share)
 COMBINE_BLOCK = 1024
 # elements of h a silu program makes, after a gate_up split over D (not swept: P * I elements, a
@@ -105,13 +107,15 @@ def _configs(fmt, P, I, on_gpu, dtype=torch.bfloat16):
        324: above 256 pairs uniform routing, the worst case, picks)."""
     # Triton's CPU interpreter runs programs one by one, ~0.1 ms an op: fewest, largest
     if not on_gpu:
+        if fmt == "int4":
+            return dict(gate_up=(64, 128, 4, 1, 1), down=(64, 128, 4, 1, 1))
         return dict(gate_up=(64, 128, 4, 1, 1), down=(64, 128, 4, 1))
     if fmt == "int4":
         if P <= 128:
-            return dict(gate_up=(64, 256, 4, 3, 7), down=(64, 128, 4, 2))
+            return dict(gate_up=(64, 256, 4, 3, 7), down=(64, 128, 4, 2, INT4_DOWN_BLOCKS))
         if P <= 256:
-            return dict(gate_up=(64, 256, 4, 3, 4), down=(128, 128, 8, 2))
-        return dict(gate_up=(64, 256, 4, 3, 1), down=(64, 128, 4, 2))
+            return dict(gate_up=(64, 256, 4, 3, 4), down=(128, 128, 8, 2, INT4_DOWN_BLOCKS))
+        return dict(gate_up=(64, 256, 4, 3, 1), down=(64, 128, 4, 2, INT4_DOWN_BLOCKS))
     wide = fmt == "plain" and I == PLAIN_WIDE_WIDTH and any(
         first <= P and (last is None or P <= last) for first, last in PLAIN_WIDE_PAIRS)
     rows = 64 if wide else 16 if P <= 16 else 32
@@ -476,9 +480,12 @@ def _moe_int4_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_
                           s_ptr, P, stride_we, stride_wn, stride_se, stride_sr, magic,
                           D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
                           BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
-                          EVEN: tl.constexpr, PACKED: tl.constexpr, PRECISION: tl.constexpr):
-    """_moe_down_kernel for INT4 weights (the section above): y[pair, d] for the BLOCK_N rows d of
-    program pid_n and the pairs of one tile, h read by pair. Grid: (cdiv(D, BLOCK_N), max_tiles)."""
+                          BLOCKS: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr,
+                          PRECISION: tl.constexpr):
+    """_moe_down_kernel for INT4 weights (the section above): y[pair, d] for BLOCKS row blocks of
+    BLOCK_N rows d (program pid_n's, in turn) and the pairs of one tile, h read by pair. The row
+    blocks and the steps of I run as one loop, so the next block's first words are in flight
+    while this block's last step is multiplied. Grid: (cdiv(D, BLOCK_N * BLOCKS), max_tiles)."""
     _wait_for_prior()
     pid_n, tile = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
@@ -486,16 +493,21 @@ def _moe_int4_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_
         return
     pair = tl.load(sorted_pair_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))[None, :]
     h_col = pair.to(tl.int64) * I
-    n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None]
-    w_rows, s_rows = w_ptr + e * stride_we + n * stride_wn, s_ptr + e * stride_se + n * stride_sr
+    route_w = tl.load(route_w_ptr + pair, mask=pair < P, other=0)
+    STEPS: tl.constexpr = (I + BLOCK_K - 1) // BLOCK_K
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
-    for k0 in range(0, I, BLOCK_K):
+    for j in range(0, BLOCKS * STEPS):
+        k0 = (j % STEPS) * BLOCK_K
+        n = ((pid_n * BLOCKS + j // STEPS) * BLOCK_N + tl.arange(0, BLOCK_N))[:, None]
         k = (k0 + tl.arange(0, BLOCK_K))[:, None]
         ht = tl.load(h_ptr + h_col + k, mask=(pair < P) & (k < I), other=0.0)   # [BLOCK_K, BM]
-        acc = tl.dot(_int4_block(w_rows, s_rows, n < D, k0, magic, I, GROUP, BLOCK_K, EVEN,
-                                 ht.dtype, PACKED), ht, acc, input_precision=PRECISION)
-    route_w = tl.load(route_w_ptr + pair, mask=pair < P, other=0)
-    tl.store(y_ptr + pair.to(tl.int64) * D + n, acc * route_w, mask=(pair < P) & (n < D))
+        acc = tl.dot(_int4_block(w_ptr + e * stride_we + n * stride_wn,
+                                 s_ptr + e * stride_se + n * stride_sr, n < D, k0, magic, I,
+                                 GROUP, BLOCK_K, EVEN, ht.dtype, PACKED), ht, acc,
+                     input_precision=PRECISION)
+        if j % STEPS == STEPS - 1:   # the row block's last step: store it, start the next
+            tl.store(y_ptr + pair.to(tl.int64) * D + n, acc * route_w, mask=(pair < P) & (n < D))
+            acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
 
 
 @_jit
@@ -728,7 +740,8 @@ def _silu_of_parts(part, h, use_tiles):
 def _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision):
     """The tile variant's INT4 launches: gate_up (split over D where cfg says, then the silu
     launch), down; configs: gate_up (BLOCK_N weight rows, BLOCK_K elements a step, num_warps,
-    num_stages, SPLIT), down (the same but SPLIT). BLOCK_K: a multiple of the group."""
+    num_stages, SPLIT), down (the same but SPLIT, then BLOCKS: the row blocks a program makes in
+    turn). BLOCK_K: a multiple of the group."""
     (D, I), P, max_tiles = (x.shape[1], gate.shape[1]), route_w.numel(), tiles[1].numel()
     strides = lambda w: (*w.data.stride()[:2], *w.scale.stride()[:2])   # noqa: E731
     for name, w in (("gate_up", gate), ("down", down)):
@@ -748,12 +761,12 @@ def _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision):
         SPLIT=split, EVEN=D % bk == 0 and I % bn == 0, PACKED=packed, PRECISION=precision,
         launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
     _silu_of_parts(part, h, tiles[2])
-    bn, bk, warps, stages = cfg["down"]
-    _moe_int4_down_kernel[(triton.cdiv(D, bn), max_tiles)](
+    bn, bk, warps, stages, blocks = cfg["down"]
+    _moe_int4_down_kernel[(triton.cdiv(D, bn * blocks), max_tiles)](
         h, y, *tiles[:2], route_w, down.data, down.scale, P, *strides(down), magic, D=D, I=I,
-        GROUP=down.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
-        EVEN=I % bk == 0 and D % bn == 0, PACKED=packed, PRECISION=precision, launch_pdl=common.PDL,
-        num_warps=warps, num_stages=stages)
+        GROUP=down.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk, BLOCKS=blocks,
+        EVEN=I % bk == 0 and D % (bn * blocks) == 0, PACKED=packed, PRECISION=precision,
+        launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
 
 
 def with_shared_slot(ids, weights, E):
