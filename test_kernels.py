@@ -250,7 +250,8 @@ def test_fused_moe_tiles_split_over_d(quant):
 def test_fused_moe_int4_tiles_even_and_masked_blocks():
     """The INT4 tile kernels (weights as the MMA's first operand) against the gather path: steps
     that divide the words a row (EVEN) and steps that do not, weight rows past I and D in the last
-    row block, gate_up whole and split over D, and an expert picked by more pairs than a tile holds
+    row block, gate_up whole and split over D, down's programs making 1 to 3 row blocks in turn
+    (masked or EVEN), and an expert picked by more pairs than a tile holds
     (20 tokens on the same K experts: two tiles each), in fp32 (and bf16 on a GPU: the weights
     rounded to bf16 once, as the plain module rounds them). D 256 (32 words a row), then D 96
     (12). K = 8 experts a token on the GPU; 2 on the CPU (the interpreter's time follows the
@@ -264,11 +265,13 @@ def test_fused_moe_int4_tiles_even_and_masked_blocks():
     # making 3 row blocks a program in turn (at D 256 the third program's last block lies past D;
     # at D 96 one program makes all three)
     configs = [dict(gate_up=(16, 128, 4, 1, 1), down=(32, 128, 4, 1, 3)),
-               dict(gate_up=(64, 128, 4, 1, 2), down=(64, 256, 4, 1, 1))]
+               dict(gate_up=(64, 128, 4, 1, 2), down=(64, 256, 4, 1, 1)),
+               dict(gate_up=(64, 128, 4, 1, 1), down=(32, 32, 4, 1, 2))]   # D 256: down EVEN
     cases = [(D, N, kind, cfg) for D in (256, 96) for N, kind in ((3, "random"), (20, "shared"))
              for cfg in configs]
     if not on_gpu:  # the interpreter: each D, routing and config once
-        cases = [cases[0], cases[-1], (256, 20, "shared", configs[1])]
+        cases = [cases[0], cases[-1], (256, 20, "shared", configs[1]), (256, 3, "random",
+                                                                      configs[2])]
     for D, N, kind, cfg in cases:
         args = tiny(n_routed_experts=16, num_experts_per_tok=8, hidden_size=D,
                     moe_intermediate_size=192, quantization_config="int4")

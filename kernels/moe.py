@@ -55,8 +55,6 @@ ADAPTIVE_SHARE, ADAPTIVE_SCALE = 3, 4
 # rows and unused tiles written ALIGN_FILL a step (not swept). In a graph on the H200 (python -m
 # kernels.bench --align): 2.8-3.6 µs a call at 129 experts, 3.3-4.0 at 384, 4 to 32 tokens
 ALIGN_CHUNK, ALIGN_FILL = 32, 512
-# INT4 tiles: the row blocks of D a down program makes in turn (_moe_int4_down_kernel)
-INT4_DOWN_BLOCKS = 1
 # columns of D a combine program sums (not swept: the combine is a small share)
 COMBINE_BLOCK = 1024
 # elements of h a silu program makes, after a gate_up split over D (not swept: P * I elements, a
@@ -104,7 +102,12 @@ def _configs(fmt, P, I, on_gpu, dtype=torch.bfloat16):
        439.3 with 128 rows of 256 in 1 stage and 390.7 with 64 rows of 128; 8 experts 80.7 against
        82.1 and 93.8; benchmarks/routing/kernels_int4_tiles_sweep_d939771.json; at 64 and 128
        tokens, uniform: 648 and 819 against 685 and 871; 32 experts: 228 and 332 against 214 and
-       324: above 256 pairs uniform routing, the worst case, picks)."""
+       324: above 256 pairs uniform routing, the worst case, picks);
+     - down's programs each making BLOCKS (the fifth entry) row blocks in turn: 2 up to 128
+       pairs, 4 up to 256, 1 above (not measured there). The layer in us with 1 / 2 / 4 blocks,
+       with 8 experts: 43.1 / 38.5 / 42.5 at 8 tokens, 54.6 / 40.8 / 45.3 at 16, 78.0 / 68.3 /
+       63.0 at 32; uniform: 140.2 / 138.6 / 141.7, 222.5 / 216.7 / 216.5, 444.3 / 426.7 / 424.1
+       (benchmarks/routing/kernels_int4_tiles_down_blocks_{1,2,4}.json)."""
     # Triton's CPU interpreter runs programs one by one, ~0.1 ms an op: fewest, largest
     if not on_gpu:
         if fmt == "int4":
@@ -112,10 +115,10 @@ def _configs(fmt, P, I, on_gpu, dtype=torch.bfloat16):
         return dict(gate_up=(64, 128, 4, 1, 1), down=(64, 128, 4, 1))
     if fmt == "int4":
         if P <= 128:
-            return dict(gate_up=(64, 256, 4, 3, 7), down=(64, 128, 4, 2, INT4_DOWN_BLOCKS))
+            return dict(gate_up=(64, 256, 4, 3, 7), down=(64, 128, 4, 2, 2))
         if P <= 256:
-            return dict(gate_up=(64, 256, 4, 3, 4), down=(128, 128, 8, 2, INT4_DOWN_BLOCKS))
-        return dict(gate_up=(64, 256, 4, 3, 1), down=(64, 128, 4, 2, INT4_DOWN_BLOCKS))
+            return dict(gate_up=(64, 256, 4, 3, 4), down=(128, 128, 8, 2, 4))
+        return dict(gate_up=(64, 256, 4, 3, 1), down=(64, 128, 4, 2, 1))
     wide = fmt == "plain" and I == PLAIN_WIDE_WIDTH and any(
         first <= P and (last is None or P <= last) for first, last in PLAIN_WIDE_PAIRS)
     rows = 64 if wide else 16 if P <= 16 else 32
@@ -344,9 +347,10 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
 # 1,8,16,32 --distinct 384,32,8; BENCHMARKS.md, Routing): 3.2x, 3.0x and 3.1x the floor at 8, 16
 # and 32 tokens under uniform routing, where the GEMV variant takes 1.6-1.8x (so it serves INT4 up
 # to 32 tokens); with 8 distinct experts 45, 57 and 82 us (floor 5.8; the align's two launches 6-7
-# us of it then, 3-4 since), where the GEMV takes 64, 119 and 231. The packed dequantization
-# gains past 32 tokens (gate_up 22-31% less time), where a program has many tokens' products to
-# feed.
+# us of it then, 3-4 since), where the GEMV takes 64, 119 and 231; since down's programs make
+# several row blocks each (_configs, BLOCKS) 3.1x, 2.9x, 2.9x and 38.5, 40.8, 63.0 us. The packed
+# dequantization gains past 32 tokens (gate_up 22-31% less time), where a program has many
+# tokens' products to feed.
 
 @_jit
 def _int4_block(w_rows, s_rows, rows_ok, k0, magic, K_IN: tl.constexpr, GROUP: tl.constexpr,
