@@ -270,8 +270,8 @@ def test_fused_moe_int4_tiles_even_and_masked_blocks():
     cases = [(D, N, kind, cfg) for D in (256, 96) for N, kind in ((3, "random"), (20, "shared"))
              for cfg in configs]
     if not on_gpu:  # the interpreter: each D, routing and config once
-        cases = [cases[0], cases[-1], (256, 20, "shared", configs[1]), (256, 3, "random",
-                                                                      configs[2])]
+        cases = [(256, 3, "random", configs[0]), (96, 20, "shared", configs[1]),
+                 (256, 20, "shared", configs[1]), (256, 3, "random", configs[2])]
     for D, N, kind, cfg in cases:
         args = tiny(n_routed_experts=16, num_experts_per_tok=8, hidden_size=D,
                     moe_intermediate_size=192, quantization_config="int4")
