@@ -86,6 +86,9 @@ ALLREDUCES = ("nccl", "one-shot")
 KERNELS = ("attention", "rope_cache", "router", "add_rmsnorm", "silu_mul", "shared_expert",
            "fused_proj", "norm_gemv")
 DRAFT_KERNELS = ("attention", "router", "add_rmsnorm", "silu_mul", "fused_proj")
+# the verify sweep's largest forward a user may ask for (--sweep-tokens: batch x tokens a row);
+# past it the model runs prefill's paths (the fused MoE's grouped GEMM for plain experts)
+SWEEP_MOST_TOKENS = 256
 
 
 class BadInput(ValueError):
@@ -177,6 +180,10 @@ def add_timing_flags(p):
     p.add_argument("--context-len", type=int, nargs="+", metavar="N", help="cached tokens before "
                    "the isolated phases and their component tables, one or more lengths (default: "
                    "--prompt-len)")
+    p.add_argument("--sweep-tokens", type=token_counts, metavar="T,T,...", help="the verify "
+                   "sweep's tokens a row, comma-separated; 1 to num_steps + 1 are timed always "
+                   "(the cost model's chains) (default: on a GPU 1 to 8, 10, 12 and every 4 to 32 "
+                   "while batch x T is at most 32; on a CPU 1 to 6)")
     p.add_argument("--skip-e2e", action="store_true", help="time the phases in isolation only: no "
                    "end-to-end loops (the cost model then takes the isolated decode step as the "
                    "plain step)")
@@ -191,6 +198,18 @@ def add_timing_flags(p):
                    "verify; NCCL above) (default %(default)s)")
     p.add_argument("--json", metavar="PATH", help="write every number of the run and its "
                    "environment as one JSON line to PATH ('-': to stdout, after the report)")
+
+
+def token_counts(text):
+    """--sweep-tokens' value: comma-separated token counts of 1 or more, sorted, each once."""
+    try:
+        counts = sorted({int(t) for t in text.split(",")})
+    except ValueError:
+        counts = []
+    if not counts or counts[0] < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: comma-separated token counts of 1 or more, "
+                                         "e.g. 1,4,16")
+    return counts
 
 
 def add_routing_flags(p):
@@ -320,9 +339,13 @@ def check_flags(args):
     if args.random_weights and (args.model_path or args.draft_path):
         raise BadInput("--random-weights replaces the trained tiny pair; with --model-path / "
                        "--draft-path the checkpoints are used: drop one")
-    if args.dump and (args.context_len or args.skip_e2e or args.compile):
-        raise BadInput("--context-len, --skip-e2e and --compile shape the timing run; --dump "
-                       "times nothing")
+    if args.dump and (args.context_len or args.skip_e2e or args.compile or args.sweep_tokens):
+        raise BadInput("--context-len, --skip-e2e, --compile and --sweep-tokens shape the timing "
+                       "run; --dump times nothing")
+    most = max(args.sweep_tokens or [1])
+    if args.batch_size * most > SWEEP_MOST_TOKENS:
+        raise BadInput(f"--sweep-tokens {most}: batch {args.batch_size} x {most} tokens a forward; "
+                       f"the sweep times verify-sized forwards, at most {SWEEP_MOST_TOKENS} tokens")
     if args.json not in (None, "-"):
         check_writable("--json", args.json)
     if args.dump:

@@ -86,7 +86,7 @@ RUN_PY_RUNS = {
     "one_shot": ("--allreduce", "one-shot"),
     "help": ("--help",),
     "distinct": ("--routing", "distinct", "--distinct-experts", "6", "--distinct-sweep",
-                 "--skip-e2e", "--reps", "1", "--json", "-"),
+                 "--skip-e2e", "--reps", "1", "--sweep-tokens", "6", "--json", "-"),
     "dump_cli": (*DUMP_FLAGS, "--dump", "{tmp}/cli.npz"),
     # refusals
     "dump_temperature": (*DUMP_FLAGS, "--dump", "{tmp}/x.npz", "--temperature", "0.7"),
@@ -337,6 +337,11 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
          "--dump /nonexistent/x.npz: cannot write there"),
         ("--dump x.npz --prompt-ids p --skip-e2e", "--dump times nothing"),
         ("--context-len 2", r"--context-len 2: the isolated verify re-reads 4 cached tokens"),
+        ("--sweep-tokens 0", "argument --sweep-tokens: '0': comma-separated token counts of 1"),
+        ("--sweep-tokens 2,x", "argument --sweep-tokens: '2,x': comma-separated token counts"),
+        ("--batch-size 4 --sweep-tokens 8,100",
+         "--sweep-tokens 100: batch 4 x 100 tokens a forward; .* at most 256 tokens"),
+        ("--dump x.npz --prompt-ids p --sweep-tokens 4", "--dump times nothing"),
     ]
     for flags, message in cases:
         with pytest.raises(run.BadInput, match=message):
@@ -602,7 +607,8 @@ def test_report_routed_sets_routed_experts_against_their_floor_across_routings(t
 
 def test_verify_sweep_points_and_the_cliff_check():
     """The sweep's tokens a row: on a GPU 1 to 8, 10, 12, then every 4 to 32 while the batch's
-    forward holds 32 tokens, on a CPU 1 to 6, and the cache holds them. The cliff check passes a
+    forward holds 32 tokens, on a CPU 1 to 6, or those of --sweep-tokens with the run's own chains
+    (1 to num_steps + 1), and the cache holds them. The cliff check passes a
     curve that adds 1.25x its floor's increment a token, names a planted cliff (and a gap of
     two tokens gets twice the slack, a batch of 2 twice again) within 100 columns, with the
     components whose profiled time grew most where the points have profiles, and is None without
@@ -616,6 +622,11 @@ def test_verify_sweep_points_and_the_cliff_check():
     short = timing.cache_slots(cfg)
     cfg.verify_sweep_tokens = timing.sweep_tokens(True, 1)
     assert timing.cache_slots(cfg) == short + 32 - 6
+    asked = _settled("--random-weights --context-len 40 --sweep-tokens 12,5,12 "
+                     "--speculative-num-steps 2")
+    assert asked.verify_sweep_tokens == [1, 2, 3, 5, 12]
+    assert timing.cache_slots(asked) == timing.cache_slots(
+        _settled("--random-weights --context-len 40 --speculative-num-steps 2")) + 12 - 6
     T = report.Timing
     tokens = timing.sweep_tokens(True, 1)
 
@@ -1571,13 +1582,16 @@ def test_run_py_distinct_routing_and_its_sweep_end_to_end(run_py_runs):
     """--routing distinct D: every timed verify reaches D experts a MoE layer, the decode step
     top-k, labelled SIMULATED; --distinct-sweep times the verify at D = 4, 6, 8, 12, 16 (top 4 of
     16, 4 tokens), each counted as it ran, its lines within 100 columns; a --dump-routing file
-    replays in --routing trace, labelled TRACE."""
+    replays in --routing trace, labelled TRACE. Its verify sweep (--sweep-tokens 6) times 6 tokens
+    and the chains of num_steps 1 to 3, whose cycles the cost model prices."""
     cli, dumped = (run_py_runs[0][name] for name in ("distinct", "dump_routing"))
     trace = run_py_runs[1] / "d.npz"   # dump_routing's: prompts [10, 20, 30, 40, 50], [7, 8, 9]
     assert cli.returncode == 0, cli.stderr[-2000:]
     r = json.loads(cli.stdout.splitlines()[-1])
     assert r["env"]["routing"] == "distinct" and r["env"]["simulated_routing"] is True
     assert r["env"]["distinct_experts_asked"] == 6
+    assert list(r["verify_sweep_ms"]) == ["1", "2", "3", "4", "6"] and \
+        sorted(r["cost_model"]["steps"]) == ["1", "2", "3"]
     assert r["contexts"]["16"]["distinct_experts"] == {"decode_step": 4, "verify/prefill": 6,
                                                        "verify/decode": 6}
     s = r["routing_sweep"]

@@ -60,8 +60,11 @@ def settle_defaults(cfg, gpu):
     cfg.routing = cfg.routing or ("model" if cfg.model_path or cfg.trained_pair or cfg.dump
                                   else "uniform")
     cfg.context_len = cfg.context_len or [cfg.prompt_len]
-    # a dump times nothing: the CPU's short sweep sizes its cache (cache_slots)
-    cfg.verify_sweep_tokens = sweep_tokens(gpu and not cfg.dump, cfg.batch_size)
+    # a dump times nothing: the CPU's short sweep sizes its cache (cache_slots). Asked-for tokens
+    # (--sweep-tokens) keep the run's own chains, 1 to num_steps + 1, which the cost model needs
+    cfg.verify_sweep_tokens = (
+        sorted({*cfg.sweep_tokens, *range(1, cfg.speculative_num_steps + 2)}) if cfg.sweep_tokens
+        else sweep_tokens(gpu and not cfg.dump, cfg.batch_size))
     if cfg.kernels is None:  # the fast twins where they run (each tested equal to its plain twin)
         fast = gpu and cfg.dtype in ("bfloat16", "float16", "float32") and kernels.HAVE_TRITON
         cfg.kernels = "all" if fast else "none"
