@@ -50,9 +50,9 @@ DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4, 1), (32, 128, 4, 4, 1), (16, 128, 4, 5
                           (16, 128, 4, 4, 7), (32, 128, 4, 4, 2), (32, 128, 4, 4, 4),
                           (32, 128, 4, 4, 7), (64, 128, 4, 4, 4), (64, 128, 4, 4, 7)],
                  down=[(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (64, 256, 8, 3)])
-# INT4's tiles (moe._configs): gate_up (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT), down the
-# same with BLOCKS (row blocks a program makes in turn) for SPLIT. Steps of
-# 128 and 64 elements hold fewer registers a thread: gate_up's sm_90 build at Kimi-K2's shapes
+# INT4's tiles (moe._int4_configs): gate_up (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT),
+# down the same with BLOCKS (row blocks a program makes in turn) for SPLIT. Steps of 128 and 64
+# elements hold fewer registers a thread: gate_up's sm_90 build at Kimi-K2's shapes
 # (Triton 3.7.1, compiled on a CPU) takes 254 at 64 rows of 256, 168 of 128, 128 of 64, so an SM
 # holds 2, 3 or 4 of its 4-warp programs
 INT4_DOT_SWEEP = dict(gate_up=[(64, 256, 4, 3, 7), (64, 256, 4, 3, 4), (64, 256, 4, 3, 2),

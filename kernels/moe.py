@@ -86,8 +86,24 @@ def _configs(fmt, P, I, on_gpu, dtype=torch.bfloat16):
        at 8 and 16; TP 4 at 24 and 32 tokens: within 1.3% uniform, 16% less with 8 experts).
        Sweeps at I 256 and 512: benchmarks/routing/kernels_fp8_tiles_split_sweep_moe.json,
        kernels_fp8_tp4_tiles_moe.json.
-    INT4 (its own kernels, the section above _int4_block; BLOCK_N counts weight rows; gate_up's
-    fifth entry is SPLIT, the parts of D): from a sweep at 8 and 32 tokens, uniform routing and 8
+    INT4: _int4_configs."""
+    if fmt == "int4":
+        return _int4_configs(P, on_gpu)
+    # Triton's CPU interpreter runs programs one by one, ~0.1 ms an op: fewest, largest
+    if not on_gpu:
+        return dict(gate_up=(64, 128, 4, 1, 1), down=(64, 128, 4, 1))
+    wide = fmt == "plain" and I == PLAIN_WIDE_WIDTH and any(
+        first <= P and (last is None or P <= last) for first, last in PLAIN_WIDE_PAIRS)
+    rows = 64 if wide else 16 if P <= 16 else 32
+    split = next((parts for most, parts in TILE_SPLIT.get(fmt, ()) if P <= most), 1)
+    wide_down = fmt == "fp8" and dtype != torch.float32
+    return dict(gate_up=(rows, 128, 4, 4, split), down=(128 if wide_down else 64, 128, 4, 3))
+
+
+def _int4_configs(P, on_gpu):
+    """_configs for INT4 (its own kernels, the section above _int4_block): gate_up (BLOCK_N weight
+    rows, BLOCK_K, num_warps, num_stages, SPLIT: the parts of D), down (the same, then BLOCKS: the
+    row blocks a program makes in turn). From a sweep at 8 and 32 tokens, uniform routing and 8
     distinct experts, the configs of least summed time over best time of the two routings (H200,
     the layer's us in benchmarks/routing/kernels_int4_dot_sweep_52350b9.json):
      - gate_up 64 rows of 256 elements in 3 stages (64 rows: sm_90's wgmma shape; with 32 and 16
@@ -108,23 +124,13 @@ def _configs(fmt, P, I, on_gpu, dtype=torch.bfloat16):
        with 8 experts: 43.1 / 38.5 / 42.5 at 8 tokens, 54.6 / 40.8 / 45.3 at 16, 78.0 / 68.3 /
        63.0 at 32; uniform: 140.2 / 138.6 / 141.7, 222.5 / 216.7 / 216.5, 444.3 / 426.7 / 424.1
        (benchmarks/routing/kernels_int4_tiles_down_blocks_{1,2,4}.json)."""
-    # Triton's CPU interpreter runs programs one by one, ~0.1 ms an op: fewest, largest
-    if not on_gpu:
-        if fmt == "int4":
-            return dict(gate_up=(64, 128, 4, 1, 1), down=(64, 128, 4, 1, 1))
-        return dict(gate_up=(64, 128, 4, 1, 1), down=(64, 128, 4, 1))
-    if fmt == "int4":
-        if P <= 128:
-            return dict(gate_up=(64, 256, 4, 3, 7), down=(64, 128, 4, 2, 2))
-        if P <= 256:
-            return dict(gate_up=(64, 256, 4, 3, 4), down=(128, 128, 8, 2, 4))
-        return dict(gate_up=(64, 256, 4, 3, 1), down=(64, 128, 4, 2, 1))
-    wide = fmt == "plain" and I == PLAIN_WIDE_WIDTH and any(
-        first <= P and (last is None or P <= last) for first, last in PLAIN_WIDE_PAIRS)
-    rows = 64 if wide else 16 if P <= 16 else 32
-    split = next((parts for most, parts in TILE_SPLIT.get(fmt, ()) if P <= most), 1)
-    wide_down = fmt == "fp8" and dtype != torch.float32
-    return dict(gate_up=(rows, 128, 4, 4, split), down=(128 if wide_down else 64, 128, 4, 3))
+    if not on_gpu:   # the interpreter: fewest, largest
+        return dict(gate_up=(64, 128, 4, 1, 1), down=(64, 128, 4, 1, 1))
+    if P <= 128:
+        return dict(gate_up=(64, 256, 4, 3, 7), down=(64, 128, 4, 2, 2))
+    if P <= 256:
+        return dict(gate_up=(64, 256, 4, 3, 4), down=(128, 128, 8, 2, 4))
+    return dict(gate_up=(64, 256, 4, 3, 1), down=(64, 128, 4, 2, 1))
 
 
 @_jit
@@ -348,8 +354,8 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
 # and 32 tokens under uniform routing, where the GEMV variant takes 1.6-1.8x (so it serves INT4 up
 # to 32 tokens); with 8 distinct experts 45, 57 and 82 us (floor 5.8; the align's two launches 6-7
 # us of it then, 3-4 since), where the GEMV takes 64, 119 and 231; since down's programs make
-# several row blocks each (_configs, BLOCKS) 3.1x, 2.9x, 2.9x and 38.5, 40.8, 63.0 us. The packed
-# dequantization gains past 32 tokens (gate_up 22-31% less time), where a program has many
+# several row blocks each (_int4_configs, BLOCKS) 3.1x, 2.9x, 2.9x and 38.5, 40.8, 63.0 us. The
+# packed dequantization gains past 32 tokens (gate_up 22-31% less time), where a program has many
 # tokens' products to feed.
 
 @_jit
