@@ -612,6 +612,21 @@ def _gate_up_products(gw, gs, uw, us, v, start, magic, W: tl.constexpr, BLOCK_W:
 
 
 @_jit
+def _store_int4_h(h_ptr, route_w_ptr, p, n, n_ok, acc_g, acc_u, I: tl.constexpr,
+                  PACKED: tl.constexpr):
+    """Pair p's h = silu(g) * u * its routing weight at rows n, from the step sums acc_g, acc_u
+    [len(n), BW], in the order down reads: plane order (fp32) or pair-plane order (PACKED, bf16),
+    as _moe_gemv_int4_gate_up_kernel says."""
+    g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
+    h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + p)
+    if PACKED:
+        tl.store(h_ptr + p.to(tl.int64) * I + 2 * ((n % 4) * (I // 8) + n // 8) + n % 8 // 4,
+                 h.to(tl.bfloat16), mask=n_ok)
+    else:
+        tl.store(h_ptr + p.to(tl.int64) * I + (n % 8) * (I // 8) + n // 8, h, mask=n_ok)
+
+
+@_jit
 def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr,
                                   stride_we, stride_wn, stride_se, stride_sr, magic, x_ptr,
                                   part_ptr, hs_ptr,
@@ -669,13 +684,7 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
         acc_g += pg
         acc_u += pu
         gw, gs, uw, us = gw1, gs1, uw1, us1
-    g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
-    h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + p)
-    if PACKED:
-        tl.store(h_ptr + p.to(tl.int64) * I + 2 * ((n % 4) * (I // 8) + n // 8) + n % 8 // 4,
-                 h.to(tl.bfloat16), mask=n_ok)
-    else:
-        tl.store(h_ptr + p.to(tl.int64) * I + (n % 8) * (I // 8) + n // 8, h, mask=n_ok)
+    _store_int4_h(h_ptr, route_w_ptr, p, n, n_ok, acc_g, acc_u, I, PACKED)
 
 
 @_jit
