@@ -112,10 +112,7 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
         per_expert = sum(_expert_bytes(w) for w in layers[0])
         for N, pool in [(N, pool) for N in tokens for pool in distinct or (E,)]:
             x = torch.randn(N, D, device=dev, dtype=torch.bfloat16, generator=g)
-            chosen = torch.randperm(E, device=dev, generator=g)[:pool]
-            ids = torch.stack([chosen[torch.randperm(pool, device=dev, generator=g)[:K]]
-                               for _ in range(N)])
-            route_w = torch.rand(N, K, device=dev, generator=g)
+            ids, route_w = _simulated_routing(N, K, E, pool, g)
             floor_ms = ids.unique().numel() * per_expert / bandwidth / 1e6
             print(f"{fmt} N={N}: experts from {pool} of {E}, {ids.unique().numel()} distinct")
             first = len(rows)
@@ -143,6 +140,16 @@ def benchmark_moe(sweep=(), variants=("dot", "gemv"), D=7168, I=256, E=384, K=8,
                 gemv_max_tokens=GEMV_MAX_TOKENS, device=torch.cuda.get_device_name(),
                 torch=torch.__version__,
                 triton=triton.__version__)
+
+
+def _simulated_routing(N, K, E, pool, g):
+    """SIMULATED routing of N tokens: each token's K experts drawn without repeats from one random
+    pool of `pool` of the E experts (pool E: uniform over all), and random routing weights in
+    [0, 1); ids [N, K], route_w [N, K] on g's device."""
+    chosen = torch.randperm(E, device=g.device, generator=g)[:pool]
+    ids = torch.stack([chosen[torch.randperm(pool, device=g.device, generator=g)[:K]]
+                       for _ in range(N)])
+    return ids, torch.rand(N, K, device=g.device, generator=g)
 
 
 def _time_shared(fmt, N, layers, inputs, floor_ms, bandwidth, LAYERS, D, I, g, points):
