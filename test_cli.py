@@ -5,6 +5,7 @@ hour of a new user. run.py runs in a subprocess through testing.run_py, as a use
 import contextlib
 import dataclasses
 import json
+import math
 import os
 import re
 import shutil
@@ -724,6 +725,27 @@ def test_train_py_refusal_and_ctrl_c_as_a_user_meets_them(tmp_path):
     last = err.strip().splitlines()[-1]
     assert last == "train.py: interrupted; nothing finished, new removed", err
     assert not (tmp_path / "new").exists(), os.listdir(tmp_path)
+
+
+@pytest.mark.slow
+def test_train_py_quick_and_the_router_probe_train_to_the_end(tmp_path):
+    """train.py --quick and routing.py probe --quick as a user runs them (at once, one thread each):
+    both train with gradients through the KV caches that forward writes in place, step after step,
+    and finish (exit status 0, no traceback). train.py saves the pair and measures it: the target's
+    loss below a uniform guess over its 256 byte tokens, speculative output equal to plain greedy.
+    The probe writes its trace and its report."""
+    runs = [subprocess.Popen([sys.executable, os.path.join(HERE, script), *argv], cwd=tmp_path,
+                             env=CPU_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+            for script, argv in (("train.py", ["--quick", "--out", "pair"]),
+                                 ("routing.py", ["probe", "--quick", "--out", "probe"]))]
+    for run in runs:
+        out, err = run.communicate(timeout=300)
+        assert run.returncode == 0 and "Traceback" not in err, (run.args, err[-2000:])
+    recipe = json.loads((tmp_path / "pair" / "recipe.json").read_text())
+    assert (tmp_path / "pair" / "target" / "model.safetensors").is_file()
+    assert (tmp_path / "pair" / "eagle3").is_dir()
+    assert recipe["target_final_loss"] < math.log(256) and recipe["speculative_equals_plain"]
+    assert {"probe_trace.npz", "probe.json", "probe.md"} <= set(os.listdir(tmp_path / "probe"))
 
 
 # ---------------------------------------------------------------------------------------------

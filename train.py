@@ -185,12 +185,21 @@ def trainable(module):
     return params
 
 
-def detach_caches(module):
-    """forward writes its static KV caches in place; under autograd they would carry the last
-    step's graph into the next one. Cut it."""
-    for name, buf in module.named_buffers():
-        if name.endswith("_cache"):
-            buf.detach_()
+def detach_caches(target):
+    """forward writes the KV caches in place; under autograd they would carry one step's graph into
+    the next. Cut it: each layer's caches detached in place. At first they are views of the
+    Transformer's stacked caches, and autograd refuses a write into one view of a base after a
+    write into another view taken before it (the second layer's): so the first call gives each
+    layer caches of its own. Training moves no cache slots, which is what the stacked caches (then
+    unused) are for."""
+    for layer in target.layers:
+        attn = layer.self_attn
+        for name in ("kv_cache", "pe_cache"):
+            cache = getattr(attn, name)
+            if cache._base is not None:
+                setattr(attn, name, cache.detach().clone())
+            else:
+                cache.detach_()
 
 
 def fit(params, cfg, loss_fn, desc, before_step=lambda: None):
