@@ -26,6 +26,7 @@ replay past the L2; achieved GB/s against the copy bandwidth measured in the sam
         run.py's captured phases with programmatic dependent launch off and on, in one process.
 """
 import math
+import os
 from functools import partial
 from types import SimpleNamespace
 
@@ -596,7 +597,7 @@ def _step_kernels(fn):
 
 
 def bench_draft(out=None, contexts=(256, 32768), k=3):
-    from run import draft_bytes
+    from components import draft_bytes
     from verify import kv_bucket
     bw = copy_bandwidth_GBps()
     variants = ("none", "add_rmsnorm+silu_mul+fused_proj", "all")
@@ -658,6 +659,7 @@ def _bench_draft_attention(bw, S=32768, G=8, HD=128):
 def _parser():
     import argparse
     p = argparse.ArgumentParser(
+        prog="python -m kernels.bench",
         description="Each Triton kernel against its plain twin and its floor, on a GPU.")
     p.add_argument("--json", metavar="PATH",
                    help="write the results: PATH with _moe / _attention before .json")
@@ -670,7 +672,7 @@ def _parser():
                    help="time the small kernels and norm_gemv only (no MoE, no attention); with "
                         "--sweep, norm_gemv's block configurations")
     p.add_argument("--formats", default="plain,fp8,int4",
-                   help="fused MoE weight formats, comma-separated")
+                   help="fused MoE weight formats, comma-separated (default plain,fp8,int4)")
     p.add_argument("--tokens", default=None,
                    help="fused MoE token counts, comma-separated (default 1,2,3,4,8,32); with "
                         "--small the rows of each small kernel and GEMV (default 1,4); with "
@@ -688,7 +690,7 @@ def _parser():
     p.add_argument("--variants", default="dot,gemv",
                    help="fused MoE variants to time in this run, comma-separated: "
                         "dot (tl.dot tiles), gemv, adaptive (the tiles or the GEMV, chosen on "
-                        "the device from the routing)")
+                        "the device from the routing); default dot,gemv")
     p.add_argument("--pdl", nargs=argparse.REMAINDER, metavar="RUN.PY FLAGS",
                    help="time run.py's captured phases with programmatic dependent launch off "
                         "and on, in one process (the flags after it build run.py's model; last "
@@ -727,9 +729,17 @@ def _save(path, result):
             json.dump(result, f)
 
 
+def _with_part(path, part):
+    """--json's PATH for one part of the run: x.json -> x_moe.json (x -> x_moe.json)."""
+    root, ext = os.path.splitext(path)
+    return f"{root}_{part}{ext or '.json'}"
+
+
 def main():
     p = _parser()
     a = p.parse_args()
+    if not torch.cuda.is_available():
+        p.error("times the kernels on a CUDA GPU, and this machine has none")
     if a.pdl is not None:
         _save(a.json, benchmark_pdl(a.pdl))
         return
@@ -766,12 +776,12 @@ def main():
         p.error(f"--tp {a.tp}: one of 1, 2, 4, 8 (Kimi-K2's expert width 2048 split evenly)")
     if any(not 8 <= n <= 384 for n in pools):
         p.error(f"--distinct {a.distinct!r}: pool sizes from K = 8 to E = 384")
-    _save(a.json and a.json.replace(".json", "_moe.json"),
+    _save(a.json and _with_part(a.json, "moe"),
           benchmark_moe(sweep=sweep, variants=variants, tokens=tokens, formats=formats,
                         I=2048 // a.tp, shared=a.shared, distinct=pools or None,
                         sweep_tokens=tokens if a.tokens else (1, 3, 4)))
     if not a.moe:
-        benchmark_attention(a.json.replace(".json", "_attention.json") if a.json else None)
+        benchmark_attention(a.json and _with_part(a.json, "attention"))
 
 
 if __name__ == "__main__":
