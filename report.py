@@ -1084,12 +1084,11 @@ if __name__ == "__main__":
     args = p.parse_args()
     if args.command == "sweep-plot":
         sys.exit(sweep_plot(args.json, args.out))
-    makers = {"routed": routed, "phases": phases, "sweep": sweep}
-    if args.command in makers:
-        try:
-            print("\n".join(makers[args.command](args.json)))
-        except (OSError, ValueError) as err:
-            print(f"report.py {args.command}: {err}", file=sys.stderr)
-            sys.exit(2)
-        sys.exit(0)
-    print("\n".join(tables(args.json)))
+    makers = {"routed": routed, "phases": phases, "sweep": sweep, "tables": tables}
+    try:
+        print("\n".join(makers[args.command](args.json)))
+    except (OSError, ValueError, KeyError, TypeError) as err:
+        why = err if isinstance(err, (OSError, ValueError)) else (
+            f"not a run.py --json file of this kind (no {err})")
+        print(f"report.py {args.command}: {why}", file=sys.stderr)
+        sys.exit(2)

@@ -299,7 +299,12 @@ def read_sglang(paths, n_experts, top_k):
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     passes, lengths = [], []
     for path in paths:
-        dump = torch.load(path, map_location="cpu", weights_only=True)
+        try:
+            dump = torch.load(path, map_location="cpu", weights_only=True)
+        except OSError:
+            raise
+        except Exception as e:   # foreign bytes fail in the unpickler in many ways
+            raise ValueError(f"{path}: not a file torch.load reads ({type(e).__name__})") from None
         if not isinstance(dump, dict) or "records" not in dump:
             raise ValueError(f"{path}: not an SGLang expert-distribution dump in per_token mode "
                              "(no 'records'; stat mode keeps only counts)")
@@ -664,12 +669,17 @@ def probe_markdown(r):
 def curve_main(argv):
     p = argparse.ArgumentParser(prog="routing.py curve", description="Distinct experts a layer of "
                                 "T consecutive tokens of a routing trace, against uniform's.")
-    p.add_argument("trace")
-    p.add_argument("--max-T", type=int, default=16)
+    p.add_argument("trace", help="a routing trace (.npz: run.py --dump --dump-routing, "
+                   "routing.py convert-sglang or probe)")
+    p.add_argument("--max-T", type=int, default=16, help="the longest run of consecutive tokens "
+                   "(default %(default)s)")
     a = p.parse_args(argv)
-    with np.load(a.trace) as f:
-        E, K = int(f["n_experts"]), int(f["top_k"])
-    t = read_trace(a.trace, E, K)
+    try:
+        with np.load(a.trace) as f:
+            E, K = int(f["n_experts"]), int(f["top_k"])
+        t = read_trace(a.trace, E, K)
+    except (OSError, KeyError, ValueError) as e:
+        p.error(f"{a.trace}: not a routing trace ({e})")
     print(f"{a.trace}: {t.ids.shape[0]} layers, {t.ids.shape[1]} tokens, top-{K} of {E}; {t.note}")
     for T, v in distinct_curve(t.ids, E, a.max_T, t.sequence_lengths).items():
         print(f"T {T:2d}: {v:6.1f} distinct (uniform {uniform_distinct(E, K, T):6.1f})")
@@ -679,11 +689,15 @@ def convert_main(argv):
     p = argparse.ArgumentParser(prog="routing.py convert-sglang", description="SGLang "
                                 "expert-distribution dumps (per_token mode) -> a routing trace.")
     p.add_argument("dumps", nargs="+", help="expert_distribution_recorder_*.pt, read in order")
-    p.add_argument("--out", required=True)
-    p.add_argument("--n-experts", type=int, default=384)
-    p.add_argument("--top-k", type=int, default=8)
+    p.add_argument("--out", required=True, help="the routing trace to write (.npz)")
+    p.add_argument("--n-experts", type=int, default=384, help="the model's routed experts "
+                   "(default %(default)s)")
+    p.add_argument("--top-k", type=int, default=8, help="experts a token (default %(default)s)")
     a = p.parse_args(argv)
-    t = read_sglang(a.dumps, a.n_experts, a.top_k)
+    try:
+        t = read_sglang(a.dumps, a.n_experts, a.top_k)
+    except (OSError, ValueError) as e:
+        p.error(str(e))
     save_trace(a.out, t.ids, a.n_experts, a.top_k, note=t.note)
     print(f"{a.out}: {t.ids.shape[0]} layers, {t.ids.shape[1]} tokens ({t.note})")
 
@@ -761,9 +775,12 @@ COMMANDS = dict(probe=probe_main, curve=curve_main, plot=plot_main,
 def main(argv=None):
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
-        print(__doc__.split("\n\n")[0] + "\n\nusage: python routing.py {"
-              + ",".join(COMMANDS) + "} [--help]")
-        return 0 if argv[:1] in ([], ["-h"], ["--help"]) else 2
+        usage = "usage: python routing.py {" + ",".join(COMMANDS) + "} [--help]"
+        if argv[:1] in ([], ["-h"], ["--help"]):
+            print(__doc__.split("\n\n")[0] + "\n\n" + usage)
+            return 0
+        print(f"{usage}\nrouting.py: error: unknown command {argv[0]!r}", file=sys.stderr)
+        return 2
     return COMMANDS[argv[0]](argv[1:])
 
 

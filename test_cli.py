@@ -531,7 +531,7 @@ def test_report_phases_and_sweep_make_the_benchmarks_tables(tmp_path):
     (each table a block of the file as it stands: the tables and their JSON cannot drift apart);
     the sweep's cliff list counts what each file's sweep_cliffs holds. A CPU run's file (no
     floors, no component table) and a file that is no run.py --json are refused by name, exit
-    status 2."""
+    status 2; `report.py tables` refuses a missing file and another JSON in one line."""
     bench = open(os.path.join(HERE, "BENCHMARKS.md")).read()
     paths = [os.path.join(HERE, "benchmarks", f"{name}.json") for name in HEADLINE_JSON]
     for path in paths:
@@ -564,6 +564,12 @@ def test_report_phases_and_sweep_make_the_benchmarks_tables(tmp_path):
                                  capture_output=True, text=True, timeout=120)
             assert out.returncode == 2 and f"report.py {command}: {path}: {reason}" in out.stderr, \
                 (command, out.stderr)
+    (tmp_path / "other.json").write_text("{}\n")
+    for name, reason in (("none.json", "No such file"), ("other.json", "not a run.py --json file")):
+        out = subprocess.run([sys.executable, "report.py", "tables", str(tmp_path / name)],
+                             cwd=HERE, capture_output=True, text=True, timeout=120)
+        err = out.stderr.strip().splitlines()
+        assert out.returncode == 2 and len(err) == 1 and reason in err[0], (name, out.stderr)
 
 
 def test_report_routed_sets_routed_experts_against_their_floor_across_routings(tmp_path):

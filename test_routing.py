@@ -456,3 +456,26 @@ def test_the_figure_draws_from_a_sweep_or_says_in_one_line_what_it_needs(tmp_pat
         (tmp_path / "bad.json").write_text("{}\n")
         assert routing.main(["plot", str(tmp_path / "bad.json"), "--out", str(out)]) == 2
         assert "no routing_sweep" in capsys.readouterr().err
+
+
+def test_routing_py_refuses_a_missing_or_foreign_file_and_an_unknown_command_in_one_line(
+        tmp_path, capsys):
+    """curve on a missing file or on a file that is no trace, convert-sglang on a missing file or
+    on bytes torch.load cannot read, and an unknown command: one line naming the problem, exit
+    status 2, no traceback."""
+    (tmp_path / "junk.pt").write_bytes(b"junk")
+    (tmp_path / "run.json").write_text("{}\n")
+    for argv, words in ((["curve", str(tmp_path / "none.npz")], "not a routing trace"),
+                        (["curve", str(tmp_path / "run.json")], "not a routing trace"),
+                        (["convert-sglang", str(tmp_path / "none.pt"), "--out",
+                          str(tmp_path / "t.npz")], "No such file"),
+                        (["convert-sglang", str(tmp_path / "junk.pt"), "--out",
+                          str(tmp_path / "t.npz")], "not a file torch.load reads"),
+                        (["bogus"], "unknown command 'bogus'")):
+        try:
+            status = routing.main(argv)
+        except SystemExit as e:
+            status = e.code
+        err = capsys.readouterr().err.strip().splitlines()
+        assert status == 2 and words in err[-1] and "error:" in err[-1], (argv, err)
+    assert not (tmp_path / "t.npz").exists()
