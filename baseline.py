@@ -469,7 +469,8 @@ def dump_main(cfg, target, head, how):
                   record_routing=cfg.dump_routing)
     if target.tp.rank == 0:  # np.savez on a file, not a name: a name would gain ".npz"
         write_whole(cfg.dump, lambda f: np.savez(f, meta=np.array(json.dumps(meta)), **arrays))
-        shapes = ", ".join(f"{k} {list(v.shape)}" for k, v in arrays.items())
+        shapes = ", ".join(f"{k} {list(v.shape)}" if np.ndim(v) else f"{k} {v.item()}"
+                           for k, v in arrays.items())   # scalars (n_experts, top_k) by value
         print(fill(f"wrote {cfg.dump}: {shapes}"), flush=True)
         if head is not None:
             print(fill("accepted counts the tokens each cycle kept minus the target's bonus token "

@@ -633,8 +633,8 @@ def verdict(r):
 
 
 LOW_ACCEPT = {  # why a draft accepts almost nothing, by where the weights came from (run.py's env)
-    "random": "as random weights do (on a CPU the default without --random-weights is a trained "
-              "tiny pair)",
+    "random": "as random weights do (the trained tiny pair runs only as the tiny preset with "
+              "none of --random-weights, --quant, --routed-experts, --simulate-tp)",
     "checkpoints": "with checkpoints loaded, on the timing run's prompts of random ids, where a "
               "trained head has little to predict (its acceptance on real prompts: --dump with "
               "--prompt-ids)",

@@ -159,15 +159,16 @@ def add_run_flags(p):
     p.add_argument("--moe-impl", choices=["auto", "gather", "grouped", "fused"], default="auto",
                    help="routed experts: gathered weights (plain), torch._grouped_mm, or the "
                    "fused Triton kernel (kernels/' swaps, put in by kernels.accelerate; fused: "
-                   "grouped above 256 tokens for unquantized experts) (auto: fused on a GPU with "
-                   "Triton, else grouped; CPU: gather)")
+                   "grouped above 256 tokens for unquantized experts); auto: on a GPU fused with "
+                   "Triton, else grouped where torch._grouped_mm runs, else gather; on a CPU "
+                   "gather")
     p.add_argument("--kernels", help="fast twins swapped in for model.py's plain modules "
                    "(kernels.accelerate: Triton kernels, and fused_proj: stacked-weight GEMMs): "
                    "'all', 'none' or a comma list of "
-                   + ",".join(KERNELS)
+                   + ", ".join(KERNELS)
                    + " (default: all on a CUDA GPU with Triton and a bf16/fp16/fp32 model, else "
                    "none); the draft head takes those of "
-                   + ",".join(DRAFT_KERNELS) + " (kernels.accelerate_draft)")
+                   + ", ".join(DRAFT_KERNELS) + " (kernels.accelerate_draft)")
 
 
 def add_timing_flags(p):
