@@ -30,6 +30,7 @@ T (run.py's settled `verify_sweep_tokens`: 1 to 6 on a CPU; on a GPU 1 to 8, 10,
 """
 import dataclasses
 import json
+import os
 import statistics
 import sys
 import textwrap
@@ -957,6 +958,9 @@ def routed(paths):
 
     Returns the table's lines; a file that is not a GPU run's raises ValueError naming it."""
     runs = [_routed_points(path) for path in paths]
+    labels = [label for label, _ in runs]
+    runs = [(f"{label} ({os.path.basename(path)})" if labels.count(label) > 1 else label, points)
+            for path, (label, points) in zip(paths, runs)]   # two runs alike: by their files
     head = ["tokens"] + [f"{label}: {col}" for label, _ in runs
                          for col in ("verify ms", "routed experts ms (x floor), experts")]
     if len(runs) > 1:
