@@ -596,8 +596,9 @@ def noise_warning(noisy, load, cores):
     if long_:
         busy = load is not None and cores and load > cores
         why = (f"the machine was busy (load average {load:.1f} on {cores} cores)" if busy else
-               f"not a busy machine (load average {load:.1f} on {cores} cores): another process, "
-               "the CPU's clock, or memory" if load is not None else "other work on the machine")
+               f"load average {load:.1f} on {cores} cores, no more tasks than cores: a burst of "
+               "another process, the CPU's clock, memory, or waits between ranks"
+               if load is not None else "other work on the machine")
         parts.append(f"longer ones: {names(long_)}: {why}")
     return (f"{len(noisy)} timing(s) vary by more than {NOISY_IQR:.0%} of their median between "
             "repetitions (interquartile range; marked noisy): "
