@@ -7,6 +7,7 @@ CPU tests use the tiny preset (milliseconds a forward) and spawn gloo ranks for 
 `gpu` skip on a machine without CUDA, saying so (conftest.py); run them on the GPU before calling
 graph work done: `python -m pytest -q -m gpu` there.
 """
+import contextlib
 import json
 import os
 import shutil
@@ -138,19 +139,39 @@ def test_aux_states_are_the_chosen_layer_outputs():
         Transformer(tiny(), 1, 8, aux_layer_ids=[0, 2])
 
 
+@contextlib.contextmanager
+def hugging_face_kernels():
+    """transformers imports a package named kernels of its own (Hugging Face's), now and lazily
+    later, which this repository's kernels/ shadows where the repository is on the path: inside
+    this block that path and our kernels modules are set aside; after it, ours are back."""
+    here = os.path.dirname(os.path.abspath(__file__))
+    ours = {n: m for n, m in sys.modules.items() if n == "kernels" or n.startswith("kernels.")}
+    path = list(sys.path)
+    try:
+        for n in ours:
+            del sys.modules[n]
+        sys.path[:] = [p for p in path if os.path.abspath(p or ".") != here]
+        yield
+    finally:
+        sys.path[:] = path
+        for n in [n for n in sys.modules if n == "kernels" or n.startswith("kernels.")]:
+            del sys.modules[n]
+        sys.modules.update(ours)
+
+
 @pytest.mark.skipif(not __import__("importlib").util.find_spec("transformers"),
                     reason="transformers is not installed (pip install transformers to compare "
                            "with HF)")
 def test_matches_hf_transformers(tiny_ckpt):
     """Same weights, same logits as transformers' DeepseekV3ForCausalLM (float32: its grouped
     experts take no float64)."""
-    from transformers import DeepseekV3ForCausalLM
     ckpt, _ = tiny_ckpt
     ours = load_target(ckpt, max_batch_size=2, max_seq_len=32, dtype=torch.float32)
-    hf = DeepseekV3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
     tokens = torch.randint(0, ours.args.vocab_size, (2, 24),
                            generator=torch.Generator().manual_seed(8))
-    with torch.no_grad():
+    with hugging_face_kernels(), torch.no_grad():
+        from transformers import DeepseekV3ForCausalLM
+        hf = DeepseekV3ForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
         ref = hf(tokens).logits
     got = ours(tokens, torch.arange(24).expand(2, 24)).logits
     assert_close(got, ref, 2e-5, "ours vs HF DeepseekV3")
