@@ -1248,11 +1248,12 @@ def test_chunked_prefill_equals_one_pass(B):
     assert_close(aux, whole_aux, 1e-10, "chunked prefill EAGLE-3 states")
     again = [t[:B] for layer in target.layers
              for t in (layer.self_attn.kv_cache, layer.self_attn.pe_cache)]
-    assert all(torch.allclose(a, b, atol=1e-12)
+    assert all(torch.allclose(a, b, rtol=0, atol=1e-12)
                for a, b in zip(again, caches)), "cache differs after chunks"
     f2, g2 = prefill_draft(head, tokens, aux, last, chunk=5)
-    assert torch.equal(f2, first) and torch.allclose(g2, g, atol=1e-10), "chunked draft extend"
-    assert all(torch.allclose(t[:B], c, atol=1e-12) for t, c in
+    assert torch.equal(f2, first) and torch.allclose(g2, g, rtol=0, atol=1e-10), \
+        "chunked draft extend"
+    assert all(torch.allclose(t[:B], c, rtol=0, atol=1e-12) for t, c in
                zip((attn.k_cache, attn.v_cache), head_caches)), "head cache differs after chunks"
 
 

@@ -994,7 +994,9 @@ def test_mla_decode_kernel_refuses_bad_input():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_cache_kernel_equals_twin(shape, dtype):
     """RoPE + latent norm + cache writes against MLA's plain lines (model.apply_rope, RMSNorm,
-    index writes) on strided views as MLA has them; slots not written stay as they were."""
+    index writes): q_pe, kv and k_pe strided views as MLA splits them, the caches whole as MLA
+    passes its own, a row more than the batch (a max batch above it); every slot not written,
+    that spare row's too, stays as it was."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
@@ -1383,11 +1385,11 @@ def test_gpu_prefetch_changes_no_result(monkeypatch):
 @pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_head_gemv_kernel_equals_twin(dtype):
-    """kernels.head_gemv against the absorbed einsums of model.MLA.attend_absorbed, on views of one
-    kv_b_proj weight as the model takes them (W_uk transposed: its K strided; W_uv: row-strided),
-    the query a strided split of q: 1 to 4 and 16 rows, tiny (at 16 rows W_uv's K of 100 takes two
-    steps, the last partial) and (GPU) Kimi-K2 TP-8 heads; at 3 and 16 rows also in groups of 2
-    rows, a program a group."""
+    """kernels.head_gemv against model.MLA's absorbed products (absorb_query, absorb_output), on
+    views of one kv_b_proj weight as the model takes them (W_uk transposed: its K strided; W_uv:
+    row-strided), the query a strided split of q: 1 to 4 and 16 rows, tiny (at 16 rows W_uv's K of
+    100 takes two steps, the last partial) and (GPU) Kimi-K2 TP-8 heads; at 3 and 16 rows also in
+    groups of 2 rows, a program a group."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
@@ -1398,8 +1400,8 @@ def test_head_gemv_kernel_equals_twin(dtype):
         w_uk, w_uv = kv_b.split([d, d], 1)                                     # [H, d, C]
         for B, T in ((1, 1), (1, 2), (1, 3), (1, 4), (4, 4)):
             q_nope = torch.randn(B, T, H, d + R, generator=g).to(device, dtype)[..., :d]
-            ref = torch.einsum("bthd,hdc->bthc", q_nope, w_uk)
-            want = torch.einsum("bthc,hdc->bthd", ref, w_uv)
+            ref = model.MLA.absorb_query(None, q_nope, w_uk)
+            want = model.MLA.absorb_output(None, ref, w_uv)
             for group_rows in (None, 2) if B * T in (3, 16) else (None,):
                 what = f"H={H} B={B} T={T} {dtype} group_rows={group_rows}"
                 q_lat = kernels.head_gemv(q_nope, w_uk.transpose(1, 2), group_rows=group_rows)
@@ -1412,7 +1414,6 @@ def test_head_gemv_kernel_equals_twin(dtype):
                              f"head_gemv W_uv {what}")
 
 
-@pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_head_bmm_equals_absorb_output_row_major(dtype):
     """kernels.gemv.head_bmm (NormGemvMLA's W_uv past HEAD_GEMV_MAX_ROWS) against
@@ -1584,15 +1585,15 @@ def randomized(module, seed):
 
 
 def mla_calls(args, device):
-    """MLA inputs: a 9-token extend over an empty cache, then 3 tokens at each row's own position,
-    then one token of both rows (2 rows) and one of row 0 alone (1 row: a decode step's GEMV
-    paths)."""
+    """MLA inputs: a 9-token extend over an empty cache, then 3 tokens at each row's own position
+    (row 1 two behind row 0: it rewrites two of its slots, as after a rejected draft), then one
+    token of both rows (2 rows) and one of row 0 alone (1 row: a decode step's GEMV paths)."""
     g = torch.Generator().manual_seed(31)
     rope = torch.stack(model.rope_tables(args.qk_rope_head_dim, 10000.0, None, 32, device), -1)
     calls = []
-    for B, start, T in ((2, 0, 9), (2, 9, 3), (2, 12, 1), (1, 13, 1)):
+    for B, start, T, behind in ((2, 0, 9, 0), (2, 9, 3, 2), (2, 12, 1, 2), (1, 13, 1, 0)):
         x = torch.randn(B, T, args.hidden_size, generator=g).to(device)
-        pos = (start + torch.arange(T)).expand(B, T).contiguous().to(device)
+        pos = (start + torch.arange(T) - torch.tensor([0, behind])[:B, None]).to(device)
         future = torch.arange(16, device=device) > pos.unsqueeze(-1)
         calls.append((x, pos, rope[pos], future))
     return calls
@@ -1838,14 +1839,17 @@ def test_fused_proj_equals_plain_on_one_copy_of_the_weights(tiny_ckpt, tmp_path)
     assert_close(run_steps(moved), run_steps(m), 1e-6, "fused_proj after .to() and back")
     for r in (0, 1):
         tp = TP.simulate(2, r)
-        got = run_steps(fused_proj_target(ckpt, dtype=torch.float64, tp=tp))
-        assert_close(got, run_steps(load_target(ckpt, 3, 32, dtype=torch.float64, tp=tp)), 1e-12,
+        rank, rank_plain = (fused_proj_target(ckpt, dtype=torch.float64, tp=tp),
+                            load_target(ckpt, 3, 32, dtype=torch.float64, tp=tp))
+        assert_same_state(rank, rank_plain)
+        assert_close(run_steps(rank), run_steps(rank_plain), 1e-12,
                      f"fused_proj vs plain, simulated rank {r} of TP 2")
     for make in (fp8_checkpoint, int4_checkpoint):
         quant, plain = make(str(tmp_path / make.__name__))
-        got = run_steps(fused_proj_target(quant, dtype=torch.float32))
-        assert_close(got, run_steps(load_target(plain, 3, 32, dtype=torch.float32)), 1e-5,
-                     f"fused_proj on {make.__name__} vs the dequantized checkpoint, plain")
+        got = fused_proj_target(quant, dtype=torch.float32)
+        assert_same_state(got, load_target(quant, 3, 32, dtype=torch.float32))
+        assert_close(run_steps(got), run_steps(load_target(plain, 3, 32, dtype=torch.float32)),
+                     1e-5, f"fused_proj on {make.__name__} vs the dequantized checkpoint, plain")
 
 
 @pytest.mark.triton
@@ -1926,10 +1930,11 @@ def test_quantized_experts_take_the_shared_expert_in_their_launch(quant, names, 
     g = torch.Generator().manual_seed(7)
     width = kernels.expert_weights(moe.experts.gate_proj).shape[1]
     n = kernels.gemv_max_tokens(quant, width) + 1  # past the GEMV rule: the plain sum
-    tokens = torch.randint(0, args.vocab_size, (1, n), generator=g).to(TRITON_DEVICE)
-    positions = torch.arange(n, device=TRITON_DEVICE)[None]
-    step, step_pos = tokens[:, :2].expand(2, 2) % args.vocab_size, torch.full((2, 1), n,
-                                                                              device=TRITON_DEVICE)
+    # two rows of their own: a prefill past the GEMV rule, then a step of a fresh token each
+    tokens = torch.randint(0, args.vocab_size, (2, n), generator=g).to(TRITON_DEVICE)
+    positions = torch.arange(n, device=TRITON_DEVICE).expand(2, n)
+    step = torch.randint(0, args.vocab_size, (2, 1), generator=g).to(TRITON_DEVICE)
+    step_pos = torch.full((2, 1), n, device=TRITON_DEVICE)
     for what, t, p in (("prefill", tokens, positions), ("step of 2 tokens", step[:, :1], step_pos),
                        ("step of 1 token", step[:1, :1], step_pos[:1])):
         assert_close(folded(t, p).logits, plain(t, p).logits, 1e-5,
@@ -2000,8 +2005,10 @@ def test_quantized_shared_expert_in_the_launch_replays_without_host_sync(quant):
 def test_fused_proj_with_the_shared_expert_in_the_launch():
     """"shared_expert" and "fused_proj" together: the folded shared expert is not stacked (its gate
     and up rows live in the [E + 1] tensors) and runs unstacked where it still runs on its own
-    (past the fused kernel's token limit, here lowered to 4); the attention pair and the dense MLP
-    are stacked. Logits equal the plain model's with the fused launch and without."""
+    (past the fused kernel's token limit, here lowered to 4, where torch._grouped_mm runs: the
+    CPU; CUDA has none for float32, so there the fused launch serves every count and the second
+    check repeats the first); the attention pair and the dense MLP are stacked. Logits equal the
+    plain model's with the fused launch and without."""
     args = tiny(num_hidden_layers=3)
     kw = dict(max_batch_size=2, max_seq_len=32, device=TRITON_DEVICE, dtype=torch.float32)
     plain = init_random(Transformer(args, **kw), 4)
@@ -2019,9 +2026,12 @@ def test_fused_proj_with_the_shared_expert_in_the_launch():
     want = plain(tokens, positions).logits
     assert_close(both(tokens, positions).logits, want, 1e-5,
                  "shared expert in the launch + fused_proj")
+    alone = kernels.grouped_mm_available(TRITON_DEVICE, torch.float32)
     for layer in both.layers[1:]:
         # 12 tokens: the grouped path and the shared MLP alone
         layer.mlp.experts.FUSED_MAX_TOKENS = 4
+        x = torch.zeros(12, args.hidden_size, device=TRITON_DEVICE)
+        assert layer.mlp.paths(x) == ((False, False) if alone else (True, True))
     assert_close(both(tokens, positions).logits, want, 1e-5,
                  "folded shared expert run alone + fused_proj")
 
@@ -2359,8 +2369,10 @@ def test_tree_verify_with_kernels_equals_plain():
     tree = random_tree(2, 7, 256, torch.Generator().manual_seed(5))
     tokens, parents, depths = (t.to(dev) for t in (tree.tokens, tree.parents, tree.depths))
     prefix = torch.arange(9, device=dev).expand(2, 9)
+    ids = torch.randint(0, plain.args.vocab_size, (2, 9),
+                        generator=torch.Generator().manual_seed(6)).to(dev)
     for m in (plain, fast):
-        m(prefix + 1, prefix)
+        m(ids, prefix)                                             # a prefix of its own a row
     kw = dict(kv_len=16, slots=9 + torch.arange(7, device=dev).expand(2, 7),
               visible=tree_visible(parents, torch.full((2,), 9, device=dev), 16))
     a = plain(tokens, 9 + depths, "decode", **kw).logits
