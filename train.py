@@ -11,9 +11,12 @@ on a CPU.
     python train.py --out checkpoints/tiny-stdlib --overwrite-committed   # remake the committed
                                                                           # pair
 
-Training runs on one CPU thread (--threads): the sums' order then does not depend on the machine,
-and the default remakes the committed pair tensor for tensor on the Python and torch that
-recipe.json names. More threads train faster and make a different pair, as good.
+Training runs on one CPU thread (--threads): the sums' order then does not depend on the thread
+count. It still depends on the CPU: torch's CPU kernels pick their vector width by it
+(torch.backends.cpu.get_cpu_capability(), in recipe.json), and another width sums in another
+order, so the default remakes the committed pair tensor for tensor only on the Python and torch
+that recipe.json names and a CPU like the one that made it; elsewhere it makes a different pair,
+as good. More threads train faster and make a different pair too.
 
 The data is every machine's own: bytes (vocabulary 256, the `tiny` preset's) of the Python
 standard library's source files, TRAIN_FILES for training and HELDOUT_FILES for held-out prompts
@@ -477,7 +480,9 @@ def train(args, saved):
     target, head = load_pair(max_batch_size=16, folder=out)
     numbers = measure(target, head, **eval_kw)
     recipe = dict(python=platform.python_version(), torch=torch.__version__,
-                  machine=platform.machine(), cpu_threads=torch.get_num_threads(),
+                  machine=platform.machine(),
+                  cpu_capability=torch.backends.cpu.get_cpu_capability(),
+                  cpu_threads=torch.get_num_threads(),
                   date=time.strftime("%Y-%m-%d", time.gmtime()), train_files=TRAIN_FILES,
                   heldout_files=HELDOUT_FILES, train_bytes=len(data),
                   train_sha256=hashlib.sha256(data.numpy().tobytes()).hexdigest(), seq_len=SEQ_LEN,

@@ -522,8 +522,9 @@ def generate(target, draft, prompts, *, max_new_tokens=32, num_steps=3, attentio
              num_draft_tokens=None, probe=NO_PROBE):
     """Speculative decoding with `draft` (an Eagle3Draft, or any object with its `extend` and
     `chain`: the tests plant one, run eager), or plain decoding when draft is None. Prefill runs
-    eager; with use_graphs the decode step, the verify step and the head's extend and chain
-    replay CUDA graphs (`graphs`, a CudaGraphs, if given); attention_mode: "extend" or "decode".
+    eager; with use_graphs the decode step, the verify step, the head's extend and chain, and a
+    greedy, unsimulated accept (accept_chain, accept_tree) replay CUDA graphs (`graphs`, a
+    CudaGraphs, if given); attention_mode: "extend" or "decode".
     topk K (any K >= 1): a tree (tree_cycle) of num_steps levels and num_draft_tokens nodes,
     the root included (default num_steps + 1), instead of the chain.
     eos_id: an id or a list of ids that end a row (default: the checkpoint's EOS ids; -1: none).

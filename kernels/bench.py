@@ -24,6 +24,9 @@ replay past the L2; achieved GB/s against the copy bandwidth measured in the sam
         token and at 384 experts and 8 a token, with and without the adaptive variant's share.
     python -m kernels.bench [--json OUT] --pdl [RUN.PY FLAGS]
         run.py's captured phases with programmatic dependent launch off and on, in one process.
+    python -m kernels.bench --mla-blocks [--json OUT]
+        the MLA decode kernel at blocks of up to 32 and 16 query rows.
+On a machine without CUDA it refuses in one line.
 """
 import math
 import os
