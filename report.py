@@ -514,14 +514,15 @@ def timing_warnings(r):
     out = []
     noisy = [(name, t) for name, t in named_timings(as_json(r)) if t.noisy]
     if noisy:
-        out.append(noise_warning(noisy, r.env.load_average, r.env.cpu_count))
+        out.append(noise_warning(noisy, r.env.load_average, r.env.cpu_count, r.env.world_size))
     env = r.env
     if env.device == "cpu" and env.world_size > 1:
         out.append(f"{env.world_size} CPU ranks share this machine's cores, and each waits in "
                    "gloo's all-reduce for the others, so that wait counts as all-reduce time: "
                    "figures here contradict each other (an all-reduce longer than a forward, a "
                    "verify cheaper than a decode step, phases that outlast their cycle). Under "
-                   "torchrun a CPU checks that TP runs and agrees; time on GPUs")
+                   "torchrun a CPU shows that TP runs (the tests hold TP 2 equal to TP 1); time "
+                   "on GPUs")
     cycles = [(int(s), c.cycle_ms) for s, c in r.cost_model.steps.items()]
     shorter = [f"num_steps {s2} {c2:.2f} ms < num_steps {s1} {c1:.2f} ms"
                for (s1, c1), (s2, c2) in zip(cycles, cycles[1:]) if c2 < c1]
@@ -581,9 +582,9 @@ def profile_warnings(r):
 SHORT_MS = 1.0  # a phase under this is short: the clock's and the scheduler's jitter weigh on it
 
 
-def noise_warning(noisy, load, cores):
+def noise_warning(noisy, load, cores, ranks=1):
     """Which noisy timings are short phases, and whether the machine was busy (load average above
-    its cores) while the rest were timed; noisy: [(name, Timing)]."""
+    its cores) while the rest were timed; noisy: [(name, Timing)]; ranks: the run's processes."""
     short = [n for n, t in noisy if t < SHORT_MS]
     long_ = [n for n, t in noisy if t >= SHORT_MS]
 
@@ -597,7 +598,8 @@ def noise_warning(noisy, load, cores):
         busy = load is not None and cores and load > cores
         why = (f"the machine was busy (load average {load:.1f} on {cores} cores)" if busy else
                f"load average {load:.1f} on {cores} cores, no more tasks than cores: a burst of "
-               "another process, the CPU's clock, memory, or waits between ranks"
+               "another process, the CPU's clock, memory"
+               + (", or waits between ranks" if ranks > 1 else "")
                if load is not None else "other work on the machine")
         parts.append(f"longer ones: {names(long_)}: {why}")
     return (f"{len(noisy)} timing(s) vary by more than {NOISY_IQR:.0%} of their median between "
@@ -773,10 +775,16 @@ def tables(paths):
         done
         python report.py tables benchmarks/shapes/batch{1,2,4}_{bf16,fp8,int4}.json
 
-    Returns the table's lines."""
+    Returns the table's lines; a file that is no run.py --json raises ValueError naming it."""
     lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
     for path in paths:
-        lines.append("| " + " | ".join(table_row(read_run(path), path)) + " |")
+        try:
+            r = read_run(path)
+        except ValueError as e:
+            raise ValueError(f"{path}: not a run.py --json file ({e!r})") from None
+        if not isinstance(r, dict) or not {"env", "phases_ms", "cost_model"} <= r.keys():
+            raise ValueError(f"{path}: not a run.py --json file (no env, phases_ms, cost_model)")
+        lines.append("| " + " | ".join(table_row(r, path)) + " |")
     return lines
 
 
@@ -1092,8 +1100,6 @@ if __name__ == "__main__":
     makers = {"routed": routed, "phases": phases, "sweep": sweep, "tables": tables}
     try:
         print("\n".join(makers[args.command](args.json)))
-    except (OSError, ValueError, KeyError, TypeError) as err:
-        why = err if isinstance(err, (OSError, ValueError)) else (
-            f"not a run.py --json file of this kind (no {err})")
-        print(f"report.py {args.command}: {why}", file=sys.stderr)
+    except (OSError, ValueError) as err:
+        print(f"report.py {args.command}: {err}", file=sys.stderr)
         sys.exit(2)

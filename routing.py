@@ -56,6 +56,7 @@ import json
 import os
 import sys
 import time
+import zipfile
 
 import numpy as np
 import torch
@@ -304,7 +305,9 @@ def read_sglang(paths, n_experts, top_k):
         except OSError:
             raise
         except Exception as e:   # foreign bytes fail in the unpickler in many ways
-            raise ValueError(f"{path}: not a file torch.load reads ({type(e).__name__})") from None
+            why = (str(e).strip().splitlines() or [""])[0][:100]
+            raise ValueError(f"{path}: torch.load cannot read it ({type(e).__name__}: {why})") \
+                from None
         if not isinstance(dump, dict) or "records" not in dump:
             raise ValueError(f"{path}: not an SGLang expert-distribution dump in per_token mode "
                              "(no 'records'; stat mode keeps only counts)")
@@ -675,11 +678,14 @@ def curve_main(argv):
                    "(default %(default)s)")
     a = p.parse_args(argv)
     try:
-        with np.load(a.trace) as f:
+        f = np.load(a.trace)
+        if not isinstance(f, np.lib.npyio.NpzFile):
+            raise ValueError("an .npy array, not an .npz archive")
+        with f:
             E, K = int(f["n_experts"]), int(f["top_k"])
         t = read_trace(a.trace, E, K)
-    except (OSError, KeyError, ValueError) as e:
-        p.error(f"{a.trace}: not a routing trace ({e})")
+    except (OSError, KeyError, ValueError, TypeError, EOFError, zipfile.BadZipFile) as e:
+        p.error(f"{a.trace}: not a routing trace ({type(e).__name__}: {e})")
     print(f"{a.trace}: {t.ids.shape[0]} layers, {t.ids.shape[1]} tokens, top-{K} of {E}; {t.note}")
     for T, v in distinct_curve(t.ids, E, a.max_T, t.sequence_lengths).items():
         print(f"T {T:2d}: {v:6.1f} distinct (uniform {uniform_distinct(E, K, T):6.1f})")

@@ -250,7 +250,8 @@ def test_phase_timer_accounts_for_every_cycle():
 def test_report_warns_about_noise_and_figures_that_cannot_be():
     """timing_warnings and the verdict on made-up results: a spread past NOISY_IQR is flagged, a
     break-even outside [1, num_steps + 1], an isolated step far from the same step in the loop,
-    and verify cheaper with more tokens are named; the verdict says what random weights measure."""
+    and verify cheaper with more tokens are named (a noisy long phase by the machine's load, ranks'
+    waits only with ranks); the verdict says what random weights measure."""
     T = report.Timing
     steady, noisy = T([10.0, 10.1, 10.2, 10.3]), T([5.0, 10.0, 20.0, 40.0])
     assert steady.spread() == pytest.approx([10.0, 10.075, 10.15, 10.225,
@@ -289,6 +290,12 @@ def test_report_warns_about_noise_and_figures_that_cannot_be():
     assert "with checkpoints loaded, on the timing run's prompts of random ids" in \
         " ".join(report.verdict(r))
     assert report.spreads(r)["phases_ms"]["decode_step/eager"] == noisy.spread()
+    # a long noisy phase on a machine no busier than its cores: ranks' waits named only with ranks
+    long_noisy = [("verify/eager", noisy)]
+    assert "waits between ranks" not in report.noise_warning(long_noisy, 1.0, 2)
+    assert "waits between ranks" in report.noise_warning(long_noisy, 2.0, 2, ranks=2)
+    assert "the machine was busy (load average 3.0 on 2 cores)" in \
+        report.noise_warning(long_noisy, 3.0, 2)
 
 
 def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
@@ -577,8 +584,9 @@ def test_report_routed_sets_routed_experts_against_their_floor_across_routings(t
     (one expert in every MoE layer: routed_experts_GB / n_routed_experts over the bandwidth), a
     column group per file and the last file's x floor over the first's; written here by hand: 1 GB
     of 100 experts at 1000 GB/s is 0.01 ms an expert. A file written before n_routed_experts takes
-    its preset's count. A CPU run (no bandwidth or components) and a file that is not JSON are
-    refused by name, with exit status 2 on the command line."""
+    its preset's count. Two runs alike (format and routing) are told apart by their files. A CPU
+    run (no bandwidth or components) and a file that is not JSON are refused by name, with exit
+    status 2 on the command line."""
     def run_json(name, routing, points, E=100, preset=None):
         sweep = {str(T): dict(verify=v, distinct_experts=d, floor_ms=1.0,
                               components=dict(routed_experts=ms))
@@ -596,6 +604,10 @@ def test_report_routed_sets_routed_experts_against_their_floor_across_routings(t
     lines = report.routed([uniform, model])
     assert lines[0].startswith("| tokens | INT4 uniform: verify ms") and len(lines) == 4, lines
     assert lines[3] == "| 2 | 3.000 | 0.320 (2.00x), 16.0 | 3.100 | 0.300 (3.00x), 10.0 | 1.50 |"
+    # two runs of one format and routing (a variant against another): labelled by their files
+    other = run_json("m2.json", "model", {1: (2.2, 0.15, 8)})
+    assert report.routed([model, other])[0].startswith(
+        "| tokens | INT4 model (m.json): verify ms"), report.routed([model, other])[0]
     # preset kimi-k2: 384 experts, so 1 GB over them gives 2.604 us an expert
     old = run_json("old.json", "uniform", {1: (2.0, 0.16, 8)}, E=None, preset="kimi-k2")
     assert report.routed([old])[2] == "| 1 | 2.000 | 0.160 (7.68x), 8.0 |"
@@ -610,6 +622,21 @@ def test_report_routed_sets_routed_experts_against_their_floor_across_routings(t
         out = subprocess.run([sys.executable, "report.py", "routed", uniform, path], cwd=HERE,
                              capture_output=True, text=True)
         assert out.returncode == 2 and f"{path}: {why}" in out.stderr, out.stderr
+
+
+def test_kernel_bench_refuses_a_machine_without_cuda_and_names_its_json_parts():
+    """`python -m kernels.bench` without CUDA (here CUDA hidden, as on a CPU machine): its usage and
+    one error line, exit status 2, no traceback; --json PATH gives each part of a run its file,
+    with or without .json."""
+    out = subprocess.run([sys.executable, "-m", "kernels.bench", "--moe"], cwd=HERE, env=CPU_ENV,
+                         capture_output=True, text=True, timeout=120)
+    err = out.stderr.strip().splitlines()
+    assert out.returncode == 2 and "Traceback" not in out.stderr, out.stderr
+    assert err[-1] == ("python -m kernels.bench: error: times the kernels on a CUDA GPU, and this "
+                       "machine has none"), err
+    from kernels.bench import _with_part
+    assert _with_part("out/k.json", "moe") == "out/k_moe.json"
+    assert _with_part("out/k", "attention") == "out/k_attention.json"
 
 
 def test_verify_sweep_points_and_the_cliff_check():
@@ -744,9 +771,13 @@ def test_train_py_quick_and_the_router_probe_train_to_the_end(tmp_path):
                              env=CPU_ENV, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
             for script, argv in (("train.py", ["--quick", "--out", "pair"]),
                                  ("routing.py", ["probe", "--quick", "--out", "probe"]))]
-    for run in runs:
-        out, err = run.communicate(timeout=300)
-        assert run.returncode == 0 and "Traceback" not in err, (run.args, err[-2000:])
+    try:
+        for run in runs:
+            out, err = run.communicate(timeout=300)
+            assert run.returncode == 0 and "Traceback" not in err, (run.args, err[-2000:])
+    finally:
+        for run in runs:
+            run.kill()                          # a no-op on one that ended
     recipe = json.loads((tmp_path / "pair" / "recipe.json").read_text())
     assert (tmp_path / "pair" / "target" / "model.safetensors").is_file()
     assert (tmp_path / "pair" / "eagle3").is_dir()

@@ -1414,6 +1414,7 @@ def test_head_gemv_kernel_equals_twin(dtype):
                              f"head_gemv W_uv {what}")
 
 
+@pytest.mark.triton
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_head_bmm_equals_absorb_output_row_major(dtype):
     """kernels.gemv.head_bmm (NormGemvMLA's W_uv past HEAD_GEMV_MAX_ROWS) against
@@ -2028,7 +2029,7 @@ def test_fused_proj_with_the_shared_expert_in_the_launch():
                  "shared expert in the launch + fused_proj")
     alone = kernels.grouped_mm_available(TRITON_DEVICE, torch.float32)
     for layer in both.layers[1:]:
-        # 12 tokens: the grouped path and the shared MLP alone
+        # 12 tokens: where torch._grouped_mm runs, the grouped path and the shared MLP alone
         layer.mlp.experts.FUSED_MAX_TOKENS = 4
         x = torch.zeros(12, args.hidden_size, device=TRITON_DEVICE)
         assert layer.mlp.paths(x) == ((False, False) if alone else (True, True))

@@ -470,7 +470,7 @@ def test_routing_py_refuses_a_missing_or_foreign_file_and_an_unknown_command_in_
                         (["convert-sglang", str(tmp_path / "none.pt"), "--out",
                           str(tmp_path / "t.npz")], "No such file"),
                         (["convert-sglang", str(tmp_path / "junk.pt"), "--out",
-                          str(tmp_path / "t.npz")], "not a file torch.load reads"),
+                          str(tmp_path / "t.npz")], "torch.load cannot read it"),
                         (["bogus"], "unknown command 'bogus'")):
         try:
             status = routing.main(argv)

@@ -13,10 +13,11 @@ on a CPU.
 
 Training runs on one CPU thread (--threads): the sums' order then does not depend on the thread
 count. It still depends on the CPU: torch's CPU kernels pick their vector width by it
-(torch.backends.cpu.get_cpu_capability(), in recipe.json), and another width sums in another
-order, so the default remakes the committed pair tensor for tensor only on the Python and torch
-that recipe.json names and a CPU like the one that made it; elsewhere it makes a different pair,
-as good. More threads train faster and make a different pair too.
+(torch.backends.cpu.get_cpu_capability(), which recipe.json records from now on; the committed
+pair's is not known), and another width sums in another order, so the default remakes the
+committed pair tensor for tensor only on the Python and torch that recipe.json names and the
+machine that made it; elsewhere it makes a different pair, as good. More threads train faster and
+make a different pair too.
 
 The data is every machine's own: bytes (vocabulary 256, the `tiny` preset's) of the Python
 standard library's source files, TRAIN_FILES for training and HELDOUT_FILES for held-out prompts

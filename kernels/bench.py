@@ -26,7 +26,7 @@ replay past the L2; achieved GB/s against the copy bandwidth measured in the sam
         run.py's captured phases with programmatic dependent launch off and on, in one process.
     python -m kernels.bench --mla-blocks [--json OUT]
         the MLA decode kernel at blocks of up to 32 and 16 query rows.
-On a machine without CUDA it refuses in one line.
+On a machine without CUDA it refuses (argparse's usage and error, exit 2).
 """
 import math
 import os
