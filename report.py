@@ -778,20 +778,26 @@ def tables(paths):
     Returns the table's lines; a file that is no run.py --json raises ValueError naming it."""
     lines = ["| " + " | ".join(TABLE_COLUMNS) + " |", "|" + "---|" * len(TABLE_COLUMNS)]
     for path in paths:
-        try:
-            r = read_run(path)
-        except ValueError as e:
-            raise ValueError(f"{path}: not a run.py --json file ({e!r})") from None
-        if not isinstance(r, dict) or not {"env", "phases_ms", "cost_model"} <= r.keys():
-            raise ValueError(f"{path}: not a run.py --json file (no env, phases_ms, cost_model)")
+        r = read_run(path)
+        if not {"phases_ms", "cost_model"} <= r.keys():
+            raise ValueError(f"{path}: not a run.py --json file (no phases_ms, cost_model)")
         lines.append("| " + " | ".join(table_row(r, path)) + " |")
     return lines
 
 
 def read_run(path):
-    """A run.py --json file's line, read back (its first line: the JSON as_json wrote)."""
-    with open(path) as f:
-        return json.loads(f.readline())
+    """A run.py --json file's line, read back: its last line (--json PATH writes only that line;
+    a saved stdout of --json - ends with it), as routing.py plot reads it. A file that is missing,
+    unreadable, or does not end in such a line raises ValueError naming it; what each table needs
+    of the run, its caller checks."""
+    try:
+        with open(path) as f:
+            r = json.loads(f.read().splitlines()[-1])
+    except (OSError, ValueError, IndexError) as e:   # missing, another format, empty, truncated
+        raise ValueError(f"{path}: not a run.py --json file ({e!r})") from None
+    if not isinstance(r, dict) or not isinstance(r.get("env"), dict):
+        raise ValueError(f"{path}: not a run.py --json file (no env)")
+    return r
 
 
 def table_row(r, path):
@@ -907,13 +913,9 @@ def _blank_floor_row(label, cells):
 def _gpu_run(path):
     """(the run, its first context) of a run.py --json file from a GPU with a component table;
     else ValueError naming the file."""
-    try:
-        r = read_run(path)
-        ctx = r["contexts"][str(r["env"]["config"]["context_len"][0])]
-        ok = r.get("bandwidth_GBps") and ctx.get("floors_ms") and ctx.get("components")
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not a run.py --json file ({e!r})") from None
-    if not ok:
+    r = read_run(path)
+    ctx = (r.get("contexts") or {}).get(str(r["env"].get("config", {}).get("context_len", [0])[0]))
+    if not (r.get("bandwidth_GBps") and ctx and ctx.get("floors_ms") and ctx.get("components")):
         raise ValueError(f"{path}: not a GPU run's --json with floors and a component table")
     return r, ctx
 
@@ -928,9 +930,6 @@ def sweep(paths):
 
     Returns the lines; a file without a sweep with floors raises ValueError naming it."""
     runs = [_read_sweep(path) for path in paths]
-    bad = [r for r in runs if isinstance(r, str)]
-    if bad:
-        raise ValueError(bad[0])
     lines = ["| T | " + " | ".join(f"{label} ms (x floor)" for label, *_ in runs) + " |",
              "|---:|" + "---:|" * len(runs)]
     for T in sorted(set.intersection(*(set(map(int, s)) for _, s, _, _ in runs))):
@@ -989,12 +988,8 @@ def routed(paths):
 def _routed_points(path):
     """(label: format and routing, {T: (verify ms, routed experts ms, x their floor, distinct
     experts)}) of one run.py --json file from a GPU."""
-    try:
-        r = read_run(path)
-        env, cfg = r["env"], r["env"]["config"]
-        sweep = r.get("verify_sweep_ms") or {}
-    except (ValueError, KeyError, TypeError) as e:
-        raise ValueError(f"{path}: not a run.py --json file ({e!r})") from None
+    r = read_run(path)
+    env, cfg, sweep = r["env"], r["env"].get("config", {}), r.get("verify_sweep_ms") or {}
     E = env.get("n_routed_experts") or cfg.get("routed_experts")
     if E is None and cfg.get("preset") and not cfg.get("model_path"):
         E = checkpoint.preset(cfg["preset"]).n_routed_experts   # a file from before the field
@@ -1025,16 +1020,14 @@ def sweep_plot(paths, out):
     right, what each added token costs beside what the no-cliff rule allows
     (components.cliff_allowed_ms), its breaks marked. matplotlib is not a requirement. Returns 0,
     or 2 with the reason on stderr."""
-    runs = [_read_sweep(path) for path in paths]
-    problems = [r for r in runs if isinstance(r, str)]
     try:
+        runs = [_read_sweep(path) for path in paths]
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
-    except ImportError:
-        problems.append("needs matplotlib (pip install matplotlib)")
-    if problems:
-        print(f"report.py sweep-plot: {problems[0]}", file=sys.stderr)
+    except (ValueError, ImportError) as e:
+        why = "needs matplotlib (pip install matplotlib)" if isinstance(e, ImportError) else e
+        print(f"report.py sweep-plot: {why}", file=sys.stderr)
         return 2
     fig, (cost, step) = plt.subplots(1, 2, figsize=(11, 4))
     for label, sweep, cliffs, batch in runs:
@@ -1064,16 +1057,14 @@ def sweep_plot(paths, out):
 
 
 def _read_sweep(path):
-    """(weight format, verify_sweep_ms, sweep_cliffs, batch) of a run.py --json file, or what is
-    wrong with it (a string)."""
-    try:
-        r = read_run(path)
-        sweep, batch = r["verify_sweep_ms"], r["env"]["config"]["batch_size"]
-        floors = [sweep[T]["floor_ms"] for T in sweep]
-    except (OSError, ValueError, KeyError, TypeError) as e:
-        return f"{path}: not a run.py --json file ({e!r})"
-    if None in floors:
-        return f"{path}: its sweep has no floors (a CPU run)"
+    """(weight format, verify_sweep_ms, sweep_cliffs, batch) of a run.py --json file; ValueError
+    naming it where it has no sweep with floors."""
+    r = read_run(path)
+    sweep, batch = r.get("verify_sweep_ms"), r["env"].get("config", {}).get("batch_size")
+    if not isinstance(sweep, dict) or not sweep or batch is None:
+        raise ValueError(f"{path}: not a run.py --json file with a verify sweep")
+    if any(not isinstance(p, dict) or p.get("floor_ms") is None for p in sweep.values()):
+        raise ValueError(f"{path}: its sweep has no floors (a CPU run)")
     label = weight_format(r["env"]) + (f", batch {batch}" if batch > 1 else "")
     return label, sweep, r.get("sweep_cliffs") or {}, batch
 
