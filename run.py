@@ -11,10 +11,9 @@ plain and speculative decoding end to end, and prints a cost model: the accepted
 cycle at which speculation breaks even.
 The model's attention (MLA) caches one compressed latent per token; verify can read it two ways
 (prefill: expanded to per-head keys and values, as a prefill does; decode: attending in the latent
-space, as a decode step does) and runs eager or captured in CUDA graphs; the two switches are timed
-separately. GPU work is timed with CUDA events after warm-up; each time is a median, printed with
-its spread. Random weights accept almost nothing: --simulate-accept-len forces an acceptance,
-labelled SIMULATED everywhere it appears.
+space, as a decode step does) and runs eager or captured in CUDA graphs: two independent switches,
+timed in all four combinations. Device work is timed with CUDA events after warm-up, host clocks
+read only after a synchronize; each time is a median, printed with its spread.
 
     python run.py                           # CPU: the tiny model; a GPU: a SIMULATED rank of TP 8
     torchrun --nproc-per-node 8 run.py      # real tensor parallelism over 8 GPUs
@@ -22,18 +21,15 @@ labelled SIMULATED everywhere it appears.
     python run.py --model-path K2 --prompt-ids p.jsonl --dump ref.npz   # the correctness baseline
     python run.py --compare ref.npz engine.npz                          # no model, no GPU
 
-Answers the README story's question with separate measurements: the attention path of
-verify (prefill = extend-style, decode = absorbed MLA) and graph capture (eager, CUDA graph) are
-two independent switches, timed in all four combinations. Device work is timed with CUDA events
-after warm-up (medians); host clocks are read only after a synchronize. A table per context length
-says where the time of a decode step and of a verify goes, by component (a profiled eager run of
-the captured shapes), against each component's byte floor; the output ends with the answer in
-words. Forced acceptance (--simulate-accept-len), balanced routing on random weights (--routing
-uniform, the default there) and modelled all-reduces (--allreduce-us) are labelled SIMULATED or
-MODELLED everywhere they appear. --routing distinct (SIMULATED: D distinct experts a MoE layer) and
---routing trace (TRACE: recorded routing replayed; --dump-routing records one) choose the experts
-for the timing (routing.py); --distinct-sweep times the verify across D and says at which D an
-accepted length pays.
+A table per context length says where the time of a decode step and of a verify goes, by
+component (a profiled eager run of the captured shapes), against each component's byte floor; the
+output ends with the answer in words. Random weights accept almost nothing: forced acceptance
+(--simulate-accept-len), balanced routing on random weights (--routing uniform, the default
+there) and modelled all-reduces (--allreduce-us) are labelled SIMULATED or MODELLED everywhere
+they appear. --routing distinct (SIMULATED: D distinct experts a MoE layer) and --routing trace
+(TRACE: recorded routing replayed; --dump-routing records one) choose the experts for the timing
+(routing.py); --distinct-sweep times the verify across D and says at which D an accepted length
+pays.
 
     python run.py --preset kimi-k2.5 --speculative-num-steps 2 --cuda-graph on --allreduce-us 35
         # the story's deployment (INT4 Kimi-K2.5, TP 8 over PCIe, 2 draft steps), one rank of it
