@@ -443,14 +443,17 @@ def init_random(model, seed, rank_local=False):
     TP 1 and TP N hold the same model. rank_local=True draws only this rank's slice on the device
     (cheap for configs too big to draw whole; TP N != TP 1). INT4 experts get random values q,
     symmetric in [-7, 7] (zero-mean, so the experts share no constant component), and scales that
-    give |W| ~ 1/sqrt(in); FP8 experts N(0, 1) values in e4m3 and block scales ~1/sqrt(in)."""
+    give |W| ~ 1/sqrt(in); FP8 experts N(0, 1) values in e4m3 and block scales ~1/sqrt(in).
+    Either way a replicated parameter (the router, the norms, q_a and kv_a, the head's fc) is the
+    same on every rank: rank_local seeds only a split one's slice by its rank."""
     tp = model.tp
     for name, p in model.named_parameters():
         if not p.dtype.is_floating_point and not name.endswith("weight_packed"):
             continue   # index tables (the draft's d2t) are set by their owner
         device = p.device if rank_local else torch.device("cpu")
+        split = p.shard_dim is not None or hasattr(p, "block_index")
         g = torch.Generator(device).manual_seed(seed * 1_000_003 + zlib.crc32(name.encode())
-                                                + (7919 * tp.rank if rank_local else 0))
+                                                + (7919 * tp.rank if rank_local and split else 0))
         shape = list(p.shape) if rank_local else global_shape(p, tp)
         w = random_weight(model, name, p, shape, g)
         if not rank_local and p.shard_dim is not None:

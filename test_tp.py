@@ -52,6 +52,40 @@ def test_cpu_ranks_share_the_cores(monkeypatch):
     assert torch.get_num_threads() == 1
 
 
+def _rank_local_model():
+    """This rank's tiny target drawn rank-locally (as timing.py draws a shard too big to seed
+    whole), and the experts its routers chose in a prefill."""
+    m = init_random(Transformer(tiny(), 3, 32, dtype=torch.float32), 0, rank_local=True)
+    chosen = []
+    hooks = [layer.mlp.gate.register_forward_hook(lambda mod, i, out: chosen.append(out[0]))
+             for layer in m.layers if hasattr(layer.mlp, "gate")]
+    prefill, prefill_pos, _, _ = step_inputs(256)
+    m(prefill, prefill_pos, "extend")
+    for h in hooks:
+        h.remove()
+    gathered = {}
+    for name, t in [*m.state_dict().items(), *((f"ids {i}", c) for i, c in enumerate(chosen))]:
+        parts = [torch.empty_like(t) for _ in range(2)]
+        dist.all_gather(parts, t.contiguous())
+        gathered[name] = parts
+    split = {n for n, p in m.named_parameters()
+             if p.shard_dim is not None or hasattr(p, "block_index")}
+    return gathered, split
+
+
+def test_rank_local_random_weights_keep_replicated_parameters_equal_on_every_rank():
+    """Real TP 2 (gloo) with weights drawn rank-locally: each split parameter's slices differ (a
+    slice of its own a rank), each replicated one (router, norms, q_a, kv_a) is the same on both
+    ranks, and so the ranks route every token to the same experts."""
+    gathered, split = run_ranks(2, _rank_local_model)
+    assert split and any(not n.startswith("ids") and n not in split for n in gathered)
+    for name, (a, b) in gathered.items():
+        if name in split:
+            assert not torch.equal(a, b), f"{name}: the same slice on both ranks"
+        else:
+            assert torch.equal(a, b), f"{name}: replicated, but differs between ranks"
+
+
 # ---------------------------------------------------------------------------------------------
 # The all-reduces: the size rule, the refusal on gloo, measured under real TP, and real TP 2
 # on two GPUs (marked multi_gpu)

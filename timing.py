@@ -147,7 +147,7 @@ def build_target(args, device, dtype, tp):
     target = model.Transformer(margs, args.batch_size, max_seq_len, device, dtype, tp,
                                routing=built_routing(args))
     params = sum(p.numel() for p in target.parameters())
-    whole = tp.world_size == 1 or not tp.simulated and params < MAX_PARAMS_SEEDED_WHOLE
+    whole = tp.world_size == 1 or (not tp.simulated and params < MAX_PARAMS_SEEDED_WHOLE)
     checkpoint.init_random(target, args.seed, rank_local=not whole)
     init = "seeded whole, same at any TP" if whole else "rank-local init"
     return target, f"random {args.preset} ({init})"
