@@ -1055,6 +1055,25 @@ def test_tree_sampling_follows_the_target():
         assert (m[others] == 0).all() and (m[~others] >= 1).all()
 
 
+def test_tree_sampling_never_emits_a_token_the_target_rules_out(monkeypatch):
+    """Two children hold all of p's mass (every other token underflows to 0) while their float32
+    sum rounds below 1; a uniform in that gap (1 - 2^-24, which torch.rand can draw) rejects both.
+    The bonus token must still be one of them: p has nothing else."""
+    V = 8
+    for a in torch.linspace(0.1, 3.0, 300):   # a gap between the two children's sum and 1
+        logits = torch.full((V,), -200.0)
+        logits[3], logits[5] = 0.0, a.item()
+        p = torch.softmax(logits, -1)
+        if p[3] + p[5] < 1.0:
+            break
+    assert p[3] + p[5] < 1.0 and p.count_nonzero() == 2
+    monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.full(shape, 1.0 - 2 ** -24))
+    tree = Tree(torch.tensor([[1, 3, 5]]), torch.tensor([[-1, 0, 0]]), torch.tensor([[0, 1, 1]]),
+                None)
+    m, _, bonus = tree_accept(logits.expand(1, 3, V), tree, 1, 1.0, torch.Generator())
+    assert m.item() == 0 and bonus.item() in (3, 5), f"emitted {bonus.item()}, p 0 there"
+
+
 def tree_setup(seed=0):
     """A float64 tiny target and random head, the head extended over two ragged prompt rows."""
     target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=32, dtype=torch.float64),

@@ -186,7 +186,9 @@ def sample(logits, temperature, generator):
 
 def accept(logits, drafts, temperature, generator):
     """logits [B, k+1, V] of the target at the verified positions, drafts [B, k].
-    Returns m [B] (drafts accepted) and the target's own next token [B] after them."""
+    Returns m [B] (drafts accepted) and the token after them [B]: greedy, the target's argmax
+    there; sampling, a draw from p there with the rejected draft removed (all k accepted: from p
+    at position k)."""
     k = drafts.shape[1]
     if temperature == 0:
         pred = logits.argmax(-1)                                             # [B, k+1]
@@ -317,7 +319,11 @@ def tree_accept(logits, tree, max_depth, temperature, generator):
     kids = (parents == cur.unsqueeze(1)).long()              # where the walk stopped: all rejected
     p_cur = node_rows(p, cur)
     rejected = torch.zeros_like(p_cur).scatter_add(1, tokens, kids.to(p_cur.dtype)) > 0   # [B, V]
-    return m, torch.stack(path, 1), exponential_race(p_cur.masked_fill(rejected, 0.0), generator)
+    left = p_cur.masked_fill(rejected, 0.0)
+    # the children may hold all of p's mass while their sum, rounded, stays below a u close to 1:
+    # then the token comes from p itself (one of them), never from an empty remainder
+    left = torch.where(left.sum(-1, keepdim=True) > 0, left, p_cur)
+    return m, torch.stack(path, 1), exponential_race(left, generator)
 
 
 def node_rows(x, nodes):
