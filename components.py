@@ -302,9 +302,17 @@ def count_kernels(fn):
 # ---------------------------------------------------------------------------------------------
 # The cost model
 
+def collectives_per_forward(layers):
+    """The collectives a real TP rank runs in one forward of `layers` decoder layers (tp.py): the
+    embedding's all-reduce (its rows split by vocabulary), two a layer (attention's o_proj, the
+    MLP's or MoE's down, routed and shared summed first) and the logits' all-gather."""
+    return 2 * layers + 2
+
+
 @dataclass
 class ModelledAllreduce:
-    """MODELLED all-reduces of a SIMULATED rank (--allreduce-us): 2 a layer."""
+    """MODELLED collectives of a SIMULATED rank (--allreduce-us), each at us_each:
+    collectives_per_forward of the target's layers a target forward, of 1 a draft forward."""
     us_each: float
     target_forward_ms: float
     draft_forward_ms: float
@@ -341,12 +349,13 @@ class CostModel:
 
 
 def modelled_allreduce(b):
-    """MODELLED all-reduce ms per target forward and per draft forward (2 a layer) for a simulated
-    rank given --allreduce-us; None otherwise."""
+    """MODELLED collective ms per target forward and per draft forward for a simulated rank
+    given --allreduce-us (collectives_per_forward, each at that many us); None otherwise."""
     x = b.cfg.allreduce_us
     if x is None or not b.target.tp.simulated:
         return None
-    return ModelledAllreduce(x, 2 * b.target.args.num_hidden_layers * x / 1e3, 2 * x / 1e3)
+    return ModelledAllreduce(x, collectives_per_forward(b.target.args.num_hidden_layers) * x / 1e3,
+                             collectives_per_forward(1) * x / 1e3)
 
 
 def loop_overheads(r, variant):

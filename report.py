@@ -40,7 +40,7 @@ import torch
 import checkpoint
 import kernels
 import model
-from components import COMPONENTS, cliff_allowed_ms, modelled_allreduce
+from components import COMPONENTS, cliff_allowed_ms, collectives_per_forward, modelled_allreduce
 from verify import simulated_center
 
 
@@ -109,7 +109,7 @@ def header(b):
             f"prompt {a.prompt_len}, cached {'/'.join(map(str, a.context_len))} (isolated "
             f"phases), num_steps {b.k} | {device}, torch {torch.__version__}"
             + (" | acceptance SIMULATED" if a.simulate_accept_len is not None else "")
-            + (f" | all-reduces MODELLED at {ar.us_each:g} us" if ar else ""))
+            + (f" | collectives MODELLED at {ar.us_each:g} us" if ar else ""))
     return wrap(text, "", "  ")
 
 
@@ -151,7 +151,7 @@ def verify_answer(r, b):
     noise = ": below 1, which cannot be (a verify does a decode step's work and more): noise."
     lines = [f"Verify of k+1 = {k + 1} tokens ({mode} attention, {variant}, {ctx} cached tokens) "
              f"costs {ver / dec:.2f} decode steps ({ver:.2f} vs {dec:.2f} ms"
-             + (", all-reduces MODELLED" if ar else "") + ")" + (noise if ver < dec else ".")]
+             + (", collectives MODELLED" if ar else "") + ")" + (noise if ver < dec else ".")]
     gaps = (ver - dec) - more
     if not (more > 0 and top):
         return lines + [f"Its {unit} take no longer ({v.kernel_ms:.2f} vs {d.kernel_ms:.2f} ms "
@@ -191,7 +191,7 @@ def simulated_note(r, b):
     """What in this run is SIMULATED or MODELLED, in one sentence."""
     tp = b.target.tp
     rank = f"one SIMULATED rank of TP {tp.world_size}" + (
-        f", all-reduces MODELLED at {b.cfg.allreduce_us:g} us" if modelled_ms(r) else
+        f", collectives MODELLED at {b.cfg.allreduce_us:g} us" if modelled_ms(r) else
         ", all-reduces not counted (--allreduce-us X models them)")
     notes = [note for note, on in (
         ("routing SIMULATED uniform (random weights route unlike a trained router)",
@@ -237,9 +237,9 @@ def print_components(r, ctx, c, b):
             component_table(r, c, b, group, titles)
     ar = r.allreduce_modelled
     if ar:
-        print("  all-reduce MODELLED, not in the rows above: 2 x "
-              f"{b.target.args.num_hidden_layers} x {ar.us_each:g} us = {ar.target_forward_ms:.2f} "
-              "ms per forward")
+        n = collectives_per_forward(b.target.args.num_hidden_layers)
+        print(f"  collectives MODELLED, not in the rows above: {n} (2 x layers + 2) x "
+              f"{ar.us_each:g} us = {ar.target_forward_ms:.2f} ms per forward")
 
 
 def component_table(r, c, b, verifies, titles):
@@ -380,7 +380,7 @@ def tree_answer(r):
 
 def print_cost_model(r):
     cm = r.cost_model
-    ar = " + all-reduces MODELLED" if r.allreduce_modelled else ""
+    ar = " + collectives MODELLED" if r.allreduce_modelled else ""
     print(f"\ncost model (fastest variant{ar}): plain step {cm.plain_step_ms:.2f} ms; cycle and "
           "break-even accepted length per num_steps")
     for steps, c in cm.steps.items():
@@ -425,12 +425,13 @@ def print_allreduce(comm, b):
               f"shorter: {us['interleaved_short_gemv/1']:.1f} (1 token)")
         print(f"measured between compute: {us['interleaved/1']:.1f} us per all-reduce of one "
               "token's hidden row: give it to a simulated rank as --allreduce-us, for the decode "
-              f"step and the verify of {k1} alike (on 2 H200s it predicted the decode step "
-              "within 1.9% and the verify within 0.9%; BENCHMARKS.md)")
+              f"step and the verify of {k1} alike, each collective of a forward at it (on 2 H200s "
+              "it predicted the decode step within 2.1% and the verify within 1.0%; "
+              "BENCHMARKS.md)")
     twin = comm.real_minus_twin_us
     if twin:
         print("real minus its SIMULATED twin (this rank's weights, collectives skipped), per "
-              f"all-reduce of {comm.per_forward} a forward: "
+              f"collective of the {comm.per_forward} a forward runs: "
               + ", ".join(f"{name} {v:.1f} us" for name, v in twin.items()))
 
 
@@ -701,7 +702,7 @@ def print_routing_sweep(r):
     s = r.routing_sweep
     if not s:
         return
-    ar = " + all-reduces MODELLED" if r.allreduce_modelled else ""
+    ar = " + collectives MODELLED" if r.allreduce_modelled else ""
     print("\n" + wrap(f"{verify_tokens(s)} across distinct experts a MoE layer "
                       f"(SIMULATED distinct; {s.mode} attention, {s.variant}{ar}; top-{s.top_k} "
                       f"of {s.experts} experts; plain step {s.plain_step_ms:.2f} ms; cycle and "

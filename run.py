@@ -185,10 +185,11 @@ def add_timing_flags(p):
                    "end-to-end loops (the cost model then takes the isolated decode step as the "
                    "plain step)")
     p.add_argument("--allreduce-us", type=float, metavar="X", help="for a SIMULATED rank, which "
-                   "skips its collectives: add 2 x layers all-reduces of X microseconds to each "
-                   "forward in the predictions, labelled MODELLED (a torchrun run prints the X it "
-                   "measured between compute in a CUDA graph: ~14 with NCCL, ~7 one-shot at TP 2 "
-                   "on H200 NVLink; ~35 over PCIe at TP 8)")
+                   "skips its collectives: add those a real rank runs, X microseconds each, to "
+                   "each forward in the predictions, labelled MODELLED (2 x layers + 2: the "
+                   "embedding's all-reduce, 2 a layer, the logits' all-gather; a torchrun run "
+                   "prints the X it measured between compute in a CUDA graph: ~14 with NCCL, ~7 "
+                   "one-shot at TP 2 on H200 NVLink; ~35 over PCIe at TP 8)")
     p.add_argument("--allreduce", choices=ALLREDUCES, default="nccl", help="real TP (torchrun) on "
                    "CUDA GPUs: NCCL's all-reduce, or one-shot: each rank reads its peers' rows "
                    "from torch's symmetric memory and sums them, for messages up to 1 MB (decode, "

@@ -28,9 +28,10 @@ import model
 import routing
 import tp as tpm
 import train
-from components import (CostModel, ModelledAllreduce, SweepCliffs, component_bytes, cost_model,
-                        count_kernels, draft_bytes, modelled_allreduce, optional,
-                        profile_components, routed_distinct, sweep_cliffs)
+from components import (CostModel, ModelledAllreduce, SweepCliffs, collectives_per_forward,
+                        component_bytes, cost_model, count_kernels, draft_bytes,
+                        modelled_allreduce, optional, profile_components, routed_distinct,
+                        sweep_cliffs)
 from draft import Eagle3Draft, draft_preset, set_target_aux_layers
 from graphs import CudaGraphs, GraphKey
 from report import Timing, answer, spreads, timing_warnings, verdict
@@ -358,7 +359,7 @@ class MeasuredAllreduce:
     """Real TP: one all-reduce's cost (collectives), and the step against its SIMULATED twin."""
     us_each: dict            # {"how/tokens": us}
     gemv_MB: float
-    per_forward: int
+    per_forward: int         # collectives a real forward runs (components.collectives_per_forward)
     implementation: str
     for_simulated_rank_us: float | None = None   # what --allreduce-us should get
     twin_phases_ms: dict | None = optional()
@@ -743,13 +744,15 @@ def collectives(b, r):
     each of the output of a GEMV as long as the compute between two all-reduces of this run's
     decode step (its time / n, at the copy bandwidth), minus the same graph without them; back to
     back: n in a row in a graph (each then pays its whole latency, which compute otherwise hides
-    in part); eager: separate launches, host included. Then the simulated twin (twin_phases)."""
+    in part); eager: separate launches, host included. Then the simulated twin (twin_phases), over
+    the collectives_per_forward a real forward runs."""
     t, n, B = b.target, 2 * b.target.args.num_hidden_layers, b.cfg.batch_size
     D, variant = t.args.hidden_size, b.best[0]
     gap_ms = r.phases_ms[f"decode_step/{variant}"] / n
     cols = max(D, round(gap_ms * 1e-3 * (r.bandwidth_GBps or 0) * 1e9 / (D * t.dtype.itemsize)))
     w = torch.randn(D, cols, device=t.device).to(t.dtype) / cols ** 0.5
-    out = MeasuredAllreduce({}, w.numel() * w.element_size() / 1e6, n, t.tp.describe())
+    out = MeasuredAllreduce({}, w.numel() * w.element_size() / 1e6,
+                            collectives_per_forward(t.args.num_hidden_layers), t.tp.describe())
 
     def gemvs(x, reduce, w=w):
         for _ in range(n):
@@ -781,7 +784,7 @@ def collectives(b, r):
         us[f"interleaved/{T}"] = between_compute("gemv", T, w)
     if b.runner is not None:  # T = 1 after a GEMV 8 times shorter: how much the gap matters
         us["interleaved_short_gemv/1"] = between_compute("gemv_short", 1, w[:, :max(D, cols // 8)])
-        out.twin_phases_ms, out.real_minus_twin_us = twin_phases(b, r, n)
+        out.twin_phases_ms, out.real_minus_twin_us = twin_phases(b, r, out.per_forward)
     out.for_simulated_rank_us = us.get("interleaved/1")  # what --allreduce-us should get
     return out
 
@@ -789,9 +792,10 @@ def collectives(b, r):
 def twin_phases(b, r, n):
     """The decode step and the verify again, captured with every layer's TP swapped for a SIMULATED
     rank's (collectives skipped: what `--simulate-tp N` builds, on this rank's very weights), then
-    put back: real minus twin, over n, is what an all-reduce cost inside this step (the logits'
-    all-gather and the embedding's all-reduce counted in). The twin's graphs live in a runner of
-    their own (the keys are the real phases'). Returns the twin's phases and {phase: us}."""
+    put back: real minus twin, over n (collectives_per_forward: the embedding's all-reduce, two a
+    layer, the logits' all-gather), is what a collective cost inside this step. The twin's graphs
+    live in a runner of their own (the keys are the real phases'). Returns the twin's phases and
+    {phase: us}."""
     twin = dataclasses.replace(b.target.tp, simulated=True, one_shot=None)
     modules = [m for m in [*b.target.modules(), *b.head.modules()]
                if isinstance(getattr(m, "tp", None), tpm.TP)]
