@@ -634,6 +634,8 @@ def read_rank_slice(reader, k, p, j, tp, fp8_block):
     if hasattr(p, "block_index"):   # FP8 experts' scales: the blocks over this rank's slice
         index = p.block_index        # (per expert: the tensor is [rows, cols] blocks)
     else:
+        # expert j's tensor lacks the stacked parameter's leading dim (experts): its split dim is
+        # one less
         dim = p.shard_dim if j is None or p.shard_dim is None else p.shard_dim - 1
         index = rank_slice(want, dim, tp)
     if p.dtype == torch.float8_e4m3fn:   # FP8 experts stay FP8: this rank's slice as stored
