@@ -11,7 +11,8 @@ drafts accepted per cycle. run.py calls settle_dump, dump_main and compare_main;
 request they cannot use raises ValueError, which run.py prints as one line (exit status 2).
 
 One .npz (docs/engine-check.md has it in full). B prompts, P the longest, N =
-max_new_tokens, K = --topk, C cycles, k = num_steps. Row b's sequence is its own prompt then its
+max_new_tokens, K = --topk, C cycles, k the drafts a cycle verifies (a chain: num_steps; a tree
+of M = --speculative-num-draft-tokens nodes: M - 1). Row b's sequence is its own prompt then its
 output, with no padding between them; position t of the topk arrays holds the target's top-K
 log-softmax after reading the sequence's first t+1 tokens, predicting token t+1.
   prompt_ids     int64   [B, P]         -1 after a shorter prompt
@@ -24,10 +25,11 @@ log-softmax after reading the sequence's first t+1 tokens, predicting token t+1.
                                         bonus token not counted; a cycle cut at max_new_tokens or
                                         an EOS counts the tokens it kept, minus 1), -1 once the
                                         row finished
-  draft_parents  int64   [B, C, k]      a tree only (k = N - 1 nodes below the root, in node
+  draft_parents  int64   [B, C, k]      a tree only (k = M - 1 nodes below the root, in node
                                         order): node i's parent, 0 the root, j the j-th draft
   accepted_nodes int64   [B, C, D]      a tree only: the accepted drafts' node numbers by depth
-                                        (1-based, as draft_parents), -1 past the accepted ones
+                                        (1-based, as draft_parents), D = min(num_steps, M - 1);
+                                        -1 past the accepted ones
   meta           str     []             optional: JSON saying what produced the file
 With --dump-routing, also a routing trace (routing.py's format, which --routing-trace reads), from
 the same teacher-forced forward: the router's ids of every MoE layer for each row's tokens (prompt,
@@ -107,8 +109,8 @@ def read_prompt_ids(path):
 def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
          attention_mode="extend", use_graphs=False, eos_id=None, chunk=256, tree=None,
          record_routing=False):
-    """Greedy generation (speculative with `head`, plain with None; tree: (K, N) to draft a tree
-    of topk K and N draft tokens) and the target's top-K log-probabilities along the sequences
+    """Greedy generation (speculative with `head`, plain with None; tree: (K, M) to draft a tree
+    of topk K and M draft tokens) and the target's top-K log-probabilities along the sequences
     it produced: the dump's arrays, the same on every rank. record_routing: also the routers'
     ids in that forward (the routing arrays of the module docstring).
 
@@ -122,10 +124,10 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
         if not 1 <= topk <= target.args.vocab_size:
             raise ValueError(f"topk {topk}: must lie in [1, the vocabulary's "
                              f"{target.args.vocab_size} ids]")
-        K, N = tree or (None, None)
+        K, M = tree or (None, None)
         res = generate(target, head, prompts, max_new_tokens=max_new_tokens, num_steps=num_steps,
                        attention_mode=attention_mode, use_graphs=use_graphs, eos_id=eos_id, topk=K,
-                       num_draft_tokens=N)
+                       num_draft_tokens=M)
         B, P, N = len(prompts), max(len(p) for p in prompts), max_new_tokens
         T = P + N - 1  # the last output token predicts nothing we keep
         prompt_ids, output_ids = np.full((B, P), -1, np.int64), np.full((B, N), -1, np.int64)
@@ -152,7 +154,7 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
         routed = {}
         if record_routing:
             recorder.remove()
-            lengths = (ends + 1).clamp(max=T).flatten().tolist()
+            lengths = ends.flatten().tolist()   # the positions the top-K arrays keep, every row
             routed = routing_arrays(recorder.pop(), B, T, chunk, lengths, target.args)
         out = dict(prompt_ids=prompt_ids, output_ids=output_ids,
                    topk_ids=torch.cat(ids, 1).masked_fill(~kept, -1).numpy(),
@@ -161,7 +163,7 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
             out["draft_ids"] = res.drafts.transpose(0, 1).numpy()                   # [B, C, k]
             out["accepted"] = res.accepted.T.numpy()                                 # [B, C]
         if res.parents is not None:
-            out["draft_parents"] = res.parents.transpose(0, 1).numpy()              # [B, C, N-1]
+            out["draft_parents"] = res.parents.transpose(0, 1).numpy()              # [B, C, M-1]
             out["accepted_nodes"] = res.paths.transpose(0, 1).numpy()               # [B, C, D]
         return out | routed
 
@@ -359,7 +361,8 @@ def compare(a, b, names=("A", "B"), max_logprob_diff=MAX_LOGPROB_DIFF,
     ks = [d["draft_ids"].shape[2] for d in (a, b) if "draft_ids" in d]
     if len(ks) == 2 and ks[0] != ks[1]:
         raise ValueError(f"draft_ids: {names[0]} drafts k = {ks[0]} tokens a cycle, {names[1]} "
-                         f"k = {ks[1]}: not runs with the same num_steps")
+                         f"k = {ks[1]}: not runs with the same "
+                         + ("tree size (num_draft_tokens)" if trees[0] else "num_steps"))
     rows = [compare_row(a, b, r) for r in range(len(a["prompt_ids"]))]
     fail = []
     for row in rows:

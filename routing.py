@@ -313,6 +313,9 @@ def read_sglang(paths, n_experts, top_k):
                              "(no 'records'; stat mode keeps only counts)")
         to_logical = dump.get("last_physical_to_logical_map")
         for record in dump["records"]:
+            if not isinstance(record, dict) or "topk_ids_of_layer" not in record:
+                raise ValueError(f"{path}: its records hold no per-token ids (per_pass or stat "
+                                 "mode); record with SGLang's per_token mode")
             ids = record["topk_ids_of_layer"].long()              # [all layers, tokens, width]
             if ids.shape[-1] != top_k:
                 raise ValueError(f"{path}: recorded ids are top-{ids.shape[-1]}; the model routes "
@@ -326,6 +329,8 @@ def read_sglang(paths, n_experts, top_k):
                 ids = torch.where(ids >= 0, logical, ids)
             passes.append(ids)
             lengths.append(ids.shape[1])
+    if not passes:
+        raise ValueError(f"{', '.join(map(str, paths))}: no forward pass recorded")
     ids = torch.cat(passes, dim=1)
     ids = ids[(ids >= 0).any(-1).any(-1)]                         # the layers that routed
     whole = (ids >= 0).all(-1).all(0)                             # tokens with every slot used
@@ -694,7 +699,9 @@ def curve_main(argv):
 def convert_main(argv):
     p = argparse.ArgumentParser(prog="routing.py convert-sglang", description="SGLang "
                                 "expert-distribution dumps (per_token mode) -> a routing trace.")
-    p.add_argument("dumps", nargs="+", help="expert_distribution_recorder_*.pt, read in order")
+    p.add_argument("dumps", nargs="+", help="expert_distribution_recorder_*.pt, read in order: "
+                   "one rank's under plain TP (every rank records the same tokens), each "
+                   "rank's where DP attention splits the requests")
     p.add_argument("--out", required=True, help="the routing trace to write (.npz)")
     p.add_argument("--n-experts", type=int, default=384, help="the model's routed experts "
                    "(default %(default)s)")

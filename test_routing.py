@@ -158,6 +158,13 @@ def test_an_sglang_per_token_dump_reads(tmp_path):
         routing.read_sglang(path, E, 4)
     with pytest.raises(ValueError, match="onto 16 logical experts; the model has 384"):
         routing.read_sglang(path, 384, 8)
+    # per_pass mode writes records without per-token ids; a recording of no traffic, none
+    torch.save(dict(records=[dict(forward_pass_id=0, global_physical_count=torch.zeros(L, P))],
+                    last_physical_to_logical_map=to_logical), tmp_path / "per_pass.pt")
+    torch.save(dict(records=[], last_physical_to_logical_map=to_logical), tmp_path / "empty.pt")
+    for name, why in (("per_pass.pt", "no per-token ids"), ("empty.pt", "no forward pass")):
+        with pytest.raises(ValueError, match=why):
+            routing.read_sglang(tmp_path / name, E, 8)
 
 
 def test_trace_choice_fills_one_buffer_a_shape():
@@ -387,12 +394,16 @@ def test_a_dumps_routing_is_the_routers_own_choice():
     assert t.ids.shape[0] == len(routing.routers(target)) and t.top_k == 4
     start = 0
     for row, (p, out, n) in enumerate(zip(prompts, d["output_ids"], t.sequence_lengths)):
-        seq = (p + [x for x in out.tolist() if x >= 0])[:6 + 5 - 1]   # P + N - 1 positions
+        # every row as far as its top-K positions: its prompt and output but the last token
+        seq = (p + [x for x in out.tolist() if x >= 0])[:-1]
         assert n == len(seq)
         own = routed_ids(target, torch.tensor([seq]), torch.arange(n).unsqueeze(0))
         assert torch.equal(t.ids[:, start:start + n], own), f"row {row}"
         start += n
     assert start == t.ids.shape[1]
+    alone = baseline.dump(target, None, prompts[1:], 5, topk=3, record_routing=True)
+    assert alone["sequence_lengths"].tolist() == d["sequence_lengths"].tolist()[1:], \
+        "a row's routing depends on the other prompts of the dump"
 
 
 @pytest.mark.gpu
