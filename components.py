@@ -368,16 +368,22 @@ def loop_overheads(r, variant):
 
 def cost_model(r, b):
     """cycle(s) = draft extend(s+1) + (s-1) draft steps + verify(s+1) + accept + commit + host
-    [+ modelled all-reduces: 1 target and s draft forwards]; break-even accepted length = cycle /
+    [+ modelled collectives: 1 target and s draft forwards]; break-even accepted length = cycle /
     plain step, the plain loop's cycle (its step, commit and host) where it ran at the context
-    the phases were timed at, else the isolated decode step. s from 1 while the sweep has verify
+    the phases were timed at, else the isolated decode step plus the plain loop's commit and host
+    where it ran (each cycle pays its loop's). s from 1 while the sweep has verify
     and draft extend of s + 1 tokens. r: the timing.Result so far; sets each speculative run's
     measured and predicted speedups."""
     variant, _ = b.best
     ph, ar = r.phases_ms, r.allreduce_modelled or NO_ALLREDUCE
     same_context = b.cfg.context_len[0] == b.cfg.prompt_len
-    base = (r.e2e[f"baseline/{variant}"].phases_ms["cycle"] if r.e2e and same_context
-            else ph[f"decode_step/{variant}"])
+    plain = r.e2e.get(f"baseline/{variant}") if r.e2e else None
+    if plain is not None and same_context:
+        base = plain.phases_ms["cycle"]
+    else:
+        loop = (plain.phases_ms.get("commit", 0.0) + plain.phases_ms.get("host", 0.0)
+                if plain is not None else 0.0)
+        base = ph[f"decode_step/{variant}"] + loop
     base += ar.target_forward_ms
     commit, host = loop_overheads(r, variant)
     sweep, cm, s = r.verify_sweep_ms, {}, 1

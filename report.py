@@ -228,6 +228,10 @@ def print_components(r, ctx, c, b):
     print(f"\nwhere the time goes at {ctx} cached tokens: ms per forward of summed {unit} time in "
           "a profiled eager run\nof the same shapes, by component; floor: the bytes the component "
           "must move" + (" / bandwidth, in ms" if bw else ", in MB (a GPU turns them into ms)"))
+    if not b.gpu:
+        print("(on a CPU the profiler's own cost per op makes the summed op time exceed the timed "
+              "phase: read the parts as shares,\nand the difference row (launches, gaps) as too "
+              "low)")
     verifies = [p for p in c.components if p.startswith("verify/")]
     chain = [p for p in verifies if not p.endswith(" tree")]
     tree = [p for p in verifies if p.endswith(" tree")]
@@ -398,7 +402,7 @@ def print_extras(r, b):
     if env.gpu_mem_peak_GB is not None:
         print(f"\nGPU memory: weights {env.weights_GB:.1f} GB (routed experts "
               f"{env.routed_experts_GB:.1f}), peak allocated {env.gpu_mem_peak_GB:.1f} GB"
-              + (f" (eager phases only: {env.gpu_mem_peak_eager_GB:.1f} GB)"
+              + (f" (before any CUDA graph: {env.gpu_mem_peak_eager_GB:.1f} GB)"
                  if env.gpu_mem_peak_eager_GB is not None else ""))
         print(f"kernels per eager decode step: {r.kernels_per_decode_step}"
               + (f", with torch.compile: {r.kernels_per_decode_step_compiled}"
@@ -484,14 +488,22 @@ def wrap(text, first, rest, width=110):
 # ---------------------------------------------------------------------------------------------
 # How far to trust the numbers: spreads, warnings, and the verdict after the answer
 
+def _entries(v):
+    """(key, value) of a dict, or of a list by its items' D (--distinct-sweep's points) or index."""
+    if isinstance(v, dict):
+        return v.items()
+    return ((f"D={x['distinct']}" if isinstance(x, dict) and "distinct" in x else str(i), x)
+            for i, x in enumerate(v))
+
+
 def spreads(tree):
     """The same nesting as `tree` (a result, or its as_json), keeping only its Timings, each as its
-    spread() (for the JSON)."""
+    spread() (for the JSON); a list's items keyed by _entries."""
     out = {}
-    for key, v in as_json(tree).items():
+    for key, v in _entries(as_json(tree)):
         if isinstance(v, Timing):
             out[key] = v.spread()
-        elif isinstance(v, dict) and (sub := spreads(v)):
+        elif isinstance(v, (dict, list)) and (sub := spreads(v)):
             out[key] = sub
     return out
 
@@ -500,13 +512,13 @@ def named_timings(tree, path="", seen=None):
     """(name, Timing) for every Timing in the result, named as the tables name them, each once
     (the first context's phases appear twice in the result)."""
     seen = set() if seen is None else seen
-    for key, v in tree.items():
+    for key, v in _entries(tree):
         name = (path if key in ("phases_ms", "e2e") else f"{path}sweep T="
                 if key == "verify_sweep_ms" else f"{path}{key}/")
         if isinstance(v, Timing) and id(v) not in seen:
             seen.add(id(v))
             yield name.rstrip("/"), v
-        elif isinstance(v, dict):
+        elif isinstance(v, (dict, list)):
             yield from named_timings(v, name, seen)
 
 
@@ -564,7 +576,9 @@ def timing_warnings(r):
 
 def profile_warnings(r):
     """A profiled phase whose summed kernel (or CPU op) time exceeds the timed phase itself."""
-    out, unit = [], "CPU op" if r.env.device == "cpu" else "kernel"
+    out = []
+    if r.env.device == "cpu":   # there always: the profiler's own cost per op (print_components)
+        return out
     for ctx, c in r.contexts.items():
         over = []
         for phase, prof in c.components.items():
@@ -572,11 +586,10 @@ def profile_warnings(r):
             if timed and prof.kernel_ms > timed:
                 over.append(f"{phase} {prof.kernel_ms:.2f} > {timed:.2f} ms")
         if over:
-            out.append(f"at {ctx} cached tokens the profiled run's summed {unit} time exceeds the "
-                       f"timed phase ({'; '.join(over)}): the profiler's own cost per op (on a "
-                       "CPU) or kernels that overlap in a graph, not work the phase does; read "
-                       "the component table's parts as shares, and its difference row (launches, "
-                       "gaps) as too low")
+            out.append(f"at {ctx} cached tokens the profiled run's summed kernel time exceeds the "
+                       f"timed phase ({'; '.join(over)}): kernels that overlap in a graph, not "
+                       "work the phase does; read the component table's parts as shares, and its "
+                       "difference row (launches, gaps) as too low")
     return out
 
 
@@ -596,12 +609,14 @@ def noise_warning(noisy, load, cores, ranks=1):
         parts.append(f"short phases (under {SHORT_MS:g} ms, where microseconds of jitter count): "
                      f"{names(short)}")
     if long_:
-        busy = load is not None and cores and load > cores
-        why = (f"the machine was busy (load average {load:.1f} on {cores} cores)" if busy else
-               f"load average {load:.1f} on {cores} cores, no more tasks than cores: a burst of "
-               "another process, the CPU's clock, memory"
-               + (", or waits between ranks" if ranks > 1 else "")
-               if load is not None else "other work on the machine")
+        if load is None:
+            why = "other work on the machine"
+        elif cores and load > cores:
+            why = f"the machine was busy (load average {load:.1f} on {cores} cores)"
+        else:
+            why = (f"load average {load:.1f} on {cores} cores, no more tasks than cores: a burst "
+                   "of another process, the CPU's clock, memory"
+                   + (", or waits between ranks" if ranks > 1 else ""))
         parts.append(f"longer ones: {names(long_)}: {why}")
     return (f"{len(noisy)} timing(s) vary by more than {NOISY_IQR:.0%} of their median between "
             "repetitions (interquartile range; marked noisy): "

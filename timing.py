@@ -388,8 +388,8 @@ class Env:
     weights: str             # "trained tiny pair", "checkpoints" or "random"
     cpu_count: int | None
     load_average: float | None = None   # over the last minute, at the end of the run
-    gpu_mem_peak_GB: float | None = optional()
-    gpu_mem_peak_eager_GB: float | None = optional()
+    gpu_mem_peak_GB: float | None = optional()         # allocated, past the bandwidth probe
+    gpu_mem_peak_eager_GB: float | None = optional()   # the same before any graph was captured
     weights_GB: float | None = optional()
     routed_experts_GB: float | None = optional()
     n_routed_experts: int | None = optional()          # a MoE layer's routed experts, this run's
@@ -541,7 +541,7 @@ def sample_tree(b, ctx):
     inputs are), the expansion that drafted it and that expansion's inputs."""
     K, S, N = b.cfg.speculative_eagle_topk, b.k, b.cfg.speculative_num_draft_tokens
     B, t, head = b.cfg.batch_size, b.target, b.head
-    kvd = kv_bucket(ctx + N + (S - 1) * K, t.max_seq_len)
+    kvd = kv_bucket(ctx + N + (S - 1) * K + 1, t.max_seq_len)   # as verify.generate's kv_draft
     vtok, posv = b.fill[:, ctx - S - 1:ctx], b.positions(ctx - S - 1, S + 1)
     last = torch.full((B,), S, device=t.device)
     logits, g = head.extend_logits(vtok, posv, b.aux[:, ctx - S - 1:ctx], last, kv_len=kvd)
@@ -877,6 +877,8 @@ def measure(b, world):
     with its warnings, spreads and answer (report.py prints it)."""
     cfg, first = b.cfg, b.cfg.context_len[0]
     bandwidth = copy_bandwidth(b.clock, b.target.device) if b.gpu else None
+    if b.gpu:   # the peaks that gpu_memory reports leave out the bandwidth probe's 2 GiB
+        torch.cuda.reset_peak_memory_stats(b.target.device)
     r = Result(environment(b, world), bandwidth,
                {c: isolated(b, c, bandwidth) for c in cfg.context_len})
     r.phases_ms, r.floors = r.contexts[first].phases_ms, r.contexts[first].floors_ms
@@ -889,11 +891,11 @@ def measure(b, world):
         r.e2e, r.greedy_agreement_with_plain = end_to_end(b)
     r.allreduce_measured = collectives(b, r) if b.target.tp.communicates else None
     r.allreduce_modelled = modelled_allreduce(b)
-    if cfg.compile:
-        compiled(b, first, r)
     r.cost_model = cost_model(r, b)
     if cfg.distinct_sweep:
         r.routing_sweep = routing_sweep(b, r)
+    if cfg.compile:   # last: it compiles the model's layers in place
+        compiled(b, first, r)
     if b.gpu:
         gpu_memory(b, r)
         r.kernels_per_decode_step = r.contexts[first].components["decode_step"].kernels
@@ -1031,8 +1033,8 @@ def routing_sweep(b, r):
         return None
     E, K = t.args.n_routed_experts, t.args.num_experts_per_tok
     key, fn, inputs = phase_calls(b, ctx)[b.verify_name(mode)]
-    tokens, ar = inputs[0].numel(), r.allreduce_modelled.target_forward_ms \
-        if r.allreduce_modelled else 0.0
+    tokens = inputs[0].numel()
+    ar = r.allreduce_modelled.target_forward_ms if r.allreduce_modelled else 0.0
     rest = cm.cycle_ms - r.verify_sweep_ms[k + 1].verify          # the cycle without its verify
     out = RoutingSweep(tokens, K, E, routing.uniform_distinct(E, K, tokens), k, variant,
                        FLAG_WORD[mode], r.cost_model.plain_step_ms, t.routing,
