@@ -2214,6 +2214,28 @@ def draft_heads(device, dtype, seed=0, names="all", **draft_kw):
 
 
 @pytest.mark.triton
+def test_head_swaps_train_as_the_plain_head():
+    """A swapped head trained (draft.Eagle3Draft.unroll with trainable parameters, as train.py
+    trains): the swaps without a backward (silu_mul's kernel; fused_proj's stacked GEMMs, whose
+    buffer is no Parameter) take the plain products there, so every gradient is the plain head's."""
+    target, plain, fast = draft_heads("cpu", torch.float32, names=["silu_mul", "fused_proj"])
+    g = torch.Generator().manual_seed(0)
+    tokens = torch.randint(0, 256, (2, 5), generator=g)
+    states = torch.randn(2, 5, 3 * target.args.hidden_size, generator=g)
+    grads = []
+    for head in (plain, fast):
+        params = {n: p for n, p in head.named_parameters() if p.is_floating_point()}
+        for p in params.values():
+            p.requires_grad_(True)
+        head.unroll(tokens, states, 2).pow(2).mean().backward()
+        grads.append({n: p.grad for n, p in params.items()})
+    assert grads[0].keys() == grads[1].keys() and len(grads[0]) > 5
+    for name, want in grads[0].items():
+        assert grads[1][name] is not None, f"{name}: no gradient through the swapped head"
+        assert_close(grads[1][name], want, 1e-5, f"{name}: swapped head's gradient vs plain")
+
+
+@pytest.mark.triton
 @pytest.mark.parametrize("kv_heads,names", [(4, "all"), (2, "all"),
                                             *((2, [k]) for k in kernels.DRAFT_KERNELS)])
 def test_draft_head_with_kernels_equals_plain(kv_heads, names):

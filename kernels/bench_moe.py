@@ -227,8 +227,8 @@ def int4_precision(tokens=(1, 3, 8, 32), draws=3, D=7168, I=256, E=384, K=8):
         plain = (torch.einsum("nki,nkdi->nkd", h, down).float() * route_w[..., None]).sum(1)
         row = dict(tokens=N, draw=draw)
         for name, y in (("packed_gemv", fused_moe(x, ids, route_w, *w, variant="gemv")),
-                        ("plain_bf16", plain), ("tiles", fused_moe(x, ids, route_w, *w,
-                                                                   variant="dot"))):
+                        ("plain_bf16", plain),
+                        ("tiles", fused_moe(x, ids, route_w, *w, variant="dot"))):
             err = (y.double() - fp32).abs()
             row[name] = dict(max=(err.max() / fp32.abs().max()).item(),
                              mean=(err.mean() / fp32.abs().mean()).item())

@@ -10,7 +10,7 @@ import draft
 from . import common
 from .common import AttachAgain, _counters, _jit, _pow2, _wait_for_prior, launch, tl, triton
 from .mla import _load_rows, _online_softmax_step, _softmax_new_tokens, _store_partial, _store_rows
-from .stacked import stack_rows
+from .stacked import stack_rows, training
 
 
 # The EAGLE-3 head (draft.py): its decoder layer at a chain step or an extend, in fewer launches
@@ -63,12 +63,10 @@ def draft_input_norms(emb, hidden, emb_weight, emb_eps, hidden_weight, hidden_ep
     e2, h2 = (x if x.stride(-1) == 1 else x.contiguous() for x in (e2, h2))
     out = torch.empty(e2.shape[0], 2 * D, device=emb.device, dtype=emb.dtype)
     if e2.shape[0]:
-        _draft_norms_kernel[(e2.shape[0], 2)](e2, h2, emb_weight, hidden_weight, out,
-                                              D, float(emb_eps),
-                                              float(hidden_eps), e2.stride(0), h2.stride(0),
-                                              out.stride(0),
-                                              BLOCK_D=_pow2(D), launch_pdl=common.PDL, num_warps=8
-                                              if D >= 4096 else 4)
+        _draft_norms_kernel[(e2.shape[0], 2)](
+            e2, h2, emb_weight, hidden_weight, out, D, float(emb_eps), float(hidden_eps),
+            e2.stride(0), h2.stride(0), out.stride(0), BLOCK_D=_pow2(D), launch_pdl=common.PDL,
+            num_warps=8 if D >= 4096 else 4)
     return out.view(*emb.shape[:-1], 2 * D)
 
 
@@ -360,6 +358,8 @@ class StackedQKV(AttachAgain, draft.DraftAttention):
         self.qkv_weight = stack_rows(self.q_proj, self.k_proj, self.v_proj)
 
     def project(self, x):
+        if training(self.q_proj, self.k_proj, self.v_proj):
+            return super().project(x)
         B, T, _ = x.shape
         H, G, HD = self.n_local_heads, self.n_local_kv_heads, self.head_dim
         q, k, v = F.linear(x, self.qkv_weight).split([H * HD, G * HD, G * HD], -1)

@@ -142,6 +142,8 @@ class SiluMulKernel(model.MLP):
     """"silu_mul": SwiGLU's silu(gate) * up in one kernel."""
 
     def act(self, gate, up):
+        if torch.is_grad_enabled() and (gate.requires_grad or up.requires_grad):
+            return super().act(gate, up)    # training: the kernel has no backward
         return launch.silu_mul(gate, up)
 
 

@@ -389,12 +389,13 @@ def _launch_norm_gemv_dot(x2, r2, summed, g, weight, out, eps, add, norm, block_
 
 # head_gemv's blocks at Kimi-K2's 8 heads (python -m kernels.bench --small, head_gemv against the
 # einsums with the copies the model makes of their permuted inputs and outputs)
-# W rows a program where W's rows, not its K, are contiguous (absorbed
+# W rows a program where W's rows, not its K, are contiguous (absorbed W_uk): 32 bf16 rows,
+# 64-byte segments a K step
 HEAD_GEMV_BLOCK_N_STRIDED = 32
-#                                  W_uk): 32 bf16 rows = 64-byte segments a K step
 HEAD_GEMV_BLOCK_N = 8            # contiguous K (W_uv, K = 512): 8 heads x 16 row blocks of 128 rows
-HEAD_GEMV_STEP_BYTES = 1024  # K whole in one step at Kimi-K2's 128 and 512 (not swept); more rows:
-#                                  the step cut to fit NORM_GEMV_ACC_REGS
+# K whole in one step at Kimi-K2's 128 and 512 (not swept); more rows: the step cut to fit
+# NORM_GEMV_ACC_REGS
+HEAD_GEMV_STEP_BYTES = 1024
 HEAD_GEMV_WARPS = 4
 # x's rows a program at most (the groups: beside NORM_GEMV_PROGRAMS): from 5 rows, groups of 4 with
 # the accumulator and step of 4 rows; one program of 16 rows lost to the einsums at 9 to 16

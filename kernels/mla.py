@@ -656,10 +656,8 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
         rope.stride(0), rope.stride(1), positions.stride(0), positions.stride(1),
         kv_cache.stride(0), kv_cache.stride(1), pe_cache.stride(0), pe_cache.stride(1),
         out.stride(0), out.stride(1), out.stride(2),
-        C=C, R=R, BLOCK_C=_pow2(C), BLOCK_H=_pow2(H,
-                                                  1), BLOCK_R2=_pow2(R // 2,
-                                                                     1), launch_pdl=common.PDL,
-                                                                     num_warps=4)
+        C=C, R=R, BLOCK_C=_pow2(C), BLOCK_H=_pow2(H, 1), BLOCK_R2=_pow2(R // 2, 1),
+        launch_pdl=common.PDL, num_warps=4)
     return out
 
 

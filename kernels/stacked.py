@@ -21,6 +21,12 @@ def stack_rows(*linears):
     return buf
 
 
+def training(*linears):
+    """Whether autograd wants the linears' gradients: the stacked buffer is a copy, not linked to
+    their Parameters, so a forward that trains them takes the plain per-linear products."""
+    return torch.is_grad_enabled() and any(linear.weight.requires_grad for linear in linears)
+
+
 class StackedQKVA(AttachAgain, model.MLA):
     """"fused_proj" (plain torch; MLA with q_lora_rank): q_a_proj and kv_a_proj_with_mqa, which
     both read x, as one GEMM over their weights stacked (stack_rows)."""
@@ -29,6 +35,8 @@ class StackedQKVA(AttachAgain, model.MLA):
         self.q_kv_a_weight = stack_rows(self.q_a_proj, self.kv_a_proj_with_mqa)
 
     def q_kv_a(self, x):                       # [..., q_lora_rank + kv_lora_rank + rope dim]
+        if training(self.q_a_proj, self.kv_a_proj_with_mqa):
+            return torch.cat([self.q_a_proj(x), self.kv_a_proj_with_mqa(x)], -1)
         return F.linear(x, self.q_kv_a_weight)
 
     def project(self, x):
@@ -50,6 +58,8 @@ class StackedGateUp(AttachAgain, model.MLP):
         self.gate_up_weight = stack_rows(self.gate_proj, self.up_proj)
 
     def gate_up(self, x):                                  # one GEMM: [..., 2 I] = [gate | up]
+        if training(self.gate_proj, self.up_proj):
+            return super().gate_up(x)
         return F.linear(x, self.gate_up_weight).chunk(2, -1)
 
     def forward(self, x, add_to=None):

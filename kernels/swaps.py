@@ -263,10 +263,11 @@ def accelerate(target, names=(), moe="auto"):
     swapped in. names: "attention" (decode-mode MLA attention), "rope_cache" (RoPE + latent norm +
     cache writes), "router" (SIMULATED uniform routing included), "add_rmsnorm" (every residual add
     with the norm that reads the sum; MLA's q_a and kv_a norms, which have none, by its kernel
-    without the add), "silu_mul" (the MLPs' SwiGLU), "norm_gemv" (GEMV kernels: for
-    <= 8 rows q_b_proj with q_a_layernorm inside, for <= 16 decode mode's absorbed products over the
-    heads; for <= 4 rows, with fused_proj, the stacked q_a + kv_a, with add_rmsnorm too, at one row,
-    the layer's input add and norm inside it: InputNormInQKVA; for <= 2 rows o_proj),
+    without the add), "silu_mul" (the MLPs' SwiGLU), "norm_gemv" (GEMV kernels, up to the row
+    limits of kernels/gemv.py: q_b_proj with q_a_layernorm inside and decode mode's absorbed
+    products over the heads, 16 rows; with fused_proj the stacked q_a + kv_a, 16 rows, and with
+    add_rmsnorm too, at one row, the layer's input add and norm inside it: InputNormInQKVA; o_proj,
+    2 rows),
     "shared_expert" (the shared expert inside the fused MoE launch, where
     SharedExpertInLaunch.applies; else left off and not listed), "fused_proj" (plain torch: q_a +
     kv_a and each unfolded MLP's gate + up as one GEMM, the shared expert's down GEMM adding onto
