@@ -95,6 +95,22 @@ def refuse_unimplemented(cfg):
                                   "implemented (only yarn or none)")
 
 
+def rope_fields(cfg, default_theta):
+    """cfg with rope_theta and rope_scaling as the model reads them, from either spelling: the
+    newer transformers' rope_parameters, or rope_theta (default_theta where it is missing) and
+    rope_scaling."""
+    cfg = dict(cfg)
+    if "rope_parameters" in cfg:
+        rp = dict(cfg.pop("rope_parameters"))
+        cfg["rope_theta"] = rp.pop("rope_theta", default_theta)
+        kind = rp.pop("rope_type", rp.pop("type", "default"))
+        cfg["rope_scaling"] = None if kind == "default" else dict(rp, type=kind)
+    else:
+        cfg.setdefault("rope_theta", default_theta)
+        cfg["rope_scaling"] = normalize_rope_scaling(cfg.get("rope_scaling"))
+    return cfg
+
+
 def target_args(top):
     """A DeepseekV3 / Kimi-K2 / Kimi-K2.5 config.json's contents as ModelArgs (read_target_args
     reads a checkpoint's: the EOS ids of its generation_config.json added, errors naming the
@@ -107,13 +123,7 @@ def target_args(top):
     cfg["quantization_config"] = (cfg.get("quantization_config")
                                   or top.get("quantization_config"))
     quant_scheme(cfg["quantization_config"])  # refuses what is not implemented, by name
-    if "rope_parameters" in cfg:  # the newer transformers spelling
-        rp = dict(cfg.pop("rope_parameters"))
-        cfg["rope_theta"] = rp.pop("rope_theta", ModelArgs.rope_theta)
-        kind = rp.pop("rope_type", rp.pop("type", "default"))
-        cfg["rope_scaling"] = None if kind == "default" else dict(rp, type=kind)
-    else:
-        cfg["rope_scaling"] = normalize_rope_scaling(cfg.get("rope_scaling"))
+    cfg = rope_fields(cfg, ModelArgs.rope_theta)
     refuse_unimplemented(cfg)
     check_config_types(ModelArgs, cfg)
     names = {f.name for f in fields(ModelArgs)}
@@ -136,7 +146,14 @@ def draft_args(cfg):
     derived = ("head_dim", "num_key_value_heads", "draft_vocab_size")   # null: derive them
     cfg = {k: v for k, v in cfg.items() if v is not None or k not in derived}
     check_config_types(DraftArgs, cfg)
-    cfg = dict(cfg, rope_scaling=normalize_rope_scaling(cfg.get("rope_scaling")))
+    if (cfg.get("eagle_config") or {}).get("use_aux_hidden_state") is False:
+        raise NotImplementedError("eagle_config.use_aux_hidden_state is false: a head that reads "
+                                  "the target's last hidden state, not three aux states, is not "
+                                  "implemented")
+    # what a config leaves out means what it means to SGLang, not our Kimi-K2 preset's values:
+    # rope_theta Llama's 10000, no eagle_config the target's default aux layers
+    cfg = rope_fields(cfg, 10000.0)
+    cfg.setdefault("eagle_config", None)
     heads = cfg.get("num_attention_heads", DraftArgs.num_attention_heads)
     cfg.setdefault("head_dim", cfg.get("hidden_size", DraftArgs.hidden_size) // heads)
     cfg.setdefault("num_key_value_heads", heads)
@@ -147,8 +164,10 @@ def draft_args(cfg):
 
 
 def draft_config(args):
-    """DraftArgs as a SpecForge LlamaForCausalLMEagle3 config.json's contents."""
-    return dict(asdict(args), architectures=["LlamaForCausalLMEagle3"], model_type="llama",
+    """DraftArgs as a SpecForge LlamaForCausalLMEagle3 config.json's contents; fields that are
+    None left out (SGLang reads a present target_hidden_size or eagle_config as set)."""
+    cfg = {k: v for k, v in asdict(args).items() if v is not None}
+    return dict(cfg, architectures=["LlamaForCausalLMEagle3"], model_type="llama",
                 num_hidden_layers=1, hidden_act="silu", tie_word_embeddings=False)
 
 

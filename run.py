@@ -120,8 +120,9 @@ def add_speculative_flags(p):
                    "per cycle, k (verify reads k + 1 tokens; default %(default)s)")
     p.add_argument("--speculative-eagle-topk", type=int, default=1, help="draft branches per "
                    "step, K: 1 drafts a chain; above 1 a tree (EAGLE-2/3's and SGLang's; "
-                   "num_steps levels, K x K candidates a level, the best K expanded; default "
-                   "%(default)s)")
+                   "num_steps levels, K x K candidates a level, the best K expanded; EAGLE's tree "
+                   "mask, which SGLang's draft decode approximates from depth 3: "
+                   "docs/engine-check.md; default %(default)s)")
     p.add_argument("--speculative-num-draft-tokens", type=int, help="tokens verified per cycle, "
                    "N: with topk 1 always num_steps + 1 (another value is adjusted, with a note, "
                    "as SGLang does); with topk K > 1 required, the tree's nodes with the root, 2 "

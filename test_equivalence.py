@@ -761,6 +761,28 @@ def test_draft_round_trip_and_errors(tmp_path):
         load_draft(tmp_path / "bad", target)
 
 
+def test_draft_configs_read_and_write_as_sglang_does(tmp_path):
+    """A head's config.json: written without null fields (SGLang takes a present
+    target_hidden_size or eagle_config as set), read with what a missing field means to SGLang and
+    Llama (rope_theta 10000, the target's default aux layers), rope_parameters read as rope_theta
+    and rope_scaling, and a head that reads no aux states refused by name."""
+    cfg = checkpoint.draft_config(draft_preset("tiny"))
+    assert None not in cfg.values() and "eagle_config" not in cfg
+    back = checkpoint.draft_args(cfg)
+    assert back == draft_preset("tiny") and back.aux_layer_ids is None
+    kimi = checkpoint.draft_config(draft_preset("kimi-k2"))
+    assert checkpoint.draft_args(kimi).aux_layer_ids == [2, 30, 58]
+    bare = {k: v for k, v in kimi.items() if k not in ("rope_theta", "eagle_config")}
+    assert checkpoint.draft_args(bare).rope_theta == 10000.0
+    assert checkpoint.draft_args(bare).aux_layer_ids is None
+    newer = dict(bare, rope_parameters={"rope_theta": 5e5, "rope_type": "default"})
+    assert checkpoint.draft_args(newer).rope_theta == 5e5
+    assert checkpoint.draft_args(newer).rope_scaling is None
+    no_aux = dict(kimi, eagle_config={"use_aux_hidden_state": False})
+    with pytest.raises(NotImplementedError, match="use_aux_hidden_state is false"):
+        checkpoint.draft_args(no_aux)
+
+
 def _draft_tp_worker(path, seed):
     target = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float64),
                          seed)
