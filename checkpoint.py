@@ -735,7 +735,10 @@ def load_draft(path, target, max_batch_size=None, max_seq_len=None, device=None,
     """A SpecForge / SGLang EAGLE-3 checkpoint for `target` (made to capture the layers the head
     was trained on: draft.set_target_aux_layers); each rank reads only its slices."""
     args = read_draft_args(path)
-    own = "embed_tokens.weight" in checkpoint_files(path)
+    # as SGLang (set_embed): the target's embedding, whatever the head carries, unless the widths
+    # differ (a head's own table is a copy of the target's in SpecForge's exports)
+    own = ("embed_tokens.weight" in checkpoint_files(path)
+           and args.hidden_size != target.args.hidden_size)
     try:
         set_target_aux_layers(target, args)
         draft = Eagle3Draft(args, target, max_batch_size, max_seq_len, device, dtype,
@@ -744,5 +747,7 @@ def load_draft(path, target, max_batch_size=None, max_seq_len=None, device=None,
         raise CheckpointError(f"draft {os.fspath(path)}: {e}") from None
     # t2d, SGLang's draft-vocabulary mask, says what d2t says: every such head carries it, so
     # passing it over is expected, not news (other tensors a head does not use are still named)
-    load_weights(draft_table(draft), path, draft.tp, "draft", derived=("t2d",))
+    def skip(name):
+        return "embed_tokens (the target's is used)" if name == "embed_tokens.weight" else None
+    load_weights(draft_table(draft), path, draft.tp, "draft", skip=skip, derived=("t2d",))
     return draft

@@ -748,6 +748,12 @@ def test_draft_round_trip_and_errors(tmp_path):
     assert torch.equal(head(tokens, pos, head.fc(hidden))[0],
                        loaded(tokens, pos, loaded.fc(hidden))[0])
     tensors = load_file(tmp_path / "d" / "model.safetensors")
+    # a head that carries an embedding of the target's width reads the target's, as SGLang does
+    os.makedirs(tmp_path / "own")
+    save_file(dict(tensors, **{"embed_tokens.weight": torch.randn(256, 64, dtype=torch.float64)}),
+              tmp_path / "own" / "model.safetensors")
+    (tmp_path / "own" / "config.json").write_text((tmp_path / "d" / "config.json").read_text())
+    assert load_draft(tmp_path / "own", target).embed_tokens is target.embed_tokens
     tensors.pop("midlayer.self_attn.k_proj.weight")
     os.makedirs(tmp_path / "bad")
     save_file(tensors, tmp_path / "bad" / "model.safetensors")
