@@ -9,6 +9,7 @@ graph work done: `python -m pytest -q -m gpu` there.
 """
 import contextlib
 import json
+import math
 import os
 import shutil
 import subprocess
@@ -390,6 +391,39 @@ def test_yarn_attention_factor_as_hf():
         cos, sin = model.rope_tables(8, 10000.0, scaling, 16, "cpu")
         assert_close((cos ** 2 + sin ** 2).sqrt(), torch.full_like(cos, want), 1e-6,
                      f"attention factor {scaling}")
+
+
+def yarn_inv_freq(dim, theta, factor, original, beta_fast, beta_slow):
+    """YaRN's frequencies (arXiv:2309.00071, as DeepSeek-V3's precompute_freqs_cis computes them):
+    the fast dimensions kept, the slow ones divided by factor, a linear ramp between the
+    dimensions that turn beta_fast and beta_slow times over the original context."""
+    freqs = 1.0 / theta ** (torch.arange(0, dim, 2, dtype=torch.float32) / dim)
+
+    def dim_of(turns):
+        return dim * math.log(original / (turns * 2 * math.pi)) / (2 * math.log(theta))
+    low = max(math.floor(dim_of(beta_fast)), 0)
+    high = min(math.ceil(dim_of(beta_slow)), dim - 1)
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / max(high - low, 1e-3))
+    kept = 1 - ramp.clamp(0, 1)                          # 1: a fast dimension, left as it is
+    return freqs / factor * (1 - kept) + freqs * kept
+
+
+@pytest.mark.parametrize("factor,positions", [(32.0, 131072), (64.0, 262144)])
+def test_rope_tables_at_kimi_k2s_yarn_follow_the_formula(factor, positions):
+    """Kimi-K2's YaRN (rope_theta 50000, 64 rope dims, factor 32 (K2-Instruct) or 64
+    (K2-Thinking), beta_fast = beta_slow = 1, mscale = mscale_all_dim = 1: attention factor 1) at
+    every position of the context, against YaRN's formula written out here; and the softmax scale
+    192^-0.5 x mscale(factor, 1)^2."""
+    rs = dict(type="yarn", factor=factor, original_max_position_embeddings=4096, beta_fast=1.0,
+              beta_slow=1.0, mscale=1.0, mscale_all_dim=1.0)
+    cos, sin = model.rope_tables(64, 50000.0, rs, positions, "cpu")
+    angle = torch.outer(torch.arange(positions, dtype=torch.float32),
+                        yarn_inv_freq(64, 50000.0, factor, 4096, 1.0, 1.0))
+    assert_close(cos, angle.cos(), 1e-5, f"cos, factor {factor}")
+    assert_close(sin, angle.sin(), 1e-5, f"sin, factor {factor}")
+    args = model.ModelArgs(rope_scaling=rs, max_position_embeddings=positions)
+    want = 192 ** -0.5 * (0.1 * math.log(factor) + 1.0) ** 2
+    assert abs(args.softmax_scale - want) < 1e-12, (args.softmax_scale, want)
 
 
 # ---------------------------------------------------------------------------------------------
