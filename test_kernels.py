@@ -2415,6 +2415,22 @@ def _package_kernels():
     return found
 
 
+def test_the_pdl_check_sees_every_global_access_before_the_wait():
+    """testing._before_wait on PTX written here: loads, stores and atomics to global memory with
+    qualifiers before `.global` (volatile, release, predicated) and async copies are accesses; a
+    prefetch, a parameter's declaration or load, shared memory are not."""
+    wait = "\tgriddepcontrol.wait;\n"
+    for access in ("ld.global.b32 %r1, [%rd1];", "@%p1 ld.volatile.global.b32 %r1, [%rd1];",
+                   "atom.global.gpu.acq_rel.add.u32 %r1, [%rd1], 1;",
+                   "st.release.gpu.global.b32 [%rd1], %r1;",
+                   "@!%p2 st.global.v4.b32 [%rd2], {%r1, %r2, %r3, %r4};",
+                   "cp.async.cg.shared.global [%r1], [%rd1], 16;"):
+        assert "before the wait" in testing._before_wait(f"\t{access}\n{wait}", False), access
+    for other in ("prefetch.global.L2 [%rd1];", ".param .u64 .ptr .global .align 1 k_param_0,",
+                  "ld.param.u64 %rd1, [k_param_0];", "ld.shared.b32 %r1, [%r2];"):
+        assert testing._before_wait(f"\t{other}\n{wait}", False) is None, other
+
+
 @pytest.mark.triton
 def test_every_kernel_compiles_for_sm90(tmp_path):
     """Every Triton kernel of the kernels package, compiled for sm_90 by Triton's own compiler on

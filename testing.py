@@ -451,9 +451,10 @@ def compile_launches(path):
         print("compiled", spec["module"], spec["name"], flush=True)
 
 
-# a PTX line that reads or writes global memory (a prefetch does neither)
-GLOBAL_ACCESS = re.compile(r"\b(ld|st|atom|red)\.global|\bcp\.async\.(ca|cg)\b"
-                           r"|\bcp\.async\.bulk\.(?!prefetch)")
+# a PTX instruction that reads or writes global memory, whatever qualifiers come before .global
+# (ld.volatile.global, atom.release.gpu.global, ...; a prefetch does neither, nor a .param line)
+GLOBAL_ACCESS = re.compile(r"^\s*(@!?%p\d+\s+)?(ld|ldu|st|atom|red|multimem|cp)\.[\w.:]*\bglobal\b"
+                           r"|\bcp\.async\.(ca|cg)\b|\bcp\.(reduce\.)?async\.bulk\.(?!prefetch)")
 
 
 def _before_wait(ptx, prefetch):

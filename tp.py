@@ -95,7 +95,12 @@ class OneShotAllReduce:
     copies the partial sum into it and runs torch's one-shot kernel, which waits until every rank
     has written, sums the ranks' rows into a new tensor, and waits until every rank has read
     before it returns, so the next call may overwrite the buffer. No host sync: graphs capture
-    it."""
+    it. The copy is a launch of its own: torch's kernel can copy the input in itself
+    (one_shot_all_reduce_copy_out), but there each block signals its peers from a few threads
+    with no block barrier after the copy (one_shot_all_reduce_kernel in torch's
+    c10d/symm_mem/CUDASymmetricMemoryOps.cu: the copy loop, then sync_remote_blocks without a
+    __syncthreads), so a peer may read a vector another thread has not yet stored; a kernel
+    boundary orders every store before the signal."""
 
     def __init__(self, device, max_bytes=ONE_SHOT_MAX_BYTES):
         device = torch.device(device)
@@ -108,8 +113,6 @@ class OneShotAllReduce:
         self.group, self.max_bytes = dist.group.WORLD.group_name, max_bytes
         self.buffer = symm_mem.empty(max_bytes, dtype=torch.uint8, device=device)
         symm_mem.rendezvous(self.buffer, self.group)
-        # torch 2.8 and later copy the input in inside the kernel
-        self.fused = hasattr(torch.ops.symm_mem, "one_shot_all_reduce_copy_out")
 
     def fits(self, x):
         return one_shot_fits(x.numel(), x.element_size(), x.dtype, self.max_bytes)
@@ -118,11 +121,8 @@ class OneShotAllReduce:
         x = x.contiguous()
         shared = self.buffer.view(x.dtype)[:x.numel()].view(x.shape)
         out = torch.empty_like(x)
-        ops = torch.ops.symm_mem
-        if self.fused and x.storage_offset() * x.element_size() % 16 == 0:  # equal alignments
-            return ops.one_shot_all_reduce_copy_out(shared, x, "sum", self.group, out)
         shared.copy_(x)
-        return ops.one_shot_all_reduce_out(shared, "sum", self.group, out)
+        return torch.ops.symm_mem.one_shot_all_reduce_out(shared, "sum", self.group, out)
 
 
 def one_shot_fits(numel, element_size, dtype, max_bytes):
