@@ -219,15 +219,18 @@ def profile_components(target, fn, gpu, calls=None):
     """Where one eager call of fn goes, by component: {component: ms} of the device kernels it
     launches (GPU) or of its ops' own CPU time (CPU), each put under the innermost component range
     around the op that launched it; "kernel_ms" sums all kernels independently of that
-    attribution; "kernels": kernels (GPU) or leaf ops (CPU) per call."""
+    attribution; "kernels": kernels (GPU) or leaf ops (CPU) per call. The kernels launch without
+    programmatic dependent launch here (kernels.common.pdl_off): with it a kernel's programs start
+    early and wait, and the profiler would count the wait as that kernel's time."""
     from torch.autograd import DeviceType
     calls = calls or (1 if gpu else 3)  # kernel times are steady; CPU op times are not
-    fn()
-    with component_scopes(target), kineto_profile(cpu=True, gpu=gpu) as prof:
-        for _ in range(calls):
-            fn()
-        if target.device.type == "cuda":
-            torch.cuda.synchronize()
+    with kernels.common.pdl_off():
+        fn()
+        with component_scopes(target), kineto_profile(cpu=True, gpu=gpu) as prof:
+            for _ in range(calls):
+                fn()
+            if target.device.type == "cuda":
+                torch.cuda.synchronize()
     ours = ("component:", "profiler::")  # our ranges and their enter/exit ops: not kernels
     parts, n_kernels = parts_by_ops(prof, gpu, calls, ours)
     if gpu:

@@ -212,11 +212,8 @@ def flat(out):
 def eager_without_pdl(fn, *inputs):
     """fn run eagerly with the kernels' launches not asking for programmatic dependent launch: a
     reference in which every kernel starts after the one before it has finished."""
-    kernels.common.PDL, on = False, kernels.common.PDL
-    try:
+    with kernels.common.pdl_off():
         return fn(*inputs)
-    finally:
-        kernels.common.PDL = on
 
 
 # ---------------------------------------------------------------------------------------------

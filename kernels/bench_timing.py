@@ -5,15 +5,19 @@ import statistics
 
 import torch
 
+from . import common
+
 
 def kernel_ms(fn):
-    """Device time of the kernels of one eager fn() (torch.profiler), in ms: no launch gaps."""
+    """Device time of the kernels of one eager fn() (torch.profiler), in ms: no launch gaps. Without
+    programmatic dependent launch (common.pdl_off), so that each kernel's time is its own."""
     from torch.profiler import ProfilerActivity, profile
-    fn()
-    torch.cuda.synchronize()
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+    with common.pdl_off():
         fn()
         torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            fn()
+            torch.cuda.synchronize()
     kernels = {e.key: e.self_device_time_total / 1e3 for e in prof.key_averages()
                if e.device_type == torch.autograd.DeviceType.CUDA}
     return sum(kernels.values()), kernels

@@ -4,6 +4,7 @@ the kernels as the swaps call them."""
 import functools
 import math
 import os
+from contextlib import contextmanager
 from types import SimpleNamespace
 
 import torch
@@ -62,6 +63,19 @@ def _jit(fn):
 PDL = (HAVE_TRITON and not interpreting() and torch.cuda.is_available()
        and torch.cuda.get_device_capability() >= (9, 0))
 GDC = tl.constexpr(PDL) if HAVE_TRITON else PDL
+
+
+@contextmanager
+def pdl_off():
+    """Launches inside without programmatic dependent launch: each kernel starts after the one
+    before it has finished. What a profile of kernel times needs: with PDL a kernel's programs start
+    early and wait, and the profiler counts the wait as that kernel's time."""
+    global PDL
+    on, PDL = PDL, False
+    try:
+        yield
+    finally:
+        PDL = on
 
 
 # A prefetch before the wait. A kernel's programs can be resident and waiting while the kernel
