@@ -48,8 +48,14 @@ from kernels.common import triton
 # ---------------------------------------------------------------------------------------------
 # The kernels other than the fused MoE (its benchmark: bench_moe.py, run by --moe here): each
 # kernel against its plain twin, both captured in CUDA graphs and timed by events around replays
-# (medians), the input sets rotated so that the bytes of one replay exceed the L2; achieved GB/s
-# against the measured copy bandwidth.
+# (medians), the input sets rotated so that the bytes of one replay exceed the L2 (MLA: as many
+# sets as 250 MB of the slots read need, at most 32, so a short cache's replay can stay in the L2:
+# its rows say how many MB a replay reads); achieved GB/s against the measured copy bandwidth.
+
+
+def _mla_n_sets(B, used):
+    """Input sets of an MLA benchmark: enough that a replay reads 250 MB of cached slots, 2 to 32."""
+    return max(2, min(32, math.ceil(2.5e8 / (B * used * 576 * 2))))
 
 def _mla_sets(B, T, S, used, n_sets, H=8, C=512, R=64, dtype=torch.bfloat16):
     """Input sets of mla_decode_attention on the GPU: each row's T new tokens end at slot used - 1
@@ -94,7 +100,7 @@ def bench_mla(bw, rows, points=MLA_POINTS, shapes=((1, 1), (1, 4), (4, 1), (4, 4
         for B, T in shapes:
             # cache slots read + queries and output
             nbytes = B * used * 576 * 2 + 2 * B * T * 8 * 576 * 2
-            sets = _mla_sets(B, T, S, used, max(2, min(32, math.ceil(2.5e8 / (B * S * 576 * 2)))))
+            sets = _mla_sets(B, T, S, used, _mla_n_sets(B, used))
             plain = graph_ms([partial(_mla_plain, s, scale) for s in sets])
             fast = graph_ms([partial(mla_decode_attention, **s, softmax_scale=scale)
                               for s in sets])
@@ -104,8 +110,8 @@ def bench_mla(bw, rows, points=MLA_POINTS, shapes=((1, 1), (1, 4), (4, 1), (4, 4
                   f"{fast * 1e3:>9.1f} {plain / fast:>6.1f}x {gbps:>11.0f} {gbps / bw:>6.0%} "
                   f"{alone * 1e3:>16.1f}")
             rows.append(dict(kernel="mla_decode", B=B, T=T, cache=S, used=used, bytes=nbytes,
-                             torch_ms=plain,
-                             kernel_ms=fast, kernels_alone_ms=alone, GBps=gbps))
+                             torch_ms=plain, kernel_ms=fast, kernels_alone_ms=alone, GBps=gbps,
+                             replay_MB=len(sets) * nbytes / 1e6))   # under 50: from the L2
             del sets
 
 
@@ -148,7 +154,7 @@ def bench_mla_merge_absorb(rows, points=((320, 256), (4096, 4096), (32768, 32768
 
     for S, used in points:
         for B, T in shapes:
-            sets = _mla_sets(B, T, S, used, max(2, min(32, math.ceil(2.5e8 / (B * S * 576 * 2)))))
+            sets = _mla_sets(B, T, S, used, _mla_n_sets(B, used))
             three = graph_ms([partial(launches, s) for s in sets]) * 1e3
             two = graph_ms([partial(merged, s) for s in sets]) * 1e3
             print(f"  B {B} T {T} cache {S:>6} used {used:>6}: merge launch + head_gemv "
@@ -193,7 +199,7 @@ def bench_mla_configs(rows, sweep=MLA_SWEEP):
         rows.append(dict(kernel="mla_config", what=what, us=us))
 
     for (S, T), points in sweep.items():
-        sets = _mla_sets(1, T, S, S, max(2, min(32, math.ceil(2.5e8 / (S * 576 * 2)))))
+        sets = _mla_sets(1, T, S, S, _mla_n_sets(1, S))
         print(f" T {T}, {S} slots used ({S * 576 * 2 / 1e6:.2f} MB)")
         for block_n, stages, warps in points["blocks"]:
             mla.MLA_BLOCK_N[torch.bfloat16], mla.MLA_NUM_STAGES[torch.bfloat16] = block_n, stages
@@ -240,6 +246,15 @@ def bench_router(tokens=(1, 2, 3, 4, 5, 6, 8, 12, 16)):
                 torch=torch.__version__)
 
 
+def _align_draw(E, K):
+    """One token's K expert ids: run.py's bf16 layout (E 129) has 8 routed and the shared expert,
+    id 128, in every token; otherwise K of E."""
+    if E == 129:
+        shared = torch.full((1,), 128, device="cuda")
+        return torch.cat([torch.randperm(128, device="cuda")[:K - 1], shared])
+    return torch.randperm(E, device="cuda")[:K]
+
+
 def bench_align(tokens=(4, 8, 16, 32), sets=8):
     """The tile variant's align (kernels.moe.align: its count and place launches), µs a call in a
     graph of `sets` calls on uniform routings of their own: run.py's bf16 layout (128 experts and
@@ -249,7 +264,7 @@ def bench_align(tokens=(4, 8, 16, 32), sets=8):
     rows = []
     for E, K in ((129, 9), (384, 8)):
         for N in tokens:
-            ids = [torch.stack([torch.randperm(E, device="cuda")[:K] for _ in range(N)]).view(-1)
+            ids = [torch.stack([_align_draw(E, K) for _ in range(N)]).view(-1)
                    for _ in range(sets)]
             for share in (0, kernels.moe.ADAPTIVE_SHARE):
                 us = graph_ms([partial(kernels.moe.align, i, E, share) for i in ids]) * 1e3

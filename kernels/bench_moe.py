@@ -18,7 +18,7 @@ from .common import triton
 # or, with `distinct`, drawn from a fixed random set of that many experts (SIMULATED routing that
 # shares experts between tokens). Each time is the median over replays of a CUDA graph of LAYERS
 # calls on different weights (as in a captured step, launch gaps included; the weights of LAYERS
-# layers are larger than the 60 MB L2), divided by LAYERS.
+# layers are larger than the 50 MB L2), divided by LAYERS.
 
 def _random_experts(fmt, E, out, inp, device, g):
     if fmt == "plain":
