@@ -253,7 +253,8 @@ class Eagle3Draft(nn.Module):
     """The EAGLE-3 head for `target` (a model.Transformer), tensor parallel like it.
 
     The target's embedding is shared unless own_embedding (checkpoint.load_draft: a head of another
-    width that carries embed_tokens). The target must already capture the layers the head reads (set_target_aux_layers)."""
+    width that carries embed_tokens). The target must already capture the layers the head reads
+    (set_target_aux_layers)."""
 
     def __init__(self, args, target, max_batch_size=None, max_seq_len=None, device=None,
                  dtype=None, own_embedding=False):

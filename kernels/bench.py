@@ -54,7 +54,8 @@ from kernels.common import triton
 
 
 def _mla_n_sets(B, used):
-    """Input sets of an MLA benchmark: enough that a replay reads 250 MB of cached slots, 2 to 32."""
+    """Input sets of an MLA benchmark: as many as a replay reading 250 MB of cached slots needs,
+    2 to 32."""
     return max(2, min(32, math.ceil(2.5e8 / (B * used * 576 * 2))))
 
 def _mla_sets(B, T, S, used, n_sets, H=8, C=512, R=64, dtype=torch.bfloat16):
