@@ -640,7 +640,9 @@ def probe_markdown(r):
         "Columns: probe; probe with the held-out tokens shuffled (the same loads, no neighbours: "
         "what reuse comes from popular experts alone); uniform N(1 - (1 - k/N)^T) at N = 384, "
         "k = 8" + ("; the committed tiny pair's target (train.py: 16 experts, top 4, grouped) "
-                   "and its uniform." if "tiny_pair" in r else "."),
+                   "and its uniform. train.py never moves that target's correction bias, so its "
+                   "load is lopsided (the load table's CV): its gap below uniform is mostly "
+                   "popular experts, not neighbours." if "tiny_pair" in r else "."),
         "",
     ]
     tiny = "tiny_pair" in r

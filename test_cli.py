@@ -1588,6 +1588,14 @@ def test_run_py_lines_fit_120_columns_and_say_what_a_run_does(run_py_runs):
         "130 interrupted (Ctrl-C)" in help_text
 
 
+def test_train_measure_counts_the_cycles_outside_runs_apart():
+    """train.measure's second figure: the cycles that emit more than a run of one byte going on
+    (runs of spaces, which a degenerate target produces and the head guesses whole) left out."""
+    prompts, outputs = [[1, 2]], [[3, 32, 32, 32, 32, 5]]   # the prefill emitted 3
+    accepted = torch.tensor([[1], [1], [0], [-1]])           # [C, B]: 32 32 | 32 32 | 5 | done
+    assert train.cycles_outside_runs(outputs, prompts, accepted) == [2, 1]
+
+
 def test_source_lines_fit_100_columns():
     """Every line of the repository's tracked Python files within 100 columns, the project's one
     width."""

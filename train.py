@@ -309,14 +309,34 @@ def measure(target, head, n_prompts=12, text_windows=EVAL["text_windows"]):
             agree.append(ttt_loss(head, tokens, states, logits, EVAL["num_steps"])[1])
         bits.append(F.cross_entropy(logits[:, :-1].flatten(0, 1),
                                     tokens[:, 1:].flatten()).item() / math.log(2))
+    outside = cycles_outside_runs(plain.tokens, prompts, spec.accepted)
     return dict(accept_len_mean=live.float().mean().item() + 1,
                 accept_len_hist=torch.bincount(live + 1,
                                                minlength=EVAL["num_steps"] + 2)[1:].tolist(),
+                accept_len_mean_outside_runs=sum(outside) / max(1, len(outside)),
+                cycles_outside_runs=len(outside),
                 speculative_equals_plain=spec.tokens == plain.tokens,
                 top1_agreement_per_step=[sum(a[i] for a in agree) / len(agree)
                                          for i in range(EVAL["num_steps"])],
                 target_bits_per_byte=sum(bits) / len(bits),
                 sample=bytes(prompts[0] + plain.tokens[0]).decode("utf-8", "replace"))
+
+
+def cycles_outside_runs(outputs, prompts, accepted):
+    """The tokens each cycle emitted (accepted + 1), for the cycles that do more than go on with a
+    run of one byte: the tiny target's greedy output falls into runs of spaces, where the head
+    guesses every token, so the mean over all cycles says more of the runs than of the head.
+    accepted [C, B] as verify.generate returns it (-1 once a row finished)."""
+    kept = []
+    for row, (out, prompt) in enumerate(zip(outputs, prompts)):
+        seq, at = list(prompt) + list(out), len(prompt) + 1     # the prefill emitted out[0]
+        for a in accepted[:, row].tolist():
+            if a < 0:
+                break
+            if len(set(seq[at - 1:at + a + 1])) > 1:         # not one byte on from the last
+                kept.append(a + 1)
+            at += a + 1
+    return kept
 
 
 class Parser(argparse.ArgumentParser):
