@@ -587,6 +587,27 @@ def test_fused_moe_refuses_bad_input_by_name():
     with pytest.raises(ValueError,
                        match="moe='fused' needs Triton and a bf16, fp16 or float32 model"):
         kernels.accelerate(Transformer(tiny(), dtype=torch.float64), moe="fused")
+    # scales that do not fit their weights: the kernels would read past them
+    words = torch.zeros(2, 8, 8, dtype=torch.int32, device=TRITON_DEVICE)       # [E, I, 64 / 8]
+    int4 = [kernels.ExpertWeights("int4", words, torch.ones(2, 8, 4, device=TRITON_DEVICE),
+                                  group=32)] * 2      # 64 / 32 = 2 groups a row, not 4
+    down = kernels.ExpertWeights("int4", torch.zeros(2, 64, 1, dtype=torch.int32,
+                                                     device=TRITON_DEVICE),
+                                 torch.ones(2, 64, 1, device=TRITON_DEVICE), group=8)
+    with pytest.raises(ValueError, match=r"gate scales \[2, 8, 4\], expected \[2, 8, 2\]"):
+        kernels.fused_moe(x, ids[:, :2] % 2, ids[:, :2].float(), *int4, down)
+    fp8 = [kernels.ExpertWeights("fp8", torch.zeros(2, *shape, device=TRITON_DEVICE).to(
+        torch.float8_e4m3fn), torch.ones(2, 1, 1, device=TRITON_DEVICE), (16, 16))
+        for shape in ((32, 64), (32, 64), (64, 32))]       # 16 x 16 blocks: [2, 2, 4], not 1 x 1
+    with pytest.raises(ValueError, match=r"gate scales \[2, 1, 1\], expected \[2, 2, 4\]"):
+        kernels.fused_moe(x, ids[:, :2] % 2, ids[:, :2].float(), *fp8)
+    # no tokens: nothing to compute, in every variant
+    gate, down = (kernels.ExpertWeights("plain", p) for p in (experts.gate_proj,
+                                                               experts.down_proj))
+    for variant in ("gemv", "dot", None):
+        out = kernels.fused_moe(x[:0], ids[:0], ids[:0].float(), gate, gate, down,
+                                variant=variant)
+        assert out.shape == (0, 64), variant
 
 
 # ---------------------------------------------------------------------------------------------
@@ -987,6 +1008,9 @@ def test_mla_decode_kernel_refuses_bad_input():
     with pytest.raises(ValueError, match="last dim must be contiguous"):
         kernels.mla_decode_attention(**{**x, "kv": x["kv"].repeat_interleave(2, -1)[..., ::2]},
                                      softmax_scale=0.1)
+    with pytest.raises(ValueError, match="norm_weight"):
+        kernels.mla_decode_attention(**{**x, "norm_weight": x["norm_weight"][:1]},
+                                     softmax_scale=0.1)
 
 
 @pytest.mark.triton
@@ -1059,6 +1083,16 @@ ROUTER_SHAPES = {"tiny": {},  # 16 experts in 4 groups, 2 kept, top 4
                                  topk_group=1, hidden_size=2048),
                  "deepseek-v3": dict(n_routed_experts=256, num_experts_per_tok=8, n_group=8,
                                      topk_group=4)}
+
+
+def test_router_kernel_refuses_groups_it_cannot_score():
+    """A group scores by its two best experts: groups of one expert are refused by name (the
+    kernel chose expert 0 for every slot; the plain Router fails in topk), as are groups that
+    cannot give top_k."""
+    x, w, bias = torch.randn(2, 16), torch.randn(8, 16), torch.zeros(8)
+    for n_group, topk_group, top_k in ((8, 4, 2), (2, 1, 5)):
+        with pytest.raises(ValueError, match=f"8 experts in {n_group} groups"):
+            kernels.router.router_topk(x, w, bias, top_k, n_group, topk_group, True, 1.0)
 
 
 @pytest.mark.triton

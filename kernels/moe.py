@@ -558,7 +558,30 @@ def _check_weights(gate, up, down, D):
                              f"that is a multiple of 8 and divides the input dim {w.shape[2]}")
         if fmt == "fp8" and (w.data.dtype != torch.float8_e4m3fn or w.scale is None):
             raise ValueError(f"fused_moe: {name} FP8 needs float8_e4m3fn weights and block scales")
+        if fmt != "plain" and not _scales_cover(w):
+            raise ValueError(f"fused_moe: {name} scales {list(w.scale.shape)}, expected "
+                             f"{list(_scale_shape(w))} for weights {list(w.shape)} ({fmt}"
+                             + (", or more blocks" if fmt == "fp8" else "") + ")")
     return fmt, E, I
+
+
+def _scales_cover(w):
+    """Whether w's scales cover every weight the kernels read (INT4: exactly its groups; FP8: at
+    least the blocks over its slice)."""
+    have, need = tuple(w.scale.shape), _scale_shape(w)
+    if w.fmt == "int4":
+        return have == need
+    return len(have) == 3 and have[0] == need[0] and all(h >= n for h, n in zip(have, need))
+
+
+def _scale_shape(w):
+    """The scales an ExpertWeights of format int4 or fp8 must carry: a group's, or the blocks
+    over this rank's slice (starting `offset` into a block)."""
+    E, out, inp = w.shape
+    if w.fmt == "int4":
+        return E, out, inp // w.group
+    (br, bc), (r0, c0) = w.block, w.offset
+    return E, -(-(r0 + out) // br), -(-(c0 + inp) // bc)
 
 
 VARIANTS = ("gemv", "dot", "adaptive")
@@ -612,6 +635,8 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
     read instead of permuting x again; the other variants and formats ignore them."""
     fmt, variant = _check_inputs(x, ids, route_w, gate, up, down, variant, shared, planes)
     N, K = ids.shape
+    if N == 0:
+        return x.new_empty(0, x.shape[1])
     x, ids, route_w = (x.contiguous(), ids.reshape(-1).contiguous(),
                        route_w.reshape(-1).float().contiguous())
     tiles = _configs(fmt, N * K, gate.shape[1], x.is_cuda, x.dtype)
