@@ -192,7 +192,7 @@ def simulated_note(r, b):
     tp = b.target.tp
     rank = f"one SIMULATED rank of TP {tp.world_size}" + (
         f", collectives MODELLED at {b.cfg.allreduce_us:g} us" if modelled_ms(r) else
-        ", all-reduces not counted (--allreduce-us X models them)")
+        ", collectives not counted (--allreduce-us X models them)")
     notes = [note for note, on in (
         ("routing SIMULATED uniform (random weights route unlike a trained router)",
          b.target.routing == "uniform"),
@@ -575,7 +575,8 @@ def timing_warnings(r):
 
 
 def profile_warnings(r):
-    """A profiled phase whose summed kernel (or CPU op) time exceeds the timed phase itself."""
+    """A profiled phase whose summed kernel time exceeds the timed phase itself (GPU runs; on a
+    CPU the profiler's cost per op always does that, print_components says so)."""
     out = []
     if r.env.device == "cpu":   # there always: the profiler's own cost per op (print_components)
         return out

@@ -190,7 +190,8 @@ def add_timing_flags(p):
                    "each forward in the predictions, labelled MODELLED (2 x layers + 2: the "
                    "embedding's all-reduce, 2 a layer, the logits' all-gather; a torchrun run "
                    "prints the X it measured between compute in a CUDA graph: ~14 with NCCL, ~7 "
-                   "one-shot at TP 2 on H200 NVLink; ~35 over PCIe at TP 8)")
+                   "one-shot (measured with torch's in-kernel copy, BENCHMARKS.md) at TP 2 on "
+                   "H200 NVLink; ~35 over PCIe at TP 8)")
     p.add_argument("--allreduce", choices=ALLREDUCES, default="nccl", help="real TP (torchrun) on "
                    "CUDA GPUs: NCCL's all-reduce, or one-shot: each rank reads its peers' rows "
                    "from torch's symmetric memory and sums them, for messages up to 1 MB (decode, "

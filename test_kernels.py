@@ -1362,8 +1362,9 @@ def test_norm_gemv_with_residual_equals_add_rmsnorm_and_linear(dtype):
 
 def test_prefetch_bytes(monkeypatch):
     """common.prefetch_bytes: PREFETCH_ROW_BYTES at most the row's bytes, a power of 2 (the
-    sectors' tl.arange) from one 32-byte sector; none without PDL, for a strided row, or at 0."""
-    monkeypatch.setattr(kernels.common, "PDL", True)
+    sectors' tl.arange) from one 32-byte sector; none where PDL cannot run (PREFETCH), for a
+    strided row, or at 0; pdl_off (a profile) keeps them."""
+    monkeypatch.setattr(kernels.common, "PREFETCH", True)
     monkeypatch.setattr(kernels.common, "PREFETCH_ROW_BYTES", 1024)
     got = [kernels.common.prefetch_bytes(b) for b in (14336, 1024, 1000, 512, 100, 31)]
     assert got == [1024, 1024, 512, 512, 64, 0]
@@ -1371,7 +1372,9 @@ def test_prefetch_bytes(monkeypatch):
     monkeypatch.setattr(kernels.common, "PREFETCH_ROW_BYTES", 0)
     assert kernels.common.prefetch_bytes(14336) == 0
     monkeypatch.setattr(kernels.common, "PREFETCH_ROW_BYTES", 1024)
-    monkeypatch.setattr(kernels.common, "PDL", False)
+    with kernels.common.pdl_off():
+        assert kernels.common.prefetch_bytes(14336) == 1024 and not kernels.common.PDL
+    monkeypatch.setattr(kernels.common, "PREFETCH", False)
     assert kernels.common.prefetch_bytes(14336) == 0
 
 

@@ -309,7 +309,7 @@ def measure(target, head, n_prompts=12, text_windows=EVAL["text_windows"]):
             agree.append(ttt_loss(head, tokens, states, logits, EVAL["num_steps"])[1])
         bits.append(F.cross_entropy(logits[:, :-1].flatten(0, 1),
                                     tokens[:, 1:].flatten()).item() / math.log(2))
-    outside = cycles_outside_runs(plain.tokens, prompts, spec.accepted)
+    outside = cycles_outside_runs(spec.tokens, prompts, spec.accepted)
     return dict(accept_len_mean=live.float().mean().item() + 1,
                 accept_len_hist=torch.bincount(live + 1,
                                                minlength=EVAL["num_steps"] + 2)[1:].tolist(),

@@ -58,6 +58,7 @@ def _mla_n_sets(B, used):
     2 to 32."""
     return max(2, min(32, math.ceil(2.5e8 / (B * used * 576 * 2))))
 
+
 def _mla_sets(B, T, S, used, n_sets, H=8, C=512, R=64, dtype=torch.bfloat16):
     """Input sets of mla_decode_attention on the GPU: each row's T new tokens end at slot used - 1
     of an S-slot cache."""
@@ -508,7 +509,7 @@ def benchmark_attention(out=None, small_only=False, sweep=False, Ms=None):
 # alternation, 20 replays a round, and their outputs must be equal bit for bit (deterministic
 # kernels; a missed wait would show).
 
-PDL_SETTINGS = {"off": dict(PDL=False), "on": dict(PDL=True)}
+PDL_SETTINGS = {"off": dict(PDL=False, PREFETCH=False), "on": dict(PDL=True, PREFETCH=True)}
 
 
 def _flat(out):
@@ -557,8 +558,7 @@ def benchmark_pdl(run_flags, settings=PDL_SETTINGS,
                 times[setting] += [a.elapsed_time(z) for a, z in stamps]
         for name, value in default.items():
             setattr(common, name, value)
-        # the kernels' own time, as run.py's component table sums it (an eager profile)
-        common.PDL = False
+        # the kernels' own time, as run.py's component table sums it (an eager profile, PDL off)
         prof = components.profile_components(b.target, partial(fn, *inputs), gpu=True)
         row = result["phases"][phase] = dict(kernel_ms=prof.kernel_ms, kernels=prof.kernels,
                                              parts_ms=prof.parts_ms)

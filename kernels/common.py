@@ -69,7 +69,8 @@ GDC = tl.constexpr(PDL) if HAVE_TRITON else PDL
 def pdl_off():
     """Launches inside without programmatic dependent launch: each kernel starts after the one
     before it has finished. What a profile of kernel times needs: with PDL a kernel's programs start
-    early and wait, and the profiler counts the wait as that kernel's time."""
+    early and wait, and the profiler counts the wait as that kernel's time. The kernels keep their
+    prefetches (PREFETCH): the profile times the code the graphs replay."""
     global PDL
     on, PDL = PDL, False
     try:
@@ -85,19 +86,21 @@ def pdl_off():
 # find those bytes there: the memory's idle time in the predecessor's tail carries them. A
 # prefetch moves bytes into the L2 only and returns nothing: the L2 is where every SM's writes
 # meet, so it can hand no stale value to a later load, and the rule above holds (no load before
-# the wait). 0: none. Only under PDL (without it the programs start after the predecessor, and a
-# prefetch would come just before the load it serves). 1024 bytes: the INT4 decode step and verify
+# the wait). 0: none. Only where PDL runs (PREFETCH: without it the programs start after the
+# predecessor, and a prefetch would come just before the load it serves; pdl_off leaves it, so that
+# a profile times the kernels the graphs replay). 1024 bytes: the INT4 decode step and verify
 # of 3 each 0.08 ms less than without; 4096 bytes gave back three quarters and half of that, 512
 # and 2048 a little (BENCHMARKS.md, Kept and Tried).
 PREFETCH_ROW_BYTES = 1024
+PREFETCH = PDL
 
 
 def prefetch_bytes(row_bytes, contiguous=True):
     """The bytes of each weight row a launch asks the L2 for before its wait (_prefetch_rows'
     ROW_BYTES): PREFETCH_ROW_BYTES, at most the row's (its slice's) bytes, a power of 2 from 32; 0
-    without PDL or where the row is not contiguous."""
+    where PDL cannot run (PREFETCH) or the row is not contiguous."""
     most = min(PREFETCH_ROW_BYTES, row_bytes)
-    if not (PDL and contiguous) or most < 32:
+    if not (PREFETCH and contiguous) or most < 32:
         return 0
     return 1 << (most.bit_length() - 1)      # a power of 2 (tl.arange's length)
 

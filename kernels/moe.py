@@ -558,6 +558,8 @@ def _check_weights(gate, up, down, D):
                              f"that is a multiple of 8 and divides the input dim {w.shape[2]}")
         if fmt == "fp8" and (w.data.dtype != torch.float8_e4m3fn or w.scale is None):
             raise ValueError(f"fused_moe: {name} FP8 needs float8_e4m3fn weights and block scales")
+        if fmt == "int4" and w.scale is None:
+            raise ValueError(f"fused_moe: {name} INT4 needs its group scales")
         if fmt != "plain" and not _scales_cover(w):
             raise ValueError(f"fused_moe: {name} scales {list(w.scale.shape)}, expected "
                              f"{list(_scale_shape(w))} for weights {list(w.shape)} ({fmt}"

@@ -22,8 +22,9 @@ def stack_rows(*linears):
 
 
 def training(*linears):
-    """Whether autograd wants the linears' gradients: the stacked buffer is a copy, not linked to
-    their Parameters, so a forward that trains them takes the plain per-linear products."""
+    """Whether autograd wants the linears' gradients: their weights are views of the stacked
+    buffer, but a product over the buffer has no autograd link to those Parameters, so a forward
+    that trains them takes the plain per-linear products."""
     return torch.is_grad_enabled() and any(linear.weight.requires_grad for linear in linears)
 
 
