@@ -2476,13 +2476,14 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     show that a kernel builds. The launches of some of those tests, recorded under the interpreter
     (fp32 and bf16, the INT4 packed form, tiles, GEMVs and the adaptive variant, MLA decode and
     its merges, router, head), each compiled in a subprocess without TRITON_INTERPRET
-    (testing.compile_launches), as a Hopper GPU runs them: recorded with common.PDL on (the
-    prefetch's bytes as a GPU launch asks; the interpreter runs neither), compiled with the wait
+    (testing.compile_launches), as a Hopper GPU runs them: recorded with common.PDL and
+    common.PREFETCH on (the prefetch's bytes as a GPU launch asks; the interpreter runs neither), compiled with the wait
     (common.GDC), no global memory access before it, the weights' prefetch there where asked for."""
     if TRITON_DEVICE.type == "cuda":
         pytest.skip("on a GPU the GPU tests compile every kernel natively")
     with testing.recorded_launches() as specs, pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels.common, "PDL", True)  # the launches' arguments as on a Hopper GPU
+        mp.setattr(kernels.common, "PREFETCH", True)
         test_model_with_kernels_equals_plain()
         test_draft_head_with_kernels_equals_plain(4, "all")
         test_fused_moe_int4_tiles_even_and_masked_blocks()
