@@ -2477,8 +2477,9 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     (fp32 and bf16, the INT4 packed form, tiles, GEMVs and the adaptive variant, MLA decode and
     its merges, router, head), each compiled in a subprocess without TRITON_INTERPRET
     (testing.compile_launches), as a Hopper GPU runs them: recorded with common.PDL and
-    common.PREFETCH on (the prefetch's bytes as a GPU launch asks; the interpreter runs neither), compiled with the wait
-    (common.GDC), no global memory access before it, the weights' prefetch there where asked for."""
+    common.PREFETCH on (the prefetch's bytes as a GPU launch asks; the interpreter runs neither),
+    compiled with the wait (common.GDC), no global memory access before it, the weights' prefetch
+    there where asked for."""
     if TRITON_DEVICE.type == "cuda":
         pytest.skip("on a GPU the GPU tests compile every kernel natively")
     with testing.recorded_launches() as specs, pytest.MonkeyPatch.context() as mp:
