@@ -361,10 +361,12 @@ def modelled_allreduce(b):
                              collectives_per_forward(1) * x / 1e3)
 
 
-def loop_overheads(r, variant):
-    """The speculative loops' per-cycle commit and host time (medians over the eagle3 runs of this
-    graph setting; 0 without end-to-end runs): what a cycle pays beside its timed phases."""
-    runs = [v for n, v in r.e2e.items() if n.startswith("eagle3") and n.endswith("/" + variant)]
+def loop_overheads(r, variant, loop="eagle3"):
+    """A loop's per-cycle commit and host time (medians over its runs of this graph setting: the
+    speculative ones, or loop "baseline"; 0 without end-to-end runs): what a cycle pays beside its
+    timed phases."""
+    runs = [v for n, v in (r.e2e or {}).items()
+            if n.startswith(loop) and n.endswith("/" + variant)]
     return tuple(statistics.median(v.phases_ms.get(p, 0.0) for v in runs) if runs else 0.0
                  for p in ("commit", "host"))
 
@@ -380,13 +382,10 @@ def cost_model(r, b):
     variant, _ = b.best
     ph, ar = r.phases_ms, r.allreduce_modelled or NO_ALLREDUCE
     same_context = b.cfg.context_len[0] == b.cfg.prompt_len
-    plain = r.e2e.get(f"baseline/{variant}") if r.e2e else None
-    if plain is not None and same_context:
-        base = plain.phases_ms["cycle"]
+    if r.e2e and same_context:
+        base = r.e2e[f"baseline/{variant}"].phases_ms["cycle"]
     else:
-        loop = (plain.phases_ms.get("commit", 0.0) + plain.phases_ms.get("host", 0.0)
-                if plain is not None else 0.0)
-        base = ph[f"decode_step/{variant}"] + loop
+        base = ph[f"decode_step/{variant}"] + sum(loop_overheads(r, variant, "baseline"))
     base += ar.target_forward_ms
     commit, host = loop_overheads(r, variant)
     sweep, cm, s = r.verify_sweep_ms, {}, 1

@@ -439,6 +439,14 @@ class MLAParts(NamedTuple):
     kv_len: int
 
 
+def _check_norm_weight(launcher, norm_weight, kv):
+    """kv_a_layernorm's weight, [C] on kv's device, or a ValueError naming the launcher."""
+    C = kv.shape[-1]
+    if norm_weight.shape != (C,) or norm_weight.device != kv.device:
+        raise ValueError(f"{launcher}: norm_weight {list(norm_weight.shape)} on "
+                         f"{norm_weight.device}: needs [{C}] on {kv.device}")
+
+
 def _check_decode_inputs(q_lat, q_pe, kv, k_pe, rope, positions, kv_cache, pe_cache):
     """mla_decode_attention's inputs, or a ValueError that names what does not fit."""
     B, T, H, C = q_lat.shape
@@ -481,9 +489,7 @@ def mla_decode_attention(q_lat, q_pe, kv, k_pe, norm_weight, eps, rope, position
     B, T, H, C = q_lat.shape
     R, S = q_pe.shape[-1], kv_cache.shape[1]
     _check_decode_inputs(q_lat, q_pe, kv, k_pe, rope, positions, kv_cache, pe_cache)
-    if norm_weight.shape != (C,) or norm_weight.device != kv.device:
-        raise ValueError(f"mla_decode_attention: norm_weight {list(norm_weight.shape)} on "
-                         f"{norm_weight.device}: needs [{C}] on {kv.device}")
+    _check_norm_weight("mla_decode_attention", norm_weight, kv)
     M = T * H
     q = q_lat if q_lat.stride(-1) == 1 else q_lat.contiguous()   # read through its B, T, H strides
     qpe = q_pe.reshape(B, M, R)
@@ -644,9 +650,7 @@ def mla_rope_cache_write(q_pe, kv, k_pe, norm_weight, eps, rope, positions, kv_c
     if positions.shape != (B, T) or positions.dtype != torch.int64 or rope.dtype != torch.float32:
         raise ValueError("mla_rope_cache_write: needs int64 positions [B, T] and a float32 rope "
                          "table")
-    if norm_weight.shape != (C,) or norm_weight.device != kv.device:
-        raise ValueError(f"mla_rope_cache_write: norm_weight {list(norm_weight.shape)} on "
-                         f"{norm_weight.device}: needs [{C}] on {kv.device}")
+    _check_norm_weight("mla_rope_cache_write", norm_weight, kv)
     if kv_cache.shape[0] < B or kv_cache.shape[2] != C or pe_cache.shape[2] != R:
         raise ValueError(f"mla_rope_cache_write: caches {list(kv_cache.shape)}, "
                          f"{list(pe_cache.shape)} do not hold [{B}, S, {C}] and [{B}, S, {R}]")
