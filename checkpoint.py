@@ -111,12 +111,38 @@ def rope_fields(cfg, default_theta):
     return cfg
 
 
+# the targets this model implements, as their config.json names them (Kimi-K2 and K2-Thinking:
+# DeepseekV3ForCausalLM with model_type kimi_k2; Kimi-K2.5 wraps the text model), and the sizes
+# a config must give (a missing one would silently be Kimi-K2's)
+TARGET_ARCHITECTURES = ("DeepseekV3ForCausalLM", "KimiK25ForConditionalGeneration")
+TARGET_MODEL_TYPES = ("deepseek_v3", "kimi_k2", "kimi_k25")
+TARGET_REQUIRED = ("vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                   "n_routed_experts", "num_experts_per_tok", "kv_lora_rank")
+
+
+def check_architecture(top, cfg):
+    """ValueError where a config names another model (its architectures or model_type) or leaves
+    out a size; top: the file's contents, cfg: its text model's (top itself but for Kimi-K2.5)."""
+    arch = top.get("architectures")
+    if arch is not None and not set(arch) & set(TARGET_ARCHITECTURES):
+        raise ValueError(f"architectures {arch} is not one of {list(TARGET_ARCHITECTURES)} (a "
+                         "DeepSeek-V3 / Kimi-K2 target)")
+    kind = top.get("model_type")
+    if arch is None and kind is not None and kind not in TARGET_MODEL_TYPES:
+        raise ValueError(f"model_type {kind!r} is not one of {list(TARGET_MODEL_TYPES)} (a "
+                         "DeepSeek-V3 / Kimi-K2 target)")
+    missing = [k for k in TARGET_REQUIRED if k not in cfg]
+    if missing:
+        raise ValueError(f"no {', '.join(missing)}: not a DeepSeek-V3 / Kimi-K2 config")
+
+
 def target_args(top):
     """A DeepseekV3 / Kimi-K2 / Kimi-K2.5 config.json's contents as ModelArgs (read_target_args
     reads a checkpoint's: the EOS ids of its generation_config.json added, errors naming the
     file). Kimi-K2.5 nests the text model under text_config; its EOS ids and those of the outer
     config are taken together."""
     cfg = dict(top.get("text_config", top))
+    check_architecture(top, cfg)
     eos = eos_union(cfg.get("eos_token_id"), top.get("eos_token_id"))
     if eos:
         cfg["eos_token_id"] = eos[0] if len(eos) == 1 else eos
