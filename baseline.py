@@ -77,8 +77,8 @@ def settle_dump(args):
         raise ValueError("--dump needs --prompt-ids FILE (one JSON list of token ids per line)")
     try:
         prompts = read_prompt_ids(args.prompt_ids)
-    except (OSError, ValueError) as e:
-        raise ValueError(f"--prompt-ids: {e}") from None
+    except ValueError as e:
+        raise ValueError(f"--prompt-ids {e}") from None
     return dict(prompts=prompts, batch_size=len(prompts), prompt_len=max(map(len, prompts)),
                 simulate_tp=1, cuda_graph=args.cuda_graph or "off",
                 speculative_attention_mode=args.speculative_attention_mode or "prefill",
@@ -86,21 +86,32 @@ def settle_dump(args):
 
 
 def read_prompt_ids(path):
-    """One JSON list of token ids per line (blank lines skipped)."""
+    """One JSON list of token ids per line (blank lines skipped); ValueError naming the file and
+    the problem (a missing or unreadable file, not UTF-8 text, a line that is not such a list)."""
+    try:
+        with open(path, encoding="utf-8") as f:
+            lines = f.read().splitlines()
+    except FileNotFoundError:
+        raise ValueError(f"{path}: no such file") from None
+    except IsADirectoryError:
+        raise ValueError(f"{path}: a folder, not a file") from None
+    except UnicodeDecodeError:
+        raise ValueError(f"{path}: not UTF-8 text") from None
+    except OSError as e:
+        raise ValueError(f"{path}: cannot read it ({e.strerror or e})") from None
     prompts = []
-    with open(path) as f:
-        for i, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                ids = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path} line {i} is not JSON: {e}") from None
-            ok = isinstance(ids, list) and ids and all(type(t) is int and t >= 0 for t in ids)
-            if not ok:
-                raise ValueError(f"{path} line {i}: expected a non-empty JSON list of token ids "
-                                 f"(integers >= 0), got {line.strip()[:80]}")
-            prompts.append(ids)
+    for i, line in enumerate(lines, 1):
+        if not line.strip():
+            continue
+        try:
+            ids = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{path} line {i} is not JSON: {e}") from None
+        ok = isinstance(ids, list) and ids and all(type(t) is int and t >= 0 for t in ids)
+        if not ok:
+            raise ValueError(f"{path} line {i}: expected a non-empty JSON list of token ids "
+                             f"(integers >= 0), got {line.strip()[:80]}")
+        prompts.append(ids)
     if not prompts:
         raise ValueError(f"{path} holds no prompts")
     return prompts

@@ -332,13 +332,14 @@ def print_sweep(r, b):
                       f"({b.verify_name(mode)}, {variant}; ms, medians; {floors}):", "", "  ",
                       width=100))
     print(f"  {'tokens a row':>12s} {'verify':>9s} {'floor':>9s} {'x floor':>8s} "
-          f"{'distinct experts':>17s} {'draft extend':>13s}")
+          f"{'distinct experts':>17s} {'draft extend':>13s}   (* noisy)")
     for T, p in sweep.items():
         floor = p.floor_ms
-        print(f"  {T:12d} {p.verify:9.3f} " + (f"{floor:9.3f} {p.verify / floor:7.2f}x "
-                                               if floor else f"{'-':>9s} {'-':>8s} ")
-              + f"{p.distinct_experts:17.1f} "
-              + (f"{p.draft_extend:13.3f}" if p.draft_extend is not None else f"{'-':>13s}"))
+        print((f"  {T:12d} {p.verify:8.3f}{star(p.verify)} "
+               + (f"{floor:9.3f} {p.verify / floor:7.2f}x " if floor else f"{'-':>9s} {'-':>8s} ")
+               + f"{p.distinct_experts:17.1f} "
+               + (f"{p.draft_extend:12.3f}{star(p.draft_extend)}" if p.draft_extend is not None
+                  else f"{'-':>13s}")).rstrip())
     print(wrap(cliff_line(r.sweep_cliffs), "  ", "    ", width=100))
 
 
@@ -620,9 +621,9 @@ def noise_warning(noisy, load, cores, ranks=1):
                    + (", or waits between ranks" if ranks > 1 else ""))
         parts.append(f"longer ones: {names(long_)}: {why}")
     return (f"{len(noisy)} timing(s) vary by more than {NOISY_IQR:.0%} of their median between "
-            "repetitions (interquartile range; marked noisy): "
+            "repetitions (interquartile range; marked noisy in the phase table, * in the sweeps): "
             + "; ".join(parts) + ". More --reps, a quiet machine and "
-            "one thread a process (OMP_NUM_THREADS=1) steady them")
+            "one thread a process (OMP_NUM_THREADS=1) steady them.")
 
 
 def verdict(r):
@@ -677,6 +678,11 @@ def simulated_verdict(r, v, name):
             "acceptance, not what this draft head achieves; the cost model gives it at any.")
 
 
+def star(t):
+    """A sweep cell's mark: '*' after a noisy Timing, else a space (its width kept)."""
+    return "*" if isinstance(t, Timing) and t.noisy else " "
+
+
 def fmt_spread(t, digits=3):
     mn, q1, _, q3, mx = t.spread()
     return (f"[{mn:.{digits}f} {q1:.{digits}f}-{q3:.{digits}f} {mx:.{digits}f}]"
@@ -724,10 +730,10 @@ def print_routing_sweep(r):
                       f"of {s.experts} experts; plain step {s.plain_step_ms:.2f} ms; cycle and "
                       f"break-even of num_steps {s.num_steps})", "", "", width=100))
     print(f"  {'D':>5s} {'ran':>6s} {'verify ms':>10s} {'decode steps':>13s} {'cycle ms':>9s} "
-          f"{'break-even':>11s}")
+          f"{'break-even':>11s}   (* noisy)")
     for p in s.points:
-        print(f"  {p.distinct:5d} {p.distinct_ran:6.1f} {p.verify_ms:10.3f} {p.decode_steps:13.2f} "
-              f"{p.cycle_ms:9.2f} {p.break_even_accept_len:11.2f}")
+        print(f"  {p.distinct:5d} {p.distinct_ran:6.1f} {p.verify_ms:9.3f}{star(p.verify_ms)} "
+              f"{p.decode_steps:13.2f} {p.cycle_ms:9.2f} {p.break_even_accept_len:11.2f}")
     print(f"  uniform's expectation for {s.tokens} tokens drawn independently: "
           f"{s.uniform_expectation:.1f} distinct\n  this run's routing ({s.run_routing}): "
           f"{s.run_distinct:.1f} distinct, verify {s.run_verify_ms:.3f} ms")
@@ -1068,7 +1074,12 @@ def sweep_plot(paths, out):
         ax.grid(alpha=0.3)
         ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(out, dpi=150)
+    try:
+        fig.savefig(out, dpi=150)
+    except OSError as e:   # no such folder, a folder, no permission
+        print(f"report.py sweep-plot: --out {out}: cannot write there ({e.strerror or e})",
+              file=sys.stderr)
+        return 2
     print(f"wrote {out}")
     return 0
 

@@ -770,7 +770,12 @@ def plot_main(argv):
     fig.suptitle("SIMULATED distinct experts (run.py --distinct-sweep); star: the run's own "
                  "routing", fontsize=9)
     fig.tight_layout()
-    fig.savefig(a.out, dpi=150)
+    try:
+        fig.savefig(a.out, dpi=150)
+    except OSError as e:   # no such folder, a folder, no permission
+        print(f"routing.py plot: --out {a.out}: cannot write there ({e.strerror or e})",
+              file=sys.stderr)
+        return 2
     print(f"wrote {a.out}")
     return 0
 
@@ -787,14 +792,25 @@ COMMANDS = dict(probe=probe_main, curve=curve_main, plot=plot_main,
                 **{"convert-sglang": convert_main})
 
 
+COMMAND_HELP = dict(
+    probe="train a small model that routes as Kimi-K2 does; record its routing (a trace)",
+    curve="distinct experts against tokens: a trace's curve beside uniform routing's",
+    plot="verify's cost against distinct experts, from run.py --distinct-sweep --json files",
+    **{"convert-sglang": "SGLang's expert-distribution recorder dumps -> a routing trace"})
+
+
 def main(argv=None):
+    """`python routing.py COMMAND ...`: the command's own parser takes the rest (COMMAND --help);
+    --help alone lists the commands; no command or an unknown one is refused (status 2)."""
     argv = sys.argv[1:] if argv is None else argv
     if not argv or argv[0] not in COMMANDS:
         usage = "usage: python routing.py {" + ",".join(COMMANDS) + "} [--help]"
-        if argv[:1] in ([], ["-h"], ["--help"]):
-            print(__doc__.split("\n\n")[0] + "\n\n" + usage)
+        if argv[:1] in (["-h"], ["--help"]):
+            listed = "\n".join(f"  {name:<15} {COMMAND_HELP[name]}" for name in COMMANDS)
+            print(f"{usage}\n\n{__doc__.split(chr(10))[0]}\n\ncommands:\n{listed}")
             return 0
-        print(f"{usage}\nrouting.py: error: unknown command {argv[0]!r}", file=sys.stderr)
+        why = f"unknown command {argv[0]!r}" if argv else "a command is required"
+        print(f"{usage}\nrouting.py: error: {why}", file=sys.stderr)
         return 2
     return COMMANDS[argv[0]](argv[1:])
 

@@ -344,8 +344,10 @@ def check_flags(args):
                        "run; --dump times nothing")
     most = max(args.sweep_tokens or [1])
     if args.batch_size * most > SWEEP_MOST_TOKENS:
-        raise BadInput(f"--sweep-tokens {most}: batch {args.batch_size} x {most} tokens a forward; "
-                       f"the sweep times verify-sized forwards, at most {SWEEP_MOST_TOKENS} tokens")
+        asked = f"--sweep-tokens {most}, " if args.sweep_tokens else ""
+        raise BadInput(f"{asked}--batch-size {args.batch_size}: {args.batch_size} x {most} "
+                       "tokens a forward; the sweep times verify-sized forwards, at most "
+                       f"{SWEEP_MOST_TOKENS} tokens")
     if args.json not in (None, "-"):
         check_writable("--json", args.json)
     if args.dump:
@@ -538,11 +540,11 @@ def check_device_flags(args, device):
 
 
 def check_moe_flag(args, device, dtype):
-    """--moe-impl fused or grouped where it runs; --moe-adaptive for FP8 experts."""
+    """--moe-impl fused or grouped where it runs; --moe-adaptive a count (check_sizes refuses it
+    for experts that are not FP8, once the target's format is known)."""
     n = args.moe_adaptive
-    if n is not None and (n < 1 or args.quant in ("none", "int4")):
-        raise BadInput(f"--moe-adaptive {n}: a token count of 1 or more, for FP8 routed experts "
-                       f"(not --quant {args.quant})")
+    if n is not None and n < 1:
+        raise BadInput(f"--moe-adaptive {n}: a token count of 1 or more")
     if args.moe_impl not in ("fused", "grouped"):
         return
     import kernels
@@ -570,6 +572,10 @@ def check_sizes(cfg, device, world):
                        "ids]")
     if cfg.dump:
         check_prompt_ids(cfg, margs.vocab_size)
+    if cfg.moe_adaptive is not None and margs.fp8_block is None:
+        held = "INT4" if margs.int4_group_size else cfg.dtype
+        raise BadInput(f"--moe-adaptive {cfg.moe_adaptive}: for FP8 routed experts; this "
+                       f"target's are {held} (--quant fp8, or an FP8 checkpoint)")
     with refusal():  # routing.py's ValueError as BadInput
         routing.check_run(cfg, margs)
     K = cfg.speculative_eagle_topk

@@ -328,8 +328,7 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
         ("--preset kimi-k2", "--preset kimi-k2: a random Kimi-K2 needs a GPU"),
         ("--cuda-graph on", "--cuda-graph on: CUDA graphs need a CUDA GPU"),
         ("--routed-experts 3", "--routed-experts 3: tiny needs between 4 .* and 16"),
-        ("--moe-adaptive 0", "--moe-adaptive 0: a token count of 1 or more, for FP8"),
-        ("--quant int4 --moe-adaptive 8", r"--moe-adaptive 8: .* \(not --quant int4\)"),
+        ("--moe-adaptive 0", "--moe-adaptive 0: a token count of 1 or more$"),
         ("--model-path ckpt --quant int4",
          "--quant, --routed-experts and --preset shape random weights"),
         ("--batch-size x", "argument --batch-size: invalid int value: 'x'"),
@@ -337,7 +336,7 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
         ("--dump x.npz", "--dump needs --prompt-ids FILE"),
         ("--dump x.npz --prompt-ids p --temperature 0.5", "drop --temperature"),
         ("--dump x.npz --prompt-ids p --batch-size 2", "drop --batch-size"),
-        ("--dump x.npz --prompt-ids nothere.jsonl", "--prompt-ids: .*nothere.jsonl"),
+        ("--dump x.npz --prompt-ids nothere.jsonl", "^--prompt-ids nothere.jsonl: no such file$"),
         ("--random-weights --model-path ckpt", "--random-weights replaces the trained tiny pair"),
         ("--draft-path ckpt", "--draft-path needs --model-path: a head is trained for one target"),
         ("--json /nonexistent/r.json",
@@ -350,7 +349,8 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
         ("--sweep-tokens 0", "argument --sweep-tokens: '0': comma-separated token counts of 1"),
         ("--sweep-tokens 2,x", "argument --sweep-tokens: '2,x': comma-separated token counts"),
         ("--batch-size 4 --sweep-tokens 8,100",
-         "--sweep-tokens 100: batch 4 x 100 tokens a forward; .* at most 256 tokens"),
+         "--sweep-tokens 100, --batch-size 4: 4 x 100 tokens a forward; .* at most 256 tokens"),
+        ("--batch-size 300", "^--batch-size 300: 300 x 1 tokens a forward; .* at most 256"),
         ("--dump x.npz --prompt-ids p --sweep-tokens 4", "--dump times nothing"),
     ]
     for flags, message in cases:
@@ -522,6 +522,9 @@ def test_report_sweep_plot_draws_gpu_sweeps_and_refuses_the_rest(tmp_path, capsy
     err = capsys.readouterr().err
     if drawn:
         assert out.stat().st_size > 1000, "the figure"
+        nowhere = tmp_path / "none" / "sweep.png"
+        assert report.sweep_plot([gpu], str(nowhere)) == 2
+        assert f"--out {nowhere}: cannot write there" in capsys.readouterr().err
     else:
         assert "needs matplotlib" in err and not out.exists(), err
     for path, why in ((cpu, "its sweep has no floors"),
@@ -1023,6 +1026,11 @@ def test_dump_from_the_command_line_and_bad_input(tiny_ckpt, tmp_path, run_py_ru
     (tmp_path / "bad.jsonl").write_text("[1, 2]\n{\"ids\": [3]}\n")
     with pytest.raises(ValueError, match="bad.jsonl line 2: expected a non-empty JSON list"):
         baseline.read_prompt_ids(tmp_path / "bad.jsonl")
+    (tmp_path / "binary.jsonl").write_bytes(b"[1, \x8c]\n")
+    for path, why in ((tmp_path / "binary.jsonl", "not UTF-8 text"),
+                      (tmp_path, "a folder, not a file")):
+        with pytest.raises(ValueError, match=f"^{re.escape(str(path))}: {why}$"):
+            baseline.read_prompt_ids(path)
     bad = run_py_runs[0]["dump_temperature"]
     assert bad.returncode != 0 and "drop --temperature" in bad.stderr
 
@@ -1386,6 +1394,13 @@ def test_run_py_refuses_sizes_before_building(monkeypatch, capsys):
         "max_position_embeddings 256" in said, said
     run.check_sizes(_settled("--random-weights"), torch.device("cpu"), 1)
     assert "warning" not in capsys.readouterr().out
+    # --moe-adaptive for experts that are not FP8, named by their format (on a CPU: float32)
+    for flags, held in (("", "float32"), ("--random-weights --quant int4", "INT4")):
+        with pytest.raises(run.BadInput, match=f"--moe-adaptive 4: for FP8 routed experts; this "
+                                               f"target's are {held}"):
+            run.check_sizes(_settled(f"--moe-adaptive 4 {flags}"), torch.device("cpu"), 1)
+    run.check_sizes(_settled("--moe-adaptive 4 --random-weights --quant fp8"),
+                    torch.device("cpu"), 1)
     parts, _, _ = timing.memory_needed(_settled("--random-weights --context-len 100"),
                                        torch.device("cpu"), 1)
     target = Transformer(tiny(), 1,
@@ -1395,6 +1410,26 @@ def test_run_py_refuses_sizes_before_building(monkeypatch, capsys):
     caches = sum(t.numel() * t.element_size()
                  for t in [target.kv_caches, target.pe_caches, target.rope, *head.buffers()])
     assert parts["KV caches"] == caches, (parts, caches)
+
+
+def test_run_py_refuses_a_config_of_another_model(tmp_path):
+    """A --model-path whose config.json names another model (architectures, or model_type where
+    it has none) or leaves out a size is refused by name before the memory estimate, which would
+    otherwise size Kimi-K2's defaults; the committed pair's config passes."""
+    ours = checkpoint.read_config(os.path.join(HERE, "checkpoints", "tiny-stdlib", "target"))
+    for name, cfg, message in [
+            ("llama", {"model_type": "llama"}, "model_type 'llama' is not one of"),
+            ("arch", dict(ours, architectures=["LlamaForCausalLM"]),
+             r"architectures \['LlamaForCausalLM'\] is not one of"),
+            ("size", {k: v for k, v in ours.items() if k != "hidden_size"},
+             "no hidden_size: not a DeepSeek-V3 / Kimi-K2 config")]:
+        (tmp_path / name).mkdir()
+        (tmp_path / name / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(checkpoint.CheckpointError,
+                           match=f"{tmp_path / name}/config.json: {message}"):
+            timing.memory_needed(_settled(f"--model-path {tmp_path / name}"),
+                                 torch.device("cpu"), 1)
+    assert checkpoint.target_args(ours).hidden_size == ours["hidden_size"]
 
 
 def test_run_py_cli_interrupt_and_rank_refusals(monkeypatch, capsys):

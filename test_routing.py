@@ -467,13 +467,18 @@ def test_the_figure_draws_from_a_sweep_or_says_in_one_line_what_it_needs(tmp_pat
         (tmp_path / "bad.json").write_text("{}\n")
         assert routing.main(["plot", str(tmp_path / "bad.json"), "--out", str(out)]) == 2
         assert "no routing_sweep" in capsys.readouterr().err
+        nowhere = tmp_path / "none" / "fig.png"
+        assert routing.main(["plot", str(path), "--out", str(nowhere)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert err == [f"routing.py plot: --out {nowhere}: cannot write there (No such file or "
+                       "directory)"], err
 
 
 def test_routing_py_refuses_a_missing_or_foreign_file_and_an_unknown_command_in_one_line(
         tmp_path, capsys):
     """curve on a missing file or on a file that is no trace, convert-sglang on a missing file or
-    on bytes torch.load cannot read, and an unknown command: one line naming the problem, exit
-    status 2, no traceback."""
+    on bytes torch.load cannot read, an unknown command and none: one line naming the problem,
+    exit status 2, no traceback; --help lists each command with what it does."""
     (tmp_path / "junk.pt").write_bytes(b"junk")
     (tmp_path / "run.json").write_text("{}\n")
     for argv, words in ((["curve", str(tmp_path / "none.npz")], "not a routing trace"),
@@ -482,7 +487,7 @@ def test_routing_py_refuses_a_missing_or_foreign_file_and_an_unknown_command_in_
                           str(tmp_path / "t.npz")], "No such file"),
                         (["convert-sglang", str(tmp_path / "junk.pt"), "--out",
                           str(tmp_path / "t.npz")], "torch.load cannot read it"),
-                        (["bogus"], "unknown command 'bogus'")):
+                        (["bogus"], "unknown command 'bogus'"), ([], "a command is required")):
         try:
             status = routing.main(argv)
         except SystemExit as e:
@@ -490,3 +495,6 @@ def test_routing_py_refuses_a_missing_or_foreign_file_and_an_unknown_command_in_
         err = capsys.readouterr().err.strip().splitlines()
         assert status == 2 and words in err[-1] and "error:" in err[-1], (argv, err)
     assert not (tmp_path / "t.npz").exists()
+    assert routing.main(["--help"]) == 0
+    listed = capsys.readouterr().out
+    assert all(f"  {name} " in listed for name in routing.COMMANDS), listed

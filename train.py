@@ -514,6 +514,8 @@ def train(args, saved):
     if args.quick:
         recipe.update(quick=eval_kw)
     write_recipe(recipe, out)
+    say(f"time it: python run.py --model-path {target_dir} --draft-path {draft_dir} (on random "
+        f"prompt ids; python train.py --eval {out} measures it on held-out source)")
 
 
 def mean_last(history, n=20):
