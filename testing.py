@@ -236,12 +236,25 @@ def int4_checkpoint(d, **shape):
                    "text_config": checkpoint.target_config(args)}, f)
     ref = Transformer(tiny(**{"moe_intermediate_size": 64, **shape}), max_batch_size=3,
                       max_seq_len=32, dtype=torch.float32)
-    for (name, p), (_, q) in zip(ref.named_parameters(), [(n, q) for n, q in m.named_parameters()
-                                                           if not n.endswith("weight_scale")]):
-        p.copy_(m.get_submodule(name.rsplit(".", 1)[0]).weights(name.rsplit(".", 1)[1])
-                if ".mlp.experts." in name else q)
+    for name, p in ref.named_parameters():
+        p.copy_(int4_twin(tensors, name, args) if ".mlp.experts." in name
+                else m.get_parameter(name))
     save_target(ref, plain)
     return quant, plain
+
+
+def int4_twin(tensors, name, args):
+    """Routed experts `name` (e.g. "layers.1.mlp.experts.gate_proj") [E, out, in], dequantized
+    here from the saved words and scales, independently of model.py: element c of a row sits in
+    word c // 8 at bits 4 * (c % 8)..+3, stored as q + 8; one scale per int4_group_size columns."""
+    layer, proj = name.split(".mlp.experts.")
+    shifts = torch.arange(0, 32, 4)
+    experts = []
+    for e in range(args.n_routed_experts):
+        k = f"language_model.model.{layer}.mlp.experts.{e}.{proj}.weight_"
+        q = ((tensors[k + "packed"].long().unsqueeze(-1) >> shifts) & 0xF).flatten(-2) - 8
+        experts.append(q * tensors[k + "scale"].repeat_interleave(args.int4_group_size, -1))
+    return torch.stack(experts)
 
 
 def fp8_checkpoint(d, block=(16, 24), **shape):
