@@ -257,18 +257,19 @@ def int4_twin(tensors, name, args):
     return torch.stack(experts)
 
 
-def fp8_checkpoint(d, block=(16, 24), **shape):
-    """The tiny model with every projection FP8 in 16 x 24 blocks (not square, so rows and columns
-    cannot be mixed up; edges partial: 40 rows of kv_a_proj, 64 columns; TP 2 slices that start
-    inside a block along rows, e.g. q_b_proj's 48, and columns, o_proj's 32), and the same weights
-    dequantized here, independently of the loader, saved plain. `shape` changes the tiny model."""
+def fp8_checkpoint(d, block=(32, 24), **shape):
+    """The tiny model with every projection FP8 in 32 x 24 blocks (not square, so rows and columns
+    cannot be mixed up; edges partial: kv_a_proj_with_mqa's 40 rows, 64 columns; TP 2 slices that
+    start inside a block along rows, q_b_proj's at 48 and the experts' gate_proj and up_proj at
+    16, and along columns, o_proj's at 32), and the same weights dequantized here, independently
+    of the loader, saved plain. `shape` changes the tiny model."""
     m = init_random(Transformer(tiny(**shape), max_batch_size=3, max_seq_len=32,
                                 dtype=torch.float32), 6)
     quant, plain = os.path.join(d, "fp8"), os.path.join(d, "plain")
     save_target(m, plain)
     tensors, deq = load_file(os.path.join(plain, "model.safetensors")), {}
     br, bc = block
-    for k in [k for k in tensors if k.endswith("_proj.weight")]:
+    for k in [k for k in tensors if k.endswith(("_proj.weight", "_proj_with_mqa.weight"))]:
         w = tensors[k]
         rows, cols = -(-w.shape[0] // br), -(-w.shape[1] // bc)
         padded = torch.zeros(rows * br, cols * bc)
