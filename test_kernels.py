@@ -1451,14 +1451,14 @@ def test_head_gemv_kernel_equals_twin(dtype):
                              f"head_gemv W_uv {what}")
 
 
-@pytest.mark.triton
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_head_bmm_equals_absorb_output_row_major(dtype):
+def test_head_bmm_equals_absorb_output_row_major(dtype, device):
     """kernels.gemv.head_bmm (NormGemvMLA's W_uv past HEAD_GEMV_MAX_ROWS) against
     model.MLA.absorb_output's einsum on fresh inputs, W_uv the row-strided view of kv_b_proj's
     weight the model takes: equal (on the GPU to cuBLAS's rounding), and its output row-major, so
-    o_proj's flatten is a view. On the GPU the product is one GEMM launch, no copy after it."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    o_proj's flatten is a view. On the GPU the product is one GEMM launch, no copy after it.
+    Plain torch, no Triton: the CPU case runs anywhere, the CUDA one is marked gpu."""
     g = torch.Generator().manual_seed(17)
     H, d, C = (8, 128, 512) if device == "cuda" else (4, 16, 100)
     kv_b = (torch.randn(H, 2 * d, C, generator=g) / C ** 0.5).to(device, dtype)
