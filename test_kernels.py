@@ -1654,10 +1654,11 @@ SWAPS = {
 @pytest.mark.parametrize("name", list(SWAPS))
 def test_each_swap_equals_the_module_it_replaces(name):
     """Each swap of kernels/ against the module it replaces, on the same weights (the swap keeps
-    the state dict) and fresh random inputs, float32: 1, 4 and 20 rows (the GEMV swaps' limits are
-    1, 4 and 16);
-    MLA in both attention modes (each also against extend mode), its outputs and the caches it
-    writes."""
+    the state dict) and fresh random inputs, float32: 1, 4 and 20 rows (o_proj's GEMV up to
+    O_PROJ_GEMV_MAX_ROWS, the plain GEMM past it); MLA in both attention modes (each also against
+    extend mode) at mla_calls' 18, 6, 2 and 1 rows, on both sides of its GEMVs' limits
+    (Q_B_GEMV_MAX_ROWS, HEAD_GEMV_MAX_ROWS, QKVA_GEMV_MAX_ROWS with fused_proj, and W_uv's merge
+    in the attention launch, MLA_MERGE_ABSORB_MAX_ROWS), its outputs and the caches it writes."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny()
     make, swaps = SWAPS[name]
@@ -1714,9 +1715,9 @@ def test_input_norm_in_qkva_block_equals_the_plain_block(monkeypatch):
     (18 rows: model.Block, an add_rmsnorm launch in front of the attention), then 4, 2 (no residual,
     as after an EAGLE-3 state: the norm alone inside the GEMV), 3 and 1 rows (one add_rmsnorm
     launch, after the attention); both outputs (the MLP's, the stream after the attention) and the
-    caches written. The swap's limit is raised from its one row to the stacked GEMV's 4 here, so
-    that its kernel runs at several rows too. This swap is no module's own (the test of each swap
-    takes one module's inputs): a layer's, so tested here."""
+    caches written. The swap's limit, INPUT_NORM_QKVA_MAX_ROWS (one row), is raised here to the
+    stacked GEMV's, QKVA_GEMV_MAX_ROWS, so that its kernel runs at several rows too. This swap is no
+    module's own (the test of each swap takes one module's inputs): a layer's, so tested here."""
     monkeypatch.setattr(kernels.gemv, "INPUT_NORM_QKVA_MAX_ROWS", kernels.QKVA_GEMV_MAX_ROWS)
     device = TRITON_DEVICE
     args = tiny()
@@ -1889,8 +1890,8 @@ def test_shared_expert_in_the_fused_launch_equals_plain(tmp_path):
     """kernels "shared_expert": the shared expert as expert E of the fused MoE launch equals the
     plain MoE, whether swapped in before the weights are loaded by name (they land in the [E + 1]
     tensors) or after load_target; the parameters are views, nothing is held twice, the state dict
-    is the plain one. Left off (and not listed) where it cannot apply: quantized experts, the
-    other MoE paths."""
+    is the plain one. Left off (and not listed) on the other MoE paths (gather, below); quantized
+    routed experts take it too, in their GEMV launches (the next test)."""
     args = tiny(num_hidden_layers=3)
     kw = dict(max_batch_size=2, max_seq_len=32, device=TRITON_DEVICE, dtype=torch.float32)
     plain = init_random(Transformer(args, **kw), 4)
