@@ -1022,9 +1022,6 @@ def test_rope_cache_kernel_equals_twin(shape, dtype):
     passes its own, a row more than the batch (a max batch above it); every slot not written,
     that spare row's too, stays as it was."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == torch.bfloat16 and device == "cpu":
-        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
-                    "nearest): bf16 kernels are checked on the GPU")
     H, C, R = (TINY_MLA if shape == "tiny" else KIMI_TP8).values()
     B, S, nope = 3, 40, 16
     norm = model.RMSNorm(C, 1e-6, device, dtype)
@@ -1428,9 +1425,6 @@ def test_head_gemv_kernel_equals_twin(dtype):
     100 takes two steps, the last partial) and (GPU) Kimi-K2 TP-8 heads; at 3 and 16 rows also in
     groups of 2 rows, a program a group."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    if dtype == torch.bfloat16 and device == "cpu":
-        pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
-                    "nearest): bf16 kernels are checked on the GPU")
     g = torch.Generator().manual_seed(16)
     for H, d, R, C in [(4, 16, 8, 100)] + ([(8, 128, 64, 512)] if device == "cuda" else []):
         kv_b = (torch.randn(H, 2 * d, C, generator=g) / C ** 0.5).to(device, dtype)
@@ -1451,14 +1445,14 @@ def test_head_gemv_kernel_equals_twin(dtype):
                              f"head_gemv W_uv {what}")
 
 
-@pytest.mark.triton
+@pytest.mark.parametrize("device", ["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_head_bmm_equals_absorb_output_row_major(dtype):
+def test_head_bmm_equals_absorb_output_row_major(dtype, device):
     """kernels.gemv.head_bmm (NormGemvMLA's W_uv past HEAD_GEMV_MAX_ROWS) against
     model.MLA.absorb_output's einsum on fresh inputs, W_uv the row-strided view of kv_b_proj's
     weight the model takes: equal (on the GPU to cuBLAS's rounding), and its output row-major, so
-    o_proj's flatten is a view. On the GPU the product is one GEMM launch, no copy after it."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    o_proj's flatten is a view. On the GPU the product is one GEMM launch, no copy after it.
+    Plain torch, no Triton: the CPU case runs anywhere, the CUDA one is marked gpu."""
     g = torch.Generator().manual_seed(17)
     H, d, C = (8, 128, 512) if device == "cuda" else (4, 16, 100)
     kv_b = (torch.randn(H, 2 * d, C, generator=g) / C ** 0.5).to(device, dtype)
@@ -1660,10 +1654,11 @@ SWAPS = {
 @pytest.mark.parametrize("name", list(SWAPS))
 def test_each_swap_equals_the_module_it_replaces(name):
     """Each swap of kernels/ against the module it replaces, on the same weights (the swap keeps
-    the state dict) and fresh random inputs, float32: 1, 4 and 20 rows (the GEMV swaps' limits are
-    1, 4 and 16);
-    MLA in both attention modes (each also against extend mode), its outputs and the caches it
-    writes."""
+    the state dict) and fresh random inputs, float32: 1, 4 and 20 rows (o_proj's GEMV up to
+    O_PROJ_GEMV_MAX_ROWS, the plain GEMM past it); MLA in both attention modes (each also against
+    extend mode) at mla_calls' 18, 6, 2 and 1 rows, on both sides of its GEMVs' limits
+    (Q_B_GEMV_MAX_ROWS, HEAD_GEMV_MAX_ROWS, QKVA_GEMV_MAX_ROWS with fused_proj, and W_uv's merge
+    in the attention launch, MLA_MERGE_ABSORB_MAX_ROWS), its outputs and the caches it writes."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny()
     make, swaps = SWAPS[name]
@@ -1720,9 +1715,9 @@ def test_input_norm_in_qkva_block_equals_the_plain_block(monkeypatch):
     (18 rows: model.Block, an add_rmsnorm launch in front of the attention), then 4, 2 (no residual,
     as after an EAGLE-3 state: the norm alone inside the GEMV), 3 and 1 rows (one add_rmsnorm
     launch, after the attention); both outputs (the MLP's, the stream after the attention) and the
-    caches written. The swap's limit is raised from its one row to the stacked GEMV's 4 here, so
-    that its kernel runs at several rows too. This swap is no module's own (the test of each swap
-    takes one module's inputs): a layer's, so tested here."""
+    caches written. The swap's limit, INPUT_NORM_QKVA_MAX_ROWS (one row), is raised here to the
+    stacked GEMV's, QKVA_GEMV_MAX_ROWS, so that its kernel runs at several rows too. This swap is no
+    module's own (the test of each swap takes one module's inputs): a layer's, so tested here."""
     monkeypatch.setattr(kernels.gemv, "INPUT_NORM_QKVA_MAX_ROWS", kernels.QKVA_GEMV_MAX_ROWS)
     device = TRITON_DEVICE
     args = tiny()
@@ -1895,8 +1890,8 @@ def test_shared_expert_in_the_fused_launch_equals_plain(tmp_path):
     """kernels "shared_expert": the shared expert as expert E of the fused MoE launch equals the
     plain MoE, whether swapped in before the weights are loaded by name (they land in the [E + 1]
     tensors) or after load_target; the parameters are views, nothing is held twice, the state dict
-    is the plain one. Left off (and not listed) where it cannot apply: quantized experts, the
-    other MoE paths."""
+    is the plain one. Left off (and not listed) on the other MoE paths (gather, below); quantized
+    routed experts take it too, in their GEMV launches (the next test)."""
     args = tiny(num_hidden_layers=3)
     kw = dict(max_batch_size=2, max_seq_len=32, device=TRITON_DEVICE, dtype=torch.float32)
     plain = init_random(Transformer(args, **kw), 4)

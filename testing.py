@@ -236,26 +236,40 @@ def int4_checkpoint(d, **shape):
                    "text_config": checkpoint.target_config(args)}, f)
     ref = Transformer(tiny(**{"moe_intermediate_size": 64, **shape}), max_batch_size=3,
                       max_seq_len=32, dtype=torch.float32)
-    for (name, p), (_, q) in zip(ref.named_parameters(), [(n, q) for n, q in m.named_parameters()
-                                                           if not n.endswith("weight_scale")]):
-        p.copy_(m.get_submodule(name.rsplit(".", 1)[0]).weights(name.rsplit(".", 1)[1])
-                if ".mlp.experts." in name else q)
+    for name, p in ref.named_parameters():
+        p.copy_(int4_twin(tensors, name, args) if ".mlp.experts." in name
+                else m.get_parameter(name))
     save_target(ref, plain)
     return quant, plain
 
 
-def fp8_checkpoint(d, block=(16, 24), **shape):
-    """The tiny model with every projection FP8 in 16 x 24 blocks (not square, so rows and columns
-    cannot be mixed up; edges partial: 40 rows of kv_a_proj, 64 columns; TP 2 slices that start
-    inside a block along rows, e.g. q_b_proj's 48, and columns, o_proj's 32), and the same weights
-    dequantized here, independently of the loader, saved plain. `shape` changes the tiny model."""
+def int4_twin(tensors, name, args):
+    """Routed experts `name` (e.g. "layers.1.mlp.experts.gate_proj") [E, out, in], dequantized
+    here from the saved words and scales, independently of model.py: element c of a row sits in
+    word c // 8 at bits 4 * (c % 8)..+3, stored as q + 8; one scale per int4_group_size columns."""
+    layer, proj = name.split(".mlp.experts.")
+    shifts = torch.arange(0, 32, 4)
+    experts = []
+    for e in range(args.n_routed_experts):
+        k = f"language_model.model.{layer}.mlp.experts.{e}.{proj}.weight_"
+        q = ((tensors[k + "packed"].long().unsqueeze(-1) >> shifts) & 0xF).flatten(-2) - 8
+        experts.append(q * tensors[k + "scale"].repeat_interleave(args.int4_group_size, -1))
+    return torch.stack(experts)
+
+
+def fp8_checkpoint(d, block=(32, 24), **shape):
+    """The tiny model with every projection FP8 in 32 x 24 blocks (not square, so rows and columns
+    cannot be mixed up; edges partial: kv_a_proj_with_mqa's 40 rows, 64 columns; TP 2 slices that
+    start inside a block along rows, q_b_proj's at 48 and the experts' gate_proj and up_proj at
+    16, and along columns, o_proj's at 32), and the same weights dequantized here, independently
+    of the loader, saved plain. `shape` changes the tiny model."""
     m = init_random(Transformer(tiny(**shape), max_batch_size=3, max_seq_len=32,
                                 dtype=torch.float32), 6)
     quant, plain = os.path.join(d, "fp8"), os.path.join(d, "plain")
     save_target(m, plain)
     tensors, deq = load_file(os.path.join(plain, "model.safetensors")), {}
     br, bc = block
-    for k in [k for k in tensors if k.endswith("_proj.weight")]:
+    for k in [k for k in tensors if k.endswith(("_proj.weight", "_proj_with_mqa.weight"))]:
         w = tensors[k]
         rows, cols = -(-w.shape[0] // br), -(-w.shape[1] // bc)
         padded = torch.zeros(rows * br, cols * bc)
