@@ -435,6 +435,10 @@ def test_run_py_cli_verify_sweep_and_tables(run_py_runs):
         assert all(float(x) > 0 for cell in (cells[4], cells[6]) for x in cell.split(", ")), line
 
 
+# ---------------------------------------------------------------------------------------------
+# The cost model, report.py's tables and figure, kernels.bench's refusal, the verify
+# sweep's cliff check
+
 def test_cost_model_cycles_add_the_loops_commit_and_host_and_follow_the_sweep():
     """components.cost_model by hand: cycle(s) = draft extend(s+1) + (s-1) draft steps +
     verify(s+1) + accept + the eagle3 loops' commit and host (medians over this graph setting's
@@ -701,7 +705,15 @@ def test_verify_sweep_points_and_the_cliff_check():
 
 
 # ---------------------------------------------------------------------------------------------
-# train.py's command line
+# train.py: what --eval measures, and its command line
+
+def test_train_measure_counts_the_cycles_outside_runs_apart():
+    """train.measure's second figure: the cycles that emit more than a run of one byte going on
+    (runs of spaces, which a degenerate target produces and the head guesses whole) left out."""
+    prompts, outputs = [[1, 2]], [[3, 32, 32, 32, 32, 5]]   # the prefill emitted 3
+    accepted = torch.tensor([[1], [1], [0], [-1]])           # [C, B]: 32 32 | 32 32 | 5 | done
+    assert train.cycles_outside_runs(outputs, prompts, accepted) == [2, 1]
+
 
 def test_train_py_writes_elsewhere_and_refuses_the_committed_pair(tmp_path, capsys):
     """train.py's default folder is not the committed pair; writing into the committed pair, into a
@@ -1036,7 +1048,8 @@ def test_dump_from_the_command_line_and_bad_input(tiny_ckpt, tmp_path, run_py_ru
 
 
 # ---------------------------------------------------------------------------------------------
-# Timing aids: simulated uniform routing, the component table, chunked prefill, kv buckets
+# Timing aids: simulated uniform routing, the component table, chunked prefill, kv buckets,
+# random INT4 weights, --moe-adaptive, progress labels
 
 def test_uniform_routing_is_balanced_distinct_and_weighted_as_the_model():
     m = init_random(Transformer(tiny(), 2, 32, dtype=torch.float64, routing="uniform"), 9)
@@ -1623,13 +1636,8 @@ def test_run_py_lines_fit_120_columns_and_say_what_a_run_does(run_py_runs):
         "130 interrupted (Ctrl-C)" in help_text
 
 
-def test_train_measure_counts_the_cycles_outside_runs_apart():
-    """train.measure's second figure: the cycles that emit more than a run of one byte going on
-    (runs of spaces, which a degenerate target produces and the head guesses whole) left out."""
-    prompts, outputs = [[1, 2]], [[3, 32, 32, 32, 32, 5]]   # the prefill emitted 3
-    accepted = torch.tensor([[1], [1], [0], [-1]])           # [C, B]: 32 32 | 32 32 | 5 | done
-    assert train.cycles_outside_runs(outputs, prompts, accepted) == [2, 1]
-
+# ---------------------------------------------------------------------------------------------
+# Source style
 
 def test_source_lines_fit_100_columns():
     """Every line of the repository's tracked Python files within 100 columns, the project's one

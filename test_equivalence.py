@@ -179,7 +179,8 @@ def test_matches_hf_transformers(tiny_ckpt):
 
 
 # ---------------------------------------------------------------------------------------------
-# Checkpoints: round trip, per-rank memory, clear errors
+# Checkpoints: round trip, per-rank memory, clear errors; YaRN's RoPE tables against the
+# formula
 
 def test_save_load_round_trip_is_exact(tiny_ckpt):
     ckpt, m = tiny_ckpt
@@ -583,6 +584,9 @@ def test_int4_scope_names_every_linear_layer_left_quantized():
         checkpoint.check_int4_scope(table, ["re:.*q_a_proj.*"])
 
 
+# ---------------------------------------------------------------------------------------------
+# A SIMULATED rank: one rank's shard of a TP-8 model
+
 def test_simulated_rank_is_labelled_and_shaped_like_tp8():
     sim = TP.simulate(4)
     m = init_random(Transformer(tiny(), max_batch_size=2, max_seq_len=16, dtype=torch.float32,
@@ -594,7 +598,8 @@ def test_simulated_rank_is_labelled_and_shaped_like_tp8():
 
 
 # ---------------------------------------------------------------------------------------------
-# EAGLE-3 head and speculative decoding: lossless against plain greedy
+# EAGLE-3 head and speculative decoding: lossless greedy, sampling, EOS, the head's files and
+# SGLang's configs, refusals
 
 def lossless_matrix(seed, max_new=24, ks=(1, 2, 4), batches=tuple(PROMPTS)):
     """Every (batch in batches, attention mode, num_steps in ks, proposer) case; returns failures
@@ -1555,7 +1560,8 @@ def test_tree_dump_holds_the_tree_and_its_accepted_path():
 
 
 # ---------------------------------------------------------------------------------------------
-# CUDA graphs against eager: no host sync, bf16 agreement (marked gpu)
+# CUDA graphs against eager on the GPU (no host sync, bf16 agreement) and graphs.py's keys and
+# copies on any machine; on the GPU also decode vs extend, grouped vs gather, compiled layers
 
 # the fused MoE (with every Triton kernel on) needs Triton: marked so, it skips with the reason
 GPU_MOE = [pytest.param(q, impl, marks=[pytest.mark.triton] if impl == "fused" else [])

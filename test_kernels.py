@@ -3,8 +3,8 @@ and fused MoE kernel against the gather path, each Triton kernel against its pla
 or draft.py, each swap against the module it replaces, on fresh random inputs.
 
 Tests marked `triton` run the kernels under Triton's CPU interpreter on a machine without CUDA
-(TRITON_INTERPRET=1, set in conftest.py): float32 only (the interpreter rounds to bf16 toward
-zero), small caches; without triton they skip, saying so. On the GPU the same tests run natively
+(TRITON_INTERPRET=1, set in conftest.py): float32, and the bf16 cases whose rounding the
+interpreter reproduces (it rounds to bf16 toward zero), small caches; without triton they skip, saying so. On the GPU the same tests run natively
 (their bf16 cases too), and those marked `gpu` add bf16 attention on caches up to 32768 slots,
 graph replay against eager and the absence of host syncs.
 """
@@ -1150,6 +1150,26 @@ def test_router_kernel_equals_twin(shape, dtype, monkeypatch):
             assert torch.equal(planes, want), f"{what}: the activation planes differ"
     with pytest.raises(ValueError, match="planes must be a contiguous"):
         fast(x, planes=torch.empty(n, 8, args.hidden_size // 8 + 1, device=device))
+
+
+@pytest.mark.triton
+def test_router_planes_feed_the_int4_gemv_as_its_own():
+    """bf16 INT4 experts (Kimi-K2.5's path with --kernels all): the pair planes the router kernel
+    writes beside its selection, read by the fused MoE's INT4 GEMV, give exactly what the GEMV
+    gives from planes it makes itself (the two sides agree on the layout, not only each with the
+    layout written in test_router_kernel_equals_twin)."""
+    device = TRITON_DEVICE
+    args = tiny(n_routed_experts=16, num_experts_per_tok=4, hidden_size=96,
+                moe_intermediate_size=64, quantization_config="int4")
+    experts = init_random(ExpertsHolder(args, TP(1, 2), device, torch.bfloat16), 0).experts
+    _, router = random_routers(args, device, torch.bfloat16, seed=3)
+    x = torch.randn(3, 96, generator=torch.Generator().manual_seed(4)).to(device, torch.bfloat16)
+    planes = kernels.moe_gemv.empty_planes(x)
+    ids, w = router(x, planes=planes)
+    W = [kernels.expert_weights(getattr(experts, p)) for p in ("gate_proj", "up_proj", "down_proj")]
+    got = kernels.fused_moe(x, ids, w, *W, variant="gemv", planes=planes)
+    assert_close(got, kernels.fused_moe(x, ids, w, *W, variant="gemv"), 0.0,
+                 "INT4 GEMV on the router's planes vs on its own")
 
 
 @pytest.mark.triton
@@ -2413,6 +2433,9 @@ def test_gpu_draft_kernels_in_captured_paths():
         print(f"\nbf16 tiny head, kernels on vs off, {key.phase}: drafts agree {same:.2f}")
 
 
+# ---------------------------------------------------------------------------------------------
+# The target's attention swaps in a tree's verify
+
 @pytest.mark.triton
 def test_tree_verify_with_kernels_equals_plain():
     """The Triton decode attention cannot mask a tree, so a tree's forward takes the plain
@@ -2446,6 +2469,10 @@ def _package_kernels():
                   and getattr(f.fn, "__module__", None) == module.__name__}
     return found
 
+
+# ---------------------------------------------------------------------------------------------
+# Every kernel: compiled for sm_90, no global access before programmatic dependent
+# launch's wait
 
 def test_the_pdl_check_sees_every_global_access_before_the_wait():
     """testing._before_wait on PTX written here: loads, stores and atomics to global memory with

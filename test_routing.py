@@ -1,5 +1,5 @@
 """routing.py: SIMULATED distinct experts, routing traces, SGLang's per-token dumps, the probe's
-router. CPU, seconds."""
+router. CPU, seconds (one test in Triton's interpreter, one on a GPU)."""
 import importlib.util
 import json
 from functools import partial
@@ -449,6 +449,9 @@ def test_distinct_and_trace_routing_replay_in_cuda_graphs_as_eager(kernels_on):
         assert torch.equal(outs[-1], eager), f"trace window {window}: graph vs eager"
     assert not torch.equal(outs[0], outs[1]), "the replay did not read the advanced window"
 
+
+# ---------------------------------------------------------------------------------------------
+# routing.py's command line: the figure, refusals
 
 def test_the_figure_draws_from_a_sweep_or_says_in_one_line_what_it_needs(tmp_path, capsys):
     points = [dict(distinct=D, distinct_ran=D, verify_ms=2 + D / 8, decode_steps=0.5 + D / 16,

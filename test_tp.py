@@ -29,7 +29,7 @@ from verify import generate
 
 
 # ---------------------------------------------------------------------------------------------
-# CPU ranks: threads
+# CPU ranks: threads, rank-local random weights, a swap's own all-reduce
 
 def _threads():
     return torch.get_num_threads()
@@ -50,6 +50,35 @@ def test_cpu_ranks_share_the_cores(monkeypatch):
     torch.set_num_threads(2)
     run.settle(run.parse_args([]), torch.device("cpu"), 1)
     assert torch.get_num_threads() == 1
+
+
+def _o_proj_gemv_at_tp2():
+    """This rank's o_proj (row-parallel: its slice of the input columns) plain and swapped for
+    kernels' GemvRowParallel, on 1 and O_PROJ_GEMV_MAX_ROWS rows (the GEMV's) and one row more
+    (cuBLAS's), each all-reduced, and the product of the whole weight."""
+    import kernels
+    t = TP.from_env()
+    g = torch.Generator().manual_seed(0)
+    w, x = torch.randn(64, 128, generator=g), torch.randn(kernels.O_PROJ_GEMV_MAX_ROWS + 1, 128,
+                                                          generator=g)
+    cols = slice(t.rank * 64, (t.rank + 1) * 64)
+    plain = tp.RowParallelLinear(128, 64, t, "o_proj")
+    fast = kernels.swap(tp.RowParallelLinear(128, 64, t, "o_proj"), kernels.GemvRowParallel)
+    with torch.no_grad():
+        for m in (plain, fast):
+            m.weight.copy_(w[:, cols])
+        rows = (1, kernels.O_PROJ_GEMV_MAX_ROWS, kernels.O_PROJ_GEMV_MAX_ROWS + 1)
+        return [(plain(x[:n, cols]), fast(x[:n, cols]), x[:n] @ w.T) for n in rows]
+
+
+@pytest.mark.triton
+def test_o_proj_gemv_all_reduces_across_real_ranks_as_row_parallel():
+    """norm_gemv on o_proj runs a collective of its own (the all-reduce after its GEMV): at real
+    TP 2 (gloo, the GEMV in Triton's interpreter on a CPU) it equals tp.RowParallelLinear, and
+    both the whole weight's product, at every row count."""
+    for plain, fast, whole in run_ranks(2, _o_proj_gemv_at_tp2):
+        assert_close(plain, whole, 1e-5, f"RowParallelLinear at TP 2, {len(whole)} rows")
+        assert_close(fast, plain, 1e-5, f"GemvRowParallel vs RowParallelLinear, {len(whole)} rows")
 
 
 def _rank_local_model():
