@@ -4,9 +4,10 @@ or draft.py, each swap against the module it replaces, on fresh random inputs.
 
 Tests marked `triton` run the kernels under Triton's CPU interpreter on a machine without CUDA
 (TRITON_INTERPRET=1, set in conftest.py): float32, and the bf16 cases whose rounding the
-interpreter reproduces (it rounds to bf16 toward zero), small caches; without triton they skip, saying so. On the GPU the same tests run natively
-(their bf16 cases too), and those marked `gpu` add bf16 attention on caches up to 32768 slots,
-graph replay against eager and the absence of host syncs.
+interpreter reproduces (it rounds to bf16 toward zero), small caches; without triton they skip,
+saying so. On the GPU the same tests run natively (their bf16 cases too), and those marked `gpu`
+add bf16 attention on caches up to 32768 slots, graph replay against eager and the absence of host
+syncs.
 """
 import importlib
 import itertools
