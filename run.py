@@ -573,7 +573,8 @@ def check_sizes(cfg, device, world):
     if cfg.dump:
         check_prompt_ids(cfg, margs.vocab_size)
     if cfg.moe_adaptive is not None and margs.fp8_block is None:
-        held = "INT4" if margs.int4_group_size else cfg.dtype
+        import report
+        held = report.weight_format(dict(dtype=cfg.dtype, int4_group_size=margs.int4_group_size))
         raise BadInput(f"--moe-adaptive {cfg.moe_adaptive}: for FP8 routed experts; this "
                        f"target's are {held} (--quant fp8, or an FP8 checkpoint)")
     with refusal():  # routing.py's ValueError as BadInput

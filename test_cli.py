@@ -1407,8 +1407,8 @@ def test_run_py_refuses_sizes_before_building(monkeypatch, capsys):
         "max_position_embeddings 256" in said, said
     run.check_sizes(_settled("--random-weights"), torch.device("cpu"), 1)
     assert "warning" not in capsys.readouterr().out
-    # --moe-adaptive for experts that are not FP8, named by their format (on a CPU: float32)
-    for flags, held in (("", "float32"), ("--random-weights --quant int4", "INT4")):
+    # --moe-adaptive for experts that are not FP8, named by their format (on a CPU: fp32)
+    for flags, held in (("", "fp32"), ("--random-weights --quant int4", r"INT4 \(fp32\)")):
         with pytest.raises(run.BadInput, match=f"--moe-adaptive 4: for FP8 routed experts; this "
                                                f"target's are {held}"):
             run.check_sizes(_settled(f"--moe-adaptive 4 {flags}"), torch.device("cpu"), 1)
