@@ -1709,6 +1709,14 @@ def test_uniform_routing_same_in_a_graph_as_eager_without_host_sync():
         "uniform routing chose differently in a graph"
     for (key, _, _), a, b in zip(calls, graphed[1:], eager[1:]):
         assert_close(a, b, 0.0, f"uniform routing, graph vs eager {key}")
+    # replayed on other tokens at other positions: uniform routing places a token's experts by its
+    # place in the forward, so the same experts, other values
+    x2 = torch.randn(12, 64, device="cuda", generator=torch.Generator("cuda").manual_seed(1))
+    assert all(torch.equal(a, b) for a, b in zip(runner.run(("router", 12), router, x2),
+                                                 router(x2))), "router replay on a new x"
+    for key, fn, inputs in captured_calls(target, head, P=15, seed=1)[:3]:
+        assert_close(flat(runner.run(key + ("uniform",), fn, *inputs)), flat(fn(*inputs)), 0.0,
+                     f"uniform routing, replay on new inputs vs eager {key}")
 
 
 @pytest.mark.gpu
@@ -1728,6 +1736,10 @@ def test_compiled_layers_equal_plain_inside_graphs_without_host_sync(kernels_on)
     # would fail the compiled layers' guards and recompile inside the no-sync check (GPU run of
     # 2026-12-01)
     steps = {9: (step, step_pos), 3: (step[:, :1].contiguous(), step_pos[:, :1].contiguous())}
+    # the same shapes on other tokens, a slot further on, replayed after the first set's capture
+    # (each steps' call rewrites every slot it reads that these write)
+    other = {9: (torch.roll(step, 1, 0), step_pos + 1),
+             3: (step[:, 2:].contiguous(), (step_pos[:, 2:] + 1).contiguous())}
     plain = {(mode, n): flat(target(*steps[n], mode, capture_aux=True))
              for mode in ("extend", "decode") for n in steps}
     kernels.compile_layers(target)
@@ -1743,3 +1755,6 @@ def test_compiled_layers_equal_plain_inside_graphs_without_host_sync(kernels_on)
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert_close(graphed, ref, 1e-4, f"compiled layers in a CUDA graph vs plain, {what}")
+        again = flat(runner.run(("compiled", mode, n), fn, *other[n]))
+        assert_close(again, flat(fn(*other[n])), 1e-4,
+                     f"compiled layers' graph replayed on other inputs vs eager, {what}")

@@ -183,9 +183,10 @@ def gpu_models(dtype=torch.bfloat16, B=3, seed=0, quant=None, moe_impl="auto", k
     return target, head
 
 
-def captured_calls(target, head, k=3, B=3, P=12):
-    """(key, fn, inputs) for every captured shape, on a prefilled cache."""
-    g = torch.Generator().manual_seed(0)
+def captured_calls(target, head, k=3, B=3, P=12, seed=0):
+    """(key, fn, inputs) for every captured shape, on a cache prefilled with P random tokens a row
+    (seed: their generator's)."""
+    g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, 256, (B, P), generator=g).cuda()
     _, aux = target(tokens, torch.arange(P, device="cuda").expand(B, P), "extend", capture_aux=True)
     pos = P + torch.arange(k + 1, device="cuda").expand(B, k + 1)
