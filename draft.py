@@ -261,9 +261,9 @@ class Eagle3Draft(nn.Module):
         super().__init__()
         self.args, self.tp = args, target.tp
         device, dtype = device or target.device, dtype or target.dtype
-        max_batch_size = max_batch_size or target.max_batch_size
-        max_seq_len = max_seq_len or target.max_seq_len
-        check_fits(args, target)
+        self.max_batch_size = max_batch_size = max_batch_size or target.max_batch_size
+        self.max_seq_len = max_seq_len = max_seq_len or target.max_seq_len
+        check_fits(args, target, own_embedding)
         if own_embedding:
             self.embed_tokens = VocabParallelEmbedding(args.vocab_size, args.hidden_size, self.tp,
                                                        device, dtype)
@@ -402,13 +402,21 @@ class Eagle3Draft(nn.Module):
         return torch.stack(steps)
 
 
-def check_fits(args, target):
-    """A head of config `args` reads `target`: the same width of states, the same vocabulary,
-    and the layers it was trained on captured."""
+def check_fits(args, target, own_embedding=False):
+    """A head of config `args` reads `target`: the same width of states, the same vocabulary, the
+    target's embedding only at the target's width, whole groups of query heads a kv head, and the
+    layers it was trained on captured."""
     t_hidden = args.target_hidden_size or target.args.hidden_size
     if t_hidden != target.args.hidden_size:
         raise ValueError(f"draft target_hidden_size {t_hidden} != target hidden_size "
                          f"{target.args.hidden_size}")
+    if not own_embedding and args.hidden_size != target.args.hidden_size:
+        raise ValueError(f"draft hidden_size {args.hidden_size} != target hidden_size "
+                         f"{target.args.hidden_size}: the head shares the target's embedding "
+                         "only at its width (a head of another width carries embed_tokens)")
+    if args.num_attention_heads % args.num_key_value_heads:
+        raise ValueError(f"draft num_attention_heads {args.num_attention_heads} is not a multiple "
+                         f"of num_key_value_heads {args.num_key_value_heads}")
     if args.vocab_size != target.args.vocab_size:
         raise ValueError(f"draft vocab_size {args.vocab_size} != target vocab_size "
                          f"{target.args.vocab_size}")

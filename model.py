@@ -326,14 +326,12 @@ class MLA(nn.Module):
         o = sum_s p_s (W_uv c_s) = W_uv (sum_s p_s c_s): attend over latents, then W_uv once."""
         w_uk, w_uv = self.kv_b_halves()
         q_lat = self.absorb_query(q_nope, w_uk)                                # [B, T, H, C]
-        o_lat = self.attend_latent(q_lat, q_pe, kv_c, pe_c, future)           # [B, T, H, C]
+        o_lat = absorbed_attention(q_lat, q_pe, kv_c, pe_c, future,
+                                   self.args.softmax_scale)                    # [B, T, H, C]
         return self.absorb_output(o_lat, w_uv)                                 # [B, T, H, d]
 
     def absorb_query(self, q_nope, w_uk):                             # kv_b_proj's key half
         return torch.einsum("bthd,hdc->bthc", q_nope, w_uk)
-
-    def attend_latent(self, q_lat, q_pe, kv_c, pe_c, future):
-        return absorbed_attention(q_lat, q_pe, kv_c, pe_c, future, self.args.softmax_scale)
 
     def absorb_output(self, o_lat, w_uv):                             # kv_b_proj's value half
         return torch.einsum("bthc,hdc->bthd", o_lat, w_uv)
@@ -362,6 +360,18 @@ class MLP(nn.Module):
         return F.silu(gate) * up
 
 
+def check_groups(args):
+    """The router's groups can give num_experts_per_tok experts: E splits into n_group groups of at
+    least 2 (a group's score is its best two), topk_group of them kept hold K experts or more."""
+    E, G, kept, K = (args.n_routed_experts, args.n_group, args.topk_group,
+                     args.num_experts_per_tok)
+    if not 1 <= K <= E:
+        raise ValueError(f"num_experts_per_tok = {K} outside [1, n_routed_experts = {E}]")
+    if G > 1 and (E % G or E // G < 2 or not 1 <= kept <= G or kept * (E // G) < K):
+        raise ValueError(f"router groups: {E} experts in n_group = {G} groups of at least 2, "
+                         f"topk_group = {kept} of them kept, must hold num_experts_per_tok = {K}")
+
+
 class Router(nn.Module):
     """Sigmoid scores; the correction bias picks groups and experts, the unbiased scores weigh them.
     For timing random weights (whose router picks unlike a trained one; run.py --routing), the
@@ -373,6 +383,7 @@ class Router(nn.Module):
     def __init__(self, args, device, dtype, routing="model"):
         super().__init__()
         self.args, self.routing, self.choice = args, routing, None
+        check_groups(args)
         # as the checkpoints store it (bf16), or wider where the model's dtype is (fp16 widens to
         # fp32: bf16's range); the logits in fp32 from its exact fp32 values, as transformers does
         wide = torch.promote_types(dtype or torch.get_default_dtype(), torch.bfloat16)

@@ -881,6 +881,36 @@ def test_requests_that_cannot_run_are_refused():
         generate(target, None, [[1]] * 3, max_new_tokens=2)
     with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device"):   # a CPU model
         generate(target, None, [[1, 2]], max_new_tokens=2, use_graphs=True)
+    with pytest.raises(ValueError, match=r"must be \[B, P\] with B, P >= 1"):
+        generate(target, None, torch.zeros(2, 0, dtype=torch.int64), max_new_tokens=2)
+    for temperature in (-1.0, float("nan")):
+        with pytest.raises(ValueError, match="temperature must be >= 0"):
+            generate(target, None, [[1, 2]], max_new_tokens=2, temperature=temperature)
+    with pytest.raises(ValueError, match="plain decoding"):
+        generate(target, None, [[1, 2]], max_new_tokens=2, probe=Probe(accept_len=2.0))
+    head = Eagle3Draft(draft_preset("tiny"), target)
+    with pytest.raises(ValueError, match="give topk too"):
+        generate(target, head, [[1, 2]], max_new_tokens=2, num_steps=2, num_draft_tokens=3)
+    for size in (dict(max_seq_len=8), dict(max_batch_size=1)):
+        small = Eagle3Draft(draft_preset("tiny"), target, **size)
+        with pytest.raises(ValueError, match="the draft head's cache holds"):
+            generate(target, small, [[1, 2]] * 2, max_new_tokens=2, num_steps=2)
+
+
+def test_configs_that_cannot_route_or_draft_are_refused():
+    """Router groups that cannot give K experts, and a head that cannot read its target, are
+    refused when built, naming the fields."""
+    for groups in (dict(n_group=2, topk_group=1, num_experts_per_tok=5),   # 4 kept experts
+                   dict(n_group=3, topk_group=1, num_experts_per_tok=2),   # 8 in 3 groups
+                   dict(n_group=4, topk_group=5, num_experts_per_tok=2),   # 5 of 4 groups
+                   dict(num_experts_per_tok=9)):                           # 9 of 8 experts
+        with pytest.raises(ValueError, match="num_experts_per_tok"):
+            Transformer(tiny(n_routed_experts=8, **groups), 1, 8)
+    target = Transformer(tiny(), 1, 8)
+    with pytest.raises(ValueError, match="draft hidden_size 32 != target hidden_size 64"):
+        Eagle3Draft(draft_preset("tiny", hidden_size=32), target)
+    with pytest.raises(ValueError, match="not a multiple of num_key_value_heads 4"):
+        Eagle3Draft(draft_preset("tiny", num_attention_heads=6, num_key_value_heads=4), target)
 
 
 # ---------------------------------------------------------------------------------------------

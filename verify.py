@@ -89,8 +89,9 @@ def pad_prompts(prompts, device):
     """A list of id lists (ragged allowed) or an int64 [B, P] tensor -> padded [B, P],
     lengths [B]."""
     if isinstance(prompts, torch.Tensor):
-        if prompts.dim() != 2:
-            raise ValueError(f"prompts tensor must be [B, P], not {list(prompts.shape)}")
+        if prompts.dim() != 2 or 0 in prompts.shape:
+            raise ValueError(f"prompts tensor must be [B, P] with B, P >= 1, not "
+                             f"{list(prompts.shape)}")
         lens = torch.full((prompts.shape[0],), prompts.shape[1], device=device)
         return prompts.to(device, torch.int64), lens
     if not prompts or any(len(p) == 0 for p in prompts):
@@ -118,6 +119,15 @@ def check_request(target, tokens, max_new_tokens, lookahead):
         row, col = bad.nonzero()[0].tolist()
         raise ValueError(f"prompt row {row} has id {tokens[row, col].item()} at position {col}, "
                          f"outside the vocabulary [0, {a.vocab_size})")
+
+
+def check_draft_cache(draft, target, B):
+    """The head's cache holds the batch and every slot of the target's (the head writes where the
+    target does); a planted draft without max_seq_len is not checked."""
+    rows, slots = getattr(draft, "max_batch_size", None), getattr(draft, "max_seq_len", None)
+    if slots is not None and (rows < B or slots < target.max_seq_len):
+        raise ValueError(f"the draft head's cache holds {rows} rows x {slots} slots: a batch of "
+                         f"{B} on the target's {target.max_seq_len} slots needs at least as many")
 
 
 def kv_bucket(n, limit):
@@ -538,7 +548,7 @@ def generate(target, draft, prompts, *, max_new_tokens=32, num_steps=3, attentio
     probe: a Probe, whose mark(name) ends each phase of each cycle and whose accept_len forces a
     SIMULATED acceptance (run.py's timing run); the default does neither."""
     sizes, k = check_generate(draft, num_steps, attention_mode, probe.accept_len, topk,
-                              num_draft_tokens)
+                              num_draft_tokens, temperature)
     device = target.device
     eos = torch.tensor(eos_union(target.args.eos_token_ids if eos_id is None else eos_id),
                        dtype=torch.int64, device=device)                        # [E]
@@ -547,6 +557,7 @@ def generate(target, draft, prompts, *, max_new_tokens=32, num_steps=3, attentio
     # (chain steps, tree passes) lies up to `scratch` past the last accepted one
     width, scratch = (sizes[2], (num_steps - 1) * sizes[0]) if sizes else (k + 1, k - 1)
     check_request(target, tokens, max_new_tokens, max(width, k + scratch - 1))
+    check_draft_cache(draft, target, tokens.shape[0])
     gen = torch.Generator(device).manual_seed(seed)
     runner = graphs or (CudaGraphs(device) if use_graphs else None)
     loop = Loop(target, draft, runner.run if runner else eager, attention_mode, temperature, gen,
@@ -583,21 +594,27 @@ def generate(target, draft, prompts, *, max_new_tokens=32, num_steps=3, attentio
 
 
 def check_generate(draft, num_steps, attention_mode, accept_len, topk=None,
-                   num_draft_tokens=None):
+                   num_draft_tokens=None, temperature=0.0):
     """generate's arguments checked (accept_len: the probe's); returns the tree's sizes (K, S, N),
     or None for the chain, and k: the most drafts a cycle can accept (0 for plain decoding)."""
     if attention_mode not in ("extend", "decode"):
         raise ValueError(f"attention_mode must be 'extend' or 'decode', not {attention_mode!r}")
+    if not temperature >= 0:   # NaN too
+        raise ValueError(f"temperature must be >= 0 (0: greedy), not {temperature}")
     if draft is not None and num_steps < 1:
         raise ValueError(f"num_steps must be >= 1, not {num_steps}")
+    if num_draft_tokens is not None and topk is None:
+        raise ValueError("num_draft_tokens sizes a tree: give topk too (topk 1 for a chain)")
+    if draft is None and accept_len is not None:
+        raise ValueError("a SIMULATED accept_len forces a draft's acceptance: plain decoding "
+                         "(draft None) has none")
     sizes = None
     if draft is not None and topk is not None:
         sizes = (topk, num_steps, num_draft_tokens or num_steps + 1)
         check_tree(*sizes)
     k = 0 if draft is None else min(num_steps, sizes[2] - 1) if sizes else num_steps
-    most = k if draft is not None else num_steps   # the deepest accepted path
-    if accept_len is not None and not 1 <= accept_len <= most + 1:
-        raise ValueError(f"the probe's simulated accept_len must lie in [1, {most + 1}] (the most "
+    if accept_len is not None and not 1 <= accept_len <= k + 1:
+        raise ValueError(f"the probe's simulated accept_len must lie in [1, {k + 1}] (the most "
                          f"drafts a cycle accepts, + 1), not {accept_len}")
     return sizes, k
 
