@@ -2287,10 +2287,11 @@ def test_head_swaps_train_as_the_plain_head():
     """A swapped head trained (draft.Eagle3Draft.unroll with trainable parameters, as train.py
     trains): the swaps without a backward (silu_mul's kernel; fused_proj's stacked GEMMs, whose
     buffer is no Parameter) take the plain products there, so every gradient is the plain head's."""
-    target, plain, fast = draft_heads("cpu", torch.float32, names=["silu_mul", "fused_proj"])
+    target, plain, fast = draft_heads(TRITON_DEVICE, torch.float32,
+                                      names=["silu_mul", "fused_proj"])
     g = torch.Generator().manual_seed(0)
-    tokens = torch.randint(0, 256, (2, 5), generator=g)
-    states = torch.randn(2, 5, 3 * target.args.hidden_size, generator=g)
+    tokens = torch.randint(0, 256, (2, 5), generator=g).to(TRITON_DEVICE)
+    states = torch.randn(2, 5, 3 * target.args.hidden_size, generator=g).to(TRITON_DEVICE)
     grads = []
     for head in (plain, fast):
         params = {n: p for n, p in head.named_parameters() if p.is_floating_point()}

@@ -23,7 +23,7 @@ from draft import draft_preset, Eagle3Draft
 from graphs import CudaGraphs
 from model import Transformer
 from testing import (assert_close, captured_calls, flat, ONE_THREAD, ranks_stderr, run_py,
-                     run_ranks, step_inputs, tiny)
+                     run_ranks, step_inputs, tiny, TRITON_DEVICE)
 from tp import TP
 from verify import generate
 
@@ -55,15 +55,17 @@ def test_cpu_ranks_share_the_cores(monkeypatch):
 def _o_proj_gemv_at_tp2():
     """This rank's o_proj (row-parallel: its slice of the input columns) plain and swapped for
     kernels' GemvRowParallel, on 1 and O_PROJ_GEMV_MAX_ROWS rows (the GEMV's) and one row more
-    (cuBLAS's), each all-reduced, and the product of the whole weight."""
+    (cuBLAS's), each all-reduced, and the product of the whole weight. On a machine with CUDA both
+    ranks run on its first GPU (gloo all-reduces CUDA tensors through the host)."""
     import kernels
     t = TP.from_env()
     g = torch.Generator().manual_seed(0)
-    w, x = torch.randn(64, 128, generator=g), torch.randn(kernels.O_PROJ_GEMV_MAX_ROWS + 1, 128,
-                                                          generator=g)
+    w = torch.randn(64, 128, generator=g).to(TRITON_DEVICE)
+    x = torch.randn(kernels.O_PROJ_GEMV_MAX_ROWS + 1, 128, generator=g).to(TRITON_DEVICE)
     cols = slice(t.rank * 64, (t.rank + 1) * 64)
-    plain = tp.RowParallelLinear(128, 64, t, "o_proj")
-    fast = kernels.swap(tp.RowParallelLinear(128, 64, t, "o_proj"), kernels.GemvRowParallel)
+    plain = tp.RowParallelLinear(128, 64, t, "o_proj").to(TRITON_DEVICE)
+    fast = kernels.swap(tp.RowParallelLinear(128, 64, t, "o_proj").to(TRITON_DEVICE),
+                        kernels.GemvRowParallel)
     with torch.no_grad():
         for m in (plain, fast):
             m.weight.copy_(w[:, cols])
@@ -74,7 +76,7 @@ def _o_proj_gemv_at_tp2():
 @pytest.mark.triton
 def test_o_proj_gemv_all_reduces_across_real_ranks_as_row_parallel():
     """norm_gemv on o_proj runs a collective of its own (the all-reduce after its GEMV): at real
-    TP 2 (gloo, the GEMV in Triton's interpreter on a CPU) it equals tp.RowParallelLinear, and
+    TP 2 (gloo; on a CPU the GEMV in Triton's interpreter) it equals tp.RowParallelLinear, and
     both the whole weight's product, at every row count."""
     for plain, fast, whole in run_ranks(2, _o_proj_gemv_at_tp2):
         assert_close(plain, whole, 1e-5, f"RowParallelLinear at TP 2, {len(whole)} rows")
