@@ -229,10 +229,24 @@ class Clock:
         if self.cuda:
             torch.cuda.synchronize()
 
+    def hold(self, cycles):
+        """The GPU spins `cycles` clock cycles (torch.cuda._sleep); what the host issues meanwhile
+        waits behind it."""
+        if self.cuda:
+            torch.cuda._sleep(cycles)
 
-def median_ms(clock, fn, reps, warmup=3, desc=None, before=None):
+
+# GPU clock cycles held a timed call (about 1 ms at H200's 1.98 GHz): more than the host takes to
+# issue any replayed phase, so it queues all of them while the GPU spins (Clock.hold)
+HOLD_CYCLES_PER_CALL = 2_000_000
+
+
+def median_ms(clock, fn, reps, warmup=3, desc=None, before=None, hold=False):
     """fn's median over reps timed calls after warmup; before() (when given) runs ahead of every
-    call, outside its timed span."""
+    call, outside its timed span. hold: the timed calls wait on the GPU behind a spin until the
+    host has issued them all, so each span is the GPU's time for its call, as in the loop, where
+    a replayed phase waits behind the one before it; without it a small graph's span is the time
+    the host takes to issue it (eager calls take no hold: the loop pays their issue too)."""
     stamps = []
     hide = desc is None or not is_rank0()
     with tqdm(total=warmup + reps, desc=desc, disable=hide, leave=False) as bar:
@@ -241,6 +255,8 @@ def median_ms(clock, fn, reps, warmup=3, desc=None, before=None):
                 before()
             fn()
             bar.update()
+        if hold:
+            clock.hold(HOLD_CYCLES_PER_CALL * reps)
         for _ in range(reps):
             if before:
                 before()
@@ -477,10 +493,12 @@ class Bench:
     def timed(self, key, fn, *inputs, graph):
         call = (lambda: self.runner.run(key, fn, *inputs)) if graph else (lambda: fn(*inputs))
         if self.feed is None or not self.feed.routes(fn):
-            return median_ms(self.clock, call, self.cfg.reps, desc=phase_label(key, graph))
+            return median_ms(self.clock, call, self.cfg.reps, desc=phase_label(key, graph),
+                             hold=graph)
         with self.feed.held():   # the trace advanced before each call, outside its timed span
             return median_ms(self.clock, call, self.cfg.reps, desc=phase_label(key, graph),
-                             before=partial(self.feed.choice.advance, inputs[0].numel()))
+                             before=partial(self.feed.choice.advance, inputs[0].numel()),
+                             hold=graph)
 
 
 def prepare(cfg, device):
@@ -598,7 +616,7 @@ def time_tree_accept(b, ctx):
     def work():
         path = (b.runner.run(key, walk, *args) if graph else walk(*args))[1]
         t.move_cache(first + path, along)
-    return median_ms(b.clock, work, cfg.reps, desc=phase_label(key, graph))
+    return median_ms(b.clock, work, cfg.reps, desc=phase_label(key, graph), hold=graph)
 
 
 def time_phases(b, ctx, graph, suffix=""):
