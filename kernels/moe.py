@@ -445,7 +445,11 @@ def _moe_int4_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_exper
     acc_g = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     acc_u = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     PART: tl.constexpr = (D + SPLIT * BLOCK_K - 1) // (SPLIT * BLOCK_K) * BLOCK_K
-    for k0 in range(pid_k * PART, tl.minimum(pid_k * PART + PART, D), BLOCK_K):
+    # a trip count known at compile time (the last part's steps past D masked; EVEN: there are
+    # none): with the bound computed at run time ptxas serializes the wgmma (C7515), each waiting
+    # for the one before it
+    for step in range(PART // BLOCK_K):
+        k0 = pid_k * PART + step * BLOCK_K
         k = (k0 + tl.arange(0, BLOCK_K))[:, None]
         xt = tl.load(x_ptr + x_col + k, mask=(pair < P) & (k < D), other=0.0)   # [BLOCK_K, BM]
         acc_g = tl.dot(_int4_block(g_rows, gs_rows, n < I, k0, magic, D, GROUP, BLOCK_K, EVEN,
@@ -795,7 +799,8 @@ def _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision):
     _moe_int4_gate_up_kernel[(triton.cdiv(I, bn), max_tiles, split)](
         x, h, part, *tiles[:2], gate.data, gate.scale, up.data, up.scale, P, K, *strides(gate),
         magic, D=D, I=I, GROUP=gate.group, BLOCK_M=BLOCK_M, BLOCK_N=bn, BLOCK_K=bk,
-        SPLIT=split, EVEN=D % bk == 0 and I % bn == 0, PACKED=packed, PRECISION=precision,
+        SPLIT=split, EVEN=D % (split * bk) == 0 and I % bn == 0, PACKED=packed,
+        PRECISION=precision,
         launch_pdl=common.PDL, num_warps=warps, num_stages=stages)
     _silu_of_parts(part, h, tiles[2])
     bn, bk, warps, stages, blocks = cfg["down"]
