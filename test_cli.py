@@ -742,7 +742,8 @@ def test_train_py_eval_reads_out_and_refuses_what_cannot_go_together(tmp_path, c
     --eval Y (two folders), --quick with --eval, and --quick into the committed pair are refused in
     one line, exit status 2."""
     pair = tmp_path / "pair"
-    (pair / "target").mkdir(parents=True)
+    for part in ("target", "eagle3"):
+        (pair / part).mkdir(parents=True)
     assert train.parse_args(["--out", str(pair), "--eval"]).eval == str(pair)
     assert train.parse_args(["--eval"]).eval == train.PAIR_DIR
     committed = os.path.join(HERE, "checkpoints", "tiny-stdlib")
@@ -754,6 +755,24 @@ def test_train_py_eval_reads_out_and_refuses_what_cannot_go_together(tmp_path, c
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and words in err[0], (argv, err)
         assert err[0].startswith("train.py: error:"), (argv, err)
+
+
+def test_train_py_eval_names_a_pair_that_does_not_load_in_one_line(tmp_path, capsys):
+    """--eval DIR without eagle3/ is refused with the flags; with a config.json that is no model's,
+    the checkpoint's refusal is one line and exit status 2, as run.py's, not a traceback."""
+    pair = tmp_path / "pair"
+    (pair / "target").mkdir(parents=True)
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--eval", str(pair)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [f"train.py: error: --eval {pair}: no pair there (no "
+                                         "eagle3/ folder; train.py writes one with --out)"], err
+    (pair / "eagle3").mkdir()
+    (pair / "target" / "config.json").write_text("{}")
+    assert train.main(["--eval", str(pair)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"train.py: error: {pair}/target/config.json: no "
+                                               "vocab_size"), err
 
 
 def test_train_py_refusal_and_ctrl_c_as_a_user_meets_them(tmp_path):
