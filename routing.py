@@ -51,7 +51,6 @@ routed scaling 2.827), trained on Python standard library bytes (train.py's corp
 routing recorded on held-out text: a small trained model's routing at Kimi-K2's expert count, not
 Kimi-K2's. It writes the trace, the distinct-expert curve against uniform's and the load spread.
 """
-import argparse
 import json
 import os
 import sys
@@ -452,8 +451,8 @@ def balance_bias(target, ids, rate):
 def train_probe(cfg, data, minutes=None):
     """The probe trained by next-byte cross-entropy (AdamW, train.py's schedule; grouped experts),
     its correction bias balanced after each step (balance_bias, its rate scheduled as the
-    learning rate); stops early past `minutes`. Returns (target,
-    each step's load spread)."""
+    learning rate); stops early past `minutes`, and at a Ctrl-C that train.ctrl_c_noted noted
+    (KeyboardInterrupt, between steps). Returns (target, each step's load spread)."""
     import checkpoint
     import kernels
     import train
@@ -471,25 +470,27 @@ def train_probe(cfg, data, minutes=None):
     positions = torch.arange(cfg["seq_len"]).expand(cfg["batch"], cfg["seq_len"])
     gen = torch.Generator().manual_seed(cfg["seed"])
     recorder, history, start = RoutingRecorder(target), [], time.time()
-    for step in (bar := tqdm(range(cfg["steps"]), desc="router probe")):
-        if minutes and time.time() - start > 60 * minutes:
-            break
-        lr = train.lr_at(step, cfg)
-        for group in opt.param_groups:
-            group["lr"] = lr * group["scale"]
-        train.detach_caches(target)
-        x = train.windows(data, cfg["batch"], cfg["seq_len"] + 1, gen)
-        loss = F.cross_entropy(target(x[:, :-1], positions).logits.flatten(0, 1),
-                               x[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        ids = recorder.pop()
-        with torch.no_grad():
-            balance_bias(target, ids, cfg["bias_rate"] * lr / cfg["lr"])
-        history.append(load_spread(ids, args.n_routed_experts)["mean"] | dict(loss=loss.item()))
-        bar.set_postfix_str(f"loss {loss.item():.3f} load cv {history[-1]['cv']:.2f} "
-                            f"unused {history[-1]['unused']:.0f}")
+    with tqdm(range(cfg["steps"]), desc="router probe") as bar:   # closed at a Ctrl-C too
+        for step in bar:
+            train.check_ctrl_c()
+            if minutes and time.time() - start > 60 * minutes:
+                break
+            lr = train.lr_at(step, cfg)
+            for group in opt.param_groups:
+                group["lr"] = lr * group["scale"]
+            train.detach_caches(target)
+            x = train.windows(data, cfg["batch"], cfg["seq_len"] + 1, gen)
+            loss = F.cross_entropy(target(x[:, :-1], positions).logits.flatten(0, 1),
+                                   x[:, 1:].flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            ids = recorder.pop()
+            with torch.no_grad():
+                balance_bias(target, ids, cfg["bias_rate"] * lr / cfg["lr"])
+            history.append(load_spread(ids, args.n_routed_experts)["mean"] | dict(loss=loss.item()))
+            bar.set_postfix_str(f"loss {loss.item():.3f} load cv {history[-1]['cv']:.2f} "
+                                f"unused {history[-1]['unused']:.0f}")
     recorder.remove()
     for p in target.parameters():
         p.requires_grad_(False)
@@ -536,7 +537,30 @@ def tiny_pair_ids(tokens):
 
 
 def probe_main(argv):
-    p = argparse.ArgumentParser(prog="routing.py probe", description=(
+    """`routing.py probe`: flags and --out checked before any training (one line, status 2);
+    Ctrl-C as train.py's: one line, status 130, no file written and the folder it made gone."""
+    p = probe_parser()
+    a = p.parse_args(argv)
+    cfg = probe_config(p, a)
+    import train
+    try:
+        made = train.make_folder(a.out)
+    except OSError as e:
+        p.error(f"--out {a.out}: cannot write there ({e.strerror or e})")
+    torch.set_num_threads(a.threads)
+    try:
+        with train.ctrl_c_noted():
+            print(probe_run(cfg, a))
+    except KeyboardInterrupt:
+        gone = f", {train.remove_made(made)} removed" if made else f" in {a.out}"
+        print(f"routing.py probe: interrupted; nothing written{gone}", file=sys.stderr,
+              flush=True)
+        return train.INTERRUPTED
+    return 0
+
+
+def probe_parser():
+    p = parser("routing.py probe", (
         "Train a small model with Kimi-K2's routing (384 experts, top 8, sigmoid, aux-free bias, "
         "n_group 1, a shared expert, scaling 2.827) on Python stdlib bytes, record its routing on "
         "held-out text, and write DIR/probe_trace.npz, DIR/probe.json and DIR/probe.md: distinct "
@@ -546,20 +570,38 @@ def probe_main(argv):
     p.add_argument("--quick", action="store_true", help=f"{PROBE_QUICK['steps']} training steps "
                    "(a smoke test: the load does not balance)")
     p.add_argument("--steps", type=int, help=f"training steps (default {PROBE_TRAIN['steps']})")
-    p.add_argument("--bias-rate", type=float, help="the correction bias's step a batch "
-                   f"(default {PROBE_TRAIN['bias_rate']})")
+    p.add_argument("--bias-rate", type=float, help="the correction bias's step a batch (0: no "
+                   f"correction; default {PROBE_TRAIN['bias_rate']})")
     p.add_argument("--router-lr-scale", type=float, help="the routers' weights' learning rate, "
-                   f"a fraction of the rest's (default {PROBE_TRAIN['router_lr_scale']})")
+                   f"a fraction of the rest's (0: frozen routers; default "
+                   f"{PROBE_TRAIN['router_lr_scale']})")
     p.add_argument("--minutes", type=float, default=12, help="stop training after this many "
                    "minutes, wherever the schedule is (default 12)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: more "
                    "spin on a busy machine)")
-    a = p.parse_args(argv)
-    torch.set_num_threads(a.threads)
+    return p
+
+
+def probe_config(p, a):
+    """The training's settings (PROBE_TRAIN, PROBE_QUICK) with the flags given (0 is a value);
+    values no probe can use refused by the parser, naming the flag."""
+    for flag, value, low in (("--steps", a.steps, 1), ("--threads", a.threads, 1),
+                             ("--bias-rate", a.bias_rate, 0),
+                             ("--router-lr-scale", a.router_lr_scale, 0)):
+        if value is not None and not low <= value < float("inf"):   # (NaN fails too)
+            finite = " and finite" if isinstance(value, float) else ""
+            p.error(f"{flag} {value}: must be at least {low}{finite}")
+    if not a.minutes > 0:
+        p.error(f"--minutes {a.minutes}: must be above 0")
     cfg = dict(PROBE_QUICK if a.quick else PROBE_TRAIN)
-    cfg["steps"] = a.steps or cfg["steps"]
-    cfg["bias_rate"] = a.bias_rate or cfg["bias_rate"]
-    cfg["router_lr_scale"] = a.router_lr_scale or cfg["router_lr_scale"]
+    given = dict(steps=a.steps, bias_rate=a.bias_rate, router_lr_scale=a.router_lr_scale)
+    cfg.update({k: v for k, v in given.items() if v is not None})
+    return cfg
+
+
+def probe_run(cfg, a):
+    """Train the probe, record its routing, write the trace and the tables into a.out (a folder
+    that exists); returns probe.md's text."""
     import train
     t0 = time.time()
     target, history = train_probe(cfg, train.corpus(train.TRAIN_FILES), a.minutes)
@@ -568,17 +610,17 @@ def probe_main(argv):
     tokens = heldout_windows(R["sequences"], R["seq_len"])
     ids = record_routing(target, tokens)
     lengths = [R["seq_len"]] * R["sequences"]
+    result = probe_result(cfg, target, ids, lengths, tokens, history, minutes)
+    train.check_ctrl_c()   # the last point a Ctrl-C stops the run: the files are written whole
     E, K = args.n_routed_experts, args.num_experts_per_tok
-    os.makedirs(a.out, exist_ok=True)
     save_trace(os.path.join(a.out, "probe_trace.npz"), ids, E, K, lengths,
                note="router probe: a small trained model's routing at Kimi-K2's expert count "
                     "(384, top 8), held-out Python stdlib bytes; not Kimi-K2's")
-    result = probe_result(cfg, target, ids, lengths, tokens, history, minutes)
     with open(os.path.join(a.out, "probe.json"), "w") as f:
         json.dump(result, f, indent=1)
     with open(os.path.join(a.out, "probe.md"), "w") as f:
         f.write(probe_markdown(result))
-    print(probe_markdown(result))
+    return probe_markdown(result)
 
 
 def probe_result(cfg, target, ids, lengths, tokens, history, minutes):
@@ -676,9 +718,15 @@ def probe_markdown(r):
 # ---------------------------------------------------------------------------------------------
 # Command line
 
+def parser(prog, description):
+    """A command's parser whose refusals are one line and exit status 2, as train.py's."""
+    from train import Parser
+    return Parser(prog=prog, description=description)
+
+
 def curve_main(argv):
-    p = argparse.ArgumentParser(prog="routing.py curve", description="Distinct experts a layer of "
-                                "T consecutive tokens of a routing trace, against uniform's.")
+    p = parser("routing.py curve", "Distinct experts a layer of T consecutive tokens of a routing "
+               "trace, against uniform's.")
     p.add_argument("trace", help="a routing trace (.npz: run.py --dump --dump-routing, "
                    "routing.py convert-sglang or probe)")
     p.add_argument("--max-T", type=int, default=16, help="the longest run of consecutive tokens "
@@ -699,8 +747,8 @@ def curve_main(argv):
 
 
 def convert_main(argv):
-    p = argparse.ArgumentParser(prog="routing.py convert-sglang", description="SGLang "
-                                "expert-distribution dumps (per_token mode) -> a routing trace.")
+    p = parser("routing.py convert-sglang", "SGLang expert-distribution dumps (per_token mode) "
+               "-> a routing trace.")
     p.add_argument("dumps", nargs="+", help="expert_distribution_recorder_*.pt, read in order: "
                    "one rank's under plain TP (every rank records the same tokens), each "
                    "rank's where DP attention splits the requests")
@@ -718,10 +766,9 @@ def convert_main(argv):
 
 
 def plot_main(argv):
-    p = argparse.ArgumentParser(prog="routing.py plot", description="Verify's cost in decode "
-                                "steps against distinct experts a MoE layer, and the break-even "
-                                "accepted length beside it, from run.py --distinct-sweep --json "
-                                "files (one series each); needs matplotlib (not a requirement).")
+    p = parser("routing.py plot", "Verify's cost in decode steps against distinct experts a MoE "
+               "layer, and the break-even accepted length beside it, from run.py --distinct-sweep "
+               "--json files (one series each); needs matplotlib (not a requirement).")
     p.add_argument("results", nargs="+", help="run.py --json files with routing_sweep")
     p.add_argument("--out", required=True, help="the figure (.png, .svg, .pdf)")
     a = p.parse_args(argv)

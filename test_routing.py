@@ -2,6 +2,11 @@
 router. CPU, seconds (one test in Triton's interpreter, one on a GPU)."""
 import importlib.util
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from functools import partial
 
 import numpy as np
@@ -15,7 +20,7 @@ import model
 import routing
 import run
 import timing
-from testing import assert_close
+from testing import assert_close, CPU_ENV, HERE
 from verify import tree_forward
 
 
@@ -501,3 +506,66 @@ def test_routing_py_refuses_a_missing_or_foreign_file_and_an_unknown_command_in_
     assert routing.main(["--help"]) == 0
     listed = capsys.readouterr().out
     assert all(f"  {name} " in listed for name in routing.COMMANDS), listed
+
+
+def refused(argv, capsys):
+    """routing.main(argv)'s exit status and its stderr lines (a parser's refusal exits)."""
+    try:
+        status = routing.main(argv)
+    except SystemExit as e:
+        status = e.code
+    return status, capsys.readouterr().err.strip().splitlines()
+
+
+def test_the_probe_refuses_its_flags_and_an_out_it_cannot_write_before_training(
+        tmp_path, capsys, monkeypatch):
+    """probe: --steps, --threads below 1, --minutes not above 0, a negative bias rate or router
+    learning-rate scale, and an --out that is a file or lies under one are refused in one line
+    (status 2) before any training and leave no folder; 0 for --bias-rate (no correction) and
+    --router-lr-scale (frozen routers) is taken as given, not as the default."""
+    monkeypatch.setattr(routing, "train_probe", lambda *a: pytest.fail("the probe trained"))
+    (tmp_path / "file").write_text("")
+    out = ["--out", str(tmp_path / "new" / "probe")]
+    for argv, said in (
+            (out + ["--steps", "0"], "--steps 0: must be at least 1"),
+            (out + ["--threads", "0"], "--threads 0: must be at least 1"),
+            (out + ["--minutes", "0"], "--minutes 0.0: must be above 0"),
+            (out + ["--minutes", "-1"], "--minutes -1.0: must be above 0"),
+            (out + ["--bias-rate", "-0.1"], "--bias-rate -0.1: must be at least 0 and finite"),
+            (out + ["--router-lr-scale", "inf"],
+             "--router-lr-scale inf: must be at least 0 and finite"),
+            (["--out", str(tmp_path / "file")],
+             f"--out {tmp_path}/file: cannot write there (a file, not a folder)"),
+            (["--out", str(tmp_path / "file" / "probe")],
+             f"--out {tmp_path}/file/probe: cannot write there (Not a directory)")):
+        status, err = refused(["probe", *argv], capsys)
+        assert (status, err) == (2, [f"routing.py probe: error: {said}"]), (argv, err)
+    assert sorted(os.listdir(tmp_path)) == ["file"]
+    p = routing.probe_parser()
+    cfg = routing.probe_config(p, p.parse_args(["--out", "x", "--bias-rate", "0",
+                                                "--router-lr-scale", "0", "--steps", "5"]))
+    assert (cfg["bias_rate"], cfg["router_lr_scale"], cfg["steps"]) == (0, 0, 5)
+    assert routing.probe_config(p, p.parse_args(["--out", "x"])) == routing.PROBE_TRAIN
+
+
+def test_the_probe_interrupted_says_one_line_and_leaves_no_folder(tmp_path):
+    """Ctrl-C while the probe trains, as a user presses it: exit status 130, one line, no
+    traceback, and the folders it made for --out gone."""
+    p = subprocess.Popen([sys.executable, "-u", os.path.join(HERE, "routing.py"), "probe",
+                          "--quick", "--out", "new/probe"], cwd=tmp_path, env=CPU_ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (tmp_path / "new").exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.1)
+    time.sleep(0.5)   # into the imports of the training, or its steps
+    while p.poll() is None:
+        p.send_signal(signal.SIGINT)
+        try:
+            out, err = p.communicate(timeout=2)
+        except subprocess.TimeoutExpired:
+            assert time.time() < deadline, "the probe did not stop"
+    said = [line for line in err.replace("\r", "\n").splitlines()
+            if line.strip() and "router probe:" not in line]
+    assert p.returncode == 130 and "Traceback" not in err, (p.returncode, err[-2000:])
+    assert said == ["routing.py probe: interrupted; nothing written, new removed"], err[-2000:]
+    assert os.listdir(tmp_path) == []
