@@ -61,6 +61,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import baseline
 import model
 
 
@@ -142,15 +143,18 @@ class DistinctChoice:
 # Routing traces
 
 def save_trace(path, ids, n_experts, top_k, sequence_lengths=None, note=""):
-    """Write ids [layers, tokens, top_k] as a routing trace (the module docstring's format)."""
+    """Write ids [layers, tokens, top_k] as a routing trace (the module docstring's format) at
+    `path` as given, making its folder where missing."""
     ids = torch.as_tensor(ids)
     check_ids(ids, n_experts, top_k, path)
     dtype = np.int16 if n_experts <= np.iinfo(np.int16).max else np.int32
     extra = {} if sequence_lengths is None else dict(
         sequence_lengths=np.asarray(sequence_lengths, dtype=np.int64))
+    arrays = dict(routing_ids=ids.numpy().astype(dtype), n_experts=np.int64(n_experts),
+                  top_k=np.int64(top_k), note=np.str_(note), **extra)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    np.savez_compressed(path, routing_ids=ids.numpy().astype(dtype), n_experts=np.int64(n_experts),
-                        top_k=np.int64(top_k), note=np.str_(note), **extra)
+    # on a file, not a name (a name would gain ".npz"); whole or not at all
+    baseline.write_whole(path, lambda f: np.savez_compressed(f, **arrays))
 
 
 def check_ids(ids, n_experts, top_k, what):
@@ -170,8 +174,9 @@ class Trace:
 
 
 def read_trace(path, n_experts, top_k):
-    """A routing trace (.npz) as a Trace, refused in one line (ValueError) when its expert count
-    or top-k is not the model's."""
+    """A routing trace (.npz) as a Trace, refused in one line (ValueError) when it is no .npz or
+    its expert count or top-k is not the model's."""
+    baseline.check_npz(path)
     with np.load(path) as f:
         have_e, have_k = int(f["n_experts"]), int(f["top_k"])
         if (have_e, have_k) != (n_experts, top_k):
@@ -201,6 +206,10 @@ def check_run(cfg, margs):
         return
     import checkpoint
     full = E if cfg.model_path else checkpoint.preset(cfg.preset).n_routed_experts
+    try:
+        baseline.check_npz(cfg.routing_trace)   # ("PATH is not an .npz file ...")
+    except ValueError as e:
+        raise ValueError(f"--routing-trace {e}") from None
     try:
         with np.load(cfg.routing_trace) as f:
             have_e, have_k, shape = int(f["n_experts"]), int(f["top_k"]), f["routing_ids"].shape
@@ -295,7 +304,7 @@ def read_sglang(paths, n_experts, top_k):
     order) as a Trace: ids mapped to logical experts by each file's last_physical_to_logical_map
     (where it has one), the layers that routed no token dropped, tokens whose ids hold an unused
     slot (-1) in a routed layer dropped. Refused in one line where the ids are not top_k wide or
-    reach past n_experts."""
+    reach past n_experts, or where no token is left."""
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     passes, lengths = [], []
     for path in paths:
@@ -334,7 +343,10 @@ def read_sglang(paths, n_experts, top_k):
     ids = ids[(ids >= 0).any(-1).any(-1)]                         # the layers that routed
     whole = (ids >= 0).all(-1).all(0)                             # tokens with every slot used
     ids = ids[:, whole]
-    if ids.numel() and ids.max() >= n_experts:
+    if not ids.numel():
+        raise ValueError(f"{', '.join(map(str, paths))}: no token routed in every slot of a layer "
+                         "(every id -1, or each token with an unused slot): an empty trace")
+    if ids.max() >= n_experts:
         raise ValueError(f"{paths[0]}: expert ids reach {int(ids.max())}; the model has "
                          f"{n_experts} experts")
     note = f"SGLang per_token dump, {len(lengths)} forward passes, {len(paths)} file(s)"
@@ -732,14 +744,16 @@ def curve_main(argv):
     p.add_argument("--max-T", type=int, default=16, help="the longest run of consecutive tokens "
                    "(default %(default)s)")
     a = p.parse_args(argv)
+    if a.max_T < 1:
+        p.error(f"--max-T {a.max_T}: must be at least 1")
     try:
-        f = np.load(a.trace)
-        if not isinstance(f, np.lib.npyio.NpzFile):
-            raise ValueError("an .npy array, not an .npz archive")
-        with f:
+        baseline.check_npz(a.trace)
+        with np.load(a.trace) as f:
             E, K = int(f["n_experts"]), int(f["top_k"])
         t = read_trace(a.trace, E, K)
-    except (OSError, KeyError, ValueError, TypeError, EOFError, zipfile.BadZipFile) as e:
+    except ValueError as e:   # no .npz (check_npz), or a trace read_trace refuses
+        p.error(str(e))
+    except (OSError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as e:
         p.error(f"{a.trace}: not a routing trace ({type(e).__name__}: {e})")
     print(f"{a.trace}: {t.ids.shape[0]} layers, {t.ids.shape[1]} tokens, top-{K} of {E}; {t.note}")
     for T, v in distinct_curve(t.ids, E, a.max_T, t.sequence_lengths).items():
@@ -752,16 +766,26 @@ def convert_main(argv):
     p.add_argument("dumps", nargs="+", help="expert_distribution_recorder_*.pt, read in order: "
                    "one rank's under plain TP (every rank records the same tokens), each "
                    "rank's where DP attention splits the requests")
-    p.add_argument("--out", required=True, help="the routing trace to write (.npz)")
+    p.add_argument("--out", required=True, help="the routing trace to write (an .npz, written "
+                   "at this path as given)")
     p.add_argument("--n-experts", type=int, default=384, help="the model's routed experts "
                    "(default %(default)s)")
     p.add_argument("--top-k", type=int, default=8, help="experts a token (default %(default)s)")
     a = p.parse_args(argv)
+    if a.n_experts < 1:
+        p.error(f"--n-experts {a.n_experts}: must be at least 1")
+    if not 1 <= a.top_k <= a.n_experts:
+        p.error(f"--top-k {a.top_k}: must lie in [1, {a.n_experts}] (--n-experts)")
+    if os.path.isdir(a.out):
+        p.error(f"--out {a.out}: cannot write there (is a folder)")
     try:
         t = read_sglang(a.dumps, a.n_experts, a.top_k)
     except (OSError, ValueError) as e:
         p.error(str(e))
-    save_trace(a.out, t.ids, a.n_experts, a.top_k, note=t.note)
+    try:
+        save_trace(a.out, t.ids, a.n_experts, a.top_k, note=t.note)
+    except OSError as e:   # its folder cannot be made (a file on the way) or written
+        p.error(f"--out {a.out}: cannot write there ({e.strerror or e})")
     print(f"{a.out}: {t.ids.shape[0]} layers, {t.ids.shape[1]} tokens ({t.note})")
 
 

@@ -1687,7 +1687,10 @@ def test_run_py_refuses_routing_flags_before_building(monkeypatch, tmp_path, run
             ("--routing distinct --distinct-experts 9 --speculative-num-steps 1",
              r"--distinct-experts 9: must lie in \[4, 8\] \(top-4; a verify of 2 tokens"),
             (f"--routing trace --routing-trace {big}",
-             f"--routing-trace {big}: 384 experts, top-8; the model routes top-4 of 16")]:
+             f"--routing-trace {big}: 384 experts, top-8; the model routes top-4 of 16"),
+            (f"--routing trace --routing-trace {HERE}/README.md",
+             rf"^--routing-trace {HERE}/README.md is not an .npz file \(a zip of numpy arrays\): "
+             "it starts with b'# EA'$")]:
         with pytest.raises(run.BadInput, match=message):
             run.check_sizes(_settled(flags), cpu, 1)
     run.check_sizes(_settled("--routing distinct --distinct-experts 16 --random-weights "

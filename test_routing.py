@@ -489,8 +489,8 @@ def test_routing_py_refuses_a_missing_or_foreign_file_and_an_unknown_command_in_
     exit status 2, no traceback; --help lists each command with what it does."""
     (tmp_path / "junk.pt").write_bytes(b"junk")
     (tmp_path / "run.json").write_text("{}\n")
-    for argv, words in ((["curve", str(tmp_path / "none.npz")], "not a routing trace"),
-                        (["curve", str(tmp_path / "run.json")], "not a routing trace"),
+    for argv, words in ((["curve", str(tmp_path / "none.npz")], "No such file or directory"),
+                        (["curve", str(tmp_path / "run.json")], "is not an .npz file"),
                         (["convert-sglang", str(tmp_path / "none.pt"), "--out",
                           str(tmp_path / "t.npz")], "No such file"),
                         (["convert-sglang", str(tmp_path / "junk.pt"), "--out",
@@ -569,3 +569,55 @@ def test_the_probe_interrupted_says_one_line_and_leaves_no_folder(tmp_path):
     assert p.returncode == 130 and "Traceback" not in err, (p.returncode, err[-2000:])
     assert said == ["routing.py probe: interrupted; nothing written, new removed"], err[-2000:]
     assert os.listdir(tmp_path) == []
+
+
+def test_convert_sglang_refuses_bad_sizes_outputs_and_an_empty_trace(tmp_path, capsys):
+    """convert-sglang: --n-experts below 1 and --top-k outside [1, n-experts] are refused as the
+    flags they are; --out a folder or under a file in one line (status 2), no file written; a
+    dump whose ids are all -1 is refused as an empty trace; --out without .npz is written and
+    named at its path as given."""
+    E, L = 16, 3
+    to_logical = torch.arange(E).expand(L, E).clone()
+    ids = torch.stack([torch.stack([torch.randperm(E)[:8] for _ in range(4)]) for _ in range(2)])
+    write_sglang_dump(tmp_path / "d.pt", [(1, ids)], L, to_logical)
+    write_sglang_dump(tmp_path / "none.pt", [(1, torch.full_like(ids, -1))], L, to_logical)
+    (tmp_path / "file").write_text("")
+    dump, sizes = str(tmp_path / "d.pt"), ["--n-experts", "16", "--top-k", "8"]
+    for argv, said in (
+            ([dump, "--out", "t.npz", "--n-experts", "0"], "--n-experts 0: must be at least 1"),
+            ([dump, "--out", "t.npz", "--n-experts", "-5"], "--n-experts -5: must be at least 1"),
+            ([dump, "--out", "t.npz", "--top-k", "0"],
+             r"--top-k 0: must lie in [1, 384] (--n-experts)"),
+            ([dump, "--out", "t.npz", "--n-experts", "4"],
+             r"--top-k 8: must lie in [1, 4] (--n-experts)"),
+            ([dump, "--out", str(tmp_path), *sizes],
+             f"--out {tmp_path}: cannot write there (is a folder)"),
+            ([dump, "--out", str(tmp_path / "file" / "t.npz"), *sizes],
+             f"--out {tmp_path}/file/t.npz: cannot write there "),
+            ([str(tmp_path / "none.pt"), "--out", str(tmp_path / "t.npz"), *sizes],
+             f"{tmp_path}/none.pt: no token routed in every slot of a layer")):
+        status, err = refused(["convert-sglang", *argv], capsys)
+        assert status == 2 and len(err) == 1, (argv, err)
+        assert err[0].startswith(f"routing.py convert-sglang: error: {said}"), (argv, err)
+    assert sorted(os.listdir(tmp_path)) == ["d.pt", "file", "none.pt"]
+    assert routing.main(["convert-sglang", dump, "--out", str(tmp_path / "t.txt"), *sizes]) is None
+    assert capsys.readouterr().out.startswith(f"{tmp_path}/t.txt: 2 layers, 4 tokens")
+    assert sorted(os.listdir(tmp_path)) == ["d.pt", "file", "none.pt", "t.txt"]
+    assert torch.equal(routing.read_trace(tmp_path / "t.txt", E, 8).ids, ids.long())
+
+
+def test_curve_refuses_a_window_below_1_and_a_file_that_is_no_npz(tmp_path, capsys):
+    """curve: --max-T 0 or below refused (not a header and nothing); a text file named as the
+    file that is no .npz by its first bytes (as run.py --compare says it), not numpy's pickle
+    message."""
+    path = tmp_path / "trace.npz"
+    routing.save_trace(path, random_trace(), 384, 8)
+    for argv, said in (([str(path), "--max-T", "0"], "--max-T 0: must be at least 1"),
+                       ([str(path), "--max-T", "-3"], "--max-T -3: must be at least 1"),
+                       ([os.path.join(HERE, "README.md")],
+                        f"{HERE}/README.md is not an .npz file (a zip of numpy arrays): it "
+                        "starts with b'# EA'")):
+        status, err = refused(["curve", *argv], capsys)
+        assert (status, err) == (2, [f"routing.py curve: error: {said}"]), (argv, err)
+    assert routing.main(["curve", str(path), "--max-T", "2"]) is None
+    assert len(capsys.readouterr().out.splitlines()) == 3
