@@ -811,13 +811,26 @@ def tables(paths):
 def read_run(path):
     """A run.py --json file's line, read back: its last line (--json PATH writes only that line;
     a saved stdout of --json - ends with it), as routing.py plot reads it. A file that is missing,
-    unreadable, or does not end in such a line raises ValueError naming it; what each table needs
-    of the run, its caller checks."""
+    unreadable, binary, or does not end in such a line raises ValueError naming it in one line;
+    what each table needs of the run, its caller checks."""
     try:
-        with open(path) as f:
-            r = json.loads(f.read().splitlines()[-1])
-    except (OSError, ValueError, IndexError) as e:   # missing, another format, empty, truncated
-        raise ValueError(f"{path}: not a run.py --json file ({e!r})") from None
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}") from None
+    try:
+        lines = data.decode().splitlines()
+    except UnicodeDecodeError:
+        lines = None
+    if lines is None or b"\0" in data:   # (a .safetensors, an .npz, an image)
+        raise ValueError(f"{path}: not a run.py --json file (not JSON text: binary, not UTF-8)")
+    if not lines:
+        raise ValueError(f"{path}: not a run.py --json file (empty)")
+    try:
+        r = json.loads(lines[-1])
+    except json.JSONDecodeError as e:   # another format, a truncated line
+        raise ValueError(f"{path}: not a run.py --json file (its last line is no JSON: "
+                         f"{e.msg})") from None
     if not isinstance(r, dict) or not isinstance(r.get("env"), dict):
         raise ValueError(f"{path}: not a run.py --json file (no env)")
     return r

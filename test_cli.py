@@ -589,6 +589,20 @@ def test_report_phases_and_sweep_make_the_benchmarks_tables(tmp_path):
         assert out.returncode == 2 and len(err) == 1 and reason in err[0], (name, out.stderr)
 
 
+def test_report_names_a_file_that_is_no_json_text_in_one_short_line(tmp_path):
+    """A binary file (a checkpoint's .safetensors, one not UTF-8) or an empty one given as a run.py
+    --json file: one short line naming it, not the decoder's message and the bytes it holds."""
+    weights = os.path.join(HERE, "checkpoints", "tiny-stdlib", "target", "model.safetensors")
+    (tmp_path / "latin1.json").write_bytes(b"caf\xe9\n")
+    (tmp_path / "empty.json").write_text("")
+    for path, why in ((weights, "not JSON text: binary, not UTF-8"),
+                      (str(tmp_path / "latin1.json"), "not JSON text: binary, not UTF-8"),
+                      (str(tmp_path / "empty.json"), "empty")):
+        with pytest.raises(ValueError) as e:
+            report.read_run(path)
+        assert str(e.value) == f"{path}: not a run.py --json file ({why})", str(e.value)[:300]
+
+
 def test_report_routed_sets_routed_experts_against_their_floor_across_routings(tmp_path):
     """`report.py routed`: each point's routed experts component over its distinct experts' bytes
     (one expert in every MoE layer: routed_experts_GB / n_routed_experts over the bandwidth), a
