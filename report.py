@@ -1049,6 +1049,32 @@ def weight_format(env):
     return dtype if quant is None else quant + (f" ({dtype})" if dtype != "bf16" else "")
 
 
+def check_figure_out(out):
+    """A figure's --out before any work (ValueError naming it, one line): a file in a folder that
+    takes one (run.check_writable), named with a suffix matplotlib writes, which picks the format
+    (without one matplotlib would add .png to the name)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    import run
+    run.check_writable("--out", out)
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if os.path.splitext(out)[1][1:].lower() not in kinds:
+        rest = ", ".join(f".{k}" for k in sorted(kinds) if k not in ("png", "pdf", "svg"))
+        raise ValueError(f"--out {out}: its suffix names no format matplotlib writes; end it in "
+                         f".png, .pdf or .svg (or {rest})")
+
+
+def save_figure(fig, out):
+    """fig into `out` whole (baseline.write_whole), in the format its suffix names (checked by
+    check_figure_out); ValueError naming --out where it cannot be written."""
+    import baseline
+    kind = os.path.splitext(out)[1][1:].lower()
+    try:
+        baseline.write_whole(out, lambda f: fig.savefig(f, format=kind, dpi=150))
+    except OSError as e:   # the folder gone or no longer writable since the check
+        raise ValueError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+
+
 def sweep_plot(paths, out):
     """The verify sweeps of run.py --json files from a GPU in one figure (needs matplotlib).
 
@@ -1057,10 +1083,11 @@ def sweep_plot(paths, out):
     (components.cliff_allowed_ms), its breaks marked. matplotlib is not a requirement. Returns 0,
     or 2 with the reason on stderr."""
     try:
-        runs = [_read_sweep(path) for path in paths]
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        check_figure_out(out)
+        runs = [_read_sweep(path) for path in paths]
     except (ValueError, ImportError) as e:
         why = "needs matplotlib (pip install matplotlib)" if isinstance(e, ImportError) else e
         print(f"report.py sweep-plot: {why}", file=sys.stderr)
@@ -1088,10 +1115,9 @@ def sweep_plot(paths, out):
         ax.legend(fontsize=8)
     fig.tight_layout()
     try:
-        fig.savefig(out, dpi=150)
-    except OSError as e:   # no such folder, a folder, no permission
-        print(f"report.py sweep-plot: --out {out}: cannot write there ({e.strerror or e})",
-              file=sys.stderr)
+        save_figure(fig, out)
+    except ValueError as e:
+        print(f"report.py sweep-plot: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out}")
     return 0

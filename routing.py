@@ -803,6 +803,11 @@ def plot_main(argv):
     except ImportError:
         print("routing.py plot: needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2
+    import report
+    try:
+        report.check_figure_out(a.out)
+    except ValueError as e:
+        p.error(str(e))
     series = []
     for path in a.results:
         try:
@@ -842,11 +847,9 @@ def plot_main(argv):
                  "routing", fontsize=9)
     fig.tight_layout()
     try:
-        fig.savefig(a.out, dpi=150)
-    except OSError as e:   # no such folder, a folder, no permission
-        print(f"routing.py plot: --out {a.out}: cannot write there ({e.strerror or e})",
-              file=sys.stderr)
-        return 2
+        report.save_figure(fig, a.out)
+    except ValueError as e:
+        p.error(str(e))
     print(f"wrote {a.out}")
     return 0
 

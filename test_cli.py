@@ -527,8 +527,15 @@ def test_report_sweep_plot_draws_gpu_sweeps_and_refuses_the_rest(tmp_path, capsy
     if drawn:
         assert out.stat().st_size > 1000, "the figure"
         nowhere = tmp_path / "none" / "sweep.png"
-        assert report.sweep_plot([gpu], str(nowhere)) == 2
-        assert f"--out {nowhere}: cannot write there" in capsys.readouterr().err
+        for out, said in ((nowhere, f"cannot write there (no folder {tmp_path}/none)"),
+                          (tmp_path, "cannot write there (is a folder)"),
+                          (tmp_path / "sweep.txt", "its suffix names no format matplotlib "
+                                                   "writes; end it in .png, .pdf or .svg (or ")):
+            assert report.sweep_plot([gpu], str(out)) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith(f"report.py sweep-plot: --out {out}: "
+                                                       f"{said}"), err
+        assert not (tmp_path / "sweep.txt").exists() and not (tmp_path / "none").exists()
     else:
         assert "needs matplotlib" in err and not out.exists(), err
     for path, why in ((cpu, "its sweep has no floors"),

@@ -458,6 +458,15 @@ def test_distinct_and_trace_routing_replay_in_cuda_graphs_as_eager(kernels_on):
 # ---------------------------------------------------------------------------------------------
 # routing.py's command line: the figure, refusals
 
+def refused(argv, capsys):
+    """routing.main(argv)'s exit status and its stderr lines (a parser's refusal exits)."""
+    try:
+        status = routing.main(argv)
+    except SystemExit as e:
+        status = e.code
+    return status, capsys.readouterr().err.strip().splitlines()
+
+
 def test_the_figure_draws_from_a_sweep_or_says_in_one_line_what_it_needs(tmp_path, capsys):
     points = [dict(distinct=D, distinct_ran=D, verify_ms=2 + D / 8, decode_steps=0.5 + D / 16,
                    cycle_ms=3 + D / 8, break_even_accept_len=0.75 + D / 16) for D in (8, 16, 32)]
@@ -476,10 +485,18 @@ def test_the_figure_draws_from_a_sweep_or_says_in_one_line_what_it_needs(tmp_pat
         assert routing.main(["plot", str(tmp_path / "bad.json"), "--out", str(out)]) == 2
         assert "no routing_sweep" in capsys.readouterr().err
         nowhere = tmp_path / "none" / "fig.png"
-        assert routing.main(["plot", str(path), "--out", str(nowhere)]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert err == [f"routing.py plot: --out {nowhere}: cannot write there (No such file or "
-                       "directory)"], err
+        for out, said in ((nowhere, f"cannot write there (no folder {tmp_path}/none)"),
+                          (tmp_path, "cannot write there (is a folder)"),
+                          (tmp_path / "fig.txt", "its suffix names no format matplotlib writes; "
+                                                 "end it in .png, .pdf or .svg (or "),
+                          (tmp_path / "fig", "its suffix names no format matplotlib writes")):
+            status, err = refused(["plot", str(path), "--out", str(out)], capsys)
+            assert status == 2 and len(err) == 1, (out, err)
+            assert err[0].startswith(f"routing.py plot: error: --out {out}: {said}"), err
+        assert sorted(os.listdir(tmp_path)) == ["bad.json", "fig.png", "r.json"]
+        assert routing.main(["plot", str(path), "--out", str(tmp_path / "fig.svg")]) == 0
+        assert capsys.readouterr().out == f"wrote {tmp_path}/fig.svg\n"
+        assert (tmp_path / "fig.svg").read_text().startswith("<?xml")
 
 
 def test_routing_py_refuses_a_missing_or_foreign_file_and_an_unknown_command_in_one_line(
@@ -506,15 +523,6 @@ def test_routing_py_refuses_a_missing_or_foreign_file_and_an_unknown_command_in_
     assert routing.main(["--help"]) == 0
     listed = capsys.readouterr().out
     assert all(f"  {name} " in listed for name in routing.COMMANDS), listed
-
-
-def refused(argv, capsys):
-    """routing.main(argv)'s exit status and its stderr lines (a parser's refusal exits)."""
-    try:
-        status = routing.main(argv)
-    except SystemExit as e:
-        status = e.code
-    return status, capsys.readouterr().err.strip().splitlines()
 
 
 def test_the_probe_refuses_its_flags_and_an_out_it_cannot_write_before_training(
