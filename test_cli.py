@@ -670,6 +670,29 @@ def test_kernel_bench_refuses_a_machine_without_cuda_and_names_its_json_parts():
     assert _with_part("out/k", "attention") == "out/k_attention.json"
 
 
+def test_kernel_bench_refuses_modes_together_and_a_json_it_cannot_write_before_cuda(tmp_path,
+                                                                                  capsys):
+    """`python -m kernels.bench`'s flags are checked before it asks for CUDA and before any
+    timing (so here on the CPU too): two modes at once are named, --json where no file can be
+    written, a bad --tp; one error line, exit status 2."""
+    from kernels import bench
+    for argv, said in (
+            (["--moe", "--router"], "--moe and --router: each runs its own benchmark; give one"),
+            (["--small", "--draft", "--align"], "--small and --draft and --align: each runs"),
+            (["--mla-blocks", "--pdl", "--preset", "kimi-k2.5"], "--pdl and --mla-blocks: each"),
+            (["--precision", "--moe"], "--moe and --precision: each runs its own benchmark"),
+            (["--router", "--json", str(tmp_path / "none" / "r.json")],
+             f"--json {tmp_path}/none/r.json: cannot write there (no folder {tmp_path}/none)"),
+            (["--json", str(tmp_path)], f"--json {tmp_path}: cannot write there (is a folder)"),
+            (["--moe", "--tp", "3"], "--tp 3: one of 1, 2, 4, 8")):
+        with pytest.raises(SystemExit) as e:
+            bench.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and err[-1].startswith(
+            f"python -m kernels.bench: error: {said}"), (argv, err)
+    assert os.listdir(tmp_path) == []
+
+
 def test_verify_sweep_points_and_the_cliff_check():
     """The sweep's tokens a row: on a GPU 1 to 8, 10, 12, then every 4 to 32 while the batch's
     forward holds 32 tokens, on a CPU 1 to 6, or those of --sweep-tokens with the run's own chains
