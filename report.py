@@ -92,7 +92,8 @@ def json_line(r):
 
 def header(b):
     """The run's first line (wrapped): the target, its TP, dtype, MoE path, kernels and routing;
-    the batch and lengths; the device; what is SIMULATED or MODELLED."""
+    the batch, lengths and num_steps (and the temperature where it samples); the device; what is
+    SIMULATED or MODELLED."""
     t, a = b.target, b.cfg
     group, fp8 = t.args.int4_group_size, t.args.fp8_block
     quant_note = (f" (routed experts INT4, group {group})" if group else
@@ -107,7 +108,9 @@ def header(b):
             f"experts, {t.tp.describe()}, {a.dtype}{quant_note}, moe {moe_note(t)}, kernels "
             f"{','.join(t.kernels) or 'none'}{head_kernels}, {routing} | batch {a.batch_size}, "
             f"prompt {a.prompt_len}, cached {'/'.join(map(str, a.context_len))} (isolated "
-            f"phases), num_steps {b.k} | {device}, torch {torch.__version__}"
+            f"phases), num_steps {b.k}"
+            + (f", sampling at temperature {a.temperature:g}" if a.temperature > 0 else "")
+            + f" | {device}, torch {torch.__version__}"
             + (" | acceptance SIMULATED" if a.simulate_accept_len is not None else "")
             + (f" | collectives MODELLED at {ar.us_each:g} us" if ar else ""))
     return wrap(text, "", "  ")

@@ -310,6 +310,8 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
     cases = [(flags, f"{flags.split(' --dump')[0]}: must be at least 1")
              for flags in at_least_1] + [
         ("--temperature -1", "--temperature -1.0: must be at least 0"),
+        ("--temperature nan", "--temperature nan: must be at least 0"),
+        ("--temperature inf", r"^--temperature inf: must be finite \(0: greedy\)$"),
         ("--speculative-num-steps 100",
          r"--speculative-num-steps 100: .* must be below --prompt-len \(16\)"),
         ("--simulate-accept-len 10", r"--simulate-accept-len 10.0: must lie in \[1, 4\]"),
@@ -360,6 +362,17 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
     cli = run_py("--max-new-tokens", "0")
     assert (cli.returncode, cli.stdout,
             cli.stderr) == (2, "", "run.py: error: --max-new-tokens 0: must be at least 1\n")
+
+
+def test_run_py_header_names_the_temperature_where_it_samples():
+    """The header's first line says the sampling temperature where --temperature is above 0, and
+    nothing of it for greedy decoding."""
+    cpu = torch.device("cpu")
+    b = timing.prepare(_settled("--random-weights --temperature 0.7 --reps 1"), cpu)
+    flat = " ".join(report.header(b).split())
+    assert "num_steps 3, sampling at temperature 0.7 | CPU" in flat, flat
+    b.cfg.temperature = 0.0
+    assert "temperature" not in report.header(b)
 
 
 def test_run_py_names_a_broken_checkpoint_in_one_line(tiny_ckpt, tmp_path, run_py_runs):
