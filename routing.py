@@ -806,21 +806,13 @@ def plot_main(argv):
     import report
     try:
         report.check_figure_out(a.out)
+        runs = [report.read_run(path) for path in a.results]
     except ValueError as e:
         p.error(str(e))
-    series = []
-    for path in a.results:
-        try:
-            with open(path) as f:
-                r = json.loads(f.read().splitlines()[-1])
-        except (OSError, UnicodeDecodeError, IndexError, ValueError) as e:
-            print(f"routing.py plot: {path}: not a run.py --json file ({e})", file=sys.stderr)
-            return 2
-        if not isinstance(r, dict) or not r.get("routing_sweep"):
-            print(f"routing.py plot: {path} has no routing_sweep (run.py --distinct-sweep)",
-                  file=sys.stderr)
-            return 2
-        series.append((sweep_label(r), r["routing_sweep"]))
+    for path, r in zip(a.results, runs):
+        if not r.get("routing_sweep"):
+            p.error(f"{path} has no routing_sweep (run.py --distinct-sweep)")
+    series = [(sweep_label(r), r["routing_sweep"]) for r in runs]
     fig, (cost, even) = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
     for label, s in series:
         D = [q["distinct"] for q in s["points"]]

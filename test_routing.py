@@ -481,9 +481,11 @@ def test_the_figure_draws_from_a_sweep_or_says_in_one_line_what_it_needs(tmp_pat
         assert status == 2 and err == ["routing.py plot: needs matplotlib (pip install matplotlib)"]
     else:
         assert status == 0 and out.stat().st_size > 0, err
-        (tmp_path / "bad.json").write_text("{}\n")
-        assert routing.main(["plot", str(tmp_path / "bad.json"), "--out", str(out)]) == 2
-        assert "no routing_sweep" in capsys.readouterr().err
+        (tmp_path / "bad.json").write_text(json.dumps(dict(env=dict(dtype="bfloat16"))) + "\n")
+        for bad, said in (("bad.json", "has no routing_sweep (run.py --distinct-sweep)"),
+                          ("fig.png", ": not a run.py --json file (not JSON text: binary")):
+            status, err = refused(["plot", str(tmp_path / bad), "--out", str(out)], capsys)
+            assert status == 2 and len(err) == 1 and said in err[0], err
         nowhere = tmp_path / "none" / "fig.png"
         for out, said in ((nowhere, f"cannot write there (no folder {tmp_path}/none)"),
                           (tmp_path, "cannot write there (is a folder)"),
