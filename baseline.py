@@ -255,9 +255,9 @@ def check_tree_arrays(d, name, check, B, C, k):
                              f"path of accepted[{b}, {c}] = {m[b, c]} nodes down from the root")
 
 
-def load_dump(path):
-    """A dump's arrays. A file that is not a readable .npz (missing, not a zip, truncated, holding
-    pickled objects) raises ValueError naming it."""
+def check_npz(path):
+    """Refuse (ValueError, one line naming it) a file that is missing or is no .npz by its first
+    bytes, before numpy reads it (numpy would try a pickle, and suggest allow_pickle)."""
     try:
         with open(path, "rb") as f:
             magic = f.read(4)
@@ -266,6 +266,12 @@ def load_dump(path):
     if magic != b"PK\x03\x04":  # an .npz is a zip archive of .npy files
         raise ValueError(f"{path} is not an .npz file (a zip of numpy arrays): it starts with "
                          f"{magic!r}")
+
+
+def load_dump(path):
+    """A dump's arrays. A file that is not a readable .npz (missing, not a zip, truncated, holding
+    pickled objects) raises ValueError naming it."""
+    check_npz(path)
     try:
         with np.load(path) as f:
             return {key: f[key] for key in f.files}

@@ -92,7 +92,8 @@ def json_line(r):
 
 def header(b):
     """The run's first line (wrapped): the target, its TP, dtype, MoE path, kernels and routing;
-    the batch and lengths; the device; what is SIMULATED or MODELLED."""
+    the batch, lengths and num_steps (and the temperature where it samples); the device; what is
+    SIMULATED or MODELLED."""
     t, a = b.target, b.cfg
     group, fp8 = t.args.int4_group_size, t.args.fp8_block
     quant_note = (f" (routed experts INT4, group {group})" if group else
@@ -107,7 +108,9 @@ def header(b):
             f"experts, {t.tp.describe()}, {a.dtype}{quant_note}, moe {moe_note(t)}, kernels "
             f"{','.join(t.kernels) or 'none'}{head_kernels}, {routing} | batch {a.batch_size}, "
             f"prompt {a.prompt_len}, cached {'/'.join(map(str, a.context_len))} (isolated "
-            f"phases), num_steps {b.k} | {device}, torch {torch.__version__}"
+            f"phases), num_steps {b.k}"
+            + (f", sampling at temperature {a.temperature:g}" if a.temperature > 0 else "")
+            + f" | {device}, torch {torch.__version__}"
             + (" | acceptance SIMULATED" if a.simulate_accept_len is not None else "")
             + (f" | collectives MODELLED at {ar.us_each:g} us" if ar else ""))
     return wrap(text, "", "  ")
@@ -811,13 +814,26 @@ def tables(paths):
 def read_run(path):
     """A run.py --json file's line, read back: its last line (--json PATH writes only that line;
     a saved stdout of --json - ends with it), as routing.py plot reads it. A file that is missing,
-    unreadable, or does not end in such a line raises ValueError naming it; what each table needs
-    of the run, its caller checks."""
+    unreadable, binary, or does not end in such a line raises ValueError naming it in one line;
+    what each table needs of the run, its caller checks."""
     try:
-        with open(path) as f:
-            r = json.loads(f.read().splitlines()[-1])
-    except (OSError, ValueError, IndexError) as e:   # missing, another format, empty, truncated
-        raise ValueError(f"{path}: not a run.py --json file ({e!r})") from None
+        with open(path, "rb") as f:
+            data = f.read()
+    except OSError as e:
+        raise ValueError(f"{path}: {e.strerror or e}") from None
+    try:
+        lines = data.decode().splitlines()
+    except UnicodeDecodeError:
+        lines = None
+    if lines is None or b"\0" in data:   # (a .safetensors, an .npz, an image)
+        raise ValueError(f"{path}: not a run.py --json file (not JSON text: binary, not UTF-8)")
+    if not lines:
+        raise ValueError(f"{path}: not a run.py --json file (empty)")
+    try:
+        r = json.loads(lines[-1])
+    except json.JSONDecodeError as e:   # another format, a truncated line
+        raise ValueError(f"{path}: not a run.py --json file (its last line is no JSON: "
+                         f"{e.msg})") from None
     if not isinstance(r, dict) or not isinstance(r.get("env"), dict):
         raise ValueError(f"{path}: not a run.py --json file (no env)")
     return r
@@ -1036,6 +1052,32 @@ def weight_format(env):
     return dtype if quant is None else quant + (f" ({dtype})" if dtype != "bf16" else "")
 
 
+def check_figure_out(out):
+    """A figure's --out before any work (ValueError naming it, one line): a file in a folder that
+    takes one (run.check_writable), named with a suffix matplotlib writes, which picks the format
+    (without one matplotlib would add .png to the name)."""
+    from matplotlib.backend_bases import FigureCanvasBase
+
+    import run
+    run.check_writable("--out", out)
+    kinds = FigureCanvasBase.get_supported_filetypes()
+    if os.path.splitext(out)[1][1:].lower() not in kinds:
+        rest = ", ".join(f".{k}" for k in sorted(kinds) if k not in ("png", "pdf", "svg"))
+        raise ValueError(f"--out {out}: its suffix names no format matplotlib writes; end it in "
+                         f".png, .pdf or .svg (or {rest})")
+
+
+def save_figure(fig, out):
+    """fig into `out` whole (baseline.write_whole), in the format its suffix names (checked by
+    check_figure_out); ValueError naming --out where it cannot be written."""
+    import baseline
+    kind = os.path.splitext(out)[1][1:].lower()
+    try:
+        baseline.write_whole(out, lambda f: fig.savefig(f, format=kind, dpi=150))
+    except OSError as e:   # the folder gone or no longer writable since the check
+        raise ValueError(f"--out {out}: cannot write there ({e.strerror or e})") from None
+
+
 def sweep_plot(paths, out):
     """The verify sweeps of run.py --json files from a GPU in one figure (needs matplotlib).
 
@@ -1044,10 +1086,11 @@ def sweep_plot(paths, out):
     (components.cliff_allowed_ms), its breaks marked. matplotlib is not a requirement. Returns 0,
     or 2 with the reason on stderr."""
     try:
-        runs = [_read_sweep(path) for path in paths]
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        check_figure_out(out)
+        runs = [_read_sweep(path) for path in paths]
     except (ValueError, ImportError) as e:
         why = "needs matplotlib (pip install matplotlib)" if isinstance(e, ImportError) else e
         print(f"report.py sweep-plot: {why}", file=sys.stderr)
@@ -1075,10 +1118,9 @@ def sweep_plot(paths, out):
         ax.legend(fontsize=8)
     fig.tight_layout()
     try:
-        fig.savefig(out, dpi=150)
-    except OSError as e:   # no such folder, a folder, no permission
-        print(f"report.py sweep-plot: --out {out}: cannot write there ({e.strerror or e})",
-              file=sys.stderr)
+        save_figure(fig, out)
+    except ValueError as e:
+        print(f"report.py sweep-plot: {e}", file=sys.stderr)
         return 2
     print(f"wrote {out}")
     return 0

@@ -51,7 +51,6 @@ routed scaling 2.827), trained on Python standard library bytes (train.py's corp
 routing recorded on held-out text: a small trained model's routing at Kimi-K2's expert count, not
 Kimi-K2's. It writes the trace, the distinct-expert curve against uniform's and the load spread.
 """
-import argparse
 import json
 import os
 import sys
@@ -62,6 +61,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
+import baseline
 import model
 
 
@@ -143,15 +143,18 @@ class DistinctChoice:
 # Routing traces
 
 def save_trace(path, ids, n_experts, top_k, sequence_lengths=None, note=""):
-    """Write ids [layers, tokens, top_k] as a routing trace (the module docstring's format)."""
+    """Write ids [layers, tokens, top_k] as a routing trace (the module docstring's format) at
+    `path` as given, making its folder where missing."""
     ids = torch.as_tensor(ids)
     check_ids(ids, n_experts, top_k, path)
     dtype = np.int16 if n_experts <= np.iinfo(np.int16).max else np.int32
     extra = {} if sequence_lengths is None else dict(
         sequence_lengths=np.asarray(sequence_lengths, dtype=np.int64))
+    arrays = dict(routing_ids=ids.numpy().astype(dtype), n_experts=np.int64(n_experts),
+                  top_k=np.int64(top_k), note=np.str_(note), **extra)
     os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    np.savez_compressed(path, routing_ids=ids.numpy().astype(dtype), n_experts=np.int64(n_experts),
-                        top_k=np.int64(top_k), note=np.str_(note), **extra)
+    # on a file, not a name (a name would gain ".npz"); whole or not at all
+    baseline.write_whole(path, lambda f: np.savez_compressed(f, **arrays))
 
 
 def check_ids(ids, n_experts, top_k, what):
@@ -171,8 +174,9 @@ class Trace:
 
 
 def read_trace(path, n_experts, top_k):
-    """A routing trace (.npz) as a Trace, refused in one line (ValueError) when its expert count
-    or top-k is not the model's."""
+    """A routing trace (.npz) as a Trace, refused in one line (ValueError) when it is no .npz or
+    its expert count or top-k is not the model's."""
+    baseline.check_npz(path)
     with np.load(path) as f:
         have_e, have_k = int(f["n_experts"]), int(f["top_k"])
         if (have_e, have_k) != (n_experts, top_k):
@@ -202,6 +206,10 @@ def check_run(cfg, margs):
         return
     import checkpoint
     full = E if cfg.model_path else checkpoint.preset(cfg.preset).n_routed_experts
+    try:
+        baseline.check_npz(cfg.routing_trace)   # ("PATH is not an .npz file ...")
+    except ValueError as e:
+        raise ValueError(f"--routing-trace {e}") from None
     try:
         with np.load(cfg.routing_trace) as f:
             have_e, have_k, shape = int(f["n_experts"]), int(f["top_k"]), f["routing_ids"].shape
@@ -296,7 +304,7 @@ def read_sglang(paths, n_experts, top_k):
     order) as a Trace: ids mapped to logical experts by each file's last_physical_to_logical_map
     (where it has one), the layers that routed no token dropped, tokens whose ids hold an unused
     slot (-1) in a routed layer dropped. Refused in one line where the ids are not top_k wide or
-    reach past n_experts."""
+    reach past n_experts, or where no token is left."""
     paths = [paths] if isinstance(paths, (str, os.PathLike)) else list(paths)
     passes, lengths = [], []
     for path in paths:
@@ -335,7 +343,10 @@ def read_sglang(paths, n_experts, top_k):
     ids = ids[(ids >= 0).any(-1).any(-1)]                         # the layers that routed
     whole = (ids >= 0).all(-1).all(0)                             # tokens with every slot used
     ids = ids[:, whole]
-    if ids.numel() and ids.max() >= n_experts:
+    if not ids.numel():
+        raise ValueError(f"{', '.join(map(str, paths))}: no token routed in every slot of a layer "
+                         "(every id -1, or each token with an unused slot): an empty trace")
+    if ids.max() >= n_experts:
         raise ValueError(f"{paths[0]}: expert ids reach {int(ids.max())}; the model has "
                          f"{n_experts} experts")
     note = f"SGLang per_token dump, {len(lengths)} forward passes, {len(paths)} file(s)"
@@ -452,8 +463,8 @@ def balance_bias(target, ids, rate):
 def train_probe(cfg, data, minutes=None):
     """The probe trained by next-byte cross-entropy (AdamW, train.py's schedule; grouped experts),
     its correction bias balanced after each step (balance_bias, its rate scheduled as the
-    learning rate); stops early past `minutes`. Returns (target,
-    each step's load spread)."""
+    learning rate); stops early past `minutes`, and at a Ctrl-C that train.ctrl_c_noted noted
+    (KeyboardInterrupt, between steps). Returns (target, each step's load spread)."""
     import checkpoint
     import kernels
     import train
@@ -471,25 +482,27 @@ def train_probe(cfg, data, minutes=None):
     positions = torch.arange(cfg["seq_len"]).expand(cfg["batch"], cfg["seq_len"])
     gen = torch.Generator().manual_seed(cfg["seed"])
     recorder, history, start = RoutingRecorder(target), [], time.time()
-    for step in (bar := tqdm(range(cfg["steps"]), desc="router probe")):
-        if minutes and time.time() - start > 60 * minutes:
-            break
-        lr = train.lr_at(step, cfg)
-        for group in opt.param_groups:
-            group["lr"] = lr * group["scale"]
-        train.detach_caches(target)
-        x = train.windows(data, cfg["batch"], cfg["seq_len"] + 1, gen)
-        loss = F.cross_entropy(target(x[:, :-1], positions).logits.flatten(0, 1),
-                               x[:, 1:].flatten())
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        ids = recorder.pop()
-        with torch.no_grad():
-            balance_bias(target, ids, cfg["bias_rate"] * lr / cfg["lr"])
-        history.append(load_spread(ids, args.n_routed_experts)["mean"] | dict(loss=loss.item()))
-        bar.set_postfix_str(f"loss {loss.item():.3f} load cv {history[-1]['cv']:.2f} "
-                            f"unused {history[-1]['unused']:.0f}")
+    with tqdm(range(cfg["steps"]), desc="router probe") as bar:   # closed at a Ctrl-C too
+        for step in bar:
+            train.check_ctrl_c()
+            if minutes and time.time() - start > 60 * minutes:
+                break
+            lr = train.lr_at(step, cfg)
+            for group in opt.param_groups:
+                group["lr"] = lr * group["scale"]
+            train.detach_caches(target)
+            x = train.windows(data, cfg["batch"], cfg["seq_len"] + 1, gen)
+            loss = F.cross_entropy(target(x[:, :-1], positions).logits.flatten(0, 1),
+                                   x[:, 1:].flatten())
+            opt.zero_grad(set_to_none=True)
+            loss.backward()
+            opt.step()
+            ids = recorder.pop()
+            with torch.no_grad():
+                balance_bias(target, ids, cfg["bias_rate"] * lr / cfg["lr"])
+            history.append(load_spread(ids, args.n_routed_experts)["mean"] | dict(loss=loss.item()))
+            bar.set_postfix_str(f"loss {loss.item():.3f} load cv {history[-1]['cv']:.2f} "
+                                f"unused {history[-1]['unused']:.0f}")
     recorder.remove()
     for p in target.parameters():
         p.requires_grad_(False)
@@ -536,7 +549,30 @@ def tiny_pair_ids(tokens):
 
 
 def probe_main(argv):
-    p = argparse.ArgumentParser(prog="routing.py probe", description=(
+    """`routing.py probe`: flags and --out checked before any training (one line, status 2);
+    Ctrl-C as train.py's: one line, status 130, no file written and the folder it made gone."""
+    p = probe_parser()
+    a = p.parse_args(argv)
+    cfg = probe_config(p, a)
+    import train
+    try:
+        made = train.make_folder(a.out)
+    except OSError as e:
+        p.error(f"--out {a.out}: cannot write there ({e.strerror or e})")
+    torch.set_num_threads(a.threads)
+    try:
+        with train.ctrl_c_noted():
+            print(probe_run(cfg, a))
+    except KeyboardInterrupt:
+        gone = f", {train.remove_made(made)} removed" if made else f" in {a.out}"
+        print(f"routing.py probe: interrupted; nothing written{gone}", file=sys.stderr,
+              flush=True)
+        return train.INTERRUPTED
+    return 0
+
+
+def probe_parser():
+    p = parser("routing.py probe", (
         "Train a small model with Kimi-K2's routing (384 experts, top 8, sigmoid, aux-free bias, "
         "n_group 1, a shared expert, scaling 2.827) on Python stdlib bytes, record its routing on "
         "held-out text, and write DIR/probe_trace.npz, DIR/probe.json and DIR/probe.md: distinct "
@@ -546,20 +582,38 @@ def probe_main(argv):
     p.add_argument("--quick", action="store_true", help=f"{PROBE_QUICK['steps']} training steps "
                    "(a smoke test: the load does not balance)")
     p.add_argument("--steps", type=int, help=f"training steps (default {PROBE_TRAIN['steps']})")
-    p.add_argument("--bias-rate", type=float, help="the correction bias's step a batch "
-                   f"(default {PROBE_TRAIN['bias_rate']})")
+    p.add_argument("--bias-rate", type=float, help="the correction bias's step a batch (0: no "
+                   f"correction; default {PROBE_TRAIN['bias_rate']})")
     p.add_argument("--router-lr-scale", type=float, help="the routers' weights' learning rate, "
-                   f"a fraction of the rest's (default {PROBE_TRAIN['router_lr_scale']})")
+                   f"a fraction of the rest's (0: frozen routers; default "
+                   f"{PROBE_TRAIN['router_lr_scale']})")
     p.add_argument("--minutes", type=float, default=12, help="stop training after this many "
                    "minutes, wherever the schedule is (default 12)")
     p.add_argument("--threads", type=int, default=1, help="torch threads (default 1: more "
                    "spin on a busy machine)")
-    a = p.parse_args(argv)
-    torch.set_num_threads(a.threads)
+    return p
+
+
+def probe_config(p, a):
+    """The training's settings (PROBE_TRAIN, PROBE_QUICK) with the flags given (0 is a value);
+    values no probe can use refused by the parser, naming the flag."""
+    for flag, value, low in (("--steps", a.steps, 1), ("--threads", a.threads, 1),
+                             ("--bias-rate", a.bias_rate, 0),
+                             ("--router-lr-scale", a.router_lr_scale, 0)):
+        if value is not None and not low <= value < float("inf"):   # (NaN fails too)
+            finite = " and finite" if isinstance(value, float) else ""
+            p.error(f"{flag} {value}: must be at least {low}{finite}")
+    if not a.minutes > 0:
+        p.error(f"--minutes {a.minutes}: must be above 0")
     cfg = dict(PROBE_QUICK if a.quick else PROBE_TRAIN)
-    cfg["steps"] = a.steps or cfg["steps"]
-    cfg["bias_rate"] = a.bias_rate or cfg["bias_rate"]
-    cfg["router_lr_scale"] = a.router_lr_scale or cfg["router_lr_scale"]
+    given = dict(steps=a.steps, bias_rate=a.bias_rate, router_lr_scale=a.router_lr_scale)
+    cfg.update({k: v for k, v in given.items() if v is not None})
+    return cfg
+
+
+def probe_run(cfg, a):
+    """Train the probe, record its routing, write the trace and the tables into a.out (a folder
+    that exists); returns probe.md's text."""
     import train
     t0 = time.time()
     target, history = train_probe(cfg, train.corpus(train.TRAIN_FILES), a.minutes)
@@ -568,17 +622,17 @@ def probe_main(argv):
     tokens = heldout_windows(R["sequences"], R["seq_len"])
     ids = record_routing(target, tokens)
     lengths = [R["seq_len"]] * R["sequences"]
+    result = probe_result(cfg, target, ids, lengths, tokens, history, minutes)
+    train.check_ctrl_c()   # the last point a Ctrl-C stops the run: the files are written whole
     E, K = args.n_routed_experts, args.num_experts_per_tok
-    os.makedirs(a.out, exist_ok=True)
     save_trace(os.path.join(a.out, "probe_trace.npz"), ids, E, K, lengths,
                note="router probe: a small trained model's routing at Kimi-K2's expert count "
                     "(384, top 8), held-out Python stdlib bytes; not Kimi-K2's")
-    result = probe_result(cfg, target, ids, lengths, tokens, history, minutes)
     with open(os.path.join(a.out, "probe.json"), "w") as f:
         json.dump(result, f, indent=1)
     with open(os.path.join(a.out, "probe.md"), "w") as f:
         f.write(probe_markdown(result))
-    print(probe_markdown(result))
+    return probe_markdown(result)
 
 
 def probe_result(cfg, target, ids, lengths, tokens, history, minutes):
@@ -676,22 +730,30 @@ def probe_markdown(r):
 # ---------------------------------------------------------------------------------------------
 # Command line
 
+def parser(prog, description):
+    """A command's parser whose refusals are one line and exit status 2, as train.py's."""
+    from train import Parser
+    return Parser(prog=prog, description=description)
+
+
 def curve_main(argv):
-    p = argparse.ArgumentParser(prog="routing.py curve", description="Distinct experts a layer of "
-                                "T consecutive tokens of a routing trace, against uniform's.")
+    p = parser("routing.py curve", "Distinct experts a layer of T consecutive tokens of a routing "
+               "trace, against uniform's.")
     p.add_argument("trace", help="a routing trace (.npz: run.py --dump --dump-routing, "
                    "routing.py convert-sglang or probe)")
     p.add_argument("--max-T", type=int, default=16, help="the longest run of consecutive tokens "
                    "(default %(default)s)")
     a = p.parse_args(argv)
+    if a.max_T < 1:
+        p.error(f"--max-T {a.max_T}: must be at least 1")
     try:
-        f = np.load(a.trace)
-        if not isinstance(f, np.lib.npyio.NpzFile):
-            raise ValueError("an .npy array, not an .npz archive")
-        with f:
+        baseline.check_npz(a.trace)
+        with np.load(a.trace) as f:
             E, K = int(f["n_experts"]), int(f["top_k"])
         t = read_trace(a.trace, E, K)
-    except (OSError, KeyError, ValueError, TypeError, EOFError, zipfile.BadZipFile) as e:
+    except ValueError as e:   # no .npz (check_npz), or a trace read_trace refuses
+        p.error(str(e))
+    except (OSError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as e:
         p.error(f"{a.trace}: not a routing trace ({type(e).__name__}: {e})")
     print(f"{a.trace}: {t.ids.shape[0]} layers, {t.ids.shape[1]} tokens, top-{K} of {E}; {t.note}")
     for T, v in distinct_curve(t.ids, E, a.max_T, t.sequence_lengths).items():
@@ -699,29 +761,38 @@ def curve_main(argv):
 
 
 def convert_main(argv):
-    p = argparse.ArgumentParser(prog="routing.py convert-sglang", description="SGLang "
-                                "expert-distribution dumps (per_token mode) -> a routing trace.")
+    p = parser("routing.py convert-sglang", "SGLang expert-distribution dumps (per_token mode) "
+               "-> a routing trace.")
     p.add_argument("dumps", nargs="+", help="expert_distribution_recorder_*.pt, read in order: "
                    "one rank's under plain TP (every rank records the same tokens), each "
                    "rank's where DP attention splits the requests")
-    p.add_argument("--out", required=True, help="the routing trace to write (.npz)")
+    p.add_argument("--out", required=True, help="the routing trace to write (an .npz, written "
+                   "at this path as given)")
     p.add_argument("--n-experts", type=int, default=384, help="the model's routed experts "
                    "(default %(default)s)")
     p.add_argument("--top-k", type=int, default=8, help="experts a token (default %(default)s)")
     a = p.parse_args(argv)
+    if a.n_experts < 1:
+        p.error(f"--n-experts {a.n_experts}: must be at least 1")
+    if not 1 <= a.top_k <= a.n_experts:
+        p.error(f"--top-k {a.top_k}: must lie in [1, {a.n_experts}] (--n-experts)")
+    if os.path.isdir(a.out):
+        p.error(f"--out {a.out}: cannot write there (is a folder)")
     try:
         t = read_sglang(a.dumps, a.n_experts, a.top_k)
     except (OSError, ValueError) as e:
         p.error(str(e))
-    save_trace(a.out, t.ids, a.n_experts, a.top_k, note=t.note)
+    try:
+        save_trace(a.out, t.ids, a.n_experts, a.top_k, note=t.note)
+    except OSError as e:   # its folder cannot be made (a file on the way) or written
+        p.error(f"--out {a.out}: cannot write there ({e.strerror or e})")
     print(f"{a.out}: {t.ids.shape[0]} layers, {t.ids.shape[1]} tokens ({t.note})")
 
 
 def plot_main(argv):
-    p = argparse.ArgumentParser(prog="routing.py plot", description="Verify's cost in decode "
-                                "steps against distinct experts a MoE layer, and the break-even "
-                                "accepted length beside it, from run.py --distinct-sweep --json "
-                                "files (one series each); needs matplotlib (not a requirement).")
+    p = parser("routing.py plot", "Verify's cost in decode steps against distinct experts a MoE "
+               "layer, and the break-even accepted length beside it, from run.py --distinct-sweep "
+               "--json files (one series each); needs matplotlib (not a requirement).")
     p.add_argument("results", nargs="+", help="run.py --json files with routing_sweep")
     p.add_argument("--out", required=True, help="the figure (.png, .svg, .pdf)")
     a = p.parse_args(argv)
@@ -732,19 +803,16 @@ def plot_main(argv):
     except ImportError:
         print("routing.py plot: needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2
-    series = []
-    for path in a.results:
-        try:
-            with open(path) as f:
-                r = json.loads(f.read().splitlines()[-1])
-        except (OSError, UnicodeDecodeError, IndexError, ValueError) as e:
-            print(f"routing.py plot: {path}: not a run.py --json file ({e})", file=sys.stderr)
-            return 2
-        if not isinstance(r, dict) or not r.get("routing_sweep"):
-            print(f"routing.py plot: {path} has no routing_sweep (run.py --distinct-sweep)",
-                  file=sys.stderr)
-            return 2
-        series.append((sweep_label(r), r["routing_sweep"]))
+    import report
+    try:
+        report.check_figure_out(a.out)
+        runs = [report.read_run(path) for path in a.results]
+    except ValueError as e:
+        p.error(str(e))
+    for path, r in zip(a.results, runs):
+        if not r.get("routing_sweep"):
+            p.error(f"{path} has no routing_sweep (run.py --distinct-sweep)")
+    series = [(sweep_label(r), r["routing_sweep"]) for r in runs]
     fig, (cost, even) = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
     for label, s in series:
         D = [q["distinct"] for q in s["points"]]
@@ -771,11 +839,9 @@ def plot_main(argv):
                  "routing", fontsize=9)
     fig.tight_layout()
     try:
-        fig.savefig(a.out, dpi=150)
-    except OSError as e:   # no such folder, a folder, no permission
-        print(f"routing.py plot: --out {a.out}: cannot write there ({e.strerror or e})",
-              file=sys.stderr)
-        return 2
+        report.save_figure(fig, a.out)
+    except ValueError as e:
+        p.error(str(e))
     print(f"wrote {a.out}")
     return 0
 

@@ -48,6 +48,7 @@ Exit status: 0 done; 1 --compare found a difference past its thresholds; 2 the i
 (a flag, a file, a checkpoint), said in one line on stderr; 130 interrupted (Ctrl-C), in one line.
 """
 import argparse
+import math
 import os
 import signal
 import sys
@@ -317,6 +318,8 @@ def check_flags(args):
     for flag, (value, low) in at_least.items():  # None: the flag's default
         if value is not None and not value >= low:  # (NaN fails too)
             raise BadInput(f"{flag} {value}: must be at least {low}")
+    if not math.isfinite(args.temperature):
+        raise BadInput(f"--temperature {args.temperature}: must be finite (0: greedy)")
     if not 0 <= args.min_top1_agreement <= 1:
         raise BadInput(f"--min-top1-agreement {args.min_top1_agreement}: must lie in [0, 1]")
     k, sim = check_tree_flags(args), args.simulate_accept_len

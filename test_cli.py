@@ -310,6 +310,8 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
     cases = [(flags, f"{flags.split(' --dump')[0]}: must be at least 1")
              for flags in at_least_1] + [
         ("--temperature -1", "--temperature -1.0: must be at least 0"),
+        ("--temperature nan", "--temperature nan: must be at least 0"),
+        ("--temperature inf", r"^--temperature inf: must be finite \(0: greedy\)$"),
         ("--speculative-num-steps 100",
          r"--speculative-num-steps 100: .* must be below --prompt-len \(16\)"),
         ("--simulate-accept-len 10", r"--simulate-accept-len 10.0: must lie in \[1, 4\]"),
@@ -360,6 +362,17 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
     cli = run_py("--max-new-tokens", "0")
     assert (cli.returncode, cli.stdout,
             cli.stderr) == (2, "", "run.py: error: --max-new-tokens 0: must be at least 1\n")
+
+
+def test_run_py_header_names_the_temperature_where_it_samples():
+    """The header's first line says the sampling temperature where --temperature is above 0, and
+    nothing of it for greedy decoding."""
+    cpu = torch.device("cpu")
+    b = timing.prepare(_settled("--random-weights --temperature 0.7 --reps 1"), cpu)
+    flat = " ".join(report.header(b).split())
+    assert "num_steps 3, sampling at temperature 0.7 | CPU" in flat, flat
+    b.cfg.temperature = 0.0
+    assert "temperature" not in report.header(b)
 
 
 def test_run_py_names_a_broken_checkpoint_in_one_line(tiny_ckpt, tmp_path, run_py_runs):
@@ -527,8 +540,15 @@ def test_report_sweep_plot_draws_gpu_sweeps_and_refuses_the_rest(tmp_path, capsy
     if drawn:
         assert out.stat().st_size > 1000, "the figure"
         nowhere = tmp_path / "none" / "sweep.png"
-        assert report.sweep_plot([gpu], str(nowhere)) == 2
-        assert f"--out {nowhere}: cannot write there" in capsys.readouterr().err
+        for out, said in ((nowhere, f"cannot write there (no folder {tmp_path}/none)"),
+                          (tmp_path, "cannot write there (is a folder)"),
+                          (tmp_path / "sweep.txt", "its suffix names no format matplotlib "
+                                                   "writes; end it in .png, .pdf or .svg (or ")):
+            assert report.sweep_plot([gpu], str(out)) == 2
+            err = capsys.readouterr().err.strip().splitlines()
+            assert len(err) == 1 and err[0].startswith(f"report.py sweep-plot: --out {out}: "
+                                                       f"{said}"), err
+        assert not (tmp_path / "sweep.txt").exists() and not (tmp_path / "none").exists()
     else:
         assert "needs matplotlib" in err and not out.exists(), err
     for path, why in ((cpu, "its sweep has no floors"),
@@ -589,6 +609,20 @@ def test_report_phases_and_sweep_make_the_benchmarks_tables(tmp_path):
         assert out.returncode == 2 and len(err) == 1 and reason in err[0], (name, out.stderr)
 
 
+def test_report_names_a_file_that_is_no_json_text_in_one_short_line(tmp_path):
+    """A binary file (a checkpoint's .safetensors, one not UTF-8) or an empty one given as a run.py
+    --json file: one short line naming it, not the decoder's message and the bytes it holds."""
+    weights = os.path.join(HERE, "checkpoints", "tiny-stdlib", "target", "model.safetensors")
+    (tmp_path / "latin1.json").write_bytes(b"caf\xe9\n")
+    (tmp_path / "empty.json").write_text("")
+    for path, why in ((weights, "not JSON text: binary, not UTF-8"),
+                      (str(tmp_path / "latin1.json"), "not JSON text: binary, not UTF-8"),
+                      (str(tmp_path / "empty.json"), "empty")):
+        with pytest.raises(ValueError) as e:
+            report.read_run(path)
+        assert str(e.value) == f"{path}: not a run.py --json file ({why})", str(e.value)[:300]
+
+
 def test_report_routed_sets_routed_experts_against_their_floor_across_routings(tmp_path):
     """`report.py routed`: each point's routed experts component over its distinct experts' bytes
     (one expert in every MoE layer: routed_experts_GB / n_routed_experts over the bandwidth), a
@@ -647,6 +681,29 @@ def test_kernel_bench_refuses_a_machine_without_cuda_and_names_its_json_parts():
     from kernels.bench import _with_part
     assert _with_part("out/k.json", "moe") == "out/k_moe.json"
     assert _with_part("out/k", "attention") == "out/k_attention.json"
+
+
+def test_kernel_bench_refuses_modes_together_and_a_json_it_cannot_write_before_cuda(tmp_path,
+                                                                                  capsys):
+    """`python -m kernels.bench`'s flags are checked before it asks for CUDA and before any
+    timing (so here on the CPU too): two modes at once are named, --json where no file can be
+    written, a bad --tp; one error line, exit status 2."""
+    from kernels import bench
+    for argv, said in (
+            (["--moe", "--router"], "--moe and --router: each runs its own benchmark; give one"),
+            (["--small", "--draft", "--align"], "--small and --draft and --align: each runs"),
+            (["--mla-blocks", "--pdl", "--preset", "kimi-k2.5"], "--pdl and --mla-blocks: each"),
+            (["--precision", "--moe"], "--moe and --precision: each runs its own benchmark"),
+            (["--router", "--json", str(tmp_path / "none" / "r.json")],
+             f"--json {tmp_path}/none/r.json: cannot write there (no folder {tmp_path}/none)"),
+            (["--json", str(tmp_path)], f"--json {tmp_path}: cannot write there (is a folder)"),
+            (["--moe", "--tp", "3"], "--tp 3: one of 1, 2, 4, 8")):
+        with pytest.raises(SystemExit) as e:
+            bench.main(argv)
+        err = capsys.readouterr().err.strip().splitlines()
+        assert e.value.code == 2 and err[-1].startswith(
+            f"python -m kernels.bench: error: {said}"), (argv, err)
+    assert os.listdir(tmp_path) == []
 
 
 def test_verify_sweep_points_and_the_cliff_check():
@@ -742,7 +799,8 @@ def test_train_py_eval_reads_out_and_refuses_what_cannot_go_together(tmp_path, c
     --eval Y (two folders), --quick with --eval, and --quick into the committed pair are refused in
     one line, exit status 2."""
     pair = tmp_path / "pair"
-    (pair / "target").mkdir(parents=True)
+    for part in ("target", "eagle3"):
+        (pair / part).mkdir(parents=True)
     assert train.parse_args(["--out", str(pair), "--eval"]).eval == str(pair)
     assert train.parse_args(["--eval"]).eval == train.PAIR_DIR
     committed = os.path.join(HERE, "checkpoints", "tiny-stdlib")
@@ -754,6 +812,24 @@ def test_train_py_eval_reads_out_and_refuses_what_cannot_go_together(tmp_path, c
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and words in err[0], (argv, err)
         assert err[0].startswith("train.py: error:"), (argv, err)
+
+
+def test_train_py_eval_names_a_pair_that_does_not_load_in_one_line(tmp_path, capsys):
+    """--eval DIR without eagle3/ is refused with the flags; with a config.json that is no model's,
+    the checkpoint's refusal is one line and exit status 2, as run.py's, not a traceback."""
+    pair = tmp_path / "pair"
+    (pair / "target").mkdir(parents=True)
+    with pytest.raises(SystemExit) as e:
+        train.parse_args(["--eval", str(pair)])
+    err = capsys.readouterr().err.strip().splitlines()
+    assert e.value.code == 2 and err == [f"train.py: error: --eval {pair}: no pair there (no "
+                                         "eagle3/ folder; train.py writes one with --out)"], err
+    (pair / "eagle3").mkdir()
+    (pair / "target" / "config.json").write_text("{}")
+    assert train.main(["--eval", str(pair)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith(f"train.py: error: {pair}/target/config.json: no "
+                                               "vocab_size"), err
 
 
 def test_train_py_refusal_and_ctrl_c_as_a_user_meets_them(tmp_path):
@@ -1668,7 +1744,10 @@ def test_run_py_refuses_routing_flags_before_building(monkeypatch, tmp_path, run
             ("--routing distinct --distinct-experts 9 --speculative-num-steps 1",
              r"--distinct-experts 9: must lie in \[4, 8\] \(top-4; a verify of 2 tokens"),
             (f"--routing trace --routing-trace {big}",
-             f"--routing-trace {big}: 384 experts, top-8; the model routes top-4 of 16")]:
+             f"--routing-trace {big}: 384 experts, top-8; the model routes top-4 of 16"),
+            (f"--routing trace --routing-trace {HERE}/README.md",
+             rf"^--routing-trace {HERE}/README.md is not an .npz file \(a zip of numpy arrays\): "
+             "it starts with b'# EA'$")]:
         with pytest.raises(run.BadInput, match=message):
             run.check_sizes(_settled(flags), cpu, 1)
     run.check_sizes(_settled("--routing distinct --distinct-experts 16 --random-weights "

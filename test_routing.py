@@ -2,6 +2,11 @@
 router. CPU, seconds (one test in Triton's interpreter, one on a GPU)."""
 import importlib.util
 import json
+import os
+import signal
+import subprocess
+import sys
+import time
 from functools import partial
 
 import numpy as np
@@ -15,7 +20,7 @@ import model
 import routing
 import run
 import timing
-from testing import assert_close
+from testing import assert_close, CPU_ENV, HERE
 from verify import tree_forward
 
 
@@ -453,6 +458,15 @@ def test_distinct_and_trace_routing_replay_in_cuda_graphs_as_eager(kernels_on):
 # ---------------------------------------------------------------------------------------------
 # routing.py's command line: the figure, refusals
 
+def refused(argv, capsys):
+    """routing.main(argv)'s exit status and its stderr lines (a parser's refusal exits)."""
+    try:
+        status = routing.main(argv)
+    except SystemExit as e:
+        status = e.code
+    return status, capsys.readouterr().err.strip().splitlines()
+
+
 def test_the_figure_draws_from_a_sweep_or_says_in_one_line_what_it_needs(tmp_path, capsys):
     points = [dict(distinct=D, distinct_ran=D, verify_ms=2 + D / 8, decode_steps=0.5 + D / 16,
                    cycle_ms=3 + D / 8, break_even_accept_len=0.75 + D / 16) for D in (8, 16, 32)]
@@ -467,14 +481,24 @@ def test_the_figure_draws_from_a_sweep_or_says_in_one_line_what_it_needs(tmp_pat
         assert status == 2 and err == ["routing.py plot: needs matplotlib (pip install matplotlib)"]
     else:
         assert status == 0 and out.stat().st_size > 0, err
-        (tmp_path / "bad.json").write_text("{}\n")
-        assert routing.main(["plot", str(tmp_path / "bad.json"), "--out", str(out)]) == 2
-        assert "no routing_sweep" in capsys.readouterr().err
+        (tmp_path / "bad.json").write_text(json.dumps(dict(env=dict(dtype="bfloat16"))) + "\n")
+        for bad, said in (("bad.json", "has no routing_sweep (run.py --distinct-sweep)"),
+                          ("fig.png", ": not a run.py --json file (not JSON text: binary")):
+            status, err = refused(["plot", str(tmp_path / bad), "--out", str(out)], capsys)
+            assert status == 2 and len(err) == 1 and said in err[0], err
         nowhere = tmp_path / "none" / "fig.png"
-        assert routing.main(["plot", str(path), "--out", str(nowhere)]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert err == [f"routing.py plot: --out {nowhere}: cannot write there (No such file or "
-                       "directory)"], err
+        for out, said in ((nowhere, f"cannot write there (no folder {tmp_path}/none)"),
+                          (tmp_path, "cannot write there (is a folder)"),
+                          (tmp_path / "fig.txt", "its suffix names no format matplotlib writes; "
+                                                 "end it in .png, .pdf or .svg (or "),
+                          (tmp_path / "fig", "its suffix names no format matplotlib writes")):
+            status, err = refused(["plot", str(path), "--out", str(out)], capsys)
+            assert status == 2 and len(err) == 1, (out, err)
+            assert err[0].startswith(f"routing.py plot: error: --out {out}: {said}"), err
+        assert sorted(os.listdir(tmp_path)) == ["bad.json", "fig.png", "r.json"]
+        assert routing.main(["plot", str(path), "--out", str(tmp_path / "fig.svg")]) == 0
+        assert capsys.readouterr().out == f"wrote {tmp_path}/fig.svg\n"
+        assert (tmp_path / "fig.svg").read_text().startswith("<?xml")
 
 
 def test_routing_py_refuses_a_missing_or_foreign_file_and_an_unknown_command_in_one_line(
@@ -484,8 +508,8 @@ def test_routing_py_refuses_a_missing_or_foreign_file_and_an_unknown_command_in_
     exit status 2, no traceback; --help lists each command with what it does."""
     (tmp_path / "junk.pt").write_bytes(b"junk")
     (tmp_path / "run.json").write_text("{}\n")
-    for argv, words in ((["curve", str(tmp_path / "none.npz")], "not a routing trace"),
-                        (["curve", str(tmp_path / "run.json")], "not a routing trace"),
+    for argv, words in ((["curve", str(tmp_path / "none.npz")], "No such file or directory"),
+                        (["curve", str(tmp_path / "run.json")], "is not an .npz file"),
                         (["convert-sglang", str(tmp_path / "none.pt"), "--out",
                           str(tmp_path / "t.npz")], "No such file"),
                         (["convert-sglang", str(tmp_path / "junk.pt"), "--out",
@@ -501,3 +525,109 @@ def test_routing_py_refuses_a_missing_or_foreign_file_and_an_unknown_command_in_
     assert routing.main(["--help"]) == 0
     listed = capsys.readouterr().out
     assert all(f"  {name} " in listed for name in routing.COMMANDS), listed
+
+
+def test_the_probe_refuses_its_flags_and_an_out_it_cannot_write_before_training(
+        tmp_path, capsys, monkeypatch):
+    """probe: --steps, --threads below 1, --minutes not above 0, a negative bias rate or router
+    learning-rate scale, and an --out that is a file or lies under one are refused in one line
+    (status 2) before any training and leave no folder; 0 for --bias-rate (no correction) and
+    --router-lr-scale (frozen routers) is taken as given, not as the default."""
+    monkeypatch.setattr(routing, "train_probe", lambda *a: pytest.fail("the probe trained"))
+    (tmp_path / "file").write_text("")
+    out = ["--out", str(tmp_path / "new" / "probe")]
+    for argv, said in (
+            (out + ["--steps", "0"], "--steps 0: must be at least 1"),
+            (out + ["--threads", "0"], "--threads 0: must be at least 1"),
+            (out + ["--minutes", "0"], "--minutes 0.0: must be above 0"),
+            (out + ["--minutes", "-1"], "--minutes -1.0: must be above 0"),
+            (out + ["--bias-rate", "-0.1"], "--bias-rate -0.1: must be at least 0 and finite"),
+            (out + ["--router-lr-scale", "inf"],
+             "--router-lr-scale inf: must be at least 0 and finite"),
+            (["--out", str(tmp_path / "file")],
+             f"--out {tmp_path}/file: cannot write there (a file, not a folder)"),
+            (["--out", str(tmp_path / "file" / "probe")],
+             f"--out {tmp_path}/file/probe: cannot write there (Not a directory)")):
+        status, err = refused(["probe", *argv], capsys)
+        assert (status, err) == (2, [f"routing.py probe: error: {said}"]), (argv, err)
+    assert sorted(os.listdir(tmp_path)) == ["file"]
+    p = routing.probe_parser()
+    cfg = routing.probe_config(p, p.parse_args(["--out", "x", "--bias-rate", "0",
+                                                "--router-lr-scale", "0", "--steps", "5"]))
+    assert (cfg["bias_rate"], cfg["router_lr_scale"], cfg["steps"]) == (0, 0, 5)
+    assert routing.probe_config(p, p.parse_args(["--out", "x"])) == routing.PROBE_TRAIN
+
+
+def test_the_probe_interrupted_says_one_line_and_leaves_no_folder(tmp_path):
+    """Ctrl-C while the probe trains, as a user presses it: exit status 130, one line, no
+    traceback, and the folders it made for --out gone."""
+    p = subprocess.Popen([sys.executable, "-u", os.path.join(HERE, "routing.py"), "probe",
+                          "--quick", "--out", "new/probe"], cwd=tmp_path, env=CPU_ENV,
+                         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.time() + 120
+    while not (tmp_path / "new").exists() and time.time() < deadline and p.poll() is None:
+        time.sleep(0.1)
+    time.sleep(0.5)   # into the imports of the training, or its steps
+    while p.poll() is None:
+        p.send_signal(signal.SIGINT)
+        try:
+            out, err = p.communicate(timeout=2)
+        except subprocess.TimeoutExpired:
+            assert time.time() < deadline, "the probe did not stop"
+    said = [line for line in err.replace("\r", "\n").splitlines()
+            if line.strip() and "router probe:" not in line]
+    assert p.returncode == 130 and "Traceback" not in err, (p.returncode, err[-2000:])
+    assert said == ["routing.py probe: interrupted; nothing written, new removed"], err[-2000:]
+    assert os.listdir(tmp_path) == []
+
+
+def test_convert_sglang_refuses_bad_sizes_outputs_and_an_empty_trace(tmp_path, capsys):
+    """convert-sglang: --n-experts below 1 and --top-k outside [1, n-experts] are refused as the
+    flags they are; --out a folder or under a file in one line (status 2), no file written; a
+    dump whose ids are all -1 is refused as an empty trace; --out without .npz is written and
+    named at its path as given."""
+    E, L = 16, 3
+    to_logical = torch.arange(E).expand(L, E).clone()
+    ids = torch.stack([torch.stack([torch.randperm(E)[:8] for _ in range(4)]) for _ in range(2)])
+    write_sglang_dump(tmp_path / "d.pt", [(1, ids)], L, to_logical)
+    write_sglang_dump(tmp_path / "none.pt", [(1, torch.full_like(ids, -1))], L, to_logical)
+    (tmp_path / "file").write_text("")
+    dump, sizes = str(tmp_path / "d.pt"), ["--n-experts", "16", "--top-k", "8"]
+    for argv, said in (
+            ([dump, "--out", "t.npz", "--n-experts", "0"], "--n-experts 0: must be at least 1"),
+            ([dump, "--out", "t.npz", "--n-experts", "-5"], "--n-experts -5: must be at least 1"),
+            ([dump, "--out", "t.npz", "--top-k", "0"],
+             r"--top-k 0: must lie in [1, 384] (--n-experts)"),
+            ([dump, "--out", "t.npz", "--n-experts", "4"],
+             r"--top-k 8: must lie in [1, 4] (--n-experts)"),
+            ([dump, "--out", str(tmp_path), *sizes],
+             f"--out {tmp_path}: cannot write there (is a folder)"),
+            ([dump, "--out", str(tmp_path / "file" / "t.npz"), *sizes],
+             f"--out {tmp_path}/file/t.npz: cannot write there "),
+            ([str(tmp_path / "none.pt"), "--out", str(tmp_path / "t.npz"), *sizes],
+             f"{tmp_path}/none.pt: no token routed in every slot of a layer")):
+        status, err = refused(["convert-sglang", *argv], capsys)
+        assert status == 2 and len(err) == 1, (argv, err)
+        assert err[0].startswith(f"routing.py convert-sglang: error: {said}"), (argv, err)
+    assert sorted(os.listdir(tmp_path)) == ["d.pt", "file", "none.pt"]
+    assert routing.main(["convert-sglang", dump, "--out", str(tmp_path / "t.txt"), *sizes]) is None
+    assert capsys.readouterr().out.startswith(f"{tmp_path}/t.txt: 2 layers, 4 tokens")
+    assert sorted(os.listdir(tmp_path)) == ["d.pt", "file", "none.pt", "t.txt"]
+    assert torch.equal(routing.read_trace(tmp_path / "t.txt", E, 8).ids, ids.long())
+
+
+def test_curve_refuses_a_window_below_1_and_a_file_that_is_no_npz(tmp_path, capsys):
+    """curve: --max-T 0 or below refused (not a header and nothing); a text file named as the
+    file that is no .npz by its first bytes (as run.py --compare says it), not numpy's pickle
+    message."""
+    path = tmp_path / "trace.npz"
+    routing.save_trace(path, random_trace(), 384, 8)
+    for argv, said in (([str(path), "--max-T", "0"], "--max-T 0: must be at least 1"),
+                       ([str(path), "--max-T", "-3"], "--max-T -3: must be at least 1"),
+                       ([os.path.join(HERE, "README.md")],
+                        f"{HERE}/README.md is not an .npz file (a zip of numpy arrays): it "
+                        "starts with b'# EA'")):
+        status, err = refused(["curve", *argv], capsys)
+        assert (status, err) == (2, [f"routing.py curve: error: {said}"]), (argv, err)
+    assert routing.main(["curve", str(path), "--max-T", "2"]) is None
+    assert len(capsys.readouterr().out.splitlines()) == 3

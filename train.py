@@ -36,6 +36,7 @@ hash of the training bytes.
    bonus included) and the head's top-1 agreement with the target on held-out text.
 """
 import argparse
+import errno
 import hashlib
 import json
 import math
@@ -48,6 +49,7 @@ import sysconfig
 import tempfile
 import textwrap
 import time
+from contextlib import contextmanager
 
 # Ctrl-C while torch loads (seconds): one line and exit status 130, as later (main). As a command,
 # a Ctrl-C is only noted during the imports and acted on after them: raised inside torch's or
@@ -341,7 +343,7 @@ def cycles_outside_runs(outputs, prompts, accepted):
 
 class Parser(argparse.ArgumentParser):
     def error(self, message):  # one line, as run.py's refusals (no usage block)
-        self.exit(2, f"train.py: error: {message}\n")
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 def parse_args(argv):
@@ -383,9 +385,10 @@ def check_eval(p, args, out_given):
         p.error(f"--out {args.out} --eval {args.eval}: two folders; measure one "
                 "(--eval DIR, or --out DIR --eval)")
     args.eval = args.eval or (args.out if out_given else PAIR_DIR)
-    if not os.path.isdir(os.path.join(args.eval, "target")):
-        p.error(f"--eval {args.eval}: no pair there (no target/ folder; train.py writes one with "
-                "--out)")
+    for part in ("target", "eagle3"):
+        if not os.path.isdir(os.path.join(args.eval, part)):
+            p.error(f"--eval {args.eval}: no pair there (no {part}/ folder; train.py writes one "
+                    "with --out)")
 
 
 def check_out(p, args):
@@ -397,44 +400,82 @@ def check_out(p, args):
             p.error(f"--out {args.out} is the committed pair; --overwrite-committed remakes it")
         if args.quick:
             p.error("--quick would replace the committed pair with a poor one; give another --out")
-    args.created = None
-    path = os.path.abspath(args.out)
-    while not os.path.exists(path):
-        args.created, path = path, os.path.dirname(path)
     try:
-        os.makedirs(args.out, exist_ok=True)
-        with tempfile.TemporaryFile(dir=args.out):
-            pass
+        args.created = make_folder(args.out)
     except OSError as e:
-        p.error(f"--out {args.out}: cannot write there ({e.strerror})")
+        p.error(f"--out {args.out}: cannot write there ({e.strerror or e})")
+
+
+def make_folder(path):
+    """Make the folder `path` (and the missing folders above it) and write a file in it: before
+    minutes of work, not after. Returns the outermost folder made (None: it was there), for
+    remove_made after a Ctrl-C; where it cannot be written, OSError, and nothing is left made."""
+    made, up = None, os.path.abspath(path)
+    while not os.path.exists(up):
+        made, up = up, os.path.dirname(up)
+    try:
+        if os.path.exists(path) and not os.path.isdir(path):
+            raise NotADirectoryError(errno.ENOTDIR, "a file, not a folder")
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError:
+        if made is not None:
+            shutil.rmtree(made, ignore_errors=True)
+        raise
+    return made
+
+
+def remove_made(made):
+    """Remove the folder make_folder made (nothing finished in it); returns its name, relative
+    where it is below the working folder, as a user would have named it."""
+    shutil.rmtree(made, ignore_errors=True)
+    shown = os.path.relpath(made)
+    return made if shown.startswith(os.pardir) else shown
 
 
 def main(argv=None):
     """Train (or with --eval, measure); Ctrl-C ends it in one line with exit status 130. As during
     the imports, a Ctrl-C is noted when pressed and acted on at the next step (check_ctrl_c): a
     KeyboardInterrupt raised inside torch's C++ can leave its state half made (a training step
-    then failing with "Can't detach views in-place") or abort the process."""
+    then failing with "Can't detach views in-place") or abort the process. A pair that does not
+    load (--eval's) is one line too, exit status 2."""
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
     saved = []   # what the training has finished in args.out, in order
+    try:
+        with ctrl_c_noted():
+            if args.eval is not None:
+                evaluate(args)
+            else:
+                train(args, saved)
+    except KeyboardInterrupt:
+        print(f"train.py: interrupted{tidy(args, saved)}", file=sys.stderr, flush=True)
+        return INTERRUPTED
+    except checkpoint.CheckpointError as e:   # a pair that does not load (--eval's), as run.py
+        print(f"train.py: error: {e}", file=sys.stderr, flush=True)
+        return 2
+    return 0
+
+
+@contextmanager
+def ctrl_c_noted():
+    """Inside the block a Ctrl-C is only noted, and raised (KeyboardInterrupt) by the next
+    check_ctrl_c, between steps; once it is raised, further Ctrl-Cs are ignored, so that the
+    tidying and the exit go on. The previous handler is back after a block that ends otherwise."""
     _ctrl_c.clear()
     previous = signal.signal(signal.SIGINT, _note_ctrl_c)
     interrupted = False
     try:
-        if args.eval is not None:
-            evaluate(args)
-        else:
-            train(args, saved)
+        yield
     except KeyboardInterrupt:
         interrupted = True
-        signal.signal(signal.SIGINT, signal.SIG_IGN)   # another Ctrl-C: the tidying and exit go on
-        print(f"train.py: interrupted{tidy(args, saved)}", file=sys.stderr, flush=True)
-        return INTERRUPTED
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        raise
     finally:
         if not interrupted:
             signal.signal(signal.SIGINT, previous)
-    return 0
 
 
 def check_ctrl_c():
@@ -451,11 +492,7 @@ def tidy(args, saved):
     if saved:
         return f"; finished in {args.out}: {', '.join(saved)}"
     if args.created is not None:
-        shutil.rmtree(args.created, ignore_errors=True)
-        shown = os.path.relpath(args.created)   # as the user named it, where it is below here
-        if shown.startswith(os.pardir):
-            shown = args.created
-        return f"; nothing finished, {shown} removed"
+        return f"; nothing finished, {remove_made(args.created)} removed"
     return f"; nothing finished in {args.out}"
 
 

@@ -26,7 +26,9 @@ replay past the L2; achieved GB/s against the copy bandwidth measured in the sam
         run.py's captured phases with programmatic dependent launch off and on, in one process.
     python -m kernels.bench --mla-blocks [--json OUT]
         the MLA decode kernel at blocks of up to 32 and 16 query rows.
-On a machine without CUDA it refuses (argparse's usage and error, exit 2).
+One mode a run (--moe, --small, --pdl, --mla-blocks, --draft, --router, --align,
+--precision). Flags no run can use, and then a machine without CUDA, are refused
+(argparse's usage and error, exit 2) before any timing.
 """
 import math
 import os
@@ -754,9 +756,40 @@ def _with_part(path, part):
     return f"{root}_{part}{ext or '.json'}"
 
 
-def main():
+MODES = ("--moe", "--small", "--pdl", "--mla-blocks", "--draft", "--router", "--align",
+         "--precision")   # each runs its own benchmark; one a run
+
+
+def check_flags(p, a):
+    """The flags no run can use, refused by the parser (one line naming them, status 2) before
+    the CUDA check and any timing: two modes at once, --json where no file can be written (each
+    part's file lies in its folder), values outside what a benchmark takes."""
+    given = [flag for flag in MODES if getattr(a, flag[2:].replace("-", "_")) not in (False, None)]
+    if len(given) > 1:
+        p.error(f"{' and '.join(given)}: each runs its own benchmark; give one of them")
+    if a.json:
+        import run
+        try:
+            run.check_writable("--json", a.json)
+        except run.BadInput as e:
+            p.error(str(e))
+    variants, sweep = a.variants.split(","), [v for v in a.sweep.split(",") if v]
+    if not set(variants) <= {"dot", "gemv", "adaptive"} or not set(sweep) <= {"dot", "gemv"}:
+        p.error(f"--variants {a.variants!r}, --sweep {a.sweep!r}: choose from dot, gemv, adaptive "
+                "(--sweep: dot, gemv)")
+    if not set(a.formats.split(",")) <= {"plain", "fp8", "int4"}:
+        p.error(f"--formats {a.formats!r}: choose from plain, fp8, int4")
+    if a.tp not in (1, 2, 4, 8):
+        p.error(f"--tp {a.tp}: one of 1, 2, 4, 8 (Kimi-K2's expert width 2048 split evenly)")
+    if any(not 8 <= n <= 384 for n in _ints(p, "--distinct", a.distinct)):
+        p.error(f"--distinct {a.distinct!r}: pool sizes from K = 8 to E = 384")
+    _ints(p, "--tokens", a.tokens or "")
+
+
+def main(argv=None):
     p = _parser()
-    a = p.parse_args()
+    a = p.parse_args(argv)
+    check_flags(p, a)
     if not torch.cuda.is_available():
         p.error("times the kernels on a CUDA GPU, and this machine has none")
     if a.pdl is not None:
@@ -775,29 +808,19 @@ def main():
     if a.align:
         _save(a.json, bench_align(_ints(p, "--tokens", a.tokens)) if a.tokens else bench_align())
         return
-    variants, sweep = tuple(a.variants.split(",")), tuple(v for v in a.sweep.split(",") if v)
-    if not set(variants) <= {"dot", "gemv", "adaptive"} or not set(sweep) <= {"dot", "gemv"}:
-        p.error(f"--variants {a.variants!r}, --sweep {a.sweep!r}: choose from dot, gemv, adaptive "
-                "(--sweep: dot, gemv)")
+    sweep = tuple(v for v in a.sweep.split(",") if v)
     if a.small:
         benchmark_attention(a.json, small_only=True, sweep=bool(sweep),
                             Ms=a.tokens and _ints(p, "--tokens", a.tokens))
         return
-    formats = tuple(a.formats.split(","))
     tokens = _ints(p, "--tokens", a.tokens or "1,2,3,4,8,32")
-    if not set(formats) <= {"plain", "fp8", "int4"}:
-        p.error(f"--formats {a.formats!r}: choose from plain, fp8, int4")
     if a.precision:
         _save(a.json, int4_precision(tokens))
         return
-    pools = _ints(p, "--distinct", a.distinct)
-    if a.tp not in (1, 2, 4, 8):
-        p.error(f"--tp {a.tp}: one of 1, 2, 4, 8 (Kimi-K2's expert width 2048 split evenly)")
-    if any(not 8 <= n <= 384 for n in pools):
-        p.error(f"--distinct {a.distinct!r}: pool sizes from K = 8 to E = 384")
     _save(a.json and _with_part(a.json, "moe"),
-          benchmark_moe(sweep=sweep, variants=variants, tokens=tokens, formats=formats,
-                        I=2048 // a.tp, shared=a.shared, distinct=pools or None,
+          benchmark_moe(sweep=sweep, variants=tuple(a.variants.split(",")), tokens=tokens,
+                        formats=tuple(a.formats.split(",")), I=2048 // a.tp, shared=a.shared,
+                        distinct=_ints(p, "--distinct", a.distinct) or None,
                         sweep_tokens=tokens if a.tokens else (1, 3, 4)))
     if not a.moe:
         benchmark_attention(a.json and _with_part(a.json, "attention"))
