@@ -42,6 +42,7 @@ then output, as far as the top-K arrays read them), the rows one after another.
 import json
 import math
 import os
+import tempfile
 import textwrap
 
 import numpy as np
@@ -119,11 +120,12 @@ def read_prompt_ids(path):
 
 def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
          attention_mode="extend", use_graphs=False, eos_id=None, chunk=256, tree=None,
-         record_routing=False):
+         recorder=None):
     """Greedy generation (speculative with `head`, plain with None; tree: (K, M) to draft a tree
     of topk K and M draft tokens) and the target's top-K log-probabilities along the sequences
-    it produced: the dump's arrays, the same on every rank. record_routing: also the routers'
-    ids in that forward (the routing arrays of the module docstring).
+    it produced: the dump's arrays, the same on every rank. recorder (routing.RoutingRecorder, or
+    any target -> object with pop() and remove()): also the routers' ids in that forward (the
+    routing arrays of the module docstring).
 
     The log-probabilities come from a separate teacher-forced extend forward over each row's prompt
     and output, so they do not depend on how generation batched, drafted or graphed its steps."""
@@ -153,9 +155,8 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
         seqs = seqs.to(target.device)
         positions = torch.arange(T, device=target.device).expand(B, T)
         ids, logprobs = [], []
-        if record_routing:
-            import routing
-            recorder = routing.RoutingRecorder(target)
+        if recorder is not None:
+            recorder = recorder(target)
         for s in range(0, T, chunk):  # chunks over the cache (slot = position): [B, chunk, V]
             logits, _ = target(seqs[:, s:s + chunk], positions[:, s:s + chunk], "extend")
             lp, top = torch.log_softmax(logits, -1).topk(topk, -1)  # logits are float32 or wider
@@ -163,7 +164,7 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
             logprobs.append(lp.float().cpu())
         kept = (torch.arange(T) < ends).unsqueeze(-1)                                # [B, T, 1]
         routed = {}
-        if record_routing:
+        if recorder is not None:
             recorder.remove()
             lengths = ends.flatten().tolist()   # the positions the top-K arrays keep, every row
             routed = routing_arrays(recorder.pop(), B, T, chunk, lengths, target.args)
@@ -453,6 +454,23 @@ def compare_main(args):
     return 1 if report["failures"] else 0
 
 
+def check_writable(flag, path):
+    """Refuse (ValueError naming `flag`, one line) an output path a run could not write at its end,
+    before anything is built, by creating (and removing) a temporary file in its folder: what the
+    end does (write_whole)."""
+    folder = os.path.dirname(os.path.abspath(path))
+    if os.path.isdir(path):
+        raise ValueError(f"{flag} {path}: cannot write there (is a folder)")
+    if not os.path.isdir(folder):
+        raise ValueError(f"{flag} {path}: cannot write there (no folder {folder})")
+    try:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".run-py-check-"):
+            pass
+    except OSError as e:
+        raise ValueError(f"{flag} {path}: cannot write there (folder {folder}: "
+                       f"{e.strerror or e})") from None
+
+
 def write_whole(path, write):
     """write(file) into a temporary file beside `path`, then rename it to `path`: a run stopped
     halfway (Ctrl-C) leaves no half-written file, and no temporary one."""
@@ -466,11 +484,11 @@ def write_whole(path, write):
             os.remove(tmp)
 
 
-def dump_main(cfg, target, head, how):
+def dump_main(cfg, target, head, how, recorder=None):
     """--dump: generates (speculative with `head`, plain with None), writes the file on rank 0
     and returns 0. cfg: run.py's settled configuration (its attention_modes: verify's one mode,
-    in the model's words); how: what the target is (for the meta array). A request the model
-    cannot take raises ValueError."""
+    in the model's words); how: what the target is (for the meta array); recorder: dump's, for
+    --dump-routing. A request the model cannot take raises ValueError."""
     import torch
     from tp import print0
     K, N = cfg.speculative_eagle_topk, cfg.speculative_num_draft_tokens
@@ -486,7 +504,7 @@ def dump_main(cfg, target, head, how):
     print0(fill(f"dump: {json.dumps(meta)}"))
     arrays = dump(target, head, cfg.prompts, cfg.max_new_tokens, cfg.speculative_num_steps,
                   cfg.topk, cfg.attention_modes[0], use_graphs=cfg.cuda_graph == "on", tree=tree,
-                  record_routing=cfg.dump_routing)
+                  recorder=recorder)
     if target.tp.rank == 0:  # np.savez on a file, not a name: a name would gain ".npz"
         write_whole(cfg.dump, lambda f: np.savez(f, meta=np.array(json.dumps(meta)), **arrays))
         shapes = ", ".join(f"{k} {list(v.shape)}" if np.ndim(v) else f"{k} {v.item()}"

@@ -1054,12 +1054,12 @@ def weight_format(env):
 
 def check_figure_out(out):
     """A figure's --out before any work (ValueError naming it, one line): a file in a folder that
-    takes one (run.check_writable), named with a suffix matplotlib writes, which picks the format
-    (without one matplotlib would add .png to the name)."""
+    takes one (baseline.check_writable), named with a suffix matplotlib writes, which picks the
+    format (without one matplotlib would add .png to the name)."""
     from matplotlib.backend_bases import FigureCanvasBase
 
-    import run
-    run.check_writable("--out", out)
+    import baseline
+    baseline.check_writable("--out", out)
     kinds = FigureCanvasBase.get_supported_filetypes()
     if os.path.splitext(out)[1][1:].lower() not in kinds:
         rest = ", ".join(f".{k}" for k in sorted(kinds) if k not in ("png", "pdf", "svg"))

@@ -52,7 +52,6 @@ import math
 import os
 import signal
 import sys
-import tempfile
 import threading
 import time
 from contextlib import contextmanager
@@ -351,10 +350,11 @@ def check_flags(args):
         raise BadInput(f"{asked}--batch-size {args.batch_size}: {args.batch_size} x {most} "
                        "tokens a forward; the sweep times verify-sized forwards, at most "
                        f"{SWEEP_MOST_TOKENS} tokens")
-    if args.json not in (None, "-"):
-        check_writable("--json", args.json)
-    if args.dump:
-        check_writable("--dump", args.dump)
+    with refusal():
+        if args.json not in (None, "-"):
+            baseline.check_writable("--json", args.json)
+        if args.dump:
+            baseline.check_writable("--dump", args.dump)
     check_routing_flags(args)
 
 
@@ -380,22 +380,6 @@ def check_routing_flags(args):
         raise BadInput(f"--dump records the model's own routing: drop --routing {args.routing}")
     if args.routing in ("distinct", "trace") and args.compare:
         raise BadInput(f"--routing {args.routing} shapes the timing run; --compare builds no model")
-
-
-def check_writable(flag, path):
-    """Refuse an output path the run could not write at its end, before anything is built, by
-    creating (and removing) a temporary file in its folder: what the end does (write_whole)."""
-    folder = os.path.dirname(os.path.abspath(path))
-    if os.path.isdir(path):
-        raise BadInput(f"{flag} {path}: cannot write there (is a folder)")
-    if not os.path.isdir(folder):
-        raise BadInput(f"{flag} {path}: cannot write there (no folder {folder})")
-    try:
-        with tempfile.NamedTemporaryFile(dir=folder, prefix=".run-py-check-"):
-            pass
-    except OSError as e:
-        raise BadInput(f"{flag} {path}: cannot write there (folder {folder}: "
-                       f"{e.strerror or e})") from None
 
 
 def check_tree_flags(args):
@@ -707,10 +691,12 @@ def dump(cfg, device):
     """--dump: build, generate, write the file (baseline.py)."""
     import torch
 
+    import routing
     import timing
     target, head, how = timing.build(cfg, device, getattr(torch, cfg.dtype))
     with refusal("--dump: "):
-        return baseline.dump_main(cfg, target, head, how)
+        return baseline.dump_main(cfg, target, head, how,
+                                  routing.RoutingRecorder if cfg.dump_routing else None)
 
 
 def bench(cfg, device, world):

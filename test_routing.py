@@ -393,7 +393,7 @@ def test_distinct_routing_in_the_timing_run_and_its_sweep():
 def test_a_dumps_routing_is_the_routers_own_choice():
     target = tiny_target(torch.float64, seed=6, batch=2)
     prompts = [[5, 6, 7, 8, 9, 10], [11, 12, 13]]
-    d = baseline.dump(target, None, prompts, 5, topk=3, record_routing=True)
+    d = baseline.dump(target, None, prompts, 5, topk=3, recorder=routing.RoutingRecorder)
     t = routing.Trace(torch.from_numpy(d["routing_ids"].astype(np.int64)), int(d["n_experts"]),
                       int(d["top_k"]), d["sequence_lengths"].tolist())
     assert t.ids.shape[0] == len(routing.routers(target)) and t.top_k == 4
@@ -406,7 +406,7 @@ def test_a_dumps_routing_is_the_routers_own_choice():
         assert torch.equal(t.ids[:, start:start + n], own), f"row {row}"
         start += n
     assert start == t.ids.shape[1]
-    alone = baseline.dump(target, None, prompts[1:], 5, topk=3, record_routing=True)
+    alone = baseline.dump(target, None, prompts[1:], 5, topk=3, recorder=routing.RoutingRecorder)
     assert alone["sequence_lengths"].tolist() == d["sequence_lengths"].tolist()[1:], \
         "a row's routing depends on the other prompts of the dump"
 

@@ -768,10 +768,10 @@ def check_flags(p, a):
     if len(given) > 1:
         p.error(f"{' and '.join(given)}: each runs its own benchmark; give one of them")
     if a.json:
-        import run
+        import baseline
         try:
-            run.check_writable("--json", a.json)
-        except run.BadInput as e:
+            baseline.check_writable("--json", a.json)
+        except ValueError as e:
             p.error(str(e))
     variants, sweep = a.variants.split(","), [v for v in a.sweep.split(",") if v]
     if not set(variants) <= {"dot", "gemv", "adaptive"} or not set(sweep) <= {"dot", "gemv"}:
