@@ -1125,7 +1125,7 @@ def test_dump_from_the_command_line_and_bad_input(tiny_ckpt, tmp_path, run_py_ru
 
 # ---------------------------------------------------------------------------------------------
 # Timing aids: simulated uniform routing, the component table, chunked prefill, kv buckets,
-# random INT4 weights, --moe-adaptive, progress labels
+# random INT4 weights, --moe-adaptive, progress labels, the GPU held behind timed calls
 
 def test_uniform_routing_is_balanced_distinct_and_weighted_as_the_model():
     m = init_random(Transformer(tiny(), 2, 32, dtype=torch.float64, routing="uniform"), 9)
@@ -1432,6 +1432,36 @@ def test_progress_labels_count_tokens_not_cache_slots():
     assert ", 1 token," in timing.phase_label(isolated["decode_step"], graph=False)
     assert f", {k + 1} tokens," in timing.phase_label(isolated["draft_extend"], graph=False)
     assert {key.phase for key in rec.keys} == {"verify", "accept_chain", "draft_extend", "draft"}
+
+
+def test_median_ms_holds_the_gpu_between_warmup_and_the_timed_calls():
+    """hold=True (a replayed phase): after the warm-up calls and before the first timed call's
+    stamp the clock holds the GPU HOLD_CYCLES_PER_CALL cycles a timed call, so the host issues
+    every timed call while the GPU spins; hold=False (eager) holds nothing."""
+    class Clock:
+        def __init__(self):
+            self.log, self.t = [], 0.0
+
+        def stamp(self):
+            self.log.append("stamp")
+            self.t += 1.0
+            return self.t
+
+        def ms(self, a, b):
+            return b - a
+
+        def sync(self):
+            self.log.append("sync")
+
+        def hold(self, cycles):
+            self.log.append(("hold", cycles))
+
+    for hold in (True, False):
+        clock = Clock()
+        timing.median_ms(clock, lambda: clock.log.append("call"), 4, warmup=2, hold=hold)
+        timed = ["stamp", "call", "stamp"] * 4
+        held = [("hold", 4 * timing.HOLD_CYCLES_PER_CALL)] if hold else []
+        assert clock.log == ["call"] * 2 + held + timed + ["sync"], clock.log
 
 
 # ---------------------------------------------------------------------------------------------
