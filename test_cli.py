@@ -1125,7 +1125,7 @@ def test_dump_from_the_command_line_and_bad_input(tiny_ckpt, tmp_path, run_py_ru
 
 # ---------------------------------------------------------------------------------------------
 # Timing aids: simulated uniform routing, the component table, chunked prefill, kv buckets,
-# random INT4 weights, --moe-adaptive, progress labels, the GPU held behind timed calls
+# random INT4 weights, --moe-adaptive, progress labels, the GPU held while timed calls are issued
 
 def test_uniform_routing_is_balanced_distinct_and_weighted_as_the_model():
     m = init_random(Transformer(tiny(), 2, 32, dtype=torch.float64, routing="uniform"), 9)
