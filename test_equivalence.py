@@ -38,9 +38,9 @@ from testing import (assert_close, captured_calls, eager_without_pdl, edit_check
                      random_tree, reference_sequences, run_ranks, run_steps, step_inputs, tiny,
                      TRITON_DEVICE)
 from tp import TP
-from verify import (Probe, accept, accept_tree, generate, simulated_accept, simulated_center,
-                    simulated_mean, tree_accept, tree_ancestors, tree_emitted, tree_forward,
-                    tree_visible)
+from verify import (Probe, accept, accept_tree, generate, sample, simulated_accept,
+                    simulated_center, simulated_mean, tree_accept, tree_ancestors, tree_emitted,
+                    tree_forward, tree_visible)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -715,10 +715,17 @@ def test_simulated_acceptance_has_the_mean_asked():
     assert simulated_mean(1.2, 3) - 1.2 > 0.25  # what drawing around the mean itself gave
 
 
+def total_variation(samples, p):
+    """Half the L1 distance between the frequencies of the tokens in `samples` and p [V]."""
+    freq = torch.bincount(samples, minlength=len(p)).double() / len(samples)
+    return 0.5 * (freq - p.double()).abs().sum().item()
+
+
 def test_speculative_sampling_follows_the_target():
-    """200k rows, vocab 6, k = 2: the first emitted token ~ p_0 and, where it is d_1, the second
-    ~ p_1, for a good (most likely), bad (least likely) and random draft. Bound: total variation
-    < 1.5 sqrt(V / n) over n samples (0.008 at n = 200k; a wrong rule is off by 0.1 or more)."""
+    """200k rows, vocab 6, k = 2: the first emitted token ~ p_0; where it is d_1, the second ~ p_1;
+    where both drafts are accepted, the bonus after them ~ p_2 (not p_1); for a good (most
+    likely), bad (least likely) and random draft. Bound: total variation < 1.5 sqrt(V / n) over n
+    samples (0.008 at n = 200k; a wrong rule is off by 0.1 or more)."""
     V, k, N = 6, 2, 200_000
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(k + 1, V, generator=g) * 1.5
@@ -732,16 +739,30 @@ def test_speculative_sampling_follows_the_target():
         m, bonus = accept(logits.expand(N, k + 1, V), drafts, 1.0, g)
         emitted = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, m.unsqueeze(1),
                                                                 bonus.unsqueeze(1))
-        first = torch.bincount(emitted[:, 0], minlength=V) / N
-        tv0 = 0.5 * (first - p[0]).abs().sum().item()
         took_d1 = emitted[:, 0] == drafts[:, 0]
         if kind == "random":  # condition per d_1 value: pool rows whose first token was their draft
             took_d1 = took_d1 & (drafts[:, 0] == 0)
-        second = torch.bincount(emitted[took_d1, 1], minlength=V) / took_d1.sum()
-        tv1 = 0.5 * (second - p[1]).abs().sum().item()
-        n1 = took_d1.sum().item()
-        assert tv0 < 1.5 * (V / N) ** 0.5 and tv1 < 1.5 * (V / n1) ** 0.5, \
-            f"{kind} draft: TV {tv0:.4f} (first, n={N}), {tv1:.4f} (second, n={n1})"
+        checks = [(torch.ones(N, dtype=torch.bool), 0, p[0]), (took_d1, 1, p[1]), (m == k, k, p[k])]
+        for rows, col, want in checks:
+            n = rows.sum().item()
+            tv = total_variation(emitted[rows, col], want)
+            assert tv < 1.5 * (V / n) ** 0.5, f"{kind} draft: column {col}, TV {tv:.4f} over n={n}"
+
+
+def test_sampling_divides_the_logits_by_the_temperature():
+    """At temperature 0.5, sample's token and accept's first emitted token (the draft where
+    accepted, else the token drawn in its place) ~ softmax(logits / 0.5), not softmax(logits):
+    200k rows, vocab 6, the bound of the test above."""
+    V, N, T = 6, 200_000, 0.5
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(V, generator=g)
+    want = torch.softmax(logits / T, -1)
+    drafts = torch.randint(0, V, (N, 1), generator=g)
+    m, bonus = accept(logits.expand(N, 2, V), drafts, T, g)
+    for what, tokens in (("sample", sample(logits.expand(N, V), T, g)),
+                         ("accept", torch.where(m > 0, drafts[:, 0], bonus))):
+        tv = total_variation(tokens, want)
+        assert tv < 1.5 * (V / N) ** 0.5, f"{what}: TV {tv:.4f} from softmax(logits / {T})"
 
 
 def test_generation_stops_at_every_eos_id(tmp_path):
