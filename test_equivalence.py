@@ -44,8 +44,8 @@ from verify import (Probe, accept, accept_tree, generate, sample, simulated_acce
 
 
 # ---------------------------------------------------------------------------------------------
-# The target: TP N against TP 1, extend against decode, incremental against whole, HF's
-# DeepseekV3ForCausalLM
+# The target: TP N against TP 1, extend against decode, incremental against whole, the router
+# on a hand case, HF's DeepseekV3ForCausalLM
 
 def _tp_worker(ckpt, seed, dtype, draft_path=None, draft_seed=None):
     """On each rank: the seeded random model and the checkpoint-loaded model; with draft_path, also
@@ -138,6 +138,30 @@ def test_aux_states_are_the_chosen_layer_outputs():
         assert aux.shape == (1, 3, 3 * D) and torch.equal(aux[..., D:2 * D], aux[..., 2 * D:])
     with pytest.raises(ValueError, match="EAGLE-3 reads 3 layers"):
         Transformer(tiny(), 1, 8, aux_layer_ids=[0, 2])
+
+
+def test_router_follows_noaux_tc_on_a_hand_case():
+    """model.Router as DeepSeek-V3's noaux_tc, on scores set by hand: 8 experts in 4 groups of 2,
+    2 groups kept, 2 experts a token. Sigmoid scores [.9 .1 | .62 .30 | .56 .54 | .8 .05], expert
+    3's correction bias +0.3 (biased: .60). A group scores the sum of its top-2 biased scores
+    (1.0, 1.22, 1.10, .85): groups 1 and 2 kept (their maxima alone would keep 0 and 3); their
+    experts by biased score: 2 and 3 (by unbiased ones: 2 and 4); weighed by their unbiased
+    scores .62 and .30, normalized, times routed_scaling_factor 2.5."""
+    args = tiny(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+                routed_scaling_factor=2.5, norm_topk_prob=True)
+    router = model.Router(args, "cpu", torch.float64)
+    scores = torch.tensor([0.9, 0.1, 0.62, 0.30, 0.56, 0.54, 0.8, 0.05], dtype=torch.float64)
+    x = torch.zeros(1, args.hidden_size, dtype=torch.float64)
+    x[0, 0] = 1.0                                             # x . weight[e] = logit(scores[e])
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[:, 0] = torch.logit(scores)
+        router.e_score_correction_bias.zero_()
+        router.e_score_correction_bias[3] = 0.3
+    ids, weights = router(x)
+    assert ids.tolist() == [[2, 3]], f"experts {ids.tolist()}, not [[2, 3]]"
+    want = torch.tensor([[0.62, 0.30]], dtype=torch.float64) / (0.62 + 0.30) * 2.5
+    assert_close(weights, want, 1e-9, "router weights of experts 2 and 3")
 
 
 @contextlib.contextmanager
