@@ -204,7 +204,7 @@ def test_matches_hf_transformers(tiny_ckpt):
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoints: round trip, per-rank memory, clear errors; YaRN's RoPE tables against the
-# formula
+# formula, RoPE's interleaved pairs
 
 def test_save_load_round_trip_is_exact(tiny_ckpt):
     ckpt, m = tiny_ckpt
@@ -449,6 +449,21 @@ def test_rope_tables_at_kimi_k2s_yarn_follow_the_formula(factor, positions):
     args = model.ModelArgs(rope_scaling=rs, max_position_embeddings=positions)
     want = 192 ** -0.5 * (0.1 * math.log(factor) + 1.0) ** 2
     assert abs(args.softmax_scale - want) < 1e-12, (args.softmax_scale, want)
+
+
+def test_rope_rotates_interleaved_pairs():
+    """model.apply_rope turns each pair (x[2i], x[2i+1]) by angle i (DeepSeek-V3's layout, not
+    the two halves of rotate_half): the unit vector at dim 2i comes out as (cos, sin) at dims 2i,
+    2i+1, the one at dim 2i+1 as (-sin, cos), and zero elsewhere."""
+    R = 8
+    angles = torch.tensor([0.3, 0.7, 1.1, 1.9])
+    rope = torch.stack((angles.cos(), angles.sin()), -1).view(1, 1, R // 2, 2)  # [B, T, R/2, 2]
+    for i, (c, s) in enumerate(zip(angles.cos(), angles.sin())):
+        for d, pair in ((2 * i, (c, s)), (2 * i + 1, (-s, c))):
+            x, want = torch.zeros(1, 1, R), torch.zeros(R)
+            x[..., d] = 1.0
+            want[2 * i], want[2 * i + 1] = pair
+            assert_close(model.apply_rope(x, rope)[0, 0], want, 1e-6, f"unit vector at dim {d}")
 
 
 # ---------------------------------------------------------------------------------------------
