@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 from functools import partial
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -1650,8 +1651,9 @@ def test_tree_dump_holds_the_tree_and_its_accepted_path():
 
 
 # ---------------------------------------------------------------------------------------------
-# CUDA graphs against eager on the GPU (no host sync, bf16 agreement) and graphs.py's keys and
-# copies on any machine; on the GPU also decode vs extend, grouped vs gather, compiled layers
+# CUDA graphs against eager on the GPU (no host sync, bf16 agreement) and graphs.py's keys,
+# copies and replays (torch.cuda faked) on any machine; on the GPU also decode vs extend, grouped
+# vs gather, compiled layers
 
 # the fused MoE (with every Triton kernel on) needs Triton: marked so, it skips with the reason
 GPU_MOE = [pytest.param(q, impl, marks=[pytest.mark.triton] if impl == "fused" else [])
@@ -1705,6 +1707,47 @@ def test_graph_outputs_are_copied_whole():
     first, g = copy_out((torch.zeros(2), torch.ones(2, 4)))
     assert torch.equal(g, torch.ones(2, 4)) and first.shape == (2,)
 
+
+class FakeGraph:
+    """torch.cuda.CUDAGraph's stand-in: the function run inside `with torch.cuda.graph(g)` (faked
+    by fake_capture) records its work on FakeGraph.capturing, and replay reruns that work on the
+    same tensors, as a CUDA graph replays its kernels on the same addresses."""
+    capturing = None
+
+    def replay(self):
+        self.work()
+
+
+@contextlib.contextmanager
+def fake_capture(graph, pool=None):
+    FakeGraph.capturing = graph
+    try:
+        yield
+    finally:
+        FakeGraph.capturing = None
+
+
+def test_graph_replay_reads_each_calls_inputs(monkeypatch):
+    """CudaGraphs.run copies each call's inputs into the static inputs its graph captured: run
+    again on new inputs, it returns their result, not the first call's. On any machine, with
+    torch.cuda's graph, streams and pool faked; the function writes its output in place."""
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    fakes = dict(CUDAGraph=FakeGraph, graph=fake_capture, graph_pool_handle=lambda: None,
+                 Stream=lambda device=None: stream, current_stream=lambda device=None: stream,
+                 stream=lambda s: contextlib.nullcontext())
+    for name, fake in fakes.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    out = torch.zeros(2)
+
+    def double(x):
+        if FakeGraph.capturing:
+            FakeGraph.capturing.work = lambda: torch.mul(x, 2, out=out)
+        return torch.mul(x, 2, out=out)
+    runner = CudaGraphs("cuda", warmup=1)
+    first = runner.run("key", double, torch.tensor([1.0, 2.0]))
+    second = runner.run("key", double, torch.tensor([5.0, 7.0]))
+    assert len(runner.graphs) == 1, "the second call captured again instead of replaying"
+    assert first.tolist() == [2.0, 4.0] and second.tolist() == [10.0, 14.0], (first, second)
 
 @pytest.mark.gpu
 def test_graph_key_collision_is_refused():
