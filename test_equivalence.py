@@ -16,6 +16,7 @@ import subprocess
 import sys
 import tempfile
 from functools import partial
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -38,14 +39,14 @@ from testing import (assert_close, captured_calls, eager_without_pdl, edit_check
                      random_tree, reference_sequences, run_ranks, run_steps, step_inputs, tiny,
                      TRITON_DEVICE)
 from tp import TP
-from verify import (Probe, accept, accept_tree, generate, simulated_accept, simulated_center,
-                    simulated_mean, tree_accept, tree_ancestors, tree_emitted, tree_forward,
-                    tree_visible)
+from verify import (Probe, accept, accept_tree, generate, sample, simulated_accept,
+                    simulated_center, simulated_mean, tree_accept, tree_ancestors, tree_emitted,
+                    tree_forward, tree_visible)
 
 
 # ---------------------------------------------------------------------------------------------
-# The target: TP N against TP 1, extend against decode, incremental against whole, HF's
-# DeepseekV3ForCausalLM
+# The target: TP N against TP 1, extend against decode, incremental against whole, the router
+# on a hand case, HF's DeepseekV3ForCausalLM
 
 def _tp_worker(ckpt, seed, dtype, draft_path=None, draft_seed=None):
     """On each rank: the seeded random model and the checkpoint-loaded model; with draft_path, also
@@ -140,6 +141,30 @@ def test_aux_states_are_the_chosen_layer_outputs():
         Transformer(tiny(), 1, 8, aux_layer_ids=[0, 2])
 
 
+def test_router_follows_noaux_tc_on_a_hand_case():
+    """model.Router as DeepSeek-V3's noaux_tc, on scores set by hand: 8 experts in 4 groups of 2,
+    2 groups kept, 2 experts a token. Sigmoid scores [.9 .1 | .62 .30 | .56 .54 | .8 .05], expert
+    3's correction bias +0.3 (biased: .60). A group scores the sum of its top-2 biased scores
+    (1.0, 1.22, 1.10, .85): groups 1 and 2 kept (their maxima alone would keep 0 and 3); their
+    experts by biased score: 2 and 3 (by unbiased ones: 2 and 4); weighed by their unbiased
+    scores .62 and .30, normalized, times routed_scaling_factor 2.5."""
+    args = tiny(n_routed_experts=8, n_group=4, topk_group=2, num_experts_per_tok=2,
+                routed_scaling_factor=2.5, norm_topk_prob=True)
+    router = model.Router(args, "cpu", torch.float64)
+    scores = torch.tensor([0.9, 0.1, 0.62, 0.30, 0.56, 0.54, 0.8, 0.05], dtype=torch.float64)
+    x = torch.zeros(1, args.hidden_size, dtype=torch.float64)
+    x[0, 0] = 1.0                                             # x . weight[e] = logit(scores[e])
+    with torch.no_grad():
+        router.weight.zero_()
+        router.weight[:, 0] = torch.logit(scores)
+        router.e_score_correction_bias.zero_()
+        router.e_score_correction_bias[3] = 0.3
+    ids, weights = router(x)
+    assert ids.tolist() == [[2, 3]], f"experts {ids.tolist()}, not [[2, 3]]"
+    want = torch.tensor([[0.62, 0.30]], dtype=torch.float64) / (0.62 + 0.30) * 2.5
+    assert_close(weights, want, 1e-9, "router weights of experts 2 and 3")
+
+
 @contextlib.contextmanager
 def hugging_face_kernels():
     """transformers imports a package named kernels of its own (Hugging Face's), now and lazily
@@ -180,7 +205,7 @@ def test_matches_hf_transformers(tiny_ckpt):
 
 # ---------------------------------------------------------------------------------------------
 # Checkpoints: round trip, per-rank memory, clear errors; YaRN's RoPE tables against the
-# formula
+# formula, RoPE's interleaved pairs
 
 def test_save_load_round_trip_is_exact(tiny_ckpt):
     ckpt, m = tiny_ckpt
@@ -425,6 +450,21 @@ def test_rope_tables_at_kimi_k2s_yarn_follow_the_formula(factor, positions):
     args = model.ModelArgs(rope_scaling=rs, max_position_embeddings=positions)
     want = 192 ** -0.5 * (0.1 * math.log(factor) + 1.0) ** 2
     assert abs(args.softmax_scale - want) < 1e-12, (args.softmax_scale, want)
+
+
+def test_rope_rotates_interleaved_pairs():
+    """model.apply_rope turns each pair (x[2i], x[2i+1]) by angle i (DeepSeek-V3's layout, not
+    the two halves of rotate_half): the unit vector at dim 2i comes out as (cos, sin) at dims 2i,
+    2i+1, the one at dim 2i+1 as (-sin, cos), and zero elsewhere."""
+    R = 8
+    angles = torch.tensor([0.3, 0.7, 1.1, 1.9])
+    rope = torch.stack((angles.cos(), angles.sin()), -1).view(1, 1, R // 2, 2)  # [B, T, R/2, 2]
+    for i, (c, s) in enumerate(zip(angles.cos(), angles.sin())):
+        for d, pair in ((2 * i, (c, s)), (2 * i + 1, (-s, c))):
+            x, want = torch.zeros(1, 1, R), torch.zeros(R)
+            x[..., d] = 1.0
+            want[2 * i], want[2 * i + 1] = pair
+            assert_close(model.apply_rope(x, rope)[0, 0], want, 1e-6, f"unit vector at dim {d}")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -715,10 +755,17 @@ def test_simulated_acceptance_has_the_mean_asked():
     assert simulated_mean(1.2, 3) - 1.2 > 0.25  # what drawing around the mean itself gave
 
 
+def total_variation(samples, p):
+    """Half the L1 distance between the frequencies of the tokens in `samples` and p [V]."""
+    freq = torch.bincount(samples, minlength=len(p)).double() / len(samples)
+    return 0.5 * (freq - p.double()).abs().sum().item()
+
+
 def test_speculative_sampling_follows_the_target():
-    """200k rows, vocab 6, k = 2: the first emitted token ~ p_0 and, where it is d_1, the second
-    ~ p_1, for a good (most likely), bad (least likely) and random draft. Bound: total variation
-    < 1.5 sqrt(V / n) over n samples (0.008 at n = 200k; a wrong rule is off by 0.1 or more)."""
+    """200k rows, vocab 6, k = 2: the first emitted token ~ p_0; where it is d_1, the second ~ p_1;
+    where both drafts are accepted, the bonus after them ~ p_2 (not p_1); for a good (most
+    likely), bad (least likely) and random draft. Bound: total variation < 1.5 sqrt(V / n) over n
+    samples (0.008 at n = 200k; a wrong rule is off by 0.1 or more)."""
     V, k, N = 6, 2, 200_000
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(k + 1, V, generator=g) * 1.5
@@ -732,16 +779,30 @@ def test_speculative_sampling_follows_the_target():
         m, bonus = accept(logits.expand(N, k + 1, V), drafts, 1.0, g)
         emitted = torch.cat([drafts, drafts[:, :1]], 1).scatter(1, m.unsqueeze(1),
                                                                 bonus.unsqueeze(1))
-        first = torch.bincount(emitted[:, 0], minlength=V) / N
-        tv0 = 0.5 * (first - p[0]).abs().sum().item()
         took_d1 = emitted[:, 0] == drafts[:, 0]
         if kind == "random":  # condition per d_1 value: pool rows whose first token was their draft
             took_d1 = took_d1 & (drafts[:, 0] == 0)
-        second = torch.bincount(emitted[took_d1, 1], minlength=V) / took_d1.sum()
-        tv1 = 0.5 * (second - p[1]).abs().sum().item()
-        n1 = took_d1.sum().item()
-        assert tv0 < 1.5 * (V / N) ** 0.5 and tv1 < 1.5 * (V / n1) ** 0.5, \
-            f"{kind} draft: TV {tv0:.4f} (first, n={N}), {tv1:.4f} (second, n={n1})"
+        checks = [(torch.ones(N, dtype=torch.bool), 0, p[0]), (took_d1, 1, p[1]), (m == k, k, p[k])]
+        for rows, col, want in checks:
+            n = rows.sum().item()
+            tv = total_variation(emitted[rows, col], want)
+            assert tv < 1.5 * (V / n) ** 0.5, f"{kind} draft: column {col}, TV {tv:.4f} over n={n}"
+
+
+def test_sampling_divides_the_logits_by_the_temperature():
+    """At temperature 0.5, sample's token and accept's first emitted token (the draft where
+    accepted, else the token drawn in its place) ~ softmax(logits / 0.5), not softmax(logits):
+    200k rows, vocab 6, the bound of the test above."""
+    V, N, T = 6, 200_000, 0.5
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(V, generator=g)
+    want = torch.softmax(logits / T, -1)
+    drafts = torch.randint(0, V, (N, 1), generator=g)
+    m, bonus = accept(logits.expand(N, 2, V), drafts, T, g)
+    for what, tokens in (("sample", sample(logits.expand(N, V), T, g)),
+                         ("accept", torch.where(m > 0, drafts[:, 0], bonus))):
+        tv = total_variation(tokens, want)
+        assert tv < 1.5 * (V / N) ** 0.5, f"{what}: TV {tv:.4f} from softmax(logits / {T})"
 
 
 def test_generation_stops_at_every_eos_id(tmp_path):
@@ -1590,8 +1651,9 @@ def test_tree_dump_holds_the_tree_and_its_accepted_path():
 
 
 # ---------------------------------------------------------------------------------------------
-# CUDA graphs against eager on the GPU (no host sync, bf16 agreement) and graphs.py's keys and
-# copies on any machine; on the GPU also decode vs extend, grouped vs gather, compiled layers
+# CUDA graphs against eager on the GPU (no host sync, bf16 agreement) and graphs.py's keys,
+# copies and replays (torch.cuda faked) on any machine; on the GPU also decode vs extend, grouped
+# vs gather, compiled layers
 
 # the fused MoE (with every Triton kernel on) needs Triton: marked so, it skips with the reason
 GPU_MOE = [pytest.param(q, impl, marks=[pytest.mark.triton] if impl == "fused" else [])
@@ -1645,6 +1707,47 @@ def test_graph_outputs_are_copied_whole():
     first, g = copy_out((torch.zeros(2), torch.ones(2, 4)))
     assert torch.equal(g, torch.ones(2, 4)) and first.shape == (2,)
 
+
+class FakeGraph:
+    """torch.cuda.CUDAGraph's stand-in: the function run inside `with torch.cuda.graph(g)` (faked
+    by fake_capture) records its work on FakeGraph.capturing, and replay reruns that work on the
+    same tensors, as a CUDA graph replays its kernels on the same addresses."""
+    capturing = None
+
+    def replay(self):
+        self.work()
+
+
+@contextlib.contextmanager
+def fake_capture(graph, pool=None):
+    FakeGraph.capturing = graph
+    try:
+        yield
+    finally:
+        FakeGraph.capturing = None
+
+
+def test_graph_replay_reads_each_calls_inputs(monkeypatch):
+    """CudaGraphs.run copies each call's inputs into the static inputs its graph captured: run
+    again on new inputs, it returns their result, not the first call's. On any machine, with
+    torch.cuda's graph, streams and pool faked; the function writes its output in place."""
+    stream = SimpleNamespace(wait_stream=lambda other: None)
+    fakes = dict(CUDAGraph=FakeGraph, graph=fake_capture, graph_pool_handle=lambda: None,
+                 Stream=lambda device=None: stream, current_stream=lambda device=None: stream,
+                 stream=lambda s: contextlib.nullcontext())
+    for name, fake in fakes.items():
+        monkeypatch.setattr(torch.cuda, name, fake)
+    out = torch.zeros(2)
+
+    def double(x):
+        if FakeGraph.capturing:
+            FakeGraph.capturing.work = lambda: torch.mul(x, 2, out=out)
+        return torch.mul(x, 2, out=out)
+    runner = CudaGraphs("cuda", warmup=1)
+    first = runner.run("key", double, torch.tensor([1.0, 2.0]))
+    second = runner.run("key", double, torch.tensor([5.0, 7.0]))
+    assert len(runner.graphs) == 1, "the second call captured again instead of replaying"
+    assert first.tolist() == [2.0, 4.0] and second.tolist() == [10.0, 14.0], (first, second)
 
 @pytest.mark.gpu
 def test_graph_key_collision_is_refused():

@@ -30,7 +30,7 @@ import tp
 from checkpoint import init_random, init_random_draft, load_target, save_target
 from draft import draft_preset, DraftAttention, Eagle3Draft, rotate_half_rope
 from graphs import CudaGraphs
-from kernels.common import _jit, tl, triton
+from kernels.common import _jit, _pow2, tl, triton
 from model import Transformer
 from testing import (assert_close, captured_calls, count_reads, flat, fp8_checkpoint, gpu_models,
                      HERE, int4_checkpoint, PROMPTS, random_tree, run_steps, step_inputs, tiny,
@@ -773,8 +773,9 @@ def test_fused_moe_adaptive_variant_reads_each_distinct_expert_once_where_tokens
 
 
 # ---------------------------------------------------------------------------------------------
-# The target's Triton kernels against their plain twins in model.py, and each swap against the
-# module it replaces; on the GPU also long caches, one graph for any length, captured paths
+# The target's Triton kernels against their plain twins in model.py (the row kernels' tail masks
+# too), and each swap against the module it replaces; on the GPU also long caches, one graph for
+# any length, captured paths
 
 KIMI_TP8 = dict(H=8, C=512, R=64)          # Kimi-K2's MLA at TP 8: 8 local heads
 
@@ -1243,6 +1244,45 @@ def test_silu_mul_kernel_equals_twin(dtype):
             assert got.shape == want.shape and got.dtype == dtype
             assert_close(got, want, tol,
                          f"silu_mul I={I} {dtype} contiguous={gate.is_contiguous()}")
+
+
+SENTINEL = 12345.0
+
+
+def rows_before_sentinels(N, I):
+    """A buffer of N * I elements and 64 sentinels after them, and its head as rows [N, I]."""
+    buf = torch.full((N * I + 64,), SENTINEL, device=TRITON_DEVICE)
+    return buf, buf[:N * I].view(N, I)
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("name", ["silu_mul", "add_rmsnorm"])
+def test_row_kernels_write_nothing_past_their_rows(name):
+    """The row kernels' tail masks: launched on outputs [N, I] that are the head of a buffer of
+    sentinels, at I = 32 (one block, nothing masked) and 48 (a block of 64, 16 masked),
+    silu_mul and add_rmsnorm (its sum and its norm) leave every sentinel as it was, and their rows
+    equal the plain lines. Under the CPU interpreter the programs run in order, so a row's
+    overrun is overwritten by the next row's results: the last row's shows, in the sentinels."""
+    g = torch.Generator().manual_seed(3)
+    for N, I in ((3, 32), (2, 48)):
+        a, b = (torch.randn(N, I, generator=g).to(TRITON_DEVICE) for _ in range(2))
+        bufs, outs = zip(*(rows_before_sentinels(N, I) for _ in range(2)))
+        if name == "silu_mul":
+            kernels.elementwise._silu_mul_kernel[(N, 1)](a, b, outs[0], I, I, I, I,
+                                                         BLOCK=_pow2(I))
+            wants = [F.silu(a) * b]
+        else:
+            norm = model.RMSNorm(I, 1e-6, TRITON_DEVICE, torch.float32)
+            with torch.no_grad():
+                norm.weight.copy_(1 + 0.1 * torch.randn(I, generator=g))
+            kernels.elementwise._launch_norm(a, b, norm.weight, outs[0], outs[1], norm.eps,
+                                             add=True)
+            wants = [a + b, norm(a + b)]
+        for buf, out, want in zip(bufs, outs, wants):
+            tail = buf[N * I:]
+            assert torch.equal(tail, torch.full_like(tail, SENTINEL)), \
+                f"{name} I={I}: wrote past its rows, at {(tail != SENTINEL).nonzero().tolist()}"
+            assert_close(out, want, 1e-5, f"{name} I={I}")
 
 
 NORM_GEMV_SHAPES = [(40, 64), (33, 100)]                       # (N, K): tiny, odd sizes
