@@ -1749,6 +1749,7 @@ def test_graph_replay_reads_each_calls_inputs(monkeypatch):
     assert len(runner.graphs) == 1, "the second call captured again instead of replaying"
     assert first.tolist() == [2.0, 4.0] and second.tolist() == [10.0, 14.0], (first, second)
 
+
 @pytest.mark.gpu
 def test_graph_key_collision_is_refused():
     target, head = gpu_models()
