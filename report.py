@@ -16,8 +16,9 @@ across routings (routed). Nothing here times anything.
 The --json line is as_json(timing.Result): each dataclass a dict of its fields, each Timing its
 median in ms, integer keys as strings. Its verify sweep, `verify_sweep_ms`, maps the tokens a row
 T (run.py's settled `verify_sweep_tokens`: 1 to 6 on a CPU; on a GPU 1 to 8, 10, 12, 16, 20, 24,
-28 and 32 while the batch's forward holds at most 32 tokens) to
-    {"verify": ms, "draft_extend": ms (up to 8 tokens; absent above),
+28 and 32 while the batch's forward holds at most 32 tokens; or --sweep-tokens; always with 1 to
+num_steps + 1) to
+    {"verify": ms, "draft_extend": ms (up to 8 tokens, or num_steps + 1 where more; absent above),
      "distinct_experts": routed experts a MoE layer reaches (the mean over the layers),
      "floor_ms": the verify's bytes over the copy bandwidth (null without a GPU),
      "components": {component: ms} of a profiled eager verify, as the component table's (a
@@ -177,7 +178,7 @@ def cost_answer(r, b):
     """At which accepted length the chain of num_steps pays, and what ~2 tokens a cycle give."""
     k, cm = b.k, r.cost_model.steps.get(b.k)
     if not cm:
-        return []
+        return [f"EAGLE-3 with num_steps {k}: {untimed_chain(k, r.cost_model.steps)}."]
     at2 = 2 * r.cost_model.plain_step_ms / cm.cycle_ms
     be = cm.break_even_accept_len
     pays = (f"pays above {be:.2f} accepted tokens per cycle" if 1 <= be <= k + 1 else
@@ -188,6 +189,16 @@ def cost_answer(r, b):
             f"cycle against a {r.cost_model.plain_step_ms:.2f} ms plain step).",
             f"At the README story's ~2 tokens per cycle it would give {at2:.2f}x"
             + (" (slower than plain decoding)." if at2 < 1 else ".")]
+
+
+def untimed_chain(k, steps):
+    """Why the cost model has no cycle of num_steps k: its steps ({num_steps: ...}, keys as ints
+    or as the JSON's strings) stop short of it."""
+    priced = sorted(map(int, steps))
+    upto = (f"the cost model prices num_steps {priced[0]} to {priced[-1]}" if priced else
+            "the cost model prices no chain")
+    return (f"not timed ({upto}: the verify sweep has no verify and draft extend of {k + 1} "
+            "tokens)")
 
 
 def simulated_note(r, b):
@@ -386,7 +397,7 @@ def tree_answer(r):
     return [line + "."]
 
 
-def print_cost_model(r):
+def print_cost_model(r, b):
     cm = r.cost_model
     ar = " + collectives MODELLED" if r.allreduce_modelled else ""
     print(f"\ncost model (fastest variant{ar}): plain step {cm.plain_step_ms:.2f} ms; cycle and "
@@ -395,6 +406,8 @@ def print_cost_model(r):
         sp = " ".join(f"{t}:{s:.2f}x" for t, s in c.speedup_at.items())
         print(f"  num_steps {steps}: cycle {c.cycle_ms:.2f} ms, break-even "
               f"{c.break_even_accept_len:.2f} | speedup at accept len {sp}")
+    if b.k not in cm.steps:
+        print(f"  num_steps {b.k} (this run's): {untimed_chain(b.k, cm.steps)}")
     if cm.tree:
         t = cm.tree
         print(f"  tree of topk {t.topk}, num_steps {t.num_steps}, {t.num_draft_tokens} draft "
@@ -475,7 +488,7 @@ def report(r, b):
         print_components(r, ctx, c, b)
     print_sweep(r, b)
     print_e2e(r, b)
-    print_cost_model(r)
+    print_cost_model(r, b)
     print_routing_sweep(r)
     print_extras(r, b)
     for w in r.warnings:
@@ -909,10 +922,12 @@ def phases(path):
              "| x floor | " + " | ".join(f"{ms[p] / floors[p]:.2f}x" for _, p in cols) + " |", ""]
     verifies = [p for _, p in cols if p.startswith("verify/") and p in ctx["components"]]
     lines += _md_components(ctx, ms, bw, verifies, variant) + [""]
-    chain = r["cost_model"]["steps"][str(k)]
-    return lines + [f"cycle {chain['cycle_ms']:.2f} ms, break-even "
-                    f"{chain['break_even_accept_len']:.2f} accepted tokens (num_steps {k}); copy "
-                    f"bandwidth {bw:.0f} GB/s"]
+    steps = r["cost_model"]["steps"]
+    chain = steps.get(str(k))
+    cost = (f"cycle {chain['cycle_ms']:.2f} ms, break-even {chain['break_even_accept_len']:.2f} "
+            f"accepted tokens (num_steps {k})" if chain else
+            f"num_steps {k}: {untimed_chain(k, steps)}")
+    return lines + [f"{cost}; copy bandwidth {bw:.0f} GB/s"]
 
 
 def _md_components(ctx, ms, bw, verifies, variant):

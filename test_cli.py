@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -728,6 +729,12 @@ def test_verify_sweep_points_and_the_cliff_check():
     assert asked.verify_sweep_tokens == [1, 2, 3, 5, 12]
     assert timing.cache_slots(asked) == timing.cache_slots(
         _settled("--random-weights --context-len 40 --speculative-num-steps 2")) + 12 - 6
+    # the run's own chain joins the default sweep: the CPU's 1 to 6, a GPU's at batch 16 (1, 2)
+    assert _settled("--random-weights --speculative-num-steps 6").verify_sweep_tokens == \
+        list(range(1, 8))
+    wide = types.SimpleNamespace(sweep_tokens=None, dump=None, batch_size=16,
+                                 speculative_num_steps=3)
+    assert timing.verify_sweep_tokens(wide, gpu=True) == [1, 2, 3, 4]
     T = report.Timing
     tokens = timing.sweep_tokens(True, 1)
 
@@ -759,6 +766,34 @@ def test_verify_sweep_points_and_the_cliff_check():
     text = report.wrap(report.cliff_line(many), "  ", "    ", width=100)
     assert len(many.cliffs) == 14 and "4->5: +9.00 > 0.05" in " ".join(text.split()) and \
         max(map(len, text.splitlines())) <= 100, text
+
+
+def test_verify_sweep_prices_the_runs_own_chain_past_the_defaults(tmp_path):
+    """num_steps 9 on the CPU: the sweep times verify and draft extend of 1 to 10 tokens (past the
+    CPU's 6 and draft extend's 8), so the cost model prices the run's own chain; a file whose cost
+    model lacks its num_steps is said to be not timed, in `report.py phases` and in the answer."""
+    from types import SimpleNamespace as NS
+    cfg = _settled("--random-weights --speculative-num-steps 9 --skip-e2e --reps 1")
+    b = timing.prepare(cfg, torch.device("cpu"))
+    sweep = timing.verify_sweep(b, cfg.context_len[0], None)
+    assert list(sweep) == list(range(1, 11)) and all(p.draft_extend > 0 for p in sweep.values())
+    r = NS(phases_ms={"decode_step/eager": 3.0, "draft_step/eager": 0.05, "accept": 0.1},
+           allreduce_modelled=None, e2e={}, verify_sweep_ms=sweep)
+    cm = components.cost_model(r, b)
+    assert sorted(cm.steps) == list(range(1, 10))
+    path = os.path.join(HERE, "benchmarks", f"{HEADLINE_JSON[0]}.json")
+    run_json = report.read_run(path)
+    k = run_json["env"]["config"]["speculative_num_steps"]
+    run_json["cost_model"]["steps"] = {s: c for s, c in run_json["cost_model"]["steps"].items()
+                                       if int(s) < k}
+    (tmp_path / "short.json").write_text(json.dumps(run_json) + "\n")
+    last = report.phases(tmp_path / "short.json")[-1]
+    assert last.startswith(f"num_steps {k}: not timed (the cost model prices num_steps 1 to "
+                           f"{k - 1}: the verify sweep has no verify and draft extend of {k + 1} "
+                           "tokens)"), last
+    said = report.cost_answer(NS(cost_model=components.CostModel(3.0, {})), NS(k=k))
+    assert said == [f"EAGLE-3 with num_steps {k}: not timed (the cost model prices no chain: the "
+                    f"verify sweep has no verify and draft extend of {k + 1} tokens)."]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -61,11 +61,7 @@ def settle_defaults(cfg, gpu):
     cfg.routing = cfg.routing or ("model" if cfg.model_path or cfg.trained_pair or cfg.dump
                                   else "uniform")
     cfg.context_len = cfg.context_len or [cfg.prompt_len]
-    # a dump times nothing: the CPU's short sweep sizes its cache (cache_slots). Asked-for tokens
-    # (--sweep-tokens) keep the run's own chains, 1 to num_steps + 1, which the cost model needs
-    cfg.verify_sweep_tokens = (
-        sorted({*cfg.sweep_tokens, *range(1, cfg.speculative_num_steps + 2)}) if cfg.sweep_tokens
-        else sweep_tokens(gpu and not cfg.dump, cfg.batch_size))
+    cfg.verify_sweep_tokens = verify_sweep_tokens(cfg, gpu)
     if cfg.kernels is None:  # the fast twins where they run (each tested equal to its plain twin)
         fast = gpu and cfg.dtype in ("bfloat16", "float16", "float32") and kernels.HAVE_TRITON
         cfg.kernels = "all" if fast else "none"
@@ -344,7 +340,7 @@ class Context:
 
 @dataclass
 class SweepPoint:
-    """Verify of T tokens a row, and draft extend of T up to SWEEP_DRAFT_EXTEND (what a cycle of
+    """Verify of T tokens a row, and draft extend of T up to draft_extend_tokens (what a cycle of
     num_steps T - 1 pays); the distinct routed experts the verify reaches, its floor, and (a GPU's,
     with floors) where a profiled eager verify's time goes ({component: ms}, as the component
     table's)."""
@@ -654,10 +650,11 @@ def isolated(b, ctx, bandwidth):
     return out
 
 
-# The verify sweep's tokens a row. On a GPU: 1 to 8 each (the chains), then 10, 12 and every 4
-# to 32 (trees, and chains times a batch), while the batch's forward holds at most
-# SWEEP_MAX_FORWARD tokens; on a CPU 1 to 6, the cost model's chains (num_steps 1 to 5). Draft
-# extend is timed up to SWEEP_DRAFT_EXTEND tokens (chains of num_steps up to 7).
+# The verify sweep's tokens a row by default. On a GPU: 1 to 8 each (the chains), then 10, 12 and
+# every 4 to 32 (trees, and chains times a batch), while the batch's forward holds at most
+# SWEEP_MAX_FORWARD tokens; on a CPU 1 to 6, the cost model's chains (num_steps 1 to 5). The run's
+# own chains, 1 to num_steps + 1, join them always (verify_sweep_tokens). Draft extend is timed up
+# to SWEEP_DRAFT_EXTEND tokens (chains of num_steps up to 7), or num_steps + 1 where more.
 SWEEP_TOKENS = (*range(1, 9), 10, 12, 16, 20, 24, 28, 32)
 SWEEP_TOKENS_CPU = tuple(range(1, 7))
 SWEEP_MAX_FORWARD = 32
@@ -665,17 +662,31 @@ SWEEP_DRAFT_EXTEND = 8
 
 
 def sweep_tokens(gpu, batch):
-    """The verify sweep's tokens a row (run.py settles them as cfg.verify_sweep_tokens)."""
+    """The verify sweep's default tokens a row on a GPU or a CPU, at this batch."""
     if not gpu:
         return list(SWEEP_TOKENS_CPU)
     return [T for T in SWEEP_TOKENS if T == 1 or batch * T <= SWEEP_MAX_FORWARD]
+
+
+def verify_sweep_tokens(cfg, gpu):
+    """The verify sweep's tokens a row (settle_defaults sets them as cfg.verify_sweep_tokens):
+    --sweep-tokens, else the device's default (sweep_tokens; a dump times nothing, so the CPU's
+    short sweep only sizes its cache: cache_slots), and always 1 to num_steps + 1, the chains the
+    cost model prices up to the run's own."""
+    asked = cfg.sweep_tokens or sweep_tokens(gpu and not cfg.dump, cfg.batch_size)
+    return sorted({*asked, *range(1, cfg.speculative_num_steps + 2)})
+
+
+def draft_extend_tokens(b):
+    """The most tokens the sweep times draft extend at: SWEEP_DRAFT_EXTEND, or num_steps + 1."""
+    return max(SWEEP_DRAFT_EXTEND, b.k + 1)
 
 
 def verify_sweep(b, ctx, bandwidth):
     """Verify (the cost model's attention mode) of each of cfg.verify_sweep_tokens T tokens at ctx
     cached tokens, fastest variant, with the distinct experts it reaches (an eager call counts
     them), its floor and (with floors: what the cliff check names) its component profile (a
-    profiled eager call), as isolated's; and draft extend of T up to SWEEP_DRAFT_EXTEND: what a
+    profiled eager call), as isolated's; and draft extend of T up to draft_extend_tokens: what a
     cycle of num_steps T - 1 pays. Inputs as in phase_calls. Returns {T: SweepPoint}."""
     graph, mode = b.graph_opts[-1], b.best[1]
     B, t, sweep = b.cfg.batch_size, b.target, {}
@@ -692,7 +703,7 @@ def verify_sweep(b, ctx, bandwidth):
             floor_ms=nbytes / bandwidth / 1e6 if bandwidth else None,
             components=(profile_components(t, partial(fn, vt, pos), b.gpu, b.profile_calls).parts_ms
                         if bandwidth else None))
-        if T <= SWEEP_DRAFT_EXTEND:
+        if T <= draft_extend_tokens(b):
             kvd = kv_bucket(ctx + 2 * T - 1, t.max_seq_len)  # generate's, num_steps T - 1
             sweep[T].draft_extend = b.timed(
                 GraphKey("draft_extend", None, B, T, kvd), partial(b.head.extend, kv_len=kvd), vt,
