@@ -397,11 +397,18 @@ def tree_answer(r):
     return [line + "."]
 
 
+def priced(b):
+    """The variant and the verify the cost model prices (Bench.best), and why that verify."""
+    variant, mode = b.best
+    why = f" whose verify of {b.k + 1} timed faster" if len(b.modes) > 1 else ", the only one timed"
+    return f"{variant}, {b.verify_name(mode).split('/')[1]} attention{why}"
+
+
 def print_cost_model(r, b):
     cm = r.cost_model
-    ar = " + collectives MODELLED" if r.allreduce_modelled else ""
-    print(f"\ncost model (fastest variant{ar}): plain step {cm.plain_step_ms:.2f} ms; cycle and "
-          "break-even accepted length per num_steps")
+    ar = "; collectives MODELLED" if r.allreduce_modelled else ""
+    print("\n" + wrap(f"cost model ({priced(b)}{ar}): plain step {cm.plain_step_ms:.2f} ms; cycle "
+                      "and break-even accepted length per num_steps", "", "  "))
     for steps, c in cm.steps.items():
         sp = " ".join(f"{t}:{s:.2f}x" for t, s in c.speedup_at.items())
         print(f"  num_steps {steps}: cycle {c.cycle_ms:.2f} ms, break-even "
@@ -799,9 +806,10 @@ TABLE_COLUMNS = ("batch", "format", "decode step ms (x floor)", "chain: verify m
 
 def tables(paths):
     """A markdown table with a row per run.py --json file: its batch and weight format, the plain
-    decode step, the chain's verify of num_steps + 1 tokens and the tree's of N nodes (verify's
-    attention as the cost model's, the fastest variant), each against its floor where the run had
-    one (a GPU), and the cost model's cycle and break-even accepted length of each.
+    decode step, the chain's verify of num_steps + 1 tokens and the tree's of N nodes (those the
+    cost model priced: graph where captured, the attention mode whose verify timed faster; in a
+    file without cost_model.verify, decode attention where timed), each against its floor where
+    the run had one (a GPU), and the cost model's cycle and break-even accepted length of each.
 
     The batch x format x chain of 4 / tree of 8 tables, on a GPU:
 
@@ -859,8 +867,12 @@ def table_row(r, path):
     # the first context's floors: `floors` holds the same, except in files of an older layout
     first = (r.get("contexts") or {}).get(str(cfg["context_len"][0]), {})
     floors = first.get("floors_ms") or {}
-    variant = "graph" if any(name.endswith("/graph") for name in ph) else "eager"
-    mode = "decode" if "decode" in cfg.get("attention_modes", ["decode"]) else "prefill"
+    # the cost model's variant and verify; a file from before it named them: graph where
+    # captured, decode attention where timed
+    captured = any(name.endswith("/graph") for name in ph)
+    variant = cm.get("variant") or ("graph" if captured else "eager")
+    decode = "decode" in cfg.get("attention_modes", ["decode"])
+    verify = cm.get("verify") or ("verify/decode" if decode else "verify/prefill")
 
     def timed(phase, what=""):
         ms, floor = ph.get(f"{phase}/{variant}"), floors.get(phase)
@@ -870,11 +882,11 @@ def table_row(r, path):
     k = cfg["speculative_num_steps"]
     chain, tree = cm["steps"].get(str(k)), cm.get("tree")
     cells = [str(cfg["batch_size"]), weight_format(env), timed("decode_step"),
-             timed(f"verify/{mode}", f", {k + 1} tokens"),
+             timed(verify, f", {k + 1} tokens"),
              f"{chain['cycle_ms']:.2f}, {chain['break_even_accept_len']:.2f}" if chain else "-"]
     if tree:
-        cells += [timed(f"verify/{mode} tree", f", {tree['num_draft_tokens']} nodes, topk "
-                                               f"{tree['topk']}"),
+        cells += [timed(f"{verify} tree", f", {tree['num_draft_tokens']} nodes, topk "
+                                          f"{tree['topk']}"),
                   f"{tree['cycle_ms']:.2f}, {tree['break_even_accept_len']:.2f}"]
     else:
         cells += ["-", "-"]

@@ -187,6 +187,12 @@ def test_run_py_cli_tiny(run_py_runs):
                                                 "eagle3/decode/eager": 1.0}
     assert set(r["cost_model"]["steps"]) == {"1", "2", "3", "4",
                                              "5"} and isinstance(r["warnings"], list)
+    # the cost model and the sweep price the attention mode whose verify of 3 timed faster
+    verify = {m: r["phases_ms"][f"verify/{m}/eager"] for m in ("prefill", "decode")}
+    faster = min(verify, key=verify.get)
+    assert r["cost_model"]["verify"] == f"verify/{faster}" and r["cost_model"]["variant"] == "eager"
+    assert f"(verify/{faster}, eager;" in stdout and \
+        f"cost model (eager, {faster} attention whose verify of 3 timed faster)" in stdout
     table = r["contexts"]["16"]
     assert r["env"]["routing"] == "model" and all(1 <= n <= 16
                                                   for n in table["distinct_experts"].values())
@@ -473,7 +479,8 @@ def test_cost_model_cycles_add_the_loops_commit_and_host_and_follow_the_sweep():
            allreduce_modelled=None, e2e=e2e, verify_sweep_ms=sweep)
     for context, base in ((256, 4.0), (4096, 3.0 + 0.2 + 0.3)):
         cfg = NS(context_len=[context], prompt_len=256, speculative_eagle_topk=1)
-        cm = components.cost_model(r, NS(best=("graph", "decode"), cfg=cfg))
+        b = NS(best=("graph", "decode"), cfg=cfg, verify_name=lambda mode: f"verify/{mode}")
+        cm = components.cost_model(r, b)
         assert cm.plain_step_ms == base and sorted(cm.steps) == list(range(1, 8)), cm
         for s, c in cm.steps.items():   # commit 0.3 and host 0.4: the graph runs' medians
             want = 0.1 * (s + 1) + (s - 1) * 0.05 + 2.0 + s + 0.1 + 0.3 + 0.4
@@ -768,6 +775,24 @@ def test_verify_sweep_points_and_the_cliff_check():
         max(map(len, text.splitlines())) <= 100, text
 
 
+def test_the_cost_model_prices_the_faster_verify():
+    """Bench.best: graph where captured, and the attention mode whose verify of num_steps + 1
+    took less in that variant (decode on a tie), whatever the eager times; the label says which."""
+    b = types.SimpleNamespace(graph_opts=[False, True], modes=["extend", "decode"], k=3,
+                              verify_name=lambda mode: f"verify/{timing.FLAG_WORD[mode]}")
+    phases = {"verify/prefill/eager": 5.0, "verify/decode/eager": 1.0,
+              "verify/prefill/graph": 2.0, "verify/decode/graph": 3.0}
+    assert timing.faster_verify(b, phases) == ("graph", "extend")
+    b.best = ("graph", "extend")
+    assert report.priced(b) == "graph, prefill attention whose verify of 4 timed faster"
+    phases["verify/decode/graph"] = 2.0
+    assert timing.faster_verify(b, phases) == ("graph", "decode")
+    b.graph_opts, b.modes = [False], ["extend"]
+    assert timing.faster_verify(b, phases) == ("eager", "extend")
+    b.best = ("eager", "extend")
+    assert report.priced(b) == "eager, prefill attention, the only one timed"
+
+
 def test_verify_sweep_prices_the_runs_own_chain_past_the_defaults(tmp_path):
     """num_steps 9 on the CPU: the sweep times verify and draft extend of 1 to 10 tokens (past the
     CPU's 6 and draft extend's 8), so the cost model prices the run's own chain; a file whose cost
@@ -775,6 +800,7 @@ def test_verify_sweep_prices_the_runs_own_chain_past_the_defaults(tmp_path):
     from types import SimpleNamespace as NS
     cfg = _settled("--random-weights --speculative-num-steps 9 --skip-e2e --reps 1")
     b = timing.prepare(cfg, torch.device("cpu"))
+    b.best = ("eager", "decode")
     sweep = timing.verify_sweep(b, cfg.context_len[0], None)
     assert list(sweep) == list(range(1, 11)) and all(p.draft_extend > 0 for p in sweep.values())
     r = NS(phases_ms={"decode_step/eager": 3.0, "draft_step/eager": 0.05, "accept": 0.1},

@@ -451,6 +451,9 @@ class Bench:
     # longest context or the prompt length, whichever is longer
     fill: torch.Tensor = None
     aux: torch.Tensor = None   # [B, C, 3D] the target's EAGLE-3 states along `fill`
+    # (variant, attention mode) the sweep, the cost model and the answer use: graph where captured,
+    # and the mode whose verify of num_steps + 1 timed faster (measure sets it: faster_verify)
+    best: tuple = None
     routing_choice: object = None   # routing "distinct" or "trace": routing.py's choice
     feed: "TraceFeed | None" = None  # routing "trace": advances the trace before each forward
     trace: dict = None               # routing "trace": the file and how it maps (Env)
@@ -475,11 +478,6 @@ class Bench:
     def graph_opts(self):
         return {"both": [False, True], "on": [True], "off": [False]}[self.cfg.cuda_graph]
 
-    @property
-    def best(self):  # the fastest variant: graph when captured; the cost model's attention mode
-        return ("graph" if self.graph_opts[-1] else "eager",
-                "decode" if "decode" in self.modes else self.modes[0])
-
     def verify_name(self, mode):  # an isolated verify's name in the tables and JSON: flag words
         return f"verify/{FLAG_WORD[mode]}"
 
@@ -495,6 +493,15 @@ class Bench:
             return median_ms(self.clock, call, self.cfg.reps, desc=phase_label(key, graph),
                              before=partial(self.feed.choice.advance, inputs[0].numel()),
                              hold=graph)
+
+
+def faster_verify(b, phases):
+    """Bench.best from the isolated phases at the first context: graph where captured, and of the
+    attention modes timed the one whose verify of num_steps + 1 tokens took less in that variant
+    (decode on a tie)."""
+    variant = "graph" if b.graph_opts[-1] else "eager"
+    return variant, min(b.modes, key=lambda mode: (phases[f"{b.verify_name(mode)}/{variant}"],
+                                                   mode != "decode"))
 
 
 def prepare(cfg, device):
@@ -683,9 +690,9 @@ def draft_extend_tokens(b):
 
 
 def verify_sweep(b, ctx, bandwidth):
-    """Verify (the cost model's attention mode) of each of cfg.verify_sweep_tokens T tokens at ctx
-    cached tokens, fastest variant, with the distinct experts it reaches (an eager call counts
-    them), its floor and (with floors: what the cliff check names) its component profile (a
+    """Verify of each of cfg.verify_sweep_tokens T tokens at ctx cached tokens, in the cost model's
+    variant and attention mode (Bench.best), with the distinct experts it reaches (an eager call
+    counts them), its floor and (with floors: what the cliff check names) its component profile (a
     profiled eager call), as isolated's; and draft extend of T up to draft_extend_tokens: what a
     cycle of num_steps T - 1 pays. Inputs as in phase_calls. Returns {T: SweepPoint}."""
     graph, mode = b.graph_opts[-1], b.best[1]
@@ -911,6 +918,7 @@ def measure(b, world):
     r = Result(environment(b, world), bandwidth,
                {c: isolated(b, c, bandwidth) for c in cfg.context_len})
     r.phases_ms, r.floors = r.contexts[first].phases_ms, r.contexts[first].floors_ms
+    b.best = faster_verify(b, r.phases_ms)   # before the sweep, which times its mode
     r.phases_ms["accept"] = time_accept(b, first)
     if cfg.speculative_eagle_topk > 1:
         r.phases_ms["tree_accept"] = time_tree_accept(b, first)
