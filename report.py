@@ -752,11 +752,11 @@ def print_routing_sweep(r):
                       f"(SIMULATED distinct; {s.mode} attention, {s.variant}{ar}; top-{s.top_k} "
                       f"of {s.experts} experts; plain step {s.plain_step_ms:.2f} ms; cycle and "
                       f"break-even of num_steps {s.num_steps})", "", "", width=100))
-    print(f"  {'D':>5s} {'ran':>6s} {'verify ms':>10s} {'decode steps':>13s} {'cycle ms':>9s} "
+    print(f"  {'D':>5s} {'ran':>6s} {'verify ms':>10s} {'plain steps':>13s} {'cycle ms':>9s} "
           f"{'break-even':>11s}   (* noisy)")
     for p in s.points:
         print(f"  {p.distinct:5d} {p.distinct_ran:6.1f} {p.verify_ms:9.3f}{star(p.verify_ms)} "
-              f"{p.decode_steps:13.2f} {p.cycle_ms:9.2f} {p.break_even_accept_len:11.2f}")
+              f"{p.plain_steps:13.2f} {p.cycle_ms:9.2f} {p.break_even_accept_len:11.2f}")
     print(f"  uniform's expectation for {s.tokens} tokens drawn independently: "
           f"{s.uniform_expectation:.1f} distinct\n  this run's routing ({s.run_routing}): "
           f"{s.run_distinct:.1f} distinct, verify {s.run_verify_ms:.3f} ms")

@@ -244,8 +244,8 @@ def add_routing_flags(p):
     p.add_argument("--distinct-sweep", action="store_true", help="also time the verify (the cost "
                    "model's attention mode, graphs where on) at D = top-k, 1.5, 2, 3, 4, 6, ... x "
                    "top-k up to min(its tokens x top-k, experts) distinct experts a MoE layer "
-                   "(SIMULATED), with each D's decode steps, cycle and break-even accepted length "
-                   "(JSON: routing_sweep)")
+                   "(SIMULATED), with each D's verify in plain steps (the cost model's), cycle and "
+                   "break-even accepted length (JSON: routing_sweep)")
 
 
 def add_model_flags(p):

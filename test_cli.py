@@ -1851,7 +1851,7 @@ def test_run_py_distinct_routing_and_its_sweep_end_to_end(run_py_runs):
     assert [p["distinct"] for p in s["points"]] == [4, 6, 8, 12, 16] and s["tokens"] == 4
     assert all(p["distinct_ran"] == p["distinct"] for p in s["points"])
     for p in s["points"]:
-        assert p["decode_steps"] == pytest.approx(p["verify_ms"] / s["plain_step_ms"])
+        assert p["plain_steps"] == pytest.approx(p["verify_ms"] / s["plain_step_ms"])
         assert p["break_even_accept_len"] == pytest.approx(p["cycle_ms"] / s["plain_step_ms"])
     # each point's verify has its spread, so a noisy one is warned of like any other timing
     assert set(r["spread_ms"]["routing_sweep"]["points"]) == {"D=4", "D=6", "D=8", "D=12", "D=16"}

@@ -1037,7 +1037,7 @@ class RoutingPoint:
     distinct: int               # D asked
     distinct_ran: float         # distinct experts a MoE layer, counted in one forward
     verify_ms: Timing           # the verify alone (+ MODELLED all-reduces where modelled)
-    decode_steps: float         # verify_ms / the plain step
+    plain_steps: float          # verify_ms / the cost model's plain step (RoutingSweep's)
     cycle_ms: float             # the cost model's cycle of num_steps with this verify
     break_even_accept_len: float
 
