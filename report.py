@@ -217,19 +217,27 @@ def simulated_note(r, b):
     return ["Simulated or modelled here: " + "; ".join(notes) + "."] if notes else []
 
 
-def print_phases(r, ctx, c):
+def print_phases(r, ctx, c, b):
     bw = r.bandwidth_GBps
     floors = (f"; x floor: bytes that must move / {bw:.0f} GB/s measured" if bw
               else "; floors need a GPU")
     print("\n" + wrap(f"phase times at {ctx} cached tokens, isolated (ms: median [min lower-upper "
-                      f"quartile max] of {r.env.config['reps']} repetitions{floors})", "", ""))
+                      f"quartile max] of {r.env.config['reps']} repetitions{floors}; distinct "
+                      "experts: per MoE layer)", "", ""))
     for name, ms in c.phases_ms.items():
         phase = name.rsplit("/", 1)[0] if "/" in name else name
         floor, experts = c.floors_ms.get(phase), c.distinct_experts.get(phase)
-        print(f"  {name:30s} {ms:9.3f} {fmt_spread(ms):34s}"
-              + (f"   {ms / floor:5.1f}x floor {floor:.3f}" if floor else "")
-              + (f"   {experts:5.1f} distinct experts per MoE layer" if experts is not None
-                 else ""))
+        print((f"  {name:30s} {ms:9.3f} {fmt_spread(ms):31s}"
+               + (f"   {ms / floor:5.1f}x floor {floor:.3f}" if floor else "")
+               + (f"   {experts:5.1f} distinct experts{routing_suffix(b)}" if experts is not None
+                  else "")).rstrip())
+
+
+def routing_suffix(b):
+    """What chose the experts that a distinct-expert count counts, where not the model's router:
+    ' (SIMULATED uniform)', ' (SIMULATED distinct)', ' (TRACE)' or ''."""
+    return {"uniform": " (SIMULATED uniform)", "distinct": " (SIMULATED distinct)",
+            "trace": " (TRACE)"}.get(b.target.routing, "")
 
 
 LABEL, W = 54, 9  # the component table's label and column widths
@@ -297,10 +305,7 @@ def component_table(r, c, b, verifies, titles):
               "eager, one after another)")
     row("kernels" if b.gpu else "leaf ops", dec.kernels, ("", ""), lambda p: comps[p].kernels)
     ex = c.distinct_experts
-    row("distinct experts per MoE layer"
-        + {"uniform": " (SIMULATED uniform)", "distinct": " (SIMULATED distinct)",
-           "trace": " (TRACE)"}.get(b.target.routing, ""),
-        ex["decode_step"], ("", ""), ex.get)
+    row("distinct experts per MoE layer" + routing_suffix(b), ex["decode_step"], ("", ""), ex.get)
 
 
 def print_e2e(r, b):
@@ -343,8 +348,8 @@ def print_sweep(r, b):
     (variant, mode), ctx = b.best, b.cfg.context_len[0]
     floors = f"x floor: bytes that must move / {bw:.0f} GB/s" if bw else "floors need a GPU"
     print("\n" + wrap(f"verify sweep at {ctx} cached tokens, batch {b.cfg.batch_size} "
-                      f"({b.verify_name(mode)}, {variant}; ms, medians; {floors}):", "", "  ",
-                      width=100))
+                      f"({b.verify_name(mode)}, {variant}; ms, medians; {floors}; distinct "
+                      f"experts: per MoE layer{routing_suffix(b)}):", "", "  ", width=100))
     print(f"  {'tokens a row':>12s} {'verify':>9s} {'floor':>9s} {'x floor':>8s} "
           f"{'distinct experts':>17s} {'draft extend':>13s}   (* noisy)")
     for T, p in sweep.items():
@@ -491,7 +496,7 @@ def agreement_line(r, b):
 def report(r, b):
     """The tables, the warnings and the answer (the header was printed at the start)."""
     for ctx, c in r.contexts.items():
-        print_phases(r, ctx, c)
+        print_phases(r, ctx, c, b)
         print_components(r, ctx, c, b)
     print_sweep(r, b)
     print_e2e(r, b)

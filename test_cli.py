@@ -1759,6 +1759,11 @@ def test_run_py_lines_fit_120_columns_and_say_what_a_run_does(run_py_runs):
     flat = " ".join(cli.stdout.split())
     assert "greedy speculative vs plain output: not compared" in flat and \
         "tree - decode" in flat, cli.stdout
+    # SIMULATED routing's distinct experts labelled so in the phase table and the sweep
+    counts = [line for line in lines if "/eager " in line and "distinct experts" in line]
+    assert len(counts) == 5 and all(line.endswith("distinct experts (SIMULATED uniform)")
+                                    for line in counts), counts
+    assert "distinct experts: per MoE layer (SIMULATED uniform)):" in flat
     # on a CPU the profiler's cost per op is said under the component table, not warned of
     assert "the profiler's own cost per op makes the summed op time exceed" in flat
     assert not any("profiled run's summed" in w for w in r["warnings"])
@@ -1859,6 +1864,8 @@ def test_run_py_distinct_routing_and_its_sweep_end_to_end(run_py_runs):
     table = out[out.index("verify of 4 tokens across distinct experts"):].split("\n\n")[0]
     assert not [line for line in table.splitlines() if len(line) > 100], table
     assert "routing SIMULATED distinct (D = 6" in out and "Across distinct experts" in out
+    assert "6.0 distinct experts (SIMULATED distinct)" in out and \
+        "distinct experts: per MoE layer (SIMULATED distinct)" in " ".join(out.split())
     assert dumped.returncode == 0, dumped.stderr[-2000:]
     t = routing.read_trace(trace, 16, 4)
     # each row's prompt and output but its last token: P + N - 1 = 10, 8 for the shorter prompt
@@ -1866,4 +1873,4 @@ def test_run_py_distinct_routing_and_its_sweep_end_to_end(run_py_runs):
     cli = ran(run_py_runs, "trace_replay")   # run.py --routing trace --routing-trace that file
     r = json.loads(cli.stdout.splitlines()[-1])
     assert r["env"]["routing"] == "trace" and r["env"]["routing_trace"]["tokens"] == 18
-    assert "routing TRACE (" in cli.stdout
+    assert "routing TRACE (" in cli.stdout and "distinct experts (TRACE)" in cli.stdout
