@@ -180,15 +180,18 @@ def cost_answer(r, b):
     if not cm:
         return [f"EAGLE-3 with num_steps {k}: {untimed_chain(k, r.cost_model.steps)}."]
     at2 = 2 * r.cost_model.plain_step_ms / cm.cycle_ms
-    be = cm.break_even_accept_len
+    be, modelled = cm.break_even_accept_len, bool(modelled_ms(r))
     pays = (f"pays above {be:.2f} accepted tokens per cycle" if 1 <= be <= k + 1 else
             f"cannot pay here ({be:.2f} plain steps a cycle; a cycle accepts at most {k + 1} "
             "tokens)" if be > k + 1 else
             f"looks cheaper than the plain step it contains ({be:.2f}), which cannot be: noise")
+    notes = [note for note, on in (("slower than plain decoding", at2 < 1),
+                                   ("collectives MODELLED", modelled)) if on]
     return [f"EAGLE-3 with num_steps {k} {pays} (bonus included: a {cm.cycle_ms:.2f} ms "
-            f"cycle against a {r.cost_model.plain_step_ms:.2f} ms plain step).",
+            f"cycle against a {r.cost_model.plain_step_ms:.2f} ms plain step"
+            + (", collectives MODELLED" if modelled else "") + ").",
             f"At the README story's ~2 tokens per cycle it would give {at2:.2f}x"
-            + (" (slower than plain decoding)." if at2 < 1 else ".")]
+            + (f" ({'; '.join(notes)})." if notes else ".")]
 
 
 def untimed_chain(k, steps):
@@ -204,8 +207,9 @@ def untimed_chain(k, steps):
 def simulated_note(r, b):
     """What in this run is SIMULATED or MODELLED, in one sentence."""
     tp = b.target.tp
+    modelled = r.allreduce_modelled is not None   # (at --allreduce-us 0 too, as the header)
     rank = f"one SIMULATED rank of TP {tp.world_size}" + (
-        f", collectives MODELLED at {b.cfg.allreduce_us:g} us" if modelled_ms(r) else
+        f", collectives MODELLED at {b.cfg.allreduce_us:g} us" if modelled else
         ", collectives not counted (--allreduce-us X models them)")
     notes = [note for note, on in (
         ("routing SIMULATED uniform (random weights route unlike a trained router)",
@@ -391,7 +395,8 @@ def tree_answer(r):
         return []
     K, S, N = t.topk, t.num_steps, t.num_draft_tokens
     line = (f"A tree of topk {K}, {S} steps, {N} draft tokens: a {t.cycle_ms:.2f} ms cycle, "
-            f"break-even {t.break_even_accept_len:.2f} accepted tokens per cycle")
+            f"break-even {t.break_even_accept_len:.2f} accepted tokens per cycle"
+            + (", collectives MODELLED" if modelled_ms(r) else ""))
     if t.chain_cycle_ms is not None:
         line += (f"; it pays over the chain of {S} ({t.chain_cycle_ms:.2f} ms) where it accepts "
                  f"more than {t.accept_ratio_to_beat_chain:.2f}x the chain's accepted length")

@@ -155,6 +155,7 @@ def test_run_py_cli_background_flags_on_cpu(run_py_runs):
     assert r["allreduce_modelled"] == dict(us_each=35.0, target_forward_ms=(2 * 8 + 2) * 35 / 1e3,
                                            draft_forward_ms=4 * 35 / 1e3)
     assert "collectives MODELLED at 35 us" in out and "routing SIMULATED uniform" in out
+    assert "ms plain step, collectives MODELLED)." in out   # the answer's cost sentence
     assert abs(r["cost_model"]["plain_step_ms"] - r["phases_ms"]["decode_step/eager"] - 0.63) < 1e-9
     assert bad.returncode != 0 and "--allreduce-us" in bad.stderr and "SIMULATED" in bad.stderr
 
@@ -254,6 +255,28 @@ def test_phase_timer_accounts_for_every_cycle():
         assert timer.phases()["cycle"].spread() == [whole[0],
                                                     *timer.phases()["cycle"].spread()[1:4],
                                                     whole[-1]]
+
+
+def test_the_answer_says_where_collectives_are_modelled():
+    """The answer's cost and tree sentences say collectives MODELLED where modelled ones add time
+    (as the verify sentence does); at --allreduce-us 0 the note says MODELLED at 0 us, as the
+    header does, not "not counted"."""
+    NS = types.SimpleNamespace
+    cm = components.CostModel(4.0, {2: components.CycleCost(9.0, 2.25, {})},
+                              components.TreeCost(4, 2, 8, 10.0, 2.5))
+    b = NS(k=2, gpu=True, cfg=NS(allreduce_us=35.0, simulate_accept_len=None),
+           target=NS(routing="model", tp=tp.TP.simulate(8)))
+    for us in (35.0, 0.0):
+        b.cfg.allreduce_us = us
+        r = NS(cost_model=cm, e2e={}, allreduce_modelled=components.ModelledAllreduce(
+            us, 18 * us / 1e3, 4 * us / 1e3))
+        said = report.cost_answer(r, b) + report.tree_answer(r)
+        marked = [line for line in said if "collectives MODELLED" in line]
+        assert len(marked) == (3 if us else 0), said
+        assert f"collectives MODELLED at {us:g} us" in report.simulated_note(r, b)[0]
+    assert said[1].endswith("it would give 0.89x (slower than plain decoding).")
+    r.allreduce_modelled = None
+    assert "collectives not counted" in report.simulated_note(r, b)[0]
 
 
 def test_report_warns_about_noise_and_figures_that_cannot_be():
