@@ -700,12 +700,14 @@ LOW_ACCEPT = {  # why a draft accepts almost nothing, by where the weights came 
 
 
 def simulated_verdict(r, v, name):
-    """What a SIMULATED acceptance drew, and why its mean is not exactly the length asked."""
+    """What a SIMULATED acceptance drew, and why its mean is not exactly the length asked (the
+    histogram counts a draw a row a cycle: row-cycles at batch above 1, as the e2e table says)."""
     asked, n = r.env.config["simulate_accept_len"], sum(v.accept_len_hist)
+    cycles = "cycles" if r.env.config["batch_size"] == 1 else "row-cycles"
     lengths = [length for length, c in enumerate(v.accept_len_hist, 1) for _ in range(c)]
     se = statistics.stdev(lengths) / len(lengths) ** 0.5 if len(lengths) > 1 else float("nan")
     return (f"Acceptance was SIMULATED: asked {asked}, drawn {v.accept_len_mean:.2f} tokens per "
-            f"cycle over {n} cycles (a mean of {n} draws spreads by about {se:.2f}; a row's last "
+            f"cycle over {n} {cycles} (a mean of {n} draws spreads by about {se:.2f}; a row's last "
             "cycle counts only what max_new_tokens left it). The speedup "
             f"({v.speedup_measured:.2f}x, {name}) is what the measured phase costs give at that "
             "acceptance, not what this draft head achieves; the cost model gives it at any.")

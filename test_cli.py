@@ -279,6 +279,16 @@ def test_the_answer_says_where_collectives_are_modelled():
     assert "collectives not counted" in report.simulated_note(r, b)[0]
 
 
+def test_the_simulated_verdict_counts_row_cycles_at_batch_above_1():
+    """The SIMULATED verdict's draws are the histogram's: a row a cycle, so row-cycles at batch 2
+    (as the e2e table says), cycles at batch 1."""
+    NS = types.SimpleNamespace
+    v = NS(accept_len_hist=[1, 2, 3], accept_len_mean=2.33, speedup_measured=1.2)
+    for batch, said in ((1, "over 6 cycles"), (2, "over 6 row-cycles")):
+        r = NS(env=NS(config=dict(simulate_accept_len=2.5, batch_size=batch)))
+        assert said in report.simulated_verdict(r, v, "eagle3/decode/eager")
+
+
 def test_report_warns_about_noise_and_figures_that_cannot_be():
     """timing_warnings and the verdict on made-up results: a spread past NOISY_IQR is flagged, a
     break-even outside [1, num_steps + 1], an isolated step far from the same step in the loop,
@@ -313,7 +323,8 @@ def test_report_warns_about_noise_and_figures_that_cannot_be():
     r.warnings = []
     v = " ".join(report.verdict(r))
     assert "accepted almost nothing (1.02 tokens per cycle" in v and "--simulate-accept-len" in v
-    r.env.simulated_acceptance, r.env.config = True, dict(simulate_accept_len=2.5)
+    r.env.simulated_acceptance = True
+    r.env.config = dict(simulate_accept_len=2.5, batch_size=1)
     spec.accept_len_mean, spec.accept_len_hist = 2.25, [1, 2, 1, 0]
     assert "Acceptance was SIMULATED: asked 2.5, drawn 2.25 tokens per cycle over 4 cycles " \
            "(a mean of 4 draws spreads by about 0.41" in " ".join(report.verdict(r))
