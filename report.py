@@ -450,8 +450,12 @@ def print_extras(r, b):
 
 
 def print_allreduce(comm, b):
-    us, k1 = comm.us_each, b.k + 1
-    print(f"\nall-reduce, us each, by tokens ({comm.implementation}):")
+    """Real TP's all-reduces (timing.collectives): one of T tokens a row reduces B x T hidden rows
+    at batch B, as a forward's does."""
+    us, k1, B = comm.us_each, b.k + 1, b.cfg.batch_size
+    rows = "one token's hidden row" if B == 1 else f"{B} hidden rows (one token a row, batch {B})"
+    per = f"{B} x T hidden rows" if B > 1 else "T hidden rows"
+    print(f"\nall-reduce, us each, by tokens a row T ({per} each; {comm.implementation}):")
     for how in ("interleaved", "back_to_back", "eager"):
         row = ", ".join(f"{key.split('/')[1]}: {v:.1f}" for key, v in us.items()
                         if key.split("/")[0] == how)
@@ -460,9 +464,9 @@ def print_allreduce(comm, b):
     if "interleaved/1" in us:
         print(f"  interleaved = each after a {comm.gemv_MB:.3g} MB GEMV (as long as this decode "
               "step's compute between two all-reduces), minus the GEMVs alone; after one 8x "
-              f"shorter: {us['interleaved_short_gemv/1']:.1f} (1 token)")
-        print(f"measured between compute: {us['interleaved/1']:.1f} us per all-reduce of one "
-              "token's hidden row: give it to a simulated rank as --allreduce-us, for the decode "
+              f"shorter: {us['interleaved_short_gemv/1']:.1f} (T = 1)")
+        print(f"measured between compute: {us['interleaved/1']:.1f} us per all-reduce of {rows}: "
+              "give it to a simulated rank as --allreduce-us, for the decode "
               f"step and the verify of {k1} alike, each collective of a forward at it (on 2 H200s "
               "it predicted the decode step within 2.1% and the verify within 1.0%; "
               "BENCHMARKS.md)")

@@ -289,6 +289,22 @@ def test_the_simulated_verdict_counts_row_cycles_at_batch_above_1():
         assert said in report.simulated_verdict(r, v, "eagle3/decode/eager")
 
 
+def test_the_measured_all_reduce_says_how_many_rows_it_reduces(capsys):
+    """Real TP's all-reduce of T tokens a row reduces B x T hidden rows at batch B: the lines say
+    so (batch 1: one token's hidden row)."""
+    NS = types.SimpleNamespace
+    us = {"interleaved/1": 14.0, "interleaved/2": 15.0, "back_to_back/1": 18.0, "eager/1": 30.0,
+          "interleaved_short_gemv/1": 12.0}
+    comm = timing.MeasuredAllreduce(us, 1.5, 18, "nccl")
+    for batch, rows in ((1, "one token's hidden row"),
+                        (4, "4 hidden rows (one token a row, batch 4)")):
+        report.print_allreduce(comm, NS(k=2, cfg=NS(batch_size=batch)))
+        out = " ".join(capsys.readouterr().out.split())
+        assert f"14.0 us per all-reduce of {rows}:" in out and "12.0 (T = 1)" in out, out
+        assert ("by tokens a row T (4 x T hidden rows each; nccl)" if batch > 1 else
+                "by tokens a row T (T hidden rows each; nccl)") in out, out
+
+
 def test_report_warns_about_noise_and_figures_that_cannot_be():
     """timing_warnings and the verdict on made-up results: a spread past NOISY_IQR is flagged, a
     break-even outside [1, num_steps + 1], an isolated step far from the same step in the loop,

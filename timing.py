@@ -369,7 +369,7 @@ class E2ERun:
 @dataclass
 class MeasuredAllreduce:
     """Real TP: one all-reduce's cost (collectives), and the step against its SIMULATED twin."""
-    us_each: dict            # {"how/tokens": us}
+    us_each: dict            # {"how/T": us}, T tokens a row: B x T hidden rows reduced
     gemv_MB: float
     per_forward: int         # collectives a real forward runs (components.collectives_per_forward)
     implementation: str
@@ -775,7 +775,8 @@ def end_to_end(b):
 
 
 def collectives(b, r):
-    """Real TP only: what one all-reduce of T tokens' hidden rows costs, in us, by T, three ways:
+    """Real TP only: what one all-reduce of T tokens a row (B x T hidden rows at batch B, as a
+    forward's) costs, in us, by T, three ways:
     interleaved, the figure that predicts a real step: n = 2 x layers all-reduces in one CUDA graph,
     each of the output of a GEMV as long as the compute between two all-reduces of this run's
     decode step (its time / n, at the copy bandwidth), minus the same graph without them; back to
