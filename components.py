@@ -349,6 +349,8 @@ class CostModel:
     plain_step_ms: float
     steps: dict           # {num_steps: CycleCost}
     tree: TreeCost | None = optional()
+    variant: str | None = None   # the phases' variant it adds: "graph" or "eager"
+    verify: str | None = None    # the verify it prices, as the phases name it: "verify/decode" ...
 
 
 def modelled_allreduce(b):
@@ -377,9 +379,9 @@ def cost_model(r, b):
     plain step, the plain loop's cycle (its step, commit and host) where it ran at the context
     the phases were timed at, else the isolated decode step plus the plain loop's commit and host
     where it ran (each cycle pays its loop's). s from 1 while the sweep has verify
-    and draft extend of s + 1 tokens. r: the timing.Result so far; sets each speculative run's
-    measured and predicted speedups."""
-    variant, _ = b.best
+    and draft extend of s + 1 tokens, all in b.best's variant and attention mode (the sweep's).
+    r: the timing.Result so far; sets each speculative run's measured and predicted speedups."""
+    variant, mode = b.best
     ph, ar = r.phases_ms, r.allreduce_modelled or NO_ALLREDUCE
     same_context = b.cfg.context_len[0] == b.cfg.prompt_len
     if r.e2e and same_context:
@@ -403,7 +405,7 @@ def cost_model(r, b):
             v.speedup_measured = v.tok_per_s / plain.tok_per_s
             v.speedup_predicted = (v.accept_len_mean * plain.phases_ms["cycle"]
                                    / v.phases_ms["cycle"])
-    return CostModel(base, cm, tree)
+    return CostModel(base, cm, tree, variant, b.verify_name(mode))
 
 
 def tree_cost(r, b, base, overhead, ar, chains):

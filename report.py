@@ -16,8 +16,9 @@ across routings (routed). Nothing here times anything.
 The --json line is as_json(timing.Result): each dataclass a dict of its fields, each Timing its
 median in ms, integer keys as strings. Its verify sweep, `verify_sweep_ms`, maps the tokens a row
 T (run.py's settled `verify_sweep_tokens`: 1 to 6 on a CPU; on a GPU 1 to 8, 10, 12, 16, 20, 24,
-28 and 32 while the batch's forward holds at most 32 tokens) to
-    {"verify": ms, "draft_extend": ms (up to 8 tokens; absent above),
+28 and 32 while the batch's forward holds at most 32 tokens; or --sweep-tokens; always with 1 to
+num_steps + 1) to
+    {"verify": ms, "draft_extend": ms (up to 8 tokens, or num_steps + 1 where more; absent above),
      "distinct_experts": routed experts a MoE layer reaches (the mean over the layers),
      "floor_ms": the verify's bytes over the copy bandwidth (null without a GPU),
      "components": {component: ms} of a profiled eager verify, as the component table's (a
@@ -177,24 +178,38 @@ def cost_answer(r, b):
     """At which accepted length the chain of num_steps pays, and what ~2 tokens a cycle give."""
     k, cm = b.k, r.cost_model.steps.get(b.k)
     if not cm:
-        return []
+        return [f"EAGLE-3 with num_steps {k}: {untimed_chain(k, r.cost_model.steps)}."]
     at2 = 2 * r.cost_model.plain_step_ms / cm.cycle_ms
-    be = cm.break_even_accept_len
+    be, modelled = cm.break_even_accept_len, bool(modelled_ms(r))
     pays = (f"pays above {be:.2f} accepted tokens per cycle" if 1 <= be <= k + 1 else
             f"cannot pay here ({be:.2f} plain steps a cycle; a cycle accepts at most {k + 1} "
             "tokens)" if be > k + 1 else
             f"looks cheaper than the plain step it contains ({be:.2f}), which cannot be: noise")
+    notes = [note for note, on in (("slower than plain decoding", at2 < 1),
+                                   ("collectives MODELLED", modelled)) if on]
     return [f"EAGLE-3 with num_steps {k} {pays} (bonus included: a {cm.cycle_ms:.2f} ms "
-            f"cycle against a {r.cost_model.plain_step_ms:.2f} ms plain step).",
+            f"cycle against a {r.cost_model.plain_step_ms:.2f} ms plain step"
+            + (", collectives MODELLED" if modelled else "") + ").",
             f"At the README story's ~2 tokens per cycle it would give {at2:.2f}x"
-            + (" (slower than plain decoding)." if at2 < 1 else ".")]
+            + (f" ({'; '.join(notes)})." if notes else ".")]
+
+
+def untimed_chain(k, steps):
+    """Why the cost model has no cycle of num_steps k: its steps ({num_steps: ...}, keys as ints
+    or as the JSON's strings) stop short of it."""
+    priced = sorted(map(int, steps))
+    upto = (f"the cost model prices num_steps {priced[0]} to {priced[-1]}" if priced else
+            "the cost model prices no chain")
+    return (f"not timed ({upto}: the verify sweep has no verify and draft extend of {k + 1} "
+            "tokens)")
 
 
 def simulated_note(r, b):
     """What in this run is SIMULATED or MODELLED, in one sentence."""
     tp = b.target.tp
+    modelled = r.allreduce_modelled is not None   # (at --allreduce-us 0 too, as the header)
     rank = f"one SIMULATED rank of TP {tp.world_size}" + (
-        f", collectives MODELLED at {b.cfg.allreduce_us:g} us" if modelled_ms(r) else
+        f", collectives MODELLED at {b.cfg.allreduce_us:g} us" if modelled else
         ", collectives not counted (--allreduce-us X models them)")
     notes = [note for note, on in (
         ("routing SIMULATED uniform (random weights route unlike a trained router)",
@@ -206,19 +221,27 @@ def simulated_note(r, b):
     return ["Simulated or modelled here: " + "; ".join(notes) + "."] if notes else []
 
 
-def print_phases(r, ctx, c):
+def print_phases(r, ctx, c, b):
     bw = r.bandwidth_GBps
     floors = (f"; x floor: bytes that must move / {bw:.0f} GB/s measured" if bw
               else "; floors need a GPU")
     print("\n" + wrap(f"phase times at {ctx} cached tokens, isolated (ms: median [min lower-upper "
-                      f"quartile max] of {r.env.config['reps']} repetitions{floors})", "", ""))
+                      f"quartile max] of {r.env.config['reps']} repetitions{floors}; distinct "
+                      "experts: per MoE layer)", "", ""))
     for name, ms in c.phases_ms.items():
         phase = name.rsplit("/", 1)[0] if "/" in name else name
         floor, experts = c.floors_ms.get(phase), c.distinct_experts.get(phase)
-        print(f"  {name:30s} {ms:9.3f} {fmt_spread(ms):34s}"
-              + (f"   {ms / floor:5.1f}x floor {floor:.3f}" if floor else "")
-              + (f"   {experts:5.1f} distinct experts per MoE layer" if experts is not None
-                 else ""))
+        print((f"  {name:30s} {ms:9.3f} {fmt_spread(ms):31s}"
+               + (f"   {ms / floor:5.1f}x floor {floor:.3f}" if floor else "")
+               + (f"   {experts:5.1f} distinct experts{routing_suffix(b)}" if experts is not None
+                  else "")).rstrip())
+
+
+def routing_suffix(b):
+    """What chose the experts that a distinct-expert count counts, where not the model's router:
+    ' (SIMULATED uniform)', ' (SIMULATED distinct)', ' (TRACE)' or ''."""
+    return {"uniform": " (SIMULATED uniform)", "distinct": " (SIMULATED distinct)",
+            "trace": " (TRACE)"}.get(b.target.routing, "")
 
 
 LABEL, W = 54, 9  # the component table's label and column widths
@@ -286,10 +309,7 @@ def component_table(r, c, b, verifies, titles):
               "eager, one after another)")
     row("kernels" if b.gpu else "leaf ops", dec.kernels, ("", ""), lambda p: comps[p].kernels)
     ex = c.distinct_experts
-    row("distinct experts per MoE layer"
-        + {"uniform": " (SIMULATED uniform)", "distinct": " (SIMULATED distinct)",
-           "trace": " (TRACE)"}.get(b.target.routing, ""),
-        ex["decode_step"], ("", ""), ex.get)
+    row("distinct experts per MoE layer" + routing_suffix(b), ex["decode_step"], ("", ""), ex.get)
 
 
 def print_e2e(r, b):
@@ -332,8 +352,8 @@ def print_sweep(r, b):
     (variant, mode), ctx = b.best, b.cfg.context_len[0]
     floors = f"x floor: bytes that must move / {bw:.0f} GB/s" if bw else "floors need a GPU"
     print("\n" + wrap(f"verify sweep at {ctx} cached tokens, batch {b.cfg.batch_size} "
-                      f"({b.verify_name(mode)}, {variant}; ms, medians; {floors}):", "", "  ",
-                      width=100))
+                      f"({b.verify_name(mode)}, {variant}; ms, medians; {floors}; distinct "
+                      f"experts: per MoE layer{routing_suffix(b)}):", "", "  ", width=100))
     print(f"  {'tokens a row':>12s} {'verify':>9s} {'floor':>9s} {'x floor':>8s} "
           f"{'distinct experts':>17s} {'draft extend':>13s}   (* noisy)")
     for T, p in sweep.items():
@@ -375,7 +395,8 @@ def tree_answer(r):
         return []
     K, S, N = t.topk, t.num_steps, t.num_draft_tokens
     line = (f"A tree of topk {K}, {S} steps, {N} draft tokens: a {t.cycle_ms:.2f} ms cycle, "
-            f"break-even {t.break_even_accept_len:.2f} accepted tokens per cycle")
+            f"break-even {t.break_even_accept_len:.2f} accepted tokens per cycle"
+            + (", collectives MODELLED" if modelled_ms(r) else ""))
     if t.chain_cycle_ms is not None:
         line += (f"; it pays over the chain of {S} ({t.chain_cycle_ms:.2f} ms) where it accepts "
                  f"more than {t.accept_ratio_to_beat_chain:.2f}x the chain's accepted length")
@@ -386,15 +407,24 @@ def tree_answer(r):
     return [line + "."]
 
 
-def print_cost_model(r):
+def priced(b):
+    """The variant and the verify the cost model prices (Bench.best), and why that verify."""
+    variant, mode = b.best
+    why = f" whose verify of {b.k + 1} timed faster" if len(b.modes) > 1 else ", the only one timed"
+    return f"{variant}, {b.verify_name(mode).split('/')[1]} attention{why}"
+
+
+def print_cost_model(r, b):
     cm = r.cost_model
-    ar = " + collectives MODELLED" if r.allreduce_modelled else ""
-    print(f"\ncost model (fastest variant{ar}): plain step {cm.plain_step_ms:.2f} ms; cycle and "
-          "break-even accepted length per num_steps")
+    ar = "; collectives MODELLED" if r.allreduce_modelled else ""
+    print("\n" + wrap(f"cost model ({priced(b)}{ar}): plain step {cm.plain_step_ms:.2f} ms; cycle "
+                      "and break-even accepted length per num_steps", "", "  "))
     for steps, c in cm.steps.items():
         sp = " ".join(f"{t}:{s:.2f}x" for t, s in c.speedup_at.items())
         print(f"  num_steps {steps}: cycle {c.cycle_ms:.2f} ms, break-even "
               f"{c.break_even_accept_len:.2f} | speedup at accept len {sp}")
+    if b.k not in cm.steps:
+        print(f"  num_steps {b.k} (this run's): {untimed_chain(b.k, cm.steps)}")
     if cm.tree:
         t = cm.tree
         print(f"  tree of topk {t.topk}, num_steps {t.num_steps}, {t.num_draft_tokens} draft "
@@ -420,8 +450,12 @@ def print_extras(r, b):
 
 
 def print_allreduce(comm, b):
-    us, k1 = comm.us_each, b.k + 1
-    print(f"\nall-reduce, us each, by tokens ({comm.implementation}):")
+    """Real TP's all-reduces (timing.collectives): one of T tokens a row reduces B x T hidden rows
+    at batch B, as a forward's does."""
+    us, k1, B = comm.us_each, b.k + 1, b.cfg.batch_size
+    rows = "one token's hidden row" if B == 1 else f"{B} hidden rows (one token a row, batch {B})"
+    per = f"{B} x T hidden rows" if B > 1 else "T hidden rows"
+    print(f"\nall-reduce, us each, by tokens a row T ({per} each; {comm.implementation}):")
     for how in ("interleaved", "back_to_back", "eager"):
         row = ", ".join(f"{key.split('/')[1]}: {v:.1f}" for key, v in us.items()
                         if key.split("/")[0] == how)
@@ -430,9 +464,9 @@ def print_allreduce(comm, b):
     if "interleaved/1" in us:
         print(f"  interleaved = each after a {comm.gemv_MB:.3g} MB GEMV (as long as this decode "
               "step's compute between two all-reduces), minus the GEMVs alone; after one 8x "
-              f"shorter: {us['interleaved_short_gemv/1']:.1f} (1 token)")
-        print(f"measured between compute: {us['interleaved/1']:.1f} us per all-reduce of one "
-              "token's hidden row: give it to a simulated rank as --allreduce-us, for the decode "
+              f"shorter: {us['interleaved_short_gemv/1']:.1f} (T = 1)")
+        print(f"measured between compute: {us['interleaved/1']:.1f} us per all-reduce of {rows}: "
+              "give it to a simulated rank as --allreduce-us, for the decode "
               f"step and the verify of {k1} alike, each collective of a forward at it (on 2 H200s "
               "it predicted the decode step within 2.1% and the verify within 1.0%; "
               "BENCHMARKS.md)")
@@ -471,11 +505,11 @@ def agreement_line(r, b):
 def report(r, b):
     """The tables, the warnings and the answer (the header was printed at the start)."""
     for ctx, c in r.contexts.items():
-        print_phases(r, ctx, c)
+        print_phases(r, ctx, c, b)
         print_components(r, ctx, c, b)
     print_sweep(r, b)
     print_e2e(r, b)
-    print_cost_model(r)
+    print_cost_model(r, b)
     print_routing_sweep(r)
     print_extras(r, b)
     for w in r.warnings:
@@ -670,12 +704,14 @@ LOW_ACCEPT = {  # why a draft accepts almost nothing, by where the weights came 
 
 
 def simulated_verdict(r, v, name):
-    """What a SIMULATED acceptance drew, and why its mean is not exactly the length asked."""
+    """What a SIMULATED acceptance drew, and why its mean is not exactly the length asked (the
+    histogram counts a draw a row a cycle: row-cycles at batch above 1, as the e2e table says)."""
     asked, n = r.env.config["simulate_accept_len"], sum(v.accept_len_hist)
+    cycles = "cycles" if r.env.config["batch_size"] == 1 else "row-cycles"
     lengths = [length for length, c in enumerate(v.accept_len_hist, 1) for _ in range(c)]
     se = statistics.stdev(lengths) / len(lengths) ** 0.5 if len(lengths) > 1 else float("nan")
     return (f"Acceptance was SIMULATED: asked {asked}, drawn {v.accept_len_mean:.2f} tokens per "
-            f"cycle over {n} cycles (a mean of {n} draws spreads by about {se:.2f}; a row's last "
+            f"cycle over {n} {cycles} (a mean of {n} draws spreads by about {se:.2f}; a row's last "
             "cycle counts only what max_new_tokens left it). The speedup "
             f"({v.speedup_measured:.2f}x, {name}) is what the measured phase costs give at that "
             "acceptance, not what this draft head achieves; the cost model gives it at any.")
@@ -732,11 +768,11 @@ def print_routing_sweep(r):
                       f"(SIMULATED distinct; {s.mode} attention, {s.variant}{ar}; top-{s.top_k} "
                       f"of {s.experts} experts; plain step {s.plain_step_ms:.2f} ms; cycle and "
                       f"break-even of num_steps {s.num_steps})", "", "", width=100))
-    print(f"  {'D':>5s} {'ran':>6s} {'verify ms':>10s} {'decode steps':>13s} {'cycle ms':>9s} "
+    print(f"  {'D':>5s} {'ran':>6s} {'verify ms':>10s} {'plain steps':>13s} {'cycle ms':>9s} "
           f"{'break-even':>11s}   (* noisy)")
     for p in s.points:
         print(f"  {p.distinct:5d} {p.distinct_ran:6.1f} {p.verify_ms:9.3f}{star(p.verify_ms)} "
-              f"{p.decode_steps:13.2f} {p.cycle_ms:9.2f} {p.break_even_accept_len:11.2f}")
+              f"{p.plain_steps:13.2f} {p.cycle_ms:9.2f} {p.break_even_accept_len:11.2f}")
     print(f"  uniform's expectation for {s.tokens} tokens drawn independently: "
           f"{s.uniform_expectation:.1f} distinct\n  this run's routing ({s.run_routing}): "
           f"{s.run_distinct:.1f} distinct, verify {s.run_verify_ms:.3f} ms")
@@ -786,9 +822,10 @@ TABLE_COLUMNS = ("batch", "format", "decode step ms (x floor)", "chain: verify m
 
 def tables(paths):
     """A markdown table with a row per run.py --json file: its batch and weight format, the plain
-    decode step, the chain's verify of num_steps + 1 tokens and the tree's of N nodes (verify's
-    attention as the cost model's, the fastest variant), each against its floor where the run had
-    one (a GPU), and the cost model's cycle and break-even accepted length of each.
+    decode step, the chain's verify of num_steps + 1 tokens and the tree's of N nodes (those the
+    cost model priced: graph where captured, the attention mode whose verify timed faster; in a
+    file without cost_model.verify, decode attention where timed), each against its floor where
+    the run had one (a GPU), and the cost model's cycle and break-even accepted length of each.
 
     The batch x format x chain of 4 / tree of 8 tables, on a GPU:
 
@@ -846,8 +883,12 @@ def table_row(r, path):
     # the first context's floors: `floors` holds the same, except in files of an older layout
     first = (r.get("contexts") or {}).get(str(cfg["context_len"][0]), {})
     floors = first.get("floors_ms") or {}
-    variant = "graph" if any(name.endswith("/graph") for name in ph) else "eager"
-    mode = "decode" if "decode" in cfg.get("attention_modes", ["decode"]) else "prefill"
+    # the cost model's variant and verify; a file from before it named them: graph where
+    # captured, decode attention where timed
+    captured = any(name.endswith("/graph") for name in ph)
+    variant = cm.get("variant") or ("graph" if captured else "eager")
+    decode = "decode" in cfg.get("attention_modes", ["decode"])
+    verify = cm.get("verify") or ("verify/decode" if decode else "verify/prefill")
 
     def timed(phase, what=""):
         ms, floor = ph.get(f"{phase}/{variant}"), floors.get(phase)
@@ -857,11 +898,11 @@ def table_row(r, path):
     k = cfg["speculative_num_steps"]
     chain, tree = cm["steps"].get(str(k)), cm.get("tree")
     cells = [str(cfg["batch_size"]), weight_format(env), timed("decode_step"),
-             timed(f"verify/{mode}", f", {k + 1} tokens"),
+             timed(verify, f", {k + 1} tokens"),
              f"{chain['cycle_ms']:.2f}, {chain['break_even_accept_len']:.2f}" if chain else "-"]
     if tree:
-        cells += [timed(f"verify/{mode} tree", f", {tree['num_draft_tokens']} nodes, topk "
-                                               f"{tree['topk']}"),
+        cells += [timed(f"{verify} tree", f", {tree['num_draft_tokens']} nodes, topk "
+                                          f"{tree['topk']}"),
                   f"{tree['cycle_ms']:.2f}, {tree['break_even_accept_len']:.2f}"]
     else:
         cells += ["-", "-"]
@@ -909,10 +950,12 @@ def phases(path):
              "| x floor | " + " | ".join(f"{ms[p] / floors[p]:.2f}x" for _, p in cols) + " |", ""]
     verifies = [p for _, p in cols if p.startswith("verify/") and p in ctx["components"]]
     lines += _md_components(ctx, ms, bw, verifies, variant) + [""]
-    chain = r["cost_model"]["steps"][str(k)]
-    return lines + [f"cycle {chain['cycle_ms']:.2f} ms, break-even "
-                    f"{chain['break_even_accept_len']:.2f} accepted tokens (num_steps {k}); copy "
-                    f"bandwidth {bw:.0f} GB/s"]
+    steps = r["cost_model"]["steps"]
+    chain = steps.get(str(k))
+    cost = (f"cycle {chain['cycle_ms']:.2f} ms, break-even {chain['break_even_accept_len']:.2f} "
+            f"accepted tokens (num_steps {k})" if chain else
+            f"num_steps {k}: {untimed_chain(k, steps)}")
+    return lines + [f"{cost}; copy bandwidth {bw:.0f} GB/s"]
 
 
 def _md_components(ctx, ms, bw, verifies, variant):

@@ -790,9 +790,10 @@ def convert_main(argv):
 
 
 def plot_main(argv):
-    p = parser("routing.py plot", "Verify's cost in decode steps against distinct experts a MoE "
-               "layer, and the break-even accepted length beside it, from run.py --distinct-sweep "
-               "--json files (one series each); needs matplotlib (not a requirement).")
+    p = parser("routing.py plot", "Verify's cost in plain steps (the cost model's) against "
+               "distinct experts a MoE layer, and the break-even accepted length beside it, from "
+               "run.py --distinct-sweep --json files (one series each); needs matplotlib (not a "
+               "requirement).")
     p.add_argument("results", nargs="+", help="run.py --json files with routing_sweep")
     p.add_argument("--out", required=True, help="the figure (.png, .svg, .pdf)")
     a = p.parse_args(argv)
@@ -816,7 +817,7 @@ def plot_main(argv):
     fig, (cost, even) = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
     for label, s in series:
         D = [q["distinct"] for q in s["points"]]
-        line, = cost.plot(D, [q["decode_steps"] for q in s["points"]], "o-", label=label)
+        line, = cost.plot(D, [plain_steps(q) for q in s["points"]], "o-", label=label)
         even.plot(D, [q["break_even_accept_len"] for q in s["points"]], "o-",
                   color=line.get_color(), label=label)
         run_steps = s["run_verify_ms"] / s["plain_step_ms"]
@@ -828,7 +829,7 @@ def plot_main(argv):
         even.annotate(f"{tau} accepted a cycle", (even.get_xlim()[0], tau), fontsize=8,
                       color="grey", textcoords="offset points", xytext=(4, 3))
     cost.set(xlabel="distinct experts a MoE layer in the verify (D)",
-             ylabel="verify cost, decode steps", title="verify / plain decode step")
+             ylabel="verify cost, plain steps", title="verify / the cost model's plain step")
     even.set(xlabel="distinct experts a MoE layer in the verify (D)",
              ylabel="accepted tokens a cycle to break even",
              title="break-even accepted length (bonus included)")
@@ -844,6 +845,12 @@ def plot_main(argv):
         p.error(str(e))
     print(f"wrote {a.out}")
     return 0
+
+
+def plain_steps(point):
+    """A routing_sweep point's verify over the cost model's plain step (files written before the
+    key was plain_steps call it decode_steps)."""
+    return point["plain_steps"] if "plain_steps" in point else point["decode_steps"]
 
 
 def sweep_label(r):

@@ -179,9 +179,10 @@ def add_timing_flags(p):
                    "the isolated phases and their component tables, one or more lengths (default: "
                    "--prompt-len)")
     p.add_argument("--sweep-tokens", type=token_counts, metavar="T,T,...", help="the verify "
-                   "sweep's tokens a row, comma-separated; 1 to num_steps + 1 are timed always "
-                   "(the cost model's chains) (default: on a GPU 1 to 8, 10, 12 and every 4 to 32 "
-                   "while batch x T is at most 32; on a CPU 1 to 6)")
+                   "sweep's tokens a row, comma-separated (default: on a GPU 1 to 8, 10, 12 and "
+                   "every 4 to 32 while batch x T is at most 32; on a CPU 1 to 6); with them or "
+                   "the default, 1 to num_steps + 1 are timed always (the cost model's chains, "
+                   "the run's own among them)")
     p.add_argument("--skip-e2e", action="store_true", help="time the phases in isolation only: no "
                    "end-to-end loops (the cost model then takes the isolated decode step as the "
                    "plain step)")
@@ -243,8 +244,8 @@ def add_routing_flags(p):
     p.add_argument("--distinct-sweep", action="store_true", help="also time the verify (the cost "
                    "model's attention mode, graphs where on) at D = top-k, 1.5, 2, 3, 4, 6, ... x "
                    "top-k up to min(its tokens x top-k, experts) distinct experts a MoE layer "
-                   "(SIMULATED), with each D's decode steps, cycle and break-even accepted length "
-                   "(JSON: routing_sweep)")
+                   "(SIMULATED), with each D's verify in plain steps (the cost model's), cycle and "
+                   "break-even accepted length (JSON: routing_sweep)")
 
 
 def add_model_flags(p):

@@ -13,6 +13,7 @@ import signal
 import subprocess
 import sys
 import time
+import types
 from concurrent.futures import ThreadPoolExecutor
 from functools import partial
 
@@ -154,6 +155,7 @@ def test_run_py_cli_background_flags_on_cpu(run_py_runs):
     assert r["allreduce_modelled"] == dict(us_each=35.0, target_forward_ms=(2 * 8 + 2) * 35 / 1e3,
                                            draft_forward_ms=4 * 35 / 1e3)
     assert "collectives MODELLED at 35 us" in out and "routing SIMULATED uniform" in out
+    assert "ms plain step, collectives MODELLED)." in out   # the answer's cost sentence
     assert abs(r["cost_model"]["plain_step_ms"] - r["phases_ms"]["decode_step/eager"] - 0.63) < 1e-9
     assert bad.returncode != 0 and "--allreduce-us" in bad.stderr and "SIMULATED" in bad.stderr
 
@@ -186,6 +188,12 @@ def test_run_py_cli_tiny(run_py_runs):
                                                 "eagle3/decode/eager": 1.0}
     assert set(r["cost_model"]["steps"]) == {"1", "2", "3", "4",
                                              "5"} and isinstance(r["warnings"], list)
+    # the cost model and the sweep price the attention mode whose verify of 3 timed faster
+    verify = {m: r["phases_ms"][f"verify/{m}/eager"] for m in ("prefill", "decode")}
+    faster = min(verify, key=verify.get)
+    assert r["cost_model"]["verify"] == f"verify/{faster}" and r["cost_model"]["variant"] == "eager"
+    assert f"(verify/{faster}, eager;" in stdout and \
+        f"cost model (eager, {faster} attention whose verify of 3 timed faster)" in stdout
     table = r["contexts"]["16"]
     assert r["env"]["routing"] == "model" and all(1 <= n <= 16
                                                   for n in table["distinct_experts"].values())
@@ -249,6 +257,54 @@ def test_phase_timer_accounts_for_every_cycle():
                                                     whole[-1]]
 
 
+def test_the_answer_says_where_collectives_are_modelled():
+    """The answer's cost and tree sentences say collectives MODELLED where modelled ones add time
+    (as the verify sentence does); at --allreduce-us 0 the note says MODELLED at 0 us, as the
+    header does, not "not counted"."""
+    NS = types.SimpleNamespace
+    cm = components.CostModel(4.0, {2: components.CycleCost(9.0, 2.25, {})},
+                              components.TreeCost(4, 2, 8, 10.0, 2.5))
+    b = NS(k=2, gpu=True, cfg=NS(allreduce_us=35.0, simulate_accept_len=None),
+           target=NS(routing="model", tp=tp.TP.simulate(8)))
+    for us in (35.0, 0.0):
+        b.cfg.allreduce_us = us
+        r = NS(cost_model=cm, e2e={}, allreduce_modelled=components.ModelledAllreduce(
+            us, 18 * us / 1e3, 4 * us / 1e3))
+        said = report.cost_answer(r, b) + report.tree_answer(r)
+        marked = [line for line in said if "collectives MODELLED" in line]
+        assert len(marked) == (3 if us else 0), said
+        assert f"collectives MODELLED at {us:g} us" in report.simulated_note(r, b)[0]
+    assert said[1].endswith("it would give 0.89x (slower than plain decoding).")
+    r.allreduce_modelled = None
+    assert "collectives not counted" in report.simulated_note(r, b)[0]
+
+
+def test_the_simulated_verdict_counts_row_cycles_at_batch_above_1():
+    """The SIMULATED verdict's draws are the histogram's: a row a cycle, so row-cycles at batch 2
+    (as the e2e table says), cycles at batch 1."""
+    NS = types.SimpleNamespace
+    v = NS(accept_len_hist=[1, 2, 3], accept_len_mean=2.33, speedup_measured=1.2)
+    for batch, said in ((1, "over 6 cycles"), (2, "over 6 row-cycles")):
+        r = NS(env=NS(config=dict(simulate_accept_len=2.5, batch_size=batch)))
+        assert said in report.simulated_verdict(r, v, "eagle3/decode/eager")
+
+
+def test_the_measured_all_reduce_says_how_many_rows_it_reduces(capsys):
+    """Real TP's all-reduce of T tokens a row reduces B x T hidden rows at batch B: the lines say
+    so (batch 1: one token's hidden row)."""
+    NS = types.SimpleNamespace
+    us = {"interleaved/1": 14.0, "interleaved/2": 15.0, "back_to_back/1": 18.0, "eager/1": 30.0,
+          "interleaved_short_gemv/1": 12.0}
+    comm = timing.MeasuredAllreduce(us, 1.5, 18, "nccl")
+    for batch, rows in ((1, "one token's hidden row"),
+                        (4, "4 hidden rows (one token a row, batch 4)")):
+        report.print_allreduce(comm, NS(k=2, cfg=NS(batch_size=batch)))
+        out = " ".join(capsys.readouterr().out.split())
+        assert f"14.0 us per all-reduce of {rows}:" in out and "12.0 (T = 1)" in out, out
+        assert ("by tokens a row T (4 x T hidden rows each; nccl)" if batch > 1 else
+                "by tokens a row T (T hidden rows each; nccl)") in out, out
+
+
 def test_report_warns_about_noise_and_figures_that_cannot_be():
     """timing_warnings and the verdict on made-up results: a spread past NOISY_IQR is flagged, a
     break-even outside [1, num_steps + 1], an isolated step far from the same step in the loop,
@@ -283,7 +339,8 @@ def test_report_warns_about_noise_and_figures_that_cannot_be():
     r.warnings = []
     v = " ".join(report.verdict(r))
     assert "accepted almost nothing (1.02 tokens per cycle" in v and "--simulate-accept-len" in v
-    r.env.simulated_acceptance, r.env.config = True, dict(simulate_accept_len=2.5)
+    r.env.simulated_acceptance = True
+    r.env.config = dict(simulate_accept_len=2.5, batch_size=1)
     spec.accept_len_mean, spec.accept_len_hist = 2.25, [1, 2, 1, 0]
     assert "Acceptance was SIMULATED: asked 2.5, drawn 2.25 tokens per cycle over 4 cycles " \
            "(a mean of 4 draws spreads by about 0.41" in " ".join(report.verdict(r))
@@ -472,7 +529,8 @@ def test_cost_model_cycles_add_the_loops_commit_and_host_and_follow_the_sweep():
            allreduce_modelled=None, e2e=e2e, verify_sweep_ms=sweep)
     for context, base in ((256, 4.0), (4096, 3.0 + 0.2 + 0.3)):
         cfg = NS(context_len=[context], prompt_len=256, speculative_eagle_topk=1)
-        cm = components.cost_model(r, NS(best=("graph", "decode"), cfg=cfg))
+        b = NS(best=("graph", "decode"), cfg=cfg, verify_name=lambda mode: f"verify/{mode}")
+        cm = components.cost_model(r, b)
         assert cm.plain_step_ms == base and sorted(cm.steps) == list(range(1, 8)), cm
         for s, c in cm.steps.items():   # commit 0.3 and host 0.4: the graph runs' medians
             want = 0.1 * (s + 1) + (s - 1) * 0.05 + 2.0 + s + 0.1 + 0.3 + 0.4
@@ -728,6 +786,12 @@ def test_verify_sweep_points_and_the_cliff_check():
     assert asked.verify_sweep_tokens == [1, 2, 3, 5, 12]
     assert timing.cache_slots(asked) == timing.cache_slots(
         _settled("--random-weights --context-len 40 --speculative-num-steps 2")) + 12 - 6
+    # the run's own chain joins the default sweep: the CPU's 1 to 6, a GPU's at batch 16 (1, 2)
+    assert _settled("--random-weights --speculative-num-steps 6").verify_sweep_tokens == \
+        list(range(1, 8))
+    wide = types.SimpleNamespace(sweep_tokens=None, dump=None, batch_size=16,
+                                 speculative_num_steps=3)
+    assert timing.verify_sweep_tokens(wide, gpu=True) == [1, 2, 3, 4]
     T = report.Timing
     tokens = timing.sweep_tokens(True, 1)
 
@@ -759,6 +823,53 @@ def test_verify_sweep_points_and_the_cliff_check():
     text = report.wrap(report.cliff_line(many), "  ", "    ", width=100)
     assert len(many.cliffs) == 14 and "4->5: +9.00 > 0.05" in " ".join(text.split()) and \
         max(map(len, text.splitlines())) <= 100, text
+
+
+def test_the_cost_model_prices_the_faster_verify():
+    """Bench.best: graph where captured, and the attention mode whose verify of num_steps + 1
+    took less in that variant (decode on a tie), whatever the eager times; the label says which."""
+    b = types.SimpleNamespace(graph_opts=[False, True], modes=["extend", "decode"], k=3,
+                              verify_name=lambda mode: f"verify/{timing.FLAG_WORD[mode]}")
+    phases = {"verify/prefill/eager": 5.0, "verify/decode/eager": 1.0,
+              "verify/prefill/graph": 2.0, "verify/decode/graph": 3.0}
+    assert timing.faster_verify(b, phases) == ("graph", "extend")
+    b.best = ("graph", "extend")
+    assert report.priced(b) == "graph, prefill attention whose verify of 4 timed faster"
+    phases["verify/decode/graph"] = 2.0
+    assert timing.faster_verify(b, phases) == ("graph", "decode")
+    b.graph_opts, b.modes = [False], ["extend"]
+    assert timing.faster_verify(b, phases) == ("eager", "extend")
+    b.best = ("eager", "extend")
+    assert report.priced(b) == "eager, prefill attention, the only one timed"
+
+
+def test_verify_sweep_prices_the_runs_own_chain_past_the_defaults(tmp_path):
+    """num_steps 9 on the CPU: the sweep times verify and draft extend of 1 to 10 tokens (past the
+    CPU's 6 and draft extend's 8), so the cost model prices the run's own chain; a file whose cost
+    model lacks its num_steps is said to be not timed, in `report.py phases` and in the answer."""
+    from types import SimpleNamespace as NS
+    cfg = _settled("--random-weights --speculative-num-steps 9 --skip-e2e --reps 1")
+    b = timing.prepare(cfg, torch.device("cpu"))
+    b.best = ("eager", "decode")
+    sweep = timing.verify_sweep(b, cfg.context_len[0], None)
+    assert list(sweep) == list(range(1, 11)) and all(p.draft_extend > 0 for p in sweep.values())
+    r = NS(phases_ms={"decode_step/eager": 3.0, "draft_step/eager": 0.05, "accept": 0.1},
+           allreduce_modelled=None, e2e={}, verify_sweep_ms=sweep)
+    cm = components.cost_model(r, b)
+    assert sorted(cm.steps) == list(range(1, 10))
+    path = os.path.join(HERE, "benchmarks", f"{HEADLINE_JSON[0]}.json")
+    run_json = report.read_run(path)
+    k = run_json["env"]["config"]["speculative_num_steps"]
+    run_json["cost_model"]["steps"] = {s: c for s, c in run_json["cost_model"]["steps"].items()
+                                       if int(s) < k}
+    (tmp_path / "short.json").write_text(json.dumps(run_json) + "\n")
+    last = report.phases(tmp_path / "short.json")[-1]
+    assert last.startswith(f"num_steps {k}: not timed (the cost model prices num_steps 1 to "
+                           f"{k - 1}: the verify sweep has no verify and draft extend of {k + 1} "
+                           "tokens)"), last
+    said = report.cost_answer(NS(cost_model=components.CostModel(3.0, {})), NS(k=k))
+    assert said == [f"EAGLE-3 with num_steps {k}: not timed (the cost model prices no chain: the "
+                    f"verify sweep has no verify and draft extend of {k + 1} tokens)."]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1728,6 +1839,11 @@ def test_run_py_lines_fit_120_columns_and_say_what_a_run_does(run_py_runs):
     flat = " ".join(cli.stdout.split())
     assert "greedy speculative vs plain output: not compared" in flat and \
         "tree - decode" in flat, cli.stdout
+    # SIMULATED routing's distinct experts labelled so in the phase table and the sweep
+    counts = [line for line in lines if "/eager " in line and "distinct experts" in line]
+    assert len(counts) == 5 and all(line.endswith("distinct experts (SIMULATED uniform)")
+                                    for line in counts), counts
+    assert "distinct experts: per MoE layer (SIMULATED uniform)):" in flat
     # on a CPU the profiler's cost per op is said under the component table, not warned of
     assert "the profiler's own cost per op makes the summed op time exceed" in flat
     assert not any("profiled run's summed" in w for w in r["warnings"])
@@ -1820,7 +1936,7 @@ def test_run_py_distinct_routing_and_its_sweep_end_to_end(run_py_runs):
     assert [p["distinct"] for p in s["points"]] == [4, 6, 8, 12, 16] and s["tokens"] == 4
     assert all(p["distinct_ran"] == p["distinct"] for p in s["points"])
     for p in s["points"]:
-        assert p["decode_steps"] == pytest.approx(p["verify_ms"] / s["plain_step_ms"])
+        assert p["plain_steps"] == pytest.approx(p["verify_ms"] / s["plain_step_ms"])
         assert p["break_even_accept_len"] == pytest.approx(p["cycle_ms"] / s["plain_step_ms"])
     # each point's verify has its spread, so a noisy one is warned of like any other timing
     assert set(r["spread_ms"]["routing_sweep"]["points"]) == {"D=4", "D=6", "D=8", "D=12", "D=16"}
@@ -1828,6 +1944,8 @@ def test_run_py_distinct_routing_and_its_sweep_end_to_end(run_py_runs):
     table = out[out.index("verify of 4 tokens across distinct experts"):].split("\n\n")[0]
     assert not [line for line in table.splitlines() if len(line) > 100], table
     assert "routing SIMULATED distinct (D = 6" in out and "Across distinct experts" in out
+    assert "6.0 distinct experts (SIMULATED distinct)" in out and \
+        "distinct experts: per MoE layer (SIMULATED distinct)" in " ".join(out.split())
     assert dumped.returncode == 0, dumped.stderr[-2000:]
     t = routing.read_trace(trace, 16, 4)
     # each row's prompt and output but its last token: P + N - 1 = 10, 8 for the shorter prompt
@@ -1835,4 +1953,4 @@ def test_run_py_distinct_routing_and_its_sweep_end_to_end(run_py_runs):
     cli = ran(run_py_runs, "trace_replay")   # run.py --routing trace --routing-trace that file
     r = json.loads(cli.stdout.splitlines()[-1])
     assert r["env"]["routing"] == "trace" and r["env"]["routing_trace"]["tokens"] == 18
-    assert "routing TRACE (" in cli.stdout
+    assert "routing TRACE (" in cli.stdout and "distinct experts (TRACE)" in cli.stdout

@@ -468,14 +468,19 @@ def refused(argv, capsys):
 
 
 def test_the_figure_draws_from_a_sweep_or_says_in_one_line_what_it_needs(tmp_path, capsys):
-    points = [dict(distinct=D, distinct_ran=D, verify_ms=2 + D / 8, decode_steps=0.5 + D / 16,
+    points = [dict(distinct=D, distinct_ran=D, verify_ms=2 + D / 8, plain_steps=0.5 + D / 16,
                    cycle_ms=3 + D / 8, break_even_accept_len=0.75 + D / 16) for D in (8, 16, 32)]
     sweep = dict(tokens=4, top_k=8, experts=128, uniform_expectation=29.1, num_steps=3,
                  variant="graph", mode="decode", plain_step_ms=4.0, run_routing="uniform",
                  run_verify_ms=6.0, run_distinct=32, points=points)
     path, out = tmp_path / "r.json", tmp_path / "fig.png"
     path.write_text(json.dumps(dict(env=dict(dtype="bfloat16"), routing_sweep=sweep)) + "\n")
-    status = routing.main(["plot", str(path), "--out", str(out)])
+    # a file written before the key was plain_steps names it decode_steps
+    older = dict(sweep, points=[{("decode_steps" if k == "plain_steps" else k): v
+                                 for k, v in p.items()} for p in points])
+    (tmp_path / "older.json").write_text(json.dumps(dict(env=dict(dtype="float32"),
+                                                         routing_sweep=older)) + "\n")
+    status = routing.main(["plot", str(path), str(tmp_path / "older.json"), "--out", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
     if importlib.util.find_spec("matplotlib") is None:
         assert status == 2 and err == ["routing.py plot: needs matplotlib (pip install matplotlib)"]
@@ -495,7 +500,7 @@ def test_the_figure_draws_from_a_sweep_or_says_in_one_line_what_it_needs(tmp_pat
             status, err = refused(["plot", str(path), "--out", str(out)], capsys)
             assert status == 2 and len(err) == 1, (out, err)
             assert err[0].startswith(f"routing.py plot: error: --out {out}: {said}"), err
-        assert sorted(os.listdir(tmp_path)) == ["bad.json", "fig.png", "r.json"]
+        assert sorted(os.listdir(tmp_path)) == ["bad.json", "fig.png", "older.json", "r.json"]
         assert routing.main(["plot", str(path), "--out", str(tmp_path / "fig.svg")]) == 0
         assert capsys.readouterr().out == f"wrote {tmp_path}/fig.svg\n"
         assert (tmp_path / "fig.svg").read_text().startswith("<?xml")

@@ -172,7 +172,8 @@ def test_run_py_measures_allreduces_under_real_tp(tmp_path):
     assert m["per_forward"] == 2 * 8 + 2   # the embedding's all-reduce, 2 a layer, the gather
     assert all(v > 0 for v in m["us_each"].values())
     assert m["implementation"] == "TP 2, rank 0, gloo all-reduce"
-    assert "all-reduce, us each, by tokens (TP 2, rank 0, gloo all-reduce):" in out.stdout
+    assert ("all-reduce, us each, by tokens a row T (T hidden rows each; TP 2, rank 0, gloo "
+            "all-reduce):") in out.stdout
 
 
 @pytest.mark.multi_gpu

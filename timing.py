@@ -61,11 +61,7 @@ def settle_defaults(cfg, gpu):
     cfg.routing = cfg.routing or ("model" if cfg.model_path or cfg.trained_pair or cfg.dump
                                   else "uniform")
     cfg.context_len = cfg.context_len or [cfg.prompt_len]
-    # a dump times nothing: the CPU's short sweep sizes its cache (cache_slots). Asked-for tokens
-    # (--sweep-tokens) keep the run's own chains, 1 to num_steps + 1, which the cost model needs
-    cfg.verify_sweep_tokens = (
-        sorted({*cfg.sweep_tokens, *range(1, cfg.speculative_num_steps + 2)}) if cfg.sweep_tokens
-        else sweep_tokens(gpu and not cfg.dump, cfg.batch_size))
+    cfg.verify_sweep_tokens = verify_sweep_tokens(cfg, gpu)
     if cfg.kernels is None:  # the fast twins where they run (each tested equal to its plain twin)
         fast = gpu and cfg.dtype in ("bfloat16", "float16", "float32") and kernels.HAVE_TRITON
         cfg.kernels = "all" if fast else "none"
@@ -344,7 +340,7 @@ class Context:
 
 @dataclass
 class SweepPoint:
-    """Verify of T tokens a row, and draft extend of T up to SWEEP_DRAFT_EXTEND (what a cycle of
+    """Verify of T tokens a row, and draft extend of T up to draft_extend_tokens (what a cycle of
     num_steps T - 1 pays); the distinct routed experts the verify reaches, its floor, and (a GPU's,
     with floors) where a profiled eager verify's time goes ({component: ms}, as the component
     table's)."""
@@ -373,7 +369,7 @@ class E2ERun:
 @dataclass
 class MeasuredAllreduce:
     """Real TP: one all-reduce's cost (collectives), and the step against its SIMULATED twin."""
-    us_each: dict            # {"how/tokens": us}
+    us_each: dict            # {"how/T": us}, T tokens a row: B x T hidden rows reduced
     gemv_MB: float
     per_forward: int         # collectives a real forward runs (components.collectives_per_forward)
     implementation: str
@@ -455,6 +451,9 @@ class Bench:
     # longest context or the prompt length, whichever is longer
     fill: torch.Tensor = None
     aux: torch.Tensor = None   # [B, C, 3D] the target's EAGLE-3 states along `fill`
+    # (variant, attention mode) the sweep, the cost model and the answer use: graph where captured,
+    # and the mode whose verify of num_steps + 1 timed faster (measure sets it: faster_verify)
+    best: tuple = None
     routing_choice: object = None   # routing "distinct" or "trace": routing.py's choice
     feed: "TraceFeed | None" = None  # routing "trace": advances the trace before each forward
     trace: dict = None               # routing "trace": the file and how it maps (Env)
@@ -479,11 +478,6 @@ class Bench:
     def graph_opts(self):
         return {"both": [False, True], "on": [True], "off": [False]}[self.cfg.cuda_graph]
 
-    @property
-    def best(self):  # the fastest variant: graph when captured; the cost model's attention mode
-        return ("graph" if self.graph_opts[-1] else "eager",
-                "decode" if "decode" in self.modes else self.modes[0])
-
     def verify_name(self, mode):  # an isolated verify's name in the tables and JSON: flag words
         return f"verify/{FLAG_WORD[mode]}"
 
@@ -499,6 +493,15 @@ class Bench:
             return median_ms(self.clock, call, self.cfg.reps, desc=phase_label(key, graph),
                              before=partial(self.feed.choice.advance, inputs[0].numel()),
                              hold=graph)
+
+
+def faster_verify(b, phases):
+    """Bench.best from the isolated phases at the first context: graph where captured, and of the
+    attention modes timed the one whose verify of num_steps + 1 tokens took less in that variant
+    (decode on a tie)."""
+    variant = "graph" if b.graph_opts[-1] else "eager"
+    return variant, min(b.modes, key=lambda mode: (phases[f"{b.verify_name(mode)}/{variant}"],
+                                                   mode != "decode"))
 
 
 def prepare(cfg, device):
@@ -654,10 +657,11 @@ def isolated(b, ctx, bandwidth):
     return out
 
 
-# The verify sweep's tokens a row. On a GPU: 1 to 8 each (the chains), then 10, 12 and every 4
-# to 32 (trees, and chains times a batch), while the batch's forward holds at most
-# SWEEP_MAX_FORWARD tokens; on a CPU 1 to 6, the cost model's chains (num_steps 1 to 5). Draft
-# extend is timed up to SWEEP_DRAFT_EXTEND tokens (chains of num_steps up to 7).
+# The verify sweep's tokens a row by default. On a GPU: 1 to 8 each (the chains), then 10, 12 and
+# every 4 to 32 (trees, and chains times a batch), while the batch's forward holds at most
+# SWEEP_MAX_FORWARD tokens; on a CPU 1 to 6, the cost model's chains (num_steps 1 to 5). The run's
+# own chains, 1 to num_steps + 1, join them always (verify_sweep_tokens). Draft extend is timed up
+# to SWEEP_DRAFT_EXTEND tokens (chains of num_steps up to 7), or num_steps + 1 where more.
 SWEEP_TOKENS = (*range(1, 9), 10, 12, 16, 20, 24, 28, 32)
 SWEEP_TOKENS_CPU = tuple(range(1, 7))
 SWEEP_MAX_FORWARD = 32
@@ -665,17 +669,31 @@ SWEEP_DRAFT_EXTEND = 8
 
 
 def sweep_tokens(gpu, batch):
-    """The verify sweep's tokens a row (run.py settles them as cfg.verify_sweep_tokens)."""
+    """The verify sweep's default tokens a row on a GPU or a CPU, at this batch."""
     if not gpu:
         return list(SWEEP_TOKENS_CPU)
     return [T for T in SWEEP_TOKENS if T == 1 or batch * T <= SWEEP_MAX_FORWARD]
 
 
+def verify_sweep_tokens(cfg, gpu):
+    """The verify sweep's tokens a row (settle_defaults sets them as cfg.verify_sweep_tokens):
+    --sweep-tokens, else the device's default (sweep_tokens; a dump times nothing, so the CPU's
+    short sweep only sizes its cache: cache_slots), and always 1 to num_steps + 1, the chains the
+    cost model prices up to the run's own."""
+    asked = cfg.sweep_tokens or sweep_tokens(gpu and not cfg.dump, cfg.batch_size)
+    return sorted({*asked, *range(1, cfg.speculative_num_steps + 2)})
+
+
+def draft_extend_tokens(b):
+    """The most tokens the sweep times draft extend at: SWEEP_DRAFT_EXTEND, or num_steps + 1."""
+    return max(SWEEP_DRAFT_EXTEND, b.k + 1)
+
+
 def verify_sweep(b, ctx, bandwidth):
-    """Verify (the cost model's attention mode) of each of cfg.verify_sweep_tokens T tokens at ctx
-    cached tokens, fastest variant, with the distinct experts it reaches (an eager call counts
-    them), its floor and (with floors: what the cliff check names) its component profile (a
-    profiled eager call), as isolated's; and draft extend of T up to SWEEP_DRAFT_EXTEND: what a
+    """Verify of each of cfg.verify_sweep_tokens T tokens at ctx cached tokens, in the cost model's
+    variant and attention mode (Bench.best), with the distinct experts it reaches (an eager call
+    counts them), its floor and (with floors: what the cliff check names) its component profile (a
+    profiled eager call), as isolated's; and draft extend of T up to draft_extend_tokens: what a
     cycle of num_steps T - 1 pays. Inputs as in phase_calls. Returns {T: SweepPoint}."""
     graph, mode = b.graph_opts[-1], b.best[1]
     B, t, sweep = b.cfg.batch_size, b.target, {}
@@ -692,7 +710,7 @@ def verify_sweep(b, ctx, bandwidth):
             floor_ms=nbytes / bandwidth / 1e6 if bandwidth else None,
             components=(profile_components(t, partial(fn, vt, pos), b.gpu, b.profile_calls).parts_ms
                         if bandwidth else None))
-        if T <= SWEEP_DRAFT_EXTEND:
+        if T <= draft_extend_tokens(b):
             kvd = kv_bucket(ctx + 2 * T - 1, t.max_seq_len)  # generate's, num_steps T - 1
             sweep[T].draft_extend = b.timed(
                 GraphKey("draft_extend", None, B, T, kvd), partial(b.head.extend, kv_len=kvd), vt,
@@ -757,7 +775,8 @@ def end_to_end(b):
 
 
 def collectives(b, r):
-    """Real TP only: what one all-reduce of T tokens' hidden rows costs, in us, by T, three ways:
+    """Real TP only: what one all-reduce of T tokens a row (B x T hidden rows at batch B, as a
+    forward's) costs, in us, by T, three ways:
     interleaved, the figure that predicts a real step: n = 2 x layers all-reduces in one CUDA graph,
     each of the output of a GEMV as long as the compute between two all-reduces of this run's
     decode step (its time / n, at the copy bandwidth), minus the same graph without them; back to
@@ -900,6 +919,7 @@ def measure(b, world):
     r = Result(environment(b, world), bandwidth,
                {c: isolated(b, c, bandwidth) for c in cfg.context_len})
     r.phases_ms, r.floors = r.contexts[first].phases_ms, r.contexts[first].floors_ms
+    b.best = faster_verify(b, r.phases_ms)   # before the sweep, which times its mode
     r.phases_ms["accept"] = time_accept(b, first)
     if cfg.speculative_eagle_topk > 1:
         r.phases_ms["tree_accept"] = time_tree_accept(b, first)
@@ -1018,7 +1038,7 @@ class RoutingPoint:
     distinct: int               # D asked
     distinct_ran: float         # distinct experts a MoE layer, counted in one forward
     verify_ms: Timing           # the verify alone (+ MODELLED all-reduces where modelled)
-    decode_steps: float         # verify_ms / the plain step
+    plain_steps: float          # verify_ms / the cost model's plain step (RoutingSweep's)
     cycle_ms: float             # the cost model's cycle of num_steps with this verify
     break_even_accept_len: float
 
