@@ -22,7 +22,8 @@ num_steps + 1) to
      "distinct_experts": routed experts a MoE layer reaches (the mean over the layers),
      "floor_ms": the verify's bytes over the copy bandwidth (null without a GPU),
      "components": {component: ms} of a profiled eager verify, as the component table's (a
-     GPU's run: with floors; absent on a CPU)};
+     GPU's run: with floors; absent on a CPU),
+     "routed_floor_ms": the routed experts component's floor (null without a GPU)};
 `sweep_cliffs` checks it against its floors (components.sweep_cliffs; null without floors):
     {"rule": in words, "checked": [[T1, T2], ...] neighbouring points,
      "cliffs": [{"tokens": [T1, T2], "added_ms": ms, "allowed_ms": ms,
@@ -1031,9 +1032,12 @@ def sweep(paths):
 def routed(paths):
     """The routed experts of verify sweeps against their own floor, a column group per run.py
     --json file (a GPU's run): the same weight format under different routings (--routing
-    uniform, model, distinct or trace). A point's floor is the distinct experts a MoE layer reaches
-    times one expert's stored bytes in every MoE layer, over the run's copy bandwidth; its time is
-    the routed_experts component of the profiled verify. A launch that reads each distinct expert
+    uniform, model, distinct or trace). A point's time is the routed_experts component of the
+    profiled verify, its floor that component's bytes over the run's copy bandwidth, as the
+    component table counts them (routed_floor_ms: the distinct experts a MoE layer reaches, and the
+    shared expert where it rides in their launch); a file written before routed_floor_ms takes the
+    distinct experts times one expert's stored bytes in every MoE layer (the shared expert's time
+    in its component, its bytes not in that floor). A launch that reads each distinct expert
     once keeps its x floor as tokens share experts; one that makes a pass a token-expert pair does
     not. The last column: the last run's x floor over the first's.
 
@@ -1082,7 +1086,8 @@ def _routed_points(path):
     points = {}
     for T, p in sweep.items():
         ms, experts = p["components"]["routed_experts"], p["distinct_experts"]
-        points[int(T)] = (p["verify"], ms, ms / (experts * expert_ms), experts)
+        floor = p.get("routed_floor_ms") or experts * expert_ms
+        points[int(T)] = (p["verify"], ms, ms / floor, experts)
     return f"{weight_format(env)} {env['routing']}", points
 
 

@@ -682,7 +682,8 @@ def test_report_names_a_file_that_is_no_json_text_in_one_short_line(tmp_path):
 
 
 def test_report_routed_sets_routed_experts_against_their_floor_across_routings(tmp_path):
-    """`report.py routed`: each point's routed experts component over its distinct experts' bytes
+    """`report.py routed`: each point's routed experts component over its routed_floor_ms, or in a
+    file without it its distinct experts' bytes
     (one expert in every MoE layer: routed_experts_GB / n_routed_experts over the bandwidth), a
     column group per file and the last file's x floor over the first's; written here by hand: 1 GB
     of 100 experts at 1000 GB/s is 0.01 ms an expert. A file written before n_routed_experts takes
@@ -713,6 +714,12 @@ def test_report_routed_sets_routed_experts_against_their_floor_across_routings(t
     # preset kimi-k2: 384 experts, so 1 GB over them gives 2.604 us an expert
     old = run_json("old.json", "uniform", {1: (2.0, 0.16, 8)}, E=None, preset="kimi-k2")
     assert report.routed([old])[2] == "| 1 | 2.000 | 0.160 (7.68x), 8.0 |"
+    # a point that carries its routed floor (the component table's bytes: the shared expert in
+    # the launch too) is set against it: 0.16 ms over 0.1
+    with_shared = json.loads(open(uniform).read())
+    with_shared["verify_sweep_ms"]["1"]["routed_floor_ms"] = 0.1
+    (tmp_path / "s.json").write_text(json.dumps(with_shared) + "\n")
+    assert report.routed([str(tmp_path / "s.json")])[2] == "| 1 | 2.000 | 0.160 (1.60x), 8.0 |"
     cpu = tmp_path / "cpu.json"
     cpu.write_text(json.dumps(dict(env=dict(config={}), verify_sweep_ms={"1": dict(verify=1.0)}))
                    + "\n")

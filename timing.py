@@ -349,6 +349,9 @@ class SweepPoint:
     distinct_experts: float | None = None   # a MoE layer's, the mean over the layers
     floor_ms: float | None = None           # the verify's bytes over the copy bandwidth (a GPU's)
     components: dict | None = optional()
+    # the routed experts component's floor, its bytes as the component table counts them: the
+    # distinct experts, and the shared expert where it rides in their launch (a GPU's)
+    routed_floor_ms: float | None = optional()
 
 
 @dataclass
@@ -703,13 +706,14 @@ def verify_sweep(b, ctx, bandwidth):
         kv, vt, pos = kv_bucket(ctx + T, t.max_seq_len), b.fill[:, ctx - T:ctx], b.positions(ctx, T)
         fn = partial(t, mode=mode, capture_aux=True, kv_len=kv)
         distinct = routed_distinct(t, fn, (vt, pos))
-        nbytes = sum(component_bytes(t, distinct, ctx + T, B, T).values())
+        parts = component_bytes(t, distinct, ctx + T, B, T)
         sweep[T] = SweepPoint(
             verify=b.timed(GraphKey("verify", mode, B, T, kv), fn, vt, pos, graph=graph),
             distinct_experts=statistics.mean(distinct) if distinct else 0.0,
-            floor_ms=nbytes / bandwidth / 1e6 if bandwidth else None,
+            floor_ms=sum(parts.values()) / bandwidth / 1e6 if bandwidth else None,
             components=(profile_components(t, partial(fn, vt, pos), b.gpu, b.profile_calls).parts_ms
-                        if bandwidth else None))
+                        if bandwidth else None),
+            routed_floor_ms=parts["routed_experts"] / bandwidth / 1e6 if bandwidth else None)
         if T <= draft_extend_tokens(b):
             kvd = kv_bucket(ctx + 2 * T - 1, t.max_seq_len)  # generate's, num_steps T - 1
             sweep[T].draft_extend = b.timed(
