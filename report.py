@@ -23,7 +23,7 @@ num_steps + 1) to
      "floor_ms": the verify's bytes over the copy bandwidth (null without a GPU),
      "components": {component: ms} of a profiled eager verify, as the component table's (a
      GPU's run: with floors; absent on a CPU),
-     "routed_floor_ms": the routed experts component's floor (null without a GPU)};
+     "routed_floor_ms": the routed experts component's floor (a GPU's run; absent on a CPU)};
 `sweep_cliffs` checks it against its floors (components.sweep_cliffs; null without floors):
     {"rule": in words, "checked": [[T1, T2], ...] neighbouring points,
      "cliffs": [{"tokens": [T1, T2], "added_ms": ms, "allowed_ms": ms,
@@ -1035,9 +1035,10 @@ def routed(paths):
     uniform, model, distinct or trace). A point's time is the routed_experts component of the
     profiled verify, its floor that component's bytes over the run's copy bandwidth, as the
     component table counts them (routed_floor_ms: the distinct experts a MoE layer reaches, and the
-    shared expert where it rides in their launch); a file written before routed_floor_ms takes the
-    distinct experts times one expert's stored bytes in every MoE layer (the shared expert's time
-    in its component, its bytes not in that floor). A launch that reads each distinct expert
+    shared expert where it rides in their launch); where a file was written before
+    routed_floor_ms, every file's floor is the distinct experts times one expert's stored bytes in
+    every MoE layer (the shared expert's time in its component, its bytes not in that floor), so
+    that the columns compare alike. A launch that reads each distinct expert
     once keeps its x floor as tokens share experts; one that makes a pass a token-expert pair does
     not. The last column: the last run's x floor over the first's.
 
@@ -1052,6 +1053,10 @@ def routed(paths):
 
     Returns the table's lines; a file that is not a GPU run's raises ValueError naming it."""
     runs = [_routed_points(path) for path in paths]
+    own = all(floors[0] for _, points in runs for *_, floors in points.values())
+    runs = [(label, {T: (verify, ms, ms / floors[0 if own else 1], experts)
+                     for T, (verify, ms, experts, floors) in points.items()})
+            for label, points in runs]
     labels = [label for label, _ in runs]
     runs = [(f"{label} ({os.path.basename(path)})" if labels.count(label) > 1 else label, points)
             for path, (label, points) in zip(paths, runs)]   # two runs alike: by their files
@@ -1072,8 +1077,9 @@ def routed(paths):
 
 
 def _routed_points(path):
-    """(label: format and routing, {T: (verify ms, routed experts ms, x their floor, distinct
-    experts)}) of one run.py --json file from a GPU."""
+    """(label: format and routing, {T: (verify ms, routed experts ms, distinct experts, floors)})
+    of one run.py --json file from a GPU; floors: (routed_floor_ms or None, the distinct experts'
+    bytes over the bandwidth) in ms."""
     r = read_run(path)
     env, cfg, sweep = r["env"], r["env"].get("config", {}), r.get("verify_sweep_ms") or {}
     E = env.get("n_routed_experts") or cfg.get("routed_experts")
@@ -1086,8 +1092,7 @@ def _routed_points(path):
     points = {}
     for T, p in sweep.items():
         ms, experts = p["components"]["routed_experts"], p["distinct_experts"]
-        floor = p.get("routed_floor_ms") or experts * expert_ms
-        points[int(T)] = (p["verify"], ms, ms / floor, experts)
+        points[int(T)] = (p["verify"], ms, experts, (p.get("routed_floor_ms"), experts * expert_ms))
     return f"{weight_format(env)} {env['routing']}", points
 
 

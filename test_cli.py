@@ -717,9 +717,13 @@ def test_report_routed_sets_routed_experts_against_their_floor_across_routings(t
     # a point that carries its routed floor (the component table's bytes: the shared expert in
     # the launch too) is set against it: 0.16 ms over 0.1
     with_shared = json.loads(open(uniform).read())
-    with_shared["verify_sweep_ms"]["1"]["routed_floor_ms"] = 0.1
+    for T, floor in (("1", 0.1), ("2", 0.2)):
+        with_shared["verify_sweep_ms"][T]["routed_floor_ms"] = floor
     (tmp_path / "s.json").write_text(json.dumps(with_shared) + "\n")
     assert report.routed([str(tmp_path / "s.json")])[2] == "| 1 | 2.000 | 0.160 (1.60x), 8.0 |"
+    # beside a file without it, every file takes the distinct experts' floor (columns alike)
+    assert report.routed([str(tmp_path / "s.json"), uniform])[2] == \
+        "| 1 | 2.000 | 0.160 (2.00x), 8.0 | 2.000 | 0.160 (2.00x), 8.0 | 1.00 |"
     cpu = tmp_path / "cpu.json"
     cpu.write_text(json.dumps(dict(env=dict(config={}), verify_sweep_ms={"1": dict(verify=1.0)}))
                    + "\n")

@@ -9,6 +9,7 @@ import json
 import os
 from datetime import timedelta
 from functools import partial
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ import torch.distributed as dist
 
 import checkpoint
 import run
+import timing
 import tp
 import train
 from checkpoint import init_random, init_random_draft, load_draft
@@ -81,6 +83,24 @@ def test_o_proj_gemv_all_reduces_across_real_ranks_as_row_parallel():
     for plain, fast, whole in run_ranks(2, _o_proj_gemv_at_tp2):
         assert_close(plain, whole, 1e-5, f"RowParallelLinear at TP 2, {len(whole)} rows")
         assert_close(fast, plain, 1e-5, f"GemvRowParallel vs RowParallelLinear, {len(whole)} rows")
+
+
+def _faster_verify_on_two_ranks():
+    """timing.faster_verify where the ranks' timings disagree: rank 0 timed decode attention's
+    verify faster, rank 1 extend's; every rank's choice, gathered."""
+    rank = dist.get_rank()
+    b = SimpleNamespace(graph_opts=[False], modes=["extend", "decode"],
+                        verify_name=lambda mode: f"verify/{timing.FLAG_WORD[mode]}")
+    phases = {"verify/prefill/eager": 1.0 if rank else 2.0, "verify/decode/eager": 1.5}
+    chosen = [None] * dist.get_world_size()
+    dist.all_gather_object(chosen, timing.faster_verify(b, phases))
+    return chosen
+
+
+def test_cost_models_attention_mode_is_rank_0s_on_every_rank():
+    """Under real TP every rank prices (and sweeps) the attention mode rank 0 timed faster, though
+    its own timings would pick the other one: the ranks time one shape."""
+    assert run_ranks(2, _faster_verify_on_two_ranks) == [("eager", "decode")] * 2
 
 
 def _rank_local_model():

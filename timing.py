@@ -492,19 +492,24 @@ class Bench:
         if self.feed is None or not self.feed.routes(fn):
             return median_ms(self.clock, call, self.cfg.reps, desc=phase_label(key, graph),
                              hold=graph)
-        with self.feed.held():   # the trace advanced before each call, outside its timed span
+        # the trace advanced before each call, outside its timed span; no hold: advance waits on
+        # the previous call's copy, so the host stays one call ahead (these are target forwards,
+        # each long enough for the host to issue the next)
+        with self.feed.held():
             return median_ms(self.clock, call, self.cfg.reps, desc=phase_label(key, graph),
-                             before=partial(self.feed.choice.advance, inputs[0].numel()),
-                             hold=graph)
+                             before=partial(self.feed.choice.advance, inputs[0].numel()))
 
 
 def faster_verify(b, phases):
     """Bench.best from the isolated phases at the first context: graph where captured, and of the
     attention modes timed the one whose verify of num_steps + 1 tokens took less in that variant
-    (decode on a tie)."""
+    (decode on a tie); rank 0's choice on every rank (under real TP the ranks time one shape)."""
     variant = "graph" if b.graph_opts[-1] else "eager"
-    return variant, min(b.modes, key=lambda mode: (phases[f"{b.verify_name(mode)}/{variant}"],
-                                                   mode != "decode"))
+    best = [(variant, min(b.modes, key=lambda mode: (phases[f"{b.verify_name(mode)}/{variant}"],
+                                                     mode != "decode")))]
+    if dist.is_initialized() and dist.get_world_size() > 1:
+        dist.broadcast_object_list(best, src=0)
+    return best[0]
 
 
 def prepare(cfg, device):
