@@ -1139,11 +1139,11 @@ def sweep_plot(paths, out):
     (components.cliff_allowed_ms), its breaks marked. matplotlib is not a requirement. Returns 0,
     or 2 with the reason on stderr."""
     try:
+        runs = [_read_sweep(path) for path in paths]   # a bad file named with or without matplotlib
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
         check_figure_out(out)
-        runs = [_read_sweep(path) for path in paths]
     except (ValueError, ImportError) as e:
         why = "needs matplotlib (pip install matplotlib)" if isinstance(e, ImportError) else e
         print(f"report.py sweep-plot: {why}", file=sys.stderr)

@@ -797,6 +797,14 @@ def plot_main(argv):
     p.add_argument("results", nargs="+", help="run.py --json files with routing_sweep")
     p.add_argument("--out", required=True, help="the figure (.png, .svg, .pdf)")
     a = p.parse_args(argv)
+    import report
+    try:   # the files first: a bad one is named with or without matplotlib
+        runs = [report.read_run(path) for path in a.results]
+    except ValueError as e:
+        p.error(str(e))
+    for path, r in zip(a.results, runs):
+        if not r.get("routing_sweep"):
+            p.error(f"{path} has no routing_sweep (run.py --distinct-sweep)")
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -804,15 +812,10 @@ def plot_main(argv):
     except ImportError:
         print("routing.py plot: needs matplotlib (pip install matplotlib)", file=sys.stderr)
         return 2
-    import report
     try:
         report.check_figure_out(a.out)
-        runs = [report.read_run(path) for path in a.results]
     except ValueError as e:
         p.error(str(e))
-    for path, r in zip(a.results, runs):
-        if not r.get("routing_sweep"):
-            p.error(f"{path} has no routing_sweep (run.py --distinct-sweep)")
     series = [(sweep_label(r), r["routing_sweep"]) for r in runs]
     fig, (cost, even) = plt.subplots(1, 2, figsize=(10, 4), sharex=True)
     for label, s in series:

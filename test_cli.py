@@ -4,6 +4,9 @@ hour of a new user. run.py runs in a subprocess through testing.run_py, as a use
 """
 import contextlib
 import dataclasses
+import fnmatch
+import glob
+import itertools
 import json
 import math
 import os
@@ -665,6 +668,36 @@ def test_report_phases_and_sweep_make_the_benchmarks_tables(tmp_path):
                              cwd=HERE, capture_output=True, text=True, timeout=120)
         err = out.stderr.strip().splitlines()
         assert out.returncode == 2 and len(err) == 1 and reason in err[0], (name, out.stderr)
+
+
+def cited_files(text):
+    """The file names a markdown text quotes in backticks (`name.json`, `.npz`, `.png`, ...), each
+    `{a,b}` expanded: what BENCHMARKS.md points a reader to."""
+    names = []
+    for quoted in re.findall(r"`([^`\s]+\.(?:json|npz|png|txt|md))`", text):
+        parts = [p[1:-1].split(",") if p.startswith("{") else [p]
+                 for p in re.split(r"(\{[^}]*\})", quoted)]
+        names += ["".join(c) for c in itertools.product(*parts)]
+    return names
+
+
+def test_every_file_benchmarks_md_names_is_in_the_repository():
+    """Each JSON (or figure, trace, text) BENCHMARKS.md and benchmarks/README.md quote exists: a
+    path from the root as written, a bare name (a table's rows name files under benchmarks/) once
+    somewhere under benchmarks/ (a * in it as a glob). A renamed or dropped file fails here."""
+    under = [os.path.relpath(p, HERE)
+             for p in glob.glob(os.path.join(HERE, "benchmarks", "**", "*"), recursive=True)]
+    missing = []
+    for doc in ("BENCHMARKS.md", os.path.join("benchmarks", "README.md")):
+        names = cited_files(open(os.path.join(HERE, doc)).read())
+        assert len(names) > 10, (doc, names)
+        for name in names:
+            rooted = name.startswith(("benchmarks/", "docs/"))
+            found = (glob.glob(os.path.join(HERE, name)) if rooted else
+                     [p for p in under if fnmatch.fnmatch(p, "*/" + name)])
+            if not found:
+                missing.append(f"{doc}: {name}")
+    assert not missing, missing
 
 
 def test_report_names_a_file_that_is_no_json_text_in_one_short_line(tmp_path):

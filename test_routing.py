@@ -482,15 +482,18 @@ def test_the_figure_draws_from_a_sweep_or_says_in_one_line_what_it_needs(tmp_pat
                                                          routing_sweep=older)) + "\n")
     status = routing.main(["plot", str(path), str(tmp_path / "older.json"), "--out", str(out)])
     err = capsys.readouterr().err.strip().splitlines()
+    # a file without the sweep is named first, with or without matplotlib
+    (tmp_path / "bad.json").write_text(json.dumps(dict(env=dict(dtype="bfloat16"))) + "\n")
+    status_bad, err_bad = refused(["plot", str(tmp_path / "bad.json"), "--out", str(out)], capsys)
+    assert status_bad == 2 and len(err_bad) == 1, err_bad
+    assert "has no routing_sweep (run.py --distinct-sweep)" in err_bad[0], err_bad
     if importlib.util.find_spec("matplotlib") is None:
         assert status == 2 and err == ["routing.py plot: needs matplotlib (pip install matplotlib)"]
     else:
         assert status == 0 and out.stat().st_size > 0, err
-        (tmp_path / "bad.json").write_text(json.dumps(dict(env=dict(dtype="bfloat16"))) + "\n")
-        for bad, said in (("bad.json", "has no routing_sweep (run.py --distinct-sweep)"),
-                          ("fig.png", ": not a run.py --json file (not JSON text: binary")):
-            status, err = refused(["plot", str(tmp_path / bad), "--out", str(out)], capsys)
-            assert status == 2 and len(err) == 1 and said in err[0], err
+        status, err = refused(["plot", str(out), "--out", str(out)], capsys)
+        assert status == 2 and len(err) == 1, err
+        assert ": not a run.py --json file (not JSON text: binary" in err[0], err
         nowhere = tmp_path / "none" / "fig.png"
         for out, said in ((nowhere, f"cannot write there (no folder {tmp_path}/none)"),
                           (tmp_path, "cannot write there (is a folder)"),
