@@ -349,14 +349,12 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
 # few, and a program stepping through all of D alone leaves the SMs idle. Each part writes its
 # fp32 sums of gate and up for its pairs (part [SPLIT, P, 2, I]), and the silu launch adds the
 # parts in order, then SiLU times up; SPLIT 1: gate_up writes h itself. h is [P, I], a row a pair.
-# Measured on the H200 (python -m kernels.bench --moe --formats int4 --variants dot,gemv --tokens
-# 1,8,16,32 --distinct 384,32,8; BENCHMARKS.md, Routing): 3.2x, 3.0x and 3.1x the floor at 8, 16
-# and 32 tokens under uniform routing, where the GEMV variant takes 1.6-1.8x (so it serves INT4 up
-# to 32 tokens); with 8 distinct experts 45, 57 and 82 us (floor 5.8; the align's two launches 6-7
-# us of it then, 3-4 since), where the GEMV takes 64, 119 and 231; since down's programs make
-# several row blocks each (_int4_configs, BLOCKS) 3.1x, 2.9x, 2.9x and 38.5, 40.8, 63.0 us. The
-# packed dequantization gains past 32 tokens (gate_up 22-31% less time), where a program has many
-# tokens' products to feed.
+# On the H200 (python -m kernels.bench --moe --formats int4 --variants dot --tokens 8,16,32
+# --distinct 384,32,8; BENCHMARKS.md, Routing, INT4's tiles): 3.07x, 2.87x and 2.99x the floor at
+# 8, 16 and 32 tokens under uniform routing, where the GEMV variant takes 1.6-1.8x (so it serves
+# INT4 up to 32 tokens); with 8 distinct experts 35.5, 39.1 and 59.4 us (floor 5.8), where the
+# GEMV takes 64, 120 and 232. The packed dequantization gains past 32 tokens (gate_up 18-31% less
+# time at 64-256), where a program has many tokens' products to feed.
 
 @_jit
 def _int4_block(w_rows, s_rows, rows_ok, k0, magic, K_IN: tl.constexpr, GROUP: tl.constexpr,
