@@ -108,9 +108,9 @@ GEMV_SMALL_TOKENS = 2
 #  - FP8: the GEMV at 1.55-1.78x its floor, the tiles at 1.71x (32 tokens) to 6.9x (1 token); the
 #    tiles catch up at 20-24 tokens and are 4% faster at 32, but there the GEMV also carries the
 #    bf16 shared expert, which beside the tiles runs alone (12.6 us a layer): 32;
-#  - INT4: the GEMV at 1.6-2.2x from 2 tokens (2.8x at 1), the tiles at 3.2-5.0x (their
-#    section in moe.py), 1.9-2.3x the GEMV's time at every count (1.7-2.0x at 8-32 since down's
-#    programs make several row blocks): 32;
+#  - INT4: the GEMV at 1.6-2.3x from 2 tokens (2.9x at 1), the tiles at 2.9-5.9x (their
+#    section in moe.py), 1.7-2.2x the GEMV's time at every count (BENCHMARKS.md, Kernel level,
+#    the table by variant): 32;
 #  - bf16, 128 experts and the shared expert folded in as expert 129 (SharedExpertInLaunch: every
 #    token picks it; run.py's shapes): the GEMV wins at 1 and 2 tokens (30 against 54 us, 53
 #    against 59), the tiles from 3 (72 against 81): 2.
