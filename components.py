@@ -55,9 +55,11 @@ def routed_distinct(target, fn, inputs):
         seen.append(out[0][out[0] < router.args.n_routed_experts].unique().numel())
     hooks = [layer.mlp.gate.register_forward_hook(count) for layer in target.layers
              if isinstance(layer.mlp, model.MoE)]
-    fn(*inputs)
-    for h in hooks:
-        h.remove()
+    try:
+        fn(*inputs)
+    finally:
+        for h in hooks:
+            h.remove()
     return seen
 
 
@@ -101,9 +103,11 @@ def component_bytes(target, distinct, kv_slots, batch, tokens):
 def draft_bytes(head, kv_slots, batch, with_fc, tokens=1):
     """The bytes one head pass must move: its weights (fc only where it runs: the extend), the
     embedding rows of its batch x tokens (a checkpoint's own embedding table is not read whole)
-    and the key-value cache of kv_slots."""
+    and the key-value cache of kv_slots. d2t, the draft-to-target id map, is not counted: a pass
+    gathers one entry a row of it."""
     total = sum(p.numel() * p.element_size() for n, p in head.named_parameters()
-                if (with_fc or not n.startswith("fc.")) and not n.startswith("embed_tokens."))
+                if (with_fc or not n.startswith("fc.")) and n != "d2t"
+                and not n.startswith("embed_tokens."))
     attn, elem = head.midlayer.self_attn, head.norm.weight.element_size()
     kv = 2 * batch * kv_slots * attn.n_local_kv_heads * attn.head_dim
     return total + (kv + batch * tokens * head.args.hidden_size) * elem

@@ -31,7 +31,7 @@ from typing import NamedTuple
 import torch
 import torch.nn as nn
 
-from model import MLP, RMSNorm, rope_tables
+from model import MLP, RMSNorm, rope_tables, slots_read
 from tp import ColumnParallelLinear, ParallelLMHead, ReplicatedLinear, RowParallelLinear, \
     VocabParallelEmbedding, _param
 
@@ -132,7 +132,7 @@ class DraftAttention(nn.Module):
         slots = positions if slots is None else slots
         self.k_cache[rows, slots] = k
         self.v_cache[rows, slots] = v
-        S = kv_len or self.k_cache.shape[1]  # the slots read: the first kv_len (default all)
+        S = slots_read(kv_len, self.k_cache.shape[1])  # the first kv_len (default all)
         k = self.expand_kv(self.k_cache[:B, :S])                                 # [B, S, H, Hd]
         v = self.expand_kv(self.v_cache[:B, :S])
         scores = torch.einsum("bthd,bshd->bths", q, k) * self.scale
@@ -286,6 +286,8 @@ class Eagle3Draft(nn.Module):
         EAGLE-3 fuses only the target's states through fc (`extend` applies it, `chain` does
         not). Attention over the first kv_len cache slots (default all); past, slots, visible:
         see DraftAttention.forward. Returns draft logits [B, T, Vd] and g [B, T, D]."""
+        if (slots is None) != (visible is None):
+            raise ValueError("slots and visible go together: a tree's cache slots and its mask")
         if hidden.shape[-1] != self.args.hidden_size:
             raise ValueError(f"hidden is {hidden.shape[-1]} wide, not the head's hidden_size "
                              f"{self.args.hidden_size}: target states go through extend (which "
@@ -320,7 +322,8 @@ class Eagle3Draft(nn.Module):
     def chain(self, first, g, last_pos, num_steps, kv_len=None):
         """The draft phase: d_1 = first [B], then num_steps - 1 head steps. last_pos [B] is the
         position of the last extend row; step i reads d_{i+1} and the previous g (no fc: g is
-        already the head's width) at RoPE position last_pos + 1 + i. Returns drafts
+        already the head's width) at RoPE position last_pos + 1 + i, written at that slot, so
+        kv_len (default: the whole cache) must exceed last_pos + num_steps - 1. Returns drafts
         [B, num_steps] in target ids."""
         drafts = [first]
         for i in range(num_steps - 1):
@@ -331,8 +334,9 @@ class Eagle3Draft(nn.Module):
         return torch.stack(drafts, 1)
 
     def propose(self, tokens, positions, target_states, last, num_steps):
-        """Extend over the rows, then chain, in one call: what verify.generate's prefill does
-        (there through prefill_draft, in chunks)."""
+        """Extend over the rows, then chain, in one call, reading the whole cache: the head's part
+        of verify.prefill, which also shifts the prompt (row t reads token t + 1; `tokens` here
+        already are), extends in chunks (prefill_draft) and bounds the slots read (kv_len)."""
         first, g = self.extend(tokens, positions, target_states, last)
         last_pos = positions.gather(1, last.unsqueeze(1)).squeeze(1)
         return self.chain(first, g, last_pos, num_steps)
@@ -358,7 +362,7 @@ class Eagle3Draft(nn.Module):
         position), so the scratch is never read stale. kv_len must exceed p + (S - 1) K."""
         check_tree(topk, num_steps, num_nodes)
         (B, K), D, dev = (logits.shape[0], topk), g.shape[-1], root.device
-        L = kv_len or self.midlayer.self_attn.k_cache.shape[1]             # the slots read
+        L = kv_len or self.midlayer.self_attn.k_cache.shape[1]   # the slots read (each pass checks)
         score, ids = log_probs(logits).topk(K, -1)                           # [B, K], best first
         tok = ids + self.d2t[ids]
         scores, tokens, parents = [score], [tok], [torch.full_like(ids, -1)]
@@ -420,6 +424,9 @@ def check_fits(args, target, own_embedding=False):
     if args.vocab_size != target.args.vocab_size:
         raise ValueError(f"draft vocab_size {args.vocab_size} != target vocab_size "
                          f"{target.args.vocab_size}")
+    if not 1 <= args.draft_vocab_size <= args.vocab_size:
+        raise ValueError(f"draft_vocab_size {args.draft_vocab_size} must lie in [1, vocab_size "
+                         f"{args.vocab_size}]: the draft vocabulary is a subset of the target's")
     if args.aux_layer_ids is not None and sorted(args.aux_layer_ids) != target.aux_layer_ids:
         raise ValueError(f"the draft reads target layers {sorted(args.aux_layer_ids)} (its "
                          "eagle_aux_hidden_state_layer_ids) but the target captures "
@@ -448,7 +455,11 @@ def ttt_loss(head, tokens, target_states, target_logits, num_steps, decay=0.8):
     the rows that have that label and whose target argmax lies in the draft vocabulary; step i
     weighs decay**i. Returns the loss and, per step, the share of labelled rows where the head's
     top-1 (in target ids) equals the target's argmax (the rate at which greedy verify would
-    accept that draft, had all before it been accepted and had the text been the target's own)."""
+    accept that draft, had all before it been accepted and had the text been the target's own).
+    Steps with no labelled row (i >= T - 1) are not scored, nor listed."""
+    if tokens.shape[1] < 2:
+        raise ValueError(f"ttt_loss needs sequences of at least 2 tokens (step 0 of row t is "
+                         f"scored on the target's prediction at t + 1), not {tokens.shape[1]}")
     steps = head.unroll(tokens, target_states, num_steps)                      # [S, B, T, Vd]
     hot = head.hot_ids()
     in_vocab = torch.zeros(target_logits.shape[-1], dtype=torch.bool, device=hot.device)

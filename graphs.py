@@ -1,6 +1,6 @@
 """Explicit CUDA graph capture and replay (torch.cuda.CUDAGraph; no torch.compile graph modes).
 
-One graph per key (a GraphKey: phase, attention mode, batch, tokens, cache slots): inputs are
+One graph per key (a GraphKey: phase, attention mode, batch, tokens, cache slots read): inputs are
 copied into static buffers, a few warm-up runs go on a side stream, and every graph allocates
 from one shared memory pool. A key with no graph is captured on first use, with the real inputs,
 so the warm-up writes to the KV cache are the very writes the replay makes. A captured function
@@ -26,17 +26,19 @@ from tp import print0
 
 class GraphKey(NamedTuple):
     """What one graph captures, named so that no reader takes one field for another.
-    phase: "decode_step" (the target reads one token a row), "verify" (the target reads the
-    newest token and the k drafts), "draft_extend" (the head reads the verified rows), "draft"
-    (the head's chain of steps, one token a step), or a name of the caller's;
-    mode: the target's attention, "extend" or "decode" (None for the head);
-    batch: rows; tokens: the tokens a row reads (for "draft", the head steps);
-    slots: the cache slots each forward reads (its kv_len; None: all)."""
+    phase: what the function does; verify.py's are "decode_step" (the target reads one token a
+    row), "verify" (the newest token and the k drafts), "accept_chain", "draft_extend" (the head
+    reads the verified rows), "draft" (the head's chain of steps), and a tree's "verify_tree",
+    "accept_tree", "draft_extend_tree" and "draft_tree"; timing.py adds its own;
+    mode: the target's attention, "extend" or "decode" (None where no target runs);
+    batch: rows; tokens: the tokens a row reads (for "draft", the head steps; for "draft_tree",
+    the nodes the head passes write);
+    kv_len: the cache slots each forward reads (None: all, or no cache)."""
     phase: str
     mode: str | None
     batch: int
     tokens: int
-    slots: int | None = None
+    kv_len: int | None = None
 
 
 def function_id(fn):
@@ -62,6 +64,17 @@ def function_name(fn):
     return getattr(f, "__qualname__", type(f).__name__)
 
 
+def check_inputs(key, static_in, inputs):
+    """A replay's inputs against those its graph captured (shapes and dtypes, host metadata): a
+    copy into the static buffers would broadcast a smaller input or cast another dtype, and a
+    missing input would leave the last call's in place."""
+    have = [(tuple(x.shape), x.dtype) for x in inputs]
+    want = [(tuple(x.shape), x.dtype) for x in static_in]
+    if have != want:
+        raise ValueError(f"CUDA graph {key} captured inputs {want} (shape, dtype), and this call "
+                         f"passes {have}: give each shape its own key")
+
+
 def copy_out(out):
     """A graph's output copied out of the pool: a tensor, or a tuple or named tuple (such as
     model.TargetOutput) of tensors and Nones."""
@@ -80,7 +93,9 @@ class CudaGraphs:
         self.device, self.warmup = device, warmup
         self.pool = torch.cuda.graph_pool_handle()
         self.graphs = {}  # key -> (graph, static inputs, static outputs)
-        self.functions = {}  # key -> (function_id, function_name) of what its graph captured
+        # key -> (function_id, function_name, function) of what its graph captured; holding the
+        # function keeps the tensors it binds alive, so no later tensor takes their ids
+        self.functions = {}
         self.before_replay = None  # a callable (fn, inputs) run before each replay, if set
 
     def capture(self, key, fn, *inputs):
@@ -95,7 +110,7 @@ class CudaGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             static_out = fn(*static_in)
         self.graphs[key] = (graph, static_in, static_out)
-        self.functions[key] = (function_id(fn), function_name(fn))
+        self.functions[key] = (function_id(fn), function_name(fn), fn)
         print0(f"captured CUDA graph {key}")
 
     def run(self, key, fn, *inputs):
@@ -107,6 +122,7 @@ class CudaGraphs:
             raise ValueError(f"CUDA graph {key} replays {self.functions[key][1]}, and this call "
                              f"passes {function_name(fn)}: give each function its own key")
         graph, static_in, static_out = self.graphs[key]
+        check_inputs(key, static_in, inputs)
         for buf, x in zip(static_in, inputs):
             buf.copy_(x)
         if self.before_replay is not None:

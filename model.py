@@ -133,6 +133,19 @@ def yarn_mscale(factor, mscale=1.0):
     return 1.0 if factor <= 1 else 0.1 * mscale * math.log(factor) + 1.0
 
 
+def slots_read(kv_len, capacity):
+    """The cache slots a forward reads: the first kv_len of the cache's `capacity` (None: all).
+    A host int, checked on the host; that kv_len exceeds every position written (each query must
+    see its own key) is the caller's to size (verify.kv_bucket): checking it would read the
+    positions off the device."""
+    if kv_len is None:
+        return capacity
+    if isinstance(kv_len, bool) or not isinstance(kv_len, int) or not 1 <= kv_len <= capacity:
+        raise ValueError(f"kv_len must be an int from 1 to the cache's {capacity} slots (None: "
+                         f"all), not {kv_len!r}")
+    return kv_len
+
+
 def rope_tables(dim, theta, rope_scaling, max_seq_len, device):
     """cos, sin [S, dim/2] in float32, YaRN-scaled when rope_scaling says so (HF's formulas). YaRN
     applies at every cache length here, as in HF transformers and SGLang. DeepSeek's own
@@ -583,7 +596,7 @@ class Block(nn.Module):
 
 class TargetOutput(NamedTuple):
     """What Transformer.forward returns, with or without capture_aux."""
-    logits: torch.Tensor        # [B, T, V] float32, the full vocabulary on every rank
+    logits: torch.Tensor        # [B, T, V] float32 (float64 for a float64 model), all of V
     aux: torch.Tensor | None    # [B, T, 3*D] the EAGLE-3 states with capture_aux, else None
 
 
@@ -657,7 +670,7 @@ class Transformer(nn.Module):
             raise ValueError(f"mode must be 'extend' or 'decode', not {mode!r}")
         if (slots is None) != (visible is None):
             raise ValueError("slots and visible go together: a tree's cache slots and its mask")
-        kv_len = kv_len or self.max_seq_len
+        kv_len = slots_read(kv_len, self.max_seq_len)
         x, residual = self.embed_tokens(tokens), None                         # [B, T, D]
         rope = self.rope[positions]                                           # [B, T, R/2, 2]
         if visible is None:

@@ -542,9 +542,9 @@ def test_cost_model_cycles_add_the_loops_commit_and_host_and_follow_the_sweep():
 
 
 def test_draft_bytes_read_embedding_rows_not_the_table():
-    """components.draft_bytes: a head pass reads its weights (fc only in the extend), the rows its
-    tokens look up and its key-value cache; a head with its own embedding (a checkpoint's) reads
-    no more than one that shares the target's."""
+    """components.draft_bytes: a head pass reads its weights (fc only in the extend; not d2t, of
+    which it gathers an entry a row), the rows its tokens look up and its key-value cache; a head
+    with its own embedding (a checkpoint's) reads no more than one that shares the target's."""
     import checkpoint
     import draft
     target = checkpoint.init_random(model.Transformer(checkpoint.preset("tiny"), 1, 16,
@@ -553,7 +553,7 @@ def test_draft_bytes_read_embedding_rows_not_the_table():
                    for o in (False, True))
     D, attn = shared.args.hidden_size, shared.midlayer.self_attn
     weights = sum(p.numel() * p.element_size() for n, p in shared.named_parameters()
-                  if not n.startswith("fc."))
+                  if not n.startswith("fc.") and n != "d2t")
     for head in (shared, own):
         assert components.draft_bytes(head, 10, 2, with_fc=False, tokens=3) == \
             weights + 4 * (2 * 2 * 10 * attn.n_local_kv_heads * attn.head_dim + 2 * 3 * D)
@@ -1581,9 +1581,9 @@ def test_progress_labels_count_tokens_not_cache_slots():
     assert len(verifies) > 2 and {key.mode for key in verifies} == {"extend", "decode"}
     for key in verifies:
         label = timing.phase_label(key, graph=True)
-        assert key.tokens == k + 1 and key.slots > k + 1 and f", {k + 1} tokens," in label, (key,
+        assert key.tokens == k + 1 and key.kv_len > k + 1 and f", {k + 1} tokens," in label, (key,
         label)
-        assert str(key.slots) not in label, (key, label)
+        assert str(key.kv_len) not in label, (key, label)
     assert ", 1 token," in timing.phase_label(isolated["decode_step"], graph=False)
     assert f", {k + 1} tokens," in timing.phase_label(isolated["draft_extend"], graph=False)
     assert {key.phase for key in rec.keys} == {"verify", "accept_chain", "draft_extend", "draft"}

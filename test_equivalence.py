@@ -40,8 +40,8 @@ from testing import (assert_close, captured_calls, eager_without_pdl, edit_check
                      TRITON_DEVICE)
 from tp import TP
 from verify import (Probe, accept, accept_tree, generate, sample, simulated_accept,
-                    simulated_center, simulated_mean, tree_accept, tree_ancestors, tree_emitted,
-                    tree_forward, tree_visible)
+                    simulated_center, simulated_mean, tree_ancestors, tree_emitted,
+                    tree_forward, tree_visible, walk_tree)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,6 +113,13 @@ def test_kv_len_bounds_the_read_without_changing_results():
         caches[:, :, 16:] = float("nan")
     assert_close(m(step, step_pos, "decode", kv_len=16).logits, full, 1e-12,
                  "kv_len=16 vs full cache")
+    head = Eagle3Draft(draft_preset("tiny"), m)                 # the target's cache size, 64
+    hidden = torch.zeros(*step.shape, head.args.hidden_size, dtype=torch.float64)
+    for bad in (0, 65, 16.0, True):   # none of them "all slots" or a slot count the cache has
+        with pytest.raises(ValueError, match="kv_len must be an int from 1 to the cache's 64"):
+            m(step, step_pos, "decode", kv_len=bad)
+        with pytest.raises(ValueError, match="kv_len must be an int from 1 to the cache's 64"):
+            head(step, step_pos, hidden, kv_len=bad)
 
 
 def test_aux_states_are_the_chosen_layer_outputs():
@@ -942,8 +949,14 @@ def test_requests_that_cannot_run_are_refused():
         generate(target, None, [[1]] * 3, max_new_tokens=2)
     with pytest.raises(RuntimeError, match="CUDA graphs need a CUDA device"):   # a CPU model
         generate(target, None, [[1, 2]], max_new_tokens=2, use_graphs=True)
-    with pytest.raises(ValueError, match=r"must be \[B, P\] with B, P >= 1"):
-        generate(target, None, torch.zeros(2, 0, dtype=torch.int64), max_new_tokens=2)
+    for prompts in (torch.zeros(2, 0, dtype=torch.int64), torch.tensor([[1.7, 2.2]])):
+        with pytest.raises(ValueError, match=r"integer ids \[B, P\] with B, P >= 1"):
+            generate(target, None, prompts, max_new_tokens=2)
+    for prompts in ([1, 2, 3], ["hello"], "hello", [[1, 2], []], [[1, 2.5]], [[True]], []):
+        with pytest.raises(ValueError, match="a list of token-id lists"):
+            generate(target, None, prompts, max_new_tokens=2)
+    with pytest.raises(ValueError, match="topk sizes a draft tree"):
+        generate(target, None, [[1, 2]], max_new_tokens=2, topk=2)
     for temperature in (-1.0, float("nan")):
         with pytest.raises(ValueError, match="temperature must be >= 0"):
             generate(target, None, [[1, 2]], max_new_tokens=2, temperature=temperature)
@@ -952,6 +965,9 @@ def test_requests_that_cannot_run_are_refused():
     head = Eagle3Draft(draft_preset("tiny"), target)
     with pytest.raises(ValueError, match="give topk too"):
         generate(target, head, [[1, 2]], max_new_tokens=2, num_steps=2, num_draft_tokens=3)
+    Vd = head.args.draft_vocab_size
+    with pytest.raises(ValueError, match=f"topk {Vd + 1} > the head's draft vocabulary of {Vd}"):
+        generate(target, head, [[1, 2]], max_new_tokens=2, num_steps=2, topk=Vd + 1)
     for size in (dict(max_seq_len=8), dict(max_batch_size=1)):
         small = Eagle3Draft(draft_preset("tiny"), target, **size)
         with pytest.raises(ValueError, match="the draft head's cache holds"):
@@ -959,8 +975,8 @@ def test_requests_that_cannot_run_are_refused():
 
 
 def test_configs_that_cannot_route_or_draft_are_refused():
-    """Router groups that cannot give K experts, and a head that cannot read its target, are
-    refused when built, naming the fields."""
+    """Router groups that cannot give K experts, a head that cannot read its target, a rank
+    outside its world, and head calls that cannot run are refused, naming the fields."""
     for groups in (dict(n_group=2, topk_group=1, num_experts_per_tok=5),   # 4 kept experts
                    dict(n_group=3, topk_group=1, num_experts_per_tok=2),   # 8 in 3 groups
                    dict(n_group=4, topk_group=5, num_experts_per_tok=2),   # 5 of 4 groups
@@ -972,6 +988,19 @@ def test_configs_that_cannot_route_or_draft_are_refused():
         Eagle3Draft(draft_preset("tiny", hidden_size=32), target)
     with pytest.raises(ValueError, match="not a multiple of num_key_value_heads 4"):
         Eagle3Draft(draft_preset("tiny", num_attention_heads=6, num_key_value_heads=4), target)
+    with pytest.raises(ValueError, match="draft_vocab_size 512 must lie in \\[1, vocab_size 256"):
+        Eagle3Draft(draft_preset("tiny", draft_vocab_size=512), target)
+    for bad in (dict(rank=2, world_size=2), dict(rank=-1, world_size=2), dict(world_size=0)):
+        with pytest.raises(ValueError, match="the rank in \\[0, world size\\)"):
+            TP(**bad)
+    head = Eagle3Draft(draft_preset("tiny"), target)
+    tokens, positions = torch.zeros(1, 2, dtype=torch.int64), torch.arange(2).expand(1, 2)
+    hidden = torch.zeros(1, 2, head.args.hidden_size)
+    with pytest.raises(ValueError, match="slots and visible go together"):
+        head(tokens, positions, hidden, visible=torch.ones(1, 2, 8, dtype=torch.bool))
+    with pytest.raises(ValueError, match="sequences of at least 2 tokens"):
+        ttt_loss(head, tokens[:, :1], torch.zeros(1, 1, 3 * target.args.hidden_size),
+                 torch.zeros(1, 1, target.args.vocab_size), 3)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1135,7 +1164,7 @@ def test_tree_greedy_walks_the_targets_argmax():
     for b, choice in plan.items():
         for node, tok in choice.items():
             logits[b, node, tok] += 20
-    m, path, bonus = tree_accept(logits, tree, 3, 0.0, None)
+    m, path, bonus = walk_tree(logits, tree, 3, 0.0, None)
     assert m.tolist() == [2, 3, 0, 2] and bonus.tolist() == [1, 6, 11, 0]
     assert path.tolist() == [[0, 2, 5, 5], [0, 1, 4, 7], [0, 0, 0, 0], [0, 1, 3, 3]]
     emitted = tree_emitted(tree, path, m, bonus)
@@ -1156,7 +1185,7 @@ def test_tree_greedy_equals_a_walk_on_the_host_and_masks_see_only_ancestors():
                 logits[b, i, tree.tokens[b, kids[int(torch.randint(len(kids), (1,),
                                                                    generator=g))]]] += 20
     depth = int(tree.depths.max())
-    m, path, bonus = tree_accept(logits, tree, depth, 0.0, None)
+    m, path, bonus = walk_tree(logits, tree, depth, 0.0, None)
     start = torch.randint(0, 5, (B,), generator=g)
     visible = tree_visible(tree.parents, start, 20)
     for b in range(B):
@@ -1200,7 +1229,7 @@ def test_tree_sampling_follows_the_target():
         tree = Tree(t, torch.tensor([-1, 0, 0, 0, 1, 1]).expand(R, -1),
                     torch.tensor([0, 1, 1, 1, 2, 2]).expand(R, -1),
                     torch.zeros(R, 6))
-        m, path, bonus = tree_accept(logits.expand(R, 6, V), tree, 2, 1.0, g)
+        m, path, bonus = walk_tree(logits.expand(R, 6, V), tree, 2, 1.0, g)
         emitted = tree_emitted(tree, path, m, bonus)
         checks = [(torch.ones(R, dtype=torch.bool), 0, p[0])]
         checks += [(emitted[:, 0] == root_kids[c], 1, p[1 + c]) for c in (0, 1)]
@@ -1228,7 +1257,7 @@ def test_tree_sampling_never_emits_a_token_the_target_rules_out(monkeypatch):
     monkeypatch.setattr(torch, "rand", lambda *shape, **kw: torch.full(shape, 1.0 - 2 ** -24))
     tree = Tree(torch.tensor([[1, 3, 5]]), torch.tensor([[-1, 0, 0]]), torch.tensor([[0, 1, 1]]),
                 None)
-    m, _, bonus = tree_accept(logits.expand(1, 3, V), tree, 1, 1.0, torch.Generator())
+    m, _, bonus = walk_tree(logits.expand(1, 3, V), tree, 1, 1.0, torch.Generator())
     assert m.item() == 0 and bonus.item() in (3, 5), f"emitted {bonus.item()}, p 0 there"
 
 
@@ -1729,8 +1758,9 @@ def fake_capture(graph, pool=None):
 
 def test_graph_replay_reads_each_calls_inputs(monkeypatch):
     """CudaGraphs.run copies each call's inputs into the static inputs its graph captured: run
-    again on new inputs, it returns their result, not the first call's. On any machine, with
-    torch.cuda's graph, streams and pool faked; the function writes its output in place."""
+    again on new inputs, it returns their result, not the first call's; inputs of another shape,
+    dtype or count are refused before anything replays. On any machine, with torch.cuda's graph,
+    streams and pool faked; the function writes its output in place."""
     stream = SimpleNamespace(wait_stream=lambda other: None)
     fakes = dict(CUDAGraph=FakeGraph, graph=fake_capture, graph_pool_handle=lambda: None,
                  Stream=lambda device=None: stream, current_stream=lambda device=None: stream,
@@ -1748,6 +1778,10 @@ def test_graph_replay_reads_each_calls_inputs(monkeypatch):
     second = runner.run("key", double, torch.tensor([5.0, 7.0]))
     assert len(runner.graphs) == 1, "the second call captured again instead of replaying"
     assert first.tolist() == [2.0, 4.0] and second.tolist() == [10.0, 14.0], (first, second)
+    for bad in ((torch.tensor([3.0]),), (torch.tensor([3, 4]),), ()):  # broadcast, cast, stale
+        with pytest.raises(ValueError, match=r"captured inputs \[\(\(2,\), torch.float32\)\]"):
+            runner.run("key", double, *bad)
+    assert second.tolist() == [10.0, 14.0] and out.tolist() == [10.0, 14.0]   # nothing replayed
 
 
 @pytest.mark.gpu

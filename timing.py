@@ -734,7 +734,7 @@ def run_generate(b, draft, mode, graph):
     probe = Probe(timer.mark, a.simulate_accept_len if draft else None)
     b.clock.sync()
     t0 = time.perf_counter()
-    tree = a.speculative_eagle_topk > 1
+    tree = draft is not None and a.speculative_eagle_topk > 1   # plain decoding: no tree
     res = generate(b.target, draft, b.fill[:, :a.prompt_len].cpu(), max_new_tokens=a.max_new_tokens,
                    num_steps=b.k, attention_mode=mode, use_graphs=graph,
                    temperature=a.temperature, seed=a.seed, eos_id=-1,

@@ -140,6 +140,11 @@ class TP:
     simulated: bool = False  # one rank's shard of a TP-N model, collectives skipped
     one_shot: OneShotAllReduce | None = field(default=None, compare=False, repr=False)
 
+    def __post_init__(self):
+        if not 0 <= self.rank < self.world_size:
+            raise ValueError(f"TP rank {self.rank} of world size {self.world_size}: the world "
+                             "size must be >= 1 and the rank in [0, world size)")
+
     @staticmethod
     def from_env(allreduce="nccl"):
         """From the process group; "one-shot" sets up the symmetric buffer (a collective)."""
@@ -262,11 +267,11 @@ class ParallelLMHead(nn.Module):
 
     def forward(self, x):                               # [..., D] -> [..., V], float32 or wider
         y = F.linear(x, self.weight)
-        y = y.to(torch.promote_types(y.dtype, torch.float32))
-        if self.tp.world_size == 1:
-            return y
+        wide = torch.promote_types(y.dtype, torch.float32)   # widened after the gather: exact,
+        if self.tp.world_size == 1:                          # and half the bytes sent in bf16
+            return y.to(wide)
         if self.tp.simulated:  # the shape a gather would give, without the gather
-            return y.repeat(*([1] * (y.dim() - 1)), self.tp.world_size)
+            return y.repeat(*([1] * (y.dim() - 1)), self.tp.world_size).to(wide)
         parts = [torch.empty_like(y) for _ in range(self.tp.world_size)]
         dist.all_gather(parts, y.contiguous())
-        return torch.cat(parts, dim=-1)
+        return torch.cat(parts, dim=-1).to(wide)

@@ -22,9 +22,10 @@ long prompt never holds extend attention's scores for all its positions at once.
 
 A draft tree (topk given, draft.Eagle3Draft.tree) runs tree_cycle instead: its N nodes verified
 at slots after the prefix under a mask as data (tree_visible), accepted by a walk from the root
-(tree_accept: greedy, or multi-candidate rejection sampling, SpecInfer arXiv:2305.09781), the
+(walk_tree: greedy, or multi-candidate rejection sampling, SpecInfer arXiv:2305.09781), the
 accepted path's latents moved to slot = position (Transformer.move_cache).
 """
+import functools
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -86,16 +87,19 @@ class Loop:
 
 
 def pad_prompts(prompts, device):
-    """A list of id lists (ragged allowed) or an int64 [B, P] tensor -> padded [B, P],
+    """A list of id lists (ragged allowed) or an integer [B, P] tensor -> padded int64 [B, P],
     lengths [B]."""
     if isinstance(prompts, torch.Tensor):
-        if prompts.dim() != 2 or 0 in prompts.shape:
-            raise ValueError(f"prompts tensor must be [B, P] with B, P >= 1, not "
-                             f"{list(prompts.shape)}")
+        if prompts.dim() != 2 or 0 in prompts.shape or prompts.is_floating_point():
+            raise ValueError(f"a prompts tensor must be integer ids [B, P] with B, P >= 1, not "
+                             f"{prompts.dtype} {list(prompts.shape)}")
         lens = torch.full((prompts.shape[0],), prompts.shape[1], device=device)
         return prompts.to(device, torch.int64), lens
-    if not prompts or any(len(p) == 0 for p in prompts):
-        raise ValueError("every prompt needs at least one token")
+    if (isinstance(prompts, (str, bytes)) or not prompts
+            or any(isinstance(p, (str, bytes, int)) or not p for p in prompts)
+            or not all(isinstance(t, int) and not isinstance(t, bool) for p in prompts for t in p)):
+        raise ValueError("prompts must be a list of token-id lists, each of at least one int "
+                         f"(or an integer [B, P] tensor), not {str(prompts)[:60]}")
     P = max(len(p) for p in prompts)
     tokens = torch.tensor([list(p) + [0] * (P - len(p)) for p in prompts], dtype=torch.int64,
                           device=device)
@@ -245,6 +249,7 @@ def simulated_mean(center, k):
     return 1 + sum(0.5 * math.erfc((j + 0.5 - center) / math.sqrt(2)) for j in range(1, k + 1))
 
 
+@functools.cache   # one bisection a run (a few hundred µs of host time a cycle otherwise)
 def simulated_center(mean_len, k):
     """The center whose rounded, clamped normal has mean `mean_len` (bisection: the mean rises
     with the center). The clamp piles the tails onto 1 and k+1, so a normal centered at the mean
@@ -294,7 +299,7 @@ def tree_visible(parents, start, kv_len):
     return (rel < 0).unsqueeze(1) | (seen & in_tree)
 
 
-def tree_accept(logits, tree, max_depth, temperature, generator):
+def walk_tree(logits, tree, max_depth, temperature, generator):
     """Walk each row's tree from the root: at the current node, accept one of its children or
     stop. logits [B, N, V]: the target's at the tree's nodes; tree: a draft.Tree; max_depth: the
     deepest path, min(num_steps, N - 1). Greedy: the child whose token is the target's argmax
@@ -388,11 +393,13 @@ def commit(rows, emitted, m, eos, max_new_tokens):
     return count
 
 
-def prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, generator, eos, tree=None):
+def prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, generator, eos,
+            sizes=None):
     """The prompts through the target (eager: the shape changes with the prompt) and the first
     token committed; with a draft head, its extend over the prompts and the first k drafts.
-    Returns the Rows and the drafts [B, k] (None for plain decoding). tree: (K, S, N) to draft a
-    tree instead (a draft.Tree is returned); k is then its deepest path, min(S, N - 1)."""
+    Returns the Rows and the drafts [B, k] (None for plain decoding). sizes: a tree's (K, S, N)
+    to draft a tree instead (a draft.Tree is returned); k is then its deepest path,
+    min(S, N - 1)."""
     B, P = tokens.shape
     last = lens - 1                                            # each prompt's last position
     logits, aux = prefill_target(target, tokens, last, capture_aux=draft is not None)
@@ -407,8 +414,8 @@ def prefill(target, draft, tokens, lens, max_new_tokens, k, temperature, generat
     # the head reads token t+1 on row t: shift the prompt left, put x at the last row
     shifted = torch.cat([tokens[:, 1:], tokens[:, :1]], 1)
     shifted = shifted.scatter(1, last.unsqueeze(1), rows.x.unsqueeze(1))
-    if tree is not None:
-        K, S, N = tree
+    if sizes is not None:
+        K, S, N = sizes
         logits, g = prefill_draft(draft, shifted, aux, last, extend=draft.extend_logits)
         kv_draft = kv_bucket(P + (S - 1) * K, target.max_seq_len)
         return rows, draft.tree(rows.x, logits, g, last, K, S, N, kv_len=kv_draft)
@@ -454,7 +461,7 @@ def tree_cycle(loop, rows, tree, *, kv, kv_draft):
     """speculative_cycle for a draft tree (loop.sizes: K, S, N): the target verifies the tree's N
     nodes, x at the root, at positions cur + depth, writing them at the slots cur .. cur + N - 1
     in node order, each seeing the prefix, its ancestors and itself (tree_forward's mask,
-    tree_visible); accept_tree walks the tree (tree_accept) and emits its tokens (run_accept);
+    tree_visible); accept_tree walks the tree (walk_tree) and emits its tokens (run_accept);
     the accepted path's latents move to slot = position (Transformer.move_cache); the head extends
     over the path with the target's states there (writing its own cache at slot = position, so
     the head needs no move) and drafts the next tree. Returns m [B], emitted [B, D + 1] (D =
@@ -499,22 +506,22 @@ def tree_forward(target, tokens, parents, depths, start, mode, kv_len):
 def accept_tree(logits, tokens, parents, depths, done, max_depth, temperature, generator,
                 accept_len=None):
     """A tree's acceptance after its verify (tree_cycle), its tensors positional (a graph's
-    inputs): the walk (tree_accept on logits [B, N, V] and the tree's tokens, parents and depths
-    [B, N]; with accept_len, simulated_tree_accept), m held at 0 for finished rows (done [B]: a
+    inputs): the walk (walk_tree on logits [B, N, V] and the tree's tokens, parents and depths
+    [B, N]; with accept_len, simulated_walk_tree), m held at 0 for finished rows (done [B]: a
     finished row stays where it is, its head scratch too) and the tokens emitted (tree_emitted).
     Nothing here reads the device or writes outside its outputs, so a capture's warm-up runs may
     repeat it. Returns m [B], path [B, max_depth + 1], the target's own next token [B] and
     emitted [B, max_depth + 1]."""
     tree = Tree(tokens, parents, depths, None)
     if accept_len is None:
-        m, path, bonus = tree_accept(logits, tree, max_depth, temperature, generator)
+        m, path, bonus = walk_tree(logits, tree, max_depth, temperature, generator)
     else:
-        m, path, bonus = simulated_tree_accept(logits, tree, max_depth, accept_len, generator)
+        m, path, bonus = simulated_walk_tree(logits, tree, max_depth, accept_len, generator)
     m = m.masked_fill(done, 0)
     return m, path, bonus, tree_emitted(tree, path, m, bonus)
 
 
-def simulated_tree_accept(logits, tree, max_depth, mean_len, generator):
+def simulated_walk_tree(logits, tree, max_depth, mean_len, generator):
     """simulated_accept for a tree (SIMULATED): an accepted length drawn as there, taken along
     the tree's deepest branch (at each node the child with the deepest descendant; as far as the
     tree goes), and the target's argmax after it. (SGLang's SGLANG_SIMULATE_ACC_LEN takes the
@@ -537,10 +544,11 @@ def generate(target, draft, prompts, *, max_new_tokens=32, num_steps=3, attentio
              use_graphs=False, temperature=0.0, seed=0, eos_id=None, graphs=None, topk=None,
              num_draft_tokens=None, probe=NO_PROBE):
     """Speculative decoding with `draft` (an Eagle3Draft, or any object with its `extend` and
-    `chain`: the tests plant one, run eager), or plain decoding when draft is None. Prefill runs
-    eager; with use_graphs the decode step, the verify step, the head's extend and chain, and a
-    greedy, unsimulated accept (accept_chain, accept_tree) replay CUDA graphs (`graphs`, a
-    CudaGraphs, if given); attention_mode: "extend" or "decode".
+    `chain`, and for a tree `extend_logits` and `tree`: the tests plant one, run eager), or plain
+    decoding when draft is None. Prefill runs eager; with use_graphs the decode step, the verify
+    step, the head's extend and chain, and a greedy, unsimulated accept (accept_chain,
+    accept_tree) replay CUDA graphs; `graphs`, a CudaGraphs (or anything with its run), is the
+    runner they replay in, given or not use_graphs; attention_mode: "extend" or "decode".
     topk K (any K >= 1): a tree (tree_cycle) of num_steps levels and num_draft_tokens nodes,
     the root included (default num_steps + 1), instead of the chain.
     eos_id: an id or a list of ids that end a row (default: the checkpoint's EOS ids; -1: none).
@@ -605,6 +613,11 @@ def check_generate(draft, num_steps, attention_mode, accept_len, topk=None,
         raise ValueError(f"num_steps must be >= 1, not {num_steps}")
     if num_draft_tokens is not None and topk is None:
         raise ValueError("num_draft_tokens sizes a tree: give topk too (topk 1 for a chain)")
+    if draft is None and topk is not None:
+        raise ValueError("topk sizes a draft tree: plain decoding (draft None) has none")
+    vocab = getattr(getattr(draft, "args", None), "draft_vocab_size", None)
+    if vocab is not None and topk is not None and topk > vocab:
+        raise ValueError(f"topk {topk} > the head's draft vocabulary of {vocab} tokens")
     if draft is None and accept_len is not None:
         raise ValueError("a SIMULATED accept_len forces a draft's acceptance: plain decoding "
                          "(draft None) has none")

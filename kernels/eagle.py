@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 
 import draft
+from model import slots_read
 
 from . import common
 from .common import AttachAgain, _counters, _jit, _pow2, _wait_for_prior, launch, tl, triton
@@ -343,7 +344,7 @@ class DraftAttentionKernel(draft.DraftAttention):
                 or T * self.n_local_heads // self.n_local_kv_heads > DRAFT_ATTN_MAX_ROWS):
             return super().forward(x, positions, cos, sin, kv_len, past, slots, visible)
         q, k, v = self.project(x)
-        S = kv_len or self.k_cache.shape[1]
+        S = slots_read(kv_len, self.k_cache.shape[1])
         o = launch.draft_attention(q, k, v, cos, sin, positions, self.k_cache[:B, :S],
                                    self.v_cache[:B, :S],
                                    self.scale)
