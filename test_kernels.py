@@ -1861,6 +1861,37 @@ def test_router_kernel_uniform_routing_equals_twin(shape):
 
 
 @pytest.mark.triton
+@pytest.mark.parametrize("shape", list(ROUTER_SHAPES))
+def test_router_kernel_with_a_choice_equals_twin(shape):
+    """A choice made outside the router (routing "distinct" or "trace": model.Router's `choice`,
+    ids [N, K] -> ids [N, K]): the chosen ids, weighed by the model's sigmoid scores of the chosen
+    experts, normalized and scaled, as model.Router weighs them. Each call draws K distinct random
+    experts a token, the same for both routers; the identity choice (a trace without ids for the
+    call returns the router's own) keeps the router's ids and weights."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = tiny(**ROUTER_SHAPES[shape])
+    E, K = args.n_routed_experts, args.num_experts_per_tok
+    router, fast = random_routers(args, device, torch.float32, seed=len(shape) + 2)
+    g = torch.Generator().manual_seed(300 + len(shape))
+    for n in (1, 5, 20, 37) if device == "cuda" else (1, 5, 37):
+        x = torch.randn(n, args.hidden_size, generator=g).to(device)
+        picked = torch.rand(n, E, generator=g).argsort(1)[:, :K].to(device)
+        for name, choice in (("random", lambda ids, p=picked: p), ("identity", lambda ids: ids)):
+            for m in (router, fast):
+                m.routing, m.choice = "distinct", choice
+            ids, w = router(x)
+            if name == "random":
+                assert torch.equal(ids, picked), "model.Router does not take the choice"
+            for shared_slot in (False, True):
+                want_ids, want_w = ((ids, w) if not shared_slot
+                                    else kernels.with_shared_slot(ids, w, E))
+                got_ids, got_w = fast(x, shared_slot)
+                what = f"router kernel, {name} choice, {shape} N={n} shared slot {shared_slot}"
+                assert torch.equal(got_ids, want_ids), f"{what}: ids differ\n{got_ids}\n{ids}"
+                assert_close(got_w, want_w, 1e-6, f"{what}: weights")
+
+
+@pytest.mark.triton
 def test_add_rmsnorm_across_layers_equals_plain_with_exact_aux_states(monkeypatch):
     """kernels="add_rmsnorm": every residual add fused into the norm that reads it (the MLP output
     carried into the next layer's input norm, the last one into the final norm). Logits and the
