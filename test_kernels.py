@@ -1096,6 +1096,47 @@ def test_router_kernel_refuses_groups_it_cannot_score():
             kernels.router.router_topk(x, w, bias, top_k, n_group, topk_group, True, 1.0)
 
 
+def strided(n):
+    """A 1-D float32 view of n elements at stride 2."""
+    return torch.randn(2 * n)[::2]
+
+
+def strided_calls():
+    """Each entry point's call with one strided 1-D argument (the rest fitting), by the entry's
+    name: (the argument's name, the call)."""
+    D, x = 8, torch.randn(2, 8)
+    mla = mla_inputs(1, 1, **TINY_MLA, S=16, dtype=torch.float32, device="cpu", seed=0)
+    w = strided(mla["norm_weight"].shape[0])
+    cache_write = {k: mla[k] for k in ("q_pe", "kv", "k_pe", "eps", "rope", "positions",
+                                       "kv_cache", "pe_cache")}
+    return {
+        "add_rmsnorm": ("weight", lambda: kernels.add_rmsnorm(x, x, strided(D), 1e-6)),
+        "rmsnorm": ("weight", lambda: kernels.rmsnorm(x, strided(D), 1e-6)),
+        "norm_gemv": ("norm_weight",
+                      lambda: kernels.norm_gemv(x, torch.randn(4, D), strided(D), 1e-6)),
+        "draft_input_norms": ("hidden_weight", lambda: kernels.eagle.draft_input_norms(
+            x, x, torch.ones(D), 1e-6, strided(D), 1e-6)),
+        "mla_decode_attention": ("norm_weight", lambda: kernels.mla_decode_attention(
+            **{**mla, "norm_weight": w}, softmax_scale=0.1)),
+        "mla_rope_cache_write": ("norm_weight", lambda: kernels.mla_rope_cache_write(
+            **cache_write, norm_weight=w)),
+        "router_topk": ("bias", lambda: kernels.router.router_topk(
+            x, torch.randn(8, D), strided(8), 2, 1, 1, True, 1.0)),
+        "router_topk's weight": ("weight's rows", lambda: kernels.router.router_topk(
+            x, torch.randn(D, 8).t(), torch.zeros(8), 2, 1, 1, True, 1.0)),
+        "draft_top1": ("d2t", lambda: kernels.draft_top1(x, torch.arange(2 * D)[::2]))}
+
+
+@pytest.mark.parametrize("entry", list(strided_calls()))
+def test_a_strided_weight_is_refused(entry):
+    """A 1-D argument that a kernel reads as contiguous (a norm's weight, the router's bias, the
+    draft's d2t; the router's weight rows), given as a strided view: a ValueError naming it,
+    where the kernel would read the wrong elements."""
+    (name, call), launcher = strided_calls()[entry], entry.split("'")[0]
+    with pytest.raises(ValueError, match=f"^{launcher}: {name} must be contiguous"):
+        call()
+
+
 @pytest.mark.triton
 @pytest.mark.parametrize("shape", list(ROUTER_SHAPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

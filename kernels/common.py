@@ -1,6 +1,7 @@
 """What every kernel family shares: the Triton import guard, _jit, the interpreter switch,
-programmatic dependent launch (PDL, _wait_for_prior), the last-program counters, and `launch`,
-the kernels as the swaps call them."""
+programmatic dependent launch (PDL, _wait_for_prior), the last-program counters, the check of 1-D
+arguments read as contiguous (check_unit_stride), and `launch`, the kernels as the swaps call
+them."""
 import functools
 import math
 import os
@@ -152,6 +153,15 @@ def _counters(device):
     reset is relaxed: only a later launch reads the counter, after the kernel boundary (with
     programmatic dependent launch, after its wait for this grid), so no fence is needed there."""
     return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+
+
+def check_unit_stride(launcher, name, t):
+    """A ValueError naming `launcher`'s argument `name` where the 1-D tensor t has a stride other
+    than 1: the kernels read such a tensor as contiguous, and a copy made here instead would run
+    inside a captured graph at every replay."""
+    if t.dim() == 1 and t.numel() > 1 and t.stride(0) != 1:
+        raise ValueError(f"{launcher}: {name} must be contiguous (stride 1), got stride "
+                         f"{t.stride(0)}")
 
 
 def rows(x):

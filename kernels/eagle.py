@@ -59,6 +59,8 @@ def draft_input_norms(emb, hidden, emb_weight, emb_eps, hidden_weight, hidden_ep
         raise ValueError(f"draft_input_norms: emb {emb.dtype} {list(emb.shape)}, hidden "
                          f"{hidden.dtype} {list(hidden.shape)}, weights {list(emb_weight.shape)} "
                          f"{list(hidden_weight.shape)} do not fit")
+    common.check_unit_stride("draft_input_norms", "emb_weight", emb_weight)
+    common.check_unit_stride("draft_input_norms", "hidden_weight", hidden_weight)
     e2, h2 = emb.reshape(-1, D), hidden.reshape(-1, D)
     e2, h2 = (x if x.stride(-1) == 1 else x.contiguous() for x in (e2, h2))
     out = torch.empty(e2.shape[0], 2 * D, device=emb.device, dtype=emb.dtype)
@@ -317,6 +319,7 @@ def draft_top1(logits, d2t):
     if d2t.shape != (V,) or d2t.dtype != torch.int64 or not logits.is_floating_point():
         raise ValueError(f"draft_top1: logits {logits.dtype} {list(logits.shape)} and d2t "
                          f"{d2t.dtype} {list(d2t.shape)} do not fit [..., Vd] float and int64 [Vd]")
+    common.check_unit_stride("draft_top1", "d2t", d2t)
     x = logits.reshape(-1, V)
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(x.shape[0], device=logits.device, dtype=torch.int64)

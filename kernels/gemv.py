@@ -330,6 +330,8 @@ def _check_norm_gemv(x, weight, norm_weight, residual, rows):
                          f"rows, got {x.dtype} and {rows} rows (use the plain path)")
     if norm_weight is not None and norm_weight.shape != (K,):
         raise ValueError(f"norm_gemv: norm weight {list(norm_weight.shape)} is not [{K}]")
+    if norm_weight is not None:
+        common.check_unit_stride("norm_gemv", "norm_weight", norm_weight)
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"norm_gemv: residual {residual.dtype} {list(residual.shape)} is not of "
                          f"x's shape and dtype, {x.dtype} {list(x.shape)}")

@@ -445,6 +445,7 @@ def _check_norm_weight(launcher, norm_weight, kv):
     if norm_weight.shape != (C,) or norm_weight.device != kv.device:
         raise ValueError(f"{launcher}: norm_weight {list(norm_weight.shape)} on "
                          f"{norm_weight.device}: needs [{C}] on {kv.device}")
+    common.check_unit_stride(launcher, "norm_weight", norm_weight)
 
 
 def _check_decode_inputs(q_lat, q_pe, kv, k_pe, rope, positions, kv_cache, pe_cache):

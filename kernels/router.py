@@ -327,6 +327,10 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
         raise ValueError(f"router_topk: needs a bf16 or float32 weight [E, {D}] and a float32 "
                          f"bias [E], got {weight.dtype} {list(weight.shape)} and {bias.dtype} "
                          f"{list(bias.shape)} (float64: use the plain path)")
+    if weight.stride(1) != 1:
+        raise ValueError(f"router_topk: weight's rows must be contiguous (stride 1), got strides "
+                         f"{weight.stride()}")
+    common.check_unit_stride("router_topk", "bias", bias)
     if (E % n_group or not 1 <= topk_group <= n_group or top_k > E // n_group * topk_group
             or n_group > 1 and E // n_group < 2):   # a group scores by its two best experts
         raise ValueError(f"router_topk: {E} experts in {n_group} groups, {topk_group} kept, "
