@@ -782,14 +782,15 @@ SHARED_SPLIT = {"int4": 4, "fp8": 2}
 # SharedExpertInLaunch gives the GEMV launches its bf16 shared expert up to this many tokens; above,
 # the shared expert runs alone beside them (SharedExpertInLaunch.shared_alone: a gate-up GEMM, the
 # SwiGLU, the down GEMM adding onto the routed sum). Each of its SHARED_SPLIT programs a row block
-# runs the tokens one after another, so in the launch it costs more with every token (INT4: +3 us
-# a layer at 1 token, +80 at 16), alone about 12 us at any count. Chosen from the verify sweep
-# with both limits, one H200 run each (python run.py --skip-e2e --cuda-graph on --preset kimi-k2.5
-# --speculative-num-steps 2, and --quant fp8 --speculative-attention-mode decode): INT4 with 4
-# here is 0.19-0.38 ms slower at 5 to 8 tokens than with 8 and equal elsewhere; FP8 in the launch
-# is as fast or faster at every count to 28. (The kernel benchmark, python -m kernels.bench --moe
-# --variants gemv --shared, puts the INT4 crossover at 5 and FP8's at 12, back to back in a graph
-# of the MoE alone; the rule follows the whole step's measurement.)
+# runs the tokens one after another, so in the launch it costs more with every token. INT4, µs a
+# layer (BENCHMARKS.md, Kernel level, shapes/kernels_int4_shared_forms.json: python -m
+# kernels.bench --moe --formats int4 --variants gemv --shared): in the launch (the loop form)
+# 2.5 more than the routed experts alone at 1 token, 10.3 at 8, 14.6 at 12, 19.4 at 16; alone
+# 12.0-12.7 at any count. Chosen from the verify sweep with both limits, one H200 run each
+# (python run.py --skip-e2e --cuda-graph on --preset kimi-k2.5 --speculative-num-steps 2, and
+# --quant fp8 --speculative-attention-mode decode): INT4 with 4 here is 0.19-0.38 ms slower at 5
+# to 8 tokens than with 8 and equal elsewhere; FP8 in the launch is as fast or faster at every
+# count to 28.
 SHARED_MAX_TOKENS = {"int4": 8, "fp8": 32}
 # gate_up's shared programs in the dot form (_shared_gate_up_dot) from this many tokens, by format
 # (absent: the loop form always); each weight read once for all tokens, not once a token. FP8 (4
