@@ -89,8 +89,9 @@ def _weight_args(w, block_k):
 # side, num_warps)). A tile has BLOCK_N * SUB rows of BLOCK_K: SUB > 1 (FP8) lays SUB consecutive
 # 128-column scale blocks of a weight row out as rows of their own, so a step is one scale a tile
 # row and still 32 threads a weight row (at decode only 2048 gate/up rows exist). bf16 gate_up: 4
-# rows, one step of 512 in flight at decode (with the shared expert as a 9th pair its 288 programs
-# share the SMs), steps of 256 from 3 tokens; down 8 rows at decode, 16 above. FP8: down 16 rows.
+# rows, one step of 512 in flight at decode (with the shared expert as a 9th pair at I 256, 64 row
+# blocks x 9 pairs: 576 programs share the SMs), steps of 256 from 3 tokens; down 8 rows at
+# decode, 16 above. FP8: down 16 rows.
 # INT4: gate_up 1 row of 128 words, down 4 rows of 128 (8 rows of 256 on 2 warps would shuffle the
 # shared expert's tiles through shared memory). Re-derived by `python -m kernels.bench --moe --sweep
 # gemv` (INT4 with the shared expert: add --shared).
