@@ -18,15 +18,15 @@ from .moe_gemv import (FORMATS, GEMV_MAX_PAIRS, SHARED_SPLIT, ExpertWeights, _ch
 # Launches of a fixed grid for given (N, K, E): align (sort the P pairs by expert on the device,
 # each expert's pairs padded to whole BLOCK_M tiles; two launches, counting then placing, a program
 # per chunk of pairs), gate_up (a program per (tile of pairs of one expert, BLOCK_N rows of I): both
-# projections, SiLU and the product; INT4's may split D, a silu launch then finishing h), down (a
-# program per (tile, BLOCK_N rows of D): routing weight applied, one fp32 row per pair) and combine
-# (the K rows of a token summed). A tile holds pairs of one expert only, and every tile of an expert
-# reads that expert's weights, so an expert picked by up to BLOCK_M tokens is read exactly once. At
-# most min(E, P) + P // BLOCK_M tiles exist (sum over experts of ceil(count / BLOCK_M)); that bound
-# sizes the buffers and the grids, and tiles left unused exit at once. Weights are read as stored
-# (bf16 / fp32, FP8 e4m3 with block scales, INT4 packed words with group scales), dequantized in
-# registers; products accumulate in fp32. Deterministic: no atomics, so a graph replay equals the
-# eager call.
+# projections, SiLU and the product; FP8's (TILE_SPLIT) and INT4's may split D, a silu launch then
+# finishing h), down (a program per (tile, BLOCK_N rows of D): routing weight applied, one fp32 row
+# per pair) and combine (the K rows of a token summed). A tile holds pairs of one expert only, and
+# every tile of an expert reads that expert's weights, so an expert picked by up to BLOCK_M tokens
+# is read exactly once. At most min(E, P) + P // BLOCK_M tiles exist (sum over experts of ceil(count
+# / BLOCK_M)); that bound sizes the buffers and the grids, and tiles left unused exit at once.
+# Weights are read as stored (bf16 / fp32, FP8 e4m3 with block scales, INT4 packed words with group
+# scales), dequantized in registers; products accumulate in fp32. Deterministic: no atomics, so a
+# graph replay equals the eager call.
 
 # pairs per tile: tl.dot's smallest M. With N <= a few hundred and 384 experts most experts get 1-4
 # tokens, so a larger tile would only add padding rows (python -m kernels.bench --moe --sweep dot).
