@@ -44,11 +44,15 @@ PLAIN_WIDE_WIDTH = 256
 TILE_SPLIT = {"fp8": ((128, 7), (256, 4))}
 # The adaptive variant (fused_moe) runs the tiles where the call's distinct experts are at most
 # ADAPTIVE_SHARE / ADAPTIVE_SCALE of its token-expert pairs, else the GEMV. From the kernel
-# benchmark (FP8, 8 to 32 tokens; BENCHMARKS.md, Routing): the tiles win at 32 tokens with 183 of
-# 256 pairs distinct (0.71) and with fewer, tie at 16 with 105 of 128 (0.82) and lose with every
-# pair distinct (run.py's uniform routing). In the step, under the trained probe's routing trace,
-# the tiles it picked at 10-16 tokens (0.65-0.74 of the pairs distinct) were no faster than the
-# GEMV with the variant's fixed costs; from 24 tokens (0.51-0.70) they were faster
+# benchmark (FP8, 8 to 32 tokens, each token's experts from D of 384; BENCHMARKS.md, Routing, "FP8:
+# the GEMV; the tiles; the adaptive variant"): at D 384 the tiles win at 32 tokens with 192 of 256
+# pairs distinct (0.75; 367.3 against 416.6 µs) and lose at 16 with 108 of 128 (0.84; the GEMV 6%
+# faster, 216.7 against 229.9) and at 8 with 61 of 64; at D 32 and 8 (fewer distinct) they win at
+# every count. With every pair distinct (run.py's uniform routing) a verify with the tiles from 5
+# tokens took 2.4-5.6 ms more at 5-32 tokens (BENCHMARKS.md, Tried and not kept). In the step, under
+# the trained probe's routing trace, the tiles it picked at 10-16 tokens (0.65-0.74 of the pairs
+# distinct) were no faster than the GEMV with the variant's fixed costs; from 24 tokens (0.51-0.70)
+# they were faster
 ADAPTIVE_SHARE, ADAPTIVE_SCALE = 3, 4
 # the align's two launches (_moe_count_kernel, _moe_place_kernel): a program per ALIGN_CHUNK pairs
 # (the count a [ALIGN_CHUNK, E] one-hot, the place a [ALIGN_CHUNK, ALIGN_CHUNK] compare), padding
