@@ -91,7 +91,7 @@ def pdl_off():
 # predecessor, and a prefetch would come just before the load it serves; pdl_off leaves it, so that
 # a profile times the kernels the graphs replay). 1024 bytes: the INT4 decode step and verify
 # of 3 each 0.08 ms less than without; 4096 bytes gave back three quarters and half of that, 512
-# and 2048 a little (BENCHMARKS.md, Kept and Tried).
+# and 2048 a little (BENCHMARKS.md: Verify sweep, its Kept table; Tried and not kept).
 PREFETCH_ROW_BYTES = 1024
 PREFETCH = PDL
 

@@ -63,8 +63,8 @@ NORM_GEMV_PROGRAMS = 264
 # (9.9 at 1-2, 12.7-12.9 at 3-4, 25.4-51.7 from 5; cuBLAS 13.2-13.9); q_b with its norm 5.5-5.7
 # (3.7-5.0 at 1-4, 7.9 at 5-8; cuBLAS 8.8-9.9); o_proj 6.0 (5.7-6.1 at 1-2, 8.1 at 3-4; cuBLAS
 # 6.4-6.6). In run.py's verify the form paid only from 5 rows (at 3-4 q_a + kv_a no time saved;
-# BENCHMARKS.md, Kept and Tried). NORM_GEMV_DOT: (BLOCK_N, BLOCK_K, warps, stages), the best of
-# 16-64 x 128-512 x 2-4 stages at q_a + kv_a and q_b.
+# BENCHMARKS.md: Verify sweep, its Kept table; Tried and not kept). NORM_GEMV_DOT: (BLOCK_N,
+# BLOCK_K, warps, stages), the best of 16-64 x 128-512 x 2-4 stages at q_a + kv_a and q_b.
 NORM_GEMV_DOT_MIN_ROWS = 5
 NORM_GEMV_DOT = (32, 128, 4, 4)
 # x's rows may be cut into groups (group_rows, a power of 2), a program a group, the groups of a W
