@@ -106,9 +106,11 @@ GEMV_SMALL_TOKENS = 2
 # a shared expert routed as one more slot a token moves no boundary), by format and by a rank's
 # expert width I (Kimi-K2's 2048 split over TP 8, 4, 2), from `python -m kernels.bench --moe [--tp
 # N]` (D 7168, 384 experts, 1 to 32 tokens, uniform routing) on the H200. At TP 8 (I 256):
-#  - FP8: the GEMV at 1.55-1.78x its floor, the tiles at 1.71x (32 tokens) to 6.9x (1 token); the
-#    tiles catch up at 20-24 tokens and are 4% faster at 32, but there the GEMV also carries the
-#    bf16 shared expert, which beside the tiles runs alone (12.6 us a layer): 32;
+#  - FP8: the GEMV at 1.51-2.20x its floor, the tiles at 7.11x (1 token) down to 1.63x (32
+#    tokens); the tiles are 7% slower at 16 tokens (232.7 against 216.6 us) and 5.5% faster at 32
+#    (393.4 against 416.4: BENCHMARKS.md, Kernel level, shapes/kernels_crossover_tip.json), but
+#    there the GEMV also carries the bf16 shared expert, which beside the tiles runs alone (12.7 us
+#    a layer at 32 tokens: the INT4 shared-forms table there): 32;
 #  - INT4: the GEMV at 1.6-2.3x from 2 tokens (2.9x at 1), the tiles at 2.9-5.9x (their
 #    section in moe.py), 1.7-2.2x the GEMV's time at every count (BENCHMARKS.md, Kernel level,
 #    the table by variant): 32;
