@@ -119,10 +119,10 @@ GEMV_SMALL_TOKENS = 2
 #    against 59), the tiles from 3 (72 against 81): 2.
 # At TP 4 (I 512) and TP 2 (I 1024), no shared expert, us a layer (benchmarks/shapes/
 # kernels_tp{4,2}_moe.json, kernels_tp{4,2}_fp8_16to32_moe.json): FP8 GEMV / tiles 395 / 407 at 16
-# tokens, 494 / 499 at 20, 590 / 582 at 24 and 780 / 699 at 32 (TP 4), 771 / 782, 957 / 953, 1151 /
-# 1075 and 1518 / 1313 (TP 2): 20; INT4 the GEMV at every count (against tiles older than
-# moe.py's, 3.3-4.6x slower): 32;
-# bf16 172 / 194 at 2 and 245 / 242 at 3 at TP 2: 2. bf16 at TP 4 stays at 2 though its GEMV led
+# tokens, 494 / 499 at 20, 589 / 581 at 24 and 780 / 699 at 32 (TP 4), 771 / 782, 957 / 953, 1151 /
+# 1075 and 1518 / 1313 (TP 2): 20; INT4 the GEMV at every count, the tiles 3.3-4.6x slower
+# (measured against an older INT4 tile kernel, c1c0373's, and not re-measured against moe.py's):
+# 32; bf16 172 / 194 at 2 and 245 / 242 at 3 at TP 2: 2. bf16 at TP 4 stays at 2 though its GEMV led
 # up to 8 tokens there (315 / 320 at 8, 615 / 579 at 16): those rows lack the shared expert that
 # SharedExpertInLaunch folds in as one more expert a token, which the GEMV reads once a token and
 # the tiles once, as in TP 8's rows; they are not measured with it.
@@ -485,7 +485,8 @@ def _nibble(words, high, J: tl.constexpr, magic):
     the float 2^23 + nib * 2^b (b its bit position), and one FMA scales and subtracts. A float's
     mantissa has 23 bits: nibbles 5-7 come from high = words >> 12 (bits 8-19). magic: 0x4B000000,
     the bits of 2^23, passed at run time so that the AND and the OR compile to one instruction (LOP3
-    takes one immediate: with both constants known, the sm_90 code had two a nibble)."""
+    takes one immediate: were both constants known at compile time, the sm_90 code would hold two
+    instructions a nibble)."""
     if J < 5:
         f = ((words & (15 << (4 * J))) | magic).to(tl.float32, bitcast=True)
         return f * (1.0 / (1 << (4 * J))) - (8388608.0 / (1 << (4 * J)) + 8.0)
