@@ -39,14 +39,15 @@ from .moe_gemv import _check_planes
 # Past this many tokens cuBLAS's logits (and a copy into the INT4 GEMV's planes) before the
 # selection kernel
 ROUTER_GEMV_MAX_TOKENS = 32
-# Up to this many tokens the logits kernel's last program selects; past it the selection kernel,
-# a program a token. 0: on the H200 the launch of its own is as fast or faster at every count,
-# under the model's routing and SIMULATED uniform (python -m kernels.bench --router, 8 routers
-# past the L2: 9.4 against 10.5 us at 1 token, the model's; BENCHMARKS.md, Kernel level). The
-# INT4 decode step under the model's routing took 0.19 ms less with this 0 and one warp below
-# than with 2 and four warps (3.725 -> 3.539 ms; verify 0.03-0.11 less at 2-32 tokens): the last
-# program's selection is a serial tail after every logits program. Under Triton's CPU
-# interpreter the last program still selects (_select_in_kernel).
+# Up to this many tokens the logits kernel's last program selects; past it the selection kernel, a
+# program a token. 0: on the H200 the launch of its own is as fast or faster at every count, under
+# the model's routing and SIMULATED uniform (python -m kernels.bench --router, measured with a graph
+# of 8 routers of float32 weights past the L2, 88 MB; bench_router's graph holds 16 of bf16 weights,
+# the same bytes: 9.4 against 10.5 us at 1 token, the model's; BENCHMARKS.md, Kernel level). The
+# INT4 decode step under the model's routing took 0.19 ms less with this 0 and one warp below than
+# with 2 and four warps (3.725 -> 3.539 ms; verify 0.03-0.11 less at 2-32 tokens): the last
+# program's selection is a serial tail after every logits program. Under Triton's CPU interpreter
+# the last program still selects (_select_in_kernel).
 ROUTER_SELECT_MAX_TOKENS = 0
 # warps of the selection kernel's program: its K rounds of max, first index and weight are
 # reductions over the E scores, on one warp by shuffles alone, on more also across warps through
@@ -56,15 +57,16 @@ ROUTER_SELECT_WARPS = 1
 # D slices, at most: one step of a tile a program (7 slices of 1024: 672 programs for 384
 # experts, 224 for 128) (python -m kernels.bench --small)
 ROUTER_SPLIT_D = 8
-# The chunks' kernel (measured with float32 weights; µs a call: python -m kernels.bench --router,
-# then 8 routers past the L2, 384 experts; verify: run.py's sweep, 61 routers; BENCHMARKS.md:
-# Verify sweep, Kept): 4 experts a program, a tile of 4096 elements (1024 columns of D a step, 64
-# a thread) on 2 warps, 4 tokens at a time. 8 experts and 8192 elements on 4 warps, 8 tokens at a
-# time, were 0.3-4.6 us slower a call at every count (verify 0.11-0.24 ms more at 10-12 tokens,
-# 0.02-0.08 at 5-8, in every format). All 16 tokens at once on 8 warps took 33 us at 12 tokens
-# against 14 at 8. With bf16 weights (a tile half the bytes) 8192 elements on 2 or 4 warps were
-# 0.2-0.4 us faster at 1-4 tokens under the model's routing, 0.2-0.5 slower under uniform and
-# 0.3-2.0 slower at 8-12 (BENCHMARKS.md, Tried and not kept).
+# The chunks' kernel (measured with float32 weights; µs a call: python -m kernels.bench --router
+# with a graph of 8 such routers past the L2, 88 MB (bench_router's graph holds 16 of bf16 weights,
+# the same bytes), 384 experts; verify: run.py's sweep, 61 routers; BENCHMARKS.md: Verify sweep,
+# Kept): 4 experts a program, a tile of 4096 elements (1024 columns of D a step, 64 a thread) on 2
+# warps, 4 tokens at a time. 8 experts and 8192 elements on 4 warps, 8 tokens at a time, were
+# 0.3-4.6 us slower a call at every count (verify 0.11-0.24 ms more at 10-12 tokens, 0.02-0.08 at
+# 5-8, in every format). All 16 tokens at once on 8 warps took 33 us at 12 tokens against 14 at 8.
+# With bf16 weights (a tile half the bytes) 8192 elements on 2 or 4 warps were 0.2-0.4 us faster at
+# 1-4 tokens under the model's routing, 0.2-0.5 slower under uniform and 0.3-2.0 slower at 8-12
+# (BENCHMARKS.md, Tried and not kept).
 ROUTER_BLOCK_E = 4          # experts a program
 ROUTER_TILE = 4096          # elements of the [experts, D] weight tile a program holds
 ROUTER_WARPS = 2            # its warps: a token's sums reduced across them
