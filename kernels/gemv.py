@@ -472,9 +472,10 @@ def head_bmm(x, weight):
 launch.norm_gemv = norm_gemv
 launch.head_gemv = head_gemv
 
-# Rows (B * T) up to which the GEMV swaps run their kernel instead of cuBLAS (and model.RMSNorm):
-# where the kernel is faster at Kimi-K2's TP-8 shapes (python -m kernels.bench --small --tokens
-# 1,2,3,4,5,6,8,12,16; µs, kernel against twin), and in run.py's verify.
+# Rows (B * T) up to which the GEMV swaps run their kernel instead of cuBLAS (and model.RMSNorm),
+# at Kimi-K2's TP-8 shapes, from the kernel's time against its twin's (python -m kernels.bench
+# --small --tokens 1,2,3,4,5,6,8,12,16; µs, kernel against twin) and from run.py's verify; where
+# the two disagree the limit follows the verify (head_gemv's W_uk, below).
 # - The stacked q_a + kv_a (cuBLAS: a split-K GEMV and a reduce): up to 16 (the CUDA cores' form
 #   12.7 against 12.9 at 4; from 5 rows the tensor cores', 11.0-11.2 against 13.2-13.9).
 # - With the input add + norm inside (InputNormInQKVA): one row; from 2 rows add_rmsnorm and the
@@ -486,7 +487,9 @@ launch.head_gemv = head_gemv
 #   against cuBLAS's 8.8-9.7).
 # - The absorbed W_uk, W_uv (head_gemv): up to 16, in groups of 4 rows from 5 (HEAD_GEMV_GROUP_ROWS;
 #   at 10 to 16 rows 5.5-5.7 and 3.2-3.8 against the einsums' 5.2-5.3 and 5.3-6.2; in one program
-#   of 16 rows 7.5 and 4.1 at 12).
+#   of 16 rows 7.5 and 4.1 at 12). Alone W_uk is slower there; the 16-row limit rests on the INT4
+#   verify with both to 16 rows: 0.26, 0.21 and 0.19 ms less at 10, 12 and 16 tokens (51f1c09;
+#   BENCHMARKS.md, Verify sweep, Kept).
 # Re-checked in the step (run.py's INT4 verify sweep, each limit raised alone): o_proj to 4 rows
 # and the input norm inside to 4 made the verify slower where they moved it (BENCHMARKS.md, Tried
 # and not kept).
