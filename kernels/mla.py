@@ -73,13 +73,16 @@ MLA_MERGE_ABSORB_REGS = 64
 # less at one row; at 4 rows the separate merge is faster (python -m kernels.bench,
 # mla_merge_absorb)
 MLA_MERGE_ABSORB_MAX_ROWS = 1
-# rows B*T up to which the decode kernel's cache parts prefetch their first tile (PREFETCH): where
-# the kernel before it, head_gemv's W_uk, runs under PDL (to HEAD_GEMV_MAX_ROWS rows), so the
-# prefetch overlaps that kernel's tail; past it cuBLAS's W_uk precedes and the programs start after
-# it, where the prefetch would only come before the loads it serves. Verify, two runs each in one
-# call: INT4 at 20-32 tokens 0.015-0.054 ms less on the mean than with the prefetch at every row
-# (within the runs' spread), bf16 at 20 tokens 0.03 less in both; INT4 at 3 tokens 0.023 less
-# than without the prefetch (BENCHMARKS.md, Verify sweep, Kept)
+# rows B*T up to which the decode kernel's cache parts prefetch their first tile (PREFETCH),
+# whatever computes the absorbed W_uk product launched before it (DecodeAttentionKernel's
+# absorb_query): with "norm_gemv" swapped in, up to HEAD_GEMV_MAX_ROWS rows that is head_gemv,
+# launched under PDL, so the prefetch overlaps that kernel's tail; without "norm_gemv", and past
+# those rows, torch's product (cuBLAS, launched without PDL) precedes it, the programs start after
+# it and the prefetch comes just before the loads it serves. Measured with run.py's default kernels
+# (all, "norm_gemv" among them). Verify, two runs each in one call: INT4 at 20-32 tokens 0.015-0.054
+# ms less on the mean than with the prefetch at every row (within the runs' spread), bf16 at 20
+# tokens 0.03 less in both; INT4 at 3 tokens 0.023 less than without the prefetch (BENCHMARKS.md,
+# Verify sweep, Kept)
 MLA_PREFETCH_MAX_ROWS = HEAD_GEMV_MAX_ROWS
 
 
