@@ -135,13 +135,27 @@ def _wait_for_prior():
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@_jit
+def _last_program(count_ptr, i, n):
+    """After a program's stores: True in the last of the n programs sharing counter i of count_ptr
+    to get here, which sets the counter back to 0 for the next launch (_counters); False in the
+    others. The add is acquire-release (the last program sees the others' stores), the reset
+    relaxed."""
+    tl.debug_barrier()  # every thread's stores before the counter's release
+    last = tl.atomic_add(count_ptr + i, 1) == n - 1
+    if last:
+        tl.atomic_xchg(count_ptr + i, 0, sem="relaxed")
+    return last
+
+
 def _pow2(n, least=16):
     return max(least, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
-# The counters of the kernels that end in a last program (router, norm_gemv, the GEMV MoE's shared
-# expert, the draft attention kernel): one per program group a launch adds into; a launch that would
-# need more refuses (no sweep: a capacity, far above Kimi-K2's largest need).
+# The counters of the kernels that end in a last program (_last_program: norm_gemv, the GEMV MoE's
+# shared expert, the draft attention kernel; the router's the same steps written out): one per
+# program group a launch adds into; a launch that would need more refuses (no sweep: a capacity,
+# far above Kimi-K2's largest need).
 COUNTERS = 4096
 
 

@@ -8,7 +8,8 @@ import torch.nn.functional as F
 import draft
 
 from . import common
-from .common import AttachAgain, _counters, _jit, _pow2, _wait_for_prior, launch, tl, triton
+from .common import (AttachAgain, _counters, _jit, _last_program, _pow2, _wait_for_prior, launch,
+                     tl, triton)
 from .mla import _load_rows, _online_softmax_step, _softmax_new_tokens, _store_partial, _store_rows
 from .stacked import stack_rows, training
 
@@ -207,10 +208,7 @@ def _draft_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_p
     _store_partial(po_ptr + ((bg * parts + part) * M + offs_m) * HD,
                    lse_ptr + (bg * parts + part) * M + offs_m,
                    m_i, l_i, acc, row_ok, HD)
-    tl.debug_barrier()  # every thread's stores before the counter's release
-    # the other parts are stored: merge, in part order
-    if tl.atomic_add(count_ptr + bg, 1) == parts - 1:
-        tl.atomic_xchg(count_ptr + bg, 0, sem="relaxed")
+    if _last_program(count_ptr, bg, parts):  # the other parts are stored: merge, in part order
         out = _merge_parts(po_ptr, lse_ptr, bg * parts, parts, offs_m, row_ok, M, HD, BLOCK_D)
         _store_rows(o_ptr + b * s_ob + t_m * s_ot + head * s_oh, out.to(o_ptr.dtype.element_ty),
                     row_ok, HD)

@@ -8,8 +8,8 @@ import model
 import tp
 
 from . import common
-from .common import (_counters, _jit, _pow2, _prefetch_matrix_rows, _wait_for_prior, launch,
-                     rows, tl, triton)
+from .common import (_counters, _jit, _last_program, _pow2, _prefetch_matrix_rows,
+                     _wait_for_prior, launch, rows, tl, triton)
 from .stacked import StackedQKVA
 
 
@@ -84,10 +84,8 @@ def _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, q, s, rows, n, M,
     tl.store(part_ptr + (s * M + rows[:, None]) * N + n[None, :], acc, mask=ok)
     mine = ss_ptr + (q * SPLITS + s) * BLOCK_M + tl.arange(0, BLOCK_M)
     tl.store(mine, ss)
-    tl.debug_barrier()  # every thread's stores before the counter's release
-    last = tl.atomic_add(count_ptr + q, 1) == SPLITS - 1
+    last = _last_program(count_ptr, q, SPLITS)
     if last:  # the block's other slices are stored: add them
-        tl.atomic_xchg(count_ptr + q, 0, sem="relaxed")
         acc = tl.zeros_like(acc)
         ss = tl.zeros_like(ss)
         for t in range(SPLITS):  # in slice order (.cg: from L2, never a stale L1 line)

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from . import common
-from .common import _counters, _jit, _wait_for_prior, tl, triton
+from .common import _counters, _jit, _last_program, _wait_for_prior, tl, triton
 
 
 @dataclass
@@ -296,9 +296,7 @@ def _shared_h(part_ptr, hs_ptr, count_ptr, N, pid_n, n, n_ok, I: tl.constexpr, S
     finish adds every split's g and u (part [2, SPLIT, N, I]) in split order and stores h = silu(g)
     * u into hs [N, I] at rows n, for every token; it resets the row block's counter
     count_ptr[pid_n] to 0."""
-    tl.debug_barrier()  # every thread's stores before the counter's release
-    if tl.atomic_add(count_ptr + pid_n, 1) == SPLIT - 1:   # the other splits are stored: add them
-        tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed")
+    if _last_program(count_ptr, pid_n, SPLIT):   # the other splits are stored: add them
         for t in range(N):
             g = tl.zeros(n.shape, tl.float32)
             u = tl.zeros(n.shape, tl.float32)

@@ -126,6 +126,8 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
     _store_part(part_ptr, acc, j, n, N, e, E, s_ps, s_pn)
     if not SELECT:   # the selection kernel selects, launched next
         return
+    # common._last_program's handshake, written out: the grid's size is read after the counter's
+    # add, where a call would read it before the barrier (its argument)
     tl.debug_barrier()  # every thread's stores before the counter's release
     if tl.atomic_add(count_ptr, 1) == tl.num_programs(0) * tl.num_programs(1) - 1:
         tl.atomic_xchg(count_ptr, 0, sem="relaxed")  # the last program: every partial sum is stored
