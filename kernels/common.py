@@ -148,6 +148,12 @@ def _last_program(count_ptr, i, n):
     return last
 
 
+@_jit
+def _silu_mul(g, u):
+    """SwiGLU's silu(g) * u as the MoE kernels compute it: g / (1 + exp(-g)) * u."""
+    return g / (1.0 + tl.exp(-g)) * u
+
+
 def _pow2(n, least=16):
     return max(least, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 

@@ -7,7 +7,8 @@ import model
 
 from . import common, moe_gemv
 from .stacked import stack_rows
-from .common import HAVE_TRITON, AttachAgain, _jit, _wait_for_prior, interpreting, tl, triton
+from .common import (HAVE_TRITON, AttachAgain, _jit, _silu_mul, _wait_for_prior, interpreting, tl,
+                     triton)
 from .moe_gemv import (FORMATS, GEMV_MAX_PAIRS, SHARED_SPLIT, ExpertWeights, _check_planes,
                        _gemv_configs, _weight_args, gemv_max_tokens)
 
@@ -283,7 +284,7 @@ def _moe_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_expert_ptr
                             FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
     ok = row_ok[:, None] & n_ok[None, :]
     if SPLIT == 1:
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        h = _silu_mul(acc_g, acc_u)
         tl.store(h_ptr + pair[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=ok)
     else:
@@ -460,7 +461,7 @@ def _moe_int4_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_exper
                                    xt.dtype, PACKED), xt, acc_u, input_precision=PRECISION)
     ok = (pair < P) & (n < I)
     if SPLIT == 1:
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        h = _silu_mul(acc_g, acc_u)
         tl.store(h_ptr + pair.to(tl.int64) * I + n, h.to(h_ptr.dtype.element_ty), mask=ok)
     else:
         part = part_ptr + ((pid_k * P + pair).to(tl.int64) * 2) * I + n
@@ -488,7 +489,7 @@ def _moe_silu_kernel(part_ptr, h_ptr, use_tiles_ptr, P, I: tl.constexpr, SPLIT: 
     for s in tl.static_range(SPLIT):
         g += tl.load(part_ptr + s * P * 2 * I + at, mask=ok, other=0.0)
         u += tl.load(part_ptr + s * P * 2 * I + at + I, mask=ok, other=0.0)
-    tl.store(h_ptr + c, (g / (1.0 + tl.exp(-g)) * u).to(h_ptr.dtype.element_ty), mask=ok)
+    tl.store(h_ptr + c, _silu_mul(g, u).to(h_ptr.dtype.element_ty), mask=ok)
 
 
 @_jit

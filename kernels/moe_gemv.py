@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from . import common
-from .common import _counters, _jit, _last_program, _wait_for_prior, tl, triton
+from .common import _counters, _jit, _last_program, _silu_mul, _wait_for_prior, tl, triton
 
 
 @dataclass
@@ -305,7 +305,7 @@ def _shared_h(part_ptr, hs_ptr, count_ptr, N, pid_n, n, n_ok, I: tl.constexpr, S
                              cache_modifier=".cg")
                 u += tl.load(part_ptr + ((SPLIT + s) * N + t) * I + n, mask=n_ok, other=0.0,
                              cache_modifier=".cg")
-            tl.store(hs_ptr + t * I + n, g / (1.0 + tl.exp(-g)) * u, mask=n_ok)
+            tl.store(hs_ptr + t * I + n, _silu_mul(g, u), mask=n_ok)
 
 
 @_jit
@@ -402,7 +402,7 @@ def _gate_up_pass(pair, v_ptr, h_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr,
     g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
     if SUB > 1:  # the sub-blocks of each row
         g, u = tl.sum(tl.reshape(g, [BLOCK_N, SUB]), 1), tl.sum(tl.reshape(u, [BLOCK_N, SUB]), 1)
-    h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + pair)
+    h = _silu_mul(g, u) * tl.load(route_w_ptr + pair)
     i = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(h_ptr + pair.to(tl.int64) * I + i, h, mask=i < I)
 
@@ -620,7 +620,7 @@ def _store_int4_h(h_ptr, route_w_ptr, p, n, n_ok, acc_g, acc_u, I: tl.constexpr,
     [len(n), BW], in the order down reads: plane order (fp32) or pair-plane order (PACKED, bf16),
     as _moe_gemv_int4_gate_up_kernel says."""
     g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
-    h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + p)
+    h = _silu_mul(g, u) * tl.load(route_w_ptr + p)
     if PACKED:
         tl.store(h_ptr + p.to(tl.int64) * I + 2 * ((n % 4) * (I // 8) + n // 8) + n % 8 // 4,
                  h.to(tl.bfloat16), mask=n_ok)
