@@ -184,6 +184,13 @@ def check_unit_stride(launcher, name, t):
                          f"{t.stride(0)}")
 
 
+def sm_count(device):
+    """The SMs of a CUDA device, which the attention kernels' splits fill; 8 elsewhere (Triton's
+    CPU interpreter), so that its tests still split a cache. device: a torch.device."""
+    return (torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda" else 8)
+
+
 def rows(x):
     """The rows of x [..., K] (the product of its leading dims)."""
     return math.prod(x.shape[:-1])

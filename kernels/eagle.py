@@ -217,9 +217,7 @@ def _draft_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_p
 def draft_split_len(kv_len, programs_per_part, block_n, device):
     """Slots per split: about two programs an SM over a full cache, each split at least
     DRAFT_ATTN_MIN_SPLIT slots and whole tiles. Host ints only."""
-    sms = (torch.cuda.get_device_properties(device).multi_processor_count
-           if device.type == "cuda" else 8)
-    want = max(1, 2 * sms // programs_per_part - 1)
+    want = max(1, 2 * common.sm_count(device) // programs_per_part - 1)
     split = max(DRAFT_ATTN_MIN_SPLIT, math.ceil(kv_len / want))
     return math.ceil(split / block_n) * block_n
 

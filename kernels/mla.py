@@ -424,9 +424,7 @@ def mla_split_len(kv_len, batch, m_blocks, block_n, device):
     """Slots per split: enough splits that a full cache and the new tokens' part give one
     program per SM (one wave), each split at least MLA_MIN_SPLIT slots and a whole number of
     tiles. Host ints only."""
-    sms = (torch.cuda.get_device_properties(device).multi_processor_count
-           if device.type == "cuda" else 8)
-    want = max(1, sms // (batch * m_blocks) - 1)
+    want = max(1, common.sm_count(device) // (batch * m_blocks) - 1)
     split = max(MLA_MIN_SPLIT, math.ceil(kv_len / want))
     return math.ceil(split / block_n) * block_n
 
