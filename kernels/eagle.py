@@ -222,14 +222,8 @@ def draft_split_len(kv_len, programs_per_part, block_n, device):
     return math.ceil(split / block_n) * block_n
 
 
-def draft_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len=None):
-    """The head's attention after the projections (draft.DraftAttention.forward with past, slots
-    and visible None), one launch: rotates q and k (rotate-half, cos and sin [B, T, Hd/2] float32
-    at the positions), writes k and v at slot = position into k_cache, v_cache [B, S, G, Hd] (views,
-    strided over B and S) and returns softmax(scale q k^T) v over the slots <= each token's
-    position, o [B, T, H, Hd] in q's dtype. q [B, T, H, Hd], k and v [B, T, G, Hd] (last dims
-    contiguous, one dtype with the caches); positions int64 [B, T] on the device, consecutive in a
-    row and below S. No host read: S, not the positions, sets the launch."""
+def _check_draft_inputs(q, k, v, cos, sin, positions, k_cache, v_cache):
+    """draft_attention's inputs, or a ValueError that names what does not fit."""
     B, T, H, HD = q.shape
     G, S = k.shape[2], k_cache.shape[1]
     if (k.shape != (B, T, G, HD) or v.shape != k.shape or H % G or HD % 2
@@ -258,6 +252,20 @@ def draft_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split
     for name, x in dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache).items():
         if x.stride(-1) != 1:
             raise ValueError(f"draft_attention: {name}'s last dim must be contiguous")
+
+
+def draft_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len=None):
+    """The head's attention after the projections (draft.DraftAttention.forward with past, slots
+    and visible None), one launch: rotates q and k (rotate-half, cos and sin [B, T, Hd/2] float32
+    at the positions), writes k and v at slot = position into k_cache, v_cache [B, S, G, Hd] (views,
+    strided over B and S) and returns softmax(scale q k^T) v over the slots <= each token's
+    position, o [B, T, H, Hd] in q's dtype. q [B, T, H, Hd], k and v [B, T, G, Hd] (last dims
+    contiguous, one dtype with the caches); positions int64 [B, T] on the device, consecutive in a
+    row and below S. No host read: S, not the positions, sets the launch."""
+    B, T, H, HD = q.shape
+    G, S = k.shape[2], k_cache.shape[1]
+    _check_draft_inputs(q, k, v, cos, sin, positions, k_cache, v_cache)
+    M = T * (H // G)
     cos = cos if cos.stride(-1) == 1 and cos.stride() == sin.stride() else cos.contiguous()
     sin = sin if sin.stride() == cos.stride() else sin.contiguous()
     block_n = DRAFT_ATTN_BLOCK_N[q.dtype]
