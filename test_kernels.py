@@ -1096,6 +1096,47 @@ def test_router_kernel_refuses_groups_it_cannot_score():
             kernels.router.router_topk(x, w, bias, top_k, n_group, topk_group, True, 1.0)
 
 
+def strided(n):
+    """A 1-D float32 view of n elements at stride 2."""
+    return torch.randn(2 * n)[::2]
+
+
+def strided_calls():
+    """Each entry point's call with one strided 1-D argument (the rest fitting), by the entry's
+    name: (the argument's name, the call)."""
+    D, x = 8, torch.randn(2, 8)
+    mla = mla_inputs(1, 1, **TINY_MLA, S=16, dtype=torch.float32, device="cpu", seed=0)
+    w = strided(mla["norm_weight"].shape[0])
+    cache_write = {k: mla[k] for k in ("q_pe", "kv", "k_pe", "eps", "rope", "positions",
+                                       "kv_cache", "pe_cache")}
+    return {
+        "add_rmsnorm": ("weight", lambda: kernels.add_rmsnorm(x, x, strided(D), 1e-6)),
+        "rmsnorm": ("weight", lambda: kernels.rmsnorm(x, strided(D), 1e-6)),
+        "norm_gemv": ("norm_weight",
+                      lambda: kernels.norm_gemv(x, torch.randn(4, D), strided(D), 1e-6)),
+        "draft_input_norms": ("hidden_weight", lambda: kernels.eagle.draft_input_norms(
+            x, x, torch.ones(D), 1e-6, strided(D), 1e-6)),
+        "mla_decode_attention": ("norm_weight", lambda: kernels.mla_decode_attention(
+            **{**mla, "norm_weight": w}, softmax_scale=0.1)),
+        "mla_rope_cache_write": ("norm_weight", lambda: kernels.mla_rope_cache_write(
+            **cache_write, norm_weight=w)),
+        "router_topk": ("bias", lambda: kernels.router.router_topk(
+            x, torch.randn(8, D), strided(8), 2, 1, 1, True, 1.0)),
+        "router_topk's weight": ("weight's rows", lambda: kernels.router.router_topk(
+            x, torch.randn(D, 8).t(), torch.zeros(8), 2, 1, 1, True, 1.0)),
+        "draft_top1": ("d2t", lambda: kernels.draft_top1(x, torch.arange(2 * D)[::2]))}
+
+
+@pytest.mark.parametrize("entry", list(strided_calls()))
+def test_a_strided_weight_is_refused(entry):
+    """A 1-D argument that a kernel reads as contiguous (a norm's weight, the router's bias, the
+    draft's d2t; the router's weight rows), given as a strided view: a ValueError naming it,
+    where the kernel would read the wrong elements."""
+    (name, call), launcher = strided_calls()[entry], entry.split("'")[0]
+    with pytest.raises(ValueError, match=f"^{launcher}: {name} must be contiguous"):
+        call()
+
+
 @pytest.mark.triton
 @pytest.mark.parametrize("shape", list(ROUTER_SHAPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -1858,6 +1899,37 @@ def test_router_kernel_uniform_routing_equals_twin(shape):
             what = f"uniform router kernel {shape} N={n} shared slot {shared_slot}"
             assert torch.equal(got_ids, ids), f"{what}: ids differ\n{got_ids}\n{ids}"
             assert_close(got_w, w, 1e-6, f"{what}: weights")
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("shape", list(ROUTER_SHAPES))
+def test_router_kernel_with_a_choice_equals_twin(shape):
+    """A choice made outside the router (routing "distinct" or "trace": model.Router's `choice`,
+    ids [N, K] -> ids [N, K]): the chosen ids, weighed by the model's sigmoid scores of the chosen
+    experts, normalized and scaled, as model.Router weighs them. Each call draws K distinct random
+    experts a token, the same for both routers; the identity choice (a trace without ids for the
+    call returns the router's own) keeps the router's ids and weights."""
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    args = tiny(**ROUTER_SHAPES[shape])
+    E, K = args.n_routed_experts, args.num_experts_per_tok
+    router, fast = random_routers(args, device, torch.float32, seed=len(shape) + 2)
+    g = torch.Generator().manual_seed(300 + len(shape))
+    for n in (1, 5, 20, 37) if device == "cuda" else (1, 5, 37):
+        x = torch.randn(n, args.hidden_size, generator=g).to(device)
+        picked = torch.rand(n, E, generator=g).argsort(1)[:, :K].to(device)
+        for name, choice in (("random", lambda ids, p=picked: p), ("identity", lambda ids: ids)):
+            for m in (router, fast):
+                m.routing, m.choice = "distinct", choice
+            ids, w = router(x)
+            if name == "random":
+                assert torch.equal(ids, picked), "model.Router does not take the choice"
+            for shared_slot in (False, True):
+                want_ids, want_w = ((ids, w) if not shared_slot
+                                    else kernels.with_shared_slot(ids, w, E))
+                got_ids, got_w = fast(x, shared_slot)
+                what = f"router kernel, {name} choice, {shape} N={n} shared slot {shared_slot}"
+                assert torch.equal(got_ids, want_ids), f"{what}: ids differ\n{got_ids}\n{ids}"
+                assert_close(got_w, want_w, 1e-6, f"{what}: weights")
 
 
 @pytest.mark.triton

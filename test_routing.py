@@ -297,12 +297,11 @@ def first_router_calls(target, tokens, positions):
 
 @pytest.mark.triton
 def test_distinct_routing_through_the_router_kernel():
-    """kernels.RouterKernel under a choice made outside ("distinct", as "trace"): the choice's ids,
-    those the plain router takes, in every layer; its weights stay the kernel's own selection's
-    (model.Router's under routing "model"), not the plain router's scores at the chosen ids (the
-    kernel's docstring says so): the first MoE layer, whose input no routing changes, shows both.
-    On the CPU interpreter the tiny model keeps 3 of its 8 layers (a dense one, then 2 MoE layers:
-    the first and one whose input the choice has changed); the GPU runs all 8."""
+    """kernels.RouterKernel under a choice made outside ("distinct", as "trace"): the choice's ids
+    and the weights the plain router gives them (its scores at the chosen experts, normalized and
+    scaled), in every layer. On the CPU interpreter the tiny model keeps 3 of its 8 layers (a dense
+    one, then 2 MoE layers: the first and one whose input the choice has changed); the GPU runs
+    all 8."""
     from testing import TRITON_DEVICE
     layers = 8 if TRITON_DEVICE.type == "cuda" else 3
     build = partial(model.Transformer, checkpoint.preset("tiny", num_hidden_layers=layers), 1, 32,
@@ -316,14 +315,12 @@ def test_distinct_routing_through_the_router_kernel():
     for T, D in cases:
         tokens = torch.randint(0, 256, (1, T), device=TRITON_DEVICE)
         positions = torch.arange(T, device=TRITON_DEVICE).unsqueeze(0)
-        plain.set_routing("model")
-        own = first_router_calls(plain, tokens, positions)[0][1]
         for m in (target, plain):
             m.set_routing("distinct", routing.DistinctChoice(D, E, K, seed=T))
         got, want = (first_router_calls(m, tokens, positions) for m in (target, plain))
-        for layer, ((ids, _), (plain_ids, _)) in enumerate(zip(got, want)):
+        for layer, ((ids, w), (plain_ids, plain_w)) in enumerate(zip(got, want)):
             assert torch.equal(ids, plain_ids), f"T {T}, D {D}, layer {layer}"
-        assert_close(got[0][1], own, 1e-5, f"T {T}, D {D}: the kernel's own weights")
+            assert_close(w, plain_w, 1e-5, f"T {T}, D {D}, layer {layer}: the weights")
         assert_distinct(routed_ids(target, tokens, positions), D, K, f"kernel, T {T}, D {D}")
 
 

@@ -41,8 +41,10 @@ E routed experts, G expert groups, K experts per token, I expert intermediate (t
 slice), P = N*K token-expert pairs (gemv.py's GEMVs use GEMM's M rows, N outputs, K inputs;
 eagle.py's G is the head's kv heads). Every kernel keeps a fixed launch shape for given input
 shapes and reads no device value on the host, so all of them can be captured in CUDA graphs.
-Every kernel begins with _wait_for_prior() and every launch passes launch_pdl=common.PDL: on
-Hopper a kernel starts while the one before it finishes (programmatic dependent launch, common.py).
+Every kernel begins with _wait_for_prior(), preceded at most by an L2 prefetch (of weight rows;
+in MLA's decode kernel, of cached slots: common.py), and every launch passes
+launch_pdl=common.PDL: on Hopper a kernel starts while the one before it finishes (programmatic
+dependent launch, common.py).
 """
 
 from .common import HAVE_TRITON, PDL, check_available, interpreting, launch

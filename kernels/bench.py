@@ -371,13 +371,13 @@ def bench_norm_gemv(bw, rows, sweep=False, Ms=None):
     program a group (group_rows; None: the default, one group for norm_gemv, HEAD_GEMV_GROUP_ROWS
     for head_gemv), and norm_gemv in each form forced (dot False: the CUDA cores', True: the
     tensor cores'; None: its rule, gemv.NORM_GEMV_DOT_MIN_ROWS).
-    sweep: block configurations too, K whole in a program (programs 1: the first version's shape)
-    among them."""
+    sweep: block configurations too, among them K whole in a program (programs 1: no split of K,
+    whatever the row blocks)."""
     print(f"\nnorm_gemv, Kimi-K2 TP 8, bf16 (us per call in a graph; GB/s of the weight; copy "
           f"{bw:.0f} GB/s)")
     dt = torch.bfloat16
-    # (BLOCK_N, BLOCK_K, programs, group_rows, dot) at M 1; programs 1 keeps K whole in a program,
-    # the first version's shape
+    # (BLOCK_N, BLOCK_K, programs, group_rows, dot) at M 1; programs 1 keeps K whole in a program
+    # (no split of K)
     sweep_points = [(16, 256, 1024, None, False), (64, 256, 1024, None, False),
                     (32, 256, 512, None, False), (32, 256, 2048, None, False),
                     (32, 512, 1024, None, False), (32, 256, 1, None, False)] if sweep else []

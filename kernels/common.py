@@ -1,6 +1,7 @@
 """What every kernel family shares: the Triton import guard, _jit, the interpreter switch,
-programmatic dependent launch (PDL, _wait_for_prior), the last-program counters, and `launch`,
-the kernels as the swaps call them."""
+programmatic dependent launch (PDL, _wait_for_prior), the last-program counters, the check of 1-D
+arguments read as contiguous (check_unit_stride), and `launch`, the kernels as the swaps call
+them."""
 import functools
 import math
 import os
@@ -90,7 +91,7 @@ def pdl_off():
 # predecessor, and a prefetch would come just before the load it serves; pdl_off leaves it, so that
 # a profile times the kernels the graphs replay). 1024 bytes: the INT4 decode step and verify
 # of 3 each 0.08 ms less than without; 4096 bytes gave back three quarters and half of that, 512
-# and 2048 a little (BENCHMARKS.md, Kept and Tried).
+# and 2048 a little (BENCHMARKS.md: Verify sweep, its Kept table; Tried and not kept).
 PREFETCH_ROW_BYTES = 1024
 PREFETCH = PDL
 
@@ -134,13 +135,33 @@ def _wait_for_prior():
         tl.extra.cuda.gdc_launch_dependents()
 
 
+@_jit
+def _last_program(count_ptr, i, n):
+    """After a program's stores: True in the last of the n programs sharing counter i of count_ptr
+    to get here, which sets the counter back to 0 for the next launch (_counters); False in the
+    others. The add is acquire-release (the last program sees the others' stores), the reset
+    relaxed."""
+    tl.debug_barrier()  # every thread's stores before the counter's release
+    last = tl.atomic_add(count_ptr + i, 1) == n - 1
+    if last:
+        tl.atomic_xchg(count_ptr + i, 0, sem="relaxed")
+    return last
+
+
+@_jit
+def _silu_mul(g, u):
+    """SwiGLU's silu(g) * u as the MoE kernels compute it: g / (1 + exp(-g)) * u."""
+    return g / (1.0 + tl.exp(-g)) * u
+
+
 def _pow2(n, least=16):
     return max(least, 1 << max(0, math.ceil(math.log2(max(n, 1)))))
 
 
-# The counters of the kernels that end in a last program (router, norm_gemv, the GEMV MoE's shared
-# expert, the draft attention kernel): one per program group a launch adds into; a launch that would
-# need more refuses (no sweep: a capacity, far above Kimi-K2's largest need).
+# The counters of the kernels that end in a last program (_last_program: norm_gemv, the GEMV MoE's
+# shared expert, the draft attention kernel; the router's the same steps written out): one per
+# program group a launch adds into; a launch that would need more refuses (no sweep: a capacity,
+# far above Kimi-K2's largest need).
 COUNTERS = 4096
 
 
@@ -152,6 +173,22 @@ def _counters(device):
     reset is relaxed: only a later launch reads the counter, after the kernel boundary (with
     programmatic dependent launch, after its wait for this grid), so no fence is needed there."""
     return torch.zeros(COUNTERS, dtype=torch.int32, device=device)
+
+
+def check_unit_stride(launcher, name, t):
+    """A ValueError naming `launcher`'s argument `name` where the 1-D tensor t has a stride other
+    than 1: the kernels read such a tensor as contiguous, and a copy made here instead would run
+    inside a captured graph at every replay."""
+    if t.dim() == 1 and t.numel() > 1 and t.stride(0) != 1:
+        raise ValueError(f"{launcher}: {name} must be contiguous (stride 1), got stride "
+                         f"{t.stride(0)}")
+
+
+def sm_count(device):
+    """The SMs of a CUDA device, which the attention kernels' splits fill; 8 elsewhere (Triton's
+    CPU interpreter), so that its tests still split a cache. device: a torch.device."""
+    return (torch.cuda.get_device_properties(device).multi_processor_count
+            if device.type == "cuda" else 8)
 
 
 def rows(x):

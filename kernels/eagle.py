@@ -9,7 +9,8 @@ import draft
 from model import slots_read
 
 from . import common
-from .common import AttachAgain, _counters, _jit, _pow2, _wait_for_prior, launch, tl, triton
+from .common import (AttachAgain, _counters, _jit, _last_program, _pow2, _wait_for_prior, launch,
+                     tl, triton)
 from .mla import _load_rows, _online_softmax_step, _softmax_new_tokens, _store_partial, _store_rows
 from .stacked import stack_rows, training
 
@@ -60,6 +61,8 @@ def draft_input_norms(emb, hidden, emb_weight, emb_eps, hidden_weight, hidden_ep
         raise ValueError(f"draft_input_norms: emb {emb.dtype} {list(emb.shape)}, hidden "
                          f"{hidden.dtype} {list(hidden.shape)}, weights {list(emb_weight.shape)} "
                          f"{list(hidden_weight.shape)} do not fit")
+    common.check_unit_stride("draft_input_norms", "emb_weight", emb_weight)
+    common.check_unit_stride("draft_input_norms", "hidden_weight", hidden_weight)
     e2, h2 = emb.reshape(-1, D), hidden.reshape(-1, D)
     e2, h2 = (x if x.stride(-1) == 1 else x.contiguous() for x in (e2, h2))
     out = torch.empty(e2.shape[0], 2 * D, device=emb.device, dtype=emb.dtype)
@@ -206,10 +209,7 @@ def _draft_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_p
     _store_partial(po_ptr + ((bg * parts + part) * M + offs_m) * HD,
                    lse_ptr + (bg * parts + part) * M + offs_m,
                    m_i, l_i, acc, row_ok, HD)
-    tl.debug_barrier()  # every thread's stores before the counter's release
-    # the other parts are stored: merge, in part order
-    if tl.atomic_add(count_ptr + bg, 1) == parts - 1:
-        tl.atomic_xchg(count_ptr + bg, 0, sem="relaxed")
+    if _last_program(count_ptr, bg, parts):  # the other parts are stored: merge, in part order
         out = _merge_parts(po_ptr, lse_ptr, bg * parts, parts, offs_m, row_ok, M, HD, BLOCK_D)
         _store_rows(o_ptr + b * s_ob + t_m * s_ot + head * s_oh, out.to(o_ptr.dtype.element_ty),
                     row_ok, HD)
@@ -218,21 +218,13 @@ def _draft_attention_kernel(q_ptr, k_ptr, v_ptr, cos_ptr, sin_ptr, pos_ptr, kc_p
 def draft_split_len(kv_len, programs_per_part, block_n, device):
     """Slots per split: about two programs an SM over a full cache, each split at least
     DRAFT_ATTN_MIN_SPLIT slots and whole tiles. Host ints only."""
-    sms = (torch.cuda.get_device_properties(device).multi_processor_count
-           if device.type == "cuda" else 8)
-    want = max(1, 2 * sms // programs_per_part - 1)
+    want = max(1, 2 * common.sm_count(device) // programs_per_part - 1)
     split = max(DRAFT_ATTN_MIN_SPLIT, math.ceil(kv_len / want))
     return math.ceil(split / block_n) * block_n
 
 
-def draft_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len=None):
-    """The head's attention after the projections (draft.DraftAttention.forward with past, slots
-    and visible None), one launch: rotates q and k (rotate-half, cos and sin [B, T, Hd/2] float32
-    at the positions), writes k and v at slot = position into k_cache, v_cache [B, S, G, Hd] (views,
-    strided over B and S) and returns softmax(scale q k^T) v over the slots <= each token's
-    position, o [B, T, H, Hd] in q's dtype. q [B, T, H, Hd], k and v [B, T, G, Hd] (last dims
-    contiguous, one dtype with the caches); positions int64 [B, T] on the device, consecutive in a
-    row and below S. No host read: S, not the positions, sets the launch."""
+def _check_draft_inputs(q, k, v, cos, sin, positions, k_cache, v_cache):
+    """draft_attention's inputs, or a ValueError that names what does not fit."""
     B, T, H, HD = q.shape
     G, S = k.shape[2], k_cache.shape[1]
     if (k.shape != (B, T, G, HD) or v.shape != k.shape or H % G or HD % 2
@@ -261,6 +253,20 @@ def draft_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split
     for name, x in dict(q=q, k=k, v=v, k_cache=k_cache, v_cache=v_cache).items():
         if x.stride(-1) != 1:
             raise ValueError(f"draft_attention: {name}'s last dim must be contiguous")
+
+
+def draft_attention(q, k, v, cos, sin, positions, k_cache, v_cache, scale, split_len=None):
+    """The head's attention after the projections (draft.DraftAttention.forward with past, slots
+    and visible None), one launch: rotates q and k (rotate-half, cos and sin [B, T, Hd/2] float32
+    at the positions), writes k and v at slot = position into k_cache, v_cache [B, S, G, Hd] (views,
+    strided over B and S) and returns softmax(scale q k^T) v over the slots <= each token's
+    position, o [B, T, H, Hd] in q's dtype. q [B, T, H, Hd], k and v [B, T, G, Hd] (last dims
+    contiguous, one dtype with the caches); positions int64 [B, T] on the device, consecutive in a
+    row and below S. No host read: S, not the positions, sets the launch."""
+    B, T, H, HD = q.shape
+    G, S = k.shape[2], k_cache.shape[1]
+    _check_draft_inputs(q, k, v, cos, sin, positions, k_cache, v_cache)
+    M = T * (H // G)
     cos = cos if cos.stride(-1) == 1 and cos.stride() == sin.stride() else cos.contiguous()
     sin = sin if sin.stride() == cos.stride() else sin.contiguous()
     block_n = DRAFT_ATTN_BLOCK_N[q.dtype]
@@ -318,6 +324,7 @@ def draft_top1(logits, d2t):
     if d2t.shape != (V,) or d2t.dtype != torch.int64 or not logits.is_floating_point():
         raise ValueError(f"draft_top1: logits {logits.dtype} {list(logits.shape)} and d2t "
                          f"{d2t.dtype} {list(d2t.shape)} do not fit [..., Vd] float and int64 [Vd]")
+    common.check_unit_stride("draft_top1", "d2t", d2t)
     x = logits.reshape(-1, V)
     x = x if x.stride(-1) == 1 else x.contiguous()
     out = torch.empty(x.shape[0], device=logits.device, dtype=torch.int64)

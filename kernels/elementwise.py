@@ -43,6 +43,7 @@ def add_rmsnorm(x, y, weight, eps):
     if y.shape != x.shape or y.dtype != x.dtype or weight.shape != (D,):
         raise ValueError(f"add_rmsnorm: x {x.dtype} {list(x.shape)}, y {y.dtype} {list(y.shape)}, "
                          f"weight {list(weight.shape)} do not fit")
+    common.check_unit_stride("add_rmsnorm", "weight", weight)
     x2, y2 = _rows(x), _rows(y)
     h, out = x2.new_empty(x2.shape), x2.new_empty(x2.shape)        # contiguous, as x2 need not be
     _launch_norm(x2, y2, weight, h, out, eps, add=True)
@@ -59,6 +60,7 @@ def rmsnorm(x, weight, eps):
     if weight.shape != (D,) or weight.dtype != x.dtype:
         raise ValueError(f"rmsnorm: x {x.dtype} {list(x.shape)} and weight {weight.dtype} "
                          f"{list(weight.shape)} do not fit")
+    common.check_unit_stride("rmsnorm", "weight", weight)
     x2 = _rows(x)
     out = x2.new_empty(x2.shape)
     _launch_norm(x2, x2, weight, x2, out, eps, add=False)     # y and h: not touched

@@ -8,8 +8,8 @@ import model
 import tp
 
 from . import common
-from .common import (_counters, _jit, _pow2, _prefetch_matrix_rows, _wait_for_prior, launch,
-                     rows, tl, triton)
+from .common import (_counters, _jit, _last_program, _pow2, _prefetch_matrix_rows,
+                     _wait_for_prior, launch, rows, tl, triton)
 from .stacked import StackedQKVA
 
 
@@ -63,8 +63,8 @@ NORM_GEMV_PROGRAMS = 264
 # (9.9 at 1-2, 12.7-12.9 at 3-4, 25.4-51.7 from 5; cuBLAS 13.2-13.9); q_b with its norm 5.5-5.7
 # (3.7-5.0 at 1-4, 7.9 at 5-8; cuBLAS 8.8-9.9); o_proj 6.0 (5.7-6.1 at 1-2, 8.1 at 3-4; cuBLAS
 # 6.4-6.6). In run.py's verify the form paid only from 5 rows (at 3-4 q_a + kv_a no time saved;
-# BENCHMARKS.md, Kept and Tried). NORM_GEMV_DOT: (BLOCK_N, BLOCK_K, warps, stages), the best of
-# 16-64 x 128-512 x 2-4 stages at q_a + kv_a and q_b.
+# BENCHMARKS.md: Verify sweep, its Kept table; Tried and not kept). NORM_GEMV_DOT: (BLOCK_N,
+# BLOCK_K, warps, stages), the best of 16-64 x 128-512 x 2-4 stages at q_a + kv_a and q_b.
 NORM_GEMV_DOT_MIN_ROWS = 5
 NORM_GEMV_DOT = (32, 128, 4, 4)
 # x's rows may be cut into groups (group_rows, a power of 2), a program a group, the groups of a W
@@ -84,10 +84,8 @@ def _norm_gemv_slice_sum(acc, ss, part_ptr, ss_ptr, count_ptr, q, s, rows, n, M,
     tl.store(part_ptr + (s * M + rows[:, None]) * N + n[None, :], acc, mask=ok)
     mine = ss_ptr + (q * SPLITS + s) * BLOCK_M + tl.arange(0, BLOCK_M)
     tl.store(mine, ss)
-    tl.debug_barrier()  # every thread's stores before the counter's release
-    last = tl.atomic_add(count_ptr + q, 1) == SPLITS - 1
+    last = _last_program(count_ptr, q, SPLITS)
     if last:  # the block's other slices are stored: add them
-        tl.atomic_xchg(count_ptr + q, 0, sem="relaxed")
         acc = tl.zeros_like(acc)
         ss = tl.zeros_like(ss)
         for t in range(SPLITS):  # in slice order (.cg: from L2, never a stale L1 line)
@@ -330,6 +328,8 @@ def _check_norm_gemv(x, weight, norm_weight, residual, rows):
                          f"rows, got {x.dtype} and {rows} rows (use the plain path)")
     if norm_weight is not None and norm_weight.shape != (K,):
         raise ValueError(f"norm_gemv: norm weight {list(norm_weight.shape)} is not [{K}]")
+    if norm_weight is not None:
+        common.check_unit_stride("norm_gemv", "norm_weight", norm_weight)
     if residual is not None and (residual.shape != x.shape or residual.dtype != x.dtype):
         raise ValueError(f"norm_gemv: residual {residual.dtype} {list(residual.shape)} is not of "
                          f"x's shape and dtype, {x.dtype} {list(x.shape)}")
@@ -470,9 +470,10 @@ def head_bmm(x, weight):
 launch.norm_gemv = norm_gemv
 launch.head_gemv = head_gemv
 
-# Rows (B * T) up to which the GEMV swaps run their kernel instead of cuBLAS (and model.RMSNorm):
-# where the kernel is faster at Kimi-K2's TP-8 shapes (python -m kernels.bench --small --tokens
-# 1,2,3,4,5,6,8,12,16; µs, kernel against twin), and in run.py's verify.
+# Rows (B * T) up to which the GEMV swaps run their kernel instead of cuBLAS (and model.RMSNorm),
+# at Kimi-K2's TP-8 shapes, from the kernel's time against its twin's (python -m kernels.bench
+# --small --tokens 1,2,3,4,5,6,8,12,16; µs, kernel against twin) and from run.py's verify; where
+# the two disagree the limit follows the verify (head_gemv's W_uk, below).
 # - The stacked q_a + kv_a (cuBLAS: a split-K GEMV and a reduce): up to 16 (the CUDA cores' form
 #   12.7 against 12.9 at 4; from 5 rows the tensor cores', 11.0-11.2 against 13.2-13.9).
 # - With the input add + norm inside (InputNormInQKVA): one row; from 2 rows add_rmsnorm and the
@@ -484,7 +485,9 @@ launch.head_gemv = head_gemv
 #   against cuBLAS's 8.8-9.7).
 # - The absorbed W_uk, W_uv (head_gemv): up to 16, in groups of 4 rows from 5 (HEAD_GEMV_GROUP_ROWS;
 #   at 10 to 16 rows 5.5-5.7 and 3.2-3.8 against the einsums' 5.2-5.3 and 5.3-6.2; in one program
-#   of 16 rows 7.5 and 4.1 at 12).
+#   of 16 rows 7.5 and 4.1 at 12). Alone W_uk is slower there; the 16-row limit rests on the INT4
+#   verify with both to 16 rows: 0.26, 0.21 and 0.19 ms less at 10, 12 and 16 tokens (51f1c09;
+#   BENCHMARKS.md, Verify sweep, Kept).
 # Re-checked in the step (run.py's INT4 verify sweep, each limit raised alone): o_proj to 4 rows
 # and the input norm inside to 4 made the verify slower where they moved it (BENCHMARKS.md, Tried
 # and not kept).

@@ -73,13 +73,16 @@ MLA_MERGE_ABSORB_REGS = 64
 # less at one row; at 4 rows the separate merge is faster (python -m kernels.bench,
 # mla_merge_absorb)
 MLA_MERGE_ABSORB_MAX_ROWS = 1
-# rows B*T up to which the decode kernel's cache parts prefetch their first tile (PREFETCH): where
-# the kernel before it, head_gemv's W_uk, runs under PDL (to HEAD_GEMV_MAX_ROWS rows), so the
-# prefetch overlaps that kernel's tail; past it cuBLAS's W_uk precedes and the programs start after
-# it, where the prefetch would only come before the loads it serves. Verify, two runs each in one
-# call: INT4 at 20-32 tokens 0.015-0.054 ms less on the mean than with the prefetch at every row
-# (within the runs' spread), bf16 at 20 tokens 0.03 less in both; INT4 at 3 tokens 0.023 less
-# than without the prefetch (BENCHMARKS.md, Verify sweep, Kept)
+# rows B*T up to which the decode kernel's cache parts prefetch their first tile (PREFETCH),
+# whatever computes the absorbed W_uk product launched before it (DecodeAttentionKernel's
+# absorb_query): with "norm_gemv" swapped in, up to HEAD_GEMV_MAX_ROWS rows that is head_gemv,
+# launched under PDL, so the prefetch overlaps that kernel's tail; without "norm_gemv", and past
+# those rows, torch's product (cuBLAS, launched without PDL) precedes it, the programs start after
+# it and the prefetch comes just before the loads it serves. Measured with run.py's default kernels
+# (all, "norm_gemv" among them). Verify, two runs each in one call: INT4 at 20-32 tokens 0.015-0.054
+# ms less on the mean than with the prefetch at every row (within the runs' spread), bf16 at 20
+# tokens 0.03 less in both; INT4 at 3 tokens 0.023 less than without the prefetch (BENCHMARKS.md,
+# Verify sweep, Kept)
 MLA_PREFETCH_MAX_ROWS = HEAD_GEMV_MAX_ROWS
 
 
@@ -421,9 +424,7 @@ def mla_split_len(kv_len, batch, m_blocks, block_n, device):
     """Slots per split: enough splits that a full cache and the new tokens' part give one
     program per SM (one wave), each split at least MLA_MIN_SPLIT slots and a whole number of
     tiles. Host ints only."""
-    sms = (torch.cuda.get_device_properties(device).multi_processor_count
-           if device.type == "cuda" else 8)
-    want = max(1, sms // (batch * m_blocks) - 1)
+    want = max(1, common.sm_count(device) // (batch * m_blocks) - 1)
     split = max(MLA_MIN_SPLIT, math.ceil(kv_len / want))
     return math.ceil(split / block_n) * block_n
 
@@ -445,6 +446,7 @@ def _check_norm_weight(launcher, norm_weight, kv):
     if norm_weight.shape != (C,) or norm_weight.device != kv.device:
         raise ValueError(f"{launcher}: norm_weight {list(norm_weight.shape)} on "
                          f"{norm_weight.device}: needs [{C}] on {kv.device}")
+    common.check_unit_stride(launcher, "norm_weight", norm_weight)
 
 
 def _check_decode_inputs(q_lat, q_pe, kv, k_pe, rope, positions, kv_cache, pe_cache):

@@ -7,7 +7,8 @@ import model
 
 from . import common, moe_gemv
 from .stacked import stack_rows
-from .common import HAVE_TRITON, AttachAgain, _jit, _wait_for_prior, interpreting, tl, triton
+from .common import (HAVE_TRITON, AttachAgain, _jit, _silu_mul, _wait_for_prior, interpreting, tl,
+                     triton)
 from .moe_gemv import (FORMATS, GEMV_MAX_PAIRS, SHARED_SPLIT, ExpertWeights, _check_planes,
                        _gemv_configs, _weight_args, gemv_max_tokens)
 
@@ -18,15 +19,15 @@ from .moe_gemv import (FORMATS, GEMV_MAX_PAIRS, SHARED_SPLIT, ExpertWeights, _ch
 # Launches of a fixed grid for given (N, K, E): align (sort the P pairs by expert on the device,
 # each expert's pairs padded to whole BLOCK_M tiles; two launches, counting then placing, a program
 # per chunk of pairs), gate_up (a program per (tile of pairs of one expert, BLOCK_N rows of I): both
-# projections, SiLU and the product; INT4's may split D, a silu launch then finishing h), down (a
-# program per (tile, BLOCK_N rows of D): routing weight applied, one fp32 row per pair) and combine
-# (the K rows of a token summed). A tile holds pairs of one expert only, and every tile of an expert
-# reads that expert's weights, so an expert picked by up to BLOCK_M tokens is read exactly once. At
-# most min(E, P) + P // BLOCK_M tiles exist (sum over experts of ceil(count / BLOCK_M)); that bound
-# sizes the buffers and the grids, and tiles left unused exit at once. Weights are read as stored
-# (bf16 / fp32, FP8 e4m3 with block scales, INT4 packed words with group scales), dequantized in
-# registers; products accumulate in fp32. Deterministic: no atomics, so a graph replay equals the
-# eager call.
+# projections, SiLU and the product; FP8's (TILE_SPLIT) and INT4's may split D, a silu launch then
+# finishing h), down (a program per (tile, BLOCK_N rows of D): routing weight applied, one fp32 row
+# per pair) and combine (the K rows of a token summed). A tile holds pairs of one expert only, and
+# every tile of an expert reads that expert's weights, so an expert picked by up to BLOCK_M tokens
+# is read exactly once. At most min(E, P) + P // BLOCK_M tiles exist (sum over experts of ceil(count
+# / BLOCK_M)); that bound sizes the buffers and the grids, and tiles left unused exit at once.
+# Weights are read as stored (bf16 / fp32, FP8 e4m3 with block scales, INT4 packed words with group
+# scales), dequantized in registers; products accumulate in fp32. Deterministic: no atomics, so a
+# graph replay equals the eager call.
 
 # pairs per tile: tl.dot's smallest M. With N <= a few hundred and 384 experts most experts get 1-4
 # tokens, so a larger tile would only add padding rows (python -m kernels.bench --moe --sweep dot).
@@ -44,11 +45,15 @@ PLAIN_WIDE_WIDTH = 256
 TILE_SPLIT = {"fp8": ((128, 7), (256, 4))}
 # The adaptive variant (fused_moe) runs the tiles where the call's distinct experts are at most
 # ADAPTIVE_SHARE / ADAPTIVE_SCALE of its token-expert pairs, else the GEMV. From the kernel
-# benchmark (FP8, 8 to 32 tokens; BENCHMARKS.md, Routing): the tiles win at 32 tokens with 183 of
-# 256 pairs distinct (0.71) and with fewer, tie at 16 with 105 of 128 (0.82) and lose with every
-# pair distinct (run.py's uniform routing). In the step, under the trained probe's routing trace,
-# the tiles it picked at 10-16 tokens (0.65-0.74 of the pairs distinct) were no faster than the
-# GEMV with the variant's fixed costs; from 24 tokens (0.51-0.70) they were faster
+# benchmark (FP8, 8 to 32 tokens, each token's experts from D of 384; BENCHMARKS.md, Routing, "FP8:
+# the GEMV; the tiles; the adaptive variant"): at D 384 the tiles win at 32 tokens with 192 of 256
+# pairs distinct (0.75; 367.3 against 416.6 µs) and lose at 16 with 108 of 128 (0.84; the GEMV 6%
+# faster, 216.7 against 229.9) and at 8 with 61 of 64; at D 32 and 8 (fewer distinct) they win at
+# every count. With every pair distinct (run.py's uniform routing) a verify with the tiles from 5
+# tokens took 2.4-5.6 ms more at 5-32 tokens (BENCHMARKS.md, Tried and not kept). In the step, under
+# the trained probe's routing trace, the tiles it picked at 10-16 tokens (0.65-0.74 of the pairs
+# distinct) were no faster than the GEMV with the variant's fixed costs; from 24 tokens (0.51-0.70)
+# they were faster
 ADAPTIVE_SHARE, ADAPTIVE_SCALE = 3, 4
 # the align's two launches (_moe_count_kernel, _moe_place_kernel): a program per ALIGN_CHUNK pairs
 # (the count a [ALIGN_CHUNK, E] one-hot, the place a [ALIGN_CHUNK, ALIGN_CHUNK] compare), padding
@@ -279,7 +284,7 @@ def _moe_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_expert_ptr
                             FMT, BLOCK_K, SCALE_PER_ROW, PRECISION)
     ok = row_ok[:, None] & n_ok[None, :]
     if SPLIT == 1:
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        h = _silu_mul(acc_g, acc_u)
         tl.store(h_ptr + pair[:, None].to(tl.int64) * I + n[None, :], h.to(h_ptr.dtype.element_ty),
                  mask=ok)
     else:
@@ -456,7 +461,7 @@ def _moe_int4_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_exper
                                    xt.dtype, PACKED), xt, acc_u, input_precision=PRECISION)
     ok = (pair < P) & (n < I)
     if SPLIT == 1:
-        h = acc_g / (1.0 + tl.exp(-acc_g)) * acc_u
+        h = _silu_mul(acc_g, acc_u)
         tl.store(h_ptr + pair.to(tl.int64) * I + n, h.to(h_ptr.dtype.element_ty), mask=ok)
     else:
         part = part_ptr + ((pid_k * P + pair).to(tl.int64) * 2) * I + n
@@ -484,7 +489,7 @@ def _moe_silu_kernel(part_ptr, h_ptr, use_tiles_ptr, P, I: tl.constexpr, SPLIT: 
     for s in tl.static_range(SPLIT):
         g += tl.load(part_ptr + s * P * 2 * I + at, mask=ok, other=0.0)
         u += tl.load(part_ptr + s * P * 2 * I + at + I, mask=ok, other=0.0)
-    tl.store(h_ptr + c, (g / (1.0 + tl.exp(-g)) * u).to(h_ptr.dtype.element_ty), mask=ok)
+    tl.store(h_ptr + c, _silu_mul(g, u).to(h_ptr.dtype.element_ty), mask=ok)
 
 
 @_jit

@@ -6,7 +6,7 @@ from dataclasses import dataclass
 import torch
 
 from . import common
-from .common import _counters, _jit, _wait_for_prior, tl, triton
+from .common import _counters, _jit, _last_program, _silu_mul, _wait_for_prior, tl, triton
 
 
 @dataclass
@@ -89,8 +89,9 @@ def _weight_args(w, block_k):
 # side, num_warps)). A tile has BLOCK_N * SUB rows of BLOCK_K: SUB > 1 (FP8) lays SUB consecutive
 # 128-column scale blocks of a weight row out as rows of their own, so a step is one scale a tile
 # row and still 32 threads a weight row (at decode only 2048 gate/up rows exist). bf16 gate_up: 4
-# rows, one step of 512 in flight at decode (with the shared expert as a 9th pair its 288 programs
-# share the SMs), steps of 256 from 3 tokens; down 8 rows at decode, 16 above. FP8: down 16 rows.
+# rows, one step of 512 in flight at decode (with the shared expert as a 9th pair at I 256, 64 row
+# blocks x 9 pairs: 576 programs share the SMs), steps of 256 from 3 tokens; down 8 rows at
+# decode, 16 above. FP8: down 16 rows.
 # INT4: gate_up 1 row of 128 words, down 4 rows of 128 (8 rows of 256 on 2 warps would shuffle the
 # shared expert's tiles through shared memory). Re-derived by `python -m kernels.bench --moe --sweep
 # gemv` (INT4 with the shared expert: add --shared).
@@ -105,9 +106,11 @@ GEMV_SMALL_TOKENS = 2
 # a shared expert routed as one more slot a token moves no boundary), by format and by a rank's
 # expert width I (Kimi-K2's 2048 split over TP 8, 4, 2), from `python -m kernels.bench --moe [--tp
 # N]` (D 7168, 384 experts, 1 to 32 tokens, uniform routing) on the H200. At TP 8 (I 256):
-#  - FP8: the GEMV at 1.55-1.78x its floor, the tiles at 1.71x (32 tokens) to 6.9x (1 token); the
-#    tiles catch up at 20-24 tokens and are 4% faster at 32, but there the GEMV also carries the
-#    bf16 shared expert, which beside the tiles runs alone (12.6 us a layer): 32;
+#  - FP8: the GEMV at 1.51-2.20x its floor, the tiles at 7.11x (1 token) down to 1.63x (32
+#    tokens); the tiles are 7% slower at 16 tokens (232.7 against 216.6 us) and 5.5% faster at 32
+#    (393.4 against 416.4: BENCHMARKS.md, Kernel level, shapes/kernels_crossover_tip.json), but
+#    there the GEMV also carries the bf16 shared expert, which beside the tiles runs alone (12.7 us
+#    a layer at 32 tokens: the INT4 shared-forms table there): 32;
 #  - INT4: the GEMV at 1.6-2.3x from 2 tokens (2.9x at 1), the tiles at 2.9-5.9x (their
 #    section in moe.py), 1.7-2.2x the GEMV's time at every count (BENCHMARKS.md, Kernel level,
 #    the table by variant): 32;
@@ -116,10 +119,10 @@ GEMV_SMALL_TOKENS = 2
 #    against 59), the tiles from 3 (72 against 81): 2.
 # At TP 4 (I 512) and TP 2 (I 1024), no shared expert, us a layer (benchmarks/shapes/
 # kernels_tp{4,2}_moe.json, kernels_tp{4,2}_fp8_16to32_moe.json): FP8 GEMV / tiles 395 / 407 at 16
-# tokens, 494 / 499 at 20, 590 / 582 at 24 and 780 / 699 at 32 (TP 4), 771 / 782, 957 / 953, 1151 /
-# 1075 and 1518 / 1313 (TP 2): 20; INT4 the GEMV at every count (against tiles older than
-# moe.py's, 3.3-4.6x slower): 32;
-# bf16 172 / 194 at 2 and 245 / 242 at 3 at TP 2: 2. bf16 at TP 4 stays at 2 though its GEMV led
+# tokens, 494 / 499 at 20, 589 / 581 at 24 and 780 / 699 at 32 (TP 4), 771 / 782, 957 / 953, 1151 /
+# 1075 and 1518 / 1313 (TP 2): 20; INT4 the GEMV at every count, the tiles 3.3-4.6x slower
+# (measured against an older INT4 tile kernel, c1c0373's, and not re-measured against moe.py's):
+# 32; bf16 172 / 194 at 2 and 245 / 242 at 3 at TP 2: 2. bf16 at TP 4 stays at 2 though its GEMV led
 # up to 8 tokens there (315 / 320 at 8, 615 / 579 at 16): those rows lack the shared expert that
 # SharedExpertInLaunch folds in as one more expert a token, which the GEMV reads once a token and
 # the tiles once, as in TP 8's rows; they are not measured with it.
@@ -293,9 +296,7 @@ def _shared_h(part_ptr, hs_ptr, count_ptr, N, pid_n, n, n_ok, I: tl.constexpr, S
     finish adds every split's g and u (part [2, SPLIT, N, I]) in split order and stores h = silu(g)
     * u into hs [N, I] at rows n, for every token; it resets the row block's counter
     count_ptr[pid_n] to 0."""
-    tl.debug_barrier()  # every thread's stores before the counter's release
-    if tl.atomic_add(count_ptr + pid_n, 1) == SPLIT - 1:   # the other splits are stored: add them
-        tl.atomic_xchg(count_ptr + pid_n, 0, sem="relaxed")
+    if _last_program(count_ptr, pid_n, SPLIT):   # the other splits are stored: add them
         for t in range(N):
             g = tl.zeros(n.shape, tl.float32)
             u = tl.zeros(n.shape, tl.float32)
@@ -304,7 +305,7 @@ def _shared_h(part_ptr, hs_ptr, count_ptr, N, pid_n, n, n_ok, I: tl.constexpr, S
                              cache_modifier=".cg")
                 u += tl.load(part_ptr + ((SPLIT + s) * N + t) * I + n, mask=n_ok, other=0.0,
                              cache_modifier=".cg")
-            tl.store(hs_ptr + t * I + n, g / (1.0 + tl.exp(-g)) * u, mask=n_ok)
+            tl.store(hs_ptr + t * I + n, _silu_mul(g, u), mask=n_ok)
 
 
 @_jit
@@ -401,7 +402,7 @@ def _gate_up_pass(pair, v_ptr, h_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr,
     g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
     if SUB > 1:  # the sub-blocks of each row
         g, u = tl.sum(tl.reshape(g, [BLOCK_N, SUB]), 1), tl.sum(tl.reshape(u, [BLOCK_N, SUB]), 1)
-    h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + pair)
+    h = _silu_mul(g, u) * tl.load(route_w_ptr + pair)
     i = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     tl.store(h_ptr + pair.to(tl.int64) * I + i, h, mask=i < I)
 
@@ -482,7 +483,8 @@ def _nibble(words, high, J: tl.constexpr, magic):
     the float 2^23 + nib * 2^b (b its bit position), and one FMA scales and subtracts. A float's
     mantissa has 23 bits: nibbles 5-7 come from high = words >> 12 (bits 8-19). magic: 0x4B000000,
     the bits of 2^23, passed at run time so that the AND and the OR compile to one instruction (LOP3
-    takes one immediate: with both constants known, the sm_90 code had two a nibble)."""
+    takes one immediate: were both constants known at compile time, the sm_90 code would hold two
+    instructions a nibble)."""
     if J < 5:
         f = ((words & (15 << (4 * J))) | magic).to(tl.float32, bitcast=True)
         return f * (1.0 / (1 << (4 * J))) - (8388608.0 / (1 << (4 * J)) + 8.0)
@@ -618,7 +620,7 @@ def _store_int4_h(h_ptr, route_w_ptr, p, n, n_ok, acc_g, acc_u, I: tl.constexpr,
     [len(n), BW], in the order down reads: plane order (fp32) or pair-plane order (PACKED, bf16),
     as _moe_gemv_int4_gate_up_kernel says."""
     g, u = tl.sum(acc_g, 1), tl.sum(acc_u, 1)
-    h = g / (1.0 + tl.exp(-g)) * u * tl.load(route_w_ptr + p)
+    h = _silu_mul(g, u) * tl.load(route_w_ptr + p)
     if PACKED:
         tl.store(h_ptr + p.to(tl.int64) * I + 2 * ((n % 4) * (I // 8) + n // 8) + n % 8 // 4,
                  h.to(tl.bfloat16), mask=n_ok)
@@ -782,14 +784,15 @@ SHARED_SPLIT = {"int4": 4, "fp8": 2}
 # SharedExpertInLaunch gives the GEMV launches its bf16 shared expert up to this many tokens; above,
 # the shared expert runs alone beside them (SharedExpertInLaunch.shared_alone: a gate-up GEMM, the
 # SwiGLU, the down GEMM adding onto the routed sum). Each of its SHARED_SPLIT programs a row block
-# runs the tokens one after another, so in the launch it costs more with every token (INT4: +3 us
-# a layer at 1 token, +80 at 16), alone about 12 us at any count. Chosen from the verify sweep
-# with both limits, one H200 run each (python run.py --skip-e2e --cuda-graph on --preset kimi-k2.5
-# --speculative-num-steps 2, and --quant fp8 --speculative-attention-mode decode): INT4 with 4
-# here is 0.19-0.38 ms slower at 5 to 8 tokens than with 8 and equal elsewhere; FP8 in the launch
-# is as fast or faster at every count to 28. (The kernel benchmark, python -m kernels.bench --moe
-# --variants gemv --shared, puts the INT4 crossover at 5 and FP8's at 12, back to back in a graph
-# of the MoE alone; the rule follows the whole step's measurement.)
+# runs the tokens one after another, so in the launch it costs more with every token. INT4, µs a
+# layer (BENCHMARKS.md, Kernel level, shapes/kernels_int4_shared_forms.json: python -m
+# kernels.bench --moe --formats int4 --variants gemv --shared): in the launch (the loop form)
+# 2.5 more than the routed experts alone at 1 token, 10.3 at 8, 14.6 at 12, 19.4 at 16; alone
+# 12.0-12.7 at any count. Chosen from the verify sweep with both limits, one H200 run each
+# (python run.py --skip-e2e --cuda-graph on --preset kimi-k2.5 --speculative-num-steps 2, and
+# --quant fp8 --speculative-attention-mode decode): INT4 with 4 here is 0.19-0.38 ms slower at 5
+# to 8 tokens than with 8 and equal elsewhere; FP8 in the launch is as fast or faster at every
+# count to 28.
 SHARED_MAX_TOKENS = {"int4": 8, "fp8": 32}
 # gate_up's shared programs in the dot form (_shared_gate_up_dot) from this many tokens, by format
 # (absent: the loop form always); each weight read once for all tokens, not once a token. FP8 (4

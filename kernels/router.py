@@ -39,14 +39,15 @@ from .moe_gemv import _check_planes
 # Past this many tokens cuBLAS's logits (and a copy into the INT4 GEMV's planes) before the
 # selection kernel
 ROUTER_GEMV_MAX_TOKENS = 32
-# Up to this many tokens the logits kernel's last program selects; past it the selection kernel,
-# a program a token. 0: on the H200 the launch of its own is as fast or faster at every count,
-# under the model's routing and SIMULATED uniform (python -m kernels.bench --router, 8 routers
-# past the L2: 9.4 against 10.5 us at 1 token, the model's; BENCHMARKS.md, Kernel level). The
-# INT4 decode step under the model's routing took 0.19 ms less with this 0 and one warp below
-# than with 2 and four warps (3.725 -> 3.539 ms; verify 0.03-0.11 less at 2-32 tokens): the last
-# program's selection is a serial tail after every logits program. Under Triton's CPU
-# interpreter the last program still selects (_select_in_kernel).
+# Up to this many tokens the logits kernel's last program selects; past it the selection kernel, a
+# program a token. 0: on the H200 the launch of its own is as fast or faster at every count, under
+# the model's routing and SIMULATED uniform (python -m kernels.bench --router, measured with a graph
+# of 8 routers of float32 weights past the L2, 88 MB; bench_router's graph holds 16 of bf16 weights,
+# the same bytes: 9.4 against 10.5 us at 1 token, the model's; BENCHMARKS.md, Kernel level). The
+# INT4 decode step under the model's routing took 0.19 ms less with this 0 and one warp below than
+# with 2 and four warps (3.725 -> 3.539 ms; verify 0.03-0.11 less at 2-32 tokens): the last
+# program's selection is a serial tail after every logits program. Under Triton's CPU interpreter
+# the last program still selects (_select_in_kernel).
 ROUTER_SELECT_MAX_TOKENS = 0
 # warps of the selection kernel's program: its K rounds of max, first index and weight are
 # reductions over the E scores, on one warp by shuffles alone, on more also across warps through
@@ -56,15 +57,16 @@ ROUTER_SELECT_WARPS = 1
 # D slices, at most: one step of a tile a program (7 slices of 1024: 672 programs for 384
 # experts, 224 for 128) (python -m kernels.bench --small)
 ROUTER_SPLIT_D = 8
-# The chunks' kernel (measured with float32 weights; µs a call: python -m kernels.bench --router,
-# then 8 routers past the L2, 384 experts; verify: run.py's sweep, 61 routers; BENCHMARKS.md:
-# Verify sweep, Kept): 4 experts a program, a tile of 4096 elements (1024 columns of D a step, 64
-# a thread) on 2 warps, 4 tokens at a time. 8 experts and 8192 elements on 4 warps, 8 tokens at a
-# time, were 0.3-4.6 us slower a call at every count (verify 0.11-0.24 ms more at 10-12 tokens,
-# 0.02-0.08 at 5-8, in every format). All 16 tokens at once on 8 warps took 33 us at 12 tokens
-# against 14 at 8. With bf16 weights (a tile half the bytes) 8192 elements on 2 or 4 warps were
-# 0.2-0.4 us faster at 1-4 tokens under the model's routing, 0.2-0.5 slower under uniform and
-# 0.3-2.0 slower at 8-12 (BENCHMARKS.md, Tried and not kept).
+# The chunks' kernel (measured with float32 weights; µs a call: python -m kernels.bench --router
+# with a graph of 8 such routers past the L2, 88 MB (bench_router's graph holds 16 of bf16 weights,
+# the same bytes), 384 experts; verify: run.py's sweep, 61 routers; BENCHMARKS.md: Verify sweep,
+# Kept): 4 experts a program, a tile of 4096 elements (1024 columns of D a step, 64 a thread) on 2
+# warps, 4 tokens at a time. 8 experts and 8192 elements on 4 warps, 8 tokens at a time, were
+# 0.3-4.6 us slower a call at every count (verify 0.11-0.24 ms more at 10-12 tokens, 0.02-0.08 at
+# 5-8, in every format). All 16 tokens at once on 8 warps took 33 us at 12 tokens against 14 at 8.
+# With bf16 weights (a tile half the bytes) 8192 elements on 2 or 4 warps were 0.2-0.4 us faster at
+# 1-4 tokens under the model's routing, 0.2-0.5 slower under uniform and 0.3-2.0 slower at 8-12
+# (BENCHMARKS.md, Tried and not kept).
 ROUTER_BLOCK_E = 4          # experts a program
 ROUTER_TILE = 4096          # elements of the [experts, D] weight tile a program holds
 ROUTER_WARPS = 2            # its warps: a token's sums reduced across them
@@ -124,6 +126,8 @@ def _router_kernel(x_ptr, w_ptr, part_ptr, count_ptr, bias_ptr, ids_ptr, wout_pt
     _store_part(part_ptr, acc, j, n, N, e, E, s_ps, s_pn)
     if not SELECT:   # the selection kernel selects, launched next
         return
+    # common._last_program's handshake, written out: the grid's size is read after the counter's
+    # add, where a call would read it before the barrier (its argument)
     tl.debug_barrier()  # every thread's stores before the counter's release
     if tl.atomic_add(count_ptr, 1) == tl.num_programs(0) * tl.num_programs(1) - 1:
         tl.atomic_xchg(count_ptr, 0, sem="relaxed")  # the last program: every partial sum is stored
@@ -310,7 +314,7 @@ def _select_in_kernel(N, device):
 
 
 def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling, uniform=False,
-                shared_slot=False, planes=None):
+                shared_slot=False, planes=None, with_logits=False):
     """model.Router.forward in a logits kernel and a selection kernel (past ROUTER_GEMV_MAX_TOKENS
     tokens: cuBLAS's logits; see the section above): x [N, D], weight [E, D] bf16 or float32,
     bias [E] float32 -> ids int64 [N, K], weights float32 [N, K]. uniform: SIMULATED balanced
@@ -318,7 +322,8 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
     shared_slot: a column K more, expert E with weight 1 (the shared expert in the fused MoE
     launch); both in the same kernels. planes: a tensor from moe_gemv.empty_planes(x) that
     receives x as the INT4 GEMV's activation planes (fused_moe's planes), written by the logits
-    kernel (past ROUTER_GEMV_MAX_TOKENS: a copy)."""
+    kernel (past ROUTER_GEMV_MAX_TOKENS: a copy). with_logits: the logits [N, E] float32 too, a
+    third result (the logits kernel's partial sums added by torch; no host read)."""
     N, D = x.shape
     E = weight.shape[0]
     if (weight.dtype not in (torch.float32, torch.bfloat16) or bias.dtype != torch.float32
@@ -326,6 +331,10 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
         raise ValueError(f"router_topk: needs a bf16 or float32 weight [E, {D}] and a float32 "
                          f"bias [E], got {weight.dtype} {list(weight.shape)} and {bias.dtype} "
                          f"{list(bias.shape)} (float64: use the plain path)")
+    if weight.stride(1) != 1:
+        raise ValueError(f"router_topk: weight's rows must be contiguous (stride 1), got strides "
+                         f"{weight.stride()}")
+    common.check_unit_stride("router_topk", "bias", bias)
     if (E % n_group or not 1 <= topk_group <= n_group or top_k > E // n_group * topk_group
             or n_group > 1 and E // n_group < 2):   # a group scores by its two best experts
         raise ValueError(f"router_topk: {E} experts in {n_group} groups, {topk_group} kept, "
@@ -335,7 +344,8 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
     ids = torch.empty(N, top_k + bool(shared_slot), device=x.device, dtype=torch.int64)
     weights = torch.empty(N, top_k + bool(shared_slot), device=x.device, dtype=torch.float32)
     if N == 0:
-        return ids, weights
+        empty = x.new_empty(0, E, dtype=torch.float32)
+        return (ids, weights, empty) if with_logits else (ids, weights)
     select = dict(K=top_k, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob), GROUPED=n_group > 1
                   and not uniform,
                   UNIFORM=bool(uniform), SHARED=bool(shared_slot), BLOCK_G=_pow2(n_group, 1),
@@ -348,16 +358,16 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
                                     launch_pdl=common.PDL, num_warps=ROUTER_SELECT_WARPS)
         if planes is not None:
             moe_gemv.activation_planes(x, planes)
-        return ids, weights
-    _router_gemv(x, weight, bias, ids, weights, planes, n_group, float(scaling), select)
-    return ids, weights
+        return (ids, weights, logits) if with_logits else (ids, weights)
+    part = _router_gemv(x, weight, bias, ids, weights, planes, n_group, float(scaling), select)
+    return (ids, weights, part.sum(0)) if with_logits else (ids, weights)
 
 
 def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select):
     """router_topk up to ROUTER_GEMV_MAX_TOKENS tokens into ids and weights: the logits kernel,
     selecting in its last program or followed by the selection kernel (_select_in_kernel); from
     ROUTER_DOT_MIN_TOKENS the tensor cores' logits kernel (and a copy into the planes), then the
-    selection kernel."""
+    selection kernel. Returns the logits' partial sums [SPLITS, N, E] float32."""
     (N, D), E = x.shape, weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     dot = N >= ROUTER_DOT_MIN_TOKENS
@@ -398,6 +408,8 @@ def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select
                                     ids.stride(0), weights.stride(0), E // n_group, n_group,
                                     scaling, SPLITS=splits, **select,
                                     launch_pdl=common.PDL, num_warps=ROUTER_SELECT_WARPS)
+    return part
+
 
 launch.router_topk = router_topk
 
@@ -405,17 +417,22 @@ class RouterKernel(model.Router):
     """"router": logits, selection and weights in Triton (SIMULATED uniform routing too).
     shared_slot: one more column, expert E with weight 1 for every token ([N, K + 1]), made in the
     same kernels (SharedExpertInLaunch). A choice made outside (routing "distinct", "trace":
-    model.Router's `choice`): the kernel routes as the model's router, then the choice is copied
-    over its first K columns (the weights stay the router's own)."""
+    model.Router's `choice`): the kernels route as the model's router (their cost stays), then the
+    choice replaces the first K columns' ids, weighed as model.Router weighs it: the sigmoid of the
+    kernels' logits at the chosen experts, normalized and scaled (model.Router.normalize), in
+    torch on the device."""
 
     def forward(self, x, shared_slot=False, planes=None):
         a = self.args
         K = a.num_experts_per_tok
-        ids, weights = launch.router_topk(
+        out = launch.router_topk(
             x, self.weight, self.e_score_correction_bias, K, a.n_group, a.topk_group,
             a.norm_topk_prob, a.routed_scaling_factor, uniform=self.routing == "uniform",
-            shared_slot=shared_slot, planes=planes)
-        if self.choice is not None:
-            ids[:, :K].copy_(self.choice(ids[:, :K]))
+            shared_slot=shared_slot, planes=planes, with_logits=self.choice is not None)
+        if self.choice is None:
+            return out
+        ids, weights, logits = out
+        chosen = self.choice(ids[:, :K])
+        ids[:, :K].copy_(chosen)
+        weights[:, :K].copy_(self.normalize(logits.sigmoid().gather(1, ids[:, :K])))
         return ids, weights
-
