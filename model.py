@@ -390,8 +390,11 @@ class Router(nn.Module):
     For timing random weights (whose router picks unlike a trained one; run.py --routing), the
     choice is replaced on the device after the scores and the selection, whose cost stays
     (set_routing): "uniform" (SIMULATED) by uniform_choice, K distinct experts a token (K <= E),
-    used evenly; "distinct" (SIMULATED) or "trace" (TRACE) by `choice`, ids [N, K] -> ids [N, K].
-    The weights are the model's scores of the chosen experts, normalized and scaled as usual."""
+    used evenly, weighed by the model's scores of those experts, normalized and scaled as usual;
+    "distinct" (SIMULATED) or "trace" (TRACE) by `choice`, ids [N, K] -> ids [N, K], which
+    replaces which experts run and nothing else: column j keeps the weight of the router's own
+    j-th pick (the weights scale the experts' outputs, not their cost; a routing kernel then
+    copies the choice over its ids, no launch more)."""
 
     def __init__(self, args, device, dtype, routing="model"):
         super().__init__()
@@ -419,9 +422,10 @@ class Router(nn.Module):
         ids = biased.topk(a.num_experts_per_tok, dim=-1).indices
         if self.routing == "uniform":
             ids = self.uniform_choice(ids)
-        elif self.choice is not None:
+        weights = self.normalize(scores.gather(1, ids))
+        if self.choice is not None:
             ids = self.choice(ids)
-        return ids, self.normalize(scores.gather(1, ids))
+        return ids, weights
 
     def uniform_choice(self, ids):
         """SIMULATED balanced routing: pair j of the forward's N*K pairs goes to expert j mod E."""

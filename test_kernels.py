@@ -1905,10 +1905,10 @@ def test_router_kernel_uniform_routing_equals_twin(shape):
 @pytest.mark.parametrize("shape", list(ROUTER_SHAPES))
 def test_router_kernel_with_a_choice_equals_twin(shape):
     """A choice made outside the router (routing "distinct" or "trace": model.Router's `choice`,
-    ids [N, K] -> ids [N, K]): the chosen ids, weighed by the model's sigmoid scores of the chosen
-    experts, normalized and scaled, as model.Router weighs them. Each call draws K distinct random
-    experts a token, the same for both routers; the identity choice (a trace without ids for the
-    call returns the router's own) keeps the router's ids and weights."""
+    ids [N, K] -> ids [N, K]): the chosen ids, each column weighed as the router's own pick in
+    that column, as model.Router keeps them. Each call draws K distinct random experts a token,
+    the same for both routers; the identity choice (a trace without ids for the call returns the
+    router's own) keeps the router's ids and weights."""
     device = "cuda" if torch.cuda.is_available() else "cpu"
     args = tiny(**ROUTER_SHAPES[shape])
     E, K = args.n_routed_experts, args.num_experts_per_tok

@@ -295,13 +295,28 @@ def first_router_calls(target, tokens, positions):
     return calls
 
 
+def test_a_choice_replaces_the_experts_not_their_weights():
+    """model.Router under a choice made outside ("distinct", "trace"): the chosen ids, and in
+    column j the weight of the router's own j-th pick, the same as without the choice."""
+    args = checkpoint.preset("tiny")
+    router = checkpoint.init_random(model.Transformer(args, 1, 8), 3).layers[-1].mlp.gate
+    E, K = args.n_routed_experts, args.num_experts_per_tok
+    g = torch.Generator().manual_seed(5)
+    x = torch.randn(6, args.hidden_size, generator=g)
+    own_ids, own_w = router(x)
+    picked = torch.rand(6, E, generator=g).argsort(1)[:, :K]
+    router.routing, router.choice = "distinct", lambda ids: picked
+    ids, w = router(x)
+    assert torch.equal(ids, picked) and not torch.equal(ids, own_ids)
+    assert torch.equal(w, own_w)
+
+
 @pytest.mark.triton
 def test_distinct_routing_through_the_router_kernel():
     """kernels.RouterKernel under a choice made outside ("distinct", as "trace"): the choice's ids
-    and the weights the plain router gives them (its scores at the chosen experts, normalized and
-    scaled), in every layer. On the CPU interpreter the tiny model keeps 3 of its 8 layers (a dense
-    one, then 2 MoE layers: the first and one whose input the choice has changed); the GPU runs
-    all 8."""
+    and the weights the plain router gives them (those of its own picks, column by column), in
+    every layer. On the CPU interpreter the tiny model keeps 3 of its 8 layers (a dense one, then
+    2 MoE layers: the first and one whose input the choice has changed); the GPU runs all 8."""
     from testing import TRITON_DEVICE
     layers = 8 if TRITON_DEVICE.type == "cuda" else 3
     build = partial(model.Transformer, checkpoint.preset("tiny", num_hidden_layers=layers), 1, 32,

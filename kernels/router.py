@@ -314,7 +314,7 @@ def _select_in_kernel(N, device):
 
 
 def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, scaling, uniform=False,
-                shared_slot=False, planes=None, with_logits=False):
+                shared_slot=False, planes=None):
     """model.Router.forward in a logits kernel and a selection kernel (past ROUTER_GEMV_MAX_TOKENS
     tokens: cuBLAS's logits; see the section above): x [N, D], weight [E, D] bf16 or float32,
     bias [E] float32 -> ids int64 [N, K], weights float32 [N, K]. uniform: SIMULATED balanced
@@ -322,8 +322,7 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
     shared_slot: a column K more, expert E with weight 1 (the shared expert in the fused MoE
     launch); both in the same kernels. planes: a tensor from moe_gemv.empty_planes(x) that
     receives x as the INT4 GEMV's activation planes (fused_moe's planes), written by the logits
-    kernel (past ROUTER_GEMV_MAX_TOKENS: a copy). with_logits: the logits [N, E] float32 too, a
-    third result (the logits kernel's partial sums added by torch; no host read)."""
+    kernel (past ROUTER_GEMV_MAX_TOKENS: a copy)."""
     N, D = x.shape
     E = weight.shape[0]
     if (weight.dtype not in (torch.float32, torch.bfloat16) or bias.dtype != torch.float32
@@ -344,8 +343,7 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
     ids = torch.empty(N, top_k + bool(shared_slot), device=x.device, dtype=torch.int64)
     weights = torch.empty(N, top_k + bool(shared_slot), device=x.device, dtype=torch.float32)
     if N == 0:
-        empty = x.new_empty(0, E, dtype=torch.float32)
-        return (ids, weights, empty) if with_logits else (ids, weights)
+        return ids, weights
     select = dict(K=top_k, TOPK_GROUP=topk_group, NORM=bool(norm_topk_prob), GROUPED=n_group > 1
                   and not uniform,
                   UNIFORM=bool(uniform), SHARED=bool(shared_slot), BLOCK_G=_pow2(n_group, 1),
@@ -358,16 +356,16 @@ def router_topk(x, weight, bias, top_k, n_group, topk_group, norm_topk_prob, sca
                                     launch_pdl=common.PDL, num_warps=ROUTER_SELECT_WARPS)
         if planes is not None:
             moe_gemv.activation_planes(x, planes)
-        return (ids, weights, logits) if with_logits else (ids, weights)
-    part = _router_gemv(x, weight, bias, ids, weights, planes, n_group, float(scaling), select)
-    return (ids, weights, part.sum(0)) if with_logits else (ids, weights)
+        return ids, weights
+    _router_gemv(x, weight, bias, ids, weights, planes, n_group, float(scaling), select)
+    return ids, weights
 
 
 def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select):
     """router_topk up to ROUTER_GEMV_MAX_TOKENS tokens into ids and weights: the logits kernel,
     selecting in its last program or followed by the selection kernel (_select_in_kernel); from
     ROUTER_DOT_MIN_TOKENS the tensor cores' logits kernel (and a copy into the planes), then the
-    selection kernel. Returns the logits' partial sums [SPLITS, N, E] float32."""
+    selection kernel."""
     (N, D), E = x.shape, weight.shape[0]
     x = x if x.stride(-1) == 1 else x.contiguous()
     dot = N >= ROUTER_DOT_MIN_TOKENS
@@ -408,8 +406,6 @@ def _router_gemv(x, weight, bias, ids, weights, planes, n_group, scaling, select
                                     ids.stride(0), weights.stride(0), E // n_group, n_group,
                                     scaling, SPLITS=splits, **select,
                                     launch_pdl=common.PDL, num_warps=ROUTER_SELECT_WARPS)
-    return part
-
 
 launch.router_topk = router_topk
 
@@ -417,22 +413,18 @@ class RouterKernel(model.Router):
     """"router": logits, selection and weights in Triton (SIMULATED uniform routing too).
     shared_slot: one more column, expert E with weight 1 for every token ([N, K + 1]), made in the
     same kernels (SharedExpertInLaunch). A choice made outside (routing "distinct", "trace":
-    model.Router's `choice`): the kernels route as the model's router (their cost stays), then the
-    choice replaces the first K columns' ids, weighed as model.Router weighs it: the sigmoid of the
-    kernels' logits at the chosen experts, normalized and scaled (model.Router.normalize), in
-    torch on the device."""
+    model.Router's `choice`): the kernel routes as the model's router, then the choice is copied
+    over its first K columns; the weights stay those of the router's own picks, as model.Router
+    keeps them."""
 
     def forward(self, x, shared_slot=False, planes=None):
         a = self.args
         K = a.num_experts_per_tok
-        out = launch.router_topk(
+        ids, weights = launch.router_topk(
             x, self.weight, self.e_score_correction_bias, K, a.n_group, a.topk_group,
             a.norm_topk_prob, a.routed_scaling_factor, uniform=self.routing == "uniform",
-            shared_slot=shared_slot, planes=planes, with_logits=self.choice is not None)
-        if self.choice is None:
-            return out
-        ids, weights, logits = out
-        chosen = self.choice(ids[:, :K])
-        ids[:, :K].copy_(chosen)
-        weights[:, :K].copy_(self.normalize(logits.sigmoid().gather(1, ids[:, :K])))
+            shared_slot=shared_slot, planes=planes)
+        if self.choice is not None:
+            ids[:, :K].copy_(self.choice(ids[:, :K]))
         return ids, weights
+
