@@ -785,6 +785,18 @@ def test_kernel_bench_refuses_a_machine_without_cuda_and_names_its_json_parts():
     assert _with_part("out/k", "attention") == "out/k_attention.json"
 
 
+def test_kernel_bench_json_holds_its_command(tmp_path, monkeypatch):
+    """What `python -m kernels.bench --json PATH` writes holds the command that made it (here
+    main parsed, CUDA faked present, the benchmark stubbed)."""
+    from kernels import bench
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(bench, "bench_align", lambda tokens: {"rows": [list(tokens)]})
+    path = tmp_path / "align.json"
+    bench.main(["--align", "--tokens", "4,8", "--json", str(path)])
+    assert json.loads(path.read_text()) == {
+        "rows": [[4, 8]], "command": f"python -m kernels.bench --align --tokens 4,8 --json {path}"}
+
+
 def test_kernel_bench_refuses_modes_together_and_a_json_it_cannot_write_before_cuda(tmp_path,
                                                                                   capsys):
     """`python -m kernels.bench`'s flags are checked before it asks for CUDA and before any

@@ -32,6 +32,8 @@ One mode a run (--moe, --small, --pdl, --mla-blocks, --draft, --router, --align,
 """
 import math
 import os
+import shlex
+import sys
 from functools import partial
 from types import SimpleNamespace
 
@@ -479,7 +481,7 @@ def _emit(rows, bw, out=None):
     to out."""
     import json
     line = json.dumps(dict(device=torch.cuda.get_device_name(), torch=torch.__version__,
-                           triton=triton.__version__,
+                           triton=triton.__version__, command=_command,
                            copy_GBps=bw, rows=rows))
     if out:
         with open(out, "w") as f:
@@ -743,11 +745,15 @@ def _ints(p, flag, text):
 
 
 def _save(path, result):
-    """Write a benchmark's result as JSON where --json named a path."""
+    """Write a benchmark's result as JSON where --json named a path, with the command that made it
+    (a result that is a dict)."""
     if path:
         import json
         with open(path, "w") as f:
-            json.dump(result, f)
+            json.dump(dict(result, command=_command) if isinstance(result, dict) else result, f)
+
+
+_command = None   # the command line of this run (main), written into its JSON
 
 
 def _with_part(path, part):
@@ -787,8 +793,11 @@ def check_flags(p, a):
 
 
 def main(argv=None):
+    global _command
     p = _parser()
     a = p.parse_args(argv)
+    _command = shlex.join(["python", "-m", "kernels.bench", *(sys.argv[1:] if argv is None
+                                                              else argv)])
     check_flags(p, a)
     if not torch.cuda.is_available():
         p.error("times the kernels on a CUDA GPU, and this machine has none")
