@@ -27,6 +27,7 @@ accepted path's latents moved to slot = position (Transformer.move_cache).
 """
 import functools
 import math
+import operator
 from collections.abc import Callable
 from dataclasses import dataclass
 from functools import partial
@@ -86,6 +87,17 @@ class Loop:
     sizes: tuple | None = None
 
 
+def is_id(t):
+    """An integer a prompt may hold: an int, a numpy integer or a 0-d integer tensor, not a bool."""
+    if isinstance(t, bool) or (isinstance(t, torch.Tensor) and t.is_floating_point()):
+        return False
+    try:
+        operator.index(t)
+    except TypeError:
+        return False
+    return True
+
+
 def pad_prompts(prompts, device):
     """A list of id lists (ragged allowed) or an integer [B, P] tensor -> padded int64 [B, P],
     lengths [B]."""
@@ -96,8 +108,9 @@ def pad_prompts(prompts, device):
         lens = torch.full((prompts.shape[0],), prompts.shape[1], device=device)
         return prompts.to(device, torch.int64), lens
     if (isinstance(prompts, (str, bytes)) or not prompts
-            or any(isinstance(p, (str, bytes, int)) or not p for p in prompts)
-            or not all(isinstance(t, int) and not isinstance(t, bool) for p in prompts for t in p)):
+            or any(isinstance(p, (str, bytes)) or not hasattr(p, "__len__") or not len(p)
+                   for p in prompts)
+            or not all(is_id(t) for p in prompts for t in p)):
         raise ValueError("prompts must be a list of token-id lists, each of at least one int "
                          f"(or an integer [B, P] tensor), not {str(prompts)[:60]}")
     P = max(len(p) for p in prompts)
