@@ -25,7 +25,7 @@ from draft import draft_preset, Eagle3Draft
 from graphs import CudaGraphs
 from model import Transformer
 from testing import (assert_close, captured_calls, flat, ONE_THREAD, ranks_stderr, run_py,
-                     run_ranks, step_inputs, tiny, TRITON_DEVICE)
+                     run_ranks, run_steps, step_inputs, tiny, TRITON_DEVICE)
 from tp import TP
 from verify import generate
 
@@ -268,13 +268,5 @@ def test_tp_gpu_one_shot_equals_nccl(tp_gpu_world):
     logits = {}
     for name, tpo in tp_gpu_world.items():
         m = init_random(Transformer(tiny(), 3, 32, device="cuda", dtype=torch.float32, tp=tpo), 5)
-        logits[name] = run_steps_cuda(m)
+        logits[name] = run_steps(m)
     assert_close(logits["one-shot"], logits["nccl"], 1e-5, "tiny model at TP 2, one-shot vs NCCL")
-
-
-def run_steps_cuda(m):
-    prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(m.args.vocab_size))
-    outs = [m(prefill, prefill_pos, "extend").logits]
-    for mode in ("extend", "decode"):
-        outs.append(m(step, step_pos, mode).logits)
-    return torch.cat(outs, 1)

@@ -111,8 +111,9 @@ def step_inputs(vocab, seed=0):
 
 
 def run_steps(m):
-    """Logits of the prefill and of the step in both attention modes, concatenated along T."""
-    prefill, prefill_pos, step, step_pos = step_inputs(m.args.vocab_size)
+    """Logits of the prefill and of the step in both attention modes, concatenated along T; the
+    inputs (step_inputs') on the model's device."""
+    prefill, prefill_pos, step, step_pos = (t.to(m.device) for t in step_inputs(m.args.vocab_size))
     outs = [m(prefill, prefill_pos, "extend").logits]
     for mode in ("extend", "decode"):
         outs.append(m(step, step_pos, mode).logits)
