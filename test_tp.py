@@ -24,8 +24,8 @@ from checkpoint import init_random, init_random_draft, load_draft
 from draft import draft_preset, Eagle3Draft
 from graphs import CudaGraphs
 from model import Transformer
-from testing import (assert_close, captured_calls, flat, ONE_THREAD, ranks_stderr, run_py,
-                     run_ranks, run_steps, step_inputs, tiny, TRITON_DEVICE)
+from testing import (assert_close, captured_calls, eager_without_pdl, flat, ONE_THREAD,
+                     ranks_stderr, run_py, run_ranks, run_steps, step_inputs, tiny, TRITON_DEVICE)
 from tp import TP
 from verify import generate
 
@@ -199,9 +199,9 @@ def test_run_py_measures_allreduces_under_real_tp(tmp_path):
 @pytest.mark.multi_gpu
 @pytest.mark.parametrize("allreduce", tp.ALLREDUCES)
 def test_tp_gpu_graph_replay_equals_eager_without_host_sync(tp_gpu_world, allreduce):
-    """TP 2 on two GPUs, bf16: every captured shape replays equal to eager, on its capture's inputs
-    and on others, and neither eager nor capture nor replay syncs with the host, with either
-    all-reduce."""
+    """TP 2 on two GPUs, bf16: every captured shape replays equal to eager (run without
+    programmatic dependent launch), on its capture's inputs and on others, and neither eager nor
+    capture nor replay syncs with the host, with either all-reduce."""
     tpo = tp_gpu_world[allreduce]
     assert (tpo.one_shot is not None) == (allreduce == "one-shot") and tpo.world_size == 2
     target = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=64, device="cuda",
@@ -212,14 +212,15 @@ def test_tp_gpu_graph_replay_equals_eager_without_host_sync(tp_gpu_world, allred
     torch.cuda.set_sync_debug_mode("error")
     try:
         for key, fn, inputs in calls:
-            eager = flat(fn(*inputs))
+            eager = flat(eager_without_pdl(fn, *inputs))
             runner.run(key, fn, *inputs)                              # capture
             results.append((key, eager, flat(runner.run(key, fn, *inputs))))
     finally:
         torch.cuda.set_sync_debug_mode("default")
     # then replayed on other tokens at other positions (the same on both ranks: a seeded CPU draw)
     for key, fn, inputs in captured_calls(target, head, P=15, seed=1):
-        results.append((key, flat(fn(*inputs)), flat(runner.run(key, fn, *inputs))))
+        results.append((key, flat(eager_without_pdl(fn, *inputs)),
+                        flat(runner.run(key, fn, *inputs))))
     for key, eager, graphed in results:
         assert_close(graphed, eager, 0.0, f"TP 2 {allreduce}: graph vs eager {key}")
 
