@@ -1097,7 +1097,10 @@ def test_gpu_trained_pair_graph_speculative_equals_plain_greedy(kernels_on):
     paths run with m > 0) and the tokens equal plain greedy decoding's (eager, without programmatic
     dependent launch), with and without the Triton kernels (where Triton is installed)."""
     target, head = train.load_pair(max_batch_size=3, max_seq_len=128, device="cuda")
-    kernels.accelerate(target, "all" if kernels_on else "none")
+    if kernels_on:
+        kernels.accelerate(target, "all")                 # on CUDA with Triton: the fused MoE
+    else:
+        kernels.accelerate(target, "none", moe="gather")  # the plain model: no Triton launch
     prompts = [p[:n] for p, n in zip(train.heldout_prompts(3, 32), (32, 17, 25))]
     plain = eager_without_pdl(partial(generate, target, None, prompts, max_new_tokens=40,
                                       eos_id=-1)).tokens
@@ -1906,7 +1909,10 @@ def test_compiled_layers_equal_plain_inside_graphs_without_host_sync(kernels_on)
     (the GEMV paths: InputNormInQKVA's among them)."""
     target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32,
                                      routing="uniform" if kernels_on else "model"), 0)
-    kernels.accelerate(target, "all" if kernels_on else "none")
+    if kernels_on:
+        kernels.accelerate(target, "all")                 # on CUDA with Triton: the fused MoE
+    else:
+        kernels.accelerate(target, "none", moe="gather")  # the plain model: no Triton launch
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
     # contiguous, as CudaGraphs' static copies (clones) of them are: a strided view's other strides
