@@ -1849,9 +1849,13 @@ def test_gpu_decode_attention_equals_extend_and_grouped_equals_gather():
     target = init_random(Transformer(tiny(), 3, 64, device="cuda", dtype=torch.float32), 0)
     prefill, prefill_pos, step, step_pos = (t.cuda() for t in step_inputs(256))
     target(prefill, prefill_pos)
-    assert_close(target(step, step_pos, "decode").logits, target(step, step_pos, "extend").logits,
-                 1e-3,
-                 "float32 GPU decode vs extend attention")
+    extend = target(step, step_pos, "extend").logits
+    # float32 rounding only: the modes sum in other orders (decode: the absorbed latent products;
+    # extend: the expanded keys and values); on a CPU they differ by 1e-6 of the largest logit
+    # (test_extend_decode_and_incremental_agree: 1e-10 in float64). 1e-4 of it leaves room for the
+    # GPU's reduction orders; a wrong slot, mask or position moves logits by O(1)
+    assert_close(target(step, step_pos, "decode").logits, extend,
+                 1e-4 * extend.abs().max().item(), "float32 GPU decode vs extend attention")
     if not kernels.grouped_mm_available(torch.device("cuda"), torch.bfloat16):
         pytest.skip("torch._grouped_mm is not available for bf16 on this GPU")
     grouped = init_random(Transformer(tiny(), 1, 8, device="cuda", dtype=torch.bfloat16), 1)
