@@ -4,7 +4,8 @@
     multi_gpu  needs a 2-rank torchrun world on 2 GPUs (see test_tp.py); skipped elsewhere
     triton     needs Triton: on CUDA natively, on a CPU under its interpreter (TRITON_INTERPRET=1,
                set here before anything imports Triton); skipped without triton
-    slow       long on its machine; run by default (deselect with -m "not slow")
+    slow       long on 2 CPU cores (test_cli.py's end-to-end runs, its check of BENCHMARKS.md's
+               tables); run by default (deselect with -m "not slow")
 
 `python -m pytest -q` runs every test the machine can run (`-n 2 --dist loadfile`: a test file a
 process, over 2, as CI runs them); `-m gpu`, `-m triton` or `-m "not gpu"` select by marker.
@@ -77,7 +78,7 @@ MARKERS = {
     "gpu": "needs a CUDA GPU",
     "multi_gpu": "needs 2 GPUs in a 2-rank torchrun world",
     "triton": "needs Triton (natively on CUDA, under its interpreter on a CPU)",
-    "slow": "long on its machine; still run by default",
+    "slow": "long on 2 CPU cores; run by default (deselect with -m \"not slow\")",
 }
 
 
