@@ -4,7 +4,8 @@
     multi_gpu  needs a 2-rank torchrun world on 2 GPUs (see test_tp.py); skipped elsewhere
     triton     needs Triton: on CUDA natively, on a CPU under its interpreter (TRITON_INTERPRET=1,
                set here before anything imports Triton); skipped without triton
-    slow       long on its machine; run by default (deselect with -m "not slow")
+    slow       long on 2 CPU cores (test_cli.py's end-to-end runs, its check of BENCHMARKS.md's
+               tables); run by default (deselect with -m "not slow")
 
 `python -m pytest -q` runs every test the machine can run (`-n 2 --dist loadfile`: a test file a
 process, over 2, as CI runs them); `-m gpu`, `-m triton` or `-m "not gpu"` select by marker.
@@ -77,7 +78,7 @@ MARKERS = {
     "gpu": "needs a CUDA GPU",
     "multi_gpu": "needs 2 GPUs in a 2-rank torchrun world",
     "triton": "needs Triton (natively on CUDA, under its interpreter on a CPU)",
-    "slow": "long on its machine; still run by default",
+    "slow": "long on 2 CPU cores; run by default (deselect with -m \"not slow\")",
 }
 
 
@@ -86,12 +87,14 @@ def pytest_configure(config):
         config.addinivalue_line("markers", f"{name}: {what}")
 
 
+RUN_MULTI_GPU = "torchrun --nproc-per-node 2 -m pytest -q -m multi_gpu"
+
+
 def multi_gpu_missing():
     if not torch.cuda.is_available():
-        return "needs CUDA GPUs"
+        return f"needs 2 CUDA GPUs and this machine has none; on one with 2, run: {RUN_MULTI_GPU}"
     if os.environ.get("WORLD_SIZE") != "2" or torch.cuda.device_count() < 2:
-        return ("needs a 2-rank torchrun world on 2 GPUs: "
-                "torchrun --nproc-per-node 2 -m pytest -q test_tp.py -m multi_gpu")
+        return f"needs a 2-rank torchrun world on 2 GPUs; run: {RUN_MULTI_GPU}"
     return None
 
 
@@ -100,7 +103,8 @@ def missing():
     gpu = torch.cuda.is_available()
     triton = kernels.fused_moe_available(TRITON_DEVICE, torch.float32)
     return {
-        "gpu": None if gpu else "needs a CUDA GPU (on one: python -m pytest -q -m gpu)",
+        "gpu": None if gpu else ("needs a CUDA GPU and this machine has none; on one, run: "
+                                 "python -m pytest -q -m gpu"),
         "multi_gpu": multi_gpu_missing(),
         "triton": None if triton else ("needs Triton (on CUDA, or its CPU interpreter with "
                                        "TRITON_INTERPRET=1): pip install triton"),
@@ -118,7 +122,8 @@ def pytest_collection_modifyitems(config, items):
 
 @pytest.fixture(scope="module")
 def tiny_ckpt():
-    """The tiny model (seed 1) saved as a sharded float64 checkpoint, and its TP 1 logits."""
+    """The tiny model (seed 1, float64, TP 1) saved as a sharded checkpoint: yields (the
+    checkpoint's folder, the model)."""
     with tempfile.TemporaryDirectory() as d:
         m = init_random(Transformer(tiny(), max_batch_size=3, max_seq_len=32, dtype=torch.float64),
                         1)

@@ -114,7 +114,8 @@ RUN_PY_AFTER = {
 @pytest.fixture(scope="module")
 def run_py_runs(tmp_path_factory, tiny_ckpt):
     """RUN_PY_RUNS and RUN_PY_AFTER launched (two at a time, each of RUN_PY_AFTER queued once the
-    run it reads has ended): name -> (CompletedProcess, the module's folder)."""
+    run it reads has ended): name -> (CompletedProcess, the module's folder). Minutes on 2 CPU
+    cores: every test that takes it is marked slow."""
     tmp, (ckpt, _) = tmp_path_factory.mktemp("run_py_runs"), tiny_ckpt
     (tmp / "p.jsonl").write_text("[10, 20, 30, 40, 50]\n[7, 8, 9]\n")   # dump_routing's prompts
     (tmp / "p3.jsonl").write_text("\n".join(json.dumps(p) for p in PROMPTS[3]) + "\n")
@@ -143,6 +144,7 @@ def ran(run_py_runs, name):
     return done
 
 
+@pytest.mark.slow
 def test_run_py_cli_background_flags_on_cpu(run_py_runs):
     """The flags of the background's own setup, on the tiny model: a simulated rank with modelled
     all-reduces, SIMULATED uniform routing (the default on random weights), phases at two context
@@ -163,6 +165,7 @@ def test_run_py_cli_background_flags_on_cpu(run_py_runs):
     assert bad.returncode != 0 and "--allreduce-us" in bad.stderr and "SIMULATED" in bad.stderr
 
 
+@pytest.mark.slow
 def test_run_py_cli_tiny(run_py_runs):
     """run.py's CPU defaults end to end (the GPU is hidden, so this is the CPU run on any machine),
     but 2 repetitions a phase (a spread needs no more). It asserts what holds by construction, not
@@ -218,6 +221,7 @@ def test_run_py_cli_tiny(run_py_runs):
     assert 1.8 <= r["e2e"]["eagle3/decode/eager"]["accept_len_mean"] <= 3.2
 
 
+@pytest.mark.slow
 def test_run_py_cli_trained_pair(run_py_runs):
     """run.py's CPU default is the trained tiny pair: the header says so, the draft accepts (real
     acceptance, not SIMULATED), and speculative output equals plain greedy."""
@@ -435,6 +439,7 @@ def test_run_py_header_names_the_temperature_where_it_samples():
     assert "temperature" not in report.header(b)
 
 
+@pytest.mark.slow
 def test_run_py_names_a_broken_checkpoint_in_one_line(tiny_ckpt, tmp_path, run_py_runs):
     """run.py --model-path / --draft-path with a problem: the loader's CheckpointError, and from
     the command line (a copy of the checkpoint whose config.json is not JSON) one line on stderr,
@@ -451,6 +456,7 @@ def test_run_py_names_a_broken_checkpoint_in_one_line(tiny_ckpt, tmp_path, run_p
     assert (cli.returncode, cli.stderr) == (2, want), (cli.returncode, cli.stderr)
 
 
+@pytest.mark.slow
 def test_run_py_cli_tree(run_py_runs):
     """run.py with SGLang's tree flags: the end-to-end rows draft the tree (said in a note), are
     lossless against plain greedy and accept; the isolated phases add the tree's verify (its
@@ -474,6 +480,7 @@ def test_run_py_cli_tree(run_py_runs):
         tree["accept_ratio_to_beat_chain"] > 0
 
 
+@pytest.mark.slow
 def test_run_py_cli_verify_sweep_and_tables(run_py_runs):
     """Trees of 8 on the CPU at batch 2 (fp32) and batch 4 (INT4 experts, bf16): each verify sweep
     point carries its distinct experts (SIMULATED uniform: K 4 of 16 experts a token, so
@@ -623,6 +630,7 @@ def test_report_sweep_plot_draws_gpu_sweeps_and_refuses_the_rest(tmp_path, capsy
 HEADLINE_JSON = ("bf16_128experts", "int4_kimi-k2.5", "fp8_384experts", "bf16_ctx32768")
 
 
+@pytest.mark.slow
 def test_report_phases_and_sweep_make_the_benchmarks_tables(tmp_path):
     """`report.py phases` and `report.py sweep` on the headline runs' JSON under benchmarks/, and
     `report.py tables` on the batch-and-tree runs', make BENCHMARKS.md's tables line for line
@@ -1257,6 +1265,7 @@ def test_bf16_dump_passes_the_default_thresholds_and_fails_tight_ones():
     assert any("--max-logprob-diff" in f for f in tight["failures"]), tight["failures"]
 
 
+@pytest.mark.slow
 def test_dump_from_the_command_line_and_bad_input(tiny_ckpt, tmp_path, run_py_runs):
     """run.py --dump with a checkpoint, a draft and a prompt file (DUMP_FLAGS: the module's random
     draft of tiny_ckpt's target, PROMPTS[3]) writes what dump() returns."""
@@ -1766,6 +1775,7 @@ def test_run_py_cli_refuses_an_output_it_cannot_write():
         "/nonexistent)"], cli.stderr
 
 
+@pytest.mark.slow
 def test_run_py_cli_refuses_a_size_the_machine_cannot_hold(run_py_runs):
     cli = run_py_runs[0]["too_big"]
     assert (cli.returncode, cli.stdout) == (2, "") and len(said_on(cli.stderr)) == 1, cli.stderr
@@ -1820,6 +1830,7 @@ def test_run_py_refuses_an_output_folder_it_cannot_write_in(tmp_path):
     assert not [p for p in os.listdir(HERE) if p.startswith(".run-py-check-")]
 
 
+@pytest.mark.slow
 def test_run_py_refuses_a_tree_wider_than_the_draft_vocabulary(run_py_runs):
     """topk above the head's draft vocabulary (64 for the tiny pair): one line, before the build."""
     _refused(run_py_runs[0]["tree_too_wide"],
@@ -1873,6 +1884,7 @@ def test_train_py_ctrl_c_while_importing_is_one_line(tmp_path):
     assert len(said) == 1 and said[0].startswith("train.py: interrupted"), err[-2000:]
 
 
+@pytest.mark.slow
 def test_run_py_refuses_prompt_ids_outside_the_vocabulary_before_building(run_py_runs):
     """--prompt-ids with an id past the vocabulary (256 for the tiny pair): one line tagged
     --prompt-ids, before the model is built (so no dump: line)."""
@@ -1881,6 +1893,7 @@ def test_run_py_refuses_prompt_ids_outside_the_vocabulary_before_building(run_py
     assert not (run_py_runs[1] / "outside.npz").exists()
 
 
+@pytest.mark.slow
 def test_run_py_lines_fit_120_columns_and_say_what_a_run_does(run_py_runs):
     """Every line run.py prints within 120 columns (a tree run's component tables, the
     --random-weights note) and on a CPU the profiler's cost as a note, not a warning; --allreduce
@@ -1933,6 +1946,7 @@ def test_source_lines_fit_100_columns():
 # ---------------------------------------------------------------------------------------------
 # Routing for timing: distinct and trace (routing.py), refused in one line where they cannot run
 
+@pytest.mark.slow
 def test_run_py_refuses_routing_flags_before_building(monkeypatch, tmp_path, run_py_runs):
     """The trained pair routes top-4 of 16 experts; its verify reads 4 tokens (D in [4, 16]),
     a --batch-size 2 random tiny 8 (D in [4, 16] too), num_steps 1 a verify of 2 (D in [4, 8])."""
@@ -1972,6 +1986,7 @@ def test_run_py_refuses_routing_flags_before_building(monkeypatch, tmp_path, run
     _refused(trace, "384 experts, top-8; the model routes top-4 of 16")
 
 
+@pytest.mark.slow
 def test_run_py_distinct_routing_and_its_sweep_end_to_end(run_py_runs):
     """--routing distinct D: every timed verify reaches D experts a MoE layer, the decode step
     top-k, labelled SIMULATED; --distinct-sweep times the verify at D = 4, 6, 8, 12, 16 (top 4 of

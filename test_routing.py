@@ -426,13 +426,14 @@ def test_a_dumps_routing_is_the_routers_own_choice():
 @pytest.mark.gpu
 @pytest.mark.parametrize("kernels_on", ["none", pytest.param("all", marks=pytest.mark.triton)])
 def test_distinct_and_trace_routing_replay_in_cuda_graphs_as_eager(kernels_on):
-    """Captured, a forward routes as eager does, with nothing syncing the host in the replay:
-    distinct at D (its ids kept from the eager call), and a trace at each window that
-    TraceChoice.advance wrote before the replay, outside the graph."""
+    """Captured, a forward routes as eager does (eager run without programmatic dependent launch),
+    with nothing syncing the host in the replay: distinct at D (its ids kept from the eager call),
+    and a trace at each window that TraceChoice.advance wrote before the replay, outside the
+    graph."""
     from functools import partial
 
     from graphs import CudaGraphs
-    from testing import gpu_models
+    from testing import eager_without_pdl, gpu_models
     target, _ = gpu_models(torch.float32, B=1, kernels_on=kernels_on)
     E, K = target.args.n_routed_experts, target.args.num_experts_per_tok
     tokens = torch.randint(0, 256, (1, 4), device="cuda")
@@ -447,7 +448,7 @@ def test_distinct_and_trace_routing_replay_in_cuda_graphs_as_eager(kernels_on):
         finally:
             torch.cuda.set_sync_debug_mode("default")
     target.set_routing("distinct", routing.DistinctChoice(6, E, K))
-    eager = fn(tokens, positions).logits
+    eager = eager_without_pdl(fn, tokens, positions).logits
     runner.run("distinct", fn, tokens, positions)                   # captured
     assert torch.equal(replayed("distinct"), eager), "distinct routing: graph vs eager"
     choice = routing.TraceChoice(routing.TraceCursor(random_trace(2, 12, E, K),
@@ -457,7 +458,7 @@ def test_distinct_and_trace_routing_replay_in_cuda_graphs_as_eager(kernels_on):
     for window in range(3):
         choice.cursor.at = 4 * window
         choice.advance(4)
-        eager = fn(tokens, positions).logits
+        eager = eager_without_pdl(fn, tokens, positions).logits
         if window == 0:
             runner.run("trace", fn, tokens, positions)              # captured
         choice.cursor.at = 4 * window

@@ -111,8 +111,9 @@ def step_inputs(vocab, seed=0):
 
 
 def run_steps(m):
-    """Logits of the prefill and of the step in both attention modes, concatenated along T."""
-    prefill, prefill_pos, step, step_pos = step_inputs(m.args.vocab_size)
+    """Logits of the prefill and of the step in both attention modes, concatenated along T; the
+    inputs (step_inputs') on the model's device."""
+    prefill, prefill_pos, step, step_pos = (t.to(m.device) for t in step_inputs(m.args.vocab_size))
     outs = [m(prefill, prefill_pos, "extend").logits]
     for mode in ("extend", "decode"):
         outs.append(m(step, step_pos, mode).logits)
@@ -174,10 +175,16 @@ def random_tree(B, N, V, g):
 # ---------------------------------------------------------------------------------------------
 # The GPU tests' models and captured calls
 
-def gpu_models(dtype=torch.bfloat16, B=3, seed=0, quant=None, moe_impl="auto", kernels_on="none"):
+def gpu_models(dtype=torch.bfloat16, B=3, seed=0, quant=None, moe_impl=None, kernels_on="none"):
+    """The tiny target on the GPU (random weights, `seed`) with `kernels_on` swapped in
+    (kernels.accelerate's names), and its random draft head. moe_impl: the routed experts' path
+    (kernels.pick_moe); None: "gather" with kernels_on "none" (the plain model, no Triton launch),
+    else "auto" (on CUDA with Triton: the fused MoE)."""
     target = init_random(Transformer(tiny(quantization_config=quant), max_batch_size=B,
                                      max_seq_len=64,
                                      device="cuda", dtype=dtype), seed)
+    if moe_impl is None:
+        moe_impl = "gather" if kernels_on == "none" else "auto"
     kernels.accelerate(target, kernels_on, moe=moe_impl)
     head = init_random_draft(Eagle3Draft(draft_preset("tiny"), target), seed + 1)
     return target, head
