@@ -228,14 +228,14 @@ def print_phases(r, ctx, c, b):
               else "; floors need a GPU")
     print("\n" + wrap(f"phase times at {ctx} cached tokens, isolated (ms: median [min lower-upper "
                       f"quartile max] of {r.env.config['reps']} repetitions{floors}; distinct "
-                      "experts: per MoE layer)", "", ""))
+                      f"experts: per MoE layer{routing_suffix(b)})", "", ""))
     for name, ms in c.phases_ms.items():
         phase = name.rsplit("/", 1)[0] if "/" in name else name
         floor, experts = c.floors_ms.get(phase), c.distinct_experts.get(phase)
         print((f"  {name:30s} {ms:9.3f} {fmt_spread(ms):31s}"
                + (f"   {ms / floor:5.1f}x floor {floor:.3f}" if floor else "")
-               + (f"   {experts:5.1f} distinct experts{routing_suffix(b)}" if experts is not None
-                  else "")).rstrip())
+               + (f"   {experts:5.1f} distinct experts" if experts is not None
+                  else "")).rstrip())   # what chose them: in the header (routing_suffix)
 
 
 def routing_suffix(b):
