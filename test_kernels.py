@@ -858,7 +858,7 @@ def check_mla(B, T, shape, S, dtype, device, seed, split_len=None):
 def test_mla_decode_kernel_equals_twin_tiny(B, T):
     """Tiny shapes: the cached slots in one split (S=40), in 64-slot splits and in 16-slot splits
     (S=300: 5 and 19 splits, merged with the new tokens' part)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE.type
     check_mla(B, T, TINY_MLA, 40, torch.float32, device, seed=B * 10 + T)
     check_mla(B, T, TINY_MLA, 300, torch.float32, device, seed=B * 10 + T + 1, split_len=64)
     check_mla(B, T, TINY_MLA, 300, torch.float32, device, seed=B * 10 + T + 2, split_len=16)
@@ -881,7 +881,7 @@ def test_mla_decode_kernel_reads_permuted_queries_in_place(monkeypatch):
     """q_lat as the absorbed einsum leaves it (stored head-major, [B, T, H, C] a permuted view:
     model.MLA.absorb_query past head_gemv's rows) reaches the kernel uncopied, and gives its output
     and caches equal to a contiguous q_lat's, bit for bit, and against the float64 twin."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE.type
     inputs = mla_inputs(3, 4, **TINY_MLA, S=40, dtype=torch.float32, device=device, seed=7)
     permuted = inputs["q_lat"].permute(2, 0, 1, 3).contiguous().permute(1, 2, 0, 3)
     assert not permuted.is_contiguous() and torch.equal(permuted, inputs["q_lat"])
@@ -903,7 +903,7 @@ def test_mla_decode_kernel_reads_permuted_queries_in_place(monkeypatch):
 @pytest.mark.triton
 def test_mla_decode_kernel_equals_twin_kimi_shapes():
     """Kimi-K2 at TP 8 (H=8, C=512, R=64), verify-sized (T=4), rows of different lengths."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE.type
     check_mla(3, 4, KIMI_TP8, 100, torch.float32, device, seed=5, split_len=64)
 
 
@@ -914,7 +914,7 @@ def test_mla_decode_kernel_query_rows_in_blocks(block_m, monkeypatch):
     a program of its own that recomputes the new tokens' latents (block 0 writes them), or all in
     one block of 32: equal to the twin either way."""
     monkeypatch.setattr(kernels.mla, "mla_block_m", lambda rows, batch, kv_len: block_m)
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE.type
     check_mla(2, 3, KIMI_TP8, 100, torch.float32, device, seed=6, split_len=64)
 
 
@@ -958,7 +958,7 @@ def test_mla_merge_absorb_equals_combine_then_head_gemv(dtype, monkeypatch):
     the one Kimi-K2 case that merges with 2 of its 8 heads (each head is its own programs); bf16
     (whose K steps are twice as wide) a tiny case of each kind and that Kimi-K2 case. The GPU runs
     every case, Kimi-K2's with all 8 heads."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE.type
     combines, combine = [], kernels.mla_combine
     monkeypatch.setattr(kernels.mla, "mla_combine", lambda *a: combines.append(a[0].partial.shape)
                         or combine(*a))
@@ -1025,7 +1025,7 @@ def test_rope_cache_kernel_equals_twin(shape, dtype):
     index writes): q_pe, kv and k_pe strided views as MLA splits them, the caches whole as MLA
     passes its own, a row more than the batch (a max batch above it); every slot not written,
     that spare row's too, stays as it was."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE.type
     H, C, R = (TINY_MLA if shape == "tiny" else KIMI_TP8).values()
     B, S, nope = 3, 40, 16
     norm = model.RMSNorm(C, 1e-6, device, dtype)
@@ -1141,7 +1141,7 @@ def test_a_strided_weight_is_refused(entry):
 @pytest.mark.parametrize("shape", list(ROUTER_SHAPES))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_router_kernel_equals_twin(shape, dtype, monkeypatch):
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE.type
     args = tiny(**ROUTER_SHAPES[shape])
     router, fast = random_routers(args, device, dtype, seed=len(shape))
     # the weight as the checkpoints store it (bf16), fp16 models widening it to fp32 (bf16's range):
@@ -1223,7 +1223,7 @@ def test_router_planes_feed_the_int4_gemv_as_its_own():
 def test_add_rmsnorm_kernel_equals_twin(D, dtype):
     """kernels.add_rmsnorm (the sum exactly, the norm of it) and kernels.rmsnorm (its kernel
     without the add) against model.RMSNorm on fresh random rows."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE.type
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
                     "nearest): bf16 kernels are checked on the GPU")
@@ -1247,7 +1247,7 @@ def test_rmsnorm_reads_a_column_slice_in_place(monkeypatch):
     """kernels.rmsnorm on q_a's columns of a stacked [B, T, q_a + kv_a] output, as MLA's q_a norm
     gets them: equal, bit for bit, to the norm of a contiguous copy and close to model.RMSNorm's,
     and the launch reads the slice's own storage (no copy before it)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE.type
     g = torch.Generator().manual_seed(5)
     stacked = torch.randn(2, 10, 96 + 72, generator=g).to(device)
     x = stacked[..., :96]
@@ -1270,7 +1270,7 @@ def test_rmsnorm_reads_a_column_slice_in_place(monkeypatch):
 def test_silu_mul_kernel_equals_twin(dtype):
     """SwiGLU's silu(gate) * up against model.MLP's plain line, on the two halves of one [N, 2I]
     output (as fused_proj gives them) and on separate tensors, at tiny and Kimi-K2 TP-8 widths."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE.type
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
                     "nearest): bf16 kernels are checked on the GPU")
@@ -1353,7 +1353,7 @@ def test_norm_gemv_kernel_equals_twin(dtype):
     float32 to 1e-5 relative; bf16 (GPU) to 1% of the largest output, since only the order of
     the float32 sums and a rounding of the normed row differ (the tensor cores' form rounds x *
     g to bf16 as the plain path rounds the normed row)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE.type
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
                     "nearest): bf16 kernels are checked on the GPU")
@@ -1398,7 +1398,7 @@ def test_norm_gemv_kernel_equals_twin(dtype):
 def test_norm_gemv_refuses_what_it_cannot_run():
     """kernels.norm_gemv refuses, naming the problem: more than 16 rows, groups of rows that are no
     power of 2, and the tensor cores' form forced on fp16."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE.type
     with pytest.raises(ValueError, match="at most 16 rows"):
         kernels.norm_gemv(torch.zeros(17, 64, device=device), torch.zeros(8, 64, device=device))
     with pytest.raises(ValueError, match="group_rows 3: a power of 2"):
@@ -1423,7 +1423,7 @@ def test_norm_gemv_with_residual_equals_add_rmsnorm_and_linear(dtype):
     bit; the output float32 to 1e-5 relative, bf16 (GPU) to 1% of the largest output (the CUDA
     cores' form does not round the normed row, the tensor cores' rounds x * g to bf16). Refused: a
     residual of another shape or dtype."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE.type
     if dtype == torch.bfloat16 and device == "cpu":
         pytest.skip("the Triton interpreter rounds float32 -> bf16 toward zero (GPUs round to "
                     "nearest): bf16 kernels are checked on the GPU")
@@ -1528,7 +1528,7 @@ def test_head_gemv_kernel_equals_twin(dtype):
     row-strided), the query a strided split of q: 1 to 4 and 16 rows, tiny (at 16 rows W_uv's K of
     100 takes two steps, the last partial) and (GPU) Kimi-K2 TP-8 heads; at 3 and 16 rows also in
     groups of 2 rows, a program a group."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE.type
     g = torch.Generator().manual_seed(16)
     for H, d, R, C in [(4, 16, 8, 100)] + ([(8, 128, 64, 512)] if device == "cuda" else []):
         kv_b = (torch.randn(H, 2 * d, C, generator=g) / C ** 0.5).to(device, dtype)
@@ -1617,7 +1617,7 @@ def test_norm_gemv_in_model_equals_plain(monkeypatch, others):
     rows in the combine launch; both modes. (On the CPU, with the attention kernel, the prefill
     runs extend mode in both, as generate prefills: the decode kernel over 12 tokens a row is
     the interpreter's slowest part and no norm_gemv launch.)"""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE.type
     args = tiny(num_hidden_layers=2)
     plain = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32), 0)
     fast = init_random(Transformer(args, 3, 64, device=device, dtype=torch.float32), 0)
@@ -1684,7 +1684,7 @@ def test_model_with_kernels_equals_plain():
     CPU the prefill runs once, in extend mode (as generate prefills; the decode kernel over a
     9-token extend is test_each_swap_equals_the_module_it_replaces[attention]'s), before both
     modes' steps (each step rewrites the slots it reads past the prefill's)."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE.type
     plain, fast = kernel_models(device, torch.float32, layers=8 if device == "cuda" else 2)
     assert fast.kernels == kernels.KERNELS and not hasattr(plain, "kernels")
     assert_same_state(fast, plain)
@@ -1763,7 +1763,7 @@ def test_each_swap_equals_the_module_it_replaces(name):
     extend mode) at mla_calls' 18, 6, 2 and 1 rows, on both sides of its GEMVs' limits
     (Q_B_GEMV_MAX_ROWS, HEAD_GEMV_MAX_ROWS, QKVA_GEMV_MAX_ROWS with fused_proj, and W_uv's merge
     in the attention launch, MLA_MERGE_ABSORB_MAX_ROWS), its outputs and the caches it writes."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE.type
     args = tiny()
     make, swaps = SWAPS[name]
     if make is None:
@@ -1882,7 +1882,7 @@ def test_router_kernel_uniform_routing_equals_twin(shape):
     """SIMULATED uniform routing inside the select kernel (no kernel of its own): the experts of
     model.Router's torch path (pair j of the N*K to expert j mod E, wrapping past E pairs) and their
     scores, normalized and scaled, as its weights."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE.type
     args = tiny(**ROUTER_SHAPES[shape])
     router, fast = random_routers(args, device, torch.float32, seed=len(shape) + 1,
                                   routing="uniform")
@@ -1909,7 +1909,7 @@ def test_router_kernel_with_a_choice_equals_twin(shape):
     that column, as model.Router keeps them. Each call draws K distinct random experts a token,
     the same for both routers; the identity choice (a trace without ids for the call returns the
     router's own) keeps the router's ids and weights."""
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE.type
     args = tiny(**ROUTER_SHAPES[shape])
     E, K = args.n_routed_experts, args.num_experts_per_tok
     router, fast = random_routers(args, device, torch.float32, seed=len(shape) + 2)
@@ -1947,7 +1947,7 @@ def test_add_rmsnorm_across_layers_equals_plain_with_exact_aux_states(monkeypatc
                         or kernels.add_rmsnorm(*a))
     monkeypatch.setattr(kernels.launch, "rmsnorm", lambda *a: alone.append(1)
                         or kernels.rmsnorm(*a))
-    device = "cuda" if torch.cuda.is_available() else "cpu"
+    device = TRITON_DEVICE.type
     args = tiny(num_hidden_layers=4 if device == "cpu" else 8)
     aux_ids = [0, 1, args.num_hidden_layers - 2]
     plain = init_random(Transformer(args, 3, 32, device=device, dtype=torch.float32,
