@@ -32,9 +32,9 @@ from draft import draft_preset, DraftAttention, Eagle3Draft, rotate_half_rope
 from graphs import CudaGraphs
 from kernels.common import _jit, _pow2, tl, triton
 from model import Transformer
-from testing import (assert_close, captured_calls, count_reads, flat, fp8_checkpoint, gpu_models,
-                     HERE, int4_checkpoint, PROMPTS, random_tree, run_steps, step_inputs, tiny,
-                     TRITON_DEVICE)
+from testing import (assert_close, captured_calls, count_reads, eager_without_pdl, flat,
+                     fp8_checkpoint, gpu_models, HERE, int4_checkpoint, PROMPTS, random_tree,
+                     run_steps, step_inputs, tiny, TRITON_DEVICE)
 import testing
 from tp import TP
 from verify import generate, tree_visible
@@ -394,8 +394,8 @@ def test_gpu_fused_moe_graph_equals_eager(quant, variant):
     """The INT4 tile variant and the adaptive variant at a Kimi-K2 TP-8 rank's shapes (384 experts,
     D 7168, I 256), bf16, captured once with no host sync: replays on new tokens and new routing (16
     tokens, from every expert distinct to all on the same 8: the adaptive variant's choice between
-    tiles and GEMV moves with the routing inside one graph) equal the eager call, and the plain
-    module."""
+    tiles and GEMV moves with the routing inside one graph) equal the eager call (launched without
+    programmatic dependent launch: eager_without_pdl), and the plain module."""
     experts, D = moe_experts("kimi", quant, 384, "cuda", torch.bfloat16)
     g = torch.Generator().manual_seed(0)
     N = 16
@@ -417,7 +417,7 @@ def test_gpu_fused_moe_graph_equals_eager(quant, variant):
         w.copy_(new_w)
         x.copy_(torch.randn(N, D, generator=g).to("cuda", torch.bfloat16))
         graph.replay()
-        eager = experts.fused(x, ids, w, variant=variant)
+        eager = eager_without_pdl(lambda: experts.fused(x, ids, w, variant=variant))
         assert_close(out, eager, 0.0, f"{what}, {kind} routing: graph replay vs eager")
         ref = model.Experts.forward(experts, x, ids, w)
         assert_close(out, ref, 2e-2 * ref.abs().max().item(), f"{what}, {kind}: vs plain")
@@ -2156,8 +2156,9 @@ def assert_fused_moe_refuses_shared_it_cannot_take(moe, args, g):
 def test_quantized_shared_expert_in_the_launch_replays_without_host_sync(quant):
     """INT4 or FP8 routed experts with the shared expert in their launch, bf16, and the router
     kernel (beside INT4 experts it writes the packed form's pair planes): each captured shape
-    (decode, verify of 3 rows of 4 tokens, the head's) replays equal to eager, on its capture's
-    inputs and on others, and nothing syncs with the host."""
+    (decode, verify of 3 rows of 4 tokens, the head's) replays equal to eager (launched without
+    programmatic dependent launch: eager_without_pdl), on its capture's inputs and on others, and
+    nothing syncs with the host."""
     target, head = gpu_models(quant=quant, moe_impl="fused", kernels_on=["router", "shared_expert"])
     assert target.kernels == ("router", "shared_expert")
     runner = CudaGraphs("cuda")
@@ -2167,7 +2168,7 @@ def test_quantized_shared_expert_in_the_launch_replays_without_host_sync(quant):
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                eager = flat(fn(*inputs))
+                eager = flat(eager_without_pdl(fn, *inputs))
                 runner.run(key, fn, *inputs)                  # capture (the first set), replay
                 graphed = flat(runner.run(key, fn, *inputs))
             finally:
@@ -2228,8 +2229,9 @@ def test_gpu_mla_decode_kernel_long_cache(dtype, B, T):
 @pytest.mark.parametrize("S", [512, 32768])
 def test_gpu_mla_decode_kernel_one_graph_any_length(S):
     """One graph captured on an S-slot cache serves every length: replays with new positions
-    (lengths from 1 to the whole cache) equal the eager call and the float64 twin, without a
-    host sync: a short cache (8 splits of 64 slots) and a long one (splits of 768 slots)."""
+    (lengths from 1 to the whole cache) equal the eager call (launched without programmatic
+    dependent launch: eager_without_pdl) and the float64 twin, without a host sync: a short cache
+    (8 splits of 64 slots) and a long one (splits of 768 slots)."""
     B, T, scale = 3, 4, 0.07
     x = mla_inputs(B, T, **KIMI_TP8, S=S, dtype=torch.bfloat16, device="cuda", seed=1)
     table = torch.stack(model.rope_tables(KIMI_TP8["R"], 10000.0, None, S, "cuda"), -1)
@@ -2250,7 +2252,8 @@ def test_gpu_mla_decode_kernel_one_graph_any_length(S):
             x["positions"].copy_(new_pos)
             x["rope"].copy_(new_rope)
             graph.replay()
-            eager = kernels.mla_decode_attention(**x, softmax_scale=scale)
+            eager = eager_without_pdl(lambda: kernels.mla_decode_attention(**x,
+                                                                           softmax_scale=scale))
         finally:
             torch.cuda.set_sync_debug_mode("default")
         assert_close(out, eager, 0.0, f"S {S}: graph replay vs eager, last positions {last}")
@@ -2262,9 +2265,10 @@ def test_gpu_mla_decode_kernel_one_graph_any_length(S):
 @pytest.mark.gpu
 @pytest.mark.triton
 def test_gpu_kernels_in_captured_paths(monkeypatch):
-    """The tiny model with every kernel on: each captured shape replays equal to eager, with no
-    host sync anywhere; bf16 agreement with the plain model is reported (float32 logits against
-    the plain model's: test_model_with_kernels_equals_plain, which runs on the GPU too). The
+    """The tiny model with every kernel on: each captured shape replays equal to eager (launched
+    without programmatic dependent launch: eager_without_pdl), with no host sync anywhere; bf16
+    agreement with the plain model is reported (float32 logits against the plain model's:
+    test_model_with_kernels_equals_plain, which runs on the GPU too). The
     decode step (batch 3: 3 rows, with the merge in W_uv's launch allowed up to those 3 rows for
     the test; run.py's step has 1) merges the attention's parts in W_uv's launch (mla_merge_absorb),
     the verify in decode mode (12 rows) in the combine launch."""
@@ -2283,7 +2287,7 @@ def test_gpu_kernels_in_captured_paths(monkeypatch):
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                eager = flat(fn(*inputs))
+                eager = flat(eager_without_pdl(fn, *inputs))
                 runner.run(key + (routing,), fn, *inputs)          # capture
                 graphed = flat(runner.run(key + (routing,), fn, *inputs))
             finally:
@@ -2296,7 +2300,7 @@ def test_gpu_kernels_in_captured_paths(monkeypatch):
             torch.cuda.synchronize()
             torch.cuda.set_sync_debug_mode("error")
             try:
-                eager = flat(fn(*inputs))
+                eager = flat(eager_without_pdl(fn, *inputs))
                 graphed = flat(runner.run(key + (routing,), fn, *inputs))
             finally:
                 torch.cuda.set_sync_debug_mode("default")
@@ -2547,7 +2551,8 @@ def test_gpu_draft_attention_kimi_shapes(T):
 @pytest.mark.triton
 def test_gpu_draft_kernels_in_captured_paths():
     """The tiny head with every swap, bf16: its extend and chain replay from CUDA graphs equal to
-    the eager calls, with no host sync, then on other inputs; the drafts agree with the plain
+    the eager calls (launched without programmatic dependent launch: eager_without_pdl), with no
+    host sync, then on other inputs; the drafts agree with the plain
     head's (reported)."""
     target, plain = gpu_models()
     _, fast = gpu_models()
@@ -2559,7 +2564,7 @@ def test_gpu_draft_kernels_in_captured_paths():
         torch.cuda.synchronize()
         torch.cuda.set_sync_debug_mode("error")
         try:
-            eager = fn(*inputs)
+            eager = eager_without_pdl(fn, *inputs)
             runner.run(key, fn, *inputs)                          # capture
             graphed = runner.run(key, fn, *inputs)
         finally:
@@ -2570,7 +2575,7 @@ def test_gpu_draft_kernels_in_captured_paths():
         same = (drafts == (want if key.phase == "draft" else want[0])).float().mean().item()
         print(f"\nbf16 tiny head, kernels on vs off, {key.phase}: drafts agree {same:.2f}")
     for key, fn, inputs in captured_calls(target, fast, P=15, seed=1)[3:]:   # other inputs
-        eager = flat(fn(*inputs))
+        eager = flat(eager_without_pdl(fn, *inputs))
         assert_close(flat(runner.run(key, fn, *inputs)), eager, 0.0,
                      f"head kernels: replay on new inputs vs eager {key}")
 
