@@ -1796,7 +1796,8 @@ def test_each_swap_equals_the_module_it_replaces(name):
     the plain GEMM past it); MLA in both attention modes (each also against extend mode) at
     mla_calls' 18, 6, 2 and 1 rows, on both sides of its GEMVs' limits (Q_B_GEMV_MAX_ROWS,
     HEAD_GEMV_MAX_ROWS, QKVA_GEMV_MAX_ROWS with fused_proj, and W_uv's merge in the attention
-    launch, MLA_MERGE_ABSORB_MAX_ROWS), its outputs and the caches it writes."""
+    launch, MLA_MERGE_ABSORB_MAX_ROWS), its outputs and the caches it writes. The swap classes
+    that no case builds: SWAPS_TESTED_ELSEWHERE (test_every_swap_class_is_tested)."""
     device = TRITON_DEVICE.type
     args = tiny()
     make, swaps = SWAP_CASES[name]
@@ -2714,3 +2715,59 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
                          text=True, timeout=400)
     assert out.returncode == 0, out.stderr[-3000:]
     assert out.stdout.count("compiled ") == len(specs), out.stdout[-2000:]
+
+
+# ---------------------------------------------------------------------------------------------
+# Every swap class: built and checked against its plain module by some test
+
+# The classes of kernels.SWAPS and COMBINED that no case of SWAP_CASES builds: their modules are
+# none of the RMSNorm, MLP, o_proj or MLA that test_each_swap_equals_the_module_it_replaces makes
+# inputs for (the routed experts, the router, a layer, the MoE, the head). Each with the test of
+# this module that builds it and checks it against the plain module, and how that test builds it.
+SWAPS_TESTED_ELSEWHERE = {
+    kernels.GroupedExperts: (test_grouped_moe_equals_gather, "accelerate, moe='grouped'"),
+    kernels.FusedExperts: (test_fused_moe_equals_gather_tiny, "kernels.swap in ExpertsHolder"),
+    kernels.InputNormInQKVA: (test_input_norm_in_qkva_block_equals_the_plain_block,
+                              "accelerate_layer: norm_gemv, fused_proj, add_rmsnorm"),
+    kernels.RouterKernel: (test_router_kernel_equals_twin, "kernels.swap in random_routers"),
+    kernels.SharedExpertInLaunch: (test_shared_expert_in_the_fused_launch_equals_plain,
+                                   "accelerate: shared_expert, moe='fused'"),
+    kernels.swaps.SharedExpertRouterInLaunch: (
+        test_quantized_experts_take_the_shared_expert_in_their_launch,
+        "accelerate: router and shared_expert, moe='fused', INT4 experts"),
+    kernels.SharedDownAddsRouted: (test_fused_proj_equals_plain_on_one_copy_of_the_weights,
+                                   "accelerate: fused_proj"),
+    kernels.DraftAttentionKernel: (test_draft_head_with_kernels_equals_plain,
+                                   "accelerate_draft: attention"),
+    kernels.StackedQKV: (test_draft_head_with_kernels_equals_plain,
+                         "accelerate_draft: fused_proj"),
+    kernels.DraftNormsKernel: (test_draft_head_with_kernels_equals_plain,
+                               "accelerate_draft: add_rmsnorm"),
+    kernels.DraftHeadNorm: (test_draft_head_with_kernels_equals_plain,
+                            "accelerate_draft: add_rmsnorm"),
+    kernels.DraftTop1Kernel: (test_draft_head_with_kernels_equals_plain,
+                              "accelerate_draft: router"),
+    kernels.swaps.StackedQKVAttention: (test_draft_head_with_kernels_equals_plain,
+                                        "accelerate_draft: all"),
+    kernels.swaps.DraftHeadNormTop1: (test_draft_head_with_kernels_equals_plain,
+                                      "accelerate_draft: all"),
+}
+
+
+def test_every_swap_class_is_tested():
+    """Every class of kernels.SWAPS and every class COMBINED declares is built by a case of
+    test_each_swap_equals_the_module_it_replaces (SWAP_CASES) or listed in SWAPS_TESTED_ELSEWHERE,
+    not both, with a test function of this module; SWAPS_TESTED_ELSEWHERE lists no class outside
+    the two tables. A swap added to the tables fails here until a test builds it."""
+    table = {row.cls for row in kernels.SWAPS} | set(kernels.swaps.COMBINED.values())
+    cases = {swap_class(swaps) for _, swaps in SWAP_CASES.values()}
+    elsewhere = set(SWAPS_TESTED_ELSEWHERE)
+    untested = sorted(cls.__name__ for cls in table - cases - elsewhere)
+    assert not untested, f"swap classes no test builds: {untested}"
+    assert not cases & elsewhere, \
+        f"in SWAP_CASES and SWAPS_TESTED_ELSEWHERE: {sorted(c.__name__ for c in cases & elsewhere)}"
+    assert elsewhere <= table, \
+        f"not in the tables: {sorted(c.__name__ for c in elsewhere - table)}"
+    for cls, (test, how) in SWAPS_TESTED_ELSEWHERE.items():
+        assert test.__name__.startswith("test_") and globals()[test.__name__] is test and how, \
+            f"{cls.__name__}: {test.__name__} is no test of this module"
