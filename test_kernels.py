@@ -2620,7 +2620,9 @@ def test_gpu_draft_kernels_in_captured_paths():
 @pytest.mark.triton
 def test_tree_verify_with_kernels_equals_plain():
     """The Triton decode attention cannot mask a tree, so a tree's forward takes the plain
-    attention there; the rope/cache kernel writes at the tree's slots. Equal to the plain model."""
+    attention there; the rope/cache kernel writes at the tree's slots (9 to 15; its positions are
+    9 + depth). The logits and every layer's latent and rope caches equal the plain model's, the
+    tree's slots written (not zero)."""
     dev, build = TRITON_DEVICE, dict(max_batch_size=2, max_seq_len=32, dtype=torch.float32)
     plain = init_random(Transformer(tiny(), device=dev, **build), 4)
     fast = init_random(Transformer(tiny(), device=dev, **build), 4)
@@ -2637,6 +2639,12 @@ def test_tree_verify_with_kernels_equals_plain():
     a = plain(tokens, 9 + depths, "decode", **kw).logits
     b = fast(tokens, 9 + depths, "decode", **kw).logits
     assert_close(a, b, 1e-4, "tree verify, kernels on vs plain")
+    for i, (p, f) in enumerate(zip(plain.layers, fast.layers)):
+        for cache in ("kv_cache", "pe_cache"):
+            want, got = getattr(p.self_attn, cache), getattr(f.self_attn, cache)
+            what = f"tree verify, kernels on vs plain, layer {i}: {cache}"
+            assert (want[:2, 9:16].abs().amax(-1) > 0).all(), what + ": a tree slot left empty"
+            assert_close(got, want, 1e-5 * want.abs().max().item(), what)
 
 
 def _package_kernels():
