@@ -2692,7 +2692,10 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     compiled with the wait (common.GDC), no global memory access before it, the weights' prefetch
     there where asked for."""
     if TRITON_DEVICE.type == "cuda":
-        pytest.skip("on a GPU the GPU tests compile every kernel natively")
+        pytest.skip("records its launches under Triton's CPU interpreter, which is off on a GPU; "
+                    "the GPU tests compile and run the kernels natively, but the PTX rule that no "
+                    "global memory access precedes the PDL wait (testing._before_wait) is checked "
+                    "only here, on a machine without a GPU")
     with testing.recorded_launches() as specs, pytest.MonkeyPatch.context() as mp:
         mp.setattr(kernels.common, "PDL", True)  # the launches' arguments as on a Hopper GPU
         mp.setattr(kernels.common, "PREFETCH", True)
