@@ -1149,7 +1149,8 @@ def test_a_strided_weight_is_refused(entry):
 
 
 @pytest.mark.triton
-@pytest.mark.parametrize("shape", list(ROUTER_SHAPES))
+@pytest.mark.parametrize("shape", [pytest.param(s, marks=pytest.mark.slow) if s == "kimi-k2" else s
+                                   for s in ROUTER_SHAPES])   # Kimi-K2's: 20-170 s on 2 cores
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_router_kernel_equals_twin(shape, dtype, monkeypatch):
     device = TRITON_DEVICE.type
@@ -2737,6 +2738,7 @@ def test_the_pdl_check_sees_every_global_access_before_the_wait():
 
 
 @pytest.mark.triton
+@pytest.mark.slow   # 20-100 s on 2 cores: it reruns six tests, then compiles every launch
 def test_every_kernel_compiles_for_sm90(tmp_path):
     """Every Triton kernel of the kernels package, compiled for sm_90 by Triton's own compiler on
     a machine without a GPU. The CPU interpreter runs code that the compiler refuses (a helper
