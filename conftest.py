@@ -5,7 +5,8 @@
     triton     needs Triton: on CUDA natively, on a CPU under its interpreter (TRITON_INTERPRET=1,
                set here before anything imports Triton); skipped without triton
     slow       long on 2 CPU cores (test_cli.py's end-to-end runs, its check of BENCHMARKS.md's
-               tables); run by default (deselect with -m "not slow")
+               tables, test_kernels.py's largest interpreter runs); run by default (deselect
+               with -m "not slow")
 
 `python -m pytest -q` runs every test the machine can run (`-n 2 --dist loadfile`: a test file a
 process, over 2, as CI runs them); `-m gpu`, `-m triton` or `-m "not gpu"` select by marker.
