@@ -320,11 +320,11 @@ def read_sglang(paths, n_experts, top_k):
             raise ValueError(f"{path}: not an SGLang expert-distribution dump in per_token mode "
                              "(no 'records'; stat mode keeps only counts)")
         to_logical = dump.get("last_physical_to_logical_map")
-        for record in dump["records"]:
+        for i, record in enumerate(dump["records"]):
             if not isinstance(record, dict) or "topk_ids_of_layer" not in record:
                 raise ValueError(f"{path}: its records hold no per-token ids (per_pass or stat "
                                  "mode); record with SGLang's per_token mode")
-            ids = record["topk_ids_of_layer"].long()              # [all layers, tokens, width]
+            ids = record_ids(path, i, record["topk_ids_of_layer"])  # [all layers, tokens, width]
             if ids.shape[-1] != top_k:
                 raise ValueError(f"{path}: recorded ids are top-{ids.shape[-1]}; the model routes "
                                  f"top-{top_k}")
@@ -351,6 +351,19 @@ def read_sglang(paths, n_experts, top_k):
                          f"{n_experts} experts")
     note = f"SGLang per_token dump, {len(lengths)} forward passes, {len(paths)} file(s)"
     return Trace(ids, n_experts, top_k, None, note)
+
+
+def record_ids(path, i, ids):
+    """A record's topk_ids_of_layer as a LongTensor, refused in one line (ValueError naming the
+    file, the record and what it holds) unless an integer tensor [layers, tokens, K]."""
+    what = f"{path}: record {i}'s topk_ids_of_layer"
+    if not isinstance(ids, torch.Tensor):
+        raise ValueError(f"{what} is a {type(ids).__name__}, not a tensor [layers, tokens, K]")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"{what} is {ids.dtype}, not integers")
+    if ids.dim() != 3:
+        raise ValueError(f"{what} has shape {list(ids.shape)}, not [layers, tokens, K]")
+    return ids.long()
 
 
 # ---------------------------------------------------------------------------------------------

@@ -636,6 +636,22 @@ def test_convert_sglang_refuses_bad_sizes_outputs_and_an_empty_trace(tmp_path, c
     assert torch.equal(routing.read_trace(tmp_path / "t.txt", E, 8).ids, ids.long())
 
 
+def test_convert_sglang_refuses_a_record_whose_ids_are_no_3d_integer_tensor(tmp_path, capsys):
+    """A record's topk_ids_of_layer as a list, as floats, or 2-D [tokens, 8] (no layer axis) is
+    refused in one line naming the file, the record and what it holds; nothing written."""
+    good = torch.randint(0, 16, (3, 5, 8), dtype=torch.int32)
+    for ids, said in (([[0] * 8] * 5, "record 1's topk_ids_of_layer is a list, not a tensor"),
+                      (good.float(), "record 1's topk_ids_of_layer is torch.float32, not integers"),
+                      (good[0], "record 1's topk_ids_of_layer has shape [5, 8], not [layers, ")):
+        path = tmp_path / "d.pt"
+        torch.save(dict(records=[dict(topk_ids_of_layer=good), dict(topk_ids_of_layer=ids)]), path)
+        status, err = refused(["convert-sglang", str(path), "--out", str(tmp_path / "t.npz"),
+                               "--n-experts", "16"], capsys)
+        assert status == 2 and len(err) == 1, err
+        assert err[0].startswith(f"routing.py convert-sglang: error: {path}: {said}"), err
+        assert not (tmp_path / "t.npz").exists()
+
+
 def test_curve_refuses_a_window_below_1_and_a_file_that_is_no_npz(tmp_path, capsys):
     """curve: --max-T 0 or below refused (not a header and nothing); a text file named as the
     file that is no .npz by its first bytes (as run.py --compare says it), not numpy's pickle
