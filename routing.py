@@ -769,6 +769,10 @@ def curve_main(argv):
     except (OSError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as e:
         p.error(f"{a.trace}: not a routing trace ({type(e).__name__}: {e})")
     print(f"{a.trace}: {t.ids.shape[0]} layers, {t.ids.shape[1]} tokens, top-{K} of {E}; {t.note}")
+    longest = max(t.sequence_lengths or [t.ids.shape[1]])
+    if a.max_T > longest:   # (a window never crosses a sequence's end)
+        print(f"routing.py curve: note: --max-T {a.max_T} is past the trace's longest sequence "
+              f"({longest} tokens); the curve stops at T {longest}", file=sys.stderr)
     for T, v in distinct_curve(t.ids, E, a.max_T, t.sequence_lengths).items():
         print(f"T {T:2d}: {v:6.1f} distinct (uniform {uniform_distinct(E, K, T):6.1f})")
 

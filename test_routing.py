@@ -667,3 +667,12 @@ def test_curve_refuses_a_window_below_1_and_a_file_that_is_no_npz(tmp_path, caps
         assert (status, err) == (2, [f"routing.py curve: error: {said}"]), (argv, err)
     assert routing.main(["curve", str(path), "--max-T", "2"]) is None
     assert len(capsys.readouterr().out.splitlines()) == 3
+    # past the longest sequence: the curve ends there, and a note says so
+    routing.save_trace(path, random_trace(tokens=20), 384, 8, sequence_lengths=[12, 8])
+    assert routing.main(["curve", str(path), "--max-T", "100000"]) is None
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 1 + 12 and out.splitlines()[-1].startswith("T 12:"), out
+    assert err == ("routing.py curve: note: --max-T 100000 is past the trace's longest sequence "
+                   "(12 tokens); the curve stops at T 12\n"), err
+    assert routing.main(["curve", str(path), "--max-T", "12"]) is None
+    assert capsys.readouterr().err == ""
