@@ -428,6 +428,8 @@ PROBE_TRAIN = dict(steps=600, batch=16, seq_len=128, lr=3e-3, warmup=30, seed=0,
                    router_lr_scale=0.1)
 PROBE_QUICK = dict(PROBE_TRAIN, steps=20)
 PROBE_RECORD = dict(sequences=64, seq_len=128, max_T=16)
+# the committed probe's folder (probe_trace.npz, probe.json, probe.md)
+PROBE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "routing")
 
 
 def probe_args():
@@ -618,6 +620,9 @@ def probe_config(p, a):
             p.error(f"{flag} {value}: must be at least {low}{finite}")
     if not a.minutes > 0:
         p.error(f"--minutes {a.minutes}: must be above 0")
+    if a.quick and os.path.realpath(a.out) == os.path.realpath(PROBE_DIR):
+        p.error(f"--out {a.out}: --quick would replace the committed probe with a smoke test; "
+                "give another --out")
     cfg = dict(PROBE_QUICK if a.quick else PROBE_TRAIN)
     given = dict(steps=a.steps, bias_rate=a.bias_rate, router_lr_scale=a.router_lr_scale)
     cfg.update({k: v for k, v in given.items() if v is not None})

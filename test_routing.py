@@ -550,9 +550,10 @@ def test_routing_py_refuses_a_missing_or_foreign_file_and_an_unknown_command_in_
 def test_the_probe_refuses_its_flags_and_an_out_it_cannot_write_before_training(
         tmp_path, capsys, monkeypatch):
     """probe: --steps, --threads below 1, --minutes not above 0, a negative bias rate or router
-    learning-rate scale, and an --out that is a file or lies under one are refused in one line
-    (status 2) before any training and leave no folder; 0 for --bias-rate (no correction) and
-    --router-lr-scale (frozen routers) is taken as given, not as the default."""
+    learning-rate scale, an --out that is a file or lies under one, and --quick into the
+    committed probe's folder are refused in one line (status 2) before any training and leave no
+    folder; 0 for --bias-rate (no correction) and --router-lr-scale (frozen routers) is taken as
+    given, not as the default."""
     monkeypatch.setattr(routing, "train_probe", lambda *a: pytest.fail("the probe trained"))
     (tmp_path / "file").write_text("")
     out = ["--out", str(tmp_path / "new" / "probe")]
@@ -566,6 +567,9 @@ def test_the_probe_refuses_its_flags_and_an_out_it_cannot_write_before_training(
              "--router-lr-scale inf: must be at least 0 and finite"),
             (["--out", str(tmp_path / "file")],
              f"--out {tmp_path}/file: cannot write there (a file, not a folder)"),
+            (["--quick", "--out", os.path.join(HERE, "benchmarks", ".", "routing")],
+             f"--out {HERE}/benchmarks/./routing: --quick would replace the committed probe "
+             "with a smoke test; give another --out"),
             (["--out", str(tmp_path / "file" / "probe")],
              f"--out {tmp_path}/file/probe: cannot write there (Not a directory)")):
         status, err = refused(["probe", *argv], capsys)
