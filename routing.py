@@ -611,9 +611,11 @@ def probe_parser():
 
 def probe_config(p, a):
     """The training's settings (PROBE_TRAIN, PROBE_QUICK) with the flags given (0 is a value);
-    values no probe can use refused by the parser, naming the flag."""
-    for flag, value, low in (("--steps", a.steps, 1), ("--threads", a.threads, 1),
-                             ("--bias-rate", a.bias_rate, 0),
+    values no probe can use (--threads past the CPUs too, as train.py) refused by the parser,
+    naming the flag."""
+    import train
+    train.check_threads(p, a.threads)
+    for flag, value, low in (("--steps", a.steps, 1), ("--bias-rate", a.bias_rate, 0),
                              ("--router-lr-scale", a.router_lr_scale, 0)):
         if value is not None and not low <= value < float("inf"):   # (NaN fails too)
             finite = " and finite" if isinstance(value, float) else ""

@@ -953,7 +953,9 @@ def test_train_py_writes_elsewhere_and_refuses_the_committed_pair(tmp_path, caps
     for argv, words in ((["--out", committed], "is the committed pair"),
                         (["--out", str(tmp_path / "file" / "pair")], "cannot write there"),
                         (["--eval", str(tmp_path)],
-                         "no pair there"), (["--threads", "0"], "at least 1")):
+                         "no pair there"), (["--threads", "0"], "at least 1"),
+                        (["--eval", "--threads", str(os.cpu_count() + 1)],
+                         f"this machine has {os.cpu_count()} CPUs; give at most")):
         with pytest.raises(SystemExit) as e:
             train.parse_args(argv)
         err = capsys.readouterr().err.strip().splitlines()

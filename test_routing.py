@@ -549,17 +549,20 @@ def test_routing_py_refuses_a_missing_or_foreign_file_and_an_unknown_command_in_
 
 def test_the_probe_refuses_its_flags_and_an_out_it_cannot_write_before_training(
         tmp_path, capsys, monkeypatch):
-    """probe: --steps, --threads below 1, --minutes not above 0, a negative bias rate or router
-    learning-rate scale, an --out that is a file or lies under one, and --quick into the
-    committed probe's folder are refused in one line (status 2) before any training and leave no
-    folder; 0 for --bias-rate (no correction) and --router-lr-scale (frozen routers) is taken as
-    given, not as the default."""
+    """probe: --steps, --threads below 1 or above the CPUs, --minutes not above 0, a negative bias
+    rate or router learning-rate scale, an --out that is a file or lies under one, and --quick
+    into the committed probe's folder are refused in one line (status 2) before any training and
+    leave no folder; 0 for --bias-rate (no correction) and --router-lr-scale (frozen routers) is
+    taken as given, not as the default."""
     monkeypatch.setattr(routing, "train_probe", lambda *a: pytest.fail("the probe trained"))
     (tmp_path / "file").write_text("")
     out = ["--out", str(tmp_path / "new" / "probe")]
     for argv, said in (
             (out + ["--steps", "0"], "--steps 0: must be at least 1"),
             (out + ["--threads", "0"], "--threads 0: must be at least 1"),
+            (out + ["--threads", str(os.cpu_count() + 1)],
+             f"--threads {os.cpu_count() + 1}: this machine has {os.cpu_count()} CPUs; give at "
+             f"most {os.cpu_count()}"),
             (out + ["--minutes", "0"], "--minutes 0.0: must be above 0"),
             (out + ["--minutes", "-1"], "--minutes -1.0: must be above 0"),
             (out + ["--bias-rate", "-0.1"], "--bias-rate -0.1: must be at least 0 and finite"),

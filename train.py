@@ -367,14 +367,23 @@ def parse_args(argv):
                    help="CPU threads for torch (default 1: the committed "
                    "pair is reproduced only with 1; more train faster and make a different pair)")
     args = p.parse_args(argv)
-    if args.threads < 1:
-        p.error(f"--threads {args.threads}: must be at least 1")
+    check_threads(p, args.threads)
     out_given, args.out = args.out is not None, args.out or OUT_DIR
     if args.eval is not None:
         check_eval(p, args, out_given)
     else:
         check_out(p, args)
     return args
+
+
+def check_threads(p, threads):
+    """--threads from 1 to the machine's CPUs (os.cpu_count()): more threads than CPUs take turns
+    on them, and a run meant for minutes takes far longer. Refused in one line (p's)."""
+    cpus = os.cpu_count() or 1
+    if threads < 1:
+        p.error(f"--threads {threads}: must be at least 1")
+    if threads > cpus:
+        p.error(f"--threads {threads}: this machine has {cpus} CPUs; give at most {cpus}")
 
 
 def check_eval(p, args, out_given):
