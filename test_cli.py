@@ -941,8 +941,9 @@ def test_train_measure_counts_the_cycles_outside_runs_apart():
 
 def test_train_py_writes_elsewhere_and_refuses_the_committed_pair(tmp_path, capsys):
     """train.py's default folder is not the committed pair; writing into the committed pair, into a
-    folder it cannot write, or measuring a folder with no pair is refused in one line, before any
-    training (exit status 2, argparse's)."""
+    folder it cannot write, measuring a folder with no pair, and --overwrite-committed where no
+    flag names the committed pair are refused in one line, before any training (exit status 2,
+    argparse's)."""
     default_out = train.parse_args(["--eval"]).out   # --eval: the default --out, no folder made
     assert os.path.realpath(default_out) != os.path.realpath(train.PAIR_DIR)
     assert train.parse_args(["--out",
@@ -950,17 +951,26 @@ def test_train_py_writes_elsewhere_and_refuses_the_committed_pair(tmp_path, caps
     committed = os.path.join(HERE, "checkpoints", ".", "tiny-stdlib")
     assert train.parse_args(["--out", committed, "--overwrite-committed"]).overwrite_committed
     (tmp_path / "file").write_text("")
+    for part in ("target", "eagle3"):
+        (tmp_path / "pair" / part).mkdir()
     for argv, words in ((["--out", committed], "is the committed pair"),
                         (["--out", str(tmp_path / "file" / "pair")], "cannot write there"),
                         (["--eval", str(tmp_path)],
                          "no pair there"), (["--threads", "0"], "at least 1"),
                         (["--eval", "--threads", str(os.cpu_count() + 1)],
-                         f"this machine has {os.cpu_count()} CPUs; give at most")):
+                         f"this machine has {os.cpu_count()} CPUs; give at most"),
+                        (["--overwrite-committed"], f"--overwrite-committed: {train.OUT_DIR} is "
+                         "not the committed pair; the flag applies only where --out or --eval "),
+                        (["--overwrite-committed", "--out", str(tmp_path / "other")],
+                         "is not the committed pair"),
+                        (["--overwrite-committed", "--eval", str(tmp_path / "pair")],
+                         "is not the committed pair")):
         with pytest.raises(SystemExit) as e:
             train.parse_args(argv)
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and words in err[-1] and \
             err[-1].startswith("train.py: error:"), (argv, err)
+    assert sorted(os.listdir(tmp_path)) == ["file", "pair"]   # nothing made for a refusal
 
 
 def test_train_py_eval_reads_out_and_refuses_what_cannot_go_together(tmp_path, capsys):

@@ -371,7 +371,11 @@ def parse_args(argv):
     out_given, args.out = args.out is not None, args.out or OUT_DIR
     if args.eval is not None:
         check_eval(p, args, out_given)
-    else:
+    folder = args.out if args.eval is None else args.eval
+    if args.overwrite_committed and os.path.realpath(folder) != os.path.realpath(PAIR_DIR):
+        p.error(f"--overwrite-committed: {folder} is not the committed pair; the flag applies "
+                "only where --out or --eval names checkpoints/tiny-stdlib")
+    if args.eval is None:
         check_out(p, args)
     return args
 
