@@ -993,6 +993,18 @@ def test_train_py_eval_reads_out_and_refuses_what_cannot_go_together(tmp_path, c
         assert err[0].startswith("train.py: error:"), (argv, err)
 
 
+def test_checkpoint_py_run_as_a_command_says_it_is_a_module(capsys):
+    """`python checkpoint.py --help`: one line saying it is a module and where to go instead,
+    exit status 2 (not silence and 0)."""
+    import runpy
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(os.path.join(HERE, "checkpoint.py"), run_name="__main__")
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and len(err.splitlines()) == 1, (out, err)
+    assert err.startswith("checkpoint.py is a module") and "run.py --model-path" in err and \
+        "train.py" in err, err
+
+
 def test_train_py_eval_names_a_pair_that_does_not_load_in_one_line(tmp_path, capsys):
     """--eval DIR without eagle3/ is refused with the flags; with a config.json that is no model's,
     the checkpoint's refusal is one line and exit status 2, as run.py's, not a traceback."""
