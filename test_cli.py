@@ -681,6 +681,36 @@ def cited_files(text):
     return names
 
 
+def closed_pipe_stdout(monkeypatch):
+    """sys.stdout a pipe whose reader has gone (`| head -1` after its line), line-buffered: the
+    first line written meets BrokenPipeError, as a command's print does."""
+    read, write = os.pipe()
+    os.close(read)
+    stdout = open(write, "w", buffering=1)
+    monkeypatch.setattr(sys, "stdout", stdout)
+    return stdout
+
+
+def test_report_py_ends_quietly_when_its_reader_closes_the_pipe(monkeypatch, capsys):
+    """`report.py tables ... | head -1`: exit status 141 (128 + SIGPIPE, a shell's for `yes |
+    head -1`), nothing on stderr, stdout pointed at /dev/null so the flush at exit fails no more;
+    each command's --help describes it as the list of commands does."""
+    paths = [os.path.join(HERE, "benchmarks", "shapes", f"batch{b}_bf16.json") for b in (1, 2)]
+    stdout = closed_pipe_stdout(monkeypatch)
+    try:
+        assert report.main(["tables", *paths]) == 141 == report.CLOSED_PIPE
+        assert capsys.readouterr().err == ""
+        stdout.write("more\n" * 1000)   # into /dev/null now
+        stdout.flush()
+    finally:
+        stdout.close()
+    monkeypatch.undo()
+    first = report.tables.__doc__.split("\n\n")[0].split()[:6]
+    with pytest.raises(SystemExit) as e:
+        report.main(["tables", "--help"])
+    assert e.value.code == 0 and " ".join(first) in " ".join(capsys.readouterr().out.split())
+
+
 def test_every_file_benchmarks_md_names_is_in_the_repository():
     """Each JSON (or figure, trace, text) BENCHMARKS.md and benchmarks/README.md quote exists: a
     path from the root as written, a bare name (a table's rows name files under benchmarks/) once
