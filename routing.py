@@ -901,8 +901,19 @@ COMMAND_HELP = dict(
 
 def main(argv=None):
     """`python routing.py COMMAND ...`: the command's own parser takes the rest (COMMAND --help);
-    --help alone lists the commands; no command or an unknown one is refused (status 2)."""
-    argv = sys.argv[1:] if argv is None else argv
+    --help alone lists the commands; no command or an unknown one is refused (status 2); stdout
+    closed early (`| head -1`), quiet and exit status 141, as report.py (report.closed_stdout)."""
+    try:
+        status = command(sys.argv[1:] if argv is None else argv)
+        sys.stdout.flush()   # a closed pipe found here, not in the flush at exit
+        return status
+    except BrokenPipeError:
+        import report
+        return report.closed_stdout()
+
+
+def command(argv):
+    """The command argv names, run; its exit status."""
     if not argv or argv[0] not in COMMANDS:
         usage = "usage: python routing.py {" + ",".join(COMMANDS) + "} [--help]"
         if argv[:1] in (["-h"], ["--help"]):

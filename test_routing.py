@@ -659,6 +659,21 @@ def test_convert_sglang_refuses_a_record_whose_ids_are_no_3d_integer_tensor(tmp_
         assert not (tmp_path / "t.npz").exists()
 
 
+def test_routing_py_ends_quietly_when_its_reader_closes_the_pipe(tmp_path, monkeypatch, capsys):
+    """`routing.py curve TRACE | head -1`: exit status 141 as report.py's (128 + SIGPIPE), no
+    traceback, nothing on stderr."""
+    path = tmp_path / "trace.npz"
+    routing.save_trace(path, random_trace(), 384, 8)
+    read, write = os.pipe()
+    os.close(read)
+    with open(write, "w", buffering=1) as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert routing.main(["curve", str(path)]) == 141
+        stdout.write("more\n" * 1000)   # into /dev/null now
+    monkeypatch.undo()
+    assert capsys.readouterr().err == ""
+
+
 def test_curve_refuses_a_window_below_1_and_a_file_that_is_no_npz(tmp_path, capsys):
     """curve: --max-T 0 or below refused (not a header and nothing); a text file named as the
     file that is no .npz by its first bytes (as run.py --compare says it), not numpy's pickle
