@@ -1075,6 +1075,44 @@ def test_train_py_refusal_and_ctrl_c_as_a_user_meets_them(tmp_path):
     assert not (tmp_path / "new").exists(), os.listdir(tmp_path)
 
 
+def test_train_py_killed_leaves_no_half_pair(tmp_path):
+    """train.py killed (SIGTERM, as `timeout` sends it) once its target is saved: --out holds no
+    target/ without its eagle3/ (the pair is made in a work folder inside it and moved in at the
+    end, train.install)."""
+    out = tmp_path / "pair"
+    run = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), "--quick", "--out",
+                            str(out)], cwd=tmp_path, env=CPU_ENV, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while not glob.glob(str(out / "**" / "target" / "config.json"), recursive=True) + \
+                glob.glob(str(out / ".train-*" / "target" / "config.json")):
+            assert run.poll() is None and time.time() < deadline, "no target saved"
+            time.sleep(0.02)
+        run.terminate()
+        run.wait(timeout=60)
+    finally:
+        run.kill()
+    assert run.returncode == -signal.SIGTERM, run.returncode
+    assert not {"target", "eagle3", "recipe.json"} & set(os.listdir(out)), os.listdir(out)
+
+
+def test_train_install_moves_a_pair_in_whole_and_keeps_what_else_is_there(tmp_path):
+    """install: the work folder's pair replaces the one in --out part by part; other files in
+    --out stay; the work folder goes."""
+    out, work = tmp_path / "out", tmp_path / "out" / ".train-x"
+    for folder, tag in ((out, "old"), (work, "new")):
+        for part in ("target", "eagle3"):
+            (folder / part).mkdir(parents=True)
+            (folder / part / "config.json").write_text(tag)
+        (folder / "recipe.json").write_text(tag)
+    (out / "notes.txt").write_text("mine")
+    train.install(str(work), str(out))
+    assert sorted(os.listdir(out)) == ["eagle3", "notes.txt", "recipe.json", "target"]
+    assert [(out / p).read_text() for p in ("target/config.json", "eagle3/config.json",
+                                            "recipe.json", "notes.txt")] == ["new"] * 3 + ["mine"]
+
+
 @pytest.mark.slow
 def test_train_py_quick_and_the_router_probe_train_to_the_end(tmp_path):
     """train.py --quick and routing.py probe --quick as a user runs them (at once, one thread each):
