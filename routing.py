@@ -53,7 +53,9 @@ Kimi-K2's. It writes the trace, the distinct-expert curve against uniform's and 
 """
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 import zipfile
 
@@ -428,7 +430,8 @@ PROBE_TRAIN = dict(steps=600, batch=16, seq_len=128, lr=3e-3, warmup=30, seed=0,
                    router_lr_scale=0.1)
 PROBE_QUICK = dict(PROBE_TRAIN, steps=20)
 PROBE_RECORD = dict(sequences=64, seq_len=128, max_T=16)
-# the committed probe's folder (probe_trace.npz, probe.json, probe.md)
+PROBE_FILES = ("probe_trace.npz", "probe.json", "probe.md")   # what the probe writes
+# the committed probe's folder
 PROBE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "routing")
 
 
@@ -645,13 +648,19 @@ def probe_run(cfg, a):
     result = probe_result(cfg, target, ids, lengths, tokens, history, minutes)
     train.check_ctrl_c()   # the last point a Ctrl-C stops the run: the files are written whole
     E, K = args.n_routed_experts, args.num_experts_per_tok
-    save_trace(os.path.join(a.out, "probe_trace.npz"), ids, E, K, lengths,
-               note="router probe: a small trained model's routing at Kimi-K2's expert count "
-                    "(384, top 8), held-out Python stdlib bytes; not Kimi-K2's")
-    with open(os.path.join(a.out, "probe.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(a.out, "probe.md"), "w") as f:
-        f.write(probe_markdown(result))
+    work = tempfile.mkdtemp(prefix=".probe-", dir=a.out)   # on --out's file system
+    try:
+        save_trace(os.path.join(work, "probe_trace.npz"), ids, E, K, lengths,
+                   note="router probe: a small trained model's routing at Kimi-K2's expert count "
+                        "(384, top 8), held-out Python stdlib bytes; not Kimi-K2's")
+        with open(os.path.join(work, "probe.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.join(work, "probe.md"), "w") as f:
+            f.write(probe_markdown(result))
+        for name in PROBE_FILES:   # each a rename: no file of --out is ever half written
+            os.replace(os.path.join(work, name), os.path.join(a.out, name))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return probe_markdown(result)
 
 

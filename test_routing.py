@@ -608,6 +608,26 @@ def test_the_probe_interrupted_says_one_line_and_leaves_no_folder(tmp_path):
     assert os.listdir(tmp_path) == []
 
 
+def test_the_probe_moves_its_files_in_whole_or_leaves_out_as_it_was(tmp_path, monkeypatch):
+    """The probe writes its three files in a work folder inside --out and renames them in at the
+    end: a failure while writing them (here probe.md's text) leaves --out's earlier files as they
+    were, and no work folder."""
+    def failing(result):
+        raise RuntimeError("no space left")
+    out = tmp_path / "probe"
+    out.mkdir()
+    (out / "probe.json").write_text("earlier")
+    monkeypatch.setattr(routing, "probe_markdown", failing)
+    monkeypatch.setattr(routing, "PROBE_RECORD", dict(routing.PROBE_RECORD, sequences=2))
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(RuntimeError, match="no space left"):
+            routing.main(["probe", "--steps", "1", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)   # (the probe sets its --threads)
+    assert os.listdir(out) == ["probe.json"] and (out / "probe.json").read_text() == "earlier"
+
+
 def test_convert_sglang_refuses_bad_sizes_outputs_and_an_empty_trace(tmp_path, capsys):
     """convert-sglang: --n-experts below 1 and --top-k outside [1, n-experts] are refused as the
     flags they are; --out a folder or under a file in one line (status 2), no file written; a
