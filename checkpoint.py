@@ -31,11 +31,17 @@ import json
 import math
 import os
 import re
+import sys
 import typing
 import zlib
 from collections import Counter
 from contextlib import ExitStack
 from dataclasses import asdict, fields
+
+if __name__ == "__main__":   # before torch's import: the answer comes at once
+    print("checkpoint.py is a module (loading, saving, random init), not a command: "
+          "run.py --model-path DIR loads a pair, train.py makes one", file=sys.stderr)
+    sys.exit(2)
 
 import torch
 from safetensors import safe_open

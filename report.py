@@ -1192,28 +1192,70 @@ def _read_sweep(path):
     return label, sweep, r.get("sweep_cliffs") or {}, batch
 
 
-if __name__ == "__main__":
+# A reader that closes stdout early (`report.py tables ... | head -1`) has what it wanted: no
+# traceback, and exit status 141, 128 + SIGPIPE, the status a shell reports for any command that
+# a closed pipe ends (`yes | head -1`), so that `set -o pipefail` treats this one as those.
+CLOSED_PIPE = 141
+
+
+def closed_stdout():
+    """After a BrokenPipeError on stdout: stdout pointed at /dev/null (what is left in its buffer
+    is flushed there at exit, not into the closed pipe again); returns CLOSED_PIPE."""
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(devnull, sys.stdout.fileno())
+    os.close(devnull)
+    return CLOSED_PIPE
+
+
+def command_parser():
     import argparse
-    p = argparse.ArgumentParser(description="Tables across run.py --json files.")
+    p = argparse.ArgumentParser(prog="report.py", description="Tables across run.py --json files.")
     sub = p.add_subparsers(dest="command", required=True)
-    t = sub.add_parser("tables", help=tables.__doc__.split("\n\n")[0].replace("%", "%%"))
+
+    def command(name, maker):
+        said = maker.__doc__.split("\n\n")[0].replace("%", "%%")
+        return sub.add_parser(name, help=said, description=said)
+    t = command("tables", tables)
     t.add_argument("json", nargs="+", help="run.py --json files, one row each, in this order")
-    g = sub.add_parser("sweep-plot", help=sweep_plot.__doc__.split("\n\n")[0].replace("%", "%%"))
+    g = command("sweep-plot", sweep_plot)
     g.add_argument("json", nargs="+", help="run.py --json files from a GPU, one series each")
     g.add_argument("--out", required=True, help="the figure (.png, .svg, .pdf)")
-    h = sub.add_parser("phases", help=phases.__doc__.split("\n\n")[0].replace("%", "%%"))
+    h = command("phases", phases)
     h.add_argument("json", help="a run.py --json file from a GPU")
-    w = sub.add_parser("sweep", help=sweep.__doc__.split("\n\n")[0].replace("%", "%%"))
+    w = command("sweep", sweep)
     w.add_argument("json", nargs="+", help="run.py --json files from a GPU, a column each")
-    e = sub.add_parser("routed", help=routed.__doc__.split("\n\n")[0].replace("%", "%%"))
+    e = command("routed", routed)
     e.add_argument("json", nargs="+", help="run.py --json files from a GPU, one column group "
                    "each, in this order")
-    args = p.parse_args()
-    if args.command == "sweep-plot":
-        sys.exit(sweep_plot(args.json, args.out))
+    return p
+
+
+def main(argv=None):
+    """`python report.py COMMAND ...`: the tables printed (or the figure written), exit status 0; a
+    file it cannot use, one line and 2; stdout closed early, quiet and CLOSED_PIPE."""
+    args = command_parser().parse_args(argv)
+    try:
+        if args.command == "sweep-plot":
+            status = sweep_plot(args.json, args.out)
+        else:
+            status = print_tables(args.command, args.json)
+        sys.stdout.flush()   # a closed pipe found here, not in the flush at exit
+        return status
+    except BrokenPipeError:
+        return closed_stdout()
+
+
+def print_tables(command, paths):
     makers = {"routed": routed, "phases": phases, "sweep": sweep, "tables": tables}
     try:
-        print("\n".join(makers[args.command](args.json)))
+        print("\n".join(makers[command](paths)))
+    except BrokenPipeError:
+        raise
     except (OSError, ValueError) as err:
-        print(f"report.py {args.command}: {err}", file=sys.stderr)
-        sys.exit(2)
+        print(f"report.py {command}: {err}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

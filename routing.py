@@ -53,7 +53,9 @@ Kimi-K2's. It writes the trace, the distinct-expert curve against uniform's and 
 """
 import json
 import os
+import shutil
 import sys
+import tempfile
 import time
 import zipfile
 
@@ -320,11 +322,11 @@ def read_sglang(paths, n_experts, top_k):
             raise ValueError(f"{path}: not an SGLang expert-distribution dump in per_token mode "
                              "(no 'records'; stat mode keeps only counts)")
         to_logical = dump.get("last_physical_to_logical_map")
-        for record in dump["records"]:
+        for i, record in enumerate(dump["records"]):
             if not isinstance(record, dict) or "topk_ids_of_layer" not in record:
                 raise ValueError(f"{path}: its records hold no per-token ids (per_pass or stat "
                                  "mode); record with SGLang's per_token mode")
-            ids = record["topk_ids_of_layer"].long()              # [all layers, tokens, width]
+            ids = record_ids(path, i, record["topk_ids_of_layer"])  # [all layers, tokens, width]
             if ids.shape[-1] != top_k:
                 raise ValueError(f"{path}: recorded ids are top-{ids.shape[-1]}; the model routes "
                                  f"top-{top_k}")
@@ -351,6 +353,19 @@ def read_sglang(paths, n_experts, top_k):
                          f"{n_experts} experts")
     note = f"SGLang per_token dump, {len(lengths)} forward passes, {len(paths)} file(s)"
     return Trace(ids, n_experts, top_k, None, note)
+
+
+def record_ids(path, i, ids):
+    """A record's topk_ids_of_layer as a LongTensor, refused in one line (ValueError naming the
+    file, the record and what it holds) unless an integer tensor [layers, tokens, K]."""
+    what = f"{path}: record {i}'s topk_ids_of_layer"
+    if not isinstance(ids, torch.Tensor):
+        raise ValueError(f"{what} is a {type(ids).__name__}, not a tensor [layers, tokens, K]")
+    if ids.dtype.is_floating_point or ids.dtype.is_complex or ids.dtype == torch.bool:
+        raise ValueError(f"{what} is {ids.dtype}, not integers")
+    if ids.dim() != 3:
+        raise ValueError(f"{what} has shape {list(ids.shape)}, not [layers, tokens, K]")
+    return ids.long()
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,6 +430,9 @@ PROBE_TRAIN = dict(steps=600, batch=16, seq_len=128, lr=3e-3, warmup=30, seed=0,
                    router_lr_scale=0.1)
 PROBE_QUICK = dict(PROBE_TRAIN, steps=20)
 PROBE_RECORD = dict(sequences=64, seq_len=128, max_T=16)
+PROBE_FILES = ("probe_trace.npz", "probe.json", "probe.md")   # what the probe writes
+# the committed probe's folder
+PROBE_DIR = os.path.join(os.path.dirname(os.path.abspath(__file__)), "benchmarks", "routing")
 
 
 def probe_args():
@@ -596,15 +614,20 @@ def probe_parser():
 
 def probe_config(p, a):
     """The training's settings (PROBE_TRAIN, PROBE_QUICK) with the flags given (0 is a value);
-    values no probe can use refused by the parser, naming the flag."""
-    for flag, value, low in (("--steps", a.steps, 1), ("--threads", a.threads, 1),
-                             ("--bias-rate", a.bias_rate, 0),
+    values no probe can use (--threads past the CPUs too, as train.py) refused by the parser,
+    naming the flag."""
+    import train
+    train.check_threads(p, a.threads)
+    for flag, value, low in (("--steps", a.steps, 1), ("--bias-rate", a.bias_rate, 0),
                              ("--router-lr-scale", a.router_lr_scale, 0)):
         if value is not None and not low <= value < float("inf"):   # (NaN fails too)
             finite = " and finite" if isinstance(value, float) else ""
             p.error(f"{flag} {value}: must be at least {low}{finite}")
     if not a.minutes > 0:
         p.error(f"--minutes {a.minutes}: must be above 0")
+    if a.quick and os.path.realpath(a.out) == os.path.realpath(PROBE_DIR):
+        p.error(f"--out {a.out}: --quick would replace the committed probe with a smoke test; "
+                "give another --out")
     cfg = dict(PROBE_QUICK if a.quick else PROBE_TRAIN)
     given = dict(steps=a.steps, bias_rate=a.bias_rate, router_lr_scale=a.router_lr_scale)
     cfg.update({k: v for k, v in given.items() if v is not None})
@@ -625,13 +648,19 @@ def probe_run(cfg, a):
     result = probe_result(cfg, target, ids, lengths, tokens, history, minutes)
     train.check_ctrl_c()   # the last point a Ctrl-C stops the run: the files are written whole
     E, K = args.n_routed_experts, args.num_experts_per_tok
-    save_trace(os.path.join(a.out, "probe_trace.npz"), ids, E, K, lengths,
-               note="router probe: a small trained model's routing at Kimi-K2's expert count "
-                    "(384, top 8), held-out Python stdlib bytes; not Kimi-K2's")
-    with open(os.path.join(a.out, "probe.json"), "w") as f:
-        json.dump(result, f, indent=1)
-    with open(os.path.join(a.out, "probe.md"), "w") as f:
-        f.write(probe_markdown(result))
+    work = tempfile.mkdtemp(prefix=".probe-", dir=a.out)   # on --out's file system
+    try:
+        save_trace(os.path.join(work, "probe_trace.npz"), ids, E, K, lengths,
+                   note="router probe: a small trained model's routing at Kimi-K2's expert count "
+                        "(384, top 8), held-out Python stdlib bytes; not Kimi-K2's")
+        with open(os.path.join(work, "probe.json"), "w") as f:
+            json.dump(result, f, indent=1)
+        with open(os.path.join(work, "probe.md"), "w") as f:
+            f.write(probe_markdown(result))
+        for name in PROBE_FILES:   # each a rename: no file of --out is ever half written
+            os.replace(os.path.join(work, name), os.path.join(a.out, name))
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     return probe_markdown(result)
 
 
@@ -756,6 +785,10 @@ def curve_main(argv):
     except (OSError, KeyError, TypeError, EOFError, zipfile.BadZipFile) as e:
         p.error(f"{a.trace}: not a routing trace ({type(e).__name__}: {e})")
     print(f"{a.trace}: {t.ids.shape[0]} layers, {t.ids.shape[1]} tokens, top-{K} of {E}; {t.note}")
+    longest = max(t.sequence_lengths or [t.ids.shape[1]])
+    if a.max_T > longest:   # (a window never crosses a sequence's end)
+        print(f"routing.py curve: note: --max-T {a.max_T} is past the trace's longest sequence "
+              f"({longest} tokens); the curve stops at T {longest}", file=sys.stderr)
     for T, v in distinct_curve(t.ids, E, a.max_T, t.sequence_lengths).items():
         print(f"T {T:2d}: {v:6.1f} distinct (uniform {uniform_distinct(E, K, T):6.1f})")
 
@@ -877,8 +910,19 @@ COMMAND_HELP = dict(
 
 def main(argv=None):
     """`python routing.py COMMAND ...`: the command's own parser takes the rest (COMMAND --help);
-    --help alone lists the commands; no command or an unknown one is refused (status 2)."""
-    argv = sys.argv[1:] if argv is None else argv
+    --help alone lists the commands; no command or an unknown one is refused (status 2); stdout
+    closed early (`| head -1`), quiet and exit status 141, as report.py (report.closed_stdout)."""
+    try:
+        status = command(sys.argv[1:] if argv is None else argv)
+        sys.stdout.flush()   # a closed pipe found here, not in the flush at exit
+        return status
+    except BrokenPipeError:
+        import report
+        return report.closed_stdout()
+
+
+def command(argv):
+    """The command argv names, run; its exit status."""
     if not argv or argv[0] not in COMMANDS:
         usage = "usage: python routing.py {" + ",".join(COMMANDS) + "} [--help]"
         if argv[:1] in (["-h"], ["--help"]):

@@ -689,6 +689,36 @@ def cited_files(text):
     return names
 
 
+def closed_pipe_stdout(monkeypatch):
+    """sys.stdout a pipe whose reader has gone (`| head -1` after its line), line-buffered: the
+    first line written meets BrokenPipeError, as a command's print does."""
+    read, write = os.pipe()
+    os.close(read)
+    stdout = open(write, "w", buffering=1)
+    monkeypatch.setattr(sys, "stdout", stdout)
+    return stdout
+
+
+def test_report_py_ends_quietly_when_its_reader_closes_the_pipe(monkeypatch, capsys):
+    """`report.py tables ... | head -1`: exit status 141 (128 + SIGPIPE, a shell's for `yes |
+    head -1`), nothing on stderr, stdout pointed at /dev/null so the flush at exit fails no more;
+    each command's --help describes it as the list of commands does."""
+    paths = [os.path.join(HERE, "benchmarks", "shapes", f"batch{b}_bf16.json") for b in (1, 2)]
+    stdout = closed_pipe_stdout(monkeypatch)
+    try:
+        assert report.main(["tables", *paths]) == 141 == report.CLOSED_PIPE
+        assert capsys.readouterr().err == ""
+        stdout.write("more\n" * 1000)   # into /dev/null now
+        stdout.flush()
+    finally:
+        stdout.close()
+    monkeypatch.undo()
+    first = report.tables.__doc__.split("\n\n")[0].split()[:6]
+    with pytest.raises(SystemExit) as e:
+        report.main(["tables", "--help"])
+    assert e.value.code == 0 and " ".join(first) in " ".join(capsys.readouterr().out.split())
+
+
 def test_every_file_benchmarks_md_names_is_in_the_repository():
     """Each JSON (or figure, trace, text) BENCHMARKS.md and benchmarks/README.md quote exists: a
     path from the root as written, a bare name (a table's rows name files under benchmarks/) once
@@ -949,8 +979,9 @@ def test_train_measure_counts_the_cycles_outside_runs_apart():
 
 def test_train_py_writes_elsewhere_and_refuses_the_committed_pair(tmp_path, capsys):
     """train.py's default folder is not the committed pair; writing into the committed pair, into a
-    folder it cannot write, or measuring a folder with no pair is refused in one line, before any
-    training (exit status 2, argparse's)."""
+    folder it cannot write, measuring a folder with no pair, and --overwrite-committed where no
+    flag names the committed pair are refused in one line, before any training (exit status 2,
+    argparse's)."""
     default_out = train.parse_args(["--eval"]).out   # --eval: the default --out, no folder made
     assert os.path.realpath(default_out) != os.path.realpath(train.PAIR_DIR)
     assert train.parse_args(["--out",
@@ -958,15 +989,26 @@ def test_train_py_writes_elsewhere_and_refuses_the_committed_pair(tmp_path, caps
     committed = os.path.join(HERE, "checkpoints", ".", "tiny-stdlib")
     assert train.parse_args(["--out", committed, "--overwrite-committed"]).overwrite_committed
     (tmp_path / "file").write_text("")
+    for part in ("target", "eagle3"):
+        (tmp_path / "pair" / part).mkdir()
     for argv, words in ((["--out", committed], "is the committed pair"),
                         (["--out", str(tmp_path / "file" / "pair")], "cannot write there"),
                         (["--eval", str(tmp_path)],
-                         "no pair there"), (["--threads", "0"], "at least 1")):
+                         "no pair there"), (["--threads", "0"], "at least 1"),
+                        (["--eval", "--threads", str(os.cpu_count() + 1)],
+                         f"this machine has {os.cpu_count()} CPUs; give at most"),
+                        (["--overwrite-committed"], f"--overwrite-committed: {train.OUT_DIR} is "
+                         "not the committed pair; the flag applies only where --out or --eval "),
+                        (["--overwrite-committed", "--out", str(tmp_path / "other")],
+                         "is not the committed pair"),
+                        (["--overwrite-committed", "--eval", str(tmp_path / "pair")],
+                         "is not the committed pair")):
         with pytest.raises(SystemExit) as e:
             train.parse_args(argv)
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and words in err[-1] and \
             err[-1].startswith("train.py: error:"), (argv, err)
+    assert sorted(os.listdir(tmp_path)) == ["file", "pair"]   # nothing made for a refusal
 
 
 def test_train_py_eval_reads_out_and_refuses_what_cannot_go_together(tmp_path, capsys):
@@ -987,6 +1029,18 @@ def test_train_py_eval_reads_out_and_refuses_what_cannot_go_together(tmp_path, c
         err = capsys.readouterr().err.strip().splitlines()
         assert e.value.code == 2 and len(err) == 1 and words in err[0], (argv, err)
         assert err[0].startswith("train.py: error:"), (argv, err)
+
+
+def test_checkpoint_py_run_as_a_command_says_it_is_a_module(capsys):
+    """`python checkpoint.py --help`: one line saying it is a module and where to go instead,
+    exit status 2 (not silence and 0)."""
+    import runpy
+    with pytest.raises(SystemExit) as e:
+        runpy.run_path(os.path.join(HERE, "checkpoint.py"), run_name="__main__")
+    out, err = capsys.readouterr()
+    assert e.value.code == 2 and out == "" and len(err.splitlines()) == 1, (out, err)
+    assert err.startswith("checkpoint.py is a module") and "run.py --model-path" in err and \
+        "train.py" in err, err
 
 
 def test_train_py_eval_names_a_pair_that_does_not_load_in_one_line(tmp_path, capsys):
@@ -1027,6 +1081,44 @@ def test_train_py_refusal_and_ctrl_c_as_a_user_meets_them(tmp_path):
     last = err.strip().splitlines()[-1]
     assert last == "train.py: interrupted; nothing finished, new removed", err
     assert not (tmp_path / "new").exists(), os.listdir(tmp_path)
+
+
+def test_train_py_killed_leaves_no_half_pair(tmp_path):
+    """train.py killed (SIGTERM, as `timeout` sends it) once its target is saved: --out holds no
+    target/ without its eagle3/ (the pair is made in a work folder inside it and moved in at the
+    end, train.install)."""
+    out = tmp_path / "pair"
+    run = subprocess.Popen([sys.executable, os.path.join(HERE, "train.py"), "--quick", "--out",
+                            str(out)], cwd=tmp_path, env=CPU_ENV, stdout=subprocess.DEVNULL,
+                           stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 240
+        while not glob.glob(str(out / "**" / "target" / "config.json"), recursive=True) + \
+                glob.glob(str(out / ".train-*" / "target" / "config.json")):
+            assert run.poll() is None and time.time() < deadline, "no target saved"
+            time.sleep(0.02)
+        run.terminate()
+        run.wait(timeout=60)
+    finally:
+        run.kill()
+    assert run.returncode == -signal.SIGTERM, run.returncode
+    assert not {"target", "eagle3", "recipe.json"} & set(os.listdir(out)), os.listdir(out)
+
+
+def test_train_install_moves_a_pair_in_whole_and_keeps_what_else_is_there(tmp_path):
+    """install: the work folder's pair replaces the one in --out part by part; other files in
+    --out stay; the work folder goes."""
+    out, work = tmp_path / "out", tmp_path / "out" / ".train-x"
+    for folder, tag in ((out, "old"), (work, "new")):
+        for part in ("target", "eagle3"):
+            (folder / part).mkdir(parents=True)
+            (folder / part / "config.json").write_text(tag)
+        (folder / "recipe.json").write_text(tag)
+    (out / "notes.txt").write_text("mine")
+    train.install(str(work), str(out))
+    assert sorted(os.listdir(out)) == ["eagle3", "notes.txt", "recipe.json", "target"]
+    assert [(out / p).read_text() for p in ("target/config.json", "eagle3/config.json",
+                                            "recipe.json", "notes.txt")] == ["new"] * 3 + ["mine"]
 
 
 @pytest.mark.slow

@@ -550,16 +550,20 @@ def test_routing_py_refuses_a_missing_or_foreign_file_and_an_unknown_command_in_
 
 def test_the_probe_refuses_its_flags_and_an_out_it_cannot_write_before_training(
         tmp_path, capsys, monkeypatch):
-    """probe: --steps, --threads below 1, --minutes not above 0, a negative bias rate or router
-    learning-rate scale, and an --out that is a file or lies under one are refused in one line
-    (status 2) before any training and leave no folder; 0 for --bias-rate (no correction) and
-    --router-lr-scale (frozen routers) is taken as given, not as the default."""
+    """probe: --steps, --threads below 1 or above the CPUs, --minutes not above 0, a negative bias
+    rate or router learning-rate scale, an --out that is a file or lies under one, and --quick
+    into the committed probe's folder are refused in one line (status 2) before any training and
+    leave no folder; 0 for --bias-rate (no correction) and --router-lr-scale (frozen routers) is
+    taken as given, not as the default."""
     monkeypatch.setattr(routing, "train_probe", lambda *a: pytest.fail("the probe trained"))
     (tmp_path / "file").write_text("")
     out = ["--out", str(tmp_path / "new" / "probe")]
     for argv, said in (
             (out + ["--steps", "0"], "--steps 0: must be at least 1"),
             (out + ["--threads", "0"], "--threads 0: must be at least 1"),
+            (out + ["--threads", str(os.cpu_count() + 1)],
+             f"--threads {os.cpu_count() + 1}: this machine has {os.cpu_count()} CPUs; give at "
+             f"most {os.cpu_count()}"),
             (out + ["--minutes", "0"], "--minutes 0.0: must be above 0"),
             (out + ["--minutes", "-1"], "--minutes -1.0: must be above 0"),
             (out + ["--bias-rate", "-0.1"], "--bias-rate -0.1: must be at least 0 and finite"),
@@ -567,6 +571,9 @@ def test_the_probe_refuses_its_flags_and_an_out_it_cannot_write_before_training(
              "--router-lr-scale inf: must be at least 0 and finite"),
             (["--out", str(tmp_path / "file")],
              f"--out {tmp_path}/file: cannot write there (a file, not a folder)"),
+            (["--quick", "--out", os.path.join(HERE, "benchmarks", ".", "routing")],
+             f"--out {HERE}/benchmarks/./routing: --quick would replace the committed probe "
+             "with a smoke test; give another --out"),
             (["--out", str(tmp_path / "file" / "probe")],
              f"--out {tmp_path}/file/probe: cannot write there (Not a directory)")):
         status, err = refused(["probe", *argv], capsys)
@@ -600,6 +607,26 @@ def test_the_probe_interrupted_says_one_line_and_leaves_no_folder(tmp_path):
     assert p.returncode == 130 and "Traceback" not in err, (p.returncode, err[-2000:])
     assert said == ["routing.py probe: interrupted; nothing written, new removed"], err[-2000:]
     assert os.listdir(tmp_path) == []
+
+
+def test_the_probe_moves_its_files_in_whole_or_leaves_out_as_it_was(tmp_path, monkeypatch):
+    """The probe writes its three files in a work folder inside --out and renames them in at the
+    end: a failure while writing them (here probe.md's text) leaves --out's earlier files as they
+    were, and no work folder."""
+    def failing(result):
+        raise RuntimeError("no space left")
+    out = tmp_path / "probe"
+    out.mkdir()
+    (out / "probe.json").write_text("earlier")
+    monkeypatch.setattr(routing, "probe_markdown", failing)
+    monkeypatch.setattr(routing, "PROBE_RECORD", dict(routing.PROBE_RECORD, sequences=2))
+    threads = torch.get_num_threads()
+    try:
+        with pytest.raises(RuntimeError, match="no space left"):
+            routing.main(["probe", "--steps", "1", "--out", str(out)])
+    finally:
+        torch.set_num_threads(threads)   # (the probe sets its --threads)
+    assert os.listdir(out) == ["probe.json"] and (out / "probe.json").read_text() == "earlier"
 
 
 def test_convert_sglang_refuses_bad_sizes_outputs_and_an_empty_trace(tmp_path, capsys):
@@ -637,6 +664,37 @@ def test_convert_sglang_refuses_bad_sizes_outputs_and_an_empty_trace(tmp_path, c
     assert torch.equal(routing.read_trace(tmp_path / "t.txt", E, 8).ids, ids.long())
 
 
+def test_convert_sglang_refuses_a_record_whose_ids_are_no_3d_integer_tensor(tmp_path, capsys):
+    """A record's topk_ids_of_layer as a list, as floats, or 2-D [tokens, 8] (no layer axis) is
+    refused in one line naming the file, the record and what it holds; nothing written."""
+    good = torch.randint(0, 16, (3, 5, 8), dtype=torch.int32)
+    for ids, said in (([[0] * 8] * 5, "record 1's topk_ids_of_layer is a list, not a tensor"),
+                      (good.float(), "record 1's topk_ids_of_layer is torch.float32, not integers"),
+                      (good[0], "record 1's topk_ids_of_layer has shape [5, 8], not [layers, ")):
+        path = tmp_path / "d.pt"
+        torch.save(dict(records=[dict(topk_ids_of_layer=good), dict(topk_ids_of_layer=ids)]), path)
+        status, err = refused(["convert-sglang", str(path), "--out", str(tmp_path / "t.npz"),
+                               "--n-experts", "16"], capsys)
+        assert status == 2 and len(err) == 1, err
+        assert err[0].startswith(f"routing.py convert-sglang: error: {path}: {said}"), err
+        assert not (tmp_path / "t.npz").exists()
+
+
+def test_routing_py_ends_quietly_when_its_reader_closes_the_pipe(tmp_path, monkeypatch, capsys):
+    """`routing.py curve TRACE | head -1`: exit status 141 as report.py's (128 + SIGPIPE), no
+    traceback, nothing on stderr."""
+    path = tmp_path / "trace.npz"
+    routing.save_trace(path, random_trace(), 384, 8)
+    read, write = os.pipe()
+    os.close(read)
+    with open(write, "w", buffering=1) as stdout:
+        monkeypatch.setattr(sys, "stdout", stdout)
+        assert routing.main(["curve", str(path)]) == 141
+        stdout.write("more\n" * 1000)   # into /dev/null now
+    monkeypatch.undo()
+    assert capsys.readouterr().err == ""
+
+
 def test_curve_refuses_a_window_below_1_and_a_file_that_is_no_npz(tmp_path, capsys):
     """curve: --max-T 0 or below refused (not a header and nothing); a text file named as the
     file that is no .npz by its first bytes (as run.py --compare says it), not numpy's pickle
@@ -652,3 +710,12 @@ def test_curve_refuses_a_window_below_1_and_a_file_that_is_no_npz(tmp_path, caps
         assert (status, err) == (2, [f"routing.py curve: error: {said}"]), (argv, err)
     assert routing.main(["curve", str(path), "--max-T", "2"]) is None
     assert len(capsys.readouterr().out.splitlines()) == 3
+    # past the longest sequence: the curve ends there, and a note says so
+    routing.save_trace(path, random_trace(tokens=20), 384, 8, sequence_lengths=[12, 8])
+    assert routing.main(["curve", str(path), "--max-T", "100000"]) is None
+    out, err = capsys.readouterr()
+    assert len(out.splitlines()) == 1 + 12 and out.splitlines()[-1].startswith("T 12:"), out
+    assert err == ("routing.py curve: note: --max-T 100000 is past the trace's longest sequence "
+                   "(12 tokens); the curve stops at T 12\n"), err
+    assert routing.main(["curve", str(path), "--max-T", "12"]) is None
+    assert capsys.readouterr().err == ""

@@ -86,6 +86,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 PAIR_DIR = os.path.join(HERE, "checkpoints", "tiny-stdlib")  # the committed pair, what run.py runs
 TARGET_DIR, DRAFT_DIR = os.path.join(PAIR_DIR, "target"), os.path.join(PAIR_DIR, "eagle3")
 OUT_DIR = os.path.join(HERE, "out", "tiny-stdlib")  # where training writes by default (not in git)
+PAIR_PARTS = ("target", "eagle3", "recipe.json")   # what a pair's folder holds
 
 # modules present in every CPython from 3.10 on (none of them removed or turned into a package
 # since)
@@ -367,14 +368,27 @@ def parse_args(argv):
                    help="CPU threads for torch (default 1: the committed "
                    "pair is reproduced only with 1; more train faster and make a different pair)")
     args = p.parse_args(argv)
-    if args.threads < 1:
-        p.error(f"--threads {args.threads}: must be at least 1")
+    check_threads(p, args.threads)
     out_given, args.out = args.out is not None, args.out or OUT_DIR
     if args.eval is not None:
         check_eval(p, args, out_given)
-    else:
+    folder = args.out if args.eval is None else args.eval
+    if args.overwrite_committed and os.path.realpath(folder) != os.path.realpath(PAIR_DIR):
+        p.error(f"--overwrite-committed: {folder} is not the committed pair; the flag applies "
+                "only where --out or --eval names checkpoints/tiny-stdlib")
+    if args.eval is None:
         check_out(p, args)
     return args
+
+
+def check_threads(p, threads):
+    """--threads from 1 to the machine's CPUs (os.cpu_count()): more threads than CPUs take turns
+    on them, and a run meant for minutes takes far longer. Refused in one line (p's)."""
+    cpus = os.cpu_count() or 1
+    if threads < 1:
+        p.error(f"--threads {threads}: must be at least 1")
+    if threads > cpus:
+        p.error(f"--threads {threads}: this machine has {cpus} CPUs; give at most {cpus}")
 
 
 def check_eval(p, args, out_given):
@@ -400,6 +414,7 @@ def check_out(p, args):
             p.error(f"--out {args.out} is the committed pair; --overwrite-committed remakes it")
         if args.quick:
             p.error("--quick would replace the committed pair with a poor one; give another --out")
+    args.work = None   # the work folder train makes inside args.out
     try:
         args.created = make_folder(args.out)
     except OSError as e:
@@ -443,15 +458,14 @@ def main(argv=None):
     args = parse_args(argv)
     torch.set_num_threads(args.threads)
     torch.manual_seed(0)
-    saved = []   # what the training has finished in args.out, in order
     try:
         with ctrl_c_noted():
             if args.eval is not None:
                 evaluate(args)
             else:
-                train(args, saved)
+                train(args)
     except KeyboardInterrupt:
-        print(f"train.py: interrupted{tidy(args, saved)}", file=sys.stderr, flush=True)
+        print(f"train.py: interrupted{tidy(args)}", file=sys.stderr, flush=True)
         return INTERRUPTED
     except checkpoint.CheckpointError as e:   # a pair that does not load (--eval's), as run.py
         print(f"train.py: error: {e}", file=sys.stderr, flush=True)
@@ -485,15 +499,28 @@ def check_ctrl_c():
         raise KeyboardInterrupt
 
 
-def tidy(args, saved):
-    """After Ctrl-C: the --out folder this run created goes if nothing in it is finished; say so."""
+def tidy(args):
+    """After Ctrl-C: the work folder goes (nothing reached --out), and the --out folder too where
+    this run created it; say so."""
     if args.eval is not None:
         return ""
-    if saved:
-        return f"; finished in {args.out}: {', '.join(saved)}"
+    if args.work is not None:
+        shutil.rmtree(args.work, ignore_errors=True)
     if args.created is not None:
         return f"; nothing finished, {remove_made(args.created)} removed"
-    return f"; nothing finished in {args.out}"
+    return f"; nothing finished, nothing written into {args.out}"
+
+
+def install(work, out):
+    """Move the pair made in `work` (target/, eagle3/, recipe.json) into `out`, each part by one
+    rename (a pair there before moves out of the way first), then remove `work`: a run killed
+    earlier (SIGTERM, SIGKILL) leaves `out` as it was, with no half pair in it."""
+    for part in PAIR_PARTS:
+        there = os.path.join(out, part)
+        if os.path.lexists(there):
+            os.rename(there, os.path.join(work, part + ".old"))
+        os.rename(os.path.join(work, part), there)
+    shutil.rmtree(work)
 
 
 def evaluate(args):
@@ -509,9 +536,10 @@ def evaluate(args):
         show(numbers)
 
 
-def train(args, saved):
-    """Train the target, then the head, each saved as soon as it is trained (`saved` names it),
-    measure the pair and write recipe.json."""
+def train(args):
+    """Train the target, then the head, each saved as soon as it is trained, measure the pair and
+    write recipe.json, all in a work folder inside --out (args.work: .train-*, on its file
+    system); then move the pair into --out (install)."""
     out, target_cfg, draft_cfg, eval_kw = args.out, TARGET, DRAFT, {}
     if args.quick:
         target_cfg = dict(TARGET, steps=QUICK["target_steps"])
@@ -520,22 +548,21 @@ def train(args, saved):
         say(f"quick try: {target_cfg['steps']} target and {draft_cfg['steps']} head training steps "
             f"(the real pair: {TARGET['steps']} and {DRAFT['steps']}), measured on "
             f"{QUICK['prompts']} prompts; a poor pair")
-    target_dir, draft_dir = os.path.join(out, "target"), os.path.join(out, "eagle3")
+    args.work = tempfile.mkdtemp(prefix=".train-", dir=out)
+    target_dir, draft_dir = os.path.join(args.work, "target"), os.path.join(args.work, "eagle3")
     data = corpus(TRAIN_FILES)
     say(f"training bytes: {len(data):,} from {len(TRAIN_FILES)} stdlib files of Python "
         f"{platform.python_version()}, {args.threads} thread(s), into {out}")
     t0, c0 = time.perf_counter(), time.process_time()
     target, t_hist = train_target(data, target_cfg)
     checkpoint.save_target(target, target_dir)
-    saved.append("target/")
     t1, c1 = time.perf_counter(), time.process_time()
     target = checkpoint.load_target(target_dir, draft_cfg["batch"], SEQ_LEN, dtype=torch.float32)
     kernels.accelerate(target, moe="grouped")
     head, d_hist = train_draft(target, data, draft_cfg)
     checkpoint.save_draft(head, draft_dir)
-    saved.append("eagle3/")
     t2, c2 = time.perf_counter(), time.process_time()
-    target, head = load_pair(max_batch_size=16, folder=out)
+    target, head = load_pair(max_batch_size=16, folder=args.work)
     numbers = measure(target, head, **eval_kw)
     recipe = dict(python=platform.python_version(), torch=torch.__version__,
                   machine=platform.machine(),
@@ -550,9 +577,12 @@ def train(args, saved):
                   draft_final_loss=mean_last(d_hist), **numbers)
     if args.quick:
         recipe.update(quick=eval_kw)
-    write_recipe(recipe, out)
-    say(f"time it: python run.py --model-path {target_dir} --draft-path {draft_dir} (on random "
-        f"prompt ids; python train.py --eval {out} measures it on held-out source)")
+    write_recipe(recipe, args.work)
+    check_ctrl_c()   # the last point a Ctrl-C stops the run: the pair moves into --out whole
+    install(args.work, out)
+    say(f"time it: python run.py --model-path {os.path.join(out, 'target')} --draft-path "
+        f"{os.path.join(out, 'eagle3')} (on random prompt ids; python train.py --eval {out} "
+        "measures it on held-out source)")
 
 
 def mean_last(history, n=20):
