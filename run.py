@@ -342,6 +342,9 @@ def check_flags(args):
     if args.random_weights and (args.model_path or args.draft_path):
         raise BadInput("--random-weights replaces the trained tiny pair; with --model-path / "
                        "--draft-path the checkpoints are used: drop one")
+    if not args.dump and args.max_new_tokens == 1:
+        raise BadInput("--max-new-tokens 1: the timing run needs at least 2 (the prefill makes the "
+                       "first token; a speculative cycle and a plain step need one more)")
     if args.dump and (args.context_len or args.skip_e2e or args.compile or args.sweep_tokens):
         raise BadInput("--context-len, --skip-e2e, --compile and --sweep-tokens shape the timing "
                        "run; --dump times nothing")

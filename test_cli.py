@@ -369,6 +369,8 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
                   "--speculative-num-steps -1", "--simulate-tp 0", "--topk 0 --dump x.npz"]
     cases = [(flags, f"{flags.split(' --dump')[0]}: must be at least 1")
              for flags in at_least_1] + [
+        ("--max-new-tokens 1", r"--max-new-tokens 1: the timing run needs at least 2 \(the "
+         "prefill makes the first token; a speculative cycle and a plain step need one more\\)"),
         ("--temperature -1", "--temperature -1.0: must be at least 0"),
         ("--temperature nan", "--temperature nan: must be at least 0"),
         ("--temperature inf", r"^--temperature inf: must be finite \(0: greedy\)$"),
