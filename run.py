@@ -326,13 +326,7 @@ def check_flags(args):
     if sim is not None and not 1 <= sim <= k + 1:
         raise BadInput(f"--simulate-accept-len {sim}: must lie in [1, {k + 1}] (accepted tokens "
                        "per cycle, the bonus token included: at most the deepest draft path + 1)")
-    if args.compare and (args.dump or args.model_path or args.draft_path):
-        raise BadInput("--compare reads two dump files and builds no model: drop --dump, "
-                       "--model-path, --draft-path")
-    for flag, value in (("--prompt-ids", args.prompt_ids), ("--topk", args.topk)):
-        if value is not None and not args.dump:
-            raise BadInput(f"{flag} is for --dump (the correctness baseline); the timing run makes "
-                           "its own prompts (--prompt-len)")
+    check_flags_apply(args)
     if args.model_path and (args.quant or args.routed_experts or args.preset):
         raise BadInput("--quant, --routed-experts and --preset shape random weights; a "
                        "checkpoint's config.json says its own")
@@ -345,9 +339,6 @@ def check_flags(args):
     if not args.dump and args.max_new_tokens == 1:
         raise BadInput("--max-new-tokens 1: the timing run needs at least 2 (the prefill makes the "
                        "first token; a speculative cycle and a plain step need one more)")
-    if args.dump and (args.context_len or args.skip_e2e or args.compile or args.sweep_tokens):
-        raise BadInput("--context-len, --skip-e2e, --compile and --sweep-tokens shape the timing "
-                       "run; --dump times nothing")
     most = max(args.sweep_tokens or [1])
     if args.batch_size * most > SWEEP_MOST_TOKENS:
         asked = f"--sweep-tokens {most}, " if args.sweep_tokens else ""
@@ -360,6 +351,52 @@ def check_flags(args):
         if args.dump:
             baseline.check_writable("--dump", args.dump)
     check_routing_flags(args)
+
+
+# the flags --compare reads; every other flag shapes a model or a run that --compare does not make
+COMPARE_FLAGS = ("compare", "max_logprob_diff", "min_top1_agreement", "max_accept_diff")
+# the timing run's flags, which a --dump (it times nothing) does not read
+TIMING_FLAGS = ("json", "reps", "context_len", "skip_e2e", "compile", "sweep_tokens",
+                "allreduce_us", "distinct_sweep")
+
+
+def flags_set(args):
+    """The flags given on the command line, as `--name`: those whose value is not the parser's
+    default (a flag given its default value counts as not given)."""
+    p = make_parser()
+    return [f"--{dest.replace('_', '-')}" for dest, value in vars(args).items()
+            if value != p.get_default(dest)]
+
+
+def check_flags_apply(args):
+    """Refuse a flag that the run asked for does not read: beside --compare any but its
+    thresholds; beside --dump the timing run's flags and --compare's thresholds; --prompt-ids and
+    --topk without --dump; --max-new-tokens with --skip-e2e (the isolated phases generate
+    nothing)."""
+    given = flags_set(args)
+    if args.compare:
+        drop = [f for f in given if f[2:].replace("-", "_") not in COMPARE_FLAGS]
+        if drop:
+            raise BadInput("--compare reads two dump files and builds no model: drop "
+                           + ", ".join(drop))
+        return
+    if args.dump:
+        for f in given:
+            if f[2:].replace("-", "_") in TIMING_FLAGS:
+                raise BadInput(f"{f} shapes the timing run; --dump times nothing")
+            if f[2:].replace("-", "_") in COMPARE_FLAGS:
+                raise BadInput(f"{f} is a threshold of --compare; --dump writes a file to compare")
+        return
+    if args.prompt_ids is not None:
+        raise BadInput("--prompt-ids is for --dump (the correctness baseline); the timing run "
+                       "makes its own prompts (--prompt-len)")
+    if args.topk is not None:
+        raise BadInput("--topk is for --dump: the log-probabilities it keeps per position")
+    for f in ("--max-logprob-diff", "--min-top1-agreement", "--max-accept-diff"):
+        if f in given:
+            raise BadInput(f"{f} is a threshold of --compare A B; this run compares nothing")
+    if args.skip_e2e and "--max-new-tokens" in given:
+        raise BadInput("--max-new-tokens sets the end-to-end loops' length; --skip-e2e runs none")
 
 
 def check_routing_flags(args):
@@ -378,12 +415,8 @@ def check_routing_flags(args):
         raise BadInput(f"--routing-trace {args.routing_trace}: no such file")
     if args.dump_routing and not args.dump:
         raise BadInput("--dump-routing records the routing of a --dump run; add --dump PATH")
-    if args.dump and args.distinct_sweep:
-        raise BadInput("--distinct-sweep shapes the timing run; --dump times nothing")
     if args.dump and args.routing in ("distinct", "trace"):
         raise BadInput(f"--dump records the model's own routing: drop --routing {args.routing}")
-    if args.routing in ("distinct", "trace") and args.compare:
-        raise BadInput(f"--routing {args.routing} shapes the timing run; --compare builds no model")
 
 
 def check_tree_flags(args):

@@ -416,6 +416,20 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
          "--sweep-tokens 100, --batch-size 4: 4 x 100 tokens a forward; .* at most 256 tokens"),
         ("--batch-size 300", "^--batch-size 300: 300 x 1 tokens a forward; .* at most 256"),
         ("--dump x.npz --prompt-ids p --sweep-tokens 4", "--dump times nothing"),
+        # flags the run does not read: given, not defaulted
+        ("--dump x.npz --prompt-ids p --json r.json", "^--json shapes the timing run; --dump "),
+        ("--dump x.npz --prompt-ids p --reps 5", "^--reps shapes the timing run; --dump times"),
+        ("--dump x.npz --prompt-ids p --max-logprob-diff 3",
+         "^--max-logprob-diff is a threshold of --compare; --dump writes a file to compare$"),
+        ("--compare a.npz b.npz --json r.json",
+         "^--compare reads two dump files and builds no model: drop --json$"),
+        ("--compare a.npz b.npz --cuda-graph on --preset kimi-k2 --batch-size 2",
+         "builds no model: drop --preset, --cuda-graph, --batch-size$"),
+        ("--compare a.npz b.npz --topk 3", "builds no model: drop --topk$"),
+        ("--topk 3", "^--topk is for --dump: the log-probabilities it keeps per position$"),
+        ("--max-accept-diff 1", "^--max-accept-diff is a threshold of --compare A B"),
+        ("--skip-e2e --max-new-tokens 5",
+         "^--max-new-tokens sets the end-to-end loops' length; --skip-e2e runs none$"),
     ]
     for flags, message in cases:
         with pytest.raises(run.BadInput, match=message):
