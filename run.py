@@ -573,9 +573,14 @@ def check_moe_flag(args, device, dtype):
         return
     import kernels
     if args.moe_impl == "fused" and not kernels.fused_moe_available(device, dtype):
-        raise BadInput(f"--moe-impl fused: the Triton kernel does not run {args.dtype} on "
-                       f"{device.type} here (it needs Triton and a CUDA GPU, and bf16, fp16 or "
-                       "fp32); use --moe-impl gather or auto")
+        lacks = [why for why, lacking in (
+            ("a CUDA GPU (this run is on the CPU)",
+             device.type != "cuda" and not kernels.interpreting()),
+            ("Triton (not installed)", not kernels.HAVE_TRITON),
+            (f"bf16, fp16 or fp32 (not --dtype {args.dtype})",
+             args.dtype not in ("bfloat16", "float16", "float32"))) if lacking]
+        raise BadInput("--moe-impl fused: the Triton kernel needs " + ", ".join(lacks)
+                       + "; use --moe-impl gather or auto")
     if args.moe_impl == "grouped" and not kernels.grouped_mm_available(device, dtype):
         raise BadInput(f"--moe-impl grouped: torch._grouped_mm does not run {args.dtype} on "
                        f"{device.type} here; use --moe-impl gather or auto")
@@ -613,8 +618,9 @@ def check_sizes(cfg, device, world):
     slots = cache_slots(cfg)
     if slots > margs.max_position_embeddings:
         print_rank0(f"warning: positions reach {slots}, past the model's max_position_embeddings "
-                    f"{margs.max_position_embeddings}: its RoPE was not made for them, so the "
-                    "timings hold but the tokens mean little")
+                    f"{margs.max_position_embeddings}: its RoPE was not made for them, so "
+                    + ("the dumped tokens and log-probabilities mean little" if cfg.dump
+                       else "the timings hold but the tokens mean little"))
 
 
 def too_big(cfg, parts, free, where):

@@ -434,6 +434,11 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
     for flags, message in cases:
         with pytest.raises(run.BadInput, match=message):
             run.settle(run.parse_args(flags.split()), torch.device("cpu"), 1)
+    with monkeypatch.context() as m, pytest.raises(
+            run.BadInput, match=r"^--moe-impl fused: the Triton kernel needs a CUDA GPU \(this "
+                                r"run is on the CPU\)(, Triton \(not installed\))?; use "):
+        m.setenv("TRITON_INTERPRET", "0")   # a CPU as a user's: no Triton interpreter
+        _settled("--moe-impl fused")
     assert all(action.help for action in run.make_parser()._actions), "a flag without help text"
     cli = run_py("--max-new-tokens", "0")
     assert (cli.returncode, cli.stdout,
@@ -1694,6 +1699,12 @@ def test_run_py_refuses_sizes_before_building(monkeypatch, capsys):
     said = capsys.readouterr().out
     assert said.count("warning: positions reach") == 1 and \
         "max_position_embeddings 256" in said, said
+    assert "the timings hold but the tokens mean little" in " ".join(said.split()), said
+    cfg = _settled("--random-weights --context-len 300")
+    cfg.dump, cfg.topk, cfg.prompts = "x.npz", 1, [[1]]  # a dump's warning: it times nothing
+    run.check_sizes(cfg, torch.device("cpu"), 1)
+    said = " ".join(capsys.readouterr().out.split())
+    assert "so the dumped tokens and log-probabilities mean little" in said, said
     run.check_sizes(_settled("--random-weights"), torch.device("cpu"), 1)
     assert "warning" not in capsys.readouterr().out
     # --moe-adaptive for experts that are not FP8, named by their format (on a CPU: fp32)
