@@ -345,6 +345,7 @@ def check_flags(args):
         raise BadInput(f"{asked}--batch-size {args.batch_size}: {args.batch_size} x {most} "
                        "tokens a forward; the sweep times verify-sized forwards, at most "
                        f"{SWEEP_MOST_TOKENS} tokens")
+    check_outputs_apart(args)
     with refusal():
         if args.json not in (None, "-"):
             baseline.check_writable("--json", args.json)
@@ -397,6 +398,19 @@ def check_flags_apply(args):
             raise BadInput(f"{f} is a threshold of --compare A B; this run compares nothing")
     if args.skip_e2e and "--max-new-tokens" in given:
         raise BadInput("--max-new-tokens sets the end-to-end loops' length; --skip-e2e runs none")
+
+
+def check_outputs_apart(args):
+    """Refuse an output file (--json, --dump) that is one of the run's input files (--prompt-ids,
+    --routing-trace; --compare writes none), by the path it resolves to: the run would write over
+    what it read."""
+    outputs = {"--json": None if args.json == "-" else args.json, "--dump": args.dump}
+    inputs = {"--prompt-ids": args.prompt_ids, "--routing-trace": args.routing_trace}
+    for out, out_path in outputs.items():
+        for src, src_path in inputs.items():
+            if out_path and src_path and os.path.realpath(out_path) == os.path.realpath(src_path):
+                raise BadInput(f"{out} {out_path}: is the {src} file the run reads; write it "
+                               "elsewhere")
 
 
 def check_routing_flags(args):
