@@ -45,7 +45,8 @@ writes it as JSON; baseline.py dumps and compares. This file is the command line
 their refusals, answered before torch is imported, and the exits under torchrun.
 
 Exit status: 0 done; 1 --compare found a difference past its thresholds; 2 the input cannot be used
-(a flag, a file, a checkpoint), said in one line on stderr; 130 interrupted (Ctrl-C), in one line.
+(a flag, a file, a checkpoint), said in one line on stderr; 130 interrupted (Ctrl-C), in one line;
+141 stdout closed by its reader (`run.py | head`), quietly.
 """
 import argparse
 import math
@@ -682,11 +683,14 @@ def print_refusal(e):
 def cli(argv=None):
     """The command line: main's exit status; a refusal in one line (status 2); Ctrl-C in one line
     (status 130, the shell's for SIGINT; an output file is written whole or not at all), also
-    while torch and the kernels are still being imported."""
+    while torch and the kernels are still being imported; stdout closed by its reader (`run.py |
+    head`) quietly (status 141, closed_stdout)."""
     status, orderly = 2, False
     try:
         status = main(argv)
         orderly = True
+    except BrokenPipeError:
+        status = closed_stdout()
     except KeyboardInterrupt:
         status = 130
         if int(os.environ.get("RANK", 0)) == 0:
@@ -699,6 +703,19 @@ def cli(argv=None):
         if "tp" in sys.modules:
             sys.modules["tp"].leave_group(orderly)
     return status
+
+
+def closed_stdout():
+    """stdout's reader has gone (`run.py | head -1`): what is left to print has no reader. stdout
+    is pointed at /dev/null, so that the interpreter's flush at exit raises nothing more. The
+    status is 141 (128 + SIGPIPE), what a shell reports for a program that a closed pipe ends,
+    as `set -o pipefail` sees it of `cat` or `yes`: 0 would say everything was printed, and 1 is
+    --compare's "a difference". A --json file is written before the report, so it is whole."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # a stdout with no file descriptor (in-process callers)
+        pass
+    return 141
 
 
 @contextmanager
@@ -763,12 +780,12 @@ def bench(cfg, device, world):
     b = timing.prepare(cfg, device)
     print_rank0(report.header(b))
     r = timing.measure(b, world)
-    if timing.is_rank0():
+    if timing.is_rank0():  # the file first: a report cut short (stdout closed) leaves it whole
+        if cfg.json not in (None, "-"):
+            baseline.write_whole(cfg.json, lambda f: f.write(report.json_line(r).encode()))
         report.report(r, b)
         if cfg.json == "-":
             print(report.json_line(r), end="", flush=True)
-        elif cfg.json:
-            baseline.write_whole(cfg.json, lambda f: f.write(report.json_line(r).encode()))
     return 0
 
 

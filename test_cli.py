@@ -1769,6 +1769,31 @@ def test_run_py_cli_interrupt_and_rank_refusals(monkeypatch, capsys):
         assert capsys.readouterr().err == f"run.py: error: [rank {rank}] ckpt: missing\n"
 
 
+def test_run_py_cli_stdout_closed_is_quiet_and_the_json_file_whole(monkeypatch, tmp_path):
+    """`run.py ... | head -1`: the --json file is written before the report, and a stdout closed
+    by its reader ends the run quietly with status 141 (no traceback)."""
+    cfg = types.SimpleNamespace(json=str(tmp_path / "r.json"))
+    monkeypatch.setattr(timing, "prepare", lambda cfg, device: types.SimpleNamespace(cfg=cfg))
+    monkeypatch.setattr(timing, "measure", lambda b, world: "r")
+    monkeypatch.setattr(timing, "is_rank0", lambda: True)
+    monkeypatch.setattr(report, "header", lambda b: "header")
+    monkeypatch.setattr(report, "json_line", lambda r: '{"r": 1}\n')
+
+    def closed(r, b):
+        raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(report, "report", closed)
+    with pytest.raises(BrokenPipeError):
+        run.bench(cfg, None, 1)
+    assert (tmp_path / "r.json").read_text() == '{"r": 1}\n'
+    code = ("import sys, run\nrun.main = lambda argv=None: print('x' * 10 ** 6) or 0\n"
+            "sys.exit(run.cli())")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=HERE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.stdout.close()
+    err = p.stderr.read()
+    assert (p.wait(timeout=60), err) == (141, ""), err[-2000:]
+
+
 def interrupt(p, every=2.0, timeout=300):
     """Ctrl-C a child until it exits (CPython drops a KeyboardInterrupt raised inside a __del__ or
     a garbage-collection callback, as it would a user's first Ctrl-C there); its (stdout,
