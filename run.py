@@ -557,6 +557,12 @@ def check_device_flags(args, device):
     if not args.dump and min(args.context_len) < want:
         raise BadInput(f"--context-len {min(args.context_len)}: the isolated verify re-reads "
                        f"{want} cached tokens (num_steps + 1); use at least {want}")
+    over = [T for T in args.sweep_tokens or [] if T > args.context_len[0]]
+    if over:
+        raise BadInput(f"--sweep-tokens {','.join(map(str, over))}: a verify of T tokens re-reads "
+                       f"the last T of the first context's {args.context_len[0]} cached tokens "
+                       "(--context-len, default --prompt-len); use at most "
+                       f"{args.context_len[0]}")
     unknown = [] if isinstance(args.kernels, str) else sorted(set(args.kernels) - set(KERNELS))
     if unknown:
         raise BadInput(f"--kernels: unknown {', '.join(unknown)}; choose from "

@@ -419,6 +419,11 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
         ("--batch-size 4 --sweep-tokens 8,100",
          "--sweep-tokens 100, --batch-size 4: 4 x 100 tokens a forward; .* at most 256 tokens"),
         ("--batch-size 300", "^--batch-size 300: 300 x 1 tokens a forward; .* at most 256"),
+        ("--sweep-tokens 4,20,100 --skip-e2e", r"^--sweep-tokens 20,100: a verify of T tokens "
+         r"re-reads the last T of the first context's 16 cached tokens \(--context-len, default "
+         r"--prompt-len\); use at most 16$"),
+        ("--sweep-tokens 4,20 --context-len 8 40",
+         "^--sweep-tokens 20: .* first context's 8 cached tokens"),
         ("--dump x.npz --prompt-ids p --sweep-tokens 4", "--dump times nothing"),
         # flags the run does not read: given, not defaulted
         ("--dump x.npz --prompt-ids p --json r.json", "^--json shapes the timing run; --dump "),
@@ -871,8 +876,12 @@ def test_verify_sweep_points_and_the_cliff_check():
     assert _settled("--random-weights --speculative-num-steps 6").verify_sweep_tokens == \
         list(range(1, 8))
     wide = types.SimpleNamespace(sweep_tokens=None, dump=None, batch_size=16,
-                                 speculative_num_steps=3)
+                                 speculative_num_steps=3, context_len=[256])
     assert timing.verify_sweep_tokens(wide, gpu=True) == [1, 2, 3, 4]
+    # the default leaves out what passes the first context (a verify re-reads its last T tokens)
+    near = types.SimpleNamespace(sweep_tokens=None, dump=None, batch_size=1,
+                                 speculative_num_steps=3, context_len=[6, 256])
+    assert timing.verify_sweep_tokens(near, gpu=True) == list(range(1, 7))
     T = report.Timing
     tokens = timing.sweep_tokens(True, 1)
 
