@@ -481,6 +481,9 @@ def settle(args, device, world):
     if cfg.trained_pair:
         import train
         cfg.model_path, cfg.draft_path = train.TARGET_DIR, train.DRAFT_DIR
+    elif cfg.draft_path:  # the head's config.json read now, not after the target has loaded
+        import checkpoint
+        checkpoint.read_draft_args(cfg.draft_path)  # checkpoint.CheckpointError names the problem
     return cfg
 
 

@@ -465,7 +465,8 @@ def test_run_py_header_names_the_temperature_where_it_samples():
     assert "temperature" not in report.header(b)
 
 
-def test_run_py_names_a_broken_checkpoint_in_one_line(tiny_ckpt, tmp_path, run_py_runs):
+def test_run_py_names_a_broken_checkpoint_in_one_line(tiny_ckpt, tmp_path, run_py_runs,
+                                                       monkeypatch):
     """run.py --model-path / --draft-path with a problem: the loader's CheckpointError, and from
     the command line (a copy of the checkpoint whose config.json is not JSON) one line on stderr,
     no traceback, exit status 2."""
@@ -475,6 +476,13 @@ def test_run_py_names_a_broken_checkpoint_in_one_line(tiny_ckpt, tmp_path, run_p
     with pytest.raises(CheckpointError, match="no such file or folder"):
         run.main(["--model-path", ckpt, "--draft-path", str(tmp_path / "nothere"),
                   "--max-new-tokens", "2"])
+    # a --draft-path that is no EAGLE-3 head (the target's folder, a text file): named in settle,
+    # before the target is built
+    monkeypatch.setattr(timing, "build", lambda *a: pytest.fail("a model was built"))
+    with pytest.raises(CheckpointError, match=r"config.json: architectures \['DeepseekV3"):
+        _settled(f"--model-path {ckpt} --draft-path {ckpt}")
+    with pytest.raises(CheckpointError, match="README.md line 1 column 1: not JSON"):
+        _settled(f"--model-path {ckpt} --draft-path {HERE}/README.md")
     cli = run_py_runs[0]["broken_checkpoint"]
     want = (f"run.py: error: {run_py_runs[1] / 'bad' / 'config.json'} line 3 column 17: not JSON "
             "(Expecting value)\n")
