@@ -454,10 +454,23 @@ def check_tree_flags(args):
 
 
 def uses_trained_pair(args):
-    """The tiny preset with nothing else asked of it runs the trained pair (train.py)."""
-    other = (args.model_path or args.draft_path or args.random_weights or args.quant
-             or args.routed_experts is not None or (args.simulate_tp or 1) > 1)
+    """The tiny preset with nothing else asked of it runs the trained pair (train.py); --quant none
+    is the tiny preset's own layout."""
+    other = (args.model_path or args.draft_path or args.random_weights
+             or reshaping_flag(args) is not None)
     return args.preset == "tiny" and not other
+
+
+def reshaping_flag(args):
+    """The first flag given that shapes random weights away from the trained tiny pair (--quant
+    int4 or fp8, --routed-experts, --simulate-tp N > 1), as the user wrote it; else None."""
+    for flag, given in ((f"--quant {args.quant}", args.quant not in (None, "none")),
+                        (f"--routed-experts {args.routed_experts}",
+                         args.routed_experts is not None),
+                        (f"--simulate-tp {args.simulate_tp}", (args.simulate_tp or 1) > 1)):
+        if given:
+            return flag
+    return None
 
 
 def settle(args, device, world):
@@ -474,6 +487,10 @@ def settle(args, device, world):
     settle_speculative(cfg)
     cfg.preset = cfg.preset or ("kimi-k2" if gpu else "tiny")
     cfg.trained_pair = uses_trained_pair(cfg)
+    flag = reshaping_flag(cfg)
+    if cfg.preset == "tiny" and flag and not (cfg.random_weights or cfg.model_path):
+        print_rank0(f"note: {flag} shapes random weights: a random tiny target and head, not the "
+                    "trained pair (checkpoints/tiny-stdlib)")
     settle_device(cfg, gpu, world)
     from timing import settle_defaults  # the run's defaults (imports torch and the stages)
     settle_defaults(cfg, gpu)

@@ -1384,6 +1384,21 @@ def test_run_defaults_uniform_routing_for_random_weights_and_model_routing_for_a
     assert load_target(ckpt, 1, 16).routing == "model"
 
 
+def test_run_says_which_flag_drops_the_trained_pair(capsys):
+    """--quant none is the tiny preset's own layout: the trained pair still. --quant int4,
+    --routed-experts and --simulate-tp build random weights, said in one note naming the flag
+    (none where --random-weights asked for them)."""
+    cfg = _settled("--quant none")
+    assert cfg.trained_pair and "note" not in capsys.readouterr().out
+    for flags in ("--quant int4", "--routed-experts 8", "--simulate-tp 2"):
+        assert not _settled(flags).trained_pair, flags
+        said = capsys.readouterr().out.splitlines()
+        assert said == [f"note: {flags} shapes random weights: a random tiny target and head, "
+                        "not the trained pair (checkpoints/tiny-stdlib)"], said
+    assert not _settled("--random-weights --quant int4").trained_pair
+    assert "note" not in capsys.readouterr().out
+
+
 def test_run_moe_adaptive_sets_the_rule_for_its_build_only(monkeypatch):
     """--moe-adaptive N puts FP8's entry in the fused MoE's rule (kernels.moe.ADAPTIVE_MIN_TOKENS)
     for the build, the rule then picks the adaptive variant from N tokens, and a later build
