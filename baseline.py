@@ -130,7 +130,9 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
     The log-probabilities come from a separate teacher-forced extend forward over each row's prompt
     and output, so they do not depend on how generation batched, drafted or graphed its steps."""
     import torch  # the model's work: --compare and the command line need numpy only
-    from verify import generate
+    from tqdm import tqdm
+    from verify import generate, Probe
+    hide = target.tp.rank != 0  # progress on stderr, rank 0's alone (as timing.py's bars)
     with torch.no_grad():
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens {max_new_tokens}: must be at least 1")
@@ -138,9 +140,13 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
             raise ValueError(f"topk {topk}: must lie in [1, the vocabulary's "
                              f"{target.args.vocab_size} ids]")
         K, M = tree or (None, None)
-        res = generate(target, head, prompts, max_new_tokens=max_new_tokens, num_steps=num_steps,
-                       attention_mode=attention_mode, use_graphs=use_graphs, eos_id=eos_id, topk=K,
-                       num_draft_tokens=M)
+        with tqdm(desc="dump: generating", unit="cycle", disable=hide, leave=False) as bar:
+            # a cycle (or a plain step) ends at its commit
+            probe = Probe(mark=lambda name: name == "commit" and bar.update())
+            res = generate(target, head, prompts, max_new_tokens=max_new_tokens,
+                           num_steps=num_steps, attention_mode=attention_mode,
+                           use_graphs=use_graphs, eos_id=eos_id, topk=K, num_draft_tokens=M,
+                           probe=probe)
         B, P, N = len(prompts), max(len(p) for p in prompts), max_new_tokens
         T = P + N - 1  # the last output token predicts nothing we keep
         prompt_ids, output_ids = np.full((B, P), -1, np.int64), np.full((B, N), -1, np.int64)
@@ -157,7 +163,9 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
         ids, logprobs = [], []
         if recorder is not None:
             recorder = recorder(target)
-        for s in range(0, T, chunk):  # chunks over the cache (slot = position): [B, chunk, V]
+        for s in tqdm(range(0, T, chunk), desc="dump: log-probabilities, teacher-forced",
+                      unit="chunk", disable=hide, leave=False):
+            # chunks over the cache (slot = position): [B, chunk, V]
             logits, _ = target(seqs[:, s:s + chunk], positions[:, s:s + chunk], "extend")
             lp, top = torch.log_softmax(logits, -1).topk(topk, -1)  # logits are float32 or wider
             ids.append(top.cpu())
@@ -515,3 +523,4 @@ def dump_main(cfg, target, head, how, recorder=None):
                        "(SGLang's accept length minus 1; a cycle cut at max_new_tokens or an EOS "
                        "counts what it kept)"), flush=True)
     return 0
+
