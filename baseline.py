@@ -524,3 +524,9 @@ def dump_main(cfg, target, head, how, recorder=None):
                        "counts what it kept)"), flush=True)
     return 0
 
+
+if __name__ == "__main__":
+    import sys
+    print("baseline.py: a module, not a command: use `python run.py --dump PATH --prompt-ids "
+          "FILE` or `python run.py --compare A.npz B.npz`", file=sys.stderr)
+    sys.exit(2)

@@ -1299,6 +1299,20 @@ def test_bf16_dump_passes_the_default_thresholds_and_fails_tight_ones():
     assert any("--max-logprob-diff" in f for f in tight["failures"]), tight["failures"]
 
 
+def test_dump_shows_its_progress_and_baseline_py_says_it_is_a_module(capsys):
+    """A dump's two passes (generation, a cycle a step; the teacher-forced forward, a chunk a
+    step) each show a tqdm bar on stderr; `python baseline.py` points to run.py, status 2."""
+    baseline.dump(*conditioned_tiny(torch.float32, 0), PROMPTS[3], max_new_tokens=6, num_steps=2)
+    err = capsys.readouterr().err
+    assert "dump: generating" in err and "cycle" in err, err
+    assert "dump: log-probabilities, teacher-forced" in err, err
+    cli = subprocess.run([sys.executable, "baseline.py", "--help"], cwd=HERE, capture_output=True,
+                         text=True, timeout=60)
+    assert (cli.returncode, cli.stdout) == (2, ""), (cli.returncode, cli.stdout)
+    assert cli.stderr == ("baseline.py: a module, not a command: use `python run.py --dump PATH "
+                          "--prompt-ids FILE` or `python run.py --compare A.npz B.npz`\n")
+
+
 def test_dump_from_the_command_line_and_bad_input(tiny_ckpt, tmp_path, run_py_runs):
     """run.py --dump with a checkpoint, a draft and a prompt file (DUMP_FLAGS: the module's random
     draft of tiny_ckpt's target, PROMPTS[3]) writes what dump() returns."""
