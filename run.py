@@ -146,8 +146,10 @@ def add_run_flags(p):
                    "on a GPU, 24 on CPU)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sampling "
                    "with speculative rejection sampling (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the random weights, prompts and "
-                   "sampling (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the random weights, the random "
+                   "prompt ids (the trained pair reads fixed held-out text), sampling and the "
+                   "SIMULATED draws (--simulate-accept-len, --routing distinct) (default "
+                   "%(default)s)")
     p.add_argument("--simulate-accept-len", type=float, help="force the mean accepted length per "
                    "cycle, bonus token included, between 1 and num_steps + 1 (as "
                    "SGLANG_SIMULATE_ACC_LEN: each cycle draws its length around this mean); "

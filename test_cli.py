@@ -449,6 +449,8 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
         m.setenv("TRITON_INTERPRET", "0")   # a CPU as a user's: no Triton interpreter
         _settled("--moe-impl fused")
     assert all(action.help for action in run.make_parser()._actions), "a flag without help text"
+    seed = next(a.help for a in run.make_parser()._actions if a.dest == "seed")
+    assert "the random prompt ids (the trained pair reads fixed held-out text)" in seed, seed
     cli = run_py("--max-new-tokens", "0")
     assert (cli.returncode, cli.stdout,
             cli.stderr) == (2, "", "run.py: error: --max-new-tokens 0: must be at least 1\n")
