@@ -130,7 +130,6 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
     The log-probabilities come from a separate teacher-forced extend forward over each row's prompt
     and output, so they do not depend on how generation batched, drafted or graphed its steps."""
     import torch  # the model's work: --compare and the command line need numpy only
-    from verify import generate
     with torch.no_grad():
         if max_new_tokens < 1:
             raise ValueError(f"max_new_tokens {max_new_tokens}: must be at least 1")
@@ -138,9 +137,9 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
             raise ValueError(f"topk {topk}: must lie in [1, the vocabulary's "
                              f"{target.args.vocab_size} ids]")
         K, M = tree or (None, None)
-        res = generate(target, head, prompts, max_new_tokens=max_new_tokens, num_steps=num_steps,
-                       attention_mode=attention_mode, use_graphs=use_graphs, eos_id=eos_id, topk=K,
-                       num_draft_tokens=M)
+        res = generate_shown(target, head, prompts, max_new_tokens=max_new_tokens,
+                             num_steps=num_steps, attention_mode=attention_mode,
+                             use_graphs=use_graphs, eos_id=eos_id, topk=K, num_draft_tokens=M)
         B, P, N = len(prompts), max(len(p) for p in prompts), max_new_tokens
         T = P + N - 1  # the last output token predicts nothing we keep
         prompt_ids, output_ids = np.full((B, P), -1, np.int64), np.full((B, N), -1, np.int64)
@@ -154,14 +153,9 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
             ends[b] = len(p) + len(out) - 1
         seqs = seqs.to(target.device)
         positions = torch.arange(T, device=target.device).expand(B, T)
-        ids, logprobs = [], []
         if recorder is not None:
             recorder = recorder(target)
-        for s in range(0, T, chunk):  # chunks over the cache (slot = position): [B, chunk, V]
-            logits, _ = target(seqs[:, s:s + chunk], positions[:, s:s + chunk], "extend")
-            lp, top = torch.log_softmax(logits, -1).topk(topk, -1)  # logits are float32 or wider
-            ids.append(top.cpu())
-            logprobs.append(lp.float().cpu())
+        ids, logprobs = teacher_forced(target, seqs, positions, topk, chunk)
         kept = (torch.arange(T) < ends).unsqueeze(-1)                                # [B, T, 1]
         routed = {}
         if recorder is not None:
@@ -169,8 +163,8 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
             lengths = ends.flatten().tolist()   # the positions the top-K arrays keep, every row
             routed = routing_arrays(recorder.pop(), B, T, chunk, lengths, target.args)
         out = dict(prompt_ids=prompt_ids, output_ids=output_ids,
-                   topk_ids=torch.cat(ids, 1).masked_fill(~kept, -1).numpy(),
-                   topk_logprobs=torch.cat(logprobs, 1).masked_fill(~kept, float("nan")).numpy())
+                   topk_ids=ids.masked_fill(~kept, -1).numpy(),
+                   topk_logprobs=logprobs.masked_fill(~kept, float("nan")).numpy())
         if head is not None:
             out["draft_ids"] = res.drafts.transpose(0, 1).numpy()                   # [B, C, k]
             out["accepted"] = res.accepted.T.numpy()                                 # [B, C]
@@ -178,6 +172,34 @@ def dump(target, head, prompts, max_new_tokens, num_steps=3, topk=DUMP_TOPK,
             out["draft_parents"] = res.parents.transpose(0, 1).numpy()              # [B, C, M-1]
             out["accepted_nodes"] = res.paths.transpose(0, 1).numpy()               # [B, C, D]
         return out | routed
+
+
+def generate_shown(target, head, prompts, **kw):
+    """verify.generate(target, head, prompts, **kw) under a progress bar on stderr that counts its
+    cycles (a plain loop's steps), rank 0's alone, as timing.py's bars."""
+    from tqdm import tqdm
+    from verify import generate, Probe
+    with tqdm(desc="dump: generating", unit="cycle", disable=target.tp.rank != 0,
+              leave=False) as bar:
+        # a cycle (or a plain step) ends at its commit
+        return generate(target, head, prompts,
+                        probe=Probe(mark=lambda name: name == "commit" and bar.update()), **kw)
+
+
+def teacher_forced(target, seqs, positions, topk, chunk):
+    """The target's top-`topk` ids and log-probabilities over seqs [B, T] in one extend forward a
+    chunk of positions (slot = position), under a progress bar as generate_shown's: [B, T, topk]
+    each, on the CPU, the log-probabilities in float32 or wider."""
+    import torch
+    from tqdm import tqdm
+    ids, logprobs = [], []
+    for s in tqdm(range(0, seqs.shape[1], chunk), desc="dump: log-probabilities, teacher-forced",
+                  unit="chunk", disable=target.tp.rank != 0, leave=False):
+        logits, _ = target(seqs[:, s:s + chunk], positions[:, s:s + chunk], "extend")
+        lp, top = torch.log_softmax(logits, -1).topk(topk, -1)  # logits are float32 or wider
+        ids.append(top.cpu())
+        logprobs.append(lp.float().cpu())
+    return torch.cat(ids, 1), torch.cat(logprobs, 1)
 
 
 def routing_arrays(ids, B, T, chunk, lengths, args):
@@ -515,3 +537,10 @@ def dump_main(cfg, target, head, how, recorder=None):
                        "(SGLang's accept length minus 1; a cycle cut at max_new_tokens or an EOS "
                        "counts what it kept)"), flush=True)
     return 0
+
+
+if __name__ == "__main__":
+    import sys
+    print("baseline.py: a module, not a command: use `python run.py --dump PATH --prompt-ids "
+          "FILE` or `python run.py --compare A.npz B.npz`", file=sys.stderr)
+    sys.exit(2)

@@ -45,7 +45,8 @@ writes it as JSON; baseline.py dumps and compares. This file is the command line
 their refusals, answered before torch is imported, and the exits under torchrun.
 
 Exit status: 0 done; 1 --compare found a difference past its thresholds; 2 the input cannot be used
-(a flag, a file, a checkpoint), said in one line on stderr; 130 interrupted (Ctrl-C), in one line.
+(a flag, a file, a checkpoint), said in one line on stderr; 130 interrupted (Ctrl-C), in one line;
+141 stdout closed by its reader (`run.py | head`), quietly.
 """
 import argparse
 import math
@@ -145,8 +146,10 @@ def add_run_flags(p):
                    "on a GPU, 24 on CPU)")
     p.add_argument("--temperature", type=float, default=0.0, help="0: greedy; above 0: sampling "
                    "with speculative rejection sampling (default %(default)s)")
-    p.add_argument("--seed", type=int, default=0, help="seeds the random weights, prompts and "
-                   "sampling (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0, help="seeds the random weights, the random "
+                   "prompt ids (the trained pair reads fixed held-out text), sampling and the "
+                   "SIMULATED draws (--simulate-accept-len, --routing distinct) (default "
+                   "%(default)s)")
     p.add_argument("--simulate-accept-len", type=float, help="force the mean accepted length per "
                    "cycle, bonus token included, between 1 and num_steps + 1 (as "
                    "SGLANG_SIMULATE_ACC_LEN: each cycle draws its length around this mean); "
@@ -326,13 +329,7 @@ def check_flags(args):
     if sim is not None and not 1 <= sim <= k + 1:
         raise BadInput(f"--simulate-accept-len {sim}: must lie in [1, {k + 1}] (accepted tokens "
                        "per cycle, the bonus token included: at most the deepest draft path + 1)")
-    if args.compare and (args.dump or args.model_path or args.draft_path):
-        raise BadInput("--compare reads two dump files and builds no model: drop --dump, "
-                       "--model-path, --draft-path")
-    for flag, value in (("--prompt-ids", args.prompt_ids), ("--topk", args.topk)):
-        if value is not None and not args.dump:
-            raise BadInput(f"{flag} is for --dump (the correctness baseline); the timing run makes "
-                           "its own prompts (--prompt-len)")
+    check_flags_apply(args)
     if args.model_path and (args.quant or args.routed_experts or args.preset):
         raise BadInput("--quant, --routed-experts and --preset shape random weights; a "
                        "checkpoint's config.json says its own")
@@ -342,21 +339,81 @@ def check_flags(args):
     if args.random_weights and (args.model_path or args.draft_path):
         raise BadInput("--random-weights replaces the trained tiny pair; with --model-path / "
                        "--draft-path the checkpoints are used: drop one")
-    if args.dump and (args.context_len or args.skip_e2e or args.compile or args.sweep_tokens):
-        raise BadInput("--context-len, --skip-e2e, --compile and --sweep-tokens shape the timing "
-                       "run; --dump times nothing")
+    if not args.dump and args.max_new_tokens == 1:
+        raise BadInput("--max-new-tokens 1: the timing run needs at least 2 (the prefill makes the "
+                       "first token; a speculative cycle and a plain step need one more)")
     most = max(args.sweep_tokens or [1])
     if args.batch_size * most > SWEEP_MOST_TOKENS:
         asked = f"--sweep-tokens {most}, " if args.sweep_tokens else ""
         raise BadInput(f"{asked}--batch-size {args.batch_size}: {args.batch_size} x {most} "
                        "tokens a forward; the sweep times verify-sized forwards, at most "
                        f"{SWEEP_MOST_TOKENS} tokens")
+    check_outputs_apart(args)
     with refusal():
         if args.json not in (None, "-"):
             baseline.check_writable("--json", args.json)
         if args.dump:
             baseline.check_writable("--dump", args.dump)
     check_routing_flags(args)
+
+
+# the flags --compare reads; every other flag shapes a model or a run that --compare does not make
+COMPARE_FLAGS = ("compare", "max_logprob_diff", "min_top1_agreement", "max_accept_diff")
+# the timing run's flags, which a --dump (it times nothing) does not read
+TIMING_FLAGS = ("json", "reps", "context_len", "skip_e2e", "compile", "sweep_tokens",
+                "allreduce_us", "distinct_sweep")
+
+
+def flags_set(args):
+    """The flags given on the command line, as `--name`: those whose value is not the parser's
+    default (a flag given its default value counts as not given)."""
+    p = make_parser()
+    return [f"--{dest.replace('_', '-')}" for dest, value in vars(args).items()
+            if value != p.get_default(dest)]
+
+
+def check_flags_apply(args):
+    """Refuse a flag that the run asked for does not read: beside --compare any but its
+    thresholds; beside --dump the timing run's flags and --compare's thresholds; --prompt-ids and
+    --topk without --dump; --max-new-tokens with --skip-e2e (the isolated phases generate
+    nothing)."""
+    given = flags_set(args)
+    if args.compare:
+        drop = [f for f in given if f[2:].replace("-", "_") not in COMPARE_FLAGS]
+        if drop:
+            raise BadInput("--compare reads two dump files and builds no model: drop "
+                           + ", ".join(drop))
+        return
+    if args.dump:
+        for f in given:
+            if f[2:].replace("-", "_") in TIMING_FLAGS:
+                raise BadInput(f"{f} shapes the timing run; --dump times nothing")
+            if f[2:].replace("-", "_") in COMPARE_FLAGS:
+                raise BadInput(f"{f} is a threshold of --compare; --dump writes a file to compare")
+        return
+    if args.prompt_ids is not None:
+        raise BadInput("--prompt-ids is for --dump (the correctness baseline); the timing run "
+                       "makes its own prompts (--prompt-len)")
+    if args.topk is not None:
+        raise BadInput("--topk is for --dump: the log-probabilities it keeps per position")
+    for f in ("--max-logprob-diff", "--min-top1-agreement", "--max-accept-diff"):
+        if f in given:
+            raise BadInput(f"{f} is a threshold of --compare A B; this run compares nothing")
+    if args.skip_e2e and "--max-new-tokens" in given:
+        raise BadInput("--max-new-tokens sets the end-to-end loops' length; --skip-e2e runs none")
+
+
+def check_outputs_apart(args):
+    """Refuse an output file (--json, --dump) that is one of the run's input files (--prompt-ids,
+    --routing-trace; --compare writes none), by the path it resolves to: the run would write over
+    what it read."""
+    outputs = {"--json": None if args.json == "-" else args.json, "--dump": args.dump}
+    inputs = {"--prompt-ids": args.prompt_ids, "--routing-trace": args.routing_trace}
+    for out, out_path in outputs.items():
+        for src, src_path in inputs.items():
+            if out_path and src_path and os.path.realpath(out_path) == os.path.realpath(src_path):
+                raise BadInput(f"{out} {out_path}: is the {src} file the run reads; write it "
+                               "elsewhere")
 
 
 def check_routing_flags(args):
@@ -375,12 +432,8 @@ def check_routing_flags(args):
         raise BadInput(f"--routing-trace {args.routing_trace}: no such file")
     if args.dump_routing and not args.dump:
         raise BadInput("--dump-routing records the routing of a --dump run; add --dump PATH")
-    if args.dump and args.distinct_sweep:
-        raise BadInput("--distinct-sweep shapes the timing run; --dump times nothing")
     if args.dump and args.routing in ("distinct", "trace"):
         raise BadInput(f"--dump records the model's own routing: drop --routing {args.routing}")
-    if args.routing in ("distinct", "trace") and args.compare:
-        raise BadInput(f"--routing {args.routing} shapes the timing run; --compare builds no model")
 
 
 def check_tree_flags(args):
@@ -403,10 +456,23 @@ def check_tree_flags(args):
 
 
 def uses_trained_pair(args):
-    """The tiny preset with nothing else asked of it runs the trained pair (train.py)."""
-    other = (args.model_path or args.draft_path or args.random_weights or args.quant
-             or args.routed_experts is not None or (args.simulate_tp or 1) > 1)
+    """The tiny preset with nothing else asked of it runs the trained pair (train.py); --quant none
+    is the tiny preset's own layout."""
+    other = (args.model_path or args.draft_path or args.random_weights
+             or reshaping_flag(args) is not None)
     return args.preset == "tiny" and not other
+
+
+def reshaping_flag(args):
+    """The first flag given that shapes random weights away from the trained tiny pair (--quant
+    int4 or fp8, --routed-experts, --simulate-tp N > 1), as the user wrote it; else None."""
+    for flag, given in ((f"--quant {args.quant}", args.quant not in (None, "none")),
+                        (f"--routed-experts {args.routed_experts}",
+                         args.routed_experts is not None),
+                        (f"--simulate-tp {args.simulate_tp}", (args.simulate_tp or 1) > 1)):
+        if given:
+            return flag
+    return None
 
 
 def settle(args, device, world):
@@ -423,6 +489,10 @@ def settle(args, device, world):
     settle_speculative(cfg)
     cfg.preset = cfg.preset or ("kimi-k2" if gpu else "tiny")
     cfg.trained_pair = uses_trained_pair(cfg)
+    flag = reshaping_flag(cfg)
+    if cfg.preset == "tiny" and flag and not (cfg.random_weights or cfg.model_path):
+        print_rank0(f"note: {flag} shapes random weights: a random tiny target and head, not the "
+                    "trained pair (checkpoints/tiny-stdlib)")
     settle_device(cfg, gpu, world)
     from timing import settle_defaults  # the run's defaults (imports torch and the stages)
     settle_defaults(cfg, gpu)
@@ -430,6 +500,9 @@ def settle(args, device, world):
     if cfg.trained_pair:
         import train
         cfg.model_path, cfg.draft_path = train.TARGET_DIR, train.DRAFT_DIR
+    elif cfg.draft_path:  # the head's config.json read now, not after the target has loaded
+        import checkpoint
+        checkpoint.read_draft_args(cfg.draft_path)  # checkpoint.CheckpointError names the problem
     return cfg
 
 
@@ -506,6 +579,12 @@ def check_device_flags(args, device):
     if not args.dump and min(args.context_len) < want:
         raise BadInput(f"--context-len {min(args.context_len)}: the isolated verify re-reads "
                        f"{want} cached tokens (num_steps + 1); use at least {want}")
+    over = [T for T in args.sweep_tokens or [] if T > args.context_len[0]]
+    if over:
+        raise BadInput(f"--sweep-tokens {','.join(map(str, over))}: a verify of T tokens re-reads "
+                       f"the last T of the first context's {args.context_len[0]} cached tokens "
+                       "(--context-len, default --prompt-len); use at most "
+                       f"{args.context_len[0]}")
     unknown = [] if isinstance(args.kernels, str) else sorted(set(args.kernels) - set(KERNELS))
     if unknown:
         raise BadInput(f"--kernels: unknown {', '.join(unknown)}; choose from "
@@ -537,9 +616,14 @@ def check_moe_flag(args, device, dtype):
         return
     import kernels
     if args.moe_impl == "fused" and not kernels.fused_moe_available(device, dtype):
-        raise BadInput(f"--moe-impl fused: the Triton kernel does not run {args.dtype} on "
-                       f"{device.type} here (it needs Triton and a CUDA GPU, and bf16, fp16 or "
-                       "fp32); use --moe-impl gather or auto")
+        lacks = [why for why, lacking in (
+            ("a CUDA GPU (this run is on the CPU)",
+             device.type != "cuda" and not kernels.interpreting()),
+            ("Triton (not installed)", not kernels.HAVE_TRITON),
+            (f"bf16, fp16 or fp32 (not --dtype {args.dtype})",
+             args.dtype not in ("bfloat16", "float16", "float32"))) if lacking]
+        raise BadInput("--moe-impl fused: the Triton kernel needs " + ", ".join(lacks)
+                       + "; use --moe-impl gather or auto")
     if args.moe_impl == "grouped" and not kernels.grouped_mm_available(device, dtype):
         raise BadInput(f"--moe-impl grouped: torch._grouped_mm does not run {args.dtype} on "
                        f"{device.type} here; use --moe-impl gather or auto")
@@ -577,8 +661,9 @@ def check_sizes(cfg, device, world):
     slots = cache_slots(cfg)
     if slots > margs.max_position_embeddings:
         print_rank0(f"warning: positions reach {slots}, past the model's max_position_embeddings "
-                    f"{margs.max_position_embeddings}: its RoPE was not made for them, so the "
-                    "timings hold but the tokens mean little")
+                    f"{margs.max_position_embeddings}: its RoPE was not made for them, so "
+                    + ("the dumped tokens and log-probabilities mean little" if cfg.dump
+                       else "the timings hold but the tokens mean little"))
 
 
 def too_big(cfg, parts, free, where):
@@ -626,11 +711,14 @@ def print_refusal(e):
 def cli(argv=None):
     """The command line: main's exit status; a refusal in one line (status 2); Ctrl-C in one line
     (status 130, the shell's for SIGINT; an output file is written whole or not at all), also
-    while torch and the kernels are still being imported."""
+    while torch and the kernels are still being imported; stdout closed by its reader (`run.py |
+    head`) quietly (status 141, closed_stdout)."""
     status, orderly = 2, False
     try:
         status = main(argv)
         orderly = True
+    except BrokenPipeError:
+        status = closed_stdout()
     except KeyboardInterrupt:
         status = 130
         if int(os.environ.get("RANK", 0)) == 0:
@@ -643,6 +731,19 @@ def cli(argv=None):
         if "tp" in sys.modules:
             sys.modules["tp"].leave_group(orderly)
     return status
+
+
+def closed_stdout():
+    """stdout's reader has gone (`run.py | head -1`): what is left to print has no reader. stdout
+    is pointed at /dev/null, so that the interpreter's flush at exit raises nothing more. The
+    status is 141 (128 + SIGPIPE), what a shell reports for a program that a closed pipe ends,
+    as `set -o pipefail` sees it of `cat` or `yes`: 0 would say everything was printed, and 1 is
+    --compare's "a difference". A --json file is written before the report, so it is whole."""
+    try:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):  # a stdout with no file descriptor (in-process callers)
+        pass
+    return 141
 
 
 @contextmanager
@@ -707,12 +808,12 @@ def bench(cfg, device, world):
     b = timing.prepare(cfg, device)
     print_rank0(report.header(b))
     r = timing.measure(b, world)
-    if timing.is_rank0():
+    if timing.is_rank0():  # the file first: a report cut short (stdout closed) leaves it whole
+        if cfg.json not in (None, "-"):
+            baseline.write_whole(cfg.json, lambda f: f.write(report.json_line(r).encode()))
         report.report(r, b)
         if cfg.json == "-":
             print(report.json_line(r), end="", flush=True)
-        elif cfg.json:
-            baseline.write_whole(cfg.json, lambda f: f.write(report.json_line(r).encode()))
     return 0
 
 

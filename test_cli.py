@@ -373,6 +373,8 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
                   "--speculative-num-steps -1", "--simulate-tp 0", "--topk 0 --dump x.npz"]
     cases = [(flags, f"{flags.split(' --dump')[0]}: must be at least 1")
              for flags in at_least_1] + [
+        ("--max-new-tokens 1", r"--max-new-tokens 1: the timing run needs at least 2 \(the "
+         "prefill makes the first token; a speculative cycle and a plain step need one more\\)"),
         ("--temperature -1", "--temperature -1.0: must be at least 0"),
         ("--temperature nan", "--temperature nan: must be at least 0"),
         ("--temperature inf", r"^--temperature inf: must be finite \(0: greedy\)$"),
@@ -408,6 +410,10 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
         ("--json /nonexistent/r.json",
          r"--json /nonexistent/r.json: cannot write there \(no folder /nonexistent\)"),
         ("--json .", r"--json .: cannot write there \(is a folder\)"),
+        ("--dump p.jsonl --prompt-ids ./p.jsonl",
+         r"^--dump p.jsonl: is the --prompt-ids file the run reads; write it elsewhere$"),
+        (f"--routing trace --routing-trace {HERE}/README.md --json {HERE}/README.md",
+         "^--json .*/README.md: is the --routing-trace file the run reads; write it elsewhere$"),
         ("--dump /nonexistent/x.npz --prompt-ids p",
          "--dump /nonexistent/x.npz: cannot write there"),
         ("--dump x.npz --prompt-ids p --skip-e2e", "--dump times nothing"),
@@ -417,12 +423,38 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
         ("--batch-size 4 --sweep-tokens 8,100",
          "--sweep-tokens 100, --batch-size 4: 4 x 100 tokens a forward; .* at most 256 tokens"),
         ("--batch-size 300", "^--batch-size 300: 300 x 1 tokens a forward; .* at most 256"),
+        ("--sweep-tokens 4,20,100 --skip-e2e", r"^--sweep-tokens 20,100: a verify of T tokens "
+         r"re-reads the last T of the first context's 16 cached tokens \(--context-len, default "
+         r"--prompt-len\); use at most 16$"),
+        ("--sweep-tokens 4,20 --context-len 8 40",
+         "^--sweep-tokens 20: .* first context's 8 cached tokens"),
         ("--dump x.npz --prompt-ids p --sweep-tokens 4", "--dump times nothing"),
+        # flags the run does not read: given, not defaulted
+        ("--dump x.npz --prompt-ids p --json r.json", "^--json shapes the timing run; --dump "),
+        ("--dump x.npz --prompt-ids p --reps 5", "^--reps shapes the timing run; --dump times"),
+        ("--dump x.npz --prompt-ids p --max-logprob-diff 3",
+         "^--max-logprob-diff is a threshold of --compare; --dump writes a file to compare$"),
+        ("--compare a.npz b.npz --json r.json",
+         "^--compare reads two dump files and builds no model: drop --json$"),
+        ("--compare a.npz b.npz --cuda-graph on --preset kimi-k2 --batch-size 2",
+         "builds no model: drop --preset, --cuda-graph, --batch-size$"),
+        ("--compare a.npz b.npz --topk 3", "builds no model: drop --topk$"),
+        ("--topk 3", "^--topk is for --dump: the log-probabilities it keeps per position$"),
+        ("--max-accept-diff 1", "^--max-accept-diff is a threshold of --compare A B"),
+        ("--skip-e2e --max-new-tokens 5",
+         "^--max-new-tokens sets the end-to-end loops' length; --skip-e2e runs none$"),
     ]
     for flags, message in cases:
         with pytest.raises(run.BadInput, match=message):
             run.settle(run.parse_args(flags.split()), torch.device("cpu"), 1)
+    with monkeypatch.context() as m, pytest.raises(
+            run.BadInput, match=r"^--moe-impl fused: the Triton kernel needs a CUDA GPU \(this "
+                                r"run is on the CPU\)(, Triton \(not installed\))?; use "):
+        m.setenv("TRITON_INTERPRET", "0")   # a CPU as a user's: no Triton interpreter
+        _settled("--moe-impl fused")
     assert all(action.help for action in run.make_parser()._actions), "a flag without help text"
+    seed = next(a.help for a in run.make_parser()._actions if a.dest == "seed")
+    assert "the random prompt ids (the trained pair reads fixed held-out text)" in seed, seed
     cli = run_py("--max-new-tokens", "0")
     assert (cli.returncode, cli.stdout,
             cli.stderr) == (2, "", "run.py: error: --max-new-tokens 0: must be at least 1\n")
@@ -440,7 +472,8 @@ def test_run_py_header_names_the_temperature_where_it_samples():
 
 
 @pytest.mark.slow
-def test_run_py_names_a_broken_checkpoint_in_one_line(tiny_ckpt, tmp_path, run_py_runs):
+def test_run_py_names_a_broken_checkpoint_in_one_line(tiny_ckpt, tmp_path, run_py_runs,
+                                                       monkeypatch):
     """run.py --model-path / --draft-path with a problem: the loader's CheckpointError, and from
     the command line (a copy of the checkpoint whose config.json is not JSON) one line on stderr,
     no traceback, exit status 2."""
@@ -450,6 +483,13 @@ def test_run_py_names_a_broken_checkpoint_in_one_line(tiny_ckpt, tmp_path, run_p
     with pytest.raises(CheckpointError, match="no such file or folder"):
         run.main(["--model-path", ckpt, "--draft-path", str(tmp_path / "nothere"),
                   "--max-new-tokens", "2"])
+    # a --draft-path that is no EAGLE-3 head (the target's folder, a text file): named in settle,
+    # before the target is built
+    monkeypatch.setattr(timing, "build", lambda *a: pytest.fail("a model was built"))
+    with pytest.raises(CheckpointError, match=r"config.json: architectures \['DeepseekV3"):
+        _settled(f"--model-path {ckpt} --draft-path {ckpt}")
+    with pytest.raises(CheckpointError, match="README.md line 1 column 1: not JSON"):
+        _settled(f"--model-path {ckpt} --draft-path {HERE}/README.md")
     cli = run_py_runs[0]["broken_checkpoint"]
     want = (f"run.py: error: {run_py_runs[1] / 'bad' / 'config.json'} line 3 column 17: not JSON "
             "(Expecting value)\n")
@@ -884,8 +924,12 @@ def test_verify_sweep_points_and_the_cliff_check():
     assert _settled("--random-weights --speculative-num-steps 6").verify_sweep_tokens == \
         list(range(1, 8))
     wide = types.SimpleNamespace(sweep_tokens=None, dump=None, batch_size=16,
-                                 speculative_num_steps=3)
+                                 speculative_num_steps=3, context_len=[256])
     assert timing.verify_sweep_tokens(wide, gpu=True) == [1, 2, 3, 4]
+    # the default leaves out what passes the first context (a verify re-reads its last T tokens)
+    near = types.SimpleNamespace(sweep_tokens=None, dump=None, batch_size=1,
+                                 speculative_num_steps=3, context_len=[6, 256])
+    assert timing.verify_sweep_tokens(near, gpu=True) == list(range(1, 7))
     T = report.Timing
     tokens = timing.sweep_tokens(True, 1)
 
@@ -1357,6 +1401,20 @@ def test_bf16_dump_passes_the_default_thresholds_and_fails_tight_ones():
     assert any("--max-logprob-diff" in f for f in tight["failures"]), tight["failures"]
 
 
+def test_dump_shows_its_progress_and_baseline_py_says_it_is_a_module(capsys):
+    """A dump's two passes (generation, a cycle a step; the teacher-forced forward, a chunk a
+    step) each show a tqdm bar on stderr; `python baseline.py` points to run.py, status 2."""
+    baseline.dump(*conditioned_tiny(torch.float32, 0), PROMPTS[3], max_new_tokens=6, num_steps=2)
+    err = capsys.readouterr().err
+    assert "dump: generating" in err and "cycle" in err, err
+    assert "dump: log-probabilities, teacher-forced" in err, err
+    cli = subprocess.run([sys.executable, "baseline.py", "--help"], cwd=HERE, capture_output=True,
+                         text=True, timeout=60)
+    assert (cli.returncode, cli.stdout) == (2, ""), (cli.returncode, cli.stdout)
+    assert cli.stderr == ("baseline.py: a module, not a command: use `python run.py --dump PATH "
+                          "--prompt-ids FILE` or `python run.py --compare A.npz B.npz`\n")
+
+
 @pytest.mark.slow
 def test_dump_from_the_command_line_and_bad_input(tiny_ckpt, tmp_path, run_py_runs):
     """run.py --dump with a checkpoint, a draft and a prompt file (DUMP_FLAGS: the module's random
@@ -1441,6 +1499,21 @@ def test_run_defaults_uniform_routing_for_random_weights_and_model_routing_for_a
         assert args.routing == want and target.routing == want and routers == {want}, (argv,
         routers)
     assert load_target(ckpt, 1, 16).routing == "model"
+
+
+def test_run_says_which_flag_drops_the_trained_pair(capsys):
+    """--quant none is the tiny preset's own layout: the trained pair still. --quant int4,
+    --routed-experts and --simulate-tp build random weights, said in one note naming the flag
+    (none where --random-weights asked for them)."""
+    cfg = _settled("--quant none")
+    assert cfg.trained_pair and "note" not in capsys.readouterr().out
+    for flags in ("--quant int4", "--routed-experts 8", "--simulate-tp 2"):
+        assert not _settled(flags).trained_pair, flags
+        said = capsys.readouterr().out.splitlines()
+        assert said == [f"note: {flags} shapes random weights: a random tiny target and head, "
+                        "not the trained pair (checkpoints/tiny-stdlib)"], said
+    assert not _settled("--random-weights --quant int4").trained_pair
+    assert "note" not in capsys.readouterr().out
 
 
 def test_run_moe_adaptive_sets_the_rule_for_its_build_only(monkeypatch):
@@ -1779,6 +1852,12 @@ def test_run_py_refuses_sizes_before_building(monkeypatch, capsys):
     said = capsys.readouterr().out
     assert said.count("warning: positions reach") == 1 and \
         "max_position_embeddings 256" in said, said
+    assert "the timings hold but the tokens mean little" in " ".join(said.split()), said
+    cfg = _settled("--random-weights --context-len 300")
+    cfg.dump, cfg.topk, cfg.prompts = "x.npz", 1, [[1]]  # a dump's warning: it times nothing
+    run.check_sizes(cfg, torch.device("cpu"), 1)
+    said = " ".join(capsys.readouterr().out.split())
+    assert "so the dumped tokens and log-probabilities mean little" in said, said
     run.check_sizes(_settled("--random-weights"), torch.device("cpu"), 1)
     assert "warning" not in capsys.readouterr().out
     # --moe-adaptive for experts that are not FP8, named by their format (on a CPU: fp32)
@@ -1837,6 +1916,31 @@ def test_run_py_cli_interrupt_and_rank_refusals(monkeypatch, capsys):
         assert capsys.readouterr().err == said, rank
         assert run.print_refusal(CheckpointError("ckpt: missing")) == 2
         assert capsys.readouterr().err == f"run.py: error: [rank {rank}] ckpt: missing\n"
+
+
+def test_run_py_cli_stdout_closed_is_quiet_and_the_json_file_whole(monkeypatch, tmp_path):
+    """`run.py ... | head -1`: the --json file is written before the report, and a stdout closed
+    by its reader ends the run quietly with status 141 (no traceback)."""
+    cfg = types.SimpleNamespace(json=str(tmp_path / "r.json"))
+    monkeypatch.setattr(timing, "prepare", lambda cfg, device: types.SimpleNamespace(cfg=cfg))
+    monkeypatch.setattr(timing, "measure", lambda b, world: "r")
+    monkeypatch.setattr(timing, "is_rank0", lambda: True)
+    monkeypatch.setattr(report, "header", lambda b: "header")
+    monkeypatch.setattr(report, "json_line", lambda r: '{"r": 1}\n')
+
+    def closed(r, b):
+        raise BrokenPipeError(32, "Broken pipe")
+    monkeypatch.setattr(report, "report", closed)
+    with pytest.raises(BrokenPipeError):
+        run.bench(cfg, None, 1)
+    assert (tmp_path / "r.json").read_text() == '{"r": 1}\n'
+    code = ("import sys, run\nrun.main = lambda argv=None: print('x' * 10 ** 6) or 0\n"
+            "sys.exit(run.cli())")
+    p = subprocess.Popen([sys.executable, "-c", code], cwd=HERE, stdout=subprocess.PIPE,
+                         stderr=subprocess.PIPE, text=True)
+    p.stdout.close()
+    err = p.stderr.read()
+    assert (p.wait(timeout=60), err) == (141, ""), err[-2000:]
 
 
 def interrupt(p, every=2.0, timeout=300):

@@ -686,9 +686,11 @@ def sweep_tokens(gpu, batch):
 def verify_sweep_tokens(cfg, gpu):
     """The verify sweep's tokens a row (settle_defaults sets them as cfg.verify_sweep_tokens):
     --sweep-tokens, else the device's default (sweep_tokens; a dump times nothing, so the CPU's
-    short sweep only sizes its cache: cache_slots), and always 1 to num_steps + 1, the chains the
-    cost model prices up to the run's own."""
-    asked = cfg.sweep_tokens or sweep_tokens(gpu and not cfg.dump, cfg.batch_size)
+    short sweep only sizes its cache: cache_slots; those past the first context, whose last T
+    cached tokens a verify of T re-reads, left out), and always 1 to num_steps + 1, the chains
+    the cost model prices up to the run's own (run.py refuses --sweep-tokens past that context)."""
+    asked = cfg.sweep_tokens or [T for T in sweep_tokens(gpu and not cfg.dump, cfg.batch_size)
+                                 if T <= cfg.context_len[0]]
     return sorted({*asked, *range(1, cfg.speculative_num_steps + 2)})
 
 
