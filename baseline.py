@@ -42,6 +42,7 @@ then output, as far as the top-K arrays read them), the rows one after another.
 import json
 import math
 import os
+import sys
 import tempfile
 import textwrap
 
@@ -474,6 +475,26 @@ def compare_main(args):
     metas = [str(d["meta"]) if "meta" in d else None for d in (a, b)]
     print_comparison(report, args.compare, metas)
     return 1 if report["failures"] else 0
+
+
+# A reader that closes stdout early (`run.py | head -1`, `report.py tables ... | head -1`) has
+# what it wanted: no traceback, and exit status 141, 128 + SIGPIPE, the status a shell reports for
+# any command that a closed pipe ends (`yes | head -1`), so that `set -o pipefail` treats these
+# commands as those (0 would say everything was printed; 1 is --compare's "a difference").
+CLOSED_PIPE = 141
+
+
+def closed_stdout():
+    """After a BrokenPipeError on stdout (run.py, report.py, routing.py): stdout pointed at
+    /dev/null, so what is left in its buffer is flushed there at exit, not into the closed pipe
+    again; returns CLOSED_PIPE."""
+    try:
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        os.dup2(devnull, sys.stdout.fileno())
+        os.close(devnull)
+    except (OSError, ValueError):  # a stdout with no file descriptor (in-process callers)
+        pass
+    return CLOSED_PIPE
 
 
 def check_writable(flag, path):

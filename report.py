@@ -39,6 +39,7 @@ import textwrap
 
 import torch
 
+import baseline
 import checkpoint
 import kernels
 import model
@@ -1192,21 +1193,6 @@ def _read_sweep(path):
     return label, sweep, r.get("sweep_cliffs") or {}, batch
 
 
-# A reader that closes stdout early (`report.py tables ... | head -1`) has what it wanted: no
-# traceback, and exit status 141, 128 + SIGPIPE, the status a shell reports for any command that
-# a closed pipe ends (`yes | head -1`), so that `set -o pipefail` treats this one as those.
-CLOSED_PIPE = 141
-
-
-def closed_stdout():
-    """After a BrokenPipeError on stdout: stdout pointed at /dev/null (what is left in its buffer
-    is flushed there at exit, not into the closed pipe again); returns CLOSED_PIPE."""
-    devnull = os.open(os.devnull, os.O_WRONLY)
-    os.dup2(devnull, sys.stdout.fileno())
-    os.close(devnull)
-    return CLOSED_PIPE
-
-
 def command_parser():
     import argparse
     p = argparse.ArgumentParser(prog="report.py", description="Tables across run.py --json files.")
@@ -1242,7 +1228,7 @@ def main(argv=None):
         sys.stdout.flush()   # a closed pipe found here, not in the flush at exit
         return status
     except BrokenPipeError:
-        return closed_stdout()
+        return baseline.closed_stdout()
 
 
 def print_tables(command, paths):

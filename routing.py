@@ -911,14 +911,13 @@ COMMAND_HELP = dict(
 def main(argv=None):
     """`python routing.py COMMAND ...`: the command's own parser takes the rest (COMMAND --help);
     --help alone lists the commands; no command or an unknown one is refused (status 2); stdout
-    closed early (`| head -1`), quiet and exit status 141, as report.py (report.closed_stdout)."""
+    closed early (`| head -1`), quiet and exit status 141 (baseline.closed_stdout)."""
     try:
         status = command(sys.argv[1:] if argv is None else argv)
         sys.stdout.flush()   # a closed pipe found here, not in the flush at exit
         return status
     except BrokenPipeError:
-        import report
-        return report.closed_stdout()
+        return baseline.closed_stdout()
 
 
 def command(argv):

@@ -712,13 +712,13 @@ def cli(argv=None):
     """The command line: main's exit status; a refusal in one line (status 2); Ctrl-C in one line
     (status 130, the shell's for SIGINT; an output file is written whole or not at all), also
     while torch and the kernels are still being imported; stdout closed by its reader (`run.py |
-    head`) quietly (status 141, closed_stdout)."""
+    head`) quietly (status 141, baseline.closed_stdout)."""
     status, orderly = 2, False
     try:
         status = main(argv)
         orderly = True
     except BrokenPipeError:
-        status = closed_stdout()
+        status = baseline.closed_stdout()
     except KeyboardInterrupt:
         status = 130
         if int(os.environ.get("RANK", 0)) == 0:
@@ -731,19 +731,6 @@ def cli(argv=None):
         if "tp" in sys.modules:
             sys.modules["tp"].leave_group(orderly)
     return status
-
-
-def closed_stdout():
-    """stdout's reader has gone (`run.py | head -1`): what is left to print has no reader. stdout
-    is pointed at /dev/null, so that the interpreter's flush at exit raises nothing more. The
-    status is 141 (128 + SIGPIPE), what a shell reports for a program that a closed pipe ends,
-    as `set -o pipefail` sees it of `cat` or `yes`: 0 would say everything was printed, and 1 is
-    --compare's "a difference". A --json file is written before the report, so it is whole."""
-    try:
-        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError):  # a stdout with no file descriptor (in-process callers)
-        pass
-    return 141
 
 
 @contextmanager

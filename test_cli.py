@@ -746,7 +746,7 @@ def test_report_py_ends_quietly_when_its_reader_closes_the_pipe(monkeypatch, cap
     paths = [os.path.join(HERE, "benchmarks", "shapes", f"batch{b}_bf16.json") for b in (1, 2)]
     stdout = closed_pipe_stdout(monkeypatch)
     try:
-        assert report.main(["tables", *paths]) == 141 == report.CLOSED_PIPE
+        assert report.main(["tables", *paths]) == 141 == baseline.CLOSED_PIPE
         assert capsys.readouterr().err == ""
         stdout.write("more\n" * 1000)   # into /dev/null now
         stdout.flush()
