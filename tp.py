@@ -236,7 +236,9 @@ class ReplicatedLinear(nn.Module):
 
 
 class VocabParallelEmbedding(nn.Module):
-    """Rows of the table split by vocabulary; tokens of other ranks give zeros, then all-reduce."""
+    """Rows of the table split by vocabulary; tokens of other ranks give zeros, then all-reduce.
+    An id outside the vocabulary is no rank's: at TP > 1 its row is zeros, at TP 1 F.embedding
+    raises (checking would read the ids on the host; verify.check_request refuses such prompts)."""
 
     def __init__(self, vocab_size, dim, tp, device=None, dtype=None):
         super().__init__()
