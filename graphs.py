@@ -64,12 +64,16 @@ def function_name(fn):
     return getattr(f, "__qualname__", type(f).__name__)
 
 
-def check_inputs(key, static_in, inputs):
-    """A replay's inputs against those its graph captured (shapes and dtypes, host metadata): a
-    copy into the static buffers would broadcast a smaller input or cast another dtype, and a
-    missing input would leave the last call's in place."""
-    have = [(tuple(x.shape), x.dtype) for x in inputs]
-    want = [(tuple(x.shape), x.dtype) for x in static_in]
+def signature(inputs):
+    """What a graph's inputs must match: each one's (shape, dtype), host metadata."""
+    return [(tuple(x.shape), x.dtype) for x in inputs]
+
+
+def check_inputs(key, want, inputs):
+    """A replay's inputs against the signature of those its graph captured: a copy into the
+    static buffers would broadcast a smaller input or cast another dtype, and a missing input
+    would leave the last call's in place."""
+    have = signature(inputs)
     if have != want:
         raise ValueError(f"CUDA graph {key} captured inputs {want} (shape, dtype), and this call "
                          f"passes {have}: give each shape its own key")
@@ -96,6 +100,7 @@ class CudaGraphs:
         # key -> (function_id, function_name, function) of what its graph captured; holding the
         # function keeps the tensors it binds alive, so no later tensor takes their ids
         self.functions = {}
+        self.signatures = {}  # key -> its inputs' (shape, dtype)s (check_inputs)
         self.before_replay = None  # a callable (fn, inputs) run before each replay, if set
 
     def capture(self, key, fn, *inputs):
@@ -110,6 +115,7 @@ class CudaGraphs:
         with torch.cuda.graph(graph, pool=self.pool):
             static_out = fn(*static_in)
         self.graphs[key] = (graph, static_in, static_out)
+        self.signatures[key] = signature(static_in)
         self.functions[key] = (function_id(fn), function_name(fn), fn)
         print0(f"captured CUDA graph {key}")
 
@@ -122,7 +128,7 @@ class CudaGraphs:
             raise ValueError(f"CUDA graph {key} replays {self.functions[key][1]}, and this call "
                              f"passes {function_name(fn)}: give each function its own key")
         graph, static_in, static_out = self.graphs[key]
-        check_inputs(key, static_in, inputs)
+        check_inputs(key, self.signatures[key], inputs)
         for buf, x in zip(static_in, inputs):
             buf.copy_(x)
         if self.before_replay is not None:

@@ -441,8 +441,6 @@ def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
         ("--compare a.npz b.npz --topk 3", "builds no model: drop --topk$"),
         ("--topk 3", "^--topk is for --dump: the log-probabilities it keeps per position$"),
         ("--max-accept-diff 1", "^--max-accept-diff is a threshold of --compare A B"),
-        ("--skip-e2e --max-new-tokens 5",
-         "^--max-new-tokens sets the end-to-end loops' length; --skip-e2e runs none$"),
     ]
     for flags, message in cases:
         with pytest.raises(run.BadInput, match=message):

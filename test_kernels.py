@@ -1819,10 +1819,13 @@ def test_each_swap_equals_the_module_it_replaces(name):
                 extend = plain(*call, "extend")  # the same cache writes again, then the other path
                 assert_close(got, extend, 1e-5 * extend.abs().max().item(),
                              f"{name} swap, {mode}, vs MLA, extend")
-            # relative, as the outputs: the GEMV kernels sum the latents in another order
+            # the projections' kernels (norm_gemv, fused_proj) sum the latents in another order:
+            # relative, as the outputs; the others write what plain code computes: 1e-6
+            reordered = "norm_gemv" in name or "fused_proj" in name
             for cache, what in (("kv_cache", "latent cache"), ("pe_cache", "rope cache")):
                 want = getattr(plain, cache)
-                assert_close(getattr(fast, cache), want, 1e-5 * want.abs().max().item(),
+                tol = 1e-5 * want.abs().max().item() if reordered else 1e-6
+                assert_close(getattr(fast, cache), want, tol,
                              f"{name} swap vs MLA, {mode}: {what}")
         return
     width = (plain.gate_proj if isinstance(plain, model.MLP) else plain).weight.shape[-1]

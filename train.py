@@ -470,6 +470,9 @@ def main(argv=None):
     except checkpoint.CheckpointError as e:   # a pair that does not load (--eval's), as run.py
         print(f"train.py: error: {e}", file=sys.stderr, flush=True)
         return 2
+    finally:   # any other error too leaves no work folder (a SIGTERM's default end does)
+        if getattr(args, "work", None) is not None:
+            shutil.rmtree(args.work, ignore_errors=True)
     return 0
 
 
@@ -514,7 +517,9 @@ def tidy(args):
 def install(work, out):
     """Move the pair made in `work` (target/, eagle3/, recipe.json) into `out`, each part by one
     rename (a pair there before moves out of the way first), then remove `work`: a run killed
-    earlier (SIGTERM, SIGKILL) leaves `out` as it was, with no half pair in it."""
+    before (SIGTERM, SIGKILL) leaves `out` as it was. The three renames are not one step: a run
+    killed between two of them leaves parts of two pairs (recipe.json, moved last, the old
+    one's)."""
     for part in PAIR_PARTS:
         there = os.path.join(out, part)
         if os.path.lexists(there):

@@ -102,14 +102,15 @@ def pad_prompts(prompts, device):
     """A list of id lists (ragged allowed) or an integer [B, P] tensor -> padded int64 [B, P],
     lengths [B]."""
     if isinstance(prompts, torch.Tensor):
-        if prompts.dim() != 2 or 0 in prompts.shape or prompts.is_floating_point():
+        if (prompts.dim() != 2 or 0 in prompts.shape or prompts.is_floating_point()
+                or prompts.dtype == torch.bool):
             raise ValueError(f"a prompts tensor must be integer ids [B, P] with B, P >= 1, not "
                              f"{prompts.dtype} {list(prompts.shape)}")
         lens = torch.full((prompts.shape[0],), prompts.shape[1], device=device)
         return prompts.to(device, torch.int64), lens
     if (isinstance(prompts, (str, bytes)) or not prompts
-            or any(isinstance(p, (str, bytes)) or not hasattr(p, "__len__") or not len(p)
-                   for p in prompts)
+            or any(not isinstance(p, (list, tuple, range, torch.Tensor)) and type(p).__module__
+                   != "numpy" or not len(p) for p in prompts)
             or not all(is_id(t) for p in prompts for t in p)):
         raise ValueError("prompts must be a list of token-id lists, each of at least one int "
                          f"(or an integer [B, P] tensor), not {str(prompts)[:60]}")
