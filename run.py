@@ -365,11 +365,15 @@ TIMING_FLAGS = ("json", "reps", "context_len", "skip_e2e", "compile", "sweep_tok
 
 
 def flags_set(args):
-    """The flags given on the command line, as `--name`: those whose value is not the parser's
+    """The dests of the flags given on the command line: those whose value is not the parser's
     default (a flag given its default value counts as not given)."""
     p = make_parser()
-    return [f"--{dest.replace('_', '-')}" for dest, value in vars(args).items()
-            if value != p.get_default(dest)]
+    return [dest for dest, value in vars(args).items() if value != p.get_default(dest)]
+
+
+def flag_name(dest):
+    """A dest as the command line spells it: max_new_tokens -> --max-new-tokens."""
+    return "--" + dest.replace("_", "-")
 
 
 def check_flags_apply(args):
@@ -378,26 +382,28 @@ def check_flags_apply(args):
     --topk without --dump. (--max-new-tokens stays with --skip-e2e: it sizes the cache.)"""
     given = flags_set(args)
     if args.compare:
-        drop = [f for f in given if f[2:].replace("-", "_") not in COMPARE_FLAGS]
+        drop = [flag_name(d) for d in given if d not in COMPARE_FLAGS]
         if drop:
             raise BadInput("--compare reads two dump files and builds no model: drop "
                            + ", ".join(drop))
         return
     if args.dump:
-        for f in given:
-            if f[2:].replace("-", "_") in TIMING_FLAGS:
-                raise BadInput(f"{f} shapes the timing run; --dump times nothing")
-            if f[2:].replace("-", "_") in COMPARE_FLAGS:
-                raise BadInput(f"{f} is a threshold of --compare; --dump writes a file to compare")
+        for d in given:
+            if d in TIMING_FLAGS:
+                raise BadInput(f"{flag_name(d)} shapes the timing run; --dump times nothing")
+            if d in COMPARE_FLAGS:
+                raise BadInput(f"{flag_name(d)} is a threshold of --compare; --dump writes a "
+                               "file to compare")
         return
     if args.prompt_ids is not None:
         raise BadInput("--prompt-ids is for --dump (the correctness baseline); the timing run "
                        "makes its own prompts (--prompt-len)")
     if args.topk is not None:
         raise BadInput("--topk is for --dump: the log-probabilities it keeps per position")
-    for f in ("--max-logprob-diff", "--min-top1-agreement", "--max-accept-diff"):
-        if f in given:
-            raise BadInput(f"{f} is a threshold of --compare A B; this run compares nothing")
+    for d in COMPARE_FLAGS[1:]:   # the thresholds
+        if d in given:
+            raise BadInput(f"{flag_name(d)} is a threshold of --compare A B; this run compares "
+                           "nothing")
 
 
 def check_outputs_apart(args):
