@@ -1787,6 +1787,26 @@ SWAP_CASES = {
 }
 
 
+def check_mla_swap(name, plain, fast, args, device):
+    """An MLA swap against model.MLA in both attention modes (each also against extend mode) at
+    mla_calls' row counts: its outputs and the caches it writes."""
+    for mode in ("extend", "decode"):
+        for call in mla_calls(args, device):
+            want, got = plain(*call, mode), fast(*call, mode)
+            assert_close(got, want, 1e-5 * want.abs().max().item(),
+                         f"{name} swap vs MLA, {mode}")
+            extend = plain(*call, "extend")  # the same cache writes again, then the other path
+            assert_close(got, extend, 1e-5 * extend.abs().max().item(),
+                         f"{name} swap, {mode}, vs MLA, extend")
+        # the projections' kernels (norm_gemv, fused_proj) sum the latents in another order:
+        # relative, as the outputs; the others write what plain code computes: 1e-6
+        reordered = "norm_gemv" in name or "fused_proj" in name
+        for cache, what in (("kv_cache", "latent cache"), ("pe_cache", "rope cache")):
+            want = getattr(plain, cache)
+            tol = 1e-5 * want.abs().max().item() if reordered else 1e-6
+            assert_close(getattr(fast, cache), want, tol, f"{name} swap vs MLA, {mode}: {what}")
+
+
 @pytest.mark.triton
 @pytest.mark.parametrize("name", list(SWAP_CASES))
 def test_each_swap_equals_the_module_it_replaces(name):
@@ -1811,22 +1831,7 @@ def test_each_swap_equals_the_module_it_replaces(name):
     assert_same_state(fast, plain)
     g = torch.Generator().manual_seed(7 + len(name))
     if isinstance(plain, model.MLA):
-        for mode in ("extend", "decode"):
-            for call in mla_calls(args, device):
-                want, got = plain(*call, mode), fast(*call, mode)
-                assert_close(got, want, 1e-5 * want.abs().max().item(),
-                             f"{name} swap vs MLA, {mode}")
-                extend = plain(*call, "extend")  # the same cache writes again, then the other path
-                assert_close(got, extend, 1e-5 * extend.abs().max().item(),
-                             f"{name} swap, {mode}, vs MLA, extend")
-            # the projections' kernels (norm_gemv, fused_proj) sum the latents in another order:
-            # relative, as the outputs; the others write what plain code computes: 1e-6
-            reordered = "norm_gemv" in name or "fused_proj" in name
-            for cache, what in (("kv_cache", "latent cache"), ("pe_cache", "rope cache")):
-                want = getattr(plain, cache)
-                tol = 1e-5 * want.abs().max().item() if reordered else 1e-6
-                assert_close(getattr(fast, cache), want, tol,
-                             f"{name} swap vs MLA, {mode}: {what}")
+        check_mla_swap(name, plain, fast, args, device)
         return
     width = (plain.gate_proj if isinstance(plain, model.MLP) else plain).weight.shape[-1]
     for n in (1, 4, 20):
