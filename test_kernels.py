@@ -254,33 +254,34 @@ def test_fused_moe_tiles_split_over_d(quant):
 
 @pytest.mark.triton
 def test_fused_moe_int4_tiles_even_and_masked_blocks():
-    """The INT4 tile kernels (weights as the MMA's first operand) against the gather path: steps
-    that divide the words a row (EVEN) and steps that do not, weight rows past I and D in the last
-    row block, gate_up whole and split over D, down's programs making 1 to 3 row blocks in turn
-    (masked or EVEN), and an expert picked by more pairs than a tile holds
-    (20 tokens on the same K experts: two tiles each), in fp32 (and bf16 on a GPU: the weights
-    rounded to bf16 once, as the plain module rounds them). D 256 (32 words a row), then D 96
-    (12). K = 8 experts a token on the GPU; 2 on the CPU (the interpreter's time follows the
-    programs, a program per tile: 3 tokens take up to 6 tiles, 20 shared tokens 2 experts of 2
-    tiles each)."""
+    """The INT4 tile kernels (weights as the MMA's first operand, rows and columns in the MMA's
+    order) against the gather path: steps that divide the matrix (EVEN) and steps that do not,
+    weight rows past I and D in the last row block, steps of one and two 128-column blocks,
+    gate_up whole and split over D, down's programs making 1 to 3 row blocks in turn, and an
+    expert picked by more pairs than a tile holds (20 tokens on the same K experts: two tiles
+    each), in fp32 (and bf16 on a GPU: the weights rounded to bf16 once, as the plain module
+    rounds them). D 256 (32 words a row), then D 96 (12); I 96 a rank (masked rows and columns),
+    then 128 (EVEN at D 256). K = 8 experts a token on the GPU; 2 on the CPU (the interpreter's
+    time follows the programs, a program per tile: 3 tokens take up to 6 tiles, 20 shared tokens
+    2 experts of 2 tiles each)."""
     on_gpu = TRITON_DEVICE.type == "cuda"
     K = 8 if on_gpu else 2
-    # (BLOCK_N, BLOCK_K, warps, stages, gate_up's SPLIT or down's BLOCKS): I 96 a rank (12 words),
-    # so 64-row blocks mask rows of gate_up, and of down at D 96; gate_up in 2 parts of D (128
-    # columns each at D 256, at D 96 one part masked and one empty) before the silu launch; down
-    # making 3 row blocks a program in turn (at D 256 the third program's last block lies past D;
-    # at D 96 one program makes all three)
-    configs = [dict(gate_up=(16, 128, 4, 1, 1), down=(32, 128, 4, 1, 3)),
+    # (BLOCK_N, BLOCK_K, warps, stages, gate_up's SPLIT or down's BLOCKS): gate_up in 2 parts of
+    # D (at D 96 one part masked and one empty) before the silu launch; down making 3 row blocks
+    # a program in turn (at D 256 the second program's last block lies past D; at D 96 one program
+    # makes all three); steps of 256 columns: two blocks, the second past I = 96 and 128
+    configs = [dict(gate_up=(64, 128, 4, 1, 1), down=(64, 128, 4, 1, 3)),
                dict(gate_up=(64, 128, 4, 1, 2), down=(64, 256, 4, 1, 1)),
-               dict(gate_up=(64, 128, 4, 1, 1), down=(32, 32, 4, 1, 2))]   # D 256: down EVEN
-    cases = [(D, N, kind, cfg) for D in (256, 96) for N, kind in ((3, "random"), (20, "shared"))
-             for cfg in configs]
-    if not on_gpu:  # the interpreter: each D, routing and config once
-        cases = [(256, 3, "random", configs[0]), (96, 20, "shared", configs[1]),
-                 (256, 20, "shared", configs[1]), (256, 3, "random", configs[2])]
-    for D, N, kind, cfg in cases:
+               dict(gate_up=(64, 256, 4, 1, 1), down=(64, 128, 4, 1, 2))]
+    cases = [(D, I, N, kind, cfg) for D in (256, 96) for I in (96, 128)
+             for N, kind in ((3, "random"), (20, "shared")) for cfg in configs]
+    if not on_gpu:  # the interpreter: each D, I, routing and config once
+        cases = [(256, 96, 3, "random", configs[0]), (96, 96, 20, "shared", configs[1]),
+                 (256, 128, 20, "shared", configs[1]), (256, 128, 3, "random", configs[2]),
+                 (256, 128, 3, "random", configs[0])]
+    for D, I, N, kind, cfg in cases:
         args = tiny(n_routed_experts=16, num_experts_per_tok=8, hidden_size=D,
-                    moe_intermediate_size=192, quantization_config="int4")
+                    moe_intermediate_size=2 * I, quantization_config="int4")
         for dtype in (torch.float32, torch.bfloat16) if on_gpu else (torch.float32,):
             experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, dtype), 0).experts
             weights = [kernels.expert_weights(getattr(experts, p))
@@ -291,7 +292,23 @@ def test_fused_moe_int4_tiles_even_and_masked_blocks():
             ref = model.Experts.forward(experts, x, ids, w)
             got = kernels.fused_moe(x, ids, w, *weights, variant="dot", configs=cfg)
             tol = (1e-5 if dtype == torch.float32 else 2e-2) * ref.abs().max().item()
-            assert_close(got, ref, tol, f"INT4 tiles D {D} {dtype} N {N} K {K} {kind} {cfg}")
+            assert_close(got, ref, tol, f"INT4 tiles D {D} I {I} {dtype} N {N} K {K} {kind} {cfg}")
+
+
+def test_fused_moe_int4_tiles_refuse_blocks_off_the_mma_shape():
+    """The INT4 tiles take 64 weight rows and whole 128-column blocks a step (their dequantized
+    tile is laid out for the MMA's operand registers): other block sizes are refused by name."""
+    args = tiny(n_routed_experts=16, num_experts_per_tok=8, hidden_size=256,
+                moe_intermediate_size=256, quantization_config="int4")
+    experts = init_random(ExpertsHolder(args, TP(1, 2), "cpu", torch.float32), 0).experts
+    weights = [kernels.expert_weights(getattr(experts, p))
+               for p in ("gate_proj", "up_proj", "down_proj")]
+    ids, w = routing("random", 3, 2, 16, torch.Generator().manual_seed(0), "cpu")
+    x = torch.randn(3, 256)
+    for cfg in (dict(gate_up=(32, 128, 4, 1, 1), down=(64, 128, 4, 1, 1)),
+                dict(gate_up=(64, 128, 4, 1, 1), down=(64, 64, 4, 1, 1))):
+        with pytest.raises(ValueError, match="64 rows .* multiple of 128 columns"):
+            kernels.fused_moe(x, ids, w, *weights, variant="dot", configs=cfg)
 
 
 @pytest.mark.triton
@@ -327,37 +344,41 @@ def test_moe_align_sorts_pairs_by_expert_stably():
 
 
 @_jit
-def _int4_block_kernel(w_ptr, s_ptr, out_ptr, magic, R, K_IN: tl.constexpr, BN: tl.constexpr,
-                       BLOCK_K: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr):
-    """out[r, k] = kernels.moe._int4_block's W[r, k] (bf16) for an INT4 matrix [R, K_IN] (group
-    32): a program per (BN rows, BLOCK_K columns)."""
-    n = (tl.program_id(0) * BN + tl.arange(0, BN))[:, None]
-    k0 = tl.program_id(1) * BLOCK_K
-    w = kernels.moe._int4_block(w_ptr + n * (K_IN // 8), s_ptr + n * (K_IN // 32), n < R, k0,
-                                magic, K_IN, 32, BLOCK_K, EVEN, tl.bfloat16, PACKED)
-    k = (k0 + tl.arange(0, BLOCK_K))[None, :]
+def _int4_mma_block_kernel(w_ptr, s_ptr, out_ptr, magic, R, K_IN: tl.constexpr,
+                           EVEN: tl.constexpr, PACKED: tl.constexpr):
+    """out[r, k] = W[r, k] (bf16) from kernels.moe._int4_mma_block for an INT4 matrix [R, K_IN]
+    (group 32), each element stored where _int4_mma_row and _int4_mma_k say it belongs: a
+    program per (64 rows, 128 columns)."""
+    row0, k0 = tl.program_id(0) * 64, tl.program_id(1) * 128
+    n = (row0 + tl.arange(0, 64))[:, None]
+    w = kernels.moe._int4_mma_block(w_ptr + n * (K_IN // 8), s_ptr + n * (K_IN // 32), n < R, k0,
+                                    magic, K_IN, 32, EVEN, tl.bfloat16, PACKED)
+    n = (row0 + kernels.moe._int4_mma_row(64))[:, None]
+    k = (k0 + kernels.moe._int4_mma_k())[None, :]
     tl.store(out_ptr + n * K_IN + k, w, mask=(n < R) & (k < K_IN))
 
 
 @pytest.mark.triton
 def test_int4_tile_dequantization_equals_the_plain_module():
-    """The INT4 tiles' dequantized weights (kernels.moe._int4_block) against model.dequantize_int4,
-    bf16 scales, bit for bit: the packed form (nibble pairs through fma.rn.bf16x2, which the tiles
-    take for bf16 activations and scales) and the fp32 form, blocks that divide the matrix and
-    blocks that mask rows and words. The fp32 form on a GPU only: Triton's CPU interpreter rounds
-    fp32 to bf16 by truncation (3.7), so there it is checked to one bf16 step."""
+    """The INT4 tiles' dequantized weights (kernels.moe._int4_mma_block, in the MMA's row and
+    column order, each put back where it belongs) against model.dequantize_int4, bf16 scales, bit
+    for bit: every element once (the output starts NaN), the packed form (nibble pairs through
+    fma.rn.bf16x2, which the tiles take for bf16 activations and scales) and the fp32 form,
+    blocks that divide the matrix and blocks that mask rows and words. The fp32 form on a GPU
+    only: Triton's CPU interpreter rounds fp32 to bf16 by truncation (3.7), so there it is
+    checked to one bf16 step."""
     g = torch.Generator().manual_seed(3)
-    for R, K_IN, BN, BLOCK_K in ((32, 256, 16, 128), (24, 192, 16, 128)):
+    for R, K_IN in ((128, 256), (48, 192)):
         words = torch.randint(-2**31, 2**31 - 1, (R, K_IN // 8), generator=g, dtype=torch.int32)
         scale = (torch.rand(R, K_IN // 32, generator=g) - 0.5).to(torch.bfloat16)
         want = model.dequantize_int4(words, scale, 32).to(TRITON_DEVICE)
-        even = R % BN == 0 and K_IN % BLOCK_K == 0
+        even = R % 64 == 0 and K_IN % 128 == 0
         for packed in (True, False):
-            out = torch.empty(R, K_IN, dtype=torch.bfloat16, device=TRITON_DEVICE)
+            out = torch.full((R, K_IN), float("nan"), dtype=torch.bfloat16, device=TRITON_DEVICE)
             magic = kernels.moe_gemv.BF16_MAGIC if packed else kernels.moe_gemv.MAGIC
-            _int4_block_kernel[(triton.cdiv(R, BN), triton.cdiv(K_IN, BLOCK_K))](
-                words.to(TRITON_DEVICE), scale.to(TRITON_DEVICE), out, magic, R, K_IN=K_IN, BN=BN,
-                BLOCK_K=BLOCK_K, EVEN=even, PACKED=packed)
+            _int4_mma_block_kernel[(triton.cdiv(R, 64), triton.cdiv(K_IN, 128))](
+                words.to(TRITON_DEVICE), scale.to(TRITON_DEVICE), out, magic, R, K_IN=K_IN,
+                EVEN=even, PACKED=packed)
             what = f"{'packed' if packed else 'fp32'} form, [{R}, {K_IN}], even {even}"
             if packed or TRITON_DEVICE.type == "cuda":
                 assert torch.equal(out, want), what

@@ -51,18 +51,17 @@ DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4, 1), (32, 128, 4, 4, 1), (16, 128, 4, 5
                           (32, 128, 4, 4, 7), (64, 128, 4, 4, 4), (64, 128, 4, 4, 7)],
                  down=[(64, 128, 4, 3), (32, 128, 4, 3), (128, 128, 4, 3), (64, 256, 8, 3)])
 # INT4's tiles (moe._int4_configs): gate_up (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT),
-# down the same with BLOCKS (row blocks a program makes in turn) for SPLIT. Steps of 128 and 64
-# elements hold fewer registers a thread: gate_up's sm_90 build at Kimi-K2's shapes
-# (Triton 3.7.1, compiled on a CPU) takes 254 at 64 rows of 256, 168 of 128, 128 of 64, so an SM
-# holds 2, 3 or 4 of its 4-warp programs
+# down the same with BLOCKS (row blocks a program makes in turn) for SPLIT. Their tile is laid out
+# for the MMA's operand registers: 64 rows, steps of 128-column blocks (moe._check_int4_tiles).
+# gate_up's sm_90 build at Kimi-K2's shapes (Triton 3.7.1, compiled on a CPU) takes 95 registers a
+# thread at steps of 256, down 80 at 128
 INT4_DOT_SWEEP = dict(gate_up=[(64, 256, 4, 3, 7), (64, 256, 4, 3, 4), (64, 256, 4, 3, 2),
-                               (64, 256, 4, 3, 1), (32, 256, 4, 3, 4), (64, 256, 8, 3, 4),
-                               (64, 256, 4, 4, 4), (128, 256, 8, 3, 4), (64, 128, 4, 3, 7),
-                               (64, 128, 4, 4, 7), (64, 128, 4, 3, 4), (64, 64, 4, 4, 7),
-                               (128, 128, 8, 3, 4)],
-                      down=[(64, 128, 4, 2, 1), (128, 128, 8, 2, 1), (128, 256, 8, 1, 1),
-                            (64, 256, 4, 2, 1), (64, 256, 4, 1, 1), (32, 256, 4, 1, 1),
-                            (64, 128, 4, 2, 2), (64, 128, 4, 2, 4), (128, 128, 8, 2, 2)])
+                               (64, 256, 4, 3, 1), (64, 256, 4, 4, 7), (64, 256, 4, 2, 7),
+                               (64, 128, 4, 3, 7), (64, 128, 4, 4, 7), (64, 128, 4, 5, 7),
+                               (64, 128, 4, 4, 4), (64, 512, 4, 2, 7), (64, 256, 4, 4, 4)],
+                      down=[(64, 128, 4, 2, 1), (64, 128, 4, 2, 2), (64, 128, 4, 2, 4),
+                            (64, 128, 4, 3, 2), (64, 128, 4, 4, 2), (64, 256, 4, 2, 1),
+                            (64, 256, 4, 2, 2), (64, 256, 4, 1, 2), (64, 128, 4, 3, 4)])
 GEMV_SWEEP = {"plain": dict(gate_up=[], down=[(32, 256, 4, 1)]),
               "fp8": dict(gate_up=[(8, 128, 2, 4, 4), (2, 128, 2, 2, 4), (4, 128, 1, 4, 4),
                                    (4, 128, 2, 8, 8)],

@@ -134,7 +134,7 @@ def _int4_configs(P, on_gpu):
     if P <= 128:
         return dict(gate_up=(64, 256, 4, 3, 7), down=(64, 128, 4, 2, 2))
     if P <= 256:
-        return dict(gate_up=(64, 256, 4, 3, 4), down=(128, 128, 8, 2, 4))
+        return dict(gate_up=(64, 256, 4, 3, 4), down=(64, 128, 4, 2, 4))
     return dict(gate_up=(64, 256, 4, 3, 1), down=(64, 128, 4, 2, 1))
 
 
@@ -331,80 +331,105 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
 
 
 # INT4 tiles: the weights as the MMA's first operand. A tile's pairs (at most BLOCK_M = 16, mostly
-# 1 to 4 under uniform routing) are the product's narrow side, BLOCK_N weight rows its tall side:
-# acc [BLOCK_N, BLOCK_M] += W [BLOCK_N, BLOCK_K] @ X [BLOCK_K, BLOCK_M], one tl.dot a projection
-# and step. _int4_block dequantizes W in registers, in element order: the step's words [BLOCK_N,
-# BLOCK_K / 8] give 8 nibble tensors (the exponent trick, moe_gemv._nibble: an AND-OR and an FMA
-# give q - 8 exactly), each times its group scale in fp32 and rounded once to the compute dtype (as
-# the plain module's dequantization rounds; exact in fp32; for bf16, in pairs of nibbles j and j + 4
-# through fma.rn.bf16x2, the packed form, the same bits), then three rounds of tl.join (nibbles
-# j and j + 4, those pairs j and j + 2, then j and j + 1) and a reshape put nibble j of word w at
-# element 8w + j. The joined dims lie within a thread (each holds whole words), so the interleave
-# moves no data; the tile then reaches the MMA's operand layout through shared memory, as any
-# operand made in registers does. (Triton feeds wgmma's first operand from registers only where
-# every op between the operand's loads and the dot is elementwise on the whole tile: the joins and
-# the scales' broadcast are not. A tile loaded elementwise, each element's byte, shift and scale a
-# load of its own, does reach wgmma from registers, but each of those loads passes through shared
-# memory, a scalar load an element: sm_90 TTGIR read on a CPU, not timed.)
-# X is loaded once a step, contiguous along k, for gate and up.
+# 1 to 4 under uniform routing) are the product's narrow side, INT4_ROWS = 64 weight rows its tall
+# side (sm_90's wgmma: 64 rows a warp group): acc [64, BLOCK_M] += W [64, 128] @ X [128, BLOCK_M],
+# one tl.dot a projection and INT4_K = 128 columns. _int4_mma_block dequantizes W in registers
+# straight into the order in which the MMA takes its first operand from registers, so the tile
+# never passes through shared memory: a dot's result does not depend on the order of its k (X's
+# rows come in the same order) nor on which weight row an accumulator row holds (the stores put
+# each where it belongs). The 16 words a row [64, 16] arrive as Triton lays out such a load for 4
+# warps: a thread holds 4 consecutive words of a row; lanes take words 4-15 by fours (2 bits) and
+# rows 0-7 (3 bits), warps rows 8-31, registers row 32. Each word's 8 nibbles lie in its thread,
+# as pairs j and j + 4 in one 32-bit register (the packed form below: one FMA makes q - 8, one
+# the scale). The MMA's first operand in registers wants: lanes at k bits 1-2 and rows 0-7 (row
+# bits 0-2), warps at rows 16-63, registers at k bits 0 and 3-6 and row bit 3, k bit 0 the pair
+# of a register. So the MMA's row r holds weight row _int4_mma_row(r) (row bits 3-5 rotated) and
+# its column c actual k _int4_mma_k(c): c's bits, high to low, are (w bits 1-0, j bit 0, j bit 1,
+# w bits 3-2, j bit 2) for nibble j of word w, k = 8w + j: the words' lane bits where the MMA's
+# lanes hold k, a register's two nibbles its pair. The layout of the joins, the permute and the
+# reshape then equals the MMA operand's up to the order of a thread's registers, and Triton
+# converts it without data movement (sm_90 code compiled on a CPU: no shared memory stores or
+# ldmatrix for W; 79 registers a thread against 227 with the tile in element order, whose
+# conversion went through shared memory). X [128, BLOCK_M] is loaded in k order (cp.async,
+# pipelined) and permuted to the columns' order (_in_int4_mma_order), in shared memory as any
+# second operand. Nibbles become q - 8 by the exponent trick (moe_gemv._nibble, _q_pair), times
+# their group scale rounded once to the compute dtype, as the plain module's dequantization
+# rounds: for bf16 activations and scales in pairs through fma.rn.bf16x2 (the packed form; the
+# same bits as the fp32 form's product rounded to bf16: a 4-bit by 8-bit significand product is
+# exact in fp32).
 # Words, scales and X feed the dot, so Triton's pipeliner issues them num_stages - 1 steps ahead
-# (cp.async), the scales only where a step holds two a thread (4 bytes: BLOCK_N * BLOCK_K / GROUP
-# >= 64 * num_warps); below that their load waits out a memory latency every step.
+# (cp.async). A step of BLOCK_K (a multiple of INT4_K) makes BLOCK_K / INT4_K such blocks in turn.
 # gate_up splits D into SPLIT parts (grid axis 2): where tokens share a few experts the tiles are
 # few, and a program stepping through all of D alone leaves the SMs idle. Each part writes its
 # fp32 sums of gate and up for its pairs (part [SPLIT, P, 2, I]), and the silu launch adds the
 # parts in order, then SiLU times up; SPLIT 1: gate_up writes h itself. h is [P, I], a row a pair.
-# On the H200 (python -m kernels.bench --moe --formats int4 --variants dot --tokens 8,16,32
-# --distinct 384,32,8; BENCHMARKS.md, Routing, INT4's tiles): 3.07x, 2.87x and 2.99x the floor at
-# 8, 16 and 32 tokens under uniform routing, where the GEMV variant takes 1.6-1.8x (so it serves
-# INT4 up to 32 tokens); with 8 distinct experts 35.5, 39.1 and 59.4 us (floor 5.8), where the
-# GEMV takes 64, 120 and 232. The packed dequantization gains past 32 tokens (gate_up 18-31% less
-# time at 64-256), where a program has many tokens' products to feed.
+INT4_ROWS, INT4_K = 64, 128
+
 
 @_jit
-def _int4_block(w_rows, s_rows, rows_ok, k0, magic, K_IN: tl.constexpr, GROUP: tl.constexpr,
-                BLOCK_K: tl.constexpr, EVEN: tl.constexpr, DTYPE: tl.constexpr,
-                PACKED: tl.constexpr):
-    """W[rows, k0 : k0 + BLOCK_K] dequantized in element order: [BN, BLOCK_K] of DTYPE.
+def _int4_mma_row(BN: tl.constexpr):
+    """[BN]: the weight row (of the program's INT4_ROWS) that row r of _int4_mma_block holds."""
+    r = tl.arange(0, BN)
+    return (r & 7) + ((r >> 3) & 1) * 32 + ((r >> 4) & 3) * 8
 
-    w_rows, s_rows [BN, 1]: the rows' word and group-scale pointers; rows_ok [BN, 1]: the rows
-    inside the matrix; K_IN: elements a row. EVEN: no load masked (the blocks divide the shape).
-    PACKED (bf16 scales and DTYPE; magic then moe_gemv.BF16_MAGIC, else moe_gemv.MAGIC): nibbles
-    j and j + 4 as a pair of bf16 (moe_gemv's packed form), q - 8 exactly, one fma.rn.bf16x2 by
-    the scale pair rounding each product once: the same bits as the fp32 form's product rounded
-    to bf16 (the product of a 4-bit and an 8-bit significand is exact in fp32)."""
-    w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
-    g = k0 // GROUP + tl.arange(0, BLOCK_K // GROUP)
+
+@_jit
+def _int4_mma_k():
+    """[INT4_K]: the k (of the block's INT4_K) that column c of _int4_mma_block holds."""
+    c = tl.arange(0, 128)
+    w = ((c >> 1) & 3) * 4 + ((c >> 5) & 3)
+    return 8 * w + 4 * (c & 1) + 2 * ((c >> 3) & 1) + ((c >> 4) & 1)
+
+
+@_jit
+def _in_int4_mma_order(xt, BLOCK_M: tl.constexpr):
+    """xt [INT4_K, BLOCK_M], k in order, with its rows in _int4_mma_k's order."""
+    xt = tl.reshape(xt, (4, 4, 2, 2, 2, BLOCK_M))       # k = 32 w_hi + 8 w_lo + 4 j2 + 2 j1 + j0
+    return tl.reshape(tl.permute(xt, (1, 4, 3, 0, 2, 5)), (128, BLOCK_M))
+
+
+@_jit
+def _int4_mma_block(w_rows, s_rows, rows_ok, k0, magic, K_IN: tl.constexpr, GROUP: tl.constexpr,
+                    EVEN: tl.constexpr, DTYPE: tl.constexpr, PACKED: tl.constexpr):
+    """W[_int4_mma_row order, k0 + _int4_mma_k order]: [INT4_ROWS, INT4_K] of DTYPE.
+
+    w_rows, s_rows [INT4_ROWS, 1]: the rows' word and group-scale pointers, in weight row order;
+    rows_ok [INT4_ROWS, 1]: the rows inside the matrix; K_IN: elements a row. EVEN: no load masked.
+    PACKED (bf16 scales and DTYPE; magic then moe_gemv.BF16_MAGIC, else moe_gemv.MAGIC): the
+    packed form (the section above), else each nibble in fp32 times its scale, rounded once."""
+    tl.static_assert(w_rows.shape[0] == 64 and 128 % GROUP == 0 and GROUP % 8 == 0)
+    w = k0 // 8 + tl.arange(0, 16)
+    g = k0 // GROUP + tl.arange(0, 128 // GROUP)
     if EVEN:
-        words = tl.load(w_rows + w[None, :])
+        words = tl.load(w_rows + w[None, :])                                      # [64, 16]
         s = tl.load(s_rows + g[None, :])
     else:
         words = tl.load(w_rows + w[None, :], mask=rows_ok & (w < K_IN // 8)[None, :], other=0)
         s = tl.load(s_rows + g[None, :], mask=rows_ok & (g < K_IN // GROUP)[None, :], other=0.0)
-    BN: tl.constexpr = words.shape[0]
     if PACKED:
         s = s.to(tl.int16, bitcast=True).to(tl.int32) & 0xFFFF
         s = s | (s << 16)                                                 # (s, s) as an int32
     else:
         s = s.to(tl.float32)
-    s = tl.reshape(tl.broadcast_to(s[:, :, None], (BN, BLOCK_K // GROUP, GROUP // 8)),
-                   (BN, BLOCK_K // 8))
-    # nibble tensors [BN, words] joined to [BN, words, 2, 2, 2]: index (a, b, c) holds nibble
-    # 4a + 2b + c, so the reshape puts nibble j of word w at element 8w + j
-    if PACKED:
-        n0, n4 = _scaled_pair(words, 0, s, magic)
-        n1, n5 = _scaled_pair(words, 1, s, magic)
-        n2, n6 = _scaled_pair(words, 2, s, magic)
-        n3, n7 = _scaled_pair(words, 3, s, magic)
+    s = tl.reshape(tl.broadcast_to(s[:, :, None], (64, 128 // GROUP, GROUP // 8)), (64, 16))
+    if PACKED:   # nibbles J and J + 4: [64, 16, 2]
+        t0, t1 = _scaled_pair(words, 0, s, magic), _scaled_pair(words, 1, s, magic)
+        t2, t3 = _scaled_pair(words, 2, s, magic), _scaled_pair(words, 3, s, magic)
     else:
         high = words >> 12
-        n0, n4 = _scaled(words, high, 0, s, magic, DTYPE), _scaled(words, high, 4, s, magic, DTYPE)
-        n1, n5 = _scaled(words, high, 1, s, magic, DTYPE), _scaled(words, high, 5, s, magic, DTYPE)
-        n2, n6 = _scaled(words, high, 2, s, magic, DTYPE), _scaled(words, high, 6, s, magic, DTYPE)
-        n3, n7 = _scaled(words, high, 3, s, magic, DTYPE), _scaled(words, high, 7, s, magic, DTYPE)
-    even = tl.join(tl.join(n0, n4), tl.join(n2, n6))
-    odd = tl.join(tl.join(n1, n5), tl.join(n3, n7))
-    return tl.reshape(tl.join(even, odd), (BN, BLOCK_K))
+        t0 = tl.join(_scaled(words, high, 0, s, magic, DTYPE),
+                     _scaled(words, high, 4, s, magic, DTYPE))
+        t1 = tl.join(_scaled(words, high, 1, s, magic, DTYPE),
+                     _scaled(words, high, 5, s, magic, DTYPE))
+        t2 = tl.join(_scaled(words, high, 2, s, magic, DTYPE),
+                     _scaled(words, high, 6, s, magic, DTYPE))
+        t3 = tl.join(_scaled(words, high, 3, s, magic, DTYPE),
+                     _scaled(words, high, 7, s, magic, DTYPE))
+    z = tl.join(tl.join(t0, t1), tl.join(t2, t3))          # [row, w, j bit 2, j bit 0, j bit 1]
+    # row bits (5, 4-3, 2-0), w bits (3-2, 1-0), j bits 2, 0, 1 -> rows (4-3, 5, 2-0), columns
+    # (w 1-0, j 0, j 1, w 3-2, j 2)
+    z = tl.reshape(z, (2, 4, 8, 4, 4, 2, 2, 2))
+    return tl.reshape(tl.permute(z, (1, 0, 2, 4, 6, 7, 3, 5)), (64, 128))
 
 
 @_jit
@@ -416,11 +441,11 @@ def _scaled(words, high, J: tl.constexpr, s, magic, DTYPE: tl.constexpr):
 @_jit
 def _scaled_pair(words, J: tl.constexpr, s2, magic):
     """Nibbles J and J + 4 of each word times their group scale (s2: the bf16 pair (s, s)), each
-    rounded once: two bf16 tensors. The pair splits by truncation and a bitcast (no arithmetic)."""
+    rounded once, joined: [..., 2] bf16. The pair splits by truncation and a bitcast."""
     v = moe_gemv._fma2(moe_gemv._q_pair(words, J, magic), s2,
                        tl.full([1, 1], moe_gemv.BF16_NEG_ZEROS, tl.int32))
-    return (v.to(tl.int16).to(tl.bfloat16, bitcast=True),
-            (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))
+    return tl.join(v.to(tl.int16).to(tl.bfloat16, bitcast=True),
+                   (v >> 16).to(tl.int16).to(tl.bfloat16, bitcast=True))
 
 
 @_jit
@@ -431,9 +456,9 @@ def _moe_int4_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_exper
                              BLOCK_K: tl.constexpr, SPLIT: tl.constexpr, EVEN: tl.constexpr,
                              PACKED: tl.constexpr, PRECISION: tl.constexpr):
     """_moe_gate_up_kernel for INT4 weights (the section above), over part pid_k of SPLIT of D:
-    h[pair, i] for the BLOCK_N rows i of program pid_n and the pairs of one tile (SPLIT 1), else
-    the fp32 sums of gate and up, part[pid_k, pair, 0 / 1, i]. Grid: (cdiv(I, BLOCK_N), max_tiles,
-    SPLIT)."""
+    h[pair, i] for the BLOCK_N (= INT4_ROWS) rows i of program pid_n and the pairs of one tile
+    (SPLIT 1), else the fp32 sums of gate and up, part[pid_k, pair, 0 / 1, i]. Grid: (cdiv(I,
+    BLOCK_N), max_tiles, SPLIT)."""
     _wait_for_prior()
     pid_n, tile, pid_k = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
@@ -441,7 +466,7 @@ def _moe_int4_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_exper
         return
     pair = tl.load(sorted_pair_ptr + tile * BLOCK_M + tl.arange(0, BLOCK_M))[None, :]
     x_col = (pair // TOPK).to(tl.int64) * D
-    n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None]
+    n = (pid_n * BLOCK_N + tl.arange(0, BLOCK_N))[:, None]                 # weight row order
     g_rows, u_rows = g_ptr + e * stride_we + n * stride_wn, u_ptr + e * stride_we + n * stride_wn
     gs_rows = gs_ptr + e * stride_se + n * stride_sr
     us_rows = us_ptr + e * stride_se + n * stride_sr
@@ -452,13 +477,16 @@ def _moe_int4_gate_up_kernel(x_ptr, h_ptr, part_ptr, sorted_pair_ptr, tile_exper
     # none): with the bound computed at run time ptxas serializes the wgmma (C7515), each waiting
     # for the one before it
     for step in range(PART // BLOCK_K):
-        k0 = pid_k * PART + step * BLOCK_K
-        k = (k0 + tl.arange(0, BLOCK_K))[:, None]
-        xt = tl.load(x_ptr + x_col + k, mask=(pair < P) & (k < D), other=0.0)   # [BLOCK_K, BM]
-        acc_g = tl.dot(_int4_block(g_rows, gs_rows, n < I, k0, magic, D, GROUP, BLOCK_K, EVEN,
-                                   xt.dtype, PACKED), xt, acc_g, input_precision=PRECISION)
-        acc_u = tl.dot(_int4_block(u_rows, us_rows, n < I, k0, magic, D, GROUP, BLOCK_K, EVEN,
-                                   xt.dtype, PACKED), xt, acc_u, input_precision=PRECISION)
+        for b in tl.static_range(BLOCK_K // 128):
+            k0 = pid_k * PART + step * BLOCK_K + b * 128
+            k = (k0 + tl.arange(0, 128))[:, None]
+            xt = tl.load(x_ptr + x_col + k, mask=(pair < P) & (k < D), other=0.0)   # [128, BM]
+            xt = _in_int4_mma_order(xt, BLOCK_M)
+            acc_g = tl.dot(_int4_mma_block(g_rows, gs_rows, n < I, k0, magic, D, GROUP, EVEN,
+                                           xt.dtype, PACKED), xt, acc_g, input_precision=PRECISION)
+            acc_u = tl.dot(_int4_mma_block(u_rows, us_rows, n < I, k0, magic, D, GROUP, EVEN,
+                                           xt.dtype, PACKED), xt, acc_u, input_precision=PRECISION)
+    n = (pid_n * BLOCK_N + _int4_mma_row(BLOCK_N))[:, None]          # the accumulator's row order
     ok = (pair < P) & (n < I)
     if SPLIT == 1:
         h = _silu_mul(acc_g, acc_u)
@@ -500,9 +528,10 @@ def _moe_int4_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_
                           BLOCKS: tl.constexpr, EVEN: tl.constexpr, PACKED: tl.constexpr,
                           PRECISION: tl.constexpr):
     """_moe_down_kernel for INT4 weights (the section above): y[pair, d] for BLOCKS row blocks of
-    BLOCK_N rows d (program pid_n's, in turn) and the pairs of one tile, h read by pair. The row
-    blocks and the steps of I run as one loop, so the next block's first words are in flight
-    while this block's last step is multiplied. Grid: (cdiv(D, BLOCK_N * BLOCKS), max_tiles)."""
+    BLOCK_N (= INT4_ROWS) rows d (program pid_n's, in turn) and the pairs of one tile, h read by
+    pair. The row blocks and the steps of I run as one loop, so the next block's first words are
+    in flight while this block's last step is multiplied. Grid: (cdiv(D, BLOCK_N * BLOCKS),
+    max_tiles)."""
     _wait_for_prior()
     pid_n, tile = tl.program_id(0), tl.program_id(1)
     e = tl.load(tile_expert_ptr + tile).to(tl.int64)
@@ -514,15 +543,19 @@ def _moe_int4_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_
     STEPS: tl.constexpr = (I + BLOCK_K - 1) // BLOCK_K
     acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
     for j in range(0, BLOCKS * STEPS):
-        k0 = (j % STEPS) * BLOCK_K
-        n = ((pid_n * BLOCKS + j // STEPS) * BLOCK_N + tl.arange(0, BLOCK_N))[:, None]
-        k = (k0 + tl.arange(0, BLOCK_K))[:, None]
-        ht = tl.load(h_ptr + h_col + k, mask=(pair < P) & (k < I), other=0.0)   # [BLOCK_K, BM]
-        acc = tl.dot(_int4_block(w_ptr + e * stride_we + n * stride_wn,
-                                 s_ptr + e * stride_se + n * stride_sr, n < D, k0, magic, I,
-                                 GROUP, BLOCK_K, EVEN, ht.dtype, PACKED), ht, acc,
-                     input_precision=PRECISION)
+        row0 = (pid_n * BLOCKS + j // STEPS) * BLOCK_N
+        n = (row0 + tl.arange(0, BLOCK_N))[:, None]                       # weight row order
+        for b in tl.static_range(BLOCK_K // 128):
+            k0 = (j % STEPS) * BLOCK_K + b * 128
+            k = (k0 + tl.arange(0, 128))[:, None]
+            ht = tl.load(h_ptr + h_col + k, mask=(pair < P) & (k < I), other=0.0)  # [128, BM]
+            ht = _in_int4_mma_order(ht, BLOCK_M)
+            acc = tl.dot(_int4_mma_block(w_ptr + e * stride_we + n * stride_wn,
+                                         s_ptr + e * stride_se + n * stride_sr, n < D, k0, magic,
+                                         I, GROUP, EVEN, ht.dtype, PACKED), ht, acc,
+                         input_precision=PRECISION)
         if j % STEPS == STEPS - 1:   # the row block's last step: store it, start the next
+            n = (row0 + _int4_mma_row(BLOCK_N))[:, None]                 # the accumulator's order
             tl.store(y_ptr + pair.to(tl.int64) * D + n, acc * route_w, mask=(pair < P) & (n < D))
             acc = tl.zeros([BLOCK_N, BLOCK_M], tl.float32)
 
@@ -650,8 +683,10 @@ def fused_moe(x, ids, route_w, gate, up, down, configs=None, variant=None, share
                        route_w.reshape(-1).float().contiguous())
     tiles = _configs(fmt, N * K, gate.shape[1], x.is_cuda, x.dtype)
     if variant == "dot":
-        return _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K,
-                               {**tiles, **(configs or {})})
+        tiles = {**tiles, **(configs or {})}
+        if fmt == "int4":
+            _check_int4_tiles(tiles, gate, down)
+        return _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, tiles)
     cfg = {**_gemv_configs(fmt, N, x.is_cuda), **(configs or {})}
     if variant == "adaptive":
         return _fused_moe_adaptive(x, ids, route_w, gate, up, down, fmt, K, (cfg, tiles), shared,
@@ -683,6 +718,20 @@ def _check_inputs(x, ids, route_w, gate, up, down, variant, shared, planes):
     if planes is not None:
         _check_planes(planes, x)
     return fmt, variant
+
+
+def _check_int4_tiles(cfg, gate, down):
+    """The INT4 tiles' refusals (before any launch): their tile is laid out for the MMA's operand
+    registers (the section above _int4_mma_row), so INT4_ROWS rows and whole INT4_K-column
+    blocks a step, and a group that divides a block."""
+    for name, w in (("gate_up", gate), ("down", down)):
+        if cfg[name][0] != INT4_ROWS or cfg[name][1] % INT4_K:
+            raise ValueError(f"fused_moe: INT4 tiles' {name} takes {INT4_ROWS} rows (BLOCK_N) and "
+                             f"a multiple of {INT4_K} columns (BLOCK_K) a step, not "
+                             f"{cfg[name][0]} and {cfg[name][1]}")
+        if INT4_K % w.group or w.group % 8:
+            raise ValueError(f"fused_moe: INT4 tiles need a group of 8 to {INT4_K} elements that "
+                             f"divides {INT4_K}, not {w.group}")
 
 
 def align(ids, E, share=0):
@@ -785,13 +834,9 @@ def _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision):
     """The tile variant's INT4 launches: gate_up (split over D where cfg says, then the silu
     launch), down; configs: gate_up (BLOCK_N weight rows, BLOCK_K elements a step, num_warps,
     num_stages, SPLIT), down (the same but SPLIT, then BLOCKS: the row blocks a program makes in
-    turn). BLOCK_K: a multiple of the group."""
+    turn). BLOCK_N: INT4_ROWS; BLOCK_K: a multiple of INT4_K (the section above _int4_mma_row)."""
     (D, I), P, max_tiles = (x.shape[1], gate.shape[1]), route_w.numel(), tiles[1].numel()
     strides = lambda w: (*w.data.stride()[:2], *w.scale.stride()[:2])   # noqa: E731
-    for name, w in (("gate_up", gate), ("down", down)):
-        if cfg[name][1] % w.group:
-            raise ValueError(f"fused_moe: INT4 tiles' {name} BLOCK_K {cfg[name][1]} must be a "
-                             f"multiple of the group {w.group}")
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)                        # [P, I]
     # _int4_block's packed form where it gives the fp32 form's bits: bf16 x and scales
     packed = x.dtype == torch.bfloat16 and all(w.scale.dtype == torch.bfloat16
