@@ -2816,6 +2816,55 @@ def test_every_kernel_compiles_for_sm90(tmp_path):
     assert out.stdout.count("compiled ") == len(specs), out.stdout[-2000:]
 
 
+def _int4_tile_specs():
+    """The INT4 tile kernels' launch specs (testing.recorded_launches' form) at a Kimi-K2 TP-8
+    rank's shapes (D 7168, I 256, group 32), bf16, with the GPU's configs up to 128 pairs."""
+    D, I, P, K = 7168, 256, 64, 8
+    cfg = kernels.moe._int4_configs(P, on_gpu=True)
+    ptr = lambda t: {"type": f"*{t}", "div16": True}                          # noqa: E731
+    # an int argument as the launcher specializes it: on its divisibility by 16
+    i32 = lambda v: {"type": "i32", "div16": v % 16 == 0}                     # noqa: E731
+    common = dict(D=D, I=I, GROUP=32, BLOCK_M=kernels.moe.BLOCK_M, EVEN=True, PACKED=True,
+                  PRECISION="tf32", magic=i32(kernels.moe_gemv.BF16_MAGIC), P=i32(P),
+                  stride_we=i32(I * D // 8), stride_wn=i32(D // 8), stride_se=i32(I * D // 32),
+                  stride_sr=i32(D // 32), sorted_pair_ptr=ptr("i32"), tile_expert_ptr=ptr("i32"))
+    value = lambda v: v if isinstance(v, dict) else {"value": v}              # noqa: E731
+    (bn, bk, warps, stages, split), (dn, dk, dwarps, dstages, blocks) = cfg["gate_up"], cfg["down"]
+    gate_up = dict(common, x_ptr=ptr("bf16"), h_ptr=ptr("bf16"), part_ptr=ptr("fp32"),
+                   g_ptr=ptr("i32"), gs_ptr=ptr("bf16"), u_ptr=ptr("i32"), us_ptr=ptr("bf16"),
+                   TOPK=i32(K), BLOCK_N=bn, BLOCK_K=bk, SPLIT=split)
+    down = dict(common, h_ptr=ptr("bf16"), y_ptr=ptr("fp32"), route_w_ptr=ptr("fp32"),
+                w_ptr=ptr("i32"), s_ptr=ptr("bf16"), stride_wn=i32(I // 8),
+                stride_sr=i32(I // 32), BLOCK_N=dn, BLOCK_K=dk, BLOCKS=blocks)
+    return [{"module": "kernels.moe", "name": name,
+             "args": {k: value(v) for k, v in args.items()},
+             "options": {"num_warps": w, "num_stages": st}}
+            for name, args, w, st in (("_moe_int4_gate_up_kernel", gate_up, warps, stages),
+                                      ("_moe_int4_down_kernel", down, dwarps, dstages))]
+
+
+@pytest.mark.triton
+def test_int4_tiles_take_the_weights_from_registers(tmp_path):
+    """The INT4 tile kernels, compiled for sm_90 at Kimi-K2's shapes and the GPU's configs on a
+    machine without a GPU: the dequantized weight tile reaches the MMA from registers (its order,
+    kernels.moe's section above _int4_mma_row, equals the operand's layout), so the PTX holds no
+    ldmatrix or stmatrix (a tile laid out otherwise passes through shared memory by them)."""
+    if TRITON_DEVICE.type == "cuda":
+        pytest.skip("compiles on a machine without a GPU (without TRITON_INTERPRET, in a "
+                    "subprocess, as test_every_kernel_compiles_for_sm90 does); on a GPU the "
+                    "kernels run natively and their time is measured instead")
+    path = tmp_path / "launches.json"
+    path.write_text(json.dumps(_int4_tile_specs()))
+    env = {k: v for k, v in testing.CPU_ENV.items() if k != "TRITON_INTERPRET"}
+    code = f"import testing; testing.matrix_moves({str(path)!r})"
+    out = subprocess.run([sys.executable, "-c", code], cwd=HERE, env=env, capture_output=True,
+                         text=True, timeout=400)
+    assert out.returncode == 0, out.stderr[-3000:]
+    moves = {line.split()[0]: line.split()[1:] for line in out.stdout.splitlines()}
+    assert moves == {"_moe_int4_gate_up_kernel": ["0", "0"],
+                     "_moe_int4_down_kernel": ["0", "0"]}, out.stdout
+
+
 # ---------------------------------------------------------------------------------------------
 # Every swap class: built and checked against its plain module by some test
 

@@ -444,30 +444,47 @@ def compile_launches(path):
     the wait, no global memory access before it in the text's order, and the prefetch there where
     its launch asked for one (PREFETCH > 0; _before_wait). Prints one line a spec; raises on the
     first that fails."""
+    for spec in json.load(open(path)):
+        compiled, consts = compile_spec(spec)
+        problem = _before_wait(compiled.asm["ptx"], (consts.get("PREFETCH") or 0) > 0)
+        if problem:
+            raise AssertionError(f"{spec['module']}.{spec['name']}: {problem}")
+        print("compiled", spec["module"], spec["name"], flush=True)
+
+
+def matrix_moves(path):
+    """Compile each launch spec of the JSON file at `path` for sm_90 (as compile_launches) and
+    print, a line a spec, its name and how many ldmatrix and stmatrix instructions its PTX holds:
+    the moves of an MMA operand made in registers through shared memory."""
+    for spec in json.load(open(path)):
+        ptx = compile_spec(spec)[0].asm["ptx"]
+        print(spec["name"], len(re.findall(r"\bldmatrix\.", ptx)),
+              len(re.findall(r"\bstmatrix\.", ptx)), flush=True)
+
+
+def compile_spec(spec):
+    """One launch spec (recorded_launches') compiled for sm_90 by Triton's own compiler, with
+    programmatic dependent launch's wait: the CompiledKernel (its asm: ttgir, ptx, cubin) and
+    the constexpr values it was specialized on, by name."""
     import importlib
 
     import triton
     from triton.backends.compiler import GPUTarget
 
     kernels.common.GDC = triton.language.constexpr(True)
-    for spec in json.load(open(path)):
-        fn = getattr(importlib.import_module(spec["module"]), spec["name"])
-        sig, consts, attrs = {}, {}, {}
-        for i, p in enumerate(fn.params):
-            a = spec["args"].get(p.name, {"value": p.default if p.has_default else None})
-            if p.is_constexpr or "type" not in a:                  # None passes as a constexpr
-                v = triton.language.dtype(a["tl_dtype"]) if "tl_dtype" in a else a.get("value")
-                sig[p.name], consts[p.name] = "constexpr", v
-            else:
-                sig[p.name] = a["type"]
-                if a.get("div16"):
-                    attrs[(i,)] = [["tt.divisibility", 16]]
-        src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
-        ptx = triton.compile(src, target=GPUTarget(*SM90), options=spec["options"]).asm["ptx"]
-        problem = _before_wait(ptx, consts.get("PREFETCH", 0) > 0)
-        if problem:
-            raise AssertionError(f"{spec['module']}.{spec['name']}: {problem}")
-        print("compiled", spec["module"], spec["name"], flush=True)
+    fn = getattr(importlib.import_module(spec["module"]), spec["name"])
+    sig, consts, attrs = {}, {}, {}
+    for i, p in enumerate(fn.params):
+        a = spec["args"].get(p.name, {"value": p.default if p.has_default else None})
+        if p.is_constexpr or "type" not in a:                  # None passes as a constexpr
+            v = triton.language.dtype(a["tl_dtype"]) if "tl_dtype" in a else a.get("value")
+            sig[p.name], consts[p.name] = "constexpr", v
+        else:
+            sig[p.name] = a["type"]
+            if a.get("div16"):
+                attrs[(i,)] = [["tt.divisibility", 16]]
+    src = triton.compiler.ASTSource(fn=fn, signature=sig, constexprs=consts, attrs=attrs)
+    return triton.compile(src, target=GPUTarget(*SM90), options=spec["options"]), consts
 
 
 # a PTX instruction that reads or writes global memory, whatever qualifiers come before .global

@@ -338,7 +338,9 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
 # never passes through shared memory: a dot's result does not depend on the order of its k (X's
 # rows come in the same order) nor on which weight row an accumulator row holds (the stores put
 # each where it belongs). The 16 words a row [64, 16] arrive as Triton lays out such a load for 4
-# warps: a thread holds 4 consecutive words of a row; lanes take words 4-15 by fours (2 bits) and
+# warps where it knows a row's words 16-byte aligned (the launcher specializes on row strides
+# that are multiples of 16 words: D and I multiples of 128, as Kimi-K2's; elsewhere the same
+# results through shared memory): a thread holds 4 consecutive words of a row; lanes take words 4-15 by fours (2 bits) and
 # rows 0-7 (3 bits), warps rows 8-31, registers row 32. Each word's 8 nibbles lie in its thread,
 # as pairs j and j + 4 in one 32-bit register (the packed form below: one FMA makes q - 8, one
 # the scale). The MMA's first operand in registers wants: lanes at k bits 1-2 and rows 0-7 (row
@@ -348,8 +350,9 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
 # w bits 3-2, j bit 2) for nibble j of word w, k = 8w + j: the words' lane bits where the MMA's
 # lanes hold k, a register's two nibbles its pair. The layout of the joins, the permute and the
 # reshape then equals the MMA operand's up to the order of a thread's registers, and Triton
-# converts it without data movement (sm_90 code compiled on a CPU: no shared memory stores or
-# ldmatrix for W; 79 registers a thread against 227 with the tile in element order, whose
+# converts it without data movement (sm_90 code compiled on a CPU, gate_up at Kimi-K2's shapes in
+# steps of 256: no shared memory stores or ldmatrix for W; 95 registers a thread and 706
+# instructions a warp and step, against 227 and 1,054 with the tile in element order, whose
 # conversion went through shared memory). X [128, BLOCK_M] is loaded in k order (cp.async,
 # pipelined) and permuted to the columns' order (_in_int4_mma_order), in shared memory as any
 # second operand. Nibbles become q - 8 by the exponent trick (moe_gemv._nibble, _q_pair), times
