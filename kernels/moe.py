@@ -106,11 +106,13 @@ def _configs(fmt, P, I, on_gpu, dtype=torch.bfloat16):
 
 
 def _int4_configs(P, on_gpu):
-    """_configs for INT4 (its own kernels, the section above _int4_block): gate_up (BLOCK_N weight
+    """_configs for INT4 (its own kernels, the section above _int4_mma_row): gate_up (BLOCK_N weight
     rows, BLOCK_K, num_warps, num_stages, SPLIT: the parts of D), down (the same, then BLOCKS: the
-    row blocks a program makes in turn). From a sweep at 8 and 32 tokens, uniform routing and 8
-    distinct experts, the configs of least summed time over best time of the two routings (H200,
-    the layer's us in benchmarks/routing/kernels_int4_dot_sweep_52350b9.json):
+    row blocks a program makes in turn). 64 rows and steps of 128-column blocks: the MMA order
+    (_check_int4_tiles). Chosen with the tile in element order (the kernels before the MMA order,
+    which took any block shape; not swept again since) from a sweep at 8 and 32 tokens, uniform
+    routing and 8 distinct experts, the configs of least summed time over best time of the two
+    routings (H200, the layer's us in benchmarks/routing/kernels_int4_dot_sweep_52350b9.json):
      - gate_up 64 rows of 256 elements in 3 stages (64 rows: sm_90's wgmma shape; with 32 and 16
        rows the layer took 1.4x and 1.9-2.0x as long under uniform routing); D in 7 parts up to
        128 pairs (8 experts at 8 tokens: 50.5 us against 60.8 in 4 parts and 72.8 in 2; uniform:
@@ -118,8 +120,9 @@ def _int4_configs(P, on_gpu):
        8 experts 115 against 138 and 117), whole above (64 and 128 tokens, uniform: 685 and 871
        against 695 and 875 in 2 parts, 700 and 882 in 4; 32 experts: 214 and 324 against 194
        and 313, 200 and 319; kernels_int4_dot_sweep_large_555e516.json);
-     - down 64 rows of 128 in 2 stages up to 128 pairs and above 256, 128 rows of 128 on 8 warps
-       in 2 stages between (at 32 tokens, with the packed dequantization: uniform 426.8 us against
+     - down 64 rows of 128 in 2 stages (between 129 and 256 pairs the element order's best was
+       128 rows of 128 on 8 warps, which the MMA order does not take: at 32 tokens, with the
+       packed dequantization: uniform 426.8 us against
        439.3 with 128 rows of 256 in 1 stage and 390.7 with 64 rows of 128; 8 experts 80.7 against
        82.1 and 93.8; benchmarks/routing/kernels_int4_tiles_sweep_d939771.json; at 64 and 128
        tokens, uniform: 648 and 819 against 685 and 871; 32 experts: 228 and 332 against 214 and
@@ -841,7 +844,7 @@ def _int4_tiles(x, y, tiles, route_w, gate, up, down, K, cfg, precision):
     (D, I), P, max_tiles = (x.shape[1], gate.shape[1]), route_w.numel(), tiles[1].numel()
     strides = lambda w: (*w.data.stride()[:2], *w.scale.stride()[:2])   # noqa: E731
     h = torch.empty(P, I, dtype=x.dtype, device=x.device)                        # [P, I]
-    # _int4_block's packed form where it gives the fp32 form's bits: bf16 x and scales
+    # _int4_mma_block's packed form where it gives the fp32 form's bits: bf16 x and scales
     packed = x.dtype == torch.bfloat16 and all(w.scale.dtype == torch.bfloat16
                                                for w in (gate, up, down))
     magic = moe_gemv.BF16_MAGIC if packed else moe_gemv.MAGIC
