@@ -111,9 +111,9 @@ GEMV_SMALL_TOKENS = 2
 #    (393.4 against 416.4: BENCHMARKS.md, Kernel level, shapes/kernels_crossover_tip.json), but
 #    there the GEMV also carries the bf16 shared expert, which beside the tiles runs alone (12.7 us
 #    a layer at 32 tokens: the INT4 shared-forms table there): 32;
-#  - INT4: the GEMV at 1.6-2.3x from 2 tokens (2.9x at 1), the tiles at 2.9-5.9x (their
-#    section in moe.py), 1.7-2.2x the GEMV's time at every count (BENCHMARKS.md, Kernel level,
-#    the table by variant): 32;
+#  - INT4: the GEMV at 1.6-2.3x from 2 tokens (2.9x at 1), the tiles at 2.9-5.9x, 1.7-2.2x the
+#    GEMV's time at every count (BENCHMARKS.md, Kernel level, the table by variant; the tiles
+#    before they took the MMA's operand order, moe.py's section above _int4_mma_row): 32;
 #  - bf16, 128 experts and the shared expert folded in as expert 129 (SharedExpertInLaunch: every
 #    token picks it; run.py's shapes): the GEMV wins at 1 and 2 tokens (30 against 54 us, 53
 #    against 59), the tiles from 3 (72 against 81): 2.
