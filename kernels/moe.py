@@ -346,9 +346,9 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
 # results through shared memory): a thread holds 4 consecutive words of a row; lanes take words
 # 4-15 by fours (2 bits) and rows 0-7 (3 bits), warps rows 8-31, registers row 32. Each word's 8
 # nibbles lie in its thread, as pairs j and j + 4 in one 32-bit register (the packed form below:
-# one FMA makes q - 8, one the scale). The MMA's first operand in registers wants: lanes at k bits 1-2 and rows 0-7 (row
-# bits 0-2), warps at rows 16-63, registers at k bits 0 and 3-6 and row bit 3, k bit 0 the pair
-# of a register. So the MMA's row r holds weight row _int4_mma_row(r) (row bits 3-5 rotated) and
+# one FMA makes q - 8, one the scale). The MMA's first operand in registers wants: lanes at k
+# bits 1-2 and rows 0-7 (row bits 0-2), warps at rows 16-63, registers at k bits 0 and 3-6 and
+# row bit 3, k bit 0 the pair of a register. So the MMA's row r holds weight row _int4_mma_row(r) (row bits 3-5 rotated) and
 # its column c actual k _int4_mma_k(c): c's bits, high to low, are (w bits 1-0, j bit 0, j bit 1,
 # w bits 3-2, j bit 2) for nibble j of word w, k = 8w + j: the words' lane bits where the MMA's
 # lanes hold k, a register's two nibbles its pair. The layout of the joins, the permute and the
