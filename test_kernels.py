@@ -344,30 +344,43 @@ def test_moe_align_sorts_pairs_by_expert_stably():
 
 
 @_jit
-def _int4_mma_block_kernel(w_ptr, s_ptr, out_ptr, magic, R, K_IN: tl.constexpr,
+def _int4_mma_block_kernel(w_ptr, s_ptr, k_ptr, out_ptr, magic, R, K_IN: tl.constexpr,
                            EVEN: tl.constexpr, PACKED: tl.constexpr):
     """out[r, k] = W[r, k] (bf16) from kernels.moe._int4_mma_block for an INT4 matrix [R, K_IN]
-    (group 32), each element stored where _int4_mma_row and _int4_mma_k say it belongs: a
-    program per (64 rows, 128 columns)."""
+    (group 32), each element stored where _int4_mma_row and k_ptr (the k of each column, as the
+    activation's permutation orders them: _mma_k_order_kernel) say it belongs: a program per
+    (64 rows, 128 columns)."""
     row0, k0 = tl.program_id(0) * 64, tl.program_id(1) * 128
     n = (row0 + tl.arange(0, 64))[:, None]
     w = kernels.moe._int4_mma_block(w_ptr + n * (K_IN // 8), s_ptr + n * (K_IN // 32), n < R, k0,
                                     magic, K_IN, 32, EVEN, tl.bfloat16, PACKED)
     n = (row0 + kernels.moe._int4_mma_row(64))[:, None]
-    k = (k0 + kernels.moe._int4_mma_k())[None, :]
+    k = (k0 + tl.load(k_ptr + tl.arange(0, 128)))[None, :]
     tl.store(out_ptr + n * K_IN + k, w, mask=(n < R) & (k < K_IN))
+
+
+@_jit
+def _mma_k_order_kernel(out_ptr):
+    """out[c] = the k that row c of kernels.moe._in_int4_mma_order's result holds."""
+    k = tl.broadcast_to(tl.arange(0, 128)[:, None], (128, 16))
+    c = kernels.moe._in_int4_mma_order(k, 16)
+    tl.store(out_ptr + tl.arange(0, 128)[:, None] + 128 * tl.arange(0, 16)[None, :], c)
 
 
 @pytest.mark.triton
 def test_int4_tile_dequantization_equals_the_plain_module():
     """The INT4 tiles' dequantized weights (kernels.moe._int4_mma_block, in the MMA's row and
-    column order, each put back where it belongs) against model.dequantize_int4, bf16 scales, bit
+    column order, each put back by _int4_mma_row and by the k order the activation is permuted
+    to, _in_int4_mma_order's) against model.dequantize_int4, bf16 scales, bit
     for bit: every element once (the output starts NaN), the packed form (nibble pairs through
     fma.rn.bf16x2, which the tiles take for bf16 activations and scales) and the fp32 form,
     blocks that divide the matrix and blocks that mask rows and words. The fp32 form on a GPU
     only: Triton's CPU interpreter rounds fp32 to bf16 by truncation (3.7), so there it is
     checked to one bf16 step."""
     g = torch.Generator().manual_seed(3)
+    order = torch.empty(16, 128, dtype=torch.int64, device=TRITON_DEVICE)
+    _mma_k_order_kernel[(1,)](order)              # the activation's order, the weights' to match
+    k_order = order[0].to(torch.int32)
     for R, K_IN in ((128, 256), (48, 192)):
         words = torch.randint(-2**31, 2**31 - 1, (R, K_IN // 8), generator=g, dtype=torch.int32)
         scale = (torch.rand(R, K_IN // 32, generator=g) - 0.5).to(torch.bfloat16)
@@ -377,7 +390,7 @@ def test_int4_tile_dequantization_equals_the_plain_module():
             out = torch.full((R, K_IN), float("nan"), dtype=torch.bfloat16, device=TRITON_DEVICE)
             magic = kernels.moe_gemv.BF16_MAGIC if packed else kernels.moe_gemv.MAGIC
             _int4_mma_block_kernel[(triton.cdiv(R, 64), triton.cdiv(K_IN, 128))](
-                words.to(TRITON_DEVICE), scale.to(TRITON_DEVICE), out, magic, R, K_IN=K_IN,
+                words.to(TRITON_DEVICE), scale.to(TRITON_DEVICE), k_order, out, magic, R, K_IN=K_IN,
                 EVEN=even, PACKED=packed)
             what = f"{'packed' if packed else 'fp32'} form, [{R}, {K_IN}], even {even}"
             if packed or TRITON_DEVICE.type == "cuda":

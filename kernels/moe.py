@@ -349,19 +349,19 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
 # scale). The MMA's first operand in registers wants: lanes at k bits 1-2 and rows 0-7 (row bits
 # 0-2), warps at rows 16-63, registers at k bits 0 and 3-6 and row bit 3, k bit 0 the pair of a
 # register. So the MMA's row r holds weight row _int4_mma_row(r) (row bits 3-5 rotated) and its
-# column c actual k _int4_mma_k(c): c's bits, high to low, are (w bits 1-0, j bit 0, j bit 1, w bits
-# 3-2, j bit 2) for nibble j of word w, k = 8w + j: the words' lane bits where the MMA's lanes hold
-# k, a register's two nibbles its pair. The layout of the joins, the permute and the reshape then
-# equals the MMA operand's up to the order of a thread's registers, and Triton converts it without
-# data movement (sm_90 code compiled on a CPU, gate_up at Kimi-K2's shapes in steps of 256: no
-# shared memory stores or ldmatrix for W; 95 registers a thread and 706 instructions a warp and
-# step, against 227 and 1,054 with the tile in element order, whose conversion went through shared
-# memory). X [128, BLOCK_M] is loaded in k order (cp.async, pipelined) and permuted to the columns'
-# order (_in_int4_mma_order), in shared memory as any second operand. Nibbles become q - 8 by the
-# exponent trick (moe_gemv._nibble, _q_pair), times their group scale rounded once to the compute
-# dtype, as the plain module's dequantization rounds: for bf16 activations and scales in pairs
-# through fma.rn.bf16x2 (the packed form; the same bits as the fp32 form's product rounded to bf16:
-# a 4-bit by 8-bit significand product is exact in fp32).
+# column c actual k (_in_int4_mma_order): c's bits, high to low, are (w bits 1-0, j bit 0, j bit 1,
+# w bits 3-2, j bit 2) for nibble j of word w, k = 8w + j: the words' lane bits where the MMA's
+# lanes hold k, a register's two nibbles its pair. The layout of the joins, the permute and the
+# reshape then equals the MMA operand's up to the order of a thread's registers, and Triton converts
+# it without data movement (sm_90 code compiled on a CPU, gate_up at Kimi-K2's shapes in steps of
+# 256: no shared memory stores or ldmatrix for W; 95 registers a thread and 706 instructions a warp
+# and step, against 227 and 1,054 with the tile in element order, whose conversion went through
+# shared memory). X [128, BLOCK_M] is loaded in k order (cp.async, pipelined) and permuted to the
+# columns' order (_in_int4_mma_order), in shared memory as any second operand. Nibbles become q - 8
+# by the exponent trick (moe_gemv._nibble, _q_pair), times their group scale rounded once to the
+# compute dtype, as the plain module's dequantization rounds: for bf16 activations and scales in
+# pairs through fma.rn.bf16x2 (the packed form; the same bits as the fp32 form's product rounded to
+# bf16: a 4-bit by 8-bit significand product is exact in fp32).
 # Words, scales and X feed the dot, so Triton's pipeliner issues them num_stages - 1 steps ahead
 # (cp.async). A step of BLOCK_K (a multiple of INT4_K) makes BLOCK_K / INT4_K such blocks in turn.
 # gate_up splits D into SPLIT parts (grid axis 2): where tokens share a few experts the tiles are
@@ -379,16 +379,10 @@ def _int4_mma_row(BN: tl.constexpr):
 
 
 @_jit
-def _int4_mma_k():
-    """[INT4_K]: the k (of the block's INT4_K) that column c of _int4_mma_block holds."""
-    c = tl.arange(0, 128)
-    w = ((c >> 1) & 3) * 4 + ((c >> 5) & 3)
-    return 8 * w + 4 * (c & 1) + 2 * ((c >> 3) & 1) + ((c >> 4) & 1)
-
-
-@_jit
 def _in_int4_mma_order(xt, BLOCK_M: tl.constexpr):
-    """xt [INT4_K, BLOCK_M], k in order, with its rows in _int4_mma_k's order."""
+    """xt [INT4_K, BLOCK_M], k in order, with its rows in the order of _int4_mma_block's
+    columns: row c takes k = 8w + j, c's bits (high to low) w bits 1-0, j bit 0, j bit 1, w bits
+    3-2, j bit 2."""
     xt = tl.reshape(xt, (4, 4, 2, 2, 2, BLOCK_M))       # k = 32 w_hi + 8 w_lo + 4 j2 + 2 j1 + j0
     return tl.reshape(tl.permute(xt, (1, 4, 3, 0, 2, 5)), (128, BLOCK_M))
 
@@ -396,7 +390,7 @@ def _in_int4_mma_order(xt, BLOCK_M: tl.constexpr):
 @_jit
 def _int4_mma_block(w_rows, s_rows, rows_ok, k0, magic, K_IN: tl.constexpr, GROUP: tl.constexpr,
                     EVEN: tl.constexpr, DTYPE: tl.constexpr, PACKED: tl.constexpr):
-    """W[_int4_mma_row order, k0 + _int4_mma_k order]: [INT4_ROWS, INT4_K] of DTYPE.
+    """W[_int4_mma_row order, k0 + the order of _in_int4_mma_order]: [INT4_ROWS, INT4_K] of DTYPE.
 
     w_rows, s_rows [INT4_ROWS, 1]: the rows' word and group-scale pointers, in weight row order;
     rows_ok [INT4_ROWS, 1]: the rows inside the matrix; K_IN: elements a row. EVEN: no load masked.
