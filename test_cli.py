@@ -364,85 +364,88 @@ def test_report_warns_about_noise_and_figures_that_cannot_be():
         report.noise_warning(long_noisy, 3.0, 2)
 
 
+# run.py's nonsense flags, each with the message (a regular expression) that refuses it
+AT_LEAST_1 = ["--max-new-tokens 0", "--max-new-tokens -5", "--prompt-len 0", "--reps 0",
+              "--batch-size 0", "--speculative-num-steps -1", "--simulate-tp 0",
+              "--topk 0 --dump x.npz"]
+BAD_FLAGS = [(flags, f"{flags.split(' --dump')[0]}: must be at least 1")
+             for flags in AT_LEAST_1] + [
+    ("--max-new-tokens 1", r"--max-new-tokens 1: the timing run needs at least 2 \(the "
+     "prefill makes the first token; a speculative cycle and a plain step need one more\\)"),
+    ("--temperature -1", "--temperature -1.0: must be at least 0"),
+    ("--temperature nan", "--temperature nan: must be at least 0"),
+    ("--temperature inf", r"^--temperature inf: must be finite \(0: greedy\)$"),
+    ("--speculative-num-steps 100",
+     r"--speculative-num-steps 100: .* must be below --prompt-len \(16\)"),
+    ("--simulate-accept-len 10", r"--simulate-accept-len 10.0: must lie in \[1, 4\]"),
+    ("--simulate-accept-len 0", r"--simulate-accept-len 0.0: must lie in \[1"),
+    ("--simulate-accept-len -1 --speculative-num-steps 2",
+     r"--simulate-accept-len -1.0: must lie in \[1, 3\]"),
+    ("--speculative-eagle-topk 0", "--speculative-eagle-topk 0: must be at least 1"),
+    ("--speculative-eagle-topk 2",
+     r"a tree needs --speculative-num-draft-tokens N, .* \(2 to 11 here\)"),
+    ("--speculative-eagle-topk 2 --speculative-num-draft-tokens 12",
+     r"--speculative-num-draft-tokens 12: a tree of topk 2 and 3 steps "
+     r"holds 2 to .* = 11 tokens"),
+    ("--speculative-eagle-topk 4 --speculative-num-draft-tokens 3 --simulate-accept-len 3.5",
+     r"--simulate-accept-len 3.5: must lie in \[1, 3\]"),
+    ("--prompt-ids p.jsonl", "--prompt-ids is for --dump"),
+    ("--preset kimi-k2", "--preset kimi-k2: a random Kimi-K2 needs a GPU"),
+    ("--cuda-graph on", "--cuda-graph on: CUDA graphs need a CUDA GPU"),
+    ("--routed-experts 3", "--routed-experts 3: tiny needs between 4 .* and 16"),
+    ("--moe-adaptive 0", "--moe-adaptive 0: a token count of 1 or more$"),
+    ("--model-path ckpt --quant int4",
+     "--quant, --routed-experts and --preset shape random weights"),
+    ("--batch-size x", "argument --batch-size: invalid int value: 'x'"),
+    ("--min-top1-agreement 2", r"--min-top1-agreement 2.0: must lie in \[0, 1\]"),
+    ("--dump x.npz", "--dump needs --prompt-ids FILE"),
+    ("--dump x.npz --prompt-ids p --temperature 0.5", "drop --temperature"),
+    ("--dump x.npz --prompt-ids p --batch-size 2", "drop --batch-size"),
+    ("--dump x.npz --prompt-ids nothere.jsonl", "^--prompt-ids nothere.jsonl: no such file$"),
+    ("--random-weights --model-path ckpt", "--random-weights replaces the trained tiny pair"),
+    ("--draft-path ckpt", "--draft-path needs --model-path: a head is trained for one target"),
+    ("--json /nonexistent/r.json",
+     r"--json /nonexistent/r.json: cannot write there \(no folder /nonexistent\)"),
+    ("--json .", r"--json .: cannot write there \(is a folder\)"),
+    ("--dump p.jsonl --prompt-ids ./p.jsonl",
+     r"^--dump p.jsonl: is the --prompt-ids file the run reads; write it elsewhere$"),
+    (f"--routing trace --routing-trace {HERE}/README.md --json {HERE}/README.md",
+     "^--json .*/README.md: is the --routing-trace file the run reads; write it elsewhere$"),
+    ("--dump /nonexistent/x.npz --prompt-ids p",
+     "--dump /nonexistent/x.npz: cannot write there"),
+    ("--dump x.npz --prompt-ids p --skip-e2e", "--dump times nothing"),
+    ("--context-len 2", r"--context-len 2: the isolated verify re-reads 4 cached tokens"),
+    ("--sweep-tokens 0", "argument --sweep-tokens: '0': comma-separated token counts of 1"),
+    ("--sweep-tokens 2,x", "argument --sweep-tokens: '2,x': comma-separated token counts"),
+    ("--batch-size 4 --sweep-tokens 8,100",
+     "--sweep-tokens 100, --batch-size 4: 4 x 100 tokens a forward; .* at most 256 tokens"),
+    ("--batch-size 300", "^--batch-size 300: 300 x 1 tokens a forward; .* at most 256"),
+    ("--sweep-tokens 4,20,100 --skip-e2e", r"^--sweep-tokens 20,100: a verify of T tokens "
+     r"re-reads the last T of the first context's 16 cached tokens \(--context-len, default "
+     r"--prompt-len\); use at most 16$"),
+    ("--sweep-tokens 4,20 --context-len 8 40",
+     "^--sweep-tokens 20: .* first context's 8 cached tokens"),
+    ("--dump x.npz --prompt-ids p --sweep-tokens 4", "--dump times nothing"),
+    # flags the run does not read: given, not defaulted
+    ("--dump x.npz --prompt-ids p --json r.json", "^--json shapes the timing run; --dump "),
+    ("--dump x.npz --prompt-ids p --reps 5", "^--reps shapes the timing run; --dump times"),
+    ("--dump x.npz --prompt-ids p --max-logprob-diff 3",
+     "^--max-logprob-diff is a threshold of --compare; --dump writes a file to compare$"),
+    ("--compare a.npz b.npz --json r.json",
+     "^--compare reads two dump files and builds no model: drop --json$"),
+    ("--compare a.npz b.npz --cuda-graph on --preset kimi-k2 --batch-size 2",
+     "builds no model: drop --preset, --cuda-graph, --batch-size$"),
+    ("--compare a.npz b.npz --topk 3", "builds no model: drop --topk$"),
+    ("--topk 3", "^--topk is for --dump: the log-probabilities it keeps per position$"),
+    ("--max-accept-diff 1", "^--max-accept-diff is a threshold of --compare A B"),
+]
+
+
 def test_run_py_refuses_bad_flags_before_building_anything(monkeypatch):
     """Each nonsense value is BadInput naming the flag, the value and what is allowed, raised by
     parse_args or settle (device-dependent ones are asked as on a CPU); none builds a model."""
     monkeypatch.setattr(timing, "build", lambda *a: pytest.fail("a model was built"))
-    at_least_1 = ["--max-new-tokens 0", "--max-new-tokens -5", "--prompt-len 0", "--reps 0",
-                  "--batch-size 0",
-                  "--speculative-num-steps -1", "--simulate-tp 0", "--topk 0 --dump x.npz"]
-    cases = [(flags, f"{flags.split(' --dump')[0]}: must be at least 1")
-             for flags in at_least_1] + [
-        ("--max-new-tokens 1", r"--max-new-tokens 1: the timing run needs at least 2 \(the "
-         "prefill makes the first token; a speculative cycle and a plain step need one more\\)"),
-        ("--temperature -1", "--temperature -1.0: must be at least 0"),
-        ("--temperature nan", "--temperature nan: must be at least 0"),
-        ("--temperature inf", r"^--temperature inf: must be finite \(0: greedy\)$"),
-        ("--speculative-num-steps 100",
-         r"--speculative-num-steps 100: .* must be below --prompt-len \(16\)"),
-        ("--simulate-accept-len 10", r"--simulate-accept-len 10.0: must lie in \[1, 4\]"),
-        ("--simulate-accept-len 0", r"--simulate-accept-len 0.0: must lie in \[1"),
-        ("--simulate-accept-len -1 --speculative-num-steps 2",
-         r"--simulate-accept-len -1.0: must lie in \[1, 3\]"),
-        ("--speculative-eagle-topk 0", "--speculative-eagle-topk 0: must be at least 1"),
-        ("--speculative-eagle-topk 2",
-         r"a tree needs --speculative-num-draft-tokens N, .* \(2 to 11 here\)"),
-        ("--speculative-eagle-topk 2 --speculative-num-draft-tokens 12",
-         r"--speculative-num-draft-tokens 12: a tree of topk 2 and 3 steps "
-         r"holds 2 to .* = 11 tokens"),
-        ("--speculative-eagle-topk 4 --speculative-num-draft-tokens 3 --simulate-accept-len 3.5",
-         r"--simulate-accept-len 3.5: must lie in \[1, 3\]"),
-        ("--prompt-ids p.jsonl", "--prompt-ids is for --dump"),
-        ("--preset kimi-k2", "--preset kimi-k2: a random Kimi-K2 needs a GPU"),
-        ("--cuda-graph on", "--cuda-graph on: CUDA graphs need a CUDA GPU"),
-        ("--routed-experts 3", "--routed-experts 3: tiny needs between 4 .* and 16"),
-        ("--moe-adaptive 0", "--moe-adaptive 0: a token count of 1 or more$"),
-        ("--model-path ckpt --quant int4",
-         "--quant, --routed-experts and --preset shape random weights"),
-        ("--batch-size x", "argument --batch-size: invalid int value: 'x'"),
-        ("--min-top1-agreement 2", r"--min-top1-agreement 2.0: must lie in \[0, 1\]"),
-        ("--dump x.npz", "--dump needs --prompt-ids FILE"),
-        ("--dump x.npz --prompt-ids p --temperature 0.5", "drop --temperature"),
-        ("--dump x.npz --prompt-ids p --batch-size 2", "drop --batch-size"),
-        ("--dump x.npz --prompt-ids nothere.jsonl", "^--prompt-ids nothere.jsonl: no such file$"),
-        ("--random-weights --model-path ckpt", "--random-weights replaces the trained tiny pair"),
-        ("--draft-path ckpt", "--draft-path needs --model-path: a head is trained for one target"),
-        ("--json /nonexistent/r.json",
-         r"--json /nonexistent/r.json: cannot write there \(no folder /nonexistent\)"),
-        ("--json .", r"--json .: cannot write there \(is a folder\)"),
-        ("--dump p.jsonl --prompt-ids ./p.jsonl",
-         r"^--dump p.jsonl: is the --prompt-ids file the run reads; write it elsewhere$"),
-        (f"--routing trace --routing-trace {HERE}/README.md --json {HERE}/README.md",
-         "^--json .*/README.md: is the --routing-trace file the run reads; write it elsewhere$"),
-        ("--dump /nonexistent/x.npz --prompt-ids p",
-         "--dump /nonexistent/x.npz: cannot write there"),
-        ("--dump x.npz --prompt-ids p --skip-e2e", "--dump times nothing"),
-        ("--context-len 2", r"--context-len 2: the isolated verify re-reads 4 cached tokens"),
-        ("--sweep-tokens 0", "argument --sweep-tokens: '0': comma-separated token counts of 1"),
-        ("--sweep-tokens 2,x", "argument --sweep-tokens: '2,x': comma-separated token counts"),
-        ("--batch-size 4 --sweep-tokens 8,100",
-         "--sweep-tokens 100, --batch-size 4: 4 x 100 tokens a forward; .* at most 256 tokens"),
-        ("--batch-size 300", "^--batch-size 300: 300 x 1 tokens a forward; .* at most 256"),
-        ("--sweep-tokens 4,20,100 --skip-e2e", r"^--sweep-tokens 20,100: a verify of T tokens "
-         r"re-reads the last T of the first context's 16 cached tokens \(--context-len, default "
-         r"--prompt-len\); use at most 16$"),
-        ("--sweep-tokens 4,20 --context-len 8 40",
-         "^--sweep-tokens 20: .* first context's 8 cached tokens"),
-        ("--dump x.npz --prompt-ids p --sweep-tokens 4", "--dump times nothing"),
-        # flags the run does not read: given, not defaulted
-        ("--dump x.npz --prompt-ids p --json r.json", "^--json shapes the timing run; --dump "),
-        ("--dump x.npz --prompt-ids p --reps 5", "^--reps shapes the timing run; --dump times"),
-        ("--dump x.npz --prompt-ids p --max-logprob-diff 3",
-         "^--max-logprob-diff is a threshold of --compare; --dump writes a file to compare$"),
-        ("--compare a.npz b.npz --json r.json",
-         "^--compare reads two dump files and builds no model: drop --json$"),
-        ("--compare a.npz b.npz --cuda-graph on --preset kimi-k2 --batch-size 2",
-         "builds no model: drop --preset, --cuda-graph, --batch-size$"),
-        ("--compare a.npz b.npz --topk 3", "builds no model: drop --topk$"),
-        ("--topk 3", "^--topk is for --dump: the log-probabilities it keeps per position$"),
-        ("--max-accept-diff 1", "^--max-accept-diff is a threshold of --compare A B"),
-    ]
-    for flags, message in cases:
+    for flags, message in BAD_FLAGS:
         with pytest.raises(run.BadInput, match=message):
             run.settle(run.parse_args(flags.split()), torch.device("cpu"), 1)
     with monkeypatch.context() as m, pytest.raises(
@@ -896,14 +899,10 @@ def test_kernel_bench_refuses_modes_together_and_a_json_it_cannot_write_before_c
     assert os.listdir(tmp_path) == []
 
 
-def test_verify_sweep_points_and_the_cliff_check():
+def test_verify_sweep_points():
     """The sweep's tokens a row: on a GPU 1 to 8, 10, 12, then every 4 to 32 while the batch's
     forward holds 32 tokens, on a CPU 1 to 6, or those of --sweep-tokens with the run's own chains
-    (1 to num_steps + 1), and the cache holds them. The cliff check passes a
-    curve that adds 1.25x its floor's increment a token, names a planted cliff (and a gap of
-    two tokens gets twice the slack, a batch of 2 twice again) within 100 columns, with the
-    components whose profiled time grew most where the points have profiles, and is None without
-    floors."""
+    (1 to num_steps + 1), and the cache holds them."""
     assert timing.sweep_tokens(True, 1) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16, 20, 24, 28, 32]
     assert timing.sweep_tokens(True, 2) == [1, 2, 3, 4, 5, 6, 7, 8, 10, 12, 16]
     assert timing.sweep_tokens(True, 4) == list(range(1, 9))
@@ -928,6 +927,13 @@ def test_verify_sweep_points_and_the_cliff_check():
     near = types.SimpleNamespace(sweep_tokens=None, dump=None, batch_size=1,
                                  speculative_num_steps=3, context_len=[6, 256])
     assert timing.verify_sweep_tokens(near, gpu=True) == list(range(1, 7))
+
+
+def test_the_sweeps_cliff_check():
+    """The cliff check passes a curve that adds 1.25x its floor's increment a token, names a
+    planted cliff (and a gap of two tokens gets twice the slack, a batch of 2 twice again) within
+    100 columns, with the components whose profiled time grew most where the points have
+    profiles, and is None without floors."""
     T = report.Timing
     tokens = timing.sweep_tokens(True, 1)
 

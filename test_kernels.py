@@ -2362,19 +2362,30 @@ def clear_top1(truth, err):
     return top2[..., 0] - top2[..., 1] > 2 * err
 
 
+def _graph_replays_eager(runner, key, fn, inputs, capture, what):
+    """One captured call replayed (captured first where `capture`) equal to its eager run, which
+    launches without programmatic dependent launch, with no host sync in either."""
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        eager = flat(eager_without_pdl(fn, *inputs))
+        if capture:
+            runner.run(key, fn, *inputs)
+        graphed = flat(runner.run(key, fn, *inputs))
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert_close(graphed, eager, 0.0, what)
+
+
 @pytest.mark.gpu
 @pytest.mark.triton
 def test_gpu_kernels_in_captured_paths(monkeypatch):
     """The tiny model with every kernel on: each captured shape replays equal to eager (launched
-    without programmatic dependent launch: eager_without_pdl), with no host sync anywhere. The
-    decode step (batch 3: 3 rows, with the merge in W_uv's launch allowed up to those 3 rows for
-    the test; run.py's step has 1) merges the attention's parts in W_uv's launch (mla_merge_absorb),
-    the verify in decode mode (12 rows) in the combine launch. In bf16 under uniform routing, a
-    prefill and a decode step of the tiny model with the kernels and without, against the plain
-    model in float32 on the same weights: the kernels' largest logit error within bf16_errors'
-    bound, and their top-1 the float32 one at no fewer positions than the plain bf16 model's, less
-    a tenth of the positions (float32 logits against the plain model's:
-    test_model_with_kernels_equals_plain, which runs on the GPU too)."""
+    without programmatic dependent launch: eager_without_pdl), with no host sync anywhere, then
+    again on other tokens at other positions. The decode step (batch 3: 3 rows, with the merge in
+    W_uv's launch allowed up to those 3 rows for the test; run.py's step has 1) merges the
+    attention's parts in W_uv's launch (mla_merge_absorb), the verify in decode mode (12 rows) in
+    the combine launch."""
     monkeypatch.setattr(kernels.mla, "MLA_MERGE_ABSORB_MAX_ROWS", 3)   # captured_calls' batch
     target, head = gpu_models(kernels_on="all")
     runner = CudaGraphs("cuda")
@@ -2387,30 +2398,26 @@ def test_gpu_kernels_in_captured_paths(monkeypatch):
     for routing in ("model", "uniform"):   # uniform: SIMULATED, inside the router kernel
         target.set_routing(routing)
         for key, fn, inputs in captured_calls(target, head):
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                eager = flat(eager_without_pdl(fn, *inputs))
-                runner.run(key + (routing,), fn, *inputs)          # capture
-                graphed = flat(runner.run(key + (routing,), fn, *inputs))
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            assert_close(graphed, eager, 0.0,
-                         f"kernels on, {routing} routing: graph vs eager {key}")
+            _graph_replays_eager(runner, key + (routing,), fn, inputs, True,
+                                 f"kernels on, {routing} routing: graph vs eager {key}")
         # replayed on other tokens at other positions (a graph that kept its capture's inputs or
         # positions would fail here, not above)
         for key, fn, inputs in captured_calls(target, head, P=15, seed=1):
-            torch.cuda.synchronize()
-            torch.cuda.set_sync_debug_mode("error")
-            try:
-                eager = flat(eager_without_pdl(fn, *inputs))
-                graphed = flat(runner.run(key + (routing,), fn, *inputs))
-            finally:
-                torch.cuda.set_sync_debug_mode("default")
-            assert_close(graphed, eager, 0.0,
-                         f"kernels on, {routing} routing: replay on new inputs vs eager {key}")
+            _graph_replays_eager(runner, key + (routing,), fn, inputs, False,
+                                 f"kernels on, {routing} routing: replay on new inputs vs "
+                                 f"eager {key}")
     assert {key.phase: where for key, where in merged_in.items() if key.mode == "decode"} == \
         {"decode_step": "w_uv", "verify": "combine"}, merged_in
+
+
+@pytest.mark.gpu
+@pytest.mark.triton
+def test_gpu_kernels_in_bf16_against_float32():
+    """In bf16 under uniform routing, a prefill and a decode step of the tiny model with every
+    kernel and without, against the plain model in float32 on the same weights: the kernels'
+    largest logit error within bf16_errors' bound, and their top-1 the float32 one at no fewer
+    positions than the plain bf16 model's, less a tenth of the positions (float32 logits against
+    the plain model's: test_model_with_kernels_equals_plain, which runs on the GPU too)."""
     # uniform routing: under the model's, near-tied routing choices flip with bf16 rounding and
     # move the logits as much as a layer does, kernels or not (docs/engine-check.md)
     plain, fast = kernel_models("cuda", torch.bfloat16)
