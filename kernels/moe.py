@@ -109,35 +109,28 @@ def _int4_configs(P, on_gpu):
     """_configs for INT4 (its own kernels, the section above _int4_mma_row): gate_up (BLOCK_N weight
     rows, BLOCK_K, num_warps, num_stages, SPLIT: the parts of D), down (the same, then BLOCKS: the
     row blocks a program makes in turn). 64 rows and steps of 128-column blocks: the MMA order
-    (_check_int4_tiles). Chosen with the tile in element order (the kernels before the MMA order,
-    which took any block shape; not swept again since) from a sweep at 8 and 32 tokens, uniform
-    routing and 8 distinct experts, the configs of least summed time over best time of the two
-    routings (H200, the layer's us in benchmarks/routing/kernels_int4_dot_sweep_52350b9.json):
-     - gate_up 64 rows of 256 elements in 3 stages (64 rows: sm_90's wgmma shape; with 32 and 16
-       rows the layer took 1.4x and 1.9-2.0x as long under uniform routing); D in 7 parts up to
-       128 pairs (8 experts at 8 tokens: 50.5 us against 60.8 in 4 parts and 72.8 in 2; uniform:
-       165 against 161 and 176), in 4 up to 256 (32 tokens: 462 against 459 in 2 and 473 in 7;
-       8 experts 115 against 138 and 117), whole above (64 and 128 tokens, uniform: 685 and 871
-       against 695 and 875 in 2 parts, 700 and 882 in 4; 32 experts: 214 and 324 against 194
-       and 313, 200 and 319; kernels_int4_dot_sweep_large_555e516.json);
-     - down 64 rows of 128 in 2 stages (between 129 and 256 pairs the element order's best was
-       128 rows of 128 on 8 warps, which the MMA order does not take: at 32 tokens, with the
-       packed dequantization: uniform 426.8 us against
-       439.3 with 128 rows of 256 in 1 stage and 390.7 with 64 rows of 128; 8 experts 80.7 against
-       82.1 and 93.8; benchmarks/routing/kernels_int4_tiles_sweep_d939771.json; at 64 and 128
-       tokens, uniform: 648 and 819 against 685 and 871; 32 experts: 228 and 332 against 214 and
-       324: above 256 pairs uniform routing, the worst case, picks);
+    (_check_int4_tiles). Up to 256 pairs from a sweep of these kernels at 8 and 32 tokens, uniform
+    routing and 8 distinct experts, one kernel's config at a time (H100, the layer's us in
+    benchmarks/routing/kernels_int4_mma_sweep_ae12fb0.json):
+     - gate_up 64 rows of 256 elements in 2 stages, D in 7 parts: uniform routing, 32 tokens,
+       gate_up 175 us against 215 in 3 stages and 4 parts (the layer 292 against 327), 8 tokens
+       64 against 75; 8 experts at 8 tokens 17.3 against 22.4, at 32 within 1 us of the best;
+     - down 64 rows of 128 in 3 stages: uniform at 32 tokens 90 us against 104 in 2 stages, at 8
+       35 against 39; 8 experts within 0.5 us;
      - down's programs each making BLOCKS (the fifth entry) row blocks in turn: 2 up to 128
-       pairs, 4 up to 256, 1 above (not measured there). The layer in us with 1 / 2 / 4 blocks,
-       with 8 experts: 43.1 / 38.5 / 42.5 at 8 tokens, 54.6 / 40.8 / 45.3 at 16, 78.0 / 68.3 /
-       63.0 at 32; uniform: 140.2 / 138.6 / 141.7, 222.5 / 216.7 / 216.5, 444.3 / 426.7 / 424.1
-       (benchmarks/routing/kernels_int4_tiles_down_blocks_{1,2,4}.json)."""
+       pairs, 4 up to 256, 1 above. With the tile in element order (the kernels before the MMA
+       order), the layer in us with 1 / 2 / 4 blocks, with 8 experts: 43.1 / 38.5 / 42.5 at 8
+       tokens, 54.6 / 40.8 / 45.3 at 16, 78.0 / 68.3 / 63.0 at 32; uniform: 140.2 / 138.6 /
+       141.7, 222.5 / 216.7 / 216.5, 444.3 / 426.7 / 424.1
+       (benchmarks/routing/kernels_int4_tiles_down_blocks_{1,2,4}.json).
+    Above 256 pairs (past 32 tokens, where only the tiles serve INT4) the configs are the element
+    order's (whole D in 3 stages, down in 2: at 64 and 128 tokens, uniform, 685 and 871 us against
+    695 and 875 in 2 parts; kernels_int4_dot_sweep_large_555e516.json), not swept in the MMA
+    order."""
     if not on_gpu:   # the interpreter: fewest, largest
         return dict(gate_up=(64, 128, 4, 1, 1), down=(64, 128, 4, 1, 1))
-    if P <= 128:
-        return dict(gate_up=(64, 256, 4, 3, 7), down=(64, 128, 4, 2, 2))
     if P <= 256:
-        return dict(gate_up=(64, 256, 4, 3, 4), down=(64, 128, 4, 2, 4))
+        return dict(gate_up=(64, 256, 4, 2, 7), down=(64, 128, 4, 3, 2 if P <= 128 else 4))
     return dict(gate_up=(64, 256, 4, 3, 1), down=(64, 128, 4, 2, 1))
 
 
