@@ -111,21 +111,23 @@ GEMV_SMALL_TOKENS = 2
 #    (393.4 against 416.4: BENCHMARKS.md, Kernel level, shapes/kernels_crossover_tip.json), but
 #    there the GEMV also carries the bf16 shared expert, which beside the tiles runs alone (12.7 us
 #    a layer at 32 tokens: the INT4 shared-forms table there): 32;
-#  - INT4: the GEMV at 1.6-2.3x from 2 tokens (2.9x at 1), the tiles at 2.9-5.9x, 1.7-2.2x the
-#    GEMV's time at every count (BENCHMARKS.md, Kernel level, the table by variant; the tiles
-#    before they took the MMA's operand order, moe.py's section above _int4_mma_row): 32;
+#  - INT4: the GEMV at 1.6-2.3x from 2 tokens (2.9x at 1); the tiles in the MMA's operand order
+#    (moe.py's section above _int4_mma_row), on an H100: 1.67x, 1.54x, 1.41x at 8, 16, 32 tokens
+#    against the GEMV's 1.26x, 1.34x, 1.38x (BENCHMARKS.md, Routing, "INT4's tiles in the MMA's
+#    operand order"): 32;
 #  - bf16, 128 experts and the shared expert folded in as expert 129 (SharedExpertInLaunch: every
 #    token picks it; run.py's shapes): the GEMV wins at 1 and 2 tokens (30 against 54 us, 53
 #    against 59), the tiles from 3 (72 against 81): 2.
 # At TP 4 (I 512) and TP 2 (I 1024), no shared expert, us a layer (benchmarks/shapes/
 # kernels_tp{4,2}_moe.json, kernels_tp{4,2}_fp8_16to32_moe.json): FP8 GEMV / tiles 395 / 407 at 16
 # tokens, 494 / 499 at 20, 589 / 581 at 24 and 780 / 699 at 32 (TP 4), 771 / 782, 957 / 953, 1151 /
-# 1075 and 1518 / 1313 (TP 2): 20; INT4 the GEMV at every count, the tiles 3.3-4.6x slower
-# (measured against an older INT4 tile kernel, c1c0373's, and not re-measured against moe.py's):
-# 32; bf16 172 / 194 at 2 and 245 / 242 at 3 at TP 2: 2. bf16 at TP 4 stays at 2 though its GEMV led
-# up to 8 tokens there (315 / 320 at 8, 615 / 579 at 16): those rows lack the shared expert that
-# SharedExpertInLaunch folds in as one more expert a token, which the GEMV reads once a token and
-# the tiles once, as in TP 8's rows; they are not measured with it.
+# 1075 and 1518 / 1313 (TP 2): 20; INT4 the GEMV at every count (TP 4, the MMA-order tiles with
+# the configs before moe._int4_configs' re-sweep, H100: 158.8 / 220.4 at 8 tokens, 583.1 / 631.0
+# at 32, routing/kernels_int4_mma_tp4_ae12fb0.json; TP 2 against an older INT4 tile kernel,
+# c1c0373's, 3.3-4.6x slower): 32; bf16 172 / 194 at 2 and 245 / 242 at 3 at TP 2: 2. bf16 at TP 4
+# stays at 2 though its GEMV led up to 8 tokens there (315 / 320 at 8, 615 / 579 at 16): those
+# rows lack the shared expert that SharedExpertInLaunch folds in as one more expert a token, which
+# the GEMV reads once a token and the tiles once, as in TP 8's rows; they are not measured with it.
 GEMV_MAX_TOKENS = {"plain": {256: 2, 512: 2, 1024: 2}, "fp8": {256: 32, 512: 20, 1024: 20},
                    "int4": {256: 32, 512: 32, 1024: 32}}
 
