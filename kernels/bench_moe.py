@@ -69,13 +69,15 @@ GEMV_SWEEP = {"plain": dict(gate_up=[], down=[(32, 256, 4, 1)]),
                                    (4, 128, 2, 8, 8)],
                           down=[(16, 128, 4, 2), (4, 128, 2, 2)]),
               "int4": dict(gate_up=[(2, 128, 1), (1, 256, 1), (1, 64, 1), (2, 128, 2), (4, 128, 2),
-                                    (2, 256, 1)],
+                                    (2, 256, 1), (8, 128, 2), (8, 128, 4), (16, 128, 4)],
                            down=[(8, 256, 2), (4, 64, 1), (2, 128, 1), (4, 256, 1), (8, 128, 2),
-                                 (4, 128, 2)])}
+                                 (4, 128, 2), (16, 128, 2), (16, 128, 4), (32, 128, 4)])}
 
 
 def _sweep_points(fmt, variant):
-    if variant == "gemv":
+    """A variant's sweep points: the adaptive variant's configs are its GEMV launches' (the tiles
+    keep moe._configs')."""
+    if variant in ("gemv", "adaptive"):
         return [{part: c} for part, cs in GEMV_SWEEP[fmt].items() for c in cs]
     if fmt == "int4":
         return [{part: c} for part, cs in INT4_DOT_SWEEP.items() for c in cs]
