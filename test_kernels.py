@@ -574,6 +574,40 @@ def test_fused_moe_gemv_shared_h_made_once(quant, monkeypatch):
 
 
 @pytest.mark.triton
+def test_int4_adaptive_gemv_programs_take_several_pairs_and_row_blocks(monkeypatch):
+    """INT4's adaptive variant launches its GEMV with few programs (moe_gemv.ADAPTIVE_PROGRAMS, 5
+    here), each taking several pairs (gate_up) or row blocks of D (down) in turn, the last of
+    them partly past the pairs and past D: with the GEMV chosen and with the tiles chosen, with a
+    shared expert and without, equal to the gather path (plus the plain MLP). I 96 a rank in 32-row
+    blocks: gate_up 3 row blocks x 6 pairs, 4 pairs a program; down 3 row blocks of D 96 x 3
+    tokens, 2 a program."""
+    monkeypatch.setattr(kernels.moe_gemv, "ADAPTIVE_PROGRAMS", 5)
+    D = 96
+    args = tiny(n_routed_experts=16, num_experts_per_tok=2, hidden_size=D,
+                moe_intermediate_size=192, quantization_config="int4")
+    experts = init_random(ExpertsHolder(args, TP(1, 2), TRITON_DEVICE, torch.float32), 0).experts
+    weights = [kernels.expert_weights(getattr(experts, p))
+               for p in ("gate_proj", "up_proj", "down_proj")]
+    I, g = weights[0].shape[1], torch.Generator().manual_seed(2)
+    assert kernels.moe_gemv._adaptive_fold((), 6, 3) == 4
+    assert kernels.moe_gemv._adaptive_fold((), 3, 3) == 2
+    assert kernels.moe_gemv._adaptive_fold(None, 6, 3) == 1
+    shared = [torch.randn(*s, generator=g).to(TRITON_DEVICE) / 8 for s in ((I, D), (I, D), (D, I))]
+    cfg = dict(gate_up=(32, 4, 4), down=(32, 32, 4))
+    ids, w = routing("random", 3, 2, 16, g, TRITON_DEVICE)
+    x = torch.randn(3, D, generator=g).to(TRITON_DEVICE)
+    disjoint = torch.randperm(16, generator=g)[:6].view(3, 2).to(ids)
+    for how, chosen in (("the GEMV", disjoint), ("the tiles", ids[[2, 2, 2]])):
+        for s in (None, shared):
+            want = model.Experts.forward(experts, x, chosen, w)
+            want = want if s is None else want + shared_mlp(x, s)
+            got = kernels.fused_moe(x, chosen, w, *weights, variant="adaptive", shared=s,
+                                    configs=cfg)
+            assert_close(got, want, 1e-5 * want.abs().max().item(),
+                         f"INT4 adaptive, {how} chosen, shared {s is not None}, folded programs")
+
+
+@pytest.mark.triton
 def test_fused_moe_rule_picks_gemv_for_few_pairs(monkeypatch):
     """The model's fused path runs the GEMV variant up to gemv_max_tokens tokens and tiles above: a
     rule on shapes (never on routed values), so one captured graph always replays one variant. The

@@ -641,7 +641,8 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
                                   EVEN: tl.constexpr, SPLIT: tl.constexpr, SHARED_K: tl.constexpr,
                                   EVEN_SHARED: tl.constexpr, SHARED_SLICES: tl.constexpr,
                                   SHARED_N_PAD: tl.constexpr, SHARED_PRECISION: tl.constexpr,
-                                  PACKED: tl.constexpr, use_tiles_ptr, ADAPTIVE: tl.constexpr):
+                                  PACKED: tl.constexpr, use_tiles_ptr, ADAPTIVE: tl.constexpr,
+                                  PAIRS: tl.constexpr):
     """_moe_gemv_gate_up_kernel for INT4 weights: v_ptr the activations as fp32 planes [N, 8, D/8]
     (plane j = elements 8w + j), h written in plane order (element i of row p at (i % 8) * I/8 + i
     // 8), the planes down reads; PACKED (bf16 x): v_ptr the pair planes [N, 4, D/8] (int32), h bf16
@@ -651,7 +652,8 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
     take the bf16 shared expert (_shared_gate_up; x_ptr, part_ptr, hs_ptr, count_ptr, sg_ptr,
     su_ptr, N: its arguments; SPLIT 0: none; SHARED_K bf16 columns a step; SHARED_SLICES > 0: its
     dot form), launched first since each runs its N tokens one after another; pair p is program
-    SPLIT + p. ADAPTIVE: as _moe_gemv_gate_up_kernel's."""
+    SPLIT + p. ADAPTIVE: as _moe_gemv_gate_up_kernel's, and a program takes PAIRS pairs in turn
+    (SPLIT + p // PAIRS; fewer programs to find the flag set: _adaptive_fold)."""
     _wait_for_prior()
     pid_n, p = tl.program_id(0), tl.program_id(1) - SPLIT
     if SPLIT > 0:
@@ -663,6 +665,26 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
     if ADAPTIVE:
         if tl.load(use_tiles_ptr) != 0:
             return
+    if PAIRS == 1:
+        _int4_gate_up_pair(p, pid_n, v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr,
+                           us_ptr, stride_we, stride_wn, stride_se, stride_sr, magic, TOPK, D, I,
+                           GROUP, BLOCK_N, BLOCK_W, EVEN, PACKED)
+    else:
+        for i in range(PAIRS):
+            if p * PAIRS + i < N * TOPK:
+                _int4_gate_up_pair(p * PAIRS + i, pid_n, v_ptr, h_ptr, ids_ptr, route_w_ptr,
+                                   g_ptr, gs_ptr, u_ptr, us_ptr, stride_we, stride_wn, stride_se,
+                                   stride_sr, magic, TOPK, D, I, GROUP, BLOCK_N, BLOCK_W, EVEN,
+                                   PACKED)
+
+
+@_jit
+def _int4_gate_up_pair(p, pid_n, v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr, us_ptr,
+                       stride_we, stride_wn, stride_se, stride_sr, magic, TOPK: tl.constexpr,
+                       D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr,
+                       BLOCK_N: tl.constexpr, BLOCK_W: tl.constexpr, EVEN: tl.constexpr,
+                       PACKED: tl.constexpr):
+    """_moe_gemv_int4_gate_up_kernel's work for pair p: h's rows of row block pid_n."""
     W: tl.constexpr = D // 8
     e = tl.load(ids_ptr + p).to(tl.int64)
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
@@ -735,16 +757,38 @@ def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we,
                                GROUP: tl.constexpr,
                                BLOCK_N: tl.constexpr, BLOCK_C: tl.constexpr, EVEN: tl.constexpr,
                                SHARED: tl.constexpr, I_PAD: tl.constexpr, PACKED: tl.constexpr,
-                               use_tiles_ptr, y_ptr, ADAPTIVE: tl.constexpr):
+                               use_tiles_ptr, y_ptr, ADAPTIVE: tl.constexpr, BLOCKS: tl.constexpr):
     """_moe_gemv_down_kernel for INT4 weights, h in plane order (gate_up's). A tile's columns are
     the token's K experts' words side by side (column c: expert slot c // (I/8), word c % (I/8)),
     BLOCK_C columns a step; PACKED: h as gate_up's bf16 pair planes, read as int32 [P, 4, I/8].
     SHARED: the bf16 shared expert too, weight 1 (_shared_down: gate_up's h
     = silu(g) * u hs [N, I] fp32 times its down weights sd_ptr [D, I]; I_PAD: a power of two >= I).
-    ADAPTIVE: as _moe_gemv_down_kernel's.
-    Grid: (N, cdiv(D, BLOCK_N))."""
+    ADAPTIVE: as _moe_gemv_down_kernel's, and a program makes BLOCKS row blocks in turn (fewer
+    programs where the tiles served the call: _adaptive_fold).
+    Grid: (N, cdiv(D, BLOCK_N * BLOCKS))."""
     _wait_for_prior()
     token, pid_n = tl.program_id(0), tl.program_id(1)
+    if BLOCKS == 1:
+        _int4_down_rows(token, pid_n, h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we, stride_wn,
+                        stride_se, stride_sr, magic, hs_ptr, sd_ptr, TOPK, D, I, GROUP, BLOCK_N,
+                        BLOCK_C, EVEN, SHARED, I_PAD, PACKED, use_tiles_ptr, y_ptr, ADAPTIVE)
+    else:
+        for j in range(BLOCKS):
+            if (pid_n * BLOCKS + j) * BLOCK_N < D:
+                _int4_down_rows(token, pid_n * BLOCKS + j, h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
+                                stride_we, stride_wn, stride_se, stride_sr, magic, hs_ptr, sd_ptr,
+                                TOPK, D, I, GROUP, BLOCK_N, BLOCK_C, EVEN, SHARED, I_PAD, PACKED,
+                                use_tiles_ptr, y_ptr, ADAPTIVE)
+
+
+@_jit
+def _int4_down_rows(token, pid_n, h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we, stride_wn,
+                    stride_se, stride_sr, magic, hs_ptr, sd_ptr, TOPK: tl.constexpr,
+                    D: tl.constexpr, I: tl.constexpr, GROUP: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_C: tl.constexpr, EVEN: tl.constexpr, SHARED: tl.constexpr,
+                    I_PAD: tl.constexpr, PACKED: tl.constexpr, use_tiles_ptr, y_ptr,
+                    ADAPTIVE: tl.constexpr):
+    """_moe_gemv_int4_down_kernel's work for one token and row block pid_n of out."""
     W: tl.constexpr = I // 8
     n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     n_ok = n < D
@@ -903,6 +947,19 @@ def _adaptive_args(tiles, placeholder):
             dict(use_tiles_ptr=use_tiles, y_ptr=y, ADAPTIVE=tiles is not None))
 
 
+# INT4's adaptive variant: its GEMV launches hold about this many programs at most, each taking
+# several pairs (gate_up) or row blocks (down) in turn, since where the tiles served the call each
+# program still costs its launch to find the flag set (BENCHMARKS.md, Routing: 80 us at 32
+# tokens for gate_up's 65,536)
+ADAPTIVE_PROGRAMS = 4096
+
+
+def _adaptive_fold(tiles, units, others):
+    """The units (pairs, row blocks) a program of the INT4 GEMV's adaptive launch takes in turn,
+    where the grid's other axis has `others` programs; 1 without tiles (the GEMV variant)."""
+    return 1 if tiles is None else max(1, triton.cdiv(units * others, ADAPTIVE_PROGRAMS))
+
+
 def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, planes=None,
                          tiles=None):
     """The GEMV variant for INT4 weights (see _fused_moe_gemv); shared, planes, tiles: its."""
@@ -917,19 +974,22 @@ def _fused_moe_gemv_int4(x, ids, route_w, gate, up, down, cfg, shared=None, plan
                                        cfg.get("shared_dot", _shared_dot("int4", N)))
     ad_gate_up, ad_down = _adaptive_args(tiles, ids)
     s = gate.data.stride(), gate.scale.stride()
-    _moe_gemv_int4_gate_up_kernel[(triton.cdiv(I, bn), sh_gate_up["SPLIT"] + P)](
+    row_blocks = triton.cdiv(I, bn)
+    pairs = _adaptive_fold(tiles, P, row_blocks)
+    _moe_gemv_int4_gate_up_kernel[(row_blocks, sh_gate_up["SPLIT"] + triton.cdiv(P, pairs))](
         v, h, ids, route_w, gate.data, gate.scale, up.data, up.scale, s[0][0], s[0][1], s[1][0],
         s[1][1], magic, x, TOPK=K, D=D, I=I, GROUP=gate.group,
         BLOCK_N=bn, BLOCK_W=bw, EVEN=I % bn == 0 and D % (8 * bw) == 0, **sh_gate_up,
-        **ad_gate_up, PACKED=packed, launch_pdl=common.PDL, num_warps=warps)
+        **ad_gate_up, PAIRS=pairs, PACKED=packed, launch_pdl=common.PDL, num_warps=warps)
     bn, bc, warps = cfg["down"]
     out = torch.empty(N, D, dtype=x.dtype, device=dev)
     s = down.data.stride(), down.scale.stride()
-    _moe_gemv_int4_down_kernel[(N, triton.cdiv(D, bn))](
+    blocks = _adaptive_fold(tiles, triton.cdiv(D, bn), N)
+    _moe_gemv_int4_down_kernel[(N, triton.cdiv(D, bn * blocks))](
         h.view(torch.int32) if packed else h, out, ids, down.data, down.scale, s[0][0], s[0][1],
         s[1][0], s[1][1], magic, TOPK=K, D=D, I=I, GROUP=down.group, BLOCK_N=bn, BLOCK_C=bc,
-        EVEN=D % bn == 0 and K * I // 8 % bc == 0, **sh_down, **ad_down, PACKED=packed,
-        launch_pdl=common.PDL, num_warps=warps)
+        EVEN=D % bn == 0 and K * I // 8 % bc == 0, **sh_down, **ad_down, BLOCKS=blocks,
+        PACKED=packed, launch_pdl=common.PDL, num_warps=warps)
     return out
 
 
