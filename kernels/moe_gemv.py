@@ -949,8 +949,9 @@ def _adaptive_args(tiles, placeholder):
 
 # INT4's adaptive variant: its GEMV launches hold about this many programs at most, each taking
 # several pairs (gate_up) or row blocks (down) in turn, since where the tiles served the call each
-# program still costs its launch to find the flag set (BENCHMARKS.md, Routing: 80 us at 32
-# tokens for gate_up's 65,536)
+# program still costs its launch to find the flag set (on an H100, 80 us at 32 tokens for gate_up's
+# 65,536). With 4,096 (not swept) the adaptive layer took 1.1-2.8x less time where the tiles ran
+# and 16-19% more where the GEMV ran (BENCHMARKS.md, Routing, "INT4's adaptive variant")
 ADAPTIVE_PROGRAMS = 4096
 
 
