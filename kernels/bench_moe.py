@@ -53,8 +53,8 @@ DOT_SWEEP = dict(gate_up=[(16, 128, 4, 4, 1), (32, 128, 4, 4, 1), (16, 128, 4, 5
 # INT4's tiles (moe._int4_configs): gate_up (BLOCK_N, BLOCK_K, num_warps, num_stages, SPLIT),
 # down the same with BLOCKS (row blocks a program makes in turn) for SPLIT. Their tile is laid out
 # for the MMA's operand registers: 64 rows, steps of 128-column blocks (moe._check_int4_tiles).
-# gate_up's sm_90 build at Kimi-K2's shapes (Triton 3.7.1, compiled on a CPU) takes 95 registers a
-# thread at steps of 256, down 80 at 128
+# gate_up's sm_90 build at Kimi-K2's shapes and moe._int4_configs' (Triton 3.7.1, compiled on a CPU)
+# takes 96 registers a thread at steps of 256 in 2 stages, down 79 at 128 in 3
 INT4_DOT_SWEEP = dict(gate_up=[(64, 256, 4, 3, 7), (64, 256, 4, 3, 4), (64, 256, 4, 3, 2),
                                (64, 256, 4, 3, 1), (64, 256, 4, 4, 7), (64, 256, 4, 2, 7),
                                (64, 128, 4, 3, 7), (64, 128, 4, 4, 7), (64, 128, 4, 5, 7),
