@@ -113,8 +113,8 @@ GEMV_SMALL_TOKENS = 2
 #    a layer at 32 tokens: the INT4 shared-forms table there): 32;
 #  - INT4: the GEMV at 1.6-2.3x from 2 tokens (2.9x at 1); the tiles in the MMA's operand order
 #    (moe.py's section above _int4_mma_row), on an H100: 1.67x, 1.54x, 1.41x at 8, 16, 32 tokens
-#    against the GEMV's 1.26x, 1.34x, 1.38x (BENCHMARKS.md, Routing, "INT4's tiles in the MMA's
-#    operand order"): 32;
+#    against the GEMV's 1.26x, 1.34x, 1.38x with the router's planes (BENCHMARKS.md, Routing,
+#    "INT4's tiles in the MMA's operand order"): 32;
 #  - bf16, 128 experts and the shared expert folded in as expert 129 (SharedExpertInLaunch: every
 #    token picks it; run.py's shapes): the GEMV wins at 1 and 2 tokens (30 against 54 us, 53
 #    against 59), the tiles from 3 (72 against 81): 2.
