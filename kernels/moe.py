@@ -326,35 +326,36 @@ def _moe_down_kernel(h_ptr, y_ptr, sorted_pair_ptr, tile_expert_ptr, route_w_ptr
              mask=row_ok[:, None] & n_ok[None, :])
 
 
-# INT4 tiles: the weights as the MMA's first operand. A tile's pairs (at most BLOCK_M = 16, mostly 1
-# to 4 under uniform routing) are the product's narrow side, INT4_ROWS = 64 weight rows its tall
+# INT4 tiles: the weights as the MMA's first operand. A tile's pairs (at most BLOCK_M = 16, mostly
+# 1 to 4 under uniform routing) are the product's narrow side, INT4_ROWS = 64 weight rows its tall
 # side (sm_90's wgmma: 64 rows a warp group): acc [64, BLOCK_M] += W [64, 128] @ X [128, BLOCK_M],
 # one tl.dot a projection and INT4_K = 128 columns. _int4_mma_block dequantizes W in registers
-# straight into the order in which the MMA takes its first operand from registers, so the tile never
-# passes through shared memory: a dot's result does not depend on the order of its k (X's rows come
-# in the same order) nor on which weight row an accumulator row holds (the stores put each where it
-# belongs). The 16 words a row [64, 16] arrive as Triton lays out such a load for 4 warps where it
-# knows a row's words 16-byte aligned (the launcher specializes on row strides that are multiples of
-# 16 words: D and I multiples of 128, as Kimi-K2's; elsewhere the same results through shared
-# memory): a thread holds 4 consecutive words of a row; lanes take words 4-15 by fours (2 bits) and
-# rows 0-7 (3 bits), warps rows 8-31, registers row 32. Each word's 8 nibbles lie in its thread, as
-# pairs j and j + 4 in one 32-bit register (the packed form below: one FMA makes q - 8, one the
-# scale). The MMA's first operand in registers wants: lanes at k bits 1-2 and rows 0-7 (row bits
-# 0-2), warps at rows 16-63, registers at k bits 0 and 3-6 and row bit 3, k bit 0 the pair of a
-# register. So the MMA's row r holds weight row _int4_mma_row(r) (row bits 3-5 rotated) and its
-# column c actual k (_in_int4_mma_order): c's bits, high to low, are (w bits 1-0, j bit 0, j bit 1,
-# w bits 3-2, j bit 2) for nibble j of word w, k = 8w + j: the words' lane bits where the MMA's
-# lanes hold k, a register's two nibbles its pair. The layout of the joins, the permute and the
-# reshape then equals the MMA operand's up to the order of a thread's registers, and Triton converts
-# it without data movement (sm_90 code compiled on a CPU, gate_up at Kimi-K2's shapes in steps of
-# 256: no shared memory stores or ldmatrix for W; 95 registers a thread and 706 instructions a warp
-# and step, against 227 and 1,054 with the tile in element order, whose conversion went through
-# shared memory). X [128, BLOCK_M] is loaded in k order (cp.async, pipelined) and permuted to the
-# columns' order (_in_int4_mma_order), in shared memory as any second operand. Nibbles become q - 8
-# by the exponent trick (moe_gemv._nibble, _q_pair), times their group scale rounded once to the
-# compute dtype, as the plain module's dequantization rounds: for bf16 activations and scales in
-# pairs through fma.rn.bf16x2 (the packed form; the same bits as the fp32 form's product rounded to
-# bf16: a 4-bit by 8-bit significand product is exact in fp32).
+# straight into the order in which the MMA takes its first operand from registers, so the tile
+# never passes through shared memory: a dot's result does not depend on the order of its k (X's
+# rows come in the same order) nor on which weight row an accumulator row holds (the stores put
+# each where it belongs). The 16 words a row [64, 16] arrive as Triton lays out such a load for 4
+# warps where it knows a row's words 16-byte aligned (the launcher specializes on row strides that
+# are multiples of 16 words: D and I multiples of 128, as Kimi-K2's; elsewhere the same results
+# through shared memory): a thread holds 4 consecutive words of a row; lanes take words 4-15 by
+# fours (2 bits) and rows 0-7 (3 bits), warps rows 8-31, registers row 32. Each word's 8 nibbles
+# lie in its thread, as pairs j and j + 4 in one 32-bit register (the packed form below: one FMA
+# makes q - 8, one the scale). The MMA's first operand in registers wants: lanes at k bits 1-2 and
+# rows 0-7 (row bits 0-2), warps at rows 16-63, registers at k bits 0 and 3-6 and row bit 3, k bit
+# 0 the pair of a register. So the MMA's row r holds weight row _int4_mma_row(r) (row bits 3-5
+# rotated) and its column c actual k (_in_int4_mma_order): c's bits, high to low, are (w bits 1-0,
+# j bit 0, j bit 1, w bits 3-2, j bit 2) for nibble j of word w, k = 8w + j: the words' lane bits
+# where the MMA's lanes hold k, a register's two nibbles its pair. The layout of the joins, the
+# permute and the reshape then equals the MMA operand's up to the order of a thread's registers,
+# and Triton converts it without data movement (sm_90 code compiled on a CPU, gate_up at Kimi-K2's
+# shapes in steps of 256: no shared memory stores or ldmatrix for W; in 3 stages 95 registers a
+# thread and 706 instructions a warp and step, against 227 and 1,054 with the tile in element
+# order, whose conversion went through shared memory). X [128, BLOCK_M] is loaded in k order
+# (cp.async, pipelined) and permuted to the columns' order (_in_int4_mma_order), in shared memory
+# as any second operand. Nibbles become q - 8 by the exponent trick (moe_gemv._nibble, _q_pair),
+# times their group scale rounded once to the compute dtype, as the plain module's dequantization
+# rounds: for bf16 activations and scales in pairs through fma.rn.bf16x2 (the packed form; the
+# same bits as the fp32 form's product rounded to bf16: a 4-bit by 8-bit significand product is
+# exact in fp32).
 # Words, scales and X feed the dot, so Triton's pipeliner issues them num_stages - 1 steps ahead
 # (cp.async). A step of BLOCK_K (a multiple of INT4_K) makes BLOCK_K / INT4_K such blocks in turn.
 # gate_up splits D into SPLIT parts (grid axis 2): where tokens share a few experts the tiles are
