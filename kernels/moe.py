@@ -767,10 +767,11 @@ def _fused_moe_tile(x, ids, route_w, gate, up, down, fmt, K, cfg):
 def _fused_moe_adaptive(x, ids, route_w, gate, up, down, fmt, K, cfgs, shared, planes):
     """fused_moe's adaptive variant: the tiles or the GEMV, chosen on the device from the routing
     (align with share ADAPTIVE_SHARE: the tiles where the call's distinct experts are at most that
-    share of its pairs). Both paths are launched; the unchosen one's programs return at once. The
-    GEMV launches always carry the shared expert, and their down either makes its products or, for
-    the tiles, adds each token's rows of y (in place of the combine). cfgs: (the GEMV's block
-    sizes, the tiles')."""
+    share of its pairs). Both paths are launched; the unchosen one's programs return at once (a
+    captured graph's conditional node could skip its launches: torch 2.13 captures them,
+    CUDAGraph.begin_capture_to_if_node, torch 2.11 does not). The GEMV launches always carry the
+    shared expert, and their down either makes its products or, for the tiles, adds each token's
+    rows of y (in place of the combine). cfgs: (the GEMV's block sizes, the tiles')."""
     P, D = ids.numel(), x.shape[1]
     tiles = align(ids, gate.shape[0], share=ADAPTIVE_SHARE)
     y = torch.empty(P, D, dtype=torch.float32, device=x.device)    # the tiles' rows, if chosen
