@@ -665,17 +665,11 @@ def _moe_gemv_int4_gate_up_kernel(v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_
     if ADAPTIVE:
         if tl.load(use_tiles_ptr) != 0:
             return
-    if PAIRS == 1:
-        _int4_gate_up_pair(p, pid_n, v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr, gs_ptr, u_ptr,
-                           us_ptr, stride_we, stride_wn, stride_se, stride_sr, magic, TOPK, D, I,
-                           GROUP, BLOCK_N, BLOCK_W, EVEN, PACKED)
-    else:
-        for i in range(PAIRS):
-            if p * PAIRS + i < N * TOPK:
-                _int4_gate_up_pair(p * PAIRS + i, pid_n, v_ptr, h_ptr, ids_ptr, route_w_ptr,
-                                   g_ptr, gs_ptr, u_ptr, us_ptr, stride_we, stride_wn, stride_se,
-                                   stride_sr, magic, TOPK, D, I, GROUP, BLOCK_N, BLOCK_W, EVEN,
-                                   PACKED)
+    for i in range(PAIRS):    # PAIRS 1 (the GEMV variant): the pass alone, compiled as no loop
+        if PAIRS == 1 or p * PAIRS + i < N * TOPK:       # the last program's pairs past P: none
+            _int4_gate_up_pair(p * PAIRS + i, pid_n, v_ptr, h_ptr, ids_ptr, route_w_ptr, g_ptr,
+                               gs_ptr, u_ptr, us_ptr, stride_we, stride_wn, stride_se, stride_sr,
+                               magic, TOPK, D, I, GROUP, BLOCK_N, BLOCK_W, EVEN, PACKED)
 
 
 @_jit
@@ -768,17 +762,12 @@ def _moe_gemv_int4_down_kernel(h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we,
     Grid: (N, cdiv(D, BLOCK_N * BLOCKS))."""
     _wait_for_prior()
     token, pid_n = tl.program_id(0), tl.program_id(1)
-    if BLOCKS == 1:
-        _int4_down_rows(token, pid_n, h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr, stride_we, stride_wn,
-                        stride_se, stride_sr, magic, hs_ptr, sd_ptr, TOPK, D, I, GROUP, BLOCK_N,
-                        BLOCK_C, EVEN, SHARED, I_PAD, PACKED, use_tiles_ptr, y_ptr, ADAPTIVE)
-    else:
-        for j in range(BLOCKS):
-            if (pid_n * BLOCKS + j) * BLOCK_N < D:
-                _int4_down_rows(token, pid_n * BLOCKS + j, h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
-                                stride_we, stride_wn, stride_se, stride_sr, magic, hs_ptr, sd_ptr,
-                                TOPK, D, I, GROUP, BLOCK_N, BLOCK_C, EVEN, SHARED, I_PAD, PACKED,
-                                use_tiles_ptr, y_ptr, ADAPTIVE)
+    for j in range(BLOCKS):   # BLOCKS 1 (the GEMV variant): the pass alone, compiled as no loop
+        if BLOCKS == 1 or (pid_n * BLOCKS + j) * BLOCK_N < D:     # the last's blocks past D: none
+            _int4_down_rows(token, pid_n * BLOCKS + j, h_ptr, out_ptr, ids_ptr, w_ptr, s_ptr,
+                            stride_we, stride_wn, stride_se, stride_sr, magic, hs_ptr, sd_ptr, TOPK,
+                            D, I, GROUP, BLOCK_N, BLOCK_C, EVEN, SHARED, I_PAD, PACKED,
+                            use_tiles_ptr, y_ptr, ADAPTIVE)
 
 
 @_jit
